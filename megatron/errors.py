@@ -1,0 +1,73 @@
+"""Errors a user can cause, and the one place they are turned into a clean exit.
+
+Every mistake a user can make (config, data, checkpoint, CLI) raises a subclass of
+:class:`DeepyError`. Entry points wrap their ``main`` with :func:`run_guarded`, which prints
+the message on one line block, exits with code 2 and hides the traceback unless ``--debug``
+is on the command line (or ``DEEPY_DEBUG=1`` is set).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
+
+USER_ERROR_EXIT_CODE = 2
+
+
+class DeepyError(Exception):
+    """A mistake in user input: printed without a traceback, exit code 2."""
+
+    kind: str = "error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(DeepyError):
+    """A wrong config key, type, value or combination."""
+
+    kind = "config error"
+
+
+class DataError(DeepyError):
+    """Bad input data: malformed jsonl, corrupt .bin/.idx, empty corpus."""
+
+    kind = "data error"
+
+
+class CheckpointError(DeepyError):
+    """A missing, incomplete or incompatible checkpoint."""
+
+    kind = "checkpoint error"
+
+
+class UsageError(DeepyError):
+    """A bad command line."""
+
+    kind = "usage error"
+
+
+def debug_requested(argv: list[str] | None = None) -> bool:
+    argv = sys.argv if argv is None else argv
+    return "--debug" in argv or os.environ.get("DEEPY_DEBUG", "") not in ("", "0")
+
+
+def run_guarded(main: Callable[[], int | None], argv: list[str] | None = None) -> None:
+    """Run ``main``; turn a DeepyError into one message on stderr and exit code 2."""
+    try:
+        code = main()
+    except DeepyError as err:
+        if debug_requested(argv):
+            traceback.print_exc()
+        print(f"deepy: {err.kind}: {err.message}", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT_CODE)
+    except KeyboardInterrupt:
+        print("deepy: interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code or 0)
