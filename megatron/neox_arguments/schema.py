@@ -1,0 +1,44 @@
+"""The building block of the argument schema.
+
+Each argument group (model, parallelism, optimizer, ...) is an :class:`ArgGroup` subclass in its own
+module under ``megatron/neox_arguments/groups/``. Every field has a type, a default and a one-line
+docstring right under it; pydantic reads that docstring as the field's description, so the generated
+docs and ``--help`` come from the same text::
+
+    class ModelArgs(ArgGroup):
+        hidden_size: int | None = None
+        \"\"\"Transformer hidden size.\"\"\"
+
+A field whose feature Deepy does not implement yet is declared with :func:`not_supported`: it is
+accepted at its default, and setting it to anything else is a clear "not supported yet" error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SUPPORTED_KEY = "deepy_supported"
+
+
+class ArgGroup(BaseModel):
+    """Base of every argument group: unknown keys are errors, docstrings are descriptions."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_assignment=False,
+        arbitrary_types_allowed=True,
+        protected_namespaces=(),
+    )
+
+
+def not_supported(default: Any) -> Any:
+    """A field accepted only at ``default``: any other value is a "not supported yet" error."""
+    return Field(default, json_schema_extra={SUPPORTED_KEY: False})
+
+
+def is_supported(group: type[BaseModel], name: str) -> bool:
+    extra = group.model_fields[name].json_schema_extra
+    return not (isinstance(extra, dict) and extra.get(SUPPORTED_KEY) is False)
