@@ -1,0 +1,104 @@
+"""The resolved config: validated arguments plus where each value came from, and its file form.
+
+``deepy.py`` resolves the config once, writes it to ``<run_dir>/deepy_config.json`` and hands every
+rank that path (``train.py --deepy_config PATH``), so no rank re-reads YAML, no blob of arguments shows
+up in ``ps`` and the run directory documents exactly what ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from megatron.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megatron.neox_arguments.arguments import NeoXArgs
+
+FORMAT_NAME = "deepy-resolved-config"
+FORMAT_VERSION = 1
+RESOLVED_FILE_NAME = "deepy_config.json"
+DEFAULT_RUNS_DIR = "runs"
+
+
+@dataclass
+class ResolvedConfig:
+    """Everything a rank needs to know about the run, and where each value came from."""
+
+    args: NeoXArgs
+    provenance: dict[str, str] = field(default_factory=dict)
+    """key -> ``"configs/125M.yml:12"`` | ``"cli"`` | ``"derived"``; a missing key kept its default."""
+    config_files: dict[str, str] = field(default_factory=dict)
+    """path as given -> original text of every config file read (includes too)."""
+    deepspeed_config: dict[str, Any] | None = None
+    """The DeepSpeed config dict, once :func:`finalize` has split it off."""
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "args": self.args.model_dump(mode="json"),
+            "provenance": dict(sorted(self.provenance.items())),
+            "config_files": self.config_files,
+            "deepspeed_config": self.deepspeed_config,
+        }
+
+    def write(self, path: str | os.PathLike[str]) -> Path:
+        """Write the JSON file atomically: a reader sees the old file or the whole new one."""
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(self.to_json_dict(), indent=2, sort_keys=False) + "\n"
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return target
+
+
+def load_resolved(path: str | os.PathLike[str]) -> ResolvedConfig:
+    """Read a file written by :meth:`ResolvedConfig.write` (what each rank does at start-up)."""
+    from pydantic import ValidationError
+
+    from megatron.neox_arguments.arguments import NeoXArgs
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"resolved config not found: {path}; it is written by deepy.py") from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"cannot read resolved config {path}: {err}") from err
+    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+        raise ConfigError(f"{path} is not a resolved config written by deepy.py")
+    if data.get("version") != FORMAT_VERSION:
+        raise ConfigError(
+            f"{path} has resolved-config version {data.get('version')!r}, this Deepy reads version "
+            f"{FORMAT_VERSION}; run deepy.py again to rewrite it"
+        )
+    try:
+        args = NeoXArgs.model_validate(data["args"])
+    except ValidationError as err:
+        raise ConfigError(f"{path}: the stored arguments no longer match the schema: {err}") from err
+    return ResolvedConfig(
+        args=args,
+        provenance=dict(data.get("provenance") or {}),
+        config_files=dict(data.get("config_files") or {}),
+        deepspeed_config=data.get("deepspeed_config"),
+    )
+
+
+def default_run_dir(log_dir: str | None, now: datetime | None = None) -> Path:
+    """``<log_dir or "runs">/<YYYYmmdd-HHMMSS>``: a fresh directory per launch, sortable by time."""
+    stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
+    return Path(log_dir or DEFAULT_RUNS_DIR) / stamp
