@@ -1,0 +1,293 @@
+"""Learning-rate schedules: pure functions of the optimizer step.
+
+A schedule is described by a frozen :class:`ScheduleSpec` and evaluated by :func:`lr_at`. Nothing
+here holds state except :class:`LRScheduler`, the thin object DeepSpeed drives (it calls ``step()``
+after every *successful* optimizer step and saves ``state_dict()`` in checkpoints), which only
+remembers how many steps were taken and asks :func:`lr_at` for the value.
+
+Decay shapes come from a registry keyed by the ``lr_decay_style`` config string:
+
+* GPT-NeoX styles ``constant``, ``linear``, ``cosine``, ``exponential``. As in GPT-NeoX, the shape
+  decays from ``max_lr`` towards zero over the decay steps and is then *floored* at ``min_lr``
+  (rather than interpolated to it), so a NeoX config gives the same curve here.
+* Levanter styles ``inv_sqrt`` and ``inv`` (``max_lr / sqrt(1 + t/T)`` and ``max_lr / (1 + t/T)``
+  with timescale ``T``), and ``wsd`` (warmup-stable-decay: constant, then a linear decay over the
+  final ``decay_fraction`` of the steps).
+
+Every style shares the same phases per cycle: a linear warmup, an optional stable phase (when
+``decay_fraction`` is set, the decay only occupies that final fraction of the cycle), then the
+decay shape. Training may be split into several cycles (``cycles`` or ``cycle_length``); cycles
+after the first re-warm from ``min_lr`` over ``rewarmup`` steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron.errors import ConfigError
+
+# A decay shape maps progress through the decay phase (0 at its start, 1 at its end) and the
+# number of steps already spent decaying to a multiplier of max_lr before the min_lr floor.
+DecayShape = Callable[[float, int, "ScheduleSpec"], float]
+
+DECAY_SHAPES: dict[str, DecayShape] = {}
+
+
+def register_decay(name: str) -> Callable[[DecayShape], DecayShape]:
+    def add(fn: DecayShape) -> DecayShape:
+        DECAY_SHAPES[name] = fn
+        return fn
+
+    return add
+
+
+@register_decay("constant")
+def _constant(progress: float, steps: int, spec: ScheduleSpec) -> float:
+    return 1.0
+
+
+@register_decay("linear")
+def _linear(progress: float, steps: int, spec: ScheduleSpec) -> float:
+    return 1.0 - progress
+
+
+@register_decay("cosine")
+def _cosine(progress: float, steps: int, spec: ScheduleSpec) -> float:
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@register_decay("exponential")
+def _exponential(progress: float, steps: int, spec: ScheduleSpec) -> float:
+    # halves the learning rate over the whole decay phase (GPT-NeoX's constant 0.693 = ln 2)
+    return math.exp(-math.log(2.0) * progress)
+
+
+@register_decay("inv_sqrt")
+def _inv_sqrt(progress: float, steps: int, spec: ScheduleSpec) -> float:
+    return 1.0 / math.sqrt(1.0 + steps / spec.timescale)
+
+
+@register_decay("inv")
+def _inv(progress: float, steps: int, spec: ScheduleSpec) -> float:
+    return 1.0 / (1.0 + steps / spec.timescale)
+
+
+@register_decay("wsd")
+def _wsd(progress: float, steps: int, spec: ScheduleSpec) -> float:
+    # the stable phase comes from decay_fraction (see ScheduleSpec.effective_decay_fraction)
+    return 1.0 - progress
+
+
+# wsd without an explicit decay_fraction decays over the last 20% of each cycle (Levanter's
+# default cooldown share); the other styles decay over the whole post-warmup part.
+WSD_DEFAULT_DECAY_FRACTION = 0.2
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """Everything :func:`lr_at` needs; built from the config by :func:`spec_from_args`."""
+
+    style: str
+    max_lr: float
+    total_steps: int
+    """Steps the schedule spans (GPT-NeoX ``lr_decay_iters``, default ``train_iters``)."""
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    """Warmup of the first cycle, in steps."""
+    rewarmup_steps: int = 0
+    """Warmup of every later cycle, from ``min_lr`` back up to ``max_lr``."""
+    cycle_starts: tuple[int, ...] = (0,)
+    """First step of each cycle; the last cycle runs to ``total_steps``."""
+    decay_fraction: float | None = None
+    """Share of each cycle spent decaying; before it the rate stays at ``max_lr``."""
+    timescale: float = 10_000.0
+    """``T`` of the ``inv``/``inv_sqrt`` shapes, in steps."""
+
+    def __post_init__(self) -> None:
+        if self.style not in DECAY_SHAPES:
+            raise ConfigError(
+                f"lr_decay_style: unknown schedule {self.style!r}; "
+                f"choose one of {sorted(DECAY_SHAPES)}"
+            )
+        if self.total_steps < 1:
+            raise ConfigError(f"lr_decay_iters/train_iters: the schedule needs >= 1 step, got {self.total_steps}")
+        if self.min_lr > self.max_lr:
+            raise ConfigError(f"min_lr={self.min_lr} is larger than lr={self.max_lr}; lower min_lr")
+        if self.decay_fraction is not None and not 0.0 <= self.decay_fraction <= 1.0:
+            raise ConfigError(f"decay_fraction={self.decay_fraction} must be within [0, 1]")
+        if self.timescale <= 0:
+            raise ConfigError(f"timescale={self.timescale} must be positive")
+
+    @property
+    def effective_decay_fraction(self) -> float | None:
+        if self.decay_fraction is None and self.style == "wsd":
+            return WSD_DEFAULT_DECAY_FRACTION
+        return self.decay_fraction
+
+
+def cycle_bounds(spec: ScheduleSpec, step: int) -> tuple[int, int, int]:
+    """(cycle index, first step, length) of the cycle containing ``step``."""
+    index = max(0, bisect.bisect_right(spec.cycle_starts, step) - 1)
+    start = spec.cycle_starts[index]
+    end = spec.cycle_starts[index + 1] if index + 1 < len(spec.cycle_starts) else spec.total_steps
+    return index, start, max(end - start, 1)
+
+
+def lr_at(spec: ScheduleSpec, step: int) -> float:
+    """Learning rate for optimizer step ``step`` (0-based: the rate used by the first update)."""
+    step = max(step, 0)
+    if step >= spec.total_steps:
+        # past the schedule: the fully decayed value (GPT-NeoX holds min_lr after lr_decay_iters)
+        return _within_cycle(spec, *cycle_bounds(spec, spec.total_steps - 1), spec.total_steps)
+    return _within_cycle(spec, *cycle_bounds(spec, step), step)
+
+
+def _within_cycle(spec: ScheduleSpec, index: int, start: int, length: int, step: int) -> float:
+    local = step - start
+    warmup = spec.warmup_steps if index == 0 else spec.rewarmup_steps
+    warmup = min(warmup, length)
+    if local < warmup:
+        # the first cycle warms from zero, later ones from the floor they decayed to
+        floor = 0.0 if index == 0 else spec.min_lr
+        # (local + 1): the very first update already moves the weights (GPT-NeoX's first step
+        # uses lr 0, wasting it)
+        return floor + (spec.max_lr - floor) * (local + 1) / warmup
+    after_warmup = length - warmup
+    fraction = spec.effective_decay_fraction
+    decay_len = after_warmup if fraction is None else int(round(fraction * length))
+    decay_len = min(decay_len, after_warmup)
+    decay_start = start + length - decay_len
+    if step < decay_start or decay_len == 0:
+        return spec.max_lr
+    steps_decayed = step - decay_start
+    progress = min(steps_decayed / decay_len, 1.0)
+    scale = DECAY_SHAPES[spec.style](progress, steps_decayed, spec)
+    return max(spec.max_lr * scale, spec.min_lr)
+
+
+def _steps(value: float | int | None, total: int) -> int:
+    """A warmup-like quantity: a fraction of ``total`` when < 1, else a number of steps."""
+    if value is None or value <= 0:
+        return 0
+    if value < 1:
+        return int(round(value * total))
+    return int(value)
+
+
+def cycle_starts_for(
+    total_steps: int, cycles: int | Sequence[int] | None, cycle_length: int | Sequence[int] | None
+) -> tuple[int, ...]:
+    """First step of each cycle.
+
+    ``cycles``: an int (split training into that many equal cycles) or a list of the steps at which
+    new cycles begin. ``cycle_length``: an int (every cycle that long) or a list of lengths.
+    """
+    if cycles is not None and cycle_length is not None:
+        raise ConfigError("set only one of cycles and cycle_length")
+    if cycle_length is not None:
+        # an int repeats until the end of training; a list gives each cycle's length in turn and
+        # its last cycle runs to the end
+        if isinstance(cycle_length, int):
+            if cycle_length < 1:
+                raise ConfigError(f"cycle_length={cycle_length} must be >= 1 step")
+            return tuple(range(0, total_steps, cycle_length))
+        lengths = [int(n) for n in cycle_length]
+        if any(n < 1 for n in lengths):
+            raise ConfigError(f"cycle_length={lengths}: every length must be >= 1 step")
+        starts = [0]
+        for n in lengths[:-1]:
+            if starts[-1] + n >= total_steps:
+                break
+            starts.append(starts[-1] + n)
+        return tuple(starts)
+    if cycles is None:
+        return (0,)
+    if isinstance(cycles, int):
+        if cycles < 1:
+            raise ConfigError(f"cycles={cycles} must be >= 1")
+        return tuple(sorted({int(round(k * total_steps / cycles)) for k in range(cycles)}))
+    points = sorted(int(c) for c in cycles)
+    if any(p <= 0 or p >= total_steps for p in points):
+        raise ConfigError(f"cycles={list(cycles)}: every boundary must lie within (0, {total_steps})")
+    return tuple([0] + points)
+
+
+def _get(args: Any, name: str, default: Any = None) -> Any:
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def spec_from_args(args: Any) -> ScheduleSpec:
+    """Read a :class:`ScheduleSpec` from a ``NeoXArgs``.
+
+    GPT-NeoX semantics: ``warmup`` is a fraction of ``lr_decay_iters`` (which defaults to
+    ``train_iters``); ``min_lr`` is an absolute floor. Deepy extras: ``min_lr_ratio`` (floor as a
+    share of ``lr``; wins over ``min_lr`` when set), ``rewarmup`` (fraction of a cycle or steps),
+    ``cycles``/``cycle_length``, ``decay_fraction``.
+    """
+    max_lr = float(_get(args, "lr", 0.0))
+    total = int(_get(args, "lr_decay_iters", 0) or _get(args, "train_iters", 0) or 0)
+    if total < 1:
+        raise ConfigError("the LR schedule needs lr_decay_iters or train_iters to be set (>= 1)")
+    ratio = getattr(args, "min_lr_ratio", None)
+    min_lr = max_lr * float(ratio) if ratio is not None else float(_get(args, "min_lr", 0.0))
+    starts = cycle_starts_for(total, getattr(args, "cycles", None), getattr(args, "cycle_length", None))
+    later_len = (starts[2] - starts[1]) if len(starts) > 2 else (total - starts[-1])
+    return ScheduleSpec(
+        style=str(_get(args, "lr_decay_style", "linear")),
+        max_lr=max_lr,
+        min_lr=min_lr,
+        total_steps=total,
+        warmup_steps=_steps(_get(args, "warmup", 0.0), total),
+        rewarmup_steps=_steps(_get(args, "rewarmup", 0.0), later_len) if len(starts) > 1 else 0,
+        cycle_starts=starts,
+        decay_fraction=getattr(args, "decay_fraction", None),
+        # inv/inv_sqrt continue the warmup's slope: lr * sqrt(W / (W + t)) is the classic
+        # inverse-square-root schedule when T is the warmup length
+        timescale=float(_get(args, "lr_timescale", 0) or max(_steps(_get(args, "warmup", 0.0), total), 1)),
+    )
+
+
+@dataclass
+class LRScheduler:
+    """The stateful wrapper DeepSpeed steps; the value itself always comes from :func:`lr_at`."""
+
+    optimizer: Any
+    spec: ScheduleSpec
+    num_steps: int = 0
+    _last_lr: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._apply()
+
+    def get_lr(self) -> list[float]:
+        return [lr_at(self.spec, self.num_steps) * g.get("lr_scale", 1.0) for g in self.optimizer.param_groups]
+
+    def get_last_lr(self) -> list[float]:
+        return list(self._last_lr)
+
+    def step(self, increment: int = 1, **_: Any) -> None:
+        """Advance after a successful optimizer step (DeepSpeed skips this on fp16 overflow)."""
+        self.num_steps += increment
+        self._apply()
+
+    def _apply(self) -> None:
+        self._last_lr = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+            group["lr"] = lr
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"num_steps": self.num_steps, "style": self.spec.style, "max_lr": self.spec.max_lr}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # the schedule itself comes from the (possibly changed) config; only the position resumes
+        self.num_steps = int(state["num_steps"])
+        self._apply()
+
+
+def build_lr_scheduler(optimizer: Any, args: Any) -> LRScheduler:
+    return LRScheduler(optimizer=optimizer, spec=spec_from_args(args))

@@ -1,0 +1,143 @@
+"""LR schedules are pure functions of the step: check their shape at known points."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron.errors import ConfigError
+from megatron.training.lr_schedules import (
+    DECAY_SHAPES,
+    LRScheduler,
+    ScheduleSpec,
+    cycle_starts_for,
+    lr_at,
+    spec_from_args,
+)
+
+
+def approx(x: float) -> object:
+    return pytest.approx(x, rel=1e-9, abs=1e-12)
+
+
+def test_registry_has_neox_and_levanter_styles() -> None:
+    assert {"constant", "linear", "cosine", "exponential", "inv_sqrt", "inv", "wsd"} <= set(DECAY_SHAPES)
+
+
+def test_warmup_is_linear_from_zero_and_reaches_max() -> None:
+    spec = ScheduleSpec("constant", max_lr=2.0, total_steps=100, warmup_steps=4)
+    assert [lr_at(spec, s) for s in range(6)] == [0.5, 1.0, 1.5, 2.0, 2.0, 2.0]
+
+
+def test_linear_decays_to_floor_at_the_end() -> None:
+    spec = ScheduleSpec("linear", max_lr=1.0, total_steps=110, warmup_steps=10, min_lr=0.0)
+    assert lr_at(spec, 10) == approx(1.0)
+    assert lr_at(spec, 60) == approx(0.5)
+    assert lr_at(spec, 109) == approx(0.01)
+    assert lr_at(spec, 500) == approx(0.0)  # fully decayed (to min_lr) after the schedule ends
+
+
+def test_cosine_midpoint_and_min_lr_floor() -> None:
+    spec = ScheduleSpec("cosine", max_lr=1.0, total_steps=100, min_lr=0.2)
+    assert lr_at(spec, 0) == approx(1.0)
+    assert lr_at(spec, 50) == approx(0.5)
+    # neox semantics: the cosine goes towards 0, floored at min_lr
+    assert lr_at(spec, 80) == approx(max(0.5 * (1 + math.cos(math.pi * 0.8)), 0.2))
+    assert lr_at(spec, 99) == approx(0.2)
+
+
+def test_exponential_halves_over_the_decay() -> None:
+    spec = ScheduleSpec("exponential", max_lr=1.0, total_steps=100)
+    assert lr_at(spec, 0) == approx(1.0)
+    assert lr_at(spec, 50) == approx(2 ** -0.5)
+
+
+def test_inv_sqrt_and_inv_use_timescale() -> None:
+    sq = ScheduleSpec("inv_sqrt", max_lr=1.0, total_steps=1000, warmup_steps=10, timescale=10)
+    assert lr_at(sq, 10) == approx(1.0)
+    assert lr_at(sq, 40) == approx(0.5)  # 1/sqrt(1 + 30/10)
+    inv = ScheduleSpec("inv", max_lr=1.0, total_steps=1000, timescale=10)
+    assert lr_at(inv, 30) == approx(0.25)
+
+
+def test_wsd_is_stable_then_decays_in_last_fraction() -> None:
+    spec = ScheduleSpec("wsd", max_lr=1.0, total_steps=100, warmup_steps=10, decay_fraction=0.2)
+    assert lr_at(spec, 50) == approx(1.0)
+    assert lr_at(spec, 79) == approx(1.0)
+    assert lr_at(spec, 90) == approx(0.5)
+    default = ScheduleSpec("wsd", max_lr=1.0, total_steps=100)
+    assert lr_at(default, 79) == approx(1.0) and lr_at(default, 90) == approx(0.5)
+
+
+def test_decay_fraction_applies_to_cosine_too() -> None:
+    spec = ScheduleSpec("cosine", max_lr=1.0, total_steps=100, decay_fraction=0.5)
+    assert lr_at(spec, 49) == approx(1.0)
+    assert lr_at(spec, 75) == approx(0.5)
+
+
+def test_cycles_rewarm_from_min_lr() -> None:
+    spec = ScheduleSpec(
+        "linear", max_lr=1.0, min_lr=0.1, total_steps=100, warmup_steps=10, rewarmup_steps=5,
+        cycle_starts=(0, 50),
+    )
+    assert lr_at(spec, 49) == approx(max(1.0 - 39 / 40, 0.1))
+    assert lr_at(spec, 50) == approx(0.1 + 0.9 / 5)
+    assert lr_at(spec, 54) == approx(1.0)
+    assert lr_at(spec, 55) == approx(1.0)
+    assert lr_at(spec, 99) == approx(0.1)
+
+
+def test_cycle_starts() -> None:
+    assert cycle_starts_for(100, None, None) == (0,)
+    assert cycle_starts_for(100, 4, None) == (0, 25, 50, 75)
+    assert cycle_starts_for(100, [30, 60], None) == (0, 30, 60)
+    assert cycle_starts_for(100, None, 40) == (0, 40, 80)
+    assert cycle_starts_for(100, None, [10, 20, 30]) == (0, 10, 30)
+    with pytest.raises(ConfigError):
+        cycle_starts_for(100, [0, 150], None)
+    with pytest.raises(ConfigError):
+        cycle_starts_for(100, 2, 10)
+
+
+def test_bad_specs_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="lr_decay_style"):
+        ScheduleSpec("triangle", max_lr=1.0, total_steps=10)
+    with pytest.raises(ConfigError, match="min_lr"):
+        ScheduleSpec("linear", max_lr=1.0, min_lr=2.0, total_steps=10)
+
+
+def _args(**kw: object) -> SimpleNamespace:
+    base = dict(lr=1e-3, min_lr=0.0, warmup=0.01, lr_decay_iters=None, train_iters=1000,
+                lr_decay_style="cosine", min_lr_ratio=None, cycles=None, cycle_length=None,
+                rewarmup=None, decay_fraction=None)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_spec_from_neox_args() -> None:
+    spec = spec_from_args(_args())
+    assert spec.total_steps == 1000 and spec.warmup_steps == 10 and spec.max_lr == 1e-3
+    assert spec_from_args(_args(lr_decay_iters=500)).total_steps == 500
+    assert spec_from_args(_args(min_lr_ratio=0.1)).min_lr == pytest.approx(1e-4)
+    cyc = spec_from_args(_args(cycles=2, rewarmup=0.1))
+    assert cyc.cycle_starts == (0, 500) and cyc.rewarmup_steps == 50
+    with pytest.raises(ConfigError):
+        spec_from_args(_args(train_iters=None))
+
+
+def test_scheduler_sets_param_groups_and_resumes() -> None:
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([{"params": [p]}, {"params": [], "lr_scale": 0.5}], lr=123.0)
+    spec = ScheduleSpec("linear", max_lr=1.0, total_steps=10)
+    sched = LRScheduler(opt, spec)
+    assert opt.param_groups[0]["lr"] == approx(1.0)
+    assert opt.param_groups[1]["lr"] == approx(0.5)
+    for _ in range(5):
+        sched.step()
+    assert opt.param_groups[0]["lr"] == approx(0.5)
+    again = LRScheduler(opt, spec)
+    again.load_state_dict(sched.state_dict())
+    assert again.num_steps == 5 and opt.param_groups[0]["lr"] == approx(0.5)
