@@ -1,0 +1,132 @@
+"""``deepy.py``'s command line: parse argv, resolve the config, then print it (``--dry-run``) or launch.
+
+    python deepy.py [--dry-run] [--debug] [-d DIR] USER_SCRIPT CONFIG... [key=value ...]
+
+Nothing heavy (torch, DeepSpeed) is imported before it is needed, so ``--dry-run`` and every config
+error come back in well under a second of Python start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from megatron.errors import UsageError
+from megatron.neox_arguments.overrides import looks_like_override
+from megatron.neox_arguments.provenance import DERIVED, format_resolved_table
+from megatron.neox_arguments.resolved import RESOLVED_FILE_NAME, ResolvedConfig, default_run_dir
+
+USAGE = "deepy.py [--dry-run] [--debug] [-d CONF_DIR] USER_SCRIPT CONFIG [CONFIG ...] [key=value ...]"
+
+
+@dataclass(frozen=True)
+class DeepyCommand:
+    user_script: str
+    config_files: list[str]
+    overrides: list[str]
+    conf_dir: str | None = None
+    dry_run: bool = False
+    debug: bool = False
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises :class:`UsageError` instead of printing and exiting by itself."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message}\nusage: {USAGE}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="deepy.py",
+        usage=USAGE,
+        description="Resolve GPT-NeoX-style YAML configs and launch USER_SCRIPT on every rank.",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="run every check, print the resolved config, launch nothing")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    parser.add_argument("-d", "--conf_dir", "--conf-dir", default=None, help="directory the CONFIG names are relative to")
+    parser.add_argument("user_script", help="the script each rank runs, e.g. train.py")
+    parser.add_argument("rest", nargs="*", help="config files, then key=value overrides")
+    return parser
+
+
+def parse_command(argv: Sequence[str]) -> DeepyCommand:
+    """Split argv into the user script, config files (in order) and trailing overrides."""
+    ns = _parser().parse_intermixed_args(list(argv))
+    configs: list[str] = []
+    overrides: list[str] = []
+    for token in ns.rest:
+        if looks_like_override(token):
+            overrides.append(token)
+        elif overrides:
+            raise UsageError(
+                f"'{token}' comes after the override '{overrides[-1]}': list config files first, "
+                "then key=value overrides (an override is always written key=value)"
+            )
+        else:
+            configs.append(token)
+    if looks_like_override(ns.user_script):
+        raise UsageError(f"the first argument must be the user script (e.g. train.py), got '{ns.user_script}'")
+    if not os.path.isfile(ns.user_script):
+        raise UsageError(f"user script not found: {ns.user_script}")
+    if not configs:
+        raise UsageError(f"no config file given after {ns.user_script}\nusage: {USAGE}")
+    return DeepyCommand(ns.user_script, configs, overrides, ns.conf_dir, ns.dry_run, ns.debug)
+
+
+def resolve(command: DeepyCommand) -> ResolvedConfig:
+    """Every check of a real launch: load and type-check, then the rules that need the world size."""
+    from megatron.neox_arguments import detect_world_size, finalize
+    from megatron.neox_arguments.loading import load_config
+
+    resolved = load_config(command.config_files, command.overrides, command.conf_dir)
+    return finalize(resolved, detect_world_size(resolved.args))
+
+
+def assign_run_dir(resolved: ResolvedConfig) -> str:
+    """Pick the run directory (unless the config names one) and record it in the arguments."""
+    args = resolved.args
+    run_dir = getattr(args, "run_dir", None)
+    if not run_dir:
+        run_dir = str(default_run_dir(getattr(args, "log_dir", None)))
+        if "run_dir" in type(args).model_fields:
+            args.run_dir = run_dir
+            resolved.provenance["run_dir"] = DERIVED
+    return str(run_dir)
+
+
+def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand) -> str:
+    ds_config: Any = resolved.deepspeed_config
+    parts = [
+        f"deepy: dry run of {command.user_script} with {' '.join(command.config_files)}"
+        + (f" {' '.join(command.overrides)}" if command.overrides else ""),
+        "",
+        "Resolved config (non-default values; source is file:line, cli or derived):",
+        format_resolved_table(resolved.args, resolved.provenance),
+        "",
+        "DeepSpeed config:",
+        json.dumps(ds_config, indent=2) if ds_config is not None else "(none)",
+        "",
+        "deepy: dry run OK, nothing launched",
+    ]
+    return "\n".join(parts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    command = parse_command(sys.argv[1:] if argv is None else argv)
+    resolved = resolve(command)
+    if command.dry_run:
+        print(render_dry_run(resolved, command))
+        return 0
+    run_dir = assign_run_dir(resolved)
+    config_file = resolved.write(os.path.join(run_dir, RESOLVED_FILE_NAME))
+    print(f"deepy: resolved config written to {config_file}", flush=True)
+
+    from megatron.launcher import launch
+
+    return launch(resolved, command.user_script, str(config_file))

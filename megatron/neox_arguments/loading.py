@@ -1,0 +1,189 @@
+"""Config files + overrides -> one validated :class:`ResolvedConfig` (the structure layer).
+
+This layer checks what can be checked without knowing the cluster: that every file exists and parses,
+that each key is a known argument set exactly once (in any spelling, in any file), and that each value
+has the right type. Rules between arguments and derived values come after, in ``finalize``.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+import typing
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from megatron.errors import ConfigError
+from megatron.neox_arguments.keys import normalize_key, unknown_key_message
+from megatron.neox_arguments.overrides import apply_overrides, parse_overrides
+from megatron.neox_arguments.provenance import DEFAULT, describe_source, field_default
+from megatron.neox_arguments.resolved import ResolvedConfig
+from megatron.neox_arguments.schema import is_supported
+from megatron.neox_arguments.yaml_source import CONFIG_SUFFIXES, LocatedDict, load_yaml_file, plain
+
+
+def default_schema() -> type[BaseModel]:
+    from megatron.neox_arguments.arguments import NeoXArgs
+
+    return NeoXArgs
+
+
+def resolve_config_path(name: str, conf_dir: str | None = None) -> str:
+    """GPT-NeoX style: ``-d configs 125M`` finds ``configs/125M.yml``; the suffix is optional."""
+    base = os.path.join(conf_dir, name) if conf_dir else name
+    candidates = [base]
+    if not base.endswith(CONFIG_SUFFIXES):
+        candidates += [base + suffix for suffix in CONFIG_SUFFIXES]
+    for candidate in candidates:
+        if os.path.isfile(candidate):
+            return candidate
+    tried = ", ".join(candidates)
+    raise ConfigError(
+        f"config file not found: {name} (looked for {tried}); "
+        "overrides go after the config files and are written key=value"
+    )
+
+
+def read_config_files(
+    paths: Sequence[str], field_names: Iterable[str], conf_dir: str | None = None
+) -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
+    """Read and merge files in order -> ``(values, provenance, file texts)``.
+
+    Every problem found (unknown keys, keys set twice) is collected and raised as one error, so a
+    user fixes a config in one round instead of one key per launch.
+    """
+    names = list(field_names)
+    known = set(names)
+    values: dict[str, Any] = {}
+    provenance: dict[str, str] = {}
+    spelled: dict[str, str] = {}  # argument -> key as written where it was first set
+    texts: dict[str, str] = {}
+    problems: list[str] = []
+    read: set[str] = set()
+    for name in paths:
+        path = resolve_config_path(name, conf_dir)
+        if os.path.realpath(path) in read:
+            raise ConfigError(f"config file {path} is given twice; list it once")
+        read.add(os.path.realpath(path))
+        data = load_yaml_file(path, texts)
+        if data is None:  # an empty file, or only comments
+            continue
+        if not isinstance(data, LocatedDict):
+            raise ConfigError(
+                f"{path}: a config file must be a mapping of 'key: value' lines, found a {type(data).__name__}"
+            )
+        for raw_key, value in data.items():
+            where = data.where(raw_key)
+            if not isinstance(raw_key, str):
+                problems.append(f"key {raw_key!r} at {where} is not a name; argument names are text")
+                continue
+            key = normalize_key(raw_key)
+            if key in provenance:
+                first = f"'{spelled[key]}' at {provenance[key]}"
+                again = f"'{raw_key}' at {where}"
+                problems.append(f"key '{key}' is set twice: {first} and {again}; keep one of them")
+                continue
+            if key not in known:
+                problems.append(unknown_key_message(raw_key, where, names))
+                continue
+            values[key] = plain(value)
+            provenance[key] = where
+            spelled[key] = raw_key
+    if problems:
+        raise ConfigError(_join(problems))
+    return values, provenance, texts
+
+
+def _join(problems: list[str]) -> str:
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} problems in the config:\n" + "\n".join(f"  - {p}" for p in problems)
+
+
+def _type_name(annotation: Any) -> str:
+    """Readable type: ``int | null``, ``'fp16' | 'bf16'``, ``list[int]``."""
+    origin, members = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is type(None):
+        return "null"
+    if origin is typing.Literal:
+        return " | ".join(repr(member) for member in members)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(member) for member in members)
+    if origin is not None:
+        inner = ", ".join(_type_name(member) for member in members)
+        return f"{getattr(origin, '__name__', str(origin))}[{inner}]" if inner else getattr(origin, "__name__", str(origin))
+    return getattr(annotation, "__name__", str(annotation).replace("typing.", ""))
+
+
+def validation_message(
+    err: ValidationError, schema: type[BaseModel], values: dict[str, Any], provenance: dict[str, str]
+) -> str:
+    """One line per bad argument: its value, the expected type, where it was set, pydantic's reason."""
+    lines: list[str] = []
+    reported: set[str] = set()
+    for item in err.errors():
+        loc = item.get("loc") or ("?",)
+        key = str(loc[0])
+        if key in reported:  # a union type yields one error per member; one line is enough
+            continue
+        reported.add(key)
+        field = schema.model_fields.get(key)
+        expected = _type_name(field.annotation) if field is not None else "?"
+        where = describe_source(provenance.get(key, DEFAULT))
+        if item.get("type") == "missing":
+            lines.append(f"missing key '{key}' ({expected}): set it in a config file or as {key}=...")
+            continue
+        inner = ".".join(str(part) for part in loc[1:] if not _is_type_tag(part, field))
+        shown_key = f"{key}.{inner}" if inner else key
+        value = values.get(key, item.get("input"))
+        lines.append(
+            f"{shown_key} = {value!r} at {where}: expected {expected}; {item.get('msg', 'invalid value')}"
+        )
+    return _join(lines) if len(lines) > 1 else (lines[0] if lines else str(err))
+
+
+def _is_type_tag(part: Any, field: Any) -> bool:
+    """pydantic puts the tried union member (``'int'``, ``"literal['all']"``) into ``loc``; hide it."""
+    return isinstance(part, str) and ("[" in part or part in {"int", "float", "str", "bool", "dict", "list"})
+
+
+def build_args(values: dict[str, Any], provenance: dict[str, str], schema: type[BaseModel]) -> BaseModel:
+    try:
+        args = schema.model_validate(values)
+    except ValidationError as err:
+        raise ConfigError(validation_message(err, schema, values, provenance)) from err
+    unsupported = [
+        f"not supported yet: {key} = {values[key]!r} at {describe_source(provenance.get(key, DEFAULT))}; "
+        f"Deepy accepts it only at its default ({field_default(schema, key)!r}), remove it from the config"
+        for key in values
+        if not is_supported(schema, key) and getattr(args, key) != field_default(schema, key)
+    ]
+    if unsupported:
+        raise ConfigError(_join(unsupported))
+    return args
+
+
+def load_config(
+    paths: Sequence[str],
+    overrides: Sequence[str] = (),
+    conf_dir: str | None = None,
+    *,
+    schema: type[BaseModel] | None = None,
+) -> ResolvedConfig:
+    """Read ``paths`` in order, apply ``key=value`` overrides last, validate types.
+
+    ``schema`` defaults to :class:`NeoXArgs`; tests pass a small stand-in.
+    """
+    if not paths:
+        raise ConfigError("no config file given; pass at least one .yml file (e.g. configs/125M.yml)")
+    schema = schema or default_schema()
+    names = list(schema.model_fields)
+    values, provenance, texts = read_config_files(paths, names, conf_dir)
+    apply_overrides(values, provenance, parse_overrides(overrides), names, lambda key: field_default(schema, key))
+    args = build_args(values, provenance, schema)
+    if "config_files" in schema.model_fields and "config_files" not in values:
+        # GPT-NeoX keeps the original file texts in the arguments (they end up in checkpoints)
+        args.config_files = dict(texts)
+    return ResolvedConfig(args=args, provenance=provenance, config_files=texts)
