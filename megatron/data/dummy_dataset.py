@@ -1,0 +1,33 @@
+"""Random-token samples for benchmarks and smoke tests (``use_dummy_dataset``): no files at all.
+
+Sample ``i`` is drawn from a generator seeded by ``(seed, i)``, so it depends only on its global
+index: every rank, layout and resume point sees the same tokens for the same sample, and reading
+sample 10**9 costs the same as reading sample 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megatron.errors import DataError
+
+_SALT = 0xD0_11  # keeps these streams apart from other users of (seed, index) generators
+
+
+class DummyDataset:
+    wraps = True  # any non-negative index is valid
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int = 1234) -> None:
+        if seq_length <= 0 or vocab_size <= 1:
+            raise DataError(f"dummy data needs seq_length > 0 and vocab_size > 1, got {seq_length}, {vocab_size}")
+        self.num_samples = int(num_samples)
+        self.seq_length, self.vocab_size, self.seed = seq_length, vocab_size, seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        if i < 0:
+            raise IndexError(f"negative sample index {i}")
+        rng = np.random.default_rng([int(self.seed), int(i), _SALT])
+        return {"text": rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64)}
