@@ -1,0 +1,127 @@
+"""Keys that go into the DeepSpeed config JSON handed to ``deepspeed.initialize``.
+
+Blocks are kept as plain dicts because DeepSpeed validates their inside; the split that builds the
+DeepSpeed config lives in the rules/derived modules.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from megatron.neox_arguments.schema import ArgGroup, not_supported
+
+
+class DeepSpeedConfigArgs(ArgGroup):
+    """GPT-NeoX's ``NeoXArgsDeepspeedConfig`` group."""
+
+    deepspeed: bool = True
+    """Train through a DeepSpeed engine (always true in Deepy)."""
+
+    train_batch_size: int | None = Field(None, ge=1)
+    """Global batch size in samples: micro batch x gradient accumulation x data-parallel size."""
+
+    train_micro_batch_size_per_gpu: int | None = Field(None, ge=1)
+    """Samples per forward/backward on one data-parallel rank."""
+
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    """Micro-batches accumulated before each optimizer step."""
+
+    optimizer: dict[str, Any] | None = None
+    """DeepSpeed-style optimizer block: {type: Adam, params: {lr, betas, eps, ...}}."""
+
+    scheduler: dict[str, Any] | None = None
+    """DeepSpeed-style LR scheduler block; Deepy drives the schedule itself, so this is normally
+    unset."""
+
+    fp32_allreduce: bool = False
+    """All-reduce gradients in fp32 even when training in half precision."""
+
+    prescale_gradients: bool = False
+    """Divide gradients by the data-parallel size before the all-reduce instead of after."""
+
+    gradient_predivide_factor: float = Field(1.0, gt=0)
+    """Divide gradients by this before the all-reduce and by the rest after, to avoid fp16 overflow.
+    """
+
+    sparse_gradients: bool = False
+    """Let DeepSpeed all-reduce sparse embedding gradients as sparse tensors."""
+
+    fp16: dict[str, Any] | None = None
+    """DeepSpeed fp16 block: {enabled, loss_scale, initial_scale_power, loss_scale_window,
+    hysteresis, min_loss_scale}."""
+
+    bf16: dict[str, Any] | None = None
+    """DeepSpeed bf16 block: {enabled: true}."""
+
+    amp: dict[str, Any] | None = not_supported(None)
+    """DeepSpeed block for NVIDIA apex automatic mixed precision."""
+
+    gradient_clipping: float = Field(1.0, ge=0)
+    """Gradient-norm clipping threshold handed to DeepSpeed; mirrors clip_grad."""
+
+    zero_optimization: dict[str, Any] | None = None
+    """DeepSpeed ZeRO block: {stage, allgather_bucket_size, reduce_bucket_size, overlap_comm, ...}.
+    """
+
+    curriculum_learning: dict[str, Any] | None = not_supported(None)
+    """DeepSpeed's legacy sequence-length curriculum block."""
+
+    curriculum_seqlen: int = not_supported(0)
+    """Current curriculum sequence length; runtime state of curriculum learning."""
+
+    steps_per_print: int = Field(10, ge=1)
+    """DeepSpeed prints its own progress line every this many steps."""
+
+    wall_clock_breakdown: bool = False
+    """DeepSpeed times forward, backward and optimizer step separately."""
+
+    dump_state: bool = False
+    """DeepSpeed prints its full engine state after initialisation."""
+
+    flops_profiler: dict[str, Any] | None = None
+    """DeepSpeed flops profiler block."""
+
+    communication_data_type: Literal["fp16", "bf16", "fp32"] | None = None
+    """Dtype for gradient communication (`fp16`, `bf16` or `fp32`). GPT-NeoX types this as bool, but
+    DeepSpeed expects a dtype name."""
+
+    autotuning: dict[str, Any] | None = not_supported(None)
+    """DeepSpeed autotuner block."""
+
+    activation_checkpointing: dict[str, Any] | None = None
+    """DeepSpeed activation checkpointing block; normally derived from the checkpoint_* keys."""
+
+    sparse_attention: dict[str, Any] | None = not_supported(None)
+    """DeepSpeed sparse attention block."""
+
+    data_efficiency: dict[str, Any] | None = not_supported(None)
+    """DeepSpeed data-efficiency block (curriculum sampling, token dropping)."""
+
+    tensorboard: dict[str, Any] | None = None
+    """DeepSpeed's own TensorBoard monitor block."""
+
+    wandb: dict[str, Any] | None = None
+    """DeepSpeed's own W&B monitor block."""
+
+    csv_monitor: dict[str, Any] | None = None
+    """DeepSpeed's CSV monitor block."""
+
+    elasticity: dict[str, Any] | None = not_supported(None)
+    """DeepSpeed elastic-training block (batch size adapts to the node count)."""
+
+    comms_logger: dict[str, Any] | None = None
+    """DeepSpeed communication logger block."""
+
+    compression_training: dict[str, Any] | None = not_supported(None)
+    """DeepSpeed compression (quantisation/pruning during training) block."""
+
+    checkpoint: dict[str, Any] | None = None
+    """DeepSpeed checkpoint block, e.g. {use_node_local_storage: true}."""
+
+    data_types: dict[str, Any] | None = None
+    """DeepSpeed data-types block, e.g. {grad_accum_dtype: fp32}."""
+
+    deepspeed_extra_args: dict[str, Any] | None = None
+    """Any further DeepSpeed config keys, merged into the generated DeepSpeed config as given."""

@@ -1,0 +1,302 @@
+"""The architecture: sizes, norms, positional embeddings, activations, initialisation, biases.
+
+Fused-kernel switches are accepted as performance hints. Switches for Mamba, RWKV, Transformer
+Engine and online weight serving belong to features Deepy does not build yet and are accepted only at their
+defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from megatron.neox_arguments.groups.support import partly_supported
+from megatron.neox_arguments.schema import ArgGroup, not_supported
+
+NormType = Literal[
+    "layernorm",
+    "rmsnorm",
+    "non_parametric_layernorm",
+    "scalenorm",
+    "te_rmsnorm",
+    "te_layernorm",
+]
+PositionEmbedding = Literal["learned", "rotary", "sinusoidal", "rpe", "alibi", "none"]
+Activation = Literal[
+    "gelu",
+    "geglu",
+    "relu",
+    "softsign",
+    "swish",
+    "mish",
+    "silu",
+    "reglu",
+    "swiglu",
+    "bilinear",
+    "glu",
+]
+InitMethod = Literal[
+    "normal",
+    "scaled_normal",
+    "orthogonal",
+    "scaled_orthogonal",
+    "xavier_uniform",
+    "xavier_normal",
+    "wang_init",
+    "small_init",
+    "single_residual_scaled_normal",
+]
+
+
+class ModelArgs(ArgGroup):
+    """GPT-NeoX's ``NeoXArgsModel`` group."""
+
+    precision: Literal["fp16", "fp32", "bfloat16"] | None = None
+    """Training dtype: fp16 (with loss scaling), bfloat16, or fp32; derived from the fp16/bf16
+    blocks when unset."""
+
+    num_layers: int | None = Field(None, ge=1)
+    """Number of transformer blocks."""
+
+    hidden_size: int | None = Field(None, ge=1)
+    """Width of the residual stream."""
+
+    intermediate_size: int | None = Field(None, ge=1)
+    """Hidden width of the MLP; for gated activations (swiglu, geglu) the width of each of the two
+    input projections. Derived from hidden_size when unset."""
+
+    mlp_multiple_of: int = Field(1, ge=1)
+    """Round the derived MLP width up to a multiple of this (LLaMA-style sizing)."""
+
+    expansion_factor: float | None = Field(None, gt=0)
+    """MLP width as a multiple of hidden_size when intermediate_size is not given."""
+
+    num_attention_heads: int | None = Field(None, ge=1)
+    """Number of query heads per attention layer."""
+
+    num_kv_heads: int | None = Field(None, ge=1)
+    """Number of key/value heads for grouped-query attention; unset means one per query head (plain
+    multi-head attention)."""
+
+    seq_length: int | None = Field(None, ge=1)
+    """Number of tokens in one training sample."""
+
+    sliding_window_width: int | None = Field(None, ge=1)
+    """Attend only to this many previous tokens (Mistral-style local attention); unset attends to
+    the whole context."""
+
+    max_position_embeddings: int | None = Field(None, ge=1)
+    """Longest sequence the positional embedding supports; defaults to seq_length."""
+
+    norm: NormType = partly_supported("layernorm", unsupported=("te_rmsnorm", "te_layernorm"))
+    """Normalisation layer used in every block and before the output layer."""
+
+    layernorm_fusion: bool = False
+    """Performance hint: use a fused LayerNorm kernel where one exists; results are unchanged."""
+
+    rmsnorm_fusion: bool = False
+    """Performance hint: use a fused RMSNorm kernel where one exists; results are unchanged."""
+
+    use_qk_layernorm: bool = False
+    """Normalise queries and keys per head before the attention product, which steadies training at
+    high learning rates."""
+
+    layernorm_epsilon: float = Field(1e-05, gt=0)
+    """Epsilon added to the variance inside LayerNorm."""
+
+    rms_norm_epsilon: float = Field(1e-08, gt=0)
+    """Epsilon added inside RMSNorm (LLaMA uses 1e-6, LLaMA-2 1e-5)."""
+
+    scalenorm_epsilon: float = Field(1e-08, gt=0)
+    """Epsilon guarding the division in ScaleNorm."""
+
+    pos_emb: PositionEmbedding = "learned"
+    """How token positions enter the model: learned table, rotary (RoPE), sinusoidal, relative bias
+    (rpe), ALiBi, or none."""
+
+    rpe_num_buckets: int = Field(32, ge=1)
+    """Number of relative-distance buckets for the T5-style relative position bias (pos_emb rpe)."""
+
+    rpe_max_distance: int = Field(128, ge=1)
+    """Distance beyond which relative positions share the last bucket (pos_emb rpe)."""
+
+    opt_pos_emb_offset: int = Field(0, ge=0)
+    """Offset added to position ids before the learned-embedding lookup; OPT checkpoints use 2."""
+
+    no_weight_tying: bool = False
+    """Give the output layer its own weights instead of reusing the input embedding matrix."""
+
+    attention_config: list[Any] | None = None
+    """Attention type of every layer as [[types, repeat], ...], e.g. [[["global"], 12]]; unset means
+    global attention everywhere."""
+
+    sparsity_config: dict[str, Any] | None = not_supported(None)
+    """Settings for DeepSpeed's block-sparse attention kernels."""
+
+    num_unique_layers: int | None = not_supported(None)
+    """Number of distinct layers when parameters are shared across blocks."""
+
+    param_sharing_style: Literal["grouped", "spread"] = not_supported("grouped")
+    """Order in which shared layers repeat (`grouped` or `spread`)."""
+
+    make_vocab_size_divisible_by: int = Field(128, ge=1)
+    """Pad the embedding rows up to a multiple of this (times the tensor-parallel size) so matrix
+    shapes stay efficient."""
+
+    activation: Activation = "gelu"
+    """Non-linearity of the MLP; the *glu variants gate one projection with another."""
+
+    use_flashattn_swiglu: bool = False
+    """Performance hint: use flash-attn's fused SwiGLU kernel where available; results are
+    unchanged."""
+
+    scaled_upper_triang_masked_softmax_fusion: bool = False
+    """Performance hint: fuse scale, causal mask and softmax in one kernel; results are unchanged.
+    """
+
+    scaled_masked_softmax_fusion: bool = False
+    """Performance hint: fuse scale, arbitrary mask and softmax in one kernel; results are
+    unchanged."""
+
+    bias_gelu_fusion: bool = False
+    """Performance hint: fuse the MLP bias add with GeLU; results are unchanged."""
+
+    bias_dropout_fusion: bool = False
+    """Performance hint: fuse bias add, dropout and residual add; results are unchanged."""
+
+    rope_fusion: bool = False
+    """Performance hint: apply rotary embeddings with a fused kernel; results are unchanged."""
+
+    fused_kernels_build_path: str | None = None
+    """Where compiled fused kernels are cached; unused when the kernels come from torch itself."""
+
+    fp16_lm_cross_entropy: bool = False
+    """Compute the language-model loss in half precision instead of fp32 (saves memory, costs
+    accuracy)."""
+
+    init_method_std: float = Field(0.02, gt=0)
+    """Standard deviation of the normal initialisers."""
+
+    apply_query_key_layer_scaling: bool = False
+    """Divide attention scores by the layer number before softmax and multiply back after, to avoid
+    fp16 overflow in deep models."""
+
+    use_cpu_initialization: bool = False
+    """Build full weights on the CPU before sharding them, so every layout starts from the same
+    numbers."""
+
+    attention_softmax_in_fp32: bool = False
+    """Run the attention softmax in fp32 even when training in half precision."""
+
+    rotary_pct: float = Field(1.0, gt=0, le=1)
+    """Share of each head's dimensions that rotary embeddings rotate (Pythia and GPT-NeoX-20B use
+    0.25)."""
+
+    rotary_emb_base: int = Field(10000, ge=1)
+    """Base of the rotary frequencies (theta); larger values stretch the usable context."""
+
+    rotary_save_freqs_buffer: bool = False
+    """Store the rotary frequency table in the checkpoint instead of recomputing it on load."""
+
+    init_method: InitMethod = "normal"
+    """Initialiser of most weight matrices."""
+
+    output_layer_init_method: InitMethod = "scaled_normal"
+    """Initialiser of the projections that write into the residual stream (attention output, MLP
+    down-projection)."""
+
+    gmlp_attn_dim: int = not_supported(64)
+    """Width of the small attention inside gMLP blocks."""
+
+    gpt_j_residual: bool = False
+    """Run attention and MLP in parallel from the same input and add both to the residual (GPT-J,
+    Pythia, NeoX-20B)."""
+
+    gpt_j_tied: bool = False
+    """With gpt_j_residual, feed attention and MLP from one shared LayerNorm instead of two."""
+
+    use_bias_in_norms: bool = True
+    """Give the norm layers an additive bias (LLaMA-style models have none)."""
+
+    use_bias_in_attn_linear: bool = True
+    """Give the attention projections a bias."""
+
+    use_bias_in_mlp: bool = True
+    """Give the MLP projections a bias."""
+
+    soft_prompt_tuning: dict[str, Any] | None = not_supported(None)
+    """Settings for training a learned prompt prefix while the model stays frozen."""
+
+    mamba_selective_scan_fusion: bool = not_supported(False)
+    """Mamba layers: use the fused selective-scan kernel."""
+
+    mamba_causal_conv_fusion: bool = not_supported(False)
+    """Mamba layers: use the fused causal 1-D convolution kernel."""
+
+    mamba_inner_func_fusion: bool = not_supported(False)
+    """Mamba layers: fuse the whole inner block into one kernel."""
+
+    mamba_selective_fp32_params: bool = not_supported(True)
+    """Mamba layers: keep the selective-scan parameters in fp32."""
+
+    mamba_use_bias_in_conv: bool = not_supported(True)
+    """Mamba layers: give the causal convolution a bias."""
+
+    mamba_use_bias_in_linears: bool = not_supported(False)
+    """Mamba layers: give the input/output projections a bias."""
+
+    output_layer_parallelism: Literal["column"] = "column"
+    """How the output layer is split across tensor-parallel ranks; only column (vocabulary)
+    splitting exists."""
+
+    serve_model_weights: bool = not_supported(False)
+    """Serve the live weights over the network to an external generation server (online RL)."""
+
+    weight_server_port: int | list[int] = not_supported(6000)
+    """Port, or one port per rank, on which weights are served."""
+
+    online_dataserver_ips: str | list[str] = not_supported("localhost")
+    """Hosts providing rollouts when dataset_impl is online."""
+
+    online_dataserver_ports: int | list[int] = not_supported(10000)
+    """Ports of the online rollout servers."""
+
+    te_columnparallel: bool = not_supported(False)
+    """Use Transformer Engine's column-parallel linear layer."""
+
+    te_rowparallel: bool = not_supported(False)
+    """Use Transformer Engine's row-parallel linear layer."""
+
+    te_layernorm_mlp: bool = not_supported(False)
+    """Use Transformer Engine's fused LayerNorm+MLP module."""
+
+    te_mha: bool = not_supported(False)
+    """Use Transformer Engine's multi-head attention module."""
+
+    te_fp8_format: Literal["e4m3", "hybrid"] = not_supported("hybrid")
+    """FP8 format for Transformer Engine layers (e4m3 everywhere, or hybrid e4m3/e5m2)."""
+
+    te_fp8_wgrad: bool = not_supported(True)
+    """Compute weight gradients in FP8 with Transformer Engine."""
+
+    te_fp8_amax_history_len: int = not_supported(1)
+    """Length of the amax history Transformer Engine uses for FP8 scaling."""
+
+    te_fp8_amax_compute_algo: Literal["most_recent", "max"] = not_supported("most_recent")
+    """How Transformer Engine turns the amax history into a scale (`most_recent` or `max`)."""
+
+    te_fp8_margin: int = not_supported(0)
+    """Extra power-of-two margin on Transformer Engine FP8 scales."""
+
+    te_fp8_mha: bool = not_supported(False)
+    """Run Transformer Engine attention in FP8."""
+
+    dim_att: int | None = not_supported(None)
+    """RWKV: attention width."""
+
+    head_size: int | None = not_supported(None)
+    """RWKV: size of each head."""
+
+    ffn_dim: int | None = not_supported(None)
+    """RWKV: width of the channel-mixing layer."""

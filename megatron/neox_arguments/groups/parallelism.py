@@ -1,0 +1,35 @@
+"""How the model and the batch are split over ranks: pipeline stages, tensor and sequence parallelism.
+
+Data parallelism is whatever is left of the world size; it is derived, not configured.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from megatron.neox_arguments.schema import ArgGroup
+
+
+class ParallelismArgs(ArgGroup):
+    """GPT-NeoX's ``NeoXArgsParallelism`` group."""
+
+    pipe_parallel_size: int = Field(0, ge=0)
+    """Number of pipeline stages; 0 builds a plain module without DeepSpeed's PipelineModule, 1 a
+    one-stage pipeline."""
+
+    model_parallel_size: int = Field(1, ge=1)
+    """Tensor-parallel degree: each attention/MLP weight is split across this many ranks."""
+
+    pipe_partition_method: str = "type:transformer|mlp"
+    """How layers are spread over pipeline stages, passed to DeepSpeed's PipelineModule
+    (`parameters`, `uniform`, `type:<regex>`)."""
+
+    world_size: int | None = Field(None, ge=1)
+    """Total number of ranks; filled in at launch, not meant to be set in a config."""
+
+    is_pipe_parallel: bool = False
+    """Whether the model runs as a DeepSpeed pipeline; derived from pipe_parallel_size."""
+
+    sequence_parallel: bool = False
+    """Split layer-norm and dropout activations along the sequence across tensor-parallel ranks to
+    save memory."""

@@ -1,0 +1,374 @@
+"""Data, objectives, checkpoints, batch length, regularisation, activation checkpointing and fp16
+loss scaling: everything about one training run that is not the architecture.
+
+Besides GPT-NeoX's keys it holds Deepy's extras: Levanter-style data URLs, time-based temporary
+checkpoints, step-based retention (``keep``) and an overflow guard for fp16.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from megatron.neox_arguments.groups.support import partly_supported
+from megatron.neox_arguments.schema import ArgGroup, not_supported
+
+
+class TrainingArgs(ArgGroup):
+    """GPT-NeoX's ``NeoXArgsTraining`` group."""
+
+    data_path: str | None = None
+    """Prefix of one tokenized dataset (`<prefix>.bin/.idx`) that is split into train/valid/test by
+    `split`."""
+
+    use_shared_fs: bool = True
+    """All nodes see the same filesystem, so only one rank needs to build the sample index."""
+
+    train_data_paths: list[str] | None = None
+    """Prefixes of the training datasets, blended by train_data_weights."""
+
+    train_label_data_paths: list[str] | None = None
+    """Per-token labels parallel to train_data_paths (-100 masks a token from the loss)."""
+
+    train_reward_data_paths: list[str] | None = None
+    """Per-sample rewards parallel to train_data_paths (reward-model and KTO training)."""
+
+    test_data_paths: list[str] | None = None
+    """Prefixes of the test datasets."""
+
+    test_label_data_paths: list[str] | None = None
+    """Per-token labels parallel to test_data_paths."""
+
+    test_reward_data_paths: list[str] | None = None
+    """Per-sample rewards parallel to test_data_paths."""
+
+    valid_data_paths: list[str] | None = None
+    """Prefixes of the validation datasets."""
+
+    valid_label_data_paths: list[str] | None = None
+    """Per-token labels parallel to valid_data_paths."""
+
+    valid_reward_data_paths: list[str] | None = None
+    """Per-sample rewards parallel to valid_data_paths."""
+
+    pos_train_data_paths: list[str] | None = None
+    """Chosen (preferred) responses for pairwise training."""
+
+    neg_train_data_paths: list[str] | None = None
+    """Rejected responses for pairwise training, aligned with pos_train_data_paths."""
+
+    pos_train_label_data_paths: list[str] | None = None
+    """Labels for the chosen training responses."""
+
+    neg_train_label_data_paths: list[str] | None = None
+    """Labels for the rejected training responses."""
+
+    pos_valid_data_paths: list[str] | None = None
+    """Chosen responses for pairwise validation."""
+
+    neg_valid_data_paths: list[str] | None = None
+    """Rejected responses for pairwise validation."""
+
+    pos_valid_label_data_paths: list[str] | None = None
+    """Labels for the chosen validation responses."""
+
+    neg_valid_label_data_paths: list[str] | None = None
+    """Labels for the rejected validation responses."""
+
+    pos_test_data_paths: list[str] | None = None
+    """Chosen responses for pairwise testing."""
+
+    neg_test_data_paths: list[str] | None = None
+    """Rejected responses for pairwise testing."""
+
+    pos_test_label_data_paths: list[str] | None = None
+    """Labels for the chosen test responses."""
+
+    neg_test_label_data_paths: list[str] | None = None
+    """Labels for the rejected test responses."""
+
+    train_data_weights: list[float] | None = None
+    """Sampling weight of each training dataset; unset means equal weights."""
+
+    valid_data_weights: list[float] | None = None
+    """Sampling weight of each validation dataset."""
+
+    test_data_weights: list[float] | None = None
+    """Sampling weight of each test dataset."""
+
+    weight_by_num_documents: bool = False
+    """Derive blending weights from document counts instead of the *_data_weights lists."""
+
+    weighted_sampler_alpha: float = Field(1.0, ge=0)
+    """Temperature for weight_by_num_documents: 1 keeps proportions, smaller values favour small
+    datasets."""
+
+    data_impl: Literal["infer", "mmap", "cached"] = (
+        partly_supported("infer", unsupported=("cached",))
+    )
+    """On-disk dataset format; `infer` reads it from the files."""
+
+    pack_impl: Literal["packed", "pack_until_overflow", "unpacked"] = "packed"
+    """How documents fill samples: packed back to back, packed until one would overflow, or one
+    document per sample."""
+
+    dataset_impl: Literal["gpt2", "pairwise", "online"] = (
+        partly_supported("gpt2", unsupported=("online",))
+    )
+    """Kind of dataset: plain text (gpt2), chosen/rejected pairs, or online rollouts."""
+
+    train_impl: Literal["normal", "dpo", "rm", "kto", "reinforce"] = (
+        partly_supported("normal", unsupported=("reinforce",))
+    )
+    """Training objective: language modelling, DPO, reward model, KTO or REINFORCE."""
+
+    dpo_fp32: bool = True
+    """Compute DPO log-probabilities in fp32."""
+
+    dpo_reference_free: bool = False
+    """Run DPO without a reference model (the reference log-probs are taken as zero)."""
+
+    dpo_beta: float = Field(0.1, gt=0)
+    """DPO temperature: how strongly the policy may move away from the reference."""
+
+    kto_fp32: bool = True
+    """Compute KTO log-probabilities in fp32."""
+
+    kto_desirable_weight: float = Field(1.0, ge=0)
+    """KTO loss weight of desirable examples."""
+
+    kto_undesirable_weight: float = Field(1.0, ge=0)
+    """KTO loss weight of undesirable examples."""
+
+    z_loss: float = Field(0.0, ge=0)
+    """Weight of the z-loss that pushes the log-normaliser of the output softmax towards zero."""
+
+    kto_beta: float = Field(0.1, gt=0)
+    """KTO temperature, as dpo_beta is for DPO."""
+
+    fp32_reinforce: bool = not_supported(True)
+    """Compute REINFORCE log-probabilities in fp32."""
+
+    kl_impl: Literal["abs", "mse", "kl", "full"] = not_supported("mse")
+    """Estimator of the KL penalty in REINFORCE."""
+
+    kl_div_beta: float = not_supported(0.1)
+    """Weight of the KL penalty in REINFORCE."""
+
+    reinforce_leave_one_out: bool = not_supported(False)
+    """Use the leave-one-out baseline in REINFORCE."""
+
+    allow_chopped: bool = True
+    """Keep pairwise samples whose text had to be cut to fit seq_length."""
+
+    mmap_warmup: bool = False
+    """Touch every page of the mmapped data at start-up so the first steps are not I/O bound."""
+
+    save: str | None = None
+    """Directory to write checkpoints to; unset disables saving."""
+
+    s3_path: str | None = not_supported(None)
+    """Also upload checkpoints to this S3 prefix."""
+
+    s3_chunk_size: int = not_supported(104857600)
+    """Chunk size in bytes for S3 uploads."""
+
+    config_files: dict[str, str] | None = None
+    """The config files of the run (name -> text), stored with checkpoints; filled in by the loader.
+    """
+
+    load: str | None = None
+    """Directory to resume or start from; the latest committed checkpoint in it is loaded."""
+
+    checkpoint_validation_with_forward_pass: bool = False
+    """After saving, reload the checkpoint and check one forward pass gives the same logits."""
+
+    checkpoint_scale: Literal["linear", "log"] = "linear"
+    """Spacing of saves: every checkpoint_factor steps (linear) or at powers of checkpoint_factor
+    (log)."""
+
+    checkpoint_factor: int | float | None = Field(None, gt=0)
+    """Save interval in steps (linear), or the base of the powers (log)."""
+
+    extra_save_iters: list[int] | None = None
+    """Additional steps at which to save a checkpoint."""
+
+    no_save_optim: bool = False
+    """Leave optimizer state out of checkpoints (smaller, but cannot resume exactly)."""
+
+    no_save_rng: bool = False
+    """Leave random-number-generator state out of checkpoints."""
+
+    no_load_optim: bool = False
+    """Do not restore optimizer state when loading."""
+
+    no_load_rng: bool = False
+    """Do not restore random-number-generator state when loading."""
+
+    finetune: bool = False
+    """Load only the weights and start from step 0 with fresh optimizer and data position."""
+
+    batch_size: int | None = Field(None, ge=1)
+    """Micro-batch size per data-parallel rank; an older name for train_micro_batch_size_per_gpu."""
+
+    train_iters: int | None = Field(None, ge=0)
+    """Number of optimizer steps to train for."""
+
+    train_epochs: int | None = Field(None, ge=1)
+    """Train for this many passes over the data instead of giving train_iters."""
+
+    eval_iters: int = Field(100, ge=0)
+    """Batches per evaluation."""
+
+    keep_last_n_checkpoints: int | None = Field(None, ge=1)
+    """Delete older step checkpoints so at most this many stay on disk; unset keeps all."""
+
+    eval_interval: int = Field(1000, ge=1)
+    """Evaluate on the validation split every this many steps."""
+
+    split: str = "969, 30, 1"
+    """Train/valid/test proportions for data_path, as comma-separated weights."""
+
+    vocab_file: str | None = None
+    """Tokenizer file (tokenizer.json, vocab.json or a SentencePiece model)."""
+
+    merge_file: str | None = None
+    """BPE merges file for the GPT-2 tokenizer."""
+
+    num_workers: int = Field(2, ge=0)
+    """Data-loader worker processes per rank."""
+
+    exit_interval: int | None = Field(None, ge=1)
+    """Stop cleanly after this many steps (for jobs limited by wall time)."""
+
+    attention_dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on attention probabilities."""
+
+    hidden_dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on attention and MLP outputs before they join the residual."""
+
+    weight_decay: float = Field(0.1, ge=0)
+    """Decoupled weight decay applied to weight matrices."""
+
+    checkpoint_activations: bool = False
+    """Recompute block activations in the backward pass instead of storing them."""
+
+    checkpoint_num_layers: int = Field(1, ge=1)
+    """Number of consecutive blocks recomputed together when checkpointing activations."""
+
+    deepspeed_activation_checkpointing: bool = True
+    """Use DeepSpeed's activation checkpointing (which can partition and offload) rather than
+    torch's."""
+
+    contiguous_checkpointing: bool = False
+    """Copy checkpointed activations into one contiguous buffer to reduce fragmentation."""
+
+    checkpoint_in_cpu: bool = False
+    """Move checkpointed activations to CPU memory."""
+
+    synchronize_each_layer: bool = False
+    """Synchronise the device after every block (debugging and timing)."""
+
+    profile_backward: bool = False
+    """Time the backward pass separately."""
+
+    partition_activations: bool = False
+    """Split checkpointed activations across tensor-parallel ranks."""
+
+    clip_grad: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+    hysteresis: int = Field(2, ge=1)
+    """fp16: number of overflowed steps tolerated before the loss scale is lowered."""
+
+    dynamic_loss_scale: bool | None = None
+    """fp16: adapt the loss scale to overflows; unset means dynamic unless loss_scale is given."""
+
+    loss_scale: float | None = Field(None, ge=0)
+    """fp16: a fixed loss scale; unset or 0 means dynamic."""
+
+    loss_scale_window: float = Field(1000.0, gt=0)
+    """fp16: number of overflow-free steps before the loss scale is raised."""
+
+    min_scale: float = Field(1.0, gt=0)
+    """fp16: lowest loss scale allowed."""
+
+    char_level_ppl: bool = False
+    """Also report perplexity per character, which compares across tokenizers."""
+
+    use_mup: bool = not_supported(False)
+    """Parametrise the model with muP so hyperparameters transfer across widths."""
+
+    coord_check: bool = not_supported(False)
+    """Run muP's coordinate check instead of training."""
+
+    save_base_shapes: bool = not_supported(False)
+    """Write muP base shapes to base_shapes_file and exit."""
+
+    base_shapes_file: str | None = not_supported(None)
+    """muP base shapes file."""
+
+    mup_init_scale: float = not_supported(1.0)
+    """muP: multiplier on initial weights."""
+
+    mup_attn_temp: float = not_supported(1.0)
+    """muP: attention temperature."""
+
+    mup_output_temp: float = not_supported(1.0)
+    """muP: output logit temperature."""
+
+    mup_embedding_mult: float = not_supported(1.0)
+    """muP: multiplier on embedding outputs."""
+
+    mup_rp_embedding_mult: float = not_supported(1.0)
+    """muP: multiplier on relative position embeddings."""
+
+    mup_width_scale: int = not_supported(2)
+    """muP: width ratio of the target model to the base model."""
+
+    # ---- Deepy extras (not in GPT-NeoX) ----
+
+
+    selective_checkpointing: int | None = Field(None, ge=1)
+    """Recompute activations of every k-th block only, trading less memory saving for less
+    recompute."""
+
+    use_dummy_dataset: bool = False
+    """Train on random tokens without any data files (smoke tests and benchmarks)."""
+
+    train_urls: list[str] | None = None
+    """Raw-text shards (local paths or URLs, jsonl/jsonl.zst) tokenized on the fly for training
+    (Levanter-style)."""
+
+    validation_urls: list[str] | None = None
+    """Raw-text shards for validation, as train_urls."""
+
+    cache_dir: str | None = None
+    """Where tokenized shards from train_urls/validation_urls are cached."""
+
+    save_interval: str | int | None = None
+    """Also save a temporary checkpoint at this wall-clock interval (`15min`, `1h`, or seconds); it
+    is replaced by the next one."""
+
+    keep: list[dict[str, int]] | None = None
+    """Step-based retention policy as a list of {every, until} rules, e.g. [{every: 1000, until:
+    10000}, {every: 5000}] (Levanter)."""
+
+    initialize_from: str | None = None
+    """Checkpoint to take the starting weights from, without its optimizer state or step."""
+
+    max_consecutive_overflows: int = Field(50, ge=1)
+    """Abort an fp16 run after this many optimizer steps in a row skipped for overflow, instead of
+    silently training nothing."""
+
+    compile_layers: bool = False
+    """Wrap each transformer block in torch.compile."""
+
+    per_device_parallelism: int | None = Field(None, ge=1)
+    """Levanter's name for the micro batch per device; accepted as train_micro_batch_size_per_gpu.
+    """
+
+    run_dir: str | None = None
+    """Directory where the resolved config (deepy_config.json) is written; unset derives one from
+    log_dir or save."""
