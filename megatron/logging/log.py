@@ -1,0 +1,58 @@
+"""Console logging: one rank speaks, one line per logged step.
+
+The speaking rank for training metrics is the one that holds the loss: global rank 0 without a
+pipeline, the first rank of the last pipeline stage with one.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+LOGGER_NAME = "deepy"
+
+
+def setup_logging(speaks: bool, level: int = logging.INFO) -> logging.Logger:
+    """Configure the ``deepy`` logger: INFO on the speaking rank, WARNING elsewhere."""
+    logger = logging.getLogger(LOGGER_NAME)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(level if speaks else logging.WARNING)
+    return logger
+
+
+def get_logger() -> logging.Logger:
+    return logging.getLogger(LOGGER_NAME)
+
+
+_FORMATS: list[tuple[str, str, str]] = [
+    ("train/lm_loss", "loss", "{:.6f}"),
+    ("eval/lm_loss", "eval loss", "{:.6f}"),
+    ("train/lr", "lr", "{:.3e}"),
+    ("train/loss_scale", "loss scale", "{:.1f}"),
+    ("train/grad_norm", "grad norm", "{:.4f}"),
+    ("train/skipped_steps", "skipped", "{:d}"),
+    ("throughput/tokens_per_sec", "tokens/s", "{:.1f}"),
+    ("timers/ms_per_iter", "ms/iter", "{:.1f}"),
+    ("throughput/tflops_per_device", "TFLOP/s", "{:.2f}"),
+    ("throughput/mfu", "MFU", "{:.1%}"),
+]
+
+
+def format_row(row: dict[str, Any], train_iters: int | None = None) -> str:
+    """``iteration 10/100 | loss 9.1 | lr 1e-3 | ...`` for the metrics present in ``row``."""
+    total = f"/{train_iters}" if train_iters else ""
+    parts = [f"iteration {row.get('iteration', '?')}{total}"]
+    for key, label, fmt in _FORMATS:
+        value = row.get(key)
+        if value is None:
+            continue
+        try:
+            parts.append(f"{label} {fmt.format(value)}")
+        except (ValueError, TypeError):
+            parts.append(f"{label} {value}")
+    return " | ".join(parts)
