@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 from megatron.errors import UsageError
 from megatron.neox_arguments.overrides import looks_like_override
-from megatron.neox_arguments.provenance import DERIVED, format_resolved_table
+from megatron.neox_arguments.provenance import format_resolved_table
 from megatron.neox_arguments.resolved import RESOLVED_FILE_NAME, ResolvedConfig, default_run_dir
 
 USAGE = "deepy.py [--dry-run] [--debug] [-d CONF_DIR] USER_SCRIPT CONFIG [CONFIG ...] [key=value ...]"
@@ -65,8 +65,8 @@ def parse_command(argv: Sequence[str]) -> DeepyCommand:
             overrides.append(token)
         elif overrides:
             raise UsageError(
-                f"'{token}' comes after the override '{overrides[-1]}': list config files first, "
-                "then key=value overrides (an override is always written key=value)"
+                f"bad override '{token}': write key=value (config files go before the overrides, "
+                f"and '{token}' comes after '{overrides[-1]}')"
             )
         else:
             configs.append(token)
@@ -89,15 +89,10 @@ def resolve(command: DeepyCommand) -> ResolvedConfig:
 
 
 def assign_run_dir(resolved: ResolvedConfig) -> str:
-    """Pick the run directory (unless the config names one) and record it in the arguments."""
-    args = resolved.args
-    run_dir = getattr(args, "run_dir", None)
-    if not run_dir:
-        run_dir = str(default_run_dir(getattr(args, "log_dir", None)))
-        if "run_dir" in type(args).model_fields:
-            args.run_dir = run_dir
-            resolved.provenance["run_dir"] = DERIVED
-    return str(run_dir)
+    """``<log_dir or runs>/<timestamp>`` unless already chosen; stored in the resolved config."""
+    if not resolved.run_dir:
+        resolved.run_dir = str(default_run_dir(getattr(resolved.args, "log_dir", None)))
+    return resolved.run_dir
 
 
 def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand) -> str:
@@ -108,6 +103,8 @@ def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand) -> str:
         "",
         "Resolved config (non-default values; source is file:line, cli or derived):",
         format_resolved_table(resolved.args, resolved.provenance),
+        "",
+        f"Run directory: {resolved.run_dir} (not created by a dry run)",
         "",
         "DeepSpeed config:",
         json.dumps(ds_config, indent=2) if ds_config is not None else "(none)",
@@ -120,10 +117,10 @@ def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     command = parse_command(sys.argv[1:] if argv is None else argv)
     resolved = resolve(command)
+    run_dir = assign_run_dir(resolved)
     if command.dry_run:
         print(render_dry_run(resolved, command))
         return 0
-    run_dir = assign_run_dir(resolved)
     config_file = resolved.write(os.path.join(run_dir, RESOLVED_FILE_NAME))
     print(f"deepy: resolved config written to {config_file}", flush=True)
 

@@ -20,7 +20,6 @@ from megatron.neox_arguments.keys import normalize_key, unknown_key_message
 from megatron.neox_arguments.overrides import apply_overrides, parse_overrides
 from megatron.neox_arguments.provenance import DEFAULT, describe_source, field_default
 from megatron.neox_arguments.resolved import ResolvedConfig
-from megatron.neox_arguments.schema import is_supported
 from megatron.neox_arguments.yaml_source import CONFIG_SUFFIXES, LocatedDict, load_yaml_file, plain
 
 
@@ -154,31 +153,38 @@ def build_args(values: dict[str, Any], provenance: dict[str, str], schema: type[
         args = schema.model_validate(values)
     except ValidationError as err:
         raise ConfigError(validation_message(err, schema, values, provenance)) from err
-    unsupported = [
-        f"not supported yet: {key} = {values[key]!r} at {describe_source(provenance.get(key, DEFAULT))}; "
-        f"Deepy accepts it only at its default ({field_default(schema, key)!r}), remove it from the config"
-        for key in values
-        if not is_supported(schema, key) and getattr(args, key) != field_default(schema, key)
-    ]
-    if unsupported:
-        raise ConfigError(_join(unsupported))
+    _require_supported(args, values, provenance)
     return args
+
+
+def _require_supported(args: BaseModel, values: dict[str, Any], provenance: dict[str, str]) -> None:
+    """"not supported yet" for each key the user set to a value Deepy cannot honour, with its place.
+
+    Which values are unsupported is the schema's knowledge (``arguments.require_supported``); only the
+    keys the user set are checked, and the message gains where each was set.
+    """
+    from megatron.neox_arguments import arguments
+
+    user_set = {key: getattr(args, key) for key in values}
+    offending = arguments.check_supported(user_set)
+    if not offending:
+        return
+    try:
+        arguments.require_supported(user_set)
+    except ConfigError as err:
+        places = ", ".join(f"{key} at {describe_source(provenance.get(key, DEFAULT))}" for key in offending)
+        raise ConfigError(f"{err.message}\n  (set: {places})") from None
 
 
 def load_config(
     paths: Sequence[str],
     overrides: Sequence[str] = (),
     conf_dir: str | None = None,
-    *,
-    schema: type[BaseModel] | None = None,
 ) -> ResolvedConfig:
-    """Read ``paths`` in order, apply ``key=value`` overrides last, validate types.
-
-    ``schema`` defaults to :class:`NeoXArgs`; tests pass a small stand-in.
-    """
+    """Read ``paths`` in order, apply ``key=value`` overrides last, validate types."""
     if not paths:
         raise ConfigError("no config file given; pass at least one .yml file (e.g. configs/125M.yml)")
-    schema = schema or default_schema()
+    schema = default_schema()
     names = list(schema.model_fields)
     values, provenance, texts = read_config_files(paths, names, conf_dir)
     apply_overrides(values, provenance, parse_overrides(overrides), names, lambda key: field_default(schema, key))

@@ -69,7 +69,9 @@ def resolved_rows(args: BaseModel, provenance: dict[str, str]) -> list[tuple[str
     for key in provenance:
         if "." not in key and key in type(args).model_fields:
             shown.setdefault(key, getattr(args, key))
-    order = list(type(args).model_fields)
+    model = type(args)
+    # the schema's own order (grouped: parallelism, model, optimizer, ...) reads better than pydantic's
+    order = list(model.field_names()) if hasattr(model, "field_names") else list(model.model_fields)
     rows: list[tuple[str, str, str]] = []
     for key in sorted(shown, key=order.index):
         if key in HIDDEN_IN_TABLE:

@@ -37,6 +37,8 @@ class ResolvedConfig:
     """path as given -> original text of every config file read (includes too)."""
     deepspeed_config: dict[str, Any] | None = None
     """The DeepSpeed config dict, once :func:`finalize` has split it off."""
+    run_dir: str | None = None
+    """Directory of this launch (holds this file); chosen by ``deepy.py`` just before writing."""
 
     def to_json_dict(self) -> dict[str, Any]:
         return {
@@ -46,6 +48,7 @@ class ResolvedConfig:
             "provenance": dict(sorted(self.provenance.items())),
             "config_files": self.config_files,
             "deepspeed_config": self.deepspeed_config,
+            "run_dir": self.run_dir,
         }
 
     def write(self, path: str | os.PathLike[str]) -> Path:
@@ -95,6 +98,7 @@ def load_resolved(path: str | os.PathLike[str]) -> ResolvedConfig:
         provenance=dict(data.get("provenance") or {}),
         config_files=dict(data.get("config_files") or {}),
         deepspeed_config=data.get("deepspeed_config"),
+        run_dir=data.get("run_dir"),
     )
 
 
