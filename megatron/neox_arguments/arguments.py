@@ -1,9 +1,9 @@
 """``NeoXArgs``: every config key of a run as one flat, typed object.
 
-Code reads ``args.hidden_size`` or ``args.train_batch_size`` without caring which group a key belongs
-to, exactly as GPT-NeoX configs are written (one flat mapping). The groups stay separate classes under
-``groups/`` so each concept is documented in one small file; :class:`NeoXArgs` only joins them and
-answers questions *about* keys (which group, what doc, supported or not).
+Code reads ``args.hidden_size`` or ``args.train_batch_size`` without caring which group a key
+belongs to, exactly as GPT-NeoX configs are written (one flat mapping). The groups stay separate
+classes under ``groups/`` so each concept is documented in one small file; :class:`NeoXArgs` only
+joins them and answers questions *about* keys (which group, what doc, supported or not).
 
 What this module does not do: cross-field rules and derived values (``rules.py``/``derived.py``),
 reading files (the loader). Per-field types, enums and ranges live on the fields themselves.
@@ -61,7 +61,7 @@ def _owner_map(groups: Mapping[str, type[ArgGroup]]) -> dict[str, str]:
     for group_name, group in groups.items():
         for name in group.model_fields:
             if name in owner:
-                raise TypeError(f"field {name!r} is declared by both {owner[name]} and {group_name}")
+                raise TypeError(f"field {name!r} is in both {owner[name]} and {group_name}")
             owner[name] = group_name
     return owner
 
@@ -173,7 +173,8 @@ def require_supported(args: Mapping[str, Any] | BaseModel) -> None:
         value = items.get(key, items.get(key.replace("_", "-")))
         if key == "attention_config":
             bad = sorted(_attention_types(value) & UNSUPPORTED_ATTENTION_TYPES)
-            lines.append(f"  {key}: attention type(s) {', '.join(bad)} not supported yet; use global or local")
+            names = ", ".join(bad)
+            lines.append(f"  {key}: attention type(s) {names} not supported yet; use global/local")
         elif not NeoXArgs.is_supported(key):
             lines.append(
                 f"  {key}: {value!r} is not supported yet; remove the key "

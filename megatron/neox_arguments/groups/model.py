@@ -1,17 +1,17 @@
 """The architecture: sizes, norms, positional embeddings, activations, initialisation, biases.
 
 Fused-kernel switches are accepted as performance hints. Switches for Mamba, RWKV, Transformer
-Engine and online weight serving belong to features Deepy does not build yet and are accepted only at their
-defaults.
+Engine and online weight serving belong to features Deepy does not build yet and are accepted only
+at their defaults.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from megatron.neox_arguments.groups.support import partly_supported
+from megatron.neox_arguments.groups.support import KNOWN_ATTENTION_TYPES, partly_supported
 from megatron.neox_arguments.schema import ArgGroup, not_supported
 
 NormType = Literal[
@@ -300,3 +300,34 @@ class ModelArgs(ArgGroup):
 
     ffn_dim: int | None = not_supported(None)
     """RWKV: width of the channel-mixing layer."""
+
+    @field_validator("attention_config")
+    @classmethod
+    def _attention_config_shape(cls, value: list[Any] | None) -> list[Any] | None:
+        """Check the NeoX shape ``[[types, repeat], ...]`` and the type names.
+
+        Whether the repeats add up to ``num_layers`` is a cross-field rule checked later; here
+        only what one field can tell: each entry is a list of known type names and a count.
+        """
+        if value is None:
+            return value
+        for entry in value:
+            ok = (
+                isinstance(entry, (list, tuple))
+                and len(entry) == 2
+                and isinstance(entry[0], (list, tuple))
+                and len(entry[0]) > 0
+                and all(isinstance(t, str) for t in entry[0])
+                and isinstance(entry[1], int)
+                and not isinstance(entry[1], bool)
+                and entry[1] >= 1
+            )
+            if not ok:
+                raise ValueError(
+                    f"entry {entry!r} should be [[type, ...], repeat], e.g. [[\"global\"], 12]"
+                )
+            unknown = sorted(set(entry[0]) - KNOWN_ATTENTION_TYPES)
+            if unknown:
+                known = ", ".join(sorted(KNOWN_ATTENTION_TYPES))
+                raise ValueError(f"unknown attention type(s) {', '.join(unknown)}; known: {known}")
+        return value

@@ -1,4 +1,4 @@
-"""How the model and the batch are split over ranks: pipeline stages, tensor and sequence parallelism.
+"""How the model and the batch are split over ranks: pipeline, tensor and sequence parallelism.
 
 Data parallelism is whatever is left of the world size; it is derived, not configured.
 """

@@ -19,14 +19,25 @@ UNSUPPORTED_VALUES_KEY = "deepy_unsupported_values"
 # Attention types a GPT-NeoX attention_config may name that Deepy's model does not build. "global",
 # "local" (sliding window) and "flash" (an implementation of global attention) are supported.
 UNSUPPORTED_ATTENTION_TYPES: frozenset[str] = frozenset(
-    {"sparse_fixed", "sparse_variable", "bigbird", "bslongformer", "gmlp", "amlp", "rwkv", "mamba", "ring"}
+    {
+        "sparse_fixed",
+        "sparse_variable",
+        "bigbird",
+        "bslongformer",
+        "gmlp",
+        "amlp",
+        "rwkv",
+        "mamba",
+        "ring",
+    }
 )
 KNOWN_ATTENTION_TYPES: frozenset[str] = UNSUPPORTED_ATTENTION_TYPES | {"global", "local", "flash"}
 
 
 def partly_supported(default: Any, unsupported: tuple[Any, ...], **constraints: Any) -> Any:
     """A field whose values in ``unsupported`` are "not supported yet"; other values are fine."""
-    return Field(default, json_schema_extra={UNSUPPORTED_VALUES_KEY: list(unsupported)}, **constraints)
+    extra = {UNSUPPORTED_VALUES_KEY: list(unsupported)}
+    return Field(default, json_schema_extra=extra, **constraints)  # type: ignore[arg-type]
 
 
 def unsupported_values(group: type[BaseModel], name: str) -> tuple[Any, ...]:
