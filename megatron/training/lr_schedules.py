@@ -230,7 +230,12 @@ def spec_from_args(args: Any) -> ScheduleSpec:
     ``cycles``/``cycle_length``, ``decay_fraction``.
     """
     max_lr = float(_get(args, "lr", 0.0))
-    total = int(_get(args, "lr_decay_iters", 0) or _get(args, "train_iters", 0) or 0)
+    train_iters = int(_get(args, "train_iters", 0) or 0)
+    fraction = getattr(args, "lr_decay_fraction", None)
+    total = int(_get(args, "lr_decay_iters", 0) or 0)
+    if not total and fraction is not None:
+        total = int(round(float(fraction) * train_iters))
+    total = total or train_iters
     if total < 1:
         raise ConfigError("the LR schedule needs lr_decay_iters or train_iters to be set (>= 1)")
     ratio = getattr(args, "min_lr_ratio", None)

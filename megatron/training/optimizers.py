@@ -77,7 +77,7 @@ def _fused_supported(groups: ParamGroups) -> bool:
     return bool(tensors) and all(p.is_floating_point() and p.device.type in ("cuda", "cpu") for p in tensors)
 
 
-@register_optimizer("adam", "adamw")
+@register_optimizer("adam", "adamw", "cpu_torch_adam")
 def build_adamw(groups: ParamGroups, lr: float, params: dict[str, Any]) -> torch.optim.Optimizer:
     _check_known("Adam", params, ["betas", "eps", "amsgrad"])
     kwargs = dict(lr=lr, betas=_betas(params, (0.9, 0.999)), eps=float(params.get("eps", 1e-8)),
@@ -163,7 +163,8 @@ def optimizer_settings(args: Any) -> tuple[str, dict[str, Any], float]:
     """(type, params without lr, lr) from ``args.optimizer`` (a dict or an object with type/params)."""
     spec = getattr(args, "optimizer", None)
     if spec is None:
-        kind, params = "adamw", {}
+        # the flat GPT-NeoX alternative to the optimizer block
+        kind, params = getattr(args, "optimizer_type", None) or "adam", {}
     elif isinstance(spec, dict):
         kind, params = spec.get("type", "adamw"), dict(spec.get("params") or {})
     else:

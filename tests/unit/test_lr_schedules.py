@@ -112,7 +112,7 @@ def test_bad_specs_are_config_errors() -> None:
 def _args(**kw: object) -> SimpleNamespace:
     base = dict(lr=1e-3, min_lr=0.0, warmup=0.01, lr_decay_iters=None, train_iters=1000,
                 lr_decay_style="cosine", min_lr_ratio=None, cycles=None, cycle_length=None,
-                rewarmup=None, decay_fraction=None)
+                rewarmup=None, decay_fraction=None, lr_decay_fraction=None)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -121,6 +121,8 @@ def test_spec_from_neox_args() -> None:
     spec = spec_from_args(_args())
     assert spec.total_steps == 1000 and spec.warmup_steps == 10 and spec.max_lr == 1e-3
     assert spec_from_args(_args(lr_decay_iters=500)).total_steps == 500
+    assert spec_from_args(_args(lr_decay_fraction=0.25)).total_steps == 250
+    assert spec_from_args(_args(warmup=30)).warmup_steps == 30  # >= 1 means steps
     assert spec_from_args(_args(min_lr_ratio=0.1)).min_lr == pytest.approx(1e-4)
     cyc = spec_from_args(_args(cycles=2, rewarmup=0.1))
     assert cyc.cycle_starts == (0, 500) and cyc.rewarmup_steps == 50
