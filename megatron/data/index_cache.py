@@ -120,17 +120,17 @@ def load_arrays(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     return out
 
 
-def load_or_build(
-    path: str | os.PathLike[str],
-    build: Callable[[], Mapping[str, np.ndarray]],
-    timeout_s: float = 3600.0,
-) -> dict[str, np.ndarray]:
-    """Return the cached arrays at ``path``, building them exactly once across racing processes."""
-    path = Path(path)
-    if path.is_file():
-        return load_arrays(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = path.with_name(path.name + ".lock")
+def build_once(target: str | os.PathLike[str], build: Callable[[], None], timeout_s: float = 3600.0) -> None:
+    """Run ``build`` (which must publish ``target`` atomically) unless ``target`` exists.
+
+    Racing processes serialise on ``<target>.lock``; whoever takes it first builds, the others find
+    the finished target once the lock is released and do nothing.
+    """
+    target = Path(target)
+    if target.exists():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = target.with_name(target.name + ".lock")
     with lock_path.open("a") as lock:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -139,14 +139,23 @@ def load_or_build(
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise DataError(f"timed out after {timeout_s:.0f}s waiting for another rank to build {path}")
+                    raise DataError(f"timed out after {timeout_s:.0f}s waiting for another rank to build {target}")
                 time.sleep(0.05)
         try:
-            # Someone else may have published the file while we waited for the lock.
-            if not path.is_file():
-                save_arrays(path, build())
+            # Someone else may have published the target while we waited for the lock.
+            if not target.exists():
+                build()
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def load_or_build(
+    path: str | os.PathLike[str],
+    build: Callable[[], Mapping[str, np.ndarray]],
+    timeout_s: float = 3600.0,
+) -> dict[str, np.ndarray]:
+    """Return the cached arrays at ``path``, building them exactly once across racing processes."""
+    build_once(path, lambda: save_arrays(path, build()), timeout_s)
     return load_arrays(path)
 
 

@@ -17,7 +17,8 @@ Three packings, after GPT-NeoX's ``pack_impl``:
 - ``pack_until_overflow``: whole documents are added to a sample until the next one would overflow it;
   the rest is padding. A document longer than ``L + 1`` is truncated into its own sample if
   ``allow_chopped``, else dropped.
-- ``unpacked``: one document per sample, truncated/padded to ``L + 1``.
+- ``unpacked``: one document per sample, padded to ``L + 1``; a longer one is truncated if
+  ``allow_chopped``, else dropped.
 
 Arrays (all int64 unless noted):
 
@@ -139,8 +140,9 @@ def build_document_index(
         order = _rng(seed, epoch, _DOC_SALT).permutation(n)
         ordered = sizes[order]
         if pack_impl == "unpacked":
-            # One document per sample; a long one is truncated to L + 1 (NeoX ignores allow_chopped here).
-            keep = np.flatnonzero(ordered > 0)
+            # One document per sample; a long one is truncated to L + 1, or dropped without allow_chopped.
+            fits = ordered > 0 if allow_chopped else (ordered > 0) & (ordered <= capacity)
+            keep = np.flatnonzero(fits)
             ranges = np.stack([keep, keep + 1], axis=1)
         elif pack_impl == "pack_until_overflow":
             ranges = _group_until_overflow(ordered, capacity, allow_chopped)

@@ -1,0 +1,260 @@
+"""``build_datasets(args)``: the train/valid/test datasets a run reads, from the config.
+
+Sources, in order of precedence:
+
+1. ``use_dummy_dataset``: random tokens, no files.
+2. ``train_urls``/``validation_urls``: raw jsonl shards tokenized once into the cache (Levanter style).
+3. ``{train,valid,test}_data_paths`` (+ ``_label``/``_reward``, or ``pos_``/``neg_`` for pairwise), each
+   list blended by ``*_data_weights`` or by document counts (``weight_by_num_documents``).
+4. ``data_path`` (one prefix or a list), split by documents according to ``split``.
+
+Sample counts come from the schedule: train = train_iters x G (or train_epochs whole epochs),
+valid = (train_iters // eval_interval + 1) x eval_iters x G, test = eval_iters x G.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from megatron.data.blendable_dataset import BlendedDataset, cached_blend_index, samples_per_dataset, weights_by_num_documents
+from megatron.data.dummy_dataset import DummyDataset
+from megatron.data.gpt_dataset import GPTDataset
+from megatron.data.index_cache import default_cache_dir
+from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.data.pairwise_dataset import PairwiseDataset
+from megatron.data.reward_dataset import RewardDataset
+from megatron.data.sft_dataset import SFTDataset
+from megatron.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
+
+SPLITS = ("train", "valid", "test")
+
+
+@dataclass
+class DataSplits:
+    train: Any | None
+    valid: Any | None
+    test: Any | None
+
+
+# ---- pure helpers ---------------------------------------------------------------------------
+def parse_split(split: str) -> np.ndarray:
+    """``"949,50,1"`` (or ``"949/50/1"``) -> normalised train/valid/test fractions."""
+    parts = [p.strip() for p in str(split).replace("/", ",").split(",") if p.strip()]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ConfigError(f"split: {split!r} must be comma-separated numbers like '949,50,1'") from None
+    if not values or len(values) > 3 or any(v < 0 for v in values) or sum(values) <= 0:
+        raise ConfigError(f"split: {split!r} must be up to three non-negative numbers with a positive sum")
+    values += [0.0] * (3 - len(values))
+    return np.asarray(values) / sum(values)
+
+
+def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
+    """Contiguous document ranges ``[lo, hi)`` for train, valid and test."""
+    fractions = parse_split(split)
+    bounds = np.concatenate([[0], np.round(np.cumsum(fractions) * num_documents)]).astype(np.int64)
+    bounds[-1] = num_documents  # rounding never loses the last document
+    return [(int(bounds[i]), int(bounds[i + 1])) for i in range(3)]
+
+
+def samples_needed(args: Any) -> tuple[int, int, int]:
+    """Samples each split must provide for the planned schedule (train from train_iters only)."""
+    g = int(getattr(args, "train_batch_size", None) or 0)
+    if g <= 0:
+        raise ConfigError("train_batch_size must be known before building datasets")
+    iters = int(getattr(args, "train_iters", None) or 0)
+    eval_iters = int(getattr(args, "eval_iters", 0) or 0)
+    interval = int(getattr(args, "eval_interval", None) or 0) or max(iters, 1)
+    train = iters * g
+    valid = (iters // interval + 1) * eval_iters * g if eval_iters else 0
+    test = eval_iters * g
+    return train, valid, test
+
+
+def _as_list(value: Any) -> list[Any] | None:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return list(value) or None
+    return [value]
+
+
+def _open(prefix: str) -> MMapIndexedDataset:
+    if not (os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx")):
+        raise DataError(f"dataset {prefix}(.bin/.idx) not found; create it with `python prepare_data.py` "
+                        "or tools/datasets/preprocess_data.py, or fix the path in the config")
+    return MMapIndexedDataset(prefix)
+
+
+# ---- one component: the files behind one weighted entry ----------------------------------------
+@dataclass
+class Component:
+    roles: dict[str, str]  # role -> prefix: text/label/reward or chosen/rejected/chosen_label/rejected_label
+    doc_range: tuple[int, int] | None = None  # None = every document
+
+    @property
+    def main(self) -> str:
+        return self.roles.get("text") or self.roles["chosen"]
+
+    def num_documents(self) -> int:
+        lo, hi = self.doc_range or (0, len(_open(self.main)))
+        return hi - lo
+
+
+class _Builder:
+    def __init__(self, args: Any, tokenizer: Any) -> None:
+        self.args = args
+        self.seq_length = int(getattr(args, "seq_length", None) or 0)
+        if self.seq_length <= 0:
+            raise ConfigError("seq_length must be set to build datasets")
+        self.seed = int(getattr(args, "seed", 1234))
+        self.pack_impl = getattr(args, "pack_impl", "packed") or "packed"
+        self.allow_chopped = bool(getattr(args, "allow_chopped", True))
+        self.cache_dir = getattr(args, "cache_dir", None)
+        self.pad_id = int(getattr(tokenizer, "pad", 0) or 0) if tokenizer is not None else 0
+
+    def component(self, name: str, c: Component, num_samples: int) -> Any:
+        files = {role: _open(p) for role, p in c.roles.items()}
+        rng = c.doc_range or (0, len(files[("text" if "text" in files else "chosen")]))
+        common = {"seq_length": self.seq_length, "seed": self.seed, "cache_dir": self.cache_dir,
+                  "pad_id": self.pad_id, "allow_chopped": self.allow_chopped}
+        num_samples = max(1, int(num_samples))
+        if "chosen" in files:
+            return PairwiseDataset(name, files["chosen"], files["rejected"], rng, num_samples,
+                                   chosen_label=files.get("chosen_label"), rejected_label=files.get("rejected_label"),
+                                   prefixes=(c.roles["chosen"], c.roles["rejected"]), **common)
+        if "reward" in files:
+            return RewardDataset(name, files["text"], files.get("label"), files["reward"], rng, num_samples,
+                                 prefix=c.main, **common)
+        if "label" in files:
+            return SFTDataset(name, files["text"], files["label"], rng, num_samples, pack_impl=self.pack_impl,
+                              prefix=c.main, **common)
+        return GPTDataset(name, files["text"], rng, num_samples, pack_impl=self.pack_impl, prefix=c.main, **common)
+
+    def blend(self, name: str, comps: list[Component], weights: list[float] | None, num_samples: int) -> Any:
+        if num_samples <= 0 or not comps:
+            return None
+        if len(comps) == 1:
+            return self.component(name, comps[0], num_samples)
+        if getattr(self.args, "weight_by_num_documents", False):
+            w = weights_by_num_documents([c.num_documents() for c in comps],
+                                         float(getattr(self.args, "weighted_sampler_alpha", 1.0)))
+        elif weights is not None:
+            if len(weights) != len(comps):
+                raise ConfigError(f"{name}_data_weights has {len(weights)} entries for {len(comps)} datasets")
+            w = np.asarray(weights, dtype=np.float64)
+        else:
+            w = np.ones(len(comps))
+        cache = default_cache_dir(comps[0].main, self.cache_dir)
+        index = cached_blend_index(w, num_samples, cache, name=f"{name}_blend")
+        counts = samples_per_dataset(index[0], len(comps))
+        parts = [self.component(f"{name}{i}", c, int(n)) for i, (c, n) in enumerate(zip(comps, counts))]
+        return BlendedDataset(parts, w, num_samples, index=index)
+
+
+def _components_for_split(args: Any, split: str) -> list[Component] | None:
+    """Explicit per-split paths (``train_data_paths``..., ``pos_train_data_paths``...)."""
+    pos = _as_list(getattr(args, f"pos_{split}_data_paths", None))
+    if pos:
+        neg = _as_list(getattr(args, f"neg_{split}_data_paths", None)) or []
+        if len(neg) != len(pos):
+            raise ConfigError(f"neg_{split}_data_paths must list one rejected dataset per pos_{split}_data_paths entry")
+        pos_l = _as_list(getattr(args, f"pos_{split}_label_data_paths", None))
+        neg_l = _as_list(getattr(args, f"neg_{split}_label_data_paths", None))
+        comps = []
+        for i, (p, n) in enumerate(zip(pos, neg)):
+            roles = {"chosen": p, "rejected": n}
+            if pos_l:
+                roles["chosen_label"] = pos_l[i]
+            if neg_l:
+                roles["rejected_label"] = neg_l[i]
+            comps.append(Component(roles))
+        return comps
+    paths = _as_list(getattr(args, f"{split}_data_paths", None))
+    if not paths:
+        return None
+    labels = _as_list(getattr(args, f"{split}_label_data_paths", None))
+    rewards = _as_list(getattr(args, f"{split}_reward_data_paths", None))
+    for key, extra in ((f"{split}_label_data_paths", labels), (f"{split}_reward_data_paths", rewards)):
+        if extra is not None and len(extra) != len(paths):
+            raise ConfigError(f"{key} must have one entry per {split}_data_paths entry ({len(paths)})")
+    comps = []
+    for i, p in enumerate(paths):
+        roles = {"text": p}
+        if labels:
+            roles["label"] = labels[i]
+        if rewards and getattr(args, "train_impl", "normal") == "kto":
+            roles["reward"] = rewards[i]
+        comps.append(Component(roles))
+    return comps
+
+
+def _train_samples_from_epochs(builder: _Builder, comps: list[Component], epochs: int, g: int) -> int:
+    """train_epochs x samples in one epoch of every training component, in whole global batches."""
+    per_epoch = 0
+    for c in comps:
+        ds = builder.component("train", c, 1)
+        per_epoch += len(ds.shuffle_idx) if hasattr(ds, "shuffle_idx") else len(ds.inner.shuffle_idx)
+    return max(g, (epochs * per_epoch) // g * g)
+
+
+def build_datasets(args: Any, tokenizer: Any = None) -> DataSplits:
+    """Train/valid/test datasets; each is indexable by global sample and returns numpy dicts."""
+    train_n, valid_n, test_n = samples_needed(args)
+    if getattr(args, "use_dummy_dataset", False):
+        vocab = int(getattr(args, "padded_vocab_size", None) or getattr(tokenizer, "vocab_size", 0) or 0)
+        seq = int(getattr(args, "seq_length"))
+        seed = int(getattr(args, "seed", 1234))
+        make = lambda n, s: DummyDataset(n, seq, vocab, seed + s) if n > 0 else None  # noqa: E731
+        return DataSplits(make(max(train_n, 1), 0), make(valid_n, 1), make(test_n, 2))
+
+    builder = _Builder(args, tokenizer)
+    per_split: dict[str, list[Component] | None] = {}
+    if getattr(args, "train_urls", None) or getattr(args, "validation_urls", None):
+        from megatron.data.url_sources import materialize_urls  # tokenizes on first use only
+
+        if tokenizer is None:
+            from megatron.tokenizer import build_tokenizer
+
+            tokenizer = build_tokenizer(args)
+        for split, key in (("train", "train_urls"), ("valid", "validation_urls")):
+            urls = _as_list(getattr(args, key, None))
+            per_split[split] = [Component({"text": materialize_urls(urls, builder.cache_dir, tokenizer)})] if urls else None
+        per_split["test"] = None
+    elif any(_components_for_split(args, s) for s in SPLITS):
+        per_split = {s: _components_for_split(args, s) for s in SPLITS}
+    elif getattr(args, "data_path", None):
+        prefixes = _as_list(args.data_path) or []
+        labels = _as_list(getattr(args, "label_data_paths", None))
+        per_split = {s: [] for s in SPLITS}
+        for i, prefix in enumerate(prefixes):
+            n = len(_open(prefix))
+            for s, rng in zip(SPLITS, split_ranges(getattr(args, "split", "969, 30, 1"), n)):
+                if rng[1] > rng[0]:
+                    roles = {"text": prefix, **({"label": labels[i]} if labels else {})}
+                    per_split[s].append(Component(roles, rng))
+    else:
+        raise ConfigError("no training data: set data_path, train_data_paths, train_urls or use_dummy_dataset "
+                          "(run `python prepare_data.py` to download and tokenize a sample corpus)")
+
+    if getattr(args, "train_iters", None) in (None, 0) and getattr(args, "train_epochs", None) and per_split.get("train"):
+        train_n = _train_samples_from_epochs(builder, per_split["train"], int(args.train_epochs),
+                                             int(args.train_batch_size))
+    if train_n > 0 and not per_split.get("train"):
+        raise DataError("the train split is empty: check `split` and the data paths")
+    weights = {s: _as_list(getattr(args, f"{s}_data_weights", None)) for s in SPLITS}
+    datasets = {}
+    for s, n in zip(SPLITS, (train_n, valid_n, test_n)):
+        comps = per_split.get(s) or []
+        if n > 0 and not comps and s != "train":
+            logger.warning("%s split has no data; evaluation on it is skipped", s)
+        datasets[s] = builder.blend(s, comps, weights[s], n)
+    return DataSplits(datasets["train"], datasets["valid"], datasets["test"])

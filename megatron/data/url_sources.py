@@ -1,0 +1,184 @@
+"""Levanter-style raw-text sources: ``train_urls``/``validation_urls`` tokenized into a local cache.
+
+A source is a list of jsonl shards (plain, ``.gz`` or ``.zst``) given as local paths with shell brace
+patterns: ``shard-{001..128}.jsonl.gz`` or ``{train,extra}.jsonl``. On first use the shards are
+tokenized (``text`` field, EOD after each document) into one MMIDIDX dataset under ``cache_dir``;
+later runs and other ranks read that dataset. The cache name hashes the shards' *content* and the
+tokenizer, so editing a shard or switching tokenizer re-tokenizes, and racing ranks tokenize once.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megatron.data.index_cache import build_once, file_content_key
+from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
+from megatron.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?$")
+DEFAULT_CACHE_DIR = "cache/urls"
+
+
+def _top_level_group(pattern: str) -> tuple[int, int] | None:
+    """Span of the first top-level ``{...}`` group, or None when there is none."""
+    depth, start = 0, -1
+    for i, ch in enumerate(pattern):
+        if ch == "{":
+            if depth == 0:
+                start = i
+            depth += 1
+        elif ch == "}" and depth:
+            depth -= 1
+            if depth == 0:
+                return start, i
+    if depth:
+        raise DataError(f"unbalanced '{{' in url pattern {pattern!r}")
+    return None
+
+
+def _split_top_level(body: str) -> list[str]:
+    parts, depth, cur = [], 0, []
+    for ch in body:
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+            continue
+        depth += ch == "{"
+        depth -= ch == "}"
+        cur.append(ch)
+    parts.append("".join(cur))
+    return parts
+
+
+def _alternatives(body: str, pattern: str) -> list[str]:
+    m = _RANGE.match(body)
+    if m:
+        a, b = int(m.group(1)), int(m.group(2))
+        step = abs(int(m.group(3) or 1)) or 1
+        # bash pads to the wider endpoint when either is written with a leading zero
+        padded = any(re.match(r"^-?0\d", g) for g in (m.group(1), m.group(2)))
+        width = max(len(m.group(1)), len(m.group(2))) if padded else 0
+        values = range(a, b + 1, step) if a <= b else range(a, b - 1, -step)
+        return [str(v).zfill(width) if width else str(v) for v in values]
+    parts = _split_top_level(body)
+    if len(parts) < 2:
+        raise DataError(f"brace group {{{body}}} in {pattern!r} needs a comma list or a range like 1..8")
+    return parts
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Shell brace expansion, left to right: ``a{1..3}`` -> a1 a2 a3; ``{x,y{1,2}}`` -> x y1 y2."""
+    group = _top_level_group(pattern)
+    if group is None:
+        return [pattern]
+    lo, hi = group
+    head, body, tail = pattern[:lo], pattern[lo + 1 : hi], pattern[hi + 1 :]
+    out: list[str] = []
+    for alt in _alternatives(body, pattern):
+        out.extend(expand_braces(head + alt + tail))
+    return out
+
+
+def expand_urls(urls: list[str]) -> list[str]:
+    """Expand every pattern; only local files are supported (a remote URL is a clear error)."""
+    paths: list[str] = []
+    for url in urls:
+        for p in expand_braces(url):
+            if "://" in p and not p.startswith("file://"):
+                raise DataError(f"{p}: only local paths are supported for train_urls/validation_urls; "
+                                "download the shards first")
+            p = p.removeprefix("file://")
+            if not os.path.isfile(p):
+                raise DataError(f"{p}: shard not found (from pattern {url!r}); run `python prepare_data.py` "
+                                "or fix the path")
+            paths.append(p)
+    if not paths:
+        raise DataError("train_urls/validation_urls expanded to no files")
+    return paths
+
+
+def _open_text(path: str) -> io.TextIOBase:
+    if path.endswith(".gz"):
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+    if path.endswith(".zst"):
+        import zstandard
+
+        return io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")), encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def iter_texts(path: str, text_key: str = "text") -> Iterator[str]:
+    with _open_text(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                text = record[text_key]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise DataError(f"{path}:{lineno}: expected a JSON object with a {text_key!r} string") from None
+            if not isinstance(text, str):
+                raise DataError(f"{path}:{lineno}: {text_key!r} must be a string")
+            yield text
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Identity of a tokenizer for cache keys: its type, sizes and how it splits a probe string."""
+    probe = "Deepy cache probe: Hello, world! 123 \u00e9\u4e2d"
+    parts = [type(tokenizer).__name__, str(tokenizer.vocab_size), str(tokenizer.eod), str(tokenizer.tokenize(probe))]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def materialize_urls(urls: list[str], cache_dir: str | None, tokenizer: Any, text_key: str = "text",
+                     batch_size: int = 1024) -> str:
+    """Tokenize the shards once into ``cache_dir``; return the dataset prefix to read."""
+    paths = expand_urls(list(urls))
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(file_content_key(p).encode())
+    h.update(tokenizer_fingerprint(tokenizer).encode())
+    h.update(text_key.encode())
+    root = Path(cache_dir or DEFAULT_CACHE_DIR)
+    prefix = str(root / f"urls_{h.hexdigest()[:20]}_text_document")
+
+    def build() -> None:
+        logger.info("tokenizing %d shards into %s", len(paths), prefix)
+        builder = MMapIndexedDatasetBuilder(prefix + ".bin", best_fitting_dtype(tokenizer.vocab_size))
+        try:
+            for p in paths:
+                batch: list[str] = []
+                for text in iter_texts(p, text_key):
+                    batch.append(text)
+                    if len(batch) == batch_size:
+                        _add(builder, tokenizer, batch)
+                        batch = []
+                _add(builder, tokenizer, batch)
+            # The .idx is published last (atomically), so its existence marks a complete dataset.
+            builder.finalize(prefix + ".idx")
+        except BaseException:
+            builder.abort()
+            raise
+
+    build_once(prefix + ".idx", build)
+    return prefix
+
+
+def _add(builder: MMapIndexedDatasetBuilder, tokenizer: Any, texts: list[str]) -> None:
+    if not texts:
+        return
+    for ids in tokenizer.tokenize_batch(texts):
+        builder.add_item(np.asarray(list(ids) + [tokenizer.eod], dtype=np.int64))
+        builder.end_document()
