@@ -1,0 +1,130 @@
+#!/usr/bin/env python
+"""Benchmark ``tools/datasets/preprocess_data.py`` against HF ``tokenizers.encode_batch``.
+
+Builds, deterministically, the corpus of /work/shared/reference/ANCHORS.md: the Python standard
+library's docstrings of at least 200 characters as ``{"text": ...}`` lines, repeated 20 times
+(~26 MB). Then, in one run:
+
+1. our tool end to end (a subprocess, so interpreter start and imports count), ``--append-eod``;
+2. HF ``Tokenizer.encode_batch`` on the same documents in this process (the ceiling of a tool built
+   on HF tokenizers);
+3. checks that the dataset we wrote holds exactly HF's ids (+ eod) for every document.
+
+Prints tokens/s of both and their ratio. Numbers on a shared 2-core machine are noisy: run it a few
+times. ``--modes processes,threads`` also times the tool's thread-based mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+from megatron.data.indexed_dataset import MMapIndexedDataset  # noqa: E402
+
+DEFAULT_TOKENIZER = REPO.parent / "shared" / "data" / "gpt2-tokenizer.json"
+
+
+def build_corpus(path: Path, repeats: int, min_chars: int) -> int:
+    """Write the benchmark corpus; returns the number of documents."""
+    sys.path.insert(0, str(REPO))
+    import prepare_data
+
+    docs = prepare_data.stdlib_docstrings(min_chars=min_chars, include_private=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        for _ in range(repeats):
+            for doc in docs:
+                fh.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
+    return len(docs) * repeats
+
+
+def run_tool(corpus: Path, tokenizer: Path, prefix: Path, workers: int, mode: str) -> tuple[float, str]:
+    cmd = [sys.executable, str(REPO / "tools" / "datasets" / "preprocess_data.py"), "--input", str(corpus),
+           "--output-prefix", str(prefix), "--tokenizer-type", "HFTokenizer", "--vocab-file", str(tokenizer),
+           "--append-eod", "--workers", str(workers), "--parallelism", mode, "--quiet"]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.exit(f"preprocess_data failed ({proc.returncode}):\n{proc.stderr}")
+    return wall, proc.stdout
+
+
+def peak_rss_children_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER) if DEFAULT_TOKENIZER.exists() else None,
+                   help="a byte-level BPE tokenizer.json (default: ../shared/data/gpt2-tokenizer.json)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--min-chars", type=int, default=200)
+    p.add_argument("--modes", default="processes", help="comma-separated: processes,threads")
+    p.add_argument("--workdir", default=None, help="keep the corpus and outputs here (default: a temp dir)")
+    args = p.parse_args()
+    if not args.tokenizer:
+        sys.exit("no --tokenizer given and ../shared/data/gpt2-tokenizer.json does not exist; "
+                 "train one with tools/datasets/train_tokenizer.py")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.workdir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        corpus = work / "stdlib_docstrings.jsonl"
+        n_docs = build_corpus(corpus, args.repeats, args.min_chars)
+        mb = corpus.stat().st_size / 1e6
+        print(f"corpus: {n_docs:,} docs, {mb:.1f} MB ({corpus})")
+
+        results: dict[str, tuple[float, Path]] = {}
+        for mode in args.modes.split(","):
+            prefix = work / f"bench_{mode}"
+            wall, out = run_tool(corpus, Path(args.tokenizer), prefix, args.workers, mode)
+            results[mode] = (wall, prefix)
+            inner = re.search(r"in ([\d.]+) s", out)
+            print(f"ours [{mode}, {args.workers} workers]: {wall:.2f} s wall end to end"
+                  + (f" ({inner.group(1)} s inside the tool)" if inner else ""))
+        print(f"peak RSS of our tool (largest process): {peak_rss_children_mb():.0f} MB")
+
+        # HF on the same documents, in this process (reading the corpus is not timed).
+        import tokenizers
+
+        texts = [json.loads(line)["text"] for line in open(corpus, encoding="utf-8")]
+        hf = tokenizers.Tokenizer.from_file(args.tokenizer)
+        start = time.perf_counter()
+        encodings = hf.encode_batch(texts)
+        hf_time = time.perf_counter() - start
+        hf_ids = [e.ids for e in encodings]
+        n_tokens = sum(map(len, hf_ids)) + len(hf_ids)  # + eod, as our tool writes
+        eod = hf.token_to_id("<|endoftext|>")
+
+        print(f"HF encode_batch: {hf_time:.2f} s, {n_tokens / hf_time / 1e6:.2f}M tokens/s "
+              f"({n_tokens:,} tokens incl. eod)")
+        for mode, (wall, prefix) in results.items():
+            ds = MMapIndexedDataset(f"{prefix}_text_document")
+            same = len(ds) == len(hf_ids) and all(
+                np.array_equal(ds[i], np.asarray(ids + [eod])) for i, ids in enumerate(hf_ids))
+            print(f"ours [{mode}]: {n_tokens / wall / 1e6:.2f}M tokens/s end to end, "
+                  f"{hf_time / wall:.2f}x HF encode_batch; ids identical to HF: {same}")
+            if not same:
+                return 1
+            for suffix in (".bin", ".idx"):
+                os.remove(f"{prefix}_text_document{suffix}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""Train a byte-level BPE tokenizer (GPT-2 style) on jsonl or text files with HF ``tokenizers``.
+
+The result is a ``tokenizer.json`` for ``tokenizer_type: HFTokenizer`` whose layout (every byte in the
+alphabet, merge results numbered in merge order, no normalizer) lets Deepy encode it with the fast
+tiktoken path. ``<|endoftext|>`` is a special token (the end-of-document id). Training is
+deterministic: the same texts and vocab size give the same file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, not installed
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+
+from megatron.errors import DataError, run_guarded  # noqa: E402
+
+EOD_TOKEN = "<|endoftext|>"
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, special_tokens: list[str] | None = None,
+              min_frequency: int = 2) -> Tokenizer:
+    """A byte-level BPE trained on ``texts``; the first special token is the end-of-document token."""
+    special = special_tokens or [EOD_TOKEN]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + len(special):
+        raise DataError(f"vocab size {vocab_size} is too small: the byte alphabet alone needs "
+                        f"{len(alphabet) + len(special)} entries")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=special,
+                                  initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def iter_texts(paths: list[str], key: str) -> Iterator[str]:
+    """Texts from jsonl (the ``key`` field) or plain-text files (one document per file)."""
+    for path in paths:
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: input file not found")
+        if not path.endswith((".jsonl", ".json")):
+            yield Path(path).read_text(encoding="utf-8", errors="strict")
+            continue
+        with open(path, encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    text = record[key]
+                except (json.JSONDecodeError, TypeError, KeyError) as err:
+                    raise DataError(f"{path}:{lineno}: expected a JSON object with a {key!r} string ({err})") from None
+                if isinstance(text, str) and text.strip():
+                    yield text
+
+
+def save(tok: Tokenizer, path: str | os.PathLike[str]) -> None:
+    """Write atomically so a crash never leaves a truncated tokenizer.json behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tok.save(str(tmp), pretty=True)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", required=True, nargs="+", help="jsonl files (or plain text files)")
+    p.add_argument("--jsonl-key", default="text")
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--min-frequency", type=int, default=2)
+    p.add_argument("--output", required=True, help="where to write tokenizer.json")
+    p.add_argument("--debug", action="store_true")
+    args = p.parse_args(argv)
+    tok = train_bpe(iter_texts(args.input, args.jsonl_key), args.vocab_size, min_frequency=args.min_frequency)
+    save(tok, args.output)
+    print(f"wrote {args.output}: vocab {tok.get_vocab_size()}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_guarded(main)
