@@ -90,7 +90,7 @@ def load_resolved(path: str | os.PathLike[str]) -> ResolvedConfig:
             f"{FORMAT_VERSION}; run deepy.py again to rewrite it"
         )
     try:
-        args = NeoXArgs.model_validate(data["args"])
+        args = NeoXArgs.model_validate(_changed_only(NeoXArgs, data.get("args") or {}))
     except ValidationError as err:
         raise ConfigError(f"{path}: the stored arguments no longer match the schema: {err}") from err
     return ResolvedConfig(
@@ -100,6 +100,23 @@ def load_resolved(path: str | os.PathLike[str]) -> ResolvedConfig:
         deepspeed_config=data.get("deepspeed_config"),
         run_dir=data.get("run_dir"),
     )
+
+
+def _changed_only(schema: type[NeoXArgs], stored: dict[str, Any]) -> dict[str, Any]:
+    """The stored values that differ from the defaults.
+
+    pydantic does not validate defaults, so a default that does not fit its own annotation (``None``
+    for a ``str``) is fine in a fresh object but would fail validation when read back.
+    """
+    changed: dict[str, Any] = {}
+    for key, value in stored.items():
+        field_info = schema.model_fields.get(key)
+        if field_info is not None:
+            default = field_info.get_default(call_default_factory=True)
+            if value == default or (isinstance(default, tuple) and value == list(default)):
+                continue
+        changed[key] = value
+    return changed
 
 
 def default_run_dir(log_dir: str | None, now: datetime | None = None) -> Path:
