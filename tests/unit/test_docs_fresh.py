@@ -1,0 +1,59 @@
+"""The committed key reference (configs/neox_arguments.md) must match what the schema generates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from megatron.neox_arguments.arguments import GROUPS, NeoXArgs
+from megatron.neox_arguments.docs import render_markdown, support_note, type_name
+
+REFERENCE = Path(__file__).resolve().parents[2] / "configs" / "neox_arguments.md"
+REGENERATE = "python -m megatron.neox_arguments.docs > configs/neox_arguments.md"
+
+
+def test_committed_reference_is_fresh() -> None:
+    committed = REFERENCE.read_text()
+    generated = render_markdown()
+    if committed != generated:
+        old, new = committed.splitlines(), generated.splitlines()
+        first = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+        raise AssertionError(
+            f"configs/neox_arguments.md is stale (first difference at line {first + 1}); "
+            f"regenerate it with: {REGENERATE}"
+        )
+
+
+def test_reference_lists_every_key_once_under_its_group() -> None:
+    text = render_markdown()
+    for name in NeoXArgs.field_names():
+        assert text.count(f"| `{name}` |") == 1, name
+    headings = [line for line in text.splitlines() if line.startswith("## ")]
+    assert [h.split()[1] for h in headings] == list(GROUPS)
+    # a row carries the type, default, doc and support flag
+    row = next(line for line in text.splitlines() if line.startswith("| `te_mha` |"))
+    assert row == (
+        "| `te_mha` | bool | `False` | Use Transformer Engine's multi-head attention module. "
+        "| not supported yet |"
+    )
+    row = next(line for line in text.splitlines() if line.startswith("| `pipe_partition_method` |"))
+    assert "`'type:transformer\\|mlp'`" in row  # pipes inside cells are escaped
+
+
+def test_support_notes() -> None:
+    assert support_note("hidden_size") == ""
+    assert support_note("moe_num_experts") == "not supported yet"
+    assert support_note("norm") == "not supported yet: `te_rmsnorm`, `te_layernorm`"
+    assert "`bigbird`" in support_note("attention_config")
+
+
+def test_type_names_are_readable() -> None:
+    cases: list[tuple[Any, str]] = [
+        (int | None, "int | None"),
+        (Literal["a", "b"], '"a" | "b"'),
+        (list[int] | Literal["all"] | None, 'list[int] | "all" | None'),
+        (dict[str, Any], "dict[str, Any]"),
+        (Any, "Any"),
+    ]
+    for annotation, expected in cases:
+        assert type_name(annotation) == expected
