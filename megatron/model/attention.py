@@ -1,0 +1,119 @@
+"""Causal self-attention: fused column-parallel QKV, SDPA, row-parallel output.
+
+Heads are split across tp ranks. The fused QKV weight is `[q; k; v]` along its rows
+(`num_attention_heads*d`, `num_kv_heads*d`, `num_kv_heads*d`); rank r holds
+`[q_r; k_r; v_r]`, its own query heads and the key/value heads they read (grouped-query
+attention: query head i reads kv head i // (heads / kv_heads)).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.model.config import GPTConfig
+from megatron.model.norms import build_norm
+from megatron.model.positional import RotaryEmbedding, alibi_bias, alibi_slopes
+from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, allreduce_grads_across_tensor_parallel
+from megatron.mpu.random import tensor_parallel_rng
+from megatron.mpu.topology import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, name: str) -> None:
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        if config.num_attention_heads % tp or config.kv_heads % tp:
+            raise ValueError(
+                f"num_attention_heads={config.num_attention_heads} and num_kv_heads={config.kv_heads} "
+                f"must both be divisible by the tensor-parallel size {tp}"
+            )
+        self.head_dim = config.head_dim
+        self.heads = config.num_attention_heads // tp  # on this rank
+        self.kv_heads = config.kv_heads // tp
+        sections = [config.num_attention_heads * self.head_dim] + [config.kv_heads * self.head_dim] * 2
+        self.query_key_value = ColumnParallelLinear(
+            config.hidden_size,
+            sum(sections),
+            name=f"{name}.query_key_value",
+            init_fn=config.init_fn(),
+            seed=config.seed,
+            bias=config.use_bias_in_attn_linear,
+            sections=sections,
+            sequence_parallel=config.sequence_parallel,
+            params_dtype=config.params_dtype,
+        )
+        self.dense = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            name=f"{name}.dense",
+            init_fn=config.output_init_fn(),
+            seed=config.seed,
+            bias=config.use_bias_in_attn_linear,
+            sequence_parallel=config.sequence_parallel,
+            params_dtype=config.params_dtype,
+        )
+        if config.use_qk_layernorm:
+            # one norm over the head dim, shared by all heads; heads are split, so grads are partial
+            self.q_norm: nn.Module | None = build_norm(config, self.head_dim)
+            self.k_norm: nn.Module | None = build_norm(config, self.head_dim)
+            allreduce_grads_across_tensor_parallel([*self.q_norm.parameters(), *self.k_norm.parameters()])
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = (
+            RotaryEmbedding(config.rotary_dim, config.rotary_emb_base) if config.pos_emb == "rotary" else None
+        )
+        if config.pos_emb == "alibi":
+            rank = get_tensor_model_parallel_rank()
+            slopes = alibi_slopes(config.num_attention_heads)[rank * self.heads : (rank + 1) * self.heads]
+            self.register_buffer("alibi_slopes", slopes, persistent=False)
+        else:
+            self.alibi_slopes = None
+        self.window = config.sliding_window_width
+        self.dropout = config.attention_dropout
+
+    def forward(
+        self,
+        x_sbh: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        qkv = self.query_key_value(x_sbh)  # [s, b, (heads + 2 kv_heads) * d], this rank's heads
+        s, b = qkv.shape[:2]
+        d = self.head_dim
+        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q = q.view(s, b, self.heads, d).permute(1, 2, 0, 3)  # [b, n, s, d]
+        k = k.view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)  # [b, n_kv, s, d]
+        v = v.view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)  # [b, n_kv, s, d]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            positions = torch.arange(s, device=q.device).unsqueeze(0) if position_ids is None else position_ids
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if self.kv_heads != self.heads:
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)  # [b, n, s, d]
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        mask = self._mask(s, attention_mask, q)
+        with tensor_parallel_rng():  # heads differ per rank, so their dropout should too
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=mask is None
+            )  # [b, n, s, d]
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * d)  # [s, b, n*d]
+        return self.dense(out)  # [s, b, h]
+
+    def _mask(self, s: int, attention_mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+        """None (plain causal) or a mask for SDPA: bool (True = attend) or additive float (ALiBi)."""
+        if self.window is None and self.alibi_slopes is None and attention_mask is None:
+            return None
+        pos = torch.arange(s, device=q.device)
+        distance = pos.unsqueeze(1) - pos.unsqueeze(0)  # [s, s], query i - key j
+        allowed = distance >= 0
+        if self.window is not None:
+            allowed = allowed & (distance <= self.window)
+        if attention_mask is not None:
+            allowed = allowed & attention_mask.to(torch.bool)  # broadcast to [b, 1, s, s]
+        if self.alibi_slopes is None:
+            return allowed
+        bias = alibi_bias(self.alibi_slopes.float(), s).to(q.dtype)  # [n, s, s]
+        return bias.masked_fill(~allowed, float("-inf"))

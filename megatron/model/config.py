@@ -1,0 +1,205 @@
+"""The architecture of a GPT model, as one typed record with GPT-NeoX field names.
+
+`GPTConfig` holds only what changes the network; the trainer builds it from the flat
+`NeoXArgs` with `GPTConfig.from_neox_args(args)`. Derived sizes (head dim, kv heads, MLP width,
+per-layer attention type) live here as properties so every module computes them the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from megatron.mpu.initialize_weights import InitFn, init_method_from_name
+
+PosEmb = Literal["learned", "rotary", "sinusoidal", "alibi", "none"]
+InitMethod = Literal[
+    "normal",
+    "scaled_normal",
+    "orthogonal",
+    "scaled_orthogonal",
+    "xavier_uniform",
+    "xavier_normal",
+    "wang_init",
+    "small_init",
+]
+
+# attention types a layer may have; the kernel choice ("flash") does not change the maths
+_GLOBAL_ATTENTION = {"global", "flash"}
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclass
+class GPTConfig:
+    """Architecture fields of a GPT model. Names and defaults follow GPT-NeoX."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_kv_heads: int | None = None
+    """Key/value heads for grouped-query (None = one per query head, 1 = multi-query)."""
+    seq_length: int = 128
+    max_position_embeddings: int | None = None
+    """Size of the learned position table; None = seq_length."""
+    padded_vocab_size: int = 128
+    """Vocabulary rows, padded by the trainer so that it divides by tp."""
+
+    pos_emb: PosEmb = "learned"
+    rotary_pct: float = 1.0
+    """Fraction of each head's dimensions that rotary rotates (the rest pass through)."""
+    rotary_emb_base: int = 10000
+
+    norm: str = "layernorm"
+    layernorm_epsilon: float = 1.0e-5
+    rms_norm_epsilon: float = 1.0e-8
+    scalenorm_epsilon: float = 1.0e-8
+    use_qk_layernorm: bool = False
+    use_bias_in_norms: bool = True
+    use_bias_in_attn_linear: bool = True
+    use_bias_in_mlp: bool = True
+
+    activation: str = "gelu"
+    intermediate_size: int | None = None
+    """MLP width (before gating); None = expansion_factor * hidden_size."""
+    expansion_factor: float | None = None
+    """MLP width as a multiple of hidden_size; None = 4."""
+    mlp_multiple_of: int = 1
+    """Round the MLP width up to a multiple of this."""
+
+    gpt_j_residual: bool = False
+    """Parallel residual: x + attn(norm1(x)) + mlp(norm2(x))."""
+    gpt_j_tied: bool = False
+    """With gpt_j_residual, attention and MLP share one input norm."""
+    no_weight_tying: bool = False
+    """Untie the output projection from the token embedding."""
+
+    init_method: InitMethod = "normal"
+    output_layer_init_method: InitMethod = "scaled_normal"
+    init_method_std: float = 0.02
+
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    sliding_window_width: int | None = None
+    """Each token attends to itself and the previous `sliding_window_width` tokens."""
+    attention_config: list[Any] | None = None
+    """Per-layer attention types, GPT-NeoX style ([[["global"], n_layers]]) or already expanded."""
+    scaled_upper_triang_masked_softmax_fusion: bool = False
+    """Kernel choice in GPT-NeoX; ignored (the attention is PyTorch's SDPA)."""
+
+    params_dtype: torch.dtype = torch.float32
+    seed: int = 1234
+    sequence_parallel: bool = False
+
+    # ------------------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        if isinstance(self.params_dtype, str):
+            self.params_dtype = _DTYPES[self.params_dtype]
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_attention_heads
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                f"{self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"num_kv_heads={self.num_kv_heads}"
+            )
+        bad = [t for t in self.attention_types if t not in _GLOBAL_ATTENTION]
+        if bad:
+            raise ValueError(f"attention types {sorted(set(bad))} are not supported (only global/flash)")
+
+    # --- derived sizes -------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        assert self.num_kv_heads is not None
+        return self.num_kv_heads
+
+    @property
+    def ffn_hidden_size(self) -> int:
+        """MLP width (one half of the first projection for gated activations)."""
+        if self.intermediate_size is not None:
+            width = self.intermediate_size
+        else:
+            factor = 4.0 if self.expansion_factor is None else self.expansion_factor
+            width = int(factor * self.hidden_size)
+        multiple = max(1, self.mlp_multiple_of)
+        return multiple * math.ceil(width / multiple)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that rotary rotates (even)."""
+        dim = int(self.head_dim * self.rotary_pct)
+        return dim - dim % 2
+
+    @property
+    def attention_types(self) -> list[str]:
+        """One attention type per layer, expanding GPT-NeoX's [[types, repeats], ...] form."""
+        cfg = self.attention_config
+        if not cfg:
+            return ["global"] * self.num_layers
+        if all(isinstance(item, str) for item in cfg):
+            return list(cfg)
+        types: list[str] = []
+        for kinds, repeats in cfg:
+            count = self.num_layers if repeats == "all" else int(repeats)
+            for i in range(count):
+                types.append(kinds[i % len(kinds)])
+        return types[: self.num_layers]
+
+    def init_fn(self) -> InitFn:
+        """Init for input-side weights (embeddings, QKV, first MLP projection, untied output)."""
+        return init_method_from_name(self.init_method, self.init_method_std, self.num_layers, self.hidden_size)
+
+    def output_init_fn(self) -> InitFn:
+        """Init for the layers that write into the residual stream (attention dense, MLP out)."""
+        return init_method_from_name(
+            self.output_layer_init_method, self.init_method_std, self.num_layers, self.hidden_size
+        )
+
+    def replace(self, **changes: Any) -> "GPTConfig":
+        return dataclasses.replace(self, **changes)
+
+    # --- from the trainer's arguments ---------------------------------------------------
+    @classmethod
+    def from_neox_args(cls, args: Any) -> "GPTConfig":
+        """Read the architecture fields from any object with GPT-NeoX argument names."""
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if hasattr(args, f.name):
+                value = getattr(args, f.name)
+                if value is not None or f.default is None:
+                    values[f.name] = value
+        dtype = values.get("params_dtype")
+        if dtype is None or isinstance(dtype, str):
+            values["params_dtype"] = _params_dtype_from_precision(args, dtype)
+        return cls(**values)
+
+
+def _params_dtype_from_precision(args: Any, explicit: str | None) -> torch.dtype:
+    if explicit:
+        return _DTYPES[explicit]
+    precision = getattr(args, "precision", None)
+    if precision is not None and str(precision).lower() in _DTYPES:
+        return _DTYPES[str(precision).lower()]
+    return torch.float32

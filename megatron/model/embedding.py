@@ -1,0 +1,51 @@
+"""Token embedding (vocab-parallel) + absolute positions + dropout: tokens [b, s] -> hidden [s, b, h]."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.model.config import GPTConfig
+from megatron.model.positional import ABSOLUTE_POSITIONAL, default_position_ids
+from megatron.mpu.layers import VocabParallelEmbedding
+from megatron.mpu.mappings import scatter_to_sequence_parallel_region
+from megatron.mpu.random import tensor_parallel_rng
+from megatron.mpu.topology import get_tensor_model_parallel_world_size
+
+
+class GPTEmbedding(nn.Module):
+    """Looks tokens up in the vocab-parallel table, adds absolute positions (if any), applies dropout.
+
+    The output projection reuses `word_embeddings.weight` unless weights are untied.
+    """
+
+    def __init__(self, config: GPTConfig, name: str = "embedding") -> None:
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(
+            config.padded_vocab_size,
+            config.hidden_size,
+            name=f"{name}.word_embeddings",
+            init_fn=config.init_fn(),
+            seed=config.seed,
+            params_dtype=config.params_dtype,
+        )
+        positional = ABSOLUTE_POSITIONAL.get(config.pos_emb)
+        self.position_embeddings = positional(config, f"{name}.position_embeddings") if positional else None
+        self.dropout = config.hidden_dropout
+        self.sequence_parallel = config.sequence_parallel and get_tensor_model_parallel_world_size() > 1
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x_bsh = self.word_embeddings(tokens)
+        if self.position_embeddings is not None:
+            positions = default_position_ids(tokens) if position_ids is None else position_ids
+            x_bsh = x_bsh + self.position_embeddings(positions).to(x_bsh.dtype)
+        x_sbh = x_bsh.transpose(0, 1).contiguous()
+        if self.sequence_parallel:
+            # positions were added on the full sequence, so their gradient is whole on every rank
+            x_sbh = scatter_to_sequence_parallel_region(x_sbh)  # [s/tp, b, h]
+        rng = tensor_parallel_rng() if self.sequence_parallel else contextlib.nullcontext()
+        with rng:
+            return F.dropout(x_sbh, self.dropout, self.training)

@@ -1,0 +1,65 @@
+"""Parameter count and training FLOPs per token, for MFU.
+
+Pure arithmetic on the config (no model is built), so it is cheap for any size.
+"""
+
+from __future__ import annotations
+
+from megatron.model.activations import get_activation
+from megatron.model.config import GPTConfig
+
+# parameters of one norm over `dim` features
+_NORM_PARAMS = {
+    "layernorm": lambda dim, c: dim * (2 if c.use_bias_in_norms else 1),
+    "rmsnorm": lambda dim, c: dim,
+    "scalenorm": lambda dim, c: 1,
+    "non_parametric_layernorm": lambda dim, c: 0,
+}
+
+
+def _norm_params(config: GPTConfig, dim: int) -> int:
+    return _NORM_PARAMS[config.norm](dim, config)
+
+
+def layer_parameters(config: GPTConfig) -> int:
+    """Parameters of one transformer layer."""
+    h, d = config.hidden_size, config.head_dim
+    qkv_out = (config.num_attention_heads + 2 * config.kv_heads) * d
+    attn_bias = config.use_bias_in_attn_linear
+    attention = h * qkv_out + config.num_attention_heads * d * h + (qkv_out + h if attn_bias else 0)
+    if config.use_qk_layernorm:
+        attention += 2 * _norm_params(config, d)
+    ffn = config.ffn_hidden_size
+    first = 2 * ffn if get_activation(config.activation).gated else ffn
+    mlp = h * first + ffn * h + (first + h if config.use_bias_in_mlp else 0)
+    norms = 1 if (config.gpt_j_residual and config.gpt_j_tied) else 2
+    return attention + mlp + norms * _norm_params(config, h)
+
+
+def num_parameters(config: GPTConfig, include_embeddings: bool = True) -> int:
+    """Unique parameters of the full (unsharded) model; a tied output projection counts once."""
+    h, vocab = config.hidden_size, config.padded_vocab_size
+    total = config.num_layers * layer_parameters(config) + _norm_params(config, h)
+    if config.no_weight_tying:
+        total += vocab * h
+    if include_embeddings:
+        total += vocab * h
+        if config.pos_emb == "learned":
+            assert config.max_position_embeddings is not None
+            total += config.max_position_embeddings * h
+    return total
+
+
+def flops_per_token(config: GPTConfig, seq_length: int | None = None) -> float:
+    """Training (forward + backward) FLOPs per token: 6N + 12 L h s.
+
+    N counts the weights that take part in matmuls: every non-embedding parameter plus the output
+    projection (vocab x h, tied or not); the lookup tables do no matmul. 12 L h s is the attention
+    score and value products (2 * 2 * s * h per layer forward, x3 with the backward). The sliding
+    window's savings are not counted, so MFU stays comparable across windows.
+    """
+    s = config.seq_length if seq_length is None else seq_length
+    matmul_params = num_parameters(config, include_embeddings=False)
+    if not config.no_weight_tying:
+        matmul_params += config.padded_vocab_size * config.hidden_size
+    return 6.0 * matmul_params + 12.0 * config.num_layers * config.hidden_size * s

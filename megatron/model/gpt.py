@@ -1,0 +1,70 @@
+"""The GPT model: embedding -> transformer layers -> final norm -> (tied) output projection."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron.model.config import GPTConfig
+from megatron.model.embedding import GPTEmbedding
+from megatron.model.norms import build_norm
+from megatron.model.transformer_layer import TransformerLayer
+from megatron.mpu.layers import ColumnParallelLinear, allreduce_grads_across_tensor_parallel, parallel_lm_logits
+from megatron.mpu.topology import get_tensor_model_parallel_world_size
+
+
+def build_output_layer(config: GPTConfig) -> ColumnParallelLinear:
+    """The untied output projection (vocab-parallel rows, no bias)."""
+    return ColumnParallelLinear(
+        config.hidden_size,
+        config.padded_vocab_size,
+        name="output_layer",
+        init_fn=config.init_fn(),
+        seed=config.seed,
+        bias=False,
+        params_dtype=config.params_dtype,
+    )
+
+
+def build_final_norm(config: GPTConfig) -> nn.Module:
+    norm = build_norm(config)
+    if config.sequence_parallel:
+        allreduce_grads_across_tensor_parallel(norm.parameters())  # it sees a sequence shard
+    return norm
+
+
+class GPTModel(nn.Module):
+    """tokens `[b, s]` -> logits `[b, s, padded_vocab_size / tp]` (this rank's vocabulary shard).
+
+    Parameter names are the canonical names that seed their initialisation, so the same name
+    means the same full weight in every parallel layout.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.sequence_parallel = config.sequence_parallel and get_tensor_model_parallel_world_size() > 1
+        self.embedding = GPTEmbedding(config)
+        self.layers = nn.ModuleList(TransformerLayer(config, i) for i in range(config.num_layers))
+        self.final_norm = build_final_norm(config)
+        self.output_layer = build_output_layer(config) if config.no_weight_tying else None
+
+    def output_weight(self) -> torch.Tensor:
+        """`[v/tp, h]`: the token embedding itself unless the weights are untied."""
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`attention_mask`: optional bool, broadcastable to `[b, 1, s, s]`, True = may attend
+        (combined with the causal mask); `position_ids`: optional `[b, s]` (default 0..s-1)."""
+        x = self.embedding(tokens, position_ids)  # [s, b, h]
+        for layer in self.layers:
+            x = layer(x, position_ids, attention_mask)  # [s, b, h]
+        x = self.final_norm(x)
+        return parallel_lm_logits(x, self.output_weight(), self.sequence_parallel)  # [b, s, v/tp]

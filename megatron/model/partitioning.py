@@ -1,0 +1,51 @@
+"""Which parameters are split across tensor-parallel ranks, and how (for checkpoint resharding).
+
+Patterns are regexes searched in a parameter's name; they match `GPTModel` names
+(`layers.3.attention.dense.weight`) and pipeline layer names (`4.attention.dense.weight`) alike.
+A parameter that matches no pattern is replicated on every tp rank.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from megatron.model.activations import get_activation
+from megatron.model.config import GPTConfig
+
+
+@dataclass(frozen=True)
+class TPPartition:
+    """Split along `dim`; `sections` (full sizes along `dim`) for fused tensors, each split separately.
+
+    Rank r holds chunk r of every section, concatenated: see `mpu.initialize_weights.shard_tensor`.
+    """
+
+    dim: int
+    sections: tuple[int, ...] | None = None
+    vocabulary: bool = False
+    """Rows are the (padded) vocabulary."""
+
+
+def tp_partition_patterns(config: GPTConfig) -> dict[str, TPPartition]:
+    """regex -> how that parameter is partitioned."""
+    d = config.head_dim
+    qkv = (config.num_attention_heads * d, config.kv_heads * d, config.kv_heads * d)
+    ffn = config.ffn_hidden_size
+    h_to_4h = (ffn, ffn) if get_activation(config.activation).gated else (ffn,)
+    return {
+        r"(^|\.)word_embeddings\.weight$": TPPartition(0, vocabulary=True),
+        r"(^|\.)output_layer\.weight$": TPPartition(0, vocabulary=True),
+        r"(^|\.)attention\.query_key_value\.(weight|bias)$": TPPartition(0, qkv),
+        r"(^|\.)attention\.dense\.weight$": TPPartition(1),
+        r"(^|\.)mlp\.dense_h_to_4h\.(weight|bias)$": TPPartition(0, h_to_4h),
+        r"(^|\.)mlp\.dense_4h_to_h\.weight$": TPPartition(1),
+    }
+
+
+def tp_partition_of(config: GPTConfig, name: str) -> TPPartition | None:
+    """How parameter `name` is partitioned, or None if it is replicated."""
+    for pattern, partition in tp_partition_patterns(config).items():
+        if re.search(pattern, name):
+            return partition
+    return None

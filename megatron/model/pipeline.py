@@ -1,0 +1,106 @@
+"""The GPT model as DeepSpeed pipeline layers.
+
+`pipeline_layer_specs(config)` lists the same modules as `GPTModel` (same classes, same
+canonical init names, hence the same initial weights) for `deepspeed.pipe.PipelineModule`:
+
+    embedding (tied "embed") | layer 0 ... layer L-1 | final norm | output (tied "embed" or own)
+
+Between stages the activation is the hidden state `[s, b, h]`, or the tuple
+`(hidden, position_ids[, attention_mask])` when the batch's inputs were `(tokens, position_ids[,
+attention_mask])`. The last stage returns logits `[b, s, v/tp]` for `loss_fn(logits, labels)`.
+"""
+
+from __future__ import annotations
+
+import torch
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from torch import nn
+
+from megatron.model.config import GPTConfig
+from megatron.model.embedding import GPTEmbedding
+from megatron.model.gpt import build_final_norm, build_output_layer
+from megatron.model.loss import loss_fn
+from megatron.model.transformer_layer import TransformerLayer
+from megatron.mpu.layers import parallel_lm_logits
+from megatron.mpu.topology import get_tensor_model_parallel_world_size
+
+__all__ = ["pipeline_layer_specs", "loss_fn", "EmbeddingPipe", "TransformerLayerPipe", "FinalNormPipe"]
+
+TIED_EMBEDDING_KEY = "embed"
+TIED_WEIGHT_ATTR = "word_embeddings.weight"
+
+Activation = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+def _split(inputs: Activation) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    if isinstance(inputs, torch.Tensor):
+        return inputs, ()
+    return inputs[0], tuple(inputs[1:])
+
+
+def _join(x: torch.Tensor, extra: tuple[torch.Tensor, ...]) -> Activation:
+    return (x, *extra) if extra else x
+
+
+class EmbeddingPipe(GPTEmbedding):
+    """tokens `[b, s]` or `(tokens, position_ids[, attention_mask])` -> hidden (+ the extras)."""
+
+    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]
+        tokens, extra = _split(inputs)
+        position_ids = extra[0] if extra else None
+        return _join(super().forward(tokens, position_ids), extra)
+
+
+class TransformerLayerPipe(TransformerLayer):
+    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]
+        x, extra = _split(inputs)
+        position_ids = extra[0] if len(extra) > 0 else None
+        attention_mask = extra[1] if len(extra) > 1 else None
+        return _join(super().forward(x, position_ids, attention_mask), extra)
+
+
+class FinalNormPipe(nn.Module):
+    """The final norm; drops the extras, so the head sees the hidden state only."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.final_norm = build_final_norm(config)
+
+    def forward(self, inputs: Activation) -> torch.Tensor:
+        x, _ = _split(inputs)
+        return self.final_norm(x)
+
+
+class OutputLayerPipe(nn.Module):
+    """Untied output projection: hidden `[s, b, h]` -> logits `[b, s, v/tp]`."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.output_layer = build_output_layer(config)
+        self.sequence_parallel = config.sequence_parallel and get_tensor_model_parallel_world_size() > 1
+
+    def forward(self, x_sbh: torch.Tensor) -> torch.Tensor:
+        return parallel_lm_logits(x_sbh, self.output_layer.weight, self.sequence_parallel)
+
+
+def tied_embedding_logits(embedding: EmbeddingPipe, x_sbh: torch.Tensor) -> torch.Tensor:
+    """The tied head on the last stage: logits from the (synchronised) token embedding."""
+    return parallel_lm_logits(x_sbh, embedding.word_embeddings.weight, embedding.sequence_parallel)
+
+
+def pipeline_layer_specs(config: GPTConfig) -> list[LayerSpec]:
+    """Specs for `PipelineModule(layers=..., loss_fn=loss_fn, partition_method="type:TransformerLayerPipe")`."""
+    tied = not config.no_weight_tying
+    if tied:
+        first: LayerSpec = TiedLayerSpec(TIED_EMBEDDING_KEY, EmbeddingPipe, config, tied_weight_attr=TIED_WEIGHT_ATTR)
+        last: LayerSpec = TiedLayerSpec(
+            TIED_EMBEDDING_KEY,
+            EmbeddingPipe,
+            config,
+            forward_fn=tied_embedding_logits,
+            tied_weight_attr=TIED_WEIGHT_ATTR,
+        )
+    else:
+        first, last = LayerSpec(EmbeddingPipe, config), LayerSpec(OutputLayerPipe, config)
+    layers = [LayerSpec(TransformerLayerPipe, config, i) for i in range(config.num_layers)]
+    return [first, *layers, LayerSpec(FinalNormPipe, config), last]

@@ -1,0 +1,109 @@
+"""Positional information: absolute tables (learned, sinusoidal), rotary, ALiBi slopes/bias.
+
+Absolute embeddings are added to the token embedding; rotary and ALiBi act inside attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from megatron.model.config import GPTConfig
+from megatron.mpu.initialize_weights import initialize_param_
+
+
+def default_position_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """`[1, s]` positions 0..s-1 for tokens `[b, s]` (broadcasts over the batch)."""
+    return torch.arange(tokens.shape[-1], device=tokens.device).unsqueeze(0)
+
+
+# --- absolute --------------------------------------------------------------------------------
+class LearnedPositionalEmbedding(nn.Module):
+    """A trained table of `max_position_embeddings` vectors, replicated on every tp rank."""
+
+    def __init__(self, config: GPTConfig, name: str) -> None:
+        super().__init__()
+        assert config.max_position_embeddings is not None
+        shape = (config.max_position_embeddings, config.hidden_size)
+        self.weight = nn.Parameter(torch.empty(shape, dtype=config.params_dtype))
+        initialize_param_(self.weight, f"{name}.weight", config.seed, config.init_fn(), shape)
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[position_ids]  # [b, s, h]
+
+
+class SinusoidalPositionalEmbedding(nn.Module):
+    """Fixed [sin(p * f_i), cos(p * f_i)] features, f_i = base^(-2i/h)."""
+
+    def __init__(self, config: GPTConfig, name: str, base: float = 10000.0) -> None:
+        super().__init__()
+        del name  # no parameters to initialise
+        dim = config.hidden_size
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.dim = dim
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        angles = position_ids.float().unsqueeze(-1) * self.inv_freq  # [b, s, h/2]
+        table = torch.cat([angles.sin(), angles.cos()], dim=-1)  # [b, s, h]
+        return table[..., : self.dim]
+
+
+ABSOLUTE_POSITIONAL: dict[str, type[nn.Module]] = {
+    "learned": LearnedPositionalEmbedding,
+    "sinusoidal": SinusoidalPositionalEmbedding,
+}
+"""pos_emb values that add a table to the token embedding; others act in attention or not at all."""
+
+
+# --- rotary ----------------------------------------------------------------------------------
+class RotaryEmbedding(nn.Module):
+    """Rotates the first `rotary_dim` dims of each head by position-dependent angles.
+
+    Half-split layout: dim i pairs with dim i + rotary_dim/2 (GPT-NeoX's layout).
+    """
+
+    def __init__(self, rotary_dim: int, base: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rotary_dim = rotary_dim
+
+    def cos_sin(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `[b|1, 1, s, rotary_dim]` for positions `[b|1, s]`."""
+        angles = position_ids.float().unsqueeze(-1) * self.inv_freq  # [b, s, r/2]
+        angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # [b, 1, s, r]
+        return angles.cos(), angles.sin()
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """x `[b, n, s, d]` -> the same with rotary applied to `x[..., :rotary_dim]`."""
+        cos, sin = self.cos_sin(position_ids)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        rot = (rot.float() * cos + rotated_half.float() * sin).to(x.dtype)
+        return torch.cat([rot, rest], dim=-1)
+
+
+# --- alibi -----------------------------------------------------------------------------------
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """Per-head slopes of the ALiBi paper: a geometric series, interleaved for non-powers of 2."""
+
+    def power_of_two_slopes(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        return torch.tensor(power_of_two_slopes(num_heads))
+    closest = 2 ** math.floor(math.log2(num_heads))
+    extra = power_of_two_slopes(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(power_of_two_slopes(closest) + extra)
+
+
+def alibi_bias(slopes: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """`[n, s, s]` additive bias -slope * (i - j) for query i, key j <= i (0 above the diagonal)."""
+    pos = torch.arange(seq_len, device=slopes.device)
+    distance = (pos.unsqueeze(1) - pos.unsqueeze(0)).clamp(min=0)  # [s, s]
+    return -slopes.view(-1, 1, 1) * distance

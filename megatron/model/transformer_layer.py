@@ -1,0 +1,62 @@
+"""One pre-norm transformer block (sequential or GPT-J parallel residual)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.model.attention import SelfAttention
+from megatron.model.config import GPTConfig
+from megatron.model.mlp import MLP
+from megatron.model.norms import build_norm
+from megatron.mpu.layers import allreduce_grads_across_tensor_parallel
+from megatron.mpu.random import tensor_parallel_rng
+from megatron.mpu.topology import get_tensor_model_parallel_world_size
+
+
+class TransformerLayer(nn.Module):
+    """x + attn(norm(x)), then x + mlp(norm(x)); or, with `gpt_j_residual`, both from the same x."""
+
+    def __init__(self, config: GPTConfig, layer_number: int) -> None:
+        super().__init__()
+        name = f"layers.{layer_number}"
+        self.layer_number = layer_number
+        self.gpt_j_residual = config.gpt_j_residual
+        self.input_layernorm = build_norm(config)
+        self.attention = SelfAttention(config, f"{name}.attention")
+        shared_norm = config.gpt_j_residual and config.gpt_j_tied
+        self.post_attention_layernorm = None if shared_norm else build_norm(config)
+        self.mlp = MLP(config, f"{name}.mlp")
+        self.hidden_dropout = config.hidden_dropout
+        self.sequence_parallel = config.sequence_parallel and get_tensor_model_parallel_world_size() > 1
+        if self.sequence_parallel:
+            # norms see only this rank's part of the sequence: their gradients are partial sums
+            norms = [self.input_layernorm, self.post_attention_layernorm]
+            allreduce_grads_across_tensor_parallel(p for n in norms if n is not None for p in n.parameters())
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [s, b, h] -> [s, b, h]
+        if self.gpt_j_residual:
+            attn_sbh = self.attention(self.input_layernorm(x), position_ids, attention_mask)
+            return x + self._drop(attn_sbh) + self._drop(self.mlp(self._mlp_norm(x)))
+        x = x + self._drop(self.attention(self.input_layernorm(x), position_ids, attention_mask))
+        x = x + self._drop(self.mlp(self._mlp_norm(x)))
+        return x
+
+    def _mlp_norm(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.post_attention_layernorm is None
+        return self.input_layernorm(x) if shared else self.post_attention_layernorm(x)
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.hidden_dropout == 0.0:
+            return x
+        # under sequence parallelism each rank holds different tokens: use the per-rank stream
+        with tensor_parallel_rng() if self.sequence_parallel else contextlib.nullcontext():
+            return F.dropout(x, self.hidden_dropout, training=True)
