@@ -1,0 +1,345 @@
+"""Derived values (world size, batch sizes, precision, ...) and ``finalize``, the last check before launch.
+
+``finalize(resolved, world_size)`` fills in every value the user may leave out, marks it
+``derived`` in the provenance, runs the consistency rules of :mod:`megatron.neox_arguments.rules`
+and attaches the DeepSpeed config. All problems found on the way are raised together as one
+:class:`~megatron.errors.ConfigError`.
+
+Each derivation is a small function ``(ctx) -> Derivation`` in :data:`DERIVATIONS`; they run in
+order and each sees the values derived before it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron.errors import ConfigError
+from megatron.neox_arguments.provenance import DERIVED
+from megatron.neox_arguments.rules import (
+    Device,
+    RuleContext,
+    block_enabled,
+    check,
+)
+from megatron.neox_arguments.time_phrases import TimePhraseError, parse_duration
+
+# DeepSpeed's runner reads this hostfile when none is given; world-size detection must agree.
+DEFAULT_HOSTFILE = "/job/hostfile"
+
+
+# --- world size ---------------------------------------------------------------------------------
+def local_device_count() -> int:
+    """Ranks a plain single-node launch gets: the CUDA device count, or one CPU rank."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def detect_world_size(args: Any, device_count: int | None = None) -> int:
+    """How many ranks the DeepSpeed runner will start for these arguments.
+
+    Mirrors ``deepspeed.launcher.runner``: the hostfile (or the local devices) is the resource pool,
+    ``include``/``exclude`` filter it, ``num_nodes`` keeps the first hosts and ``num_gpus`` sets the
+    slots per host. Without CUDA, ``num_gpus: N`` means N CPU ranks, as DeepSpeed's runner does.
+    """
+    from deepspeed.launcher.runner import (
+        _parse_hostfile,
+        apply_num_nodes_and_gpus,
+        parse_inclusion_exclusion,
+    )
+
+    hostfile = getattr(args, "hostfile", None)
+    include = getattr(args, "include", None) or ""
+    exclude = getattr(args, "exclude", None) or ""
+    num_nodes = getattr(args, "num_nodes", -1)
+    num_nodes = -1 if num_nodes is None else int(num_nodes)
+    num_gpus = getattr(args, "num_gpus", None)
+    num_gpus = -1 if num_gpus is None else int(num_gpus)
+
+    if include and exclude:
+        raise ConfigError(f"include={include!r} and exclude={exclude!r} are both set: keep one of them")
+    if (include or exclude) and (num_nodes > 0 or num_gpus > 0):
+        filt = "include" if include else "exclude"
+        raise ConfigError(
+            f"{filt}={include or exclude!r} together with num_nodes={num_nodes}/num_gpus={num_gpus}: "
+            f"DeepSpeed's runner accepts either a host filter or counts; remove one"
+        )
+
+    pool = _read_pool(hostfile, _parse_hostfile)
+    if pool is None:
+        if num_nodes > 1:
+            raise ConfigError(
+                f"num_nodes={num_nodes} but no hostfile lists other nodes: add hostfile: <path> "
+                f"(lines like 'node1 slots=8')"
+            )
+        pool = {"localhost": local_device_count() if device_count is None else device_count}
+    try:
+        active = parse_inclusion_exclusion(pool, include, exclude)
+    except ValueError as err:
+        filt = "include" if include else "exclude"
+        raise ConfigError(
+            f"{filt}={include or exclude!r} does not match the resource pool {dict(pool)}: {err}"
+        ) from None
+    active = apply_num_nodes_and_gpus(active, num_nodes, num_gpus)
+    world = sum(len(slots) for slots in active.values())
+    if world < 1:
+        raise ConfigError(f"no ranks left to launch after include/exclude on the pool {dict(pool)}")
+    return world
+
+
+def _read_pool(hostfile: str | None, parse: Callable[[list[str]], Any]) -> dict[str, int] | None:
+    path = hostfile or (DEFAULT_HOSTFILE if os.path.isfile(DEFAULT_HOSTFILE) else None)
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.readlines()
+    except OSError as err:
+        raise ConfigError(f"hostfile={path!r} cannot be read ({err.strerror}): fix the path or remove hostfile") from None
+    try:
+        return dict(parse(lines))
+    except ValueError as err:
+        raise ConfigError(f"hostfile={path!r}: {err}; each line reads '<host> slots=<n>'") from None
+
+
+def uses_local_pool(args: Any) -> bool:
+    """True when the runner will launch on this machine only, sized by num_gpus or device count."""
+    hostfile = getattr(args, "hostfile", None)
+    return not hostfile and not os.path.isfile(DEFAULT_HOSTFILE) and not (
+        getattr(args, "include", None) or getattr(args, "exclude", None)
+    )
+
+
+# --- derivations ------------------------------------------------------------------------------------
+@dataclass
+class Derivation:
+    values: dict[str, Any] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+Deriver = Callable[[RuleContext], Derivation]
+DERIVATIONS: list[Deriver] = []
+
+
+def deriver(fn: Deriver) -> Deriver:
+    DERIVATIONS.append(fn)
+    return fn
+
+
+@deriver
+def derive_layout(ctx: RuleContext) -> Derivation:
+    """World size, and num_gpus for a local run so the runner starts exactly the ranks checked here."""
+    values: dict[str, Any] = {
+        "world_size": ctx.world_size,
+        "global_num_gpus": ctx.world_size,
+        "is_pipe_parallel": int(ctx.get("pipe_parallel_size") or 0) >= 1,
+    }
+    if ctx.get("num_gpus") is None and uses_local_pool(ctx.args):
+        # DeepSpeed's CPU accelerator counts NUMA nodes when num_gpus is absent; pin the count we checked
+        values["num_gpus"] = ctx.world_size
+    return Derivation(values)
+
+
+MICRO_BATCH_ALIASES = ("train_micro_batch_size_per_gpu", "batch_size", "per_device_parallelism")
+
+
+@deriver
+def derive_batch(ctx: RuleContext) -> Derivation:
+    """train_batch_size = micro batch x gradient accumulation x dp; any two give the third."""
+    out = Derivation()
+    dp = ctx.dp
+    if dp is None:
+        return out  # the layout rule reports the world size
+    micro_keys = [key for key in MICRO_BATCH_ALIASES if ctx.get(key) is not None]
+    micro_values = {ctx.get(key) for key in micro_keys}
+    if len(micro_values) > 1:
+        shown = ", ".join(ctx.show(key) for key in micro_keys)
+        out.problems.append(f"{shown} all name the per-rank micro batch but differ: keep one")
+        return out
+    micro = ctx.get(micro_keys[0]) if micro_keys else None
+    gas = ctx.get("gradient_accumulation_steps") if ctx.given("gradient_accumulation_steps") else None
+    total = ctx.get("train_batch_size")
+    formula = f"train_batch_size = micro batch x gradient_accumulation_steps x data-parallel size ({dp})"
+
+    if micro is not None and gas is not None and total is not None:
+        if micro * gas * dp != total:
+            out.problems.append(
+                f"{ctx.show('train_batch_size')} != {ctx.show(micro_keys[0])} x "
+                f"{ctx.show('gradient_accumulation_steps')} x dp {dp} = {micro * gas * dp}: "
+                f"{formula}; drop one of the three to have it derived"
+            )
+            return out
+    elif micro is not None and total is not None:
+        if total % (micro * dp) != 0:
+            out.problems.append(
+                f"{ctx.show('train_batch_size')} is not a multiple of {ctx.show(micro_keys[0])} x dp {dp} = "
+                f"{micro * dp}: {formula}; use a train_batch_size that is a multiple of {micro * dp}"
+            )
+            return out
+        gas = total // (micro * dp)
+    elif gas is not None and total is not None:
+        if total % (gas * dp) != 0:
+            out.problems.append(
+                f"{ctx.show('train_batch_size')} is not a multiple of {ctx.show('gradient_accumulation_steps')} "
+                f"x dp {dp} = {gas * dp}: {formula}"
+            )
+            return out
+        micro = total // (gas * dp)
+    elif micro is not None:
+        gas = gas or 1
+        total = micro * gas * dp
+    elif total is not None:
+        if total % dp != 0:
+            out.problems.append(
+                f"{ctx.show('train_batch_size')} is not divisible by the data-parallel size {dp}: "
+                f"{formula}; use a multiple of {dp}"
+            )
+            return out
+        gas, micro = 1, total // dp
+    else:
+        shown = f" (only {ctx.show('gradient_accumulation_steps')})" if gas is not None else ""
+        out.problems.append(
+            f"no batch size{shown}: set train_micro_batch_size_per_gpu (samples per rank per step) "
+            f"and/or train_batch_size (global samples per optimizer step)"
+        )
+        return out
+    total = micro * gas * dp
+    out.values.update(
+        train_micro_batch_size_per_gpu=micro,
+        batch_size=micro,
+        gradient_accumulation_steps=gas,
+        train_batch_size=total,
+    )
+    return out
+
+
+@deriver
+def derive_positions(ctx: RuleContext) -> Derivation:
+    if ctx.get("max_position_embeddings") is None and ctx.get("seq_length") is not None:
+        return Derivation({"max_position_embeddings": ctx.get("seq_length")})
+    return Derivation()
+
+
+_BLOCK_OF_PRECISION = {"fp16": "fp16", "bfloat16": "bf16"}
+
+
+@deriver
+def derive_precision(ctx: RuleContext) -> Derivation:
+    """precision from the fp16/bf16 blocks, or the block from ``precision`` when only it is given."""
+    fp16, bf16 = block_enabled(ctx.get("fp16")), block_enabled(ctx.get("bf16"))
+    if fp16 or bf16:
+        if ctx.given("precision"):
+            return Derivation()  # precision_matches_blocks compares them
+        return Derivation({"precision": "fp16" if fp16 else "bfloat16"})
+    precision = ctx.get("precision")
+    if precision in _BLOCK_OF_PRECISION:
+        block_key = _BLOCK_OF_PRECISION[precision]
+        block = dict(ctx.get(block_key) or {})
+        block["enabled"] = True
+        return Derivation({block_key: block})
+    return Derivation({"precision": "fp32"} if precision is None else {})
+
+
+@deriver
+def derive_zero(ctx: RuleContext) -> Derivation:
+    """``zero_stage`` (GPT-NeoX shorthand) and the ``zero_optimization`` block become one block."""
+    block = ctx.get("zero_optimization")
+    stage = ctx.get("zero_stage")
+    shorthand = {
+        "reduce_scatter": ctx.get("zero_reduce_scatter"),
+        "contiguous_gradients": ctx.get("zero_contiguous_gradients"),
+        "reduce_bucket_size": ctx.get("zero_reduce_bucket_size"),
+        "allgather_bucket_size": ctx.get("zero_allgather_bucket_size"),
+    }
+    if isinstance(stage, int) and not isinstance(stage, bool):
+        shorthand["stage"] = stage
+    shorthand = {key: value for key, value in shorthand.items() if value is not None}
+    if not shorthand:
+        return Derivation()
+    merged = dict(block or {})
+    problems = []
+    for key, value in shorthand.items():
+        if key in merged and merged[key] != value:
+            name = "zero_stage" if key == "stage" else f"zero_{key}"
+            problems.append(
+                f"{ctx.show(name)} contradicts zero_optimization.{key}={merged[key]} "
+                f"({ctx.source('zero_optimization')}): keep one of them"
+            )
+        merged[key] = value
+    if problems:
+        return Derivation(problems=problems)
+    return Derivation({"zero_optimization": merged})
+
+
+@deriver
+def derive_clipping(ctx: RuleContext) -> Derivation:
+    """``clip_grad`` (Megatron) and ``gradient_clipping`` (DeepSpeed) are one setting."""
+    clip_given, ds_given = ctx.given("clip_grad"), ctx.given("gradient_clipping")
+    clip, ds = ctx.get("clip_grad"), ctx.get("gradient_clipping")
+    if clip_given and ds_given and clip != ds:
+        return Derivation(problems=[
+            f"{ctx.show('clip_grad')} and {ctx.show('gradient_clipping')} disagree: they are one "
+            f"setting, keep one of them"
+        ])
+    if clip_given and not ds_given:
+        return Derivation({"gradient_clipping": clip})
+    if ds_given and not clip_given:
+        return Derivation({"clip_grad": ds})
+    return Derivation()
+
+
+@deriver
+def derive_save_interval(ctx: RuleContext) -> Derivation:
+    """``save_interval: 15min`` becomes seconds so the trainer never parses phrases."""
+    value = ctx.get("save_interval")
+    if value is None or isinstance(value, int):
+        return Derivation()
+    try:
+        seconds = parse_duration(value)
+    except TimePhraseError:
+        return Derivation()  # save_interval_is_duration reports it with file:line
+    return Derivation({"save_interval": int(round(seconds))})
+
+
+# --- finalize ---------------------------------------------------------------------------------------
+def finalize(resolved: Any, world_size: int, device: Device | None = None) -> Any:
+    """Derive, check and split ``resolved`` for ``world_size`` ranks; returns ``resolved`` itself.
+
+    Derived values are set on ``resolved.args`` and recorded as ``derived`` in
+    ``resolved.provenance``; ``resolved.deepspeed_config`` is filled. Raises one ConfigError that
+    lists every problem.
+    """
+    from megatron.neox_arguments.deepspeed_split import deepspeed_config, extra_args_problems
+
+    args, provenance = resolved.args, resolved.provenance
+    ctx = RuleContext(args=args, provenance=provenance, world_size=world_size,
+                      device=device or Device.detect())
+    problems: list[str] = []
+    for derive in DERIVATIONS:
+        result = derive(ctx)
+        problems.extend(result.problems)
+        for key, value in result.values.items():
+            if getattr(args, key, None) != value:
+                # a changed value no longer reads as written in any file, so it is "derived"
+                setattr(args, key, value)
+                provenance[key] = DERIVED
+    problems.extend(check(ctx))
+    problems.extend(extra_args_problems(args, provenance))
+    if problems:
+        raise ConfigError(format_problems(problems))
+    resolved.deepspeed_config = deepspeed_config(args, provenance)
+    return resolved
+
+
+def format_problems(problems: list[str]) -> str:
+    if len(problems) == 1:
+        return problems[0]
+    listed = "\n".join(f"  - {problem}" for problem in problems)
+    return f"{len(problems)} problems in the config:\n{listed}"
+
+
+def derived_keys(provenance: Mapping[str, str]) -> list[str]:
+    return sorted(key for key, source in provenance.items() if source == DERIVED)

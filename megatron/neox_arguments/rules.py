@@ -1,0 +1,532 @@
+"""Consistency rules between arguments, checked before anything is launched.
+
+Each rule is a small function ``(ctx) -> list[str]`` registered with :func:`rule`; it returns one
+message per problem, naming the user's keys, their values and where they were set (``file:line``)
+and saying what to change. :func:`check` runs every rule and the caller raises *one*
+:class:`~megatron.errors.ConfigError` listing all problems, so a user fixes a config in one round.
+
+The rules see the arguments *after* the derived values (batch sizes, precision, ...) have been
+filled in by :mod:`megatron.neox_arguments.derived`; a rule whose inputs are missing stays quiet
+and leaves the report to the rule about the missing key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron.neox_arguments.provenance import CLI, DEFAULT, DERIVED
+from megatron.neox_arguments.time_phrases import TimePhraseError, parse_duration
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the launching machine offers; injected so rules are testable without a GPU."""
+
+    cuda: bool
+    fp16_supported: bool
+
+    @classmethod
+    def detect(cls) -> Device:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        # DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has fp16 kernels for this CPU
+        # ("Type fp16 is not supported on your device"), so ask the same question it will ask.
+        fp16 = cuda
+        if not cuda:
+            try:
+                fp16 = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+            except (AttributeError, RuntimeError):
+                fp16 = False
+        return cls(cuda=cuda, fp16_supported=fp16)
+
+
+@dataclass
+class RuleContext:
+    """The arguments under check plus what the rules need to phrase their messages."""
+
+    args: Any
+    """A ``NeoXArgs`` (duck-typed so tests may pass a small stand-in)."""
+    provenance: Mapping[str, str] = field(default_factory=dict)
+    world_size: int = 1
+    device: Device = field(default_factory=lambda: Device(cuda=False, fp16_supported=False))
+
+    def get(self, key: str) -> Any:
+        return getattr(self.args, key, None)
+
+    def source(self, key: str) -> str:
+        return self.provenance.get(key, DEFAULT)
+
+    def given(self, key: str) -> bool:
+        """Did the user set ``key`` (in a file or on the command line)?
+
+        Keys with a non-``None`` default (``gradient_accumulation_steps: 1``) cannot be told apart by
+        value alone, so provenance decides; without a provenance entry a value other than the
+        schema default counts as given (tests and programmatic callers build args directly).
+        """
+        src = self.provenance.get(key)
+        if src is not None:
+            return src != DERIVED
+        return self.get(key) != _default_of(self.args, key)
+
+    def show(self, key: str) -> str:
+        """``key=value (file:line)`` as a message names a setting."""
+        return f"{key}={_render(self.get(key))} ({_describe(self.source(key))})"
+
+    @property
+    def tp(self) -> int:
+        return int(self.get("model_parallel_size") or 1)
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages; ``pipe_parallel_size: 0`` (no PipelineModule) is one stage."""
+        return max(int(self.get("pipe_parallel_size") or 0), 1)
+
+    @property
+    def dp(self) -> int | None:
+        """Data-parallel size, or ``None`` when the world does not split into tp x pp."""
+        if self.world_size % (self.tp * self.pp) != 0:
+            return None
+        return self.world_size // (self.tp * self.pp)
+
+
+def _default_of(args: Any, key: str) -> Any:
+    fields = getattr(type(args), "model_fields", {})
+    if key in fields:
+        return fields[key].get_default(call_default_factory=True)
+    return None
+
+
+def _describe(source: str) -> str:
+    return {CLI: "command line", DEFAULT: "default", DERIVED: "derived"}.get(source, source)
+
+
+def _render(value: Any) -> str:
+    if isinstance(value, str):
+        return repr(value)
+    if value is None:
+        return "unset"
+    return str(value)
+
+
+Rule = Callable[[RuleContext], list[str]]
+RULES: list[Rule] = []
+
+
+def rule(fn: Rule) -> Rule:
+    """Register ``fn`` as a rule; registration order is report order."""
+    RULES.append(fn)
+    return fn
+
+
+def check(ctx: RuleContext, rules: list[Rule] | None = None) -> list[str]:
+    """Every problem found by ``rules`` (default: all registered), in order."""
+    problems: list[str] = []
+    for fn in RULES if rules is None else rules:
+        problems.extend(fn(ctx))
+    return problems
+
+
+# --- shared readings of multi-spelling settings -------------------------------------------------
+def block_enabled(block: Any) -> bool:
+    """DeepSpeed reads ``fp16: {}`` as disabled and ``fp16: {enabled: true}`` as enabled."""
+    return isinstance(block, Mapping) and bool(block.get("enabled", False))
+
+
+def zero_stage(ctx: RuleContext) -> int:
+    """The ZeRO stage DeepSpeed will use (``zero_optimization.stage`` after derivation)."""
+    block = ctx.get("zero_optimization")
+    if isinstance(block, Mapping) and isinstance(block.get("stage"), int):
+        return int(block["stage"])
+    stage = ctx.get("zero_stage")
+    return stage if isinstance(stage, int) and not isinstance(stage, bool) else 0
+
+
+def effective_lr(ctx: RuleContext) -> tuple[float | None, str]:
+    """The peak learning rate and the key that holds it (``lr`` or ``optimizer.params.lr``)."""
+    if ctx.get("lr") is not None:
+        return float(ctx.get("lr")), "lr"
+    optimizer = ctx.get("optimizer")
+    if isinstance(optimizer, Mapping):
+        params = optimizer.get("params")
+        if isinstance(params, Mapping) and params.get("lr") is not None:
+            return float(params["lr"]), "optimizer.params.lr"
+    return None, "lr"
+
+
+# --- model shape ------------------------------------------------------------------------------
+MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+
+
+@rule
+def model_shape_given(ctx: RuleContext) -> list[str]:
+    missing = [key for key in MODEL_SHAPE_KEYS if ctx.get(key) is None]
+    if not missing:
+        return []
+    return [f"{', '.join(missing)} not set: every model needs {', '.join(MODEL_SHAPE_KEYS)}"]
+
+
+@rule
+def heads_divide_hidden(ctx: RuleContext) -> list[str]:
+    hidden, heads = ctx.get("hidden_size"), ctx.get("num_attention_heads")
+    if hidden is None or heads is None or hidden % heads == 0:
+        return []
+    return [
+        f"{ctx.show('hidden_size')} is not divisible by {ctx.show('num_attention_heads')}: each "
+        f"head gets hidden_size/num_attention_heads channels; pick a head count that divides "
+        f"{hidden}"
+    ]
+
+
+@rule
+def heads_divide_over_tp(ctx: RuleContext) -> list[str]:
+    heads = ctx.get("num_attention_heads")
+    if heads is None or heads % ctx.tp == 0:
+        return []
+    return [
+        f"{ctx.show('num_attention_heads')} is not divisible by {ctx.show('model_parallel_size')}: "
+        f"tensor parallelism gives each rank whole heads; use a model_parallel_size that divides "
+        f"{heads}"
+    ]
+
+
+@rule
+def kv_heads_fit(ctx: RuleContext) -> list[str]:
+    heads, kv = ctx.get("num_attention_heads"), ctx.get("num_kv_heads")
+    if heads is None or kv is None:
+        return []
+    problems = []
+    if kv > heads or heads % kv != 0:
+        problems.append(
+            f"{ctx.show('num_kv_heads')} does not divide {ctx.show('num_attention_heads')}: grouped "
+            f"query attention shares each key/value head among heads/num_kv_heads query heads"
+        )
+    tp = ctx.tp
+    if kv % tp != 0 and tp % kv != 0:
+        problems.append(
+            f"{ctx.show('num_kv_heads')} and {ctx.show('model_parallel_size')} do not divide one "
+            f"another: each tensor-parallel rank needs whole key/value heads (kv % tp == 0) or a "
+            f"replicated share of one (tp % kv == 0)"
+        )
+    return problems
+
+
+@rule
+def layers_cover_stages(ctx: RuleContext) -> list[str]:
+    layers, stages = ctx.get("num_layers"), int(ctx.get("pipe_parallel_size") or 0)
+    if layers is None or stages <= 1 or layers >= stages:
+        return []
+    return [
+        f"{ctx.show('num_layers')} is fewer than {ctx.show('pipe_parallel_size')}: every pipeline "
+        f"stage needs at least one transformer layer; lower pipe_parallel_size to {layers} or less"
+    ]
+
+
+@rule
+def sequence_fits_positions(ctx: RuleContext) -> list[str]:
+    seq, positions = ctx.get("seq_length"), ctx.get("max_position_embeddings")
+    if seq is None or positions is None or seq <= positions:
+        return []
+    return [
+        f"{ctx.show('seq_length')} exceeds {ctx.show('max_position_embeddings')}: raise "
+        f"max_position_embeddings to at least {seq} (or remove it to default to seq_length)"
+    ]
+
+
+@rule
+def vocab_padding_splits_over_tp(ctx: RuleContext) -> list[str]:
+    padded = ctx.get("padded_vocab_size")
+    if padded is None or not ctx.given("padded_vocab_size"):
+        return []
+    multiple = int(ctx.get("make_vocab_size_divisible_by") or 1) * ctx.tp
+    if padded % multiple == 0:
+        return []
+    return [
+        f"{ctx.show('padded_vocab_size')} is not a multiple of make_vocab_size_divisible_by x "
+        f"model_parallel_size = {multiple}: each tensor-parallel rank holds an equal slice of the "
+        f"vocabulary; remove padded_vocab_size so it is computed from the tokenizer"
+    ]
+
+
+# --- parallel layout --------------------------------------------------------------------------
+@rule
+def world_splits_into_model_parallel(ctx: RuleContext) -> list[str]:
+    if ctx.dp is not None and ctx.dp >= 1:
+        return []
+    return [
+        f"world size {ctx.world_size} is not divisible by model_parallel_size x pipeline stages = "
+        f"{ctx.tp} x {ctx.pp} ({ctx.show('model_parallel_size')}, {ctx.show('pipe_parallel_size')}): "
+        f"set num_gpus (ranks per node) so the world size is a multiple of {ctx.tp * ctx.pp}"
+    ]
+
+
+# --- precision --------------------------------------------------------------------------------
+_PRECISION_OF_BLOCK = {"fp16": "fp16", "bf16": "bfloat16"}
+
+
+@rule
+def one_half_precision(ctx: RuleContext) -> list[str]:
+    if block_enabled(ctx.get("fp16")) and block_enabled(ctx.get("bf16")):
+        return [
+            f"both fp16 ({_describe(ctx.source('fp16'))}) and bf16 ({_describe(ctx.source('bf16'))}) "
+            f"are enabled: keep one of them (bf16 needs no loss scaling)"
+        ]
+    return []
+
+
+@rule
+def precision_matches_blocks(ctx: RuleContext) -> list[str]:
+    precision = ctx.get("precision")
+    if precision is None or not ctx.given("precision"):
+        return []
+    problems = []
+    for block, implied in _PRECISION_OF_BLOCK.items():
+        if block_enabled(ctx.get(block)) and ctx.given(block) and precision != implied:
+            problems.append(
+                f"{ctx.show('precision')} contradicts {block}.enabled=true "
+                f"({_describe(ctx.source(block))}): set precision: {implied} or disable the {block} block"
+            )
+    return problems
+
+
+@rule
+def fp16_needs_device_support(ctx: RuleContext) -> list[str]:
+    if not block_enabled(ctx.get("fp16")) or ctx.device.fp16_supported:
+        return []
+    key = "fp16" if ctx.given("fp16") else "precision"
+    return [
+        f"fp16 needs a GPU: use bf16 or fp32 on CPU ({ctx.show(key)}; DeepSpeed's CPU accelerator "
+        f"has no fp16 on this machine)"
+    ]
+
+
+# --- ZeRO x parallelism (what DeepSpeed 0.19.8 rejects or that Deepy cannot keep correct) -------
+@rule
+def zero_stage_known(ctx: RuleContext) -> list[str]:
+    stage = zero_stage(ctx)
+    problems = []
+    if stage not in (0, 1, 2, 3):
+        problems.append(f"ZeRO stage {stage} ({_zero_source(ctx)}) does not exist: use 0, 1, 2 or 3")
+    raw = ctx.get("zero_stage")
+    if raw is not None and not (isinstance(raw, int) and not isinstance(raw, bool)):
+        problems.append(
+            f"{ctx.show('zero_stage')}: lists and 'all' are for DeepSpeed's autotuner, which Deepy "
+            f"does not run; give one stage (0-3)"
+        )
+    return problems
+
+
+@rule
+def zero_with_pipeline(ctx: RuleContext) -> list[str]:
+    stage, pipe = zero_stage(ctx), int(ctx.get("pipe_parallel_size") or 0)
+    if stage < 2 or pipe < 1:
+        return []
+    why = (
+        "pipe_parallel_size=1 still wraps the model in DeepSpeed's PipelineModule"
+        if pipe == 1
+        else "the model runs as a DeepSpeed pipeline"
+    )
+    return [
+        f"ZeRO stage {stage} ({_zero_source(ctx)}) with {ctx.show('pipe_parallel_size')}: DeepSpeed's "
+        f"PipelineEngine refuses ZeRO-2/3 ({why}); use ZeRO stage 0 or 1 with pipelining, or set "
+        f"pipe_parallel_size: 0 to keep ZeRO-{stage}"
+    ]
+
+
+@rule
+def zero3_with_tensor_parallel(ctx: RuleContext) -> list[str]:
+    if zero_stage(ctx) != 3 or ctx.tp <= 1:
+        return []
+    # DeepSpeed itself starts (it partitions over the data-parallel group of our mpu), but Deepy's
+    # tensor-parallel layers split weights themselves and rely on whole local shards, and ZeRO-3
+    # gathers/frees parameters behind their back; checkpoints and grad norms are not validated.
+    return [
+        f"ZeRO stage 3 ({_zero_source(ctx)}) with {ctx.show('model_parallel_size')} is not supported: "
+        f"ZeRO-3 partitions parameters that tensor parallelism already split; use ZeRO stage 1 or "
+        f"2 with tensor parallelism, or model_parallel_size: 1 with ZeRO-3"
+    ]
+
+
+def _zero_source(ctx: RuleContext) -> str:
+    if ctx.given("zero_stage"):
+        return f"zero_stage at {_describe(ctx.source('zero_stage'))}"
+    return f"zero_optimization.stage at {_describe(ctx.source('zero_optimization'))}"
+
+
+# --- optimisation -----------------------------------------------------------------------------
+@rule
+def learning_rates_ordered(ctx: RuleContext) -> list[str]:
+    lr, lr_key = effective_lr(ctx)
+    min_lr = ctx.get("min_lr")
+    problems = []
+    if lr is None:
+        problems.append("no learning rate: set lr (or optimizer.params.lr)")
+    if min_lr is not None and min_lr < 0:
+        problems.append(f"{ctx.show('min_lr')} is negative: use 0 or more")
+    if lr is not None and min_lr is not None and lr < min_lr:
+        shown = ctx.show("lr") if lr_key == "lr" else f"optimizer.params.lr={lr} ({_describe(ctx.source('optimizer'))})"
+        problems.append(f"{shown} is below {ctx.show('min_lr')}: the schedule decays from lr down to min_lr")
+    if ctx.get("lr") is not None:
+        optimizer = ctx.get("optimizer")
+        params = optimizer.get("params") if isinstance(optimizer, Mapping) else None
+        if isinstance(params, Mapping) and params.get("lr") is not None and float(params["lr"]) != float(ctx.get("lr")):
+            problems.append(
+                f"{ctx.show('lr')} and optimizer.params.lr={params['lr']} "
+                f"({_describe(ctx.source('optimizer'))}) disagree: keep one of them"
+            )
+    return problems
+
+
+@rule
+def warmup_in_range(ctx: RuleContext) -> list[str]:
+    warmup = ctx.get("warmup")
+    if warmup is None or 0 <= warmup <= 1:
+        return []
+    if warmup < 0:
+        return [f"{ctx.show('warmup')} is negative: use a fraction in [0, 1] of the decay steps"]
+    if float(warmup) != int(warmup):
+        return [
+            f"{ctx.show('warmup')} is neither a fraction in [0, 1] (GPT-NeoX: share of the decay "
+            f"steps) nor a whole number of steps: write e.g. 0.01"
+        ]
+    iters = ctx.get("train_iters")
+    if iters is not None and warmup > iters:
+        return [f"{ctx.show('warmup')} steps is more than {ctx.show('train_iters')}: use a fraction in [0, 1]"]
+    return []
+
+
+@rule
+def iterations_or_epochs(ctx: RuleContext) -> list[str]:
+    iters, epochs = ctx.get("train_iters"), ctx.get("train_epochs")
+    if iters is not None and epochs is not None:
+        return [f"both {ctx.show('train_iters')} and {ctx.show('train_epochs')} are set: keep one"]
+    if iters is None and epochs is None:
+        return ["neither train_iters nor train_epochs is set: give the training length as one of them"]
+    return []
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+SAVE_SCHEDULE_KEYS = ("checkpoint_factor", "extra_save_iters", "save_interval", "keep")
+
+
+@rule
+def save_has_schedule(ctx: RuleContext) -> list[str]:
+    scheduled = [key for key in SAVE_SCHEDULE_KEYS if ctx.get(key) not in (None, [], "")]
+    if ctx.get("save") and not scheduled:
+        return [
+            f"{ctx.show('save')} but no save schedule: add checkpoint_factor (save every N steps), "
+            f"extra_save_iters, save_interval (e.g. 15min) or keep"
+        ]
+    if scheduled and not ctx.get("save"):
+        shown = ", ".join(ctx.show(key) for key in scheduled)
+        return [f"{shown} but save (the checkpoint directory) is not set: add save: <dir> or remove them"]
+    return []
+
+
+@rule
+def save_interval_is_duration(ctx: RuleContext) -> list[str]:
+    value = ctx.get("save_interval")
+    if value is None:
+        return []
+    try:
+        parse_duration(value)
+    except TimePhraseError as err:
+        return [f"{ctx.show('save_interval')}: {err}"]
+    return []
+
+
+# --- data ---------------------------------------------------------------------------------------
+SPLITS = ("train", "valid", "test")
+
+
+@rule
+def one_data_source(ctx: RuleContext) -> list[str]:
+    split_keys = [f"{split}_data_paths" for split in SPLITS if ctx.get(f"{split}_data_paths")]
+    problems = []
+    if ctx.get("data_path") and split_keys:
+        shown = ", ".join(ctx.show(key) for key in split_keys)
+        problems.append(
+            f"{ctx.show('data_path')} and {shown} both name data: data_path is split by `split`, the "
+            f"*_data_paths lists are used as given; keep one way"
+        )
+    if ctx.get("train_urls") and (ctx.get("data_path") or split_keys):
+        problems.append(
+            f"{ctx.show('train_urls')} and tokenized data paths are both set: train from raw text "
+            f"(train_urls) or from .bin/.idx files (data_path / *_data_paths), not both"
+        )
+    if split_keys and not ctx.get("train_data_paths"):
+        problems.append(f"{', '.join(ctx.show(k) for k in split_keys)} without train_data_paths: add train_data_paths")
+    has_data = ctx.get("data_path") or ctx.get("train_data_paths") or ctx.get("train_urls")
+    if not has_data and not ctx.get("use_dummy_dataset"):
+        problems.append(
+            "no training data: set data_path, train_data_paths or train_urls "
+            "(or use_dummy_dataset: true for random tokens)"
+        )
+    return problems
+
+
+@rule
+def weights_match_paths(ctx: RuleContext) -> list[str]:
+    problems = []
+    for split in SPLITS:
+        paths, weights = ctx.get(f"{split}_data_paths"), ctx.get(f"{split}_data_weights")
+        if weights is None:
+            continue
+        if paths is None:
+            problems.append(f"{ctx.show(f'{split}_data_weights')} without {split}_data_paths to weight")
+        elif len(weights) != len(paths):
+            problems.append(
+                f"{split}_data_weights has {len(weights)} entries ({_describe(ctx.source(f'{split}_data_weights'))}) "
+                f"but {split}_data_paths has {len(paths)} ({_describe(ctx.source(f'{split}_data_paths'))}): "
+                f"give one weight per path"
+            )
+    return problems
+
+
+@rule
+def labels_match_paths(ctx: RuleContext) -> list[str]:
+    problems = []
+    for prefix in ("", "pos_", "neg_"):
+        for split in SPLITS:
+            label_key = f"{prefix}{split}_label_data_paths"
+            data_key = f"{prefix}{split}_data_paths"
+            labels, paths = ctx.get(label_key), ctx.get(data_key)
+            if labels is None:
+                continue
+            if paths is None or len(labels) != len(paths):
+                count = 0 if paths is None else len(paths)
+                problems.append(
+                    f"{label_key} has {len(labels)} entries ({_describe(ctx.source(label_key))}) but "
+                    f"{data_key} has {count}: give one label file per data file"
+                )
+    return problems
+
+
+@rule
+def urls_need_cache(ctx: RuleContext) -> list[str]:
+    urls = [key for key in ("train_urls", "validation_urls") if ctx.get(key)]
+    if not urls or ctx.get("cache_dir"):
+        return []
+    return [f"{ctx.show(urls[0])} needs cache_dir: the tokenized shards are written there"]
+
+
+# --- launch -----------------------------------------------------------------------------------
+@rule
+def slurm_only_keys(ctx: RuleContext) -> list[str]:
+    launcher = ctx.get("launcher") or "pdsh"
+    keys = [key for key in ("comment", "account") if ctx.get(key)]
+    if not keys or launcher == "slurm":
+        return []
+    return [f"{', '.join(ctx.show(k) for k in keys)} only apply to srun: set launcher: slurm or remove them"]
+
+
+@rule
+def one_environment_mapping(ctx: RuleContext) -> list[str]:
+    if ctx.get("deepspeed_mpi") and ctx.get("deepspeed_slurm"):
+        return [
+            f"both {ctx.show('deepspeed_mpi')} and {ctx.show('deepspeed_slurm')}: ranks take their "
+            f"rank/world size from MPI or from Slurm, keep one"
+        ]
+    return []
