@@ -110,7 +110,7 @@ def expand_urls(urls: list[str]) -> list[str]:
     return paths
 
 
-def _open_text(path: str) -> io.TextIOBase:
+def open_text(path: str) -> io.TextIOBase:
     if path.endswith(".gz"):
         return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
     if path.endswith(".zst"):
@@ -121,7 +121,7 @@ def _open_text(path: str) -> io.TextIOBase:
 
 
 def iter_texts(path: str, text_key: str = "text") -> Iterator[str]:
-    with _open_text(path) as f:
+    with open_text(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -1,0 +1,318 @@
+#!/usr/bin/env python
+"""Tokenize post-training jsonl (SFT, preference pairs, KTO rewards) into aligned MMIDIDX datasets.
+
+Every document gets tokens and a parallel label sequence: the token id where the loss applies and -100
+where it does not (prompts, user and system turns, template markup). Outputs for ``--output-prefix P``:
+
+- ``--mode sft``:      ``P_text_document``, ``P_label_document``
+- ``--mode pairwise``: ``P_chosen_document``, ``P_chosen_label_document``, ``P_rejected_document``,
+  ``P_rejected_label_document`` (document k of each is pair k; for DPO and reward models)
+- ``--mode reward``:   the SFT pair plus ``P_reward_document`` (one float32 per document; for KTO)
+
+A record is either prompt/completion strings (``--prompt-key``/``--completion-key``; for pairwise the
+``--chosen-key``/``--rejected-key`` completions share the prompt) or a chat: a list of
+``{"role", "content"}`` messages under ``--messages-key`` (or as the chosen/rejected values) rendered with
+the tokenizer's chat template, a jinja2 string from ``--chat-template FILE`` or the ``chat_template`` of
+the ``tokenizer_config.json`` next to ``--vocab-file``. Only assistant turns get loss: the template is
+rendered for growing prefixes of the conversation, and the text an assistant turn adds is the only
+text whose tokens keep their labels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, not installed
+
+from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype  # noqa: E402
+from megatron.data.url_sources import open_text  # noqa: E402
+from megatron.errors import DataError, run_guarded  # noqa: E402
+from megatron.tokenizer import TOKENIZERS, Tokenizer, build_tokenizer  # noqa: E402
+
+IGNORE_INDEX = -100
+Encoded = tuple[list[int], list[int]]  # (token ids, labels)
+
+
+# ---- chat templates ---------------------------------------------------------------------------
+class ChatTemplate:
+    """A HF-style jinja2 chat template, rendered in a sandbox."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise DataError(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            self.template = env.from_string(source)
+        except TemplateError as err:
+            raise DataError(f"chat template does not parse: {err}") from None
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                    bos_token=self.bos_token, eos_token=self.eos_token)
+
+
+def _token_text(value: Any) -> str:
+    if isinstance(value, dict):  # tokenizer_config.json may store {"content": "<s>", ...}
+        return str(value.get("content", ""))
+    return str(value or "")
+
+
+def load_chat_template(template_file: str | None, vocab_file: str | None) -> ChatTemplate | None:
+    """``--chat-template FILE`` wins; else ``chat_template`` from tokenizer_config.json beside the vocab."""
+    config: dict[str, Any] = {}
+    if vocab_file:
+        cfg_path = Path(vocab_file).parent / "tokenizer_config.json"
+        if cfg_path.is_file():
+            config = json.loads(cfg_path.read_text())
+    if template_file:
+        path = Path(template_file)
+        if not path.is_file():
+            raise DataError(f"--chat-template {path}: file not found")
+        source = path.read_text()
+    else:
+        source = config.get("chat_template")
+        if isinstance(source, list):  # named templates: take the default one
+            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+    if not source:
+        return None
+    return ChatTemplate(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+
+
+# ---- encoding ---------------------------------------------------------------------------------
+def _segments_to_ids(tokenizer: Tokenizer, segments: list[tuple[str, bool]]) -> Encoded:
+    ids: list[int] = []
+    labels: list[int] = []
+    for text, trained in segments:
+        if not text:
+            continue
+        piece = tokenizer.tokenize(text)
+        ids.extend(piece)
+        labels.extend(piece if trained else [IGNORE_INDEX] * len(piece))
+    return ids, labels
+
+
+def _finish(tokenizer: Tokenizer, encoded: Encoded, append_eod: bool) -> Encoded:
+    ids, labels = encoded
+    if append_eod:  # the model must learn to stop, so the EOD after a completion gets loss
+        ids = ids + [tokenizer.eod]
+        labels = labels + [tokenizer.eod if any(x != IGNORE_INDEX for x in labels) else IGNORE_INDEX]
+    return ids, labels
+
+
+def encode_prompt_completion(tokenizer: Tokenizer, prompt: str, completion: str, append_eod: bool) -> Encoded:
+    """Prompt tokens get no loss; completion tokens do."""
+    return _finish(tokenizer, _segments_to_ids(tokenizer, [(prompt, False), (completion, True)]), append_eod)
+
+
+def encode_messages(tokenizer: Tokenizer, template: ChatTemplate, messages: list[dict[str, Any]],
+                    append_eod: bool) -> Encoded:
+    """Render the chat; only the text each assistant turn adds is trained on."""
+    full = template.render(messages)
+    segments: list[tuple[str, bool]] = []
+    done = 0
+    for k, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        before = template.render(messages[:k], add_generation_prompt=True)
+        through = template.render(messages[: k + 1])
+        if not (full.startswith(before) and full.startswith(through) and done <= len(before) <= len(through)):
+            raise DataError("the chat template does not render conversations incrementally (a prefix of the "
+                            "messages must render to a prefix of the text); assistant-only loss needs that")
+        segments += [(full[done : len(before)], False), (full[len(before) : len(through)], True)]
+        done = len(through)
+    segments.append((full[done:], False))
+    return _finish(tokenizer, _segments_to_ids(tokenizer, segments), append_eod)
+
+
+@dataclass
+class Options:
+    mode: str
+    prompt_key: str
+    completion_key: str
+    messages_key: str
+    chosen_key: str
+    rejected_key: str
+    reward_key: str
+    append_eod: bool
+
+
+def _check_messages(value: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        raise DataError(f"{where}: messages must be a list of {{'role', 'content'}} objects")
+    return value
+
+
+def _encode_one(record: dict[str, Any], value: Any, tokenizer: Tokenizer, template: ChatTemplate | None,
+                opts: Options, where: str) -> Encoded:
+    """``value`` is a completion string (prompt from the record) or a list of chat messages."""
+    if isinstance(value, list):
+        if template is None:
+            raise DataError(f"{where}: chat messages need a chat template: pass --chat-template FILE or use a "
+                            "tokenizer whose tokenizer_config.json has chat_template")
+        return encode_messages(tokenizer, template, _check_messages(value, where), opts.append_eod)
+    prompt = record.get(opts.prompt_key, "")
+    if not isinstance(value, str) or not isinstance(prompt, str):
+        raise DataError(f"{where}: {opts.prompt_key!r} and the completion must be strings")
+    return encode_prompt_completion(tokenizer, prompt, value, opts.append_eod)
+
+
+def _get(record: dict[str, Any], key: str, where: str) -> Any:
+    if key not in record:
+        raise DataError(f"{where}: missing key {key!r} (keys present: {', '.join(sorted(record))})")
+    return record[key]
+
+
+def encode_record(record: dict[str, Any], tokenizer: Tokenizer, template: ChatTemplate | None, opts: Options,
+                  where: str) -> dict[str, Any]:
+    """Output role -> (ids, labels), plus ``reward`` (float) in reward mode."""
+    out: dict[str, Any] = {}
+    if opts.mode == "pairwise":
+        for role, key in (("chosen", opts.chosen_key), ("rejected", opts.rejected_key)):
+            out[role] = _encode_one(record, _get(record, key, where), tokenizer, template, opts, where)
+        return out
+    if opts.messages_key in record:
+        out["text"] = _encode_one(record, record[opts.messages_key], tokenizer, template, opts, where)
+    else:
+        out["text"] = _encode_one(record, _get(record, opts.completion_key, where), tokenizer, template, opts, where)
+    if opts.mode == "reward":
+        raw = _get(record, opts.reward_key, where)
+        if isinstance(raw, bool):  # KTO's desirable/undesirable flag
+            out["reward"] = 1.0 if raw else -1.0
+        elif isinstance(raw, (int, float)):
+            out["reward"] = float(raw)
+        else:
+            raise DataError(f"{where}: {opts.reward_key!r} must be a number or true/false, got {raw!r}")
+    return out
+
+
+def iter_records(paths: list[str]) -> Iterator[tuple[dict[str, Any], str]]:
+    for path in paths:
+        if not Path(path).is_file():
+            raise DataError(f"{path}: input file not found")
+        with open_text(path) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{where}: malformed JSON ({err.msg})") from None
+                if not isinstance(record, dict):
+                    raise DataError(f"{where}: each line must be a JSON object")
+                yield record, where
+
+
+# ---- writing ----------------------------------------------------------------------------------
+class _Writers:
+    """One builder per output dataset; all finalized together, or all aborted."""
+
+    def __init__(self, prefix: str, roles: list[str], vocab_size: int, with_reward: bool) -> None:
+        self.builders: dict[str, tuple[MMapIndexedDatasetBuilder, str]] = {}
+        for role in roles:
+            self._add(f"{role}", f"{prefix}_{role}_document", best_fitting_dtype(vocab_size))
+            label_name = "label" if role == "text" else f"{role}_label"
+            # Labels hold -100, so they need a signed dtype.
+            self._add(label_name, f"{prefix}_{label_name}_document", np.int32)
+        if with_reward:
+            self._add("reward", f"{prefix}_reward_document", np.float32)
+
+    def _add(self, name: str, out_prefix: str, dtype: Any) -> None:
+        self.builders[name] = (MMapIndexedDatasetBuilder(out_prefix + ".bin", dtype), out_prefix)
+
+    def write(self, name: str, values: list[int] | list[float]) -> None:
+        builder = self.builders[name][0]
+        builder.add_item(np.asarray(values, dtype=builder.dtype))
+        builder.end_document()
+
+    def finalize(self) -> list[str]:
+        for builder, prefix in self.builders.values():
+            builder.finalize(prefix + ".idx")
+        return [prefix for _, prefix in self.builders.values()]
+
+    def abort(self) -> None:
+        for builder, _ in self.builders.values():
+            builder.abort()
+
+
+def preprocess_with_mask(paths: list[str], output_prefix: str, tokenizer: Tokenizer,
+                         template: ChatTemplate | None, opts: Options) -> dict[str, Any]:
+    """Encode every record and write the aligned datasets; returns counts and the written prefixes."""
+    roles = ["chosen", "rejected"] if opts.mode == "pairwise" else ["text"]
+    Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    writers = _Writers(output_prefix, roles, tokenizer.vocab_size, opts.mode == "reward")
+    docs = skipped = 0
+    try:
+        for record, where in iter_records(paths):
+            encoded = encode_record(record, tokenizer, template, opts, where)
+            if any(len(encoded[r][0]) == 0 for r in roles):
+                skipped += 1  # an empty side would be an unusable sample
+                continue
+            for role in roles:
+                ids, labels = encoded[role]
+                writers.write(role, ids)
+                writers.write("label" if role == "text" else f"{role}_label", labels)
+            if "reward" in encoded:
+                writers.write("reward", [encoded["reward"]])
+            docs += 1
+        if docs == 0:
+            raise DataError(f"no usable documents in {', '.join(paths)}")
+        written = writers.finalize()
+    except BaseException:
+        writers.abort()
+        raise
+    return {"documents": docs, "skipped_empty": skipped, "outputs": written}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", required=True, help="comma-separated jsonl files (.jsonl, .jsonl.gz, .jsonl.zst)")
+    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--mode", choices=["sft", "pairwise", "reward"], default="sft")
+    p.add_argument("--prompt-key", default="prompt")
+    p.add_argument("--completion-key", default="completion")
+    p.add_argument("--messages-key", default="messages")
+    p.add_argument("--chosen-key", default="chosen")
+    p.add_argument("--rejected-key", default="rejected")
+    p.add_argument("--reward-key", default="reward")
+    p.add_argument("--chat-template", default=None, help="file with a jinja2 chat template")
+    p.add_argument("--tokenizer-type", required=True, choices=sorted(TOKENIZERS))
+    p.add_argument("--vocab-file", default=None)
+    p.add_argument("--merge-file", default=None)
+    p.add_argument("--append-eod", action="store_true", help="end each document with EOD (trained after a completion)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    tokenizer = build_tokenizer(SimpleNamespace(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                                                merge_file=args.merge_file, make_vocab_size_divisible_by=1,
+                                                model_parallel_size=1))
+    template = load_chat_template(args.chat_template, args.vocab_file)
+    opts = Options(args.mode, args.prompt_key, args.completion_key, args.messages_key, args.chosen_key,
+                   args.rejected_key, args.reward_key, args.append_eod)
+    paths = [s.strip() for s in args.input.split(",") if s.strip()]
+    stats = preprocess_with_mask(paths, args.output_prefix, tokenizer, template, opts)
+    print(f"{stats['documents']} documents ({stats['skipped_empty']} empty skipped) -> "
+          + ", ".join(stats["outputs"]))
+    return 0
+
+
+if __name__ == "__main__":
+    run_guarded(main)
