@@ -532,6 +532,8 @@ def test_extras_accept_their_documented_forms() -> None:
         {"decay_fraction": 1.5},
         {"max_consecutive_overflows": 0},
         {"keep": [{"every": "often"}]},
+        {"keep": [{"evry": 1000}]},
+        {"keep": [{"every": 0}]},
         {"hidden_size": 0},
         {"num_layers": -1},
         {"hidden_dropout": 1.0},

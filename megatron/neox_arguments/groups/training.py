@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from megatron.neox_arguments.groups.support import partly_supported
 from megatron.neox_arguments.schema import ArgGroup, not_supported
@@ -351,7 +351,7 @@ class TrainingArgs(ArgGroup):
     """Also save a temporary checkpoint at this wall-clock interval (`15min`, `1h`, or seconds); it
     is replaced by the next one."""
 
-    keep: list[dict[str, int]] | None = None
+    keep: list[dict[str, int | None]] | None = None
     """Step-based retention policy as a list of {every, until} rules, e.g. [{every: 1000, until:
     10000}, {every: 5000}] (Levanter)."""
 
@@ -372,3 +372,24 @@ class TrainingArgs(ArgGroup):
     run_dir: str | None = None
     """Directory where the resolved config (deepy_config.json) is written; unset derives one from
     log_dir or save."""
+
+    @field_validator("keep")
+    @classmethod
+    def _keep_rules_shape(
+        cls, value: list[dict[str, int | None]] | None
+    ) -> list[dict[str, int | None]] | None:
+        """Each rule is ``{every: N}`` or ``{every: N, until: M}`` with positive steps.
+
+        Checked here rather than when the first checkpoint is due, so a typo such as ``evry``
+        fails at launch instead of hours into the run.
+        """
+        for rule in value or []:
+            unknown = sorted(set(rule) - {"every", "until"})
+            if unknown or not isinstance(rule.get("every"), int) or rule["every"] < 1:
+                raise ValueError(
+                    f"rule {rule!r} should be {{every: N}} or {{every: N, until: M}} with N >= 1"
+                )
+            until = rule.get("until")
+            if until is not None and until < 1:
+                raise ValueError(f"rule {rule!r}: until must be a positive step")
+        return value
