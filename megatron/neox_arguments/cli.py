@@ -81,10 +81,12 @@ def parse_command(argv: Sequence[str]) -> DeepyCommand:
 
 def resolve(command: DeepyCommand) -> ResolvedConfig:
     """Every check of a real launch: load and type-check, then the rules that need the world size."""
-    from megatron.neox_arguments import detect_world_size, finalize
     from megatron.neox_arguments.loading import load_config
 
     resolved = load_config(command.config_files, command.overrides, command.conf_dir)
+    # imported only now: the rules may need torch to look at the devices, structure errors do not
+    from megatron.neox_arguments import detect_world_size, finalize
+
     return finalize(resolved, detect_world_size(resolved.args))
 
 
