@@ -123,7 +123,11 @@ def validation_message(
     lines: list[str] = []
     reported: set[str] = set()
     for item in err.errors():
-        loc = item.get("loc") or ("?",)
+        reason = str(item.get("msg", "invalid value")).removeprefix("Value error, ")
+        loc = item.get("loc") or ()
+        if not loc:  # a check across fields: pydantic names no key, the reason must
+            lines.append(reason)
+            continue
         key = str(loc[0])
         if key in reported:  # a union type yields one error per member; one line is enough
             continue
@@ -134,16 +138,14 @@ def validation_message(
         if item.get("type") == "missing":
             lines.append(f"missing key '{key}' ({expected}): set it in a config file or as {key}=...")
             continue
-        inner = ".".join(str(part) for part in loc[1:] if not _is_type_tag(part, field))
+        inner = ".".join(str(part) for part in loc[1:] if not _is_type_tag(part))
         shown_key = f"{key}.{inner}" if inner else key
-        value = values.get(key, item.get("input"))
-        lines.append(
-            f"{shown_key} = {value!r} at {where}: expected {expected}; {item.get('msg', 'invalid value')}"
-        )
-    return _join(lines) if len(lines) > 1 else (lines[0] if lines else str(err))
+        value = item.get("input") if inner else values.get(key, item.get("input"))
+        lines.append(f"{shown_key} = {value!r} at {where}: expected {expected}; {reason}")
+    return _join(lines) if lines else str(err)
 
 
-def _is_type_tag(part: Any, field: Any) -> bool:
+def _is_type_tag(part: Any) -> bool:
     """pydantic puts the tried union member (``'int'``, ``"literal['all']"``) into ``loc``; hide it."""
     return isinstance(part, str) and ("[" in part or part in {"int", "float", "str", "bool", "dict", "list"})
 
