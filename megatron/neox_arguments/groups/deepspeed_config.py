@@ -42,8 +42,7 @@ class DeepSpeedConfigArgs(ArgGroup):
     """Divide gradients by the data-parallel size before the all-reduce instead of after."""
 
     gradient_predivide_factor: float = Field(1.0, gt=0)
-    """Divide gradients by this before the all-reduce and by the rest after, to avoid fp16 overflow.
-    """
+    """Divide gradients by this before the all-reduce and the rest after, avoiding fp16 overflow."""
 
     sparse_gradients: bool = False
     """Let DeepSpeed all-reduce sparse embedding gradients as sparse tensors."""
@@ -62,8 +61,7 @@ class DeepSpeedConfigArgs(ArgGroup):
     """Gradient-norm clipping threshold handed to DeepSpeed; mirrors clip_grad."""
 
     zero_optimization: dict[str, Any] | None = None
-    """DeepSpeed ZeRO block: {stage, allgather_bucket_size, reduce_bucket_size, overlap_comm, ...}.
-    """
+    """DeepSpeed ZeRO block: {stage, reduce_bucket_size, overlap_comm, offload_optimizer, ...}."""
 
     curriculum_learning: dict[str, Any] | None = not_supported(None)
     """DeepSpeed's legacy sequence-length curriculum block."""

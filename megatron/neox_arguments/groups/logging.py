@@ -80,7 +80,7 @@ class LoggingArgs(ArgGroup):
     """Log the global parameter norm."""
 
     log_grad_norm: bool = False
-    """Log the global gradient norm (after clipping bookkeeping)."""
+    """Log the global gradient norm, measured before clipping."""
 
     log_optimizer_states: bool = False
     """Log norms of the optimizer's moment estimates."""

@@ -43,7 +43,6 @@ class LRSchedulerArgs(ArgGroup):
 
     # ---- Deepy extras (not in GPT-NeoX) ----
 
-
     cycles: int | list[int] | None = None
     """Split training into this many equal LR cycles, or a list of the steps at which new cycles
     begin (Levanter)."""

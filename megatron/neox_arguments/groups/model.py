@@ -152,8 +152,7 @@ class ModelArgs(ArgGroup):
     unchanged."""
 
     scaled_upper_triang_masked_softmax_fusion: bool = False
-    """Performance hint: fuse scale, causal mask and softmax in one kernel; results are unchanged.
-    """
+    """Performance hint: fuse scale, causal mask and softmax in one kernel; same results."""
 
     scaled_masked_softmax_fusion: bool = False
     """Performance hint: fuse scale, arbitrary mask and softmax in one kernel; results are
@@ -183,8 +182,8 @@ class ModelArgs(ArgGroup):
     fp16 overflow in deep models."""
 
     use_cpu_initialization: bool = False
-    """Build full weights on the CPU before sharding them, so every layout starts from the same
-    numbers."""
+    """Create weights in CPU memory before moving them to the device; Deepy always builds full
+    weights from the seed and then shards them, so only where they are built changes."""
 
     attention_softmax_in_fp32: bool = False
     """Run the attention softmax in fp32 even when training in half precision."""

@@ -42,8 +42,7 @@ class OptimizerArgs(ArgGroup):
     """ZeRO: reduce gradients with reduce-scatter instead of all-reduce."""
 
     zero_contiguous_gradients: bool | None = None
-    """ZeRO: copy gradients into one contiguous buffer as they are produced, avoiding fragmentation.
-    """
+    """ZeRO: copy gradients into one contiguous buffer as produced, avoiding fragmentation."""
 
     zero_reduce_bucket_size: int | None = Field(None, ge=1)
     """ZeRO: number of elements reduced at once."""

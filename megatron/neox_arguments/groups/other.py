@@ -30,8 +30,7 @@ class OtherArgs(ArgGroup):
     """Let an external framework set up model-parallel groups instead of initialize()."""
 
     short_seq_prob: float = not_supported(0.1)
-    """Probability of drawing a shortened sample (a BERT-era data option GPT training does not use).
-    """
+    """Probability of drawing a shortened sample (a BERT-era option GPT training never uses)."""
 
     eod_mask_loss: bool = False
     """Do not train on predicting end-of-document tokens."""

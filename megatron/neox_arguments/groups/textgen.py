@@ -24,8 +24,7 @@ class TextgenArgs(ArgGroup):
     """Sampling temperature; 0 means greedy decoding."""
 
     top_p: float = Field(0.0, ge=0, le=1)
-    """Nucleus sampling: keep the smallest token set whose probability reaches top_p; 0 disables it.
-    """
+    """Nucleus sampling: keep the fewest tokens whose probability reaches top_p; 0 disables it."""
 
     top_k: int = Field(0, ge=0)
     """Sample only from the k most likely tokens; 0 disables it."""

@@ -175,8 +175,7 @@ class TrainingArgs(ArgGroup):
     """Chunk size in bytes for S3 uploads."""
 
     config_files: dict[str, str] | None = None
-    """The config files of the run (name -> text), stored with checkpoints; filled in by the loader.
-    """
+    """The run's config files (name -> text), stored with checkpoints; filled in by the loader."""
 
     load: str | None = None
     """Directory to resume or start from; the latest committed checkpoint in it is loaded."""
@@ -329,7 +328,6 @@ class TrainingArgs(ArgGroup):
 
     # ---- Deepy extras (not in GPT-NeoX) ----
 
-
     selective_checkpointing: int | None = Field(None, ge=1)
     """Recompute activations of every k-th block only, trading less memory saving for less
     recompute."""
@@ -366,8 +364,7 @@ class TrainingArgs(ArgGroup):
     """Wrap each transformer block in torch.compile."""
 
     per_device_parallelism: int | None = Field(None, ge=1)
-    """Levanter's name for the micro batch per device; accepted as train_micro_batch_size_per_gpu.
-    """
+    """Levanter's name for the micro batch per device; read as train_micro_batch_size_per_gpu."""
 
     run_dir: str | None = None
     """Directory where the resolved config (deepy_config.json) is written; unset derives one from
