@@ -16,8 +16,8 @@ from megatron.neox_arguments.schema import ArgGroup, not_supported
 class DeepSpeedConfigArgs(ArgGroup):
     """GPT-NeoX's ``NeoXArgsDeepspeedConfig`` group."""
 
-    deepspeed: bool = True
-    """Train through a DeepSpeed engine (always true in Deepy)."""
+    deepspeed: bool = not_supported(True)
+    """Train through a DeepSpeed engine; Deepy has no other engine, so it cannot be turned off."""
 
     train_batch_size: int | None = Field(None, ge=1)
     """Global batch size in samples: micro batch x gradient accumulation x data-parallel size."""
