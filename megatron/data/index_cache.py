@@ -129,9 +129,14 @@ def build_once(target: str | os.PathLike[str], build: Callable[[], None], timeou
     target = Path(target)
     if target.exists():
         return
-    target.parent.mkdir(parents=True, exist_ok=True)
     lock_path = target.with_name(target.name + ".lock")
-    with lock_path.open("a") as lock:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = lock_path.open("a")
+    except OSError as err:
+        raise DataError(f"cannot write the index cache in {target.parent} ({err.strerror}); "
+                        "set cache_dir to a writable directory") from None
+    with lock:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
