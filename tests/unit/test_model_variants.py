@@ -1,0 +1,315 @@
+"""GPTModel against an independent plain-torch reference, one architecture variant at a time.
+
+The reference below is written from the maths (explicit softmax attention, explicit norms and
+activations, rotary by pairs), not from the model code; it reads the model's own weights from its
+state_dict. All weights, including norm gains and biases, are randomised first so that a wrong or
+ignored parameter shows up in the logits.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron.model import GPTConfig, GPTModel, flops_per_token, lm_loss, num_parameters
+from megatron.model.pipeline import (
+    EmbeddingPipe,
+    FinalNormPipe,
+    OutputLayerPipe,
+    TransformerLayerPipe,
+    tied_embedding_logits,
+)
+
+BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, padded_vocab_size=64, seed=7)
+
+
+# --- the reference ---------------------------------------------------------------------------
+def ref_norm(cfg: GPTConfig, sd: dict, prefix: str, x: torch.Tensor) -> torch.Tensor:
+    if cfg.norm in ("layernorm", "non_parametric_layernorm"):
+        mean = x.mean(-1, keepdim=True)
+        var = ((x - mean) ** 2).mean(-1, keepdim=True)
+        y = (x - mean) / torch.sqrt(var + cfg.layernorm_epsilon)
+        if cfg.norm == "layernorm":
+            y = y * sd[f"{prefix}.weight"]
+            if cfg.use_bias_in_norms:
+                y = y + sd[f"{prefix}.bias"]
+        return y
+    if cfg.norm == "rmsnorm":
+        return x / torch.sqrt((x**2).mean(-1, keepdim=True) + cfg.rms_norm_epsilon) * sd[f"{prefix}.weight"]
+    if cfg.norm == "scalenorm":
+        length = torch.sqrt((x**2).sum(-1, keepdim=True))
+        return x / torch.clamp(length, min=cfg.scalenorm_epsilon) * sd[f"{prefix}.g"]
+    raise AssertionError(cfg.norm)
+
+
+def ref_activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    gelu = lambda t: 0.5 * t * (1.0 + torch.erf(t / math.sqrt(2.0)))  # noqa: E731
+    plain = {
+        "gelu": gelu,
+        "relu": lambda t: torch.where(t > 0, t, torch.zeros_like(t)),
+        "silu": lambda t: t / (1.0 + torch.exp(-t)),
+        "swish": lambda t: t / (1.0 + torch.exp(-t)),
+        "softsign": lambda t: t / (1.0 + t.abs()),
+        "mish": lambda t: t * torch.tanh(torch.log1p(torch.exp(t))),
+    }
+    if name in plain:
+        return plain[name](x)
+    gates = {
+        "geglu": gelu,
+        "reglu": plain["relu"],
+        "swiglu": plain["silu"],
+        "bilinear": lambda t: t,
+        "glu": lambda t: 1.0 / (1.0 + torch.exp(-t)),
+    }
+    half = x.shape[-1] // 2
+    return gates[name](x[..., :half]) * x[..., half:]
+
+
+def ref_rotary(x: torch.Tensor, positions: torch.Tensor, rot: int, base: float) -> torch.Tensor:
+    """x [b, n, s, d]; dims (i, i + rot/2) rotate together by angle pos * base^(-2i/rot)."""
+    out = x.clone()
+    half = rot // 2
+    for i in range(half):
+        angle = positions.float() * base ** (-2.0 * i / rot)  # [b|1, s]
+        c, s_ = torch.cos(angle)[:, None, :], torch.sin(angle)[:, None, :]
+        a, b = x[..., i], x[..., i + half]
+        out[..., i] = a * c - b * s_
+        out[..., i + half] = b * c + a * s_
+    return out
+
+
+def ref_alibi_slopes(n: int) -> list[float]:
+    def geometric(k: int) -> list[float]:
+        return [2.0 ** (-8.0 * (i + 1) / k) for i in range(k)]
+
+    p = 1
+    while p * 2 <= n:
+        p *= 2
+    return geometric(p) + geometric(2 * p)[::2][: n - p]
+
+
+def ref_attention(cfg: GPTConfig, sd: dict, prefix: str, x: torch.Tensor, positions, attention_mask) -> torch.Tensor:
+    b, s, _ = x.shape
+    n, nkv, d = cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim
+    w = sd[f"{prefix}.query_key_value.weight"]
+    qkv = x @ w.T
+    if cfg.use_bias_in_attn_linear:
+        qkv = qkv + sd[f"{prefix}.query_key_value.bias"]
+    q = qkv[..., : n * d].reshape(b, s, n, d).transpose(1, 2)
+    k = qkv[..., n * d : (n + nkv) * d].reshape(b, s, nkv, d).transpose(1, 2)
+    v = qkv[..., (n + nkv) * d :].reshape(b, s, nkv, d).transpose(1, 2)
+    if cfg.use_qk_layernorm:
+        q = ref_norm(cfg, sd, f"{prefix}.q_norm", q)
+        k = ref_norm(cfg, sd, f"{prefix}.k_norm", k)
+    if cfg.pos_emb == "rotary":
+        q = ref_rotary(q, positions, cfg.rotary_dim, cfg.rotary_emb_base)
+        k = ref_rotary(k, positions, cfg.rotary_dim, cfg.rotary_emb_base)
+    group = n // nkv
+    k = torch.stack([k[:, h // group] for h in range(n)], dim=1)
+    v = torch.stack([v[:, h // group] for h in range(n)], dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d)  # [b, n, s, s]
+    i = torch.arange(s).view(s, 1)
+    j = torch.arange(s).view(1, s)
+    if cfg.pos_emb == "alibi":
+        slopes = torch.tensor(ref_alibi_slopes(n)).view(1, n, 1, 1)
+        scores = scores - slopes * (i - j).float()
+    blocked = j > i
+    if cfg.sliding_window_width is not None:
+        blocked = blocked | (i - j > cfg.sliding_window_width)
+    if attention_mask is not None:
+        blocked = blocked | ~attention_mask
+    scores = scores.masked_fill(blocked, float("-inf"))
+    probs = torch.exp(scores - scores.amax(-1, keepdim=True))
+    probs = probs / probs.sum(-1, keepdim=True)
+    ctx = (probs @ v).transpose(1, 2).reshape(b, s, n * d)
+    out = ctx @ sd[f"{prefix}.dense.weight"].T
+    return out + sd[f"{prefix}.dense.bias"] if cfg.use_bias_in_attn_linear else out
+
+
+def ref_mlp(cfg: GPTConfig, sd: dict, prefix: str, x: torch.Tensor) -> torch.Tensor:
+    h = x @ sd[f"{prefix}.dense_h_to_4h.weight"].T
+    if cfg.use_bias_in_mlp:
+        h = h + sd[f"{prefix}.dense_h_to_4h.bias"]
+    out = ref_activation(cfg.activation, h) @ sd[f"{prefix}.dense_4h_to_h.weight"].T
+    return out + sd[f"{prefix}.dense_4h_to_h.bias"] if cfg.use_bias_in_mlp else out
+
+
+def ref_logits(cfg: GPTConfig, sd: dict, tokens, position_ids=None, attention_mask=None) -> torch.Tensor:
+    b, s = tokens.shape
+    positions = torch.arange(s).view(1, s) if position_ids is None else position_ids
+    x = sd["embedding.word_embeddings.weight"][tokens]
+    if cfg.pos_emb == "learned":
+        x = x + sd["embedding.position_embeddings.weight"][positions]
+    if cfg.pos_emb == "sinusoidal":
+        h = cfg.hidden_size
+        freqs = torch.tensor([10000.0 ** (-2.0 * i / h) for i in range(h // 2)])
+        angles = positions.float()[..., None] * freqs
+        x = x + torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
+    for layer in range(cfg.num_layers):
+        p = f"layers.{layer}"
+        ln1 = ref_norm(cfg, sd, f"{p}.input_layernorm", x)
+        attn = ref_attention(cfg, sd, f"{p}.attention", ln1, positions, attention_mask)
+        if cfg.gpt_j_residual:
+            ln2 = ln1 if cfg.gpt_j_tied else ref_norm(cfg, sd, f"{p}.post_attention_layernorm", x)
+            x = x + attn + ref_mlp(cfg, sd, f"{p}.mlp", ln2)
+        else:
+            x = x + attn
+            x = x + ref_mlp(cfg, sd, f"{p}.mlp", ref_norm(cfg, sd, f"{p}.post_attention_layernorm", x))
+    x = ref_norm(cfg, sd, "final_norm", x)
+    head = sd["output_layer.weight"] if cfg.no_weight_tying else sd["embedding.word_embeddings.weight"]
+    return x @ head.T
+
+
+# --- the variants ----------------------------------------------------------------------------
+VARIANTS: dict[str, dict] = {
+    "learned": dict(pos_emb="learned", max_position_embeddings=16),
+    "rotary": dict(pos_emb="rotary"),
+    "rotary_pct_half": dict(pos_emb="rotary", rotary_pct=0.5, rotary_emb_base=500),
+    "alibi_6_heads": dict(pos_emb="alibi", hidden_size=48, num_attention_heads=6),
+    "sinusoidal": dict(pos_emb="sinusoidal"),
+    "no_positions": dict(pos_emb="none"),
+    "layernorm_no_bias": dict(norm="layernorm", use_bias_in_norms=False),
+    "rmsnorm": dict(norm="rmsnorm"),
+    "scalenorm": dict(norm="scalenorm"),
+    "non_parametric_layernorm": dict(norm="non_parametric_layernorm"),
+    **{f"act_{a}": dict(activation=a) for a in
+       ["gelu", "relu", "silu", "swish", "softsign", "mish", "geglu", "reglu", "swiglu", "bilinear", "glu"]},
+    "gqa": dict(num_kv_heads=2, pos_emb="rotary"),
+    "mqa": dict(num_kv_heads=1),
+    "sliding_window": dict(sliding_window_width=3),
+    "sliding_window_alibi": dict(sliding_window_width=2, pos_emb="alibi"),
+    "parallel_residual": dict(gpt_j_residual=True),
+    "parallel_residual_tied_norm": dict(gpt_j_residual=True, gpt_j_tied=True),
+    "qk_layernorm": dict(use_qk_layernorm=True, pos_emb="rotary"),
+    "qk_rmsnorm": dict(use_qk_layernorm=True, norm="rmsnorm"),
+    "untied": dict(no_weight_tying=True),
+    "no_linear_biases": dict(use_bias_in_attn_linear=False, use_bias_in_mlp=False),
+    "mlp_width": dict(intermediate_size=50, mlp_multiple_of=16, activation="swiglu"),
+    "expansion_factor": dict(expansion_factor=2.5),
+}
+
+
+def build(variant: dict) -> tuple[GPTConfig, GPTModel]:
+    cfg = GPTConfig(**{**BASE, **variant})
+    model = GPTModel(cfg).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # make every parameter matter (init leaves norms at 1 and biases at 0)
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    return cfg, model
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_logits_match_reference(name: str) -> None:
+    cfg, model = build(VARIANTS[name])
+    tokens = torch.randint(0, cfg.padded_vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = model(tokens)
+        want = ref_logits(cfg, model.state_dict(), tokens)
+    assert got.shape == (2, cfg.seq_length, cfg.padded_vocab_size)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rotary", "sinusoidal"])
+def test_position_ids_and_attention_mask(pos_emb: str) -> None:
+    cfg, model = build(dict(pos_emb=pos_emb))
+    s = cfg.seq_length
+    tokens = torch.randint(0, cfg.padded_vocab_size, (2, s), generator=torch.Generator().manual_seed(2))
+    # two documents per row (GPT-NeoX reset_position_ids / reset_attention_mask)
+    position_ids = torch.cat([torch.arange(3), torch.arange(s - 3)]).expand(2, s)
+    doc = (torch.arange(s) >= 3).long()
+    mask = (doc.view(s, 1) == doc.view(1, s)).expand(2, 1, s, s)
+    with torch.no_grad():
+        got = model(tokens, position_ids, mask)
+        want = ref_logits(cfg, model.state_dict(), tokens, position_ids, mask)
+        plain = model(tokens)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, plain, atol=1e-3)  # the inputs were not ignored
+
+
+def test_lm_loss_matches_torch_cross_entropy() -> None:
+    cfg, model = build({})
+    tokens = torch.randint(0, cfg.padded_vocab_size, (2, cfg.seq_length))
+    labels = torch.randint(0, cfg.padded_vocab_size, (2, cfg.seq_length))
+    labels[0, :3] = -100
+    loss_mask = torch.ones(2, cfg.seq_length)
+    loss_mask[1, -2:] = 0
+    logits = model(tokens)
+    got = lm_loss(logits, labels, loss_mask)
+    masked = labels.masked_fill(loss_mask == 0, -100)
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), masked.flatten(), ignore_index=-100)
+    torch.testing.assert_close(got, want)
+    (g_got,) = torch.autograd.grad(got, logits)
+    (g_want,) = torch.autograd.grad(want, logits)
+    torch.testing.assert_close(g_got, g_want)
+
+
+@pytest.mark.parametrize("name", ["learned", "untied", "alibi_6_heads", "gqa"])
+def test_pipeline_layers_compute_the_same_model(name: str) -> None:
+    """The pipeline's layer classes, chained by hand, build the same weights and logits."""
+    cfg = GPTConfig(**{**BASE, **VARIANTS[name]})
+    model = GPTModel(cfg).eval()
+    embed = EmbeddingPipe(cfg)
+    layers = [TransformerLayerPipe(cfg, i) for i in range(cfg.num_layers)]
+    norm = FinalNormPipe(cfg)
+    tokens = torch.randint(0, cfg.padded_vocab_size, (2, cfg.seq_length))
+    with torch.no_grad():
+        x = embed(tokens)
+        for layer in layers:
+            x = layer(x)
+        x = norm(x)
+        if cfg.no_weight_tying:
+            head = OutputLayerPipe(cfg)
+            got = head(x)
+            assert torch.equal(head.output_layer.weight, model.output_layer.weight)
+        else:
+            got = tied_embedding_logits(embed, x)
+        want = model(tokens)
+    for i, layer in enumerate(layers):
+        for key, value in layer.state_dict().items():
+            assert torch.equal(value, model.state_dict()[f"layers.{i}.{key}"]), key
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_init_is_a_function_of_seed_and_name() -> None:
+    cfg = GPTConfig(**BASE)
+    a, b = GPTModel(cfg).state_dict(), GPTModel(cfg).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    qkv0, qkv1 = a["layers.0.attention.query_key_value.weight"], a["layers.1.attention.query_key_value.weight"]
+    assert not torch.allclose(qkv0, qkv1)  # the layer number is part of the name
+    other = GPTModel(cfg.replace(seed=8)).state_dict()
+    assert not torch.allclose(a["embedding.word_embeddings.weight"], other["embedding.word_embeddings.weight"])
+    # std: normal(0.02) for inputs, scaled by 1/sqrt(2L) for residual outputs
+    assert abs(qkv0.std().item() - 0.02) < 0.003
+    dense = a["layers.0.attention.dense.weight"]
+    assert abs(dense.std().item() - 0.02 / math.sqrt(2 * cfg.num_layers)) < 0.002
+
+
+@pytest.mark.parametrize("name", ["learned", "gqa", "untied", "qk_rmsnorm", "parallel_residual_tied_norm", "mlp_width"])
+def test_num_parameters_and_flops(name: str) -> None:
+    cfg, model = build(VARIANTS[name])
+    assert num_parameters(cfg) == sum(p.numel() for p in model.parameters())
+    h, L, s, v = cfg.hidden_size, cfg.num_layers, cfg.seq_length, cfg.padded_vocab_size
+    embeddings = v * h + (cfg.max_position_embeddings * h if cfg.pos_emb == "learned" else 0)
+    untied_head = v * h if cfg.no_weight_tying else 0
+    matmul = num_parameters(cfg) - embeddings - untied_head + v * h
+    assert flops_per_token(cfg, s) == 6 * matmul + 12 * L * h * s
+
+
+def test_config_from_neox_args() -> None:
+    args = SimpleNamespace(
+        num_layers=3, hidden_size=48, num_attention_heads=6, num_kv_heads=None, seq_length=32,
+        max_position_embeddings=None, padded_vocab_size=96, pos_emb="rotary", rotary_pct=0.25,
+        norm="rmsnorm", activation="swiglu", precision="bfloat16", attention_config=[[["global"], "all"]],
+        train_iters=10, lr=1e-3,  # not architecture: ignored
+    )
+    cfg = GPTConfig.from_neox_args(args)
+    assert (cfg.num_layers, cfg.kv_heads, cfg.max_position_embeddings) == (3, 6, 32)
+    assert cfg.params_dtype == torch.bfloat16 and cfg.rotary_dim == 2
+    assert cfg.attention_types == ["global"] * 3
+    assert cfg.layernorm_epsilon == 1e-5  # default where args lack the field
+    with pytest.raises(ValueError, match="not supported"):
+        GPTConfig(**BASE, attention_config=[[["sparse_fixed"], "all"]])
