@@ -45,6 +45,15 @@ def detect_world_size(args: Any, device_count: int | None = None) -> int:
     ``include``/``exclude`` filter it, ``num_nodes`` keeps the first hosts and ``num_gpus`` sets the
     slots per host. Without CUDA, ``num_gpus: N`` means N CPU ranks, as DeepSpeed's runner does.
     """
+    active = active_resources(args, device_count)
+    world = sum(len(slots) for slots in active.values())
+    if world < 1:
+        raise ConfigError("no ranks left to launch after include/exclude: check include/exclude/hostfile")
+    return world
+
+
+def active_resources(args: Any, device_count: int | None = None) -> dict[str, list[int]]:
+    """host -> slot ids the runner will use, computed with DeepSpeed's own filter functions."""
     from deepspeed.launcher.runner import (
         _parse_hostfile,
         apply_num_nodes_and_gpus,
@@ -84,10 +93,7 @@ def detect_world_size(args: Any, device_count: int | None = None) -> int:
             f"{filt}={include or exclude!r} does not match the resource pool {dict(pool)}: {err}"
         ) from None
     active = apply_num_nodes_and_gpus(active, num_nodes, num_gpus)
-    world = sum(len(slots) for slots in active.values())
-    if world < 1:
-        raise ConfigError(f"no ranks left to launch after include/exclude on the pool {dict(pool)}")
-    return world
+    return {host: list(slots) for host, slots in active.items()}
 
 
 def _read_pool(hostfile: str | None, parse: Callable[[list[str]], Any]) -> dict[str, int] | None:

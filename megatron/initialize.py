@@ -1,0 +1,100 @@
+"""Per-rank start-up: join torch.distributed, build the tp/pp/dp groups, seed the RNGs.
+
+Called once by every worker (``train.py``, ``generate.py``, ...) right after reading the resolved
+config. The rendezvous comes from the environment that DeepSpeed's launcher sets (RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or is mapped from Slurm/MPI variables when srun/mpirun
+started the worker directly (:mod:`megatron.launcher.environment`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+
+from megatron.errors import ConfigError
+from megatron.launcher.environment import distributed_env
+from megatron.mpu import Coordinates, initialize_model_parallel
+from megatron.mpu.topology import get_coordinates, get_topology
+
+logger = logging.getLogger(__name__)
+
+# Generous: the first collective waits for the slowest rank's imports (tens of seconds on a busy
+# CPU box) but a dead peer should still fail the job within the hour rather than hang forever.
+RENDEZVOUS_TIMEOUT = timedelta(minutes=30)
+
+
+def backend_for(args: Any) -> str:
+    """``distributed_backend`` if set, else nccl with CUDA and gloo without."""
+    chosen = getattr(args, "distributed_backend", None)
+    if chosen:
+        if chosen == "nccl" and not torch.cuda.is_available():
+            raise ConfigError("distributed_backend='nccl' needs CUDA GPUs: use gloo on CPU, or remove the key")
+        return str(chosen)
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def set_seeds(seed: int) -> None:
+    """The same seed on every rank: weights are initialised from (seed, parameter name) and then
+    sharded, so every layout starts from identical weights; per-rank streams (dropout inside
+    tensor-parallel regions) are derived from this by the mpu RNG tracker."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def init_distributed(args: Any) -> None:
+    """Join the process group described by the environment (idempotent)."""
+    import deepspeed
+
+    env = distributed_env(
+        os.environ,
+        master_addr=getattr(args, "master_addr", None),
+        master_port=getattr(args, "master_port", None),
+        prefer_slurm=bool(getattr(args, "deepspeed_slurm", False)),
+    )
+    os.environ.update(env)
+    local_rank = int(env["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    if torch.distributed.is_initialized():
+        return
+    # Through DeepSpeed so its comm layer (used by the engine and ZeRO) wraps the same group;
+    # auto_mpi_discovery stays off because the environment mapping above already did that job.
+    deepspeed.init_distributed(
+        dist_backend=backend_for(args),
+        auto_mpi_discovery=False,
+        timeout=RENDEZVOUS_TIMEOUT,
+        rank=int(env["RANK"]),
+        world_size=int(env["WORLD_SIZE"]),
+    )
+
+
+def initialize(args: Any) -> Coordinates:
+    """Distributed start-up for one rank; returns (and prints) where this rank sits in the grid."""
+    init_distributed(args)
+    world = torch.distributed.get_world_size()
+    expected = getattr(args, "world_size", None)
+    if expected is not None and expected != world:
+        raise ConfigError(
+            f"the config was checked for world_size={expected} but {world} ranks started: "
+            f"launch through deepy.py, or set num_gpus/hostfile to match"
+        )
+    tp = int(getattr(args, "model_parallel_size", 1) or 1)
+    pp = int(getattr(args, "pipe_parallel_size", 0) or 0)
+    initialize_model_parallel(tp, pp)
+    set_seeds(int(getattr(args, "seed", 1234)))
+    coords = get_coordinates()
+    get_topology()  # raises if the groups were not built
+    # one write per line: ranks share the launcher's pipe and print() writes the newline separately
+    sys.stdout.write(f"deepy: {coords} world={world}\n")
+    sys.stdout.flush()
+    return coords

@@ -1,0 +1,136 @@
+"""Each rank's place in the job (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) from whoever started it.
+
+DeepSpeed's local launcher (``deepspeed.launcher.launch``) sets these variables itself. Its multi-node
+backends do not always: ``srun`` (launcher: slurm, or a user running ``srun python train.py``) and
+``mpirun`` (openmpi, mpich, mvapich) start the worker directly and only set their own variables. This
+module maps those to the ``env://`` names torch.distributed reads, as GPT-NeoX's ``deepspeed_slurm`` /
+``deepspeed_mpi`` options do. Pure functions of the environment mapping so they are unit-testable.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from megatron.errors import ConfigError
+
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class RankSource:
+    """Names of one scheduler's variables for rank, local rank and world size."""
+
+    name: str
+    rank: str
+    local_rank: str
+    world_size: str
+
+
+# Order matters: a job step under Slurm that runs mpirun has both sets; mpirun's are the inner ones.
+MPI_SOURCES: tuple[RankSource, ...] = (
+    RankSource("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE"),
+    RankSource("mvapich", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_SIZE"),
+    RankSource("mpich", "PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE"),
+)
+SLURM_SOURCE = RankSource("slurm", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS")
+
+
+def detect_source(environ: Mapping[str, str], prefer_slurm: bool = False) -> RankSource | None:
+    """The scheduler that started this process, or ``None`` when only RANK/... (or nothing) is set."""
+    mpi = next((src for src in MPI_SOURCES if src.rank in environ and src.world_size in environ), None)
+    slurm = SLURM_SOURCE if SLURM_SOURCE.rank in environ and SLURM_SOURCE.world_size in environ else None
+    if prefer_slurm and slurm is not None:
+        return slurm
+    return mpi or slurm
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm hostlist: ``node[3-5,9],gpu1`` -> ``node3``.
+
+    ``scontrol show hostnames`` is the authority when it exists; the fallback parses the common
+    ``prefix[range,...]`` form so workers need no Slurm binaries.
+    """
+    if shutil.which("scontrol"):
+        try:
+            out = subprocess.run(
+                ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30
+            )
+            if out.returncode == 0 and out.stdout.split():
+                return out.stdout.split()[0]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]
+    match = re.match(r"^([^\[]+)\[([^\]]+)\](.*)$", first)
+    if not match:
+        return first
+    prefix, ranges, suffix = match.groups()
+    start = ranges.split(",")[0].split("-")[0]
+    return f"{prefix}{start}{suffix}"
+
+
+def distributed_env(
+    environ: Mapping[str, str],
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    prefer_slurm: bool = False,
+) -> dict[str, str]:
+    """RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT for this process.
+
+    Precedence: variables already set (DeepSpeed's launcher, torchrun) > MPI/Slurm variables >
+    a single-process run (``python train.py --deepy_config ...`` on its own).
+    """
+    port = str(environ.get("MASTER_PORT") or master_port or DEFAULT_MASTER_PORT)
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return {
+            "RANK": environ["RANK"],
+            "LOCAL_RANK": environ.get("LOCAL_RANK", "0"),
+            "WORLD_SIZE": environ["WORLD_SIZE"],
+            "MASTER_ADDR": environ.get("MASTER_ADDR") or master_addr or "127.0.0.1",
+            "MASTER_PORT": port,
+        }
+    source = detect_source(environ, prefer_slurm=prefer_slurm)
+    if source is None:
+        return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                "MASTER_ADDR": master_addr or "127.0.0.1", "MASTER_PORT": port}
+    addr = environ.get("MASTER_ADDR") or master_addr
+    if not addr and source is SLURM_SOURCE:
+        nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+        if nodelist:
+            addr = first_slurm_host(nodelist)
+    world = environ[source.world_size]
+    if not addr:
+        if world == "1":
+            addr = "127.0.0.1"
+        else:
+            raise ConfigError(
+                f"started by {source.name} ({source.rank}={environ[source.rank]}, "
+                f"{source.world_size}={world}) but no rendezvous address: set master_addr in the "
+                f"config or export MASTER_ADDR"
+            )
+    return {
+        "RANK": environ[source.rank],
+        "LOCAL_RANK": environ.get(source.local_rank, "0"),
+        "WORLD_SIZE": world,
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": port,
+    }
+
+
+def started_by_scheduler(environ: Mapping[str, str], slurm: bool, mpi: bool) -> RankSource | None:
+    """When deepy.py itself runs as one task of ``srun``/``mpirun`` with deepspeed_slurm/mpi set.
+
+    Then the scheduler has already started one process per rank, so deepy.py must run the worker in
+    place instead of asking DeepSpeed's runner to start ranks again.
+    """
+    if "RANK" in environ:
+        return None
+    source = detect_source(environ, prefer_slurm=slurm)
+    if source is None:
+        return None
+    if (slurm and source is SLURM_SOURCE) or (mpi and source is not SLURM_SOURCE):
+        return source
+    return None
