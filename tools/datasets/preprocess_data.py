@@ -186,7 +186,8 @@ def encode_chunk(chunk: Chunk) -> Encoded:
         try:
             record = json.loads(decoded)
         except json.JSONDecodeError as err:
-            bad(lineno, f"malformed JSON ({err.msg} at column {err.colno})")
+            reason = err.msg.removesuffix(" at")  # some messages end in "at" before the position
+            bad(lineno, f"malformed JSON ({reason} at column {err.colno})")
             continue
         if not isinstance(record, dict):
             bad(lineno, f"malformed JSON (expected an object, got {type(record).__name__})")
@@ -265,7 +266,9 @@ class Progress:
     def __init__(self, total_docs: int | None, log_interval: int, quiet: bool) -> None:
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total_docs, unit="doc", disable=quiet, mininterval=0.5, smoothing=0.1)
+        # disable=None: no bar when stderr is not a terminal (logs, CI), the final report still prints.
+        self.bar = tqdm(total=total_docs, unit="doc", disable=True if quiet else None, mininterval=0.5,
+                        smoothing=0.1)
         self.start = time.perf_counter()
         self.docs = self.bytes = self.tokens = 0
         self.log_interval = max(1, log_interval)
