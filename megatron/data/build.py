@@ -206,6 +206,30 @@ def _train_samples_from_epochs(builder: _Builder, comps: list[Component], epochs
     return max(g, (epochs * per_epoch) // g * g)
 
 
+def _wants_pairs(args: Any) -> bool:
+    return getattr(args, "dataset_impl", "gpt2") == "pairwise" or getattr(args, "train_impl", "normal") in ("dpo", "rm")
+
+
+def _dummy_kind(args: Any) -> str:
+    if _wants_pairs(args):
+        return "pairwise"
+    return "reward" if getattr(args, "train_impl", "normal") == "kto" else "lm"
+
+
+def _check_matches_train_impl(args: Any, per_split: dict[str, list[Component] | None]) -> None:
+    """The data must carry what the objective reads; say which keys to set when it does not."""
+    impl = getattr(args, "train_impl", "normal")
+    for split, comps in per_split.items():
+        for c in comps or []:
+            if _wants_pairs(args) and "chosen" not in c.roles:
+                raise ConfigError(f"train_impl={impl}/dataset_impl=pairwise needs preference pairs: set "
+                                  f"pos_{split}_data_paths and neg_{split}_data_paths (written by "
+                                  "tools/datasets/preprocess_data_with_mask.py --mode pairwise)")
+            if impl == "kto" and "reward" not in c.roles:
+                raise ConfigError(f"train_impl=kto needs {split}_reward_data_paths next to {split}_data_paths "
+                                  "(written by tools/datasets/preprocess_data_with_mask.py --mode reward)")
+
+
 def build_datasets(args: Any, tokenizer: Any = None) -> DataSplits:
     """Train/valid/test datasets; each is indexable by global sample and returns numpy dicts."""
     train_n, valid_n, test_n = samples_needed(args)
@@ -213,7 +237,8 @@ def build_datasets(args: Any, tokenizer: Any = None) -> DataSplits:
         vocab = int(getattr(args, "padded_vocab_size", None) or getattr(tokenizer, "vocab_size", 0) or 0)
         seq = int(getattr(args, "seq_length"))
         seed = int(getattr(args, "seed", 1234))
-        make = lambda n, s: DummyDataset(n, seq, vocab, seed + s) if n > 0 else None  # noqa: E731
+        kind = _dummy_kind(args)
+        make = lambda n, s: DummyDataset(n, seq, vocab, seed + s, kind) if n > 0 else None  # noqa: E731
         return DataSplits(make(max(train_n, 1), 0), make(valid_n, 1), make(test_n, 2))
 
     builder = _Builder(args, tokenizer)
@@ -245,6 +270,7 @@ def build_datasets(args: Any, tokenizer: Any = None) -> DataSplits:
         raise ConfigError("no training data: set data_path, train_data_paths, train_urls or use_dummy_dataset "
                           "(run `python prepare_data.py` to download and tokenize a sample corpus)")
 
+    _check_matches_train_impl(args, per_split)
     if getattr(args, "train_iters", None) in (None, 0) and getattr(args, "train_epochs", None) and per_split.get("train"):
         train_n = _train_samples_from_epochs(builder, per_split["train"], int(args.train_epochs),
                                              int(args.train_batch_size))

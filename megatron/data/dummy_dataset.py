@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from typing import Literal
+
 from megatron.errors import DataError
+
+DummyKind = Literal["lm", "pairwise", "reward"]
 
 _SALT = 0xD0_11  # keeps these streams apart from other users of (seed, index) generators
 
@@ -17,10 +21,11 @@ _SALT = 0xD0_11  # keeps these streams apart from other users of (seed, index) g
 class DummyDataset:
     wraps = True  # any non-negative index is valid
 
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int = 1234) -> None:
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int = 1234,
+                 kind: DummyKind = "lm") -> None:
         if seq_length <= 0 or vocab_size <= 1:
             raise DataError(f"dummy data needs seq_length > 0 and vocab_size > 1, got {seq_length}, {vocab_size}")
-        self.num_samples = int(num_samples)
+        self.num_samples, self.kind = int(num_samples), kind
         self.seq_length, self.vocab_size, self.seed = seq_length, vocab_size, seed
 
     def __len__(self) -> int:
@@ -30,4 +35,12 @@ class DummyDataset:
         if i < 0:
             raise IndexError(f"negative sample index {i}")
         rng = np.random.default_rng([int(self.seed), int(i), _SALT])
-        return {"text": rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64)}
+        draw = lambda: rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64)  # noqa: E731
+        if self.kind == "pairwise":
+            chosen, rejected = draw(), draw()
+            return {"chosen": chosen, "rejected": rejected, "chosen_label": chosen.copy(),
+                    "rejected_label": rejected.copy()}
+        text = draw()
+        if self.kind == "reward":
+            return {"text": text, "label": text.copy(), "reward": np.float32(1.0 if i % 2 else -1.0)}
+        return {"text": text}

@@ -190,3 +190,18 @@ def test_build_datasets_for_each_train_impl(tmp_path: Path) -> None:
 
     with pytest.raises(DataError, match="prepare_data.py"):
         build_datasets(_args(train_data_paths=[str(tmp_path / "nope_text_document")]))
+
+
+def test_data_must_match_train_impl(tmp_path: Path) -> None:
+    from megatron.errors import ConfigError
+
+    sft = _sft_corpus(tmp_path)
+    with pytest.raises(ConfigError, match="pos_train_data_paths"):
+        build_datasets(_args(train_impl="dpo", eval_iters=0, train_data_paths=[sft + "_text_document"]))
+    with pytest.raises(ConfigError, match="train_reward_data_paths"):
+        build_datasets(_args(train_impl="kto", eval_iters=0, train_data_paths=[sft + "_text_document"]))
+    # Dummy data carries the keys of each objective.
+    for impl, keys in (("normal", {"text"}), ("dpo", {"chosen", "rejected", "chosen_label", "rejected_label"}),
+                       ("kto", {"text", "label", "reward"})):
+        ds = build_datasets(_args(train_impl=impl, use_dummy_dataset=True, padded_vocab_size=32)).train
+        assert set(ds[3]) == keys and ds[3][sorted(keys)[0]].shape == (9,)
