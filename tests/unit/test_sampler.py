@@ -124,3 +124,38 @@ def test_iterator_from_args() -> None:
     assert next(it)["text"][:, 0].tolist() == [20, 21]
     args = SimpleNamespace(train_batch_size=8, train_micro_batch_size_per_gpu=None, gradient_accumulation_steps=4)
     assert iterator_from_args(IndexDataset(100), args, 0, 0, 2).layout.micro_batch_size == 1
+
+
+def test_real_blend_same_samples_for_dp_1_2_4(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from megatron.data.build import build_datasets
+    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+
+    prefixes = []
+    for marker in (1, 2):
+        prefix = str(tmp_path / f"c{marker}")
+        b = MMapIndexedDatasetBuilder(prefix + ".bin", np.uint16)
+        for i in range(60):
+            b.add_item(np.arange(i, i + 3 + i % 5) % 97 + marker * 100)
+            b.end_document()
+        b.finalize(prefix + ".idx")
+        prefixes.append(prefix)
+    args = SimpleNamespace(seq_length=6, seed=9, train_batch_size=8, train_iters=12, eval_iters=0, eval_interval=4,
+                           train_data_paths=prefixes, train_data_weights=[0.6, 0.4], cache_dir=str(tmp_path / "c"))
+    train = build_datasets(args).train
+
+    def run(dp: int, mbs: int) -> torch.Tensor:
+        its = [MicroBatchIterator(train, 16, 8, mbs, r, dp) for r in range(dp)]
+        rows = []
+        for _ in range(4):  # global batches 2..5
+            for it in its:
+                for _ in range(8 // (mbs * dp)):
+                    rows.append(next(it)["text"])
+        return torch.cat(rows)
+
+    ref = run(1, 8)
+    assert ref.shape == (32, 7)
+    assert torch.equal(ref[0], torch.from_numpy(train[16]["text"]))
+    for dp, mbs in ((2, 2), (4, 1), (4, 2)):
+        assert torch.equal(run(dp, mbs), ref)
