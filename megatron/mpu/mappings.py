@@ -27,6 +27,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 # --- primitive collectives (no autograd) ---------------------------------------------------
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the tp group, in place: pass a tensor you own."""
     if get_tensor_model_parallel_world_size() == 1:
         return x
     x = x.contiguous()
@@ -90,7 +91,8 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return _all_reduce(grad)
+        # the incoming gradient may be a caller's tensor: reduce a copy, never it in place
+        return _all_reduce(grad.clone())
 
 
 class _ReduceFromTP(torch.autograd.Function):

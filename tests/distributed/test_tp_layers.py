@@ -1,0 +1,319 @@
+"""Tensor-parallel layers on 2 real gloo ranks equal their unsharded versions, forward and backward.
+
+One spawn runs every check (spawning costs seconds); each rank records per-check results in a
+JSON file and each check is reported as its own test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+WORLD = 2
+SEED = 11
+
+
+# --- helpers (run inside the ranks) ------------------------------------------------------------
+def _gather(t: torch.Tensor) -> list[torch.Tensor]:
+    from megatron.mpu import get_tensor_model_parallel_group
+
+    parts = [torch.empty_like(t) for _ in range(WORLD)]
+    dist.all_gather(parts, t.contiguous(), group=get_tensor_model_parallel_group())
+    return parts
+
+
+def _full_weight(name: str, shape: tuple[int, ...], std: float = 0.02) -> torch.Tensor:
+    """The full weight as a tp=1 layer would draw it: normal(0, std) from (SEED, name)."""
+    from megatron.mpu.initialize_weights import param_generator
+
+    return torch.randn(shape, generator=param_generator(SEED, name), dtype=torch.float32) * std
+
+
+def _normal(std: float = 0.02):
+    from megatron.mpu.initialize_weights import init_method_from_name
+
+    return init_method_from_name("normal", std, 2, 16)
+
+
+def _same_inputs(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str, atol: float = 1e-5) -> None:
+    torch.testing.assert_close(a, b, atol=atol, rtol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+# --- the checks --------------------------------------------------------------------------------
+def check_column_parallel_linear() -> None:
+    from megatron.mpu import ColumnParallelLinear, get_tensor_model_parallel_rank
+    from megatron.mpu.initialize_weights import shard_tensor
+
+    rank = get_tensor_model_parallel_rank()
+    for gather_output, sections in [(False, None), (True, None), (False, [8, 4, 4])]:
+        layer = ColumnParallelLinear(6, 16, name="col", init_fn=_normal(), seed=SEED, bias=True,
+                                     gather_output=gather_output, sections=sections)
+        with torch.no_grad():
+            layer.bias.copy_(shard_tensor(_same_inputs(16, seed=5), 0, rank, WORLD, sections))
+        w_full = _full_weight("col.weight", (16, 6)).requires_grad_()
+        b_full = _same_inputs(16, seed=5).requires_grad_()
+        x = _same_inputs(3, 2, 6, seed=1).requires_grad_()
+        x_ref = x.detach().clone().requires_grad_()
+        grad_out = _same_inputs(3, 2, 16, seed=2)
+
+        y_ref = F.linear(x_ref, w_full, b_full)
+        y_ref.backward(grad_out)
+        y = layer(x)
+        if gather_output:
+            _close(y, y_ref, "gathered output")
+            y.backward(grad_out)
+        else:
+            _close(y, shard_tensor(y_ref.detach(), 2, rank, WORLD, sections), "output shard")
+            y.backward(shard_tensor(grad_out, 2, rank, WORLD, sections))
+        _close(x.grad, x_ref.grad, "input grad (all-reduced over the shards)")
+        _close(layer.weight.grad, shard_tensor(w_full.grad, 0, rank, WORLD, sections), "weight grad")
+        _close(layer.bias.grad, shard_tensor(b_full.grad, 0, rank, WORLD, sections), "bias grad")
+
+
+def check_row_parallel_linear() -> None:
+    from megatron.mpu import RowParallelLinear, get_tensor_model_parallel_rank
+
+    rank = get_tensor_model_parallel_rank()
+    for input_is_parallel in (True, False):
+        layer = RowParallelLinear(8, 5, name="row", init_fn=_normal(), seed=SEED, bias=True,
+                                  input_is_parallel=input_is_parallel)
+        with torch.no_grad():
+            layer.bias.copy_(_same_inputs(5, seed=6))
+        w_full = _full_weight("row.weight", (5, 8)).requires_grad_()
+        b_full = _same_inputs(5, seed=6).requires_grad_()
+        x_full = _same_inputs(3, 2, 8, seed=3)
+        x_ref = x_full.clone().requires_grad_()
+        grad_out = _same_inputs(3, 2, 5, seed=4)
+        F.linear(x_ref, w_full, b_full).backward(grad_out)
+
+        x = (x_full.chunk(WORLD, dim=-1)[rank] if input_is_parallel else x_full).clone().requires_grad_()
+        y = layer(x)
+        _close(y, F.linear(x_full, w_full.detach(), b_full.detach()), "output")
+        y.backward(grad_out)
+        want_x_grad = x_ref.grad.chunk(WORLD, dim=-1)[rank] if input_is_parallel else x_ref.grad
+        _close(x.grad, want_x_grad, "input grad")
+        _close(layer.weight.grad, w_full.grad.chunk(WORLD, dim=1)[rank], "weight grad")
+        _close(layer.bias.grad, b_full.grad, "bias grad (replicated)")
+
+
+def check_vocab_parallel_embedding() -> None:
+    from megatron.mpu import VocabParallelEmbedding, get_tensor_model_parallel_rank
+
+    rank = get_tensor_model_parallel_rank()
+    layer = VocabParallelEmbedding(12, 4, name="emb", init_fn=_normal(), seed=SEED)
+    w_full = _full_weight("emb.weight", (12, 4)).requires_grad_()
+    tokens = torch.tensor([[0, 5, 6, 11], [6, 6, 1, 7]])  # rows from both halves, repeats
+    grad_out = _same_inputs(2, 4, 4, seed=7)
+    F.embedding(tokens, w_full).backward(grad_out)
+    y = layer(tokens)
+    _close(y, w_full.detach()[tokens], "lookup")
+    y.backward(grad_out)
+    _close(layer.weight.grad, w_full.grad.chunk(WORLD, dim=0)[rank], "weight grad")
+
+
+def check_vocab_parallel_cross_entropy() -> None:
+    from megatron.mpu import get_tensor_model_parallel_rank, vocab_parallel_cross_entropy
+
+    rank = get_tensor_model_parallel_rank()
+    # large offsets: exp() would overflow without subtracting the max across the group
+    logits_full = _same_inputs(3, 5, 10, seed=8) * 4 + 500.0
+    logits_full[1, 2, 7] += 40.0  # a dominant logit on rank 1's shard
+    target = torch.tensor([[0, 9, 4, 5, 3], [1, 8, 7, 2, -100], [-100, 6, 5, 4, 0]])
+    grad_out = _same_inputs(3, 5, seed=9)
+
+    ref_in = logits_full.clone().requires_grad_()
+    ref = F.cross_entropy(ref_in.flatten(0, 1), target.flatten(), reduction="none", ignore_index=-100).view(3, 5)
+    ref.backward(grad_out)
+
+    shard = logits_full.chunk(WORLD, dim=-1)[rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(shard, target)
+    assert torch.isfinite(loss).all()
+    _close(loss, ref.detach(), "loss", atol=1e-4)
+    loss.backward(grad_out)
+    _close(shard.grad, ref_in.grad.chunk(WORLD, dim=-1)[rank], "logits grad")
+    # half precision in, fp32 loss out, grad back in the input dtype
+    half = logits_full.chunk(WORLD, dim=-1)[rank].to(torch.bfloat16).requires_grad_()
+    vocab_parallel_cross_entropy(half, target).sum().backward()
+    assert half.grad.dtype == torch.bfloat16
+
+
+def check_mappings() -> None:
+    from megatron import mpu
+
+    rank = mpu.get_tensor_model_parallel_rank()
+    full = _same_inputs(4, 3, 6, seed=10)
+    mine_last, mine_first = full.chunk(WORLD, dim=-1)[rank], full.chunk(WORLD, dim=0)[rank]
+    g = _same_inputs(4, 3, 6, seed=11) + rank  # a different upstream gradient on each rank
+
+    def run(fn: Callable, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.clone().requires_grad_()
+        y = fn(x)
+        y.backward(grad)
+        return y.detach(), x.grad
+
+    def summed(t: torch.Tensor) -> torch.Tensor:
+        return torch.stack(_gather(t)).sum(0)
+
+    y, dx = run(mpu.copy_to_tensor_model_parallel_region, full, g)
+    _close(y, full, "copy fwd")
+    _close(dx, summed(g), "copy bwd = all-reduce")
+    y, dx = run(mpu.reduce_from_tensor_model_parallel_region, full * (rank + 1), g)
+    _close(y, full * 3, "reduce fwd")
+    _close(dx, g, "reduce bwd = identity")
+    y, dx = run(mpu.scatter_to_tensor_model_parallel_region, full, g.chunk(WORLD, dim=-1)[rank])
+    _close(y, mine_last, "scatter fwd")
+    _close(dx, torch.cat(_gather(g.chunk(WORLD, dim=-1)[rank]), dim=-1), "scatter bwd = gather")
+    y, dx = run(mpu.gather_from_tensor_model_parallel_region, mine_last, g)
+    _close(y, full, "gather fwd")
+    _close(dx, g.chunk(WORLD, dim=-1)[rank], "gather bwd = split")
+    # sequence parallel: dim 0
+    y, dx = run(mpu.scatter_to_sequence_parallel_region, full, g.chunk(WORLD, dim=0)[rank])
+    _close(y, mine_first, "sp scatter fwd")
+    _close(dx, torch.cat(_gather(g.chunk(WORLD, dim=0)[rank]), dim=0), "sp scatter bwd")
+    y, dx = run(mpu.gather_from_sequence_parallel_region, mine_first, g)
+    _close(y, full, "sp gather fwd")
+    _close(dx, summed(g).chunk(WORLD, dim=0)[rank], "sp gather bwd = reduce-scatter")
+    y, dx = run(lambda t: mpu.gather_from_sequence_parallel_region(t, grad_is_partial=False), mine_first, g)
+    _close(dx, g.chunk(WORLD, dim=0)[rank], "sp gather bwd (full grads) = split")
+    y, dx = run(mpu.reduce_scatter_to_sequence_parallel_region, full * (rank + 1), g.chunk(WORLD, dim=0)[rank])
+    _close(y, (full * 3).chunk(WORLD, dim=0)[rank], "sp reduce-scatter fwd")
+    _close(dx, torch.cat(_gather(g.chunk(WORLD, dim=0)[rank]), dim=0), "sp reduce-scatter bwd = gather")
+
+
+def check_sequence_parallel_mlp_pair() -> None:
+    """Column -> gelu -> row with sequence-sharded input/output equals the replicated pair."""
+    from megatron.mpu import ColumnParallelLinear, RowParallelLinear, get_tensor_model_parallel_rank
+
+    rank = get_tensor_model_parallel_rank()
+    x_full = _same_inputs(4, 2, 6, seed=12)
+    g_full = _same_inputs(4, 2, 6, seed=13)
+    grads = {}
+    outputs = {}
+    for sp in (False, True):
+        col = ColumnParallelLinear(6, 8, name="c", init_fn=_normal(0.3), seed=SEED, sequence_parallel=sp)
+        row = RowParallelLinear(8, 6, name="r", init_fn=_normal(0.3), seed=SEED, sequence_parallel=sp)
+        with torch.no_grad():
+            row.bias.copy_(_same_inputs(6, seed=14))
+        x = (x_full.chunk(WORLD, dim=0)[rank] if sp else x_full).clone().requires_grad_()
+        y = row(F.gelu(col(x)))
+        y.backward(g_full.chunk(WORLD, dim=0)[rank] if sp else g_full)
+        outputs[sp] = y.detach() if not sp else torch.cat(_gather(y.detach()), dim=0)
+        x_grad = x.grad if not sp else torch.cat(_gather(x.grad), dim=0)
+        grads[sp] = [x_grad, col.weight.grad, col.bias.grad, row.weight.grad, row.bias.grad]
+    _close(outputs[True], outputs[False], "sp output")
+    for name, a, b in zip(["x", "col.w", "col.b", "row.w", "row.b"], grads[True], grads[False]):
+        _close(a, b, f"sp grad {name}")
+
+
+def check_deepspeed_sees_tp_params() -> None:
+    """DeepSpeed's own predicate classifies our params, so its grad norm counts each once."""
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    from megatron import mpu
+
+    col = mpu.ColumnParallelLinear(4, 6, name="c", init_fn=_normal(), seed=SEED)
+    row = mpu.RowParallelLinear(6, 4, name="r", init_fn=_normal(), seed=SEED)
+    emb = mpu.VocabParallelEmbedding(8, 4, name="e", init_fn=_normal(), seed=SEED)
+    assert is_model_parallel_parameter(col.weight) and is_model_parallel_parameter(col.bias)
+    assert is_model_parallel_parameter(row.weight) and not is_model_parallel_parameter(row.bias)
+    assert is_model_parallel_parameter(emb.weight)
+    assert (col.weight.partition_dim, row.weight.partition_dim) == (0, 1)
+
+    x = _same_inputs(2, 3, 4, seed=15)
+    (row(col(emb(torch.tensor([[1, 7, 3]])) + x)) ** 2).sum().backward()
+    # DeepSpeed's rule (runtime/utils.py, stage_1_and_2.py): count tp-replicated params on tp rank 0 only
+    local = sum(
+        p.grad.float().pow(2).sum()
+        for p in [*col.parameters(), *row.parameters(), *emb.parameters()]
+        if mpu.get_model_parallel_rank() == 0 or is_model_parallel_parameter(p)
+    )
+    total = torch.stack(_gather(local.reshape(1))).sum().sqrt()
+    full = torch.cat(_gather(col.weight.grad), 0).pow(2).sum() + torch.cat(_gather(col.bias.grad)).pow(2).sum()
+    full = full + torch.cat(_gather(row.weight.grad), 1).pow(2).sum() + row.bias.grad.pow(2).sum()
+    full = full + torch.cat(_gather(emb.weight.grad), 0).pow(2).sum()
+    _close(total, full.sqrt(), "grad norm")
+
+
+def check_rng_tracker() -> None:
+    """Default stream equal across tp ranks, tracked stream different; fork restores the default."""
+    from megatron import mpu
+
+    mpu.model_parallel_manual_seed(123)
+    with mpu.tensor_parallel_rng():
+        tracked = torch.rand(5)
+    default = torch.rand(5)
+    torch.manual_seed(123)
+    assert torch.equal(default, torch.rand(5)), "fork changed the default stream"
+    others_tracked, others_default = _gather(tracked), _gather(default)
+    assert torch.equal(others_default[0], others_default[1])
+    assert not torch.equal(others_tracked[0], others_tracked[1])
+    # the tracker is DeepSpeed's, so its activation checkpointing replays the same stream
+    from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+
+    from megatron.mpu.random import MODEL_PARALLEL_RNG
+
+    assert MODEL_PARALLEL_RNG in get_cuda_rng_tracker().get_states()
+
+
+CHECKS: dict[str, Callable[[], None]] = {
+    "column_parallel_linear": check_column_parallel_linear,
+    "row_parallel_linear": check_row_parallel_linear,
+    "vocab_parallel_embedding": check_vocab_parallel_embedding,
+    "vocab_parallel_cross_entropy": check_vocab_parallel_cross_entropy,
+    "mappings": check_mappings,
+    "sequence_parallel_mlp_pair": check_sequence_parallel_mlp_pair,
+    "deepspeed_sees_tp_params": check_deepspeed_sees_tp_params,
+    "rng_tracker": check_rng_tracker,
+}
+
+
+def _rank_main(rank: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(out_dir, "store"), WORLD)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    from megatron.mpu import initialize_model_parallel
+
+    initialize_model_parallel(WORLD, 1)
+    results: dict[str, str] = {}
+    for name, check in CHECKS.items():
+        try:
+            check()
+            results[name] = "ok"
+        except Exception:  # record and go on: the other checks still report
+            results[name] = traceback.format_exc()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+    out = tmp_path_factory.mktemp("tp_layers")
+    ctx = mp.start_processes(_rank_main, args=(str(out),), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + 300
+    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("tp layer ranks did not finish in 300 s")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_tp_layer(results: list[dict[str, str]], name: str) -> None:
+    for rank, per_rank in enumerate(results):
+        assert per_rank[name] == "ok", f"rank {rank}:\n{per_rank[name]}"
