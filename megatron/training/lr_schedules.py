@@ -221,7 +221,7 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def spec_from_args(args: Any) -> ScheduleSpec:
+def spec_from_args(args: Any, max_lr: float | None = None) -> ScheduleSpec:
     """Read a :class:`ScheduleSpec` from a ``NeoXArgs``.
 
     GPT-NeoX semantics: ``warmup`` is a fraction of ``lr_decay_iters`` (which defaults to
@@ -229,7 +229,8 @@ def spec_from_args(args: Any) -> ScheduleSpec:
     share of ``lr``; wins over ``min_lr`` when set), ``rewarmup`` (fraction of a cycle or steps),
     ``cycles``/``cycle_length``, ``decay_fraction``.
     """
-    max_lr = float(_get(args, "lr", 0.0))
+    if max_lr is None:
+        max_lr = float(_get(args, "lr", 0.0))
     train_iters = int(_get(args, "train_iters", 0) or 0)
     fraction = getattr(args, "lr_decay_fraction", None)
     total = int(_get(args, "lr_decay_iters", 0) or 0)
@@ -295,4 +296,7 @@ class LRScheduler:
 
 
 def build_lr_scheduler(optimizer: Any, args: Any) -> LRScheduler:
-    return LRScheduler(optimizer=optimizer, spec=spec_from_args(args))
+    # the peak rate may come from optimizer.params.lr rather than the flat lr key
+    from megatron.training.optimizers import optimizer_settings
+
+    return LRScheduler(optimizer=optimizer, spec=spec_from_args(args, max_lr=optimizer_settings(args)[2]))

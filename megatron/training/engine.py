@@ -1,0 +1,236 @@
+"""Model + optimizer + LR schedule wrapped in a DeepSpeed engine.
+
+Parallelism wraps the model from outside:
+
+* ``pipe_parallel_size == 0``: the plain :class:`GPTModel`; DeepSpeed's ``DeepSpeedEngine`` gets our
+  ``megatron.mpu`` module as ``mpu`` (tensor-parallel group for norms and ZeRO partitioning).
+* ``pipe_parallel_size >= 1``: the same layers as ``PipelineModule`` stages on our topology (so the
+  pipeline grid and our tp/pp/dp groups agree); DeepSpeed's ``PipelineEngine``.
+
+ZeRO stages and precision come from the DeepSpeed config (``deepspeed_config(args)``); the
+optimizer and the LR scheduler are ours and handed to ``deepspeed.initialize``.
+
+Gradient clipping in fp32 without ZeRO goes through :func:`clip_grad_norm`, installed on the engine
+instead of DeepSpeed's: DeepSpeed's version skips replicated parameters (norms) on every pipeline
+stage but the first and does not record the norm, so pipeline runs would clip differently from
+the single-rank run and no ``train/grad_norm`` could be logged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.utils import is_model_parallel_parameter
+from torch import nn
+
+from megatron import mpu
+from megatron.errors import ConfigError
+from megatron.model import GPTConfig, GPTModel, loss_fn, pipeline_layer_specs
+from megatron.model.transformer_layer import TransformerLayer
+from megatron.training.lr_schedules import LRScheduler, build_lr_scheduler
+from megatron.training.optimizers import build_optimizer
+
+# GPT-NeoX partition names -> DeepSpeed's PipelineModule partition_method
+PARTITION_METHODS: dict[str, str] = {
+    "type:transformer|mlp": "type:TransformerLayerPipe",
+    "type:transformer": "type:TransformerLayerPipe",
+    "type:transformerlayerpipe": "type:TransformerLayerPipe",
+    "parameters": "parameters",
+    "uniform": "uniform",
+}
+
+
+@dataclass
+class Engine:
+    """What the loop needs: the DeepSpeed engine and facts about how the model is wrapped."""
+
+    engine: Any  # DeepSpeedEngine or PipelineEngine
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: LRScheduler
+    config: GPTConfig
+    is_pipe: bool
+    ds_config: dict[str, Any]
+
+    @property
+    def is_last_stage(self) -> bool:
+        return not self.is_pipe or self.engine.is_last_stage()
+
+    @property
+    def is_first_stage(self) -> bool:
+        return not self.is_pipe or self.engine.is_first_stage()
+
+
+def partition_method(args: Any) -> str:
+    method = str(getattr(args, "pipe_partition_method", "type:transformer|mlp") or "uniform")
+    mapped = PARTITION_METHODS.get(method.lower())
+    if mapped is not None:
+        return mapped
+    if method.startswith("type:"):
+        return method  # a regex over layer class names: DeepSpeed applies it as is
+    raise ConfigError(
+        f"pipe_partition_method={method!r} is not known; use one of {sorted(PARTITION_METHODS)} "
+        f"or type:<regex over layer class names>"
+    )
+
+
+# --- activation checkpointing and compilation ----------------------------------------------------
+def configure_activation_checkpointing(args: Any, num_layers: int) -> None:
+    """DeepSpeed's checkpointing needs our mpu for ``partition_activations`` (shards saved inputs
+    over the tensor-parallel group) and for the tp-aware RNG it restores during recompute."""
+    deepspeed.checkpointing.configure(
+        mpu,
+        partition_activations=bool(getattr(args, "partition_activations", False)),
+        contiguous_checkpointing=bool(getattr(args, "contiguous_checkpointing", False)),
+        num_checkpoints=num_layers,
+        checkpoint_in_cpu=bool(getattr(args, "checkpoint_in_cpu", False)),
+        synchronize=bool(getattr(args, "synchronize_each_layer", False)),
+        profile=bool(getattr(args, "profile_backward", False)),
+    )
+
+
+def transformer_layers(model: nn.Module) -> list[TransformerLayer]:
+    """The blocks of a GPTModel or of this rank's pipeline stage, in order."""
+    return [m for m in model.modules() if isinstance(m, TransformerLayer)]
+
+
+def layers_to_checkpoint(args: Any, num_local_layers: int, first_index: int = 0) -> list[int]:
+    """Local indices of the blocks whose activations are recomputed.
+
+    ``selective_checkpointing = k``: only every k-th block (by global layer number), which saves
+    recompute where memory allows; else all blocks when ``checkpoint_activations``.
+    """
+    k = getattr(args, "selective_checkpointing", None)
+    if k:
+        return [i for i in range(num_local_layers) if (first_index + i) % int(k) == 0]
+    if getattr(args, "checkpoint_activations", False):
+        return list(range(num_local_layers))
+    return []
+
+
+def _checkpointed(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def run(*inputs: Any) -> torch.Tensor:
+        return deepspeed.checkpointing.checkpoint(forward, *inputs)
+
+    return run
+
+
+def wrap_layers(model: nn.Module, args: Any, pipe_interval_used: bool) -> None:
+    """Compile and/or checkpoint blocks in place (their ``forward`` is replaced per instance)."""
+    layers = transformer_layers(model)
+    if getattr(args, "compile_layers", False):
+        for layer in layers:
+            layer.forward = torch.compile(layer.forward)  # type: ignore[method-assign]
+    if pipe_interval_used:
+        return  # PipelineModule checkpoints chunks of layers itself
+    first = min((layer.layer_number for layer in layers), default=0)
+    for i in layers_to_checkpoint(args, len(layers), first):
+        layers[i].forward = _checkpointed(layers[i].forward)  # type: ignore[method-assign]
+
+
+# --- gradient norm -------------------------------------------------------------------------------
+def grad_norm_sq_local(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """Sum of squared gradients this rank owns, counting every full parameter exactly once.
+
+    Tensor-parallel shards count on every tp rank (they are disjoint); replicated parameters only on
+    tp rank 0; pipeline copies of tied weights (``ds_pipe_replicated``) only on their owner stage.
+    """
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    total = torch.zeros((), dtype=torch.float64)
+    for p in parameters:
+        if p.grad is None or getattr(p, "ds_pipe_replicated", False):
+            continue
+        if is_model_parallel_parameter(p) or tp_rank == 0:
+            total += p.grad.detach().double().pow(2).sum().cpu()
+    return total
+
+
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> float:
+    """Global L2 norm over the whole model (all tp shards, all pipeline stages); clips in place
+    when ``max_norm > 0``. Gradients must already be averaged over data parallelism."""
+    norm_sq = grad_norm_sq_local(parameters)
+    device = next((p.grad.device for p in parameters if p.grad is not None), torch.device("cpu"))
+    norm_sq = norm_sq.to(device)
+    for group, size in ((mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_world_size()),
+                        (mpu.get_pipe_parallel_group(), mpu.get_pipe_parallel_world_size())):
+        if size > 1:
+            dist.all_reduce(norm_sq, group=group)
+    norm = math.sqrt(float(norm_sq))
+    if max_norm > 0 and math.isfinite(norm):
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in parameters:
+                if p.grad is not None:
+                    p.grad.detach().mul_(coef)
+    return norm
+
+
+def install_fp32_clipping(engine: Any) -> None:
+    """Route DeepSpeed's fp32 (no ZeRO) clipping through :func:`clip_grad_norm` and record the norm."""
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+
+    def clip() -> None:
+        engine._global_grad_norm = clip_grad_norm(params, float(engine.gradient_clipping()))
+
+    engine.clip_fp32_gradients = clip
+
+
+# --- building ------------------------------------------------------------------------------------
+def build_model(args: Any, config: GPTConfig) -> tuple[nn.Module, bool]:
+    """(module, is_pipe)."""
+    pp = int(getattr(args, "pipe_parallel_size", 0) or 0)
+    needs_ckpt = bool(getattr(args, "checkpoint_activations", False) or getattr(args, "selective_checkpointing", None))
+    if needs_ckpt:
+        configure_activation_checkpointing(args, config.num_layers)
+    if pp == 0:
+        model = GPTModel(config)
+        wrap_layers(model, args, pipe_interval_used=False)
+        return model, False
+    from deepspeed.pipe import PipelineModule
+
+    # whole-chunk checkpointing by PipelineModule unless only every k-th block is recomputed
+    interval = 0
+    if getattr(args, "checkpoint_activations", False) and not getattr(args, "selective_checkpointing", None):
+        interval = int(getattr(args, "checkpoint_num_layers", 1) or 1)
+    model = PipelineModule(
+        layers=pipeline_layer_specs(config),
+        loss_fn=loss_fn,
+        topology=mpu.get_topology(),
+        partition_method=partition_method(args),
+        activation_checkpoint_interval=interval,
+        activation_checkpoint_func=deepspeed.checkpointing.checkpoint,
+    )
+    wrap_layers(model, args, pipe_interval_used=interval > 0)
+    return model, True
+
+
+def build_engine(args: Any, ds_config: dict[str, Any]) -> Engine:
+    """Model, optimizer, schedule and ``deepspeed.initialize``; ``args.padded_vocab_size`` must be set."""
+    config = GPTConfig.from_neox_args(args)
+    model, is_pipe = build_model(args, config)
+    optimizer = build_optimizer(model, args)
+    scheduler = build_lr_scheduler(optimizer, args)
+    ds_config = dict(ds_config)
+    ds_config.pop("optimizer", None)
+    ds_config.pop("scheduler", None)
+    # DeepSpeed 0.19 rejects the removed sparse_gradients key even when false; false is its old default
+    if not ds_config.get("sparse_gradients", False):
+        ds_config.pop("sparse_gradients", None)
+    engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=ds_config,
+        mpu=None if is_pipe else mpu,
+        dist_init_required=False,
+    )
+    fp32 = not (engine.fp16_enabled() or engine.bfloat16_enabled())
+    if fp32 and not engine.zero_optimization():
+        install_fp32_clipping(engine)
+    return Engine(engine=engine, optimizer=ds_optimizer, lr_scheduler=ds_scheduler or scheduler,
+                  config=config, is_pipe=is_pipe, ds_config=ds_config)

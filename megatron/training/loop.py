@@ -1,0 +1,200 @@
+"""The training loop: steps, evaluation, logging, stopping, and the hooks checkpointing uses.
+
+State that must survive a restart is in :class:`TrainState`; the data position is a pure function
+of ``consumed_samples``, so resuming needs nothing else. Checkpointing plugs in through
+:class:`Hooks`: ``after_step(engine, state, args)`` runs after every optimizer step (save by
+iteration or wall clock, preemption) and may ask the loop to stop; ``at_exit`` runs once after the
+last step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from megatron.errors import DeepyError
+from megatron.logging.log import format_row, get_logger
+from megatron.logging.metrics import MetricsWriter
+from megatron.logging.throughput import as_metrics, measure
+from megatron.training.engine import Engine
+from megatron.training.evaluate import Evaluator
+from megatron.training.step import StepResult, train_step
+
+
+class TrainingAborted(DeepyError):
+    """Training cannot usefully continue (e.g. fp16 overflowing step after step)."""
+
+    kind = "training aborted"
+
+
+@dataclass
+class TrainState:
+    """Everything about the run's progress that a checkpoint stores besides the engine's tensors."""
+
+    iteration: int = 0
+    """Optimizer steps taken (including fp16-skipped ones: they consumed their batch)."""
+    consumed_samples: int = 0
+    consumed_tokens: int = 0
+    skipped_steps: int = 0
+    consecutive_overflows: int = 0
+    stop_reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainState:
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+# after_step returns True to stop the loop (e.g. a preemption signal was received)
+StepHook = Callable[[Engine, TrainState, Any], Any]
+
+
+@dataclass
+class Hooks:
+    after_step: list[StepHook] = field(default_factory=list)
+    at_exit: list[StepHook] = field(default_factory=list)
+
+
+@dataclass
+class _Window:
+    """Accumulates steps between two log lines."""
+
+    start: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    loss_sum: float = 0.0
+    loss_count: int = 0
+
+    lr: float = 0.0
+
+    def add(self, result: StepResult, lr: float) -> None:
+        self.steps += 1
+        self.lr = lr
+        if result.applied:
+            self.loss_sum += result.loss
+            self.loss_count += 1
+
+
+@dataclass
+class LoopContext:
+    eng: Engine
+    args: Any
+    micro_batches: Iterator[dict[str, torch.Tensor]]
+    pipe_batches: Iterator[Any] | None
+    device: torch.device
+    train_iters: int
+    global_batch_size: int
+    tokens_per_step: int
+    flops_per_token: float
+    world_size: int
+    peak_tflops: float | None
+    writer: MetricsWriter
+    valid: Evaluator | None = None
+    test: Evaluator | None = None
+    eod_token: int | None = None
+
+
+def _sync() -> None:
+    try:
+        get_accelerator().synchronize()
+    except Exception:  # CPU accelerators without a synchronize are already synchronous
+        pass
+
+
+def _check_overflow(state: TrainState, result: StepResult, limit: int) -> None:
+    if result.applied:
+        state.consecutive_overflows = 0
+        return
+    state.skipped_steps += 1
+    state.consecutive_overflows += 1
+    if state.consecutive_overflows >= limit:
+        raise TrainingAborted(
+            f"{state.consecutive_overflows} optimizer steps in a row were skipped because fp16 gradients "
+            f"overflowed (loss scale {result.loss_scale}) at iteration {state.iteration}. The run is "
+            f"diverging or the loss scale cannot go lower: lower the learning rate, use precision: "
+            f"bfloat16, or raise max_consecutive_overflows (now {limit})"
+        )
+
+
+def log_row(ctx: LoopContext, state: TrainState, window: _Window, result: StepResult) -> dict[str, Any]:
+    _sync()
+    seconds = time.perf_counter() - window.start
+    row: dict[str, Any] = {"iteration": state.iteration, "consumed_samples": state.consumed_samples}
+    if window.loss_count:
+        row["train/lm_loss"] = window.loss_sum / window.loss_count
+    row["train/lr"] = window.lr  # the rate the last step used (the scheduler already moved on)
+    if result.grad_norm is not None:
+        row["train/grad_norm"] = result.grad_norm
+    if result.loss_scale is not None:
+        row["train/loss_scale"] = result.loss_scale
+    row["train/skipped_steps"] = state.skipped_steps
+    row["train/consumed_tokens"] = state.consumed_tokens
+    row.update(as_metrics(measure(tokens_per_iter=ctx.tokens_per_step, iterations=window.steps, seconds=seconds,
+                                  flops_per_token=ctx.flops_per_token, world_size=ctx.world_size,
+                                  peak=ctx.peak_tflops)))
+    return row
+
+
+def evaluate_now(ctx: LoopContext, state: TrainState, evaluator: Evaluator, prefix: str) -> None:
+    start = time.perf_counter()
+    loss = evaluator.loss()
+    row = {"iteration": state.iteration, "consumed_samples": state.consumed_samples, f"{prefix}/lm_loss": loss,
+           f"timers/{prefix}_ms": 1000.0 * (time.perf_counter() - start)}
+    ctx.writer.write(row)
+    get_logger().info(format_row(row, ctx.train_iters))
+
+
+def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
+    """Run from ``state`` until ``train_iters``, ``exit_interval`` or a hook says stop."""
+    args, log = ctx.args, get_logger()
+    log_interval = int(getattr(args, "log_interval", 100) or 1)
+    eval_interval = int(getattr(args, "eval_interval", 0) or 0)
+    exit_interval = getattr(args, "exit_interval", None)
+    limit = int(getattr(args, "max_consecutive_overflows", 50) or 50)
+    ctx.eng.engine.train()
+    window = _Window()
+    while state.iteration < ctx.train_iters:
+        lr = ctx.eng.lr_scheduler.get_last_lr()[0]
+        result = train_step(ctx.eng, ctx.micro_batches, ctx.pipe_batches, ctx.device, ctx.eod_token)
+        state.iteration += 1
+        state.consumed_samples += ctx.global_batch_size
+        state.consumed_tokens += ctx.tokens_per_step
+        window.add(result, lr)
+        _check_overflow(state, result, limit)
+
+        if state.iteration % log_interval == 0 or state.iteration == ctx.train_iters:
+            row = log_row(ctx, state, window, result)
+            ctx.writer.write(row)
+            log.info(format_row(row, ctx.train_iters))
+            window = _Window()
+        if ctx.valid is not None and eval_interval and state.iteration % eval_interval == 0:
+            evaluate_now(ctx, state, ctx.valid, "eval")
+            window = _Window()  # evaluation time is not training throughput
+
+        stop = False
+        for hook in hooks.after_step:
+            stop = bool(hook(ctx.eng, state, args)) or stop
+        if exit_interval and state.iteration % int(exit_interval) == 0:
+            state.stop_reason = f"exit_interval {exit_interval}"
+            break
+        if stop:
+            state.stop_reason = state.stop_reason or "stopped by a hook"
+            break
+
+    if state.stop_reason is None:
+        state.stop_reason = "train_iters reached"
+        if ctx.valid is not None and (not eval_interval or state.iteration % eval_interval != 0):
+            evaluate_now(ctx, state, ctx.valid, "eval")
+        if ctx.test is not None:
+            evaluate_now(ctx, state, ctx.test, "test")
+    for hook in hooks.at_exit:
+        hook(ctx.eng, state, args)
+    log.info("training stopped at iteration %d: %s", state.iteration, state.stop_reason)
+    return state
