@@ -225,3 +225,14 @@ def test_unknown_type_and_missing_files(tmp_path: Path) -> None:
         build_tokenizer(args(vocab_file=str(bad)))
     with pytest.raises(DataError, match="merge_file"):
         build_tokenizer(args(tokenizer_type="GPT2BPETokenizer", vocab_file=str(bad)))
+
+
+def test_many_added_tokens_are_split_out_like_hf(tok_json: Path, tmp_path: Path, texts: list[str]) -> None:
+    hf = tokenizers.Tokenizer.from_file(str(tok_json))
+    hf.add_special_tokens(["<|padding|>", "<|im_start|>", "<|im_end|>", "[MASK]", "<tool>"])
+    hf.save(str(tmp_path / "many.json"))
+    tok = HFTokenizer(tmp_path / "many.json")
+    assert tok.backend == "tiktoken" and tok.pad == hf.token_to_id("<|padding|>")
+    mixed = ["<|im_start|>user\nhi there<|im_end|>", "a [MASK] b <tool>x</tool>", "plain text only", *texts[:5]]
+    assert tok.tokenize_batch(mixed) == [e.ids for e in hf.encode_batch(mixed)]
+    assert hf.token_to_id("<|im_end|>") in tok.tokenize(mixed[0])
