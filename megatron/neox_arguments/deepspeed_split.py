@@ -25,13 +25,10 @@ DS_CONFIG_KEYS: tuple[str, ...] = (
     "fp32_allreduce",
     "prescale_gradients",
     "gradient_predivide_factor",
-    "sparse_gradients",
     "fp16",
     "bf16",
-    "amp",
     "gradient_clipping",
     "zero_optimization",
-    "curriculum_learning",
     "steps_per_print",
     "wall_clock_breakdown",
     "dump_state",
@@ -39,17 +36,26 @@ DS_CONFIG_KEYS: tuple[str, ...] = (
     "communication_data_type",
     "autotuning",
     "activation_checkpointing",
-    "sparse_attention",
     "data_efficiency",
     "tensorboard",
     "wandb",
     "csv_monitor",
-    "elasticity",
     "comms_logger",
-    "compression_training",
     "checkpoint",
     "data_types",
 )
+
+# Blocks DeepSpeed 0.19.8 removed and now rejects outright ("... has been removed"): GPT-NeoX's
+# sparse_gradients, amp, curriculum_learning, sparse_attention, elasticity, compression_training.
+# They are never copied into the config; a user who turns one on gets an error from the rules.
+def removed_deepspeed_keys() -> dict[str, str]:
+    """Top-level DeepSpeed config keys the installed DeepSpeed refuses, with its reason."""
+    try:
+        from deepspeed.runtime import config as ds_config
+    except ImportError:  # pragma: no cover - deepspeed is a hard dependency
+        return {}
+    return dict(getattr(ds_config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {}))
+
 
 # Keys Deepy checks or derives itself: setting them behind its back (inside deepspeed_extra_args)
 # would bypass the batch/precision/ZeRO rules and make DeepSpeed disagree with the trainer.
@@ -87,8 +93,11 @@ def extra_args_problems(args: Any, provenance: Mapping[str, str] | None = None) 
         return [f"deepspeed_extra_args must be a mapping of DeepSpeed config keys, got {extra!r}"]
     where = (provenance or {}).get("deepspeed_extra_args", "default")
     problems = []
+    removed = removed_deepspeed_keys()
     for key in extra:
-        if key in REFUSED_EXTRA_KEYS:
+        if key in removed:
+            problems.append(f"deepspeed_extra_args.{key} ({where}): DeepSpeed refuses it: {removed[key]}")
+        elif key in REFUSED_EXTRA_KEYS:
             problems.append(
                 f"deepspeed_extra_args.{key} ({where}): {REFUSED_EXTRA_KEYS[key]}; remove it"
             )

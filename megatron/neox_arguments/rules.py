@@ -512,6 +512,18 @@ def urls_need_cache(ctx: RuleContext) -> list[str]:
     return [f"{ctx.show(urls[0])} needs cache_dir: the tokenized shards are written there"]
 
 
+# --- DeepSpeed features that no longer exist ---------------------------------------------------
+@rule
+def no_removed_deepspeed_features(ctx: RuleContext) -> list[str]:
+    # DeepSpeed 0.19.8 raises on its config key; dense embedding gradients are what we get anyway
+    if not ctx.get("sparse_gradients"):
+        return []
+    return [
+        f"{ctx.show('sparse_gradients')}: DeepSpeed 0.19.8 removed sparse compression of dense "
+        f"embedding gradients and refuses the key; remove sparse_gradients"
+    ]
+
+
 # --- launch -----------------------------------------------------------------------------------
 @rule
 def slurm_only_keys(ctx: RuleContext) -> list[str]:
