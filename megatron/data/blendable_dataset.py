@@ -35,7 +35,9 @@ def weights_by_num_documents(num_documents: Sequence[int], alpha: float) -> np.n
 
     The natural share of corpus ``i`` is ``q_i = n_i / N``. Raising it to ``alpha < 1`` flattens the
     distribution (small corpora are up-sampled), and the extra factor ``(1 - q_i)`` further damps the
-    largest corpus, as NeoX's ``weights_by_num_docs`` does. ``alpha = 1`` with one corpus gives 1.
+    largest corpus, as NeoX's ``weights_by_num_docs`` does, so configs ported from NeoX blend the
+    same way. Note that this factor means even ``alpha = 1`` does not keep the natural proportions
+    (two corpora always get equal weight at ``alpha = 1``). One corpus gets weight 1.
     """
     n = np.asarray(num_documents, dtype=np.float64)
     if n.size == 0 or np.any(n <= 0):

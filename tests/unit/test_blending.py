@@ -64,6 +64,10 @@ def test_weights_by_num_documents_flattens() -> None:
     assert w.sum() == pytest.approx(1.0)
     assert w[2] > natural[2] and w[0] < natural[0]  # small corpora up-sampled
     assert list(weights_by_num_documents([5], 0.3)) == [1.0]
+    # NeoX's extra (1 - q) factor: at alpha = 1, two corpora end up equally weighted.
+    assert weights_by_num_documents([900, 100], 1.0) == pytest.approx([0.5, 0.5])
+    # alpha = 0 (uniform tempering): w ~ (1 - q)
+    assert weights_by_num_documents([3, 1], 0.0) == pytest.approx([0.25, 0.75])
     with pytest.raises(DataError):
         weights_by_num_documents([0, 4], 0.3)
 
