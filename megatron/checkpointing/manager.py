@@ -1,0 +1,258 @@
+"""The training loop's one handle on checkpoints: load before the loop, ``maybe_save`` after each step.
+
+::
+
+    ckpt = CheckpointManager.from_args(args, config_files=resolved.config_files)
+    start = ckpt.load(engine)                      # LoadResult: iteration, consumed_samples
+    for step in range(start.iteration + 1, train_iters + 1):
+        ...train one step...
+        if ckpt.maybe_save(engine, step, consumed_samples).stop:
+            break                                  # preempted: checkpoint written, exit 0
+
+Rank 0 runs the retention policy and broadcasts its decision, so every rank saves (or not) after
+the same step, whatever each rank's own clock says.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.checkpointing import commit
+from megatron.checkpointing.preemption import PreemptionWatcher
+from megatron.checkpointing.retention import (
+    CheckpointKind,
+    CommittedCheckpoint,
+    KeepRule,
+    RetentionPolicy,
+    SaveDecision,
+)
+from megatron.checkpointing.save_load import (
+    LoadOptions,
+    LoadResult,
+    SaveRequest,
+    current_layout,
+    load_checkpoint,
+    resolve_tag,
+    save_checkpoint,
+)
+from megatron.errors import CheckpointError, ConfigError
+
+log = logging.getLogger(__name__)
+
+_KIND_CODES: tuple[CheckpointKind, ...] = ("temporary", "step", "permanent")
+
+
+@dataclass(frozen=True)
+class SaveOutcome:
+    saved: bool
+    stop: bool
+    """True when the run was preempted: the loop should end (the checkpoint is written)."""
+
+
+def parse_save_interval(value: str | int | float | None) -> float | None:
+    """``save_interval`` in seconds: a number of seconds or a phrase such as ``15min``."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    try:
+        from megatron.neox_arguments import time_phrases  # the rules engineer's parser
+
+        parse = getattr(time_phrases, "parse_duration", None) or getattr(time_phrases, "parse_time_phrase")
+        parsed = parse(value)
+        return float(parsed.total_seconds() if hasattr(parsed, "total_seconds") else parsed)
+    except ImportError:
+        pass
+    units = {"s": 1, "sec": 1, "min": 60, "m": 60, "h": 3600, "hr": 3600, "d": 86400}
+    text = value.strip().lower()
+    for unit in sorted(units, key=len, reverse=True):
+        if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return float(text[: -len(unit)]) * units[unit]
+    if text.replace(".", "", 1).isdigit():
+        return float(text)
+    raise ConfigError(f"save_interval: cannot read {value!r} as a duration; write e.g. 900, '15min' or '1h'")
+
+
+def keep_rules(raw: list[dict[str, int]] | None) -> list[KeepRule]:
+    rules = []
+    for item in raw or []:
+        unknown = set(item) - {"every", "until"}
+        if "every" not in item or unknown:
+            raise ConfigError(f"keep: each rule is {{every: N, until: M}} (until optional); got {item!r}")
+        rules.append(KeepRule(every=int(item["every"]), until=item.get("until")))
+    return rules
+
+
+class CheckpointManager:
+    """Owns the save directory, the retention policy and the preemption flag of one run."""
+
+    def __init__(
+        self,
+        *,
+        save: str | None,
+        load: str | None,
+        policy: RetentionPolicy,
+        args_dict: dict[str, Any],
+        config_files: dict[str, str] | None = None,
+        finetune: bool = False,
+        initialize_from: str | None = None,
+        iteration: int | None = None,
+        no_load_optim: bool = False,
+        no_load_rng: bool = False,
+        save_rng: bool = True,
+        preemption: PreemptionWatcher | None = None,
+    ) -> None:
+        self.save_dir = Path(save) if save else None
+        self.load_dir = Path(load) if load else None
+        self.policy = policy
+        self.args_dict = args_dict
+        self.config_files = dict(config_files or {})
+        self.finetune = finetune
+        self.initialize_from = Path(initialize_from) if initialize_from else None
+        self.iteration = iteration
+        self.no_load_optim = no_load_optim
+        self.no_load_rng = no_load_rng
+        self.save_rng = save_rng
+        self.preemption = preemption if preemption is not None else PreemptionWatcher().install()
+        self.last_saved_step: int | None = None
+
+    @classmethod
+    def from_args(
+        cls, args: Any, *, config_files: dict[str, str] | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> CheckpointManager:
+        factor = args.checkpoint_factor
+        policy = RetentionPolicy(
+            train_iters=int(args.train_iters or 0),
+            checkpoint_factor=int(factor) if factor else None,
+            checkpoint_scale=args.checkpoint_scale,
+            extra_save_iters=args.extra_save_iters,
+            keep_last_n_checkpoints=args.keep_last_n_checkpoints,
+            save_interval_s=parse_save_interval(args.save_interval),
+            keep=keep_rules(args.keep),
+            clock=clock,
+        )
+        return cls(
+            save=args.save,
+            load=args.load,
+            policy=policy,
+            args_dict=args.model_dump(mode="json"),
+            config_files=config_files if config_files is not None else (args.config_files or {}),
+            finetune=args.finetune,
+            initialize_from=args.initialize_from,
+            iteration=args.iteration,
+            no_load_optim=args.no_load_optim,
+            no_load_rng=args.no_load_rng,
+            save_rng=not args.no_save_rng,
+        )
+
+    # --- load ----------------------------------------------------------------------------------
+    def load(self, engine: Any) -> LoadResult:
+        """Resume from ``load`` if it holds a committed checkpoint, else initialize/fine-tune, else fresh."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        resume_tag: str | None = None
+        if self.load_dir is not None:
+            resume_tag, warnings = resolve_tag(self.load_dir, None if self.finetune else self.iteration)
+            if rank == 0:
+                for warning in warnings:
+                    log.warning(warning)
+
+        if self.finetune or (self.initialize_from is not None and resume_tag is None):
+            source_dir = self.initialize_from or self.load_dir
+            if source_dir is None:
+                raise ConfigError("finetune: true needs `load` (or `initialize_from`) to name a checkpoint directory")
+            tag, warnings = resolve_tag(source_dir, self.iteration if self.finetune else None)
+            if tag is None:
+                raise CheckpointError(f"no committed checkpoint to initialize from in {source_dir}")
+            result = load_checkpoint(engine, source_dir / tag, self.args_dict, LoadOptions(weights_only=True))
+            self._report(rank, result, "initialized weights from")
+            return result
+
+        if resume_tag is None or self.load_dir is None:
+            if rank == 0 and self.load_dir is not None:
+                log.info("no committed checkpoint in %s: starting from scratch", self.load_dir)
+            return LoadResult(loaded=False)
+        options = LoadOptions(load_optim=not self.no_load_optim, load_rng=not self.no_load_rng)
+        result = load_checkpoint(engine, self.load_dir / resume_tag, self.args_dict, options)
+        self._report(rank, result, "resumed from")
+        self.last_saved_step = result.iteration
+        return result
+
+    @staticmethod
+    def _report(rank: int, result: LoadResult, verb: str) -> None:
+        if rank != 0:
+            return
+        log.info("%s %s (iteration %d, consumed samples %d)", verb, result.path, result.iteration, result.consumed_samples)
+        for note in result.notes:
+            log.info("checkpoint: %s", note)
+
+    # --- save ----------------------------------------------------------------------------------
+    def maybe_save(
+        self, engine: Any, step: int, consumed_samples: int, extra: dict[str, Any] | None = None
+    ) -> SaveOutcome:
+        """Call after every optimizer step, on every rank (it holds collectives)."""
+        stop = self.preemption.should_stop()
+        if self.save_dir is None:
+            if stop:
+                log.warning("preempted (%s) with no `save` directory: nothing is saved", self.preemption.signal_name)
+            return SaveOutcome(saved=False, stop=stop)
+        decision = self._agreed_decision(step)
+        if stop and not decision.save:
+            decision = SaveDecision(save=True, kind="temporary", reason=f"preempted by {self.preemption.signal_name}")
+        if not decision.save:
+            return SaveOutcome(saved=False, stop=stop)
+        self.save(engine, step, consumed_samples, decision.kind, extra)
+        return SaveOutcome(saved=True, stop=stop)
+
+    def save(
+        self,
+        engine: Any,
+        step: int,
+        consumed_samples: int,
+        kind: CheckpointKind = "step",
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        assert self.save_dir is not None
+        request = SaveRequest(
+            step=step,
+            consumed_samples=consumed_samples,
+            kind=kind,
+            layout=current_layout(engine),
+            args={**self.args_dict, "iteration": step},
+            config_files=self.config_files,
+            extra=dict(extra or {}),
+            save_rng=self.save_rng,
+        )
+        save_checkpoint(engine, self.save_dir, request)
+        self.policy.on_committed()
+        self.last_saved_step = step
+        self._apply_retention()
+
+    def _agreed_decision(self, step: int) -> SaveDecision:
+        """Rank 0 decides; the others follow (their clocks may disagree by a step's time)."""
+        decision = self.policy.decide(step)
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return decision
+        code = torch.tensor([_KIND_CODES.index(decision.kind) if decision.save else -1], dtype=torch.int64)
+        dist.broadcast(code, src=0)
+        value = int(code.item())
+        return SaveDecision(save=False) if value < 0 else SaveDecision(save=True, kind=_KIND_CODES[value])
+
+    def _apply_retention(self) -> None:
+        if self.save_dir is None or (dist.is_initialized() and dist.get_rank() != 0):
+            return
+        listing = commit.list_checkpoints(self.save_dir)
+        committed = [CommittedCheckpoint(step, info.kind) for step, info in listing.committed.items()]
+        for step in self.policy.to_delete(committed):
+            try:
+                commit.remove_checkpoint(self.save_dir, step)
+                log.info("retention: deleted checkpoint at step %d", step)
+            except OSError as err:
+                log.warning("retention: could not delete checkpoint at step %d: %s", step, err)

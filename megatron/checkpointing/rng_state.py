@@ -1,0 +1,64 @@
+"""Random-number-generator state of one rank, as plain tensors and numbers.
+
+Everything is converted to tensors, ints and lists so the file loads with
+``torch.load(weights_only=True)``: no pickled numpy or Python objects, hence no code execution
+from a checkpoint someone handed you.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+RngState = dict[str, Any]
+
+
+def _tp_rng_tracker() -> Any | None:
+    """The tensor-parallel RNG tracker if the mpu package provides one (Megatron's API names)."""
+    try:
+        module = importlib.import_module("megatron.mpu.random")
+    except ImportError:
+        return None
+    getter = getattr(module, "get_cuda_rng_tracker", None) or getattr(module, "get_rng_tracker", None)
+    return getter() if getter is not None else None
+
+
+def capture_rng_state() -> RngState:
+    version, internal, gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    state: RngState = {
+        "python": {"version": version, "internal": list(internal), "gauss": gauss},
+        "numpy": {
+            "name": str(np_name),
+            "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "cached_gaussian": float(np_cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    tracker = _tp_rng_tracker()
+    if tracker is not None and hasattr(tracker, "get_states"):
+        state["tp_tracker"] = dict(tracker.get_states())
+    return state
+
+
+def restore_rng_state(state: RngState) -> None:
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["internal"]), py["gauss"]))
+    npy = state["numpy"]
+    np.random.set_state(
+        (npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tracker = _tp_rng_tracker()
+    if "tp_tracker" in state and tracker is not None and hasattr(tracker, "set_states"):
+        tracker.set_states(state["tp_tracker"])

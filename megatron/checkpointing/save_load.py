@@ -1,0 +1,401 @@
+"""Saving and loading a training checkpoint through the DeepSpeed engine.
+
+One checkpoint directory ``<save>/global_step<N>/`` holds
+
+* DeepSpeed's files (model, ZeRO optimizer shards, LR scheduler) plus our ``client_state``
+  (``"deepy"``: iteration, consumed samples, layout);
+* ``deepy_rng/rank_<r>.pt``: each rank's RNG streams (python, numpy, torch, tensor-parallel);
+* ``deepy_meta.json``: iteration, consumed samples, layout, the resolved arguments - readable
+  without torch, so a load can decide whether to convert before touching any tensor;
+* ``configs/``: the original config files of the run, verbatim;
+* ``COMMITTED``: written last (see ``commit.py``).
+
+Every rank takes part in every collective whatever happens to its own writes: file errors are
+caught, all ranks agree on the outcome with an all-reduce, and only then everybody raises the same
+``CheckpointError``. So a full disk stops the run loudly instead of hanging it, and the previous
+checkpoint - the one ``latest`` points to - is never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.checkpointing import commit
+from megatron.checkpointing.retention import CheckpointKind
+from megatron.checkpointing.rng_state import capture_rng_state, restore_rng_state
+from megatron.checkpointing.safe_load import load_trusted_tensors, weights_only_loading
+from megatron.checkpointing.universal import (
+    Layout,
+    check_convertible,
+    convert_to_universal,
+    needs_universal,
+    universal_dir,
+)
+from megatron.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+META_FILE = "deepy_meta.json"
+RNG_DIR = "deepy_rng"
+CONFIGS_DIR = "configs"
+CLIENT_KEY = "deepy"
+FORMAT_VERSION = 1
+
+# Arguments that fix the shape of the weights: a checkpoint with other values cannot be loaded.
+SHAPE_KEYS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "intermediate_size",
+    "padded_vocab_size", "max_position_embeddings", "pos_emb", "norm", "activation",
+    "num_experts", "no_weight_tying",
+)  # fmt: skip
+
+# Test hook for the crash-safety test: die with SIGKILL after the files, before the marker.
+KILL_BEFORE_COMMIT_ENV = "DEEPY_TEST_KILL_BEFORE_COMMIT"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _failed_ranks(failed: bool) -> list[int]:
+    """All-gather of "did my part fail", via one all-reduce (also a barrier)."""
+    flags = torch.zeros(_world(), dtype=torch.int32)
+    flags[_rank()] = int(failed)
+    if dist.is_initialized():
+        dist.all_reduce(flags)
+    return [r for r, f in enumerate(flags.tolist()) if f]
+
+
+class _GuardedWrites:
+    """Wraps DeepSpeed's checkpoint engine so a failed write is recorded, not raised mid-save.
+
+    Raising inside ``engine.save_checkpoint`` would leave this rank out of DeepSpeed's closing
+    barrier while the others wait in it forever.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.ckpt_engine = engine.checkpoint_engine
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> _GuardedWrites:
+        original_save, original_makedirs = self.ckpt_engine.save, self.ckpt_engine.makedirs
+
+        def save(state_dict: Any, path: str) -> None:
+            if self.error is None:
+                try:
+                    original_save(state_dict, path)
+                except Exception as err:  # noqa: BLE001 - disk full, permissions, ...
+                    self.error = err
+
+        def makedirs(path: str, exist_ok: bool = False) -> None:
+            try:
+                original_makedirs(path, exist_ok=exist_ok)
+            except Exception as err:  # noqa: BLE001
+                self.error = self.error or err
+
+        self.ckpt_engine.save, self.ckpt_engine.makedirs = save, makedirs
+        self._originals = (original_save, original_makedirs)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.ckpt_engine.save, self.ckpt_engine.makedirs = self._originals
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """What to write besides the engine's own state."""
+
+    step: int
+    consumed_samples: int
+    kind: CheckpointKind
+    layout: Layout
+    args: dict[str, Any]
+    config_files: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    save_rng: bool = True
+
+
+def current_layout(engine: Any) -> Layout:
+    from megatron.mpu import topology
+
+    return Layout(
+        tp=topology.get_tensor_model_parallel_world_size(),
+        pp=topology.get_pipe_parallel_world_size(),
+        dp=topology.get_data_parallel_world_size(),
+        zero_stage=int(engine.zero_optimization_stage()),
+    )
+
+
+def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: SaveRequest) -> Path | None:
+    """Write and commit one checkpoint on every rank. Returns its path (None if it already existed).
+
+    Raises :class:`CheckpointError` on every rank if any rank failed to write its part.
+    """
+    save = Path(save_dir)
+    tag = commit.tag_for(request.step)
+    ckpt_dir = save / tag
+    rank = _rank()
+    if commit.is_committed(ckpt_dir):
+        # e.g. preempted right after resuming: the same state is already on disk, and deleting
+        # it to write it again would leave a window with no checkpoint at all
+        return None
+
+    started = time.monotonic()
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            save.mkdir(parents=True, exist_ok=True)
+            if ckpt_dir.exists():  # left over by a crash before its marker
+                commit.remove_checkpoint(save, request.step)
+        except OSError as err:
+            error = err
+    failed = _failed_ranks(error is not None)
+    if failed:
+        raise CheckpointError(f"cannot prepare checkpoint directory {ckpt_dir}: {error or 'failed on rank 0'}")
+
+    client_state = {
+        CLIENT_KEY: {
+            "format": FORMAT_VERSION,
+            "iteration": request.step,
+            "consumed_samples": request.consumed_samples,
+            "layout": request.layout.to_dict(),
+            "extra": request.extra,
+        }
+    }
+    with _GuardedWrites(engine) as guard:
+        engine.save_checkpoint(str(save), tag, client_state=client_state, save_latest=False)
+    error = guard.error
+    if error is None:
+        try:
+            _write_rank_files(ckpt_dir, request, rank)
+        except Exception as err:  # noqa: BLE001
+            error = err
+    failed = _failed_ranks(error is not None)
+    if failed:
+        reason = f"{type(error).__name__}: {error}" if error else f"see the log of rank {failed[0]}"
+        raise CheckpointError(
+            f"saving checkpoint {ckpt_dir} failed on rank(s) {failed} ({reason}); it was not committed "
+            "and the previous checkpoint is untouched. Training stops here: free space or fix "
+            "permissions, then resume."
+        )
+
+    if os.environ.get(KILL_BEFORE_COMMIT_ENV) == str(request.step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    # every rank has finished writing (the all-reduce above is the barrier): seal it
+    if rank == 0:
+        try:
+            commit.write_commit_marker(ckpt_dir, commit.CommitInfo(request.step, request.kind, time.time()))
+            commit.write_latest(save, tag)
+        except OSError as err:
+            error = err
+    failed = _failed_ranks(error is not None)
+    if failed:
+        raise CheckpointError(f"committing checkpoint {ckpt_dir} failed: {error or 'see the log of rank 0'}")
+    if rank == 0:
+        log.info("saved %s checkpoint %s in %.1fs", request.kind, ckpt_dir, time.monotonic() - started)
+    return ckpt_dir
+
+
+def _write_rank_files(ckpt_dir: Path, request: SaveRequest, rank: int) -> None:
+    if request.save_rng:
+        rng_dir = ckpt_dir / RNG_DIR
+        rng_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(capture_rng_state(), rng_dir / f"rank_{rank:05d}.pt")
+    if rank != 0:
+        return
+    meta = {
+        "format": FORMAT_VERSION,
+        "iteration": request.step,
+        "consumed_samples": request.consumed_samples,
+        "kind": request.kind,
+        "layout": request.layout.to_dict(),
+        "world_size": _world(),
+        "extra": request.extra,
+        "args": request.args,
+    }
+    (ckpt_dir / META_FILE).write_text(json.dumps(meta, indent=1, default=str), encoding="utf-8")
+    if request.config_files:
+        configs = ckpt_dir / CONFIGS_DIR
+        configs.mkdir(exist_ok=True)
+        for index, (name, text) in enumerate(sorted(request.config_files.items())):
+            # keep the original base name, prefixed so two files called config.yml do not collide
+            (configs / f"{index:02d}_{Path(name).name}").write_text(text, encoding="utf-8")
+
+
+# --- loading ---------------------------------------------------------------------------------
+@dataclass
+class LoadResult:
+    """What a load restored; ``loaded`` is False for a fresh start."""
+
+    loaded: bool
+    path: Path | None = None
+    iteration: int = 0
+    consumed_samples: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    weights_only: bool = False
+    """Fine-tune / initialize-from: module weights only, fresh optimizer, step 0."""
+    load_optim: bool = True
+    load_rng: bool = True
+
+
+def read_meta(ckpt_dir: Path) -> dict[str, Any]:
+    path = ckpt_dir / META_FILE
+    try:
+        meta: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as err:
+        raise CheckpointError(f"{ckpt_dir} has no {META_FILE}: it was not written by Deepy") from err
+    except ValueError as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from err
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{ckpt_dir} has checkpoint format {meta.get('format')}; this Deepy reads {FORMAT_VERSION}")
+    return meta
+
+
+def resolve_tag(load_dir: Path, iteration: int | None) -> tuple[str | None, list[str]]:
+    """The committed tag to load: ``iteration`` if given (must exist), else the newest committed."""
+    if iteration is not None:
+        tag = commit.tag_for(iteration)
+        if commit.is_committed(load_dir / tag):
+            return tag, []
+        listing = commit.list_checkpoints(load_dir)
+        available = ", ".join(map(str, listing.steps)) or "none"
+        raise CheckpointError(
+            f"no committed checkpoint for iteration {iteration} in {load_dir}; committed iterations: {available}"
+            + (f" (incomplete, skipped: {', '.join(listing.incomplete)})" if listing.incomplete else "")
+        )
+    return commit.newest_committed(load_dir)
+
+
+def shape_mismatches(saved_args: dict[str, Any], args: dict[str, Any]) -> list[str]:
+    return [
+        f"{key}: checkpoint {saved_args.get(key)!r}, config {args.get(key)!r}"
+        for key in SHAPE_KEYS
+        if key in saved_args and key in args and saved_args[key] != args[key]
+    ]
+
+
+def load_checkpoint(
+    engine: Any,
+    ckpt_dir: Path,
+    args: dict[str, Any],
+    options: LoadOptions = LoadOptions(),
+) -> LoadResult:
+    """Load ``ckpt_dir`` (a committed checkpoint) into ``engine`` on every rank."""
+    rank = _rank()
+    meta = read_meta(ckpt_dir)
+    mismatched = shape_mismatches(meta.get("args", {}), args)
+    if mismatched:
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir} was saved for another model shape:\n  " + "\n  ".join(mismatched)
+        )
+    saved = Layout.from_dict(meta["layout"])
+    layout = current_layout(engine)
+    result = LoadResult(loaded=True, path=ckpt_dir)
+    source = ckpt_dir
+    universal = needs_universal(saved, layout)
+    if universal:
+        check_convertible(saved, layout)
+        result.notes.append(f"layout changed from {saved} to {layout}: loading through a universal checkpoint")
+        error: BaseException | None = None
+        if rank == 0:
+            try:
+                convert_to_universal(ckpt_dir)
+            except Exception as err:  # noqa: BLE001 - reported on every rank below
+                error = err
+        failed = _failed_ranks(error is not None)
+        if failed:
+            if isinstance(error, CheckpointError):
+                raise error
+            raise CheckpointError(f"converting {ckpt_dir} for the new layout failed: {error or 'see rank 0'}")
+        source = universal_dir(ckpt_dir)
+
+    _engine_load(engine, source, universal, options)
+    client = meta
+    if options.weights_only:
+        result.notes.append(
+            "loaded model weights only; optimizer, LR schedule, data position and step start fresh"
+            + (" (optimizer moments read for the new layout were reset)" if universal else "")
+        )
+        if universal:
+            _reset_optimizer_state(engine)
+        return result
+
+    result.iteration = int(client["iteration"])
+    result.consumed_samples = int(client["consumed_samples"])
+    result.extra = dict(client.get("extra") or {})
+    if not options.load_optim:
+        result.notes.append("optimizer state not loaded (no_load_optim)")
+    if options.load_rng:
+        rng_file = ckpt_dir / RNG_DIR / f"rank_{rank:05d}.pt"
+        if saved == layout and rng_file.is_file():
+            restore_rng_state(load_trusted_tensors(rng_file))
+        elif saved != layout:
+            result.notes.append("RNG streams not restored: they are per rank and the layout changed")
+        else:
+            result.notes.append(f"RNG state missing for rank {rank}; continuing with the seeded streams")
+    else:
+        result.notes.append("RNG state not loaded (no_load_rng)")
+    return result
+
+
+def _engine_load(engine: Any, source: Path, universal: bool, options: LoadOptions) -> None:
+    config = engine._config  # DeepSpeed reads this flag only inside load_checkpoint
+    previous = config.load_universal_checkpoint
+    config.load_universal_checkpoint = universal
+    try:
+        with weights_only_loading():
+            path, _ = engine.load_checkpoint(
+                str(source.parent),
+                source.name,
+                load_module_strict=True,
+                load_optimizer_states=options.load_optim and not options.weights_only,
+                load_lr_scheduler_states=options.load_optim and not options.weights_only,
+                load_module_only=options.weights_only,
+            )
+    except CheckpointError:
+        raise
+    except (RuntimeError, AssertionError, KeyError, ValueError) as err:
+        raise CheckpointError(_explain_load_error(source, err)) from err
+    finally:
+        config.load_universal_checkpoint = previous
+    if path is None:
+        raise CheckpointError(f"DeepSpeed found no model files in {source}")
+
+
+def _explain_load_error(source: Path, err: BaseException) -> str:
+    text = str(err)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    detail = [line for line in lines if line.startswith(("size mismatch", "Missing key", "Unexpected key"))]
+    if detail or "Error(s) in loading state_dict" in text:
+        return f"checkpoint {source} does not fit this model:\n  " + "\n  ".join(detail or lines[:20])
+    return f"loading checkpoint {source} failed: {type(err).__name__}: {text[:2000]}"
+
+
+def _reset_optimizer_state(engine: Any) -> None:
+    """Forget Adam moments and step counts (universal loads always bring them along)."""
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for state in inner.state.values():
+        for key, value in list(state.items()):
+            if torch.is_tensor(value):
+                value.zero_()
+            elif key == "step":
+                state[key] = 0

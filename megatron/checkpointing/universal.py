@@ -1,0 +1,116 @@
+"""Changing the parallel layout between save and load, through DeepSpeed's universal checkpoints.
+
+A checkpoint records the layout it was written at. When the loading run differs in tp, pp, dp or
+ZeRO stage, rank 0 converts ``<save>/<tag>`` into ``<save>/<tag>_universal`` with
+``deepspeed.checkpoint.ds_to_universal`` (one full, unsharded tensor per parameter and optimizer
+state) while the other ranks wait; then every rank loads it with DeepSpeed's universal loader,
+which cuts each tensor for the new layout. The conversion is cached: it is committed with the same
+marker protocol as a checkpoint and reused by later loads.
+
+Universal loading lives in DeepSpeed's ZeRO optimizers, so a layout change needs ZeRO stage 1 or 2
+on both sides. The one exception needs no conversion at all: without ZeRO every data-parallel rank
+holds the whole optimizer, so only dp may change.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron.checkpointing import commit
+from megatron.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+UNIVERSAL_SUFFIX = "_universal"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the model and optimizer were split across ranks."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero_stage: int
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(raw: dict[str, Any]) -> Layout:
+        return Layout(tp=int(raw["tp"]), pp=int(raw["pp"]), dp=int(raw["dp"]), zero_stage=int(raw["zero_stage"]))
+
+    def __str__(self) -> str:
+        return f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero_stage}"
+
+
+def needs_universal(saved: Layout, current: Layout) -> bool:
+    """Whether DeepSpeed's native loader cannot read ``saved`` into ``current``."""
+    if saved == current:
+        return False
+    if saved.zero_stage == 0 and current.zero_stage == 0 and (saved.tp, saved.pp) == (current.tp, current.pp):
+        return False  # dp-only change without ZeRO: every mp_rank file holds the full optimizer
+    return True
+
+
+def check_convertible(saved: Layout, current: Layout) -> None:
+    """Reject layout changes DeepSpeed 0.19.8 cannot do, with what to do instead."""
+    if saved.zero_stage not in (1, 2) or current.zero_stage not in (1, 2):
+        raise CheckpointError(
+            f"cannot load a checkpoint saved at {saved} into a run at {current}: changing tp/pp (or the ZeRO stage) "
+            "goes through DeepSpeed universal checkpoints, which need ZeRO stage 1 or 2 on both sides. "
+            "Set zero_optimization.stage to 1 or 2, or load at the saved layout."
+        )
+
+
+def universal_dir(ckpt_dir: Path) -> Path:
+    return ckpt_dir.with_name(ckpt_dir.name + UNIVERSAL_SUFFIX)
+
+
+def convert_to_universal(ckpt_dir: Path, timeout_s: float = 3600.0) -> Path:
+    """Run ``ds_to_universal`` on ``ckpt_dir`` (once; later calls reuse the committed result).
+
+    It runs in a child process: the converter forks worker pools and loads every shard, neither of
+    which should happen inside a rank that holds a process group.
+    """
+    target = universal_dir(ckpt_dir)
+    if commit.is_committed(target):
+        return target
+    if target.exists():
+        shutil.rmtree(target)  # a conversion killed half-way
+    cmd = [
+        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder", str(ckpt_dir),
+        "--output_folder", str(target),
+        "--inject_missing_state",
+        "--num_extract_workers", "1",
+        "--num_merge_workers", "1",
+    ]  # fmt: skip
+    log.info("converting %s to a universal checkpoint for the new layout", ckpt_dir)
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        raise CheckpointError(f"converting {ckpt_dir} to a universal checkpoint failed:\n{tail}")
+    # the converter points <save>/latest_universal at its output; our loads name the tag
+    # explicitly, and a stray pointer would only confuse DeepSpeed-native tools
+    stray = ckpt_dir.parent / "latest_universal"
+    if stray.exists():
+        stray.unlink()
+    info = commit.read_commit_marker(ckpt_dir)
+    commit.write_commit_marker(target, info or commit.CommitInfo(step=-1, kind="step", time=time.time()))
+    log.info("universal conversion done in %.1fs: %s", time.monotonic() - started, target)
+    return target
+
+
+def universal_param_names(target: Path) -> set[str]:
+    """Parameter names present in a universal checkpoint (one folder each under ``zero/``)."""
+    zero = target / "zero"
+    return {p.name for p in zero.iterdir() if p.is_dir()} if zero.is_dir() else set()

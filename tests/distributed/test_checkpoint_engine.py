@@ -1,0 +1,270 @@
+"""Checkpoints through a real DeepSpeed engine on 2 gloo ranks (CPU, fp32, ZeRO).
+
+Each scenario launches fresh processes (``python this_file.py --worker ...``), so resume really
+starts from disk: a tiny MLP with dropout, a data position that is a pure function of the step,
+and the checkpoint manager the training loop uses. Covered here, without the full model:
+exact resume, kill -9 before the commit marker, dp2 -> dp1 and ZeRO-1 -> ZeRO-2 through universal
+checkpoints, SIGTERM on one rank -> all ranks save and exit 0, and a write failure on one rank
+(file-size limit) -> every rank exits non-zero with a clear message, previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+GLOBAL_BATCH = 8
+pytestmark = pytest.mark.slow
+
+
+# --- the worker (runs in each rank's process) ---------------------------------------------------
+def worker(opts: argparse.Namespace) -> int:
+    import logging
+    import resource
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from megatron.checkpointing.manager import CheckpointManager
+    from megatron.checkpointing.preemption import PreemptionWatcher
+    from megatron.checkpointing.retention import RetentionPolicy
+    from megatron.errors import CheckpointError
+    from megatron.mpu import topology
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    dist.init_process_group("gloo")
+    topology.initialize_model_parallel(1, 1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if opts.fsize_limit_rank == rank:
+        # a "disk full" on one rank only: writes past 2 KiB fail with EFBIG (every shard is larger)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
+
+    torch.manual_seed(1234)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Dropout(opts.dropout), torch.nn.Linear(64, 16)
+    )
+    config = {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": opts.zero},
+        "steps_per_print": 10**6,
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=topology)
+    torch.manual_seed(99 + rank)  # per-rank dropout streams: resume must restore them exactly
+
+    policy = RetentionPolicy(
+        train_iters=opts.steps, checkpoint_factor=opts.factor or None, keep_last_n_checkpoints=opts.keep_last
+    )
+    manager = CheckpointManager(
+        save=opts.save,
+        load=opts.load,
+        policy=policy,
+        args_dict={"hidden_size": 64, "num_layers": 2},
+        config_files={"configs/tiny.yml": "hidden_size: 64\n"},
+        iteration=opts.iteration,
+        preemption=PreemptionWatcher().install(),
+    )
+    try:
+        start = manager.load(engine)
+        losses: dict[int, float] = {}
+        consumed = start.consumed_samples
+        for step in range(start.iteration + 1, opts.steps + 1):
+            # the data position is a pure function of consumed samples (as the real sampler)
+            gen = torch.Generator().manual_seed(consumed)
+            x = torch.randn(GLOBAL_BATCH, 16, generator=gen)
+            y = torch.randn(GLOBAL_BATCH, 16, generator=gen)
+            per = GLOBAL_BATCH // world
+            out = engine(x[rank * per : (rank + 1) * per])
+            loss = ((out - y[rank * per : (rank + 1) * per]) ** 2).mean()
+            engine.backward(loss)
+            engine.step()
+            consumed += GLOBAL_BATCH
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses[step] = mean.item() / world
+            print(f"STEP {step}", flush=True)
+            if opts.sleep:
+                time.sleep(opts.sleep)
+            if manager.maybe_save(engine, step, consumed).stop:
+                print(f"PREEMPTED at {step}", flush=True)
+                break
+    except CheckpointError as err:
+        print(f"deepy: checkpoint error: {err}", file=sys.stderr, flush=True)
+        return 2
+    if rank == 0 and opts.out:
+        Path(opts.out).write_text(json.dumps({"losses": losses, "start": start.iteration, "notes": start.notes}))
+    return 0
+
+
+# --- the launcher (runs in pytest) ----------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launch(world: int, *worker_args: str, env: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        rank_env = {
+            **os.environ,
+            **(env or {}),
+            "PYTHONPATH": str(REPO),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--worker", *worker_args],
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    return procs
+
+
+def wait_all(procs: list[subprocess.Popen[str]], timeout: float = 300) -> tuple[list[int], list[str]]:
+    outputs = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=timeout)
+        outputs.append(out)
+    return [p.returncode for p in procs], outputs
+
+
+def run(world: int, *worker_args: str, env: dict[str, str] | None = None) -> tuple[list[int], list[str]]:
+    return wait_all(launch(world, *worker_args, env=env))
+
+
+def losses_of(path: Path) -> dict[int, float]:
+    return {int(k): v for k, v in json.loads(path.read_text())["losses"].items()}
+
+
+def assert_close(got: dict[int, float], want: dict[int, float], tol: float) -> None:
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    for step in got:
+        assert abs(got[step] - want[step]) <= tol * max(1.0, abs(want[step])), (step, got[step], want[step])
+
+
+def test_exact_resume_after_kill_during_save(tmp_path: Path) -> None:
+    common = ["--dropout", "0.1", "--steps", "12"]
+    codes, logs = run(2, *common, "--out", str(tmp_path / "ref.json"))
+    assert codes == [0, 0], logs
+    reference = losses_of(tmp_path / "ref.json")
+
+    save = tmp_path / "ckpt"
+    # saves at 4 (committed) and 8 (killed with SIGKILL after the files, before the marker)
+    codes, logs = run(
+        2, *common, "--save", str(save), "--factor", "4", env={"DEEPY_TEST_KILL_BEFORE_COMMIT": "8"}
+    )
+    assert codes == [-signal.SIGKILL, -signal.SIGKILL], logs
+    assert (save / "global_step8").is_dir() and not (save / "global_step8" / "COMMITTED").exists()
+    assert (save / "latest").read_text().strip() == "global_step4"
+
+    codes, logs = run(2, *common, "--save", str(save), "--load", str(save), "--factor", "4",
+                      "--out", str(tmp_path / "resumed.json"))  # fmt: skip
+    assert codes == [0, 0], logs
+    assert "skipping incomplete checkpoint" in logs[0]
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert resumed["start"] == 4
+    # new processes, same losses: weights, Adam moments, dropout RNG and data position all restored
+    assert_close(losses_of(tmp_path / "resumed.json"), {s: v for s, v in reference.items() if s > 4}, 1e-6)
+    assert (save / "global_step8" / "COMMITTED").exists()  # the incomplete one was rewritten
+    meta = json.loads((save / "global_step12" / "deepy_meta.json").read_text())
+    assert meta["iteration"] == 12 and meta["consumed_samples"] == 12 * GLOBAL_BATCH
+    assert meta["layout"] == {"tp": 1, "pp": 1, "dp": 2, "zero_stage": 1}
+    assert (save / "global_step12" / "configs" / "00_tiny.yml").read_text() == "hidden_size: 64\n"
+
+
+def test_layout_changes_through_universal_checkpoints(tmp_path: Path) -> None:
+    save = tmp_path / "ckpt"
+    common = ["--steps", "12", "--dropout", "0"]
+    codes, logs = run(2, *common, "--save", str(save), "--factor", "6", "--out", str(tmp_path / "ref.json"))
+    assert codes == [0, 0], logs
+    tail = {s: v for s, v in losses_of(tmp_path / "ref.json").items() if s > 6}
+
+    # an iteration that does not exist is a clear error listing what does
+    codes, logs = run(1, *common, "--load", str(save), "--iteration", "5")
+    assert codes == [2], logs
+    assert "committed iterations: 6, 12" in logs[0]
+
+    # dp2 -> dp1: rank 0 converts to <tag>_universal, then DeepSpeed re-partitions it
+    codes, logs = run(1, *common, "--load", str(save), "--iteration", "6", "--out", str(tmp_path / "dp1.json"))
+    assert codes == [0], logs
+    assert (save / "global_step6_universal" / "COMMITTED").exists()
+    assert "layout changed" in logs[0]
+    assert_close(losses_of(tmp_path / "dp1.json"), tail, 1e-5)
+
+    # ZeRO-1 -> ZeRO-2 at dp2, reusing the cached conversion
+    codes, logs = run(2, *common, "--load", str(save), "--iteration", "6", "--zero", "2",
+                      "--out", str(tmp_path / "zero2.json"))  # fmt: skip
+    assert codes == [0, 0], logs
+    assert_close(losses_of(tmp_path / "zero2.json"), tail, 1e-5)
+
+
+def test_sigterm_on_one_rank_saves_and_exits_zero(tmp_path: Path) -> None:
+    save = tmp_path / "ckpt"
+    procs = launch(2, "--steps", "500", "--sleep", "0.2", "--save", str(save), "--dropout", "0")
+    # wait for training to be under way, then preempt rank 1 only
+    assert procs[0].stdout is not None
+    for line in procs[0].stdout:
+        if line.startswith("STEP 3"):
+            break
+    procs[1].send_signal(signal.SIGTERM)
+    codes, logs = wait_all(procs)
+    assert codes == [0, 0], logs
+    stopped = [line for line in logs[0].splitlines() if line.startswith("PREEMPTED at")]
+    assert stopped, logs[0]
+    step = int(stopped[0].split()[-1])
+    assert (save / "latest").read_text().strip() == f"global_step{step}"
+    assert (save / f"global_step{step}" / "COMMITTED").exists()
+
+
+def test_failed_save_stops_loudly_and_keeps_previous(tmp_path: Path) -> None:
+    save = tmp_path / "ckpt"
+    codes, logs = run(2, "--steps", "4", "--factor", "2", "--save", str(save), "--dropout", "0")
+    assert codes == [0, 0], logs
+    # resume with a file-size limit on rank 1: its optimizer shard cannot be written
+    codes, logs = run(2, "--steps", "8", "--factor", "2", "--save", str(save), "--load", str(save),
+                      "--dropout", "0", "--fsize-limit-rank", "1")  # fmt: skip
+    assert codes == [2, 2], logs
+    assert "saving checkpoint" in logs[0] and "failed on rank(s) [1]" in logs[0], logs[0]
+    assert (save / "latest").read_text().strip() == "global_step4"
+    assert (save / "global_step4" / "COMMITTED").exists()
+    assert not (save / "global_step6" / "COMMITTED").exists()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--zero", type=int, default=1)
+    parser.add_argument("--save")
+    parser.add_argument("--load")
+    parser.add_argument("--factor", type=int, default=0)
+    parser.add_argument("--keep-last", type=int, default=None)
+    parser.add_argument("--iteration", type=int, default=None)
+    parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--fsize-limit-rank", type=int, default=-1)
+    parser.add_argument("--out")
+    sys.exit(worker(parser.parse_args()))
