@@ -89,7 +89,10 @@ class GPTDataset:
         self.sizes = all_sizes[lo:hi]
 
         def build() -> dict[str, np.ndarray]:
-            return build_sample_index(self.sizes, seq_length, seed, self.num_samples, pack_impl, allow_chopped)
+            try:
+                return build_sample_index(self.sizes, seq_length, seed, self.num_samples, pack_impl, allow_chopped)
+            except DataError as err:  # say which split of which corpus, not only what is wrong
+                raise DataError(f"{name} split of {prefix or 'the corpus'} (documents [{lo}, {hi})): {err}") from None
 
         if prefix is None:
             arrays = build()
