@@ -144,16 +144,48 @@ def init_worker(tokenizer: Tokenizer, options: EncodeOptions, threads: int) -> N
     _worker["options"] = options
 
 
-def _text_ok(text: str, line: bytes) -> bool:
+class _BadLine(Exception):
+    """A line that --skip-bad may skip (malformed JSON, invalid UTF-8)."""
+
+
+def _has_lone_surrogate(text: str, line: bytes) -> bool:
     # json.loads turns a "\ud800" escape into a lone surrogate that no UTF-8 writer accepts; only
     # lines containing such an escape need the (costly) check.
     if b"\\ud" not in line and b"\\uD" not in line:
-        return True
+        return False
     try:
         text.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
         return False
+    except UnicodeEncodeError:
+        return True
+
+
+def parse_line(line: bytes, keys: list[str], where: str) -> list[str]:
+    """The values of ``keys`` in one jsonl line; _BadLine or DataError (with ``where``) if unusable."""
+    try:
+        decoded = line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise _BadLine(f"invalid UTF-8 at byte {err.start}") from None
+    try:
+        record = json.loads(decoded)
+    except json.JSONDecodeError as err:
+        reason = err.msg.removesuffix(" at")  # some messages end in "at" before the position
+        raise _BadLine(f"malformed JSON ({reason} at column {err.colno})") from None
+    if not isinstance(record, dict):
+        raise _BadLine(f"malformed JSON (expected an object, got {type(record).__name__})")
+    values = []
+    for key in keys:
+        if key not in record:
+            found = ", ".join(sorted(record)) or "none"
+            # Not skippable: a missing key almost always means a wrong --jsonl-keys, not a bad line.
+            raise DataError(f"{where}: missing key {key!r} (keys here: {found}); choose the field with --jsonl-keys")
+        value = record[key]
+        if not isinstance(value, str):
+            raise DataError(f"{where}: key {key!r} holds {type(value).__name__}, expected a string")
+        if _has_lone_surrogate(value, line):
+            raise _BadLine("invalid UTF-8 (lone surrogate escape)")
+        values.append(value)
+    return values
 
 
 def encode_chunk(chunk: Chunk) -> Encoded:
@@ -167,53 +199,25 @@ def encode_chunk(chunk: Chunk) -> Encoded:
 
         fix_text = ftfy.fix_text
 
-    def bad(lineno: int, reason: str) -> None:
-        where = f"{chunk.path}:{lineno}"
-        if not opt.skip_bad:
-            raise DataError(f"{where}: {reason} (use --skip-bad to skip such lines)")
-        out.bad += 1
-        if len(out.bad_examples) < MAX_EXAMPLES:
-            out.bad_examples.append(f"{where}: {reason}")
-
     for lineno, line in enumerate(chunk.lines, start=chunk.first_line):
         if not line.strip():
             continue  # blank lines (e.g. a trailing newline) are not documents
+        where = f"{chunk.path}:{lineno}"
         try:
-            decoded = line.decode("utf-8")
-        except UnicodeDecodeError as err:
-            bad(lineno, f"invalid UTF-8 at byte {err.start}")
+            values = parse_line(line, opt.keys, where)
+        except _BadLine as err:
+            if not opt.skip_bad:
+                raise DataError(f"{where}: {err} (use --skip-bad to skip such lines)") from None
+            out.bad += 1
+            if len(out.bad_examples) < MAX_EXAMPLES:
+                out.bad_examples.append(f"{where}: {err}")
             continue
-        try:
-            record = json.loads(decoded)
-        except json.JSONDecodeError as err:
-            reason = err.msg.removesuffix(" at")  # some messages end in "at" before the position
-            bad(lineno, f"malformed JSON ({reason} at column {err.colno})")
-            continue
-        if not isinstance(record, dict):
-            bad(lineno, f"malformed JSON (expected an object, got {type(record).__name__})")
-            continue
-        values = []
-        for key in opt.keys:
-            if key not in record:
-                found = ", ".join(sorted(record)) or "none"
-                raise DataError(f"{chunk.path}:{lineno}: missing key {key!r} (keys here: {found}); "
-                                "choose the field with --jsonl-keys")
-            value = record[key]
-            if not isinstance(value, str):
-                raise DataError(f"{chunk.path}:{lineno}: key {key!r} holds {type(value).__name__}, "
-                                "expected a string")
-            if not _text_ok(value, line):
-                break
-            values.append(value)
-        else:
-            for key, value in zip(opt.keys, values):
-                if not value.strip():
-                    out.empty[key] += 1
-                    continue
+        out.docs += 1
+        for key, value in zip(opt.keys, values):
+            if value.strip():
                 texts[key].append(fix_text(value) if fix_text else value)
-            out.docs += 1
-            continue
-        bad(lineno, "invalid UTF-8 (lone surrogate escape)")
+            else:
+                out.empty[key] += 1
 
     for key, docs in texts.items():
         out.tokens[key], out.sizes[key] = pack(tok.tokenize_batch(docs), tok.eod if opt.append_eod else None,
