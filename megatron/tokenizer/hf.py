@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -10,10 +11,12 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from megatron.errors import DataError
 from megatron.tokenizer.base import Tokenizer
-from megatron.tokenizer.fast_bpe import FastBPE, build_fast_encoder
+from megatron.tokenizer.fast_bpe import FastBPE, build_fast_encoder, verify
 
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
 PAD_CANDIDATES = ("<|padding|>", "<pad>", "[PAD]")
+
+log = logging.getLogger(__name__)
 
 
 def _require_file(path: str | os.PathLike[str] | None, what: str, tokenizer_type: str) -> str:
@@ -59,6 +62,18 @@ class HFBackedTokenizer(Tokenizer):
     @property
     def backend(self) -> str:
         return "tiktoken" if self._fast is not None else "hf"
+
+    def verify_fast_path(self, texts: list[str]) -> bool:
+        """Check the fast path on the caller's own data; on any difference switch to HF for good.
+
+        Construction already checked a built-in sample; real corpora (other scripts, odd whitespace)
+        are the better test, so preprocessing calls this on its first documents.
+        """
+        if self._fast is None or verify(self._fast, self._hf, texts):
+            return True
+        log.warning("%s: tiktoken fast path disagrees with HF tokenizers on this data; using HF", self.name)
+        self._fast = None
+        return False
 
     @property
     def hf_tokenizer(self) -> tokenizers.Tokenizer:

@@ -236,3 +236,16 @@ def test_many_added_tokens_are_split_out_like_hf(tok_json: Path, tmp_path: Path,
     mixed = ["<|im_start|>user\nhi there<|im_end|>", "a [MASK] b <tool>x</tool>", "plain text only", *texts[:5]]
     assert tok.tokenize_batch(mixed) == [e.ids for e in hf.encode_batch(mixed)]
     assert hf.token_to_id("<|im_end|>") in tok.tokenize(mixed[0])
+
+
+def test_verify_fast_path_switches_to_hf_on_disagreement(tok_json: Path, texts: list[str]) -> None:
+    tok = HFTokenizer(tok_json)
+    assert tok.verify_fast_path(texts) and tok.backend == "tiktoken"
+    # Simulate a corpus on which the fast path would be wrong.
+    fast = tok._fast
+    assert fast is not None
+    fast.encode = lambda text: [1, 2, 3]  # type: ignore[method-assign]
+    assert not tok.verify_fast_path(texts[:3])
+    assert tok.backend == "hf"
+    hf = tokenizers.Tokenizer.from_file(str(tok_json))
+    assert tok.tokenize(texts[0]) == hf.encode(texts[0]).ids

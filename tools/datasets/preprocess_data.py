@@ -294,6 +294,20 @@ class Progress:
         return time.perf_counter() - self.start
 
 
+def verify_on_sample(tokenizer: Tokenizer, chunk: Chunk, keys: list[str], limit: int = 256) -> None:
+    """Let a tokenizer with a fast path check it against its reference on the input's first documents."""
+    check = getattr(tokenizer, "verify_fast_path", None)
+    if check is None:
+        return
+    sample: list[str] = []
+    for line in chunk.lines[:limit]:
+        try:
+            sample.extend(v for v in parse_line(line, keys, "") if v.strip())
+        except (_BadLine, DataError):
+            continue  # reported properly when the chunk is encoded
+    check(sample)
+
+
 def preprocess(args: argparse.Namespace) -> dict[str, Any]:
     files = expand_inputs(args.input)
     tokenizer = build_tokenizer(SimpleNamespace(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
@@ -309,7 +323,12 @@ def preprocess(args: argparse.Namespace) -> dict[str, Any]:
     docs_out = {k: 0 for k in args.jsonl_keys}
     bad, examples = 0, []
     try:
-        for enc in run_encoding(read_chunks(files), tokenizer, options, args.workers, args.parallelism):
+        chunks = read_chunks(files)
+        first = next(chunks, None)
+        if first is not None:
+            chunks = itertools.chain([first], chunks)
+            verify_on_sample(tokenizer, first, args.jsonl_keys)
+        for enc in run_encoding(chunks, tokenizer, options, args.workers, args.parallelism):
             for k in args.jsonl_keys:
                 builders[k].add_documents(enc.tokens[k], enc.sizes[k])
                 empty[k] += enc.empty[k]
