@@ -28,6 +28,7 @@ def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "train.py").write_text("print('worker')\n")
     (tmp_path / "model.yml").write_text(
         "num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\nseq_length: 32\nmax_position_embeddings: 32\n"
+        "train_micro_batch_size_per_gpu: 2\nlr: 0.001\nuse_dummy_dataset: true\n"
     )
     return tmp_path
 
@@ -74,6 +75,9 @@ ERROR_CASES = {
     "override_unknown_key": ({}, ["train.py", "model.yml", "hiden_size=3"],
                              ["unknown key 'hiden_size' at command-line override 'hiden_size=3'"]),
     "override_bad_yaml": ({}, ["train.py", "model.yml", "num_layers=[1"], ["override 'num_layers=[1':1:", "malformed YAML"]),
+    "missing_key": ({"m.yml": "lr: 0.1\ntrain_micro_batch_size_per_gpu: 1\nuse_dummy_dataset: true\n"},
+                    ["train.py", "m.yml"], ["num_layers", "not set"]),
+    "bad_combination": ({}, ["train.py", "model.yml", "num_attention_heads=5"], ["num_attention_heads", "5", "hidden_size"]),
     "unsupported": ({"x.yml": "sparsity_config: {block: 16}\n"}, ["train.py", "model.yml", "x.yml"],
                     ["not supported yet", "sparsity_config", "x.yml:1"]),
 }
@@ -90,7 +94,8 @@ def test_user_mistakes_exit_2_with_one_message(case: str, work: Path, capsys: py
     assert err.startswith("deepy: "), err
     for text in expected:
         assert text in err, err
-    assert "Traceback" not in err and out == ""
+    # nothing of deepy's own on stdout (DeepSpeed may log its accelerator choice there on first import)
+    assert "Traceback" not in err + out and "deepy:" not in out
 
 
 def test_command_line_shape(work: Path) -> None:
@@ -144,3 +149,32 @@ def line_of(path: str, key: str) -> int:
         if line.strip().lstrip('"').startswith(key + '"') or line.strip().startswith(key + ":"):
             return number
     raise AssertionError(f"{key} not in {path}")
+
+
+def test_real_launch_writes_the_resolved_file_and_returns_the_launcher_code(
+    work: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import megatron.launcher
+
+    from megatron.neox_arguments.resolved import load_resolved
+
+    calls: list[tuple[str, str]] = []
+
+    def fake_launch(resolved, user_script: str, config_file: str) -> int:
+        calls.append((user_script, config_file))
+        assert Path(config_file).is_file()  # written before any rank could start
+        return 3
+
+    monkeypatch.setattr(megatron.launcher, "launch", fake_launch)
+    code, out, err = run_in_process(["train.py", "model.yml", "log_dir=mylogs", "train_iters=4"], capsys)
+    assert code == 3, err  # a failed rank's exit code is deepy's exit code
+    [(script, config_file)] = calls
+    assert script == "train.py"
+    run_dir = Path(config_file).parent
+    assert run_dir.parent == Path("mylogs") and Path(config_file).name == "deepy_config.json"
+    assert f"resolved config written to {config_file}" in out
+    back = load_resolved(config_file)
+    assert back.run_dir == str(run_dir) and back.args.train_iters == 4
+    assert back.provenance["num_layers"] == "model.yml:1" and back.provenance["train_iters"] == "cli"
+    assert back.deepspeed_config is not None and back.deepspeed_config["train_batch_size"] >= 1
+    assert back.config_files == {"model.yml": (work / "model.yml").read_text()}
