@@ -1,0 +1,255 @@
+"""GPTModel at tp=2 (and as pp=2 pipeline stages) equals tp=1 on 2 real gloo ranks.
+
+Each rank first builds and runs the tp=1 model (no model-parallel groups yet), then the same
+config at tp=2, and compares: initial full weights (exactly), logits, loss, and every full
+gradient. All parameters get the same layout-independent random perturbation first so that norm
+gains and biases matter. Then the ranks switch to pp=2 and run `pipeline_layer_specs` as two
+DeepSpeed `PipelineModule` stages, passing the activation by hand. One spawn for everything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+import zlib
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, padded_vocab_size=64, seed=3)
+CONFIGS: dict[str, dict[str, Any]] = {
+    "mha_learned": dict(),
+    "gqa_rotary_swiglu": dict(num_kv_heads=2, pos_emb="rotary", rotary_pct=0.5, activation="swiglu", norm="rmsnorm"),
+    "alibi_untied_qknorm_parallel": dict(
+        pos_emb="alibi", no_weight_tying=True, use_qk_layernorm=True, gpt_j_residual=True, sliding_window_width=3
+    ),
+    "sequence_parallel_gqa": dict(sequence_parallel=True, num_kv_heads=2, pos_emb="rotary", activation="geglu"),
+}
+PIPELINE_CONFIGS = ["mha_learned", "alibi_untied_qknorm_parallel"]
+
+
+def _batch(cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, cfg.padded_vocab_size, (2, cfg.seq_length), generator=gen)
+    labels = torch.randint(0, cfg.padded_vocab_size, (2, cfg.seq_length), generator=gen)
+    labels[0, 0] = -100
+    loss_mask = torch.ones(2, cfg.seq_length)
+    loss_mask[1, -1] = 0
+    return tokens, labels, loss_mask
+
+
+def _perturb(model: torch.nn.Module, cfg, full_shapes: dict[str, torch.Size]) -> None:
+    """Add noise drawn for the FULL tensor (seeded by name) and keep this rank's shard of it."""
+    from megatron.model import tp_partition_of
+    from megatron.mpu import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from megatron.mpu.initialize_weights import shard_tensor
+
+    rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            noise = 0.2 * torch.randn(full_shapes[name], generator=gen)
+            part = tp_partition_of(cfg, name)
+            if part is not None:
+                noise = shard_tensor(noise, part.dim, rank, world, part.sections)
+            p.add_(noise)
+
+
+def _unshard(cfg, name: str, t: torch.Tensor) -> torch.Tensor:
+    """The full tensor from every tp rank's shard (replicated ones: check they agree)."""
+    from megatron.model import tp_partition_of
+    from megatron.mpu import get_tensor_model_parallel_group
+    from megatron.mpu.initialize_weights import unshard_tensors
+
+    parts = [torch.empty_like(t) for _ in range(WORLD)]
+    dist.all_gather(parts, t.contiguous(), group=get_tensor_model_parallel_group())
+    part = tp_partition_of(cfg, name)
+    if part is None:
+        torch.testing.assert_close(parts[0], parts[1], msg=lambda m: f"replicated {name} differs across ranks: {m}")
+        return parts[0]
+    return unshard_tensors(parts, part.dim, part.sections)
+
+
+def _run_tp1(cfg) -> dict[str, Any]:
+    from megatron.model import GPTModel, lm_loss
+
+    model = GPTModel(cfg)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    _perturb(model, cfg, shapes)
+    tokens, labels, loss_mask = _batch(cfg)
+    logits = model(tokens)
+    loss = lm_loss(logits, labels, loss_mask)
+    loss.backward()
+    return dict(
+        init=init,
+        shapes=shapes,
+        logits=logits.detach(),
+        loss=loss.detach(),
+        grads={n: p.grad.clone() for n, p in model.named_parameters()},
+        params={n: p.detach().clone() for n, p in model.named_parameters()},
+    )
+
+
+def check_tp2_equals_tp1(cfg, ref: dict[str, Any]) -> None:
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    from megatron import mpu
+    from megatron.model import GPTModel, lm_loss
+
+    model = GPTModel(cfg)
+    for name, value in model.state_dict().items():
+        full = _unshard(cfg, name, value)
+        assert torch.equal(full, ref["init"][name]), f"initial {name} differs from tp=1"
+    _perturb(model, cfg, ref["shapes"])
+    tokens, labels, loss_mask = _batch(cfg)
+    logits = model(tokens)
+    assert logits.shape[-1] == cfg.padded_vocab_size // WORLD
+    full_logits = torch.cat(_gathered(logits), dim=-1)
+    torch.testing.assert_close(full_logits, ref["logits"], atol=1e-5, rtol=1e-5)
+    loss = lm_loss(logits, labels, loss_mask)
+    torch.testing.assert_close(loss, ref["loss"], atol=1e-6, rtol=1e-6)
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+        full_grad = _unshard(cfg, name, p.grad)
+        torch.testing.assert_close(full_grad, ref["grads"][name], atol=1e-5, rtol=1e-4, msg=lambda m: f"grad {name}: {m}")
+    # DeepSpeed's grad-norm rule (tp-replicated params counted on tp rank 0 only) gives the tp=1 norm
+    local = sum(
+        p.grad.pow(2).sum()
+        for p in model.parameters()
+        if mpu.get_model_parallel_rank() == 0 or is_model_parallel_parameter(p)
+    )
+    total = torch.stack(_gathered(local.reshape(1))).sum().sqrt()
+    want = torch.stack([g.pow(2).sum() for g in ref["grads"].values()]).sum().sqrt()
+    torch.testing.assert_close(total, want, atol=1e-5, rtol=1e-5)
+
+
+def _gathered(t: torch.Tensor) -> list[torch.Tensor]:
+    from megatron.mpu import get_tensor_model_parallel_group
+
+    parts = [torch.empty_like(t) for _ in range(WORLD)]
+    dist.all_gather(parts, t.contiguous(), group=get_tensor_model_parallel_group())
+    return parts
+
+
+def check_pp2_equals_tp1(cfg, ref: dict[str, Any]) -> None:
+    """Two PipelineModule stages, activation passed by hand: same weights, loss and grads as tp=1."""
+    from deepspeed.pipe import PipelineModule
+
+    from megatron import mpu
+    from megatron.model import loss_fn, pipeline_layer_specs
+
+    stage = mpu.get_pipe_parallel_rank()
+    pipe = PipelineModule(
+        layers=pipeline_layer_specs(cfg),
+        topology=mpu.get_topology(),
+        loss_fn=loss_fn,
+        partition_method="type:TransformerLayerPipe",
+    )
+
+    def canonical(name: str) -> str:
+        """PipelineModule's names -> GPTModel's: spec index i -> layers.{i-1}, tied -> embedding."""
+        if name.startswith("tied_modules.embed."):
+            return "embedding." + name[len("tied_modules.embed.") :]
+        index, rest = name.split(".", 1)
+        if rest.startswith(("input_layernorm", "attention", "post_attention_layernorm", "mlp")):
+            return f"layers.{int(index) - 1}.{rest}"
+        if rest.startswith(("word_embeddings", "position_embeddings")):
+            return f"embedding.{rest}"
+        return rest  # final_norm.*, output_layer.*
+
+    names = dict(pipe.named_parameters())
+    for name, p in names.items():
+        assert torch.equal(p.detach(), ref["init"][canonical(name)]), f"stage {stage}: initial {name}"
+        with torch.no_grad():
+            p.copy_(ref["params"][canonical(name)])  # the same perturbed weights as the tp=1 run
+    tokens, labels, loss_mask = _batch(cfg)
+    hidden_shape = (cfg.seq_length, tokens.shape[0], cfg.hidden_size)
+    if stage == 0:
+        out = pipe(tokens)
+        dist.send(out.detach().contiguous(), dst=1)
+        grad = torch.empty(hidden_shape)
+        dist.recv(grad, src=1)
+        out.backward(grad)
+    else:
+        hidden = torch.empty(hidden_shape)
+        dist.recv(hidden, src=0)
+        hidden.requires_grad_()
+        logits = pipe(hidden)
+        torch.testing.assert_close(logits, ref["logits"], atol=1e-5, rtol=1e-5)
+        loss = loss_fn(logits, (labels, loss_mask))
+        torch.testing.assert_close(loss, ref["loss"], atol=1e-6, rtol=1e-6)
+        loss.backward()
+        dist.send(hidden.grad.contiguous(), dst=0)
+    for name, p in names.items():
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        if name.startswith("tied_modules."):
+            grad = grad.clone()
+            dist.all_reduce(grad)  # what DeepSpeed's tied-weight all-reduce does
+            if "position_embeddings" in name and stage == 1:
+                continue  # the head's copy of the embedding module does not use positions
+        elif p.grad is None:
+            raise AssertionError(f"stage {stage}: {name} got no gradient")
+        torch.testing.assert_close(grad, ref["grads"][canonical(name)], atol=1e-5, rtol=1e-4,
+                                   msg=lambda m: f"stage {stage} grad {name}: {m}")
+
+
+def _rank_main(rank: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(WORLD))  # PipelineModule reads them
+    store = dist.FileStore(os.path.join(out_dir, "store"), WORLD)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    import deepspeed
+
+    from megatron import mpu
+    from megatron.model import GPTConfig
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    results: dict[str, str] = {}
+    configs = {name: GPTConfig(**{**BASE, **overrides}) for name, overrides in CONFIGS.items()}
+    refs = {name: _run_tp1(cfg) for name, cfg in configs.items()}  # no model-parallel groups: tp=1
+
+    def record(key: str, fn, *args) -> None:  # type: ignore[no-untyped-def]
+        try:
+            fn(*args)
+            results[key] = "ok"
+        except Exception:  # record and go on
+            results[key] = traceback.format_exc()
+
+    mpu.initialize_model_parallel(WORLD, 1)
+    for name, cfg in configs.items():
+        record(f"tp2_{name}", check_tp2_equals_tp1, cfg, refs[name])
+    mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(1, WORLD)
+    for name in PIPELINE_CONFIGS:
+        record(f"pp2_{name}", check_pp2_equals_tp1, configs[name], refs[name])
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+    out = tmp_path_factory.mktemp("tp_model")
+    ctx = mp.start_processes(_rank_main, args=(str(out),), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + 300
+    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("ranks did not finish in 300 s")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("key", [f"tp2_{n}" for n in CONFIGS] + [f"pp2_{n}" for n in PIPELINE_CONFIGS])
+def test_layouts_match_tp1(results: list[dict[str, str]], key: str) -> None:
+    for rank, per_rank in enumerate(results):
+        assert per_rank[key] == "ok", f"rank {rank}:\n{per_rank[key]}"
