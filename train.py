@@ -1,7 +1,6 @@
 """Worker entry point, started on every rank by deepy.py: ``train.py --deepy_config PATH``.
 
 Thin on purpose: read the resolved config, join the job, then hand over to megatron/.
-(For now it stops after start-up and reports this rank's coordinates.)
 """
 
 from __future__ import annotations
@@ -27,7 +26,11 @@ def main() -> int:
 
     options = parse_worker_argv(sys.argv[1:])
     resolved = load_resolved(options.deepy_config)
-    initialize(resolved.args)
+    initialize(resolved.args)  # prints this rank's coordinates
+
+    from megatron.training import pretrain
+
+    pretrain(resolved.args)
     return 0
 
 
