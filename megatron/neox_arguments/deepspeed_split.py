@@ -48,13 +48,21 @@ DS_CONFIG_KEYS: tuple[str, ...] = (
 # Blocks DeepSpeed 0.19.8 removed and now rejects outright ("... has been removed"): GPT-NeoX's
 # sparse_gradients, amp, curriculum_learning, sparse_attention, elasticity, compression_training.
 # They are never copied into the config; a user who turns one on gets an error from the rules.
-def removed_deepspeed_keys() -> dict[str, str]:
-    """Top-level DeepSpeed config keys the installed DeepSpeed refuses, with its reason."""
-    try:
-        from deepspeed.runtime import config as ds_config
-    except ImportError:  # pragma: no cover - deepspeed is a hard dependency
-        return {}
-    return dict(getattr(ds_config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {}))
+REMOVED_DEEPSPEED_KEYS: dict[str, str] = {
+    "compression_training": "the compression library was removed",
+    "amp": "Apex AMP was removed; use fp16 or bf16",
+    "quantize_training": "Mixture-of-Quantization was removed",
+    "sparse_gradients": "sparse compression of dense embedding gradients was removed",
+    "eigenvalue": "eigenvalue-based MoQ was removed",
+    "sparse_attention": "sparse attention was removed",
+    "elasticity": "elastic training was removed; set the batch sizes directly",
+    "graph_harvesting": "graph harvesting was removed",
+    "curriculum_learning": "legacy curriculum learning was removed",
+    "progressive_layer_drop": "progressive layer dropping was removed",
+    "nebula": "Nebula checkpointing was removed",
+}
+"""Top-level DeepSpeed config keys DeepSpeed 0.19.8 refuses (its ``_REMOVED_TOP_LEVEL_CONFIG_KEYS``;
+a unit test keeps this copy equal, so deepy.py need not import DeepSpeed)."""
 
 
 # Keys Deepy checks or derives itself: setting them behind its back (inside deepspeed_extra_args)
@@ -93,10 +101,11 @@ def extra_args_problems(args: Any, provenance: Mapping[str, str] | None = None) 
         return [f"deepspeed_extra_args must be a mapping of DeepSpeed config keys, got {extra!r}"]
     where = (provenance or {}).get("deepspeed_extra_args", "default")
     problems = []
-    removed = removed_deepspeed_keys()
     for key in extra:
-        if key in removed:
-            problems.append(f"deepspeed_extra_args.{key} ({where}): DeepSpeed refuses it: {removed[key]}")
+        if key in REMOVED_DEEPSPEED_KEYS:
+            problems.append(
+                f"deepspeed_extra_args.{key} ({where}): DeepSpeed refuses it: {REMOVED_DEEPSPEED_KEYS[key]}"
+            )
         elif key in REFUSED_EXTRA_KEYS:
             problems.append(
                 f"deepspeed_extra_args.{key} ({where}): {REFUSED_EXTRA_KEYS[key]}; remove it"

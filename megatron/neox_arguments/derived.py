@@ -53,62 +53,38 @@ def detect_world_size(args: Any, device_count: int | None = None) -> int:
 
 
 def active_resources(args: Any, device_count: int | None = None) -> dict[str, list[int]]:
-    """host -> slot ids the runner will use, computed with DeepSpeed's own filter functions."""
-    from deepspeed.launcher.runner import (
-        _parse_hostfile,
-        apply_num_nodes_and_gpus,
-        parse_inclusion_exclusion,
-    )
+    """host -> slot ids the runner will use (see :mod:`megatron.launcher.resources`)."""
+    from megatron.launcher.resources import apply_counts, filter_pool, parse_hostfile
 
-    hostfile = getattr(args, "hostfile", None)
     include = getattr(args, "include", None) or ""
     exclude = getattr(args, "exclude", None) or ""
     num_nodes = getattr(args, "num_nodes", -1)
     num_nodes = -1 if num_nodes is None else int(num_nodes)
     num_gpus = getattr(args, "num_gpus", None)
     num_gpus = -1 if num_gpus is None else int(num_gpus)
-
-    if include and exclude:
-        raise ConfigError(f"include={include!r} and exclude={exclude!r} are both set: keep one of them")
     if (include or exclude) and (num_nodes > 0 or num_gpus > 0):
         filt = "include" if include else "exclude"
         raise ConfigError(
             f"{filt}={include or exclude!r} together with num_nodes={num_nodes}/num_gpus={num_gpus}: "
             f"DeepSpeed's runner accepts either a host filter or counts; remove one"
         )
-
-    pool = _read_pool(hostfile, _parse_hostfile)
-    if pool is None:
+    path = getattr(args, "hostfile", None) or (DEFAULT_HOSTFILE if os.path.isfile(DEFAULT_HOSTFILE) else None)
+    if path is None:
         if num_nodes > 1:
             raise ConfigError(
                 f"num_nodes={num_nodes} but no hostfile lists other nodes: add hostfile: <path> "
                 f"(lines like 'node1 slots=8')"
             )
         pool = {"localhost": local_device_count() if device_count is None else device_count}
-    try:
-        active = parse_inclusion_exclusion(pool, include, exclude)
-    except ValueError as err:
-        filt = "include" if include else "exclude"
-        raise ConfigError(
-            f"{filt}={include or exclude!r} does not match the resource pool {dict(pool)}: {err}"
-        ) from None
-    active = apply_num_nodes_and_gpus(active, num_nodes, num_gpus)
-    return {host: list(slots) for host, slots in active.items()}
-
-
-def _read_pool(hostfile: str | None, parse: Callable[[list[str]], Any]) -> dict[str, int] | None:
-    path = hostfile or (DEFAULT_HOSTFILE if os.path.isfile(DEFAULT_HOSTFILE) else None)
-    if path is None:
-        return None
-    try:
-        with open(path, encoding="utf-8") as handle:
-            lines = handle.readlines()
-    except OSError as err:
-        raise ConfigError(f"hostfile={path!r} cannot be read ({err.strerror}): fix the path or remove hostfile") from None
-    try:
-        return dict(parse(lines))
-    except ValueError as err:
-        raise ConfigError(f"hostfile={path!r}: {err}; each line reads '<host> slots=<n>'") from None
+    else:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                pool = parse_hostfile(handle.readlines(), path)
+        except OSError as err:
+            raise ConfigError(
+                f"hostfile={path!r} cannot be read ({err.strerror}): fix the path or remove hostfile"
+            ) from None
+    return apply_counts(filter_pool(pool, include, exclude), num_nodes, num_gpus)
 
 
 def uses_local_pool(args: Any) -> bool:

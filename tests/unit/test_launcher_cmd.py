@@ -149,3 +149,74 @@ def test_mpirun_inside_slurm_prefers_the_inner_mpi_ranks() -> None:
 def test_a_lone_process_is_rank_zero_of_one() -> None:
     mapped = distributed_env({}, master_port=29602)
     assert mapped == {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29602"}
+
+
+# --- resource pool: Deepy's copy agrees with DeepSpeed's runner -------------------------------------
+POOL_CASES = [
+    ("", "", -1, -1),
+    ("", "", 2, -1),
+    ("", "", 2, 1),
+    ("", "", -1, 3),
+    ("a:0,1@c", "", -1, -1),
+    ("b", "", -1, -1),
+    ("", "b", -1, -1),
+    ("", "a:1,2@c:0", -1, -1),
+]
+
+
+@pytest.mark.parametrize("include, exclude, num_nodes, num_gpus", POOL_CASES)
+def test_resources_match_deepspeeds_runner(include: str, exclude: str, num_nodes: int, num_gpus: int) -> None:
+    from deepspeed.launcher import runner
+
+    from megatron.launcher.resources import apply_counts, filter_pool, parse_hostfile
+
+    lines = ["a slots=4\n", "# comment\n", "\n", "b slots=2\n", "c slots=2\n"]
+    ours = apply_counts(filter_pool(parse_hostfile(lines), include, exclude), num_nodes, num_gpus)
+    pool = runner._parse_hostfile(lines)
+    theirs = runner.apply_num_nodes_and_gpus(runner.parse_inclusion_exclusion(pool, include, exclude), num_nodes, num_gpus)
+    assert ours == {host: list(slots) for host, slots in theirs.items()}
+
+
+@pytest.mark.parametrize(
+    "lines, include, needle",
+    [
+        (["a slots=2\n", "a slots=2\n"], "", "listed twice"),
+        (["a slot=2\n"], "", "line 1"),
+        (["# only a comment\n"], "", "lists no hosts"),
+        (["a slots=2\n"], "a:5", "has no slot 5"),
+        (["a slots=2\n"], "z", "host 'z' is not in the resource pool"),
+    ],
+)
+def test_resource_mistakes(lines: list[str], include: str, needle: str) -> None:
+    from megatron.launcher.resources import filter_pool, parse_hostfile
+
+    with pytest.raises(ConfigError, match=needle):
+        filter_pool(parse_hostfile(lines), include)
+
+
+def test_removed_deepspeed_keys_match_the_installed_deepspeed() -> None:
+    from deepspeed.runtime import config as ds_config
+
+    from megatron.neox_arguments.deepspeed_split import REMOVED_DEEPSPEED_KEYS
+
+    assert set(REMOVED_DEEPSPEED_KEYS) == set(ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS)
+
+
+def test_checking_a_config_does_not_import_deepspeed(tmp_path: Any) -> None:
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "from megatron.neox_arguments.arguments import NeoXArgs\n"
+        "from megatron.neox_arguments.resolved import ResolvedConfig\n"
+        "from megatron.neox_arguments import detect_world_size, finalize\n"
+        "args = NeoXArgs(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=8, lr=0.1,\n"
+        "                train_micro_batch_size_per_gpu=1, train_iters=1, use_dummy_dataset=True, num_gpus=2)\n"
+        "finalize(ResolvedConfig(args=args), detect_world_size(args))\n"
+        "from megatron.launcher import plan_launch\n"
+        "assert 'deepspeed' not in sys.modules, 'deepspeed imported'\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ""
