@@ -61,24 +61,12 @@ def parse_save_interval(value: str | int | float | None) -> float | None:
     """``save_interval`` in seconds: a number of seconds or a phrase such as ``15min``."""
     if value is None:
         return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    try:
-        from megatron.neox_arguments import time_phrases  # the rules engineer's parser
+    from megatron.neox_arguments.time_phrases import parse_duration
 
-        parse = getattr(time_phrases, "parse_duration", None) or getattr(time_phrases, "parse_time_phrase")
-        parsed = parse(value)
-        return float(parsed.total_seconds() if hasattr(parsed, "total_seconds") else parsed)
-    except ImportError:
-        pass
-    units = {"s": 1, "sec": 1, "min": 60, "m": 60, "h": 3600, "hr": 3600, "d": 86400}
-    text = value.strip().lower()
-    for unit in sorted(units, key=len, reverse=True):
-        if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
-            return float(text[: -len(unit)]) * units[unit]
-    if text.replace(".", "", 1).isdigit():
-        return float(text)
-    raise ConfigError(f"save_interval: cannot read {value!r} as a duration; write e.g. 900, '15min' or '1h'")
+    try:
+        return float(parse_duration(value))
+    except ValueError as err:
+        raise ConfigError(f"save_interval: {err}") from err
 
 
 def keep_rules(raw: list[dict[str, int]] | None) -> list[KeepRule]:
