@@ -95,7 +95,7 @@ def limit_cpu_threads() -> None:
 
     if torch.cuda.is_available() or os.environ.get("OMP_NUM_THREADS"):
         return
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or 1
+    local_ranks = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -122,7 +122,7 @@ def pretrain(args: Any) -> TrainState:
 
     state = TrainState()
     load, hooks = checkpoint_hooks(args)
-    if load is not None and getattr(args, "load", None):
+    if load is not None and (getattr(args, "load", None) or getattr(args, "initialize_from", None)):
         loaded = load(eng, state, args)
         if isinstance(loaded, TrainState):
             state = loaded
