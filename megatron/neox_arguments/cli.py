@@ -50,8 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true", help="run every check, print the resolved config, launch nothing")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     parser.add_argument("-d", "--conf_dir", "--conf-dir", default=None, help="directory the CONFIG names are relative to")
-    parser.add_argument("user_script", help="the script each rank runs, e.g. train.py")
-    parser.add_argument("rest", nargs="*", help="config files, then key=value overrides")
+    parser.add_argument("user_script", metavar="USER_SCRIPT", help="the script each rank runs, e.g. train.py")
+    parser.add_argument("rest", nargs="*", metavar="CONFIG|key=value", help="config files, then key=value overrides")
     return parser
 
 
