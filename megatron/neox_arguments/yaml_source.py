@@ -1,9 +1,10 @@
 """Reading one config file into plain data that remembers where each key was written.
 
 PyYAML's ``SafeLoader`` already refuses to build Python objects, but it forgets line numbers, lets a
-duplicate key silently win, reads ``1e-4`` as a string (YAML 1.1 wants a dot in a float) and knows
-no ``!include``. :class:`ConfigLoader` is a ``SafeLoader`` subclass that fixes exactly those four
-things; everything else (anchors, merge keys, JSON, which is YAML) behaves as usual.
+duplicate key silently win, reads ``1e-4`` as a string (YAML 1.1 wants a dot in a float), turns
+``2024-01-01`` into a date and knows no ``!include``. :class:`ConfigLoader` is a ``SafeLoader``
+subclass that fixes exactly those things; everything else (anchors, merge keys, JSON, which is YAML)
+behaves as usual.
 
 Mappings come back as :class:`LocatedDict`, a ``dict`` that also knows the file it came from and
 the line of each key, so later layers can name ``file:line`` in their messages.
@@ -116,6 +117,10 @@ ConfigLoader.add_constructor(INCLUDE_TAG, ConfigLoader.construct_include)
 ConfigLoader.add_multi_constructor("tag:yaml.org,2002:python/", ConfigLoader.refuse_python_tag)
 ConfigLoader.add_constructor(None, ConfigLoader.refuse_unknown_tag)
 ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+# An unquoted 2024-01-01 stays text: run names and paths are strings, and a date object is neither
+# a valid str field nor JSON. (add_implicit_resolver above gave this class its own resolver table.)
+for _first, _resolvers in ConfigLoader.yaml_implicit_resolvers.items():
+    _resolvers[:] = [(tag, regexp) for tag, regexp in _resolvers if tag != "tag:yaml.org,2002:timestamp"]
 
 
 def _malformed(source: str, err: yaml.YAMLError) -> ConfigError:

@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megatron.errors import ConfigError
 from megatron.neox_arguments.loading import load_config, resolve_config_path
@@ -217,6 +218,8 @@ def test_unsupported_key_set_away_from_default(cwd: Path) -> None:
 
 def test_yaml_text_parser_direct() -> None:
     assert parse_yaml_text("a: 1e3\nb: -2.5E-2\nc: '1e3'\nd: 10", "x") == {"a": 1000.0, "b": -0.025, "c": "1e3", "d": 10}
+    assert parse_yaml_text("run: 2024-01-01\nat: 2024-01-01 10:00:00", "x") == {"run": "2024-01-01", "at": "2024-01-01 10:00:00"}
+    assert yaml.safe_load("run: 2024-01-01")["run"] != "2024-01-01"  # the plain SafeLoader is untouched
     with pytest.raises(ConfigError, match="config file not found"):
         load_yaml_file("/definitely/not/here.yml")
 
