@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -48,6 +50,12 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(config, i) for i in range(config.num_layers))
         self.final_norm = build_final_norm(config)
         self.output_layer = build_output_layer(config) if config.no_weight_tying else None
+        self.checkpoint_fn: Callable[..., torch.Tensor] | None = None
+
+    def set_activation_checkpointing(self, checkpoint_fn: Callable[..., torch.Tensor] | None) -> None:
+        """Recompute each layer in the backward with `checkpoint_fn(function, *args)`, e.g.
+        `deepspeed.checkpointing.checkpoint` (which replays the tensor-parallel RNG stream); None = off."""
+        self.checkpoint_fn = checkpoint_fn
 
     def output_weight(self) -> torch.Tensor:
         """`[v/tp, h]`: the token embedding itself unless the weights are untied."""
@@ -65,6 +73,9 @@ class GPTModel(nn.Module):
         (combined with the causal mask); `position_ids`: optional `[b, s]` (default 0..s-1)."""
         x = self.embedding(tokens, position_ids)  # [s, b, h]
         for layer in self.layers:
-            x = layer(x, position_ids, attention_mask)  # [s, b, h]
+            if self.checkpoint_fn is not None and self.training:
+                x = self.checkpoint_fn(layer, x, position_ids, attention_mask)  # [s, b, h]
+            else:
+                x = layer(x, position_ids, attention_mask)  # [s, b, h]
         x = self.final_norm(x)
         return parallel_lm_logits(x, self.output_weight(), self.sequence_parallel)  # [b, s, v/tp]

@@ -313,3 +313,28 @@ def test_config_from_neox_args() -> None:
     assert cfg.layernorm_epsilon == 1e-5  # default where args lack the field
     with pytest.raises(ValueError, match="not supported"):
         GPTConfig(**BASE, attention_config=[[["sparse_fixed"], "all"]])
+
+
+def test_activation_checkpointing_replays_dropout() -> None:
+    """With DeepSpeed's checkpoint, the recomputed layers draw the same dropout masks."""
+    import deepspeed
+
+    from megatron.mpu import model_parallel_manual_seed
+
+    cfg = GPTConfig(**BASE, hidden_dropout=0.2, attention_dropout=0.2, pos_emb="rotary")
+    tokens = torch.randint(0, cfg.padded_vocab_size, (2, cfg.seq_length))
+    labels = torch.randint(0, cfg.padded_vocab_size, (2, cfg.seq_length))
+    runs = []
+    for checkpoint_fn in (None, deepspeed.checkpointing.checkpoint):
+        model = GPTModel(cfg).train()
+        model.set_activation_checkpointing(checkpoint_fn)
+        model_parallel_manual_seed(5)
+        loss = lm_loss(model(tokens), labels)
+        loss.backward()
+        runs.append((loss.detach(), [p.grad for p in model.parameters()]))
+    model_parallel_manual_seed(6)
+    other = lm_loss(GPTModel(cfg).train()(tokens), labels)
+    assert not torch.allclose(other, runs[0][0])  # dropout is really on
+    torch.testing.assert_close(runs[1][0], runs[0][0], atol=0, rtol=0)
+    for a, b in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(a, b)
