@@ -4,7 +4,12 @@ from megatron.model.config import GPTConfig
 from megatron.model.flops import flops_per_token, num_parameters
 from megatron.model.gpt import GPTModel
 from megatron.model.loss import lm_loss, loss_fn
-from megatron.model.partitioning import TPPartition, tp_partition_of, tp_partition_patterns
+from megatron.model.partitioning import (
+    TPPartition,
+    tp_partition_of,
+    tp_partition_patterns,
+    universal_checkpoint_info,
+)
 from megatron.model.pipeline import pipeline_layer_specs
 
 __all__ = [
@@ -18,4 +23,5 @@ __all__ = [
     "pipeline_layer_specs",
     "tp_partition_of",
     "tp_partition_patterns",
+    "universal_checkpoint_info",
 ]

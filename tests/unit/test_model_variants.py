@@ -338,3 +338,35 @@ def test_activation_checkpointing_replays_dropout() -> None:
     torch.testing.assert_close(runs[1][0], runs[0][0], atol=0, rtol=0)
     for a, b in zip(runs[0][1], runs[1][1]):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("name", ["learned", "gqa", "untied", "qk_rmsnorm", "act_swiglu", "no_linear_biases",
+                                  "parallel_residual_tied_norm", "non_parametric_layernorm"])
+def test_universal_checkpoint_info_merges_tp_shards(name: str, tmp_path) -> None:
+    """DeepSpeed's own tp-merge (ds_to_universal.merge_tp_slices), fed our shards and our
+    `universal_checkpoint_info`, rebuilds every full tensor; every pattern is used."""
+    from deepspeed.checkpoint.ds_to_universal import dp_index_to_str, merge_tp_slices
+
+    from megatron.model import tp_partition_of
+    from megatron.model.partitioning import universal_checkpoint_info
+    from megatron.mpu.initialize_weights import shard_tensor
+
+    tp, original_vocab = 2, 60
+    cfg, model = build(VARIANTS[name])
+    info = universal_checkpoint_info(cfg, tp, original_vocab_size=original_vocab)
+    unused: set[str] | None = None
+    for pname, full in model.state_dict().items():
+        part = tp_partition_of(cfg, pname)
+        shards = [full if part is None else shard_tensor(full, part.dim, r, tp, part.sections) for r in range(tp)]
+        for r, shard in enumerate(shards):
+            for state in ("fp32", "exp_avg", "exp_avg_sq"):
+                path = tmp_path / "slices" / pname / str(r) / f"{state}.{dp_index_to_str(0)}"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(shard.flatten().clone(), path)
+        left = merge_tp_slices(info, str(tmp_path / "out"), str(tmp_path / "slices"), tp,
+                               (pname, [s.shape for s in shards]))
+        unused = set(left) if unused is None else unused & set(left)
+        merged = torch.load(tmp_path / "out" / pname / "fp32.pt", weights_only=False)["param"]
+        want = full[:original_vocab] if "word_embeddings" in pname or "output_layer" in pname else full
+        assert torch.equal(merged.reshape(want.shape), want), pname
+    assert not unused, f"patterns that match no parameter: {unused}"
