@@ -25,7 +25,7 @@ from typing import Any
 
 from megatron.checkpointing.retention import CheckpointKind
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0 speaks
 
 COMMIT_MARKER = "COMMITTED"
 LATEST_FILE = "latest"

@@ -12,16 +12,19 @@ import logging
 from typing import Any
 
 from megatron.checkpointing.manager import CheckpointManager
+from megatron.checkpointing.universal import universal_checkpoint_info
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0 speaks
 
 _MANAGER: CheckpointManager | None = None
 
 
-def manager_for(args: Any) -> CheckpointManager:
+def manager_for(args: Any, eng: Any = None) -> CheckpointManager:
     global _MANAGER
     if _MANAGER is None:
         _MANAGER = CheckpointManager.from_args(args)
+    if _MANAGER.universal_info is None and eng is not None and getattr(eng, "config", None) is not None:
+        _MANAGER.universal_info = universal_checkpoint_info(eng.config)
     return _MANAGER
 
 
@@ -35,7 +38,7 @@ def reset() -> None:
 
 def load(eng: Any, state: Any, args: Any) -> Any:
     """Restore the engine and return the loop's state (a fresh one when nothing was loaded)."""
-    result = manager_for(args).load(eng.engine)
+    result = manager_for(args, eng).load(eng.engine)
     if not result.loaded:
         return state
     if result.iteration == 0 and result.consumed_samples == 0:
@@ -48,7 +51,7 @@ def load(eng: Any, state: Any, args: Any) -> Any:
 
 
 def maybe_save(eng: Any, state: Any, args: Any) -> bool:
-    outcome = manager_for(args).maybe_save(
+    outcome = manager_for(args, eng).maybe_save(
         eng.engine, state.iteration, state.consumed_samples, extra={"train_state": state.to_dict()}
     )
     if outcome.stop:
@@ -58,7 +61,7 @@ def maybe_save(eng: Any, state: Any, args: Any) -> bool:
 
 def save_at_exit(eng: Any, state: Any, args: Any) -> None:
     """Save when the loop ended early (exit_interval) and the last step is not on disk yet."""
-    manager = manager_for(args)
+    manager = manager_for(args, eng)
     if manager.save_dir is None or manager.last_saved_step == state.iteration or state.iteration == 0:
         return
     manager.save(eng.engine, state.iteration, state.consumed_samples, "step", extra={"train_state": state.to_dict()})

@@ -45,7 +45,7 @@ from megatron.checkpointing.save_load import (
 )
 from megatron.errors import CheckpointError, ConfigError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0 speaks
 
 _KIND_CODES: tuple[CheckpointKind, ...] = ("temporary", "step", "permanent")
 
@@ -111,6 +111,8 @@ class CheckpointManager:
         self.save_rng = save_rng
         self.preemption = preemption if preemption is not None else PreemptionWatcher().install()
         self.last_saved_step: int | None = None
+        self.universal_info: dict[str, Any] | None = None
+        """DeepSpeed's TP merge patterns for this model; set by whoever knows the model."""
 
     @classmethod
     def from_args(
@@ -217,6 +219,7 @@ class CheckpointManager:
             config_files=self.config_files,
             extra=dict(extra or {}),
             save_rng=self.save_rng,
+            universal_info=self.universal_info,
         )
         save_checkpoint(engine, self.save_dir, request)
         self.policy.on_committed()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0 speaks
 
 DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
 

@@ -38,12 +38,13 @@ from megatron.checkpointing.universal import (
     Layout,
     check_convertible,
     convert_to_universal,
+    fit_vocabulary_rows,
     needs_universal,
     universal_dir,
 )
 from megatron.errors import CheckpointError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0 speaks
 
 META_FILE = "deepy_meta.json"
 RNG_DIR = "deepy_rng"
@@ -126,6 +127,8 @@ class SaveRequest:
     config_files: dict[str, str] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     save_rng: bool = True
+    universal_info: dict[str, Any] | None = None
+    """DeepSpeed's ``universal_checkpoint_info`` (TP patterns), needed to change tp later."""
 
 
 def current_layout(engine: Any) -> Layout:
@@ -175,6 +178,8 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Save
             "extra": request.extra,
         }
     }
+    if request.universal_info is not None:
+        client_state["universal_checkpoint_info"] = request.universal_info
     with _GuardedWrites(engine) as guard:
         engine.save_checkpoint(str(save), tag, client_state=client_state, save_latest=False)
     error = guard.error
@@ -225,6 +230,7 @@ def _write_rank_files(ckpt_dir: Path, request: SaveRequest, rank: int) -> None:
         "layout": request.layout.to_dict(),
         "world_size": _world(),
         "extra": request.extra,
+        "universal_info": request.universal_info,
         "args": request.args,
     }
     (ckpt_dir / META_FILE).write_text(json.dumps(meta, indent=1, default=str), encoding="utf-8")
@@ -285,10 +291,13 @@ def resolve_tag(load_dir: Path, iteration: int | None) -> tuple[str | None, list
     return commit.newest_committed(load_dir)
 
 
-def shape_mismatches(saved_args: dict[str, Any], args: dict[str, Any]) -> list[str]:
+def shape_mismatches(saved_args: dict[str, Any], args: dict[str, Any], same_tp: bool = True) -> list[str]:
+    # the padded vocabulary grows with tp (rows are padded to a multiple of 128*tp): across a tp
+    # change only the real rows must agree, and the universal loader re-pads them
+    keys = [k for k in SHAPE_KEYS if same_tp or k != "padded_vocab_size"]
     return [
         f"{key}: checkpoint {saved_args.get(key)!r}, config {args.get(key)!r}"
-        for key in SHAPE_KEYS
+        for key in keys
         if key in saved_args and key in args and saved_args[key] != args[key]
     ]
 
@@ -302,13 +311,13 @@ def load_checkpoint(
     """Load ``ckpt_dir`` (a committed checkpoint) into ``engine`` on every rank."""
     rank = _rank()
     meta = read_meta(ckpt_dir)
-    mismatched = shape_mismatches(meta.get("args", {}), args)
+    saved = Layout.from_dict(meta["layout"])
+    layout = current_layout(engine)
+    mismatched = shape_mismatches(meta.get("args", {}), args, same_tp=saved.tp == layout.tp)
     if mismatched:
         raise CheckpointError(
             f"checkpoint {ckpt_dir} was saved for another model shape:\n  " + "\n  ".join(mismatched)
         )
-    saved = Layout.from_dict(meta["layout"])
-    layout = current_layout(engine)
     result = LoadResult(loaded=True, path=ckpt_dir)
     source = ckpt_dir
     universal = needs_universal(saved, layout)
@@ -318,7 +327,11 @@ def load_checkpoint(
         error: BaseException | None = None
         if rank == 0:
             try:
-                convert_to_universal(ckpt_dir)
+                target = convert_to_universal(ckpt_dir)
+                rows = args.get("padded_vocab_size")
+                info = meta.get("universal_info") or {}
+                if rows and info:
+                    fit_vocabulary_rows(target, info, int(rows))
             except Exception as err:  # noqa: BLE001 - reported on every rank below
                 error = err
         failed = _failed_ranks(error is not None)

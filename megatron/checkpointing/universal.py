@@ -26,7 +26,7 @@ from typing import Any
 from megatron.checkpointing import commit
 from megatron.errors import CheckpointError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0 speaks
 
 UNIVERSAL_SUFFIX = "_universal"
 
@@ -90,6 +90,8 @@ def convert_to_universal(ckpt_dir: Path, timeout_s: float = 3600.0) -> Path:
         "--input_folder", str(ckpt_dir),
         "--output_folder", str(target),
         "--inject_missing_state",
+        # our pattern list is per model family; a tied model has no output_layer to match
+        "--no_strict",
         "--num_extract_workers", "1",
         "--num_merge_workers", "1",
     ]  # fmt: skip
@@ -114,3 +116,82 @@ def universal_param_names(target: Path) -> set[str]:
     """Parameter names present in a universal checkpoint (one folder each under ``zero/``)."""
     zero = target / "zero"
     return {p.name for p in zero.iterdir() if p.is_dir()} if zero.is_dir() else set()
+
+
+def universal_checkpoint_info(config: Any) -> dict[str, Any]:
+    """DeepSpeed's ``universal_checkpoint_info`` for our model, from its TP partition patterns.
+
+    It tells ``ds_to_universal`` how to glue tensor-parallel shards back into full tensors:
+    row-parallel weights along dim 1, vocabulary matrices along dim 0 (padding rows kept), fused
+    tensors (QKV, gated MLP) section by section, and everything else is replicated (take one copy).
+    DeepSpeed matches these with ``re.match`` (anchored at the start) while our patterns are
+    searched anywhere in the name, hence the ``.*(?:...)`` wrapping.
+    """
+    from deepspeed.checkpoint import constants as ds
+
+    from megatron.model.partitioning import tp_partition_patterns
+
+    def anywhere(pattern: str) -> str:
+        return f".*(?:{pattern})"
+
+    patterns = tp_partition_patterns(config)
+    tp = _tp_world_size()
+    row: list[str] = []
+    vocab: list[str] = []
+    sub_params: list[dict[str, Any]] = []
+    shard_widths: dict[str, list[list[int]]] = {}
+    for pattern, part in patterns.items():
+        if part.vocabulary:
+            vocab.append(anywhere(pattern))
+        elif part.dim == 1:
+            row.append(anywhere(pattern))
+        elif part.sections is not None and len(part.sections) > 1:
+            key = anywhere(pattern)
+            # -1: the other dimension (hidden size for weights, 1 for biases) is inferred
+            sub_params.append({"patterns": [key], "shape": (tuple(part.sections), -1), "partition_dim": 0})
+            shard_widths[key] = [[size // tp] * tp for size in part.sections]
+    replicated = "^(?!" + "|".join(anywhere(p) for p in patterns) + ").*$"
+    return {
+        ds.UNIVERSAL_CHECKPOINT_VERSION_KEY: ds.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+        "original_vocab_size": int(config.padded_vocab_size),
+        ds.VOCABULARY_PARAMETER_PATTERNS: vocab,
+        ds.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: row,
+        ds.PARAMETER_WITH_SUB_PARAMS: sub_params,
+        ds.SUB_PARAM_SHARD_WIDTHS: shard_widths,
+        ds.TP_REPLICATED_PARAMETER_PATTERNS: [replicated],
+    }
+
+
+def _tp_world_size() -> int:
+    from megatron.mpu import topology
+
+    return topology.get_tensor_model_parallel_world_size()
+
+
+def fit_vocabulary_rows(target: Path, info: dict[str, Any], rows: int) -> list[str]:
+    """Trim the padded vocabulary of a universal checkpoint to ``rows`` (a smaller tp pads less).
+
+    DeepSpeed's loader pads missing rows with zeros itself but cannot drop rows; the rows
+    dropped here are padding beyond the tokenizer's vocabulary, never real tokens.
+    """
+    import re
+
+    import torch
+
+    from megatron.checkpointing.safe_load import weights_only_loading
+
+    trimmed: list[str] = []
+    patterns = info.get("vocabulary_parameter_patterns", [])
+    for param_dir in sorted((target / "zero").iterdir()):
+        if not param_dir.is_dir() or not any(re.match(p, param_dir.name) for p in patterns):
+            continue
+        for state_file in param_dir.glob("*.pt"):
+            if state_file.name == "step.pt":
+                continue
+            with weights_only_loading():
+                state = torch.load(state_file)
+            if state["param"].shape[0] > rows:
+                state["param"] = state["param"][:rows].clone()
+                torch.save(state, state_file)
+                trimmed.append(f"{param_dir.name}/{state_file.name}")
+    return trimmed
