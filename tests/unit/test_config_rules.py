@@ -327,3 +327,11 @@ def test_world_size_from_hostfile_and_filters(tmp_path: Path) -> None:
         detect_world_size(_runner_args(hostfile=str(tmp_path / "nope")))
     with pytest.raises(ConfigError, match="no hostfile"):
         detect_world_size(_runner_args(num_nodes=2), device_count=1)
+
+
+def test_data_types_against_precision() -> None:
+    message = problems(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
+    assert "data_types.grad_accum_dtype=fp32 (cfg.yml:10) differs from the training dtype bf16 without ZeRO" in message
+    ok(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}, zero_stage=1)
+    ok(bf16={"enabled": True}, data_types={"grad_accum_dtype": "bfloat16"})
+    assert "data_types.param_dtype=fp16 (cfg.yml:10)" in problems(bf16={"enabled": True}, data_types={"param_dtype": "fp16"})
