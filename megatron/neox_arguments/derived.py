@@ -19,6 +19,7 @@ from typing import Any
 from megatron.errors import ConfigError
 from megatron.neox_arguments.provenance import DERIVED
 from megatron.neox_arguments.rules import (
+    DEEPSPEED_DEFAULT_HOSTFILE,
     Device,
     RuleContext,
     block_enabled,
@@ -27,7 +28,7 @@ from megatron.neox_arguments.rules import (
 from megatron.neox_arguments.time_phrases import TimePhraseError, parse_duration
 
 # DeepSpeed's runner reads this hostfile when none is given; world-size detection must agree.
-DEFAULT_HOSTFILE = "/job/hostfile"
+DEFAULT_HOSTFILE = DEEPSPEED_DEFAULT_HOSTFILE
 
 
 # --- world size ---------------------------------------------------------------------------------

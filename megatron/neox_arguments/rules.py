@@ -12,6 +12,7 @@ and leaves the report to the rule about the missing key.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,6 +111,9 @@ def _render(value: Any) -> str:
         return "unset"
     return str(value)
 
+
+# where DeepSpeed's runner looks for a hostfile when none is configured
+DEEPSPEED_DEFAULT_HOSTFILE = "/job/hostfile"
 
 Rule = Callable[[RuleContext], list[str]]
 RULES: list[Rule] = []
@@ -291,9 +295,22 @@ def precision_matches_blocks(ctx: RuleContext) -> list[str]:
     return problems
 
 
+def runs_on_this_machine(ctx: RuleContext) -> bool:
+    """A single-node launch from here: only then does this machine's device say anything.
+
+    deepy.py often runs on a login node without GPUs that pdsh/srun launches from.
+    """
+    return not (
+        ctx.get("hostfile")
+        or ctx.get("force_multi")
+        or (ctx.get("num_nodes") or -1) > 1
+        or os.path.isfile(DEEPSPEED_DEFAULT_HOSTFILE)
+    )
+
+
 @rule
 def fp16_needs_device_support(ctx: RuleContext) -> list[str]:
-    if not block_enabled(ctx.get("fp16")) or ctx.device.fp16_supported:
+    if not block_enabled(ctx.get("fp16")) or ctx.device.fp16_supported or not runs_on_this_machine(ctx):
         return []
     key = "fp16" if ctx.given("fp16") else "precision"
     return [

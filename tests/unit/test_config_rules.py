@@ -192,6 +192,13 @@ def test_fp16_needs_a_gpu_on_cpu_only_machines() -> None:
     assert ok(device=GPU, fp16={"enabled": True}).args.precision == "fp16"
 
 
+def test_fp16_from_a_cpu_login_node_to_gpu_nodes_is_allowed(tmp_path: Path) -> None:
+    # deepy.py on a head node without GPUs launching onto a hostfile's nodes: the head's device says nothing
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("gpu1 slots=2\n")
+    assert ok(world=2, device=CPU, precision="fp16", hostfile=str(hostfile)).args.fp16 == {"enabled": True}
+
+
 # --- ZeRO x parallelism ---------------------------------------------------------------------------
 @pytest.mark.parametrize("pipe", [1, 2])
 def test_zero2_with_pipeline_module_is_refused(pipe: int) -> None:
