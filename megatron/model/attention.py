@@ -62,7 +62,9 @@ class SelfAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary = (
-            RotaryEmbedding(config.rotary_dim, config.rotary_emb_base) if config.pos_emb == "rotary" else None
+            RotaryEmbedding(config.rotary_dim, config.rotary_emb_base, config.rotary_save_freqs_buffer)
+            if config.pos_emb == "rotary"
+            else None
         )
         if config.pos_emb == "alibi":
             rank = get_tensor_model_parallel_rank()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,7 +27,11 @@ InitMethod = Literal[
     "xavier_normal",
     "wang_init",
     "small_init",
+    "single_residual_scaled_normal",
 ]
+
+_POS_EMB = typing.get_args(PosEmb)
+_INIT_METHODS = typing.get_args(InitMethod)
 
 # attention types a layer may have; the kernel choice ("flash") does not change the maths
 _GLOBAL_ATTENTION = {"global", "flash"}
@@ -61,6 +66,10 @@ class GPTConfig:
     rotary_pct: float = 1.0
     """Fraction of each head's dimensions that rotary rotates (the rest pass through)."""
     rotary_emb_base: int = 10000
+    rotary_save_freqs_buffer: bool = False
+    """Keep rotary's inverse frequencies in the state dict."""
+    opt_pos_emb_offset: int = 0
+    """Learned positions look up row position + offset (OPT checkpoints use 2)."""
 
     norm: str = "layernorm"
     layernorm_epsilon: float = 1.0e-5
@@ -121,9 +130,26 @@ class GPTConfig:
                 f"num_attention_heads={self.num_attention_heads} is not divisible by "
                 f"num_kv_heads={self.num_kv_heads}"
             )
+        self._check_choices()
         bad = [t for t in self.attention_types if t not in _GLOBAL_ATTENTION]
         if bad:
             raise ValueError(f"attention types {sorted(set(bad))} are not supported (only global/flash)")
+
+    def _check_choices(self) -> None:
+        # imported here: the registries import this module
+        from megatron.model.activations import ACTIVATIONS
+        from megatron.model.norms import NORMS
+
+        choices: dict[str, tuple[str, list[str]]] = {
+            "pos_emb": (self.pos_emb, list(_POS_EMB)),
+            "norm": (self.norm, sorted(NORMS)),
+            "activation": (self.activation, sorted(ACTIVATIONS)),
+            "init_method": (self.init_method, list(_INIT_METHODS)),
+            "output_layer_init_method": (self.output_layer_init_method, list(_INIT_METHODS)),
+        }
+        for key, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ValueError(f"{key}={value!r} is not supported; choose one of {allowed}")
 
     # --- derived sizes -------------------------------------------------------------------
     @property

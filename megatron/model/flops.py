@@ -15,6 +15,8 @@ _NORM_PARAMS = {
     "scalenorm": lambda dim, c: 1,
     "non_parametric_layernorm": lambda dim, c: 0,
 }
+_NORM_PARAMS["te_layernorm"] = _NORM_PARAMS["layernorm"]
+_NORM_PARAMS["te_rmsnorm"] = _NORM_PARAMS["rmsnorm"]
 
 
 def _norm_params(config: GPTConfig, dim: int) -> int:
@@ -46,7 +48,7 @@ def num_parameters(config: GPTConfig, include_embeddings: bool = True) -> int:
         total += vocab * h
         if config.pos_emb == "learned":
             assert config.max_position_embeddings is not None
-            total += config.max_position_embeddings * h
+            total += (config.max_position_embeddings + config.opt_pos_emb_offset) * h
     return total
 
 

@@ -74,6 +74,9 @@ NORMS: dict[str, Callable[[int, GPTConfig], nn.Module]] = {
     "scalenorm": lambda dim, c: ScaleNorm(dim, c.scalenorm_epsilon, c.params_dtype),
     "non_parametric_layernorm": lambda dim, c: NonParametricLayerNorm(dim, c.layernorm_epsilon),
 }
+# Transformer Engine's fused kernels compute the same functions
+NORMS["te_layernorm"] = NORMS["layernorm"]
+NORMS["te_rmsnorm"] = NORMS["rmsnorm"]
 """`norm` config string -> builder(dim, config)."""
 
 

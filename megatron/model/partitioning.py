@@ -73,7 +73,7 @@ def universal_checkpoint_info(config: GPTConfig, tp: int, original_vocab_size: i
         "rmsnorm": ["weight"],
         "scalenorm": ["g"],
         "non_parametric_layernorm": [],
-    }[config.norm]
+    }[config.norm.removeprefix("te_")]
     norm_modules = ["input_layernorm", "final_norm"]
     if not (config.gpt_j_residual and config.gpt_j_tied):
         norm_modules.append("post_attention_layernorm")

@@ -26,12 +26,13 @@ class LearnedPositionalEmbedding(nn.Module):
     def __init__(self, config: GPTConfig, name: str) -> None:
         super().__init__()
         assert config.max_position_embeddings is not None
-        shape = (config.max_position_embeddings, config.hidden_size)
+        self.offset = config.opt_pos_emb_offset
+        shape = (config.max_position_embeddings + self.offset, config.hidden_size)
         self.weight = nn.Parameter(torch.empty(shape, dtype=config.params_dtype))
         initialize_param_(self.weight, f"{name}.weight", config.seed, config.init_fn(), shape)
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        return self.weight[position_ids]  # [b, s, h]
+        return self.weight[position_ids + self.offset]  # [b, s, h]
 
 
 class SinusoidalPositionalEmbedding(nn.Module):
@@ -65,10 +66,10 @@ class RotaryEmbedding(nn.Module):
     Half-split layout: dim i pairs with dim i + rotary_dim/2 (GPT-NeoX's layout).
     """
 
-    def __init__(self, rotary_dim: int, base: float) -> None:
+    def __init__(self, rotary_dim: int, base: float, save_freqs: bool = False) -> None:
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", inv_freq, persistent=save_freqs)
         self.rotary_dim = rotary_dim
 
     def cos_sin(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

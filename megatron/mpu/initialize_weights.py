@@ -61,6 +61,8 @@ def init_method_from_name(name: str, std: float, num_layers: int, hidden_size: i
         "normal": lambda: _normal(std),
         # residual-output layers: variance shrinks with depth so the residual stream stays O(1)
         "scaled_normal": lambda: _normal(std / math.sqrt(2.0 * num_layers)),
+        # one residual branch per layer (e.g. a parallel residual): scale by the layer count only
+        "single_residual_scaled_normal": lambda: _normal(std / math.sqrt(num_layers)),
         "orthogonal": lambda: _orthogonal(1.0),
         "scaled_orthogonal": lambda: _orthogonal(2.0 / math.sqrt(2.0 * num_layers)),
         "xavier_uniform": lambda: _xavier_uniform,

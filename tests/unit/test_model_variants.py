@@ -28,18 +28,19 @@ BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, p
 
 # --- the reference ---------------------------------------------------------------------------
 def ref_norm(cfg: GPTConfig, sd: dict, prefix: str, x: torch.Tensor) -> torch.Tensor:
-    if cfg.norm in ("layernorm", "non_parametric_layernorm"):
+    norm = cfg.norm.removeprefix("te_")  # Transformer Engine's kernels compute the same function
+    if norm in ("layernorm", "non_parametric_layernorm"):
         mean = x.mean(-1, keepdim=True)
         var = ((x - mean) ** 2).mean(-1, keepdim=True)
         y = (x - mean) / torch.sqrt(var + cfg.layernorm_epsilon)
-        if cfg.norm == "layernorm":
+        if norm == "layernorm":
             y = y * sd[f"{prefix}.weight"]
             if cfg.use_bias_in_norms:
                 y = y + sd[f"{prefix}.bias"]
         return y
-    if cfg.norm == "rmsnorm":
+    if norm == "rmsnorm":
         return x / torch.sqrt((x**2).mean(-1, keepdim=True) + cfg.rms_norm_epsilon) * sd[f"{prefix}.weight"]
-    if cfg.norm == "scalenorm":
+    if norm == "scalenorm":
         length = torch.sqrt((x**2).sum(-1, keepdim=True))
         return x / torch.clamp(length, min=cfg.scalenorm_epsilon) * sd[f"{prefix}.g"]
     raise AssertionError(cfg.norm)
@@ -142,7 +143,7 @@ def ref_logits(cfg: GPTConfig, sd: dict, tokens, position_ids=None, attention_ma
     positions = torch.arange(s).view(1, s) if position_ids is None else position_ids
     x = sd["embedding.word_embeddings.weight"][tokens]
     if cfg.pos_emb == "learned":
-        x = x + sd["embedding.position_embeddings.weight"][positions]
+        x = x + sd["embedding.position_embeddings.weight"][positions + cfg.opt_pos_emb_offset]
     if cfg.pos_emb == "sinusoidal":
         h = cfg.hidden_size
         freqs = torch.tensor([10000.0 ** (-2.0 * i / h) for i in range(h // 2)])
@@ -166,6 +167,7 @@ def ref_logits(cfg: GPTConfig, sd: dict, tokens, position_ids=None, attention_ma
 # --- the variants ----------------------------------------------------------------------------
 VARIANTS: dict[str, dict] = {
     "learned": dict(pos_emb="learned", max_position_embeddings=16),
+    "learned_opt_offset": dict(pos_emb="learned", opt_pos_emb_offset=2),
     "rotary": dict(pos_emb="rotary"),
     "rotary_pct_half": dict(pos_emb="rotary", rotary_pct=0.5, rotary_emb_base=500),
     "alibi_6_heads": dict(pos_emb="alibi", hidden_size=48, num_attention_heads=6),
@@ -173,6 +175,7 @@ VARIANTS: dict[str, dict] = {
     "no_positions": dict(pos_emb="none"),
     "layernorm_no_bias": dict(norm="layernorm", use_bias_in_norms=False),
     "rmsnorm": dict(norm="rmsnorm"),
+    "te_rmsnorm": dict(norm="te_rmsnorm"),
     "scalenorm": dict(norm="scalenorm"),
     "non_parametric_layernorm": dict(norm="non_parametric_layernorm"),
     **{f"act_{a}": dict(activation=a) for a in
@@ -288,12 +291,15 @@ def test_init_is_a_function_of_seed_and_name() -> None:
     assert abs(dense.std().item() - 0.02 / math.sqrt(2 * cfg.num_layers)) < 0.002
 
 
-@pytest.mark.parametrize("name", ["learned", "gqa", "untied", "qk_rmsnorm", "parallel_residual_tied_norm", "mlp_width"])
+@pytest.mark.parametrize(
+    "name", ["learned", "learned_opt_offset", "gqa", "untied", "qk_rmsnorm", "parallel_residual_tied_norm", "mlp_width"]
+)
 def test_num_parameters_and_flops(name: str) -> None:
     cfg, model = build(VARIANTS[name])
     assert num_parameters(cfg) == sum(p.numel() for p in model.parameters())
     h, L, s, v = cfg.hidden_size, cfg.num_layers, cfg.seq_length, cfg.padded_vocab_size
-    embeddings = v * h + (cfg.max_position_embeddings * h if cfg.pos_emb == "learned" else 0)
+    table = cfg.max_position_embeddings + cfg.opt_pos_emb_offset
+    embeddings = v * h + (table * h if cfg.pos_emb == "learned" else 0)
     untied_head = v * h if cfg.no_weight_tying else 0
     matmul = num_parameters(cfg) - embeddings - untied_head + v * h
     assert flops_per_token(cfg, s) == 6 * matmul + 12 * L * h * s
@@ -313,6 +319,9 @@ def test_config_from_neox_args() -> None:
     assert cfg.layernorm_epsilon == 1e-5  # default where args lack the field
     with pytest.raises(ValueError, match="not supported"):
         GPTConfig(**BASE, attention_config=[[["sparse_fixed"], "all"]])
+    for bad in (dict(pos_emb="rpe"), dict(norm="batchnorm"), dict(activation="tanh"), dict(init_method="zeros")):
+        with pytest.raises(ValueError, match="not supported"):
+            GPTConfig(**BASE, **bad)
 
 
 def test_activation_checkpointing_replays_dropout() -> None:
