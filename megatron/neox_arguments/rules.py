@@ -509,12 +509,16 @@ def one_data_source(ctx: RuleContext) -> list[str]:
         )
     if split_keys and not ctx.get("train_data_paths"):
         problems.append(f"{', '.join(ctx.show(k) for k in split_keys)} without train_data_paths: add train_data_paths")
-    has_data = ctx.get("data_path") or ctx.get("train_data_paths") or ctx.get("train_urls")
-    if not has_data and not ctx.get("use_dummy_dataset"):
+    # pairwise (DPO) data comes as pos_/neg_ lists; an online dataset is served, not read from disk
+    has_data = any(ctx.get(key) for key in ("data_path", "train_data_paths", "train_urls", "pos_train_data_paths"))
+    if not has_data and not ctx.get("use_dummy_dataset") and ctx.get("dataset_impl") != "online":
         problems.append(
-            "no training data: set data_path, train_data_paths or train_urls "
-            "(or use_dummy_dataset: true for random tokens)"
+            "no training data: set data_path, train_data_paths (pos_/neg_train_data_paths for pairwise "
+            "data) or train_urls (or use_dummy_dataset: true for random tokens)"
         )
+    if bool(ctx.get("pos_train_data_paths")) != bool(ctx.get("neg_train_data_paths")):
+        given = "pos_train_data_paths" if ctx.get("pos_train_data_paths") else "neg_train_data_paths"
+        problems.append(f"{ctx.show(given)} without its pair: pairwise data needs both pos_ and neg_ lists")
     return problems
 
 

@@ -342,3 +342,8 @@ def test_data_types_against_precision() -> None:
     ok(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}, zero_stage=1)
     ok(bf16={"enabled": True}, data_types={"grad_accum_dtype": "bfloat16"})
     assert "data_types.param_dtype=fp16 (cfg.yml:10)" in problems(bf16={"enabled": True}, data_types={"param_dtype": "fp16"})
+
+
+def test_pairwise_data_counts_as_data_and_needs_both_halves() -> None:
+    ok(use_dummy_dataset=False, pos_train_data_paths=["p"], neg_train_data_paths=["n"])
+    assert "pos_train_data_paths=['p'] (cfg.yml:9) without its pair" in problems(use_dummy_dataset=False, pos_train_data_paths=["p"])
