@@ -204,6 +204,9 @@ def build_model(args: Any, config: GPTConfig) -> tuple[nn.Module, bool]:
         partition_method=partition_method(args),
         activation_checkpoint_interval=interval,
         activation_checkpoint_func=deepspeed.checkpointing.checkpoint,
+        # only blocks: a checkpointed chunk starting at the embedding gets integer inputs only, so
+        # its output would not require grad and the first stage's backward fails
+        checkpointable_layers=["TransformerLayerPipe"],
     )
     wrap_layers(model, args, pipe_interval_used=interval > 0)
     return model, True
