@@ -120,8 +120,9 @@ def derive_layout(ctx: RuleContext) -> Derivation:
         "global_num_gpus": ctx.world_size,
         "is_pipe_parallel": int(ctx.get("pipe_parallel_size") or 0) >= 1,
     }
-    if ctx.get("num_gpus") is None and uses_local_pool(ctx.args):
-        # DeepSpeed's CPU accelerator counts NUMA nodes when num_gpus is absent; pin the count we checked
+    if ctx.get("num_gpus") is None and uses_local_pool(ctx.args) and not ctx.device.cuda:
+        # DeepSpeed's CPU accelerator counts NUMA nodes when num_gpus is absent; pin the count we
+        # checked. Not with CUDA: an explicit --num_gpus makes the runner ignore CUDA_VISIBLE_DEVICES.
         values["num_gpus"] = ctx.world_size
     return Derivation(values)
 

@@ -347,3 +347,10 @@ def test_data_types_against_precision() -> None:
 def test_pairwise_data_counts_as_data_and_needs_both_halves() -> None:
     ok(use_dummy_dataset=False, pos_train_data_paths=["p"], neg_train_data_paths=["n"])
     assert "pos_train_data_paths=['p'] (cfg.yml:9) without its pair" in problems(use_dummy_dataset=False, pos_train_data_paths=["p"])
+
+
+def test_num_gpus_pinned_only_for_cpu_local_runs() -> None:
+    # on CPU the runner would otherwise count NUMA nodes; on GPU it must keep honouring CUDA_VISIBLE_DEVICES
+    cpu = ok(world=1, device=CPU)
+    assert cpu.args.num_gpus == 1 and cpu.provenance["num_gpus"] == "derived"
+    assert ok(world=1, device=GPU).args.num_gpus is None
