@@ -94,6 +94,8 @@ class GPTConfig:
     """With gpt_j_residual, attention and MLP share one input norm."""
     no_weight_tying: bool = False
     """Untie the output projection from the token embedding."""
+    value_head: bool = False
+    """Output one scalar per token (reward models, `train_impl: rm`) instead of vocabulary logits."""
 
     init_method: InitMethod = "normal"
     output_layer_init_method: InitMethod = "scaled_normal"
@@ -216,6 +218,8 @@ class GPTConfig:
                 value = getattr(args, f.name)
                 if value is not None or f.default is None:
                     values[f.name] = value
+        if "value_head" not in values and getattr(args, "train_impl", None) == "rm":
+            values["value_head"] = True
         dtype = values.get("params_dtype")
         if dtype is None or isinstance(dtype, str):
             values["params_dtype"] = _params_dtype_from_precision(args, dtype)

@@ -42,7 +42,9 @@ def num_parameters(config: GPTConfig, include_embeddings: bool = True) -> int:
     """Unique parameters of the full (unsharded) model; a tied output projection counts once."""
     h, vocab = config.hidden_size, config.padded_vocab_size
     total = config.num_layers * layer_parameters(config) + _norm_params(config, h)
-    if config.no_weight_tying:
+    if config.value_head:
+        total += h
+    elif config.no_weight_tying:
         total += vocab * h
     if include_embeddings:
         total += vocab * h
@@ -56,12 +58,12 @@ def flops_per_token(config: GPTConfig, seq_length: int | None = None) -> float:
     """Training (forward + backward) FLOPs per token: 6N + 12 L h s.
 
     N counts the weights that take part in matmuls: every non-embedding parameter plus the output
-    projection (vocab x h, tied or not); the lookup tables do no matmul. 12 L h s is the attention
+    projection (vocab x h, tied or not; h for a value head); the lookup tables do no matmul. 12 L h s is the attention
     score and value products (2 * 2 * s * h per layer forward, x3 with the backward). The sliding
     window's savings are not counted, so MFU stays comparable across windows.
     """
     s = config.seq_length if seq_length is None else seq_length
     matmul_params = num_parameters(config, include_embeddings=False)
-    if not config.no_weight_tying:
+    if not config.no_weight_tying and not config.value_head:
         matmul_params += config.padded_vocab_size * config.hidden_size
     return 6.0 * matmul_params + 12.0 * config.num_layers * config.hidden_size * s

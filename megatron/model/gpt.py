@@ -5,13 +5,16 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatron.model.config import GPTConfig
 from megatron.model.embedding import GPTEmbedding
 from megatron.model.norms import build_norm
 from megatron.model.transformer_layer import TransformerLayer
+from megatron.mpu.initialize_weights import initialize_param_, set_tensor_model_parallel_attributes
 from megatron.mpu.layers import ColumnParallelLinear, allreduce_grads_across_tensor_parallel, parallel_lm_logits
+from megatron.mpu.mappings import gather_from_sequence_parallel_region
 from megatron.mpu.topology import get_tensor_model_parallel_world_size
 
 
@@ -35,8 +38,28 @@ def build_final_norm(config: GPTConfig) -> nn.Module:
     return norm
 
 
+class ValueHead(nn.Module):
+    """hidden `[s, b, h]` -> one scalar per token `[b, s, 1]`, the same on every tp rank."""
+
+    def __init__(self, config: GPTConfig, name: str = "value_head") -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype))
+        initialize_param_(self.weight, f"{name}.weight", config.seed, config.init_fn(), (1, config.hidden_size))
+        set_tensor_model_parallel_attributes(self.weight, False)
+        self.sequence_parallel = config.sequence_parallel and get_tensor_model_parallel_world_size() > 1
+        if self.sequence_parallel:
+            allreduce_grads_across_tensor_parallel([self.weight])  # it sees a sequence shard
+
+    def forward(self, x_sbh: torch.Tensor) -> torch.Tensor:
+        values_sb1 = F.linear(x_sbh, self.weight)  # [s, b, 1] (or this rank's sequence shard)
+        if self.sequence_parallel:
+            values_sb1 = gather_from_sequence_parallel_region(values_sb1, grad_is_partial=False)
+        return values_sb1.transpose(0, 1).contiguous()  # [b, s, 1]
+
+
 class GPTModel(nn.Module):
-    """tokens `[b, s]` -> logits `[b, s, padded_vocab_size / tp]` (this rank's vocabulary shard).
+    """tokens `[b, s]` -> logits `[b, s, padded_vocab_size / tp]` (this rank's vocabulary shard),
+    or with `value_head` one scalar per token `[b, s, 1]`.
 
     Parameter names are the canonical names that seed their initialisation, so the same name
     means the same full weight in every parallel layout.
@@ -49,7 +72,9 @@ class GPTModel(nn.Module):
         self.embedding = GPTEmbedding(config)
         self.layers = nn.ModuleList(TransformerLayer(config, i) for i in range(config.num_layers))
         self.final_norm = build_final_norm(config)
-        self.output_layer = build_output_layer(config) if config.no_weight_tying else None
+        untied = config.no_weight_tying and not config.value_head
+        self.output_layer = build_output_layer(config) if untied else None
+        self.value_head = ValueHead(config) if config.value_head else None
         self.checkpoint_fn: Callable[..., torch.Tensor] | None = None
 
     def set_activation_checkpointing(self, checkpoint_fn: Callable[..., torch.Tensor] | None) -> None:
@@ -78,4 +103,6 @@ class GPTModel(nn.Module):
             else:
                 x = layer(x, position_ids, attention_mask)  # [s, b, h]
         x = self.final_norm(x)
+        if self.value_head is not None:
+            return self.value_head(x)  # [b, s, 1]
         return parallel_lm_logits(x, self.output_weight(), self.sequence_parallel)  # [b, s, v/tp]

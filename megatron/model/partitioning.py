@@ -82,6 +82,8 @@ def universal_checkpoint_info(config: GPTConfig, tp: int, original_vocab_size: i
     replicated = [f"{m}.{f}" for m in norm_modules for f in norm_fields]
     if config.pos_emb == "learned":
         replicated.append("position_embeddings.weight")
+    if config.value_head:
+        replicated.append("value_head.weight")
     if config.use_bias_in_attn_linear:
         replicated.append("attention.dense.bias")
     if config.use_bias_in_mlp:
@@ -110,7 +112,8 @@ def universal_checkpoint_info(config: GPTConfig, tp: int, original_vocab_size: i
         k.SUB_PARAM_SHARD_WIDTHS: shard_widths,
     }
     if original_vocab_size is not None:
-        vocab = ["word_embeddings.weight"] + (["output_layer.weight"] if config.no_weight_tying else [])
+        untied = config.no_weight_tying and not config.value_head
+        vocab = ["word_embeddings.weight"] + (["output_layer.weight"] if untied else [])
         info[k.VOCABULARY_PARAMETER_PATTERNS] = [_name(*vocab)]
         info[k.ORIGINAL_VOCAB_SIZE] = original_vocab_size
     return info

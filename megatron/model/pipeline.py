@@ -18,15 +18,27 @@ from torch import nn
 
 from megatron.model.config import GPTConfig
 from megatron.model.embedding import GPTEmbedding
-from megatron.model.gpt import build_final_norm, build_output_layer
+from megatron.model.gpt import ValueHead, build_final_norm, build_output_layer
 from megatron.model.loss import loss_fn
 from megatron.model.transformer_layer import TransformerLayer
 from megatron.mpu.layers import parallel_lm_logits
 from megatron.mpu.topology import get_tensor_model_parallel_world_size
 
-__all__ = ["pipeline_layer_specs", "loss_fn", "EmbeddingPipe", "TransformerLayerPipe", "FinalNormPipe"]
+__all__ = [
+    "CHECKPOINTABLE_LAYERS",
+    "EmbeddingPipe",
+    "FinalNormPipe",
+    "OutputLayerPipe",
+    "TransformerLayerPipe",
+    "ValueHeadPipe",
+    "loss_fn",
+    "pipeline_layer_specs",
+]
 
 TIED_EMBEDDING_KEY = "embed"
+CHECKPOINTABLE_LAYERS = ["TransformerLayerPipe"]
+"""Only blocks: a chunk that starts at the embedding has integer inputs only, so DeepSpeed's
+(reentrant) checkpoint would return an output that does not require grad."""
 TIED_WEIGHT_ATTR = "word_embeddings.weight"
 
 Activation = torch.Tensor | tuple[torch.Tensor, ...]
@@ -83,15 +95,29 @@ class OutputLayerPipe(nn.Module):
         return parallel_lm_logits(x_sbh, self.output_layer.weight, self.sequence_parallel)
 
 
+class ValueHeadPipe(nn.Module):
+    """Reward-model head: hidden `[s, b, h]` -> values `[b, s, 1]`."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.value_head = ValueHead(config)
+
+    def forward(self, x_sbh: torch.Tensor) -> torch.Tensor:
+        return self.value_head(x_sbh)
+
+
 def tied_embedding_logits(embedding: EmbeddingPipe, x_sbh: torch.Tensor) -> torch.Tensor:
     """The tied head on the last stage: logits from the (synchronised) token embedding."""
     return parallel_lm_logits(x_sbh, embedding.word_embeddings.weight, embedding.sequence_parallel)
 
 
 def pipeline_layer_specs(config: GPTConfig) -> list[LayerSpec]:
-    """Specs for `PipelineModule(layers=..., loss_fn=loss_fn, partition_method="type:TransformerLayerPipe")`."""
-    tied = not config.no_weight_tying
-    if tied:
+    """Specs for `PipelineModule(layers=..., loss_fn=loss_fn, partition_method="type:TransformerLayerPipe",
+    checkpointable_layers=CHECKPOINTABLE_LAYERS)`."""
+    tied = not config.no_weight_tying and not config.value_head
+    if config.value_head:
+        first, last = LayerSpec(EmbeddingPipe, config), LayerSpec(ValueHeadPipe, config)
+    elif tied:
         first: LayerSpec = TiedLayerSpec(TIED_EMBEDDING_KEY, EmbeddingPipe, config, tied_weight_attr=TIED_WEIGHT_ATTR)
         last: LayerSpec = TiedLayerSpec(
             TIED_EMBEDDING_KEY,

@@ -32,8 +32,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
         pos_emb="alibi", no_weight_tying=True, use_qk_layernorm=True, gpt_j_residual=True, sliding_window_width=3
     ),
     "sequence_parallel_gqa": dict(sequence_parallel=True, num_kv_heads=2, pos_emb="rotary", activation="geglu"),
+    "value_head_sequence_parallel": dict(value_head=True, sequence_parallel=True, pos_emb="sinusoidal"),
 }
-PIPELINE_CONFIGS = ["mha_learned", "alibi_untied_qknorm_parallel"]
+PIPELINE_CONFIGS = ["mha_learned", "alibi_untied_qknorm_parallel", "value_head_sequence_parallel"]
 
 
 def _batch(cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,8 +79,16 @@ def _unshard(cfg, name: str, t: torch.Tensor) -> torch.Tensor:
     return unshard_tensors(parts, part.dim, part.sections)
 
 
+def _loss(cfg, out: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    from megatron.model import lm_loss
+
+    if cfg.value_head:  # [b, s, 1], replicated: any smooth function of all values
+        return (out.squeeze(-1) * loss_mask).pow(2).mean()
+    return lm_loss(out, labels, loss_mask)
+
+
 def _run_tp1(cfg) -> dict[str, Any]:
-    from megatron.model import GPTModel, lm_loss
+    from megatron.model import GPTModel
 
     model = GPTModel(cfg)
     init = {k: v.clone() for k, v in model.state_dict().items()}
@@ -87,7 +96,7 @@ def _run_tp1(cfg) -> dict[str, Any]:
     _perturb(model, cfg, shapes)
     tokens, labels, loss_mask = _batch(cfg)
     logits = model(tokens)
-    loss = lm_loss(logits, labels, loss_mask)
+    loss = _loss(cfg, logits, labels, loss_mask)
     loss.backward()
     return dict(
         init=init,
@@ -103,7 +112,7 @@ def check_tp2_equals_tp1(cfg, ref: dict[str, Any]) -> None:
     from deepspeed.runtime.utils import is_model_parallel_parameter
 
     from megatron import mpu
-    from megatron.model import GPTModel, lm_loss
+    from megatron.model import GPTModel
 
     model = GPTModel(cfg)
     for name, value in model.state_dict().items():
@@ -112,10 +121,13 @@ def check_tp2_equals_tp1(cfg, ref: dict[str, Any]) -> None:
     _perturb(model, cfg, ref["shapes"])
     tokens, labels, loss_mask = _batch(cfg)
     logits = model(tokens)
-    assert logits.shape[-1] == cfg.padded_vocab_size // WORLD
-    full_logits = torch.cat(_gathered(logits), dim=-1)
+    if cfg.value_head:
+        full_logits = logits  # replicated
+    else:
+        assert logits.shape[-1] == cfg.padded_vocab_size // WORLD
+        full_logits = torch.cat(_gathered(logits), dim=-1)
     torch.testing.assert_close(full_logits, ref["logits"], atol=1e-5, rtol=1e-5)
-    loss = lm_loss(logits, labels, loss_mask)
+    loss = _loss(cfg, logits, labels, loss_mask)
     torch.testing.assert_close(loss, ref["loss"], atol=1e-6, rtol=1e-6)
     loss.backward()
     for name, p in model.named_parameters():
@@ -165,7 +177,7 @@ def check_pp2_equals_tp1(cfg, ref: dict[str, Any]) -> None:
             return f"layers.{int(index) - 1}.{rest}"
         if rest.startswith(("word_embeddings", "position_embeddings")):
             return f"embedding.{rest}"
-        return rest  # final_norm.*, output_layer.*
+        return rest  # final_norm.*, output_layer.*, value_head.*
 
     names = dict(pipe.named_parameters())
     for name, p in names.items():
@@ -186,7 +198,7 @@ def check_pp2_equals_tp1(cfg, ref: dict[str, Any]) -> None:
         hidden.requires_grad_()
         logits = pipe(hidden)
         torch.testing.assert_close(logits, ref["logits"], atol=1e-5, rtol=1e-5)
-        loss = loss_fn(logits, (labels, loss_mask))
+        loss = _loss(cfg, logits, labels, loss_mask) if cfg.value_head else loss_fn(logits, (labels, loss_mask))
         torch.testing.assert_close(loss, ref["loss"], atol=1e-6, rtol=1e-6)
         loss.backward()
         dist.send(hidden.grad.contiguous(), dst=0)

@@ -20,6 +20,7 @@ from megatron.model.pipeline import (
     FinalNormPipe,
     OutputLayerPipe,
     TransformerLayerPipe,
+    ValueHeadPipe,
     tied_embedding_logits,
 )
 
@@ -160,6 +161,8 @@ def ref_logits(cfg: GPTConfig, sd: dict, tokens, position_ids=None, attention_ma
             x = x + attn
             x = x + ref_mlp(cfg, sd, f"{p}.mlp", ref_norm(cfg, sd, f"{p}.post_attention_layernorm", x))
     x = ref_norm(cfg, sd, "final_norm", x)
+    if cfg.value_head:
+        return x @ sd["value_head.weight"].T  # [b, s, 1]
     head = sd["output_layer.weight"] if cfg.no_weight_tying else sd["embedding.word_embeddings.weight"]
     return x @ head.T
 
@@ -189,6 +192,7 @@ VARIANTS: dict[str, dict] = {
     "qk_layernorm": dict(use_qk_layernorm=True, pos_emb="rotary"),
     "qk_rmsnorm": dict(use_qk_layernorm=True, norm="rmsnorm"),
     "untied": dict(no_weight_tying=True),
+    "value_head": dict(value_head=True, pos_emb="rotary"),
     "no_linear_biases": dict(use_bias_in_attn_linear=False, use_bias_in_mlp=False),
     "mlp_width": dict(intermediate_size=50, mlp_multiple_of=16, activation="swiglu"),
     "expansion_factor": dict(expansion_factor=2.5),
@@ -212,7 +216,7 @@ def test_logits_match_reference(name: str) -> None:
     with torch.no_grad():
         got = model(tokens)
         want = ref_logits(cfg, model.state_dict(), tokens)
-    assert got.shape == (2, cfg.seq_length, cfg.padded_vocab_size)
+    assert got.shape == (2, cfg.seq_length, 1 if cfg.value_head else cfg.padded_vocab_size)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -250,7 +254,7 @@ def test_lm_loss_matches_torch_cross_entropy() -> None:
     torch.testing.assert_close(g_got, g_want)
 
 
-@pytest.mark.parametrize("name", ["learned", "untied", "alibi_6_heads", "gqa"])
+@pytest.mark.parametrize("name", ["learned", "untied", "alibi_6_heads", "gqa", "value_head"])
 def test_pipeline_layers_compute_the_same_model(name: str) -> None:
     """The pipeline's layer classes, chained by hand, build the same weights and logits."""
     cfg = GPTConfig(**{**BASE, **VARIANTS[name]})
@@ -264,7 +268,11 @@ def test_pipeline_layers_compute_the_same_model(name: str) -> None:
         for layer in layers:
             x = layer(x)
         x = norm(x)
-        if cfg.no_weight_tying:
+        if cfg.value_head:
+            value_head = ValueHeadPipe(cfg)
+            got = value_head(x)
+            assert torch.equal(value_head.value_head.weight, model.value_head.weight)
+        elif cfg.no_weight_tying:
             head = OutputLayerPipe(cfg)
             got = head(x)
             assert torch.equal(head.output_layer.weight, model.output_layer.weight)
@@ -292,7 +300,9 @@ def test_init_is_a_function_of_seed_and_name() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["learned", "learned_opt_offset", "gqa", "untied", "qk_rmsnorm", "parallel_residual_tied_norm", "mlp_width"]
+    "name",
+    ["learned", "learned_opt_offset", "gqa", "untied", "value_head", "qk_rmsnorm", "parallel_residual_tied_norm",
+     "mlp_width"],
 )
 def test_num_parameters_and_flops(name: str) -> None:
     cfg, model = build(VARIANTS[name])
@@ -300,8 +310,9 @@ def test_num_parameters_and_flops(name: str) -> None:
     h, L, s, v = cfg.hidden_size, cfg.num_layers, cfg.seq_length, cfg.padded_vocab_size
     table = cfg.max_position_embeddings + cfg.opt_pos_emb_offset
     embeddings = v * h + (table * h if cfg.pos_emb == "learned" else 0)
-    untied_head = v * h if cfg.no_weight_tying else 0
-    matmul = num_parameters(cfg) - embeddings - untied_head + v * h
+    head = h if cfg.value_head else v * h
+    untied_head = head if (cfg.no_weight_tying or cfg.value_head) else 0
+    matmul = num_parameters(cfg) - embeddings - untied_head + head
     assert flops_per_token(cfg, s) == 6 * matmul + 12 * L * h * s
 
 
@@ -317,6 +328,7 @@ def test_config_from_neox_args() -> None:
     assert cfg.params_dtype == torch.bfloat16 and cfg.rotary_dim == 2
     assert cfg.attention_types == ["global"] * 3
     assert cfg.layernorm_epsilon == 1e-5  # default where args lack the field
+    assert not cfg.value_head and GPTConfig.from_neox_args(SimpleNamespace(**vars(args), train_impl="rm")).value_head
     with pytest.raises(ValueError, match="not supported"):
         GPTConfig(**BASE, attention_config=[[["sparse_fixed"], "all"]])
     for bad in (dict(pos_emb="rpe"), dict(norm="batchnorm"), dict(activation="tanh"), dict(init_method="zeros")):
@@ -350,7 +362,7 @@ def test_activation_checkpointing_replays_dropout() -> None:
 
 
 @pytest.mark.parametrize("name", ["learned", "gqa", "untied", "qk_rmsnorm", "act_swiglu", "no_linear_biases",
-                                  "parallel_residual_tied_norm", "non_parametric_layernorm"])
+                                  "parallel_residual_tied_norm", "non_parametric_layernorm", "value_head"])
 def test_universal_checkpoint_info_merges_tp_shards(name: str, tmp_path) -> None:
     """DeepSpeed's own tp-merge (ds_to_universal.merge_tp_slices), fed our shards and our
     `universal_checkpoint_info`, rebuilds every full tensor; every pattern is used."""
