@@ -32,6 +32,7 @@ def get_logger() -> logging.Logger:
 _FORMATS: list[tuple[str, str, str]] = [
     ("train/lm_loss", "loss", "{:.6f}"),
     ("eval/lm_loss", "eval loss", "{:.6f}"),
+    ("test/lm_loss", "test loss", "{:.6f}"),
     ("train/lr", "lr", "{:.3e}"),
     ("train/loss_scale", "loss scale", "{:.1f}"),
     ("train/grad_norm", "grad norm", "{:.4f}"),
