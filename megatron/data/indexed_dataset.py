@@ -168,6 +168,14 @@ class MMapIndexedDataset:
         self._bin: np.ndarray = (np.memmap(bin_path, mode="r", dtype=np.uint8) if bin_size
                                  else np.zeros(0, np.uint8))
 
+    # Data-loader workers started with spawn receive a pickled dataset: send the prefix and map the
+    # files again there, instead of copying every array through the pipe.
+    def __getstate__(self) -> str:
+        return self.prefix
+
+    def __setstate__(self, prefix: str) -> None:
+        self.__init__(prefix)  # type: ignore[misc]
+
     # --- the index -------------------------------------------------------------------------
     @property
     def dtype(self) -> type[np.generic]:

@@ -82,6 +82,17 @@ def test_reader_round_trip(tmp_path: Path) -> None:
     assert dataset_exists(tmp_path / "d") and not dataset_exists(tmp_path / "e")
 
 
+def test_pickles_by_prefix(tmp_path: Path) -> None:
+    import pickle
+
+    write(tmp_path / "d", DOCS)
+    ds = MMapIndexedDataset(tmp_path / "d")
+    blob = pickle.dumps(ds)
+    assert len(blob) < 500  # the prefix, not the arrays
+    again = pickle.loads(blob)
+    assert [again[i].tolist() for i in range(len(again))] == [ds[i].tolist() for i in range(len(ds))]
+
+
 def test_add_documents_equals_add_item(tmp_path: Path) -> None:
     docs = [[3, 1, 4], [1, 5], [9, 2, 6, 5]]
     write(tmp_path / "a", [[d] for d in docs])
