@@ -1,0 +1,172 @@
+"""Resume end to end through ``deepy.py``: exact continuation, fine-tuning, clear load errors.
+
+A tiny model on dummy data, 2 CPU ranks. "Exact" means: 12 steps straight and 6 steps + save +
+new processes + resume + 6 steps give the same loss at every step (fp32, within 1e-6), with
+dropout on so the RNG streams must be restored too. The helpers here are shared by the other
+checkpoint e2e tests (``test_resume_layout.py``, ``test_crash_safety.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+MODEL_YML = """\
+num_layers: 2
+hidden_size: 64
+num_attention_heads: 4
+seq_length: 32
+max_position_embeddings: 32
+norm: layernorm
+pos_emb: rotary
+optimizer: {type: Adam, params: {lr: 0.001, betas: [0.9, 0.95], eps: 1.0e-8}}
+min_lr: 0.0001
+lr_decay_style: cosine
+warmup: 0.1
+train_batch_size: 8
+gradient_clipping: 1.0
+weight_decay: 0.0
+attention_dropout: 0.0
+precision: fp32
+train_iters: 12
+lr_decay_iters: 12
+eval_interval: 1000
+eval_iters: 1
+seed: 1234
+num_workers: 0
+log_interval: 1
+use_dummy_dataset: true
+tokenizer_type: CharLevelTokenizer
+"""
+
+
+def write_config(tmp: Path) -> Path:
+    path = tmp / "model.yml"
+    path.write_text(MODEL_YML)
+    return path
+
+
+def deepy(
+    tmp: Path, *overrides: str, env: dict[str, str] | None = None, timeout: float = 400
+) -> subprocess.CompletedProcess[str]:
+    """``deepy.py train.py model.yml key=value...`` in ``tmp``; output captured."""
+    config = tmp / "model.yml"
+    if not config.exists():
+        write_config(tmp)
+    run_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    run_env.pop("DEEPY_DEBUG", None)
+    return subprocess.run(
+        [sys.executable, str(REPO / "deepy.py"), str(REPO / "train.py"), str(config), *overrides],
+        cwd=tmp, env=run_env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def output(proc: subprocess.CompletedProcess[str]) -> str:
+    return proc.stdout + proc.stderr
+
+
+def losses(log_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {row["iteration"]: row["train/lm_loss"] for row in rows if "train/lm_loss" in row}
+
+
+def lrs(log_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {row["iteration"]: row["train/lr"] for row in rows if "train/lr" in row}
+
+
+def assert_curves_match(got: dict[int, float], want: dict[int, float], tol: float) -> None:
+    assert got, "no losses logged"
+    missing = sorted(set(got) - set(want))
+    assert not missing, f"steps {missing} not in the reference"
+    bad = {s: (got[s], want[s]) for s in got if abs(got[s] - want[s]) > tol * max(1.0, abs(want[s]))}
+    assert not bad, f"loss differs at steps {bad}"
+
+
+DP2 = ("num_gpus=2", "model_parallel_size=1", "pipe_parallel_size=1", "zero_optimization={stage: 1}")
+
+
+@pytest.fixture(scope="module")
+def dropout_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    tmp = tmp_path_factory.mktemp("reference")
+    proc = deepy(tmp, *DP2, "hidden_dropout=0.1", "log_dir=logs")
+    assert proc.returncode == 0, output(proc)
+    return losses(tmp / "logs")
+
+
+def test_exact_resume_matches_the_uninterrupted_run(tmp_path: Path, dropout_reference: dict[int, float]) -> None:
+    common = (*DP2, "hidden_dropout=0.1", "save=ckpt", "load=ckpt", "checkpoint_factor=6")
+    first = deepy(tmp_path, *common, "exit_interval=6", "log_dir=logs1")
+    assert first.returncode == 0, output(first)
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step6"
+    second = deepy(tmp_path, *common, "log_dir=logs2")
+    assert second.returncode == 0, output(second)
+    resumed = losses(tmp_path / "logs2")
+    assert min(resumed) == 7 and max(resumed) == 12  # continued, not restarted
+    assert_curves_match(losses(tmp_path / "logs1"), dropout_reference, 1e-6)
+    assert_curves_match(resumed, dropout_reference, 1e-6)
+    # the checkpoint carries the config files and the resolved arguments
+    meta = json.loads((tmp_path / "ckpt" / "global_step12" / "deepy_meta.json").read_text())
+    assert meta["iteration"] == 12 and meta["consumed_samples"] == 96
+    assert meta["args"]["hidden_size"] == 64
+    assert (tmp_path / "ckpt" / "global_step12" / "configs" / "00_model.yml").read_text() == MODEL_YML
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """6 steps without dropout, checkpoints at 3 and 6."""
+    tmp = tmp_path_factory.mktemp("saved")
+    proc = deepy(tmp, *DP2, "hidden_dropout=0.0", "save=ckpt", "checkpoint_factor=3", "train_iters=6",
+                 "lr_decay_iters=6", "log_dir=logs")  # fmt: skip
+    assert proc.returncode == 0, output(proc)
+    return tmp
+
+
+def test_finetune_and_initialize_from_load_weights_only(tmp_path: Path, saved_run: Path) -> None:
+    ckpt = saved_run / "ckpt"
+    fresh = losses(saved_run / "logs")
+    fine = deepy(tmp_path, *DP2, f"load={ckpt}", "finetune=true", "save=ft", "checkpoint_factor=3",
+                 "train_iters=3", "lr_decay_iters=3", "log_dir=ft_logs")  # fmt: skip
+    assert fine.returncode == 0, output(fine)
+    assert "loaded model weights only" in output(fine)
+    ft = losses(tmp_path / "ft_logs")
+    assert sorted(ft) == [1, 2, 3]  # step and schedule start at 0
+    assert lrs(tmp_path / "ft_logs")[1] == lrs(saved_run / "logs")[1]
+    assert abs(ft[1] - fresh[1]) > 1e-3  # the weights came from the checkpoint
+    assert (tmp_path / "ft" / "global_step3" / "COMMITTED").exists()
+
+    init = deepy(tmp_path, *DP2, f"initialize_from={ckpt}", "train_iters=3", "lr_decay_iters=3",
+                 "log_dir=init_logs")  # fmt: skip
+    assert init.returncode == 0, output(init)
+    assert_curves_match(losses(tmp_path / "init_logs"), ft, 1e-6)
+
+
+def test_load_errors_are_clear(tmp_path: Path, saved_run: Path) -> None:
+    ckpt = saved_run / "ckpt"
+    missing = deepy(tmp_path, *DP2, f"load={ckpt}", "iteration=5", "log_dir=l1")
+    assert missing.returncode == 2, output(missing)
+    assert "no committed checkpoint for iteration 5" in output(missing)
+    assert "committed iterations: 3, 6" in output(missing)
+
+    shape = deepy(tmp_path, *DP2, f"load={ckpt}", "hidden_size=32", "log_dir=l2")
+    assert shape.returncode == 2, output(shape)
+    assert "saved for another model shape" in output(shape)
+    assert "hidden_size: checkpoint 64, config 32" in output(shape)
+    assert "Traceback" not in output(shape)
+
+
+def test_iteration_selects_an_older_checkpoint(tmp_path: Path, saved_run: Path) -> None:
+    proc = deepy(tmp_path, *DP2, f"load={saved_run / 'ckpt'}", "iteration=3", "train_iters=6", "lr_decay_iters=6",
+                 "log_dir=logs")  # fmt: skip
+    assert proc.returncode == 0, output(proc)
+    resumed = losses(tmp_path / "logs")
+    assert sorted(resumed) == [4, 5, 6]
+    assert_curves_match(resumed, losses(saved_run / "logs"), 1e-6)
