@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.model.config import GPTConfig
+from megatron.model.kv_cache import KVCache
 from megatron.model.norms import build_norm
 from megatron.model.positional import RotaryEmbedding, alibi_bias, alibi_slopes
 from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, allreduce_grads_across_tensor_parallel
@@ -21,8 +22,9 @@ from megatron.mpu.topology import get_tensor_model_parallel_rank, get_tensor_mod
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig, name: str) -> None:
+    def __init__(self, config: GPTConfig, name: str, layer_number: int = 0) -> None:
         super().__init__()
+        self.layer_number = layer_number
         tp = get_tensor_model_parallel_world_size()
         if config.num_attention_heads % tp or config.kv_heads % tp:
             raise ValueError(
@@ -80,6 +82,7 @@ class SelfAttention(nn.Module):
         x_sbh: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         qkv = self.query_key_value(x_sbh)  # [s, b, (heads + 2 kv_heads) * d], this rank's heads
         s, b = qkv.shape[:2]
@@ -93,10 +96,14 @@ class SelfAttention(nn.Module):
         if self.rotary is not None:
             positions = torch.arange(s, device=q.device).unsqueeze(0) if position_ids is None else position_ids
             q, k = self.rotary(q, positions), self.rotary(k, positions)
+        past = 0
+        if kv_cache is not None:  # earlier tokens' keys/values come first
+            past = kv_cache.past_length(self.layer_number)
+            k, v = kv_cache.append(self.layer_number, k, v)  # [b, n_kv, past + s, d]
         if self.kv_heads != self.heads:
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)  # [b, n, s, d]
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        mask = self._mask(s, attention_mask, q)
+        mask = self._mask(s, past, attention_mask, q)
         with tensor_parallel_rng():  # heads differ per rank, so their dropout should too
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=mask is None
@@ -104,18 +111,22 @@ class SelfAttention(nn.Module):
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * d)  # [s, b, n*d]
         return self.dense(out)  # [s, b, h]
 
-    def _mask(self, s: int, attention_mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
-        """None (plain causal) or a mask for SDPA: bool (True = attend) or additive float (ALiBi)."""
-        if self.window is None and self.alibi_slopes is None and attention_mask is None:
+    def _mask(
+        self, s: int, past: int, attention_mask: torch.Tensor | None, q: torch.Tensor
+    ) -> torch.Tensor | None:
+        """None (plain causal) or a mask for SDPA over keys `[0, past + s)`: bool (True = attend)
+        or additive float (ALiBi). Query i sits at position past + i."""
+        if past == 0 and self.window is None and self.alibi_slopes is None and attention_mask is None:
             return None
-        pos = torch.arange(s, device=q.device)
-        distance = pos.unsqueeze(1) - pos.unsqueeze(0)  # [s, s], query i - key j
+        query_pos = torch.arange(past, past + s, device=q.device)
+        key_pos = torch.arange(past + s, device=q.device)
+        distance = query_pos.unsqueeze(1) - key_pos.unsqueeze(0)  # [s, past + s]
         allowed = distance >= 0
         if self.window is not None:
             allowed = allowed & (distance <= self.window)
         if attention_mask is not None:
-            allowed = allowed & attention_mask.to(torch.bool)  # broadcast to [b, 1, s, s]
+            allowed = allowed & attention_mask.to(torch.bool)  # broadcast to [b, 1, s, past + s]
         if self.alibi_slopes is None:
             return allowed
-        bias = alibi_bias(self.alibi_slopes.float(), s).to(q.dtype)  # [n, s, s]
+        bias = alibi_bias(self.alibi_slopes.float(), distance).to(q.dtype)  # [n, s, past + s]
         return bias.masked_fill(~allowed, float("-inf"))

@@ -10,6 +10,7 @@ from torch import nn
 
 from megatron.model.config import GPTConfig
 from megatron.model.embedding import GPTEmbedding
+from megatron.model.kv_cache import KVCache
 from megatron.model.norms import build_norm
 from megatron.model.transformer_layer import TransformerLayer
 from megatron.mpu.initialize_weights import initialize_param_, set_tensor_model_parallel_attributes
@@ -93,15 +94,28 @@ class GPTModel(nn.Module):
         tokens: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """`attention_mask`: optional bool, broadcastable to `[b, 1, s, s]`, True = may attend
-        (combined with the causal mask); `position_ids`: optional `[b, s]` (default 0..s-1)."""
+        """`attention_mask`: optional bool, broadcastable to `[b, 1, s, s]` (`[b, 1, s, seen + s]`
+        with a cache), True = may attend, combined with the causal mask. `position_ids`: optional
+        `[b, s]`, default 0..s-1 (seen..seen+s-1 with a cache). `kv_cache`: for incremental decoding,
+        the tokens are appended after the ones already in it."""
+        if kv_cache is not None:
+            if self.sequence_parallel:
+                raise ValueError("incremental decoding with a kv_cache does not support sequence parallelism")
+            if position_ids is None:
+                position_ids = torch.arange(kv_cache.seen, kv_cache.seen + tokens.shape[1], device=tokens.device)
+                position_ids = position_ids.unsqueeze(0)  # [1, s]
         x = self.embedding(tokens, position_ids)  # [s, b, h]
         for layer in self.layers:
-            if self.checkpoint_fn is not None and self.training:
+            if kv_cache is not None:
+                x = layer(x, position_ids, attention_mask, kv_cache)  # [s, b, h]
+            elif self.checkpoint_fn is not None and self.training:
                 x = self.checkpoint_fn(layer, x, position_ids, attention_mask)  # [s, b, h]
             else:
                 x = layer(x, position_ids, attention_mask)  # [s, b, h]
+        if kv_cache is not None:
+            kv_cache.seen += tokens.shape[1]
         x = self.final_norm(x)
         if self.value_head is not None:
             return self.value_head(x)  # [b, s, 1]

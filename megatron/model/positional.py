@@ -103,8 +103,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(power_of_two_slopes(closest) + extra)
 
 
-def alibi_bias(slopes: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """`[n, s, s]` additive bias -slope * (i - j) for query i, key j <= i (0 above the diagonal)."""
-    pos = torch.arange(seq_len, device=slopes.device)
-    distance = (pos.unsqueeze(1) - pos.unsqueeze(0)).clamp(min=0)  # [s, s]
-    return -slopes.view(-1, 1, 1) * distance
+def alibi_bias(slopes: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
+    """`[n, s_q, s_k]` additive bias -slope * (i - j) from `distance` `[s_q, s_k]` = query pos i - key pos j
+    (0 where the key is in the future; those are masked anyway)."""
+    return -slopes.view(-1, 1, 1) * distance.clamp(min=0)

@@ -10,6 +10,7 @@ from torch import nn
 
 from megatron.model.attention import SelfAttention
 from megatron.model.config import GPTConfig
+from megatron.model.kv_cache import KVCache
 from megatron.model.mlp import MLP
 from megatron.model.norms import build_norm
 from megatron.mpu.layers import allreduce_grads_across_tensor_parallel
@@ -26,7 +27,7 @@ class TransformerLayer(nn.Module):
         self.layer_number = layer_number
         self.gpt_j_residual = config.gpt_j_residual
         self.input_layernorm = build_norm(config)
-        self.attention = SelfAttention(config, f"{name}.attention")
+        self.attention = SelfAttention(config, f"{name}.attention", layer_number)
         shared_norm = config.gpt_j_residual and config.gpt_j_tied
         self.post_attention_layernorm = None if shared_norm else build_norm(config)
         self.mlp = MLP(config, f"{name}.mlp")
@@ -42,11 +43,12 @@ class TransformerLayer(nn.Module):
         x: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:  # [s, b, h] -> [s, b, h]
         if self.gpt_j_residual:
-            attn_sbh = self.attention(self.input_layernorm(x), position_ids, attention_mask)
+            attn_sbh = self.attention(self.input_layernorm(x), position_ids, attention_mask, kv_cache)
             return x + self._drop(attn_sbh) + self._drop(self.mlp(self._mlp_norm(x)))
-        x = x + self._drop(self.attention(self.input_layernorm(x), position_ids, attention_mask))
+        x = x + self._drop(self.attention(self.input_layernorm(x), position_ids, attention_mask, kv_cache))
         x = x + self._drop(self.mlp(self._mlp_norm(x)))
         return x
 

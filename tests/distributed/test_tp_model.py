@@ -133,7 +133,9 @@ def check_tp2_equals_tp1(cfg, ref: dict[str, Any]) -> None:
     for name, p in model.named_parameters():
         assert p.grad is not None, f"{name} got no gradient"
         full_grad = _unshard(cfg, name, p.grad)
-        torch.testing.assert_close(full_grad, ref["grads"][name], atol=1e-5, rtol=1e-4, msg=lambda m: f"grad {name}: {m}")
+        torch.testing.assert_close(
+            full_grad, ref["grads"][name], atol=1e-5, rtol=1e-4, msg=lambda m: f"grad {name}: {m}"
+        )
     # DeepSpeed's grad-norm rule (tp-replicated params counted on tp rank 0 only) gives the tp=1 norm
     local = sum(
         p.grad.pow(2).sum()

@@ -391,3 +391,20 @@ def test_universal_checkpoint_info_merges_tp_shards(name: str, tmp_path) -> None
         want = full[:original_vocab] if "word_embeddings" in pname or "output_layer" in pname else full
         assert torch.equal(merged.reshape(want.shape), want), pname
     assert not unused, f"patterns that match no parameter: {unused}"
+
+
+@pytest.mark.parametrize("name", ["learned", "rotary_pct_half", "alibi_6_heads", "sliding_window", "gqa", "sinusoidal",
+                                  "parallel_residual", "value_head"])
+def test_incremental_decoding_with_kv_cache(name: str) -> None:
+    """Prefill then one token at a time through a KVCache gives the full forward's outputs."""
+    from megatron.model import KVCache
+
+    cfg, model = build(VARIANTS[name])
+    tokens = torch.randint(0, cfg.padded_vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache()
+        steps = [model(tokens[:, :5], kv_cache=cache)]
+        steps += [model(tokens[:, i : i + 1], kv_cache=cache) for i in range(5, cfg.seq_length)]
+    assert cache.seen == cfg.seq_length
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
