@@ -1,8 +1,8 @@
 """GPTModel at tp=2 (and as pp=2 pipeline stages) equals tp=1 on 2 real gloo ranks.
 
 Each rank first builds and runs the tp=1 model (no model-parallel groups yet), then the same
-config at tp=2, and compares: initial full weights (exactly), logits, loss, and every full
-gradient. All parameters get the same layout-independent random perturbation first so that norm
+config at tp=2, and compares: initial full weights (exactly), logits, loss, every full
+gradient, and the logits of token-by-token decoding with a KV cache. All parameters get the same layout-independent random perturbation first so that norm
 gains and biases matter. Then the ranks switch to pp=2 and run `pipeline_layer_specs` as two
 DeepSpeed `PipelineModule` stages, passing the activation by hand. One spawn for everything.
 """
@@ -136,6 +136,16 @@ def check_tp2_equals_tp1(cfg, ref: dict[str, Any]) -> None:
         torch.testing.assert_close(
             full_grad, ref["grads"][name], atol=1e-5, rtol=1e-4, msg=lambda m: f"grad {name}: {m}"
         )
+    if not cfg.sequence_parallel:  # incremental decoding at tp=2 reproduces the full tp=1 logits
+        from megatron.model import KVCache
+
+        cache = KVCache()
+        with torch.no_grad():
+            steps = [model(tokens[:, :3], kv_cache=cache)]
+            steps += [model(tokens[:, i : i + 1], kv_cache=cache) for i in range(3, cfg.seq_length)]
+        decoded = torch.cat(steps, dim=1)
+        full_decoded = decoded if cfg.value_head else torch.cat(_gathered(decoded), dim=-1)
+        torch.testing.assert_close(full_decoded, ref["logits"], atol=1e-5, rtol=1e-5)
     # DeepSpeed's grad-norm rule (tp-replicated params counted on tp rank 0 only) gives the tp=1 norm
     local = sum(
         p.grad.pow(2).sum()
