@@ -132,6 +132,8 @@ class SaveRequest:
 
 
 def current_layout(engine: Any) -> Layout:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
     from megatron.mpu import topology
 
     return Layout(
@@ -139,6 +141,7 @@ def current_layout(engine: Any) -> Layout:
         pp=topology.get_pipe_parallel_world_size(),
         dp=topology.get_data_parallel_world_size(),
         zero_stage=int(engine.zero_optimization_stage()),
+        pipeline=isinstance(engine, PipelineEngine),
     )
 
 

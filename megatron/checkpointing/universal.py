@@ -39,22 +39,34 @@ class Layout:
     pp: int
     dp: int
     zero_stage: int
+    pipeline: bool = False
+    """Wrapped in DeepSpeed's PipelineModule (pipe_parallel_size >= 1): its parameter names
+    (``3.attention...``) differ from the plain model's (``layers.2.attention...``)."""
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @staticmethod
     def from_dict(raw: dict[str, Any]) -> Layout:
-        return Layout(tp=int(raw["tp"]), pp=int(raw["pp"]), dp=int(raw["dp"]), zero_stage=int(raw["zero_stage"]))
+        return Layout(
+            tp=int(raw["tp"]),
+            pp=int(raw["pp"]),
+            dp=int(raw["dp"]),
+            zero_stage=int(raw["zero_stage"]),
+            pipeline=bool(raw.get("pipeline", False)),
+        )
 
     def __str__(self) -> str:
-        return f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero_stage}"
+        kind = "pipeline" if self.pipeline else "plain"
+        return f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero_stage} ({kind} model)"
 
 
 def needs_universal(saved: Layout, current: Layout) -> bool:
     """Whether DeepSpeed's native loader cannot read ``saved`` into ``current``."""
     if saved == current:
         return False
+    if saved.pipeline != current.pipeline:
+        return True  # rejected by check_convertible with the reason
     if saved.zero_stage == 0 and current.zero_stage == 0 and (saved.tp, saved.pp) == (current.tp, current.pp):
         return False  # dp-only change without ZeRO: every mp_rank file holds the full optimizer
     return True
@@ -62,6 +74,15 @@ def needs_universal(saved: Layout, current: Layout) -> bool:
 
 def check_convertible(saved: Layout, current: Layout) -> None:
     """Reject layout changes DeepSpeed 0.19.8 cannot do, with what to do instead."""
+    if saved.pipeline != current.pipeline:
+        def describe(layout: Layout) -> str:
+            return "pipe_parallel_size >= 1" if layout.pipeline else "pipe_parallel_size: 0"
+
+        raise CheckpointError(
+            f"cannot load a checkpoint saved with {describe(saved)} into a run with {describe(current)}: the "
+            "pipeline-wrapped and the plain model name their parameters differently. Load with "
+            f"{describe(saved)} (any pp, tp, dp and ZeRO stage 1-2 work)."
+        )
     if saved.zero_stage not in (1, 2) or current.zero_stage not in (1, 2):
         raise CheckpointError(
             f"cannot load a checkpoint saved at {saved} into a run at {current}: changing tp/pp (or the ZeRO stage) "

@@ -191,7 +191,7 @@ def test_exact_resume_after_kill_during_save(tmp_path: Path) -> None:
     assert (save / "global_step8" / "COMMITTED").exists()  # the incomplete one was rewritten
     meta = json.loads((save / "global_step12" / "deepy_meta.json").read_text())
     assert meta["iteration"] == 12 and meta["consumed_samples"] == 12 * GLOBAL_BATCH
-    assert meta["layout"] == {"tp": 1, "pp": 1, "dp": 2, "zero_stage": 1}
+    assert meta["layout"] == {"tp": 1, "pp": 1, "dp": 2, "zero_stage": 1, "pipeline": False}
     assert (save / "global_step12" / "configs" / "00_tiny.yml").read_text() == "hidden_size: 64\n"
 
 
