@@ -15,7 +15,7 @@ from torch import nn
 from megatron.model.config import GPTConfig
 from megatron.model.kv_cache import KVCache
 from megatron.model.norms import build_norm
-from megatron.model.positional import RotaryEmbedding, alibi_bias, alibi_slopes
+from megatron.model.positional import RelativePositionBias, RotaryEmbedding, alibi_bias, alibi_slopes
 from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, allreduce_grads_across_tensor_parallel
 from megatron.mpu.random import tensor_parallel_rng
 from megatron.mpu.topology import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -74,7 +74,10 @@ class SelfAttention(nn.Module):
             self.register_buffer("alibi_slopes", slopes, persistent=False)
         else:
             self.alibi_slopes = None
-        self.window = config.sliding_window_width
+        self.relative_position_bias = (
+            RelativePositionBias(config, f"{name}.relative_position_bias") if config.pos_emb == "rpe" else None
+        )
+        self.window = config.attention_window(layer_number)
         self.dropout = config.attention_dropout
 
     def forward(
@@ -115,8 +118,9 @@ class SelfAttention(nn.Module):
         self, s: int, past: int, attention_mask: torch.Tensor | None, q: torch.Tensor
     ) -> torch.Tensor | None:
         """None (plain causal) or a mask for SDPA over keys `[0, past + s)`: bool (True = attend)
-        or additive float (ALiBi). Query i sits at position past + i."""
-        if past == 0 and self.window is None and self.alibi_slopes is None and attention_mask is None:
+        or additive float (ALiBi, relative position bias). Query i sits at position past + i."""
+        plain_causal = self.window is None and self.alibi_slopes is None and self.relative_position_bias is None
+        if past == 0 and plain_causal and attention_mask is None:
             return None
         query_pos = torch.arange(past, past + s, device=q.device)
         key_pos = torch.arange(past + s, device=q.device)
@@ -126,7 +130,10 @@ class SelfAttention(nn.Module):
             allowed = allowed & (distance <= self.window)
         if attention_mask is not None:
             allowed = allowed & attention_mask.to(torch.bool)  # broadcast to [b, 1, s, past + s]
-        if self.alibi_slopes is None:
+        if self.alibi_slopes is not None:
+            bias = alibi_bias(self.alibi_slopes.float(), distance)  # [n, s, past + s]
+        elif self.relative_position_bias is not None:
+            bias = self.relative_position_bias(distance)  # [n, s, past + s]
+        else:
             return allowed
-        bias = alibi_bias(self.alibi_slopes.float(), distance).to(q.dtype)  # [n, s, past + s]
-        return bias.masked_fill(~allowed, float("-inf"))
+        return bias.to(q.dtype).masked_fill(~allowed, float("-inf"))

@@ -17,7 +17,7 @@ import torch
 
 from megatron.mpu.initialize_weights import InitFn, init_method_from_name
 
-PosEmb = Literal["learned", "rotary", "sinusoidal", "alibi", "none"]
+PosEmb = Literal["learned", "rotary", "sinusoidal", "rpe", "alibi", "none"]
 InitMethod = Literal[
     "normal",
     "scaled_normal",
@@ -35,6 +35,7 @@ _INIT_METHODS = typing.get_args(InitMethod)
 
 # attention types a layer may have; the kernel choice ("flash") does not change the maths
 _GLOBAL_ATTENTION = {"global", "flash"}
+_LOCAL_ATTENTION = {"local"}
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -66,6 +67,10 @@ class GPTConfig:
     rotary_pct: float = 1.0
     """Fraction of each head's dimensions that rotary rotates (the rest pass through)."""
     rotary_emb_base: int = 10000
+    rpe_num_buckets: int = 32
+    """Relative-distance buckets of the T5-style position bias (pos_emb rpe)."""
+    rpe_max_distance: int = 128
+    """Distance from which relative positions share the last bucket (pos_emb rpe)."""
     rotary_save_freqs_buffer: bool = False
     """Keep rotary's inverse frequencies in the state dict."""
     opt_pos_emb_offset: int = 0
@@ -104,7 +109,8 @@ class GPTConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     sliding_window_width: int | None = None
-    """Each token attends to itself and the previous `sliding_window_width` tokens."""
+    """Each token attends to itself and the previous `sliding_window_width` tokens: in the "local"
+    layers of `attention_config` if it has any, else in every layer (Mistral style)."""
     attention_config: list[Any] | None = None
     """Per-layer attention types, GPT-NeoX style ([[["global"], n_layers]]) or already expanded."""
     scaled_upper_triang_masked_softmax_fusion: bool = False
@@ -133,9 +139,15 @@ class GPTConfig:
                 f"num_kv_heads={self.num_kv_heads}"
             )
         self._check_choices()
-        bad = [t for t in self.attention_types if t not in _GLOBAL_ATTENTION]
+        bad = [t for t in self.attention_types if t not in _GLOBAL_ATTENTION | _LOCAL_ATTENTION]
         if bad:
-            raise ValueError(f"attention types {sorted(set(bad))} are not supported (only global/flash)")
+            raise ValueError(f"attention types {sorted(set(bad))} are not supported (only global, flash, local)")
+        if self.pos_emb == "rpe" and self.rpe_max_distance <= self.rpe_num_buckets // 2:
+            raise ValueError(
+                f"rpe_max_distance={self.rpe_max_distance} must exceed half of rpe_num_buckets={self.rpe_num_buckets}"
+            )
+        if "local" in self.attention_types and self.sliding_window_width is None:
+            raise ValueError('attention type "local" needs sliding_window_width (the window it attends over)')
 
     def _check_choices(self) -> None:
         # imported here: the registries import this module
@@ -194,6 +206,13 @@ class GPTConfig:
             for i in range(count):
                 types.append(kinds[i % len(kinds)])
         return types[: self.num_layers]
+
+    def attention_window(self, layer_number: int) -> int | None:
+        """Sliding-window width of this layer's attention, or None for full causal attention."""
+        types = self.attention_types
+        if any(t in _LOCAL_ATTENTION for t in types):
+            return self.sliding_window_width if types[layer_number] in _LOCAL_ATTENTION else None
+        return self.sliding_window_width
 
     def init_fn(self) -> InitFn:
         """Init for input-side weights (embeddings, QKV, first MLP projection, untied output)."""

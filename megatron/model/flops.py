@@ -31,6 +31,8 @@ def layer_parameters(config: GPTConfig) -> int:
     attention = h * qkv_out + config.num_attention_heads * d * h + (qkv_out + h if attn_bias else 0)
     if config.use_qk_layernorm:
         attention += 2 * _norm_params(config, d)
+    if config.pos_emb == "rpe":
+        attention += config.rpe_num_buckets * config.num_attention_heads
     ffn = config.ffn_hidden_size
     first = 2 * ffn if get_activation(config.activation).gated else ffn
     mlp = h * first + ffn * h + (first + h if config.use_bias_in_mlp else 0)

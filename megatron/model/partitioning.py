@@ -41,6 +41,7 @@ def tp_partition_patterns(config: GPTConfig) -> dict[str, TPPartition]:
         r"^(.*\.)?attention\.dense\.weight$": TPPartition(1),
         r"^(.*\.)?mlp\.dense_h_to_4h\.(weight|bias)$": TPPartition(0, h_to_4h),
         r"^(.*\.)?mlp\.dense_4h_to_h\.weight$": TPPartition(1),
+        r"^(.*\.)?attention\.relative_position_bias\.weight$": TPPartition(1),
     }
 
 
@@ -89,6 +90,9 @@ def universal_checkpoint_info(config: GPTConfig, tp: int, original_vocab_size: i
     if config.use_bias_in_mlp:
         replicated.append("mlp.dense_4h_to_h.bias")
 
+    row_parallel = ["attention.dense.weight", "mlp.dense_4h_to_h.weight"]
+    if config.pos_emb == "rpe":
+        row_parallel.append("attention.relative_position_bias.weight")  # split over heads, dim 1
     fused: dict[str, tuple[tuple[int, ...], bool]] = {}
     for pattern, part in tp_partition_patterns(config).items():
         if part.sections is not None and len(part.sections) > 1:
@@ -107,7 +111,7 @@ def universal_checkpoint_info(config: GPTConfig, tp: int, original_vocab_size: i
     info: dict[str, Any] = {
         k.UNIVERSAL_CHECKPOINT_VERSION_KEY: k.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
         k.TP_REPLICATED_PARAMETER_PATTERNS: [_name(x) for x in replicated],
-        k.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [_name("attention.dense.weight", "mlp.dense_4h_to_h.weight")],
+        k.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [_name(*row_parallel)],
         k.PARAMETER_WITH_SUB_PARAMS: sub_params,
         k.SUB_PARAM_SHARD_WIDTHS: shard_widths,
     }

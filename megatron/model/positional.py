@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from megatron.model.config import GPTConfig
-from megatron.mpu.initialize_weights import initialize_param_
+from megatron.mpu.initialize_weights import initialize_param_, set_tensor_model_parallel_attributes
+from megatron.mpu.topology import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
 
 def default_position_ids(tokens: torch.Tensor) -> torch.Tensor:
@@ -107,3 +108,42 @@ def alibi_bias(slopes: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
     """`[n, s_q, s_k]` additive bias -slope * (i - j) from `distance` `[s_q, s_k]` = query pos i - key pos j
     (0 where the key is in the future; those are masked anyway)."""
     return -slopes.view(-1, 1, 1) * distance.clamp(min=0)
+
+
+# --- relative position bias (T5) -------------------------------------------------------------
+def relative_position_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
+    """T5's causal buckets for `distance` = query pos - key pos (>= 0 for visible keys).
+
+    The first half of the buckets holds distances 0, 1, ... exactly; the rest grow
+    logarithmically up to `max_distance`, beyond which everything shares the last bucket.
+    """
+    n = distance.clamp(min=0)
+    exact = num_buckets // 2
+    log_ratio = torch.log(n.float().clamp(min=1) / exact) / math.log(max_distance / exact)
+    far = exact + (log_ratio * (num_buckets - exact)).long()
+    far = far.clamp(max=num_buckets - 1)
+    return torch.where(n < exact, n, far)
+
+
+class RelativePositionBias(nn.Module):
+    """A learned bias per (distance bucket, head), added to the attention scores.
+
+    One table per layer (GPT-NeoX shares one across layers, which a pipeline split cannot keep in
+    sync). The head dim is split across tp ranks like the heads themselves.
+    """
+
+    def __init__(self, config: GPTConfig, name: str) -> None:
+        super().__init__()
+        world, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        heads = config.num_attention_heads
+        self.num_buckets, self.max_distance = config.rpe_num_buckets, config.rpe_max_distance
+        self.weight = nn.Parameter(torch.empty(self.num_buckets, heads // world, dtype=config.params_dtype))
+        initialize_param_(
+            self.weight, f"{name}.weight", config.seed, config.init_fn(), (self.num_buckets, heads), 1, rank, world
+        )
+        set_tensor_model_parallel_attributes(self.weight, True, 1)
+
+    def forward(self, distance: torch.Tensor) -> torch.Tensor:
+        """`[n/tp, s_q, s_k]` bias for `distance` `[s_q, s_k]` = query pos - key pos."""
+        buckets = relative_position_bucket(distance, self.num_buckets, self.max_distance)
+        return self.weight[buckets].permute(2, 0, 1)  # [n/tp, s_q, s_k]

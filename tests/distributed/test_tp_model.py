@@ -33,8 +33,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     ),
     "sequence_parallel_gqa": dict(sequence_parallel=True, num_kv_heads=2, pos_emb="rotary", activation="geglu"),
     "value_head_sequence_parallel": dict(value_head=True, sequence_parallel=True, pos_emb="sinusoidal"),
+    "rpe_local_gqa": dict(
+        pos_emb="rpe", attention_config=[[["local", "global"], 2]], sliding_window_width=2, num_kv_heads=2
+    ),
 }
-PIPELINE_CONFIGS = ["mha_learned", "alibi_untied_qknorm_parallel", "value_head_sequence_parallel"]
+PIPELINE_CONFIGS = ["mha_learned", "alibi_untied_qknorm_parallel", "value_head_sequence_parallel", "rpe_local_gqa"]
 
 
 def _batch(cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -93,7 +93,28 @@ def ref_alibi_slopes(n: int) -> list[float]:
     return geometric(p) + geometric(2 * p)[::2][: n - p]
 
 
-def ref_attention(cfg: GPTConfig, sd: dict, prefix: str, x: torch.Tensor, positions, attention_mask) -> torch.Tensor:
+def ref_rpe_bucket(distance: int, num_buckets: int, max_distance: int) -> int:
+    """T5's causal bucket of one distance: exact below num_buckets/2, then logarithmic."""
+    exact = num_buckets // 2
+    if distance < exact:
+        return distance
+    bucket = exact + int(math.log(distance / exact) / math.log(max_distance / exact) * (num_buckets - exact))
+    return min(bucket, num_buckets - 1)
+
+
+def ref_window(cfg: GPTConfig, layer: int) -> int | None:
+    """Local layers of attention_config get the window; without any, every layer does."""
+    types = []
+    for kinds, repeats in cfg.attention_config or [[["global"], cfg.num_layers]]:
+        types += [kinds[i % len(kinds)] for i in range(repeats)]
+    if "local" in types:
+        return cfg.sliding_window_width if types[layer] == "local" else None
+    return cfg.sliding_window_width
+
+
+def ref_attention(
+    cfg: GPTConfig, sd: dict, prefix: str, x: torch.Tensor, positions, attention_mask, window: int | None
+) -> torch.Tensor:
     b, s, _ = x.shape
     n, nkv, d = cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim
     w = sd[f"{prefix}.query_key_value.weight"]
@@ -118,9 +139,15 @@ def ref_attention(cfg: GPTConfig, sd: dict, prefix: str, x: torch.Tensor, positi
     if cfg.pos_emb == "alibi":
         slopes = torch.tensor(ref_alibi_slopes(n)).view(1, n, 1, 1)
         scores = scores - slopes * (i - j).float()
+    if cfg.pos_emb == "rpe":
+        table = sd[f"{prefix}.relative_position_bias.weight"]  # [buckets, n]
+        for qi in range(s):
+            for kj in range(qi + 1):
+                bucket = ref_rpe_bucket(qi - kj, cfg.rpe_num_buckets, cfg.rpe_max_distance)
+                scores[:, :, qi, kj] += table[bucket]
     blocked = j > i
-    if cfg.sliding_window_width is not None:
-        blocked = blocked | (i - j > cfg.sliding_window_width)
+    if window is not None:
+        blocked = blocked | (i - j > window)
     if attention_mask is not None:
         blocked = blocked | ~attention_mask
     scores = scores.masked_fill(blocked, float("-inf"))
@@ -153,7 +180,7 @@ def ref_logits(cfg: GPTConfig, sd: dict, tokens, position_ids=None, attention_ma
     for layer in range(cfg.num_layers):
         p = f"layers.{layer}"
         ln1 = ref_norm(cfg, sd, f"{p}.input_layernorm", x)
-        attn = ref_attention(cfg, sd, f"{p}.attention", ln1, positions, attention_mask)
+        attn = ref_attention(cfg, sd, f"{p}.attention", ln1, positions, attention_mask, ref_window(cfg, layer))
         if cfg.gpt_j_residual:
             ln2 = ln1 if cfg.gpt_j_tied else ref_norm(cfg, sd, f"{p}.post_attention_layernorm", x)
             x = x + attn + ref_mlp(cfg, sd, f"{p}.mlp", ln2)
@@ -187,6 +214,9 @@ VARIANTS: dict[str, dict] = {
     "mqa": dict(num_kv_heads=1),
     "sliding_window": dict(sliding_window_width=3),
     "sliding_window_alibi": dict(sliding_window_width=2, pos_emb="alibi"),
+    "local_then_global": dict(attention_config=[[["local", "global"], 2]], sliding_window_width=2),
+    "rpe": dict(pos_emb="rpe", rpe_num_buckets=6, rpe_max_distance=5),
+    "rpe_local": dict(pos_emb="rpe", attention_config=[[["global", "local"], 2]], sliding_window_width=3),
     "parallel_residual": dict(gpt_j_residual=True),
     "parallel_residual_tied_norm": dict(gpt_j_residual=True, gpt_j_tied=True),
     "qk_layernorm": dict(use_qk_layernorm=True, pos_emb="rotary"),
@@ -302,7 +332,7 @@ def test_init_is_a_function_of_seed_and_name() -> None:
 @pytest.mark.parametrize(
     "name",
     ["learned", "learned_opt_offset", "gqa", "untied", "value_head", "qk_rmsnorm", "parallel_residual_tied_norm",
-     "mlp_width"],
+     "mlp_width", "rpe"],
 )
 def test_num_parameters_and_flops(name: str) -> None:
     cfg, model = build(VARIANTS[name])
@@ -331,9 +361,11 @@ def test_config_from_neox_args() -> None:
     assert not cfg.value_head and GPTConfig.from_neox_args(SimpleNamespace(**vars(args), train_impl="rm")).value_head
     with pytest.raises(ValueError, match="not supported"):
         GPTConfig(**BASE, attention_config=[[["sparse_fixed"], "all"]])
-    for bad in (dict(pos_emb="rpe"), dict(norm="batchnorm"), dict(activation="tanh"), dict(init_method="zeros")):
+    for bad in (dict(pos_emb="t5"), dict(norm="batchnorm"), dict(activation="tanh"), dict(init_method="zeros")):
         with pytest.raises(ValueError, match="not supported"):
             GPTConfig(**BASE, **bad)
+    with pytest.raises(ValueError, match="needs sliding_window_width"):
+        GPTConfig(**BASE, attention_config=[[["local"], "all"]])
 
 
 def test_activation_checkpointing_replays_dropout() -> None:
@@ -362,7 +394,7 @@ def test_activation_checkpointing_replays_dropout() -> None:
 
 
 @pytest.mark.parametrize("name", ["learned", "gqa", "untied", "qk_rmsnorm", "act_swiglu", "no_linear_biases",
-                                  "parallel_residual_tied_norm", "non_parametric_layernorm", "value_head"])
+                                  "parallel_residual_tied_norm", "non_parametric_layernorm", "value_head", "rpe"])
 def test_universal_checkpoint_info_merges_tp_shards(name: str, tmp_path) -> None:
     """DeepSpeed's own tp-merge (ds_to_universal.merge_tp_slices), fed our shards and our
     `universal_checkpoint_info`, rebuilds every full tensor; every pattern is used."""
@@ -394,7 +426,7 @@ def test_universal_checkpoint_info_merges_tp_shards(name: str, tmp_path) -> None
 
 
 @pytest.mark.parametrize("name", ["learned", "rotary_pct_half", "alibi_6_heads", "sliding_window", "gqa", "sinusoidal",
-                                  "parallel_residual", "value_head"])
+                                  "parallel_residual", "value_head", "rpe", "local_then_global"])
 def test_incremental_decoding_with_kv_cache(name: str) -> None:
     """Prefill then one token at a time through a KVCache gives the full forward's outputs."""
     from megatron.model import KVCache
