@@ -103,13 +103,16 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:  # earlier tokens' keys/values come first
             past = kv_cache.past_length(self.layer_number)
             k, v = kv_cache.append(self.layer_number, k, v)  # [b, n_kv, past + s, d]
-        if self.kv_heads != self.heads:
-            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)  # [b, n, s, d]
-            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
         mask = self._mask(s, past, attention_mask, q)
         with tensor_parallel_rng():  # heads differ per rank, so their dropout should too
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=mask is None
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=self.dropout if self.training else 0.0,
+                is_causal=mask is None,
+                enable_gqa=self.kv_heads != self.heads,  # query head i reads kv head i // (n / n_kv)
             )  # [b, n, s, d]
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * d)  # [s, b, n*d]
         return self.dense(out)  # [s, b, h]
