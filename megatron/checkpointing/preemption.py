@@ -54,5 +54,5 @@ class PreemptionWatcher:
         stop = bool(flag.item())
         if stop and not self.requested:
             self.requested = True
-            self.signal_name = self.signal_name or "another rank"
+            self.signal_name = self.signal_name or "a signal on another rank"
         return stop

@@ -1,0 +1,124 @@
+"""Crash safety end to end: kill -9 during a save, kill -9 at an arbitrary moment, SIGTERM.
+
+* A run killed after writing a checkpoint's files but before its commit marker leaves an
+  incomplete directory; the next run skips it (with a warning), resumes from the previous
+  committed checkpoint and reproduces the lost steps exactly.
+* A run whose whole process tree is killed with SIGKILL while it saves every step resumes from
+  the newest committed checkpoint and finishes.
+* SIGTERM to one rank: every rank finishes the step, one checkpoint is saved, the run exits 0,
+  and the next run continues from that step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_resume import DP2, REPO, assert_curves_match, deepy, losses, output, write_config
+
+pytestmark = pytest.mark.slow
+
+COMMON = (*DP2, "hidden_dropout=0.1", "save=ckpt", "load=ckpt")
+
+
+def test_kill_before_commit_marker_loses_only_uncommitted_steps(tmp_path: Path) -> None:
+    killed = deepy(tmp_path, *COMMON, "checkpoint_factor=4", "log_dir=logs1",
+                   env={"DEEPY_TEST_KILL_BEFORE_COMMIT": "8"})  # fmt: skip
+    assert killed.returncode != 0, output(killed)
+    ckpt = tmp_path / "ckpt"
+    assert (ckpt / "global_step8").is_dir() and not (ckpt / "global_step8" / "COMMITTED").exists()
+    assert (ckpt / "latest").read_text().strip() == "global_step4"
+
+    resumed = deepy(tmp_path, *COMMON, "checkpoint_factor=4", "log_dir=logs2")
+    assert resumed.returncode == 0, output(resumed)
+    assert "skipping incomplete checkpoint" in output(resumed)
+    curve = losses(tmp_path / "logs2")
+    assert sorted(curve) == list(range(5, 13))
+    # steps 5-8 ran before the kill too: same weights, moments, RNG and data -> same losses
+    before = losses(tmp_path / "logs1")
+    assert_curves_match({s: v for s, v in curve.items() if s <= 8}, before, 1e-6)
+    assert (ckpt / "global_step8" / "COMMITTED").exists()
+
+
+def _start(tmp: Path, *overrides: str) -> subprocess.Popen[str]:
+    write_config(tmp)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "deepy.py"), str(REPO / "train.py"), str(tmp / "model.yml"), *overrides],
+        cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # its own process group: the test can kill the whole tree
+    )  # fmt: skip
+
+
+def _wait_for(proc: subprocess.Popen[str], text: str, timeout: float = 300) -> list[str]:
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        seen.append(line)
+        if text in line:
+            return seen
+        if time.monotonic() > deadline:
+            break
+    raise AssertionError(f"never saw {text!r}:\n{''.join(seen)}")
+
+
+def _worker_pid(tmp: Path, local_rank: int) -> int:
+    """The pid of the train.py worker of ``local_rank`` started in ``tmp``."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            cwd = os.readlink(entry / "cwd")
+        except OSError:
+            continue
+        args = [c.decode(errors="replace") for c in cmd]
+        if cwd == str(tmp) and any(a.endswith("train.py") for a in args) and f"--local_rank={local_rank}" in args:
+            return int(entry.name)
+    raise AssertionError(f"no worker with local rank {local_rank} under {tmp}")
+
+
+def test_sigkill_at_any_moment_resumes_from_newest_committed(tmp_path: Path) -> None:
+    proc = _start(tmp_path, *COMMON, "checkpoint_factor=1", "train_iters=40", "lr_decay_iters=40", "log_dir=logs1")
+    _wait_for(proc, "iteration 6/40")
+    time.sleep(0.05)  # somewhere inside a later step or its save
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    ckpt = tmp_path / "ckpt"
+    latest = (ckpt / "latest").read_text().strip()
+    assert (ckpt / latest / "COMMITTED").exists()
+
+    resumed = deepy(tmp_path, *COMMON, "checkpoint_factor=1", "train_iters=40", "lr_decay_iters=40",
+                    "log_dir=logs2")  # fmt: skip
+    assert resumed.returncode == 0, output(resumed)
+    curve = losses(tmp_path / "logs2")
+    start = int(latest.removeprefix("global_step"))
+    assert min(curve) == start + 1 and max(curve) == 40
+    assert_curves_match({s: v for s, v in curve.items() if s in losses(tmp_path / "logs1")},
+                        losses(tmp_path / "logs1"), 1e-6)  # fmt: skip
+
+
+def test_sigterm_on_one_rank_saves_and_exits_zero(tmp_path: Path) -> None:
+    proc = _start(tmp_path, *COMMON, "checkpoint_factor=1000", "train_iters=400", "lr_decay_iters=400",
+                  "log_dir=logs1")  # fmt: skip
+    _wait_for(proc, "iteration 3/400")
+    os.kill(_worker_pid(tmp_path, 1), signal.SIGTERM)  # a preempted node: one rank told first
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "preempted (" in out and "checkpoint saved" in out, out
+    ckpt = tmp_path / "ckpt"
+    latest = (ckpt / "latest").read_text().strip()
+    step = int(latest.removeprefix("global_step"))
+    assert 3 <= step < 400 and (ckpt / latest / "COMMITTED").exists()
+    assert max(losses(tmp_path / "logs1")) == step
+
+    resumed = deepy(tmp_path, *COMMON, "checkpoint_factor=1000", f"train_iters={step + 2}",
+                    "lr_decay_iters=400", "log_dir=logs2")  # fmt: skip
+    assert resumed.returncode == 0, output(resumed)
+    assert sorted(losses(tmp_path / "logs2")) == [step + 1, step + 2]
