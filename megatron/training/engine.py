@@ -141,21 +141,26 @@ def grad_norm_sq_local(parameters: list[nn.Parameter]) -> torch.Tensor:
     tp rank 0; pipeline copies of tied weights (``ds_pipe_replicated``) only on their owner stage.
     """
     tp_rank = mpu.get_tensor_model_parallel_rank()
-    total = torch.zeros((), dtype=torch.float64)
-    for p in parameters:
-        if p.grad is None or getattr(p, "ds_pipe_replicated", False):
-            continue
-        if is_model_parallel_parameter(p) or tp_rank == 0:
-            total += p.grad.detach().double().pow(2).sum().cpu()
-    return total
+    grads = [
+        p.grad.detach()
+        for p in parameters
+        if p.grad is not None
+        and not getattr(p, "ds_pipe_replicated", False)
+        and (is_model_parallel_parameter(p) or tp_rank == 0)
+    ]
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    # one fused kernel for the per-tensor norms; their squares are summed in float64 so the
+    # total does not depend on how the model is split into tensors (parity across layouts)
+    norms = torch._foreach_norm(grads, 2.0)
+    return torch.stack([n.double() for n in norms]).pow(2).sum()
 
 
 def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> float:
     """Global L2 norm over the whole model (all tp shards, all pipeline stages); clips in place
     when ``max_norm > 0``. Gradients must already be averaged over data parallelism."""
-    norm_sq = grad_norm_sq_local(parameters)
     device = next((p.grad.device for p in parameters if p.grad is not None), torch.device("cpu"))
-    norm_sq = norm_sq.to(device)
+    norm_sq = grad_norm_sq_local(parameters).to(device)
     for group, size in ((mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_world_size()),
                         (mpu.get_pipe_parallel_group(), mpu.get_pipe_parallel_world_size())):
         if size > 1:
