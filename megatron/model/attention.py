@@ -26,11 +26,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         tp = get_tensor_model_parallel_world_size()
-        if config.num_attention_heads % tp or config.kv_heads % tp:
-            raise ValueError(
-                f"num_attention_heads={config.num_attention_heads} and num_kv_heads={config.kv_heads} "
-                f"must both be divisible by the tensor-parallel size {tp}"
-            )
+        config.check_tensor_parallel(tp)
         self.head_dim = config.head_dim
         self.heads = config.num_attention_heads // tp  # on this rank
         self.kv_heads = config.kv_heads // tp

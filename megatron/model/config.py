@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import torch
 
+from megatron.errors import ConfigError
 from megatron.mpu.initialize_weights import InitFn, init_method_from_name
 
 PosEmb = Literal["learned", "rotary", "sinusoidal", "rpe", "alibi", "none"]
@@ -46,6 +47,10 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
+
+
+class ModelConfigError(ConfigError, ValueError):
+    """An architecture the model cannot build (a ConfigError for the entry points, a ValueError for callers)."""
 
 
 @dataclass
@@ -129,25 +134,25 @@ class GPTConfig:
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if self.hidden_size % self.num_attention_heads != 0:
-            raise ValueError(
+            raise ModelConfigError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
                 f"{self.num_attention_heads}"
             )
         if self.num_attention_heads % self.num_kv_heads != 0:
-            raise ValueError(
+            raise ModelConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not divisible by "
                 f"num_kv_heads={self.num_kv_heads}"
             )
         self._check_choices()
         bad = [t for t in self.attention_types if t not in _GLOBAL_ATTENTION | _LOCAL_ATTENTION]
         if bad:
-            raise ValueError(f"attention types {sorted(set(bad))} are not supported (only global, flash, local)")
+            raise ModelConfigError(f"attention types {sorted(set(bad))} are not supported (only global, flash, local)")
         if self.pos_emb == "rpe" and self.rpe_max_distance <= self.rpe_num_buckets // 2:
-            raise ValueError(
+            raise ModelConfigError(
                 f"rpe_max_distance={self.rpe_max_distance} must exceed half of rpe_num_buckets={self.rpe_num_buckets}"
             )
         if "local" in self.attention_types and self.sliding_window_width is None:
-            raise ValueError('attention type "local" needs sliding_window_width (the window it attends over)')
+            raise ModelConfigError('attention type "local" needs sliding_window_width (the window it attends over)')
 
     def _check_choices(self) -> None:
         # imported here: the registries import this module
@@ -163,7 +168,7 @@ class GPTConfig:
         }
         for key, (value, allowed) in choices.items():
             if value not in allowed:
-                raise ValueError(f"{key}={value!r} is not supported; choose one of {allowed}")
+                raise ModelConfigError(f"{key}={value!r} is not supported; choose one of {allowed}")
 
     # --- derived sizes -------------------------------------------------------------------
     @property
@@ -206,6 +211,21 @@ class GPTConfig:
             for i in range(count):
                 types.append(kinds[i % len(kinds)])
         return types[: self.num_layers]
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Raise if the sizes that tensor parallelism splits do not divide by `tp`."""
+        splits = {
+            "num_attention_heads": self.num_attention_heads,
+            "num_kv_heads": self.kv_heads,
+            "padded_vocab_size": self.padded_vocab_size,
+            "the MLP width (intermediate_size / expansion_factor * hidden_size)": self.ffn_hidden_size,
+        }
+        bad = [f"{key}={value}" for key, value in splits.items() if value % tp != 0]
+        if bad:
+            raise ModelConfigError(
+                f"tensor parallelism splits these across {tp} ranks, but they are not divisible by {tp}: "
+                + ", ".join(bad)
+            )
 
     def attention_window(self, layer_number: int) -> int | None:
         """Sliding-window width of this layer's attention, or None for full causal attention."""

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.model.config import GPTConfig
+from megatron.model.config import GPTConfig, ModelConfigError
 from megatron.model.embedding import GPTEmbedding
 from megatron.model.kv_cache import KVCache
 from megatron.model.norms import build_norm
@@ -69,6 +69,7 @@ class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
+        config.check_tensor_parallel(get_tensor_model_parallel_world_size())
         self.sequence_parallel = config.sequence_parallel and get_tensor_model_parallel_world_size() > 1
         self.embedding = GPTEmbedding(config)
         self.layers = nn.ModuleList(TransformerLayer(config, i) for i in range(config.num_layers))
@@ -102,7 +103,7 @@ class GPTModel(nn.Module):
         the tokens are appended after the ones already in it."""
         if kv_cache is not None:
             if self.sequence_parallel:
-                raise ValueError("incremental decoding with a kv_cache does not support sequence parallelism")
+                raise ModelConfigError("incremental decoding with a kv_cache does not support sequence parallelism")
             if position_ids is None:
                 position_ids = torch.arange(kv_cache.seen, kv_cache.seen + tokens.shape[1], device=tokens.device)
                 position_ids = position_ids.unsqueeze(0)  # [1, s]

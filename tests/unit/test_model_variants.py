@@ -440,3 +440,15 @@ def test_incremental_decoding_with_kv_cache(name: str) -> None:
         steps += [model(tokens[:, i : i + 1], kv_cache=cache) for i in range(5, cfg.seq_length)]
     assert cache.seen == cfg.seq_length
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_config_errors_are_config_errors() -> None:
+    """Architecture mistakes reach the entry points as ConfigError (clean exit 2), naming the keys."""
+    from megatron.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="hidden_size=30"):
+        GPTConfig(**{**BASE, "hidden_size": 30})
+    cfg = GPTConfig(**{**BASE, "num_kv_heads": 1, "intermediate_size": 50})
+    cfg.check_tensor_parallel(1)
+    with pytest.raises(ConfigError, match=r"num_kv_heads=1, .*MLP width.*=50"):
+        cfg.check_tensor_parallel(4)
