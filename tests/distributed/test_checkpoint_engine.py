@@ -38,7 +38,7 @@ def worker(opts: argparse.Namespace) -> int:
 
     from megatron.checkpointing.manager import CheckpointManager
     from megatron.checkpointing.preemption import PreemptionWatcher
-    from megatron.checkpointing.retention import RetentionPolicy
+    from megatron.checkpointing.retention import KeepRule, RetentionPolicy
     from megatron.errors import CheckpointError
     from megatron.mpu import topology
 
@@ -65,8 +65,23 @@ def worker(opts: argparse.Namespace) -> int:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=topology)
     torch.manual_seed(99 + rank)  # per-rank dropout streams: resume must restore them exactly
 
+    step_now = [0]
+    if opts.fake_clock:
+        # rank 0: 100 s per step; rank 1: a clock that never moves. Only rank 0 decides, so both
+        # must still save together.
+        seconds_per_step = 100.0 if rank == 0 else 0.0
+
+        def clock() -> float:
+            return step_now[0] * seconds_per_step
+    else:
+        clock = time.monotonic
     policy = RetentionPolicy(
-        train_iters=opts.steps, checkpoint_factor=opts.factor or None, keep_last_n_checkpoints=opts.keep_last
+        train_iters=opts.steps,
+        checkpoint_factor=opts.factor or None,
+        keep_last_n_checkpoints=opts.keep_last,
+        save_interval_s=250.0 if opts.fake_clock else None,
+        keep=[KeepRule(every=4)] if opts.fake_clock else (),
+        clock=clock,
     )
     manager = CheckpointManager(
         save=opts.save,
@@ -82,6 +97,7 @@ def worker(opts: argparse.Namespace) -> int:
         losses: dict[int, float] = {}
         consumed = start.consumed_samples
         for step in range(start.iteration + 1, opts.steps + 1):
+            step_now[0] = step
             # the data position is a pure function of consumed samples (as the real sampler)
             gen = torch.Generator().manual_seed(consumed)
             x = torch.randn(GLOBAL_BATCH, 16, generator=gen)
@@ -253,6 +269,45 @@ def test_failed_save_stops_loudly_and_keeps_previous(tmp_path: Path) -> None:
     assert not (save / "global_step6" / "COMMITTED").exists()
 
 
+def test_time_based_saves_follow_rank_0_and_temporaries_are_replaced(tmp_path: Path) -> None:
+    save = tmp_path / "ckpt"
+    codes, logs = run(2, "--steps", "12", "--save", str(save), "--fake-clock", "--dropout", "0")
+    assert codes == [0, 0], logs
+    # every 250 fake seconds a temporary save (3, 7, 11), permanent ones at multiples of 4; each
+    # temporary is deleted once the next checkpoint is committed
+    saved = [line for line in logs[0].splitlines() if "saved " in line and "checkpoint" in line]
+    assert len(saved) == 6, logs[0]
+    assert sorted(p.name for p in save.glob("global_step*")) == ["global_step12", "global_step4", "global_step8"]
+    kinds = {p.name: json.loads((p / "COMMITTED").read_text())["kind"] for p in save.glob("global_step*")}
+    assert kinds == {"global_step4": "permanent", "global_step8": "permanent", "global_step12": "permanent"}
+
+
+def test_pickled_code_in_a_checkpoint_is_refused(tmp_path: Path) -> None:
+    save = tmp_path / "ckpt"
+    codes, logs = run(1, "--steps", "2", "--factor", "2", "--save", str(save))
+    assert codes == [0], logs
+    import torch
+
+    model_file = save / "global_step2" / "mp_rank_00_model_states.pt"
+    state = torch.load(model_file, weights_only=False)
+    state["payload"] = _Exploit(tmp_path / "pwned")
+    torch.save(state, model_file)
+    codes, logs = run(1, "--steps", "4", "--load", str(save))
+    assert codes == [2], logs
+    assert "refusing to load mp_rank_00_model_states.pt" in logs[0], logs[0]
+    assert not (tmp_path / "pwned").exists()
+
+
+class _Exploit:
+    """Unpickling this runs a shell command: what a weights-only load must never do."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.target}",))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", action="store_true")
@@ -266,5 +321,6 @@ if __name__ == "__main__":
     parser.add_argument("--iteration", type=int, default=None)
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--fsize-limit-rank", type=int, default=-1)
+    parser.add_argument("--fake-clock", action="store_true")
     parser.add_argument("--out")
     sys.exit(worker(parser.parse_args()))
