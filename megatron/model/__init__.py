@@ -1,4 +1,18 @@
-"""The GPT architecture: config, model, pipeline specs, loss, parameter/FLOP counts."""
+"""The GPT architecture: config, model, pipeline specs, loss, parameter/FLOP counts.
+
+Conventions:
+* `GPTModel(config)(tokens [b, s], position_ids=None, attention_mask=None, kv_cache=None)` returns
+  this tp rank's vocabulary shard of the logits `[b, s, padded_vocab_size / tp]` (a value head:
+  `[b, s, 1]`). Inside, activations are `[s, b, h]` (`[s/tp, b, h]` under sequence parallelism).
+* `attention_mask` is bool, True = may attend, combined with the causal mask (SDPA's convention,
+  the opposite of GPT-NeoX's "True = masked").
+* Parameter names are canonical (`layers.3.attention.query_key_value.weight`); each full weight is
+  drawn from `(config.seed, name)` and then sharded, so every tp/pp layout starts identical.
+* Fused weights: QKV rows are `[q; k; v]`, a gated MLP's first projection is `[gate; up]`; tp
+  rank r holds chunk r of each part (`tp_partition_patterns`, `mpu.initialize_weights.shard_tensor`).
+* `lm_loss(logits, labels, loss_mask)` is the mean over counted tokens (labels < 0 are skipped);
+  `loss_fn` is its `PipelineModule` form.
+"""
 
 from megatron.model.config import GPTConfig
 from megatron.model.flops import flops_per_token, num_parameters
