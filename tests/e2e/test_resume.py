@@ -170,3 +170,21 @@ def test_iteration_selects_an_older_checkpoint(tmp_path: Path, saved_run: Path) 
     resumed = losses(tmp_path / "logs")
     assert sorted(resumed) == [4, 5, 6]
     assert_curves_match(resumed, losses(saved_run / "logs"), 1e-6)
+
+
+def test_inspect_tool_lists_and_diffs(saved_run: Path) -> None:
+    tool = [sys.executable, str(REPO / "tools" / "ckpts" / "inspect_checkpoint.py")]
+    ckpt = saved_run / "ckpt"
+    shown = subprocess.run([*tool, str(ckpt), "--config"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    text = shown.stdout
+    assert "global_step6" in text and "iteration         6" in text and "consumed samples  48" in text
+    assert "tp=1 pp=1 dp=2 zero_stage=1" in text
+    assert "attention.query_key_value.weight" in text and "hidden_size: 64" in text
+    same = subprocess.run([*tool, "--diff", str(ckpt / "global_step6"), str(ckpt)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert same.returncode == 0 and same.stdout.strip().endswith("identical"), same.stdout + same.stderr
+    differ = subprocess.run([*tool, "--diff", str(ckpt / "global_step3"), str(ckpt / "global_step6")],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert differ.returncode == 1, differ.stdout + differ.stderr
+    assert "iteration: A 3  B 6" in differ.stdout and "max |A-B|" in differ.stdout
