@@ -90,6 +90,7 @@ def worker(opts: argparse.Namespace) -> int:
         args_dict={"hidden_size": 64, "num_layers": 2},
         config_files={"configs/tiny.yml": "hidden_size: 64\n"},
         iteration=opts.iteration,
+        no_load_optim=opts.no_load_optim,
         preemption=PreemptionWatcher().install(),
     )
     try:
@@ -210,6 +211,14 @@ def test_exact_resume_after_kill_during_save(tmp_path: Path) -> None:
     assert meta["layout"] == {"tp": 1, "pp": 1, "dp": 2, "zero_stage": 1, "pipeline": False}
     assert (save / "global_step12" / "configs" / "00_tiny.yml").read_text() == "hidden_size: 64\n"
 
+    # no_load_optim: same weights (the first resumed loss matches), fresh Adam moments (then not)
+    codes, logs = run(2, *common, "--load", str(save), "--iteration", "8", "--no-load-optim",
+                      "--out", str(tmp_path / "no_optim.json"))  # fmt: skip
+    assert codes == [0, 0], logs
+    no_optim = losses_of(tmp_path / "no_optim.json")
+    assert abs(no_optim[9] - reference[9]) < 1e-6
+    assert abs(no_optim[10] - reference[10]) > 1e-6
+
 
 def test_layout_changes_through_universal_checkpoints(tmp_path: Path) -> None:
     save = tmp_path / "ckpt"
@@ -322,5 +331,6 @@ if __name__ == "__main__":
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--fsize-limit-rank", type=int, default=-1)
     parser.add_argument("--fake-clock", action="store_true")
+    parser.add_argument("--no-load-optim", action="store_true")
     parser.add_argument("--out")
     sys.exit(worker(parser.parse_args()))
