@@ -68,8 +68,8 @@ def test_pipeline_to_plain_model_is_rejected_clearly(tmp_path: Path) -> None:
     assert "pipeline-wrapped and the plain model name their parameters differently" in output(second)
 
 
-def test_tp2_to_tp1(tmp_path: Path, reference: dict[int, float]) -> None:
-    curves = run_chain(tmp_path, [(layout(2, 1, 1, 1), 6), (layout(1, 1, 2, 1), 12)])
+def test_tp2_to_tp1_and_back(tmp_path: Path, reference: dict[int, float]) -> None:
+    curves = run_chain(tmp_path, [(layout(2, 1, 1, 1), 4), (layout(1, 1, 2, 1), 8), (layout(2, 1, 1, 1), 12)])
     for curve in curves:
         assert_curves_match(curve, reference, TOL)
 
