@@ -345,7 +345,6 @@ def load_checkpoint(
         source = universal_dir(ckpt_dir)
 
     _engine_load(engine, source, universal, options)
-    client = meta
     if options.weights_only:
         result.notes.append(
             "loaded model weights only; optimizer, LR schedule, data position and step start fresh"
@@ -355,11 +354,13 @@ def load_checkpoint(
             _reset_optimizer_state(engine)
         return result
 
-    result.iteration = int(client["iteration"])
-    result.consumed_samples = int(client["consumed_samples"])
-    result.extra = dict(client.get("extra") or {})
+    result.iteration = int(meta["iteration"])
+    result.consumed_samples = int(meta["consumed_samples"])
+    result.extra = dict(meta.get("extra") or {})
     if not options.load_optim:
         result.notes.append("optimizer state not loaded (no_load_optim)")
+        if universal:
+            _reset_optimizer_state(engine)
     if options.load_rng:
         rng_file = ckpt_dir / RNG_DIR / f"rank_{rank:05d}.pt"
         if saved == layout and rng_file.is_file():
