@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpointing import commit
-from megatron.checkpointing.preemption import PreemptionWatcher
+from megatron.checkpointing.preemption import PreemptionWatcher, collective_device
 from megatron.checkpointing.retention import (
     CheckpointKind,
     CommittedCheckpoint,
@@ -231,7 +231,9 @@ class CheckpointManager:
         decision = self.policy.decide(step)
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return decision
-        code = torch.tensor([_KIND_CODES.index(decision.kind) if decision.save else -1], dtype=torch.int64)
+        code = torch.tensor(
+            [_KIND_CODES.index(decision.kind) if decision.save else -1], dtype=torch.int64, device=collective_device()
+        )
         dist.broadcast(code, src=0)
         value = int(code.item())
         return SaveDecision(save=False) if value < 0 else SaveDecision(save=True, kind=_KIND_CODES[value])

@@ -22,6 +22,15 @@ log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0
 DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
 
 
+def collective_device() -> torch.device:
+    """Where a small tensor must live to take part in a collective: NCCL only moves GPU memory."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        from deepspeed.accelerator import get_accelerator
+
+        return torch.device(get_accelerator().current_device_name())
+    return torch.device("cpu")
+
+
 class PreemptionWatcher:
     """Turns preemption signals into a flag that all ranks agree on."""
 
@@ -48,7 +57,7 @@ class PreemptionWatcher:
 
     def should_stop(self, group: dist.ProcessGroup | None = None) -> bool:
         """True on every rank as soon as any rank received a signal (collective: all must call)."""
-        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
+        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32, device=collective_device())
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         stop = bool(flag.item())

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpointing import commit
+from megatron.checkpointing.preemption import collective_device
 from megatron.checkpointing.retention import CheckpointKind
 from megatron.checkpointing.rng_state import capture_rng_state, restore_rng_state
 from megatron.checkpointing.safe_load import load_trusted_tensors, weights_only_loading
@@ -76,8 +77,9 @@ def _failed_ranks(failed: bool) -> list[int]:
     flags = torch.zeros(_world(), dtype=torch.int32)
     flags[_rank()] = int(failed)
     if dist.is_initialized():
+        flags = flags.to(collective_device())
         dist.all_reduce(flags)
-    return [r for r, f in enumerate(flags.tolist()) if f]
+    return [r for r, f in enumerate(flags.cpu().tolist()) if f]
 
 
 class _GuardedWrites:
