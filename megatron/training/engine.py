@@ -31,6 +31,7 @@ from torch import nn
 
 from megatron import mpu
 from megatron.errors import ConfigError
+from megatron.logging.log import get_logger
 from megatron.model import GPTConfig, GPTModel, loss_fn, pipeline_layer_specs
 from megatron.model.transformer_layer import TransformerLayer
 from megatron.training.lr_schedules import LRScheduler, build_lr_scheduler
@@ -114,8 +115,20 @@ def layers_to_checkpoint(args: Any, num_local_layers: int, first_index: int = 0)
 
 
 def _checkpointed(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``forward`` under DeepSpeed's checkpoint, which is handed the tensor arguments only:
+    with ``partition_activations`` it pairs every argument with a size tensor and mis-counts
+    ``None`` (an absent position_ids/attention_mask), so those stay in the closure."""
+
     def run(*inputs: Any) -> torch.Tensor:
-        return deepspeed.checkpointing.checkpoint(forward, *inputs)
+        where = [i for i, value in enumerate(inputs) if torch.is_tensor(value)]
+
+        def with_tensors(*tensors: torch.Tensor) -> torch.Tensor:
+            full = list(inputs)
+            for i, tensor in zip(where, tensors):
+                full[i] = tensor
+            return forward(*full)
+
+        return deepspeed.checkpointing.checkpoint(with_tensors, *(inputs[i] for i in where))
 
     return run
 
@@ -129,8 +142,13 @@ def wrap_layers(model: nn.Module, args: Any, pipe_interval_used: bool) -> None:
     if pipe_interval_used:
         return  # PipelineModule checkpoints chunks of layers itself
     first = min((layer.layer_number for layer in layers), default=0)
-    for i in layers_to_checkpoint(args, len(layers), first):
+    chosen = layers_to_checkpoint(args, len(layers), first)
+    for i in chosen:
         layers[i].forward = _checkpointed(layers[i].forward)  # type: ignore[method-assign]
+    if chosen:
+        get_logger().info("activation checkpointing: recomputing layers %s%s",
+                          [layers[i].layer_number for i in chosen],
+                          " (inputs partitioned over tp)" if getattr(args, "partition_activations", False) else "")
 
 
 # --- gradient norm -------------------------------------------------------------------------------
