@@ -131,6 +131,22 @@ def test_layout_loss_equals_golden(layout: str, tmp_path: Path) -> None:
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dp2_zero1", "pp2"])
+def test_bf16_tracks_fp32_golden(layout: str, tmp_path: Path) -> None:
+    """bf16 (DeepSpeed's bf16 engine, fp32 master weights) follows the fp32 curve to bf16 accuracy."""
+    name = f"{layout}_bf16"
+    LAYOUTS[name] = {**LAYOUTS[layout], "precision": "bfloat16"}
+    try:
+        rows = run_layout(name, tmp_path)
+    finally:
+        del LAYOUTS[name]
+    losses, golden = [r["train/lm_loss"] for r in rows], load_golden()["train/lm_loss"]
+    assert_close(name, "train/lm_loss", losses, golden, 5e-3)
+    # and it really ran in bf16: bit-equal fp32 losses would mean the precision was ignored
+    assert max(abs(a - b) for a, b in zip(losses, golden)) > 1e-6
+
+
 def test_golden_file_is_consistent() -> None:
     golden = load_golden()
     assert len(golden["train/lm_loss"]) == BASE_CONFIG["train_iters"]
