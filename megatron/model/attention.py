@@ -8,6 +8,8 @@ attention: query head i reads kv head i // (heads / kv_heads)).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -100,13 +102,16 @@ class SelfAttention(nn.Module):
             past = kv_cache.past_length(self.layer_number)
             k, v = kv_cache.append(self.layer_number, k, v)  # [b, n_kv, past + s, d]
         mask = self._mask(s, past, attention_mask, q)
-        with tensor_parallel_rng():  # heads differ per rank, so their dropout should too
+        dropout_p = self.dropout if self.training else 0.0
+        # heads differ per rank, so their dropout should too (no RNG switch without dropout: it
+        # would only cost a graph break under torch.compile)
+        with tensor_parallel_rng() if dropout_p > 0 else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(
                 q,
                 k,
                 v,
                 attn_mask=mask,
-                dropout_p=self.dropout if self.training else 0.0,
+                dropout_p=dropout_p,
                 is_causal=mask is None,
                 enable_gqa=self.kv_heads != self.heads,  # query head i reads kv head i // (n / n_kv)
             )  # [b, n, s, d]

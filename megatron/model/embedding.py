@@ -46,6 +46,7 @@ class GPTEmbedding(nn.Module):
         if self.sequence_parallel:
             # positions were added on the full sequence, so their gradient is whole on every rank
             x_sbh = scatter_to_sequence_parallel_region(x_sbh)  # [s/tp, b, h]
-        rng = tensor_parallel_rng() if self.sequence_parallel else contextlib.nullcontext()
-        with rng:
-            return F.dropout(x_sbh, self.dropout, self.training)
+        if not self.training or self.dropout == 0.0:
+            return x_sbh
+        with tensor_parallel_rng() if self.sequence_parallel else contextlib.nullcontext():
+            return F.dropout(x_sbh, self.dropout, training=True)

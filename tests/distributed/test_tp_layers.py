@@ -6,8 +6,10 @@ JSON file and each check is reported as its own test.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -283,6 +285,7 @@ CHECKS: dict[str, Callable[[], None]] = {
 
 
 def _rank_main(rank: int, out_dir: str) -> None:
+    faulthandler.enable()  # a native crash prints the Python stack
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(out_dir, "store"), WORLD)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
@@ -298,6 +301,11 @@ def _rank_main(rank: int, out_dir: str) -> None:
             results[name] = traceback.format_exc()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
+    # Skip interpreter teardown: now and then a gloo thread still joinable at exit aborts the
+    # process ("terminate called without an active exception") after all results are written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
