@@ -32,6 +32,7 @@ __all__ = [
     "TransformerLayerPipe",
     "ValueHeadPipe",
     "loss_fn",
+    "model_parameter_name",
     "pipeline_layer_specs",
 ]
 
@@ -109,6 +110,28 @@ class ValueHeadPipe(nn.Module):
 def tied_embedding_logits(embedding: EmbeddingPipe, x_sbh: torch.Tensor) -> torch.Tensor:
     """The tied head on the last stage: logits from the (synchronised) token embedding."""
     return parallel_lm_logits(x_sbh, embedding.word_embeddings.weight, embedding.sequence_parallel)
+
+
+_BLOCK_PREFIXES = ("input_layernorm.", "attention.", "post_attention_layernorm.", "mlp.")
+_EMBEDDING_PREFIXES = ("word_embeddings.", "position_embeddings.")
+
+
+def model_parameter_name(pipeline_name: str) -> str:
+    """`GPTModel`'s name for a `PipelineModule` parameter (for checkpoint conversion between layouts).
+
+    PipelineModule names a layer by its spec index: `4.mlp.dense_h_to_4h.weight` is block 3
+    (spec 0 is the embedding) -> `layers.3.mlp.dense_h_to_4h.weight`; the tied embedding lives under
+    `tied_modules.embed.` -> `embedding.`; the final norm and heads keep their own names.
+    """
+    tied_prefix = f"tied_modules.{TIED_EMBEDDING_KEY}."
+    if pipeline_name.startswith(tied_prefix):
+        return "embedding." + pipeline_name[len(tied_prefix) :]
+    index, rest = pipeline_name.split(".", 1)
+    if rest.startswith(_BLOCK_PREFIXES):
+        return f"layers.{int(index) - 1}.{rest}"
+    if rest.startswith(_EMBEDDING_PREFIXES):
+        return f"embedding.{rest}"
+    return rest  # final_norm.*, output_layer.*, value_head.*
 
 
 def pipeline_layer_specs(config: GPTConfig) -> list[LayerSpec]:

@@ -176,6 +176,7 @@ def check_pp2_equals_tp1(cfg, ref: dict[str, Any]) -> None:
 
     from megatron import mpu
     from megatron.model import loss_fn, pipeline_layer_specs
+    from megatron.model.pipeline import model_parameter_name
 
     stage = mpu.get_pipe_parallel_rank()
     pipe = PipelineModule(
@@ -185,16 +186,7 @@ def check_pp2_equals_tp1(cfg, ref: dict[str, Any]) -> None:
         partition_method="type:TransformerLayerPipe",
     )
 
-    def canonical(name: str) -> str:
-        """PipelineModule's names -> GPTModel's: spec index i -> layers.{i-1}, tied -> embedding."""
-        if name.startswith("tied_modules.embed."):
-            return "embedding." + name[len("tied_modules.embed.") :]
-        index, rest = name.split(".", 1)
-        if rest.startswith(("input_layernorm", "attention", "post_attention_layernorm", "mlp")):
-            return f"layers.{int(index) - 1}.{rest}"
-        if rest.startswith(("word_embeddings", "position_embeddings")):
-            return f"embedding.{rest}"
-        return rest  # final_norm.*, output_layer.*, value_head.*
+    canonical = model_parameter_name  # PipelineModule's names -> GPTModel's
 
     names = dict(pipe.named_parameters())
     for name, p in names.items():
