@@ -452,3 +452,19 @@ def test_config_errors_are_config_errors() -> None:
     cfg.check_tensor_parallel(1)
     with pytest.raises(ConfigError, match=r"num_kv_heads=1, .*MLP width.*=50"):
         cfg.check_tensor_parallel(4)
+
+
+@pytest.mark.parametrize("name", ["learned", "gqa", "untied", "act_swiglu", "rpe", "qk_layernorm", "value_head"])
+def test_partition_patterns_agree_with_parameter_marks(name: str) -> None:
+    """The name patterns (checkpoint resharding) and the attributes DeepSpeed reads agree."""
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    from megatron.model import tp_partition_of
+
+    cfg, model = build(VARIANTS[name])
+    for pname, p in model.named_parameters():
+        part = tp_partition_of(cfg, pname)
+        assert is_model_parallel_parameter(p) == (part is not None), pname
+        if part is not None:
+            assert p.partition_dim == part.dim, pname
+            assert (p.partition_sections or [p.shape[part.dim]]) == list(part.sections or [p.shape[part.dim]]), pname
