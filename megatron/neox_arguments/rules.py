@@ -208,11 +208,13 @@ def kv_heads_fit(ctx: RuleContext) -> list[str]:
             f"query attention shares each key/value head among heads/num_kv_heads query heads"
         )
     tp = ctx.tp
-    if kv % tp != 0 and tp % kv != 0:
+    # The attention layer splits key/value heads across tensor-parallel ranks; replicating one kv
+    # head over several ranks (tp > kv) is not implemented, so kv must be a multiple of tp.
+    if kv % tp != 0:
         problems.append(
-            f"{ctx.show('num_kv_heads')} and {ctx.show('model_parallel_size')} do not divide one "
-            f"another: each tensor-parallel rank needs whole key/value heads (kv % tp == 0) or a "
-            f"replicated share of one (tp % kv == 0)"
+            f"{ctx.show('num_kv_heads')} is not divisible by {ctx.show('model_parallel_size')}: each "
+            f"tensor-parallel rank holds whole key/value heads; use a model_parallel_size that divides "
+            f"num_kv_heads"
         )
     return problems
 

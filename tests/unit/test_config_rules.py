@@ -148,7 +148,7 @@ def test_pipe_parallel_zero_counts_as_one_stage() -> None:
         ({"hidden_size": 66}, 1, "hidden_size=66 (cfg.yml:2) is not divisible by num_attention_heads=4 (cfg.yml:3)"),
         ({"num_attention_heads": 4, "model_parallel_size": 8, "hidden_size": 64}, 8, "num_attention_heads=4 (cfg.yml:3) is not divisible by model_parallel_size=8"),
         ({"num_kv_heads": 3}, 1, "num_kv_heads=3 (cfg.yml:9) does not divide num_attention_heads=4"),
-        ({"num_attention_heads": 12, "hidden_size": 96, "num_kv_heads": 6, "model_parallel_size": 4}, 4, "num_kv_heads=6 (cfg.yml:9) and model_parallel_size=4 (cfg.yml:10) do not divide one another"),
+        ({"num_attention_heads": 12, "hidden_size": 96, "num_kv_heads": 6, "model_parallel_size": 4}, 4, "num_kv_heads=6 (cfg.yml:9) is not divisible by model_parallel_size=4 (cfg.yml:10)"),
         ({"num_layers": 2, "pipe_parallel_size": 4}, 4, "num_layers=2 (cfg.yml:1) is fewer than pipe_parallel_size=4 (cfg.yml:9)"),
         ({"max_position_embeddings": 64}, 1, "seq_length=128 (cfg.yml:4) exceeds max_position_embeddings=64 (cfg.yml:9)"),
         ({"padded_vocab_size": 50000, "model_parallel_size": 2}, 2, "padded_vocab_size=50000 (cfg.yml:9) is not a multiple of"),
@@ -158,9 +158,10 @@ def test_model_shape_rules(values: dict[str, Any], world: int, needle: str) -> N
     assert needle in problems(world=world, **values)
 
 
-def test_kv_heads_may_be_replicated_when_tp_is_a_multiple() -> None:
-    # 2 kv heads over tp=4: each pair of ranks shares one replicated kv head
-    ok(world=4, num_attention_heads=8, num_kv_heads=2, model_parallel_size=4)
+def test_kv_heads_split_whole_across_tensor_parallel_ranks() -> None:
+    ok(world=2, num_attention_heads=8, num_kv_heads=2, model_parallel_size=2)
+    # replicating a kv head over several ranks is not implemented by the attention layer
+    assert "num_kv_heads=2" in problems(world=4, num_attention_heads=8, num_kv_heads=2, model_parallel_size=4)
 
 
 def test_missing_model_shape() -> None:
