@@ -35,7 +35,7 @@ class LoggingArgs(ArgGroup):
     wandb_init_all_ranks: bool = False
     """Start a W&B run on every rank instead of rank 0 only (for per-rank system metrics)."""
 
-    git_hash: str = None
+    git_hash: str | None = None
     """Commit of the code that ran, recorded at launch. GPT-NeoX computes it as the field default;
     Deepy fills it in when the config is resolved, so the default here is None."""
 

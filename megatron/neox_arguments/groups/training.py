@@ -101,8 +101,7 @@ class TrainingArgs(ArgGroup):
     """Derive blending weights from document counts instead of the *_data_weights lists."""
 
     weighted_sampler_alpha: float = Field(1.0, ge=0)
-    """Temperature for weight_by_num_documents: 1 keeps proportions, smaller values favour small
-    datasets."""
+    """Exponent on each dataset's document share for weight_by_num_documents (GPT-NeoX's formula)."""
 
     data_impl: Literal["infer", "mmap", "cached"] = (
         partly_supported("infer", unsupported=("cached",))
