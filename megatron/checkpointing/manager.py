@@ -155,22 +155,37 @@ class CheckpointManager:
                     log.warning(warning)
 
         if self.finetune or (self.initialize_from is not None and resume_tag is None):
-            source_dir = self.initialize_from or self.load_dir
-            if source_dir is None:
-                raise ConfigError("finetune: true needs `load` (or `initialize_from`) to name a checkpoint directory")
-            tag, warnings = resolve_tag(source_dir, self.iteration if self.finetune else None)
-            if tag is None:
-                raise CheckpointError(f"no committed checkpoint to initialize from in {source_dir}")
-            result = load_checkpoint(engine, source_dir / tag, self.args_dict, LoadOptions(weights_only=True))
-            self._report(rank, result, "initialized weights from")
-            return result
+            return self._initialize(engine, rank)
 
         if resume_tag is None or self.load_dir is None:
             if rank == 0 and self.load_dir is not None:
                 log.info("no committed checkpoint in %s: starting from scratch", self.load_dir)
             return LoadResult(loaded=False)
+        return self._resume(engine, self.load_dir, resume_tag, rank)
+
+    def _initialize(self, engine: Any, rank: int) -> LoadResult:
+        """Weights only (finetune / initialize_from), unless this run already saved its own."""
+        source_dir = self.initialize_from or self.load_dir
+        if source_dir is None:
+            raise ConfigError("finetune: true needs `load` (or `initialize_from`) to name a checkpoint directory")
+        # A restarted fine-tune (preempted, crashed) must continue from its own checkpoints in
+        # `save`, not start over from the weights it was initialized with.
+        if self.save_dir is not None and self.save_dir.resolve() != source_dir.resolve():
+            own_tag, _ = commit.newest_committed(self.save_dir)
+            if own_tag is not None:
+                if rank == 0:
+                    log.info("%s already holds %s of this run: resuming it, not re-initializing", self.save_dir, own_tag)
+                return self._resume(engine, self.save_dir, own_tag, rank)
+        tag, _ = resolve_tag(source_dir, self.iteration if self.finetune else None)
+        if tag is None:
+            raise CheckpointError(f"no committed checkpoint to initialize from in {source_dir}")
+        result = load_checkpoint(engine, source_dir / tag, self.args_dict, LoadOptions(weights_only=True))
+        self._report(rank, result, "initialized weights from")
+        return result
+
+    def _resume(self, engine: Any, directory: Path, tag: str, rank: int) -> LoadResult:
         options = LoadOptions(load_optim=not self.no_load_optim, load_rng=not self.no_load_rng)
-        result = load_checkpoint(engine, self.load_dir / resume_tag, self.args_dict, options)
+        result = load_checkpoint(engine, directory / tag, self.args_dict, options)
         self._report(rank, result, "resumed from")
         self.last_saved_step = result.iteration
         return result

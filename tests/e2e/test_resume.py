@@ -143,6 +143,13 @@ def test_finetune_and_initialize_from_load_weights_only(tmp_path: Path, saved_ru
     assert abs(ft[1] - fresh[1]) > 1e-3  # the weights came from the checkpoint
     assert (tmp_path / "ft" / "global_step3" / "COMMITTED").exists()
 
+    # restarted with the same settings, the fine-tune continues from its own checkpoint
+    again = deepy(tmp_path, *DP2, f"load={ckpt}", "finetune=true", "save=ft", "checkpoint_factor=3",
+                  "train_iters=5", "lr_decay_iters=3", "log_dir=ft_logs2")  # fmt: skip
+    assert again.returncode == 0, output(again)
+    assert "resuming it, not re-initializing" in output(again)
+    assert sorted(losses(tmp_path / "ft_logs2")) == [4, 5]
+
     init = deepy(tmp_path, *DP2, f"initialize_from={ckpt}", "train_iters=3", "lr_decay_iters=3",
                  "log_dir=init_logs")  # fmt: skip
     assert init.returncode == 0, output(init)
