@@ -37,12 +37,14 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     return losses(tmp / "logs")
 
 
-def run_chain(tmp: Path, stages: list[tuple[tuple[str, ...], int]]) -> list[dict[int, float]]:
+def run_chain(
+    tmp: Path, stages: list[tuple[tuple[str, ...], int]], extra: tuple[str, ...] = ()
+) -> list[dict[int, float]]:
     """Run each (layout, stop step) in turn on one checkpoint directory; return each run's losses."""
     curves = []
     for index, (lay, stop) in enumerate(stages):
         log_dir = f"logs{index}"
-        proc = deepy(tmp, *lay, "hidden_dropout=0.0", "save=ckpt", "load=ckpt", "checkpoint_factor=4",
+        proc = deepy(tmp, *lay, *extra, "hidden_dropout=0.0", "save=ckpt", "load=ckpt", "checkpoint_factor=4",
                      f"exit_interval={stop}", f"log_dir={log_dir}")  # fmt: skip
         assert proc.returncode == 0, output(proc)
         if index > 0:
@@ -68,9 +70,15 @@ def test_pipeline_to_plain_model_is_rejected_clearly(tmp_path: Path) -> None:
     assert "pipeline-wrapped and the plain model name their parameters differently" in output(second)
 
 
-def test_tp2_to_tp1_and_back(tmp_path: Path, reference: dict[int, float]) -> None:
-    curves = run_chain(tmp_path, [(layout(2, 1, 1, 1), 4), (layout(1, 1, 2, 1), 8), (layout(2, 1, 1, 1), 12)])
-    for curve in curves:
+def test_tp2_to_tp1_and_back_with_gqa_and_swiglu(tmp_path: Path) -> None:
+    # fused QKV with unequal sections (4 query heads, 2 kv heads) and a gated MLP: the universal
+    # conversion must cut and glue them section by section
+    model = ("num_kv_heads=2", "activation=swiglu")
+    ref = deepy(tmp_path, *layout(1, 1, 2, 1), *model, "hidden_dropout=0.0", "log_dir=ref")
+    assert ref.returncode == 0, output(ref)
+    reference = losses(tmp_path / "ref")
+    stages = [(layout(2, 1, 1, 1), 4), (layout(1, 1, 2, 1), 8), (layout(2, 1, 1, 1), 12)]
+    for curve in run_chain(tmp_path, stages, model):
         assert_curves_match(curve, reference, TOL)
 
 
