@@ -15,6 +15,7 @@ holds the whole optimizer, so only dp may change.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -107,7 +108,7 @@ def convert_to_universal(ckpt_dir: Path, timeout_s: float = 3600.0) -> Path:
     if target.exists():
         shutil.rmtree(target)  # a conversion killed half-way
     cmd = [
-        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+        sys.executable, "-m", "megatron.checkpointing.convert",
         "--input_folder", str(ckpt_dir),
         "--output_folder", str(target),
         "--inject_missing_state",
@@ -118,7 +119,9 @@ def convert_to_universal(ckpt_dir: Path, timeout_s: float = 3600.0) -> Path:
     ]  # fmt: skip
     log.info("converting %s to a universal checkpoint for the new layout", ckpt_dir)
     started = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False, env=env)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
         raise CheckpointError(f"converting {ckpt_dir} to a universal checkpoint failed:\n{tail}")
@@ -216,3 +219,4 @@ def fit_vocabulary_rows(target: Path, info: dict[str, Any], rows: int) -> list[s
                 torch.save(state, state_file)
                 trimmed.append(f"{param_dir.name}/{state_file.name}")
     return trimmed
+
