@@ -118,6 +118,12 @@ class CheckpointManager:
     def from_args(
         cls, args: Any, *, config_files: dict[str, str] | None = None, clock: Callable[[], float] = time.monotonic
     ) -> CheckpointManager:
+        if getattr(args, "no_save_optim", False):
+            raise ConfigError(
+                "no_save_optim: true is not supported: DeepSpeed writes the optimizer state (ZeRO shards) "
+                "with every checkpoint, and Deepy resumes exactly from it. Remove no_save_optim; use "
+                "no_load_optim when resuming to start the optimizer afresh."
+            )
         factor = args.checkpoint_factor
         policy = RetentionPolicy(
             train_iters=int(args.train_iters or 0),
