@@ -52,7 +52,8 @@ BASE_CONFIG: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 2,
     "train_iters": 10,
     "log_interval": 1,
-    "eval_iters": 0,
+    "eval_interval": 5,
+    "eval_iters": 2,
     "seed": 1234,
 }
 
@@ -94,13 +95,14 @@ def deepy(config: dict[str, Any], tmp: Path, *extra: str, timeout: int = 400) ->
 
 
 def run_layout(name: str, tmp: Path) -> list[dict[str, Any]]:
+    """The run's metrics rows (train rows first, then eval/test rows)."""
     config = {**BASE_CONFIG, **LAYOUTS[name], "log_dir": str(tmp / "logs"), "master_port": free_port()}
     proc = deepy(config, tmp)
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-4000:]
         pytest.fail(f"layout {name} failed with exit code {proc.returncode}:\n{tail}")
     rows = [json.loads(line) for line in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "train/lm_loss" in r]
+    return [r for r in rows if "train/lm_loss" in r] + [r for r in rows if "train/lm_loss" not in r]
 
 
 def load_golden() -> dict[str, list[float]]:
@@ -116,19 +118,24 @@ def assert_close(name: str, key: str, got: list[float], want: list[float], rtol:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_loss_equals_golden(layout: str, tmp_path: Path) -> None:
-    rows = run_layout(layout, tmp_path)
+    everything = run_layout(layout, tmp_path)
+    rows = [r for r in everything if "train/lm_loss" in r]
     losses = [r["train/lm_loss"] for r in rows]
     norms = [r["train/grad_norm"] for r in rows]
+    evals = [r[k] for r in everything for k in ("eval/lm_loss", "test/lm_loss") if k in r]
     assert [r["iteration"] for r in rows] == list(range(1, BASE_CONFIG["train_iters"] + 1))
     if layout == "single" and os.environ.get("DEEPY_UPDATE_GOLDEN"):
         data = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
-        data[GOLDEN_KEY] = {"train/lm_loss": losses, "train/grad_norm": norms, "config": BASE_CONFIG}
+        data[GOLDEN_KEY] = {"train/lm_loss": losses, "train/grad_norm": norms, "eval_and_test/lm_loss": evals,
+                            "config": BASE_CONFIG}
         GOLDEN.write_text(json.dumps(data, indent=2) + "\n")
     golden = load_golden()
     assert_close(layout, "train/lm_loss", losses, golden["train/lm_loss"], RTOL)
     # the norm drives clipping, so a wrong norm shows in the loss as well; checked directly
     # (a bit looser: it is a sum of squares over differently ordered reductions)
     assert_close(layout, "train/grad_norm", norms, golden["train/grad_norm"], 1e-4)
+    # evaluation at steps 5 and 10, then the test split, averaged the same way in every layout
+    assert_close(layout, "eval/test lm_loss", evals, golden["eval_and_test/lm_loss"], RTOL)
     # the run really trained: the loss moved
     assert losses[-1] < losses[0]
 
@@ -143,6 +150,7 @@ def test_bf16_tracks_fp32_golden(layout: str, tmp_path: Path) -> None:
         rows = run_layout(name, tmp_path)
     finally:
         del LAYOUTS[name]
+    rows = [r for r in rows if "train/lm_loss" in r]
     losses, golden = [r["train/lm_loss"] for r in rows], load_golden()["train/lm_loss"]
     assert_close(name, "train/lm_loss", losses, golden, 5e-3)
     # and it really ran in bf16: bit-equal fp32 losses would mean the precision was ignored
