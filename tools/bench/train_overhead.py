@@ -62,7 +62,12 @@ def init_single_process() -> None:
     from megatron import mpu
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
+    if "MASTER_PORT" not in os.environ:
+        import socket
+
+        with socket.socket() as s:  # any free port: several benchmarks may run side by side
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
