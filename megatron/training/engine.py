@@ -204,6 +204,12 @@ def install_fp32_clipping(engine: Any) -> None:
 
 
 # --- building ------------------------------------------------------------------------------------
+def optimizer_offloaded(ds_config: dict[str, Any]) -> bool:
+    zero = ds_config.get("zero_optimization") or {}
+    offload = zero.get("offload_optimizer") or {}
+    return int(zero.get("stage", 0) or 0) > 0 and str(offload.get("device", "none")).lower() == "cpu"
+
+
 def build_model(args: Any, config: GPTConfig) -> tuple[nn.Module, bool]:
     """(module, is_pipe)."""
     pp = int(getattr(args, "pipe_parallel_size", 0) or 0)
@@ -239,7 +245,7 @@ def build_engine(args: Any, ds_config: dict[str, Any]) -> Engine:
     """Model, optimizer, schedule and ``deepspeed.initialize``; ``args.padded_vocab_size`` must be set."""
     config = GPTConfig.from_neox_args(args)
     model, is_pipe = build_model(args, config)
-    optimizer = build_optimizer(model, args)
+    optimizer = build_optimizer(model, args, offload=optimizer_offloaded(ds_config))
     scheduler = build_lr_scheduler(optimizer, args)
     ds_config = dict(ds_config)
     ds_config.pop("optimizer", None)

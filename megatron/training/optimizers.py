@@ -179,8 +179,12 @@ def optimizer_settings(args: Any) -> tuple[str, dict[str, Any], float]:
     return str(kind), params, float(lr)
 
 
-def build_optimizer(model: torch.nn.Module, args: Any) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, args: Any, offload: bool = False) -> torch.optim.Optimizer:
+    """``offload``: ZeRO keeps the optimizer state on the CPU (``offload_optimizer``), where
+    DeepSpeed requires its own CPU Adam; Adam/AdamW are switched to it (same update rule)."""
     kind, params, lr = optimizer_settings(args)
+    if offload and kind.lower() in ("adam", "adamw", "cpu_torch_adam"):
+        kind = "cpu_adam"
     builder = OPTIMIZERS.get(kind.lower())
     if builder is None:
         raise ConfigError(

@@ -63,6 +63,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "dp2_zero1": {"num_gpus": 2, "zero_optimization": {"stage": 1}},
     "dp2_zero2": {"num_gpus": 2, "zero_optimization": {"stage": 2}},
     "dp2_zero3": {"num_gpus": 2, "zero_optimization": {"stage": 3}},
+    # ZeRO-Offload: optimizer state on the CPU, stepped by DeepSpeed's CPU Adam
+    "dp2_zero2_offload": {"num_gpus": 2, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
     "tp2": {"num_gpus": 2, "model_parallel_size": 2},
     "pp2": {"num_gpus": 2, "pipe_parallel_size": 2},
     "tp2_pp2": {"num_gpus": 4, "model_parallel_size": 2, "pipe_parallel_size": 2},

@@ -90,3 +90,10 @@ def test_unknown_type_and_params_are_config_errors() -> None:
         build_optimizer(Tiny(), _args("Adam", momentum=0.9))
     with pytest.raises(ConfigError, match="betas"):
         build_optimizer(Tiny(), _args("Adam", betas=[0.9]))
+
+
+def test_offloaded_adam_becomes_deepspeed_cpu_adam() -> None:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    assert isinstance(build_optimizer(Tiny(), _args("AdamW"), offload=True), DeepSpeedCPUAdam)
+    assert isinstance(build_optimizer(Tiny(), _args("Lion"), offload=True), Lion)  # only Adam is switched
