@@ -250,9 +250,6 @@ def build_engine(args: Any, ds_config: dict[str, Any]) -> Engine:
     ds_config = dict(ds_config)
     ds_config.pop("optimizer", None)
     ds_config.pop("scheduler", None)
-    # DeepSpeed 0.19 rejects the removed sparse_gradients key even when false; false is its old default
-    if not ds_config.get("sparse_gradients", False):
-        ds_config.pop("sparse_gradients", None)
     engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
