@@ -35,4 +35,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    run_guarded(main)
+    try:
+        run_guarded(main)
+    except SystemExit as done:
+        from megatron.initialize import exit_process
+
+        exit_process(done.code)

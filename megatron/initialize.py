@@ -98,3 +98,34 @@ def initialize(args: Any) -> Coordinates:
     sys.stdout.write(f"deepy: {coords} world={world}\n")
     sys.stdout.flush()
     return coords
+
+
+def exit_process(code: int | str | None) -> None:
+    """Leave the job without running the interpreter's teardown.
+
+    After training, gloo's and DeepSpeed's background threads can still be alive when Python
+    destroys its modules; one of them then aborts ("terminate called without an active exception",
+    exit -6) and DeepSpeed's launcher reports the whole run as failed although every result was
+    written. So: flush what we printed, tear the process group down while everything is still
+    alive, and leave with ``os._exit`` and the intended code.
+    """
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:  # sys.exit("message") semantics
+        print(code, file=sys.stderr)
+        status = 1
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            if status == 0:
+                dist.barrier()  # nobody leaves while another rank still talks to it
+            dist.destroy_process_group()
+    except Exception as err:  # teardown must not turn a good run into a failure
+        logging.getLogger(__name__).debug("process group teardown failed: %s", err)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
