@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tools" / "datasets"))
 
+from megatron.atomic_files import atomic_path  # noqa: E402
 from megatron.errors import UsageError, run_guarded  # noqa: E402
 
 DATASETS = ("pydocs",)
@@ -142,12 +143,9 @@ def pydoc_topics() -> list[str]:
 
 
 def write_jsonl(texts: list[str], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
         for text in texts:
             fh.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
 
 
 def build_pydocs(data_dir: Path, vocab_size: int, max_docs: int | None, workers: int) -> Path:

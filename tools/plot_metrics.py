@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 from megatron.errors import UsageError, run_guarded

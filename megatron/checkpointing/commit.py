@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron.atomic_files import atomic_write_text, fsync_dir
 from megatron.checkpointing.retention import CheckpointKind
 
 log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0 speaks
@@ -41,26 +42,6 @@ def tag_for(step: int) -> str:
 def step_of(tag: str) -> int | None:
     match = _TAG_RE.match(tag)
     return int(match.group(1)) if match else None
-
-
-def fsync_dir(path: Path) -> None:
-    """Persist a directory entry (a rename or a new file) - not just the file contents."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` so readers see the old content or the new one, never a torn file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def fsync_tree(root: Path) -> None:

@@ -20,13 +20,13 @@ import fcntl
 import hashlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
 
+from megatron.atomic_files import atomic_path
 from megatron.errors import DataError
 
 _MAGIC = b"DEEPYIDX"
@@ -83,22 +83,13 @@ def save_arrays(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray]) 
         offset += arr.nbytes
     header = json.dumps(entries).encode()
     data_start = -(-(len(_MAGIC) + 8 + len(header)) // _ALIGN) * _ALIGN
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(_MAGIC)
-            f.write(len(header).to_bytes(8, "little"))
-            f.write(header)
-            for entry, arr in zip(entries, arrays.values()):
-                f.seek(data_start + entry["offset"])
-                f.write(np.ascontiguousarray(arr).tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(_MAGIC)
+        f.write(len(header).to_bytes(8, "little"))
+        f.write(header)
+        for entry, arr in zip(entries, arrays.values()):
+            f.seek(data_start + entry["offset"])
+            f.write(np.ascontiguousarray(arr).tobytes())
 
 
 def load_arrays(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:

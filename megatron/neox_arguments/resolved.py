@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megatron.atomic_files import atomic_write_text
 from megatron.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -54,19 +54,7 @@ class ResolvedConfig:
     def write(self, path: str | os.PathLike[str]) -> Path:
         """Write the JSON file atomically: a reader sees the old file or the whole new one."""
         target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(self.to_json_dict(), indent=2, sort_keys=False) + "\n"
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        atomic_write_text(target, json.dumps(self.to_json_dict(), indent=2, sort_keys=False) + "\n")
         return target
 
 

@@ -7,20 +7,16 @@ JSON file and each check is reported as its own test.
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
-import sys
-import time
 import traceback
 from datetime import timedelta
-from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from rank_harness import finish_rank, run_ranks
 
 WORLD = 2
 SEED = 11
@@ -129,7 +125,10 @@ def check_vocab_parallel_embedding() -> None:
 
 
 def check_vocab_parallel_cross_entropy() -> None:
-    from megatron.mpu import get_tensor_model_parallel_rank, vocab_parallel_cross_entropy
+    from megatron.mpu import (
+        get_tensor_model_parallel_rank,
+        vocab_parallel_cross_entropy,
+    )
 
     rank = get_tensor_model_parallel_rank()
     # large offsets: exp() would overflow without subtracting the max across the group
@@ -199,7 +198,11 @@ def check_mappings() -> None:
 
 def check_sequence_parallel_mlp_pair() -> None:
     """Column -> gelu -> row with sequence-sharded input/output equals the replicated pair."""
-    from megatron.mpu import ColumnParallelLinear, RowParallelLinear, get_tensor_model_parallel_rank
+    from megatron.mpu import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        get_tensor_model_parallel_rank,
+    )
 
     rank = get_tensor_model_parallel_rank()
     x_full = _same_inputs(4, 2, 6, seed=12)
@@ -265,7 +268,9 @@ def check_rng_tracker() -> None:
     assert torch.equal(others_default[0], others_default[1])
     assert not torch.equal(others_tracked[0], others_tracked[1])
     # the tracker is DeepSpeed's, so its activation checkpointing replays the same stream
-    from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+    from deepspeed.runtime.activation_checkpointing.checkpointing import (
+        get_cuda_rng_tracker,
+    )
 
     from megatron.mpu.random import MODEL_PARALLEL_RNG
 
@@ -299,26 +304,12 @@ def _rank_main(rank: int, out_dir: str) -> None:
             results[name] = "ok"
         except Exception:  # record and go on: the other checks still report
             results[name] = traceback.format_exc()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
-    # Skip interpreter teardown: now and then a gloo thread still joinable at exit aborts the
-    # process ("terminate called without an active exception") after all results are written.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish_rank(out_dir, rank, results)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
-    out = tmp_path_factory.mktemp("tp_layers")
-    ctx = mp.start_processes(_rank_main, args=(str(out),), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + 300
-    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("tp layer ranks did not finish in 300 s")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return run_ranks(_rank_main, WORLD, tmp_path_factory.mktemp("tp_layers"))
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

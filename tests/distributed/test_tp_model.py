@@ -10,20 +10,16 @@ DeepSpeed `PipelineModule` stages, passing the activation by hand. One spawn for
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
-import sys
-import time
 import traceback
 import zlib
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from rank_harness import finish_rank, run_ranks
 
 WORLD = 2
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, padded_vocab_size=64, seed=3)
@@ -55,7 +51,10 @@ def _batch(cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def _perturb(model: torch.nn.Module, cfg, full_shapes: dict[str, torch.Size]) -> None:
     """Add noise drawn for the FULL tensor (seeded by name) and keep this rank's shard of it."""
     from megatron.model import tp_partition_of
-    from megatron.mpu import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from megatron.mpu import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
     from megatron.mpu.initialize_weights import shard_tensor
 
     rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
@@ -254,26 +253,12 @@ def _rank_main(rank: int, out_dir: str) -> None:
     mpu.initialize_model_parallel(1, WORLD)
     for name in PIPELINE_CONFIGS:
         record(f"pp2_{name}", check_pp2_equals_tp1, configs[name], refs[name])
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
-    # Skip interpreter teardown: now and then a gloo thread still joinable at exit aborts the
-    # process ("terminate called without an active exception") after all results are written.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish_rank(out_dir, rank, results)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
-    out = tmp_path_factory.mktemp("tp_model")
-    ctx = mp.start_processes(_rank_main, args=(str(out),), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + 300
-    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("ranks did not finish in 300 s")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return run_ranks(_rank_main, WORLD, tmp_path_factory.mktemp("tp_model"))
 
 
 @pytest.mark.parametrize("key", [f"tp2_{n}" for n in CONFIGS] + [f"pp2_{n}" for n in PIPELINE_CONFIGS])

@@ -27,7 +27,6 @@ from megatron.neox_arguments.arguments import (
     require_supported,
 )
 from megatron.neox_arguments.groups.model import ModelArgs
-from megatron.neox_arguments.groups.training import TrainingArgs
 
 REPO = Path(__file__).resolve().parents[2]
 TSV = REPO.parent / "shared" / "reference" / "gpt-neox-arguments.tsv"

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 
+from megatron.atomic_files import atomic_path  # noqa: E402
 from megatron.errors import DataError, run_guarded  # noqa: E402
 
 EOD_TOKEN = "<|endoftext|>"
@@ -66,11 +67,8 @@ def iter_texts(paths: list[str], key: str) -> Iterator[str]:
 
 def save(tok: Tokenizer, path: str | os.PathLike[str]) -> None:
     """Write atomically so a crash never leaves a truncated tokenizer.json behind."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tok.save(str(tmp), pretty=True)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        tok.save(str(tmp), pretty=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,55 @@
+"""Atomic file writes: readers see the old file or the complete new one, never a torn one.
+
+Everything Deepy writes that something else reads back (resolved configs, sample-index caches,
+checkpoint markers and ``latest``, tokenizers, the built-in corpus) goes through here: write to a
+temporary file in the same directory, fsync it, ``os.replace`` it over the target, fsync the
+directory so the rename itself survives a crash. On failure the temporary file is removed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Persist a directory entry (a rename or a new file), not just the file contents."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; when the block succeeds it becomes ``path``."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        _fsync_file(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_dir(target.parent)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")

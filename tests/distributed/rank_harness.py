@@ -1,0 +1,36 @@
+"""Shared plumbing of the spawned-rank tests: start N gloo ranks, collect one JSON result per rank.
+
+Each rank runs its checks, records "ok" or the traceback per check, and leaves through
+:func:`finish_rank`; the module fixture calls :func:`run_ranks` and parametrised tests assert on
+the per-check results, so one spawn serves many named tests.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+
+def finish_rank(out_dir: str, rank: int, results: dict[str, str]) -> None:
+    """Write this rank's results, then leave without interpreter teardown (see exit_process)."""
+    from megatron.initialize import exit_process
+
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    exit_process(0)
+
+
+def run_ranks(rank_main: Callable[..., None], world: int, out: Path, timeout_s: float = 300) -> list[dict[str, str]]:
+    """Spawn ``rank_main(rank, str(out))`` on ``world`` ranks and return each rank's results."""
+    ctx = mp.start_processes(rank_main, args=(str(out),), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"ranks did not finish in {timeout_s:.0f} s")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
