@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from megatron.mpu import build_topology
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).with_name("golden_losses.json")
@@ -103,8 +106,24 @@ def run_layout(name: str, tmp: Path) -> list[dict[str, Any]]:
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-4000:]
         pytest.fail(f"layout {name} failed with exit code {proc.returncode}:\n{tail}")
+    assert_ranks_report_their_coordinates(name, proc.stdout + proc.stderr, config)
     rows = [json.loads(line) for line in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "train/lm_loss" in r] + [r for r in rows if "train/lm_loss" not in r]
+
+
+COORDINATES = re.compile(r"^deepy: rank=(\d+) tp=(\d+) pp=(\d+) dp=(\d+) world=(\d+)$", re.MULTILINE)
+
+
+def assert_ranks_report_their_coordinates(name: str, output: str, config: dict[str, Any]) -> None:
+    """Every rank of train.py printed its (tp, pp, dp) place, and the places form DeepSpeed's grid."""
+    world = config["num_gpus"]
+    topo = build_topology(config.get("model_parallel_size", 1), config.get("pipe_parallel_size", 0), world)
+    want = set()
+    for rank in range(world):
+        coord = topo.get_coord(rank)
+        want.add((rank, coord.model, coord.pipe, coord.data, world))
+    got = [tuple(int(x) for x in match) for match in COORDINATES.findall(output)]
+    assert sorted(got) == sorted(want), f"{name}: ranks reported {sorted(got)}, expected {sorted(want)}"
 
 
 def load_golden() -> dict[str, list[float]]:
