@@ -51,6 +51,21 @@ def set_seeds(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
+def skip_shared_memory_comm_op() -> None:
+    """Keep DeepSpeed from JIT-compiling its CPU shared-memory all-reduce op at start-up.
+
+    On CPU, DeepSpeed's comm backend compiles a C++ extension (``deepspeed_shm_comm``) the first
+    time any rank starts on a machine. It only serves DeepSpeed's inference all-reduce, which
+    training never calls, yet the compile costs a minute on a fresh machine, needs a compiler, and
+    fails under resource limits (a capped file size, a full disk). Marking it incompatible makes
+    DeepSpeed skip it; every collective we use goes through torch.distributed on gloo unchanged.
+    """
+    import deepspeed.ops
+
+    compatible = deepspeed.ops.__compatible_ops__  # probed once, cached by DeepSpeed as a dict
+    compatible["deepspeed_shm_comm"] = False
+
+
 def init_distributed(args: Any) -> None:
     """Join the process group described by the environment (idempotent)."""
     import deepspeed
@@ -67,10 +82,13 @@ def init_distributed(args: Any) -> None:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if torch.distributed.is_initialized():
         return
+    backend = backend_for(args)
+    if backend == "gloo":
+        skip_shared_memory_comm_op()
     # Through DeepSpeed so its comm layer (used by the engine and ZeRO) wraps the same group;
     # auto_mpi_discovery stays off because the environment mapping above already did that job.
     deepspeed.init_distributed(
-        dist_backend=backend_for(args),
+        dist_backend=backend,
         auto_mpi_discovery=False,
         timeout=RENDEZVOUS_TIMEOUT,
         rank=int(env["RANK"]),

@@ -336,4 +336,6 @@ if __name__ == "__main__":
     parser.add_argument("--fake-clock", action="store_true")
     parser.add_argument("--no-load-optim", action="store_true")
     parser.add_argument("--out")
-    sys.exit(worker(parser.parse_args()))
+    from megatron.initialize import exit_process
+
+    exit_process(worker(parser.parse_args()))  # as train.py: no interpreter teardown abort (-6)
