@@ -170,10 +170,13 @@ def _within_cycle(spec: ScheduleSpec, index: int, start: int, length: int, step:
 
 
 def _steps(value: float | int | None, total: int) -> int:
-    """A warmup-like quantity: a fraction of ``total`` when < 1, else a number of steps."""
+    """A warmup-like quantity: a fraction of ``total`` when in (0, 1], else a number of steps.
+
+    1 is a fraction (the whole span), as in GPT-NeoX and as the config rules read it.
+    """
     if value is None or value <= 0:
         return 0
-    if value < 1:
+    if value <= 1:
         return int(round(value * total))
     return int(value)
 

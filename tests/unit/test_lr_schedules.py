@@ -143,3 +143,12 @@ def test_scheduler_sets_param_groups_and_resumes() -> None:
     again = LRScheduler(opt, spec)
     again.load_state_dict(sched.state_dict())
     assert again.num_steps == 5 and opt.param_groups[0]["lr"] == approx(0.5)
+
+
+def test_warmup_of_one_is_the_whole_span_as_in_gpt_neox() -> None:
+    from megatron.training.lr_schedules import _steps
+
+    assert _steps(1, 200) == 200  # a fraction, like the config rules read it
+    assert _steps(1.0, 200) == 200
+    assert _steps(0.05, 200) == 10
+    assert _steps(20, 200) == 20  # whole numbers above 1 are steps
