@@ -73,6 +73,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "tp2_pp2": {"num_gpus": 4, "model_parallel_size": 2, "pipe_parallel_size": 2},
     "tp2_dp2_zero1": {"num_gpus": 4, "model_parallel_size": 2, "zero_optimization": {"stage": 1}},
     "pp2_dp2": {"num_gpus": 4, "pipe_parallel_size": 2},
+    # ZeRO-1 is the one ZeRO stage DeepSpeed runs under a pipeline; clipping goes through its norm code
+    "pp2_zero1": {"num_gpus": 2, "pipe_parallel_size": 2, "zero_optimization": {"stage": 1}},
     # recomputing activations must not change the numbers
     "tp2_actckpt_partitioned": {"num_gpus": 2, "model_parallel_size": 2, "checkpoint_activations": True,
                                 "partition_activations": True},
