@@ -56,8 +56,9 @@ def skip_shared_memory_comm_op() -> None:
 
     On CPU, DeepSpeed's comm backend compiles a C++ extension (``deepspeed_shm_comm``) the first
     time any rank starts on a machine. It only serves DeepSpeed's inference all-reduce, which
-    training never calls, yet the compile costs a minute on a fresh machine, needs a compiler, and
-    fails under resource limits (a capped file size, a full disk). Marking it incompatible makes
+    training never calls, yet the compile costs minutes on a fresh machine, needs a compiler, fails
+    under resource limits (a capped file size, a full disk), and every run leaves its buffers in
+    /dev/shm (they filled 19 GB of RAM over a day of test runs here). Marking it incompatible makes
     DeepSpeed skip it; every collective we use goes through torch.distributed on gloo unchanged.
     """
     import deepspeed.ops

@@ -234,6 +234,9 @@ def _rank_main(rank: int, out_dir: str) -> None:
     from megatron import mpu
     from megatron.model import GPTConfig
 
+    from megatron.initialize import skip_shared_memory_comm_op
+
+    skip_shared_memory_comm_op()  # as train.py: no /dev/shm buffers left behind by DeepSpeed's op
     deepspeed.init_distributed(dist_backend="gloo")
     results: dict[str, str] = {}
     configs = {name: GPTConfig(**{**BASE, **overrides}) for name, overrides in CONFIGS.items()}

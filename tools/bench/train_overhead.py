@@ -74,6 +74,10 @@ def init_single_process() -> None:
     if not dist.is_initialized():
         import torch
 
+        from megatron.initialize import skip_shared_memory_comm_op
+
+        if not torch.cuda.is_available():
+            skip_shared_memory_comm_op()
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
                                    auto_mpi_discovery=False)
     mpu.initialize_model_parallel(1, 0)
