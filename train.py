@@ -1,12 +1,14 @@
 """Worker entry point, started on every rank by deepy.py: ``train.py --deepy_config PATH``.
 
-Thin on purpose: read the resolved config, join the job, then hand over to megatron/.
+Thin on purpose: read the resolved config, build the typed run config, join the job, then hand
+over to megatron/.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from megatron.errors import run_guarded
 
@@ -20,24 +22,30 @@ def parse_worker_argv(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main() -> int:
+def main(before_commit: Callable[[int], None] | None = None) -> int:
+    """``before_commit``: a test seam passed through to the checkpointing (see pretrain)."""
     from megatron.initialize import initialize
     from megatron.neox_arguments import load_resolved
+    from megatron.neox_arguments.run_config import RunConfig
 
     options = parse_worker_argv(sys.argv[1:])
-    resolved = load_resolved(options.deepy_config)
-    initialize(resolved.args)  # prints this rank's coordinates
+    run = RunConfig.from_resolved(load_resolved(options.deepy_config))
+    initialize(run.parallel, run.training.seed)  # prints this rank's coordinates
 
-    from megatron.training import pretrain
+    from megatron.training.pretrain import pretrain
 
-    pretrain(resolved.args)
+    pretrain(run, before_commit=before_commit)
     return 0
 
 
-if __name__ == "__main__":
+def run_worker(before_commit: Callable[[int], None] | None = None) -> None:
     try:
-        run_guarded(main)
+        run_guarded(lambda: main(before_commit))
     except SystemExit as done:
         from megatron.initialize import exit_process
 
         exit_process(done.code)
+
+
+if __name__ == "__main__":
+    run_worker()

@@ -13,13 +13,14 @@ import os
 import random
 import sys
 from datetime import timedelta
-from typing import Any
 
 import numpy as np
 import torch
 
+from megatron.deepspeed_internals import skip_shared_memory_comm_op
 from megatron.errors import ConfigError
 from megatron.launcher.environment import distributed_env
+from megatron.mpu.config import ParallelConfig
 from megatron.mpu import Coordinates, initialize_model_parallel
 from megatron.mpu.topology import get_coordinates, get_topology
 
@@ -30,9 +31,8 @@ logger = logging.getLogger(__name__)
 RENDEZVOUS_TIMEOUT = timedelta(minutes=30)
 
 
-def backend_for(args: Any) -> str:
+def backend_for(chosen: str | None) -> str:
     """``distributed_backend`` if set, else nccl with CUDA and gloo without."""
-    chosen = getattr(args, "distributed_backend", None)
     if chosen:
         if chosen == "nccl" and not torch.cuda.is_available():
             raise ConfigError("distributed_backend='nccl' needs CUDA GPUs: use gloo on CPU, or remove the key")
@@ -51,31 +51,15 @@ def set_seeds(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def skip_shared_memory_comm_op() -> None:
-    """Keep DeepSpeed from JIT-compiling its CPU shared-memory all-reduce op at start-up.
-
-    On CPU, DeepSpeed's comm backend compiles a C++ extension (``deepspeed_shm_comm``) the first
-    time any rank starts on a machine. It only serves DeepSpeed's inference all-reduce, which
-    training never calls, yet the compile costs minutes on a fresh machine, needs a compiler, fails
-    under resource limits (a capped file size, a full disk), and every run leaves its buffers in
-    /dev/shm (they filled 19 GB of RAM over a day of test runs here). Marking it incompatible makes
-    DeepSpeed skip it; every collective we use goes through torch.distributed on gloo unchanged.
-    """
-    import deepspeed.ops
-
-    compatible = deepspeed.ops.__compatible_ops__  # probed once, cached by DeepSpeed as a dict
-    compatible["deepspeed_shm_comm"] = False
-
-
-def init_distributed(args: Any) -> None:
+def init_distributed(parallel: ParallelConfig) -> None:
     """Join the process group described by the environment (idempotent)."""
     import deepspeed
 
     env = distributed_env(
         os.environ,
-        master_addr=getattr(args, "master_addr", None),
-        master_port=getattr(args, "master_port", None),
-        prefer_slurm=bool(getattr(args, "deepspeed_slurm", False)),
+        master_addr=parallel.master_addr,
+        master_port=parallel.master_port,
+        prefer_slurm=parallel.prefer_slurm,
     )
     os.environ.update(env)
     local_rank = int(env["LOCAL_RANK"])
@@ -83,7 +67,7 @@ def init_distributed(args: Any) -> None:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if torch.distributed.is_initialized():
         return
-    backend = backend_for(args)
+    backend = backend_for(parallel.backend)
     if backend == "gloo":
         skip_shared_memory_comm_op()
     # Through DeepSpeed so its comm layer (used by the engine and ZeRO) wraps the same group;
@@ -97,20 +81,18 @@ def init_distributed(args: Any) -> None:
     )
 
 
-def initialize(args: Any) -> Coordinates:
+def initialize(parallel: ParallelConfig, seed: int) -> Coordinates:
     """Distributed start-up for one rank; returns (and prints) where this rank sits in the grid."""
-    init_distributed(args)
+    init_distributed(parallel)
     world = torch.distributed.get_world_size()
-    expected = getattr(args, "world_size", None)
+    expected = parallel.world_size
     if expected is not None and expected != world:
         raise ConfigError(
             f"the config was checked for world_size={expected} but {world} ranks started: "
             f"launch through deepy.py, or set num_gpus/hostfile to match"
         )
-    tp = int(getattr(args, "model_parallel_size", 1) or 1)
-    pp = int(getattr(args, "pipe_parallel_size", 0) or 0)
-    initialize_model_parallel(tp, pp)
-    set_seeds(int(getattr(args, "seed", 1234)))
+    initialize_model_parallel(parallel.tensor, parallel.pipe)
+    set_seeds(seed)
     coords = get_coordinates()
     get_topology()  # raises if the groups were not built
     # one write per line: ranks share the launcher's pipe and print() writes the newline separately

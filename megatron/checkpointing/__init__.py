@@ -1,10 +1,11 @@
 """Checkpoints: save/load through DeepSpeed, commit marker, retention, layout change, preemption.
 
-``load``, ``maybe_save`` and ``save_at_exit`` are the hooks the training loop calls (see
-``hooks.py``); ``CheckpointManager`` is the same machinery for callers that hold their own engine.
+``CheckpointManager`` owns one run's save directory, retention and preemption flag;
+``CheckpointHooks`` adapts it to the training loop (``pretrain`` wires it explicitly).
 """
 
-from megatron.checkpointing.hooks import load, maybe_save, save_at_exit
+from megatron.checkpointing.config import CheckpointConfig
+from megatron.checkpointing.hooks import CheckpointHooks
 from megatron.checkpointing.manager import CheckpointManager
 
-__all__ = ["CheckpointManager", "load", "maybe_save", "save_at_exit"]
+__all__ = ["CheckpointConfig", "CheckpointHooks", "CheckpointManager"]

@@ -2,7 +2,7 @@
 
 ::
 
-    ckpt = CheckpointManager.from_args(args, config_files=resolved.config_files)
+    ckpt = CheckpointManager.from_config(run.checkpoint, args_record=run.args_record)
     start = ckpt.load(engine)                      # LoadResult: iteration, consumed_samples
     for step in range(start.iteration + 1, train_iters + 1):
         ...train one step...
@@ -34,7 +34,9 @@ from megatron.checkpointing.retention import (
     RetentionPolicy,
     SaveDecision,
 )
+from megatron.checkpointing.config import CheckpointConfig
 from megatron.checkpointing.save_load import (
+    BeforeCommit,
     LoadOptions,
     LoadResult,
     SaveRequest,
@@ -97,6 +99,7 @@ class CheckpointManager:
         no_load_rng: bool = False,
         save_rng: bool = True,
         preemption: PreemptionWatcher | None = None,
+        before_commit: BeforeCommit | None = None,
     ) -> None:
         self.save_dir = Path(save) if save else None
         self.load_dir = Path(load) if load else None
@@ -110,43 +113,46 @@ class CheckpointManager:
         self.no_load_rng = no_load_rng
         self.save_rng = save_rng
         self.preemption = preemption if preemption is not None else PreemptionWatcher().install()
+        self.before_commit = before_commit
         self.last_saved_step: int | None = None
         self.universal_info: dict[str, Any] | None = None
         """DeepSpeed's TP merge patterns for this model; set by whoever knows the model."""
 
     @classmethod
-    def from_args(
-        cls, args: Any, *, config_files: dict[str, str] | None = None, clock: Callable[[], float] = time.monotonic
+    def from_config(
+        cls,
+        config: CheckpointConfig,
+        *,
+        args_record: dict[str, Any],
+        train_iters: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        before_commit: BeforeCommit | None = None,
     ) -> CheckpointManager:
-        if getattr(args, "no_save_optim", False):
-            raise ConfigError(
-                "no_save_optim: true is not supported: DeepSpeed writes the optimizer state (ZeRO shards) "
-                "with every checkpoint, and Deepy resumes exactly from it. Remove no_save_optim; use "
-                "no_load_optim when resuming to start the optimizer afresh."
-            )
-        factor = args.checkpoint_factor
+        """``train_iters``: the run's last step when it was derived at start-up (train_epochs)."""
+        factor = config.checkpoint_factor
         policy = RetentionPolicy(
-            train_iters=int(args.train_iters or 0),
+            train_iters=int(train_iters or config.train_iters or 0),
             checkpoint_factor=int(factor) if factor else None,
-            checkpoint_scale=args.checkpoint_scale,
-            extra_save_iters=args.extra_save_iters,
-            keep_last_n_checkpoints=args.keep_last_n_checkpoints,
-            save_interval_s=parse_save_interval(args.save_interval),
-            keep=keep_rules(args.keep),
+            checkpoint_scale=config.checkpoint_scale,
+            extra_save_iters=config.extra_save_iters,
+            keep_last_n_checkpoints=config.keep_last_n_checkpoints,
+            save_interval_s=parse_save_interval(config.save_interval),
+            keep=keep_rules(config.keep),
             clock=clock,
         )
         return cls(
-            save=args.save,
-            load=args.load,
+            save=config.save,
+            load=config.load,
             policy=policy,
-            args_dict=args.model_dump(mode="json"),
-            config_files=config_files if config_files is not None else (args.config_files or {}),
-            finetune=args.finetune,
-            initialize_from=args.initialize_from,
-            iteration=args.iteration,
-            no_load_optim=args.no_load_optim,
-            no_load_rng=args.no_load_rng,
-            save_rng=not args.no_save_rng,
+            args_dict=args_record,
+            config_files=config.config_files,
+            finetune=config.finetune,
+            initialize_from=config.initialize_from,
+            iteration=config.iteration,
+            no_load_optim=config.no_load_optim,
+            no_load_rng=config.no_load_rng,
+            save_rng=not config.no_save_rng,
+            before_commit=before_commit,
         )
 
     # --- load ----------------------------------------------------------------------------------
@@ -241,6 +247,7 @@ class CheckpointManager:
             extra=dict(extra or {}),
             save_rng=self.save_rng,
             universal_info=self.universal_info,
+            before_commit=self.before_commit,
         )
         save_checkpoint(engine, self.save_dir, request)
         self.policy.on_committed()

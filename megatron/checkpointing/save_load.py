@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from megatron.checkpointing.universal import (
     needs_universal,
     universal_dir,
 )
+from megatron.deepspeed_internals import recorded_checkpoint_writes, universal_loading
 from megatron.errors import CheckpointError
 
 log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0 speaks
@@ -60,8 +61,9 @@ SHAPE_KEYS = (
     "num_experts", "no_weight_tying",
 )  # fmt: skip
 
-# Test hook for the crash-safety test: die with SIGKILL after the files, before the marker.
-KILL_BEFORE_COMMIT_ENV = "DEEPY_TEST_KILL_BEFORE_COMMIT"
+BeforeCommit = Callable[[int], None]
+"""Called with the step on every rank after all files are written and before the commit marker
+(the crash-safety tests inject one that kills the process there)."""
 
 
 def _rank() -> int:
@@ -82,41 +84,6 @@ def _failed_ranks(failed: bool) -> list[int]:
     return [r for r, f in enumerate(flags.cpu().tolist()) if f]
 
 
-class _GuardedWrites:
-    """Wraps DeepSpeed's checkpoint engine so a failed write is recorded, not raised mid-save.
-
-    Raising inside ``engine.save_checkpoint`` would leave this rank out of DeepSpeed's closing
-    barrier while the others wait in it forever.
-    """
-
-    def __init__(self, engine: Any) -> None:
-        self.ckpt_engine = engine.checkpoint_engine
-        self.error: BaseException | None = None
-
-    def __enter__(self) -> _GuardedWrites:
-        original_save, original_makedirs = self.ckpt_engine.save, self.ckpt_engine.makedirs
-
-        def save(state_dict: Any, path: str) -> None:
-            if self.error is None:
-                try:
-                    original_save(state_dict, path)
-                except Exception as err:  # noqa: BLE001 - disk full, permissions, ...
-                    self.error = err
-
-        def makedirs(path: str, exist_ok: bool = False) -> None:
-            try:
-                original_makedirs(path, exist_ok=exist_ok)
-            except Exception as err:  # noqa: BLE001
-                self.error = self.error or err
-
-        self.ckpt_engine.save, self.ckpt_engine.makedirs = save, makedirs
-        self._originals = (original_save, original_makedirs)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.ckpt_engine.save, self.ckpt_engine.makedirs = self._originals
-
-
 @dataclass(frozen=True)
 class SaveRequest:
     """What to write besides the engine's own state."""
@@ -131,6 +98,7 @@ class SaveRequest:
     save_rng: bool = True
     universal_info: dict[str, Any] | None = None
     """DeepSpeed's ``universal_checkpoint_info`` (TP patterns), needed to change tp later."""
+    before_commit: BeforeCommit | None = None
 
 
 def current_layout(engine: Any) -> Layout:
@@ -185,9 +153,9 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Save
     }
     if request.universal_info is not None:
         client_state["universal_checkpoint_info"] = request.universal_info
-    with _GuardedWrites(engine) as guard:
+    with recorded_checkpoint_writes(engine) as write_errors:
         engine.save_checkpoint(str(save), tag, client_state=client_state, save_latest=False)
-    error = guard.error
+    error = write_errors[0] if write_errors else None
     if error is None:
         try:
             _write_rank_files(ckpt_dir, request, rank)
@@ -202,8 +170,8 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Save
             "permissions, then resume."
         )
 
-    if os.environ.get(KILL_BEFORE_COMMIT_ENV) == str(request.step):
-        os.kill(os.getpid(), signal.SIGKILL)
+    if request.before_commit is not None:
+        request.before_commit(request.step)
 
     # every rank has finished writing (the all-reduce above is the barrier): seal it
     if rank == 0:
@@ -377,11 +345,8 @@ def load_checkpoint(
 
 
 def _engine_load(engine: Any, source: Path, universal: bool, options: LoadOptions) -> None:
-    config = engine._config  # DeepSpeed reads this flag only inside load_checkpoint
-    previous = config.load_universal_checkpoint
-    config.load_universal_checkpoint = universal
     try:
-        with weights_only_loading():
+        with universal_loading(engine, universal), weights_only_loading(source):
             path, _ = engine.load_checkpoint(
                 str(source.parent),
                 source.name,
@@ -394,8 +359,6 @@ def _engine_load(engine: Any, source: Path, universal: bool, options: LoadOption
         raise
     except (RuntimeError, AssertionError, KeyError, ValueError) as err:
         raise CheckpointError(_explain_load_error(source, err)) from err
-    finally:
-        config.load_universal_checkpoint = previous
     if path is None:
         raise CheckpointError(f"DeepSpeed found no model files in {source}")
 

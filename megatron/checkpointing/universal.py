@@ -22,10 +22,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron.checkpointing import commit
 from megatron.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from megatron.model.config import GPTConfig
 
 log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0 speaks
 
@@ -142,7 +145,7 @@ def universal_param_names(target: Path) -> set[str]:
     return {p.name for p in zero.iterdir() if p.is_dir()} if zero.is_dir() else set()
 
 
-def universal_checkpoint_info(config: Any) -> dict[str, Any]:
+def universal_checkpoint_info(config: GPTConfig, tp: int) -> dict[str, Any]:
     """DeepSpeed's ``universal_checkpoint_info`` for our model, from its TP partition patterns.
 
     It tells ``ds_to_universal`` how to glue tensor-parallel shards back into full tensors:
@@ -159,7 +162,6 @@ def universal_checkpoint_info(config: Any) -> dict[str, Any]:
         return f".*(?:{pattern})"
 
     patterns = tp_partition_patterns(config)
-    tp = _tp_world_size()
     row: list[str] = []
     vocab: list[str] = []
     sub_params: list[dict[str, Any]] = []
@@ -184,12 +186,6 @@ def universal_checkpoint_info(config: Any) -> dict[str, Any]:
         ds.SUB_PARAM_SHARD_WIDTHS: shard_widths,
         ds.TP_REPLICATED_PARAMETER_PATTERNS: [replicated],
     }
-
-
-def _tp_world_size() -> int:
-    from megatron.mpu import topology
-
-    return topology.get_tensor_model_parallel_world_size()
 
 
 def fit_vocabulary_rows(target: Path, info: dict[str, Any], rows: int) -> list[str]:

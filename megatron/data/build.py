@@ -1,4 +1,4 @@
-"""``build_datasets(args)``: the train/valid/test datasets a run reads, from the config.
+"""``build_datasets(config)``: the train/valid/test datasets a run reads, from its :class:`DataConfig`.
 
 Sources, in order of precedence:
 
@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron.data.config import SPLITS, DataConfig
 from megatron.data.blendable_dataset import BlendedDataset, cached_blend_index, samples_per_dataset, weights_by_num_documents
 from megatron.data.dummy_dataset import DummyDataset
 from megatron.data.gpt_dataset import GPTDataset
@@ -32,8 +33,6 @@ from megatron.data.sft_dataset import SFTDataset
 from megatron.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
-
-SPLITS = ("train", "valid", "test")
 
 
 @dataclass
@@ -65,14 +64,12 @@ def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
     return [(int(bounds[i]), int(bounds[i + 1])) for i in range(3)]
 
 
-def samples_needed(args: Any) -> tuple[int, int, int]:
+def samples_needed(config: DataConfig) -> tuple[int, int, int]:
     """Samples each split must provide for the planned schedule (train from train_iters only)."""
-    g = int(getattr(args, "train_batch_size", None) or 0)
-    if g <= 0:
-        raise ConfigError("train_batch_size must be known before building datasets")
-    iters = int(getattr(args, "train_iters", None) or 0)
-    eval_iters = int(getattr(args, "eval_iters", 0) or 0)
-    interval = int(getattr(args, "eval_interval", None) or 0) or max(iters, 1)
+    g = config.train_batch_size
+    iters = config.train_iters or 0
+    eval_iters = config.eval_iters
+    interval = config.eval_interval or max(iters, 1)
     train = iters * g
     valid = (iters // interval + 1) * eval_iters * g if eval_iters else 0
     test = eval_iters * g
@@ -94,6 +91,17 @@ def _open(prefix: str) -> MMapIndexedDataset:
     return MMapIndexedDataset(prefix)
 
 
+def warm_up(prefixes: set[str]) -> None:
+    """``mmap_warmup``: read every ``.bin`` once so its pages are in the page cache before step 1
+    (the first steps otherwise wait on the disk for every sample they touch)."""
+    chunk = 16 << 20
+    for prefix in sorted(prefixes):
+        with open(prefix + ".bin", "rb", buffering=0) as handle:
+            while handle.read(chunk):
+                pass
+        logger.info("mmap_warmup: read %s.bin into the page cache", prefix)
+
+
 # ---- one component: the files behind one weighted entry ----------------------------------------
 @dataclass
 class Component:
@@ -110,15 +118,13 @@ class Component:
 
 
 class _Builder:
-    def __init__(self, args: Any, tokenizer: Any) -> None:
-        self.args = args
-        self.seq_length = int(getattr(args, "seq_length", None) or 0)
-        if self.seq_length <= 0:
-            raise ConfigError("seq_length must be set to build datasets")
-        self.seed = int(getattr(args, "seed", 1234))
-        self.pack_impl = getattr(args, "pack_impl", "packed") or "packed"
-        self.allow_chopped = bool(getattr(args, "allow_chopped", True))
-        self.cache_dir = getattr(args, "cache_dir", None)
+    def __init__(self, config: DataConfig, tokenizer: Any) -> None:
+        self.config = config
+        self.seq_length = config.seq_length
+        self.seed = config.seed
+        self.pack_impl = config.pack_impl
+        self.allow_chopped = config.allow_chopped
+        self.cache_dir = config.cache_dir
         self.pad_id = int(getattr(tokenizer, "pad", 0) or 0) if tokenizer is not None else 0
 
     def component(self, name: str, c: Component, num_samples: int) -> Any:
@@ -144,9 +150,8 @@ class _Builder:
             return None
         if len(comps) == 1:
             return self.component(name, comps[0], num_samples)
-        if getattr(self.args, "weight_by_num_documents", False):
-            w = weights_by_num_documents([c.num_documents() for c in comps],
-                                         float(getattr(self.args, "weighted_sampler_alpha", 1.0)))
+        if self.config.weight_by_num_documents:
+            w = weights_by_num_documents([c.num_documents() for c in comps], self.config.weighted_sampler_alpha)
         elif weights is not None:
             if len(weights) != len(comps):
                 raise ConfigError(f"{name}_data_weights has {len(weights)} entries for {len(comps)} datasets")
@@ -160,15 +165,15 @@ class _Builder:
         return BlendedDataset(parts, w, num_samples, index=index)
 
 
-def _components_for_split(args: Any, split: str) -> list[Component] | None:
+def _components_for_split(config: DataConfig, split: str) -> list[Component] | None:
     """Explicit per-split paths (``train_data_paths``..., ``pos_train_data_paths``...)."""
-    pos = _as_list(getattr(args, f"pos_{split}_data_paths", None))
+    pos = config.path_list(f"pos_{split}_data_paths")
     if pos:
-        neg = _as_list(getattr(args, f"neg_{split}_data_paths", None)) or []
+        neg = config.path_list(f"neg_{split}_data_paths") or []
         if len(neg) != len(pos):
             raise ConfigError(f"neg_{split}_data_paths must list one rejected dataset per pos_{split}_data_paths entry")
-        pos_l = _as_list(getattr(args, f"pos_{split}_label_data_paths", None))
-        neg_l = _as_list(getattr(args, f"neg_{split}_label_data_paths", None))
+        pos_l = config.path_list(f"pos_{split}_label_data_paths")
+        neg_l = config.path_list(f"neg_{split}_label_data_paths")
         comps = []
         for i, (p, n) in enumerate(zip(pos, neg)):
             roles = {"chosen": p, "rejected": n}
@@ -178,11 +183,11 @@ def _components_for_split(args: Any, split: str) -> list[Component] | None:
                 roles["rejected_label"] = neg_l[i]
             comps.append(Component(roles))
         return comps
-    paths = _as_list(getattr(args, f"{split}_data_paths", None))
+    paths = config.path_list(f"{split}_data_paths")
     if not paths:
         return None
-    labels = _as_list(getattr(args, f"{split}_label_data_paths", None))
-    rewards = _as_list(getattr(args, f"{split}_reward_data_paths", None))
+    labels = config.path_list(f"{split}_label_data_paths")
+    rewards = config.path_list(f"{split}_reward_data_paths")
     for key, extra in ((f"{split}_label_data_paths", labels), (f"{split}_reward_data_paths", rewards)):
         if extra is not None and len(extra) != len(paths):
             raise ConfigError(f"{key} must have one entry per {split}_data_paths entry ({len(paths)})")
@@ -191,7 +196,7 @@ def _components_for_split(args: Any, split: str) -> list[Component] | None:
         roles = {"text": p}
         if labels:
             roles["label"] = labels[i]
-        if rewards and getattr(args, "train_impl", "normal") == "kto":
+        if rewards and config.train_impl == "kto":
             roles["reward"] = rewards[i]
         comps.append(Component(roles))
     return comps
@@ -206,22 +211,18 @@ def _train_samples_from_epochs(builder: _Builder, comps: list[Component], epochs
     return max(g, (epochs * per_epoch) // g * g)
 
 
-def _wants_pairs(args: Any) -> bool:
-    return getattr(args, "dataset_impl", "gpt2") == "pairwise" or getattr(args, "train_impl", "normal") in ("dpo", "rm")
-
-
-def _dummy_kind(args: Any) -> str:
-    if _wants_pairs(args):
+def _dummy_kind(config: DataConfig) -> str:
+    if config.wants_pairs:
         return "pairwise"
-    return "reward" if getattr(args, "train_impl", "normal") == "kto" else "lm"
+    return "reward" if config.train_impl == "kto" else "lm"
 
 
-def _check_matches_train_impl(args: Any, per_split: dict[str, list[Component] | None]) -> None:
+def _check_matches_train_impl(config: DataConfig, per_split: dict[str, list[Component] | None]) -> None:
     """The data must carry what the objective reads; say which keys to set when it does not."""
-    impl = getattr(args, "train_impl", "normal")
+    impl = config.train_impl
     for split, comps in per_split.items():
         for c in comps or []:
-            if _wants_pairs(args) and "chosen" not in c.roles:
+            if config.wants_pairs and "chosen" not in c.roles:
                 raise ConfigError(f"train_impl={impl}/dataset_impl=pairwise needs preference pairs: set "
                                   f"pos_{split}_data_paths and neg_{split}_data_paths (written by "
                                   "tools/datasets/preprocess_data_with_mask.py --mode pairwise)")
@@ -230,53 +231,49 @@ def _check_matches_train_impl(args: Any, per_split: dict[str, list[Component] | 
                                   "(written by tools/datasets/preprocess_data_with_mask.py --mode reward)")
 
 
-def build_datasets(args: Any, tokenizer: Any = None) -> DataSplits:
-    """Train/valid/test datasets; each is indexable by global sample and returns numpy dicts."""
-    train_n, valid_n, test_n = samples_needed(args)
-    if getattr(args, "use_dummy_dataset", False):
-        vocab = int(getattr(args, "padded_vocab_size", None) or getattr(tokenizer, "vocab_size", 0) or 0)
-        seq = int(getattr(args, "seq_length"))
-        seed = int(getattr(args, "seed", 1234))
-        kind = _dummy_kind(args)
-        make = lambda n, s: DummyDataset(n, seq, vocab, seed + s, kind) if n > 0 else None  # noqa: E731
+def build_datasets(config: DataConfig, tokenizer: Any, padded_vocab_size: int) -> DataSplits:
+    """Train/valid/test datasets; each is indexable by global sample and returns numpy dicts.
+
+    ``tokenizer`` tokenizes ``train_urls`` and gives the pad id; ``padded_vocab_size`` bounds the
+    random tokens of the dummy dataset.
+    """
+    train_n, valid_n, test_n = samples_needed(config)
+    if config.use_dummy_dataset:
+        seq, seed, kind = config.seq_length, config.seed, _dummy_kind(config)
+        make = lambda n, s: DummyDataset(n, seq, padded_vocab_size, seed + s, kind) if n > 0 else None  # noqa: E731
         return DataSplits(make(max(train_n, 1), 0), make(valid_n, 1), make(test_n, 2))
 
-    builder = _Builder(args, tokenizer)
+    builder = _Builder(config, tokenizer)
     per_split: dict[str, list[Component] | None] = {}
-    if getattr(args, "train_urls", None) or getattr(args, "validation_urls", None):
+    if config.train_urls or config.validation_urls:
         from megatron.data.url_sources import materialize_urls  # tokenizes on first use only
 
-        if tokenizer is None:
-            from megatron.tokenizer import build_tokenizer
-
-            tokenizer = build_tokenizer(args)
-        for split, key in (("train", "train_urls"), ("valid", "validation_urls")):
-            urls = _as_list(getattr(args, key, None))
+        for split, urls in (("train", config.train_urls), ("valid", config.validation_urls)):
             per_split[split] = [Component({"text": materialize_urls(urls, builder.cache_dir, tokenizer)})] if urls else None
         per_split["test"] = None
-    elif any(_components_for_split(args, s) for s in SPLITS):
-        per_split = {s: _components_for_split(args, s) for s in SPLITS}
-    elif getattr(args, "data_path", None):
-        prefixes = _as_list(args.data_path) or []
-        labels = _as_list(getattr(args, "label_data_paths", None))
+    elif any(_components_for_split(config, s) for s in SPLITS):
+        per_split = {s: _components_for_split(config, s) for s in SPLITS}
+    elif config.data_path:
+        prefixes = _as_list(config.data_path) or []
         per_split = {s: [] for s in SPLITS}
-        for i, prefix in enumerate(prefixes):
+        for prefix in prefixes:
             n = len(_open(prefix))
-            for s, rng in zip(SPLITS, split_ranges(getattr(args, "split", "969, 30, 1"), n)):
+            for s, rng in zip(SPLITS, split_ranges(config.split, n)):
                 if rng[1] > rng[0]:
-                    roles = {"text": prefix, **({"label": labels[i]} if labels else {})}
-                    per_split[s].append(Component(roles, rng))
+                    per_split[s].append(Component({"text": prefix}, rng))
     else:
         raise ConfigError("no training data: set data_path, train_data_paths, train_urls or use_dummy_dataset "
-                          "(run `python prepare_data.py` to download and tokenize a sample corpus)")
+                          "(run `python prepare_data.py` to build the built-in corpus)")
 
-    _check_matches_train_impl(args, per_split)
-    if getattr(args, "train_iters", None) in (None, 0) and getattr(args, "train_epochs", None) and per_split.get("train"):
-        train_n = _train_samples_from_epochs(builder, per_split["train"], int(args.train_epochs),
-                                             int(args.train_batch_size))
+    _check_matches_train_impl(config, per_split)
+    if not config.train_iters and config.train_epochs and per_split.get("train"):
+        train_n = _train_samples_from_epochs(builder, per_split["train"], config.train_epochs,
+                                             config.train_batch_size)
     if train_n > 0 and not per_split.get("train"):
         raise DataError("the train split is empty: check `split` and the data paths")
-    weights = {s: _as_list(getattr(args, f"{s}_data_weights", None)) for s in SPLITS}
+    if config.mmap_warmup:
+        warm_up({prefix for comps in per_split.values() for c in comps or [] for prefix in c.roles.values()})
+    weights = {s: config.weights.get(f"{s}_data_weights") for s in SPLITS}
     datasets = {}
     for s, n in zip(SPLITS, (train_n, valid_n, test_n)):
         comps = per_split.get(s) or []

@@ -121,12 +121,3 @@ class MicroBatchIterator:
             self._micro = 0
             self._batch += 1
         return batch
-
-
-def iterator_from_args(dataset: Any, args: Any, consumed_samples: int, dp_rank: int, dp_size: int) -> MicroBatchIterator:
-    """The training loop's iterator: batch sizes from the config, position from the checkpoint."""
-    g = int(getattr(args, "train_batch_size"))
-    mbs = int(getattr(args, "train_micro_batch_size_per_gpu", None) or getattr(args, "micro_batch_size", None) or 0)
-    if mbs <= 0:
-        mbs = g // (dp_size * int(getattr(args, "gradient_accumulation_steps", 1) or 1))
-    return MicroBatchIterator(dataset, consumed_samples, g, mbs, dp_rank, dp_size)

@@ -23,7 +23,6 @@ from megatron.model.partitioning import (
     TPPartition,
     tp_partition_of,
     tp_partition_patterns,
-    universal_checkpoint_info,
 )
 from megatron.model.pipeline import pipeline_layer_specs
 
@@ -39,5 +38,4 @@ __all__ = [
     "pipeline_layer_specs",
     "tp_partition_of",
     "tp_partition_patterns",
-    "universal_checkpoint_info",
 ]

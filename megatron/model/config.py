@@ -1,8 +1,9 @@
 """The architecture of a GPT model, as one typed record with GPT-NeoX field names.
 
-`GPTConfig` holds only what changes the network; the trainer builds it from the flat
-`NeoXArgs` with `GPTConfig.from_neox_args(args)`. Derived sizes (head dim, kv heads, MLP width,
-per-layer attention type) live here as properties so every module computes them the same way.
+`GPTConfig` holds only what changes the network; it is frozen, and the trainer builds it from the
+validated arguments with `GPTConfig.from_args(args)` (one explicit read per key). Derived sizes (head
+dim, kv heads, MLP width, per-layer attention type) live here as properties so every module computes
+them the same way.
 """
 
 from __future__ import annotations
@@ -11,12 +12,15 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from megatron.errors import ConfigError
 from megatron.mpu.initialize_weights import InitFn, init_method_from_name
+
+if TYPE_CHECKING:
+    from megatron.neox_arguments.arguments import NeoXArgs
 
 PosEmb = Literal["learned", "rotary", "sinusoidal", "rpe", "alibi", "none"]
 InitMethod = Literal[
@@ -53,7 +57,7 @@ class ModelConfigError(ConfigError, ValueError):
     """An architecture the model cannot build (a ConfigError for the entry points, a ValueError for callers)."""
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class GPTConfig:
     """Architecture fields of a GPT model. Names and defaults follow GPT-NeoX."""
 
@@ -66,7 +70,7 @@ class GPTConfig:
     max_position_embeddings: int | None = None
     """Size of the learned position table; None = seq_length."""
     padded_vocab_size: int = 128
-    """Vocabulary rows, padded by the trainer so that it divides by tp."""
+    """Vocabulary rows, padded so that it divides by tp (from the tokenizer: see `with_vocab`)."""
 
     pos_emb: PosEmb = "learned"
     rotary_pct: float = 1.0
@@ -118,21 +122,19 @@ class GPTConfig:
     layers of `attention_config` if it has any, else in every layer (Mistral style)."""
     attention_config: list[Any] | None = None
     """Per-layer attention types, GPT-NeoX style ([[["global"], n_layers]]) or already expanded."""
-    scaled_upper_triang_masked_softmax_fusion: bool = False
-    """Kernel choice in GPT-NeoX; ignored (the attention is PyTorch's SDPA)."""
-
     params_dtype: torch.dtype = torch.float32
     seed: int = 1234
     sequence_parallel: bool = False
 
     # ------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
+        # normalised once here; the dataclass is frozen, so through object.__setattr__
         if isinstance(self.params_dtype, str):
-            self.params_dtype = _DTYPES[self.params_dtype]
+            object.__setattr__(self, "params_dtype", _DTYPES[self.params_dtype])
         if self.num_kv_heads is None:
-            self.num_kv_heads = self.num_attention_heads
+            object.__setattr__(self, "num_kv_heads", self.num_attention_heads)
         if self.max_position_embeddings is None:
-            self.max_position_embeddings = self.seq_length
+            object.__setattr__(self, "max_position_embeddings", self.seq_length)
         if self.hidden_size % self.num_attention_heads != 0:
             raise ModelConfigError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
@@ -199,18 +201,10 @@ class GPTConfig:
 
     @property
     def attention_types(self) -> list[str]:
-        """One attention type per layer, expanding GPT-NeoX's [[types, repeats], ...] form."""
-        cfg = self.attention_config
-        if not cfg:
+        """One attention type per layer (see :func:`expand_attention_config`)."""
+        if not self.attention_config:
             return ["global"] * self.num_layers
-        if all(isinstance(item, str) for item in cfg):
-            return list(cfg)
-        types: list[str] = []
-        for kinds, repeats in cfg:
-            count = self.num_layers if repeats == "all" else int(repeats)
-            for i in range(count):
-                types.append(kinds[i % len(kinds)])
-        return types[: self.num_layers]
+        return expand_attention_config(self.attention_config, self.num_layers)
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Raise if the sizes that tensor parallelism splits do not divide by `tp`."""
@@ -247,28 +241,92 @@ class GPTConfig:
     def replace(self, **changes: Any) -> "GPTConfig":
         return dataclasses.replace(self, **changes)
 
+    def with_vocab(self, padded_vocab_size: int) -> "GPTConfig":
+        """The same architecture with the embedding sized for the tokenizer."""
+        return dataclasses.replace(self, padded_vocab_size=padded_vocab_size)
+
     # --- from the trainer's arguments ---------------------------------------------------
     @classmethod
-    def from_neox_args(cls, args: Any) -> "GPTConfig":
-        """Read the architecture fields from any object with GPT-NeoX argument names."""
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            if hasattr(args, f.name):
-                value = getattr(args, f.name)
-                if value is not None or f.default is None:
-                    values[f.name] = value
-        if "value_head" not in values and getattr(args, "train_impl", None) == "rm":
-            values["value_head"] = True
-        dtype = values.get("params_dtype")
-        if dtype is None or isinstance(dtype, str):
-            values["params_dtype"] = _params_dtype_from_precision(args, dtype)
-        return cls(**values)
+    def from_args(cls, args: NeoXArgs) -> "GPTConfig":
+        """The architecture keys of the validated arguments.
+
+        ``padded_vocab_size`` is the config's explicit value or a placeholder until the tokenizer is
+        known (``with_vocab``). Kernel-selection hints (``bias_gelu_fusion``, ...) are not read:
+        they choose kernels, not maths (see ``megatron.neox_arguments.honesty.NO_EFFECT_KEYS``).
+        """
+        precision = args.precision or "fp32"
+        return cls(
+            num_layers=_required(args.num_layers, "num_layers"),
+            hidden_size=_required(args.hidden_size, "hidden_size"),
+            num_attention_heads=_required(args.num_attention_heads, "num_attention_heads"),
+            num_kv_heads=args.num_kv_heads,
+            seq_length=_required(args.seq_length, "seq_length"),
+            max_position_embeddings=args.max_position_embeddings,
+            padded_vocab_size=args.padded_vocab_size or 0,
+            pos_emb=args.pos_emb,
+            rotary_pct=args.rotary_pct,
+            rotary_emb_base=args.rotary_emb_base,
+            rpe_num_buckets=args.rpe_num_buckets,
+            rpe_max_distance=args.rpe_max_distance,
+            rotary_save_freqs_buffer=args.rotary_save_freqs_buffer,
+            opt_pos_emb_offset=args.opt_pos_emb_offset,
+            norm=args.norm,
+            layernorm_epsilon=args.layernorm_epsilon,
+            rms_norm_epsilon=args.rms_norm_epsilon,
+            scalenorm_epsilon=args.scalenorm_epsilon,
+            use_qk_layernorm=args.use_qk_layernorm,
+            use_bias_in_norms=args.use_bias_in_norms,
+            use_bias_in_attn_linear=args.use_bias_in_attn_linear,
+            use_bias_in_mlp=args.use_bias_in_mlp,
+            activation=args.activation,
+            intermediate_size=args.intermediate_size,
+            expansion_factor=args.expansion_factor,
+            mlp_multiple_of=args.mlp_multiple_of,
+            gpt_j_residual=args.gpt_j_residual,
+            gpt_j_tied=args.gpt_j_tied,
+            no_weight_tying=args.no_weight_tying,
+            value_head=args.train_impl == "rm",
+            init_method=args.init_method,
+            output_layer_init_method=args.output_layer_init_method,
+            init_method_std=args.init_method_std,
+            hidden_dropout=args.hidden_dropout,
+            attention_dropout=args.attention_dropout,
+            sliding_window_width=args.sliding_window_width,
+            attention_config=args.attention_config,
+            params_dtype=_DTYPES[precision],
+            seed=args.seed,
+            sequence_parallel=args.sequence_parallel,
+        )
 
 
-def _params_dtype_from_precision(args: Any, explicit: str | None) -> torch.dtype:
-    if explicit:
-        return _DTYPES[explicit]
-    precision = getattr(args, "precision", None)
-    if precision is not None and str(precision).lower() in _DTYPES:
-        return _DTYPES[str(precision).lower()]
-    return torch.float32
+def expand_attention_config(config: list[Any], num_layers: int) -> list[str]:
+    """GPT-NeoX's ``[[types, repeat], ...]`` as one type per layer: each entry contributes its
+    ``types`` list ``repeat`` times (``[["global", "local"], 6]`` is 12 layers); ``"all"`` repeats
+    the list to fill ``num_layers`` and must divide it. A list of plain strings is already expanded.
+    The result must have exactly ``num_layers`` entries."""
+    if all(isinstance(item, str) for item in config):
+        types = list(config)
+    else:
+        types = []
+        for kinds, repeats in config:
+            if repeats == "all":
+                if num_layers % len(kinds) != 0:
+                    raise ModelConfigError(
+                        f"attention_config entry {[list(kinds), 'all']}: {len(kinds)} types do not divide "
+                        f"num_layers={num_layers}"
+                    )
+                repeats = num_layers // len(kinds)
+            types.extend(list(kinds) * int(repeats))
+    if len(types) != num_layers:
+        raise ModelConfigError(
+            f"attention_config describes {len(types)} layers but num_layers={num_layers}: the repeats "
+            f"(each entry's types times its count) must add up to num_layers"
+        )
+    return types
+
+
+def _required(value: int | None, key: str) -> int:
+    if value is None:
+        raise ModelConfigError(f"{key} is not set: every model needs num_layers, hidden_size, "
+                               f"num_attention_heads and seq_length")
+    return value

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -77,12 +75,6 @@ class GPTModel(nn.Module):
         untied = config.no_weight_tying and not config.value_head
         self.output_layer = build_output_layer(config) if untied else None
         self.value_head = ValueHead(config) if config.value_head else None
-        self.checkpoint_fn: Callable[..., torch.Tensor] | None = None
-
-    def set_activation_checkpointing(self, checkpoint_fn: Callable[..., torch.Tensor] | None) -> None:
-        """Recompute each layer in the backward with `checkpoint_fn(function, *args)`, e.g.
-        `deepspeed.checkpointing.checkpoint` (which replays the tensor-parallel RNG stream); None = off."""
-        self.checkpoint_fn = checkpoint_fn
 
     def output_weight(self) -> torch.Tensor:
         """`[v/tp, h]`: the token embedding itself unless the weights are untied."""
@@ -111,8 +103,6 @@ class GPTModel(nn.Module):
         for layer in self.layers:
             if kv_cache is not None:
                 x = layer(x, position_ids, attention_mask, kv_cache)  # [s, b, h]
-            elif self.checkpoint_fn is not None and self.training:
-                x = self.checkpoint_fn(layer, x, position_ids, attention_mask)  # [s, b, h]
             else:
                 x = layer(x, position_ids, attention_mask)  # [s, b, h]
         if kv_cache is not None:

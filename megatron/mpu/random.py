@@ -21,9 +21,10 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
+from megatron.deepspeed_internals import model_parallel_rng_tracker_name
 from megatron.mpu.topology import get_tensor_model_parallel_rank
 
-MODEL_PARALLEL_RNG = ds_checkpointing._MODEL_PARALLEL_RNG_TRACKER_NAME
+MODEL_PARALLEL_RNG = model_parallel_rng_tracker_name()
 _TP_SEED_OFFSET = 2718  # any positive offset keeps the tracked stream apart from the default one
 
 

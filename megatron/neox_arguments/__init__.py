@@ -15,6 +15,7 @@ _EXPORTS: dict[str, str] = {
     "ResolvedConfig": "megatron.neox_arguments.resolved",
     "load_resolved": "megatron.neox_arguments.resolved",
     "load_config": "megatron.neox_arguments.loading",
+    "config_from_mapping": "megatron.neox_arguments.loading",
     "apply_overrides": "megatron.neox_arguments.overrides",
     "finalize": "megatron.neox_arguments.derived",
     "detect_world_size": "megatron.neox_arguments.derived",

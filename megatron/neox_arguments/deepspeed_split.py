@@ -135,7 +135,8 @@ def deepspeed_config(args: Any, provenance: Mapping[str, str] | None = None) -> 
         if value is not None:
             config[key] = dict(value) if isinstance(value, Mapping) else value
     zero = config.get("zero_optimization") or {}
-    if int(zero.get("stage", 0) or 0) > 0:
+    stage = zero.get("stage", 0)
+    if isinstance(stage, int) and stage > 0:
         # The trainer hands DeepSpeed its own optimizer object; ZeRO refuses optimizers outside its
         # short tested list (Lion, SM3, ...) unless told otherwise.
         config["zero_allow_untested_optimizer"] = True
@@ -174,3 +175,49 @@ def runner_args(args: Any) -> list[str]:
             )
         out += ["--launcher_args", shlex.join(srun_flags)]
     return out
+
+
+# DeepSpeed's pydantic config models -> the config key that holds them
+_DEEPSPEED_BLOCK_OF_MODEL = {
+    "DeepSpeedZeroConfig": "zero_optimization",
+    "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer",
+    "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param",
+    "DeepSpeedFP16Config": "fp16",
+    "DeepSpeedBF16Config": "bf16",
+    "DeepSpeedFlopsProfilerConfig": "flops_profiler",
+    "DeepSpeedActivationCheckpointingConfig": "activation_checkpointing",
+    "DeepSpeedMonitorConfig": "tensorboard/wandb/csv_monitor",
+    "TensorBoardConfig": "tensorboard",
+    "WandbConfig": "wandb",
+    "CSVConfig": "csv_monitor",
+    "CommsConfig": "comms_logger",
+    "CommsLoggerConfig": "comms_logger",
+}
+
+
+def deepspeed_problems(config: Mapping[str, Any], provenance: Mapping[str, str] | None = None) -> list[str]:
+    """What DeepSpeed's own config parser refuses in ``config`` (bad numbers or keys inside the
+    fp16/bf16/ZeRO/... blocks), as messages naming the block and where it was set.
+
+    The batch sizes are left out: Deepy's rules check them against the real data-parallel size,
+    which DeepSpeed's parser cannot know without a process group.
+    """
+    from pydantic import ValidationError
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    checked = {k: v for k, v in config.items() if k != "train_batch_size"}
+    try:
+        DeepSpeedConfig(checked)
+    except ValidationError as err:
+        block = _DEEPSPEED_BLOCK_OF_MODEL.get(err.title, err.title)
+        top = block.split(".")[0].split("/")[0]
+        where = (provenance or {}).get(top, "derived")
+        return [
+            f"{block}.{'.'.join(str(p) for p in item['loc'])} = {item.get('input')!r} ({where}): "
+            f"DeepSpeed refuses it: {item['msg']}"
+            for item in err.errors()
+        ]
+    except (ValueError, AssertionError, KeyError, TypeError) as err:
+        return [f"DeepSpeed refuses the generated config: {type(err).__name__}: {err}"]
+    return []

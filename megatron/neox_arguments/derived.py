@@ -14,9 +14,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron.errors import ConfigError
+from megatron.neox_arguments.honesty import FILLED_IN_KEYS
 from megatron.neox_arguments.provenance import DERIVED
 from megatron.neox_arguments.rules import (
     DEEPSPEED_DEFAULT_HOSTFILE,
@@ -26,6 +27,13 @@ from megatron.neox_arguments.rules import (
     check,
 )
 from megatron.neox_arguments.time_phrases import TimePhraseError, parse_duration
+
+# the rules that look at files register themselves with rules.RULES on import
+from megatron.neox_arguments import file_checks  # noqa: E402,F401  isort: skip
+
+if TYPE_CHECKING:
+    from megatron.neox_arguments.arguments import NeoXArgs
+    from megatron.neox_arguments.resolved import ResolvedConfig
 
 # DeepSpeed's runner reads this hostfile when none is given; world-size detection must agree.
 DEFAULT_HOSTFILE = DEEPSPEED_DEFAULT_HOSTFILE
@@ -39,37 +47,64 @@ def local_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
-def detect_world_size(args: Any, device_count: int | None = None) -> int:
+def detect_world_size(args: NeoXArgs, device_count: int | None = None, warnings: list[str] | None = None,
+                      launcher_given: bool = False) -> int:
     """How many ranks the DeepSpeed runner will start for these arguments.
 
     Mirrors ``deepspeed.launcher.runner``: the hostfile (or the local devices) is the resource pool,
     ``include``/``exclude`` filter it, ``num_nodes`` keeps the first hosts and ``num_gpus`` sets the
     slots per host. Without CUDA, ``num_gpus: N`` means N CPU ranks, as DeepSpeed's runner does.
+    When srun/mpirun start the ranks elsewhere without a hostfile (``deepspeed_slurm``, a cluster
+    launcher), ``num_nodes`` x ``num_gpus`` as given are trusted.
     """
-    active = active_resources(args, device_count)
+    from megatron.neox_arguments.rules import launches_elsewhere
+
+    hostfile = args.hostfile or (DEFAULT_HOSTFILE if os.path.isfile(DEFAULT_HOSTFILE) else None)
+    if launches_elsewhere(args, launcher_given) and not (hostfile and os.path.isfile(hostfile)):
+        if args.num_gpus is None:
+            raise ConfigError(
+                f"launcher={args.launcher} starts the ranks on other machines: set num_gpus (ranks per "
+                f"node) and num_nodes so the config can be checked for the world size it will have"
+            )
+        return max(args.num_nodes, 1) * args.num_gpus
+    active = active_resources(args, device_count, warnings)
     world = sum(len(slots) for slots in active.values())
     if world < 1:
         raise ConfigError("no ranks left to launch after include/exclude: check include/exclude/hostfile")
     return world
 
 
-def active_resources(args: Any, device_count: int | None = None) -> dict[str, list[int]]:
-    """host -> slot ids the runner will use (see :mod:`megatron.launcher.resources`)."""
+def active_resources(args: NeoXArgs, device_count: int | None = None,
+                     warnings: list[str] | None = None) -> dict[str, list[int]]:
+    """host -> slot ids the runner will use (see :mod:`megatron.launcher.resources`).
+
+    A ``hostfile`` that does not exist is DeepSpeed's case too: its runner warns and uses this
+    machine; so do we (appending to ``warnings``), unless the launch needs hosts from it.
+    """
     from megatron.launcher.resources import apply_counts, filter_pool, parse_hostfile
 
-    include = getattr(args, "include", None) or ""
-    exclude = getattr(args, "exclude", None) or ""
-    num_nodes = getattr(args, "num_nodes", -1)
-    num_nodes = -1 if num_nodes is None else int(num_nodes)
-    num_gpus = getattr(args, "num_gpus", None)
-    num_gpus = -1 if num_gpus is None else int(num_gpus)
+    include = args.include or ""
+    exclude = args.exclude or ""
+    num_nodes = args.num_nodes
+    num_gpus = -1 if args.num_gpus is None else args.num_gpus
     if (include or exclude) and (num_nodes > 0 or num_gpus > 0):
         filt = "include" if include else "exclude"
         raise ConfigError(
             f"{filt}={include or exclude!r} together with num_nodes={num_nodes}/num_gpus={num_gpus}: "
             f"DeepSpeed's runner accepts either a host filter or counts; remove one"
         )
-    path = getattr(args, "hostfile", None) or (DEFAULT_HOSTFILE if os.path.isfile(DEFAULT_HOSTFILE) else None)
+    path = args.hostfile or (DEFAULT_HOSTFILE if os.path.isfile(DEFAULT_HOSTFILE) else None)
+    if path is not None and not os.path.isfile(path):
+        named_hosts = [h.partition(":")[0] for h in (include or exclude).split("@") if h]
+        if num_nodes > 1 or any(h not in ("localhost", "127.0.0.1") for h in named_hosts):
+            raise ConfigError(
+                f"hostfile={path!r} does not exist, and the launch needs hosts from it "
+                f"(num_nodes={num_nodes}, include/exclude={include or exclude!r}): fix the path"
+            )
+        if warnings is not None:
+            warnings.append(f"hostfile={path!r} does not exist: launching on this machine only "
+                            f"(as DeepSpeed's runner does)")
+        path = None
     if path is None:
         if num_nodes > 1:
             raise ConfigError(
@@ -88,12 +123,10 @@ def active_resources(args: Any, device_count: int | None = None) -> dict[str, li
     return apply_counts(filter_pool(pool, include, exclude), num_nodes, num_gpus)
 
 
-def uses_local_pool(args: Any) -> bool:
+def uses_local_pool(args: NeoXArgs) -> bool:
     """True when the runner will launch on this machine only, sized by num_gpus or device count."""
-    hostfile = getattr(args, "hostfile", None)
-    return not hostfile and not os.path.isfile(DEFAULT_HOSTFILE) and not (
-        getattr(args, "include", None) or getattr(args, "exclude", None)
-    )
+    hostfile = args.hostfile if args.hostfile and os.path.isfile(args.hostfile) else None
+    return not hostfile and not os.path.isfile(DEFAULT_HOSTFILE) and not (args.include or args.exclude)
 
 
 # --- derivations ------------------------------------------------------------------------------------
@@ -120,6 +153,14 @@ def derive_layout(ctx: RuleContext) -> Derivation:
         "global_num_gpus": ctx.world_size,
         "is_pipe_parallel": int(ctx.get("pipe_parallel_size") or 0) >= 1,
     }
+    problems = [
+        f"{ctx.show(key)} but Deepy computes {value} for this launch: {key} is filled in by Deepy "
+        f"({FILLED_IN_KEYS[key]}); remove it"
+        for key, value in values.items()
+        if ctx.given(key) and ctx.get(key) != value
+    ]
+    if problems:
+        return Derivation(problems=problems)
     if ctx.get("num_gpus") is None and uses_local_pool(ctx.args) and not ctx.device.cuda:
         # DeepSpeed's CPU accelerator counts NUMA nodes when num_gpus is absent; pin the count we
         # checked. Not with CUDA: an explicit --num_gpus makes the runner ignore CUDA_VISIBLE_DEVICES.
@@ -211,6 +252,21 @@ _BLOCK_OF_PRECISION = {"fp16": "fp16", "bfloat16": "bf16"}
 
 
 @deriver
+def derive_deeperspeed_bf16(ctx: RuleContext) -> Derivation:
+    """``fp16: {enabled: true, type: bfloat16}`` is DeeperSpeed's (GPT-NeoX's fork) spelling of bf16,
+    used by GPT-NeoX's own configs (Pythia-1B): it becomes DeepSpeed's ``bf16`` block."""
+    fp16 = ctx.get("fp16")
+    if not isinstance(fp16, Mapping) or str(fp16.get("type", "")).lower() not in ("bfloat16", "bf16"):
+        return Derivation()
+    if block_enabled(ctx.get("bf16")):
+        return Derivation(problems=[
+            f"fp16.type=bfloat16 ({ctx.source('fp16')}) and a bf16 block are both given: keep the bf16 block"
+        ])
+    enabled = bool(fp16.get("enabled", False))
+    return Derivation({"fp16": None, "bf16": {"enabled": enabled}} if enabled else {"fp16": None})
+
+
+@deriver
 def derive_precision(ctx: RuleContext) -> Derivation:
     """precision from the fp16/bf16 blocks, or the block from ``precision`` when only it is given."""
     fp16, bf16 = block_enabled(ctx.get("fp16")), block_enabled(ctx.get("bf16"))
@@ -275,6 +331,69 @@ def derive_clipping(ctx: RuleContext) -> Derivation:
     return Derivation()
 
 
+# Megatron's top-level fp16 loss-scaling keys -> their names in DeepSpeed's fp16 block
+LOSS_SCALING_KEYS = {
+    "loss_scale": "loss_scale",
+    "loss_scale_window": "loss_scale_window",
+    "hysteresis": "hysteresis",
+    "min_scale": "min_loss_scale",
+}
+
+
+@deriver
+def derive_loss_scaling(ctx: RuleContext) -> Derivation:
+    """Megatron's top-level loss-scaling keys go into DeepSpeed's fp16 block, which does the scaling.
+
+    They act only with fp16 (bf16 and fp32 need no loss scaling), so setting one otherwise is an
+    error rather than a silent no-op; a value that contradicts the fp16 block is one too.
+    """
+    given = [key for key in (*LOSS_SCALING_KEYS, "dynamic_loss_scale") if ctx.given(key)]
+    if not given:
+        return Derivation()
+    if not block_enabled(ctx.get("fp16")):
+        shown = ", ".join(ctx.show(key) for key in given)
+        return Derivation(problems=[
+            f"{shown}: fp16 loss scaling applies only when training in fp16 (precision: fp16), which this "
+            f"run does not; remove them"
+        ])
+    block = dict(ctx.get("fp16"))
+    problems = []
+    wanted: dict[str, Any] = {LOSS_SCALING_KEYS[k]: ctx.get(k) for k in given if k in LOSS_SCALING_KEYS}
+    if "dynamic_loss_scale" in given:
+        if ctx.get("dynamic_loss_scale"):
+            wanted.setdefault("loss_scale", 0)  # DeepSpeed: 0 = dynamic
+            if wanted["loss_scale"] not in (0, None):
+                problems.append(f"{ctx.show('dynamic_loss_scale')} contradicts {ctx.show('loss_scale')}")
+        elif wanted.get("loss_scale") in (None, 0) and not block.get("loss_scale"):
+            problems.append(f"{ctx.show('dynamic_loss_scale')} needs a fixed loss_scale (> 0)")
+    for name, value in wanted.items():
+        if name in block and block[name] != value:
+            problems.append(
+                f"fp16.{name}={block[name]} ({ctx.source('fp16')}) contradicts the top-level key setting "
+                f"{value} ({', '.join(ctx.show(k) for k in given)}): keep one of them"
+            )
+        block[name] = value
+    if problems:
+        return Derivation(problems=problems)
+    return Derivation({"fp16": block})
+
+
+@deriver
+def derive_git_hash(ctx: RuleContext) -> Derivation:
+    """The commit of the code that runs, recorded with the run (GPT-NeoX computes it too)."""
+    if ctx.get("git_hash"):
+        return Derivation()
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return Derivation()
+    commit = out.stdout.strip()
+    return Derivation({"git_hash": commit}) if out.returncode == 0 and commit else Derivation()
+
+
 @deriver
 def derive_save_interval(ctx: RuleContext) -> Derivation:
     """``save_interval: 15min`` becomes seconds so the trainer never parses phrases."""
@@ -289,24 +408,24 @@ def derive_save_interval(ctx: RuleContext) -> Derivation:
 
 
 # --- finalize ---------------------------------------------------------------------------------------
-def finalize(resolved: Any, world_size: int, device: Device | None = None) -> Any:
+def finalize(resolved: ResolvedConfig, world_size: int, device: Device | None = None) -> ResolvedConfig:
     """Derive, check and split ``resolved`` for ``world_size`` ranks; returns ``resolved`` itself.
 
     Derived values are set on ``resolved.args`` and recorded as ``derived`` in
     ``resolved.provenance``; ``resolved.deepspeed_config`` is filled. Raises one ConfigError that
     lists every problem.
     """
-    from megatron.neox_arguments.deepspeed_split import deepspeed_config, extra_args_problems
+    from megatron.neox_arguments.deepspeed_split import deepspeed_config, deepspeed_problems, extra_args_problems
 
     args, provenance = resolved.args, resolved.provenance
     ctx = RuleContext(args=args, provenance=provenance, world_size=world_size,
-                      device=device or Device.detect())
+                      device=device or Device.detect(), warnings=resolved.warnings, skipped=resolved.skipped)
     problems: list[str] = []
     for derive in DERIVATIONS:
         result = derive(ctx)
         problems.extend(result.problems)
         for key, value in result.values.items():
-            if getattr(args, key, None) != value:
+            if getattr(args, key) != value:
                 # a changed value no longer reads as written in any file, so it is "derived"
                 setattr(args, key, value)
                 provenance[key] = DERIVED
@@ -315,6 +434,9 @@ def finalize(resolved: Any, world_size: int, device: Device | None = None) -> An
     if problems:
         raise ConfigError(format_problems(problems))
     resolved.deepspeed_config = deepspeed_config(args, provenance)
+    problems = deepspeed_problems(resolved.deepspeed_config, provenance)
+    if problems:
+        raise ConfigError(format_problems(problems))
     return resolved
 
 

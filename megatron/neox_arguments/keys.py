@@ -6,9 +6,31 @@ import difflib
 from collections.abc import Iterable
 
 
+def _singular_aliases() -> dict[str, str]:
+    from megatron.data.config import PATH_KEYS
+
+    return {key.removesuffix("s"): key for key in PATH_KEYS}
+
+
+SINGULAR_ALIASES: dict[str, str] = _singular_aliases()
+"""GPT-NeoX's configuration guide writes the per-split data keys in the singular
+(``train_data_path``, ``pos_valid_label_data_path``) while its argument list has the plural lists;
+the singular spelling is a one-path form of the plural key."""
+
+
 def normalize_key(key: str) -> str:
-    """GPT-NeoX configs write ``train-iters`` and ``train_iters`` alike; both mean the same argument."""
-    return key.replace("-", "_")
+    """GPT-NeoX configs write ``train-iters`` and ``train_iters`` alike; both mean the same argument,
+    and a singular data key (``train_data_path``) means its plural list (``train_data_paths``)."""
+    key = key.replace("-", "_")
+    return SINGULAR_ALIASES.get(key, key)
+
+
+def aliased_value(raw_key: str, value: object) -> object:
+    """The value a key written as ``raw_key`` stands for: one path becomes a one-item list when the
+    key is a singular alias of a list key."""
+    if raw_key.replace("-", "_") in SINGULAR_ALIASES and isinstance(value, str):
+        return [value]
+    return value
 
 
 def close_matches(key: str, names: Iterable[str], limit: int = 3) -> list[str]:

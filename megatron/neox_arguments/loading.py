@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 import types
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from megatron.errors import ConfigError
-from megatron.neox_arguments.keys import normalize_key, unknown_key_message
+from megatron.neox_arguments.keys import aliased_value, normalize_key, unknown_key_message
 from megatron.neox_arguments.overrides import apply_overrides, parse_overrides
 from megatron.neox_arguments.provenance import DEFAULT, describe_source, field_default
 from megatron.neox_arguments.resolved import ResolvedConfig
@@ -87,7 +87,7 @@ def read_config_files(
             if key not in known:
                 problems.append(unknown_key_message(raw_key, where, names))
                 continue
-            values[key] = plain(value)
+            values[key] = aliased_value(raw_key, plain(value))
             provenance[key] = where
             spelled[key] = raw_key
     if problems:
@@ -119,7 +119,11 @@ def _type_name(annotation: Any) -> str:
 def validation_message(
     err: ValidationError, schema: type[BaseModel], values: dict[str, Any], provenance: dict[str, str]
 ) -> str:
-    """One line per bad argument: its value, the expected type, where it was set, pydantic's reason."""
+    """One line per bad argument: its value, the expected type, where it was set, pydantic's reason.
+
+    Errors inside a dict-valued key (``optimizer.params.betas``) are named by their dotted path
+    with the value found there; an unknown nested key gets the closest valid names.
+    """
     lines: list[str] = []
     reported: set[str] = set()
     for item in err.errors():
@@ -129,25 +133,81 @@ def validation_message(
             lines.append(reason)
             continue
         key = str(loc[0])
-        if key in reported:  # a union type yields one error per member; one line is enough
-            continue
-        reported.add(key)
+        inner_parts = [part for part in loc[1:] if not _is_type_tag(part)]
+        shown_key = ".".join([key, *(str(p) for p in inner_parts)])
+        if shown_key in reported:
+            continue  # a union type yields one error per member; one line is enough
+        reported.add(shown_key)
         field = schema.model_fields.get(key)
-        expected = _type_name(field.annotation) if field is not None else "?"
         where = describe_source(provenance.get(key, DEFAULT))
-        if item.get("type") == "missing":
-            lines.append(f"missing key '{key}' ({expected}): set it in a config file or as {key}=...")
-            continue
-        inner = ".".join(str(part) for part in loc[1:] if not _is_type_tag(part))
-        shown_key = f"{key}.{inner}" if inner else key
-        value = item.get("input") if inner else values.get(key, item.get("input"))
-        lines.append(f"{shown_key} = {value!r} at {where}: expected {expected}; {reason}")
+        if item.get("type") == "missing" and not inner_parts:
+            lines.append(f"missing key '{key}' ({_expected(field)}): set it in a config file or as {key}=...")
+        elif not inner_parts:
+            value = values.get(key, item.get("input"))
+            lines.append(f"{key} = {value!r} at {where}: expected {_expected(field)}; {reason}")
+        elif item.get("type") == "extra_forbidden":
+            hint = _nested_suggestion(values.get(key), inner_parts)
+            lines.append(f"{shown_key} at {where}: unknown key{hint}")
+        elif item.get("type") == "missing" and isinstance(inner_parts[-1], int):
+            # a too-short list for a fixed-length tuple (betas: [0.9])
+            parent = ".".join([key, *(str(p) for p in inner_parts[:-1])])
+            _, value = _value_at(values.get(key), inner_parts[:-1])
+            lines.append(f"{parent} = {value!r} at {where}: needs more values (item {inner_parts[-1]} is missing)")
+        elif item.get("type") == "missing":
+            found, value = _value_at(values.get(key), inner_parts)
+            lines.append(f"{shown_key} at {where}: missing in {value!r} ({reason})")
+        else:
+            found, value = _value_at(values.get(key), inner_parts)
+            lines.append(f"{shown_key} = {value if found else item.get('input')!r} at {where}: {reason}")
     return _join(lines) if lines else str(err)
 
 
+def _expected(field: Any) -> str:
+    """The expected type in words; blocks with their own models are described by their keys."""
+    if field is None:
+        return "?"
+    name = _type_name(field.annotation)
+    return "a {type, params} block" if "Block" in name else name
+
+
+def _value_at(value: Any, path: list[Any]) -> tuple[bool, Any]:
+    """The raw value the user wrote at ``path`` inside a dict-valued key (for messages)."""
+    for part in path:
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, (list, tuple)) and isinstance(part, int) and 0 <= part < len(value):
+            value = value[part]
+        else:
+            return False, value  # a missing element (betas: [0.9] lacks index 1): the enclosing value
+    return True, value
+
+
+def _nested_suggestion(value: Any, path: list[Any]) -> str:
+    """``; did you mean lr?`` for a misspelt key inside the optimizer block."""
+    import difflib
+
+    from megatron.neox_arguments.groups.optimizer_block import OPTIMIZER_KINDS, PARAMS_OF_KIND
+
+    allowed: list[str] = []
+    if len(path) == 2 and path[0] == "params" and isinstance(value, dict):
+        member = PARAMS_OF_KIND.get(OPTIMIZER_KINDS.get(str(value.get("type", "")).lower(), ""))
+        allowed = list(member.model_fields) if member is not None else []
+    elif len(path) == 1 and isinstance(value, dict):
+        allowed = ["type", "params"]
+    close = difflib.get_close_matches(str(path[-1]), allowed, n=2, cutoff=0.5)
+    if close:
+        return f"; did you mean {', '.join(close)}?"
+    return f"; allowed here: {', '.join(allowed)}" if allowed else ""
+
+
 def _is_type_tag(part: Any) -> bool:
-    """pydantic puts the tried union member (``'int'``, ``"literal['all']"``) into ``loc``; hide it."""
-    return isinstance(part, str) and ("[" in part or part in {"int", "float", "str", "bool", "dict", "list"})
+    """pydantic puts the tried union member (``'int'``, ``"literal['all']"``, an optimizer kind)
+    into ``loc``; hide it."""
+    from megatron.neox_arguments.groups.optimizer_block import OPTIMIZER_KINDS
+
+    return isinstance(part, str) and (
+        "[" in part or part in {"int", "float", "str", "bool", "dict", "list"} or part in set(OPTIMIZER_KINDS.values())
+    )
 
 
 def build_args(values: dict[str, Any], provenance: dict[str, str], schema: type[BaseModel]) -> BaseModel:
@@ -195,3 +255,25 @@ def load_config(
         # GPT-NeoX keeps the original file texts in the arguments (they end up in checkpoints)
         args.config_files = dict(texts)
     return ResolvedConfig(args=args, provenance=provenance, config_files=texts)
+
+
+def config_from_mapping(values: Mapping[str, Any], source: str = "<mapping>") -> ResolvedConfig:
+    """A config given as a Python mapping (tools, tests, notebooks): the same structure checks as a
+    file — unknown keys with suggestions, key spellings, types — with ``source`` as its provenance."""
+    schema = default_schema()
+    names = list(schema.model_fields)
+    known = set(names)
+    normalized: dict[str, Any] = {}
+    problems: list[str] = []
+    for raw_key, value in values.items():
+        key = normalize_key(raw_key)
+        if key not in known:
+            problems.append(unknown_key_message(raw_key, source, names))
+        elif key in normalized:
+            problems.append(f"key '{key}' is given twice in {source}")
+        else:
+            normalized[key] = aliased_value(raw_key, value)
+    if problems:
+        raise ConfigError(_join(problems))
+    provenance = {key: source for key in normalized}
+    return ResolvedConfig(args=build_args(normalized, provenance, schema), provenance=provenance)

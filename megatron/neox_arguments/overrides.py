@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron.errors import ConfigError
-from megatron.neox_arguments.keys import normalize_key, unknown_key_message
+from megatron.neox_arguments.keys import aliased_value, normalize_key, unknown_key_message
 from megatron.neox_arguments.provenance import CLI
 from megatron.neox_arguments.yaml_source import parse_yaml_text, plain
 
@@ -53,6 +53,8 @@ def parse_override(text: str) -> Override:
         )
     parts = key.split(".")
     value = plain(parse_yaml_text(value_text, f"override '{text}'"))
+    if len(parts) == 1:
+        value = aliased_value(parts[0], value)
     return Override(path=(normalize_key(parts[0]), *parts[1:]), value=value, text=text)
 
 

@@ -39,6 +39,10 @@ class ResolvedConfig:
     """The DeepSpeed config dict, once :func:`finalize` has split it off."""
     run_dir: str | None = None
     """Directory of this launch (holds this file); chosen by ``deepy.py`` just before writing."""
+    warnings: list[str] = field(default_factory=list)
+    """Said before launching (a hostfile that does not exist, files not visible from here, ...)."""
+    skipped: list[str] = field(default_factory=list)
+    """Checks not made before launch, and why (``--dry-run`` lists them)."""
 
     def to_json_dict(self) -> dict[str, Any]:
         return {

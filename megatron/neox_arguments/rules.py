@@ -15,9 +15,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron.neox_arguments.provenance import CLI, DEFAULT, DERIVED
+
+if TYPE_CHECKING:
+    from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.neox_arguments.time_phrases import TimePhraseError, parse_duration
 
 
@@ -48,11 +51,14 @@ class Device:
 class RuleContext:
     """The arguments under check plus what the rules need to phrase their messages."""
 
-    args: Any
-    """A ``NeoXArgs`` (duck-typed so tests may pass a small stand-in)."""
+    args: NeoXArgs
     provenance: Mapping[str, str] = field(default_factory=dict)
     world_size: int = 1
     device: Device = field(default_factory=lambda: Device(cuda=False, fp16_supported=False))
+    warnings: list[str] = field(default_factory=list)
+    """Things that are fine to launch with but worth saying (printed by deepy.py)."""
+    skipped: list[str] = field(default_factory=list)
+    """Checks not made here and why (``--dry-run`` lists them)."""
 
     def get(self, key: str) -> Any:
         return getattr(self.args, key, None)
@@ -93,7 +99,7 @@ class RuleContext:
         return self.world_size // (self.tp * self.pp)
 
 
-def _default_of(args: Any, key: str) -> Any:
+def _default_of(args: NeoXArgs, key: str) -> Any:
     fields = getattr(type(args), "model_fields", {})
     if key in fields:
         return fields[key].get_default(call_default_factory=True)
@@ -297,22 +303,40 @@ def precision_matches_blocks(ctx: RuleContext) -> list[str]:
     return problems
 
 
+# launchers that start ranks on other machines when the user picks them
+REMOTE_LAUNCHERS = frozenset({"slurm", "openmpi", "mpich", "mvapich"})
+
+
 def runs_on_this_machine(ctx: RuleContext) -> bool:
     """A single-node launch from here: only then does this machine's device say anything.
 
-    deepy.py often runs on a login node without GPUs that pdsh/srun launches from.
+    deepy.py often runs on a login node without GPUs that pdsh/srun/mpirun launch from: a hostfile
+    that exists, several nodes, ``force_multi``, srun/mpirun starting the ranks themselves
+    (``deepspeed_slurm``/``deepspeed_mpi``) or a cluster launcher the user chose all mean the ranks run
+    elsewhere, with the ``num_gpus``/``num_nodes`` the user gave.
     """
-    return not (
-        ctx.get("hostfile")
-        or ctx.get("force_multi")
-        or (ctx.get("num_nodes") or -1) > 1
-        or os.path.isfile(DEEPSPEED_DEFAULT_HOSTFILE)
+    return not launches_elsewhere(ctx.args, ctx.given("launcher"))
+
+
+def launches_elsewhere(args: NeoXArgs, launcher_given: bool) -> bool:
+    hostfile = args.hostfile or (DEEPSPEED_DEFAULT_HOSTFILE if os.path.isfile(DEEPSPEED_DEFAULT_HOSTFILE) else None)
+    return bool(
+        (hostfile and os.path.isfile(hostfile))
+        or args.force_multi
+        or (args.num_nodes or -1) > 1
+        or args.deepspeed_slurm
+        or args.deepspeed_mpi
+        or (launcher_given and args.launcher in REMOTE_LAUNCHERS)
     )
 
 
 @rule
 def fp16_needs_device_support(ctx: RuleContext) -> list[str]:
-    if not block_enabled(ctx.get("fp16")) or ctx.device.fp16_supported or not runs_on_this_machine(ctx):
+    if not block_enabled(ctx.get("fp16")) or ctx.device.fp16_supported:
+        return []
+    if not runs_on_this_machine(ctx):
+        ctx.skipped.append("fp16 support of the devices: the ranks run on other machines (launcher "
+                           f"{ctx.get('launcher')}); their devices are trusted")
         return []
     key = "fp16" if ctx.given("fp16") else "precision"
     return [
@@ -328,6 +352,14 @@ def zero_stage_known(ctx: RuleContext) -> list[str]:
     problems = []
     if stage not in (0, 1, 2, 3):
         problems.append(f"ZeRO stage {stage} ({_zero_source(ctx)}) does not exist: use 0, 1, 2 or 3")
+    block = ctx.get("zero_optimization")
+    if isinstance(block, Mapping) and "stage" in block and not (
+        isinstance(block["stage"], int) and not isinstance(block["stage"], bool)
+    ):
+        problems.append(
+            f"zero_optimization.stage={block['stage']!r} ({_describe(ctx.source('zero_optimization'))}): "
+            f"write the stage as a number 0-3"
+        )
     raw = ctx.get("zero_stage")
     if raw is not None and not (isinstance(raw, int) and not isinstance(raw, bool)):
         problems.append(

@@ -1,56 +1,51 @@
-"""``build_tokenizer(args)``: the tokenizer named by ``args.tokenizer_type``, from a registry."""
+"""``build_tokenizer(config)``: the tokenizer named by ``config.type``, from a registry."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from megatron.errors import ConfigError
-from megatron.tokenizer.base import Tokenizer, padded_vocab_size
+from megatron.tokenizer.base import Tokenizer
 from megatron.tokenizer.char_level import CharLevelTokenizer
+from megatron.tokenizer.config import TokenizerConfig
 from megatron.tokenizer.hf import GPT2BPETokenizer, HFGPT2Tokenizer, HFTokenizer
 from megatron.tokenizer.spm import SPMTokenizer
 from megatron.tokenizer.tiktoken_tokenizer import TiktokenTokenizer
 
 log = logging.getLogger(__name__)
 
-Factory = Callable[[Any], Tokenizer]
+Factory = Callable[[TokenizerConfig], Tokenizer]
+
+
+def _needs(config: TokenizerConfig, key: str) -> str:
+    value = config.vocab_file if key == "vocab_file" else config.merge_file
+    if not value:
+        raise ConfigError(f"tokenizer_type={config.type} needs {key}: set it to the tokenizer's file")
+    return value
+
 
 TOKENIZERS: dict[str, Factory] = {
-    "HFTokenizer": lambda a: HFTokenizer(a.vocab_file),
-    "HFGPT2Tokenizer": lambda a: HFGPT2Tokenizer(a.vocab_file, getattr(a, "merge_file", None)),
-    "GPT2BPETokenizer": lambda a: GPT2BPETokenizer(a.vocab_file, a.merge_file),
-    "SPMTokenizer": lambda a: SPMTokenizer(a.vocab_file),
-    "CharLevelTokenizer": lambda a: CharLevelTokenizer(),
-    "TiktokenTokenizer": lambda a: TiktokenTokenizer(a.vocab_file),
+    "HFTokenizer": lambda c: HFTokenizer(_needs(c, "vocab_file")),
+    "HFGPT2Tokenizer": lambda c: HFGPT2Tokenizer(c.vocab_file, c.merge_file),
+    "GPT2BPETokenizer": lambda c: GPT2BPETokenizer(_needs(c, "vocab_file"), _needs(c, "merge_file")),
+    "SPMTokenizer": lambda c: SPMTokenizer(_needs(c, "vocab_file")),
+    "CharLevelTokenizer": lambda c: CharLevelTokenizer(),
+    "TiktokenTokenizer": lambda c: TiktokenTokenizer(_needs(c, "vocab_file")),
 }
 
 
 def register_tokenizer(name: str, factory: Factory) -> None:
-    """Add a tokenizer type; ``factory`` receives the args object."""
+    """Add a tokenizer type; ``factory`` receives the :class:`TokenizerConfig`."""
     TOKENIZERS[name] = factory
 
 
-def build_tokenizer(args: Any) -> Tokenizer:
-    """Build ``args.tokenizer_type`` and record ``args.padded_vocab_size`` when args accepts it."""
-    kind = getattr(args, "tokenizer_type", None)
-    factory = TOKENIZERS.get(str(kind))
+def build_tokenizer(config: TokenizerConfig) -> Tokenizer:
+    """The tokenizer ``config.type`` names, reading ``config.vocab_file``/``merge_file``."""
+    factory = TOKENIZERS.get(config.type)
     if factory is None:
-        raise ConfigError(f"tokenizer_type: unknown value {kind!r}; choose one of {', '.join(sorted(TOKENIZERS))}")
-    for key in ("vocab_file", "merge_file"):
-        if not hasattr(args, key):
-            try:
-                setattr(args, key, None)
-            except Exception:  # a frozen object; the factory reads it with getattr where optional
-                pass
-    tokenizer = factory(args)
-    padded = padded_vocab_size(tokenizer.vocab_size, int(getattr(args, "make_vocab_size_divisible_by", 128) or 1),
-                               int(getattr(args, "model_parallel_size", 1) or 1))
-    try:
-        args.padded_vocab_size = padded
-    except Exception:  # plain namespaces without the field are fine; the caller can compute it
-        pass
-    log.info("tokenizer %s (%s backend): vocab %d, padded to %d", kind, tokenizer.backend,
-             tokenizer.vocab_size, padded)
+        raise ConfigError(f"tokenizer_type: unknown value {config.type!r}; choose one of {', '.join(sorted(TOKENIZERS))}")
+    tokenizer = factory(config)
+    log.info("tokenizer %s (%s backend): vocab %d, padded to %d", config.type, tokenizer.backend,
+             tokenizer.vocab_size, config.padded(tokenizer.vocab_size))
     return tokenizer

@@ -7,8 +7,9 @@ Parallelism wraps the model from outside:
 * ``pipe_parallel_size >= 1``: the same layers as ``PipelineModule`` stages on our topology (so the
   pipeline grid and our tp/pp/dp groups agree); DeepSpeed's ``PipelineEngine``.
 
-ZeRO stages and precision come from the DeepSpeed config (``deepspeed_config(args)``); the
-optimizer and the LR scheduler are ours and handed to ``deepspeed.initialize``.
+ZeRO stages and precision come from the DeepSpeed config that deepy.py split off; the optimizer and
+the LR scheduler are ours and handed to ``deepspeed.initialize`` (DeepSpeed builds only OneBitAdam,
+which needs its engine's communication backend).
 
 Gradient clipping in fp32 without ZeRO goes through :func:`clip_grad_norm`, installed on the engine
 instead of DeepSpeed's: DeepSpeed's version skips replicated parameters (norms) on every pipeline
@@ -21,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import deepspeed
 import torch
@@ -30,12 +31,18 @@ from deepspeed.runtime.utils import is_model_parallel_parameter
 from torch import nn
 
 from megatron import mpu
+from megatron.deepspeed_internals import replace_fp32_clipping, skip_gradient_allreduce
 from megatron.errors import ConfigError
+from megatron.mpu.config import ParallelConfig
 from megatron.logging.log import get_logger
 from megatron.model import GPTConfig, GPTModel, loss_fn, pipeline_layer_specs
 from megatron.model.transformer_layer import TransformerLayer
-from megatron.training.lr_schedules import LRScheduler, build_lr_scheduler
-from megatron.training.optimizers import build_optimizer
+from megatron.training.config import ActivationCheckpointConfig, LRConfig
+from megatron.training.lr_schedules import LRScheduler, SchedulePolicy
+from megatron.training.optimizers import DEEPSPEED_BUILT, build_optimizer, deepspeed_optimizer_block, param_groups
+
+if TYPE_CHECKING:
+    from megatron.neox_arguments.run_config import RunConfig
 
 # GPT-NeoX partition names -> DeepSpeed's PipelineModule partition_method
 PARTITION_METHODS: dict[str, str] = {
@@ -67,8 +74,7 @@ class Engine:
         return not self.is_pipe or self.engine.is_first_stage()
 
 
-def partition_method(args: Any) -> str:
-    method = str(getattr(args, "pipe_partition_method", "type:transformer|mlp") or "uniform")
+def partition_method(method: str) -> str:
     mapped = PARTITION_METHODS.get(method.lower())
     if mapped is not None:
         return mapped
@@ -81,17 +87,17 @@ def partition_method(args: Any) -> str:
 
 
 # --- activation checkpointing and compilation ----------------------------------------------------
-def configure_activation_checkpointing(args: Any, num_layers: int) -> None:
+def configure_activation_checkpointing(cfg: ActivationCheckpointConfig, num_layers: int) -> None:
     """DeepSpeed's checkpointing needs our mpu for ``partition_activations`` (shards saved inputs
     over the tensor-parallel group) and for the tp-aware RNG it restores during recompute."""
     deepspeed.checkpointing.configure(
         mpu,
-        partition_activations=bool(getattr(args, "partition_activations", False)),
-        contiguous_checkpointing=bool(getattr(args, "contiguous_checkpointing", False)),
+        partition_activations=cfg.partition_activations,
+        contiguous_checkpointing=cfg.contiguous_checkpointing,
         num_checkpoints=num_layers,
-        checkpoint_in_cpu=bool(getattr(args, "checkpoint_in_cpu", False)),
-        synchronize=bool(getattr(args, "synchronize_each_layer", False)),
-        profile=bool(getattr(args, "profile_backward", False)),
+        checkpoint_in_cpu=cfg.checkpoint_in_cpu,
+        synchronize=cfg.synchronize_each_layer,
+        profile=cfg.profile_backward,
     )
 
 
@@ -100,16 +106,16 @@ def transformer_layers(model: nn.Module) -> list[TransformerLayer]:
     return [m for m in model.modules() if isinstance(m, TransformerLayer)]
 
 
-def layers_to_checkpoint(args: Any, num_local_layers: int, first_index: int = 0) -> list[int]:
+def layers_to_checkpoint(cfg: ActivationCheckpointConfig, num_local_layers: int, first_index: int = 0) -> list[int]:
     """Local indices of the blocks whose activations are recomputed.
 
     ``selective_checkpointing = k``: only every k-th block (by global layer number), which saves
     recompute where memory allows; else all blocks when ``checkpoint_activations``.
     """
-    k = getattr(args, "selective_checkpointing", None)
+    k = cfg.selective_checkpointing
     if k:
-        return [i for i in range(num_local_layers) if (first_index + i) % int(k) == 0]
-    if getattr(args, "checkpoint_activations", False):
+        return [i for i in range(num_local_layers) if (first_index + i) % k == 0]
+    if cfg.checkpoint_activations:
         return list(range(num_local_layers))
     return []
 
@@ -133,22 +139,23 @@ def _checkpointed(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.T
     return run
 
 
-def wrap_layers(model: nn.Module, args: Any, pipe_interval_used: bool) -> None:
+def wrap_layers(model: nn.Module, cfg: ActivationCheckpointConfig, compile_layers: bool,
+                pipe_interval_used: bool) -> None:
     """Compile and/or checkpoint blocks in place (their ``forward`` is replaced per instance)."""
     layers = transformer_layers(model)
-    if getattr(args, "compile_layers", False):
+    if compile_layers:
         for layer in layers:
             layer.forward = torch.compile(layer.forward)  # type: ignore[method-assign]
     if pipe_interval_used:
         return  # PipelineModule checkpoints chunks of layers itself
     first = min((layer.layer_number for layer in layers), default=0)
-    chosen = layers_to_checkpoint(args, len(layers), first)
+    chosen = layers_to_checkpoint(cfg, len(layers), first)
     for i in chosen:
         layers[i].forward = _checkpointed(layers[i].forward)  # type: ignore[method-assign]
     if chosen:
         get_logger().info("activation checkpointing: recomputing layers %s%s",
                           [layers[i].layer_number for i in chosen],
-                          " (inputs partitioned over tp)" if getattr(args, "partition_activations", False) else "")
+                          " (inputs partitioned over tp)" if cfg.partition_activations else "")
 
 
 # --- gradient norm -------------------------------------------------------------------------------
@@ -168,10 +175,7 @@ def grad_norm_sq_local(parameters: list[nn.Parameter]) -> torch.Tensor:
     ]
     if not grads:
         return torch.zeros((), dtype=torch.float64)
-    # one fused kernel for the per-tensor norms; their squares are summed in float64 so the
-    # total does not depend on how the model is split into tensors (parity across layouts)
-    norms = torch._foreach_norm(grads, 2.0)
-    return torch.stack([n.double() for n in norms]).pow(2).sum()
+    return torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).double().pow(2)
 
 
 def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> float:
@@ -196,11 +200,7 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> float:
 def install_fp32_clipping(engine: Any) -> None:
     """Route DeepSpeed's fp32 (no ZeRO) clipping through :func:`clip_grad_norm` and record the norm."""
     params = [p for p in engine.module.parameters() if p.requires_grad]
-
-    def clip() -> None:
-        engine._global_grad_norm = clip_grad_norm(params, float(engine.gradient_clipping()))
-
-    engine.clip_fp32_gradients = clip
+    replace_fp32_clipping(engine, lambda: clip_grad_norm(params, float(engine.gradient_clipping())))
 
 
 # --- building ------------------------------------------------------------------------------------
@@ -210,49 +210,54 @@ def optimizer_offloaded(ds_config: dict[str, Any]) -> bool:
     return int(zero.get("stage", 0) or 0) > 0 and str(offload.get("device", "none")).lower() == "cpu"
 
 
-def build_model(args: Any, config: GPTConfig) -> tuple[nn.Module, bool]:
+def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationCheckpointConfig,
+                compile_layers: bool) -> tuple[nn.Module, bool]:
     """(module, is_pipe)."""
-    pp = int(getattr(args, "pipe_parallel_size", 0) or 0)
-    needs_ckpt = bool(getattr(args, "checkpoint_activations", False) or getattr(args, "selective_checkpointing", None))
-    if needs_ckpt:
-        configure_activation_checkpointing(args, config.num_layers)
-    if pp == 0:
+    if ckpt.enabled:
+        configure_activation_checkpointing(ckpt, config.num_layers)
+    if not parallel.is_pipe:
         model = GPTModel(config)
-        wrap_layers(model, args, pipe_interval_used=False)
+        wrap_layers(model, ckpt, compile_layers, pipe_interval_used=False)
         return model, False
     from deepspeed.pipe import PipelineModule
 
     # whole-chunk checkpointing by PipelineModule unless only every k-th block is recomputed
-    interval = 0
-    if getattr(args, "checkpoint_activations", False) and not getattr(args, "selective_checkpointing", None):
-        interval = int(getattr(args, "checkpoint_num_layers", 1) or 1)
+    interval = ckpt.checkpoint_num_layers if ckpt.checkpoint_activations and not ckpt.selective_checkpointing else 0
     model = PipelineModule(
         layers=pipeline_layer_specs(config),
         loss_fn=loss_fn,
         topology=mpu.get_topology(),
-        partition_method=partition_method(args),
+        partition_method=partition_method(parallel.partition_method),
         activation_checkpoint_interval=interval,
         activation_checkpoint_func=deepspeed.checkpointing.checkpoint,
         # only blocks: a checkpointed chunk starting at the embedding gets integer inputs only, so
         # its output would not require grad and the first stage's backward fails
         checkpointable_layers=["TransformerLayerPipe"],
     )
-    wrap_layers(model, args, pipe_interval_used=interval > 0)
+    wrap_layers(model, ckpt, compile_layers, pipe_interval_used=interval > 0)
     return model, True
 
 
-def build_engine(args: Any, ds_config: dict[str, Any]) -> Engine:
-    """Model, optimizer, schedule and ``deepspeed.initialize``; ``args.padded_vocab_size`` must be set."""
-    config = GPTConfig.from_neox_args(args)
-    model, is_pipe = build_model(args, config)
-    optimizer = build_optimizer(model, args, offload=optimizer_offloaded(ds_config))
-    scheduler = build_lr_scheduler(optimizer, args)
-    ds_config = dict(ds_config)
-    ds_config.pop("optimizer", None)
-    ds_config.pop("scheduler", None)
+def build_engine(run: RunConfig, config: GPTConfig, train_iters: int) -> Engine:
+    """Model, optimizer, schedule and ``deepspeed.initialize`` for ``config`` (vocabulary already sized)."""
+    model, is_pipe = build_model(config, run.parallel, run.activation_checkpointing, run.training.compile_layers)
+    ds_config = dict(run.deepspeed)
+    spec = run.lr.spec(train_iters, run.optimizer.lr)
+    policy = lr_policy(run.lr)
+    if run.optimizer.kind in DEEPSPEED_BUILT:
+        # DeepSpeed builds it (it needs the engine's communication backend); our schedule wraps it
+        ds_config["optimizer"] = deepspeed_optimizer_block(run.optimizer)
+        optimizer: Any = None
+        scheduler: Any = lambda opt: LRScheduler(optimizer=opt, spec=spec, policy=policy)  # noqa: E731
+        params: Any = param_groups(model, run.optimizer.weight_decay)
+    else:
+        optimizer = build_optimizer(model, run.optimizer, offload=optimizer_offloaded(ds_config))
+        scheduler = LRScheduler(optimizer=optimizer, spec=spec, policy=policy)
+        params = None
     engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
+        model_parameters=params,
         lr_scheduler=scheduler,
         config=ds_config,
         mpu=None if is_pipe else mpu,
@@ -262,8 +267,12 @@ def build_engine(args: Any, ds_config: dict[str, Any]) -> Engine:
     if fp32 and not engine.zero_optimization():
         install_fp32_clipping(engine)
         if not is_pipe and mpu.get_data_parallel_world_size() == 1:
-            # nothing to average over one data-parallel rank; DeepSpeed would still flatten,
-            # "all-reduce" and copy back every gradient each step (~2% of a small CPU step)
-            engine.enable_backward_allreduce = False
-    return Engine(engine=engine, optimizer=ds_optimizer, lr_scheduler=ds_scheduler or scheduler,
+            skip_gradient_allreduce(engine)
+    return Engine(engine=engine, optimizer=ds_optimizer, lr_scheduler=ds_scheduler,
                   config=config, is_pipe=is_pipe, ds_config=ds_config)
+
+
+def lr_policy(lr: LRConfig) -> SchedulePolicy:
+    if lr.use_checkpoint_lr_scheduler:
+        return "checkpoint"
+    return "config" if lr.override_lr_scheduler else "strict"

@@ -55,12 +55,11 @@ class Evaluator:
         return average_over_data_parallel(torch.stack(losses).mean())
 
 
-def maybe_evaluator(eng: Engine, dataset: Any, args: Any, layout: dict[str, int], device: torch.device,
+def maybe_evaluator(eng: Engine, dataset: Any, eval_iters: int, layout: dict[str, int], device: torch.device,
                     eod_token: int | None) -> Evaluator | None:
     """An evaluator over ``dataset`` or None when there is nothing to evaluate."""
     from megatron.data.sampler import MicroBatchIterator
 
-    eval_iters = int(getattr(args, "eval_iters", 0) or 0)
     if dataset is None or eval_iters <= 0 or len(dataset) == 0:
         return None
     stream = MicroBatchIterator(dataset, 0, **layout)

@@ -2,9 +2,8 @@
 
 State that must survive a restart is in :class:`TrainState`; the data position is a pure function
 of ``consumed_samples``, so resuming needs nothing else. Checkpointing plugs in through
-:class:`Hooks`: ``after_step(engine, state, args)`` runs after every optimizer step (save by
-iteration or wall clock, preemption) and may ask the loop to stop; ``at_exit`` runs once after the
-last step.
+:class:`Hooks`: ``after_step(engine, state)`` runs after every optimizer step (save by iteration
+or wall clock, preemption) and may ask the loop to stop; ``at_exit`` runs once after the last step.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from megatron.errors import DeepyError
 from megatron.logging.log import format_row, get_logger
 from megatron.logging.metrics import MetricsWriter
 from megatron.logging.throughput import as_metrics, measure
+from megatron.training.config import TrainingConfig
 from megatron.training.engine import Engine
 from megatron.training.evaluate import Evaluator
 from megatron.training.step import StepResult, train_step
@@ -54,7 +54,7 @@ class TrainState:
 
 
 # after_step returns True to stop the loop (e.g. a preemption signal was received)
-StepHook = Callable[[Engine, TrainState, Any], Any]
+StepHook = Callable[[Engine, TrainState], Any]
 
 
 @dataclass
@@ -85,7 +85,7 @@ class _Window:
 @dataclass
 class LoopContext:
     eng: Engine
-    args: Any
+    training: TrainingConfig
     micro_batches: Iterator[dict[str, torch.Tensor]]
     pipe_batches: Iterator[Any] | None
     device: torch.device
@@ -153,11 +153,11 @@ def evaluate_now(ctx: LoopContext, state: TrainState, evaluator: Evaluator, pref
 
 def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
     """Run from ``state`` until ``train_iters``, ``exit_interval`` or a hook says stop."""
-    args, log = ctx.args, get_logger()
-    log_interval = int(getattr(args, "log_interval", 100) or 1)
-    eval_interval = int(getattr(args, "eval_interval", 0) or 0)
-    exit_interval = getattr(args, "exit_interval", None)
-    limit = int(getattr(args, "max_consecutive_overflows", 50) or 50)
+    log = get_logger()
+    log_interval = ctx.training.log_interval
+    eval_interval = ctx.training.eval_interval
+    exit_interval = ctx.training.exit_interval
+    limit = ctx.training.max_consecutive_overflows
     ctx.eng.engine.train()
     window = _Window()
     while state.iteration < ctx.train_iters:
@@ -180,8 +180,8 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
 
         stop = False
         for hook in hooks.after_step:
-            stop = bool(hook(ctx.eng, state, args)) or stop
-        if exit_interval and state.iteration % int(exit_interval) == 0:
+            stop = bool(hook(ctx.eng, state)) or stop
+        if exit_interval and state.iteration % exit_interval == 0:
             state.stop_reason = f"exit_interval {exit_interval}"
             break
         if stop:
@@ -195,6 +195,6 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
         if ctx.test is not None:
             evaluate_now(ctx, state, ctx.test, "test")
     for hook in hooks.at_exit:
-        hook(ctx.eng, state, args)
+        hook(ctx.eng, state)
     log.info("training stopped at iteration %d: %s", state.iteration, state.stop_reason)
     return state

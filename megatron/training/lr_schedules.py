@@ -23,10 +23,11 @@ after the first re-warm from ``min_lr`` over ``rewarmup`` steps.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from megatron.errors import ConfigError
 
@@ -89,7 +90,7 @@ WSD_DEFAULT_DECAY_FRACTION = 0.2
 
 @dataclass(frozen=True)
 class ScheduleSpec:
-    """Everything :func:`lr_at` needs; built from the config by :func:`spec_from_args`."""
+    """Everything :func:`lr_at` needs; built from the config by ``LRConfig.spec``."""
 
     style: str
     max_lr: float
@@ -151,11 +152,10 @@ def _within_cycle(spec: ScheduleSpec, index: int, start: int, length: int, step:
     warmup = spec.warmup_steps if index == 0 else spec.rewarmup_steps
     warmup = min(warmup, length)
     if local < warmup:
-        # the first cycle warms from zero, later ones from the floor they decayed to
+        # the first cycle warms from zero, later ones from the floor they decayed to; step/W as in
+        # GPT-NeoX (its first update uses lr 0), so a NeoX config gives the same curve here
         floor = 0.0 if index == 0 else spec.min_lr
-        # (local + 1): the very first update already moves the weights (GPT-NeoX's first step
-        # uses lr 0, wasting it)
-        return floor + (spec.max_lr - floor) * (local + 1) / warmup
+        return floor + (spec.max_lr - floor) * local / warmup
     after_warmup = length - warmup
     fraction = spec.effective_decay_fraction
     decay_len = after_warmup if fraction is None else int(round(fraction * length))
@@ -169,7 +169,7 @@ def _within_cycle(spec: ScheduleSpec, index: int, start: int, length: int, step:
     return max(spec.max_lr * scale, spec.min_lr)
 
 
-def _steps(value: float | int | None, total: int) -> int:
+def steps_of(value: float | int | None, total: int) -> int:
     """A warmup-like quantity: a fraction of ``total`` when in (0, 1], else a number of steps.
 
     1 is a fraction (the whole span), as in GPT-NeoX and as the config rules read it.
@@ -219,46 +219,10 @@ def cycle_starts_for(
     return tuple([0] + points)
 
 
-def _get(args: Any, name: str, default: Any = None) -> Any:
-    value = getattr(args, name, default)
-    return default if value is None else value
-
-
-def spec_from_args(args: Any, max_lr: float | None = None) -> ScheduleSpec:
-    """Read a :class:`ScheduleSpec` from a ``NeoXArgs``.
-
-    GPT-NeoX semantics: ``warmup`` is a fraction of ``lr_decay_iters`` (which defaults to
-    ``train_iters``); ``min_lr`` is an absolute floor. Deepy extras: ``min_lr_ratio`` (floor as a
-    share of ``lr``; wins over ``min_lr`` when set), ``rewarmup`` (fraction of a cycle or steps),
-    ``cycles``/``cycle_length``, ``decay_fraction``.
-    """
-    if max_lr is None:
-        max_lr = float(_get(args, "lr", 0.0))
-    train_iters = int(_get(args, "train_iters", 0) or 0)
-    fraction = getattr(args, "lr_decay_fraction", None)
-    total = int(_get(args, "lr_decay_iters", 0) or 0)
-    if not total and fraction is not None:
-        total = int(round(float(fraction) * train_iters))
-    total = total or train_iters
-    if total < 1:
-        raise ConfigError("the LR schedule needs lr_decay_iters or train_iters to be set (>= 1)")
-    ratio = getattr(args, "min_lr_ratio", None)
-    min_lr = max_lr * float(ratio) if ratio is not None else float(_get(args, "min_lr", 0.0))
-    starts = cycle_starts_for(total, getattr(args, "cycles", None), getattr(args, "cycle_length", None))
-    later_len = (starts[2] - starts[1]) if len(starts) > 2 else (total - starts[-1])
-    return ScheduleSpec(
-        style=str(_get(args, "lr_decay_style", "linear")),
-        max_lr=max_lr,
-        min_lr=min_lr,
-        total_steps=total,
-        warmup_steps=_steps(_get(args, "warmup", 0.0), total),
-        rewarmup_steps=_steps(_get(args, "rewarmup", 0.0), later_len) if len(starts) > 1 else 0,
-        cycle_starts=starts,
-        decay_fraction=getattr(args, "decay_fraction", None),
-        # inv/inv_sqrt continue the warmup's slope: lr * sqrt(W / (W + t)) is the classic
-        # inverse-square-root schedule when T is the warmup length
-        timescale=float(_get(args, "lr_timescale", 0) or max(_steps(_get(args, "warmup", 0.0), total), 1)),
-    )
+SchedulePolicy = Literal["strict", "config", "checkpoint"]
+"""How a resumed schedule treats a checkpoint whose schedule differs from the config's:
+``strict`` refuses (Megatron/GPT-NeoX's default), ``config`` uses the config's
+(``override_lr_scheduler``), ``checkpoint`` keeps the checkpoint's (``use_checkpoint_lr_scheduler``)."""
 
 
 @dataclass
@@ -268,6 +232,7 @@ class LRScheduler:
     optimizer: Any
     spec: ScheduleSpec
     num_steps: int = 0
+    policy: SchedulePolicy = "strict"
     _last_lr: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -290,16 +255,43 @@ class LRScheduler:
             group["lr"] = lr
 
     def state_dict(self) -> dict[str, Any]:
-        return {"num_steps": self.num_steps, "style": self.spec.style, "max_lr": self.spec.max_lr}
+        return {"num_steps": self.num_steps, "spec": spec_to_dict(self.spec)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # the schedule itself comes from the (possibly changed) config; only the position resumes
         self.num_steps = int(state["num_steps"])
+        saved = state.get("spec")
+        if saved is not None:
+            saved_spec = spec_from_dict(saved)
+            differences = spec_differences(saved_spec, self.spec)
+            if differences and self.policy == "checkpoint":
+                self.spec = saved_spec
+            elif differences and self.policy == "strict":
+                raise ConfigError(
+                    "the checkpoint was trained with another LR schedule ("
+                    + ", ".join(differences)
+                    + "): set override_lr_scheduler: true to use this config's schedule from here on, "
+                    "or use_checkpoint_lr_scheduler: true to keep the checkpoint's"
+                )
         self._apply()
 
 
-def build_lr_scheduler(optimizer: Any, args: Any) -> LRScheduler:
-    # the peak rate may come from optimizer.params.lr rather than the flat lr key
-    from megatron.training.optimizers import optimizer_settings
+def spec_to_dict(spec: ScheduleSpec) -> dict[str, Any]:
+    data = dataclasses.asdict(spec)
+    data["cycle_starts"] = list(spec.cycle_starts)
+    return data
 
-    return LRScheduler(optimizer=optimizer, spec=spec_from_args(args, max_lr=optimizer_settings(args)[2]))
+
+def spec_from_dict(data: dict[str, Any]) -> ScheduleSpec:
+    values = dict(data)
+    values["cycle_starts"] = tuple(values.get("cycle_starts", (0,)))
+    return ScheduleSpec(**values)
+
+
+def spec_differences(saved: ScheduleSpec, current: ScheduleSpec) -> list[str]:
+    """``name: checkpoint X, config Y`` for each schedule field that differs."""
+    out = []
+    for f in dataclasses.fields(ScheduleSpec):
+        a, b = getattr(saved, f.name), getattr(current, f.name)
+        if a != b and not (isinstance(a, float) and isinstance(b, float) and math.isclose(a, b, rel_tol=1e-12)):
+            out.append(f"{f.name}: checkpoint {a}, config {b}")
+    return out

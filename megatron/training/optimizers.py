@@ -1,32 +1,41 @@
-"""Optimizers built from the GPT-NeoX ``optimizer: {type: ..., params: {...}}`` config.
+"""Optimizers built from the typed :class:`~megatron.training.config.OptimizerConfig`.
 
-Builders live in a registry keyed by the lower-cased ``type`` string. Parameters are split into two
-groups: weight decay applies to matrices only, never to biases or normalisation weights (decaying
-a LayerNorm gain towards zero only fights the normalisation).
+Builders live in a registry keyed by the optimizer kind (``OPTIMIZER_KINDS`` in the schema maps the
+user's type, case-insensitively, to a kind). Parameters are split into two groups: weight decay
+applies to matrices only, never to biases or normalisation weights (decaying a LayerNorm gain
+towards zero only fights the normalisation). Weight decay is decoupled (AdamW-style) except for SGD,
+whose decay is torch's L2 term as in GPT-NeoX.
 
-GPT-NeoX's ``Adam`` is apex's FusedAdam in its default AdamW mode (decoupled weight decay), so here
-``Adam`` and ``AdamW`` both build :class:`torch.optim.AdamW`; the results match NeoX's.
+* ``Adam``/``AdamW``/``CPU_torch_adam``: :class:`torch.optim.AdamW` (fused where the device has the
+  kernel). GPT-NeoX's ``Adam`` is apex's FusedAdam in its AdamW mode, so the results match.
+* ``CPU_Adam``: DeepSpeed's ``DeepSpeedCPUAdam`` (also what ZeRO-Offload requires for Adam).
+* ``SM3``, ``madgrad_wd`` (MADGRAD with decoupled decay) and ``Lion``: the well-kept
+  ``pytorch-optimizer`` package.
+* ``OneBitAdam``: built by DeepSpeed itself (it needs the engine's communication backend), so it
+  only runs on GPUs with NCCL/MPI; the config rules refuse it elsewhere before launch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from megatron.errors import ConfigError
+from megatron.training.config import OptimizerConfig
 
 ParamGroups = list[dict[str, Any]]
-OptimizerBuilder = Callable[[ParamGroups, float, dict[str, Any]], torch.optim.Optimizer]
+OptimizerBuilder = Callable[[ParamGroups, OptimizerConfig], torch.optim.Optimizer]
 
 OPTIMIZERS: dict[str, OptimizerBuilder] = {}
+DEEPSPEED_BUILT = frozenset({"onebitadam"})
+"""Kinds DeepSpeed constructs from its config's ``optimizer`` block."""
 
 
-def register_optimizer(*names: str) -> Callable[[OptimizerBuilder], OptimizerBuilder]:
+def register_optimizer(kind: str) -> Callable[[OptimizerBuilder], OptimizerBuilder]:
     def add(fn: OptimizerBuilder) -> OptimizerBuilder:
-        for name in names:
-            OPTIMIZERS[name.lower()] = fn
+        OPTIMIZERS[kind] = fn
         return fn
 
     return add
@@ -55,33 +64,16 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> ParamGroups:
 
 
 # --- the optimizers --------------------------------------------------------------------------
-def _betas(params: dict[str, Any], default: tuple[float, float]) -> tuple[float, float]:
-    betas = params.get("betas", default)
-    if not isinstance(betas, (list, tuple)) or len(betas) != 2:
-        raise ConfigError(f"optimizer.params.betas={betas!r} must be a list of two floats, e.g. [0.9, 0.95]")
-    return float(betas[0]), float(betas[1])
-
-
-def _check_known(kind: str, params: dict[str, Any], known: Iterable[str]) -> None:
-    unknown = sorted(set(params) - set(known) - {"lr"})
-    if unknown:
-        raise ConfigError(
-            f"optimizer.params: {unknown} are not parameters of the {kind} optimizer; "
-            f"it accepts {sorted(known)}"
-        )
-
-
 def _fused_supported(groups: ParamGroups) -> bool:
     """torch's fused AdamW kernel exists for CUDA and (torch >= 2.4) CPU float tensors."""
     tensors = [p for g in groups for p in g["params"]]
     return bool(tensors) and all(p.is_floating_point() and p.device.type in ("cuda", "cpu") for p in tensors)
 
 
-@register_optimizer("adam", "adamw", "cpu_torch_adam")
-def build_adamw(groups: ParamGroups, lr: float, params: dict[str, Any]) -> torch.optim.Optimizer:
-    _check_known("Adam", params, ["betas", "eps", "amsgrad"])
-    kwargs = dict(lr=lr, betas=_betas(params, (0.9, 0.999)), eps=float(params.get("eps", 1e-8)),
-                  amsgrad=bool(params.get("amsgrad", False)))
+@register_optimizer("adam")
+def build_adamw(groups: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    p = cfg.params
+    kwargs = dict(lr=cfg.lr, betas=tuple(p["betas"]), eps=p["eps"], amsgrad=p["amsgrad"])
     if _fused_supported(groups):
         try:
             return torch.optim.AdamW(groups, fused=True, **kwargs)
@@ -90,109 +82,98 @@ def build_adamw(groups: ParamGroups, lr: float, params: dict[str, Any]) -> torch
     return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
 
-@register_optimizer("cpu_adam", "cpuadam")
-def build_cpu_adam(groups: ParamGroups, lr: float, params: dict[str, Any]) -> torch.optim.Optimizer:
-    _check_known("CPU_Adam", params, ["betas", "eps", "amsgrad"])
+@register_optimizer("cpu_adam")
+def build_cpu_adam(groups: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    p = cfg.params
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(groups, lr=lr, betas=_betas(params, (0.9, 0.999)),
-                                eps=float(params.get("eps", 1e-8)), adamw_mode=True,
-                                amsgrad=bool(params.get("amsgrad", False)))
+        return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=tuple(p["betas"]), eps=p["eps"], adamw_mode=True,
+                                amsgrad=p["amsgrad"])
     except Exception as err:  # the op is JIT-built: any failure there is an environment problem
         raise ConfigError(
-            f"optimizer.type=CPU_Adam needs DeepSpeed's cpu_adam C++ op, which could not be built or "
+            f"optimizer.type={cfg.type} needs DeepSpeed's cpu_adam C++ op, which could not be built or "
             f"loaded ({type(err).__name__}: {err}). Install a C++ compiler and ninja, or pre-build it "
             f"with DS_BUILD_CPU_ADAM=1 pip install deepspeed, or use optimizer.type=AdamW"
         ) from err
 
 
 @register_optimizer("sgd")
-def build_sgd(groups: ParamGroups, lr: float, params: dict[str, Any]) -> torch.optim.Optimizer:
-    _check_known("SGD", params, ["momentum", "dampening", "nesterov"])
-    return torch.optim.SGD(groups, lr=lr, momentum=float(params.get("momentum", 0.0)),
-                           dampening=float(params.get("dampening", 0.0)),
-                           nesterov=bool(params.get("nesterov", False)))
-
-
-class Lion(torch.optim.Optimizer):
-    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms").
-
-    The update is the sign of an interpolation between the momentum and the gradient, so every
-    coordinate moves by exactly ``lr``; it keeps one state tensor (Adam keeps two).
-    """
-
-    def __init__(self, params: Any, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
-                 weight_decay: float = 0.0) -> None:
-        if lr <= 0:
-            raise ConfigError(f"Lion: lr={lr} must be positive")
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, wd = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    state["exp_avg"] = torch.zeros_like(p)
-                exp_avg = state["exp_avg"]
-                if wd:
-                    p.mul_(1.0 - lr * wd)  # decoupled, as in AdamW
-                update = exp_avg.mul(beta1).add_(p.grad, alpha=1.0 - beta1).sign_()
-                p.add_(update, alpha=-lr)
-                exp_avg.mul_(beta2).add_(p.grad, alpha=1.0 - beta2)
-        return loss
+def build_sgd(groups: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    p = cfg.params
+    # the groups' weight_decay is torch SGD's own (L2 added to the gradient), as in GPT-NeoX
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=p["momentum"], dampening=p["dampening"],
+                           nesterov=p["nesterov"])
 
 
 @register_optimizer("lion")
-def build_lion(groups: ParamGroups, lr: float, params: dict[str, Any]) -> torch.optim.Optimizer:
-    _check_known("Lion", params, ["betas"])
-    return Lion(groups, lr=lr, betas=_betas(params, (0.9, 0.99)))
+def build_lion(groups: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    from pytorch_optimizer import Lion
+
+    return Lion(groups, lr=cfg.lr, betas=tuple(cfg.params["betas"]), weight_decouple=True)
+
+
+@register_optimizer("madgrad_wd")
+def build_madgrad_wd(groups: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    from pytorch_optimizer import MADGRAD
+
+    # GPT-NeoX's madgrad_wd: MADGRAD with AdamW-style (decoupled) weight decay
+    return MADGRAD(groups, lr=cfg.lr, momentum=cfg.params["momentum"], eps=cfg.params["eps"], weight_decouple=True)
+
+
+@register_optimizer("sm3")
+def build_sm3(groups: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    from pytorch_optimizer import SM3
+
+    p = cfg.params
+    return _DecoupledDecay.wrap(SM3)(groups, lr=cfg.lr, momentum=p["momentum"], beta=p["beta"], eps=p["eps"])
+
+
+class _DecoupledDecay:
+    """Adds AdamW-style decay (``p -= lr * wd * p`` before the update) to an optimizer without weight
+    decay of its own (SM3), so ``weight_decay`` is honoured rather than ignored."""
+
+    @staticmethod
+    def wrap(base: type[torch.optim.Optimizer]) -> Callable[..., torch.optim.Optimizer]:
+        class WithDecoupledDecay(base):  # type: ignore[valid-type, misc]
+            @torch.no_grad()
+            def step(self, closure: Callable[[], float] | None = None) -> Any:
+                for group in self.param_groups:
+                    decay = group.get("weight_decay_decoupled", 0.0)
+                    if decay:
+                        for param in group["params"]:
+                            if param.grad is not None:
+                                param.mul_(1.0 - group["lr"] * decay)
+                return super().step(closure)
+
+        WithDecoupledDecay.__name__ = base.__name__
+
+        def build(groups: ParamGroups, **kwargs: Any) -> torch.optim.Optimizer:
+            # the optimizer's own weight_decay (L2 on the gradient, or unknown) stays 0
+            renamed = [{**{k: v for k, v in g.items() if k != "weight_decay"},
+                        "weight_decay_decoupled": g.get("weight_decay", 0.0)} for g in groups]
+            return WithDecoupledDecay(renamed, **kwargs)
+
+        return build
+
+
+def deepspeed_optimizer_block(cfg: OptimizerConfig) -> dict[str, Any]:
+    """The DeepSpeed config ``optimizer`` block for a kind DeepSpeed builds itself."""
+    params = dict(cfg.params)
+    if "betas" in params:
+        params["betas"] = list(params["betas"])
+    return {"type": "OneBitAdam", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay, **params}}
 
 
 # --- from the config ---------------------------------------------------------------------------
-def optimizer_settings(args: Any) -> tuple[str, dict[str, Any], float]:
-    """(type, params without lr, lr) from ``args.optimizer`` (a dict or an object with type/params)."""
-    spec = getattr(args, "optimizer", None)
-    if spec is None:
-        # the flat GPT-NeoX alternative to the optimizer block
-        kind, params = getattr(args, "optimizer_type", None) or "adam", {}
-    elif isinstance(spec, dict):
-        kind, params = spec.get("type", "adamw"), dict(spec.get("params") or {})
-    else:
-        kind, params = getattr(spec, "type", "adamw"), dict(getattr(spec, "params", None) or {})
-    lr = getattr(args, "lr", None)
-    if lr is None:
-        lr = params.get("lr")
-    if lr is None:
-        raise ConfigError("no learning rate: set optimizer.params.lr (or lr)")
-    params.pop("lr", None)
-    params.pop("weight_decay", None)  # taken from the top-level weight_decay per group
-    return str(kind), params, float(lr)
-
-
-def build_optimizer(model: torch.nn.Module, args: Any, offload: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, offload: bool = False) -> torch.optim.Optimizer:
     """``offload``: ZeRO keeps the optimizer state on the CPU (``offload_optimizer``), where
     DeepSpeed requires its own CPU Adam; Adam/AdamW are switched to it (same update rule)."""
-    kind, params, lr = optimizer_settings(args)
-    if offload and kind.lower() in ("adam", "adamw", "cpu_torch_adam"):
-        kind = "cpu_adam"
-    builder = OPTIMIZERS.get(kind.lower())
+    kind = "cpu_adam" if offload and cfg.kind == "adam" else cfg.kind
+    builder = OPTIMIZERS.get(kind)
     if builder is None:
-        raise ConfigError(
-            f"optimizer.type={kind!r} is not available; choose one of "
-            f"{sorted({'Adam', 'AdamW', 'CPU_Adam', 'Lion', 'SGD'})}"
-        )
-    weight_decay = float(getattr(args, "weight_decay", 0.0) or 0.0)
-    groups = param_groups(model, weight_decay)
+        raise ConfigError(f"optimizer.type={cfg.type!r} is not built by Deepy's trainer (kinds: {sorted(OPTIMIZERS)})")
+    groups = param_groups(model, cfg.weight_decay)
     if not groups:
         raise ConfigError("the model has no trainable parameters")
-    return builder(groups, lr, params)
+    return builder(groups, cfg)

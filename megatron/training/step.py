@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import mpu
+from megatron.deepspeed_internals import loss_scale
 from megatron.model import lm_loss
 from megatron.training.batch import lm_batch
 from megatron.training.engine import Engine
@@ -43,16 +44,6 @@ def average_over_data_parallel(value: torch.Tensor) -> float:
         dist.all_reduce(value, group=mpu.get_data_parallel_group())
         value /= size
     return float(value)
-
-
-def _loss_scale(engine: Any) -> float | None:
-    if not engine.fp16_enabled():
-        return None
-    optimizer = getattr(engine, "optimizer", None)
-    scale = getattr(optimizer, "cur_scale", None)
-    if scale is None:
-        scale = getattr(getattr(optimizer, "loss_scaler", None), "cur_scale", None)
-    return float(scale) if scale is not None else None
 
 
 def _grad_norm(engine: Any) -> float | None:
@@ -83,4 +74,4 @@ def train_step(eng: Engine, micro_batches: Iterator[dict[str, torch.Tensor]],
             losses.append(step_loss.detach())
         loss = average_over_data_parallel(torch.stack(losses).mean())
     return StepResult(loss=loss, applied=bool(engine.was_step_applied()), grad_norm=_grad_norm(engine),
-                      loss_scale=_loss_scale(engine))
+                      loss_scale=loss_scale(engine))

@@ -40,7 +40,7 @@ def worker(opts: argparse.Namespace) -> int:
     from megatron.checkpointing.preemption import PreemptionWatcher
     from megatron.checkpointing.retention import KeepRule, RetentionPolicy
     from megatron.errors import CheckpointError
-    from megatron.initialize import skip_shared_memory_comm_op
+    from megatron.deepspeed_internals import skip_shared_memory_comm_op
     from megatron.mpu import topology
 
     skip_shared_memory_comm_op()  # as train.py: no /dev/shm buffers left behind by DeepSpeed's op

@@ -32,7 +32,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "sequence_parallel_gqa": dict(sequence_parallel=True, num_kv_heads=2, pos_emb="rotary", activation="geglu"),
     "value_head_sequence_parallel": dict(value_head=True, sequence_parallel=True, pos_emb="sinusoidal"),
     "rpe_local_gqa": dict(
-        pos_emb="rpe", attention_config=[[["local", "global"], 2]], sliding_window_width=2, num_kv_heads=2
+        pos_emb="rpe", attention_config=[[["local", "global"], 1]], sliding_window_width=2, num_kv_heads=2
     ),
 }
 PIPELINE_CONFIGS = ["mha_learned", "alibi_untied_qknorm_parallel", "value_head_sequence_parallel", "rpe_local_gqa"]
@@ -234,7 +234,7 @@ def _rank_main(rank: int, out_dir: str) -> None:
     from megatron import mpu
     from megatron.model import GPTConfig
 
-    from megatron.initialize import skip_shared_memory_comm_op
+    from megatron.deepspeed_internals import skip_shared_memory_comm_op
 
     skip_shared_memory_comm_op()  # as train.py: no /dev/shm buffers left behind by DeepSpeed's op
     deepspeed.init_distributed(dist_backend="gloo")

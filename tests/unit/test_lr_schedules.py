@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,8 +14,9 @@ from megatron.training.lr_schedules import (
     ScheduleSpec,
     cycle_starts_for,
     lr_at,
-    spec_from_args,
 )
+from megatron.neox_arguments import config_from_mapping
+from megatron.training.config import LRConfig
 
 
 def approx(x: float) -> object:
@@ -28,8 +28,21 @@ def test_registry_has_neox_and_levanter_styles() -> None:
 
 
 def test_warmup_is_linear_from_zero_and_reaches_max() -> None:
+    """GPT-NeoX's AnnealingLR: lr = max_lr * step / warmup, so the first update uses 0."""
     spec = ScheduleSpec("constant", max_lr=2.0, total_steps=100, warmup_steps=4)
-    assert [lr_at(spec, s) for s in range(6)] == [0.5, 1.0, 1.5, 2.0, 2.0, 2.0]
+    assert [lr_at(spec, s) for s in range(6)] == [0.0, 0.5, 1.0, 1.5, 2.0, 2.0]
+
+
+def test_warmup_then_linear_decay_matches_gpt_neox_formula() -> None:
+    """GPT-NeoX: step <= W -> max*step/W; after: max*(T-step)/(T-W) floored at min_lr."""
+    spec = ScheduleSpec("linear", max_lr=1.0, total_steps=20, warmup_steps=5, min_lr=0.05)
+
+    def neox(step: int) -> float:
+        if step <= 5:
+            return step / 5
+        return max((20 - step) / (20 - 5), 0.05)
+
+    assert [lr_at(spec, s) for s in range(25)] == [approx(neox(min(s, 20))) for s in range(25)]
 
 
 def test_linear_decays_to_floor_at_the_end() -> None:
@@ -84,8 +97,8 @@ def test_cycles_rewarm_from_min_lr() -> None:
         cycle_starts=(0, 50),
     )
     assert lr_at(spec, 49) == approx(max(1.0 - 39 / 40, 0.1))
-    assert lr_at(spec, 50) == approx(0.1 + 0.9 / 5)
-    assert lr_at(spec, 54) == approx(1.0)
+    assert lr_at(spec, 50) == approx(0.1)
+    assert lr_at(spec, 54) == approx(0.1 + 0.9 * 4 / 5)
     assert lr_at(spec, 55) == approx(1.0)
     assert lr_at(spec, 99) == approx(0.1)
 
@@ -109,25 +122,52 @@ def test_bad_specs_are_config_errors() -> None:
         ScheduleSpec("linear", max_lr=1.0, min_lr=2.0, total_steps=10)
 
 
-def _args(**kw: object) -> SimpleNamespace:
-    base = dict(lr=1e-3, min_lr=0.0, warmup=0.01, lr_decay_iters=None, train_iters=1000,
-                lr_decay_style="cosine", min_lr_ratio=None, cycles=None, cycle_length=None,
-                rewarmup=None, decay_fraction=None, lr_decay_fraction=None)
-    base.update(kw)
-    return SimpleNamespace(**base)
+def _lr(**kw: object) -> LRConfig:
+    """The schedule keys through the real loader."""
+    values = dict(lr_decay_style="cosine", warmup=0.01)
+    values.update(kw)
+    return LRConfig.from_args(config_from_mapping(values).args)
 
 
 def test_spec_from_neox_args() -> None:
-    spec = spec_from_args(_args())
+    spec = _lr().spec(1000, 1e-3)
     assert spec.total_steps == 1000 and spec.warmup_steps == 10 and spec.max_lr == 1e-3
-    assert spec_from_args(_args(lr_decay_iters=500)).total_steps == 500
-    assert spec_from_args(_args(lr_decay_fraction=0.25)).total_steps == 250
-    assert spec_from_args(_args(warmup=30)).warmup_steps == 30  # >= 1 means steps
-    assert spec_from_args(_args(min_lr_ratio=0.1)).min_lr == pytest.approx(1e-4)
-    cyc = spec_from_args(_args(cycles=2, rewarmup=0.1))
+    assert _lr(lr_decay_iters=500).spec(1000, 1e-3).total_steps == 500
+    assert _lr(lr_decay_fraction=0.25).spec(1000, 1e-3).total_steps == 250
+    assert _lr(warmup=30).spec(1000, 1e-3).warmup_steps == 30  # >= 1 means steps
+    assert _lr(min_lr_ratio=0.1).spec(1000, 1e-3).min_lr == pytest.approx(1e-4)
+    cyc = _lr(cycles=2, rewarmup=0.1).spec(1000, 1e-3)
     assert cyc.cycle_starts == (0, 500) and cyc.rewarmup_steps == 50
     with pytest.raises(ConfigError):
-        spec_from_args(_args(train_iters=None))
+        _lr().spec(0, 1e-3)
+
+
+def _resumed(saved: ScheduleSpec, current: ScheduleSpec, policy: str) -> LRScheduler:
+    p = torch.nn.Parameter(torch.zeros(2))
+    before = LRScheduler(torch.optim.SGD([p], lr=1.0), saved)
+    for _ in range(3):
+        before.step()
+    after = LRScheduler(torch.optim.SGD([p], lr=1.0), current, policy=policy)  # type: ignore[arg-type]
+    after.load_state_dict(before.state_dict())
+    return after
+
+
+def test_resuming_with_another_schedule_follows_the_override_keys() -> None:
+    """Megatron/GPT-NeoX semantics of override_lr_scheduler / use_checkpoint_lr_scheduler."""
+    saved = ScheduleSpec("linear", max_lr=1.0, total_steps=10)
+    changed = ScheduleSpec("linear", max_lr=0.5, total_steps=20)
+    with pytest.raises(ConfigError, match="max_lr: checkpoint 1.0, config 0.5.*override_lr_scheduler"):
+        _resumed(saved, changed, "strict")
+    assert _resumed(saved, changed, "config").get_last_lr() == [approx(lr_at(changed, 3))]
+    kept = _resumed(saved, changed, "checkpoint")
+    assert kept.spec == saved and kept.get_last_lr() == [approx(lr_at(saved, 3))]
+    assert _resumed(saved, saved, "strict").num_steps == 3  # same schedule: nothing to decide
+    # the keys choose the policy
+    from megatron.training.engine import lr_policy
+
+    assert lr_policy(_lr()) == "strict"
+    assert lr_policy(_lr(override_lr_scheduler=True)) == "config"
+    assert lr_policy(_lr(use_checkpoint_lr_scheduler=True)) == "checkpoint"
 
 
 def test_scheduler_sets_param_groups_and_resumes() -> None:
@@ -146,9 +186,9 @@ def test_scheduler_sets_param_groups_and_resumes() -> None:
 
 
 def test_warmup_of_one_is_the_whole_span_as_in_gpt_neox() -> None:
-    from megatron.training.lr_schedules import _steps
+    from megatron.training.lr_schedules import steps_of
 
-    assert _steps(1, 200) == 200  # a fraction, like the config rules read it
-    assert _steps(1.0, 200) == 200
-    assert _steps(0.05, 200) == 10
-    assert _steps(20, 200) == 20  # whole numbers above 1 are steps
+    assert steps_of(1, 200) == 200  # a fraction, like the config rules read it
+    assert steps_of(1.0, 200) == 200
+    assert steps_of(0.05, 200) == 10
+    assert steps_of(20, 200) == 20  # whole numbers above 1 are steps

@@ -9,8 +9,6 @@ ignored parameter shows up in the logits.
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -104,9 +102,9 @@ def ref_rpe_bucket(distance: int, num_buckets: int, max_distance: int) -> int:
 
 def ref_window(cfg: GPTConfig, layer: int) -> int | None:
     """Local layers of attention_config get the window; without any, every layer does."""
-    types = []
+    types = []  # GPT-NeoX: each entry's list of types, repeated
     for kinds, repeats in cfg.attention_config or [[["global"], cfg.num_layers]]:
-        types += [kinds[i % len(kinds)] for i in range(repeats)]
+        types += list(kinds) * repeats
     if "local" in types:
         return cfg.sliding_window_width if types[layer] == "local" else None
     return cfg.sliding_window_width
@@ -214,9 +212,9 @@ VARIANTS: dict[str, dict] = {
     "mqa": dict(num_kv_heads=1),
     "sliding_window": dict(sliding_window_width=3),
     "sliding_window_alibi": dict(sliding_window_width=2, pos_emb="alibi"),
-    "local_then_global": dict(attention_config=[[["local", "global"], 2]], sliding_window_width=2),
+    "local_then_global": dict(attention_config=[[["local", "global"], 1]], sliding_window_width=2),
     "rpe": dict(pos_emb="rpe", rpe_num_buckets=6, rpe_max_distance=5),
-    "rpe_local": dict(pos_emb="rpe", attention_config=[[["global", "local"], 2]], sliding_window_width=3),
+    "rpe_local": dict(pos_emb="rpe", attention_config=[[["global", "local"], 1]], sliding_window_width=3),
     "parallel_residual": dict(gpt_j_residual=True),
     "parallel_residual_tied_norm": dict(gpt_j_residual=True, gpt_j_tied=True),
     "qk_layernorm": dict(use_qk_layernorm=True, pos_emb="rotary"),
@@ -347,18 +345,19 @@ def test_num_parameters_and_flops(name: str) -> None:
 
 
 def test_config_from_neox_args() -> None:
-    args = SimpleNamespace(
-        num_layers=3, hidden_size=48, num_attention_heads=6, num_kv_heads=None, seq_length=32,
-        max_position_embeddings=None, padded_vocab_size=96, pos_emb="rotary", rotary_pct=0.25,
-        norm="rmsnorm", activation="swiglu", precision="bfloat16", attention_config=[[["global"], "all"]],
-        train_iters=10, lr=1e-3,  # not architecture: ignored
-    )
-    cfg = GPTConfig.from_neox_args(args)
+    from megatron.neox_arguments import config_from_mapping
+
+    args = config_from_mapping(dict(
+        num_layers=3, hidden_size=48, num_attention_heads=6, seq_length=32, padded_vocab_size=96,
+        pos_emb="rotary", rotary_pct=0.25, norm="rmsnorm", activation="swiglu", precision="bfloat16",
+        attention_config=[[["global"], "all"]], train_iters=10, lr=1e-3,  # not architecture: not read
+    )).args
+    cfg = GPTConfig.from_args(args)
     assert (cfg.num_layers, cfg.kv_heads, cfg.max_position_embeddings) == (3, 6, 32)
-    assert cfg.params_dtype == torch.bfloat16 and cfg.rotary_dim == 2
+    assert cfg.params_dtype == torch.bfloat16 and cfg.rotary_dim == 2 and cfg.padded_vocab_size == 96
     assert cfg.attention_types == ["global"] * 3
-    assert cfg.layernorm_epsilon == 1e-5  # default where args lack the field
-    assert not cfg.value_head and GPTConfig.from_neox_args(SimpleNamespace(**vars(args), train_impl="rm")).value_head
+    assert cfg.layernorm_epsilon == 1e-5  # the schema's default
+    assert not cfg.value_head and cfg.with_vocab(128).padded_vocab_size == 128
     with pytest.raises(ValueError, match="not supported"):
         GPTConfig(**BASE, attention_config=[[["sparse_fixed"], "all"]])
     for bad in (dict(pos_emb="t5"), dict(norm="batchnorm"), dict(activation="tanh"), dict(init_method="zeros")):
@@ -370,17 +369,21 @@ def test_config_from_neox_args() -> None:
 
 def test_activation_checkpointing_replays_dropout() -> None:
     """With DeepSpeed's checkpoint, the recomputed layers draw the same dropout masks."""
-    import deepspeed
-
     from megatron.mpu import model_parallel_manual_seed
 
     cfg = GPTConfig(**BASE, hidden_dropout=0.2, attention_dropout=0.2, pos_emb="rotary")
     tokens = torch.randint(0, cfg.padded_vocab_size, (2, cfg.seq_length))
     labels = torch.randint(0, cfg.padded_vocab_size, (2, cfg.seq_length))
+    from megatron.training.config import ActivationCheckpointConfig
+    from megatron.training.engine import configure_activation_checkpointing, wrap_layers
+
     runs = []
-    for checkpoint_fn in (None, deepspeed.checkpointing.checkpoint):
+    for on in (False, True):
         model = GPTModel(cfg).train()
-        model.set_activation_checkpointing(checkpoint_fn)
+        ckpt = ActivationCheckpointConfig(checkpoint_activations=on)
+        if on:
+            configure_activation_checkpointing(ckpt, cfg.num_layers)
+        wrap_layers(model, ckpt, compile_layers=False, pipe_interval_used=False)  # what the engine does
         model_parallel_manual_seed(5)
         loss = lm_loss(model(tokens), labels)
         loss.backward()
@@ -400,13 +403,13 @@ def test_universal_checkpoint_info_merges_tp_shards(name: str, tmp_path) -> None
     `universal_checkpoint_info`, rebuilds every full tensor; every pattern is used."""
     from deepspeed.checkpoint.ds_to_universal import dp_index_to_str, merge_tp_slices
 
+    from megatron.checkpointing.universal import universal_checkpoint_info
     from megatron.model import tp_partition_of
-    from megatron.model.partitioning import universal_checkpoint_info
     from megatron.mpu.initialize_weights import shard_tensor
 
-    tp, original_vocab = 2, 60
+    tp = 2
     cfg, model = build(VARIANTS[name])
-    info = universal_checkpoint_info(cfg, tp, original_vocab_size=original_vocab)
+    info = universal_checkpoint_info(cfg, tp)  # the implementation checkpoints use
     unused: set[str] | None = None
     for pname, full in model.state_dict().items():
         part = tp_partition_of(cfg, pname)
@@ -420,8 +423,7 @@ def test_universal_checkpoint_info_merges_tp_shards(name: str, tmp_path) -> None
                                (pname, [s.shape for s in shards]))
         unused = set(left) if unused is None else unused & set(left)
         merged = torch.load(tmp_path / "out" / pname / "fp32.pt", weights_only=False)["param"]
-        want = full[:original_vocab] if "word_embeddings" in pname or "output_layer" in pname else full
-        assert torch.equal(merged.reshape(want.shape), want), pname
+        assert torch.equal(merged.reshape(full.shape), full), pname  # padded vocabulary rows kept
     assert not unused, f"patterns that match no parameter: {unused}"
 
 

@@ -1,20 +1,16 @@
-"""Optimizers come from the config registry, with decay only on matrices."""
+"""Optimizers come from the typed optimizer block, with decay only on matrices."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from megatron.errors import ConfigError
-from megatron.training.optimizers import (
-    OPTIMIZERS,
-    Lion,
-    build_optimizer,
-    optimizer_settings,
-    param_groups,
-)
+from megatron.neox_arguments import config_from_mapping
+from megatron.training.config import OptimizerConfig
+from megatron.training.optimizers import OPTIMIZERS, build_optimizer, param_groups
 
 
 class Tiny(torch.nn.Module):
@@ -28,12 +24,14 @@ class Tiny(torch.nn.Module):
         return self.final_norm(self.linear(x)).sum()
 
 
-def _args(kind: str, **params: object) -> SimpleNamespace:
-    return SimpleNamespace(optimizer={"type": kind, "params": {"lr": 0.01, **params}}, lr=None, weight_decay=0.1)
+def optimizer_config(kind: str, top: dict[str, Any] | None = None, **params: Any) -> OptimizerConfig:
+    """Through the real loader: the schema validates the block, OptimizerConfig reads it."""
+    values = {"optimizer": {"type": kind, "params": {"lr": 0.01, **params}}, "weight_decay": 0.1, **(top or {})}
+    return OptimizerConfig.from_args(config_from_mapping(values).args)
 
 
 def test_registry_keys() -> None:
-    assert {"adam", "adamw", "cpu_adam", "lion", "sgd"} <= set(OPTIMIZERS)
+    assert {"adam", "cpu_adam", "lion", "sgd", "sm3", "madgrad_wd"} <= set(OPTIMIZERS)
 
 
 def test_no_decay_on_biases_and_norms() -> None:
@@ -46,22 +44,29 @@ def test_no_decay_on_biases_and_norms() -> None:
 
 
 def test_adam_is_decoupled_adamw_and_takes_lr_from_params() -> None:
-    opt = build_optimizer(Tiny(), _args("Adam", betas=[0.9, 0.95], eps=1e-6))
+    opt = build_optimizer(Tiny(), optimizer_config("Adam", betas=[0.9, 0.95], eps=1e-6))
     assert isinstance(opt, torch.optim.AdamW)
     assert opt.param_groups[0]["lr"] == 0.01 and opt.param_groups[0]["betas"] == (0.9, 0.95)
+    assert opt.param_groups[0]["eps"] == 1e-6
 
 
 def test_top_level_lr_wins() -> None:
-    args = _args("AdamW")
-    args.lr = 0.5
-    assert optimizer_settings(args)[2] == 0.5
+    assert optimizer_config("AdamW", top={"lr": 0.5}).lr == 0.5
 
 
-@pytest.mark.parametrize("kind", ["Adam", "AdamW", "SGD", "Lion", "CPU_Adam"])
+def test_weight_decay_in_params_is_honoured() -> None:
+    cfg = optimizer_config("AdamW", weight_decay=0.3)
+    assert cfg.weight_decay == 0.3
+    opt = build_optimizer(Tiny(), cfg)
+    assert opt.param_groups[0]["weight_decay"] == 0.3 and opt.param_groups[1]["weight_decay"] == 0.0
+    assert optimizer_config("AdamW").weight_decay == 0.1  # the flat key otherwise
+
+
+@pytest.mark.parametrize("kind", ["Adam", "AdamW", "SGD", "Lion", "CPU_Adam", "CPU_torch_adam", "SM3", "madgrad_wd"])
 def test_each_optimizer_reduces_a_quadratic(kind: str) -> None:
     torch.manual_seed(0)
     model = Tiny()
-    opt = build_optimizer(model, _args(kind))
+    opt = build_optimizer(model, optimizer_config(kind))
     x = torch.randn(8, 4)
     first = None
     for _ in range(20):
@@ -75,25 +80,42 @@ def test_each_optimizer_reduces_a_quadratic(kind: str) -> None:
 
 def test_lion_update_is_sign_of_interpolation() -> None:
     p = torch.nn.Parameter(torch.tensor([1.0, -1.0, 0.5]))
-    opt = Lion([p], lr=0.1, betas=(0.9, 0.99), weight_decay=0.0)
+    model = torch.nn.Module()
+    model.register_parameter("w", p)  # a vector: no decay group
+    opt = build_optimizer(model, optimizer_config("Lion", lr=0.1, betas=[0.9, 0.99]))
     p.grad = torch.tensor([0.3, -2.0, 0.0])
     opt.step()
     # momentum starts at 0, so the update is sign(0.1 * grad)
     assert torch.allclose(p.detach(), torch.tensor([0.9, -0.9, 0.5]))
-    assert torch.allclose(opt.state[p]["exp_avg"], 0.01 * torch.tensor([0.3, -2.0, 0.0]))
 
 
-def test_unknown_type_and_params_are_config_errors() -> None:
-    with pytest.raises(ConfigError, match="Adafactor"):
-        build_optimizer(Tiny(), _args("Adafactor"))
+@pytest.mark.parametrize("kind", ["SM3", "madgrad_wd"])
+def test_weight_decay_is_applied_decoupled(kind: str) -> None:
+    """A zero gradient leaves only the decay: p <- p * (1 - lr * wd) on matrices, nothing on vectors."""
+    model = Tiny()
+    before = model.linear.weight.detach().clone()
+    bias = model.linear.bias.detach().clone()
+    opt = build_optimizer(model, optimizer_config(kind, lr=0.5, weight_decay=0.2))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    torch.testing.assert_close(model.linear.weight.detach(), before * (1 - 0.5 * 0.2))
+    torch.testing.assert_close(model.linear.bias.detach(), bias)
+
+
+def test_bad_blocks_are_config_errors_before_anything_runs() -> None:
+    with pytest.raises(ConfigError, match="SM3"):  # the message lists the types
+        config_from_mapping({"optimizer": {"type": "Adafactor"}})
     with pytest.raises(ConfigError, match="momentum"):
-        build_optimizer(Tiny(), _args("Adam", momentum=0.9))
+        config_from_mapping({"optimizer": {"type": "Adam", "params": {"momentum": 0.9}}})
     with pytest.raises(ConfigError, match="betas"):
-        build_optimizer(Tiny(), _args("Adam", betas=[0.9]))
+        config_from_mapping({"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}})
+    with pytest.raises(ConfigError, match="lr"):
+        config_from_mapping({"optimizer": {"type": "Adam", "params": {"lr": "abc"}}})
 
 
 def test_offloaded_adam_becomes_deepspeed_cpu_adam() -> None:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    assert isinstance(build_optimizer(Tiny(), _args("AdamW"), offload=True), DeepSpeedCPUAdam)
-    assert isinstance(build_optimizer(Tiny(), _args("Lion"), offload=True), Lion)  # only Adam is switched
+    assert isinstance(build_optimizer(Tiny(), optimizer_config("AdamW"), offload=True), DeepSpeedCPUAdam)
+    assert not isinstance(build_optimizer(Tiny(), optimizer_config("Lion"), offload=True), DeepSpeedCPUAdam)

@@ -113,19 +113,6 @@ def test_dummy_determinism() -> None:
     assert a[7]["text"].max() < 30 and a[7]["text"].shape == (9,)
 
 
-def test_iterator_from_args() -> None:
-    from types import SimpleNamespace
-
-    from megatron.data.sampler import iterator_from_args
-
-    args = SimpleNamespace(train_batch_size=8, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
-    it = iterator_from_args(IndexDataset(100), args, 16, dp_rank=1, dp_size=2)
-    assert it.layout.gradient_accumulation_steps == 2
-    assert next(it)["text"][:, 0].tolist() == [20, 21]
-    args = SimpleNamespace(train_batch_size=8, train_micro_batch_size_per_gpu=None, gradient_accumulation_steps=4)
-    assert iterator_from_args(IndexDataset(100), args, 0, 0, 2).layout.micro_batch_size == 1
-
-
 def test_real_blend_same_samples_for_dp_1_2_4(tmp_path) -> None:
     from types import SimpleNamespace
 

@@ -3,13 +3,13 @@ selection for checkpointing, pipeline partition names."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
 
 from megatron.errors import ConfigError
+from megatron.neox_arguments import config_from_mapping
+from megatron.training.config import ActivationCheckpointConfig
 from megatron.training.batch import IGNORE_INDEX, lm_batch
 from megatron.training.engine import clip_grad_norm, layers_to_checkpoint, partition_method
 from megatron.training.loop import TrainingAborted, TrainState, _check_overflow
@@ -69,22 +69,25 @@ def test_train_state_round_trip() -> None:
     assert TrainState.from_dict({**state.to_dict(), "unknown": 1}) == state
 
 
+def _ckpt(**values: object) -> ActivationCheckpointConfig:
+    return ActivationCheckpointConfig.from_args(config_from_mapping(values).args)
+
+
 def test_layers_to_checkpoint() -> None:
-    args = SimpleNamespace(checkpoint_activations=True, selective_checkpointing=None)
-    assert layers_to_checkpoint(args, 4) == [0, 1, 2, 3]
-    args.selective_checkpointing = 2
-    assert layers_to_checkpoint(args, 4) == [0, 2]
+    assert layers_to_checkpoint(_ckpt(checkpoint_activations=True), 4) == [0, 1, 2, 3]
+    every_other = _ckpt(checkpoint_activations=True, selective_checkpointing=2)
+    assert layers_to_checkpoint(every_other, 4) == [0, 2]
     # on a later pipeline stage holding global layers 3..5
-    assert layers_to_checkpoint(args, 3, first_index=3) == [1]
-    assert layers_to_checkpoint(SimpleNamespace(checkpoint_activations=False, selective_checkpointing=None), 4) == []
+    assert layers_to_checkpoint(every_other, 3, first_index=3) == [1]
+    assert layers_to_checkpoint(_ckpt(), 4) == []
 
 
 def test_partition_method_names() -> None:
-    assert partition_method(SimpleNamespace(pipe_partition_method="type:transformer|mlp")) == "type:TransformerLayerPipe"
-    assert partition_method(SimpleNamespace(pipe_partition_method="parameters")) == "parameters"
-    assert partition_method(SimpleNamespace(pipe_partition_method="type:Embedding")) == "type:Embedding"
+    assert partition_method("type:transformer|mlp") == "type:TransformerLayerPipe"
+    assert partition_method("parameters") == "parameters"
+    assert partition_method("type:Embedding") == "type:Embedding"
     with pytest.raises(ConfigError, match="pipe_partition_method"):
-        partition_method(SimpleNamespace(pipe_partition_method="balanced"))
+        partition_method("balanced")
 
 
 def test_micro_batches_from_sampler_feed_lm_batch() -> None:

@@ -74,7 +74,7 @@ def init_single_process() -> None:
     if not dist.is_initialized():
         import torch
 
-        from megatron.initialize import skip_shared_memory_comm_op
+        from megatron.deepspeed_internals import skip_shared_memory_comm_op
 
         if not torch.cuda.is_available():
             skip_shared_memory_comm_op()

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from megatron.neox_arguments.groups.optimizer_block import OptimizerBlock
 from megatron.neox_arguments.schema import ArgGroup, not_supported
 
 
@@ -28,12 +29,13 @@ class DeepSpeedConfigArgs(ArgGroup):
     gradient_accumulation_steps: int = Field(1, ge=1)
     """Micro-batches accumulated before each optimizer step."""
 
-    optimizer: dict[str, Any] | None = None
-    """DeepSpeed-style optimizer block: {type: Adam, params: {lr, betas, eps, ...}}."""
+    optimizer: OptimizerBlock | None = None
+    """Optimizer block: {type: Adam, params: {lr, betas, eps, ...}}; type is one of Adam, AdamW,
+    CPU_Adam, CPU_torch_adam, OneBitAdam, SM3, madgrad_wd, Lion, SGD and params are checked per type."""
 
-    scheduler: dict[str, Any] | None = None
-    """DeepSpeed-style LR scheduler block; Deepy drives the schedule itself, so this is normally
-    unset."""
+    scheduler: dict[str, Any] | None = not_supported(None)
+    """DeepSpeed's own LR scheduler block (WarmupLR, ...). Not supported: Deepy's schedule comes from
+    lr_decay_style, warmup, min_lr and lr_decay_iters, and a second scheduler would fight it."""
 
     fp32_allreduce: bool = False
     """All-reduce gradients in fp32 even when training in half precision."""

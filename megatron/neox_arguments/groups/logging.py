@@ -8,31 +8,32 @@ from typing import Any
 
 from pydantic import Field
 
+from megatron.neox_arguments.groups.support import partly_supported
 from megatron.neox_arguments.schema import ArgGroup, not_supported
 
 
 class LoggingArgs(ArgGroup):
     """GPT-NeoX's ``NeoXArgsLogging`` group."""
 
-    use_wandb: bool | None = None
+    use_wandb: bool | None = partly_supported(None, unsupported=(True,))
     """Log metrics to Weights & Biases; unset means on when wandb is installed and logged in."""
 
-    wandb_group: str | None = None
+    wandb_group: str | None = not_supported(None)
     """W&B group that collects the runs of one experiment."""
 
-    wandb_run_name: str | None = None
+    wandb_run_name: str | None = not_supported(None)
     """Display name of the run in W&B."""
 
-    wandb_team: str | None = None
+    wandb_team: str | None = not_supported(None)
     """W&B entity (team or user) owning the project."""
 
-    wandb_project: str = "neox"
+    wandb_project: str = not_supported("neox")
     """W&B project name."""
 
-    wandb_host: str = "https://api.wandb.ai"
+    wandb_host: str = not_supported("https://api.wandb.ai")
     """W&B server URL, for self-hosted instances."""
 
-    wandb_init_all_ranks: bool = False
+    wandb_init_all_ranks: bool = not_supported(False)
     """Start a W&B run on every rank instead of rank 0 only (for per-rank system metrics)."""
 
     git_hash: str | None = None
@@ -42,7 +43,7 @@ class LoggingArgs(ArgGroup):
     log_dir: str | None = None
     """Directory for text logs and metrics.jsonl."""
 
-    tensorboard_dir: str | None = None
+    tensorboard_dir: str | None = not_supported(None)
     """Write TensorBoard event files here; unset disables TensorBoard."""
 
     use_comet: bool | None = not_supported(None)
@@ -73,16 +74,16 @@ class LoggingArgs(ArgGroup):
     log_interval: int = Field(100, ge=1)
     """Log training metrics every this many steps."""
 
-    log_grad_pct_zeros: bool = False
+    log_grad_pct_zeros: bool = not_supported(False)
     """Log the share of exactly-zero gradient entries per parameter."""
 
-    log_param_norm: bool = False
+    log_param_norm: bool = not_supported(False)
     """Log the global parameter norm."""
 
-    log_grad_norm: bool = False
+    log_grad_norm: bool = not_supported(False)
     """Log the global gradient norm, measured before clipping."""
 
-    log_optimizer_states: bool = False
+    log_optimizer_states: bool = not_supported(False)
     """Log norms of the optimizer's moment estimates."""
 
     log_gradient_noise_scale: bool = not_supported(False)
@@ -100,11 +101,11 @@ class LoggingArgs(ArgGroup):
     memory_profiling_path: str | None = not_supported(None)
     """Where the memory snapshot is written."""
 
-    profile: bool = False
+    profile: bool = not_supported(False)
     """Run the torch profiler between profile_step_start and profile_step_stop."""
 
-    profile_step_start: int = Field(10, ge=0)
+    profile_step_start: int = not_supported(10)
     """First step the profiler records."""
 
-    profile_step_stop: int = Field(12, ge=0)
+    profile_step_stop: int = not_supported(12)
     """Step at which the profiler stops."""

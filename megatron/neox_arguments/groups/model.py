@@ -128,8 +128,9 @@ class ModelArgs(ArgGroup):
     """Give the output layer its own weights instead of reusing the input embedding matrix."""
 
     attention_config: list[Any] | None = None
-    """Attention type of every layer as [[types, repeat], ...], e.g. [[["global"], 12]]; unset means
-    global attention everywhere."""
+    """Attention type of every layer as [[types, repeat], ...]: each entry's types repeated `repeat`
+    times (or "all" to fill num_layers), e.g. [[["global"], 12]]; the layers must add up to
+    num_layers. Unset means global attention everywhere."""
 
     sparsity_config: dict[str, Any] | None = not_supported(None)
     """Settings for DeepSpeed's block-sparse attention kernels."""
@@ -170,7 +171,7 @@ class ModelArgs(ArgGroup):
     fused_kernels_build_path: str | None = None
     """Where compiled fused kernels are cached; unused when the kernels come from torch itself."""
 
-    fp16_lm_cross_entropy: bool = False
+    fp16_lm_cross_entropy: bool = not_supported(False)
     """Compute the language-model loss in half precision instead of fp32 (saves memory, costs
     accuracy)."""
 
@@ -317,13 +318,13 @@ class ModelArgs(ArgGroup):
                 and isinstance(entry[0], (list, tuple))
                 and len(entry[0]) > 0
                 and all(isinstance(t, str) for t in entry[0])
-                and isinstance(entry[1], int)
-                and not isinstance(entry[1], bool)
-                and entry[1] >= 1
+                and ((isinstance(entry[1], int) and not isinstance(entry[1], bool) and entry[1] >= 1)
+                     or entry[1] == "all")
             )
             if not ok:
                 raise ValueError(
-                    f"entry {entry!r} should be [[type, ...], repeat], e.g. [[\"global\"], 12]"
+                    f"entry {entry!r} should be [[type, ...], repeat] with repeat a count or \"all\", "
+                    f"e.g. [[\"global\"], 12]"
                 )
             unknown = sorted(set(entry[0]) - KNOWN_ATTENTION_TYPES)
             if unknown:

@@ -113,37 +113,37 @@ class TrainingArgs(ArgGroup):
     document per sample."""
 
     dataset_impl: Literal["gpt2", "pairwise", "online"] = (
-        partly_supported("gpt2", unsupported=("online",))
+        partly_supported("gpt2", unsupported=("pairwise", "online"))
     )
     """Kind of dataset: plain text (gpt2), chosen/rejected pairs, or online rollouts."""
 
     train_impl: Literal["normal", "dpo", "rm", "kto", "reinforce"] = (
-        partly_supported("normal", unsupported=("reinforce",))
+        partly_supported("normal", unsupported=("dpo", "rm", "kto", "reinforce"))
     )
     """Training objective: language modelling, DPO, reward model, KTO or REINFORCE."""
 
-    dpo_fp32: bool = True
+    dpo_fp32: bool = not_supported(True)
     """Compute DPO log-probabilities in fp32."""
 
-    dpo_reference_free: bool = False
+    dpo_reference_free: bool = not_supported(False)
     """Run DPO without a reference model (the reference log-probs are taken as zero)."""
 
-    dpo_beta: float = Field(0.1, gt=0)
+    dpo_beta: float = not_supported(0.1)
     """DPO temperature: how strongly the policy may move away from the reference."""
 
-    kto_fp32: bool = True
+    kto_fp32: bool = not_supported(True)
     """Compute KTO log-probabilities in fp32."""
 
-    kto_desirable_weight: float = Field(1.0, ge=0)
+    kto_desirable_weight: float = not_supported(1.0)
     """KTO loss weight of desirable examples."""
 
-    kto_undesirable_weight: float = Field(1.0, ge=0)
+    kto_undesirable_weight: float = not_supported(1.0)
     """KTO loss weight of undesirable examples."""
 
-    z_loss: float = Field(0.0, ge=0)
+    z_loss: float = not_supported(0.0)
     """Weight of the z-loss that pushes the log-normaliser of the output softmax towards zero."""
 
-    kto_beta: float = Field(0.1, gt=0)
+    kto_beta: float = not_supported(0.1)
     """KTO temperature, as dpo_beta is for DPO."""
 
     fp32_reinforce: bool = not_supported(True)
@@ -192,7 +192,7 @@ class TrainingArgs(ArgGroup):
     extra_save_iters: list[int] | None = None
     """Additional steps at which to save a checkpoint."""
 
-    no_save_optim: bool = False
+    no_save_optim: bool = partly_supported(False, unsupported=(True,))
     """Leave optimizer state out of checkpoints (smaller, but cannot resume exactly)."""
 
     no_save_rng: bool = False
@@ -255,7 +255,7 @@ class TrainingArgs(ArgGroup):
     checkpoint_num_layers: int = Field(1, ge=1)
     """Number of consecutive blocks recomputed together when checkpointing activations."""
 
-    deepspeed_activation_checkpointing: bool = True
+    deepspeed_activation_checkpointing: bool = partly_supported(True, unsupported=(False,))
     """Use DeepSpeed's activation checkpointing (which can partition and offload) rather than
     torch's."""
 
@@ -292,7 +292,7 @@ class TrainingArgs(ArgGroup):
     min_scale: float = Field(1.0, gt=0)
     """fp16: lowest loss scale allowed."""
 
-    char_level_ppl: bool = False
+    char_level_ppl: bool = not_supported(False)
     """Also report perplexity per character, which compares across tokenizers."""
 
     use_mup: bool = not_supported(False)

@@ -1,0 +1,120 @@
+"""Every place Deepy reaches past DeepSpeed's public API, in one module.
+
+DeepSpeed (pinned: 0.19.8) has no public hook for a few things the trainer needs. Each touch below
+says why it is needed; ``tests/unit/test_deepspeed_internals.py`` checks that every attribute used
+here still exists and behaves as assumed, so a DeepSpeed upgrade fails those tests first instead of
+silently changing training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+def skip_shared_memory_comm_op() -> None:
+    """Keep DeepSpeed from JIT-compiling its CPU shared-memory all-reduce op at start-up.
+
+    On CPU, DeepSpeed's comm backend compiles a C++ extension (``deepspeed_shm_comm``) the first
+    time any rank starts on a machine. It only serves DeepSpeed's inference all-reduce, which
+    training never calls, yet the compile costs minutes on a fresh machine, needs a compiler, fails
+    under resource limits (a capped file size, a full disk), and every run leaves its buffers in
+    /dev/shm (they filled 19 GB of RAM over a day of test runs here). Marking it incompatible in
+    DeepSpeed's op-compatibility cache (``deepspeed.ops.__compatible_ops__``) makes DeepSpeed skip
+    it; every collective we use goes through torch.distributed on gloo unchanged.
+    """
+    import deepspeed.ops
+
+    compatible = deepspeed.ops.__compatible_ops__  # probed once, cached by DeepSpeed as a dict
+    compatible["deepspeed_shm_comm"] = False
+
+
+@contextlib.contextmanager
+def universal_loading(engine: Any, enabled: bool) -> Iterator[None]:
+    """``engine.load_checkpoint`` reads a universal checkpoint while this is on.
+
+    DeepSpeed decides between its per-rank and its universal loader from the engine's config flag
+    ``load_universal_checkpoint``, fixed at ``deepspeed.initialize``; Deepy only knows whether a
+    checkpoint needs converting when it looks at it, so the flag is set for the one load.
+    """
+    config = engine._config
+    previous = config.load_universal_checkpoint
+    config.load_universal_checkpoint = enabled
+    try:
+        yield
+    finally:
+        config.load_universal_checkpoint = previous
+
+
+def replace_fp32_clipping(engine: Any, clip: Callable[[], float]) -> None:
+    """Make DeepSpeed's fp32 (no ZeRO) gradient clipping call ``clip`` and record its norm.
+
+    DeepSpeed's own version skips replicated parameters (norms) on every pipeline stage but the
+    first and does not record the norm, so pipeline runs would clip differently from a single rank
+    and no grad norm could be logged. ``clip_fp32_gradients`` is the method DeepSpeed calls at the
+    step boundary; ``_global_grad_norm`` is what ``engine.get_global_grad_norm()`` returns.
+    """
+
+    def run() -> None:
+        engine._global_grad_norm = clip()
+
+    engine.clip_fp32_gradients = run
+
+
+def skip_gradient_allreduce(engine: Any) -> None:
+    """With one data-parallel rank there is nothing to average, yet DeepSpeed would still flatten,
+    "all-reduce" and copy back every gradient each step (~2% of a small CPU step)."""
+    engine.enable_backward_allreduce = False
+
+
+def loss_scale(engine: Any) -> float | None:
+    """The current fp16 loss scale (DeepSpeed exposes it only on its optimizer wrappers)."""
+    if not engine.fp16_enabled():
+        return None
+    optimizer = engine.optimizer
+    scale = getattr(optimizer, "cur_scale", None)  # FP16_Optimizer and the ZeRO optimizers
+    if scale is None:
+        scale = getattr(getattr(optimizer, "loss_scaler", None), "cur_scale", None)
+    return float(scale) if scale is not None else None
+
+
+@contextlib.contextmanager
+def recorded_checkpoint_writes(engine: Any) -> Iterator[list[BaseException]]:
+    """Record (instead of raise) a failed write inside ``engine.save_checkpoint``.
+
+    Raising inside DeepSpeed's save would leave this rank out of its closing barrier while the
+    other ranks wait in it forever; so the engine's ``checkpoint_engine`` (DeepSpeed's pluggable
+    writer) has its ``save``/``makedirs`` wrapped for the duration of one save, and the caller
+    decides with every rank what to do about a failure.
+    """
+    ckpt_engine = engine.checkpoint_engine
+    original_save, original_makedirs = ckpt_engine.save, ckpt_engine.makedirs
+    errors: list[BaseException] = []
+
+    def save(state_dict: Any, path: str) -> None:
+        if not errors:
+            try:
+                original_save(state_dict, path)
+            except Exception as err:  # noqa: BLE001 - disk full, permissions, ...
+                errors.append(err)
+
+    def makedirs(path: str, exist_ok: bool = False) -> None:
+        try:
+            original_makedirs(path, exist_ok=exist_ok)
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+
+    ckpt_engine.save, ckpt_engine.makedirs = save, makedirs
+    try:
+        yield errors
+    finally:
+        ckpt_engine.save, ckpt_engine.makedirs = original_save, original_makedirs
+
+
+def model_parallel_rng_tracker_name() -> str:
+    """The name under which DeepSpeed's activation checkpointing replays the tensor-parallel RNG
+    stream: our dropout must draw from the same tracker entry for recompute to be exact."""
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    return str(checkpointing._MODEL_PARALLEL_RNG_TRACKER_NAME)

@@ -1,0 +1,166 @@
+"""Rules that look at files and at what the run will read, before anything is launched.
+
+Registered with :func:`megatron.neox_arguments.rules.rule` like every other rule, so their problems
+come in the same one message with ``file:line``. A file that is not visible from the machine
+deepy.py runs on is an error for a launch on this machine, and only a warning when the ranks run on
+other machines (node-local disks): the ranks check it again when they open it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+from megatron.data.config import PATH_KEYS
+from megatron.errors import DeepyError
+from megatron.neox_arguments.rules import SPLITS, RuleContext, _describe, rule, runs_on_this_machine
+
+
+def _prefixes(ctx: RuleContext) -> Iterator[tuple[str, str]]:
+    """(key, prefix) for every tokenized dataset the config names."""
+    data_path = ctx.get("data_path")
+    if data_path:
+        for prefix in data_path if isinstance(data_path, list) else [data_path]:
+            yield "data_path", str(prefix)
+    for key in PATH_KEYS:
+        for prefix in ctx.get(key) or []:
+            yield key, str(prefix)
+
+
+def _missing_or_bad(prefix: str) -> str | None:
+    from megatron.data.indexed_dataset import MMapIndexedDataset
+
+    missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
+    if missing:
+        return f"{' and '.join(missing)} not found"
+    try:
+        MMapIndexedDataset(prefix)  # checks the header and that .bin and .idx agree
+    except DeepyError as err:
+        return err.message
+    return None
+
+
+def _not_here(ctx: RuleContext, what: str, problem: str) -> list[str]:
+    """An error for a launch on this machine; a warning when the ranks run elsewhere."""
+    if runs_on_this_machine(ctx):
+        return [problem]
+    ctx.warnings.append(f"{what} is not readable from this machine ({problem}); the ranks run on "
+                        f"other machines and check it again when they open it")
+    return []
+
+
+@rule
+def data_files_are_datasets(ctx: RuleContext) -> list[str]:
+    if ctx.get("use_dummy_dataset"):
+        return []
+    problems: list[str] = []
+    for key, prefix in _prefixes(ctx):
+        bad = _missing_or_bad(prefix)
+        if bad is None:
+            continue
+        fix = ("build it with `python prepare_data.py` or tools/datasets/preprocess_data.py, or fix the path"
+               if "not found" in bad else "rebuild it with tools/datasets/preprocess_data.py")
+        problems += _not_here(ctx, f"{key}: {prefix}", f"{key} ({_describe(ctx.source(key))}): dataset {prefix}: {bad}; {fix}")
+    for key in ("train_urls", "validation_urls"):
+        for url in ctx.get(key) or []:
+            local = "://" not in str(url) or str(url).startswith("file://")
+            path = str(url).removeprefix("file://")
+            if local and not any(ch in path for ch in "{*?[") and not os.path.exists(path):
+                problems += _not_here(ctx, f"{key}: {url}", f"{key} ({_describe(ctx.source(key))}): {path} not found")
+    return problems
+
+
+@rule
+def tokenizer_loads(ctx: RuleContext) -> list[str]:
+    """The tokenizer files exist and are what ``tokenizer_type`` reads (built here, as the ranks will)."""
+    from megatron.tokenizer import build_tokenizer
+    from megatron.tokenizer.config import TokenizerConfig
+
+    kind = ctx.get("tokenizer_type")
+    files = [ctx.get(k) for k in ("vocab_file", "merge_file") if ctx.get(k)]
+    absent = [f for f in files if not os.path.isfile(str(f))]
+    if absent:
+        where = ", ".join(f"{k} at {_describe(ctx.source(k))}" for k in ("vocab_file", "merge_file") if ctx.get(k) in absent)
+        return _not_here(ctx, f"tokenizer file {absent[0]}",
+                         f"tokenizer file(s) {', '.join(map(str, absent))} not found ({where})")
+    try:
+        build_tokenizer(TokenizerConfig(type=str(kind), vocab_file=ctx.get("vocab_file"), merge_file=ctx.get("merge_file")))
+    except DeepyError as err:
+        return [f"tokenizer_type={kind} ({_describe(ctx.source('tokenizer_type'))}): {err.message}"]
+    except Exception as err:  # noqa: BLE001 - each tokenizer library raises its own types
+        return [
+            f"tokenizer_type={kind} ({_describe(ctx.source('tokenizer_type'))}) cannot read "
+            f"vocab_file={ctx.get('vocab_file')!r}: {type(err).__name__}: {str(err)[:300]}; check that the "
+            f"file is what {kind} reads (tokenizer.json, vocab.json + merges.txt, a SentencePiece model, ...)"
+        ]
+    return []
+
+
+@rule
+def objective_has_its_data(ctx: RuleContext) -> list[str]:
+    """Each ``train_impl`` reads particular inputs; say which keys are missing before launch."""
+    impl, dataset_impl = ctx.get("train_impl"), ctx.get("dataset_impl")
+    if ctx.get("use_dummy_dataset"):
+        return []
+    problems: list[str] = []
+    pairwise = impl in ("dpo", "rm") or dataset_impl == "pairwise"
+    if pairwise and not ctx.get("pos_train_data_paths"):
+        problems.append(
+            f"train_impl={impl} ({_describe(ctx.source('train_impl'))}) trains on preference pairs: set "
+            f"pos_train_data_paths and neg_train_data_paths (tools/datasets/preprocess_data_with_mask.py "
+            f"--mode pairwise writes them)"
+        )
+    if impl == "kto":
+        for split in SPLITS:
+            if ctx.get(f"{split}_data_paths") and not ctx.get(f"{split}_reward_data_paths"):
+                problems.append(
+                    f"train_impl=kto ({_describe(ctx.source('train_impl'))}) needs {split}_reward_data_paths next "
+                    f"to {split}_data_paths (one reward per document; preprocess_data_with_mask.py --mode reward)"
+                )
+        if not ctx.get("train_data_paths"):
+            problems.append("train_impl=kto needs train_data_paths with train_reward_data_paths")
+    if impl == "normal" and not pairwise and ctx.get("pos_train_data_paths") and not (
+        ctx.get("data_path") or ctx.get("train_data_paths") or ctx.get("train_urls")
+    ):
+        problems.append(
+            f"{ctx.show('pos_train_data_paths')} holds preference pairs, which train_impl=normal does not read: "
+            f"set train_impl: dpo or rm, or give text data (data_path / train_data_paths)"
+        )
+    return problems
+
+
+@rule
+def training_length_positive(ctx: RuleContext) -> list[str]:
+    if ctx.get("train_iters") == 0:
+        return [f"{ctx.show('train_iters')}: a run needs at least one step (train_iters >= 1)"]
+    return []
+
+
+@rule
+def attention_config_covers_layers(ctx: RuleContext) -> list[str]:
+    config, layers = ctx.get("attention_config"), ctx.get("num_layers")
+    if not config or layers is None:
+        return []
+    from megatron.model.config import ModelConfigError, expand_attention_config
+
+    try:
+        expand_attention_config(config, layers)
+    except ModelConfigError as err:
+        return [f"{err.message} ({_describe(ctx.source('attention_config'))}, num_layers at "
+                f"{_describe(ctx.source('num_layers'))})"]
+    return []
+
+
+@rule
+def filled_in_keys_left_alone(ctx: RuleContext) -> list[str]:
+    """Keys Deepy fills in itself (rank, do_train, ...) are not settings; the layout ones are compared
+    with what Deepy computes in ``derive_layout``."""
+    from megatron.neox_arguments.honesty import FILLED_IN_KEYS, USER_SETTABLE_FILLED_IN
+
+    compared = {"world_size", "global_num_gpus", "is_pipe_parallel"}
+    return [
+        f"{ctx.show(key)}: {key} is filled in by Deepy ({FILLED_IN_KEYS[key]}); remove it from the config"
+        for key in FILLED_IN_KEYS
+        if key not in compared | USER_SETTABLE_FILLED_IN and ctx.given(key) and ctx.source(key) != "derived"
+        and not (key == "config_files")
+    ]

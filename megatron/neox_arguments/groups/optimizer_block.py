@@ -1,0 +1,153 @@
+"""The GPT-NeoX/DeepSpeed ``optimizer: {type: ..., params: {...}}`` block as a typed union.
+
+Each optimizer type has its own parameter model: numbers must be numbers, ``betas`` two of them, and
+a parameter the optimizer does not take is an error naming the ones it does (``optimizer.params.lrr``
+gets a did-you-mean) — all before anything is launched. ``type`` is matched case-insensitively, as
+GPT-NeoX does (``Adam``, ``adam``, ``CPU_Adam``), and keeps the user's spelling.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag, field_validator
+
+from megatron.neox_arguments.schema import ArgGroup
+
+Betas = tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]]
+
+# user's type (lower case) -> the kind that builds it
+OPTIMIZER_KINDS: dict[str, str] = {
+    "adam": "adam",
+    "adamw": "adam",
+    "cpu_torch_adam": "adam",
+    "cpu_adam": "cpu_adam",
+    "cpuadam": "cpu_adam",
+    "onebitadam": "onebitadam",
+    "sm3": "sm3",
+    "madgrad_wd": "madgrad_wd",
+    "lion": "lion",
+    "sgd": "sgd",
+}
+SHOWN_TYPES = ("Adam", "AdamW", "CPU_Adam", "CPU_torch_adam", "OneBitAdam", "SM3", "madgrad_wd", "Lion", "SGD")
+
+
+class _Params(ArgGroup):
+    lr: float | None = Field(None, ge=0)
+    """Peak learning rate (or the flat ``lr`` key)."""
+    weight_decay: float | None = Field(None, ge=0)
+    """Decoupled weight decay for weight matrices; the flat ``weight_decay`` key is the other spelling."""
+
+
+class AdamParams(_Params):
+    betas: Betas = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    amsgrad: bool = False
+
+
+class OneBitAdamParams(AdamParams):
+    freeze_step: int = Field(100000, ge=0)
+    """Steps of ordinary Adam before the compressed (1-bit) phase."""
+    cuda_aware: bool = False
+    comm_backend_name: Literal["nccl", "mpi", "compressed"] = "nccl"
+
+
+class SM3Params(_Params):
+    momentum: float = Field(0.0, ge=0, lt=1)
+    beta: float = Field(0.0, ge=0, lt=1)
+    eps: float = Field(1e-30, gt=0)
+
+
+class MadgradParams(_Params):
+    momentum: float = Field(0.9, ge=0, lt=1)
+    eps: float = Field(1e-6, gt=0)
+
+
+class LionParams(_Params):
+    betas: Betas = (0.9, 0.99)
+
+
+class SGDParams(_Params):
+    momentum: float = Field(0.0, ge=0)
+    dampening: float = Field(0.0, ge=0)
+    nesterov: bool = False
+
+
+class _Block(ArgGroup):
+    type: str
+    """Optimizer type, case-insensitive."""
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        if value.lower() not in OPTIMIZER_KINDS:
+            raise ValueError(_unknown_type(value))
+        return value
+
+    @property
+    def kind(self) -> str:
+        return OPTIMIZER_KINDS[self.type.lower()]
+
+
+class AdamBlock(_Block):
+    params: AdamParams = AdamParams()
+
+
+class CPUAdamBlock(_Block):
+    params: AdamParams = AdamParams()
+
+
+class OneBitAdamBlock(_Block):
+    params: OneBitAdamParams = OneBitAdamParams()
+
+
+class SM3Block(_Block):
+    params: SM3Params = SM3Params()
+
+
+class MadgradBlock(_Block):
+    params: MadgradParams = MadgradParams()
+
+
+class LionBlock(_Block):
+    params: LionParams = LionParams()
+
+
+class SGDBlock(_Block):
+    params: SGDParams = SGDParams()
+
+
+PARAMS_OF_KIND: dict[str, type[_Params]] = {
+    "adam": AdamParams, "cpu_adam": AdamParams, "onebitadam": OneBitAdamParams, "sm3": SM3Params,
+    "madgrad_wd": MadgradParams, "lion": LionParams, "sgd": SGDParams,
+}
+
+
+def _unknown_type(value: Any) -> str:
+    hint = difflib.get_close_matches(str(value).lower(), OPTIMIZER_KINDS, n=1)
+    mean = f" (did you mean {hint[0]}?)" if hint else ""
+    return f"unknown optimizer type {value!r}{mean}; choose one of {', '.join(SHOWN_TYPES)}"
+
+
+def _kind_of(value: Any) -> str | None:
+    """The union member a raw block belongs to (pydantic's discriminator callback)."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return OPTIMIZER_KINDS.get(str(kind).lower()) if isinstance(kind, str) else None
+
+
+OptimizerBlock = Annotated[
+    Annotated[AdamBlock, Tag("adam")]
+    | Annotated[CPUAdamBlock, Tag("cpu_adam")]
+    | Annotated[OneBitAdamBlock, Tag("onebitadam")]
+    | Annotated[SM3Block, Tag("sm3")]
+    | Annotated[MadgradBlock, Tag("madgrad_wd")]
+    | Annotated[LionBlock, Tag("lion")]
+    | Annotated[SGDBlock, Tag("sgd")],
+    Discriminator(
+        _kind_of,
+        custom_error_type="optimizer_type",
+        custom_error_message=f"optimizer.type must be one of {', '.join(SHOWN_TYPES)}",
+    ),
+]
+"""``{type, params}``: one of the blocks above, chosen by ``type``."""

@@ -1,0 +1,102 @@
+"""Which config keys do what: the one list of keys that are accepted but change nothing here, keys
+Deepy fills in itself, and the machinery that proves every other key is read by a component.
+
+A key is *honoured* when a component's typed config reads it (``RunConfig.from_args``), when it
+goes into DeepSpeed's config or its runner's command line, or when a derivation turns it into one
+that is (``batch_size`` -> ``train_micro_batch_size_per_gpu``). :func:`keys_read` runs all of those
+on a recording wrapper around the arguments; ``tests/unit/test_config_honesty.py`` requires every
+supported key to be read there or listed below with a reason. Keys of features not built are
+``not_supported`` in the schema and refused before launch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron.neox_arguments.arguments import NeoXArgs
+
+_KERNEL_HINT = "selects a fused kernel in GPT-NeoX; Deepy's SDPA/torch.compile path computes the same maths"
+
+NO_EFFECT_KEYS: dict[str, str] = {
+    "scaled_upper_triang_masked_softmax_fusion": _KERNEL_HINT,
+    "scaled_masked_softmax_fusion": _KERNEL_HINT,
+    "bias_gelu_fusion": _KERNEL_HINT,
+    "bias_dropout_fusion": _KERNEL_HINT,
+    "rope_fusion": _KERNEL_HINT,
+    "layernorm_fusion": _KERNEL_HINT,
+    "rmsnorm_fusion": _KERNEL_HINT,
+    "use_flashattn_swiglu": _KERNEL_HINT,
+    "fused_kernels_build_path": "Deepy builds no fused kernels of its own (they come with torch)",
+    "apply_query_key_layer_scaling": "a fp16 overflow guard that is mathematically the identity; SDPA keeps "
+                                     "the softmax in fp32 anyway",
+    "attention_softmax_in_fp32": "always true here: SDPA accumulates the attention softmax in fp32",
+    "use_cpu_initialization": "weights are always built in full from the seed, then sharded: the same "
+                              "values wherever they are built",
+    "output_layer_parallelism": "column is the only value, and what Deepy does",
+    "data_impl": "mmap is the one on-disk format; infer finds it",
+    "use_shared_fs": "the sample index is built under a file lock by the first rank that needs it, on "
+                     "shared and node-local filesystems alike",
+    "deepspeed": "Deepy always trains through a DeepSpeed engine",
+}
+"""Keys accepted and changing nothing in Deepy, with why; ``--dry-run`` names those a config sets."""
+
+FILLED_IN_KEYS: dict[str, str] = {
+    "world_size": "the world size deepy.py checked; the ranks compare it with the real one",
+    "global_num_gpus": "the world size, recorded",
+    "is_pipe_parallel": "derived from pipe_parallel_size",
+    "rank": "set by the launcher",
+    "local_rank": "set by the launcher",
+    "user_script": "the script deepy.py launches",
+    "do_train": "whether a training split exists, found from the data",
+    "do_valid": "whether a validation split exists, found from the data",
+    "do_test": "whether a test split exists, found from the data",
+    "git_hash": "the commit of the code that ran, recorded in deepy_config.json and checkpoints",
+    "config_files": "the config files' text, recorded in deepy_config.json and checkpoints",
+}
+"""Keys Deepy fills in itself; a config setting them to something else is refused by a rule."""
+
+USER_SETTABLE_FILLED_IN = frozenset({"git_hash"})
+"""Filled-in keys a user may set (a label recorded with the run instead of the detected commit)."""
+
+
+class ReadRecorder:
+    """Wraps the arguments and records every attribute read (writes pass through)."""
+
+    def __init__(self, args: NeoXArgs) -> None:
+        object.__setattr__(self, "_args", args)
+        object.__setattr__(self, "read", set())
+
+    def __getattr__(self, name: str) -> Any:
+        if name in type(self._args).model_fields:
+            self.read.add(name)
+        return getattr(self._args, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._args, name, value)
+
+
+ComponentBuilder = Callable[[Any], object]
+
+
+def component_builders() -> list[ComponentBuilder]:
+    """Everything that turns keys into what a component does, on any entry point."""
+    from megatron.neox_arguments.deepspeed_split import deepspeed_config, runner_args
+    from megatron.neox_arguments.run_config import RunConfig
+
+    return [RunConfig.from_args, deepspeed_config, runner_args]
+
+
+def keys_read(args: NeoXArgs, world_size: int = 1) -> set[str]:
+    """Keys the component builders and the derivations read from ``args`` (a finalized config)."""
+    from megatron.neox_arguments.derived import DERIVATIONS
+    from megatron.neox_arguments.rules import RuleContext
+
+    recorder = ReadRecorder(args)
+    ctx = RuleContext(args=recorder, world_size=world_size)  # type: ignore[arg-type]
+    for derive in DERIVATIONS:
+        derive(ctx)
+    for build in component_builders():
+        build(recorder)
+    return set(recorder.read)

@@ -1,0 +1,80 @@
+"""``RunConfig``: the typed, frozen configs of every component of a training run, built once from
+the validated arguments.
+
+``train.py`` reads the resolved config file, calls :meth:`RunConfig.from_resolved` and hands each
+component its own part (``run.model``, ``run.data``, ...). No component sees the flat argument
+object, so what a component can do is exactly what its config holds; the honesty test
+(``tests/unit/test_config_honesty.py``) checks that every supported key is read by one of the
+``from_args`` builders below, the DeepSpeed split or the launcher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from megatron.checkpointing.config import CheckpointConfig
+from megatron.data.config import DataConfig
+from megatron.model.config import GPTConfig
+from megatron.mpu.config import ParallelConfig
+from megatron.tokenizer.config import TokenizerConfig
+from megatron.training.config import ActivationCheckpointConfig, LRConfig, OptimizerConfig, TrainingConfig
+
+if TYPE_CHECKING:
+    from megatron.neox_arguments.arguments import NeoXArgs
+    from megatron.neox_arguments.resolved import ResolvedConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    parallel: ParallelConfig
+    model: GPTConfig
+    """Architecture; its ``padded_vocab_size`` is a placeholder until the tokenizer is known."""
+    tokenizer: TokenizerConfig
+    data: DataConfig
+    training: TrainingConfig
+    optimizer: OptimizerConfig
+    lr: LRConfig
+    activation_checkpointing: ActivationCheckpointConfig
+    checkpoint: CheckpointConfig
+    peak_tflops: float | None = None
+    """``peak_theoretical_tflops``: overrides the device table for MFU."""
+    deepspeed: dict[str, Any] = field(default_factory=dict)
+    """The DeepSpeed config dict deepy.py split off (batch sizes, precision, ZeRO, ...)."""
+    args_record: dict[str, Any] = field(default_factory=dict)
+    """Every resolved key as JSON (stored in checkpoints to describe the run; never read for settings)."""
+
+    @classmethod
+    def from_args(cls, args: NeoXArgs, deepspeed: dict[str, Any] | None = None,
+                  args_record: dict[str, Any] | None = None) -> RunConfig:
+        return cls(
+            parallel=ParallelConfig.from_args(args),
+            model=GPTConfig.from_args(args),
+            tokenizer=TokenizerConfig.from_args(args),
+            data=DataConfig.from_args(args),
+            training=TrainingConfig.from_args(args),
+            optimizer=OptimizerConfig.from_args(args),
+            lr=LRConfig.from_args(args),
+            activation_checkpointing=ActivationCheckpointConfig.from_args(args),
+            checkpoint=CheckpointConfig.from_args(args),
+            peak_tflops=args.peak_theoretical_tflops,
+            deepspeed=dict(deepspeed or {}),
+            args_record=dict(args_record or {}),
+        )
+
+    @classmethod
+    def from_resolved(cls, resolved: ResolvedConfig) -> RunConfig:
+        """What a rank builds from the file deepy.py wrote."""
+        from megatron.neox_arguments.deepspeed_split import deepspeed_config
+
+        args = resolved.args
+        ds = resolved.deepspeed_config if resolved.deepspeed_config is not None else deepspeed_config(args)
+        return cls.from_args(args, deepspeed=ds, args_record=args.model_dump(mode="json"))
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any], world_size: int = 1) -> RunConfig:
+        """Through the real loader and rules, from a Python mapping (tools and tests)."""
+        from megatron.neox_arguments.derived import finalize
+        from megatron.neox_arguments.loading import config_from_mapping
+
+        return cls.from_resolved(finalize(config_from_mapping(values), world_size))
