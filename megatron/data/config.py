@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.arguments import NeoXArgs
@@ -61,6 +61,15 @@ class DataConfig:
     def wants_pairs(self) -> bool:
         """Chosen/rejected pairs (DPO, reward models) rather than single texts."""
         return self.dataset_impl == "pairwise" or self.train_impl in ("dpo", "rm")
+
+    @classmethod
+    def of(cls, **keys: Any) -> DataConfig:
+        """From GPT-NeoX key names directly (tools and tests that have no config file): the
+        per-split path and weight keys are gathered into ``paths``/``weights``; any other name must be
+        a field of this class."""
+        paths = {key: keys.pop(key) for key in PATH_KEYS if key in keys}
+        weights = {key: keys.pop(key) for key in WEIGHT_KEYS if key in keys}
+        return cls(paths=paths, weights=weights, **keys)
 
     @classmethod
     def from_args(cls, args: NeoXArgs) -> DataConfig:

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 from megatron.errors import UsageError
 from megatron.neox_arguments.overrides import looks_like_override
 from megatron.neox_arguments.provenance import format_resolved_table
-from megatron.neox_arguments.resolved import RESOLVED_FILE_NAME, ResolvedConfig, default_run_dir
+from megatron.neox_arguments.resolved import RESOLVED_FILE_NAME, ResolvedConfig, run_directory
 
 USAGE = "deepy.py [--dry-run] [--debug] [-d CONF_DIR] USER_SCRIPT CONFIG [CONFIG ...] [key=value ...]"
 
@@ -93,7 +93,7 @@ def resolve(command: DeepyCommand) -> ResolvedConfig:
 def assign_run_dir(resolved: ResolvedConfig) -> str:
     """``<log_dir or runs>/<timestamp>`` unless already chosen; stored in the resolved config."""
     if not resolved.run_dir:
-        resolved.run_dir = str(default_run_dir(getattr(resolved.args, "log_dir", None)))
+        resolved.run_dir = str(run_directory(resolved.args))
     return resolved.run_dir
 
 

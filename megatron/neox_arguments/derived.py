@@ -57,10 +57,10 @@ def detect_world_size(args: NeoXArgs, device_count: int | None = None, warnings:
     When srun/mpirun start the ranks elsewhere without a hostfile (``deepspeed_slurm``, a cluster
     launcher), ``num_nodes`` x ``num_gpus`` as given are trusted.
     """
-    from megatron.neox_arguments.rules import launches_elsewhere
+    from megatron.neox_arguments.rules import started_by_cluster_launcher
 
     hostfile = args.hostfile or (DEFAULT_HOSTFILE if os.path.isfile(DEFAULT_HOSTFILE) else None)
-    if launches_elsewhere(args, launcher_given) and not (hostfile and os.path.isfile(hostfile)):
+    if started_by_cluster_launcher(args, launcher_given) and hostfile is None:
         if args.num_gpus is None:
             raise ConfigError(
                 f"launcher={args.launcher} starts the ranks on other machines: set num_gpus (ranks per "

@@ -38,7 +38,6 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "data_impl": "mmap is the one on-disk format; infer finds it",
     "use_shared_fs": "the sample index is built under a file lock by the first rank that needs it, on "
                      "shared and node-local filesystems alike",
-    "deepspeed": "Deepy always trains through a DeepSpeed engine",
 }
 """Keys accepted and changing nothing in Deepy, with why; ``--dry-run`` names those a config sets."""
 
@@ -83,9 +82,10 @@ ComponentBuilder = Callable[[Any], object]
 def component_builders() -> list[ComponentBuilder]:
     """Everything that turns keys into what a component does, on any entry point."""
     from megatron.neox_arguments.deepspeed_split import deepspeed_config, runner_args
+    from megatron.neox_arguments.resolved import run_directory
     from megatron.neox_arguments.run_config import RunConfig
 
-    return [RunConfig.from_args, deepspeed_config, runner_args]
+    return [RunConfig.from_args, deepspeed_config, runner_args, run_directory]
 
 
 def keys_read(args: NeoXArgs, world_size: int = 1) -> set[str]:

@@ -83,6 +83,8 @@ def resolved_rows(args: BaseModel, provenance: dict[str, str]) -> list[tuple[str
 
 
 def _dig(value: Any, path: list[str]) -> Any:
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="json")
     for part in path:
         if not isinstance(value, dict) or part not in value:
             return None

@@ -115,3 +115,9 @@ def default_run_dir(log_dir: str | None, now: datetime | None = None) -> Path:
     """``<log_dir or "runs">/<YYYYmmdd-HHMMSS>``: a fresh directory per launch, sortable by time."""
     stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
     return Path(log_dir or DEFAULT_RUNS_DIR) / stamp
+
+
+def run_directory(args: NeoXArgs, now: datetime | None = None) -> Path:
+    """Where this launch's resolved config goes: ``run_dir`` if set, else a fresh timestamped
+    directory under ``log_dir`` (or ``runs``)."""
+    return Path(args.run_dir) if args.run_dir else default_run_dir(args.log_dir, now)

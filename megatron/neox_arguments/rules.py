@@ -159,10 +159,8 @@ def effective_lr(ctx: RuleContext) -> tuple[float | None, str]:
     if ctx.get("lr") is not None:
         return float(ctx.get("lr")), "lr"
     optimizer = ctx.get("optimizer")
-    if isinstance(optimizer, Mapping):
-        params = optimizer.get("params")
-        if isinstance(params, Mapping) and params.get("lr") is not None:
-            return float(params["lr"]), "optimizer.params.lr"
+    if optimizer is not None and optimizer.params.lr is not None:
+        return float(optimizer.params.lr), "optimizer.params.lr"
     return None, "lr"
 
 
@@ -318,15 +316,18 @@ def runs_on_this_machine(ctx: RuleContext) -> bool:
     return not launches_elsewhere(ctx.args, ctx.given("launcher"))
 
 
+def started_by_cluster_launcher(args: NeoXArgs, launcher_given: bool) -> bool:
+    """srun/mpirun start the ranks (on the nodes of an allocation), not DeepSpeed's runner here."""
+    return bool(args.deepspeed_slurm or args.deepspeed_mpi or (launcher_given and args.launcher in REMOTE_LAUNCHERS))
+
+
 def launches_elsewhere(args: NeoXArgs, launcher_given: bool) -> bool:
     hostfile = args.hostfile or (DEEPSPEED_DEFAULT_HOSTFILE if os.path.isfile(DEEPSPEED_DEFAULT_HOSTFILE) else None)
     return bool(
         (hostfile and os.path.isfile(hostfile))
         or args.force_multi
         or (args.num_nodes or -1) > 1
-        or args.deepspeed_slurm
-        or args.deepspeed_mpi
-        or (launcher_given and args.launcher in REMOTE_LAUNCHERS)
+        or started_by_cluster_launcher(args, launcher_given)
     )
 
 
@@ -453,14 +454,61 @@ def learning_rates_ordered(ctx: RuleContext) -> list[str]:
     if lr is not None and min_lr is not None and lr < min_lr:
         shown = ctx.show("lr") if lr_key == "lr" else f"optimizer.params.lr={lr} ({_describe(ctx.source('optimizer'))})"
         problems.append(f"{shown} is below {ctx.show('min_lr')}: the schedule decays from lr down to min_lr")
-    if ctx.get("lr") is not None:
-        optimizer = ctx.get("optimizer")
-        params = optimizer.get("params") if isinstance(optimizer, Mapping) else None
-        if isinstance(params, Mapping) and params.get("lr") is not None and float(params["lr"]) != float(ctx.get("lr")):
+    optimizer = ctx.get("optimizer")
+    if ctx.get("lr") is not None and optimizer is not None:
+        block_lr = optimizer.params.lr
+        if block_lr is not None and float(block_lr) != float(ctx.get("lr")):
             problems.append(
-                f"{ctx.show('lr')} and optimizer.params.lr={params['lr']} "
+                f"{ctx.show('lr')} and optimizer.params.lr={block_lr} "
                 f"({_describe(ctx.source('optimizer'))}) disagree: keep one of them"
             )
+    return problems
+
+
+@rule
+def one_weight_decay(ctx: RuleContext) -> list[str]:
+    optimizer = ctx.get("optimizer")
+    block_wd = optimizer.params.weight_decay if optimizer is not None else None
+    if block_wd is None or not ctx.given("weight_decay") or float(block_wd) == float(ctx.get("weight_decay")):
+        return []
+    return [
+        f"{ctx.show('weight_decay')} and optimizer.params.weight_decay={block_wd} "
+        f"({_describe(ctx.source('optimizer'))}) disagree: they are one setting, keep one of them"
+    ]
+
+
+@rule
+def optimizer_type_agrees(ctx: RuleContext) -> list[str]:
+    """The flat ``optimizer_type`` and the block's ``type`` name one optimizer."""
+    from megatron.neox_arguments.groups.optimizer_block import OPTIMIZER_KINDS
+
+    optimizer = ctx.get("optimizer")
+    if optimizer is None or not ctx.given("optimizer_type"):
+        return []
+    if OPTIMIZER_KINDS.get(str(ctx.get("optimizer_type")).lower()) == optimizer.kind:
+        return []
+    return [
+        f"{ctx.show('optimizer_type')} but optimizer.type={optimizer.type!r} "
+        f"({_describe(ctx.source('optimizer'))}): keep one of them"
+    ]
+
+
+@rule
+def onebit_adam_needs_its_backend(ctx: RuleContext) -> list[str]:
+    """DeepSpeed's 1-bit Adam compresses gradients with NCCL or MPI collectives on GPUs."""
+    optimizer = ctx.get("optimizer")
+    kind = optimizer.kind if optimizer is not None else str(ctx.get("optimizer_type")).lower()
+    if kind != "onebitadam":
+        return []
+    problems = []
+    if runs_on_this_machine(ctx) and not ctx.device.cuda:
+        problems.append(
+            "optimizer.type=OneBitAdam needs GPUs: DeepSpeed's 1-bit Adam communicates through NCCL or MPI "
+            "(gloo on CPU is not supported); use Adam here"
+        )
+    if zero_stage(ctx) > 0:
+        problems.append("optimizer.type=OneBitAdam does not work with ZeRO (DeepSpeed's 1-bit Adam "
+                        "communicates the full gradients itself); use zero stage 0")
     return problems
 
 
@@ -599,18 +647,6 @@ def urls_need_cache(ctx: RuleContext) -> list[str]:
     if not urls or ctx.get("cache_dir"):
         return []
     return [f"{ctx.show(urls[0])} needs cache_dir: the tokenized shards are written there"]
-
-
-# --- DeepSpeed features that no longer exist ---------------------------------------------------
-@rule
-def no_removed_deepspeed_features(ctx: RuleContext) -> list[str]:
-    # DeepSpeed 0.19.8 raises on its config key; dense embedding gradients are what we get anyway
-    if not ctx.get("sparse_gradients"):
-        return []
-    return [
-        f"{ctx.show('sparse_gradients')}: DeepSpeed 0.19.8 removed sparse compression of dense "
-        f"embedding gradients and refuses the key; remove sparse_gradients"
-    ]
 
 
 # --- launch -----------------------------------------------------------------------------------

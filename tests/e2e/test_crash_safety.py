@@ -28,7 +28,8 @@ COMMON = (*DP2, "hidden_dropout=0.1", "save=ckpt", "load=ckpt")
 
 def test_kill_before_commit_marker_loses_only_uncommitted_steps(tmp_path: Path) -> None:
     killed = deepy(tmp_path, *COMMON, "checkpoint_factor=4", "log_dir=logs1",
-                   env={"DEEPY_TEST_KILL_BEFORE_COMMIT": "8"})  # fmt: skip
+                   script=Path(__file__).with_name("kill_before_commit_train.py"),
+                   env={"KILL_BEFORE_COMMIT_STEP": "8"})  # fmt: skip
     assert killed.returncode != 0, output(killed)
     ckpt = tmp_path / "ckpt"
     assert (ckpt / "global_step8").is_dir() and not (ckpt / "global_step8" / "COMMITTED").exists()

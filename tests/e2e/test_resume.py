@@ -55,16 +55,17 @@ def write_config(tmp: Path) -> Path:
 
 
 def deepy(
-    tmp: Path, *overrides: str, env: dict[str, str] | None = None, timeout: float = 400
+    tmp: Path, *overrides: str, env: dict[str, str] | None = None, timeout: float = 400,
+    script: Path = REPO / "train.py",
 ) -> subprocess.CompletedProcess[str]:
-    """``deepy.py train.py model.yml key=value...`` in ``tmp``; output captured."""
+    """``deepy.py SCRIPT model.yml key=value...`` in ``tmp`` (SCRIPT: train.py); output captured."""
     config = tmp / "model.yml"
     if not config.exists():
         write_config(tmp)
     run_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     run_env.pop("DEEPY_DEBUG", None)
     return subprocess.run(
-        [sys.executable, str(REPO / "deepy.py"), str(REPO / "train.py"), str(config), *overrides],
+        [sys.executable, str(REPO / "deepy.py"), str(script), str(config), *overrides],
         cwd=tmp, env=run_env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,7 +14,8 @@ from megatron.data.blendable_dataset import (
     samples_per_dataset,
     weights_by_num_documents,
 )
-from megatron.data.build import build_datasets, parse_split, samples_needed, split_ranges
+from megatron.data.build import DataSplits, build_datasets, parse_split, samples_needed, split_ranges
+from megatron.data.config import DataConfig
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 from megatron.errors import ConfigError, DataError
 
@@ -92,10 +92,9 @@ def test_split_ranges_cover_documents() -> None:
 
 
 def test_samples_needed_from_schedule() -> None:
-    args = SimpleNamespace(train_batch_size=8, train_iters=100, eval_iters=5, eval_interval=30)
-    assert samples_needed(args) == (800, (100 // 30 + 1) * 5 * 8, 40)
-    args.eval_iters = 0
-    assert samples_needed(args) == (800, 0, 0)
+    config = DataConfig(seq_length=8, train_batch_size=8, train_iters=100, eval_iters=5, eval_interval=30)
+    assert samples_needed(config) == (800, (100 // 30 + 1) * 5 * 8, 40)
+    assert samples_needed(DataConfig(seq_length=8, train_batch_size=8, train_iters=100, eval_iters=0)) == (800, 0, 0)
 
 
 def _corpus(path: Path, marker: int, docs: int) -> str:
@@ -108,42 +107,42 @@ def _corpus(path: Path, marker: int, docs: int) -> str:
     return prefix
 
 
-def _args(**kw: object) -> SimpleNamespace:
-    base = dict(seq_length=8, seed=1, train_batch_size=10, train_iters=100, eval_iters=0, eval_interval=10,
-                cache_dir=None, pack_impl="packed", allow_chopped=True, train_impl="normal")
+def build(padded_vocab_size: int = 64, **kw: object) -> DataSplits:
+    base: dict[str, object] = dict(seq_length=8, seed=1, train_batch_size=10, train_iters=100, eval_iters=0,
+                                   eval_interval=10)
     base.update(kw)
-    return SimpleNamespace(**base)
+    return build_datasets(DataConfig.of(**base), None, padded_vocab_size)
 
 
 def test_build_blend_from_train_paths(tmp_path: Path) -> None:
     a, b = _corpus(tmp_path, 1, 50), _corpus(tmp_path, 2, 400)
-    splits = build_datasets(_args(train_data_paths=[a, b], train_data_weights=[3, 1]))
+    splits = build(train_data_paths=[a, b], train_data_weights=[3, 1])
     markers = np.array([splits.train[i]["text"][0] for i in range(1000)])
     assert abs(np.mean(markers == 1) - 0.75) < 0.01
     assert splits.valid is None and splits.test is None
     # weight_by_num_documents: alpha < 1 up-samples the small corpus above its natural 1/9 share.
-    splits = build_datasets(_args(train_data_paths=[a, b], weight_by_num_documents=True, weighted_sampler_alpha=0.3))
+    splits = build(train_data_paths=[a, b], weight_by_num_documents=True, weighted_sampler_alpha=0.3)
     share = np.mean([splits.train[i]["text"][0] == 1 for i in range(1000)])
     assert share > 50 / 450 + 0.05
     assert list((tmp_path / "index-cache").glob("*.deepyidx"))  # indices cached next to the data
     with pytest.raises(ConfigError):
-        build_datasets(_args(train_data_paths=[a, b], train_data_weights=[1]))
+        build(train_data_paths=[a, b], train_data_weights=[1])
 
 
 def test_build_data_path_split_and_dummy(tmp_path: Path) -> None:
     a = _corpus(tmp_path, 3, 100)
-    splits = build_datasets(_args(data_path=a, split="80,10,10", eval_iters=2, cache_dir=str(tmp_path / "c")))
+    splits = build(data_path=a, split="80,10,10", eval_iters=2, cache_dir=str(tmp_path / "c"))
     assert (splits.train.lo, splits.train.hi) == (0, 80)
     assert (splits.valid.lo, splits.valid.hi) == (80, 90) and (splits.test.lo, splits.test.hi) == (90, 100)
     assert len(splits.train) == 1000 and len(splits.valid) == (100 // 10 + 1) * 2 * 10
-    dummy = build_datasets(_args(use_dummy_dataset=True, padded_vocab_size=64, eval_iters=1))
+    dummy = build(use_dummy_dataset=True, padded_vocab_size=64, eval_iters=1)
     assert len(dummy.train) == 1000 and dummy.train[5]["text"].shape == (9,)
     assert not np.array_equal(dummy.train[5]["text"], dummy.valid[5]["text"])
     with pytest.raises(ConfigError, match="prepare_data.py"):
-        build_datasets(_args())
+        build()
 
 
 def test_train_epochs_sets_train_samples(tmp_path: Path) -> None:
     a = _corpus(tmp_path, 4, 100)  # 650 tokens -> 81 samples of 8+1 per epoch
-    splits = build_datasets(_args(train_data_paths=[a], train_iters=None, train_epochs=3))
+    splits = build(train_data_paths=[a], train_iters=None, train_epochs=3)
     assert len(splits.train) == (3 * 81) // 10 * 10

@@ -78,7 +78,7 @@ def test_json_config_with_comments_tracks_lines_and_reads_exponent_floats(cwd: P
     resolved = load_config(["neox.yml", "plain.json"])
     assert resolved.args.min_lr == pytest.approx(1e-5) and isinstance(resolved.args.min_lr, float)
     # inside a dict-valued key too, where no schema type would coerce a string
-    assert resolved.args.optimizer["params"]["lr"] == pytest.approx(6e-4)
+    assert resolved.args.optimizer.params.lr == pytest.approx(6e-4)
     assert resolved.provenance["hidden_size"] == "neox.yml:3"
     assert resolved.provenance["num_layers"] == "plain.json:2"
 
@@ -93,7 +93,7 @@ def test_include_inserts_a_subtree_relative_to_the_including_file(cwd: Path) -> 
         optimizer: !include optim.yml
         """)
     resolved = load_config(["parts/main.yml"])
-    assert resolved.args.optimizer == {"type": "Adam", "params": {"lr": 3e-4}}
+    assert resolved.args.optimizer.type == "Adam" and resolved.args.optimizer.params.lr == 3e-4
     assert resolved.provenance["optimizer"] == "parts/main.yml:2"
     assert os.path.join("parts", "optim.yml") in resolved.config_files
 
@@ -116,7 +116,8 @@ def test_merge_keys_and_anchors_still_work(cwd: Path) -> None:
           type: SGD
         """)
     resolved = load_config(["m.yml"])
-    assert resolved.args.optimizer["type"] == "SGD"  # an own key overrides a merged one
+    assert resolved.args.optimizer.type == "SGD"  # an own key overrides a merged one
+    assert resolved.args.optimizer.params.lr == 1.0
     assert resolved.args.fp16 == {"enabled": True, "loss_scale": 0}
 
 
@@ -261,7 +262,7 @@ def test_default_run_dir_uses_log_dir_and_timestamp() -> None:
 
 def test_provenance_table_is_aligned_and_marks_derived_values(cwd: Path) -> None:
     write(cwd, "p.yml", "num_layers: 2\nhidden_size: 64\n")
-    resolved = load_config(["p.yml"], ["optimizer.params.lr=0.5"])
+    resolved = load_config(["p.yml"], ["optimizer.type=Adam", "optimizer.params.lr=0.5"])
     resolved.args.train_batch_size = 8  # as the rules would derive it, without recording provenance
     rows = {key: (value, source) for key, value, source in resolved_rows(resolved.args, resolved.provenance)}
     assert rows["num_layers"] == ("2", "p.yml:1")
@@ -287,11 +288,37 @@ def test_configs_directory_is_not_empty() -> None:
     assert "configs/125M.yml" in names and "configs/tiny.yml" in names and len(names) >= 20
 
 
+@pytest.fixture(scope="module")
+def local_setup_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A working directory holding what configs/local_setup.yml names: a small tokenized corpus and
+    its tokenizer (the pre-launch checks open both), and the shipped configs."""
+    import numpy as np
+    import tokenizers
+
+    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+
+    root = tmp_path_factory.mktemp("setup")
+    data = root / "data" / "pydocs"
+    data.mkdir(parents=True)
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(30)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(data / "tokenizer.json"))
+    builder = MMapIndexedDatasetBuilder(str(data / "pydocs_text_document.bin"), np.uint16)
+    for i in range(50):
+        builder.add_item(np.arange(8) + i % 20)
+        builder.end_document()
+    builder.finalize(str(data / "pydocs_text_document.idx"))
+    (root / "configs").symlink_to(REPO / "configs")
+    return root
+
+
 @pytest.mark.parametrize("config", shipped_model_configs())
-def test_every_shipped_config_resolves_with_local_setup(config: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_shipped_config_resolves_with_local_setup(config: str, local_setup_dir: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron.neox_arguments import deepspeed_config, detect_world_size, finalize
 
-    monkeypatch.chdir(REPO)
+    monkeypatch.chdir(local_setup_dir)
     resolved = load_config([config, "configs/local_setup.yml"])
     final = finalize(resolved, detect_world_size(resolved.args))
     ds = deepspeed_config(final.args)

@@ -7,12 +7,12 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from megatron.data.build import build_datasets
+from megatron.data.build import DataSplits, build_datasets
+from megatron.data.config import DataConfig
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.pairwise_dataset import PairwiseDataset
 from megatron.data.reward_dataset import RewardDataset
@@ -158,38 +158,39 @@ def test_kto_reward_dataset(tmp_path: Path) -> None:
         assert float(s["reward"]) == expected
 
 
-def _args(**kw: object) -> SimpleNamespace:
-    base = dict(seq_length=8, seed=1, train_batch_size=2, train_iters=4, eval_iters=1, eval_interval=2,
-                pack_impl="packed", allow_chopped=True, cache_dir=None, train_impl="normal")
+def build(padded_vocab_size: int = 32, **kw: object) -> DataSplits:
+    base: dict[str, object] = dict(seq_length=8, seed=1, train_batch_size=2, train_iters=4, eval_iters=1,
+                                   eval_interval=2)
     base.update(kw)
-    return SimpleNamespace(**base)
+    return build_datasets(DataConfig.of(**base), None, padded_vocab_size)
 
 
 def test_build_datasets_for_each_train_impl(tmp_path: Path) -> None:
     sft = _sft_corpus(tmp_path)
-    splits = build_datasets(_args(data_path=sft + "_text_document", label_data_paths=[sft + "_label_document"],
-                                  split="8,1,1"))
+    splits = build(data_path=sft + "_text_document", split="8,1,1")
     assert len(splits.train) == 8 and len(splits.valid) == 6 and len(splits.test) == 2
-    assert set(splits.train[0]) == {"text", "label"}
     assert splits.valid.lo == 32 and splits.test.lo == 36  # split over documents
+    splits = build(train_data_paths=[sft + "_text_document"], train_label_data_paths=[sft + "_label_document"],
+                   eval_iters=0)
+    assert set(splits.train[0]) == {"text", "label"}
 
     pw = _run(tmp_path, [{"prompt": "q", "chosen": "yes", "rejected": "no"}] * 4, mode="pairwise")
-    splits = build_datasets(_args(train_impl="dpo", dataset_impl="pairwise", eval_iters=0,
+    splits = build(train_impl="dpo", dataset_impl="pairwise", eval_iters=0,
                                   pos_train_data_paths=[pw + "_chosen_document"],
                                   neg_train_data_paths=[pw + "_rejected_document"],
                                   pos_train_label_data_paths=[pw + "_chosen_label_document"],
-                                  neg_train_label_data_paths=[pw + "_rejected_label_document"]))
+                                  neg_train_label_data_paths=[pw + "_rejected_label_document"])
     assert set(splits.train[5]) == {"chosen", "rejected", "chosen_label", "rejected_label"}
     assert splits.valid is None and splits.test is None
 
     rw = _run(tmp_path, [{"completion": "abc", "reward": True}] * 3, mode="reward")
-    splits = build_datasets(_args(train_impl="kto", eval_iters=0, train_data_paths=[rw + "_text_document"],
+    splits = build(train_impl="kto", eval_iters=0, train_data_paths=[rw + "_text_document"],
                                   train_label_data_paths=[rw + "_label_document"],
-                                  train_reward_data_paths=[rw + "_reward_document"]))
+                                  train_reward_data_paths=[rw + "_reward_document"])
     assert float(splits.train[0]["reward"]) == 1.0
 
     with pytest.raises(DataError, match="prepare_data.py"):
-        build_datasets(_args(train_data_paths=[str(tmp_path / "nope_text_document")]))
+        build(train_data_paths=[str(tmp_path / "nope_text_document")])
 
 
 def test_data_must_match_train_impl(tmp_path: Path) -> None:
@@ -197,11 +198,11 @@ def test_data_must_match_train_impl(tmp_path: Path) -> None:
 
     sft = _sft_corpus(tmp_path)
     with pytest.raises(ConfigError, match="pos_train_data_paths"):
-        build_datasets(_args(train_impl="dpo", eval_iters=0, train_data_paths=[sft + "_text_document"]))
+        build(train_impl="dpo", eval_iters=0, train_data_paths=[sft + "_text_document"])
     with pytest.raises(ConfigError, match="train_reward_data_paths"):
-        build_datasets(_args(train_impl="kto", eval_iters=0, train_data_paths=[sft + "_text_document"]))
+        build(train_impl="kto", eval_iters=0, train_data_paths=[sft + "_text_document"])
     # Dummy data carries the keys of each objective.
     for impl, keys in (("normal", {"text"}), ("dpo", {"chosen", "rejected", "chosen_label", "rejected_label"}),
                        ("kto", {"text", "label", "reward"})):
-        ds = build_datasets(_args(train_impl=impl, use_dummy_dataset=True, padded_vocab_size=32)).train
+        ds = build(train_impl=impl, use_dummy_dataset=True, padded_vocab_size=32).train
         assert set(ds[3]) == keys and ds[3][sorted(keys)[0]].shape == (9,)

@@ -591,14 +591,16 @@ MUST_BE_SUPPORTED = [
     "pos_emb", "rpe_num_buckets", "attention_config", "activation", "precision", "optimizer_type",
     "lr", "zero_stage", "lr_decay_style", "warmup", "data_path", "train_data_paths", "save", "load",
     "checkpoint_factor", "keep_last_n_checkpoints", "extra_save_iters", "finetune", "no_load_optim",
-    "no_load_rng", "log_dir", "log_interval", "tensorboard_dir", "use_wandb", "wandb_project",
-    "train_batch_size", "zero_optimization", "fp16", "bf16", "optimizer", "hostfile", "num_gpus",
-    "launcher", "deepspeed_slurm", "train_impl", "dpo_beta", "scaled_upper_triang_masked_softmax_fusion",
+    "no_load_rng", "log_dir", "log_interval", "train_batch_size", "zero_optimization", "fp16", "bf16",
+    "optimizer", "hostfile", "num_gpus", "launcher", "deepspeed_slurm", "train_impl",
+    "scaled_upper_triang_masked_softmax_fusion", "mmap_warmup", "override_lr_scheduler",
+    "checkpoint_validation_with_forward_pass", "hysteresis", "peak_theoretical_tflops",
 ]  # fmt: skip
 MUST_BE_UNSUPPORTED = [
     "moe_num_experts", "moe_top_k", "moe_router_type", "mamba_inner_func_fusion", "te_mha",
     "te_fp8_format", "serve_model_weights", "sparsity_config", "curriculum_learning",
-    "sparse_attention", "use_comet", "use_mup", "s3_path", "head_size",
+    "sparse_attention", "use_comet", "use_mup", "s3_path", "head_size", "scheduler", "no_save_optim",
+    "sparse_gradients", "fp16_lm_cross_entropy", "deepspeed_activation_checkpointing",
 ]  # fmt: skip
 
 
@@ -619,7 +621,7 @@ def test_check_supported_reports_only_offending_keys() -> None:
         "moe_top_k": 1,  # at its default: fine
         "te-mha": True,  # hyphenated spelling still counts
         "norm": "te_rmsnorm",  # supported field, unsupported value
-        "train_impl": "dpo",  # supported value
+        "train_impl": "normal",  # supported value
         "attention_config": [[["global", "bigbird"], 2]],
         "unknown_key": 3,  # not this check's business
     }

@@ -7,14 +7,15 @@ import inspect
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import tokenizers
 from tokenizers import models, pre_tokenizers
 
 from megatron.errors import ConfigError, DataError
+from megatron.neox_arguments import config_from_mapping
 from megatron.tokenizer import build_tokenizer, padded_vocab_size
+from megatron.tokenizer.config import TokenizerConfig
 from megatron.tokenizer import fast_bpe
 from megatron.tokenizer.byte_level import byte_to_char, token_to_bytes
 from megatron.tokenizer.hf import GPT2BPETokenizer, HFGPT2Tokenizer, HFTokenizer
@@ -62,11 +63,9 @@ def tok_json(tmp_path_factory: pytest.TempPathFactory, texts: list[str]) -> Path
     return path
 
 
-def args(**kw: object) -> SimpleNamespace:
-    base = dict(tokenizer_type="HFTokenizer", vocab_file=None, merge_file=None, make_vocab_size_divisible_by=128,
-                model_parallel_size=1)
-    base.update(kw)
-    return SimpleNamespace(**base)
+def args(**kw: object) -> TokenizerConfig:
+    """The tokenizer keys through the real loader (unknown keys and types are checked as for a file)."""
+    return TokenizerConfig.from_args(config_from_mapping({"tokenizer_type": "HFTokenizer", **kw}).args)
 
 
 def test_padded_vocab_size() -> None:
@@ -89,7 +88,7 @@ def test_build_sets_padded_vocab_and_ids(tok_json: Path) -> None:
     a = args(vocab_file=str(tok_json), model_parallel_size=2)
     tok = build_tokenizer(a)
     assert tok.vocab_size == 600
-    assert a.padded_vocab_size == 768
+    assert a.padded(tok.vocab_size) == 768
     hf = tokenizers.Tokenizer.from_file(str(tok_json))
     assert tok.eod == hf.token_to_id("<|endoftext|>") == 0
     assert tok.pad == tok.eod  # no <|padding|> in this vocab
@@ -223,7 +222,7 @@ def test_unknown_type_and_missing_files(tmp_path: Path) -> None:
     bad.write_text("{not json")
     with pytest.raises(DataError, match="bad.json.*not a valid"):
         build_tokenizer(args(vocab_file=str(bad)))
-    with pytest.raises(DataError, match="merge_file"):
+    with pytest.raises(ConfigError, match="merge_file"):
         build_tokenizer(args(tokenizer_type="GPT2BPETokenizer", vocab_file=str(bad)))
 
 

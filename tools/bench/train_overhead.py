@@ -19,7 +19,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -42,16 +41,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def bench_args(o: argparse.Namespace) -> SimpleNamespace:
-    """The subset of NeoXArgs the model, optimizer and schedule builders read."""
-    return SimpleNamespace(
+def bench_config(o: argparse.Namespace) -> dict[str, Any]:
+    """The run as a config mapping; it goes through the real loader and rules like a YAML file."""
+    return dict(
         num_layers=o.layers, hidden_size=o.hidden, num_attention_heads=o.heads, seq_length=o.seq,
         max_position_embeddings=o.seq, padded_vocab_size=o.vocab, pos_emb="rotary", norm="layernorm",
-        hidden_dropout=0.0, attention_dropout=0.0, seed=1234, precision="fp32",
-        optimizer={"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8}}, lr=None,
+        hidden_dropout=0.0, attention_dropout=0.0, seed=1234, precision="bfloat16" if o.precision == "bf16" else "fp32",
+        optimizer={"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8}},
         weight_decay=0.1, lr_decay_style="cosine", warmup=0.01, min_lr=3e-5, train_iters=10_000,
-        lr_decay_iters=None, pipe_parallel_size=0, checkpoint_activations=False, selective_checkpointing=None,
-        compile_layers=False,
+        train_batch_size=o.batch, train_micro_batch_size_per_gpu=o.batch, gradient_clipping=1.0,
+        zero_optimization={"stage": o.zero}, steps_per_print=10**9,
+        use_dummy_dataset=True, tokenizer_type="CharLevelTokenizer",
     )
 
 
@@ -99,24 +99,19 @@ def main(argv: list[str] | None = None) -> int:
 
     init_single_process()
     from megatron.data.sampler import collate
-    from megatron.model import GPTConfig, GPTModel, lm_loss
+    from megatron.model import GPTModel, lm_loss
     from megatron.training.batch import lm_batch
+    from megatron.neox_arguments.run_config import RunConfig
     from megatron.training.engine import build_engine
-    from megatron.training.lr_schedules import build_lr_scheduler
+    from megatron.training.lr_schedules import LRScheduler
     from megatron.training.optimizers import build_optimizer
     from megatron.training.step import train_step
 
     device = torch.device(get_accelerator().current_device_name())
     sync = get_accelerator().synchronize
-    args = bench_args(o)
-    ds_config: dict[str, Any] = {
-        "train_batch_size": o.batch, "train_micro_batch_size_per_gpu": o.batch, "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0, "zero_optimization": {"stage": o.zero}, "steps_per_print": 10**9,
-    }
-    if o.precision == "bf16":
-        ds_config["bf16"] = {"enabled": True}
-    if o.zero:
-        ds_config["zero_allow_untested_optimizer"] = True
+    run = RunConfig.from_mapping(bench_config(o))
+    model_config = run.model.with_vocab(o.vocab)
+    train_iters = run.training.train_iters or 1
 
     # one fixed batch, as the sampler would deliver it
     gen = torch.Generator().manual_seed(0)
@@ -125,15 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     micro = itertools.repeat(collate(samples))
 
     # --- ours: the trainer's own engine and train step
-    eng = build_engine(args, ds_config)
+    eng = build_engine(run, model_config, train_iters)
 
     def ours() -> None:
         train_step(eng, micro, None, device)
 
     # --- raw: the identical model/optimizer/schedule in a plain loop
-    model = GPTModel(GPTConfig.from_neox_args(args)).to(device)
-    optimizer = build_optimizer(model, args)
-    scheduler = build_lr_scheduler(optimizer, args)
+    model = GPTModel(model_config).to(device)
+    optimizer = build_optimizer(model, run.optimizer)
+    scheduler = LRScheduler(optimizer, run.lr.spec(train_iters, run.optimizer.lr))
     batch = lm_batch(collate(samples), device=device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=o.precision == "bf16")
 

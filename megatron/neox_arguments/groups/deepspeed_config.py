@@ -46,8 +46,9 @@ class DeepSpeedConfigArgs(ArgGroup):
     gradient_predivide_factor: float = Field(1.0, gt=0)
     """Divide gradients by this before the all-reduce and the rest after, avoiding fp16 overflow."""
 
-    sparse_gradients: bool = False
-    """Let DeepSpeed all-reduce sparse embedding gradients as sparse tensors."""
+    sparse_gradients: bool = not_supported(False)
+    """Let DeepSpeed all-reduce sparse embedding gradients as sparse tensors (DeepSpeed 0.19.8 removed
+    the feature and refuses the key)."""
 
     fp16: dict[str, Any] | None = None
     """DeepSpeed fp16 block: {enabled, loss_scale, initial_scale_power, loss_scale_window,

@@ -15,7 +15,7 @@ from megatron.neox_arguments.schema import ArgGroup, not_supported
 class LoggingArgs(ArgGroup):
     """GPT-NeoX's ``NeoXArgsLogging`` group."""
 
-    use_wandb: bool | None = partly_supported(None, unsupported=(True,))
+    use_wandb: bool | None = not_supported(None)
     """Log metrics to Weights & Biases; unset means on when wandb is installed and logged in."""
 
     wandb_group: str | None = not_supported(None)

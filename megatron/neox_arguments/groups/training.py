@@ -192,7 +192,7 @@ class TrainingArgs(ArgGroup):
     extra_save_iters: list[int] | None = None
     """Additional steps at which to save a checkpoint."""
 
-    no_save_optim: bool = partly_supported(False, unsupported=(True,))
+    no_save_optim: bool = not_supported(False)
     """Leave optimizer state out of checkpoints (smaller, but cannot resume exactly)."""
 
     no_save_rng: bool = False
@@ -255,7 +255,7 @@ class TrainingArgs(ArgGroup):
     checkpoint_num_layers: int = Field(1, ge=1)
     """Number of consecutive blocks recomputed together when checkpointing activations."""
 
-    deepspeed_activation_checkpointing: bool = partly_supported(True, unsupported=(False,))
+    deepspeed_activation_checkpointing: bool = not_supported(True)
     """Use DeepSpeed's activation checkpointing (which can partition and offload) rather than
     torch's."""
 

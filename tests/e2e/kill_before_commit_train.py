@@ -1,0 +1,28 @@
+"""``train.py`` with the crash-safety seam: this rank dies by SIGKILL after checkpoint STEP's files
+are written and before its commit marker, as a machine failure at the worst moment would.
+
+STEP comes from ``KILL_BEFORE_COMMIT_STEP`` in the environment (read here, by the test's own user
+script; the trainer only sees the injected callback).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from train import run_worker  # noqa: E402
+
+STEP = int(os.environ["KILL_BEFORE_COMMIT_STEP"])
+
+
+def kill_at(step: int) -> None:
+    if step == STEP:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    run_worker(before_commit=kill_at)
