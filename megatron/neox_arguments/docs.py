@@ -41,6 +41,12 @@ def type_name(annotation: Any) -> str:
         return "Any"
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
+    if origin is typing.Annotated:
+        # a tagged union of blocks (the optimizer): name its members, not the pydantic machinery
+        members = typing.get_args(args[0]) or (args[0],)
+        names = [typing.get_args(m)[0].__name__ if typing.get_origin(m) is typing.Annotated else type_name(m)
+                 for m in members]
+        return " | ".join(names)
     if origin is Literal:
         return " | ".join(f'"{a}"' if isinstance(a, str) else repr(a) for a in args)
     if origin in (Union, types.UnionType):
