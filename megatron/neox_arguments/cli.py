@@ -21,6 +21,9 @@ from megatron.neox_arguments.overrides import looks_like_override
 from megatron.neox_arguments.provenance import format_resolved_table
 from megatron.neox_arguments.resolved import RESOLVED_FILE_NAME, ResolvedConfig, run_directory
 
+ENTRY_POINTS_OF_TEXTGEN = ("generate.py", "eval.py")
+"""The entry points that read the text-generation/evaluation keys."""
+
 USAGE = "deepy.py [--dry-run] [--debug] [-d CONF_DIR] USER_SCRIPT CONFIG [CONFIG ...] [key=value ...]"
 
 
@@ -87,7 +90,9 @@ def resolve(command: DeepyCommand) -> ResolvedConfig:
     # imported only now: the rules may need torch to look at the devices, structure errors do not
     from megatron.neox_arguments import detect_world_size, finalize
 
-    return finalize(resolved, detect_world_size(resolved.args))
+    world = detect_world_size(resolved.args, warnings=resolved.warnings,
+                              launcher_given="launcher" in resolved.provenance)
+    return finalize(resolved, world)
 
 
 def assign_run_dir(resolved: ResolvedConfig) -> str:
@@ -97,8 +102,28 @@ def assign_run_dir(resolved: ResolvedConfig) -> str:
     return resolved.run_dir
 
 
+def notes(resolved: ResolvedConfig, user_script: str) -> list[str]:
+    """What deepy.py says before launching: warnings, checks skipped and why, and keys the config
+    sets that change nothing here."""
+    from megatron.neox_arguments.arguments import NeoXArgs
+    from megatron.neox_arguments.honesty import NO_EFFECT_KEYS
+
+    lines = [f"warning: {w}" for w in resolved.warnings]
+    lines += [f"not checked here: {s}" for s in resolved.skipped]
+    for key, reason in NO_EFFECT_KEYS.items():
+        if key in resolved.provenance and resolved.provenance[key] != "derived":
+            lines.append(f"no effect here: {key} ({reason})")
+    elsewhere = [key for key in resolved.provenance
+                 if "." not in key and NeoXArgs.has_field(key) and NeoXArgs.group_of(key) == "textgen"]
+    if elsewhere and os.path.basename(user_script) not in ENTRY_POINTS_OF_TEXTGEN:
+        lines.append(f"applies elsewhere: {', '.join(sorted(elsewhere))} configure "
+                     f"{' and '.join(ENTRY_POINTS_OF_TEXTGEN)}, not {os.path.basename(user_script)}")
+    return lines
+
+
 def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand) -> str:
     ds_config: Any = resolved.deepspeed_config
+    said = notes(resolved, command.user_script)
     parts = [
         f"deepy: dry run of {command.user_script} with {' '.join(command.config_files)}"
         + (f" {' '.join(command.overrides)}" if command.overrides else ""),
@@ -111,6 +136,7 @@ def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand) -> str:
         "DeepSpeed config:",
         json.dumps(ds_config, indent=2) if ds_config is not None else "(none)",
         "",
+        *([*said, ""] if said else []),
         "deepy: dry run OK, nothing launched",
     ]
     return "\n".join(parts)
@@ -123,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command.dry_run:
         print(render_dry_run(resolved, command))
         return 0
+    for line in notes(resolved, command.user_script):
+        print(f"deepy: {line}", flush=True)
     config_file = resolved.write(os.path.join(run_dir, RESOLVED_FILE_NAME))
     print(f"deepy: resolved config written to {config_file}", flush=True)
 

@@ -60,7 +60,10 @@ def detect_world_size(args: NeoXArgs, device_count: int | None = None, warnings:
     from megatron.neox_arguments.rules import started_by_cluster_launcher
 
     hostfile = args.hostfile or (DEFAULT_HOSTFILE if os.path.isfile(DEFAULT_HOSTFILE) else None)
-    if started_by_cluster_launcher(args, launcher_given) and hostfile is None:
+    if started_by_cluster_launcher(args, launcher_given) and not (hostfile and os.path.isfile(hostfile)):
+        if hostfile and warnings is not None:
+            warnings.append(f"hostfile={hostfile!r} does not exist; not needed: {args.launcher} starts the ranks "
+                            f"on the nodes of its allocation")
         if args.num_gpus is None:
             raise ConfigError(
                 f"launcher={args.launcher} starts the ranks on other machines: set num_gpus (ranks per "
