@@ -62,6 +62,16 @@ def test_missing_key_names_file_line_and_key(tmp_path: Path) -> None:
     assert_no_output(tmp_path)
 
 
+def test_missing_key_and_non_string_lines_skipped_with_skip_bad(tmp_path: Path) -> None:
+    lines = [GOOD[0], json.dumps({"body": "x"}).encode() + b"\n", b'{"text": 42}\n', GOOD[1]]
+    r = run(tmp_path, lines, "--skip-bad")
+    assert r.returncode == 0, r.stderr
+    assert "skipped 2 bad lines" in r.stdout and "missing key 'text'" in r.stdout and "in.jsonl:3" in r.stdout
+    # every line lacking the key: still an error, which names the key
+    r = run(tmp_path, [json.dumps({"body": "x"}).encode() + b"\n"] * 2, "--skip-bad")
+    assert_user_error(r, "no documents", "missing key 'text'")
+
+
 def test_non_string_value(tmp_path: Path) -> None:
     r = run(tmp_path, [GOOD[0], b'{"text": 42}\n'])
     assert_user_error(r, "in.jsonl:2", "int", "expected a string")

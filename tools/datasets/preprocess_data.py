@@ -8,8 +8,8 @@ both cores do useful work. The alternative, parsing in the main process and toke
 tiktoken's threads, was measured slower on 2 cores (see tools/bench/preprocess.py).
 
 Bad input stops the run with the file and line: malformed JSON, invalid UTF-8, a missing key, a value
-that is not a string, an input without documents. ``--skip-bad`` turns the first two into counted
-skips. Empty or whitespace-only documents are always skipped and counted.
+that is not a string, an input without documents. ``--skip-bad`` turns all but the last into counted
+skips (an input where no line is usable is still an error). Empty or whitespace-only documents are always skipped and counted.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def init_worker(tokenizer: Tokenizer, options: EncodeOptions, threads: int) -> N
 
 
 class _BadLine(Exception):
-    """A line that --skip-bad may skip (malformed JSON, invalid UTF-8)."""
+    """A line that --skip-bad may skip (malformed JSON, invalid UTF-8, a missing or non-text key)."""
 
 
 def _has_lone_surrogate(text: str, line: bytes) -> bool:
@@ -177,11 +177,12 @@ def parse_line(line: bytes, keys: list[str], where: str) -> list[str]:
     for key in keys:
         if key not in record:
             found = ", ".join(sorted(record)) or "none"
-            # Not skippable: a missing key almost always means a wrong --jsonl-keys, not a bad line.
-            raise DataError(f"{where}: missing key {key!r} (keys here: {found}); choose the field with --jsonl-keys")
+            # skippable with --skip-bad like any bad line; when every line lacks it, the "no documents"
+            # error that follows names the key and --jsonl-keys
+            raise _BadLine(f"missing key {key!r} (keys here: {found}); choose the field with --jsonl-keys")
         value = record[key]
         if not isinstance(value, str):
-            raise DataError(f"{where}: key {key!r} holds {type(value).__name__}, expected a string")
+            raise _BadLine(f"key {key!r} holds {type(value).__name__}, expected a string")
         if _has_lone_surrogate(value, line):
             raise _BadLine("invalid UTF-8 (lone surrogate escape)")
         values.append(value)
@@ -338,8 +339,9 @@ def preprocess(args: argparse.Namespace) -> dict[str, Any]:
         seconds = progress.close()
         for k in args.jsonl_keys:
             if docs_out[k] == 0:
+                first_bad = f"; first bad line: {examples[0]}" if examples else ""
                 raise DataError(f"{', '.join(files)}: no documents with text under key {k!r} "
-                                f"({empty[k]} empty, {bad} bad lines); refusing to write an empty dataset")
+                                f"({empty[k]} empty, {bad} bad lines){first_bad}; refusing to write an empty dataset")
         for k, p in prefixes.items():
             builders[k].finalize(index_file_path(p))
     except BaseException:
