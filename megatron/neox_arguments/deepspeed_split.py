@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron.errors import ConfigError
 from megatron.neox_arguments.provenance import DERIVED
+
+if TYPE_CHECKING:
+    from megatron.neox_arguments.arguments import NeoXArgs
 
 # Schema fields whose names are DeepSpeed config keys, copied when set (None means "leave out").
 DS_CONFIG_KEYS: tuple[str, ...] = (
@@ -85,18 +88,17 @@ REFUSED_EXTRA_KEYS = {
 }
 
 
-def _user_given(args: Any, key: str, provenance: Mapping[str, str] | None) -> bool:
+def _user_given(args: NeoXArgs, key: str, provenance: Mapping[str, str] | None) -> bool:
     """Set by the user or by the rules, i.e. not silently at its schema default."""
     if provenance is not None and key in provenance:
         return True
-    fields = getattr(type(args), "model_fields", {})
-    default = fields[key].get_default(call_default_factory=True) if key in fields else None
-    return getattr(args, key, None) != default
+    default = type(args).model_fields[key].get_default(call_default_factory=True)
+    return getattr(args, key) != default
 
 
-def extra_args_problems(args: Any, provenance: Mapping[str, str] | None = None) -> list[str]:
+def extra_args_problems(args: NeoXArgs, provenance: Mapping[str, str] | None = None) -> list[str]:
     """Keys of ``deepspeed_extra_args`` that clash with top-level keys or with what Deepy owns."""
-    extra = getattr(args, "deepspeed_extra_args", None) or {}
+    extra = args.deepspeed_extra_args or {}
     if not isinstance(extra, Mapping):
         return [f"deepspeed_extra_args must be a mapping of DeepSpeed config keys, got {extra!r}"]
     where = (provenance or {}).get("deepspeed_extra_args", "default")
@@ -124,14 +126,14 @@ def extra_args_problems(args: Any, provenance: Mapping[str, str] | None = None) 
     return problems
 
 
-def deepspeed_config(args: Any, provenance: Mapping[str, str] | None = None) -> dict[str, Any]:
+def deepspeed_config(args: NeoXArgs, provenance: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The DeepSpeed config dict for ``args`` (already finalized)."""
     problems = extra_args_problems(args, provenance)
     if problems:
         raise ConfigError("\n".join(problems))
     config: dict[str, Any] = {}
     for key in DS_CONFIG_KEYS:
-        value = getattr(args, key, None)
+        value = getattr(args, key)
         if value is not None:
             config[key] = dict(value) if isinstance(value, Mapping) else value
     zero = config.get("zero_optimization") or {}
@@ -140,33 +142,29 @@ def deepspeed_config(args: Any, provenance: Mapping[str, str] | None = None) -> 
         # The trainer hands DeepSpeed its own optimizer object; ZeRO refuses optimizers outside its
         # short tested list (Lion, SM3, ...) unless told otherwise.
         config["zero_allow_untested_optimizer"] = True
-    config.update(dict(getattr(args, "deepspeed_extra_args", None) or {}))
+    config.update(dict(args.deepspeed_extra_args or {}))
     return config
 
 
-def runner_args(args: Any) -> list[str]:
+def runner_args(args: NeoXArgs) -> list[str]:
     """Flags for ``python -m deepspeed.launcher.runner`` (before the user script)."""
     out: list[str] = []
-    for key in ("hostfile", "include", "exclude", "master_addr"):
-        value = getattr(args, key, None)
+    for key, value in (("hostfile", args.hostfile), ("include", args.include), ("exclude", args.exclude),
+                       ("master_addr", args.master_addr)):
         if value:
             out += [f"--{key}", str(value)]
-    num_nodes = getattr(args, "num_nodes", -1)
-    if num_nodes is not None and num_nodes > 0:
-        out += ["--num_nodes", str(num_nodes)]
-    num_gpus = getattr(args, "num_gpus", None)
-    if num_gpus is not None:
-        out += ["--num_gpus", str(num_gpus)]
-    out += ["--master_port", str(getattr(args, "master_port", None) or 29500)]
-    launcher = getattr(args, "launcher", None) or "pdsh"
+    if args.num_nodes > 0:
+        out += ["--num_nodes", str(args.num_nodes)]
+    if args.num_gpus is not None:
+        out += ["--num_gpus", str(args.num_gpus)]
+    out += ["--master_port", str(args.master_port)]
+    launcher = args.launcher
     out += ["--launcher", launcher]
-    if getattr(args, "force_multi", False):
+    if args.force_multi:
         out.append("--force_multi")
-    if getattr(args, "no_ssh_check", False):
+    if args.no_ssh_check:
         out.append("--no_ssh_check")
-    srun_flags = [
-        f"--{key}={getattr(args, key)}" for key in ("comment", "account") if getattr(args, key, None)
-    ]
+    srun_flags = [f"--{key}={value}" for key, value in (("comment", args.comment), ("account", args.account)) if value]
     if srun_flags:
         # DeepSpeed 0.19.8's runner has no --comment/--account; srun takes them via --launcher_args
         if launcher != "slurm":

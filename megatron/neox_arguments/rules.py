@@ -61,7 +61,7 @@ class RuleContext:
     """Checks not made here and why (``--dry-run`` lists them)."""
 
     def get(self, key: str) -> Any:
-        return getattr(self.args, key, None)
+        return getattr(self.args, key)
 
     def source(self, key: str) -> str:
         return self.provenance.get(key, DEFAULT)

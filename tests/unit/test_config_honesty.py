@@ -95,7 +95,7 @@ EFFECT_TESTS: dict[str, str] = {
     "loss_scale": "tests/unit/test_config_effects.py::test_loss_scaling_keys_reach_deepspeed",
     "dynamic_loss_scale": "tests/unit/test_config_effects.py::test_loss_scaling_keys_reach_deepspeed",
     "peak_theoretical_tflops": "tests/unit/test_config_effects.py::test_peak_tflops_override",
-    "attention_config": "tests/unit/test_model_variants.py::test_attention_window_per_layer",
+    "attention_config": "tests/unit/test_model_variants.py::test_attention_config_expands_like_gpt_neox",
     "weight_decay": "tests/unit/test_optimizers.py::test_weight_decay_in_params_is_honoured",
     "optimizer": "tests/unit/test_optimizers.py::test_each_optimizer_reduces_a_quadratic",
     "train_data_paths": "tests/unit/test_blending.py::test_build_blend_from_train_paths",

@@ -470,3 +470,21 @@ def test_partition_patterns_agree_with_parameter_marks(name: str) -> None:
         if part is not None:
             assert p.partition_dim == part.dim, pname
             assert (p.partition_sections or [p.shape[part.dim]]) == list(part.sections or [p.shape[part.dim]]), pname
+
+
+def test_attention_config_expands_like_gpt_neox() -> None:
+    """Each entry's types repeat as a list; "all" fills num_layers; the total must be num_layers."""
+    from megatron.model.config import expand_attention_config
+
+    assert expand_attention_config([[["global", "local"], 2]], 4) == ["global", "local", "global", "local"]
+    assert expand_attention_config([[["local"], 1], [["global"], 3]], 4) == ["local", "global", "global", "global"]
+    assert expand_attention_config([[["global", "local"], "all"]], 6) == ["global", "local"] * 3
+    with pytest.raises(ValueError, match="describes 3 layers but num_layers=4"):
+        expand_attention_config([[["global"], 3]], 4)
+    with pytest.raises(ValueError, match="describes 5 layers but num_layers=4"):
+        expand_attention_config([[["global"], 5]], 4)  # too long is refused, not truncated
+    with pytest.raises(ValueError, match="do not divide num_layers=5"):
+        expand_attention_config([[["global", "local"], "all"]], 5)
+    # the per-layer type decides the window: local layers attend within sliding_window_width
+    cfg = GPTConfig(**{**BASE, "num_layers": 2}, attention_config=[[["local", "global"], 1]], sliding_window_width=3)
+    assert [cfg.attention_window(i) for i in range(2)] == [3, None]
