@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -193,6 +194,28 @@ _DEEPSPEED_BLOCK_OF_MODEL = {
 }
 
 
+def _deepspeed_config_class() -> Any:
+    """DeepSpeed's config parser, imported without its accelerator-detection banner on stdout.
+
+    DeepSpeed prints a warning when it guesses the accelerator; naming it for this process's
+    import (and restoring the environment after) keeps deepy.py's output to our lines. The ranks
+    are other processes and detect their own devices.
+    """
+    import torch
+
+    previous = os.environ.get("DS_ACCELERATOR")
+    os.environ["DS_ACCELERATOR"] = previous or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.runtime.config import DeepSpeedConfig
+
+        get_accelerator()  # resolved and cached now, while the variable is set
+    finally:
+        if previous is None:
+            os.environ.pop("DS_ACCELERATOR", None)
+    return DeepSpeedConfig
+
+
 def deepspeed_problems(config: Mapping[str, Any], provenance: Mapping[str, str] | None = None) -> list[str]:
     """What DeepSpeed's own config parser refuses in ``config`` (bad numbers or keys inside the
     fp16/bf16/ZeRO/... blocks), as messages naming the block and where it was set.
@@ -202,8 +225,7 @@ def deepspeed_problems(config: Mapping[str, Any], provenance: Mapping[str, str] 
     """
     from pydantic import ValidationError
 
-    from deepspeed.runtime.config import DeepSpeedConfig
-
+    DeepSpeedConfig = _deepspeed_config_class()
     checked = {k: v for k, v in config.items() if k != "train_batch_size"}
     try:
         DeepSpeedConfig(checked)

@@ -202,7 +202,9 @@ def test_removed_deepspeed_keys_match_the_installed_deepspeed() -> None:
     assert set(REMOVED_DEEPSPEED_KEYS) == set(ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS)
 
 
-def test_checking_a_config_does_not_import_deepspeed(tmp_path: Any) -> None:
+def test_counting_ranks_does_not_import_deepspeed_and_checking_prints_nothing(tmp_path: Any) -> None:
+    """World size and launch planning are DeepSpeed-free; the full check (which runs DeepSpeed's own
+    config parser on the fp16/bf16/ZeRO blocks) prints nothing of DeepSpeed's on stdout."""
     import subprocess
 
     code = (
@@ -211,10 +213,12 @@ def test_checking_a_config_does_not_import_deepspeed(tmp_path: Any) -> None:
         "from megatron.neox_arguments.resolved import ResolvedConfig\n"
         "from megatron.neox_arguments import detect_world_size, finalize\n"
         "args = NeoXArgs(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=8, lr=0.1,\n"
-        "                train_micro_batch_size_per_gpu=1, train_iters=1, use_dummy_dataset=True, num_gpus=2)\n"
-        "finalize(ResolvedConfig(args=args), detect_world_size(args))\n"
+        "                train_micro_batch_size_per_gpu=1, train_iters=1, use_dummy_dataset=True, num_gpus=2,\n"
+        "                tokenizer_type='CharLevelTokenizer')\n"
+        "world = detect_world_size(args)\n"
         "from megatron.launcher import plan_launch\n"
         "assert 'deepspeed' not in sys.modules, 'deepspeed imported'\n"
+        "finalize(ResolvedConfig(args=args), world)\n"
     )
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120)
