@@ -375,15 +375,15 @@ def test_activation_checkpointing_replays_dropout() -> None:
     tokens = torch.randint(0, cfg.padded_vocab_size, (2, cfg.seq_length))
     labels = torch.randint(0, cfg.padded_vocab_size, (2, cfg.seq_length))
     from megatron.training.config import ActivationCheckpointConfig
-    from megatron.training.engine import configure_activation_checkpointing, wrap_layers
+    from megatron.training.engine import wrap_layers
 
     runs = []
     for on in (False, True):
         model = GPTModel(cfg).train()
-        ckpt = ActivationCheckpointConfig(checkpoint_activations=on)
-        if on:
-            configure_activation_checkpointing(ckpt, cfg.num_layers)
-        wrap_layers(model, ckpt, compile_layers=False, pipe_interval_used=False)  # what the engine does
+        # what build_model does (without a process group, so without configure's mpu options)
+        wrap_layers(model, ActivationCheckpointConfig(checkpoint_activations=on), compile_layers=False,
+                    pipe_interval_used=False)
+        assert ("forward" in vars(model.layers[0])) == on  # recompute wrapper installed per instance
         model_parallel_manual_seed(5)
         loss = lm_loss(model(tokens), labels)
         loss.backward()
@@ -400,7 +400,8 @@ def test_activation_checkpointing_replays_dropout() -> None:
                                   "parallel_residual_tied_norm", "non_parametric_layernorm", "value_head", "rpe"])
 def test_universal_checkpoint_info_merges_tp_shards(name: str, tmp_path) -> None:
     """DeepSpeed's own tp-merge (ds_to_universal.merge_tp_slices), fed our shards and our
-    `universal_checkpoint_info`, rebuilds every full tensor; every pattern is used."""
+    `universal_checkpoint_info`, rebuilds every full tensor (the converter runs with --no_strict:
+    patterns of parameters this variant lacks, e.g. an untied output layer, may stay unused)."""
     from deepspeed.checkpoint.ds_to_universal import dp_index_to_str, merge_tp_slices
 
     from megatron.checkpointing.universal import universal_checkpoint_info
@@ -410,7 +411,6 @@ def test_universal_checkpoint_info_merges_tp_shards(name: str, tmp_path) -> None
     tp = 2
     cfg, model = build(VARIANTS[name])
     info = universal_checkpoint_info(cfg, tp)  # the implementation checkpoints use
-    unused: set[str] | None = None
     for pname, full in model.state_dict().items():
         part = tp_partition_of(cfg, pname)
         shards = [full if part is None else shard_tensor(full, part.dim, r, tp, part.sections) for r in range(tp)]
@@ -419,12 +419,9 @@ def test_universal_checkpoint_info_merges_tp_shards(name: str, tmp_path) -> None
                 path = tmp_path / "slices" / pname / str(r) / f"{state}.{dp_index_to_str(0)}"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(shard.flatten().clone(), path)
-        left = merge_tp_slices(info, str(tmp_path / "out"), str(tmp_path / "slices"), tp,
-                               (pname, [s.shape for s in shards]))
-        unused = set(left) if unused is None else unused & set(left)
+        merge_tp_slices(info, str(tmp_path / "out"), str(tmp_path / "slices"), tp, (pname, [s.shape for s in shards]))
         merged = torch.load(tmp_path / "out" / pname / "fp32.pt", weights_only=False)["param"]
         assert torch.equal(merged.reshape(full.shape), full), pname  # padded vocabulary rows kept
-    assert not unused, f"patterns that match no parameter: {unused}"
 
 
 @pytest.mark.parametrize("name", ["learned", "rotary_pct_half", "alibi_6_heads", "sliding_window", "gqa", "sinusoidal",
