@@ -1,4 +1,7 @@
 """Text generation and evaluation settings read by ``generate.py`` and ``eval.py``.
+
+Both run the newest committed checkpoint of ``load`` (``iteration`` picks another) on the config's
+parallel layout; ``train_micro_batch_size_per_gpu`` prompts or requests run together per replica.
 """
 
 from __future__ import annotations
@@ -14,14 +17,15 @@ class TextgenArgs(ArgGroup):
     """GPT-NeoX's ``NeoXArgsTextgen`` group."""
 
     text_gen_type: Literal["unconditional", "input-file", "interactive", "precompute"] | None = None
-    """Generation mode: `unconditional`, `input-file`, `interactive` or `precompute` (log-probs for
-    DPO)."""
+    """generate.py's mode: `unconditional` (num_samples samples from EOD), `input-file` (complete the prompts
+    of sample_input_file), `interactive` (prompts from stdin, one per line) or `precompute` (reference
+    log-probs of every configured token dataset, for DPO/KTO)."""
 
     precompute_model_name: str | None = None
-    """Name under which precomputed reference log-probs are stored."""
+    """Name of the reference log-probs precompute writes next to each dataset: `<prefix>_<name>.bin/.idx`."""
 
     temperature: float = Field(0.0, ge=0)
-    """Sampling temperature; 0 means greedy decoding."""
+    """Sampling temperature; with top_k and top_p also 0, greedy decoding."""
 
     top_p: float = Field(0.0, ge=0, le=1)
     """Nucleus sampling: keep the fewest tokens whose probability reaches top_p; 0 disables it."""
@@ -30,10 +34,10 @@ class TextgenArgs(ArgGroup):
     """Sample only from the k most likely tokens; 0 disables it."""
 
     return_logits: bool = False
-    """Also return the logits of generated tokens."""
+    """Also write the logits over the vocabulary before each generated token (`logits` in the output)."""
 
     maximum_tokens: int = Field(64, ge=1)
-    """Most tokens generated per prompt."""
+    """Most tokens generated per prompt (and per eval.py generate_until request without max_gen_toks)."""
 
     prompt_end: str = "\n"
     """Separator between prompts in the input file."""
@@ -42,7 +46,7 @@ class TextgenArgs(ArgGroup):
     """File of prompts for input-file generation."""
 
     sample_output_file: str = "samples.txt"
-    """Where generated samples are written."""
+    """Where generated samples are written, one JSON object per line (prompt, text, tokens, ...)."""
 
     num_samples: int = Field(1, ge=1)
     """Number of unconditional samples to draw."""
@@ -52,7 +56,7 @@ class TextgenArgs(ArgGroup):
     for checking the cache)."""
 
     eval_results_prefix: str = ""
-    """Prefix of the file that evaluation results are written to."""
+    """eval.py writes `<prefix>_eval_results.json` (and per-task samples); empty: into log_dir."""
 
     eval_tasks: list[str] | None = None
-    """lm-evaluation-harness task names run by eval.py."""
+    """lm-evaluation-harness tasks eval.py runs: task names or paths of task YAML files."""
