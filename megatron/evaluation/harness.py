@@ -17,6 +17,7 @@ Rank 0 writes
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,8 @@ def evaluate(lm: DeepyLM, config: EvalConfig) -> dict[str, Any]:
     """Run every task on every rank (the adapter splits the model work); the harness' results."""
     from lm_eval import simple_evaluate
 
+    if lm.replica.dp_rank or lm.replica.tp_rank or lm.replica.pp_rank:
+        logging.getLogger("lm_eval").setLevel(logging.ERROR)  # every rank runs the harness; one speaks
     # the harness bootstraps standard errors in a multiprocessing pool: a fork of a rank that
     # holds a process group (gloo/NCCL threads) is not safe, so it runs them in-process
     os.environ.setdefault("DISABLE_MULTIPROC", "1")

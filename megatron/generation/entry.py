@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from megatron.errors import ConfigError
 from megatron.generation.config import GenerationConfig
 from megatron.generation.replica import ModelReplica
 from megatron.tokenizer import Tokenizer
@@ -54,6 +55,9 @@ def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
     setup_logging(speaks())
     tokenizer = build_tokenizer(inference_args)  # also sets the copy's padded_vocab_size
     eng = build_engine(inference_args, deepspeed_config(inference_args))
+    if eng.config.value_head:
+        raise ConfigError(f"{script} needs a language model; this config builds a reward model (train_impl: rm), "
+                          "whose value head scores sequences instead of predicting tokens")
     step = load_committed_weights(eng.engine, inference_args.load, inference_args.iteration,
                                   inference_args.model_dump(mode="json"), script)
     replica = ModelReplica(eng.engine.module, vocab_size=tokenizer.vocab_size, hidden_size=eng.config.hidden_size)

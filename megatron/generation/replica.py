@@ -25,12 +25,11 @@ import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 from torch import nn
 
-from megatron.errors import ConfigError
 from megatron.generation.sampling import mask_vocab_padding
 from megatron.model.embedding import GPTEmbedding
 from megatron.model.gpt import GPTModel
 from megatron.model.kv_cache import KVCache
-from megatron.model.pipeline import FinalNormPipe, OutputLayerPipe, ValueHeadPipe, tied_embedding_logits
+from megatron.model.pipeline import FinalNormPipe, OutputLayerPipe, tied_embedding_logits
 from megatron.model.transformer_layer import TransformerLayer
 from megatron.mpu import topology
 from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
@@ -52,10 +51,7 @@ def _stage_parts(module: PipelineModule) -> list[tuple[str, Callable[..., Any]]]
             parts.append(("head", fn))
         elif isinstance(fn, functools.partial) and fn.func is tied_embedding_logits:
             parts.append(("head", fn))
-        elif isinstance(fn, ValueHeadPipe):
-            raise ConfigError("text generation needs a language-model head; this model has a value head "
-                              "(train_impl: rm), which scores sequences instead")
-        else:
+        else:  # e.g. a reward model's ValueHeadPipe: refused by the caller before this point
             raise TypeError(f"unexpected pipeline layer {type(fn).__name__} in an inference stage")
     return parts
 
@@ -72,8 +68,7 @@ class ModelReplica:
         self.dtype = first_param.dtype
         self.pipelined = isinstance(module, PipelineModule)
         if isinstance(module, GPTModel) and module.value_head is not None:
-            raise ConfigError("text generation needs a language-model head; this model has a value head "
-                              "(train_impl: rm), which scores sequences instead")
+            raise ValueError("a model with a value head has no token logits to generate from")
         self.parts = _stage_parts(module) if isinstance(module, PipelineModule) else []
         self.hidden_size = hidden_size
         coords = topology.get_coordinates() if topology.model_parallel_is_initialized() else None
