@@ -20,6 +20,7 @@ sampled with its own generator seeded from (seed, i), so the output does not dep
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,10 +67,7 @@ class TextGenerator:
         done: dict[int, Generated] = {}
         for first in range(0, len(order), size):
             batch = order[first : first + size]
-            row_stop: StopCondition | None = None
-            if stop is not None:
-                def row_stop(row: int, tokens: list[int], batch: list[int] = batch) -> bool:
-                    return stop(batch[row], tokens)
+            row_stop = None if stop is None else functools.partial(_stop_in_batch, stop, batch)
             results = generate(
                 self.replica,
                 [prompts[i] for i in batch],
@@ -103,6 +101,11 @@ class TextGenerator:
         if generated.logits is not None:
             row["logits"] = generated.logits
         return row
+
+
+def _stop_in_batch(stop: StopCondition, batch: list[int], row: int, tokens: list[int]) -> bool:
+    """The decoder numbers rows within its batch; `stop` knows prompts by their index."""
+    return stop(batch[row], tokens)
 
 
 def write_jsonl(path: str, rows: list[dict[str, Any]]) -> None:
