@@ -90,9 +90,13 @@ def resolve(command: DeepyCommand) -> ResolvedConfig:
     # imported only now: the rules may need torch to look at the devices, structure errors do not
     from megatron.neox_arguments import detect_world_size, finalize
 
+    from megatron.neox_arguments.honesty import check_entry_point
+
     world = detect_world_size(resolved.args, warnings=resolved.warnings,
                               launcher_given="launcher" in resolved.provenance)
-    return finalize(resolved, world)
+    final = finalize(resolved, world)
+    check_entry_point(final.args, command.user_script)
+    return final
 
 
 def assign_run_dir(resolved: ResolvedConfig) -> str:

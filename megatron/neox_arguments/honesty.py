@@ -80,7 +80,7 @@ ComponentBuilder = Callable[[Any], object]
 
 
 def component_builders() -> list[ComponentBuilder]:
-    """Everything that turns keys into what a component does, on any entry point."""
+    """Everything that turns keys into what a component does, for train.py."""
     from megatron.neox_arguments.deepspeed_split import deepspeed_config, runner_args
     from megatron.neox_arguments.resolved import run_directory
     from megatron.neox_arguments.run_config import RunConfig
@@ -88,8 +88,28 @@ def component_builders() -> list[ComponentBuilder]:
     return [RunConfig.from_args, deepspeed_config, runner_args, run_directory]
 
 
+def entry_point_builders() -> dict[str, ComponentBuilder]:
+    """The typed configs of the other entry points, by script name (each also checks its keys
+    before launch: see ``check_entry_point``)."""
+    from megatron.evaluation.config import EvalConfig
+    from megatron.generation.config import GenerationConfig
+
+    return {"generate.py": GenerationConfig.from_args, "eval.py": EvalConfig.from_args}
+
+
+def check_entry_point(args: NeoXArgs, user_script: str) -> None:
+    """Build the typed config of ``user_script`` (generate.py, eval.py) so its mistakes are found
+    before launch, like train.py's."""
+    import os
+
+    build = entry_point_builders().get(os.path.basename(user_script))
+    if build is not None:
+        build(args)
+
+
 def keys_read(args: NeoXArgs, world_size: int = 1) -> set[str]:
-    """Keys the component builders and the derivations read from ``args`` (a finalized config)."""
+    """Keys the component builders (train.py's and the other entry points') and the derivations
+    read from ``args`` (a finalized config; the entry points see it in a mode that reads their keys)."""
     from megatron.neox_arguments.derived import DERIVATIONS
     from megatron.neox_arguments.rules import RuleContext
 
@@ -99,4 +119,8 @@ def keys_read(args: NeoXArgs, world_size: int = 1) -> set[str]:
         derive(ctx)
     for build in component_builders():
         build(recorder)
-    return set(recorder.read)
+    entry_args = args.model_copy(update={"text_gen_type": "unconditional", "eval_tasks": ["task"]})
+    entry_recorder = ReadRecorder(entry_args)
+    for build in entry_point_builders().values():
+        build(entry_recorder)
+    return set(recorder.read) | set(entry_recorder.read)

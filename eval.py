@@ -1,0 +1,28 @@
+"""Evaluation with lm-evaluation-harness, started on every rank by deepy.py:
+``python deepy.py eval.py CONFIGS... eval_tasks=[TASK_OR_YAML,...]``.
+
+The weights come from the newest committed checkpoint in ``load``; results go to
+``<eval_results_prefix>_eval_results.json`` and ``<log_dir>/metrics.jsonl``. Thin on purpose:
+see megatron/evaluation/.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from megatron.errors import run_guarded
+
+
+def main() -> int:
+    from megatron.evaluation.entry import main as eval_main
+
+    return eval_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    try:
+        run_guarded(main)
+    except SystemExit as done:
+        from megatron.initialize import exit_process
+
+        exit_process(done.code)

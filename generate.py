@@ -1,0 +1,26 @@
+"""Text generation, started on every rank by deepy.py: ``python deepy.py generate.py CONFIGS... [key=value ...]``.
+
+``text_gen_type`` picks the mode (unconditional, input-file, interactive, precompute); the weights
+come from the newest committed checkpoint in ``load``. Thin on purpose: see megatron/generation/.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from megatron.errors import run_guarded
+
+
+def main() -> int:
+    from megatron.generation.entry import main as generate_main
+
+    return generate_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    try:
+        run_guarded(main)
+    except SystemExit as done:
+        from megatron.initialize import exit_process
+
+        exit_process(done.code)

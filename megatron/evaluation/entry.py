@@ -1,0 +1,31 @@
+"""eval.py's work on each rank: load the model, run the lm-eval tasks, rank 0 writes the results."""
+
+from __future__ import annotations
+
+from megatron.evaluation.config import EvalConfig
+
+
+def main(argv: list[str]) -> int:
+    from megatron.evaluation.harness import evaluate, write_results
+    from megatron.evaluation.lm_eval_adapter import DeepyLM
+    from megatron.generation.config import SamplingConfig
+    from megatron.generation.entry import build_inference_model, parse_worker_argv
+    from megatron.generation.modes import TextGenerator, is_rank0
+    from megatron.neox_arguments import load_resolved
+
+    options = parse_worker_argv(argv, "Deepy evaluation with lm-evaluation-harness (started by deepy.py on each rank)")
+    args = load_resolved(options.deepy_config).args
+    config = EvalConfig.from_args(args)  # a wrong key fails before the model is built
+    model = build_inference_model(args, "eval.py")
+    generator = TextGenerator(
+        replica=model.replica,
+        tokenizer=model.tokenizer,
+        sampling=SamplingConfig(maximum_tokens=config.max_gen_tokens),
+        seq_length=config.seq_length,
+        batch_size=config.batch_size,
+        seed=config.seed,
+    )
+    results = evaluate(DeepyLM(generator), config)
+    if is_rank0():
+        write_results(results, config, checkpoint=args.load, step=model.step)
+    return 0

@@ -1,0 +1,13 @@
+"""Text generation and sequence scoring over our model under tensor and pipeline parallelism.
+
+* `config.py`     `GenerationConfig` / `SamplingConfig`: the textgen keys, typed.
+* `sampling.py`   greedy, temperature, top-k, top-p on full-vocabulary logits.
+* `replica.py`    `ModelReplica`: this rank's stage of one model copy as tokens -> logits
+                  (send/recv between pipeline stages, vocab-parallel helpers).
+* `decode.py`     `generate`: batched, KV-cached decoding that stops at EOD.
+* `scoring.py`    `score`: log-probabilities of given sequences (precompute, lm-eval).
+* `modes.py`      unconditional / input-file / interactive drivers and their jsonl output.
+* `precompute.py` reference log-prob datasets for DPO/KTO: the writer and its reader.
+* `loading.py`    the newest committed checkpoint's weights, through the checkpoint loader.
+* `entry.py`      generate.py's per-rank main and the model set-up shared with eval.py.
+"""
