@@ -11,15 +11,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from megatron.errors import UsageError
 from megatron.neox_arguments.overrides import looks_like_override
 from megatron.neox_arguments.provenance import format_resolved_table
 from megatron.neox_arguments.resolved import RESOLVED_FILE_NAME, ResolvedConfig, default_run_dir
+
+if TYPE_CHECKING:
+    from megatron.launcher import LaunchPlan
 
 USAGE = "deepy.py [--dry-run] [--debug] [-d CONF_DIR] USER_SCRIPT CONFIG [CONFIG ...] [key=value ...]"
 
@@ -93,11 +97,11 @@ def resolve(command: DeepyCommand) -> ResolvedConfig:
 def assign_run_dir(resolved: ResolvedConfig) -> str:
     """``<log_dir or runs>/<timestamp>`` unless already chosen; stored in the resolved config."""
     if not resolved.run_dir:
-        resolved.run_dir = str(default_run_dir(getattr(resolved.args, "log_dir", None)))
+        resolved.run_dir = str(default_run_dir(resolved.args.log_dir))
     return resolved.run_dir
 
 
-def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand) -> str:
+def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand, plan: LaunchPlan | None = None) -> str:
     ds_config: Any = resolved.deepspeed_config
     parts = [
         f"deepy: dry run of {command.user_script} with {' '.join(command.config_files)}"
@@ -111,21 +115,36 @@ def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand) -> str:
         "DeepSpeed config:",
         json.dumps(ds_config, indent=2) if ds_config is not None else "(none)",
         "",
-        "deepy: dry run OK, nothing launched",
     ]
+    if plan is not None:
+        parts += [f"Launch: {plan.world_size} rank(s) via {plan.mode}: {shlex.join(plan.argv)}", ""]
+    parts.append("deepy: dry run OK, nothing launched")
     return "\n".join(parts)
+
+
+def plan_run(resolved: ResolvedConfig, user_script: str, config_path: str) -> LaunchPlan:
+    """Every launch check (ports, tools, hosts) before anything is written or started."""
+    from megatron.launcher import LaunchConfig, check_tools, plan_launch
+    from megatron.neox_arguments.derived import local_device_count
+
+    config = LaunchConfig.from_args(resolved.args, resolved.provenance)
+    plan = plan_launch(config, user_script, config_path, os.environ, local_devices=local_device_count)
+    check_tools(plan, config)
+    return plan
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     command = parse_command(sys.argv[1:] if argv is None else argv)
     resolved = resolve(command)
     run_dir = assign_run_dir(resolved)
+    config_path = os.path.join(run_dir, RESOLVED_FILE_NAME)
+    plan = plan_run(resolved, command.user_script, config_path)
     if command.dry_run:
-        print(render_dry_run(resolved, command))
+        print(render_dry_run(resolved, command, plan))
         return 0
-    config_file = resolved.write(os.path.join(run_dir, RESOLVED_FILE_NAME))
+    config_file = resolved.write(config_path)
     print(f"deepy: resolved config written to {config_file}", flush=True)
 
-    from megatron.launcher import launch
+    from megatron.launcher import run_plan
 
-    return launch(resolved, command.user_script, str(config_file))
+    return run_plan(plan, os.environ)

@@ -1,16 +1,14 @@
-"""The split: which arguments go to DeepSpeed's config JSON and which to its runner's command line.
+"""The split: which arguments go to DeepSpeed's config JSON (the runner's command line is built by
+:mod:`megatron.launcher`).
 
 - :func:`deepspeed_config` builds the dict handed to ``deepspeed.initialize(config=...)``: batch sizes,
   precision blocks, ZeRO, clipping, printing and the other DeepSpeed blocks, plus
   ``deepspeed_extra_args``. The GPT-NeoX ``optimizer``/``scheduler`` blocks stay out: Deepy's
   trainer builds the optimizer and drives the LR schedule itself.
-- :func:`runner_args` builds the flags for ``deepspeed.launcher.runner`` (hosts, ranks per node,
-  rendezvous, multi-node launcher).
 """
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Mapping
 from typing import Any
 
@@ -141,36 +139,3 @@ def deepspeed_config(args: Any, provenance: Mapping[str, str] | None = None) -> 
         config["zero_allow_untested_optimizer"] = True
     config.update(dict(getattr(args, "deepspeed_extra_args", None) or {}))
     return config
-
-
-def runner_args(args: Any) -> list[str]:
-    """Flags for ``python -m deepspeed.launcher.runner`` (before the user script)."""
-    out: list[str] = []
-    for key in ("hostfile", "include", "exclude", "master_addr"):
-        value = getattr(args, key, None)
-        if value:
-            out += [f"--{key}", str(value)]
-    num_nodes = getattr(args, "num_nodes", -1)
-    if num_nodes is not None and num_nodes > 0:
-        out += ["--num_nodes", str(num_nodes)]
-    num_gpus = getattr(args, "num_gpus", None)
-    if num_gpus is not None:
-        out += ["--num_gpus", str(num_gpus)]
-    out += ["--master_port", str(getattr(args, "master_port", None) or 29500)]
-    launcher = getattr(args, "launcher", None) or "pdsh"
-    out += ["--launcher", launcher]
-    if getattr(args, "force_multi", False):
-        out.append("--force_multi")
-    if getattr(args, "no_ssh_check", False):
-        out.append("--no_ssh_check")
-    srun_flags = [
-        f"--{key}={getattr(args, key)}" for key in ("comment", "account") if getattr(args, key, None)
-    ]
-    if srun_flags:
-        # DeepSpeed 0.19.8's runner has no --comment/--account; srun takes them via --launcher_args
-        if launcher != "slurm":
-            raise ConfigError(
-                f"comment/account only apply to srun: set launcher: slurm (now {launcher!r}) or remove them"
-            )
-        out += ["--launcher_args", shlex.join(srun_flags)]
-    return out

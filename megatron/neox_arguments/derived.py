@@ -19,16 +19,12 @@ from typing import Any
 from megatron.errors import ConfigError
 from megatron.neox_arguments.provenance import DERIVED
 from megatron.neox_arguments.rules import (
-    DEEPSPEED_DEFAULT_HOSTFILE,
     Device,
     RuleContext,
     block_enabled,
     check,
 )
 from megatron.neox_arguments.time_phrases import TimePhraseError, parse_duration
-
-# DeepSpeed's runner reads this hostfile when none is given; world-size detection must agree.
-DEFAULT_HOSTFILE = DEEPSPEED_DEFAULT_HOSTFILE
 
 
 # --- world size ---------------------------------------------------------------------------------
@@ -54,46 +50,20 @@ def detect_world_size(args: Any, device_count: int | None = None) -> int:
 
 
 def active_resources(args: Any, device_count: int | None = None) -> dict[str, list[int]]:
-    """host -> slot ids the runner will use (see :mod:`megatron.launcher.resources`)."""
-    from megatron.launcher.resources import apply_counts, filter_pool, parse_hostfile
+    """host -> slot ids the ranks will use (see :mod:`megatron.launcher.resources`)."""
+    from megatron.launcher.config import LaunchConfig
+    from megatron.launcher.resources import active_resources as launcher_resources
 
-    include = getattr(args, "include", None) or ""
-    exclude = getattr(args, "exclude", None) or ""
-    num_nodes = getattr(args, "num_nodes", -1)
-    num_nodes = -1 if num_nodes is None else int(num_nodes)
-    num_gpus = getattr(args, "num_gpus", None)
-    num_gpus = -1 if num_gpus is None else int(num_gpus)
-    if (include or exclude) and (num_nodes > 0 or num_gpus > 0):
-        filt = "include" if include else "exclude"
-        raise ConfigError(
-            f"{filt}={include or exclude!r} together with num_nodes={num_nodes}/num_gpus={num_gpus}: "
-            f"DeepSpeed's runner accepts either a host filter or counts; remove one"
-        )
-    path = getattr(args, "hostfile", None) or (DEFAULT_HOSTFILE if os.path.isfile(DEFAULT_HOSTFILE) else None)
-    if path is None:
-        if num_nodes > 1:
-            raise ConfigError(
-                f"num_nodes={num_nodes} but no hostfile lists other nodes: add hostfile: <path> "
-                f"(lines like 'node1 slots=8')"
-            )
-        pool = {"localhost": local_device_count() if device_count is None else device_count}
-    else:
-        try:
-            with open(path, encoding="utf-8") as handle:
-                pool = parse_hostfile(handle.readlines(), path)
-        except OSError as err:
-            raise ConfigError(
-                f"hostfile={path!r} cannot be read ({err.strerror}): fix the path or remove hostfile"
-            ) from None
-    return apply_counts(filter_pool(pool, include, exclude), num_nodes, num_gpus)
+    devices = local_device_count if device_count is None else (lambda: device_count)
+    return launcher_resources(LaunchConfig.from_args(args), os.environ, devices)
 
 
 def uses_local_pool(args: Any) -> bool:
-    """True when the runner will launch on this machine only, sized by num_gpus or device count."""
-    hostfile = getattr(args, "hostfile", None)
-    return not hostfile and not os.path.isfile(DEFAULT_HOSTFILE) and not (
-        getattr(args, "include", None) or getattr(args, "exclude", None)
-    )
+    """True when the ranks run on this machine only, sized by num_gpus or the device count."""
+    from megatron.launcher.config import LaunchConfig
+    from megatron.launcher.resources import uses_local_pool as launcher_uses_local_pool
+
+    return launcher_uses_local_pool(LaunchConfig.from_args(args), os.environ)
 
 
 # --- derivations ------------------------------------------------------------------------------------
