@@ -63,7 +63,7 @@ def pdsh_stop_command(plan: LaunchPlan, signum: int) -> list[str]:
     """
     pattern = f"[-]-local_rank=[0-9]+ --deepy_config {_regex_escape(plan.config_path)}( |$)"
     remote = f"pkill -{signal.Signals(signum).name.removeprefix('SIG')} -f -- {shlex.quote(pattern)}"
-    return ["pdsh", "-S", "-w", ",".join(plan.hosts), remote]
+    return ["pdsh", "-S", "-R", "ssh", "-w", ",".join(plan.hosts), remote]
 
 
 def _regex_escape(text: str) -> str:

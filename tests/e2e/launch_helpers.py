@@ -175,6 +175,16 @@ class Background:
 
     @property
     def output(self) -> str:
+        """Everything printed so far."""
+        while True:
+            try:
+                line = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if line is None:
+                self._queue.put(None)
+                break
+            self.lines.append(line)
         return "".join(self.lines)
 
 
@@ -252,3 +262,18 @@ def ready_files(
 
 def stopped_signals(run_root: Path) -> list[str]:
     return [p.read_text() for p in sorted(run_root.rglob("stopped.*"))]
+
+
+def command_lines_containing(text: str) -> list[str]:
+    """Every process whose command line contains ``text`` (what ``ps`` would show anyone)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(f"{entry.name}: {cmdline[:200]}")
+    return found

@@ -6,7 +6,7 @@
   checkpoint and exits 0, deepy exits 0, no process of the run survives, and the resumed run
   continues the uninterrupted loss curve exactly.
 * SIGINT and SIGUSR1 to deepy reach every rank the same way; a second request stops the ranks at
-  once.
+  once. The user's environment reaches the ranks, secrets on no command line.
 * A busy ``master_port`` set by the user is a config error naming the key, before anything starts.
 """
 
@@ -22,12 +22,14 @@ from pathlib import Path
 import pytest
 from conftest import TwoRuns
 from launch_helpers import (
+    REPO,
     SAVE,
     STOP_WORKER,
     STUBBORN_WORKER,
     TRAIN,
     TRAIN_ITERS,
     assert_curves_match,
+    command_lines_containing,
     latest_step,
     losses,
     ready_files,
@@ -40,6 +42,8 @@ from launch_helpers import (
 )
 
 pytestmark = pytest.mark.slow
+
+SECRET = "local-test-secret-5151"
 
 PORT = re.compile(r"^deepy: starting 2 rank\(s\) via local \(rendezvous 127\.0\.0\.1:(\d+)\)", re.MULTILINE)
 
@@ -78,9 +82,13 @@ def test_sigterm_to_deepy_saves_a_checkpoint_and_the_run_resumes_exactly(
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGUSR1])
 def test_stop_signals_to_deepy_reach_every_rank(sig: signal.Signals, tmp_path: Path) -> None:
     worker = write_script(tmp_path, "stop_worker.py", STOP_WORKER)
-    run = start_deepy(tmp_path, worker, str(write_model(tmp_path)), "num_gpus=2", "log_dir=logs")
+    env = {"WANDB_API_KEY": SECRET, "PYTHONPATH": f"{REPO}:/opt/user-lib"}
+    run = start_deepy(tmp_path, worker, str(write_model(tmp_path)), "num_gpus=2", "log_dir=logs", env=env)
     places = ready_files(tmp_path, 2, run)
     assert [p["RANK"] for p in places] == ["0", "1"]
+    # the user's environment reaches the ranks: secrets by environment only, PYTHONPATH added to
+    assert {p["secret_seen"] for p in places} == {SECRET} and command_lines_containing(SECRET) == []
+    assert all("/opt/user-lib" in str(p["pythonpath"]).split(":") for p in places)
     os.kill(run.proc.pid, sig)
     assert run.wait(timeout=120) == 0, run.output[-4000:]
     assert stopped_signals(tmp_path) == ["SIGUSR1", "SIGUSR1"]

@@ -3,7 +3,8 @@
 * Two ranks train through mpirun; SIGTERM to deepy.py reaches both through mpirun (as SIGUSR1,
   which mpirun passes on; it would kill the job on SIGTERM), they save a checkpoint and exit 0,
   deepy exits 0, nothing is left running, and the resumed run continues the uninterrupted loss
-  curve (within 1e-6). SIGINT and SIGUSR1 reach the ranks the same way.
+  curve (within 1e-6). SIGINT and SIGUSR1 reach the ranks the same way; the user's environment
+  (a secret included) reaches them, on no command line.
 * A rank that fails with exit code 3 makes deepy exit with 3.
 """
 
@@ -22,6 +23,7 @@ from launch_helpers import (
     TRAIN,
     TRAIN_ITERS,
     assert_curves_match,
+    command_lines_containing,
     latest_step,
     losses,
     ready_files,
@@ -38,6 +40,7 @@ pytestmark = pytest.mark.slow
 MPI = ("launcher=openmpi", "deepspeed_mpi=true", "num_gpus=2")
 # Open MPI refuses to start ranks as root unless told so (CI machines run tests as root)
 ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+SECRET = "mpi-test-secret-6262"
 
 
 @pytest.fixture(autouse=True)
@@ -73,8 +76,10 @@ def test_mpirun_trains_stops_on_sigterm_to_deepy_and_resumes(tmp_path: Path, ref
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGUSR1])
 def test_stop_signals_reach_every_rank_through_mpirun(sig: signal.Signals, tmp_path: Path) -> None:
     worker = write_script(tmp_path, "stop_worker.py", STOP_WORKER)
-    run = start_deepy(tmp_path, worker, str(write_model(tmp_path)), *MPI, "log_dir=logs", env=ROOT_OK)
+    env = {**ROOT_OK, "WANDB_API_KEY": SECRET}
+    run = start_deepy(tmp_path, worker, str(write_model(tmp_path)), *MPI, "log_dir=logs", env=env)
     places = ready_files(tmp_path, 2, run)
+    assert {p["secret_seen"] for p in places} == {SECRET} and command_lines_containing(SECRET) == []
     assert [(p["RANK"], p["LOCAL_RANK"], p["WORLD_SIZE"]) for p in places] == [("0", "0", "2"), ("1", "1", "2")]
     assert {p["MASTER_ADDR"] for p in places} == {"127.0.0.1"} and len({p["MASTER_PORT"] for p in places}) == 1
     os.kill(run.proc.pid, sig)

@@ -294,11 +294,11 @@ def test_ranks_are_told_apart_from_deepspeeds_launchers() -> None:
 def test_pdsh_stop_signals_ranks_only() -> None:
     p = LaunchPlan(argv=[], mode="pdsh", world_size=2, config_path=CONFIG, hosts=("n1", "n2"), stop_route="pdsh")
     argv = pdsh_stop_command(p, 10)
-    assert argv[:4] == ["pdsh", "-S", "-w", "n1,n2"] and argv[4].startswith("pkill -USR1 -f -- ")
-    pattern = argv[4].split(" -- ", 1)[1].strip("'")
+    assert argv[:6] == ["pdsh", "-S", "-R", "ssh", "-w", "n1,n2"] and argv[6].startswith("pkill -USR1 -f -- ")
+    pattern = argv[6].split(" -- ", 1)[1].strip("'")
     assert re.search(pattern, " ".join(RANK))
     assert not re.search(pattern, " ".join(NODE_LAUNCHER))
-    assert not re.search(pattern, f"bash -c {argv[4]}")  # the remote shell running pkill
+    assert not re.search(pattern, f"bash -c {argv[6]}")  # the remote shell running pkill
     assert not re.search(pattern, " ".join(RANK) + ".bak")
 
 
