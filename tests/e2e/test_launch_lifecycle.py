@@ -100,12 +100,12 @@ def test_a_second_stop_request_stops_the_ranks_at_once(tmp_path: Path) -> None:
     worker = write_script(tmp_path, "stubborn_worker.py", STUBBORN_WORKER)
     run = start_deepy(tmp_path, worker, str(write_model(tmp_path)), "num_gpus=2", "log_dir=logs")
     ready_files(tmp_path, 2, run)
-    os.kill(run.proc.pid, signal.SIGTERM)
-    run.wait_for("asking every rank to save")
+    os.kill(run.proc.pid, signal.SIGHUP)  # the terminal closed: a stop request like the others
+    run.wait_for("SIGHUP: asking every rank to save")
     time.sleep(2)
     assert run.proc.poll() is None  # the ranks ignore the request: the run goes on
     os.kill(run.proc.pid, signal.SIGTERM)
-    assert run.wait(timeout=120) == 128 + signal.SIGTERM, run.output[-4000:]
+    assert run.wait(timeout=120) == 128 + signal.SIGHUP, run.output[-4000:]
     assert "stopping the ranks now, without saving" in run.output
     assert stopped_signals(tmp_path) == []  # never got to finish on their own
     assert survivors(tmp_path) == []

@@ -82,6 +82,7 @@ def test_stop_signals_reach_every_rank_through_mpirun(sig: signal.Signals, tmp_p
     assert {p["secret_seen"] for p in places} == {SECRET} and command_lines_containing(SECRET) == []
     assert [(p["RANK"], p["LOCAL_RANK"], p["WORLD_SIZE"]) for p in places] == [("0", "0", "2"), ("1", "1", "2")]
     assert {p["MASTER_ADDR"] for p in places} == {"127.0.0.1"} and len({p["MASTER_PORT"] for p in places}) == 1
+    assert places[0]["MASTER_PORT"] != "29500"  # no master_port set: a free one
     os.kill(run.proc.pid, sig)
     assert run.wait(timeout=120) == 0, run.output[-4000:]
     assert stopped_signals(tmp_path) == ["SIGUSR1", "SIGUSR1"]

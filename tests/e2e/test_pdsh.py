@@ -93,6 +93,7 @@ def test_ranks_start_through_pdsh_and_stop_on_sigterm_to_deepy(ssh_args: str, tm
     assert "via pdsh" in run.output
     assert [(p["RANK"], p["LOCAL_RANK"], p["WORLD_SIZE"]) for p in places] == [("0", "0", "2"), ("1", "1", "2")]
     assert {p["MASTER_ADDR"] for p in places} == {"127.0.0.1"} and len({p["MASTER_PORT"] for p in places}) == 1
+    assert places[0]["MASTER_PORT"] != "29500"  # no master_port set: a free one
     assert all("/opt/user-lib" in str(p["pythonpath"]).split(":") for p in places)
     assert {p["secret_seen"] for p in places} == {SECRET}  # by ssh's SendEnv, not on a command line
     assert command_lines_containing(SECRET) == []

@@ -10,6 +10,7 @@ script and ``srun`` starts one rank per task, one on each node.
   The ranks find their node, rank and rendezvous (the first node's address) from Slurm; the user's
   environment (secrets included) reaches them without appearing on any command line.
 * A rank that fails makes srun, deepy and the job fail.
+* ``scancel --full --signal=TERM`` (batch step and ranks at once) stops as cleanly.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def test_a_signal_to_deepy_in_the_batch_step_reaches_every_rank(slurm: SlurmClus
     assert [(p["RANK"], p["LOCAL_RANK"], p["WORLD_SIZE"]) for p in places] == [("0", "0", "2"), ("1", "0", "2")]
     assert [(p["host"], p["node"]) for p in places] == [(NODES[0], "0"), (NODES[1], "1")]
     assert {p["MASTER_ADDR"] for p in places} == {"127.0.0.1"}
-    assert len({p["MASTER_PORT"] for p in places}) == 1
+    assert len({p["MASTER_PORT"] for p in places}) == 1 and places[0]["MASTER_PORT"] != "29500"  # picked free
     # the environment arrives whole: secrets by environment only, PYTHONPATH added to
     assert {p["secret_seen"] for p in places} == {SECRET}
     assert all("/opt/user-lib" in str(p["pythonpath"]).split(":") for p in places)
@@ -138,8 +139,26 @@ def test_a_failing_rank_fails_the_job_and_deepy(slurm: SlurmCluster, tmp_path: P
     job = submit(slurm, tmp_path, str(write_model(tmp_path)), "log_dir=logs", script=str(worker))
     info = slurm.wait_job(job, timeout=300)
     out = job_output(tmp_path, job)
-    assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0", out
+    assert info["JobState"] == "FAILED", out
     assert "task 1: Exited with exit code 3" in out  # srun names the failed rank's code
-    assert "deepy: run failed with exit code" in out
+    # srun's own code is its tasks' highest: rank 0, which it stopped with SIGTERM, counts as 143
+    assert "deepy: run failed with exit code 143" in out and info["ExitCode"] == "143:0"
     assert time.monotonic() - started < 100  # rank 0 was stopped, not left to sleep for 120 s
+    assert survivors(tmp_path, wait_s=10) == []
+
+
+
+def test_scancel_full_stops_cleanly_too(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """--full signals the batch step as well: deepy and the ranks both get SIGTERM. srun would turn a
+    SIGTERM of its own into killing every task; deepy runs it in a session of its own, which this
+    cluster's process tracking (proctrack/linuxproc) leaves out of the batch step's signal."""
+    worker = write_script(tmp_path, "stop_worker.py", STOP_WORKER)
+    job = submit(slurm, tmp_path, str(write_model(tmp_path)), "log_dir=logs", script=str(worker))
+    ready_files(tmp_path, 2)
+    assert slurm.run(["scancel", "--full", "--signal=TERM", str(job)]).returncode == 0
+    info = slurm.wait_job(job)
+    out = job_output(tmp_path, job)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), out[-4000:]
+    assert "srun: forcing job termination" not in out
+    assert len(stopped_signals(tmp_path)) == 2 and "timeout" not in stopped_signals(tmp_path)
     assert survivors(tmp_path, wait_s=10) == []
