@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import psutil
 
@@ -87,11 +86,3 @@ def end_session(session: int, grace_s: float = 10.0) -> list[str]:
     psutil.wait_procs(alive, timeout=grace_s)
     return described
 
-
-def wait_gone(session: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not session_processes(session):
-            return True
-        time.sleep(0.1)
-    return not session_processes(session)

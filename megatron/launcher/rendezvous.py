@@ -58,9 +58,7 @@ class Rendezvous:
     addr: str
     port: int
     local: bool
-    """Rank 0 runs on this machine (so the port could be checked or picked here)."""
-    chosen_here: bool
-    """True when deepy picked the port (the user left master_port unset)."""
+    """Rank 0 runs on this machine (so the port was checked, or picked free, here)."""
 
 
 def check_first_host_reachable(config: LaunchConfig, hosts: list[str]) -> None:
@@ -85,12 +83,12 @@ def rendezvous(config: LaunchConfig, first_host: str, first_host_is_here: bool |
         addr = "127.0.0.1" if first_host in LOCAL_NAMES else first_host
         local = is_this_machine(addr) if first_host_is_here is None else first_host_is_here
     if not local:
-        return Rendezvous(addr=addr, port=config.master_port, local=False, chosen_here=False)
+        return Rendezvous(addr=addr, port=config.master_port, local=False)
     if not config.master_port_given:
-        return Rendezvous(addr=addr, port=free_port(), local=True, chosen_here=True)
+        return Rendezvous(addr=addr, port=free_port(), local=True)
     if port_in_use(config.master_port):
         raise ConfigError(
             f"master_port={config.master_port} is already in use on this machine (another run or program "
             f"listens on it): choose a free port, or remove master_port and deepy picks a free one"
         )
-    return Rendezvous(addr=addr, port=config.master_port, local=True, chosen_here=False)
+    return Rendezvous(addr=addr, port=config.master_port, local=True)

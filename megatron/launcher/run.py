@@ -115,8 +115,8 @@ class LaunchSupervisor:
             name = signal.Signals(signum).name
             if self.stop_signal is None:
                 self.stop_signal = signum
-                print(f"deepy: {name}: asking every rank to save a checkpoint and stop (send it again to "
-                      f"stop them at once)", flush=True)  # fmt: skip
+                print(f"deepy: {name}: asking every rank to finish its step, save a checkpoint (when `save` is "
+                      f"set) and stop; send it again to stop them at once", flush=True)  # fmt: skip
             elif not self.aborted:
                 self.aborted = True
                 print(f"deepy: {name} again: stopping the ranks now, without saving", flush=True)

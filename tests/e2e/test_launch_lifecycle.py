@@ -101,7 +101,7 @@ def test_a_second_stop_request_stops_the_ranks_at_once(tmp_path: Path) -> None:
     run = start_deepy(tmp_path, worker, str(write_model(tmp_path)), "num_gpus=2", "log_dir=logs")
     ready_files(tmp_path, 2, run)
     os.kill(run.proc.pid, signal.SIGHUP)  # the terminal closed: a stop request like the others
-    run.wait_for("SIGHUP: asking every rank to save")
+    run.wait_for("SIGHUP: asking every rank to finish its step")
     time.sleep(2)
     assert run.proc.poll() is None  # the ranks ignore the request: the run goes on
     os.kill(run.proc.pid, signal.SIGTERM)
