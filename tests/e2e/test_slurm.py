@@ -27,6 +27,7 @@ from launch_helpers import (
     STOP_WORKER,
     TRAIN_ITERS,
     assert_curves_match,
+    command_lines_containing,
     deepy_env,
     latest_step,
     losses,
@@ -120,7 +121,7 @@ def test_a_signal_to_deepy_in_the_batch_step_reaches_every_rank(slurm: SlurmClus
     assert {p["MASTER_ADDR"] for p in places} == {"127.0.0.1"}
     assert len({p["MASTER_PORT"] for p in places}) == 1 and places[0]["MASTER_PORT"] != "29500"  # picked free
     # the environment arrives whole: secrets by environment only, PYTHONPATH added to
-    assert {p["secret_seen"] for p in places} == {SECRET}
+    assert {p["secret_seen"] for p in places} == {SECRET} and command_lines_containing(SECRET) == []
     assert all("/opt/user-lib" in str(p["pythonpath"]).split(":") for p in places)
 
     assert slurm.run(["scancel", "--batch", "--signal=TERM", str(job)]).returncode == 0
