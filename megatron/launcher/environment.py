@@ -128,9 +128,14 @@ def started_by_scheduler(environ: Mapping[str, str], slurm: bool, mpi: bool) -> 
     """
     if "RANK" in environ:
         return None
-    source = detect_source(environ, prefer_slurm=slurm)
+    # the batch script of an sbatch job has SLURM_PROCID=0 and SLURM_NTASKS too, but is no task
+    # of a job step: there deepy must start the ranks itself (launcher: slurm runs srun)
+    step_task = "SLURM_STEP_ID" in environ
+    source = detect_source(environ, prefer_slurm=slurm and step_task)
     if source is None:
         return None
-    if (slurm and source is SLURM_SOURCE) or (mpi and source is not SLURM_SOURCE):
+    if slurm and source is SLURM_SOURCE and step_task:
+        return source
+    if mpi and source is not SLURM_SOURCE:
         return source
     return None

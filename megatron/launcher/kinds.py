@@ -1,44 +1,45 @@
-"""The multi-node launchers Deepy accepts, keyed by the ``launcher`` config string.
+"""The launchers Deepy accepts, keyed by the ``launcher`` config string.
 
-Every kind goes through DeepSpeed's runner (``--launcher <name>``), which builds the pdsh/mpirun/srun
-command itself; what Deepy adds per kind is the tool that must exist on this machine (checked
-before launching so a missing ``pdsh`` is a clear message, not a runner traceback) and whether the
-workers it starts get RANK/WORLD_SIZE from DeepSpeed or must map them from the scheduler's
-variables (see :mod:`megatron.launcher.environment`).
+- ``pdsh`` (default): DeepSpeed's runner; local ranks on one host, pdsh + ssh across hosts.
+- ``openmpi`` / ``mpich`` / ``mvapich``: ``mpirun`` starts every rank (:mod:`megatron.launcher.mpi`).
+- ``slurm``: ``srun`` starts every rank inside the allocation (:mod:`megatron.launcher.slurm`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+
+from megatron.errors import ConfigError
+from megatron.launcher.deepspeed_runner import plan_deepspeed_runner
+from megatron.launcher.mpi import plan_mpi
+from megatron.launcher.plan import LaunchPlan, PlanInputs
+from megatron.launcher.slurm import plan_slurm
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class LauncherKind:
     name: str
-    """The value of the ``launcher`` key and of DeepSpeed runner's ``--launcher``."""
-    tool: str
-    """Executable DeepSpeed's runner looks for (``backend_exists``)."""
-    starts_workers_directly: bool
-    """True when the backend runs the user script itself (no DeepSpeed per-node launcher), so each
-    worker maps the scheduler's rank variables."""
+    """The value of the ``launcher`` key."""
     doc: str
+    build: Callable[[PlanInputs], LaunchPlan]
 
 
 LAUNCHERS: dict[str, LauncherKind] = {
     kind.name: kind
     for kind in (
-        LauncherKind("pdsh", "pdsh", False, "ssh fan-out; each node runs DeepSpeed's per-node launcher"),
-        LauncherKind("openmpi", "ompi_info", True, "mpirun (Open MPI) starts every rank"),
-        LauncherKind("mpich", "mpirun", True, "mpirun (MPICH) starts every rank"),
-        LauncherKind("mvapich", "mpiname", True, "mpirun_rsh (MVAPICH2) starts every rank"),
-        LauncherKind("slurm", "sinfo", True, "srun starts every rank inside the allocation"),
+        LauncherKind(name="pdsh", doc="DeepSpeed's runner: local ranks, or pdsh/ssh to every host",
+                     build=plan_deepspeed_runner),
+        LauncherKind(name="openmpi", doc="mpirun (Open MPI) starts every rank", build=partial(plan_mpi, kind="openmpi")),
+        LauncherKind(name="mpich", doc="mpirun (MPICH Hydra) starts every rank", build=partial(plan_mpi, kind="mpich")),
+        LauncherKind(name="mvapich", doc="mpirun (MVAPICH2) starts every rank", build=partial(plan_mpi, kind="mvapich")),
+        LauncherKind(name="slurm", doc="srun starts every rank inside the allocation", build=plan_slurm),
     )
-}
+}  # fmt: skip
 
 
 def launcher_kind(name: str) -> LauncherKind:
-    from megatron.errors import ConfigError
-
     try:
         return LAUNCHERS[name]
     except KeyError:

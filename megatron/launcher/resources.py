@@ -11,10 +11,15 @@ Formats, as DeepSpeed defines them:
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from megatron.errors import ConfigError
+from megatron.launcher.config import LaunchConfig
+
+# where DeepSpeed's runner looks for a hostfile when none is configured
+DEFAULT_HOSTFILE = "/job/hostfile"
 
 _HOST_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")
 
@@ -83,3 +88,109 @@ def apply_counts(active: dict[str, list[int]], num_nodes: int, num_gpus: int) ->
     if num_gpus > 0:
         active = {host: list(range(num_gpus)) for host in active}
     return active
+
+
+def _read_hostfile(path: str) -> dict[str, int]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return parse_hostfile(handle.readlines(), path)
+    except OSError as err:
+        raise ConfigError(
+            f"hostfile={path!r} cannot be read ({err.strerror}): fix the path or remove hostfile"
+        ) from None
+
+
+def scheduler_world(config: LaunchConfig, environ: Mapping[str, str]) -> int | None:
+    """The world size when deepy itself runs as one task of srun/mpirun (then it runs in place)."""
+    from megatron.launcher.environment import started_by_scheduler
+
+    source = started_by_scheduler(environ, slurm=config.deepspeed_slurm, mpi=config.deepspeed_mpi)
+    return None if source is None else int(environ[source.world_size])
+
+
+def uses_local_pool(config: LaunchConfig, environ: Mapping[str, str]) -> bool:
+    """True when the ranks run on this machine only, sized by num_gpus or the device count."""
+    return (
+        config.launcher != "slurm"
+        and scheduler_world(config, environ) is None
+        and not config.hostfile
+        and not os.path.isfile(DEFAULT_HOSTFILE)
+        and not (config.include or config.exclude)
+    )
+
+
+def resource_pool(
+    config: LaunchConfig, environ: Mapping[str, str], local_devices: Callable[[], int],
+    warnings: list[str] | None = None,
+) -> dict[str, list[int]]:
+    """Every slot the launcher may use: the Slurm allocation, the hostfile, or this machine.
+
+    Checking a config on a login node (outside an allocation) for ``launcher: slurm`` trusts
+    ``num_nodes`` x ``num_gpus``; the launch itself needs the allocation. A ``hostfile`` that does not
+    exist is DeepSpeed's case too: its runner warns and uses this machine, and so do we, unless the
+    launch needs hosts from it.
+    """
+    world = scheduler_world(config, environ)
+    if world is not None:
+        return {"(started by the scheduler)": list(range(world))}
+    if config.launcher == "slurm":
+        from megatron.launcher.slurm import allocation_pool, in_allocation
+
+        if config.hostfile and os.path.isfile(config.hostfile):
+            raise ConfigError(
+                f"hostfile={config.hostfile!r} with launcher='slurm': the Slurm allocation names the nodes; "
+                f"remove hostfile (use include/exclude or num_nodes to narrow the allocation)"
+            )
+        if config.hostfile and warnings is not None:
+            warnings.append(f"hostfile={config.hostfile!r} does not exist; not needed: srun starts the ranks on "
+                            f"the nodes of the Slurm allocation")
+        if in_allocation(environ) or config.num_gpus is None:
+            return allocation_pool(environ)
+        return {f"(slurm node {i})": list(range(config.num_gpus)) for i in range(max(config.num_nodes, 1))}
+    path = config.hostfile or (DEFAULT_HOSTFILE if os.path.isfile(DEFAULT_HOSTFILE) else None)
+    if path is not None and not os.path.isfile(path):
+        named = [spec.partition(":")[0] for spec in (config.include or config.exclude).split("@") if spec]
+        if config.num_nodes > 1 or any(host not in ("localhost", "127.0.0.1") for host in named):
+            raise ConfigError(
+                f"hostfile={path!r} does not exist, and the launch needs hosts from it (num_nodes="
+                f"{config.num_nodes}, include/exclude={config.include or config.exclude!r}): fix the path"
+            )
+        if warnings is not None:
+            warnings.append(f"hostfile={path!r} does not exist: launching on this machine only (as DeepSpeed's "
+                            f"runner does)")
+        path = None
+    if path is None:
+        if config.num_nodes > 1:
+            raise ConfigError(
+                f"num_nodes={config.num_nodes} but no hostfile lists other nodes: add hostfile: <path> "
+                f"(lines like 'node1 slots=8')"
+            )
+        return {"localhost": list(range(local_devices()))}
+    return {host: list(range(slots)) for host, slots in _read_hostfile(path).items()}
+
+
+def select_active(config: LaunchConfig, pool: dict[str, list[int]]) -> dict[str, list[int]]:
+    """The slots of ``pool`` left by include/exclude, num_nodes and num_gpus (DeepSpeed's rules)."""
+    if (config.include or config.exclude) and (config.num_nodes > 0 or config.num_gpus is not None):
+        key = "include" if config.include else "exclude"
+        raise ConfigError(
+            f"{key}={config.include or config.exclude!r} together with num_nodes={config.num_nodes}/"
+            f"num_gpus={config.num_gpus}: DeepSpeed's runner accepts either a host filter or counts; remove one"
+        )
+    counts = {host: len(slots) for host, slots in pool.items()}
+    filtered = filter_pool(counts, config.include, config.exclude)
+    active = apply_counts(filtered, config.num_nodes, -1 if config.num_gpus is None else config.num_gpus)
+    if not active:
+        raise ConfigError("no ranks left to launch after include/exclude: check include/exclude/hostfile")
+    return active
+
+
+def active_resources(
+    config: LaunchConfig, environ: Mapping[str, str], local_devices: Callable[[], int],
+    warnings: list[str] | None = None,
+) -> dict[str, list[int]]:
+    """host -> slot ids the ranks run on, as DeepSpeed's runner would choose them."""
+    pool = resource_pool(config, environ, local_devices, warnings)
+    if scheduler_world(config, environ) is not None:
+        return pool  # the scheduler already placed every rank
+    return select_active(config, pool)

@@ -1,26 +1,39 @@
-"""Start the ranks of a resolved run and report how they ended.
+"""Run a planned launch to its end: start it, pass stop requests on to every rank, report how it ended.
 
-The exit code of deepy.py is the exit code of the first failing rank: DeepSpeed's per-node
-launcher stops the other ranks when one fails and exits with that rank's code, and its runner
-passes it on. A rank killed by a signal reads as ``128 + signal``, as in a shell.
+Exit code: the launch command's, which is the first failing rank's (DeepSpeed's per-node
+launcher, ``srun --kill-on-bad-exit`` and ``mpirun`` all stop the other ranks and pass the failed
+rank's code on). A process killed by a signal reads as ``128 + signal``, as in a shell.
+
+Stop requests: SIGTERM (``kill``, ``docker stop``, systemd), SIGINT (Ctrl-C), SIGHUP (the
+terminal closed) or SIGUSR1 sent to deepy.py reach every rank as SIGUSR1, on which the ranks finish
+their step, save a checkpoint and exit 0 (:mod:`megatron.checkpointing.preemption`); deepy then
+exits 0. SIGUSR1 because it is the one signal ``srun`` and ``mpirun`` pass on unchanged (both turn
+SIGTERM into killing the job). A second stop request stops the ranks at once. Nothing of the run
+outlives deepy on this machine: the launch runs in a session of its own, and whatever is left of
+that session when the launch command ends is terminated.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import signal
 import subprocess
+import time
+from collections.abc import Mapping
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
-from megatron.errors import ConfigError
-from megatron.launcher.command import LaunchPlan, plan_launch
-from megatron.launcher.kinds import launcher_kind
+from megatron.launcher.plan import LaunchPlan
+from megatron.launcher.processes import end_session, rank_processes, send
 
 # the directory holding the ``megatron`` package: workers outside the repo must still import it
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
+
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+RANK_STOP_SIGNAL = signal.SIGUSR1
+POLL_S = 0.1
 
 
 def exit_code(returncode: int) -> int:
@@ -28,47 +41,132 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def worker_environment(base: dict[str, str]) -> dict[str, str]:
-    env = dict(base)
+def worker_environment(base: Mapping[str, str], added: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The launch's environment: the user's, plus ``added``, plus this repo first on PYTHONPATH.
+
+    The user's PYTHONPATH entries are kept (after ours, so that our ``megatron`` package wins over
+    another one of that name); nothing the user set is replaced except by ``added``.
+    """
+    env = {**base, **(added or {})}
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if REPO_ROOT not in paths:
         env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, *paths])
     return env
 
 
-def check_backend(plan: LaunchPlan, args: Any) -> None:
-    if plan.tool and shutil.which(plan.tool) is None:
-        kind = launcher_kind(getattr(args, "launcher", None) or "pdsh")
-        raise ConfigError(
-            f"launcher={kind.name!r} needs '{plan.tool}' on PATH for a multi-node run ({kind.doc}), "
-            f"and it is not installed here: install it, or pick another launcher"
-        )
+def pdsh_stop_command(plan: LaunchPlan, signum: int) -> list[str]:
+    """``pdsh`` to every host: signal the ranks of this run there (not DeepSpeed's per-node launcher).
+
+    A rank's command line is ``python -u SCRIPT --local_rank=N --deepy_config PATH``; the per-node
+    launcher's has no ``--local_rank=``. ``[-]`` keeps the pattern from matching the remote shell
+    that runs pkill, whose own command line contains the pattern.
+    """
+    pattern = f"[-]-local_rank=[0-9]+ --deepy_config {_regex_escape(plan.config_path)}( |$)"
+    remote = f"pkill -{signal.Signals(signum).name.removeprefix('SIG')} -f -- {shlex.quote(pattern)}"
+    return ["pdsh", "-S", "-R", "ssh", "-w", ",".join(plan.hosts), remote]
 
 
-def launch(resolved: Any, user_script: str, config_path: str) -> int:
-    """Start ``user_script --deepy_config config_path`` on every rank; return the run's exit code."""
-    from megatron.neox_arguments.derived import active_resources
+def _regex_escape(text: str) -> str:
+    # pkill takes an extended regular expression (not Python's re syntax)
+    return "".join(f"\\{c}" if c in ".[]()*+?{}|^$\\" else c for c in text)
 
-    args = resolved.args
-    active = active_resources(args)
-    plan = plan_launch(args, user_script, config_path, os.environ, active)
-    check_backend(plan, args)
-    world = sum(len(slots) for slots in active.values())
-    print(f"deepy: starting {world} rank(s) via {plan.mode}: {shlex.join(plan.argv)}", flush=True)
-    env = worker_environment({**os.environ, **plan.env})
-    process = subprocess.Popen(plan.argv, env=env)
 
-    def forward(signum: int, _frame: Any) -> None:
-        # the runner tears its ranks down on SIGTERM/SIGINT; wait for it rather than orphan them
-        process.send_signal(signum)
+class LaunchSupervisor:
+    """Runs one plan in its own session and relays stop requests according to its stop route."""
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        returncode = process.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    code = exit_code(returncode)
-    if code != 0:
-        print(f"deepy: run failed with exit code {code}", flush=True)
-    return code
+    def __init__(self, plan: LaunchPlan, env: Mapping[str, str]) -> None:
+        self.plan = plan
+        self.env = dict(env)
+        self.process: subprocess.Popen[bytes] | None = None
+        self.stop_signal: int | None = None
+        self.pending: list[int] = []
+        self.delivered: set[int] = set()
+        self.aborted = False
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        self.pending.append(signum)  # only a note: the loop acts on it
+
+    def run(self) -> int:
+        previous: dict[signal.Signals, Any] = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        try:
+            # its own session: Ctrl-C in the terminal reaches deepy alone, and every process of the
+            # run can be found (and ended) by session id even after re-parenting
+            self.process = subprocess.Popen(
+                self.plan.argv, env=self.env, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+            while self.process.poll() is None:
+                self._handle_requests()
+                if self.stop_signal is not None and not self.aborted:
+                    self._deliver_stop()
+                time.sleep(POLL_S)
+            self._handle_requests()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        left = end_session(self.process.pid)
+        if left:
+            print(f"deepy: {len(left)} process(es) of the run outlived the launcher and were stopped: "
+                  f"{'; '.join(left)}", flush=True)  # fmt: skip
+        return self._result(exit_code(self.process.returncode))
+
+    def _handle_requests(self) -> None:
+        while self.pending:
+            signum = self.pending.pop(0)
+            name = signal.Signals(signum).name
+            if self.stop_signal is None:
+                self.stop_signal = signum
+                print(f"deepy: {name}: asking every rank to finish its step, save a checkpoint (when `save` is "
+                      f"set) and stop; send it again to stop them at once", flush=True)  # fmt: skip
+            elif not self.aborted:
+                self.aborted = True
+                print(f"deepy: {name} again: stopping the ranks now, without saving", flush=True)
+                self._abort()
+
+    def _deliver_stop(self) -> None:
+        assert self.process is not None
+        route = self.plan.stop_route
+        if route == "ranks":
+            # ranks may still be starting: look again on every pass and signal each one once
+            for proc in rank_processes(self.process.pid, self.plan.config_path):
+                if proc.pid not in self.delivered and send(proc.pid, RANK_STOP_SIGNAL):
+                    self.delivered.add(proc.pid)
+        elif not self.delivered:
+            self.delivered.add(self.process.pid)
+            if route == "launcher":
+                send(self.process.pid, RANK_STOP_SIGNAL)
+            else:  # pdsh: the ranks live on other hosts, behind ssh
+                subprocess.run(pdsh_stop_command(self.plan, RANK_STOP_SIGNAL), env=self.env,
+                               stdin=subprocess.DEVNULL, timeout=120, check=False)  # fmt: skip
+
+    def _abort(self) -> None:
+        assert self.process is not None
+        if self.plan.stop_route == "ranks" or self.plan.in_place:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        else:
+            # srun and mpirun end every rank of the job on SIGTERM; DeepSpeed's runner (pdsh) kills
+            # its per-node launchers over pdsh
+            send(self.process.pid, signal.SIGTERM)
+
+    def _result(self, code: int) -> int:
+        if self.stop_signal is None:
+            if code != 0:
+                print(f"deepy: run failed with exit code {code}", flush=True)
+            return code
+        name = signal.Signals(self.stop_signal).name
+        if code == 0 and not self.aborted:
+            print(f"deepy: stopped on {name}: every rank stopped cleanly", flush=True)
+            return 0
+        print(f"deepy: stopped on {name}; the ranks ended with exit code {code}", flush=True)
+        return 128 + self.stop_signal
+
+
+def run_plan(plan: LaunchPlan, environ: Mapping[str, str]) -> int:
+    """Start ``plan`` and wait for it; returns deepy's exit code."""
+    where = ""
+    if plan.master_port is not None:
+        where = f" (rendezvous {plan.master_addr}:{plan.master_port})"
+    print(f"deepy: starting {plan.world_size} rank(s) via {plan.mode}{where}: {shlex.join(plan.argv)}", flush=True)
+    return LaunchSupervisor(plan, worker_environment(environ, plan.env)).run()

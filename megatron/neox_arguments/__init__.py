@@ -20,7 +20,6 @@ _EXPORTS: dict[str, str] = {
     "finalize": "megatron.neox_arguments.derived",
     "detect_world_size": "megatron.neox_arguments.derived",
     "deepspeed_config": "megatron.neox_arguments.deepspeed_split",
-    "runner_args": "megatron.neox_arguments.deepspeed_split",
 }
 
 __all__ = sorted(_EXPORTS)

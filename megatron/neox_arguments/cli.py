@@ -11,18 +11,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from megatron.errors import UsageError
+from megatron.errors import ConfigError, UsageError
 from megatron.neox_arguments.overrides import looks_like_override
 from megatron.neox_arguments.provenance import format_resolved_table
 from megatron.neox_arguments.resolved import RESOLVED_FILE_NAME, ResolvedConfig, run_directory
 
 ENTRY_POINTS_OF_TEXTGEN = ("generate.py", "eval.py")
 """The entry points that read the text-generation/evaluation keys."""
+
+if TYPE_CHECKING:
+    from megatron.launcher import LaunchPlan
 
 USAGE = "deepy.py [--dry-run] [--debug] [-d CONF_DIR] USER_SCRIPT CONFIG [CONFIG ...] [key=value ...]"
 
@@ -89,11 +93,9 @@ def resolve(command: DeepyCommand) -> ResolvedConfig:
     resolved = load_config(command.config_files, command.overrides, command.conf_dir)
     # imported only now: the rules may need torch to look at the devices, structure errors do not
     from megatron.neox_arguments import detect_world_size, finalize
-
     from megatron.neox_arguments.honesty import check_entry_point
 
-    world = detect_world_size(resolved.args, warnings=resolved.warnings,
-                              launcher_given="launcher" in resolved.provenance)
+    world = detect_world_size(resolved.args, warnings=resolved.warnings)
     final = finalize(resolved, world)
     check_entry_point(final.args, command.user_script)
     return final
@@ -125,7 +127,7 @@ def notes(resolved: ResolvedConfig, user_script: str) -> list[str]:
     return lines
 
 
-def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand) -> str:
+def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand, plan: LaunchPlan | None = None) -> str:
     ds_config: Any = resolved.deepspeed_config
     said = notes(resolved, command.user_script)
     parts = [
@@ -141,23 +143,45 @@ def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand) -> str:
         json.dumps(ds_config, indent=2) if ds_config is not None else "(none)",
         "",
         *([*said, ""] if said else []),
-        "deepy: dry run OK, nothing launched",
     ]
+    if plan is not None:
+        parts += [f"Launch: {plan.world_size} rank(s) via {plan.mode}: {shlex.join(plan.argv)}", ""]
+    parts.append("deepy: dry run OK, nothing launched")
     return "\n".join(parts)
+
+
+def plan_run(resolved: ResolvedConfig, user_script: str, config_path: str) -> LaunchPlan:
+    """Every launch check (ports, tools, hosts) before anything is written or started."""
+    from megatron.launcher import LaunchConfig, check_tools, plan_launch
+    from megatron.neox_arguments.derived import local_device_count
+
+    config = LaunchConfig.from_args(resolved.args, resolved.provenance)
+    plan = plan_launch(config, user_script, config_path, os.environ, local_devices=local_device_count)
+    check_tools(plan, config)
+    return plan
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     command = parse_command(sys.argv[1:] if argv is None else argv)
     resolved = resolve(command)
     run_dir = assign_run_dir(resolved)
+    config_path = os.path.join(run_dir, RESOLVED_FILE_NAME)
+    try:
+        plan: LaunchPlan | None = plan_run(resolved, command.user_script, config_path)
+    except ConfigError as err:
+        # checking a launch:slurm config on a login node: the allocation exists only inside sbatch/salloc
+        if not (command.dry_run and resolved.args.launcher == "slurm" and "SLURM_JOB_ID" not in os.environ):
+            raise
+        resolved.skipped.append(f"the srun command: {err.message}")
+        plan = None
     if command.dry_run:
-        print(render_dry_run(resolved, command))
+        print(render_dry_run(resolved, command, plan))
         return 0
     for line in notes(resolved, command.user_script):
         print(f"deepy: {line}", flush=True)
-    config_file = resolved.write(os.path.join(run_dir, RESOLVED_FILE_NAME))
+    config_file = resolved.write(config_path)
     print(f"deepy: resolved config written to {config_file}", flush=True)
 
-    from megatron.launcher import launch
+    from megatron.launcher import run_plan
 
-    return launch(resolved, command.user_script, str(config_file))
+    return run_plan(plan, os.environ)

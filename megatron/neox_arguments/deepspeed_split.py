@@ -1,17 +1,15 @@
-"""The split: which arguments go to DeepSpeed's config JSON and which to its runner's command line.
+"""The split: which arguments go to DeepSpeed's config JSON (the runner's command line is built by
+:mod:`megatron.launcher`).
 
 - :func:`deepspeed_config` builds the dict handed to ``deepspeed.initialize(config=...)``: batch sizes,
   precision blocks, ZeRO, clipping, printing and the other DeepSpeed blocks, plus
   ``deepspeed_extra_args``. The GPT-NeoX ``optimizer``/``scheduler`` blocks stay out: Deepy's
   trainer builds the optimizer and drives the LR schedule itself.
-- :func:`runner_args` builds the flags for ``deepspeed.launcher.runner`` (hosts, ranks per node,
-  rendezvous, multi-node launcher).
 """
 
 from __future__ import annotations
 
 import os
-import shlex
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -145,35 +143,6 @@ def deepspeed_config(args: NeoXArgs, provenance: Mapping[str, str] | None = None
         config["zero_allow_untested_optimizer"] = True
     config.update(dict(args.deepspeed_extra_args or {}))
     return config
-
-
-def runner_args(args: NeoXArgs) -> list[str]:
-    """Flags for ``python -m deepspeed.launcher.runner`` (before the user script)."""
-    out: list[str] = []
-    for key, value in (("hostfile", args.hostfile), ("include", args.include), ("exclude", args.exclude),
-                       ("master_addr", args.master_addr)):
-        if value:
-            out += [f"--{key}", str(value)]
-    if args.num_nodes > 0:
-        out += ["--num_nodes", str(args.num_nodes)]
-    if args.num_gpus is not None:
-        out += ["--num_gpus", str(args.num_gpus)]
-    out += ["--master_port", str(args.master_port)]
-    launcher = args.launcher
-    out += ["--launcher", launcher]
-    if args.force_multi:
-        out.append("--force_multi")
-    if args.no_ssh_check:
-        out.append("--no_ssh_check")
-    srun_flags = [f"--{key}={value}" for key, value in (("comment", args.comment), ("account", args.account)) if value]
-    if srun_flags:
-        # DeepSpeed 0.19.8's runner has no --comment/--account; srun takes them via --launcher_args
-        if launcher != "slurm":
-            raise ConfigError(
-                f"comment/account only apply to srun: set launcher: slurm (now {launcher!r}) or remove them"
-            )
-        out += ["--launcher_args", shlex.join(srun_flags)]
-    return out
 
 
 # DeepSpeed's pydantic config models -> the config key that holds them

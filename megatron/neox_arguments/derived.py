@@ -20,7 +20,6 @@ from megatron.errors import ConfigError
 from megatron.neox_arguments.honesty import FILLED_IN_KEYS
 from megatron.neox_arguments.provenance import DERIVED
 from megatron.neox_arguments.rules import (
-    DEEPSPEED_DEFAULT_HOSTFILE,
     Device,
     RuleContext,
     block_enabled,
@@ -35,9 +34,6 @@ if TYPE_CHECKING:
     from megatron.neox_arguments.arguments import NeoXArgs
     from megatron.neox_arguments.resolved import ResolvedConfig
 
-# DeepSpeed's runner reads this hostfile when none is given; world-size detection must agree.
-DEFAULT_HOSTFILE = DEEPSPEED_DEFAULT_HOSTFILE
-
 
 # --- world size ---------------------------------------------------------------------------------
 def local_device_count() -> int:
@@ -47,29 +43,11 @@ def local_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
-def detect_world_size(args: NeoXArgs, device_count: int | None = None, warnings: list[str] | None = None,
-                      launcher_given: bool = False) -> int:
-    """How many ranks the DeepSpeed runner will start for these arguments.
-
-    Mirrors ``deepspeed.launcher.runner``: the hostfile (or the local devices) is the resource pool,
-    ``include``/``exclude`` filter it, ``num_nodes`` keeps the first hosts and ``num_gpus`` sets the
-    slots per host. Without CUDA, ``num_gpus: N`` means N CPU ranks, as DeepSpeed's runner does.
-    When srun/mpirun start the ranks elsewhere without a hostfile (``deepspeed_slurm``, a cluster
-    launcher), ``num_nodes`` x ``num_gpus`` as given are trusted.
-    """
-    from megatron.neox_arguments.rules import started_by_cluster_launcher
-
-    hostfile = args.hostfile or (DEFAULT_HOSTFILE if os.path.isfile(DEFAULT_HOSTFILE) else None)
-    if started_by_cluster_launcher(args, launcher_given) and not (hostfile and os.path.isfile(hostfile)):
-        if hostfile and warnings is not None:
-            warnings.append(f"hostfile={hostfile!r} does not exist; not needed: {args.launcher} starts the ranks "
-                            f"on the nodes of its allocation")
-        if args.num_gpus is None:
-            raise ConfigError(
-                f"launcher={args.launcher} starts the ranks on other machines: set num_gpus (ranks per "
-                f"node) and num_nodes so the config can be checked for the world size it will have"
-            )
-        return max(args.num_nodes, 1) * args.num_gpus
+def detect_world_size(args: NeoXArgs, device_count: int | None = None, warnings: list[str] | None = None) -> int:
+    """How many ranks the launch will start for these arguments (see :mod:`megatron.launcher.resources`:
+    the Slurm allocation, the hostfile or this machine's devices, filtered by include/exclude and
+    counted by num_nodes/num_gpus as DeepSpeed's runner does). Without CUDA, ``num_gpus: N`` means N
+    CPU ranks. Things worth saying (a hostfile that does not exist, ...) go to ``warnings``."""
     active = active_resources(args, device_count, warnings)
     world = sum(len(slots) for slots in active.values())
     if world < 1:
@@ -79,57 +57,20 @@ def detect_world_size(args: NeoXArgs, device_count: int | None = None, warnings:
 
 def active_resources(args: NeoXArgs, device_count: int | None = None,
                      warnings: list[str] | None = None) -> dict[str, list[int]]:
-    """host -> slot ids the runner will use (see :mod:`megatron.launcher.resources`).
+    """host -> slot ids the ranks will use (see :mod:`megatron.launcher.resources`)."""
+    from megatron.launcher.config import LaunchConfig
+    from megatron.launcher.resources import active_resources as launcher_resources
 
-    A ``hostfile`` that does not exist is DeepSpeed's case too: its runner warns and uses this
-    machine; so do we (appending to ``warnings``), unless the launch needs hosts from it.
-    """
-    from megatron.launcher.resources import apply_counts, filter_pool, parse_hostfile
-
-    include = args.include or ""
-    exclude = args.exclude or ""
-    num_nodes = args.num_nodes
-    num_gpus = -1 if args.num_gpus is None else args.num_gpus
-    if (include or exclude) and (num_nodes > 0 or num_gpus > 0):
-        filt = "include" if include else "exclude"
-        raise ConfigError(
-            f"{filt}={include or exclude!r} together with num_nodes={num_nodes}/num_gpus={num_gpus}: "
-            f"DeepSpeed's runner accepts either a host filter or counts; remove one"
-        )
-    path = args.hostfile or (DEFAULT_HOSTFILE if os.path.isfile(DEFAULT_HOSTFILE) else None)
-    if path is not None and not os.path.isfile(path):
-        named_hosts = [h.partition(":")[0] for h in (include or exclude).split("@") if h]
-        if num_nodes > 1 or any(h not in ("localhost", "127.0.0.1") for h in named_hosts):
-            raise ConfigError(
-                f"hostfile={path!r} does not exist, and the launch needs hosts from it "
-                f"(num_nodes={num_nodes}, include/exclude={include or exclude!r}): fix the path"
-            )
-        if warnings is not None:
-            warnings.append(f"hostfile={path!r} does not exist: launching on this machine only "
-                            f"(as DeepSpeed's runner does)")
-        path = None
-    if path is None:
-        if num_nodes > 1:
-            raise ConfigError(
-                f"num_nodes={num_nodes} but no hostfile lists other nodes: add hostfile: <path> "
-                f"(lines like 'node1 slots=8')"
-            )
-        pool = {"localhost": local_device_count() if device_count is None else device_count}
-    else:
-        try:
-            with open(path, encoding="utf-8") as handle:
-                pool = parse_hostfile(handle.readlines(), path)
-        except OSError as err:
-            raise ConfigError(
-                f"hostfile={path!r} cannot be read ({err.strerror}): fix the path or remove hostfile"
-            ) from None
-    return apply_counts(filter_pool(pool, include, exclude), num_nodes, num_gpus)
+    devices = local_device_count if device_count is None else (lambda: device_count)
+    return launcher_resources(LaunchConfig.from_args(args), os.environ, devices, warnings)
 
 
 def uses_local_pool(args: NeoXArgs) -> bool:
-    """True when the runner will launch on this machine only, sized by num_gpus or device count."""
-    hostfile = args.hostfile if args.hostfile and os.path.isfile(args.hostfile) else None
-    return not hostfile and not os.path.isfile(DEFAULT_HOSTFILE) and not (args.include or args.exclude)
+    """True when the ranks run on this machine only, sized by num_gpus or the device count."""
+    from megatron.launcher.config import LaunchConfig
+    from megatron.launcher.resources import uses_local_pool as launcher_uses_local_pool
+
+    return launcher_uses_local_pool(LaunchConfig.from_args(args), os.environ)
 
 
 # --- derivations ------------------------------------------------------------------------------------

@@ -81,11 +81,12 @@ ComponentBuilder = Callable[[Any], object]
 
 def component_builders() -> list[ComponentBuilder]:
     """Everything that turns keys into what a component does, for train.py."""
-    from megatron.neox_arguments.deepspeed_split import deepspeed_config, runner_args
+    from megatron.launcher.config import LaunchConfig
+    from megatron.neox_arguments.deepspeed_split import deepspeed_config
     from megatron.neox_arguments.resolved import run_directory
     from megatron.neox_arguments.run_config import RunConfig
 
-    return [RunConfig.from_args, deepspeed_config, runner_args, run_directory]
+    return [RunConfig.from_args, deepspeed_config, LaunchConfig.from_args, run_directory]
 
 
 def entry_point_builders() -> dict[str, ComponentBuilder]:

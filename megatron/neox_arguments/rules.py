@@ -301,33 +301,26 @@ def precision_matches_blocks(ctx: RuleContext) -> list[str]:
     return problems
 
 
-# launchers that start ranks on other machines when the user picks them
-REMOTE_LAUNCHERS = frozenset({"slurm", "openmpi", "mpich", "mvapich"})
-
-
 def runs_on_this_machine(ctx: RuleContext) -> bool:
     """A single-node launch from here: only then does this machine's device say anything.
 
     deepy.py often runs on a login node without GPUs that pdsh/srun/mpirun launch from: a hostfile
-    that exists, several nodes, ``force_multi``, srun/mpirun starting the ranks themselves
-    (``deepspeed_slurm``/``deepspeed_mpi``) or a cluster launcher the user chose all mean the ranks run
-    elsewhere, with the ``num_gpus``/``num_nodes`` the user gave.
+    that exists, several nodes, ``force_multi``, ``launcher: slurm`` (srun on the allocation's nodes)
+    or srun/mpirun starting the ranks themselves (``deepspeed_slurm``/``deepspeed_mpi``) all mean the
+    ranks run elsewhere, with the ``num_gpus``/``num_nodes`` the user gave.
     """
-    return not launches_elsewhere(ctx.args, ctx.given("launcher"))
+    return not launches_elsewhere(ctx.args)
 
 
-def started_by_cluster_launcher(args: NeoXArgs, launcher_given: bool) -> bool:
-    """srun/mpirun start the ranks (on the nodes of an allocation), not DeepSpeed's runner here."""
-    return bool(args.deepspeed_slurm or args.deepspeed_mpi or (launcher_given and args.launcher in REMOTE_LAUNCHERS))
-
-
-def launches_elsewhere(args: NeoXArgs, launcher_given: bool) -> bool:
+def launches_elsewhere(args: NeoXArgs) -> bool:
     hostfile = args.hostfile or (DEEPSPEED_DEFAULT_HOSTFILE if os.path.isfile(DEEPSPEED_DEFAULT_HOSTFILE) else None)
     return bool(
         (hostfile and os.path.isfile(hostfile))
         or args.force_multi
         or (args.num_nodes or -1) > 1
-        or started_by_cluster_launcher(args, launcher_given)
+        or args.launcher == "slurm"
+        or args.deepspeed_slurm
+        or args.deepspeed_mpi
     )
 
 

@@ -160,12 +160,12 @@ def test_real_launch_writes_the_resolved_file_and_returns_the_launcher_code(
 
     calls: list[tuple[str, str]] = []
 
-    def fake_launch(resolved, user_script: str, config_file: str) -> int:
-        calls.append((user_script, config_file))
-        assert Path(config_file).is_file()  # written before any rank could start
+    def fake_run_plan(plan: megatron.launcher.LaunchPlan, environ: object) -> int:
+        calls.append((plan.argv[-3], plan.config_path))
+        assert Path(plan.config_path).is_file()  # written before any rank could start
         return 3
 
-    monkeypatch.setattr(megatron.launcher, "launch", fake_launch)
+    monkeypatch.setattr(megatron.launcher, "run_plan", fake_run_plan)
     code, out, err = run_in_process(["train.py", "model.yml", "log_dir=mylogs", "train_iters=4"], capsys)
     assert code == 3, err  # a failed rank's exit code is deepy's exit code
     [(script, config_file)] = calls

@@ -8,7 +8,7 @@ import pytest
 
 from megatron.errors import ConfigError
 from megatron.neox_arguments.arguments import NeoXArgs
-from megatron.neox_arguments.deepspeed_split import deepspeed_config, runner_args
+from megatron.neox_arguments.deepspeed_split import deepspeed_config
 from megatron.neox_arguments.derived import finalize
 from megatron.neox_arguments.resolved import ResolvedConfig
 from megatron.neox_arguments.rules import Device
@@ -92,39 +92,6 @@ def test_deepspeed_config_refuses_conflicts_when_called_directly() -> None:
     args = NeoXArgs(steps_per_print=3, deepspeed_extra_args={"steps_per_print": 4})
     with pytest.raises(ConfigError, match="given both"):
         deepspeed_config(args)
-
-
-# --- runner flags ------------------------------------------------------------------------------
-def test_runner_args_for_a_local_run() -> None:
-    assert runner_args(NeoXArgs(num_gpus=2, master_port=29777)) == [
-        "--num_gpus", "2", "--master_port", "29777", "--launcher", "pdsh",
-    ]
-
-
-def test_runner_args_are_understood_by_deepspeeds_runner() -> None:
-    from deepspeed.launcher.runner import parse_args
-
-    args = NeoXArgs(hostfile="/etc/hosts.ds", num_nodes=2, num_gpus=8, master_addr="10.0.0.1",
-                    master_port=29600, launcher="openmpi", force_multi=True, no_ssh_check=True)
-    parsed = parse_args(runner_args(args) + ["train.py", "--deepy_config", "run/deepy_config.json"])
-    assert parsed.hostfile == "/etc/hosts.ds"
-    assert (parsed.num_nodes, parsed.num_gpus) == (2, 8)
-    assert (parsed.master_addr, parsed.master_port) == ("10.0.0.1", 29600)
-    assert parsed.launcher == "openmpi" and parsed.force_multi and parsed.no_ssh_check
-    assert parsed.user_script == "train.py"
-    assert parsed.user_args == ["--deepy_config", "run/deepy_config.json"]
-
-
-def test_include_exclude_and_slurm_comment() -> None:
-    from deepspeed.launcher.runner import parse_args
-
-    args = NeoXArgs(hostfile="hf", include="node1:0,1@node2", launcher="slurm", comment="my run", account="proj")
-    flags = runner_args(args)
-    assert flags[:4] == ["--hostfile", "hf", "--include", "node1:0,1@node2"]
-    parsed = parse_args(flags + ["train.py"])
-    assert parsed.launcher_args == "'--comment=my run' --account=proj"
-    with pytest.raises(ConfigError, match="launcher: slurm"):
-        runner_args(NeoXArgs(comment="x"))
 
 
 def test_blocks_deepspeed_removed_never_reach_it() -> None:

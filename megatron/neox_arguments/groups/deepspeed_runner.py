@@ -30,16 +30,16 @@ class DeepSpeedRunnerArgs(ArgGroup):
     """Processes (devices) per node; on CPU, the number of worker processes."""
 
     master_port: int = Field(29500, ge=1, le=65535)
-    """Port of the rendezvous on the master node."""
+    """Port of the rendezvous on the master node; unset, a free port when rank 0 runs on this machine."""
 
     master_addr: str | None = None
     """Address of the master node; unset means the first host."""
 
     launcher: Literal["pdsh", "openmpi", "mvapich", "mpich", "slurm"] = "pdsh"
-    """How the DeepSpeed runner reaches other nodes (unused on a single node)."""
+    """How ranks start: `pdsh` (DeepSpeed's runner, local or over ssh), `openmpi`/`mpich`/`mvapich` (mpirun), `slurm` (srun)."""
 
     force_multi: bool = False
-    """Use the multi-node launcher even for one node."""
+    """With launcher pdsh: go through pdsh even for one node."""
 
     autotuning_run: Literal["tune", "run"] | None = not_supported(None)
     """Run DeepSpeed's autotuner (`tune` or `run`) instead of training."""

@@ -54,10 +54,10 @@ class OtherArgs(ArgGroup):
     """Old alias for a DeepSpeed JSON config path."""
 
     deepspeed_mpi: bool = False
-    """Discover ranks from MPI environment variables instead of the DeepSpeed launcher's."""
+    """deepy.py started by mpirun (one copy per rank) runs the worker in place; ranks read MPI's variables."""
 
     deepspeed_slurm: bool = False
-    """Launch through srun and read ranks from SLURM environment variables."""
+    """Ranks read their place from Slurm's variables first; deepy.py started by srun runs the worker in place."""
 
     user_script: str | None = None
     """Worker script the runner starts on every rank; set by Deepy."""

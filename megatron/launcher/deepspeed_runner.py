@@ -1,0 +1,66 @@
+"""``launcher: pdsh`` (the default): DeepSpeed's runner starts the ranks.
+
+On one host the runner hands over to DeepSpeed's per-node launcher (``deepspeed.launcher.launch``),
+which starts one worker per slot with RANK/LOCAL_RANK/WORLD_SIZE set. On several hosts (or with
+``force_multi``) it runs that per-node launcher on every host through pdsh over ssh.
+
+The runner module rather than the ``deepspeed`` console script: it runs under the same
+interpreter as deepy.py, so a virtualenv without ``deepspeed`` on PATH still works.
+"""
+
+from __future__ import annotations
+
+from megatron.launcher.config import LaunchConfig
+from megatron.launcher.plan import CONFIG_FLAG, LaunchPlan, PlanInputs
+from megatron.launcher.rendezvous import check_first_host_reachable, rendezvous
+
+
+def runner_flags(config: LaunchConfig, master_port: int, master_addr: str | None = None) -> list[str]:
+    """Flags for ``python -m deepspeed.launcher.runner`` (before the user script)."""
+    out: list[str] = []
+    for flag, value in (
+        ("--hostfile", config.hostfile),
+        ("--include", config.include),
+        ("--exclude", config.exclude),
+        ("--master_addr", master_addr),
+    ):
+        if value:
+            out += [flag, str(value)]
+    if config.num_nodes > 0:
+        out += ["--num_nodes", str(config.num_nodes)]
+    if config.num_gpus is not None:
+        out += ["--num_gpus", str(config.num_gpus)]
+    out += ["--master_port", str(master_port), "--launcher", "pdsh"]
+    if config.force_multi:
+        out.append("--force_multi")
+    if config.no_ssh_check:
+        out.append("--no_ssh_check")
+    return out
+
+
+def runner_argv(flags: list[str], inputs: PlanInputs) -> list[str]:
+    return [inputs.python, "-u", "-m", "deepspeed.launcher.runner", *flags,
+            inputs.user_script, CONFIG_FLAG, inputs.config_path]  # fmt: skip
+
+
+def plan_deepspeed_runner(inputs: PlanInputs) -> LaunchPlan:
+    config = inputs.config
+    hosts = list(inputs.active)
+    multi = config.force_multi or len(hosts) > 1
+    check_first_host_reachable(config, hosts)
+    meeting = rendezvous(config, hosts[0])
+    # One host: the runner itself uses 127.0.0.1. Several: name the address when it is known
+    # here, else the runner asks the first host for it over ssh (``hostname -I``).
+    addr = config.master_addr or (meeting.addr if multi and meeting.local else None)
+    flags = runner_flags(config, meeting.port, addr)
+    return LaunchPlan(
+        argv=runner_argv(flags, inputs),
+        mode="pdsh" if multi else "local",
+        world_size=inputs.world_size,
+        config_path=inputs.config_path,
+        tools=("pdsh",) if multi else (),
+        stop_route="pdsh" if multi else "ranks",
+        hosts=tuple(hosts),
+        master_addr=meeting.addr,
+        master_port=meeting.port,
+    )

@@ -1,0 +1,88 @@
+"""The processes of one launch on this machine: finding its ranks, signalling them, leaving none behind.
+
+deepy starts the launch command in a session of its own, so every process of the run on this
+machine (DeepSpeed's runner and per-node launcher, the ranks, their data-loader workers) shares
+that session id even after a parent dies and it is re-parented. That makes two things reliable:
+finding the ranks to pass a stop request to, and making sure nothing outlives deepy.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import psutil
+
+from megatron.launcher.plan import CONFIG_FLAG
+
+
+def session_processes(session: int) -> list[psutil.Process]:
+    """Live processes of ``session`` (the pid of the process deepy started), zombies excluded."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) == session and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return found
+
+
+def is_rank_cmdline(cmdline: list[str], config_path: str) -> bool:
+    """A worker of this run: ``... SCRIPT [--local_rank=N] --deepy_config PATH``, not a DeepSpeed launcher."""
+    if any(arg.startswith("deepspeed.launcher") for arg in cmdline):
+        return False
+    return any(a == CONFIG_FLAG and b == config_path for a, b in zip(cmdline, cmdline[1:]))
+
+
+def rank_processes(session: int, config_path: str) -> list[psutil.Process]:
+    """The ranks of the run: workers whose parent is not itself a worker (not data-loader children)."""
+    workers: dict[int, psutil.Process] = {}
+    for proc in session_processes(session):
+        try:
+            if is_rank_cmdline(proc.cmdline(), config_path):
+                workers[proc.pid] = proc
+        except psutil.Error:
+            continue
+    ranks = []
+    for pid, proc in workers.items():
+        try:
+            if proc.ppid() not in workers:
+                ranks.append(proc)
+        except psutil.Error:
+            continue
+    return sorted(ranks, key=lambda p: p.pid)
+
+
+def send(pid: int, signum: int) -> bool:
+    try:
+        os.kill(pid, signum)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def end_session(session: int, grace_s: float = 10.0) -> list[str]:
+    """SIGTERM every remaining process of ``session``, SIGKILL what is left after ``grace_s``.
+
+    Returns a description of the processes found, for the message that says so.
+    """
+    left = session_processes(session)
+    if not left:
+        return []
+    described = []
+    for proc in left:
+        try:
+            described.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]}")
+            proc.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            continue
+    _, alive = psutil.wait_procs(left, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            continue
+    psutil.wait_procs(alive, timeout=grace_s)
+    return described
+
