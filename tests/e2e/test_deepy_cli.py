@@ -28,7 +28,7 @@ def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "train.py").write_text("print('worker')\n")
     (tmp_path / "model.yml").write_text(
         "num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\nseq_length: 32\nmax_position_embeddings: 32\n"
-        "train_micro_batch_size_per_gpu: 2\nlr: 0.001\nuse_dummy_dataset: true\n"
+        "train_micro_batch_size_per_gpu: 2\nlr: 0.001\nuse_dummy_dataset: true\ntokenizer_type: CharLevelTokenizer\n"
     )
     return tmp_path
 
@@ -117,12 +117,12 @@ def test_script_exits_2_without_traceback_and_debug_shows_it(work: Path) -> None
     assert "Traceback" not in missing.stderr
 
 
-def test_dry_run_prints_provenance_and_deepspeed_config(tmp_path: Path) -> None:
+def test_dry_run_prints_provenance_and_deepspeed_config(tmp_path: Path, local_setup_dir: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text("raise SystemExit('a dry run must not start the user script')\n")
     result = run_script(
         "--dry-run", str(script), "configs/125M.yml", "configs/local_setup.yml", "train_iters=123",
-        "optimizer.params.lr=3e-4", cwd=REPO,
+        "optimizer.params.lr=3e-4", cwd=local_setup_dir,  # data/ and configs/ as local_setup.yml names them
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -140,7 +140,7 @@ def test_dry_run_prints_provenance_and_deepspeed_config(tmp_path: Path) -> None:
     assert "DeepSpeed config:" in result.stdout and '"train_batch_size"' in result.stdout
     assert result.stdout.rstrip().endswith("deepy: dry run OK, nothing launched")
     run_dir = [line for line in lines if line.startswith("Run directory: ")][0].split()[2]
-    assert not (REPO / run_dir).exists()
+    assert not (local_setup_dir / run_dir).exists()
 
 
 def line_of(path: str, key: str) -> int:

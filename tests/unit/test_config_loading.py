@@ -288,31 +288,6 @@ def test_configs_directory_is_not_empty() -> None:
     assert "configs/125M.yml" in names and "configs/tiny.yml" in names and len(names) >= 20
 
 
-@pytest.fixture(scope="module")
-def local_setup_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A working directory holding what configs/local_setup.yml names: a small tokenized corpus and
-    its tokenizer (the pre-launch checks open both), and the shipped configs."""
-    import numpy as np
-    import tokenizers
-
-    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
-
-    root = tmp_path_factory.mktemp("setup")
-    data = root / "data" / "pydocs"
-    data.mkdir(parents=True)
-    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(30)}}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tok.save(str(data / "tokenizer.json"))
-    builder = MMapIndexedDatasetBuilder(str(data / "pydocs_text_document.bin"), np.uint16)
-    for i in range(50):
-        builder.add_item(np.arange(8) + i % 20)
-        builder.end_document()
-    builder.finalize(str(data / "pydocs_text_document.idx"))
-    (root / "configs").symlink_to(REPO / "configs")
-    return root
-
-
 @pytest.mark.parametrize("config", shipped_model_configs())
 def test_every_shipped_config_resolves_with_local_setup(config: str, local_setup_dir: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,34 @@
+"""Fixtures shared by every test directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def local_setup_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A working directory holding what configs/local_setup.yml names: a small tokenized corpus and
+    its tokenizer (the pre-launch checks open both), and the shipped configs."""
+    import numpy as np
+    import tokenizers
+
+    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+
+    root = tmp_path_factory.mktemp("local_setup")
+    data = root / "data" / "pydocs"
+    data.mkdir(parents=True)
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(30)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(data / "tokenizer.json"))
+    builder = MMapIndexedDatasetBuilder(str(data / "pydocs_text_document.bin"), np.uint16)
+    for i in range(50):
+        builder.add_item(np.arange(8) + i % 20)
+        builder.end_document()
+    builder.finalize(str(data / "pydocs_text_document.idx"))
+    (root / "configs").symlink_to(REPO / "configs")
+    return root
