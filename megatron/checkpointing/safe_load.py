@@ -46,6 +46,7 @@ def weights_only_loading() -> Iterator[None]:
     """Within the block every ``torch.load`` is a weights-only load with DeepSpeed's allow-list."""
     original = torch.load
     allowed = _deepspeed_safe_globals()
+    allowed_names = {f"{c.__module__}.{c.__qualname__}" for c in allowed}
 
     def safe_load(f: Any, *args: Any, **kwargs: Any) -> Any:
         kwargs["weights_only"] = True
@@ -53,15 +54,25 @@ def weights_only_loading() -> Iterator[None]:
         with torch.serialization.safe_globals(allowed):
             try:
                 return original(f, *args, **kwargs)
+            except (CheckpointError, FileNotFoundError):
+                raise  # a missing file is DeepSpeed's to report (it probes for optional ones)
             except Exception as err:  # noqa: BLE001
-                if "Weights only load failed" in str(err) or "Unsupported global" in str(err):
-                    name = Path(f).name if isinstance(f, (str, os.PathLike)) else repr(f)
-                    unsafe = _unsafe_globals(f)
+                if not isinstance(f, (str, os.PathLike)):
+                    raise
+                unsafe = [name for name in _unsafe_globals(f) if name not in allowed_names]
+                if unsafe:
                     raise CheckpointError(
-                        f"refusing to load {name}: it contains pickled objects outside the allow-list "
-                        f"({', '.join(unsafe) or 'unknown'}); loading them could run arbitrary code"
+                        f"refusing to load {Path(f).name} ({f}): it contains pickled objects outside the allow-list "
+                        f"({', '.join(unsafe)}); loading them could run arbitrary code"
                     ) from err
-                raise
+                # anything else is a file torch cannot parse: truncated, overwritten, bit-flipped
+                detail = str(err).splitlines()[0] if str(err) else ""
+                if "Weights only load failed" in detail:  # torch's advice to unpickle blindly does not apply
+                    detail = "not a torch checkpoint"
+                raise CheckpointError(
+                    f"checkpoint file {f} is corrupt or truncated and cannot be read ({type(err).__name__}: "
+                    f"{detail[:160]}); restore it, or load another checkpoint (iteration: N)"
+                ) from err
 
     torch.load = safe_load  # type: ignore[assignment]
     try:
