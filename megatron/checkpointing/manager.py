@@ -175,6 +175,8 @@ class CheckpointManager:
             self._check_fresh_start()
             if rank == 0 and self.load_dir is not None:
                 log.info("%s is empty: this is the first run, starting from scratch", self.load_dir)
+            elif rank == 0 and self.load_requested:
+                log.info("load_checkpoint: false: not loading from `load`, starting from scratch")
             return LoadResult(loaded=False)
         return self._resume(engine, self.load_dir, resume_tag, rank)
 
@@ -199,7 +201,14 @@ class CheckpointManager:
     def _check_fresh_start(self) -> None:
         """A fresh run must not write into a save directory that holds another run's checkpoints:
         its saves would be skipped as "already on disk" and mixed with them."""
-        if self.save_dir is None or (self.load_dir is not None and _same_dir(self.save_dir, self.load_dir)):
+        if self.save_dir is None:
+            return
+        foreign = discovery.inspect_load_dir(self.save_dir)
+        if foreign.kind in ("gpt_neox", "hf_model"):
+            what = "a GPT-NeoX checkpoint" if foreign.kind == "gpt_neox" else "a Hugging Face model"
+            raise CheckpointError(f"save: {self.save_dir} holds {what}; writing Deepy checkpoints there would replace "
+                                  "its files (and its `latest`). Save to another directory.")
+        if self.load_dir is not None and _same_dir(self.save_dir, self.load_dir):
             return
         steps = commit.list_checkpoints(self.save_dir).steps
         if steps:

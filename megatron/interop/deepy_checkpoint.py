@@ -260,7 +260,8 @@ def write_weights_only_checkpoint(
                 torch.save(state, ckpt / f"layer_{index:02d}-model_{rank:02d}-model_states.pt")
         # DeepSpeed numbers a pipeline's model-parallel files stage-major: stage * tp + tp rank
         for mp_rank in range(stages * tp):
-            torch.save(_engine_state(None, step, consumed_samples, stages * tp), ckpt / f"mp_rank_{mp_rank:02d}_model_states.pt")
+            state = _engine_state(None, step, consumed_samples, stages * tp)
+            torch.save(state, ckpt / f"mp_rank_{mp_rank:02d}_model_states.pt")
     layout = Layout(tp=tp, pp=stages, dp=1, zero_stage=0, pipeline=pp >= 1)
     meta = {
         "format": FORMAT_VERSION, "iteration": step, "consumed_samples": consumed_samples, "kind": "permanent",

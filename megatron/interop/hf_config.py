@@ -241,7 +241,8 @@ def gpt_config_from_hf(hf: "PretrainedConfig", seq_length: int | None = None) ->
     if kind == "gpt_neox":
         act = _PLAIN_FROM_HF.get(hf.hidden_act)
         if act is None:
-            raise ConversionError(f"hidden_act: {hf.hidden_act!r} (Deepy's plain activations: {sorted(_PLAIN_FROM_HF)})")
+            known = sorted(_PLAIN_FROM_HF)
+            raise ConversionError(f"hidden_act: {hf.hidden_act!r} (Deepy's plain activations: {known})")
         head_dim = hidden // heads
         if int(head_dim * factor) % 2:
             raise ConversionError(f"partial_rotary_factor: {factor} rotates an odd number of dimensions")

@@ -52,7 +52,9 @@ def save_hf_model(hf_config: "PretrainedConfig", state: Weights, out_dir: Path, 
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
-        raise ConversionError(f"weights do not fit {type(model).__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ConversionError(
+            f"weights do not fit {type(model).__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     model.load_state_dict(_unshared(state, dtype), strict=True, assign=True)
     if hf_config.tie_word_embeddings:
         model.tie_weights()
@@ -133,12 +135,16 @@ def build_gpt_model(config: GPTConfig, weights: Weights) -> torch.nn.Module:
     """Our model in one process (tp = 1) in fp32 eval mode, holding ``weights``."""
     from megatron.model.gpt import GPTModel
 
-    fp32 = config.replace(params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=False)
+    fp32 = config.replace(
+        params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=False
+    )
     model = GPTModel(fp32).eval()
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
     if missing or unexpected:
-        raise ConversionError(f"weights do not fit the model config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ConversionError(
+            f"weights do not fit the model config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=True)
     return model
 

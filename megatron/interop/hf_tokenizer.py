@@ -94,7 +94,8 @@ def _tiktoken(files: TokenizerFiles) -> Any:
             f"TiktokenTokenizer {files.vocab_file!r}: exporting needs a local .tiktoken ranks file as vocab_file "
             "(a named encoding has no file to convert)"
         )
-    return TikTokenConverter(vocab_file=files.vocab_file, pattern=GPT2_SPLIT_PATTERN, extra_special_tokens=[EOD]).converted()
+    converter = TikTokenConverter(vocab_file=files.vocab_file, pattern=GPT2_SPLIT_PATTERN, extra_special_tokens=[EOD])
+    return converter.converted()
 
 
 def _candidate(files: TokenizerFiles, ours: Tokenizer) -> "PreTrainedTokenizerBase":

@@ -129,7 +129,8 @@ def _refusals(values: dict[str, Any]) -> list[str]:
         problems.append(f"norm: {_value(values, 'norm')} (layernorm is read; GPT-NeoX's rmsnorm adds epsilon outside "
                         "the square root, Deepy's inside)")
     if _value(values, "activation") not in _PLAIN_ACTIVATIONS:
-        problems.append(f"activation: {_value(values, 'activation')} (gated MLP layouts differ across GPT-NeoX versions)")
+        act = _value(values, "activation")
+        problems.append(f"activation: {act} (gated MLP layouts differ across GPT-NeoX versions)")
     for key in ("openai_gelu", "onnx_safe", "use_mup", "use_qk_layernorm"):
         if _value(values, key):
             problems.append(f"{key}: true")
@@ -198,7 +199,9 @@ def read_neox_checkpoint(path: Path, config_paths: list[Path] | None = None) -> 
     num_layers = int(values["num_layers"])
     missing = [i for i in [0, *range(2, num_layers + 2), num_layers + 3] if i not in layers]
     if missing:
-        raise CheckpointError(f"{tag}: no weights for GPT-NeoX layer(s) {missing} (num_layers={num_layers} in the config)")
+        raise CheckpointError(
+            f"{tag}: no weights for GPT-NeoX layer(s) {missing} (num_layers={num_layers} in the config)"
+        )
     weights, config = _to_ours(values, layers, tp, num_layers)
     match = _TAG.match(tag.name)
     iteration = int(client.get("iteration") or (match.group(1) if match else 0))
@@ -253,7 +256,8 @@ def _to_ours(
         weights["final_norm.bias"] = norm["norm.bias"][0]
     head = layers.get(num_layers + 4, {}).get("final_linear.weight")
     if head is not None:
-        weights["output_layer.weight"] = _merge(head, 0 if _value(values, "output_layer_parallelism") == "column" else 1)
+        column = _value(values, "output_layer_parallelism") == "column"
+        weights["output_layer.weight"] = _merge(head, 0 if column else 1)
 
     seq = int(values.get("seq_length") or values.get("max_position_embeddings") or 2048)
     config = GPTConfig(

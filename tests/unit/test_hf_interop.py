@@ -138,7 +138,8 @@ def test_exported_model_computes_our_logits(tmp_path: Path, variant: str) -> Non
     if variant in ("neox_partial_rotary_parallel_untied", "llama_gqa_swiglu_untied", "mistral_sliding_window"):
         back = gpt_config_from_hf(hf_config, config.seq_length)
         assert back.ffn_hidden_size == config.ffn_hidden_size
-        same = dict(seed=config.seed, init_method_std=config.init_method_std, intermediate_size=config.intermediate_size)
+        same = dict(seed=config.seed, init_method_std=config.init_method_std,
+                    intermediate_size=config.intermediate_size)  # fmt: skip
         assert back.replace(**same) == config
 
 
@@ -316,7 +317,8 @@ def write_gpt_neox_fixture(root: Path, hf_dir: Path, *, pipeline: bool, gpt_j: b
             torch.save({**client, "module": None}, tag / f"mp_rank_{mp:02d}_model_states.pt")
     else:
         for r in range(tp):
-            module = {f"sequential.{index}.{name}": t for index, ranks in per_layer.items() for name, t in ranks[r].items()}
+            module = {f"sequential.{index}.{name}": t
+                      for index, ranks in per_layer.items() for name, t in ranks[r].items()}  # fmt: skip
             torch.save({**client, "module": module}, tag / f"mp_rank_{r:02d}_model_states.pt")
     return root
 
@@ -393,7 +395,8 @@ def test_a_tokenizer_that_would_change_ids_is_refused(tmp_path: Path) -> None:
     import sentencepiece as spm
 
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n".join(["hello world, a sentencepiece test", "def f(x):  return  x * 2", "números 12345"] * 40))
+    lines = ["hello world, a sentencepiece test", "def f(x):  return  x * 2", "números 12345"]
+    corpus.write_text("\n".join(lines * 40))
     spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=120,
                                    hard_vocab_limit=False, minloglevel=2)  # fmt: skip
     # SentencePiece's default normaliser folds runs of spaces; the HF conversion keeps them
@@ -418,7 +421,8 @@ def test_export_tool_refuses_alibi_with_one_message(tmp_path: Path) -> None:
     config = GPTConfig(**dict(NEOX, pos_emb="alibi"))
     args = {"padded_vocab_size": 128, "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 48,
             "pos_emb": "alibi", "gpt_j_residual": True, "no_weight_tying": True, "tokenizer_type": "CharLevelTokenizer"}
-    write_weights_only_checkpoint(tmp_path / "ckpt", config=config, weights=random_weights(config), tp=1, pp=0, args=args)
+    weights = random_weights(config)
+    write_weights_only_checkpoint(tmp_path / "ckpt", config=config, weights=weights, tp=1, pp=0, args=args)
     proc = run_tool("convert_neox_to_hf.py", str(tmp_path / "ckpt"), str(tmp_path / "hf"))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "pos_emb: alibi" in proc.stderr and "Traceback" not in proc.stderr
