@@ -4,7 +4,8 @@ Two tiny models train 3 steps on dummy data, saving every step:
 
 * Llama style (rmsnorm, SwiGLU, 4 query / 2 key-value heads, untied head) at tp2 x pp2 (4 ranks);
 * GPT-NeoX style (layernorm, gelu, 25% rotary, parallel residual, tied head) at dp2 with ZeRO-1,
-  without the pipeline wrapper (2 ranks); the same on one rank with ZeRO-3.
+  without the pipeline wrapper (2 ranks); the same on one rank with ZeRO-3 (which also serves the
+  corrupt-file test).
 
 Their step-2 checkpoints are exported to transformers. The strongest check does not involve our
 model at all: the transformers model's loss on the step-3 batch must equal the loss the
@@ -46,6 +47,7 @@ NEOX = ("norm=layernorm", "rotary_pct=0.25", "gpt_j_residual=true")
 TP2PP2 = ("num_gpus=4", "model_parallel_size=2", "pipe_parallel_size=2", "zero_optimization={stage: 1}")
 DP2_PLAIN = ("num_gpus=2", "model_parallel_size=1", "pipe_parallel_size=0", "zero_optimization={stage: 1}")
 ONE_RANK = ("num_gpus=1", "model_parallel_size=1", "pipe_parallel_size=0", "zero_optimization={stage: 1}")
+ZERO3 = ("num_gpus=1", "model_parallel_size=1", "pipe_parallel_size=0", "zero_optimization={stage: 3}")
 TRAIN = ("hidden_dropout=0.0", "train_iters=3", "lr_decay_iters=3", "save=ckpt", "checkpoint_factor=1", "log_dir=logs")
 
 
@@ -76,9 +78,14 @@ def neox_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return train(tmp_path_factory.mktemp("neox"), *DP2_PLAIN, *NEOX)
 
 
-def test_zero3_checkpoint_exports_too(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train(tmp_path_factory.mktemp("zero3"), *ZERO3, *NEOX)
+
+
+def test_zero3_checkpoint_exports_too(zero3_run: Path, tmp_path: Path) -> None:
     """ZeRO-3 model files hold placeholders: the weights come from the optimizer shards."""
-    run = train(tmp_path, "num_gpus=1", "pipe_parallel_size=0", "zero_optimization={stage: 3}", *NEOX)
+    run = zero3_run
     assert not (run / "ckpt" / "global_step2" / "mp_rank_00_model_states.pt").exists()
     report = export_to_hf(run / "ckpt", tmp_path / "hf", iteration=2)
     assert report.max_logit_diff is not None
@@ -177,7 +184,7 @@ def test_fine_tuning_an_import_starts_from_its_weights(exports: dict[str, Path],
         "optimizer", "min_lr", "lr_decay_style", "warmup", "train_batch_size", "gradient_clipping", "weight_decay",
         "eval_interval", "eval_iters", "seed", "num_workers", "log_interval", "use_dummy_dataset"})  # fmt: skip
     (tmp_path / "model.yml").write_text(schedule + "\ntrain_iters: 1\nlr_decay_iters: 1\n")
-    proc = deepy_run(tmp_path, str(imported.config_file), "num_gpus=2", "zero_optimization={stage: 1}", "save=ft",
+    proc = deepy_run(tmp_path, str(imported.config_file), "num_gpus=1", "zero_optimization={stage: 1}", "save=ft",
                      "checkpoint_factor=1", "log_dir=logs", f"master_port={free_port()}", timeout=900)  # fmt: skip
     assert proc.returncode == 0, output(proc)[-4000:]
     assert "weights-only checkpoint (converted)" in output(proc)
@@ -220,13 +227,13 @@ def test_load_pointing_at_a_gpt_neox_checkpoint_stops_cleanly(tmp_path: Path, ne
     assert tree_digest(neox) == before
 
 
-def test_a_corrupt_file_in_a_committed_checkpoint_is_named(tmp_path: Path, neox_run: Path) -> None:
+def test_a_corrupt_file_in_a_committed_checkpoint_is_named(tmp_path: Path, zero3_run: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(neox_run / "ckpt", ckpt)
-    broken = ckpt / "global_step3" / "mp_rank_00_model_states.pt"
+    shutil.copytree(zero3_run / "ckpt", ckpt)
+    broken = ckpt / "global_step3" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
     broken.write_bytes(broken.read_bytes()[:1000])
     before = tree_digest(ckpt)
-    proc = deepy(tmp_path, *DP2_PLAIN, *NEOX, f"load={ckpt}", f"save={ckpt}", "checkpoint_factor=1",
+    proc = deepy(tmp_path, *ZERO3, *NEOX, f"load={ckpt}", f"save={ckpt}", "checkpoint_factor=1",
                  "train_iters=4", "lr_decay_iters=4")  # fmt: skip
     text = output(proc)
     assert proc.returncode == 2, text[-3000:]

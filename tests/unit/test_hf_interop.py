@@ -8,6 +8,7 @@ from configs in the test: nothing is downloaded.
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -239,6 +240,21 @@ def test_hf_to_ours_to_hf_is_identical(tmp_path: Path, kind: str) -> None:
         assert config_a.get(key) == config_b.get(key), key
 
 
+def test_bf16_export_writes_bf16_and_still_verifies(tmp_path: Path) -> None:
+    config = GPTConfig(**LLAMA)
+    weights = random_weights(config)
+    args = {"padded_vocab_size": 128, "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_kv_heads": 2,
+            "seq_length": 48, "pos_emb": "rotary", "norm": "rmsnorm", "activation": "swiglu", "intermediate_size": 96,
+            "no_weight_tying": True, "use_bias_in_attn_linear": False, "use_bias_in_mlp": False,
+            "rms_norm_epsilon": 1e-6, "tokenizer_type": "CharLevelTokenizer", "precision": "fp32"}  # fmt: skip
+    write_weights_only_checkpoint(tmp_path / "ckpt", config=config, weights=weights, tp=2, pp=0, args=args)
+    report = export_to_hf(tmp_path / "ckpt", tmp_path / "hf", precision="bf16", tokenizer=False)
+    assert report.dtype == torch.bfloat16 and report.max_logit_diff is not None
+    assert {t.dtype for t in load_file(tmp_path / "hf" / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert not (tmp_path / "hf" / "tokenizer.json").exists()
+
+
 def test_import_refuses_what_deepy_cannot_run(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -380,7 +396,12 @@ def test_exported_tokenizers_encode_like_ours(tmp_path: Path) -> None:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
     bpe.train_from_iterator([*SAMPLE_TEXTS, *(REPO / "README.md").read_text().splitlines()], trainer)
     bpe.save(str(tmp_path / "bpe.json"))
-    for files in (TokenizerFiles("CharLevelTokenizer"), TokenizerFiles("HFTokenizer", str(tmp_path / "bpe.json"))):
+    # a tiktoken ranks file: every byte, then merges (rank order = merge order)
+    merges = [b"he", b"ll", b"hell", b"hello", b" w", b"or", b" wor", b"ld", b" world", b"an", b" an", b"ce", b"ent"]
+    ranks = [bytes([b]) for b in range(256)] + merges
+    (tmp_path / "tiny.tiktoken").write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(ranks)))
+    for files in (TokenizerFiles("CharLevelTokenizer"), TokenizerFiles("HFTokenizer", str(tmp_path / "bpe.json")),
+                  TokenizerFiles("TiktokenTokenizer", str(tmp_path / "tiny.tiktoken"))):  # fmt: skip
         out = tmp_path / files.tokenizer_type
         tokens = export_tokenizer(files, out, 128)
         ours = build_tokenizer_from_files(files)
