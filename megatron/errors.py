@@ -47,6 +47,12 @@ class CheckpointError(DeepyError):
     kind = "checkpoint error"
 
 
+class ConversionError(DeepyError):
+    """A model that cannot be converted faithfully to or from another format (HF, GPT-NeoX)."""
+
+    kind = "conversion error"
+
+
 class UsageError(DeepyError):
     """A bad command line."""
 

@@ -142,17 +142,17 @@ def newest_committed(save_dir: Path) -> tuple[str | None, list[str]]:
     writing the files and the marker, or a hand-edited ``latest``) the newest committed one wins.
     """
     listing = list_checkpoints(save_dir)
-    warnings = [f"skipping incomplete checkpoint {save_dir / name} (no {COMMIT_MARKER} marker)"
-                for name in listing.incomplete]
     latest = read_latest(save_dir)
     if latest is not None and step_of(latest) in listing.committed:
-        return latest, warnings
-    if not listing.committed:
-        return None, warnings
-    fallback = tag_for(listing.steps[-1])
-    if latest is not None:
-        warnings.append(f"'latest' names {latest!r}, which is not a committed checkpoint; using {fallback}")
-    return fallback, warnings
+        chosen: str | None = latest
+    else:
+        chosen = tag_for(listing.steps[-1]) if listing.committed else None
+    using = f"; the last committed one is {chosen}" if chosen else "; there is no committed one"
+    warnings = [f"skipping incomplete checkpoint {save_dir / name} (no {COMMIT_MARKER} marker: its save was "
+                f"interrupted){using}" for name in listing.incomplete]  # fmt: skip
+    if chosen is not None and latest is not None and chosen != latest:
+        warnings.append(f"'latest' names {latest!r}, which is not a committed checkpoint; using {chosen}")
+    return chosen, warnings
 
 
 def remove_checkpoint(save_dir: Path, step: int) -> None:

@@ -13,6 +13,8 @@ if TYPE_CHECKING:
 class CheckpointConfig:
     save: str | None = None
     load: str | None = None
+    load_checkpoint: bool = True
+    """False: start fresh even when ``load`` is set (its contents are not looked at)."""
     checkpoint_factor: int | float | None = None
     checkpoint_scale: str = "linear"
     extra_save_iters: list[int] | None = None
@@ -40,6 +42,7 @@ class CheckpointConfig:
         return cls(
             save=args.save,
             load=args.load,
+            load_checkpoint=args.load_checkpoint,
             checkpoint_factor=args.checkpoint_factor,
             checkpoint_scale=args.checkpoint_scale,
             extra_save_iters=args.extra_save_iters,

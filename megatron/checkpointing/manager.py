@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron.checkpointing import commit
+from megatron.checkpointing import commit, discovery
 from megatron.checkpointing.preemption import PreemptionWatcher, collective_device
 from megatron.checkpointing.retention import (
     CheckpointKind,
@@ -81,6 +81,10 @@ def keep_rules(raw: list[dict[str, int]] | None) -> list[KeepRule]:
     return rules
 
 
+def _same_dir(a: Path, b: Path) -> bool:
+    return a.resolve() == b.resolve()
+
+
 class CheckpointManager:
     """Owns the save directory, the retention policy and the preemption flag of one run."""
 
@@ -100,9 +104,11 @@ class CheckpointManager:
         save_rng: bool = True,
         preemption: PreemptionWatcher | None = None,
         before_commit: BeforeCommit | None = None,
+        load_requested: bool = False,
     ) -> None:
         self.save_dir = Path(save) if save else None
         self.load_dir = Path(load) if load else None
+        self.load_requested = load_requested
         self.policy = policy
         self.args_dict = args_dict
         self.config_files = dict(config_files or {})
@@ -142,7 +148,7 @@ class CheckpointManager:
         )
         return cls(
             save=config.save,
-            load=config.load,
+            load=config.load if config.load_checkpoint else None,
             policy=policy,
             args_dict=args_record,
             config_files=config.config_files,
@@ -153,27 +159,71 @@ class CheckpointManager:
             no_load_rng=config.no_load_rng,
             save_rng=not config.no_save_rng,
             before_commit=before_commit,
+            load_requested=bool(config.load),
         )
 
     # --- load ----------------------------------------------------------------------------------
     def load(self, engine: Any) -> LoadResult:
-        """Resume from ``load`` if it holds a committed checkpoint, else initialize/fine-tune, else fresh."""
+        """Resume from ``load`` if it holds a committed checkpoint, else initialize/fine-tune, else fresh.
+
+        Loading is explicit: ``load`` holding anything but committed Deepy checkpoints is an error
+        naming what is there (see ``discovery``), except a missing/empty ``load`` that is also ``save``.
+        """
         rank = dist.get_rank() if dist.is_initialized() else 0
         resume_tag: str | None = None
         if self.load_dir is not None:
-            resume_tag, warnings = resolve_tag(self.load_dir, None if self.finetune else self.iteration)
-            if rank == 0:
-                for warning in warnings:
-                    log.warning(warning)
+            resume_tag = self._committed_tag(engine, rank)
 
         if self.finetune or (self.initialize_from is not None and resume_tag is None):
             return self._initialize(engine, rank)
 
         if resume_tag is None or self.load_dir is None:
+            self._check_fresh_start()
             if rank == 0 and self.load_dir is not None:
-                log.info("no committed checkpoint in %s: starting from scratch", self.load_dir)
+                log.info("%s is empty: this is the first run, starting from scratch", self.load_dir)
+            elif rank == 0 and self.load_requested:
+                log.info("load_checkpoint: false: not loading from `load`, starting from scratch")
             return LoadResult(loaded=False)
         return self._resume(engine, self.load_dir, resume_tag, rank)
+
+    def _committed_tag(self, engine: Any, rank: int) -> str | None:
+        """The tag to load from ``load``; None only for the first run of a ``save == load`` setup."""
+        assert self.load_dir is not None
+        found = discovery.inspect_load_dir(self.load_dir)
+        if found.kind == "deepy":
+            tag, warnings = resolve_tag(self.load_dir, None if self.finetune else self.iteration)
+            if rank == 0:
+                for warning in warnings:
+                    log.warning(warning)
+            return tag
+        first_run = found.kind in ("missing", "empty") and self.save_dir is not None and _same_dir(
+            self.save_dir, self.load_dir
+        )
+        if first_run or (found.kind in ("missing", "empty") and self.finetune):
+            return None  # fine-tuning reports its own missing source
+        layout = current_layout(engine)
+        raise CheckpointError(discovery.explain(found, layout.tp, layout.pp if layout.pipeline else 0))
+
+    def _check_fresh_start(self) -> None:
+        """A fresh run must not write into a save directory that holds another run's checkpoints:
+        its saves would be skipped as "already on disk" and mixed with them."""
+        if self.save_dir is None:
+            return
+        foreign = discovery.inspect_load_dir(self.save_dir)
+        if foreign.kind in ("gpt_neox", "hf_model"):
+            what = "a GPT-NeoX checkpoint" if foreign.kind == "gpt_neox" else "a Hugging Face model"
+            raise CheckpointError(f"save: {self.save_dir} holds {what}; writing Deepy checkpoints there would replace "
+                                  "its files (and its `latest`). Save to another directory.")
+        if self.load_dir is not None and _same_dir(self.save_dir, self.load_dir):
+            return
+        steps = commit.list_checkpoints(self.save_dir).steps
+        if steps:
+            why = "load_checkpoint: false" if self.load_dir is None and self.load_requested else "no load"
+            raise CheckpointError(
+                f"save: {self.save_dir} already holds committed checkpoints ({', '.join(map(str, steps[-5:]))}) and "
+                f"this run starts fresh ({why}): its checkpoints would collide with them. Save to a new "
+                f"directory, remove the old checkpoints, or set load: {self.save_dir} to resume them."
+            )
 
     def _initialize(self, engine: Any, rank: int) -> LoadResult:
         """Weights only (finetune / initialize_from), unless this run already saved its own."""
@@ -190,7 +240,10 @@ class CheckpointManager:
                 return self._resume(engine, self.save_dir, own_tag, rank)
         tag, _ = resolve_tag(source_dir, self.iteration if self.finetune else None)
         if tag is None:
-            raise CheckpointError(f"no committed checkpoint to initialize from in {source_dir}")
+            layout = current_layout(engine)
+            key = "initialize_from" if self.initialize_from is not None else "load"
+            found = discovery.inspect_load_dir(source_dir)
+            raise CheckpointError(discovery.explain(found, layout.tp, layout.pp if layout.pipeline else 0, key))
         result = load_checkpoint(engine, source_dir / tag, self.args_dict, LoadOptions(weights_only=True))
         self._report(rank, result, "initialized weights from")
         return result

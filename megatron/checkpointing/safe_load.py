@@ -45,23 +45,25 @@ FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 
 
 @contextlib.contextmanager
-def weights_only_loading(directory: str | os.PathLike[str] | None = None) -> Iterator[None]:
+def weights_only_loading(source: str | os.PathLike[str] | None = None) -> Iterator[None]:
     """Within the block every ``torch.load`` (DeepSpeed's included) is a weights-only load with
-    DeepSpeed's allow-list; a refused file becomes a :class:`CheckpointError` naming it (searched
-    for in ``directory``)."""
+    DeepSpeed's allow-list.
+
+    A failed load becomes a :class:`CheckpointError` naming the file, looked up in ``source`` (the
+    checkpoint directory being read, or the one file): one holding pickled code is refused, one
+    torch cannot parse (truncated, overwritten, bit-flipped) is reported as corrupt.
+    """
     previous = os.environ.get(FORCE_WEIGHTS_ONLY)
     os.environ[FORCE_WEIGHTS_ONLY] = "1"  # read by torch.load on every call
     try:
         with torch.serialization.safe_globals(_deepspeed_safe_globals()):
             yield
-    except Exception as err:  # noqa: BLE001 - torch raises UnpicklingError (or wraps it)
-        if "Weights only load failed" not in str(err) and "Unsupported global" not in str(err):
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ...
+        if not _is_file_problem(err):
             raise
-        name, unsafe = _refused_file(directory)
-        raise CheckpointError(
-            f"refusing to load {name}: it contains pickled objects outside the allow-list "
-            f"({', '.join(unsafe) or 'unknown'}); loading them could run arbitrary code"
-        ) from err
+        raise _explain(err, source) from err
     finally:
         if previous is None:
             os.environ.pop(FORCE_WEIGHTS_ONLY, None)
@@ -69,16 +71,42 @@ def weights_only_loading(directory: str | os.PathLike[str] | None = None) -> Ite
             os.environ[FORCE_WEIGHTS_ONLY] = previous
 
 
-def _refused_file(directory: str | os.PathLike[str] | None) -> tuple[str, list[str]]:
-    """The first file under ``directory`` holding globals outside the allow-list, for the message."""
-    if directory is None:
-        return "a checkpoint file", []
+def _is_file_problem(err: BaseException) -> bool:
+    import pickle
+
+    text = str(err)
+    return isinstance(err, (pickle.UnpicklingError, EOFError)) or any(
+        marker in text for marker in ("Weights only load failed", "Unsupported global", "PytorchStreamReader",
+                                      "zip archive", "central directory", "invalid load key")
+    )
+
+
+def _explain(err: BaseException, source: str | os.PathLike[str] | None) -> CheckpointError:
+    """Which file under ``source`` could not be read, and why."""
     allowed = {f"{c.__module__}.{c.__qualname__}" for c in _deepspeed_safe_globals()}
-    for path in sorted(Path(directory).rglob("*.pt")):
+    root = Path(source) if source is not None else None
+    files = [] if root is None else ([root] if root.is_file() else sorted(root.rglob("*.pt")))
+    for path in files:
         unsafe = [g for g in _unsafe_globals(path) if g not in allowed]
         if unsafe:
-            return str(path), unsafe
-    return f"a file in {directory}", []
+            return CheckpointError(
+                f"refusing to load {path}: it contains pickled objects outside the allow-list "
+                f"({', '.join(unsafe)}); loading them could run arbitrary code"
+            )
+    for path in files:
+        try:
+            with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+                torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as bad:  # noqa: BLE001
+            detail = (str(bad).splitlines() or [""])[0]
+            if "Weights only load failed" in detail:  # torch's advice to unpickle blindly does not apply
+                detail = "not a torch checkpoint"
+            return CheckpointError(
+                f"checkpoint file {path} is corrupt or truncated and cannot be read ({type(bad).__name__}: "
+                f"{detail[:160]}); restore it, or load another checkpoint (iteration: N)"
+            )
+    where = f" in {root}" if root is not None else ""
+    return CheckpointError(f"a checkpoint file{where} cannot be read: {type(err).__name__}: {str(err)[:300]}")
 
 
 def _unsafe_globals(f: Any) -> list[str]:

@@ -52,6 +52,8 @@ META_FILE = "deepy_meta.json"
 RNG_DIR = "deepy_rng"
 CONFIGS_DIR = "configs"
 CLIENT_KEY = "deepy"
+WEIGHTS_ONLY_KEY = "weights_only"
+"""``deepy_meta.json`` flag of a converted checkpoint: module weights only, no optimizer or RNG files."""
 FORMAT_VERSION = 1
 
 # Arguments that fix the shape of the weights: a checkpoint with other values cannot be loaded.
@@ -291,6 +293,8 @@ def load_checkpoint(
         raise CheckpointError(
             f"checkpoint {ckpt_dir} was saved for another model shape:\n  " + "\n  ".join(mismatched)
         )
+    if meta.get(WEIGHTS_ONLY_KEY):
+        return _load_weights_only(engine, ckpt_dir, meta, saved, layout, options)
     result = LoadResult(loaded=True, path=ckpt_dir)
     source = ckpt_dir
     universal = needs_universal(saved, layout)
@@ -341,6 +345,36 @@ def load_checkpoint(
             result.notes.append(f"RNG state missing for rank {rank}; continuing with the seeded streams")
     else:
         result.notes.append("RNG state not loaded (no_load_rng)")
+    return result
+
+
+def _load_weights_only(
+    engine: Any, ckpt_dir: Path, meta: dict[str, Any], saved: Layout, layout: Layout, options: LoadOptions
+) -> LoadResult:
+    """A checkpoint written by a converter: module weights only, at the tp/pp it was written for.
+
+    Any data parallelism and ZeRO stage 0-2 can read it (DeepSpeed rebuilds its fp32 copies from
+    the module); resuming keeps the stored iteration but the optimizer starts fresh.
+    """
+    problems = []
+    if (saved.tp, saved.pp, saved.pipeline) != (layout.tp, layout.pp, layout.pipeline):
+        want_pp = saved.pp if saved.pipeline else 0
+        problems.append(
+            f"it holds weights only, written for model_parallel_size {saved.tp} and pipe_parallel_size {want_pp}; "
+            f"this run is at {layout}. Run with those sizes, or convert the source again with --tp/--pp for this run"
+            + (f" ({meta['converted_from']})" if meta.get("converted_from") else "")
+        )
+    if layout.zero_stage == 3:
+        problems.append("ZeRO stage 3 cannot read a weights-only checkpoint (DeepSpeed rebuilds ZeRO-3 weights from "
+                        "optimizer shards, which it does not have); use stage 0-2 for this first run")
+    if problems:
+        raise CheckpointError(f"cannot load {ckpt_dir}: " + "; ".join(problems))
+    _engine_load(engine, ckpt_dir, False, LoadOptions(weights_only=True))
+    result = LoadResult(loaded=True, path=ckpt_dir)
+    result.notes.append("weights-only checkpoint (converted): optimizer and LR-scheduler state start fresh")
+    if not options.weights_only:
+        result.iteration = int(meta["iteration"])
+        result.consumed_samples = int(meta["consumed_samples"])
     return result
 
 

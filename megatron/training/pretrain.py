@@ -101,9 +101,8 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
                                             before_commit=before_commit)
     ckpt = CheckpointHooks(manager, validate=validation_loss if run.checkpoint.validate_with_forward_pass else None)
     ckpt.attach_model(eng, run.parallel.tensor)
-    state = TrainState()
-    if run.checkpoint.load or run.checkpoint.initialize_from:
-        state = ckpt.load(eng, state)
+    # also without `load`: a fresh start refuses a `save` directory that already holds a run
+    state = ckpt.load(eng, TrainState())
 
     micro = MicroBatchIterator(splits.train, state.consumed_samples, **layout)
     pipe = pipe_batches(micro, eod, device) if eng.is_pipe else None

@@ -177,7 +177,13 @@ class TrainingArgs(ArgGroup):
     """The run's config files (name -> text), stored with checkpoints; filled in by the loader."""
 
     load: str | None = None
-    """Directory to resume or start from; the latest committed checkpoint in it is loaded."""
+    """Directory to resume or start from; the latest committed checkpoint in it is loaded. Anything
+    else there (a GPT-NeoX or Hugging Face checkpoint, only incomplete saves, other files) is an
+    error naming what was found; a missing or empty `load` is accepted only when it is also `save`."""
+
+    load_checkpoint: bool = True
+    """Resume (or fine-tune) from `load`; false starts fresh even when `load` is set (Deepy's own
+    key: the explicit way to ignore a `load` directory)."""
 
     checkpoint_validation_with_forward_pass: bool = False
     """After saving, reload the checkpoint and check one forward pass gives the same logits."""

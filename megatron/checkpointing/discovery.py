@@ -1,0 +1,132 @@
+"""What a ``load`` directory holds, and what to tell the user when it is not a Deepy checkpoint.
+
+Loading is explicit: a run given ``load`` resumes from a committed Deepy checkpoint there, or stops
+with a message naming what it found instead. Starting fresh is something the user asks for
+(``load_checkpoint: false`` or no ``load``), with one exception: ``load`` equal to ``save`` and
+still missing or empty is the first run of a resumable setup.
+
+Only the file system is looked at (names and markers, no tensors), so every rank reaches the same
+verdict without communicating.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from megatron.checkpointing import commit
+
+FoundKind = Literal["missing", "empty", "deepy", "deepy_tag", "incomplete", "gpt_neox", "hf_model", "other"]
+
+META_FILE = "deepy_meta.json"
+DEEPSPEED_MODEL_FILE = re.compile(r"^(mp_rank_\d+_model_states\.pt|layer_\d+-model_\d+-model_states\.pt)$")
+# files DeepSpeed drops into every save directory; on their own they are not a checkpoint
+_HELPERS = {"zero_to_fp32.py", "zero_to_torch.py", commit.LATEST_FILE, "latest_universal"}
+IMPORT_TOOL = "tools/ckpts/convert_hf_to_neox.py"
+
+
+@dataclass(frozen=True)
+class Found:
+    kind: FoundKind
+    path: Path
+    committed: list[int] = field(default_factory=list)
+    incomplete: list[str] = field(default_factory=list)
+    foreign_tag: Path | None = None
+    """The GPT-NeoX checkpoint (``global_stepN``) a GPT-NeoX save directory would load."""
+    entries: list[str] = field(default_factory=list)
+
+
+def is_deepspeed_dir_without_meta(path: Path) -> bool:
+    """DeepSpeed model files but no Deepy metadata: a GPT-NeoX (DeeperSpeed) checkpoint."""
+    if not path.is_dir() or (path / META_FILE).exists():
+        return False
+    return any(DEEPSPEED_MODEL_FILE.match(p.name) for p in path.iterdir())
+
+
+def find_gpt_neox_tag(path: Path) -> Path | None:
+    """The checkpoint GPT-NeoX would load from ``path``: itself, the tag ``latest`` names, or the newest tag."""
+    if is_deepspeed_dir_without_meta(path):
+        return path
+    latest = path / commit.LATEST_FILE
+    if latest.is_file():
+        named = path / latest.read_text(encoding="utf-8").strip()
+        if is_deepspeed_dir_without_meta(named):
+            return named
+    tags = sorted((step, p) for p in path.iterdir() if (step := commit.step_of(p.name)) is not None)
+    for _, tag in reversed(tags):
+        if is_deepspeed_dir_without_meta(tag):
+            return tag
+    return None
+
+
+def inspect_load_dir(path: Path) -> Found:
+    if not path.exists():
+        return Found("missing", path)
+    if not path.is_dir():
+        return Found("other", path, entries=[path.name])
+    if (path / META_FILE).is_file():
+        return Found("deepy_tag", path)
+    listing = commit.list_checkpoints(path)
+    if listing.committed:
+        return Found("deepy", path, committed=listing.steps, incomplete=listing.incomplete)
+    neox = find_gpt_neox_tag(path)
+    if neox is not None:
+        return Found("gpt_neox", path, foreign_tag=neox)
+    weights = any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
+    if (path / "config.json").is_file() and weights:
+        return Found("hf_model", path)
+    if listing.incomplete:
+        return Found("incomplete", path, incomplete=listing.incomplete)
+    entries = sorted(p.name for p in path.iterdir() if p.name not in _HELPERS)
+    if not entries:
+        return Found("empty", path)
+    return Found("other", path, entries=entries)
+
+
+def _fresh_start_hint() -> str:
+    return "set load_checkpoint: false (or remove load) to start fresh instead"
+
+
+def explain(found: Found, tp: int, pp: int, key: str = "load") -> str:
+    """The error message for a ``load`` (or ``initialize_from``) that holds no committed Deepy checkpoint."""
+    where = f"{key}: {found.path}"
+    if found.kind == "missing":
+        return f"{where} does not exist, so there is nothing to resume from; fix the path, or {_fresh_start_hint()}"
+    if found.kind == "empty":
+        return f"{where} is empty, so there is nothing to resume from; fix the path, or {_fresh_start_hint()}"
+    if found.kind == "deepy_tag":
+        step = commit.step_of(found.path.name)
+        pick = f" and iteration: {step}" if step is not None else ""
+        return (f"{where} is one checkpoint, not a save directory: set {key}: {found.path.parent}{pick} "
+                f"({key} names the directory that holds the global_stepN checkpoints)")  # fmt: skip
+    if found.kind == "gpt_neox":
+        assert found.foreign_tag is not None
+        out = f"{found.path.resolve()}_deepy"
+        return (
+            f"{where} is a GPT-NeoX (DeeperSpeed) checkpoint ({found.foreign_tag.name}: DeepSpeed model files, no "
+            f"{META_FILE}), which Deepy does not load directly. Convert it once:\n"
+            f"  python {IMPORT_TOOL} {found.foreign_tag} {out} --tp {tp} --pp {pp}\n"
+            f"then set {key}: {out} (the converter also writes {out}/deepy_model.yml with the matching model keys)"
+        )
+    if found.kind == "hf_model":
+        out = f"{found.path.resolve()}_deepy"
+        return (
+            f"{where} is a Hugging Face model directory, which Deepy does not load directly. Convert it once:\n"
+            f"  python {IMPORT_TOOL} {found.path} {out} --tp {tp} --pp {pp}\n"
+            f"then fine-tune from {key}: {out} (see {out}/deepy_model.yml)"
+        )
+    if found.kind == "incomplete":
+        names = ", ".join(found.incomplete)
+        return (
+            f"{where} holds no committed checkpoint: {names} {'is' if len(found.incomplete) == 1 else 'are'} "
+            f"incomplete (no {commit.COMMIT_MARKER} marker: the save was interrupted) and there is no earlier "
+            f"committed one to fall back to. Remove {'it' if len(found.incomplete) == 1 else 'them'}, or "
+            f"{_fresh_start_hint()}"
+        )
+    shown = ", ".join(found.entries[:8]) + (", ..." if len(found.entries) > 8 else "")
+    return (
+        f"{where} holds no Deepy checkpoint (found: {shown}); a Deepy save directory contains global_stepN/ "
+        f"checkpoints with a {commit.COMMIT_MARKER} marker. Fix the path, or {_fresh_start_hint()}"
+    )

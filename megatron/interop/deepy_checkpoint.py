@@ -1,0 +1,278 @@
+"""Full (unsharded) weights of a Deepy checkpoint at any layout, and weights-only checkpoints at a chosen one.
+
+Reading: the model files DeepSpeed wrote for each tensor-parallel rank are merged with the model's
+own partition patterns (``megatron.model.partitioning``), the inverse of the sharding every run
+starts from (``mpu.initialize_weights.shard_tensor``):
+
+* plain model (``pipe_parallel_size: 0``): ``mp_rank_<tp>_model_states.pt["module"]``, canonical names;
+* pipeline model: ``layer_<spec>-model_<tp>-model_states.pt`` per layer spec, renamed with
+  ``pipeline.model_parameter_name`` (the tied head has no file of its own: it is spec 0's embedding);
+* ZeRO-3 (tp = 1): the module files hold placeholders; DeepSpeed's ``zero_to_fp32`` rebuilds the weights
+  from the optimizer shards.
+
+Writing: the same files for a chosen tp/pp, module weights only (no optimizer or RNG files),
+plus ``deepy_meta.json`` marked ``weights_only`` and the commit marker. DeepSpeed's module-only
+load (fine-tuning) reads exactly these files: the first run after a conversion starts its optimizer
+fresh. DeepSpeed has no offline writer for its checkpoint layout, hence the few lines that
+produce it here; ``tests/e2e/test_hf_interop.py`` loads them through a real DeepSpeed engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron.checkpointing import commit
+from megatron.checkpointing.safe_load import weights_only_loading
+from megatron.checkpointing.save_load import CONFIGS_DIR, FORMAT_VERSION, META_FILE, WEIGHTS_ONLY_KEY, read_meta
+from megatron.checkpointing.universal import Layout
+from megatron.errors import CheckpointError, ConversionError
+from megatron.model.config import GPTConfig
+from megatron.model.partitioning import tp_partition_of
+from megatron.model.pipeline import model_parameter_name
+from megatron.mpu.initialize_weights import shard_tensor, unshard_tensors
+
+Weights = dict[str, torch.Tensor]
+
+_LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+
+
+@dataclass(frozen=True)
+class FullCheckpoint:
+    path: Path
+    config: GPTConfig
+    weights: Weights
+    iteration: int
+    args: dict[str, Any]
+    """The arguments stored with the checkpoint (tokenizer, precision, ...)."""
+
+
+# --- which checkpoint --------------------------------------------------------------------------
+def resolve_checkpoint(path: Path, iteration: int | None = None) -> Path:
+    """A tag directory as given, or the newest (or ``iteration``'s) committed checkpoint of a save directory."""
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist")
+    if (path / META_FILE).is_file():
+        if not commit.is_committed(path):
+            raise CheckpointError(f"{path} is an incomplete checkpoint (no {commit.COMMIT_MARKER} marker): its save "
+                                  "was interrupted; convert a committed one")
+        return path
+    if iteration is not None:
+        tag = commit.tag_for(iteration)
+        if not commit.is_committed(path / tag):
+            steps = ", ".join(map(str, commit.list_checkpoints(path).steps)) or "none"
+            raise CheckpointError(f"{path} has no committed checkpoint for iteration {iteration}; committed: {steps}")
+        return path / tag
+    tag, _ = commit.newest_committed(path)
+    if tag is None:
+        raise CheckpointError(f"{path} holds no committed Deepy checkpoint")
+    return path / tag
+
+
+def gpt_config_from_args(args: dict[str, Any]) -> GPTConfig:
+    """The architecture stored with a checkpoint (its resolved arguments), in fp32.
+
+    The same fields ``GPTConfig.from_neox_args`` reads, taken by name from the stored dict; unset
+    (None) values keep the config's defaults.
+    """
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(GPTConfig):
+        if field.name == "params_dtype":
+            continue
+        value = args.get(field.name)
+        if value is not None:
+            values[field.name] = value
+    if args.get("train_impl") == "rm":
+        values.setdefault("value_head", True)
+    if values.get("padded_vocab_size") is None:
+        raise CheckpointError("the checkpoint's arguments have no padded_vocab_size")
+    return GPTConfig(**values, params_dtype=torch.float32)
+
+
+# --- reading ---------------------------------------------------------------------------------
+def _load(path: Path) -> Any:
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    with weights_only_loading(path):
+        return torch.load(path, map_location="cpu")
+
+
+def _plain_shards(ckpt: Path, layout: Layout) -> dict[str, list[torch.Tensor]]:
+    shards: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for tp_rank in range(layout.tp):
+        state = _load(ckpt / f"mp_rank_{tp_rank:02d}_model_states.pt")
+        module = state.get("module") if isinstance(state, dict) else None
+        if not isinstance(module, dict) or not module:
+            raise CheckpointError(f"{ckpt / f'mp_rank_{tp_rank:02d}_model_states.pt'} holds no model weights")
+        for name, tensor in module.items():
+            shards[name].append(tensor)
+    return shards
+
+
+def _pipeline_shards(ckpt: Path, layout: Layout) -> dict[str, list[torch.Tensor]]:
+    files: dict[int, dict[int, Path]] = defaultdict(dict)
+    for file in ckpt.iterdir():
+        match = _LAYER_FILE.match(file.name)
+        if match:
+            files[int(match.group(1))][int(match.group(2))] = file
+    if not files:
+        raise CheckpointError(f"{ckpt} has no layer_*-model_*-model_states.pt files for its pipeline layout")
+    shards: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for index in sorted(files):
+        for tp_rank in range(layout.tp):
+            file = files[index].get(tp_rank)
+            if file is None:
+                raise CheckpointError(f"{ckpt / f'layer_{index:02d}-model_{tp_rank:02d}-model_states.pt'} is missing")
+            for name, tensor in _load(file).items():
+                shards[model_parameter_name(f"{index}.{name}")].append(tensor)
+    return shards
+
+
+def _zero3_weights(ckpt: Path, layout: Layout) -> Weights:
+    if layout.tp != 1:
+        raise ConversionError(f"{ckpt}: reading a ZeRO-3 checkpoint saved with tensor parallelism (tp={layout.tp}) "
+                              "is not supported; resume it at ZeRO stage 1 or 2 and save again")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with weights_only_loading(ckpt):
+        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+    return dict(state)
+
+
+def merge_tp_shards(config: GPTConfig, shards: dict[str, list[torch.Tensor]]) -> Weights:
+    """Full tensors from every tp rank's shard (replicated ones: rank 0's copy)."""
+    full: Weights = {}
+    for name, parts in shards.items():
+        partition = tp_partition_of(config, name)
+        if partition is None or len(parts) == 1:
+            full[name] = parts[0]
+        else:
+            full[name] = unshard_tensors(parts, partition.dim, partition.sections)
+    return full
+
+
+def read_checkpoint_config(ckpt: Path) -> tuple[GPTConfig, dict[str, Any]]:
+    """Architecture and stored arguments of a committed checkpoint (tag) directory, without its tensors."""
+    args = dict(read_meta(ckpt).get("args") or {})
+    return gpt_config_from_args(args), args
+
+
+def read_full_checkpoint(path: Path, iteration: int | None = None) -> FullCheckpoint:
+    """The full weights of a committed Deepy checkpoint (a save directory or one tag directory)."""
+    ckpt = resolve_checkpoint(path, iteration)
+    meta = read_meta(ckpt)
+    layout = Layout.from_dict(meta["layout"])
+    config, args = read_checkpoint_config(ckpt)
+    if layout.zero_stage == 3 and not meta.get(WEIGHTS_ONLY_KEY):
+        weights = _zero3_weights(ckpt, layout)
+    else:
+        shards = _pipeline_shards(ckpt, layout) if layout.pipeline else _plain_shards(ckpt, layout)
+        weights = merge_tp_shards(config, shards)
+    return FullCheckpoint(path=ckpt, config=config, weights=weights, iteration=int(meta["iteration"]), args=args)
+
+
+# --- writing ---------------------------------------------------------------------------------
+def pipeline_location(name: str, num_layers: int) -> tuple[int, str]:
+    """(layer spec index, name inside that layer) of a canonical parameter: the inverse of
+    ``pipeline.model_parameter_name`` for the specs ``pipeline_layer_specs`` builds."""
+    if name.startswith("embedding."):
+        return 0, name.removeprefix("embedding.")
+    if name.startswith("layers."):
+        _, index, rest = name.split(".", 2)
+        return int(index) + 1, rest
+    if name.startswith("final_norm."):
+        return num_layers + 1, name
+    if name.startswith(("output_layer.", "value_head.")):
+        return num_layers + 2, name
+    raise ConversionError(f"parameter {name!r} has no place in the pipeline layers")
+
+
+def shard_for_tp(config: GPTConfig, weights: Weights, tp: int) -> list[Weights]:
+    """Each tp rank's part of every weight (replicated weights whole on every rank)."""
+    config.check_tensor_parallel(tp)
+    ranks: list[Weights] = [{} for _ in range(tp)]
+    for name, tensor in weights.items():
+        partition = tp_partition_of(config, name)
+        for rank in range(tp):
+            if partition is None:
+                ranks[rank][name] = tensor
+            else:
+                ranks[rank][name] = shard_tensor(tensor, partition.dim, rank, tp, partition.sections).clone()
+    return ranks
+
+
+def _engine_state(module: Weights | None, step: int, consumed_samples: int, mp_world_size: int) -> dict[str, Any]:
+    """What DeepSpeed's module-only load reads from ``mp_rank_XX_model_states.pt`` (0.19.8)."""
+    import deepspeed
+
+    return {
+        "module": module, "buffer_names": [], "optimizer": None, "param_shapes": None,
+        "frozen_param_shapes": None, "shared_params": None, "frozen_param_fragments": None,
+        "lr_scheduler": None, "data_sampler": None, "random_ltd": None, "skipped_steps": 0,
+        "global_steps": step, "global_samples": consumed_samples, "dp_world_size": 1,
+        "mp_world_size": mp_world_size, "ds_config": {}, "ds_version": deepspeed.__version__,
+    }  # fmt: skip
+
+
+def write_weights_only_checkpoint(
+    save_dir: Path,
+    *,
+    config: GPTConfig,
+    weights: Weights,
+    tp: int,
+    pp: int,
+    step: int = 0,
+    consumed_samples: int = 0,
+    args: dict[str, Any],
+    config_files: dict[str, str] | None = None,
+    source: str = "",
+) -> Path:
+    """A committed Deepy checkpoint ``<save_dir>/global_step<step>`` of ``weights`` at tp/pp
+    (``pp = 0``: the plain model; ``pp >= 1``: pipeline layers, which load at any pp)."""
+    if tp < 1 or pp < 0:
+        raise ConversionError(f"--tp must be >= 1 and --pp >= 0 (got tp={tp}, pp={pp})")
+    if pp > config.num_layers:
+        raise ConversionError(f"--pp {pp} exceeds num_layers={config.num_layers}")
+    ckpt = save_dir / commit.tag_for(step)
+    if ckpt.exists():
+        raise ConversionError(f"{ckpt} already exists; choose an empty --output directory")
+    ckpt.mkdir(parents=True)
+    per_rank = shard_for_tp(config, weights, tp)
+    stages = max(pp, 1)
+    if pp == 0:
+        for rank, module in enumerate(per_rank):
+            torch.save(_engine_state(module, step, consumed_samples, tp), ckpt / f"mp_rank_{rank:02d}_model_states.pt")
+    else:
+        for rank, module in enumerate(per_rank):
+            layers: dict[int, Weights] = defaultdict(dict)
+            for name, tensor in module.items():
+                index, local = pipeline_location(name, config.num_layers)
+                layers[index][local] = tensor
+            for index, state in sorted(layers.items()):
+                torch.save(state, ckpt / f"layer_{index:02d}-model_{rank:02d}-model_states.pt")
+        # DeepSpeed numbers a pipeline's model-parallel files stage-major: stage * tp + tp rank
+        for mp_rank in range(stages * tp):
+            state = _engine_state(None, step, consumed_samples, stages * tp)
+            torch.save(state, ckpt / f"mp_rank_{mp_rank:02d}_model_states.pt")
+    layout = Layout(tp=tp, pp=stages, dp=1, zero_stage=0, pipeline=pp >= 1)
+    meta = {
+        "format": FORMAT_VERSION, "iteration": step, "consumed_samples": consumed_samples, "kind": "permanent",
+        "layout": layout.to_dict(), "world_size": tp * stages, "extra": {}, "universal_info": None,
+        "args": args, WEIGHTS_ONLY_KEY: True, "converted_from": source,
+    }  # fmt: skip
+    (ckpt / META_FILE).write_text(json.dumps(meta, indent=1, default=str), encoding="utf-8")
+    if config_files:
+        (ckpt / CONFIGS_DIR).mkdir()
+        for name, text in config_files.items():
+            (ckpt / CONFIGS_DIR / Path(name).name).write_text(text, encoding="utf-8")
+    commit.write_commit_marker(ckpt, commit.CommitInfo(step=step, kind="permanent", time=time.time()))
+    commit.write_latest(save_dir, ckpt.name)
+    return ckpt

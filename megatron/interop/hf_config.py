@@ -1,0 +1,286 @@
+"""Our architecture (``GPTConfig``) in ``transformers``' terms and back.
+
+Which HF class can run a model is decided here, and only from our config:
+
+* ``norm: layernorm`` + a plain (not gated) activation + rotary  -> ``GPTNeoXForCausalLM``
+  (partial rotary via ``partial_rotary_factor``, GPT-J parallel residual, tied or untied head);
+* ``norm: rmsnorm`` + a gated activation + full rotary            -> ``LlamaForCausalLM``
+  (grouped-query attention, optional attention / MLP biases);
+* the same with a sliding window on every layer                   -> ``MistralForCausalLM``.
+
+Everything else is refused with the feature named (ALiBi, learned or relative positions,
+scalenorm, query/key norms, ...): a conversion that silently changes the maths is the failure this
+module exists to prevent. Every field of the HF config is set from ours, never left at an HF
+default (``intermediate_size`` taken from a default is how GPT-NeoX conversions went wrong before).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from megatron.errors import ConversionError
+from megatron.model.activations import get_activation
+from megatron.model.config import GPTConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+HFArchitecture = Literal["GPTNeoXForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"]
+
+# our activation -> the name in transformers' ACT2FN computing exactly the same function
+PLAIN_ACTIVATIONS: dict[str, str] = {"gelu": "gelu", "relu": "relu", "silu": "silu", "swish": "silu", "mish": "mish"}
+"""Non-gated activations GPTNeoXForCausalLM can run (HF "gelu" is the exact erf GELU, like ours)."""
+GATED_ACTIVATIONS: dict[str, str] = {
+    "swiglu": "silu", "geglu": "gelu", "reglu": "relu", "glu": "sigmoid", "bilinear": "linear",
+}  # fmt: skip
+"""Gated activations as Llama's act(gate_proj(x)) * up_proj(x)."""
+
+_LOCAL = "local"
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """Token ids the HF config names: GPT-NeoX uses its end-of-document token as bos and eos."""
+
+    bos: int | None
+    eos: int | None
+    pad: int | None
+
+
+def rotary_factor(config: GPTConfig) -> float:
+    """``partial_rotary_factor`` that makes HF rotate exactly our ``rotary_dim`` dimensions."""
+    return config.rotary_dim / config.head_dim
+
+
+def _sliding_window(config: GPTConfig) -> int | None:
+    windows = {config.attention_window(i) for i in range(config.num_layers)}
+    if windows == {None}:
+        return None
+    return next(w for w in windows if w is not None)
+
+
+def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list[str]]:
+    """The HF class for this architecture, and every feature that class cannot reproduce."""
+    problems: list[str] = []
+    if config.value_head:
+        problems.append("value_head (train_impl: rm): a reward model's value head has no causal-LM equivalent")
+    if config.pos_emb != "rotary":
+        problems.append(
+            f"pos_emb: {config.pos_emb} (GPTNeoX, Llama and Mistral in transformers use rotary positions only)"
+        )
+    if config.use_qk_layernorm:
+        problems.append("use_qk_layernorm: true (GPTNeoX, Llama and Mistral have no query/key norm)")
+    if config.opt_pos_emb_offset and config.pos_emb == "learned":
+        problems.append(f"opt_pos_emb_offset: {config.opt_pos_emb_offset}")
+    kinds = {_LOCAL if config.attention_window(i) is not None else "global" for i in range(config.num_layers)}
+    if len(kinds) > 1:
+        problems.append(
+            "attention_config mixes sliding-window (local) and global layers (Mistral applies one window to all)"
+        )
+    window = _sliding_window(config)
+    factor = rotary_factor(config)
+    if int(config.head_dim * factor) != config.rotary_dim:
+        problems.append(f"rotary_pct: {config.rotary_pct} (rotary_dim {config.rotary_dim} is not expressible)")
+
+    norm = config.norm.removeprefix("te_")
+    gated = get_activation(config.activation).gated
+    arch: HFArchitecture | None = None
+    if norm == "layernorm":
+        arch = "GPTNeoXForCausalLM"
+        if config.activation not in PLAIN_ACTIVATIONS:
+            problems.append(
+                f"activation: {config.activation} (GPTNeoXForCausalLM's MLP is not gated and runs one of "
+                f"{sorted(PLAIN_ACTIVATIONS)}; a gated MLP exports as Llama, which needs norm: rmsnorm)"
+            )
+        if config.kv_heads != config.num_attention_heads:
+            problems.append(f"num_kv_heads: {config.kv_heads} (GPTNeoXForCausalLM has no grouped-query attention)")
+        if window is not None:
+            problems.append(f"sliding_window_width: {window} (GPTNeoXForCausalLM has no sliding-window attention)")
+    elif norm == "rmsnorm":
+        arch = "MistralForCausalLM" if window is not None else "LlamaForCausalLM"
+        if config.activation not in GATED_ACTIVATIONS:
+            kind = "a plain activation" if not gated else "this gated activation"
+            problems.append(
+                f"activation: {config.activation} ({kind} has no equivalent in {arch}'s gated MLP; use one of "
+                f"{sorted(GATED_ACTIVATIONS)})"
+            )
+        if config.gpt_j_residual:
+            problems.append(f"gpt_j_residual: true ({arch} layers are sequential)")
+        if config.rotary_dim != config.head_dim:
+            problems.append(f"rotary_pct: {config.rotary_pct} ({arch} rotates every dimension of a head)")
+        if arch == "MistralForCausalLM" and (config.use_bias_in_attn_linear or config.use_bias_in_mlp):
+            problems.append(
+                "use_bias_in_attn_linear / use_bias_in_mlp: true with sliding_window_width (MistralForCausalLM has "
+                "no biases; set both to false)"
+            )
+    else:
+        problems.append(
+            f"norm: {config.norm} (only layernorm -> GPTNeoXForCausalLM and rmsnorm -> LlamaForCausalLM/"
+            "MistralForCausalLM have an equivalent)"
+        )
+    return arch, problems
+
+
+def choose_architecture(config: GPTConfig) -> HFArchitecture:
+    arch, problems = unsupported_features(config)
+    if problems or arch is None:
+        raise ConversionError(
+            "this model has no faithful Hugging Face transformers equivalent:\n  - " + "\n  - ".join(problems)
+        )
+    return arch
+
+
+def _rope(config: GPTConfig, partial: bool) -> dict[str, Any]:
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.rotary_emb_base)}
+    if partial:
+        rope["partial_rotary_factor"] = rotary_factor(config)
+    return rope
+
+
+def hf_config_from_gpt(config: GPTConfig, tokens: SpecialTokens, dtype: torch.dtype) -> "PretrainedConfig":
+    """The ``transformers`` config of the class ``choose_architecture`` picks, every field from ours."""
+    arch = choose_architecture(config)
+    assert config.max_position_embeddings is not None
+    common: dict[str, Any] = dict(
+        architectures=[arch],
+        vocab_size=config.padded_vocab_size,  # padding rows included: they are rows of the trained matrix
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads,
+        intermediate_size=config.ffn_hidden_size,  # for gated MLPs: the width of each half
+        max_position_embeddings=config.max_position_embeddings,
+        initializer_range=config.init_method_std,
+        attention_dropout=config.attention_dropout,
+        tie_word_embeddings=not config.no_weight_tying,
+        use_cache=True,
+        bos_token_id=tokens.bos,
+        eos_token_id=tokens.eos,
+        pad_token_id=tokens.pad,
+        dtype=dtype,
+    )
+    if arch == "GPTNeoXForCausalLM":
+        from transformers import GPTNeoXConfig
+
+        return GPTNeoXConfig(
+            **common,
+            hidden_act=PLAIN_ACTIVATIONS[config.activation],
+            hidden_dropout=config.hidden_dropout,
+            classifier_dropout=config.hidden_dropout,
+            layer_norm_eps=config.layernorm_epsilon,
+            use_parallel_residual=config.gpt_j_residual,
+            rope_parameters=_rope(config, partial=True),
+            attention_bias=config.use_bias_in_attn_linear,
+            is_decoder=False,
+        )
+    gated = dict(
+        num_key_value_heads=config.kv_heads,
+        head_dim=config.head_dim,
+        hidden_act=GATED_ACTIVATIONS[config.activation],
+        rms_norm_eps=config.rms_norm_epsilon,
+        rope_parameters=_rope(config, partial=False),
+    )
+    if arch == "LlamaForCausalLM":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            **common,
+            **gated,
+            pretraining_tp=1,
+            attention_bias=config.use_bias_in_attn_linear,
+            mlp_bias=config.use_bias_in_mlp,
+        )
+    from transformers import MistralConfig
+
+    window = _sliding_window(config)
+    assert window is not None
+    # ours: a token sees itself and `window` earlier tokens; HF: `sliding_window` tokens in all
+    return MistralConfig(**common, **gated, sliding_window=window + 1)
+
+
+# --- from transformers -----------------------------------------------------------------------
+_GATED_FROM_HF = {hf: ours for ours, hf in GATED_ACTIVATIONS.items() if ours != "swish"}
+_PLAIN_FROM_HF = {"gelu": "gelu", "relu": "relu", "silu": "silu", "mish": "mish"}
+
+
+def _rope_from_hf(hf: "PretrainedConfig") -> tuple[int, float]:
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    kind = rope.get("rope_type", "default")
+    if kind != "default":
+        raise ConversionError(f"rope_parameters.rope_type: {kind!r} (rotary scaling is not built in Deepy)")
+    theta = float(rope.get("rope_theta", 10000.0))
+    if theta != int(theta):
+        raise ConversionError(f"rope_theta: {theta} (Deepy's rotary_emb_base is an integer)")
+    return int(theta), float(rope.get("partial_rotary_factor", 1.0))
+
+
+def gpt_config_from_hf(hf: "PretrainedConfig", seq_length: int | None = None) -> GPTConfig:
+    """Our architecture for an HF GPTNeoX / Llama / Mistral config (refuses what Deepy cannot run)."""
+    kind = hf.model_type
+    base, factor = _rope_from_hf(hf)
+    heads = int(hf.num_attention_heads)
+    hidden = int(hf.hidden_size)
+    max_pos = int(hf.max_position_embeddings)
+    common: dict[str, Any] = dict(
+        num_layers=int(hf.num_hidden_layers),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        seq_length=int(seq_length or max_pos),
+        max_position_embeddings=max_pos,
+        padded_vocab_size=int(hf.vocab_size),
+        pos_emb="rotary",
+        rotary_emb_base=base,
+        intermediate_size=int(hf.intermediate_size),
+        no_weight_tying=not bool(hf.tie_word_embeddings),
+        init_method_std=float(hf.initializer_range),
+        attention_dropout=float(hf.attention_dropout or 0.0),
+        params_dtype=torch.float32,
+    )
+    if kind == "gpt_neox":
+        act = _PLAIN_FROM_HF.get(hf.hidden_act)
+        if act is None:
+            known = sorted(_PLAIN_FROM_HF)
+            raise ConversionError(f"hidden_act: {hf.hidden_act!r} (Deepy's plain activations: {known})")
+        head_dim = hidden // heads
+        if int(head_dim * factor) % 2:
+            raise ConversionError(f"partial_rotary_factor: {factor} rotates an odd number of dimensions")
+        return GPTConfig(
+            **common,
+            num_kv_heads=heads,
+            rotary_pct=factor,
+            norm="layernorm",
+            layernorm_epsilon=float(hf.layer_norm_eps),
+            use_bias_in_norms=True,
+            use_bias_in_attn_linear=bool(getattr(hf, "attention_bias", True)),
+            use_bias_in_mlp=True,
+            activation=act,
+            gpt_j_residual=bool(hf.use_parallel_residual),
+            hidden_dropout=float(hf.hidden_dropout or 0.0),
+        )
+    if kind in ("llama", "mistral"):
+        act = _GATED_FROM_HF.get(hf.hidden_act)
+        if act is None:
+            raise ConversionError(f"hidden_act: {hf.hidden_act!r} (Deepy's gated activations compute one of "
+                                  f"{sorted(_GATED_FROM_HF)})")
+        head_dim = getattr(hf, "head_dim", None) or hidden // heads
+        if head_dim * heads != hidden:
+            raise ConversionError(f"head_dim: {head_dim} (Deepy needs head_dim = hidden_size / num_attention_heads)")
+        if factor != 1.0:
+            raise ConversionError(f"partial_rotary_factor: {factor} ({kind} rotates the whole head in Deepy)")
+        window = getattr(hf, "sliding_window", None) if kind == "mistral" else None
+        if getattr(hf, "layer_types", None) and len(set(hf.layer_types)) > 1:
+            raise ConversionError(f"layer_types: {sorted(set(hf.layer_types))} (mixed layer types are not built)")
+        return GPTConfig(
+            **common,
+            num_kv_heads=int(hf.num_key_value_heads or heads),
+            rotary_pct=1.0,
+            norm="rmsnorm",
+            rms_norm_epsilon=float(hf.rms_norm_eps),
+            use_bias_in_attn_linear=bool(getattr(hf, "attention_bias", False)),
+            use_bias_in_mlp=bool(getattr(hf, "mlp_bias", False)),
+            activation=act,
+            sliding_window_width=None if window is None else int(window) - 1,
+        )
+    raise ConversionError(f"model_type {kind!r} is not supported (GPTNeoX, Llama and Mistral models are)")

@@ -1,0 +1,67 @@
+"""Export a Deepy checkpoint to a Hugging Face ``transformers`` model directory, and prove it.
+
+    python tools/ckpts/convert_neox_to_hf.py CHECKPOINT OUTPUT_DIR [--precision auto|fp32|bf16|fp16]
+
+CHECKPOINT is a save directory (its newest committed checkpoint, or ``--iteration N``) or one
+``global_stepN`` directory, saved at any tp / pp / ZeRO layout. OUTPUT_DIR gets ``config.json``,
+``model.safetensors`` and the tokenizer files: ``GPTNeoXForCausalLM`` for layernorm models,
+``LlamaForCausalLM`` (``MistralForCausalLM`` with a sliding window) for rmsnorm + gated-MLP models. An
+architecture transformers cannot reproduce exactly is refused with the feature named.
+
+``--verify`` (on by default) then loads OUTPUT_DIR with transformers and runs it and our model on a
+fixed batch in fp32; the export fails if any logit differs by more than 1e-4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from megatron.errors import run_guarded  # noqa: E402
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="a Deepy save directory or one global_stepN directory")
+    parser.add_argument("output", type=Path, help="new (or empty) directory for the transformers model")
+    parser.add_argument("--iteration", type=int, default=None, help="which committed checkpoint of a save directory")
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                        help="dtype of the written weights (auto: the run's precision)")
+    parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                        help="compare both models' logits on a fixed batch (max |diff| <= 1e-4 in fp32)")
+    parser.add_argument("--vocab-file", default=None, help="the tokenizer's vocab_file, if it moved since training")
+    parser.add_argument("--merge-file", default=None, help="the tokenizer's merge_file, if it moved since training")
+    parser.add_argument("--no-tokenizer", action="store_true", help="write the model without tokenizer files")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    return parser.parse_args(argv)
+
+
+def main() -> int:
+    opts = parse_args(sys.argv[1:])
+    from megatron.interop.convert import export_to_hf
+
+    report = export_to_hf(
+        opts.checkpoint,
+        opts.output,
+        precision=opts.precision,
+        verify=opts.verify,
+        iteration=opts.iteration,
+        vocab_file=opts.vocab_file,
+        merge_file=opts.merge_file,
+        tokenizer=not opts.no_tokenizer,
+        progress=lambda line: print(line, flush=True),
+    )
+    print(f"wrote {report.architecture} ({str(report.dtype).removeprefix('torch.')}) from {report.checkpoint} "
+          f"to {report.out_dir}")  # fmt: skip
+    if report.max_logit_diff is not None:
+        print(f"verified: max |logits(Deepy) - logits(transformers)| = {report.max_logit_diff:.2e} (fp32, <= 1e-4)")
+    return 0
+
+
+if __name__ == "__main__":
+    run_guarded(main)
