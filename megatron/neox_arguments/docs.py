@@ -41,6 +41,8 @@ def type_name(annotation: Any) -> str:
         return "Any"
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
+    if origin is typing.Annotated:  # a discriminated union: the types, not pydantic's metadata
+        return type_name(args[0])
     if origin is Literal:
         return " | ".join(f'"{a}"' if isinstance(a, str) else repr(a) for a in args)
     if origin in (Union, types.UnionType):

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron.logging.preflight import logging_problems
 from megatron.neox_arguments.provenance import CLI, DEFAULT, DERIVED
 from megatron.neox_arguments.time_phrases import TimePhraseError, parse_duration
 
@@ -599,3 +600,10 @@ def one_environment_mapping(ctx: RuleContext) -> list[str]:
             f"rank/world size from MPI or from Slurm, keep one"
         ]
     return []
+
+
+# --- logging, trackers, profiling ---------------------------------------------------------------
+@rule
+def trackers_and_profiling(ctx: RuleContext) -> list[str]:
+    """Trackers importable, one spelling each, profiling ranges and devices (megatron/logging/preflight.py)."""
+    return logging_problems(ctx, local=runs_on_this_machine(ctx))

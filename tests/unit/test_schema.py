@@ -71,6 +71,9 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "compile_layers": ("training", False),
     "per_device_parallelism": ("training", None),
     "run_dir": ("training", None),
+    "tracker": ("logging", None),
+    "deepspeed_log_level": ("logging", "warning"),
+    "device_memory_gb": ("logging", None),
 }
 
 NEOX_REFERENCE: dict[str, tuple[tuple[str, Any], ...]] = {
@@ -594,11 +597,17 @@ MUST_BE_SUPPORTED = [
     "no_load_rng", "log_dir", "log_interval", "tensorboard_dir", "use_wandb", "wandb_project",
     "train_batch_size", "zero_optimization", "fp16", "bf16", "optimizer", "hostfile", "num_gpus",
     "launcher", "deepspeed_slurm", "train_impl", "dpo_beta", "scaled_upper_triang_masked_softmax_fusion",
+    # built by the logging component (megatron/logging/; tests/e2e/test_observability.py)
+    "wandb_group", "wandb_run_name", "wandb_team", "wandb_host", "wandb_init_all_ranks", "tracker",
+    "peak_theoretical_tflops", "log_param_norm", "log_grad_norm", "log_grad_pct_zeros",
+    "log_optimizer_states", "profile", "profile_step_start", "profile_step_stop", "memory_profiling",
+    "memory_profiling_path", "wall_clock_breakdown", "deepspeed_log_level", "device_memory_gb",
 ]  # fmt: skip
 MUST_BE_UNSUPPORTED = [
     "moe_num_experts", "moe_top_k", "moe_router_type", "mamba_inner_func_fusion", "te_mha",
     "te_fp8_format", "serve_model_weights", "sparsity_config", "curriculum_learning",
     "sparse_attention", "use_comet", "use_mup", "s3_path", "head_size",
+    "log_gradient_noise_scale", "gradient_noise_scale_n_batches", "gradient_noise_scale_cpu_offload",
 ]  # fmt: skip
 
 
