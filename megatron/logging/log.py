@@ -57,3 +57,10 @@ def format_row(row: dict[str, Any], train_iters: int | None = None) -> str:
         except (ValueError, TypeError):
             parts.append(f"{label} {value}")
     return " | ".join(parts)
+
+
+def set_deepspeed_log_level(level: str) -> None:
+    """Level of DeepSpeed's logger in this process (the runner and launcher get ``--log_level``)."""
+    from deepspeed.utils.logging import set_log_level_from_string
+
+    set_log_level_from_string(level)

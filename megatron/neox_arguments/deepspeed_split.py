@@ -159,6 +159,8 @@ def runner_args(args: Any) -> list[str]:
     out += ["--master_port", str(getattr(args, "master_port", None) or 29500)]
     launcher = getattr(args, "launcher", None) or "pdsh"
     out += ["--launcher", launcher]
+    # DeepSpeed's runner and per-node launcher log at INFO unless told otherwise
+    out += ["--log_level", args.deepspeed_log_level]
     if getattr(args, "force_multi", False):
         out.append("--force_multi")
     if getattr(args, "no_ssh_check", False):

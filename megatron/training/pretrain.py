@@ -18,17 +18,17 @@ from megatron import mpu
 from megatron.data.build import build_datasets
 from megatron.data.sampler import MicroBatchIterator
 from megatron.errors import ConfigError
-from megatron.logging.log import get_logger, setup_logging
-from megatron.logging.metrics import MetricsWriter
-from megatron.logging.throughput import current_device_name, peak_tflops
+from megatron.logging.config import LoggingConfig
+from megatron.logging.log import get_logger, set_deepspeed_log_level, setup_logging
+from megatron.logging.monitor import build_monitor
+from megatron.logging.throughput import PRECISION_NAMES, current_device_name, peak_tflops
+from megatron.logging.timers import TimedIterator
 from megatron.model import flops_per_token, num_parameters
+from megatron.model.flops import hardware_flops_per_token
 from megatron.training.batch import pipe_batches
-from megatron.training.engine import build_engine
+from megatron.training.engine import build_engine, layers_to_checkpoint
 from megatron.training.evaluate import maybe_evaluator
 from megatron.training.loop import Hooks, LoopContext, TrainState, train
-
-_PRECISION_NAMES = {"bfloat16": "bf16", "fp16": "fp16", "fp32": "fp32", None: "fp32"}
-
 
 def _device() -> torch.device:
     return torch.device(get_accelerator().current_device_name())
@@ -107,6 +107,8 @@ def pretrain(args: Any) -> TrainState:
     limit_cpu_threads()
     setup_logging(speaks())
     log = get_logger()
+    log_config = LoggingConfig.from_args(args)
+    set_deepspeed_log_level(log_config.deepspeed_log_level)
     _seed_tp_rng(args)
     tokenizer = _tokenizer(args)
     eod = tokenizer.eod if getattr(args, "eod_mask_loss", False) else None
@@ -131,16 +133,25 @@ def pretrain(args: Any) -> TrainState:
     layout = dict(global_batch_size=g, micro_batch_size=int(args.train_micro_batch_size_per_gpu),
                   dp_rank=mpu.get_data_parallel_rank(), dp_size=mpu.get_data_parallel_world_size())
     device = _device()
-    micro = MicroBatchIterator(splits.train, state.consumed_samples, **layout)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    monitor = build_monitor(log_config, engine=eng.engine, rank=rank, speaks=speaks(), start_iteration=state.iteration,
+                            train_iters=train_iters, wandb_run_id=state.wandb_run_id,
+                            run_config=args.model_dump(mode="json"), logger=log, cuda=torch.cuda.is_available())
+    state.wandb_run_id = monitor.wandb_run_id or state.wandb_run_id  # saved with every checkpoint
+    if state.consumed_samples:
+        log.info("data: resuming at sample %s of the global order (computed from consumed_samples, nothing "
+                 "replayed)", f"{state.consumed_samples:,}")
+    micro = TimedIterator(MicroBatchIterator(splits.train, state.consumed_samples, **layout), monitor.timers)
     pipe = pipe_batches(micro, eod, device) if eng.is_pipe else None
     seq = int(args.seq_length)
-    precision = _PRECISION_NAMES.get(getattr(args, "precision", None), "fp32")
+    precision = PRECISION_NAMES.get(getattr(args, "precision", None), "fp32")
+    recomputed = len(layers_to_checkpoint(args, config.num_layers))  # whole model: flops are per token
     ctx = LoopContext(
         eng=eng, args=args, micro_batches=micro, pipe_batches=pipe, device=device,
         train_iters=train_iters, global_batch_size=g, tokens_per_step=g * seq,
         flops_per_token=flops_per_token(config, seq), world_size=dist.get_world_size() if dist.is_initialized() else 1,
-        peak_tflops=peak_tflops(current_device_name(), precision),
-        writer=MetricsWriter(getattr(args, "log_dir", None), enabled=speaks()),
+        peak_tflops=peak_tflops(current_device_name(), precision, log_config.peak_theoretical_tflops),
+        monitor=monitor, hardware_flops_per_token=hardware_flops_per_token(config, recomputed, seq),
         valid=maybe_evaluator(eng, splits.valid, args, layout, device, eod),
         test=maybe_evaluator(eng, splits.test, args, layout, device, eod),
         eod_token=eod,
@@ -148,4 +159,4 @@ def pretrain(args: Any) -> TrainState:
     try:
         return train(ctx, state, hooks)
     finally:
-        ctx.writer.close()
+        monitor.close(state.iteration)

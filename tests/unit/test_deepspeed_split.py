@@ -96,8 +96,10 @@ def test_deepspeed_config_refuses_conflicts_when_called_directly() -> None:
 # --- runner flags ------------------------------------------------------------------------------
 def test_runner_args_for_a_local_run() -> None:
     assert runner_args(NeoXArgs(num_gpus=2, master_port=29777)) == [
-        "--num_gpus", "2", "--master_port", "29777", "--launcher", "pdsh",
+        "--num_gpus", "2", "--master_port", "29777", "--launcher", "pdsh", "--log_level", "warning",
     ]
+    # deepspeed_log_level reaches DeepSpeed's runner (and through it the per-node launcher)
+    assert runner_args(NeoXArgs(num_gpus=2, deepspeed_log_level="info"))[-2:] == ["--log_level", "info"]
 
 
 def test_runner_args_are_understood_by_deepspeeds_runner() -> None:

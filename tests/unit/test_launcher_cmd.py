@@ -30,7 +30,7 @@ def test_local_run_goes_through_deepspeeds_runner_with_the_config_path() -> None
     assert p.mode == "runner" and not p.multi_node and p.tool is None
     assert p.argv == [
         "/usr/bin/python3", "-u", "-m", "deepspeed.launcher.runner",
-        "--num_gpus", "2", "--master_port", "29700", "--launcher", "pdsh",
+        "--num_gpus", "2", "--master_port", "29700", "--launcher", "pdsh", "--log_level", "warning",
         "train.py", "--deepy_config", CONFIG,
     ]
     # no config blob on the command line: every argument is short and readable
