@@ -70,13 +70,13 @@ class Monitor:
     def message(self, text: str) -> None:
         self.progress.message(text)
 
-    def close(self, iteration: int) -> None:
+    def close(self, iteration: int, failed: bool = False) -> None:
         if self.profiler is not None:
             self.profiler.stop(iteration)
             for path in self.profiler.written:
                 self.progress.message(f"profile written to {path}")
         self.progress.close()
-        self.trackers.finish()
+        self.trackers.finish(failed)
 
 
 def agree_on_wandb_run_id(resumed: str | None, config: LoggingConfig) -> str | None:

@@ -51,12 +51,17 @@ class TrainingProgress:
         self.enabled = enabled
         self.log = logger
         self.bar: Any = None
+        self._redirect: Any = None
         self._rate: float | None = None  # seconds per iteration, smoothed over logging windows
         if enabled and (is_terminal() if terminal is None else terminal):
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self.bar = tqdm(total=total, initial=start, unit="it", dynamic_ncols=True, file=sys.stdout,
                             desc="training", smoothing=0.05)
+            # every line of the run's loggers (checkpoint saves, data) is printed above the bar
+            self._redirect = logging_redirect_tqdm(loggers=[logger])
+            self._redirect.__enter__()
 
     def step(self, iteration: int, loss: float | None = None) -> None:
         if self.bar is None:
@@ -97,6 +102,9 @@ class TrainingProgress:
             self.log.info(text)
 
     def close(self) -> None:
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
         if self.bar is not None:
             self.bar.close()
             self.bar = None

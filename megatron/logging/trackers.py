@@ -30,7 +30,7 @@ from megatron.logging.metrics import MetricsWriter
 class Tracker(Protocol):
     def log(self, row: Mapping[str, Any], step: int) -> None: ...
 
-    def finish(self) -> None: ...
+    def finish(self, failed: bool = False) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,7 +70,7 @@ class JsonlTracker:
     def log(self, row: Mapping[str, Any], step: int) -> None:
         self.writer.write({"iteration": step, **row})
 
-    def finish(self) -> None:
+    def finish(self, failed: bool = False) -> None:
         self.writer.close()
 
 
@@ -92,7 +92,7 @@ class TensorboardTracker:
             self.writer.add_scalar(key, value, global_step=step)
         self.writer.flush()  # a killed run keeps every row it logged, like metrics.jsonl
 
-    def finish(self) -> None:
+    def finish(self, failed: bool = False) -> None:
         self.writer.close()
 
 
@@ -131,8 +131,8 @@ class WandbTracker:
         if self.speaks:
             self.run.log(scalars(row), step=step)
 
-    def finish(self) -> None:
-        self.run.finish()
+    def finish(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
 
 
 TrackerFactory = Callable[[Any, TrackerContext, str | None], Tracker]
@@ -166,9 +166,9 @@ class Trackers:
         for tracker in self.trackers:
             tracker.log(row, step)
 
-    def finish(self) -> None:
+    def finish(self, failed: bool = False) -> None:
         for tracker in self.trackers:
-            tracker.finish()
+            tracker.finish(failed)
         self.trackers = []
 
 

@@ -111,14 +111,27 @@ def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand) -> str:
         "DeepSpeed config:",
         json.dumps(ds_config, indent=2) if ds_config is not None else "(none)",
         "",
+        memory_report(resolved),
+        "",
         "deepy: dry run OK, nothing launched",
     ]
     return "\n".join(parts)
 
 
+def memory_report(resolved: ResolvedConfig) -> str:
+    """Per-device memory estimate of the resolved layout (see megatron/logging/memory.py)."""
+    from megatron.logging.memory import dry_run_report
+    from megatron.neox_arguments.rules import RuleContext, runs_on_this_machine
+
+    return dry_run_report(resolved.args, launches_locally=runs_on_this_machine(RuleContext(args=resolved.args)))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     command = parse_command(sys.argv[1:] if argv is None else argv)
     resolved = resolve(command)
+    if command.debug and "deepspeed_log_level" not in resolved.provenance:
+        resolved.args.deepspeed_log_level = "info"  # --debug shows DeepSpeed's own INFO lines too
+        resolved.provenance["deepspeed_log_level"] = "cli"
     run_dir = assign_run_dir(resolved)
     if command.dry_run:
         print(render_dry_run(resolved, command))

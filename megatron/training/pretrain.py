@@ -8,6 +8,7 @@ Checkpointing is optional here: when ``megatron.checkpointing`` provides ``load`
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 import torch
@@ -159,4 +160,4 @@ def pretrain(args: Any) -> TrainState:
     try:
         return train(ctx, state, hooks)
     finally:
-        monitor.close(state.iteration)
+        monitor.close(state.iteration, failed=sys.exc_info()[0] is not None)
