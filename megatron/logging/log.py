@@ -39,8 +39,9 @@ _FORMATS: list[tuple[str, str, str]] = [
     ("train/skipped_steps", "skipped", "{:d}"),
     ("throughput/tokens_per_sec", "tokens/s", "{:.1f}"),
     ("timers/ms_per_iter", "ms/iter", "{:.1f}"),
-    ("throughput/tflops_per_device", "TFLOP/s", "{:.2f}"),
+    ("throughput/tflops_per_device", "TFLOP/s", "{:.3g}"),  # 3 significant digits: tiny CPU models too
     ("throughput/mfu", "MFU", "{:.1%}"),
+    ("throughput/hfu", "HFU", "{:.1%}"),
 ]
 
 

@@ -26,11 +26,6 @@ _MODULES: dict[str, tuple[str, str]] = {
 }
 
 
-def _pinned(package: str) -> str:
-    """``package==version`` as requirements/requirements.txt pins it (the install hint)."""
-    return {"wandb": "wandb==0.31.0", "tensorboard": "tensorboard==2.21.0"}.get(package, package)
-
-
 def logging_problems(ctx: RuleContext, *, local: bool,
                      import_module: Callable[[str], ModuleType] = importlib.import_module) -> list[str]:
     try:
@@ -47,7 +42,7 @@ def logging_problems(ctx: RuleContext, *, local: bool,
         except ImportError as err:
             problems.append(
                 f"{ctx.show(tracker.source)} asks for {tracker.type}, but the '{package}' package cannot be "
-                f"imported here ({err}): pip install {_pinned(package)} (it is in requirements/requirements.txt), "
+                f"imported here ({err}): pip install -r requirements/requirements.txt (it pins {package}), "
                 f"or remove {tracker.source}"
             )
     p = config.profile

@@ -167,3 +167,39 @@ def test_plot_tool_draws_the_run(resumed_run: tuple[Path, str], tmp_path: Path) 
     assert titles[0] == "training loss" and titles[-1] == "tokens / s (all devices)"
     loss_line = fig.axes[0].get_lines()[0]
     assert list(loss_line.get_xdata()) == sorted(train_rows(tmp))
+
+
+STATS = {"log_dir": "logs", "log_param_norm": True, "log_grad_norm": True, "log_grad_pct_zeros": True,
+         "log_optimizer_states": True, "train_iters": 2, "lr_decay_iters": 2}
+
+
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict]]:
+    """The same two steps with the model split over tensor (tp2) and pipeline (pp2) ranks."""
+    out = {}
+    for name, layout in {"tp2": {"model_parallel_size": 2, "zero_optimization": {"stage": 0}},
+                         "pp2": {"pipe_parallel_size": 2, "zero_optimization": {"stage": 1}}}.items():
+        tmp = tmp_path_factory.mktemp(name)
+        proc = deepy(tmp, {**MODEL, **STATS, **layout})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        out[name] = train_rows(tmp)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_statistics_cover_the_whole_split_model(layout: str, split_runs: dict[str, dict[int, dict]]) -> None:
+    for step, row in split_runs[layout].items():
+        grads = [v for k, v in row.items() if k.startswith("grad_norm/")]
+        # every shard (tp) and every stage (pp) is counted, each once
+        assert math.sqrt(sum(v * v for v in grads)) == pytest.approx(row["train/grad_norm"], rel=1e-5), step
+        params = [v for k, v in row.items() if k.startswith("param_norm/")]
+        assert math.sqrt(sum(v * v for v in params)) == pytest.approx(row["train/param_norm"], rel=1e-9)
+        embedding = [v for k, v in row.items() if k.startswith("grad_pct_zeros/") and "word_embeddings" in k]
+        assert len(embedding) == 1 and embedding[0] >= 49.0
+        assert row["optimizer_state/exp_avg_norm"] > 0
+    # the same model and data on both layouts: the same full-model norms (parity within 1e-5)
+    tp2, pp2 = split_runs["tp2"], split_runs["pp2"]
+    for step in tp2:
+        assert tp2[step]["train/param_norm"] == pytest.approx(pp2[step]["train/param_norm"], rel=1e-5)
+        assert tp2[step]["optimizer_state/exp_avg_sq_norm"] == pytest.approx(
+            pp2[step]["optimizer_state/exp_avg_sq_norm"], rel=1e-4)
