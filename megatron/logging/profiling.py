@@ -36,29 +36,33 @@ class StepProfiler:
         self.written: list[str] = []
 
     def before_step(self, iteration: int) -> None:
-        if iteration != self.settings.start:
-            return
-        if self.settings.torch_profiler:
-            import torch.profiler as tp
-
-            activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if self.cuda else [])
-            os.makedirs(self.settings.trace_dir, exist_ok=True)
-            steps = self.settings.stop - self.settings.start + 1
-            self._profiler = tp.profile(
-                activities=activities,
-                # a schedule, so each recorded step is labelled ProfilerStep#n in the trace
-                schedule=tp.schedule(wait=0, warmup=0, active=steps, repeat=1),
-                record_shapes=True,
-                profile_memory=True,
-                with_stack=False,
-                on_trace_ready=tp.tensorboard_trace_handler(self.settings.trace_dir, worker_name=f"rank{self.rank}"),
-            )
-            self._profiler.__enter__()
-        if self.settings.memory_snapshot:
+        # the torch profiler starts one step early: that warm-up step is recorded and discarded, so
+        # the first recorded step does not carry the profiler's own start-up cost
+        warmup = 1 if self.settings.start > 1 else 0
+        if self.settings.torch_profiler and iteration == self.settings.start - warmup:
+            self._start_torch_profiler(warmup)
+        if self.settings.memory_snapshot and iteration == self.settings.start:
             import torch
 
             torch.cuda.memory._record_memory_history(max_entries=200_000)
             self._recording_memory = True
+
+    def _start_torch_profiler(self, warmup: int) -> None:
+        import torch.profiler as tp
+
+        activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if self.cuda else [])
+        os.makedirs(self.settings.trace_dir, exist_ok=True)
+        steps = self.settings.stop - self.settings.start + 1
+        self._profiler = tp.profile(
+            activities=activities,
+            # a schedule, so each recorded step is labelled ProfilerStep#n in the trace
+            schedule=tp.schedule(wait=0, warmup=warmup, active=steps, repeat=1),
+            record_shapes=True,
+            profile_memory=True,
+            with_stack=False,
+            on_trace_ready=tp.tensorboard_trace_handler(self.settings.trace_dir, worker_name=f"rank{self.rank}"),
+        )
+        self._profiler.__enter__()
 
     def after_step(self, iteration: int) -> None:
         if self._profiler is not None:

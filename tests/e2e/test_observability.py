@@ -170,7 +170,7 @@ def test_plot_tool_draws_the_run(resumed_run: tuple[Path, str], tmp_path: Path) 
 
 
 STATS = {"log_dir": "logs", "log_param_norm": True, "log_grad_norm": True, "log_grad_pct_zeros": True,
-         "log_optimizer_states": True, "train_iters": 2, "lr_decay_iters": 2}
+         "log_optimizer_states": True, "train_iters": 2, "lr_decay_iters": 2, "wall_clock_breakdown": True}
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +197,10 @@ def test_statistics_cover_the_whole_split_model(layout: str, split_runs: dict[st
         embedding = [v for k, v in row.items() if k.startswith("grad_pct_zeros/") and "word_embeddings" in k]
         assert len(embedding) == 1 and embedding[0] >= 49.0
         assert row["optimizer_state/exp_avg_norm"] > 0
+    # DeepSpeed's pipeline timers: the waits for activations and gradients between the stages
+    if layout == "pp2":
+        for row in split_runs[layout].values():
+            assert {"timers/pipe_send_output_ms", "timers/pipe_recv_grad_ms", "timers/forward_ms"} <= set(row)
     # the same model and data on both layouts: the same full-model norms (parity within 1e-5)
     tp2, pp2 = split_runs["tp2"], split_runs["pp2"]
     for step in tp2:

@@ -126,3 +126,29 @@ def test_without_breakdown_the_engine_keeps_its_own_printing() -> None:
     engine = _Engine()
     Timers(breakdown=False).attach(engine)
     assert "log" not in vars(engine.timers)
+
+
+def test_profiler_records_the_step_range_on_cpu(tmp_path) -> None:
+    import json
+
+    import torch
+
+    from megatron.errors import ConfigError
+    from megatron.logging.config import ProfileSettings
+    from megatron.logging.profiling import StepProfiler
+
+    settings = ProfileSettings(torch_profiler=True, memory_snapshot=False, start=2, stop=3,
+                               trace_dir=str(tmp_path / "tb"), memory_dir=str(tmp_path / "mem"))
+    profiler = StepProfiler(settings, rank=0, cuda=False)
+    x = torch.randn(64, 64)
+    for it in range(1, 6):
+        profiler.before_step(it)
+        x = torch.tanh(x @ x)
+        profiler.after_step(it)
+    (trace,) = (tmp_path / "tb").glob("rank0*.pt.trace.json")
+    steps = {e["name"] for e in json.loads(trace.read_text())["traceEvents"] if "ProfilerStep" in str(e.get("name"))}
+    assert len(steps) == 2  # steps 2 and 3 (step 1 was the discarded warm-up), nothing else
+    assert profiler.written == [str(tmp_path / "tb")]
+    snapshot = ProfileSettings(torch_profiler=False, memory_snapshot=True, start=2, stop=3, trace_dir="", memory_dir="")
+    with pytest.raises(ConfigError, match="memory_profiling=true needs a GPU"):
+        StepProfiler(snapshot, rank=0, cuda=False)
