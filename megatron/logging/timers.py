@@ -55,6 +55,15 @@ class Timers:
         # the pipeline engine, ZeRO's optimizer): the spans keep accumulating until we read them
         group.log = _quiet_log
         self._engine_timers = group
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+
+        if isinstance(engine, PipelineEngine):
+            # DeepSpeed 0.19.8's PipelineEngine starts its backward timers itself, then runs the
+            # base engine's backward hooks, which start the same timers again and crash ("bwd_microstep
+            # timer has already been started"; main's wall_clock_breakdown runs with a pipeline, and
+            # configs/125M.yml, hit it). Leaving the pipeline's own start/stop as the only one fixes it.
+            engine.engine_timers.backward_timers = []
+            engine.engine_timers.backward_inner_timers = []
 
     def window_metrics(self, iterations: int) -> dict[str, float]:
         """``timers/*_ms`` per iteration since the last call; resets every timer read."""
