@@ -1,10 +1,13 @@
-"""Draw the loss curve of a run in the terminal (no plotting library needed).
+"""Plot training curves from one or several runs' ``metrics.jsonl`` into a PNG.
 
-    python tools/plot_metrics.py logs/metrics.jsonl [--key train/lm_loss] [--width 72] [--height 16]
+    python tools/plot_metrics.py logs -o curves.png                    # one run (a log_dir or the file)
+    python tools/plot_metrics.py runs/a runs/b -o compare.png          # several runs overlaid
+    python tools/plot_metrics.py logs --ascii [--key train/lm_loss]    # a quick look in the terminal
 
-Reads the ``metrics.jsonl`` the trainer writes (one JSON object per logged step) and prints an
-ASCII chart of ``--key`` against ``iteration``, plus first/last/min values, so the README's
-quick start can show that the loss falls without installing matplotlib.
+Six panels against the iteration: training loss, evaluation loss, learning rate, gradient norm,
+loss scale (fp16 runs; the others say so) and tokens per second. Each run is one colour, labelled
+by its directory (``--label`` overrides). ``--ascii`` prints one metric as a character chart
+instead, without matplotlib.
 """
 
 from __future__ import annotations
@@ -12,31 +15,115 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from megatron.errors import UsageError, run_guarded
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the repo's megatron
+
+from megatron.errors import UsageError, run_guarded  # noqa: E402
+
+METRICS_FILE = "metrics.jsonl"
+
+# (metric key, panel title, y-axis scale, what an empty panel says)
+PANELS: list[tuple[str, str, str, str]] = [
+    ("train/lm_loss", "training loss", "linear", "no training loss logged"),
+    ("eval/lm_loss", "evaluation loss", "linear", "no evaluation (eval_interval / eval_iters)"),
+    ("train/lr", "learning rate", "linear", "no learning rate logged"),
+    ("train/grad_norm", "gradient norm (before clipping)", "log", "no gradient norm logged"),
+    ("train/loss_scale", "fp16 loss scale", "log", "no loss scale: only fp16 runs scale the loss"),
+    ("throughput/tokens_per_sec", "tokens / s (all devices)", "linear", "no throughput logged"),
+]
 
 
-def read_series(path: Path, key: str) -> list[tuple[int, float]]:
+@dataclass(frozen=True)
+class Run:
+    label: str
+    path: Path
+    rows: list[dict[str, Any]]
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        xs, ys = [], []
+        for row in self.rows:
+            value = row.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                xs.append(int(row["iteration"]))
+                ys.append(float(value))
+        return xs, ys
+
+
+def metrics_path(path: Path) -> Path:
+    if path.is_dir():
+        path = path / METRICS_FILE
     if not path.is_file():
-        raise UsageError(f"{path}: no such metrics file (did the run write to another log_dir?)")
-    points: list[tuple[int, float]] = []
-    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+        raise UsageError(f"{path}: no such metrics file (give a run's log_dir or its {METRICS_FILE})")
+    return path
+
+
+def read_run(path: Path, label: str | None = None) -> Run:
+    file = metrics_path(path)
+    rows: list[dict[str, Any]] = []
+    for line_no, line in enumerate(file.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise UsageError(f"{path}:{line_no}: not JSON ({err.msg})") from err
-        value = row.get(key)
-        if isinstance(value, (int, float)) and math.isfinite(value) and "iteration" in row:
-            points.append((int(row["iteration"]), float(value)))
-    if not points:
-        raise UsageError(f"{path}: no rows with '{key}'")
-    return points
+            raise UsageError(f"{file}:{line_no}: not JSON ({err.msg})") from err
+        if isinstance(row, dict) and "iteration" in row:
+            rows.append(row)
+    if not rows:
+        raise UsageError(f"{file}: no metric rows")
+    return Run(label or (file.parent.name if file.parent.name else str(file)), file, rows)
 
 
-def render(points: list[tuple[int, float]], width: int, height: int) -> list[str]:
+def build_figure(runs: list[Run]) -> Any:
+    """A matplotlib Figure with one axis per entry of :data:`PANELS`."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
+    for ax, (key, title, scale, empty) in zip(axes.flat, PANELS):
+        drawn = False
+        for i, run in enumerate(runs):
+            xs, ys = run.series(key)
+            if not xs:
+                continue
+            style = "o-" if len(xs) < 30 else "-"
+            ax.plot(xs, ys, style, color=f"C{i}", label=run.label, markersize=3, linewidth=1.3)
+            drawn = True
+        ax.set_title(title)
+        ax.set_xlabel("iteration")
+        ax.grid(True, alpha=0.3)
+        if drawn:
+            if scale == "log" and all(y > 0 for run in runs for y in run.series(key)[1]):
+                ax.set_yscale("log")
+            if len(runs) > 1:
+                ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="gray")
+            ax.set_xticks([])
+            ax.set_yticks([])
+    fig.suptitle("training curves: " + ", ".join(f"{run.label} ({run.path})" for run in runs), fontsize=11)
+    return fig
+
+
+def write_png(runs: list[Run], out: Path) -> int:
+    """Draw and save; returns the number of panels."""
+    fig = build_figure(runs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    panels = len(fig.axes)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return panels
+
+
+def render_ascii(points: list[tuple[int, float]], width: int, height: int) -> list[str]:
     """A scatter of the series on a width x height character grid, y labels on the left."""
     xs = [p[0] for p in points]
     ys = [p[1] for p in points]
@@ -60,17 +147,36 @@ def render(points: list[tuple[int, float]], width: int, height: int) -> list[str
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("metrics", type=Path, help="path to metrics.jsonl")
-    parser.add_argument("--key", default="train/lm_loss")
+    parser.add_argument("runs", nargs="+", type=Path, help="log_dir(s) or metrics.jsonl file(s)")
+    parser.add_argument("-o", "--output", type=Path, default=None, help="PNG to write (default: curves.png)")
+    parser.add_argument("--label", action="append", default=None, help="legend label per run, in order")
+    parser.add_argument("--ascii", action="store_true", help="print --key as a character chart instead")
+    parser.add_argument("--key", default="train/lm_loss", help="metric for --ascii")
     parser.add_argument("--width", type=int, default=72)
     parser.add_argument("--height", type=int, default=16)
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args()
-    points = read_series(args.metrics, args.key)
-    print(f"{args.key} over {len(points)} logged steps")
-    print("\n".join(render(points, args.width, args.height)))
-    first, last = points[0][1], points[-1][1]
-    print(f"first {first:.4f}  last {last:.4f}  min {min(p[1] for p in points):.4f}  change {last - first:+.4f}")
+    labels = args.label or []
+    if labels and len(labels) != len(args.runs):
+        raise UsageError(f"{len(labels)} --label for {len(args.runs)} runs: give one per run or none")
+    runs = [read_run(path, labels[i] if labels else None) for i, path in enumerate(args.runs)]
+    if args.ascii:
+        for run in runs:
+            xs, ys = run.series(args.key)
+            if not xs:
+                raise UsageError(f"{run.path}: no rows with '{args.key}'")
+            print(f"{run.label}: {args.key} over {len(xs)} logged steps")
+            print("\n".join(render_ascii(list(zip(xs, ys)), args.width, args.height)))
+            print(f"first {ys[0]:.4f}  last {ys[-1]:.4f}  min {min(ys):.4f}  change {ys[-1] - ys[0]:+.4f}")
+        return 0
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as err:
+        raise UsageError(f"matplotlib is not importable ({err}): pip install -r requirements/requirements.txt, "
+                         f"or use --ascii") from None
+    out = args.output or Path("curves.png")
+    panels = write_png(runs, out)
+    print(f"wrote {out} ({panels} panels, {len(runs)} run{'s' if len(runs) > 1 else ''})")
     return 0
 
 

@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -124,9 +125,9 @@ def convert_to_universal(ckpt_dir: Path, timeout_s: float = 3600.0) -> Path:
     started = time.monotonic()
     repo = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False, env=env)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+    returncode, output = _run_showing_phases(cmd, env, timeout_s)
+    if returncode != 0:
+        tail = "\n".join(output[-15:])
         raise CheckpointError(f"converting {ckpt_dir} to a universal checkpoint failed:\n{tail}")
     # the converter points <save>/latest_universal at its output; our loads name the tag
     # explicitly, and a stray pointer would only confuse DeepSpeed-native tools
@@ -137,6 +138,29 @@ def convert_to_universal(ckpt_dir: Path, timeout_s: float = 3600.0) -> Path:
     commit.write_commit_marker(target, info or commit.CommitInfo(step=-1, kind="step", time=time.time()))
     log.info("universal conversion done in %.1fs: %s", time.monotonic() - started, target)
     return target
+
+
+def _run_showing_phases(cmd: list[str], env: dict[str, str], timeout_s: float) -> tuple[int, list[str]]:
+    """Run the converter, relaying its phase lines ("*** 1. Extracting ZeRO fragments") as progress
+    and keeping its output for the error message; its tqdm bars (carriage returns) are not relayed."""
+    started = time.monotonic()
+    lines: list[str] = []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    timer = threading.Timer(timeout_s, proc.kill)  # a hung converter must not hang the run
+    timer.start()
+    try:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.rstrip("\n").split("\r")[-1]
+            lines.append(line)
+            if line.startswith("***"):
+                log.info("universal conversion (%.0fs): %s", time.monotonic() - started, line.strip("* ").rstrip(". "))
+        returncode = proc.wait()
+    finally:
+        timer.cancel()
+    if returncode != 0 and time.monotonic() - started >= timeout_s:
+        lines.append(f"(stopped after {timeout_s:.0f}s)")
+    return returncode, lines
 
 
 def universal_param_names(target: Path) -> set[str]:

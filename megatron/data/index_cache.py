@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -28,6 +29,9 @@ import numpy as np
 
 from megatron.atomic_files import atomic_path
 from megatron.errors import DataError
+from megatron.logging.progress import phase
+
+log = logging.getLogger("deepy.data")  # a child of the run logger: the speaking rank shows it
 
 _MAGIC = b"DEEPYIDX"
 _ALIGN = 64
@@ -129,6 +133,7 @@ def build_once(target: str | os.PathLike[str], build: Callable[[], None], timeou
                         "set cache_dir to a writable directory") from None
     with lock:
         deadline = time.monotonic() + timeout_s
+        said_waiting = time.monotonic() + 10.0
         while True:
             try:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -136,11 +141,15 @@ def build_once(target: str | os.PathLike[str], build: Callable[[], None], timeou
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     raise DataError(f"timed out after {timeout_s:.0f}s waiting for another rank to build {target}")
+                if time.monotonic() > said_waiting:
+                    log.info("waiting for another process to build %s", target.name)
+                    said_waiting = deadline
                 time.sleep(0.05)
         try:
             # Someone else may have published the target while we waited for the lock.
             if not target.exists():
-                build()
+                with phase(log, f"building {target.name} in {target.parent}"):
+                    build()
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 

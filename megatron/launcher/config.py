@@ -46,6 +46,8 @@ class LaunchConfig:
     """Ranks read their place from Slurm's variables first; deepy inside ``srun`` runs the worker in place."""
     deepspeed_mpi: bool = False
     """deepy inside ``mpirun`` runs the worker in place."""
+    deepspeed_log_level: str = "warning"
+    """Log level of DeepSpeed's runner and per-node launcher (``--debug`` sets info)."""
 
     @classmethod
     def from_args(cls, args: NeoXArgs, provenance: Mapping[str, str] | None = None) -> LaunchConfig:
@@ -78,4 +80,5 @@ class LaunchConfig:
             account=args.account or None,
             deepspeed_slurm=bool(args.deepspeed_slurm),
             deepspeed_mpi=bool(args.deepspeed_mpi),
+            deepspeed_log_level=args.deepspeed_log_level,
         )

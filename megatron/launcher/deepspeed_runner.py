@@ -31,6 +31,8 @@ def runner_flags(config: LaunchConfig, master_port: int, master_addr: str | None
     if config.num_gpus is not None:
         out += ["--num_gpus", str(config.num_gpus)]
     out += ["--master_port", str(master_port), "--launcher", "pdsh"]
+    # DeepSpeed's runner and per-node launcher log at INFO unless told otherwise
+    out += ["--log_level", config.deepspeed_log_level]
     if config.force_multi:
         out.append("--force_multi")
     if config.no_ssh_check:

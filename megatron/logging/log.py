@@ -39,8 +39,9 @@ _FORMATS: list[tuple[str, str, str]] = [
     ("train/skipped_steps", "skipped", "{:d}"),
     ("throughput/tokens_per_sec", "tokens/s", "{:.1f}"),
     ("timers/ms_per_iter", "ms/iter", "{:.1f}"),
-    ("throughput/tflops_per_device", "TFLOP/s", "{:.2f}"),
+    ("throughput/tflops_per_device", "TFLOP/s", "{:.3g}"),  # 3 significant digits: tiny CPU models too
     ("throughput/mfu", "MFU", "{:.1%}"),
+    ("throughput/hfu", "HFU", "{:.1%}"),
 ]
 
 
@@ -57,3 +58,10 @@ def format_row(row: dict[str, Any], train_iters: int | None = None) -> str:
         except (ValueError, TypeError):
             parts.append(f"{label} {value}")
     return " | ".join(parts)
+
+
+def set_deepspeed_log_level(level: str) -> None:
+    """Level of DeepSpeed's logger in this process (the runner and launcher get ``--log_level``)."""
+    from deepspeed.utils.logging import set_log_level_from_string
+
+    set_log_level_from_string(level)

@@ -56,16 +56,32 @@ def num_parameters(config: GPTConfig, include_embeddings: bool = True) -> int:
     return total
 
 
+def _attention_flops_per_layer(config: GPTConfig, seq_length: int) -> float:
+    """Forward FLOPs per token of one layer's score (q·k) and value (p·v) products: 2 * 2 * s *
+    (heads * head_dim). Keys/values shared by GQA/MQA heads do not shrink this: every query head
+    still scores every position."""
+    return 4.0 * seq_length * config.num_attention_heads * config.head_dim
+
+
 def flops_per_token(config: GPTConfig, seq_length: int | None = None) -> float:
-    """Training (forward + backward) FLOPs per token: 6N + 12 L h s.
+    """Training (forward + backward) model FLOPs per token: 6N + 12 L s (heads * head_dim).
 
     N counts the weights that take part in matmuls: every non-embedding parameter plus the output
-    projection (vocab x h, tied or not; h for a value head); the lookup tables do no matmul. 12 L h s is the attention
-    score and value products (2 * 2 * s * h per layer forward, x3 with the backward). The sliding
-    window's savings are not counted, so MFU stays comparable across windows.
+    projection (vocab x h, tied or not; h for a value head); the lookup tables do no matmul. The
+    attention term is the score and value products (:func:`_attention_flops_per_layer`, x3 with the
+    backward), counted over the full sequence as PaLM and Megatron do (causal masking's savings are
+    not subtracted), and the sliding window's savings are not counted, so MFU stays comparable.
     """
     s = config.seq_length if seq_length is None else seq_length
     matmul_params = num_parameters(config, include_embeddings=False)
     if not config.no_weight_tying and not config.value_head:
         matmul_params += config.padded_vocab_size * config.hidden_size
-    return 6.0 * matmul_params + 12.0 * config.num_layers * config.hidden_size * s
+    return 6.0 * matmul_params + 3.0 * config.num_layers * _attention_flops_per_layer(config, s)
+
+
+def hardware_flops_per_token(config: GPTConfig, recomputed_layers: int, seq_length: int | None = None) -> float:
+    """:func:`flops_per_token` plus one more forward of each of ``recomputed_layers`` transformer
+    layers (activation checkpointing recomputes them in the backward); the basis of HFU."""
+    s = config.seq_length if seq_length is None else seq_length
+    layer_forward = 2.0 * layer_parameters(config) + _attention_flops_per_layer(config, s)
+    return flops_per_token(config, s) + recomputed_layers * layer_forward

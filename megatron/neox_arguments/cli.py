@@ -142,6 +142,8 @@ def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand, plan: Launch
         "DeepSpeed config:",
         json.dumps(ds_config, indent=2) if ds_config is not None else "(none)",
         "",
+        memory_report(resolved),
+        "",
         *([*said, ""] if said else []),
     ]
     if plan is not None:
@@ -161,9 +163,22 @@ def plan_run(resolved: ResolvedConfig, user_script: str, config_path: str) -> La
     return plan
 
 
+def memory_report(resolved: ResolvedConfig) -> str:
+    """Per-device memory estimate of the resolved layout (see megatron/logging/memory.py)."""
+    from megatron.logging.memory import dry_run_report
+    from megatron.neox_arguments.rules import RuleContext, runs_on_this_machine
+    from megatron.neox_arguments.run_config import RunConfig
+
+    return dry_run_report(RunConfig.from_resolved(resolved),
+                          launches_locally=runs_on_this_machine(RuleContext(args=resolved.args)))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     command = parse_command(sys.argv[1:] if argv is None else argv)
     resolved = resolve(command)
+    if command.debug and "deepspeed_log_level" not in resolved.provenance:
+        resolved.args.deepspeed_log_level = "info"  # --debug shows DeepSpeed's own INFO lines too
+        resolved.provenance["deepspeed_log_level"] = "cli"
     run_dir = assign_run_dir(resolved)
     config_path = os.path.join(run_dir, RESOLVED_FILE_NAME)
     try:

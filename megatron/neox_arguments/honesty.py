@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from megatron.errors import DeepyError
+
 if TYPE_CHECKING:
     from megatron.neox_arguments.arguments import NeoXArgs
 
@@ -108,9 +110,17 @@ def check_entry_point(args: NeoXArgs, user_script: str) -> None:
         build(args)
 
 
+# Settings under which the builders read their conditional keys (a key read only when a feature is
+# on, e.g. wandb_project when use_wandb): the harness builds each of these variants too.
+FEATURE_VARIANTS: tuple[dict[str, Any], ...] = (
+    {"use_wandb": True},
+    {"text_gen_type": "unconditional", "eval_tasks": ["task"]},
+)
+
+
 def keys_read(args: NeoXArgs, world_size: int = 1) -> set[str]:
     """Keys the component builders (train.py's and the other entry points') and the derivations
-    read from ``args`` (a finalized config; the entry points see it in a mode that reads their keys)."""
+    read from ``args`` (a finalized config) and from its FEATURE_VARIANTS."""
     from megatron.neox_arguments.derived import DERIVATIONS
     from megatron.neox_arguments.rules import RuleContext
 
@@ -118,10 +128,16 @@ def keys_read(args: NeoXArgs, world_size: int = 1) -> set[str]:
     ctx = RuleContext(args=recorder, world_size=world_size)  # type: ignore[arg-type]
     for derive in DERIVATIONS:
         derive(ctx)
-    for build in component_builders():
-        build(recorder)
-    entry_args = args.model_copy(update={"text_gen_type": "unconditional", "eval_tasks": ["task"]})
-    entry_recorder = ReadRecorder(entry_args)
-    for build in entry_point_builders().values():
-        build(entry_recorder)
-    return set(recorder.read) | set(entry_recorder.read)
+    read = set(recorder.read)
+    for variant in ({}, *FEATURE_VARIANTS):
+        variant_recorder = ReadRecorder(args.model_copy(update=variant))
+        for build in component_builders():
+            build(variant_recorder)
+        if variant:
+            for build in entry_point_builders().values():
+                try:
+                    build(variant_recorder)
+                except DeepyError:
+                    pass  # the variant does not suit this entry point; its reads so far still count
+        read |= variant_recorder.read
+    return read

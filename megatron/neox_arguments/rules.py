@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from megatron.logging.preflight import logging_problems
 from megatron.neox_arguments.provenance import CLI, DEFAULT, DERIVED
 
 if TYPE_CHECKING:
@@ -660,3 +661,10 @@ def one_environment_mapping(ctx: RuleContext) -> list[str]:
             f"rank/world size from MPI or from Slurm, keep one"
         ]
     return []
+
+
+# --- logging, trackers, profiling ---------------------------------------------------------------
+@rule
+def trackers_and_profiling(ctx: RuleContext) -> list[str]:
+    """Trackers importable, one spelling each, profiling ranges and devices (megatron/logging/preflight.py)."""
+    return logging_problems(ctx, local=runs_on_this_machine(ctx))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron.checkpointing.config import CheckpointConfig
 from megatron.data.config import DataConfig
+from megatron.logging.config import LoggingConfig
 from megatron.model.config import GPTConfig
 from megatron.mpu.config import ParallelConfig
 from megatron.tokenizer.config import TokenizerConfig
@@ -37,8 +38,7 @@ class RunConfig:
     lr: LRConfig
     activation_checkpointing: ActivationCheckpointConfig
     checkpoint: CheckpointConfig
-    peak_tflops: float | None = None
-    """``peak_theoretical_tflops``: overrides the device table for MFU."""
+    logging: LoggingConfig
     deepspeed: dict[str, Any] = field(default_factory=dict)
     """The DeepSpeed config dict deepy.py split off (batch sizes, precision, ZeRO, ...)."""
     args_record: dict[str, Any] = field(default_factory=dict)
@@ -57,7 +57,7 @@ class RunConfig:
             lr=LRConfig.from_args(args),
             activation_checkpointing=ActivationCheckpointConfig.from_args(args),
             checkpoint=CheckpointConfig.from_args(args),
-            peak_tflops=args.peak_theoretical_tflops,
+            logging=LoggingConfig.from_args(args),
             deepspeed=dict(deepspeed or {}),
             args_record=dict(args_record or {}),
         )

@@ -24,7 +24,8 @@ _PRECISION = {"bfloat16": "bf16", "fp16": "fp16", "fp32": "fp32", None: "fp32"}
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainingConfig:
-    """What the loop needs: length, batch arithmetic, logging and evaluation cadence."""
+    """What the loop needs: length, batch arithmetic and evaluation cadence (logging has its own
+    ``megatron.logging.config.LoggingConfig``)."""
 
     train_iters: int | None = None
     """None with train_epochs: derived from the data at start-up (see ``pretrain``)."""
@@ -33,7 +34,6 @@ class TrainingConfig:
     train_batch_size: int
     micro_batch_size: int
     gradient_accumulation_steps: int = 1
-    log_interval: int = 100
     eval_interval: int = 1000
     eval_iters: int = 100
     exit_interval: int | None = None
@@ -43,7 +43,6 @@ class TrainingConfig:
     """fp32 | bf16 | fp16: the compute dtype (for the device's peak TFLOP/s)."""
     compile_layers: bool = False
     seed: int = 1234
-    log_dir: str | None = None
 
     @classmethod
     def from_args(cls, args: NeoXArgs) -> TrainingConfig:
@@ -56,7 +55,6 @@ class TrainingConfig:
             train_batch_size=args.train_batch_size,
             micro_batch_size=args.train_micro_batch_size_per_gpu,
             gradient_accumulation_steps=args.gradient_accumulation_steps,
-            log_interval=args.log_interval,
             eval_interval=args.eval_interval,
             eval_iters=args.eval_iters,
             exit_interval=args.exit_interval,
@@ -65,7 +63,6 @@ class TrainingConfig:
             precision=_PRECISION[args.precision],
             compile_layers=args.compile_layers,
             seed=args.seed,
-            log_dir=args.log_dir,
         )
 
 

@@ -17,8 +17,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from megatron.errors import DeepyError
-from megatron.logging.log import format_row, get_logger
-from megatron.logging.metrics import MetricsWriter
+from megatron.logging.monitor import Monitor
 from megatron.logging.throughput import as_metrics, measure
 from megatron.training.config import TrainingConfig
 from megatron.training.engine import Engine
@@ -43,6 +42,8 @@ class TrainState:
     skipped_steps: int = 0
     consecutive_overflows: int = 0
     stop_reason: str | None = None
+    wandb_run_id: str | None = None
+    """The W&B run this training logs to; a resumed run continues it."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,10 +96,12 @@ class LoopContext:
     flops_per_token: float
     world_size: int
     peak_tflops: float | None
-    writer: MetricsWriter
+    monitor: Monitor
     valid: Evaluator | None = None
     test: Evaluator | None = None
     eod_token: int | None = None
+    hardware_flops_per_token: float | None = None
+    """flops_per_token plus recomputed forwards (activation checkpointing), for HFU."""
 
 
 def _sync() -> None:
@@ -138,7 +141,9 @@ def log_row(ctx: LoopContext, state: TrainState, window: _Window, result: StepRe
     row["train/consumed_tokens"] = state.consumed_tokens
     row.update(as_metrics(measure(tokens_per_iter=ctx.tokens_per_step, iterations=window.steps, seconds=seconds,
                                   flops_per_token=ctx.flops_per_token, world_size=ctx.world_size,
-                                  peak=ctx.peak_tflops)))
+                                  peak=ctx.peak_tflops, samples_per_iter=ctx.global_batch_size,
+                                  hardware_flops_per_token=ctx.hardware_flops_per_token)))
+    row.update(ctx.monitor.window_metrics(window.steps))
     return row
 
 
@@ -147,14 +152,12 @@ def evaluate_now(ctx: LoopContext, state: TrainState, evaluator: Evaluator, pref
     loss = evaluator.loss()
     row = {"iteration": state.iteration, "consumed_samples": state.consumed_samples, f"{prefix}/lm_loss": loss,
            f"timers/{prefix}_ms": 1000.0 * (time.perf_counter() - start)}
-    ctx.writer.write(row)
-    get_logger().info(format_row(row, ctx.train_iters))
+    ctx.monitor.log(row, state.iteration)
+    ctx.monitor.discard_window()  # evaluation forwards are not the next window's training time
 
 
 def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
     """Run from ``state`` until ``train_iters``, ``exit_interval`` or a hook says stop."""
-    log = get_logger()
-    log_interval = ctx.training.log_interval
     eval_interval = ctx.training.eval_interval
     exit_interval = ctx.training.exit_interval
     limit = ctx.training.max_consecutive_overflows
@@ -162,17 +165,17 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
     window = _Window()
     while state.iteration < ctx.train_iters:
         lr = ctx.eng.lr_scheduler.get_last_lr()[0]
+        ctx.monitor.before_step(state.iteration + 1)
         result = train_step(ctx.eng, ctx.micro_batches, ctx.pipe_batches, ctx.device, ctx.eod_token)
         state.iteration += 1
         state.consumed_samples += ctx.global_batch_size
         state.consumed_tokens += ctx.tokens_per_step
+        ctx.monitor.after_step(state.iteration, result.loss)
         window.add(result, lr)
         _check_overflow(state, result, limit)
 
-        if state.iteration % log_interval == 0 or state.iteration == ctx.train_iters:
-            row = log_row(ctx, state, window, result)
-            ctx.writer.write(row)
-            log.info(format_row(row, ctx.train_iters))
+        if ctx.monitor.is_log_step(state.iteration):
+            ctx.monitor.log(log_row(ctx, state, window, result), state.iteration)
             window = _Window()
         if ctx.valid is not None and eval_interval and state.iteration % eval_interval == 0:
             evaluate_now(ctx, state, ctx.valid, "eval")
@@ -196,5 +199,5 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
             evaluate_now(ctx, state, ctx.test, "test")
     for hook in hooks.at_exit:
         hook(ctx.eng, state)
-    log.info("training stopped at iteration %d: %s", state.iteration, state.stop_reason)
+    ctx.monitor.message(f"training stopped at iteration {state.iteration}: {state.stop_reason}")
     return state

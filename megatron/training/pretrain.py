@@ -9,6 +9,7 @@ explicitly, never written back into a config.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -20,16 +21,18 @@ from megatron.checkpointing.save_load import BeforeCommit
 from megatron.data.build import build_datasets
 from megatron.data.sampler import MicroBatchIterator
 from megatron.errors import ConfigError
-from megatron.logging.log import get_logger, setup_logging
-from megatron.logging.metrics import MetricsWriter
+from megatron.logging.log import get_logger, set_deepspeed_log_level, setup_logging
+from megatron.logging.monitor import build_monitor
 from megatron.logging.throughput import current_device_name, peak_tflops
+from megatron.logging.timers import TimedIterator
 from megatron.model import flops_per_token, num_parameters
+from megatron.model.flops import hardware_flops_per_token
 from megatron.mpu.random import model_parallel_manual_seed
 from megatron.neox_arguments.run_config import RunConfig
 from megatron.tokenizer import build_tokenizer
 from megatron.training.batch import pipe_batches
 from megatron.training.config import TrainingConfig
-from megatron.training.engine import build_engine
+from megatron.training.engine import build_engine, layers_to_checkpoint
 from megatron.training.evaluate import maybe_evaluator
 from megatron.training.loop import Hooks, LoopContext, TrainState, train
 
@@ -72,7 +75,8 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     limit_cpu_threads()
     setup_logging(speaks())
     log = get_logger()
-    training = run.training
+    training, log_config = run.training, run.logging
+    set_deepspeed_log_level(log_config.deepspeed_log_level)
     model_parallel_manual_seed(training.seed)
     tokenizer = build_tokenizer(run.tokenizer)
     padded_vocab = run.tokenizer.padded(tokenizer.vocab_size)
@@ -104,15 +108,25 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     # also without `load`: a fresh start refuses a `save` directory that already holds a run
     state = ckpt.load(eng, TrainState())
 
-    micro = MicroBatchIterator(splits.train, state.consumed_samples, **layout)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    monitor = build_monitor(log_config, engine=eng.engine, rank=rank, speaks=speaks(), start_iteration=state.iteration,
+                            train_iters=train_iters, wandb_run_id=state.wandb_run_id,
+                            run_config=run.args_record, logger=log, cuda=torch.cuda.is_available())
+    state.wandb_run_id = monitor.wandb_run_id or state.wandb_run_id  # saved with every checkpoint
+    if state.consumed_samples:
+        log.info("data: resuming at sample %s of the global order (computed from consumed_samples, nothing "
+                 "replayed)", f"{state.consumed_samples:,}")
+    micro = TimedIterator(MicroBatchIterator(splits.train, state.consumed_samples, **layout), monitor.timers)
     pipe = pipe_batches(micro, eod, device) if eng.is_pipe else None
     seq = training.seq_length
+    # whole model: FLOPs are per token
+    recomputed = len(layers_to_checkpoint(run.activation_checkpointing, model_config.num_layers))
     ctx = LoopContext(
         eng=eng, training=training, micro_batches=micro, pipe_batches=pipe, device=device,
         train_iters=train_iters, global_batch_size=g, tokens_per_step=g * seq,
         flops_per_token=flops_per_token(model_config, seq), world_size=dist.get_world_size() if dist.is_initialized() else 1,
-        peak_tflops=run.peak_tflops or peak_tflops(current_device_name(), training.precision),
-        writer=MetricsWriter(training.log_dir, enabled=speaks()),
+        peak_tflops=peak_tflops(current_device_name(), training.precision, log_config.peak_theoretical_tflops),
+        monitor=monitor, hardware_flops_per_token=hardware_flops_per_token(model_config, recomputed, seq),
         valid=maybe_evaluator(eng, splits.valid, training.eval_iters, layout, device, eod),
         test=maybe_evaluator(eng, splits.test, training.eval_iters, layout, device, eod),
         eod_token=eod,
@@ -121,4 +135,4 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     try:
         return train(ctx, state, hooks)
     finally:
-        ctx.writer.close()
+        monitor.close(state.iteration, failed=sys.exc_info()[0] is not None)

@@ -35,10 +35,13 @@ def test_loss_scaling_keys_reach_deepspeed() -> None:
 
 
 def test_peak_tflops_override() -> None:
+    from megatron.logging.throughput import peak_tflops
     from megatron.neox_arguments.run_config import RunConfig
 
-    assert RunConfig.from_mapping(dict(BASE, peak_theoretical_tflops=123.0)).peak_tflops == 123.0
-    assert RunConfig.from_mapping(BASE).peak_tflops is None  # looked up from the device table
+    override = RunConfig.from_mapping(dict(BASE, peak_theoretical_tflops=123.0)).logging.peak_theoretical_tflops
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16", override) == 123.0  # what pretrain passes on
+    table = RunConfig.from_mapping(BASE).logging.peak_theoretical_tflops
+    assert table is None and peak_tflops("NVIDIA H100 80GB HBM3", "bf16", table) == 989.4
 
 
 def test_git_hash_is_recorded() -> None:

@@ -73,7 +73,7 @@ def test_local_run_goes_through_deepspeeds_runner_on_a_free_port() -> None:
     assert port is not None and port != 29500 and not port_in_use(port)
     assert p.argv == [
         PY, "-u", "-m", "deepspeed.launcher.runner",
-        "--num_gpus", "2", "--master_port", str(port), "--launcher", "pdsh",
+        "--num_gpus", "2", "--master_port", str(port), "--launcher", "pdsh", "--log_level", "warning",
         "train.py", "--deepy_config", CONFIG,
     ]  # fmt: skip
     # no config blob on the command line: every argument is short and readable

@@ -32,7 +32,7 @@ def test_disabled_writer_writes_nothing(tmp_path) -> None:
 
 
 def test_peaks() -> None:
-    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.0
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.4
     assert peak_tflops("NVIDIA A100-SXM4-40GB", "bf16") == 312.0
     assert peak_tflops(None, "bf16") is None
     assert peak_tflops("some cpu", "fp32") is None

@@ -72,6 +72,9 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "per_device_parallelism": ("training", None),
     "run_dir": ("training", None),
     "load_checkpoint": ("training", True),
+    "tracker": ("logging", None),
+    "deepspeed_log_level": ("logging", "warning"),
+    "device_memory_gb": ("logging", None),
 }
 
 NEOX_REFERENCE: dict[str, tuple[tuple[str, Any], ...]] = {
@@ -596,12 +599,18 @@ MUST_BE_SUPPORTED = [
     "optimizer", "hostfile", "num_gpus", "launcher", "deepspeed_slurm", "train_impl",
     "scaled_upper_triang_masked_softmax_fusion", "mmap_warmup", "override_lr_scheduler",
     "checkpoint_validation_with_forward_pass", "hysteresis", "peak_theoretical_tflops",
+    # built by the logging component (megatron/logging/; tests/e2e/test_observability.py)
+    "tensorboard_dir", "use_wandb", "wandb_project", "wandb_group", "wandb_run_name", "wandb_team",
+    "wandb_host", "wandb_init_all_ranks", "tracker", "log_param_norm", "log_grad_norm", "log_grad_pct_zeros",
+    "log_optimizer_states", "profile", "profile_step_start", "profile_step_stop", "memory_profiling",
+    "memory_profiling_path", "wall_clock_breakdown", "deepspeed_log_level", "device_memory_gb",
 ]  # fmt: skip
 MUST_BE_UNSUPPORTED = [
     "moe_num_experts", "moe_top_k", "moe_router_type", "mamba_inner_func_fusion", "te_mha",
     "te_fp8_format", "serve_model_weights", "sparsity_config", "curriculum_learning",
     "sparse_attention", "use_comet", "use_mup", "s3_path", "head_size", "scheduler", "no_save_optim",
     "sparse_gradients", "fp16_lm_cross_entropy", "deepspeed_activation_checkpointing",
+    "log_gradient_noise_scale", "gradient_noise_scale_n_batches", "gradient_noise_scale_cpu_offload",
 ]  # fmt: skip
 
 

@@ -266,14 +266,12 @@ def run_encoding(chunks: Iterator[Chunk], tokenizer: Tokenizer, options: EncodeO
 
 
 class Progress:
-    """tqdm bar in documents with MB/s and tokens/s in its postfix."""
+    """Documents done, with MB/s and tokens/s: a tqdm bar on a terminal, a line every 10 s in a log."""
 
     def __init__(self, total_docs: int | None, log_interval: int, quiet: bool) -> None:
-        from tqdm import tqdm
+        from megatron.logging.progress import progress
 
-        # disable=None: no bar when stderr is not a terminal (logs, CI), the final report still prints.
-        self.bar = tqdm(total=total_docs, unit="doc", disable=True if quiet else None, mininterval=0.5,
-                        smoothing=0.1)
+        self.bar = progress(total_docs, "tokenizing", "doc", enabled=not quiet)
         self.start = time.perf_counter()
         self.docs = self.bytes = self.tokens = 0
         self.log_interval = max(1, log_interval)

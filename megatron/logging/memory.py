@@ -1,0 +1,285 @@
+"""How much memory one device needs for a layout: the estimate ``deepy.py --dry-run`` prints.
+
+Per device, for the pipeline stage with the most parameters:
+
+- **parameters** ``P`` of the stage (tensor-parallel weights split by tp, norms replicated), at the
+  training dtype;
+- **gradients**, **fp32 master weights** and **optimizer states**, as DeepSpeed 0.19 lays them
+  out (measured on CPU for fp32 and bf16, ZeRO 0-2, see tests/unit/test_memory_estimate.py):
+
+  =========================  ==========  ==========  ================  ==================
+  what                       weights     gradients   fp32 master       optimizer states
+  =========================  ==========  ==========  ================  ==================
+  fp32, ZeRO-0               4P          4P          (the weights)     4kP
+  bf16/fp16, ZeRO-0          2P          2P          4P                4kP
+  ZeRO-1/2                   wP          wP/dp       4P/dp             4kP/dp
+  ZeRO-3                     wP/dp       wP/dp       4P/dp             4kP/dp
+  =========================  ==========  ==========  ================  ==================
+
+  (``w`` bytes per weight, ``k`` fp32 state tensors per parameter: Adam 2, Lion 1, SGD with
+  momentum 1; ``offload_optimizer`` moves master weights and states to CPU memory);
+- **ZeRO buckets**: with ``contiguous_gradients`` (DeepSpeed's default) ZeRO allocates a gradient
+  bucket of ``reduce_bucket_size`` elements (two with ``overlap_comm``) while the backward runs —
+  2 GB in fp32 at the default 5e8, whatever the model size;
+- **activations** kept for the backward, counted tensor by tensor for one micro-batch (the same
+  count gives Korthikanti et al.'s 34·s·b·h bytes for a GPT layer in 16 bits), without attention
+  scores (SDPA's fused kernels do not keep them), times the micro-batches a pipeline's first stage
+  holds in flight; with activation checkpointing a recomputed layer keeps only its input, plus one
+  layer's activations while it is recomputed; plus the logits and their fp32 copy for the loss.
+
+Not counted: the CUDA context and allocator fragmentation (typically 1-3 GiB on a GPU), and
+temporaries inside the optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from megatron.model.activations import get_activation
+from megatron.model.config import GPTConfig
+from megatron.model.flops import layer_parameters
+
+if TYPE_CHECKING:
+    from megatron.neox_arguments.run_config import RunConfig
+
+GiB = 1024**3
+
+# fp32 state tensors per parameter, by optimizer type (lower-cased)
+_STATE_TENSORS: dict[str, int] = {"adam": 2, "adamw": 2, "cpu_adam": 2, "cpuadam": 2, "cpu_torch_adam": 2,
+                                  "lamb": 2, "lion": 1, "sgd": 1}
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_PRECISION = {"bfloat16": "bf16", "fp16": "fp16", "fp32": "fp32", None: "fp32"}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryLayout:
+    """Everything the estimate depends on, read from the config (see :meth:`from_args`)."""
+
+    model: GPTConfig
+    tp: int
+    pp: int
+    """Pipeline stages (1 for ``pipe_parallel_size`` 0 or 1)."""
+    dp: int
+    precision: str
+    """``fp32``, ``bf16`` or ``fp16``."""
+    zero_stage: int
+    offload_optimizer: bool
+    contiguous_gradients: bool
+    overlap_comm: bool
+    reduce_bucket_size: int
+    optimizer_states: int
+    micro_batch: int
+    seq_length: int
+    grad_accum: int
+    recomputed_layers: int
+    """Transformer layers of the largest stage whose activations are recomputed."""
+    sequence_parallel: bool
+    dropout: bool
+
+    @classmethod
+    def from_run(cls, run: RunConfig, world_size: int, padded_vocab_size: int) -> MemoryLayout:
+        model = run.model.with_vocab(padded_vocab_size)
+        tp = run.parallel.tensor
+        pp = run.parallel.stages
+        zero: Mapping[str, Any] = run.deepspeed.get("zero_optimization") or {}
+        stage = int(zero.get("stage", 0) or 0)
+        offload = zero.get("offload_optimizer") or {}
+        kind = run.optimizer.kind
+        states = _STATE_TENSORS.get(kind, 2)
+        if kind == "sgd" and not float(run.optimizer.params.get("momentum", 0.0) or 0.0):
+            states = 0
+        layers_per_stage = math.ceil(model.num_layers / pp)
+        ckpt = run.activation_checkpointing
+        if ckpt.selective_checkpointing:
+            recomputed = len([i for i in range(layers_per_stage) if i % ckpt.selective_checkpointing == 0])
+        else:
+            recomputed = layers_per_stage if ckpt.checkpoint_activations else 0
+        training = run.training
+        return cls(
+            model=model, tp=tp, pp=pp, dp=max(world_size // (tp * pp), 1),
+            precision=training.precision, zero_stage=stage,
+            offload_optimizer=stage > 0 and str(offload.get("device", "none")).lower() in ("cpu", "nvme"),
+            # DeepSpeed's defaults: contiguous gradients on; overlap_comm only for ZeRO-3
+            contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
+            overlap_comm=bool(zero.get("overlap_comm", stage == 3)),
+            reduce_bucket_size=int(float(zero.get("reduce_bucket_size", 5e8))),
+            optimizer_states=states,
+            micro_batch=training.micro_batch_size,
+            seq_length=training.seq_length,
+            grad_accum=training.gradient_accumulation_steps,
+            recomputed_layers=recomputed,
+            sequence_parallel=run.parallel.sequence_parallel,
+            dropout=bool(model.hidden_dropout or model.attention_dropout),
+        )  # fmt: skip
+
+
+# --- parameter counts on one device ------------------------------------------------------------------
+def _replicated_in_layer(c: GPTConfig) -> int:
+    """Parameters of one layer that tensor parallelism does not split: norms and the biases added
+    after the row-parallel projections."""
+    h = c.hidden_size
+    norm = {"layernorm": h * (2 if c.use_bias_in_norms else 1), "rmsnorm": h, "scalenorm": 1}.get(c.norm, h)
+    norms = (1 if (c.gpt_j_residual and c.gpt_j_tied) else 2) * norm
+    return norms + (h if c.use_bias_in_attn_linear else 0) + (h if c.use_bias_in_mlp else 0)
+
+
+def stage_parameters(layout: MemoryLayout) -> int:
+    """Parameters on one device of the stage that holds the most."""
+    c, tp = layout.model, layout.tp
+    rep = _replicated_in_layer(c)
+    per_layer = (layer_parameters(c) - rep) // tp + rep
+    layers = math.ceil(c.num_layers / layout.pp) * per_layer
+    vocab = c.padded_vocab_size * c.hidden_size // tp
+    positions = (c.max_position_embeddings or c.seq_length) * c.hidden_size if c.pos_emb == "learned" else 0
+    first = vocab + positions + layers
+    head = c.hidden_size if c.value_head else vocab
+    last_extra = c.hidden_size * 2 + (head if (c.no_weight_tying or c.value_head or layout.pp > 1) else 0)
+    if layout.pp == 1:
+        return first + last_extra
+    return max(first, layers + last_extra)
+
+
+# --- the estimate ------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryEstimate:
+    parameters: int
+    weights: float
+    gradients: float
+    master_weights: float
+    optimizer_states: float
+    offloaded: float
+    """Master weights and states moved to CPU memory by offload_optimizer."""
+    zero_buckets: float
+    activations: float
+
+    @property
+    def model_states(self) -> float:
+        """Weights, gradients, master weights and optimizer states on the device."""
+        return self.weights + self.gradients + self.master_weights + self.optimizer_states
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.zero_buckets + self.activations
+
+
+def activation_bytes(layout: MemoryLayout) -> float:
+    c, s, b, t = layout.model, layout.seq_length, layout.micro_batch, layout.tp
+    h, ffn = c.hidden_size, c.ffn_hidden_size
+    a = _BYTES[layout.precision]
+    kv = c.kv_heads * c.head_dim
+    first = 2 * ffn if get_activation(c.activation).gated else ffn
+    # tensors a layer keeps for its backward (elements per token): norm inputs and outputs are whole
+    # hidden states (split by tp only under sequence parallelism); q/k/v, attention output and the
+    # MLP's inner activations are split by tp
+    replicated = 4 * h  # attention-norm input/output, mlp-norm input/output
+    split = (c.num_attention_heads * c.head_dim + 2 * kv) + c.num_attention_heads * c.head_dim + first + ffn
+    per_token = (replicated / t if layout.sequence_parallel else replicated) + split / t
+    layer = s * b * per_token * a
+    if layout.dropout:
+        layer += 2 * s * b * h  # one-byte masks of the two residual dropouts
+    layers = math.ceil(c.num_layers / layout.pp)
+    stored = (layers - layout.recomputed_layers) * layer + layout.recomputed_layers * s * b * h * a
+    if layout.recomputed_layers:
+        stored += layer  # the layer being recomputed
+    in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
+    logits = s * b * c.padded_vocab_size / t * (a + 4)  # logits and the fp32 copy the loss works on
+    return stored * in_flight + logits + s * b * h * a
+
+
+def estimate(layout: MemoryLayout) -> MemoryEstimate:
+    p = stage_parameters(layout)
+    w = _BYTES[layout.precision]
+    dp, k, stage = layout.dp, layout.optimizer_states, layout.zero_stage
+    if stage == 0:
+        weights, grads = w * p, w * p
+        master = 0.0 if layout.precision == "fp32" else 4.0 * p
+        states = 4.0 * k * p
+    else:
+        weights = w * p / dp if stage == 3 else float(w * p)
+        grads = w * p / dp
+        master = 4.0 * p / dp
+        states = 4.0 * k * p / dp
+    offloaded = 0.0
+    if layout.offload_optimizer:
+        offloaded, master, states = master + states, 0.0, 0.0
+    buckets = 0.0
+    if stage > 0 and layout.contiguous_gradients:
+        buckets = layout.reduce_bucket_size * w * (2 if layout.overlap_comm else 1)
+    return MemoryEstimate(parameters=p, weights=weights, gradients=grads, master_weights=master,
+                          optimizer_states=states, offloaded=offloaded, zero_buckets=buckets,
+                          activations=activation_bytes(layout))
+
+
+def render(layout: MemoryLayout, est: MemoryEstimate, device_memory_gib: float | None,
+           device_source: str | None = None) -> str:
+    """The dry run's memory section."""
+    zero = f"ZeRO-{layout.zero_stage}" + (" + optimizer offload" if layout.offload_optimizer else "")
+    recompute = f", {layout.recomputed_layers} layer(s) recomputed" if layout.recomputed_layers else ""
+    rows: list[tuple[str, float, str]] = [
+        (f"weights ({layout.precision})", est.weights, ""),
+        ("gradients", est.gradients, ""),
+        ("fp32 master weights", est.master_weights, ""),
+        (f"optimizer states ({layout.optimizer_states} x fp32)", est.optimizer_states, ""),
+    ]
+    if est.zero_buckets:
+        rows.append(("ZeRO gradient buckets", est.zero_buckets, "reduce_bucket_size, during the backward"))
+    rows.append(("activations", est.activations, ""))
+    rows.append(("total", est.total, "+ CUDA context and fragmentation"))
+    if est.offloaded:
+        rows.append(("in CPU memory (offload)", est.offloaded, "not on the device"))
+    lines = [
+        f"Memory estimate per device (tp={layout.tp} pp={layout.pp} dp={layout.dp}, {zero}, {layout.precision}, "
+        f"micro batch {layout.micro_batch} x seq {layout.seq_length}{recompute}):",
+        f"  {'parameters on the largest stage':<34}{est.parameters:>14,}",
+    ]
+    for label, value, note in rows:
+        lines.append(f"  {label:<34}{value / GiB:>10.2f} GiB" + (f"  ({note})" if note else ""))
+    if device_memory_gib is not None:
+        where = f" ({device_source})" if device_source else ""
+        if est.total > device_memory_gib * GiB:
+            lines.append(
+                f"  WARNING: the estimate exceeds the device's {device_memory_gib:.1f} GiB{where}: use more "
+                f"tensor/pipeline/data parallelism with ZeRO, activation checkpointing or a smaller micro batch"
+            )
+        else:
+            lines.append(f"  fits in the device's {device_memory_gib:.1f} GiB{where}")
+    return "\n".join(lines)
+
+
+# --- the dry run -------------------------------------------------------------------------------------
+ASSUMED_VOCAB = 50304
+
+
+def _padded_vocab(run: RunConfig) -> tuple[int, str]:
+    """(padded vocabulary size, a note when it had to be assumed)."""
+    if run.tokenizer.padded_vocab_size:
+        return run.tokenizer.padded_vocab_size, ""
+    try:
+        from megatron.tokenizer import build_tokenizer
+
+        return run.tokenizer.padded(build_tokenizer(run.tokenizer).vocab_size), ""
+    except Exception as err:  # an estimate must not fail the dry run; the launch reports a bad tokenizer
+        return ASSUMED_VOCAB, f"vocabulary assumed {ASSUMED_VOCAB:,} (tokenizer not loaded: {err})"
+
+
+def local_device_memory_gib() -> float | None:
+    """Memory of the first local GPU, when there is one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / GiB
+
+
+def dry_run_report(run: RunConfig, launches_locally: bool) -> str:
+    """The memory section of ``deepy.py --dry-run`` for the resolved run."""
+    vocab, note = _padded_vocab(run)
+    layout = MemoryLayout.from_run(run, run.parallel.world_size or 1, vocab)
+    device, source = run.logging.device_memory_gb, "device_memory_gb"
+    if device is None and launches_locally:
+        device, source = local_device_memory_gib(), "this machine's GPU"
+    text = render(layout, estimate(layout), device, source if device is not None else None)
+    return text + (f"\n  note: {note}" if note else "")

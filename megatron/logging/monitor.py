@@ -1,0 +1,111 @@
+"""The training loop's one handle on observability: trackers, timers, statistics, profiler, progress.
+
+The loop calls, per step, :meth:`Monitor.before_step` and :meth:`Monitor.after_step`; at log steps
+it builds its row (loss, lr, throughput), adds :meth:`Monitor.window_metrics` (``timers/*`` and the
+``log_*`` statistics) and hands it to :meth:`Monitor.log`, which fans it out to the trackers and
+the console. Everything else (which tracker, which statistic, when the profiler runs) is decided
+here from :class:`~megatron.logging.config.LoggingConfig`, so the loop stays a few lines.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from megatron.logging.config import LoggingConfig, WandbSettings
+from megatron.logging.profiling import StepProfiler
+from megatron.logging.progress import TrainingProgress
+from megatron.logging.stats import StatsCollector
+from megatron.logging.timers import Timers
+from megatron.logging.trackers import TrackerContext, Trackers, build_trackers, new_wandb_run_id
+
+
+class Monitor:
+    def __init__(self, *, config: LoggingConfig, trackers: Trackers, timers: Timers, progress: TrainingProgress,
+                 train_iters: int, stats: StatsCollector | None = None, profiler: StepProfiler | None = None) -> None:
+        self.config = config
+        self.trackers = trackers
+        self.timers = timers
+        self.progress = progress
+        self.train_iters = train_iters
+        self.stats = stats
+        self.profiler = profiler
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        return self.trackers.wandb_run_id
+
+    def is_log_step(self, iteration: int) -> bool:
+        return iteration % self.config.log_interval == 0 or iteration == self.train_iters
+
+    def before_step(self, iteration: int) -> None:
+        """``iteration``: the step about to run (1-based)."""
+        if self.stats is not None:
+            self.stats.arm(self.is_log_step(iteration))
+        if self.profiler is not None:
+            self.profiler.before_step(iteration)
+
+    def after_step(self, iteration: int, loss: float | None = None) -> None:
+        if self.profiler is not None:
+            self.profiler.after_step(iteration)
+        self.progress.step(iteration, loss)
+
+    def window_metrics(self, iterations: int) -> dict[str, float]:
+        """``timers/*`` for the logging window and the statistics of the last step (every rank
+        must call this at log steps: the statistics gather over the model's ranks)."""
+        row = self.timers.window_metrics(iterations)
+        if self.stats is not None:
+            row.update(self.stats.collect())
+        return row
+
+    def discard_window(self) -> None:
+        """Forget the timers accumulated so far (time spent on something other than training)."""
+        self.timers.window_metrics(1)
+
+    def log(self, row: Mapping[str, Any], step: int) -> None:
+        self.trackers.log({k: v for k, v in row.items() if k != "iteration"}, step)
+        self.progress.row({"iteration": step, **row})
+
+    def message(self, text: str) -> None:
+        self.progress.message(text)
+
+    def close(self, iteration: int, failed: bool = False) -> None:
+        if self.profiler is not None:
+            self.profiler.stop(iteration)
+            for path in self.profiler.written:
+                self.progress.message(f"profile written to {path}")
+        self.progress.close()
+        self.trackers.finish(failed)
+
+
+def agree_on_wandb_run_id(resumed: str | None, config: LoggingConfig) -> str | None:
+    """One W&B run id for every rank: the checkpoint's when resuming, else rank 0's new one."""
+    if not any(isinstance(t, WandbSettings) for t in config.trackers):
+        return resumed
+    import torch.distributed as dist
+
+    proposal = [resumed or (new_wandb_run_id() if not dist.is_initialized() or dist.get_rank() == 0 else None)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(proposal, src=0)
+    return proposal[0]
+
+
+def build_monitor(config: LoggingConfig, *, engine: Any, rank: int, speaks: bool, start_iteration: int,
+                  train_iters: int, wandb_run_id: str | None, run_config: Mapping[str, Any],
+                  logger: logging.Logger, cuda: bool) -> Monitor:
+    """Everything the loop logs through, for this rank."""
+    run_id = agree_on_wandb_run_id(wandb_run_id, config)
+    ctx = TrackerContext(rank=rank, speaks=speaks, run_id=run_id, start_step=start_iteration, run_config=run_config)
+    trackers = build_trackers(config.trackers, ctx, config.log_dir)
+    timers = Timers(config.wall_clock_breakdown)
+    timers.attach(engine)
+    return Monitor(
+        config=config,
+        trackers=trackers,
+        timers=timers,
+        progress=TrainingProgress(total=train_iters, start=start_iteration, enabled=speaks, logger=logger),
+        train_iters=train_iters,
+        stats=StatsCollector(config.stats, engine) if config.stats.any else None,
+        profiler=StepProfiler(config.profile, rank, cuda) if config.profile.any else None,
+    )

@@ -1,0 +1,183 @@
+"""Where logged rows go: metrics.jsonl, TensorBoard, Weights & Biases — several at once.
+
+Each tracker type is a small class behind one interface (``log(row, step)``, ``finish()``), built
+from a registry keyed by the config's type string (``jsonl``, ``tensorboard``, ``wandb``). The
+training loop only ever calls :meth:`Trackers.log`.
+
+- W&B: ``wandb.init`` with a run id that the checkpoint carries (``TrainState.wandb_run_id``), so a
+  resumed run continues the same W&B run and its step axis (``step=iteration``). Offline mode
+  (``WANDB_MODE=offline`` or ``mode: offline``) needs no network. The API key is never passed by
+  Deepy: wandb reads it from WANDB_API_KEY or ~/.netrc itself, so it appears on no command line and
+  in no log line of ours.
+- TensorBoard: ``torch.utils.tensorboard.SummaryWriter``; a resumed run purges events at or after
+  its first step, so a resume from an older checkpoint does not leave two curves.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import string
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from megatron.logging.config import JsonlSettings, TensorboardSettings, TrackerSettings, WandbSettings
+from megatron.logging.metrics import MetricsWriter
+
+
+class Tracker(Protocol):
+    def log(self, row: Mapping[str, Any], step: int) -> None: ...
+
+    def finish(self, failed: bool = False) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrackerContext:
+    """Runtime facts a tracker needs that are not config keys."""
+
+    rank: int
+    speaks: bool
+    """This rank logs the training metrics (global rank 0)."""
+    run_id: str | None
+    """W&B run id agreed by every rank: the checkpoint's when resuming, else a new one."""
+    start_step: int
+    """Iteration the run starts from (0 for a fresh run)."""
+    run_config: Mapping[str, Any] = field(default_factory=dict)
+    """The resolved arguments, recorded as the run's config/hyperparameters."""
+
+
+def scalars(row: Mapping[str, Any]) -> dict[str, float]:
+    """The finite numbers of a row except the step itself (trackers plot numbers only)."""
+    out: dict[str, float] = {}
+    for key, value in row.items():
+        if key == "iteration":
+            continue
+        if hasattr(value, "item") and callable(value.item):
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if math.isfinite(value):
+            out[key] = float(value)
+    return out
+
+
+class JsonlTracker:
+    def __init__(self, settings: JsonlSettings, ctx: TrackerContext) -> None:
+        self.writer = MetricsWriter(settings.log_dir, enabled=ctx.speaks)
+
+    def log(self, row: Mapping[str, Any], step: int) -> None:
+        self.writer.write({"iteration": step, **row})
+
+    def finish(self, failed: bool = False) -> None:
+        self.writer.close()
+
+
+class TensorboardTracker:
+    def __init__(self, settings: TensorboardSettings, ctx: TrackerContext) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step drops events a resumed run is about to write again (resume from an older
+        # checkpoint); TensorBoard otherwise shows both copies of those steps
+        purge = ctx.start_step + 1 if ctx.start_step > 0 else None
+        self.writer = SummaryWriter(log_dir=settings.logdir, purge_step=purge)
+        if ctx.run_config and ctx.start_step == 0:
+            import json
+
+            self.writer.add_text("config", "```\n" + json.dumps(dict(ctx.run_config), indent=1, default=str) + "\n```", 0)
+
+    def log(self, row: Mapping[str, Any], step: int) -> None:
+        for key, value in scalars(row).items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()  # a killed run keeps every row it logged, like metrics.jsonl
+
+    def finish(self, failed: bool = False) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    def __init__(self, settings: WandbSettings, ctx: TrackerContext, log_dir: str | None) -> None:
+        import wandb
+
+        self.speaks = ctx.speaks
+        run_id = ctx.run_id if ctx.speaks else f"{ctx.run_id}-rank{ctx.rank}"
+        name = settings.name
+        if not ctx.speaks and name:
+            name = f"{name}-rank{ctx.rank}"
+        directory = log_dir or "."
+        os.makedirs(directory, exist_ok=True)
+        self.run = wandb.init(
+            project=settings.project,
+            entity=settings.entity,
+            name=name,
+            group=settings.group,
+            tags=list(settings.tags) or None,
+            notes=settings.notes,
+            mode=settings.mode,
+            id=run_id,
+            resume="allow",  # same id: continue that run (and its step axis) when it exists
+            dir=directory,
+            config=dict(ctx.run_config) if ctx.speaks else None,
+            # console="off": W&B would otherwise wrap stdout/stderr of every rank it runs on
+            settings=wandb.Settings(base_url=settings.host, console="off"),
+        )
+
+    @property
+    def run_id(self) -> str:
+        return str(self.run.id)
+
+    def log(self, row: Mapping[str, Any], step: int) -> None:
+        if self.speaks:
+            self.run.log(scalars(row), step=step)
+
+    def finish(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+TrackerFactory = Callable[[Any, TrackerContext, str | None], Tracker]
+
+TRACKERS: dict[str, TrackerFactory] = {
+    "jsonl": lambda s, ctx, log_dir: JsonlTracker(s, ctx),
+    "tensorboard": lambda s, ctx, log_dir: TensorboardTracker(s, ctx),
+    "wandb": lambda s, ctx, log_dir: WandbTracker(s, ctx, log_dir),
+}
+"""Tracker type (the config's ``type`` string) -> constructor."""
+
+
+def runs_on(settings: TrackerSettings, ctx: TrackerContext) -> bool:
+    """Trackers live on the speaking rank; W&B also on every rank with ``wandb_init_all_ranks``."""
+    if ctx.speaks:
+        return True
+    return isinstance(settings, WandbSettings) and settings.init_all_ranks
+
+
+class Trackers:
+    """All trackers of this rank; ``log`` fans a row out to each."""
+
+    def __init__(self, trackers: list[Tracker]) -> None:
+        self.trackers = trackers
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        return next((t.run_id for t in self.trackers if isinstance(t, WandbTracker)), None)
+
+    def log(self, row: Mapping[str, Any], step: int) -> None:
+        for tracker in self.trackers:
+            tracker.log(row, step)
+
+    def finish(self, failed: bool = False) -> None:
+        for tracker in self.trackers:
+            tracker.finish(failed)
+        self.trackers = []
+
+
+def build_trackers(settings: tuple[TrackerSettings, ...], ctx: TrackerContext, log_dir: str | None) -> Trackers:
+    return Trackers([TRACKERS[s.type](s, ctx, log_dir) for s in settings if runs_on(s, ctx)])
+
+
+def new_wandb_run_id() -> str:
+    """Eight random lowercase letters and digits, the shape of W&B's own ids (its generator moved
+    between wandb releases, so none is imported)."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(8))

@@ -1,0 +1,106 @@
+"""The memory estimator's arithmetic (the measured comparison is tests/distributed/test_memory_estimate.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from megatron.logging.memory import GiB, MemoryLayout, activation_bytes, estimate, render, stage_parameters
+from megatron.model import num_parameters
+from megatron.neox_arguments import finalize
+from megatron.neox_arguments.arguments import NeoXArgs
+from megatron.neox_arguments.resolved import ResolvedConfig
+from megatron.neox_arguments.rules import Device
+from megatron.neox_arguments.run_config import RunConfig
+
+BASE: dict[str, Any] = {
+    "num_layers": 8, "hidden_size": 512, "num_attention_heads": 8, "seq_length": 256,
+    "max_position_embeddings": 256, "pos_emb": "rotary", "no_weight_tying": True,
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "train_micro_batch_size_per_gpu": 2,
+    "train_iters": 10, "use_dummy_dataset": True, "tokenizer_type": "CharLevelTokenizer",
+}  # fmt: skip
+GPU = Device(cuda=True, fp16_supported=True)
+
+
+def layout(world: int = 8, vocab: int = 1024, **overrides: Any) -> MemoryLayout:
+    resolved = finalize(ResolvedConfig(args=NeoXArgs(**{**BASE, **overrides})), world, device=GPU)
+    return MemoryLayout.from_run(RunConfig.from_resolved(resolved), world, vocab)
+
+
+def test_stage_parameters_split_the_model() -> None:
+    one = layout(world=1)
+    total = num_parameters(one.model)
+    assert stage_parameters(one) == total
+    # tp2: every matrix halves, norms and row-parallel biases stay whole
+    tp2 = layout(world=2, model_parallel_size=2)
+    assert total / 2 < stage_parameters(tp2) < total / 2 * 1.01
+    # pp2: the larger stage holds half the layers plus the embedding (or the head)
+    pp2 = layout(world=2, pipe_parallel_size=2)
+    layer = (total - 2 * 1024 * 512 - 2 * 512) // 8
+    assert stage_parameters(pp2) == pytest.approx(4 * layer + 1024 * 512 + 2 * 512, abs=2 * 512)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "per_param"),
+    [
+        ({"precision": "fp32", "zero_optimization": {"stage": 0}}, 4 + 4 + 0 + 8),
+        ({"precision": "bfloat16", "zero_optimization": {"stage": 0}}, 2 + 2 + 4 + 8),
+        ({"precision": "fp32", "zero_optimization": {"stage": 1}}, 4 + (4 + 4 + 8) / 8),
+        ({"precision": "bfloat16", "zero_optimization": {"stage": 2}}, 2 + (2 + 4 + 8) / 8),
+        ({"precision": "bfloat16", "zero_optimization": {"stage": 3}}, (2 + 2 + 4 + 8) / 8),
+        ({"precision": "bfloat16", "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+         2 + 2 / 8),
+        ({"precision": "fp32", "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, 4 + 4),
+        ({"precision": "fp32", "optimizer": {"type": "Lion", "params": {"lr": 0.1}}}, 4 + 4 + 4),
+    ],
+)
+def test_model_states_by_zero_stage(overrides: dict[str, Any], per_param: float) -> None:
+    lay = layout(**overrides)  # 8 ranks: dp 8
+    est = estimate(lay)
+    assert est.model_states == pytest.approx(per_param * est.parameters)
+    if "offload_optimizer" in overrides.get("zero_optimization", {}):
+        assert est.offloaded == pytest.approx((4 + 8) / 8 * est.parameters)
+
+
+def test_zero_buckets_follow_deepspeeds_settings() -> None:
+    assert estimate(layout(zero_optimization={"stage": 0})).zero_buckets == 0
+    assert estimate(layout(precision="fp32", zero_optimization={"stage": 1})).zero_buckets == 5e8 * 4
+    assert estimate(layout(precision="bfloat16", zero_optimization={
+        "stage": 2, "overlap_comm": True, "reduce_bucket_size": 1e8})).zero_buckets == 2 * 1e8 * 2
+    assert estimate(layout(zero_optimization={"stage": 2, "contiguous_gradients": False})).zero_buckets == 0
+
+
+def test_activations_match_korthikanti_per_layer() -> None:
+    # a GPT layer with dropout keeps 34·s·b·h bytes in 16 bits (Korthikanti et al. 2022, without the
+    # attention scores that fused attention does not store); (10 + 24/t)·s·b·h with tensor parallelism
+    kw = dict(precision="bfloat16", hidden_dropout=0.1, no_weight_tying=False, zero_optimization={"stage": 0})
+    two, one = layout(world=1, num_layers=2, **kw), layout(world=1, num_layers=1, **kw)
+    s, b, h = 256, 2, 512
+    assert activation_bytes(two) - activation_bytes(one) == 34 * s * b * h
+    tp_two = layout(world=2, num_layers=2, model_parallel_size=2, **kw)
+    tp_one = layout(world=2, num_layers=1, model_parallel_size=2, **kw)
+    assert activation_bytes(tp_two) - activation_bytes(tp_one) == (10 + 24 / 2) * s * b * h
+
+
+def test_checkpointing_keeps_only_layer_inputs() -> None:
+    full = layout(precision="bfloat16")
+    ckpt = layout(precision="bfloat16", checkpoint_activations=True)
+    assert ckpt.recomputed_layers == 8 and full.recomputed_layers == 0
+    assert activation_bytes(ckpt) < activation_bytes(full) / 3
+    every_other = layout(precision="bfloat16", selective_checkpointing=2)
+    assert every_other.recomputed_layers == 4
+    assert activation_bytes(ckpt) < activation_bytes(every_other) < activation_bytes(full)
+    more = dataclasses.replace(full, micro_batch=4)
+    assert activation_bytes(more) == pytest.approx(2 * activation_bytes(full))
+
+
+def test_render_warns_when_the_device_is_too_small() -> None:
+    lay = layout()
+    est = estimate(lay)
+    text = render(lay, est, 0.01, "device_memory_gb")
+    assert "WARNING: the estimate exceeds the device's 0.0 GiB (device_memory_gb)" in text
+    assert "fits in the device's 80.0 GiB" in render(lay, est, 80.0)
+    assert f"{est.total / GiB:.2f} GiB" in text
+    assert "WARNING" not in render(lay, est, None)

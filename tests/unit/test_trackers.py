@@ -1,0 +1,93 @@
+"""Trackers in one process: rows logged through :class:`Trackers` land in metrics.jsonl, TensorBoard
+event files and a W&B offline run, and are read back with each library's own reader."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tracker_readers import read_wandb_file, tensorboard_scalars, wandb_runs
+
+from megatron.logging.config import LoggingConfig
+from megatron.logging.trackers import TRACKERS, TrackerContext, build_trackers, new_wandb_run_id, scalars
+from megatron.neox_arguments.arguments import NeoXArgs
+
+ROWS = [
+    {"train/lm_loss": 5.5, "train/lr": 1e-3, "throughput/tokens_per_sec": 1000.0, "consumed_samples": 8},
+    {"train/lm_loss": 5.0, "train/lr": 9e-4, "throughput/tokens_per_sec": 1100.0, "note": "text is skipped"},
+    {"eval/lm_loss": 5.2, "train/grad_norm": float("nan")},  # NaN: not a plottable number
+]
+
+
+def test_registry_is_keyed_by_tracker_type() -> None:
+    assert set(TRACKERS) == {"jsonl", "tensorboard", "wandb"}
+    assert scalars({"iteration": 3, "a": 1, "b": True, "c": "x", "d": float("inf"), "e": 2.5}) == {"a": 1.0, "e": 2.5}
+    ids = {new_wandb_run_id() for _ in range(50)}
+    assert len(ids) == 50 and all(len(i) == 8 and i.isalnum() and i.islower() or i.isdigit() for i in ids)
+
+
+def test_all_trackers_receive_every_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    args = NeoXArgs(log_dir=str(tmp_path / "logs"), use_wandb=True, wandb_project="unit",
+                    tensorboard_dir=str(tmp_path / "tb"))
+    cfg = LoggingConfig.from_args(args)
+    ctx = TrackerContext(rank=0, speaks=True, run_id="unit0001", start_step=0, run_config={"hidden_size": 64})
+    trackers = build_trackers(cfg.trackers, ctx, cfg.log_dir)
+    assert trackers.wandb_run_id == "unit0001"
+    for step, row in enumerate(ROWS, start=1):
+        trackers.log(row, step)
+    trackers.finish()
+
+    lines = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in lines] == [1, 2, 3]
+    assert lines[1]["note"] == "text is skipped" and lines[2]["train/grad_norm"] is None
+
+    tb = tensorboard_scalars(tmp_path / "tb")
+    assert [(s, round(v, 6)) for s, v in tb["train/lm_loss"]] == [(1, 5.5), (2, 5.0)]
+    assert tb["eval/lm_loss"][0][0] == 3 and "train/grad_norm" not in tb and "note" not in tb
+
+    (run,) = wandb_runs(tmp_path / "logs")
+    assert (run.run_id, run.project) == ("unit0001", "unit")
+    assert run.config["hidden_size"] == 64
+    assert run.series("train/lm_loss") == [(1, 5.5), (2, 5.0)]
+    assert run.series("throughput/tokens_per_sec") == [(1, 1000.0), (2, 1100.0)]
+    assert run.series("eval/lm_loss") == [(3, 5.2)]
+
+
+def test_non_speaking_ranks_track_nothing_unless_wandb_on_all_ranks(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    ctx = TrackerContext(rank=1, speaks=False, run_id="unit0002", start_step=0)
+    quiet = LoggingConfig.from_args(NeoXArgs(log_dir=str(tmp_path), use_wandb=True, tensorboard_dir=str(tmp_path)))
+    assert build_trackers(quiet.trackers, ctx, quiet.log_dir).trackers == []
+    every = LoggingConfig.from_args(NeoXArgs(log_dir=str(tmp_path), use_wandb=True, wandb_init_all_ranks=True,
+                                             wandb_group="grp"))
+    trackers = build_trackers(every.trackers, ctx, every.log_dir)
+    assert trackers.wandb_run_id == "unit0002-rank1"  # its own run in the group, for its system metrics
+    trackers.log({"train/lm_loss": 1.0}, 1)  # the loss is logged by rank 0 only
+    trackers.finish()
+    (path,) = tmp_path.glob("wandb/offline-run-*/run-unit0002-rank1.wandb")
+    assert read_wandb_file(path).series("train/lm_loss") == []
+
+
+def test_tensorboard_resume_drops_steps_logged_again(tmp_path: Path) -> None:
+    cfg = LoggingConfig.from_args(NeoXArgs(tensorboard_dir=str(tmp_path)))
+    first = build_trackers(cfg.trackers, TrackerContext(rank=0, speaks=True, run_id=None, start_step=0), None)
+    for step in range(1, 7):
+        first.log({"train/lm_loss": float(step)}, step)
+    first.finish()
+    # resumed from a checkpoint at step 4: steps 5 and 6 are logged again with new values
+    second = build_trackers(cfg.trackers, TrackerContext(rank=0, speaks=True, run_id=None, start_step=4), None)
+    for step in (5, 6):
+        second.log({"train/lm_loss": 10.0 * step}, step)
+    second.finish()
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    mux = EventMultiplexer(size_guidance={"scalars": 0}).AddRunsFromDirectory(str(tmp_path))
+    mux.Reload()
+    (run,) = mux.Runs()
+    steps = [(e.step, e.value) for e in mux.Scalars(run, "train/lm_loss")]
+    assert steps == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 50.0), (6, 60.0)]
