@@ -23,6 +23,7 @@ from megatron.neox_arguments.rules import (
     DEEPSPEED_DEFAULT_HOSTFILE,
     Device,
     RuleContext,
+    _describe,
     block_enabled,
     check,
 )
@@ -137,6 +138,9 @@ def uses_local_pool(args: NeoXArgs) -> bool:
 class Derivation:
     values: dict[str, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    respelled: dict[str, Any] = field(default_factory=dict)
+    """Values that say what the user wrote, in the spelling DeepSpeed reads: set, but keep their
+    provenance (``file:line``), so rules and messages still treat them as the user's."""
 
 
 Deriver = Callable[[RuleContext], Derivation]
@@ -252,6 +256,30 @@ def derive_positions(ctx: RuleContext) -> Derivation:
 
 
 _BLOCK_OF_PRECISION = {"fp16": "fp16", "bfloat16": "bf16"}
+
+
+@deriver
+def derive_redundant_precision_flag(ctx: RuleContext) -> Derivation:
+    """``fp16: {fp16: true, enabled: true, ...}`` (most of GPT-NeoX's own configs; ``bf16: {bf16: true}``
+    likewise): DeeperSpeed reads only ``enabled`` and ignores the inner flag, while DeepSpeed's config
+    parser refuses the unknown key. A flag that agrees with ``enabled`` is dropped with a warning; one
+    that contradicts it is an error, since the config then says two things."""
+    out = Derivation()
+    for name in ("fp16", "bf16"):
+        block = ctx.get(name)
+        if not isinstance(block, Mapping) or name not in block:
+            continue
+        flag, enabled = block[name], bool(block.get("enabled", False))
+        if not isinstance(flag, bool) or flag != enabled:
+            out.problems.append(
+                f"{name}.{name}={flag!r} and {name}.enabled={block.get('enabled')!r} "
+                f"({_describe(ctx.source(name))}) disagree; DeepSpeed reads only {name}.enabled: remove {name}.{name}"
+            )
+            continue
+        ctx.warnings.append(f"{name}.{name} ({_describe(ctx.source(name))}) changes nothing ({name}.enabled decides, "
+                            f"as in DeeperSpeed); left out of DeepSpeed's config")
+        out.respelled[name] = {key: value for key, value in block.items() if key != name}
+    return out
 
 
 @deriver
@@ -432,6 +460,8 @@ def finalize(resolved: ResolvedConfig, world_size: int, device: Device | None = 
                 # a changed value no longer reads as written in any file, so it is "derived"
                 setattr(args, key, value)
                 provenance[key] = DERIVED
+        for key, value in result.respelled.items():
+            setattr(args, key, value)
     problems.extend(check(ctx))
     problems.extend(extra_args_problems(args, provenance))
     if problems:
