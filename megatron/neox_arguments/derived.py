@@ -255,6 +255,36 @@ def derive_positions(ctx: RuleContext) -> Derivation:
     return Derivation()
 
 
+# mlp_type: llama computes w2(act(w1 x) * w3 x): the gated form of the configured activation
+_GATED_FORM = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "relu": "reglu"}
+# its width when intermediate_size is unset: LLaMA's 2/3 of 4 x hidden_size, rounded up to this
+_LLAMA_MLP_MULTIPLE = 256
+
+
+@deriver
+def derive_llama_mlp_type(ctx: RuleContext) -> Derivation:
+    """``mlp_type: llama`` (GPT-NeoX's Llama/Mistral configs before ``swiglu`` existed) in the keys
+    Deepy's model reads: the gated activation, no MLP biases, and LLaMA's MLP width."""
+    if ctx.get("mlp_type") != "llama":
+        return Derivation()
+    activation, hidden = ctx.get("activation"), ctx.get("hidden_size")
+    problems = []
+    if activation not in _GATED_FORM:
+        problems.append(
+            f"{ctx.show('mlp_type')} gates {ctx.show('activation')}, which has no gated form here: use "
+            f"activation {' / '.join(sorted(_GATED_FORM))}, or drop mlp_type and choose a *glu activation"
+        )
+    if ctx.given("use_bias_in_mlp") and ctx.get("use_bias_in_mlp"):
+        problems.append(f"{ctx.show('mlp_type')} has no MLP biases, but {ctx.show('use_bias_in_mlp')}: remove one")
+    if problems or hidden is None:
+        return Derivation(problems=problems)  # a missing hidden_size is reported by its own rule
+    values: dict[str, Any] = {"activation": _GATED_FORM[activation], "use_bias_in_mlp": False}
+    if ctx.get("intermediate_size") is None:
+        width = int(2 * hidden * 4 / 3)
+        values["intermediate_size"] = _LLAMA_MLP_MULTIPLE * -(-width // _LLAMA_MLP_MULTIPLE)
+    return Derivation(values)
+
+
 _BLOCK_OF_PRECISION = {"fp16": "fp16", "bfloat16": "bf16"}
 
 
