@@ -376,6 +376,25 @@ def derive_zero(ctx: RuleContext) -> Derivation:
 
 
 @deriver
+def derive_apex_max_grad_norm(ctx: RuleContext) -> Derivation:
+    """``optimizer.params.max_grad_norm`` (apex FusedAdam's in-optimizer clipping, in GPT-NeoX's
+    configuration guide) is the gradient clipping DeepSpeed does: it becomes ``gradient_clipping``."""
+    from megatron.neox_arguments.groups.optimizer_block import AdamParams
+
+    block = ctx.get("optimizer")
+    norm = block.params.max_grad_norm if block is not None and isinstance(block.params, AdamParams) else None
+    if norm is None:
+        return Derivation()
+    disagree = [ctx.show(key) for key in ("gradient_clipping", "clip_grad") if ctx.given(key) and ctx.get(key) != norm]
+    if disagree:
+        return Derivation(problems=[
+            f"optimizer.params.max_grad_norm={norm} ({_describe(ctx.source('optimizer'))}) and "
+            f"{' and '.join(disagree)} disagree: they are one setting (the global gradient-norm clip), keep one"
+        ])
+    return Derivation({"gradient_clipping": norm, "clip_grad": norm})
+
+
+@deriver
 def derive_clipping(ctx: RuleContext) -> Derivation:
     """``clip_grad`` (Megatron) and ``gradient_clipping`` (DeepSpeed) are one setting."""
     clip_given, ds_given = ctx.given("clip_grad"), ctx.given("gradient_clipping")
