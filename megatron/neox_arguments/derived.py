@@ -22,6 +22,7 @@ from megatron.neox_arguments.provenance import DERIVED
 from megatron.neox_arguments.rules import (
     Device,
     RuleContext,
+    _describe,
     block_enabled,
     check,
 )
@@ -78,6 +79,9 @@ def uses_local_pool(args: NeoXArgs) -> bool:
 class Derivation:
     values: dict[str, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    respelled: dict[str, Any] = field(default_factory=dict)
+    """Values that say what the user wrote, in the spelling DeepSpeed reads: set, but keep their
+    provenance (``file:line``), so rules and messages still treat them as the user's."""
 
 
 Deriver = Callable[[RuleContext], Derivation]
@@ -192,7 +196,61 @@ def derive_positions(ctx: RuleContext) -> Derivation:
     return Derivation()
 
 
+# mlp_type: llama computes w2(act(w1 x) * w3 x): the gated form of the configured activation
+_GATED_FORM = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "relu": "reglu"}
+# its width when intermediate_size is unset: LLaMA's 2/3 of 4 x hidden_size, rounded up to this
+_LLAMA_MLP_MULTIPLE = 256
+
+
+@deriver
+def derive_llama_mlp_type(ctx: RuleContext) -> Derivation:
+    """``mlp_type: llama`` (GPT-NeoX's Llama/Mistral configs before ``swiglu`` existed) in the keys
+    Deepy's model reads: the gated activation, no MLP biases, and LLaMA's MLP width."""
+    if ctx.get("mlp_type") != "llama":
+        return Derivation()
+    activation, hidden = ctx.get("activation"), ctx.get("hidden_size")
+    problems = []
+    if activation not in _GATED_FORM:
+        problems.append(
+            f"{ctx.show('mlp_type')} gates {ctx.show('activation')}, which has no gated form here: use "
+            f"activation {' / '.join(sorted(_GATED_FORM))}, or drop mlp_type and choose a *glu activation"
+        )
+    if ctx.given("use_bias_in_mlp") and ctx.get("use_bias_in_mlp"):
+        problems.append(f"{ctx.show('mlp_type')} has no MLP biases, but {ctx.show('use_bias_in_mlp')}: remove one")
+    if problems or hidden is None:
+        return Derivation(problems=problems)  # a missing hidden_size is reported by its own rule
+    values: dict[str, Any] = {"activation": _GATED_FORM[activation], "use_bias_in_mlp": False}
+    if ctx.get("intermediate_size") is None:
+        width = int(2 * hidden * 4 / 3)
+        values["intermediate_size"] = _LLAMA_MLP_MULTIPLE * -(-width // _LLAMA_MLP_MULTIPLE)
+    return Derivation(values)
+
+
 _BLOCK_OF_PRECISION = {"fp16": "fp16", "bfloat16": "bf16"}
+
+
+@deriver
+def derive_redundant_precision_flag(ctx: RuleContext) -> Derivation:
+    """``fp16: {fp16: true, enabled: true, ...}`` (most of GPT-NeoX's own configs; ``bf16: {bf16: true}``
+    likewise): DeeperSpeed reads only ``enabled`` and ignores the inner flag, while DeepSpeed's config
+    parser refuses the unknown key. A flag that agrees with ``enabled`` is dropped with a warning; one
+    that contradicts it is an error, since the config then says two things."""
+    out = Derivation()
+    for name in ("fp16", "bf16"):
+        block = ctx.get(name)
+        if not isinstance(block, Mapping) or name not in block:
+            continue
+        flag, enabled = block[name], bool(block.get("enabled", False))
+        if not isinstance(flag, bool) or flag != enabled:
+            out.problems.append(
+                f"{name}.{name}={flag!r} and {name}.enabled={block.get('enabled')!r} "
+                f"({_describe(ctx.source(name))}) disagree; DeepSpeed reads only {name}.enabled: remove {name}.{name}"
+            )
+            continue
+        ctx.warnings.append(f"{name}.{name} ({_describe(ctx.source(name))}) changes nothing ({name}.enabled decides, "
+                            f"as in DeeperSpeed); left out of DeepSpeed's config")
+        out.respelled[name] = {key: value for key, value in block.items() if key != name}
+    return out
 
 
 @deriver
@@ -256,6 +314,25 @@ def derive_zero(ctx: RuleContext) -> Derivation:
     if problems:
         return Derivation(problems=problems)
     return Derivation({"zero_optimization": merged})
+
+
+@deriver
+def derive_apex_max_grad_norm(ctx: RuleContext) -> Derivation:
+    """``optimizer.params.max_grad_norm`` (apex FusedAdam's in-optimizer clipping, in GPT-NeoX's
+    configuration guide) is the gradient clipping DeepSpeed does: it becomes ``gradient_clipping``."""
+    from megatron.neox_arguments.groups.optimizer_block import AdamParams
+
+    block = ctx.get("optimizer")
+    norm = block.params.max_grad_norm if block is not None and isinstance(block.params, AdamParams) else None
+    if norm is None:
+        return Derivation()
+    disagree = [ctx.show(key) for key in ("gradient_clipping", "clip_grad") if ctx.given(key) and ctx.get(key) != norm]
+    if disagree:
+        return Derivation(problems=[
+            f"optimizer.params.max_grad_norm={norm} ({_describe(ctx.source('optimizer'))}) and "
+            f"{' and '.join(disagree)} disagree: they are one setting (the global gradient-norm clip), keep one"
+        ])
+    return Derivation({"gradient_clipping": norm, "clip_grad": norm})
 
 
 @deriver
@@ -373,6 +450,8 @@ def finalize(resolved: ResolvedConfig, world_size: int, device: Device | None = 
                 # a changed value no longer reads as written in any file, so it is "derived"
                 setattr(args, key, value)
                 provenance[key] = DERIVED
+        for key, value in result.respelled.items():
+            setattr(args, key, value)
     problems.extend(check(ctx))
     problems.extend(extra_args_problems(args, provenance))
     if problems:

@@ -86,7 +86,8 @@ class OptimizerConfig:
             # the flat GPT-NeoX alternative to the block
             kind, shown, params, block_lr, block_wd = args.optimizer_type, args.optimizer_type, {}, None, None
         else:
-            params = block.params.model_dump(exclude={"lr", "weight_decay"})
+            # max_grad_norm is gradient_clipping in apex's spelling: DeepSpeed clips, not the optimizer
+            params = block.params.model_dump(exclude={"lr", "weight_decay", "max_grad_norm"})
             kind, shown, block_lr, block_wd = block.kind, block.type, block.params.lr, block.params.weight_decay
         lr = args.lr if args.lr is not None else block_lr
         if lr is None:

@@ -75,6 +75,7 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "tracker": ("logging", None),
     "deepspeed_log_level": ("logging", "warning"),
     "device_memory_gb": ("logging", None),
+    "mlp_type": ("model", "regular"),  # earlier GPT-NeoX key its Llama/Mistral configs set
 }
 
 NEOX_REFERENCE: dict[str, tuple[tuple[str, Any], ...]] = {

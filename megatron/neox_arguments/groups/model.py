@@ -148,6 +148,11 @@ class ModelArgs(ArgGroup):
     activation: Activation = "gelu"
     """Non-linearity of the MLP; the *glu variants gate one projection with another."""
 
+    mlp_type: Literal["regular", "llama"] = "regular"
+    """Earlier GPT-NeoX spelling of a gated MLP, kept so its Llama/Mistral configs load: `llama`
+    gates with `activation` (silu -> swiglu, gelu -> geglu, relu -> reglu), has no MLP biases, and is
+    8/3 x hidden_size wide rounded up to 256 unless intermediate_size is given."""
+
     use_flashattn_swiglu: bool = False
     """Performance hint: use flash-attn's fused SwiGLU kernel where available; results are
     unchanged."""

@@ -44,6 +44,9 @@ class AdamParams(_Params):
     betas: Betas = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
     amsgrad: bool = False
+    max_grad_norm: float | None = Field(None, gt=0)
+    """Clip gradients to this global norm: apex FusedAdam's parameter, which GPT-NeoX's configuration
+    guide still sets; the same setting as ``gradient_clipping``, and handed to DeepSpeed as that."""
 
 
 class OneBitAdamParams(AdamParams):

@@ -1,0 +1,348 @@
+"""GPT-NeoX's own configs and its configuration guide's examples, launched as a GPT-NeoX user on a
+Slurm cluster would (``launcher=slurm deepspeed_slurm=true num_gpus=8``) from this CPU machine.
+
+Each must pass ``--dry-run`` unchanged, or be refused before launch naming, in one message, every key
+of a feature Deepy lacks. The fixtures under ``tests/fixtures/neox_configs/`` hold the keys and values
+of GPT-NeoX's files (same layout as its ``configs/``, comments left out); their data and tokenizer
+paths point at files this machine does not have, which a Slurm launch only warns about.
+
+Most cases run through the Python API (``parse_command`` -> ``resolve`` -> ``render_dry_run``, the
+path ``deepy.py`` takes); a few real ``deepy.py`` subprocesses check exit codes and that no
+traceback is printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from megatron.errors import ConfigError, DeepyError
+from megatron.neox_arguments.cli import parse_command, render_dry_run, resolve
+from megatron.neox_arguments.keys import normalize_key
+from megatron.neox_arguments.resolved import ResolvedConfig
+from megatron.neox_arguments.run_config import RunConfig
+
+# libyaml's loader where built (the fixtures are read many times); the results are the same
+SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+REPO = Path(__file__).resolve().parents[2]
+NEOX = REPO / "tests" / "fixtures" / "neox_configs"
+SLURM = ["launcher=slurm", "deepspeed_slurm=true", "num_gpus=8"]
+
+# Keys GPT-NeoX's configs set whose feature another branch is building right now: refused today, and
+# expected to be refused by the cases below until that branch lands. Empty an entry when it does.
+PENDING_FEATURES: dict[str, frozenset[str]] = {
+    "MoE (MoE branch)": frozenset({"moe_num_experts"}),
+}
+PENDING_KEYS = frozenset().union(*PENDING_FEATURES.values())
+
+# GPT-NeoX MoE keys of the release these configs come from that its current argument list (the one
+# Deepy's schema follows) no longer has: refused as unknown keys. The MoE branch decides whether to
+# accept them as earlier spellings.
+OLDER_MOE_KEYS = frozenset({"moe_type", "moe_token_dropping", "enable_expert_tensor_parallelism",
+                            "moe_expert_parallel_size"})
+
+# the keys whose files a launch reads, and which a Slurm launch from here must only warn about
+PATH_KEYS = ("data_path", "train_data_paths", "valid_data_paths", "test_data_paths", "vocab_file", "merge_file")
+
+
+@dataclass(frozen=True)
+class Case:
+    """GPT-NeoX config files merged in order, and the keys a dry run refuses (besides pending ones)."""
+
+    files: tuple[str, ...]
+    unsupported: frozenset[str] = frozenset()
+    """Keys of features Deepy lacks, all named in one "not supported yet" message."""
+    unknown: frozenset[str] = frozenset()
+    """Keys refused as unknown (not in GPT-NeoX's current argument list)."""
+    duplicate: frozenset[str] = frozenset()
+    """Keys set by two files (GPT-NeoX's own check misses differently spelled duplicates)."""
+    overrides: tuple[str, ...] = ()
+
+    @property
+    def id(self) -> str:
+        return "+".join(Path(f).with_suffix("").as_posix() for f in self.files)
+
+
+def case(*files: str, unsupported: tuple[str, ...] = (), unknown: frozenset[str] = frozenset(),
+         duplicate: tuple[str, ...] = (), overrides: tuple[str, ...] = ()) -> Case:
+    return Case(files, frozenset(unsupported), unknown, frozenset(duplicate), overrides)
+
+
+LOCAL = "local_setup.yml"
+LLAMA_TRAIN = "llama/train_config.yml"
+SAVE_ONLY = "<save-only local setup>"  # for configs that carry their own data and tokenizer
+MAMBA = ("attention_config", "mamba_selective_scan_fusion", "mamba_causal_conv_fusion", "mamba_inner_func_fusion")
+
+CASES: list[Case] = [
+    *(case(name, LOCAL) for name in (
+        "19M.yml", "49M.yml", "125M.yml", "125M-json.yml", "350M.yml", "760M.yml", "800M.yml", "1-3B.yml",
+        "2-7B.yml", "6-7B.yml", "13B.yml", "175B.yml", "bf16_125M.yml")),
+    case("20B.yml"),  # carries its own data, tokenizer and checkpoint paths
+    *(case(f"pythia/{name}", LOCAL) for name in ("70M.yml", "160M.yml", "410M.yml", "1B.yml", "1-4B.yml",
+                                                  "2-8B.yml", "6-9B.yml", "12B.yml")),
+    case("pythia/14M.yml", SAVE_ONLY),
+    case("pythia/31M.yml", SAVE_ONLY),
+    *(case(name, LLAMA_TRAIN, LOCAL) for name in (
+        "llama/7B.yml", "llama/13B.yml", "llama/30B.yml", "llama/65B.yml", "llama2/7B.yml", "llama2/13B.yml",
+        "llama2/70B.yml", "llama2/codellama_7B.yml", "llama2/codellama_34B.yml", "mistral/7B.yml")),
+    case("finetuning_configs/6-9B.yml", "slurm_local.yml"),
+    # features Deepy lacks
+    case("125M-moe.yml", LOCAL, unknown=OLDER_MOE_KEYS),
+    case("125M-dmoe.yml", LOCAL, unknown=OLDER_MOE_KEYS),
+    # (mamba-370M/790M repeat their layer type 64 times over 48 layers, which GPT-NeoX refuses too; the
+    # support check comes first, so the one message names only the Mamba keys)
+    *(case(f"mamba/mamba-{size}.yml", LOCAL, unsupported=MAMBA) for size in ("130M", "370M", "790M", "1.4B", "2.8B")),
+    *(case(f"rwkv/{size}.yml", LOCAL, unsupported=("attention_config",)) for size in ("170M", "430M", "1.5B")),
+    case("1-3B-transformer-engine.yml", LOCAL, unsupported=("te_layernorm_mlp", "te_mha")),
+    case("bnb_125M.yml", LOCAL, unsupported=("use_bnb_optimizer",)),
+    case("gmlp_small.yml", LOCAL, unsupported=("attention_config",)),  # (its eps 1.0e_8 is a string in YAML)
+    case("125M.yml", "sparse.yml", LOCAL, unsupported=("sparsity_config",)),
+    # Deepy refuses a key set in two files however it is spelled; GPT-NeoX only when spelled alike,
+    # so Pythia + its docker paths file (tokenizer_type / tokenizer-type) loads there
+    case("pythia/160M.yml", "docker/pythia-paths.yml", duplicate=("tokenizer_type",)),
+]
+
+
+def test_every_fixture_has_a_case() -> None:
+    used = {f for c in CASES for f in c.files} | {"guide/gpt3_small.yml", "guide/data_setup.yml",
+                                                   "guide/kto_data.yml", "guide/dpo.yml"}
+    assert {p.relative_to(NEOX).as_posix() for p in NEOX.rglob("*.yml")} <= used
+
+
+@pytest.fixture(scope="module")
+def save_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("local") / "save_only.yml"
+    path.write_text('{"save": "checkpoints", "load": "checkpoints", "log_dir": "logs"}\n')
+    return path
+
+
+def paths_of(c: Case, save_only: Path) -> list[Path]:
+    return [save_only if f == SAVE_ONLY else NEOX / f for f in c.files]
+
+
+def merged_keys(files: list[Path]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for path in files:
+        merged.update({normalize_key(k): v for k, v in yaml.load(path.read_text(), Loader=SafeLoader).items()})
+    return merged
+
+
+def dry_run(files: list[Path], overrides: tuple[str, ...] = ()) -> tuple[ResolvedConfig, str]:
+    """The dry run of ``deepy.py``, raising its one DeepyError; any other exception fails the test."""
+    command = parse_command(["--dry-run", "train.py", *map(str, files), *overrides, *SLURM])
+    resolved = resolve(command)
+    return resolved, render_dry_run(resolved, command)
+
+
+def refused_keys(message: str) -> set[str]:
+    """The keys a "not supported yet" message lists, one per line before its ``(set: ...)``."""
+    head, _, _ = message.partition("\n  (set:")
+    return set(re.findall(r"^  (\w+): ", head, re.M))
+
+
+def without(keys: frozenset[str], files: list[Path], tmp: Path) -> list[Path]:
+    """Copies of ``files`` (JSON, which is YAML) with ``keys`` left out."""
+    out = []
+    for index, path in enumerate(files):
+        data = {k: v for k, v in yaml.load(path.read_text(), Loader=SafeLoader).items() if normalize_key(k) not in keys}
+        copy = tmp / f"{index}_{path.name}"
+        copy.write_text(json.dumps(data, indent=1))
+        out.append(copy)
+    return out
+
+
+def assert_passes_as_slurm_launch(resolved: ResolvedConfig, text: str, merged: Mapping[str, Any]) -> None:
+    """Passed; every data/tokenizer file it names was only warned about; the ranks' typed configs build."""
+    assert text.endswith("deepy: dry run OK, nothing launched")
+    for key in PATH_KEYS:
+        value = merged.get(key)
+        for path in value if isinstance(value, list) else [value] if value else []:
+            assert any(str(path) in w and "not readable from this machine" in w for w in resolved.warnings), (key, path)
+    fp16 = merged.get("fp16") or {}
+    if fp16.get("enabled") and fp16.get("type") != "bfloat16":  # the device check a local launch makes
+        assert any("fp16 support of the devices" in s for s in resolved.skipped)
+    if merged.get("hostfile"):
+        assert any(f"hostfile={merged['hostfile']!r} does not exist" in w for w in resolved.warnings)
+    RunConfig.from_resolved(resolved)  # what each rank builds from the resolved config
+
+
+@pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
+def test_neox_config_dry_run(c: Case, save_only: Path) -> None:
+    files = paths_of(c, save_only)
+    merged = merged_keys(files)
+    pending = {k for k in PENDING_KEYS if k in merged}
+    expected = set(c.unsupported) | pending
+    if not (c.unknown or c.duplicate or expected):
+        assert_passes_as_slurm_launch(*dry_run(files, c.overrides), merged)
+        return
+    with pytest.raises(DeepyError) as err:
+        dry_run(files, c.overrides)
+    message = err.value.message
+    if c.unknown:
+        assert set(re.findall(r"unknown key '(\w+)'", message)) == c.unknown, message
+    elif c.duplicate:
+        assert set(re.findall(r"key '(\w+)' is set twice", message)) == c.duplicate, message
+    else:
+        assert message.startswith("config asks for features Deepy does not support yet:"), message
+        assert refused_keys(message) == expected, message
+
+
+@pytest.mark.parametrize("c", [c for c in CASES if not (c.unsupported or c.unknown or c.duplicate)], ids=lambda c: c.id)
+def test_neox_config_passes_once_pending_features_land(c: Case, save_only: Path, tmp_path: Path) -> None:
+    """With the pending keys left out (what their landing amounts to for a dry run), each passes."""
+    files = without(PENDING_KEYS, paths_of(c, save_only), tmp_path)
+    assert_passes_as_slurm_launch(*dry_run(files, c.overrides), merged_keys(files))
+
+
+# --- the configuration guide (configs/README.md): the GPT-3 small example and its data blocks --------
+GUIDE = NEOX / "guide"
+
+
+def guide_config(tmp: Path, *blocks: str, drop: tuple[str, ...] = (), name: str = "gpt3.yml") -> Path:
+    """The GPT-3 example with the guide's blocks pasted into it, as one file: keys the blocks repeat
+    (data_impl, eval_interval, ...) take the block's value, which is the same."""
+    merged: dict[str, Any] = {}
+    for name in ("gpt3_small.yml", *blocks):
+        merged.update(yaml.load((GUIDE / name).read_text(), Loader=SafeLoader))
+    for key in drop:
+        merged.pop(key, None)
+    path = tmp / name
+    path.write_text(json.dumps(merged, indent=1))
+    return path
+
+
+def test_guide_gpt3_example_passes_with_local_setup(tmp_path: Path) -> None:
+    files = [GUIDE / "gpt3_small.yml", NEOX / LOCAL]
+    pending = {"use_wandb", "tensorboard_dir"} & PENDING_KEYS  # what GPT-NeoX's local_setup.yml sets
+    if pending:
+        with pytest.raises(ConfigError) as err:
+            dry_run(files)
+        assert refused_keys(err.value.message) == pending
+    else:
+        assert_passes_as_slurm_launch(*dry_run(files), merged_keys(files))
+    stripped = without(PENDING_KEYS, files, tmp_path)
+    assert_passes_as_slurm_launch(*dry_run(stripped), merged_keys(stripped))
+
+
+def test_guide_gpt3_example_with_its_dataset_block_passes(tmp_path: Path) -> None:
+    config = guide_config(tmp_path, "data_setup.yml", drop=tuple(PENDING_KEYS & {"tensorboard_dir"}))
+    resolved, text = dry_run([config])
+    assert_passes_as_slurm_launch(resolved, text, merged_keys([config]))
+
+
+def test_guide_kto_block_loads_and_is_refused_only_for_train_impl(tmp_path: Path) -> None:
+    config = guide_config(tmp_path, "kto_data.yml")
+    with pytest.raises(ConfigError) as err:
+        dry_run([config], ("train_impl=kto",))
+    # the singular data keys (train_label_data_path, ...) load; only the objective is still to come
+    assert refused_keys(err.value.message) == {"train_impl"} | ({"tensorboard_dir"} & PENDING_KEYS)
+    assert "train_impl: 'kto'" in err.value.message
+
+
+def test_guide_kto_block_singular_keys_become_the_plural_lists(tmp_path: Path) -> None:
+    """The KTO block's singular paths load as one-path lists of GPT-NeoX's plural keys."""
+    from megatron.neox_arguments.loading import load_config
+
+    args = load_config([str(guide_config(tmp_path, "kto_data.yml", drop=tuple(PENDING_KEYS)))], []).args
+    assert args.train_label_data_paths == ["data/enwik8/enwik8_text_label_document"]
+    assert args.valid_reward_data_paths == ["data/enwik8/enwik8_text_reward_document"]
+    assert args.test_data_paths == ["data/enwik8/enwik8_text_document"]
+
+
+def test_guide_dpo_block_loads_and_is_refused_only_for_dpo_and_precompute(tmp_path: Path) -> None:
+    # "pos/neg data paths instead of a single one": the dataset block without data_path, plus DPO's
+    config = guide_config(tmp_path, "data_setup.yml", "dpo.yml", drop=("data_path",))
+    with pytest.raises(ConfigError) as err:
+        dry_run([config])
+    dpo = {"train_impl", "dataset_impl"}  # train_impl: dpo on pairwise data
+    assert refused_keys(err.value.message) == dpo | ({"tensorboard_dir"} & PENDING_KEYS)
+    assert "train_impl: 'dpo'" in err.value.message
+
+
+# --- GPT-NeoX semantics these configs rely on --------------------------------------------------------
+def test_llama_mlp_type_is_swiglu_with_llamas_width(save_only: Path, tmp_path: Path) -> None:
+    files = without(PENDING_KEYS, [NEOX / "llama/7B.yml", NEOX / LLAMA_TRAIN, NEOX / LOCAL], tmp_path)
+    resolved, _ = dry_run(files)
+    model = RunConfig.from_resolved(resolved).model
+    # LLaMA-7B: w2(silu(w1 x) * w3 x), 11008 wide (8/3 x 4096 rounded up to 256), no MLP biases
+    assert (model.activation, model.ffn_hidden_size, model.use_bias_in_mlp) == ("swiglu", 11008, False)
+    assert resolved.provenance["activation"] == "derived"
+
+
+def test_llama_mlp_type_keeps_a_given_intermediate_size(tmp_path: Path) -> None:
+    files = without(PENDING_KEYS, [NEOX / "mistral/7B.yml", NEOX / LLAMA_TRAIN, NEOX / LOCAL], tmp_path)
+    model = RunConfig.from_resolved(dry_run(files)[0]).model
+    assert (model.activation, model.ffn_hidden_size) == ("swiglu", 14336)
+
+
+def test_llama_mlp_type_without_a_gated_form_is_refused(tmp_path: Path) -> None:
+    files = without(PENDING_KEYS, [NEOX / "llama/7B.yml", NEOX / LLAMA_TRAIN, NEOX / LOCAL], tmp_path)
+    with pytest.raises(ConfigError, match=r"mlp_type='llama' .* gates activation='mish'"):
+        dry_run(files, ("activation=mish",))
+    with pytest.raises(ConfigError, match=r"has no MLP biases, but use_bias_in_mlp=True"):
+        dry_run(files, ("use_bias_in_mlp=true",))
+
+
+def test_guide_max_grad_norm_is_the_gradient_clip(tmp_path: Path) -> None:
+    """apex FusedAdam's ``max_grad_norm`` (the guide's optimizer block) is DeepSpeed's clip."""
+    config = guide_config(tmp_path, "data_setup.yml", drop=tuple(PENDING_KEYS & {"tensorboard_dir"}))
+    alone = guide_config(tmp_path, "data_setup.yml", drop=("gradient_clipping", *PENDING_KEYS & {"tensorboard_dir"}),
+                         name="no_clip.yml")
+    resolved, _ = dry_run([alone], ("optimizer.params.max_grad_norm=0.25",))
+    assert resolved.deepspeed_config["gradient_clipping"] == 0.25
+    assert "max_grad_norm" not in RunConfig.from_resolved(resolved).optimizer.params  # not an Adam argument
+    with pytest.raises(ConfigError, match=r"max_grad_norm=1.0 .* and gradient_clipping=0.5 .* disagree"):
+        dry_run([config], ("gradient_clipping=0.5",))
+
+
+def test_deeperspeed_inner_fp16_flag_is_dropped_with_a_warning(tmp_path: Path) -> None:
+    files = without(PENDING_KEYS, [NEOX / "19M.yml", NEOX / LOCAL], tmp_path)
+    resolved, _ = dry_run(files)
+    assert resolved.deepspeed_config["fp16"]["enabled"] is True
+    assert "fp16" not in resolved.deepspeed_config["fp16"]
+    assert "19M.yml:" in resolved.provenance["fp16"]  # still the user's line, not "derived"
+    assert any(w.startswith("fp16.fp16 (") and "changes nothing" in w for w in resolved.warnings)
+
+
+def test_deeperspeed_inner_fp16_flag_contradicting_enabled_is_refused(tmp_path: Path) -> None:
+    data = yaml.safe_load((NEOX / "19M.yml").read_text())
+    data["fp16"]["fp16"] = False
+    config = tmp_path / "19M.yml"
+    config.write_text(json.dumps(data))
+    files = [config, *without(PENDING_KEYS, [NEOX / LOCAL], tmp_path)]
+    with pytest.raises(ConfigError, match=r"fp16\.fp16=False and fp16\.enabled=True .* disagree"):
+        dry_run(files)
+
+
+# --- the real script: exit codes and no traceback -----------------------------------------------------
+def run_deepy(*argv: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("DEEPY_DEBUG", None)
+    return subprocess.run([sys.executable, str(REPO / "deepy.py"), "--dry-run", "train.py", *argv, *SLURM],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+
+
+def test_script_passes_pythia_14m(save_only: Path) -> None:
+    done = run_deepy(str(NEOX / "pythia/14M.yml"), str(save_only))
+    assert done.returncode == 0, done.stderr
+    assert "deepy: dry run OK, nothing launched" in done.stdout
+    assert "not readable from this machine" in done.stdout
+
+
+def test_script_refuses_mamba_in_one_message_without_traceback() -> None:
+    done = run_deepy(str(NEOX / "mamba/mamba-130M.yml"), str(NEOX / LOCAL))
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr + done.stdout
+    assert done.stderr.count("deepy: config error:") == 1
+    assert all(f"  {key}: " in done.stderr for key in MAMBA)
