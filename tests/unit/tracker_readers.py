@@ -72,7 +72,23 @@ class WandbRun:
         return [(step, row[key]) for step, row in self.history if key in row]
 
 
-def read_wandb_file(path: Path) -> WandbRun:
+def read_wandb_file(path: Path, wait_s: float = 60.0) -> WandbRun:
+    """The run in a ``.wandb`` file. wandb's service writes it asynchronously and may still be
+    flushing just after ``finish()`` on a busy machine, so a file without its run record yet is read
+    again for up to ``wait_s`` seconds."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return _read_wandb_file_once(path)
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def _read_wandb_file_once(path: Path) -> WandbRun:
     from wandb.proto import wandb_internal_pb2 as pb
 
     run: WandbRun | None = None
