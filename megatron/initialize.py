@@ -21,6 +21,7 @@ import torch
 from megatron.errors import ConfigError
 from megatron.launcher.environment import distributed_env
 from megatron.mpu import Coordinates, initialize_model_parallel
+from megatron.mpu.experts import initialize_expert_parallel
 from megatron.mpu.topology import get_coordinates, get_topology
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,8 @@ def initialize(args: Any) -> Coordinates:
     tp = int(getattr(args, "model_parallel_size", 1) or 1)
     pp = int(getattr(args, "pipe_parallel_size", 0) or 0)
     initialize_model_parallel(tp, pp)
+    # experts split over groups of data-parallel ranks (1: no such groups)
+    initialize_expert_parallel(int(args.moe_expert_parallel_size))
     set_seeds(int(getattr(args, "seed", 1234)))
     coords = get_coordinates()
     get_topology()  # raises if the groups were not built

@@ -125,6 +125,17 @@ class GPTConfig:
     seed: int = 1234
     sequence_parallel: bool = False
 
+    # mixture of experts (megatron/model/moe.py); moe_num_experts == 1 is a dense model
+    moe_num_experts: int = 1
+    moe_expert_interval: int = 1
+    """Blocks whose index is a multiple of this get an MoE layer instead of the MLP."""
+    moe_top_k: int = 1
+    moe_router_type: Literal["sinkhorn", "topk"] = "sinkhorn"
+    moe_lbl_in_fp32: bool = False
+    moe_jitter_eps: float | None = None
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
+
     # ------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
         if isinstance(self.params_dtype, str):
@@ -153,6 +164,8 @@ class GPTConfig:
             )
         if "local" in self.attention_types and self.sliding_window_width is None:
             raise ModelConfigError('attention type "local" needs sliding_window_width (the window it attends over)')
+        if self.moe_num_experts > 1 and not 1 <= self.moe_top_k <= self.moe_num_experts:
+            raise ModelConfigError(f"moe_top_k={self.moe_top_k} must be in [1, moe_num_experts={self.moe_num_experts}]")
 
     def _check_choices(self) -> None:
         # imported here: the registries import this module
@@ -191,6 +204,14 @@ class GPTConfig:
         multiple = max(1, self.mlp_multiple_of)
         return multiple * math.ceil(width / multiple)
 
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether block `layer_number` (0-based) has an MoE layer instead of the dense MLP (GPT-NeoX's rule)."""
+        return self.moe_num_experts > 1 and layer_number % max(1, self.moe_expert_interval) == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
     @property
     def rotary_dim(self) -> int:
         """Dimensions of each head that rotary rotates (even)."""
@@ -220,6 +241,8 @@ class GPTConfig:
             "padded_vocab_size": self.padded_vocab_size,
             "the MLP width (intermediate_size / expansion_factor * hidden_size)": self.ffn_hidden_size,
         }
+        if self.moe_num_experts > 1:
+            splits["moe_num_experts (each tp rank holds whole experts)"] = self.moe_num_experts
         bad = [f"{key}={value}" for key, value in splits.items() if value % tp != 0]
         if bad:
             raise ModelConfigError(

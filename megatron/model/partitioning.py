@@ -34,7 +34,7 @@ def tp_partition_patterns(config: GPTConfig) -> dict[str, TPPartition]:
     qkv = (config.num_attention_heads * d, config.kv_heads * d, config.kv_heads * d)
     ffn = config.ffn_hidden_size
     h_to_4h = (ffn, ffn) if get_activation(config.activation).gated else (ffn,)
-    return {
+    patterns = {
         r"^(.*\.)?word_embeddings\.weight$": TPPartition(0, vocabulary=True),
         r"^(.*\.)?output_layer\.weight$": TPPartition(0, vocabulary=True),
         r"^(.*\.)?attention\.query_key_value\.(weight|bias)$": TPPartition(0, qkv),
@@ -43,6 +43,10 @@ def tp_partition_patterns(config: GPTConfig) -> dict[str, TPPartition]:
         r"^(.*\.)?mlp\.dense_4h_to_h\.weight$": TPPartition(1),
         r"^(.*\.)?attention\.relative_position_bias\.weight$": TPPartition(1),
     }
+    if config.moe_num_experts > 1:
+        # MoE layers: tp rank r holds a contiguous block of whole experts, stacked on dim 0
+        patterns[r"^(.*\.)?mlp\.experts\.(w1|w2|b1|b2)$"] = TPPartition(0)
+    return patterns
 
 
 def tp_partition_of(config: GPTConfig, name: str) -> TPPartition | None:
@@ -87,16 +91,21 @@ def universal_checkpoint_info(config: GPTConfig, tp: int, original_vocab_size: i
         replicated.append("value_head.weight")
     if config.use_bias_in_attn_linear:
         replicated.append("attention.dense.bias")
-    if config.use_bias_in_mlp:
+    dense_mlp = config.num_moe_layers < config.num_layers
+    if config.use_bias_in_mlp and dense_mlp:
         replicated.append("mlp.dense_4h_to_h.bias")
+    if config.moe_num_experts > 1:
+        replicated.append("mlp.router.weight")
 
-    row_parallel = ["attention.dense.weight", "mlp.dense_4h_to_h.weight"]
+    row_parallel = ["attention.dense.weight"] + (["mlp.dense_4h_to_h.weight"] if dense_mlp else [])
     if config.pos_emb == "rpe":
         row_parallel.append("attention.relative_position_bias.weight")  # split over heads, dim 1
     fused: dict[str, tuple[tuple[int, ...], bool]] = {}
     for pattern, part in tp_partition_patterns(config).items():
         if part.sections is not None and len(part.sections) > 1:
             module = "attention.query_key_value" if "query_key_value" in pattern else "mlp.dense_h_to_4h"
+            if module == "mlp.dense_h_to_4h" and not dense_mlp:
+                continue
             bias = config.use_bias_in_attn_linear if module.startswith("attention") else config.use_bias_in_mlp
             fused[module] = (part.sections, bias)
     sub_params: list[dict[str, Any]] = []
