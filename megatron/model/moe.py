@@ -238,8 +238,9 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> to
 
 class GroupedExperts(nn.Module):
     """The experts one rank holds, stacked: ``w1`` [n, h, F] (F = 2 * ffn for gated activations,
-    ``[gate; up]``), ``w2`` [n, ffn, h], optional biases. Expert ``g`` is drawn as a dense MLP would
-    be, from ``(seed, "<name>.<g>.dense_h_to_4h.weight")`` etc., so any split starts identical."""
+    ``[gate; up]``), ``w2`` [n, ffn, h], optional biases ``w1_bias`` [n, F] and ``w2_bias`` [n, h].
+    Expert ``g`` is drawn as a dense MLP would be, from ``(seed, "<name>.<g>.dense_h_to_4h.weight")``
+    etc., so any split starts identical."""
 
     def __init__(self, config: GPTConfig, name: str, first_expert: int, num_local: int) -> None:
         super().__init__()
@@ -249,8 +250,9 @@ class GroupedExperts(nn.Module):
         dtype = config.params_dtype
         self.w1 = nn.Parameter(torch.empty(num_local, h, width, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(num_local, ffn, h, dtype=dtype))
-        self.b1 = nn.Parameter(torch.zeros(num_local, width, dtype=dtype)) if config.use_bias_in_mlp else None
-        self.b2 = nn.Parameter(torch.zeros(num_local, h, dtype=dtype)) if config.use_bias_in_mlp else None
+        # "*_bias": the optimizer's no-weight-decay rule goes by the name ending
+        self.w1_bias = nn.Parameter(torch.zeros(num_local, width, dtype=dtype)) if config.use_bias_in_mlp else None
+        self.w2_bias = nn.Parameter(torch.zeros(num_local, h, dtype=dtype)) if config.use_bias_in_mlp else None
         with torch.no_grad():
             for j in range(num_local):
                 expert = f"{name}.{first_expert + j}"
@@ -267,14 +269,14 @@ class GroupedExperts(nn.Module):
     def forward(self, x_nh: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x_nh`` grouped by local expert, ``counts`` [n_local] rows each -> [n, h]."""
         hidden = grouped_matmul(x_nh, self.w1, counts)  # [n, F]
-        if self.b1 is not None or self.b2 is not None:
+        if self.w1_bias is not None or self.w2_bias is not None:
             expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=x_nh.device), counts,
                                                     output_size=x_nh.shape[0])  # fmt: skip
-        if self.b1 is not None:
-            hidden = hidden + self.b1[expert_of_row]
+        if self.w1_bias is not None:
+            hidden = hidden + self.w1_bias[expert_of_row]
         out = grouped_matmul(self.activation(hidden), self.w2, counts)  # [n, h]
-        if self.b2 is not None:
-            out = out + self.b2[expert_of_row]
+        if self.w2_bias is not None:
+            out = out + self.w2_bias[expert_of_row]
         return out
 
 

@@ -45,7 +45,7 @@ def tp_partition_patterns(config: GPTConfig) -> dict[str, TPPartition]:
     }
     if config.moe_num_experts > 1:
         # MoE layers: tp rank r holds a contiguous block of whole experts, stacked on dim 0
-        patterns[r"^(.*\.)?mlp\.experts\.(w1|w2|b1|b2)$"] = TPPartition(0)
+        patterns[r"^(.*\.)?mlp\.experts\.(w1|w2|w1_bias|w2_bias)$"] = TPPartition(0)
     return patterns
 
 
