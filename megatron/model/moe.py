@@ -224,7 +224,7 @@ class _ContiguousGrad(torch.autograd.Function):
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` [n, a], grouped by expert (``counts[e]`` rows for expert e, in order), times
     their expert's ``w[e]`` [a, b] -> [n, b]. One grouped GEMM (``torch.nn.functional.grouped_mm``,
-    measured faster than a loop over experts on CPU too, tools/bench/moe.py); a loop only where
+    measured faster than a loop over experts on CPU too, tools/bench/moe_grouped_gemm.py); a loop only where
     the sizes do not meet its alignment."""
     if _grouped_mm_fits(x, w):
         offsets = counts.cumsum(0).to(torch.int32)
