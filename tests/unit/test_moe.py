@@ -305,3 +305,13 @@ def test_partition_patterns_and_universal_merge_cover_experts(tmp_path) -> None:
     assert not unused, f"patterns that match no parameter: {unused}"
     assert tp_partition_of(cfg, "layers.1.mlp.experts.w2").dim == 0
     assert tp_partition_of(cfg, "layers.1.mlp.router.weight") is None
+
+
+def test_a_changed_expert_parallel_size_is_refused_by_name(tmp_path) -> None:
+    from megatron.checkpointing.expert_shards import check_expert_layout
+    from megatron.errors import CheckpointError
+
+    check_expert_layout({"moe_expert_parallel_size": 2}, {"moe_expert_parallel_size": 2}, tmp_path)
+    check_expert_layout({}, {"moe_expert_parallel_size": 1}, tmp_path)  # saved before MoE existed
+    with pytest.raises(CheckpointError, match="moe_expert_parallel_size=2, this run has 1.*resume with"):
+        check_expert_layout({"moe_expert_parallel_size": 2}, {"moe_expert_parallel_size": 1}, tmp_path)

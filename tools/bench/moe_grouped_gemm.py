@@ -74,7 +74,7 @@ def main() -> int:
     print(f"{'tokens x hidden x width x experts':>34} " + " ".join(f"{m:>18}" for m in methods))
     for tokens, hidden, width, experts in SHAPES:
         x = torch.randn(tokens, hidden, requires_grad=True)
-        w = torch.randn(experts, hidden, width, requires_grad=True) / hidden**0.5
+        w = (torch.randn(experts, hidden, width) / hidden**0.5).requires_grad_()
         counts = torch.distributions.Multinomial(tokens, torch.ones(experts)).sample().long().tolist()
         want = loop(x, w, counts)
         for fn in methods.values():
