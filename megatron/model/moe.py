@@ -201,8 +201,11 @@ class RouterStats:
 
 # --- experts ---------------------------------------------------------------------------------------
 def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """torch's grouped GEMM needs 16-byte aligned row strides and one dtype."""
+    """Whether torch's grouped GEMM takes these operands: one dtype, 16-byte aligned row strides,
+    and on CUDA bf16 on SM80 or newer (what ``torch.nn.functional.grouped_mm`` documents)."""
     if not hasattr(F, "grouped_mm") or x.dtype != w.dtype:
+        return False
+    if x.is_cuda and (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 8):
         return False
     size = x.element_size()
     return (x.shape[-1] * size) % 16 == 0 and (w.shape[-1] * size) % 16 == 0
@@ -221,14 +224,30 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+def padded_grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """:func:`grouped_matmul` as one batched matmul: each expert's rows padded to the largest count
+    (zeros), ``bmm``, padding dropped. More FLOPs than a grouped GEMM when routing is uneven, but
+    one kernel, not a loop over experts."""
+    experts, longest = counts.shape[0], int(counts.max()) if counts.numel() else 0
+    expert_of_row = torch.repeat_interleave(torch.arange(experts, device=x.device), counts, output_size=x.shape[0])
+    first_row = counts.cumsum(0) - counts  # [E] where each expert's rows start in x
+    rows = expert_of_row * longest + torch.arange(x.shape[0], device=x.device) - first_row[expert_of_row]
+    padded = x.new_zeros(experts * longest, x.shape[1]).index_copy(0, rows, x)  # [E * longest, a]
+    out = torch.bmm(padded.view(experts, longest, -1), w)  # [E, longest, b]
+    return out.reshape(experts * longest, -1)[rows]
+
+
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` [n, a], grouped by expert (``counts[e]`` rows for expert e, in order), times
     their expert's ``w[e]`` [a, b] -> [n, b]. One grouped GEMM (``torch.nn.functional.grouped_mm``,
-    measured faster than a loop over experts on CPU too, tools/bench/moe_grouped_gemm.py); a loop only where
-    the sizes do not meet its alignment."""
+    measured faster than a loop over experts or a padded ``bmm`` on CPU too:
+    tools/bench/moe_grouped_gemm.py) where torch supports the operands; otherwise a padded
+    batched matmul on accelerators, and on CPU a loop over experts (faster there than padding)."""
     if _grouped_mm_fits(x, w):
         offsets = counts.cumsum(0).to(torch.int32)
         return _ContiguousGrad.apply(F.grouped_mm(x.contiguous(), w, offs=offsets))
+    if x.device.type != "cpu":
+        return padded_grouped_matmul(x, w, counts)
     outputs, start = [], 0
     for e, count in enumerate(counts.tolist()):
         outputs.append(x[start : start + count] @ w[e])
@@ -421,6 +440,7 @@ __all__ = [
     "Routing",
     "grouped_matmul",
     "load_balancing_loss",
+    "padded_grouped_matmul",
     "moe_combine",
     "moe_layers",
     "plan_dispatch",

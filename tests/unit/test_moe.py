@@ -17,6 +17,7 @@ from megatron.model.moe import (
     MoELayer,
     grouped_matmul,
     load_balancing_loss,
+    padded_grouped_matmul,
     plan_dispatch,
     router_z_loss,
     sinkhorn,
@@ -129,12 +130,13 @@ def test_dispatch_is_an_exact_permutation_grouped_by_expert() -> None:
     assert torch.equal(back, 3 * x)
 
 
-def test_grouped_matmul_equals_a_loop_forward_and_backward() -> None:
+@pytest.mark.parametrize("matmul", [grouped_matmul, padded_grouped_matmul])
+def test_grouped_matmul_equals_a_loop_forward_and_backward(matmul) -> None:
     for width in (16, 6):  # 6 floats = 24 bytes: not 16-byte aligned, the loop fallback
         x = torch.randn(11, 8, generator=gen(7), requires_grad=True)
         w = torch.randn(3, 8, width, generator=gen(8), requires_grad=True)
         counts = torch.tensor([4, 0, 7])
-        y = grouped_matmul(x, w, counts)
+        y = matmul(x, w, counts)
         want = torch.cat([x[:4] @ w[0], x[4:] @ w[2]])
         torch.testing.assert_close(y, want)
         y.sum().backward()  # an expanded gradient

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""The expert matmul three ways, forward + backward: one grouped GEMM (``torch.nn.functional.grouped_mm``,
-what ``megatron.model.moe.grouped_matmul`` uses), a Python loop over experts, and a padded batched
-matmul (every expert's rows padded to the largest count, one ``bmm``).
+"""The expert matmul three ways, forward + backward: one grouped GEMM (``torch.nn.functional.grouped_mm``
+through ``megatron.model.moe.grouped_matmul``), a Python loop over experts, and the padded batched
+matmul (every expert's rows padded to the largest count, one ``bmm``: ``padded_grouped_matmul``, the
+accelerator fallback).
 
     python tools/bench/moe_grouped_gemm.py             # CPU, 1 thread, best of --repeats
     python tools/bench/moe_grouped_gemm.py --threads 2
@@ -21,7 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+
+from megatron.model.moe import _grouped_mm_fits, grouped_matmul, padded_grouped_matmul  # noqa: E402
 
 SHAPES = [  # (assignments, hidden, expert width, local experts)
     (512, 64, 256, 4),
@@ -31,8 +33,8 @@ SHAPES = [  # (assignments, hidden, expert width, local experts)
 
 
 def grouped(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
-    return F.grouped_mm(x, w, offs=offsets)
+    assert _grouped_mm_fits(x, w)  # the production path, not its fallback
+    return grouped_matmul(x, w, torch.tensor(counts))
 
 
 def loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -44,11 +46,7 @@ def loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
 
 
 def padded(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    longest = max(counts)
-    rows = torch.cat([torch.arange(c) + e * longest for e, c in enumerate(counts)])
-    buffer = x.new_zeros(len(counts) * longest, x.shape[1]).index_copy(0, rows, x)
-    out = torch.bmm(buffer.view(len(counts), longest, -1), w)
-    return out.reshape(-1, w.shape[2])[rows]
+    return padded_grouped_matmul(x, w, torch.tensor(counts))
 
 
 def best_ms(fn, x: torch.Tensor, w: torch.Tensor, counts: list[int], repeats: int) -> float:
