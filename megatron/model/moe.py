@@ -66,7 +66,9 @@ def topk_routing(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return weights, indices
 
 
-def sinkhorn(logits: torch.Tensor, tol: float = SINKHORN_TOLERANCE, max_iters: int = SINKHORN_MAX_ITERS) -> torch.Tensor:
+def sinkhorn(
+    logits: torch.Tensor, tol: float = SINKHORN_TOLERANCE, max_iters: int = SINKHORN_MAX_ITERS
+) -> torch.Tensor:
     """Scale ``exp(logits)`` [T, E] by row and column factors until every token has mass 1/T and
     every expert 1/E (Sinkhorn-Knopp): a balanced soft assignment of tokens to experts.
 

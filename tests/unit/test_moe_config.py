@@ -47,11 +47,13 @@ def test_a_good_moe_config_passes_every_rule() -> None:
 @pytest.mark.parametrize(
     "world,values,needles",
     [
-        (2, dict(moe_num_experts=3, model_parallel_size=2), ["moe_num_experts=3 (cfg.yml:9)", "x moe_expert_parallel_size"]),
+        (2, dict(moe_num_experts=3, model_parallel_size=2),
+         ["moe_num_experts=3 (cfg.yml:9)", "x moe_expert_parallel_size"]),
         (4, dict(moe_expert_parallel_size=4, model_parallel_size=2), ["is not divisible by model_parallel_size"]),
         (3, dict(moe_num_experts=6, moe_expert_parallel_size=2), ["does not divide the data-parallel size 3"]),
         (1, dict(moe_top_k=5), ["moe_top_k=5", "exceeds moe_num_experts=4"]),
-        (2, dict(moe_expert_parallel_size=2, zero_optimization={"stage": 1}), ["with ZeRO stage 1", "not supported yet"]),
+        (2, dict(moe_expert_parallel_size=2, zero_optimization={"stage": 1}),
+         ["with ZeRO stage 1", "not supported yet"]),
         (2, dict(moe_expert_parallel_size=2, precision="bfloat16"), ["precision=bfloat16", "fp32 only"]),
         (1, dict(moe_num_experts=1, moe_top_k=2, moe_aux_loss_coeff=0.1), ["moe_top_k=2", "moe_aux_loss_coeff=0.1",
                                                                             "a model with one expert has none"]),

@@ -86,7 +86,8 @@ def main() -> int:
         if step % opts.every == 0 or step == opts.steps:
             d, m = curves["dense"][step], curves["moe"][step]
             print(f"{step:>6} {d:>9.4f} {m:>9.4f} {m - d:>+10.4f}")
-    print(f"{'eval':>6} {evals['dense'][-1]:>9.4f} {evals['moe'][-1]:>9.4f} {evals['moe'][-1] - evals['dense'][-1]:>+10.4f}")
+    d, m = evals["dense"][-1], evals["moe"][-1]
+    print(f"{'eval':>6} {d:>9.4f} {m:>9.4f} {m - d:>+10.4f}")
     for name, config in RUNS.items():
         total, active = parameters(config)
         print(f"{name:>6}: {total:,} parameters without embeddings, {active:,} per token; "

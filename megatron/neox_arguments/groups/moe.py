@@ -34,7 +34,9 @@ class MoEArgs(ArgGroup):
     """Experts each token is routed to (its output is their outputs weighted by the router)."""
 
     moe_router_type: Literal["sinkhorn", "topk"] = "sinkhorn"
-    """Routing: "topk" picks the k highest softmax scores; "sinkhorn" picks experts from a Sinkhorn-balanced assignment while training (weights: sigmoid of the logit for k=1, softmax for k>1) and plain top-k at evaluation."""
+    """Routing: "topk" picks the k highest softmax scores; "sinkhorn" picks experts from a Sinkhorn-balanced
+    assignment while training (weights: sigmoid of the logit for k=1, softmax for k>1) and plain top-k at
+    evaluation."""
 
     moe_lbl_in_fp32: bool = False
     """Compute the router's auxiliary losses (load balancing, z-loss) in fp32 instead of the training precision."""
@@ -43,10 +45,15 @@ class MoEArgs(ArgGroup):
     """While training, multiply the router input by uniform noise in [1-eps, 1+eps] (None: no noise)."""
 
     moe_aux_loss_coeff: float = Field(0.0, ge=0.0)
-    """Weight of the load-balancing loss (E * sum_e f_e * P_e per layer: token share f times mean router probability P; 1.0 when balanced) added to the objective; 0 logs it without training on it (GPT-NeoX adds none). Deepy extra, Megatron-LM's name."""
+    """Weight of the load-balancing loss (E * sum_e f_e * P_e per layer: token share f times mean router
+    probability P; 1.0 when balanced) added to the objective; 0 logs it without training on it (GPT-NeoX adds
+    none). Deepy extra, Megatron-LM's name."""
 
     moe_z_loss_coeff: float = Field(0.0, ge=0.0)
-    """Weight of the router z-loss (mean squared logsumexp of the router logits, ST-MoE) added to the objective; 0 logs it only. Deepy extra, Megatron-LM's name."""
+    """Weight of the router z-loss (mean squared logsumexp of the router logits, ST-MoE) added to the objective;
+    0 logs it only. Deepy extra, Megatron-LM's name."""
 
     moe_expert_parallel_size: int = Field(1, ge=1)
-    """Data-parallel ranks that split each MoE layer's experts between them and exchange tokens with all-to-all (beyond the split over model_parallel_size); 1 = every data-parallel rank holds all of its tensor-parallel rank's experts. Needs ZeRO stage 0 and fp32. Deepy extra."""
+    """Data-parallel ranks that split each MoE layer's experts between them and exchange tokens with all-to-all
+    (beyond the split over model_parallel_size); 1 = every data-parallel rank holds all of its tensor-parallel
+    rank's experts. Needs ZeRO stage 0 and fp32. Deepy extra."""
