@@ -6,7 +6,8 @@ layer in both blocks, load-balancing and z-loss in the objective (with coefficie
 that a wrong aux-loss gradient scale moves the losses by far more than the tolerance). Layouts:
 
 * ``single``: 1 rank; reproduces ``golden_losses.json["parity_moe_tiny_fp32"]``;
-* ``tp2``: experts split over the tensor-parallel ranks (GPT-NeoX's expert parallelism);
+* ``tp2``: experts split over the tensor-parallel ranks (GPT-NeoX's expert parallelism), ZeRO-1;
+  its step-5 checkpoint is also resumed at tp1 x dp2 (the experts re-split, universal checkpoint);
 * ``pp2``: pipeline stages, one MoE layer each (aux-loss gradients injected on both stages);
 * ``dp2_zero1``: every data-parallel rank holds all experts, optimizer sharded by ZeRO-1;
 * ``dp2_ep2`` (the resume test): experts split over the 2 data-parallel ranks with all-to-all,
@@ -39,7 +40,8 @@ MOE_CONFIG: dict[str, Any] = {
 }
 LAYOUTS: dict[str, dict[str, Any]] = {
     "single": {"num_gpus": 1},
-    "tp2": {"num_gpus": 2, "model_parallel_size": 2},
+    # ZeRO-1 so that its step-5 checkpoint can also be loaded at another tp (universal checkpoint)
+    "tp2": {"num_gpus": 2, "model_parallel_size": 2, "zero_optimization": {"stage": 1}},
     "pp2": {"num_gpus": 2, "pipe_parallel_size": 2},
     "dp2_zero1": {"num_gpus": 2, "zero_optimization": {"stage": 1}},
 }
@@ -76,9 +78,20 @@ def assert_matches_golden(name: str, got: dict[str, list[float]], golden: dict[s
     assert_close(name, "eval/test lm_loss", got["eval_and_test/lm_loss"], golden["eval_and_test/lm_loss"], RTOL)
 
 
+@pytest.fixture(scope="module")
+def tp2_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    """The tp2 layout, saving a checkpoint at step 5 on the way: (metrics rows, checkpoint dir)."""
+    tmp = tmp_path_factory.mktemp("tp2")
+    config = {**MOE_CONFIG, **LAYOUTS["tp2"], "save": str(tmp / "ckpt"), "checkpoint_factor": 5}
+    return run(config, tmp, "logs"), tmp / "ckpt"
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_moe_layout_loss_equals_golden(layout: str, tmp_path: Path) -> None:
-    rows = run({**MOE_CONFIG, **LAYOUTS[layout]}, tmp_path, "logs")
+def test_moe_layout_loss_equals_golden(layout: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    if layout == "tp2":
+        rows = request.getfixturevalue("tp2_run")[0]
+    else:
+        rows = run({**MOE_CONFIG, **LAYOUTS[layout]}, tmp_path, "logs")
     got = curves(rows)
     if layout == "single" and os.environ.get("DEEPY_UPDATE_GOLDEN"):
         data = json.loads(GOLDEN.read_text())
@@ -118,6 +131,17 @@ def test_expert_parallel_run_resumes_exactly_and_equals_golden(tmp_path: Path) -
     joined["eval_and_test/lm_loss"] = [eval5, test]
     golden = {**golden, "eval_and_test/lm_loss": [golden["eval_and_test/lm_loss"][i] for i in (0, 2)]}
     assert_matches_golden("dp2_ep2 (resumed at step 5)", joined, golden)
+
+
+def test_experts_split_over_tp_resume_at_another_layout(tmp_path: Path, tp2_run: tuple[list, Path]) -> None:
+    """The tp2 checkpoint (2 experts per tensor-parallel rank) loaded at tp1 x dp2 (all 4 experts on
+    each rank) through a universal checkpoint: steps 6-10 equal the uninterrupted run's."""
+    config = {**MOE_CONFIG, "num_gpus": 2, "zero_optimization": {"stage": 1}, "load": str(tp2_run[1]),
+              "iteration": 5}  # fmt: skip
+    got = curves(run(config, tmp_path, "logs"))
+    golden = load_golden()
+    assert_close("tp1 dp2 from tp2", "train/lm_loss", got["train/lm_loss"], golden["train/lm_loss"][5:], RTOL)
+    assert_close("tp1 dp2 from tp2", "train/grad_norm", got["train/grad_norm"], golden["train/grad_norm"][5:], 1e-4)
 
 
 def test_golden_entry_is_consistent() -> None:
