@@ -22,6 +22,7 @@ from megatron.errors import ConfigError
 from megatron.launcher.environment import distributed_env
 from megatron.mpu.config import ParallelConfig
 from megatron.mpu import Coordinates, initialize_model_parallel
+from megatron.mpu.experts import initialize_expert_parallel
 from megatron.mpu.topology import get_coordinates, get_topology
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ def initialize(parallel: ParallelConfig, seed: int) -> Coordinates:
             f"launch through deepy.py, or set num_gpus/hostfile to match"
         )
     initialize_model_parallel(parallel.tensor, parallel.pipe)
+    # experts split over groups of data-parallel ranks (1: no such groups)
+    initialize_expert_parallel(parallel.expert)
     set_seeds(seed)
     coords = get_coordinates()
     get_topology()  # raises if the groups were not built

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpointing import commit
+from megatron.checkpointing.expert_shards import check_expert_layout, load_expert_shards, save_expert_shards
 from megatron.checkpointing.preemption import collective_device
 from megatron.checkpointing.retention import CheckpointKind
 from megatron.checkpointing.rng_state import capture_rng_state, restore_rng_state
@@ -60,7 +61,7 @@ FORMAT_VERSION = 1
 SHAPE_KEYS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "intermediate_size",
     "padded_vocab_size", "max_position_embeddings", "pos_emb", "norm", "activation",
-    "num_experts", "no_weight_tying",
+    "num_experts", "no_weight_tying", "moe_num_experts", "moe_expert_interval",
 )  # fmt: skip
 
 BeforeCommit = Callable[[int], None]
@@ -161,6 +162,7 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Save
     if error is None:
         try:
             _write_rank_files(ckpt_dir, request, rank)
+            save_expert_shards(engine, ckpt_dir)  # experts split over data-parallel ranks, if any
         except Exception as err:  # noqa: BLE001
             error = err
     failed = _failed_ranks(error is not None)
@@ -293,6 +295,7 @@ def load_checkpoint(
         raise CheckpointError(
             f"checkpoint {ckpt_dir} was saved for another model shape:\n  " + "\n  ".join(mismatched)
         )
+    check_expert_layout(meta.get("args", {}), args, ckpt_dir)
     if meta.get(WEIGHTS_ONLY_KEY):
         return _load_weights_only(engine, ckpt_dir, meta, saved, layout, options)
     result = LoadResult(loaded=True, path=ckpt_dir)
@@ -319,6 +322,7 @@ def load_checkpoint(
         source = universal_dir(ckpt_dir)
 
     _engine_load(engine, source, universal, options)
+    load_expert_shards(engine, ckpt_dir, load_optim=options.load_optim and not options.weights_only)
     if options.weights_only:
         result.notes.append(
             "loaded model weights only; optimizer, LR schedule, data position and step start fresh"

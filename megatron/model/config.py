@@ -126,6 +126,17 @@ class GPTConfig:
     seed: int = 1234
     sequence_parallel: bool = False
 
+    # mixture of experts (megatron/model/moe.py); moe_num_experts == 1 is a dense model
+    moe_num_experts: int = 1
+    moe_expert_interval: int = 1
+    """Blocks whose index is a multiple of this get an MoE layer instead of the MLP."""
+    moe_top_k: int = 1
+    moe_router_type: Literal["sinkhorn", "topk"] = "sinkhorn"
+    moe_lbl_in_fp32: bool = False
+    moe_jitter_eps: float | None = None
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
+
     # ------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
         # normalised once here; the dataclass is frozen, so through object.__setattr__
@@ -155,6 +166,8 @@ class GPTConfig:
             )
         if "local" in self.attention_types and self.sliding_window_width is None:
             raise ModelConfigError('attention type "local" needs sliding_window_width (the window it attends over)')
+        if self.moe_num_experts > 1 and not 1 <= self.moe_top_k <= self.moe_num_experts:
+            raise ModelConfigError(f"moe_top_k={self.moe_top_k} must be in [1, moe_num_experts={self.moe_num_experts}]")
 
     def _check_choices(self) -> None:
         # imported here: the registries import this module
@@ -193,6 +206,14 @@ class GPTConfig:
         multiple = max(1, self.mlp_multiple_of)
         return multiple * math.ceil(width / multiple)
 
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether block `layer_number` (0-based) has an MoE layer instead of the dense MLP (GPT-NeoX's rule)."""
+        return self.moe_num_experts > 1 and layer_number % max(1, self.moe_expert_interval) == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
     @property
     def rotary_dim(self) -> int:
         """Dimensions of each head that rotary rotates (even)."""
@@ -214,6 +235,8 @@ class GPTConfig:
             "padded_vocab_size": self.padded_vocab_size,
             "the MLP width (intermediate_size / expansion_factor * hidden_size)": self.ffn_hidden_size,
         }
+        if self.moe_num_experts > 1:
+            splits["moe_num_experts (each tp rank holds whole experts)"] = self.moe_num_experts
         bad = [f"{key}={value}" for key, value in splits.items() if value % tp != 0]
         if bad:
             raise ModelConfigError(
@@ -293,6 +316,14 @@ class GPTConfig:
             attention_dropout=args.attention_dropout,
             sliding_window_width=args.sliding_window_width,
             attention_config=args.attention_config,
+            moe_num_experts=args.moe_num_experts,
+            moe_expert_interval=args.moe_expert_interval,
+            moe_top_k=args.moe_top_k,
+            moe_router_type=args.moe_router_type,
+            moe_lbl_in_fp32=args.moe_lbl_in_fp32,
+            moe_jitter_eps=args.moe_jitter_eps,
+            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+            moe_z_loss_coeff=args.moe_z_loss_coeff,
             params_dtype=_DTYPES[precision],
             seed=args.seed,
             sequence_parallel=args.sequence_parallel,

@@ -23,8 +23,16 @@ def _norm_params(config: GPTConfig, dim: int) -> int:
     return _NORM_PARAMS[config.norm](dim, config)
 
 
-def layer_parameters(config: GPTConfig) -> int:
-    """Parameters of one transformer layer."""
+def mlp_parameters(config: GPTConfig) -> int:
+    """Parameters of one dense MLP (or of one expert: same shape)."""
+    h, ffn = config.hidden_size, config.ffn_hidden_size
+    first = 2 * ffn if get_activation(config.activation).gated else ffn
+    return h * first + ffn * h + (first + h if config.use_bias_in_mlp else 0)
+
+
+def layer_parameters(config: GPTConfig, layer_number: int = 0, active: bool = False) -> int:
+    """Parameters of one transformer layer. An MoE layer holds ``moe_num_experts`` experts and a
+    router; with ``active`` only the ``moe_top_k`` experts a token passes through count."""
     h, d = config.hidden_size, config.head_dim
     qkv_out = (config.num_attention_heads + 2 * config.kv_heads) * d
     attn_bias = config.use_bias_in_attn_linear
@@ -33,17 +41,19 @@ def layer_parameters(config: GPTConfig) -> int:
         attention += 2 * _norm_params(config, d)
     if config.pos_emb == "rpe":
         attention += config.rpe_num_buckets * config.num_attention_heads
-    ffn = config.ffn_hidden_size
-    first = 2 * ffn if get_activation(config.activation).gated else ffn
-    mlp = h * first + ffn * h + (first + h if config.use_bias_in_mlp else 0)
+    mlp = mlp_parameters(config)
+    if config.is_moe_layer(layer_number):
+        experts = config.moe_top_k if active else config.moe_num_experts
+        mlp = experts * mlp + config.moe_num_experts * h  # + the router
     norms = 1 if (config.gpt_j_residual and config.gpt_j_tied) else 2
     return attention + mlp + norms * _norm_params(config, h)
 
 
-def num_parameters(config: GPTConfig, include_embeddings: bool = True) -> int:
-    """Unique parameters of the full (unsharded) model; a tied output projection counts once."""
+def num_parameters(config: GPTConfig, include_embeddings: bool = True, active: bool = False) -> int:
+    """Unique parameters of the full (unsharded) model; a tied output projection counts once.
+    ``active``: only the experts one token uses (what its FLOPs see)."""
     h, vocab = config.hidden_size, config.padded_vocab_size
-    total = config.num_layers * layer_parameters(config) + _norm_params(config, h)
+    total = sum(layer_parameters(config, i, active) for i in range(config.num_layers)) + _norm_params(config, h)
     if config.value_head:
         total += h
     elif config.no_weight_tying:
@@ -71,9 +81,10 @@ def flops_per_token(config: GPTConfig, seq_length: int | None = None) -> float:
     attention term is the score and value products (:func:`_attention_flops_per_layer`, x3 with the
     backward), counted over the full sequence as PaLM and Megatron do (causal masking's savings are
     not subtracted), and the sliding window's savings are not counted, so MFU stays comparable.
+    In MoE layers only the ``moe_top_k`` experts a token visits (and the router) count.
     """
     s = config.seq_length if seq_length is None else seq_length
-    matmul_params = num_parameters(config, include_embeddings=False)
+    matmul_params = num_parameters(config, include_embeddings=False, active=True)
     if not config.no_weight_tying and not config.value_head:
         matmul_params += config.padded_vocab_size * config.hidden_size
     return 6.0 * matmul_params + 3.0 * config.num_layers * _attention_flops_per_layer(config, s)

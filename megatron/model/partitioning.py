@@ -34,7 +34,7 @@ def tp_partition_patterns(config: GPTConfig) -> dict[str, TPPartition]:
     qkv = (config.num_attention_heads * d, config.kv_heads * d, config.kv_heads * d)
     ffn = config.ffn_hidden_size
     h_to_4h = (ffn, ffn) if get_activation(config.activation).gated else (ffn,)
-    return {
+    patterns = {
         r"^(.*\.)?word_embeddings\.weight$": TPPartition(0, vocabulary=True),
         r"^(.*\.)?output_layer\.weight$": TPPartition(0, vocabulary=True),
         r"^(.*\.)?attention\.query_key_value\.(weight|bias)$": TPPartition(0, qkv),
@@ -43,6 +43,10 @@ def tp_partition_patterns(config: GPTConfig) -> dict[str, TPPartition]:
         r"^(.*\.)?mlp\.dense_4h_to_h\.weight$": TPPartition(1),
         r"^(.*\.)?attention\.relative_position_bias\.weight$": TPPartition(1),
     }
+    if config.moe_num_experts > 1:
+        # MoE layers: tp rank r holds a contiguous block of whole experts, stacked on dim 0
+        patterns[r"^(.*\.)?mlp\.experts\.(w1|w2|w1_bias|w2_bias)$"] = TPPartition(0)
+    return patterns
 
 
 def tp_partition_of(config: GPTConfig, name: str) -> TPPartition | None:

@@ -12,6 +12,7 @@ from megatron.model.attention import SelfAttention
 from megatron.model.config import GPTConfig
 from megatron.model.kv_cache import KVCache
 from megatron.model.mlp import MLP
+from megatron.model.moe import MoELayer
 from megatron.model.norms import build_norm
 from megatron.mpu.layers import allreduce_grads_across_tensor_parallel
 from megatron.mpu.random import tensor_parallel_rng
@@ -30,7 +31,9 @@ class TransformerLayer(nn.Module):
         self.attention = SelfAttention(config, f"{name}.attention", layer_number)
         shared_norm = config.gpt_j_residual and config.gpt_j_tied
         self.post_attention_layernorm = None if shared_norm else build_norm(config)
-        self.mlp = MLP(config, f"{name}.mlp")
+        # a mixture of experts replaces the MLP in every moe_expert_interval-th block
+        moe = config.is_moe_layer(layer_number)
+        self.mlp = MoELayer(config, f"{name}.mlp", layer_number) if moe else MLP(config, f"{name}.mlp")
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = config.sequence_parallel and get_tensor_model_parallel_world_size() > 1
         if self.sequence_parallel:

@@ -22,6 +22,8 @@ class ParallelConfig:
     pipe: int = 0
     """Pipeline stages (``pipe_parallel_size``); 0 = a plain module, >= 1 = DeepSpeed PipelineModule."""
     sequence_parallel: bool = False
+    expert: int = 1
+    """``moe_expert_parallel_size``: experts split over this many data-parallel ranks (1 = not split)."""
     partition_method: str = "type:transformer|mlp"
     """GPT-NeoX's ``pipe_partition_method``."""
     world_size: int | None = None
@@ -48,6 +50,7 @@ class ParallelConfig:
             tensor=args.model_parallel_size,
             pipe=args.pipe_parallel_size,
             sequence_parallel=args.sequence_parallel,
+            expert=args.moe_expert_parallel_size,
             partition_method=args.pipe_partition_method,
             world_size=args.world_size,
             backend=args.distributed_backend,

@@ -40,6 +40,10 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "data_impl": "mmap is the one on-disk format; infer finds it",
     "use_shared_fs": "the sample index is built under a file lock by the first rank that needs it, on "
                      "shared and node-local filesystems alike",
+    "moe_type": "chooses the MoE library in earlier GPT-NeoX releases; both compute the dropless routing "
+                "Deepy's layer computes",
+    "enable_expert_tensor_parallelism": "how earlier GPT-NeoX placed experts over tensor-parallel ranks; Deepy "
+                                        "places whole experts per rank, the same maths",
 }
 """Keys accepted and changing nothing in Deepy, with why; ``--dry-run`` names those a config sets."""
 
@@ -59,6 +63,21 @@ FILLED_IN_KEYS: dict[str, str] = {
 """Keys Deepy fills in itself; a config setting them to something else is refused by a rule."""
 
 USER_SETTABLE_FILLED_IN = frozenset({"git_hash"})
+
+
+def only_default_accepted(name: str) -> bool:
+    """A key whose every other value is refused ("not supported yet"): its default is what Deepy
+    does, so it needs no reader (``moe_token_dropping: false``)."""
+    import typing
+
+    from megatron.neox_arguments.arguments import NeoXArgs
+
+    refused = set(NeoXArgs.unsupported_values(name))
+    if not refused:
+        return False
+    annotation = NeoXArgs.model_fields[name].annotation
+    choices = {True, False} if annotation is bool else set(typing.get_args(annotation))
+    return bool(choices) and choices - refused == {NeoXArgs.default_of(name)}
 """Filled-in keys a user may set (a label recorded with the run instead of the detected commit)."""
 
 

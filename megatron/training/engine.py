@@ -37,8 +37,10 @@ from megatron.mpu.config import ParallelConfig
 from megatron.logging.log import get_logger
 from megatron.model import GPTConfig, GPTModel, loss_fn, pipeline_layer_specs
 from megatron.model.transformer_layer import TransformerLayer
+from megatron.mpu import experts as expert_parallel
 from megatron.training.config import ActivationCheckpointConfig, LRConfig
 from megatron.training.lr_schedules import LRScheduler, SchedulePolicy
+from megatron.training.moe import MoETraining, build_moe_training, install_expert_parallel, keep_expert_shards
 from megatron.training.optimizers import DEEPSPEED_BUILT, build_optimizer, deepspeed_optimizer_block, param_groups
 
 if TYPE_CHECKING:
@@ -64,6 +66,8 @@ class Engine:
     config: GPTConfig
     is_pipe: bool
     ds_config: dict[str, Any]
+    moe: MoETraining | None = None
+    """Aux-loss scale and router metrics of an MoE model (None when dense)."""
 
     @property
     def is_last_stage(self) -> bool:
@@ -182,7 +186,11 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> float:
     """Global L2 norm over the whole model (all tp shards, all pipeline stages); clips in place
     when ``max_norm > 0``. Gradients must already be averaged over data parallelism."""
     device = next((p.grad.device for p in parameters if p.grad is not None), torch.device("cpu"))
-    norm_sq = grad_norm_sq_local(parameters).to(device)
+    # experts split over data-parallel ranks differ between the ranks of their expert-parallel group
+    dense, experts = expert_parallel.split_expert_parallel(parameters)
+    norm_sq = grad_norm_sq_local(dense).to(device)
+    if experts:
+        norm_sq = norm_sq + expert_parallel.sum_over_expert_parallel(grad_norm_sq_local(experts).to(device))
     for group, size in ((mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_world_size()),
                         (mpu.get_pipe_parallel_group(), mpu.get_pipe_parallel_world_size())):
         if size > 1:
@@ -254,22 +262,25 @@ def build_engine(run: RunConfig, config: GPTConfig, train_iters: int) -> Engine:
         optimizer = build_optimizer(model, run.optimizer, offload=optimizer_offloaded(ds_config))
         scheduler = LRScheduler(optimizer=optimizer, spec=spec, policy=policy)
         params = None
-    engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        model_parameters=params,
-        lr_scheduler=scheduler,
-        config=ds_config,
-        mpu=None if is_pipe else mpu,
-        dist_init_required=False,
-    )
+    with keep_expert_shards(model):
+        engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            model_parameters=params,
+            lr_scheduler=scheduler,
+            config=ds_config,
+            mpu=None if is_pipe else mpu,
+            dist_init_required=False,
+        )
+    install_expert_parallel(engine)  # no-op unless experts are split over data-parallel ranks
     fp32 = not (engine.fp16_enabled() or engine.bfloat16_enabled())
     if fp32 and not engine.zero_optimization():
         install_fp32_clipping(engine)
         if not is_pipe and mpu.get_data_parallel_world_size() == 1:
             skip_gradient_allreduce(engine)
     return Engine(engine=engine, optimizer=ds_optimizer, lr_scheduler=ds_scheduler,
-                  config=config, is_pipe=is_pipe, ds_config=ds_config)
+                  config=config, is_pipe=is_pipe, ds_config=ds_config,
+                  moe=build_moe_training(model, config.num_layers, config.moe_num_experts))
 
 
 def lr_policy(lr: LRConfig) -> SchedulePolicy:

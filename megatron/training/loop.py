@@ -137,6 +137,8 @@ def log_row(ctx: LoopContext, state: TrainState, window: _Window, result: StepRe
         row["train/grad_norm"] = result.grad_norm
     if result.loss_scale is not None:
         row["train/loss_scale"] = result.loss_scale
+    if ctx.eng.moe is not None:
+        row.update(ctx.eng.moe.metrics())  # router statistics (a collective: every rank logs)
     row["train/skipped_steps"] = state.skipped_steps
     row["train/consumed_tokens"] = state.consumed_tokens
     row.update(as_metrics(measure(tokens_per_iter=ctx.tokens_per_step, iterations=window.steps, seconds=seconds,

@@ -42,7 +42,8 @@ def test_reference_lists_every_key_once_under_its_group() -> None:
 
 def test_support_notes() -> None:
     assert support_note("hidden_size") == ""
-    assert support_note("moe_num_experts") == "not supported yet"
+    assert support_note("moe_num_experts") == ""
+    assert support_note("use_mup") == "not supported yet"
     assert support_note("norm") == "not supported yet: `te_rmsnorm`, `te_layernorm`"
     assert "`bigbird`" in support_note("attention_config")
 

@@ -76,6 +76,13 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "deepspeed_log_level": ("logging", "warning"),
     "device_memory_gb": ("logging", None),
     "mlp_type": ("model", "regular"),  # earlier GPT-NeoX key its Llama/Mistral configs set
+    "moe_aux_loss_coeff": ("moe", 0.0),
+    "moe_z_loss_coeff": ("moe", 0.0),
+    "moe_expert_parallel_size": ("moe", 1),
+    # earlier GPT-NeoX releases' MoE keys (their configs load)
+    "moe_type": ("moe", "megablocks"),
+    "moe_token_dropping": ("moe", False),
+    "enable_expert_tensor_parallelism": ("moe", False),
 }
 
 NEOX_REFERENCE: dict[str, tuple[tuple[str, Any], ...]] = {
@@ -607,7 +614,7 @@ MUST_BE_SUPPORTED = [
     "memory_profiling_path", "wall_clock_breakdown", "deepspeed_log_level", "device_memory_gb",
 ]  # fmt: skip
 MUST_BE_UNSUPPORTED = [
-    "moe_num_experts", "moe_top_k", "moe_router_type", "mamba_inner_func_fusion", "te_mha",
+    "mamba_inner_func_fusion", "te_mha",
     "te_fp8_format", "serve_model_weights", "sparsity_config", "curriculum_learning",
     "sparse_attention", "use_comet", "use_mup", "s3_path", "head_size", "scheduler", "no_save_optim",
     "sparse_gradients", "fp16_lm_cross_entropy", "deepspeed_activation_checkpointing",
@@ -620,7 +627,7 @@ def test_support_marks_follow_the_scope() -> None:
         assert NeoXArgs.is_supported(name), name
     for name in MUST_BE_UNSUPPORTED:
         assert not NeoXArgs.is_supported(name), name
-    assert all(not NeoXArgs.is_supported(n) for n in NeoXArgs.field_names() if n.startswith("moe_"))
+    assert all(NeoXArgs.is_supported(n) for n in NeoXArgs.field_names() if n.startswith("moe_"))
     assert all(not NeoXArgs.is_supported(n) for n in NeoXArgs.field_names() if n.startswith("te_"))
     assert all(not NeoXArgs.is_supported(n) for n in NeoXArgs.field_names() if n.startswith("mamba_"))
 
@@ -628,15 +635,14 @@ def test_support_marks_follow_the_scope() -> None:
 def test_check_supported_reports_only_offending_keys() -> None:
     config = {
         "hidden_size": 64,
-        "moe_num_experts": 8,  # MoE asked for
-        "moe_top_k": 1,  # at its default: fine
+        "moe_num_experts": 8,  # MoE is built
         "te-mha": True,  # hyphenated spelling still counts
         "norm": "te_rmsnorm",  # supported field, unsupported value
         "train_impl": "normal",  # supported value
         "attention_config": [[["global", "bigbird"], 2]],
         "unknown_key": 3,  # not this check's business
     }
-    assert check_supported(config) == ["moe_num_experts", "te_mha", "norm", "attention_config"]
+    assert check_supported(config) == ["te_mha", "norm", "attention_config"]
     assert check_supported({"attention_config": [[["global", "local"], 4]], "norm": "rmsnorm"}) == []
     assert check_supported({"train_impl": "reinforce", "data_impl": "cached"}) == ["train_impl", "data_impl"]
 
@@ -649,10 +655,10 @@ def test_check_supported_on_validated_args() -> None:
 def test_require_supported_names_every_key_and_the_fix() -> None:
     require_supported({"hidden_size": 8})
     with pytest.raises(ConfigError) as info:
-        require_supported({"moe_num_experts": 8, "norm": "te_layernorm"})
+        require_supported({"use_mup": True, "norm": "te_layernorm"})
     message = str(info.value)
-    assert "moe_num_experts: 8 is not supported yet" in message
-    assert "only its default 1 is accepted" in message
+    assert "use_mup: True is not supported yet" in message
+    assert "only its default False is accepted" in message
     assert "norm: 'te_layernorm' is not supported yet" in message
 
 

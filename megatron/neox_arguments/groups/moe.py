@@ -1,33 +1,75 @@
 """Mixture-of-experts settings.
 
-Deepy does not build MoE layers yet: every key is accepted only at its default, so a dense config
-validates and an MoE config fails loudly instead of training a dense model.
+``moe_num_experts > 1`` replaces the MLP of every ``moe_expert_interval``-th block (block 0
+first, as GPT-NeoX counts) with a dropless MoE layer: a router picks ``moe_top_k`` experts per
+token and every token reaches them (no capacity, nothing dropped). The experts of a layer are
+split over the tensor-parallel ranks (GPT-NeoX's layout) and, with ``moe_expert_parallel_size``,
+further over groups of data-parallel ranks that exchange tokens with all-to-all.
+
+GPT-NeoX's keys are the first six. Deepy adds what current MoE trainers offer and GPT-NeoX lacks:
+the load-balancing loss coefficient, the router z-loss coefficient and expert parallelism over
+data-parallel ranks (Megatron-LM's names where it has one). Not added: shared experts and a
+capacity factor (the layer is dropless by design).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from megatron.neox_arguments.schema import ArgGroup, not_supported
+from pydantic import Field
+
+from megatron.neox_arguments.groups.support import partly_supported
+from megatron.neox_arguments.schema import ArgGroup
 
 
 class MoEArgs(ArgGroup):
-    """GPT-NeoX's ``NeoXArgsMoE`` group."""
+    """GPT-NeoX's ``NeoXArgsMoE`` group plus Deepy's additions."""
 
-    moe_num_experts: int = not_supported(1)
-    """Experts per MoE layer; 1 means a dense model."""
+    moe_num_experts: int = Field(1, ge=1)
+    """Experts per MoE layer; 1 means a dense model (no MoE layer at all)."""
 
-    moe_expert_interval: int = not_supported(1)
-    """Use an MoE layer every this many blocks."""
+    moe_expert_interval: int = Field(1, ge=1)
+    """Use an MoE layer in every block whose index (0-based) is a multiple of this; the others keep a dense MLP."""
 
-    moe_top_k: int = not_supported(1)
-    """Experts each token is routed to."""
+    moe_top_k: int = Field(1, ge=1)
+    """Experts each token is routed to (its output is their outputs weighted by the router)."""
 
-    moe_router_type: Literal["sinkhorn", "topk"] = not_supported("sinkhorn")
-    """Routing algorithm: Sinkhorn balancing or plain top-k."""
+    moe_router_type: Literal["sinkhorn", "topk"] = "sinkhorn"
+    """Routing: "topk" picks the k highest softmax scores; "sinkhorn" picks experts from a Sinkhorn-balanced
+    assignment while training (weights: sigmoid of the logit for k=1, softmax for k>1) and plain top-k at
+    evaluation."""
 
-    moe_lbl_in_fp32: bool = not_supported(False)
-    """Compute the load-balancing loss in fp32."""
+    moe_lbl_in_fp32: bool = False
+    """Compute the router's auxiliary losses (load balancing, z-loss) in fp32 instead of the training precision."""
 
-    moe_jitter_eps: float | None = not_supported(None)
-    """Multiplicative noise on router inputs during training."""
+    moe_jitter_eps: float | None = Field(None, ge=0.0, lt=1.0)
+    """While training, multiply the router input by uniform noise in [1-eps, 1+eps] (None: no noise)."""
+
+    moe_aux_loss_coeff: float = Field(0.0, ge=0.0)
+    """Weight of the load-balancing loss (E * sum_e f_e * P_e per layer: token share f times mean router
+    probability P; 1.0 when balanced) added to the objective; 0 logs it without training on it (GPT-NeoX adds
+    none). Deepy extra, Megatron-LM's name."""
+
+    moe_z_loss_coeff: float = Field(0.0, ge=0.0)
+    """Weight of the router z-loss (mean squared logsumexp of the router logits, ST-MoE) added to the objective;
+    0 logs it only. Deepy extra, Megatron-LM's name."""
+
+    moe_expert_parallel_size: int = Field(1, ge=1)
+    """Data-parallel ranks that split each MoE layer's experts between them and exchange tokens with all-to-all
+    (beyond the split over model_parallel_size); 1 = every data-parallel rank holds all of its tensor-parallel
+    rank's experts. Needs ZeRO stage 0 and fp32. Deepy extra."""
+
+    # ---- keys of earlier GPT-NeoX releases (their DeepSpeed/megablocks MoE), kept so those configs load ----
+
+    moe_type: Literal["megablocks", "deepspeed"] = "megablocks"
+    """Earlier GPT-NeoX: which library's MoE layer to use. Both route without dropping tokens when
+    moe_token_dropping is false, which is what Deepy's layer computes."""
+
+    moe_token_dropping: bool = partly_supported(False, unsupported=(True,))
+    """Earlier GPT-NeoX: drop tokens beyond an expert's capacity. Deepy's MoE is dropless, so only
+    false is accepted."""
+
+    enable_expert_tensor_parallelism: bool = False
+    """Earlier GPT-NeoX: split each expert's weights over the tensor-parallel ranks. Deepy places
+    whole experts on the tensor-parallel ranks instead; the maths is the same, only the placement
+    differs."""
