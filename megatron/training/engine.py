@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import deepspeed
@@ -32,9 +32,10 @@ from torch import nn
 from megatron import mpu
 from megatron.errors import ConfigError
 from megatron.logging.log import get_logger
-from megatron.model import GPTConfig, GPTModel, loss_fn, pipeline_layer_specs
+from megatron.model import GPTConfig, GPTModel, pipeline_layer_specs
 from megatron.model.transformer_layer import TransformerLayer
 from megatron.training.lr_schedules import LRScheduler, build_lr_scheduler
+from megatron.training.objectives import LMObjective, Objective, ObjectiveConfig, Reference
 from megatron.training.optimizers import build_optimizer
 
 # GPT-NeoX partition names -> DeepSpeed's PipelineModule partition_method
@@ -57,6 +58,10 @@ class Engine:
     config: GPTConfig
     is_pipe: bool
     ds_config: dict[str, Any]
+    objective: Objective = field(default_factory=lambda: LMObjective(ObjectiveConfig()))
+    """The ``train_impl``'s batch preparation and loss (also the pipeline's ``loss_fn``)."""
+    reference: Reference = field(default_factory=Reference)
+    """Where DPO/KTO reference log-probs come from; set once the engine exists."""
 
     @property
     def is_last_stage(self) -> bool:
@@ -210,8 +215,8 @@ def optimizer_offloaded(ds_config: dict[str, Any]) -> bool:
     return int(zero.get("stage", 0) or 0) > 0 and str(offload.get("device", "none")).lower() == "cpu"
 
 
-def build_model(args: Any, config: GPTConfig) -> tuple[nn.Module, bool]:
-    """(module, is_pipe)."""
+def build_model(args: Any, config: GPTConfig, objective: Objective) -> tuple[nn.Module, bool]:
+    """(module, is_pipe); a pipeline's last stage computes ``objective.loss``."""
     pp = int(getattr(args, "pipe_parallel_size", 0) or 0)
     needs_ckpt = bool(getattr(args, "checkpoint_activations", False) or getattr(args, "selective_checkpointing", None))
     if needs_ckpt:
@@ -228,7 +233,7 @@ def build_model(args: Any, config: GPTConfig) -> tuple[nn.Module, bool]:
         interval = int(getattr(args, "checkpoint_num_layers", 1) or 1)
     model = PipelineModule(
         layers=pipeline_layer_specs(config),
-        loss_fn=loss_fn,
+        loss_fn=objective.loss,
         topology=mpu.get_topology(),
         partition_method=partition_method(args),
         activation_checkpoint_interval=interval,
@@ -241,10 +246,16 @@ def build_model(args: Any, config: GPTConfig) -> tuple[nn.Module, bool]:
     return model, True
 
 
-def build_engine(args: Any, ds_config: dict[str, Any]) -> Engine:
-    """Model, optimizer, schedule and ``deepspeed.initialize``; ``args.padded_vocab_size`` must be set."""
+def build_engine(args: Any, ds_config: dict[str, Any], objective: Objective | None = None) -> Engine:
+    """Model, optimizer, schedule and ``deepspeed.initialize``; ``args.padded_vocab_size`` must be set.
+
+    ``objective`` (default: language modelling) decides the pipeline's loss and, for reward models,
+    the scalar head."""
+    objective = objective if objective is not None else LMObjective(ObjectiveConfig())
     config = GPTConfig.from_neox_args(args)
-    model, is_pipe = build_model(args, config)
+    if config.value_head != objective.value_head:
+        config = config.replace(value_head=objective.value_head)
+    model, is_pipe = build_model(args, config, objective)
     optimizer = build_optimizer(model, args, offload=optimizer_offloaded(ds_config))
     scheduler = build_lr_scheduler(optimizer, args)
     ds_config = dict(ds_config)
@@ -266,4 +277,4 @@ def build_engine(args: Any, ds_config: dict[str, Any]) -> Engine:
             # "all-reduce" and copy back every gradient each step (~2% of a small CPU step)
             engine.enable_backward_allreduce = False
     return Engine(engine=engine, optimizer=ds_optimizer, lr_scheduler=ds_scheduler or scheduler,
-                  config=config, is_pipe=is_pipe, ds_config=ds_config)
+                  config=config, is_pipe=is_pipe, ds_config=ds_config, objective=objective)

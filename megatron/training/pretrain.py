@@ -22,10 +22,10 @@ from megatron.logging.log import get_logger, setup_logging
 from megatron.logging.metrics import MetricsWriter
 from megatron.logging.throughput import current_device_name, peak_tflops
 from megatron.model import flops_per_token, num_parameters
-from megatron.training.batch import pipe_batches
-from megatron.training.engine import build_engine
+from megatron.training.engine import build_engine, partition_method
 from megatron.training.evaluate import maybe_evaluator
 from megatron.training.loop import Hooks, LoopContext, TrainState, train
+from megatron.training.objectives import ObjectiveConfig, build_objective, build_reference
 
 _PRECISION_NAMES = {"bfloat16": "bf16", "fp16": "fp16", "fp32": "fp32", None: "fp32"}
 
@@ -109,13 +109,18 @@ def pretrain(args: Any) -> TrainState:
     log = get_logger()
     _seed_tp_rng(args)
     tokenizer = _tokenizer(args)
-    eod = tokenizer.eod if getattr(args, "eod_mask_loss", False) else None
     splits = build_datasets(args, tokenizer)
     train_iters = _train_iters(args, splits.train)
 
     from megatron.neox_arguments import deepspeed_config
 
-    eng = build_engine(args, deepspeed_config(args))
+    # the train_impl's batches and loss; a frozen reference copy takes the starting weights before the
+    # run's own checkpoint load (which may move the policy to a later step)
+    objective = build_objective(ObjectiveConfig.from_args(args), eod_token=tokenizer.eod)
+    eng = build_engine(args, deepspeed_config(args), objective)
+    eng.reference = build_reference(objective, eng.engine, eng.is_pipe, eng.config, eng.ds_config,
+                                    partition_method(args) if eng.is_pipe else None)
+    eng.reference.capture(eng.engine, args.model_dump(mode="json"))
     config = eng.config
     log.info("model: %s parameters (%s without embeddings); %s", f"{num_parameters(config):,}",
              f"{num_parameters(config, include_embeddings=False):,}", "pipeline" if eng.is_pipe else "plain")
@@ -131,19 +136,18 @@ def pretrain(args: Any) -> TrainState:
     layout = dict(global_batch_size=g, micro_batch_size=int(args.train_micro_batch_size_per_gpu),
                   dp_rank=mpu.get_data_parallel_rank(), dp_size=mpu.get_data_parallel_world_size())
     device = _device()
-    micro = MicroBatchIterator(splits.train, state.consumed_samples, **layout)
-    pipe = pipe_batches(micro, eod, device) if eng.is_pipe else None
+    micro = MicroBatchIterator(eng.reference.wrap_dataset(splits.train), state.consumed_samples, **layout)
     seq = int(args.seq_length)
+    eval_iters = int(args.eval_iters or 0)
     precision = _PRECISION_NAMES.get(getattr(args, "precision", None), "fp32")
     ctx = LoopContext(
-        eng=eng, args=args, micro_batches=micro, pipe_batches=pipe, device=device,
-        train_iters=train_iters, global_batch_size=g, tokens_per_step=g * seq,
+        eng=eng, args=args, micro_batches=micro, device=device,
+        train_iters=train_iters, global_batch_size=g, tokens_per_step=g * seq * objective.rows_per_sample,
         flops_per_token=flops_per_token(config, seq), world_size=dist.get_world_size() if dist.is_initialized() else 1,
         peak_tflops=peak_tflops(current_device_name(), precision),
         writer=MetricsWriter(getattr(args, "log_dir", None), enabled=speaks()),
-        valid=maybe_evaluator(eng, splits.valid, args, layout, device, eod),
-        test=maybe_evaluator(eng, splits.test, args, layout, device, eod),
-        eod_token=eod,
+        valid=maybe_evaluator(eng, splits.valid, eval_iters, layout, device, "valid"),
+        test=maybe_evaluator(eng, splits.test, eval_iters, layout, device, "test"),
     )
     try:
         return train(ctx, state, hooks)

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     eng = build_engine(args, ds_config)
 
     def ours() -> None:
-        train_step(eng, micro, None, device)
+        train_step(eng, micro, device)
 
     # --- raw: the identical model/optimizer/schedule in a plain loop
     model = GPTModel(GPTConfig.from_neox_args(args)).to(device)
