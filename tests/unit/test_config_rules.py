@@ -346,8 +346,9 @@ def test_data_types_against_precision() -> None:
 
 
 def test_pairwise_data_counts_as_data_and_needs_both_halves() -> None:
-    ok(use_dummy_dataset=False, pos_train_data_paths=["p"], neg_train_data_paths=["n"])
-    assert "pos_train_data_paths=['p'] (cfg.yml:9) without its pair" in problems(use_dummy_dataset=False, pos_train_data_paths=["p"])
+    ok(use_dummy_dataset=False, train_impl="dpo", pos_train_data_paths=["p"], neg_train_data_paths=["n"])
+    assert "pos_train_data_paths=['p'] (cfg.yml:10) without its pair" in problems(
+        use_dummy_dataset=False, train_impl="dpo", pos_train_data_paths=["p"])
 
 
 def test_num_gpus_pinned_only_for_cpu_local_runs() -> None:
