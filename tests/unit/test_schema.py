@@ -594,6 +594,10 @@ MUST_BE_SUPPORTED = [
     "no_load_rng", "log_dir", "log_interval", "tensorboard_dir", "use_wandb", "wandb_project",
     "train_batch_size", "zero_optimization", "fp16", "bf16", "optimizer", "hostfile", "num_gpus",
     "launcher", "deepspeed_slurm", "train_impl", "dpo_beta", "scaled_upper_triang_masked_softmax_fusion",
+    # post-training (tests/unit/test_objectives.py, tests/e2e/test_post_training.py show each changes the run)
+    "dpo_fp32", "dpo_reference_free", "kto_beta", "kto_fp32", "kto_desirable_weight", "kto_undesirable_weight",
+    "z_loss", "eod_mask_loss", "reference_logps", "pos_train_data_paths", "neg_valid_label_data_paths",
+    "train_label_data_paths", "train_reward_data_paths", "dataset_impl", "pack_impl",
 ]  # fmt: skip
 MUST_BE_UNSUPPORTED = [
     "moe_num_experts", "moe_top_k", "moe_router_type", "mamba_inner_func_fusion", "te_mha",

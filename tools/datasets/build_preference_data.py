@@ -12,7 +12,8 @@ with a boolean ``reward`` per row) and tokenizes them with ``preprocess_data_wit
     <out>/{train,valid}_{chosen,rejected}_document, ..._{chosen,rejected}_label_document   (--format pairwise)
     <out>/{train,valid}_{text,label,reward}_document                                        (--format reward)
 
-``configs/dpo.yml`` names the pairwise outputs of the defaults.
+It also writes ``<out>/dpo.yml`` (pairwise) or ``<out>/kto.yml`` (reward): a config overlay naming these
+datasets and the objective, to put after the model and setup configs (README: Post-training).
 """
 
 from __future__ import annotations
@@ -76,6 +77,26 @@ def write_jsonl(rows: list[dict[str, object]], path: Path) -> None:
             handle.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
+def overlay(out: Path, fmt: str) -> str:
+    """The config keys that point a run at the written datasets (YAML text)."""
+    lines = ["# written by tools/datasets/build_preference_data.py: the objective and its data",
+             f"train_impl: {'dpo' if fmt == 'pairwise' else 'kto'}", "pack_impl: unpacked"]
+    for split in ("train", "valid"):
+        base = out / split
+        if fmt == "pairwise":
+            lines += [f"pos_{split}_data_paths: [{base}_chosen_document]",
+                      f"neg_{split}_data_paths: [{base}_rejected_document]",
+                      f"pos_{split}_label_data_paths: [{base}_chosen_label_document]",
+                      f"neg_{split}_label_data_paths: [{base}_rejected_label_document]"]
+        else:
+            lines += [f"{split}_data_paths: [{base}_text_document]",
+                      f"{split}_label_data_paths: [{base}_label_document]",
+                      f"{split}_reward_data_paths: [{base}_reward_document]"]
+    if fmt == "pairwise":
+        lines.insert(2, "dataset_impl: pairwise")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     import preprocess_data_with_mask as masked
 
@@ -108,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         write_jsonl(records, jsonl)
         masked.main(["--input", str(jsonl), "--output-prefix", str(out / split), "--mode", args.format,
                      "--tokenizer-type", args.tokenizer_type, "--vocab-file", args.vocab_file, "--append-eod"])
+    config = out / ("dpo.yml" if args.format == "pairwise" else "kto.yml")
+    with atomic_path(config) as tmp:
+        tmp.write_text(overlay(out, args.format), encoding="utf-8")
+    print(f"{len(pairs) - n_valid} train / {n_valid} valid pairs; config overlay: {config}")
     return 0
 
 
