@@ -201,7 +201,8 @@ DPO_EVAL = {"eval_interval": 3, "eval_iters": 5}
 def dpo_single(data: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """40 steps on one rank from the seeded initialisation (the reference), evaluating held-out pairs."""
     tmp = tmp_path_factory.mktemp("dpo")
-    config = {**_dpo(data["root"]), **DPO_EVAL, "train_iters": LEARN_STEPS, "save": str(tmp / "ckpt"),
+    config = {**_dpo(data["root"]), **pairwise_paths(data["root"]), **DPO_EVAL, "train_iters": LEARN_STEPS,
+              "save": str(tmp / "ckpt"),
               "extra_save_iters": [3], "checkpoint_factor": LEARN_STEPS}
     return {"rows": run(tmp, "single", config), "ckpt": tmp / "ckpt", "tmp": tmp}
 

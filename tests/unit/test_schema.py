@@ -71,6 +71,7 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "compile_layers": ("training", False),
     "per_device_parallelism": ("training", None),
     "run_dir": ("training", None),
+    "reference_logps": ("training", None),
 }
 
 NEOX_REFERENCE: dict[str, tuple[tuple[str, Any], ...]] = {
