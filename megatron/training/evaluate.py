@@ -38,10 +38,6 @@ class Evaluator:
             total += runner.run(self.eng, self._micro, self.split, self.device, train=False)
         return {"lm_loss": total / max(self.eval_iters, 1), **runner.collect_metrics(self.eng, self.device)}
 
-    def loss(self) -> float:
-        """Mean loss over ``eval_iters`` global batches (every rank gets the same value)."""
-        return self.evaluate()["lm_loss"]
-
 
 def maybe_evaluator(eng: Engine, dataset: Any, eval_iters: int, layout: dict[str, int], device: torch.device,
                     split: str) -> Evaluator | None:
@@ -50,5 +46,5 @@ def maybe_evaluator(eng: Engine, dataset: Any, eval_iters: int, layout: dict[str
 
     if dataset is None or eval_iters <= 0 or len(dataset) == 0:
         return None
-    stream = MicroBatchIterator(eng.reference.wrap_dataset(dataset), 0, **layout)
+    stream = MicroBatchIterator(eng.reference.wrap_dataset(dataset, split), 0, **layout)
     return Evaluator(eng, stream, eval_iters, device, split)

@@ -136,7 +136,7 @@ def pretrain(args: Any) -> TrainState:
     layout = dict(global_batch_size=g, micro_batch_size=int(args.train_micro_batch_size_per_gpu),
                   dp_rank=mpu.get_data_parallel_rank(), dp_size=mpu.get_data_parallel_world_size())
     device = _device()
-    micro = MicroBatchIterator(eng.reference.wrap_dataset(splits.train), state.consumed_samples, **layout)
+    micro = MicroBatchIterator(eng.reference.wrap_dataset(splits.train, "train"), state.consumed_samples, **layout)
     seq = int(args.seq_length)
     eval_iters = int(args.eval_iters or 0)
     precision = _PRECISION_NAMES.get(getattr(args, "precision", None), "fp32")

@@ -330,5 +330,8 @@ def test_precomputed_reference_round_trip_and_checks(tmp_path: Path) -> None:
         PrecomputedLogps(prefix, "train", {**expected, "micro_batch_size": 4})
     with pytest.raises(DataError, match="6 rows"):
         source.rows(torch.tensor([6]))
+    source.require_rows(6)
+    with pytest.raises(DataError, match="shorter schedule"):
+        source.require_rows(7)  # a run planning 7 samples fails at start-up
     with pytest.raises(DataError, match="not found"):
         PrecomputedLogps(prefix, "valid", expected)

@@ -114,8 +114,8 @@ class FrozenCopy:
         else:
             from megatron.model import GPTModel
 
-            dtype = next(policy.module.parameters()).dtype
-            self.module = GPTModel(model_config).to(dtype).requires_grad_(False)
+            like = next(policy.module.parameters())  # the policy's device and precision
+            self.module = GPTModel(model_config).to(device=like.device, dtype=like.dtype).requires_grad_(False)
             self.engine = None
         self.module.eval()
 

@@ -109,6 +109,11 @@ class PrecomputedLogps:
         if self.values.ndim != 2 or self.values.shape[1] != 2 or self.values.shape[0] != meta.get("rows"):
             raise DataError(f"{npy}: expected [{meta.get('rows')}, 2] float32 values, found {self.values.shape}")
 
+    def require_rows(self, count: int) -> None:
+        if self.values.shape[0] < count:
+            raise DataError(f"{self.path} has {self.values.shape[0]} rows but the run reads {count} samples of "
+                            "this split: it was computed for a shorter schedule; recompute it")
+
     def rows(self, sample_index: torch.Tensor) -> torch.Tensor:
         """``[2m]`` reference log-probs: first column of every sample, then the second column."""
         index = sample_index.long().cpu().numpy()

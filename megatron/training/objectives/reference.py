@@ -27,7 +27,8 @@ from megatron.training.objectives.precomputed import IndexedSamples, Precomputed
 class Reference:
     """Default: no reference (``fill`` leaves the batches alone; the loss then reads zeros)."""
 
-    def wrap_dataset(self, dataset: Any) -> Any:
+    def wrap_dataset(self, dataset: Any, split: str) -> Any:
+        """The dataset the run reads for ``split`` (checked against the reference's needs)."""
         return dataset
 
     def fill(self, batches: list[MicroBatch], split: str, device: torch.device) -> list[MicroBatch]:
@@ -49,13 +50,21 @@ class PrecomputedReference(Reference):
             self.expected["micro_batch_size"] = config.micro_batch_size
         self._files: dict[str, PrecomputedLogps] = {}
 
-    def wrap_dataset(self, dataset: Any) -> Any:
-        return None if dataset is None else IndexedSamples(dataset)
-
-    def fill(self, batches: list[MicroBatch], split: str, device: torch.device) -> list[MicroBatch]:
+    def _file(self, split: str) -> PrecomputedLogps:
         if split not in self._files:
             self._files[split] = PrecomputedLogps(self.prefix, split, {**self.expected, "split": split})
-        source = self._files[split]
+        return self._files[split]
+
+    def wrap_dataset(self, dataset: Any, split: str) -> Any:
+        """Samples carry their index; the split's file is opened now and must cover every sample the
+        run plans to read (so a short or mismatched file fails at start-up, not mid-run)."""
+        if dataset is None:
+            return None
+        self._file(split).require_rows(len(dataset))
+        return IndexedSamples(dataset)
+
+    def fill(self, batches: list[MicroBatch], split: str, device: torch.device) -> list[MicroBatch]:
+        source = self._file(split)
         out = []
         for b in batches:
             if b.sample_index is None:
