@@ -10,15 +10,16 @@ Conventions:
   drawn from `(config.seed, name)` and then sharded, so every tp/pp layout starts identical.
 * Fused weights: QKV rows are `[q; k; v]`, a gated MLP's first projection is `[gate; up]`; tp
   rank r holds chunk r of each part (`tp_partition_patterns`, `mpu.initialize_weights.shard_tensor`).
-* `lm_loss(logits, labels, loss_mask)` is the mean over counted tokens (labels < 0 are skipped);
-  `loss_fn` is its `PipelineModule` form.
+* `lm_loss(logits, labels, loss_mask)` is the mean over counted tokens (labels < 0 are skipped). The
+  training losses (per `train_impl`, normalised over the global batch) live in
+  `megatron/training/objectives`.
 """
 
 from megatron.model.config import GPTConfig
 from megatron.model.flops import flops_per_token, num_parameters
 from megatron.model.gpt import GPTModel
 from megatron.model.kv_cache import KVCache
-from megatron.model.loss import lm_loss, loss_fn
+from megatron.model.loss import lm_loss
 from megatron.model.partitioning import (
     TPPartition,
     tp_partition_of,
@@ -33,7 +34,6 @@ __all__ = [
     "TPPartition",
     "flops_per_token",
     "lm_loss",
-    "loss_fn",
     "num_parameters",
     "pipeline_layer_specs",
     "tp_partition_of",

@@ -19,10 +19,3 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor 
         mask = mask * loss_mask.float()
     return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
-
-def loss_fn(logits: torch.Tensor, labels_and_mask: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """`PipelineModule(loss_fn=...)` form: the label part of a batch is `labels` or `(labels, loss_mask)`."""
-    if isinstance(labels_and_mask, torch.Tensor):
-        return lm_loss(logits, labels_and_mask)
-    labels, *rest = labels_and_mask
-    return lm_loss(logits, labels, rest[0] if rest else None)

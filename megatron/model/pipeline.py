@@ -7,7 +7,8 @@ canonical init names, hence the same initial weights) for `deepspeed.pipe.Pipeli
 
 Between stages the activation is the hidden state `[s, b, h]`, or the tuple
 `(hidden, position_ids[, attention_mask])` when the batch's inputs were `(tokens, position_ids[,
-attention_mask])`. The last stage returns logits `[b, s, v/tp]` for `loss_fn(logits, labels)`.
+attention_mask])`. The last stage returns logits `[b, s, v/tp]` (with a value head: `[b, s, 1]`) for
+the objective's `loss_fn(output, labels)` (`megatron/training/objectives`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from torch import nn
 from megatron.model.config import GPTConfig
 from megatron.model.embedding import GPTEmbedding
 from megatron.model.gpt import ValueHead, build_final_norm, build_output_layer
-from megatron.model.loss import loss_fn
 from megatron.model.transformer_layer import TransformerLayer
 from megatron.mpu.layers import parallel_lm_logits
 from megatron.mpu.topology import get_tensor_model_parallel_world_size
@@ -31,7 +31,6 @@ __all__ = [
     "OutputLayerPipe",
     "TransformerLayerPipe",
     "ValueHeadPipe",
-    "loss_fn",
     "model_parameter_name",
     "pipeline_layer_specs",
 ]
@@ -135,7 +134,7 @@ def model_parameter_name(pipeline_name: str) -> str:
 
 
 def pipeline_layer_specs(config: GPTConfig) -> list[LayerSpec]:
-    """Specs for `PipelineModule(layers=..., loss_fn=loss_fn, partition_method="type:TransformerLayerPipe",
+    """Specs for `PipelineModule(layers=..., loss_fn=..., partition_method="type:TransformerLayerPipe",
     checkpointable_layers=CHECKPOINTABLE_LAYERS)`."""
     tied = not config.no_weight_tying and not config.value_head
     if config.value_head:

@@ -97,39 +97,6 @@ def tokenizer_loads(ctx: RuleContext) -> list[str]:
 
 
 @rule
-def objective_has_its_data(ctx: RuleContext) -> list[str]:
-    """Each ``train_impl`` reads particular inputs; say which keys are missing before launch."""
-    impl, dataset_impl = ctx.get("train_impl"), ctx.get("dataset_impl")
-    if ctx.get("use_dummy_dataset"):
-        return []
-    problems: list[str] = []
-    pairwise = impl in ("dpo", "rm") or dataset_impl == "pairwise"
-    if pairwise and not ctx.get("pos_train_data_paths"):
-        problems.append(
-            f"train_impl={impl} ({_describe(ctx.source('train_impl'))}) trains on preference pairs: set "
-            f"pos_train_data_paths and neg_train_data_paths (tools/datasets/preprocess_data_with_mask.py "
-            f"--mode pairwise writes them)"
-        )
-    if impl == "kto":
-        for split in SPLITS:
-            if ctx.get(f"{split}_data_paths") and not ctx.get(f"{split}_reward_data_paths"):
-                problems.append(
-                    f"train_impl=kto ({_describe(ctx.source('train_impl'))}) needs {split}_reward_data_paths next "
-                    f"to {split}_data_paths (one reward per document; preprocess_data_with_mask.py --mode reward)"
-                )
-        if not ctx.get("train_data_paths"):
-            problems.append("train_impl=kto needs train_data_paths with train_reward_data_paths")
-    if impl == "normal" and not pairwise and ctx.get("pos_train_data_paths") and not (
-        ctx.get("data_path") or ctx.get("train_data_paths") or ctx.get("train_urls")
-    ):
-        problems.append(
-            f"{ctx.show('pos_train_data_paths')} holds preference pairs, which train_impl=normal does not read: "
-            f"set train_impl: dpo or rm, or give text data (data_path / train_data_paths)"
-        )
-    return problems
-
-
-@rule
 def training_length_positive(ctx: RuleContext) -> list[str]:
     if ctx.get("train_iters") == 0:
         return [f"{ctx.show('train_iters')}: a run needs at least one step (train_iters >= 1)"]

@@ -722,6 +722,44 @@ def moe_experts_split_evenly(ctx: RuleContext) -> list[str]:
     return problems
 
 
+# ==== post-training objectives: train_impl vs its keys and its data ============================
+# (issue 9: label-masked SFT, DPO, KTO, reward models; implemented in megatron/training/objectives)
+_OBJECTIVE_ONLY_KEYS: dict[str, tuple[str, ...]] = {
+    "dpo": ("dpo_beta", "dpo_fp32", "dpo_reference_free"),
+    "kto": ("kto_beta", "kto_fp32", "kto_desirable_weight", "kto_undesirable_weight"),
+}
+_PAIRWISE_DATA_KEYS = tuple(f"{side}_{split}_data_paths" for side in ("pos", "neg") for split in SPLITS)
+_REWARD_DATA_KEYS = tuple(f"{split}_reward_data_paths" for split in SPLITS)
+
+
+def _train_impl(ctx: RuleContext) -> str:
+    return str(ctx.get("train_impl") or "normal")
+
+
+@rule
+def objective_keys_match_train_impl(ctx: RuleContext) -> list[str]:
+    """Keys of one objective set while training another would be silently ignored: refuse them."""
+    impl, problems = _train_impl(ctx), []
+    for owner, keys in _OBJECTIVE_ONLY_KEYS.items():
+        given = [key for key in keys if impl != owner and ctx.given(key)]
+        if given:
+            problems.append(f"{', '.join(ctx.show(k) for k in given)} only apply to train_impl: {owner} "
+                            f"({ctx.show('train_impl')}): remove them or set train_impl: {owner}")
+    if ctx.get("z_loss") and impl not in ("normal", "rm"):
+        problems.append(f"{ctx.show('z_loss')} applies to language modelling and reward models, not to "
+                        f"{ctx.show('train_impl')}: remove z_loss")
+    if ctx.get("reference_logps") and impl not in ("dpo", "kto"):
+        problems.append(f"{ctx.show('reference_logps')} is read by train_impl dpo and kto only "
+                        f"({ctx.show('train_impl')}): remove it")
+    if impl == "dpo" and ctx.get("dpo_reference_free") and ctx.get("reference_logps"):
+        problems.append(f"{ctx.show('dpo_reference_free')} and {ctx.show('reference_logps')} contradict each "
+                        "other: reference-free DPO reads no reference log-probs; keep one")
+    if impl == "rm" and ctx.get("eod_mask_loss"):
+        problems.append(f"{ctx.show('eod_mask_loss')} has no effect on a reward model (it scores whole "
+                        "responses; no token carries a loss): remove it")
+    return problems
+
+
 @rule
 def moe_expert_parallel_over_dp_needs_fp32_without_zero(ctx: RuleContext) -> list[str]:
     ep = int(ctx.get("moe_expert_parallel_size") or 1)
@@ -750,3 +788,50 @@ def moe_expert_parallel_over_dp_needs_fp32_without_zero(ctx: RuleContext) -> lis
             f"or moe_expert_parallel_size: 1"
         )
     return problems
+
+
+@rule
+def objective_data_matches_train_impl(ctx: RuleContext) -> list[str]:
+    """Each objective reads its own kind of data; say which keys to set when the config gives another."""
+    impl, problems = _train_impl(ctx), []
+    dummy = bool(ctx.get("use_dummy_dataset"))
+    pairs = [key for key in _PAIRWISE_DATA_KEYS if ctx.get(key)]
+    rewards = [key for key in _REWARD_DATA_KEYS if ctx.get(key)]
+    packed = ctx.given("pack_impl") and ctx.get("pack_impl") != "unpacked"
+    if impl in ("dpo", "rm"):
+        if not dummy and not ctx.get("pos_train_data_paths"):
+            problems.append(f"{ctx.show('train_impl')} trains on preference pairs: set pos_train_data_paths and "
+                            "neg_train_data_paths (written by tools/datasets/preprocess_data_with_mask.py "
+                            "--mode pairwise), or use_dummy_dataset: true")
+        for key in ("data_path", "train_data_paths", "train_urls"):
+            if ctx.get(key):
+                problems.append(f"{ctx.show(key)} is not read by {ctx.show('train_impl')}, which trains on "
+                                "pos_/neg_train_data_paths: remove it")
+        if ctx.given("dataset_impl") and ctx.get("dataset_impl") != "pairwise":
+            problems.append(f"{ctx.show('dataset_impl')} with {ctx.show('train_impl')}: the data are pairs; "
+                            "set dataset_impl: pairwise or remove it")
+    else:
+        if pairs:
+            problems.append(f"{', '.join(ctx.show(k) for k in pairs)} hold preference pairs, read by train_impl "
+                            f"dpo or rm only ({ctx.show('train_impl')})")
+        if ctx.get("dataset_impl") == "pairwise":
+            problems.append(f"{ctx.show('dataset_impl')} needs train_impl: dpo or rm ({ctx.show('train_impl')})")
+    if impl == "kto":
+        if not dummy and not ctx.get("train_reward_data_paths"):
+            problems.append(f"{ctx.show('train_impl')} needs per-document rewards: set train_data_paths, "
+                            "train_label_data_paths and train_reward_data_paths (written by "
+                            "tools/datasets/preprocess_data_with_mask.py --mode reward), or use_dummy_dataset: true")
+        micro = ctx.get("train_micro_batch_size_per_gpu")
+        if isinstance(micro, int) and micro < 2:
+            problems.append(f"{ctx.show('train_micro_batch_size_per_gpu')} with train_impl: kto: KTO estimates its "
+                            "KL reference point from mismatched pairs inside a micro-batch, which needs at least "
+                            "2 samples; raise it to 2 or more")
+    elif rewards:
+        problems.append(f"{', '.join(ctx.show(k) for k in rewards)} are per-document rewards for train_impl: kto "
+                        f"({ctx.show('train_impl')}): remove them or set train_impl: kto")
+    if impl in ("dpo", "rm", "kto") and packed:
+        problems.append(f"{ctx.show('pack_impl')} with {ctx.show('train_impl')}: its samples are whole documents "
+                        "(a reward or preference belongs to one response), never packed; set pack_impl: unpacked "
+                        "or remove it")
+    return problems
+# ==== end of post-training objectives ==========================================================

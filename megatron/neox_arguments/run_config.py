@@ -20,6 +20,7 @@ from megatron.model.config import GPTConfig
 from megatron.mpu.config import ParallelConfig
 from megatron.tokenizer.config import TokenizerConfig
 from megatron.training.config import ActivationCheckpointConfig, LRConfig, OptimizerConfig, TrainingConfig
+from megatron.training.objectives.config import ObjectiveConfig
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.arguments import NeoXArgs
@@ -39,6 +40,8 @@ class RunConfig:
     activation_checkpointing: ActivationCheckpointConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    objective: ObjectiveConfig
+    """``train_impl`` and its keys (SFT masks, DPO/KTO/RM settings, the reference model)."""
     deepspeed: dict[str, Any] = field(default_factory=dict)
     """The DeepSpeed config dict deepy.py split off (batch sizes, precision, ZeRO, ...)."""
     args_record: dict[str, Any] = field(default_factory=dict)
@@ -58,6 +61,7 @@ class RunConfig:
             activation_checkpointing=ActivationCheckpointConfig.from_args(args),
             checkpoint=CheckpointConfig.from_args(args),
             logging=LoggingConfig.from_args(args),
+            objective=ObjectiveConfig.from_args(args),
             deepspeed=dict(deepspeed or {}),
             args_record=dict(args_record or {}),
         )

@@ -38,7 +38,6 @@ class TrainingConfig:
     eval_iters: int = 100
     exit_interval: int | None = None
     max_consecutive_overflows: int = 50
-    eod_mask_loss: bool = False
     precision: str = "fp32"
     """fp32 | bf16 | fp16: the compute dtype (for the device's peak TFLOP/s)."""
     compile_layers: bool = False
@@ -59,7 +58,6 @@ class TrainingConfig:
             eval_iters=args.eval_iters,
             exit_interval=args.exit_interval,
             max_consecutive_overflows=args.max_consecutive_overflows,
-            eod_mask_loss=args.eod_mask_loss,
             precision=_PRECISION[args.precision],
             compile_layers=args.compile_layers,
             seed=args.seed,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import deepspeed
@@ -35,12 +35,13 @@ from megatron.deepspeed_internals import replace_fp32_clipping, skip_gradient_al
 from megatron.errors import ConfigError
 from megatron.mpu.config import ParallelConfig
 from megatron.logging.log import get_logger
-from megatron.model import GPTConfig, GPTModel, loss_fn, pipeline_layer_specs
+from megatron.model import GPTConfig, GPTModel, pipeline_layer_specs
 from megatron.model.transformer_layer import TransformerLayer
 from megatron.mpu import experts as expert_parallel
 from megatron.training.config import ActivationCheckpointConfig, LRConfig
 from megatron.training.lr_schedules import LRScheduler, SchedulePolicy
 from megatron.training.moe import MoETraining, build_moe_training, install_expert_parallel, keep_expert_shards
+from megatron.training.objectives import LMObjective, Objective, ObjectiveConfig, Reference
 from megatron.training.optimizers import DEEPSPEED_BUILT, build_optimizer, deepspeed_optimizer_block, param_groups
 
 if TYPE_CHECKING:
@@ -68,6 +69,10 @@ class Engine:
     ds_config: dict[str, Any]
     moe: MoETraining | None = None
     """Aux-loss scale and router metrics of an MoE model (None when dense)."""
+    objective: Objective = field(default_factory=lambda: LMObjective(ObjectiveConfig()))
+    """The ``train_impl``'s batch preparation and loss (also the pipeline's ``loss_fn``)."""
+    reference: Reference = field(default_factory=Reference)
+    """Where DPO/KTO reference log-probs come from; set once the engine exists."""
 
     @property
     def is_last_stage(self) -> bool:
@@ -219,8 +224,8 @@ def optimizer_offloaded(ds_config: dict[str, Any]) -> bool:
 
 
 def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationCheckpointConfig,
-                compile_layers: bool) -> tuple[nn.Module, bool]:
-    """(module, is_pipe)."""
+                compile_layers: bool, objective: Objective) -> tuple[nn.Module, bool]:
+    """(module, is_pipe); a pipeline's last stage computes ``objective.loss``."""
     if ckpt.enabled:
         configure_activation_checkpointing(ckpt, config.num_layers)
     if not parallel.is_pipe:
@@ -233,7 +238,7 @@ def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationChe
     interval = ckpt.checkpoint_num_layers if ckpt.checkpoint_activations and not ckpt.selective_checkpointing else 0
     model = PipelineModule(
         layers=pipeline_layer_specs(config),
-        loss_fn=loss_fn,
+        loss_fn=objective.loss,
         topology=mpu.get_topology(),
         partition_method=partition_method(parallel.partition_method),
         activation_checkpoint_interval=interval,
@@ -246,9 +251,16 @@ def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationChe
     return model, True
 
 
-def build_engine(run: RunConfig, config: GPTConfig, train_iters: int) -> Engine:
-    """Model, optimizer, schedule and ``deepspeed.initialize`` for ``config`` (vocabulary already sized)."""
-    model, is_pipe = build_model(config, run.parallel, run.activation_checkpointing, run.training.compile_layers)
+def build_engine(run: RunConfig, config: GPTConfig, train_iters: int, objective: Objective | None = None) -> Engine:
+    """Model, optimizer, schedule and ``deepspeed.initialize`` for ``config`` (vocabulary already sized).
+
+    ``objective`` (default: language modelling) decides the pipeline's loss and, for reward models,
+    the scalar head."""
+    objective = objective if objective is not None else LMObjective(ObjectiveConfig())
+    if config.value_head != objective.value_head:
+        config = config.replace(value_head=objective.value_head)
+    model, is_pipe = build_model(config, run.parallel, run.activation_checkpointing, run.training.compile_layers,
+                                 objective)
     ds_config = dict(run.deepspeed)
     spec = run.lr.spec(train_iters, run.optimizer.lr)
     policy = lr_policy(run.lr)
@@ -280,7 +292,7 @@ def build_engine(run: RunConfig, config: GPTConfig, train_iters: int) -> Engine:
             skip_gradient_allreduce(engine)
     return Engine(engine=engine, optimizer=ds_optimizer, lr_scheduler=ds_scheduler,
                   config=config, is_pipe=is_pipe, ds_config=ds_config,
-                  moe=build_moe_training(model, config.num_layers, config.moe_num_experts))
+                  moe=build_moe_training(model, config.num_layers, config.moe_num_experts), objective=objective)
 
 
 def lr_policy(lr: LRConfig) -> SchedulePolicy:

@@ -1,7 +1,10 @@
-"""Validation/test loss: ``eval_iters`` global batches, averaged the same way as training.
+"""Validation/test evaluation: ``eval_iters`` global batches of the run's objective.
 
-Each evaluation continues the split's sample stream where the previous one stopped (GPT-NeoX
-does the same), so successive evaluations see different batches.
+The loss of each batch is normalised as in training (the objective's units over the whole global
+batch) and the batches are averaged; the objective's metrics (DPO reward accuracy, reward-model
+accuracy, ...) are summed over all ``eval_iters`` batches before they are averaged. Each evaluation
+continues the split's sample stream where the previous one stopped (GPT-NeoX does the same), so
+successive evaluations see different batches.
 """
 
 from __future__ import annotations
@@ -11,56 +14,37 @@ from typing import Any
 
 import torch
 
-from megatron.model import lm_loss
-from megatron.training.batch import lm_batch, pipe_batches
 from megatron.training.engine import Engine
-from megatron.training.step import average_over_data_parallel, micro_batches_per_step
+from megatron.training.objectives.run import ObjectiveRunner
 
 
 class Evaluator:
-    """Holds one split's micro-batch stream and turns ``eval_iters`` global batches into a loss."""
+    """Holds one split's micro-batch stream and turns ``eval_iters`` global batches into metrics."""
 
     def __init__(self, eng: Engine, micro_batches: Iterator[dict[str, torch.Tensor]], eval_iters: int,
-                 device: torch.device, eod_token: int | None = None) -> None:
+                 device: torch.device, split: str = "valid") -> None:
         self.eng = eng
         self.eval_iters = eval_iters
         self.device = device
-        self.eod_token = eod_token
+        self.split = split
         self._micro = micro_batches
-        self._pipe = pipe_batches(micro_batches, eod_token, device) if eng.is_pipe else None
 
-    def loss(self) -> float:
-        """Mean loss over ``eval_iters`` global batches (every rank gets the same value)."""
-        engine = self.eng.engine
+    def evaluate(self) -> dict[str, float]:
+        """``{"lm_loss": mean loss, **objective metrics}``, the same on every rank."""
+        runner = ObjectiveRunner(self.eng.objective, self.eng.reference)
+        self.eng.objective.metrics.reset()
         total = 0.0
         for _ in range(self.eval_iters):
-            if self._pipe is not None:
-                # averages micro-batches and data-parallel ranks, broadcast to every stage
-                total += float(engine.eval_batch(self._pipe))
-            else:
-                total += self._one_batch()
-        return total / max(self.eval_iters, 1)
-
-    def _one_batch(self) -> float:
-        engine = self.eng.engine
-        was_training = engine.module.training
-        engine.eval()
-        losses = []
-        with torch.no_grad():
-            for _ in range(micro_batches_per_step(engine)):
-                b = lm_batch(next(self._micro), self.eod_token, self.device)
-                losses.append(lm_loss(engine(b.tokens), b.labels, b.loss_mask).detach())
-        if was_training:
-            engine.train()
-        return average_over_data_parallel(torch.stack(losses).mean())
+            total += runner.run(self.eng, self._micro, self.split, self.device, train=False)
+        return {"lm_loss": total / max(self.eval_iters, 1), **runner.collect_metrics(self.eng, self.device)}
 
 
 def maybe_evaluator(eng: Engine, dataset: Any, eval_iters: int, layout: dict[str, int], device: torch.device,
-                    eod_token: int | None) -> Evaluator | None:
+                    split: str) -> Evaluator | None:
     """An evaluator over ``dataset`` or None when there is nothing to evaluate."""
     from megatron.data.sampler import MicroBatchIterator
 
     if dataset is None or eval_iters <= 0 or len(dataset) == 0:
         return None
-    stream = MicroBatchIterator(dataset, 0, **layout)
-    return Evaluator(eng, stream, eval_iters, device, eod_token)
+    stream = MicroBatchIterator(eng.reference.wrap_dataset(dataset, split), 0, **layout)
+    return Evaluator(eng, stream, eval_iters, device, split)

@@ -72,6 +72,8 @@ class _Window:
     steps: int = 0
     loss_sum: float = 0.0
     loss_count: int = 0
+    metric_sums: dict[str, float] = field(default_factory=dict)
+    metric_counts: dict[str, int] = field(default_factory=dict)
 
     lr: float = 0.0
 
@@ -81,6 +83,9 @@ class _Window:
         if result.applied:
             self.loss_sum += result.loss
             self.loss_count += 1
+            for name, value in result.metrics.items():  # the objective's (train/rewards/accuracy, ...)
+                self.metric_sums[name] = self.metric_sums.get(name, 0.0) + value
+                self.metric_counts[name] = self.metric_counts.get(name, 0) + 1
 
 
 @dataclass
@@ -88,7 +93,6 @@ class LoopContext:
     eng: Engine
     training: TrainingConfig
     micro_batches: Iterator[dict[str, torch.Tensor]]
-    pipe_batches: Iterator[Any] | None
     device: torch.device
     train_iters: int
     global_batch_size: int
@@ -99,7 +103,6 @@ class LoopContext:
     monitor: Monitor
     valid: Evaluator | None = None
     test: Evaluator | None = None
-    eod_token: int | None = None
     hardware_flops_per_token: float | None = None
     """flops_per_token plus recomputed forwards (activation checkpointing), for HFU."""
 
@@ -132,6 +135,7 @@ def log_row(ctx: LoopContext, state: TrainState, window: _Window, result: StepRe
     row: dict[str, Any] = {"iteration": state.iteration, "consumed_samples": state.consumed_samples}
     if window.loss_count:
         row["train/lm_loss"] = window.loss_sum / window.loss_count
+    row.update({f"train/{name}": total / window.metric_counts[name] for name, total in window.metric_sums.items()})
     row["train/lr"] = window.lr  # the rate the last step used (the scheduler already moved on)
     if result.grad_norm is not None:
         row["train/grad_norm"] = result.grad_norm
@@ -151,8 +155,9 @@ def log_row(ctx: LoopContext, state: TrainState, window: _Window, result: StepRe
 
 def evaluate_now(ctx: LoopContext, state: TrainState, evaluator: Evaluator, prefix: str) -> None:
     start = time.perf_counter()
-    loss = evaluator.loss()
-    row = {"iteration": state.iteration, "consumed_samples": state.consumed_samples, f"{prefix}/lm_loss": loss,
+    metrics = evaluator.evaluate()  # lm_loss (the objective's loss) and the objective's metrics
+    row = {"iteration": state.iteration, "consumed_samples": state.consumed_samples,
+           **{f"{prefix}/{name}": value for name, value in metrics.items()},
            f"timers/{prefix}_ms": 1000.0 * (time.perf_counter() - start)}
     ctx.monitor.log(row, state.iteration)
     ctx.monitor.discard_window()  # evaluation forwards are not the next window's training time
@@ -168,7 +173,7 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
     while state.iteration < ctx.train_iters:
         lr = ctx.eng.lr_scheduler.get_last_lr()[0]
         ctx.monitor.before_step(state.iteration + 1)
-        result = train_step(ctx.eng, ctx.micro_batches, ctx.pipe_batches, ctx.device, ctx.eod_token)
+        result = train_step(ctx.eng, ctx.micro_batches, ctx.device)
         state.iteration += 1
         state.consumed_samples += ctx.global_batch_size
         state.consumed_tokens += ctx.tokens_per_step

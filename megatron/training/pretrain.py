@@ -30,11 +30,11 @@ from megatron.model.flops import hardware_flops_per_token
 from megatron.mpu.random import model_parallel_manual_seed
 from megatron.neox_arguments.run_config import RunConfig
 from megatron.tokenizer import build_tokenizer
-from megatron.training.batch import pipe_batches
 from megatron.training.config import TrainingConfig
-from megatron.training.engine import build_engine, layers_to_checkpoint
+from megatron.training.engine import build_engine, layers_to_checkpoint, partition_method
 from megatron.training.evaluate import maybe_evaluator
 from megatron.training.loop import Hooks, LoopContext, TrainState, train
+from megatron.training.objectives import build_objective, build_reference
 
 
 def _device() -> torch.device:
@@ -81,11 +81,18 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     tokenizer = build_tokenizer(run.tokenizer)
     padded_vocab = run.tokenizer.padded(tokenizer.vocab_size)
     model_config = run.model.with_vocab(padded_vocab)
-    eod = tokenizer.eod if training.eod_mask_loss else None
     splits = build_datasets(run.data, tokenizer, padded_vocab)
     train_iters = resolve_train_iters(training, splits.train)
+    record = {**run.args_record, "padded_vocab_size": padded_vocab, "train_iters": train_iters}
 
-    eng = build_engine(run, model_config, train_iters)
+    # the train_impl's batches and loss; a frozen reference copy takes the starting weights before the
+    # run's own checkpoint load (which may move the policy to a later step)
+    objective = build_objective(run.objective, eod_token=tokenizer.eod)
+    eng = build_engine(run, model_config, train_iters, objective)
+    eng.reference = build_reference(objective, eng.engine, eng.is_pipe, eng.config, eng.ds_config,
+                                    partition_method(run.parallel.partition_method) if eng.is_pipe else None)
+    eng.reference.capture(eng.engine, record)
+    model_config = eng.config  # a reward model's scalar head replaces the LM head
     log.info("model: %s parameters (%s without embeddings); %s", f"{num_parameters(model_config):,}",
              f"{num_parameters(model_config, include_embeddings=False):,}", "pipeline" if eng.is_pipe else "plain")
 
@@ -96,11 +103,10 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
 
     def validation_loss() -> float:
         """Loss of the first global batch of the train split (fixed, for checkpoint validation)."""
-        evaluator = maybe_evaluator(eng, splits.train, 1, layout, device, eod)
+        evaluator = maybe_evaluator(eng, splits.train, 1, layout, device, "train")
         assert evaluator is not None
-        return evaluator.loss()
+        return evaluator.evaluate()["lm_loss"]
 
-    record = {**run.args_record, "padded_vocab_size": padded_vocab, "train_iters": train_iters}
     manager = CheckpointManager.from_config(run.checkpoint, args_record=record, train_iters=train_iters,
                                             before_commit=before_commit)
     ckpt = CheckpointHooks(manager, validate=validation_loss if run.checkpoint.validate_with_forward_pass else None)
@@ -116,20 +122,19 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     if state.consumed_samples:
         log.info("data: resuming at sample %s of the global order (computed from consumed_samples, nothing "
                  "replayed)", f"{state.consumed_samples:,}")
-    micro = TimedIterator(MicroBatchIterator(splits.train, state.consumed_samples, **layout), monitor.timers)
-    pipe = pipe_batches(micro, eod, device) if eng.is_pipe else None
+    micro = TimedIterator(MicroBatchIterator(eng.reference.wrap_dataset(splits.train, "train"), state.consumed_samples,
+                                             **layout), monitor.timers)
     seq = training.seq_length
     # whole model: FLOPs are per token
     recomputed = len(layers_to_checkpoint(run.activation_checkpointing, model_config.num_layers))
     ctx = LoopContext(
-        eng=eng, training=training, micro_batches=micro, pipe_batches=pipe, device=device,
-        train_iters=train_iters, global_batch_size=g, tokens_per_step=g * seq,
+        eng=eng, training=training, micro_batches=micro, device=device,
+        train_iters=train_iters, global_batch_size=g, tokens_per_step=g * seq * objective.rows_per_sample,
         flops_per_token=flops_per_token(model_config, seq), world_size=dist.get_world_size() if dist.is_initialized() else 1,
         peak_tflops=peak_tflops(current_device_name(), training.precision, log_config.peak_theoretical_tflops),
         monitor=monitor, hardware_flops_per_token=hardware_flops_per_token(model_config, recomputed, seq),
-        valid=maybe_evaluator(eng, splits.valid, training.eval_iters, layout, device, eod),
-        test=maybe_evaluator(eng, splits.test, training.eval_iters, layout, device, eod),
-        eod_token=eod,
+        valid=maybe_evaluator(eng, splits.valid, training.eval_iters, layout, device, "valid"),
+        test=maybe_evaluator(eng, splits.test, training.eval_iters, layout, device, "test"),
     )
     hooks = Hooks(after_step=[ckpt.after_step], at_exit=[ckpt.at_exit])
     try:

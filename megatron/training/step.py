@@ -1,26 +1,26 @@
 """One optimizer step: ``gradient_accumulation_steps`` micro-batches through the engine.
 
-The reported loss is the mean of the micro-batch losses over the step's micro-batches and then
-over data-parallel ranks, which is exactly what DeepSpeed's ``PipelineEngine.train_batch`` returns;
-so every layout (plain, tensor-, pipeline-, data-parallel) reports the same number for the same
-global batch. The gradients are those of that same mean (``engine.backward`` divides by the
-accumulation steps, the data-parallel all-reduce averages).
+The objective (``eng.objective``, chosen by ``train_impl``) prepares the step's micro-batches, counts
+their loss units over the whole global batch and forms the loss (``megatron/training/objectives``):
+the reported loss and the gradients are those of the sum of per-unit losses over the global batch
+divided by its number of units (counted tokens for language modelling and SFT, samples or pairs for
+DPO, KTO and reward models), the same number on every layout - plain, tensor-, pipeline- or
+data-parallel - whatever the micro-batch size and however the masked tokens are spread.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from megatron import mpu
 from megatron.deepspeed_internals import loss_scale
-from megatron.model import lm_loss
-from megatron.training.batch import lm_batch
 from megatron.training.engine import Engine
+from megatron.training.objectives.run import ObjectiveRunner, average_over_data_parallel
+
+__all__ = ["StepResult", "average_over_data_parallel", "micro_batches_per_step", "train_step"]
 
 
 @dataclass(frozen=True)
@@ -30,20 +30,12 @@ class StepResult:
     """False when fp16 loss scaling found an overflow and DeepSpeed skipped the update."""
     grad_norm: float | None
     loss_scale: float | None
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The objective's metrics for this step (``rewards/accuracy``, ...), logged as ``train/<name>``."""
 
 
 def micro_batches_per_step(engine: Any) -> int:
     return int(engine.gradient_accumulation_steps())
-
-
-def average_over_data_parallel(value: torch.Tensor) -> float:
-    """Mean of a scalar over the data-parallel group (identical on every rank afterwards)."""
-    value = value.detach().float().clone()
-    size = mpu.get_data_parallel_world_size()
-    if size > 1:
-        dist.all_reduce(value, group=mpu.get_data_parallel_group())
-        value /= size
-    return float(value)
 
 
 def _grad_norm(engine: Any) -> float | None:
@@ -54,26 +46,13 @@ def _grad_norm(engine: Any) -> float | None:
     return norm if norm >= 0 else None  # ZeRO reports -1 for "not computed"
 
 
-def train_step(eng: Engine, micro_batches: Iterator[dict[str, torch.Tensor]],
-               pipe_batches: Iterator[Any] | None, device: torch.device,
-               eod_token: int | None = None) -> StepResult:
+def train_step(eng: Engine, micro_batches: Iterator[dict[str, torch.Tensor]], device: torch.device) -> StepResult:
     """One global batch: forward/backward on every micro-batch, then the optimizer step."""
-    engine = eng.engine
     if eng.moe is not None:
-        eng.moe.before_step(engine, _loss_scale(engine))
-    if eng.is_pipe:
-        # PipelineEngine runs the whole schedule and returns the loss averaged over micro-batches
-        # and data-parallel ranks, broadcast to every stage
-        loss = float(engine.train_batch(pipe_batches))
-    else:
-        losses = []
-        for _ in range(micro_batches_per_step(engine)):
-            b = lm_batch(next(micro_batches), eod_token, device)
-            logits = engine(b.tokens)  # [b, s, v/tp]
-            step_loss = lm_loss(logits, b.labels, b.loss_mask)
-            engine.backward(step_loss)
-            engine.step()  # applies the update only at the accumulation boundary
-            losses.append(step_loss.detach())
-        loss = average_over_data_parallel(torch.stack(losses).mean())
+        eng.moe.before_step(eng.engine, loss_scale(eng.engine))  # the aux losses' gradient scale
+    runner = ObjectiveRunner(eng.objective, eng.reference)
+    loss = runner.run(eng, micro_batches, "train", device, train=True)
+    metrics = runner.collect_metrics(eng, device)
+    engine = eng.engine
     return StepResult(loss=loss, applied=bool(engine.was_step_applied()), grad_norm=_grad_norm(engine),
-                      loss_scale=loss_scale(engine))
+                      loss_scale=loss_scale(engine), metrics=metrics)

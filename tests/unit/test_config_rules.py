@@ -378,10 +378,11 @@ def test_pairwise_data_counts_as_data_and_needs_both_halves(tmp_path: Path, monk
     monkeypatch.chdir(tmp_path)
     make_dataset(tmp_path / "p")
     make_dataset(tmp_path / "n")
+    ok(use_dummy_dataset=False, train_impl="dpo", pos_train_data_paths=["p"], neg_train_data_paths=["n"])
     message = problems(use_dummy_dataset=False, pos_train_data_paths=["p"], neg_train_data_paths=["n"])
-    assert "no training data" not in message  # pairs count as data...
-    assert "holds preference pairs, which train_impl=normal does not read" in message  # ...for dpo/rm only
-    assert "pos_train_data_paths=['p'] (cfg.yml:9) without its pair" in problems(use_dummy_dataset=False, pos_train_data_paths=["p"])
+    assert "no training data" not in message  # pairs count as data, for dpo/rm only
+    assert "pos_train_data_paths=['p'] (cfg.yml:10) without its pair" in problems(
+        use_dummy_dataset=False, train_impl="dpo", pos_train_data_paths=["p"])
 
 
 def test_num_gpus_pinned_only_for_cpu_local_runs() -> None:

@@ -235,13 +235,13 @@ def test_guide_gpt3_example_with_its_dataset_block_passes(tmp_path: Path) -> Non
     assert_passes_as_slurm_launch(resolved, text, merged_keys([config]))
 
 
-def test_guide_kto_block_loads_and_is_refused_only_for_train_impl(tmp_path: Path) -> None:
-    config = guide_config(tmp_path, "kto_data.yml")
-    with pytest.raises(ConfigError) as err:
-        dry_run([config], ("train_impl=kto",))
-    # the singular data keys (train_label_data_path, ...) load; only the objective is still to come
-    assert refused_keys(err.value.message) == {"train_impl"} | ({"tensorboard_dir"} & PENDING_KEYS)
-    assert "train_impl: 'kto'" in err.value.message
+def test_guide_kto_block_passes_with_train_impl_kto(tmp_path: Path) -> None:
+    """The guide's KTO data block (singular label/reward paths) plus train_impl=kto passes as it stands."""
+    config = guide_config(tmp_path, "kto_data.yml", drop=tuple(PENDING_KEYS & {"tensorboard_dir"}))
+    resolved, text = dry_run([config], ("train_impl=kto",))
+    assert resolved.args.train_impl == "kto"
+    assert resolved.args.train_reward_data_paths == ["data/enwik8/enwik8_text_reward_document"]
+    assert_passes_as_slurm_launch(resolved, text, merged_keys([config]))
 
 
 def test_guide_kto_block_singular_keys_become_the_plural_lists(tmp_path: Path) -> None:
@@ -254,14 +254,15 @@ def test_guide_kto_block_singular_keys_become_the_plural_lists(tmp_path: Path) -
     assert args.test_data_paths == ["data/enwik8/enwik8_text_document"]
 
 
-def test_guide_dpo_block_loads_and_is_refused_only_for_dpo_and_precompute(tmp_path: Path) -> None:
+def test_guide_dpo_block_passes_as_dpo_on_pairwise_data(tmp_path: Path) -> None:
     # "pos/neg data paths instead of a single one": the dataset block without data_path, plus DPO's
-    config = guide_config(tmp_path, "data_setup.yml", "dpo.yml", drop=("data_path",))
-    with pytest.raises(ConfigError) as err:
-        dry_run([config])
-    dpo = {"train_impl", "dataset_impl"}  # train_impl: dpo on pairwise data
-    assert refused_keys(err.value.message) == dpo | ({"tensorboard_dir"} & PENDING_KEYS)
-    assert "train_impl: 'dpo'" in err.value.message
+    config = guide_config(tmp_path, "data_setup.yml", "dpo.yml",
+                          drop=("data_path", *(PENDING_KEYS & {"tensorboard_dir"})))  # fmt: skip
+    resolved, text = dry_run([config])
+    args = resolved.args
+    assert (args.train_impl, args.dataset_impl, args.dpo_beta) == ("dpo", "pairwise", 0.1)
+    assert args.neg_train_label_data_paths == ["data/enwik8/enwik8_text_neg_label_document"]
+    assert_passes_as_slurm_launch(resolved, text, merged_keys([config]))
 
 
 # --- GPT-NeoX semantics these configs rely on --------------------------------------------------------

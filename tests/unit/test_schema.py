@@ -83,6 +83,7 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "moe_type": ("moe", "megablocks"),
     "moe_token_dropping": ("moe", False),
     "enable_expert_tensor_parallelism": ("moe", False),
+    "reference_logps": ("training", None),
 }
 
 NEOX_REFERENCE: dict[str, tuple[tuple[str, Any], ...]] = {
@@ -612,6 +613,10 @@ MUST_BE_SUPPORTED = [
     "wandb_host", "wandb_init_all_ranks", "tracker", "log_param_norm", "log_grad_norm", "log_grad_pct_zeros",
     "log_optimizer_states", "profile", "profile_step_start", "profile_step_stop", "memory_profiling",
     "memory_profiling_path", "wall_clock_breakdown", "deepspeed_log_level", "device_memory_gb",
+    # post-training (tests/unit/test_objectives.py, tests/e2e/test_post_training.py show each changes the run)
+    "dpo_beta", "dpo_fp32", "dpo_reference_free", "kto_beta", "kto_fp32", "kto_desirable_weight",
+    "kto_undesirable_weight", "z_loss", "eod_mask_loss", "reference_logps", "pos_train_data_paths",
+    "neg_valid_label_data_paths", "train_label_data_paths", "train_reward_data_paths", "dataset_impl", "pack_impl",
 ]  # fmt: skip
 MUST_BE_UNSUPPORTED = [
     "mamba_inner_func_fusion", "te_mha",

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     eng = build_engine(run, model_config, train_iters)
 
     def ours() -> None:
-        train_step(eng, micro, None, device)
+        train_step(eng, micro, device)
 
     # --- raw: the identical model/optimizer/schedule in a plain loop
     model = GPTModel(model_config).to(device)

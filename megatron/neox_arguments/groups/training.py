@@ -113,37 +113,39 @@ class TrainingArgs(ArgGroup):
     document per sample."""
 
     dataset_impl: Literal["gpt2", "pairwise", "online"] = (
-        partly_supported("gpt2", unsupported=("pairwise", "online"))
+        partly_supported("gpt2", unsupported=("online",))
     )
     """Kind of dataset: plain text (gpt2), chosen/rejected pairs, or online rollouts."""
 
     train_impl: Literal["normal", "dpo", "rm", "kto", "reinforce"] = (
-        partly_supported("normal", unsupported=("dpo", "rm", "kto", "reinforce"))
+        partly_supported("normal", unsupported=("reinforce",))
     )
-    """Training objective: language modelling, DPO, reward model, KTO or REINFORCE."""
+    """Training objective: language modelling or label-masked SFT (normal), DPO on preference pairs,
+    a pairwise reward model with a scalar head (rm), KTO on rewarded completions, or REINFORCE."""
 
-    dpo_fp32: bool = not_supported(True)
-    """Compute DPO log-probabilities in fp32."""
+    dpo_fp32: bool = True
+    """Sum DPO log-probabilities in fp32; false sums them in the model's precision."""
 
-    dpo_reference_free: bool = not_supported(False)
+    dpo_reference_free: bool = False
     """Run DPO without a reference model (the reference log-probs are taken as zero)."""
 
-    dpo_beta: float = not_supported(0.1)
+    dpo_beta: float = Field(0.1, gt=0)
     """DPO temperature: how strongly the policy may move away from the reference."""
 
-    kto_fp32: bool = not_supported(True)
-    """Compute KTO log-probabilities in fp32."""
+    kto_fp32: bool = True
+    """Sum KTO log-probabilities in fp32; false sums them in the model's precision."""
 
-    kto_desirable_weight: float = not_supported(1.0)
-    """KTO loss weight of desirable examples."""
+    kto_desirable_weight: float = Field(1.0, ge=0)
+    """KTO loss weight of desirable examples (reward > 0)."""
 
-    kto_undesirable_weight: float = not_supported(1.0)
-    """KTO loss weight of undesirable examples."""
+    kto_undesirable_weight: float = Field(1.0, ge=0)
+    """KTO loss weight of undesirable examples (reward <= 0)."""
 
-    z_loss: float = not_supported(0.0)
-    """Weight of the z-loss that pushes the log-normaliser of the output softmax towards zero."""
+    z_loss: float = Field(0.0, ge=0)
+    """Z-loss weight: language modelling adds z_loss x (log Z)^2 per counted token (the softmax
+    normaliser, PaLM); a reward model adds z_loss x (s_chosen^2 + s_rejected^2) per pair (GPT-NeoX)."""
 
-    kto_beta: float = not_supported(0.1)
+    kto_beta: float = Field(0.1, gt=0)
     """KTO temperature, as dpo_beta is for DPO."""
 
     fp32_reinforce: bool = not_supported(True)
@@ -357,6 +359,10 @@ class TrainingArgs(ArgGroup):
     keep: list[dict[str, int | None]] | None = None
     """Step-based retention policy as a list of {every, until} rules, e.g. [{every: 1000, until:
     10000}, {every: 5000}] (Levanter)."""
+
+    reference_logps: str | None = None
+    """DPO/KTO: prefix of precomputed reference log-probs (`<prefix>_<split>.npy` + `.json`, one row
+    per sample of the split); unset uses a frozen copy of the starting weights."""
 
     initialize_from: str | None = None
     """Checkpoint to take the starting weights from, without its optimizer state or step."""

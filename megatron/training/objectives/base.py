@@ -1,0 +1,175 @@
+"""What every training objective provides, and the normalisation they share.
+
+An objective turns a collated micro-batch of samples into a :class:`MicroBatch` (model inputs,
+labels, objective-specific targets and the number of *loss units* it holds: counted tokens for
+language modelling, samples or pairs for the others) and turns the model's output into a loss.
+
+**Normalisation.** The loss of a step is the sum of per-unit losses over the whole global batch
+divided by the global number of units ``N``, counted from the labels of every micro-batch before the
+first forward and summed over data-parallel ranks. Each micro-batch returns
+``sum_mb / (N / (gas * dp))``: DeepSpeed averages micro-batch losses over the ``gas`` accumulation
+steps and the ``dp`` ranks, so the gradient and the reported loss are exactly ``sum / N`` on every
+layout, whatever the micro-batch size and however the masked tokens are spread. (Unmasked samples of
+equal length give ``N / (gas * dp) = micro-batch tokens``: the plain per-micro-batch mean, bit for bit.)
+
+**Metrics** are kept as (sum, count) pairs over the step and reduced the same way, so a mean over,
+e.g., the desirable samples of a KTO batch is over all of them, not a mean of micro-batch means.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+import torch
+
+from megatron.errors import DataError
+from megatron.training.objectives.config import ObjectiveConfig
+
+IGNORE_INDEX = -100
+
+Stats = dict[str, tuple[torch.Tensor, torch.Tensor]]
+"""metric name -> (sum over this micro-batch, number of items it averages over)."""
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch as the model and the loss read it."""
+
+    inputs: torch.Tensor
+    """``[n, s]`` int64 token ids fed to the model (``n`` = rows, e.g. chosen then rejected)."""
+    labels: torch.Tensor
+    """``[n, s]`` int64 targets, ``-100`` = no loss: the tokens whose log-probs are summed."""
+    extras: tuple[torch.Tensor, ...] = ()
+    """Objective-specific targets (KTO rewards, reward-model score positions)."""
+    units: float = 0.0
+    """Loss units in this micro-batch (counted tokens or samples), for the global normaliser."""
+    sample_index: torch.Tensor | None = None
+    """``[m]`` global sample indices (present when precomputed reference log-probs are read)."""
+    reference: torch.Tensor | None = None
+    """``[n]`` reference log-probs per row, once the reference provided them."""
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        return replace(self, inputs=self.inputs.to(device), labels=self.labels.to(device),
+                       extras=tuple(x.to(device) for x in self.extras),
+                       reference=None if self.reference is None else self.reference.to(device))
+
+    def targets(self, denominator: float) -> tuple[torch.Tensor, ...]:
+        """The label side of a pipeline batch: ``(labels, *extras, reference, denominator)``."""
+        reference = self.reference if self.reference is not None else torch.zeros(self.labels.shape[0])
+        denom = torch.tensor([denominator], dtype=torch.float64)
+        return (self.labels, *self.extras, reference.to(self.labels.device),
+                denom.to(self.labels.device))
+
+
+def shifted(sample: Mapping[str, torch.Tensor], text_key: str, label_key: str | None,
+            eod_token: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs ``text[:, :-1]`` and targets ``label[:, 1:]`` (or the shifted text), masked.
+
+    Masked targets (label -100, and the end-of-document token when ``eod_token`` is given) become
+    -100 so every consumer skips them the same way.
+    """
+    if text_key not in sample:
+        raise DataError(f"this objective needs a {text_key!r} array in every sample; got keys {sorted(sample)}")
+    text = sample[text_key].long()
+    if text.ndim != 2 or text.shape[1] < 2:
+        raise DataError(f"{text_key!r} must be [batch, seq_length + 1] with seq_length >= 1, got {tuple(text.shape)}")
+    labels = sample[label_key].long()[:, 1:] if label_key and label_key in sample else text[:, 1:]
+    keep = labels != IGNORE_INDEX
+    if eod_token is not None:
+        keep &= labels != eod_token
+    labels = torch.where(keep, labels, torch.full_like(labels, IGNORE_INDEX))
+    return text[:, :-1].contiguous(), labels.contiguous()
+
+
+def micro_batch_denominator(global_units: float, micro_batches: int, dp_size: int) -> float:
+    """What each micro-batch divides its loss sum by so the step's loss is ``sum / global_units``."""
+    return max(float(global_units), 1.0) / float(micro_batches * dp_size)
+
+
+@dataclass
+class MetricSums:
+    """(sum, count) per metric name over the micro-batches of one step or evaluation."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
+
+    def add(self, stats: Stats) -> None:
+        for name, (total, count) in stats.items():
+            self.sums[name] = self.sums.get(name, 0.0) + float(total.detach().double())
+            self.counts[name] = self.counts.get(name, 0.0) + float(count.detach().double())
+
+    def reset(self) -> None:
+        self.sums.clear()
+        self.counts.clear()
+
+    def as_vector(self, names: Iterable[str]) -> torch.Tensor:
+        """``[sum_0, count_0, sum_1, ...]`` float64, zeros for names never added (for all-reduces)."""
+        values: list[float] = []
+        for name in names:
+            values += [self.sums.get(name, 0.0), self.counts.get(name, 0.0)]
+        return torch.tensor(values, dtype=torch.float64)
+
+
+def means_from_vector(names: tuple[str, ...], vector: torch.Tensor) -> dict[str, float]:
+    """Inverse of :meth:`MetricSums.as_vector` after reduction; names with no items are left out."""
+    out: dict[str, float] = {}
+    for i, name in enumerate(names):
+        total, count = float(vector[2 * i]), float(vector[2 * i + 1])
+        if count > 0:
+            out[name] = total / count
+    return out
+
+
+def count(x: torch.Tensor | float) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.float64)
+
+
+class Objective(ABC):
+    """One ``train_impl``: batch preparation, the loss, its metrics and what a reference must provide."""
+
+    train_impl: ClassVar[str]
+    metric_names: ClassVar[tuple[str, ...]] = ()
+    """Metrics reported as ``train/<name>`` / ``eval/<name>`` (besides the loss)."""
+    uses_reference: ClassVar[bool] = False
+    """Whether the loss reads per-row reference log-probs (DPO, KTO)."""
+    value_head: ClassVar[bool] = False
+    """Whether the model ends in a scalar head instead of the LM head."""
+    rows_per_sample: ClassVar[int] = 1
+    """Model rows one sample becomes (2: both sides of a pair, or a completion and its mismatch)."""
+
+    def __init__(self, config: ObjectiveConfig, eod_token: int | None = None) -> None:
+        self.config = config
+        self.eod_token = eod_token if config.eod_mask_loss else None
+        self.metrics = MetricSums()
+
+    @abstractmethod
+    def prepare(self, sample: Mapping[str, torch.Tensor]) -> MicroBatch:
+        """Inputs, labels, targets and loss units of one collated micro-batch (on the CPU)."""
+
+    @abstractmethod
+    def loss_sum(self, output: torch.Tensor, labels: torch.Tensor, extras: tuple[torch.Tensor, ...],
+                 reference: torch.Tensor) -> tuple[torch.Tensor, Stats]:
+        """Sum of the per-unit losses of one micro-batch and its metric stats (pure)."""
+
+    def reference_logps(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``[n]`` per-row log-probs as the reference model must provide them."""
+        raise NotImplementedError(f"train_impl {self.train_impl} has no reference model")
+
+    def derive(self, means: dict[str, float]) -> dict[str, float]:
+        """Metrics computed from the reduced means (e.g. a margin between two group means)."""
+        return means
+
+    # --- the two forms the engines call -------------------------------------------------------
+    def loss(self, output: torch.Tensor, targets: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
+        """``targets = MicroBatch.targets(denominator)``; also the ``PipelineModule`` ``loss_fn``."""
+        labels, *extras, reference, denominator = targets
+        total, stats = self.loss_sum(output, labels, tuple(extras), reference)
+        self.metrics.add(stats)
+        return total / denominator.to(total.dtype).squeeze()
+
+    def reference_fn(self, output: torch.Tensor, targets: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
+        """``loss_fn`` of a frozen reference pipeline: the per-row log-probs instead of a loss."""
+        return self.reference_logps(output, targets[0]).detach().float()

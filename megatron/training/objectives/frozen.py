@@ -1,0 +1,158 @@
+"""The reference model as a frozen copy of the starting weights, sharded like the policy.
+
+Without a pipeline it is a plain ``GPTModel`` built on the same tensor-parallel groups (each rank holds
+the same shard of every weight as the policy); with one it is a second ``PipelineModule`` of the same
+layer specs and partition, run forward-only by its own DeepSpeed ``PipelineEngine`` (no optimizer):
+its ``loss_fn`` returns each row's summed log-probs, which ``eval_batch(reduce_output=None)`` hands to
+the last stage - the stage that also computes the policy's loss. The copy never trains, is never
+saved, and runs in eval mode (no dropout), so it consumes no random numbers.
+
+**Which weights.** "Starting weights" are resolved from the configuration and the checkpoints on
+disk, the same way on the first start and on every resume, so a resumed run gets the reference it
+started with:
+
+1. ``initialize_from`` (its newest committed checkpoint), else
+2. ``load`` with ``finetune: true`` (at ``iteration`` or the newest), else
+3. when ``load`` holds a checkpoint written by a run of the same ``train_impl`` (a resume), that run's
+   own starting point, read from the arguments stored in the checkpoint, else
+4. the seeded initialisation (the policy's weights before any load).
+
+``load`` holding a checkpoint of another objective without ``finetune``/``initialize_from`` is refused:
+the reference would be lost at the first resume. The weights are captured *before* the run's own
+load: a checkpoint source is loaded (weights only) into the fresh policy engine and copied, then the
+normal load (resume or initialize) follows.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatron.errors import CheckpointError, ConfigError
+from megatron.training.objectives.base import MicroBatch, Objective
+from megatron.training.objectives.config import ObjectiveConfig
+
+log = logging.getLogger("deepy")
+
+# keys of the DeepSpeed config a forward-only engine keeps (precision and batch arithmetic)
+_INFERENCE_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                   "bf16", "fp16", "steps_per_print", "wall_clock_breakdown")
+
+
+@dataclass(frozen=True)
+class StartingPoint:
+    checkpoint: Path | None
+    """A committed checkpoint directory (``<dir>/global_stepN``), or None for the seeded init."""
+
+    def __str__(self) -> str:
+        return str(self.checkpoint) if self.checkpoint is not None else "the seeded initialisation"
+
+
+def _committed(directory: str, iteration: int | None, key: str) -> Path:
+    from megatron.checkpointing.save_load import resolve_tag
+
+    tag, _ = resolve_tag(Path(directory), iteration)
+    if tag is None:
+        raise ConfigError(f"{key}={directory!r}: no committed checkpoint there to take the reference model from")
+    return Path(directory) / tag
+
+
+def starting_point(config: ObjectiveConfig, _depth: int = 0) -> StartingPoint:
+    """Where the policy's starting weights, hence the frozen reference, come from (see module doc)."""
+    from megatron.checkpointing import commit
+    from megatron.checkpointing.save_load import read_meta
+
+    if config.initialize_from:
+        return StartingPoint(_committed(config.initialize_from, None, "initialize_from"))
+    if config.finetune and config.load:
+        return StartingPoint(_committed(config.load, config.iteration, "load"))
+    if config.load and _depth == 0:
+        tag, _ = commit.newest_committed(Path(config.load))
+        if tag is not None:
+            saved = read_meta(Path(config.load) / tag).get("args", {})
+            if saved.get("train_impl") != config.train_impl:
+                raise ConfigError(
+                    f"load={config.load!r} holds a train_impl={saved.get('train_impl')!r} checkpoint and this "
+                    f"run is train_impl={config.train_impl!r}: its reference model is a frozen copy of the "
+                    "starting weights, which must stay known when the run resumes. Start from that checkpoint "
+                    f"with initialize_from: {config.load} (or finetune: true), and save to another directory")
+            return starting_point(ObjectiveConfig(
+                train_impl=config.train_impl, load=saved.get("load"), finetune=bool(saved.get("finetune")),
+                initialize_from=saved.get("initialize_from"), iteration=saved.get("iteration")), _depth + 1)
+    return StartingPoint(None)
+
+
+def _inference_ds_config(ds_config: dict[str, Any]) -> dict[str, Any]:
+    return {key: ds_config[key] for key in _INFERENCE_KEYS if key in ds_config}
+
+
+class FrozenCopy:
+    """Reference log-probs from a frozen copy of the policy's starting weights."""
+
+    def __init__(self, objective: Objective, policy: Any, is_pipe: bool, model_config: Any,
+                 ds_config: dict[str, Any], partition_method: str | None) -> None:
+        self.objective = objective
+        self.is_pipe = is_pipe
+        if is_pipe:
+            import deepspeed
+            from deepspeed.pipe import PipelineModule
+
+            from megatron import mpu
+            from megatron.model import pipeline_layer_specs
+
+            module = PipelineModule(layers=pipeline_layer_specs(model_config), loss_fn=objective.reference_fn,
+                                    topology=mpu.get_topology(), partition_method=partition_method or "uniform")
+            module.requires_grad_(False)
+            self.engine, *_ = deepspeed.initialize(model=module, config=_inference_ds_config(ds_config),
+                                                   dist_init_required=False)
+            self.module: nn.Module = self.engine.module
+        else:
+            from megatron.model import GPTModel
+
+            like = next(policy.module.parameters())  # the policy's device and precision
+            self.module = GPTModel(model_config).to(device=like.device, dtype=like.dtype).requires_grad_(False)
+            self.engine = None
+        self.module.eval()
+
+    # --- weights ---------------------------------------------------------------------------------
+    def capture(self, policy: Any, source: StartingPoint, args_dict: dict[str, Any]) -> None:
+        """Copy the starting weights: load ``source`` (weights only) into the fresh ``policy`` first."""
+        if source.checkpoint is not None:
+            from megatron.checkpointing.save_load import LoadOptions, load_checkpoint
+
+            load_checkpoint(policy, source.checkpoint, args_dict, LoadOptions(weights_only=True))
+        state = _full_state_dict(policy)
+        missing, unexpected = self.module.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise CheckpointError(f"the reference model does not match the policy (missing {missing}, "
+                                  f"unexpected {unexpected})")
+        log.info("reference model: frozen copy of %s", source)
+
+    # --- log-probs -------------------------------------------------------------------------------
+    def logps(self, batches: list[MicroBatch], device: torch.device) -> list[torch.Tensor]:
+        """``[n]`` reference log-probs for each micro-batch (meaningful on the pipeline's last stage)."""
+        if self.engine is None:
+            with torch.no_grad():
+                return [self.objective.reference_logps(self.module(b.inputs.to(device)), b.labels.to(device))
+                        .detach().float() for b in batches]
+        items = [(b.inputs.to(device), (b.labels.to(device),)) for b in batches]
+        outputs = self.engine.eval_batch(iter(items), compute_loss=True, reduce_output=None, bcast_loss=False)
+        if not self.engine.is_last_stage():
+            return [torch.zeros(b.labels.shape[0], device=device) for b in batches]
+        return [out.float() for out in outputs]
+
+
+def _full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
+    """The policy module's weights; under ZeRO-3 gathered from their partitions first."""
+    module = engine.module
+    if int(engine.zero_optimization_stage()) == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}

@@ -1,0 +1,57 @@
+"""Language modelling and label-masked SFT (``train_impl: normal``).
+
+Inputs are the first ``seq_length`` tokens of ``text``, targets the shifted ``label`` array when the
+sample has one (SFT: -100 on prompts, user turns and template markup) or the shifted text. With
+``eod_mask_loss`` predictions of the end-of-document token are not counted either.
+
+The loss is the mean cross-entropy over the counted tokens of the whole global batch (see
+``base.py``): every counted token weighs the same, wherever it sits and however many of its
+micro-batch's tokens are masked; the same number on every parallel layout. ``z_loss > 0`` adds
+PaLM's auxiliary ``z_loss * (log Z)^2`` per counted token (``Z`` the softmax normaliser), which keeps
+the output logits from drifting; it is reported as ``train/z_loss``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
+from megatron.training.objectives.base import MicroBatch, Objective, Stats, count, shifted
+from megatron.training.objectives.logprobs import vocab_parallel_logsumexp
+
+
+def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of token cross-entropies + z-loss terms, sum of the z-loss terms) over counted tokens.
+
+    ``logits`` ``[n, s, v/tp]``, ``labels`` ``[n, s]`` with -100 where nothing is counted.
+    """
+    losses = vocab_parallel_cross_entropy(logits, labels)  # [n, s] fp32, 0 where not counted
+    counted = (labels >= 0).float()
+    total = (losses * counted).sum()
+    z_term = torch.zeros((), dtype=total.dtype, device=total.device)
+    if z_loss > 0:
+        z_term = z_loss * (vocab_parallel_logsumexp(logits).square() * counted).sum()
+        total = total + z_term
+    return total, z_term
+
+
+class LMObjective(Objective):
+    train_impl = "normal"
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("z_loss",) if self.config.z_loss > 0 else ()
+
+    def prepare(self, sample: Mapping[str, torch.Tensor]) -> MicroBatch:
+        tokens, labels = shifted(sample, "text", "label", self.eod_token)
+        return MicroBatch(tokens, labels, units=float((labels >= 0).sum()))
+
+    def loss_sum(self, output: torch.Tensor, labels: torch.Tensor, extras: tuple[torch.Tensor, ...],
+                 reference: torch.Tensor) -> tuple[torch.Tensor, Stats]:
+        total, z_term = lm_loss_sum(output, labels, self.config.z_loss)
+        stats: Stats = {}
+        if self.config.z_loss > 0:
+            stats["z_loss"] = (z_term.detach(), count((labels >= 0).sum()))
+        return total, stats

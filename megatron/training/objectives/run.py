@@ -1,0 +1,104 @@
+"""Running one global batch of an objective through the engine, for training or evaluation.
+
+The step knows all of its micro-batches before the first forward: it prepares them, counts their
+loss units and all-reduces the count over data-parallel ranks (the normaliser, see ``base.py``), asks
+the reference for its log-probs, and only then runs the policy - micro-batch by micro-batch through
+the plain engine, or as one ``train_batch``/``eval_batch`` schedule through the pipeline, whose last
+stage computes the loss with ``Objective.loss`` as the ``PipelineModule``'s ``loss_fn``.
+
+Metrics are summed where the loss is computed (every rank without a pipeline, the last stage with
+one), all-reduced over data-parallel ranks and broadcast from the last stage to the other stages, so
+every rank returns the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron import mpu
+from megatron.training.objectives.base import MicroBatch, Objective, means_from_vector, micro_batch_denominator
+from megatron.training.objectives.reference import Reference
+
+
+def _dp_sum(value: torch.Tensor) -> torch.Tensor:
+    if mpu.get_data_parallel_world_size() > 1:
+        dist.all_reduce(value, group=mpu.get_data_parallel_group())
+    return value
+
+
+def average_over_data_parallel(value: torch.Tensor) -> float:
+    """Mean of a scalar over the data-parallel group (identical on every rank afterwards)."""
+    value = _dp_sum(value.detach().float().clone())
+    return float(value) / mpu.get_data_parallel_world_size()
+
+
+def last_stage_rank() -> int:
+    """Global rank of the last pipeline stage in this rank's pipeline."""
+    topo = mpu.get_topology()
+    me = mpu.get_coordinates()
+    return int(topo.filter_match(pipe=topo.get_dim("pipe") - 1, data=me.dp, model=me.tp)[0])
+
+
+class ObjectiveRunner:
+    """Runs global batches of one objective through one engine (``megatron.training.engine.Engine``)."""
+
+    def __init__(self, objective: Objective, reference: Reference) -> None:
+        self.objective = objective
+        self.reference = reference
+
+    def prepare(self, samples: list[dict[str, torch.Tensor]], split: str,
+                device: torch.device) -> tuple[list[MicroBatch], float]:
+        """The step's micro-batches with their reference log-probs, and the loss denominator."""
+        batches = [self.objective.prepare(s) for s in samples]
+        units = torch.tensor([sum(b.units for b in batches)], dtype=torch.float64, device=device)
+        denominator = micro_batch_denominator(float(_dp_sum(units)), len(batches),
+                                              mpu.get_data_parallel_world_size())
+        return self.reference.fill(batches, split, device), denominator
+
+    def run(self, eng: Any, micro_batches: Iterator[dict[str, torch.Tensor]], split: str, device: torch.device,
+            train: bool) -> float:
+        """One global batch; returns its loss (the same on every rank). Metrics accumulate."""
+        engine = eng.engine
+        samples = [next(micro_batches) for _ in range(int(engine.gradient_accumulation_steps()))]
+        batches, denominator = self.prepare(samples, split, device)
+        if eng.is_pipe:
+            items = [(b.inputs.to(device), tuple(t.to(device) for t in b.targets(denominator))) for b in batches]
+            if train:
+                # the loss averaged over micro-batches and data-parallel ranks, broadcast to every stage
+                return float(engine.train_batch(iter(items)))
+            return float(engine.eval_batch(iter(items)))
+        losses = []
+        if train:
+            for b in batches:
+                b = b.to(device)
+                loss = self.objective.loss(engine(b.inputs), b.targets(denominator))
+                engine.backward(loss)
+                engine.step()  # applies the update only at the accumulation boundary
+                losses.append(loss.detach())
+        else:
+            was_training = engine.module.training
+            engine.eval()
+            with torch.no_grad():
+                for b in batches:
+                    b = b.to(device)
+                    losses.append(self.objective.loss(engine(b.inputs), b.targets(denominator)).detach())
+            if was_training:
+                engine.train()
+        return average_over_data_parallel(torch.stack(losses).mean())
+
+    def collect_metrics(self, eng: Any, device: torch.device) -> dict[str, float]:
+        """Means of the metrics accumulated since the last call, identical on every rank; resets them."""
+        names = tuple(self.objective.metric_names)
+        if not names:
+            self.objective.metrics.reset()
+            return {}
+        vector = self.objective.metrics.as_vector(names).to(device)
+        self.objective.metrics.reset()
+        _dp_sum(vector)
+        if eng.is_pipe and mpu.get_pipe_parallel_world_size() > 1:
+            dist.broadcast(vector, src=last_stage_rank(), group=mpu.get_pipe_parallel_group())
+        return self.objective.derive(means_from_vector(names, vector.cpu()))

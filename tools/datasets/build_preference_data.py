@@ -1,0 +1,140 @@
+#!/usr/bin/env python
+"""Build a small preference set from the built-in corpus, ready for DPO, reward models or KTO.
+
+Each pair comes from one documentation text of ``data/pydocs/pydocs.jsonl`` (``python prepare_data.py``
+builds it): the prompt is its first words, the *chosen* completion the words that really follow them,
+the *rejected* completion words from another, randomly drawn document - a continuation that reads
+fine on its own but does not belong to the prompt. Deterministic for a given ``--seed``.
+
+Writes ``<out>/{train,valid}.jsonl`` (``prompt``/``chosen``/``rejected``, and for KTO one ``completion``
+with a boolean ``reward`` per row) and tokenizes them with ``preprocess_data_with_mask.py`` into::
+
+    <out>/{train,valid}_{chosen,rejected}_document, ..._{chosen,rejected}_label_document   (--format pairwise)
+    <out>/{train,valid}_{text,label,reward}_document                                        (--format reward)
+
+It also writes ``<out>/dpo.yml`` (pairwise) or ``<out>/kto.yml`` (reward): a config overlay naming these
+datasets and the objective, to put after the model and setup configs (README: Post-training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, not installed
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from megatron.atomic_files import atomic_path  # noqa: E402
+from megatron.errors import DataError, UsageError, run_guarded  # noqa: E402
+
+
+def read_texts(path: Path, min_words: int) -> list[list[str]]:
+    if not path.is_file():
+        raise DataError(f"{path} not found: build the built-in corpus first with `python prepare_data.py`")
+    texts = []
+    with path.open(encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, 1):
+            try:
+                words = str(json.loads(line)["text"]).split()
+            except (ValueError, KeyError, TypeError) as err:
+                raise DataError(f"{path}:{line_no}: not a {{\"text\": ...}} JSON line ({err})") from None
+            if len(words) >= min_words:
+                texts.append(words)
+    return texts
+
+
+def make_pairs(texts: list[list[str]], prompt_words: int, completion_words: int, seed: int) -> list[dict[str, str]]:
+    """One pair per text: its own continuation (chosen) against another text's (rejected)."""
+    rng = random.Random(seed)
+    pairs = []
+    for i, words in enumerate(texts):
+        j = rng.randrange(len(texts) - 1)
+        j += j >= i  # any text but this one
+        other = texts[j]
+        start = rng.randrange(max(1, len(other) - completion_words))
+        prompt = " ".join(words[:prompt_words])
+        pairs.append({"prompt": prompt + " ",
+                      "chosen": " ".join(words[prompt_words : prompt_words + completion_words]),
+                      "rejected": " ".join(other[start : start + completion_words])})
+    return pairs
+
+
+def as_kto(pairs: list[dict[str, str]]) -> list[dict[str, object]]:
+    """KTO reads single completions: each pair gives one desirable and one undesirable row."""
+    rows: list[dict[str, object]] = []
+    for pair in pairs:
+        rows.append({"prompt": pair["prompt"], "completion": pair["chosen"], "reward": True})
+        rows.append({"prompt": pair["prompt"], "completion": pair["rejected"], "reward": False})
+    return rows
+
+
+def write_jsonl(rows: list[dict[str, object]], path: Path) -> None:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def overlay(out: Path, fmt: str) -> str:
+    """The config keys that point a run at the written datasets (YAML text)."""
+    lines = ["# written by tools/datasets/build_preference_data.py: the objective and its data",
+             f"train_impl: {'dpo' if fmt == 'pairwise' else 'kto'}", "pack_impl: unpacked"]
+    for split in ("train", "valid"):
+        base = out / split
+        if fmt == "pairwise":
+            lines += [f"pos_{split}_data_paths: [{base}_chosen_document]",
+                      f"neg_{split}_data_paths: [{base}_rejected_document]",
+                      f"pos_{split}_label_data_paths: [{base}_chosen_label_document]",
+                      f"neg_{split}_label_data_paths: [{base}_rejected_label_document]"]
+        else:
+            lines += [f"{split}_data_paths: [{base}_text_document]",
+                      f"{split}_label_data_paths: [{base}_label_document]",
+                      f"{split}_reward_data_paths: [{base}_reward_document]"]
+    if fmt == "pairwise":
+        lines.insert(2, "dataset_impl: pairwise")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import preprocess_data_with_mask as masked
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", default="data/pydocs/pydocs.jsonl")
+    p.add_argument("--output-dir", default="data/pydocs_pref")
+    p.add_argument("--format", choices=["pairwise", "reward"], default="pairwise",
+                   help="pairwise: DPO and reward models; reward: KTO (one row per completion)")
+    p.add_argument("--tokenizer-type", default="HFTokenizer")
+    p.add_argument("--vocab-file", default="data/pydocs/tokenizer.json")
+    p.add_argument("--prompt-words", type=int, default=12)
+    p.add_argument("--completion-words", type=int, default=12)
+    p.add_argument("--valid-fraction", type=float, default=0.05)
+    p.add_argument("--max-pairs", type=int, default=None)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--debug", action="store_true")
+    args = p.parse_args(argv)
+    if not 0 < args.valid_fraction < 1:
+        raise UsageError(f"--valid-fraction must be in (0, 1), got {args.valid_fraction}")
+    texts = read_texts(Path(args.input), args.prompt_words + args.completion_words)
+    if len(texts) < 4:
+        raise DataError(f"{args.input}: only {len(texts)} texts have {args.prompt_words + args.completion_words} "
+                        "words or more; lower --prompt-words/--completion-words")
+    pairs = make_pairs(texts, args.prompt_words, args.completion_words, args.seed)[: args.max_pairs]
+    n_valid = max(1, int(len(pairs) * args.valid_fraction))
+    out = Path(args.output_dir)
+    for split, rows in (("train", pairs[n_valid:]), ("valid", pairs[:n_valid])):
+        records: list[dict[str, object]] = list(rows) if args.format == "pairwise" else as_kto(rows)
+        jsonl = out / f"{split}.jsonl"
+        write_jsonl(records, jsonl)
+        masked.main(["--input", str(jsonl), "--output-prefix", str(out / split), "--mode", args.format,
+                     "--tokenizer-type", args.tokenizer_type, "--vocab-file", args.vocab_file, "--append-eod"])
+    config = out / ("dpo.yml" if args.format == "pairwise" else "kto.yml")
+    with atomic_path(config) as tmp:
+        tmp.write_text(overlay(out, args.format), encoding="utf-8")
+    print(f"{len(pairs) - n_valid} train / {n_valid} valid pairs; config overlay: {config}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_guarded(main)
