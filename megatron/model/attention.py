@@ -95,8 +95,8 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
-            positions = torch.arange(s, device=q.device).unsqueeze(0) if position_ids is None else position_ids
-            q, k = self.rotary(q, positions), self.rotary(k, positions)
+            cos, signed_sin = self.rotary.tables(position_ids, s, q.device)  # once for q and k
+            q, k = self.rotary.rotate(q, cos, signed_sin), self.rotary.rotate(k, cos, signed_sin)
         past = 0
         if kv_cache is not None:  # earlier tokens' keys/values come first
             past = kv_cache.past_length(self.layer_number)
