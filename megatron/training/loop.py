@@ -19,11 +19,12 @@ from deepspeed.accelerator import get_accelerator
 
 from megatron.errors import DeepyError
 from megatron.logging.log import format_row, get_logger
+from megatron.logging.memory import memory_metrics
 from megatron.logging.metrics import MetricsWriter
 from megatron.logging.throughput import as_metrics, measure
 from megatron.training.engine import Engine
 from megatron.training.evaluate import Evaluator
-from megatron.training.step import StepResult, train_step
+from megatron.training.step import StepResult, read_grad_norm, train_step
 
 
 class TrainingAborted(DeepyError):
@@ -69,7 +70,7 @@ class _Window:
 
     start: float = field(default_factory=time.perf_counter)
     steps: int = 0
-    loss_sum: float = 0.0
+    loss_sum: float | torch.Tensor = 0.0  # a device tensor once a step added to it: read at log steps only
     loss_count: int = 0
 
     lr: float = 0.0
@@ -128,10 +129,11 @@ def log_row(ctx: LoopContext, state: TrainState, window: _Window, result: StepRe
     seconds = time.perf_counter() - window.start
     row: dict[str, Any] = {"iteration": state.iteration, "consumed_samples": state.consumed_samples}
     if window.loss_count:
-        row["train/lm_loss"] = window.loss_sum / window.loss_count
+        row["train/lm_loss"] = float(window.loss_sum) / window.loss_count
     row["train/lr"] = window.lr  # the rate the last step used (the scheduler already moved on)
-    if result.grad_norm is not None:
-        row["train/grad_norm"] = result.grad_norm
+    grad_norm = read_grad_norm(result.grad_norm)
+    if grad_norm is not None:
+        row["train/grad_norm"] = grad_norm
     if result.loss_scale is not None:
         row["train/loss_scale"] = result.loss_scale
     row["train/skipped_steps"] = state.skipped_steps
@@ -139,6 +141,7 @@ def log_row(ctx: LoopContext, state: TrainState, window: _Window, result: StepRe
     row.update(as_metrics(measure(tokens_per_iter=ctx.tokens_per_step, iterations=window.steps, seconds=seconds,
                                   flops_per_token=ctx.flops_per_token, world_size=ctx.world_size,
                                   peak=ctx.peak_tflops)))
+    row.update(memory_metrics())
     return row
 
 

@@ -24,10 +24,13 @@ from megatron.training.engine import Engine
 
 @dataclass(frozen=True)
 class StepResult:
-    loss: float
+    loss: float | torch.Tensor
+    """From ``train_step`` a 0-dim tensor on the device: reading its value waits for the step to
+    finish on a GPU, so the loop sums it as a tensor and reads it only at log steps."""
     applied: bool
     """False when fp16 loss scaling found an overflow and DeepSpeed skipped the update."""
-    grad_norm: float | None
+    grad_norm: float | torch.Tensor | None
+    """As the engine reports it (possibly a device tensor, -1 for "not computed"): see ``read_grad_norm``."""
     loss_scale: float | None
 
 
@@ -35,14 +38,20 @@ def micro_batches_per_step(engine: Any) -> int:
     return int(engine.gradient_accumulation_steps())
 
 
-def average_over_data_parallel(value: torch.Tensor) -> float:
-    """Mean of a scalar over the data-parallel group (identical on every rank afterwards)."""
+def mean_over_data_parallel(value: torch.Tensor) -> torch.Tensor:
+    """Mean of a scalar over the data-parallel group (identical on every rank afterwards), still on
+    the device: no host sync."""
     value = value.detach().float().clone()
     size = mpu.get_data_parallel_world_size()
     if size > 1:
         dist.all_reduce(value, group=mpu.get_data_parallel_group())
         value /= size
-    return float(value)
+    return value
+
+
+def average_over_data_parallel(value: torch.Tensor) -> float:
+    """``mean_over_data_parallel`` read back as a Python float."""
+    return float(mean_over_data_parallel(value))
 
 
 def _loss_scale(engine: Any) -> float | None:
@@ -55,12 +64,12 @@ def _loss_scale(engine: Any) -> float | None:
     return float(scale) if scale is not None else None
 
 
-def _grad_norm(engine: Any) -> float | None:
-    norm = engine.get_global_grad_norm()
+def read_grad_norm(norm: float | torch.Tensor | None) -> float | None:
+    """The engine's global gradient norm as a float, None when it was not computed (ZeRO reports -1)."""
     if norm is None:
         return None
-    norm = float(norm)
-    return norm if norm >= 0 else None  # ZeRO reports -1 for "not computed"
+    value = float(norm)
+    return value if value >= 0 else None
 
 
 def train_step(eng: Engine, micro_batches: Iterator[dict[str, torch.Tensor]],
@@ -71,7 +80,7 @@ def train_step(eng: Engine, micro_batches: Iterator[dict[str, torch.Tensor]],
     if eng.is_pipe:
         # PipelineEngine runs the whole schedule and returns the loss averaged over micro-batches
         # and data-parallel ranks, broadcast to every stage
-        loss = float(engine.train_batch(pipe_batches))
+        loss: torch.Tensor = engine.train_batch(pipe_batches)
     else:
         losses = []
         for _ in range(micro_batches_per_step(engine)):
@@ -81,6 +90,7 @@ def train_step(eng: Engine, micro_batches: Iterator[dict[str, torch.Tensor]],
             engine.backward(step_loss)
             engine.step()  # applies the update only at the accumulation boundary
             losses.append(step_loss.detach())
-        loss = average_over_data_parallel(torch.stack(losses).mean())
-    return StepResult(loss=loss, applied=bool(engine.was_step_applied()), grad_norm=_grad_norm(engine),
+        loss = mean_over_data_parallel(torch.stack(losses).mean())
+    # loss and grad norm stay unread (a float() would wait for the GPU every step)
+    return StepResult(loss=loss, applied=bool(engine.was_step_applied()), grad_norm=engine.get_global_grad_norm(),
                       loss_scale=_loss_scale(engine))
