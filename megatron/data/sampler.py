@@ -10,6 +10,8 @@ have read next. Resuming computes the position from ``consumed_samples`` (Levant
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -121,6 +123,58 @@ class MicroBatchIterator:
             self._micro = 0
             self._batch += 1
         return batch
+
+
+class Prefetcher:
+    """Reads micro-batches `depth` ahead of the training step in one background thread.
+
+    The step then never waits for sample reads and collation (or only when they are slower than the
+    step), and with `pin_memory` the batches are in page-locked memory, which lets the copy to the
+    GPU run asynchronously (`.to(device, non_blocking=True)`): a copy from ordinary memory would make
+    the host wait for the GPU first. Order and content are exactly the source's; an error raised by
+    the source is raised by `next()` at the same position. One thread, so the dataset is never read
+    concurrently.
+    """
+
+    _DONE = object()
+
+    def __init__(self, source: Iterator[dict[str, torch.Tensor]], depth: int, pin_memory: bool = False) -> None:
+        if depth < 1:
+            raise ValueError(f"prefetch depth must be at least 1, got {depth}")
+        self._source = source
+        self._pin = pin_memory
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._thread = threading.Thread(target=self._fill, name="deepy-prefetch", daemon=True)
+        self._thread.start()
+
+    def _fill(self) -> None:
+        try:
+            for batch in self._source:
+                if self._pin:
+                    batch = {key: value.pin_memory() for key, value in batch.items()}
+                self._queue.put(batch)
+            self._queue.put(self._DONE)
+        except BaseException as err:  # handed to the consumer, raised where the batch was expected
+            self._queue.put(err)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        item = self._queue.get()
+        if item is self._DONE:
+            self._queue.put(item)  # stays exhausted
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._queue.put(item)
+            raise item
+        return item
+
+
+def prefetched(source: Iterator[dict[str, torch.Tensor]], depth: int,
+               pin_memory: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+    """`source` read `depth` micro-batches ahead by a `Prefetcher`; `depth` 0 = the source itself."""
+    return Prefetcher(source, depth, pin_memory) if depth > 0 else source
 
 
 def iterator_from_args(dataset: Any, args: Any, consumed_samples: int, dp_rank: int, dp_size: int) -> MicroBatchIterator:

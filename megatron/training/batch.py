@@ -40,12 +40,12 @@ def lm_batch(sample: dict[str, torch.Tensor], eod_token: int | None = None,
     """
     if "text" not in sample:
         raise DataError(f"a training sample needs a 'text' array; got keys {sorted(sample)}")
-    text = sample["text"].long()
+    text = _to(sample["text"], device).long()
     if text.ndim != 2 or text.shape[1] < 2:
         raise DataError(f"'text' must be [batch, seq_length + 1] with seq_length >= 1, got {tuple(text.shape)}")
     tokens = text[:, :-1]
     if "label" in sample:
-        labels = sample["label"].long()[:, 1:]
+        labels = _to(sample["label"], device).long()[:, 1:]
     else:
         labels = text[:, 1:]
     mask = (labels != IGNORE_INDEX).float()
@@ -53,10 +53,13 @@ def lm_batch(sample: dict[str, torch.Tensor], eod_token: int | None = None,
         mask = mask * (labels != eod_token).float()
     # masked positions also get a negative label so the loss ignores them either way
     labels = torch.where(mask > 0, labels, torch.full_like(labels, IGNORE_INDEX))
-    batch = LMBatch(tokens.contiguous(), labels.contiguous(), mask)
-    if device is not None:
-        batch = LMBatch(batch.tokens.to(device), batch.labels.to(device), batch.loss_mask.to(device))
-    return batch
+    return LMBatch(tokens.contiguous(), labels.contiguous(), mask)
+
+
+def _to(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    """The sample on the device first, then sliced and masked there: one copy per array, and
+    asynchronous when the prefetcher pinned it (a copy from ordinary memory makes the host wait)."""
+    return t if device is None else t.to(device, non_blocking=True)
 
 
 def pipe_batches(micro_batches: Iterator[dict[str, torch.Tensor]], eod_token: int | None = None,

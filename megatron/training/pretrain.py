@@ -16,7 +16,7 @@ from deepspeed.accelerator import get_accelerator
 
 from megatron import mpu
 from megatron.data.build import build_datasets
-from megatron.data.sampler import MicroBatchIterator
+from megatron.data.sampler import MicroBatchIterator, prefetched
 from megatron.errors import ConfigError
 from megatron.logging.log import get_logger, setup_logging
 from megatron.logging.metrics import MetricsWriter
@@ -131,7 +131,9 @@ def pretrain(args: Any) -> TrainState:
     layout = dict(global_batch_size=g, micro_batch_size=int(args.train_micro_batch_size_per_gpu),
                   dp_rank=mpu.get_data_parallel_rank(), dp_size=mpu.get_data_parallel_world_size())
     device = _device()
-    micro = MicroBatchIterator(splits.train, state.consumed_samples, **layout)
+    # read ahead by a background thread (num_workers micro-batches), pinned for asynchronous copies on a GPU
+    micro = prefetched(MicroBatchIterator(splits.train, state.consumed_samples, **layout), int(args.num_workers),
+                       pin_memory=device.type == "cuda")
     pipe = pipe_batches(micro, eod, device) if eng.is_pipe else None
     seq = int(args.seq_length)
     precision = _PRECISION_NAMES.get(getattr(args, "precision", None), "fp32")
