@@ -9,14 +9,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# dense (non-sparse) peak TFLOP/s per device, by precision
+# Dense (non-sparse) peak TFLOP/s per device, by precision, from NVIDIA's datasheets (the sparsity
+# figures are twice these). Keys are matched as substrings of the name torch reports, longest first,
+# so "h100 pcie" wins over "h100" and "a100" over "a10".
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "h200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    "h100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    "h100": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9},  # SXM ("NVIDIA H100 80GB HBM3")
+    "h100 pcie": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.2},
+    "h100 nvl": {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0},
+    "h200": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9},
+    "gh200": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9},
     "a100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "a10": {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2},
     "a10g": {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2},
-    "v100": {"fp16": 125.0, "fp32": 15.7},
+    "l40s": {"bf16": 362.05, "fp16": 362.05, "fp32": 91.6},
+    "l40": {"bf16": 181.05, "fp16": 181.05, "fp32": 90.5},
     "l4": {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3},
+    "v100": {"fp16": 125.0, "fp32": 15.7},
 }
 
 
