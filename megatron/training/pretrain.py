@@ -132,8 +132,8 @@ def pretrain(args: Any) -> TrainState:
                   dp_rank=mpu.get_data_parallel_rank(), dp_size=mpu.get_data_parallel_world_size())
     device = _device()
     # read ahead by a background thread (num_workers micro-batches), pinned for asynchronous copies on a GPU
-    micro = prefetched(MicroBatchIterator(splits.train, state.consumed_samples, **layout), int(args.num_workers),
-                       pin_memory=device.type == "cuda")
+    micro = prefetched(MicroBatchIterator(splits.train, state.consumed_samples, **layout),
+                       int(args.num_workers), device)
     pipe = pipe_batches(micro, eod, device) if eng.is_pipe else None
     seq = int(args.seq_length)
     precision = _PRECISION_NAMES.get(getattr(args, "precision", None), "fp32")

@@ -3,7 +3,8 @@
 
 * ``deepy``: Deepy's trainer step, as ``train.py`` runs it: the config goes through the real loader
   and rules (``load_config`` + ``finalize``), ``initialize``, the DeepSpeed engine of
-  ``build_engine`` and ``train_step`` over the trainer's own micro-batch iterator (dummy data);
+  ``build_engine`` and ``train_step`` over the trainer's own prefetching micro-batch iterator
+  (dummy data, generated every step; the others reuse one batch already on the device);
 * ``hf``: Hugging Face ``transformers`` ``GPTNeoXForCausalLM`` (SDPA attention) + torch AdamW
   (fused where the device has it) in a plain loop;
 * ``nanogpt``: a one-file GPT in raw PyTorch (``tools/bench/nanogpt.py``) + the same AdamW;
@@ -119,7 +120,7 @@ def resolved_args(config: dict[str, Any]) -> Any:
 
 def deepy_contender(arch: Arch, zero: int, compile_layers: bool) -> tuple[Contender, Any]:
     from megatron.data.build import build_datasets
-    from megatron.data.sampler import MicroBatchIterator
+    from megatron.data.sampler import MicroBatchIterator, prefetched
     from megatron.initialize import initialize
     from megatron.training.engine import build_engine
     from megatron.training.step import train_step
@@ -128,8 +129,10 @@ def deepy_contender(arch: Arch, zero: int, compile_layers: bool) -> tuple[Conten
     args = resolved.args
     initialize(args)
     eng = build_engine(args, resolved.deepspeed_config)
-    micro = MicroBatchIterator(build_datasets(args).train, 0, arch.batch, arch.batch)
     dev = harness.device()
+    # the trainer's loader, as pretrain() builds it
+    micro = prefetched(MicroBatchIterator(build_datasets(args).train, 0, arch.batch, arch.batch),
+                       int(args.num_workers), dev)
 
     def step() -> None:
         train_step(eng, micro, None, dev)

@@ -38,6 +38,10 @@ GPU_CONFIGS = ("125M", "350M", "pythia/410M", "1-3B")
 CPU_CONFIGS = ("tiny",)
 # the goals on one H100 in bf16 (MFU)
 MFU_GOALS = {"125M": 0.35, "1-3B": 0.45}
+# micro batch per GPU without activation checkpointing on an 80 GB card, estimated (activations
+# ~34 bytes x seq x hidden per layer and sample in bf16, weights + fp32 Adam state ~18 bytes per
+# parameter); --micro-batch overrides, e.g. to sweep
+GPU_MICRO_BATCH = {"125M": 16, "350M": 8, "pythia/410M": 8, "1-3B": 8}
 
 
 @dataclass
@@ -66,7 +70,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="measured steps (default 20 GPU, 4 CPU)")
     p.add_argument("--warmup", type=int, default=None, help="steps left out first (default 10 GPU, 2 CPU)")
     p.add_argument("--micro-batch", default=None,
-                   help="micro batch per device, or a comma-separated sweep (default: the config's)")
+                   help="micro batch per device, or a comma-separated sweep, or 'config' for the config's own "
+                        f"(default: on a GPU {GPU_MICRO_BATCH}, else the config's)")
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3])
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32", "config"], default=None,
                    help="default: bf16 on a GPU, the config's own on a CPU")
@@ -210,12 +215,18 @@ def main(argv: list[str] | None = None) -> int:
     o.warmup = o.warmup or (10 if gpu else 2)
     o.vocab = o.vocab or (50257 if gpu else 2048)
     configs = o.configs or list(GPU_CONFIGS if gpu else CPU_CONFIGS)
-    sweep = [int(x) for x in o.micro_batch.split(",")] if o.micro_batch else [None]
+    def sweep(config: str) -> list[int | None]:
+        if o.micro_batch == "config" or (o.micro_batch is None and not gpu):
+            return [None]
+        if o.micro_batch is None:
+            return [GPU_MICRO_BATCH.get(config)]
+        return [int(x) for x in o.micro_batch.split(",")]
+
     print(f"device: {device_line()}; {o.warmup} warm-up + {o.steps} measured steps per run", flush=True)
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="deepy-speed-") as tmp:
         for config in configs:
-            for mb in sweep:
+            for mb in sweep(config):
                 results.append(run_one(o, config, mb, gpu, Path(tmp)))
     if o.dry_run:
         return 0
