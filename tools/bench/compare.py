@@ -56,6 +56,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per contender")
     p.add_argument("--block", type=int, default=3, help="steps per timed block")
     p.add_argument("--rounds", type=int, default=5, help="timed blocks per contender")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: time by the process's CPU seconds (with --threads 1, steady on a loaded machine)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     p.add_argument("--matmul-size", type=int, default=None, help="n of the n x n matmul peak (default 1024 CPU, 8192 GPU)")
     return p.parse_args(argv)
 
@@ -216,16 +219,18 @@ def build_contenders(names: list[str], arch: Arch, zero: int, compile_model: boo
 
 def main(argv: list[str] | None = None) -> int:
     o = parse(argv)
+    if o.threads:
+        torch.set_num_threads(o.threads)
     arch = harness.arch_from(o)
     zero = o.zero if o.zero is not None else (1 if torch.cuda.is_available() else 0)
     names = [n.strip() for n in o.contenders.split(",") if n.strip()]
     contenders = build_contenders(names, arch, zero, o.compile)
-    peak_before = harness.matmul_tflops(arch.precision, o.matmul_size)
-    harness.run_rounds(contenders, warmup=o.warmup, block=o.block, rounds=o.rounds,
+    peak_before = harness.matmul_tflops(arch.precision, o.matmul_size, clock=o.clock)
+    harness.run_rounds(contenders, warmup=o.warmup, block=o.block, rounds=o.rounds, clock=o.clock,
                        progress=lambda line: print(line, flush=True))
     # the peak is measured before and after the rounds; the better one is the machine's ceiling
-    peak = max(peak_before, harness.matmul_tflops(arch.precision, o.matmul_size))
-    print(harness.report(arch, contenders, block=o.block, matmul_peak=peak, goals=GOALS), flush=True)
+    peak = max(peak_before, harness.matmul_tflops(arch.precision, o.matmul_size, clock=o.clock))
+    print(harness.report(arch, contenders, block=o.block, matmul_peak=peak, clock=o.clock, goals=GOALS), flush=True)
     return 0
 
 

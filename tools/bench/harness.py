@@ -30,6 +30,12 @@ from megatron.logging.throughput import PEAK_TFLOPS, peak_tflops  # noqa: E402
 from megatron.model import GPTConfig, flops_per_token  # noqa: E402
 
 Precision = Literal["fp32", "bf16"]
+Clock = Literal["wall", "cpu"]
+
+# "cpu": CPU seconds of this process (all its threads). On a CPU machine shared with other jobs,
+# wall time measures the neighbours as much as the code; with one thread (--threads 1) the CPU time a
+# step takes hardly depends on them, so contenders stay comparable even under heavy load.
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -128,7 +134,7 @@ def dense_peak(precision: Precision) -> float | None:
     return peak_tflops(torch.cuda.get_device_name(), precision)
 
 
-def matmul_tflops(precision: Precision, n: int | None = None, repeats: int = 3) -> float:
+def matmul_tflops(precision: Precision, n: int | None = None, repeats: int = 3, clock: Clock = "wall") -> float:
     """The best achieved TFLOP/s of an n x n @ n x n matmul: the machine's practical compute ceiling
     (fp32 on a CPU, the run's precision on a GPU)."""
     dev = device()
@@ -139,13 +145,14 @@ def matmul_tflops(precision: Precision, n: int | None = None, repeats: int = 3) 
     inner = 20 if dev.type == "cuda" else 1
     torch.mm(a, b)
     best = float("inf")
+    now = CLOCKS[clock]
     for _ in range(repeats):
         synchronize()
-        start = time.perf_counter()
+        start = now()
         for _ in range(inner):
             torch.mm(a, b)
         synchronize()
-        best = min(best, (time.perf_counter() - start) / inner)
+        best = min(best, (now() - start) / inner)
     return 2.0 * n**3 / best / 1e12
 
 
@@ -162,16 +169,17 @@ class Contender:
     peak_memory_gb: float | None = None
 
 
-def time_block(step: Callable[[], None], steps: int) -> float:
+def time_block(step: Callable[[], None], steps: int, clock: Clock = "wall") -> float:
+    now = CLOCKS[clock]
     synchronize()
-    start = time.perf_counter()
+    start = now()
     for _ in range(steps):
         step()
     synchronize()
-    return time.perf_counter() - start
+    return now() - start
 
 
-def run_rounds(contenders: Sequence[Contender], *, warmup: int, block: int, rounds: int,
+def run_rounds(contenders: Sequence[Contender], *, warmup: int, block: int, rounds: int, clock: Clock = "wall",
                progress: Callable[[str], None] | None = None) -> None:
     """Warm every contender up, then `rounds` rounds of one timed `block` per contender; the order
     rotates each round so that none always runs first (or right after the same neighbour)."""
@@ -184,7 +192,7 @@ def run_rounds(contenders: Sequence[Contender], *, warmup: int, block: int, roun
         for c in order:
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            c.block_seconds.append(time_block(c.step, block))
+            c.block_seconds.append(time_block(c.step, block, clock))
             if torch.cuda.is_available():
                 gb = torch.cuda.max_memory_allocated() / 2**30
                 c.peak_memory_gb = max(c.peak_memory_gb or 0.0, gb)
@@ -199,7 +207,7 @@ def per_round_ratio(a: Contender, b: Contender) -> float:
     return statistics.median(tb / ta for ta, tb in zip(a.block_seconds, b.block_seconds))
 
 
-def report(arch: Arch, contenders: Sequence[Contender], *, block: int, matmul_peak: float,
+def report(arch: Arch, contenders: Sequence[Contender], *, block: int, matmul_peak: float, clock: Clock = "wall",
            goals: dict[tuple[str, str], float] | None = None) -> str:
     """The side-by-side table: tokens/s (median and best block), TFLOP/s, share of the measured
     matmul peak, MFU against the device's dense peak (GPU), peak memory (GPU), then ratios."""
@@ -211,7 +219,8 @@ def report(arch: Arch, contenders: Sequence[Contender], *, block: int, matmul_pe
         f"device: {device_name()}; {load_note()}",
         f"measured {'bf16' if arch.precision == 'bf16' and torch.cuda.is_available() else 'fp32'} matmul peak: "
         f"{matmul_peak:.3f} TFLOP/s" + (f"; dense {arch.precision} peak of the device: {peak:.1f} TFLOP/s" if peak else ""),
-        f"{len(contenders[0].block_seconds)} rounds of {block} steps per contender, interleaved",
+        f"{len(contenders[0].block_seconds)} rounds of {block} steps per contender, interleaved; "
+        + ("wall-clock time" if clock == "wall" else "CPU time of the process (tokens per CPU-second)"),
         "",
         f"{'contender':<10} {'tokens/s median':>16} {'best':>12} {'TFLOP/s':>9} {'of matmul':>10}"
         + (f" {'MFU':>7}" if peak else "") + (f" {'peak mem':>9}" if torch.cuda.is_available() else "")
