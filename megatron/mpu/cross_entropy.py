@@ -23,10 +23,14 @@ from megatron.mpu.topology import (
     get_tensor_model_parallel_world_size,
 )
 
-# bytes of fp32 temporaries per block: about a core's L2 on a CPU (measured fastest there); on a GPU
-# large enough that the per-block launches do not matter, small next to the logits themselves
-_BLOCK_BYTES = {"cpu": 1 << 20}
-_DEFAULT_BLOCK_BYTES = 256 << 20
+# Bytes of fp32 temporaries per block. On a GPU: large enough that the per-block launches do not
+# matter, small next to the logits themselves. On a CPU with one thread: about a core's L2 (measured
+# fastest). With several CPU threads every op of a block is a fork-join of the thread pool, and on
+# shared cores those cost more than the cache misses of big blocks (measured: 64 blocks of 1 MiB took
+# 1.5-2x as long as one 64 MiB block on 2 busy cores), so blocks are big.
+_GPU_BLOCK_BYTES = 256 << 20
+_CPU_BLOCK_BYTES = {1: 1 << 20}
+_CPU_THREADED_BLOCK_BYTES = 64 << 20
 
 
 def _all_reduce(x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -37,7 +41,11 @@ def _all_reduce(x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
 
 def default_block_rows(vocab_per_rank: int, device: torch.device) -> int:
     """Tokens per block: the fp32 temporaries of one block fill about the device's budget."""
-    return max(1, _BLOCK_BYTES.get(device.type, _DEFAULT_BLOCK_BYTES) // (4 * vocab_per_rank))
+    if device.type == "cpu":
+        budget = _CPU_BLOCK_BYTES.get(torch.get_num_threads(), _CPU_THREADED_BLOCK_BYTES)
+    else:
+        budget = _GPU_BLOCK_BYTES
+    return max(1, budget // (4 * vocab_per_rank))
 
 
 def _shifted(block: torch.Tensor, by: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

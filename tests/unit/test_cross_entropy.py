@@ -47,6 +47,13 @@ def test_bf16_in_fp32_loss_out_bf16_grad() -> None:
     torch.testing.assert_close(x.grad.float(), ref_in.grad, atol=4e-3, rtol=1e-2)
 
 
-def test_default_block_is_about_a_megabyte_on_cpu() -> None:
-    assert default_block_rows(8192, torch.device("cpu")) == 32  # 32 x 8192 x 4 bytes = 1 MiB
-    assert default_block_rows(10**8, torch.device("cpu")) == 1
+def test_default_block_size_on_cpu_follows_the_thread_count() -> None:
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert default_block_rows(8192, torch.device("cpu")) == 32  # 32 x 8192 x 4 bytes = 1 MiB: in cache
+        assert default_block_rows(10**8, torch.device("cpu")) == 1
+        torch.set_num_threads(2)
+        assert default_block_rows(8192, torch.device("cpu")) == 2048  # 64 MiB: few fork-joins
+    finally:
+        torch.set_num_threads(threads)
