@@ -38,11 +38,11 @@ class GPTEmbedding(nn.Module):
         self.sequence_parallel = config.sequence_parallel and get_tensor_model_parallel_world_size() > 1
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x_bsh = self.word_embeddings(tokens)
+        # looked up in [s, b] order: the hidden states come out sequence-first without a transpose copy
+        x_sbh = self.word_embeddings(tokens.t())  # [s, b, h]
         if self.position_embeddings is not None:
             positions = default_position_ids(tokens) if position_ids is None else position_ids
-            x_bsh = x_bsh + self.position_embeddings(positions).to(x_bsh.dtype)
-        x_sbh = x_bsh.transpose(0, 1).contiguous()
+            x_sbh = x_sbh + self.position_embeddings(positions).transpose(0, 1).to(x_sbh.dtype)  # + [s, b|1, h]
         if self.sequence_parallel:
             # positions were added on the full sequence, so their gradient is whole on every rank
             x_sbh = scatter_to_sequence_parallel_region(x_sbh)  # [s/tp, b, h]

@@ -64,7 +64,9 @@ ABSOLUTE_POSITIONAL: dict[str, type[nn.Module]] = {
 class RotaryEmbedding(nn.Module):
     """Rotates the first `rotary_dim` dims of each head by position-dependent angles.
 
-    Half-split layout: dim i pairs with dim i + rotary_dim/2 (GPT-NeoX's layout).
+    Half-split layout: dim i pairs with dim i + rotary_dim/2 (GPT-NeoX's layout). The angles'
+    cos/sin for the default positions 0..s-1 are computed once and reused by every call (every
+    layer, query and key, every step) until the sequence length, the device or `inv_freq` changes.
     """
 
     def __init__(self, rotary_dim: int, base: float, save_freqs: bool = False) -> None:
@@ -72,6 +74,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=save_freqs)
         self.rotary_dim = rotary_dim
+        self._cached: tuple[tuple[int, torch.device, int, int], torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `[b|1, 1, s, rotary_dim]` for positions `[b|1, s]`."""
@@ -79,14 +82,40 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # [b, 1, s, r]
         return angles.cos(), angles.sin()
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """x `[b, n, s, d]` -> the same with rotary applied to `x[..., :rotary_dim]`."""
-        cos, sin = self.cos_sin(position_ids)
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+    def tables(self, position_ids: torch.Tensor | None, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) for `position_ids` `[b|1, s]`, or for 0..seq-1 when None (cached).
+
+        The signed sin is `[-sin, sin]` over the two halves, so rotating is
+        `x * cos + swap_halves(x) * signed_sin` (no negation pass)."""
+        # under torch.compile the tables are computed inline (fused, and no Python state to guard on);
+        # the key notices a new length or device and a reloaded or converted inv_freq
+        cacheable = position_ids is None and not torch.compiler.is_compiling()
+        if cacheable:
+            key = (seq, device, self.inv_freq.data_ptr(), self.inv_freq._version)
+            if self._cached is not None and self._cached[0] == key:
+                return self._cached[1], self._cached[2]
+        positions = torch.arange(seq, device=device).unsqueeze(0) if position_ids is None else position_ids
+        with torch.no_grad():  # positions carry no gradient; keeps the cached tables out of any graph
+            cos, sin = self.cos_sin(positions)
+            half = self.rotary_dim // 2
+            signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        if cacheable:
+            self._cached = (key, cos, signed_sin)
+        return cos, signed_sin
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """x `[b, n, s, d]` with rotary applied to `x[..., :rotary_dim]`, from `tables(...)`."""
+        whole = self.rotary_dim == x.shape[-1]
+        rot = x if whole else x[..., : self.rotary_dim]
         half = self.rotary_dim // 2
-        rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-        rot = (rot.float() * cos + rotated_half.float() * sin).to(x.dtype)
-        return torch.cat([rot, rest], dim=-1)
+        swapped = torch.cat([rot[..., half:], rot[..., :half]], dim=-1)
+        rot = (rot.float() * cos + swapped.float() * signed_sin).to(x.dtype)
+        return rot if whole else torch.cat([rot, x[..., self.rotary_dim :]], dim=-1)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x `[b, n, s, d]` -> the same with rotary applied to `x[..., :rotary_dim]`."""
+        cos, signed_sin = self.tables(position_ids, x.shape[-2], x.device)
+        return self.rotate(x, cos, signed_sin)
 
 
 # --- alibi -----------------------------------------------------------------------------------

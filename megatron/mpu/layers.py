@@ -150,6 +150,8 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if get_tensor_model_parallel_world_size() == 1:
+            return F.linear(x, self.weight, self.bias)  # nothing to sum: the bias rides in the matmul
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x)
         partial = F.linear(x, self.weight)  # [s, b, out], this rank's share of the sum
@@ -211,5 +213,6 @@ def parallel_lm_logits(x_sbh: torch.Tensor, weight: torch.Tensor, sequence_paral
         x_sbh = gather_from_sequence_parallel_region(x_sbh, grad_is_partial=True)
     else:
         x_sbh = copy_to_tensor_model_parallel_region(x_sbh)
-    logits_sbv = F.linear(x_sbh, weight)  # [s, b, v/tp]
-    return logits_sbv.transpose(0, 1).contiguous()  # [b, s, v/tp]
+    # batch-first before the projection: transposing h-wide hidden states is v/h times cheaper than
+    # transposing the logits (and their gradient) afterwards
+    return F.linear(x_sbh.transpose(0, 1), weight)  # [b, s, v/tp]

@@ -42,6 +42,8 @@ class TrainingConfig:
     """fp32 | bf16 | fp16: the compute dtype (for the device's peak TFLOP/s)."""
     compile_layers: bool = False
     seed: int = 1234
+    num_workers: int = 2
+    """Training micro-batches read ahead of the step by a background thread (0 = none)."""
 
     @classmethod
     def from_args(cls, args: NeoXArgs) -> TrainingConfig:
@@ -61,6 +63,7 @@ class TrainingConfig:
             precision=_PRECISION[args.precision],
             compile_layers=args.compile_layers,
             seed=args.seed,
+            num_workers=args.num_workers,
         )
 
 

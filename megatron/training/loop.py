@@ -18,11 +18,12 @@ from deepspeed.accelerator import get_accelerator
 
 from megatron.errors import DeepyError
 from megatron.logging.monitor import Monitor
+from megatron.logging.peak_memory import memory_metrics
 from megatron.logging.throughput import as_metrics, measure
 from megatron.training.config import TrainingConfig
 from megatron.training.engine import Engine
 from megatron.training.evaluate import Evaluator
-from megatron.training.step import StepResult, train_step
+from megatron.training.step import StepResult, read_grad_norm, train_step
 
 
 class TrainingAborted(DeepyError):
@@ -70,7 +71,7 @@ class _Window:
 
     start: float = field(default_factory=time.perf_counter)
     steps: int = 0
-    loss_sum: float = 0.0
+    loss_sum: float | torch.Tensor = 0.0  # a device tensor once a step added to it: read at log steps only
     loss_count: int = 0
     metric_sums: dict[str, float] = field(default_factory=dict)
     metric_counts: dict[str, int] = field(default_factory=dict)
@@ -137,8 +138,9 @@ def log_row(ctx: LoopContext, state: TrainState, window: _Window, result: StepRe
         row["train/lm_loss"] = window.loss_sum / window.loss_count
     row.update({f"train/{name}": total / window.metric_counts[name] for name, total in window.metric_sums.items()})
     row["train/lr"] = window.lr  # the rate the last step used (the scheduler already moved on)
-    if result.grad_norm is not None:
-        row["train/grad_norm"] = result.grad_norm
+    grad_norm = read_grad_norm(result.grad_norm)
+    if grad_norm is not None:
+        row["train/grad_norm"] = grad_norm
     if result.loss_scale is not None:
         row["train/loss_scale"] = result.loss_scale
     if ctx.eng.moe is not None:
@@ -150,6 +152,7 @@ def log_row(ctx: LoopContext, state: TrainState, window: _Window, result: StepRe
                                   peak=ctx.peak_tflops, samples_per_iter=ctx.global_batch_size,
                                   hardware_flops_per_token=ctx.hardware_flops_per_token)))
     row.update(ctx.monitor.window_metrics(window.steps))
+    row.update(memory_metrics())
     return row
 
 

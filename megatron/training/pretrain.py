@@ -19,7 +19,7 @@ from megatron import mpu
 from megatron.checkpointing import CheckpointHooks, CheckpointManager
 from megatron.checkpointing.save_load import BeforeCommit
 from megatron.data.build import build_datasets
-from megatron.data.sampler import MicroBatchIterator
+from megatron.data.sampler import MicroBatchIterator, prefetched
 from megatron.errors import ConfigError
 from megatron.logging.log import get_logger, set_deepspeed_log_level, setup_logging
 from megatron.logging.monitor import build_monitor
@@ -122,8 +122,10 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     if state.consumed_samples:
         log.info("data: resuming at sample %s of the global order (computed from consumed_samples, nothing "
                  "replayed)", f"{state.consumed_samples:,}")
-    micro = TimedIterator(MicroBatchIterator(eng.reference.wrap_dataset(splits.train, "train"), state.consumed_samples,
-                                             **layout), monitor.timers)
+    # read ahead by a background thread (num_workers micro-batches), pinned for asynchronous copies on a
+    # GPU; the data timer measures what the step still waits for
+    source = MicroBatchIterator(eng.reference.wrap_dataset(splits.train, "train"), state.consumed_samples, **layout)
+    micro = TimedIterator(prefetched(source, training.num_workers, device), monitor.timers)
     seq = training.seq_length
     # whole model: FLOPs are per token
     recomputed = len(layers_to_checkpoint(run.activation_checkpointing, model_config.num_layers))

@@ -20,7 +20,7 @@ from megatron.deepspeed_internals import loss_scale
 from megatron.training.engine import Engine
 from megatron.training.objectives.run import ObjectiveRunner, average_over_data_parallel
 
-__all__ = ["StepResult", "average_over_data_parallel", "micro_batches_per_step", "train_step"]
+__all__ = ["StepResult", "average_over_data_parallel", "micro_batches_per_step", "read_grad_norm", "train_step"]
 
 
 @dataclass(frozen=True)
@@ -38,12 +38,12 @@ def micro_batches_per_step(engine: Any) -> int:
     return int(engine.gradient_accumulation_steps())
 
 
-def _grad_norm(engine: Any) -> float | None:
-    norm = engine.get_global_grad_norm()
+def read_grad_norm(norm: float | torch.Tensor | None) -> float | None:
+    """The engine's global gradient norm as a float, None when it was not computed (ZeRO reports -1)."""
     if norm is None:
         return None
-    norm = float(norm)
-    return norm if norm >= 0 else None  # ZeRO reports -1 for "not computed"
+    value = float(norm)
+    return value if value >= 0 else None
 
 
 def train_step(eng: Engine, micro_batches: Iterator[dict[str, torch.Tensor]], device: torch.device) -> StepResult:
@@ -54,5 +54,5 @@ def train_step(eng: Engine, micro_batches: Iterator[dict[str, torch.Tensor]], de
     loss = runner.run(eng, micro_batches, "train", device, train=True)
     metrics = runner.collect_metrics(eng, device)
     engine = eng.engine
-    return StepResult(loss=loss, applied=bool(engine.was_step_applied()), grad_norm=_grad_norm(engine),
+    return StepResult(loss=loss, applied=bool(engine.was_step_applied()), grad_norm=read_grad_norm(engine.get_global_grad_norm()),
                       loss_scale=loss_scale(engine), metrics=metrics)

@@ -141,12 +141,14 @@ def check_vocab_parallel_cross_entropy() -> None:
     ref = F.cross_entropy(ref_in.flatten(0, 1), target.flatten(), reduction="none", ignore_index=-100).view(3, 5)
     ref.backward(grad_out)
 
-    shard = logits_full.chunk(WORLD, dim=-1)[rank].clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(shard, target)
-    assert torch.isfinite(loss).all()
-    _close(loss, ref.detach(), "loss", atol=1e-4)
-    loss.backward(grad_out)
-    _close(shard.grad, ref_in.grad.chunk(WORLD, dim=-1)[rank], "logits grad")
+    # one block for all tokens, and blocks of 2 tokens (15 tokens: the last block is partial)
+    for block_rows in (None, 2):
+        shard = logits_full.chunk(WORLD, dim=-1)[rank].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(shard, target, block_rows)
+        assert torch.isfinite(loss).all()
+        _close(loss, ref.detach(), f"loss (block_rows {block_rows})", atol=1e-4)
+        loss.backward(grad_out)
+        _close(shard.grad, ref_in.grad.chunk(WORLD, dim=-1)[rank], f"logits grad (block_rows {block_rows})")
     # half precision in, fp32 loss out, grad back in the input dtype
     half = logits_full.chunk(WORLD, dim=-1)[rank].to(torch.bfloat16).requires_grad_()
     vocab_parallel_cross_entropy(half, target).sum().backward()

@@ -35,8 +35,7 @@ def supported_keys() -> set[str]:
 def test_every_supported_key_is_read_by_a_component() -> None:
     resolved = finalize(config_from_mapping(MINIMAL), 1, device=Device(cuda=False, fp16_supported=False))
     read = keys_read(resolved.args)
-    pending = {"num_workers"}  # TODO(lead): remove when the loader work merges
-    unread = sorted(k for k in supported_keys() - read - set(NO_EFFECT_KEYS) - set(FILLED_IN_KEYS) - pending
+    unread = sorted(k for k in supported_keys() - read - set(NO_EFFECT_KEYS) - set(FILLED_IN_KEYS)
                     if not only_default_accepted(k))
     assert unread == [], (
         f"these keys are accepted but no component reads them: {unread}. Read each in a component's "

@@ -33,7 +33,12 @@ def test_disabled_writer_writes_nothing(tmp_path) -> None:
 
 def test_peaks() -> None:
     assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.4
+    assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.5  # not the SXM figure
+    assert peak_tflops("NVIDIA H200", "bf16") == 989.4
     assert peak_tflops("NVIDIA A100-SXM4-40GB", "bf16") == 312.0
+    assert peak_tflops("NVIDIA A10", "bf16") == 125.0  # "a10" must not shadow "a100" or the reverse
+    assert peak_tflops("NVIDIA L40S", "bf16") == 362.1
+    assert peak_tflops("NVIDIA L4", "bf16") == 121.0
     assert peak_tflops(None, "bf16") is None
     assert peak_tflops("some cpu", "fp32") is None
 

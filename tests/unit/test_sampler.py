@@ -145,3 +145,49 @@ def test_real_blend_same_samples_for_dp_1_2_4(tmp_path) -> None:
     assert torch.equal(ref[0], torch.from_numpy(train[16]["text"]))
     for dp, mbs in ((2, 2), (4, 1), (4, 2)):
         assert torch.equal(run(dp, mbs), ref)
+
+
+# --- background prefetching --------------------------------------------------------------------
+def test_prefetcher_yields_exactly_the_source_in_order() -> None:
+    from megatron.data.sampler import Prefetcher, prefetched
+
+    batches = [{"text": torch.full((2, 3), i)} for i in range(7)]
+    got = list(Prefetcher(iter(batches), depth=2))
+    assert len(got) == 7 and all(torch.equal(g["text"], b["text"]) for g, b in zip(got, batches))
+    source = iter(batches)
+    assert prefetched(source, 0) is source  # num_workers 0: read on demand, no thread
+
+
+def test_prefetcher_raises_the_source_error_where_the_batch_was_due() -> None:
+    from megatron.data.sampler import Prefetcher
+
+    def source():
+        yield {"text": torch.zeros(1, 2)}
+        raise DataError("bad sample 1")
+
+    it = Prefetcher(source(), depth=3)
+    assert torch.equal(next(it)["text"], torch.zeros(1, 2))
+    with pytest.raises(DataError, match="bad sample 1"):
+        next(it)
+    with pytest.raises(DataError):  # and stays failed
+        next(it)
+
+
+def test_prefetcher_reads_ahead_while_the_consumer_is_busy() -> None:
+    import threading
+
+    from megatron.data.sampler import Prefetcher
+
+    read = []
+    two_read = threading.Event()
+
+    def source():
+        for i in range(5):
+            read.append(i)
+            if len(read) == 2:
+                two_read.set()
+            yield {"text": torch.tensor([i])}
+
+    it = Prefetcher(source(), depth=2)
+    assert two_read.wait(timeout=10), "nothing was read ahead before the first next()"
+    assert [int(next(it)["text"]) for _ in range(5)] == [0, 1, 2, 3, 4]
