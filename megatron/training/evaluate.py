@@ -35,7 +35,7 @@ class Evaluator:
         self.eng.objective.metrics.reset()
         total = 0.0
         for _ in range(self.eval_iters):
-            total += runner.run(self.eng, self._micro, self.split, self.device, train=False)
+            total += float(runner.run(self.eng, self._micro, self.split, self.device, train=False))
         return {"lm_loss": total / max(self.eval_iters, 1), **runner.collect_metrics(self.eng, self.device)}
 
 

@@ -135,7 +135,7 @@ def log_row(ctx: LoopContext, state: TrainState, window: _Window, result: StepRe
     seconds = time.perf_counter() - window.start
     row: dict[str, Any] = {"iteration": state.iteration, "consumed_samples": state.consumed_samples}
     if window.loss_count:
-        row["train/lm_loss"] = window.loss_sum / window.loss_count
+        row["train/lm_loss"] = float(window.loss_sum) / window.loss_count
     row.update({f"train/{name}": total / window.metric_counts[name] for name, total in window.metric_sums.items()})
     row["train/lr"] = window.lr  # the rate the last step used (the scheduler already moved on)
     grad_norm = read_grad_norm(result.grad_norm)
@@ -180,11 +180,13 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
         state.iteration += 1
         state.consumed_samples += ctx.global_batch_size
         state.consumed_tokens += ctx.tokens_per_step
-        ctx.monitor.after_step(state.iteration, result.loss)
+        log_step = ctx.monitor.is_log_step(state.iteration)
+        # the loss is read (a wait for the device) only at log steps
+        ctx.monitor.after_step(state.iteration, float(result.loss) if log_step else None)
         window.add(result, lr)
         _check_overflow(state, result, limit)
 
-        if ctx.monitor.is_log_step(state.iteration):
+        if log_step:
             ctx.monitor.log(log_row(ctx, state, window, result), state.iteration)
             window = _Window()
         if ctx.valid is not None and eval_interval and state.iteration % eval_interval == 0:

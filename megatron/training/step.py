@@ -25,10 +25,13 @@ __all__ = ["StepResult", "average_over_data_parallel", "micro_batches_per_step",
 
 @dataclass(frozen=True)
 class StepResult:
-    loss: float
+    loss: torch.Tensor
+    """A 0-dim tensor on the device, unread: reading it waits for the step to finish on a GPU, so the
+    loop sums it as a tensor and reads it at log steps only."""
     applied: bool
     """False when fp16 loss scaling found an overflow and DeepSpeed skipped the update."""
-    grad_norm: float | None
+    grad_norm: float | torch.Tensor | None
+    """As the engine reports it (maybe a device tensor; -1 = not computed): see :func:`read_grad_norm`."""
     loss_scale: float | None
     metrics: dict[str, float] = field(default_factory=dict)
     """The objective's metrics for this step (``rewards/accuracy``, ...), logged as ``train/<name>``."""
@@ -54,5 +57,5 @@ def train_step(eng: Engine, micro_batches: Iterator[dict[str, torch.Tensor]], de
     loss = runner.run(eng, micro_batches, "train", device, train=True)
     metrics = runner.collect_metrics(eng, device)
     engine = eng.engine
-    return StepResult(loss=loss, applied=bool(engine.was_step_applied()), grad_norm=read_grad_norm(engine.get_global_grad_norm()),
+    return StepResult(loss=loss, applied=bool(engine.was_step_applied()), grad_norm=engine.get_global_grad_norm(),
                       loss_scale=loss_scale(engine), metrics=metrics)

@@ -56,10 +56,13 @@ class MicroBatch:
                        extras=tuple(x.to(device) for x in self.extras),
                        reference=None if self.reference is None else self.reference.to(device))
 
-    def targets(self, denominator: float) -> tuple[torch.Tensor, ...]:
+    def targets(self, denominator: float | torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The label side of a pipeline batch: ``(labels, *extras, reference, denominator)``."""
         reference = self.reference if self.reference is not None else torch.zeros(self.labels.shape[0])
-        denom = torch.tensor([denominator], dtype=torch.float64)
+        if isinstance(denominator, torch.Tensor):
+            denom = denominator.detach().reshape(1).to(torch.float64)
+        else:
+            denom = torch.tensor([denominator], dtype=torch.float64)
         return (self.labels, *self.extras, reference.to(self.labels.device),
                 denom.to(self.labels.device))
 
@@ -84,33 +87,45 @@ def shifted(sample: Mapping[str, torch.Tensor], text_key: str, label_key: str | 
     return text[:, :-1].contiguous(), labels.contiguous()
 
 
-def micro_batch_denominator(global_units: float, micro_batches: int, dp_size: int) -> float:
-    """What each micro-batch divides its loss sum by so the step's loss is ``sum / global_units``."""
+def micro_batch_denominator(global_units: float | torch.Tensor, micro_batches: int,
+                            dp_size: int) -> float | torch.Tensor:
+    """What each micro-batch divides its loss sum by so the step's loss is ``sum / global_units``.
+
+    A tensor stays a tensor (on its device): reading the count back would make the host wait for the
+    previous step on a GPU."""
+    if isinstance(global_units, torch.Tensor):
+        return global_units.clamp(min=1.0) / float(micro_batches * dp_size)
     return max(float(global_units), 1.0) / float(micro_batches * dp_size)
 
 
 @dataclass
 class MetricSums:
-    """(sum, count) per metric name over the micro-batches of one step or evaluation."""
+    """(sum, count) per metric name over the micro-batches of one step or evaluation.
 
-    sums: dict[str, float] = field(default_factory=dict)
-    counts: dict[str, float] = field(default_factory=dict)
+    Kept as float64 tensors where the loss was computed, not read back per micro-batch (a read waits
+    for the GPU): they are read once, when the step's metrics are collected."""
+
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    counts: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def add(self, stats: Stats) -> None:
         for name, (total, count) in stats.items():
-            self.sums[name] = self.sums.get(name, 0.0) + float(total.detach().double())
-            self.counts[name] = self.counts.get(name, 0.0) + float(count.detach().double())
+            total, count = total.detach().double().reshape(()), count.detach().double().reshape(())
+            self.sums[name] = self.sums[name] + total if name in self.sums else total
+            self.counts[name] = self.counts[name] + count if name in self.counts else count
 
     def reset(self) -> None:
         self.sums.clear()
         self.counts.clear()
 
-    def as_vector(self, names: Iterable[str]) -> torch.Tensor:
-        """``[sum_0, count_0, sum_1, ...]`` float64, zeros for names never added (for all-reduces)."""
-        values: list[float] = []
+    def as_vector(self, names: Iterable[str], device: torch.device | str | None = None) -> torch.Tensor:
+        """``[sum_0, count_0, sum_1, ...]`` float64 on ``device``, zeros for names never added (for
+        all-reduces)."""
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        values: list[torch.Tensor] = []
         for name in names:
-            values += [self.sums.get(name, 0.0), self.counts.get(name, 0.0)]
-        return torch.tensor(values, dtype=torch.float64)
+            values += [self.sums.get(name, zero).to(zero.device), self.counts.get(name, zero).to(zero.device)]
+        return torch.stack(values) if values else torch.zeros(0, dtype=torch.float64, device=device)
 
 
 def means_from_vector(names: tuple[str, ...], vector: torch.Tensor) -> dict[str, float]:

@@ -30,10 +30,15 @@ def _dp_sum(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def mean_over_data_parallel(value: torch.Tensor) -> torch.Tensor:
+    """Mean of a scalar over the data-parallel group (identical on every rank afterwards), left on
+    its device: no host sync."""
+    return _dp_sum(value.detach().float().clone()) / mpu.get_data_parallel_world_size()
+
+
 def average_over_data_parallel(value: torch.Tensor) -> float:
-    """Mean of a scalar over the data-parallel group (identical on every rank afterwards)."""
-    value = _dp_sum(value.detach().float().clone())
-    return float(value) / mpu.get_data_parallel_world_size()
+    """:func:`mean_over_data_parallel` read back as a Python float."""
+    return float(mean_over_data_parallel(value))
 
 
 def last_stage_rank() -> int:
@@ -51,17 +56,18 @@ class ObjectiveRunner:
         self.reference = reference
 
     def prepare(self, samples: list[dict[str, torch.Tensor]], split: str,
-                device: torch.device) -> tuple[list[MicroBatch], float]:
-        """The step's micro-batches with their reference log-probs, and the loss denominator."""
+                device: torch.device) -> tuple[list[MicroBatch], torch.Tensor]:
+        """The step's micro-batches with their reference log-probs, and the loss denominator (a
+        device tensor: never read back, so the host runs ahead of the GPU)."""
         batches = [self.objective.prepare(s) for s in samples]
-        units = torch.tensor([sum(b.units for b in batches)], dtype=torch.float64, device=device)
-        denominator = micro_batch_denominator(float(_dp_sum(units)), len(batches),
-                                              mpu.get_data_parallel_world_size())
+        units = torch.tensor([sum(b.units for b in batches)], dtype=torch.float64).to(device, non_blocking=True)
+        denominator = micro_batch_denominator(_dp_sum(units), len(batches), mpu.get_data_parallel_world_size())
         return self.reference.fill(batches, split, device), denominator
 
     def run(self, eng: Any, micro_batches: Iterator[dict[str, torch.Tensor]], split: str, device: torch.device,
-            train: bool) -> float:
-        """One global batch; returns its loss (the same on every rank). Metrics accumulate."""
+            train: bool) -> torch.Tensor:
+        """One global batch; returns its loss (the same on every rank) as a 0-dim device tensor,
+        unread. Metrics accumulate."""
         engine = eng.engine
         samples = [next(micro_batches) for _ in range(int(engine.gradient_accumulation_steps()))]
         batches, denominator = self.prepare(samples, split, device)
@@ -69,8 +75,8 @@ class ObjectiveRunner:
             items = [(b.inputs.to(device), tuple(t.to(device) for t in b.targets(denominator))) for b in batches]
             if train:
                 # the loss averaged over micro-batches and data-parallel ranks, broadcast to every stage
-                return float(engine.train_batch(iter(items)))
-            return float(engine.eval_batch(iter(items)))
+                return engine.train_batch(iter(items)).detach().float()
+            return engine.eval_batch(iter(items)).detach().float()
         losses = []
         if train:
             for b in batches:
@@ -88,7 +94,7 @@ class ObjectiveRunner:
                     losses.append(self.objective.loss(engine(b.inputs), b.targets(denominator)).detach())
             if was_training:
                 engine.train()
-        return average_over_data_parallel(torch.stack(losses).mean())
+        return mean_over_data_parallel(torch.stack(losses).mean())
 
     def collect_metrics(self, eng: Any, device: torch.device) -> dict[str, float]:
         """Means of the metrics accumulated since the last call, identical on every rank; resets them."""
@@ -96,7 +102,7 @@ class ObjectiveRunner:
         if not names:
             self.objective.metrics.reset()
             return {}
-        vector = self.objective.metrics.as_vector(names).to(device)
+        vector = self.objective.metrics.as_vector(names, device)
         self.objective.metrics.reset()
         _dp_sum(vector)
         if eng.is_pipe and mpu.get_pipe_parallel_world_size() > 1:
