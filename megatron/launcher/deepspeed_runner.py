@@ -10,6 +10,8 @@ interpreter as deepy.py, so a virtualenv without ``deepspeed`` on PATH still wor
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from megatron.launcher.config import LaunchConfig
 from megatron.launcher.plan import CONFIG_FLAG, LaunchPlan, PlanInputs
 from megatron.launcher.rendezvous import check_first_host_reachable, rendezvous
@@ -45,6 +47,17 @@ def runner_argv(flags: list[str], inputs: PlanInputs) -> list[str]:
             inputs.user_script, CONFIG_FLAG, inputs.config_path]  # fmt: skip
 
 
+def _local_accelerator(environ: Mapping[str, str]) -> dict[str, str]:
+    """On a machine without a GPU, tell DeepSpeed so (``DS_ACCELERATOR=cpu``, unless the user chose):
+    its auto-detection would print "unable to detect" a warning in every process of a local launch.
+    Only for local launches: the ranks run on this machine, so what it has is what they have."""
+    import torch
+
+    if "DS_ACCELERATOR" in environ or torch.cuda.is_available():
+        return {}
+    return {"DS_ACCELERATOR": "cpu"}
+
+
 def plan_deepspeed_runner(inputs: PlanInputs) -> LaunchPlan:
     config = inputs.config
     hosts = list(inputs.active)
@@ -57,6 +70,7 @@ def plan_deepspeed_runner(inputs: PlanInputs) -> LaunchPlan:
     flags = runner_flags(config, meeting.port, addr)
     return LaunchPlan(
         argv=runner_argv(flags, inputs),
+        env=_local_accelerator(inputs.environ) if not multi else {},
         mode="pdsh" if multi else "local",
         world_size=inputs.world_size,
         config_path=inputs.config_path,

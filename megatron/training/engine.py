@@ -19,8 +19,11 @@ the single-rank run and no ``train/grad_norm`` could be logged.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -223,6 +226,19 @@ def optimizer_offloaded(ds_config: dict[str, Any]) -> bool:
     return int(zero.get("stage", 0) or 0) > 0 and str(offload.get("device", "none")).lower() == "cpu"
 
 
+@contextlib.contextmanager
+def _deepspeed_prints_quiet() -> Iterator[None]:
+    """PipelineModule print()s its seeds and layer partition on every rank, bypassing DeepSpeed's
+    logger: keep that out of the user's console unless DeepSpeed's log level is info or debug."""
+    from deepspeed.utils import logger as ds_logger
+
+    if ds_logger.getEffectiveLevel() <= logging.INFO:
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
 def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationCheckpointConfig,
                 compile_layers: bool, objective: Objective) -> tuple[nn.Module, bool]:
     """(module, is_pipe); a pipeline's last stage computes ``objective.loss``."""
@@ -236,17 +252,18 @@ def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationChe
 
     # whole-chunk checkpointing by PipelineModule unless only every k-th block is recomputed
     interval = ckpt.checkpoint_num_layers if ckpt.checkpoint_activations and not ckpt.selective_checkpointing else 0
-    model = PipelineModule(
-        layers=pipeline_layer_specs(config),
-        loss_fn=objective.loss,
-        topology=mpu.get_topology(),
-        partition_method=partition_method(parallel.partition_method),
-        activation_checkpoint_interval=interval,
-        activation_checkpoint_func=deepspeed.checkpointing.checkpoint,
-        # only blocks: a checkpointed chunk starting at the embedding gets integer inputs only, so
-        # its output would not require grad and the first stage's backward fails
-        checkpointable_layers=["TransformerLayerPipe"],
-    )
+    with _deepspeed_prints_quiet():
+        model = PipelineModule(
+            layers=pipeline_layer_specs(config),
+            loss_fn=objective.loss,
+            topology=mpu.get_topology(),
+            partition_method=partition_method(parallel.partition_method),
+            activation_checkpoint_interval=interval,
+            activation_checkpoint_func=deepspeed.checkpointing.checkpoint,
+            # only blocks: a checkpointed chunk starting at the embedding gets integer inputs only, so
+            # its output would not require grad and the first stage's backward fails
+            checkpointable_layers=["TransformerLayerPipe"],
+        )
     wrap_layers(model, ckpt, compile_layers, pipe_interval_used=interval > 0)
     return model, True
 
