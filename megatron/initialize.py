@@ -84,6 +84,9 @@ def init_distributed(parallel: ParallelConfig) -> None:
 
 def initialize(parallel: ParallelConfig, seed: int) -> Coordinates:
     """Distributed start-up for one rank; returns (and prints) where this rank sits in the grid."""
+    from megatron.launcher.watchdog import start_launcher_watchdog
+
+    start_launcher_watchdog()  # a local launch's rank ends with the deepy.py that started it
     init_distributed(parallel)
     world = torch.distributed.get_world_size()
     expected = parallel.world_size

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from megatron.launcher.config import LaunchConfig
 from megatron.launcher.plan import CONFIG_FLAG, LaunchPlan, PlanInputs
 from megatron.launcher.rendezvous import check_first_host_reachable, rendezvous
+from megatron.launcher.watchdog import launcher_environment
 
 
 def runner_flags(config: LaunchConfig, master_port: int, master_addr: str | None = None) -> list[str]:
@@ -70,7 +71,7 @@ def plan_deepspeed_runner(inputs: PlanInputs) -> LaunchPlan:
     flags = runner_flags(config, meeting.port, addr)
     return LaunchPlan(
         argv=runner_argv(flags, inputs),
-        env=_local_accelerator(inputs.environ) if not multi else {},
+        env={**_local_accelerator(inputs.environ), **launcher_environment()} if not multi else {},
         mode="pdsh" if multi else "local",
         world_size=inputs.world_size,
         config_path=inputs.config_path,

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from launch_helpers import survivors
 from test_resume import DP2, REPO, assert_curves_match, deepy, losses, output, write_config
 
 pytestmark = pytest.mark.slow
@@ -89,8 +90,11 @@ def test_sigkill_at_any_moment_resumes_from_newest_committed(tmp_path: Path) -> 
     proc = _start(tmp_path, *COMMON, "checkpoint_factor=1", "train_iters=40", "lr_decay_iters=40", "log_dir=logs1")
     _wait_for(proc, "iteration 6/40")
     time.sleep(0.05)  # somewhere inside a later step or its save
-    os.killpg(proc.pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)  # deepy alone: nothing can catch this
     proc.wait(timeout=60)
+    # the ranks (another session) notice deepy is gone and end at once, saving nothing more
+    left = survivors(tmp_path, wait_s=10.0)
+    assert not left, f"ranks outlived a kill -9 of deepy: {left}"
     ckpt = tmp_path / "ckpt"
     latest = (ckpt / "latest").read_text().strip()
     assert (ckpt / latest / "COMMITTED").exists()
