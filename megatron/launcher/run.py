@@ -91,9 +91,10 @@ class LaunchSupervisor:
         try:
             # its own session: Ctrl-C in the terminal reaches deepy alone, and every process of the
             # run can be found (and ended) by session id even after re-parenting
-            self.process = subprocess.Popen(
-                self.plan.argv, env=self.env, stdin=subprocess.DEVNULL, start_new_session=True
-            )
+            # a local launch keeps deepy's stdin: generate.py's interactive mode reads prompts from it
+            # (rank 0); remote launchers (pdsh, srun, mpirun) would forward it to every host
+            stdin = None if self.plan.mode == "local" else subprocess.DEVNULL
+            self.process = subprocess.Popen(self.plan.argv, env=self.env, stdin=stdin, start_new_session=True)
             while self.process.poll() is None:
                 self._handle_requests()
                 if self.stop_signal is not None and not self.aborted:
