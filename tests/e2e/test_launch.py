@@ -25,17 +25,20 @@ import sys
 from megatron.errors import run_guarded
 from megatron.initialize import initialize
 from megatron.neox_arguments import load_resolved
+from megatron.neox_arguments.run_config import RunConfig
 import train  # the real worker's argv parsing (--deepy_config, --local_rank)
 
 def main():
     options = train.parse_worker_argv(sys.argv[1:])
-    initialize(load_resolved(options.deepy_config).args)
+    run = RunConfig.from_resolved(load_resolved(options.deepy_config))
+    initialize(run.parallel, run.training.seed)
     return 0
 
 run_guarded(main)
 """
 TINY = str(REPO / "configs" / "tiny.yml")
-LOCAL = str(REPO / "configs" / "local_setup.yml")
+# no corpus needed: the worker stops before reading data (deepy checks data files before launch)
+NO_DATA = ("use_dummy_dataset=true", "tokenizer_type=CharLevelTokenizer", "log_dir=logs", "save=ckpt")
 LINE = re.compile(r"^deepy: rank=(\d+) tp=(\d+) pp=(\d+) dp=(\d+) world=(\d+)$", re.MULTILINE)
 
 pytestmark = pytest.mark.slow
@@ -45,7 +48,7 @@ def deepy(script: str, *overrides: str, cwd: Path) -> subprocess.CompletedProces
     # no master_port: deepy picks a free one, so these runs and anyone else's on this machine coexist
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, DEEPY, script, TINY, LOCAL, *overrides],
+        [sys.executable, DEEPY, script, TINY, *NO_DATA, *overrides],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=540,
     )
 
