@@ -238,6 +238,7 @@ def test_dpo_tp2_with_precomputed_reference(data: dict[str, Any], dpo_single: di
     """Reference log-probs written by ``precomputed.write_reference_logps`` from the seeded initial
     model, read back by sample index: the losses of the frozen-copy run."""
     from megatron.data.build import build_datasets
+    from megatron.data.config import DataConfig
     from megatron.model import GPTConfig, GPTModel
     from megatron.neox_arguments import NeoXArgs
     from megatron.tokenizer.char_level import CharLevelTokenizer
@@ -247,8 +248,8 @@ def test_dpo_tp2_with_precomputed_reference(data: dict[str, Any], dpo_single: di
     config = {**_dpo(data["root"]), **TP2}
     args = NeoXArgs(**{k: v for k, v in {**BASE, **config}.items() if k not in ("num_gpus",)}, padded_vocab_size=512)
     tokenizer = CharLevelTokenizer()
-    train = build_datasets(args, tokenizer).train
-    model = GPTModel(GPTConfig.from_neox_args(args)).eval()
+    train = build_datasets(DataConfig.from_args(args), tokenizer, 512).train
+    model = GPTModel(GPTConfig.from_args(args).with_vocab(512)).eval()
     objective = build_objective(ObjectiveConfig(train_impl="dpo"))
     rows_needed = SHORT_STEPS * BASE["train_batch_size"]
     values = compute_reference_logps(objective, model, train, rows_needed, micro_batch_size=4)
@@ -262,7 +263,9 @@ def test_dpo_tp2_with_precomputed_reference(data: dict[str, Any], dpo_single: di
 def test_dpo_resume_mid_run_continues_the_curve(data: dict[str, Any], dpo_single: dict[str, Any], tmp_path: Path) -> None:
     """Resume from the learning run's step-3 checkpoint: the reference (the starting weights, not the
     resumed policy) comes back, and steps 4-6 are the uninterrupted ones."""
-    rows = run(tmp_path, "resumed", {**_dpo(data["root"]), "load": str(dpo_single["ckpt"]), "iteration": 3})
+    # the checkpoint's schedule (train_iters LEARN_STEPS), stopped after step 6 by exit_interval
+    rows = run(tmp_path, "resumed", {**_dpo(data["root"]), "load": str(dpo_single["ckpt"]), "iteration": 3,
+                                     "train_iters": LEARN_STEPS, "exit_interval": 6})
     got = series(rows, "train/lm_loss")
     assert sorted(got) == [4, 5, 6]
     assert_same_steps("dpo resumed at 3", got, series(dpo_single["rows"], "train/lm_loss"))
