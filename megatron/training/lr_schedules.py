@@ -97,9 +97,10 @@ class ScheduleSpec:
     total_steps: int
     """Steps the schedule spans (GPT-NeoX ``lr_decay_iters``, default ``train_iters``)."""
     min_lr: float = 0.0
-    warmup_steps: int = 0
-    """Warmup of the first cycle, in steps."""
-    rewarmup_steps: int = 0
+    warmup_steps: float = 0
+    """Warmup of the first cycle, in steps; fractional as GPT-NeoX's ``warmup * lr_decay_iters`` is
+    (0.3 steps still gives the first update lr 0, as there)."""
+    rewarmup_steps: float = 0
     """Warmup of every later cycle, from ``min_lr`` back up to ``max_lr``."""
     cycle_starts: tuple[int, ...] = (0,)
     """First step of each cycle; the last cycle runs to ``total_steps``."""
@@ -158,7 +159,7 @@ def _within_cycle(spec: ScheduleSpec, index: int, start: int, length: int, step:
         return floor + (spec.max_lr - floor) * local / warmup
     after_warmup = length - warmup
     fraction = spec.effective_decay_fraction
-    decay_len = after_warmup if fraction is None else int(round(fraction * length))
+    decay_len = after_warmup if fraction is None else float(round(fraction * length))
     decay_len = min(decay_len, after_warmup)
     decay_start = start + length - decay_len
     if step < decay_start or decay_len == 0:
@@ -169,16 +170,17 @@ def _within_cycle(spec: ScheduleSpec, index: int, start: int, length: int, step:
     return max(spec.max_lr * scale, spec.min_lr)
 
 
-def steps_of(value: float | int | None, total: int) -> int:
+def steps_of(value: float | int | None, total: int) -> float:
     """A warmup-like quantity: a fraction of ``total`` when in (0, 1], else a number of steps.
 
-    1 is a fraction (the whole span), as in GPT-NeoX and as the config rules read it.
+    1 is a fraction (the whole span), as in GPT-NeoX and as the config rules read it. A fraction is
+    not rounded: GPT-NeoX's warmup is ``warmup * lr_decay_iters`` steps as a float.
     """
     if value is None or value <= 0:
-        return 0
+        return 0.0
     if value <= 1:
-        return int(round(value * total))
-    return int(value)
+        return float(value * total)
+    return float(int(value))
 
 
 def cycle_starts_for(

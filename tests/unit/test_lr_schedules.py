@@ -192,3 +192,22 @@ def test_warmup_of_one_is_the_whole_span_as_in_gpt_neox() -> None:
     assert steps_of(1.0, 200) == 200
     assert steps_of(0.05, 200) == 10
     assert steps_of(20, 200) == 20  # whole numbers above 1 are steps
+
+
+def test_fractional_warmup_follows_gpt_neox_float_warmup() -> None:
+    """GPT-NeoX's warmup is ``warmup * lr_decay_iters`` steps as a float: with 0.1 x 3 = 0.3 steps the
+    first update still uses lr 0, and the cosine decays over the 2.7 steps after it."""
+    import math
+
+    from megatron.training.lr_schedules import lr_at
+
+    spec = _lr(warmup=0.1, lr_decay_style="cosine").spec(3, 1.0)
+    assert spec.warmup_steps == pytest.approx(0.3)
+    warmup, end = 0.3, 3.0
+    for step in range(4):
+        if step <= warmup:
+            want = step / warmup
+        else:
+            ratio = min((step - warmup) / (end - warmup), 1.0)
+            want = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        assert lr_at(spec, step) == pytest.approx(want, abs=1e-12), step
