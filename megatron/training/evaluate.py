@@ -1,12 +1,16 @@
 """Validation/test loss: ``eval_iters`` global batches, averaged the same way as training.
 
-Each evaluation continues the split's sample stream where the previous one stopped (GPT-NeoX
-does the same), so successive evaluations see different batches.
+Successive evaluations see different batches: evaluation number k reads global batches
+``[k * eval_iters, (k + 1) * eval_iters)`` of the split (GPT-NeoX continues the split's stream the
+same way). Where it starts is a pure function of k, which is itself a function of the iteration
+(:func:`evaluation_number`), rather than a position carried from one evaluation to the next: a
+resumed run therefore evaluates exactly the batches the uninterrupted run would have, and nothing
+about evaluation has to be stored in a checkpoint (nor kept right across a change of batch layout).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -17,20 +21,37 @@ from megatron.training.engine import Engine
 from megatron.training.step import average_over_data_parallel, micro_batches_per_step
 
 
-class Evaluator:
-    """Holds one split's micro-batch stream and turns ``eval_iters`` global batches into a loss."""
+StreamAt = Callable[[int], Iterator[dict[str, torch.Tensor]]]
+"""This rank's micro-batches of a split, starting at a given global batch."""
 
-    def __init__(self, eng: Engine, micro_batches: Iterator[dict[str, torch.Tensor]], eval_iters: int,
-                 device: torch.device, eod_token: int | None = None) -> None:
+
+def evaluation_number(iteration: int, eval_interval: int | None) -> int:
+    """How many validation evaluations came before the one at ``iteration``: the periodic ones
+    at every multiple of ``eval_interval`` and a last one at the end of training that is not on a
+    multiple (a run that ends on a multiple evaluates once there)."""
+    if not eval_interval:
+        return 0
+    return max(iteration - 1, 0) // eval_interval
+
+
+class Evaluator:
+    """One split's batches, turned into a loss over ``eval_iters`` global batches per evaluation."""
+
+    def __init__(self, eng: Engine, stream_at: StreamAt, eval_iters: int, device: torch.device,
+                 eod_token: int | None = None) -> None:
         self.eng = eng
         self.eval_iters = eval_iters
         self.device = device
         self.eod_token = eod_token
-        self._micro = micro_batches
-        self._pipe = pipe_batches(micro_batches, eod_token, device) if eng.is_pipe else None
+        self._stream_at = stream_at
+        self._micro: Iterator[dict[str, torch.Tensor]] = iter(())
+        self._pipe: Iterator[Any] | None = None
 
-    def loss(self) -> float:
-        """Mean loss over ``eval_iters`` global batches (every rank gets the same value)."""
+    def loss(self, evaluation: int = 0) -> float:
+        """Mean loss over global batches ``[evaluation * eval_iters, (evaluation + 1) * eval_iters)``
+        of the split (every rank gets the same value)."""
+        self._micro = self._stream_at(evaluation * self.eval_iters)
+        self._pipe = pipe_batches(self._micro, self.eod_token, self.device) if self.eng.is_pipe else None
         engine = self.eng.engine
         total = 0.0
         for _ in range(self.eval_iters):
@@ -62,5 +83,9 @@ def maybe_evaluator(eng: Engine, dataset: Any, eval_iters: int, layout: dict[str
 
     if dataset is None or eval_iters <= 0 or len(dataset) == 0:
         return None
-    stream = MicroBatchIterator(dataset, 0, **layout)
-    return Evaluator(eng, stream, eval_iters, device, eod_token)
+
+    def stream_at(global_batch: int) -> MicroBatchIterator:
+        # O(1): the sample order is a pure function of the position (see data/sampler.py)
+        return MicroBatchIterator(dataset, global_batch * layout["global_batch_size"], **layout)
+
+    return Evaluator(eng, stream_at, eval_iters, device, eod_token)
