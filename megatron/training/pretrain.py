@@ -104,7 +104,8 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     record = {**run.args_record, "padded_vocab_size": padded_vocab, "train_iters": train_iters}
     manager = CheckpointManager.from_config(run.checkpoint, args_record=record, train_iters=train_iters,
                                             before_commit=before_commit)
-    ckpt = CheckpointHooks(manager, validate=validation_loss if run.checkpoint.validate_with_forward_pass else None)
+    ckpt = CheckpointHooks(manager, validate=validation_loss if run.checkpoint.validate_with_forward_pass else None,
+                           reseed=lambda iteration: model_parallel_manual_seed(training.seed + iteration))
     ckpt.attach_model(eng, run.parallel.tensor)
     # also without `load`: a fresh start refuses a `save` directory that already holds a run
     state = ckpt.load(eng, TrainState())
