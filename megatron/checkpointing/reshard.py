@@ -96,6 +96,7 @@ def zero0_to_universal(ckpt_dir: Path, target: Path, tp: int, stages: int, pipel
 
     from megatron.deepspeed_internals import merge_universal_tp_slices
 
+    info = _with_tuple_shapes(info)
     slices = target / "tmp"
     shapes: dict[str, list[torch.Size]] = defaultdict(list)
     groups: list[dict[str, Any]] = []
@@ -141,6 +142,18 @@ def zero0_to_universal(ckpt_dir: Path, target: Path, tp: int, stages: int, pipel
         state = _load(model_file)
         state["optimizer"] = None  # the source layout's optimizer: read above, meaningless to a loader
         torch.save(state, target / model_file.name)
+
+
+def _with_tuple_shapes(info: dict[str, Any]) -> dict[str, Any]:
+    """``info`` as DeepSpeed writes it: ``deepy_meta.json`` turned the sub-parameter shapes into
+    lists, which DeepSpeed's loader later hands to ``Tensor.view`` (it takes tuples only)."""
+    from deepspeed.checkpoint.constants import PARAMETER_WITH_SUB_PARAMS
+
+    def as_tuple(value: Any) -> Any:
+        return tuple(as_tuple(v) for v in value) if isinstance(value, list) else value
+
+    subs = [{**sub, "shape": as_tuple(sub["shape"])} for sub in info.get(PARAMETER_WITH_SUB_PARAMS, [])]
+    return {**info, PARAMETER_WITH_SUB_PARAMS: subs}
 
 
 def _stage_weights(ckpt_dir: Path, tp_rank: int, names: list[list[str]]) -> dict[str, torch.Tensor]:
