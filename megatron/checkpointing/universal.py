@@ -21,8 +21,13 @@ pipeline model, so pipeline (``pipe_parallel_size >= 1``) and plain (``0``) chec
 each other, and fits the padded vocabulary to the loading run's tp. Without ZeRO a change of dp alone
 needs no conversion at all: every data-parallel rank holds the whole optimizer.
 
-Not covered (refused before any tensor is read, with what to do): fp16/bf16 runs without ZeRO on
-either side (DeepSpeed's fp16/bf16 optimizers keep their own layout there), and mixture-of-experts
+RNG streams are restored only when tp, pp and dp are unchanged (each rank's streams follow its share
+of the work); otherwise torch's and the tensor-parallel stream are seeded from ``seed + iteration``
+(``CheckpointHooks``). docs/resume_layouts.md has the whole table.
+
+Not covered (refused at load with what to do, before any weight changes): fp16/bf16 runs without ZeRO on the
+loading side and fp16 runs without ZeRO on the saving side (DeepSpeed's fp16/bf16 optimizers keep
+their own layout there), ZeRO-3 with tensor parallelism on either side, and mixture-of-experts
 models across ZeRO 0/3 or pipeline wrapping (their expert shards are Deepy's own, written per
 data-parallel rank; ZeRO 1-2 layout changes of MoE models work).
 """
