@@ -60,7 +60,7 @@ def train_step(eng: Engine, micro_batches: Iterator[dict[str, torch.Tensor]],
     """One global batch: forward/backward on every micro-batch, then the optimizer step."""
     engine = eng.engine
     if eng.moe is not None:
-        eng.moe.before_step(engine, _loss_scale(engine))
+        eng.moe.before_step(engine, loss_scale(engine))
     if eng.is_pipe:
         # PipelineEngine runs the whole schedule and returns the loss averaged over micro-batches
         # and data-parallel ranks, broadcast to every stage
