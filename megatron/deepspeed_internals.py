@@ -118,3 +118,37 @@ def model_parallel_rng_tracker_name() -> str:
     from deepspeed.runtime.activation_checkpointing import checkpointing
 
     return str(checkpointing._MODEL_PARALLEL_RNG_TRACKER_NAME)
+
+
+def merge_universal_tp_slices(info: dict[str, Any], zero_dir: Any, slices_dir: Any, tp: int, name: str,
+                              shapes: list[Any]) -> None:
+    """Glue one parameter's tensor-parallel fragments into its universal-checkpoint files.
+
+    ``ds_to_universal`` does this for ZeRO checkpoints after cutting their flat partitions into
+    ``<slices_dir>/<name>/<tp rank>/<state>.<dp rank>`` fragments; ``checkpointing/reshard.py``
+    writes the same fragments from a ZeRO-0 checkpoint (which has no partitions) and hands them to
+    the same step, so the files (and the metadata DeepSpeed's loader cuts them by) are DeepSpeed's own.
+    """
+    from deepspeed.checkpoint import ds_to_universal
+
+    ds_to_universal.merge_tp_slices(info, str(zero_dir), str(slices_dir), tp, (name, shapes))
+
+
+def untie_optimizer_steps(engine: Any) -> None:
+    """Give every optimizer state its own ``step`` tensor after a universal load.
+
+    DeepSpeed 0.19.8's ZeRO-3 universal loader stores one and the same step tensor in the state of
+    every parameter group; torch's Adam increments its step in place, so with two groups (decay and
+    no decay) the shared counter advances twice per iteration and the bias correction drifts
+    (the resumed loss curve leaves the uninterrupted one from the second step on).
+    """
+    import torch
+
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    seen: set[int] = set()
+    for state in getattr(inner, "state", {}).values():
+        step = state.get("step") if isinstance(state, dict) else None
+        if isinstance(step, torch.Tensor):
+            if id(step) in seen:
+                state["step"] = step.clone()
+            seen.add(id(step))

@@ -1,12 +1,15 @@
 """Plot training curves from one or several runs' ``metrics.jsonl`` into a PNG.
 
-    python tools/plot_metrics.py logs -o curves.png                    # one run (a log_dir or the file)
-    python tools/plot_metrics.py runs/a runs/b -o compare.png          # several runs overlaid
+    python tools/plot_metrics.py logs -o curves.png                    # every run of a log_dir
+    python tools/plot_metrics.py logs/20250101-120000-ab12 -o one.png  # one run (its folder or its file)
+    python tools/plot_metrics.py runs/a runs/b -o compare.png          # several log_dirs overlaid
     python tools/plot_metrics.py logs --ascii [--key train/lm_loss]    # a quick look in the terminal
 
 Six panels against the iteration: training loss, evaluation loss, learning rate, gradient norm,
-loss scale (fp16 runs; the others say so) and tokens per second. Each run is one colour, labelled
-by its directory (``--label`` overrides). ``--ascii`` prints one metric as a character chart
+loss scale (fp16 runs; the others say so) and tokens per second. A training run keeps its rows in
+``<log_dir>/<run name>/metrics.jsonl`` (a resumed run continues its own file), so a log_dir shared by
+several runs shows each as its own curve. Each run is one colour, labelled by its folder (``--label``
+overrides, one per argument). ``--ascii`` prints one metric as a character chart
 instead, without matplotlib.
 """
 
@@ -23,8 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the repo's megatron
 
 from megatron.errors import UsageError, run_guarded  # noqa: E402
-
-METRICS_FILE = "metrics.jsonl"
+from megatron.logging.metrics import METRICS_FILE, run_files  # noqa: E402
 
 # (metric key, panel title, y-axis scale, what an empty panel says)
 PANELS: list[tuple[str, str, str, str]] = [
@@ -53,16 +55,25 @@ class Run:
         return xs, ys
 
 
-def metrics_path(path: Path) -> Path:
-    if path.is_dir():
-        path = path / METRICS_FILE
-    if not path.is_file():
-        raise UsageError(f"{path}: no such metrics file (give a run's log_dir or its {METRICS_FILE})")
-    return path
+def metrics_paths(path: Path) -> list[Path]:
+    """The runs' files a command-line argument names: a file, a run's folder, or a log_dir's runs."""
+    files = run_files(path)
+    for file in files:
+        if not file.is_file():
+            raise UsageError(f"{file}: no such metrics file (give a log_dir, a run's folder or its {METRICS_FILE})")
+    return files
+
+
+def read_runs(path: Path, label: str | None = None) -> list[Run]:
+    files = metrics_paths(path)
+    if len(files) == 1:
+        return [read_run(files[0], label)]
+    return [read_run(file, f"{label}/{file.parent.name}" if label else None) for file in files]
 
 
 def read_run(path: Path, label: str | None = None) -> Run:
-    file = metrics_path(path)
+    """One run: a metrics file, or a folder's newest run."""
+    file = metrics_paths(path)[-1]
     rows: list[dict[str, Any]] = []
     for line_no, line in enumerate(file.read_text().splitlines(), start=1):
         if not line.strip():
@@ -147,7 +158,7 @@ def render_ascii(points: list[tuple[int, float]], width: int, height: int) -> li
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", type=Path, help="log_dir(s) or metrics.jsonl file(s)")
+    parser.add_argument("runs", nargs="+", type=Path, help="log_dir(s), run folder(s) or metrics.jsonl file(s)")
     parser.add_argument("-o", "--output", type=Path, default=None, help="PNG to write (default: curves.png)")
     parser.add_argument("--label", action="append", default=None, help="legend label per run, in order")
     parser.add_argument("--ascii", action="store_true", help="print --key as a character chart instead")
@@ -159,7 +170,7 @@ def main() -> int:
     labels = args.label or []
     if labels and len(labels) != len(args.runs):
         raise UsageError(f"{len(labels)} --label for {len(args.runs)} runs: give one per run or none")
-    runs = [read_run(path, labels[i] if labels else None) for i, path in enumerate(args.runs)]
+    runs = [run for i, path in enumerate(args.runs) for run in read_runs(path, labels[i] if labels else None)]
     if args.ascii:
         for run in runs:
             xs, ys = run.series(args.key)

@@ -11,10 +11,11 @@ verdict without communicating.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from megatron.checkpointing import commit
 
@@ -83,6 +84,25 @@ def inspect_load_dir(path: Path) -> Found:
     if not entries:
         return Found("empty", path)
     return Found("other", path, entries=entries)
+
+
+def resume_point(load_dir: Path, iteration: int | None = None) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint a resume from ``load_dir`` would load (``iteration``'s, else the newest
+    committed one) and its ``deepy_meta.json``; None when there is none to resume from or its
+    metadata is unreadable (the run itself then explains why)."""
+    if inspect_load_dir(load_dir).kind != "deepy":
+        return None
+    if iteration is not None:
+        tag: str | None = commit.tag_for(iteration) if commit.is_committed(load_dir / commit.tag_for(iteration)) else None
+    else:
+        tag, _ = commit.newest_committed(load_dir)
+    if tag is None:
+        return None
+    try:
+        meta = json.loads((load_dir / tag / META_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return (load_dir / tag, meta) if isinstance(meta, dict) else None
 
 
 def _fresh_start_hint() -> str:

@@ -24,9 +24,13 @@ log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0
 
 
 class CheckpointHooks:
-    def __init__(self, manager: CheckpointManager, validate: Callable[[], float] | None = None) -> None:
+    def __init__(self, manager: CheckpointManager, validate: Callable[[], float] | None = None,
+                 reseed: Callable[[int], None] | None = None) -> None:
+        """``reseed(iteration)``: seeds fresh RNG streams when a resume cannot restore the saved ones
+        (the tp/pp/dp split changed), so the run does not replay the dropout masks of its first steps."""
         self.manager = manager
         self.validate = validate
+        self.reseed = reseed
 
     def attach_model(self, eng: Any, tp: int) -> None:
         """Record how the model's tensors split over tp, so later loads can change the layout."""
@@ -39,6 +43,8 @@ class CheckpointHooks:
             return state
         if result.iteration == 0 and result.consumed_samples == 0:
             return state  # weights only (finetune / initialize_from): progress starts at zero
+        if not result.rng_restored and not self.manager.no_load_rng and self.reseed is not None:
+            self.reseed(result.iteration)
         saved = dict(result.extra.get("train_state") or {})
         saved.update(iteration=result.iteration, consumed_samples=result.consumed_samples, stop_reason=None)
         return type(state).from_dict({**state.to_dict(), **saved})

@@ -3,7 +3,8 @@
 One checkpoint directory ``<save>/global_step<N>/`` holds
 
 * DeepSpeed's files (model, ZeRO optimizer shards, LR scheduler) plus our ``client_state``
-  (``"deepy"``: iteration, consumed samples, layout);
+  (``"deepy"``: iteration, consumed samples, layout; without ZeRO also the module name of every
+  optimizer entry, which a torch optimizer state dict only numbers, so a later run can reshard it);
 * ``deepy_rng/rank_<r>.pt``: each rank's RNG streams (python, numpy, torch, tensor-parallel);
 * ``deepy_meta.json``: iteration, consumed samples, layout, the resolved arguments - readable
   without torch, so a load can decide whether to convert before touching any tensor;
@@ -18,11 +19,12 @@ checkpoint - the one ``latest`` points to - is never touched.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron.checkpointing import commit
+from megatron.checkpointing import commit, reshard
 from megatron.checkpointing.expert_shards import check_expert_layout, load_expert_shards, save_expert_shards
 from megatron.checkpointing.preemption import collective_device
 from megatron.checkpointing.retention import CheckpointKind
@@ -39,12 +41,11 @@ from megatron.checkpointing.safe_load import load_trusted_tensors, weights_only_
 from megatron.checkpointing.universal import (
     Layout,
     check_convertible,
-    convert_to_universal,
-    fit_vocabulary_rows,
     needs_universal,
+    prepare_universal,
     universal_dir,
 )
-from megatron.deepspeed_internals import recorded_checkpoint_writes, universal_loading
+from megatron.deepspeed_internals import recorded_checkpoint_writes, universal_loading, untie_optimizer_steps
 from megatron.errors import CheckpointError
 
 log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0 speaks
@@ -154,6 +155,9 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Save
             "extra": request.extra,
         }
     }
+    names = reshard.optimizer_param_names(engine)
+    if names is not None:
+        client_state[CLIENT_KEY][reshard.OPTIMIZER_PARAMS_KEY] = names
     if request.universal_info is not None:
         client_state["universal_checkpoint_info"] = request.universal_info
     with recorded_checkpoint_writes(engine) as write_errors:
@@ -230,6 +234,8 @@ class LoadResult:
     consumed_samples: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    rng_restored: bool = False
+    """Every rank's RNG streams continue from the checkpoint (same tp/pp/dp split)."""
 
 
 @dataclass(frozen=True)
@@ -302,16 +308,19 @@ def load_checkpoint(
     source = ckpt_dir
     universal = needs_universal(saved, layout)
     if universal:
-        check_convertible(saved, layout)
+        check_convertible(saved, layout, moe=int(args.get("moe_num_experts") or 1) > 1)
+        if layout.zero_stage == 0 and reshard.plain_torch_optimizer(engine) is None:
+            raise CheckpointError(
+                f"cannot load {ckpt_dir} (saved at {saved}) into a run at {current_layout(engine)}: without ZeRO only "
+                "fp32 runs can change layout (DeepSpeed's fp16/bf16 optimizers keep their own layout there). Use "
+                "zero_optimization.stage 1 for this run, or load at the saved layout."
+            )
         result.notes.append(f"layout changed from {saved} to {layout}: loading through a universal checkpoint")
         error: BaseException | None = None
         if rank == 0:
             try:
-                target = convert_to_universal(ckpt_dir)
                 rows = args.get("padded_vocab_size")
-                info = meta.get("universal_info") or {}
-                if rows and info:
-                    fit_vocabulary_rows(target, info, int(rows))
+                prepare_universal(ckpt_dir, meta, int(rows) if rows else None)
             except Exception as err:  # noqa: BLE001 - reported on every rank below
                 error = err
         failed = _failed_ranks(error is not None)
@@ -321,7 +330,15 @@ def load_checkpoint(
             raise CheckpointError(f"converting {ckpt_dir} for the new layout failed: {error or 'see rank 0'}")
         source = universal_dir(ckpt_dir)
 
-    _engine_load(engine, source, universal, options)
+    if universal and reshard.plain_torch_optimizer(engine) is not None:
+        restore = options.load_optim and not options.weights_only
+        with weights_only_loading(source):
+            reshard.load_into_torch_optimizer(engine, source, load_optimizer=restore, load_scheduler=restore)
+    else:
+        with _own_weight_decay(engine, keep=universal):
+            _engine_load(engine, source, universal, options)
+        if universal:
+            untie_optimizer_steps(engine)
     load_expert_shards(engine, ckpt_dir, load_optim=options.load_optim and not options.weights_only)
     if options.weights_only:
         result.notes.append(
@@ -341,15 +358,36 @@ def load_checkpoint(
             _reset_optimizer_state(engine)
     if options.load_rng:
         rng_file = ckpt_dir / RNG_DIR / f"rank_{rank:05d}.pt"
-        if saved == layout and rng_file.is_file():
+        same_ranks = (saved.tp, saved.pp, saved.dp) == (layout.tp, layout.pp, layout.dp)
+        if same_ranks and rng_file.is_file():
+            # the same rank holds the same part of the work (only ZeRO stage or pipeline wrapping changed)
             restore_rng_state(load_trusted_tensors(rng_file))
-        elif saved != layout:
-            result.notes.append("RNG streams not restored: they are per rank and the layout changed")
+            result.rng_restored = True
+        elif not same_ranks:
+            result.notes.append(
+                "RNG streams not restored: each rank's streams follow its share of the work, which the new tp/pp/dp "
+                "split changes; they are seeded afresh from (seed, iteration)"
+            )
         else:
             result.notes.append(f"RNG state missing for rank {rank}; continuing with the seeded streams")
     else:
         result.notes.append("RNG state not loaded (no_load_rng)")
     return result
+
+
+@contextlib.contextmanager
+def _own_weight_decay(engine: Any, keep: bool) -> Iterator[None]:
+    """Keep this run's per-group weight decay through a universal load: DeepSpeed's ZeRO-3 loader
+    copies the first saved group's hyperparameters onto every group, which would decay biases and
+    norms (the no-decay group) in a run with weight decay."""
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    groups = list(getattr(inner, "param_groups", []) or [])
+    decay = [group.get("weight_decay") for group in groups]
+    yield
+    if keep:
+        for group, value in zip(groups, decay):
+            if value is not None:
+                group["weight_decay"] = value
 
 
 def _load_weights_only(

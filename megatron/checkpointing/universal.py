@@ -1,15 +1,35 @@
 """Changing the parallel layout between save and load, through DeepSpeed's universal checkpoints.
 
-A checkpoint records the layout it was written at. When the loading run differs in tp, pp, dp or
-ZeRO stage, rank 0 converts ``<save>/<tag>`` into ``<save>/<tag>_universal`` with
-``deepspeed.checkpoint.ds_to_universal`` (one full, unsharded tensor per parameter and optimizer
-state) while the other ranks wait; then every rank loads it with DeepSpeed's universal loader,
-which cuts each tensor for the new layout. The conversion is cached: it is committed with the same
-marker protocol as a checkpoint and reused by later loads.
+A checkpoint records the layout it was written at. When the loading run differs in tp, pp, dp, ZeRO
+stage or pipeline wrapping, rank 0 converts ``<save>/<tag>`` into ``<save>/<tag>_universal`` (one
+full, unsharded tensor per parameter and optimizer state) while the other ranks wait; then every rank
+loads it and cuts each tensor for the new layout. The conversion is cached: it is committed with the
+same marker protocol as a checkpoint and reused by later loads.
 
-Universal loading lives in DeepSpeed's ZeRO optimizers, so a layout change needs ZeRO stage 1 or 2
-on both sides. The one exception needs no conversion at all: without ZeRO every data-parallel rank
-holds the whole optimizer, so only dp may change.
+Who does what (``reshard.py`` holds Deepy's parts):
+
+=====================  ==============================================  ==========================================
+                       ZeRO 1, 2, 3 (and the bf16 optimizer)           ZeRO 0 (fp32: a torch optimizer)
+=====================  ==============================================  ==========================================
+saved -> universal     DeepSpeed's ``ds_to_universal`` (a child        Deepy: the shards go through DeepSpeed's
+                       process)                                        own merge step (``zero0_to_universal``)
+universal -> loading   DeepSpeed's universal loader                    Deepy: ``load_into_torch_optimizer``
+=====================  ==============================================  ==========================================
+
+In between, ``reshard.complete_for_any_target`` names every parameter for both the plain and the
+pipeline model, so pipeline (``pipe_parallel_size >= 1``) and plain (``0``) checkpoints load into
+each other, and fits the padded vocabulary to the loading run's tp. Without ZeRO a change of dp alone
+needs no conversion at all: every data-parallel rank holds the whole optimizer.
+
+RNG streams are restored only when tp, pp and dp are unchanged (each rank's streams follow its share
+of the work); otherwise torch's and the tensor-parallel stream are seeded from ``seed + iteration``
+(``CheckpointHooks``). docs/resume_layouts.md has the whole table.
+
+Not covered (refused at load with what to do, before any weight changes): fp16/bf16 runs without ZeRO on the
+loading side and fp16 runs without ZeRO on the saving side (DeepSpeed's fp16/bf16 optimizers keep
+their own layout there), ZeRO-3 with tensor parallelism on either side, and mixture-of-experts
+models across ZeRO 0/3 or pipeline wrapping (their expert shards are Deepy's own, written per
+data-parallel rank; ZeRO 1-2 layout changes of MoE models work).
 """
 
 from __future__ import annotations
@@ -25,7 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatron.checkpointing import commit
+from megatron.checkpointing import commit, reshard
 from megatron.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -77,31 +97,57 @@ def needs_universal(saved: Layout, current: Layout) -> bool:
     return True
 
 
-def check_convertible(saved: Layout, current: Layout) -> None:
-    """Reject layout changes DeepSpeed 0.19.8 cannot do, with what to do instead."""
-    if saved.pipeline != current.pipeline:
-        def describe(layout: Layout) -> str:
-            return "pipe_parallel_size >= 1" if layout.pipeline else "pipe_parallel_size: 0"
-
+def check_convertible(saved: Layout, current: Layout, *, moe: bool = False) -> None:
+    """Reject layout changes Deepy cannot make, with what to do instead."""
+    if moe and (saved.pipeline != current.pipeline or {saved.zero_stage, current.zero_stage} & {0, 3}):
         raise CheckpointError(
-            f"cannot load a checkpoint saved with {describe(saved)} into a run with {describe(current)}: the "
-            "pipeline-wrapped and the plain model name their parameters differently. Load with "
-            f"{describe(saved)} (any pp, tp, dp and ZeRO stage 1-2 work)."
+            f"cannot load a mixture-of-experts checkpoint saved at {saved} into a run at {current}: layout changes "
+            "of MoE models go through ZeRO stage 1 or 2 on both sides with the same pipeline wrapping. Load at the "
+            "saved layout, or save from a ZeRO-1 run first."
         )
-    if saved.zero_stage not in (1, 2) or current.zero_stage not in (1, 2):
-        raise CheckpointError(
-            f"cannot load a checkpoint saved at {saved} into a run at {current}: changing tp/pp (or the ZeRO stage) "
-            "goes through DeepSpeed universal checkpoints, which need ZeRO stage 1 or 2 on both sides. "
-            "Set zero_optimization.stage to 1 or 2, or load at the saved layout."
-        )
+    for side, lay in (("saved", saved), ("loading", current)):
+        if lay.zero_stage == 3 and lay.tp > 1:
+            # DeepSpeed 0.19.8 reassembles (and cuts) ZeRO-3 tensor-parallel shards only for its own
+            # AutoTP layers, not for Megatron-style layers such as ours
+            raise CheckpointError(
+                f"cannot load a checkpoint saved at {saved} into a run at {current}: the {side} run combines ZeRO "
+                "stage 3 with tensor parallelism (model_parallel_size > 1), whose checkpoints cannot change layout. "
+                "Use zero_optimization.stage 0, 1 or 2 on that side, or load at the saved layout."
+            )
 
 
 def universal_dir(ckpt_dir: Path) -> Path:
     return ckpt_dir.with_name(ckpt_dir.name + UNIVERSAL_SUFFIX)
 
 
+def prepare_universal(ckpt_dir: Path, meta: dict[str, Any], vocab_rows: int | None) -> Path:
+    """The universal checkpoint of ``ckpt_dir``, converted once and made loadable by any target
+    (rank 0 only; the other ranks wait). ``meta``: the checkpoint's ``deepy_meta.json``."""
+    saved = Layout.from_dict(meta["layout"])
+    info = meta.get("universal_info") or {}
+    target = universal_dir(ckpt_dir)
+    if not commit.is_committed(target):
+        if target.exists():
+            shutil.rmtree(target)  # a conversion killed half-way
+        if reshard.has_zero_files(ckpt_dir):
+            convert_to_universal(ckpt_dir)
+        else:
+            if not info:
+                raise CheckpointError(f"{ckpt_dir} records no universal_checkpoint_info: it cannot change layout")
+            log.info("converting %s (saved without ZeRO) to a universal checkpoint for the new layout", ckpt_dir)
+            reshard.zero0_to_universal(ckpt_dir, target, saved.tp, saved.pp, saved.pipeline, info)
+            marker = commit.read_commit_marker(ckpt_dir)
+            commit.write_commit_marker(target, marker or commit.CommitInfo(step=-1, kind="step", time=time.time()))
+    args = meta.get("args") or {}
+    tied = not args.get("no_weight_tying", False) and args.get("train_impl") != "rm"
+    reshard.complete_for_any_target(target, num_layers=int(args["num_layers"]), tied=tied, vocab_rows=vocab_rows,
+                                    vocab_patterns=list(info.get("vocabulary_parameter_patterns", [])))
+    return target
+
+
 def convert_to_universal(ckpt_dir: Path, timeout_s: float = 3600.0) -> Path:
-    """Run ``ds_to_universal`` on ``ckpt_dir`` (once; later calls reuse the committed result).
+    """Run ``ds_to_universal`` on ``ckpt_dir`` (a ZeRO 1-3 checkpoint; once: later calls reuse the
+    committed result).
 
     It runs in a child process: the converter forks worker pools and loads every shard, neither of
     which should happen inside a rank that holds a process group.
@@ -210,33 +256,3 @@ def universal_checkpoint_info(config: GPTConfig, tp: int) -> dict[str, Any]:
         ds.SUB_PARAM_SHARD_WIDTHS: shard_widths,
         ds.TP_REPLICATED_PARAMETER_PATTERNS: [replicated],
     }
-
-
-def fit_vocabulary_rows(target: Path, info: dict[str, Any], rows: int) -> list[str]:
-    """Trim the padded vocabulary of a universal checkpoint to ``rows`` (a smaller tp pads less).
-
-    DeepSpeed's loader pads missing rows with zeros itself but cannot drop rows; the rows
-    dropped here are padding beyond the tokenizer's vocabulary, never real tokens.
-    """
-    import re
-
-    import torch
-
-    from megatron.checkpointing.safe_load import weights_only_loading
-
-    trimmed: list[str] = []
-    patterns = info.get("vocabulary_parameter_patterns", [])
-    for param_dir in sorted((target / "zero").iterdir()):
-        if not param_dir.is_dir() or not any(re.match(p, param_dir.name) for p in patterns):
-            continue
-        for state_file in param_dir.glob("*.pt"):
-            if state_file.name == "step.pt":
-                continue
-            with weights_only_loading():
-                state = torch.load(state_file)
-            if state["param"].shape[0] > rows:
-                state["param"] = state["param"][:rows].clone()
-                torch.save(state, state_file)
-                trimmed.append(f"{param_dir.name}/{state_file.name}")
-    return trimmed
-

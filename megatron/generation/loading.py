@@ -3,10 +3,9 @@
 The model is built exactly as training builds it (the same DeepSpeed engine, plain or pipeline),
 and the weights come in through the checkpoint code's own loader in weights-only mode
 (`megatron.checkpointing.save_load.load_checkpoint`). So a checkpoint saved at another layout is
-read the way a resumed training run reads it: through DeepSpeed's universal checkpoints (converted
-once, cached next to the checkpoint), which needs ZeRO stage 1 or 2 at save and at load, and
-refused with that explanation otherwise; a pipeline checkpoint (`pipe_parallel_size >= 1`) loads
-into any pipeline layout, never into the plain model, and the other way round.
+read the way a resumed training run reads it: through a universal checkpoint (converted once, cached
+next to the checkpoint), at any ZeRO stage and between pipeline and plain models
+(docs/resume_layouts.md lists what is refused).
 """
 
 from __future__ import annotations

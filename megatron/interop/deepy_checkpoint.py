@@ -37,7 +37,7 @@ from megatron.checkpointing.universal import Layout
 from megatron.errors import CheckpointError, ConversionError
 from megatron.model.config import GPTConfig
 from megatron.model.partitioning import tp_partition_of
-from megatron.model.pipeline import model_parameter_name
+from megatron.model.pipeline import model_parameter_name, pipeline_location
 from megatron.mpu.initialize_weights import shard_tensor, unshard_tensors
 
 Weights = dict[str, torch.Tensor]
@@ -180,21 +180,6 @@ def read_full_checkpoint(path: Path, iteration: int | None = None) -> FullCheckp
 
 
 # --- writing ---------------------------------------------------------------------------------
-def pipeline_location(name: str, num_layers: int) -> tuple[int, str]:
-    """(layer spec index, name inside that layer) of a canonical parameter: the inverse of
-    ``pipeline.model_parameter_name`` for the specs ``pipeline_layer_specs`` builds."""
-    if name.startswith("embedding."):
-        return 0, name.removeprefix("embedding.")
-    if name.startswith("layers."):
-        _, index, rest = name.split(".", 2)
-        return int(index) + 1, rest
-    if name.startswith("final_norm."):
-        return num_layers + 1, name
-    if name.startswith(("output_layer.", "value_head.")):
-        return num_layers + 2, name
-    raise ConversionError(f"parameter {name!r} has no place in the pipeline layers")
-
-
 def shard_for_tp(config: GPTConfig, weights: Weights, tp: int) -> list[Weights]:
     """Each tp rank's part of every weight (replicated weights whole on every rank)."""
     config.check_tensor_parallel(tp)
@@ -254,7 +239,10 @@ def write_weights_only_checkpoint(
         for rank, module in enumerate(per_rank):
             layers: dict[int, Weights] = defaultdict(dict)
             for name, tensor in module.items():
-                index, local = pipeline_location(name, config.num_layers)
+                try:
+                    index, local = pipeline_location(name, config.num_layers)
+                except ValueError as err:
+                    raise ConversionError(str(err)) from err
                 layers[index][local] = tensor
             for index, state in sorted(layers.items()):
                 torch.save(state, ckpt / f"layer_{index:02d}-model_{rank:02d}-model_states.pt")

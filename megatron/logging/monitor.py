@@ -18,13 +18,16 @@ from megatron.logging.profiling import StepProfiler
 from megatron.logging.progress import TrainingProgress
 from megatron.logging.stats import StatsCollector
 from megatron.logging.timers import Timers
-from megatron.logging.trackers import TrackerContext, Trackers, build_trackers, new_wandb_run_id
+from megatron.logging.trackers import TrackerContext, Trackers, build_trackers, new_run_name, new_wandb_run_id
 
 
 class Monitor:
     def __init__(self, *, config: LoggingConfig, trackers: Trackers, timers: Timers, progress: TrainingProgress,
-                 train_iters: int, stats: StatsCollector | None = None, profiler: StepProfiler | None = None) -> None:
+                 train_iters: int, stats: StatsCollector | None = None, profiler: StepProfiler | None = None,
+                 run_name: str | None = None) -> None:
         self.config = config
+        self.run_name = run_name
+        """The run's name, the same on every rank (saved with checkpoints as ``TrainState.run_name``)."""
         self.trackers = trackers
         self.timers = timers
         self.progress = progress
@@ -91,12 +94,27 @@ def agree_on_wandb_run_id(resumed: str | None, config: LoggingConfig) -> str | N
     return proposal[0]
 
 
+def agree_on_run_name(resumed: str | None) -> str:
+    """The run's name: the checkpoint's when resuming, else rank 0's new one, on every rank."""
+    if resumed:
+        return resumed
+    import torch.distributed as dist
+
+    proposal = [new_run_name() if not dist.is_initialized() or dist.get_rank() == 0 else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(proposal, src=0)
+    return str(proposal[0])
+
+
 def build_monitor(config: LoggingConfig, *, engine: Any, rank: int, speaks: bool, start_iteration: int,
                   train_iters: int, wandb_run_id: str | None, run_config: Mapping[str, Any],
-                  logger: logging.Logger, cuda: bool) -> Monitor:
-    """Everything the loop logs through, for this rank."""
+                  logger: logging.Logger, cuda: bool, run_name: str | None = None) -> Monitor:
+    """Everything the loop logs through, for this rank. ``run_name``: the resumed run's name (None:
+    a new run, named here)."""
     run_id = agree_on_wandb_run_id(wandb_run_id, config)
-    ctx = TrackerContext(rank=rank, speaks=speaks, run_id=run_id, start_step=start_iteration, run_config=run_config)
+    name = agree_on_run_name(run_name)
+    ctx = TrackerContext(rank=rank, speaks=speaks, run_id=run_id, start_step=start_iteration, run_config=run_config,
+                         run_name=name)
     trackers = build_trackers(config.trackers, ctx, config.log_dir)
     timers = Timers(config.wall_clock_breakdown)
     timers.attach(engine)
@@ -108,4 +126,5 @@ def build_monitor(config: LoggingConfig, *, engine: Any, rank: int, speaks: bool
         train_iters=train_iters,
         stats=StatsCollector(config.stats, engine) if config.stats.any else None,
         profiler=StepProfiler(config.profile, rank, cuda) if config.profile.any else None,
+        run_name=name,
     )

@@ -11,6 +11,10 @@ training loop only ever calls :meth:`Trackers.log`.
   in no log line of ours.
 - TensorBoard: ``torch.utils.tensorboard.SummaryWriter``; a resumed run purges events at or after
   its first step, so a resume from an older checkpoint does not leave two curves.
+- metrics.jsonl: the run's own file ``<log_dir>/<run name>/metrics.jsonl`` (see ``metrics.py``); a
+  resumed run drops the rows logged after its checkpoint before continuing it.
+
+Every tracker's step axis is the iteration, which a resumed run continues from its checkpoint.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import math
 import os
 import secrets
 import string
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -44,6 +49,9 @@ class TrackerContext:
     """W&B run id agreed by every rank: the checkpoint's when resuming, else a new one."""
     start_step: int
     """Iteration the run starts from (0 for a fresh run)."""
+    run_name: str | None = None
+    """The run's name (``TrainState.run_name``): its metrics.jsonl lives in ``<log_dir>/<run_name>/``.
+    None writes ``<log_dir>/metrics.jsonl`` itself (a one-off writer outside training)."""
     run_config: Mapping[str, Any] = field(default_factory=dict)
     """The resolved arguments, recorded as the run's config/hyperparameters."""
 
@@ -65,7 +73,11 @@ def scalars(row: Mapping[str, Any]) -> dict[str, float]:
 
 class JsonlTracker:
     def __init__(self, settings: JsonlSettings, ctx: TrackerContext) -> None:
-        self.writer = MetricsWriter(settings.log_dir, enabled=ctx.speaks)
+        if ctx.run_name is None:
+            self.writer = MetricsWriter(settings.log_dir, enabled=ctx.speaks)
+        else:
+            self.writer = MetricsWriter.for_run(settings.log_dir, ctx.run_name, resume_from=ctx.start_step,
+                                                enabled=ctx.speaks)
 
     def log(self, row: Mapping[str, Any], step: int) -> None:
         self.writer.write({"iteration": step, **row})
@@ -174,6 +186,13 @@ class Trackers:
 
 def build_trackers(settings: tuple[TrackerSettings, ...], ctx: TrackerContext, log_dir: str | None) -> Trackers:
     return Trackers([TRACKERS[s.type](s, ctx, log_dir) for s in settings if runs_on(s, ctx)])
+
+
+def new_run_name(now: float | None = None) -> str:
+    """``YYYYmmdd-HHMMSS-xxxx``: sorts by start time; the random tail keeps two runs started in
+    the same second (and the same ``log_dir``) apart."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return f"{stamp}-{secrets.token_hex(2)}"
 
 
 def new_wandb_run_id() -> str:

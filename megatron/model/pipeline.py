@@ -133,6 +133,35 @@ def model_parameter_name(pipeline_name: str) -> str:
     return rest  # final_norm.*, output_layer.*, value_head.*
 
 
+def pipeline_location(name: str, num_layers: int) -> tuple[int, str]:
+    """(layer spec index, name inside that layer) of a `GPTModel` parameter, for the specs
+    `pipeline_layer_specs` builds: the inverse of `model_parameter_name` up to the tied prefix."""
+    if name.startswith("embedding."):
+        return 0, name.removeprefix("embedding.")
+    if name.startswith("layers."):
+        _, index, rest = name.split(".", 2)
+        return int(index) + 1, rest
+    if name.startswith("final_norm."):
+        return num_layers + 1, name
+    if name.startswith(("output_layer.", "value_head.")):
+        return num_layers + 2, name
+    raise ValueError(f"parameter {name!r} has no place in the pipeline layers")
+
+
+def pipeline_parameter_name(name: str, num_layers: int, tied: bool) -> str:
+    """`PipelineModule`'s name for a `GPTModel` parameter (the inverse of `model_parameter_name`);
+    `tied`: the embedding is shared with the output layer, so it lives under `tied_modules`."""
+    index, local = pipeline_location(name, num_layers)
+    if tied and index == 0:
+        return f"tied_modules.{TIED_EMBEDDING_KEY}.{local}"
+    return f"{index}.{local}"
+
+
+def is_pipeline_parameter_name(name: str) -> bool:
+    """Whether `name` is a `PipelineModule` name (spec index or tied module) rather than a `GPTModel` one."""
+    return name.split(".", 1)[0].isdigit() or name.startswith("tied_modules.")
+
+
 def pipeline_layer_specs(config: GPTConfig) -> list[LayerSpec]:
     """Specs for `PipelineModule(layers=..., loss_fn=..., partition_method="type:TransformerLayerPipe",
     checkpointable_layers=CHECKPOINTABLE_LAYERS)`."""

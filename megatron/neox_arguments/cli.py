@@ -108,6 +108,38 @@ def assign_run_dir(resolved: ResolvedConfig) -> str:
     return resolved.run_dir
 
 
+def already_finished(resolved: ResolvedConfig, user_script: str) -> str | None:
+    """Why launching would do nothing, or None: a training run whose checkpoint in ``load`` is
+    already at its last step (``train_iters``) has nothing left to train or evaluate, because the
+    loop runs the final evaluations before it saves the last step. Only files are read (the commit
+    markers and ``deepy_meta.json``), so this costs no rank start-up.
+
+    With ``train_epochs`` the last step is derived from the data at start-up; the checkpoint records
+    it, and it is trusted when the checkpoint was trained for the same number of epochs.
+    """
+    from pathlib import Path
+
+    from megatron.checkpointing.discovery import resume_point
+
+    args = resolved.args
+    if os.path.basename(user_script) in ENTRY_POINTS_OF_TEXTGEN or not args.load or not args.load_checkpoint:
+        return None
+    if args.finetune:
+        return None  # fine-tuning starts at step 0 from the loaded weights
+    found = resume_point(Path(args.load), args.iteration)
+    if found is None:
+        return None
+    ckpt, meta = found
+    stored = meta.get("args") or {}
+    last = args.train_iters
+    if not last and args.train_epochs and stored.get("train_epochs") == args.train_epochs:
+        last = stored.get("train_iters")
+    done = meta.get("iteration")
+    if not isinstance(last, int) or not isinstance(done, int) or last <= 0 or done < last:
+        return None
+    return f"already finished at iteration {done} (checkpoint {ckpt}): nothing to do"
+
+
 def notes(resolved: ResolvedConfig, user_script: str) -> list[str]:
     """What deepy.py says before launching: warnings, checks skipped and why, and keys the config
     sets that change nothing here."""
@@ -179,6 +211,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command.debug and "deepspeed_log_level" not in resolved.provenance:
         resolved.args.deepspeed_log_level = "info"  # --debug shows DeepSpeed's own INFO lines too
         resolved.provenance["deepspeed_log_level"] = "cli"
+    finished = already_finished(resolved, command.user_script)
+    if finished is not None and not command.dry_run:
+        # nothing is launched, so no rank re-runs the final evaluations or logs their rows again
+        print(f"deepy: {finished}", flush=True)
+        return 0
+    if finished is not None:
+        resolved.warnings.append(f"{finished}; a launch would exit at once")
     run_dir = assign_run_dir(resolved)
     config_path = os.path.join(run_dir, RESOLVED_FILE_NAME)
     try:

@@ -2,14 +2,19 @@
 
 The loss of each batch is normalised as in training (the objective's units over the whole global
 batch) and the batches are averaged; the objective's metrics (DPO reward accuracy, reward-model
-accuracy, ...) are summed over all ``eval_iters`` batches before they are averaged. Each evaluation
-continues the split's sample stream where the previous one stopped (GPT-NeoX does the same), so
-successive evaluations see different batches.
+accuracy, ...) are summed over all ``eval_iters`` batches before they are averaged.
+
+Successive evaluations see different batches: evaluation number k reads global batches
+``[k * eval_iters, (k + 1) * eval_iters)`` of the split (GPT-NeoX continues the split's stream the
+same way). Where it starts is a pure function of k, which is itself a function of the iteration
+(:func:`evaluation_number`), rather than a position carried from one evaluation to the next: a
+resumed run therefore evaluates exactly the batches the uninterrupted run would have, and nothing
+about evaluation has to be stored in a checkpoint (nor kept right across a change of batch layout).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -17,25 +22,40 @@ import torch
 from megatron.training.engine import Engine
 from megatron.training.objectives.run import ObjectiveRunner
 
+StreamAt = Callable[[int], Iterator[dict[str, torch.Tensor]]]
+"""This rank's micro-batches of a split, starting at a given global batch."""
+
+
+def evaluation_number(iteration: int, eval_interval: int | None) -> int:
+    """How many validation evaluations came before the one at ``iteration``: the periodic ones
+    at every multiple of ``eval_interval`` and a last one at the end of training that is not on a
+    multiple (a run that ends on a multiple evaluates once there)."""
+    if not eval_interval:
+        return 0
+    return max(iteration - 1, 0) // eval_interval
+
 
 class Evaluator:
-    """Holds one split's micro-batch stream and turns ``eval_iters`` global batches into metrics."""
+    """One split's batches, turned into the objective's loss and metrics over ``eval_iters`` global
+    batches per evaluation."""
 
-    def __init__(self, eng: Engine, micro_batches: Iterator[dict[str, torch.Tensor]], eval_iters: int,
-                 device: torch.device, split: str = "valid") -> None:
+    def __init__(self, eng: Engine, stream_at: StreamAt, eval_iters: int, device: torch.device,
+                 split: str = "valid") -> None:
         self.eng = eng
         self.eval_iters = eval_iters
         self.device = device
         self.split = split
-        self._micro = micro_batches
+        self._stream_at = stream_at
 
-    def evaluate(self) -> dict[str, float]:
-        """``{"lm_loss": mean loss, **objective metrics}``, the same on every rank."""
+    def evaluate(self, evaluation: int = 0) -> dict[str, float]:
+        """``{"lm_loss": mean loss, **objective metrics}`` over global batches
+        ``[evaluation * eval_iters, (evaluation + 1) * eval_iters)`` of the split, the same on every rank."""
+        micro = self._stream_at(evaluation * self.eval_iters)
         runner = ObjectiveRunner(self.eng.objective, self.eng.reference)
         self.eng.objective.metrics.reset()
         total = 0.0
         for _ in range(self.eval_iters):
-            total += float(runner.run(self.eng, self._micro, self.split, self.device, train=False))
+            total += float(runner.run(self.eng, micro, self.split, self.device, train=False))
         return {"lm_loss": total / max(self.eval_iters, 1), **runner.collect_metrics(self.eng, self.device)}
 
 
@@ -46,5 +66,10 @@ def maybe_evaluator(eng: Engine, dataset: Any, eval_iters: int, layout: dict[str
 
     if dataset is None or eval_iters <= 0 or len(dataset) == 0:
         return None
-    stream = MicroBatchIterator(eng.reference.wrap_dataset(dataset, split), 0, **layout)
-    return Evaluator(eng, stream, eval_iters, device, split)
+    source = eng.reference.wrap_dataset(dataset, split)
+
+    def stream_at(global_batch: int) -> MicroBatchIterator:
+        # O(1): the sample order is a pure function of the position (see data/sampler.py)
+        return MicroBatchIterator(source, global_batch * layout["global_batch_size"], **layout)
+
+    return Evaluator(eng, stream_at, eval_iters, device, split)

@@ -1,7 +1,9 @@
 """The training loop: steps, evaluation, logging, stopping, and the hooks checkpointing uses.
 
 State that must survive a restart is in :class:`TrainState`; the data position is a pure function
-of ``consumed_samples``, so resuming needs nothing else. Checkpointing plugs in through
+of ``consumed_samples`` and each evaluation's position a pure function of the iteration, so resuming
+needs nothing else. The evaluations that end a run (the last validation, the test split) run before
+the hooks see the last step, so a checkpoint at ``train_iters`` means the run has nothing left to do. Checkpointing plugs in through
 :class:`Hooks`: ``after_step(engine, state)`` runs after every optimizer step (save by iteration
 or wall clock, preemption) and may ask the loop to stop; ``at_exit`` runs once after the last step.
 """
@@ -22,7 +24,7 @@ from megatron.logging.peak_memory import memory_metrics
 from megatron.logging.throughput import as_metrics, measure
 from megatron.training.config import TrainingConfig
 from megatron.training.engine import Engine
-from megatron.training.evaluate import Evaluator
+from megatron.training.evaluate import Evaluator, evaluation_number
 from megatron.training.step import StepResult, read_grad_norm, train_step
 
 
@@ -45,6 +47,9 @@ class TrainState:
     stop_reason: str | None = None
     wandb_run_id: str | None = None
     """The W&B run this training logs to; a resumed run continues it."""
+    run_name: str | None = None
+    """Named at the run's first launch; its metrics.jsonl is ``<log_dir>/<run_name>/metrics.jsonl``,
+    which a resumed run continues."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -158,7 +163,9 @@ def log_row(ctx: LoopContext, state: TrainState, window: _Window, result: StepRe
 
 def evaluate_now(ctx: LoopContext, state: TrainState, evaluator: Evaluator, prefix: str) -> None:
     start = time.perf_counter()
-    metrics = evaluator.evaluate()  # lm_loss (the objective's loss) and the objective's metrics
+    # validation: the k-th evaluation reads the k-th block of batches; test runs once, from the start
+    number = evaluation_number(state.iteration, ctx.training.eval_interval) if prefix == "eval" else 0
+    metrics = evaluator.evaluate(number)  # lm_loss (the objective's loss) and the objective's metrics
     row = {"iteration": state.iteration, "consumed_samples": state.consumed_samples,
            **{f"{prefix}/{name}": value for name, value in metrics.items()},
            f"timers/{prefix}_ms": 1000.0 * (time.perf_counter() - start)}
@@ -189,9 +196,16 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
         if log_step:
             ctx.monitor.log(log_row(ctx, state, window, result), state.iteration)
             window = _Window()
-        if ctx.valid is not None and eval_interval and state.iteration % eval_interval == 0:
+        periodic = bool(eval_interval) and state.iteration % eval_interval == 0
+        if ctx.valid is not None and periodic:
             evaluate_now(ctx, state, ctx.valid, "eval")
             window = _Window()  # evaluation time is not training throughput
+        if state.iteration == ctx.train_iters:
+            # before the hooks save the last checkpoint: once it exists, nothing is left to run
+            if ctx.valid is not None and not periodic:
+                evaluate_now(ctx, state, ctx.valid, "eval")
+            if ctx.test is not None:
+                evaluate_now(ctx, state, ctx.test, "test")
 
         stop = False
         for hook in hooks.after_step:
@@ -205,10 +219,6 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
 
     if state.stop_reason is None:
         state.stop_reason = "train_iters reached"
-        if ctx.valid is not None and (not eval_interval or state.iteration % eval_interval != 0):
-            evaluate_now(ctx, state, ctx.valid, "eval")
-        if ctx.test is not None:
-            evaluate_now(ctx, state, ctx.test, "test")
     for hook in hooks.at_exit:
         hook(ctx.eng, state)
     ctx.monitor.message(f"training stopped at iteration {state.iteration}: {state.stop_reason}")

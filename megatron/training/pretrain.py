@@ -16,7 +16,8 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from megatron import mpu
-from megatron.checkpointing import CheckpointHooks, CheckpointManager
+from megatron.checkpointing.hooks import CheckpointHooks
+from megatron.checkpointing.manager import CheckpointManager
 from megatron.checkpointing.save_load import BeforeCommit
 from megatron.data.build import build_datasets
 from megatron.data.sampler import MicroBatchIterator, prefetched
@@ -109,7 +110,8 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
 
     manager = CheckpointManager.from_config(run.checkpoint, args_record=record, train_iters=train_iters,
                                             before_commit=before_commit)
-    ckpt = CheckpointHooks(manager, validate=validation_loss if run.checkpoint.validate_with_forward_pass else None)
+    ckpt = CheckpointHooks(manager, validate=validation_loss if run.checkpoint.validate_with_forward_pass else None,
+                           reseed=lambda iteration: model_parallel_manual_seed(training.seed + iteration))
     ckpt.attach_model(eng, run.parallel.tensor)
     # also without `load`: a fresh start refuses a `save` directory that already holds a run
     state = ckpt.load(eng, TrainState())
@@ -117,8 +119,13 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     rank = dist.get_rank() if dist.is_initialized() else 0
     monitor = build_monitor(log_config, engine=eng.engine, rank=rank, speaks=speaks(), start_iteration=state.iteration,
                             train_iters=train_iters, wandb_run_id=state.wandb_run_id,
-                            run_config=run.args_record, logger=log, cuda=torch.cuda.is_available())
+                            run_config=run.args_record, logger=log, cuda=torch.cuda.is_available(),
+                            run_name=state.run_name)
     state.wandb_run_id = monitor.wandb_run_id or state.wandb_run_id  # saved with every checkpoint
+    state.run_name = monitor.run_name
+    if log_config.log_dir:
+        log.info("metrics: %s (%s)", os.path.join(log_config.log_dir, state.run_name, "metrics.jsonl"),
+                 f"continued after iteration {state.iteration}" if state.iteration else "a new run")
     if state.consumed_samples:
         log.info("data: resuming at sample %s of the global order (computed from consumed_samples, nothing "
                  "replayed)", f"{state.consumed_samples:,}")

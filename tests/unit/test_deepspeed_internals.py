@@ -111,3 +111,20 @@ def test_model_parallel_rng_tracker_name_is_registered_by_our_seed() -> None:
 
     assert model_parallel_rng_tracker_name() == checkpointing._MODEL_PARALLEL_RNG_TRACKER_NAME
     assert isinstance(model_parallel_rng_tracker_name(), str)
+
+
+def test_shared_step_tensors_are_untied_so_each_group_counts_once() -> None:
+    from types import SimpleNamespace
+
+    from megatron.deepspeed_internals import untie_optimizer_steps
+
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.Adam([{"params": [a]}, {"params": [b], "weight_decay": 0.0}], lr=0.1)
+    shared = torch.tensor(4.0)  # what DeepSpeed 0.19.8's ZeRO-3 universal loader leaves behind
+    for param in (a, b):
+        optimizer.state[param] = {"step": shared, "exp_avg": torch.zeros_like(param),
+                                  "exp_avg_sq": torch.zeros_like(param)}
+    untie_optimizer_steps(SimpleNamespace(optimizer=SimpleNamespace(optimizer=optimizer)))
+    a.grad, b.grad = torch.ones(3), torch.ones(2)
+    optimizer.step()
+    assert [float(optimizer.state[p]["step"]) for p in (a, b)] == [5.0, 5.0]  # tied, the one counter reads 6.0

@@ -22,7 +22,6 @@ from safetensors.torch import load_file
 from megatron.errors import ConversionError
 from megatron.interop.convert import export_to_hf, import_to_deepy
 from megatron.interop.deepy_checkpoint import (
-    pipeline_location,
     read_full_checkpoint,
     write_weights_only_checkpoint,
 )
@@ -31,7 +30,12 @@ from megatron.interop.hf_model import fixed_batch, save_hf_model
 from megatron.interop.hf_tokenizer import TokenizerFiles, export_tokenizer
 from megatron.interop.hf_weights import to_hf_state_dict
 from megatron.model import GPTConfig, GPTModel
-from megatron.model.pipeline import model_parameter_name
+from megatron.model.pipeline import (
+    is_pipeline_parameter_name,
+    model_parameter_name,
+    pipeline_location,
+    pipeline_parameter_name,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=48, padded_vocab_size=128, seed=3,
@@ -162,6 +166,11 @@ def test_pipeline_location_inverts_model_parameter_name() -> None:
         for name in GPTModel(config).state_dict():
             index, local = pipeline_location(name, config.num_layers)
             assert model_parameter_name(f"{index}.{local}") == name
+            # the name map a pipeline <-> plain resume links universal checkpoints by
+            for tied in (True, False):
+                pipe = pipeline_parameter_name(name, config.num_layers, tied)
+                assert is_pipeline_parameter_name(pipe) and not is_pipeline_parameter_name(name)
+                assert model_parameter_name(pipe) == name
 
 
 @pytest.mark.parametrize("tp, pp", [(1, 0), (2, 0), (2, 2), (1, 1)])
