@@ -196,3 +196,43 @@ def test_inspect_tool_lists_and_diffs(saved_run: Path) -> None:
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert differ.returncode == 1, differ.stdout + differ.stderr
     assert "iteration: A 3  B 6" in differ.stdout and "max |A-B|" in differ.stdout
+
+
+def _rows(log_dir: Path, key: str) -> dict[int, float]:
+    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {row["iteration"]: row[key] for row in rows if key in row}
+
+
+def test_evaluation_after_resume_equals_the_uninterrupted_run_and_a_finished_run_exits_at_once(
+    tmp_path: Path,
+) -> None:
+    """Validation at steps 2, 4, 6 reads the split's 1st, 2nd, 3rd block of batches whether or not the
+    run was interrupted at step 3; the test split once at the end; then the finished run starts no rank."""
+    common = (*DP2, "train_iters=6", "lr_decay_iters=6", "eval_interval=2", "eval_iters=2", "save=ckpt",
+              "load=ckpt", "checkpoint_factor=3")  # fmt: skip
+    (tmp_path / "a").mkdir()
+    straight = deepy(tmp_path / "a", *common, "log_dir=logs")
+    assert straight.returncode == 0, output(straight)
+    want_eval, want_test = _rows(tmp_path / "a" / "logs", "eval/lm_loss"), _rows(tmp_path / "a" / "logs", "test/lm_loss")
+    assert sorted(want_eval) == [2, 4, 6] and sorted(want_test) == [6]
+    assert len(set(want_eval.values())) == 3  # three different blocks of the validation split
+
+    b = tmp_path / "b"
+    b.mkdir()
+    first = deepy(b, *common, "exit_interval=3", "log_dir=logs")
+    assert first.returncode == 0, output(first)
+    resumed = deepy(b, *common, "log_dir=logs")
+    assert resumed.returncode == 0, output(resumed)
+    got_eval, got_test = _rows(b / "logs", "eval/lm_loss"), _rows(b / "logs", "test/lm_loss")
+    assert sorted(got_eval) == [2, 4, 6] and sorted(got_test) == [6]  # one run's file, continued
+    for step in (2, 4, 6):
+        assert abs(got_eval[step] - want_eval[step]) <= 1e-6, (step, got_eval[step], want_eval[step])
+    assert abs(got_test[6] - want_test[6]) <= 1e-6
+    assert_curves_match(losses(b / "logs"), losses(tmp_path / "a" / "logs"), 1e-6)
+
+    rows_before = (b / "logs" / "metrics.jsonl").read_text()
+    again = deepy(b, *common, "log_dir=logs", timeout=120)
+    assert again.returncode == 0, output(again)
+    assert "already finished at iteration 6" in again.stdout
+    assert "starting" not in again.stdout and "rank=" not in output(again)  # no rank was launched
+    assert (b / "logs" / "metrics.jsonl").read_text() == rows_before  # nothing logged twice
