@@ -174,8 +174,12 @@ def check_pp2_equals_tp1(cfg, ref: dict[str, Any]) -> None:
     from deepspeed.pipe import PipelineModule
 
     from megatron import mpu
-    from megatron.model import loss_fn, pipeline_layer_specs
+    from megatron.model import lm_loss, pipeline_layer_specs
     from megatron.model.pipeline import model_parameter_name
+
+    def loss_fn(logits: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        labels, loss_mask = target  # the (labels, loss_mask) label part of a pipeline batch
+        return lm_loss(logits, labels, loss_mask)
 
     stage = mpu.get_pipe_parallel_rank()
     pipe = PipelineModule(
