@@ -327,3 +327,32 @@ def test_kto_pp2(data: dict[str, Any], kto_single: list[dict[str, Any]], tmp_pat
                                  "train_iters": SHORT_STEPS, **PP2})
     for key in ("train/lm_loss", "train/kl", "train/rewards/desirable"):
         assert_same_steps(f"kto pp2 {key}", series(rows, key), series(kto_single, key))
+
+
+# ---------------------------------------------------------------- the remaining objective x layout pairs
+# (above: SFT dp2·ZeRO-1, DPO tp2/pp2/dp2·ZeRO-1, RM pp2, KTO pp2)
+LAYOUTS = {"tp2": TP2, "pp2": PP2, "dp2_zero1": DP2_ZERO1}
+
+
+@pytest.mark.parametrize(("objective", "layout"), [("sft", "tp2"), ("sft", "pp2"), ("rm", "tp2"),
+                                                   ("rm", "dp2_zero1"), ("kto", "tp2"), ("kto", "dp2_zero1")])
+def test_objective_on_layout_equals_single_rank(objective: str, layout: str, data: dict[str, Any],
+                                                request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    root = data["root"]
+    if objective == "sft":
+        single = request.getfixturevalue("sft_single")["rows"]
+        config: dict[str, Any] = {**_sft(root, "sft_a"), "train_micro_batch_size_per_gpu": 4}
+        keys = ("train/lm_loss", "train/z_loss")
+    elif objective == "rm":
+        single = request.getfixturevalue("rm_single")["rows"]
+        config = {"train_impl": "rm", **pairwise_paths(root, valid=False), "train_iters": SHORT_STEPS}
+        keys = ("train/lm_loss", "train/rm/accuracy", "train/rm/margin")
+    else:
+        single = request.getfixturevalue("kto_single")
+        config = {"train_impl": "kto", **kto_paths(root, valid=False), "train_iters": SHORT_STEPS}
+        keys = ("train/lm_loss", "train/kl", "train/rewards/desirable")
+    rows = run(tmp_path, layout, {**config, **LAYOUTS[layout]})
+    for key in keys:
+        got = series(rows, key)
+        assert sorted(got) == list(range(1, SHORT_STEPS + 1)), (key, sorted(got))
+        assert_same_steps(f"{objective} {layout} {key}", got, series(single, key))
