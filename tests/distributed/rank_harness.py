@@ -9,11 +9,25 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
+
+
+def record_checks(checks: Mapping[str, Callable[[], None]]) -> dict[str, str]:
+    """Run every check on this rank: ``"ok"`` or its traceback per name (a failure does not stop the
+    others, so every check still reports)."""
+    results: dict[str, str] = {}
+    for name, check in checks.items():
+        try:
+            check()
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+    return results
 
 
 def finish_rank(out_dir: str, rank: int, results: dict[str, str]) -> None:

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import traceback
 from datetime import timedelta
 from typing import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
-from rank_harness import finish_rank, run_ranks
+from rank_harness import finish_rank, record_checks, run_ranks
 
 WORLD = 2
 CFG = dict(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=6, padded_vocab_size=32, seed=3,
@@ -171,14 +170,7 @@ def _rank_main(rank: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(out_dir, "store"), WORLD)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
-    results: dict[str, str] = {}
-    for name, check in CHECKS.items():
-        try:
-            check()
-            results[name] = "ok"
-        except Exception:  # record and go on: the other checks still report
-            results[name] = traceback.format_exc()
-    finish_rank(out_dir, rank, results)
+    finish_rank(out_dir, rank, record_checks(CHECKS))
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import traceback
 from datetime import timedelta
 from typing import Callable
 
@@ -16,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from rank_harness import finish_rank, run_ranks
+from rank_harness import finish_rank, record_checks, run_ranks
 
 WORLD = 2
 SEED = 11
@@ -299,14 +298,7 @@ def _rank_main(rank: int, out_dir: str) -> None:
     from megatron.mpu import initialize_model_parallel
 
     initialize_model_parallel(WORLD, 1)
-    results: dict[str, str] = {}
-    for name, check in CHECKS.items():
-        try:
-            check()
-            results[name] = "ok"
-        except Exception:  # record and go on: the other checks still report
-            results[name] = traceback.format_exc()
-    finish_rank(out_dir, rank, results)
+    finish_rank(out_dir, rank, record_checks(CHECKS))
 
 
 @pytest.fixture(scope="module")
