@@ -1,8 +1,13 @@
 """``launcher: pdsh`` (the default): DeepSpeed's runner starts the ranks.
 
-On one host the runner hands over to DeepSpeed's per-node launcher (``deepspeed.launcher.launch``),
-which starts one worker per slot with RANK/LOCAL_RANK/WORLD_SIZE set. On several hosts (or with
-``force_multi``) it runs that per-node launcher on every host through pdsh over ssh.
+On several hosts (or with ``force_multi``) DeepSpeed's runner runs DeepSpeed's per-node launcher
+(``deepspeed.launcher.launch``) on every host through pdsh over ssh; that launcher starts one worker
+per slot with RANK/LOCAL_RANK/WORLD_SIZE set.
+
+On this machine alone (no hostfile) deepy starts that per-node launcher itself, with the arguments the
+runner would give it (``--world_info`` = the slots, ``--master_addr=127.0.0.1``): the runner would only
+compute the same slots again (``resources.py`` restates its rules) and cost every launch one more
+Python start with DeepSpeed imported, about 2 s of a CPU's time before the first rank starts.
 
 The runner module rather than the ``deepspeed`` console script: it runs under the same
 interpreter as deepy.py, so a virtualenv without ``deepspeed`` on PATH still works.
@@ -10,6 +15,8 @@ interpreter as deepy.py, so a virtualenv without ``deepspeed`` on PATH still wor
 
 from __future__ import annotations
 
+import base64
+import json
 from collections.abc import Mapping
 
 from megatron.launcher.config import LaunchConfig
@@ -48,6 +55,17 @@ def runner_argv(flags: list[str], inputs: PlanInputs) -> list[str]:
             inputs.user_script, CONFIG_FLAG, inputs.config_path]  # fmt: skip
 
 
+def launch_argv(inputs: PlanInputs, master_port: int, log_level: str) -> list[str]:
+    """``python -m deepspeed.launcher.launch`` on this machine, as DeepSpeed's runner starts it for
+    one host (``runner.py``'s single-node branch): slots as base64 JSON, rendezvous on loopback."""
+    world_info = base64.urlsafe_b64encode(json.dumps(inputs.active).encode()).decode()
+    return [inputs.python, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
+            # "None" is the runner's default for per-rank log files: none, output stays on the console
+            "--master_addr=127.0.0.1", f"--master_port={master_port}", "--enable_each_rank_log=None",
+            f"--log_level={log_level}",
+            inputs.user_script, CONFIG_FLAG, inputs.config_path]  # fmt: skip
+
+
 def _local_accelerator(environ: Mapping[str, str]) -> dict[str, str]:
     """On a machine without a GPU, tell DeepSpeed so (``DS_ACCELERATOR=cpu``, unless the user chose):
     its auto-detection would print "unable to detect" a warning in every process of a local launch.
@@ -68,9 +86,13 @@ def plan_deepspeed_runner(inputs: PlanInputs) -> LaunchPlan:
     # One host: the runner itself uses 127.0.0.1. Several: name the address when it is known
     # here, else the runner asks the first host for it over ssh (``hostname -I``).
     addr = config.master_addr or (meeting.addr if multi and meeting.local else None)
-    flags = runner_flags(config, meeting.port, addr)
+    on_this_machine = not multi and config.hostfile is None
+    if on_this_machine:
+        argv = launch_argv(inputs, meeting.port, config.deepspeed_log_level)
+    else:
+        argv = runner_argv(runner_flags(config, meeting.port, addr), inputs)
     return LaunchPlan(
-        argv=runner_argv(flags, inputs),
+        argv=argv,
         env={**_local_accelerator(inputs.environ), **launcher_environment()} if not multi else {},
         mode="pdsh" if multi else "local",
         world_size=inputs.world_size,

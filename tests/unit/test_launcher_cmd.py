@@ -6,6 +6,8 @@ real against Slurm, Open MPI and pdsh in tests/e2e/test_slurm.py, test_mpi.py an
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
 import socket
@@ -66,18 +68,44 @@ def test_launch_config_knows_whether_the_port_was_chosen() -> None:
 
 
 # --- local and pdsh: DeepSpeed's runner --------------------------------------------------------
-def test_local_run_goes_through_deepspeeds_runner_on_a_free_port() -> None:
+def test_local_run_starts_deepspeeds_per_node_launcher_on_a_free_port() -> None:
     p = plan(num_gpus=2)
     assert p.mode == "local" and p.tools == () and p.stop_route == "ranks" and p.world_size == 2
     port = p.master_port
     assert port is not None and port != 29500 and not port_in_use(port)
+    world_info = base64.urlsafe_b64encode(json.dumps({"localhost": [0, 1]}).encode()).decode()
     assert p.argv == [
-        PY, "-u", "-m", "deepspeed.launcher.runner",
-        "--num_gpus", "2", "--master_port", str(port), "--launcher", "pdsh", "--log_level", "warning",
+        PY, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
+        "--master_addr=127.0.0.1", f"--master_port={port}", "--enable_each_rank_log=None", "--log_level=warning",
         "train.py", "--deepy_config", CONFIG,
     ]  # fmt: skip
     # no config blob on the command line: every argument is short and readable
     assert max(len(a) for a in p.argv) < 80
+
+
+def test_local_launch_is_what_deepspeeds_runner_would_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-node launcher command deepy starts on this machine is the one DeepSpeed's own runner
+    builds for the same flags (its single-host branch, with the Popen caught instead of run)."""
+    import deepspeed.launcher.runner as ds_runner
+
+    started: list[list[str]] = []
+
+    class Caught(Exception):
+        pass
+
+    def popen(cmd: list[str], env: dict[str, str]) -> None:
+        started.append(cmd)
+        raise Caught
+
+    monkeypatch.setattr(ds_runner.subprocess, "Popen", popen)
+    monkeypatch.setattr(ds_runner, "fetch_hostfile", lambda path: {})
+    monkeypatch.setattr(ds_runner.get_accelerator(), "device_count", lambda: 4)
+    for gpus in (1, 2, 4):
+        ours = plan(num_gpus=gpus, devices=4)
+        flags = runner_flags(config(num_gpus=gpus), ours.master_port or 0)
+        with pytest.raises(Caught):
+            ds_runner.main([*flags, "train.py", "--deepy_config", CONFIG])
+        assert started[-1][1:] == ours.argv[1:]
 
 
 def test_a_chosen_free_port_is_kept_and_a_busy_one_is_a_config_error() -> None:
