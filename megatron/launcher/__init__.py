@@ -1,6 +1,32 @@
-"""Building and running the launch of a resolved config: local, pdsh, mpirun or srun."""
+"""Building and running the launch of a resolved config: local, pdsh, mpirun or srun.
 
-from megatron.launcher.command import check_tools, plan_launch  # noqa: F401
-from megatron.launcher.config import LaunchConfig  # noqa: F401
-from megatron.launcher.plan import LaunchPlan, worker_argv  # noqa: F401
-from megatron.launcher.run import run_plan  # noqa: F401
+The names below are imported on first use, not with the package: ``local_ranks`` (the per-node
+launcher of a local launch) runs as ``python -m megatron.launcher.local_ranks`` on every launch and
+needs nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron.launcher.command import check_tools, plan_launch  # noqa: F401
+    from megatron.launcher.config import LaunchConfig  # noqa: F401
+    from megatron.launcher.plan import LaunchPlan, worker_argv  # noqa: F401
+    from megatron.launcher.run import run_plan  # noqa: F401
+
+_EXPORTS = {
+    "check_tools": "command",
+    "plan_launch": "command",
+    "LaunchConfig": "config",
+    "LaunchPlan": "plan",
+    "worker_argv": "plan",
+    "run_plan": "run",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

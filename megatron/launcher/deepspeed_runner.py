@@ -4,19 +4,14 @@ On several hosts (or with ``force_multi``) DeepSpeed's runner runs DeepSpeed's p
 (``deepspeed.launcher.launch``) on every host through pdsh over ssh; that launcher starts one worker
 per slot with RANK/LOCAL_RANK/WORLD_SIZE set.
 
-On this machine alone (no hostfile) deepy starts that per-node launcher itself, with the arguments the
-runner would give it (``--world_info`` = the slots, ``--master_addr=127.0.0.1``): the runner would only
-compute the same slots again (``resources.py`` restates its rules) and cost every launch one more
-Python start with DeepSpeed imported, about 2 s of a CPU's time before the first rank starts.
-
-The runner module rather than the ``deepspeed`` console script: it runs under the same
-interpreter as deepy.py, so a virtualenv without ``deepspeed`` on PATH still works.
+On this machine alone (no hostfile) deepy starts the ranks through its own per-node launcher
+(``local_ranks.py``): it gives each worker what DeepSpeed's launcher would, without importing DeepSpeed
+and torch first (DeepSpeed's runner and launcher together cost each launch about 4 s of a CPU's time
+before the first rank started).
 """
 
 from __future__ import annotations
 
-import base64
-import json
 from collections.abc import Mapping
 
 from megatron.launcher.config import LaunchConfig
@@ -55,14 +50,12 @@ def runner_argv(flags: list[str], inputs: PlanInputs) -> list[str]:
             inputs.user_script, CONFIG_FLAG, inputs.config_path]  # fmt: skip
 
 
-def launch_argv(inputs: PlanInputs, master_port: int, log_level: str) -> list[str]:
-    """``python -m deepspeed.launcher.launch`` on this machine, as DeepSpeed's runner starts it for
-    one host (``runner.py``'s single-node branch): slots as base64 JSON, rendezvous on loopback."""
-    world_info = base64.urlsafe_b64encode(json.dumps(inputs.active).encode()).decode()
-    return [inputs.python, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
-            # "None" is the runner's default for per-rank log files: none, output stays on the console
-            "--master_addr=127.0.0.1", f"--master_port={master_port}", "--enable_each_rank_log=None",
-            f"--log_level={log_level}",
+def local_ranks_argv(inputs: PlanInputs, master_port: int) -> list[str]:
+    """``python -m megatron.launcher.local_ranks``: one worker per slot of this machine, rendezvous on
+    loopback (as DeepSpeed's runner arranges for one host)."""
+    (slots,) = inputs.active.values()
+    return [inputs.python, "-u", "-m", "megatron.launcher.local_ranks", f"--slots={','.join(map(str, slots))}",
+            "--master_addr=127.0.0.1", f"--master_port={master_port}",
             inputs.user_script, CONFIG_FLAG, inputs.config_path]  # fmt: skip
 
 
@@ -88,7 +81,7 @@ def plan_deepspeed_runner(inputs: PlanInputs) -> LaunchPlan:
     addr = config.master_addr or (meeting.addr if multi and meeting.local else None)
     on_this_machine = not multi and config.hostfile is None
     if on_this_machine:
-        argv = launch_argv(inputs, meeting.port, config.deepspeed_log_level)
+        argv = local_ranks_argv(inputs, meeting.port)
     else:
         argv = runner_argv(runner_flags(config, meeting.port, addr), inputs)
     return LaunchPlan(

@@ -29,8 +29,9 @@ def session_processes(session: int) -> list[psutil.Process]:
 
 
 def is_rank_cmdline(cmdline: list[str], config_path: str) -> bool:
-    """A worker of this run: ``... SCRIPT [--local_rank=N] --deepy_config PATH``, not a DeepSpeed launcher."""
-    if any(arg.startswith("deepspeed.launcher") for arg in cmdline):
+    """A worker of this run: ``... SCRIPT [--local_rank=N] --deepy_config PATH``, not a launcher
+    (DeepSpeed's runner or per-node launcher, or deepy's ``local_ranks``) whose arguments end the same."""
+    if any(arg.startswith("deepspeed.launcher") or arg == "megatron.launcher.local_ranks" for arg in cmdline):
         return False
     return any(a == CONFIG_FLAG and b == config_path for a, b in zip(cmdline, cmdline[1:]))
 

@@ -11,7 +11,9 @@ import json
 import os
 import re
 import socket
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ import pytest
 
 from megatron.errors import ConfigError
 from megatron.launcher import LaunchConfig, LaunchPlan, check_tools, plan_launch
+from megatron.launcher import local_ranks
 from megatron.launcher.deepspeed_runner import runner_flags
 from megatron.launcher.environment import distributed_env, first_slurm_host, started_by_scheduler
 from megatron.launcher.kinds import LAUNCHERS
@@ -68,44 +71,71 @@ def test_launch_config_knows_whether_the_port_was_chosen() -> None:
 
 
 # --- local and pdsh: DeepSpeed's runner --------------------------------------------------------
-def test_local_run_starts_deepspeeds_per_node_launcher_on_a_free_port() -> None:
+def test_local_run_starts_our_per_node_launcher_on_a_free_port() -> None:
     p = plan(num_gpus=2)
     assert p.mode == "local" and p.tools == () and p.stop_route == "ranks" and p.world_size == 2
     port = p.master_port
     assert port is not None and port != 29500 and not port_in_use(port)
-    world_info = base64.urlsafe_b64encode(json.dumps({"localhost": [0, 1]}).encode()).decode()
     assert p.argv == [
-        PY, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
-        "--master_addr=127.0.0.1", f"--master_port={port}", "--enable_each_rank_log=None", "--log_level=warning",
-        "train.py", "--deepy_config", CONFIG,
+        PY, "-u", "-m", "megatron.launcher.local_ranks", "--slots=0,1", "--master_addr=127.0.0.1",
+        f"--master_port={port}", "train.py", "--deepy_config", CONFIG,
     ]  # fmt: skip
     # no config blob on the command line: every argument is short and readable
     assert max(len(a) for a in p.argv) < 80
+    assert local_ranks.parse(p.argv[4:]).script_args == ["--deepy_config", CONFIG]
 
 
-def test_local_launch_is_what_deepspeeds_runner_would_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The per-node launcher command deepy starts on this machine is the one DeepSpeed's own runner
-    builds for the same flags (its single-host branch, with the Popen caught instead of run)."""
-    import deepspeed.launcher.runner as ds_runner
+@pytest.mark.parametrize("slots", [[0], [0, 1], [0, 1, 2, 3], [2, 3]])
+def test_each_rank_gets_what_deepspeeds_launcher_gives_it(monkeypatch: pytest.MonkeyPatch, slots: list[int]) -> None:
+    """Our per-node launcher starts each worker with the command and environment DeepSpeed's
+    per-node launcher (``deepspeed.launcher.launch``, as its runner starts it for one host) would."""
+    import deepspeed.launcher.launch as ds_launch
 
-    started: list[list[str]] = []
+    started: list[tuple[list[str], dict[str, str]]] = []
 
-    class Caught(Exception):
-        pass
+    class Done:
+        pid, returncode = 1, 0
 
-    def popen(cmd: list[str], env: dict[str, str]) -> None:
-        started.append(cmd)
-        raise Caught
+        def poll(self) -> int:
+            return 0
 
-    monkeypatch.setattr(ds_runner.subprocess, "Popen", popen)
-    monkeypatch.setattr(ds_runner, "fetch_hostfile", lambda path: {})
-    monkeypatch.setattr(ds_runner.get_accelerator(), "device_count", lambda: 4)
-    for gpus in (1, 2, 4):
-        ours = plan(num_gpus=gpus, devices=4)
-        flags = runner_flags(config(num_gpus=gpus), ours.master_port or 0)
-        with pytest.raises(Caught):
-            ds_runner.main([*flags, "train.py", "--deepy_config", CONFIG])
-        assert started[-1][1:] == ours.argv[1:]
+    def popen(cmd: list[str], env: dict[str, str], **_: Any) -> Done:
+        started.append((list(cmd), dict(env)))  # DeepSpeed reuses one dict for every rank
+        return Done()
+
+    world_info = base64.urlsafe_b64encode(json.dumps({"localhost": slots}).encode()).decode()
+    monkeypatch.setattr(ds_launch.subprocess, "Popen", popen)
+    monkeypatch.setattr(ds_launch.time, "sleep", lambda s: None)
+    monkeypatch.setattr(sys, "argv", ["launch.py", f"--world_info={world_info}", "--master_addr=127.0.0.1",
+                                      "--master_port=29611", "train.py", "--deepy_config", CONFIG])  # fmt: skip
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")  # replaced in both
+    ds_launch.main()
+    assert len(started) == len(slots)
+    for rank, (cmd, env) in enumerate(started):
+        assert local_ranks.rank_command(sys.executable, "train.py", rank, ["--deepy_config", CONFIG]) == cmd
+        assert local_ranks.rank_environment(os.environ, slots, rank, "127.0.0.1", 29611) == env
+
+
+def test_our_launcher_runs_every_rank_and_a_failure_stops_the_others(tmp_path: Path) -> None:
+    """Real processes: each worker sees its rank; when rank 1 fails, rank 0 (which would wait a
+    minute) is ended and the failing code is the launcher's."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import os, sys, time\n"
+        "rank = os.environ['RANK']\n"
+        "open(os.path.join(sys.argv[-1], 'rank' + rank), 'w').write(os.environ['WORLD_SIZE'] + ' ' + sys.argv[1])\n"
+        "if os.environ.get('FAIL') == rank: sys.exit(3)\n"
+        "time.sleep(60 if os.environ.get('FAIL') else 0)\n"
+    )
+    cmd = [sys.executable, "-m", "megatron.launcher.local_ranks", "--slots=0,1", "--master_port=29611",
+           str(worker), str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    assert subprocess.run(cmd, env=env, timeout=60).returncode == 0
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["2 --local_rank=0", "2 --local_rank=1"]
+    start = time.monotonic()
+    failed = subprocess.run(cmd, env={**env, "FAIL": "1"}, timeout=60, capture_output=True, text=True)
+    assert failed.returncode == 3 and time.monotonic() - start < 30, failed.stderr
+    assert "exited with code 3; stopping the others" in failed.stderr
 
 
 def test_a_chosen_free_port_is_kept_and_a_busy_one_is_a_config_error() -> None:
@@ -316,6 +346,7 @@ def test_ranks_are_told_apart_from_deepspeeds_launchers() -> None:
     assert is_rank_cmdline(RANK, CONFIG)
     assert is_rank_cmdline([PY, "-u", "train.py", "--deepy_config", CONFIG], CONFIG)  # srun/mpirun task
     assert not is_rank_cmdline(NODE_LAUNCHER, CONFIG)
+    assert not is_rank_cmdline(plan(num_gpus=2).argv, CONFIG)  # deepy's own per-node launcher
     assert not is_rank_cmdline(RANK[:-1] + ["other/deepy_config.json"], CONFIG)
 
 
