@@ -111,7 +111,7 @@ def test_dropless_layer_equals_a_per_token_loop(activation: str, bias: bool, k: 
         for t in range(tokens.shape[0])
     ])  # fmt: skip
     # fp32 grouped GEMMs against the float64 loop: sums of 64-128 products of O(1) values round to
-    # ~1e-6 (k=4 reached 1.4e-6 on an AVX-512 CPU), a wrong route or weight is off by O(0.1)
+    # ~1e-6 (k=4: 1.6e-6 from the exact value on this CPU; 1e-6 failed), a wrong route or weight is off by O(0.1)
     torch.testing.assert_close(out.reshape(-1, 32).double(), want, rtol=1e-5, atol=4e-6)
 
 
