@@ -82,10 +82,14 @@ class OptimizerConfig:
 
     @classmethod
     def from_args(cls, args: NeoXArgs) -> OptimizerConfig:
+        from megatron.neox_arguments.groups.optimizer_block import OPTIMIZER_KINDS, PARAMS_OF_KIND
+
         block = args.optimizer
         if block is None:
-            # the flat GPT-NeoX alternative to the block
-            kind, shown, params, block_lr, block_wd = args.optimizer_type, args.optimizer_type, {}, None, None
+            # the flat GPT-NeoX alternative to the block: the type's own defaults (GPT-NeoX's) fill
+            # every parameter, as an empty block of that type would
+            kind, shown, block_lr, block_wd = OPTIMIZER_KINDS[args.optimizer_type], args.optimizer_type, None, None
+            params = PARAMS_OF_KIND[kind]().model_dump(exclude={"lr", "weight_decay", "max_grad_norm"})
         else:
             # max_grad_norm is gradient_clipping in apex's spelling: DeepSpeed clips, not the optimizer
             params = block.params.model_dump(exclude={"lr", "weight_decay", "max_grad_norm"})
