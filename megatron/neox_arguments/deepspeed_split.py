@@ -37,7 +37,6 @@ DS_CONFIG_KEYS: tuple[str, ...] = (
     "flops_profiler",
     "communication_data_type",
     "autotuning",
-    "activation_checkpointing",
     "data_efficiency",
     "tensorboard",
     "wandb",

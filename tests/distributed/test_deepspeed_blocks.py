@@ -1,0 +1,123 @@
+"""Every DeepSpeed block Deepy accepts does something under each engine it can run in, read from
+DeepSpeed's own state after ``deepspeed.initialize`` (not from the config dict we hand it).
+
+One spawned gloo rank builds the real engine through ``build_engine`` twice, plain (``pipe_parallel_size:
+0``, ``DeepSpeedEngine``) and as a ``PipelineModule`` (``pipe_parallel_size: 1``, ``PipelineEngine``), with
+the blocks on, and records what DeepSpeed made of each block. Where a block cannot
+take effect (the flops profiler on a pipeline) the rules refuse it before launch: the last test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rank_harness import finish_rank, record_checks, run_ranks
+
+MODEL: dict[str, Any] = {
+    "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+    "max_position_embeddings": 32, "pos_emb": "rotary", "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+    "train_micro_batch_size_per_gpu": 2, "train_iters": 4, "use_dummy_dataset": True,
+    "tokenizer_type": "CharLevelTokenizer", "num_gpus": 1, "steps_per_print": 10**6,
+    "checkpoint_activations": True,
+    "activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": True,
+                                 "number_checkpoints": 2, "synchronize_checkpoint_boundary": True},
+    "wall_clock_breakdown": True,
+    "comms_logger": {"enabled": True, "verbose": False, "prof_all": True},
+    "zero_optimization": {"stage": 1, "reduce_bucket_size": 12345, "allgather_bucket_size": 23456,
+                          "contiguous_gradients": False, "overlap_comm": True},
+}  # fmt: skip
+ENGINES = {"plain": {"pipe_parallel_size": 0, "flops_profiler": {"enabled": True, "profile_step": 1}},
+           "pipe": {"pipe_parallel_size": 1}}
+
+
+def _engine_state(overrides: dict[str, Any]) -> dict[str, Any]:
+    import deepspeed.comm as ds_comm
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
+
+    from megatron.initialize import initialize
+    from megatron.neox_arguments import finalize
+    from megatron.neox_arguments.arguments import NeoXArgs
+    from megatron.neox_arguments.resolved import ResolvedConfig
+    from megatron.neox_arguments.rules import Device
+    from megatron.neox_arguments.run_config import RunConfig
+    from megatron.training.engine import build_engine
+
+    resolved = finalize(ResolvedConfig(args=NeoXArgs(**{**MODEL, **overrides})), 1,
+                        device=Device(cuda=False, fp16_supported=False))
+    run = RunConfig.from_resolved(resolved)
+    initialize(run.parallel, run.training.seed)
+    eng = build_engine(run, run.model.with_vocab(128), 4)
+    engine = eng.engine
+    state = {
+        "engine": type(engine).__name__,
+        "partition_activations": ds_ckpt.PARTITION_ACTIVATIONS,
+        "contiguous_checkpointing": ds_ckpt.CONTIGUOUS_CHECKPOINTING,
+        "synchronize": ds_ckpt.SYNCHRONIZE,
+        "number_checkpoints": ds_ckpt.num_layers,
+        "wall_clock_breakdown": engine.wall_clock_breakdown(),
+        "comms_logger": bool(ds_comm.comms_logger.enabled and ds_comm.comms_logger.prof_all),
+        "zero_stage": engine.zero_optimization_stage(),
+        "reduce_bucket_size": engine.zero_reduce_bucket_size(),
+        "allgather_bucket_size": engine.zero_allgather_bucket_size(),
+        "contiguous_gradients": engine.zero_contiguous_gradients(),
+        "overlap_comm": engine.zero_overlap_comm(),
+        "flops_profiler": engine.flops_profiler_enabled(),
+        "flops_profiler_object": getattr(engine, "flops_profiler", None) is not None,
+    }
+    return state
+
+
+def rank_main(rank: int, out_dir: str) -> None:
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    os.environ["MASTER_PORT"] = Path(out_dir, "port").read_text()
+    results: dict[str, str] = {}
+
+    def record(name: str, overrides: dict[str, Any]) -> None:
+        results[name] = json.dumps(_engine_state(overrides))
+
+    checks = {name: (lambda n=name, o=over: record(n, o)) for name, over in ENGINES.items()}
+    errors = record_checks(checks)
+    finish_rank(out_dir, rank, {**{f"error:{k}": v for k, v in errors.items() if v != "ok"}, **results})
+
+
+@pytest.fixture(scope="module")
+def states(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("ds_blocks")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        (out / "port").write_text(str(sock.getsockname()[1]))
+    (result,) = run_ranks(rank_main, 1, out, timeout_s=300)
+    errors = {k: v for k, v in result.items() if k.startswith("error:")}
+    assert not errors, errors
+    return {k: json.loads(v) for k, v in result.items()}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_blocks_reach_deepspeeds_state(engine: str, states: dict[str, dict[str, Any]]) -> None:
+    got = states[engine]
+    assert got["engine"] == {"plain": "DeepSpeedEngine", "pipe": "PipelineEngine"}[engine]
+    assert (got["partition_activations"], got["contiguous_checkpointing"], got["synchronize"],
+            got["number_checkpoints"]) == (True, True, True, 2)
+    assert got["wall_clock_breakdown"] is True
+    assert got["comms_logger"] is True
+    assert (got["zero_stage"], got["reduce_bucket_size"], got["allgather_bucket_size"],
+            got["contiguous_gradients"], got["overlap_comm"]) == (1, 12345, 23456, False, True)
+    if engine == "plain":
+        assert got["flops_profiler"] and got["flops_profiler_object"]
+
+
+def test_flops_profiler_is_refused_on_a_pipeline() -> None:
+    from megatron.errors import ConfigError
+    from megatron.neox_arguments import finalize
+    from megatron.neox_arguments.arguments import NeoXArgs
+    from megatron.neox_arguments.resolved import ResolvedConfig
+    from megatron.neox_arguments.rules import Device
+
+    args = NeoXArgs(**{**MODEL, "pipe_parallel_size": 1, "flops_profiler": {"enabled": True}})
+    with pytest.raises(ConfigError, match="flops_profiler.enabled .* pipeline engine never prints"):
+        finalize(ResolvedConfig(args=args), 1, device=Device(cuda=False, fp16_supported=False))
