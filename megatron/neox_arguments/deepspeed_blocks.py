@@ -6,8 +6,9 @@ engines, plain and ``PipelineModule``, and reads DeepSpeed's state to keep this 
 
 * ``flops_profiler`` on a pipeline: ``PipelineEngine`` starts and stops the profile in its forward, but
   only ``DeepSpeedEngine.step`` prints it, and the pipeline never calls ``step``.
-* ``activation_checkpointing`` options, ``partition_activations`` and friends, and
-  ``checkpoint_num_layers`` when nothing is checkpointed (or only every k-th block is).
+* the ``activation_checkpointing`` block when nothing is checkpointed, and ``checkpoint_num_layers``
+  with selective checkpointing; GPT-NeoX's flat options with checkpointing off are said (a warning
+  ``--dry-run`` lists) because GPT-NeoX's own configs set them.
 """
 
 from __future__ import annotations
@@ -46,30 +47,33 @@ def activation_checkpointing_block_is_read(ctx: RuleContext) -> list[str]:
 
 @rule
 def checkpoint_options_need_checkpointing(ctx: RuleContext) -> list[str]:
-    """Options of activation checkpointing change nothing when no block is checkpointed."""
+    """Options of activation checkpointing change nothing when no block is checkpointed.
+
+    The DeepSpeed block is refused; GPT-NeoX's own configs set the flat keys with checkpointing off
+    (pythia/14M: ``synchronize-each-layer: true``) and must load unchanged, so those are said
+    (``--dry-run`` and every launch print it) rather than refused."""
     if _checkpointing_on(ctx):
         return []
-    set_flat = [ctx.show(key) for key in CHECKPOINT_OPTION_KEYS if ctx.get(key)]
+    ignored = [ctx.show(key) for key in CHECKPOINT_OPTION_KEYS if ctx.get(key)]
+    if int(ctx.get("checkpoint_num_layers") or 1) != 1:
+        ignored.append(ctx.show("checkpoint_num_layers"))
+    if ignored:
+        ctx.warnings.append(f"ignored: {', '.join(ignored)}: no activations are checkpointed "
+                            f"(checkpoint_activations is false), so this changes nothing")
     block = ctx.get("activation_checkpointing")
     if isinstance(block, Mapping) and any(block.values()):
-        set_flat.append(f"activation_checkpointing ({_describe(ctx.source('activation_checkpointing'))})")
-    if not set_flat:
-        return []
-    return [f"{', '.join(set_flat)}: no activations are checkpointed (checkpoint_activations is false), so "
-            f"this changes nothing; set checkpoint_activations: true or remove it"]
+        return [f"activation_checkpointing ({_describe(ctx.source('activation_checkpointing'))}): no activations "
+                f"are checkpointed (checkpoint_activations is false), so the block changes nothing; set "
+                f"checkpoint_activations: true or remove it"]
+    return []
 
 
 @rule
 def checkpoint_num_layers_has_effect(ctx: RuleContext) -> list[str]:
-    if int(ctx.get("checkpoint_num_layers") or 1) == 1:
+    if int(ctx.get("checkpoint_num_layers") or 1) == 1 or ctx.get("selective_checkpointing") is None:
         return []
-    if ctx.get("selective_checkpointing") is not None:
-        return [f"{ctx.show('checkpoint_num_layers')} with {ctx.show('selective_checkpointing')}: selective "
-                f"checkpointing recomputes single blocks, so the chunk size changes nothing; remove one"]
-    if not ctx.get("checkpoint_activations"):
-        return [f"{ctx.show('checkpoint_num_layers')} but checkpoint_activations is false: nothing is "
-                f"checkpointed; set checkpoint_activations: true or remove it"]
-    return []
+    return [f"{ctx.show('checkpoint_num_layers')} with {ctx.show('selective_checkpointing')}: selective "
+            f"checkpointing recomputes single blocks, so the chunk size changes nothing; remove one"]
 
 
 @rule

@@ -121,3 +121,25 @@ def test_flops_profiler_is_refused_on_a_pipeline() -> None:
     args = NeoXArgs(**{**MODEL, "pipe_parallel_size": 1, "flops_profiler": {"enabled": True}})
     with pytest.raises(ConfigError, match="flops_profiler.enabled .* pipeline engine never prints"):
         finalize(ResolvedConfig(args=args), 1, device=Device(cuda=False, fp16_supported=False))
+
+
+def test_checkpoint_options_without_checkpointing_are_refused_or_said() -> None:
+    """The DeepSpeed block with nothing checkpointed is refused; GPT-NeoX's flat options (which its own
+    configs set with checkpointing off) are listed as ignored, with why, in what deepy.py prints."""
+    from megatron.errors import ConfigError
+    from megatron.neox_arguments import finalize
+    from megatron.neox_arguments.arguments import NeoXArgs
+    from megatron.neox_arguments.resolved import ResolvedConfig
+    from megatron.neox_arguments.rules import Device
+
+    cpu = Device(cuda=False, fp16_supported=False)
+    base = {**MODEL, "checkpoint_activations": False, "activation_checkpointing": None}
+    with pytest.raises(ConfigError, match="activation_checkpointing .*changes nothing"):
+        finalize(ResolvedConfig(args=NeoXArgs(**{**base, "activation_checkpointing": {"profile": True}})), 1,
+                 device=cpu)
+    with pytest.raises(ConfigError, match="activation_checkpointing.partition_activation .*is not a DeepSpeed"):
+        finalize(ResolvedConfig(args=NeoXArgs(**{**MODEL, "activation_checkpointing": {"partition_activation": 1}})),
+                 1, device=cpu)
+    said = finalize(ResolvedConfig(args=NeoXArgs(**{**base, "synchronize_each_layer": True})), 1, device=cpu)
+    assert any("ignored: synchronize_each_layer=True" in w and "no activations are checkpointed" in w
+               for w in said.warnings), said.warnings
