@@ -461,3 +461,19 @@ def test_export_tool_refuses_alibi_with_one_message(tmp_path: Path) -> None:
     missing = run_tool("convert_hf_to_neox.py", str(tmp_path / "nowhere"), str(tmp_path / "out"))
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert "neither a Hugging Face model directory" in missing.stderr
+
+
+def test_hf_model_without_tokenizer_files_round_trips_with_no_tokenizer(tmp_path: Path) -> None:
+    """An HF directory with weights and config only: the import records no tokenizer, the export with
+    ``tokenizer=False`` writes the same tensors back (and without it says what to pass)."""
+    source = make_hf_model(tmp_path, "gpt_neox")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (source / name).unlink(missing_ok=True)
+    import_to_deepy(source, tmp_path / "deepy", tp=1, pp=0)
+    with pytest.raises(ConversionError, match="records no tokenizer.*--no-tokenizer"):
+        export_to_hf(tmp_path / "deepy", tmp_path / "refused")
+    exported = export_to_hf(tmp_path / "deepy", tmp_path / "back", tokenizer=False)
+    assert exported.max_logit_diff is not None and exported.max_logit_diff <= 1e-4
+    original, back = load_file(source / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert set(original) == set(back) and all(torch.equal(original[k], back[k]) for k in original)
+    assert not (tmp_path / "back" / "tokenizer.json").exists()
