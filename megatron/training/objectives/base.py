@@ -46,8 +46,6 @@ class MicroBatch:
     """Objective-specific targets (KTO rewards, reward-model score positions)."""
     units: float = 0.0
     """Loss units in this micro-batch (counted tokens or samples), for the global normaliser."""
-    sample_index: torch.Tensor | None = None
-    """``[m]`` global sample indices (present when precomputed reference log-probs are read)."""
     reference: torch.Tensor | None = None
     """``[n]`` reference log-probs per row, once the reference provided them."""
 

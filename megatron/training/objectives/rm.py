@@ -55,8 +55,7 @@ class RewardModelObjective(Objective):
         seq = tokens.shape[1]
         index = torch.cat([score_positions(sample["chosen_label"].long(), seq),
                            score_positions(sample["rejected_label"].long(), seq)])
-        return MicroBatch(tokens, labels, extras=(index,), units=float(tokens.shape[0] // 2),
-                          sample_index=sample.get("sample_index"))
+        return MicroBatch(tokens, labels, extras=(index,), units=float(tokens.shape[0] // 2))
 
     def loss_sum(self, output: torch.Tensor, labels: torch.Tensor, extras: tuple[torch.Tensor, ...],
                  reference: torch.Tensor) -> tuple[torch.Tensor, Stats]:
