@@ -296,6 +296,36 @@ def test_reward_model_learns_and_keeps_its_head(rm_single: dict[str, Any]) -> No
     assert states["value_head.weight"].shape == (1, 64) and not any(k.startswith("output_layer") for k in states)
 
 
+@pytest.mark.parametrize("pipe", [0, 1])
+def test_reward_model_starts_from_a_language_model_checkpoint(data: dict[str, Any], sft_single: dict[str, Any],
+                                                              tmp_path: Path, pipe: int) -> None:
+    """SFT -> RM: ``initialize_from`` an LM checkpoint (plain and PipelineModule engines). With a zero
+    learning rate the saved RM holds the LM's weights exactly (its LM head dropped) and a value head
+    equal to the seeded initialisation of a fresh model of the same config."""
+    from megatron.interop.deepy_checkpoint import read_full_checkpoint
+    from megatron.model import GPTConfig, GPTModel
+    from megatron.neox_arguments import NeoXArgs
+
+    lm_ckpt = sft_single["ckpt"]  # saved at pipe_parallel_size 0
+    if pipe:  # a language model saved by a PipelineModule run (a layout change would go through universal)
+        lm_ckpt = tmp_path / "lm_ckpt"
+        run(tmp_path, "lm_pp1", {**_sft(data["root"], "sft_a"), "train_iters": 1, "pipe_parallel_size": 1,
+                                 "save": str(lm_ckpt), "checkpoint_factor": 1})
+    config = {"train_impl": "rm", **pairwise_paths(data["root"], valid=False), "train_iters": 1,
+              "pipe_parallel_size": pipe, "initialize_from": str(lm_ckpt),
+              "optimizer": {"type": "Adam", "params": {"lr": 0.0}},
+              "save": str(tmp_path / "ckpt"), "checkpoint_factor": 1}
+    run(tmp_path, f"rm_from_lm_pp{pipe}", config)
+    lm = read_full_checkpoint(lm_ckpt).weights
+    rm = read_full_checkpoint(tmp_path / "ckpt").weights
+    body = sorted(k for k in rm if not k.startswith("value_head."))
+    assert body and body == sorted(k for k in lm if not k.startswith("output_layer."))
+    assert all(torch.equal(rm[k], lm[k]) for k in body)
+    args = NeoXArgs(**{k: v for k, v in {**BASE, **config}.items() if k != "num_gpus"}, padded_vocab_size=512)
+    fresh = GPTModel(GPTConfig.from_args(args).with_vocab(512)).state_dict()
+    assert torch.equal(rm["value_head.weight"], fresh["value_head.weight"])
+
+
 def test_reward_model_pp2(data: dict[str, Any], rm_single: dict[str, Any], tmp_path: Path) -> None:
     rows = run(tmp_path, "pp2", {"train_impl": "rm", **pairwise_paths(data["root"], valid=False),
                                  "train_iters": SHORT_STEPS, **PP2})

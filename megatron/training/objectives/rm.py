@@ -45,6 +45,7 @@ def score_positions(label: torch.Tensor, seq_length: int) -> torch.Tensor:
 class RewardModelObjective(Objective):
     train_impl = "rm"
     value_head = True
+    new_parameters = ("value_head.",)  # SFT -> RM: the scalar head is new, the rest is the LM's
     rows_per_sample = 2
     metric_names = ("rm/accuracy", "rm/margin", "rm/chosen", "rm/rejected")
 
