@@ -265,6 +265,22 @@ def _deepspeed_prints_quiet() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _deepspeed_info_logs(on: bool) -> Iterator[None]:
+    """``dump_state``: DeepSpeed prints its engine state (rank 0, during ``initialize``) at info level,
+    which ``deepspeed_log_level`` (warning by default) would hide; the user asked for it, so DeepSpeed's
+    logger speaks at info for that call."""
+    from deepspeed.utils import logger as ds_logger
+
+    previous = ds_logger.level
+    if on and ds_logger.getEffectiveLevel() > logging.INFO:
+        ds_logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        ds_logger.setLevel(previous)
+
+
 def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationCheckpointConfig,
                 compile_layers: bool, objective: Objective) -> tuple[nn.Module, bool]:
     """(module, is_pipe); a pipeline's last stage computes ``objective.loss``."""
@@ -317,7 +333,7 @@ def build_engine(run: RunConfig, config: GPTConfig, train_iters: int, objective:
         optimizer = build_optimizer(model, run.optimizer, offload=optimizer_offloaded(ds_config))
         scheduler = LRScheduler(optimizer=optimizer, spec=spec, policy=policy)
         params = None
-    with keep_expert_shards(model):
+    with keep_expert_shards(model), _deepspeed_info_logs(bool(ds_config.get("dump_state"))):
         engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
             model=model,
             optimizer=optimizer,

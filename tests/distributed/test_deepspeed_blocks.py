@@ -28,6 +28,7 @@ MODEL: dict[str, Any] = {
                                  "number_checkpoints": 2, "synchronize_checkpoint_boundary": True},
     "wall_clock_breakdown": True,
     "comms_logger": {"enabled": True, "verbose": False, "prof_all": True},
+    "dump_state": True,
     "zero_optimization": {"stage": 1, "reduce_bucket_size": 12345, "allgather_bucket_size": 23456,
                           "contiguous_gradients": False, "overlap_comm": True},
 }  # fmt: skip
@@ -47,11 +48,23 @@ def _engine_state(overrides: dict[str, Any]) -> dict[str, Any]:
     from megatron.neox_arguments.run_config import RunConfig
     from megatron.training.engine import build_engine
 
+    import logging
+
+    from deepspeed.utils import logger as ds_logger
+
+    from megatron.logging.log import set_deepspeed_log_level
+
+    set_deepspeed_log_level("warning")  # Deepy's default deepspeed_log_level
+    dumped: list[str] = []
+    capture = logging.Handler()
+    capture.emit = lambda record: dumped.append(record.getMessage())  # type: ignore[method-assign]
+    ds_logger.addHandler(capture)
     resolved = finalize(ResolvedConfig(args=NeoXArgs(**{**MODEL, **overrides})), 1,
                         device=Device(cuda=False, fp16_supported=False))
     run = RunConfig.from_resolved(resolved)
     initialize(run.parallel, run.training.seed)
     eng = build_engine(run, run.model.with_vocab(128), 4)
+    ds_logger.removeHandler(capture)
     engine = eng.engine
     state = {
         "engine": type(engine).__name__,
@@ -68,6 +81,9 @@ def _engine_state(overrides: dict[str, Any]) -> dict[str, Any]:
         "overlap_comm": engine.zero_overlap_comm(),
         "flops_profiler": engine.flops_profiler_enabled(),
         "flops_profiler_object": getattr(engine, "flops_profiler", None) is not None,
+        # dump_state: DeepSpeed's own print of its engine state reached its logger at the default level
+        "dump_state": any(line.startswith("DeepSpeedEngine:") for line in dumped)
+                      and any("zero_optimization_stage" in line for line in dumped),
     }
     return state
 
@@ -104,6 +120,7 @@ def test_blocks_reach_deepspeeds_state(engine: str, states: dict[str, dict[str, 
     assert (got["partition_activations"], got["contiguous_checkpointing"], got["synchronize"],
             got["number_checkpoints"]) == (True, True, True, 2)
     assert got["wall_clock_breakdown"] is True
+    assert got["dump_state"] is True
     assert got["comms_logger"] is True
     assert (got["zero_stage"], got["reduce_bucket_size"], got["allgather_bucket_size"],
             got["contiguous_gradients"], got["overlap_comm"]) == (1, 12345, 23456, False, True)
