@@ -85,3 +85,13 @@ def flops_profiler_needs_the_plain_engine(ctx: RuleContext) -> list[str]:
             f"{ctx.show('pipe_parallel_size')}: DeepSpeed's pipeline engine never prints the profile (only "
             f"DeepSpeedEngine.step does); use pipe_parallel_size: 0 to profile, or Deepy's throughput/mfu "
             f"metrics"]
+
+
+@rule
+def fp32_allreduce_is_communication_data_type(ctx: RuleContext) -> list[str]:
+    """GPT-NeoX's ``fp32_allreduce`` is handed to DeepSpeed as ``communication_data_type: fp32``."""
+    kind = ctx.get("communication_data_type")
+    if not ctx.get("fp32_allreduce") or kind in (None, "fp32"):
+        return []
+    return [f"{ctx.show('fp32_allreduce')} and {ctx.show('communication_data_type')} disagree: fp32_allreduce "
+            f"means communication_data_type fp32; keep one"]

@@ -22,21 +22,33 @@ MODEL: dict[str, Any] = {
     "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
     "max_position_embeddings": 32, "pos_emb": "rotary", "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
     "train_micro_batch_size_per_gpu": 2, "train_iters": 4, "use_dummy_dataset": True,
-    "tokenizer_type": "CharLevelTokenizer", "num_gpus": 1, "steps_per_print": 10**6,
+    "tokenizer_type": "CharLevelTokenizer", "num_gpus": 1, "steps_per_print": 777,
     "checkpoint_activations": True,
-    "activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": True,
-                                 "number_checkpoints": 2, "synchronize_checkpoint_boundary": True},
     "wall_clock_breakdown": True,
-    "comms_logger": {"enabled": True, "verbose": False, "prof_all": True},
     "dump_state": True,
-    "zero_optimization": {"stage": 1, "reduce_bucket_size": 12345, "allgather_bucket_size": 23456,
-                          "contiguous_gradients": False, "overlap_comm": True},
+    "comms_logger": {"enabled": True, "verbose": False, "prof_all": True},
+    "zero_optimization": {"stage": 1, "overlap_comm": True},
+    # GPT-NeoX's flat ZeRO keys, merged into the block
+    "zero_reduce_scatter": False, "zero_contiguous_gradients": False, "zero_reduce_bucket_size": 12345,
+    "zero_allgather_bucket_size": 23456,
+    "fp32_allreduce": True, "prescale_gradients": True, "gradient_predivide_factor": 2.0,
+    "data_types": {"grad_accum_dtype": "fp32"},
+    "checkpoint": {"use_node_local_storage": True},
 }  # fmt: skip
-ENGINES = {"plain": {"pipe_parallel_size": 0, "flops_profiler": {"enabled": True, "profile_step": 1}},
-           "pipe": {"pipe_parallel_size": 1}}
+CHECKPOINT_OPTIONS = {"partition_activations": True, "contiguous_checkpointing": True, "checkpoint_in_cpu": True,
+                      "synchronize_each_layer": True, "profile_backward": True}
+ENGINES = {
+    # the DeepSpeed block spelling of the activation-checkpointing options, and the flops profiler
+    "plain": {"pipe_parallel_size": 0, "flops_profiler": {"enabled": True, "profile_step": 1},
+              "activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": True,
+                                           "cpu_checkpointing": True, "synchronize_checkpoint_boundary": True,
+                                           "profile": True, "number_checkpoints": 3}},
+    # GPT-NeoX's flat spelling; DeepSpeed's own CSV monitor
+    "pipe": {"pipe_parallel_size": 1, **CHECKPOINT_OPTIONS, "csv_monitor": {"enabled": True, "job_name": "blocks"}},
+}
 
 
-def _engine_state(overrides: dict[str, Any]) -> dict[str, Any]:
+def _engine_state(overrides: dict[str, Any], out_dir: str) -> dict[str, Any]:
     import deepspeed.comm as ds_comm
     from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
 
@@ -59,6 +71,8 @@ def _engine_state(overrides: dict[str, Any]) -> dict[str, Any]:
     capture = logging.Handler()
     capture.emit = lambda record: dumped.append(record.getMessage())  # type: ignore[method-assign]
     ds_logger.addHandler(capture)
+    if "csv_monitor" in overrides:
+        overrides = {**overrides, "csv_monitor": {**overrides["csv_monitor"], "output_path": str(out_dir)}}
     resolved = finalize(ResolvedConfig(args=NeoXArgs(**{**MODEL, **overrides})), 1,
                         device=Device(cuda=False, fp16_supported=False))
     run = RunConfig.from_resolved(resolved)
@@ -68,10 +82,17 @@ def _engine_state(overrides: dict[str, Any]) -> dict[str, Any]:
     engine = eng.engine
     state = {
         "engine": type(engine).__name__,
-        "partition_activations": ds_ckpt.PARTITION_ACTIVATIONS,
-        "contiguous_checkpointing": ds_ckpt.CONTIGUOUS_CHECKPOINTING,
-        "synchronize": ds_ckpt.SYNCHRONIZE,
+        "checkpointing": [ds_ckpt.PARTITION_ACTIVATIONS, ds_ckpt.CONTIGUOUS_CHECKPOINTING, ds_ckpt.CPU_CHECKPOINT,
+                          ds_ckpt.SYNCHRONIZE, ds_ckpt.PROFILE_TIME],
         "number_checkpoints": ds_ckpt.num_layers,
+        "steps_per_print": engine.steps_per_print(),
+        "communication_data_type": str(engine.communication_data_type),
+        "postscale_gradients": engine.postscale_gradients(),
+        "gradient_predivide_factor": engine.gradient_predivide_factor(),
+        "reduce_scatter": engine.zero_reduce_scatter(),
+        "grad_accum_dtype": str(engine.get_data_types()[1]),
+        "use_node_local_storage": engine.use_node_local_storage(),
+        "csv_monitor": engine.monitor.csv_monitor is not None and engine.monitor.enabled,
         "wall_clock_breakdown": engine.wall_clock_breakdown(),
         "comms_logger": bool(ds_comm.comms_logger.enabled and ds_comm.comms_logger.prof_all),
         "zero_stage": engine.zero_optimization_stage(),
@@ -94,7 +115,7 @@ def rank_main(rank: int, out_dir: str) -> None:
     results: dict[str, str] = {}
 
     def record(name: str, overrides: dict[str, Any]) -> None:
-        results[name] = json.dumps(_engine_state(overrides))
+        results[name] = json.dumps(_engine_state(overrides, out_dir))
 
     checks = {name: (lambda n=name, o=over: record(n, o)) for name, over in ENGINES.items()}
     errors = record_checks(checks)
@@ -117,13 +138,18 @@ def states(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
 def test_blocks_reach_deepspeeds_state(engine: str, states: dict[str, dict[str, Any]]) -> None:
     got = states[engine]
     assert got["engine"] == {"plain": "DeepSpeedEngine", "pipe": "PipelineEngine"}[engine]
-    assert (got["partition_activations"], got["contiguous_checkpointing"], got["synchronize"],
-            got["number_checkpoints"]) == (True, True, True, 2)
+    assert got["checkpointing"] == [True] * 5
+    assert got["number_checkpoints"] == (3 if engine == "plain" else 2)  # the block's, else num_layers
     assert got["wall_clock_breakdown"] is True
     assert got["dump_state"] is True
     assert got["comms_logger"] is True
-    assert (got["zero_stage"], got["reduce_bucket_size"], got["allgather_bucket_size"],
-            got["contiguous_gradients"], got["overlap_comm"]) == (1, 12345, 23456, False, True)
+    assert got["steps_per_print"] == 777
+    assert (got["zero_stage"], got["reduce_bucket_size"], got["allgather_bucket_size"], got["reduce_scatter"],
+            got["contiguous_gradients"], got["overlap_comm"]) == (1, 12345, 23456, False, False, True)
+    assert got["communication_data_type"] == "torch.float32"  # fp32_allreduce
+    assert (got["postscale_gradients"], got["gradient_predivide_factor"]) == (False, 2.0)
+    assert got["grad_accum_dtype"] == "torch.float32" and got["use_node_local_storage"] is True
+    assert got["csv_monitor"] is (engine == "pipe")
     if engine == "plain":
         assert got["flops_profiler"] and got["flops_profiler_object"]
 
