@@ -21,7 +21,8 @@ from rank_harness import finish_rank, record_checks, run_ranks
 MODEL: dict[str, Any] = {
     "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
     "max_position_embeddings": 32, "pos_emb": "rotary", "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-    "train_micro_batch_size_per_gpu": 2, "train_iters": 4, "use_dummy_dataset": True,
+    "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+    "train_iters": 4, "use_dummy_dataset": True,
     "tokenizer_type": "CharLevelTokenizer", "num_gpus": 1, "steps_per_print": 777,
     "checkpoint_activations": True,
     "wall_clock_breakdown": True,
@@ -40,11 +41,13 @@ CHECKPOINT_OPTIONS = {"partition_activations": True, "contiguous_checkpointing":
 ENGINES = {
     # the DeepSpeed block spelling of the activation-checkpointing options, and the flops profiler
     "plain": {"pipe_parallel_size": 0, "flops_profiler": {"enabled": True, "profile_step": 1},
+              "wandb": {"enabled": True, "project": "blocks"},
               "activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": True,
                                            "cpu_checkpointing": True, "synchronize_checkpoint_boundary": True,
                                            "profile": True, "number_checkpoints": 3}},
     # GPT-NeoX's flat spelling; DeepSpeed's own CSV monitor
-    "pipe": {"pipe_parallel_size": 1, **CHECKPOINT_OPTIONS, "csv_monitor": {"enabled": True, "job_name": "blocks"}},
+    "pipe": {"pipe_parallel_size": 1, **CHECKPOINT_OPTIONS, "csv_monitor": {"enabled": True, "job_name": "blocks"},
+             "precision": "bfloat16", "tensorboard": {"enabled": True, "job_name": "blocks"}},
 }
 
 
@@ -71,8 +74,9 @@ def _engine_state(overrides: dict[str, Any], out_dir: str) -> dict[str, Any]:
     capture = logging.Handler()
     capture.emit = lambda record: dumped.append(record.getMessage())  # type: ignore[method-assign]
     ds_logger.addHandler(capture)
-    if "csv_monitor" in overrides:
-        overrides = {**overrides, "csv_monitor": {**overrides["csv_monitor"], "output_path": str(out_dir)}}
+    for monitor in ("csv_monitor", "tensorboard"):  # DeepSpeed's own monitors write under the test's directory
+        if monitor in overrides:
+            overrides = {**overrides, monitor: {**overrides[monitor], "output_path": str(Path(out_dir, monitor))}}
     resolved = finalize(ResolvedConfig(args=NeoXArgs(**{**MODEL, **overrides})), 1,
                         device=Device(cuda=False, fp16_supported=False))
     run = RunConfig.from_resolved(resolved)
@@ -93,6 +97,11 @@ def _engine_state(overrides: dict[str, Any], out_dir: str) -> dict[str, Any]:
         "grad_accum_dtype": str(engine.get_data_types()[1]),
         "use_node_local_storage": engine.use_node_local_storage(),
         "csv_monitor": engine.monitor.csv_monitor is not None and engine.monitor.enabled,
+        "tensorboard": engine.monitor.tb_monitor is not None and engine.monitor.enabled,
+        "wandb": engine.monitor.wandb_monitor is not None and engine.monitor.enabled,
+        "bf16": engine.bfloat16_enabled(),
+        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+        "gradient_clipping": engine.gradient_clipping(),
         "wall_clock_breakdown": engine.wall_clock_breakdown(),
         "comms_logger": bool(ds_comm.comms_logger.enabled and ds_comm.comms_logger.prof_all),
         "zero_stage": engine.zero_optimization_stage(),
@@ -112,6 +121,8 @@ def _engine_state(overrides: dict[str, Any], out_dir: str) -> dict[str, Any]:
 def rank_main(rank: int, out_dir: str) -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ["MASTER_PORT"] = Path(out_dir, "port").read_text()
+    # DeepSpeed's own W&B monitor: offline, under the test's directory
+    os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=out_dir)
     results: dict[str, str] = {}
 
     def record(name: str, overrides: dict[str, Any]) -> None:
@@ -149,7 +160,9 @@ def test_blocks_reach_deepspeeds_state(engine: str, states: dict[str, dict[str, 
     assert got["communication_data_type"] == "torch.float32"  # fp32_allreduce
     assert (got["postscale_gradients"], got["gradient_predivide_factor"]) == (False, 2.0)
     assert got["grad_accum_dtype"] == "torch.float32" and got["use_node_local_storage"] is True
-    assert got["csv_monitor"] is (engine == "pipe")
+    assert got["csv_monitor"] is got["tensorboard"] is got["bf16"] is (engine == "pipe")
+    assert (got["gradient_accumulation_steps"], got["gradient_clipping"]) == (2, 0.5)
+    assert got["wandb"] is (engine == "plain")
     if engine == "plain":
         assert got["flops_profiler"] and got["flops_profiler_object"]
 
