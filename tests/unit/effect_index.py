@@ -14,6 +14,7 @@ parsed or initialised them (:data:`DEEPSPEED_STATE_TESTS`).
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -39,11 +40,21 @@ DEEPSPEED_STATE_TESTS = frozenset({
 
 
 @dataclass(frozen=True)
-class TestText:
+class TestSource:
+    __test__ = False  # a record about a test, not a test class for pytest to collect
+
     node_id: str
     """``path::function``."""
     text: str
     """The function with its decorators and everything module-level it uses, transitively."""
+
+    @functools.cached_property
+    def words(self) -> frozenset[str]:
+        return frozenset(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", self.text))
+
+    @functools.cached_property
+    def templates(self) -> tuple[re.Pattern[str], ...]:
+        return tuple(_templates(self.text))
 
 
 def _module_definitions(tree: ast.Module, source: str) -> dict[str, tuple[str, ast.AST]]:
@@ -66,7 +77,7 @@ def _names_used(node: ast.AST) -> set[str]:
     return used
 
 
-def test_texts(path: Path) -> list[TestText]:
+def sources_of_tests(path: Path) -> list[TestSource]:
     source = path.read_text()
     tree = ast.parse(source)
     definitions = _module_definitions(tree, source)
@@ -86,14 +97,14 @@ def test_texts(path: Path) -> list[TestText]:
             text, definition = definitions[name]
             parts.append(text)
             todo |= _names_used(definition) - seen
-        out.append(TestText(f"{path.relative_to(REPO)}::{node.name}", "\n".join(parts)))
+        out.append(TestSource(f"{path.relative_to(REPO)}::{node.name}", "\n".join(parts)))
     return out
 
 
-def effect_tests(root: Path = REPO / "tests") -> list[TestText]:
+def effect_tests(root: Path = REPO / "tests") -> list[TestSource]:
     """Every test function that can observe behaviour (see the module doc)."""
     return [t for path in sorted(root.rglob("test_*.py")) if path.name not in CONFIG_ONLY_FILES
-            for t in test_texts(path) if not REFUSAL_NAME.search(t.node_id.split("::")[1])]
+            for t in sources_of_tests(path) if not REFUSAL_NAME.search(t.node_id.split("::")[1])]
 
 
 def _templates(text: str) -> list[re.Pattern[str]]:
@@ -105,6 +116,5 @@ def _templates(text: str) -> list[re.Pattern[str]]:
     return out
 
 
-def tests_naming(key: str, tests: Iterable[TestText]) -> list[str]:
-    word = re.compile(rf"\b{re.escape(key)}\b")
-    return [t.node_id for t in tests if word.search(t.text) or any(p.match(key) for p in _templates(t.text))]
+def naming_tests(key: str, tests: Iterable[TestSource]) -> list[str]:
+    return [t.node_id for t in tests if key in t.words or any(p.match(key) for p in t.templates)]
