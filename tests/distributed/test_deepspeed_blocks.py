@@ -47,7 +47,9 @@ ENGINES = {
                                            "profile": True, "number_checkpoints": 3}},
     # GPT-NeoX's flat spelling; DeepSpeed's own CSV monitor
     "pipe": {"pipe_parallel_size": 1, **CHECKPOINT_OPTIONS, "csv_monitor": {"enabled": True, "job_name": "blocks"},
-             "precision": "bfloat16", "tensorboard": {"enabled": True, "job_name": "blocks"}},
+             "precision": "bfloat16", "tensorboard": {"enabled": True, "job_name": "blocks"},
+             # the stage through GPT-NeoX's flat key instead of the block
+             "zero_optimization": {"overlap_comm": True}, "zero_stage": 1},
 }
 
 
@@ -104,7 +106,7 @@ def _engine_state(overrides: dict[str, Any], out_dir: str) -> dict[str, Any]:
         "gradient_clipping": engine.gradient_clipping(),
         "wall_clock_breakdown": engine.wall_clock_breakdown(),
         "comms_logger": bool(ds_comm.comms_logger.enabled and ds_comm.comms_logger.prof_all),
-        "zero_stage": engine.zero_optimization_stage(),
+        "stage": engine.zero_optimization_stage(),
         "reduce_bucket_size": engine.zero_reduce_bucket_size(),
         "allgather_bucket_size": engine.zero_allgather_bucket_size(),
         "contiguous_gradients": engine.zero_contiguous_gradients(),
@@ -155,7 +157,7 @@ def test_blocks_reach_deepspeeds_state(engine: str, states: dict[str, dict[str, 
     assert got["dump_state"] is True
     assert got["comms_logger"] is True
     assert got["steps_per_print"] == 777
-    assert (got["zero_stage"], got["reduce_bucket_size"], got["allgather_bucket_size"], got["reduce_scatter"],
+    assert (got["stage"], got["reduce_bucket_size"], got["allgather_bucket_size"], got["reduce_scatter"],
             got["contiguous_gradients"], got["overlap_comm"]) == (1, 12345, 23456, False, False, True)
     assert got["communication_data_type"] == "torch.float32"  # fp32_allreduce
     assert (got["postscale_gradients"], got["gradient_predivide_factor"]) == (False, 2.0)
