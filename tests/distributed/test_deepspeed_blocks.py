@@ -35,19 +35,20 @@ MODEL: dict[str, Any] = {
     "fp32_allreduce": True, "prescale_gradients": True, "gradient_predivide_factor": 2.0,
     "data_types": {"grad_accum_dtype": "fp32"},
     "checkpoint": {"use_node_local_storage": True},
+    # DeepSpeed's own monitors (the engine builds them; both engines write their events)
+    "csv_monitor": {"enabled": True, "job_name": "blocks"}, "tensorboard": {"enabled": True, "job_name": "blocks"},
+    "wandb": {"enabled": True, "project": "blocks"},
 }  # fmt: skip
 CHECKPOINT_OPTIONS = {"partition_activations": True, "contiguous_checkpointing": True, "checkpoint_in_cpu": True,
                       "synchronize_each_layer": True, "profile_backward": True}
 ENGINES = {
     # the DeepSpeed block spelling of the activation-checkpointing options, and the flops profiler
     "plain": {"pipe_parallel_size": 0, "flops_profiler": {"enabled": True, "profile_step": 1},
-              "wandb": {"enabled": True, "project": "blocks"},
               "activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": True,
                                            "cpu_checkpointing": True, "synchronize_checkpoint_boundary": True,
                                            "profile": True, "number_checkpoints": 3}},
-    # GPT-NeoX's flat spelling; DeepSpeed's own CSV monitor
-    "pipe": {"pipe_parallel_size": 1, **CHECKPOINT_OPTIONS, "csv_monitor": {"enabled": True, "job_name": "blocks"},
-             "precision": "bfloat16", "tensorboard": {"enabled": True, "job_name": "blocks"},
+    # GPT-NeoX's flat spelling, bf16
+    "pipe": {"pipe_parallel_size": 1, **CHECKPOINT_OPTIONS, "precision": "bfloat16",
              # the stage through GPT-NeoX's flat key instead of the block
              "zero_optimization": {"overlap_comm": True}, "zero_stage": 1},
 }
@@ -77,8 +78,7 @@ def _engine_state(overrides: dict[str, Any], out_dir: str) -> dict[str, Any]:
     capture.emit = lambda record: dumped.append(record.getMessage())  # type: ignore[method-assign]
     ds_logger.addHandler(capture)
     for monitor in ("csv_monitor", "tensorboard"):  # DeepSpeed's own monitors write under the test's directory
-        if monitor in overrides:
-            overrides = {**overrides, monitor: {**overrides[monitor], "output_path": str(Path(out_dir, monitor))}}
+        overrides = {**overrides, monitor: {**MODEL[monitor], "output_path": str(Path(out_dir, monitor))}}
     resolved = finalize(ResolvedConfig(args=NeoXArgs(**{**MODEL, **overrides})), 1,
                         device=Device(cuda=False, fp16_supported=False))
     run = RunConfig.from_resolved(resolved)
@@ -162,9 +162,9 @@ def test_blocks_reach_deepspeeds_state(engine: str, states: dict[str, dict[str, 
     assert got["communication_data_type"] == "torch.float32"  # fp32_allreduce
     assert (got["postscale_gradients"], got["gradient_predivide_factor"]) == (False, 2.0)
     assert got["grad_accum_dtype"] == "torch.float32" and got["use_node_local_storage"] is True
-    assert got["csv_monitor"] is got["tensorboard"] is got["bf16"] is (engine == "pipe")
+    assert got["csv_monitor"] is got["tensorboard"] is got["wandb"] is True
+    assert got["bf16"] is (engine == "pipe")
     assert (got["gradient_accumulation_steps"], got["gradient_clipping"]) == (2, 0.5)
-    assert got["wandb"] is (engine == "plain")
     if engine == "plain":
         assert got["flops_profiler"] and got["flops_profiler_object"]
 
