@@ -105,10 +105,13 @@ class CheckpointManager:
         preemption: PreemptionWatcher | None = None,
         before_commit: BeforeCommit | None = None,
         load_requested: bool = False,
+        new_parameters: tuple[str, ...] = (),
     ) -> None:
         self.save_dir = Path(save) if save else None
         self.load_dir = Path(load) if load else None
         self.load_requested = load_requested
+        self.new_parameters = new_parameters
+        """The objective's parameters a weights-only start may lack (see ``new_parameters.py``)."""
         self.policy = policy
         self.args_dict = args_dict
         self.config_files = dict(config_files or {})
@@ -133,6 +136,7 @@ class CheckpointManager:
         train_iters: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         before_commit: BeforeCommit | None = None,
+        new_parameters: tuple[str, ...] = (),
     ) -> CheckpointManager:
         """``train_iters``: the run's last step when it was derived at start-up (train_epochs)."""
         factor = config.checkpoint_factor
@@ -160,6 +164,7 @@ class CheckpointManager:
             save_rng=not config.no_save_rng,
             before_commit=before_commit,
             load_requested=bool(config.load),
+            new_parameters=new_parameters,
         )
 
     # --- load ----------------------------------------------------------------------------------
@@ -244,7 +249,8 @@ class CheckpointManager:
             key = "initialize_from" if self.initialize_from is not None else "load"
             found = discovery.inspect_load_dir(source_dir)
             raise CheckpointError(discovery.explain(found, layout.tp, layout.pp if layout.pipeline else 0, key))
-        result = load_checkpoint(engine, source_dir / tag, self.args_dict, LoadOptions(weights_only=True))
+        result = load_checkpoint(engine, source_dir / tag, self.args_dict,
+                                 LoadOptions(weights_only=True, new_parameters=self.new_parameters))
         self._report(rank, result, "initialized weights from")
         return result
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from megatron.checkpointing import commit, reshard
 from megatron.checkpointing.expert_shards import check_expert_layout, load_expert_shards, save_expert_shards
+from megatron.checkpointing.new_parameters import tolerating_new_parameters
 from megatron.checkpointing.preemption import collective_device
 from megatron.checkpointing.retention import CheckpointKind
 from megatron.checkpointing.rng_state import capture_rng_state, restore_rng_state
@@ -244,6 +245,9 @@ class LoadOptions:
     """Fine-tune / initialize-from: module weights only, fresh optimizer, step 0."""
     load_optim: bool = True
     load_rng: bool = True
+    new_parameters: tuple[str, ...] = ()
+    """``GPTModel`` name prefixes the objective adds to the checkpoint's model (a reward model's
+    ``value_head.``): with ``weights_only`` they may be missing and start from their initialisation."""
 
 
 def read_meta(ckpt_dir: Path) -> dict[str, Any]:
@@ -307,6 +311,13 @@ def load_checkpoint(
     result = LoadResult(loaded=True, path=ckpt_dir)
     source = ckpt_dir
     universal = needs_universal(saved, layout)
+    if universal and options.weights_only and options.new_parameters \
+            and meta.get("args", {}).get("train_impl") != args.get("train_impl"):
+        raise CheckpointError(
+            f"{ckpt_dir} was saved by a {meta.get('args', {}).get('train_impl')!r} run at {saved}; starting a "
+            f"{args.get('train_impl')!r} model (new parameters {', '.join(options.new_parameters)}) from it needs "
+            f"the same layout ({layout} here): run at the checkpoint's tp/pp, or save the checkpoint at this one"
+        )
     if universal:
         check_convertible(saved, layout, moe=int(args.get("moe_num_experts") or 1) > 1)
         if layout.zero_stage == 0 and reshard.plain_torch_optimizer(engine) is None:
@@ -336,7 +347,7 @@ def load_checkpoint(
             reshard.load_into_torch_optimizer(engine, source, load_optimizer=restore, load_scheduler=restore)
     else:
         with _own_weight_decay(engine, keep=universal):
-            _engine_load(engine, source, universal, options)
+            result.notes += _engine_load(engine, source, universal, options)
         if universal:
             untie_optimizer_steps(engine)
     load_expert_shards(engine, ckpt_dir, load_optim=options.load_optim and not options.weights_only)
@@ -411,8 +422,9 @@ def _load_weights_only(
                         "optimizer shards, which it does not have); use stage 0-2 for this first run")
     if problems:
         raise CheckpointError(f"cannot load {ckpt_dir}: " + "; ".join(problems))
-    _engine_load(engine, ckpt_dir, False, LoadOptions(weights_only=True))
     result = LoadResult(loaded=True, path=ckpt_dir)
+    result.notes += _engine_load(engine, ckpt_dir, False, LoadOptions(weights_only=True,
+                                                                       new_parameters=options.new_parameters))
     result.notes.append("weights-only checkpoint (converted): optimizer and LR-scheduler state start fresh")
     if not options.weights_only:
         result.iteration = int(meta["iteration"])
@@ -420,9 +432,12 @@ def _load_weights_only(
     return result
 
 
-def _engine_load(engine: Any, source: Path, universal: bool, options: LoadOptions) -> None:
+def _engine_load(engine: Any, source: Path, universal: bool, options: LoadOptions) -> list[str]:
+    """Load ``source`` into ``engine``; returns notes on parameters left new (``new_parameters``)."""
+    new = options.new_parameters if options.weights_only else ()
     try:
-        with universal_loading(engine, universal), weights_only_loading(source):
+        with universal_loading(engine, universal), weights_only_loading(source), \
+                tolerating_new_parameters(engine, new) as report:
             path, _ = engine.load_checkpoint(
                 str(source.parent),
                 source.name,
@@ -437,6 +452,7 @@ def _engine_load(engine: Any, source: Path, universal: bool, options: LoadOption
         raise CheckpointError(_explain_load_error(source, err)) from err
     if path is None:
         raise CheckpointError(f"DeepSpeed found no model files in {source}")
+    return report.notes()
 
 
 def _explain_load_error(source: Path, err: BaseException) -> str:

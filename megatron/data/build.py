@@ -134,9 +134,16 @@ class _Builder:
                   "pad_id": self.pad_id, "allow_chopped": self.allow_chopped}
         num_samples = max(1, int(num_samples))
         if "chosen" in files:
+            references = None
+            if self.config.reference_model is not None:
+                from megatron.generation.precompute import open_reference_logprobs
+
+                references = (open_reference_logprobs(c.roles["chosen"], self.config.reference_model),
+                              open_reference_logprobs(c.roles["rejected"], self.config.reference_model))
             return PairwiseDataset(name, files["chosen"], files["rejected"], rng, num_samples,
                                    chosen_label=files.get("chosen_label"), rejected_label=files.get("rejected_label"),
-                                   prefixes=(c.roles["chosen"], c.roles["rejected"]), **common)
+                                   prefixes=(c.roles["chosen"], c.roles["rejected"]), references=references,
+                                   **common)
         if "reward" in files:
             return RewardDataset(name, files["text"], files.get("label"), files["reward"], rng, num_samples,
                                  prefix=c.main, **common)

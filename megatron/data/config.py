@@ -51,6 +51,9 @@ class DataConfig:
     validation_urls: list[str] | None = None
     cache_dir: str | None = None
     mmap_warmup: bool = False
+    reference_model: str | None = None
+    """DPO's ``reference_logps``: preference pairs also carry the reference log-probs written next to
+    each chosen/rejected dataset as ``<prefix>_<reference_model>`` by ``generate.py`` precompute."""
     """Read every data file once at start-up so the first steps are not I/O bound."""
 
     def path_list(self, key: str) -> list[str] | None:
@@ -100,4 +103,5 @@ class DataConfig:
             validation_urls=args.validation_urls,
             cache_dir=args.cache_dir,
             mmap_warmup=args.mmap_warmup,
+            reference_model=args.reference_logps if args.train_impl == "dpo" else None,
         )

@@ -353,3 +353,9 @@ def make_builder(bin_path: str | os.PathLike[str], vocab_size: int | None = None
 
 def make_dataset(prefix: str | os.PathLike[str]) -> MMapIndexedDataset:
     return MMapIndexedDataset(prefix)
+
+
+def reference_logprobs_prefix(data_prefix: str, model_name: str) -> str:
+    """`<prefix>_<model_name>`: GPT-NeoX's name for the reference log-probs of dataset `data_prefix`
+    (written by ``generate.py`` precompute, read by DPO's ``reference_logps``)."""
+    return f"{data_prefix}_{model_name}"

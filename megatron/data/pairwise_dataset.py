@@ -6,6 +6,11 @@ side truncated/padded to ``seq_length + 1`` tokens (the same length as ``text`` 
 loss shifts them the same way). Padding always gets label -100. With ``allow_chopped: false`` a pair
 whose longer side does not fit is dropped instead of truncated. Pair order is shuffled per epoch by
 ``(seed, epoch)`` like every other dataset.
+
+With ``references`` (DPO's ``reference_logps``: the per-token reference log-probs ``generate.py``'s
+precompute writes next to each dataset, format in ``megatron/generation/precompute.py``) each sample
+also carries ``chosen_ref``/``rejected_ref``: float32 values aligned with the tokens, cut and padded
+(with 0) exactly like them, which the objective sums over the counted labels.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class PairwiseDataset:
         prefixes: tuple[str, str] | None = None,
         cache_dir: str | None = None,
         pad_id: int = 0,
+        references: tuple[TokenSource, TokenSource] | None = None,
     ) -> None:
         c_sizes, r_sizes = np.asarray(chosen.sizes), np.asarray(rejected.sizes)
         if len(c_sizes) != len(r_sizes):
@@ -55,6 +61,7 @@ class PairwiseDataset:
         self.name, self.lo, self.seq_length, self.pad_id = name, lo, seq_length, pad_id
         self.num_samples = int(num_samples)
         self.sources = {"chosen": (chosen, chosen_label), "rejected": (rejected, rejected_label)}
+        self.references = dict(zip(("chosen", "rejected"), references)) if references is not None else {}
         longest = np.maximum(c_sizes[lo:hi], r_sizes[lo:hi]).astype(np.int64)
 
         def build() -> dict[str, np.ndarray]:
@@ -87,4 +94,7 @@ class PairwiseDataset:
             # Without a label dataset every real token is a target; padding never is.
             out[f"{side}_label"] = _fit(np.asarray(label.get(doc)) if label is not None else tokens,
                                         length, IGNORE_INDEX)
+            if side in self.references:
+                values = np.asarray(self.references[side].get(doc), dtype=np.float32)[:length]
+                out[f"{side}_ref"] = np.concatenate([values, np.zeros(length - len(values), dtype=np.float32)])
         return out

@@ -20,6 +20,12 @@ if TYPE_CHECKING:
 TextGenType = Literal["unconditional", "input-file", "interactive", "precompute"]
 
 
+def read_prompts(path: str, prompt_end: str) -> list[str]:
+    """The prompts of ``sample_input_file``: entries separated by ``prompt_end``, blank ones skipped."""
+    with open(path, encoding="utf-8") as f:
+        return [p for p in f.read().split(prompt_end) if p.strip()]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SamplingConfig:
     """How the next token is chosen, and how many are generated.
@@ -91,6 +97,9 @@ class GenerationConfig:
             )
         if kind == "input-file" and not args.prompt_end:
             raise ConfigError("prompt_end must not be empty: it separates the prompts of sample_input_file")
+        if kind == "input-file" and not read_prompts(args.sample_input_file, args.prompt_end):
+            raise ConfigError(f"sample_input_file={args.sample_input_file!r} holds no prompts (it is empty or "
+                              f"blank): write one prompt per {args.prompt_end!r}-separated entry")
         prefixes = _token_dataset_prefixes(args) if kind == "precompute" else ()
         if kind == "precompute" and not prefixes:
             what = "use_dummy_dataset" if args.use_dummy_dataset else "train_urls" if args.train_urls else None

@@ -29,7 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron.atomic_files import atomic_path
-from megatron.generation.config import GenerationConfig, SamplingConfig
+from megatron.generation.config import GenerationConfig, SamplingConfig, read_prompts
 from megatron.generation.decode import Generated, StopCondition, generate
 from megatron.generation.replica import ModelReplica
 from megatron.generation.sampling import sample_generator
@@ -130,11 +130,6 @@ def run_unconditional(gen: TextGenerator, config: GenerationConfig) -> list[dict
         _show(rows, with_prompt=False)
         get_logger().info("wrote %d samples to %s", len(rows), config.sample_output_file)
     return rows
-
-
-def read_prompts(path: str, prompt_end: str) -> list[str]:
-    with open(path, encoding="utf-8") as f:
-        return [p for p in f.read().split(prompt_end) if p.strip()]
 
 
 def run_input_file(gen: TextGenerator, config: GenerationConfig) -> list[dict[str, Any]]:

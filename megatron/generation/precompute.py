@@ -42,6 +42,7 @@ from megatron.data.indexed_dataset import (
     data_file_path,
     dataset_exists,
     index_file_path,
+    reference_logprobs_prefix,
 )
 from megatron.errors import DataError
 from megatron.generation.replica import ModelReplica
@@ -54,11 +55,6 @@ SEQUENCES_PER_ROUND = 512
 
 
 # --- the format ----------------------------------------------------------------------------------
-def reference_logprobs_prefix(data_prefix: str, model_name: str) -> str:
-    """`<prefix>_<model_name>`: where the reference log-probs of dataset `data_prefix` live."""
-    return f"{data_prefix}_{model_name}"
-
-
 def open_reference_logprobs(data_prefix: str, model_name: str) -> MMapIndexedDataset:
     """The reference log-probs of `data_prefix`, checked against its tokens (same sequences, same
     sizes, same documents, float32). `ds[i]` is a float32 array aligned with the tokens of `i`."""

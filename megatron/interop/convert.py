@@ -22,7 +22,7 @@ from megatron.interop.deepy_checkpoint import (
     resolve_checkpoint,
     write_weights_only_checkpoint,
 )
-from megatron.interop.hf_config import choose_architecture, gpt_config_from_hf, hf_config_from_gpt
+from megatron.interop.hf_config import SpecialTokens, choose_architecture, gpt_config_from_hf, hf_config_from_gpt
 from megatron.interop.hf_model import build_gpt_model, fixed_batch, read_hf_checkpoint, save_hf_model, verify_parity
 from megatron.interop.hf_tokenizer import (
     TokenizerFiles,
@@ -94,9 +94,16 @@ def export_to_hf(
         merge_file or args.get("merge_file"),
     )
     assert config.max_position_embeddings is not None
+    recorded = args.get("tokenizer_type") is not None or bool(vocab_file or merge_file or args.get("vocab_file"))
+    if tokenizer and not recorded:
+        raise ConversionError(f"{ckpt} records no tokenizer (it was imported without tokenizer files): pass "
+                              f"--no-tokenizer to export the model alone, or --vocab-file/--merge-file")
     if tokenizer:
         progress(f"writing the {files.tokenizer_type} tokenizer")
         tokens = export_tokenizer(files, out_dir, config.max_position_embeddings)
+    elif not recorded:
+        # a model imported without tokenizer files records no tokenizer: no special-token ids to name
+        tokens = SpecialTokens(bos=None, eos=None, pad=None)
     else:
         tokens = special_tokens_of(files)
     progress(f"reading {ckpt}")

@@ -106,7 +106,6 @@ class LoggingConfig:
     stats: StatsSettings
     profile: ProfileSettings
     deepspeed_log_level: str
-    git_hash: str | None
     device_memory_gb: float | None = None
     """One accelerator's memory, for the memory estimate of ``--dry-run``."""
 
@@ -137,7 +136,6 @@ class LoggingConfig:
                 memory_dir=args.memory_profiling_path or os.path.join(tb_dir or base, "memory"),
             ),
             deepspeed_log_level=args.deepspeed_log_level,
-            git_hash=args.git_hash,
             device_memory_gb=args.device_memory_gb,
         )
 

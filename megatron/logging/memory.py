@@ -76,6 +76,9 @@ class MemoryLayout:
     grad_accum: int
     recomputed_layers: int
     """Transformer layers of the largest stage whose activations are recomputed."""
+    checkpoint_chunk: int = 1
+    """Blocks recomputed together (``checkpoint_num_layers``): one saved input per chunk, and a whole
+    chunk's activations alive while it is recomputed."""
     sequence_parallel: bool
     dropout: bool
 
@@ -97,6 +100,7 @@ class MemoryLayout:
             recomputed = len([i for i in range(layers_per_stage) if i % ckpt.selective_checkpointing == 0])
         else:
             recomputed = layers_per_stage if ckpt.checkpoint_activations else 0
+        chunk = 1 if ckpt.selective_checkpointing else min(ckpt.checkpoint_num_layers, max(layers_per_stage, 1))
         training = run.training
         return cls(
             model=model, tp=tp, pp=pp, dp=max(world_size // (tp * pp), 1),
@@ -111,6 +115,7 @@ class MemoryLayout:
             seq_length=training.seq_length,
             grad_accum=training.gradient_accumulation_steps,
             recomputed_layers=recomputed,
+            checkpoint_chunk=chunk,
             sequence_parallel=run.parallel.sequence_parallel,
             dropout=bool(model.hidden_dropout or model.attention_dropout),
         )  # fmt: skip
@@ -181,9 +186,11 @@ def activation_bytes(layout: MemoryLayout) -> float:
     if layout.dropout:
         layer += 2 * s * b * h  # one-byte masks of the two residual dropouts
     layers = math.ceil(c.num_layers / layout.pp)
-    stored = (layers - layout.recomputed_layers) * layer + layout.recomputed_layers * s * b * h * a
-    if layout.recomputed_layers:
-        stored += layer  # the layer being recomputed
+    recomputed, chunk = layout.recomputed_layers, layout.checkpoint_chunk
+    # one saved input per checkpointed chunk, plus the full activations of the chunk being recomputed
+    stored = (layers - recomputed) * layer + math.ceil(recomputed / chunk) * s * b * h * a
+    if recomputed:
+        stored += min(chunk, recomputed) * layer
     in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
     logits = s * b * c.padded_vocab_size / t * (a + 4)  # logits and the fp32 copy the loss works on
     return stored * in_flight + logits + s * b * h * a

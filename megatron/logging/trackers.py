@@ -117,7 +117,9 @@ class WandbTracker:
         name = settings.name
         if not ctx.speaks and name:
             name = f"{name}-rank{ctx.rank}"
-        directory = log_dir or "."
+        # wandb users point WANDB_DIR at where its files go: it wins over our log_dir (passed explicitly,
+        # since wandb's process-wide settings may have been read before the variable was set)
+        directory = os.environ.get("WANDB_DIR") or log_dir or "."
         os.makedirs(directory, exist_ok=True)
         self.run = wandb.init(
             project=settings.project,

@@ -95,10 +95,41 @@ def resolve(command: DeepyCommand) -> ResolvedConfig:
     from megatron.neox_arguments import detect_world_size, finalize
     from megatron.neox_arguments.honesty import check_entry_point
 
+    fill_in_for_inference(resolved, command.user_script)
     world = detect_world_size(resolved.args, warnings=resolved.warnings)
     final = finalize(resolved, world)
     check_entry_point(final.args, command.user_script)
     return final
+
+
+def fill_in_for_inference(resolved: ResolvedConfig, user_script: str) -> None:
+    """generate.py and eval.py build the training engine around the loaded weights but never step it:
+    a config that only describes the model (the ``deepy_model.yml`` an HF import writes) gets one-sample
+    batches, a zero learning rate, one iteration and (except for precompute, which scores the data)
+    placeholder data, each recorded as derived and said, instead of refusals for keys inference does
+    not read."""
+    from megatron.neox_arguments.provenance import DERIVED
+
+    if os.path.basename(user_script) not in ENTRY_POINTS_OF_TEXTGEN:
+        return
+    args = resolved.args
+    fills: dict[str, Any] = {}
+    if args.train_micro_batch_size_per_gpu is None and args.train_batch_size is None:
+        fills["train_micro_batch_size_per_gpu"] = 1
+    if args.lr is None and (args.optimizer is None or args.optimizer.params.lr is None):
+        fills["lr"] = 0.0
+    if args.train_iters is None and args.train_epochs is None:
+        fills["train_iters"] = 1
+    has_data = any(getattr(args, key) for key in ("data_path", "train_data_paths", "train_urls", "pos_train_data_paths"))
+    if not has_data and not args.use_dummy_dataset and args.text_gen_type != "precompute":
+        fills["use_dummy_dataset"] = True
+    for key, value in fills.items():
+        setattr(args, key, value)
+        resolved.provenance[key] = DERIVED
+    if fills:
+        shown = ", ".join(f"{key}={value}" for key, value in fills.items())
+        resolved.warnings.append(f"{os.path.basename(user_script)} does not train: filled in {shown} for the "
+                                 f"engine that holds the weights (none of them is read by inference)")
 
 
 def assign_run_dir(resolved: ResolvedConfig) -> str:

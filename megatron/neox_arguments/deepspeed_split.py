@@ -24,7 +24,6 @@ DS_CONFIG_KEYS: tuple[str, ...] = (
     "train_batch_size",
     "train_micro_batch_size_per_gpu",
     "gradient_accumulation_steps",
-    "fp32_allreduce",
     "prescale_gradients",
     "gradient_predivide_factor",
     "fp16",
@@ -37,7 +36,6 @@ DS_CONFIG_KEYS: tuple[str, ...] = (
     "flops_profiler",
     "communication_data_type",
     "autotuning",
-    "activation_checkpointing",
     "data_efficiency",
     "tensorboard",
     "wandb",
@@ -135,6 +133,10 @@ def deepspeed_config(args: NeoXArgs, provenance: Mapping[str, str] | None = None
         value = getattr(args, key)
         if value is not None:
             config[key] = dict(value) if isinstance(value, Mapping) else value
+    if args.fp32_allreduce and "communication_data_type" not in config:
+        # GPT-NeoX's fp32_allreduce is DeepSpeed's communication_data_type: fp32 (DeepSpeed 0.19.8 has
+        # no fp32_allreduce key of its own and would ignore it)
+        config["communication_data_type"] = "fp32"
     zero = config.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
     if isinstance(stage, int) and stage > 0:

@@ -30,6 +30,8 @@ from megatron.neox_arguments.time_phrases import TimePhraseError, parse_duration
 
 # the rules that look at files register themselves with rules.RULES on import
 from megatron.neox_arguments import file_checks  # noqa: E402,F401  isort: skip
+from megatron.neox_arguments import deepspeed_blocks  # noqa: E402,F401  isort: skip
+from megatron.neox_arguments import optional_packages  # noqa: E402,F401  isort: skip
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.arguments import NeoXArgs

@@ -131,3 +131,26 @@ def filled_in_keys_left_alone(ctx: RuleContext) -> list[str]:
         if key not in compared | USER_SETTABLE_FILLED_IN and ctx.given(key) and ctx.source(key) != "derived"
         and not (key == "config_files")
     ]
+
+
+@rule
+def dpo_reference_logps_exist(ctx: RuleContext) -> list[str]:
+    """``reference_logps: NAME`` reads ``<prefix>_NAME`` next to every chosen/rejected dataset; a
+    precompute run (``text_gen_type: precompute``) is the one that writes them."""
+    name = ctx.get("reference_logps")
+    if not name or ctx.get("train_impl") != "dpo" or ctx.get("text_gen_type") == "precompute":
+        return []
+    from megatron.data.indexed_dataset import reference_logprobs_prefix
+
+    problems: list[str] = []
+    for key, prefix in _prefixes(ctx):
+        if not key.startswith(("pos_", "neg_")) or "label" in key:
+            continue
+        reference = reference_logprobs_prefix(prefix, str(name))
+        bad = _missing_or_bad(reference)
+        if bad is not None:
+            problems += _not_here(ctx, f"reference log-probs {reference}",
+                                  f"{ctx.show('reference_logps')}: reference log-probs of {key} {prefix}: {bad}; write "
+                                  f"them with `python deepy.py generate.py CONFIGS text_gen_type=precompute "
+                                  f"precompute_model_name={name} load=<reference checkpoint>`")
+    return problems

@@ -1,12 +1,12 @@
 """Which config keys do what: the one list of keys that are accepted but change nothing here, keys
 Deepy fills in itself, and the machinery that proves every other key is read by a component.
 
-A key is *honoured* when a component's typed config reads it (``RunConfig.from_args``), when it
-goes into DeepSpeed's config or its runner's command line, or when a derivation turns it into one
-that is (``batch_size`` -> ``train_micro_batch_size_per_gpu``). :func:`keys_read` runs all of those
-on a recording wrapper around the arguments; ``tests/unit/test_config_honesty.py`` requires every
-supported key to be read there or listed below with a reason. Keys of features not built are
-``not_supported`` in the schema and refused before launch.
+Being read is necessary, not sufficient: :func:`keys_read` records which keys the component builders
+(``RunConfig.from_args``, the DeepSpeed split, the launcher) and the derivations read, and
+``tests/unit/test_config_honesty.py`` requires that of every supported key; it also requires a test
+that observes each key's effect (``tests/unit/effect_index.py``; a key handed to DeepSpeed only counts
+in a test that reads DeepSpeed's state), unless the key is listed below with the reason it changes
+nothing. Keys of features not built are ``not_supported`` in the schema and refused before launch.
 """
 
 from __future__ import annotations

@@ -82,10 +82,14 @@ class OptimizerConfig:
 
     @classmethod
     def from_args(cls, args: NeoXArgs) -> OptimizerConfig:
+        from megatron.neox_arguments.groups.optimizer_block import OPTIMIZER_KINDS, PARAMS_OF_KIND
+
         block = args.optimizer
         if block is None:
-            # the flat GPT-NeoX alternative to the block
-            kind, shown, params, block_lr, block_wd = args.optimizer_type, args.optimizer_type, {}, None, None
+            # the flat GPT-NeoX alternative to the block: the type's own defaults (GPT-NeoX's) fill
+            # every parameter, as an empty block of that type would
+            kind, shown, block_lr, block_wd = OPTIMIZER_KINDS[args.optimizer_type], args.optimizer_type, None, None
+            params = PARAMS_OF_KIND[kind]().model_dump(exclude={"lr", "weight_decay", "max_grad_norm"})
         else:
             # max_grad_norm is gradient_clipping in apex's spelling: DeepSpeed clips, not the optimizer
             params = block.params.model_dump(exclude={"lr", "weight_decay", "max_grad_norm"})
@@ -164,6 +168,20 @@ class LRConfig:
         )
 
 
+# DeepSpeed's ``activation_checkpointing`` block -> the GPT-NeoX flat key with the same meaning. DeepSpeed
+# reads the block only when ``deepspeed.checkpointing.configure`` is handed the config, which the trainer
+# does not (it passes every option explicitly), so the block is read here as another spelling of the flat
+# keys; the rules refuse a block key that disagrees with its flat key, and unknown block keys.
+ACTIVATION_BLOCK_KEYS: dict[str, str] = {
+    "partition_activations": "partition_activations",
+    "contiguous_memory_optimization": "contiguous_checkpointing",
+    "cpu_checkpointing": "checkpoint_in_cpu",
+    "synchronize_checkpoint_boundary": "synchronize_each_layer",
+    "profile": "profile_backward",
+    "number_checkpoints": "number_checkpoints",
+}
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ActivationCheckpointConfig:
     """Which blocks recompute their activations in the backward pass, and DeepSpeed's options for it."""
@@ -176,6 +194,9 @@ class ActivationCheckpointConfig:
     checkpoint_in_cpu: bool = False
     synchronize_each_layer: bool = False
     profile_backward: bool = False
+    number_checkpoints: int | None = None
+    """``activation_checkpointing.number_checkpoints``: buffers DeepSpeed sizes for contiguous
+    checkpointing (default: one per layer)."""
 
     @property
     def enabled(self) -> bool:
@@ -183,13 +204,21 @@ class ActivationCheckpointConfig:
 
     @classmethod
     def from_args(cls, args: NeoXArgs) -> ActivationCheckpointConfig:
+        block: Mapping[str, Any] = args.activation_checkpointing or {}
+        flat = {
+            "partition_activations": args.partition_activations,
+            "contiguous_checkpointing": args.contiguous_checkpointing,
+            "checkpoint_in_cpu": args.checkpoint_in_cpu,
+            "synchronize_each_layer": args.synchronize_each_layer,
+            "profile_backward": args.profile_backward,
+            "number_checkpoints": None,
+        }
+        for key, value in block.items():
+            field_name = ACTIVATION_BLOCK_KEYS[key]  # unknown keys were refused before launch
+            flat[field_name] = value if field_name == "number_checkpoints" else bool(flat[field_name] or value)
         return cls(
             checkpoint_activations=args.checkpoint_activations,
             checkpoint_num_layers=args.checkpoint_num_layers,
             selective_checkpointing=args.selective_checkpointing,
-            partition_activations=args.partition_activations,
-            contiguous_checkpointing=args.contiguous_checkpointing,
-            checkpoint_in_cpu=args.checkpoint_in_cpu,
-            synchronize_each_layer=args.synchronize_each_layer,
-            profile_backward=args.profile_backward,
+            **flat,
         )

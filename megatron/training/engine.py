@@ -106,7 +106,7 @@ def configure_activation_checkpointing(cfg: ActivationCheckpointConfig, num_laye
         mpu,
         partition_activations=cfg.partition_activations,
         contiguous_checkpointing=cfg.contiguous_checkpointing,
-        num_checkpoints=num_layers,
+        num_checkpoints=cfg.number_checkpoints or num_layers,
         checkpoint_in_cpu=cfg.checkpoint_in_cpu,
         synchronize=cfg.synchronize_each_layer,
         profile=cfg.profile_backward,
@@ -151,9 +151,30 @@ def _checkpointed(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.T
     return run
 
 
+def _chunk_of(forwards: list[Callable[..., torch.Tensor]]) -> Callable[..., torch.Tensor]:
+    """Consecutive blocks run as one function: ``checkpoint_num_layers`` blocks share one checkpoint
+    (only the chunk's input is kept; the whole chunk is recomputed in the backward pass)."""
+
+    def run(x: torch.Tensor, *rest: Any) -> torch.Tensor:
+        for forward in forwards:
+            x = forward(x, *rest)  # [s, b, h]
+        return x
+
+    return run
+
+
+def _passthrough(x: torch.Tensor, *rest: Any) -> torch.Tensor:
+    """A block whose work its chunk's first block already did."""
+    return x
+
+
 def wrap_layers(model: nn.Module, cfg: ActivationCheckpointConfig, compile_layers: bool,
                 pipe_interval_used: bool) -> None:
-    """Compile and/or checkpoint blocks in place (their ``forward`` is replaced per instance)."""
+    """Compile and/or checkpoint blocks in place (their ``forward`` is replaced per instance).
+
+    Without a pipeline, ``checkpoint_num_layers = k`` checkpoints chunks of k consecutive blocks, as
+    PipelineModule's ``activation_checkpoint_interval`` does on a pipeline: the chunk's first block
+    runs the whole chunk under one checkpoint and the others pass their input through."""
     layers = transformer_layers(model)
     if compile_layers:
         for layer in layers:
@@ -162,11 +183,16 @@ def wrap_layers(model: nn.Module, cfg: ActivationCheckpointConfig, compile_layer
         return  # PipelineModule checkpoints chunks of layers itself
     first = min((layer.layer_number for layer in layers), default=0)
     chosen = layers_to_checkpoint(cfg, len(layers), first)
-    for i in chosen:
-        layers[i].forward = _checkpointed(layers[i].forward)  # type: ignore[method-assign]
+    size = 1 if cfg.selective_checkpointing else cfg.checkpoint_num_layers
+    starts = chosen if size == 1 else chosen[::size]
+    for start in starts:
+        members = layers[start:start + size]
+        layers[start].forward = _checkpointed(_chunk_of([m.forward for m in members]))  # type: ignore[method-assign]
+        for member in members[1:]:
+            member.forward = _passthrough  # type: ignore[method-assign]
     if chosen:
-        get_logger().info("activation checkpointing: recomputing layers %s%s",
-                          [layers[i].layer_number for i in chosen],
+        get_logger().info("activation checkpointing: recomputing layers %s in chunks of %d%s",
+                          [layers[i].layer_number for i in chosen], size,
                           " (inputs partitioned over tp)" if cfg.partition_activations else "")
 
 
@@ -239,6 +265,22 @@ def _deepspeed_prints_quiet() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _deepspeed_info_logs(on: bool) -> Iterator[None]:
+    """``dump_state``: DeepSpeed prints its engine state (rank 0, during ``initialize``) at info level,
+    which ``deepspeed_log_level`` (warning by default) would hide; the user asked for it, so DeepSpeed's
+    logger speaks at info for that call."""
+    from deepspeed.utils import logger as ds_logger
+
+    previous = ds_logger.level
+    if on and ds_logger.getEffectiveLevel() > logging.INFO:
+        ds_logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        ds_logger.setLevel(previous)
+
+
 def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationCheckpointConfig,
                 compile_layers: bool, objective: Objective) -> tuple[nn.Module, bool]:
     """(module, is_pipe); a pipeline's last stage computes ``objective.loss``."""
@@ -291,7 +333,7 @@ def build_engine(run: RunConfig, config: GPTConfig, train_iters: int, objective:
         optimizer = build_optimizer(model, run.optimizer, offload=optimizer_offloaded(ds_config))
         scheduler = LRScheduler(optimizer=optimizer, spec=spec, policy=policy)
         params = None
-    with keep_expert_shards(model):
+    with keep_expert_shards(model), _deepspeed_info_logs(bool(ds_config.get("dump_state"))):
         engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
             model=model,
             optimizer=optimizer,

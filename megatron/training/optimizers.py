@@ -85,11 +85,11 @@ def build_adamw(groups: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimi
 @register_optimizer("cpu_adam")
 def build_cpu_adam(groups: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     p = cfg.params
+    kwargs = dict(lr=cfg.lr, betas=tuple(p["betas"]), eps=p["eps"], adamw_mode=True, amsgrad=p["amsgrad"])
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=tuple(p["betas"]), eps=p["eps"], adamw_mode=True,
-                                amsgrad=p["amsgrad"])
+        return DeepSpeedCPUAdam(groups, **kwargs)
     except Exception as err:  # the op is JIT-built: any failure there is an environment problem
         raise ConfigError(
             f"optimizer.type={cfg.type} needs DeepSpeed's cpu_adam C++ op, which could not be built or "

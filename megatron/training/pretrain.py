@@ -109,7 +109,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
         return evaluator.evaluate()["lm_loss"]
 
     manager = CheckpointManager.from_config(run.checkpoint, args_record=record, train_iters=train_iters,
-                                            before_commit=before_commit)
+                                            before_commit=before_commit, new_parameters=eng.objective.new_parameters)
     ckpt = CheckpointHooks(manager, validate=validation_loss if run.checkpoint.validate_with_forward_pass else None,
                            reseed=lambda iteration: model_parallel_manual_seed(training.seed + iteration))
     ckpt.attach_model(eng, run.parallel.tensor)

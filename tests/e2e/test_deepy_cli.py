@@ -178,3 +178,17 @@ def test_real_launch_writes_the_resolved_file_and_returns_the_launcher_code(
     assert back.provenance["num_layers"] == "model.yml:1" and back.provenance["train_iters"] == "cli"
     assert back.deepspeed_config is not None and back.deepspeed_config["train_batch_size"] >= 1
     assert back.config_files == {"model.yml": (work / "model.yml").read_text()}
+
+
+def test_dry_run_says_what_is_ignored_or_refused_and_why(tmp_path: Path, local_setup_dir: Path) -> None:
+    """Keys that change nothing on this run are listed with the reason; a DeepSpeed block that cannot take
+    effect on this layout is refused (exit 2) with the reason."""
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('a dry run must not start the user script')\n")
+    base = ("--dry-run", str(script), "configs/tiny.yml", "configs/local_setup.yml")
+    said = run_script(*base, "synchronize_each_layer=true", "scaled_masked_softmax_fusion=true", cwd=local_setup_dir)
+    assert said.returncode == 0, said.stderr
+    assert "ignored: synchronize_each_layer=True (command line): no activations are checkpointed" in said.stdout
+    assert "no effect here: scaled_masked_softmax_fusion (selects a fused kernel" in said.stdout
+    refused = run_script(*base, "flops_profiler.enabled=true", cwd=local_setup_dir)  # tiny.yml: pipe_parallel_size 1
+    assert refused.returncode == 2 and "pipeline engine never prints the profile" in refused.stderr + refused.stdout

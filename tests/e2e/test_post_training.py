@@ -234,30 +234,27 @@ def test_dpo_dp2_zero1(data: dict[str, Any], dpo_single: dict[str, Any], tmp_pat
     assert_same_steps("dpo dp2 zero1", series(rows, "train/lm_loss"), series(dpo_single["rows"], "train/lm_loss"))
 
 
-def test_dpo_tp2_with_precomputed_reference(data: dict[str, Any], dpo_single: dict[str, Any], tmp_path: Path) -> None:
-    """Reference log-probs written by ``precomputed.write_reference_logps`` from the seeded initial
-    model, read back by sample index: the losses of the frozen-copy run."""
-    from megatron.data.build import build_datasets
-    from megatron.data.config import DataConfig
-    from megatron.model import GPTConfig, GPTModel
-    from megatron.neox_arguments import NeoXArgs
-    from megatron.tokenizer.char_level import CharLevelTokenizer
-    from megatron.training.objectives import ObjectiveConfig, build_objective
-    from megatron.training.objectives.precomputed import ReferenceMeta, compute_reference_logps, write_reference_logps
-
-    config = {**_dpo(data["root"]), **TP2}
-    args = NeoXArgs(**{k: v for k, v in {**BASE, **config}.items() if k not in ("num_gpus",)}, padded_vocab_size=512)
-    tokenizer = CharLevelTokenizer()
-    train = build_datasets(DataConfig.from_args(args), tokenizer, 512).train
-    model = GPTModel(GPTConfig.from_args(args).with_vocab(512)).eval()
-    objective = build_objective(ObjectiveConfig(train_impl="dpo"))
-    rows_needed = SHORT_STEPS * BASE["train_batch_size"]
-    values = compute_reference_logps(objective, model, train, rows_needed, micro_batch_size=4)
-    prefix = str(tmp_path / "ref")
-    write_reference_logps(prefix, ReferenceMeta(train_impl="dpo", split="train", rows=rows_needed, seq_length=32,
-                                                seed=1234, micro_batch_size=4), values)
-    rows = run(tmp_path, "tp2_precomputed", {**config, "reference_logps": prefix})
-    assert_same_steps("dpo tp2 precomputed", series(rows, "train/lm_loss"), series(dpo_single["rows"], "train/lm_loss"))
+def test_precompute_then_train_dpo_with_reference_logps(data: dict[str, Any], dpo_single: dict[str, Any],
+                                                        tmp_path: Path) -> None:
+    """The documented two commands: ``generate.py text_gen_type=precompute precompute_model_name=ref``
+    from a checkpoint, then DPO with ``reference_logps: ref`` fine-tuning from that checkpoint. Its
+    steps equal those of the frozen-copy run from the same checkpoint (whose reference is those
+    weights), and the first step's loss is log 2 (policy == reference)."""
+    start = {**_dpo(data["root"]), "load": str(dpo_single["ckpt"]), "iteration": 3, "finetune": True,
+             "train_iters": 2}
+    work = tmp_path / "precompute"
+    work.mkdir()
+    full = {**BASE, "num_gpus": 1, **start, "log_dir": str(work / "logs"), "master_port": free_port()}
+    (work / "config.json").write_text(json.dumps(full))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "deepy.py", "generate.py", str(work / "config.json"),
+                           "text_gen_type=precompute", "precompute_model_name=ref"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    precomputed = series(run(tmp_path, "precomputed", {**start, "reference_logps": "ref"}), "train/lm_loss")
+    frozen = series(run(tmp_path, "frozen", start), "train/lm_loss")
+    assert precomputed[1] == pytest.approx(np.log(2), abs=1e-5)
+    assert_same_steps("dpo with precomputed reference", precomputed, frozen)
 
 
 def test_dpo_resume_mid_run_continues_the_curve(data: dict[str, Any], dpo_single: dict[str, Any], tmp_path: Path) -> None:
@@ -297,6 +294,36 @@ def test_reward_model_learns_and_keeps_its_head(rm_single: dict[str, Any]) -> No
     states = torch.load(rm_single["ckpt"] / f"global_step{LEARN_STEPS}" / "mp_rank_00_model_states.pt",
                         map_location="cpu", weights_only=False)["module"]
     assert states["value_head.weight"].shape == (1, 64) and not any(k.startswith("output_layer") for k in states)
+
+
+@pytest.mark.parametrize("pipe", [0, 1])
+def test_reward_model_starts_from_a_language_model_checkpoint(data: dict[str, Any], sft_single: dict[str, Any],
+                                                              tmp_path: Path, pipe: int) -> None:
+    """SFT -> RM: ``initialize_from`` an LM checkpoint (plain and PipelineModule engines). With a zero
+    learning rate the saved RM holds the LM's weights exactly (its LM head dropped) and a value head
+    equal to the seeded initialisation of a fresh model of the same config."""
+    from megatron.interop.deepy_checkpoint import read_full_checkpoint
+    from megatron.model import GPTConfig, GPTModel
+    from megatron.neox_arguments import NeoXArgs
+
+    lm_ckpt = sft_single["ckpt"]  # saved at pipe_parallel_size 0
+    if pipe:  # a language model saved by a PipelineModule run (a layout change would go through universal)
+        lm_ckpt = tmp_path / "lm_ckpt"
+        run(tmp_path, "lm_pp1", {**_sft(data["root"], "sft_a"), "train_iters": 1, "pipe_parallel_size": 1,
+                                 "save": str(lm_ckpt), "checkpoint_factor": 1})
+    config = {"train_impl": "rm", **pairwise_paths(data["root"], valid=False), "train_iters": 1,
+              "pipe_parallel_size": pipe, "initialize_from": str(lm_ckpt),
+              "optimizer": {"type": "Adam", "params": {"lr": 0.0}},
+              "save": str(tmp_path / "ckpt"), "checkpoint_factor": 1}
+    run(tmp_path, f"rm_from_lm_pp{pipe}", config)
+    lm = read_full_checkpoint(lm_ckpt).weights
+    rm = read_full_checkpoint(tmp_path / "ckpt").weights
+    body = sorted(k for k in rm if not k.startswith("value_head."))
+    assert body and body == sorted(k for k in lm if not k.startswith("output_layer."))
+    assert all(torch.equal(rm[k], lm[k]) for k in body)
+    args = NeoXArgs(**{k: v for k, v in {**BASE, **config}.items() if k != "num_gpus"}, padded_vocab_size=512)
+    fresh = GPTModel(GPTConfig.from_args(args).with_vocab(512)).state_dict()
+    assert torch.equal(rm["value_head.weight"], fresh["value_head.weight"])
 
 
 def test_reward_model_pp2(data: dict[str, Any], rm_single: dict[str, Any], tmp_path: Path) -> None:

@@ -146,3 +146,14 @@ def test_train_epochs_sets_train_samples(tmp_path: Path) -> None:
     a = _corpus(tmp_path, 4, 100)  # 650 tokens -> 81 samples of 8+1 per epoch
     splits = build(train_data_paths=[a], train_iters=None, train_epochs=3)
     assert len(splits.train) == (3 * 81) // 10 * 10
+
+
+@pytest.mark.parametrize("split", ["valid", "test"])
+def test_evaluation_splits_blend_by_their_own_weights(tmp_path: Path, split: str) -> None:
+    """valid_data_weights / test_data_weights weigh the evaluation blends as train_data_weights does."""
+    a, b = _corpus(tmp_path, 1, 50), _corpus(tmp_path, 2, 400)
+    splits = build(train_data_paths=[a], eval_iters=100, **{f"{split}_data_paths": [a, b],
+                                                             f"{split}_data_weights": [3, 1]})
+    dataset = getattr(splits, split)
+    markers = np.array([dataset[i]["text"][0] for i in range(len(dataset))])
+    assert abs(np.mean(markers == 1) - 0.75) < 0.02

@@ -17,7 +17,8 @@ from megatron.errors import DataError
 from megatron.evaluation.lm_eval_adapter import DeepyLM
 from megatron.generation.config import SamplingConfig
 from megatron.generation.decode import generate
-from megatron.generation.modes import TextGenerator, read_prompts, run_unconditional
+from megatron.generation.config import read_prompts
+from megatron.generation.modes import TextGenerator, run_unconditional
 from megatron.generation.precompute import (
     _part_prefix,
     join_parts,

@@ -144,3 +144,12 @@ def test_precompute_lists_every_token_dataset_once() -> None:
         pos_train_data_paths=["p"], neg_train_data_paths=["n"], train_label_data_paths=["la", "lb"],
     ))  # fmt: skip
     assert config.data_prefixes == ("a", "b", "p", "n")
+
+
+@pytest.mark.parametrize("text", ["", "\n\n  \n"])
+def test_an_input_file_without_prompts_is_refused_before_launch(tmp_path, text: str) -> None:
+    """An empty (or blank) sample_input_file used to run and report 'wrote 0 completions'."""
+    prompts = tmp_path / "empty.txt"
+    prompts.write_text(text)
+    with pytest.raises(ConfigError, match="empty.txt' holds no prompts"):
+        GenerationConfig.from_args(args(text_gen_type="input-file", sample_input_file=str(prompts), prompt_end="\n"))

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron.errors import ConversionError
+from megatron.errors import ConfigError, ConversionError
 from megatron.interop.convert import export_to_hf, import_to_deepy
 from megatron.interop.deepy_checkpoint import (
     read_full_checkpoint,
@@ -461,3 +461,37 @@ def test_export_tool_refuses_alibi_with_one_message(tmp_path: Path) -> None:
     missing = run_tool("convert_hf_to_neox.py", str(tmp_path / "nowhere"), str(tmp_path / "out"))
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert "neither a Hugging Face model directory" in missing.stderr
+
+
+def test_hf_model_without_tokenizer_files_round_trips_with_no_tokenizer(tmp_path: Path) -> None:
+    """An HF directory with weights and config only: the import records no tokenizer, the export with
+    ``tokenizer=False`` writes the same tensors back (and without it says what to pass)."""
+    source = make_hf_model(tmp_path, "gpt_neox")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (source / name).unlink(missing_ok=True)
+    import_to_deepy(source, tmp_path / "deepy", tp=1, pp=0)
+    with pytest.raises(ConversionError, match="records no tokenizer.*--no-tokenizer"):
+        export_to_hf(tmp_path / "deepy", tmp_path / "refused")
+    exported = export_to_hf(tmp_path / "deepy", tmp_path / "back", tokenizer=False)
+    assert exported.max_logit_diff is not None and exported.max_logit_diff <= 1e-4
+    original, back = load_file(source / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert set(original) == set(back) and all(torch.equal(original[k], back[k]) for k in original)
+    assert not (tmp_path / "back" / "tokenizer.json").exists()
+
+
+def test_generate_runs_on_the_imported_model_config_alone(tmp_path: Path) -> None:
+    """``deepy_model.yml`` (written by the import) describes the model only: generate.py's checks
+    accept it, filling in (and saying) the training keys inference does not read; train.py still
+    refuses it for them."""
+    from megatron.neox_arguments.cli import DeepyCommand, resolve
+
+    imported = import_to_deepy(make_hf_model(tmp_path, "gpt_neox"), tmp_path / "deepy", tp=1, pp=0, verify=False)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n")
+    overrides = ["text_gen_type=input-file", f"sample_input_file={prompts}"]
+    resolved = resolve(DeepyCommand(str(REPO / "generate.py"), [str(imported.config_file)], overrides))
+    assert (resolved.args.train_micro_batch_size_per_gpu, resolved.args.lr, resolved.args.train_iters) == (1, 0.0, 1)
+    assert any("generate.py does not train: filled in" in w for w in resolved.warnings), resolved.warnings
+    with pytest.raises(ConfigError, match="no learning rate") as err:
+        resolve(DeepyCommand(str(REPO / "train.py"), [str(imported.config_file)], []))
+    assert "no training data" in str(err.value)

@@ -104,3 +104,17 @@ def test_render_warns_when_the_device_is_too_small() -> None:
     assert "fits in the device's 80.0 GiB" in render(lay, est, 80.0)
     assert f"{est.total / GiB:.2f} GiB" in text
     assert "WARNING" not in render(lay, est, None)
+
+
+def test_checkpoint_num_layers_keeps_one_input_per_chunk() -> None:
+    """Chunks of k blocks: 8/k saved chunk inputs (2·s·b·h bytes each in bf16) instead of 8, and a
+    whole chunk's activations (one block's, from the difference of a 2- and a 1-block model) alive
+    while it is recomputed."""
+    one = layout(precision="bfloat16", checkpoint_activations=True)
+    four = layout(precision="bfloat16", checkpoint_activations=True, checkpoint_num_layers=4)
+    assert (one.checkpoint_chunk, four.checkpoint_chunk) == (1, 4)
+    s, b, h = 256, 2, 512
+    layer = activation_bytes(layout(precision="bfloat16", num_layers=2)) - activation_bytes(
+        layout(precision="bfloat16", num_layers=1))
+    # 8 inputs -> 2 inputs saved; 1 -> 4 blocks being recomputed at once
+    assert activation_bytes(four) - activation_bytes(one) == -(8 - 2) * 2 * s * b * h + 3 * layer

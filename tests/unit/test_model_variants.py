@@ -396,6 +396,36 @@ def test_activation_checkpointing_replays_dropout() -> None:
         torch.testing.assert_close(a, b)
 
 
+def test_checkpoint_num_layers_chunks_blocks_without_a_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``checkpoint_num_layers = k`` without a pipeline: one DeepSpeed checkpoint per k consecutive
+    blocks (4 blocks, k=2: two checkpoint calls, not four), and the same loss and gradients as the
+    model without checkpointing."""
+    import deepspeed
+
+    from megatron.training.config import ActivationCheckpointConfig
+    from megatron.training.engine import wrap_layers
+
+    calls: list[int] = []
+    real = deepspeed.checkpointing.checkpoint
+    monkeypatch.setattr(deepspeed.checkpointing, "checkpoint", lambda fn, *a: calls.append(1) or real(fn, *a))
+    cfg = GPTConfig(**{**BASE, "num_layers": 4})
+    tokens = torch.randint(0, cfg.padded_vocab_size, (2, cfg.seq_length))
+    runs = []
+    for ckpt in (ActivationCheckpointConfig(), ActivationCheckpointConfig(checkpoint_activations=True),
+                 ActivationCheckpointConfig(checkpoint_activations=True, checkpoint_num_layers=2)):
+        calls.clear()
+        model = GPTModel(cfg).train()
+        wrap_layers(model, ckpt, compile_layers=False, pipe_interval_used=False)
+        loss = lm_loss(model(tokens), tokens)
+        loss.backward()
+        runs.append((len(calls), loss.detach(), [p.grad for p in model.parameters()]))
+    assert [n for n, *_ in runs] == [0, 4, 2]
+    for _, loss, grads in runs[1:]:
+        torch.testing.assert_close(loss, runs[0][1], atol=0, rtol=0)
+        for a, b in zip(grads, runs[0][2]):
+            torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("name", ["learned", "gqa", "untied", "qk_rmsnorm", "act_swiglu", "no_linear_biases",
                                   "parallel_residual_tied_norm", "non_parametric_layernorm", "value_head", "rpe"])
 def test_universal_checkpoint_info_merges_tp_shards(name: str, tmp_path) -> None:

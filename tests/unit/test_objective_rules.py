@@ -32,7 +32,7 @@ def test_each_objective_accepts_its_own_data() -> None:
     ok(train_impl="dpo", dpo_beta=0.2, dpo_fp32=False, **PAIRS)
     ok(train_impl="dpo", dpo_reference_free=True, **PAIRS)
     ok(train_impl="rm", z_loss=0.01, pack_impl="unpacked", dataset_impl="pairwise", **PAIRS)
-    ok(train_impl="kto", kto_beta=0.3, kto_desirable_weight=1.3, reference_logps="ref/x", **KTO)
+    ok(train_impl="kto", kto_beta=0.3, kto_desirable_weight=1.3, **KTO)
     ok(train_impl="normal", z_loss=1e-4, eod_mask_loss=True, use_dummy_dataset=False, train_data_paths=["t"],
        train_label_data_paths=["l"])
     ok(train_impl="dpo")  # dummy preference pairs (benchmarks)
@@ -44,7 +44,8 @@ def test_keys_of_another_objective_are_refused() -> None:
     assert "kto_beta=0.3 (cfg.yml:10) only apply to train_impl: kto" in message
     assert "z_loss=0.1 (cfg.yml:10) applies to language modelling and reward models" in problems(
         train_impl="dpo", z_loss=0.1, **PAIRS)
-    assert "reference_logps='r' (cfg.yml:9) is read by train_impl dpo and kto only" in problems(reference_logps="r")
+    assert "reference_logps='r' (cfg.yml:9) is read by train_impl dpo only" in problems(reference_logps="r")
+    assert "mismatched prompt/completion pairs" in problems(train_impl="kto", reference_logps="r", **KTO)
     assert "contradict each other" in problems(train_impl="dpo", dpo_reference_free=True, reference_logps="r", **PAIRS)
     assert "eod_mask_loss=True" in problems(train_impl="rm", eod_mask_loss=True, **PAIRS)
 
@@ -94,3 +95,14 @@ def test_reference_starting_point_survives_resumes(tmp_path: Path) -> None:
         starting_point(ObjectiveConfig(train_impl="dpo", load=str(tmp_path / "sft")))
     with pytest.raises(ConfigError, match="no committed checkpoint"):
         starting_point(ObjectiveConfig(train_impl="dpo", initialize_from=str(tmp_path / "empty")))
+
+
+def test_dpo_reference_logps_must_have_been_precomputed(tmp_path: Path) -> None:
+    """``reference_logps: ref`` names ``<prefix>_ref`` beside every chosen/rejected dataset: missing ones
+    are named before launch with the precompute command; present ones pass."""
+    message = problems(train_impl="dpo", reference_logps="ref", **PAIRS)
+    assert "reference log-probs of pos_train_data_paths p: p_ref.bin and p_ref.idx not found" in message
+    assert "text_gen_type=precompute precompute_model_name=ref" in message
+    make_dataset(tmp_path / "p_ref")
+    make_dataset(tmp_path / "n_ref")
+    ok(train_impl="dpo", reference_logps="ref", **PAIRS)

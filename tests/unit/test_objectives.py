@@ -19,12 +19,6 @@ from megatron.training.objectives import ObjectiveConfig, build_objective, dpo_l
 from megatron.training.objectives.base import MetricSums, means_from_vector, micro_batch_denominator
 from megatron.training.objectives.kto import mismatched_rows
 from megatron.training.objectives.logprobs import sequence_logps, vocab_parallel_logsumexp
-from megatron.training.objectives.precomputed import (
-    PrecomputedLogps,
-    ReferenceMeta,
-    compute_reference_logps,
-    write_reference_logps,
-)
 from megatron.training.objectives.rm import score_positions
 
 V = 13  # vocabulary of the stub models
@@ -311,27 +305,18 @@ def test_metric_sums_weight_items_not_micro_batches() -> None:
     assert means_from_vector(("a", "b"), sums.as_vector(("a", "b"))) == {"a": 1.0}
 
 
-def test_precomputed_reference_round_trip_and_checks(tmp_path: Path) -> None:
-    obj = _objective("kto")
-    data = [{"text": np.array([1, 2, 3, 4], dtype=np.int64), "label": np.array([-100, 2, 3, 4], dtype=np.int64),
-             "reward": np.float32(1.0 if i % 2 else -1.0)} for i in range(6)]
+def test_precomputed_reference_values_sum_over_the_counted_labels() -> None:
+    """DPO samples carrying precompute's per-token values (aligned with the tokens) get, per row, the
+    sum over the counted targets: the reference model's sequence log-prob, as computing it directly."""
+    obj = _objective("dpo")
     model = _TokenTable()
-    values = compute_reference_logps(obj, lambda x: model.table(x), data, rows=6, micro_batch_size=2)
-    prefix = str(tmp_path / "ref")
-    meta = ReferenceMeta(train_impl="kto", split="train", rows=6, seq_length=3, seed=1, micro_batch_size=2)
-    write_reference_logps(prefix, meta, values)
-    expected = {"train_impl": "kto", "split": "train", "seq_length": 3, "seed": 1, "micro_batch_size": 2}
-    source = PrecomputedLogps(prefix, "train", expected)
-    rows = source.rows(torch.tensor([2, 3]))
-    batch = obj.prepare({k: torch.from_numpy(np.stack([data[i][k] for i in (2, 3)])) for k in data[0]})
+    tokens = torch.tensor([[1, 2, 3, 4, 5], [1, 3, 5, 7, 9]])
+    labels = torch.tensor([[-100, -100, 3, 4, 5], [-100, 3, -100, 7, 9]])
+    logp = torch.log_softmax(model.table(tokens[:, :-1]).float(), -1)
+    per_token = torch.cat([torch.zeros(2, 1), logp.gather(-1, tokens[:, 1:, None])[..., 0]], dim=1)  # value[0] = 0
+    sample = {"chosen": tokens[:1], "chosen_label": labels[:1], "rejected": tokens[1:], "rejected_label": labels[1:],
+              "chosen_ref": per_token[:1], "rejected_ref": per_token[1:]}
+    batch = obj.prepare(sample)
     want = obj.reference_logps(model.table(batch.inputs), batch.labels)
-    assert torch.allclose(rows, want.detach(), atol=1e-6)
-    with pytest.raises(ConfigError, match="micro_batch_size"):
-        PrecomputedLogps(prefix, "train", {**expected, "micro_batch_size": 4})
-    with pytest.raises(DataError, match="6 rows"):
-        source.rows(torch.tensor([6]))
-    source.require_rows(6)
-    with pytest.raises(DataError, match="shorter schedule"):
-        source.require_rows(7)  # a run planning 7 samples fails at start-up
-    with pytest.raises(DataError, match="not found"):
-        PrecomputedLogps(prefix, "valid", expected)
+    assert batch.reference is not None and torch.allclose(batch.reference, want.detach(), atol=1e-6)
+    assert obj.prepare({k: v for k, v in sample.items() if not k.endswith("_ref")}).reference is None

@@ -119,3 +119,22 @@ def test_offloaded_adam_becomes_deepspeed_cpu_adam() -> None:
 
     assert isinstance(build_optimizer(Tiny(), optimizer_config("AdamW"), offload=True), DeepSpeedCPUAdam)
     assert not isinstance(build_optimizer(Tiny(), optimizer_config("Lion"), offload=True), DeepSpeedCPUAdam)
+
+
+@pytest.mark.parametrize("kind", ["adam", "cpu_torch_adam", "sgd", "lion", "sm3", "madgrad_wd"])
+def test_flat_optimizer_type_without_a_block_gets_gpt_neox_defaults(kind: str) -> None:
+    """No ``optimizer`` block, only ``lr`` and ``optimizer_type``: the type's GPT-NeoX defaults fill
+    every parameter (the same optimizer an empty block of that type builds), so the ranks never meet a
+    missing ``betas``/``momentum``."""
+    flat = OptimizerConfig.from_args(config_from_mapping({"optimizer_type": kind, "lr": 0.01}).args)
+    block_type = {"cpu_torch_adam": "CPU_torch_adam"}.get(kind, kind)
+    block = OptimizerConfig.from_args(config_from_mapping({"optimizer": {"type": block_type,
+                                                                         "params": {"lr": 0.01}}}).args)
+    assert (flat.kind, dict(flat.params)) == (block.kind, dict(block.params))
+    optimizer = build_optimizer(Tiny(), flat)
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in ("betas", "momentum", "eps")}
+    assert defaults, optimizer.defaults
+    # the values torch received are the schema's defaults (AdamW's betas (0.9, 0.999), SGD momentum 0)
+    for key, value in defaults.items():
+        expected = flat.params[key]
+        assert (tuple(value) == tuple(expected)) if key == "betas" else (value == expected), key

@@ -91,3 +91,18 @@ def test_tensorboard_resume_drops_steps_logged_again(tmp_path: Path) -> None:
     (run,) = mux.Runs()
     steps = [(e.step, e.value) for e in mux.Scalars(run, "train/lm_loss")]
     assert steps == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 50.0), (6, 60.0)]
+
+
+def test_wandb_files_follow_the_users_wandb_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """WANDB_DIR set: wandb's files go there (as wandb users expect), not under log_dir."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "mine"))
+    (tmp_path / "mine").mkdir()
+    cfg = LoggingConfig.from_args(NeoXArgs(log_dir=str(tmp_path / "logs"), use_wandb=True, wandb_project="unit"))
+    ctx = TrackerContext(rank=0, speaks=True, run_id="unit0003", start_step=0, run_config={})
+    trackers = build_trackers(cfg.trackers, ctx, cfg.log_dir)
+    trackers.log(ROWS[0], 1)
+    trackers.finish()
+    assert [run.run_id for run in wandb_runs(tmp_path / "mine")] == ["unit0003"]
+    assert not (tmp_path / "logs" / "wandb").exists()

@@ -362,8 +362,9 @@ class TrainingArgs(ArgGroup):
     10000}, {every: 5000}] (Levanter)."""
 
     reference_logps: str | None = None
-    """DPO/KTO: prefix of precomputed reference log-probs (`<prefix>_<split>.npy` + `.json`, one row
-    per sample of the split); unset uses a frozen copy of the starting weights."""
+    """DPO: the precompute_model_name of reference log-probs written by `generate.py
+    text_gen_type=precompute` next to each chosen/rejected dataset (`<prefix>_<name>.bin/.idx`);
+    unset uses a frozen copy of the starting weights."""
 
     initialize_from: str | None = None
     """Checkpoint to take the starting weights from, without its optimizer state or step."""

@@ -1,6 +1,6 @@
 """Training objectives, one module per ``train_impl``: ``lm`` (language modelling and label-masked
 SFT), ``dpo``, ``kto`` and ``rm`` (pairwise reward model), plus where DPO's and KTO's reference
-log-probs come from (``reference``, ``frozen``, ``precomputed``) and how a global batch of any of them
+log-probs come from (``reference``, ``frozen``) and how a global batch of any of them
 runs through a plain or pipelined engine (``run``).
 
 ``build_objective(ObjectiveConfig.from_args(args), eod_token)`` picks the objective from the registry;

@@ -46,8 +46,6 @@ class MicroBatch:
     """Objective-specific targets (KTO rewards, reward-model score positions)."""
     units: float = 0.0
     """Loss units in this micro-batch (counted tokens or samples), for the global normaliser."""
-    sample_index: torch.Tensor | None = None
-    """``[m]`` global sample indices (present when precomputed reference log-probs are read)."""
     reference: torch.Tensor | None = None
     """``[n]`` reference log-probs per row, once the reference provided them."""
 
@@ -152,6 +150,9 @@ class Objective(ABC):
     """Whether the loss reads per-row reference log-probs (DPO, KTO)."""
     value_head: ClassVar[bool] = False
     """Whether the model ends in a scalar head instead of the LM head."""
+    new_parameters: ClassVar[tuple[str, ...]] = ()
+    """``GPTModel`` name prefixes of parameters a language-model checkpoint lacks: starting from one
+    (``initialize_from``/``finetune``) they keep their initialisation and everything else loads."""
     rows_per_sample: ClassVar[int] = 1
     """Model rows one sample becomes (2: both sides of a pair, or a completion and its mismatch)."""
 

@@ -33,10 +33,8 @@ class ObjectiveConfig:
     kto_desirable_weight: float = 1.0
     kto_undesirable_weight: float = 1.0
     reference_logps: str | None = None
-    """Prefix of precomputed reference log-probs (``<prefix>_<split>.npy``); None = frozen copy."""
-    seq_length: int = 0
-    seed: int = 1234
-    micro_batch_size: int = 1
+    """DPO: the ``precompute_model_name`` whose log-probs ``generate.py`` wrote next to each dataset
+    (``<prefix>_<name>.bin/.idx``); None = a frozen copy of the starting weights."""
     # where the starting weights (the frozen reference) come from
     load: str | None = None
     finetune: bool = False
@@ -57,9 +55,6 @@ class ObjectiveConfig:
             kto_desirable_weight=args.kto_desirable_weight,
             kto_undesirable_weight=args.kto_undesirable_weight,
             reference_logps=args.reference_logps,
-            seq_length=int(args.seq_length),
-            seed=args.seed,
-            micro_batch_size=int(args.train_micro_batch_size_per_gpu),
             load=args.load,
             finetune=args.finetune,
             initialize_from=args.initialize_from,

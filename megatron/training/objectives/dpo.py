@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from megatron.training.objectives.base import MicroBatch, Objective, Stats, count, shifted
+from megatron.training.objectives.base import IGNORE_INDEX, MicroBatch, Objective, Stats, count, shifted
 from megatron.training.objectives.logprobs import sequence_logps
 
 
@@ -51,8 +51,13 @@ class DPOObjective(Objective):
 
     def prepare(self, sample: Mapping[str, torch.Tensor]) -> MicroBatch:
         tokens, labels = pair_rows(sample, self.eod_token)
-        return MicroBatch(tokens, labels, units=float(tokens.shape[0] // 2),
-                          sample_index=sample.get("sample_index"))
+        reference = None
+        if "chosen_ref" in sample:
+            # precomputed per-token values (value[t] = log ref(token t | tokens < t)), shifted like the
+            # labels: the sum over the counted targets is the reference's sequence log-prob
+            values = torch.cat([sample["chosen_ref"], sample["rejected_ref"]]).float()[:, 1:]  # [2m, s]
+            reference = torch.where(labels != IGNORE_INDEX, values, torch.zeros_like(values)).sum(dim=1)  # [2m]
+        return MicroBatch(tokens, labels, units=float(tokens.shape[0] // 2), reference=reference)
 
     def reference_logps(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return sequence_logps(output, labels, self.config.dpo_fp32)

@@ -83,7 +83,7 @@ class KTOObjective(Objective):
         kl_tokens, kl_labels = shifted({"text": kl_text, "label": kl_label}, "text", "label", self.eod_token)
         reward = sample["reward"].float().reshape(-1)
         return MicroBatch(torch.cat([tokens, kl_tokens]), torch.cat([labels, kl_labels]), extras=(reward,),
-                          units=float(reward.shape[0]), sample_index=sample.get("sample_index"))
+                          units=float(reward.shape[0]))
 
     def reference_logps(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return sequence_logps(output, labels, self.config.kto_fp32)

@@ -1,8 +1,9 @@
 """Where DPO's and KTO's reference log-probs come from, behind one small interface.
 
 * :class:`NoReference`: objectives without one, and ``dpo_reference_free`` (the log-probs are 0).
-* :class:`PrecomputedReference`: read by global sample index from ``reference_logps`` files
-  (``precomputed.py`` defines the format); the datasets are wrapped so samples carry their index.
+* :class:`PrecomputedReference`: DPO's ``reference_logps``: the per-token log-probs ``generate.py``
+  precompute writes next to each dataset (format in ``megatron/generation/precompute.py``) ride in the
+  samples (``PairwiseDataset``) and ``DPOObjective.prepare`` sums them; this only checks they came.
 * :class:`FrozenReference`: computed before each step by a frozen copy of the starting weights
   (``frozen.py``), for the step's micro-batches.
 
@@ -21,7 +22,6 @@ import torch
 from megatron.training.objectives.base import MicroBatch, Objective
 from megatron.training.objectives.config import ObjectiveConfig
 from megatron.training.objectives.frozen import FrozenCopy, StartingPoint, starting_point
-from megatron.training.objectives.precomputed import IndexedSamples, PrecomputedLogps
 
 
 class Reference:
@@ -42,35 +42,11 @@ NoReference = Reference
 
 
 class PrecomputedReference(Reference):
-    def __init__(self, config: ObjectiveConfig) -> None:
-        assert config.reference_logps is not None
-        self.prefix = config.reference_logps
-        self.expected = {"train_impl": config.train_impl, "seq_length": config.seq_length, "seed": config.seed}
-        if config.train_impl == "kto":  # the mismatched rows depend on the micro-batch
-            self.expected["micro_batch_size"] = config.micro_batch_size
-        self._files: dict[str, PrecomputedLogps] = {}
-
-    def _file(self, split: str) -> PrecomputedLogps:
-        if split not in self._files:
-            self._files[split] = PrecomputedLogps(self.prefix, split, {**self.expected, "split": split})
-        return self._files[split]
-
-    def wrap_dataset(self, dataset: Any, split: str) -> Any:
-        """Samples carry their index; the split's file is opened now and must cover every sample the
-        run plans to read (so a short or mismatched file fails at start-up, not mid-run)."""
-        if dataset is None:
-            return None
-        self._file(split).require_rows(len(dataset))
-        return IndexedSamples(dataset)
-
     def fill(self, batches: list[MicroBatch], split: str, device: torch.device) -> list[MicroBatch]:
-        source = self._file(split)
-        out = []
-        for b in batches:
-            if b.sample_index is None:
-                raise RuntimeError("precomputed reference log-probs need samples that carry sample_index")
-            out.append(replace(b, reference=source.rows(b.sample_index)))
-        return out
+        if any(b.reference is None for b in batches):
+            raise RuntimeError(f"reference_logps: the {split} samples carry no reference log-probs "
+                               "(the datasets were built without them)")
+        return batches
 
 
 class FrozenReference(Reference):
@@ -91,7 +67,7 @@ def build_reference(objective: Objective, policy: Any, is_pipe: bool, model_conf
     """The reference the objective's config asks for (a frozen copy is built here, weights later)."""
     kind = objective.config.reference
     if kind == "precomputed":
-        return PrecomputedReference(objective.config)
+        return PrecomputedReference()
     if kind == "frozen_copy":
         copy = FrozenCopy(objective, policy, is_pipe, model_config, ds_config, partition_method)
         return FrozenReference(copy, objective.config)

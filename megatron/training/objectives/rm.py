@@ -45,6 +45,7 @@ def score_positions(label: torch.Tensor, seq_length: int) -> torch.Tensor:
 class RewardModelObjective(Objective):
     train_impl = "rm"
     value_head = True
+    new_parameters = ("value_head.",)  # SFT -> RM: the scalar head is new, the rest is the LM's
     rows_per_sample = 2
     metric_names = ("rm/accuracy", "rm/margin", "rm/chosen", "rm/rejected")
 
@@ -55,8 +56,7 @@ class RewardModelObjective(Objective):
         seq = tokens.shape[1]
         index = torch.cat([score_positions(sample["chosen_label"].long(), seq),
                            score_positions(sample["rejected_label"].long(), seq)])
-        return MicroBatch(tokens, labels, extras=(index,), units=float(tokens.shape[0] // 2),
-                          sample_index=sample.get("sample_index"))
+        return MicroBatch(tokens, labels, extras=(index,), units=float(tokens.shape[0] // 2))
 
     def loss_sum(self, output: torch.Tensor, labels: torch.Tensor, extras: tuple[torch.Tensor, ...],
                  reference: torch.Tensor) -> tuple[torch.Tensor, Stats]:

@@ -1,0 +1,128 @@
+"""Starting an objective whose model has parameters its checkpoint lacks (a reward model from a
+language model: SFT -> RM): those start from their initialisation, everything else loads.
+
+The objective declares the new parameters by ``GPTModel`` name prefix (``value_head.``), so this
+works on the module, not on the files' naming: DeepSpeed's loader hands each module (the whole
+``GPTModel``, or each ``PipelineModule`` layer) its state dict, and the module's ``load_state_dict``
+is what is wrapped here for the duration of one load.
+
+* Plain engine: ``GPTModel.load_state_dict`` runs non-strict; a missing key outside the declared
+  prefixes, or a declared one of the same shape found in the checkpoint, stops the load naming them.
+  Keys the checkpoint has and the model lacks (the language model's head) are dropped and reported.
+* Pipeline: a layer made only of new parameters (``ValueHeadPipe``) for which the checkpoint has no
+  file (DeepSpeed's ``ckpt_layer_path_list``) is not shown to DeepSpeed's per-layer loader (swapped
+  for a placeholder without ``load_state_dict`` while loading: DeepSpeed skips such entries); other
+  layers load non-strictly as above.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from megatron.errors import CheckpointError
+from megatron.model.pipeline import model_parameter_name
+
+
+@dataclass
+class NewParameterReport:
+    """What the load left at its initialisation and what it dropped, by ``GPTModel`` name."""
+
+    initialised: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+
+    def notes(self) -> list[str]:
+        out = []
+        if self.initialised:
+            out.append(f"new parameters start from their initialisation: {', '.join(sorted(self.initialised))}")
+        if self.dropped:
+            out.append(f"checkpoint tensors this model does not have were dropped: {', '.join(sorted(self.dropped))}")
+        return out
+
+
+class _NoState:
+    """Stands in for a layer DeepSpeed's pipeline loader must skip (it has no ``load_state_dict``)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+
+
+def _non_strict(module: nn.Module, to_model_name: Callable[[str], str], is_new: Callable[[str], bool],
+                report: NewParameterReport) -> Callable[..., Any]:
+    original = module.load_state_dict
+
+    def load_state_dict(state_dict: Any, strict: bool = True, **kwargs: Any) -> Any:
+        result = original(state_dict, strict=False, **kwargs)
+        missing = [to_model_name(k) for k in result.missing_keys]
+        unexplained = [k for k in missing if not is_new(k)]
+        if unexplained:
+            raise CheckpointError(f"the checkpoint lacks parameters this model needs (only "
+                                  f"{', '.join(sorted({k for k in missing if is_new(k)})) or 'none'} may start from "
+                                  f"their initialisation): {', '.join(sorted(unexplained))}")
+        report.initialised += missing
+        report.dropped += [to_model_name(k) for k in result.unexpected_keys]
+        return result
+
+    return load_state_dict
+
+
+@contextlib.contextmanager
+def tolerating_new_parameters(engine: Any, prefixes: tuple[str, ...]) -> Iterator[NewParameterReport]:
+    """Within the block, loads into ``engine`` leave parameters named ``prefixes*`` at their init."""
+    report = NewParameterReport()
+    if not prefixes:
+        yield report
+        return
+
+    def is_new(name: str) -> bool:
+        return name.startswith(prefixes)
+
+    module = engine.module
+    patched: list[nn.Module] = []
+    try:
+        if hasattr(module, "forward_funcs"):  # PipelineModule: one state dict per layer
+            start = int(getattr(module, "_local_start", 0))
+            new_layers: list[int] = []
+            for i, layer in enumerate(module.forward_funcs):
+                if not isinstance(layer, nn.Module):
+                    continue
+                names = [model_parameter_name(f"{start + i}.{n}") for n, _ in layer.named_parameters()]
+                if names and all(is_new(n) for n in names):
+                    new_layers.append(i)
+                layer.load_state_dict = _non_strict(  # type: ignore[method-assign]
+                    layer, lambda k, s=start + i: model_parameter_name(f"{s}.{k}"), is_new, report)
+                patched.append(layer)
+            module.load_state_dir = _skipping_absent(module, new_layers, start, report)  # type: ignore[method-assign]
+            patched.append(module)
+        else:
+            module.load_state_dict = _non_strict(module, lambda k: k, is_new, report)  # type: ignore[method-assign]
+            patched.append(module)
+        yield report
+    finally:
+        for item in patched:
+            for name in ("load_state_dict", "load_state_dir"):
+                if name in vars(item):
+                    delattr(item, name)  # the class's method again
+
+
+def _skipping_absent(module: Any, new_layers: list[int], start: int, report: NewParameterReport) -> Callable[..., Any]:
+    """``PipelineModule.load_state_dir`` that does not show DeepSpeed a layer made only of new
+    parameters when the checkpoint has no file for it (DeepSpeed's loader requires one per layer)."""
+    original = module.load_state_dir
+
+    def load_state_dir(load_dir: str, checkpoint_engine: Any, strict: bool = True) -> Any:
+        swapped = [(i, module.forward_funcs[i]) for i in new_layers if not module.ckpt_layer_path_list(load_dir, i)]
+        for i, layer in swapped:
+            module.forward_funcs[i] = _NoState(layer)
+            report.initialised += [model_parameter_name(f"{start + i}.{n}") for n, _ in layer.named_parameters()]
+        try:
+            return original(load_dir, checkpoint_engine, strict=strict)
+        finally:
+            for i, layer in swapped:
+                module.forward_funcs[i] = layer
+
+    return load_state_dir
