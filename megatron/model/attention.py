@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.model.config import GPTConfig
+from megatron.model.config import GPTConfig, ModelConfigError
+from megatron.model.documents import attend_per_document
 from megatron.model.kv_cache import KVCache
 from megatron.model.norms import build_norm
 from megatron.model.positional import RelativePositionBias, RotaryEmbedding, alibi_bias, alibi_slopes
@@ -89,7 +90,10 @@ class SelfAttention(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`document_ids` `[b, s]`: tokens attend only within their own document (packed samples,
+        `megatron/model/documents.py`); None = one sequence per row."""
         # [b, s, (heads + 2 kv_heads) * d] (or [s, b, ...]), this rank's heads
         qkv = self.query_key_value(x_sbh.transpose(0, 1) if self.batch_first else x_sbh)
         b, s = qkv.shape[:2] if self.batch_first else (qkv.shape[1], qkv.shape[0])
@@ -101,16 +105,35 @@ class SelfAttention(nn.Module):
         if self.rotary is not None:
             cos, signed_sin = self.rotary.tables(position_ids, s, q.device)  # once for q and k
             q, k = self.rotary.rotate(q, cos, signed_sin), self.rotary.rotate(k, cos, signed_sin)
-        past = 0
-        if kv_cache is not None:  # earlier tokens' keys/values come first
-            past = kv_cache.past_length(self.layer_number)
-            k, v = kv_cache.append(self.layer_number, k, v)  # [b, n_kv, past + s, d]
-        mask = self._mask(s, past, attention_mask, q)
         dropout_p = self.dropout if self.training else 0.0
+        if document_ids is not None:
+            if kv_cache is not None or attention_mask is not None:
+                raise ModelConfigError("document_ids cannot be combined with a kv_cache or an attention_mask")
+
+            def alone(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor) -> torch.Tensor:  # one document
+                return self._attend(q_, k_, v_, self._mask(q_.shape[2], 0, None, q_), dropout_p)
+
+            out = attend_per_document(q, k, v, document_ids, alone)  # [b, n, s, d]
+        else:
+            past = 0
+            if kv_cache is not None:  # earlier tokens' keys/values come first
+                past = kv_cache.past_length(self.layer_number)
+                k, v = kv_cache.append(self.layer_number, k, v)  # [b, n_kv, past + s, d]
+            out = self._attend(q, k, v, self._mask(s, past, attention_mask, q), dropout_p)  # [b, n, s, d]
+        if self.batch_first:
+            out = out.transpose(1, 2).reshape(b, s, self.heads * d)  # [b, s, n*d]
+            return self.dense(out).transpose(0, 1)  # [s, b, h], a view
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * d)  # [s, b, n*d]
+        return self.dense(out)  # [s, b, h]
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float
+    ) -> torch.Tensor:
+        """SDPA of `q` `[b, n, s, d]` over `k`, `v` `[b, n_kv, past + s, d]` with `mask` from `_mask`."""
         # heads differ per rank, so their dropout should too (no RNG switch without dropout: it
         # would only cost a graph break under torch.compile)
         with tensor_parallel_rng() if dropout_p > 0 else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(
+            return F.scaled_dot_product_attention(
                 q,
                 k,
                 v,
@@ -119,11 +142,6 @@ class SelfAttention(nn.Module):
                 is_causal=mask is None,
                 enable_gqa=self.kv_heads != self.heads,  # query head i reads kv head i // (n / n_kv)
             )  # [b, n, s, d]
-        if self.batch_first:
-            out = out.transpose(1, 2).reshape(b, s, self.heads * d)  # [b, s, n*d]
-            return self.dense(out).transpose(0, 1)  # [s, b, h], a view
-        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * d)  # [s, b, n*d]
-        return self.dense(out)  # [s, b, h]
 
     def _heads(self, t: torch.Tensor, n: int) -> torch.Tensor:
         """`[b, s, n*d]` (or `[s, b, n*d]`) -> `[b, n, s, d]`, a view."""

@@ -725,6 +725,8 @@ def moe_experts_split_evenly(ctx: RuleContext) -> list[str]:
 # ==== post-training objectives: train_impl vs its keys and its data ============================
 # (issue 9: label-masked SFT, DPO, KTO, reward models; implemented in megatron/training/objectives)
 _OBJECTIVE_ONLY_KEYS: dict[str, tuple[str, ...]] = {
+    # the other objectives read whole, unpacked documents: nothing to keep apart
+    "normal": ("reset_attention_mask", "reset_position_ids"),
     "dpo": ("dpo_beta", "dpo_fp32", "dpo_reference_free"),
     "kto": ("kto_beta", "kto_fp32", "kto_desirable_weight", "kto_undesirable_weight"),
 }

@@ -84,6 +84,9 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "moe_token_dropping": ("moe", False),
     "enable_expert_tensor_parallelism": ("moe", False),
     "reference_logps": ("training", None),
+    # Megatron-LM's document masking of packed samples (megatron/model/documents.py)
+    "reset_attention_mask": ("other", False),
+    "reset_position_ids": ("other", False),
 }
 
 NEOX_REFERENCE: dict[str, tuple[tuple[str, Any], ...]] = {

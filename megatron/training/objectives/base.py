@@ -50,11 +50,35 @@ class MicroBatch:
     """``[m]`` global sample indices (present when precomputed reference log-probs are read)."""
     reference: torch.Tensor | None = None
     """``[n]`` reference log-probs per row, once the reference provided them."""
+    position_ids: torch.Tensor | None = None
+    """``[n, s]`` positions when they are not 0..s-1 (``reset_position_ids``)."""
+    document_ids: torch.Tensor | None = None
+    """``[n, s]`` document of each token when documents must not see each other (``reset_attention_mask``)."""
 
     def to(self, device: torch.device | str) -> MicroBatch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
         return replace(self, inputs=self.inputs.to(device), labels=self.labels.to(device),
-                       extras=tuple(x.to(device) for x in self.extras),
-                       reference=None if self.reference is None else self.reference.to(device))
+                       extras=tuple(x.to(device) for x in self.extras), reference=move(self.reference),
+                       position_ids=move(self.position_ids), document_ids=move(self.document_ids))
+
+    def model_kwargs(self) -> dict[str, torch.Tensor]:
+        """Keyword inputs of ``GPTModel.forward`` besides the tokens (none for plain samples)."""
+        kwargs = {"position_ids": self.position_ids, "document_ids": self.document_ids}
+        return {name: value for name, value in kwargs.items() if value is not None}
+
+    def pipe_inputs(self) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The input side of a pipeline batch: tokens, or ``(tokens, position_ids[, document_ids])``
+        (``megatron/model/pipeline.py``)."""
+        if self.position_ids is None and self.document_ids is None:
+            return self.inputs
+        positions = self.position_ids
+        if positions is None:
+            positions = torch.arange(self.inputs.shape[1], device=self.inputs.device).expand_as(self.inputs)
+        if self.document_ids is None:
+            return self.inputs, positions
+        return self.inputs, positions, self.document_ids
 
     def targets(self, denominator: float | torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The label side of a pipeline batch: ``(labels, *extras, reference, denominator)``."""
@@ -158,6 +182,7 @@ class Objective(ABC):
     def __init__(self, config: ObjectiveConfig, eod_token: int | None = None) -> None:
         self.config = config
         self.eod_token = eod_token if config.eod_mask_loss else None
+        self.document_end_token = eod_token  # where documents of a packed sample end (reset_* keys)
         self.metrics = MetricSums()
 
     @abstractmethod

@@ -72,7 +72,7 @@ class ObjectiveRunner:
         samples = [next(micro_batches) for _ in range(int(engine.gradient_accumulation_steps()))]
         batches, denominator = self.prepare(samples, split, device)
         if eng.is_pipe:
-            items = [(b.inputs.to(device), tuple(t.to(device) for t in b.targets(denominator))) for b in batches]
+            items = [(b.to(device).pipe_inputs(), tuple(t.to(device) for t in b.targets(denominator))) for b in batches]
             if train:
                 # the loss averaged over micro-batches and data-parallel ranks, broadcast to every stage
                 return engine.train_batch(iter(items)).detach().float()
@@ -81,7 +81,7 @@ class ObjectiveRunner:
         if train:
             for b in batches:
                 b = b.to(device)
-                loss = self.objective.loss(engine(b.inputs), b.targets(denominator))
+                loss = self.objective.loss(engine(b.inputs, **b.model_kwargs()), b.targets(denominator))
                 engine.backward(loss)
                 engine.step()  # applies the update only at the accumulation boundary
                 losses.append(loss.detach())
@@ -91,7 +91,8 @@ class ObjectiveRunner:
             with torch.no_grad():
                 for b in batches:
                     b = b.to(device)
-                    losses.append(self.objective.loss(engine(b.inputs), b.targets(denominator)).detach())
+                    output = engine(b.inputs, **b.model_kwargs())
+                    losses.append(self.objective.loss(output, b.targets(denominator)).detach())
             if was_training:
                 engine.train()
         return mean_over_data_parallel(torch.stack(losses).mean())
