@@ -63,7 +63,8 @@ class SelfAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary = (
-            RotaryEmbedding(config.rotary_dim, config.rotary_emb_base, config.rotary_save_freqs_buffer)
+            RotaryEmbedding(config.rotary_dim, config.rotary_emb_base, config.rotary_save_freqs_buffer,
+                            config.rope_scaling, config.max_position_embeddings)
             if config.pos_emb == "rotary"
             else None
         )

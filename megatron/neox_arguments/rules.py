@@ -247,6 +247,24 @@ def sequence_fits_positions(ctx: RuleContext) -> list[str]:
 
 
 @rule
+def rope_scaling_is_honoured(ctx: RuleContext) -> list[str]:
+    """rope_scaling is HF's dict of one of its kinds, and only rotary positions can be scaled."""
+    value = ctx.get("rope_scaling")
+    if value is None:
+        return []
+    if ctx.get("pos_emb") != "rotary":
+        return [f"{ctx.show('rope_scaling')} scales rotary positions, but {ctx.show('pos_emb')}: set pos_emb: "
+                "rotary or remove rope_scaling"]
+    from megatron.model.rope_scaling import RopeScalingError, parse_rope_scaling
+
+    try:
+        parse_rope_scaling(value, ctx.get("max_position_embeddings") or ctx.get("seq_length"))
+    except RopeScalingError as err:
+        return [f"{ctx.show('rope_scaling')}: {err}"]
+    return []
+
+
+@rule
 def vocab_padding_splits_over_tp(ctx: RuleContext) -> list[str]:
     padded = ctx.get("padded_vocab_size")
     if padded is None or not ctx.given("padded_vocab_size"):

@@ -87,6 +87,7 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     # Megatron-LM's document masking of packed samples (megatron/model/documents.py)
     "reset_attention_mask": ("other", False),
     "reset_position_ids": ("other", False),
+    "rope_scaling": ("model", None),  # Hugging Face's field (megatron/model/rope_scaling.py)
 }
 
 NEOX_REFERENCE: dict[str, tuple[tuple[str, Any], ...]] = {
