@@ -19,9 +19,14 @@ from megatron.model.documents import attend_per_document
 from megatron.model.kv_cache import KVCache
 from megatron.model.norms import build_norm
 from megatron.model.positional import RelativePositionBias, RotaryEmbedding, alibi_bias, alibi_slopes
+from megatron.mpu.context_parallel import heads_to_sequence, sequence_to_heads
 from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, allreduce_grads_across_tensor_parallel
 from megatron.mpu.random import tensor_parallel_rng
-from megatron.mpu.topology import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from megatron.mpu.topology import (
+    get_context_parallel_world_size,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 
 
 class SelfAttention(nn.Module):
@@ -77,6 +82,14 @@ class SelfAttention(nn.Module):
         self.relative_position_bias = (
             RelativePositionBias(config, f"{name}.relative_position_bias") if config.pos_emb == "rpe" else None
         )
+        self.context_parallel = get_context_parallel_world_size()
+        if self.context_parallel > 1 and (self.heads % self.context_parallel or self.kv_heads % self.context_parallel):
+            raise ModelConfigError(
+                f"context parallelism over {self.context_parallel} ranks splits each tensor-parallel rank's "
+                f"{self.heads} query and {self.kv_heads} key/value heads between them: both must be multiples"
+            )
+        if self.context_parallel > 1 and config.pos_emb in ("alibi", "rpe"):
+            raise ModelConfigError(f"pos_emb {config.pos_emb} is not supported with context parallelism yet")
         self.window = config.attention_window(layer_number)
         self.dropout = config.attention_dropout
         # Batch-first inside the block (the hidden states stay [s, b, h] outside): the projection then
@@ -107,6 +120,11 @@ class SelfAttention(nn.Module):
             cos, signed_sin = self.rotary.tables(position_ids, s, q.device)  # once for q and k
             q, k = self.rotary.rotate(q, cos, signed_sin), self.rotary.rotate(k, cos, signed_sin)
         dropout_p = self.dropout if self.training else 0.0
+        if self.context_parallel > 1:  # this rank's piece of the sequence -> a share of the heads, all of it
+            if kv_cache is not None or attention_mask is not None:
+                raise ModelConfigError("context parallelism runs training and evaluation forwards only")
+            cp = self.context_parallel
+            q, k, v = sequence_to_heads(q, cp), sequence_to_heads(k, cp), sequence_to_heads(v, cp)  # [b, n/cp, s*cp, d]
         if document_ids is not None:
             if kv_cache is not None or attention_mask is not None:
                 raise ModelConfigError("document_ids cannot be combined with a kv_cache or an attention_mask")
@@ -120,7 +138,8 @@ class SelfAttention(nn.Module):
             if kv_cache is not None:  # earlier tokens' keys/values come first
                 past = kv_cache.past_length(self.layer_number)
                 k, v = kv_cache.append(self.layer_number, k, v)  # [b, n_kv, past + s, d]
-            out = self._attend(q, k, v, self._mask(s, past, attention_mask, q), dropout_p)  # [b, n, s, d]
+            out = self._attend(q, k, v, self._mask(q.shape[2], past, attention_mask, q), dropout_p)  # [b, n, s, d]
+        out = heads_to_sequence(out, self.context_parallel)  # [b, n, s, d] of this rank's piece
         if self.batch_first:
             out = out.transpose(1, 2).reshape(b, s, self.heads * d)  # [b, s, n*d]
             return self.dense(out).transpose(0, 1)  # [s, b, h], a view

@@ -87,7 +87,8 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     # Megatron-LM's document masking of packed samples (megatron/model/documents.py)
     "reset_attention_mask": ("other", False),
     "reset_position_ids": ("other", False),
-    "rope_scaling": ("model", None),  # Hugging Face's field (megatron/model/rope_scaling.py)
+    "rope_scaling": ("model", None),
+    "context_parallel_size": ("parallelism", 1),  # Megatron-LM's key (megatron/mpu/context_parallel.py)  # Hugging Face's field (megatron/model/rope_scaling.py)
 }
 
 NEOX_REFERENCE: dict[str, tuple[tuple[str, Any], ...]] = {

@@ -63,6 +63,21 @@ class MicroBatch:
                        extras=tuple(x.to(device) for x in self.extras), reference=move(self.reference),
                        position_ids=move(self.position_ids), document_ids=move(self.document_ids))
 
+    def context_piece(self, rank: int, pieces: int) -> MicroBatch:
+        """This context-parallel rank's contiguous ``s / pieces`` of every row (``megatron/mpu/context_parallel.py``):
+        its tokens, labels and positions (always explicit: the piece does not start at 0), and its loss
+        units. ``document_ids`` stay whole: attention sees the whole sequence."""
+        s = self.inputs.shape[1]
+        if s % pieces:
+            raise DataError(f"sequence length {s} does not split into {pieces} context-parallel pieces")
+        lo, hi = rank * s // pieces, (rank + 1) * s // pieces
+        positions = self.position_ids
+        if positions is None:
+            positions = torch.arange(s, device=self.inputs.device).expand_as(self.inputs)
+        labels = self.labels[:, lo:hi]
+        return replace(self, inputs=self.inputs[:, lo:hi], labels=labels, position_ids=positions[:, lo:hi],
+                       units=float((labels >= 0).sum()))
+
     def model_kwargs(self) -> dict[str, torch.Tensor]:
         """Keyword inputs of ``GPTModel.forward`` besides the tokens (none for plain samples)."""
         kwargs = {"position_ids": self.position_ids, "document_ids": self.document_ids}

@@ -60,6 +60,9 @@ class ObjectiveRunner:
         """The step's micro-batches with their reference log-probs, and the loss denominator (a
         device tensor: never read back, so the host runs ahead of the GPU)."""
         batches = [self.objective.prepare(s) for s in samples]
+        pieces = mpu.get_context_parallel_world_size()
+        if pieces > 1:  # each context-parallel rank runs (and counts the loss of) its piece of the sequence
+            batches = [b.context_piece(mpu.get_context_parallel_rank(), pieces) for b in batches]
         units = torch.tensor([sum(b.units for b in batches)], dtype=torch.float64).to(device, non_blocking=True)
         denominator = micro_batch_denominator(_dp_sum(units), len(batches), mpu.get_data_parallel_world_size())
         return self.reference.fill(batches, split, device), denominator
