@@ -4,7 +4,7 @@ document-masked attention, at several sequence lengths.
 Each case spawns its ranks (gloo, one process per rank, ``context_parallel_size`` of them) and
 times forward + backward of Deepy's ``GPTModel`` on one sequence per step, after a warm-up step:
 
-- ``tokens/s``: sequence tokens per second of one step (all ranks together);
+- ``tokens/s``: sequence tokens per second of one step (all ranks together; one CPU thread per rank);
 - ``act MiB/rank``: bytes autograd saved for the backward pass on the busiest rank (the activation
   memory; counted through ``torch.autograd.graph.saved_tensors_hooks``, storages counted once);
 - ``peak RSS MiB/rank``: the process's peak resident memory (``ru_maxrss``; includes Python, torch
@@ -42,7 +42,9 @@ EOD = 0
 
 def _rank(rank: int, world: int, out_dir: str, seq: int, docs: bool, steps: int, doc_length: int,
           model: dict[str, int]) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    # one thread per rank: cp1 runs on one core, cp2 on two (more threads per rank made the single-rank
+    # timings swing 5x on a loaded 2-core machine)
+    torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(out_dir, "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(minutes=30))
     from megatron import mpu

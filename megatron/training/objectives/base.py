@@ -73,9 +73,10 @@ class MicroBatch:
         lo, hi = rank * s // pieces, (rank + 1) * s // pieces
         positions = self.position_ids
         if positions is None:
-            positions = torch.arange(s, device=self.inputs.device).expand_as(self.inputs)
+            positions = torch.arange(s, device=self.inputs.device).expand_as(self.inputs).contiguous()
         labels = self.labels[:, lo:hi]
-        return replace(self, inputs=self.inputs[:, lo:hi], labels=labels, position_ids=positions[:, lo:hi],
+        return replace(self, inputs=self.inputs[:, lo:hi].contiguous(), labels=labels.contiguous(),
+                       position_ids=positions[:, lo:hi].contiguous(),
                        units=float((labels >= 0).sum()))
 
     def model_kwargs(self) -> dict[str, torch.Tensor]:
@@ -90,7 +91,7 @@ class MicroBatch:
             return self.inputs
         positions = self.position_ids
         if positions is None:
-            positions = torch.arange(self.inputs.shape[1], device=self.inputs.device).expand_as(self.inputs)
+            positions = torch.arange(self.inputs.shape[1], device=self.inputs.device).expand_as(self.inputs).contiguous()
         if self.document_ids is None:
             return self.inputs, positions
         return self.inputs, positions, self.document_ids
