@@ -34,8 +34,9 @@ RTOL = 1e-5
 STEPS = 6
 DOCUMENTS = {"reset_attention_mask": True, "reset_position_ids": True}
 LAYOUTS: dict[str, dict[str, Any]] = {
-    "cp2_tp2": {"num_gpus": 4, "context_parallel_size": 2, "model_parallel_size": 2},
-    "cp2_pp2": {"num_gpus": 4, "context_parallel_size": 2, "pipe_parallel_size": 2},
+    # recomputing the blocks (document ids and positions ride along as checkpointed inputs)
+    "cp2_tp2": {"num_gpus": 4, "context_parallel_size": 2, "model_parallel_size": 2, "checkpoint_activations": True},
+    "cp2_pp2": {"num_gpus": 4, "context_parallel_size": 2, "pipe_parallel_size": 2, "checkpoint_activations": True},
     "cp2_dp2_zero3": {"num_gpus": 4, "context_parallel_size": 2, "zero_optimization": {"stage": 3}},
 }
 ZERO1 = {"num_gpus": 4, "context_parallel_size": 2, "zero_optimization": {"stage": 1}}
