@@ -100,6 +100,10 @@ EFFECT_TESTS: dict[str, str] = {
     "optimizer": "tests/unit/test_optimizers.py::test_each_optimizer_reduces_a_quadratic",
     "train_data_paths": "tests/unit/test_blending.py::test_build_blend_from_train_paths",
     "git_hash": "tests/unit/test_config_effects.py::test_git_hash_is_recorded",
+    "reset_attention_mask": "tests/unit/test_document_mask.py::test_packed_document_equals_document_alone",
+    "reset_position_ids": "tests/unit/test_document_mask.py::test_packed_document_equals_document_alone",
+    "rope_scaling": "tests/unit/test_rope_scaling.py::test_exported_scaled_model_computes_our_logits",
+    "context_parallel_size": "tests/e2e/test_long_context.py::test_resume_from_cp2_at_cp1_continues_the_curve",
 }
 
 
