@@ -23,6 +23,7 @@ from megatron.mpu.context_parallel import heads_to_sequence, sequence_to_heads
 from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, allreduce_grads_across_tensor_parallel
 from megatron.mpu.random import tensor_parallel_rng
 from megatron.mpu.topology import (
+    get_context_parallel_rank,
     get_context_parallel_world_size,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -88,8 +89,12 @@ class SelfAttention(nn.Module):
                 f"context parallelism over {self.context_parallel} ranks splits each tensor-parallel rank's "
                 f"{self.heads} query and {self.kv_heads} key/value heads between them: both must be multiples"
             )
-        if self.context_parallel > 1 and config.pos_emb in ("alibi", "rpe"):
-            raise ModelConfigError(f"pos_emb {config.pos_emb} is not supported with context parallelism yet")
+        if self.context_parallel > 1 and config.pos_emb == "rpe":
+            raise ModelConfigError("pos_emb rpe is not supported with context parallelism yet")
+        if self.context_parallel > 1 and self.alibi_slopes is not None:
+            # attention runs on this context-parallel rank's share of the heads (megatron/mpu/context_parallel.py)
+            share, cp_rank = self.heads // self.context_parallel, get_context_parallel_rank()
+            self.alibi_slopes = self.alibi_slopes[cp_rank * share : (cp_rank + 1) * share].clone()
         self.window = config.attention_window(layer_number)
         self.dropout = config.attention_dropout
         # Batch-first inside the block (the hidden states stay [s, b, h] outside): the projection then

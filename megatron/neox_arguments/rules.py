@@ -325,9 +325,9 @@ def context_parallel_fits(ctx: RuleContext) -> list[str]:
                         "and SFT sequences only; set context_parallel_size: 1")
     if ctx.get("sequence_parallel"):
         problems.append(f"{shown} with {ctx.show('sequence_parallel')} is not supported yet: use one of them")
-    if ctx.get("pos_emb") in ("alibi", "rpe"):
-        problems.append(f"{shown} with {ctx.show('pos_emb')} is not supported yet (per-head biases are not "
-                        "split with the heads): use rotary, learned or sinusoidal positions")
+    if ctx.get("pos_emb") == "rpe":
+        problems.append(f"{shown} with {ctx.show('pos_emb')} is not supported yet (the learned per-head biases "
+                        "are not split with the heads): use rotary, ALiBi, learned or sinusoidal positions")
     if int(ctx.get("moe_num_experts") or 1) > 1:
         problems.append(f"{shown} with {ctx.show('moe_num_experts')} is not supported yet")
     return problems

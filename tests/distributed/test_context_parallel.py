@@ -4,7 +4,7 @@ Each rank first runs the model without any parallel groups on the whole batch (t
 then with the sequence split over cp ranks (``MicroBatch.context_piece``): the summed loss over the
 pieces and every gradient summed over the context-parallel group (what the data-parallel reduction
 does) must equal the reference within 1e-5 (fp32), with and without document masks, for learned
-positions with a sliding window and for rotary with grouped-query heads. cp2 runs on 2 ranks; cp2·tp2
+positions with a sliding window, rotary with grouped-query heads and ALiBi. cp2 runs on 2 ranks; cp2·tp2
 on 4, where each tensor-parallel rank's gradient shards are gathered first. The all-to-all itself
 is checked against direct indexing. The full layout matrix through deepy.py (pipeline, ZeRO,
 resume) is tests/e2e/test_long_context.py.
@@ -27,6 +27,7 @@ BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, 
 CONFIGS: dict[str, dict[str, Any]] = {
     "learned_window": dict(sliding_window_width=5),
     "rotary_gqa": dict(pos_emb="rotary", num_kv_heads=2, activation="swiglu"),
+    "alibi": dict(pos_emb="alibi"),  # per-head slopes follow the heads through the all-to-all
 }
 TP2_CONFIGS = {"learned_window": dict(sliding_window_width=5), "rotary": dict(pos_emb="rotary")}
 

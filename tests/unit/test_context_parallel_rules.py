@@ -35,7 +35,7 @@ def test_context_parallel_ranks_read_the_same_samples() -> None:
     (dict(model_parallel_size=2, num_gpus=4, hidden_size=96, num_attention_heads=6), "multiples of 4"),
     (dict(train_impl="dpo"), "train_impl"),
     (dict(sequence_parallel=True, model_parallel_size=2), "sequence_parallel"),
-    (dict(pos_emb="alibi"), "pos_emb"),
+    (dict(pos_emb="rpe"), "pos_emb"),
     (dict(moe_num_experts=2), "moe_num_experts"),
 ])
 def test_what_context_parallelism_cannot_split_is_refused(changes: dict, named: str) -> None:
