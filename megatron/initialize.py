@@ -95,7 +95,7 @@ def initialize(parallel: ParallelConfig, seed: int) -> Coordinates:
             f"the config was checked for world_size={expected} but {world} ranks started: "
             f"launch through deepy.py, or set num_gpus/hostfile to match"
         )
-    initialize_model_parallel(parallel.tensor, parallel.pipe)
+    initialize_model_parallel(parallel.tensor, parallel.pipe, parallel.context)
     # experts split over groups of data-parallel ranks (1: no such groups)
     initialize_expert_parallel(parallel.expert)
     set_seeds(seed)

@@ -24,6 +24,7 @@ import torch
 from megatron.errors import ConversionError
 from megatron.model.activations import get_activation
 from megatron.model.config import GPTConfig
+from megatron.model.rope_scaling import RopeScaling, RopeScalingError, parse_rope_scaling
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -135,6 +136,8 @@ def choose_architecture(config: GPTConfig) -> HFArchitecture:
 
 def _rope(config: GPTConfig, partial: bool) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.rotary_emb_base)}
+    if config.rope_scaling is not None:
+        rope.update(config.rope_scaling.to_hf())
     if partial:
         rope["partial_rotary_factor"] = rotary_factor(config)
     return rope
@@ -205,21 +208,25 @@ _GATED_FROM_HF = {hf: ours for ours, hf in GATED_ACTIVATIONS.items() if ours != 
 _PLAIN_FROM_HF = {"gelu": "gelu", "relu": "relu", "silu": "silu", "mish": "mish"}
 
 
-def _rope_from_hf(hf: "PretrainedConfig") -> tuple[int, float]:
+def _rope_from_hf(hf: "PretrainedConfig") -> tuple[int, float, RopeScaling | None]:
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     kind = rope.get("rope_type", "default")
+    scaling = None
     if kind != "default":
-        raise ConversionError(f"rope_parameters.rope_type: {kind!r} (rotary scaling is not built in Deepy)")
+        try:
+            scaling = parse_rope_scaling(rope, int(hf.max_position_embeddings))
+        except RopeScalingError as err:
+            raise ConversionError(f"rope_parameters: {err}") from None
     theta = float(rope.get("rope_theta", 10000.0))
     if theta != int(theta):
         raise ConversionError(f"rope_theta: {theta} (Deepy's rotary_emb_base is an integer)")
-    return int(theta), float(rope.get("partial_rotary_factor", 1.0))
+    return int(theta), float(rope.get("partial_rotary_factor", 1.0)), scaling
 
 
 def gpt_config_from_hf(hf: "PretrainedConfig", seq_length: int | None = None) -> GPTConfig:
     """Our architecture for an HF GPTNeoX / Llama / Mistral config (refuses what Deepy cannot run)."""
     kind = hf.model_type
-    base, factor = _rope_from_hf(hf)
+    base, factor, scaling = _rope_from_hf(hf)
     heads = int(hf.num_attention_heads)
     hidden = int(hf.hidden_size)
     max_pos = int(hf.max_position_embeddings)
@@ -232,6 +239,7 @@ def gpt_config_from_hf(hf: "PretrainedConfig", seq_length: int | None = None) ->
         padded_vocab_size=int(hf.vocab_size),
         pos_emb="rotary",
         rotary_emb_base=base,
+        rope_scaling=scaling,
         intermediate_size=int(hf.intermediate_size),
         no_weight_tying=not bool(hf.tie_word_embeddings),
         init_method_std=float(hf.initializer_range),

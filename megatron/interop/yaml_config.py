@@ -50,6 +50,8 @@ def architecture_keys(config: GPTConfig) -> dict[str, Any]:
     )
     if config.pos_emb == "rotary":
         keys.update(rotary_pct=config.rotary_pct, rotary_emb_base=config.rotary_emb_base)
+        if config.rope_scaling is not None:
+            keys["rope_scaling"] = config.rope_scaling.to_hf()
     if config.opt_pos_emb_offset:
         keys["opt_pos_emb_offset"] = config.opt_pos_emb_offset
     keys["norm"] = config.norm

@@ -14,13 +14,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.model.config import GPTConfig
+from megatron.model.config import GPTConfig, ModelConfigError
+from megatron.model.documents import attend_per_document
 from megatron.model.kv_cache import KVCache
 from megatron.model.norms import build_norm
 from megatron.model.positional import RelativePositionBias, RotaryEmbedding, alibi_bias, alibi_slopes
+from megatron.mpu.context_parallel import heads_to_sequence, sequence_to_heads
 from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, allreduce_grads_across_tensor_parallel
 from megatron.mpu.random import tensor_parallel_rng
-from megatron.mpu.topology import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from megatron.mpu.topology import (
+    get_context_parallel_rank,
+    get_context_parallel_world_size,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 
 
 class SelfAttention(nn.Module):
@@ -62,7 +69,8 @@ class SelfAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary = (
-            RotaryEmbedding(config.rotary_dim, config.rotary_emb_base, config.rotary_save_freqs_buffer)
+            RotaryEmbedding(config.rotary_dim, config.rotary_emb_base, config.rotary_save_freqs_buffer,
+                            config.rope_scaling, config.max_position_embeddings)
             if config.pos_emb == "rotary"
             else None
         )
@@ -75,6 +83,18 @@ class SelfAttention(nn.Module):
         self.relative_position_bias = (
             RelativePositionBias(config, f"{name}.relative_position_bias") if config.pos_emb == "rpe" else None
         )
+        self.context_parallel = get_context_parallel_world_size()
+        if self.context_parallel > 1 and (self.heads % self.context_parallel or self.kv_heads % self.context_parallel):
+            raise ModelConfigError(
+                f"context parallelism over {self.context_parallel} ranks splits each tensor-parallel rank's "
+                f"{self.heads} query and {self.kv_heads} key/value heads between them: both must be multiples"
+            )
+        if self.context_parallel > 1 and config.pos_emb == "rpe":
+            raise ModelConfigError("pos_emb rpe is not supported with context parallelism yet")
+        if self.context_parallel > 1 and self.alibi_slopes is not None:
+            # attention runs on this context-parallel rank's share of the heads (megatron/mpu/context_parallel.py)
+            share, cp_rank = self.heads // self.context_parallel, get_context_parallel_rank()
+            self.alibi_slopes = self.alibi_slopes[cp_rank * share : (cp_rank + 1) * share].clone()
         self.window = config.attention_window(layer_number)
         self.dropout = config.attention_dropout
         # Batch-first inside the block (the hidden states stay [s, b, h] outside): the projection then
@@ -89,7 +109,10 @@ class SelfAttention(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`document_ids` `[b, s]`: tokens attend only within their own document (packed samples,
+        `megatron/model/documents.py`); None = one sequence per row."""
         # [b, s, (heads + 2 kv_heads) * d] (or [s, b, ...]), this rank's heads
         qkv = self.query_key_value(x_sbh.transpose(0, 1) if self.batch_first else x_sbh)
         b, s = qkv.shape[:2] if self.batch_first else (qkv.shape[1], qkv.shape[0])
@@ -101,16 +124,41 @@ class SelfAttention(nn.Module):
         if self.rotary is not None:
             cos, signed_sin = self.rotary.tables(position_ids, s, q.device)  # once for q and k
             q, k = self.rotary.rotate(q, cos, signed_sin), self.rotary.rotate(k, cos, signed_sin)
-        past = 0
-        if kv_cache is not None:  # earlier tokens' keys/values come first
-            past = kv_cache.past_length(self.layer_number)
-            k, v = kv_cache.append(self.layer_number, k, v)  # [b, n_kv, past + s, d]
-        mask = self._mask(s, past, attention_mask, q)
         dropout_p = self.dropout if self.training else 0.0
+        if self.context_parallel > 1:  # this rank's piece of the sequence -> a share of the heads, all of it
+            if kv_cache is not None or attention_mask is not None:
+                raise ModelConfigError("context parallelism runs training and evaluation forwards only")
+            cp = self.context_parallel
+            q, k, v = sequence_to_heads(q, cp), sequence_to_heads(k, cp), sequence_to_heads(v, cp)  # [b, n/cp, s*cp, d]
+        if document_ids is not None:
+            if kv_cache is not None or attention_mask is not None:
+                raise ModelConfigError("document_ids cannot be combined with a kv_cache or an attention_mask")
+
+            def alone(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor) -> torch.Tensor:  # one document
+                return self._attend(q_, k_, v_, self._mask(q_.shape[2], 0, None, q_), dropout_p)
+
+            out = attend_per_document(q, k, v, document_ids, alone)  # [b, n, s, d]
+        else:
+            past = 0
+            if kv_cache is not None:  # earlier tokens' keys/values come first
+                past = kv_cache.past_length(self.layer_number)
+                k, v = kv_cache.append(self.layer_number, k, v)  # [b, n_kv, past + s, d]
+            out = self._attend(q, k, v, self._mask(q.shape[2], past, attention_mask, q), dropout_p)  # [b, n, s, d]
+        out = heads_to_sequence(out, self.context_parallel)  # [b, n, s, d] of this rank's piece
+        if self.batch_first:
+            out = out.transpose(1, 2).reshape(b, s, self.heads * d)  # [b, s, n*d]
+            return self.dense(out).transpose(0, 1)  # [s, b, h], a view
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * d)  # [s, b, n*d]
+        return self.dense(out)  # [s, b, h]
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float
+    ) -> torch.Tensor:
+        """SDPA of `q` `[b, n, s, d]` over `k`, `v` `[b, n_kv, past + s, d]` with `mask` from `_mask`."""
         # heads differ per rank, so their dropout should too (no RNG switch without dropout: it
         # would only cost a graph break under torch.compile)
         with tensor_parallel_rng() if dropout_p > 0 else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(
+            return F.scaled_dot_product_attention(
                 q,
                 k,
                 v,
@@ -119,11 +167,6 @@ class SelfAttention(nn.Module):
                 is_causal=mask is None,
                 enable_gqa=self.kv_heads != self.heads,  # query head i reads kv head i // (n / n_kv)
             )  # [b, n, s, d]
-        if self.batch_first:
-            out = out.transpose(1, 2).reshape(b, s, self.heads * d)  # [b, s, n*d]
-            return self.dense(out).transpose(0, 1)  # [s, b, h], a view
-        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * d)  # [s, b, n*d]
-        return self.dense(out)  # [s, b, h]
 
     def _heads(self, t: torch.Tensor, n: int) -> torch.Tensor:
         """`[b, s, n*d]` (or `[s, b, n*d]`) -> `[b, n, s, d]`, a view."""

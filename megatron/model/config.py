@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from megatron.errors import ConfigError
+from megatron.model.rope_scaling import RopeScaling, parse_rope_scaling
 from megatron.mpu.initialize_weights import InitFn, init_method_from_name
 
 if TYPE_CHECKING:
@@ -76,6 +77,8 @@ class GPTConfig:
     rotary_pct: float = 1.0
     """Fraction of each head's dimensions that rotary rotates (the rest pass through)."""
     rotary_emb_base: int = 10000
+    rope_scaling: RopeScaling | None = None
+    """HF-style scaling of the rotary frequencies for longer contexts (`megatron/model/rope_scaling.py`)."""
     rpe_num_buckets: int = 32
     """Relative-distance buckets of the T5-style position bias (pos_emb rpe)."""
     rpe_max_distance: int = 128
@@ -146,6 +149,10 @@ class GPTConfig:
             object.__setattr__(self, "num_kv_heads", self.num_attention_heads)
         if self.max_position_embeddings is None:
             object.__setattr__(self, "max_position_embeddings", self.seq_length)
+        if isinstance(self.rope_scaling, dict):  # HF's dict, as the config file and transformers write it
+            object.__setattr__(self, "rope_scaling", parse_rope_scaling(self.rope_scaling, self.max_position_embeddings))
+        if self.rope_scaling is not None and self.pos_emb != "rotary":
+            raise ModelConfigError(f"rope_scaling scales rotary positions; pos_emb is {self.pos_emb!r}")
         if self.hidden_size % self.num_attention_heads != 0:
             raise ModelConfigError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
@@ -289,6 +296,7 @@ class GPTConfig:
             pos_emb=args.pos_emb,
             rotary_pct=args.rotary_pct,
             rotary_emb_base=args.rotary_emb_base,
+            rope_scaling=args.rope_scaling,  # HF's dict, parsed in __post_init__
             rpe_num_buckets=args.rpe_num_buckets,
             rpe_max_distance=args.rpe_max_distance,
             rotary_save_freqs_buffer=args.rotary_save_freqs_buffer,

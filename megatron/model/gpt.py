@@ -88,8 +88,10 @@ class GPTModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`attention_mask`: optional bool, broadcastable to `[b, 1, s, s]` (`[b, 1, s, seen + s]`
+        """`document_ids`: optional `[b, s]` document of each token of a packed sample; a token
+        attends only within its document (`megatron/model/documents.py`). `attention_mask`: optional bool, broadcastable to `[b, 1, s, s]` (`[b, 1, s, seen + s]`
         with a cache), True = may attend, combined with the causal mask. `position_ids`: optional
         `[b, s]`, default 0..s-1 (seen..seen+s-1 with a cache). `kv_cache`: for incremental decoding,
         the tokens are appended after the ones already in it."""
@@ -103,6 +105,8 @@ class GPTModel(nn.Module):
         for layer in self.layers:
             if kv_cache is not None:
                 x = layer(x, position_ids, attention_mask, kv_cache)  # [s, b, h]
+            elif document_ids is not None:
+                x = layer(x, position_ids, attention_mask, None, document_ids)  # [s, b, h]
             else:
                 x = layer(x, position_ids, attention_mask)  # [s, b, h]
         if kv_cache is not None:

@@ -6,8 +6,8 @@ canonical init names, hence the same initial weights) for `deepspeed.pipe.Pipeli
     embedding (tied "embed") | layer 0 ... layer L-1 | final norm | output (tied "embed" or own)
 
 Between stages the activation is the hidden state `[s, b, h]`, or the tuple
-`(hidden, position_ids[, attention_mask])` when the batch's inputs were `(tokens, position_ids[,
-attention_mask])`. The last stage returns logits `[b, s, v/tp]` (with a value head: `[b, s, 1]`) for
+`(hidden, position_ids[, document_ids])` when the batch's inputs were `(tokens, position_ids[,
+document_ids])` (packed samples whose documents do not see each other, `megatron/model/documents.py`). The last stage returns logits `[b, s, v/tp]` (with a value head: `[b, s, 1]`) for
 the objective's `loss_fn(output, labels)` (`megatron/training/objectives`).
 """
 
@@ -55,7 +55,7 @@ def _join(x: torch.Tensor, extra: tuple[torch.Tensor, ...]) -> Activation:
 
 
 class EmbeddingPipe(GPTEmbedding):
-    """tokens `[b, s]` or `(tokens, position_ids[, attention_mask])` -> hidden (+ the extras)."""
+    """tokens `[b, s]` or `(tokens, position_ids[, document_ids])` -> hidden (+ the extras)."""
 
     def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]
         tokens, extra = _split(inputs)
@@ -67,8 +67,8 @@ class TransformerLayerPipe(TransformerLayer):
     def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]
         x, extra = _split(inputs)
         position_ids = extra[0] if len(extra) > 0 else None
-        attention_mask = extra[1] if len(extra) > 1 else None
-        return _join(super().forward(x, position_ids, attention_mask), extra)
+        document_ids = extra[1] if len(extra) > 1 else None
+        return _join(super().forward(x, position_ids, None, None, document_ids), extra)
 
 
 class FinalNormPipe(nn.Module):

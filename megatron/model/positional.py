@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from megatron.model.config import GPTConfig
+from megatron.model.rope_scaling import RopeScaling, dynamic_inv_freq, static_frequencies
 from megatron.mpu.initialize_weights import initialize_param_, set_tensor_model_parallel_attributes
 from megatron.mpu.topology import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
@@ -67,19 +68,35 @@ class RotaryEmbedding(nn.Module):
     Half-split layout: dim i pairs with dim i + rotary_dim/2 (GPT-NeoX's layout). The angles'
     cos/sin for the default positions 0..s-1 are computed once and reused by every call (every
     layer, query and key, every step) until the sequence length, the device or `inv_freq` changes.
+    `scaling` (HF's rope_scaling kinds, `megatron/model/rope_scaling.py`) changes the frequencies,
+    and for yarn multiplies cos/sin; `dynamic` recomputes them per call from the positions seen.
     """
 
-    def __init__(self, rotary_dim: int, base: float, save_freqs: bool = False) -> None:
+    def __init__(self, rotary_dim: int, base: float, save_freqs: bool = False, scaling: RopeScaling | None = None,
+                 max_positions: int | None = None) -> None:
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        inv_freq, self.attention_factor = static_frequencies(inv_freq, float(base), rotary_dim, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=save_freqs)
-        self.rotary_dim = rotary_dim
+        self.rotary_dim, self.base = rotary_dim, float(base)
+        self.dynamic = scaling if scaling is not None and scaling.rope_type == "dynamic" else None
+        self.max_positions = max_positions
+        if self.dynamic is not None and max_positions is None:
+            raise ValueError("dynamic rope scaling needs max_position_embeddings")
         self._cached: tuple[tuple[int, torch.device, int, int], torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `[b|1, 1, s, rotary_dim]` for positions `[b|1, s]`."""
-        angles = position_ids.float().unsqueeze(-1) * self.inv_freq  # [b, s, r/2]
+        inv_freq = self.inv_freq
+        if self.dynamic is not None and self.max_positions is not None:
+            length = int(position_ids.max()) + 1  # the frequencies follow the longest position seen
+            if length > self.max_positions:
+                inv_freq = dynamic_inv_freq(self.base, self.rotary_dim, self.dynamic.factor, length,
+                                            self.max_positions, inv_freq.device)
+        angles = position_ids.float().unsqueeze(-1) * inv_freq  # [b, s, r/2]
         angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # [b, 1, s, r]
+        if self.attention_factor != 1.0:
+            return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
         return angles.cos(), angles.sin()
 
     def tables(self, position_ids: torch.Tensor | None, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,11 +47,14 @@ class TransformerLayer(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [s, b, h] -> [s, b, h]
+        # positional only: activation checkpointing hands the layer its arguments by position
+        attend = (position_ids, attention_mask, kv_cache, document_ids)
         if self.gpt_j_residual:
-            attn_sbh = self.attention(self.input_layernorm(x), position_ids, attention_mask, kv_cache)
+            attn_sbh = self.attention(self.input_layernorm(x), *attend)
             return x + self._drop(attn_sbh) + self._drop(self.mlp(self._mlp_norm(x)))
-        x = x + self._drop(self.attention(self.input_layernorm(x), position_ids, attention_mask, kv_cache))
+        x = x + self._drop(self.attention(self.input_layernorm(x), *attend))
         x = x + self._drop(self.mlp(self._mlp_norm(x)))
         return x
 

@@ -22,6 +22,8 @@ class ParallelConfig:
     pipe: int = 0
     """Pipeline stages (``pipe_parallel_size``); 0 = a plain module, >= 1 = DeepSpeed PipelineModule."""
     sequence_parallel: bool = False
+    context: int = 1
+    """``context_parallel_size``: each sequence split over this many ranks (``megatron/mpu/context_parallel.py``)."""
     expert: int = 1
     """``moe_expert_parallel_size``: experts split over this many data-parallel ranks (1 = not split)."""
     partition_method: str = "type:transformer|mlp"
@@ -50,6 +52,7 @@ class ParallelConfig:
             tensor=args.model_parallel_size,
             pipe=args.pipe_parallel_size,
             sequence_parallel=args.sequence_parallel,
+            context=args.context_parallel_size,
             expert=args.moe_expert_parallel_size,
             partition_method=args.pipe_partition_method,
             world_size=args.world_size,

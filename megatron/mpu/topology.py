@@ -5,6 +5,13 @@ model/tensor axis varies fastest), so our groups agree with the grid that DeepSp
 ``PipelineModule`` builds from the same topology object. Works with any torch.distributed
 backend (gloo on CPU, nccl on GPU).
 
+Context parallelism (cp) splits each sequence over ``cp`` ranks that read the same samples. To
+DeepSpeed those ranks are data-parallel ranks (they hold the same weights, and their gradients are
+averaged like any other data-parallel rank's), so the topology's data axis has ``dp * cp`` ranks,
+context-parallel neighbours adjacent on it: DeepSpeed, ZeRO and the pipeline grid need nothing
+new. What differs is which samples a rank reads (:func:`get_data_shard_rank`: the ``cp`` ranks of
+a group read the same ones) and the context-parallel group that attention talks over.
+
 This module is the only holder of parallel state; everything else asks it.
 """
 
@@ -34,6 +41,8 @@ class _State:
     tp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
+    cp_group: dist.ProcessGroup | None = None
+    cp: int = 1
     # tensor x pipeline: every rank holding a different part of one model replica
     model_group: dist.ProcessGroup | None = None
     tp_ranks: list[int] = []
@@ -44,22 +53,24 @@ class _State:
 _STATE = _State()
 
 
-def build_topology(tp: int, pp: int, world_size: int) -> PipeModelDataParallelTopology:
-    """The grid for ``world_size`` ranks; ``pp=0`` (no pipeline) counts as one stage."""
+def build_topology(tp: int, pp: int, world_size: int, cp: int = 1) -> PipeModelDataParallelTopology:
+    """The grid for ``world_size`` ranks; ``pp=0`` (no pipeline) counts as one stage. Its data axis
+    holds the ``dp * cp`` ranks that share weights (see the module docstring)."""
     pp = max(pp, 1)
-    if world_size % (tp * pp) != 0:
-        raise ValueError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}")
+    if world_size % (tp * pp * cp) != 0:
+        raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
     return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world_size // (tp * pp))
 
 
-def initialize_model_parallel(tp: int, pp: int) -> PipeModelDataParallelTopology:
-    """Create the tp/pp/dp/model groups. Every rank must call this, in the same order."""
+def initialize_model_parallel(tp: int, pp: int, cp: int = 1) -> PipeModelDataParallelTopology:
+    """Create the tp/pp/dp/cp/model groups. Every rank must call this, in the same order."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialized before the model-parallel groups")
     world = dist.get_world_size()
     rank = dist.get_rank()
-    topo = build_topology(tp, pp, world)
+    topo = build_topology(tp, pp, world, cp)
     _STATE.topology = topo
+    _STATE.cp = cp
 
     def groups_along(axis: str) -> tuple[dist.ProcessGroup | None, list[int]]:
         mine: tuple[dist.ProcessGroup | None, list[int]] = (None, [])
@@ -72,6 +83,13 @@ def initialize_model_parallel(tp: int, pp: int) -> PipeModelDataParallelTopology
     _STATE.tp_group, _STATE.tp_ranks = groups_along("model")
     _STATE.pp_group, _STATE.pp_ranks = groups_along("pipe")
     _STATE.dp_group, _STATE.dp_ranks = groups_along("data")
+    # context-parallel groups: cp neighbours on the data axis, same stage and tp rank
+    for ranks in topo.get_axis_comm_lists("data"):
+        for start in range(0, len(ranks), cp):
+            members = list(ranks[start : start + cp])
+            group = dist.new_group(ranks=members) if cp > 1 else None
+            if rank in members:
+                _STATE.cp_group = group
     # one model replica = all ranks sharing a data coordinate
     for dp_index in range(topo.get_dim("data")):
         ranks = topo.filter_match(data=dp_index)
@@ -87,7 +105,8 @@ def model_parallel_is_initialized() -> bool:
 
 def destroy_model_parallel() -> None:
     _STATE.topology = None
-    _STATE.tp_group = _STATE.pp_group = _STATE.dp_group = _STATE.model_group = None
+    _STATE.tp_group = _STATE.pp_group = _STATE.dp_group = _STATE.model_group = _STATE.cp_group = None
+    _STATE.cp = 1
     _STATE.tp_ranks, _STATE.pp_ranks, _STATE.dp_ranks = [], [], []
 
 
@@ -146,6 +165,30 @@ def get_data_parallel_world_size() -> int:
 
 def get_data_parallel_rank() -> int:
     return get_coordinates().dp if _STATE.topology is not None else 0
+
+
+# --- context parallel ----------------------------------------------------------------------------
+def get_context_parallel_group() -> dist.ProcessGroup | None:
+    return _STATE.cp_group
+
+
+def get_context_parallel_world_size() -> int:
+    return _STATE.cp if _STATE.topology is not None else 1
+
+
+def get_context_parallel_rank() -> int:
+    """This rank's piece of each sequence (0 = the first ``s / cp`` tokens)."""
+    return get_data_parallel_rank() % _STATE.cp if _STATE.topology is not None else 0
+
+
+def get_data_shard_rank() -> int:
+    """Which share of the global batch this rank reads: the same for a context-parallel group."""
+    return get_data_parallel_rank() // _STATE.cp if _STATE.topology is not None else 0
+
+
+def get_data_shard_count() -> int:
+    """How many shares the global batch is read in (the data-parallel size without context parallelism)."""
+    return get_data_parallel_world_size() // _STATE.cp if _STATE.topology is not None else 1
 
 
 # --- the names DeepSpeed looks for on an ``mpu`` object ------------------------------------------

@@ -126,6 +126,11 @@ def check_entry_point(args: NeoXArgs, user_script: str) -> None:
 
     build = entry_point_builders().get(os.path.basename(user_script))
     if build is not None:
+        if args.context_parallel_size > 1:  # decoding with a KV cache runs whole sequences on every rank
+            from megatron.errors import ConfigError
+
+            raise ConfigError(f"context_parallel_size={args.context_parallel_size} splits training sequences; "
+                              f"{os.path.basename(user_script)} runs whole sequences: set context_parallel_size=1")
         build(args)
 
 

@@ -93,11 +93,17 @@ class RuleContext:
         return max(int(self.get("pipe_parallel_size") or 0), 1)
 
     @property
+    def cp(self) -> int:
+        """Context-parallel size: ranks sharing each sequence."""
+        return int(self.get("context_parallel_size") or 1)
+
+    @property
     def dp(self) -> int | None:
-        """Data-parallel size, or ``None`` when the world does not split into tp x pp."""
-        if self.world_size % (self.tp * self.pp) != 0:
+        """Data-parallel size (ranks reading different samples), or ``None`` when the world does not
+        split into tp x pp x cp."""
+        if self.world_size % (self.tp * self.pp * self.cp) != 0:
             return None
-        return self.world_size // (self.tp * self.pp)
+        return self.world_size // (self.tp * self.pp * self.cp)
 
 
 def _default_of(args: NeoXArgs, key: str) -> Any:
@@ -247,6 +253,24 @@ def sequence_fits_positions(ctx: RuleContext) -> list[str]:
 
 
 @rule
+def rope_scaling_is_honoured(ctx: RuleContext) -> list[str]:
+    """rope_scaling is HF's dict of one of its kinds, and only rotary positions can be scaled."""
+    value = ctx.get("rope_scaling")
+    if value is None:
+        return []
+    if ctx.get("pos_emb") != "rotary":
+        return [f"{ctx.show('rope_scaling')} scales rotary positions, but {ctx.show('pos_emb')}: set pos_emb: "
+                "rotary or remove rope_scaling"]
+    from megatron.model.rope_scaling import RopeScalingError, parse_rope_scaling
+
+    try:
+        parse_rope_scaling(value, ctx.get("max_position_embeddings") or ctx.get("seq_length"))
+    except RopeScalingError as err:
+        return [f"{ctx.show('rope_scaling')}: {err}"]
+    return []
+
+
+@rule
 def vocab_padding_splits_over_tp(ctx: RuleContext) -> list[str]:
     padded = ctx.get("padded_vocab_size")
     if padded is None or not ctx.given("padded_vocab_size"):
@@ -266,11 +290,47 @@ def vocab_padding_splits_over_tp(ctx: RuleContext) -> list[str]:
 def world_splits_into_model_parallel(ctx: RuleContext) -> list[str]:
     if ctx.dp is not None and ctx.dp >= 1:
         return []
+    if ctx.cp > 1:
+        return [
+            f"world size {ctx.world_size} is not divisible by model_parallel_size x pipeline stages x "
+            f"context_parallel_size = {ctx.tp} x {ctx.pp} x {ctx.cp} ({ctx.show('model_parallel_size')}, "
+            f"{ctx.show('pipe_parallel_size')}, {ctx.show('context_parallel_size')}): set num_gpus (ranks per "
+            f"node) so the world size is a multiple of {ctx.tp * ctx.pp * ctx.cp}"
+        ]
     return [
         f"world size {ctx.world_size} is not divisible by model_parallel_size x pipeline stages = "
         f"{ctx.tp} x {ctx.pp} ({ctx.show('model_parallel_size')}, {ctx.show('pipe_parallel_size')}): "
         f"set num_gpus (ranks per node) so the world size is a multiple of {ctx.tp * ctx.pp}"
     ]
+
+
+@rule
+def context_parallel_fits(ctx: RuleContext) -> list[str]:
+    """What context parallelism (all-to-all over heads, megatron/mpu/context_parallel.py) can split."""
+    cp = ctx.cp
+    if cp == 1:
+        return []
+    shown, problems = ctx.show("context_parallel_size"), []
+    seq = ctx.get("seq_length")
+    if isinstance(seq, int) and seq % cp:
+        problems.append(f"{shown} does not divide {ctx.show('seq_length')}: each rank holds seq_length / "
+                        f"context_parallel_size tokens of every sequence")
+    heads, kv = ctx.get("num_attention_heads"), ctx.get("num_kv_heads") or ctx.get("num_attention_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and (heads % (ctx.tp * cp) or kv % (ctx.tp * cp)):
+        problems.append(f"{shown}: the all-to-all gives each of the {ctx.tp * cp} ranks of model_parallel_size x "
+                        f"context_parallel_size a share of the heads; {ctx.show('num_attention_heads')} and "
+                        f"num_kv_heads ({kv}) must both be multiples of {ctx.tp * cp}")
+    if _train_impl(ctx) != "normal":
+        problems.append(f"{shown} with {ctx.show('train_impl')}: context parallelism splits language-modelling "
+                        "and SFT sequences only; set context_parallel_size: 1")
+    if ctx.get("sequence_parallel"):
+        problems.append(f"{shown} with {ctx.show('sequence_parallel')} is not supported yet: use one of them")
+    if ctx.get("pos_emb") == "rpe":
+        problems.append(f"{shown} with {ctx.show('pos_emb')} is not supported yet (the learned per-head biases "
+                        "are not split with the heads): use rotary, ALiBi, learned or sinusoidal positions")
+    if int(ctx.get("moe_num_experts") or 1) > 1:
+        problems.append(f"{shown} with {ctx.show('moe_num_experts')} is not supported yet")
+    return problems
 
 
 # --- precision --------------------------------------------------------------------------------
@@ -725,6 +785,8 @@ def moe_experts_split_evenly(ctx: RuleContext) -> list[str]:
 # ==== post-training objectives: train_impl vs its keys and its data ============================
 # (issue 9: label-masked SFT, DPO, KTO, reward models; implemented in megatron/training/objectives)
 _OBJECTIVE_ONLY_KEYS: dict[str, tuple[str, ...]] = {
+    # the other objectives read whole, unpacked documents: nothing to keep apart
+    "normal": ("reset_attention_mask", "reset_position_ids"),
     "dpo": ("dpo_beta", "dpo_fp32", "dpo_reference_free"),
     "kto": ("kto_beta", "kto_fp32", "kto_desirable_weight", "kto_undesirable_weight"),
 }

@@ -321,6 +321,10 @@ def build_engine(run: RunConfig, config: GPTConfig, train_iters: int, objective:
     model, is_pipe = build_model(config, run.parallel, run.activation_checkpointing, run.training.compile_layers,
                                  objective)
     ds_config = dict(run.deepspeed)
+    if run.parallel.context > 1 and "train_batch_size" in ds_config:
+        # DeepSpeed counts the context-parallel ranks as data-parallel ones (megatron/mpu/topology.py),
+        # each seeing the micro-batch once: its batch is cp times the number of samples
+        ds_config["train_batch_size"] = int(ds_config["train_batch_size"]) * run.parallel.context
     spec = run.lr.spec(train_iters, run.optimizer.lr)
     policy = lr_policy(run.lr)
     if run.optimizer.kind in DEEPSPEED_BUILT:

@@ -99,7 +99,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
 
     g = training.train_batch_size
     layout = dict(global_batch_size=g, micro_batch_size=training.micro_batch_size,
-                  dp_rank=mpu.get_data_parallel_rank(), dp_size=mpu.get_data_parallel_world_size())
+                  dp_rank=mpu.get_data_shard_rank(), dp_size=mpu.get_data_shard_count())  # cp ranks read alike
     device = _device()
 
     def validation_loss() -> float:

@@ -269,9 +269,10 @@ def test_import_refuses_what_deepy_cannot_run(tmp_path: Path) -> None:
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                          num_attention_heads=4, max_position_embeddings=32,
-                         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})  # fmt: skip
+                         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
+                                          "long_factor": [2.0] * 4, "original_max_position_embeddings": 16})  # fmt: skip
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "scaled")
-    with pytest.raises(ConversionError, match="rope_type: 'linear'"):
+    with pytest.raises(ConversionError, match="'longrope' is not supported"):
         import_to_deepy(tmp_path / "scaled", tmp_path / "out")
 
 

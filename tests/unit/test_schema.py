@@ -84,6 +84,11 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "moe_token_dropping": ("moe", False),
     "enable_expert_tensor_parallelism": ("moe", False),
     "reference_logps": ("training", None),
+    # Megatron-LM's document masking of packed samples (megatron/model/documents.py)
+    "reset_attention_mask": ("other", False),
+    "reset_position_ids": ("other", False),
+    "rope_scaling": ("model", None),
+    "context_parallel_size": ("parallelism", 1),  # Megatron-LM's key (megatron/mpu/context_parallel.py)  # Hugging Face's field (megatron/model/rope_scaling.py)
 }
 
 NEOX_REFERENCE: dict[str, tuple[tuple[str, Any], ...]] = {

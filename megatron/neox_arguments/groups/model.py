@@ -201,6 +201,10 @@ class ModelArgs(ArgGroup):
     rotary_emb_base: int = Field(10000, ge=1)
     """Base of the rotary frequencies (theta); larger values stretch the usable context."""
 
+    rope_scaling: dict[str, Any] | None = None
+    """Deepy addition (Hugging Face's field): stretch rotary positions for a longer context, e.g.
+    `{rope_type: linear, factor: 4}`; types linear, dynamic, yarn, llama3 with HF's fields."""
+
     rotary_save_freqs_buffer: bool = False
     """Store the rotary frequency table in the checkpoint instead of recomputing it on load."""
 

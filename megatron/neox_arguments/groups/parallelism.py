@@ -33,3 +33,7 @@ class ParallelismArgs(ArgGroup):
     sequence_parallel: bool = False
     """Split layer-norm and dropout activations along the sequence across tensor-parallel ranks to
     save memory."""
+
+    context_parallel_size: int = Field(1, ge=1)
+    """Deepy addition (Megatron-LM's key): split each sequence over this many ranks (all-to-all over
+    attention heads, DeepSpeed-Ulysses style); they count as data-parallel ranks to ZeRO."""

@@ -48,11 +48,51 @@ class MicroBatch:
     """Loss units in this micro-batch (counted tokens or samples), for the global normaliser."""
     reference: torch.Tensor | None = None
     """``[n]`` reference log-probs per row, once the reference provided them."""
+    position_ids: torch.Tensor | None = None
+    """``[n, s]`` positions when they are not 0..s-1 (``reset_position_ids``)."""
+    document_ids: torch.Tensor | None = None
+    """``[n, s]`` document of each token when documents must not see each other (``reset_attention_mask``)."""
 
     def to(self, device: torch.device | str) -> MicroBatch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
         return replace(self, inputs=self.inputs.to(device), labels=self.labels.to(device),
-                       extras=tuple(x.to(device) for x in self.extras),
-                       reference=None if self.reference is None else self.reference.to(device))
+                       extras=tuple(x.to(device) for x in self.extras), reference=move(self.reference),
+                       position_ids=move(self.position_ids), document_ids=move(self.document_ids))
+
+    def context_piece(self, rank: int, pieces: int) -> MicroBatch:
+        """This context-parallel rank's contiguous ``s / pieces`` of every row (``megatron/mpu/context_parallel.py``):
+        its tokens, labels and positions (always explicit: the piece does not start at 0), and its loss
+        units. ``document_ids`` stay whole: attention sees the whole sequence."""
+        s = self.inputs.shape[1]
+        if s % pieces:
+            raise DataError(f"sequence length {s} does not split into {pieces} context-parallel pieces")
+        lo, hi = rank * s // pieces, (rank + 1) * s // pieces
+        positions = self.position_ids
+        if positions is None:
+            positions = torch.arange(s, device=self.inputs.device).expand_as(self.inputs).contiguous()
+        labels = self.labels[:, lo:hi]
+        return replace(self, inputs=self.inputs[:, lo:hi].contiguous(), labels=labels.contiguous(),
+                       position_ids=positions[:, lo:hi].contiguous(),
+                       units=float((labels >= 0).sum()))
+
+    def model_kwargs(self) -> dict[str, torch.Tensor]:
+        """Keyword inputs of ``GPTModel.forward`` besides the tokens (none for plain samples)."""
+        kwargs = {"position_ids": self.position_ids, "document_ids": self.document_ids}
+        return {name: value for name, value in kwargs.items() if value is not None}
+
+    def pipe_inputs(self) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The input side of a pipeline batch: tokens, or ``(tokens, position_ids[, document_ids])``
+        (``megatron/model/pipeline.py``)."""
+        if self.position_ids is None and self.document_ids is None:
+            return self.inputs
+        positions = self.position_ids
+        if positions is None:
+            positions = torch.arange(self.inputs.shape[1], device=self.inputs.device).expand_as(self.inputs).contiguous()
+        if self.document_ids is None:
+            return self.inputs, positions
+        return self.inputs, positions, self.document_ids
 
     def targets(self, denominator: float | torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The label side of a pipeline batch: ``(labels, *extras, reference, denominator)``."""
@@ -159,6 +199,7 @@ class Objective(ABC):
     def __init__(self, config: ObjectiveConfig, eod_token: int | None = None) -> None:
         self.config = config
         self.eod_token = eod_token if config.eod_mask_loss else None
+        self.document_end_token = eod_token  # where documents of a packed sample end (reset_* keys)
         self.metrics = MetricSums()
 
     @abstractmethod

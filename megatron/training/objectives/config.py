@@ -23,6 +23,10 @@ class ObjectiveConfig:
     """Which loss: language modelling/SFT, DPO, KTO or a pairwise reward model."""
     eod_mask_loss: bool = False
     """Predictions of the end-of-document token carry no loss (token-level objectives)."""
+    reset_attention_mask: bool = False
+    """Language modelling: documents of a packed sample attend only within themselves."""
+    reset_position_ids: bool = False
+    """Language modelling: positions restart at 0 at each document of a packed sample."""
     z_loss: float = 0.0
     """LM: weight of mean (log Z)^2 over counted tokens; RM: weight of mean(s_c^2 + s_r^2)."""
     dpo_beta: float = 0.1
@@ -46,6 +50,8 @@ class ObjectiveConfig:
         return cls(
             train_impl=args.train_impl,
             eod_mask_loss=args.eod_mask_loss,
+            reset_attention_mask=args.reset_attention_mask,
+            reset_position_ids=args.reset_position_ids,
             z_loss=args.z_loss,
             dpo_beta=args.dpo_beta,
             dpo_fp32=args.dpo_fp32,

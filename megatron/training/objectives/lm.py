@@ -9,14 +9,22 @@ The loss is the mean cross-entropy over the counted tokens of the whole global b
 micro-batch's tokens are masked; the same number on every parallel layout. ``z_loss > 0`` adds
 PaLM's auxiliary ``z_loss * (log Z)^2`` per counted token (``Z`` the softmax normaliser), which keeps
 the output logits from drifting; it is reported as ``train/z_loss``.
+
+With ``reset_attention_mask`` / ``reset_position_ids`` the documents of a packed sample (each ending
+with the end-of-document token) are kept apart: the micro-batch carries each token's document and/or
+its position within that document (``megatron/model/documents.py``), so each document gets the loss
+and gradients it would get alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
+from megatron.errors import DataError
+from megatron.model.documents import document_ids_from_eod, positions_in_documents
 from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megatron.training.objectives.base import MicroBatch, Objective, Stats, count, shifted
 from megatron.training.objectives.logprobs import vocab_parallel_logsumexp
@@ -46,7 +54,14 @@ class LMObjective(Objective):
 
     def prepare(self, sample: Mapping[str, torch.Tensor]) -> MicroBatch:
         tokens, labels = shifted(sample, "text", "label", self.eod_token)
-        return MicroBatch(tokens, labels, units=float((labels >= 0).sum()))
+        batch = MicroBatch(tokens, labels, units=float((labels >= 0).sum()))
+        if not (self.config.reset_attention_mask or self.config.reset_position_ids):
+            return batch
+        if self.document_end_token is None:
+            raise DataError("reset_attention_mask / reset_position_ids need the tokenizer's end-of-document token")
+        documents = document_ids_from_eod(tokens, self.document_end_token)  # [b, s]
+        return replace(batch, document_ids=documents if self.config.reset_attention_mask else None,
+                       position_ids=positions_in_documents(documents) if self.config.reset_position_ids else None)
 
     def loss_sum(self, output: torch.Tensor, labels: torch.Tensor, extras: tuple[torch.Tensor, ...],
                  reference: torch.Tensor) -> tuple[torch.Tensor, Stats]:

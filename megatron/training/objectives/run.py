@@ -60,6 +60,9 @@ class ObjectiveRunner:
         """The step's micro-batches with their reference log-probs, and the loss denominator (a
         device tensor: never read back, so the host runs ahead of the GPU)."""
         batches = [self.objective.prepare(s) for s in samples]
+        pieces = mpu.get_context_parallel_world_size()
+        if pieces > 1:  # each context-parallel rank runs (and counts the loss of) its piece of the sequence
+            batches = [b.context_piece(mpu.get_context_parallel_rank(), pieces) for b in batches]
         units = torch.tensor([sum(b.units for b in batches)], dtype=torch.float64).to(device, non_blocking=True)
         denominator = micro_batch_denominator(_dp_sum(units), len(batches), mpu.get_data_parallel_world_size())
         return self.reference.fill(batches, split, device), denominator
@@ -72,7 +75,7 @@ class ObjectiveRunner:
         samples = [next(micro_batches) for _ in range(int(engine.gradient_accumulation_steps()))]
         batches, denominator = self.prepare(samples, split, device)
         if eng.is_pipe:
-            items = [(b.inputs.to(device), tuple(t.to(device) for t in b.targets(denominator))) for b in batches]
+            items = [(b.to(device).pipe_inputs(), tuple(t.to(device) for t in b.targets(denominator))) for b in batches]
             if train:
                 # the loss averaged over micro-batches and data-parallel ranks, broadcast to every stage
                 return engine.train_batch(iter(items)).detach().float()
@@ -81,7 +84,7 @@ class ObjectiveRunner:
         if train:
             for b in batches:
                 b = b.to(device)
-                loss = self.objective.loss(engine(b.inputs), b.targets(denominator))
+                loss = self.objective.loss(engine(b.inputs, **b.model_kwargs()), b.targets(denominator))
                 engine.backward(loss)
                 engine.step()  # applies the update only at the accumulation boundary
                 losses.append(loss.detach())
@@ -91,7 +94,8 @@ class ObjectiveRunner:
             with torch.no_grad():
                 for b in batches:
                     b = b.to(device)
-                    losses.append(self.objective.loss(engine(b.inputs), b.targets(denominator)).detach())
+                    output = engine(b.inputs, **b.model_kwargs())
+                    losses.append(self.objective.loss(output, b.targets(denominator)).detach())
             if was_training:
                 engine.train()
         return mean_over_data_parallel(torch.stack(losses).mean())

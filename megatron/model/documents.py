@@ -1,0 +1,79 @@
+"""Documents inside a packed sample: which document each token belongs to, and attention that
+keeps them apart.
+
+A packed sample concatenates documents, each ending with the end-of-document (EOD) token. With
+``reset_attention_mask`` a token attends only to the earlier tokens of its own document, and with
+``reset_position_ids`` its position counts from the start of its document (Megatron-LM's two keys):
+then every document is computed exactly as if it were alone in its sample.
+
+The EOD token belongs to the document it ends: token ``t`` is in document "number of EOD tokens
+strictly before ``t``". This is all the model needs (``document_ids`` ``[b, s]``), and it is what any
+packing writes (``pack_impl: packed`` for pretraining, ``pack_until_overflow`` for SFT).
+
+Attention over documents runs one causal SDPA per document piece (:func:`attend_per_document`),
+a "varlen" attention by slicing: its cost is the sum of the squared document lengths and it never
+builds a ``[s, s]`` mask. Why not FlexAttention with a document ``mask_mod``: in torch 2.13 its CPU
+backward is not implemented (``NotImplementedError: FlexAttention does not support backward on
+CPU``), and eager FlexAttention materialises the full score matrix, so on the CPU - where Deepy is
+tested - it would be neither trainable nor lean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+Span = tuple[int, int]
+"""``[start, end)`` of one document piece along the sequence."""
+
+
+def document_ids_from_eod(tokens: torch.Tensor, eod_token: int) -> torch.Tensor:
+    """``[b, s]`` int64: for each token, the number of EOD tokens strictly before it in its row."""
+    is_eod = (tokens == eod_token).long()  # [b, s]
+    return torch.cumsum(is_eod, dim=-1) - is_eod
+
+
+def positions_in_documents(document_ids: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` positions that restart at 0 where each document starts (``reset_position_ids``)."""
+    s = document_ids.shape[-1]
+    index = torch.arange(s, device=document_ids.device).expand_as(document_ids)  # [b, s]
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    # the start index of each token's document: the last start at or before it
+    start_of = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=-1).values
+    return index - start_of
+
+
+def document_spans(document_ids: torch.Tensor) -> list[list[Span]]:
+    """Per row, the ``[start, end)`` ranges of constant document id, in order (read on the host)."""
+    ids = document_ids.detach().to("cpu")
+    s = ids.shape[-1]
+    out: list[list[Span]] = []
+    for row in ids:
+        cuts = (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()
+        bounds = [0, *cuts, s]
+        out.append(list(zip(bounds[:-1], bounds[1:])))
+    return out
+
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``attend(q, k, v)`` for one sequence alone: ``[1, n, l, d]`` (k, v ``[1, n_kv, l, d]``) -> ``[1, n, l, d]``."""
+
+
+def attend_per_document(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor, attend: Attend
+) -> torch.Tensor:
+    """``[b, n, s, d]`` attention where each document of each row sees only itself.
+
+    ``attend`` is the layer's own attention for a sequence alone (causal, with its window, ALiBi or
+    relative bias), so a document in a packed row is computed as that document alone."""
+    spans = document_spans(document_ids)
+    if all(len(row) == 1 for row in spans):  # nothing packed: one batched call
+        return attend(q, k, v)
+    rows = []
+    for i, row in enumerate(spans):
+        qi, ki, vi = q[i : i + 1], k[i : i + 1], v[i : i + 1]
+        parts = [attend(qi[:, :, a:e], ki[:, :, a:e], vi[:, :, a:e]) for a, e in row]  # [1, n, l, d] each
+        rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
+    return torch.cat(rows, dim=0)  # [b, n, s, d]
