@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron.checkpointing import commit, reshard
+from megatron.checkpointing.neox_layout import NeoxNames
 from megatron.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -135,7 +136,8 @@ def prepare_universal(ckpt_dir: Path, meta: dict[str, Any], vocab_rows: int | No
             if not info:
                 raise CheckpointError(f"{ckpt_dir} records no universal_checkpoint_info: it cannot change layout")
             log.info("converting %s (saved without ZeRO) to a universal checkpoint for the new layout", ckpt_dir)
-            reshard.zero0_to_universal(ckpt_dir, target, saved.tp, saved.pp, saved.pipeline, info)
+            reshard.zero0_to_universal(ckpt_dir, target, saved.tp, saved.pp, saved.pipeline, info,
+                                      NeoxNames.from_args(meta.get("args") or {}))
             marker = commit.read_commit_marker(ckpt_dir)
             commit.write_commit_marker(target, marker or commit.CommitInfo(step=-1, kind="step", time=time.time()))
     args = meta.get("args") or {}
