@@ -103,8 +103,8 @@ def _load_pipeline_layers(module: Any, names: NeoxNames, tp: int, load_dir: str,
         index = names.neox_index(spec) if neox else spec
         files = sorted(directory.glob(f"layer_{index:02d}-*model_states.pt"))
         if len(files) != tp:
-            raise CheckpointError(f"{directory} has {len(files)} file(s) for layer {index} "
-                                  f"(layer_{index:02d}-model_XX-model_states.pt), this run reads {tp} (one per tp rank)")
+            raise CheckpointError(f"{directory} has {len(files)} file(s) for layer {index} (layer_{index:02d}-model_XX-"
+                                  f"model_states.pt), this run reads {tp} (one per tp rank)")
         state = checkpoint_engine.load(str(files[tp_rank]), map_location="cpu")
         if neox:
             state = layer_from_neox(names, spec, state, tp)
@@ -180,7 +180,8 @@ def neox_checkpoint_shards(tag: Path, names: NeoxNames) -> tuple[dict[str, list[
     else:
         tp = sum(1 for p in tag.iterdir() if _MP_FILE.match(p.name))
     if tp == 0:
-        raise CheckpointError(f"{tag} holds no model files (layer_*-model_*-model_states.pt or mp_rank_*_model_states.pt)")
+        raise CheckpointError(f"{tag} holds no model files (layer_*-model_*-model_states.pt or "
+                              "mp_rank_*_model_states.pt)")
     if names.heads % tp or names.kv_heads % tp:
         raise CheckpointError(f"{tag} was saved with {tp} tensor-parallel ranks, which do not divide "
                               f"num_attention_heads={names.heads} / num_kv_heads={names.kv_heads} of the config")

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -103,16 +105,34 @@ def dropout_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, flo
     return losses(tmp / "logs")
 
 
-def test_exact_resume_matches_the_uninterrupted_run(tmp_path: Path, dropout_reference: dict[int, float]) -> None:
-    common = (*DP2, "hidden_dropout=0.1", "save=ckpt", "load=ckpt", "checkpoint_factor=6")
-    first = deepy(tmp_path, *common, "exit_interval=6", "log_dir=logs1")
+RESUME = (*DP2, "hidden_dropout=0.1", "save=ckpt", "load=ckpt", "checkpoint_factor=6")
+
+
+@pytest.fixture(scope="module")
+def first_half(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Steps 1-6 of the dropout run, stopped after saving at step 6 (each test resumes a copy)."""
+    tmp = tmp_path_factory.mktemp("first_half")
+    first = deepy(tmp, *RESUME, "exit_interval=6", "log_dir=logs1")
     assert first.returncode == 0, output(first)
-    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step6"
-    second = deepy(tmp_path, *common, "log_dir=logs2")
+    return tmp
+
+
+def resume_copy(first_half: Path, tmp_path: Path, change: Callable[[Path], None] | None = None) -> dict[int, float]:
+    shutil.copytree(first_half / "ckpt", tmp_path / "ckpt")
+    if change is not None:
+        change(tmp_path / "ckpt" / "global_step6")
+    second = deepy(tmp_path, *RESUME, "log_dir=logs2")
     assert second.returncode == 0, output(second)
     resumed = losses(tmp_path / "logs2")
     assert min(resumed) == 7 and max(resumed) == 12  # continued, not restarted
-    assert_curves_match(losses(tmp_path / "logs1"), dropout_reference, 1e-6)
+    return resumed
+
+
+def test_exact_resume_matches_the_uninterrupted_run(tmp_path: Path, first_half: Path,
+                                                    dropout_reference: dict[int, float]) -> None:  # fmt: skip
+    assert (first_half / "ckpt" / "latest").read_text().strip() == "global_step6"
+    resumed = resume_copy(first_half, tmp_path)
+    assert_curves_match(losses(first_half / "logs1"), dropout_reference, 1e-6)
     assert_curves_match(resumed, dropout_reference, 1e-6)
     # the checkpoint carries the config files and the resolved arguments
     meta = json.loads((tmp_path / "ckpt" / "global_step12" / "deepy_meta.json").read_text())
@@ -149,18 +169,14 @@ def to_earlier_deepy_layout(ckpt: Path, num_layers: int = 2, heads: int = 4) -> 
     (ckpt / "deepy_meta.json").write_text(json.dumps({**meta, "format": 1}))
 
 
-def test_a_checkpoint_of_the_earlier_deepy_layout_resumes_exactly(tmp_path: Path,
+def test_a_checkpoint_of_the_earlier_deepy_layout_resumes_exactly(tmp_path: Path, first_half: Path,
                                                                    dropout_reference: dict[int, float]) -> None:
-    common = (*DP2, "hidden_dropout=0.1", "save=ckpt", "load=ckpt", "checkpoint_factor=6")
-    first = deepy(tmp_path, *common, "exit_interval=6", "log_dir=logs1")
-    assert first.returncode == 0, output(first)
-    to_earlier_deepy_layout(tmp_path / "ckpt" / "global_step6")
-    assert (tmp_path / "ckpt" / "global_step6" / "layer_01-model_00-model_states.pt").is_file()
-    second = deepy(tmp_path, *common, "log_dir=logs2")
-    assert second.returncode == 0, output(second)
-    resumed = losses(tmp_path / "logs2")
-    assert min(resumed) == 7 and max(resumed) == 12
-    assert_curves_match(resumed, dropout_reference, 1e-6)
+    def rewrite(ckpt: Path) -> None:
+        to_earlier_deepy_layout(ckpt)
+        assert (ckpt / "layer_01-model_00-model_states.pt").is_file()
+        assert not (ckpt / "layer_05-model_00-model_states.pt").exists()
+
+    assert_curves_match(resume_copy(first_half, tmp_path, rewrite), dropout_reference, 1e-6)
 
 
 @pytest.fixture(scope="module")
