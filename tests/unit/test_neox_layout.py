@@ -70,6 +70,8 @@ def test_deepy_writes_gpt_neox_files_key_by_key(tmp_path: Path, arch: str, tp: i
                       llama=arch == "llama")
     ckpt = write_weights_only_checkpoint(tmp_path, config=config, weights=full, tp=tp, pp=1 if pipeline else 0,
                                          args={})
+    pattern = "layer_*-model_states.pt" if pipeline else "mp_rank_*_model_states.pt"
+    assert sorted(p.name for p in ckpt.glob(pattern)) == sorted(want)
     for name, tensors in want.items():
         got = torch.load(ckpt / name, weights_only=True)
         got = got if pipeline else got["module"]
@@ -84,3 +86,27 @@ def test_qkv_order_round_trips(heads: int, kv_heads: int) -> None:
     neox = qkv_to_neox(t, heads, kv_heads)
     assert not torch.equal(neox, t) or kv_heads == heads == 1
     assert torch.equal(qkv_from_neox(neox, heads, kv_heads), t)
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_parallel_residual_row_biases_sum_over_tp_ranks(tmp_path: Path, pipeline: bool) -> None:
+    """With gpt_j_residual GPT-NeoX adds every rank's copy of a row-parallel bias before the
+    all-reduce: the copies in the files sum to the model's bias, and read back to it."""
+    from megatron.interop.deepy_checkpoint import read_full_checkpoint
+
+    config = config_of({**NEOX, "gpt_j_residual": True})
+    full = source_weights(config)
+    args = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 16,
+            "max_position_embeddings": 16, "padded_vocab_size": 256, "pos_emb": "rotary", "seed": 1234, **NEOX,
+            "gpt_j_residual": True}  # fmt: skip
+    ckpt = write_weights_only_checkpoint(tmp_path, config=config, weights=full, tp=2, pp=1 if pipeline else 0,
+                                         args=args)
+    for name in ("attention.dense.bias", "mlp.dense_4h_to_h.bias"):
+        if pipeline:
+            copies = [torch.load(ckpt / f"layer_02-model_{r:02d}-model_states.pt")[name] for r in range(2)]
+        else:
+            copies = [torch.load(ckpt / f"mp_rank_{r:02d}_model_states.pt")["module"][f"sequential.2.{name}"]
+                      for r in range(2)]
+        assert torch.allclose(copies[0] + copies[1], full[f"layers.0.{name}"], atol=0, rtol=0)
+    back = read_full_checkpoint(tmp_path)
+    assert all(torch.equal(back.weights[k], full[k]) for k in full)
