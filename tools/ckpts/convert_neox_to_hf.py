@@ -48,7 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="compare both models' logits on a fixed batch (max |diff| <= 1e-4 in fp32)")
     parser.add_argument("--vocab-file", default=None, help="the tokenizer's vocab_file, if it moved since training")
     parser.add_argument("--merge-file", default=None, help="the tokenizer's merge_file, if it moved since training")
-    parser.add_argument("--no-tokenizer", action="store_true", help="write the model without tokenizer files")
+    parser.add_argument("--no-tokenizer", "--no_save_tokenizer", dest="no_tokenizer", action="store_true",
+                        help="write the model without tokenizer files (--no_save_tokenizer: GPT-NeoX's name)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     opts = parser.parse_args(argv)
     for positional, flag in (("checkpoint", "input_dir"), ("output", "output_dir")):
