@@ -110,3 +110,10 @@ def test_parallel_residual_row_biases_sum_over_tp_ranks(tmp_path: Path, pipeline
         assert torch.allclose(copies[0] + copies[1], full[f"layers.0.{name}"], atol=0, rtol=0)
     back = read_full_checkpoint(tmp_path)
     assert all(torch.equal(back.weights[k], full[k]) for k in full)
+
+
+def test_config_files_keep_their_names_as_gpt_neox_writes_them() -> None:
+    from megatron.checkpointing.save_load import config_file_names
+
+    files = {"configs/model.yml": "a", "runs/x/local.yml": "b", "other/local.yml": "c"}
+    assert config_file_names(files) == {"model.yml": "a", "01_local.yml": "c", "02_local.yml": "b"}
