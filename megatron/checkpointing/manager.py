@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron.checkpointing import commit, discovery
+from megatron.checkpointing import commit, discovery, neox_import
 from megatron.checkpointing.preemption import PreemptionWatcher, collective_device
 from megatron.checkpointing.retention import (
     CheckpointKind,
@@ -175,6 +175,9 @@ class CheckpointManager:
         naming what is there (see ``discovery``), except a missing/empty ``load`` that is also ``save``.
         """
         rank = dist.get_rank() if dist.is_initialized() else 0
+        neox = self._gpt_neox_source()
+        if neox is not None:
+            return self._load_gpt_neox(engine, neox, rank)
         resume_tag: str | None = None
         if self.load_dir is not None:
             resume_tag = self._committed_tag(engine, rank)
@@ -190,6 +193,35 @@ class CheckpointManager:
                 log.info("load_checkpoint: false: not loading from `load`, starting from scratch")
             return LoadResult(loaded=False)
         return self._resume(engine, self.load_dir, resume_tag, rank)
+
+    def _gpt_neox_source(self) -> Path | None:
+        """The GPT-NeoX checkpoint (tag directory) to start from, if ``initialize_from`` or ``load`` is one."""
+        source = self.initialize_from or self.load_dir
+        if source is None:
+            return None
+        if self.initialize_from is not None and self.load_dir is not None and not self.finetune:
+            if discovery.inspect_load_dir(self.load_dir).kind == "deepy":
+                return None  # this run's own checkpoints: a resume
+        found = discovery.inspect_load_dir(source)
+        return found.foreign_tag if found.kind == "gpt_neox" else None
+
+    def _load_gpt_neox(self, engine: Any, tag: Path, rank: int) -> LoadResult:
+        """Weights of a GPT-NeoX checkpoint; a resume (``load`` without ``finetune``) keeps its position.
+        A restarted run that already saved its own checkpoints continues from those instead."""
+        if self.save_dir is not None and not _same_dir(self.save_dir, tag.parent):
+            own_tag, _ = commit.newest_committed(self.save_dir)
+            if own_tag is not None:
+                if rank == 0:
+                    log.info("%s already holds %s of this run: resuming it, not re-loading %s", self.save_dir,
+                             own_tag, tag)
+                return self._resume(engine, self.save_dir, own_tag, rank)
+        result = LoadResult(loaded=True, path=tag, notes=neox_import.load_neox_weights(engine, tag, self.args_dict))
+        weights_only = self.finetune or self.initialize_from is not None
+        if not weights_only:
+            result.iteration, result.consumed_samples = neox_import.neox_position(tag, self.args_dict)
+            self.last_saved_step = result.iteration
+        self._report(rank, result, "initialized weights from" if weights_only else "resumed from")
+        return result
 
     def _committed_tag(self, engine: Any, rank: int) -> str | None:
         """The tag to load from ``load``; None only for the first run of a ``save == load`` setup."""

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from megatron.checkpointing.neox_files import pipeline_rank_weights, plain_rank_weights
+from megatron.checkpointing.neox_layout import NeoxNames
 from megatron.checkpointing.safe_load import weights_only_loading
 from megatron.errors import CheckpointError
 from megatron.model.pipeline import is_pipeline_parameter_name, model_parameter_name, pipeline_parameter_name
@@ -87,10 +89,11 @@ def has_zero_files(ckpt_dir: Path) -> bool:
 
 
 def zero0_to_universal(ckpt_dir: Path, target: Path, tp: int, stages: int, pipeline: bool,
-                       info: dict[str, Any]) -> None:
+                       info: dict[str, Any], layer_names: NeoxNames) -> None:
     """Write the universal checkpoint of a ZeRO-0 fp32 checkpoint into ``target`` (GPTModel names).
 
-    ``info`` is the checkpoint's ``universal_checkpoint_info`` (how the model splits over tp).
+    ``info`` is the checkpoint's ``universal_checkpoint_info`` (how the model splits over tp);
+    ``layer_names`` reads its model files (GPT-NeoX's layout, or Deepy's earlier one).
     """
     from deepspeed.checkpoint.constants import PARAM_GROUPS
 
@@ -114,7 +117,7 @@ def zero0_to_universal(ckpt_dir: Path, target: Path, tp: int, stages: int, pipel
                     "fp16/bf16 run, or by a Deepy from before layout changes at ZeRO-0): resume it at the layout "
                     "it was saved at")
             groups = groups or [dict(group) for group in optimizer[PARAM_GROUPS]]
-            weights = state.get("module") if not pipeline else _stage_weights(ckpt_dir, tp_rank, names)
+            weights = _rank_weights(ckpt_dir, tp, tp_rank, pipeline, layer_names, names, state, model_file)
             for group_names, group in zip(names, optimizer[PARAM_GROUPS]):
                 for name, index in zip(group_names, group["params"]):
                     canonical = model_parameter_name(name) if pipeline else name
@@ -156,17 +159,18 @@ def _with_tuple_shapes(info: dict[str, Any]) -> dict[str, Any]:
     return {**info, PARAMETER_WITH_SUB_PARAMS: subs}
 
 
-def _stage_weights(ckpt_dir: Path, tp_rank: int, names: list[list[str]]) -> dict[str, torch.Tensor]:
-    """The weights of one pipeline stage (``layer_<spec>-model_<tp>`` files) under their module names."""
-    weights: dict[str, torch.Tensor] = {}
-    loaded: dict[int, dict[str, torch.Tensor]] = {}
-    for name in (name for group in names for name in group):
-        spec, local = (0, name.split(".", 2)[2]) if name.startswith("tied_modules.") else name.split(".", 1)
-        spec = int(spec)
-        if spec not in loaded:
-            loaded[spec] = _load(ckpt_dir / f"layer_{spec:02d}-model_{tp_rank:02d}-model_states.pt")
-        weights[name] = loaded[spec][local]
-    return weights
+def _rank_weights(ckpt_dir: Path, tp: int, tp_rank: int, pipeline: bool, layer_names: NeoxNames,
+                  names: list[list[str]], state: dict[str, Any], model_file: Path) -> dict[str, torch.Tensor]:
+    """This rank's weights under the module names its optimizer entries were saved with."""
+    if not pipeline:
+        return plain_rank_weights(state, layer_names, tp, model_file)
+    wanted = {name for group in names for name in group}
+    full = {}
+    for spec, layer in pipeline_rank_weights(ckpt_dir, layer_names, tp, tp_rank).items():
+        full.update({f"{spec}.{local}": t for local, t in layer.items()})
+    # the tied embedding is named tied_modules.embed.<name> by the module, 0.<name> in its file
+    return {name: full[f"0.{name.split('.', 2)[2]}" if name.startswith("tied_modules.") else name]
+            for name in wanted}
 
 
 # --- making a universal checkpoint loadable by any target -------------------------------------------------------

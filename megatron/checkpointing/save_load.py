@@ -57,7 +57,9 @@ CONFIGS_DIR = "configs"
 CLIENT_KEY = "deepy"
 WEIGHTS_ONLY_KEY = "weights_only"
 """``deepy_meta.json`` flag of a converted checkpoint: module weights only, no optimizer or RNG files."""
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: model files in GPT-NeoX's layout (``neox_layout.py``); 1: Deepy's earlier layout, still read."""
+READABLE_FORMATS = (1, 2)
 
 # Arguments that fix the shape of the weights: a checkpoint with other values cannot be loaded.
 SHAPE_KEYS = (
@@ -148,6 +150,9 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Save
         raise CheckpointError(f"cannot prepare checkpoint directory {ckpt_dir}: {error or 'failed on rank 0'}")
 
     client_state = {
+        # what GPT-NeoX's own loader and tools read from mp_rank_XX_model_states.pt
+        "iteration": request.step,
+        "args": json.loads(json.dumps(request.args, default=str)),  # plain values: weights-only loads read them
         CLIENT_KEY: {
             "format": FORMAT_VERSION,
             "iteration": request.step,
@@ -219,9 +224,18 @@ def _write_rank_files(ckpt_dir: Path, request: SaveRequest, rank: int) -> None:
     if request.config_files:
         configs = ckpt_dir / CONFIGS_DIR
         configs.mkdir(exist_ok=True)
-        for index, (name, text) in enumerate(sorted(request.config_files.items())):
-            # keep the original base name, prefixed so two files called config.yml do not collide
-            (configs / f"{index:02d}_{Path(name).name}").write_text(text, encoding="utf-8")
+        for name, text in config_file_names(request.config_files).items():
+            (configs / name).write_text(text, encoding="utf-8")
+
+
+def config_file_names(files: dict[str, str]) -> dict[str, str]:
+    """``configs/`` file name -> text: each file under its base name, as GPT-NeoX writes them; two
+    files of the same base name (from different folders) are prefixed with their position."""
+    bases = [Path(name).name for name in sorted(files)]
+    return {
+        (base if bases.count(base) == 1 else f"{index:02d}_{base}"): files[name]
+        for index, (name, base) in enumerate(zip(sorted(files), bases))
+    }
 
 
 # --- loading ---------------------------------------------------------------------------------
@@ -258,8 +272,9 @@ def read_meta(ckpt_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"{ckpt_dir} has no {META_FILE}: it was not written by Deepy") from err
     except ValueError as err:
         raise CheckpointError(f"{path} is not valid JSON: {err}") from err
-    if meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{ckpt_dir} has checkpoint format {meta.get('format')}; this Deepy reads {FORMAT_VERSION}")
+    if meta.get("format") not in READABLE_FORMATS:
+        raise CheckpointError(f"{ckpt_dir} has checkpoint format {meta.get('format')}; this Deepy reads "
+                              f"{', '.join(map(str, READABLE_FORMATS))}")
     return meta
 
 

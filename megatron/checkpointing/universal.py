@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron.checkpointing import commit, reshard
+from megatron.checkpointing.neox_layout import NeoxNames
 from megatron.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -135,7 +136,8 @@ def prepare_universal(ckpt_dir: Path, meta: dict[str, Any], vocab_rows: int | No
             if not info:
                 raise CheckpointError(f"{ckpt_dir} records no universal_checkpoint_info: it cannot change layout")
             log.info("converting %s (saved without ZeRO) to a universal checkpoint for the new layout", ckpt_dir)
-            reshard.zero0_to_universal(ckpt_dir, target, saved.tp, saved.pp, saved.pipeline, info)
+            reshard.zero0_to_universal(ckpt_dir, target, saved.tp, saved.pp, saved.pipeline, info,
+                                      NeoxNames.from_args(meta.get("args") or {}))
             marker = commit.read_commit_marker(ckpt_dir)
             commit.write_commit_marker(target, marker or commit.CommitInfo(step=-1, kind="step", time=time.time()))
     args = meta.get("args") or {}
@@ -157,9 +159,10 @@ def convert_to_universal(ckpt_dir: Path, timeout_s: float = 3600.0) -> Path:
         return target
     if target.exists():
         shutil.rmtree(target)  # a conversion killed half-way
+    source = _converter_input(ckpt_dir)
     cmd = [
         sys.executable, "-m", "megatron.checkpointing.convert",
-        "--input_folder", str(ckpt_dir),
+        "--input_folder", str(source),
         "--output_folder", str(target),
         "--inject_missing_state",
         # our pattern list is per model family; a tied model has no output_layer to match
@@ -171,7 +174,11 @@ def convert_to_universal(ckpt_dir: Path, timeout_s: float = 3600.0) -> Path:
     started = time.monotonic()
     repo = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)}
-    returncode, output = _run_showing_phases(cmd, env, timeout_s)
+    try:
+        returncode, output = _run_showing_phases(cmd, env, timeout_s)
+    finally:
+        if source != ckpt_dir:
+            shutil.rmtree(source, ignore_errors=True)
     if returncode != 0:
         tail = "\n".join(output[-15:])
         raise CheckpointError(f"converting {ckpt_dir} to a universal checkpoint failed:\n{tail}")
@@ -184,6 +191,29 @@ def convert_to_universal(ckpt_dir: Path, timeout_s: float = 3600.0) -> Path:
     commit.write_commit_marker(target, info or commit.CommitInfo(step=-1, kind="step", time=time.time()))
     log.info("universal conversion done in %.1fs: %s", time.monotonic() - started, target)
     return target
+
+
+def _converter_input(ckpt_dir: Path) -> Path:
+    """The folder to hand ``ds_to_universal``: ``ckpt_dir`` itself, or for a pipeline checkpoint in
+    GPT-NeoX's layout a folder of links to its files plus ``layer_01-*`` names.
+
+    DeepSpeed's converter refuses a pipeline checkpoint without ``layer_01-*`` files (the first block
+    in Megatron-DeepSpeed's numbering), while GPT-NeoX's layer 1 has no parameters and so no file. It
+    only lists the layer files' names (the weights come from the ZeRO shards), so each missing name
+    links to the layer-0 file of the same tp rank.
+    """
+    layer_files = sorted(ckpt_dir.glob("layer_*-model_*-model_states.pt"))
+    if not layer_files or any(p.name.startswith("layer_01-") for p in layer_files):
+        return ckpt_dir
+    staged = ckpt_dir.with_name(ckpt_dir.name + UNIVERSAL_SUFFIX + "_input")
+    if staged.exists():
+        shutil.rmtree(staged)
+    staged.mkdir()
+    for entry in ckpt_dir.iterdir():
+        (staged / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+    for first in (p for p in layer_files if p.name.startswith("layer_00-")):
+        (staged / first.name.replace("layer_00-", "layer_01-", 1)).symlink_to(first.resolve())
+    return staged
 
 
 def _run_showing_phases(cmd: list[str], env: dict[str, str], timeout_s: float) -> tuple[int, list[str]]:

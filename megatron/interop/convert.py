@@ -22,7 +22,13 @@ from megatron.interop.deepy_checkpoint import (
     resolve_checkpoint,
     write_weights_only_checkpoint,
 )
-from megatron.interop.hf_config import SpecialTokens, choose_architecture, gpt_config_from_hf, hf_config_from_gpt
+from megatron.interop.hf_config import (
+    HFArchitecture,
+    SpecialTokens,
+    choose_architecture,
+    gpt_config_from_hf,
+    hf_config_from_gpt,
+)
 from megatron.interop.hf_model import build_gpt_model, fixed_batch, read_hf_checkpoint, save_hf_model, verify_parity
 from megatron.interop.hf_tokenizer import (
     TokenizerFiles,
@@ -68,6 +74,36 @@ class ExportReport:
     dtype: torch.dtype
     tokenizer_written: bool
     max_logit_diff: float | None
+
+
+NEOX_ARCHITECTURES: dict[str, HFArchitecture] = {
+    "neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+}  # fmt: skip
+"""GPT-NeoX's ``convert_neox_to_hf.py --architecture`` values and the transformers class each writes."""
+
+
+def check_neox_flags(checkpoint: Path, iteration: int | None, config_file: Path | None,
+                     architecture: str | None) -> None:
+    """GPT-NeoX's converter flags on a Deepy checkpoint, checked before anything is written: the
+    checkpoint records its own architecture, so ``--config_file`` must agree with it on every key that
+    shapes the weights and ``--architecture`` must name the class the checkpoint exports to."""
+    from megatron.checkpointing.save_load import SHAPE_KEYS
+    from megatron.interop.neox_checkpoint import read_neox_config
+
+    ckpt = resolve_checkpoint(checkpoint, iteration)
+    config, args = read_checkpoint_config(ckpt)
+    problems = []
+    if config_file is not None:
+        values, _ = read_neox_config([config_file])
+        problems += [f"{key}: {config_file} says {values[key]!r}, the checkpoint was trained with {args.get(key)!r}"
+                     for key in SHAPE_KEYS if key in values and key in args and values[key] != args[key]]
+    if architecture is not None:
+        chosen = choose_architecture(config)
+        if NEOX_ARCHITECTURES[architecture] != chosen:
+            problems.append(f"--architecture {architecture}: {ckpt} holds a {chosen} model "
+                            f"(--architecture {next(k for k, v in NEOX_ARCHITECTURES.items() if v == chosen)})")
+    if problems:
+        raise ConversionError("the GPT-NeoX converter flags do not match the checkpoint:\n  " + "\n  ".join(problems))
 
 
 def export_to_hf(

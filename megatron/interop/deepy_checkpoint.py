@@ -4,13 +4,12 @@ Reading: the model files DeepSpeed wrote for each tensor-parallel rank are merge
 own partition patterns (``megatron.model.partitioning``), the inverse of the sharding every run
 starts from (``mpu.initialize_weights.shard_tensor``):
 
-* plain model (``pipe_parallel_size: 0``): ``mp_rank_<tp>_model_states.pt["module"]``, canonical names;
-* pipeline model: ``layer_<spec>-model_<tp>-model_states.pt`` per layer spec, renamed with
-  ``pipeline.model_parameter_name`` (the tied head has no file of its own: it is spec 0's embedding);
+* the model files are in GPT-NeoX's layout (or Deepy's earlier one), translated back to ``GPTModel``
+  names and Deepy's QKV order by ``checkpointing.neox_files`` (see ``checkpointing/neox_layout.py``);
 * ZeRO-3 (tp = 1): the module files hold placeholders; DeepSpeed's ``zero_to_fp32`` rebuilds the weights
   from the optimizer shards.
 
-Writing: the same files for a chosen tp/pp, module weights only (no optimizer or RNG files),
+Writing: the same files (GPT-NeoX's layout) for a chosen tp/pp, module weights only (no optimizer or RNG files),
 plus ``deepy_meta.json`` marked ``weights_only`` and the commit marker. DeepSpeed's module-only
 load (fine-tuning) reads exactly these files: the first run after a conversion starts its optimizer
 fresh. DeepSpeed has no offline writer for its checkpoint layout, hence the few lines that
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -31,18 +29,18 @@ from typing import Any
 import torch
 
 from megatron.checkpointing import commit
+from megatron.checkpointing.neox_files import canonical_rank_weights
+from megatron.checkpointing.neox_layout import NeoxNames, layer_to_neox, plain_to_neox
 from megatron.checkpointing.safe_load import weights_only_loading
 from megatron.checkpointing.save_load import CONFIGS_DIR, FORMAT_VERSION, META_FILE, WEIGHTS_ONLY_KEY, read_meta
 from megatron.checkpointing.universal import Layout
 from megatron.errors import CheckpointError, ConversionError
 from megatron.model.config import GPTConfig
 from megatron.model.partitioning import tp_partition_of
-from megatron.model.pipeline import model_parameter_name, pipeline_location
+from megatron.model.pipeline import pipeline_location
 from megatron.mpu.initialize_weights import shard_tensor, unshard_tensors
 
 Weights = dict[str, torch.Tensor]
-
-_LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 
 
 @dataclass(frozen=True)
@@ -105,34 +103,13 @@ def _load(path: Path) -> Any:
         return torch.load(path, map_location="cpu")
 
 
-def _plain_shards(ckpt: Path, layout: Layout) -> dict[str, list[torch.Tensor]]:
+def _rank_shards(ckpt: Path, layout: Layout, config: GPTConfig) -> dict[str, list[torch.Tensor]]:
+    """Every tp rank's tensors under ``GPTModel`` names, from GPT-NeoX's layout or Deepy's earlier one."""
+    names = NeoxNames.from_config(config)
     shards: dict[str, list[torch.Tensor]] = defaultdict(list)
     for tp_rank in range(layout.tp):
-        state = _load(ckpt / f"mp_rank_{tp_rank:02d}_model_states.pt")
-        module = state.get("module") if isinstance(state, dict) else None
-        if not isinstance(module, dict) or not module:
-            raise CheckpointError(f"{ckpt / f'mp_rank_{tp_rank:02d}_model_states.pt'} holds no model weights")
-        for name, tensor in module.items():
+        for name, tensor in canonical_rank_weights(ckpt, names, layout.tp, tp_rank, layout.pipeline).items():
             shards[name].append(tensor)
-    return shards
-
-
-def _pipeline_shards(ckpt: Path, layout: Layout) -> dict[str, list[torch.Tensor]]:
-    files: dict[int, dict[int, Path]] = defaultdict(dict)
-    for file in ckpt.iterdir():
-        match = _LAYER_FILE.match(file.name)
-        if match:
-            files[int(match.group(1))][int(match.group(2))] = file
-    if not files:
-        raise CheckpointError(f"{ckpt} has no layer_*-model_*-model_states.pt files for its pipeline layout")
-    shards: dict[str, list[torch.Tensor]] = defaultdict(list)
-    for index in sorted(files):
-        for tp_rank in range(layout.tp):
-            file = files[index].get(tp_rank)
-            if file is None:
-                raise CheckpointError(f"{ckpt / f'layer_{index:02d}-model_{tp_rank:02d}-model_states.pt'} is missing")
-            for name, tensor in _load(file).items():
-                shards[model_parameter_name(f"{index}.{name}")].append(tensor)
     return shards
 
 
@@ -174,7 +151,7 @@ def read_full_checkpoint(path: Path, iteration: int | None = None) -> FullCheckp
     if layout.zero_stage == 3 and not meta.get(WEIGHTS_ONLY_KEY):
         weights = _zero3_weights(ckpt, layout)
     else:
-        shards = _pipeline_shards(ckpt, layout) if layout.pipeline else _plain_shards(ckpt, layout)
+        shards = _rank_shards(ckpt, layout, config)
         weights = merge_tp_shards(config, shards)
     return FullCheckpoint(path=ckpt, config=config, weights=weights, iteration=int(meta["iteration"]), args=args)
 
@@ -204,6 +181,7 @@ def _engine_state(module: Weights | None, step: int, consumed_samples: int, mp_w
         "lr_scheduler": None, "data_sampler": None, "random_ltd": None, "skipped_steps": 0,
         "global_steps": step, "global_samples": consumed_samples, "dp_world_size": 1,
         "mp_world_size": mp_world_size, "ds_config": {}, "ds_version": deepspeed.__version__,
+        "iteration": step,  # GPT-NeoX's client state
     }  # fmt: skip
 
 
@@ -232,9 +210,11 @@ def write_weights_only_checkpoint(
     ckpt.mkdir(parents=True)
     per_rank = shard_for_tp(config, weights, tp)
     stages = max(pp, 1)
+    names = NeoxNames.from_config(config)  # written in GPT-NeoX's layout, as training runs save
     if pp == 0:
         for rank, module in enumerate(per_rank):
-            torch.save(_engine_state(module, step, consumed_samples, tp), ckpt / f"mp_rank_{rank:02d}_model_states.pt")
+            state = _engine_state(plain_to_neox(names, module, tp), step, consumed_samples, tp)
+            torch.save(state, ckpt / f"mp_rank_{rank:02d}_model_states.pt")
     else:
         for rank, module in enumerate(per_rank):
             layers: dict[int, Weights] = defaultdict(dict)
@@ -244,8 +224,10 @@ def write_weights_only_checkpoint(
                 except ValueError as err:
                     raise ConversionError(str(err)) from err
                 layers[index][local] = tensor
-            for index, state in sorted(layers.items()):
-                torch.save(state, ckpt / f"layer_{index:02d}-model_{rank:02d}-model_states.pt")
+            for spec, state in sorted(layers.items()):
+                index = names.neox_index(spec)
+                neox = {n: t.contiguous().clone() for n, t in layer_to_neox(names, spec, state, tp).items()}
+                torch.save(neox, ckpt / f"layer_{index:02d}-model_{rank:02d}-model_states.pt")
         # DeepSpeed numbers a pipeline's model-parallel files stage-major: stage * tp + tp rank
         for mp_rank in range(stages * tp):
             state = _engine_state(None, step, consumed_samples, stages * tp)

@@ -34,6 +34,7 @@ from deepspeed.runtime.utils import is_model_parallel_parameter
 from torch import nn
 
 from megatron import mpu
+from megatron.checkpointing import neox_files
 from megatron.deepspeed_internals import replace_fp32_clipping, skip_gradient_allreduce
 from megatron.errors import ConfigError
 from megatron.mpu.config import ParallelConfig
@@ -348,6 +349,8 @@ def build_engine(run: RunConfig, config: GPTConfig, train_iters: int, objective:
             dist_init_required=False,
         )
     install_expert_parallel(engine)  # no-op unless experts are split over data-parallel ranks
+    # checkpoints are written (and read) in GPT-NeoX's layout: its tools and users read them
+    neox_files.install(engine, config, mpu.get_tensor_model_parallel_world_size())
     fp32 = not (engine.fp16_enabled() or engine.bfloat16_enabled())
     if fp32 and not engine.zero_optimization():
         install_fp32_clipping(engine)

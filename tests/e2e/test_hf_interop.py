@@ -207,13 +207,14 @@ def test_load_pointing_at_a_gpt_neox_checkpoint_stops_cleanly(tmp_path: Path, ne
     torch.save(layer, neox / "global_step20" / "layer_00-model_00-model_states.pt")
     (neox / "latest").write_text("global_step20")
     before = tree_digest(neox)
-    # GPT-NeoX users keep save == load: the run must neither start fresh nor write into it
+    # GPT-NeoX checkpoints load directly; one that does not fit the config stops before any weight
+    # changes or anything is written, naming the tensor
     proc = deepy(tmp_path, *ONE_RANK, f"load={neox}", f"save={neox}", "checkpoint_factor=1",
                  "train_iters=1", "lr_decay_iters=1")  # fmt: skip
     text = output(proc)
     assert proc.returncode == 2, text[-3000:]
-    assert "is a GPT-NeoX (DeeperSpeed) checkpoint (global_step20" in text
-    assert f"python tools/ckpts/convert_hf_to_neox.py {neox / 'global_step20'} " in text and "--tp 1 --pp 0" in text
+    assert f"the GPT-NeoX checkpoint {neox / 'global_step20'} does not fit this run's model" in text
+    assert "embedding.word_embeddings.weight: checkpoint (4, 4), this config (512, 64)" in text
     assert "Traceback" not in text
     assert tree_digest(neox) == before
 
@@ -240,3 +241,82 @@ def test_a_corrupt_file_in_a_committed_checkpoint_is_named(tmp_path: Path, zero3
     assert f"checkpoint file {broken} is corrupt or truncated" in text
     assert "Traceback" not in text
     assert tree_digest(ckpt) == before
+
+
+# --- GPT-NeoX's checkpoint layout (tests/neox_reference_layout.py: its published rules, in test code) ---------
+@pytest.mark.parametrize("style", ["llama", "neox"])
+def test_saved_checkpoints_are_gpt_neox_files_key_by_key(style: str, llama_run: Path, neox_run: Path) -> None:
+    """A run's own checkpoint (tp2 x pp2 pipeline / dp2 plain) holds exactly the files and tensors
+    GPT-NeoX's layout puts there, plus `latest`, `configs/` and client state GPT-NeoX reads."""
+    from neox_reference_layout import neox_files
+
+    run, pipeline, tp = (llama_run, True, 2) if style == "llama" else (neox_run, False, 1)
+    ckpt = run / "ckpt" / "global_step2"
+    full = read_full_checkpoint(ckpt)
+    want = neox_files(full.weights, num_layers=2, heads=4, kv_heads=2 if style == "llama" else 4, tp=tp,
+                      pipeline=pipeline, llama=style == "llama")
+    pattern = "layer_*-model_*-model_states.pt" if pipeline else "mp_rank_*_model_states.pt"
+    assert sorted(p.name for p in ckpt.glob(pattern)) == sorted(want)
+    for name, tensors in want.items():
+        got = torch.load(ckpt / name, weights_only=False)
+        got = got if pipeline else got["module"]
+        assert sorted(got) == sorted(tensors), name
+        assert all(torch.equal(got[k], tensors[k]) for k in tensors), name
+    client = torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)
+    assert client["iteration"] == 2 and client["args"]["num_layers"] == 2
+    assert (run / "ckpt" / "latest").read_text().strip() == "global_step3"
+    assert (ckpt / "configs" / "model.yml").is_file()
+
+
+def test_export_with_gpt_neox_flags_equals_ours(neox_run: Path, exports: dict[str, Path], tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    tool = REPO / "tools" / "ckpts" / "convert_neox_to_hf.py"
+    ckpt = neox_run / "ckpt" / "global_step2"
+    flags = ["--input_dir", str(ckpt), "--config_file", str(ckpt / "configs" / "model.yml"),
+             "--output_dir", str(tmp_path / "hf"), "--precision", "auto", "--architecture", "neox"]  # fmt: skip
+    proc = subprocess.run([sys.executable, str(tool), *flags], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    a, b = load_file(tmp_path / "hf" / "model.safetensors"), load_file(exports["neox"] / "model.safetensors")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    wrong = subprocess.run([sys.executable, str(tool), *flags[:-1], "llama"], capture_output=True, text=True,
+                           timeout=600)  # fmt: skip
+    assert wrong.returncode == 2 and "--architecture llama" in wrong.stderr
+
+
+GPT_NEOX_SOURCES = {
+    # Llama style as GPT-NeoX's converter writes it (tag `0`, no configs/), here in pipeline files at tp2,
+    # loaded by a plain tp2 run; GPT-NeoX style plain at tp1 (sequential.*), resumed by a pp1 run
+    "llama": dict(pipeline=True, tp=2, run=("num_gpus=2", "model_parallel_size=2", "pipe_parallel_size=0",
+                                           "finetune=true", *LLAMA)),
+    "neox": dict(pipeline=False, tp=1, run=("num_gpus=1", "model_parallel_size=1", "pipe_parallel_size=1", *NEOX)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("style", ["llama", "neox"])
+def test_load_on_a_gpt_neox_checkpoint_continues_from_its_weights(style: str, llama_run: Path, neox_run: Path,
+                                                                 tmp_path: Path) -> None:  # fmt: skip
+    """`load:` pointing at a GPT-NeoX checkpoint (built by test code from the published layout, from
+    another run's weights perturbed) trains on from exactly those weights: with lr 0 the run's own
+    checkpoint gives the source model's logits."""
+    from neox_reference_layout import neox_files, write_neox_checkpoint
+
+    case = GPT_NEOX_SOURCES[style]
+    source = read_full_checkpoint((llama_run if style == "llama" else neox_run) / "ckpt", iteration=2)
+    torch.manual_seed(5)
+    weights = {k: v + 0.05 * torch.randn_like(v) for k, v in source.weights.items()}
+    files = neox_files(weights, num_layers=2, heads=4, kv_heads=2 if style == "llama" else 4, tp=case["tp"],
+                       pipeline=case["pipeline"], llama=style == "llama")
+    tag = "0" if style == "llama" else "global_step7"
+    write_neox_checkpoint(tmp_path / "neox", tag, files, pipeline=case["pipeline"], tp=case["tp"], iteration=7)
+    steps = 1 if style == "llama" else 8  # finetune starts at step 0; a resume continues at GPT-NeoX's iteration 7
+    proc = deepy(tmp_path, *case["run"], "load=neox", "save=ckpt", "checkpoint_factor=1", f"train_iters={steps}",
+                 f"lr_decay_iters={steps}", "optimizer={type: Adam, params: {lr: 0.0}}", "min_lr=0.0",
+                 "hidden_dropout=0.0", "log_dir=logs")  # fmt: skip
+    assert proc.returncode == 0, output(proc)[-4000:]
+    assert sorted(losses(tmp_path / "logs")) == [steps]
+    saved = read_full_checkpoint(tmp_path / "ckpt", iteration=steps)
+    tokens = fixed_batch(VOCAB, SEQ)
+    with torch.no_grad():
+        delta = (build_gpt_model(saved.config, saved.weights)(tokens) - build_gpt_model(saved.config, weights)(tokens))
+    assert float(delta.abs().max()) <= 1e-5

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -103,22 +105,78 @@ def dropout_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, flo
     return losses(tmp / "logs")
 
 
-def test_exact_resume_matches_the_uninterrupted_run(tmp_path: Path, dropout_reference: dict[int, float]) -> None:
-    common = (*DP2, "hidden_dropout=0.1", "save=ckpt", "load=ckpt", "checkpoint_factor=6")
-    first = deepy(tmp_path, *common, "exit_interval=6", "log_dir=logs1")
+RESUME = (*DP2, "hidden_dropout=0.1", "save=ckpt", "load=ckpt", "checkpoint_factor=6")
+
+
+@pytest.fixture(scope="module")
+def first_half(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Steps 1-6 of the dropout run, stopped after saving at step 6 (each test resumes a copy)."""
+    tmp = tmp_path_factory.mktemp("first_half")
+    first = deepy(tmp, *RESUME, "exit_interval=6", "log_dir=logs1")
     assert first.returncode == 0, output(first)
-    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step6"
-    second = deepy(tmp_path, *common, "log_dir=logs2")
+    return tmp
+
+
+def resume_copy(first_half: Path, tmp_path: Path, change: Callable[[Path], None] | None = None) -> dict[int, float]:
+    shutil.copytree(first_half / "ckpt", tmp_path / "ckpt")
+    if change is not None:
+        change(tmp_path / "ckpt" / "global_step6")
+    second = deepy(tmp_path, *RESUME, "log_dir=logs2")
     assert second.returncode == 0, output(second)
     resumed = losses(tmp_path / "logs2")
     assert min(resumed) == 7 and max(resumed) == 12  # continued, not restarted
-    assert_curves_match(losses(tmp_path / "logs1"), dropout_reference, 1e-6)
+    return resumed
+
+
+def test_exact_resume_matches_the_uninterrupted_run(tmp_path: Path, first_half: Path,
+                                                    dropout_reference: dict[int, float]) -> None:  # fmt: skip
+    assert (first_half / "ckpt" / "latest").read_text().strip() == "global_step6"
+    resumed = resume_copy(first_half, tmp_path)
+    assert_curves_match(losses(first_half / "logs1"), dropout_reference, 1e-6)
     assert_curves_match(resumed, dropout_reference, 1e-6)
     # the checkpoint carries the config files and the resolved arguments
     meta = json.loads((tmp_path / "ckpt" / "global_step12" / "deepy_meta.json").read_text())
     assert meta["iteration"] == 12 and meta["consumed_samples"] == 96
     assert meta["args"]["hidden_size"] == 64
-    assert (tmp_path / "ckpt" / "global_step12" / "configs" / "00_model.yml").read_text() == MODEL_YML
+    assert (tmp_path / "ckpt" / "global_step12" / "configs" / "model.yml").read_text() == MODEL_YML
+
+
+def to_earlier_deepy_layout(ckpt: Path, num_layers: int = 2, heads: int = 4) -> None:
+    """Rewrite a pipeline checkpoint's model files the way Deepy wrote them before GPT-NeoX's layout
+    (test code, from that layout's rules): files numbered by pipeline spec (blocks 1..L, final norm
+    L+1), ``final_norm.*``, QKV rows ``[all q; all k; all v]``, ``deepy_meta.json`` format 1."""
+    import torch
+
+    def blocks_qkv(t: torch.Tensor) -> torch.Tensor:  # per head [q_h; k_h; v_h] -> [q; k; v]
+        d = t.shape[0] // (3 * heads)
+        per_head = t.reshape(heads, 3, d, *t.shape[1:])
+        return torch.cat([per_head[:, i].reshape(heads * d, *t.shape[1:]) for i in range(3)])
+
+    for path in sorted(ckpt.glob("layer_*-model_*-model_states.pt")):
+        index, rest = int(path.name[6:8]), path.name[8:]
+        state = torch.load(path, weights_only=False)
+        if 2 <= index <= num_layers + 1:
+            spec = index - 1
+            state = {k: blocks_qkv(v) if "query_key_value" in k else v for k, v in state.items()}
+        elif index == num_layers + 3:
+            spec = num_layers + 1
+            state = {k.replace("norm.", "final_norm.", 1): v for k, v in state.items()}
+        else:
+            spec = index
+        path.unlink()
+        torch.save(state, ckpt / f"layer_{spec:02d}{rest}")
+    meta = json.loads((ckpt / "deepy_meta.json").read_text())
+    (ckpt / "deepy_meta.json").write_text(json.dumps({**meta, "format": 1}))
+
+
+def test_a_checkpoint_of_the_earlier_deepy_layout_resumes_exactly(tmp_path: Path, first_half: Path,
+                                                                   dropout_reference: dict[int, float]) -> None:
+    def rewrite(ckpt: Path) -> None:
+        to_earlier_deepy_layout(ckpt)
+        assert (ckpt / "layer_01-model_00-model_states.pt").is_file()
+        assert not (ckpt / "layer_05-model_00-model_states.pt").exists()
+
+    assert_curves_match(resume_copy(first_half, tmp_path, rewrite), dropout_reference, 1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -190,12 +190,14 @@ def test_written_checkpoint_reads_back_equal(tmp_path: Path, tp: int, pp: int) -
     assert set(back.weights) == set(weights)
     assert all(torch.equal(back.weights[k], weights[k]) for k in weights)
     if tp == 2:  # each rank holds its own query heads and the kv head they read
-        shard = torch.load(ckpt / ("mp_rank_01_model_states.pt" if pp == 0 else "layer_01-model_01-model_states.pt"),
+        # (in GPT-NeoX's layout: block 0 is layer 2, rows grouped per query head: q_h, then its slice of k and v)
+        shard = torch.load(ckpt / ("mp_rank_01_model_states.pt" if pp == 0 else "layer_02-model_01-model_states.pt"),
                            weights_only=True)  # fmt: skip
-        qkv = shard["module"]["layers.0.attention.query_key_value.weight"] if pp == 0 else shard[
+        qkv = shard["module"]["sequential.2.attention.query_key_value.weight"] if pp == 0 else shard[
             "attention.query_key_value.weight"]
         full = weights["layers.0.attention.query_key_value.weight"]
-        assert torch.equal(qkv, torch.cat([full[32:64], full[80:96], full[112:128]]))
+        rows = [full[32:48], full[80:88], full[112:120], full[48:64], full[88:96], full[120:128]]
+        assert torch.equal(qkv, torch.cat(rows))
 
 
 # --- round trips through transformers -------------------------------------------------------------------

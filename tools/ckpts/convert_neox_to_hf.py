@@ -1,6 +1,12 @@
 """Export a Deepy checkpoint to a Hugging Face ``transformers`` model directory, and prove it.
 
     python tools/ckpts/convert_neox_to_hf.py CHECKPOINT OUTPUT_DIR [--precision auto|fp32|bf16|fp16]
+    python tools/ckpts/convert_neox_to_hf.py --input_dir CHECKPOINT --config_file CONFIG.yml \
+        --output_dir OUTPUT_DIR [--precision ...] [--architecture neox|llama|mistral]
+
+The second form takes GPT-NeoX's own flags, so its users' scripts run unchanged. The checkpoint
+records its architecture: ``--config_file`` must agree with it on every key that shapes the weights,
+and ``--architecture`` must name the class it exports to (a mismatch is refused, naming the key).
 
 CHECKPOINT is a save directory (its newest committed checkpoint, or ``--iteration N``) or one
 ``global_stepN`` directory, saved at any tp / pp / ZeRO layout. OUTPUT_DIR gets ``config.json``,
@@ -27,8 +33,14 @@ from megatron.errors import run_guarded  # noqa: E402
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path, help="a Deepy save directory or one global_stepN directory")
-    parser.add_argument("output", type=Path, help="new (or empty) directory for the transformers model")
+    parser.add_argument("checkpoint", type=Path, nargs="?", help="a Deepy save directory or one global_stepN directory")
+    parser.add_argument("output", type=Path, nargs="?", help="new (or empty) directory for the transformers model")
+    parser.add_argument("--input_dir", type=Path, default=None, help="GPT-NeoX's name for CHECKPOINT")
+    parser.add_argument("--output_dir", type=Path, default=None, help="GPT-NeoX's name for OUTPUT_DIR")
+    parser.add_argument("--config_file", type=Path, default=None,
+                        help="the run's GPT-NeoX/Deepy config file (checked against the checkpoint's architecture)")
+    parser.add_argument("--architecture", choices=["neox", "llama", "mistral"], default=None,
+                        help="GPT-NeoX's model family flag (checked against the checkpoint's architecture)")
     parser.add_argument("--iteration", type=int, default=None, help="which committed checkpoint of a save directory")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                         help="dtype of the written weights (auto: the run's precision)")
@@ -36,15 +48,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="compare both models' logits on a fixed batch (max |diff| <= 1e-4 in fp32)")
     parser.add_argument("--vocab-file", default=None, help="the tokenizer's vocab_file, if it moved since training")
     parser.add_argument("--merge-file", default=None, help="the tokenizer's merge_file, if it moved since training")
-    parser.add_argument("--no-tokenizer", action="store_true", help="write the model without tokenizer files")
+    parser.add_argument("--no-tokenizer", "--no_save_tokenizer", dest="no_tokenizer", action="store_true",
+                        help="write the model without tokenizer files (--no_save_tokenizer: GPT-NeoX's name)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    return parser.parse_args(argv)
+    opts = parser.parse_args(argv)
+    for positional, flag in (("checkpoint", "input_dir"), ("output", "output_dir")):
+        given = [value for value in (getattr(opts, positional), getattr(opts, flag)) if value is not None]
+        if len(given) != 1:
+            parser.error(f"give {positional.upper()} or --{flag}, once")
+        setattr(opts, positional, given[0])
+    return opts
 
 
 def main() -> int:
     opts = parse_args(sys.argv[1:])
-    from megatron.interop.convert import export_to_hf
+    from megatron.interop.convert import check_neox_flags, export_to_hf
 
+    check_neox_flags(opts.checkpoint, opts.iteration, opts.config_file, opts.architecture)
     report = export_to_hf(
         opts.checkpoint,
         opts.output,

@@ -1,0 +1,192 @@
+"""Model files in GPT-NeoX's layout: written by the engine, read back by the engine and by our tools.
+
+The engine's own module save/load is where the translation of ``neox_layout.py`` is applied:
+
+* pipeline models: DeepSpeed's ``PipelineModule.save_state_dict``/``load_state_dir`` write and read
+  one file per layer, numbered by spec; :func:`install` replaces both on the module instance with
+  versions that number files as GPT-NeoX does and translate each layer's tensors (DeepSpeed has no
+  hook for either, hence our own two loops);
+* plain models: the engine's ``module_state_dict``/``load_module_state_dict`` are wrapped so the
+  ``module`` entry of ``mp_rank_XX_model_states.pt`` holds GPT-NeoX's ``sequential.*`` names.
+
+Reading recognises both layouts by their files: Deepy's earlier layout always has a
+``layer_01-*`` file (GPT-NeoX's layer 1 has no parameters) and plain ``module`` names without
+``sequential.``. So checkpoints of earlier Deepy releases load (and resume exactly) unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron.checkpointing.neox_layout import (
+    NeoxNames,
+    Tensors,
+    is_neox_plain,
+    layer_from_neox,
+    layer_to_neox,
+    plain_from_neox,
+    plain_to_neox,
+)
+from megatron.errors import CheckpointError
+
+_LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+_MP_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+
+
+def is_earlier_deepy_pipeline(ckpt_dir: Path) -> bool:
+    """Pipeline layer files numbered by Deepy's spec (releases before GPT-NeoX's layout)."""
+    return any(ckpt_dir.glob("layer_01-*model_states.pt"))
+
+
+# --- the engine ------------------------------------------------------------------------------
+def install(engine: Any, config: Any, tp: int) -> None:
+    """Make ``engine``'s checkpoints use GPT-NeoX's layout for ``config`` (a ``GPTConfig``)."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    names = NeoxNames.from_config(config)
+    if isinstance(engine, PipelineEngine):
+        module = engine.module
+        module.save_state_dict = partial(_save_pipeline_layers, module, names, tp)
+        module.load_state_dir = partial(_load_pipeline_layers, module, names, tp)
+        return
+    save, load = engine.module_state_dict, engine.load_module_state_dict
+
+    def module_state_dict(*args: Any, **kwargs: Any) -> Tensors:
+        return plain_to_neox(names, save(*args, **kwargs), tp)
+
+    def load_module_state_dict(checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        module = checkpoint.get("module") if isinstance(checkpoint, dict) else None
+        if isinstance(module, dict) and is_neox_plain(module):
+            checkpoint = {**checkpoint, "module": plain_from_neox(names, module, tp)}
+        return load(checkpoint, *args, **kwargs)
+
+    engine.module_state_dict = module_state_dict
+    engine.load_module_state_dict = load_module_state_dict
+
+
+def _save_pipeline_layers(module: Any, names: NeoxNames, tp: int, save_dir: str, checkpoint_engine: Any,
+                          exclude_frozen_params: bool = False) -> None:
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+
+    if module._grid.data_parallel_id != 0:
+        return  # every data-parallel replica holds the same layers: replica 0 writes them
+    checkpoint_engine.makedirs(save_dir, exist_ok=True)
+    for local, layer in enumerate(module.forward_funcs):
+        if not hasattr(layer, "state_dict"):
+            continue  # the tied head: its weight is the embedding's, written with layer 0
+        spec = module._local_start + local
+        state = layer.state_dict()
+        if exclude_frozen_params:
+            for name, param in layer.named_parameters():
+                if not param.requires_grad:
+                    state.pop(name, None)
+        state = clone_tensors_for_torch_save(layer_to_neox(names, spec, state, tp))
+        path = module.ckpt_layer_path(save_dir, names.neox_index(spec) - module._local_start)
+        checkpoint_engine.save(state, path)
+
+
+def _load_pipeline_layers(module: Any, names: NeoxNames, tp: int, load_dir: str, checkpoint_engine: Any,
+                          strict: bool = True) -> None:
+    directory = Path(load_dir)
+    neox = not is_earlier_deepy_pipeline(directory)
+    tp_rank = module._grid.get_slice_parallel_rank()
+    for local, layer in enumerate(module.forward_funcs):
+        if not hasattr(layer, "load_state_dict"):
+            continue
+        spec = module._local_start + local
+        index = names.neox_index(spec) if neox else spec
+        files = sorted(directory.glob(f"layer_{index:02d}-*model_states.pt"))
+        if len(files) != tp:
+            raise CheckpointError(f"{directory} has {len(files)} file(s) for layer {index} (layer_{index:02d}-model_XX-"
+                                  f"model_states.pt), this run reads {tp} (one per tp rank)")
+        state = checkpoint_engine.load(str(files[tp_rank]), map_location="cpu")
+        if neox:
+            state = layer_from_neox(names, spec, state, tp)
+        layer.load_state_dict(state, strict=strict)
+    module._synchronize_tied_weights()
+
+
+# --- offline readers ---------------------------------------------------------------------------------
+def _load(path: Path) -> Any:
+    from megatron.checkpointing.safe_load import weights_only_loading
+
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    with weights_only_loading(path):
+        return torch.load(path, map_location="cpu")
+
+
+def layer_files(ckpt_dir: Path) -> dict[int, dict[int, Path]]:
+    """layer index -> tp rank -> file."""
+    files: dict[int, dict[int, Path]] = defaultdict(dict)
+    for file in ckpt_dir.iterdir():
+        if match := _LAYER_FILE.match(file.name):
+            files[int(match.group(1))][int(match.group(2))] = file
+    return files
+
+
+def pipeline_rank_weights(ckpt_dir: Path, names: NeoxNames, tp: int, tp_rank: int) -> dict[int, Tensors]:
+    """Deepy's spec -> that layer's tensors (Deepy's names inside the layer) on ``tp_rank``,
+    from either layout."""
+    neox = not is_earlier_deepy_pipeline(ckpt_dir)
+    out: dict[int, Tensors] = {}
+    for index, per_rank in sorted(layer_files(ckpt_dir).items()):
+        spec = names.spec_index(index) if neox else index
+        if spec is None:
+            raise CheckpointError(f"{ckpt_dir}: GPT-NeoX layer {index} has parameters, but for num_layers="
+                                  f"{names.num_layers} it is a step without any: the config does not match")
+        if tp_rank not in per_rank:
+            raise CheckpointError(f"{ckpt_dir / f'layer_{index:02d}-model_{tp_rank:02d}-model_states.pt'} is missing")
+        state = _load(per_rank[tp_rank])
+        out[spec] = layer_from_neox(names, spec, state, tp) if neox else state
+    if not out:
+        raise CheckpointError(f"{ckpt_dir} has no layer_*-model_*-model_states.pt files for its pipeline layout")
+    return out
+
+
+def plain_rank_weights(state: dict[str, Any], names: NeoxNames, tp: int, source: Path) -> Tensors:
+    """Deepy's names for the ``module`` of one ``mp_rank_XX_model_states.pt``, from either layout."""
+    module = state.get("module") if isinstance(state, dict) else None
+    if not isinstance(module, dict) or not module:
+        raise CheckpointError(f"{source} holds no model weights")
+    return plain_from_neox(names, module, tp) if is_neox_plain(module) else dict(module)
+
+
+def canonical_rank_weights(ckpt_dir: Path, names: NeoxNames, tp: int, tp_rank: int, pipeline: bool) -> Tensors:
+    """One tp rank's tensors under ``GPTModel`` names, from a checkpoint of either layout."""
+    from megatron.model.pipeline import model_parameter_name
+
+    if not pipeline:
+        path = ckpt_dir / f"mp_rank_{tp_rank:02d}_model_states.pt"
+        return plain_rank_weights(_load(path), names, tp, path)
+    out: Tensors = {}
+    for spec, state in pipeline_rank_weights(ckpt_dir, names, tp, tp_rank).items():
+        out.update({model_parameter_name(f"{spec}.{local}"): t for local, t in state.items()})
+    return out
+
+
+def neox_checkpoint_shards(tag: Path, names: NeoxNames) -> tuple[dict[str, list[torch.Tensor]], int]:
+    """Every tp rank's tensors of a GPT-NeoX checkpoint (plain or pipeline), under ``GPTModel`` names."""
+    files = layer_files(tag)
+    pipeline = bool(files)
+    if pipeline:
+        tp = len(files.get(0, {})) or max(len(ranks) for ranks in files.values())
+    else:
+        tp = sum(1 for p in tag.iterdir() if _MP_FILE.match(p.name))
+    if tp == 0:
+        raise CheckpointError(f"{tag} holds no model files (layer_*-model_*-model_states.pt or "
+                              "mp_rank_*_model_states.pt)")
+    if names.heads % tp or names.kv_heads % tp:
+        raise CheckpointError(f"{tag} was saved with {tp} tensor-parallel ranks, which do not divide "
+                              f"num_attention_heads={names.heads} / num_kv_heads={names.kv_heads} of the config")
+    shards: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for tp_rank in range(tp):
+        for name, t in canonical_rank_weights(tag, names, tp, tp_rank, pipeline).items():
+            shards[name].append(t)
+    return shards, tp

@@ -1,0 +1,96 @@
+"""``load`` on a checkpoint GPT-NeoX wrote: its weights go straight into this run's engine.
+
+A GPT-NeoX checkpoint (``<load>/global_stepN`` or the tag ``0`` that GPT-NeoX's Llama converter
+writes, with ``latest`` naming it) has DeepSpeed model files and no ``deepy_meta.json``. It may have
+no ``configs/`` either, so the architecture is the one of this run's config; a tensor whose shape
+does not fit is reported by name before any weight changes.
+
+Every rank reads the model files of every tensor-parallel rank (a GPT-NeoX checkpoint may have been
+saved at another tp/pp), joins them into full tensors and keeps its own part. The optimizer starts
+fresh: GPT-NeoX's optimizer files belong to DeeperSpeed's layout. Resuming keeps GPT-NeoX's
+iteration and consumed samples; ``finetune`` / ``initialize_from`` start at step 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron.checkpointing.neox_files import neox_checkpoint_shards
+from megatron.checkpointing.neox_layout import NeoxNames
+from megatron.errors import CheckpointError
+
+_MP_FILE = "mp_rank_00_model_states.pt"
+
+
+def neox_position(tag: Path, args: dict[str, Any]) -> tuple[int, int]:
+    """(iteration, consumed samples) recorded by GPT-NeoX in ``mp_rank_00_model_states.pt``."""
+    from megatron.checkpointing.neox_files import _load
+
+    state = _load(tag / _MP_FILE) if (tag / _MP_FILE).is_file() else {}
+    iteration = int(state.get("iteration") or state.get("global_steps") or 0)
+    consumed = state.get("global_samples")
+    if consumed is None:
+        consumed = iteration * int(args.get("train_batch_size") or 0)
+    return iteration, int(consumed)
+
+
+def load_neox_weights(engine: Any, tag: Path, args: dict[str, Any]) -> list[str]:
+    """Copy the weights of GPT-NeoX checkpoint ``tag`` into ``engine``'s module (this rank's part).
+    Returns notes for the log."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from megatron.interop.deepy_checkpoint import gpt_config_from_args, merge_tp_shards
+    from megatron.model.partitioning import tp_partition_of
+    from megatron.model.pipeline import model_parameter_name
+    from megatron.mpu import topology
+    from megatron.mpu.initialize_weights import shard_tensor
+
+    if int(engine.zero_optimization_stage()) == 3:
+        raise CheckpointError(f"cannot load the GPT-NeoX checkpoint {tag} at ZeRO stage 3 (its weights are "
+                              "partitioned by DeepSpeed); use stage 0-2 for this first run, then save and continue")
+    config = gpt_config_from_args(args)
+    names = NeoxNames.from_config(config)
+    shards, source_tp = neox_checkpoint_shards(tag, names)
+    full = merge_tp_shards(config, shards)
+    tp_rank, tp = topology.get_tensor_model_parallel_rank(), topology.get_tensor_model_parallel_world_size()
+    pipeline = isinstance(engine, PipelineEngine)
+    current = engine.module.state_dict()
+    problems: list[str] = []
+    new_state: dict[str, torch.Tensor] = {}
+    for local_name, tensor in current.items():
+        canonical = model_parameter_name(local_name) if pipeline else local_name
+        if canonical not in full:
+            if not canonical.endswith(".inv_freq"):  # a rotary buffer: computed from the config anyway
+                problems.append(f"{canonical}: not in the checkpoint")
+            continue
+        source = full[canonical]
+        partition = tp_partition_of(config, canonical)
+        want = list(tensor.shape)
+        if partition is not None:
+            want[partition.dim] *= tp
+        if list(source.shape) != want:
+            problems.append(f"{canonical}: checkpoint {tuple(source.shape)}, this config {tuple(want)}")
+            continue
+        if partition is not None:
+            source = shard_tensor(source, partition.dim, tp_rank, tp, partition.sections)
+        new_state[local_name] = source.to(dtype=tensor.dtype)
+    if not pipeline:
+        known = {name for name in current}
+        problems += [f"{name}: in the checkpoint, not in this model" for name in sorted(full)
+                     if name not in known and not name.endswith(".inv_freq")]
+    if problems:
+        raise CheckpointError(
+            f"the GPT-NeoX checkpoint {tag} does not fit this run's model (num_layers, hidden_size, "
+            "num_attention_heads, num_kv_heads, intermediate_size, norm, activation, no_weight_tying and the "
+            "vocabulary decide the shapes):\n  " + "\n  ".join(problems[:20])
+        )
+    with torch.no_grad():
+        engine.module.load_state_dict(new_state, strict=False)
+    refresh = getattr(engine.optimizer, "refresh_fp32_params", None)
+    if callable(refresh):
+        refresh()  # ZeRO / fp16 / bf16 optimizers keep their own fp32 copy of the weights
+    return [f"loaded the GPT-NeoX checkpoint {tag} (saved at tp={source_tp}) into this run's layout; the "
+            "optimizer and LR schedule start fresh"]
