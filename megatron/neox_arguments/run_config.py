@@ -17,6 +17,7 @@ from megatron.checkpointing.config import CheckpointConfig
 from megatron.data.config import DataConfig
 from megatron.logging.config import LoggingConfig
 from megatron.model.config import GPTConfig
+from megatron.model.lora import LoRAConfig
 from megatron.mpu.config import ParallelConfig
 from megatron.tokenizer.config import TokenizerConfig
 from megatron.training.config import ActivationCheckpointConfig, LRConfig, OptimizerConfig, TrainingConfig
@@ -42,6 +43,8 @@ class RunConfig:
     logging: LoggingConfig
     objective: ObjectiveConfig
     """``train_impl`` and its keys (SFT masks, DPO/KTO/RM settings, the reference model)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters (``lora_r == 0``: none, every parameter trains)."""
     deepspeed: dict[str, Any] = field(default_factory=dict)
     """The DeepSpeed config dict deepy.py split off (batch sizes, precision, ZeRO, ...)."""
     args_record: dict[str, Any] = field(default_factory=dict)
@@ -62,6 +65,7 @@ class RunConfig:
             checkpoint=CheckpointConfig.from_args(args),
             logging=LoggingConfig.from_args(args),
             objective=ObjectiveConfig.from_args(args),
+            lora=LoRAConfig.from_args(args),
             deepspeed=dict(deepspeed or {}),
             args_record=dict(args_record or {}),
         )

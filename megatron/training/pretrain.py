@@ -91,7 +91,8 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     objective = build_objective(run.objective, eod_token=tokenizer.eod)
     eng = build_engine(run, model_config, train_iters, objective)
     eng.reference = build_reference(objective, eng.engine, eng.is_pipe, eng.config, eng.ds_config,
-                                    partition_method(run.parallel.partition_method) if eng.is_pipe else None)
+                                    partition_method(run.parallel.partition_method) if eng.is_pipe else None,
+                                    adapters=run.lora.enabled)
     eng.reference.capture(eng.engine, record)
     model_config = eng.config  # a reward model's scalar head replaces the LM head
     log.info("model: %s parameters (%s without embeddings); %s", f"{num_parameters(model_config):,}",

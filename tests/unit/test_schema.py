@@ -84,6 +84,11 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "moe_token_dropping": ("moe", False),
     "enable_expert_tensor_parallelism": ("moe", False),
     "reference_logps": ("training", None),
+    # LoRA adapters (megatron/model/lora.py), PEFT's LoraConfig names with a lora_ prefix
+    "lora_r": ("lora", 0),
+    "lora_alpha": ("lora", 8.0),
+    "lora_dropout": ("lora", 0.0),
+    "lora_target_modules": ("lora", ["query_key_value"]),
 }
 
 NEOX_REFERENCE: dict[str, tuple[tuple[str, Any], ...]] = {
