@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from test_parity import BASE_CONFIG, LAYOUTS, assert_close, deepy, free_port, load_golden
-from test_post_training import DPO_EVAL, PP2, _dpo, data, pairwise_paths, series  # noqa: F401
+from test_post_training import DPO_EVAL, PP2, _dpo, data, kto_paths, pairwise_paths, series  # noqa: F401
 from test_post_training import assert_same_steps
 from test_post_training import run as run_post
 
@@ -179,3 +179,16 @@ def test_dpo_with_lora_pp2_equals_single_rank(data: dict[str, Any], dpo_lora: li
     for key in ("train/lm_loss", "train/rewards/chosen", "train/rewards/rejected"):
         assert_same_steps(f"dpo lora pp2 {key}", series(rows, key), series(dpo_lora, key))
 
+
+
+def test_kto_with_lora_under_zero3_starts_at_its_reference(data: dict[str, Any], tmp_path: Path) -> None:  # noqa: F811
+    """KTO's reference is the base with adapters off, gathered from ZeRO-3 partitions: at step 1 the
+    policy equals it (KL estimate 0, rewards 0); then the adapters move the policy away from it."""
+    rows = run_post(tmp_path, "kto_dp2_zero3", {"train_impl": "kto", **kto_paths(data["root"], valid=False),
+                                                "train_iters": 3, **DPO_LORA, "num_gpus": 2,
+                                                "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}})
+    kl = series(rows, "train/kl")
+    assert sorted(kl) == [1, 2, 3]
+    assert kl[1] == pytest.approx(0.0, abs=1e-6)
+    assert series(rows, "train/rewards/desirable")[1] == pytest.approx(0.0, abs=1e-6)
+    assert abs(kl[3]) > 1e-6
