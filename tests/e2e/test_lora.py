@@ -33,9 +33,10 @@ ADAPTER_PARAMS = BASE_CONFIG["num_layers"] * 4 * ((64 + 192) + (64 + 64) + (64 +
 ADAM_STATES = 2  # exp_avg and exp_avg_sq per trained element
 
 
-def train(layout: str, tmp: Path) -> dict[str, Any]:
+def train(layout: str, tmp: Path, **extra: Any) -> dict[str, Any]:
     config = {**BASE_CONFIG, **LAYOUTS[layout], **LORA, "log_dir": str(tmp / "logs"), "save": str(tmp / "ckpt"),
-              "checkpoint_factor": STEPS, "master_port": free_port()}
+              "checkpoint_factor": STEPS, "master_port": free_port(), **extra}
+    tmp.mkdir(parents=True, exist_ok=True)
     proc = deepy(config, tmp)
     if proc.returncode != 0:
         pytest.fail(f"LoRA {layout} failed with exit code {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -49,7 +50,7 @@ def column(rows: list[dict[str, Any]], key: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return train("single", tmp_path_factory.mktemp("lora_single"))
+    return train("single", tmp_path_factory.mktemp("lora_single"), extra_save_iters=[5])
 
 
 def initial_weights(config: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -148,6 +149,40 @@ def test_optimizer_state_is_adapters_times_state_count(layout: str, single: dict
     run = single if layout == "single" else request.getfixturevalue("layout_runs")[layout]
     # the full model has ~0.1M parameters; its Adam state would be ~25x this
     assert optimizer_state_elements(run["ckpt"]) == ADAPTER_PARAMS * ADAM_STATES
+
+
+# ---------------------------------------------------------------- checkpoints
+def test_lora_resume_continues_the_curve_exactly(single: dict[str, Any], tmp_path: Path) -> None:
+    """The step-5 checkpoint of the single-rank run (adapters, their optimizer state, the frozen base)
+    resumes into steps 6-10 of the uninterrupted run."""
+    config = {**BASE_CONFIG, **LAYOUTS["single"], **LORA, "log_dir": str(tmp_path / "logs"),
+              "load": str(single["ckpt"].parent), "iteration": 5, "master_port": free_port()}
+    proc = deepy(config, tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    got = {r["iteration"]: r["train/lm_loss"] for r in rows if "train/lm_loss" in r}
+    want = {r["iteration"]: r["train/lm_loss"] for r in single["rows"] if "train/lm_loss" in r}
+    assert sorted(got) == [6, 7, 8, 9, 10]
+    assert all(got[i] == pytest.approx(want[i], rel=1e-6) for i in got), (got, want)
+
+
+def test_adapters_start_from_a_checkpoint_without_them(tmp_path: Path) -> None:
+    """A full-parameter checkpoint becomes the frozen base of an adapter run (initialize_from): it loads
+    although it has no adapter entries, and the base stays bit-identical to it."""
+    full = {**BASE_CONFIG, **LAYOUTS["single"], "train_iters": 2, "log_dir": str(tmp_path / "full" / "logs"),
+            "save": str(tmp_path / "full" / "ckpt"), "checkpoint_factor": 2, "master_port": free_port()}
+    (tmp_path / "full").mkdir()
+    assert deepy(full, tmp_path / "full").returncode == 0
+    base = torch.load(tmp_path / "full" / "ckpt" / "global_step2" / "mp_rank_00_model_states.pt",
+                      map_location="cpu", weights_only=False)["module"]
+    adapted = train("single", tmp_path / "lora", initialize_from=str(tmp_path / "full" / "ckpt"), train_iters=3,
+                    checkpoint_factor=3)
+    saved = saved_module(adapted["ckpt"].parent / "global_step3")
+    assert all(torch.equal(saved[k], base[k]) for k in base)
+    assert {k for k in saved if k not in base} == {k for k in saved if ".adapter.lora_" in k} != set()
+    # the checkpoint names its base
+    meta = json.loads((adapted["ckpt"].parent / "global_step3" / "deepy_meta.json").read_text())
+    assert meta["args"]["initialize_from"] == str(tmp_path / "full" / "ckpt") and meta["args"]["lora_r"] == 4
 
 
 # ---------------------------------------------------------------- DPO with adapters

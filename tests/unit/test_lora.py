@@ -90,3 +90,25 @@ def test_unknown_target_module_is_refused() -> None:
     with pytest.raises(ConfigError, match="lora_target_modules") as err:  # the loader's structure check
         config_from_mapping({"lora_r": 4, "lora_target_modules": ["q_proj"]})
     assert "query_key_value" in err.value.message  # it lists what is accepted
+
+
+def test_a_checkpoint_without_adapters_loads_as_a_base_only() -> None:
+    """initialize_from/finetune: strict load with the adapters detached; resuming it is refused with the fix."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from megatron.checkpointing.adapters import base_checkpoint_loading
+    from megatron.errors import CheckpointError
+
+    model, before = adapted()
+    engine = SimpleNamespace(module=model)
+    base_state = GPTModel(CONFIG).state_dict()
+    with base_checkpoint_loading(engine, Path("ck/global_step2"), {"lora_r": 0}, {"lora_r": 4}, weights_only=True):
+        model.load_state_dict(base_state, strict=True)  # no adapter entries expected inside
+    assert any(".adapter.lora_A" in k for k in model.state_dict())  # attached again afterwards
+    with pytest.raises(CheckpointError, match="initialize_from: ck"):
+        base_checkpoint_loading(engine, Path("ck/global_step2"), {"lora_r": 0}, {"lora_r": 4}, weights_only=False)
+    # a run's own adapter checkpoints, and runs without adapters, load as before
+    with base_checkpoint_loading(engine, Path("ck/global_step2"), {"lora_r": 4}, {"lora_r": 4}, weights_only=False):
+        with pytest.raises(RuntimeError, match="adapter"):
+            model.load_state_dict(base_state, strict=True)
