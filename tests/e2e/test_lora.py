@@ -185,6 +185,45 @@ def test_adapters_start_from_a_checkpoint_without_them(tmp_path: Path) -> None:
     assert meta["args"]["initialize_from"] == str(tmp_path / "full" / "ckpt") and meta["args"]["lora_r"] == 4
 
 
+# ---------------------------------------------------------------- export
+def convert(ckpt: Path, out: Path, *extra: str) -> str:
+    import subprocess
+    import sys
+
+    from test_parity import REPO
+
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "ckpts" / "convert_neox_to_hf.py"), str(ckpt.parent),
+                           str(out), *extra], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return proc.stdout
+
+
+@torch.no_grad()
+def test_merged_and_peft_exports_reproduce_our_logits(single: dict[str, Any], layout_runs: dict[str, dict[str, Any]],
+                                                      tmp_path: Path) -> None:
+    """The merged model (from the single-rank checkpoint) read by transformers, and the base plus PEFT
+    adapter (from the tp2 checkpoint) read by peft, give our adapted model's logits within 1e-4."""
+    from megatron.interop.deepy_checkpoint import read_full_checkpoint
+    from megatron.interop.hf_model import load_hf_model
+    from megatron.interop.lora_export import adapted_model, load_peft_model, lora_config_of
+
+    assert "verified" in convert(single["ckpt"], tmp_path / "merged")  # --adapters merge is the default
+    out = convert(layout_runs["tp2"]["ckpt"], tmp_path / "peft", "--adapters", "peft")
+    assert "logits(peft)" in out
+    tokens = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(3))
+    full = read_full_checkpoint(single["ckpt"])
+    ours = adapted_model(full.config, lora_config_of(full.args), full.weights)(tokens)
+    merged = load_hf_model(tmp_path / "merged", torch.float32)(input_ids=tokens).logits
+    assert (merged - ours).abs().max() <= 1e-4
+    peft = load_peft_model(tmp_path / "peft", tmp_path / "peft" / "lora_adapter")(input_ids=tokens).logits
+    # the tp2 run took the single-rank steps (1e-5), so its adapters give the same function
+    assert (peft - ours).abs().max() <= 1e-4
+    base = load_hf_model(tmp_path / "peft", torch.float32)(input_ids=tokens).logits
+    assert (base - ours).abs().max() > 1e-2  # the adapters matter: without them the logits differ
+    config = json.loads((tmp_path / "peft" / "lora_adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8.0, TARGETS)
+
+
 # ---------------------------------------------------------------- DPO with adapters
 DPO_LORA = {"lora_r": 8, "lora_alpha": 16.0, "lora_target_modules": TARGETS,
             "optimizer": {"type": "Adam", "params": {"lr": 0.005, "betas": [0.9, 0.95], "eps": 1.0e-8}}}
