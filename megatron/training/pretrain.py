@@ -36,6 +36,7 @@ from megatron.training.engine import build_engine, layers_to_checkpoint, partiti
 from megatron.training.evaluate import maybe_evaluator
 from megatron.training.loop import Hooks, LoopContext, TrainState, train
 from megatron.training.objectives import build_objective, build_reference
+from megatron.training.task_evaluation import TaskEvaluation
 
 
 def _device() -> torch.device:
@@ -145,6 +146,9 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
         monitor=monitor, hardware_flops_per_token=hardware_flops_per_token(model_config, recomputed, seq),
         valid=maybe_evaluator(eng, splits.valid, training.eval_iters, layout, device, "valid"),
         test=maybe_evaluator(eng, splits.test, training.eval_iters, layout, device, "test"),
+        tasks=None if run.tasks is None else TaskEvaluation(
+            eng, tokenizer, run.tasks, zero_stage=int((run.deepspeed.get("zero_optimization") or {}).get("stage", 0)),
+            sequence_parallel=run.model.sequence_parallel and run.parallel.tensor > 1).run,
     )
     hooks = Hooks(after_step=[ckpt.after_step], at_exit=[ckpt.at_exit])
     try:
