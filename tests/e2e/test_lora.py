@@ -266,3 +266,11 @@ def test_kto_with_lora_under_zero3_starts_at_its_reference(data: dict[str, Any],
     assert kl[1] == pytest.approx(0.0, abs=1e-6)
     assert series(rows, "train/rewards/desirable")[1] == pytest.approx(0.0, abs=1e-6)
     assert abs(kl[3]) > 1e-6
+
+
+def test_dry_run_estimates_memory_for_the_adapters(tmp_path: Path) -> None:
+    """The trained count the estimate uses is the adapters' (what the optimizer state above holds)."""
+    config = {**BASE_CONFIG, **LAYOUTS["single"], **LORA, "log_dir": str(tmp_path / "logs")}
+    proc = deepy(config, tmp_path, "--dry-run", timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "trained (LoRA r=4)" in proc.stdout and f"{ADAPTER_PARAMS:,}" in proc.stdout, proc.stdout
