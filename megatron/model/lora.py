@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.errors import ConfigError
+from megatron.model.gpt import ValueHead
 from megatron.mpu.initialize_weights import initialize_param_, set_tensor_model_parallel_attributes
 from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, allreduce_grads_across_tensor_parallel
 from megatron.mpu.mappings import (
@@ -187,7 +188,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig, seed: int) -> list[LoRAAdap
             module.add_module(ADAPTER, adapter)
             module.register_forward_hook(_add_adapter_output)
             adapters.append(adapter)
-        elif leaf == "value_head" or type(module).__name__ == "ValueHeadPipe":
+        elif isinstance(module, ValueHead):  # also inside a pipeline's ValueHeadPipe
             module.requires_grad_(True)
     return adapters  # may be empty on a pipeline stage without blocks
 
