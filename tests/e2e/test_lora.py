@@ -274,3 +274,11 @@ def test_dry_run_estimates_memory_for_the_adapters(tmp_path: Path) -> None:
     proc = deepy(config, tmp_path, "--dry-run", timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "trained (LoRA r=4)" in proc.stdout and f"{ADAPTER_PARAMS:,}" in proc.stdout, proc.stdout
+
+
+def test_reward_model_with_lora_pp2_learns(data: dict[str, Any], tmp_path: Path) -> None:  # noqa: F811
+    """RM: adapters plus the new scalar head (the only trained weights besides them), on two pipeline stages."""
+    rows = run_post(tmp_path, "rm_pp2", {"train_impl": "rm", **pairwise_paths(data["root"]), "train_iters": 12,
+                                         "eval_interval": 12, "eval_iters": 5, **DPO_LORA, **PP2})
+    evals = [r["eval/rm/accuracy"] for r in rows if "eval/rm/accuracy" in r]
+    assert evals and evals[-1] > 0.9, evals  # held-out pairs
