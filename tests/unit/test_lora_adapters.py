@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_config_rules import ok, problems
 
 from megatron.model import GPTConfig, GPTModel
@@ -112,3 +113,19 @@ def test_a_checkpoint_without_adapters_loads_as_a_base_only() -> None:
     with base_checkpoint_loading(engine, Path("ck/global_step2"), {"lora_r": 4}, {"lora_r": 4}, weights_only=False):
         with pytest.raises(RuntimeError, match="adapter"):
             model.load_state_dict(base_state, strict=True)
+
+
+def test_lora_dropout_drops_adapter_inputs_while_training_only() -> None:
+    model, _ = adapted(dropout=0.5)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data.normal_(0, 0.3)
+    layer = model.layers[0].mlp.dense_4h_to_h
+    x = torch.randn(4, 128)
+    torch.manual_seed(0)
+    layer.train()
+    trained = layer(x) - F.linear(x, layer.weight, layer.bias)
+    layer.eval()
+    full = layer(x) - F.linear(x, layer.weight, layer.bias)
+    torch.testing.assert_close(full, (8.0 / 4) * (x @ layer.adapter.lora_A.T @ layer.adapter.lora_B.T))
+    assert not torch.allclose(trained, full)  # some inputs were dropped (and the rest scaled by 2)
