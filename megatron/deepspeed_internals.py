@@ -68,6 +68,32 @@ def skip_gradient_allreduce(engine: Any) -> None:
     engine.enable_backward_allreduce = False
 
 
+def skip_frozen_tied_gradients(module: Any) -> None:
+    """A ``PipelineModule`` whose tied weights are frozen (LoRA): DeepSpeed's
+    ``allreduce_tied_weight_gradients`` all-reduces ``weight.grad`` unconditionally, and a frozen
+    weight has none. Tied weights that still train keep DeepSpeed's reduction."""
+    original = module.allreduce_tied_weight_gradients
+
+    def reduce_trainable() -> None:
+        if any(weight.grad is not None for weight, _ in module.get_tied_weights_and_groups()):
+            original()
+
+    module.allreduce_tied_weight_gradients = reduce_trainable
+
+
+@contextlib.contextmanager
+def separate_pipeline_loss_total(engine: Any) -> Iterator[None]:
+    """A ``PipelineEngine.eval_batch`` whose loss function returns per-row values (a reference
+    model's log-probs): the engine adds every micro-batch's output into ``total_loss``, which
+    ``train_batch`` leaves holding the last step's scalar loss, and a ``[n]`` output cannot be added
+    to it. Start from none and put the training value back afterwards."""
+    saved, engine.total_loss = engine.total_loss, None
+    try:
+        yield
+    finally:
+        engine.total_loss = saved
+
+
 def loss_scale(engine: Any) -> float | None:
     """The current fp16 loss scale (DeepSpeed exposes it only on its optimizer wrappers)."""
     if not engine.fp16_enabled():

@@ -38,6 +38,7 @@ from megatron.checkpointing.new_parameters import tolerating_new_parameters
 from megatron.checkpointing.preemption import collective_device
 from megatron.checkpointing.retention import CheckpointKind
 from megatron.checkpointing.rng_state import capture_rng_state, restore_rng_state
+from megatron.checkpointing.adapters import base_checkpoint_loading
 from megatron.checkpointing.safe_load import load_trusted_tensors, weights_only_loading
 from megatron.checkpointing.universal import (
     Layout,
@@ -311,7 +312,6 @@ def load_checkpoint(
     options: LoadOptions = LoadOptions(),
 ) -> LoadResult:
     """Load ``ckpt_dir`` (a committed checkpoint) into ``engine`` on every rank."""
-    rank = _rank()
     meta = read_meta(ckpt_dir)
     saved = Layout.from_dict(meta["layout"])
     layout = current_layout(engine)
@@ -321,6 +321,13 @@ def load_checkpoint(
             f"checkpoint {ckpt_dir} was saved for another model shape:\n  " + "\n  ".join(mismatched)
         )
     check_expert_layout(meta.get("args", {}), args, ckpt_dir)
+    with base_checkpoint_loading(engine, ckpt_dir, meta.get("args", {}), args, options.weights_only):
+        return _load_checkpoint(engine, ckpt_dir, args, options, meta, saved, layout)
+
+
+def _load_checkpoint(engine: Any, ckpt_dir: Path, args: dict[str, Any], options: LoadOptions,
+                     meta: dict[str, Any], saved: Layout, layout: Layout) -> LoadResult:
+    rank = _rank()
     if meta.get(WEIGHTS_ONLY_KEY):
         return _load_weights_only(engine, ckpt_dir, meta, saved, layout, options)
     result = LoadResult(loaded=True, path=ckpt_dir)

@@ -27,6 +27,12 @@ Per device, for the pipeline stage with the most parameters:
   holds in flight; with activation checkpointing a recomputed layer keeps only its input, plus one
   layer's activations while it is recomputed; plus the logits and their fp32 copy for the loss.
 
+With LoRA adapters (``lora_r > 0``) the base weights are frozen: they keep only their ``wP`` (``wP/dp``
+under ZeRO-3, which partitions frozen weights too), while gradients, fp32 master weights and
+optimizer states are counted for the ``T`` trainable parameters of the stage only (the adapters, split
+over tp like their layers, plus a reward model's head); each adapter keeps ``r`` numbers per token for
+its backward.
+
 Not counted: the CUDA context and allocator fragmentation (typically 1-3 GiB on a GPU), and
 temporaries inside the optimizer step.
 """
@@ -35,12 +41,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron.model.activations import get_activation
 from megatron.model.config import GPTConfig
 from megatron.model.flops import layer_parameters
+from megatron.model.lora import LoRAConfig
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.run_config import RunConfig
@@ -81,6 +88,8 @@ class MemoryLayout:
     chunk's activations alive while it is recomputed."""
     sequence_parallel: bool
     dropout: bool
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Adapters (``r == 0``: none, every parameter trains)."""
 
     @classmethod
     def from_run(cls, run: RunConfig, world_size: int, padded_vocab_size: int) -> MemoryLayout:
@@ -118,6 +127,7 @@ class MemoryLayout:
             checkpoint_chunk=chunk,
             sequence_parallel=run.parallel.sequence_parallel,
             dropout=bool(model.hidden_dropout or model.attention_dropout),
+            lora=run.lora,
         )  # fmt: skip
 
 
@@ -145,6 +155,34 @@ def stage_parameters(layout: MemoryLayout) -> int:
     if layout.pp == 1:
         return first + last_extra
     return max(first, layers + last_extra)
+
+
+def _adapted_projections(c: GPTConfig) -> dict[str, tuple[int, int, bool]]:
+    """projection -> (in, out, column-parallel) of one layer."""
+    q, kv = c.num_attention_heads * c.head_dim, c.kv_heads * c.head_dim
+    first = 2 * c.ffn_hidden_size if get_activation(c.activation).gated else c.ffn_hidden_size
+    return {"query_key_value": (c.hidden_size, q + 2 * kv, True), "dense": (q, c.hidden_size, False),
+            "dense_h_to_4h": (c.hidden_size, first, True), "dense_4h_to_h": (c.ffn_hidden_size, c.hidden_size, False)}
+
+
+def adapter_parameters(layout: MemoryLayout) -> int:
+    """LoRA parameters on one device of the stage with the most layers: per projection ``A`` ``[r, in]``
+    and ``B`` ``[out, r]``, the factor on the layer's split side divided by tp."""
+    r, tp = layout.lora.r, layout.tp
+    if r == 0:
+        return 0
+    per_layer = 0
+    for name, (d_in, d_out, column) in _adapted_projections(layout.model).items():
+        if name in layout.lora.target_modules:
+            per_layer += r * d_in + d_out * r // tp if column else r * d_in // tp + d_out * r
+    return math.ceil(layout.model.num_layers / layout.pp) * per_layer
+
+
+def trainable_parameters(layout: MemoryLayout) -> int:
+    """Parameters the optimizer holds on one device: all of the stage's, or its adapters (and a reward head)."""
+    if not layout.lora.enabled:
+        return stage_parameters(layout)
+    return adapter_parameters(layout) + (layout.model.hidden_size if layout.model.value_head else 0)
 
 
 # --- the estimate ------------------------------------------------------------------------------------
@@ -191,24 +229,27 @@ def activation_bytes(layout: MemoryLayout) -> float:
     stored = (layers - recomputed) * layer + math.ceil(recomputed / chunk) * s * b * h * a
     if recomputed:
         stored += min(chunk, recomputed) * layer
+    adapters = sum(1 for name in _adapted_projections(c) if name in layout.lora.target_modules) if layout.lora.r else 0
+    stored += layers * adapters * s * b * layout.lora.r * a  # each adapter's rank-r product
     in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
     logits = s * b * c.padded_vocab_size / t * (a + 4)  # logits and the fp32 copy the loss works on
     return stored * in_flight + logits + s * b * h * a
 
 
 def estimate(layout: MemoryLayout) -> MemoryEstimate:
-    p = stage_parameters(layout)
+    p = stage_parameters(layout) + adapter_parameters(layout)
+    t = trainable_parameters(layout)  # p without adapters; else the frozen rest keeps its weights only
     w = _BYTES[layout.precision]
     dp, k, stage = layout.dp, layout.optimizer_states, layout.zero_stage
     if stage == 0:
-        weights, grads = w * p, w * p
-        master = 0.0 if layout.precision == "fp32" else 4.0 * p
-        states = 4.0 * k * p
+        weights, grads = w * p, w * t
+        master = 0.0 if layout.precision == "fp32" else 4.0 * t
+        states = 4.0 * k * t
     else:
         weights = w * p / dp if stage == 3 else float(w * p)
-        grads = w * p / dp
-        master = 4.0 * p / dp
-        states = 4.0 * k * p / dp
+        grads = w * t / dp
+        master = 4.0 * t / dp
+        states = 4.0 * k * t / dp
     offloaded = 0.0
     if layout.offload_optimizer:
         offloaded, master, states = master + states, 0.0, 0.0
@@ -242,6 +283,9 @@ def render(layout: MemoryLayout, est: MemoryEstimate, device_memory_gib: float |
         f"micro batch {layout.micro_batch} x seq {layout.seq_length}{recompute}):",
         f"  {'parameters on the largest stage':<34}{est.parameters:>14,}",
     ]
+    if layout.lora.enabled:
+        label = f"trained (LoRA r={layout.lora.r})"
+        lines.append(f"  {label:<34}{trainable_parameters(layout):>14,}  (the rest frozen: weights only)")
     for label, value, note in rows:
         lines.append(f"  {label:<34}{value / GiB:>10.2f} GiB" + (f"  ({note})" if note else ""))
     if device_memory_gib is not None:

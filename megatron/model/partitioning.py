@@ -42,6 +42,12 @@ def tp_partition_patterns(config: GPTConfig) -> dict[str, TPPartition]:
         r"^(.*\.)?mlp\.dense_h_to_4h\.(weight|bias)$": TPPartition(0, h_to_4h),
         r"^(.*\.)?mlp\.dense_4h_to_h\.weight$": TPPartition(1),
         r"^(.*\.)?attention\.relative_position_bias\.weight$": TPPartition(1),
+        # LoRA adapters (megatron/model/lora.py) split like their layer: B of a column-parallel layer by
+        # rows (with its sections), A of a row-parallel layer by columns; the other factor is replicated
+        r"^(.*\.)?attention\.query_key_value\.adapter\.lora_B$": TPPartition(0, qkv),
+        r"^(.*\.)?attention\.dense\.adapter\.lora_A$": TPPartition(1),
+        r"^(.*\.)?mlp\.dense_h_to_4h\.adapter\.lora_B$": TPPartition(0, h_to_4h),
+        r"^(.*\.)?mlp\.dense_4h_to_h\.adapter\.lora_A$": TPPartition(1),
     }
     if config.moe_num_experts > 1:
         # MoE layers: tp rank r holds a contiguous block of whole experts, stacked on dim 0

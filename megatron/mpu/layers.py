@@ -80,6 +80,7 @@ class ColumnParallelLinear(nn.Module):
         if gather_output and sections is not None and len(sections) > 1:
             raise ValueError("gather_output of a fused (sectioned) projection would interleave the sections")
         self.input_size, self.output_size = input_size, output_size
+        self.canonical_name = name  # seeds this layer's weights (and an adapter's, megatron/model/lora.py)
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and world > 1
         self.sections = list(sections) if sections is not None else [output_size]
@@ -130,6 +131,7 @@ class RowParallelLinear(nn.Module):
         world = get_tensor_model_parallel_world_size()
         rank = get_tensor_model_parallel_rank()
         self.input_size, self.output_size = input_size, output_size
+        self.canonical_name = name  # seeds this layer's weights (and an adapter's, megatron/model/lora.py)
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel and world > 1
         if self.sequence_parallel and not input_is_parallel:

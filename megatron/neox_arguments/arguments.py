@@ -21,6 +21,7 @@ from megatron.errors import ConfigError
 from megatron.neox_arguments.groups.deepspeed_config import DeepSpeedConfigArgs
 from megatron.neox_arguments.groups.deepspeed_runner import DeepSpeedRunnerArgs
 from megatron.neox_arguments.groups.logging import LoggingArgs
+from megatron.neox_arguments.groups.lora import LoRAArgs
 from megatron.neox_arguments.groups.lr import LRSchedulerArgs
 from megatron.neox_arguments.groups.model import ModelArgs
 from megatron.neox_arguments.groups.moe import MoEArgs
@@ -45,6 +46,7 @@ GROUPS: dict[str, type[ArgGroup]] = {
     "tokenizer": TokenizerArgs,
     "textgen": TextgenArgs,
     "moe": MoEArgs,
+    "lora": LoRAArgs,
     "other": OtherArgs,
     "deepspeed_config": DeepSpeedConfigArgs,
     "deepspeed_runner": DeepSpeedRunnerArgs,
@@ -79,6 +81,7 @@ class NeoXArgs(
     TokenizerArgs,
     TextgenArgs,
     MoEArgs,
+    LoRAArgs,
     OtherArgs,
     DeepSpeedConfigArgs,
     DeepSpeedRunnerArgs,

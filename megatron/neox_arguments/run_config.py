@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from megatron.checkpointing.config import CheckpointConfig
 from megatron.data.config import DataConfig
+from megatron.evaluation.config import EvalConfig
 from megatron.logging.config import LoggingConfig
 from megatron.model.config import GPTConfig
+from megatron.model.lora import LoRAConfig
 from megatron.mpu.config import ParallelConfig
 from megatron.tokenizer.config import TokenizerConfig
 from megatron.training.config import ActivationCheckpointConfig, LRConfig, OptimizerConfig, TrainingConfig
@@ -42,6 +44,10 @@ class RunConfig:
     logging: LoggingConfig
     objective: ObjectiveConfig
     """``train_impl`` and its keys (SFT masks, DPO/KTO/RM settings, the reference model)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters (``lora_r == 0``: none, every parameter trains)."""
+    tasks: EvalConfig | None = None
+    """lm-eval tasks run at every evaluation inside training (``eval_tasks``); None without them."""
     deepspeed: dict[str, Any] = field(default_factory=dict)
     """The DeepSpeed config dict deepy.py split off (batch sizes, precision, ZeRO, ...)."""
     args_record: dict[str, Any] = field(default_factory=dict)
@@ -62,6 +68,8 @@ class RunConfig:
             checkpoint=CheckpointConfig.from_args(args),
             logging=LoggingConfig.from_args(args),
             objective=ObjectiveConfig.from_args(args),
+            lora=LoRAConfig.from_args(args),
+            tasks=EvalConfig.from_args(args) if args.eval_tasks else None,
             deepspeed=dict(deepspeed or {}),
             args_record=dict(args_record or {}),
         )

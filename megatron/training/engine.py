@@ -35,11 +35,12 @@ from torch import nn
 
 from megatron import mpu
 from megatron.checkpointing import neox_files
-from megatron.deepspeed_internals import replace_fp32_clipping, skip_gradient_allreduce
+from megatron.deepspeed_internals import replace_fp32_clipping, skip_frozen_tied_gradients, skip_gradient_allreduce
 from megatron.errors import ConfigError
 from megatron.mpu.config import ParallelConfig
 from megatron.logging.log import get_logger
 from megatron.model import GPTConfig, GPTModel, pipeline_layer_specs
+from megatron.model.lora import LoRAAdapter, LoRAConfig, adapters_of, apply_lora
 from megatron.model.transformer_layer import TransformerLayer
 from megatron.mpu import experts as expert_parallel
 from megatron.training.config import ActivationCheckpointConfig, LRConfig
@@ -77,6 +78,9 @@ class Engine:
     """The ``train_impl``'s batch preparation and loss (also the pipeline's ``loss_fn``)."""
     reference: Reference = field(default_factory=Reference)
     """Where DPO/KTO reference log-probs come from; set once the engine exists."""
+    adapters: list[LoRAAdapter] = field(default_factory=list)
+    """This rank's LoRA adapters (empty without ``lora_r``): the only trainable weights besides a
+    reward model's head."""
 
     @property
     def is_last_stage(self) -> bool:
@@ -283,12 +287,16 @@ def _deepspeed_info_logs(on: bool) -> Iterator[None]:
 
 
 def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationCheckpointConfig,
-                compile_layers: bool, objective: Objective) -> tuple[nn.Module, bool]:
-    """(module, is_pipe); a pipeline's last stage computes ``objective.loss``."""
+                compile_layers: bool, objective: Objective,
+                lora: LoRAConfig | None = None) -> tuple[nn.Module, bool]:
+    """(module, is_pipe); a pipeline's last stage computes ``objective.loss``. With ``lora`` enabled
+    the weights are frozen and adapters attached before any wrapping (compile, checkpointing)."""
     if ckpt.enabled:
         configure_activation_checkpointing(ckpt, config.num_layers)
     if not parallel.is_pipe:
         model = GPTModel(config)
+        if lora is not None and lora.enabled:
+            apply_lora(model, lora, config.seed)
         wrap_layers(model, ckpt, compile_layers, pipe_interval_used=False)
         return model, False
     from deepspeed.pipe import PipelineModule
@@ -307,6 +315,9 @@ def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationChe
             # its output would not require grad and the first stage's backward fails
             checkpointable_layers=["TransformerLayerPipe"],
         )
+    if lora is not None and lora.enabled:
+        apply_lora(model, lora, config.seed)
+        skip_frozen_tied_gradients(model)
     wrap_layers(model, ckpt, compile_layers, pipe_interval_used=interval > 0)
     return model, True
 
@@ -320,7 +331,7 @@ def build_engine(run: RunConfig, config: GPTConfig, train_iters: int, objective:
     if config.value_head != objective.value_head:
         config = config.replace(value_head=objective.value_head)
     model, is_pipe = build_model(config, run.parallel, run.activation_checkpointing, run.training.compile_layers,
-                                 objective)
+                                 objective, run.lora)
     ds_config = dict(run.deepspeed)
     if run.parallel.context > 1 and "train_batch_size" in ds_config:
         # DeepSpeed counts the context-parallel ranks as data-parallel ones (megatron/mpu/topology.py),
@@ -358,7 +369,8 @@ def build_engine(run: RunConfig, config: GPTConfig, train_iters: int, objective:
             skip_gradient_allreduce(engine)
     return Engine(engine=engine, optimizer=ds_optimizer, lr_scheduler=ds_scheduler,
                   config=config, is_pipe=is_pipe, ds_config=ds_config,
-                  moe=build_moe_training(model, config.num_layers, config.moe_num_experts), objective=objective)
+                  moe=build_moe_training(model, config.num_layers, config.moe_num_experts), objective=objective,
+                  adapters=adapters_of(model))
 
 
 def lr_policy(lr: LRConfig) -> SchedulePolicy:

@@ -111,6 +111,9 @@ class LoopContext:
     test: Evaluator | None = None
     hardware_flops_per_token: float | None = None
     """flops_per_token plus recomputed forwards (activation checkpointing), for HFU."""
+    tasks: Callable[[], dict[str, float]] | None = None
+    """lm-eval tasks (``eval_tasks``) at every evaluation: returns ``lm_eval/<task>/<metric>`` values
+    (``megatron/training/task_evaluation.py``)."""
 
 
 def _sync() -> None:
@@ -173,6 +176,13 @@ def evaluate_now(ctx: LoopContext, state: TrainState, evaluator: Evaluator, pref
     ctx.monitor.discard_window()  # evaluation forwards are not the next window's training time
 
 
+def evaluate_tasks_now(ctx: LoopContext, state: TrainState) -> None:
+    assert ctx.tasks is not None
+    row = {"iteration": state.iteration, "consumed_samples": state.consumed_samples, **ctx.tasks()}
+    ctx.monitor.log(row, state.iteration)
+    ctx.monitor.discard_window()
+
+
 def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
     """Run from ``state`` until ``train_iters``, ``exit_interval`` or a hook says stop."""
     eval_interval = ctx.training.eval_interval
@@ -200,6 +210,9 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
         if ctx.valid is not None and periodic:
             evaluate_now(ctx, state, ctx.valid, "eval")
             window = _Window()  # evaluation time is not training throughput
+        if ctx.tasks is not None and (periodic or state.iteration == ctx.train_iters):
+            evaluate_tasks_now(ctx, state)  # at every evaluation, and after the last step
+            window = _Window()
         if state.iteration == ctx.train_iters:
             # before the hooks save the last checkpoint: once it exists, nothing is left to run
             if ctx.valid is not None and not periodic:

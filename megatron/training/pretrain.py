@@ -36,6 +36,7 @@ from megatron.training.engine import build_engine, layers_to_checkpoint, partiti
 from megatron.training.evaluate import maybe_evaluator
 from megatron.training.loop import Hooks, LoopContext, TrainState, train
 from megatron.training.objectives import build_objective, build_reference
+from megatron.training.task_evaluation import TaskEvaluation
 
 
 def _device() -> torch.device:
@@ -91,7 +92,8 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     objective = build_objective(run.objective, eod_token=tokenizer.eod)
     eng = build_engine(run, model_config, train_iters, objective)
     eng.reference = build_reference(objective, eng.engine, eng.is_pipe, eng.config, eng.ds_config,
-                                    partition_method(run.parallel.partition_method) if eng.is_pipe else None)
+                                    partition_method(run.parallel.partition_method) if eng.is_pipe else None,
+                                    adapters=run.lora.enabled)
     eng.reference.capture(eng.engine, record)
     model_config = eng.config  # a reward model's scalar head replaces the LM head
     log.info("model: %s parameters (%s without embeddings); %s", f"{num_parameters(model_config):,}",
@@ -144,6 +146,9 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
         monitor=monitor, hardware_flops_per_token=hardware_flops_per_token(model_config, recomputed, seq),
         valid=maybe_evaluator(eng, splits.valid, training.eval_iters, layout, device, "valid"),
         test=maybe_evaluator(eng, splits.test, training.eval_iters, layout, device, "test"),
+        tasks=None if run.tasks is None else TaskEvaluation(
+            eng, tokenizer, run.tasks, zero_stage=int((run.deepspeed.get("zero_optimization") or {}).get("stage", 0)),
+            sequence_parallel=run.model.sequence_parallel and run.parallel.tensor > 1).run,
     )
     hooks = Hooks(after_step=[ckpt.after_step], at_exit=[ckpt.at_exit])
     try:

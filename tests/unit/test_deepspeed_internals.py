@@ -128,3 +128,27 @@ def test_shared_step_tensors_are_untied_so_each_group_counts_once() -> None:
     a.grad, b.grad = torch.ones(3), torch.ones(2)
     optimizer.step()
     assert [float(optimizer.state[p]["step"]) for p in (a, b)] == [5.0, 5.0]  # tied, the one counter reads 6.0
+
+
+def test_pipeline_tied_gradient_reduction_reads_every_tied_weight_grad() -> None:
+    """skip_frozen_tied_gradients (LoRA) wraps this method: DeepSpeed all-reduces ``weight.grad`` of
+    every tied weight, which a frozen weight does not have."""
+    import inspect
+
+    from deepspeed.pipe import PipelineModule
+
+    source = inspect.getsource(PipelineModule.allreduce_tied_weight_gradients)
+    assert "weight.grad" in source
+    assert callable(PipelineModule.get_tied_weights_and_groups)
+
+
+def test_pipeline_eval_adds_outputs_into_the_training_loss_total() -> None:
+    """separate_pipeline_loss_total (LoRA reference pass) relies on: train_batch starts total_loss from
+    None, and every forward on the last stage adds its loss_fn output into it."""
+    import inspect
+
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    assert "self.total_loss = None" in inspect.getsource(PipelineEngine.train_batch)
+    assert "self.total_loss = add_to_total_loss(self.total_loss" in inspect.getsource(PipelineEngine._exec_forward_pass)
+    assert "self.total_loss = None" not in inspect.getsource(PipelineEngine.eval_batch)

@@ -118,3 +118,47 @@ def test_checkpoint_num_layers_keeps_one_input_per_chunk() -> None:
         layout(precision="bfloat16", num_layers=1))
     # 8 inputs -> 2 inputs saved; 1 -> 4 blocks being recomputed at once
     assert activation_bytes(four) - activation_bytes(one) == -(8 - 2) * 2 * s * b * h + 3 * layer
+
+
+# ---------------------------------------------------------------- LoRA adapters
+LORA = {"lora_r": 8, "lora_alpha": 16, "lora_target_modules": ["query_key_value", "dense", "dense_h_to_4h",
+                                                                "dense_4h_to_h"]}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_adapter_count_is_the_real_models_trainable_parameters(tp: int) -> None:
+    """Independent count: the trainable parameters of a GPTModel after apply_lora (tp 1), and at tp 2
+    each factor on a layer's split side halves."""
+    from megatron.logging.memory import adapter_parameters
+    from megatron.model import GPTModel
+    from megatron.model.lora import apply_lora
+
+    one = layout(world=1, **LORA)
+    model = GPTModel(one.model)
+    apply_lora(model, one.lora, seed=1)
+    real = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if tp == 1:
+        assert adapter_parameters(one) == real
+    else:
+        h, ffn, r = 512, one.model.ffn_hidden_size, 8
+        split_side = 8 * r * (3 * h + h + ffn + ffn)  # B of qkv/h_to_4h rows, A of dense/4h_to_h columns
+        assert adapter_parameters(layout(world=2, model_parallel_size=2, **LORA)) == real - split_side // 2
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_lora_optimizer_memory_is_for_the_adapters_only(stage: int) -> None:
+    from megatron.logging.memory import adapter_parameters
+
+    full = estimate(layout(zero_optimization={"stage": stage}, precision="bfloat16"))
+    lay = layout(zero_optimization={"stage": stage}, precision="bfloat16", **LORA)
+    est = estimate(lay)
+    t, dp = adapter_parameters(lay), 8
+    div = 1 if stage == 0 else dp
+    assert est.optimizer_states == pytest.approx(4 * 2 * t / div)  # Adam: 2 fp32 states per adapter element
+    assert est.master_weights == pytest.approx(4 * t / div)
+    assert est.gradients == pytest.approx(2 * t / div)
+    # the frozen base still takes its weights (ZeRO-3 partitions them too)
+    assert est.weights == pytest.approx(full.weights * (full.parameters + t) / full.parameters)
+    assert est.model_states - est.weights < (full.model_states - full.weights) / 10
+    text = render(lay, est, None)
+    assert "trained (LoRA r=8)" in text and f"{t:,}" in text

@@ -89,6 +89,11 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "reset_position_ids": ("other", False),
     "rope_scaling": ("model", None),
     "context_parallel_size": ("parallelism", 1),  # Megatron-LM's key (megatron/mpu/context_parallel.py)  # Hugging Face's field (megatron/model/rope_scaling.py)
+    # LoRA adapters (megatron/model/lora.py), PEFT's LoraConfig names with a lora_ prefix
+    "lora_r": ("lora", 0),
+    "lora_alpha": ("lora", 8.0),
+    "lora_dropout": ("lora", 0.0),
+    "lora_target_modules": ("lora", ["query_key_value"]),
 }
 
 NEOX_REFERENCE: dict[str, tuple[tuple[str, Any], ...]] = {

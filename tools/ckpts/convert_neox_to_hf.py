@@ -16,6 +16,11 @@ architecture transformers cannot reproduce exactly is refused with the feature n
 
 ``--verify`` (on by default) then loads OUTPUT_DIR with transformers and runs it and our model on a
 fixed batch in fp32; the export fails if any logit differs by more than 1e-4.
+
+A checkpoint of a run with LoRA adapters (``lora_r > 0``) exports with ``--adapters merge`` (the
+default: the adapters folded into the weights) or ``--adapters peft`` (the frozen base in OUTPUT_DIR
+and a PEFT adapter directory in OUTPUT_DIR/lora_adapter, verified by loading it with ``peft``); see
+``megatron/interop/lora_export.py``.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--merge-file", default=None, help="the tokenizer's merge_file, if it moved since training")
     parser.add_argument("--no-tokenizer", "--no_save_tokenizer", dest="no_tokenizer", action="store_true",
                         help="write the model without tokenizer files (--no_save_tokenizer: GPT-NeoX's name)")
+    parser.add_argument("--adapters", choices=["merge", "peft"], default=None,
+                        help="a LoRA checkpoint: merge the adapters into the weights (default) or write the base "
+                             "plus a PEFT adapter directory (OUTPUT/lora_adapter)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     opts = parser.parse_args(argv)
     for positional, flag in (("checkpoint", "input_dir"), ("output", "output_dir")):
@@ -60,11 +68,42 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return opts
 
 
+def export_lora_checkpoint(opts: argparse.Namespace) -> int | None:
+    """Export a checkpoint with LoRA adapters (None: it has none, the plain export applies)."""
+    from megatron.errors import ConversionError
+    from megatron.interop.deepy_checkpoint import read_checkpoint_config, read_full_checkpoint, resolve_checkpoint
+    from megatron.interop.hf_tokenizer import TokenizerFiles
+    from megatron.interop.lora_export import export_adapters, has_adapters
+
+    ckpt = resolve_checkpoint(opts.checkpoint, opts.iteration)
+    config, args = read_checkpoint_config(ckpt)
+    if not has_adapters(args):
+        if opts.adapters is not None:
+            raise ConversionError(f"--adapters {opts.adapters}: {ckpt} was trained without LoRA adapters (lora_r 0)")
+        return None
+    files = TokenizerFiles(str(args.get("tokenizer_type") or "GPT2BPETokenizer"),
+                           opts.vocab_file or args.get("vocab_file"), opts.merge_file or args.get("merge_file"))
+    report = export_adapters(ckpt, config, args, read_full_checkpoint(ckpt).weights, opts.output,
+                             mode=opts.adapters or "merge", precision=opts.precision, verify=opts.verify,
+                             tokenizer_files=files, tokenizer=not opts.no_tokenizer,
+                             progress=lambda line: print(line, flush=True))
+    where = f"{report.out_dir} + PEFT adapter {report.adapter_dir}" if report.adapter_dir else str(report.out_dir)
+    print(f"wrote {report.architecture} ({str(report.dtype).removeprefix('torch.')}) from {report.checkpoint} to {where}")
+    if report.max_logit_diff is not None:
+        print(f"verified: max |logits(Deepy with adapters) - logits({'peft' if report.adapter_dir else 'transformers'})| "
+              f"= {report.max_logit_diff:.2e} (fp32, <= 1e-4)")
+    return 0
+
+
 def main() -> int:
     opts = parse_args(sys.argv[1:])
     from megatron.interop.convert import check_neox_flags, export_to_hf
 
     check_neox_flags(opts.checkpoint, opts.iteration, opts.config_file, opts.architecture)
+    lora_code = export_lora_checkpoint(opts)
+    if lora_code is not None:
+        return lora_code
+
     report = export_to_hf(
         opts.checkpoint,
         opts.output,

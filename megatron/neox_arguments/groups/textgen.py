@@ -59,4 +59,5 @@ class TextgenArgs(ArgGroup):
     """eval.py writes `<prefix>_eval_results.json` (and per-task samples); empty: into log_dir."""
 
     eval_tasks: list[str] | None = None
-    """lm-evaluation-harness tasks eval.py runs: task names or paths of task YAML files."""
+    """lm-evaluation-harness tasks (names or paths of task YAML files) that eval.py runs, and that train.py runs
+    at every eval_interval and after the last step, logging lm_eval/<task>/<metric>."""

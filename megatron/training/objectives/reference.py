@@ -6,6 +6,8 @@
   samples (``PairwiseDataset``) and ``DPOObjective.prepare`` sums them; this only checks they came.
 * :class:`FrozenReference`: computed before each step by a frozen copy of the starting weights
   (``frozen.py``), for the step's micro-batches.
+* :class:`BaseModelReference`: with LoRA adapters the starting weights are the frozen base itself,
+  so the policy engine runs once more with its adapters switched off - no second copy of the weights.
 
 The step calls :meth:`Reference.fill` with all of its micro-batches before the policy's first
 forward, so under pipeline parallelism the reference values are ready when the last stage's loss
@@ -19,6 +21,8 @@ from typing import Any
 
 import torch
 
+from megatron.deepspeed_internals import separate_pipeline_loss_total
+from megatron.model.lora import adapters_disabled
 from megatron.training.objectives.base import MicroBatch, Objective
 from megatron.training.objectives.config import ObjectiveConfig
 from megatron.training.objectives.frozen import FrozenCopy, StartingPoint, starting_point
@@ -62,17 +66,63 @@ class FrozenReference(Reference):
         return [replace(b, reference=v.detach()) for b, v in zip(batches, values)]
 
 
+class BaseModelReference(Reference):
+    """The policy's own frozen base: a forward pass with every adapter off, in eval mode (no dropout,
+    so no random numbers are drawn) and without gradients.
+
+    The base never changes while adapters train, and a resumed or ``initialize_from`` run loads the
+    same base, so this is the reference the run started with."""
+
+    def __init__(self, objective: Objective, policy: Any, is_pipe: bool) -> None:
+        self.objective = objective
+        self.policy = policy
+        self.is_pipe = is_pipe
+
+    def fill(self, batches: list[MicroBatch], split: str, device: torch.device) -> list[MicroBatch]:
+        module = self.policy.module
+        was_training = module.training
+        with adapters_disabled(module):
+            if self.is_pipe:
+                values = self._pipeline_logps(batches, device)
+            else:
+                module.eval()
+                with torch.no_grad():
+                    values = [self.objective.reference_logps(self.policy(b.inputs.to(device)), b.labels.to(device))
+                              .detach().float() for b in batches]
+        module.train(was_training)
+        return [replace(b, reference=v.detach()) for b, v in zip(batches, values)]
+
+    def _pipeline_logps(self, batches: list[MicroBatch], device: torch.device) -> list[torch.Tensor]:
+        """Through the policy's own pipeline schedule, with the loss function swapped for the per-row
+        log-probs (``eval_batch`` hands them to the last stage, which also computes the loss)."""
+        module = self.policy.module
+        loss_fn, module.loss_fn = module.loss_fn, self.objective.reference_fn
+        try:
+            items = [(b.inputs.to(device), (b.labels.to(device),)) for b in batches]
+            with separate_pipeline_loss_total(self.policy):
+                outputs = self.policy.eval_batch(iter(items), compute_loss=True, reduce_output=None,
+                                                 bcast_loss=False)
+        finally:
+            module.loss_fn = loss_fn
+        if not self.policy.is_last_stage():
+            return [torch.zeros(b.labels.shape[0], device=device) for b in batches]
+        return [out.float() for out in outputs]
+
+
 def build_reference(objective: Objective, policy: Any, is_pipe: bool, model_config: Any,
-                    ds_config: dict[str, Any], partition_method: str | None) -> Reference:
-    """The reference the objective's config asks for (a frozen copy is built here, weights later)."""
+                    ds_config: dict[str, Any], partition_method: str | None, adapters: bool = False) -> Reference:
+    """The reference the objective's config asks for (a frozen copy is built here, weights later).
+    ``adapters``: the policy trains LoRA adapters on a frozen base, which is then the reference."""
     kind = objective.config.reference
     if kind == "precomputed":
         return PrecomputedReference()
+    if kind == "frozen_copy" and adapters:
+        return BaseModelReference(objective, policy, is_pipe)
     if kind == "frozen_copy":
         copy = FrozenCopy(objective, policy, is_pipe, model_config, ds_config, partition_method)
         return FrozenReference(copy, objective.config)
     return NoReference()
 
 
-__all__ = ["FrozenReference", "NoReference", "PrecomputedReference", "Reference", "StartingPoint",
+__all__ = ["BaseModelReference", "FrozenReference", "NoReference", "PrecomputedReference", "Reference", "StartingPoint",
            "build_reference"]

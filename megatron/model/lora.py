@@ -1,0 +1,227 @@
+"""LoRA adapters on the tensor-parallel projections, attached to a built model from outside.
+
+``y = W x + b + (alpha / r) * B A dropout(x)`` with ``A`` ``[r, in]`` drawn like PEFT's (uniform in
+``+-1/sqrt(in)``) and ``B`` ``[out, r]`` zero, so a fresh adapter leaves the model unchanged. The base
+weights are frozen; the adapters are the only trainable parameters (plus a reward model's new
+scalar head, which has no base to keep).
+
+Tensor parallelism splits each adapter like the layer it adapts:
+
+* column-parallel (output rows split, e.g. ``query_key_value``): ``B`` is split by rows with the
+  layer's sections (``[q_r; k_r; v_r]``), ``A`` is replicated. The rank-``r`` product ``A x`` is the
+  same on every tp rank; its gradient is partial (each rank sees its output slice) and is summed by
+  :func:`copy_to_tensor_model_parallel_region` placed *after* ``A`` - an all-reduce of ``r`` numbers
+  per token rather than of the hidden state.
+* row-parallel (input columns split, e.g. ``dense_4h_to_h``): ``A`` is split by columns, ``B`` is
+  replicated; the partial ``A x`` is summed before ``B`` (again ``r`` numbers per token).
+
+With sequence parallelism the replicated factor sees a sequence shard, so its gradient is partial
+and is summed over the tp group by a hook (as for norms). Each adapter is its own ``nn.Module``
+called from a forward hook of its layer, so ZeRO-3 gathers its partitioned weights like any
+other module's.
+
+The state-dict names are the layer's plus ``.adapter.lora_A`` / ``.adapter.lora_B``: the base names are
+untouched, so a base checkpoint loads into the adapted model and the export can drop or merge the
+adapters (``megatron/interop/lora_export.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.errors import ConfigError
+from megatron.model.gpt import ValueHead
+from megatron.mpu.initialize_weights import initialize_param_, set_tensor_model_parallel_attributes
+from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, allreduce_grads_across_tensor_parallel
+from megatron.mpu.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from megatron.mpu.random import tensor_parallel_rng
+from megatron.mpu.topology import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+if TYPE_CHECKING:
+    from megatron.neox_arguments.arguments import NeoXArgs
+
+# the projections an adapter can target, by the last part of their module name (GPT-NeoX's names,
+# which are also what PEFT's target_modules name on a Hugging Face GPTNeoX model)
+TARGETS: dict[str, type[nn.Module]] = {
+    "query_key_value": ColumnParallelLinear,
+    "dense": RowParallelLinear,
+    "dense_h_to_4h": ColumnParallelLinear,
+    "dense_4h_to_h": RowParallelLinear,
+}
+
+ADAPTER = "adapter"
+"""Attribute name of the adapter module on its layer (hence the state-dict infix)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoRAConfig:
+    """The adapters of a run; ``r == 0`` trains every parameter (no adapters)."""
+
+    r: int = 0
+    """Rank of each adapter (``lora_r``)."""
+    alpha: float = 8.0
+    """Scale numerator: the adapter's output is multiplied by ``alpha / r`` (``lora_alpha``)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training (``lora_dropout``)."""
+    target_modules: tuple[str, ...] = ("query_key_value",)
+    """Projections that get an adapter (``lora_target_modules``)."""
+
+    @classmethod
+    def from_args(cls, args: NeoXArgs) -> LoRAConfig:
+        return cls(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                   target_modules=tuple(args.lora_target_modules))
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.r
+
+
+class LoRAAdapter(nn.Module):
+    """The low-rank update of one column- or row-parallel layer: ``forward(x)`` is the term added
+    to the layer's output."""
+
+    def __init__(self, base: ColumnParallelLinear | RowParallelLinear, config: LoRAConfig, seed: int) -> None:
+        super().__init__()
+        world, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        name = f"{base.canonical_name}.{ADAPTER}"
+        self.column = isinstance(base, ColumnParallelLinear)
+        self.sequence_parallel = base.sequence_parallel
+        self.scale = config.scale
+        self.dropout = config.dropout
+        like = base.weight
+        # the factor on the split side of the layer is split with it; the other is replicated
+        if self.column:
+            a_local, b_local = (config.r, base.input_size), (base.output_size_per_partition, config.r)
+        else:
+            a_local, b_local = (config.r, base.input_size_per_partition), (base.output_size, config.r)
+        self.lora_A = nn.Parameter(torch.empty(a_local, dtype=like.dtype, device=like.device))
+        self.lora_B = nn.Parameter(torch.zeros(b_local, dtype=like.dtype, device=like.device))
+        bound = 1.0 / math.sqrt(base.input_size)  # PEFT's kaiming_uniform_(a=sqrt(5)) over the full input
+
+        def uniform(t: torch.Tensor, gen: torch.Generator) -> None:
+            t.uniform_(-bound, bound, generator=gen)
+
+        a_dim = None if self.column else 1
+        with torch.no_grad():
+            initialize_param_(self.lora_A, f"{name}.lora_A", seed, uniform, (config.r, base.input_size),
+                              a_dim, rank, world)
+        if self.column:
+            set_tensor_model_parallel_attributes(self.lora_A, False)
+            set_tensor_model_parallel_attributes(self.lora_B, True, 0, base.sections)
+            replicated = self.lora_A
+        else:
+            set_tensor_model_parallel_attributes(self.lora_A, True, 1)
+            set_tensor_model_parallel_attributes(self.lora_B, False)
+            replicated = self.lora_B
+        if self.sequence_parallel:
+            # the replicated factor meets a sequence shard on each rank: its gradient is partial
+            allreduce_grads_across_tensor_parallel([replicated])
+        self.enabled = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dropout > 0 and self.training:
+            # the input is replicated over tp ranks (same mask) unless it is a shard (per-rank stream)
+            sharded = self.sequence_parallel or not self.column
+            with tensor_parallel_rng() if sharded else contextlib.nullcontext():
+                x = F.dropout(x, self.dropout, training=True)
+        h = F.linear(x, self.lora_A)  # [..., r], partial over tp for a row-parallel layer
+        if self.column:
+            if self.sequence_parallel:
+                h = gather_from_sequence_parallel_region(h, grad_is_partial=True)  # [s, b, r]
+            else:
+                h = copy_to_tensor_model_parallel_region(h)  # backward: sum the ranks' partial grads
+        elif self.sequence_parallel:
+            h = reduce_scatter_to_sequence_parallel_region(h)  # [s/tp, b, r]
+        else:
+            h = reduce_from_tensor_model_parallel_region(h)
+        return F.linear(h, self.lora_B) * self.scale  # [..., out/tp] (column) or [..., out] (row)
+
+    def delta_weight(self) -> torch.Tensor:
+        """``scale * B A``: this rank's shard of the update to the layer's weight."""
+        return (self.lora_B.float() @ self.lora_A.float()) * self.scale
+
+
+def _add_adapter_output(layer: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+    adapter: LoRAAdapter = getattr(layer, ADAPTER)
+    if not adapter.enabled:
+        return output
+    return output + adapter(inputs[0])
+
+
+def check_targets(target_modules: tuple[str, ...] | list[str]) -> None:
+    unknown = sorted(set(target_modules) - set(TARGETS))
+    if unknown or not target_modules:
+        raise ConfigError(f"lora_target_modules={list(target_modules)!r}: choose among {sorted(TARGETS)}")
+
+
+def apply_lora(model: nn.Module, config: LoRAConfig, seed: int) -> list[LoRAAdapter]:
+    """Freeze ``model`` and attach an adapter to every targeted projection; returns the adapters.
+
+    Works on a ``GPTModel`` and on a pipeline stage alike (targets are found by the last part of the
+    module name, which the pipeline's layer indices do not change). A reward model's value head
+    stays trainable: it is new, so there is no base to keep.
+    """
+    check_targets(config.target_modules)
+    model.requires_grad_(False)
+    adapters = []
+    for name, module in list(model.named_modules()):
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in config.target_modules and isinstance(module, TARGETS[leaf]):
+            adapter = LoRAAdapter(module, config, seed)
+            module.add_module(ADAPTER, adapter)
+            module.register_forward_hook(_add_adapter_output)
+            adapters.append(adapter)
+        elif isinstance(module, ValueHead):  # also inside a pipeline's ValueHeadPipe
+            module.requires_grad_(True)
+    return adapters  # may be empty on a pipeline stage without blocks
+
+
+def adapters_of(model: nn.Module) -> list[LoRAAdapter]:
+    return [m for m in model.modules() if isinstance(m, LoRAAdapter)]
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model: every adapter of ``model`` is skipped inside the block."""
+    adapters = adapters_of(model)
+    for adapter in adapters:
+        adapter.enabled = False
+    try:
+        yield
+    finally:
+        for adapter in adapters:
+            adapter.enabled = True
+
+
+def is_adapter_name(name: str) -> bool:
+    return f".{ADAPTER}.lora_" in name or name.startswith(f"{ADAPTER}.lora_")
+
+
+def merge_adapters(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """A state dict (one tp rank's, or a full one) with every adapter folded into its layer's weight
+    (``W + scale * B A``) and the adapter entries removed."""
+    merged = {k: v for k, v in state.items() if not is_adapter_name(k)}
+    for key in state:
+        if key.endswith(f".{ADAPTER}.lora_A"):
+            layer = key[: -len(f".{ADAPTER}.lora_A")]
+            a, b = state[key].float(), state[f"{layer}.{ADAPTER}.lora_B"].float()
+            weight = merged[f"{layer}.weight"]
+            merged[f"{layer}.weight"] = (weight.float() + scale * (b @ a)).to(weight.dtype)
+    return merged

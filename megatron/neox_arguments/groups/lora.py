@@ -1,0 +1,34 @@
+"""Low-rank adapters (LoRA) for fine-tuning on a budget: Deepy extras, named after PEFT's ``LoraConfig``.
+
+``lora_r > 0`` freezes every weight of the model and trains one adapter per targeted projection
+(``megatron/model/lora.py``); the optimizer holds state for the adapters only. DPO and KTO then use
+the base model (adapters switched off) as their reference, so no second copy of the weights is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from megatron.neox_arguments.schema import ArgGroup
+
+LoRATarget = Literal["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
+
+
+class LoRAArgs(ArgGroup):
+    """Deepy's adapter keys (no GPT-NeoX NeoXArgs group has them; PEFT's LoraConfig names them r,
+    lora_alpha, lora_dropout, target_modules)."""
+
+    lora_r: int = Field(0, ge=0)
+    """Rank of every LoRA adapter; 0 trains all parameters without adapters. PEFT's r."""
+
+    lora_alpha: float = Field(8.0, gt=0)
+    """Adapter scale numerator: each adapter's output is multiplied by lora_alpha / lora_r. PEFT's lora_alpha."""
+
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout applied to each adapter's input while training. PEFT's lora_dropout."""
+
+    lora_target_modules: list[LoRATarget] = Field(default_factory=lambda: ["query_key_value"])
+    """Projections that get an adapter, by GPT-NeoX module name (query_key_value and dense in attention,
+    dense_h_to_4h and dense_4h_to_h in the MLP); PEFT's target_modules for GPT-NeoX models."""

@@ -1,0 +1,130 @@
+"""LoRA adapters split like the layer they adapt, on 2 real gloo ranks: output and gradients equal the
+direct full computation ``scale * x A^T B^T`` (plain torch, one process), with and without sequence
+parallelism, for a fused (sectioned) column-parallel layer and a row-parallel layer.
+
+One spawn runs every check; each is reported as its own test.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from rank_harness import finish_rank, record_checks, run_ranks
+
+WORLD = 2
+SEED = 5
+R, ALPHA = 3, 6.0
+
+
+def _gather(t: torch.Tensor, dim: int) -> torch.Tensor:
+    from megatron.mpu import get_tensor_model_parallel_group
+
+    parts = [torch.empty_like(t) for _ in range(WORLD)]
+    dist.all_gather(parts, t.contiguous(), group=get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=dim)
+
+
+def _rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+def _check(column: bool, sequence_parallel: bool) -> None:
+    from megatron.model.lora import LoRAAdapter, LoRAConfig
+    from megatron.mpu import ColumnParallelLinear, RowParallelLinear, get_tensor_model_parallel_rank
+    from megatron.mpu.initialize_weights import init_method_from_name, shard_tensor
+
+    rank = get_tensor_model_parallel_rank()
+    init = init_method_from_name("normal", 0.02, 2, 8)
+    sections = [4, 2, 2] if column else None
+    d_in, d_out = (6, 8) if column else (8, 6)
+    layer: ColumnParallelLinear | RowParallelLinear
+    if column:
+        layer = ColumnParallelLinear(d_in, d_out, name="c", init_fn=init, seed=SEED, sections=sections,
+                                     sequence_parallel=sequence_parallel)
+    else:
+        layer = RowParallelLinear(d_in, d_out, name="r", init_fn=init, seed=SEED, sequence_parallel=sequence_parallel)
+    adapter = LoRAAdapter(layer, LoRAConfig(r=R, alpha=ALPHA), SEED)
+    a_full, b_full = _rand(R, d_in, seed=1), _rand(d_out, R, seed=2)
+    with torch.no_grad():  # known full factors, sharded the way the adapter's layer is
+        adapter.lora_A.copy_(a_full if column else shard_tensor(a_full, 1, rank, WORLD))
+        adapter.lora_B.copy_(shard_tensor(b_full, 0, rank, WORLD, sections) if column else b_full)
+
+    x_full, g_full = _rand(4, 2, d_in, seed=3), _rand(4, 2, d_out, seed=4)  # [s, b, in], [s, b, out]
+    a_ref, b_ref = a_full.clone().requires_grad_(), b_full.clone().requires_grad_()
+    x_ref = x_full.clone().requires_grad_()
+    y_ref = F.linear(F.linear(x_ref, a_ref), b_ref) * (ALPHA / R)
+    y_ref.backward(g_full)
+
+    # what this rank's adapter sees and returns
+    if column:
+        x = x_full.chunk(WORLD, 0)[rank] if sequence_parallel else x_full
+        g = shard_tensor(g_full, 2, rank, WORLD, sections)
+        want_y = shard_tensor(y_ref.detach(), 2, rank, WORLD, sections)
+    else:
+        x = x_full.chunk(WORLD, 2)[rank]
+        g = g_full.chunk(WORLD, 0)[rank] if sequence_parallel else g_full
+        want_y = y_ref.detach().chunk(WORLD, 0)[rank] if sequence_parallel else y_ref.detach()
+    x = x.clone().requires_grad_()
+    y = adapter(x)
+    _close(y, want_y, "adapter output")
+    y.backward(g)
+    if column:
+        _close(adapter.lora_A.grad, a_ref.grad, "A grad (replicated, summed over tp)")
+        _close(adapter.lora_B.grad, shard_tensor(b_ref.grad, 0, rank, WORLD, sections), "B grad shard")
+        x_grad = _gather(x.grad, 0) if sequence_parallel else x.grad
+        # the adapter's share of the input gradient; the base layer adds its own
+        _close(x_grad, x_ref.grad, "input grad")
+    else:
+        _close(adapter.lora_A.grad, shard_tensor(a_ref.grad, 1, rank, WORLD), "A grad shard")
+        _close(adapter.lora_B.grad, b_ref.grad, "B grad (replicated)")
+        _close(_gather(x.grad, 2), x_ref.grad, "input grad")
+    # the whole layer: base output plus the adapter term, through the hook apply_lora installs
+    from megatron.model.lora import _add_adapter_output
+
+    layer.add_module("adapter", adapter)
+    layer.register_forward_hook(_add_adapter_output)
+    with torch.no_grad():
+        both = layer(x.detach())
+        layer.adapter.enabled = False
+        base = layer(x.detach())
+    _close(both - base, want_y, "hooked layer minus base")
+
+
+CHECKS = {
+    "column_sectioned": lambda: _check(column=True, sequence_parallel=False),
+    "column_sequence_parallel": lambda: _check(column=True, sequence_parallel=True),
+    "row": lambda: _check(column=False, sequence_parallel=False),
+    "row_sequence_parallel": lambda: _check(column=False, sequence_parallel=True),
+}
+
+
+def _rank_main(rank: int, out_dir: str) -> None:
+    faulthandler.enable()
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(out_dir, "store"), WORLD)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    from megatron.mpu import initialize_model_parallel
+
+    initialize_model_parallel(WORLD, 1)
+    finish_rank(out_dir, rank, record_checks(CHECKS))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+    return run_ranks(_rank_main, WORLD, tmp_path_factory.mktemp("lora_tp"))
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_lora_adapter_split(results: list[dict[str, str]], name: str) -> None:
+    for rank, per_rank in enumerate(results):
+        assert per_rank[name] == "ok", f"rank {rank}:\n{per_rank[name]}"

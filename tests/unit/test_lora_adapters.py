@@ -1,0 +1,131 @@
+"""LoRA adapters in one process: what they add, what they freeze, how they merge, and the config
+rules that refuse adapter keys that would be ignored."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_config_rules import ok, problems
+
+from megatron.model import GPTConfig, GPTModel
+from megatron.model.lora import LoRAConfig, adapters_disabled, apply_lora, merge_adapters
+
+TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
+CONFIG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, padded_vocab_size=64)
+
+
+def adapted(config: GPTConfig = CONFIG, **lora: object) -> tuple[GPTModel, dict[str, torch.Tensor]]:
+    model = GPTModel(config)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    apply_lora(model, LoRAConfig(**{"r": 4, "alpha": 8.0, "target_modules": TARGETS, **lora}), seed=7)  # type: ignore[arg-type]
+    return model, before
+
+
+def test_fresh_adapters_leave_the_model_unchanged_and_only_they_train() -> None:
+    model, before = adapted()
+    tokens = torch.randint(0, 64, (2, 8))
+    base = GPTModel(CONFIG)
+    torch.testing.assert_close(model(tokens), base(tokens), rtol=0, atol=0)  # B starts at zero
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"layers.{i}.{block}.{t}.adapter.lora_{f}" for i in range(2) for f in "AB"
+                         for block, t in (("attention", "query_key_value"), ("attention", "dense"),
+                                          ("mlp", "dense_h_to_4h"), ("mlp", "dense_4h_to_h"))}
+    model(tokens).sum().backward()
+    assert all(p.grad is None for n, p in model.named_parameters() if n not in trainable)
+    assert {k: v for k, v in model.state_dict().items() if ".adapter." not in k}.keys() == before.keys()
+
+
+def test_adapter_term_is_scale_times_b_a_x_and_merges_into_the_weight() -> None:
+    """Direct computation: the adapted qkv output is W x + b + alpha/r B A x; merged weights give the
+    adapted model's logits in a plain model."""
+    model, _ = adapted(alpha=6.0)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data.normal_(0, 0.3)
+    layer = model.layers[0].attention.query_key_value
+    x = torch.randn(3, 32)
+    want = x @ layer.weight.T + layer.bias + (6.0 / 4) * (x @ layer.adapter.lora_A.T @ layer.adapter.lora_B.T)
+    torch.testing.assert_close(layer(x), want)
+    tokens = torch.randint(0, 64, (2, 8))
+    plain = GPTModel(CONFIG)
+    plain.load_state_dict(merge_adapters(model.state_dict(), 6.0 / 4))
+    torch.testing.assert_close(plain(tokens), model(tokens), atol=1e-5, rtol=1e-5)
+    with adapters_disabled(model):  # the base alone: the reference model of DPO/KTO
+        torch.testing.assert_close(model(tokens), GPTModel(CONFIG)(tokens), rtol=0, atol=0)
+    assert not torch.equal(model(tokens), GPTModel(CONFIG)(tokens))
+
+
+def test_target_modules_choose_the_layers_and_a_reward_head_trains() -> None:
+    model, _ = adapted(CONFIG.replace(value_head=True), target_modules=("dense",))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    # the scalar head is new (no base to keep), so it trains beside the attention-output adapters
+    assert trainable == {"value_head.weight", *(f"layers.{i}.attention.dense.adapter.lora_{f}"
+                                                for i in range(2) for f in "AB")}
+
+
+def test_lora_keys_are_read_into_the_run_config() -> None:
+    from megatron.neox_arguments.run_config import RunConfig
+
+    args = ok(lora_r=8, lora_alpha=16, lora_dropout=0.1, lora_target_modules=["dense", "dense_4h_to_h"]).args
+    lora = RunConfig.from_args(args).lora
+    assert lora == LoRAConfig(r=8, alpha=16.0, dropout=0.1, target_modules=("dense", "dense_4h_to_h"))
+    assert lora.scale == 2.0 and lora.enabled
+
+
+def test_adapter_keys_without_a_rank_are_refused() -> None:
+    message = problems(lora_alpha=32, lora_target_modules=["dense"])
+    assert "lora_alpha=32" in message and "lora_target_modules" in message and "lora_r=0" in message
+
+
+def test_mlp_adapters_on_moe_layers_are_refused() -> None:
+    message = problems(lora_r=4, lora_target_modules=["dense_h_to_4h"], moe_num_experts=2)
+    assert "lora_target_modules" in message and "moe_num_experts=2" in message
+    ok(lora_r=4, lora_target_modules=["query_key_value"], moe_num_experts=2)
+
+
+def test_unknown_target_module_is_refused() -> None:
+    from megatron.errors import ConfigError
+    from megatron.neox_arguments.loading import config_from_mapping
+
+    with pytest.raises(ConfigError, match="lora_target_modules") as err:  # the loader's structure check
+        config_from_mapping({"lora_r": 4, "lora_target_modules": ["q_proj"]})
+    assert "query_key_value" in err.value.message  # it lists what is accepted
+
+
+def test_a_checkpoint_without_adapters_loads_as_a_base_only() -> None:
+    """initialize_from/finetune: strict load with the adapters detached; resuming it is refused with the fix."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from megatron.checkpointing.adapters import base_checkpoint_loading
+    from megatron.errors import CheckpointError
+
+    model, before = adapted()
+    engine = SimpleNamespace(module=model)
+    base_state = GPTModel(CONFIG).state_dict()
+    with base_checkpoint_loading(engine, Path("ck/global_step2"), {"lora_r": 0}, {"lora_r": 4}, weights_only=True):
+        model.load_state_dict(base_state, strict=True)  # no adapter entries expected inside
+    assert any(".adapter.lora_A" in k for k in model.state_dict())  # attached again afterwards
+    with pytest.raises(CheckpointError, match="initialize_from: ck"):
+        base_checkpoint_loading(engine, Path("ck/global_step2"), {"lora_r": 0}, {"lora_r": 4}, weights_only=False)
+    # a run's own adapter checkpoints, and runs without adapters, load as before
+    with base_checkpoint_loading(engine, Path("ck/global_step2"), {"lora_r": 4}, {"lora_r": 4}, weights_only=False):
+        with pytest.raises(RuntimeError, match="adapter"):
+            model.load_state_dict(base_state, strict=True)
+
+
+def test_lora_dropout_drops_adapter_inputs_while_training_only() -> None:
+    model, _ = adapted(dropout=0.5)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data.normal_(0, 0.3)
+    layer = model.layers[0].mlp.dense_4h_to_h
+    x = torch.randn(4, 128)
+    torch.manual_seed(0)
+    layer.train()
+    trained = layer(x) - F.linear(x, layer.weight, layer.bias)
+    layer.eval()
+    full = layer(x) - F.linear(x, layer.weight, layer.bias)
+    torch.testing.assert_close(full, (8.0 / 4) * (x @ layer.adapter.lora_A.T @ layer.adapter.lora_B.T))
+    assert not torch.allclose(trained, full)  # some inputs were dropped (and the rest scaled by 2)
