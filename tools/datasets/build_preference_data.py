@@ -2,9 +2,12 @@
 """Build a small preference set from the built-in corpus, ready for DPO, reward models or KTO.
 
 Each pair comes from one documentation text of ``data/pydocs/pydocs.jsonl`` (``python prepare_data.py``
-builds it): the prompt is its first words, the *chosen* completion the words that really follow them,
-the *rejected* completion words from another, randomly drawn document - a continuation that reads
-fine on its own but does not belong to the prompt. Deterministic for a given ``--seed``.
+builds it): the prompt is its first words, the *chosen* completion the words that really follow them, the
+*rejected* completion the same words in a shuffled order (``--rejected shuffled``, the default: fluent
+text over word salad, a preference a tiny model learns and carries to held-out pairs) or words from
+another, randomly drawn document (``--rejected other-document``: reads fine on its own but does not
+belong to the prompt; too subtle for the tiny model). The documents are split into train and valid
+before pairing, so held-out pairs use held-out text only. Deterministic for a given ``--seed``.
 
 Writes ``<out>/{train,valid}.jsonl`` (``prompt``/``chosen``/``rejected``, and for KTO one ``completion``
 with a boolean ``reward`` per row) and tokenizes them with ``preprocess_data_with_mask.py`` into::
@@ -46,19 +49,26 @@ def read_texts(path: Path, min_words: int) -> list[list[str]]:
     return texts
 
 
-def make_pairs(texts: list[list[str]], prompt_words: int, completion_words: int, seed: int) -> list[dict[str, str]]:
-    """One pair per text: its own continuation (chosen) against another text's (rejected)."""
+def make_pairs(texts: list[list[str]], prompt_words: int, completion_words: int, seed: int,
+               rejected: str = "other-document") -> list[dict[str, str]]:
+    """One pair per text: its own continuation (chosen) against a worse one (rejected): another text's
+    words (``other-document``) or the same words in a shuffled order (``shuffled``)."""
     rng = random.Random(seed)
     pairs = []
     for i, words in enumerate(texts):
-        j = rng.randrange(len(texts) - 1)
-        j += j >= i  # any text but this one
-        other = texts[j]
-        start = rng.randrange(max(1, len(other) - completion_words))
-        prompt = " ".join(words[:prompt_words])
-        pairs.append({"prompt": prompt + " ",
-                      "chosen": " ".join(words[prompt_words : prompt_words + completion_words]),
-                      "rejected": " ".join(other[start : start + completion_words])})
+        chosen = words[prompt_words : prompt_words + completion_words]
+        if rejected == "shuffled":
+            worse = chosen[:]
+            while worse == chosen and len(set(chosen)) > 1:
+                rng.shuffle(worse)
+        else:
+            j = rng.randrange(len(texts) - 1)
+            j += j >= i  # any text but this one
+            other = texts[j]
+            start = rng.randrange(max(1, len(other) - completion_words))
+            worse = other[start : start + completion_words]
+        pairs.append({"prompt": " ".join(words[:prompt_words]) + " ", "chosen": " ".join(chosen),
+                      "rejected": " ".join(worse)})
     return pairs
 
 
@@ -109,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-file", default="data/pydocs/tokenizer.json")
     p.add_argument("--prompt-words", type=int, default=12)
     p.add_argument("--completion-words", type=int, default=12)
+    p.add_argument("--rejected", choices=["shuffled", "other-document"], default="shuffled",
+                   help="the rejected completion: the chosen words shuffled (a preference a tiny model learns and "
+                        "carries to held-out pairs), or words from another document")
     p.add_argument("--valid-fraction", type=float, default=0.05)
     p.add_argument("--max-pairs", type=int, default=None)
     p.add_argument("--seed", type=int, default=1234)
@@ -120,10 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     if len(texts) < 4:
         raise DataError(f"{args.input}: only {len(texts)} texts have {args.prompt_words + args.completion_words} "
                         "words or more; lower --prompt-words/--completion-words")
-    pairs = make_pairs(texts, args.prompt_words, args.completion_words, args.seed)[: args.max_pairs]
-    n_valid = max(1, int(len(pairs) * args.valid_fraction))
+    texts = texts[: args.max_pairs]
+    n_valid = max(2, int(len(texts) * args.valid_fraction))
+    # Split the documents before pairing: a held-out pair's rejected text then comes from a held-out
+    # document too. Drawn from a training document, it is text the policy was just trained to like
+    # (its own pair's chosen continuation, or nearby), and held-out accuracy measured memorisation
+    # instead of preference (0.225 on the README recipe, below chance).
+    splits = {"train": make_pairs(texts[n_valid:], args.prompt_words, args.completion_words, args.seed, args.rejected),
+              "valid": make_pairs(texts[:n_valid], args.prompt_words, args.completion_words, args.seed + 1,
+                                args.rejected)}
+    pairs = splits["train"] + splits["valid"]
     out = Path(args.output_dir)
-    for split, rows in (("train", pairs[n_valid:]), ("valid", pairs[:n_valid])):
+    for split, rows in splits.items():
         records: list[dict[str, object]] = list(rows) if args.format == "pairwise" else as_kto(rows)
         jsonl = out / f"{split}.jsonl"
         write_jsonl(records, jsonl)
@@ -132,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     config = out / ("dpo.yml" if args.format == "pairwise" else "kto.yml")
     with atomic_path(config) as tmp:
         tmp.write_text(overlay(out, args.format), encoding="utf-8")
-    print(f"{len(pairs) - n_valid} train / {n_valid} valid pairs; config overlay: {config}")
+    print(f"{len(pairs) - n_valid} train / {n_valid} valid pairs (documents split before pairing); "
+          f"config overlay: {config}")
     return 0
 
 
