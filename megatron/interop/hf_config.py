@@ -73,6 +73,9 @@ def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list
         )
     if config.use_qk_layernorm:
         problems.append("use_qk_layernorm: true (GPTNeoX, Llama and Mistral have no query/key norm)")
+    if config.scale_attn_by_inverse_layer_idx:
+        problems.append("scale_attn_by_inverse_layer_idx: true (GPTNeoX, Llama and Mistral have no per-layer "
+                        "attention scale)")
     if config.opt_pos_emb_offset and config.pos_emb == "learned":
         problems.append(f"opt_pos_emb_offset: {config.opt_pos_emb_offset}")
     kinds = {_LOCAL if config.attention_window(i) is not None else "global" for i in range(config.num_layers)}

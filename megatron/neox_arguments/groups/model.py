@@ -102,6 +102,9 @@ class ModelArgs(ArgGroup):
     """Normalise queries and keys per head before the attention product, which steadies training at
     high learning rates."""
 
+    scale_attn_by_inverse_layer_idx: bool = False
+    """Also divide the attention scores of block i (0-based) by i + 1, as GPT-2 and Levanter can."""
+
     layernorm_epsilon: float = Field(1e-05, gt=0)
     """Epsilon added to the variance inside LayerNorm."""
 
