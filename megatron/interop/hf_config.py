@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 HFArchitecture = Literal["GPTNeoXForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"]
 
 # our activation -> the name in transformers' ACT2FN computing exactly the same function
-PLAIN_ACTIVATIONS: dict[str, str] = {"gelu": "gelu", "relu": "relu", "silu": "silu", "swish": "silu", "mish": "mish"}
+PLAIN_ACTIVATIONS: dict[str, str] = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu", "swish": "silu", "mish": "mish"}
 """Non-gated activations GPTNeoXForCausalLM can run (HF "gelu" is the exact erf GELU, like ours)."""
 GATED_ACTIVATIONS: dict[str, str] = {
     "swiglu": "silu", "geglu": "gelu", "reglu": "relu", "glu": "sigmoid", "bilinear": "linear",

@@ -100,6 +100,7 @@ EFFECT_TESTS: dict[str, str] = {
     "optimizer": "tests/unit/test_optimizers.py::test_each_optimizer_reduces_a_quadratic",
     "train_data_paths": "tests/unit/test_blending.py::test_build_blend_from_train_paths",
     "git_hash": "tests/unit/test_config_effects.py::test_git_hash_is_recorded",
+    "scale_attn_by_inverse_layer_idx": "tests/unit/test_gpt2_options.py::test_attention_equals_transformers_gpt2",
 }
 
 

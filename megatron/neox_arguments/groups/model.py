@@ -25,6 +25,7 @@ NormType = Literal[
 PositionEmbedding = Literal["learned", "rotary", "sinusoidal", "rpe", "alibi", "none"]
 Activation = Literal[
     "gelu",
+    "gelu_tanh",
     "geglu",
     "relu",
     "softsign",

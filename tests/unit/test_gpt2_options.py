@@ -1,5 +1,6 @@
-"""``scale_attn_by_inverse_layer_idx``: our attention equals transformers' GPT-2 attention with the
-same option, block by block (block i divides its scores by i + 1)."""
+"""GPT-2's options that Levanter's gpt2 model exposes, against transformers' GPT-2 as the reference:
+``scale_attn_by_inverse_layer_idx`` (block i divides its attention scores by i + 1 too) and the
+tanh-approximated GELU (``gelu_new``, our ``activation: gelu_tanh``)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,13 @@ def test_the_option_changes_deeper_blocks_only() -> None:
             outputs[layer] = [ours(layer, flag, reference)(x_sbh) for flag in (False, True)]
     torch.testing.assert_close(outputs[0][0], outputs[0][1])  # block 0 divides by 1
     assert (outputs[2][0] - outputs[2][1]).abs().max() > 1e-3  # block 2 divides by 3 (100x the parity tolerance)
+
+
+def test_gelu_tanh_is_transformers_gelu_new() -> None:
+    from transformers.activations import ACT2FN
+
+    from megatron.model.activations import get_activation
+
+    x = torch.linspace(-6, 6, 1001)
+    torch.testing.assert_close(get_activation("gelu_tanh").fn(x), ACT2FN["gelu_new"](x), atol=1e-6, rtol=1e-6)
+    assert (get_activation("gelu").fn(x) - ACT2FN["gelu_new"](x)).abs().max() > 1e-4  # exact GELU differs
