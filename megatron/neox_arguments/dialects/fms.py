@@ -190,6 +190,10 @@ def implied(translation: Translation, leaves: dict[str, Leaf], source: str) -> N
     for key, value in FMS_DEFAULTS.items():
         if key not in leaves and key != "model_variant":
             translation.put(Leaf(f"{key}={value}", value, "fms-fsdp's default"), RULES[key](value, ctx), implied=True)
+    # fms-fsdp trains on token ids with no tokenizer: the ids are read as they are (byte-level
+    # tokenizer, end-of-document id 0) over an embedding of vocab_size rows (padded_vocab_size)
+    translation.put(Leaf("token ids (no tokenizer)", None, "fms-fsdp"), {"tokenizer_type": "CharLevelTokenizer"},
+                    implied=True)
     # fms-fsdp trains without gradient accumulation: the global batch is the micro batch x ranks
     translation.put(Leaf("batch_size (no accumulation)", None, "fms-fsdp"), {"gradient_accumulation_steps": 1},
                     implied=True)

@@ -437,7 +437,10 @@ def implied(translation: Translation, leaves: dict[str, Leaf], source: str) -> N
     ctx = Context(leaves)
     kind = model_type(ctx)
     where = leaves["model.type"].where if "model.type" in leaves else source
-    translation.put(Leaf(f"model.type={kind}", kind, where), MODEL_PRESETS[kind], implied=True)
+    preset = dict(MODEL_PRESETS[kind])
+    if kind == "llama" and "model.num_heads" in leaves:
+        preset["num_kv_heads"] = leaves["model.num_heads"].value  # no grouping unless num_kv_heads says so
+    translation.put(Leaf(f"model.type={kind}", kind, where), preset, implied=True)
     for path, value in LEVANTER_DEFAULTS.items():
         if path not in leaves:
             rule = RULES[path]
