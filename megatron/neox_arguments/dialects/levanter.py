@@ -277,7 +277,8 @@ def _profile_stop(value: Any, ctx: Context) -> dict[str, Any]:
     return {"profile_step_start": start, "profile_step_stop": start + int(value)}
 
 
-_TRACKER_PATHS = [f"trainer.{p}.{f}" for p in ("wandb", "tracker") for f in (*_WANDB_FIELDS, "type", "logdir")]
+_TRACKER_PATHS = [*(f"trainer.{p}.{f}" for p in ("wandb", "tracker") for f in _WANDB_FIELDS),
+                  "trainer.tracker.type", "trainer.tracker.logdir"]
 
 TRAINER_RULES: dict[str, Rule] = {
     "trainer.seed": to("seed"),
