@@ -288,3 +288,15 @@ def test_errors_exit_2_without_traceback(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert f"levanter key trainer.fsdp_axis at {config}:2 has no meaning in Deepy" in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_docs_map_every_dialect_key() -> None:
+    """docs/dialects.md names every key the dialects accept or refuse."""
+    text = (REPO / "docs" / "dialects.md").read_text()
+    missing = []
+    for key in [*levanter.RULES, *levanter.REFUSED, *fms.RULES, *fms.REFUSED]:
+        parent, _, field = key.rpartition(".")
+        grouped = f"`{parent}.{{" in text and field in text  # `trainer.wandb.{project, ...}`
+        if f"`{key}`" not in text and not grouped:
+            missing.append(key)
+    assert missing == [], f"docs/dialects.md does not map: {missing}"
