@@ -148,7 +148,7 @@ DIALECT_SAMPLES: dict[str, dict[str, object]] = {
     "fms-fsdp": {
         "model_variant": "llama_tiny", "ckpt_load_path": "ck", "ckpt_save_path": "ck", "use_dummy_dataset": False,
         "data_path": "d", "datasets": "a,b", "weights": "1,1", "seq_length": 32, "vocab_size": 256,
-        "sharding_strategy": "fsdp", "fsdp_activation_checkpointing": True, "selective_checkpointing": 0.5,
+        "sharding_strategy": "hsdp", "fsdp_activation_checkpointing": True, "selective_checkpointing": 0.5,
         "mixed_precision": True, "low_cpu_fsdp": False, "batch_size": 2, "num_steps": 3, "learning_rate": 1e-3,
         "grad_clip_thresh": 1.0, "seed": 1, "use_profiler": True, "report_interval": 5, "checkpoint_interval": 10,
         "tracker": "wandb", "tracker_dir": "logs", "tracker_project_name": "p", "tracker_run_id": "r",

@@ -179,9 +179,9 @@ def test_unknown_levanter_key_gets_a_suggestion(tmp_path: Path) -> None:
 
 TRAIN_SH = ("--use_dummy_dataset={dummy}", "--ckpt_load_path={root}/ckpt", "--ckpt_save_path={root}/ckpt",
             "--data_path={root}/data", "--fsdp_activation_checkpointing=False", "--selective_checkpointing=1",
-            "--sharding_strategy=fsdp", "--low_cpu_fsdp=False", "--batch_size=2", "--report_interval=200",
+            "--sharding_strategy=hsdp", "--low_cpu_fsdp=False", "--batch_size=2", "--report_interval=200",
             "--checkpoint_interval=20000", "--use_torch_compile=False", "--use_profiler=False")
-"""fms-fsdp's scripts/train.sh flags (local paths; sharding_strategy fsdp until hsdp is built)."""
+"""fms-fsdp's scripts/train.sh flags (local paths)."""
 
 
 @pytest.mark.parametrize("dummy", [True, False])
@@ -193,7 +193,7 @@ def test_fms_train_sh_flags(tmp_path: Path, dummy: bool) -> None:
     assert a.train_data_paths == (None if dummy else [f"{tmp_path}/data/a", f"{tmp_path}/data/b"])
     assert a.train_data_weights == (None if dummy else [3.0, 1.0])
     assert not a.checkpoint_activations and a.selective_checkpointing is None
-    assert a.zero_optimization == {"stage": 3}
+    assert a.sharding_strategy == "hsdp"
     assert (a.train_micro_batch_size_per_gpu, a.gradient_accumulation_steps) == (2, 1)
     assert (a.log_interval, a.checkpoint_factor, a.compile_layers, a.profile) == (200, 20000, False, False)
     # fms-fsdp's defaults: seed 2023, 3e-4 peak, cosine to 0.1x, bf16 mixed precision, 4096 tokens

@@ -92,12 +92,9 @@ def _mixed_precision(value: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _sharding(value: Any, ctx: Context) -> dict[str, Any]:
-    stages = {"fsdp": 3, "ddp": 0}
-    if str(value) == "hsdp":
-        raise Refused("hybrid sharding is not built yet; use fsdp (ZeRO-3 over all ranks) or ddp")
-    if str(value) not in stages:
-        raise Refused("use fsdp (ZeRO-3 over every rank) or ddp (plain data parallel)")
-    return {"zero_optimization": {"stage": stages[str(value)]}}
+    if str(value) not in ("fsdp", "hsdp", "ddp"):
+        raise Refused("use fsdp (ZeRO-3 over every rank), hsdp (sharded within a node) or ddp (plain data parallel)")
+    return {"sharding_strategy": str(value)}
 
 
 def _low_cpu(value: Any, ctx: Context) -> dict[str, Any]:

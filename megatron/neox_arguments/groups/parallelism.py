@@ -5,6 +5,8 @@ Data parallelism is whatever is left of the world size; it is derived, not confi
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from megatron.neox_arguments.schema import ArgGroup
@@ -33,3 +35,10 @@ class ParallelismArgs(ArgGroup):
     sequence_parallel: bool = False
     """Split layer-norm and dropout activations along the sequence across tensor-parallel ranks to
     save memory."""
+
+    # ---- Deepy extras (not in GPT-NeoX) ----
+
+    sharding_strategy: Literal["fsdp", "hsdp", "ddp"] | None = None
+    """fms-fsdp's names for the data-parallel layout: fsdp = ZeRO-3 over every rank; hsdp = ZeRO-3
+    whose parameter all-gathers stay inside a node (DeepSpeed ZeRO++ hpZ, zero_hpz_partition_size =
+    ranks per node unless zero_optimization gives it); ddp = plain data parallel (ZeRO stage 0)."""
