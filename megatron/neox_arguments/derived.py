@@ -317,6 +317,23 @@ def derive_sharding(ctx: RuleContext) -> Derivation:
 
 
 @deriver
+def check_zero_init(ctx: RuleContext) -> Derivation:
+    """``zero_init`` partitions the model as ZeRO-3 does, so it needs stage 3 and no pipeline."""
+    if not ctx.get("zero_init"):
+        return Derivation()
+    stage = (ctx.get("zero_optimization") or {}).get("stage", ctx.get("zero_stage"))
+    if ctx.get("sharding_strategy") in ("fsdp", "hsdp"):
+        stage = 3
+    problems = []
+    if stage != 3:
+        problems.append(f"{ctx.show('zero_init')} builds the model partitioned as ZeRO-3 does: set "
+                        f"zero_optimization.stage 3 (or sharding_strategy fsdp/hsdp)")
+    if int(ctx.get("pipe_parallel_size") or 0) >= 1:
+        problems.append(f"{ctx.show('zero_init')} does not go with a pipeline (pipe_parallel_size)")
+    return Derivation(problems=problems)
+
+
+@deriver
 def derive_zero(ctx: RuleContext) -> Derivation:
     """``zero_stage`` (GPT-NeoX shorthand) and the ``zero_optimization`` block become one block."""
     block = ctx.get("zero_optimization")

@@ -239,13 +239,25 @@ def _deepspeed_prints_quiet() -> Iterator[None]:
         yield
 
 
+def construction(ds_config: dict[str, Any] | None) -> contextlib.AbstractContextManager[Any]:
+    """Where the model is built: under deepspeed.zero.Init when ``ds_config`` is given (each module's
+    weights are partitioned over the ZeRO-3 ranks right after they are made, so the whole model never
+    exists on one rank), else plainly."""
+    if ds_config is None:
+        return contextlib.nullcontext()
+    return deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=mpu)
+
+
 def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationCheckpointConfig,
-                compile_layers: bool, objective: Objective) -> tuple[nn.Module, bool]:
-    """(module, is_pipe); a pipeline's last stage computes ``objective.loss``."""
+                compile_layers: bool, objective: Objective,
+                zero_init: dict[str, Any] | None = None) -> tuple[nn.Module, bool]:
+    """(module, is_pipe); a pipeline's last stage computes ``objective.loss``. ``zero_init``: the
+    DeepSpeed config to partition the model with while it is built (ZeRO-3, no pipeline)."""
     if ckpt.enabled:
         configure_activation_checkpointing(ckpt, config.num_layers)
     if not parallel.is_pipe:
-        model = GPTModel(config)
+        with construction(zero_init):
+            model = GPTModel(config)
         wrap_layers(model, ckpt, compile_layers, pipe_interval_used=False)
         return model, False
     from deepspeed.pipe import PipelineModule
@@ -276,9 +288,9 @@ def build_engine(run: RunConfig, config: GPTConfig, train_iters: int, objective:
     objective = objective if objective is not None else LMObjective(ObjectiveConfig())
     if config.value_head != objective.value_head:
         config = config.replace(value_head=objective.value_head)
-    model, is_pipe = build_model(config, run.parallel, run.activation_checkpointing, run.training.compile_layers,
-                                 objective)
     ds_config = dict(run.deepspeed)
+    model, is_pipe = build_model(config, run.parallel, run.activation_checkpointing, run.training.compile_layers,
+                                 objective, zero_init=ds_config if run.training.zero_init else None)
     spec = run.lr.spec(train_iters, run.optimizer.lr)
     policy = lr_policy(run.lr)
     if run.optimizer.kind in DEEPSPEED_BUILT:

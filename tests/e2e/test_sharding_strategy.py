@@ -20,3 +20,15 @@ def test_hsdp_on_two_nodes_of_two_equals_single_rank_losses(tmp_path: Path) -> N
     rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["train/lm_loss"] for r in rows if "train/lm_loss" in r]
     assert_close("hsdp", "train/lm_loss", losses, load_golden()["train/lm_loss"], rtol=1e-5)
+
+
+def test_zero_init_trains_the_same_model(tmp_path: Path) -> None:
+    """Built under deepspeed.zero.Init (fms-fsdp's low_cpu_fsdp), the weights are the same functions of
+    the seed: 2 ranks of ZeRO-3 reproduce the single-rank losses."""
+    config = {**BASE_CONFIG, "num_gpus": 2, "sharding_strategy": "fsdp", "zero_init": True,
+              "log_dir": str(tmp_path / "logs"), "master_port": free_port()}
+    proc = deepy(config, tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/lm_loss"] for r in rows if "train/lm_loss" in r]
+    assert_close("zero_init", "train/lm_loss", losses, load_golden()["train/lm_loss"], rtol=1e-5)

@@ -97,12 +97,6 @@ def _sharding(value: Any, ctx: Context) -> dict[str, Any]:
     return {"sharding_strategy": str(value)}
 
 
-def _low_cpu(value: Any, ctx: Context) -> dict[str, Any]:
-    if value:
-        raise Refused("low-memory construction is not built yet; leave low_cpu_fsdp false")
-    return {}  # eager construction: what Deepy does
-
-
 def _learning_rate(value: Any, ctx: Context) -> dict[str, Any]:
     """fms-fsdp's schedule: warmup over min(2000, num_steps // 20) steps, then cosine to 0.1 x lr."""
     steps = int(ctx.value("num_steps", FMS_DEFAULTS["num_steps"]))
@@ -139,7 +133,7 @@ RULES: dict[str, Rule] = {
     "fsdp_activation_checkpointing": to("checkpoint_activations"),
     "selective_checkpointing": _every_kth_block,
     "mixed_precision": _mixed_precision,
-    "low_cpu_fsdp": _low_cpu,
+    "low_cpu_fsdp": to("zero_init"),
     "batch_size": to("train_micro_batch_size_per_gpu"),
     "num_steps": to("train_iters"),
     "learning_rate": _learning_rate,
