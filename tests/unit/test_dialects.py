@@ -57,7 +57,8 @@ def write_local_data(root: Path) -> None:
     """What the guide's gs:// URLs hold, here: raw-text jsonl shards and a tokenizer.json."""
     import tokenizers
 
-    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(30)}}
+    # 256 entries: no vocabulary padding at tp 1 or 2 (padded rows would enter the softmax differently)
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(254)}}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(root / "tokenizer.json"))

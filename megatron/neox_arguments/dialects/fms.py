@@ -181,6 +181,10 @@ def implied(translation: Translation, leaves: dict[str, Leaf], source: str) -> N
     for key, value in FMS_DEFAULTS.items():
         if key not in leaves and key != "model_variant":
             translation.put(Leaf(f"{key}={value}", value, "fms-fsdp's default"), RULES[key](value, ctx), implied=True)
+    # fms-fsdp's optimizer: AdamW with betas (0.9, 0.95) and weight decay 0.1
+    translation.put(Leaf("AdamW(betas=(0.9, 0.95), weight_decay=0.1)", None, "fms-fsdp"),
+                    {"optimizer": {"type": "Adam", "params": {"betas": [0.9, 0.95], "eps": 1e-8}}, "weight_decay": 0.1},
+                    implied=True)
     # fms-fsdp trains on token ids with no tokenizer: the ids are read as they are (byte-level
     # tokenizer, end-of-document id 0) over an embedding of vocab_size rows (padded_vocab_size)
     translation.put(Leaf("token ids (no tokenizer)", None, "fms-fsdp"), {"tokenizer_type": "CharLevelTokenizer"},

@@ -442,6 +442,10 @@ def implied(translation: Translation, leaves: dict[str, Leaf], source: str) -> N
     if kind == "llama" and "model.num_heads" in leaves:
         preset["num_kv_heads"] = leaves["model.num_heads"].value  # no grouping unless num_kv_heads says so
     translation.put(Leaf(f"model.type={kind}", kind, where), preset, implied=True)
+    # Levanter builds the LR schedule from the config at every launch, also when it resumes
+    translation.put(Leaf("schedule from the config", None, "Levanter"), {"override_lr_scheduler": True}, implied=True)
+    # Levanter's trainer reports its metrics every step
+    translation.put(Leaf("metrics every step", None, "Levanter"), {"log_interval": 1}, implied=True)
     for path, value in LEVANTER_DEFAULTS.items():
         if path not in leaves:
             rule = RULES[path]
