@@ -55,8 +55,9 @@ optimizer:
 def deepy(tmp: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline",
            "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(REPO / "deepy.py"), str(REPO / "train.py"), *argv,
-                           "--master_port", str(free_port())], cwd=tmp, env=env, capture_output=True, text=True,
+    # a launch key goes with any dialect: a flag beside Levanter's/fms-fsdp's, key=value beside GPT-NeoX's
+    port = f"master_port={free_port()}" if argv[0].endswith(".yml") else f"--master_port={free_port()}"
+    proc = subprocess.run([sys.executable, str(REPO / "deepy.py"), str(REPO / "train.py"), *argv, port], cwd=tmp, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
@@ -77,6 +78,7 @@ def switched(tmp_path_factory: pytest.TempPathFactory) -> Path:
     deepy(tmp, *common, "--trainer.num_train_steps", "3", "--trainer.id", "run1", "--trainer.log_dir", "logs",
           "--num_gpus", "2")
     shutil.copytree(tmp / "out", tmp / "out_tp2")  # the same step-3 checkpoint, resumed a second way
+    shutil.copytree(tmp / "out", tmp / "out_neox")  # ... and a third, by a GPT-NeoX config
     deepy(tmp, *common[:2], "--trainer.checkpointer.base_path", "out_tp2", *common[4:], "--trainer.num_train_steps",
           "6", "--trainer.wandb.resume", "true", "--trainer.id", "run1", "--trainer.log_dir", "logs_tp2",
           "--trainer.model_axis_size", "2", "--num_gpus", "2")
@@ -84,7 +86,20 @@ def switched(tmp_path_factory: pytest.TempPathFactory) -> Path:
           "--trainer.wandb.resume", "true", "--trainer.id", "run1", "--trainer.log_dir", "logs", "--num_gpus", "1")
     deepy(tmp, *common, "--trainer.num_train_steps", "6", "--trainer.id", "ref", "--trainer.log_dir", "ref",
           "--num_gpus", "1")
+    neox = gpt_neox_config_of(next((tmp / "logs").glob("*/deepy_config.json")))
+    # this launch's own choices: steps, where it saves (and its save schedule), logs and ranks
+    neox.update(train_iters=6, save="out_neox/run1", load="out_neox/run1", save_interval="15min",
+                log_dir="logs_neox", num_gpus=1)
+    (tmp / "neox.yml").write_text(json.dumps(neox))
+    deepy(tmp, "neox.yml")
     return tmp
+
+
+def gpt_neox_config_of(resolved_file: Path) -> dict:
+    """The GPT-NeoX keys a Levanter run resolved to (each key it set), read from its deepy_config.json."""
+    resolved = json.loads(resolved_file.read_text())
+    return {key: resolved["args"][key] for key, source in resolved["provenance"].items()
+            if source != "derived" and "." not in key}
 
 
 def test_resumed_on_other_hardware_the_curve_is_the_uninterrupted_one(switched: Path) -> None:
@@ -98,6 +113,15 @@ def test_resumed_on_other_hardware_the_curve_is_the_uninterrupted_one(switched: 
 def test_resumed_with_tensor_parallelism_the_curve_is_the_same(switched: Path) -> None:
     """The step-3 checkpoint of 2 data-parallel ranks resumed on model_axis_size 2 (tp2)."""
     resumed, reference = losses(switched / "logs_tp2"), losses(switched / "ref")
+    assert sorted(resumed) == [4, 5, 6]
+    for step in resumed:
+        assert resumed[step] == pytest.approx(reference[step], abs=1e-5), step
+
+
+def test_a_levanter_run_resumes_from_a_gpt_neox_config(switched: Path) -> None:
+    """Checkpoints and deepy_config.json hold the resolved GPT-NeoX arguments: a GPT-NeoX config made
+    from them resumes the Levanter run's step-3 checkpoint onto the same curve."""
+    resumed, reference = losses(switched / "logs_neox"), losses(switched / "ref")
     assert sorted(resumed) == [4, 5, 6]
     for step in resumed:
         assert resumed[step] == pytest.approx(reference[step], abs=1e-5), step
