@@ -171,9 +171,8 @@ def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand, plan: Launch
     ds_config: Any = resolved.deepspeed_config
     said = notes(resolved, command.user_script)
     parts = [
-        f"deepy: dry run of {command.user_script} with {' '.join(command.config_files)}"
-        + (f" {' '.join(command.overrides)}" if command.overrides else "")
-        + (f" {' '.join(f.text for f in command.dialect_flags)}" if command.dialect_flags else ""),
+        f"deepy: dry run of {command.user_script} with "
+        + " ".join([*command.config_files, *command.overrides, *(f.text for f in command.dialect_flags)]),
         "",
         *dialect_table(resolved),
         "Resolved config (non-default values; source is file:line, cli or derived):",
