@@ -84,5 +84,7 @@ def test_peak_resident_memory_is_lower_than_eager(measured: dict[str, list[dict[
     model_mib = measured["eager"][0]["total"] * 4 / 2**20  # fp32 weights of the whole model
     for rank in range(WORLD):
         eager, partitioned = measured["eager"][rank]["peak_mib"], measured["zero_init"][rank]["peak_mib"]
-        assert eager > 0.9 * model_mib, (rank, eager, model_mib)  # building it whole costs the whole model
-        assert partitioned < 0.7 * eager, (rank, partitioned, eager)  # half the model plus one layer in flight
+        print(f"rank {rank}: peak RSS growth eager {eager:.0f} MiB, zero_init {partitioned:.0f} MiB "
+              f"(model {model_mib:.0f} MiB)")
+        # half the model plus one layer in flight, against the whole model
+        assert partitioned < eager - 0.25 * model_mib, (rank, partitioned, eager, model_mib)
