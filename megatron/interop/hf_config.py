@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 HFArchitecture = Literal["GPTNeoXForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"]
 
 # our activation -> the name in transformers' ACT2FN computing exactly the same function
-PLAIN_ACTIVATIONS: dict[str, str] = {"gelu": "gelu", "relu": "relu", "silu": "silu", "swish": "silu", "mish": "mish"}
+PLAIN_ACTIVATIONS: dict[str, str] = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu", "swish": "silu", "mish": "mish"}
 """Non-gated activations GPTNeoXForCausalLM can run (HF "gelu" is the exact erf GELU, like ours)."""
 GATED_ACTIVATIONS: dict[str, str] = {
     "swiglu": "silu", "geglu": "gelu", "reglu": "relu", "glu": "sigmoid", "bilinear": "linear",
@@ -74,6 +74,9 @@ def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list
         )
     if config.use_qk_layernorm:
         problems.append("use_qk_layernorm: true (GPTNeoX, Llama and Mistral have no query/key norm)")
+    if config.scale_attn_by_inverse_layer_idx:
+        problems.append("scale_attn_by_inverse_layer_idx: true (GPTNeoX, Llama and Mistral have no per-layer "
+                        "attention scale)")
     if config.opt_pos_emb_offset and config.pos_emb == "learned":
         problems.append(f"opt_pos_emb_offset: {config.opt_pos_emb_offset}")
     kinds = {_LOCAL if config.attention_window(i) is not None else "global" for i in range(config.num_layers)}

@@ -36,6 +36,8 @@ class WandbSettings:
     init_all_ranks: bool
     source: str
     """Which keys asked for it (``use_wandb`` or ``tracker``), for messages."""
+    run_id: str | None = None
+    """The id a new run takes (``tracker: {id: ...}``); None: a fresh one. A resumed run keeps its own."""
 
     type: Literal["wandb"] = "wandb"
 
@@ -171,6 +173,7 @@ def tracker_settings(args: NeoXArgs) -> tuple[TrackerSettings, ...]:
                 host=block.host or args.wandb_host,
                 init_all_ranks=args.wandb_init_all_ranks,
                 source="tracker",
+                run_id=block.id,
             ))
         elif block.type == "tensorboard":
             if args.tensorboard_dir and block.logdir and block.logdir != args.tensorboard_dir:

@@ -83,12 +83,14 @@ class Monitor:
 
 
 def agree_on_wandb_run_id(resumed: str | None, config: LoggingConfig) -> str | None:
-    """One W&B run id for every rank: the checkpoint's when resuming, else rank 0's new one."""
+    """One W&B run id for every rank: the checkpoint's when resuming, else the configured one
+    (``tracker: {id: ...}``), else rank 0's new one."""
     if not any(isinstance(t, WandbSettings) for t in config.trackers):
         return resumed
     import torch.distributed as dist
 
-    proposal = [resumed or (new_wandb_run_id() if not dist.is_initialized() or dist.get_rank() == 0 else None)]
+    chosen = next((t.run_id for t in config.trackers if isinstance(t, WandbSettings) and t.run_id), None)
+    proposal = [resumed or chosen or (new_wandb_run_id() if not dist.is_initialized() or dist.get_rank() == 0 else None)]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(proposal, src=0)
     return proposal[0]

@@ -6,6 +6,7 @@ A gated activation takes the first projection's output as `[gate; up]` along the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -31,6 +32,8 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 ACTIVATIONS: dict[str, Activation] = {
     "gelu": Activation(F.gelu),
+    # GPT-2's "gelu_new" (Levanter's gpt2 default): the tanh approximation of GELU
+    "gelu_tanh": Activation(functools.partial(F.gelu, approximate="tanh")),
     "relu": Activation(F.relu),
     "silu": Activation(F.silu),
     "swish": Activation(F.silu),

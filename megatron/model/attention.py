@@ -9,6 +9,7 @@ attention: query head i reads kv head i // (heads / kv_heads)).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +97,10 @@ class SelfAttention(nn.Module):
             share, cp_rank = self.heads // self.context_parallel, get_context_parallel_rank()
             self.alibi_slopes = self.alibi_slopes[cp_rank * share : (cp_rank + 1) * share].clone()
         self.window = config.attention_window(layer_number)
+        # None keeps SDPA's own 1/sqrt(d); GPT-2's inverse-layer option folds 1/(layer + 1) into it
+        self.scale = (
+            1.0 / (math.sqrt(self.head_dim) * (layer_number + 1)) if config.scale_attn_by_inverse_layer_idx else None
+        )
         self.dropout = config.attention_dropout
         # Batch-first inside the block (the hidden states stay [s, b, h] outside): the projection then
         # writes q, k, v in the order SDPA reads fastest (the seq-first views took 5-30% longer for
@@ -165,6 +170,7 @@ class SelfAttention(nn.Module):
                 attn_mask=mask,
                 dropout_p=dropout_p,
                 is_causal=mask is None,
+                scale=self.scale,
                 enable_gqa=self.kv_heads != self.heads,  # query head i reads kv head i // (n / n_kv)
             )  # [b, n, s, d]
 

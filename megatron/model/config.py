@@ -93,6 +93,9 @@ class GPTConfig:
     rms_norm_epsilon: float = 1.0e-8
     scalenorm_epsilon: float = 1.0e-8
     use_qk_layernorm: bool = False
+    scale_attn_by_inverse_layer_idx: bool = False
+    """Divide block i's (0-based) attention scores by i + 1 as well as by sqrt(head dim) (GPT-2's and
+    Levanter's option), which keeps deep stacks' attention logits small early in training."""
     use_bias_in_norms: bool = True
     use_bias_in_attn_linear: bool = True
     use_bias_in_mlp: bool = True
@@ -306,6 +309,7 @@ class GPTConfig:
             rms_norm_epsilon=args.rms_norm_epsilon,
             scalenorm_epsilon=args.scalenorm_epsilon,
             use_qk_layernorm=args.use_qk_layernorm,
+            scale_attn_by_inverse_layer_idx=args.scale_attn_by_inverse_layer_idx,
             use_bias_in_norms=args.use_bias_in_norms,
             use_bias_in_attn_linear=args.use_bias_in_attn_linear,
             use_bias_in_mlp=args.use_bias_in_mlp,

@@ -27,8 +27,11 @@ ENTRY_POINTS_OF_TEXTGEN = ("generate.py", "eval.py")
 
 if TYPE_CHECKING:
     from megatron.launcher import LaunchPlan
+    from megatron.neox_arguments.dialects import Flag
 
-USAGE = "deepy.py [--dry-run] [--debug] [-d CONF_DIR] USER_SCRIPT CONFIG [CONFIG ...] [key=value ...]"
+USAGE = ("deepy.py [--dry-run] [--debug] [-d CONF_DIR] USER_SCRIPT CONFIG [CONFIG ...] [key=value ...]\n"
+         "       deepy.py [--dry-run] USER_SCRIPT --config_path LEVANTER.yaml [--section.key value ...]\n"
+         "       deepy.py [--dry-run] USER_SCRIPT [FMS.yaml] --key=value ... (fms-fsdp's flags)")
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,8 @@ class DeepyCommand:
     conf_dir: str | None = None
     dry_run: bool = False
     debug: bool = False
+    dialect_flags: tuple[Flag, ...] = ()
+    """Levanter's ``--config_path F``/``--a.b value`` or fms-fsdp's ``--key=value`` flags."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,8 +68,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_command(argv: Sequence[str]) -> DeepyCommand:
-    """Split argv into the user script, config files (in order) and trailing overrides."""
-    ns = _parser().parse_intermixed_args(list(argv))
+    """Split argv into the user script, config files (in order), trailing overrides and dialect flags."""
+    from megatron.neox_arguments.dialects import split_argv
+
+    rest, dialect_flags = split_argv(argv)
+    ns = _parser().parse_intermixed_args(rest)
     configs: list[str] = []
     overrides: list[str] = []
     for token in ns.rest:
@@ -81,16 +89,16 @@ def parse_command(argv: Sequence[str]) -> DeepyCommand:
         raise UsageError(f"the first argument must be the user script (e.g. train.py), got '{ns.user_script}'")
     if not os.path.isfile(ns.user_script):
         raise UsageError(f"user script not found: {ns.user_script}")
-    if not configs:
+    if not configs and not dialect_flags:
         raise UsageError(f"no config file given after {ns.user_script}\nusage: {USAGE}")
-    return DeepyCommand(ns.user_script, configs, overrides, ns.conf_dir, ns.dry_run, ns.debug)
+    return DeepyCommand(ns.user_script, configs, overrides, ns.conf_dir, ns.dry_run, ns.debug, tuple(dialect_flags))
 
 
 def resolve(command: DeepyCommand) -> ResolvedConfig:
     """Every check of a real launch: load and type-check, then the rules that need the world size."""
     from megatron.neox_arguments.loading import load_config
 
-    resolved = load_config(command.config_files, command.overrides, command.conf_dir)
+    resolved = load_config(command.config_files, command.overrides, command.conf_dir, command.dialect_flags)
     # imported only now: the rules may need torch to look at the devices, structure errors do not
     from megatron.neox_arguments import detect_world_size, finalize
     from megatron.neox_arguments.honesty import check_entry_point
@@ -194,9 +202,10 @@ def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand, plan: Launch
     ds_config: Any = resolved.deepspeed_config
     said = notes(resolved, command.user_script)
     parts = [
-        f"deepy: dry run of {command.user_script} with {' '.join(command.config_files)}"
-        + (f" {' '.join(command.overrides)}" if command.overrides else ""),
+        f"deepy: dry run of {command.user_script} with "
+        + " ".join([*command.config_files, *command.overrides, *(f.text for f in command.dialect_flags)]),
         "",
+        *dialect_table(resolved),
         "Resolved config (non-default values; source is file:line, cli or derived):",
         format_resolved_table(resolved.args, resolved.provenance),
         "",
@@ -213,6 +222,20 @@ def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand, plan: Launch
         parts += [f"Launch: {plan.world_size} rank(s) via {plan.mode}: {shlex.join(plan.argv)}", ""]
     parts.append("deepy: dry run OK, nothing launched")
     return "\n".join(parts)
+
+
+def dialect_table(resolved: ResolvedConfig) -> list[str]:
+    """``key  where  -> neox_key=value, ...`` for each key of a Levanter or fms-fsdp config."""
+    if not resolved.dialect:
+        return []
+    rows = resolved.dialect["rows"]
+    lines = [f"{resolved.dialect['name']} keys and the GPT-NeoX keys they became:"]
+    width = max((len(row["key"]) for row in rows), default=0)
+    place = max((len(row["where"]) for row in rows), default=0)
+    for row in rows:
+        became = ", ".join(f"{k}={json.dumps(v, default=str)}" for k, v in row["neox"].items()) or "(nothing to set: Deepy's default)"
+        lines.append(f"  {row['key']:<{width}}  {row['where']:<{place}}  -> {became}")
+    return [*lines, ""]
 
 
 def plan_run(resolved: ResolvedConfig, user_script: str, config_path: str) -> LaunchPlan:

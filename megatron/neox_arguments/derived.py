@@ -287,6 +287,54 @@ def derive_precision(ctx: RuleContext) -> Derivation:
     return Derivation({"precision": "fp32"} if precision is None else {})
 
 
+SHARDING_STAGES = {"fsdp": 3, "hsdp": 3, "ddp": 0}
+"""ZeRO stage of each sharding_strategy."""
+
+
+@deriver
+def derive_sharding(ctx: RuleContext) -> Derivation:
+    """``sharding_strategy`` -> the ``zero_optimization`` block it means (a stage or hpZ size the
+    block gives otherwise is a contradiction)."""
+    strategy = ctx.get("sharding_strategy")
+    if strategy is None:
+        return Derivation()
+    merged = dict(ctx.get("zero_optimization") or {})
+    wanted: dict[str, Any] = {"stage": SHARDING_STAGES[strategy]}
+    if strategy == "hsdp":
+        # hpZ keeps a node-local copy of the parameters: all-gathers of the backward stay in the node
+        per_node = int(ctx.get("num_gpus") or ctx.world_size)
+        wanted["zero_hpz_partition_size"] = int(merged.get("zero_hpz_partition_size") or per_node)
+    elif int(merged.get("zero_hpz_partition_size") or 1) > 1:
+        wanted["zero_hpz_partition_size"] = 1
+    problems = [
+        f"{ctx.show('sharding_strategy')} means zero_optimization.{key}={value}, but zero_optimization."
+        f"{key}={merged[key]} ({ctx.source('zero_optimization')}); keep one of them"
+        for key, value in wanted.items() if key in merged and merged[key] != value
+    ]
+    if ctx.get("zero_stage") not in (None, wanted["stage"]):
+        problems.append(f"{ctx.show('sharding_strategy')} contradicts {ctx.show('zero_stage')}; keep one of them")
+    if problems:
+        return Derivation(problems=problems)
+    return Derivation({"zero_optimization": {**merged, **wanted}})
+
+
+@deriver
+def check_zero_init(ctx: RuleContext) -> Derivation:
+    """``zero_init`` partitions the model as ZeRO-3 does, so it needs stage 3 and no pipeline."""
+    if not ctx.get("zero_init"):
+        return Derivation()
+    stage = (ctx.get("zero_optimization") or {}).get("stage", ctx.get("zero_stage"))
+    if ctx.get("sharding_strategy") in ("fsdp", "hsdp"):
+        stage = 3
+    problems = []
+    if stage != 3:
+        problems.append(f"{ctx.show('zero_init')} builds the model partitioned as ZeRO-3 does: set "
+                        f"zero_optimization.stage 3 (or sharding_strategy fsdp/hsdp)")
+    if int(ctx.get("pipe_parallel_size") or 0) >= 1:
+        problems.append(f"{ctx.show('zero_init')} does not go with a pipeline (pipe_parallel_size)")
+    return Derivation(problems=problems)
+
+
 @deriver
 def derive_zero(ctx: RuleContext) -> Derivation:
     """``zero_stage`` (GPT-NeoX shorthand) and the ``zero_optimization`` block become one block."""

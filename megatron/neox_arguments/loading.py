@@ -11,7 +11,7 @@ import os
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -21,6 +21,9 @@ from megatron.neox_arguments.overrides import apply_overrides, parse_overrides
 from megatron.neox_arguments.provenance import DEFAULT, describe_source, field_default
 from megatron.neox_arguments.resolved import ResolvedConfig
 from megatron.neox_arguments.yaml_source import CONFIG_SUFFIXES, LocatedDict, load_yaml_file, plain
+
+if TYPE_CHECKING:
+    from megatron.neox_arguments.dialects import Flag
 
 
 def default_schema() -> type[BaseModel]:
@@ -242,8 +245,21 @@ def load_config(
     paths: Sequence[str],
     overrides: Sequence[str] = (),
     conf_dir: str | None = None,
+    dialect_flags: Sequence[Flag] = (),
 ) -> ResolvedConfig:
-    """Read ``paths`` in order, apply ``key=value`` overrides last, validate types."""
+    """Read ``paths`` in order, apply ``key=value`` overrides last, validate types.
+
+    A Levanter or fms-fsdp config (files or ``dialect_flags``) is translated to GPT-NeoX keys first
+    (``megatron/neox_arguments/dialects``); from there on every dialect takes the same path.
+    """
+    from megatron.neox_arguments.dialects import translate
+
+    translation = translate(paths, overrides, dialect_flags, conf_dir)
+    if translation is not None:
+        args = build_args(translation.values, translation.provenance, default_schema())
+        args.config_files = dict(translation.texts)
+        return ResolvedConfig(args=args, provenance=translation.provenance, config_files=translation.texts,
+                              dialect=translation.record())
     if not paths:
         raise ConfigError("no config file given; pass at least one .yml file (e.g. configs/125M.yml)")
     schema = default_schema()

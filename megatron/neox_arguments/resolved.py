@@ -43,6 +43,9 @@ class ResolvedConfig:
     """Said before launching (a hostfile that does not exist, files not visible from here, ...)."""
     skipped: list[str] = field(default_factory=list)
     """Checks not made before launch, and why (``--dry-run`` lists them)."""
+    dialect: dict[str, Any] | None = None
+    """For a Levanter or fms-fsdp config: ``{"name": ..., "rows": [{key, where, neox}, ...]}``, each
+    dialect key and the GPT-NeoX keys it became (``args`` holds the result, whatever the dialect)."""
 
     def to_json_dict(self) -> dict[str, Any]:
         return {
@@ -53,6 +56,7 @@ class ResolvedConfig:
             "config_files": self.config_files,
             "deepspeed_config": self.deepspeed_config,
             "run_dir": self.run_dir,
+            "dialect": self.dialect,
         }
 
     def write(self, path: str | os.PathLike[str]) -> Path:
@@ -91,6 +95,7 @@ def load_resolved(path: str | os.PathLike[str]) -> ResolvedConfig:
         config_files=dict(data.get("config_files") or {}),
         deepspeed_config=data.get("deepspeed_config"),
         run_dir=data.get("run_dir"),
+        dialect=data.get("dialect"),
     )
 
 

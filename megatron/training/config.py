@@ -41,6 +41,8 @@ class TrainingConfig:
     precision: str = "fp32"
     """fp32 | bf16 | fp16: the compute dtype (for the device's peak TFLOP/s)."""
     compile_layers: bool = False
+    zero_init: bool = False
+    """Construct the model under deepspeed.zero.Init (partitioned as it is built)."""
     seed: int = 1234
     num_workers: int = 2
     """Training micro-batches read ahead of the step by a background thread (0 = none)."""
@@ -62,6 +64,7 @@ class TrainingConfig:
             max_consecutive_overflows=args.max_consecutive_overflows,
             precision=_PRECISION[args.precision],
             compile_layers=args.compile_layers,
+            zero_init=args.zero_init,
             seed=args.seed,
             num_workers=args.num_workers,
         )

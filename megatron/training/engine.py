@@ -286,15 +286,26 @@ def _deepspeed_info_logs(on: bool) -> Iterator[None]:
         ds_logger.setLevel(previous)
 
 
+def construction(ds_config: dict[str, Any] | None) -> contextlib.AbstractContextManager[Any]:
+    """Where the model is built: under deepspeed.zero.Init when ``ds_config`` is given (each module's
+    weights are partitioned over the ZeRO-3 ranks right after they are made, so the whole model never
+    exists on one rank), else plainly."""
+    if ds_config is None:
+        return contextlib.nullcontext()
+    return deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=mpu)
+
+
 def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationCheckpointConfig,
                 compile_layers: bool, objective: Objective,
-                lora: LoRAConfig | None = None) -> tuple[nn.Module, bool]:
+                lora: LoRAConfig | None = None, zero_init: dict[str, Any] | None = None) -> tuple[nn.Module, bool]:
     """(module, is_pipe); a pipeline's last stage computes ``objective.loss``. With ``lora`` enabled
-    the weights are frozen and adapters attached before any wrapping (compile, checkpointing)."""
+    the weights are frozen and adapters attached before any wrapping (compile, checkpointing).
+    ``zero_init``: the DeepSpeed config to partition the model with while it is built (ZeRO-3, no pipeline)."""
     if ckpt.enabled:
         configure_activation_checkpointing(ckpt, config.num_layers)
     if not parallel.is_pipe:
-        model = GPTModel(config)
+        with construction(zero_init):
+            model = GPTModel(config)
         if lora is not None and lora.enabled:
             apply_lora(model, lora, config.seed)
         wrap_layers(model, ckpt, compile_layers, pipe_interval_used=False)
@@ -330,13 +341,13 @@ def build_engine(run: RunConfig, config: GPTConfig, train_iters: int, objective:
     objective = objective if objective is not None else LMObjective(ObjectiveConfig())
     if config.value_head != objective.value_head:
         config = config.replace(value_head=objective.value_head)
-    model, is_pipe = build_model(config, run.parallel, run.activation_checkpointing, run.training.compile_layers,
-                                 objective, run.lora)
     ds_config = dict(run.deepspeed)
     if run.parallel.context > 1 and "train_batch_size" in ds_config:
         # DeepSpeed counts the context-parallel ranks as data-parallel ones (megatron/mpu/topology.py),
         # each seeing the micro-batch once: its batch is cp times the number of samples
         ds_config["train_batch_size"] = int(ds_config["train_batch_size"]) * run.parallel.context
+    model, is_pipe = build_model(config, run.parallel, run.activation_checkpointing, run.training.compile_layers,
+                                 objective, run.lora, zero_init=ds_config if run.training.zero_init else None)
     spec = run.lr.spec(train_iters, run.optimizer.lr)
     policy = lr_policy(run.lr)
     if run.optimizer.kind in DEEPSPEED_BUILT:

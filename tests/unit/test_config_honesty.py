@@ -198,3 +198,75 @@ def test_every_typed_config_field_is_used() -> None:
     reads = attribute_reads()
     unused = [f"{cls.__name__}.{f.name}" for cls in classes for f in dataclasses.fields(cls) if f.name not in reads]
     assert unused == [], f"typed config fields nothing reads outside their from_args: {unused}"
+
+
+# ------------------------------------------------------------------- dialects (Levanter, fms-fsdp)
+# every dialect key Deepy accepts, with a value it may take: each must become GPT-NeoX keys that a
+# component reads (so the dialect key is honoured), or be refused by name (tests/unit/test_dialects.py)
+DIALECT_SAMPLES: dict[str, dict[str, object]] = {
+    "levanter": {
+        "model.type": "gpt2", "model.hidden_dim": 64, "model.intermediate_dim": 128, "model.num_heads": 4,
+        "model.num_kv_heads": 2, "model.num_layers": 2, "model.seq_len": 32, "model.gradient_checkpointing": True,
+        "model.scale_attn_by_inverse_layer_idx": True, "model.initializer_range": 0.02, "model.resid_pdrop": 0.1,
+        "model.attn_pdrop": 0.1, "model.embed_pdrop": 0.0, "model.layer_norm_epsilon": 1e-5,
+        "model.activation_function": "gelu_new", "model.use_bias": False, "model.use_layer_norm_weight": False,
+        "model.tie_word_embeddings": False, "model.rope": {"type": "default", "theta": 500000},
+        "model.rope.type": "default", "model.rope.theta": 500000, "model.sliding_window": 16, "model.upcast_attn": True,
+        "trainer.seed": 3, "trainer.num_train_steps": 10, "trainer.train_batch_size": 8,
+        "trainer.per_device_parallelism": 2, "trainer.per_device_train_parallelism": 2,
+        "trainer.per_device_eval_parallelism": -1, "trainer.steps_per_eval": 5, "trainer.max_eval_batches": 2,
+        "trainer.mp": "p=f32,c=bfloat16", "trainer.model_axis_size": 2, "trainer.id": "run1", "trainer.log_dir": "logs",
+        "trainer.load_checkpoint": False, "trainer.load_checkpoint_path": "ck", "trainer.initialize_from": "ck",
+        "trainer.checkpointer.base_path": "out", "trainer.checkpointer.append_run_id_to_base_path": False,
+        "trainer.checkpointer.save_interval": "15min", "trainer.checkpointer.keep": [{"every": 10}],
+        "trainer.profiler": True, "trainer.profiler_start_step": 2, "trainer.profiler_num_steps": 3,
+        "trainer.tracker": [{"type": "wandb", "project": "p"}], "trainer.wandb": {"project": "p"},
+        "trainer.wandb.resume": True, "trainer.tracker.resume": True,
+        **{f"trainer.{p}.{f}": v for p in ("wandb", "tracker") for f, v in (
+            ("project", "p"), ("entity", "e"), ("name", "n"), ("group", "g"), ("tags", ["t"]), ("notes", "x"),
+            ("mode", "offline"), ("id", "run1"))},
+        "trainer.tracker.type": "tensorboard", "trainer.tracker.logdir": "tb",
+        "optimizer.type": "adam", "optimizer.learning_rate": 1e-3, "optimizer.weight_decay": 0.1,
+        "optimizer.beta1": 0.8, "optimizer.beta2": 0.95, "optimizer.epsilon": 1e-6, "optimizer.max_grad_norm": 0.5,
+        "optimizer.min_lr_ratio": 0.1, "optimizer.warmup": 0.1, "optimizer.warmup_ratio": 0.1, "optimizer.decay": 0.5,
+        "optimizer.lr_schedule": "linear", "optimizer.cycles": 2, "optimizer.rewarmup": 0.1,
+        "data.train_urls": ["a.jsonl"], "data.validation_urls": ["b.jsonl"], "data.cache_dir": "c",
+        "data.tokenizer": str(REPO / "README.md"),
+    },
+    "fms-fsdp": {
+        "model_variant": "llama_tiny", "ckpt_load_path": "ck", "ckpt_save_path": "ck", "use_dummy_dataset": False,
+        "data_path": "d", "datasets": "a,b", "weights": "1,1", "seq_length": 32, "vocab_size": 256,
+        "sharding_strategy": "hsdp", "fsdp_activation_checkpointing": True, "selective_checkpointing": 0.5,
+        "mixed_precision": True, "low_cpu_fsdp": False, "batch_size": 2, "num_steps": 3, "learning_rate": 1e-3,
+        "grad_clip_thresh": 1.0, "seed": 1, "use_profiler": True, "report_interval": 5, "checkpoint_interval": 10,
+        "tracker": "wandb", "tracker_dir": "logs", "tracker_project_name": "p", "tracker_run_id": "r",
+        "use_torch_compile": True,
+    },
+}
+
+
+@pytest.mark.parametrize("dialect", sorted(DIALECT_SAMPLES))
+def test_every_dialect_key_becomes_keys_a_component_reads(dialect: str) -> None:
+    from megatron.neox_arguments.dialects import fms, levanter
+    from megatron.neox_arguments.dialects.common import Context, Leaf
+
+    module = {"levanter": levanter, "fms-fsdp": fms}[dialect]
+    samples = DIALECT_SAMPLES[dialect]
+    assert sorted(module.RULES) == sorted(samples), "give every dialect rule a sample value here"
+    resolved = finalize(config_from_mapping(MINIMAL), 1, device=Device(cuda=False, fp16_supported=False))
+    # read by a component (every such key has an effect test: test_every_supported_key_has_a_test_showing_its_effect)
+    honoured = (keys_read(resolved.args) | set(FILLED_IN_KEYS)) - set(NO_EFFECT_KEYS)
+    unread: dict[str, list[str]] = {}
+    for path, value in samples.items():
+        # fms-fsdp's samples make one consistent config; Levanter's are tried one by one
+        leaves = {p: Leaf(p, v, "sample") for p, v in samples.items()} if dialect == "fms-fsdp" else {}
+        leaves[path] = Leaf(path, value, "sample")
+        if path == "trainer.tracker.logdir":  # a TensorBoard tracker's field
+            leaves["trainer.tracker.type"] = Leaf("trainer.tracker.type", "tensorboard", "sample")
+        context = Context(leaves)
+        neox = module.RULES[path](value, context)
+        for name in neox:
+            assert NeoXArgs.has_field(name) and NeoXArgs.is_supported(name), (path, name)
+            if name not in honoured:
+                unread.setdefault(path, []).append(name)
+    assert unread == {}, f"dialect keys that become keys no component reads: {unread}"

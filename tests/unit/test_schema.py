@@ -75,6 +75,9 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "tracker": ("logging", None),
     "deepspeed_log_level": ("logging", "warning"),
     "device_memory_gb": ("logging", None),
+    "scale_attn_by_inverse_layer_idx": ("model", False),  # GPT-2's/Levanter's per-block attention scale
+    "sharding_strategy": ("parallelism", None),
+    "zero_init": ("training", False),  # fms-fsdp's low_cpu_fsdp: build under deepspeed.zero.Init  # fms-fsdp's fsdp | hsdp | ddp
     "mlp_type": ("model", "regular"),  # earlier GPT-NeoX key its Llama/Mistral configs set
     "moe_aux_loss_coeff": ("moe", 0.0),
     "moe_z_loss_coeff": ("moe", 0.0),

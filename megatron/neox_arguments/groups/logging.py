@@ -39,6 +39,8 @@ class WandbTrackerArgs(_TrackerArgs):
     """W&B mode; unset means WANDB_MODE from the environment, else online."""
     host: str | None = None
     """W&B server URL; unset means wandb_host."""
+    id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]+$")
+    """W&B run id of a new run (Levanter's trainer.id); a resumed run keeps its checkpoint's id."""
 
 
 class TensorboardTrackerArgs(_TrackerArgs):

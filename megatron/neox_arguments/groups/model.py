@@ -25,6 +25,7 @@ NormType = Literal[
 PositionEmbedding = Literal["learned", "rotary", "sinusoidal", "rpe", "alibi", "none"]
 Activation = Literal[
     "gelu",
+    "gelu_tanh",
     "geglu",
     "relu",
     "softsign",
@@ -101,6 +102,9 @@ class ModelArgs(ArgGroup):
     use_qk_layernorm: bool = False
     """Normalise queries and keys per head before the attention product, which steadies training at
     high learning rates."""
+
+    scale_attn_by_inverse_layer_idx: bool = False
+    """Also divide the attention scores of block i (0-based) by i + 1, as GPT-2 and Levanter can."""
 
     layernorm_epsilon: float = Field(1e-05, gt=0)
     """Epsilon added to the variance inside LayerNorm."""

@@ -5,6 +5,8 @@ Data parallelism is whatever is left of the world size; it is derived, not confi
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from megatron.neox_arguments.schema import ArgGroup
@@ -37,3 +39,10 @@ class ParallelismArgs(ArgGroup):
     context_parallel_size: int = Field(1, ge=1)
     """Deepy addition (Megatron-LM's key): split each sequence over this many ranks (all-to-all over
     attention heads, DeepSpeed-Ulysses style); they count as data-parallel ranks to ZeRO."""
+
+    # ---- Deepy extras (not in GPT-NeoX) ----
+
+    sharding_strategy: Literal["fsdp", "hsdp", "ddp"] | None = None
+    """fms-fsdp's names for the data-parallel layout: fsdp = ZeRO-3 over every rank; hsdp = ZeRO-3
+    whose parameter all-gathers stay inside a node (DeepSpeed ZeRO++ hpZ, zero_hpz_partition_size =
+    ranks per node unless zero_optimization gives it); ddp = plain data parallel (ZeRO stage 0)."""

@@ -376,6 +376,10 @@ class TrainingArgs(ArgGroup):
     compile_layers: bool = False
     """Wrap each transformer block in torch.compile."""
 
+    zero_init: bool = False
+    """Build the model under deepspeed.zero.Init (ZeRO-3 only; fms-fsdp's low_cpu_fsdp): each layer's
+    weights are partitioned as soon as they are made, so no rank ever holds the whole model."""
+
     per_device_parallelism: int | None = Field(None, ge=1)
     """Levanter's name for the micro batch per device; read as train_micro_batch_size_per_gpu."""
 

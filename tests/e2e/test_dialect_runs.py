@@ -1,0 +1,148 @@
+"""Levanter's hardware-switch workflow and fms-fsdp's train.sh flags, run through ``deepy.py train.py``.
+
+Levanter (docs/Hardware-Agnostic-Training.md): start with ``--config_path``, a checkpointer base path
+and the run id on 2 ranks, stop, and resume on 1 rank (and on 2 tensor-parallel ranks) with ``--trainer.load_checkpoint_path <base>/<id>
+--trainer.wandb.resume true --trainer.id <id>``: the same (offline) W&B run continues on its step axis,
+the data fast-forwards, and the loss curve is the uninterrupted run's. The run stops at the end of
+``num_train_steps`` 3 and resumes to 6; a constant learning rate makes those two commands one schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_parity import free_port
+from tests.unit.test_dialects import write_local_data
+from tests.unit.tracker_readers import wandb_runs
+
+REPO = Path(__file__).resolve().parents[2]
+
+TINY_LEVANTER = """\
+data:
+  train_urls: ["{root}/train.{{1..2}}.jsonl"]
+  validation_urls: ["{root}/val.jsonl"]
+  cache_dir: "{root}/cache"
+  tokenizer: "{root}/tokenizer.json"
+model:
+  type: gpt2
+  hidden_dim: 64
+  num_heads: 4
+  num_layers: 2
+  seq_len: 32
+  scale_attn_by_inverse_layer_idx: true
+trainer:
+  mp: p=f32,c=f32
+  per_device_parallelism: 2
+  steps_per_eval: 1000
+  max_eval_batches: 1
+  wandb:
+    project: deepy-levanter
+    mode: offline
+optimizer:
+  learning_rate: 1e-3
+  lr_schedule: constant
+  warmup: 0
+"""
+
+
+def deepy(tmp: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline",
+           "PYTHONPATH": str(REPO)}
+    # a launch key goes with any dialect: a flag beside Levanter's/fms-fsdp's, key=value beside GPT-NeoX's
+    port = f"master_port={free_port()}" if argv[0].endswith(".yml") else f"--master_port={free_port()}"
+    proc = subprocess.run([sys.executable, str(REPO / "deepy.py"), str(REPO / "train.py"), *argv, port], cwd=tmp, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc
+
+
+def losses(log_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["iteration"]: row["train/lm_loss"] for row in rows if "train/lm_loss" in row}
+
+
+@pytest.fixture(scope="module")
+def switched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("levanter")
+    write_local_data(tmp)
+    (tmp / "gpt2_tiny.yaml").write_text(TINY_LEVANTER.format(root=tmp))
+    common = ("--config_path", "gpt2_tiny.yaml", "--trainer.checkpointer.base_path", "out",
+              "--trainer.train_batch_size", "8", "--trainer.checkpointer.save_interval", "15min")
+    deepy(tmp, *common, "--trainer.num_train_steps", "3", "--trainer.id", "run1", "--trainer.log_dir", "logs",
+          "--num_gpus", "2")
+    shutil.copytree(tmp / "out", tmp / "out_tp2")  # the same step-3 checkpoint, resumed a second way
+    shutil.copytree(tmp / "out", tmp / "out_neox")  # ... and a third, by a GPT-NeoX config
+    deepy(tmp, *common[:2], "--trainer.checkpointer.base_path", "out_tp2", *common[4:], "--trainer.num_train_steps",
+          "6", "--trainer.wandb.resume", "true", "--trainer.id", "run1", "--trainer.log_dir", "logs_tp2",
+          "--trainer.model_axis_size", "2", "--num_gpus", "2")
+    deepy(tmp, *common, "--trainer.num_train_steps", "6", "--trainer.load_checkpoint_path", "out/run1",
+          "--trainer.wandb.resume", "true", "--trainer.id", "run1", "--trainer.log_dir", "logs", "--num_gpus", "1")
+    deepy(tmp, *common, "--trainer.num_train_steps", "6", "--trainer.id", "ref", "--trainer.log_dir", "ref",
+          "--num_gpus", "1")
+    neox = gpt_neox_config_of(next((tmp / "logs").glob("*/deepy_config.json")))
+    # this launch's own choices: steps, where it saves (and its save schedule), logs and ranks
+    neox.update(train_iters=6, save="out_neox/run1", load="out_neox/run1", save_interval="15min",
+                log_dir="logs_neox", num_gpus=1)
+    (tmp / "neox.yml").write_text(json.dumps(neox))
+    deepy(tmp, "neox.yml")
+    return tmp
+
+
+def gpt_neox_config_of(resolved_file: Path) -> dict:
+    """The GPT-NeoX keys a Levanter run resolved to (each key it set), read from its deepy_config.json."""
+    resolved = json.loads(resolved_file.read_text())
+    return {key: resolved["args"][key] for key, source in resolved["provenance"].items()
+            if source != "derived" and "." not in key}
+
+
+def test_resumed_on_other_hardware_the_curve_is_the_uninterrupted_one(switched: Path) -> None:
+    resumed, reference = losses(switched / "logs"), losses(switched / "ref")
+    assert sorted(resumed) == sorted(reference) == [1, 2, 3, 4, 5, 6]
+    for step in reference:  # steps 4-6 read the batches after the first 3: the data fast-forwarded
+        assert resumed[step] == pytest.approx(reference[step], abs=1e-5), step
+    assert (switched / "out" / "run1").is_dir()  # Levanter's <base_path>/<run id>
+
+
+def test_resumed_with_tensor_parallelism_the_curve_is_the_same(switched: Path) -> None:
+    """The step-3 checkpoint of 2 data-parallel ranks resumed on model_axis_size 2 (tp2)."""
+    resumed, reference = losses(switched / "logs_tp2"), losses(switched / "ref")
+    assert sorted(resumed) == [4, 5, 6]
+    for step in resumed:
+        assert resumed[step] == pytest.approx(reference[step], abs=1e-5), step
+
+
+def test_a_levanter_run_resumes_from_a_gpt_neox_config(switched: Path) -> None:
+    """Checkpoints and deepy_config.json hold the resolved GPT-NeoX arguments: a GPT-NeoX config made
+    from them resumes the Levanter run's step-3 checkpoint onto the same curve."""
+    resumed, reference = losses(switched / "logs_neox"), losses(switched / "ref")
+    assert sorted(resumed) == [4, 5, 6]
+    for step in resumed:
+        assert resumed[step] == pytest.approx(reference[step], abs=1e-5), step
+
+
+def test_the_same_wandb_run_continues(switched: Path) -> None:
+    runs = wandb_runs(switched / "logs")
+    assert len(runs) == 2 and runs[0].run_id == runs[1].run_id == "run1"
+    assert runs[0].project == "deepy-levanter"
+    assert [s for s, _ in runs[0].series("train/lm_loss")] == [1, 2, 3]
+    assert [s for s, _ in runs[1].series("train/lm_loss")] == [4, 5, 6]
+
+
+def test_fms_train_sh_flags_run(tmp_path: Path) -> None:
+    """scripts/train.sh's flags (local paths), dummy data, on 2 ranks with hsdp and low_cpu_fsdp."""
+    deepy(tmp_path, "--model_variant=llama_tiny", "--use_dummy_dataset=True", f"--ckpt_load_path={tmp_path}/ckpt",
+          f"--ckpt_save_path={tmp_path}/ckpt", f"--data_path={tmp_path}/data", "--fsdp_activation_checkpointing=True",
+          "--selective_checkpointing=1", "--sharding_strategy=hsdp", "--low_cpu_fsdp=True", "--batch_size=2",
+          "--report_interval=1", "--checkpoint_interval=2", "--use_torch_compile=False", "--use_profiler=False",
+          "--num_steps=2", "--seq_length=32", "--mixed_precision=False", f"--tracker_dir={tmp_path}/logs",
+          "--num_gpus=2")
+    steps = losses(tmp_path / "logs")
+    assert sorted(steps) == [1, 2] and all(5.0 < loss < 6.0 for loss in steps.values())  # ln(256) = 5.55
+    assert any((tmp_path / "ckpt").iterdir())
