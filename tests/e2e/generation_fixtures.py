@@ -122,16 +122,14 @@ def model_config(padded_vocab_size: int = 512) -> Any:
 
 
 def checkpoint_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    """`GPTModel` weights from a tp1 pipeline checkpoint: DeepSpeed writes one file per pipeline
-    layer (`layer_XX-model_00-model_states.pt`) whose keys are the layer's own parameter names."""
-    from megatron.model.pipeline import model_parameter_name
+    """`GPTModel` weights from a tp1 pipeline checkpoint: DeepSpeed writes one file per pipeline layer
+    in GPT-NeoX's numbering and names (read back by the reader `tests/unit/test_neox_layout.py` checks
+    against files built from GPT-NeoX's published rules)."""
+    from megatron.checkpointing.neox_files import canonical_rank_weights
+    from megatron.checkpointing.neox_layout import NeoxNames
 
-    state: dict[str, torch.Tensor] = {}
-    for path in sorted(ckpt_dir.glob("layer_*-model_00-model_states.pt")):
-        index = int(path.name.split("-")[0].removeprefix("layer_"))
-        for name, tensor in torch.load(path, map_location="cpu", weights_only=True).items():
-            state[model_parameter_name(f"{index}.{name}")] = tensor
-    return state
+    names = NeoxNames.from_config(model_config())
+    return canonical_rank_weights(ckpt_dir, names, tp=1, tp_rank=0, pipeline=True)
 
 
 def reference_model(ckpt_dir: Path) -> Any:
