@@ -65,18 +65,15 @@ def initial_weights(config: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def saved_module(ckpt: Path) -> dict[str, torch.Tensor]:
-    """The whole model of a checkpoint without tensor parallelism: one file, or the pipeline's layer files."""
-    from megatron.model.pipeline import model_parameter_name
+    """The whole model of a checkpoint without tensor parallelism under ``GPTModel`` names: one file, or
+    the pipeline's layer files, both in GPT-NeoX's layout (read back by the reader
+    ``tests/unit/test_neox_layout.py`` checks against GPT-NeoX's published rules)."""
+    from megatron.checkpointing.neox_files import canonical_rank_weights
+    from megatron.checkpointing.neox_layout import NeoxNames
 
-    single_file = ckpt / "mp_rank_00_model_states.pt"
-    if single_file.exists() and torch.load(single_file, map_location="cpu", weights_only=False)["module"]:
-        return torch.load(single_file, map_location="cpu", weights_only=False)["module"]
-    out: dict[str, torch.Tensor] = {}
-    for path in sorted(ckpt.glob("layer_*-model_00-model_states.pt")):
-        index = int(path.name.split("_")[1].split("-")[0])
-        for key, value in torch.load(path, map_location="cpu", weights_only=False).items():
-            out[model_parameter_name(f"{index}.{key}")] = value
-    return out
+    names = NeoxNames.from_args(json.loads((ckpt / "deepy_meta.json").read_text())["args"])
+    pipeline = any(ckpt.glob("layer_*-model_00-model_states.pt"))
+    return canonical_rank_weights(ckpt, names, tp=1, tp_rank=0, pipeline=pipeline)
 
 
 def optimizer_state_elements(ckpt: Path) -> int:
