@@ -15,7 +15,6 @@ import json
 import re
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from ports import free_port  # noqa: E402  (tests/ports.py: a port range per xdist worker)
 
 REPO = Path(__file__).resolve().parents[2]
 GLOBAL_BATCH = 8
@@ -145,10 +145,7 @@ def kill_before_commit(step: int | None) -> Callable[[int], None] | None:
 
 
 # --- the launcher (runs in pytest) ----------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+_free_port = free_port
 
 
 def launch(world: int, *worker_args: str, env: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:

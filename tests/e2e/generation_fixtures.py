@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from ports import free_port  # noqa: E402  (tests/ports.py: a port range per xdist worker)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -82,12 +82,6 @@ def write_corpus(tmp: Path) -> str:
         builder.end_document()
     builder.finalize(index_file_path(prefix))
     return prefix
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def deepy(tmp: Path, script: str, *overrides: str, stdin: str | None = None, env: dict[str, str] | None = None,

@@ -20,6 +20,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from ports import free_port  # noqa: E402  (tests/ports.py: a port range per xdist worker)
 
 DAEMONS = ("slurmctld", "slurmd", "srun", "sbatch", "scontrol", "scancel", "squeue", "sinfo")
 NODES = ("deepy-n1", "deepy-n2")
@@ -37,10 +38,7 @@ def missing_reason() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+_free_port = free_port
 
 
 class SlurmCluster:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +34,7 @@ from megatron.data.dummy_dataset import DummyDataset
 from megatron.interop.convert import export_to_hf, import_to_deepy
 from megatron.interop.deepy_checkpoint import read_full_checkpoint
 from megatron.interop.hf_model import build_gpt_model, fixed_batch
+from ports import free_port  # noqa: E402  (tests/ports.py: a port range per xdist worker)
 
 pytestmark = pytest.mark.slow
 
@@ -49,12 +49,6 @@ DP2_PLAIN = ("num_gpus=2", "model_parallel_size=1", "pipe_parallel_size=0", "zer
 ONE_RANK = ("num_gpus=1", "model_parallel_size=1", "pipe_parallel_size=0", "zero_optimization={stage: 1}")
 ZERO3 = ("num_gpus=1", "model_parallel_size=1", "pipe_parallel_size=0", "zero_optimization={stage: 3}")
 TRAIN = ("hidden_dropout=0.0", "train_iters=3", "lr_decay_iters=3", "save=ckpt", "checkpoint_factor=1", "log_dir=logs")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def deepy(tmp: Path, *overrides: str) -> subprocess.CompletedProcess[str]:

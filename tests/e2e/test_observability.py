@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ports import free_port  # noqa: E402  (tests/ports.py: a port range per xdist worker)
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "unit"))
@@ -48,12 +48,6 @@ OBSERVE = {
     "log_optimizer_states": True, "profile": True, "profile_step_start": 2, "profile_step_stop": 3,
     "save": "ckpt", "load": "ckpt", "checkpoint_factor": 3,
 }  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def deepy(tmp: Path, config: dict, *extra: str) -> subprocess.CompletedProcess[str]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 import pytest
 
 from megatron.mpu import build_topology
+from ports import free_port  # noqa: E402  (tests/ports.py: a port range per xdist worker)
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).with_name("golden_losses.json")
@@ -83,12 +83,6 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     # torch.compile of every block (inductor on CPU) keeps the numbers within tolerance
     "single_compiled": {"num_gpus": 1, "compile_layers": True},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def deepy(config: dict[str, Any], tmp: Path, *extra: str, timeout: int = 400) -> subprocess.CompletedProcess[str]:

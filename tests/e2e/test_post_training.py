@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from ports import free_port  # noqa: E402  (tests/ports.py: a port range per xdist worker)
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -117,12 +117,6 @@ def kto_paths(root: Path, valid: bool = True) -> dict[str, Any]:
                  f"{split}_label_data_paths": [f"{base}_label_document"],
                  f"{split}_reward_data_paths": [f"{base}_reward_document"]}
     return keys
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run(tmp: Path, name: str, config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -291,8 +285,13 @@ def test_reward_model_learns_and_keeps_its_head(rm_single: dict[str, Any]) -> No
     rows = rm_single["rows"]
     assert last(rows, "eval/rm/accuracy") > 0.9, [r for r in rows if "eval/rm/accuracy" in r]
     assert last(rows, "eval/rm/margin") > 0
-    states = torch.load(rm_single["ckpt"] / f"global_step{LEARN_STEPS}" / "mp_rank_00_model_states.pt",
-                        map_location="cpu", weights_only=False)["module"]
+    from megatron.checkpointing.neox_files import canonical_rank_weights
+    from megatron.checkpointing.neox_layout import NeoxNames
+
+    ckpt = rm_single["ckpt"] / f"global_step{LEARN_STEPS}"
+    names = NeoxNames.from_args(json.loads((ckpt / "deepy_meta.json").read_text())["args"])
+    # GPT-NeoX's layout (sequential.<L+4>.value_head.weight), read back under the model's own names
+    states = canonical_rank_weights(ckpt, names, tp=1, tp_rank=0, pipeline=False)
     assert states["value_head.weight"].shape == (1, 64) and not any(k.startswith("output_layer") for k in states)
 
 
