@@ -33,20 +33,3 @@ def local_setup_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "configs").symlink_to(REPO / "configs")
     return root
 
-
-# --- how the suite is spread over pytest-xdist's workers (pytest.ini: -n 2 --dist loadgroup) ----
-# Each test file is one group, so a module-scoped fixture (a training run many tests read) runs once,
-# on one worker. Files that share a session fixture form one group, so it runs once as well.
-SHARED_SESSION_FIXTURES = {
-    # conftest.py's two_runs_at_once: the uninterrupted reference curve of every launcher test
-    "tests/e2e/test_launch_lifecycle.py": "launch_reference",
-    "tests/e2e/test_slurm.py": "launch_reference",
-    "tests/e2e/test_mpi.py": "launch_reference",
-}
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(SHARED_SESSION_FIXTURES.get(path, path)))
