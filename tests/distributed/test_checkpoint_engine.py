@@ -22,7 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from ports import free_port  # noqa: E402  (tests/ports.py: a port range per xdist worker)
 
 REPO = Path(__file__).resolve().parents[2]
 GLOBAL_BATCH = 8
@@ -145,7 +144,11 @@ def kill_before_commit(step: int | None) -> Callable[[int], None] | None:
 
 
 # --- the launcher (runs in pytest) ----------------------------------------------------------------
-_free_port = free_port
+def _free_port() -> int:
+    # imported here: the ranks re-import this module in processes whose sys.path lacks tests/
+    from ports import free_port  # tests/ports.py: a port range per xdist worker
+
+    return free_port()
 
 
 def launch(world: int, *worker_args: str, env: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
