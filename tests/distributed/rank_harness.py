@@ -30,6 +30,25 @@ def record_checks(checks: Mapping[str, Callable[[], None]]) -> dict[str, str]:
     return results
 
 
+def run_tp_checks(rank: int, out_dir: str, world: int, checks: Mapping[str, Callable[[], None]]) -> None:
+    """A rank of a pure tensor-parallel group of ``world`` gloo ranks: join, run ``checks``, report."""
+    import faulthandler
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron.mpu import initialize_model_parallel
+
+    faulthandler.enable()  # a native crash prints the Python stack
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(out_dir, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    initialize_model_parallel(world, 1)
+    finish_rank(out_dir, rank, record_checks(checks))
+
+
 def finish_rank(out_dir: str, rank: int, results: dict[str, str]) -> None:
     """Write this rank's results, then leave without interpreter teardown (see exit_process)."""
     from megatron.initialize import exit_process

@@ -7,15 +7,12 @@ One spawn runs every check; each is reported as its own test.
 
 from __future__ import annotations
 
-import faulthandler
-import os
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from rank_harness import finish_rank, record_checks, run_ranks
+from rank_harness import run_ranks, run_tp_checks
 
 WORLD = 2
 SEED = 5
@@ -109,14 +106,7 @@ CHECKS = {
 
 
 def _rank_main(rank: int, out_dir: str) -> None:
-    faulthandler.enable()
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(out_dir, "store"), WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
-    from megatron.mpu import initialize_model_parallel
-
-    initialize_model_parallel(WORLD, 1)
-    finish_rank(out_dir, rank, record_checks(CHECKS))
+    run_tp_checks(rank, out_dir, WORLD, CHECKS)
 
 
 @pytest.fixture(scope="module")

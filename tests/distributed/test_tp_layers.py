@@ -6,16 +6,13 @@ JSON file and each check is reported as its own test.
 
 from __future__ import annotations
 
-import faulthandler
-import os
-from datetime import timedelta
 from typing import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from rank_harness import finish_rank, record_checks, run_ranks
+from rank_harness import run_ranks, run_tp_checks
 
 WORLD = 2
 SEED = 11
@@ -291,14 +288,7 @@ CHECKS: dict[str, Callable[[], None]] = {
 
 
 def _rank_main(rank: int, out_dir: str) -> None:
-    faulthandler.enable()  # a native crash prints the Python stack
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(out_dir, "store"), WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
-    from megatron.mpu import initialize_model_parallel
-
-    initialize_model_parallel(WORLD, 1)
-    finish_rank(out_dir, rank, record_checks(CHECKS))
+    run_tp_checks(rank, out_dir, WORLD, CHECKS)
 
 
 @pytest.fixture(scope="module")
