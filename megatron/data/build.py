@@ -203,7 +203,7 @@ def _components_for_split(config: DataConfig, split: str) -> list[Component] | N
         roles = {"text": p}
         if labels:
             roles["label"] = labels[i]
-        if rewards and config.train_impl == "kto":
+        if rewards and config.objective_dataset == "reward":
             roles["reward"] = rewards[i]
         comps.append(Component(roles))
     return comps
@@ -221,7 +221,7 @@ def _train_samples_from_epochs(builder: _Builder, comps: list[Component], epochs
 def _dummy_kind(config: DataConfig) -> str:
     if config.wants_pairs:
         return "pairwise"
-    return "reward" if config.train_impl == "kto" else "lm"
+    return "reward" if config.objective_dataset == "reward" else "lm"
 
 
 def _check_matches_train_impl(config: DataConfig, per_split: dict[str, list[Component] | None]) -> None:
@@ -233,8 +233,8 @@ def _check_matches_train_impl(config: DataConfig, per_split: dict[str, list[Comp
                 raise ConfigError(f"train_impl={impl}/dataset_impl=pairwise needs preference pairs: set "
                                   f"pos_{split}_data_paths and neg_{split}_data_paths (written by "
                                   "tools/datasets/preprocess_data_with_mask.py --mode pairwise)")
-            if impl == "kto" and "reward" not in c.roles:
-                raise ConfigError(f"train_impl=kto needs {split}_reward_data_paths next to {split}_data_paths "
+            if config.objective_dataset == "reward" and "reward" not in c.roles:
+                raise ConfigError(f"train_impl={impl} needs {split}_reward_data_paths next to {split}_data_paths "
                                   "(written by tools/datasets/preprocess_data_with_mask.py --mode reward)")
 
 

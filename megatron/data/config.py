@@ -63,7 +63,14 @@ class DataConfig:
     @property
     def wants_pairs(self) -> bool:
         """Chosen/rejected pairs (DPO, reward models) rather than single texts."""
-        return self.dataset_impl == "pairwise" or self.train_impl in ("dpo", "rm")
+        return self.dataset_impl == "pairwise" or self.objective_dataset == "pairwise"
+
+    @property
+    def objective_dataset(self) -> str:
+        """What the objective reads (its plug-in's ``needs``): ``lm``, ``pairwise`` or ``reward``."""
+        from megatron.training.objectives.registry import needs_of
+
+        return needs_of(self.train_impl).dataset
 
     @classmethod
     def of(cls, **keys: Any) -> DataConfig:
@@ -103,5 +110,12 @@ class DataConfig:
             validation_urls=args.validation_urls,
             cache_dir=args.cache_dir,
             mmap_warmup=args.mmap_warmup,
-            reference_model=args.reference_logps if args.train_impl == "dpo" else None,
+            reference_model=args.reference_logps if _reads_reference_files(args.train_impl) else None,
         )
+
+
+def _reads_reference_files(train_impl: str) -> bool:
+    """Objectives whose reference log-probs may come from files written next to the data (DPO)."""
+    from megatron.training.objectives.registry import needs_of
+
+    return needs_of(train_impl).reference and needs_of(train_impl).dataset == "pairwise"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from megatron.errors import ConfigError
 
@@ -57,7 +57,16 @@ class JsonlSettings:
     type: Literal["jsonl"] = "jsonl"
 
 
-TrackerSettings = WandbSettings | TensorboardSettings | JsonlSettings
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PluginTrackerSettings:
+    """A plug-in tracker's ``tracker:`` entry, as the block model its plug-in declares validated it."""
+
+    type: str
+    block: Any
+    source: str = "tracker"
+
+
+TrackerSettings = WandbSettings | TensorboardSettings | JsonlSettings | PluginTrackerSettings
 
 # the Python package each tracker type imports, for the pre-launch check
 TRACKER_PACKAGES: dict[str, str] = {"wandb": "wandb", "tensorboard": "tensorboard"}
@@ -183,6 +192,8 @@ def tracker_settings(args: NeoXArgs) -> tuple[TrackerSettings, ...]:
                 )
             logdir = block.logdir or args.tensorboard_dir or os.path.join(args.log_dir or ".", "tensorboard")
             out.append(TensorboardSettings(logdir=logdir, source="tracker"))
+        else:
+            out.append(PluginTrackerSettings(type=block.type, block=block))
     if args.use_wandb and not any(t.type == "wandb" for t in out):
         out.append(WandbSettings(
             project=args.wandb_project, entity=args.wandb_team, name=args.wandb_run_name,

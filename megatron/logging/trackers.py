@@ -26,10 +26,52 @@ import string
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from megatron import plugins
 from megatron.logging.config import JsonlSettings, TensorboardSettings, TrackerSettings, WandbSettings
 from megatron.logging.metrics import MetricsWriter
+
+# ---- the ``tracker:`` entries of Deepy's own trackers (a plug-in tracker declares its own) ----------
+class TrackerBlock(BaseModel):
+    """Base of a ``tracker:`` entry: its ``type`` and the tracker's own fields, nothing else."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class WandbTrackerArgs(TrackerBlock):
+    """``tracker: {type: wandb, ...}`` (Levanter's spelling of the W&B keys)."""
+
+    type: Literal["wandb"] = "wandb"
+    project: str | None = None
+    """W&B project; unset means wandb_project."""
+    entity: str | None = None
+    """W&B entity (team or user); unset means wandb_team."""
+    name: str | None = None
+    """Display name of the run; unset means wandb_run_name."""
+    group: str | None = None
+    """W&B group; unset means wandb_group."""
+    tags: list[str] = Field(default_factory=list)
+    """Tags attached to the run."""
+    notes: str | None = None
+    """Free-text notes attached to the run."""
+    mode: Literal["online", "offline", "disabled"] | None = None
+    """W&B mode; unset means WANDB_MODE from the environment, else online."""
+    host: str | None = None
+    """W&B server URL; unset means wandb_host."""
+    id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]+$")
+    """W&B run id of a new run (Levanter's trainer.id); a resumed run keeps its checkpoint's id."""
+
+
+class TensorboardTrackerArgs(TrackerBlock):
+    """``tracker: {type: tensorboard, logdir: ...}``."""
+
+    type: Literal["tensorboard"] = "tensorboard"
+    logdir: str | None = None
+    """Directory of the event files; unset means tensorboard_dir, else <log_dir>/tensorboard."""
+
 
 
 class Tracker(Protocol):
@@ -151,12 +193,20 @@ class WandbTracker:
 
 TrackerFactory = Callable[[Any, TrackerContext, str | None], Tracker]
 
-TRACKERS: dict[str, TrackerFactory] = {
-    "jsonl": lambda s, ctx, log_dir: JsonlTracker(s, ctx),
-    "tensorboard": lambda s, ctx, log_dir: TensorboardTracker(s, ctx),
-    "wandb": lambda s, ctx, log_dir: WandbTracker(s, ctx, log_dir),
-}
-"""Tracker type (the config's ``type`` string) -> constructor."""
+plugins.declare("tracker", "wandb", f"{__name__}:WandbTracker", block=WandbTrackerArgs)
+plugins.declare("tracker", "tensorboard", f"{__name__}:_tensorboard", block=TensorboardTrackerArgs)
+
+
+def _tensorboard(settings: TensorboardSettings, ctx: TrackerContext, log_dir: str | None) -> Tracker:
+    return TensorboardTracker(settings, ctx)
+
+
+def _factory(settings: TrackerSettings) -> TrackerFactory:
+    """The constructor of a tracker: metrics.jsonl is built in (on whenever ``log_dir`` is set, no
+    ``tracker:`` entry); every other type is a plug-in."""
+    if settings.type == "jsonl":
+        return lambda s, ctx, log_dir: JsonlTracker(s, ctx)
+    return plugins.get("tracker", settings.type).resolve()
 
 
 def runs_on(settings: TrackerSettings, ctx: TrackerContext) -> bool:
@@ -187,7 +237,7 @@ class Trackers:
 
 
 def build_trackers(settings: tuple[TrackerSettings, ...], ctx: TrackerContext, log_dir: str | None) -> Trackers:
-    return Trackers([TRACKERS[s.type](s, ctx, log_dir) for s in settings if runs_on(s, ctx)])
+    return Trackers([_factory(s)(s, ctx, log_dir) for s in settings if runs_on(s, ctx)])
 
 
 def new_run_name(now: float | None = None) -> str:

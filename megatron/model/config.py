@@ -287,6 +287,8 @@ class GPTConfig:
         known (``with_vocab``). Kernel-selection hints (``bias_gelu_fusion``, ...) are not read:
         they choose kernels, not maths (see ``megatron.neox_arguments.honesty.NO_EFFECT_KEYS``).
         """
+        from megatron.training.objectives.registry import needs_of
+
         precision = args.precision or "fp32"
         return cls(
             num_layers=_required(args.num_layers, "num_layers"),
@@ -320,7 +322,7 @@ class GPTConfig:
             gpt_j_residual=args.gpt_j_residual,
             gpt_j_tied=args.gpt_j_tied,
             no_weight_tying=args.no_weight_tying,
-            value_head=args.train_impl == "rm",
+            value_head=needs_of(args.train_impl).value_head,
             init_method=args.init_method,
             output_layer_init_method=args.output_layer_init_method,
             init_method_std=args.init_method_std,

@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
+from megatron import plugins
 from megatron.errors import ConfigError
 from megatron.neox_arguments.groups.deepspeed_config import DeepSpeedConfigArgs
 from megatron.neox_arguments.groups.deepspeed_runner import DeepSpeedRunnerArgs
 from megatron.neox_arguments.groups.logging import LoggingArgs
 from megatron.neox_arguments.groups.lora import LoRAArgs
-from megatron.neox_arguments.groups.lr import LRSchedulerArgs
+from megatron.training.lr_config import LRSchedulerArgs
 from megatron.neox_arguments.groups.model import ModelArgs
 from megatron.neox_arguments.groups.moe import MoEArgs
 from megatron.neox_arguments.groups.optimizer import OptimizerArgs
@@ -32,8 +33,9 @@ from megatron.neox_arguments.groups.support import UNSUPPORTED_ATTENTION_TYPES, 
 from megatron.neox_arguments.groups.textgen import TextgenArgs
 from megatron.neox_arguments.groups.tokenizer import TokenizerArgs
 from megatron.neox_arguments.groups.training import TrainingArgs
-from megatron.neox_arguments.schema import ArgGroup
-from megatron.neox_arguments.schema import is_supported as _field_is_supported
+from megatron.config_schema import ArgGroup
+from megatron.config_schema import is_supported as _field_is_supported
+from megatron.plugins import PluginArgs
 
 # Short group names (the module names under groups/) in documentation order.
 GROUPS: dict[str, type[ArgGroup]] = {
@@ -50,7 +52,10 @@ GROUPS: dict[str, type[ArgGroup]] = {
     "other": OtherArgs,
     "deepspeed_config": DeepSpeedConfigArgs,
     "deepspeed_runner": DeepSpeedRunnerArgs,
+    "plugins": PluginArgs,
 }
+"""The groups every run has; each registered plug-in adds its own keys as a group named
+``family:name`` (``train_impl:dpo``), see :func:`schema_class`."""
 
 
 def _owner_map(groups: Mapping[str, type[ArgGroup]]) -> dict[str, str]:
@@ -68,10 +73,7 @@ def _owner_map(groups: Mapping[str, type[ArgGroup]]) -> dict[str, str]:
     return owner
 
 
-_OWNER: dict[str, str] = _owner_map(GROUPS)
-
-
-class NeoXArgs(
+class _Arguments(
     ParallelismArgs,
     ModelArgs,
     OptimizerArgs,
@@ -85,26 +87,36 @@ class NeoXArgs(
     OtherArgs,
     DeepSpeedConfigArgs,
     DeepSpeedRunnerArgs,
+    PluginArgs,
 ):
     """All argument groups joined into one flat model (GPT-NeoX's 318 keys plus Deepy's extras).
 
     Instances are mutable on purpose: runtime values such as ``padded_vocab_size`` and
-    ``iteration`` are assigned on the object while training runs.
+    ``iteration`` are assigned on the object while training runs. :data:`NeoXArgs` is this class
+    joined with the keys of Deepy's own plug-ins; :func:`schema_class` adds a user's.
     """
+
+    _groups: ClassVar[dict[str, type[ArgGroup]]] = GROUPS
+    _owner: ClassVar[dict[str, str]] = _owner_map(GROUPS)
+
+    @classmethod
+    def groups(cls) -> dict[str, type[ArgGroup]]:
+        """Group name -> group class, the fixed groups first, then the plug-ins'."""
+        return dict(cls._groups)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         """Every key, in group order."""
-        return tuple(_OWNER)
+        return tuple(cls._owner)
 
     @classmethod
     def has_field(cls, name: str) -> bool:
-        return name in _OWNER
+        return name in cls._owner
 
     @classmethod
     def group_of(cls, name: str) -> str:
         """Short name of the group declaring ``name`` (``"model"``, ``"deepspeed_runner"``, ...)."""
-        return _OWNER[cls._known(name)]
+        return cls._owner[cls._known(name)]
 
     @classmethod
     def doc_of(cls, name: str) -> str:
@@ -129,15 +141,43 @@ class NeoXArgs(
     @classmethod
     def suggest(cls, name: str) -> list[str]:
         """Closest known keys to a misspelt ``name``, best first."""
-        return difflib.get_close_matches(name.replace("-", "_"), _OWNER, n=3, cutoff=0.6)
+        return difflib.get_close_matches(name.replace("-", "_"), cls._owner, n=3, cutoff=0.6)
 
     @classmethod
     def _known(cls, name: str) -> str:
-        if name not in _OWNER:
+        if name not in cls._owner:
             hint = cls.suggest(name)
             fix = f"did you mean {', '.join(hint)}?" if hint else "see configs/neox_arguments.md"
             raise ConfigError(f"unknown config key {name!r}: {fix}")
         return name
+
+
+def _compose(base: type[_Arguments], extra: list[tuple[str, type[ArgGroup]]]) -> type[_Arguments]:
+    groups = {**base._groups, **dict(extra)}
+    namespace = {"__module__": __name__, "__qualname__": "NeoXArgs", "__doc__": _Arguments.__doc__,
+                 "_groups": groups, "_owner": _owner_map(groups)}
+    return type("NeoXArgs", (base, *(group for _, group in extra)), namespace)
+
+
+plugins.load_builtins()
+_BUILTIN_PLUGIN_GROUPS = plugins.key_groups()
+NeoXArgs = _compose(_Arguments, _BUILTIN_PLUGIN_GROUPS)
+"""The argument object of every run: the fixed groups plus the keys of Deepy's own plug-ins."""
+
+_COMPOSED: dict[tuple[type[ArgGroup], ...], type[_Arguments]] = {}
+
+
+def schema_class() -> type[_Arguments]:
+    """:data:`NeoXArgs`, joined with the keys of every plug-in registered since (a user's
+    ``plugins:``); the same class for the same plug-ins."""
+    known = {group for _, group in _BUILTIN_PLUGIN_GROUPS}
+    extra = [(name, group) for name, group in plugins.key_groups() if group not in known]
+    if not extra:
+        return NeoXArgs
+    key = tuple(group for _, group in extra)
+    if key not in _COMPOSED:
+        _COMPOSED[key] = _compose(NeoXArgs, extra)
+    return _COMPOSED[key]
 
 
 def check_supported(args: Mapping[str, Any] | BaseModel) -> list[str]:
@@ -153,7 +193,7 @@ def check_supported(args: Mapping[str, Any] | BaseModel) -> list[str]:
     offending: list[str] = []
     for raw_key, value in items:
         key = raw_key.replace("-", "_")
-        if key not in _OWNER:
+        if not NeoXArgs.has_field(key):
             continue
         if not NeoXArgs.is_supported(key):
             if value != NeoXArgs.default_of(key):

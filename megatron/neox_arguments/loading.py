@@ -27,9 +27,32 @@ if TYPE_CHECKING:
 
 
 def default_schema() -> type[BaseModel]:
-    from megatron.neox_arguments.arguments import NeoXArgs
+    """The argument class, with the keys of every plug-in imported so far."""
+    from megatron.neox_arguments.arguments import schema_class
 
-    return NeoXArgs
+    return schema_class()
+
+
+def load_plugins_named_in(paths: Sequence[str], overrides: Sequence[str], conf_dir: str | None) -> list[str] | None:
+    """Import the plug-ins a config names (``plugins:`` in a file or an override) before its keys are
+    checked: their keys and registry names are part of the schema the rest is validated against.
+    Returns them as every rank finds them (``.py`` files as absolute paths), None when none are named."""
+    from megatron.plugins import load_user_plugins
+
+    found: list[str] | None = None
+    for name in paths:
+        path = resolve_config_path(name, conf_dir)
+        data = load_yaml_file(path, {})
+        if isinstance(data, LocatedDict) and "plugins" in data:
+            specs = plain(data["plugins"])
+            if not isinstance(specs, list) or not all(isinstance(spec, str) for spec in specs):
+                raise ConfigError(f"plugins at {data.where('plugins')} must be a list of module names or .py files")
+            found = load_user_plugins(specs, where=data.where("plugins"),
+                                      base_dir=os.path.dirname(os.path.abspath(path)))
+    for override in parse_overrides(overrides):
+        if override.path == ("plugins",) and isinstance(override.value, list):
+            found = load_user_plugins(override.value, where="command line")
+    return found
 
 
 def resolve_config_path(name: str, conf_dir: str | None = None) -> str:
@@ -262,11 +285,14 @@ def load_config(
                               dialect=translation.record())
     if not paths:
         raise ConfigError("no config file given; pass at least one .yml file (e.g. configs/125M.yml)")
+    plugin_specs = load_plugins_named_in(paths, overrides, conf_dir)
     schema = default_schema()
     names = list(schema.model_fields)
     values, provenance, texts = read_config_files(paths, names, conf_dir)
     apply_overrides(values, provenance, parse_overrides(overrides), names, lambda key: field_default(schema, key))
     args = build_args(values, provenance, schema)
+    if plugin_specs is not None:
+        args.plugins = plugin_specs  # the ranks import the same files whatever their working directory
     if "config_files" in schema.model_fields and "config_files" not in values:
         # GPT-NeoX keeps the original file texts in the arguments (they end up in checkpoints)
         args.config_files = dict(texts)
@@ -276,6 +302,10 @@ def load_config(
 def config_from_mapping(values: Mapping[str, Any], source: str = "<mapping>") -> ResolvedConfig:
     """A config given as a Python mapping (tools, tests, notebooks): the same structure checks as a
     file — unknown keys with suggestions, key spellings, types — with ``source`` as its provenance."""
+    if isinstance(values.get("plugins"), list):  # other values: the type check below reports them
+        from megatron.plugins import load_user_plugins
+
+        load_user_plugins(values["plugins"], where=source)
     schema = default_schema()
     names = list(schema.model_fields)
     known = set(names)

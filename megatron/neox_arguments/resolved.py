@@ -70,7 +70,8 @@ def load_resolved(path: str | os.PathLike[str]) -> ResolvedConfig:
     """Read a file written by :meth:`ResolvedConfig.write` (what each rank does at start-up)."""
     from pydantic import ValidationError
 
-    from megatron.neox_arguments.arguments import NeoXArgs
+    from megatron.neox_arguments.arguments import schema_class
+    from megatron.plugins import load_user_plugins
 
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -85,8 +86,11 @@ def load_resolved(path: str | os.PathLike[str]) -> ResolvedConfig:
             f"{path} has resolved-config version {data.get('version')!r}, this Deepy reads version "
             f"{FORMAT_VERSION}; run deepy.py again to rewrite it"
         )
+    stored = data.get("args") or {}
+    load_user_plugins(stored.get("plugins") or [], where=str(path))
+    schema = schema_class()
     try:
-        args = NeoXArgs.model_validate(_changed_only(NeoXArgs, data.get("args") or {}))
+        args = schema.model_validate(_changed_only(schema, stored))
     except ValidationError as err:
         raise ConfigError(f"{path}: the stored arguments no longer match the schema: {err}") from err
     return ResolvedConfig(

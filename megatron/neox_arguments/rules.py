@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from megatron import plugins
 from megatron.logging.preflight import logging_problems
 from megatron.neox_arguments.provenance import CLI, DEFAULT, DERIVED
 
@@ -784,12 +785,6 @@ def moe_experts_split_evenly(ctx: RuleContext) -> list[str]:
 
 # ==== post-training objectives: train_impl vs its keys and its data ============================
 # (issue 9: label-masked SFT, DPO, KTO, reward models; implemented in megatron/training/objectives)
-_OBJECTIVE_ONLY_KEYS: dict[str, tuple[str, ...]] = {
-    # the other objectives read whole, unpacked documents: nothing to keep apart
-    "normal": ("reset_attention_mask", "reset_position_ids"),
-    "dpo": ("dpo_beta", "dpo_fp32", "dpo_reference_free"),
-    "kto": ("kto_beta", "kto_fp32", "kto_desirable_weight", "kto_undesirable_weight"),
-}
 _PAIRWISE_DATA_KEYS = tuple(f"{side}_{split}_data_paths" for side in ("pos", "neg") for split in SPLITS)
 _REWARD_DATA_KEYS = tuple(f"{split}_reward_data_paths" for split in SPLITS)
 
@@ -799,14 +794,38 @@ def _train_impl(ctx: RuleContext) -> str:
 
 
 @rule
+def plugin_keys_match_selection(ctx: RuleContext) -> list[str]:
+    """A plug-in's keys set while another plug-in of its family is selected would be silently
+    ignored: refuse them. The selected plug-in's own checks run here too."""
+    problems: list[str] = []
+    for family in PLUGIN_SELECTORS:
+        selected = str(ctx.get(family))
+        for plugin in plugins.of_family(family):
+            given = [key for key in (plugin.keys.model_fields if plugin.keys else ()) if ctx.given(key)]
+            if given and plugin.name != selected:
+                problems.append(f"{', '.join(ctx.show(k) for k in given)} only apply to {family}: {plugin.name} "
+                                f"({ctx.show(family)}): remove them or set {family}: {plugin.name}")
+        chosen = plugins.find(family, selected)
+        if chosen is not None and chosen.check is not None:
+            problems.extend(chosen.check(ctx.args, ctx.show))
+    return problems
+
+
+PLUGIN_SELECTORS = ("lr_decay_style", "train_impl")
+"""Flat keys that select a plug-in (tracker plug-ins are selected by their ``tracker:`` entry)."""
+
+
+@rule
 def objective_keys_match_train_impl(ctx: RuleContext) -> list[str]:
-    """Keys of one objective set while training another would be silently ignored: refuse them."""
+    """Keys shared by some objectives but not all, read only by those."""
     impl, problems = _train_impl(ctx), []
-    for owner, keys in _OBJECTIVE_ONLY_KEYS.items():
-        given = [key for key in keys if impl != owner and ctx.given(key)]
-        if given:
-            problems.append(f"{', '.join(ctx.show(k) for k in given)} only apply to train_impl: {owner} "
-                            f"({ctx.show('train_impl')}): remove them or set train_impl: {owner}")
+    needs = plugins.find("train_impl", impl)
+    documents = [key for key in ("reset_attention_mask", "reset_position_ids") if ctx.given(key)]
+    if documents and needs is not None and not needs.needs.get("documents"):
+        # the other objectives read whole, unpacked documents: nothing to keep apart
+        problems.append(f"{', '.join(ctx.show(k) for k in documents)} only apply to objectives reading packed "
+                        f"documents ({', '.join(p.name for p in plugins.of_family('train_impl') if p.needs.get('documents'))}; "
+                        f"{ctx.show('train_impl')}): remove them")
     if ctx.get("z_loss") and impl not in ("normal", "rm"):
         problems.append(f"{ctx.show('z_loss')} applies to language modelling and reward models, not to "
                         f"{ctx.show('train_impl')}: remove z_loss")
@@ -815,12 +834,6 @@ def objective_keys_match_train_impl(ctx: RuleContext) -> list[str]:
                "which no per-dataset file holds; KTO takes its reference from a frozen copy of the starting "
                "weights") if impl == "kto" else f"{ctx.show('train_impl')} has no reference model"
         problems.append(f"{ctx.show('reference_logps')} is read by train_impl dpo only ({why}): remove it")
-    if impl == "dpo" and ctx.get("dpo_reference_free") and ctx.get("reference_logps"):
-        problems.append(f"{ctx.show('dpo_reference_free')} and {ctx.show('reference_logps')} contradict each "
-                        "other: reference-free DPO reads no reference log-probs; keep one")
-    if impl == "rm" and ctx.get("eod_mask_loss"):
-        problems.append(f"{ctx.show('eod_mask_loss')} has no effect on a reward model (it scores whole "
-                        "responses; no token carries a loss): remove it")
     return problems
 
 

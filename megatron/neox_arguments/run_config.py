@@ -21,7 +21,8 @@ from megatron.model.config import GPTConfig
 from megatron.model.lora import LoRAConfig
 from megatron.mpu.config import ParallelConfig
 from megatron.tokenizer.config import TokenizerConfig
-from megatron.training.config import ActivationCheckpointConfig, LRConfig, OptimizerConfig, TrainingConfig
+from megatron.training.config import ActivationCheckpointConfig, OptimizerConfig, TrainingConfig
+from megatron.training.lr_config import LRSchedulerArgs
 from megatron.training.objectives.config import ObjectiveConfig
 
 if TYPE_CHECKING:
@@ -38,7 +39,8 @@ class RunConfig:
     data: DataConfig
     training: TrainingConfig
     optimizer: OptimizerConfig
-    lr: LRConfig
+    lr: LRSchedulerArgs
+    """The arguments themselves, as the LR schedule's keys (not a copy)."""
     activation_checkpointing: ActivationCheckpointConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
@@ -63,7 +65,7 @@ class RunConfig:
             data=DataConfig.from_args(args),
             training=TrainingConfig.from_args(args),
             optimizer=OptimizerConfig.from_args(args),
-            lr=LRConfig.from_args(args),
+            lr=args,
             activation_checkpointing=ActivationCheckpointConfig.from_args(args),
             checkpoint=CheckpointConfig.from_args(args),
             logging=LoggingConfig.from_args(args),

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from megatron import plugins
 from megatron.errors import ConfigError
-from megatron.training.lr_schedules import ScheduleSpec, cycle_starts_for, steps_of
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.arguments import NeoXArgs
@@ -102,73 +102,6 @@ class OptimizerConfig:
             raise ConfigError("no learning rate: set optimizer.params.lr (or lr)")
         weight_decay = block_wd if block_wd is not None else args.weight_decay
         return cls(kind=kind, type=shown, lr=lr, weight_decay=weight_decay, params=params)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LRConfig:
-    """The LR schedule keys; :meth:`spec` turns them into a :class:`ScheduleSpec` once the number of
-    training steps and the peak rate are known."""
-
-    decay_style: str = "linear"
-    decay_iters: int | None = None
-    decay_fraction_of_training: float | None = None
-    """``lr_decay_fraction``: decay over this share of train_iters instead of lr_decay_iters."""
-    min_lr: float = 0.0
-    min_lr_ratio: float | None = None
-    warmup: float = 0.01
-    cycles: int | list[int] | None = None
-    cycle_length: int | None = None
-    rewarmup: float = 0.0
-    decay_fraction: float | None = None
-    """Share of each cycle spent decaying (wsd cooldown)."""
-    override_lr_scheduler: bool = False
-    """On resume, use this config's schedule even where the checkpoint's differs."""
-    use_checkpoint_lr_scheduler: bool = False
-    """On resume, use the checkpoint's schedule even where this config's differs."""
-
-    def spec(self, train_iters: int, max_lr: float) -> ScheduleSpec:
-        """GPT-NeoX semantics: ``warmup`` is a fraction of ``lr_decay_iters`` (default train_iters),
-        ``min_lr`` an absolute floor; Deepy extras as documented in the schema."""
-        total = self.decay_iters or 0
-        if not total and self.decay_fraction_of_training is not None:
-            total = int(round(self.decay_fraction_of_training * train_iters))
-        total = total or train_iters
-        if total < 1:
-            raise ConfigError("the LR schedule needs lr_decay_iters or train_iters to be set (>= 1)")
-        min_lr = max_lr * self.min_lr_ratio if self.min_lr_ratio is not None else self.min_lr
-        starts = cycle_starts_for(total, self.cycles, self.cycle_length)
-        later_len = (starts[2] - starts[1]) if len(starts) > 2 else (total - starts[-1])
-        warmup_steps = steps_of(self.warmup, total)
-        return ScheduleSpec(
-            style=self.decay_style,
-            max_lr=max_lr,
-            min_lr=min_lr,
-            total_steps=total,
-            warmup_steps=warmup_steps,
-            rewarmup_steps=steps_of(self.rewarmup, later_len) if len(starts) > 1 else 0,
-            cycle_starts=starts,
-            decay_fraction=self.decay_fraction,
-            # inv/inv_sqrt continue the warmup's slope: lr * sqrt(W / (W + t)) is the classic
-            # inverse-square-root schedule when T is the warmup length
-            timescale=float(max(warmup_steps, 1)),
-        )
-
-    @classmethod
-    def from_args(cls, args: NeoXArgs) -> LRConfig:
-        return cls(
-            decay_style=args.lr_decay_style,
-            decay_iters=args.lr_decay_iters,
-            decay_fraction_of_training=args.lr_decay_fraction,
-            min_lr=args.min_lr,
-            min_lr_ratio=args.min_lr_ratio,
-            warmup=args.warmup,
-            cycles=args.cycles,
-            cycle_length=args.cycle_length,
-            rewarmup=args.rewarmup,
-            decay_fraction=args.decay_fraction,
-            override_lr_scheduler=args.override_lr_scheduler,
-            use_checkpoint_lr_scheduler=args.use_checkpoint_lr_scheduler,
-        )
 
 
 # DeepSpeed's ``activation_checkpointing`` block -> the GPT-NeoX flat key with the same meaning. DeepSpeed

@@ -43,7 +43,7 @@ from megatron.model import GPTConfig, GPTModel, pipeline_layer_specs
 from megatron.model.lora import LoRAAdapter, LoRAConfig, adapters_of, apply_lora
 from megatron.model.transformer_layer import TransformerLayer
 from megatron.mpu import experts as expert_parallel
-from megatron.training.config import ActivationCheckpointConfig, LRConfig
+from megatron.training.config import ActivationCheckpointConfig
 from megatron.training.lr_schedules import LRScheduler, SchedulePolicy
 from megatron.training.moe import MoETraining, build_moe_training, install_expert_parallel, keep_expert_shards
 from megatron.training.objectives import LMObjective, Objective, ObjectiveConfig, Reference
@@ -349,7 +349,7 @@ def build_engine(run: RunConfig, config: GPTConfig, train_iters: int, objective:
     model, is_pipe = build_model(config, run.parallel, run.activation_checkpointing, run.training.compile_layers,
                                  objective, run.lora, zero_init=ds_config if run.training.zero_init else None)
     spec = run.lr.spec(train_iters, run.optimizer.lr)
-    policy = lr_policy(run.lr)
+    policy = run.lr.resume_policy
     if run.optimizer.kind in DEEPSPEED_BUILT:
         # DeepSpeed builds it (it needs the engine's communication backend); our schedule wraps it
         ds_config["optimizer"] = deepspeed_optimizer_block(run.optimizer)
@@ -382,9 +382,3 @@ def build_engine(run: RunConfig, config: GPTConfig, train_iters: int, objective:
                   config=config, is_pipe=is_pipe, ds_config=ds_config,
                   moe=build_moe_training(model, config.num_layers, config.moe_num_experts), objective=objective,
                   adapters=adapters_of(model))
-
-
-def lr_policy(lr: LRConfig) -> SchedulePolicy:
-    if lr.use_checkpoint_lr_scheduler:
-        return "checkpoint"
-    return "config" if lr.override_lr_scheduler else "strict"

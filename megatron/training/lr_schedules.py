@@ -29,21 +29,26 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from megatron import plugins
+from megatron.config_schema import ArgGroup
 from megatron.errors import ConfigError
 
 # A decay shape maps progress through the decay phase (0 at its start, 1 at its end) and the
 # number of steps already spent decaying to a multiplier of max_lr before the min_lr floor.
 DecayShape = Callable[[float, int, "ScheduleSpec"], float]
 
-DECAY_SHAPES: dict[str, DecayShape] = {}
 
 
-def register_decay(name: str) -> Callable[[DecayShape], DecayShape]:
-    def add(fn: DecayShape) -> DecayShape:
-        DECAY_SHAPES[name] = fn
-        return fn
+def register_decay(
+    name: str, *, keys: type[ArgGroup] | None = None, check: plugins.Check | None = None
+) -> Callable[[DecayShape], DecayShape]:
+    """Register a decay shape as the ``lr_decay_style`` plug-in ``name``; its ``keys`` (read by the
+    shape from ``spec.options``) join the config."""
+    return plugins.register("lr_decay_style", name, keys=keys, check=check)
 
-    return add
+
+def decay_shape(style: str) -> DecayShape:
+    return plugins.get("lr_decay_style", style).resolve()
 
 
 @register_decay("constant")
@@ -90,7 +95,7 @@ WSD_DEFAULT_DECAY_FRACTION = 0.2
 
 @dataclass(frozen=True)
 class ScheduleSpec:
-    """Everything :func:`lr_at` needs; built from the config by ``LRConfig.spec``."""
+    """Everything :func:`lr_at` needs; built from the config by ``LRSchedulerArgs.spec``."""
 
     style: str
     max_lr: float
@@ -108,12 +113,14 @@ class ScheduleSpec:
     """Share of each cycle spent decaying; before it the rate stays at ``max_lr``."""
     timescale: float = 10_000.0
     """``T`` of the ``inv``/``inv_sqrt`` shapes, in steps."""
+    options: tuple[tuple[str, Any], ...] = ()
+    """The values of the style plug-in's own keys, ``(key, value)`` pairs (``option(key)``)."""
 
     def __post_init__(self) -> None:
-        if self.style not in DECAY_SHAPES:
+        if plugins.find("lr_decay_style", self.style) is None:
             raise ConfigError(
                 f"lr_decay_style: unknown schedule {self.style!r}; "
-                f"choose one of {sorted(DECAY_SHAPES)}"
+                f"choose one of {', '.join(plugins.names('lr_decay_style'))}"
             )
         if self.total_steps < 1:
             raise ConfigError(f"lr_decay_iters/train_iters: the schedule needs >= 1 step, got {self.total_steps}")
@@ -123,6 +130,10 @@ class ScheduleSpec:
             raise ConfigError(f"decay_fraction={self.decay_fraction} must be within [0, 1]")
         if self.timescale <= 0:
             raise ConfigError(f"timescale={self.timescale} must be positive")
+
+    def option(self, key: str) -> Any:
+        """The value of the style plug-in's key ``key``."""
+        return dict(self.options)[key]
 
     @property
     def effective_decay_fraction(self) -> float | None:
@@ -166,7 +177,7 @@ def _within_cycle(spec: ScheduleSpec, index: int, start: int, length: int, step:
         return spec.max_lr
     steps_decayed = step - decay_start
     progress = min(steps_decayed / decay_len, 1.0)
-    scale = DECAY_SHAPES[spec.style](progress, steps_decayed, spec)
+    scale = decay_shape(spec.style)(progress, steps_decayed, spec)
     return max(spec.max_lr * scale, spec.min_lr)
 
 
@@ -280,12 +291,14 @@ class LRScheduler:
 def spec_to_dict(spec: ScheduleSpec) -> dict[str, Any]:
     data = dataclasses.asdict(spec)
     data["cycle_starts"] = list(spec.cycle_starts)
+    data["options"] = [list(pair) for pair in spec.options]
     return data
 
 
 def spec_from_dict(data: dict[str, Any]) -> ScheduleSpec:
     values = dict(data)
     values["cycle_starts"] = tuple(values.get("cycle_starts", (0,)))
+    values["options"] = tuple((str(k), v) for k, v in values.get("options", ()))
     return ScheduleSpec(**values)
 
 

@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from megatron.errors import ConfigError
+from megatron import plugins
 from megatron.training.lr_schedules import (
-    DECAY_SHAPES,
     LRScheduler,
     ScheduleSpec,
     cycle_starts_for,
     lr_at,
 )
 from megatron.neox_arguments import config_from_mapping
-from megatron.training.config import LRConfig
+from megatron.training.lr_config import LRSchedulerArgs
 
 
 def approx(x: float) -> object:
@@ -24,7 +24,7 @@ def approx(x: float) -> object:
 
 
 def test_registry_has_neox_and_levanter_styles() -> None:
-    assert {"constant", "linear", "cosine", "exponential", "inv_sqrt", "inv", "wsd"} <= set(DECAY_SHAPES)
+    assert {"constant", "linear", "cosine", "exponential", "inv_sqrt", "inv", "wsd"} <= set(plugins.names("lr_decay_style"))
 
 
 def test_warmup_is_linear_from_zero_and_reaches_max() -> None:
@@ -122,11 +122,11 @@ def test_bad_specs_are_config_errors() -> None:
         ScheduleSpec("linear", max_lr=1.0, min_lr=2.0, total_steps=10)
 
 
-def _lr(**kw: object) -> LRConfig:
+def _lr(**kw: object) -> LRSchedulerArgs:
     """The schedule keys through the real loader."""
     values = dict(lr_decay_style="cosine", warmup=0.01)
     values.update(kw)
-    return LRConfig.from_args(config_from_mapping(values).args)
+    return config_from_mapping(values).args
 
 
 def test_spec_from_neox_args() -> None:
@@ -163,11 +163,9 @@ def test_resuming_with_another_schedule_follows_the_override_keys() -> None:
     assert kept.spec == saved and kept.get_last_lr() == [approx(lr_at(saved, 3))]
     assert _resumed(saved, saved, "strict").num_steps == 3  # same schedule: nothing to decide
     # the keys choose the policy
-    from megatron.training.engine import lr_policy
-
-    assert lr_policy(_lr()) == "strict"
-    assert lr_policy(_lr(override_lr_scheduler=True)) == "config"
-    assert lr_policy(_lr(use_checkpoint_lr_scheduler=True)) == "checkpoint"
+    assert _lr().resume_policy == "strict"
+    assert _lr(override_lr_scheduler=True).resume_policy == "config"
+    assert _lr(use_checkpoint_lr_scheduler=True).resume_policy == "checkpoint"
 
 
 def test_scheduler_sets_param_groups_and_resumes() -> None:

@@ -25,7 +25,7 @@ V = 13  # vocabulary of the stub models
 
 
 def _objective(train_impl: str, **kw: object):  # noqa: ANN202
-    return build_objective(ObjectiveConfig(train_impl=train_impl, **kw), eod_token=0)  # type: ignore[arg-type]
+    return build_objective(ObjectiveConfig.of(train_impl, **kw), eod_token=0)  # type: ignore[arg-type]
 
 
 def _targets(batch, reference: torch.Tensor | None = None, denominator: float = 1.0):  # noqa: ANN001, ANN202

@@ -1,1 +1,1 @@
-"""One :class:`~megatron.neox_arguments.schema.ArgGroup` subclass per GPT-NeoX argument group."""
+"""One :class:`~megatron.config_schema.ArgGroup` subclass per GPT-NeoX argument group."""

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from megatron.neox_arguments.groups.optimizer_block import OptimizerBlock
-from megatron.neox_arguments.schema import ArgGroup, not_supported
+from megatron.config_schema import ArgGroup, not_supported
 
 
 class DeepSpeedConfigArgs(ArgGroup):

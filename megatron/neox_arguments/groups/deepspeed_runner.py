@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from megatron.neox_arguments.schema import ArgGroup, not_supported
+from megatron.config_schema import ArgGroup, not_supported
 
 
 class DeepSpeedRunnerArgs(ArgGroup):

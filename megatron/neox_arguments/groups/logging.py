@@ -8,50 +8,25 @@ them), validated as a union discriminated by ``type``.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field, field_validator
 
-from megatron.neox_arguments.schema import ArgGroup, not_supported
-
-
-class _TrackerArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+from megatron import plugins
+from megatron.config_schema import ArgGroup, not_supported
 
 
-class WandbTrackerArgs(_TrackerArgs):
-    """``tracker: {type: wandb, ...}`` (Levanter's spelling of the W&B keys)."""
-
-    type: Literal["wandb"] = "wandb"
-    project: str | None = None
-    """W&B project; unset means wandb_project."""
-    entity: str | None = None
-    """W&B entity (team or user); unset means wandb_team."""
-    name: str | None = None
-    """Display name of the run; unset means wandb_run_name."""
-    group: str | None = None
-    """W&B group; unset means wandb_group."""
-    tags: list[str] = Field(default_factory=list)
-    """Tags attached to the run."""
-    notes: str | None = None
-    """Free-text notes attached to the run."""
-    mode: Literal["online", "offline", "disabled"] | None = None
-    """W&B mode; unset means WANDB_MODE from the environment, else online."""
-    host: str | None = None
-    """W&B server URL; unset means wandb_host."""
-    id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]+$")
-    """W&B run id of a new run (Levanter's trainer.id); a resumed run keeps its checkpoint's id."""
-
-
-class TensorboardTrackerArgs(_TrackerArgs):
-    """``tracker: {type: tensorboard, logdir: ...}``."""
-
-    type: Literal["tensorboard"] = "tensorboard"
-    logdir: str | None = None
-    """Directory of the event files; unset means tensorboard_dir, else <log_dir>/tensorboard."""
-
-
-TrackerArgs = Annotated[WandbTrackerArgs | TensorboardTrackerArgs, Field(discriminator="type")]
+def tracker_block(entry: Any) -> BaseModel:
+    """One ``tracker:`` entry validated by the model its ``type``'s plug-in declares."""
+    if isinstance(entry, BaseModel):
+        return entry
+    if not isinstance(entry, dict) or "type" not in entry:
+        raise ValueError(f"a tracker entry is a mapping with a type ({', '.join(plugins.names('tracker'))}), "
+                         f"got {entry!r}")
+    plugins.validate_name("tracker", entry["type"])
+    block = plugins.get("tracker", entry["type"]).block
+    assert block is not None, f"tracker plug-in {entry['type']!r} declares no block"
+    return block.model_validate(entry)
 
 
 class LoggingArgs(ArgGroup):
@@ -62,9 +37,20 @@ class LoggingArgs(ArgGroup):
     read by wandb from WANDB_API_KEY or ~/.netrc, never from the config); unset means off (GPT-NeoX
     turns it on when wandb is logged in; Deepy uploads only when asked)."""
 
-    tracker: TrackerArgs | list[TrackerArgs] | None = None
+    tracker: Any = None
     """Levanter-style trackers: {type: wandb, project: ...}, {type: tensorboard, logdir: ...} or a
-    list of them, on top of metrics.jsonl; same effect as the GPT-NeoX keys (give one spelling)."""
+    list of them, on top of metrics.jsonl; same effect as the GPT-NeoX keys (give one spelling).
+    ``type`` is a registered tracker plug-in; each validates its own entry
+    (``megatron/logging/trackers.py``)."""
+
+    @field_validator("tracker", mode="before")
+    @classmethod
+    def _registered_trackers(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, list):
+            return [tracker_block(entry) for entry in value]
+        return tracker_block(value)
 
     wandb_group: str | None = None
     """W&B group that collects the runs of one experiment."""

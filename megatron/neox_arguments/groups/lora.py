@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from megatron.neox_arguments.schema import ArgGroup
+from megatron.config_schema import ArgGroup
 
 LoRATarget = Literal["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
 

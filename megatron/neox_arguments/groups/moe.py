@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import Field
 
 from megatron.neox_arguments.groups.support import partly_supported
-from megatron.neox_arguments.schema import ArgGroup
+from megatron.config_schema import ArgGroup
 
 
 class MoEArgs(ArgGroup):

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from megatron.neox_arguments.schema import ArgGroup, not_supported
+from megatron.config_schema import ArgGroup, not_supported
 
 OptimizerType = Literal[
     "adam",

@@ -1,6 +1,6 @@
 """Marks for fields that Deepy accepts only partly.
 
-:func:`megatron.neox_arguments.schema.not_supported` marks a whole field as "default only". Some
+:func:`megatron.config_schema.not_supported` marks a whole field as "default only". Some
 fields are supported except for a few of their values (``norm: te_rmsnorm`` needs Transformer
 Engine, ``train_impl: reinforce`` needs an online rollout server). Refusing those values is still a
 *support* question, not a type question: the value is a valid GPT-NeoX value, so the schema keeps it

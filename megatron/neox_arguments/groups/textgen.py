@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from megatron.neox_arguments.schema import ArgGroup
+from megatron.config_schema import ArgGroup
 
 
 class TextgenArgs(ArgGroup):

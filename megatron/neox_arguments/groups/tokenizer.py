@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from megatron.neox_arguments.schema import ArgGroup
+from megatron.config_schema import ArgGroup
 
 TokenizerType = Literal[
     "GPT2BPETokenizer",

@@ -12,7 +12,9 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from megatron.neox_arguments.groups.support import partly_supported
-from megatron.neox_arguments.schema import ArgGroup, not_supported
+from megatron import plugins
+from megatron.config_schema import ArgGroup, not_supported
+from megatron.training.objectives.registry import NOT_BUILT as OBJECTIVES_NOT_BUILT
 
 
 class TrainingArgs(ArgGroup):
@@ -117,36 +119,20 @@ class TrainingArgs(ArgGroup):
     )
     """Kind of dataset: plain text (gpt2), chosen/rejected pairs, or online rollouts."""
 
-    train_impl: Literal["normal", "dpo", "rm", "kto", "reinforce"] = (
-        partly_supported("normal", unsupported=("reinforce",))
-    )
-    """Training objective: language modelling or label-masked SFT (normal), DPO on preference pairs,
-    a pairwise reward model with a scalar head (rm), KTO on rewarded completions, or REINFORCE."""
+    train_impl: str = partly_supported("normal", unsupported=OBJECTIVES_NOT_BUILT)
+    """Training objective, a registered objective plug-in (``megatron/training/objectives/registry.py``):
+    language modelling or label-masked SFT (normal), DPO on preference pairs, a pairwise reward model
+    with a scalar head (rm), KTO on rewarded completions; GPT-NeoX's REINFORCE is not built yet. Each
+    objective declares its own keys (dpo_*, kto_*, reset_*)."""
 
-    dpo_fp32: bool = True
-    """Sum DPO log-probabilities in fp32; false sums them in the model's precision."""
-
-    dpo_reference_free: bool = False
-    """Run DPO without a reference model (the reference log-probs are taken as zero)."""
-
-    dpo_beta: float = Field(0.1, gt=0)
-    """DPO temperature: how strongly the policy may move away from the reference."""
-
-    kto_fp32: bool = True
-    """Sum KTO log-probabilities in fp32; false sums them in the model's precision."""
-
-    kto_desirable_weight: float = Field(1.0, ge=0)
-    """KTO loss weight of desirable examples (reward > 0)."""
-
-    kto_undesirable_weight: float = Field(1.0, ge=0)
-    """KTO loss weight of undesirable examples (reward <= 0)."""
+    @field_validator("train_impl")
+    @classmethod
+    def _registered_objective(cls, value: str) -> str:
+        return plugins.validate_name("train_impl", value, not_built=OBJECTIVES_NOT_BUILT)
 
     z_loss: float = Field(0.0, ge=0)
     """Z-loss weight: language modelling adds z_loss x (log Z)^2 per counted token (the softmax
     normaliser, PaLM); a reward model adds z_loss x (s_chosen^2 + s_rejected^2) per pair (GPT-NeoX)."""
-
-    kto_beta: float = Field(0.1, gt=0)
-    """KTO temperature, as dpo_beta is for DPO."""
 
     fp32_reinforce: bool = not_supported(True)
     """Compute REINFORCE log-probabilities in fp32."""

@@ -3,36 +3,48 @@ SFT), ``dpo``, ``kto`` and ``rm`` (pairwise reward model), plus where DPO's and 
 log-probs come from (``reference``, ``frozen``) and how a global batch of any of them
 runs through a plain or pipelined engine (``run``).
 
-``build_objective(ObjectiveConfig.from_args(args), eod_token)`` picks the objective from the registry;
-the loss math lives in pure functions (``lm_loss_sum``, ``dpo_losses``, ``kto_losses``, ``rm_losses``).
+Objectives are plug-ins (``registry.py`` declares Deepy's; a user's registers with
+:func:`megatron.plugins.register`): ``build_objective`` builds the one ``train_impl`` names. The loss
+math lives in pure functions (``lm_loss_sum``, ``dpo_losses``, ``kto_losses``, ``rm_losses``).
+
+The names below are imported on first use, not with the package, so that the launcher can read the
+registry without importing torch's training stack and DeepSpeed.
 """
 
 from __future__ import annotations
 
-from megatron.training.objectives.base import MicroBatch, Objective
-from megatron.training.objectives.config import ObjectiveConfig
-from megatron.training.objectives.dpo import DPOObjective, dpo_losses
-from megatron.training.objectives.kto import KTOObjective, kto_losses
-from megatron.training.objectives.lm import LMObjective, lm_loss_sum
-from megatron.training.objectives.reference import Reference, build_reference
-from megatron.training.objectives.rm import RewardModelObjective, rm_losses
-from megatron.training.objectives.run import ObjectiveRunner
+import importlib
+from typing import TYPE_CHECKING, Any
 
-OBJECTIVES: dict[str, type[Objective]] = {
-    "normal": LMObjective,
-    "dpo": DPOObjective,
-    "kto": KTOObjective,
-    "rm": RewardModelObjective,
+if TYPE_CHECKING:
+    from megatron.training.objectives.base import MicroBatch, Objective  # noqa: F401
+    from megatron.training.objectives.config import ObjectiveConfig  # noqa: F401
+    from megatron.training.objectives.dpo import DPOObjective, dpo_losses  # noqa: F401
+    from megatron.training.objectives.kto import KTOObjective, kto_losses  # noqa: F401
+    from megatron.training.objectives.lm import LMObjective, lm_loss_sum  # noqa: F401
+    from megatron.training.objectives.reference import Reference, build_reference  # noqa: F401
+    from megatron.training.objectives.rm import RewardModelObjective, rm_losses  # noqa: F401
+    from megatron.training.objectives.run import ObjectiveRunner  # noqa: F401
+
+_EXPORTS = {
+    "MicroBatch": "base", "Objective": "base", "ObjectiveConfig": "config",
+    "DPOObjective": "dpo", "dpo_losses": "dpo", "KTOObjective": "kto", "kto_losses": "kto",
+    "LMObjective": "lm", "lm_loss_sum": "lm", "Reference": "reference", "build_reference": "reference",
+    "RewardModelObjective": "rm", "rm_losses": "rm", "ObjectiveRunner": "run",
 }
 
 
-def build_objective(config: ObjectiveConfig, eod_token: int | None = None) -> Objective:
+def build_objective(config: Any, eod_token: int | None = None) -> Objective:
     """The objective for ``config.train_impl``; ``eod_token`` is used when ``eod_mask_loss`` is on."""
-    return OBJECTIVES[config.train_impl](config, eod_token)
+    from megatron import plugins
+
+    return plugins.get("train_impl", config.train_impl).resolve()(config, eod_token)
 
 
-__all__ = [
-    "OBJECTIVES", "DPOObjective", "KTOObjective", "LMObjective", "MicroBatch", "Objective", "ObjectiveConfig",
-    "ObjectiveRunner", "Reference", "RewardModelObjective", "build_objective", "build_reference", "dpo_losses",
-    "kto_losses", "lm_loss_sum", "rm_losses",
-]
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+
+
+__all__ = [*_EXPORTS, "build_objective"]

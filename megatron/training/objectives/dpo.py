@@ -60,20 +60,20 @@ class DPOObjective(Objective):
         return MicroBatch(tokens, labels, units=float(tokens.shape[0] // 2), reference=reference)
 
     def reference_logps(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return sequence_logps(output, labels, self.config.dpo_fp32)
+        return sequence_logps(output, labels, self.config.keys.dpo_fp32)
 
     def loss_sum(self, output: torch.Tensor, labels: torch.Tensor, extras: tuple[torch.Tensor, ...],
                  reference: torch.Tensor) -> tuple[torch.Tensor, Stats]:
         cfg = self.config
-        logps = sequence_logps(output, labels, cfg.dpo_fp32)  # [2m]
-        if cfg.dpo_fp32:
+        logps = sequence_logps(output, labels, cfg.keys.dpo_fp32)  # [2m]
+        if cfg.keys.dpo_fp32:
             logps, reference = logps.float(), reference.float()
         else:
             reference = reference.to(logps.dtype)
         policy_chosen, policy_rejected = logps.chunk(2)
         ref_chosen, ref_rejected = reference.chunk(2)
         losses, chosen_rewards, rejected_rewards = dpo_losses(policy_chosen, policy_rejected, ref_chosen,
-                                                              ref_rejected, cfg.dpo_beta)
+                                                              ref_rejected, cfg.keys.dpo_beta)
         pairs = count(losses.shape[0])
         stats: Stats = {
             "rewards/chosen": (chosen_rewards.sum(), pairs),

@@ -86,18 +86,18 @@ class KTOObjective(Objective):
                           units=float(reward.shape[0]))
 
     def reference_logps(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return sequence_logps(output, labels, self.config.kto_fp32)
+        return sequence_logps(output, labels, self.config.keys.kto_fp32)
 
     def loss_sum(self, output: torch.Tensor, labels: torch.Tensor, extras: tuple[torch.Tensor, ...],
                  reference: torch.Tensor) -> tuple[torch.Tensor, Stats]:
         cfg = self.config
-        logps = sequence_logps(output, labels, cfg.kto_fp32)  # [2m]: real rows, then mismatched rows
-        reference = reference.float() if cfg.kto_fp32 else reference.to(logps.dtype)
+        logps = sequence_logps(output, labels, cfg.keys.kto_fp32)  # [2m]: real rows, then mismatched rows
+        reference = reference.float() if cfg.keys.kto_fp32 else reference.to(logps.dtype)
         policy, policy_kl = logps.chunk(2)
         ref, ref_kl = reference.chunk(2)
         desirable = extras[0] > 0
-        losses, rewards, z0 = kto_losses(policy, policy_kl, ref, ref_kl, desirable, cfg.kto_beta,
-                                         cfg.kto_desirable_weight, cfg.kto_undesirable_weight)
+        losses, rewards, z0 = kto_losses(policy, policy_kl, ref, ref_kl, desirable, cfg.keys.kto_beta,
+                                         cfg.keys.kto_desirable_weight, cfg.keys.kto_undesirable_weight)
         undesirable = ~desirable
         stats: Stats = {
             "rewards/desirable": ((rewards * desirable).sum(), count(desirable.sum())),

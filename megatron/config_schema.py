@@ -1,7 +1,8 @@
 """The building block of the argument schema.
 
-Each argument group (model, parallelism, optimizer, ...) is an :class:`ArgGroup` subclass in its own
-module under ``megatron/neox_arguments/groups/``. Every field has a type, a default and a one-line
+Each argument group (model, parallelism, optimizer, ...) is an :class:`ArgGroup` subclass, declared
+beside the component that reads it or under ``megatron/neox_arguments/groups/``; a plug-in declares its
+own (``megatron/plugins.py``). It sits below every component and the argument layer. Every field has a type, a default and a one-line
 docstring right under it; pydantic reads that docstring as the field's description, so the generated
 docs and ``--help`` come from the same text::
 

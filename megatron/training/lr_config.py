@@ -1,0 +1,107 @@
+"""The learning-rate schedule's keys: warmup, decay shape and floor, plus Levanter's cycles and
+warmup-stable-decay.
+
+Declared here, beside the schedule that reads them; the one argument object (``NeoXArgs``) is
+composed of this class, and the trainer hands the schedule that object (typed as this class).
+:meth:`LRSchedulerArgs.spec` turns the keys into the :class:`ScheduleSpec` the schedule evaluates
+(``megatron/training/lr_schedules.py``), once the steps and the peak rate are known.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from megatron import plugins
+from megatron.config_schema import ArgGroup
+from megatron.errors import ConfigError
+from megatron.training.lr_schedules import SchedulePolicy, ScheduleSpec, cycle_starts_for, steps_of
+
+
+class LRSchedulerArgs(ArgGroup):
+    """GPT-NeoX's ``NeoXArgsLRScheduler`` group."""
+
+    lr_decay_style: str = "linear"
+    """Shape of the decay after warmup, a registered schedule plug-in (``megatron/training/lr_schedules.py``):
+    NeoX's constant/linear/cosine/exponential, or Levanter's inv_sqrt, inv and wsd
+    (warmup-stable-decay)."""
+
+    @field_validator("lr_decay_style")
+    @classmethod
+    def _registered_schedule(cls, value: str) -> str:
+        return plugins.validate_name("lr_decay_style", value)
+
+    lr_decay_iters: int | None = Field(None, ge=0)
+    """Number of steps over which the rate decays; defaults to train_iters."""
+
+    lr_decay_fraction: float | None = Field(None, gt=0, le=1)
+    """Decay over this fraction of train_iters instead of giving lr_decay_iters."""
+
+    min_lr: float = Field(0.0, ge=0)
+    """Floor the learning rate never decays below."""
+
+    warmup: float = Field(0.01, ge=0)
+    """Linear warmup length: a fraction of the decay steps when below 1, otherwise a number of
+    steps."""
+
+    override_lr_scheduler: bool = False
+    """On resume, ignore the schedule stored in the checkpoint and use this config's values."""
+
+    use_checkpoint_lr_scheduler: bool = False
+    """On resume, take schedule values from the checkpoint even if the config differs."""
+
+    # ---- Deepy extras (not in GPT-NeoX) ----
+
+    cycles: int | list[int] | None = None
+    """Split training into this many equal LR cycles, or a list of the steps at which new cycles
+    begin (Levanter)."""
+
+    cycle_length: int | None = Field(None, ge=1)
+    """Length of every LR cycle in steps, instead of giving cycles."""
+
+    rewarmup: float = Field(0.0, ge=0)
+    """Warmup of every cycle after the first, from min_lr back to the peak: a fraction of the cycle
+    when below 1, otherwise steps."""
+
+    min_lr_ratio: float | None = Field(None, ge=0, le=1)
+    """Floor of the schedule as a fraction of lr; an alternative to min_lr."""
+
+    decay_fraction: float | None = Field(None, gt=0, le=1)
+    """Share of each cycle spent decaying (wsd: the cooldown); the rest after warmup stays at the
+    peak."""
+
+    def spec(self, train_iters: int, max_lr: float) -> ScheduleSpec:
+        """GPT-NeoX semantics: ``warmup`` is a fraction of ``lr_decay_iters`` (default train_iters),
+        ``min_lr`` an absolute floor; Deepy extras as documented on the keys."""
+        total = self.lr_decay_iters or 0
+        if not total and self.lr_decay_fraction is not None:
+            total = int(round(self.lr_decay_fraction * train_iters))
+        total = total or train_iters
+        if total < 1:
+            raise ConfigError("the LR schedule needs lr_decay_iters or train_iters to be set (>= 1)")
+        min_lr = max_lr * self.min_lr_ratio if self.min_lr_ratio is not None else self.min_lr
+        starts = cycle_starts_for(total, self.cycles, self.cycle_length)
+        later_len = (starts[2] - starts[1]) if len(starts) > 2 else (total - starts[-1])
+        warmup_steps = steps_of(self.warmup, total)
+        keys = plugins.get("lr_decay_style", self.lr_decay_style).keys
+        return ScheduleSpec(
+            style=self.lr_decay_style,
+            max_lr=max_lr,
+            min_lr=min_lr,
+            total_steps=total,
+            warmup_steps=warmup_steps,
+            rewarmup_steps=steps_of(self.rewarmup, later_len) if len(starts) > 1 else 0,
+            cycle_starts=starts,
+            decay_fraction=self.decay_fraction,
+            # inv/inv_sqrt continue the warmup's slope: lr * sqrt(W / (W + t)) is the classic
+            # inverse-square-root schedule when T is the warmup length
+            timescale=float(max(warmup_steps, 1)),
+            # a plug-in style's own keys, read from this same object (the composed arguments)
+            options=tuple((key, getattr(self, key)) for key in (keys.model_fields if keys else ())),
+        )
+
+    @property
+    def resume_policy(self) -> SchedulePolicy:
+        """Whose schedule a resumed run follows when the checkpoint's differs from this config's."""
+        if self.use_checkpoint_lr_scheduler:
+            return "checkpoint"
+        return "config" if self.override_lr_scheduler else "strict"

@@ -1,0 +1,99 @@
+"""Deepy's objectives as plug-ins: each ``train_impl`` with its own keys, checks and needs.
+
+Declared here, in a module that imports neither torch nor DeepSpeed, so ``deepy.py`` validates a
+config without them; the implementations (``lm.py``, ``dpo.py``, ...) are imported when a rank builds
+the objective. A plug-in objective of a user's (``plugins:``) registers the same way in one file, with
+:func:`megatron.plugins.register` on its class.
+
+``needs`` of an objective, read by the data, model and checkpoint code instead of ``train_impl ==``
+switches:
+
+* ``dataset`` — ``lm`` (token documents, optional label masks), ``pairwise`` (chosen/rejected pairs)
+  or ``reward`` (documents with a per-document reward);
+* ``value_head`` — the model ends in a scalar head instead of the LM head;
+* ``reference`` — the loss reads a reference model's log-probs;
+* ``documents`` — packed samples hold several documents, so the document-mask keys
+  (``reset_attention_mask``, ``reset_position_ids``) apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import Field
+
+from megatron import plugins
+from megatron.config_schema import ArgGroup
+
+DatasetKind = Literal["lm", "pairwise", "reward"]
+
+
+@dataclass(frozen=True)
+class ObjectiveNeeds:
+    dataset: DatasetKind = "lm"
+    value_head: bool = False
+    reference: bool = False
+    documents: bool = False
+
+
+def needs_of(train_impl: str) -> ObjectiveNeeds:
+    """What ``train_impl`` requires from the rest of the run."""
+    return ObjectiveNeeds(**plugins.get("train_impl", train_impl).needs)
+
+
+class DPOKeys(ArgGroup):
+    """Keys of direct preference optimisation (``train_impl: dpo``)."""
+
+    dpo_fp32: bool = True
+    """Sum DPO log-probabilities in fp32; false sums them in the model's precision."""
+
+    dpo_reference_free: bool = False
+    """Run DPO without a reference model (the reference log-probs are taken as zero)."""
+
+    dpo_beta: float = Field(0.1, gt=0)
+    """DPO temperature: how strongly the policy may move away from the reference."""
+
+
+class KTOKeys(ArgGroup):
+    """Keys of Kahneman-Tversky optimisation (``train_impl: kto``)."""
+
+    kto_fp32: bool = True
+    """Sum KTO log-probabilities in fp32; false sums them in the model's precision."""
+
+    kto_desirable_weight: float = Field(1.0, ge=0)
+    """KTO loss weight of desirable examples (reward > 0)."""
+
+    kto_undesirable_weight: float = Field(1.0, ge=0)
+    """KTO loss weight of undesirable examples (reward <= 0)."""
+
+    kto_beta: float = Field(0.1, gt=0)
+    """KTO temperature, as dpo_beta is for DPO."""
+
+
+def _dpo_check(args: Any, show: Callable[[str], str]) -> list[str]:
+    if args.dpo_reference_free and args.reference_logps:
+        return [f"{show('dpo_reference_free')} and {show('reference_logps')} contradict each other: "
+                "reference-free DPO reads no reference log-probs; keep one"]
+    return []
+
+
+def _rm_check(args: Any, show: Callable[[str], str]) -> list[str]:
+    if args.eod_mask_loss:
+        return [f"{show('eod_mask_loss')} has no effect on a reward model (it scores whole responses; no "
+                "token carries a loss): remove it"]
+    return []
+
+
+plugins.declare("train_impl", "normal", "megatron.training.objectives.lm:LMObjective", documents=True)
+plugins.declare("train_impl", "dpo", "megatron.training.objectives.dpo:DPOObjective",
+                keys=DPOKeys, check=_dpo_check, dataset="pairwise", reference=True)
+plugins.declare("train_impl", "kto", "megatron.training.objectives.kto:KTOObjective",
+                keys=KTOKeys, dataset="reward", reference=True)
+plugins.declare("train_impl", "rm", "megatron.training.objectives.rm:RewardModelObjective",
+                check=_rm_check, dataset="pairwise", value_head=True)
+
+NOT_BUILT: tuple[str, ...] = ("reinforce",)
+"""GPT-NeoX's ``train_impl`` values Deepy has not built: accepted by the schema, refused as "not
+supported yet" before launch."""
