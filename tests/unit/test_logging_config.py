@@ -134,8 +134,8 @@ def test_profiling_checks() -> None:
 
 
 def run_deepy(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    from megatron.app.deepy import main
     from megatron.errors import run_guarded
-    from megatron.neox_arguments.cli import main
 
     with pytest.raises(SystemExit) as done:
         run_guarded(lambda: main(argv), argv=argv)
