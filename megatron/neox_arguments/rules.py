@@ -24,7 +24,7 @@ from megatron.neox_arguments.provenance import CLI, DEFAULT, DERIVED
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.arguments import NeoXArgs
-from megatron.neox_arguments.time_phrases import TimePhraseError, parse_duration
+from megatron.time_phrases import TimePhraseError, parse_duration
 
 
 @dataclass(frozen=True)
