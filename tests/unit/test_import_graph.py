@@ -117,14 +117,27 @@ def describe(cycle: list[tuple[str, str, str]]) -> str:
     return path + "\n" + "\n".join(f"    {a} imports {b} at {where}" for a, b, where in cycle)
 
 
-def test_megatron_has_no_import_cycles() -> None:
-    graph = import_graph(REPO, "megatron")
+@pytest.fixture(scope="module")
+def megatron_graph() -> nx.DiGraph:
+    return import_graph(REPO, "megatron")
+
+
+def test_megatron_has_no_import_cycles(megatron_graph: nx.DiGraph) -> None:
+    graph = megatron_graph
     assert graph.number_of_edges() > 300  # the reader sees the package's imports (about 700 of them)
     found = cycles(graph)
     assert not found, (
         f"{len(found)} import cycle(s) in megatron/; move the code that both modules need to where it "
         f"belongs (an import inside a function or under TYPE_CHECKING still counts):\n"
         + "\n".join(describe(c) for c in found))
+
+
+def test_nothing_below_imports_the_app(megatron_graph: nx.DiGraph) -> None:
+    """``megatron/app/`` composes everything else; a component importing it would invert the layers."""
+    graph = megatron_graph
+    app = {m for m in graph if m == "megatron.app" or m.startswith("megatron.app.")}
+    upward = sorted(graph.edges[a, b]["where"] for a, b in graph.edges if b in app and a not in app)
+    assert app and upward == []
 
 
 # --- the reader itself, on a tiny package written here ------------------------------------------
