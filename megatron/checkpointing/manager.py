@@ -46,6 +46,7 @@ from megatron.checkpointing.save_load import (
     save_checkpoint,
 )
 from megatron.errors import CheckpointError, ConfigError
+from megatron.time_phrases import parse_duration
 
 log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0 speaks
 
@@ -63,8 +64,6 @@ def parse_save_interval(value: str | int | float | None) -> float | None:
     """``save_interval`` in seconds: a number of seconds or a phrase such as ``15min``."""
     if value is None:
         return None
-    from megatron.neox_arguments.time_phrases import parse_duration
-
     try:
         return float(parse_duration(value))
     except ValueError as err:

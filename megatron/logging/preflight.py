@@ -4,6 +4,9 @@ A tracker asked for must be importable here — W&B or TensorBoard missing is a 
 any rank starts, not a crash on rank 0 after the model is built, and never a silent no-op. The
 import is real (not just "is it installed"): a broken install (e.g. a protobuf mismatch under
 tensorboard) is caught too. The importer is injected so tests can simulate a missing package.
+
+The rule that calls this (``neox_arguments/rules.py``) hands in the built config and how to name a
+setting (``key=value (file:line)``), so this module knows nothing of the argument layer above it.
 """
 
 from __future__ import annotations
@@ -11,13 +14,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING
 
-from megatron.errors import ConfigError
 from megatron.logging.config import LoggingConfig, TensorboardSettings, WandbSettings
-
-if TYPE_CHECKING:
-    from megatron.neox_arguments.rules import RuleContext
 
 # tracker type -> (module the tracker imports, pip package)
 _MODULES: dict[str, tuple[str, str]] = {
@@ -26,12 +24,10 @@ _MODULES: dict[str, tuple[str, str]] = {
 }
 
 
-def logging_problems(ctx: RuleContext, *, local: bool,
+def logging_problems(config: LoggingConfig, show: Callable[[str], str], *, local: bool, cuda: bool,
                      import_module: Callable[[str], ModuleType] = importlib.import_module) -> list[str]:
-    try:
-        config = LoggingConfig.from_args(ctx.args)
-    except ConfigError as err:
-        return [err.message]
+    """Problems of ``config`` before launch; ``show(key)`` names a setting as the user wrote it,
+    ``local``: the ranks run on this machine, whose devices (``cuda``) then count."""
     problems: list[str] = []
     for tracker in config.trackers:
         if not isinstance(tracker, (WandbSettings, TensorboardSettings)):
@@ -41,7 +37,7 @@ def logging_problems(ctx: RuleContext, *, local: bool,
             import_module(module)
         except ImportError as err:
             problems.append(
-                f"{ctx.show(tracker.source)} asks for {tracker.type}, but the '{package}' package cannot be "
+                f"{show(tracker.source)} asks for {tracker.type}, but the '{package}' package cannot be "
                 f"imported here ({err}): pip install -r requirements/requirements.txt (it pins {package}), "
                 f"or remove {tracker.source}"
             )
@@ -49,12 +45,12 @@ def logging_problems(ctx: RuleContext, *, local: bool,
     if p.any and p.stop <= p.start:
         keys = "profile" if p.torch_profiler else "memory_profiling"
         problems.append(
-            f"{ctx.show(keys)} records steps {ctx.show('profile_step_start')} to {ctx.show('profile_step_stop')}: "
+            f"{show(keys)} records steps {show('profile_step_start')} to {show('profile_step_stop')}: "
             f"the stop step must come after the start step"
         )
-    if p.memory_snapshot and local and not ctx.device.cuda:
+    if p.memory_snapshot and local and not cuda:
         problems.append(
-            f"{ctx.show('memory_profiling')} records the CUDA allocator's history and this machine has no GPU: "
+            f"{show('memory_profiling')} records the CUDA allocator's history and this machine has no GPU: "
             f"remove memory_profiling (profile: true writes CPU traces)"
         )
     return problems

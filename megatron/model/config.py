@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from megatron.errors import ConfigError
+from megatron.model.activations import ACTIVATIONS
+from megatron.model.norms import NORMS
 from megatron.model.rope_scaling import RopeScaling, parse_rope_scaling
 from megatron.mpu.initialize_weights import InitFn, init_method_from_name
 
@@ -180,10 +182,6 @@ class GPTConfig:
             raise ModelConfigError(f"moe_top_k={self.moe_top_k} must be in [1, moe_num_experts={self.moe_num_experts}]")
 
     def _check_choices(self) -> None:
-        # imported here: the registries import this module
-        from megatron.model.activations import ACTIVATIONS
-        from megatron.model.norms import NORMS
-
         choices: dict[str, tuple[str, list[str]]] = {
             "pos_emb": (self.pos_emb, list(_POS_EMB)),
             "norm": (self.norm, sorted(NORMS)),

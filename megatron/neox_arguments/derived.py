@@ -26,7 +26,7 @@ from megatron.neox_arguments.rules import (
     block_enabled,
     check,
 )
-from megatron.neox_arguments.time_phrases import TimePhraseError, parse_duration
+from megatron.time_phrases import TimePhraseError, parse_duration
 
 # the rules that look at files register themselves with rules.RULES on import
 from megatron.neox_arguments import file_checks  # noqa: E402,F401  isort: skip

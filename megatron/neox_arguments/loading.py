@@ -20,7 +20,7 @@ from megatron.neox_arguments.keys import aliased_value, normalize_key, unknown_k
 from megatron.neox_arguments.overrides import apply_overrides, parse_overrides
 from megatron.neox_arguments.provenance import DEFAULT, describe_source, field_default
 from megatron.neox_arguments.resolved import ResolvedConfig
-from megatron.neox_arguments.yaml_source import CONFIG_SUFFIXES, LocatedDict, load_yaml_file, plain
+from megatron.neox_arguments.yaml_source import LocatedDict, load_yaml_file, plain, resolve_config_path
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.dialects import Flag
@@ -53,22 +53,6 @@ def load_plugins_named_in(paths: Sequence[str], overrides: Sequence[str], conf_d
         if override.path == ("plugins",) and isinstance(override.value, list):
             found = load_user_plugins(override.value, where="command line")
     return found
-
-
-def resolve_config_path(name: str, conf_dir: str | None = None) -> str:
-    """GPT-NeoX style: ``-d configs 125M`` finds ``configs/125M.yml``; the suffix is optional."""
-    base = os.path.join(conf_dir, name) if conf_dir else name
-    candidates = [base]
-    if not base.endswith(CONFIG_SUFFIXES):
-        candidates += [base + suffix for suffix in CONFIG_SUFFIXES]
-    for candidate in candidates:
-        if os.path.isfile(candidate):
-            return candidate
-    tried = ", ".join(candidates)
-    raise ConfigError(
-        f"config file not found: {name} (looked for {tried}); "
-        "overrides go after the config files and are written key=value"
-    )
 
 
 def read_config_files(

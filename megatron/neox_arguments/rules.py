@@ -18,12 +18,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron import plugins
+from megatron.errors import ConfigError
+from megatron.logging.config import LoggingConfig
 from megatron.logging.preflight import logging_problems
 from megatron.neox_arguments.provenance import CLI, DEFAULT, DERIVED
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.arguments import NeoXArgs
-from megatron.neox_arguments.time_phrases import TimePhraseError, parse_duration
+from megatron.time_phrases import TimePhraseError, parse_duration
 
 
 @dataclass(frozen=True)
@@ -728,7 +730,11 @@ def one_environment_mapping(ctx: RuleContext) -> list[str]:
 @rule
 def trackers_and_profiling(ctx: RuleContext) -> list[str]:
     """Trackers importable, one spelling each, profiling ranges and devices (megatron/logging/preflight.py)."""
-    return logging_problems(ctx, local=runs_on_this_machine(ctx))
+    try:
+        config = LoggingConfig.from_args(ctx.args)
+    except ConfigError as err:
+        return [err.message]
+    return logging_problems(config, ctx.show, local=runs_on_this_machine(ctx), cuda=ctx.device.cuda)
 
 
 # --- mixture of experts (moe_* keys) -------------------------------------------------------------

@@ -29,6 +29,22 @@ CONFIG_SUFFIXES = (".yml", ".yaml", ".json")
 _EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
 
 
+def resolve_config_path(name: str, conf_dir: str | None = None) -> str:
+    """GPT-NeoX style: ``-d configs 125M`` finds ``configs/125M.yml``; the suffix is optional."""
+    base = os.path.join(conf_dir, name) if conf_dir else name
+    candidates = [base]
+    if not base.endswith(CONFIG_SUFFIXES):
+        candidates += [base + suffix for suffix in CONFIG_SUFFIXES]
+    for candidate in candidates:
+        if os.path.isfile(candidate):
+            return candidate
+    tried = ", ".join(candidates)
+    raise ConfigError(
+        f"config file not found: {name} (looked for {tried}); "
+        "overrides go after the config files and are written key=value"
+    )
+
+
 class LocatedDict(dict):
     """A mapping read from a file: ``lines[key]`` is the 1-based line where ``key`` was written."""
 

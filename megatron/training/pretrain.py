@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,6 @@ from megatron.logging.timers import TimedIterator
 from megatron.model import flops_per_token, num_parameters
 from megatron.model.flops import hardware_flops_per_token
 from megatron.mpu.random import model_parallel_manual_seed
-from megatron.neox_arguments.run_config import RunConfig
 from megatron.tokenizer import build_tokenizer
 from megatron.training.config import TrainingConfig
 from megatron.training.engine import build_engine, layers_to_checkpoint, partition_method
@@ -37,6 +37,9 @@ from megatron.training.evaluate import maybe_evaluator
 from megatron.training.loop import Hooks, LoopContext, TrainState, train
 from megatron.training.objectives import build_objective, build_reference
 from megatron.training.task_evaluation import TaskEvaluation
+
+if TYPE_CHECKING:
+    from megatron.neox_arguments.run_config import RunConfig
 
 
 def _device() -> torch.device:

@@ -58,7 +58,7 @@ def rank_main(rank: int, out_dir: str) -> None:
     import torch
 
     from megatron.initialize import initialize
-    from megatron.logging.memory import MemoryLayout, estimate
+    from megatron.training.memory import MemoryLayout, estimate
     from megatron.model import lm_loss
     from megatron.neox_arguments import finalize
     from megatron.neox_arguments.arguments import NeoXArgs

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron.app.deepy import main, parse_command
 from megatron.errors import run_guarded
-from megatron.neox_arguments.cli import main, parse_command
 
 REPO = Path(__file__).resolve().parents[2]
 DEEPY = str(REPO / "deepy.py")

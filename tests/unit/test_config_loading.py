@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from megatron.errors import ConfigError
-from megatron.neox_arguments.loading import load_config, resolve_config_path
+from megatron.neox_arguments.loading import load_config
+from megatron.neox_arguments.yaml_source import resolve_config_path
 from megatron.neox_arguments.provenance import format_resolved_table, resolved_rows
 from megatron.neox_arguments.resolved import default_run_dir, load_resolved
 from megatron.neox_arguments.yaml_source import load_yaml_file, parse_yaml_text

@@ -12,7 +12,7 @@ from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.neox_arguments.derived import detect_world_size, finalize
 from megatron.neox_arguments.resolved import ResolvedConfig
 from megatron.neox_arguments.rules import RULES, Device, RuleContext, check
-from megatron.neox_arguments.time_phrases import TimePhraseError, parse_duration
+from megatron.time_phrases import TimePhraseError, parse_duration
 
 CPU = Device(cuda=False, fp16_supported=False)
 GPU = Device(cuda=True, fp16_supported=True)

@@ -252,7 +252,7 @@ def test_unknown_flag_is_a_usage_error() -> None:
 
 
 def test_dry_run_shows_each_dialect_key_and_what_it_became(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from megatron.neox_arguments.cli import main
+    from megatron.app.deepy import main
 
     write_local_data(tmp_path)
     config = tmp_path / "run.yaml"

@@ -486,7 +486,7 @@ def test_generate_runs_on_the_imported_model_config_alone(tmp_path: Path) -> Non
     """``deepy_model.yml`` (written by the import) describes the model only: generate.py's checks
     accept it, filling in (and saying) the training keys inference does not read; train.py still
     refuses it for them."""
-    from megatron.neox_arguments.cli import DeepyCommand, resolve
+    from megatron.app.deepy import DeepyCommand, resolve
 
     imported = import_to_deepy(make_hf_model(tmp_path, "gpt_neox"), tmp_path / "deepy", tp=1, pp=0, verify=False)
     prompts = tmp_path / "prompts.txt"

@@ -8,6 +8,7 @@ import re
 import sys
 from pathlib import Path
 from types import ModuleType
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,11 +18,18 @@ from megatron.errors import ConfigError
 from megatron.logging.config import LoggingConfig, TensorboardSettings, WandbSettings
 from megatron.logging.preflight import logging_problems
 from megatron.neox_arguments.arguments import NeoXArgs, check_supported
-from megatron.neox_arguments.rules import Device, RuleContext
+from megatron.neox_arguments.rules import Device, RuleContext, trackers_and_profiling
 
 REPO = Path(__file__).resolve().parents[2]
 GPU = Device(cuda=True, fp16_supported=True)
 CPU = Device(cuda=False, fp16_supported=False)
+
+
+def _problems(ctx: RuleContext, *, local: bool,
+              import_module: Callable[[str], ModuleType] = importlib.import_module) -> list[str]:
+    """The logging checks of ``ctx``'s config, ``local`` or not, with an injected importer."""
+    return logging_problems(LoggingConfig.from_args(ctx.args), ctx.show, local=local, cuda=ctx.device.cuda,
+                            import_module=import_module)
 
 
 def test_gpt_neox_keys() -> None:
@@ -92,7 +100,7 @@ def test_the_tracker_key_round_trips_through_the_resolved_config() -> None:
 def test_one_spelling_per_tracker(values: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         LoggingConfig.from_args(NeoXArgs(**values))
-    assert any(match in p for p in logging_problems(RuleContext(NeoXArgs(**values)), local=True))
+    assert any(match in p for p in trackers_and_profiling(RuleContext(NeoXArgs(**values))))
 
 
 def _missing(*names: str) -> Any:
@@ -106,28 +114,28 @@ def _missing(*names: str) -> Any:
 
 def test_missing_tracker_package_is_named_before_launch() -> None:
     ctx = RuleContext(NeoXArgs(use_wandb=True, tensorboard_dir="tb"), provenance={"use_wandb": "run.yml:3"})
-    problems = logging_problems(ctx, local=True, import_module=_missing("wandb"))
+    problems = _problems(ctx, local=True, import_module=_missing("wandb"))
     assert len(problems) == 1
     assert "use_wandb=True (run.yml:3)" in problems[0] and "it pins wandb" in problems[0]
-    tb = logging_problems(ctx, local=True, import_module=_missing("torch.utils.tensorboard"))
+    tb = _problems(ctx, local=True, import_module=_missing("torch.utils.tensorboard"))
     assert len(tb) == 1 and "tensorboard_dir='tb'" in tb[0] and "'tensorboard' package" in tb[0]
-    assert logging_problems(ctx, local=True) == []  # both are installed here
+    assert _problems(ctx, local=True) == []  # both are installed here
 
 
 def test_profiling_checks() -> None:
     cpu = RuleContext(NeoXArgs(memory_profiling=True, profile_step_start=3, profile_step_stop=5), device=CPU)
-    assert any("no GPU" in p for p in logging_problems(cpu, local=True))
+    assert any("no GPU" in p for p in _problems(cpu, local=True))
     # launching elsewhere (a login node): this machine's devices say nothing
-    assert logging_problems(cpu, local=False) == []
+    assert _problems(cpu, local=False) == []
     gpu = RuleContext(NeoXArgs(memory_profiling=True, profile_step_start=3, profile_step_stop=5), device=GPU)
-    assert logging_problems(gpu, local=True) == []
+    assert _problems(gpu, local=True) == []
     backwards = RuleContext(NeoXArgs(profile=True, profile_step_start=5, profile_step_stop=5))
-    assert any("stop step must come after" in p for p in logging_problems(backwards, local=True))
+    assert any("stop step must come after" in p for p in _problems(backwards, local=True))
 
 
 def run_deepy(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    from megatron.app.deepy import main
     from megatron.errors import run_guarded
-    from megatron.neox_arguments.cli import main
 
     with pytest.raises(SystemExit) as done:
         run_guarded(lambda: main(argv), argv=argv)

@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 
-from megatron.logging.memory import GiB, MemoryLayout, activation_bytes, estimate, render, stage_parameters
 from megatron.model import num_parameters
 from megatron.neox_arguments import finalize
 from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.neox_arguments.resolved import ResolvedConfig
 from megatron.neox_arguments.rules import Device
 from megatron.neox_arguments.run_config import RunConfig
+from megatron.training.memory import GiB, MemoryLayout, activation_bytes, estimate, render, stage_parameters
 
 BASE: dict[str, Any] = {
     "num_layers": 8, "hidden_size": 512, "num_attention_heads": 8, "seq_length": 256,
@@ -129,9 +129,9 @@ LORA = {"lora_r": 8, "lora_alpha": 16, "lora_target_modules": ["query_key_value"
 def test_adapter_count_is_the_real_models_trainable_parameters(tp: int) -> None:
     """Independent count: the trainable parameters of a GPTModel after apply_lora (tp 1), and at tp 2
     each factor on a layer's split side halves."""
-    from megatron.logging.memory import adapter_parameters
     from megatron.model import GPTModel
     from megatron.model.lora import apply_lora
+    from megatron.training.memory import adapter_parameters
 
     one = layout(world=1, **LORA)
     model = GPTModel(one.model)
@@ -147,7 +147,7 @@ def test_adapter_count_is_the_real_models_trainable_parameters(tp: int) -> None:
 
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_lora_optimizer_memory_is_for_the_adapters_only(stage: int) -> None:
-    from megatron.logging.memory import adapter_parameters
+    from megatron.training.memory import adapter_parameters
 
     full = estimate(layout(zero_optimization={"stage": stage}, precision="bfloat16"))
     lay = layout(zero_optimization={"stage": stage}, precision="bfloat16", **LORA)

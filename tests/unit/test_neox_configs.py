@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 import yaml
 
+from megatron.app.deepy import parse_command, render_dry_run, resolve
 from megatron.errors import ConfigError, DeepyError
-from megatron.neox_arguments.cli import parse_command, render_dry_run, resolve
 from megatron.neox_arguments.keys import normalize_key
 from megatron.neox_arguments.resolved import ResolvedConfig
 from megatron.neox_arguments.run_config import RunConfig

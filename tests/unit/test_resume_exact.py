@@ -7,10 +7,10 @@ import json
 import os
 from pathlib import Path
 
+from megatron.app.deepy import already_finished
 from megatron.checkpointing import commit
 from megatron.logging.metrics import METRICS_FILE, MetricsWriter, read_metrics, run_files
 from megatron.logging.trackers import new_run_name
-from megatron.neox_arguments.cli import already_finished
 from megatron.neox_arguments.loading import load_config
 from megatron.training.evaluate import evaluation_number
 

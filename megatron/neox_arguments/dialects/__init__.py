@@ -24,7 +24,8 @@ from typing import Any
 from megatron.errors import ConfigError, UsageError
 from megatron.neox_arguments.dialects import fms, levanter
 from megatron.neox_arguments.dialects.common import LAUNCH_KEYS, Leaf, Translation, flatten, translate_leaves
-from megatron.neox_arguments.yaml_source import LocatedDict, load_yaml_file, parse_yaml_text
+from megatron.neox_arguments.overrides import parse_overrides
+from megatron.neox_arguments.yaml_source import LocatedDict, load_yaml_file, parse_yaml_text, resolve_config_path
 
 GPT_NEOX = "gpt-neox"
 DEEPY_FLAGS = frozenset({"--dry-run", "--debug"})
@@ -160,9 +161,6 @@ def translate(
     paths: Sequence[str], overrides: Sequence[str], flags: Sequence[Flag], conf_dir: str | None = None
 ) -> Translation | None:
     """The Levanter or fms-fsdp config of this command as GPT-NeoX values, or None for GPT-NeoX's own."""
-    from megatron.neox_arguments.loading import resolve_config_path
-    from megatron.neox_arguments.overrides import parse_overrides
-
     config_paths = list(paths)
     other_flags: list[Flag] = []
     for flag in flags:

@@ -250,8 +250,8 @@ def plan_run(resolved: ResolvedConfig, user_script: str, config_path: str) -> La
 
 
 def memory_report(resolved: ResolvedConfig) -> str:
-    """Per-device memory estimate of the resolved layout (see megatron/logging/memory.py)."""
-    from megatron.logging.memory import dry_run_report
+    """Per-device memory estimate of the resolved layout (see megatron/training/memory.py)."""
+    from megatron.training.memory import dry_run_report
     from megatron.neox_arguments.rules import RuleContext, runs_on_this_machine
     from megatron.neox_arguments.run_config import RunConfig
 

@@ -5,7 +5,7 @@ Per device, for the pipeline stage with the most parameters:
 - **parameters** ``P`` of the stage (tensor-parallel weights split by tp, norms replicated), at the
   training dtype;
 - **gradients**, **fp32 master weights** and **optimizer states**, as DeepSpeed 0.19 lays them
-  out (measured on CPU for fp32 and bf16, ZeRO 0-2, see tests/unit/test_memory_estimate.py):
+  out (measured on CPU for fp32 and bf16, ZeRO 0-2, see tests/distributed/test_memory_estimate.py):
 
   =========================  ==========  ==========  ================  ==================
   what                       weights     gradients   fp32 master       optimizer states

@@ -1,0 +1,202 @@
+"""megatron/ has no import cycles: its modules form layers a reader can take one at a time.
+
+The graph is read from the source with ``ast``, never by importing it, and counts **every** import
+of a package module, wherever it is written:
+
+* at module level;
+* inside a function (a "lazy" import): the module still cannot do its work without the other one,
+  and moving an import into a function is how a cycle is hidden, not how it is broken;
+* under ``if TYPE_CHECKING:``: the two modules still name each other's concepts (the cycle between
+  ``logging/preflight.py`` and ``neox_arguments/rules.py`` was one of these);
+* ``importlib.import_module("megatron....")`` with a literal name, and the names a package exports
+  lazily (PEP 562) through an ``_EXPORTS`` dict: ``from megatron.launcher import plan_launch`` is an
+  edge to ``megatron.launcher.command``, the module that defines it.
+
+``from pkg import name`` is an edge to ``pkg.name`` when that is a module and to ``pkg`` otherwise. A
+package's ``__init__`` that Python runs on the way to a submodule is not an edge of its own (as in
+import-linter/grimp): otherwise every package that re-exports a name would be a cycle with its
+submodules.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _module_names(root: Path, package: str) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file of ``root/package``."""
+    names: dict[str, Path] = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join(parts)] = path
+    return names
+
+
+def _lazy_exports(module: str, tree: ast.Module) -> dict[str, str]:
+    """A package's PEP 562 exports: exported name -> dotted module that defines it."""
+    exports: dict[str, str] = {}
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and target.id == "_EXPORTS" and node.value is not None:
+            for name, where in ast.literal_eval(node.value).items():
+                exports[name] = where if where.startswith(module.split(".")[0] + ".") else f"{module}.{where}"
+    return exports
+
+
+def import_graph(root: Path, package: str) -> nx.DiGraph:
+    """Edges ``importer -> imported`` between the modules of ``package``; each edge's ``where`` is the
+    ``file:line`` of the import."""
+    modules = _module_names(root, package)
+    trees = {name: ast.parse(path.read_text(), str(path)) for name, path in modules.items()}
+    exports = {name: _lazy_exports(name, tree) for name, tree in trees.items()}
+    lazy_without_exports = [
+        str(modules[name].relative_to(root)) for name, tree in trees.items()
+        if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body) and not exports[name]
+    ]
+    assert not lazy_without_exports, (
+        f"{lazy_without_exports}: a module __getattr__ (PEP 562) without an _EXPORTS dict hides its imports "
+        f"from this graph; list the names it exports in _EXPORTS")
+
+    def owner(dotted: str) -> str | None:
+        """The package module ``dotted`` names, or the one holding it (``a.b.Name`` -> ``a.b``)."""
+        while dotted and dotted not in modules:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    graph = nx.DiGraph()
+    graph.add_nodes_from(modules)
+    for importer, tree in trees.items():
+        is_package = modules[importer].name == "__init__.py"
+        for node in ast.walk(tree):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: from the importer's package, one level up per extra dot
+                    base = importer.split(".")[: None if is_package else -1]
+                    base = base[: len(base) - (node.level - 1)]
+                    source = ".".join([*base, *([node.module] if node.module else [])])
+                else:
+                    source = node.module or ""
+                for alias in node.names:
+                    name = f"{source}.{alias.name}"
+                    targets.append(name if name in modules else exports.get(source, {}).get(alias.name, source))
+            elif (isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name))
+                  and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) == "import_module"
+                  and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                targets = [node.args[0].value]
+            for target in targets:
+                imported = owner(target) if target.split(".")[0] == package else None
+                if imported is not None and imported != importer:
+                    graph.add_edge(importer, imported, where=f"{modules[importer].relative_to(root)}:{node.lineno}")
+    return graph
+
+
+def cycles(graph: nx.DiGraph) -> list[list[tuple[str, str, str]]]:
+    """One cycle per tangle (strongly connected component of more than one module), as its edges
+    ``(importer, imported, file:line)``; empty when the modules form layers."""
+    found = []
+    for tangle in sorted(nx.strongly_connected_components(graph), key=sorted):
+        if len(tangle) > 1:
+            sub = graph.subgraph(tangle)
+            start = min(tangle)
+            found.append([(a, b, sub.edges[a, b]["where"]) for a, b in nx.find_cycle(sub, source=start)])
+    return found
+
+
+def describe(cycle: list[tuple[str, str, str]]) -> str:
+    path = " -> ".join([cycle[0][0], *(b for _, b, _ in cycle)])
+    return path + "\n" + "\n".join(f"    {a} imports {b} at {where}" for a, b, where in cycle)
+
+
+@pytest.fixture(scope="module")
+def megatron_graph() -> nx.DiGraph:
+    return import_graph(REPO, "megatron")
+
+
+def test_megatron_has_no_import_cycles(megatron_graph: nx.DiGraph) -> None:
+    graph = megatron_graph
+    assert graph.number_of_edges() > 300  # the reader sees the package's imports (about 700 of them)
+    found = cycles(graph)
+    assert not found, (
+        f"{len(found)} import cycle(s) in megatron/; move the code that both modules need to where it "
+        f"belongs (an import inside a function or under TYPE_CHECKING still counts):\n"
+        + "\n".join(describe(c) for c in found))
+
+
+def test_nothing_below_imports_the_app(megatron_graph: nx.DiGraph) -> None:
+    """``megatron/app/`` composes everything else; a component importing it would invert the layers."""
+    graph = megatron_graph
+    app = {m for m in graph if m == "megatron.app" or m.startswith("megatron.app.")}
+    upward = sorted(graph.edges[a, b]["where"] for a, b in graph.edges if b in app and a not in app)
+    assert app and upward == []
+
+
+# --- the reader itself, on a tiny package written here ------------------------------------------
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+LAYERED = {
+    "toy/__init__.py": "",
+    "toy/low.py": "import os\n",
+    "toy/mid.py": "from toy.low import os\nfrom . import low\n",
+    "toy/high.py": "import toy.mid\nfrom toy import low\n",
+}
+
+
+def test_layered_package_has_no_cycles(tmp_path: Path) -> None:
+    _write(tmp_path, LAYERED)
+    graph = import_graph(tmp_path, "toy")
+    assert set(graph.edges) == {("toy.mid", "toy.low"), ("toy.high", "toy.mid"), ("toy.high", "toy.low")}
+    assert cycles(graph) == []
+
+
+@pytest.mark.parametrize(
+    "back_edge",
+    [
+        "from toy.high import thing\n",  # module level
+        "def f():\n    from toy import high\n",  # lazy, inside a function
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..toy.high import T\n",  # relative, typing only
+        "import importlib\nimportlib.import_module('toy.high')\n",  # by name
+        "from toy.lazy import thing\n",  # through a PEP 562 export
+    ],
+    ids=["module_level", "in_function", "type_checking", "import_module", "lazy_export"],
+)
+def test_every_kind_of_import_closes_a_cycle(tmp_path: Path, back_edge: str) -> None:
+    files = dict(LAYERED)
+    files["toy/low.py"] = back_edge
+    files["toy/lazy/__init__.py"] = "_EXPORTS = {'thing': 'impl'}\ndef __getattr__(name):\n    pass\n"
+    files["toy/lazy/impl.py"] = "import toy.high\n"
+    _write(tmp_path, files)
+    found = cycles(import_graph(tmp_path, "toy"))
+    assert len(found) == 1
+    text = describe(found[0])
+    assert "toy.low imports toy." in text and "toy/low.py:" in text, text
+    assert {"toy.low", "toy.high"} <= {a for a, _, _ in found[0]}
+
+
+def test_two_separate_cycles_are_both_named(tmp_path: Path) -> None:
+    _write(tmp_path, {"toy/__init__.py": "", "toy/a.py": "import toy.b\n", "toy/b.py": "import toy.a\n",
+                      "toy/c.py": "import toy.d\n", "toy/d.py": "def f():\n    import toy.c\n"})
+    found = cycles(import_graph(tmp_path, "toy"))
+    assert [sorted(a for a, _, _ in c) for c in found] == [["toy.a", "toy.b"], ["toy.c", "toy.d"]]
+
+
+def test_lazy_package_without_exports_is_refused(tmp_path: Path) -> None:
+    _write(tmp_path, {"toy/__init__.py": "def __getattr__(name):\n    pass\n"})
+    with pytest.raises(AssertionError, match="_EXPORTS"):
+        import_graph(tmp_path, "toy")
