@@ -6,7 +6,12 @@ builds: the derivations, ``RunConfig``, the DeepSpeed split, the launcher and th
 
 from __future__ import annotations
 
+import inspect
+import re
+from pathlib import Path
 from typing import Any
+
+from megatron import plugins
 
 from megatron.errors import DeepyError
 from megatron.launcher.config import LaunchConfig
@@ -29,15 +34,54 @@ class ReadRecorder:
     def __getattr__(self, name: str) -> Any:
         if name in type(self._args).model_fields:
             self.read.add(name)
+            return getattr(self._args, name)
+        # a group handed to its component whole (the LR schedule's keys) reads its keys in its own
+        # methods and properties: run those on the recorder so their reads count
+        attr = getattr(type(self._args), name, None)
+        if isinstance(attr, property) and attr.fget is not None and _ours(attr.fget):
+            return attr.fget(self)
+        if inspect.isfunction(attr) and _ours(attr):
+            return attr.__get__(self)
         return getattr(self._args, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._args, name, value)
 
 
+def _ours(fn: Any) -> bool:
+    return str(getattr(fn, "__module__", "")).startswith("megatron.")
+
+
+def _lr_schedule(args: Any) -> object:
+    """What the trainer asks of the LR keys (``engine.build_engine``): the schedule and the resume policy."""
+    return args.spec(int(args.train_iters or 100), 1e-3), args.resume_policy
+
+
+def _user_plugins(args: Any) -> object:
+    """What each rank does with ``plugins`` before validating its resolved config (``load_resolved``)."""
+    return plugins.load_user_plugins(args.plugins)
+
+
 def component_builders() -> list[ComponentBuilder]:
     """Everything that turns keys into what a component does, for train.py."""
-    return [RunConfig.from_args, deepspeed_config, LaunchConfig.from_args, run_directory]
+    return [RunConfig.from_args, _lr_schedule, _user_plugins, deepspeed_config, LaunchConfig.from_args,
+            run_directory]
+
+
+def plugin_keys_read() -> set[str]:
+    """Keys a plug-in declares that its implementation reads (``.key``) — in its module's package, where
+    the family's config (``ObjectiveConfig.reference``) and the plug-in's check live too: a plug-in is
+    handed its keys whole (``ObjectiveConfig.keys``, ``ScheduleSpec.options``), so what it reads is in
+    its source."""
+    read: set[str] = set()
+    for plugin in plugins.all_plugins():
+        if plugin.keys is None:
+            continue
+        module_file = Path(inspect.getfile(plugin.resolve()))
+        package = module_file.parent.glob("*.py") if module_file.parent.joinpath("__init__.py").exists() else [module_file]
+        source = "\n".join(path.read_text(encoding="utf-8") for path in package)
+        read |= {key for key in plugin.keys.model_fields if re.search(rf"\.{key}\b|option\(\"{key}\"\)", source)}
+    return read
 
 
 # Settings under which the builders read their conditional keys (a key read only when a feature is
@@ -45,6 +89,7 @@ def component_builders() -> list[ComponentBuilder]:
 FEATURE_VARIANTS: tuple[dict[str, Any], ...] = (
     {"use_wandb": True},
     {"text_gen_type": "unconditional", "eval_tasks": ["task"]},
+    {"cycles": 2},  # rewarmup shapes the cycles after the first
 )
 
 
@@ -67,4 +112,4 @@ def keys_read(args: NeoXArgs, world_size: int = 1) -> set[str]:
                 except DeepyError:
                     pass  # the variant does not suit this entry point; its reads so far still count
         read |= variant_recorder.read
-    return read
+    return read | plugin_keys_read()
