@@ -1,61 +1,102 @@
-"""The typed view of the checkpoint keys: where to save and load, when to save, what to keep."""
+"""Where checkpoints are saved and loaded from, when a run saves, and which checkpoints it keeps.
+
+Declared here, beside the checkpoint manager that reads them; the one argument object
+(``NeoXArgs``) is composed of this class, and the trainer hands
+:meth:`megatron.checkpointing.manager.CheckpointManager.from_config` that object (typed as
+:class:`CheckpointArgs`). GPT-NeoX files these keys under its training group (``iteration`` under its
+"other" group); the names and defaults are unchanged. Besides them: time-based temporary checkpoints
+(``save_interval``), step-based retention (``keep``), ``load_checkpoint`` and ``initialize_from``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Literal
 
-if TYPE_CHECKING:
-    from megatron.neox_arguments.arguments import NeoXArgs
+from pydantic import Field, field_validator
+
+from megatron.config_schema import ArgGroup
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CheckpointConfig:
+class CheckpointArgs(ArgGroup):
+    """The checkpoint keys of GPT-NeoX's ``NeoXArgsTraining`` group (and ``iteration`` of
+    ``NeoXArgsOther``), with Deepy's retention and start-point extras."""
+
     save: str | None = None
-    load: str | None = None
-    load_checkpoint: bool = True
-    """False: start fresh even when ``load`` is set (its contents are not looked at)."""
-    checkpoint_factor: int | float | None = None
-    checkpoint_scale: str = "linear"
-    extra_save_iters: list[int] | None = None
-    keep_last_n_checkpoints: int | None = None
-    save_interval: int | str | None = None
-    """Seconds (deepy.py turns phrases such as ``15min`` into seconds)."""
-    keep: list[dict[str, int | None]] | None = None
-    finetune: bool = False
-    initialize_from: str | None = None
-    iteration: int | None = None
-    """Load this step instead of the latest committed one (GPT-NeoX's ``iteration``)."""
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    no_save_rng: bool = False
-    validate_with_forward_pass: bool = False
-    """``checkpoint_validation_with_forward_pass``: after each save, reload the weights just written
-    and require the same loss on a fixed batch."""
-    train_iters: int | None = None
-    """The last step, which retention always keeps; None until derived from train_epochs."""
-    config_files: dict[str, str] = field(default_factory=dict)
-    """The run's config files (name -> text), stored with every checkpoint."""
+    """Directory to write checkpoints to; unset disables saving."""
 
+    config_files: dict[str, str] | None = None
+    """The run's config files (name -> text), stored with checkpoints; filled in by the loader."""
+
+    load: str | None = None
+    """Directory to resume or start from; the latest committed checkpoint in it is loaded. Anything
+    else there (a GPT-NeoX or Hugging Face checkpoint, only incomplete saves, other files) is an
+    error naming what was found; a missing or empty `load` is accepted only when it is also `save`."""
+
+    load_checkpoint: bool = True
+    """Resume (or fine-tune) from `load`; false starts fresh even when `load` is set (Deepy's own
+    key: the explicit way to ignore a `load` directory)."""
+
+    checkpoint_validation_with_forward_pass: bool = False
+    """After saving, reload the checkpoint and check one forward pass gives the same logits."""
+
+    checkpoint_scale: Literal["linear", "log"] = "linear"
+    """Spacing of saves: every checkpoint_factor steps (linear) or at powers of checkpoint_factor
+    (log)."""
+
+    checkpoint_factor: int | float | None = Field(None, gt=0)
+    """Save interval in steps (linear), or the base of the powers (log)."""
+
+    extra_save_iters: list[int] | None = None
+    """Additional steps at which to save a checkpoint."""
+
+    no_save_rng: bool = False
+    """Leave random-number-generator state out of checkpoints."""
+
+    no_load_optim: bool = False
+    """Do not restore optimizer state when loading."""
+
+    no_load_rng: bool = False
+    """Do not restore random-number-generator state when loading."""
+
+    finetune: bool = False
+    """Load only the weights and start from step 0 with fresh optimizer and data position."""
+
+    keep_last_n_checkpoints: int | None = Field(None, ge=1)
+    """Delete older step checkpoints so at most this many stay on disk; unset keeps all."""
+
+    iteration: int | None = Field(None, ge=0)
+    """Current optimizer step; updated while training, stored in checkpoints."""
+
+    # ---- Deepy extras (not in GPT-NeoX) ----
+
+    save_interval: str | int | None = None
+    """Also save a temporary checkpoint at this wall-clock interval (`15min`, `1h`, or seconds); it
+    is replaced by the next one."""
+
+    keep: list[dict[str, int | None]] | None = None
+    """Step-based retention policy as a list of {every, until} rules, e.g. [{every: 1000, until:
+    10000}, {every: 5000}] (Levanter)."""
+
+    initialize_from: str | None = None
+    """Checkpoint to take the starting weights from, without its optimizer state or step."""
+
+    @field_validator("keep")
     @classmethod
-    def from_args(cls, args: NeoXArgs) -> CheckpointConfig:
-        return cls(
-            save=args.save,
-            load=args.load,
-            load_checkpoint=args.load_checkpoint,
-            checkpoint_factor=args.checkpoint_factor,
-            checkpoint_scale=args.checkpoint_scale,
-            extra_save_iters=args.extra_save_iters,
-            keep_last_n_checkpoints=args.keep_last_n_checkpoints,
-            save_interval=args.save_interval,
-            keep=args.keep,
-            finetune=args.finetune,
-            initialize_from=args.initialize_from,
-            iteration=args.iteration,
-            no_load_optim=args.no_load_optim,
-            no_load_rng=args.no_load_rng,
-            no_save_rng=args.no_save_rng,
-            validate_with_forward_pass=args.checkpoint_validation_with_forward_pass,
-            train_iters=args.train_iters,
-            config_files=dict(args.config_files or {}),
-        )
+    def _keep_rules_shape(
+        cls, value: list[dict[str, int | None]] | None
+    ) -> list[dict[str, int | None]] | None:
+        """Each rule is ``{every: N}`` or ``{every: N, until: M}`` with positive steps.
+
+        Checked here rather than when the first checkpoint is due, so a typo such as ``evry``
+        fails at launch instead of hours into the run.
+        """
+        for rule in value or []:
+            unknown = sorted(set(rule) - {"every", "until"})
+            if unknown or not isinstance(rule.get("every"), int) or rule["every"] < 1:
+                raise ValueError(
+                    f"rule {rule!r} should be {{every: N}} or {{every: N, until: M}} with N >= 1"
+                )
+            until = rule.get("until")
+            if until is not None and until < 1:
+                raise ValueError(f"rule {rule!r}: until must be a positive step")
+        return value

@@ -2,7 +2,7 @@
 
 ::
 
-    ckpt = CheckpointManager.from_config(run.checkpoint, args_record=run.args_record)
+    ckpt = CheckpointManager.from_config(run.checkpoint, args_record=run.args_record, train_iters=train_iters)
     start = ckpt.load(engine)                      # LoadResult: iteration, consumed_samples
     for step in range(start.iteration + 1, train_iters + 1):
         ...train one step...
@@ -34,7 +34,7 @@ from megatron.checkpointing.retention import (
     RetentionPolicy,
     SaveDecision,
 )
-from megatron.checkpointing.config import CheckpointConfig
+from megatron.checkpointing.config import CheckpointArgs
 from megatron.checkpointing.save_load import (
     BeforeCommit,
     LoadOptions,
@@ -129,18 +129,20 @@ class CheckpointManager:
     @classmethod
     def from_config(
         cls,
-        config: CheckpointConfig,
+        config: CheckpointArgs,
         *,
         args_record: dict[str, Any],
-        train_iters: int | None = None,
+        train_iters: int,
         clock: Callable[[], float] = time.monotonic,
         before_commit: BeforeCommit | None = None,
         new_parameters: tuple[str, ...] = (),
+        preemption: PreemptionWatcher | None = None,
     ) -> CheckpointManager:
-        """``train_iters``: the run's last step when it was derived at start-up (train_epochs)."""
+        """``preemption``: None installs the signal handlers of a new watcher. ``train_iters``: the run's last step (given, or derived at start-up from train_epochs), which
+        retention always keeps."""
         factor = config.checkpoint_factor
         policy = RetentionPolicy(
-            train_iters=int(train_iters or config.train_iters or 0),
+            train_iters=int(train_iters),
             checkpoint_factor=int(factor) if factor else None,
             checkpoint_scale=config.checkpoint_scale,
             extra_save_iters=config.extra_save_iters,
@@ -164,6 +166,7 @@ class CheckpointManager:
             before_commit=before_commit,
             load_requested=bool(config.load),
             new_parameters=new_parameters,
+            preemption=preemption,
         )
 
     # --- load ----------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from megatron.errors import ConversionError, DeepyError
 from megatron.interop.hf_config import SpecialTokens
 from megatron.tokenizer.base import Tokenizer
-from megatron.tokenizer.config import TokenizerConfig
+from megatron.tokenizer.config import TokenizerArgs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -63,9 +63,9 @@ def build_tokenizer_from_files(files: TokenizerFiles) -> Tokenizer:
                 "with its current location"
             )
     try:
-        # the registry's factories take the tokenizer's typed config, not these keys
-        return factory(TokenizerConfig(type=files.tokenizer_type, vocab_file=files.vocab_file,
-                                       merge_file=files.merge_file))
+        # the registry's factories take the tokenizer's keys as their typed group
+        return factory(TokenizerArgs(tokenizer_type=files.tokenizer_type, vocab_file=files.vocab_file,
+                                     merge_file=files.merge_file))
     except DeepyError:
         raise
     except Exception as err:  # noqa: BLE001 - a tokenizer library's own error for a bad file

@@ -34,7 +34,8 @@ from megatron.interop.hf_model import (
 from megatron.interop.hf_tokenizer import TokenizerFiles, export_tokenizer, special_tokens_of
 from megatron.interop.hf_weights import qkv_ours_to_neox, to_hf_state_dict
 from megatron.model.config import GPTConfig
-from megatron.model.lora import ADAPTER, LoRAConfig, apply_lora, is_adapter_name, merge_adapters
+from megatron.model.lora import ADAPTER, apply_lora, is_adapter_name, merge_adapters
+from megatron.model.lora_config import LoRAArgs
 
 AdapterExport = Literal["merge", "peft"]
 ADAPTER_DIR = "lora_adapter"
@@ -43,14 +44,14 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FROM_ARGS = {"bfloat16": "bf16", "bf16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "fp32", "float32": "fp32"}
 
 
-def lora_config_of(args: dict[str, Any]) -> LoRAConfig:
-    """The adapters a checkpoint's stored arguments describe (``r == 0``: none)."""
-    return LoRAConfig(r=int(args.get("lora_r") or 0), alpha=float(args.get("lora_alpha") or 8.0),
-                      target_modules=tuple(args.get("lora_target_modules") or ("query_key_value",)))
+def lora_config_of(args: dict[str, Any]) -> LoRAArgs:
+    """The adapters a checkpoint's stored arguments describe (``lora_r == 0``: none); a key the record
+    leaves out takes the schema's default."""
+    return LoRAArgs.model_validate({key: args[key] for key in LoRAArgs.model_fields if args.get(key) is not None})
 
 
 def has_adapters(args: dict[str, Any]) -> bool:
-    return lora_config_of(args).enabled
+    return lora_config_of(args).lora_enabled
 
 
 @dataclass(frozen=True)
@@ -63,14 +64,14 @@ class AdapterExportReport:
     max_logit_diff: float | None
 
 
-def adapted_model(config: GPTConfig, lora: LoRAConfig, weights: Weights) -> torch.nn.Module:
+def adapted_model(config: GPTConfig, lora: LoRAArgs, weights: Weights) -> torch.nn.Module:
     """Our model with its adapters, in one process (tp 1), fp32 eval mode, holding ``weights``."""
     from megatron.model.gpt import GPTModel
 
     fp32 = config.replace(params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
                           sequence_parallel=False)
     model = GPTModel(fp32)
-    apply_lora(model, LoRAConfig(r=lora.r, alpha=lora.alpha, target_modules=lora.target_modules), fp32.seed)
+    apply_lora(model, lora.model_copy(update={"lora_dropout": 0.0}), fp32.seed)
     model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=True)
     return model.eval()
 
@@ -90,7 +91,7 @@ def peft_state_dict(config: GPTConfig, weights: Weights) -> Weights:
     return out
 
 
-def write_peft_adapter(config: GPTConfig, lora: LoRAConfig, weights: Weights, adapter_dir: Path, base_dir: Path,
+def write_peft_adapter(config: GPTConfig, lora: LoRAArgs, weights: Weights, adapter_dir: Path, base_dir: Path,
                        dtype: torch.dtype) -> None:
     from safetensors.torch import save_file
 
@@ -99,7 +100,7 @@ def write_peft_adapter(config: GPTConfig, lora: LoRAConfig, weights: Weights, ad
               str(adapter_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     adapter_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_dir.resolve()),
-        "r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "target_modules": list(lora.target_modules),
+        "r": lora.lora_r, "lora_alpha": lora.lora_alpha, "lora_dropout": 0.0, "target_modules": list(lora.lora_target_modules),
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
     }
@@ -141,8 +142,8 @@ def export_adapters(ckpt: Path, config: GPTConfig, args: dict[str, Any], weights
     hf_config = hf_config_from_gpt(config, tokens, dtype)
     adapter_dir = out_dir / ADAPTER_DIR if mode == "peft" else None
     if mode == "merge":
-        progress(f"writing {arch} with the adapters merged (alpha/r = {lora.scale:g}) to {out_dir}")
-        save_hf_model(hf_config, to_hf_state_dict(config, arch, merge_adapters(weights, lora.scale)), out_dir, dtype)
+        progress(f"writing {arch} with the adapters merged (alpha/r = {lora.lora_scale:g}) to {out_dir}")
+        save_hf_model(hf_config, to_hf_state_dict(config, arch, merge_adapters(weights, lora.lora_scale)), out_dir, dtype)
     else:
         assert adapter_dir is not None
         progress(f"writing the base {arch} to {out_dir} and the PEFT adapter to {adapter_dir}")

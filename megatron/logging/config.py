@@ -1,21 +1,27 @@
-"""The logging component's own frozen config, read once from the user's keys.
+"""Where metrics go (metrics.jsonl, TensorBoard, W&B), how often, and which optional diagnostics
+are computed. Comet and gradient-noise-scale estimation are not built yet.
 
-``LoggingConfig.from_args(args)`` is the one place that turns the two tracker spellings (GPT-NeoX's
-``use_wandb``/``wandb_*``/``tensorboard_dir`` and Levanter's ``tracker:`` block) into one tuple of
-tracker settings, so the pre-launch check and the ranks agree on what will be logged where. Every
-default lives in the schema (``megatron/neox_arguments/groups/logging.py``); nothing here has one.
+Trackers come in two spellings: GPT-NeoX's flat keys (``use_wandb``, ``wandb_project``,
+``tensorboard_dir``) and Levanter's ``tracker:`` block (``{type: wandb, project: ...}`` or a list of
+them), each entry validated by the model its tracker plug-in declares (``megatron/plugins.py``).
+
+Declared here, beside the logging component that reads them; the one argument object (``NeoXArgs``)
+is composed of :class:`LoggingArgs`, and the trainer hands the monitor that object (typed as this
+class). :meth:`LoggingArgs.tracker_settings` is the one place that turns the two spellings into one
+tuple of tracker settings, so the pre-launch check and the ranks agree on what will be logged where.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+from pydantic import BaseModel, Field, field_validator
+
+from megatron import plugins
+from megatron.config_schema import ArgGroup, not_supported
 from megatron.errors import ConfigError
-
-if TYPE_CHECKING:
-    from megatron.neox_arguments.arguments import NeoXArgs
 
 WandbMode = Literal["online", "offline", "disabled"]
 
@@ -68,9 +74,6 @@ class PluginTrackerSettings:
 
 TrackerSettings = WandbSettings | TensorboardSettings | JsonlSettings | PluginTrackerSettings
 
-# the Python package each tracker type imports, for the pre-launch check
-TRACKER_PACKAGES: dict[str, str] = {"wandb": "wandb", "tensorboard": "tensorboard"}
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StatsSettings:
@@ -106,100 +109,221 @@ class ProfileSettings:
         return self.torch_profiler or self.memory_snapshot
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LoggingConfig:
-    log_dir: str | None
-    log_interval: int
-    trackers: tuple[TrackerSettings, ...]
-    wall_clock_breakdown: bool
-    """DeepSpeed's forward/backward/allreduce/optimizer/pipeline timers, logged as timers/*."""
-    peak_theoretical_tflops: float | None
-    stats: StatsSettings
-    profile: ProfileSettings
-    deepspeed_log_level: str
-    device_memory_gb: float | None = None
-    """One accelerator's memory, for the memory estimate of ``--dry-run``."""
+def tracker_block(entry: Any) -> BaseModel:
+    """One ``tracker:`` entry validated by the model its ``type``'s plug-in declares."""
+    if isinstance(entry, BaseModel):
+        return entry
+    if not isinstance(entry, dict) or "type" not in entry:
+        raise ValueError(f"a tracker entry is a mapping with a type ({', '.join(plugins.names('tracker'))}), "
+                         f"got {entry!r}")
+    plugins.validate_name("tracker", entry["type"])
+    block = plugins.get("tracker", entry["type"]).block
+    assert block is not None, f"tracker plug-in {entry['type']!r} declares no block"
+    return block.model_validate(entry)
 
+
+class LoggingArgs(ArgGroup):
+    """GPT-NeoX's ``NeoXArgsLogging`` group."""
+
+    use_wandb: bool | None = None
+    """Log metrics to Weights & Biases (WANDB_MODE=offline works without a network; the API key is
+    read by wandb from WANDB_API_KEY or ~/.netrc, never from the config); unset means off (GPT-NeoX
+    turns it on when wandb is logged in; Deepy uploads only when asked)."""
+
+    tracker: Any = None
+    """Levanter-style trackers: {type: wandb, project: ...}, {type: tensorboard, logdir: ...} or a
+    list of them, on top of metrics.jsonl; same effect as the GPT-NeoX keys (give one spelling).
+    ``type`` is a registered tracker plug-in; each validates its own entry
+    (``megatron/logging/trackers.py``)."""
+
+    @field_validator("tracker", mode="before")
     @classmethod
-    def from_args(cls, args: NeoXArgs) -> LoggingConfig:
-        trackers = tracker_settings(args)
-        tb_dir = next((t.logdir for t in trackers if isinstance(t, TensorboardSettings)), None)
-        base = args.log_dir or "."
-        trace_dir = tb_dir or os.path.join(base, "tensorboard")
-        return cls(
-            log_dir=args.log_dir,
-            log_interval=args.log_interval,
-            trackers=trackers,
-            wall_clock_breakdown=bool(args.wall_clock_breakdown),
-            peak_theoretical_tflops=args.peak_theoretical_tflops,
-            stats=StatsSettings(
-                param_norm=args.log_param_norm,
-                grad_norm=args.log_grad_norm,
-                grad_pct_zeros=args.log_grad_pct_zeros,
-                optimizer_states=args.log_optimizer_states,
-            ),
-            profile=ProfileSettings(
-                torch_profiler=args.profile,
-                memory_snapshot=args.memory_profiling,
-                start=args.profile_step_start,
-                stop=args.profile_step_stop,
-                trace_dir=trace_dir,
-                memory_dir=args.memory_profiling_path or os.path.join(tb_dir or base, "memory"),
-            ),
-            deepspeed_log_level=args.deepspeed_log_level,
-            device_memory_gb=args.device_memory_gb,
+    def _registered_trackers(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, list):
+            return [tracker_block(entry) for entry in value]
+        return tracker_block(value)
+
+    wandb_group: str | None = None
+    """W&B group that collects the runs of one experiment."""
+
+    wandb_run_name: str | None = None
+    """Display name of the run in W&B."""
+
+    wandb_team: str | None = None
+    """W&B entity (team or user) owning the project."""
+
+    wandb_project: str = "neox"
+    """W&B project name."""
+
+    wandb_host: str = "https://api.wandb.ai"
+    """W&B server URL, for self-hosted instances."""
+
+    wandb_init_all_ranks: bool = False
+    """Start a W&B run on every rank instead of rank 0 only (for per-rank system metrics)."""
+
+    git_hash: str | None = None
+    """Commit of the code that ran, recorded at launch. GPT-NeoX computes it as the field default;
+    Deepy fills it in when the config is resolved, so the default here is None."""
+
+    log_dir: str | None = None
+    """Directory for text logs and metrics.jsonl."""
+
+    deepspeed_log_level: Literal["debug", "info", "warning", "error", "critical"] = "warning"
+    """Level of DeepSpeed's own log lines (runner, launcher, engine); its INFO lines are hidden by
+    default so Deepy's lines stand out, and deepy.py --debug shows them (info)."""
+
+    device_memory_gb: float | None = Field(None, gt=0)
+    """Memory of one accelerator in GiB, for the memory estimate of deepy.py --dry-run; unset means
+    detected when deepy launches on local GPUs (no warning otherwise)."""
+
+    tensorboard_dir: str | None = None
+    """Write TensorBoard event files here; unset disables TensorBoard."""
+
+    use_comet: bool | None = not_supported(None)
+    """Log metrics to Comet ML."""
+
+    comet_workspace: str | None = not_supported(None)
+    """Comet workspace name."""
+
+    comet_project: str | None = not_supported(None)
+    """Comet project name."""
+
+    comet_experiment_name: str | None = not_supported(None)
+    """Comet experiment name."""
+
+    comet_tags: list[str] | None = not_supported(None)
+    """Tags attached to the Comet experiment."""
+
+    comet_others: dict[str, Any] | None = not_supported(None)
+    """Extra keyword arguments passed to the Comet experiment."""
+
+    comet_experiment: Any = not_supported(None)
+    """The live Comet experiment object; set at runtime only."""
+
+    peak_theoretical_tflops: float | None = Field(None, gt=0)
+    """Peak dense TFLOP/s of one accelerator, used to report MFU; unset means looked up from the
+    device name."""
+
+    log_interval: int = Field(100, ge=1)
+    """Log training metrics every this many steps."""
+
+    log_grad_pct_zeros: bool = False
+    """Log the share of exactly-zero gradient entries, per parameter (grad_pct_zeros/<name>) and
+    overall, at every log step."""
+
+    log_param_norm: bool = False
+    """Log the global parameter norm (train/param_norm) and each parameter's norm
+    (param_norm/<name>) at every log step."""
+
+    log_grad_norm: bool = False
+    """Log each parameter's gradient norm (grad_norm/<name>) at every log step, as the optimizer
+    receives it; the global norm before clipping is always logged as train/grad_norm."""
+
+    log_optimizer_states: bool = False
+    """Log norms of the optimizer's moment estimates per parameter (optimizer_state/<name>/exp_avg,
+    .../exp_avg_sq) and overall."""
+
+    log_gradient_noise_scale: bool = not_supported(False)
+    """Estimate and log the gradient noise scale (critical batch size)."""
+
+    gradient_noise_scale_n_batches: int = not_supported(5)
+    """Number of batches the gradient-noise-scale estimate accumulates."""
+
+    gradient_noise_scale_cpu_offload: bool = not_supported(False)
+    """Keep gradient-noise-scale buffers on the CPU."""
+
+    memory_profiling: bool = False
+    """Record CUDA allocator history from profile_step_start and dump a memory snapshot (a pickle
+    for pytorch.org/memory_viz) at profile_step_stop; GPU only, refused before launch on CPU."""
+
+    memory_profiling_path: str | None = None
+    """Directory of the memory snapshots; unset means <tensorboard dir or log_dir>/memory."""
+
+    profile: bool = False
+    """Run torch.profiler from profile_step_start to profile_step_stop and write its traces into the
+    TensorBoard directory (tensorboard_dir, else <log_dir>/tensorboard)."""
+
+    profile_step_start: int = Field(10, ge=0)
+    """First step the profiler (and memory_profiling) records."""
+
+    profile_step_stop: int = Field(12, ge=0)
+    """Step after which the profiler (and memory_profiling) stops; must exceed profile_step_start."""
+
+    def tracker_settings(self) -> tuple[TrackerSettings, ...]:
+        """Trackers asked for by either spelling; one tracker asked for twice is a config error (which
+        settings would win is not obvious, so the user picks)."""
+        tracker = self.tracker
+        blocks = tracker if isinstance(tracker, list) else [tracker] if tracker else []
+        out: list[TrackerSettings] = []
+        if self.log_dir:
+            out.append(JsonlSettings(log_dir=self.log_dir))
+        kinds = [block.type for block in blocks]
+        for kind in sorted({k for k in kinds if kinds.count(k) > 1}):
+            raise ConfigError(f"tracker lists type {kind!r} {kinds.count(kind)} times: give each tracker type once")
+        for block in blocks:
+            if block.type == "wandb":
+                if self.use_wandb:
+                    raise ConfigError(
+                        "W&B is configured twice: use_wandb=true and tracker {type: wandb}; keep one spelling "
+                        "(the wandb_* keys fill in what the tracker block leaves unset)"
+                    )
+                out.append(WandbSettings(
+                    project=block.project or self.wandb_project,
+                    entity=block.entity or self.wandb_team,
+                    name=block.name or self.wandb_run_name,
+                    group=block.group or self.wandb_group,
+                    tags=tuple(block.tags),
+                    notes=block.notes,
+                    mode=block.mode,
+                    host=block.host or self.wandb_host,
+                    init_all_ranks=self.wandb_init_all_ranks,
+                    source="tracker",
+                    run_id=block.id,
+                ))
+            elif block.type == "tensorboard":
+                if self.tensorboard_dir and block.logdir and block.logdir != self.tensorboard_dir:
+                    raise ConfigError(
+                        f"TensorBoard is configured twice with different directories: tensorboard_dir="
+                        f"{self.tensorboard_dir!r} and tracker {{type: tensorboard, logdir: {block.logdir!r}}}; "
+                        "keep one"
+                    )
+                logdir = block.logdir or self.tensorboard_dir or os.path.join(self.log_dir or ".", "tensorboard")
+                out.append(TensorboardSettings(logdir=logdir, source="tracker"))
+            else:
+                out.append(PluginTrackerSettings(type=block.type, block=block))
+        if self.use_wandb and not any(t.type == "wandb" for t in out):
+            out.append(WandbSettings(
+                project=self.wandb_project, entity=self.wandb_team, name=self.wandb_run_name,
+                group=self.wandb_group, tags=(), notes=None, mode=None, host=self.wandb_host,
+                init_all_ranks=self.wandb_init_all_ranks, source="use_wandb",
+            ))  # fmt: skip
+        if self.tensorboard_dir and not any(t.type == "tensorboard" for t in out):
+            out.append(TensorboardSettings(logdir=self.tensorboard_dir, source="tensorboard_dir"))
+        return tuple(out)
+
+    @property
+    def stats_settings(self) -> StatsSettings:
+        """The optional statistics the log steps compute (``log_param_norm``, ``log_grad_norm``, ...)."""
+        return StatsSettings(
+            param_norm=self.log_param_norm,
+            grad_norm=self.log_grad_norm,
+            grad_pct_zeros=self.log_grad_pct_zeros,
+            optimizer_states=self.log_optimizer_states,
         )
 
-    def tracker(self, kind: str) -> TrackerSettings | None:
-        return next((t for t in self.trackers if t.type == kind), None)
-
-
-def tracker_settings(args: NeoXArgs) -> tuple[TrackerSettings, ...]:
-    """Trackers asked for by either spelling; one tracker asked for twice is a config error (which
-    settings would win is not obvious, so the user picks)."""
-    blocks = args.tracker if isinstance(args.tracker, list) else [args.tracker] if args.tracker else []
-    out: list[TrackerSettings] = []
-    if args.log_dir:
-        out.append(JsonlSettings(log_dir=args.log_dir))
-    kinds = [block.type for block in blocks]
-    for kind in sorted({k for k in kinds if kinds.count(k) > 1}):
-        raise ConfigError(f"tracker lists type {kind!r} {kinds.count(kind)} times: give each tracker type once")
-    for block in blocks:
-        if block.type == "wandb":
-            if args.use_wandb:
-                raise ConfigError(
-                    "W&B is configured twice: use_wandb=true and tracker {type: wandb}; keep one spelling "
-                    "(the wandb_* keys fill in what the tracker block leaves unset)"
-                )
-            out.append(WandbSettings(
-                project=block.project or args.wandb_project,
-                entity=block.entity or args.wandb_team,
-                name=block.name or args.wandb_run_name,
-                group=block.group or args.wandb_group,
-                tags=tuple(block.tags),
-                notes=block.notes,
-                mode=block.mode,
-                host=block.host or args.wandb_host,
-                init_all_ranks=args.wandb_init_all_ranks,
-                source="tracker",
-                run_id=block.id,
-            ))
-        elif block.type == "tensorboard":
-            if args.tensorboard_dir and block.logdir and block.logdir != args.tensorboard_dir:
-                raise ConfigError(
-                    f"TensorBoard is configured twice with different directories: tensorboard_dir="
-                    f"{args.tensorboard_dir!r} and tracker {{type: tensorboard, logdir: {block.logdir!r}}}; keep one"
-                )
-            logdir = block.logdir or args.tensorboard_dir or os.path.join(args.log_dir or ".", "tensorboard")
-            out.append(TensorboardSettings(logdir=logdir, source="tracker"))
-        else:
-            out.append(PluginTrackerSettings(type=block.type, block=block))
-    if args.use_wandb and not any(t.type == "wandb" for t in out):
-        out.append(WandbSettings(
-            project=args.wandb_project, entity=args.wandb_team, name=args.wandb_run_name,
-            group=args.wandb_group, tags=(), notes=None, mode=None, host=args.wandb_host,
-            init_all_ranks=args.wandb_init_all_ranks, source="use_wandb",
-        ))  # fmt: skip
-    if args.tensorboard_dir and not any(t.type == "tensorboard" for t in out):
-        out.append(TensorboardSettings(logdir=args.tensorboard_dir, source="tensorboard_dir"))
-    return tuple(out)
+    def profile_settings(self) -> ProfileSettings:
+        """The profiler's steps and where its traces and memory snapshots go: the TensorBoard directory
+        (either spelling), else ``<log_dir>/tensorboard``; snapshots in ``memory_profiling_path``, else
+        ``memory`` beside the traces."""
+        tb_dir = next((t.logdir for t in self.tracker_settings() if isinstance(t, TensorboardSettings)), None)
+        base = self.log_dir or "."
+        return ProfileSettings(
+            torch_profiler=self.profile,
+            memory_snapshot=self.memory_profiling,
+            start=self.profile_step_start,
+            stop=self.profile_step_stop,
+            trace_dir=tb_dir or os.path.join(base, "tensorboard"),
+            memory_dir=self.memory_profiling_path or os.path.join(tb_dir or base, "memory"),
+        )

@@ -4,7 +4,7 @@ The loop calls, per step, :meth:`Monitor.before_step` and :meth:`Monitor.after_s
 it builds its row (loss, lr, throughput), adds :meth:`Monitor.window_metrics` (``timers/*`` and the
 ``log_*`` statistics) and hands it to :meth:`Monitor.log`, which fans it out to the trackers and
 the console. Everything else (which tracker, which statistic, when the profiler runs) is decided
-here from :class:`~megatron.logging.config.LoggingConfig`, so the loop stays a few lines.
+here from the logging keys (:class:`~megatron.logging.config.LoggingArgs`), so the loop stays a few lines.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from megatron.logging.config import LoggingConfig, WandbSettings
+from megatron.logging.config import LoggingArgs, TrackerSettings, WandbSettings
 from megatron.logging.profiling import StepProfiler
 from megatron.logging.progress import TrainingProgress
 from megatron.logging.stats import StatsCollector
@@ -22,7 +22,7 @@ from megatron.logging.trackers import TrackerContext, Trackers, build_trackers, 
 
 
 class Monitor:
-    def __init__(self, *, config: LoggingConfig, trackers: Trackers, timers: Timers, progress: TrainingProgress,
+    def __init__(self, *, config: LoggingArgs, trackers: Trackers, timers: Timers, progress: TrainingProgress,
                  train_iters: int, stats: StatsCollector | None = None, profiler: StepProfiler | None = None,
                  run_name: str | None = None) -> None:
         self.config = config
@@ -82,14 +82,14 @@ class Monitor:
         self.trackers.finish(failed)
 
 
-def agree_on_wandb_run_id(resumed: str | None, config: LoggingConfig) -> str | None:
+def agree_on_wandb_run_id(resumed: str | None, trackers: tuple[TrackerSettings, ...]) -> str | None:
     """One W&B run id for every rank: the checkpoint's when resuming, else the configured one
     (``tracker: {id: ...}``), else rank 0's new one."""
-    if not any(isinstance(t, WandbSettings) for t in config.trackers):
+    if not any(isinstance(t, WandbSettings) for t in trackers):
         return resumed
     import torch.distributed as dist
 
-    chosen = next((t.run_id for t in config.trackers if isinstance(t, WandbSettings) and t.run_id), None)
+    chosen = next((t.run_id for t in trackers if isinstance(t, WandbSettings) and t.run_id), None)
     proposal = [resumed or chosen or (new_wandb_run_id() if not dist.is_initialized() or dist.get_rank() == 0 else None)]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(proposal, src=0)
@@ -108,25 +108,29 @@ def agree_on_run_name(resumed: str | None) -> str:
     return str(proposal[0])
 
 
-def build_monitor(config: LoggingConfig, *, engine: Any, rank: int, speaks: bool, start_iteration: int,
+def build_monitor(config: LoggingArgs, *, engine: Any, rank: int, speaks: bool, start_iteration: int,
                   train_iters: int, wandb_run_id: str | None, run_config: Mapping[str, Any],
-                  logger: logging.Logger, cuda: bool, run_name: str | None = None) -> Monitor:
+                  logger: logging.Logger, cuda: bool, wall_clock_breakdown: bool,
+                  run_name: str | None = None) -> Monitor:
     """Everything the loop logs through, for this rank. ``run_name``: the resumed run's name (None:
-    a new run, named here)."""
-    run_id = agree_on_wandb_run_id(wandb_run_id, config)
+    a new run, named here); ``wall_clock_breakdown``: the DeepSpeed config's switch of its engine timers,
+    which the monitor then reads."""
+    tracker_settings = config.tracker_settings()
+    run_id = agree_on_wandb_run_id(wandb_run_id, tracker_settings)
     name = agree_on_run_name(run_name)
     ctx = TrackerContext(rank=rank, speaks=speaks, run_id=run_id, start_step=start_iteration, run_config=run_config,
                          run_name=name)
-    trackers = build_trackers(config.trackers, ctx, config.log_dir)
-    timers = Timers(config.wall_clock_breakdown)
+    trackers = build_trackers(tracker_settings, ctx, config.log_dir)
+    timers = Timers(wall_clock_breakdown)
     timers.attach(engine)
+    stats, profile = config.stats_settings, config.profile_settings()
     return Monitor(
         config=config,
         trackers=trackers,
         timers=timers,
         progress=TrainingProgress(total=train_iters, start=start_iteration, enabled=speaks, logger=logger),
         train_iters=train_iters,
-        stats=StatsCollector(config.stats, engine) if config.stats.any else None,
-        profiler=StepProfiler(config.profile, rank, cuda) if config.profile.any else None,
+        stats=StatsCollector(stats, engine) if stats.any else None,
+        profiler=StepProfiler(profile, rank, cuda) if profile.any else None,
         run_name=name,
     )

@@ -5,7 +5,7 @@ any rank starts, not a crash on rank 0 after the model is built, and never a sil
 import is real (not just "is it installed"): a broken install (e.g. a protobuf mismatch under
 tensorboard) is caught too. The importer is injected so tests can simulate a missing package.
 
-The rule that calls this (``neox_arguments/rules.py``) hands in the built config and how to name a
+The rule that calls this (``neox_arguments/rules.py``) hands in the logging keys and how to name a
 setting (``key=value (file:line)``), so this module knows nothing of the argument layer above it.
 """
 
@@ -15,7 +15,7 @@ import importlib
 from collections.abc import Callable
 from types import ModuleType
 
-from megatron.logging.config import LoggingConfig, TensorboardSettings, WandbSettings
+from megatron.logging.config import LoggingArgs, TensorboardSettings, WandbSettings
 
 # tracker type -> (module the tracker imports, pip package)
 _MODULES: dict[str, tuple[str, str]] = {
@@ -24,12 +24,12 @@ _MODULES: dict[str, tuple[str, str]] = {
 }
 
 
-def logging_problems(config: LoggingConfig, show: Callable[[str], str], *, local: bool, cuda: bool,
+def logging_problems(config: LoggingArgs, show: Callable[[str], str], *, local: bool, cuda: bool,
                      import_module: Callable[[str], ModuleType] = importlib.import_module) -> list[str]:
     """Problems of ``config`` before launch; ``show(key)`` names a setting as the user wrote it,
     ``local``: the ranks run on this machine, whose devices (``cuda``) then count."""
     problems: list[str] = []
-    for tracker in config.trackers:
+    for tracker in config.tracker_settings():
         if not isinstance(tracker, (WandbSettings, TensorboardSettings)):
             continue
         module, package = _MODULES[tracker.type]
@@ -41,7 +41,7 @@ def logging_problems(config: LoggingConfig, show: Callable[[str], str], *, local
                 f"imported here ({err}): pip install -r requirements/requirements.txt (it pins {package}), "
                 f"or remove {tracker.source}"
             )
-    p = config.profile
+    p = config.profile_settings()
     if p.any and p.stop <= p.start:
         keys = "profile" if p.torch_profiler else "memory_profiling"
         problems.append(

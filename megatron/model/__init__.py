@@ -13,29 +13,42 @@ Conventions:
 * `lm_loss(logits, labels, loss_mask)` is the mean over counted tokens (labels < 0 are skipped). The
   training losses (per `train_impl`, normalised over the global batch) live in
   `megatron/training/objectives`.
+
+The names below are imported on first use, not with the package: the argument layer reads the
+adapter keys in ``megatron.model.lora_config`` without paying for torch and DeepSpeed.
 """
 
-from megatron.model.config import GPTConfig
-from megatron.model.flops import flops_per_token, num_parameters
-from megatron.model.gpt import GPTModel
-from megatron.model.kv_cache import KVCache
-from megatron.model.loss import lm_loss
-from megatron.model.partitioning import (
-    TPPartition,
-    tp_partition_of,
-    tp_partition_patterns,
-)
-from megatron.model.pipeline import pipeline_layer_specs
+from __future__ import annotations
 
-__all__ = [
-    "GPTConfig",
-    "GPTModel",
-    "KVCache",
-    "TPPartition",
-    "flops_per_token",
-    "lm_loss",
-    "num_parameters",
-    "pipeline_layer_specs",
-    "tp_partition_of",
-    "tp_partition_patterns",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron.model.config import GPTConfig  # noqa: F401
+    from megatron.model.flops import flops_per_token, num_parameters  # noqa: F401
+    from megatron.model.gpt import GPTModel  # noqa: F401
+    from megatron.model.kv_cache import KVCache  # noqa: F401
+    from megatron.model.loss import lm_loss  # noqa: F401
+    from megatron.model.partitioning import TPPartition, tp_partition_of, tp_partition_patterns  # noqa: F401
+    from megatron.model.pipeline import pipeline_layer_specs  # noqa: F401
+
+_EXPORTS = {
+    "GPTConfig": "config",
+    "flops_per_token": "flops",
+    "num_parameters": "flops",
+    "GPTModel": "gpt",
+    "KVCache": "kv_cache",
+    "lm_loss": "loss",
+    "TPPartition": "partitioning",
+    "tp_partition_of": "partitioning",
+    "tp_partition_patterns": "partitioning",
+    "pipeline_layer_specs": "pipeline",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

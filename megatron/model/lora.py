@@ -30,8 +30,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +37,7 @@ from torch import nn
 
 from megatron.errors import ConfigError
 from megatron.model.gpt import ValueHead
+from megatron.model.lora_config import LoRAArgs
 from megatron.mpu.initialize_weights import initialize_param_, set_tensor_model_parallel_attributes
 from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, allreduce_grads_across_tensor_parallel
 from megatron.mpu.mappings import (
@@ -49,9 +48,6 @@ from megatron.mpu.mappings import (
 )
 from megatron.mpu.random import tensor_parallel_rng
 from megatron.mpu.topology import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-if TYPE_CHECKING:
-    from megatron.neox_arguments.arguments import NeoXArgs
 
 # the projections an adapter can target, by the last part of their module name (GPT-NeoX's names,
 # which are also what PEFT's target_modules name on a Hugging Face GPTNeoX model)
@@ -66,51 +62,24 @@ ADAPTER = "adapter"
 """Attribute name of the adapter module on its layer (hence the state-dict infix)."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LoRAConfig:
-    """The adapters of a run; ``r == 0`` trains every parameter (no adapters)."""
-
-    r: int = 0
-    """Rank of each adapter (``lora_r``)."""
-    alpha: float = 8.0
-    """Scale numerator: the adapter's output is multiplied by ``alpha / r`` (``lora_alpha``)."""
-    dropout: float = 0.0
-    """Dropout on the adapter's input while training (``lora_dropout``)."""
-    target_modules: tuple[str, ...] = ("query_key_value",)
-    """Projections that get an adapter (``lora_target_modules``)."""
-
-    @classmethod
-    def from_args(cls, args: NeoXArgs) -> LoRAConfig:
-        return cls(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
-                   target_modules=tuple(args.lora_target_modules))
-
-    @property
-    def enabled(self) -> bool:
-        return self.r > 0
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.r
-
-
 class LoRAAdapter(nn.Module):
     """The low-rank update of one column- or row-parallel layer: ``forward(x)`` is the term added
     to the layer's output."""
 
-    def __init__(self, base: ColumnParallelLinear | RowParallelLinear, config: LoRAConfig, seed: int) -> None:
+    def __init__(self, base: ColumnParallelLinear | RowParallelLinear, config: LoRAArgs, seed: int) -> None:
         super().__init__()
         world, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
         name = f"{base.canonical_name}.{ADAPTER}"
         self.column = isinstance(base, ColumnParallelLinear)
         self.sequence_parallel = base.sequence_parallel
-        self.scale = config.scale
-        self.dropout = config.dropout
+        self.scale = config.lora_scale
+        self.dropout = config.lora_dropout
         like = base.weight
         # the factor on the split side of the layer is split with it; the other is replicated
         if self.column:
-            a_local, b_local = (config.r, base.input_size), (base.output_size_per_partition, config.r)
+            a_local, b_local = (config.lora_r, base.input_size), (base.output_size_per_partition, config.lora_r)
         else:
-            a_local, b_local = (config.r, base.input_size_per_partition), (base.output_size, config.r)
+            a_local, b_local = (config.lora_r, base.input_size_per_partition), (base.output_size, config.lora_r)
         self.lora_A = nn.Parameter(torch.empty(a_local, dtype=like.dtype, device=like.device))
         self.lora_B = nn.Parameter(torch.zeros(b_local, dtype=like.dtype, device=like.device))
         bound = 1.0 / math.sqrt(base.input_size)  # PEFT's kaiming_uniform_(a=sqrt(5)) over the full input
@@ -120,7 +89,7 @@ class LoRAAdapter(nn.Module):
 
         a_dim = None if self.column else 1
         with torch.no_grad():
-            initialize_param_(self.lora_A, f"{name}.lora_A", seed, uniform, (config.r, base.input_size),
+            initialize_param_(self.lora_A, f"{name}.lora_A", seed, uniform, (config.lora_r, base.input_size),
                               a_dim, rank, world)
         if self.column:
             set_tensor_model_parallel_attributes(self.lora_A, False)
@@ -171,19 +140,19 @@ def check_targets(target_modules: tuple[str, ...] | list[str]) -> None:
         raise ConfigError(f"lora_target_modules={list(target_modules)!r}: choose among {sorted(TARGETS)}")
 
 
-def apply_lora(model: nn.Module, config: LoRAConfig, seed: int) -> list[LoRAAdapter]:
+def apply_lora(model: nn.Module, config: LoRAArgs, seed: int) -> list[LoRAAdapter]:
     """Freeze ``model`` and attach an adapter to every targeted projection; returns the adapters.
 
     Works on a ``GPTModel`` and on a pipeline stage alike (targets are found by the last part of the
     module name, which the pipeline's layer indices do not change). A reward model's value head
     stays trainable: it is new, so there is no base to keep.
     """
-    check_targets(config.target_modules)
+    check_targets(config.lora_target_modules)
     model.requires_grad_(False)
     adapters = []
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
-        if leaf in config.target_modules and isinstance(module, TARGETS[leaf]):
+        if leaf in config.lora_target_modules and isinstance(module, TARGETS[leaf]):
             adapter = LoRAAdapter(module, config, seed)
             module.add_module(ADAPTER, adapter)
             module.register_forward_hook(_add_adapter_output)

@@ -21,8 +21,9 @@ from megatron import plugins
 from megatron.errors import ConfigError
 from megatron.neox_arguments.groups.deepspeed_config import DeepSpeedConfigArgs
 from megatron.neox_arguments.groups.deepspeed_runner import DeepSpeedRunnerArgs
-from megatron.neox_arguments.groups.logging import LoggingArgs
-from megatron.neox_arguments.groups.lora import LoRAArgs
+from megatron.checkpointing.config import CheckpointArgs
+from megatron.logging.config import LoggingArgs
+from megatron.model.lora_config import LoRAArgs
 from megatron.training.lr_config import LRSchedulerArgs
 from megatron.neox_arguments.groups.model import ModelArgs
 from megatron.neox_arguments.groups.moe import MoEArgs
@@ -31,19 +32,21 @@ from megatron.neox_arguments.groups.other import OtherArgs
 from megatron.neox_arguments.groups.parallelism import ParallelismArgs
 from megatron.neox_arguments.groups.support import UNSUPPORTED_ATTENTION_TYPES, unsupported_values
 from megatron.neox_arguments.groups.textgen import TextgenArgs
-from megatron.neox_arguments.groups.tokenizer import TokenizerArgs
+from megatron.tokenizer.config import TokenizerArgs
 from megatron.neox_arguments.groups.training import TrainingArgs
 from megatron.config_schema import ArgGroup
 from megatron.config_schema import is_supported as _field_is_supported
 from megatron.plugins import PluginArgs
 
-# Short group names (the module names under groups/) in documentation order.
+# Short group names in documentation order: the module names under groups/, or, for a group declared
+# beside the component that reads it, that component's name (checkpoint, logging, tokenizer, lora, lr).
 GROUPS: dict[str, type[ArgGroup]] = {
     "parallelism": ParallelismArgs,
     "model": ModelArgs,
     "optimizer": OptimizerArgs,
     "lr": LRSchedulerArgs,
     "training": TrainingArgs,
+    "checkpoint": CheckpointArgs,
     "logging": LoggingArgs,
     "tokenizer": TokenizerArgs,
     "textgen": TextgenArgs,
@@ -79,6 +82,7 @@ class _Arguments(
     OptimizerArgs,
     LRSchedulerArgs,
     TrainingArgs,
+    CheckpointArgs,
     LoggingArgs,
     TokenizerArgs,
     TextgenArgs,

@@ -74,7 +74,7 @@ def data_files_are_datasets(ctx: RuleContext) -> list[str]:
 def tokenizer_loads(ctx: RuleContext) -> list[str]:
     """The tokenizer files exist and are what ``tokenizer_type`` reads (built here, as the ranks will)."""
     from megatron.tokenizer import build_tokenizer
-    from megatron.tokenizer.config import TokenizerConfig
+    from megatron.tokenizer.config import TokenizerArgs
 
     kind = ctx.get("tokenizer_type")
     files = [ctx.get(k) for k in ("vocab_file", "merge_file") if ctx.get(k)]
@@ -84,7 +84,7 @@ def tokenizer_loads(ctx: RuleContext) -> list[str]:
         return _not_here(ctx, f"tokenizer file {absent[0]}",
                          f"tokenizer file(s) {', '.join(map(str, absent))} not found ({where})")
     try:
-        build_tokenizer(TokenizerConfig(type=str(kind), vocab_file=ctx.get("vocab_file"), merge_file=ctx.get("merge_file")))
+        build_tokenizer(TokenizerArgs(tokenizer_type=kind, vocab_file=ctx.get("vocab_file"), merge_file=ctx.get("merge_file")))
     except DeepyError as err:
         return [f"tokenizer_type={kind} ({_describe(ctx.source('tokenizer_type'))}): {err.message}"]
     except Exception as err:  # noqa: BLE001 - each tokenizer library raises its own types

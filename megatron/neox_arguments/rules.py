@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 from megatron import plugins
 from megatron.errors import ConfigError
-from megatron.logging.config import LoggingConfig
 from megatron.logging.preflight import logging_problems
 from megatron.neox_arguments.provenance import CLI, DEFAULT, DERIVED
 
@@ -731,10 +730,9 @@ def one_environment_mapping(ctx: RuleContext) -> list[str]:
 def trackers_and_profiling(ctx: RuleContext) -> list[str]:
     """Trackers importable, one spelling each, profiling ranges and devices (megatron/logging/preflight.py)."""
     try:
-        config = LoggingConfig.from_args(ctx.args)
-    except ConfigError as err:
+        return logging_problems(ctx.args, ctx.show, local=runs_on_this_machine(ctx), cuda=ctx.device.cuda)
+    except ConfigError as err:  # the tracker spellings disagree (LoggingArgs.tracker_settings)
         return [err.message]
-    return logging_problems(config, ctx.show, local=runs_on_this_machine(ctx), cuda=ctx.device.cuda)
 
 
 # --- mixture of experts (moe_* keys) -------------------------------------------------------------

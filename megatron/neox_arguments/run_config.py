@@ -2,10 +2,11 @@
 the validated arguments.
 
 ``train.py`` reads the resolved config file, calls :meth:`RunConfig.from_resolved` and hands each
-component its own part (``run.model``, ``run.data``, ...). No component sees the flat argument
-object, so what a component can do is exactly what its config holds; the honesty test
+component its own part (``run.model``, ``run.data``, ...). A component whose keys are declared beside
+it (the tokenizer, checkpoints, logging, LoRA, the LR schedule) gets the argument object itself,
+typed as its own group class, so it sees only its keys and nothing is copied; the honesty test
 (``tests/unit/test_config_honesty.py``) checks that every supported key is read by one of the
-``from_args`` builders below, the DeepSpeed split or the launcher.
+builders below (or a group's own methods), the DeepSpeed split or the launcher.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from megatron.checkpointing.config import CheckpointConfig
+from megatron.checkpointing.config import CheckpointArgs
 from megatron.data.config import DataConfig
 from megatron.evaluation.config import EvalConfig
-from megatron.logging.config import LoggingConfig
+from megatron.logging.config import LoggingArgs
 from megatron.model.config import GPTConfig
-from megatron.model.lora import LoRAConfig
+from megatron.model.lora_config import LoRAArgs
 from megatron.mpu.config import ParallelConfig
-from megatron.tokenizer.config import TokenizerConfig
+from megatron.tokenizer.config import TokenizerArgs
 from megatron.training.config import ActivationCheckpointConfig, OptimizerConfig, TrainingConfig
 from megatron.training.lr_config import LRSchedulerArgs
 from megatron.training.objectives.config import ObjectiveConfig
@@ -35,19 +36,22 @@ class RunConfig:
     parallel: ParallelConfig
     model: GPTConfig
     """Architecture; its ``padded_vocab_size`` is a placeholder until the tokenizer is known."""
-    tokenizer: TokenizerConfig
+    tokenizer: TokenizerArgs
+    """The arguments themselves, as the tokenizer's keys (not a copy)."""
     data: DataConfig
     training: TrainingConfig
     optimizer: OptimizerConfig
     lr: LRSchedulerArgs
     """The arguments themselves, as the LR schedule's keys (not a copy)."""
     activation_checkpointing: ActivationCheckpointConfig
-    checkpoint: CheckpointConfig
-    logging: LoggingConfig
+    checkpoint: CheckpointArgs
+    """The arguments themselves, as the checkpoint keys (not a copy)."""
+    logging: LoggingArgs
+    """The arguments themselves, as the logging keys (not a copy)."""
     objective: ObjectiveConfig
     """``train_impl`` and its keys (SFT masks, DPO/KTO/RM settings, the reference model)."""
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    """Low-rank adapters (``lora_r == 0``: none, every parameter trains)."""
+    lora: LoRAArgs
+    """The arguments themselves, as the adapter keys (``lora_r == 0``: none, every parameter trains)."""
     tasks: EvalConfig | None = None
     """lm-eval tasks run at every evaluation inside training (``eval_tasks``); None without them."""
     deepspeed: dict[str, Any] = field(default_factory=dict)
@@ -61,16 +65,16 @@ class RunConfig:
         return cls(
             parallel=ParallelConfig.from_args(args),
             model=GPTConfig.from_args(args),
-            tokenizer=TokenizerConfig.from_args(args),
+            tokenizer=args,
             data=DataConfig.from_args(args),
             training=TrainingConfig.from_args(args),
             optimizer=OptimizerConfig.from_args(args),
             lr=args,
             activation_checkpointing=ActivationCheckpointConfig.from_args(args),
-            checkpoint=CheckpointConfig.from_args(args),
-            logging=LoggingConfig.from_args(args),
+            checkpoint=args,
+            logging=args,
             objective=ObjectiveConfig.from_args(args),
-            lora=LoRAConfig.from_args(args),
+            lora=args,
             tasks=EvalConfig.from_args(args) if args.eval_tasks else None,
             deepspeed=dict(deepspeed or {}),
             args_record=dict(args_record or {}),

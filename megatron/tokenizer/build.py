@@ -1,4 +1,4 @@
-"""``build_tokenizer(config)``: the tokenizer named by ``config.type``, from a registry."""
+"""``build_tokenizer(config)``: the tokenizer named by ``config.tokenizer_type``, from a registry."""
 
 from __future__ import annotations
 
@@ -8,20 +8,20 @@ from collections.abc import Callable
 from megatron.errors import ConfigError
 from megatron.tokenizer.base import Tokenizer
 from megatron.tokenizer.char_level import CharLevelTokenizer
-from megatron.tokenizer.config import TokenizerConfig
+from megatron.tokenizer.config import TokenizerArgs
 from megatron.tokenizer.hf import GPT2BPETokenizer, HFGPT2Tokenizer, HFTokenizer
 from megatron.tokenizer.spm import SPMTokenizer
 from megatron.tokenizer.tiktoken_tokenizer import TiktokenTokenizer
 
 log = logging.getLogger(__name__)
 
-Factory = Callable[[TokenizerConfig], Tokenizer]
+Factory = Callable[[TokenizerArgs], Tokenizer]
 
 
-def _needs(config: TokenizerConfig, key: str) -> str:
+def _needs(config: TokenizerArgs, key: str) -> str:
     value = config.vocab_file if key == "vocab_file" else config.merge_file
     if not value:
-        raise ConfigError(f"tokenizer_type={config.type} needs {key}: set it to the tokenizer's file")
+        raise ConfigError(f"tokenizer_type={config.tokenizer_type} needs {key}: set it to the tokenizer's file")
     return value
 
 
@@ -36,16 +36,15 @@ TOKENIZERS: dict[str, Factory] = {
 
 
 def register_tokenizer(name: str, factory: Factory) -> None:
-    """Add a tokenizer type; ``factory`` receives the :class:`TokenizerConfig`."""
+    """Add a tokenizer type; ``factory`` receives the :class:`TokenizerArgs`."""
     TOKENIZERS[name] = factory
 
 
-def build_tokenizer(config: TokenizerConfig) -> Tokenizer:
-    """The tokenizer ``config.type`` names, reading ``config.vocab_file``/``merge_file``."""
-    factory = TOKENIZERS.get(config.type)
+def build_tokenizer(config: TokenizerArgs) -> Tokenizer:
+    """The tokenizer ``config.tokenizer_type`` names, reading ``config.vocab_file``/``merge_file``."""
+    factory = TOKENIZERS.get(config.tokenizer_type)
     if factory is None:
-        raise ConfigError(f"tokenizer_type: unknown value {config.type!r}; choose one of {', '.join(sorted(TOKENIZERS))}")
+        raise ConfigError(f"tokenizer_type: unknown value {config.tokenizer_type!r}; choose one of {', '.join(sorted(TOKENIZERS))}")
     tokenizer = factory(config)
-    log.info("tokenizer %s (%s backend): vocab %d, padded to %d", config.type, tokenizer.backend,
-             tokenizer.vocab_size, config.padded(tokenizer.vocab_size))
+    log.info("tokenizer %s (%s backend): vocab %d", config.tokenizer_type, tokenizer.backend, tokenizer.vocab_size)
     return tokenizer

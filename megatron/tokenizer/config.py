@@ -1,43 +1,54 @@
-"""The typed view of the tokenizer keys: which tokenizer reads which files, and how the vocabulary
-is padded for the embedding.
+"""Tokenizer choice, its files and the padded vocabulary size computed from it.
+
+Declared here, beside the tokenizers that read them; the one argument object (``NeoXArgs``) is
+composed of this class, and the trainer hands :func:`megatron.tokenizer.build_tokenizer` that object
+(typed as :class:`TokenizerArgs`). GPT-NeoX files ``vocab_file``/``merge_file`` under its training
+group and ``make_vocab_size_divisible_by`` under its model group; the names are unchanged.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Literal
 
+from pydantic import Field
+
+from megatron.config_schema import ArgGroup
 from megatron.tokenizer.base import padded_vocab_size
 
-if TYPE_CHECKING:
-    from megatron.neox_arguments.arguments import NeoXArgs
+TokenizerType = Literal[
+    "GPT2BPETokenizer",
+    "HFTokenizer",
+    "HFGPT2Tokenizer",
+    "SPMTokenizer",
+    "CharLevelTokenizer",
+    "TiktokenTokenizer",
+]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TokenizerConfig:
-    type: str = "GPT2BPETokenizer"
-    """``tokenizer_type``: a name in ``megatron.tokenizer.build.TOKENIZERS``."""
+class TokenizerArgs(ArgGroup):
+    """GPT-NeoX's ``NeoXArgsTokenizer`` group, with the tokenizer files (``NeoXArgsTraining``) and the
+    vocabulary padding (``NeoXArgsModel``) that only the tokenizer reads."""
+
+    tokenizer_type: TokenizerType = "GPT2BPETokenizer"
+    """Which tokenizer class reads vocab_file (and merge_file for GPT-2 BPE)."""
+
+    padded_vocab_size: int | None = Field(None, ge=1)
+    """Vocabulary size after padding for make_vocab_size_divisible_by; computed at runtime."""
+
     vocab_file: str | None = None
-    merge_file: str | None = None
-    make_vocab_size_divisible_by: int = 128
-    tensor_parallel: int = 1
-    """The embedding rows are split over this many ranks, so the padded vocabulary divides by it."""
-    padded_vocab_size: int | None = None
-    """An explicit padded size from the config; None = computed from the tokenizer."""
+    """Tokenizer file (tokenizer.json, vocab.json or a SentencePiece model)."""
 
-    def padded(self, vocab_size: int) -> int:
-        """Rows of the embedding for a tokenizer of ``vocab_size`` entries."""
+    merge_file: str | None = None
+    """BPE merges file for the GPT-2 tokenizer."""
+
+    make_vocab_size_divisible_by: int = Field(128, ge=1)
+    """Pad the embedding rows up to a multiple of this (times the tensor-parallel size) so matrix
+    shapes stay efficient."""
+
+    def padded(self, vocab_size: int, tensor_parallel: int) -> int:
+        """Rows of the embedding for a tokenizer of ``vocab_size`` entries whose embedding is split over
+        ``tensor_parallel`` ranks (so the padded size divides by it): ``padded_vocab_size`` when the
+        config gives one."""
         if self.padded_vocab_size is not None:
             return self.padded_vocab_size
-        return padded_vocab_size(vocab_size, self.make_vocab_size_divisible_by, self.tensor_parallel)
-
-    @classmethod
-    def from_args(cls, args: NeoXArgs) -> TokenizerConfig:
-        return cls(
-            type=args.tokenizer_type,
-            vocab_file=args.vocab_file,
-            merge_file=args.merge_file,
-            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-            tensor_parallel=args.model_parallel_size,
-            padded_vocab_size=args.padded_vocab_size,
-        )
+        return padded_vocab_size(vocab_size, self.make_vocab_size_divisible_by, tensor_parallel)

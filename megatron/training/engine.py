@@ -40,7 +40,8 @@ from megatron.errors import ConfigError
 from megatron.mpu.config import ParallelConfig
 from megatron.logging.log import get_logger
 from megatron.model import GPTConfig, GPTModel, pipeline_layer_specs
-from megatron.model.lora import LoRAAdapter, LoRAConfig, adapters_of, apply_lora
+from megatron.model.lora import LoRAAdapter, adapters_of, apply_lora
+from megatron.model.lora_config import LoRAArgs
 from megatron.model.transformer_layer import TransformerLayer
 from megatron.mpu import experts as expert_parallel
 from megatron.training.config import ActivationCheckpointConfig
@@ -297,7 +298,7 @@ def construction(ds_config: dict[str, Any] | None) -> contextlib.AbstractContext
 
 def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationCheckpointConfig,
                 compile_layers: bool, objective: Objective,
-                lora: LoRAConfig | None = None, zero_init: dict[str, Any] | None = None) -> tuple[nn.Module, bool]:
+                lora: LoRAArgs | None = None, zero_init: dict[str, Any] | None = None) -> tuple[nn.Module, bool]:
     """(module, is_pipe); a pipeline's last stage computes ``objective.loss``. With ``lora`` enabled
     the weights are frozen and adapters attached before any wrapping (compile, checkpointing).
     ``zero_init``: the DeepSpeed config to partition the model with while it is built (ZeRO-3, no pipeline)."""
@@ -306,7 +307,7 @@ def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationChe
     if not parallel.is_pipe:
         with construction(zero_init):
             model = GPTModel(config)
-        if lora is not None and lora.enabled:
+        if lora is not None and lora.lora_enabled:
             apply_lora(model, lora, config.seed)
         wrap_layers(model, ckpt, compile_layers, pipe_interval_used=False)
         return model, False
@@ -326,7 +327,7 @@ def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationChe
             # its output would not require grad and the first stage's backward fails
             checkpointable_layers=["TransformerLayerPipe"],
         )
-    if lora is not None and lora.enabled:
+    if lora is not None and lora.lora_enabled:
         apply_lora(model, lora, config.seed)
         skip_frozen_tied_gradients(model)
     wrap_layers(model, ckpt, compile_layers, pipe_interval_used=interval > 0)

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 from megatron.model.activations import get_activation
 from megatron.model.config import GPTConfig
 from megatron.model.flops import layer_parameters
-from megatron.model.lora import LoRAConfig
+from megatron.model.lora_config import LoRAArgs
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.run_config import RunConfig
@@ -88,7 +88,7 @@ class MemoryLayout:
     chunk's activations alive while it is recomputed."""
     sequence_parallel: bool
     dropout: bool
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    lora: LoRAArgs = field(default_factory=LoRAArgs)
     """Adapters (``r == 0``: none, every parameter trains)."""
 
     @classmethod
@@ -168,19 +168,19 @@ def _adapted_projections(c: GPTConfig) -> dict[str, tuple[int, int, bool]]:
 def adapter_parameters(layout: MemoryLayout) -> int:
     """LoRA parameters on one device of the stage with the most layers: per projection ``A`` ``[r, in]``
     and ``B`` ``[out, r]``, the factor on the layer's split side divided by tp."""
-    r, tp = layout.lora.r, layout.tp
+    r, tp = layout.lora.lora_r, layout.tp
     if r == 0:
         return 0
     per_layer = 0
     for name, (d_in, d_out, column) in _adapted_projections(layout.model).items():
-        if name in layout.lora.target_modules:
+        if name in layout.lora.lora_target_modules:
             per_layer += r * d_in + d_out * r // tp if column else r * d_in // tp + d_out * r
     return math.ceil(layout.model.num_layers / layout.pp) * per_layer
 
 
 def trainable_parameters(layout: MemoryLayout) -> int:
     """Parameters the optimizer holds on one device: all of the stage's, or its adapters (and a reward head)."""
-    if not layout.lora.enabled:
+    if not layout.lora.lora_enabled:
         return stage_parameters(layout)
     return adapter_parameters(layout) + (layout.model.hidden_size if layout.model.value_head else 0)
 
@@ -229,8 +229,8 @@ def activation_bytes(layout: MemoryLayout) -> float:
     stored = (layers - recomputed) * layer + math.ceil(recomputed / chunk) * s * b * h * a
     if recomputed:
         stored += min(chunk, recomputed) * layer
-    adapters = sum(1 for name in _adapted_projections(c) if name in layout.lora.target_modules) if layout.lora.r else 0
-    stored += layers * adapters * s * b * layout.lora.r * a  # each adapter's rank-r product
+    adapters = sum(1 for name in _adapted_projections(c) if name in layout.lora.lora_target_modules) if layout.lora.lora_r else 0
+    stored += layers * adapters * s * b * layout.lora.lora_r * a  # each adapter's rank-r product
     in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
     logits = s * b * c.padded_vocab_size / t * (a + 4)  # logits and the fp32 copy the loss works on
     return stored * in_flight + logits + s * b * h * a
@@ -283,8 +283,8 @@ def render(layout: MemoryLayout, est: MemoryEstimate, device_memory_gib: float |
         f"micro batch {layout.micro_batch} x seq {layout.seq_length}{recompute}):",
         f"  {'parameters on the largest stage':<34}{est.parameters:>14,}",
     ]
-    if layout.lora.enabled:
-        label = f"trained (LoRA r={layout.lora.r})"
+    if layout.lora.lora_enabled:
+        label = f"trained (LoRA r={layout.lora.lora_r})"
         lines.append(f"  {label:<34}{trainable_parameters(layout):>14,}  (the rest frozen: weights only)")
     for label, value, note in rows:
         lines.append(f"  {label:<34}{value / GiB:>10.2f} GiB" + (f"  ({note})" if note else ""))
@@ -311,7 +311,7 @@ def _padded_vocab(run: RunConfig) -> tuple[int, str]:
     try:
         from megatron.tokenizer import build_tokenizer
 
-        return run.tokenizer.padded(build_tokenizer(run.tokenizer).vocab_size), ""
+        return run.tokenizer.padded(build_tokenizer(run.tokenizer).vocab_size, run.parallel.tensor), ""
     except Exception as err:  # an estimate must not fail the dry run; the launch reports a bad tokenizer
         return ASSUMED_VOCAB, f"vocabulary assumed {ASSUMED_VOCAB:,} (tokenizer not loaded: {err})"
 

@@ -84,7 +84,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     set_deepspeed_log_level(log_config.deepspeed_log_level)
     model_parallel_manual_seed(training.seed)
     tokenizer = build_tokenizer(run.tokenizer)
-    padded_vocab = run.tokenizer.padded(tokenizer.vocab_size)
+    padded_vocab = run.tokenizer.padded(tokenizer.vocab_size, run.parallel.tensor)
     model_config = run.model.with_vocab(padded_vocab)
     splits = build_datasets(run.data, tokenizer, padded_vocab)
     train_iters = resolve_train_iters(training, splits.train)
@@ -96,7 +96,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     eng = build_engine(run, model_config, train_iters, objective)
     eng.reference = build_reference(objective, eng.engine, eng.is_pipe, eng.config, eng.ds_config,
                                     partition_method(run.parallel.partition_method) if eng.is_pipe else None,
-                                    adapters=run.lora.enabled)
+                                    adapters=run.lora.lora_enabled)
     eng.reference.capture(eng.engine, record)
     model_config = eng.config  # a reward model's scalar head replaces the LM head
     log.info("model: %s parameters (%s without embeddings); %s", f"{num_parameters(model_config):,}",
@@ -115,14 +115,16 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
 
     manager = CheckpointManager.from_config(run.checkpoint, args_record=record, train_iters=train_iters,
                                             before_commit=before_commit, new_parameters=eng.objective.new_parameters)
-    ckpt = CheckpointHooks(manager, validate=validation_loss if run.checkpoint.validate_with_forward_pass else None,
+    validate = validation_loss if run.checkpoint.checkpoint_validation_with_forward_pass else None
+    ckpt = CheckpointHooks(manager, validate=validate,
                            reseed=lambda iteration: model_parallel_manual_seed(training.seed + iteration))
     ckpt.attach_model(eng, run.parallel.tensor)
     # also without `load`: a fresh start refuses a `save` directory that already holds a run
     state = ckpt.load(eng, TrainState())
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    monitor = build_monitor(log_config, engine=eng.engine, rank=rank, speaks=speaks(), start_iteration=state.iteration,
+    monitor = build_monitor(log_config, wall_clock_breakdown=bool(run.deepspeed.get("wall_clock_breakdown")),
+                            engine=eng.engine, rank=rank, speaks=speaks(), start_iteration=state.iteration,
                             train_iters=train_iters, wandb_run_id=state.wandb_run_id,
                             run_config=run.args_record, logger=log, cuda=torch.cuda.is_available(),
                             run_name=state.run_name)

@@ -36,7 +36,8 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 
 def _check(column: bool, sequence_parallel: bool) -> None:
-    from megatron.model.lora import LoRAAdapter, LoRAConfig
+    from megatron.model.lora import LoRAAdapter
+    from megatron.model.lora_config import LoRAArgs
     from megatron.mpu import ColumnParallelLinear, RowParallelLinear, get_tensor_model_parallel_rank
     from megatron.mpu.initialize_weights import init_method_from_name, shard_tensor
 
@@ -50,7 +51,7 @@ def _check(column: bool, sequence_parallel: bool) -> None:
                                      sequence_parallel=sequence_parallel)
     else:
         layer = RowParallelLinear(d_in, d_out, name="r", init_fn=init, seed=SEED, sequence_parallel=sequence_parallel)
-    adapter = LoRAAdapter(layer, LoRAConfig(r=R, alpha=ALPHA), SEED)
+    adapter = LoRAAdapter(layer, LoRAArgs(lora_r=R, lora_alpha=ALPHA), SEED)
     a_full, b_full = _rand(R, d_in, seed=1), _rand(d_out, R, seed=2)
     with torch.no_grad():  # known full factors, sharded the way the adapter's layer is
         adapter.lora_A.copy_(a_full if column else shard_tensor(a_full, 1, rank, WORLD))

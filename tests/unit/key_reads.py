@@ -13,6 +13,8 @@ from typing import Any
 
 from megatron import plugins
 
+from megatron.checkpointing.manager import CheckpointManager
+from megatron.checkpointing.preemption import PreemptionWatcher
 from megatron.errors import DeepyError
 from megatron.launcher.config import LaunchConfig
 from megatron.neox_arguments.arguments import NeoXArgs
@@ -22,6 +24,7 @@ from megatron.neox_arguments.honesty import ComponentBuilder, entry_point_builde
 from megatron.neox_arguments.resolved import run_directory
 from megatron.neox_arguments.rules import RuleContext
 from megatron.neox_arguments.run_config import RunConfig
+from megatron.tokenizer import build_tokenizer
 
 
 class ReadRecorder:
@@ -52,6 +55,37 @@ def _ours(fn: Any) -> bool:
     return str(getattr(fn, "__module__", "")).startswith("megatron.")
 
 
+def _tokenizer(args: Any) -> object:
+    """What the ranks ask of the tokenizer keys (``pretrain``): the tokenizer, then its padded vocabulary."""
+    try:
+        vocab = build_tokenizer(args).vocab_size
+    except DeepyError:
+        vocab = 1  # a variant names files that are not there: the keys were read all the same
+    return args.padded(vocab, 1)
+
+
+def _checkpoints(args: Any) -> object:
+    """What the trainer asks of the checkpoint keys (``pretrain``): the manager, and whether each save
+    is validated by a forward pass. The watcher is not installed (no signal handlers in a test)."""
+    manager = CheckpointManager.from_config(args, args_record={}, train_iters=int(args.train_iters or 100),
+                                            preemption=PreemptionWatcher())
+    return manager, args.checkpoint_validation_with_forward_pass
+
+
+def _logging(args: Any) -> object:
+    """What the trainer and the monitor ask of the logging keys (``pretrain``, ``build_monitor``,
+    ``Monitor.is_log_step``; the dry run's memory estimate reads device_memory_gb)."""
+    return (args.tracker_settings(), args.stats_settings, args.profile_settings(), args.log_interval,
+            args.log_dir, args.deepspeed_log_level, args.peak_theoretical_tflops, args.device_memory_gb)
+
+
+def _lora(args: Any) -> object:
+    """What the model builder and each adapter ask of the adapter keys (``build_model``, ``LoRAAdapter``)."""
+    if not args.lora_enabled:
+        return None
+    return args.lora_r, args.lora_scale, args.lora_dropout, args.lora_target_modules
+
+
 def _lr_schedule(args: Any) -> object:
     """What the trainer asks of the LR keys (``engine.build_engine``): the schedule and the resume policy."""
     return args.spec(int(args.train_iters or 100), 1e-3), args.resume_policy
@@ -64,8 +98,8 @@ def _user_plugins(args: Any) -> object:
 
 def component_builders() -> list[ComponentBuilder]:
     """Everything that turns keys into what a component does, for train.py."""
-    return [RunConfig.from_args, _lr_schedule, _user_plugins, deepspeed_config, LaunchConfig.from_args,
-            run_directory]
+    return [RunConfig.from_args, _tokenizer, _checkpoints, _logging, _lora, _lr_schedule, _user_plugins,
+            deepspeed_config, LaunchConfig.from_args, run_directory]
 
 
 def plugin_keys_read() -> set[str]:
@@ -90,6 +124,8 @@ FEATURE_VARIANTS: tuple[dict[str, Any], ...] = (
     {"use_wandb": True},
     {"text_gen_type": "unconditional", "eval_tasks": ["task"]},
     {"cycles": 2},  # rewarmup shapes the cycles after the first
+    {"lora_r": 4},  # the adapters' other keys shape the adapters
+    {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "absent-vocab.json"},  # GPT-2 BPE reads both files
 )
 
 

@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from megatron.errors import ConfigError
-from megatron.logging.config import LoggingConfig, TensorboardSettings, WandbSettings
+from megatron.logging.config import LoggingArgs, TensorboardSettings, TrackerSettings, WandbSettings
 from megatron.logging.preflight import logging_problems
 from megatron.neox_arguments.arguments import NeoXArgs, check_supported
 from megatron.neox_arguments.rules import Device, RuleContext, trackers_and_profiling
@@ -28,43 +28,46 @@ CPU = Device(cuda=False, fp16_supported=False)
 def _problems(ctx: RuleContext, *, local: bool,
               import_module: Callable[[str], ModuleType] = importlib.import_module) -> list[str]:
     """The logging checks of ``ctx``'s config, ``local`` or not, with an injected importer."""
-    return logging_problems(LoggingConfig.from_args(ctx.args), ctx.show, local=local, cuda=ctx.device.cuda,
+    return logging_problems(ctx.args, ctx.show, local=local, cuda=ctx.device.cuda,
                             import_module=import_module)
 
 
+def _tracker(cfg: LoggingArgs, kind: str) -> TrackerSettings:
+    (found,) = [t for t in cfg.tracker_settings() if t.type == kind]
+    return found
+
+
 def test_gpt_neox_keys() -> None:
-    cfg = LoggingConfig.from_args(NeoXArgs(
+    cfg = NeoXArgs(
         log_dir="logs", use_wandb=True, wandb_project="proj", wandb_group="g", wandb_run_name="run1",
         wandb_team="team", wandb_host="https://wandb.example", tensorboard_dir="tb", log_interval=7,
-    ))  # fmt: skip
-    assert [t.type for t in cfg.trackers] == ["jsonl", "wandb", "tensorboard"]
-    wandb = cfg.tracker("wandb")
+    )  # fmt: skip
+    assert [t.type for t in cfg.tracker_settings()] == ["jsonl", "wandb", "tensorboard"]
+    wandb = _tracker(cfg, "wandb")
     assert isinstance(wandb, WandbSettings)
     assert (wandb.project, wandb.group, wandb.name, wandb.entity, wandb.host) == (
         "proj", "g", "run1", "team", "https://wandb.example")
-    assert cfg.tracker("tensorboard") == TensorboardSettings(logdir="tb", source="tensorboard_dir")
+    assert _tracker(cfg, "tensorboard") == TensorboardSettings(logdir="tb", source="tensorboard_dir")
     assert cfg.log_interval == 7
     # the profiler writes into the TensorBoard directory
-    assert cfg.profile.trace_dir == "tb"
+    assert cfg.profile_settings().trace_dir == "tb"
 
 
 def test_nothing_asked_nothing_tracked() -> None:
-    cfg = LoggingConfig.from_args(NeoXArgs())
-    assert cfg.trackers == ()  # no log_dir: not even metrics.jsonl; use_wandb unset means off
-    assert LoggingConfig.from_args(NeoXArgs(use_wandb=False, log_dir="x")).trackers[0].type == "jsonl"
+    assert NeoXArgs().tracker_settings() == ()  # no log_dir: not even metrics.jsonl; use_wandb unset means off
+    assert NeoXArgs(use_wandb=False, log_dir="x").tracker_settings()[0].type == "jsonl"
 
 
 def test_levanter_tracker_block_single_and_list() -> None:
-    one = LoggingConfig.from_args(NeoXArgs(tracker={"type": "wandb", "project": "lev", "tags": ["a"]},
-                                           wandb_team="team"))
-    (wandb,) = one.trackers
+    one = NeoXArgs(tracker={"type": "wandb", "project": "lev", "tags": ["a"]}, wandb_team="team")
+    (wandb,) = one.tracker_settings()
     assert isinstance(wandb, WandbSettings)
     assert (wandb.project, wandb.entity, wandb.tags, wandb.source) == ("lev", "team", ("a",), "tracker")
-    both = LoggingConfig.from_args(NeoXArgs(log_dir="logs", tracker=[
-        {"type": "wandb", "project": "p", "mode": "offline"}, {"type": "tensorboard"}]))
-    assert [t.type for t in both.trackers] == ["jsonl", "wandb", "tensorboard"]
-    assert both.tracker("wandb").mode == "offline"  # type: ignore[union-attr]
-    assert both.tracker("tensorboard").logdir == "logs/tensorboard"  # type: ignore[union-attr]
+    both = NeoXArgs(log_dir="logs", tracker=[
+        {"type": "wandb", "project": "p", "mode": "offline"}, {"type": "tensorboard"}])
+    assert [t.type for t in both.tracker_settings()] == ["jsonl", "wandb", "tensorboard"]
+    assert _tracker(both, "wandb").mode == "offline"  # type: ignore[union-attr]
+    assert _tracker(both, "tensorboard").logdir == "logs/tensorboard"  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(
@@ -85,7 +88,7 @@ def test_tracker_block_is_validated(bad: Any) -> None:
 def test_the_tracker_key_round_trips_through_the_resolved_config() -> None:
     args = NeoXArgs(tracker=[{"type": "wandb", "project": "p"}, {"type": "tensorboard", "logdir": "tb"}])
     again = NeoXArgs(**args.model_dump(mode="json"))
-    assert LoggingConfig.from_args(again) == LoggingConfig.from_args(args)
+    assert again.tracker_settings() == args.tracker_settings()
     assert check_supported(args) == []
 
 
@@ -99,7 +102,7 @@ def test_the_tracker_key_round_trips_through_the_resolved_config() -> None:
 )
 def test_one_spelling_per_tracker(values: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        LoggingConfig.from_args(NeoXArgs(**values))
+        NeoXArgs(**values).tracker_settings()
     assert any(match in p for p in trackers_and_profiling(RuleContext(NeoXArgs(**values))))
 
 

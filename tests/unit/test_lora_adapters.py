@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from test_config_rules import ok, problems
 
 from megatron.model import GPTConfig, GPTModel
-from megatron.model.lora import LoRAConfig, adapters_disabled, apply_lora, merge_adapters
+from megatron.model.lora import adapters_disabled, apply_lora, merge_adapters
+from megatron.model.lora_config import LoRAArgs
 
 TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 CONFIG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, padded_vocab_size=64)
@@ -18,7 +19,7 @@ CONFIG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_leng
 def adapted(config: GPTConfig = CONFIG, **lora: object) -> tuple[GPTModel, dict[str, torch.Tensor]]:
     model = GPTModel(config)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    apply_lora(model, LoRAConfig(**{"r": 4, "alpha": 8.0, "target_modules": TARGETS, **lora}), seed=7)  # type: ignore[arg-type]
+    apply_lora(model, LoRAArgs(**{"lora_r": 4, "lora_alpha": 8.0, "lora_target_modules": list(TARGETS), **lora}), seed=7)  # type: ignore[arg-type]
     return model, before
 
 
@@ -39,7 +40,7 @@ def test_fresh_adapters_leave_the_model_unchanged_and_only_they_train() -> None:
 def test_adapter_term_is_scale_times_b_a_x_and_merges_into_the_weight() -> None:
     """Direct computation: the adapted qkv output is W x + b + alpha/r B A x; merged weights give the
     adapted model's logits in a plain model."""
-    model, _ = adapted(alpha=6.0)
+    model, _ = adapted(lora_alpha=6.0)
     for p in model.parameters():
         if p.requires_grad:
             p.data.normal_(0, 0.3)
@@ -57,7 +58,7 @@ def test_adapter_term_is_scale_times_b_a_x_and_merges_into_the_weight() -> None:
 
 
 def test_target_modules_choose_the_layers_and_a_reward_head_trains() -> None:
-    model, _ = adapted(CONFIG.replace(value_head=True), target_modules=("dense",))
+    model, _ = adapted(CONFIG.replace(value_head=True), lora_target_modules=["dense"])
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     # the scalar head is new (no base to keep), so it trains beside the attention-output adapters
     assert trainable == {"value_head.weight", *(f"layers.{i}.attention.dense.adapter.lora_{f}"
@@ -69,8 +70,8 @@ def test_lora_keys_are_read_into_the_run_config() -> None:
 
     args = ok(lora_r=8, lora_alpha=16, lora_dropout=0.1, lora_target_modules=["dense", "dense_4h_to_h"]).args
     lora = RunConfig.from_args(args).lora
-    assert lora == LoRAConfig(r=8, alpha=16.0, dropout=0.1, target_modules=("dense", "dense_4h_to_h"))
-    assert lora.scale == 2.0 and lora.enabled
+    assert (lora.lora_r, lora.lora_alpha, lora.lora_dropout, lora.lora_target_modules) == (8, 16.0, 0.1, ["dense", "dense_4h_to_h"])
+    assert lora.lora_scale == 2.0 and lora.lora_enabled
 
 
 def test_adapter_keys_without_a_rank_are_refused() -> None:
@@ -116,7 +117,7 @@ def test_a_checkpoint_without_adapters_loads_as_a_base_only() -> None:
 
 
 def test_lora_dropout_drops_adapter_inputs_while_training_only() -> None:
-    model, _ = adapted(dropout=0.5)
+    model, _ = adapted(lora_dropout=0.5)
     for p in model.parameters():
         if p.requires_grad:
             p.data.normal_(0, 0.3)

@@ -228,13 +228,12 @@ def test_toy_schedule_halves_every_k_steps(loaded: Path) -> None:
 
 
 def test_toy_tracker_receives_every_row(loaded: Path, tmp_path: Path) -> None:
-    from megatron.logging.config import tracker_settings
     from megatron.logging.trackers import TrackerContext, build_trackers
     from megatron.neox_arguments.loading import config_from_mapping
 
     target = tmp_path / "m.csv"
     args = config_from_mapping({"tracker": {"type": "csv", "path": str(target)}}).args
-    trackers = build_trackers(tracker_settings(args), TrackerContext(rank=0, speaks=True, run_id=None, start_step=0),
+    trackers = build_trackers(args.tracker_settings(), TrackerContext(rank=0, speaks=True, run_id=None, start_step=0),
                               None)
     trackers.log({"train/lm_loss": 2.5, "note": "text"}, step=3)
     trackers.log({"train/lm_loss": 2.0}, step=4)

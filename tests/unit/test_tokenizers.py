@@ -15,7 +15,7 @@ from tokenizers import models, pre_tokenizers
 from megatron.errors import ConfigError, DataError
 from megatron.neox_arguments import config_from_mapping
 from megatron.tokenizer import build_tokenizer, padded_vocab_size
-from megatron.tokenizer.config import TokenizerConfig
+from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.tokenizer import fast_bpe
 from megatron.tokenizer.byte_level import byte_to_char, token_to_bytes
 from megatron.tokenizer.hf import GPT2BPETokenizer, HFGPT2Tokenizer, HFTokenizer
@@ -63,9 +63,9 @@ def tok_json(tmp_path_factory: pytest.TempPathFactory, texts: list[str]) -> Path
     return path
 
 
-def args(**kw: object) -> TokenizerConfig:
+def args(**kw: object) -> NeoXArgs:
     """The tokenizer keys through the real loader (unknown keys and types are checked as for a file)."""
-    return TokenizerConfig.from_args(config_from_mapping({"tokenizer_type": "HFTokenizer", **kw}).args)
+    return config_from_mapping({"tokenizer_type": "HFTokenizer", **kw}).args
 
 
 def test_padded_vocab_size() -> None:
@@ -85,10 +85,10 @@ def test_byte_table_is_a_bijection() -> None:
 
 
 def test_build_sets_padded_vocab_and_ids(tok_json: Path) -> None:
-    a = args(vocab_file=str(tok_json), model_parallel_size=2)
+    a = args(vocab_file=str(tok_json))
     tok = build_tokenizer(a)
     assert tok.vocab_size == 600
-    assert a.padded(tok.vocab_size) == 768
+    assert a.padded(tok.vocab_size, 2) == 768
     hf = tokenizers.Tokenizer.from_file(str(tok_json))
     assert tok.eod == hf.token_to_id("<|endoftext|>") == 0
     assert tok.pad == tok.eod  # no <|padding|> in this vocab

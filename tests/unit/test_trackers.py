@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from tracker_readers import read_wandb_file, tensorboard_scalars, wandb_runs
 
-from megatron.logging.config import LoggingConfig
 from megatron import plugins
 from megatron.logging.trackers import TrackerContext, build_trackers, new_wandb_run_id, scalars
 from megatron.neox_arguments.arguments import NeoXArgs
@@ -31,11 +30,10 @@ def test_registry_is_keyed_by_tracker_type() -> None:
 def test_all_trackers_receive_every_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    args = NeoXArgs(log_dir=str(tmp_path / "logs"), use_wandb=True, wandb_project="unit",
-                    tensorboard_dir=str(tmp_path / "tb"))
-    cfg = LoggingConfig.from_args(args)
+    cfg = NeoXArgs(log_dir=str(tmp_path / "logs"), use_wandb=True, wandb_project="unit",
+                   tensorboard_dir=str(tmp_path / "tb"))
     ctx = TrackerContext(rank=0, speaks=True, run_id="unit0001", start_step=0, run_config={"hidden_size": 64})
-    trackers = build_trackers(cfg.trackers, ctx, cfg.log_dir)
+    trackers = build_trackers(cfg.tracker_settings(), ctx, cfg.log_dir)
     assert trackers.wandb_run_id == "unit0001"
     for step, row in enumerate(ROWS, start=1):
         trackers.log(row, step)
@@ -62,11 +60,10 @@ def test_non_speaking_ranks_track_nothing_unless_wandb_on_all_ranks(tmp_path: Pa
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     ctx = TrackerContext(rank=1, speaks=False, run_id="unit0002", start_step=0)
-    quiet = LoggingConfig.from_args(NeoXArgs(log_dir=str(tmp_path), use_wandb=True, tensorboard_dir=str(tmp_path)))
-    assert build_trackers(quiet.trackers, ctx, quiet.log_dir).trackers == []
-    every = LoggingConfig.from_args(NeoXArgs(log_dir=str(tmp_path), use_wandb=True, wandb_init_all_ranks=True,
-                                             wandb_group="grp"))
-    trackers = build_trackers(every.trackers, ctx, every.log_dir)
+    quiet = NeoXArgs(log_dir=str(tmp_path), use_wandb=True, tensorboard_dir=str(tmp_path))
+    assert build_trackers(quiet.tracker_settings(), ctx, quiet.log_dir).trackers == []
+    every = NeoXArgs(log_dir=str(tmp_path), use_wandb=True, wandb_init_all_ranks=True, wandb_group="grp")
+    trackers = build_trackers(every.tracker_settings(), ctx, every.log_dir)
     assert trackers.wandb_run_id == "unit0002-rank1"  # its own run in the group, for its system metrics
     trackers.log({"train/lm_loss": 1.0}, 1)  # the loss is logged by rank 0 only
     trackers.finish()
@@ -75,13 +72,13 @@ def test_non_speaking_ranks_track_nothing_unless_wandb_on_all_ranks(tmp_path: Pa
 
 
 def test_tensorboard_resume_drops_steps_logged_again(tmp_path: Path) -> None:
-    cfg = LoggingConfig.from_args(NeoXArgs(tensorboard_dir=str(tmp_path)))
-    first = build_trackers(cfg.trackers, TrackerContext(rank=0, speaks=True, run_id=None, start_step=0), None)
+    cfg = NeoXArgs(tensorboard_dir=str(tmp_path))
+    first = build_trackers(cfg.tracker_settings(), TrackerContext(rank=0, speaks=True, run_id=None, start_step=0), None)
     for step in range(1, 7):
         first.log({"train/lm_loss": float(step)}, step)
     first.finish()
     # resumed from a checkpoint at step 4: steps 5 and 6 are logged again with new values
-    second = build_trackers(cfg.trackers, TrackerContext(rank=0, speaks=True, run_id=None, start_step=4), None)
+    second = build_trackers(cfg.tracker_settings(), TrackerContext(rank=0, speaks=True, run_id=None, start_step=4), None)
     for step in (5, 6):
         second.log({"train/lm_loss": 10.0 * step}, step)
     second.finish()
@@ -100,9 +97,9 @@ def test_wandb_files_follow_the_users_wandb_dir(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "mine"))
     (tmp_path / "mine").mkdir()
-    cfg = LoggingConfig.from_args(NeoXArgs(log_dir=str(tmp_path / "logs"), use_wandb=True, wandb_project="unit"))
+    cfg = NeoXArgs(log_dir=str(tmp_path / "logs"), use_wandb=True, wandb_project="unit")
     ctx = TrackerContext(rank=0, speaks=True, run_id="unit0003", start_step=0, run_config={})
-    trackers = build_trackers(cfg.trackers, ctx, cfg.log_dir)
+    trackers = build_trackers(cfg.tracker_settings(), ctx, cfg.log_dir)
     trackers.log(ROWS[0], 1)
     trackers.finish()
     assert [run.run_id for run in wandb_runs(tmp_path / "mine")] == ["unit0003"]

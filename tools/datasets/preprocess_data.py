@@ -42,7 +42,7 @@ from megatron.data.indexed_dataset import (  # noqa: E402
 )
 from megatron.errors import DataError, run_guarded  # noqa: E402
 from megatron.tokenizer import TOKENIZERS, Tokenizer, build_tokenizer  # noqa: E402
-from megatron.tokenizer.config import TokenizerConfig  # noqa: E402
+from megatron.tokenizer.config import TokenizerArgs  # noqa: E402
 
 CHUNK_BYTES = 1 << 20
 MAX_EXAMPLES = 5  # bad lines quoted in the final report
@@ -309,8 +309,8 @@ def verify_on_sample(tokenizer: Tokenizer, chunk: Chunk, keys: list[str], limit:
 
 def preprocess(args: argparse.Namespace) -> dict[str, Any]:
     files = expand_inputs(args.input)
-    tokenizer = build_tokenizer(TokenizerConfig(type=args.tokenizer_type, vocab_file=args.vocab_file,
-                                                merge_file=args.merge_file))
+    tokenizer = build_tokenizer(TokenizerArgs(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                                              merge_file=args.merge_file))
     dtype = best_fitting_dtype(tokenizer.vocab_size)
     options = EncodeOptions(keys=args.jsonl_keys, append_eod=args.append_eod, ftfy=args.ftfy,
                             skip_bad=args.skip_bad, dtype=dtype)

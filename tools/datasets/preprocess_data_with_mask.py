@@ -36,7 +36,7 @@ from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fittin
 from megatron.data.url_sources import open_text  # noqa: E402
 from megatron.errors import DataError, run_guarded  # noqa: E402
 from megatron.tokenizer import TOKENIZERS, Tokenizer, build_tokenizer  # noqa: E402
-from megatron.tokenizer.config import TokenizerConfig  # noqa: E402
+from megatron.tokenizer.config import TokenizerArgs  # noqa: E402
 
 IGNORE_INDEX = -100
 Encoded = tuple[list[int], list[int]]  # (token ids, labels)
@@ -301,8 +301,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tokenizer = build_tokenizer(TokenizerConfig(type=args.tokenizer_type, vocab_file=args.vocab_file,
-                                                merge_file=args.merge_file))
+    tokenizer = build_tokenizer(TokenizerArgs(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                                              merge_file=args.merge_file))
     template = load_chat_template(args.chat_template, args.vocab_file)
     opts = Options(args.mode, args.prompt_key, args.completion_key, args.messages_key, args.chosen_key,
                    args.rejected_key, args.reward_key, args.append_eod)

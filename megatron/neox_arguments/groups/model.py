@@ -145,10 +145,6 @@ class ModelArgs(ArgGroup):
     param_sharing_style: Literal["grouped", "spread"] = not_supported("grouped")
     """Order in which shared layers repeat (`grouped` or `spread`)."""
 
-    make_vocab_size_divisible_by: int = Field(128, ge=1)
-    """Pad the embedding rows up to a multiple of this (times the tensor-parallel size) so matrix
-    shapes stay efficient."""
-
     activation: Activation = "gelu"
     """Non-linearity of the MLP; the *glu variants gate one projection with another."""
 

@@ -70,9 +70,6 @@ class OtherArgs(ArgGroup):
     user_script: str | None = None
     """Worker script the runner starts on every rank; set by Deepy."""
 
-    iteration: int | None = Field(None, ge=0)
-    """Current optimizer step; updated while training, stored in checkpoints."""
-
     do_train: bool | None = None
     """Whether a training split exists; derived from the data."""
 

@@ -1,8 +1,9 @@
-"""Data, objectives, checkpoints, batch length, regularisation, activation checkpointing and fp16
-loss scaling: everything about one training run that is not the architecture.
+"""Data, objectives, batch length, regularisation, activation checkpointing and fp16 loss scaling:
+everything about one training run that is not the architecture.
 
-Besides GPT-NeoX's keys it holds Deepy's extras: Levanter-style data URLs, time-based temporary
-checkpoints, step-based retention (``keep``) and an overflow guard for fp16.
+Besides GPT-NeoX's keys it holds Deepy's extras: Levanter-style data URLs and an overflow guard for fp16.
+GPT-NeoX's checkpoint keys and tokenizer files live beside the components that read them
+(``megatron/checkpointing/config.py``, ``megatron/tokenizer/config.py``).
 """
 
 from __future__ import annotations
@@ -152,54 +153,14 @@ class TrainingArgs(ArgGroup):
     mmap_warmup: bool = False
     """Touch every page of the mmapped data at start-up so the first steps are not I/O bound."""
 
-    save: str | None = None
-    """Directory to write checkpoints to; unset disables saving."""
-
     s3_path: str | None = not_supported(None)
     """Also upload checkpoints to this S3 prefix."""
 
     s3_chunk_size: int = not_supported(104857600)
     """Chunk size in bytes for S3 uploads."""
 
-    config_files: dict[str, str] | None = None
-    """The run's config files (name -> text), stored with checkpoints; filled in by the loader."""
-
-    load: str | None = None
-    """Directory to resume or start from; the latest committed checkpoint in it is loaded. Anything
-    else there (a GPT-NeoX or Hugging Face checkpoint, only incomplete saves, other files) is an
-    error naming what was found; a missing or empty `load` is accepted only when it is also `save`."""
-
-    load_checkpoint: bool = True
-    """Resume (or fine-tune) from `load`; false starts fresh even when `load` is set (Deepy's own
-    key: the explicit way to ignore a `load` directory)."""
-
-    checkpoint_validation_with_forward_pass: bool = False
-    """After saving, reload the checkpoint and check one forward pass gives the same logits."""
-
-    checkpoint_scale: Literal["linear", "log"] = "linear"
-    """Spacing of saves: every checkpoint_factor steps (linear) or at powers of checkpoint_factor
-    (log)."""
-
-    checkpoint_factor: int | float | None = Field(None, gt=0)
-    """Save interval in steps (linear), or the base of the powers (log)."""
-
-    extra_save_iters: list[int] | None = None
-    """Additional steps at which to save a checkpoint."""
-
     no_save_optim: bool = not_supported(False)
     """Leave optimizer state out of checkpoints (smaller, but cannot resume exactly)."""
-
-    no_save_rng: bool = False
-    """Leave random-number-generator state out of checkpoints."""
-
-    no_load_optim: bool = False
-    """Do not restore optimizer state when loading."""
-
-    no_load_rng: bool = False
-    """Do not restore random-number-generator state when loading."""
-
-    finetune: bool = False
-    """Load only the weights and start from step 0 with fresh optimizer and data position."""
 
     batch_size: int | None = Field(None, ge=1)
     """Micro-batch size per data-parallel rank; an older name for train_micro_batch_size_per_gpu."""
@@ -213,20 +174,11 @@ class TrainingArgs(ArgGroup):
     eval_iters: int = Field(100, ge=0)
     """Batches per evaluation."""
 
-    keep_last_n_checkpoints: int | None = Field(None, ge=1)
-    """Delete older step checkpoints so at most this many stay on disk; unset keeps all."""
-
     eval_interval: int = Field(1000, ge=1)
     """Evaluate on the validation split every this many steps."""
 
     split: str = "969, 30, 1"
     """Train/valid/test proportions for data_path, as comma-separated weights."""
-
-    vocab_file: str | None = None
-    """Tokenizer file (tokenizer.json, vocab.json or a SentencePiece model)."""
-
-    merge_file: str | None = None
-    """BPE merges file for the GPT-2 tokenizer."""
 
     num_workers: int = Field(2, ge=0)
     """Training micro-batches read ahead of the step by a background thread per rank (pinned in memory
@@ -339,21 +291,10 @@ class TrainingArgs(ArgGroup):
     cache_dir: str | None = None
     """Where tokenized shards from train_urls/validation_urls are cached."""
 
-    save_interval: str | int | None = None
-    """Also save a temporary checkpoint at this wall-clock interval (`15min`, `1h`, or seconds); it
-    is replaced by the next one."""
-
-    keep: list[dict[str, int | None]] | None = None
-    """Step-based retention policy as a list of {every, until} rules, e.g. [{every: 1000, until:
-    10000}, {every: 5000}] (Levanter)."""
-
     reference_logps: str | None = None
     """DPO: the precompute_model_name of reference log-probs written by `generate.py
     text_gen_type=precompute` next to each chosen/rejected dataset (`<prefix>_<name>.bin/.idx`);
     unset uses a frozen copy of the starting weights."""
-
-    initialize_from: str | None = None
-    """Checkpoint to take the starting weights from, without its optimizer state or step."""
 
     max_consecutive_overflows: int = Field(50, ge=1)
     """Abort an fp16 run after this many optimizer steps in a row skipped for overflow, instead of
@@ -372,24 +313,3 @@ class TrainingArgs(ArgGroup):
     run_dir: str | None = None
     """Directory where the resolved config (deepy_config.json) is written; unset derives one from
     log_dir or save."""
-
-    @field_validator("keep")
-    @classmethod
-    def _keep_rules_shape(
-        cls, value: list[dict[str, int | None]] | None
-    ) -> list[dict[str, int | None]] | None:
-        """Each rule is ``{every: N}`` or ``{every: N, until: M}`` with positive steps.
-
-        Checked here rather than when the first checkpoint is due, so a typo such as ``evry``
-        fails at launch instead of hours into the run.
-        """
-        for rule in value or []:
-            unknown = sorted(set(rule) - {"every", "until"})
-            if unknown or not isinstance(rule.get("every"), int) or rule["every"] < 1:
-                raise ValueError(
-                    f"rule {rule!r} should be {{every: N}} or {{every: N, until: M}} with N >= 1"
-                )
-            until = rule.get("until")
-            if until is not None and until < 1:
-                raise ValueError(f"rule {rule!r}: until must be a positive step")
-        return value

@@ -3,6 +3,10 @@
 ``lora_r > 0`` freezes every weight of the model and trains one adapter per targeted projection
 (``megatron/model/lora.py``); the optimizer holds state for the adapters only. DPO and KTO then use
 the base model (adapters switched off) as their reference, so no second copy of the weights is kept.
+
+Declared here, beside the adapters that read them (kept apart from ``lora.py`` so the argument layer
+reads the keys without importing torch); the trainer hands the adapters the one argument object,
+typed as :class:`LoRAArgs`.
 """
 
 from __future__ import annotations
@@ -32,3 +36,13 @@ class LoRAArgs(ArgGroup):
     lora_target_modules: list[LoRATarget] = Field(default_factory=lambda: ["query_key_value"])
     """Projections that get an adapter, by GPT-NeoX module name (query_key_value and dense in attention,
     dense_h_to_4h and dense_4h_to_h in the MLP); PEFT's target_modules for GPT-NeoX models."""
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Adapters are attached (``lora_r > 0``); otherwise every parameter trains."""
+        return self.lora_r > 0
+
+    @property
+    def lora_scale(self) -> float:
+        """What each adapter's output is multiplied by: ``lora_alpha / lora_r``."""
+        return self.lora_alpha / self.lora_r
