@@ -138,8 +138,8 @@ class CheckpointManager:
         new_parameters: tuple[str, ...] = (),
         preemption: PreemptionWatcher | None = None,
     ) -> CheckpointManager:
-        """``preemption``: None installs the signal handlers of a new watcher. ``train_iters``: the run's last step (given, or derived at start-up from train_epochs), which
-        retention always keeps."""
+        """``train_iters``: the run's last step (given, or derived at start-up from train_epochs), which
+        retention always keeps. ``preemption``: None installs the signal handlers of a new watcher."""
         factor = config.checkpoint_factor
         policy = RetentionPolicy(
             train_iters=int(train_iters),

@@ -100,7 +100,8 @@ def write_peft_adapter(config: GPTConfig, lora: LoRAArgs, weights: Weights, adap
               str(adapter_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     adapter_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_dir.resolve()),
-        "r": lora.lora_r, "lora_alpha": lora.lora_alpha, "lora_dropout": 0.0, "target_modules": list(lora.lora_target_modules),
+        "r": lora.lora_r, "lora_alpha": lora.lora_alpha, "lora_dropout": 0.0,
+        "target_modules": list(lora.lora_target_modules),
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
     }
@@ -143,7 +144,8 @@ def export_adapters(ckpt: Path, config: GPTConfig, args: dict[str, Any], weights
     adapter_dir = out_dir / ADAPTER_DIR if mode == "peft" else None
     if mode == "merge":
         progress(f"writing {arch} with the adapters merged (alpha/r = {lora.lora_scale:g}) to {out_dir}")
-        save_hf_model(hf_config, to_hf_state_dict(config, arch, merge_adapters(weights, lora.lora_scale)), out_dir, dtype)
+        merged = merge_adapters(weights, lora.lora_scale)
+        save_hf_model(hf_config, to_hf_state_dict(config, arch, merged), out_dir, dtype)
     else:
         assert adapter_dir is not None
         progress(f"writing the base {arch} to {out_dir} and the PEFT adapter to {adapter_dir}")

@@ -84,7 +84,8 @@ def tokenizer_loads(ctx: RuleContext) -> list[str]:
         return _not_here(ctx, f"tokenizer file {absent[0]}",
                          f"tokenizer file(s) {', '.join(map(str, absent))} not found ({where})")
     try:
-        build_tokenizer(TokenizerArgs(tokenizer_type=kind, vocab_file=ctx.get("vocab_file"), merge_file=ctx.get("merge_file")))
+        build_tokenizer(TokenizerArgs(tokenizer_type=kind, vocab_file=ctx.get("vocab_file"),
+                                      merge_file=ctx.get("merge_file")))
     except DeepyError as err:
         return [f"tokenizer_type={kind} ({_describe(ctx.source('tokenizer_type'))}): {err.message}"]
     except Exception as err:  # noqa: BLE001 - each tokenizer library raises its own types

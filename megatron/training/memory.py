@@ -229,8 +229,9 @@ def activation_bytes(layout: MemoryLayout) -> float:
     stored = (layers - recomputed) * layer + math.ceil(recomputed / chunk) * s * b * h * a
     if recomputed:
         stored += min(chunk, recomputed) * layer
-    adapters = sum(1 for name in _adapted_projections(c) if name in layout.lora.lora_target_modules) if layout.lora.lora_r else 0
-    stored += layers * adapters * s * b * layout.lora.lora_r * a  # each adapter's rank-r product
+    lora = layout.lora
+    adapters = sum(1 for name in _adapted_projections(c) if name in lora.lora_target_modules) if lora.lora_r else 0
+    stored += layers * adapters * s * b * lora.lora_r * a  # each adapter's rank-r product
     in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
     logits = s * b * c.padded_vocab_size / t * (a + 4)  # logits and the fp32 copy the loss works on
     return stored * in_flight + logits + s * b * h * a
