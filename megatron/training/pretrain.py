@@ -97,7 +97,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     eng.reference = build_reference(objective, eng.engine, eng.is_pipe, eng.config, eng.ds_config,
                                     partition_method(run.parallel.partition_method) if eng.is_pipe else None,
                                     adapters=run.lora.lora_enabled)
-    eng.reference.capture(eng.engine, record)
+    eng.reference.capture(eng.engine, record, run.checkpoint)
     model_config = eng.config  # a reward model's scalar head replaces the LM head
     log.info("model: %s parameters (%s without embeddings); %s", f"{num_parameters(model_config):,}",
              f"{num_parameters(model_config, include_embeddings=False):,}", "pipeline" if eng.is_pipe else "plain")

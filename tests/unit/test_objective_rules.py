@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from megatron.checkpointing import commit
+from megatron.checkpointing.config import CheckpointArgs
 from megatron.errors import ConfigError
-from megatron.training.objectives.config import ObjectiveConfig
 from megatron.training.objectives.frozen import StartingPoint, starting_point
 
 from test_config_rules import make_dataset, ok, problems
@@ -82,19 +82,19 @@ def _checkpoint(directory: Path, step: int, args: dict[str, Any]) -> Path:
 
 def test_reference_starting_point_survives_resumes(tmp_path: Path) -> None:
     sft = _checkpoint(tmp_path / "sft", 10, {"train_impl": "normal"})
-    assert starting_point(ObjectiveConfig(train_impl="dpo")) == StartingPoint(None)  # the seeded init
-    assert starting_point(ObjectiveConfig(train_impl="dpo", initialize_from=str(tmp_path / "sft"))).checkpoint == sft
-    assert starting_point(ObjectiveConfig(train_impl="dpo", load=str(tmp_path / "sft"), finetune=True)).checkpoint == sft
+    assert starting_point(CheckpointArgs(), "dpo") == StartingPoint(None)  # the seeded init
+    assert starting_point(CheckpointArgs(initialize_from=str(tmp_path / "sft")), "dpo").checkpoint == sft
+    assert starting_point(CheckpointArgs(load=str(tmp_path / "sft"), finetune=True), "dpo").checkpoint == sft
     # a DPO run's own checkpoint: its reference is where *that* run started
     _checkpoint(tmp_path / "dpo", 3, {"train_impl": "dpo", "initialize_from": str(tmp_path / "sft")})
-    assert starting_point(ObjectiveConfig(train_impl="dpo", load=str(tmp_path / "dpo"))).checkpoint == sft
+    assert starting_point(CheckpointArgs(load=str(tmp_path / "dpo")), "dpo").checkpoint == sft
     _checkpoint(tmp_path / "dpo_scratch", 3, {"train_impl": "dpo", "load": str(tmp_path / "dpo_scratch")})
-    assert starting_point(ObjectiveConfig(train_impl="dpo", load=str(tmp_path / "dpo_scratch"))).checkpoint is None
+    assert starting_point(CheckpointArgs(load=str(tmp_path / "dpo_scratch")), "dpo").checkpoint is None
     # loading another objective's checkpoint as if resuming would lose the reference at the next resume
     with pytest.raises(ConfigError, match="initialize_from"):
-        starting_point(ObjectiveConfig(train_impl="dpo", load=str(tmp_path / "sft")))
+        starting_point(CheckpointArgs(load=str(tmp_path / "sft")), "dpo")
     with pytest.raises(ConfigError, match="no committed checkpoint"):
-        starting_point(ObjectiveConfig(train_impl="dpo", initialize_from=str(tmp_path / "empty")))
+        starting_point(CheckpointArgs(initialize_from=str(tmp_path / "empty")), "dpo")
 
 
 def test_dpo_reference_logps_must_have_been_precomputed(tmp_path: Path) -> None:

@@ -35,11 +35,6 @@ class ObjectiveConfig:
     reference_logps: str | None = None
     """DPO: the ``precompute_model_name`` whose log-probs ``generate.py`` wrote next to each dataset
     (``<prefix>_<name>.bin/.idx``); None = a frozen copy of the starting weights."""
-    # where the starting weights (the frozen reference) come from
-    load: str | None = None
-    finetune: bool = False
-    initialize_from: str | None = None
-    iteration: int | None = None
     keys: Any = None
     """The objective plug-in's own keys (``dpo_beta``, ``kto_fp32``, ...): an instance of the class it
     declares — in training the arguments object itself, which is composed of that class; None for
@@ -67,10 +62,6 @@ class ObjectiveConfig:
             reset_position_ids=args.reset_position_ids,
             z_loss=args.z_loss,
             reference_logps=args.reference_logps,
-            load=args.load,
-            finetune=args.finetune,
-            initialize_from=args.initialize_from,
-            iteration=args.iteration,
             keys=args if declared is not None else None,
         )
 

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from megatron.checkpointing.config import CheckpointArgs
 from megatron.errors import CheckpointError, ConfigError
 from megatron.training.objectives.base import MicroBatch, Objective
-from megatron.training.objectives.config import ObjectiveConfig
 
 log = logging.getLogger("deepy")
 
@@ -62,8 +62,9 @@ def _committed(directory: str, iteration: int | None, key: str) -> Path:
     return Path(directory) / tag
 
 
-def starting_point(config: ObjectiveConfig, _depth: int = 0) -> StartingPoint:
-    """Where the policy's starting weights, hence the frozen reference, come from (see module doc)."""
+def starting_point(config: CheckpointArgs, train_impl: str, _depth: int = 0) -> StartingPoint:
+    """Where the policy's starting weights, hence the frozen reference, come from (see module doc): the
+    checkpoint keys of this run (``config``), of an objective ``train_impl``."""
     from megatron.checkpointing import commit
     from megatron.checkpointing.save_load import read_meta
 
@@ -75,15 +76,15 @@ def starting_point(config: ObjectiveConfig, _depth: int = 0) -> StartingPoint:
         tag, _ = commit.newest_committed(Path(config.load))
         if tag is not None:
             saved = read_meta(Path(config.load) / tag).get("args", {})
-            if saved.get("train_impl") != config.train_impl:
+            if saved.get("train_impl") != train_impl:
                 raise ConfigError(
                     f"load={config.load!r} holds a train_impl={saved.get('train_impl')!r} checkpoint and this "
-                    f"run is train_impl={config.train_impl!r}: its reference model is a frozen copy of the "
+                    f"run is train_impl={train_impl!r}: its reference model is a frozen copy of the "
                     "starting weights, which must stay known when the run resumes. Start from that checkpoint "
                     f"with initialize_from: {config.load} (or finetune: true), and save to another directory")
-            return starting_point(ObjectiveConfig(
-                train_impl=config.train_impl, load=saved.get("load"), finetune=bool(saved.get("finetune")),
-                initialize_from=saved.get("initialize_from"), iteration=saved.get("iteration")), _depth + 1)
+            where = CheckpointArgs(load=saved.get("load"), finetune=bool(saved.get("finetune")),
+                                   initialize_from=saved.get("initialize_from"), iteration=saved.get("iteration"))
+            return starting_point(where, train_impl, _depth + 1)
     return StartingPoint(None)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from megatron.checkpointing.config import CheckpointArgs
 from megatron.deepspeed_internals import separate_pipeline_loss_total
 from megatron.model.lora import adapters_disabled
 from megatron.training.objectives.base import MicroBatch, Objective
@@ -38,8 +39,9 @@ class Reference:
     def fill(self, batches: list[MicroBatch], split: str, device: torch.device) -> list[MicroBatch]:
         return batches
 
-    def capture(self, policy: Any, args_dict: dict[str, Any]) -> None:
-        """Take the starting weights (before the run's own checkpoint load)."""
+    def capture(self, policy: Any, args_dict: dict[str, Any], checkpoint: CheckpointArgs) -> None:
+        """Take the starting weights (before the run's own checkpoint load, from where ``checkpoint``'s keys
+        say the run starts)."""
 
 
 NoReference = Reference
@@ -58,8 +60,8 @@ class FrozenReference(Reference):
         self.copy = copy
         self.config = config
 
-    def capture(self, policy: Any, args_dict: dict[str, Any]) -> None:
-        self.copy.capture(policy, starting_point(self.config), args_dict)
+    def capture(self, policy: Any, args_dict: dict[str, Any], checkpoint: CheckpointArgs) -> None:
+        self.copy.capture(policy, starting_point(checkpoint, self.config.train_impl), args_dict)
 
     def fill(self, batches: list[MicroBatch], split: str, device: torch.device) -> list[MicroBatch]:
         values = self.copy.logps(batches, device)
