@@ -537,7 +537,7 @@ def one_weight_decay(ctx: RuleContext) -> list[str]:
 @rule
 def optimizer_type_agrees(ctx: RuleContext) -> list[str]:
     """The flat ``optimizer_type`` and the block's ``type`` name one optimizer."""
-    from megatron.neox_arguments.groups.optimizer_block import OPTIMIZER_KINDS
+    from megatron.training.optimizer_block import OPTIMIZER_KINDS
 
     optimizer = ctx.get("optimizer")
     if optimizer is None or not ctx.given("optimizer_type"):

@@ -47,6 +47,18 @@ GROUP_MODULE = {
     "NeoXArgsDeepspeedRunner": "deepspeed_runner",
 }
 
+# GPT-NeoX keys Deepy declares beside the component that reads them rather than in the group mirroring
+# GPT-NeoX's (issue 20): key -> the group that declares it. Names and defaults are still GPT-NeoX's.
+DECLARED_WITH_COMPONENT: dict[str, str] = {
+    **dict.fromkeys(("train_iters", "train_epochs", "eval_iters", "eval_interval", "num_workers", "exit_interval"),
+                    "training_loop"),
+    **dict.fromkeys(("checkpoint_activations", "checkpoint_num_layers", "deepspeed_activation_checkpointing",
+                     "contiguous_checkpointing", "checkpoint_in_cpu", "synchronize_each_layer", "profile_backward",
+                     "partition_activations", "activation_checkpointing"), "activation_checkpointing"),
+    "weight_decay": "optimizer",
+    "optimizer": "optimizer",
+}
+
 # Defaults Deepy changes on purpose; each field's docstring says why.
 CHANGED_DEFAULTS: dict[str, Any] = {
     "git_hash": None,  # NeoX computes it in the default; Deepy fills it in when resolving
@@ -59,7 +71,7 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "rewarmup": ("lr", 0.0),
     "min_lr_ratio": ("lr", None),
     "decay_fraction": ("lr", None),
-    "selective_checkpointing": ("training", None),
+    "selective_checkpointing": ("activation_checkpointing", None),
     "use_dummy_dataset": ("training", False),
     "train_urls": ("training", None),
     "validation_urls": ("training", None),
@@ -67,8 +79,8 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "save_interval": ("training", None),
     "keep": ("training", None),
     "initialize_from": ("training", None),
-    "max_consecutive_overflows": ("training", 50),
-    "compile_layers": ("training", False),
+    "max_consecutive_overflows": ("training_loop", 50),
+    "compile_layers": ("training_loop", False),
     "per_device_parallelism": ("training", None),
     "run_dir": ("training", None),
     "load_checkpoint": ("training", True),
@@ -78,7 +90,7 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "scale_attn_by_inverse_layer_idx": ("model", False),  # GPT-2's/Levanter's per-block attention scale
     "sharding_strategy": ("parallelism", None),
     "plugins": ("plugins", []),  # plug-in modules imported before validation (megatron/plugins.py)
-    "zero_init": ("training", False),  # fms-fsdp's low_cpu_fsdp: build under deepspeed.zero.Init  # fms-fsdp's fsdp | hsdp | ddp
+    "zero_init": ("training_loop", False),  # fms-fsdp's low_cpu_fsdp: build under deepspeed.zero.Init  # fms-fsdp's fsdp | hsdp | ddp
     "mlp_type": ("model", "regular"),  # earlier GPT-NeoX key its Llama/Mistral configs set
     "moe_aux_loss_coeff": ("moe", 0.0),
     "moe_z_loss_coeff": ("moe", 0.0),
@@ -487,7 +499,7 @@ def test_every_neox_key_is_a_field_in_its_group() -> None:
         for name, _ in fields:
             assert NeoXArgs.has_field(name), name
             owner = NeoXArgs.group_of(name)
-            assert owner == GROUP_MODULE[neox_group] or ":" in owner, name
+            assert owner == DECLARED_WITH_COMPONENT.get(name, GROUP_MODULE[neox_group]) or ":" in owner, name
             assert name in NeoXArgs.groups()[owner].model_fields
 
 

@@ -9,7 +9,7 @@ import torch
 
 from megatron.errors import ConfigError
 from megatron.neox_arguments import config_from_mapping
-from megatron.training.config import ActivationCheckpointConfig
+from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.batch import IGNORE_INDEX, lm_batch
 from megatron.training.engine import clip_grad_norm, layers_to_checkpoint, partition_method
 from megatron.training.loop import TrainingAborted, TrainState, _check_overflow
@@ -69,8 +69,8 @@ def test_train_state_round_trip() -> None:
     assert TrainState.from_dict({**state.to_dict(), "unknown": 1}) == state
 
 
-def _ckpt(**values: object) -> ActivationCheckpointConfig:
-    return ActivationCheckpointConfig.from_args(config_from_mapping(values).args)
+def _ckpt(**values: object) -> ActivationCheckpointArgs:
+    return config_from_mapping(values).args
 
 
 def test_layers_to_checkpoint() -> None:
