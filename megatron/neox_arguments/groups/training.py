@@ -1,5 +1,6 @@
-"""Data, objectives, checkpoints, batch length, regularisation, activation checkpointing and fp16
-loss scaling: everything about one training run that is not the architecture.
+"""Data, objectives, checkpoints, batch length, regularisation and fp16 loss scaling: the keys of a
+training run that are not the architecture and not yet declared beside their component (the loop's,
+the optimizer's and activation checkpointing's are, in ``megatron/training/``).
 
 Besides GPT-NeoX's keys it holds Deepy's extras: Levanter-style data URLs, time-based temporary
 checkpoints, step-based retention (``keep``) and an overflow guard for fp16.
