@@ -1,6 +1,7 @@
 """Activation checkpointing's keys: which blocks recompute their activations in the backward pass,
 and DeepSpeed's options for it (GPT-NeoX's flat keys and DeepSpeed's ``activation_checkpointing``
-block, two spellings of the same options).
+block, two spellings of the same options). GPT-NeoX files the flat keys under ``NeoXArgsTraining`` and
+the block under ``NeoXArgsDeepspeedConfig``.
 
 Declared here, beside the code that reads them (``megatron/training/engine.py`` wraps the blocks and
 configures ``deepspeed.checkpointing``; the memory estimate counts the recomputed blocks); the one

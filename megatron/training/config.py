@@ -1,5 +1,6 @@
 """The training loop's keys: how long to train, how often to evaluate and stop, the overflow guard,
-read-ahead, and how the model is built for training (compiled blocks, ZeRO-3 construction).
+read-ahead, and how the model is built for training (compiled blocks, ZeRO-3 construction). GPT-NeoX
+files its keys among these under ``NeoXArgsTraining``.
 
 Declared here, beside the loop that reads them (``megatron/training/pretrain.py``, ``loop.py``,
 ``engine.py``); the one argument object (``NeoXArgs``) is composed of this class. The loop also reads

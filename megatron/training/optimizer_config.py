@@ -1,5 +1,7 @@
 """The optimizer's keys: the DeepSpeed-style ``optimizer`` block, its flat GPT-NeoX alternatives
-(``optimizer_type``, ``lr``, ``weight_decay``) and the ZeRO shortcuts.
+(``optimizer_type``, ``lr``, ``weight_decay``) and the ZeRO shortcuts. GPT-NeoX files them under
+``NeoXArgsOptimizer``, except ``weight_decay`` (``NeoXArgsTraining``) and the block
+(``NeoXArgsDeepspeedConfig``).
 
 Declared here, beside the optimizers that read them (``megatron/training/optimizers.py``); the one
 argument object (``NeoXArgs``) is composed of this class and the trainer hands the optimizer builders

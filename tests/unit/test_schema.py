@@ -26,6 +26,7 @@ from megatron.neox_arguments.arguments import (
     check_supported,
     require_supported,
 )
+from megatron.neox_arguments.docs import _group_intro
 from megatron.neox_arguments.groups.model import ModelArgs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -522,6 +523,15 @@ def test_field_count_is_neox_plus_extras_and_nothing_else() -> None:
     assert len(NeoXArgs.field_names()) == len(names) == 318 + len(EXTRAS)
     assert names == set(NEOX_NAMES) | set(EXTRAS)
     assert set(NeoXArgs.model_fields) == names
+
+
+def test_a_group_declaring_keys_gpt_neox_files_elsewhere_says_where() -> None:
+    """The generated docs' intro of such a group (``configs/neox_arguments.md``) names GPT-NeoX's group
+    of each key it took, as the docs' header promises."""
+    neox_group_of = {name: group for group, fields in NEOX_REFERENCE.items() for name, _ in fields}
+    for name, group in DECLARED_WITH_COMPONENT.items():
+        assert NeoXArgs.group_of(name) == group, name
+        assert neox_group_of[name] in _group_intro(group, NeoXArgs.groups()[group]), name
 
 
 def test_two_groups_declaring_one_key_is_caught() -> None:
