@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from megatron.errors import ConfigError
-from megatron.neox_arguments import config_from_mapping
+from megatron.neox_arguments import NeoXArgs, config_from_mapping
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.batch import IGNORE_INDEX, lm_batch
+from megatron.training.config import TrainingLoopArgs, TrainingRunArgs
 from megatron.training.engine import clip_grad_norm, layers_to_checkpoint, partition_method
 from megatron.training.loop import TrainingAborted, TrainState, _check_overflow
 from megatron.training.step import StepResult
@@ -80,6 +81,24 @@ def test_layers_to_checkpoint() -> None:
     # on a later pipeline stage holding global layers 3..5
     assert layers_to_checkpoint(every_other, 3, first_index=3) == [1]
     assert layers_to_checkpoint(_ckpt(), 4) == []
+
+
+def test_activation_block_is_another_spelling_of_the_flat_keys() -> None:
+    """DeepSpeed's ``activation_checkpointing`` block turns an option on as its flat key does, and only
+    it sets ``number_checkpoints`` (else one buffer per layer)."""
+    flat = _ckpt(checkpoint_activations=True, partition_activations=True).deepspeed_checkpointing_options(6)
+    block = _ckpt(checkpoint_activations=True, activation_checkpointing={
+        "partition_activations": True, "cpu_checkpointing": True, "number_checkpoints": 3,
+    }).deepspeed_checkpointing_options(6)
+    assert (flat["partition_activations"], flat["checkpoint_in_cpu"], flat["num_checkpoints"]) == (True, False, 6)
+    assert (block["partition_activations"], block["checkpoint_in_cpu"], block["num_checkpoints"]) == (True, True, 3)
+
+
+def test_the_loops_protocol_names_declared_keys_and_every_loop_key() -> None:
+    """``RunConfig.training`` is the arguments typed as ``TrainingRunArgs``: each name it lists is a
+    declared key, and it lists every key of the loop's own group."""
+    members = {name for name, value in vars(TrainingRunArgs).items() if isinstance(value, property)}
+    assert set(TrainingLoopArgs.model_fields) <= members <= set(NeoXArgs.model_fields)
 
 
 def test_partition_method_names() -> None:
