@@ -41,6 +41,7 @@ import torch
 from megatron.checkpointing.neox_files import pipeline_rank_weights, plain_rank_weights
 from megatron.checkpointing.neox_layout import NeoxNames
 from megatron.checkpointing.safe_load import weights_only_loading
+from megatron.deepspeed_internals import merge_universal_tp_slices, restore_engine_counters
 from megatron.errors import CheckpointError
 from megatron.model.pipeline import is_pipeline_parameter_name, model_parameter_name, pipeline_parameter_name
 
@@ -96,8 +97,6 @@ def zero0_to_universal(ckpt_dir: Path, target: Path, tp: int, stages: int, pipel
     ``layer_names`` reads its model files (GPT-NeoX's layout, or Deepy's earlier one).
     """
     from deepspeed.checkpoint.constants import PARAM_GROUPS
-
-    from megatron.deepspeed_internals import merge_universal_tp_slices
 
     info = _with_tuple_shapes(info)
     slices = target / "tmp"
@@ -349,6 +348,4 @@ def load_into_torch_optimizer(engine: Any, universal: Path, *, load_optimizer: b
         if load_scheduler and engine.lr_scheduler is not None and counters.get("lr_scheduler") is not None:
             engine.lr_scheduler.load_state_dict(counters["lr_scheduler"])
         if load_optimizer:
-            engine.global_steps = counters.get("global_steps", engine.global_steps)
-            engine.global_samples = counters.get("global_samples", engine.global_samples)
-            engine.skipped_steps = counters.get("skipped_steps", engine.skipped_steps)
+            restore_engine_counters(engine, counters)
