@@ -118,12 +118,11 @@ def _load_pipeline_layers(module: Any, names: NeoxNames, tp: int, load_dir: str,
 
 # --- offline readers ---------------------------------------------------------------------------------
 def _load(path: Path) -> Any:
-    from megatron.checkpointing.safe_load import weights_only_loading
+    from megatron.checkpointing.safe_load import load_checkpoint_file
 
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} is missing")
-    with weights_only_loading(path):
-        return torch.load(path, map_location="cpu")
+    return load_checkpoint_file(path)
 
 
 def layer_files(ckpt_dir: Path) -> dict[int, dict[int, Path]]:

@@ -40,7 +40,7 @@ import torch
 
 from megatron.checkpointing.neox_files import pipeline_rank_weights, plain_rank_weights
 from megatron.checkpointing.neox_layout import NeoxNames
-from megatron.checkpointing.safe_load import weights_only_loading
+from megatron.checkpointing.safe_load import load_checkpoint_file
 from megatron.deepspeed_internals import merge_universal_tp_slices, restore_engine_counters
 from megatron.errors import CheckpointError
 from megatron.model.pipeline import is_pipeline_parameter_name, model_parameter_name, pipeline_parameter_name
@@ -57,8 +57,7 @@ _ZERO3_MODEL_STATES = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_state
 def _load(path: Path) -> Any:
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} is missing")
-    with weights_only_loading(path):
-        return torch.load(path, map_location="cpu")
+    return load_checkpoint_file(path)
 
 
 # --- ZeRO-0 sources ----------------------------------------------------------------------------------------------
@@ -186,8 +185,7 @@ def complete_for_any_target(universal: Path, *, num_layers: int, tied: bool, voc
     if vocab_rows:
         fit_vocabulary_rows(zero, vocab_patterns, vocab_rows)
     state_file = zero / OPTIMIZER_STATE_FILE
-    with weights_only_loading(state_file):
-        state = torch.load(state_file, map_location="cpu")
+    state = load_checkpoint_file(state_file)
     torch.save(_optimizer_state_for_every_stage(state, _any_step(zero)), state_file)
     _name_model_states_for_every_stage(universal)
 
@@ -241,8 +239,7 @@ def _link_both_names(zero: Path, num_layers: int, tied: bool) -> None:
 
 def _any_step(zero: Path) -> Any:
     for step_file in sorted(zero.glob("*/step.pt")):
-        with weights_only_loading(step_file):
-            return torch.load(step_file, map_location="cpu")
+        return load_checkpoint_file(step_file)
     return None
 
 
@@ -292,8 +289,7 @@ def fit_vocabulary_rows(zero: Path, patterns: list[str], rows: int) -> list[str]
         for state_file in param_dir.glob("*.pt"):
             if state_file.name == "step.pt":
                 continue
-            with weights_only_loading(state_file):
-                state = torch.load(state_file, map_location="cpu")
+            state = load_checkpoint_file(state_file)
             have = state["param"].shape[0]
             if have > rows:
                 state["param"] = state["param"][:rows].clone()
