@@ -39,13 +39,15 @@ class Device:
     def detect(cls) -> Device:
         import torch
 
+        from megatron import torch_internals
+
         cuda = torch.cuda.is_available()
         # DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has fp16 kernels for this CPU
         # ("Type fp16 is not supported on your device"), so ask the same question it will ask.
         fp16 = cuda
         if not cuda:
             try:
-                fp16 = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+                fp16 = torch_internals.mkldnn_fp16_supported()
             except (AttributeError, RuntimeError):
                 fp16 = False
         return cls(cuda=cuda, fp16_supported=fp16)
