@@ -181,7 +181,7 @@ def _runs_in_process(rank: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def in_process(corpus: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Path]]:
-    """Run name -> (rank 0's outcome, or the first failing rank's traceback; its log directory)."""
+    """Run name -> ("ok <zero, tp, pp, cp it was built with>" or each failing rank's traceback, its log directory)."""
     outcome: dict[str, tuple[str, Path]] = {}
     for world, runs in IN_PROCESS.items():
         tmp = tmp_path_factory.mktemp(f"in_process_{world}")
