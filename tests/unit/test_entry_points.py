@@ -86,6 +86,8 @@ def test_every_user_facing_tool_has_a_console_script() -> None:
     tools = {f"tools.{p.parent.name}.{p.stem}:cli" for p in (REPO / "tools").glob("[!_]*/*.py")
              if p.parent.name in ("datasets", "ckpts") and not p.stem.startswith("_")}
     assert tools | {"tools.plot_metrics:cli"} == targets
+    readme = (REPO / "README.md").read_text()
+    assert [name for name in console_scripts() if f"`{name}`" not in readme] == []  # the README lists them all
 
 
 @pytest.mark.parametrize("name", sorted(console_scripts()))
