@@ -28,9 +28,6 @@ import torch.distributed as dist
 from megatron import mpu
 from megatron.logging.config import StatsSettings
 
-# per parameter: squared norm, exact zeros, elements
-_GRAD_FIELDS = 3
-
 
 class StatsCollector:
     def __init__(self, settings: StatsSettings, engine: Any) -> None:
