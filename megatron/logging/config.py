@@ -59,9 +59,6 @@ class JsonlSettings:
 
 TrackerSettings = WandbSettings | TensorboardSettings | JsonlSettings
 
-# the Python package each tracker type imports, for the pre-launch check
-TRACKER_PACKAGES: dict[str, str] = {"wandb": "wandb", "tensorboard": "tensorboard"}
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StatsSettings:
