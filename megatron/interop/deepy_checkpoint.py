@@ -96,13 +96,6 @@ def gpt_config_from_args(args: dict[str, Any]) -> GPTConfig:
 
 
 # --- reading ---------------------------------------------------------------------------------
-def _load(path: Path) -> Any:
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file {path} is missing")
-    with weights_only_loading(path):
-        return torch.load(path, map_location="cpu")
-
-
 def _rank_shards(ckpt: Path, layout: Layout, config: GPTConfig) -> dict[str, list[torch.Tensor]]:
     """Every tp rank's tensors under ``GPTModel`` names, from GPT-NeoX's layout or Deepy's earlier one."""
     names = NeoxNames.from_config(config)
