@@ -22,9 +22,10 @@ import pytest
 from megatron.neox_arguments import config_from_mapping
 from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.neox_arguments.derived import finalize
-from megatron.neox_arguments.honesty import FILLED_IN_KEYS, NO_EFFECT_KEYS, keys_read, only_default_accepted
+from megatron.neox_arguments.honesty import FILLED_IN_KEYS, NO_EFFECT_KEYS
 from megatron.neox_arguments.rules import Device
 
+from config_reads import ReadRecorder, keys_read, only_default_accepted
 from effect_index import DEEPSPEED_STATE_TESTS, TestSource, effect_tests, naming_tests
 
 REPO = Path(__file__).resolve().parents[2]
@@ -116,8 +117,6 @@ def test_a_key_that_is_only_copied_fails_the_check(tests_index: list[TestSource]
 
     with_field = create_model("NeoXArgsWithUnread", __base__=NeoXArgs, deliberately_unread_key=(int, 3))
     args = with_field(**MINIMAL)
-    from megatron.neox_arguments.honesty import ReadRecorder
-
     recorder = ReadRecorder(args)
     CopyingConfig(deliberately_unread_key=recorder.deliberately_unread_key)  # a from_args-style copy
     assert "deliberately_unread_key" in recorder.read  # the old criterion is satisfied by the copy
