@@ -31,7 +31,7 @@ import torch
 from megatron.checkpointing import commit
 from megatron.checkpointing.neox_files import canonical_rank_weights
 from megatron.checkpointing.neox_layout import NeoxNames, layer_to_neox, plain_to_neox
-from megatron.checkpointing.safe_load import load_checkpoint_file, weights_only_loading
+from megatron.checkpointing.safe_load import weights_only_loading
 from megatron.checkpointing.save_load import CONFIGS_DIR, FORMAT_VERSION, META_FILE, WEIGHTS_ONLY_KEY, read_meta
 from megatron.checkpointing.universal import Layout
 from megatron.errors import CheckpointError, ConversionError
@@ -96,12 +96,6 @@ def gpt_config_from_args(args: dict[str, Any]) -> GPTConfig:
 
 
 # --- reading ---------------------------------------------------------------------------------
-def _load(path: Path) -> Any:
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file {path} is missing")
-    return load_checkpoint_file(path)
-
-
 def _rank_shards(ckpt: Path, layout: Layout, config: GPTConfig) -> dict[str, list[torch.Tensor]]:
     """Every tp rank's tensors under ``GPTModel`` names, from GPT-NeoX's layout or Deepy's earlier one."""
     names = NeoxNames.from_config(config)

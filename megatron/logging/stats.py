@@ -29,9 +29,6 @@ from megatron import mpu
 from megatron.deepspeed_internals import has_partitioned_optimizer_state, relink_optimizer_state_views
 from megatron.logging.config import StatsSettings
 
-# per parameter: squared norm, exact zeros, elements
-_GRAD_FIELDS = 3
-
 
 class StatsCollector:
     def __init__(self, settings: StatsSettings, engine: Any) -> None:

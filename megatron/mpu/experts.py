@@ -88,14 +88,6 @@ def get_expert_parallel_rank() -> int:
     return _STATE.ep_rank
 
 
-def get_expert_parallel_group() -> dist.ProcessGroup | None:
-    return _STATE.ep_group
-
-
-def get_expert_data_parallel_group() -> dist.ProcessGroup | None:
-    return _STATE.edp_group
-
-
 # --- token exchange --------------------------------------------------------------------------------
 class _AllToAll(torch.autograd.Function):
     """Rows of ``x`` go to the ranks of the expert-parallel group in ``send`` sized blocks; the

@@ -58,7 +58,6 @@ GiB = 1024**3
 _STATE_TENSORS: dict[str, int] = {"adam": 2, "adamw": 2, "cpu_adam": 2, "cpuadam": 2, "cpu_torch_adam": 2,
                                   "lamb": 2, "lion": 1, "sgd": 1}
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-_PRECISION = {"bfloat16": "bf16", "fp16": "fp16", "fp32": "fp32", None: "fp32"}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

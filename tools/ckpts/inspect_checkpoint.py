@@ -18,17 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from megatron.checkpointing import commit
+from megatron.checkpointing.safe_load import load_checkpoint_file
+from megatron.checkpointing.save_load import META_FILE
+from megatron.errors import CheckpointError, UsageError, run_guarded
+
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-
-from megatron.checkpointing import commit  # noqa: E402
-from megatron.checkpointing.safe_load import load_checkpoint_file  # noqa: E402
-from megatron.checkpointing.save_load import META_FILE  # noqa: E402
-from megatron.errors import CheckpointError, UsageError, run_guarded  # noqa: E402
-
 
 @dataclass
 class Snapshot:
@@ -151,5 +148,10 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``deepy-inspect-checkpoint`` console script: clean one-line errors, exit code 2."""
     run_guarded(main)
+
+
+if __name__ == "__main__":
+    cli()
