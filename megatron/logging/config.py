@@ -68,9 +68,6 @@ class PluginTrackerSettings:
 
 TrackerSettings = WandbSettings | TensorboardSettings | JsonlSettings | PluginTrackerSettings
 
-# the Python package each tracker type imports, for the pre-launch check
-TRACKER_PACKAGES: dict[str, str] = {"wandb": "wandb", "tensorboard": "tensorboard"}
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StatsSettings:

@@ -518,7 +518,3 @@ def format_problems(problems: list[str]) -> str:
         return problems[0]
     listed = "\n".join(f"  - {problem}" for problem in problems)
     return f"{len(problems)} problems in the config:\n{listed}"
-
-
-def derived_keys(provenance: Mapping[str, str]) -> list[str]:
-    return sorted(key for key, source in provenance.items() if source == DERIVED)

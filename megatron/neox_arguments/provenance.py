@@ -22,14 +22,6 @@ HIDDEN_IN_TABLE = frozenset({"config_files"})
 MAX_VALUE_WIDTH = 48
 
 
-def file_line(path: str, line: int) -> str:
-    return f"{path}:{line}"
-
-
-def source_of(provenance: dict[str, str], key: str) -> str:
-    return provenance.get(key, DEFAULT)
-
-
 def describe_source(source: str) -> str:
     """A provenance value as it reads in an error message."""
     return {CLI: "the command line", DEFAULT: "its default", DERIVED: "a derived value"}.get(source, source)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron import plugins
+from megatron.training.objectives.registry import needs_of, reads_reference_files
 from megatron.errors import ConfigError
 from megatron.logging.config import LoggingConfig
 from megatron.logging.preflight import logging_problems
@@ -39,13 +40,15 @@ class Device:
     def detect(cls) -> Device:
         import torch
 
+        from megatron import torch_internals
+
         cuda = torch.cuda.is_available()
         # DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has fp16 kernels for this CPU
         # ("Type fp16 is not supported on your device"), so ask the same question it will ask.
         fp16 = cuda
         if not cuda:
             try:
-                fp16 = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+                fp16 = torch_internals.mkldnn_fp16_supported()
             except (AttributeError, RuntimeError):
                 fp16 = False
         return cls(cuda=cuda, fp16_supported=fp16)
@@ -323,7 +326,7 @@ def context_parallel_fits(ctx: RuleContext) -> list[str]:
         problems.append(f"{shown}: the all-to-all gives each of the {ctx.tp * cp} ranks of model_parallel_size x "
                         f"context_parallel_size a share of the heads; {ctx.show('num_attention_heads')} and "
                         f"num_kv_heads ({kv}) must both be multiples of {ctx.tp * cp}")
-    if _train_impl(ctx) != "normal":
+    if needs_of(_train_impl(ctx)).dataset != "lm":
         problems.append(f"{shown} with {ctx.show('train_impl')}: context parallelism splits language-modelling "
                         "and SFT sequences only; set context_parallel_size: 1")
     if ctx.get("sequence_parallel"):
@@ -835,7 +838,7 @@ def objective_keys_match_train_impl(ctx: RuleContext) -> list[str]:
     if ctx.get("z_loss") and impl not in ("normal", "rm"):
         problems.append(f"{ctx.show('z_loss')} applies to language modelling and reward models, not to "
                         f"{ctx.show('train_impl')}: remove z_loss")
-    if ctx.get("reference_logps") and impl != "dpo":
+    if ctx.get("reference_logps") and not reads_reference_files(impl):
         why = ("KTO's reference point comes from mismatched prompt/completion pairs built inside each micro-batch, "
                "which no per-dataset file holds; KTO takes its reference from a frozen copy of the starting "
                "weights") if impl == "kto" else f"{ctx.show('train_impl')} has no reference model"
@@ -881,7 +884,9 @@ def objective_data_matches_train_impl(ctx: RuleContext) -> list[str]:
     pairs = [key for key in _PAIRWISE_DATA_KEYS if ctx.get(key)]
     rewards = [key for key in _REWARD_DATA_KEYS if ctx.get(key)]
     packed = ctx.given("pack_impl") and ctx.get("pack_impl") != "unpacked"
-    if impl in ("dpo", "rm"):
+    reads = needs_of(impl).dataset
+    pairwise = " or ".join(p.name for p in plugins.of_family("train_impl") if p.needs.get("dataset") == "pairwise")
+    if reads == "pairwise":
         if not dummy and not ctx.get("pos_train_data_paths"):
             problems.append(f"{ctx.show('train_impl')} trains on preference pairs: set pos_train_data_paths and "
                             "neg_train_data_paths (written by tools/datasets/preprocess_data_with_mask.py "
@@ -896,23 +901,19 @@ def objective_data_matches_train_impl(ctx: RuleContext) -> list[str]:
     else:
         if pairs:
             problems.append(f"{', '.join(ctx.show(k) for k in pairs)} hold preference pairs, read by train_impl "
-                            f"dpo or rm only ({ctx.show('train_impl')})")
+                            f"{pairwise} only ({ctx.show('train_impl')})")
         if ctx.get("dataset_impl") == "pairwise":
-            problems.append(f"{ctx.show('dataset_impl')} needs train_impl: dpo or rm ({ctx.show('train_impl')})")
-    if impl == "kto":
+            problems.append(f"{ctx.show('dataset_impl')} needs train_impl: {pairwise} ({ctx.show('train_impl')})")
+    if reads == "reward":
         if not dummy and not ctx.get("train_reward_data_paths"):
             problems.append(f"{ctx.show('train_impl')} needs per-document rewards: set train_data_paths, "
                             "train_label_data_paths and train_reward_data_paths (written by "
                             "tools/datasets/preprocess_data_with_mask.py --mode reward), or use_dummy_dataset: true")
-        micro = ctx.get("train_micro_batch_size_per_gpu")
-        if isinstance(micro, int) and micro < 2:
-            problems.append(f"{ctx.show('train_micro_batch_size_per_gpu')} with train_impl: kto: KTO estimates its "
-                            "KL reference point from mismatched pairs inside a micro-batch, which needs at least "
-                            "2 samples; raise it to 2 or more")
     elif rewards:
-        problems.append(f"{', '.join(ctx.show(k) for k in rewards)} are per-document rewards for train_impl: kto "
-                        f"({ctx.show('train_impl')}): remove them or set train_impl: kto")
-    if impl in ("dpo", "rm", "kto") and packed:
+        readers = " or ".join(p.name for p in plugins.of_family("train_impl") if p.needs.get("dataset") == "reward")
+        problems.append(f"{', '.join(ctx.show(k) for k in rewards)} are per-document rewards for train_impl: "
+                        f"{readers} ({ctx.show('train_impl')}): remove them or set train_impl: {readers}")
+    if reads != "lm" and packed:
         problems.append(f"{ctx.show('pack_impl')} with {ctx.show('train_impl')}: its samples are whole documents "
                         "(a reward or preference belongs to one response), never packed; set pack_impl: unpacked "
                         "or remove it")

@@ -35,11 +35,6 @@ TOKENIZERS: dict[str, Factory] = {
 }
 
 
-def register_tokenizer(name: str, factory: Factory) -> None:
-    """Add a tokenizer type; ``factory`` receives the :class:`TokenizerConfig`."""
-    TOKENIZERS[name] = factory
-
-
 def build_tokenizer(config: TokenizerConfig) -> Tokenizer:
     """The tokenizer ``config.type`` names, reading ``config.vocab_file``/``merge_file``."""
     factory = TOKENIZERS.get(config.type)

@@ -41,6 +41,7 @@ from megatron.mpu.config import ParallelConfig
 from megatron.logging.log import get_logger
 from megatron.model import GPTConfig, GPTModel, pipeline_layer_specs
 from megatron.model.lora import LoRAAdapter, LoRAConfig, adapters_of, apply_lora
+from megatron.model.pipeline import CHECKPOINTABLE_LAYERS
 from megatron.model.transformer_layer import TransformerLayer
 from megatron.mpu import experts as expert_parallel
 from megatron.training.activation_config import ActivationCheckpointArgs
@@ -314,9 +315,7 @@ def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationChe
             partition_method=partition_method(parallel.partition_method),
             activation_checkpoint_interval=interval,
             activation_checkpoint_func=deepspeed.checkpointing.checkpoint,
-            # only blocks: a checkpointed chunk starting at the embedding gets integer inputs only, so
-            # its output would not require grad and the first stage's backward fails
-            checkpointable_layers=["TransformerLayerPipe"],
+            checkpointable_layers=CHECKPOINTABLE_LAYERS,
         )
     if lora is not None and lora.enabled:
         apply_lora(model, lora, config.seed)

@@ -25,6 +25,7 @@ from megatron.data.sampler import MicroBatchIterator, prefetched
 from megatron.errors import ConfigError
 from megatron.logging.log import get_logger, set_deepspeed_log_level, setup_logging
 from megatron.logging.monitor import build_monitor
+from megatron.logging.progress import progress
 from megatron.logging.throughput import current_device_name, peak_tflops
 from megatron.logging.timers import TimedIterator
 from megatron.model import flops_per_token, num_parameters
@@ -134,9 +135,17 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     if state.consumed_samples:
         log.info("data: resuming at sample %s of the global order (computed from consumed_samples, nothing "
                  "replayed)", f"{state.consumed_samples:,}")
+    # Levanter's users watch a bar while a resumed run fast-forwards through its data. Ours is a seek
+    # (the iterator computes its position), so the bar over the skipped global batches fills at once
+    # and says how long that took; on the speaking rank, to stderr, and only when there is a skip.
+    skipped = state.consumed_samples // g
+    with progress(skipped, "data fast-forward", "global batches", enabled=speaks() and skipped > 0,
+                  every_s=float("inf")) as fast_forward:
+        source = MicroBatchIterator(eng.reference.wrap_dataset(splits.train, "train"), state.consumed_samples,
+                                    **layout)
+        fast_forward.update(source.consumed_samples // g)
     # read ahead by a background thread (num_workers micro-batches), pinned for asynchronous copies on a
     # GPU; the data timer measures what the step still waits for
-    source = MicroBatchIterator(eng.reference.wrap_dataset(splits.train, "train"), state.consumed_samples, **layout)
     micro = TimedIterator(prefetched(source, training.num_workers, device), monitor.timers)
     seq = training.seq_length
     # whole model: FLOPs are per token

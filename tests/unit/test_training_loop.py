@@ -10,22 +10,20 @@ import torch
 from megatron.errors import ConfigError
 from megatron.neox_arguments import NeoXArgs, config_from_mapping
 from megatron.training.activation_config import ActivationCheckpointArgs
-from megatron.training.batch import IGNORE_INDEX, lm_batch
 from megatron.training.config import TrainingLoopArgs, TrainingRunArgs
 from megatron.training.engine import clip_grad_norm, layers_to_checkpoint, partition_method
 from megatron.training.loop import TrainingAborted, TrainState, _check_overflow
+from megatron.training.objectives.base import IGNORE_INDEX, shifted
 from megatron.training.step import StepResult
 
 
-def test_lm_batch_shifts_and_masks() -> None:
+def test_shifted_inputs_and_masked_labels() -> None:
     text = torch.tensor([[5, 6, 7, 0, 9]])
-    b = lm_batch({"text": text}, eod_token=0)
-    assert b.tokens.tolist() == [[5, 6, 7, 0]]
-    assert b.labels.tolist() == [[6, 7, IGNORE_INDEX, 9]]  # predicting the eod is not counted
-    assert b.loss_mask.tolist() == [[1.0, 1.0, 0.0, 1.0]]
-    labelled = lm_batch({"text": text, "label": torch.tensor([[-100, -100, 7, 3, 9]])})
-    assert labelled.labels.tolist() == [[IGNORE_INDEX, 7, 3, 9]]
-    assert labelled.loss_mask.tolist() == [[0.0, 1.0, 1.0, 1.0]]
+    tokens, labels = shifted({"text": text}, "text", "label", eod_token=0)
+    assert tokens.tolist() == [[5, 6, 7, 0]]
+    assert labels.tolist() == [[6, 7, IGNORE_INDEX, 9]]  # predicting the eod is not counted
+    _, labels = shifted({"text": text, "label": torch.tensor([[-100, -100, 7, 3, 9]])}, "text", "label", None)
+    assert labels.tolist() == [[IGNORE_INDEX, 7, 3, 9]]
 
 
 def test_clip_grad_norm_matches_torch_and_clips() -> None:
@@ -109,9 +107,9 @@ def test_partition_method_names() -> None:
         partition_method("balanced")
 
 
-def test_micro_batches_from_sampler_feed_lm_batch() -> None:
+def test_micro_batches_from_sampler_feed_the_shift() -> None:
     from megatron.data.sampler import collate
 
     samples = [{"text": np.arange(5, dtype=np.int64) + i} for i in range(2)]
-    b = lm_batch(collate(samples))
-    assert b.tokens.shape == (2, 4) and b.tokens.dtype == torch.int64
+    tokens, _ = shifted(collate(samples), "text", "label", None)
+    assert tokens.shape == (2, 4) and tokens.dtype == torch.int64
