@@ -18,7 +18,8 @@ from pydantic import BaseModel, ValidationError
 from megatron.errors import ConfigError
 from megatron.neox_arguments.keys import aliased_value, normalize_key, unknown_key_message
 from megatron.neox_arguments.overrides import apply_overrides, parse_overrides
-from megatron.neox_arguments.provenance import DEFAULT, describe_source, field_default
+from megatron.config_rules import DEFAULT
+from megatron.neox_arguments.provenance import describe_source, field_default
 from megatron.neox_arguments.resolved import ResolvedConfig
 from megatron.neox_arguments.yaml_source import LocatedDict, load_yaml_file, plain, resolve_config_path
 

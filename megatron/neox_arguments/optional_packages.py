@@ -13,7 +13,8 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
-from megatron.neox_arguments.rules import RuleContext, rule, runs_on_this_machine
+from megatron.config_rules import RuleContext, rule
+from megatron.neox_arguments.rules import runs_on_this_machine
 
 Finder = Callable[[str], Any]
 

@@ -13,9 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-CLI = "cli"
-DERIVED = "derived"
-DEFAULT = "default"
+from megatron.config_rules import CLI, DEFAULT, DERIVED
 
 # arguments never shown in the table: they hold whole files, not settings
 HIDDEN_IN_TABLE = frozenset({"config_files"})

@@ -1,13 +1,9 @@
-"""Consistency rules between arguments, checked before anything is launched.
+"""Consistency rules between the keys of several components, checked before anything is launched.
 
-Each rule is a small function ``(ctx) -> list[str]`` registered with :func:`rule`; it returns one
-message per problem, naming the user's keys, their values and where they were set (``file:line``)
-and saying what to change. :func:`check` runs every rule and the caller raises *one*
-:class:`~megatron.errors.ConfigError` listing all problems, so a user fixes a config in one round.
-
-The rules see the arguments *after* the derived values (batch sizes, precision, ...) have been
-filled in by :mod:`megatron.neox_arguments.derived`; a rule whose inputs are missing stays quiet
-and leaves the report to the rule about the missing key.
+The machinery (``RuleContext``, ``rule``, ``check``) lives in :mod:`megatron.config_rules`, below every
+component, so a component registers the checks of its own keys beside them; importing this module
+imports those components too, so :func:`check` sees every rule. What stays here relates keys that no
+single component owns (the world size against tp x pp x cp, precision against the DeepSpeed blocks, ...).
 """
 
 from __future__ import annotations
@@ -22,135 +18,15 @@ from megatron.training.objectives.registry import needs_of, reads_reference_file
 from megatron.errors import ConfigError
 from megatron.logging.config import LoggingConfig
 from megatron.logging.preflight import logging_problems
-from megatron.neox_arguments.provenance import CLI, DEFAULT, DERIVED
+from megatron.config_rules import Device, RuleContext, default_of, describe, render, rule
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.time_phrases import TimePhraseError, parse_duration
 
 
-@dataclass(frozen=True)
-class Device:
-    """What the launching machine offers; injected so rules are testable without a GPU."""
-
-    cuda: bool
-    fp16_supported: bool
-
-    @classmethod
-    def detect(cls) -> Device:
-        import torch
-
-        from megatron import torch_internals
-
-        cuda = torch.cuda.is_available()
-        # DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has fp16 kernels for this CPU
-        # ("Type fp16 is not supported on your device"), so ask the same question it will ask.
-        fp16 = cuda
-        if not cuda:
-            try:
-                fp16 = torch_internals.mkldnn_fp16_supported()
-            except (AttributeError, RuntimeError):
-                fp16 = False
-        return cls(cuda=cuda, fp16_supported=fp16)
-
-
-@dataclass
-class RuleContext:
-    """The arguments under check plus what the rules need to phrase their messages."""
-
-    args: NeoXArgs
-    provenance: Mapping[str, str] = field(default_factory=dict)
-    world_size: int = 1
-    device: Device = field(default_factory=lambda: Device(cuda=False, fp16_supported=False))
-    warnings: list[str] = field(default_factory=list)
-    """Things that are fine to launch with but worth saying (printed by deepy.py)."""
-    skipped: list[str] = field(default_factory=list)
-    """Checks not made here and why (``--dry-run`` lists them)."""
-
-    def get(self, key: str) -> Any:
-        return getattr(self.args, key)
-
-    def source(self, key: str) -> str:
-        return self.provenance.get(key, DEFAULT)
-
-    def given(self, key: str) -> bool:
-        """Did the user set ``key`` (in a file or on the command line)?
-
-        Keys with a non-``None`` default (``gradient_accumulation_steps: 1``) cannot be told apart by
-        value alone, so provenance decides; without a provenance entry a value other than the
-        schema default counts as given (tests and programmatic callers build args directly).
-        """
-        src = self.provenance.get(key)
-        if src is not None:
-            return src != DERIVED
-        return self.get(key) != _default_of(self.args, key)
-
-    def show(self, key: str) -> str:
-        """``key=value (file:line)`` as a message names a setting."""
-        return f"{key}={_render(self.get(key))} ({_describe(self.source(key))})"
-
-    @property
-    def tp(self) -> int:
-        return int(self.get("model_parallel_size") or 1)
-
-    @property
-    def pp(self) -> int:
-        """Pipeline stages; ``pipe_parallel_size: 0`` (no PipelineModule) is one stage."""
-        return max(int(self.get("pipe_parallel_size") or 0), 1)
-
-    @property
-    def cp(self) -> int:
-        """Context-parallel size: ranks sharing each sequence."""
-        return int(self.get("context_parallel_size") or 1)
-
-    @property
-    def dp(self) -> int | None:
-        """Data-parallel size (ranks reading different samples), or ``None`` when the world does not
-        split into tp x pp x cp."""
-        if self.world_size % (self.tp * self.pp * self.cp) != 0:
-            return None
-        return self.world_size // (self.tp * self.pp * self.cp)
-
-
-def _default_of(args: NeoXArgs, key: str) -> Any:
-    fields = getattr(type(args), "model_fields", {})
-    if key in fields:
-        return fields[key].get_default(call_default_factory=True)
-    return None
-
-
-def _describe(source: str) -> str:
-    return {CLI: "command line", DEFAULT: "default", DERIVED: "derived"}.get(source, source)
-
-
-def _render(value: Any) -> str:
-    if isinstance(value, str):
-        return repr(value)
-    if value is None:
-        return "unset"
-    return str(value)
-
-
 # where DeepSpeed's runner looks for a hostfile when none is configured
 DEEPSPEED_DEFAULT_HOSTFILE = "/job/hostfile"
-
-Rule = Callable[[RuleContext], list[str]]
-RULES: list[Rule] = []
-
-
-def rule(fn: Rule) -> Rule:
-    """Register ``fn`` as a rule; registration order is report order."""
-    RULES.append(fn)
-    return fn
-
-
-def check(ctx: RuleContext, rules: list[Rule] | None = None) -> list[str]:
-    """Every problem found by ``rules`` (default: all registered), in order."""
-    problems: list[str] = []
-    for fn in RULES if rules is None else rules:
-        problems.extend(fn(ctx))
-    return problems
-
 
 # --- shared readings of multi-spelling settings -------------------------------------------------
 def block_enabled(block: Any) -> bool:
@@ -347,7 +223,7 @@ _PRECISION_OF_BLOCK = {"fp16": "fp16", "bf16": "bfloat16"}
 def one_half_precision(ctx: RuleContext) -> list[str]:
     if block_enabled(ctx.get("fp16")) and block_enabled(ctx.get("bf16")):
         return [
-            f"both fp16 ({_describe(ctx.source('fp16'))}) and bf16 ({_describe(ctx.source('bf16'))}) "
+            f"both fp16 ({describe(ctx.source('fp16'))}) and bf16 ({describe(ctx.source('bf16'))}) "
             f"are enabled: keep one of them (bf16 needs no loss scaling)"
         ]
     return []
@@ -363,7 +239,7 @@ def precision_matches_blocks(ctx: RuleContext) -> list[str]:
         if block_enabled(ctx.get(block)) and ctx.given(block) and precision != implied:
             problems.append(
                 f"{ctx.show('precision')} contradicts {block}.enabled=true "
-                f"({_describe(ctx.source(block))}): set precision: {implied} or disable the {block} block"
+                f"({describe(ctx.source(block))}): set precision: {implied} or disable the {block} block"
             )
     return problems
 
@@ -418,7 +294,7 @@ def zero_stage_known(ctx: RuleContext) -> list[str]:
         isinstance(block["stage"], int) and not isinstance(block["stage"], bool)
     ):
         problems.append(
-            f"zero_optimization.stage={block['stage']!r} ({_describe(ctx.source('zero_optimization'))}): "
+            f"zero_optimization.stage={block['stage']!r} ({describe(ctx.source('zero_optimization'))}): "
             f"write the stage as a number 0-3"
         )
     raw = ctx.get("zero_stage")
@@ -478,7 +354,7 @@ def data_types_match_precision(ctx: RuleContext) -> list[str]:
         return []
     model = "fp16" if block_enabled(ctx.get("fp16")) else "bf16" if block_enabled(ctx.get("bf16")) else "fp32"
     problems = []
-    where = _describe(ctx.source("data_types"))
+    where = describe(ctx.source("data_types"))
     param = _DTYPE_NAMES.get(str(block.get("param_dtype")).lower()) if block.get("param_dtype") else None
     if param is not None and param != model:
         problems.append(
@@ -497,8 +373,8 @@ def data_types_match_precision(ctx: RuleContext) -> list[str]:
 
 def _zero_source(ctx: RuleContext) -> str:
     if ctx.given("zero_stage"):
-        return f"zero_stage at {_describe(ctx.source('zero_stage'))}"
-    return f"zero_optimization.stage at {_describe(ctx.source('zero_optimization'))}"
+        return f"zero_stage at {describe(ctx.source('zero_stage'))}"
+    return f"zero_optimization.stage at {describe(ctx.source('zero_optimization'))}"
 
 
 # --- optimisation -----------------------------------------------------------------------------
@@ -512,7 +388,7 @@ def learning_rates_ordered(ctx: RuleContext) -> list[str]:
     if min_lr is not None and min_lr < 0:
         problems.append(f"{ctx.show('min_lr')} is negative: use 0 or more")
     if lr is not None and min_lr is not None and lr < min_lr:
-        shown = ctx.show("lr") if lr_key == "lr" else f"optimizer.params.lr={lr} ({_describe(ctx.source('optimizer'))})"
+        shown = ctx.show("lr") if lr_key == "lr" else f"optimizer.params.lr={lr} ({describe(ctx.source('optimizer'))})"
         problems.append(f"{shown} is below {ctx.show('min_lr')}: the schedule decays from lr down to min_lr")
     optimizer = ctx.get("optimizer")
     if ctx.get("lr") is not None and optimizer is not None:
@@ -520,7 +396,7 @@ def learning_rates_ordered(ctx: RuleContext) -> list[str]:
         if block_lr is not None and float(block_lr) != float(ctx.get("lr")):
             problems.append(
                 f"{ctx.show('lr')} and optimizer.params.lr={block_lr} "
-                f"({_describe(ctx.source('optimizer'))}) disagree: keep one of them"
+                f"({describe(ctx.source('optimizer'))}) disagree: keep one of them"
             )
     return problems
 
@@ -533,7 +409,7 @@ def one_weight_decay(ctx: RuleContext) -> list[str]:
         return []
     return [
         f"{ctx.show('weight_decay')} and optimizer.params.weight_decay={block_wd} "
-        f"({_describe(ctx.source('optimizer'))}) disagree: they are one setting, keep one of them"
+        f"({describe(ctx.source('optimizer'))}) disagree: they are one setting, keep one of them"
     ]
 
 
@@ -549,7 +425,7 @@ def optimizer_type_agrees(ctx: RuleContext) -> list[str]:
         return []
     return [
         f"{ctx.show('optimizer_type')} but optimizer.type={optimizer.type!r} "
-        f"({_describe(ctx.source('optimizer'))}): keep one of them"
+        f"({describe(ctx.source('optimizer'))}): keep one of them"
     ]
 
 
@@ -675,8 +551,8 @@ def weights_match_paths(ctx: RuleContext) -> list[str]:
             problems.append(f"{ctx.show(f'{split}_data_weights')} without {split}_data_paths to weight")
         elif len(weights) != len(paths):
             problems.append(
-                f"{split}_data_weights has {len(weights)} entries ({_describe(ctx.source(f'{split}_data_weights'))}) "
-                f"but {split}_data_paths has {len(paths)} ({_describe(ctx.source(f'{split}_data_paths'))}): "
+                f"{split}_data_weights has {len(weights)} entries ({describe(ctx.source(f'{split}_data_weights'))}) "
+                f"but {split}_data_paths has {len(paths)} ({describe(ctx.source(f'{split}_data_paths'))}): "
                 f"give one weight per path"
             )
     return problems
@@ -695,7 +571,7 @@ def labels_match_paths(ctx: RuleContext) -> list[str]:
             if paths is None or len(labels) != len(paths):
                 count = 0 if paths is None else len(paths)
                 problems.append(
-                    f"{label_key} has {len(labels)} entries ({_describe(ctx.source(label_key))}) but "
+                    f"{label_key} has {len(labels)} entries ({describe(ctx.source(label_key))}) but "
                     f"{data_key} has {count}: give one label file per data file"
                 )
     return problems
@@ -752,7 +628,7 @@ MOE_DEFAULTS_IRRELEVANT_WHEN_DENSE = (
 def moe_keys_need_experts(ctx: RuleContext) -> list[str]:
     if int(ctx.get("moe_num_experts") or 1) > 1:
         return []
-    changed = [key for key in MOE_DEFAULTS_IRRELEVANT_WHEN_DENSE if ctx.get(key) != _default_of(ctx.args, key)]
+    changed = [key for key in MOE_DEFAULTS_IRRELEVANT_WHEN_DENSE if ctx.get(key) != default_of(ctx.args, key)]
     if not changed:
         return []
     return [

@@ -63,7 +63,7 @@ def rank_main(rank: int, out_dir: str) -> None:
     from megatron.neox_arguments import finalize
     from megatron.neox_arguments.arguments import NeoXArgs
     from megatron.neox_arguments.resolved import ResolvedConfig
-    from megatron.neox_arguments.rules import Device
+    from megatron.config_rules import Device
     from megatron.neox_arguments.run_config import RunConfig
     from megatron.tokenizer import build_tokenizer
     from megatron.training.engine import build_engine

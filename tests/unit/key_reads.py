@@ -20,7 +20,7 @@ from megatron.neox_arguments.deepspeed_split import deepspeed_config
 from megatron.neox_arguments.derived import DERIVATIONS
 from megatron.neox_arguments.honesty import ComponentBuilder, entry_point_builders
 from megatron.neox_arguments.resolved import run_directory
-from megatron.neox_arguments.rules import RuleContext
+from megatron.config_rules import RuleContext
 from megatron.neox_arguments.run_config import RunConfig
 from megatron.training.engine import layers_to_checkpoint
 
