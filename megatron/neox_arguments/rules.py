@@ -13,12 +13,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from megatron import plugins
-from megatron.training.objectives.registry import needs_of, reads_reference_files
 from megatron.errors import ConfigError
 from megatron.logging.config import LoggingConfig
 from megatron.logging.preflight import logging_problems
 from megatron.config_rules import Device, RuleContext, default_of, describe, render, rule
+from megatron.data.config import SPLITS
+
+# components whose own checks register on import (checks beside the keys they protect)
+from megatron.mpu import config as _parallel_checks  # noqa: F401  isort: skip
+from megatron.training import lr_config as _lr_checks  # noqa: F401  isort: skip
+from megatron.training.objectives import checks as _objective_checks  # noqa: F401  isort: skip
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.arguments import NeoXArgs
@@ -184,35 +188,6 @@ def world_splits_into_model_parallel(ctx: RuleContext) -> list[str]:
         f"{ctx.tp} x {ctx.pp} ({ctx.show('model_parallel_size')}, {ctx.show('pipe_parallel_size')}): "
         f"set num_gpus (ranks per node) so the world size is a multiple of {ctx.tp * ctx.pp}"
     ]
-
-
-@rule
-def context_parallel_fits(ctx: RuleContext) -> list[str]:
-    """What context parallelism (all-to-all over heads, megatron/mpu/context_parallel.py) can split."""
-    cp = ctx.cp
-    if cp == 1:
-        return []
-    shown, problems = ctx.show("context_parallel_size"), []
-    seq = ctx.get("seq_length")
-    if isinstance(seq, int) and seq % cp:
-        problems.append(f"{shown} does not divide {ctx.show('seq_length')}: each rank holds seq_length / "
-                        f"context_parallel_size tokens of every sequence")
-    heads, kv = ctx.get("num_attention_heads"), ctx.get("num_kv_heads") or ctx.get("num_attention_heads")
-    if isinstance(heads, int) and isinstance(kv, int) and (heads % (ctx.tp * cp) or kv % (ctx.tp * cp)):
-        problems.append(f"{shown}: the all-to-all gives each of the {ctx.tp * cp} ranks of model_parallel_size x "
-                        f"context_parallel_size a share of the heads; {ctx.show('num_attention_heads')} and "
-                        f"num_kv_heads ({kv}) must both be multiples of {ctx.tp * cp}")
-    if needs_of(_train_impl(ctx)).dataset != "lm":
-        problems.append(f"{shown} with {ctx.show('train_impl')}: context parallelism splits language-modelling "
-                        "and SFT sequences only; set context_parallel_size: 1")
-    if ctx.get("sequence_parallel"):
-        problems.append(f"{shown} with {ctx.show('sequence_parallel')} is not supported yet: use one of them")
-    if ctx.get("pos_emb") == "rpe":
-        problems.append(f"{shown} with {ctx.show('pos_emb')} is not supported yet (the learned per-head biases "
-                        "are not split with the heads): use rotary, ALiBi, learned or sinusoidal positions")
-    if int(ctx.get("moe_num_experts") or 1) > 1:
-        problems.append(f"{shown} with {ctx.show('moe_num_experts')} is not supported yet")
-    return problems
 
 
 # --- precision --------------------------------------------------------------------------------
@@ -449,24 +424,6 @@ def onebit_adam_needs_its_backend(ctx: RuleContext) -> list[str]:
 
 
 @rule
-def warmup_in_range(ctx: RuleContext) -> list[str]:
-    warmup = ctx.get("warmup")
-    if warmup is None or 0 <= warmup <= 1:
-        return []
-    if warmup < 0:
-        return [f"{ctx.show('warmup')} is negative: use a fraction in [0, 1] of the decay steps"]
-    if float(warmup) != int(warmup):
-        return [
-            f"{ctx.show('warmup')} is neither a fraction in [0, 1] (GPT-NeoX: share of the decay "
-            f"steps) nor a whole number of steps: write e.g. 0.01"
-        ]
-    iters = ctx.get("train_iters")
-    if iters is not None and warmup > iters:
-        return [f"{ctx.show('warmup')} steps is more than {ctx.show('train_iters')}: use a fraction in [0, 1]"]
-    return []
-
-
-@rule
 def iterations_or_epochs(ctx: RuleContext) -> list[str]:
     iters, epochs = ctx.get("train_iters"), ctx.get("train_epochs")
     if iters is not None and epochs is not None:
@@ -507,7 +464,6 @@ def save_interval_is_duration(ctx: RuleContext) -> list[str]:
 
 
 # --- data ---------------------------------------------------------------------------------------
-SPLITS = ("train", "valid", "test")
 
 
 @rule
@@ -668,133 +624,6 @@ def moe_experts_split_evenly(ctx: RuleContext) -> list[str]:
     return problems
 
 
-# ==== post-training objectives: train_impl vs its keys and its data ============================
-# (issue 9: label-masked SFT, DPO, KTO, reward models; implemented in megatron/training/objectives)
-_PAIRWISE_DATA_KEYS = tuple(f"{side}_{split}_data_paths" for side in ("pos", "neg") for split in SPLITS)
-_REWARD_DATA_KEYS = tuple(f"{split}_reward_data_paths" for split in SPLITS)
-
-
-def _train_impl(ctx: RuleContext) -> str:
-    return str(ctx.get("train_impl") or "normal")
-
-
-@rule
-def plugin_keys_match_selection(ctx: RuleContext) -> list[str]:
-    """A plug-in's keys set while another plug-in of its family is selected would be silently
-    ignored: refuse them. The selected plug-in's own checks run here too."""
-    problems: list[str] = []
-    for family in PLUGIN_SELECTORS:
-        selected = str(ctx.get(family))
-        for plugin in plugins.of_family(family):
-            given = [key for key in (plugin.keys.model_fields if plugin.keys else ()) if ctx.given(key)]
-            if given and plugin.name != selected:
-                problems.append(f"{', '.join(ctx.show(k) for k in given)} only apply to {family}: {plugin.name} "
-                                f"({ctx.show(family)}): remove them or set {family}: {plugin.name}")
-        chosen = plugins.find(family, selected)
-        if chosen is not None and chosen.check is not None:
-            problems.extend(chosen.check(ctx.args, ctx.show))
-    return problems
-
-
-PLUGIN_SELECTORS = ("lr_decay_style", "train_impl")
-"""Flat keys that select a plug-in (tracker plug-ins are selected by their ``tracker:`` entry)."""
-
-
-@rule
-def objective_keys_match_train_impl(ctx: RuleContext) -> list[str]:
-    """Keys shared by some objectives but not all, read only by those."""
-    impl, problems = _train_impl(ctx), []
-    needs = plugins.find("train_impl", impl)
-    documents = [key for key in ("reset_attention_mask", "reset_position_ids") if ctx.given(key)]
-    if documents and needs is not None and not needs.needs.get("documents"):
-        # the other objectives read whole, unpacked documents: nothing to keep apart
-        problems.append(f"{', '.join(ctx.show(k) for k in documents)} only apply to objectives reading packed "
-                        f"documents ({', '.join(p.name for p in plugins.of_family('train_impl') if p.needs.get('documents'))}; "
-                        f"{ctx.show('train_impl')}): remove them")
-    if ctx.get("z_loss") and impl not in ("normal", "rm"):
-        problems.append(f"{ctx.show('z_loss')} applies to language modelling and reward models, not to "
-                        f"{ctx.show('train_impl')}: remove z_loss")
-    if ctx.get("reference_logps") and not reads_reference_files(impl):
-        why = ("KTO's reference point comes from mismatched prompt/completion pairs built inside each micro-batch, "
-               "which no per-dataset file holds; KTO takes its reference from a frozen copy of the starting "
-               "weights") if impl == "kto" else f"{ctx.show('train_impl')} has no reference model"
-        problems.append(f"{ctx.show('reference_logps')} is read by train_impl dpo only ({why}): remove it")
-    return problems
-
-
-@rule
-def moe_expert_parallel_over_dp_needs_fp32_without_zero(ctx: RuleContext) -> list[str]:
-    ep = int(ctx.get("moe_expert_parallel_size") or 1)
-    if ep <= 1 or int(ctx.get("moe_num_experts") or 1) <= 1:
-        return []
-    problems = []
-    stage = zero_stage(ctx)
-    if stage != 0:
-        # DeepSpeed's ZeRO optimizers partition and all-gather parameters over the whole
-        # data-parallel group, which assumes every data-parallel rank holds the same parameters;
-        # its own expert support is tied to its MoE layer class and checkpoint format.
-        problems.append(
-            f"{ctx.show('moe_expert_parallel_size')} with ZeRO stage {stage} ({_zero_source(ctx)}) is not "
-            f"supported yet: ZeRO shards the optimizer over data-parallel ranks that would hold different "
-            f"experts; use ZeRO stage 0, or moe_expert_parallel_size: 1 (experts split over "
-            f"model_parallel_size only, which works with every ZeRO stage)"
-        )
-    half = block_enabled(ctx.get("fp16")) or block_enabled(ctx.get("bf16")) or ctx.get("precision") in (
-        "fp16", "bfloat16")  # fmt: skip
-    if half:
-        # DeepSpeed's fp16/bf16 optimizers reduce their own flat fp32 gradient buffers, which Deepy's
-        # expert-gradient reduction (over the ranks that hold the same experts) does not reach.
-        problems.append(
-            f"{ctx.show('moe_expert_parallel_size')} with precision={ctx.get('precision')} is not supported "
-            f"yet: expert parallelism over data-parallel ranks trains in fp32 only; set precision: fp32, "
-            f"or moe_expert_parallel_size: 1"
-        )
-    return problems
-
-
-@rule
-def objective_data_matches_train_impl(ctx: RuleContext) -> list[str]:
-    """Each objective reads its own kind of data; say which keys to set when the config gives another."""
-    impl, problems = _train_impl(ctx), []
-    dummy = bool(ctx.get("use_dummy_dataset"))
-    pairs = [key for key in _PAIRWISE_DATA_KEYS if ctx.get(key)]
-    rewards = [key for key in _REWARD_DATA_KEYS if ctx.get(key)]
-    packed = ctx.given("pack_impl") and ctx.get("pack_impl") != "unpacked"
-    reads = needs_of(impl).dataset
-    pairwise = " or ".join(p.name for p in plugins.of_family("train_impl") if p.needs.get("dataset") == "pairwise")
-    if reads == "pairwise":
-        if not dummy and not ctx.get("pos_train_data_paths"):
-            problems.append(f"{ctx.show('train_impl')} trains on preference pairs: set pos_train_data_paths and "
-                            "neg_train_data_paths (written by tools/datasets/preprocess_data_with_mask.py "
-                            "--mode pairwise), or use_dummy_dataset: true")
-        for key in ("data_path", "train_data_paths", "train_urls"):
-            if ctx.get(key):
-                problems.append(f"{ctx.show(key)} is not read by {ctx.show('train_impl')}, which trains on "
-                                "pos_/neg_train_data_paths: remove it")
-        if ctx.given("dataset_impl") and ctx.get("dataset_impl") != "pairwise":
-            problems.append(f"{ctx.show('dataset_impl')} with {ctx.show('train_impl')}: the data are pairs; "
-                            "set dataset_impl: pairwise or remove it")
-    else:
-        if pairs:
-            problems.append(f"{', '.join(ctx.show(k) for k in pairs)} hold preference pairs, read by train_impl "
-                            f"{pairwise} only ({ctx.show('train_impl')})")
-        if ctx.get("dataset_impl") == "pairwise":
-            problems.append(f"{ctx.show('dataset_impl')} needs train_impl: {pairwise} ({ctx.show('train_impl')})")
-    if reads == "reward":
-        if not dummy and not ctx.get("train_reward_data_paths"):
-            problems.append(f"{ctx.show('train_impl')} needs per-document rewards: set train_data_paths, "
-                            "train_label_data_paths and train_reward_data_paths (written by "
-                            "tools/datasets/preprocess_data_with_mask.py --mode reward), or use_dummy_dataset: true")
-    elif rewards:
-        readers = " or ".join(p.name for p in plugins.of_family("train_impl") if p.needs.get("dataset") == "reward")
-        problems.append(f"{', '.join(ctx.show(k) for k in rewards)} are per-document rewards for train_impl: "
-                        f"{readers} ({ctx.show('train_impl')}): remove them or set train_impl: {readers}")
-    if reads != "lm" and packed:
-        problems.append(f"{ctx.show('pack_impl')} with {ctx.show('train_impl')}: its samples are whole documents "
-                        "(a reward or preference belongs to one response), never packed; set pack_impl: unpacked "
-                        "or remove it")
-    return problems
-# ==== end of post-training objectives ==========================================================
 
 
 # ==== LoRA adapters (megatron/model/lora.py) =====================================================
