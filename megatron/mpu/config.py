@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from megatron.config_rules import RuleContext, rule
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.arguments import NeoXArgs
@@ -63,34 +62,3 @@ class ParallelConfig:
             master_port=args.master_port,
             prefer_slurm=args.deepspeed_slurm,
         )
-
-
-@rule
-def context_parallel_fits(ctx: RuleContext) -> list[str]:
-    """What context parallelism (all-to-all over heads, megatron/mpu/context_parallel.py) can split."""
-    from megatron.training.objectives.registry import needs_of
-
-    cp = ctx.cp
-    if cp == 1:
-        return []
-    shown, problems = ctx.show("context_parallel_size"), []
-    seq = ctx.get("seq_length")
-    if isinstance(seq, int) and seq % cp:
-        problems.append(f"{shown} does not divide {ctx.show('seq_length')}: each rank holds seq_length / "
-                        f"context_parallel_size tokens of every sequence")
-    heads, kv = ctx.get("num_attention_heads"), ctx.get("num_kv_heads") or ctx.get("num_attention_heads")
-    if isinstance(heads, int) and isinstance(kv, int) and (heads % (ctx.tp * cp) or kv % (ctx.tp * cp)):
-        problems.append(f"{shown}: the all-to-all gives each of the {ctx.tp * cp} ranks of model_parallel_size x "
-                        f"context_parallel_size a share of the heads; {ctx.show('num_attention_heads')} and "
-                        f"num_kv_heads ({kv}) must both be multiples of {ctx.tp * cp}")
-    if needs_of(str(ctx.get("train_impl") or "normal")).dataset != "lm":
-        problems.append(f"{shown} with {ctx.show('train_impl')}: context parallelism splits language-modelling "
-                        "and SFT sequences only; set context_parallel_size: 1")
-    if ctx.get("sequence_parallel"):
-        problems.append(f"{shown} with {ctx.show('sequence_parallel')} is not supported yet: use one of them")
-    if ctx.get("pos_emb") == "rpe":
-        problems.append(f"{shown} with {ctx.show('pos_emb')} is not supported yet (the learned per-head biases "
-                        "are not split with the heads): use rotary, ALiBi, learned or sinusoidal positions")
-    if int(ctx.get("moe_num_experts") or 1) > 1:
-        problems.append(f"{shown} with {ctx.show('moe_num_experts')} is not supported yet")
-    return problems

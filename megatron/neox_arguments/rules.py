@@ -20,7 +20,6 @@ from megatron.config_rules import Device, RuleContext, default_of, describe, ren
 from megatron.data.config import SPLITS
 
 # components whose own checks register on import (checks beside the keys they protect)
-from megatron.mpu import config as _parallel_checks  # noqa: F401  isort: skip
 from megatron.training import lr_config as _lr_checks  # noqa: F401  isort: skip
 from megatron.training.objectives import checks as _objective_checks  # noqa: F401  isort: skip
 
@@ -188,6 +187,39 @@ def world_splits_into_model_parallel(ctx: RuleContext) -> list[str]:
         f"{ctx.tp} x {ctx.pp} ({ctx.show('model_parallel_size')}, {ctx.show('pipe_parallel_size')}): "
         f"set num_gpus (ranks per node) so the world size is a multiple of {ctx.tp * ctx.pp}"
     ]
+
+
+@rule
+def context_parallel_fits(ctx: RuleContext) -> list[str]:
+    """What context parallelism (all-to-all over heads, megatron/mpu/context_parallel.py) can split: it
+    relates the model's shape, tensor parallelism, the objective and the position encoding, so it stays
+    here with the other rules between components."""
+    from megatron.training.objectives.registry import needs_of
+
+    cp = ctx.cp
+    if cp == 1:
+        return []
+    shown, problems = ctx.show("context_parallel_size"), []
+    seq = ctx.get("seq_length")
+    if isinstance(seq, int) and seq % cp:
+        problems.append(f"{shown} does not divide {ctx.show('seq_length')}: each rank holds seq_length / "
+                        f"context_parallel_size tokens of every sequence")
+    heads, kv = ctx.get("num_attention_heads"), ctx.get("num_kv_heads") or ctx.get("num_attention_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and (heads % (ctx.tp * cp) or kv % (ctx.tp * cp)):
+        problems.append(f"{shown}: the all-to-all gives each of the {ctx.tp * cp} ranks of model_parallel_size x "
+                        f"context_parallel_size a share of the heads; {ctx.show('num_attention_heads')} and "
+                        f"num_kv_heads ({kv}) must both be multiples of {ctx.tp * cp}")
+    if needs_of(str(ctx.get("train_impl") or "normal")).dataset != "lm":
+        problems.append(f"{shown} with {ctx.show('train_impl')}: context parallelism splits language-modelling "
+                        "and SFT sequences only; set context_parallel_size: 1")
+    if ctx.get("sequence_parallel"):
+        problems.append(f"{shown} with {ctx.show('sequence_parallel')} is not supported yet: use one of them")
+    if ctx.get("pos_emb") == "rpe":
+        problems.append(f"{shown} with {ctx.show('pos_emb')} is not supported yet (the learned per-head biases "
+                        "are not split with the heads): use rotary, ALiBi, learned or sinusoidal positions")
+    if int(ctx.get("moe_num_experts") or 1) > 1:
+        problems.append(f"{shown} with {ctx.show('moe_num_experts')} is not supported yet")
+    return problems
 
 
 # --- precision --------------------------------------------------------------------------------
@@ -651,3 +683,33 @@ def lora_mlp_targets_need_dense_mlps(ctx: RuleContext) -> list[str]:
         return []
     return [f"{ctx.show('lora_target_modules')} with {ctx.show('moe_num_experts')}: adapters on the experts of MoE "
             f"layers are not built yet, so {mlp} would stay unadapted there; target query_key_value/dense only"]
+
+
+@rule
+def moe_expert_parallel_over_dp_needs_fp32_without_zero(ctx: RuleContext) -> list[str]:
+    ep = int(ctx.get("moe_expert_parallel_size") or 1)
+    if ep <= 1 or int(ctx.get("moe_num_experts") or 1) <= 1:
+        return []
+    problems = []
+    stage = zero_stage(ctx)
+    if stage != 0:
+        # DeepSpeed's ZeRO optimizers partition and all-gather parameters over the whole
+        # data-parallel group, which assumes every data-parallel rank holds the same parameters;
+        # its own expert support is tied to its MoE layer class and checkpoint format.
+        problems.append(
+            f"{ctx.show('moe_expert_parallel_size')} with ZeRO stage {stage} ({_zero_source(ctx)}) is not "
+            f"supported yet: ZeRO shards the optimizer over data-parallel ranks that would hold different "
+            f"experts; use ZeRO stage 0, or moe_expert_parallel_size: 1 (experts split over "
+            f"model_parallel_size only, which works with every ZeRO stage)"
+        )
+    half = block_enabled(ctx.get("fp16")) or block_enabled(ctx.get("bf16")) or ctx.get("precision") in (
+        "fp16", "bfloat16")  # fmt: skip
+    if half:
+        # DeepSpeed's fp16/bf16 optimizers reduce their own flat fp32 gradient buffers, which Deepy's
+        # expert-gradient reduction (over the ranks that hold the same experts) does not reach.
+        problems.append(
+            f"{ctx.show('moe_expert_parallel_size')} with precision={ctx.get('precision')} is not supported "
+            f"yet: expert parallelism over data-parallel ranks trains in fp32 only; set precision: fp32, "
+            f"or moe_expert_parallel_size: 1"
+        )
+    return problems

@@ -62,36 +62,6 @@ def objective_keys_match_train_impl(ctx: RuleContext) -> list[str]:
 
 
 @rule
-def moe_expert_parallel_over_dp_needs_fp32_without_zero(ctx: RuleContext) -> list[str]:
-    ep = int(ctx.get("moe_expert_parallel_size") or 1)
-    if ep <= 1 or int(ctx.get("moe_num_experts") or 1) <= 1:
-        return []
-    problems = []
-    stage = zero_stage(ctx)
-    if stage != 0:
-        # DeepSpeed's ZeRO optimizers partition and all-gather parameters over the whole
-        # data-parallel group, which assumes every data-parallel rank holds the same parameters;
-        # its own expert support is tied to its MoE layer class and checkpoint format.
-        problems.append(
-            f"{ctx.show('moe_expert_parallel_size')} with ZeRO stage {stage} ({_zero_source(ctx)}) is not "
-            f"supported yet: ZeRO shards the optimizer over data-parallel ranks that would hold different "
-            f"experts; use ZeRO stage 0, or moe_expert_parallel_size: 1 (experts split over "
-            f"model_parallel_size only, which works with every ZeRO stage)"
-        )
-    half = block_enabled(ctx.get("fp16")) or block_enabled(ctx.get("bf16")) or ctx.get("precision") in (
-        "fp16", "bfloat16")  # fmt: skip
-    if half:
-        # DeepSpeed's fp16/bf16 optimizers reduce their own flat fp32 gradient buffers, which Deepy's
-        # expert-gradient reduction (over the ranks that hold the same experts) does not reach.
-        problems.append(
-            f"{ctx.show('moe_expert_parallel_size')} with precision={ctx.get('precision')} is not supported "
-            f"yet: expert parallelism over data-parallel ranks trains in fp32 only; set precision: fp32, "
-            f"or moe_expert_parallel_size: 1"
-        )
-    return problems
-
-
-@rule
 def objective_data_matches_train_impl(ctx: RuleContext) -> list[str]:
     """Each objective reads its own kind of data; say which keys to set when the config gives another."""
     impl, problems = _train_impl(ctx), []
