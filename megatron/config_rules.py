@@ -2,7 +2,7 @@
 checks.
 
 A check is a small function ``(ctx) -> list[str]`` registered with :func:`rule` in the module of the
-component whose keys it protects (``megatron/training/lr_config.py``, ``megatron/mpu/config.py``, ...;
+component whose keys it protects (``megatron/training/lr_config.py``, ``megatron/training/objectives/checks.py``, ...;
 rules between many components stay in ``megatron/neox_arguments/rules.py``). It returns one message per
 problem, naming the user's keys, their values and where they were set (``ctx.show(key)`` gives
 ``key=value (file:line)``) and saying what to change. :func:`check` runs them all and the caller raises
