@@ -5,14 +5,10 @@ Thin on purpose: the command line lives in ``megatron/app/deepy.py``; user mista
 out as one message with exit code 2 (``--debug`` shows the traceback).
 """
 
-import os
-import sys
-
-# run from any directory: the package sits next to this file
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from megatron.errors import run_guarded  # noqa: E402
-from megatron.app.deepy import main  # noqa: E402
+# Python puts this file's folder first on sys.path, so the megatron package beside it is the one
+# imported, from any working directory.
+from megatron.errors import run_guarded
+from megatron.app.deepy import main
 
 if __name__ == "__main__":
     run_guarded(main)

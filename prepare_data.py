@@ -29,11 +29,9 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "tools" / "datasets"))
-
-from megatron.atomic_files import atomic_path  # noqa: E402
-from megatron.errors import UsageError, run_guarded  # noqa: E402
+# megatron and tools are found beside this file (Python puts its folder first on sys.path)
+from megatron.atomic_files import atomic_path
+from megatron.errors import UsageError, run_guarded
 
 DATASETS = ("pydocs",)
 MIN_DOC_CHARS = 64
@@ -149,8 +147,7 @@ def write_jsonl(texts: list[str], path: Path) -> None:
 
 
 def build_pydocs(data_dir: Path, vocab_size: int, max_docs: int | None, workers: int) -> Path:
-    import preprocess_data
-    import train_tokenizer
+    from tools.datasets import preprocess_data, train_tokenizer
 
     out = data_dir / "pydocs"
     texts = pydoc_topics() + stdlib_docstrings()

@@ -3,7 +3,8 @@
 DeepSpeed (pinned: 0.19.8) has no public hook for a few things the trainer needs. Each touch below
 says why it is needed; ``tests/unit/test_deepspeed_internals.py`` checks that every attribute used
 here still exists and behaves as assumed, so a DeepSpeed upgrade fails those tests first instead of
-silently changing training.
+silently changing training. ``tests/unit/test_private_api_boundary.py`` keeps every other module off
+DeepSpeed's private names and off writes into its engine (torch's are in ``torch_internals.py``).
 """
 
 from __future__ import annotations
@@ -178,3 +179,121 @@ def untie_optimizer_steps(engine: Any) -> None:
             if id(step) in seen:
                 state["step"] = step.clone()
             seen.add(id(step))
+
+
+def wrap_gradient_allreduce(engine: Any, wrap: Callable[[Callable[..., None]], Callable[..., None]]) -> None:
+    """Route the engine's data-parallel gradient reduction through ``wrap(original)``.
+
+    ``engine.allreduce_gradients`` is the one method both ``DeepSpeedEngine.backward`` and the
+    ``PipelineEngine``'s reduce step call; DeepSpeed offers no hook around it, and its own expert
+    support would need its MoE layer class (see ``training/moe.py``).
+    """
+    engine.allreduce_gradients = wrap(engine.allreduce_gradients)
+
+
+def collect_engine_timers(engine: Any, log: Callable[..., None]) -> Any:
+    """The engine's timer group (``engine.timers``), its printing replaced by ``log``; returned.
+
+    DeepSpeed prints and resets its ``SynchronizedWallClockTimer`` group once per micro-step; an
+    instance attribute shadows the method for every holder of the group (the engine, the pipeline
+    engine, ZeRO's optimizer), so the spans accumulate until the caller reads them.
+
+    DeepSpeed 0.19.8's ``PipelineEngine`` also starts its backward timers itself and then runs the
+    base engine's backward hooks, which start the same timers again and crash ("bwd_microstep timer
+    has already been started"; a pipeline with ``wall_clock_breakdown``, configs/125M.yml, hit it):
+    emptying the base engine's backward timer lists (``engine.engine_timers``) leaves the pipeline's
+    own start/stop as the only one.
+    """
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    group = engine.timers
+    group.log = log
+    if isinstance(engine, PipelineEngine):
+        engine.engine_timers.backward_timers = []
+        engine.engine_timers.backward_inner_timers = []
+    return group
+
+
+def restore_engine_counters(engine: Any, counters: dict[str, Any]) -> None:
+    """Put a checkpoint's step counters (``global_steps``, ``global_samples``, ``skipped_steps``, as
+    DeepSpeed writes them into its model-states file) back on ``engine``, keeping any it lacks.
+
+    ``engine.load_checkpoint`` restores them itself; ``checkpointing/reshard.py`` loads a universal
+    checkpoint into a ZeRO-0 engine without it and has no public setter to use.
+    """
+    engine.global_steps = counters.get("global_steps", engine.global_steps)
+    engine.global_samples = counters.get("global_samples", engine.global_samples)
+    engine.skipped_steps = counters.get("skipped_steps", engine.skipped_steps)
+
+
+def has_partitioned_optimizer_state(param: Any) -> bool:
+    """Whether ``param``'s optimizer state lives on DeepSpeed's flat partitions (ZeRO-3 marks the
+    parameter with ``ds_id``, ZeRO-1/2 and the bf16 optimizer link it with ``_hp_mapping``), so it is
+    read through ``deepspeed.utils.safe_get_full_optimizer_state`` instead of ``optimizer.state``."""
+    return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
+
+
+def relink_optimizer_state_views(optimizer: Any) -> bool:
+    """Link every parameter's view of its optimizer state again; False when ``optimizer`` has none.
+
+    ZeRO-1/2 and the bf16 optimizer keep the states on flat master partitions and link each
+    parameter's view once (``_lazy_init_hp_params_optimizer_state``, guarded by
+    ``_hp_optimizer_states_linked``), right after the first optimizer step of the *first* param
+    group, when the other groups (e.g. no weight decay) have no state yet, so their views stay empty
+    (DeepSpeed 0.19.8). Clearing the guard and linking again once every group has stepped fixes that.
+    """
+    if not hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        return False
+    optimizer._hp_optimizer_states_linked = False
+    optimizer._lazy_init_hp_params_optimizer_state()
+    return True
+
+
+# --- a PipelineModule's layers -----------------------------------------------------------------------
+def pipeline_local_start(module: Any) -> int:
+    """Index (in the ``PipelineModule``'s list of layer specs) of this stage's first layer; 0 for a
+    module that is not split into stages. DeepSpeed keeps it as ``_local_start`` only."""
+    return int(getattr(module, "_local_start", 0))
+
+
+def pipeline_grid(module: Any) -> Any:
+    """The ``PipelineParallelGrid`` a ``PipelineModule`` was built with (``_grid``): its
+    ``data_parallel_id`` and ``get_slice_parallel_rank()`` place this stage's layer files."""
+    return module._grid
+
+
+def synchronize_tied_weights(module: Any) -> None:
+    """Copy each tied weight from its owning stage to the others (``_synchronize_tied_weights``), as
+    ``PipelineModule.load_state_dir`` does after reading the layers; a replacement loader must too."""
+    module._synchronize_tied_weights()
+
+
+def replace_pipeline_layer_io(module: Any, save: Callable[..., None], load: Callable[..., None]) -> None:
+    """Make a ``PipelineModule`` write and read its per-layer checkpoint files with ``save`` and ``load``.
+
+    ``PipelineEngine.save_checkpoint``/``load_checkpoint`` call ``module.save_state_dict(save_dir,
+    checkpoint_engine, exclude_frozen_params=...)`` and ``module.load_state_dir(load_dir,
+    checkpoint_engine, strict=...)``; they are the only place the layer files' names and contents are
+    decided, and DeepSpeed has no option to change them (GPT-NeoX's layout numbers them differently).
+    """
+    module.save_state_dict = save
+    module.load_state_dir = load
+
+
+def convert_module_state_dicts(engine: Any, on_save: Callable[[Any], Any], on_load: Callable[[Any], Any]) -> None:
+    """A plain (not pipeline) engine's module weights pass through ``on_save`` on their way into a
+    checkpoint and through ``on_load`` (given the whole checkpoint dict) on their way back.
+
+    ``engine.module_state_dict`` and ``engine.load_module_state_dict`` are what ``save_checkpoint``
+    and ``load_checkpoint`` call for the weights; DeepSpeed has no hook to rename them.
+    """
+    save, load = engine.module_state_dict, engine.load_module_state_dict
+
+    def module_state_dict(*args: Any, **kwargs: Any) -> Any:
+        return on_save(save(*args, **kwargs))
+
+    def load_module_state_dict(checkpoint: Any, *args: Any, **kwargs: Any) -> Any:
+        return load(on_load(checkpoint), *args, **kwargs)
+
+    engine.module_state_dict = module_state_dict
+    engine.load_module_state_dict = load_module_state_dict

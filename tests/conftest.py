@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# The tools a test starts (``python tools/ckpts/convert_neox_to_hf.py ...``) find megatron and tools
+# through the installed project; this checkout goes first, so they run the code under test even where
+# the editable install points at another clone.
+os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 @pytest.fixture(scope="session")

@@ -18,15 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the repo's megatron
-
-from megatron.errors import UsageError, run_guarded  # noqa: E402
-from megatron.logging.metrics import METRICS_FILE, run_files  # noqa: E402
+from megatron.errors import UsageError, run_guarded
+from megatron.logging.metrics import METRICS_FILE, run_files
 
 # (metric key, panel title, y-axis scale, what an empty panel says)
 PANELS: list[tuple[str, str, str, str]] = [
@@ -191,5 +188,10 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``deepy-plot-metrics`` console script: clean one-line errors, exit code 2."""
     run_guarded(main)
+
+
+if __name__ == "__main__":
+    cli()

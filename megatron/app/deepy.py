@@ -116,7 +116,7 @@ def fill_in_for_inference(resolved: ResolvedConfig, user_script: str) -> None:
     batches, a zero learning rate, one iteration and (except for precompute, which scores the data)
     placeholder data, each recorded as derived and said, instead of refusals for keys inference does
     not read."""
-    from megatron.neox_arguments.provenance import DERIVED
+    from megatron.config_rules import DERIVED
 
     if os.path.basename(user_script) not in ENTRY_POINTS_OF_TEXTGEN:
         return
@@ -252,7 +252,8 @@ def plan_run(resolved: ResolvedConfig, user_script: str, config_path: str) -> La
 def memory_report(resolved: ResolvedConfig) -> str:
     """Per-device memory estimate of the resolved layout (see megatron/training/memory.py)."""
     from megatron.training.memory import dry_run_report
-    from megatron.neox_arguments.rules import RuleContext, runs_on_this_machine
+    from megatron.config_rules import RuleContext
+    from megatron.neox_arguments.rules import runs_on_this_machine
     from megatron.neox_arguments.run_config import RunConfig
 
     return dry_run_report(RunConfig.from_resolved(resolved),

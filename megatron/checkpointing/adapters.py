@@ -29,16 +29,16 @@ def adapters_detached(module: nn.Module) -> Iterator[None]:
     """``module``'s state dict without the adapters inside the block (no forward may run in it)."""
     detached: list[tuple[nn.Module, LoRAAdapter]] = []
     for layer in module.modules():
-        adapter = layer._modules.get(ADAPTER)
+        adapter = dict(layer.named_children()).get(ADAPTER)
         if isinstance(adapter, LoRAAdapter):
             detached.append((layer, adapter))
     for layer, _ in detached:
-        del layer._modules[ADAPTER]
+        delattr(layer, ADAPTER)  # nn.Module removes a registered child from its children
     try:
         yield
     finally:
         for layer, adapter in detached:
-            layer._modules[ADAPTER] = adapter
+            layer.add_module(ADAPTER, adapter)
 
 
 def base_checkpoint_loading(engine: Any, ckpt_dir: Path, saved_args: dict[str, Any], args: dict[str, Any],

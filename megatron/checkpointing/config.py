@@ -1,10 +1,11 @@
 """Where checkpoints are saved and loaded from, when a run saves, and which checkpoints it keeps.
+GPT-NeoX files these keys under ``NeoXArgsTraining`` (``iteration``, the step to load, under
+``NeoXArgsOther``).
 
 Declared here, beside the checkpoint manager that reads them; the one argument object
 (``NeoXArgs``) is composed of this class, and the trainer hands
 :meth:`megatron.checkpointing.manager.CheckpointManager.from_config` that object (typed as
-:class:`CheckpointArgs`). GPT-NeoX files these keys under its training group (``iteration`` under its
-"other" group); the names and defaults are unchanged. Besides them: time-based temporary checkpoints
+:class:`CheckpointArgs`). Besides GPT-NeoX's keys: time-based temporary checkpoints
 (``save_interval``), step-based retention (``keep``), ``load_checkpoint`` and ``initialize_from``.
 """
 

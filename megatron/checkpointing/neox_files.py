@@ -33,6 +33,13 @@ from megatron.checkpointing.neox_layout import (
     plain_from_neox,
     plain_to_neox,
 )
+from megatron.deepspeed_internals import (
+    convert_module_state_dicts,
+    pipeline_grid,
+    pipeline_local_start,
+    replace_pipeline_layer_io,
+    synchronize_tied_weights,
+)
 from megatron.errors import CheckpointError
 
 _LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
@@ -52,42 +59,38 @@ def install(engine: Any, config: Any, tp: int) -> None:
     names = NeoxNames.from_config(config)
     if isinstance(engine, PipelineEngine):
         module = engine.module
-        module.save_state_dict = partial(_save_pipeline_layers, module, names, tp)
-        module.load_state_dir = partial(_load_pipeline_layers, module, names, tp)
+        replace_pipeline_layer_io(module, save=partial(_save_pipeline_layers, module, names, tp),
+                                  load=partial(_load_pipeline_layers, module, names, tp))
         return
-    save, load = engine.module_state_dict, engine.load_module_state_dict
 
-    def module_state_dict(*args: Any, **kwargs: Any) -> Tensors:
-        return plain_to_neox(names, save(*args, **kwargs), tp)
-
-    def load_module_state_dict(checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+    def from_neox(checkpoint: Any) -> Any:
         module = checkpoint.get("module") if isinstance(checkpoint, dict) else None
         if isinstance(module, dict) and is_neox_plain(module):
             checkpoint = {**checkpoint, "module": plain_from_neox(names, module, tp)}
-        return load(checkpoint, *args, **kwargs)
+        return checkpoint
 
-    engine.module_state_dict = module_state_dict
-    engine.load_module_state_dict = load_module_state_dict
+    convert_module_state_dicts(engine, on_save=lambda weights: plain_to_neox(names, weights, tp), on_load=from_neox)
 
 
 def _save_pipeline_layers(module: Any, names: NeoxNames, tp: int, save_dir: str, checkpoint_engine: Any,
                           exclude_frozen_params: bool = False) -> None:
     from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 
-    if module._grid.data_parallel_id != 0:
+    start = pipeline_local_start(module)
+    if pipeline_grid(module).data_parallel_id != 0:
         return  # every data-parallel replica holds the same layers: replica 0 writes them
     checkpoint_engine.makedirs(save_dir, exist_ok=True)
     for local, layer in enumerate(module.forward_funcs):
         if not hasattr(layer, "state_dict"):
             continue  # the tied head: its weight is the embedding's, written with layer 0
-        spec = module._local_start + local
+        spec = start + local
         state = layer.state_dict()
         if exclude_frozen_params:
             for name, param in layer.named_parameters():
                 if not param.requires_grad:
                     state.pop(name, None)
         state = clone_tensors_for_torch_save(layer_to_neox(names, spec, state, tp))
-        path = module.ckpt_layer_path(save_dir, names.neox_index(spec) - module._local_start)
+        path = module.ckpt_layer_path(save_dir, names.neox_index(spec) - start)
         checkpoint_engine.save(state, path)
 
 
@@ -95,11 +98,12 @@ def _load_pipeline_layers(module: Any, names: NeoxNames, tp: int, load_dir: str,
                           strict: bool = True) -> None:
     directory = Path(load_dir)
     neox = not is_earlier_deepy_pipeline(directory)
-    tp_rank = module._grid.get_slice_parallel_rank()
+    tp_rank = pipeline_grid(module).get_slice_parallel_rank()
+    start = pipeline_local_start(module)
     for local, layer in enumerate(module.forward_funcs):
         if not hasattr(layer, "load_state_dict"):
             continue
-        spec = module._local_start + local
+        spec = start + local
         index = names.neox_index(spec) if neox else spec
         files = sorted(directory.glob(f"layer_{index:02d}-*model_states.pt"))
         if len(files) != tp:
@@ -109,17 +113,16 @@ def _load_pipeline_layers(module: Any, names: NeoxNames, tp: int, load_dir: str,
         if neox:
             state = layer_from_neox(names, spec, state, tp)
         layer.load_state_dict(state, strict=strict)
-    module._synchronize_tied_weights()
+    synchronize_tied_weights(module)
 
 
 # --- offline readers ---------------------------------------------------------------------------------
 def _load(path: Path) -> Any:
-    from megatron.checkpointing.safe_load import weights_only_loading
+    from megatron.checkpointing.safe_load import load_checkpoint_file
 
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} is missing")
-    with weights_only_loading(path):
-        return torch.load(path, map_location="cpu")
+    return load_checkpoint_file(path)
 
 
 def layer_files(ckpt_dir: Path) -> dict[int, dict[int, Path]]:

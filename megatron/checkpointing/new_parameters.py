@@ -24,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from megatron.deepspeed_internals import pipeline_local_start
 from megatron.errors import CheckpointError
 from megatron.model.pipeline import model_parameter_name
 
@@ -85,7 +86,7 @@ def tolerating_new_parameters(engine: Any, prefixes: tuple[str, ...]) -> Iterato
     patched: list[nn.Module] = []
     try:
         if hasattr(module, "forward_funcs"):  # PipelineModule: one state dict per layer
-            start = int(getattr(module, "_local_start", 0))
+            start = pipeline_local_start(module)
             new_layers: list[int] = []
             for i, layer in enumerate(module.forward_funcs):
                 if not isinstance(layer, nn.Module):

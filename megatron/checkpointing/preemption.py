@@ -12,7 +12,6 @@ import logging
 import signal
 from collections.abc import Iterable
 from types import FrameType
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,17 +37,11 @@ class PreemptionWatcher:
         self.signals = tuple(signals)
         self.requested = False
         self.signal_name: str | None = None
-        self._previous: dict[signal.Signals, Any] = {}
 
     def install(self) -> PreemptionWatcher:
         for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
+            signal.signal(sig, self._handle)
         return self
-
-    def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # nothing but a flag: the handler runs between two bytecodes of the training step

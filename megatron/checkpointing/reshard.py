@@ -40,7 +40,8 @@ import torch
 
 from megatron.checkpointing.neox_files import pipeline_rank_weights, plain_rank_weights
 from megatron.checkpointing.neox_layout import NeoxNames
-from megatron.checkpointing.safe_load import weights_only_loading
+from megatron.checkpointing.safe_load import load_checkpoint_file
+from megatron.deepspeed_internals import merge_universal_tp_slices, restore_engine_counters
 from megatron.errors import CheckpointError
 from megatron.model.pipeline import is_pipeline_parameter_name, model_parameter_name, pipeline_parameter_name
 
@@ -56,8 +57,7 @@ _ZERO3_MODEL_STATES = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_state
 def _load(path: Path) -> Any:
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} is missing")
-    with weights_only_loading(path):
-        return torch.load(path, map_location="cpu")
+    return load_checkpoint_file(path)
 
 
 # --- ZeRO-0 sources ----------------------------------------------------------------------------------------------
@@ -96,8 +96,6 @@ def zero0_to_universal(ckpt_dir: Path, target: Path, tp: int, stages: int, pipel
     ``layer_names`` reads its model files (GPT-NeoX's layout, or Deepy's earlier one).
     """
     from deepspeed.checkpoint.constants import PARAM_GROUPS
-
-    from megatron.deepspeed_internals import merge_universal_tp_slices
 
     info = _with_tuple_shapes(info)
     slices = target / "tmp"
@@ -187,8 +185,7 @@ def complete_for_any_target(universal: Path, *, num_layers: int, tied: bool, voc
     if vocab_rows:
         fit_vocabulary_rows(zero, vocab_patterns, vocab_rows)
     state_file = zero / OPTIMIZER_STATE_FILE
-    with weights_only_loading(state_file):
-        state = torch.load(state_file, map_location="cpu")
+    state = load_checkpoint_file(state_file)
     torch.save(_optimizer_state_for_every_stage(state, _any_step(zero)), state_file)
     _name_model_states_for_every_stage(universal)
 
@@ -242,8 +239,7 @@ def _link_both_names(zero: Path, num_layers: int, tied: bool) -> None:
 
 def _any_step(zero: Path) -> Any:
     for step_file in sorted(zero.glob("*/step.pt")):
-        with weights_only_loading(step_file):
-            return torch.load(step_file, map_location="cpu")
+        return load_checkpoint_file(step_file)
     return None
 
 
@@ -293,8 +289,7 @@ def fit_vocabulary_rows(zero: Path, patterns: list[str], rows: int) -> list[str]
         for state_file in param_dir.glob("*.pt"):
             if state_file.name == "step.pt":
                 continue
-            with weights_only_loading(state_file):
-                state = torch.load(state_file, map_location="cpu")
+            state = load_checkpoint_file(state_file)
             have = state["param"].shape[0]
             if have > rows:
                 state["param"] = state["param"][:rows].clone()
@@ -349,6 +344,4 @@ def load_into_torch_optimizer(engine: Any, universal: Path, *, load_optimizer: b
         if load_scheduler and engine.lr_scheduler is not None and counters.get("lr_scheduler") is not None:
             engine.lr_scheduler.load_state_dict(counters["lr_scheduler"])
         if load_optimizer:
-            engine.global_steps = counters.get("global_steps", engine.global_steps)
-            engine.global_samples = counters.get("global_samples", engine.global_samples)
-            engine.skipped_steps = counters.get("skipped_steps", engine.skipped_steps)
+            restore_engine_counters(engine, counters)

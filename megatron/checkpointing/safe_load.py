@@ -1,17 +1,25 @@
-"""Loading checkpoints without running pickled code.
+"""Loading checkpoints without running pickled code, and without touching process-wide state.
 
-Our own files hold only tensors, numbers and strings and are read with
-``torch.load(weights_only=True)``. DeepSpeed 0.19.8 calls ``torch.load(..., weights_only=False)``
-itself (engine, ZeRO, universal loader); torch's public switch ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``
-turns those calls into weights-only loads too, and ``torch.serialization.safe_globals`` allows
-exactly the few DeepSpeed classes its optimizer files contain. A file that needs anything else
-fails with a clear ``CheckpointError`` naming it instead of executing it.
+Our own reads (:func:`load_checkpoint_file`, :func:`load_trusted_tensors`) pass
+``torch.load(weights_only=True)``: files made of tensors, numbers and strings, plus the few DeepSpeed
+classes its files reference, allowed for that call with ``torch.serialization.safe_globals``.
+
+DeepSpeed 0.19.8 calls ``torch.load(..., weights_only=False)`` itself (engine, ZeRO, universal loader,
+``ds_to_universal``), and torch 2.13 offers no call-scoped way to override an explicit
+``weights_only=False``: only the process-wide ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` environment variable,
+which every thread and every child started meanwhile would see. So :func:`weights_only_loading`
+checks the files instead: before DeepSpeed reads a checkpoint, every ``*.pt`` file under it is read
+once with torch's weights-only unpickler and the same allow-list (``mmap``: the tensor bytes stay on
+disk), and a file that needs anything else fails with a clear ``CheckpointError`` naming it, before
+DeepSpeed unpickles a byte of it. (What the check cannot see is a file swapped between the check and
+DeepSpeed's read: that needs write access to the checkpoint while it is being loaded.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,20 +49,29 @@ def load_trusted_tensors(path: str | os.PathLike[str]) -> Any:
         raise CheckpointError(f"cannot read {path} as a checkpoint file: {err}") from err
 
 
-FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+def load_checkpoint_file(path: str | os.PathLike[str]) -> Any:
+    """``torch.load`` of one checkpoint file (ours or DeepSpeed's) with DeepSpeed's allow-list; a file
+    that holds pickled code or cannot be parsed becomes a :class:`CheckpointError` naming it."""
+    try:
+        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ...
+        if not _is_file_problem(err):
+            raise
+        raise _explain(err, path) from err
 
 
 @contextlib.contextmanager
-def weights_only_loading(source: str | os.PathLike[str] | None = None) -> Iterator[None]:
-    """Within the block every ``torch.load`` (DeepSpeed's included) is a weights-only load with
-    DeepSpeed's allow-list.
+def weights_only_loading(source: str | os.PathLike[str]) -> Iterator[None]:
+    """DeepSpeed may read the checkpoint at ``source`` (its directory, or one file) within the block.
 
-    A failed load becomes a :class:`CheckpointError` naming the file, looked up in ``source`` (the
-    checkpoint directory being read, or the one file): one holding pickled code is refused, one
-    torch cannot parse (truncated, overwritten, bit-flipped) is reported as corrupt.
+    Every ``*.pt`` file under ``source`` passes a weights-only read with DeepSpeed's allow-list first
+    (see the module docstring for why the files are checked rather than DeepSpeed's own loads made
+    weights-only); one holding pickled code is refused, one torch cannot parse (truncated,
+    overwritten, bit-flipped) is reported as corrupt, both as a :class:`CheckpointError` naming it.
+    A file problem DeepSpeed meets inside the block is explained the same way.
     """
-    previous = os.environ.get(FORCE_WEIGHTS_ONLY)
-    os.environ[FORCE_WEIGHTS_ONLY] = "1"  # read by torch.load on every call
+    _check_files(source)
     try:
         with torch.serialization.safe_globals(_deepspeed_safe_globals()):
             yield
@@ -64,11 +81,21 @@ def weights_only_loading(source: str | os.PathLike[str] | None = None) -> Iterat
         if not _is_file_problem(err):
             raise
         raise _explain(err, source) from err
-    finally:
-        if previous is None:
-            os.environ.pop(FORCE_WEIGHTS_ONLY, None)
-        else:
-            os.environ[FORCE_WEIGHTS_ONLY] = previous
+
+
+def _checkpoint_files(source: str | os.PathLike[str]) -> list[Path]:
+    root = Path(source)
+    return [root] if root.is_file() else sorted(root.rglob("*.pt"))
+
+
+def _check_files(source: str | os.PathLike[str]) -> None:
+    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+        for path in _checkpoint_files(source):
+            try:
+                # mmap needs torch's zip format; a file without it is read whole (and fails if corrupt)
+                torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+            except Exception as err:  # noqa: BLE001 - any failure means DeepSpeed must not unpickle it
+                raise _explain(err, source) from err
 
 
 def _is_file_problem(err: BaseException) -> bool:
@@ -81,11 +108,10 @@ def _is_file_problem(err: BaseException) -> bool:
     )
 
 
-def _explain(err: BaseException, source: str | os.PathLike[str] | None) -> CheckpointError:
+def _explain(err: BaseException, source: str | os.PathLike[str]) -> CheckpointError:
     """Which file under ``source`` could not be read, and why."""
     allowed = {f"{c.__module__}.{c.__qualname__}" for c in _deepspeed_safe_globals()}
-    root = Path(source) if source is not None else None
-    files = [] if root is None else ([root] if root.is_file() else sorted(root.rglob("*.pt")))
+    files = _checkpoint_files(source)
     for path in files:
         unsafe = [g for g in _unsafe_globals(path) if g not in allowed]
         if unsafe:
@@ -105,8 +131,7 @@ def _explain(err: BaseException, source: str | os.PathLike[str] | None) -> Check
                 f"checkpoint file {path} is corrupt or truncated and cannot be read ({type(bad).__name__}: "
                 f"{detail[:160]}); restore it, or load another checkpoint (iteration: N)"
             )
-    where = f" in {root}" if root is not None else ""
-    return CheckpointError(f"a checkpoint file{where} cannot be read: {type(err).__name__}: {str(err)[:300]}")
+    return CheckpointError(f"a checkpoint file in {source} cannot be read: {type(err).__name__}: {str(err)[:300]}")
 
 
 def _unsafe_globals(f: Any) -> list[str]:

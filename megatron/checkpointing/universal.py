@@ -239,12 +239,6 @@ def _run_showing_phases(cmd: list[str], env: dict[str, str], timeout_s: float) -
     return returncode, lines
 
 
-def universal_param_names(target: Path) -> set[str]:
-    """Parameter names present in a universal checkpoint (one folder each under ``zero/``)."""
-    zero = target / "zero"
-    return {p.name for p in zero.iterdir() if p.is_dir()} if zero.is_dir() else set()
-
-
 def universal_checkpoint_info(config: GPTConfig, tp: int) -> dict[str, Any]:
     """DeepSpeed's ``universal_checkpoint_info`` for our model, from its TP partition patterns.
 

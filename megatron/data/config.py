@@ -83,6 +83,8 @@ class DataConfig:
 
     @classmethod
     def from_args(cls, args: NeoXArgs) -> DataConfig:
+        from megatron.training.objectives.registry import reads_reference_files
+
         if args.seq_length is None or args.train_batch_size is None:
             from megatron.errors import ConfigError
 
@@ -110,12 +112,5 @@ class DataConfig:
             validation_urls=args.validation_urls,
             cache_dir=args.cache_dir,
             mmap_warmup=args.mmap_warmup,
-            reference_model=args.reference_logps if _reads_reference_files(args.train_impl) else None,
+            reference_model=args.reference_logps if reads_reference_files(args.train_impl) else None,
         )
-
-
-def _reads_reference_files(train_impl: str) -> bool:
-    """Objectives whose reference log-probs may come from files written next to the data (DPO)."""
-    from megatron.training.objectives.registry import needs_of
-
-    return needs_of(train_impl).reference and needs_of(train_impl).dataset == "pairwise"

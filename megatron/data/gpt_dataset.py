@@ -110,11 +110,6 @@ class GPTDataset:
     def __len__(self) -> int:
         return self.num_samples
 
-    @property
-    def num_index_samples(self) -> int:
-        """Samples in the built index (whole epochs, >= len(self))."""
-        return len(self.shuffle_idx)
-
     def spans(self, i: int) -> list[Span]:
         """Document pieces (split-relative ids) of global sample ``i``."""
         if i < 0:

@@ -233,10 +233,6 @@ class MMapIndexedDataset:
             raise IndexError(f"tokens [{offset}, {offset + length}) out of range for sequence {i} of {size}")
         return self._sequence(i, offset, length)
 
-    @property
-    def supports_prefetch(self) -> bool:
-        return False
-
     @staticmethod
     def exists(prefix: str | os.PathLike[str]) -> bool:
         return dataset_exists(prefix)
@@ -344,15 +340,6 @@ class MMapIndexedDatasetBuilder:
             self._file.close()
         if os.path.exists(self._tmp_bin):
             os.remove(self._tmp_bin)
-
-
-def make_builder(bin_path: str | os.PathLike[str], vocab_size: int | None = None) -> MMapIndexedDatasetBuilder:
-    """A builder with the smallest token dtype the vocabulary fits in."""
-    return MMapIndexedDatasetBuilder(bin_path, dtype=best_fitting_dtype(vocab_size))
-
-
-def make_dataset(prefix: str | os.PathLike[str]) -> MMapIndexedDataset:
-    return MMapIndexedDataset(prefix)
 
 
 def reference_logprobs_prefix(data_prefix: str, model_name: str) -> str:

@@ -50,12 +50,6 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0.0 and self.top_k == 0 and self.top_p == 0.0
 
-    def with_changes(self, **changes: float | int | bool) -> SamplingConfig:
-        """A copy with some fields replaced (lm-eval requests carry their own settings)."""
-        values = {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
-        values.update(changes)
-        return SamplingConfig(**values)  # type: ignore[arg-type]
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GenerationConfig:

@@ -75,12 +75,6 @@ def open_reference_logprobs(data_prefix: str, model_name: str) -> MMapIndexedDat
     return logps
 
 
-def fit_logprobs(values: np.ndarray, length: int) -> np.ndarray:
-    """Truncate or zero-pad one sequence's values to `length` (as pairwise samples fit their tokens)."""
-    values = np.asarray(values, dtype=LOGPROB_DTYPE)[:length]
-    return np.concatenate([values, np.zeros(length - len(values), dtype=LOGPROB_DTYPE)])
-
-
 # --- computing -----------------------------------------------------------------------------------
 def sequence_requests(tokens: list[int], max_length: int) -> list[ScoreRequest]:
     """Windows of `max_length` inputs that score tokens 1.. of one sequence, each exactly once."""
@@ -191,7 +185,6 @@ def precompute_all(replica: ModelReplica, data_prefixes: list[str], model_name: 
 
 
 __all__ = [
-    "fit_logprobs",
     "open_reference_logprobs",
     "precompute_all",
     "precompute_dataset",

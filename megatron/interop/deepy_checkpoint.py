@@ -31,6 +31,7 @@ import torch
 from megatron.checkpointing import commit
 from megatron.checkpointing.neox_files import canonical_rank_weights
 from megatron.checkpointing.neox_layout import NeoxNames, layer_to_neox, plain_to_neox
+from megatron import plugins
 from megatron.checkpointing.safe_load import weights_only_loading
 from megatron.checkpointing.save_load import CONFIGS_DIR, FORMAT_VERSION, META_FILE, WEIGHTS_ONLY_KEY, read_meta
 from megatron.checkpointing.universal import Layout
@@ -88,7 +89,8 @@ def gpt_config_from_args(args: dict[str, Any]) -> GPTConfig:
         value = args.get(field.name)
         if value is not None:
             values[field.name] = value
-    if args.get("train_impl") == "rm":
+    objective = plugins.find("train_impl", str(args.get("train_impl") or "normal"))
+    if objective is not None and objective.needs.get("value_head"):
         values.setdefault("value_head", True)
     if values.get("padded_vocab_size") is None:
         raise CheckpointError("the checkpoint's arguments have no padded_vocab_size")
@@ -96,13 +98,6 @@ def gpt_config_from_args(args: dict[str, Any]) -> GPTConfig:
 
 
 # --- reading ---------------------------------------------------------------------------------
-def _load(path: Path) -> Any:
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file {path} is missing")
-    with weights_only_loading(path):
-        return torch.load(path, map_location="cpu")
-
-
 def _rank_shards(ckpt: Path, layout: Layout, config: GPTConfig) -> dict[str, list[torch.Tensor]]:
     """Every tp rank's tensors under ``GPTModel`` names, from GPT-NeoX's layout or Deepy's earlier one."""
     names = NeoxNames.from_config(config)

@@ -57,7 +57,8 @@ class LaunchConfig:
         ``master_port`` other than the schema default counts as chosen, as in the config rules.
         """
         from megatron.neox_arguments.arguments import NeoXArgs
-        from megatron.neox_arguments.provenance import DERIVED, field_default
+        from megatron.config_rules import DERIVED
+        from megatron.neox_arguments.provenance import field_default
 
         source = (provenance or {}).get("master_port")
         if source is None:

@@ -31,11 +31,6 @@ def in_allocation(environ: Mapping[str, str]) -> bool:
     return bool(environ.get("SLURM_JOB_ID"))
 
 
-def is_job_step_task(environ: Mapping[str, str]) -> bool:
-    """True for a task of an ``srun`` step; False in the batch script (which also has SLURM_PROCID=0)."""
-    return "SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ
-
-
 def expand_tasks_per_node(text: str) -> list[int]:
     """``SLURM_TASKS_PER_NODE`` (``2(x3),1``) -> ``[2, 2, 2, 1]``."""
     counts: list[int] = []

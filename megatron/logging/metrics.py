@@ -131,17 +131,3 @@ def run_files(path: str | os.PathLike[str]) -> list[Path]:
     if runs:
         return runs
     return [path / METRICS_FILE]
-
-
-def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All rows of a metrics file (the file itself, or a log directory: its newest run's file)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / METRICS_FILE
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def series(rows: list[dict[str, Any]], key: str) -> list[tuple[int, Any]]:
-    """(iteration, value) for every row that has ``key``."""
-    return [(row["iteration"], row[key]) for row in rows if key in row]

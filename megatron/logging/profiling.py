@@ -42,9 +42,9 @@ class StepProfiler:
         if self.settings.torch_profiler and iteration == self.settings.start - warmup:
             self._start_torch_profiler(warmup)
         if self.settings.memory_snapshot and iteration == self.settings.start:
-            import torch
+            from megatron.torch_internals import start_cuda_memory_history
 
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
+            start_cuda_memory_history(max_entries=200_000)
             self._recording_memory = True
 
     def _start_torch_profiler(self, warmup: int) -> None:
@@ -77,11 +77,10 @@ class StepProfiler:
             self._profiler = None
             self.written.append(self.settings.trace_dir)
         if self._recording_memory:
-            import torch
+            from megatron.torch_internals import dump_cuda_memory_snapshot
 
             os.makedirs(self.settings.memory_dir, exist_ok=True)
             path = os.path.join(self.settings.memory_dir, f"memory_snapshot_rank{self.rank}_step{iteration}.pickle")
-            torch.cuda.memory._dump_snapshot(path)
-            torch.cuda.memory._record_memory_history(enabled=None)
+            dump_cuda_memory_snapshot(path)
             self._recording_memory = False
             self.written.append(path)

@@ -26,10 +26,8 @@ import torch
 import torch.distributed as dist
 
 from megatron import mpu
+from megatron.deepspeed_internals import has_partitioned_optimizer_state, relink_optimizer_state_views
 from megatron.logging.config import StatsSettings
-
-# per parameter: squared norm, exact zeros, elements
-_GRAD_FIELDS = 3
 
 
 class StatsCollector:
@@ -94,7 +92,7 @@ class StatsCollector:
         from deepspeed.utils import safe_get_full_optimizer_state
 
         keys = self._state_keys()
-        if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
+        if has_partitioned_optimizer_state(p):
             self._link_optimizer_states()
             out = {}
             for key in keys:
@@ -110,12 +108,8 @@ class StatsCollector:
         parameter's view of them once, right after the first optimizer step of the *first* param
         group — when the other groups (e.g. no weight decay) have no state yet, so their views
         stay empty (DeepSpeed 0.19.8). Relinking now, once every group has stepped, fixes that."""
-        optimizer = self.engine.optimizer
-        if self._linked or not hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
-            return
-        optimizer._hp_optimizer_states_linked = False
-        optimizer._lazy_init_hp_params_optimizer_state()
-        self._linked = True
+        if not self._linked:
+            self._linked = relink_optimizer_state_views(self.engine.optimizer)
 
     def _state_keys(self) -> list[str]:
         basic = self.engine.basic_optimizer if self.engine.basic_optimizer is not None else self.engine.optimizer

@@ -42,9 +42,6 @@ DEVICE_PEAKS: dict[str, dict[str, float]] = {
     "mi250x": {"bf16": 383.0, "fp16": 383.0, "fp32": 47.9},
 }
 
-PRECISION_NAMES: dict[str | None, str] = {"bfloat16": "bf16", "fp16": "fp16", "fp32": "fp32", None: "fp32"}
-"""The schema's ``precision`` values -> the table's column names."""
-
 
 def peak_tflops(device_name: str | None, precision: str, override: float | None = None) -> float | None:
     """Peak dense TFLOP/s: ``override`` (``peak_theoretical_tflops``) when given, else the table's

@@ -50,20 +50,10 @@ class Timers:
         """Read ``engine.timers`` (DeepSpeed's timer group) at log steps instead of letting it print."""
         if not self.breakdown:
             return
-        group = engine.timers
-        # an instance attribute shadows the method for every holder of this group (the engine,
-        # the pipeline engine, ZeRO's optimizer): the spans keep accumulating until we read them
-        group.log = _quiet_log
-        self._engine_timers = group
-        from deepspeed.runtime.pipe.engine import PipelineEngine
+        from megatron.deepspeed_internals import collect_engine_timers
 
-        if isinstance(engine, PipelineEngine):
-            # DeepSpeed 0.19.8's PipelineEngine starts its backward timers itself, then runs the
-            # base engine's backward hooks, which start the same timers again and crash ("bwd_microstep
-            # timer has already been started"; main's wall_clock_breakdown runs with a pipeline, and
-            # configs/125M.yml, hit it). Leaving the pipeline's own start/stop as the only one fixes it.
-            engine.engine_timers.backward_timers = []
-            engine.engine_timers.backward_inner_timers = []
+        # the spans keep accumulating until we read them (and a pipeline's backward timers start once)
+        self._engine_timers = collect_engine_timers(engine, _quiet_log)
 
     def window_metrics(self, iterations: int) -> dict[str, float]:
         """``timers/*_ms`` per iteration since the last call; resets every timer read."""

@@ -122,10 +122,6 @@ class LoRAAdapter(nn.Module):
             h = reduce_from_tensor_model_parallel_region(h)
         return F.linear(h, self.lora_B) * self.scale  # [..., out/tp] (column) or [..., out] (row)
 
-    def delta_weight(self) -> torch.Tensor:
-        """``scale * B A``: this rank's shard of the update to the layer's weight."""
-        return (self.lora_B.float() @ self.lora_A.float()) * self.scale
-
 
 def _add_adapter_output(layer: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
     adapter: LoRAAdapter = getattr(layer, ADAPTER)

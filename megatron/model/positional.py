@@ -14,6 +14,7 @@ from megatron.model.config import GPTConfig
 from megatron.model.rope_scaling import RopeScaling, dynamic_inv_freq, static_frequencies
 from megatron.mpu.initialize_weights import initialize_param_, set_tensor_model_parallel_attributes
 from megatron.mpu.topology import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from megatron.torch_internals import tensor_version
 
 
 def default_position_ids(tokens: torch.Tensor) -> torch.Tensor:
@@ -108,7 +109,7 @@ class RotaryEmbedding(nn.Module):
         # the key notices a new length or device and a reloaded or converted inv_freq
         cacheable = position_ids is None and not torch.compiler.is_compiling()
         if cacheable:
-            key = (seq, device, self.inv_freq.data_ptr(), self.inv_freq._version)
+            key = (seq, device, self.inv_freq.data_ptr(), tensor_version(self.inv_freq))
             if self._cached is not None and self._cached[0] == key:
                 return self._cached[1], self._cached[2]
         positions = torch.arange(seq, device=device).unsqueeze(0) if position_ids is None else position_ids

@@ -26,9 +26,9 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron.mpu.topology import get_data_parallel_world_size, get_topology
+from megatron.torch_internals import flatten_dense_tensors, unflatten_dense_tensors
 
 
 class _ExpertState:
@@ -86,14 +86,6 @@ def get_expert_parallel_world_size() -> int:
 
 def get_expert_parallel_rank() -> int:
     return _STATE.ep_rank
-
-
-def get_expert_parallel_group() -> dist.ProcessGroup | None:
-    return _STATE.ep_group
-
-
-def get_expert_data_parallel_group() -> dist.ProcessGroup | None:
-    return _STATE.edp_group
 
 
 # --- token exchange --------------------------------------------------------------------------------
@@ -166,11 +158,11 @@ def reduce_expert_gradients(params: Iterable[nn.Parameter]) -> None:
     for grad in grads:
         by_dtype.setdefault(grad.dtype, []).append(grad)
     for bucket in by_dtype.values():
-        flat = _flatten_dense_tensors(bucket)
+        flat = flatten_dense_tensors(bucket)
         if _STATE.edp_size > 1:
             dist.all_reduce(flat, group=_STATE.edp_group)
         flat.div_(dp)
-        for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+        for grad, reduced in zip(bucket, unflatten_dense_tensors(flat, bucket)):
             grad.copy_(reduced)
 
 

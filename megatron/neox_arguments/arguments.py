@@ -24,10 +24,12 @@ from megatron.neox_arguments.groups.deepspeed_runner import DeepSpeedRunnerArgs
 from megatron.checkpointing.config import CheckpointArgs
 from megatron.logging.config import LoggingArgs
 from megatron.model.lora_config import LoRAArgs
+from megatron.training.activation_config import ActivationCheckpointArgs
+from megatron.training.config import TrainingLoopArgs
 from megatron.training.lr_config import LRSchedulerArgs
 from megatron.neox_arguments.groups.model import ModelArgs
 from megatron.neox_arguments.groups.moe import MoEArgs
-from megatron.neox_arguments.groups.optimizer import OptimizerArgs
+from megatron.training.optimizer_config import OptimizerArgs
 from megatron.neox_arguments.groups.other import OtherArgs
 from megatron.neox_arguments.groups.parallelism import ParallelismArgs
 from megatron.neox_arguments.groups.support import UNSUPPORTED_ATTENTION_TYPES, unsupported_values
@@ -46,6 +48,8 @@ GROUPS: dict[str, type[ArgGroup]] = {
     "optimizer": OptimizerArgs,
     "lr": LRSchedulerArgs,
     "training": TrainingArgs,
+    "training_loop": TrainingLoopArgs,
+    "activation_checkpointing": ActivationCheckpointArgs,
     "checkpoint": CheckpointArgs,
     "logging": LoggingArgs,
     "tokenizer": TokenizerArgs,
@@ -82,6 +86,8 @@ class _Arguments(
     OptimizerArgs,
     LRSchedulerArgs,
     TrainingArgs,
+    TrainingLoopArgs,
+    ActivationCheckpointArgs,
     CheckpointArgs,
     LoggingArgs,
     TokenizerArgs,

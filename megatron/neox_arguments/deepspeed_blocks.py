@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from megatron.neox_arguments.rules import RuleContext, _describe, rule
-from megatron.training.config import ACTIVATION_BLOCK_KEYS
+from megatron.config_rules import RuleContext, describe, rule
+from megatron.training.activation_config import ACTIVATION_BLOCK_KEYS
 
 CHECKPOINT_OPTION_KEYS = ("partition_activations", "contiguous_checkpointing", "checkpoint_in_cpu",
                           "synchronize_each_layer", "profile_backward")
@@ -32,7 +32,7 @@ def activation_checkpointing_block_is_read(ctx: RuleContext) -> list[str]:
     block = ctx.get("activation_checkpointing")
     if not isinstance(block, Mapping):
         return []
-    where = _describe(ctx.source("activation_checkpointing"))
+    where = describe(ctx.source("activation_checkpointing"))
     problems = []
     for key, value in block.items():
         flat = ACTIVATION_BLOCK_KEYS.get(key)
@@ -62,7 +62,7 @@ def checkpoint_options_need_checkpointing(ctx: RuleContext) -> list[str]:
                             f"(checkpoint_activations is false), so this changes nothing")
     block = ctx.get("activation_checkpointing")
     if isinstance(block, Mapping) and any(block.values()):
-        return [f"activation_checkpointing ({_describe(ctx.source('activation_checkpointing'))}): no activations "
+        return [f"activation_checkpointing ({describe(ctx.source('activation_checkpointing'))}): no activations "
                 f"are checkpointed (checkpoint_activations is false), so the block changes nothing; set "
                 f"checkpoint_activations: true or remove it"]
     return []
@@ -81,7 +81,7 @@ def flops_profiler_needs_the_plain_engine(ctx: RuleContext) -> list[str]:
     block = ctx.get("flops_profiler")
     if not (isinstance(block, Mapping) and block.get("enabled")) or int(ctx.get("pipe_parallel_size") or 0) < 1:
         return []
-    return [f"flops_profiler.enabled ({_describe(ctx.source('flops_profiler'))}) with "
+    return [f"flops_profiler.enabled ({describe(ctx.source('flops_profiler'))}) with "
             f"{ctx.show('pipe_parallel_size')}: DeepSpeed's pipeline engine never prints the profile (only "
             f"DeepSpeedEngine.step does); use pipe_parallel_size: 0 to profile, or Deepy's throughput/mfu "
             f"metrics"]

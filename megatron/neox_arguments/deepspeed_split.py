@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from megatron.errors import ConfigError
-from megatron.neox_arguments.provenance import DERIVED
+from megatron.config_rules import DERIVED
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.arguments import NeoXArgs

@@ -18,14 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from megatron.errors import ConfigError
 from megatron.neox_arguments.honesty import FILLED_IN_KEYS
-from megatron.neox_arguments.provenance import DERIVED
-from megatron.neox_arguments.rules import (
-    Device,
-    RuleContext,
-    _describe,
-    block_enabled,
-    check,
-)
+from megatron.config_rules import DERIVED
+from megatron.config_rules import Device, RuleContext, check, describe
+from megatron.neox_arguments.rules import block_enabled
 from megatron.time_phrases import TimePhraseError, parse_duration
 
 # the rules that look at files register themselves with rules.RULES on import
@@ -246,10 +241,10 @@ def derive_redundant_precision_flag(ctx: RuleContext) -> Derivation:
         if not isinstance(flag, bool) or flag != enabled:
             out.problems.append(
                 f"{name}.{name}={flag!r} and {name}.enabled={block.get('enabled')!r} "
-                f"({_describe(ctx.source(name))}) disagree; DeepSpeed reads only {name}.enabled: remove {name}.{name}"
+                f"({describe(ctx.source(name))}) disagree; DeepSpeed reads only {name}.enabled: remove {name}.{name}"
             )
             continue
-        ctx.warnings.append(f"{name}.{name} ({_describe(ctx.source(name))}) changes nothing ({name}.enabled decides, "
+        ctx.warnings.append(f"{name}.{name} ({describe(ctx.source(name))}) changes nothing ({name}.enabled decides, "
                             f"as in DeeperSpeed); left out of DeepSpeed's config")
         out.respelled[name] = {key: value for key, value in block.items() if key != name}
     return out
@@ -370,7 +365,7 @@ def derive_zero(ctx: RuleContext) -> Derivation:
 def derive_apex_max_grad_norm(ctx: RuleContext) -> Derivation:
     """``optimizer.params.max_grad_norm`` (apex FusedAdam's in-optimizer clipping, in GPT-NeoX's
     configuration guide) is the gradient clipping DeepSpeed does: it becomes ``gradient_clipping``."""
-    from megatron.neox_arguments.groups.optimizer_block import AdamParams
+    from megatron.training.optimizer_block import AdamParams
 
     block = ctx.get("optimizer")
     norm = block.params.max_grad_norm if block is not None and isinstance(block.params, AdamParams) else None
@@ -379,7 +374,7 @@ def derive_apex_max_grad_norm(ctx: RuleContext) -> Derivation:
     disagree = [ctx.show(key) for key in ("gradient_clipping", "clip_grad") if ctx.given(key) and ctx.get(key) != norm]
     if disagree:
         return Derivation(problems=[
-            f"optimizer.params.max_grad_norm={norm} ({_describe(ctx.source('optimizer'))}) and "
+            f"optimizer.params.max_grad_norm={norm} ({describe(ctx.source('optimizer'))}) and "
             f"{' and '.join(disagree)} disagree: they are one setting (the global gradient-norm clip), keep one"
         ])
     return Derivation({"gradient_clipping": norm, "clip_grad": norm})
@@ -518,7 +513,3 @@ def format_problems(problems: list[str]) -> str:
         return problems[0]
     listed = "\n".join(f"  - {problem}" for problem in problems)
     return f"{len(problems)} problems in the config:\n{listed}"
-
-
-def derived_keys(provenance: Mapping[str, str]) -> list[str]:
-    return sorted(key for key, source in provenance.items() if source == DERIVED)

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 from megatron.data.config import PATH_KEYS
 from megatron.errors import DeepyError
-from megatron.neox_arguments.rules import SPLITS, RuleContext, _describe, rule, runs_on_this_machine
+from megatron.config_rules import RuleContext, describe, rule
+from megatron.neox_arguments.rules import SPLITS, runs_on_this_machine
 
 
 def _prefixes(ctx: RuleContext) -> Iterator[tuple[str, str]]:
@@ -60,13 +61,13 @@ def data_files_are_datasets(ctx: RuleContext) -> list[str]:
             continue
         fix = ("build it with `python prepare_data.py` or tools/datasets/preprocess_data.py, or fix the path"
                if "not found" in bad else "rebuild it with tools/datasets/preprocess_data.py")
-        problems += _not_here(ctx, f"{key}: {prefix}", f"{key} ({_describe(ctx.source(key))}): dataset {prefix}: {bad}; {fix}")
+        problems += _not_here(ctx, f"{key}: {prefix}", f"{key} ({describe(ctx.source(key))}): dataset {prefix}: {bad}; {fix}")
     for key in ("train_urls", "validation_urls"):
         for url in ctx.get(key) or []:
             local = "://" not in str(url) or str(url).startswith("file://")
             path = str(url).removeprefix("file://")
             if local and not any(ch in path for ch in "{*?[") and not os.path.exists(path):
-                problems += _not_here(ctx, f"{key}: {url}", f"{key} ({_describe(ctx.source(key))}): {path} not found")
+                problems += _not_here(ctx, f"{key}: {url}", f"{key} ({describe(ctx.source(key))}): {path} not found")
     return problems
 
 
@@ -80,17 +81,17 @@ def tokenizer_loads(ctx: RuleContext) -> list[str]:
     files = [ctx.get(k) for k in ("vocab_file", "merge_file") if ctx.get(k)]
     absent = [f for f in files if not os.path.isfile(str(f))]
     if absent:
-        where = ", ".join(f"{k} at {_describe(ctx.source(k))}" for k in ("vocab_file", "merge_file") if ctx.get(k) in absent)
+        where = ", ".join(f"{k} at {describe(ctx.source(k))}" for k in ("vocab_file", "merge_file") if ctx.get(k) in absent)
         return _not_here(ctx, f"tokenizer file {absent[0]}",
                          f"tokenizer file(s) {', '.join(map(str, absent))} not found ({where})")
     try:
         build_tokenizer(TokenizerArgs(tokenizer_type=kind, vocab_file=ctx.get("vocab_file"),
                                       merge_file=ctx.get("merge_file")))
     except DeepyError as err:
-        return [f"tokenizer_type={kind} ({_describe(ctx.source('tokenizer_type'))}): {err.message}"]
+        return [f"tokenizer_type={kind} ({describe(ctx.source('tokenizer_type'))}): {err.message}"]
     except Exception as err:  # noqa: BLE001 - each tokenizer library raises its own types
         return [
-            f"tokenizer_type={kind} ({_describe(ctx.source('tokenizer_type'))}) cannot read "
+            f"tokenizer_type={kind} ({describe(ctx.source('tokenizer_type'))}) cannot read "
             f"vocab_file={ctx.get('vocab_file')!r}: {type(err).__name__}: {str(err)[:300]}; check that the "
             f"file is what {kind} reads (tokenizer.json, vocab.json + merges.txt, a SentencePiece model, ...)"
         ]
@@ -114,8 +115,8 @@ def attention_config_covers_layers(ctx: RuleContext) -> list[str]:
     try:
         expand_attention_config(config, layers)
     except ModelConfigError as err:
-        return [f"{err.message} ({_describe(ctx.source('attention_config'))}, num_layers at "
-                f"{_describe(ctx.source('num_layers'))})"]
+        return [f"{err.message} ({describe(ctx.source('attention_config'))}, num_layers at "
+                f"{describe(ctx.source('num_layers'))})"]
     return []
 
 

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ValidationError
 from megatron.errors import ConfigError
 from megatron.neox_arguments.keys import aliased_value, normalize_key, unknown_key_message
 from megatron.neox_arguments.overrides import apply_overrides, parse_overrides
-from megatron.neox_arguments.provenance import DEFAULT, describe_source, field_default
+from megatron.config_rules import DEFAULT
+from megatron.neox_arguments.provenance import describe_source, field_default
 from megatron.neox_arguments.resolved import ResolvedConfig
 from megatron.neox_arguments.yaml_source import LocatedDict, load_yaml_file, plain, resolve_config_path
 
@@ -196,7 +197,7 @@ def _nested_suggestion(value: Any, path: list[Any]) -> str:
     """``; did you mean lr?`` for a misspelt key inside the optimizer block."""
     import difflib
 
-    from megatron.neox_arguments.groups.optimizer_block import OPTIMIZER_KINDS, PARAMS_OF_KIND
+    from megatron.training.optimizer_block import OPTIMIZER_KINDS, PARAMS_OF_KIND
 
     allowed: list[str] = []
     if len(path) == 2 and path[0] == "params" and isinstance(value, dict):
@@ -213,7 +214,7 @@ def _nested_suggestion(value: Any, path: list[Any]) -> str:
 def _is_type_tag(part: Any) -> bool:
     """pydantic puts the tried union member (``'int'``, ``"literal['all']"``, an optimizer kind)
     into ``loc``; hide it."""
-    from megatron.neox_arguments.groups.optimizer_block import OPTIMIZER_KINDS
+    from megatron.training.optimizer_block import OPTIMIZER_KINDS
 
     return isinstance(part, str) and (
         "[" in part or part in {"int", "float", "str", "bool", "dict", "list"} or part in set(OPTIMIZER_KINDS.values())

@@ -13,7 +13,8 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
-from megatron.neox_arguments.rules import RuleContext, rule, runs_on_this_machine
+from megatron.config_rules import RuleContext, rule
+from megatron.neox_arguments.rules import runs_on_this_machine
 
 Finder = Callable[[str], Any]
 
@@ -22,7 +23,7 @@ _OPTIMIZER_PACKAGE = {"lion": "Lion", "sm3": "SM3", "madgrad_wd": "madgrad_wd"}
 
 def needed_packages(ctx: RuleContext) -> list[tuple[str, str, str]]:
     """(module, pip package, the setting that needs it) for this config's optional features."""
-    from megatron.neox_arguments.groups.optimizer_block import OPTIMIZER_KINDS
+    from megatron.training.optimizer_block import OPTIMIZER_KINDS
 
     needs: list[tuple[str, str, str]] = []
     block = ctx.get("optimizer")

@@ -16,7 +16,7 @@ from typing import Any
 
 from megatron.errors import ConfigError
 from megatron.neox_arguments.keys import aliased_value, normalize_key, unknown_key_message
-from megatron.neox_arguments.provenance import CLI
+from megatron.config_rules import CLI
 from megatron.neox_arguments.yaml_source import parse_yaml_text, plain
 
 _KEY_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*(?:\.[A-Za-z0-9_\-]+)*$")

@@ -13,21 +13,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
-CLI = "cli"
-DERIVED = "derived"
-DEFAULT = "default"
+from megatron.config_rules import CLI, DEFAULT, DERIVED
 
 # arguments never shown in the table: they hold whole files, not settings
 HIDDEN_IN_TABLE = frozenset({"config_files"})
 MAX_VALUE_WIDTH = 48
-
-
-def file_line(path: str, line: int) -> str:
-    return f"{path}:{line}"
-
-
-def source_of(provenance: dict[str, str], key: str) -> str:
-    return provenance.get(key, DEFAULT)
 
 
 def describe_source(source: str) -> str:

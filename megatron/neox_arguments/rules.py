@@ -1,13 +1,9 @@
-"""Consistency rules between arguments, checked before anything is launched.
+"""Consistency rules between the keys of several components, checked before anything is launched.
 
-Each rule is a small function ``(ctx) -> list[str]`` registered with :func:`rule`; it returns one
-message per problem, naming the user's keys, their values and where they were set (``file:line``)
-and saying what to change. :func:`check` runs every rule and the caller raises *one*
-:class:`~megatron.errors.ConfigError` listing all problems, so a user fixes a config in one round.
-
-The rules see the arguments *after* the derived values (batch sizes, precision, ...) have been
-filled in by :mod:`megatron.neox_arguments.derived`; a rule whose inputs are missing stays quiet
-and leaves the report to the rule about the missing key.
+The machinery (``RuleContext``, ``rule``, ``check``) lives in :mod:`megatron.config_rules`, below every
+component, so a component registers the checks of its own keys beside them; importing this module
+imports those components too, so :func:`check` sees every rule. What stays here relates keys that no
+single component owns (the world size against tp x pp x cp, precision against the DeepSpeed blocks, ...).
 """
 
 from __future__ import annotations
@@ -17,136 +13,22 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from megatron import plugins
 from megatron.errors import ConfigError
 from megatron.logging.preflight import logging_problems
-from megatron.neox_arguments.provenance import CLI, DEFAULT, DERIVED
+from megatron.config_rules import Device, RuleContext, default_of, describe, render, rule
+from megatron.data.config import SPLITS
+
+# components whose own checks register on import (checks beside the keys they protect)
+from megatron.training import lr_config as _lr_checks  # noqa: F401  isort: skip
+from megatron.training.objectives import checks as _objective_checks  # noqa: F401  isort: skip
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.time_phrases import TimePhraseError, parse_duration
 
 
-@dataclass(frozen=True)
-class Device:
-    """What the launching machine offers; injected so rules are testable without a GPU."""
-
-    cuda: bool
-    fp16_supported: bool
-
-    @classmethod
-    def detect(cls) -> Device:
-        import torch
-
-        cuda = torch.cuda.is_available()
-        # DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has fp16 kernels for this CPU
-        # ("Type fp16 is not supported on your device"), so ask the same question it will ask.
-        fp16 = cuda
-        if not cuda:
-            try:
-                fp16 = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-            except (AttributeError, RuntimeError):
-                fp16 = False
-        return cls(cuda=cuda, fp16_supported=fp16)
-
-
-@dataclass
-class RuleContext:
-    """The arguments under check plus what the rules need to phrase their messages."""
-
-    args: NeoXArgs
-    provenance: Mapping[str, str] = field(default_factory=dict)
-    world_size: int = 1
-    device: Device = field(default_factory=lambda: Device(cuda=False, fp16_supported=False))
-    warnings: list[str] = field(default_factory=list)
-    """Things that are fine to launch with but worth saying (printed by deepy.py)."""
-    skipped: list[str] = field(default_factory=list)
-    """Checks not made here and why (``--dry-run`` lists them)."""
-
-    def get(self, key: str) -> Any:
-        return getattr(self.args, key)
-
-    def source(self, key: str) -> str:
-        return self.provenance.get(key, DEFAULT)
-
-    def given(self, key: str) -> bool:
-        """Did the user set ``key`` (in a file or on the command line)?
-
-        Keys with a non-``None`` default (``gradient_accumulation_steps: 1``) cannot be told apart by
-        value alone, so provenance decides; without a provenance entry a value other than the
-        schema default counts as given (tests and programmatic callers build args directly).
-        """
-        src = self.provenance.get(key)
-        if src is not None:
-            return src != DERIVED
-        return self.get(key) != _default_of(self.args, key)
-
-    def show(self, key: str) -> str:
-        """``key=value (file:line)`` as a message names a setting."""
-        return f"{key}={_render(self.get(key))} ({_describe(self.source(key))})"
-
-    @property
-    def tp(self) -> int:
-        return int(self.get("model_parallel_size") or 1)
-
-    @property
-    def pp(self) -> int:
-        """Pipeline stages; ``pipe_parallel_size: 0`` (no PipelineModule) is one stage."""
-        return max(int(self.get("pipe_parallel_size") or 0), 1)
-
-    @property
-    def cp(self) -> int:
-        """Context-parallel size: ranks sharing each sequence."""
-        return int(self.get("context_parallel_size") or 1)
-
-    @property
-    def dp(self) -> int | None:
-        """Data-parallel size (ranks reading different samples), or ``None`` when the world does not
-        split into tp x pp x cp."""
-        if self.world_size % (self.tp * self.pp * self.cp) != 0:
-            return None
-        return self.world_size // (self.tp * self.pp * self.cp)
-
-
-def _default_of(args: NeoXArgs, key: str) -> Any:
-    fields = getattr(type(args), "model_fields", {})
-    if key in fields:
-        return fields[key].get_default(call_default_factory=True)
-    return None
-
-
-def _describe(source: str) -> str:
-    return {CLI: "command line", DEFAULT: "default", DERIVED: "derived"}.get(source, source)
-
-
-def _render(value: Any) -> str:
-    if isinstance(value, str):
-        return repr(value)
-    if value is None:
-        return "unset"
-    return str(value)
-
-
 # where DeepSpeed's runner looks for a hostfile when none is configured
 DEEPSPEED_DEFAULT_HOSTFILE = "/job/hostfile"
-
-Rule = Callable[[RuleContext], list[str]]
-RULES: list[Rule] = []
-
-
-def rule(fn: Rule) -> Rule:
-    """Register ``fn`` as a rule; registration order is report order."""
-    RULES.append(fn)
-    return fn
-
-
-def check(ctx: RuleContext, rules: list[Rule] | None = None) -> list[str]:
-    """Every problem found by ``rules`` (default: all registered), in order."""
-    problems: list[str] = []
-    for fn in RULES if rules is None else rules:
-        problems.extend(fn(ctx))
-    return problems
-
 
 # --- shared readings of multi-spelling settings -------------------------------------------------
 def block_enabled(block: Any) -> bool:
@@ -308,7 +190,11 @@ def world_splits_into_model_parallel(ctx: RuleContext) -> list[str]:
 
 @rule
 def context_parallel_fits(ctx: RuleContext) -> list[str]:
-    """What context parallelism (all-to-all over heads, megatron/mpu/context_parallel.py) can split."""
+    """What context parallelism (all-to-all over heads, megatron/mpu/context_parallel.py) can split: it
+    relates the model's shape, tensor parallelism, the objective and the position encoding, so it stays
+    here with the other rules between components."""
+    from megatron.training.objectives.registry import needs_of
+
     cp = ctx.cp
     if cp == 1:
         return []
@@ -322,7 +208,7 @@ def context_parallel_fits(ctx: RuleContext) -> list[str]:
         problems.append(f"{shown}: the all-to-all gives each of the {ctx.tp * cp} ranks of model_parallel_size x "
                         f"context_parallel_size a share of the heads; {ctx.show('num_attention_heads')} and "
                         f"num_kv_heads ({kv}) must both be multiples of {ctx.tp * cp}")
-    if _train_impl(ctx) != "normal":
+    if needs_of(str(ctx.get("train_impl") or "normal")).dataset != "lm":
         problems.append(f"{shown} with {ctx.show('train_impl')}: context parallelism splits language-modelling "
                         "and SFT sequences only; set context_parallel_size: 1")
     if ctx.get("sequence_parallel"):
@@ -343,7 +229,7 @@ _PRECISION_OF_BLOCK = {"fp16": "fp16", "bf16": "bfloat16"}
 def one_half_precision(ctx: RuleContext) -> list[str]:
     if block_enabled(ctx.get("fp16")) and block_enabled(ctx.get("bf16")):
         return [
-            f"both fp16 ({_describe(ctx.source('fp16'))}) and bf16 ({_describe(ctx.source('bf16'))}) "
+            f"both fp16 ({describe(ctx.source('fp16'))}) and bf16 ({describe(ctx.source('bf16'))}) "
             f"are enabled: keep one of them (bf16 needs no loss scaling)"
         ]
     return []
@@ -359,7 +245,7 @@ def precision_matches_blocks(ctx: RuleContext) -> list[str]:
         if block_enabled(ctx.get(block)) and ctx.given(block) and precision != implied:
             problems.append(
                 f"{ctx.show('precision')} contradicts {block}.enabled=true "
-                f"({_describe(ctx.source(block))}): set precision: {implied} or disable the {block} block"
+                f"({describe(ctx.source(block))}): set precision: {implied} or disable the {block} block"
             )
     return problems
 
@@ -414,7 +300,7 @@ def zero_stage_known(ctx: RuleContext) -> list[str]:
         isinstance(block["stage"], int) and not isinstance(block["stage"], bool)
     ):
         problems.append(
-            f"zero_optimization.stage={block['stage']!r} ({_describe(ctx.source('zero_optimization'))}): "
+            f"zero_optimization.stage={block['stage']!r} ({describe(ctx.source('zero_optimization'))}): "
             f"write the stage as a number 0-3"
         )
     raw = ctx.get("zero_stage")
@@ -474,7 +360,7 @@ def data_types_match_precision(ctx: RuleContext) -> list[str]:
         return []
     model = "fp16" if block_enabled(ctx.get("fp16")) else "bf16" if block_enabled(ctx.get("bf16")) else "fp32"
     problems = []
-    where = _describe(ctx.source("data_types"))
+    where = describe(ctx.source("data_types"))
     param = _DTYPE_NAMES.get(str(block.get("param_dtype")).lower()) if block.get("param_dtype") else None
     if param is not None and param != model:
         problems.append(
@@ -493,8 +379,8 @@ def data_types_match_precision(ctx: RuleContext) -> list[str]:
 
 def _zero_source(ctx: RuleContext) -> str:
     if ctx.given("zero_stage"):
-        return f"zero_stage at {_describe(ctx.source('zero_stage'))}"
-    return f"zero_optimization.stage at {_describe(ctx.source('zero_optimization'))}"
+        return f"zero_stage at {describe(ctx.source('zero_stage'))}"
+    return f"zero_optimization.stage at {describe(ctx.source('zero_optimization'))}"
 
 
 # --- optimisation -----------------------------------------------------------------------------
@@ -508,7 +394,7 @@ def learning_rates_ordered(ctx: RuleContext) -> list[str]:
     if min_lr is not None and min_lr < 0:
         problems.append(f"{ctx.show('min_lr')} is negative: use 0 or more")
     if lr is not None and min_lr is not None and lr < min_lr:
-        shown = ctx.show("lr") if lr_key == "lr" else f"optimizer.params.lr={lr} ({_describe(ctx.source('optimizer'))})"
+        shown = ctx.show("lr") if lr_key == "lr" else f"optimizer.params.lr={lr} ({describe(ctx.source('optimizer'))})"
         problems.append(f"{shown} is below {ctx.show('min_lr')}: the schedule decays from lr down to min_lr")
     optimizer = ctx.get("optimizer")
     if ctx.get("lr") is not None and optimizer is not None:
@@ -516,7 +402,7 @@ def learning_rates_ordered(ctx: RuleContext) -> list[str]:
         if block_lr is not None and float(block_lr) != float(ctx.get("lr")):
             problems.append(
                 f"{ctx.show('lr')} and optimizer.params.lr={block_lr} "
-                f"({_describe(ctx.source('optimizer'))}) disagree: keep one of them"
+                f"({describe(ctx.source('optimizer'))}) disagree: keep one of them"
             )
     return problems
 
@@ -529,14 +415,14 @@ def one_weight_decay(ctx: RuleContext) -> list[str]:
         return []
     return [
         f"{ctx.show('weight_decay')} and optimizer.params.weight_decay={block_wd} "
-        f"({_describe(ctx.source('optimizer'))}) disagree: they are one setting, keep one of them"
+        f"({describe(ctx.source('optimizer'))}) disagree: they are one setting, keep one of them"
     ]
 
 
 @rule
 def optimizer_type_agrees(ctx: RuleContext) -> list[str]:
     """The flat ``optimizer_type`` and the block's ``type`` name one optimizer."""
-    from megatron.neox_arguments.groups.optimizer_block import OPTIMIZER_KINDS
+    from megatron.training.optimizer_block import OPTIMIZER_KINDS
 
     optimizer = ctx.get("optimizer")
     if optimizer is None or not ctx.given("optimizer_type"):
@@ -545,7 +431,7 @@ def optimizer_type_agrees(ctx: RuleContext) -> list[str]:
         return []
     return [
         f"{ctx.show('optimizer_type')} but optimizer.type={optimizer.type!r} "
-        f"({_describe(ctx.source('optimizer'))}): keep one of them"
+        f"({describe(ctx.source('optimizer'))}): keep one of them"
     ]
 
 
@@ -566,24 +452,6 @@ def onebit_adam_needs_its_backend(ctx: RuleContext) -> list[str]:
         problems.append("optimizer.type=OneBitAdam does not work with ZeRO (DeepSpeed's 1-bit Adam "
                         "communicates the full gradients itself); use zero stage 0")
     return problems
-
-
-@rule
-def warmup_in_range(ctx: RuleContext) -> list[str]:
-    warmup = ctx.get("warmup")
-    if warmup is None or 0 <= warmup <= 1:
-        return []
-    if warmup < 0:
-        return [f"{ctx.show('warmup')} is negative: use a fraction in [0, 1] of the decay steps"]
-    if float(warmup) != int(warmup):
-        return [
-            f"{ctx.show('warmup')} is neither a fraction in [0, 1] (GPT-NeoX: share of the decay "
-            f"steps) nor a whole number of steps: write e.g. 0.01"
-        ]
-    iters = ctx.get("train_iters")
-    if iters is not None and warmup > iters:
-        return [f"{ctx.show('warmup')} steps is more than {ctx.show('train_iters')}: use a fraction in [0, 1]"]
-    return []
 
 
 @rule
@@ -627,7 +495,6 @@ def save_interval_is_duration(ctx: RuleContext) -> list[str]:
 
 
 # --- data ---------------------------------------------------------------------------------------
-SPLITS = ("train", "valid", "test")
 
 
 @rule
@@ -671,8 +538,8 @@ def weights_match_paths(ctx: RuleContext) -> list[str]:
             problems.append(f"{ctx.show(f'{split}_data_weights')} without {split}_data_paths to weight")
         elif len(weights) != len(paths):
             problems.append(
-                f"{split}_data_weights has {len(weights)} entries ({_describe(ctx.source(f'{split}_data_weights'))}) "
-                f"but {split}_data_paths has {len(paths)} ({_describe(ctx.source(f'{split}_data_paths'))}): "
+                f"{split}_data_weights has {len(weights)} entries ({describe(ctx.source(f'{split}_data_weights'))}) "
+                f"but {split}_data_paths has {len(paths)} ({describe(ctx.source(f'{split}_data_paths'))}): "
                 f"give one weight per path"
             )
     return problems
@@ -691,7 +558,7 @@ def labels_match_paths(ctx: RuleContext) -> list[str]:
             if paths is None or len(labels) != len(paths):
                 count = 0 if paths is None else len(paths)
                 problems.append(
-                    f"{label_key} has {len(labels)} entries ({_describe(ctx.source(label_key))}) but "
+                    f"{label_key} has {len(labels)} entries ({describe(ctx.source(label_key))}) but "
                     f"{data_key} has {count}: give one label file per data file"
                 )
     return problems
@@ -747,7 +614,7 @@ MOE_DEFAULTS_IRRELEVANT_WHEN_DENSE = (
 def moe_keys_need_experts(ctx: RuleContext) -> list[str]:
     if int(ctx.get("moe_num_experts") or 1) > 1:
         return []
-    changed = [key for key in MOE_DEFAULTS_IRRELEVANT_WHEN_DENSE if ctx.get(key) != _default_of(ctx.args, key)]
+    changed = [key for key in MOE_DEFAULTS_IRRELEVANT_WHEN_DENSE if ctx.get(key) != default_of(ctx.args, key)]
     if not changed:
         return []
     return [
@@ -787,58 +654,33 @@ def moe_experts_split_evenly(ctx: RuleContext) -> list[str]:
     return problems
 
 
-# ==== post-training objectives: train_impl vs its keys and its data ============================
-# (issue 9: label-masked SFT, DPO, KTO, reward models; implemented in megatron/training/objectives)
-_PAIRWISE_DATA_KEYS = tuple(f"{side}_{split}_data_paths" for side in ("pos", "neg") for split in SPLITS)
-_REWARD_DATA_KEYS = tuple(f"{split}_reward_data_paths" for split in SPLITS)
 
 
-def _train_impl(ctx: RuleContext) -> str:
-    return str(ctx.get("train_impl") or "normal")
+# ==== LoRA adapters (megatron/model/lora.py) =====================================================
+_LORA_KEYS = ("lora_alpha", "lora_dropout", "lora_target_modules")
+_LORA_MLP_TARGETS = ("dense_h_to_4h", "dense_4h_to_h")
 
 
 @rule
-def plugin_keys_match_selection(ctx: RuleContext) -> list[str]:
-    """A plug-in's keys set while another plug-in of its family is selected would be silently
-    ignored: refuse them. The selected plug-in's own checks run here too."""
-    problems: list[str] = []
-    for family in PLUGIN_SELECTORS:
-        selected = str(ctx.get(family))
-        for plugin in plugins.of_family(family):
-            given = [key for key in (plugin.keys.model_fields if plugin.keys else ()) if ctx.given(key)]
-            if given and plugin.name != selected:
-                problems.append(f"{', '.join(ctx.show(k) for k in given)} only apply to {family}: {plugin.name} "
-                                f"({ctx.show(family)}): remove them or set {family}: {plugin.name}")
-        chosen = plugins.find(family, selected)
-        if chosen is not None and chosen.check is not None:
-            problems.extend(chosen.check(ctx.args, ctx.show))
-    return problems
-
-
-PLUGIN_SELECTORS = ("lr_decay_style", "train_impl")
-"""Flat keys that select a plug-in (tracker plug-ins are selected by their ``tracker:`` entry)."""
+def lora_keys_need_a_rank(ctx: RuleContext) -> list[str]:
+    if int(ctx.get("lora_r") or 0) > 0:
+        return []
+    given = [key for key in _LORA_KEYS if ctx.given(key)]
+    if not given:
+        return []
+    return [f"{', '.join(ctx.show(k) for k in given)} but {ctx.show('lora_r')}: these configure LoRA adapters, "
+            "and lora_r 0 trains without any; set lora_r (e.g. 8) or remove them"]
 
 
 @rule
-def objective_keys_match_train_impl(ctx: RuleContext) -> list[str]:
-    """Keys shared by some objectives but not all, read only by those."""
-    impl, problems = _train_impl(ctx), []
-    needs = plugins.find("train_impl", impl)
-    documents = [key for key in ("reset_attention_mask", "reset_position_ids") if ctx.given(key)]
-    if documents and needs is not None and not needs.needs.get("documents"):
-        # the other objectives read whole, unpacked documents: nothing to keep apart
-        problems.append(f"{', '.join(ctx.show(k) for k in documents)} only apply to objectives reading packed "
-                        f"documents ({', '.join(p.name for p in plugins.of_family('train_impl') if p.needs.get('documents'))}; "
-                        f"{ctx.show('train_impl')}): remove them")
-    if ctx.get("z_loss") and impl not in ("normal", "rm"):
-        problems.append(f"{ctx.show('z_loss')} applies to language modelling and reward models, not to "
-                        f"{ctx.show('train_impl')}: remove z_loss")
-    if ctx.get("reference_logps") and impl != "dpo":
-        why = ("KTO's reference point comes from mismatched prompt/completion pairs built inside each micro-batch, "
-               "which no per-dataset file holds; KTO takes its reference from a frozen copy of the starting "
-               "weights") if impl == "kto" else f"{ctx.show('train_impl')} has no reference model"
-        problems.append(f"{ctx.show('reference_logps')} is read by train_impl dpo only ({why}): remove it")
-    return problems
+def lora_mlp_targets_need_dense_mlps(ctx: RuleContext) -> list[str]:
+    if int(ctx.get("lora_r") or 0) == 0 or int(ctx.get("moe_num_experts") or 1) <= 1:
+        return []
+    mlp = [t for t in ctx.get("lora_target_modules") or [] if t in _LORA_MLP_TARGETS]
+    if not mlp:
+        return []
+    return [f"{ctx.show('lora_target_modules')} with {ctx.show('moe_num_experts')}: adapters on the experts of MoE "
+            f"layers are not built yet, so {mlp} would stay unadapted there; target query_key_value/dense only"]
 
 
 @rule
@@ -869,77 +711,3 @@ def moe_expert_parallel_over_dp_needs_fp32_without_zero(ctx: RuleContext) -> lis
             f"or moe_expert_parallel_size: 1"
         )
     return problems
-
-
-@rule
-def objective_data_matches_train_impl(ctx: RuleContext) -> list[str]:
-    """Each objective reads its own kind of data; say which keys to set when the config gives another."""
-    impl, problems = _train_impl(ctx), []
-    dummy = bool(ctx.get("use_dummy_dataset"))
-    pairs = [key for key in _PAIRWISE_DATA_KEYS if ctx.get(key)]
-    rewards = [key for key in _REWARD_DATA_KEYS if ctx.get(key)]
-    packed = ctx.given("pack_impl") and ctx.get("pack_impl") != "unpacked"
-    if impl in ("dpo", "rm"):
-        if not dummy and not ctx.get("pos_train_data_paths"):
-            problems.append(f"{ctx.show('train_impl')} trains on preference pairs: set pos_train_data_paths and "
-                            "neg_train_data_paths (written by tools/datasets/preprocess_data_with_mask.py "
-                            "--mode pairwise), or use_dummy_dataset: true")
-        for key in ("data_path", "train_data_paths", "train_urls"):
-            if ctx.get(key):
-                problems.append(f"{ctx.show(key)} is not read by {ctx.show('train_impl')}, which trains on "
-                                "pos_/neg_train_data_paths: remove it")
-        if ctx.given("dataset_impl") and ctx.get("dataset_impl") != "pairwise":
-            problems.append(f"{ctx.show('dataset_impl')} with {ctx.show('train_impl')}: the data are pairs; "
-                            "set dataset_impl: pairwise or remove it")
-    else:
-        if pairs:
-            problems.append(f"{', '.join(ctx.show(k) for k in pairs)} hold preference pairs, read by train_impl "
-                            f"dpo or rm only ({ctx.show('train_impl')})")
-        if ctx.get("dataset_impl") == "pairwise":
-            problems.append(f"{ctx.show('dataset_impl')} needs train_impl: dpo or rm ({ctx.show('train_impl')})")
-    if impl == "kto":
-        if not dummy and not ctx.get("train_reward_data_paths"):
-            problems.append(f"{ctx.show('train_impl')} needs per-document rewards: set train_data_paths, "
-                            "train_label_data_paths and train_reward_data_paths (written by "
-                            "tools/datasets/preprocess_data_with_mask.py --mode reward), or use_dummy_dataset: true")
-        micro = ctx.get("train_micro_batch_size_per_gpu")
-        if isinstance(micro, int) and micro < 2:
-            problems.append(f"{ctx.show('train_micro_batch_size_per_gpu')} with train_impl: kto: KTO estimates its "
-                            "KL reference point from mismatched pairs inside a micro-batch, which needs at least "
-                            "2 samples; raise it to 2 or more")
-    elif rewards:
-        problems.append(f"{', '.join(ctx.show(k) for k in rewards)} are per-document rewards for train_impl: kto "
-                        f"({ctx.show('train_impl')}): remove them or set train_impl: kto")
-    if impl in ("dpo", "rm", "kto") and packed:
-        problems.append(f"{ctx.show('pack_impl')} with {ctx.show('train_impl')}: its samples are whole documents "
-                        "(a reward or preference belongs to one response), never packed; set pack_impl: unpacked "
-                        "or remove it")
-    return problems
-# ==== end of post-training objectives ==========================================================
-
-
-# ==== LoRA adapters (megatron/model/lora.py) =====================================================
-_LORA_KEYS = ("lora_alpha", "lora_dropout", "lora_target_modules")
-_LORA_MLP_TARGETS = ("dense_h_to_4h", "dense_4h_to_h")
-
-
-@rule
-def lora_keys_need_a_rank(ctx: RuleContext) -> list[str]:
-    if int(ctx.get("lora_r") or 0) > 0:
-        return []
-    given = [key for key in _LORA_KEYS if ctx.given(key)]
-    if not given:
-        return []
-    return [f"{', '.join(ctx.show(k) for k in given)} but {ctx.show('lora_r')}: these configure LoRA adapters, "
-            "and lora_r 0 trains without any; set lora_r (e.g. 8) or remove them"]
-
-
-@rule
-def lora_mlp_targets_need_dense_mlps(ctx: RuleContext) -> list[str]:
-    if int(ctx.get("lora_r") or 0) == 0 or int(ctx.get("moe_num_experts") or 1) <= 1:
-        return []
-    mlp = [t for t in ctx.get("lora_target_modules") or [] if t in _LORA_MLP_TARGETS]
-    if not mlp:
-        return []
-    return [f"{ctx.show('lora_target_modules')} with {ctx.show('moe_num_experts')}: adapters on the experts of MoE "
-            f"layers are not built yet, so {mlp} would stay unadapted there; target query_key_value/dense only"]

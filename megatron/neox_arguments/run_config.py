@@ -2,11 +2,13 @@
 the validated arguments.
 
 ``train.py`` reads the resolved config file, calls :meth:`RunConfig.from_resolved` and hands each
-component its own part (``run.model``, ``run.data``, ...). A component whose keys are declared beside
-it (the tokenizer, checkpoints, logging, LoRA, the LR schedule) gets the argument object itself,
-typed as its own group class, so it sees only its keys and nothing is copied; the honesty test
+component its own part (``run.model``, ``run.data``, ...). No component sees the flat argument
+object typed as such, so what a component can do is exactly what its config type holds; the honesty test
 (``tests/unit/test_config_honesty.py``) checks that every supported key is read by one of the
-builders below (or a group's own methods), the DeepSpeed split or the launcher.
+builders below (or a group's own methods), the DeepSpeed split or the launcher. A component whose keys
+are declared beside it (the loop, the optimizer, the LR schedule, activation checkpointing, the
+tokenizer, checkpoints, logging, LoRA) is handed the argument object itself, typed as its own group (or,
+for the loop, the protocol naming what it reads), and reads its keys in its own methods.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ from megatron.model.config import GPTConfig
 from megatron.model.lora_config import LoRAArgs
 from megatron.mpu.config import ParallelConfig
 from megatron.tokenizer.config import TokenizerArgs
-from megatron.training.config import ActivationCheckpointConfig, OptimizerConfig, TrainingConfig
+from megatron.errors import ConfigError
+from megatron.training.activation_config import ActivationCheckpointArgs
+from megatron.training.config import TrainingRunArgs
 from megatron.training.lr_config import LRSchedulerArgs
 from megatron.training.objectives.config import ObjectiveConfig
+from megatron.training.optimizer_config import OptimizerArgs
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.arguments import NeoXArgs
@@ -39,11 +44,15 @@ class RunConfig:
     tokenizer: TokenizerArgs
     """The arguments themselves, as the tokenizer's keys (not a copy)."""
     data: DataConfig
-    training: TrainingConfig
-    optimizer: OptimizerConfig
+    training: TrainingRunArgs
+    """The arguments themselves, as the keys the loop reads (not a copy): its own and the shared
+    ``seq_length``/``precision``/``seed``/batch sizes, declared by their owners."""
+    optimizer: OptimizerArgs
+    """The arguments themselves, as the optimizer's keys (not a copy)."""
     lr: LRSchedulerArgs
     """The arguments themselves, as the LR schedule's keys (not a copy)."""
-    activation_checkpointing: ActivationCheckpointConfig
+    activation_checkpointing: ActivationCheckpointArgs
+    """The arguments themselves, as activation checkpointing's keys (not a copy)."""
     checkpoint: CheckpointArgs
     """The arguments themselves, as the checkpoint keys (not a copy)."""
     logging: LoggingArgs
@@ -62,15 +71,17 @@ class RunConfig:
     @classmethod
     def from_args(cls, args: NeoXArgs, deepspeed: dict[str, Any] | None = None,
                   args_record: dict[str, Any] | None = None) -> RunConfig:
+        if args.seq_length is None or args.train_batch_size is None or args.train_micro_batch_size_per_gpu is None:
+            raise ConfigError("seq_length and the batch sizes must be resolved (launch through deepy.py)")
         return cls(
             parallel=ParallelConfig.from_args(args),
             model=GPTConfig.from_args(args),
             tokenizer=args,
             data=DataConfig.from_args(args),
-            training=TrainingConfig.from_args(args),
-            optimizer=OptimizerConfig.from_args(args),
+            training=args,
+            optimizer=args,
             lr=args,
-            activation_checkpointing=ActivationCheckpointConfig.from_args(args),
+            activation_checkpointing=args,
             checkpoint=args,
             logging=args,
             objective=ObjectiveConfig.from_args(args),

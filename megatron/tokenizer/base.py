@@ -54,11 +54,6 @@ class Tokenizer(ABC):
     @abstractmethod
     def detokenize(self, ids: list[int]) -> str: ...
 
-    # GPT-NeoX spelling, used by older call sites.
-    @property
-    def eod_id(self) -> int:
-        return self.eod
-
     @property
     def backend(self) -> str:
         """Which engine encodes (for logs and benchmarks)."""

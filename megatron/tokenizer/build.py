@@ -35,11 +35,6 @@ TOKENIZERS: dict[str, Factory] = {
 }
 
 
-def register_tokenizer(name: str, factory: Factory) -> None:
-    """Add a tokenizer type; ``factory`` receives the :class:`TokenizerArgs`."""
-    TOKENIZERS[name] = factory
-
-
 def build_tokenizer(config: TokenizerArgs) -> Tokenizer:
     """The tokenizer ``config.tokenizer_type`` names, reading ``config.vocab_file``/``merge_file``."""
     factory = TOKENIZERS.get(config.tokenizer_type)

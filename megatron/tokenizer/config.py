@@ -1,9 +1,10 @@
-"""Tokenizer choice, its files and the padded vocabulary size computed from it.
+"""Tokenizer choice, its files and the padded vocabulary size computed from it. GPT-NeoX files the
+tokenizer files (``vocab_file``, ``merge_file``) under ``NeoXArgsTraining`` and the padding
+(``make_vocab_size_divisible_by``) under ``NeoXArgsModel``.
 
 Declared here, beside the tokenizers that read them; the one argument object (``NeoXArgs``) is
 composed of this class, and the trainer hands :func:`megatron.tokenizer.build_tokenizer` that object
-(typed as :class:`TokenizerArgs`). GPT-NeoX files ``vocab_file``/``merge_file`` under its training
-group and ``make_vocab_size_divisible_by`` under its model group; the names are unchanged.
+(typed as :class:`TokenizerArgs`).
 """
 
 from __future__ import annotations

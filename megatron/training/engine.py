@@ -42,9 +42,10 @@ from megatron.logging.log import get_logger
 from megatron.model import GPTConfig, GPTModel, pipeline_layer_specs
 from megatron.model.lora import LoRAAdapter, adapters_of, apply_lora
 from megatron.model.lora_config import LoRAArgs
+from megatron.model.pipeline import CHECKPOINTABLE_LAYERS
 from megatron.model.transformer_layer import TransformerLayer
 from megatron.mpu import experts as expert_parallel
-from megatron.training.config import ActivationCheckpointConfig
+from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.lr_schedules import LRScheduler, SchedulePolicy
 from megatron.training.moe import MoETraining, build_moe_training, install_expert_parallel, keep_expert_shards
 from megatron.training.objectives import LMObjective, Objective, ObjectiveConfig, Reference
@@ -105,18 +106,10 @@ def partition_method(method: str) -> str:
 
 
 # --- activation checkpointing and compilation ----------------------------------------------------
-def configure_activation_checkpointing(cfg: ActivationCheckpointConfig, num_layers: int) -> None:
+def configure_activation_checkpointing(cfg: ActivationCheckpointArgs, num_layers: int) -> None:
     """DeepSpeed's checkpointing needs our mpu for ``partition_activations`` (shards saved inputs
     over the tensor-parallel group) and for the tp-aware RNG it restores during recompute."""
-    deepspeed.checkpointing.configure(
-        mpu,
-        partition_activations=cfg.partition_activations,
-        contiguous_checkpointing=cfg.contiguous_checkpointing,
-        num_checkpoints=cfg.number_checkpoints or num_layers,
-        checkpoint_in_cpu=cfg.checkpoint_in_cpu,
-        synchronize=cfg.synchronize_each_layer,
-        profile=cfg.profile_backward,
-    )
+    deepspeed.checkpointing.configure(mpu, **cfg.deepspeed_checkpointing_options(num_layers))
 
 
 def transformer_layers(model: nn.Module) -> list[TransformerLayer]:
@@ -124,7 +117,7 @@ def transformer_layers(model: nn.Module) -> list[TransformerLayer]:
     return [m for m in model.modules() if isinstance(m, TransformerLayer)]
 
 
-def layers_to_checkpoint(cfg: ActivationCheckpointConfig, num_local_layers: int, first_index: int = 0) -> list[int]:
+def layers_to_checkpoint(cfg: ActivationCheckpointArgs, num_local_layers: int, first_index: int = 0) -> list[int]:
     """Local indices of the blocks whose activations are recomputed.
 
     ``selective_checkpointing = k``: only every k-th block (by global layer number), which saves
@@ -174,7 +167,7 @@ def _passthrough(x: torch.Tensor, *rest: Any) -> torch.Tensor:
     return x
 
 
-def wrap_layers(model: nn.Module, cfg: ActivationCheckpointConfig, compile_layers: bool,
+def wrap_layers(model: nn.Module, cfg: ActivationCheckpointArgs, compile_layers: bool,
                 pipe_interval_used: bool) -> None:
     """Compile and/or checkpoint blocks in place (their ``forward`` is replaced per instance).
 
@@ -296,13 +289,13 @@ def construction(ds_config: dict[str, Any] | None) -> contextlib.AbstractContext
     return deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=mpu)
 
 
-def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationCheckpointConfig,
+def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationCheckpointArgs,
                 compile_layers: bool, objective: Objective,
                 lora: LoRAArgs | None = None, zero_init: dict[str, Any] | None = None) -> tuple[nn.Module, bool]:
     """(module, is_pipe); a pipeline's last stage computes ``objective.loss``. With ``lora`` enabled
     the weights are frozen and adapters attached before any wrapping (compile, checkpointing).
     ``zero_init``: the DeepSpeed config to partition the model with while it is built (ZeRO-3, no pipeline)."""
-    if ckpt.enabled:
+    if ckpt.recomputes_activations:
         configure_activation_checkpointing(ckpt, config.num_layers)
     if not parallel.is_pipe:
         with construction(zero_init):
@@ -323,9 +316,7 @@ def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationChe
             partition_method=partition_method(parallel.partition_method),
             activation_checkpoint_interval=interval,
             activation_checkpoint_func=deepspeed.checkpointing.checkpoint,
-            # only blocks: a checkpointed chunk starting at the embedding gets integer inputs only, so
-            # its output would not require grad and the first stage's backward fails
-            checkpointable_layers=["TransformerLayerPipe"],
+            checkpointable_layers=CHECKPOINTABLE_LAYERS,
         )
     if lora is not None and lora.lora_enabled:
         apply_lora(model, lora, config.seed)
@@ -349,14 +340,14 @@ def build_engine(run: RunConfig, config: GPTConfig, train_iters: int, objective:
         ds_config["train_batch_size"] = int(ds_config["train_batch_size"]) * run.parallel.context
     model, is_pipe = build_model(config, run.parallel, run.activation_checkpointing, run.training.compile_layers,
                                  objective, run.lora, zero_init=ds_config if run.training.zero_init else None)
-    spec = run.lr.spec(train_iters, run.optimizer.lr)
+    spec = run.lr.spec(train_iters, run.optimizer.peak_lr)
     policy = run.lr.resume_policy
-    if run.optimizer.kind in DEEPSPEED_BUILT:
+    if run.optimizer.optimizer_kind in DEEPSPEED_BUILT:
         # DeepSpeed builds it (it needs the engine's communication backend); our schedule wraps it
         ds_config["optimizer"] = deepspeed_optimizer_block(run.optimizer)
         optimizer: Any = None
         scheduler: Any = lambda opt: LRScheduler(optimizer=opt, spec=spec, policy=policy)  # noqa: E731
-        params: Any = param_groups(model, run.optimizer.weight_decay)
+        params: Any = param_groups(model, run.optimizer.applied_weight_decay)
     else:
         optimizer = build_optimizer(model, run.optimizer, offload=optimizer_offloaded(ds_config))
         scheduler = LRScheduler(optimizer=optimizer, spec=spec, policy=policy)

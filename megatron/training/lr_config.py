@@ -12,6 +12,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 
 from megatron import plugins
+from megatron.config_rules import RuleContext, rule
 from megatron.config_schema import ArgGroup
 from megatron.errors import ConfigError
 from megatron.training.lr_schedules import SchedulePolicy, ScheduleSpec, cycle_starts_for, steps_of
@@ -105,3 +106,21 @@ class LRSchedulerArgs(ArgGroup):
         if self.use_checkpoint_lr_scheduler:
             return "checkpoint"
         return "config" if self.override_lr_scheduler else "strict"
+
+
+@rule
+def warmup_in_range(ctx: RuleContext) -> list[str]:
+    warmup = ctx.get("warmup")
+    if warmup is None or 0 <= warmup <= 1:
+        return []
+    if warmup < 0:
+        return [f"{ctx.show('warmup')} is negative: use a fraction in [0, 1] of the decay steps"]
+    if float(warmup) != int(warmup):
+        return [
+            f"{ctx.show('warmup')} is neither a fraction in [0, 1] (GPT-NeoX: share of the decay "
+            f"steps) nor a whole number of steps: write e.g. 0.01"
+        ]
+    iters = ctx.get("train_iters")
+    if iters is not None and warmup > iters:
+        return [f"{ctx.show('warmup')} steps is more than {ctx.show('train_iters')}: use a fraction in [0, 1]"]
+    return []

@@ -48,6 +48,7 @@ from megatron.model.activations import get_activation
 from megatron.model.config import GPTConfig
 from megatron.model.flops import layer_parameters
 from megatron.model.lora_config import LoRAArgs
+from megatron.training.config import compute_dtype
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.run_config import RunConfig
@@ -58,7 +59,6 @@ GiB = 1024**3
 _STATE_TENSORS: dict[str, int] = {"adam": 2, "adamw": 2, "cpu_adam": 2, "cpuadam": 2, "cpu_torch_adam": 2,
                                   "lamb": 2, "lion": 1, "sgd": 1}
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-_PRECISION = {"bfloat16": "bf16", "fp16": "fp16", "fp32": "fp32", None: "fp32"}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -99,9 +99,9 @@ class MemoryLayout:
         zero: Mapping[str, Any] = run.deepspeed.get("zero_optimization") or {}
         stage = int(zero.get("stage", 0) or 0)
         offload = zero.get("offload_optimizer") or {}
-        kind = run.optimizer.kind
+        kind = run.optimizer.optimizer_kind
         states = _STATE_TENSORS.get(kind, 2)
-        if kind == "sgd" and not float(run.optimizer.params.get("momentum", 0.0) or 0.0):
+        if kind == "sgd" and not float(run.optimizer.optimizer_params.get("momentum", 0.0) or 0.0):
             states = 0
         layers_per_stage = math.ceil(model.num_layers / pp)
         ckpt = run.activation_checkpointing
@@ -113,14 +113,14 @@ class MemoryLayout:
         training = run.training
         return cls(
             model=model, tp=tp, pp=pp, dp=max(world_size // (tp * pp), 1),
-            precision=training.precision, zero_stage=stage,
+            precision=compute_dtype(training.precision), zero_stage=stage,
             offload_optimizer=stage > 0 and str(offload.get("device", "none")).lower() in ("cpu", "nvme"),
             # DeepSpeed's defaults: contiguous gradients on; overlap_comm only for ZeRO-3
             contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
             overlap_comm=bool(zero.get("overlap_comm", stage == 3)),
             reduce_bucket_size=int(float(zero.get("reduce_bucket_size", 5e8))),
             optimizer_states=states,
-            micro_batch=training.micro_batch_size,
+            micro_batch=training.train_micro_batch_size_per_gpu,
             seq_length=training.seq_length,
             grad_accum=training.gradient_accumulation_steps,
             recomputed_layers=recomputed,

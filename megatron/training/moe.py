@@ -8,7 +8,7 @@ for a dense model): ``before_step`` once per optimizer step, ``metrics`` at each
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron import mpu
+from megatron.deepspeed_internals import wrap_gradient_allreduce
 from megatron.model.moe import MoELayer, RouterStats, moe_layers
 from megatron.mpu import experts as expert_parallel
 
@@ -113,12 +114,14 @@ def install_expert_parallel(engine: Any) -> None:
     params = expert_parallel_params(engine.module)
     if not params:
         return
-    reduce_dense = engine.allreduce_gradients
 
-    def allreduce_gradients(*args: Any, **kwargs: Any) -> None:
-        if engine.is_gradient_accumulation_boundary():
-            expert_parallel.reduce_expert_gradients(params)
-        with expert_parallel.hidden_from_reduction(params):
-            reduce_dense(*args, **kwargs)
+    def around(reduce_dense: Callable[..., None]) -> Callable[..., None]:
+        def allreduce_gradients(*args: Any, **kwargs: Any) -> None:
+            if engine.is_gradient_accumulation_boundary():
+                expert_parallel.reduce_expert_gradients(params)
+            with expert_parallel.hidden_from_reduction(params):
+                reduce_dense(*args, **kwargs)
 
-    engine.allreduce_gradients = allreduce_gradients
+        return allreduce_gradients
+
+    wrap_gradient_allreduce(engine, around)

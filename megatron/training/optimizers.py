@@ -1,4 +1,4 @@
-"""Optimizers built from the typed :class:`~megatron.training.config.OptimizerConfig`.
+"""Optimizers built from the optimizer keys (:class:`~megatron.training.optimizer_config.OptimizerArgs`).
 
 Builders live in a registry keyed by the optimizer kind (``OPTIMIZER_KINDS`` in the schema maps the
 user's type, case-insensitively, to a kind). Parameters are split into two groups: weight decay
@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from megatron.errors import ConfigError
-from megatron.training.config import OptimizerConfig
+from megatron.training.optimizer_config import OptimizerArgs
 
 ParamGroups = list[dict[str, Any]]
-OptimizerBuilder = Callable[[ParamGroups, OptimizerConfig], torch.optim.Optimizer]
+OptimizerBuilder = Callable[[ParamGroups, OptimizerArgs], torch.optim.Optimizer]
 
 OPTIMIZERS: dict[str, OptimizerBuilder] = {}
 DEEPSPEED_BUILT = frozenset({"onebitadam"})
@@ -71,9 +71,9 @@ def _fused_supported(groups: ParamGroups) -> bool:
 
 
 @register_optimizer("adam")
-def build_adamw(groups: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    p = cfg.params
-    kwargs = dict(lr=cfg.lr, betas=tuple(p["betas"]), eps=p["eps"], amsgrad=p["amsgrad"])
+def build_adamw(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer:
+    p = cfg.optimizer_params
+    kwargs = dict(lr=cfg.peak_lr, betas=tuple(p["betas"]), eps=p["eps"], amsgrad=p["amsgrad"])
     if _fused_supported(groups):
         try:
             return torch.optim.AdamW(groups, fused=True, **kwargs)
@@ -83,50 +83,52 @@ def build_adamw(groups: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimi
 
 
 @register_optimizer("cpu_adam")
-def build_cpu_adam(groups: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    p = cfg.params
-    kwargs = dict(lr=cfg.lr, betas=tuple(p["betas"]), eps=p["eps"], adamw_mode=True, amsgrad=p["amsgrad"])
+def build_cpu_adam(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer:
+    p = cfg.optimizer_params
+    kwargs = dict(lr=cfg.peak_lr, betas=tuple(p["betas"]), eps=p["eps"], adamw_mode=True, amsgrad=p["amsgrad"])
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, **kwargs)
     except Exception as err:  # the op is JIT-built: any failure there is an environment problem
         raise ConfigError(
-            f"optimizer.type={cfg.type} needs DeepSpeed's cpu_adam C++ op, which could not be built or "
+            f"optimizer.type={cfg.optimizer_type_shown} needs DeepSpeed's cpu_adam C++ op, which could not be "
+            f"built or "
             f"loaded ({type(err).__name__}: {err}). Install a C++ compiler and ninja, or pre-build it "
             f"with DS_BUILD_CPU_ADAM=1 pip install deepspeed, or use optimizer.type=AdamW"
         ) from err
 
 
 @register_optimizer("sgd")
-def build_sgd(groups: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    p = cfg.params
+def build_sgd(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer:
+    p = cfg.optimizer_params
     # the groups' weight_decay is torch SGD's own (L2 added to the gradient), as in GPT-NeoX
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=p["momentum"], dampening=p["dampening"],
+    return torch.optim.SGD(groups, lr=cfg.peak_lr, momentum=p["momentum"], dampening=p["dampening"],
                            nesterov=p["nesterov"])
 
 
 @register_optimizer("lion")
-def build_lion(groups: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+def build_lion(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer:
     from pytorch_optimizer import Lion
 
-    return Lion(groups, lr=cfg.lr, betas=tuple(cfg.params["betas"]), weight_decouple=True)
+    return Lion(groups, lr=cfg.peak_lr, betas=tuple(cfg.optimizer_params["betas"]), weight_decouple=True)
 
 
 @register_optimizer("madgrad_wd")
-def build_madgrad_wd(groups: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+def build_madgrad_wd(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer:
     from pytorch_optimizer import MADGRAD
 
     # GPT-NeoX's madgrad_wd: MADGRAD with AdamW-style (decoupled) weight decay
-    return MADGRAD(groups, lr=cfg.lr, momentum=cfg.params["momentum"], eps=cfg.params["eps"], weight_decouple=True)
+    p = cfg.optimizer_params
+    return MADGRAD(groups, lr=cfg.peak_lr, momentum=p["momentum"], eps=p["eps"], weight_decouple=True)
 
 
 @register_optimizer("sm3")
-def build_sm3(groups: ParamGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+def build_sm3(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer:
     from pytorch_optimizer import SM3
 
-    p = cfg.params
-    return _DecoupledDecay.wrap(SM3)(groups, lr=cfg.lr, momentum=p["momentum"], beta=p["beta"], eps=p["eps"])
+    p = cfg.optimizer_params
+    return _DecoupledDecay.wrap(SM3)(groups, lr=cfg.peak_lr, momentum=p["momentum"], beta=p["beta"], eps=p["eps"])
 
 
 class _DecoupledDecay:
@@ -157,23 +159,24 @@ class _DecoupledDecay:
         return build
 
 
-def deepspeed_optimizer_block(cfg: OptimizerConfig) -> dict[str, Any]:
+def deepspeed_optimizer_block(cfg: OptimizerArgs) -> dict[str, Any]:
     """The DeepSpeed config ``optimizer`` block for a kind DeepSpeed builds itself."""
-    params = dict(cfg.params)
+    params = dict(cfg.optimizer_params)
     if "betas" in params:
         params["betas"] = list(params["betas"])
-    return {"type": "OneBitAdam", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay, **params}}
+    return {"type": "OneBitAdam", "params": {"lr": cfg.peak_lr, "weight_decay": cfg.applied_weight_decay, **params}}
 
 
 # --- from the config ---------------------------------------------------------------------------
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, offload: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerArgs, offload: bool = False) -> torch.optim.Optimizer:
     """``offload``: ZeRO keeps the optimizer state on the CPU (``offload_optimizer``), where
     DeepSpeed requires its own CPU Adam; Adam/AdamW are switched to it (same update rule)."""
-    kind = "cpu_adam" if offload and cfg.kind == "adam" else cfg.kind
+    kind = "cpu_adam" if offload and cfg.optimizer_kind == "adam" else cfg.optimizer_kind
     builder = OPTIMIZERS.get(kind)
     if builder is None:
-        raise ConfigError(f"optimizer.type={cfg.type!r} is not built by Deepy's trainer (kinds: {sorted(OPTIMIZERS)})")
-    groups = param_groups(model, cfg.weight_decay)
+        raise ConfigError(f"optimizer.type={cfg.optimizer_type_shown!r} is not built by Deepy's trainer "
+                          f"(kinds: {sorted(OPTIMIZERS)})")
+    groups = param_groups(model, cfg.applied_weight_decay)
     if not groups:
         raise ConfigError("the model has no trainable parameters")
     return builder(groups, cfg)

@@ -25,13 +25,14 @@ from megatron.data.sampler import MicroBatchIterator, prefetched
 from megatron.errors import ConfigError
 from megatron.logging.log import get_logger, set_deepspeed_log_level, setup_logging
 from megatron.logging.monitor import build_monitor
+from megatron.logging.progress import progress
 from megatron.logging.throughput import current_device_name, peak_tflops
 from megatron.logging.timers import TimedIterator
 from megatron.model import flops_per_token, num_parameters
 from megatron.model.flops import hardware_flops_per_token
 from megatron.mpu.random import model_parallel_manual_seed
 from megatron.tokenizer import build_tokenizer
-from megatron.training.config import TrainingConfig
+from megatron.training.config import TrainingRunArgs, compute_dtype
 from megatron.training.engine import build_engine, layers_to_checkpoint, partition_method
 from megatron.training.evaluate import maybe_evaluator
 from megatron.training.loop import Hooks, LoopContext, TrainState, train
@@ -52,7 +53,7 @@ def speaks() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def resolve_train_iters(training: TrainingConfig, train_dataset: object) -> int:
+def resolve_train_iters(training: TrainingRunArgs, train_dataset: object) -> int:
     """``train_iters``, or (train_epochs) the whole global batches of the epoch-sized train split."""
     if training.train_iters:
         return training.train_iters
@@ -103,7 +104,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
              f"{num_parameters(model_config, include_embeddings=False):,}", "pipeline" if eng.is_pipe else "plain")
 
     g = training.train_batch_size
-    layout = dict(global_batch_size=g, micro_batch_size=training.micro_batch_size,
+    layout = dict(global_batch_size=g, micro_batch_size=training.train_micro_batch_size_per_gpu,
                   dp_rank=mpu.get_data_shard_rank(), dp_size=mpu.get_data_shard_count())  # cp ranks read alike
     device = _device()
 
@@ -136,9 +137,17 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     if state.consumed_samples:
         log.info("data: resuming at sample %s of the global order (computed from consumed_samples, nothing "
                  "replayed)", f"{state.consumed_samples:,}")
+    # Levanter's users watch a bar while a resumed run fast-forwards through its data. Ours is a seek
+    # (the iterator computes its position), so the bar over the skipped global batches fills at once
+    # and says how long that took; on the speaking rank, to stderr, and only when there is a skip.
+    skipped = state.consumed_samples // g
+    with progress(skipped, "data fast-forward", "global batches", enabled=speaks() and skipped > 0,
+                  every_s=float("inf")) as fast_forward:
+        source = MicroBatchIterator(eng.reference.wrap_dataset(splits.train, "train"), state.consumed_samples,
+                                    **layout)
+        fast_forward.update(source.consumed_samples // g)
     # read ahead by a background thread (num_workers micro-batches), pinned for asynchronous copies on a
     # GPU; the data timer measures what the step still waits for
-    source = MicroBatchIterator(eng.reference.wrap_dataset(splits.train, "train"), state.consumed_samples, **layout)
     micro = TimedIterator(prefetched(source, training.num_workers, device), monitor.timers)
     seq = training.seq_length
     # whole model: FLOPs are per token
@@ -147,7 +156,8 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
         eng=eng, training=training, micro_batches=micro, device=device,
         train_iters=train_iters, global_batch_size=g, tokens_per_step=g * seq * objective.rows_per_sample,
         flops_per_token=flops_per_token(model_config, seq), world_size=dist.get_world_size() if dist.is_initialized() else 1,
-        peak_tflops=peak_tflops(current_device_name(), training.precision, log_config.peak_theoretical_tflops),
+        peak_tflops=peak_tflops(current_device_name(), compute_dtype(training.precision),
+                                log_config.peak_theoretical_tflops),
         monitor=monitor, hardware_flops_per_token=hardware_flops_per_token(model_config, recomputed, seq),
         valid=maybe_evaluator(eng, splits.valid, training.eval_iters, layout, device, "valid"),
         test=maybe_evaluator(eng, splits.test, training.eval_iters, layout, device, "test"),

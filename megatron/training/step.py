@@ -12,15 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from megatron.deepspeed_internals import loss_scale
 from megatron.training.engine import Engine
-from megatron.training.objectives.run import ObjectiveRunner, average_over_data_parallel
+from megatron.training.objectives.run import ObjectiveRunner
 
-__all__ = ["StepResult", "average_over_data_parallel", "micro_batches_per_step", "read_grad_norm", "train_step"]
+__all__ = ["StepResult", "read_grad_norm", "train_step"]
 
 
 @dataclass(frozen=True)
@@ -35,10 +34,6 @@ class StepResult:
     loss_scale: float | None
     metrics: dict[str, float] = field(default_factory=dict)
     """The objective's metrics for this step (``rewards/accuracy``, ...), logged as ``train/<name>``."""
-
-
-def micro_batches_per_step(engine: Any) -> int:
-    return int(engine.gradient_accumulation_steps())
 
 
 def read_grad_norm(norm: float | torch.Tensor | None) -> float | None:

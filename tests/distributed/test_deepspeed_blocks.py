@@ -62,7 +62,7 @@ def _engine_state(overrides: dict[str, Any], out_dir: str) -> dict[str, Any]:
     from megatron.neox_arguments import finalize
     from megatron.neox_arguments.arguments import NeoXArgs
     from megatron.neox_arguments.resolved import ResolvedConfig
-    from megatron.neox_arguments.rules import Device
+    from megatron.config_rules import Device
     from megatron.neox_arguments.run_config import RunConfig
     from megatron.training.engine import build_engine
 
@@ -174,7 +174,7 @@ def test_flops_profiler_is_refused_on_a_pipeline() -> None:
     from megatron.neox_arguments import finalize
     from megatron.neox_arguments.arguments import NeoXArgs
     from megatron.neox_arguments.resolved import ResolvedConfig
-    from megatron.neox_arguments.rules import Device
+    from megatron.config_rules import Device
 
     args = NeoXArgs(**{**MODEL, "pipe_parallel_size": 1, "flops_profiler": {"enabled": True}})
     with pytest.raises(ConfigError, match="flops_profiler.enabled .* pipeline engine never prints"):
@@ -188,7 +188,7 @@ def test_checkpoint_options_without_checkpointing_are_refused_or_said() -> None:
     from megatron.neox_arguments import finalize
     from megatron.neox_arguments.arguments import NeoXArgs
     from megatron.neox_arguments.resolved import ResolvedConfig
-    from megatron.neox_arguments.rules import Device
+    from megatron.config_rules import Device
 
     cpu = Device(cuda=False, fp16_supported=False)
     base = {**MODEL, "checkpoint_activations": False, "activation_checkpointing": None}

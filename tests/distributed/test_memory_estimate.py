@@ -63,7 +63,7 @@ def rank_main(rank: int, out_dir: str) -> None:
     from megatron.neox_arguments import finalize
     from megatron.neox_arguments.arguments import NeoXArgs
     from megatron.neox_arguments.resolved import ResolvedConfig
-    from megatron.neox_arguments.rules import Device
+    from megatron.config_rules import Device
     from megatron.neox_arguments.run_config import RunConfig
     from megatron.tokenizer import build_tokenizer
     from megatron.training.engine import build_engine
@@ -83,7 +83,7 @@ def rank_main(rank: int, out_dir: str) -> None:
         before = _storages()
         eng = build_engine(run, run.model.with_vocab(vocab), run.training.train_iters or 1)
         engine, measured = eng.engine, []
-        b, s = run.training.micro_batch_size, run.training.seq_length
+        b, s = run.training.train_micro_batch_size_per_gpu, run.training.seq_length
         generator = torch.Generator().manual_seed(rank)
         for _ in range(2):
             tokens = torch.randint(0, 200, (b, s + 1), generator=generator)

@@ -23,7 +23,7 @@ STRATEGIES = ("fsdp", "hsdp", "ddp")
 
 def deepy_zero_block(strategy: str) -> dict:
     from megatron.neox_arguments import config_from_mapping, finalize
-    from megatron.neox_arguments.rules import Device
+    from megatron.config_rules import Device
 
     values = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, train_iters=1, lr=1e-3,
                   train_micro_batch_size_per_gpu=1, use_dummy_dataset=True, tokenizer_type="CharLevelTokenizer",

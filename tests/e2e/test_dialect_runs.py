@@ -1,16 +1,18 @@
 """Levanter's hardware-switch workflow and fms-fsdp's train.sh flags, run through ``deepy.py train.py``.
 
 Levanter (docs/Hardware-Agnostic-Training.md): start with ``--config_path``, a checkpointer base path
-and the run id on 2 ranks, stop, and resume on 1 rank (and on 2 tensor-parallel ranks) with ``--trainer.load_checkpoint_path <base>/<id>
---trainer.wandb.resume true --trainer.id <id>``: the same (offline) W&B run continues on its step axis,
-the data fast-forwards, and the loss curve is the uninterrupted run's. The run stops at the end of
-``num_train_steps`` 3 and resumes to 6; a constant learning rate makes those two commands one schedule.
+and the run id on 2 ranks, stop, and resume on 1 rank (and on 2 tensor-parallel ranks) with
+``--trainer.load_checkpoint_path <base>/<id> --trainer.wandb.resume true --trainer.id <id>``: the same
+(offline) W&B run continues on its step axis, the data fast-forwards with a progress bar, and the loss
+curve is the uninterrupted run's. The run stops at the end of ``num_train_steps`` 3 and resumes to 6;
+a constant learning rate makes those two commands one schedule.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -79,13 +81,16 @@ def switched(tmp_path_factory: pytest.TempPathFactory) -> Path:
           "--num_gpus", "2")
     shutil.copytree(tmp / "out", tmp / "out_tp2")  # the same step-3 checkpoint, resumed a second way
     shutil.copytree(tmp / "out", tmp / "out_neox")  # ... and a third, by a GPT-NeoX config
-    deepy(tmp, *common[:2], "--trainer.checkpointer.base_path", "out_tp2", *common[4:], "--trainer.num_train_steps",
-          "6", "--trainer.wandb.resume", "true", "--trainer.id", "run1", "--trainer.log_dir", "logs_tp2",
-          "--trainer.model_axis_size", "2", "--num_gpus", "2")
-    deepy(tmp, *common, "--trainer.num_train_steps", "6", "--trainer.load_checkpoint_path", "out/run1",
-          "--trainer.wandb.resume", "true", "--trainer.id", "run1", "--trainer.log_dir", "logs", "--num_gpus", "1")
-    deepy(tmp, *common, "--trainer.num_train_steps", "6", "--trainer.id", "ref", "--trainer.log_dir", "ref",
-          "--num_gpus", "1")
+    tp2 = deepy(tmp, *common[:2], "--trainer.checkpointer.base_path", "out_tp2", *common[4:],
+                "--trainer.num_train_steps", "6", "--trainer.wandb.resume", "true", "--trainer.id", "run1",
+                "--trainer.log_dir", "logs_tp2", "--trainer.model_axis_size", "2", "--num_gpus", "2")
+    resumed = deepy(tmp, *common, "--trainer.num_train_steps", "6", "--trainer.load_checkpoint_path", "out/run1",
+                    "--trainer.wandb.resume", "true", "--trainer.id", "run1", "--trainer.log_dir", "logs",
+                    "--num_gpus", "1")
+    ref = deepy(tmp, *common, "--trainer.num_train_steps", "6", "--trainer.id", "ref", "--trainer.log_dir", "ref",
+                "--num_gpus", "1")
+    for name, proc in (("tp2", tp2), ("resumed", resumed), ("ref", ref)):  # what each run printed
+        (tmp / f"{name}.out").write_text(proc.stdout + proc.stderr)
     neox = gpt_neox_config_of(next((tmp / "logs").glob("*/deepy_config.json")))
     # this launch's own choices: steps, where it saves (and its save schedule), logs and ranks
     neox.update(train_iters=6, save="out_neox/run1", load="out_neox/run1", save_interval="15min",
@@ -125,6 +130,19 @@ def test_a_levanter_run_resumes_from_a_gpt_neox_config(switched: Path) -> None:
     assert sorted(resumed) == [4, 5, 6]
     for step in resumed:
         assert resumed[step] == pytest.approx(reference[step], abs=1e-5), step
+
+
+@pytest.mark.parametrize("run", ["resumed", "tp2"])
+def test_the_resumed_run_shows_the_data_fast_forward(switched: Path, run: str) -> None:
+    """Levanter's guide: a resumed run fast-forwards through its data with a progress bar. Ours is a
+    seek: the bar (a line, as the output is not a terminal) over the 3 skipped global batches is full
+    at once; rank 0 alone prints it, and a run that starts fresh skips nothing and prints none."""
+    out = (switched / f"{run}.out").read_text()
+    bars = re.findall(r"^data fast-forward: 3/3 global batches \(100%\) \| [\d,.]+ global batches/s \| done in 0s$",
+                      out, re.MULTILINE)
+    assert len(bars) == 1, out[-3000:]
+    assert "data: resuming at sample 24 " in out  # 3 steps of 8 samples
+    assert "fast-forward" not in (switched / "ref.out").read_text()
 
 
 def test_the_same_wandb_run_continues(switched: Path) -> None:

@@ -106,7 +106,7 @@ def hf_loss(model: torch.nn.Module, text: torch.Tensor) -> float:
 
 
 def export_tool(ckpt: Path, out: Path) -> subprocess.CompletedProcess[str]:
-    tool = REPO / "tools" / "ckpts" / "convert_neox_to_hf.py"  # puts the repository on sys.path itself
+    tool = REPO / "tools" / "ckpts" / "convert_neox_to_hf.py"  # imports this checkout: tests/conftest.py sets PYTHONPATH
     return subprocess.run([sys.executable, str(tool), str(ckpt), str(out)], capture_output=True, text=True,
                           timeout=600)  # fmt: skip
 

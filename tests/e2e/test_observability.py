@@ -152,8 +152,7 @@ def test_plot_tool_draws_the_run(resumed_run: tuple[Path, str], tmp_path: Path) 
     import matplotlib.image
 
     assert matplotlib.image.imread(png).shape[:2] == (800, 1500)
-    sys.path.insert(0, str(REPO / "tools"))
-    import plot_metrics
+    from tools import plot_metrics
 
     fig = plot_metrics.build_figure([plot_metrics.read_run(tmp / "logs")])
     assert len(fig.axes) == len(plot_metrics.PANELS) == 6

@@ -22,9 +22,10 @@ from megatron.neox_arguments.deepspeed_split import deepspeed_config
 from megatron.neox_arguments.derived import DERIVATIONS
 from megatron.neox_arguments.honesty import ComponentBuilder, entry_point_builders
 from megatron.neox_arguments.resolved import run_directory
-from megatron.neox_arguments.rules import RuleContext
+from megatron.config_rules import RuleContext
 from megatron.neox_arguments.run_config import RunConfig
 from megatron.tokenizer import build_tokenizer
+from megatron.training.engine import layers_to_checkpoint
 
 
 class ReadRecorder:
@@ -91,6 +92,28 @@ def _lr_schedule(args: Any) -> object:
     return args.spec(int(args.train_iters or 100), 1e-3), args.resume_policy
 
 
+def _optimizer(args: Any) -> object:
+    """What the trainer asks of the optimizer keys (``engine.build_engine``, ``optimizers.build_optimizer``)."""
+    return args.optimizer_kind, args.optimizer_type_shown, args.peak_lr, args.applied_weight_decay, args.optimizer_params
+
+
+def _activation_checkpointing(args: Any) -> object:
+    """What ``engine.build_model``/``wrap_layers``/``configure_activation_checkpointing`` ask of the
+    activation checkpointing keys."""
+    return (args.recomputes_activations, layers_to_checkpoint(args, 4), args.checkpoint_num_layers,
+            args.deepspeed_checkpointing_options(4))
+
+
+def _training_loop(args: Any) -> object:
+    """What the loop reads of its keys (``pretrain.pretrain``, ``loop.train``, ``engine.build_engine``),
+    each where that code reads it: the loop is handed the arguments typed as ``TrainingRunArgs``."""
+    return (args.train_iters, args.train_epochs,  # pretrain.resolve_train_iters
+            args.eval_interval, args.exit_interval, args.max_consecutive_overflows,  # loop.train
+            args.eval_iters, args.num_workers, args.seed, args.precision, args.seq_length,  # pretrain
+            args.train_batch_size, args.train_micro_batch_size_per_gpu,  # pretrain's batch layout
+            args.compile_layers, args.zero_init)  # engine.build_engine
+
+
 def _user_plugins(args: Any) -> object:
     """What each rank does with ``plugins`` before validating its resolved config (``load_resolved``)."""
     return plugins.load_user_plugins(args.plugins)
@@ -98,8 +121,9 @@ def _user_plugins(args: Any) -> object:
 
 def component_builders() -> list[ComponentBuilder]:
     """Everything that turns keys into what a component does, for train.py."""
-    return [RunConfig.from_args, _tokenizer, _checkpoints, _logging, _lora, _lr_schedule, _user_plugins,
-            deepspeed_config, LaunchConfig.from_args, run_directory]
+    return [RunConfig.from_args, _tokenizer, _checkpoints, _logging, _lora, _lr_schedule, _optimizer,
+            _activation_checkpointing, _training_loop, _user_plugins, deepspeed_config, LaunchConfig.from_args,
+            run_directory]
 
 
 def plugin_keys_read() -> set[str]:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,16 +12,7 @@ from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.errors import DataError
 from megatron.neox_arguments import NeoXArgs
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools" / "datasets"
-
-
-def _load(name: str):  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from tools.datasets import build_preference_data as tool
 
 
 def _corpus(path: Path, n: int = 20) -> Path:
@@ -33,7 +22,6 @@ def _corpus(path: Path, n: int = 20) -> Path:
 
 
 def test_pairs_prefer_the_true_continuation(tmp_path: Path) -> None:
-    tool = _load("build_preference_data")
     pairs = tool.make_pairs(tool.read_texts(_corpus(tmp_path / "c.jsonl"), 10), 4, 5, seed=3)
     assert len(pairs) == 20
     for i, pair in enumerate(pairs):
@@ -49,8 +37,6 @@ def test_pairs_prefer_the_true_continuation(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("fmt", ["pairwise", "reward"])
 def test_writes_datasets_and_an_overlay_that_names_them(tmp_path: Path, fmt: str) -> None:
-    _load("preprocess_data_with_mask")
-    tool = _load("build_preference_data")
     out = tmp_path / "pref"
     assert tool.main(["--input", str(_corpus(tmp_path / "c.jsonl")), "--output-dir", str(out), "--format", fmt,
                       "--tokenizer-type", "CharLevelTokenizer", "--prompt-words", "4", "--completion-words", "5",

@@ -11,7 +11,7 @@ from megatron.errors import DeepyError
 from megatron.neox_arguments import config_from_mapping
 from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.neox_arguments.derived import detect_world_size, finalize
-from megatron.neox_arguments.rules import Device
+from megatron.config_rules import Device
 
 MINIMAL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, train_iters=10, lr=1e-3,
                train_micro_batch_size_per_gpu=2, use_dummy_dataset=True, tokenizer_type="CharLevelTokenizer")

@@ -10,7 +10,7 @@ import numpy as np
 
 from megatron.neox_arguments import config_from_mapping
 from megatron.neox_arguments.derived import finalize
-from megatron.neox_arguments.rules import Device
+from megatron.config_rules import Device
 
 REPO = Path(__file__).resolve().parents[2]
 GPU = Device(cuda=True, fp16_supported=True)

@@ -25,7 +25,7 @@ from megatron.neox_arguments import config_from_mapping
 from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.neox_arguments.derived import finalize
 from megatron.neox_arguments.honesty import FILLED_IN_KEYS, NO_EFFECT_KEYS, only_default_accepted
-from megatron.neox_arguments.rules import Device
+from megatron.config_rules import Device
 
 from effect_index import DEEPSPEED_STATE_TESTS, TestSource, effect_tests, naming_tests
 from key_reads import ReadRecorder, keys_read

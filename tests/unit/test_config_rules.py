@@ -11,7 +11,7 @@ from megatron.errors import ConfigError
 from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.neox_arguments.derived import detect_world_size, finalize
 from megatron.neox_arguments.resolved import ResolvedConfig
-from megatron.neox_arguments.rules import RULES, Device, RuleContext, check
+from megatron.config_rules import Device, RULES, RuleContext, check
 from megatron.time_phrases import TimePhraseError, parse_duration
 
 CPU = Device(cuda=False, fp16_supported=False)

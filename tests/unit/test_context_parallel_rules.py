@@ -8,8 +8,7 @@ from megatron.errors import ConfigError
 from megatron.neox_arguments import config_from_mapping
 from megatron.neox_arguments.derived import finalize
 from megatron.neox_arguments.honesty import check_entry_point
-from megatron.neox_arguments.rules import Device
-from megatron.training.config import TrainingConfig
+from megatron.config_rules import Device
 
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, train_iters=10, lr=1e-3,
             train_micro_batch_size_per_gpu=2, use_dummy_dataset=True, tokenizer_type="CharLevelTokenizer",
@@ -25,7 +24,7 @@ def test_context_parallel_ranks_read_the_same_samples() -> None:
     """world 8 = tp2 x cp2 x dp2: the global batch is micro x accumulation x dp (2), not x 4."""
     resolved = _finalize(8, model_parallel_size=2, train_batch_size=8)
     assert resolved.args.gradient_accumulation_steps == 2
-    assert TrainingConfig.from_args(resolved.args).train_batch_size == 8
+    assert resolved.args.train_batch_size == 8
     assert resolved.deepspeed_config["train_batch_size"] == 8  # the engine multiplies it by cp for DeepSpeed
 
 

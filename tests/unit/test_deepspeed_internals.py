@@ -152,3 +152,158 @@ def test_pipeline_eval_adds_outputs_into_the_training_loss_total() -> None:
     assert "self.total_loss = None" in inspect.getsource(PipelineEngine.train_batch)
     assert "self.total_loss = add_to_total_loss(self.total_loss" in inspect.getsource(PipelineEngine._exec_forward_pass)
     assert "self.total_loss = None" not in inspect.getsource(PipelineEngine.eval_batch)
+
+
+def test_gradient_allreduce_wrapper_is_what_backward_calls(engine) -> None:  # type: ignore[no-untyped-def]
+    """training/moe.py reduces expert gradients inside the wrapper: the plain engine's backward and
+    the pipeline engine's reduce step must both go through ``engine.allreduce_gradients``."""
+    import inspect
+
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from megatron.deepspeed_internals import wrap_gradient_allreduce
+
+    calls: list[str] = []
+
+    def around(original):  # type: ignore[no-untyped-def]
+        def wrapped(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append("reduce")
+            return original(*args, **kwargs)
+        return wrapped
+
+    enabled = engine.enable_backward_allreduce
+    engine.enable_backward_allreduce = True
+    wrap_gradient_allreduce(engine, around)
+    try:
+        loss = engine(torch.ones(2, 4)).sum()
+        engine.backward(loss)
+        engine.step()
+    finally:
+        del engine.allreduce_gradients  # the class's method again
+        engine.enable_backward_allreduce = enabled
+    assert calls == ["reduce"]
+    assert "self.allreduce_gradients(" in inspect.getsource(PipelineEngine._exec_reduce_grads)
+
+
+def test_engine_timer_group_and_pipeline_backward_timer_lists(engine) -> None:  # type: ignore[no-untyped-def]
+    from deepspeed.runtime.engine import EngineTimers
+    from deepspeed.utils.timer import SynchronizedWallClockTimer
+
+    from megatron.deepspeed_internals import collect_engine_timers
+
+    def quiet(*_args, **_kwargs) -> None:  # type: ignore[no-untyped-def]
+        return None
+
+    assert callable(SynchronizedWallClockTimer.log)  # what the instance attribute shadows
+    group = collect_engine_timers(engine, quiet)
+    try:
+        assert group is engine.timers and isinstance(group, SynchronizedWallClockTimer)
+        assert group.log is quiet
+    finally:
+        del group.log
+    timers = EngineTimers(enable_micro_timers=True, enable_global_timers=True)
+    assert timers.backward_timers and timers.backward_inner_timers  # the lists a pipeline run empties
+    assert isinstance(engine.engine_timers, EngineTimers)
+
+
+def test_engine_counters_are_the_checkpoint_keys_deepspeed_writes(engine) -> None:  # type: ignore[no-untyped-def]
+    import inspect
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from megatron.deepspeed_internals import restore_engine_counters
+
+    saved = (engine.global_steps, engine.global_samples, engine.skipped_steps)
+    try:
+        restore_engine_counters(engine, {"global_steps": 7, "global_samples": 14})
+        assert (engine.global_steps, engine.global_samples, engine.skipped_steps) == (7, 14, saved[2])
+    finally:
+        engine.global_steps, engine.global_samples, engine.skipped_steps = saved
+    source = inspect.getsource(DeepSpeedEngine._common_checkpoint_state)
+    assert all(f"{key}=self.{key}" in source for key in ("global_steps", "global_samples", "skipped_steps"))
+
+
+def test_partitioned_optimizer_state_markers_are_what_deepspeed_reads() -> None:
+    import inspect
+
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    from megatron.deepspeed_internals import has_partitioned_optimizer_state, relink_optimizer_state_views
+
+    reader = inspect.getsource(safe_get_full_optimizer_state)
+    assert "hasattr(param, 'ds_id')" in reader and "hasattr(param, '_hp_mapping')" in reader
+    plain = torch.nn.Parameter(torch.ones(2))
+    assert not has_partitioned_optimizer_state(plain)
+    plain._hp_mapping = None  # type: ignore[attr-defined]  # how ZeRO-1/2 marks a linked parameter
+    assert has_partitioned_optimizer_state(plain)
+    for cls in (DeepSpeedZeroOptimizer, BF16_Optimizer):
+        lazy = inspect.getsource(cls._lazy_init_hp_params_optimizer_state)
+        assert "if not self._hp_optimizer_states_linked:" in lazy, cls
+    assert relink_optimizer_state_views(torch.optim.SGD([plain], lr=0.1)) is False  # nothing to relink
+
+
+def test_relinking_clears_the_guard_and_links_again() -> None:
+    from types import SimpleNamespace
+
+    from megatron.deepspeed_internals import relink_optimizer_state_views
+
+    linked: list[bool] = []
+    optimizer = SimpleNamespace(_hp_optimizer_states_linked=True)
+    optimizer._lazy_init_hp_params_optimizer_state = lambda: linked.append(optimizer._hp_optimizer_states_linked)
+    assert relink_optimizer_state_views(optimizer) is True
+    assert linked == [False]  # the guard was down when DeepSpeed's linker ran
+
+
+def test_pipeline_module_layer_bookkeeping(engine) -> None:  # type: ignore[no-untyped-def]
+    """neox_files.py writes GPT-NeoX's layer files through these: the stage's first spec index, the
+    grid placing the files, the tied-weight sync and the engine's calls into save/load."""
+    import inspect
+
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from megatron.deepspeed_internals import (
+        pipeline_grid,
+        pipeline_local_start,
+        replace_pipeline_layer_io,
+        synchronize_tied_weights,
+    )
+
+    module = PipelineModule(layers=[torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)], num_stages=1)
+    assert pipeline_local_start(module) == 0
+    assert pipeline_grid(module).data_parallel_id == 0
+    assert pipeline_grid(module).get_slice_parallel_rank() == 0
+    synchronize_tied_weights(module)  # no tied weights: a no-op that must still exist
+    assert "self._local_start = start" in inspect.getsource(PipelineModule._set_bounds)
+    calls: list[str] = []
+    replace_pipeline_layer_io(module, save=lambda *a, **k: calls.append("save"),
+                              load=lambda *a, **k: calls.append("load"))
+    module.save_state_dict("dir", None)
+    module.load_state_dir("dir", None)
+    assert calls == ["save", "load"]
+    assert "self.module.save_state_dict(" in inspect.getsource(PipelineEngine.module_state_dict)
+    assert "self.module.load_state_dir(" in inspect.getsource(PipelineEngine.load_module_state_dict)
+
+
+def test_module_state_dict_conversion_runs_in_save_and_load_checkpoint(engine, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from megatron.deepspeed_internals import convert_module_state_dicts
+
+    def on_save(weights):  # type: ignore[no-untyped-def]
+        return {f"renamed.{k}": v for k, v in weights.items()}
+
+    def on_load(checkpoint):  # type: ignore[no-untyped-def]
+        seen.append(sorted(checkpoint["module"]))
+        return {**checkpoint, "module": {k.removeprefix("renamed."): v for k, v in checkpoint["module"].items()}}
+
+    seen: list[list[str]] = []
+    convert_module_state_dicts(engine, on_save=on_save, on_load=on_load)
+    try:
+        engine.save_checkpoint(str(tmp_path), "converted", save_latest=False)
+        saved = torch.load(tmp_path / "converted" / "mp_rank_00_model_states.pt", weights_only=False)
+        assert sorted(saved["module"]) == ["renamed.bias", "renamed.weight"]
+        engine.load_checkpoint(str(tmp_path), "converted")
+    finally:
+        del engine.module_state_dict, engine.load_module_state_dict  # the class's methods again
+    assert seen == [["renamed.bias", "renamed.weight"]]

@@ -11,7 +11,7 @@ from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.neox_arguments.deepspeed_split import deepspeed_config
 from megatron.neox_arguments.derived import finalize
 from megatron.neox_arguments.resolved import ResolvedConfig
-from megatron.neox_arguments.rules import Device
+from megatron.config_rules import Device
 
 CPU = Device(cuda=False, fp16_supported=False)
 BASE: dict[str, Any] = {

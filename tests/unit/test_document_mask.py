@@ -14,7 +14,7 @@ import torch
 from megatron.model import GPTConfig, GPTModel
 from megatron.model.documents import document_ids_from_eod, document_spans, positions_in_documents
 from megatron.neox_arguments import config_from_mapping
-from megatron.neox_arguments.rules import Device
+from megatron.config_rules import Device
 from megatron.training.objectives import ObjectiveConfig, build_objective, lm_loss_sum
 
 EOD = 0

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron.checkpointing import commit, discovery
-from megatron.checkpointing.safe_load import weights_only_loading
+from megatron.checkpointing.safe_load import load_checkpoint_file, weights_only_loading
 from megatron.errors import CheckpointError
 
 
@@ -119,5 +119,40 @@ def test_corrupt_checkpoint_files_are_named(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="truncated.pt is corrupt or truncated|garbage.pt is corrupt"):
         with weights_only_loading(tmp_path):
             torch.load(tmp_path / "truncated.pt")
-    with weights_only_loading():
-        assert torch.equal(torch.load(good)["a"], torch.ones(4))
+    assert torch.equal(load_checkpoint_file(good)["a"], torch.ones(4))
+    for name in ("truncated.pt", "garbage.pt"):  # our own reads name the file the same way
+        with pytest.raises(CheckpointError, match=f"checkpoint file {tmp_path / name} is corrupt or truncated"):
+            load_checkpoint_file(tmp_path / name)
+
+
+class _Marker:
+    """Unpickling this writes a file: the stand-in for code a checkpoint must never run."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (Path.write_text, (self.target, "ran"))
+
+
+def test_pickled_code_is_refused_before_deepspeed_style_loads_run(tmp_path: Path) -> None:
+    """DeepSpeed reads with ``torch.load(weights_only=False)``; the files are checked first, so its
+    load never sees one holding code, and no process-wide switch (environment variable) is used."""
+    ckpt = tmp_path / "global_step2"
+    (ckpt / "zero" / "w").mkdir(parents=True)
+    torch.save({"module": {"w": torch.ones(2)}}, ckpt / "mp_rank_00_model_states.pt")
+    torch.save({"param": torch.ones(2)}, ckpt / "zero" / "w" / "fp32.pt")
+    import deepspeed.checkpoint.universal_checkpoint  # noqa: F401 - importing DeepSpeed sets variables of its own
+    environment = dict(__import__("os").environ)
+    with weights_only_loading(ckpt):
+        assert dict(__import__("os").environ) == environment  # TORCH_FORCE_WEIGHTS_ONLY_LOAD untouched
+        state = torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)  # as DeepSpeed does
+    assert torch.equal(state["module"]["w"], torch.ones(2))
+
+    torch.save({"param": torch.ones(2), "payload": _Marker(tmp_path / "pwned")}, ckpt / "zero" / "w" / "exp_avg.pt")
+    body_ran = False
+    with pytest.raises(CheckpointError, match=r"refusing to load \S*zero/w/exp_avg.pt: it contains pickled objects"):
+        with weights_only_loading(ckpt):
+            body_ran = True
+    assert not body_ran and not (tmp_path / "pwned").exists()
+    assert dict(__import__("os").environ) == environment

@@ -11,7 +11,7 @@ from megatron.model import num_parameters
 from megatron.neox_arguments import finalize
 from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.neox_arguments.resolved import ResolvedConfig
-from megatron.neox_arguments.rules import Device
+from megatron.config_rules import Device
 from megatron.neox_arguments.run_config import RunConfig
 from megatron.training.memory import GiB, MemoryLayout, activation_bytes, estimate, render, stage_parameters
 

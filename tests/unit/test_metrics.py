@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from megatron.logging.log import format_row
-from megatron.logging.metrics import METRICS_FILE, MetricsWriter, read_metrics, series
+from megatron.logging.metrics import METRICS_FILE, MetricsWriter
 from megatron.logging.throughput import as_metrics, measure, peak_tflops
+
+from metrics_rows import read_metrics, series
 
 
 def test_writer_appends_plain_json_rows(tmp_path) -> None:

@@ -374,14 +374,14 @@ def test_activation_checkpointing_replays_dropout() -> None:
     cfg = GPTConfig(**BASE, hidden_dropout=0.2, attention_dropout=0.2, pos_emb="rotary")
     tokens = torch.randint(0, cfg.padded_vocab_size, (2, cfg.seq_length))
     labels = torch.randint(0, cfg.padded_vocab_size, (2, cfg.seq_length))
-    from megatron.training.config import ActivationCheckpointConfig
+    from megatron.training.activation_config import ActivationCheckpointArgs
     from megatron.training.engine import wrap_layers
 
     runs = []
     for on in (False, True):
         model = GPTModel(cfg).train()
         # what build_model does (without a process group, so without configure's mpu options)
-        wrap_layers(model, ActivationCheckpointConfig(checkpoint_activations=on), compile_layers=False,
+        wrap_layers(model, ActivationCheckpointArgs(checkpoint_activations=on), compile_layers=False,
                     pipe_interval_used=False)
         assert ("forward" in vars(model.layers[0])) == on  # recompute wrapper installed per instance
         model_parallel_manual_seed(5)
@@ -402,7 +402,7 @@ def test_checkpoint_num_layers_chunks_blocks_without_a_pipeline(monkeypatch: pyt
     model without checkpointing."""
     import deepspeed
 
-    from megatron.training.config import ActivationCheckpointConfig
+    from megatron.training.activation_config import ActivationCheckpointArgs
     from megatron.training.engine import wrap_layers
 
     calls: list[int] = []
@@ -411,8 +411,8 @@ def test_checkpoint_num_layers_chunks_blocks_without_a_pipeline(monkeypatch: pyt
     cfg = GPTConfig(**{**BASE, "num_layers": 4})
     tokens = torch.randint(0, cfg.padded_vocab_size, (2, cfg.seq_length))
     runs = []
-    for ckpt in (ActivationCheckpointConfig(), ActivationCheckpointConfig(checkpoint_activations=True),
-                 ActivationCheckpointConfig(checkpoint_activations=True, checkpoint_num_layers=2)):
+    for ckpt in (ActivationCheckpointArgs(), ActivationCheckpointArgs(checkpoint_activations=True),
+                 ActivationCheckpointArgs(checkpoint_activations=True, checkpoint_num_layers=2)):
         calls.clear()
         model = GPTModel(cfg).train()
         wrap_layers(model, ckpt, compile_layers=False, pipe_interval_used=False)

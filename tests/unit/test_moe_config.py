@@ -14,7 +14,7 @@ from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.neox_arguments.derived import finalize
 from megatron.neox_arguments.loading import load_config
 from megatron.neox_arguments.resolved import ResolvedConfig
-from megatron.neox_arguments.rules import Device
+from megatron.config_rules import Device
 
 REPO = Path(__file__).resolve().parents[2]
 CPU = Device(cuda=False, fp16_supported=False)

@@ -9,7 +9,7 @@ import torch
 
 from megatron.errors import ConfigError
 from megatron.neox_arguments import config_from_mapping
-from megatron.training.config import OptimizerConfig
+from megatron.training.optimizer_config import OptimizerArgs
 from megatron.training.optimizers import OPTIMIZERS, build_optimizer, param_groups
 
 
@@ -24,10 +24,10 @@ class Tiny(torch.nn.Module):
         return self.final_norm(self.linear(x)).sum()
 
 
-def optimizer_config(kind: str, top: dict[str, Any] | None = None, **params: Any) -> OptimizerConfig:
-    """Through the real loader: the schema validates the block, OptimizerConfig reads it."""
+def optimizer_config(kind: str, top: dict[str, Any] | None = None, **params: Any) -> OptimizerArgs:
+    """Through the real loader: the schema validates the block, OptimizerArgs' properties read it."""
     values = {"optimizer": {"type": kind, "params": {"lr": 0.01, **params}}, "weight_decay": 0.1, **(top or {})}
-    return OptimizerConfig.from_args(config_from_mapping(values).args)
+    return config_from_mapping(values).args
 
 
 def test_registry_keys() -> None:
@@ -51,15 +51,16 @@ def test_adam_is_decoupled_adamw_and_takes_lr_from_params() -> None:
 
 
 def test_top_level_lr_wins() -> None:
-    assert optimizer_config("AdamW", top={"lr": 0.5}).lr == 0.5
+    assert optimizer_config("AdamW", top={"lr": 0.5}).peak_lr == 0.5
+    assert optimizer_config("AdamW").peak_lr == 0.01  # optimizer.params.lr otherwise
 
 
 def test_weight_decay_in_params_is_honoured() -> None:
     cfg = optimizer_config("AdamW", weight_decay=0.3)
-    assert cfg.weight_decay == 0.3
+    assert cfg.applied_weight_decay == 0.3
     opt = build_optimizer(Tiny(), cfg)
     assert opt.param_groups[0]["weight_decay"] == 0.3 and opt.param_groups[1]["weight_decay"] == 0.0
-    assert optimizer_config("AdamW").weight_decay == 0.1  # the flat key otherwise
+    assert optimizer_config("AdamW").applied_weight_decay == 0.1  # the flat key otherwise
 
 
 @pytest.mark.parametrize("kind", ["Adam", "AdamW", "SGD", "Lion", "CPU_Adam", "CPU_torch_adam", "SM3", "madgrad_wd"])
@@ -126,15 +127,14 @@ def test_flat_optimizer_type_without_a_block_gets_gpt_neox_defaults(kind: str) -
     """No ``optimizer`` block, only ``lr`` and ``optimizer_type``: the type's GPT-NeoX defaults fill
     every parameter (the same optimizer an empty block of that type builds), so the ranks never meet a
     missing ``betas``/``momentum``."""
-    flat = OptimizerConfig.from_args(config_from_mapping({"optimizer_type": kind, "lr": 0.01}).args)
+    flat = config_from_mapping({"optimizer_type": kind, "lr": 0.01}).args
     block_type = {"cpu_torch_adam": "CPU_torch_adam"}.get(kind, kind)
-    block = OptimizerConfig.from_args(config_from_mapping({"optimizer": {"type": block_type,
-                                                                         "params": {"lr": 0.01}}}).args)
-    assert (flat.kind, dict(flat.params)) == (block.kind, dict(block.params))
+    block = config_from_mapping({"optimizer": {"type": block_type, "params": {"lr": 0.01}}}).args
+    assert (flat.optimizer_kind, dict(flat.optimizer_params)) == (block.optimizer_kind, dict(block.optimizer_params))
     optimizer = build_optimizer(Tiny(), flat)
     defaults = {k: v for k, v in optimizer.defaults.items() if k in ("betas", "momentum", "eps")}
     assert defaults, optimizer.defaults
     # the values torch received are the schema's defaults (AdamW's betas (0.9, 0.999), SGD momentum 0)
     for key, value in defaults.items():
-        expected = flat.params[key]
+        expected = flat.optimizer_params[key]
         assert (tuple(value) == tuple(expected)) if key == "betas" else (value == expected), key

@@ -9,7 +9,7 @@ import pytest
 from megatron.errors import ConfigError
 from megatron.neox_arguments import config_from_mapping, finalize
 from megatron.neox_arguments.optional_packages import missing_package_problems
-from megatron.neox_arguments.rules import Device, RuleContext
+from megatron.config_rules import Device, RuleContext
 
 BASE: dict[str, Any] = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 16,
                         "train_micro_batch_size_per_gpu": 2, "train_iters": 4, "use_dummy_dataset": True,

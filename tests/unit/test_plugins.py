@@ -277,7 +277,7 @@ def test_accepted_values_of_a_plugin_key_are_its_registry(family: str) -> None:
 
 
 def test_optimizer_types_are_the_builders_registry() -> None:
-    from megatron.neox_arguments.groups.optimizer_block import OPTIMIZER_KINDS
+    from megatron.training.optimizer_block import OPTIMIZER_KINDS
     from megatron.training.optimizers import DEEPSPEED_BUILT, OPTIMIZERS
 
     # every accepted optimizer.type is built by us or, for 1-bit Adam, by DeepSpeed from its block

@@ -3,9 +3,7 @@ pairwise and KTO reward datasets, and build_datasets for each train_impl."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,13 +18,8 @@ from megatron.data.sample_index import packed_samples_per_epoch
 from megatron.data.sft_dataset import SFTDataset
 from megatron.errors import DataError
 from megatron.tokenizer.char_level import CharLevelTokenizer
+from tools.datasets import preprocess_data_with_mask as tool
 
-_TOOL = Path(__file__).resolve().parents[2] / "tools" / "datasets" / "preprocess_data_with_mask.py"
-_spec = importlib.util.spec_from_file_location("preprocess_data_with_mask", _TOOL)
-assert _spec and _spec.loader
-tool = importlib.util.module_from_spec(_spec)
-sys.modules["preprocess_data_with_mask"] = tool
-_spec.loader.exec_module(tool)
 
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")

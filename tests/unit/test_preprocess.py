@@ -16,11 +16,10 @@ import tokenizers
 from tokenizers import models, pre_tokenizers
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
+from tools.datasets import train_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = REPO / "tools" / "datasets"
-sys.path.insert(0, str(TOOLS))
-import train_tokenizer  # noqa: E402
 
 
 def corpus_texts() -> list[str]:
@@ -190,7 +189,7 @@ def test_merge_and_count_tools(data: Path, texts: list[str], tmp_path: Path) -> 
 
 
 def test_pack_inserts_eod_after_each_document() -> None:
-    from preprocess_data import pack
+    from tools.datasets.preprocess_data import pack
 
     flat, sizes = pack([[5, 6], [], [7]], eod=0, dtype=np.uint16)
     assert flat.tolist() == [5, 6, 0, 0, 7, 0] and sizes.tolist() == [3, 1, 2]

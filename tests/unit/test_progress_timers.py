@@ -75,6 +75,15 @@ def test_tool_progress_lines_when_not_a_terminal() -> None:
     assert lines[-1].endswith("2.0 MB/s")
 
 
+def test_tool_progress_is_a_tqdm_bar_on_a_terminal() -> None:
+    """What a resumed run's data fast-forward (megatron/training/pretrain.py) draws on a terminal."""
+    out = io.StringIO()
+    with progress(3, "data fast-forward", "global batches", stream=out, terminal=True) as bar:
+        bar.update(3)
+    last = out.getvalue().split("\r")[-1]
+    assert last.startswith("data fast-forward: 100%|") and "| 3/3 [" in last, repr(out.getvalue())
+
+
 def test_phase_lines() -> None:
     logger, stream = capture_logger()
     with phase(logger, "building sample index"):

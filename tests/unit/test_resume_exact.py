@@ -9,10 +9,12 @@ from pathlib import Path
 
 from megatron.app.deepy import already_finished
 from megatron.checkpointing import commit
-from megatron.logging.metrics import METRICS_FILE, MetricsWriter, read_metrics, run_files
+from megatron.logging.metrics import METRICS_FILE, MetricsWriter, run_files
 from megatron.logging.trackers import new_run_name
 from megatron.neox_arguments.loading import load_config
 from megatron.training.evaluate import evaluation_number
+
+from metrics_rows import read_metrics
 
 
 def test_each_evaluation_reads_its_own_block_of_the_split() -> None:

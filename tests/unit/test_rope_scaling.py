@@ -143,7 +143,7 @@ def test_bad_scaling_is_refused_by_name(value: dict, named: str) -> None:
 def test_config_rules_refuse_scaling_before_launch() -> None:
     from megatron.neox_arguments import config_from_mapping
     from megatron.neox_arguments.derived import finalize
-    from megatron.neox_arguments.rules import Device
+    from megatron.config_rules import Device
 
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, train_iters=10, lr=1e-3,
                 train_micro_batch_size_per_gpu=2, use_dummy_dataset=True, tokenizer_type="CharLevelTokenizer")

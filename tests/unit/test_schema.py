@@ -26,6 +26,7 @@ from megatron.neox_arguments.arguments import (
     check_supported,
     require_supported,
 )
+from megatron.neox_arguments.docs import _group_intro
 from megatron.neox_arguments.groups.model import ModelArgs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,9 +48,16 @@ GROUP_MODULE = {
     "NeoXArgsDeepspeedRunner": "deepspeed_runner",
 }
 
-# GPT-NeoX keys declared beside the component that reads them rather than in the group mirroring
-# GPT-NeoX's (key -> Deepy group); names and defaults stay GPT-NeoX's (checked below).
-BESIDE_COMPONENT: dict[str, str] = {
+# GPT-NeoX keys Deepy declares beside the component that reads them rather than in the group mirroring
+# GPT-NeoX's (issue 20): key -> the group that declares it. Names and defaults are still GPT-NeoX's.
+DECLARED_WITH_COMPONENT: dict[str, str] = {
+    **dict.fromkeys(("train_iters", "train_epochs", "eval_iters", "eval_interval", "num_workers", "exit_interval"),
+                    "training_loop"),
+    **dict.fromkeys(("checkpoint_activations", "checkpoint_num_layers", "deepspeed_activation_checkpointing",
+                     "contiguous_checkpointing", "checkpoint_in_cpu", "synchronize_each_layer", "profile_backward",
+                     "partition_activations", "activation_checkpointing"), "activation_checkpointing"),
+    "weight_decay": "optimizer",
+    "optimizer": "optimizer",
     **dict.fromkeys(("vocab_file", "merge_file", "make_vocab_size_divisible_by"), "tokenizer"),
     **dict.fromkeys((
         "save", "config_files", "load", "checkpoint_validation_with_forward_pass", "checkpoint_scale",
@@ -70,7 +78,7 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "rewarmup": ("lr", 0.0),
     "min_lr_ratio": ("lr", None),
     "decay_fraction": ("lr", None),
-    "selective_checkpointing": ("training", None),
+    "selective_checkpointing": ("activation_checkpointing", None),
     "use_dummy_dataset": ("training", False),
     "train_urls": ("training", None),
     "validation_urls": ("training", None),
@@ -78,8 +86,8 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "save_interval": ("checkpoint", None),
     "keep": ("checkpoint", None),
     "initialize_from": ("checkpoint", None),
-    "max_consecutive_overflows": ("training", 50),
-    "compile_layers": ("training", False),
+    "max_consecutive_overflows": ("training_loop", 50),
+    "compile_layers": ("training_loop", False),
     "per_device_parallelism": ("training", None),
     "run_dir": ("training", None),
     "load_checkpoint": ("checkpoint", True),
@@ -89,7 +97,7 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "scale_attn_by_inverse_layer_idx": ("model", False),  # GPT-2's/Levanter's per-block attention scale
     "sharding_strategy": ("parallelism", None),
     "plugins": ("plugins", []),  # plug-in modules imported before validation (megatron/plugins.py)
-    "zero_init": ("training", False),  # fms-fsdp's low_cpu_fsdp: build under deepspeed.zero.Init  # fms-fsdp's fsdp | hsdp | ddp
+    "zero_init": ("training_loop", False),  # fms-fsdp's low_cpu_fsdp: build under deepspeed.zero.Init  # fms-fsdp's fsdp | hsdp | ddp
     "mlp_type": ("model", "regular"),  # earlier GPT-NeoX key its Llama/Mistral configs set
     "moe_aux_loss_coeff": ("moe", 0.0),
     "moe_z_loss_coeff": ("moe", 0.0),
@@ -499,7 +507,7 @@ def test_every_neox_key_is_a_field_in_its_group() -> None:
         for name, _ in fields:
             assert NeoXArgs.has_field(name), name
             owner = NeoXArgs.group_of(name)
-            assert owner == BESIDE_COMPONENT.get(name, GROUP_MODULE[neox_group]) or ":" in owner, name
+            assert owner == DECLARED_WITH_COMPONENT.get(name, GROUP_MODULE[neox_group]) or ":" in owner, name
             assert name in NeoXArgs.groups()[owner].model_fields
 
 
@@ -522,6 +530,15 @@ def test_field_count_is_neox_plus_extras_and_nothing_else() -> None:
     assert len(NeoXArgs.field_names()) == len(names) == 318 + len(EXTRAS)
     assert names == set(NEOX_NAMES) | set(EXTRAS)
     assert set(NeoXArgs.model_fields) == names
+
+
+def test_a_group_declaring_keys_gpt_neox_files_elsewhere_says_where() -> None:
+    """The generated docs' intro of such a group (``configs/neox_arguments.md``) names GPT-NeoX's group
+    of each key it took, as the docs' header promises."""
+    neox_group_of = {name: group for group, fields in NEOX_REFERENCE.items() for name, _ in fields}
+    for name, group in DECLARED_WITH_COMPONENT.items():
+        assert NeoXArgs.group_of(name) == group, name
+        assert neox_group_of[name] in _group_intro(group, NeoXArgs.groups()[group]), name
 
 
 def test_two_groups_declaring_one_key_is_caught() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import inspect
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,10 +18,7 @@ from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.tokenizer import fast_bpe
 from megatron.tokenizer.byte_level import byte_to_char, token_to_bytes
 from megatron.tokenizer.hf import GPT2BPETokenizer, HFGPT2Tokenizer, HFTokenizer
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools" / "datasets"))
-import train_tokenizer  # noqa: E402
+from tools.datasets import train_tokenizer
 
 EXTRA = [
     "Unicode: naïve café, 日本語, emoji 🙂, math ∑ ≤ ∞; tabs\tand\r\nwindows lines.",

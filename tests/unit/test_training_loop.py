@@ -8,23 +8,22 @@ import pytest
 import torch
 
 from megatron.errors import ConfigError
-from megatron.neox_arguments import config_from_mapping
-from megatron.training.config import ActivationCheckpointConfig
-from megatron.training.batch import IGNORE_INDEX, lm_batch
+from megatron.neox_arguments import NeoXArgs, config_from_mapping
+from megatron.training.activation_config import ActivationCheckpointArgs
+from megatron.training.config import TrainingLoopArgs, TrainingRunArgs
 from megatron.training.engine import clip_grad_norm, layers_to_checkpoint, partition_method
 from megatron.training.loop import TrainingAborted, TrainState, _check_overflow
+from megatron.training.objectives.base import IGNORE_INDEX, shifted
 from megatron.training.step import StepResult
 
 
-def test_lm_batch_shifts_and_masks() -> None:
+def test_shifted_inputs_and_masked_labels() -> None:
     text = torch.tensor([[5, 6, 7, 0, 9]])
-    b = lm_batch({"text": text}, eod_token=0)
-    assert b.tokens.tolist() == [[5, 6, 7, 0]]
-    assert b.labels.tolist() == [[6, 7, IGNORE_INDEX, 9]]  # predicting the eod is not counted
-    assert b.loss_mask.tolist() == [[1.0, 1.0, 0.0, 1.0]]
-    labelled = lm_batch({"text": text, "label": torch.tensor([[-100, -100, 7, 3, 9]])})
-    assert labelled.labels.tolist() == [[IGNORE_INDEX, 7, 3, 9]]
-    assert labelled.loss_mask.tolist() == [[0.0, 1.0, 1.0, 1.0]]
+    tokens, labels = shifted({"text": text}, "text", "label", eod_token=0)
+    assert tokens.tolist() == [[5, 6, 7, 0]]
+    assert labels.tolist() == [[6, 7, IGNORE_INDEX, 9]]  # predicting the eod is not counted
+    _, labels = shifted({"text": text, "label": torch.tensor([[-100, -100, 7, 3, 9]])}, "text", "label", None)
+    assert labels.tolist() == [[IGNORE_INDEX, 7, 3, 9]]
 
 
 def test_clip_grad_norm_matches_torch_and_clips() -> None:
@@ -69,8 +68,8 @@ def test_train_state_round_trip() -> None:
     assert TrainState.from_dict({**state.to_dict(), "unknown": 1}) == state
 
 
-def _ckpt(**values: object) -> ActivationCheckpointConfig:
-    return ActivationCheckpointConfig.from_args(config_from_mapping(values).args)
+def _ckpt(**values: object) -> ActivationCheckpointArgs:
+    return config_from_mapping(values).args
 
 
 def test_layers_to_checkpoint() -> None:
@@ -82,6 +81,24 @@ def test_layers_to_checkpoint() -> None:
     assert layers_to_checkpoint(_ckpt(), 4) == []
 
 
+def test_activation_block_is_another_spelling_of_the_flat_keys() -> None:
+    """DeepSpeed's ``activation_checkpointing`` block turns an option on as its flat key does, and only
+    it sets ``number_checkpoints`` (else one buffer per layer)."""
+    flat = _ckpt(checkpoint_activations=True, partition_activations=True).deepspeed_checkpointing_options(6)
+    block = _ckpt(checkpoint_activations=True, activation_checkpointing={
+        "partition_activations": True, "cpu_checkpointing": True, "number_checkpoints": 3,
+    }).deepspeed_checkpointing_options(6)
+    assert (flat["partition_activations"], flat["checkpoint_in_cpu"], flat["num_checkpoints"]) == (True, False, 6)
+    assert (block["partition_activations"], block["checkpoint_in_cpu"], block["num_checkpoints"]) == (True, True, 3)
+
+
+def test_the_loops_protocol_names_declared_keys_and_every_loop_key() -> None:
+    """``RunConfig.training`` is the arguments typed as ``TrainingRunArgs``: each name it lists is a
+    declared key, and it lists every key of the loop's own group."""
+    members = {name for name, value in vars(TrainingRunArgs).items() if isinstance(value, property)}
+    assert set(TrainingLoopArgs.model_fields) <= members <= set(NeoXArgs.model_fields)
+
+
 def test_partition_method_names() -> None:
     assert partition_method("type:transformer|mlp") == "type:TransformerLayerPipe"
     assert partition_method("parameters") == "parameters"
@@ -90,9 +107,9 @@ def test_partition_method_names() -> None:
         partition_method("balanced")
 
 
-def test_micro_batches_from_sampler_feed_lm_batch() -> None:
+def test_micro_batches_from_sampler_feed_the_shift() -> None:
     from megatron.data.sampler import collate
 
     samples = [{"text": np.arange(5, dtype=np.int64) + i} for i in range(2)]
-    b = lm_batch(collate(samples))
-    assert b.tokens.shape == (2, 4) and b.tokens.dtype == torch.int64
+    tokens, _ = shifted(collate(samples), "text", "label", None)
+    assert tokens.shape == (2, 4) and tokens.dtype == torch.int64

@@ -25,18 +25,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+import torch.nn.functional as F
 
-import harness  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from harness import Arch, Contender  # noqa: E402
+from tools.bench import harness
+from tools.bench.harness import Arch, Contender
 
 LR, BETAS, WEIGHT_DECAY, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
 CONTENDERS = ("deepy", "hf", "nanogpt", "raw")
@@ -167,7 +162,7 @@ def raw_contender(arch: Arch, built: Any, compile_model: bool) -> Contender:
 
 
 def hf_contender(arch: Arch, compile_model: bool) -> Contender:
-    from nanogpt import adamw
+    from tools.bench.nanogpt import adamw
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     dev = harness.device()
@@ -190,7 +185,7 @@ def hf_contender(arch: Arch, compile_model: bool) -> Contender:
 
 
 def nanogpt_contender(arch: Arch, compile_model: bool) -> Contender:
-    from nanogpt import GPT, adamw
+    from tools.bench.nanogpt import GPT, adamw
 
     dev = harness.device()
     model = GPT(layers=arch.layers, hidden=arch.hidden, heads=arch.heads, seq=arch.seq, vocab=arch.vocab).to(dev)

@@ -13,22 +13,18 @@ import argparse
 import os
 import socket
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import torch
+
+from megatron.logging.throughput import DEVICE_PEAKS, peak_tflops
+from megatron.model import GPTConfig, flops_per_token
+
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-
-from megatron.logging.throughput import DEVICE_PEAKS, peak_tflops  # noqa: E402
-from megatron.model import GPTConfig, flops_per_token  # noqa: E402
-
 Precision = Literal["fp32", "bf16"]
 Clock = Literal["wall", "cpu"]
 

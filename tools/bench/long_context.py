@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import resource
-import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -34,8 +33,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 EOD = 0
 

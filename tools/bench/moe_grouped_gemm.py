@@ -14,17 +14,14 @@ forward+backward and each method's time relative to the grouped GEMM.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
+import torch
+
+from megatron.model.moe import _grouped_mm_fits, grouped_matmul, padded_grouped_matmul
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-
-from megatron.model.moe import _grouped_mm_fits, grouped_matmul, padded_grouped_matmul  # noqa: E402
-
 SHAPES = [  # (assignments, hidden, expert width, local experts)
     (512, 64, 256, 4),
     (2048, 256, 1024, 8),

@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 RUNS = {"dense": "configs/tiny.yml", "moe": "configs/tiny-moe.yml"}
 

@@ -21,28 +21,26 @@ import json
 import os
 import re
 import resource
+import runpy
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
+from megatron.data.indexed_dataset import MMapIndexedDataset
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-import numpy as np  # noqa: E402
-
-from megatron.data.indexed_dataset import MMapIndexedDataset  # noqa: E402
-
 DEFAULT_TOKENIZER = REPO.parent / "shared" / "data" / "gpt2-tokenizer.json"
 
 
 def build_corpus(path: Path, repeats: int, min_chars: int) -> int:
     """Write the benchmark corpus; returns the number of documents."""
-    sys.path.insert(0, str(REPO))
-    import prepare_data
-
-    docs = prepare_data.stdlib_docstrings(min_chars=min_chars, include_private=True)
+    # prepare_data.py is a script beside the packages, not a module of one: take its function from the file
+    stdlib_docstrings = runpy.run_path(str(REPO / "prepare_data.py"), run_name="prepare_data")["stdlib_docstrings"]
+    docs = stdlib_docstrings(min_chars=min_chars, include_private=True)
     with open(path, "w", encoding="utf-8") as fh:
         for _ in range(repeats):
             for doc in docs:

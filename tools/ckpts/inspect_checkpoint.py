@@ -18,17 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from megatron.checkpointing import commit
+from megatron.checkpointing.safe_load import load_checkpoint_file
+from megatron.checkpointing.save_load import META_FILE
+from megatron.errors import CheckpointError, UsageError, run_guarded
+
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-
-from megatron.checkpointing import commit  # noqa: E402
-from megatron.checkpointing.safe_load import weights_only_loading  # noqa: E402
-from megatron.checkpointing.save_load import META_FILE  # noqa: E402
-from megatron.errors import CheckpointError, UsageError, run_guarded  # noqa: E402
-
 
 @dataclass
 class Snapshot:
@@ -59,13 +56,12 @@ def read(path: Path) -> Snapshot:
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     tensors: dict[str, torch.Tensor] = {}
     files = sorted(ckpt.glob("mp_rank_*_model_states.pt")) + sorted(ckpt.glob("layer_*-model_*model_states.pt"))
-    with weights_only_loading():
-        for file in files:
-            state = torch.load(file)
-            module = state.get("module", state) if isinstance(state, dict) else {}
-            for name, value in (module or {}).items():
-                if torch.is_tensor(value):
-                    tensors[f"{file.name.removesuffix('_model_states.pt')}/{name}"] = value
+    for file in files:
+        state = load_checkpoint_file(file)
+        module = state.get("module", state) if isinstance(state, dict) else {}
+        for name, value in (module or {}).items():
+            if torch.is_tensor(value):
+                tensors[f"{file.name.removesuffix('_model_states.pt')}/{name}"] = value
     return Snapshot(ckpt, commit.is_committed(ckpt), meta, tensors)
 
 
@@ -152,5 +148,10 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``deepy-inspect-checkpoint`` console script: clean one-line errors, exit code 2."""
     run_guarded(main)
+
+
+if __name__ == "__main__":
+    cli()

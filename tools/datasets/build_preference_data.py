@@ -24,14 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, not installed
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from megatron.atomic_files import atomic_path  # noqa: E402
-from megatron.errors import DataError, UsageError, run_guarded  # noqa: E402
+from megatron.atomic_files import atomic_path
+from megatron.errors import DataError, UsageError, run_guarded
 
 
 def read_texts(path: Path, min_words: int) -> list[list[str]]:
@@ -108,7 +104,7 @@ def overlay(out: Path, fmt: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import preprocess_data_with_mask as masked
+    from tools.datasets import preprocess_data_with_mask as masked
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--input", default="data/pydocs/pydocs.jsonl")
@@ -158,5 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``deepy-build-preference-data`` console script: clean one-line errors, exit code 2."""
     run_guarded(main)
+
+
+if __name__ == "__main__":
+    cli()

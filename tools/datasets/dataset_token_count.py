@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, not installed
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from megatron.data.indexed_dataset import MMapIndexedDataset  # noqa: E402
-from megatron.errors import run_guarded  # noqa: E402
+from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.errors import run_guarded
 
 
 def count(prefix: str) -> dict[str, int | str]:
@@ -42,5 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``deepy-dataset-token-count`` console script: clean one-line errors, exit code 2."""
     run_guarded(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, not installed
-
-from megatron.data.indexed_dataset import (  # noqa: E402
+from megatron.data.indexed_dataset import (
     MMapIndexedDataset,
     MMapIndexedDatasetBuilder,
     data_file_path,
     index_file_path,
 )
-from megatron.errors import DataError, run_guarded  # noqa: E402
+from megatron.errors import DataError, run_guarded
 
 
 def resolve_prefixes(items: list[str]) -> list[str]:
@@ -70,5 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``deepy-merge-datasets`` console script: clean one-line errors, exit code 2."""
     run_guarded(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -22,7 +22,6 @@ import itertools
 import json
 import multiprocessing
 import os
-import sys
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -32,17 +31,15 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, not installed
-
-from megatron.data.indexed_dataset import (  # noqa: E402
+from megatron.data.indexed_dataset import (
     MMapIndexedDatasetBuilder,
     best_fitting_dtype,
     data_file_path,
     index_file_path,
 )
-from megatron.errors import DataError, run_guarded  # noqa: E402
-from megatron.tokenizer import TOKENIZERS, Tokenizer, build_tokenizer  # noqa: E402
-from megatron.tokenizer.config import TokenizerArgs  # noqa: E402
+from megatron.errors import DataError, run_guarded
+from megatron.tokenizer import TOKENIZERS, Tokenizer, build_tokenizer
+from megatron.tokenizer.config import TokenizerArgs
 
 CHUNK_BYTES = 1 << 20
 MAX_EXAMPLES = 5  # bad lines quoted in the final report
@@ -407,5 +404,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``deepy-preprocess-data`` console script: clean one-line errors, exit code 2."""
     run_guarded(main)
+
+
+if __name__ == "__main__":
+    cli()

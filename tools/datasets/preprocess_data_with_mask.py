@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,13 +29,11 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, not installed
-
-from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype  # noqa: E402
-from megatron.data.url_sources import open_text  # noqa: E402
-from megatron.errors import DataError, run_guarded  # noqa: E402
-from megatron.tokenizer import TOKENIZERS, Tokenizer, build_tokenizer  # noqa: E402
-from megatron.tokenizer.config import TokenizerArgs  # noqa: E402
+from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
+from megatron.data.url_sources import open_text
+from megatron.errors import DataError, run_guarded
+from megatron.tokenizer import TOKENIZERS, Tokenizer, build_tokenizer
+from megatron.tokenizer.config import TokenizerArgs
 
 IGNORE_INDEX = -100
 Encoded = tuple[list[int], list[int]]  # (token ids, labels)
@@ -313,5 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``deepy-preprocess-data-with-mask`` console script: clean one-line errors, exit code 2."""
     run_guarded(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -12,16 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, not installed
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
-
-from megatron.atomic_files import atomic_path  # noqa: E402
-from megatron.errors import DataError, run_guarded  # noqa: E402
+from megatron.atomic_files import atomic_path
+from megatron.errors import DataError, run_guarded
 
 EOD_TOKEN = "<|endoftext|>"
 
@@ -86,5 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``deepy-train-tokenizer`` console script: clean one-line errors, exit code 2."""
     run_guarded(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -59,13 +59,6 @@ def to(*names: str) -> Rule:
     return lambda value, ctx: {name: value for name in names}
 
 
-def refuse(reason: str) -> Rule:
-    def rule(value: Any, ctx: Context) -> dict[str, Any]:
-        raise Refused(reason)
-
-    return rule
-
-
 @dataclass(frozen=True)
 class Row:
     """One line of the dry-run's dialect table: a dialect key and the GPT-NeoX key(s) it became."""

@@ -13,7 +13,7 @@ import os
 import secrets
 from typing import Any
 
-from megatron.neox_arguments.dialects.common import Context, Leaf, Refused, Rule, Translation, refuse, to
+from megatron.neox_arguments.dialects.common import Context, Leaf, Refused, Rule, Translation, to
 
 NAME = "levanter"
 SECTIONS = ("data", "model", "trainer", "optimizer")
@@ -452,4 +452,4 @@ def implied(translation: Translation, leaves: dict[str, Leaf], source: str) -> N
             translation.put(Leaf(f"{path}={value}", value, "Levanter's default"), rule(value, ctx), implied=True)
 
 
-__all__ = ["NAME", "REFUSED", "RULES", "SECTIONS", "implied", "refuse"]
+__all__ = ["NAME", "REFUSED", "RULES", "SECTIONS", "implied"]

@@ -10,7 +10,6 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from megatron.neox_arguments.groups.optimizer_block import OptimizerBlock
 from megatron.config_schema import ArgGroup, not_supported
 
 
@@ -28,10 +27,6 @@ class DeepSpeedConfigArgs(ArgGroup):
 
     gradient_accumulation_steps: int = Field(1, ge=1)
     """Micro-batches accumulated before each optimizer step."""
-
-    optimizer: OptimizerBlock | None = None
-    """Optimizer block: {type: Adam, params: {lr, betas, eps, ...}}; type is one of Adam, AdamW,
-    CPU_Adam, CPU_torch_adam, OneBitAdam, SM3, madgrad_wd, Lion, SGD and params are checked per type."""
 
     scheduler: dict[str, Any] | None = not_supported(None)
     """DeepSpeed's own LR scheduler block (WarmupLR, ...). Not supported: Deepy's schedule comes from
@@ -90,9 +85,6 @@ class DeepSpeedConfigArgs(ArgGroup):
 
     autotuning: dict[str, Any] | None = not_supported(None)
     """DeepSpeed autotuner block."""
-
-    activation_checkpointing: dict[str, Any] | None = None
-    """DeepSpeed activation checkpointing block; normally derived from the checkpoint_* keys."""
 
     sparse_attention: dict[str, Any] | None = not_supported(None)
     """DeepSpeed sparse attention block."""

@@ -1,5 +1,6 @@
-"""Data, objectives, batch length, regularisation, activation checkpointing and fp16 loss scaling:
-everything about one training run that is not the architecture.
+"""Data, objectives, batch length, regularisation and fp16 loss scaling: the keys of a training run
+that are not the architecture and not yet declared beside their component (the loop's, the
+optimizer's and activation checkpointing's are, in ``megatron/training/``).
 
 Besides GPT-NeoX's keys it holds Deepy's extras: Levanter-style data URLs and an overflow guard for fp16.
 GPT-NeoX's checkpoint keys and tokenizer files live beside the components that read them
@@ -165,61 +166,16 @@ class TrainingArgs(ArgGroup):
     batch_size: int | None = Field(None, ge=1)
     """Micro-batch size per data-parallel rank; an older name for train_micro_batch_size_per_gpu."""
 
-    train_iters: int | None = Field(None, ge=0)
-    """Number of optimizer steps to train for."""
-
-    train_epochs: int | None = Field(None, ge=1)
-    """Train for this many passes over the data instead of giving train_iters."""
-
-    eval_iters: int = Field(100, ge=0)
-    """Batches per evaluation."""
-
-    eval_interval: int = Field(1000, ge=1)
-    """Evaluate on the validation split every this many steps."""
 
     split: str = "969, 30, 1"
     """Train/valid/test proportions for data_path, as comma-separated weights."""
 
-    num_workers: int = Field(2, ge=0)
-    """Training micro-batches read ahead of the step by a background thread per rank (pinned in memory
-    on a GPU, so their copy to the device is asynchronous); 0 reads each when the step asks for it."""
-
-    exit_interval: int | None = Field(None, ge=1)
-    """Stop cleanly after this many steps (for jobs limited by wall time)."""
 
     attention_dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on attention probabilities."""
 
     hidden_dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on attention and MLP outputs before they join the residual."""
-
-    weight_decay: float = Field(0.1, ge=0)
-    """Decoupled weight decay applied to weight matrices."""
-
-    checkpoint_activations: bool = False
-    """Recompute block activations in the backward pass instead of storing them."""
-
-    checkpoint_num_layers: int = Field(1, ge=1)
-    """Number of consecutive blocks recomputed together when checkpointing activations."""
-
-    deepspeed_activation_checkpointing: bool = not_supported(True)
-    """Use DeepSpeed's activation checkpointing (which can partition and offload) rather than
-    torch's."""
-
-    contiguous_checkpointing: bool = False
-    """Copy checkpointed activations into one contiguous buffer to reduce fragmentation."""
-
-    checkpoint_in_cpu: bool = False
-    """Move checkpointed activations to CPU memory."""
-
-    synchronize_each_layer: bool = False
-    """Synchronise the device after every block (debugging and timing)."""
-
-    profile_backward: bool = False
-    """Time the backward pass separately."""
-
-    partition_activations: bool = False
-    """Split checkpointed activations across tensor-parallel ranks."""
 
     clip_grad: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this value; 0 disables clipping."""
@@ -274,10 +230,6 @@ class TrainingArgs(ArgGroup):
 
     # ---- Deepy extras (not in GPT-NeoX) ----
 
-    selective_checkpointing: int | None = Field(None, ge=1)
-    """Recompute activations of every k-th block only, trading less memory saving for less
-    recompute."""
-
     use_dummy_dataset: bool = False
     """Train on random tokens without any data files (smoke tests and benchmarks)."""
 
@@ -296,16 +248,6 @@ class TrainingArgs(ArgGroup):
     text_gen_type=precompute` next to each chosen/rejected dataset (`<prefix>_<name>.bin/.idx`);
     unset uses a frozen copy of the starting weights."""
 
-    max_consecutive_overflows: int = Field(50, ge=1)
-    """Abort an fp16 run after this many optimizer steps in a row skipped for overflow, instead of
-    silently training nothing."""
-
-    compile_layers: bool = False
-    """Wrap each transformer block in torch.compile."""
-
-    zero_init: bool = False
-    """Build the model under deepspeed.zero.Init (ZeRO-3 only; fms-fsdp's low_cpu_fsdp): each layer's
-    weights are partitioned as soon as they are made, so no rank ever holds the whole model."""
 
     per_device_parallelism: int | None = Field(None, ge=1)
     """Levanter's name for the micro batch per device; read as train_micro_batch_size_per_gpu."""

@@ -68,7 +68,9 @@ class ObjectiveConfig:
     @property
     def reference(self) -> ReferenceKind:
         """Where the reference log-probs come from (``none`` for objectives without a reference)."""
-        if self.train_impl not in ("dpo", "kto"):
+        from megatron.training.objectives.registry import needs_of
+
+        if not needs_of(self.train_impl).reference:
             return "none"
         if self.train_impl == "dpo" and self.keys.dpo_reference_free:
             return "free"

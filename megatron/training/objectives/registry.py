@@ -43,6 +43,13 @@ def needs_of(train_impl: str) -> ObjectiveNeeds:
     return ObjectiveNeeds(**plugins.get("train_impl", train_impl).needs)
 
 
+def reads_reference_files(train_impl: str) -> bool:
+    """Whether the objective's reference log-probs may come from files written next to its pairs
+    (``reference_logps``, by ``generate.py`` precompute): a pairwise objective with a reference (DPO)."""
+    needs = needs_of(train_impl)
+    return needs.reference and needs.dataset == "pairwise"
+
+
 class DPOKeys(ArgGroup):
     """Keys of direct preference optimisation (``train_impl: dpo``)."""
 
@@ -86,11 +93,20 @@ def _rm_check(args: Any, show: Callable[[str], str]) -> list[str]:
     return []
 
 
+def _kto_check(args: Any, show: Callable[[str], str]) -> list[str]:
+    micro = args.train_micro_batch_size_per_gpu
+    if isinstance(micro, int) and micro < 2:
+        return [f"{show('train_micro_batch_size_per_gpu')} with train_impl: kto: KTO estimates its KL reference "
+                "point from mismatched pairs inside a micro-batch, which needs at least 2 samples; raise it to 2 "
+                "or more"]
+    return []
+
+
 plugins.declare("train_impl", "normal", "megatron.training.objectives.lm:LMObjective", documents=True)
 plugins.declare("train_impl", "dpo", "megatron.training.objectives.dpo:DPOObjective",
                 keys=DPOKeys, check=_dpo_check, dataset="pairwise", reference=True)
 plugins.declare("train_impl", "kto", "megatron.training.objectives.kto:KTOObjective",
-                keys=KTOKeys, dataset="reward", reference=True)
+                keys=KTOKeys, check=_kto_check, dataset="reward", reference=True)
 plugins.declare("train_impl", "rm", "megatron.training.objectives.rm:RewardModelObjective",
                 check=_rm_check, dataset="pairwise", value_head=True)
 

@@ -36,11 +36,6 @@ def mean_over_data_parallel(value: torch.Tensor) -> torch.Tensor:
     return _dp_sum(value.detach().float().clone()) / mpu.get_data_parallel_world_size()
 
 
-def average_over_data_parallel(value: torch.Tensor) -> float:
-    """:func:`mean_over_data_parallel` read back as a Python float."""
-    return float(mean_over_data_parallel(value))
-
-
 def last_stage_rank() -> int:
     """Global rank of the last pipeline stage in this rank's pipeline."""
     topo = mpu.get_topology()

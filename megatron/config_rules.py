@@ -1,0 +1,150 @@
+"""How every component checks its keys before launch: the context a check sees and the registry of
+checks.
+
+A check is a small function ``(ctx) -> list[str]`` registered with :func:`rule` in the module of the
+component whose keys it protects (``megatron/training/lr_config.py``, ``megatron/training/objectives/checks.py``, ...;
+rules between many components stay in ``megatron/neox_arguments/rules.py``). It returns one message per
+problem, naming the user's keys, their values and where they were set (``ctx.show(key)`` gives
+``key=value (file:line)``) and saying what to change. :func:`check` runs them all and the caller raises
+*one* :class:`~megatron.errors.ConfigError` listing every problem.
+
+The checks see the arguments *after* the derived values (batch sizes, precision, ...) are filled in; a
+check whose inputs are missing stays quiet and leaves the report to the check about the missing key.
+This module sits below the components and the argument layer: it imports neither.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+CLI = "cli"
+"""Provenance of a key set on the command line."""
+DERIVED = "derived"
+"""Provenance of a value Deepy computed from others."""
+DEFAULT = "default"
+"""Provenance of a key left at its default."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the launching machine offers; injected so rules are testable without a GPU."""
+
+    cuda: bool
+    fp16_supported: bool
+
+    @classmethod
+    def detect(cls) -> Device:
+        import torch
+
+        from megatron import torch_internals
+
+        cuda = torch.cuda.is_available()
+        # DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has fp16 kernels for this CPU
+        # ("Type fp16 is not supported on your device"), so ask the same question it will ask.
+        fp16 = cuda
+        if not cuda:
+            try:
+                fp16 = torch_internals.mkldnn_fp16_supported()
+            except (AttributeError, RuntimeError):
+                fp16 = False
+        return cls(cuda=cuda, fp16_supported=fp16)
+
+
+@dataclass
+class RuleContext:
+    """The arguments under check plus what the rules need to phrase their messages."""
+
+    args: Any
+    """The validated arguments (``NeoXArgs``)."""
+    provenance: Mapping[str, str] = field(default_factory=dict)
+    world_size: int = 1
+    device: Device = field(default_factory=lambda: Device(cuda=False, fp16_supported=False))
+    warnings: list[str] = field(default_factory=list)
+    """Things that are fine to launch with but worth saying (printed by deepy.py)."""
+    skipped: list[str] = field(default_factory=list)
+    """Checks not made here and why (``--dry-run`` lists them)."""
+
+    def get(self, key: str) -> Any:
+        return getattr(self.args, key)
+
+    def source(self, key: str) -> str:
+        return self.provenance.get(key, DEFAULT)
+
+    def given(self, key: str) -> bool:
+        """Did the user set ``key`` (in a file or on the command line)?
+
+        Keys with a non-``None`` default (``gradient_accumulation_steps: 1``) cannot be told apart by
+        value alone, so provenance decides; without a provenance entry a value other than the
+        schema default counts as given (tests and programmatic callers build args directly).
+        """
+        src = self.provenance.get(key)
+        if src is not None:
+            return src != DERIVED
+        return self.get(key) != default_of(self.args, key)
+
+    def show(self, key: str) -> str:
+        """``key=value (file:line)`` as a message names a setting."""
+        return f"{key}={render(self.get(key))} ({describe(self.source(key))})"
+
+    @property
+    def tp(self) -> int:
+        return int(self.get("model_parallel_size") or 1)
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages; ``pipe_parallel_size: 0`` (no PipelineModule) is one stage."""
+        return max(int(self.get("pipe_parallel_size") or 0), 1)
+
+    @property
+    def cp(self) -> int:
+        """Context-parallel size: ranks sharing each sequence."""
+        return int(self.get("context_parallel_size") or 1)
+
+    @property
+    def dp(self) -> int | None:
+        """Data-parallel size (ranks reading different samples), or ``None`` when the world does not
+        split into tp x pp x cp."""
+        if self.world_size % (self.tp * self.pp * self.cp) != 0:
+            return None
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+
+def default_of(args: Any, key: str) -> Any:
+    """The schema default of ``key`` (None for a name the arguments do not declare)."""
+    fields = getattr(type(args), "model_fields", {})
+    if key in fields:
+        return fields[key].get_default(call_default_factory=True)
+    return None
+
+
+def describe(source: str) -> str:
+    """A provenance as a message says it (``configs/125M.yml:12``, ``command line``, ``default``)."""
+    return {CLI: "command line", DEFAULT: "default", DERIVED: "derived"}.get(source, source)
+
+
+def render(value: Any) -> str:
+    if isinstance(value, str):
+        return repr(value)
+    if value is None:
+        return "unset"
+    return str(value)
+
+
+Rule = Callable[[RuleContext], list[str]]
+RULES: list[Rule] = []
+
+
+def rule(fn: Rule) -> Rule:
+    """Register ``fn`` as a rule; registration order is report order."""
+    RULES.append(fn)
+    return fn
+
+
+def check(ctx: RuleContext, rules: list[Rule] | None = None) -> list[str]:
+    """Every problem found by ``rules`` (default: all registered), in order."""
+    problems: list[str] = []
+    for fn in RULES if rules is None else rules:
+        problems.extend(fn(ctx))
+    return problems

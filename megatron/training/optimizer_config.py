@@ -1,0 +1,106 @@
+"""The optimizer's keys: the DeepSpeed-style ``optimizer`` block, its flat GPT-NeoX alternatives
+(``optimizer_type``, ``lr``, ``weight_decay``) and the ZeRO shortcuts. GPT-NeoX files them under
+``NeoXArgsOptimizer``, except ``weight_decay`` (``NeoXArgsTraining``) and the block
+(``NeoXArgsDeepspeedConfig``).
+
+Declared here, beside the optimizers that read them (``megatron/training/optimizers.py``); the one
+argument object (``NeoXArgs``) is composed of this class and the trainer hands the optimizer builders
+that object, typed as this class. Which builder, the peak rate, the weight decay and the type's own
+parameters are worked out from the block and the flat keys by the properties below, in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import Field
+
+from megatron.config_schema import ArgGroup, not_supported
+from megatron.errors import ConfigError
+from megatron.training.optimizer_block import OPTIMIZER_KINDS, PARAMS_OF_KIND, OptimizerBlock
+
+OptimizerType = Literal[
+    "adam",
+    "onebitadam",
+    "cpu_adam",
+    "cpu_torch_adam",
+    "sm3",
+    "madgrad_wd",
+    "sgd",
+    "lion",
+]
+
+
+class OptimizerArgs(ArgGroup):
+    """GPT-NeoX's ``NeoXArgsOptimizer`` group."""
+
+    optimizer_type: OptimizerType = "adam"
+    """Optimizer family, picked from Deepy's optimizer registry (also settable through the
+    DeepSpeed-style optimizer block)."""
+
+    use_bnb_optimizer: bool = not_supported(False)
+    """Use bitsandbytes' 8-bit Adam to shrink optimizer state."""
+
+    zero_stage: int | list[int] | Literal["all"] | None = None
+    """ZeRO stage (0-3) to use, a list of stages to try, or `all`; normally set inside
+    zero_optimization."""
+
+    zero_reduce_scatter: bool | None = None
+    """ZeRO: reduce gradients with reduce-scatter instead of all-reduce."""
+
+    zero_contiguous_gradients: bool | None = None
+    """ZeRO: copy gradients into one contiguous buffer as produced, avoiding fragmentation."""
+
+    zero_reduce_bucket_size: int | None = Field(None, ge=1)
+    """ZeRO: number of elements reduced at once."""
+
+    zero_allgather_bucket_size: int | None = Field(None, ge=1)
+    """ZeRO: number of elements all-gathered at once."""
+
+    lr: float | None = Field(None, ge=0)
+    """Peak learning rate; normally read from optimizer.params.lr."""
+
+    # GPT-NeoX files these two under other groups (NeoXArgsTraining, NeoXArgsDeepspeedConfig); they are
+    # the optimizer's, so they are declared here.
+    weight_decay: float = Field(0.1, ge=0)
+    """Decoupled weight decay applied to weight matrices."""
+
+    optimizer: OptimizerBlock | None = None
+    """Optimizer block: {type: Adam, params: {lr, betas, eps, ...}}; type is one of Adam, AdamW,
+    CPU_Adam, CPU_torch_adam, OneBitAdam, SM3, madgrad_wd, Lion, SGD and params are checked per type."""
+
+    @property
+    def optimizer_kind(self) -> str:
+        """Registry key in ``megatron.training.optimizers.OPTIMIZERS`` (``adam``, ``sgd``, ...): the
+        block's type when there is a block, else ``optimizer_type``."""
+        return self.optimizer.kind if self.optimizer is not None else OPTIMIZER_KINDS[self.optimizer_type]
+
+    @property
+    def optimizer_type_shown(self) -> str:
+        """The type as the user wrote it (for messages)."""
+        return self.optimizer.type if self.optimizer is not None else self.optimizer_type
+
+    @property
+    def peak_lr(self) -> float:
+        """The flat ``lr`` when given, else ``optimizer.params.lr`` (the rules refuse a run with neither)."""
+        lr = self.lr if self.lr is not None else (self.optimizer.params.lr if self.optimizer is not None else None)
+        if lr is None:
+            raise ConfigError("no learning rate: set optimizer.params.lr (or lr)")
+        return lr
+
+    @property
+    def applied_weight_decay(self) -> float:
+        """``optimizer.params.weight_decay`` when the block gives it, else the flat ``weight_decay``."""
+        block_wd = self.optimizer.params.weight_decay if self.optimizer is not None else None
+        return block_wd if block_wd is not None else self.weight_decay
+
+    @property
+    def optimizer_params(self) -> Mapping[str, Any]:
+        """The type's own parameters (betas, eps, momentum, ...), validated by the schema. Without a
+        block (the flat GPT-NeoX alternative) the type's defaults, GPT-NeoX's, fill every parameter as
+        an empty block of that type would. ``lr``/``weight_decay`` are read through the properties
+        above; ``max_grad_norm`` is gradient_clipping in apex's spelling: DeepSpeed clips, not the
+        optimizer."""
+        params = self.optimizer.params if self.optimizer is not None else PARAMS_OF_KIND[self.optimizer_kind]()
+        return params.model_dump(exclude={"lr", "weight_decay", "max_grad_norm"})

@@ -1,0 +1,136 @@
+"""Each supported key is declared in exactly one config class (issue 20, item 1).
+
+A *config class* is an argument group under ``megatron/`` (an ``ArgGroup``: the groups, plug-ins'
+keys), a class named ``*Config``, or a class with a ``from_args`` constructor (one that copies keys
+out of the argument object). The one argument object ``NeoXArgs``
+is composed of the groups by inheritance, so it declares nothing itself.
+
+Components not converted yet still copy their keys into a frozen dataclass through ``from_args``;
+they are listed in :data:`STILL_COPYING` so the debt stays visible and can only shrink: a listed class
+must still exist and still copy (remove it from the list when it is converted), and any other config
+class declaring an already-declared key fails the test.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from megatron.neox_arguments.arguments import NeoXArgs
+
+ROOT = Path(__file__).resolve().parents[2] / "megatron"
+
+STILL_COPYING: dict[str, str] = {
+    "GPTConfig": "megatron/model/config.py",
+    "DataConfig": "megatron/data/config.py",
+    "ParallelConfig": "megatron/mpu/config.py",
+    "LaunchConfig": "megatron/launcher/config.py",
+    "GenerationConfig": "megatron/generation/config.py",
+    "EvalConfig": "megatron/evaluation/config.py",
+    "ObjectiveConfig": "megatron/training/objectives/config.py",
+    "RunConfig": "megatron/neox_arguments/run_config.py",
+    "NeoxNames": "megatron/checkpointing/neox_layout.py",
+    # no from_args, but they re-declare keys the classes above copy
+    "SamplingConfig": "megatron/generation/config.py",
+    "ResolvedConfig": "megatron/neox_arguments/resolved.py",
+}
+"""Config classes that still copy keys from the arguments (``from_args``) or re-declare them, with
+their file."""
+
+NESTED_VALUES: dict[str, str] = {
+    "_Params": "members of the optimizer block's params (DeepSpeed's spelling of lr and weight_decay inside "
+               "optimizer:); the rules refuse a block value that disagrees with its flat key",
+}
+"""Argument groups used as the type of a key's nested value, not declaring top-level keys."""
+
+ARG_GROUP_BASES = {"ArgGroup"}
+"""A pydantic model is a config class when it is an argument group (top-level keys); the models of a
+key's nested value (a tracker entry, the optimizer block's params) declare members of that value, not keys."""
+
+
+def _config_classes(root: Path) -> dict[str, tuple[str, ast.ClassDef]]:
+    """``name -> (file, class)`` of every config class under ``root`` (see the module docstring)."""
+    found: dict[str, tuple[str, ast.ClassDef]] = {}
+    pydantic = set(ARG_GROUP_BASES)
+    trees = [(path, ast.parse(path.read_text(encoding="utf-8"))) for path in sorted(root.rglob("*.py"))]
+    for _ in range(3):  # subclasses of subclasses of ArgGroup, across files
+        for _, tree in trees:
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef) and {_name(b) for b in node.bases} & pydantic:
+                    pydantic.add(node.name)
+    for path, tree in trees:
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            copies = any(isinstance(s, ast.FunctionDef) and s.name == "from_args" for s in node.body)
+            if node.name in NESTED_VALUES:
+                continue
+            if node.name in pydantic or node.name.endswith("Config") or copies:
+                found[node.name] = (str(path.relative_to(root.parent)), node)
+    return found
+
+
+def _name(node: ast.expr) -> str:
+    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+
+
+def _declared_fields(node: ast.ClassDef) -> set[str]:
+    return {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+
+
+def _copies(node: ast.ClassDef) -> bool:
+    return any(isinstance(s, ast.FunctionDef) and s.name == "from_args" for s in node.body)
+
+
+def declarations(root: Path, exempt: set[str]) -> dict[str, list[str]]:
+    """key -> the config classes declaring a field of that name (``file:Class``), exempt classes left out."""
+    keys = set(NeoXArgs.field_names())
+    where: dict[str, list[str]] = defaultdict(list)
+    for name, (path, node) in _config_classes(root).items():
+        if name in exempt:
+            continue
+        for field in _declared_fields(node) & keys:
+            where[field].append(f"{path}:{name}")
+    return where
+
+
+def test_each_supported_key_is_declared_in_exactly_one_config_class() -> None:
+    where = declarations(ROOT, set(STILL_COPYING))
+    missing = sorted(k for k in NeoXArgs.field_names() if k not in where)
+    twice = {k: v for k, v in where.items() if len(v) > 1}
+    assert not missing, f"keys of NeoXArgs declared in no config class under megatron/: {missing}"
+    assert not twice, f"keys declared in more than one config class: {twice}"
+
+
+@pytest.mark.parametrize("name", sorted(STILL_COPYING))
+def test_the_list_of_copying_configs_only_shrinks(name: str) -> None:
+    classes = _config_classes(ROOT)
+    assert name in classes, f"{name} is gone: remove it from STILL_COPYING"
+    path, node = classes[name]
+    assert path == STILL_COPYING[name]
+    others = declarations(ROOT, set(STILL_COPYING))
+    redeclares = any(field in others for field in _declared_fields(node))
+    assert _copies(node) or redeclares, f"{name} no longer copies keys: remove it from STILL_COPYING"
+
+
+def test_no_config_class_outside_the_list_copies_from_the_arguments() -> None:
+    copying = sorted(n for n, (_, node) in _config_classes(ROOT).items() if _copies(node) and n not in STILL_COPYING)
+    assert copying == [], f"new from_args copies of the arguments: {copying}; declare the keys once instead"
+
+
+def test_the_check_finds_a_second_declaration(tmp_path: Path) -> None:
+    """The test of the test: a copy of a key in a new config class (or a new from_args) is reported."""
+    package = tmp_path / "megatron"
+    package.mkdir()
+    (package / "a.py").write_text(
+        "from megatron.config_schema import ArgGroup\n\nclass ModelArgs(ArgGroup):\n    hidden_size: int = 0\n",
+        encoding="utf-8")
+    (package / "b.py").write_text(
+        "class WidthConfig:\n    hidden_size: int\n\n    @classmethod\n    def from_args(cls, args):\n"
+        "        return cls(hidden_size=args.hidden_size)\n", encoding="utf-8")
+    where = declarations(package, exempt=set())
+    assert where["hidden_size"] == ["megatron/a.py:ModelArgs", "megatron/b.py:WidthConfig"]
+    assert _copies(_config_classes(package)["WidthConfig"][1])

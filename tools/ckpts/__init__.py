@@ -1,0 +1,1 @@
+"""Checkpoint tools: convert to and from Hugging Face, inspect a checkpoint."""

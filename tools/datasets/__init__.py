@@ -1,0 +1,1 @@
+"""Dataset tools: tokenize jsonl into memory-mapped datasets, train tokenizers, merge and count."""
