@@ -45,8 +45,8 @@ def test_every_supported_key_is_read_by_a_component() -> None:
     unread = sorted(k for k in supported_keys() - read - set(NO_EFFECT_KEYS) - set(FILLED_IN_KEYS)
                     if not only_default_accepted(k))
     assert unread == [], (
-        f"these keys are accepted but no component reads them: {unread}. Read each in a component's "
-        f"from_args, or mark it not_supported in the schema, or (kernel hints only) list it in "
+        f"these keys are accepted but no component reads them: {unread}. Read each in the component "
+        f"that declares it, or mark it not_supported in the schema, or (kernel hints only) list it in "
         f"megatron/neox_arguments/honesty.py with the reason"
     )
 

@@ -1,8 +1,9 @@
-"""The objective's own frozen config, read once from the user's arguments.
+"""The objective's frozen config: ``train_impl``, the keys several objectives share, and the selected
+objective plug-in's own keys (``keys``: the arguments object itself in training, typed as the class the
+plug-in declares).
 
-Every default lives in the schema (``megatron/neox_arguments/groups/training.py`` and ``other.py``);
-this class only copies the keys the objectives read, so the rest of the package never touches the
-argument object.
+The shared keys are still copied here from the schema (``megatron/neox_arguments/groups/training.py``
+and ``other.py``); ``tests/unit/test_keys_declared_once.py`` lists this class among those left to convert.
 """
 
 from __future__ import annotations
