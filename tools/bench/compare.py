@@ -149,7 +149,7 @@ def raw_contender(arch: Arch, built: Any, compile_model: bool) -> Contender:
     model = GPTModel(model_config.replace(params_dtype=torch.float32)).to(dev)
     optimizer = build_optimizer(model, run.optimizer)
     train_iters = run.training.train_iters or 1
-    scheduler = LRScheduler(optimizer, run.lr.spec(train_iters, run.optimizer.lr))
+    scheduler = LRScheduler(optimizer, run.lr.spec(train_iters, run.optimizer.peak_lr))
     tokens, labels = fixed_batch(arch, dev)
     forward = torch.compile(model) if compile_model else model
     inner = plain_loop(model, lambda: lm_loss(forward(tokens), labels), optimizer, arch, dev)
