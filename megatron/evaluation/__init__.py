@@ -1,6 +1,6 @@
 """Evaluation with lm-evaluation-harness (eval.py).
 
-* `config.py`          `EvalConfig`: eval_tasks, eval_results_prefix and what they need, typed.
+* `config.py`          `EvalArgs` (eval_tasks, eval_results_prefix) and `EvalRunArgs`, every key evaluation reads.
 * `lm_eval_adapter.py` `DeepyLM`: our model as the harness' `LM`, data-parallel over replicas.
 * `harness.py`         running the tasks, writing results JSON, samples and the metrics.jsonl row.
 * `entry.py`           eval.py's per-rank main.

@@ -1,47 +1,62 @@
-"""What eval.py reads from the user's config, as one frozen typed record."""
+"""The lm-evaluation-harness keys: the tasks eval.py runs, and that training runs at every evaluation
+(GPT-NeoX files ``eval_tasks`` and ``eval_results_prefix`` under ``NeoXArgsTextgen``).
+
+Declared here, beside the evaluation that reads them. Evaluation also reads keys other components own (the
+context, the batch, the sampling length, the seed, the log directory): :class:`EvalRunArgs` names them
+all, and the arguments object itself satisfies it, so nothing is copied.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from megatron.config_schema import ArgGroup
 from megatron.errors import ConfigError
 
-if TYPE_CHECKING:
-    from megatron.neox_arguments import NeoXArgs
+
+class EvalArgs(ArgGroup):
+    """Deepy's evaluation group (``NeoXArgsTextgen`` in GPT-NeoX)."""
+
+    eval_results_prefix: str = ""
+    """eval.py writes `<prefix>_eval_results.json` (and per-task samples); empty: into log_dir."""
+
+    eval_tasks: list[str] | None = None
+    """lm-evaluation-harness tasks (names or paths of task YAML files) that eval.py runs, and that train.py runs
+    at every eval_interval and after the last step, logging lm_eval/<task>/<metric>."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EvalConfig:
-    tasks: tuple[str, ...]
-    """lm-evaluation-harness task names, or paths of task YAML files (or directories of them)."""
-    results_prefix: str
-    """`<prefix>_eval_results.json` (and `<prefix>_eval_samples_<task>.jsonl`); empty = in `log_dir`."""
-    log_dir: str | None
-    """Where metrics.jsonl gets one `lm_eval/<task>/<metric>` row."""
-    seq_length: int
-    """The model's context: longer inputs keep their last `seq_length` tokens."""
-    batch_size: int
-    """Requests run together on a replica (`train_micro_batch_size_per_gpu`)."""
-    max_gen_tokens: int
-    """Tokens generated per request when a generate_until task sets no `max_gen_toks` (`maximum_tokens`)."""
-    seed: int
+class EvalRunArgs(Protocol):
+    """Every key evaluation reads, its own (:class:`EvalArgs`) and the shared ones; read-only, so any
+    object holding them (``NeoXArgs``) satisfies it."""
 
-    @classmethod
-    def from_args(cls, args: NeoXArgs) -> EvalConfig:
-        if not args.eval_tasks:
-            raise ConfigError(
-                "eval.py needs eval_tasks: lm-evaluation-harness task names or task YAML paths, "
-                "e.g. eval_tasks=[lambada_openai] or eval_tasks=[my_tasks/task.yaml]"
-            )
-        if args.seq_length is None:
-            raise ConfigError("seq_length must be set: it is the context the evaluated model reads")
-        return cls(
-            tasks=tuple(args.eval_tasks),
-            results_prefix=args.eval_results_prefix,
-            log_dir=args.log_dir,
-            seq_length=int(args.seq_length),
-            batch_size=max(1, int(args.train_micro_batch_size_per_gpu or 1)),
-            max_gen_tokens=int(args.maximum_tokens),
-            seed=int(args.seed),
+    @property
+    def eval_tasks(self) -> list[str] | None: ...
+    @property
+    def eval_results_prefix(self) -> str: ...
+    @property
+    def log_dir(self) -> str | None: ...
+    @property
+    def seq_length(self) -> int | None: ...
+    @property
+    def train_micro_batch_size_per_gpu(self) -> int | None: ...
+    @property
+    def maximum_tokens(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+
+
+def checked(args: Any) -> EvalRunArgs:
+    """``args`` when evaluation can run from it; a clear error before the model is built otherwise."""
+    if not args.eval_tasks:
+        raise ConfigError(
+            "eval.py needs eval_tasks: lm-evaluation-harness task names or task YAML paths, "
+            "e.g. eval_tasks=[lambada_openai] or eval_tasks=[my_tasks/task.yaml]"
         )
+    if args.seq_length is None:
+        raise ConfigError("seq_length must be set: it is the context the evaluated model reads")
+    return args
+
+
+def batch_size(args: EvalRunArgs) -> int:
+    """Requests run together on a replica: the training micro-batch (at least 1)."""
+    return max(1, int(args.train_micro_batch_size_per_gpu or 1))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron.evaluation.config import EvalConfig
+from megatron.evaluation.config import batch_size, checked
 
 
 def main(argv: list[str]) -> int:
@@ -15,14 +15,14 @@ def main(argv: list[str]) -> int:
 
     options = parse_worker_argv(argv, "Deepy evaluation with lm-evaluation-harness (started by deepy.py on each rank)")
     args = load_resolved(options.deepy_config).args
-    config = EvalConfig.from_args(args)  # a wrong key fails before the model is built
+    config = checked(args)  # a wrong key fails before the model is built
     model = build_inference_model(args, "eval.py")
     generator = TextGenerator(
         replica=model.replica,
         tokenizer=model.tokenizer,
-        sampling=SamplingConfig(maximum_tokens=config.max_gen_tokens),
-        seq_length=config.seq_length,
-        batch_size=config.batch_size,
+        sampling=SamplingConfig(maximum_tokens=config.maximum_tokens),
+        seq_length=int(config.seq_length or 0),
+        batch_size=batch_size(config),
         seed=config.seed,
     )
     results = evaluate(DeepyLM(generator), config)

@@ -24,7 +24,7 @@ from typing import Any
 
 from megatron.atomic_files import atomic_path
 from megatron.errors import ConfigError
-from megatron.evaluation.config import EvalConfig
+from megatron.evaluation.config import EvalRunArgs
 from megatron.evaluation.lm_eval_adapter import DeepyLM
 from megatron.logging.log import get_logger
 from megatron.logging.metrics import MetricsWriter
@@ -65,7 +65,7 @@ def _specs(tasks: tuple[str, ...], manager: Any) -> list[str]:
     return specs
 
 
-def evaluate(lm: DeepyLM, config: EvalConfig) -> dict[str, Any]:
+def evaluate(lm: DeepyLM, config: EvalRunArgs) -> dict[str, Any]:
     """Run every task on every rank (the adapter splits the model work); the harness' results."""
     from lm_eval import simple_evaluate
 
@@ -74,10 +74,10 @@ def evaluate(lm: DeepyLM, config: EvalConfig) -> dict[str, Any]:
     # the harness bootstraps standard errors in a multiprocessing pool: a fork of a rank that
     # holds a process group (gloo/NCCL threads) is not safe, so it runs them in-process
     os.environ.setdefault("DISABLE_MULTIPROC", "1")
-    manager = _task_manager(config.tasks)
+    manager = _task_manager(config.eval_tasks or [])
     results = simple_evaluate(
         model=lm,
-        tasks=_specs(config.tasks, manager),
+        tasks=_specs(config.eval_tasks or [], manager),
         task_manager=manager,
         bootstrap_iters=STDERR_BOOTSTRAP_ITERS,
         log_samples=True,
@@ -91,9 +91,9 @@ def evaluate(lm: DeepyLM, config: EvalConfig) -> dict[str, Any]:
     return results
 
 
-def results_base(config: EvalConfig) -> str:
-    if config.results_prefix:
-        return f"{config.results_prefix}_"
+def results_base(config: EvalRunArgs) -> str:
+    if config.eval_results_prefix:
+        return f"{config.eval_results_prefix}_"
     return os.path.join(config.log_dir or ".", "")
 
 
@@ -110,13 +110,13 @@ def metric_rows(results: dict[str, Any]) -> dict[str, float]:
     return row
 
 
-def write_results(results: dict[str, Any], config: EvalConfig, *, checkpoint: str | None, step: int) -> Path:
+def write_results(results: dict[str, Any], config: EvalRunArgs, *, checkpoint: str | None, step: int) -> Path:
     """The files described in the module docstring; call on rank 0."""
     from lm_eval.utils import handle_non_serializable
 
     base = results_base(config)
     samples = results.pop("samples", {}) or {}
-    results["deepy"] = {"checkpoint": checkpoint, "iteration": step, "tasks": list(config.tasks)}
+    results["deepy"] = {"checkpoint": checkpoint, "iteration": step, "tasks": list(config.eval_tasks or [])}
     path = Path(f"{base}eval_results.json")
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(results, indent=2, default=handle_non_serializable), encoding="utf-8")

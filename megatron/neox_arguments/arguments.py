@@ -22,6 +22,7 @@ from megatron.errors import ConfigError
 from megatron.neox_arguments.groups.deepspeed_config import DeepSpeedConfigArgs
 from megatron.neox_arguments.groups.deepspeed_runner import DeepSpeedRunnerArgs
 from megatron.checkpointing.config import CheckpointArgs
+from megatron.evaluation.config import EvalArgs
 from megatron.logging.config import LoggingArgs
 from megatron.model.lora_config import LoRAArgs
 from megatron.training.activation_config import ActivationCheckpointArgs
@@ -54,6 +55,7 @@ GROUPS: dict[str, type[ArgGroup]] = {
     "logging": LoggingArgs,
     "tokenizer": TokenizerArgs,
     "textgen": TextgenArgs,
+    "evaluation": EvalArgs,
     "moe": MoEArgs,
     "lora": LoRAArgs,
     "other": OtherArgs,
@@ -92,6 +94,7 @@ class _Arguments(
     LoggingArgs,
     TokenizerArgs,
     TextgenArgs,
+    EvalArgs,
     MoEArgs,
     LoRAArgs,
     OtherArgs,

@@ -86,10 +86,10 @@ ComponentBuilder = Callable[[Any], object]
 def entry_point_builders() -> dict[str, ComponentBuilder]:
     """The typed configs of the other entry points, by script name (each also checks its keys
     before launch: see ``check_entry_point``)."""
-    from megatron.evaluation.config import EvalConfig
+    from megatron.evaluation.config import checked
     from megatron.generation.config import GenerationConfig
 
-    return {"generate.py": GenerationConfig.from_args, "eval.py": EvalConfig.from_args}
+    return {"generate.py": GenerationConfig.from_args, "eval.py": checked}
 
 
 def check_entry_point(args: NeoXArgs, user_script: str) -> None:

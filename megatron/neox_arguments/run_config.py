@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron.checkpointing.config import CheckpointArgs
 from megatron.data.config import DataConfig
-from megatron.evaluation.config import EvalConfig
+from megatron.evaluation.config import EvalRunArgs, checked
 from megatron.logging.config import LoggingArgs
 from megatron.model.config import GPTConfig
 from megatron.model.lora_config import LoRAArgs
@@ -61,7 +61,7 @@ class RunConfig:
     """``train_impl`` and its keys (SFT masks, DPO/KTO/RM settings, the reference model)."""
     lora: LoRAArgs
     """The arguments themselves, as the adapter keys (``lora_r == 0``: none, every parameter trains)."""
-    tasks: EvalConfig | None = None
+    tasks: EvalRunArgs | None = None
     """lm-eval tasks run at every evaluation inside training (``eval_tasks``); None without them."""
     deepspeed: dict[str, Any] = field(default_factory=dict)
     """The DeepSpeed config dict deepy.py split off (batch sizes, precision, ZeRO, ...)."""
@@ -86,7 +86,7 @@ class RunConfig:
             logging=args,
             objective=ObjectiveConfig.from_args(args),
             lora=args,
-            tasks=EvalConfig.from_args(args) if args.eval_tasks else None,
+            tasks=checked(args) if args.eval_tasks else None,
             deepspeed=dict(deepspeed or {}),
             args_record=dict(args_record or {}),
         )

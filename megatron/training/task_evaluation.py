@@ -22,13 +22,13 @@ from typing import Any
 
 from megatron.checkpointing.rng_state import capture_rng_state, restore_rng_state
 from megatron.errors import ConfigError
-from megatron.evaluation.config import EvalConfig
+from megatron.evaluation.config import EvalRunArgs, batch_size
 
 
 class TaskEvaluation:
-    """Runs ``config.tasks`` on the training engine's module; ``run()`` returns the metric row."""
+    """Runs ``config.eval_tasks`` on the training engine's module; ``run()`` returns the metric row."""
 
-    def __init__(self, eng: Any, tokenizer: Any, config: EvalConfig, zero_stage: int,
+    def __init__(self, eng: Any, tokenizer: Any, config: EvalRunArgs, zero_stage: int,
                  sequence_parallel: bool) -> None:
         if sequence_parallel:
             raise ConfigError(
@@ -57,8 +57,8 @@ class TaskEvaluation:
             if self.every_rank_scores_all:
                 replica.dp_rank, replica.dp_size = 0, 1
             generator = TextGenerator(replica=replica, tokenizer=self.tokenizer,
-                                      sampling=SamplingConfig(maximum_tokens=self.config.max_gen_tokens),
-                                      seq_length=self.config.seq_length, batch_size=self.config.batch_size,
+                                      sampling=SamplingConfig(maximum_tokens=self.config.maximum_tokens),
+                                      seq_length=int(self.config.seq_length or 0), batch_size=batch_size(self.config),
                                       seed=self.config.seed)
             results = evaluate(DeepyLM(generator), self.config)
         finally:

@@ -119,10 +119,21 @@ def _user_plugins(args: Any) -> object:
     return plugins.load_user_plugins(args.plugins)
 
 
+def _evaluation(args: Any) -> object:
+    """What lm-eval inside training and eval.py ask of the evaluation keys (``TaskEvaluation``,
+    ``harness.evaluate``/``results_base``, the generator's batch and length), when tasks are set."""
+    from megatron.evaluation.config import batch_size
+    from megatron.evaluation.harness import results_base
+
+    if not args.eval_tasks:
+        return None
+    return results_base(args), batch_size(args), args.maximum_tokens, args.seed, args.seq_length
+
+
 def component_builders() -> list[ComponentBuilder]:
     """Everything that turns keys into what a component does, for train.py."""
     return [RunConfig.from_args, _tokenizer, _checkpoints, _logging, _lora, _lr_schedule, _optimizer,
-            _activation_checkpointing, _training_loop, _user_plugins, deepspeed_config, LaunchConfig.from_args,
+            _activation_checkpointing, _training_loop, _evaluation, _user_plugins, deepspeed_config, LaunchConfig.from_args,
             run_directory]
 
 

@@ -166,13 +166,12 @@ def component_config_classes() -> list[type]:
     import typing
 
     from megatron.config_schema import ArgGroup
-    from megatron.evaluation.config import EvalConfig
     from megatron.generation.config import GenerationConfig
     from megatron.launcher.config import LaunchConfig
     from megatron.neox_arguments.run_config import RunConfig
 
     found: list[type] = []
-    todo: list[type] = [RunConfig, LaunchConfig, GenerationConfig, EvalConfig]
+    todo: list[type] = [RunConfig, LaunchConfig, GenerationConfig]
     while todo:
         cls = todo.pop()
         if cls in found:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from megatron.errors import ConfigError
-from megatron.evaluation.config import EvalConfig
+from megatron.evaluation.config import batch_size, checked
 from megatron.evaluation.harness import _specs, _task_manager, metric_rows, results_base
 from megatron.evaluation.lm_eval_adapter import _cut
 from megatron.neox_arguments import NeoXArgs
@@ -15,13 +15,16 @@ from megatron.neox_arguments import NeoXArgs
 
 def test_config_needs_tasks_and_reads_its_keys() -> None:
     with pytest.raises(ConfigError, match="eval.py needs eval_tasks"):
-        EvalConfig.from_args(NeoXArgs(seq_length=32))
-    config = EvalConfig.from_args(NeoXArgs(seq_length=32, eval_tasks=["a", "b.yaml"], eval_results_prefix="out/x",
-                                           maximum_tokens=7, train_micro_batch_size_per_gpu=3, log_dir="logs"))
-    assert (config.tasks, config.results_prefix, config.max_gen_tokens, config.batch_size) == (("a", "b.yaml"),
-                                                                                               "out/x", 7, 3)
+        checked(NeoXArgs(seq_length=32))
+    with pytest.raises(ConfigError, match="seq_length must be set"):
+        checked(NeoXArgs(eval_tasks=["a"]))
+    config = checked(NeoXArgs(seq_length=32, eval_tasks=["a", "b.yaml"], eval_results_prefix="out/x",
+                              maximum_tokens=7, train_micro_batch_size_per_gpu=3, log_dir="logs"))
+    assert (config.eval_tasks, config.eval_results_prefix, config.maximum_tokens, batch_size(config)) == (
+        ["a", "b.yaml"], "out/x", 7, 3)
     assert results_base(config) == "out/x_"
-    assert results_base(EvalConfig.from_args(NeoXArgs(seq_length=32, eval_tasks=["a"], log_dir="logs"))) == "logs/"
+    assert results_base(checked(NeoXArgs(seq_length=32, eval_tasks=["a"], log_dir="logs"))) == "logs/"
+    assert batch_size(checked(NeoXArgs(seq_length=32, eval_tasks=["a"]))) == 1  # unset micro-batch: one request
 
 
 def test_local_task_files_need_no_builtin_index(tmp_path: Path) -> None:

@@ -64,6 +64,7 @@ DECLARED_WITH_COMPONENT: dict[str, str] = {
         "checkpoint_factor", "extra_save_iters", "no_save_rng", "no_load_optim", "no_load_rng", "finetune",
         "keep_last_n_checkpoints", "iteration",
     ), "checkpoint"),
+    **dict.fromkeys(("eval_tasks", "eval_results_prefix"), "evaluation"),
 }
 
 # Defaults Deepy changes on purpose; each field's docstring says why.

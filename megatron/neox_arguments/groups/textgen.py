@@ -55,9 +55,3 @@ class TextgenArgs(ArgGroup):
     """Recompute the whole sequence for every new token instead of using the key/value cache (slow;
     for checking the cache)."""
 
-    eval_results_prefix: str = ""
-    """eval.py writes `<prefix>_eval_results.json` (and per-task samples); empty: into log_dir."""
-
-    eval_tasks: list[str] | None = None
-    """lm-evaluation-harness tasks (names or paths of task YAML files) that eval.py runs, and that train.py runs
-    at every eval_interval and after the last step, logging lm_eval/<task>/<metric>."""
