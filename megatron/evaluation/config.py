@@ -8,7 +8,7 @@ all, and the arguments object itself satisfies it, so nothing is copied.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 from megatron.config_schema import ArgGroup
 from megatron.errors import ConfigError
@@ -45,7 +45,7 @@ class EvalRunArgs(Protocol):
     def seed(self) -> int: ...
 
 
-def checked(args: Any) -> EvalRunArgs:
+def checked(args: EvalRunArgs) -> EvalRunArgs:
     """``args`` when evaluation can run from it; a clear error before the model is built otherwise."""
     if not args.eval_tasks:
         raise ConfigError(

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal, Protocol
 
 from pydantic import Field
 
@@ -79,21 +79,40 @@ class KTOKeys(ArgGroup):
     """KTO temperature, as dpo_beta is for DPO."""
 
 
-def _dpo_check(args: Any, show: Callable[[str], str]) -> list[str]:
+class _DPOCheckArgs(Protocol):
+    """The keys DPO's check reads (its own and the shared ``reference_logps``)."""
+
+    @property
+    def dpo_reference_free(self) -> bool: ...
+    @property
+    def reference_logps(self) -> str | None: ...
+
+
+class _RMCheckArgs(Protocol):
+    @property
+    def eod_mask_loss(self) -> bool: ...
+
+
+class _KTOCheckArgs(Protocol):
+    @property
+    def train_micro_batch_size_per_gpu(self) -> int | None: ...
+
+
+def _dpo_check(args: _DPOCheckArgs, show: Callable[[str], str]) -> list[str]:
     if args.dpo_reference_free and args.reference_logps:
         return [f"{show('dpo_reference_free')} and {show('reference_logps')} contradict each other: "
                 "reference-free DPO reads no reference log-probs; keep one"]
     return []
 
 
-def _rm_check(args: Any, show: Callable[[str], str]) -> list[str]:
+def _rm_check(args: _RMCheckArgs, show: Callable[[str], str]) -> list[str]:
     if args.eod_mask_loss:
         return [f"{show('eod_mask_loss')} has no effect on a reward model (it scores whole responses; no "
                 "token carries a loss): remove it"]
     return []
 
 
-def _kto_check(args: Any, show: Callable[[str], str]) -> list[str]:
+def _kto_check(args: _KTOCheckArgs, show: Callable[[str], str]) -> list[str]:
     micro = args.train_micro_batch_size_per_gpu
     if isinstance(micro, int) and micro < 2:
         return [f"{show('train_micro_batch_size_per_gpu')} with train_impl: kto: KTO estimates its KL reference "
