@@ -1,6 +1,7 @@
 """Text generation and sequence scoring over our model under tensor and pipeline parallelism.
 
-* `config.py`     `GenerationConfig` / `SamplingConfig`: the textgen keys, typed.
+* `config.py`     `TextgenArgs` (the textgen keys), `GenerateRunArgs` (every key generate.py reads),
+                  `SamplingParams` (one request's sampling).
 * `sampling.py`   greedy, temperature, top-k, top-p on full-vocabulary logits.
 * `replica.py`    `ModelReplica`: this rank's stage of one model copy as tokens -> logits
                   (send/recv between pipeline stages, vocab-parallel helpers).

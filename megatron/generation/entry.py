@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megatron.errors import ConfigError
-from megatron.generation.config import GenerationConfig
+from megatron.generation.config import batch_size, checked, token_dataset_prefixes
 from megatron.generation.replica import ModelReplica
 from megatron.tokenizer import Tokenizer
 
@@ -90,19 +90,20 @@ def main(argv: list[str]) -> int:
     from megatron.neox_arguments import load_resolved
 
     options = parse_worker_argv(argv, "Deepy text generation (started by deepy.py on each rank)")
-    args = load_resolved(options.deepy_config).args
-    config = GenerationConfig.from_args(args)  # a wrong textgen key fails before the model is built
-    model = build_inference_model(args, "generate.py")
-    gen = TextGenerator.from_config(model.replica, model.tokenizer, config)
-    match config.text_gen_type:
+    resolved = load_resolved(options.deepy_config).args
+    args = checked(resolved)  # a wrong textgen key fails before the model is built
+    model = build_inference_model(resolved, "generate.py")
+    gen = TextGenerator(replica=model.replica, tokenizer=model.tokenizer, sampling=args.sampling(),
+                        seq_length=int(args.seq_length or 0), batch_size=batch_size(args), seed=args.seed)
+    match args.text_gen_type:
         case "unconditional":
-            run_unconditional(gen, config)
+            run_unconditional(gen, args)
         case "input-file":
-            run_input_file(gen, config)
+            run_input_file(gen, args)
         case "interactive":
             run_interactive(gen, read_stdin_prompt, show_completion)
         case "precompute":
-            assert config.precompute_model_name is not None
-            precompute_all(model.replica, list(config.data_prefixes), config.precompute_model_name,
-                           batch_size=config.batch_size, max_length=config.seq_length, eod=model.tokenizer.eod)
+            assert args.precompute_model_name is not None
+            precompute_all(model.replica, list(token_dataset_prefixes(args)), args.precompute_model_name,
+                           batch_size=batch_size(args), max_length=gen.seq_length, eod=model.tokenizer.eod)
     return 0

@@ -34,7 +34,7 @@ from megatron.training.optimizer_config import OptimizerArgs
 from megatron.neox_arguments.groups.other import OtherArgs
 from megatron.neox_arguments.groups.parallelism import ParallelismArgs
 from megatron.neox_arguments.groups.support import UNSUPPORTED_ATTENTION_TYPES, unsupported_values
-from megatron.neox_arguments.groups.textgen import TextgenArgs
+from megatron.generation.config import TextgenArgs
 from megatron.tokenizer.config import TokenizerArgs
 from megatron.neox_arguments.groups.training import TrainingArgs
 from megatron.config_schema import ArgGroup

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from megatron.errors import ConfigError
-from megatron.evaluation.config import batch_size, checked
+from megatron.evaluation.config import checked
+from megatron.generation.config import batch_size
 from megatron.evaluation.harness import _specs, _task_manager, metric_rows, results_base
 from megatron.evaluation.lm_eval_adapter import _cut
 from megatron.neox_arguments import NeoXArgs

@@ -28,12 +28,10 @@ STILL_COPYING: dict[str, str] = {
     "DataConfig": "megatron/data/config.py",
     "ParallelConfig": "megatron/mpu/config.py",
     "LaunchConfig": "megatron/launcher/config.py",
-    "GenerationConfig": "megatron/generation/config.py",
     "ObjectiveConfig": "megatron/training/objectives/config.py",
     "RunConfig": "megatron/neox_arguments/run_config.py",
     "NeoxNames": "megatron/checkpointing/neox_layout.py",
     # no from_args, but they re-declare keys the classes above copy
-    "SamplingConfig": "megatron/generation/config.py",
     "ResolvedConfig": "megatron/neox_arguments/resolved.py",
 }
 """Config classes that still copy keys from the arguments (``from_args``) or re-declare them, with
