@@ -1,11 +1,14 @@
 """The weights generate.py and eval.py run: the newest committed checkpoint in `load`.
 
-The model is built exactly as training builds it (the same DeepSpeed engine, plain or pipeline),
-and the weights come in through the checkpoint code's own loader in weights-only mode
-(`megatron.checkpointing.save_load.load_checkpoint`). So a checkpoint saved at another layout is
-read the way a resumed training run reads it: through a universal checkpoint (converted once, cached
-next to the checkpoint), at any ZeRO stage and between pipeline and plain models
-(docs/resume_layouts.md lists what is refused).
+Inference needs the model, not the training engine: the model is built as training builds it (plain
+`GPTModel` or this rank's `PipelineModule` stage, `megatron.training.engine.build_model`) but without an
+optimizer, an LR schedule or `deepspeed.initialize`. Its weights come from the offline reader the HF export
+uses (`megatron.interop.deepy_checkpoint.read_full_checkpoint`: any tp, plain or pipeline, ZeRO 0-3), fitted
+to this run's padded vocabulary and cut to this rank's tensor-parallel shard (:func:`load_full_weights`).
+
+Cases that reader does not cover keep the old path, the training engine loading the checkpoint in
+weights-only mode through the checkpoint loader (universal checkpoint conversion when the layout changed);
+:func:`engine_needed` names each one and why.
 """
 
 from __future__ import annotations
@@ -14,9 +17,18 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
 from megatron.checkpointing.commit import step_of
-from megatron.checkpointing.save_load import LoadOptions, load_checkpoint, resolve_tag
+from megatron.checkpointing.save_load import META_FILE, LoadOptions, load_checkpoint, read_meta, resolve_tag
+from megatron.checkpointing.universal import Layout
 from megatron.errors import CheckpointError
+from megatron.interop.deepy_checkpoint import Weights, read_full_checkpoint
+from megatron.model import GPTConfig
+from megatron.model.partitioning import tp_partition_of
+from megatron.model.pipeline import model_parameter_name
+from megatron.mpu.initialize_weights import shard_tensor
 
 log = logging.getLogger("deepy.checkpoint")
 
@@ -31,10 +43,8 @@ INFERENCE_OVERRIDES: dict[str, Any] = {
 """Settings the inference model is built with whatever the training config said."""
 
 
-def load_committed_weights(engine: Any, load: str | None, iteration: int | None, args_dict: dict[str, Any],
-                           script: str) -> int:
-    """Load the model weights of `load`'s newest committed checkpoint (or of `iteration`) into
-    `engine` on every rank; returns the checkpoint's iteration."""
+def committed_checkpoint(load: str | None, iteration: int | None, script: str) -> Path:
+    """The tag directory of `load`'s newest committed checkpoint (or of `iteration`)."""
     if not load:
         raise CheckpointError(f"{script} needs `load`: the directory of a trained checkpoint (its weights are used)")
     load_dir = Path(load)
@@ -44,9 +54,85 @@ def load_committed_weights(engine: Any, load: str | None, iteration: int | None,
     if tag is None:
         raise CheckpointError(f"{script}: no committed checkpoint in {load_dir}; train first, or point `load` "
                               "at a directory that holds one")
-    result = load_checkpoint(engine, load_dir / tag, args_dict, LoadOptions(weights_only=True))
+    return load_dir / tag
+
+
+def engine_needed(ckpt: Path, config: GPTConfig, lora_enabled: bool) -> str | None:
+    """Why the checkpoint at `ckpt` must be loaded through the training engine; None when the weights-only
+    reader covers it."""
+    if lora_enabled:
+        # the adapters are extra modules of the model (`apply_lora`) whose tensors the full-weights reader does
+        # not name; the engine applies them as trained
+        return "LoRA adapters"
+    if config.moe_num_experts > 1:
+        # expert-parallel shards live in deepy_experts/ files the full-weights reader does not read (and the
+        # engine path also places each rank's experts)
+        return "mixture-of-experts layers"
+    if not (ckpt / META_FILE).is_file():
+        return "a checkpoint without Deepy's metadata (GPT-NeoX's own, imported by the checkpoint loader)"
+    layout = Layout.from_dict(read_meta(ckpt)["layout"])
+    if layout.zero_stage == 3 and layout.tp > 1:
+        # zero_to_fp32 rebuilds ZeRO-3 weights only for tp 1; the universal conversion handles tp > 1
+        return "a ZeRO-3 checkpoint saved with tensor parallelism"
+    return None
+
+
+def fit_vocabulary(config: GPTConfig, weights: Weights, rows: int) -> Weights:
+    """The padded-vocabulary weights trimmed or zero-padded to `rows` (a run at another tp pads the tokenizer's
+    vocabulary to another multiple); the rows dropped or added are padding, never real tokens."""
+    fitted = dict(weights)
+    for name, tensor in weights.items():
+        partition = tp_partition_of(config, name)
+        if partition is None or not partition.vocabulary or tensor.shape[0] == rows:
+            continue
+        have = tensor.shape[0]
+        fitted[name] = tensor[:rows] if have > rows else torch.nn.functional.pad(tensor, (0, 0, 0, rows - have))
+    return fitted
+
+
+def load_full_weights(module: nn.Module, config: GPTConfig, weights: Weights, *, tp: int, tp_rank: int,
+                      pipelined: bool, source: Path) -> None:
+    """Every tensor of `module` (a `GPTModel` or this rank's `PipelineModule` stage, tied copies included) from
+    the full `weights` under `GPTModel` names: this tp rank's shard of each partitioned one."""
+    state: dict[str, torch.Tensor] = {}
+    missing: list[str] = []
+    for key, own in module.state_dict().items():
+        name = model_parameter_name(key) if pipelined else key
+        if name not in weights:
+            missing.append(name)
+            continue
+        tensor = weights[name]
+        partition = tp_partition_of(config, name)
+        if partition is not None and tp > 1:
+            tensor = shard_tensor(tensor, partition.dim, tp_rank, tp, partition.sections)
+        if tensor.shape != own.shape:
+            raise CheckpointError(f"{source}: {name} has shape {tuple(tensor.shape)} (this rank's shard), the model "
+                                  f"built from the config {tuple(own.shape)}: the config's architecture differs "
+                                  "from the checkpoint's")
+        state[key] = tensor
+    if missing:
+        raise CheckpointError(f"{source} holds no {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}: "
+                              "the config's architecture differs from the checkpoint's")
+    unused = sorted(set(weights) - {model_parameter_name(k) if pipelined else k for k in module.state_dict()})
+    if unused and not pipelined:  # a pipeline stage holds some of the layers only
+        raise CheckpointError(f"{source} holds {', '.join(unused[:5])}, which the config's model has not: "
+                              "the config's architecture differs from the checkpoint's")
+    module.load_state_dict(state, strict=True)
+
+
+def read_weights(ckpt: Path, config: GPTConfig) -> tuple[Weights, int]:
+    """The full weights of the committed checkpoint `ckpt`, fitted to `config`'s padded vocabulary, and its
+    iteration."""
+    full = read_full_checkpoint(ckpt)
+    return fit_vocabulary(full.config, full.weights, config.padded_vocab_size), full.iteration
+
+
+def load_committed_weights(engine: Any, ckpt: Path, args_dict: dict[str, Any], script: str) -> int:
+    """The engine path: load the model weights of the committed checkpoint `ckpt` into `engine` on every
+    rank through the checkpoint loader; returns the checkpoint's iteration."""
+    result = load_checkpoint(engine, ckpt, args_dict, LoadOptions(weights_only=True))
     for note in result.notes:
         log.info("checkpoint: %s", note)
-    step = step_of(tag)
-    log.info("%s: weights of %s (iteration %s)", script, load_dir / tag, step)
+    step = step_of(ckpt.name)
+    log.info("%s: weights of %s (iteration %s), through the training engine", script, ckpt, step)
     return int(step or 0)
