@@ -56,6 +56,7 @@ def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
         engine_needed,
         load_full_weights,
         read_weights,
+        saved_adapters,
     )
     from megatron.initialize import initialize
     from megatron.logging.log import setup_logging
@@ -80,12 +81,13 @@ def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
         raise ConfigError(f"{script} needs a language model; this config builds a reward model (train_impl: rm), "
                           "whose value head scores sequences instead of predicting tokens")
     ckpt = committed_checkpoint(run.checkpoint.load, run.checkpoint.iteration, script)
-    reason = engine_needed(ckpt, model_config, run.lora.lora_enabled)
+    reason = engine_needed(ckpt, inference_args.moe_expert_parallel_size)
     if reason is not None:
         module, step = _engine_module(run, model_config, ckpt, padded_vocab, script, reason)
     else:
+        lora = run.lora if run.lora.lora_enabled and saved_adapters(ckpt) else None
         module, _ = build_model(model_config, run.parallel, run.activation_checkpointing, run.training.compile_layers,
-                                LMObjective(ObjectiveConfig()))
+                                LMObjective(ObjectiveConfig()), lora)
         weights, step = read_weights(ckpt, model_config)
         load_full_weights(module, model_config, weights, tp=topology.get_tensor_model_parallel_world_size(),
                           tp_rank=topology.get_tensor_model_parallel_rank(), pipelined=run.parallel.is_pipe,

@@ -6,7 +6,9 @@ optimizer, an LR schedule or `deepspeed.initialize`. Its weights come from the o
 uses (`megatron.interop.deepy_checkpoint.read_full_checkpoint`: any tp, plain or pipeline, ZeRO 0-3), fitted
 to this run's padded vocabulary and cut to this rank's tensor-parallel shard (:func:`load_full_weights`).
 
-Cases that reader does not cover keep the old path, the training engine loading the checkpoint in
+LoRA adapters are applied as trained (the model is built with them, the reader returns their tensors) and
+experts that are not split over data-parallel ranks are ordinary tensor-parallel weights. Cases that reader
+does not cover keep the old path, the training engine loading the checkpoint in
 weights-only mode through the checkpoint loader (universal checkpoint conversion when the layout changed);
 :func:`engine_needed` names each one and why.
 """
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from megatron.checkpointing.commit import step_of
+from megatron.checkpointing.expert_shards import EP_KEY
 from megatron.checkpointing.save_load import META_FILE, LoadOptions, load_checkpoint, read_meta, resolve_tag
 from megatron.checkpointing.universal import Layout
 from megatron.errors import CheckpointError
@@ -57,24 +60,28 @@ def committed_checkpoint(load: str | None, iteration: int | None, script: str) -
     return load_dir / tag
 
 
-def engine_needed(ckpt: Path, config: GPTConfig, lora_enabled: bool) -> str | None:
-    """Why the checkpoint at `ckpt` must be loaded through the training engine; None when the weights-only
-    reader covers it."""
-    if lora_enabled:
-        # the adapters are extra modules of the model (`apply_lora`) whose tensors the full-weights reader does
-        # not name; the engine applies them as trained
-        return "LoRA adapters"
-    if config.moe_num_experts > 1:
-        # expert-parallel shards live in deepy_experts/ files the full-weights reader does not read (and the
-        # engine path also places each rank's experts)
-        return "mixture-of-experts layers"
+def engine_needed(ckpt: Path, expert_parallel: int) -> str | None:
+    """Why the checkpoint at `ckpt` must be loaded through the training engine when this run splits experts
+    over `expert_parallel` data-parallel ranks; None when the weights-only reader covers it."""
     if not (ckpt / META_FILE).is_file():
         return "a checkpoint without Deepy's metadata (GPT-NeoX's own, imported by the checkpoint loader)"
-    layout = Layout.from_dict(read_meta(ckpt)["layout"])
+    meta = read_meta(ckpt)
+    saved_expert_parallel = int((meta.get("args") or {}).get(EP_KEY) or 1)
+    if max(expert_parallel, saved_expert_parallel) > 1:
+        # each expert-parallel rank's experts are in its own deepy_experts/ file, which the full-weights reader
+        # does not read, and only the engine places them on the ranks that hold them (checkpointing/expert_shards.py)
+        return "experts split over data-parallel ranks (moe_expert_parallel_size > 1)"
+    layout = Layout.from_dict(meta["layout"])
     if layout.zero_stage == 3 and layout.tp > 1:
         # zero_to_fp32 rebuilds ZeRO-3 weights only for tp 1; the universal conversion handles tp > 1
         return "a ZeRO-3 checkpoint saved with tensor parallelism"
     return None
+
+
+def saved_adapters(ckpt: Path) -> bool:
+    """Whether the checkpoint holds LoRA adapters: a run with lora_r set that starts from a checkpoint without
+    them (its frozen base) runs the base model, the adapters' B being 0 (checkpointing/adapters.py)."""
+    return int((read_meta(ckpt).get("args") or {}).get("lora_r") or 0) > 0
 
 
 def fit_vocabulary(config: GPTConfig, weights: Weights, rows: int) -> Weights:

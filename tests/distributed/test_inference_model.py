@@ -1,7 +1,8 @@
 """generate.py's and eval.py's model comes without the training engine (issue 20: "generation does not build
 the training engine"), and its weights are the checkpoint's on any tensor-parallel layout.
 
-One tp1 checkpoint of random weights is written offline (``write_weights_only_checkpoint``, with a padded
+For each variant (dense, with LoRA adapters applied as trained, with experts), one tp1 checkpoint of random
+weights is written offline (``write_weights_only_checkpoint``, with a padded
 vocabulary larger than the run's, so the rows are fitted); two gloo ranks then run
 ``build_inference_model`` at tp2 with ``deepspeed.initialize``, the optimizer builder and ``build_engine``
 replaced by functions that fail. Each rank decodes greedily with logits, and the result is compared with
@@ -35,11 +36,32 @@ CONFIG: dict[str, Any] = {
 }  # fmt: skip
 
 
-def _gpt_config(padded_vocab_size: int) -> Any:
-    from megatron.model import GPTConfig
+VARIANTS: dict[str, dict[str, Any]] = {
+    "dense": {},
+    "lora": {"lora_r": 4, "lora_target_modules": ["query_key_value", "dense_4h_to_h"]},
+    "moe": {"moe_num_experts": 2, "moe_top_k": 1},
+}
+"""Keys of the run (and of the saved model) per variant."""
 
-    return GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, max_position_embeddings=32,
-                     norm="layernorm", pos_emb="rotary", padded_vocab_size=padded_vocab_size, seed=1234)
+
+def _saved_model(variant: str) -> Any:
+    """The model the checkpoint holds, with every weight (adapters' B included) away from its initial value."""
+    from megatron.model import GPTConfig, GPTModel
+    from megatron.model.lora import apply_lora
+    from megatron.model.lora_config import LoRAArgs
+
+    keys = VARIANTS[variant]
+    arch = {k: v for k, v in keys.items() if k.startswith("moe_")}
+    model = GPTModel(GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                               max_position_embeddings=32, norm="layernorm", pos_emb="rotary",
+                               padded_vocab_size=SAVED_VOCAB, seed=1234, **arch))
+    if "lora_r" in keys:
+        apply_lora(model, LoRAArgs(**keys), seed=1234)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # no structure a loader could get right by accident
+    return model.eval()
 
 
 def _refuse(what: str) -> Any:
@@ -87,25 +109,22 @@ def _rank(rank: int, out_dir: str) -> None:
                                               "generates": generates}))
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, str]], Path, Any]:
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, str]], Path, Any]:
     from megatron.interop.deepy_checkpoint import write_weights_only_checkpoint
     from megatron.interop.yaml_config import architecture_keys
-    from megatron.model import GPTModel
     from megatron.neox_arguments import config_from_mapping
     from megatron.neox_arguments.derived import finalize
 
-    out = tmp_path_factory.mktemp("inference_model")
-    torch.manual_seed(0)
-    saved = GPTModel(_gpt_config(SAVED_VOCAB)).eval()
-    with torch.no_grad():
-        for p in saved.parameters():
-            p.add_(0.05 * torch.randn_like(p))  # no structure a loader could get right by accident
+    variant = request.param
+    out = tmp_path_factory.mktemp(f"inference_model_{variant}")
+    saved = _saved_model(variant)
     config = saved.config
     write_weights_only_checkpoint(out / "ckpt", config=config, weights=saved.state_dict(), tp=1, pp=0, step=7,
-                                  args={**architecture_keys(config), "padded_vocab_size": SAVED_VOCAB,
-                                        "tokenizer_type": "CharLevelTokenizer"})
-    finalize(config_from_mapping({**CONFIG, "load": str(out / "ckpt")}), WORLD).write(out / "config.json")
+                                  args={**architecture_keys(config), **VARIANTS[variant],
+                                        "padded_vocab_size": SAVED_VOCAB, "tokenizer_type": "CharLevelTokenizer"})
+    run = {**CONFIG, **VARIANTS[variant], "load": str(out / "ckpt")}
+    finalize(config_from_mapping(run), WORLD).write(out / "config.json")
     (out / "setup.json").write_text(json.dumps({"port": free_port(), "config": str(out / "config.json")}))
     return run_ranks(_rank, WORLD, out), out, saved
 
