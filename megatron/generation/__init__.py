@@ -9,6 +9,6 @@
 * `scoring.py`    `score`: log-probabilities of given sequences (precompute, lm-eval).
 * `modes.py`      unconditional / input-file / interactive drivers and their jsonl output.
 * `precompute.py` reference log-prob datasets for DPO/KTO: the writer and its reader.
-* `loading.py`    the newest committed checkpoint's weights, through the checkpoint loader.
-* `entry.py`      generate.py's per-rank main and the model set-up shared with eval.py.
+* `loading.py`    the newest committed checkpoint's weights, read whole and cut to this rank (no training engine).
+* `entry.py`      generate.py's per-rank main and the inference model set-up shared with eval.py.
 """
