@@ -24,14 +24,13 @@ from torch import nn
 
 from megatron.checkpointing.commit import step_of
 from megatron.checkpointing.expert_shards import EP_KEY
-from megatron.checkpointing.save_load import META_FILE, LoadOptions, load_checkpoint, read_meta, resolve_tag
+from megatron.checkpointing.local_weights import local_weights
+from megatron.checkpointing.save_load import LoadOptions, load_checkpoint, read_meta, resolve_tag
 from megatron.checkpointing.universal import Layout
 from megatron.errors import CheckpointError
 from megatron.interop.deepy_checkpoint import Weights, read_full_checkpoint
 from megatron.model import GPTConfig
 from megatron.model.partitioning import tp_partition_of
-from megatron.model.pipeline import model_parameter_name
-from megatron.mpu.initialize_weights import shard_tensor
 
 log = logging.getLogger("deepy.checkpoint")
 
@@ -63,9 +62,7 @@ def committed_checkpoint(load: str | None, iteration: int | None, script: str) -
 def engine_needed(ckpt: Path, expert_parallel: int) -> str | None:
     """Why the checkpoint at `ckpt` must be loaded through the training engine when this run splits experts
     over `expert_parallel` data-parallel ranks; None when the weights-only reader covers it."""
-    if not (ckpt / META_FILE).is_file():
-        return "a checkpoint without Deepy's metadata (GPT-NeoX's own, imported by the checkpoint loader)"
-    meta = read_meta(ckpt)
+    meta = read_meta(ckpt)  # a checkpoint without Deepy's metadata (GPT-NeoX's own) is refused here, by name
     saved_expert_parallel = int((meta.get("args") or {}).get(EP_KEY) or 1)
     if max(expert_parallel, saved_expert_parallel) > 1:
         # each expert-parallel rank's experts are in its own deepy_experts/ file, which the full-weights reader
@@ -101,30 +98,12 @@ def load_full_weights(module: nn.Module, config: GPTConfig, weights: Weights, *,
                       pipelined: bool, source: Path) -> None:
     """Every tensor of `module` (a `GPTModel` or this rank's `PipelineModule` stage, tied copies included) from
     the full `weights` under `GPTModel` names: this tp rank's shard of each partitioned one."""
-    state: dict[str, torch.Tensor] = {}
-    missing: list[str] = []
-    for key, own in module.state_dict().items():
-        name = model_parameter_name(key) if pipelined else key
-        if name not in weights:
-            missing.append(name)
-            continue
-        tensor = weights[name]
-        partition = tp_partition_of(config, name)
-        if partition is not None and tp > 1:
-            tensor = shard_tensor(tensor, partition.dim, tp_rank, tp, partition.sections)
-        if tensor.shape != own.shape:
-            raise CheckpointError(f"{source}: {name} has shape {tuple(tensor.shape)} (this rank's shard), the model "
-                                  f"built from the config {tuple(own.shape)}: the config's architecture differs "
-                                  "from the checkpoint's")
-        state[key] = tensor
-    if missing:
-        raise CheckpointError(f"{source} holds no {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}: "
-                              "the config's architecture differs from the checkpoint's")
-    unused = sorted(set(weights) - {model_parameter_name(k) if pipelined else k for k in module.state_dict()})
-    if unused and not pipelined:  # a pipeline stage holds some of the layers only
-        raise CheckpointError(f"{source} holds {', '.join(unused[:5])}, which the config's model has not: "
-                              "the config's architecture differs from the checkpoint's")
-    module.load_state_dict(state, strict=True)
+    state, problems = local_weights(module, config, weights, tp=tp, tp_rank=tp_rank, pipelined=pipelined)
+    if problems:
+        raise CheckpointError(f"{source} does not fit the config's model (its architecture differs from the "
+                              "checkpoint's):\n  " + "\n  ".join(problems[:20]))
+    with torch.no_grad():
+        module.load_state_dict(state, strict=False)  # only computed buffers (rotary) are left out
 
 
 def read_weights(ckpt: Path, config: GPTConfig) -> tuple[Weights, int]:
