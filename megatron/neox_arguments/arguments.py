@@ -32,7 +32,7 @@ from megatron.neox_arguments.groups.model import ModelArgs
 from megatron.neox_arguments.groups.moe import MoEArgs
 from megatron.training.optimizer_config import OptimizerArgs
 from megatron.neox_arguments.groups.other import OtherArgs
-from megatron.neox_arguments.groups.parallelism import ParallelismArgs
+from megatron.mpu.parallel_config import ParallelismArgs
 from megatron.neox_arguments.groups.support import UNSUPPORTED_ATTENTION_TYPES, unsupported_values
 from megatron.neox_arguments.groups.textgen import TextgenArgs
 from megatron.tokenizer.config import TokenizerArgs

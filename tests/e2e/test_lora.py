@@ -60,7 +60,7 @@ def initial_weights(config: dict[str, Any]) -> dict[str, torch.Tensor]:
     from megatron.tokenizer import build_tokenizer
 
     run = RunConfig.from_mapping({k: v for k, v in config.items() if k != "num_gpus"})
-    vocab = run.tokenizer.padded(build_tokenizer(run.tokenizer).vocab_size, run.parallel.tensor)
+    vocab = run.tokenizer.padded(build_tokenizer(run.tokenizer).vocab_size, run.parallel.model_parallel_size)
     return GPTModel(run.model.with_vocab(vocab)).state_dict()
 
 

@@ -114,6 +114,17 @@ def _training_loop(args: Any) -> object:
             args.compile_layers, args.zero_init)  # engine.build_engine
 
 
+def _parallel(args: Any) -> object:
+    """What each rank's start-up and the model builder ask of the keys that split the run over ranks
+    (``initialize.initialize``/``init_distributed``, ``engine.build_model``, the memory estimate): the
+    rank is handed the arguments typed as ``ParallelRunArgs``."""
+    return (args.model_parallel_size, args.pipe_parallel_size, args.context_parallel_size,  # initialize
+            args.moe_expert_parallel_size, args.world_size, args.distributed_backend,
+            args.master_addr, args.master_port, args.deepspeed_slurm,  # init_distributed
+            args.uses_pipeline_module, args.pipe_partition_method,  # engine.build_model
+            args.pipe_stages, args.sequence_parallel)  # memory.MemoryLayout
+
+
 def _user_plugins(args: Any) -> object:
     """What each rank does with ``plugins`` before validating its resolved config (``load_resolved``)."""
     return plugins.load_user_plugins(args.plugins)
@@ -132,7 +143,7 @@ def _evaluation(args: Any) -> object:
 
 def component_builders() -> list[ComponentBuilder]:
     """Everything that turns keys into what a component does, for train.py."""
-    return [RunConfig.from_args, _tokenizer, _checkpoints, _logging, _lora, _lr_schedule, _optimizer,
+    return [RunConfig.from_args, _parallel, _tokenizer, _checkpoints, _logging, _lora, _lr_schedule, _optimizer,
             _activation_checkpointing, _training_loop, _evaluation, _user_plugins, deepspeed_config, LaunchConfig.from_args,
             run_directory]
 
