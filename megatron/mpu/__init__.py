@@ -54,7 +54,11 @@ _EXPORTS = {
     "get_context_parallel_rank": "topology",
     "get_data_shard_rank": "topology",
     "get_data_shard_count": "topology",
+    # the names DeepSpeed looks for on the module passed as deepspeed.initialize(mpu=...)
+    "get_model_parallel_group": "topology",
+    "get_model_parallel_world_size": "topology",
     "get_model_parallel_rank": "topology",
+    "get_model_parallel_src_rank": "topology",
     "vocab_parallel_cross_entropy": "cross_entropy",
     "ColumnParallelLinear": "layers",
     "RowParallelLinear": "layers",
