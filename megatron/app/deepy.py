@@ -240,12 +240,12 @@ def dialect_table(resolved: ResolvedConfig) -> list[str]:
 
 def plan_run(resolved: ResolvedConfig, user_script: str, config_path: str) -> LaunchPlan:
     """Every launch check (ports, tools, hosts) before anything is written or started."""
-    from megatron.launcher import LaunchConfig, check_tools, plan_launch
+    from megatron.launcher import check_tools, plan_launch
     from megatron.neox_arguments.derived import local_device_count
 
-    config = LaunchConfig.from_args(resolved.args, resolved.provenance)
-    plan = plan_launch(config, user_script, config_path, os.environ, local_devices=local_device_count)
-    check_tools(plan, config)
+    plan = plan_launch(resolved.args, user_script, config_path, os.environ, local_devices=local_device_count,
+                       provenance=resolved.provenance)
+    check_tools(plan, resolved.args)
     return plan
 
 

@@ -20,9 +20,9 @@ from pydantic import BaseModel
 from megatron import plugins
 from megatron.errors import ConfigError
 from megatron.neox_arguments.groups.deepspeed_config import DeepSpeedConfigArgs
-from megatron.neox_arguments.groups.deepspeed_runner import DeepSpeedRunnerArgs
 from megatron.checkpointing.config import CheckpointArgs
 from megatron.evaluation.config import EvalArgs
+from megatron.launcher.config import DeepSpeedRunnerArgs
 from megatron.logging.config import LoggingArgs
 from megatron.model.lora_config import LoRAArgs
 from megatron.training.activation_config import ActivationCheckpointArgs

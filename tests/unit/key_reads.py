@@ -16,7 +16,6 @@ from megatron import plugins
 from megatron.checkpointing.manager import CheckpointManager
 from megatron.checkpointing.preemption import PreemptionWatcher
 from megatron.errors import DeepyError
-from megatron.launcher.config import LaunchConfig
 from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.neox_arguments.deepspeed_split import deepspeed_config
 from megatron.neox_arguments.derived import DERIVATIONS
@@ -125,6 +124,17 @@ def _parallel(args: Any) -> object:
             args.pipe_stages, args.sequence_parallel)  # memory.MemoryLayout
 
 
+def _launch(args: Any) -> object:
+    """What deepy.py's launcher asks of its keys (``plan_launch`` and the launcher kinds, handed the
+    arguments typed as ``LaunchArgs``), and whether the user chose ``master_port``."""
+    from megatron.launcher.config import master_port_chosen
+
+    return (args.launcher, args.hostfile, args.include, args.exclude, args.num_nodes, args.num_gpus,  # resources
+            args.master_addr, master_port_chosen(args), args.force_multi, args.no_ssh_check,  # rendezvous, runner
+            args.comment, args.account, args.deepspeed_slurm, args.deepspeed_mpi,  # srun, in place
+            args.deepspeed_log_level)  # runner flags
+
+
 def _user_plugins(args: Any) -> object:
     """What each rank does with ``plugins`` before validating its resolved config (``load_resolved``)."""
     return plugins.load_user_plugins(args.plugins)
@@ -144,7 +154,7 @@ def _evaluation(args: Any) -> object:
 def component_builders() -> list[ComponentBuilder]:
     """Everything that turns keys into what a component does, for train.py."""
     return [RunConfig.from_args, _parallel, _tokenizer, _checkpoints, _logging, _lora, _lr_schedule, _optimizer,
-            _activation_checkpointing, _training_loop, _evaluation, _user_plugins, deepspeed_config, LaunchConfig.from_args,
+            _activation_checkpointing, _training_loop, _evaluation, _user_plugins, deepspeed_config, _launch,
             run_directory]
 
 

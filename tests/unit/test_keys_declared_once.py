@@ -26,7 +26,6 @@ ROOT = Path(__file__).resolve().parents[2] / "megatron"
 STILL_COPYING: dict[str, str] = {
     "GPTConfig": "megatron/model/config.py",
     "DataConfig": "megatron/data/config.py",
-    "LaunchConfig": "megatron/launcher/config.py",
     "GenerationConfig": "megatron/generation/config.py",
     "ObjectiveConfig": "megatron/training/objectives/config.py",
     "RunConfig": "megatron/neox_arguments/run_config.py",

@@ -65,6 +65,7 @@ DECLARED_WITH_COMPONENT: dict[str, str] = {
         "keep_last_n_checkpoints", "iteration",
     ), "checkpoint"),
     **dict.fromkeys(("eval_tasks", "eval_results_prefix"), "evaluation"),
+    **dict.fromkeys(("deepspeed_mpi", "deepspeed_slurm"), "deepspeed_runner"),
 }
 
 # Defaults Deepy changes on purpose; each field's docstring says why.
