@@ -142,9 +142,9 @@ def fill_in_for_inference(resolved: ResolvedConfig, user_script: str) -> None:
 
 def assign_run_dir(resolved: ResolvedConfig) -> str:
     """``<log_dir or runs>/<timestamp>`` unless already chosen; stored in the resolved config."""
-    if not resolved.run_dir:
-        resolved.run_dir = str(run_directory(resolved.args))
-    return resolved.run_dir
+    if not resolved.directory:
+        resolved.directory = str(run_directory(resolved.args))
+    return resolved.directory
 
 
 def already_finished(resolved: ResolvedConfig, user_script: str) -> str | None:
@@ -209,7 +209,7 @@ def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand, plan: Launch
         "Resolved config (non-default values; source is file:line, cli or derived):",
         format_resolved_table(resolved.args, resolved.provenance),
         "",
-        f"Run directory: {resolved.run_dir} (not created by a dry run)",
+        f"Run directory: {resolved.directory} (not created by a dry run)",
         "",
         "DeepSpeed config:",
         json.dumps(ds_config, indent=2) if ds_config is not None else "(none)",

@@ -240,7 +240,7 @@ def test_resolved_config_round_trip_is_atomic(cwd: Path) -> None:
     write(cwd, "r.yml", "num_layers: 2\nhidden_size: 64\noptimizer: {type: Adam, params: {lr: 1e-3}}\n")
     resolved = load_config(["r.yml"], ["train_iters=5"])
     resolved.deepspeed_config = {"train_batch_size": 4}
-    resolved.run_dir = "runs/x"
+    resolved.directory = "runs/x"
     target = resolved.write(cwd / "run" / "deepy_config.json")
     assert sorted(os.listdir(cwd / "run")) == ["deepy_config.json"]  # no temp file left behind
     data = json.loads(target.read_text())
@@ -248,7 +248,7 @@ def test_resolved_config_round_trip_is_atomic(cwd: Path) -> None:
     back = load_resolved(target)
     assert back.args == resolved.args
     assert back.provenance == resolved.provenance and back.config_files == resolved.config_files
-    assert back.deepspeed_config == {"train_batch_size": 4} and back.run_dir == "runs/x"
+    assert back.deepspeed_config == {"train_batch_size": 4} and back.directory == "runs/x"
 
 
 def test_load_resolved_errors(cwd: Path) -> None:

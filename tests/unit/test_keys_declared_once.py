@@ -32,7 +32,6 @@ STILL_COPYING: dict[str, str] = {
     "NeoxNames": "megatron/checkpointing/neox_layout.py",
     # no from_args, but they re-declare keys the classes above copy
     "SamplingConfig": "megatron/generation/config.py",
-    "ResolvedConfig": "megatron/neox_arguments/resolved.py",
 }
 """Config classes that still copy keys from the arguments (``from_args``) or re-declare them, with
 their file."""
