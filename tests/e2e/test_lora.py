@@ -71,7 +71,7 @@ def saved_module(ckpt: Path) -> dict[str, torch.Tensor]:
     from megatron.checkpointing.neox_files import canonical_rank_weights
     from megatron.checkpointing.neox_layout import NeoxNames
 
-    names = NeoxNames.from_args(json.loads((ckpt / "deepy_meta.json").read_text())["args"])
+    names = NeoxNames.from_stored(json.loads((ckpt / "deepy_meta.json").read_text())["args"])
     pipeline = any(ckpt.glob("layer_*-model_00-model_states.pt"))
     return canonical_rank_weights(ckpt, names, tp=1, tp_rank=0, pipeline=pipeline)
 
