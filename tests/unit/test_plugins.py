@@ -108,7 +108,7 @@ class SmoothedLM(LMObjective):
         counted = labels >= 0
         flat = output.float().reshape(-1, output.shape[-1])
         losses = F.cross_entropy(flat, labels.clamp(min=0).reshape(-1), reduction="none",
-                                 label_smoothing=self.config.keys.label_smoothing)
+                                 label_smoothing=self.config.label_smoothing)
         total = (losses * counted.reshape(-1)).sum()
         return total, {"lm_loss": (total.detach(), counted.sum())}
 '''
@@ -242,10 +242,10 @@ def test_toy_tracker_receives_every_row(loaded: Path, tmp_path: Path) -> None:
 
 
 def test_toy_objective_is_torchs_label_smoothed_cross_entropy(loaded: Path) -> None:
+    from megatron.neox_arguments.arguments import schema_class
     from megatron.training.objectives import build_objective
-    from megatron.training.objectives.config import ObjectiveConfig
 
-    objective = build_objective(ObjectiveConfig.of("smoothed_lm", label_smoothing=0.2))
+    objective = build_objective(schema_class()(train_impl="smoothed_lm", label_smoothing=0.2))
     torch.manual_seed(0)
     logits, labels = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
     labels[0, :2] = -100
