@@ -29,7 +29,6 @@ STILL_COPYING: dict[str, str] = {
     "ParallelConfig": "megatron/mpu/config.py",
     "LaunchConfig": "megatron/launcher/config.py",
     "GenerationConfig": "megatron/generation/config.py",
-    "ObjectiveConfig": "megatron/training/objectives/config.py",
     "RunConfig": "megatron/neox_arguments/run_config.py",
     "NeoxNames": "megatron/checkpointing/neox_layout.py",
     # no from_args, but they re-declare keys the classes above copy
