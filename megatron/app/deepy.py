@@ -117,6 +117,7 @@ def fill_in_for_inference(resolved: ResolvedConfig, user_script: str) -> None:
     placeholder data, each recorded as derived and said, instead of refusals for keys inference does
     not read."""
     from megatron.config_rules import DERIVED
+    from megatron.training.optimizer_config import peak_lr_setting
 
     if os.path.basename(user_script) not in ENTRY_POINTS_OF_TEXTGEN:
         return
@@ -124,7 +125,7 @@ def fill_in_for_inference(resolved: ResolvedConfig, user_script: str) -> None:
     fills: dict[str, Any] = {}
     if args.train_micro_batch_size_per_gpu is None and args.train_batch_size is None:
         fills["train_micro_batch_size_per_gpu"] = 1
-    if args.lr is None and (args.optimizer is None or args.optimizer.params.lr is None):
+    if peak_lr_setting(args.lr, args.optimizer)[0] is None:
         fills["lr"] = 0.0
     if args.train_iters is None and args.train_epochs is None:
         fills["train_iters"] = 1

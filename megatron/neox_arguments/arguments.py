@@ -28,21 +28,23 @@ from megatron.model.lora_config import LoRAArgs
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.config import TrainingLoopArgs
 from megatron.training.lr_config import LRSchedulerArgs
+from megatron.training.objectives.config import ObjectiveArgs
 from megatron.neox_arguments.groups.model import ModelArgs
 from megatron.neox_arguments.groups.moe import MoEArgs
 from megatron.training.optimizer_config import OptimizerArgs
 from megatron.neox_arguments.groups.other import OtherArgs
 from megatron.mpu.parallel_config import ParallelismArgs
-from megatron.neox_arguments.groups.support import UNSUPPORTED_ATTENTION_TYPES, unsupported_values
+from megatron.neox_arguments.groups.support import UNSUPPORTED_ATTENTION_TYPES
 from megatron.neox_arguments.groups.textgen import TextgenArgs
 from megatron.tokenizer.config import TokenizerArgs
 from megatron.neox_arguments.groups.training import TrainingArgs
 from megatron.config_schema import ArgGroup
-from megatron.config_schema import is_supported as _field_is_supported
+from megatron.config_schema import is_supported as _field_is_supported, unsupported_values
 from megatron.plugins import PluginArgs
 
 # Short group names in documentation order: the module names under groups/, or, for a group declared
-# beside the component that reads it, that component's name (checkpoint, logging, tokenizer, lora, lr).
+# beside the component that reads it, that component's name (checkpoint, logging, tokenizer, lora, lr,
+# objective).
 GROUPS: dict[str, type[ArgGroup]] = {
     "parallelism": ParallelismArgs,
     "model": ModelArgs,
@@ -50,6 +52,7 @@ GROUPS: dict[str, type[ArgGroup]] = {
     "lr": LRSchedulerArgs,
     "training": TrainingArgs,
     "training_loop": TrainingLoopArgs,
+    "objective": ObjectiveArgs,
     "activation_checkpointing": ActivationCheckpointArgs,
     "checkpoint": CheckpointArgs,
     "logging": LoggingArgs,
@@ -89,6 +92,7 @@ class _Arguments(
     LRSchedulerArgs,
     TrainingArgs,
     TrainingLoopArgs,
+    ObjectiveArgs,
     ActivationCheckpointArgs,
     CheckpointArgs,
     LoggingArgs,

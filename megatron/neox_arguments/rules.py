@@ -17,6 +17,7 @@ from megatron.errors import ConfigError
 from megatron.logging.preflight import logging_problems
 from megatron.config_rules import Device, RuleContext, default_of, describe, render, rule
 from megatron.data.config import SPLITS
+from megatron.training.optimizer_config import peak_lr_setting
 
 # components whose own checks register on import (checks beside the keys they protect)
 from megatron.training import lr_config as _lr_checks  # noqa: F401  isort: skip
@@ -46,13 +47,9 @@ def zero_stage(ctx: RuleContext) -> int:
 
 
 def effective_lr(ctx: RuleContext) -> tuple[float | None, str]:
-    """The peak learning rate and the key that holds it (``lr`` or ``optimizer.params.lr``)."""
-    if ctx.get("lr") is not None:
-        return float(ctx.get("lr")), "lr"
-    optimizer = ctx.get("optimizer")
-    if optimizer is not None and optimizer.params.lr is not None:
-        return float(optimizer.params.lr), "optimizer.params.lr"
-    return None, "lr"
+    """The peak learning rate and the key that holds it (``lr`` or ``optimizer.params.lr``), as the
+    optimizer decides it (:func:`~megatron.training.optimizer_config.peak_lr_setting`)."""
+    return peak_lr_setting(ctx.get("lr"), ctx.get("optimizer"))
 
 
 # --- model shape ------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ object typed as such, so what a component can do is exactly what its config type
 (``tests/unit/test_config_honesty.py``) checks that every supported key is read by one of the
 builders below (or a group's own methods), the DeepSpeed split or the launcher. A component whose keys
 are declared beside it (the loop, the optimizer, the LR schedule, activation checkpointing, the
-tokenizer, checkpoints, logging, LoRA) is handed the argument object itself, typed as its own group (or,
+tokenizer, checkpoints, logging, LoRA, the objective) is handed the argument object itself, typed as its own group (or,
 for the loop, the protocol naming what it reads), and reads its keys in its own methods.
 """
 
@@ -28,7 +28,7 @@ from megatron.errors import ConfigError
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.config import TrainingRunArgs
 from megatron.training.lr_config import LRSchedulerArgs
-from megatron.training.objectives.config import ObjectiveConfig
+from megatron.training.objectives.config import ObjectiveArgs
 from megatron.training.optimizer_config import OptimizerArgs
 
 if TYPE_CHECKING:
@@ -58,8 +58,9 @@ class RunConfig:
     """The arguments themselves, as the checkpoint keys (not a copy)."""
     logging: LoggingArgs
     """The arguments themselves, as the logging keys (not a copy)."""
-    objective: ObjectiveConfig
-    """``train_impl`` and its keys (SFT masks, DPO/KTO/RM settings, the reference model)."""
+    objective: ObjectiveArgs
+    """The arguments themselves, as the objective's keys (not a copy): ``train_impl``, the shared keys and
+    the selected plug-in's own (DPO/KTO settings), which the arguments object is composed of too."""
     lora: LoRAArgs
     """The arguments themselves, as the adapter keys (``lora_r == 0``: none, every parameter trains)."""
     tasks: EvalRunArgs | None = None
@@ -85,7 +86,7 @@ class RunConfig:
             activation_checkpointing=args,
             checkpoint=args,
             logging=args,
-            objective=ObjectiveConfig.from_args(args),
+            objective=args,
             lora=args,
             tasks=checked(args) if args.eval_tasks else None,
             deepspeed=dict(deepspeed or {}),

@@ -48,7 +48,7 @@ from megatron.mpu import experts as expert_parallel
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.lr_schedules import LRScheduler, SchedulePolicy
 from megatron.training.moe import MoETraining, build_moe_training, install_expert_parallel, keep_expert_shards
-from megatron.training.objectives import LMObjective, Objective, ObjectiveConfig, Reference
+from megatron.training.objectives import LMObjective, Objective, ObjectiveArgs, Reference
 from megatron.training.optimizers import DEEPSPEED_BUILT, build_optimizer, deepspeed_optimizer_block, param_groups
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class Engine:
     ds_config: dict[str, Any]
     moe: MoETraining | None = None
     """Aux-loss scale and router metrics of an MoE model (None when dense)."""
-    objective: Objective = field(default_factory=lambda: LMObjective(ObjectiveConfig()))
+    objective: Objective = field(default_factory=lambda: LMObjective(ObjectiveArgs()))
     """The ``train_impl``'s batch preparation and loss (also the pipeline's ``loss_fn``)."""
     reference: Reference = field(default_factory=Reference)
     """Where DPO/KTO reference log-probs come from; set once the engine exists."""
@@ -330,7 +330,7 @@ def build_engine(run: RunConfig, config: GPTConfig, train_iters: int, objective:
 
     ``objective`` (default: language modelling) decides the pipeline's loss and, for reward models,
     the scalar head."""
-    objective = objective if objective is not None else LMObjective(ObjectiveConfig())
+    objective = objective if objective is not None else LMObjective(ObjectiveArgs())
     if config.value_head != objective.value_head:
         config = config.replace(value_head=objective.value_head)
     ds_config = dict(run.deepspeed)

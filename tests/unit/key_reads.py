@@ -135,6 +135,14 @@ def _launch(args: Any) -> object:
             args.deepspeed_log_level)  # runner flags
 
 
+def _objective(args: Any) -> object:
+    """What the objective reads of its keys (``build_objective``, ``Objective.__init__``, ``LMObjective``,
+    ``RewardModelObjective``, ``build_reference``), each where that code reads it: the objective is
+    handed the arguments themselves (``RunConfig.objective``)."""
+    return (args.train_impl, args.eod_mask_loss, args.z_loss, args.reset_attention_mask, args.reset_position_ids,
+            args.reference_kind)
+
+
 def _user_plugins(args: Any) -> object:
     """What each rank does with ``plugins`` before validating its resolved config (``load_resolved``)."""
     return plugins.load_user_plugins(args.plugins)
@@ -154,15 +162,15 @@ def _evaluation(args: Any) -> object:
 def component_builders() -> list[ComponentBuilder]:
     """Everything that turns keys into what a component does, for train.py."""
     return [RunConfig.from_args, _parallel, _tokenizer, _checkpoints, _logging, _lora, _lr_schedule, _optimizer,
-            _activation_checkpointing, _training_loop, _evaluation, _user_plugins, deepspeed_config, _launch,
+            _activation_checkpointing, _training_loop, _objective, _evaluation, _user_plugins, deepspeed_config, _launch,
             run_directory]
 
 
 def plugin_keys_read() -> set[str]:
     """Keys a plug-in declares that its implementation reads (``.key``) — in its module's package, where
-    the family's config (``ObjectiveConfig.reference``) and the plug-in's check live too: a plug-in is
-    handed its keys whole (``ObjectiveConfig.keys``, ``ScheduleSpec.options``), so what it reads is in
-    its source."""
+    the family's config (``ObjectiveArgs.reference_kind``) and the plug-in's check live too: a plug-in is
+    handed its keys whole (the arguments object, ``ScheduleSpec.options``), so what it reads is in its
+    source."""
     read: set[str] = set()
     for plugin in plugins.all_plugins():
         if plugin.keys is None:
@@ -182,6 +190,7 @@ FEATURE_VARIANTS: tuple[dict[str, Any], ...] = (
     {"cycles": 2},  # rewarmup shapes the cycles after the first
     {"lora_r": 4},  # the adapters' other keys shape the adapters
     {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "absent-vocab.json"},  # GPT-2 BPE reads both files
+    {"train_impl": "dpo"},  # an objective with a reference reads where it comes from (reference_logps)
 )
 
 

@@ -27,7 +27,6 @@ STILL_COPYING: dict[str, str] = {
     "GPTConfig": "megatron/model/config.py",
     "DataConfig": "megatron/data/config.py",
     "GenerationConfig": "megatron/generation/config.py",
-    "ObjectiveConfig": "megatron/training/objectives/config.py",
     "RunConfig": "megatron/neox_arguments/run_config.py",
     # no from_args, but they re-declare keys the classes above copy
     "SamplingConfig": "megatron/generation/config.py",

@@ -65,6 +65,8 @@ DECLARED_WITH_COMPONENT: dict[str, str] = {
         "keep_last_n_checkpoints", "iteration", "s3_path", "s3_chunk_size", "no_save_optim",
     ), "checkpoint"),
     **dict.fromkeys(("eval_tasks", "eval_results_prefix"), "evaluation"),
+    **dict.fromkeys(("train_impl", "z_loss", "eod_mask_loss", "fp32_reinforce", "kl_impl", "kl_div_beta",
+                     "reinforce_leave_one_out"), "objective"),
     **dict.fromkeys(("deepspeed_mpi", "deepspeed_slurm"), "deepspeed_runner"),
 }
 
@@ -108,10 +110,10 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "moe_type": ("moe", "megablocks"),
     "moe_token_dropping": ("moe", False),
     "enable_expert_tensor_parallelism": ("moe", False),
-    "reference_logps": ("training", None),
+    "reference_logps": ("objective", None),
     # Megatron-LM's document masking of packed samples (megatron/model/documents.py)
-    "reset_attention_mask": ("other", False),
-    "reset_position_ids": ("other", False),
+    "reset_attention_mask": ("objective", False),
+    "reset_position_ids": ("objective", False),
     "rope_scaling": ("model", None),
     "context_parallel_size": ("parallelism", 1),  # Megatron-LM's key (megatron/mpu/context_parallel.py)  # Hugging Face's field (megatron/model/rope_scaling.py)
     # LoRA adapters (megatron/model/lora.py), PEFT's LoraConfig names with a lora_ prefix

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from megatron.neox_arguments.groups.support import KNOWN_ATTENTION_TYPES, partly_supported
-from megatron.config_schema import ArgGroup, not_supported
+from megatron.neox_arguments.groups.support import KNOWN_ATTENTION_TYPES
+from megatron.config_schema import ArgGroup, not_supported, partly_supported
 
 NormType = Literal[
     "layernorm",

@@ -32,17 +32,6 @@ class OtherArgs(ArgGroup):
     short_seq_prob: float = not_supported(0.1)
     """Probability of drawing a shortened sample (a BERT-era option GPT training never uses)."""
 
-    eod_mask_loss: bool = False
-    """Do not train on predicting end-of-document tokens."""
-
-    reset_attention_mask: bool = False
-    """Deepy addition (Megatron-LM's key): in a packed sample a token attends only to its own document
-    (documents end with the end-of-document token), as if each document were alone."""
-
-    reset_position_ids: bool = False
-    """Deepy addition (Megatron-LM's key): positions restart at 0 after each end-of-document token, so
-    every document of a packed sample sees the positions it would see alone."""
-
     adlr_autoresume: bool = not_supported(False)
     """Cooperate with NVIDIA's internal ADLR autoresume scheduler."""
 

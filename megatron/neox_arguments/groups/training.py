@@ -1,6 +1,6 @@
-"""Data, objectives, batch length, regularisation and fp16 loss scaling: the keys of a training run
-that are not the architecture and not yet declared beside their component (the loop's, the
-optimizer's and activation checkpointing's are, in ``megatron/training/``).
+"""Data, batch length, regularisation and fp16 loss scaling: the keys of a training run that are not
+the architecture and not yet declared beside their component (the loop's, the optimizer's,
+activation checkpointing's and the objective's are, in ``megatron/training/``).
 
 Besides GPT-NeoX's keys it holds Deepy's extras: Levanter-style data URLs and an overflow guard for fp16.
 GPT-NeoX's checkpoint keys and tokenizer files live beside the components that read them
@@ -11,12 +11,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from megatron.neox_arguments.groups.support import partly_supported
-from megatron import plugins
-from megatron.config_schema import ArgGroup, not_supported
-from megatron.training.objectives.registry import NOT_BUILT as OBJECTIVES_NOT_BUILT
+from megatron.config_schema import ArgGroup, not_supported, partly_supported
 
 
 class TrainingArgs(ArgGroup):
@@ -121,33 +118,6 @@ class TrainingArgs(ArgGroup):
     )
     """Kind of dataset: plain text (gpt2), chosen/rejected pairs, or online rollouts."""
 
-    train_impl: str = partly_supported("normal", unsupported=OBJECTIVES_NOT_BUILT)
-    """Training objective, a registered objective plug-in (``megatron/training/objectives/registry.py``):
-    language modelling or label-masked SFT (normal), DPO on preference pairs, a pairwise reward model
-    with a scalar head (rm), KTO on rewarded completions; GPT-NeoX's REINFORCE is not built yet. Each
-    objective declares its own keys (dpo_*, kto_*, reset_*)."""
-
-    @field_validator("train_impl")
-    @classmethod
-    def _registered_objective(cls, value: str) -> str:
-        return plugins.validate_name("train_impl", value, not_built=OBJECTIVES_NOT_BUILT)
-
-    z_loss: float = Field(0.0, ge=0)
-    """Z-loss weight: language modelling adds z_loss x (log Z)^2 per counted token (the softmax
-    normaliser, PaLM); a reward model adds z_loss x (s_chosen^2 + s_rejected^2) per pair (GPT-NeoX)."""
-
-    fp32_reinforce: bool = not_supported(True)
-    """Compute REINFORCE log-probabilities in fp32."""
-
-    kl_impl: Literal["abs", "mse", "kl", "full"] = not_supported("mse")
-    """Estimator of the KL penalty in REINFORCE."""
-
-    kl_div_beta: float = not_supported(0.1)
-    """Weight of the KL penalty in REINFORCE."""
-
-    reinforce_leave_one_out: bool = not_supported(False)
-    """Use the leave-one-out baseline in REINFORCE."""
-
     allow_chopped: bool = True
     """Keep pairwise samples whose text had to be cut to fit seq_length."""
 
@@ -233,12 +203,6 @@ class TrainingArgs(ArgGroup):
 
     cache_dir: str | None = None
     """Where tokenized shards from train_urls/validation_urls are cached."""
-
-    reference_logps: str | None = None
-    """DPO: the precompute_model_name of reference log-probs written by `generate.py
-    text_gen_type=precompute` next to each chosen/rejected dataset (`<prefix>_<name>.bin/.idx`);
-    unset uses a frozen copy of the starting weights."""
-
 
     per_device_parallelism: int | None = Field(None, ge=1)
     """Levanter's name for the micro batch per device; read as train_micro_batch_size_per_gpu."""
