@@ -143,9 +143,9 @@ def fill_in_for_inference(resolved: ResolvedConfig, user_script: str) -> None:
 
 def assign_run_dir(resolved: ResolvedConfig) -> str:
     """``<log_dir or runs>/<timestamp>`` unless already chosen; stored in the resolved config."""
-    if not resolved.run_dir:
-        resolved.run_dir = str(run_directory(resolved.args))
-    return resolved.run_dir
+    if not resolved.directory:
+        resolved.directory = str(run_directory(resolved.args))
+    return resolved.directory
 
 
 def already_finished(resolved: ResolvedConfig, user_script: str) -> str | None:
@@ -210,7 +210,7 @@ def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand, plan: Launch
         "Resolved config (non-default values; source is file:line, cli or derived):",
         format_resolved_table(resolved.args, resolved.provenance),
         "",
-        f"Run directory: {resolved.run_dir} (not created by a dry run)",
+        f"Run directory: {resolved.directory} (not created by a dry run)",
         "",
         "DeepSpeed config:",
         json.dumps(ds_config, indent=2) if ds_config is not None else "(none)",
@@ -241,12 +241,12 @@ def dialect_table(resolved: ResolvedConfig) -> list[str]:
 
 def plan_run(resolved: ResolvedConfig, user_script: str, config_path: str) -> LaunchPlan:
     """Every launch check (ports, tools, hosts) before anything is written or started."""
-    from megatron.launcher import LaunchConfig, check_tools, plan_launch
+    from megatron.launcher import check_tools, plan_launch
     from megatron.neox_arguments.derived import local_device_count
 
-    config = LaunchConfig.from_args(resolved.args, resolved.provenance)
-    plan = plan_launch(config, user_script, config_path, os.environ, local_devices=local_device_count)
-    check_tools(plan, config)
+    plan = plan_launch(resolved.args, user_script, config_path, os.environ, local_devices=local_device_count,
+                       provenance=resolved.provenance)
+    check_tools(plan, resolved.args)
     return plan
 
 

@@ -137,7 +137,7 @@ def prepare_universal(ckpt_dir: Path, meta: dict[str, Any], vocab_rows: int | No
                 raise CheckpointError(f"{ckpt_dir} records no universal_checkpoint_info: it cannot change layout")
             log.info("converting %s (saved without ZeRO) to a universal checkpoint for the new layout", ckpt_dir)
             reshard.zero0_to_universal(ckpt_dir, target, saved.tp, saved.pp, saved.pipeline, info,
-                                      NeoxNames.from_args(meta.get("args") or {}))
+                                      NeoxNames.from_stored(meta.get("args") or {}))
             marker = commit.read_commit_marker(ckpt_dir)
             commit.write_commit_marker(target, marker or commit.CommitInfo(step=-1, kind="step", time=time.time()))
     args = meta.get("args") or {}

@@ -20,9 +20,9 @@ from pydantic import BaseModel
 from megatron import plugins
 from megatron.errors import ConfigError
 from megatron.neox_arguments.groups.deepspeed_config import DeepSpeedConfigArgs
-from megatron.neox_arguments.groups.deepspeed_runner import DeepSpeedRunnerArgs
 from megatron.checkpointing.config import CheckpointArgs
 from megatron.evaluation.config import EvalArgs
+from megatron.launcher.config import DeepSpeedRunnerArgs
 from megatron.logging.config import LoggingArgs
 from megatron.model.lora_config import LoRAArgs
 from megatron.training.activation_config import ActivationCheckpointArgs
@@ -33,7 +33,7 @@ from megatron.neox_arguments.groups.model import ModelArgs
 from megatron.neox_arguments.groups.moe import MoEArgs
 from megatron.training.optimizer_config import OptimizerArgs
 from megatron.neox_arguments.groups.other import OtherArgs
-from megatron.neox_arguments.groups.parallelism import ParallelismArgs
+from megatron.mpu.parallel_config import ParallelismArgs
 from megatron.neox_arguments.groups.support import UNSUPPORTED_ATTENTION_TYPES
 from megatron.neox_arguments.groups.textgen import TextgenArgs
 from megatron.tokenizer.config import TokenizerArgs

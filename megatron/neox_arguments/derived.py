@@ -56,19 +56,17 @@ def detect_world_size(args: NeoXArgs, device_count: int | None = None, warnings:
 def active_resources(args: NeoXArgs, device_count: int | None = None,
                      warnings: list[str] | None = None) -> dict[str, list[int]]:
     """host -> slot ids the ranks will use (see :mod:`megatron.launcher.resources`)."""
-    from megatron.launcher.config import LaunchConfig
     from megatron.launcher.resources import active_resources as launcher_resources
 
     devices = local_device_count if device_count is None else (lambda: device_count)
-    return launcher_resources(LaunchConfig.from_args(args), os.environ, devices, warnings)
+    return launcher_resources(args, os.environ, devices, warnings)
 
 
 def uses_local_pool(args: NeoXArgs) -> bool:
     """True when the ranks run on this machine only, sized by num_gpus or the device count."""
-    from megatron.launcher.config import LaunchConfig
     from megatron.launcher.resources import uses_local_pool as launcher_uses_local_pool
 
-    return launcher_uses_local_pool(LaunchConfig.from_args(args), os.environ)
+    return launcher_uses_local_pool(args, os.environ)
 
 
 # --- derivations ------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from megatron.evaluation.config import EvalRunArgs, checked
 from megatron.logging.config import LoggingArgs
 from megatron.model.config import GPTConfig
 from megatron.model.lora_config import LoRAArgs
-from megatron.mpu.config import ParallelConfig
+from megatron.mpu.parallel_config import ParallelRunArgs
 from megatron.tokenizer.config import TokenizerArgs
 from megatron.errors import ConfigError
 from megatron.training.activation_config import ActivationCheckpointArgs
@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
-    parallel: ParallelConfig
+    parallel: ParallelRunArgs
+    """The arguments themselves, as the keys that split the run over ranks (not a copy)."""
     model: GPTConfig
     """Architecture; its ``padded_vocab_size`` is a placeholder until the tokenizer is known."""
     tokenizer: TokenizerArgs
@@ -75,7 +76,7 @@ class RunConfig:
         if args.seq_length is None or args.train_batch_size is None or args.train_micro_batch_size_per_gpu is None:
             raise ConfigError("seq_length and the batch sizes must be resolved (launch through deepy.py)")
         return cls(
-            parallel=ParallelConfig.from_args(args),
+            parallel=args,
             model=GPTConfig.from_args(args),
             tokenizer=args,
             data=DataConfig.from_args(args),

@@ -37,7 +37,7 @@ from megatron import mpu
 from megatron.checkpointing import neox_files
 from megatron.deepspeed_internals import replace_fp32_clipping, skip_frozen_tied_gradients, skip_gradient_allreduce
 from megatron.errors import ConfigError
-from megatron.mpu.config import ParallelConfig
+from megatron.mpu.parallel_config import ParallelRunArgs
 from megatron.logging.log import get_logger
 from megatron.model import GPTConfig, GPTModel, pipeline_layer_specs
 from megatron.model.lora import LoRAAdapter, adapters_of, apply_lora
@@ -289,7 +289,7 @@ def construction(ds_config: dict[str, Any] | None) -> contextlib.AbstractContext
     return deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=mpu)
 
 
-def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationCheckpointArgs,
+def build_model(config: GPTConfig, parallel: ParallelRunArgs, ckpt: ActivationCheckpointArgs,
                 compile_layers: bool, objective: Objective,
                 lora: LoRAArgs | None = None, zero_init: dict[str, Any] | None = None) -> tuple[nn.Module, bool]:
     """(module, is_pipe); a pipeline's last stage computes ``objective.loss``. With ``lora`` enabled
@@ -297,7 +297,7 @@ def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationChe
     ``zero_init``: the DeepSpeed config to partition the model with while it is built (ZeRO-3, no pipeline)."""
     if ckpt.recomputes_activations:
         configure_activation_checkpointing(ckpt, config.num_layers)
-    if not parallel.is_pipe:
+    if not parallel.uses_pipeline_module:
         with construction(zero_init):
             model = GPTModel(config)
         if lora is not None and lora.lora_enabled:
@@ -313,7 +313,7 @@ def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationChe
             layers=pipeline_layer_specs(config),
             loss_fn=objective.loss,
             topology=mpu.get_topology(),
-            partition_method=partition_method(parallel.partition_method),
+            partition_method=partition_method(parallel.pipe_partition_method),
             activation_checkpoint_interval=interval,
             activation_checkpoint_func=deepspeed.checkpointing.checkpoint,
             checkpointable_layers=CHECKPOINTABLE_LAYERS,
@@ -334,10 +334,10 @@ def build_engine(run: RunConfig, config: GPTConfig, train_iters: int, objective:
     if config.value_head != objective.value_head:
         config = config.replace(value_head=objective.value_head)
     ds_config = dict(run.deepspeed)
-    if run.parallel.context > 1 and "train_batch_size" in ds_config:
+    if run.parallel.context_parallel_size > 1 and "train_batch_size" in ds_config:
         # DeepSpeed counts the context-parallel ranks as data-parallel ones (megatron/mpu/topology.py),
         # each seeing the micro-batch once: its batch is cp times the number of samples
-        ds_config["train_batch_size"] = int(ds_config["train_batch_size"]) * run.parallel.context
+        ds_config["train_batch_size"] = int(ds_config["train_batch_size"]) * run.parallel.context_parallel_size
     model, is_pipe = build_model(config, run.parallel, run.activation_checkpointing, run.training.compile_layers,
                                  objective, run.lora, zero_init=ds_config if run.training.zero_init else None)
     spec = run.lr.spec(train_iters, run.optimizer.peak_lr)

@@ -85,7 +85,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     set_deepspeed_log_level(log_config.deepspeed_log_level)
     model_parallel_manual_seed(training.seed)
     tokenizer = build_tokenizer(run.tokenizer)
-    padded_vocab = run.tokenizer.padded(tokenizer.vocab_size, run.parallel.tensor)
+    padded_vocab = run.tokenizer.padded(tokenizer.vocab_size, run.parallel.model_parallel_size)
     model_config = run.model.with_vocab(padded_vocab)
     splits = build_datasets(run.data, tokenizer, padded_vocab)
     train_iters = resolve_train_iters(training, splits.train)
@@ -96,7 +96,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     objective = build_objective(run.objective, eod_token=tokenizer.eod)
     eng = build_engine(run, model_config, train_iters, objective)
     eng.reference = build_reference(objective, eng.engine, eng.is_pipe, eng.config, eng.ds_config,
-                                    partition_method(run.parallel.partition_method) if eng.is_pipe else None,
+                                    partition_method(run.parallel.pipe_partition_method) if eng.is_pipe else None,
                                     adapters=run.lora.lora_enabled)
     eng.reference.capture(eng.engine, record, run.checkpoint)
     model_config = eng.config  # a reward model's scalar head replaces the LM head
@@ -119,7 +119,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     validate = validation_loss if run.checkpoint.checkpoint_validation_with_forward_pass else None
     ckpt = CheckpointHooks(manager, validate=validate,
                            reseed=lambda iteration: model_parallel_manual_seed(training.seed + iteration))
-    ckpt.attach_model(eng, run.parallel.tensor)
+    ckpt.attach_model(eng, run.parallel.model_parallel_size)
     # also without `load`: a fresh start refuses a `save` directory that already holds a run
     state = ckpt.load(eng, TrainState())
 
@@ -163,7 +163,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
         test=maybe_evaluator(eng, splits.test, training.eval_iters, layout, device, "test"),
         tasks=None if run.tasks is None else TaskEvaluation(
             eng, tokenizer, run.tasks, zero_stage=int((run.deepspeed.get("zero_optimization") or {}).get("stage", 0)),
-            sequence_parallel=run.model.sequence_parallel and run.parallel.tensor > 1).run,
+            sequence_parallel=run.model.sequence_parallel and run.parallel.model_parallel_size > 1).run,
     )
     hooks = Hooks(after_step=[ckpt.after_step], at_exit=[ckpt.at_exit])
     try:

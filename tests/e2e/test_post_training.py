@@ -289,7 +289,7 @@ def test_reward_model_learns_and_keeps_its_head(rm_single: dict[str, Any]) -> No
     from megatron.checkpointing.neox_layout import NeoxNames
 
     ckpt = rm_single["ckpt"] / f"global_step{LEARN_STEPS}"
-    names = NeoxNames.from_args(json.loads((ckpt / "deepy_meta.json").read_text())["args"])
+    names = NeoxNames.from_stored(json.loads((ckpt / "deepy_meta.json").read_text())["args"])
     # GPT-NeoX's layout (sequential.<L+4>.value_head.weight), read back under the model's own names
     states = canonical_rank_weights(ckpt, names, tp=1, tp_rank=0, pipeline=False)
     assert states["value_head.weight"].shape == (1, 64) and not any(k.startswith("output_layer") for k in states)

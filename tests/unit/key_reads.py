@@ -16,7 +16,6 @@ from megatron import plugins
 from megatron.checkpointing.manager import CheckpointManager
 from megatron.checkpointing.preemption import PreemptionWatcher
 from megatron.errors import DeepyError
-from megatron.launcher.config import LaunchConfig
 from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.neox_arguments.deepspeed_split import deepspeed_config
 from megatron.neox_arguments.derived import DERIVATIONS
@@ -114,6 +113,28 @@ def _training_loop(args: Any) -> object:
             args.compile_layers, args.zero_init)  # engine.build_engine
 
 
+def _parallel(args: Any) -> object:
+    """What each rank's start-up and the model builder ask of the keys that split the run over ranks
+    (``initialize.initialize``/``init_distributed``, ``engine.build_model``, the memory estimate): the
+    rank is handed the arguments typed as ``ParallelRunArgs``."""
+    return (args.model_parallel_size, args.pipe_parallel_size, args.context_parallel_size,  # initialize
+            args.moe_expert_parallel_size, args.world_size, args.distributed_backend,
+            args.master_addr, args.master_port, args.deepspeed_slurm,  # init_distributed
+            args.uses_pipeline_module, args.pipe_partition_method,  # engine.build_model
+            args.pipe_stages, args.sequence_parallel)  # memory.MemoryLayout
+
+
+def _launch(args: Any) -> object:
+    """What deepy.py's launcher asks of its keys (``plan_launch`` and the launcher kinds, handed the
+    arguments typed as ``LaunchArgs``), and whether the user chose ``master_port``."""
+    from megatron.launcher.config import master_port_chosen
+
+    return (args.launcher, args.hostfile, args.include, args.exclude, args.num_nodes, args.num_gpus,  # resources
+            args.master_addr, master_port_chosen(args), args.force_multi, args.no_ssh_check,  # rendezvous, runner
+            args.comment, args.account, args.deepspeed_slurm, args.deepspeed_mpi,  # srun, in place
+            args.deepspeed_log_level)  # runner flags
+
+
 def _objective(args: Any) -> object:
     """What the objective reads of its keys (``build_objective``, ``Objective.__init__``, ``LMObjective``,
     ``RewardModelObjective``, ``build_reference``), each where that code reads it: the objective is
@@ -140,8 +161,8 @@ def _evaluation(args: Any) -> object:
 
 def component_builders() -> list[ComponentBuilder]:
     """Everything that turns keys into what a component does, for train.py."""
-    return [RunConfig.from_args, _tokenizer, _checkpoints, _logging, _lora, _lr_schedule, _optimizer,
-            _activation_checkpointing, _training_loop, _objective, _evaluation, _user_plugins, deepspeed_config, LaunchConfig.from_args,
+    return [RunConfig.from_args, _parallel, _tokenizer, _checkpoints, _logging, _lora, _lr_schedule, _optimizer,
+            _activation_checkpointing, _training_loop, _objective, _evaluation, _user_plugins, deepspeed_config, _launch,
             run_directory]
 
 

@@ -167,11 +167,10 @@ def component_config_classes() -> list[type]:
 
     from megatron.config_schema import ArgGroup
     from megatron.generation.config import GenerationConfig
-    from megatron.launcher.config import LaunchConfig
     from megatron.neox_arguments.run_config import RunConfig
 
     found: list[type] = []
-    todo: list[type] = [RunConfig, LaunchConfig, GenerationConfig]
+    todo: list[type] = [RunConfig, GenerationConfig]
     while todo:
         cls = todo.pop()
         if cls in found:
@@ -212,7 +211,7 @@ def test_every_typed_config_field_is_used() -> None:
     """A field of a component config that no code reads would be a key honoured only on paper."""
     classes = component_config_classes()
     names = {cls.__name__ for cls in classes}
-    assert {"WandbSettings", "ProfileSettings", "GenerationConfig", "LaunchConfig", "DataConfig"} <= names, names
+    assert {"WandbSettings", "ProfileSettings", "GenerationConfig", "DataConfig"} <= names, names
     reads = attribute_reads()
     unused = [f"{cls.__name__}.{f.name}" for cls in classes for f in dataclasses.fields(cls) if f.name not in reads]
     assert unused == [], f"typed config fields nothing reads outside their from_args: {unused}"

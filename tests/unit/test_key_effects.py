@@ -22,7 +22,7 @@ BASE: dict[str, Any] = {
 def test_make_vocab_size_divisible_by_pads_the_embedding_rows() -> None:
     for divisor, want in ((64, 320), (100, 300), (1, 257)):
         run = RunConfig.from_mapping({**BASE, "make_vocab_size_divisible_by": divisor})
-        assert run.tokenizer.padded(257, run.parallel.tensor) == want  # 257 = the byte tokenizer's vocabulary
+        assert run.tokenizer.padded(257, run.parallel.model_parallel_size) == want  # 257 = the byte tokenizer's vocabulary
 
 
 def test_per_device_parallelism_is_the_micro_batch() -> None:

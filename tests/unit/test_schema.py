@@ -62,11 +62,12 @@ DECLARED_WITH_COMPONENT: dict[str, str] = {
     **dict.fromkeys((
         "save", "config_files", "load", "checkpoint_validation_with_forward_pass", "checkpoint_scale",
         "checkpoint_factor", "extra_save_iters", "no_save_rng", "no_load_optim", "no_load_rng", "finetune",
-        "keep_last_n_checkpoints", "iteration",
+        "keep_last_n_checkpoints", "iteration", "s3_path", "s3_chunk_size", "no_save_optim",
     ), "checkpoint"),
     **dict.fromkeys(("eval_tasks", "eval_results_prefix"), "evaluation"),
     **dict.fromkeys(("train_impl", "z_loss", "eod_mask_loss", "fp32_reinforce", "kl_impl", "kl_div_beta",
                      "reinforce_leave_one_out"), "objective"),
+    **dict.fromkeys(("deepspeed_mpi", "deepspeed_slurm"), "deepspeed_runner"),
 }
 
 # Defaults Deepy changes on purpose; each field's docstring says why.

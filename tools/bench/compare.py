@@ -123,7 +123,7 @@ def deepy_contender(arch: Arch, zero: int, compile_layers: bool) -> tuple[Conten
     run = run_config(deepy_config(arch, zero, compile_layers))
     initialize(run.parallel, run.training.seed)
     tokenizer = build_tokenizer(run.tokenizer)
-    padded_vocab = run.tokenizer.padded(tokenizer.vocab_size, run.parallel.tensor)
+    padded_vocab = run.tokenizer.padded(tokenizer.vocab_size, run.parallel.model_parallel_size)
     model_config = run.model.with_vocab(padded_vocab)
     eng = build_engine(run, model_config, run.training.train_iters or 1)
     dev = harness.device()

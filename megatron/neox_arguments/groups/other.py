@@ -50,12 +50,6 @@ class OtherArgs(ArgGroup):
     deepscale_config: str | None = not_supported(None)
     """Old alias for a DeepSpeed JSON config path."""
 
-    deepspeed_mpi: bool = False
-    """deepy.py started by mpirun (one copy per rank) runs the worker in place; ranks read MPI's variables."""
-
-    deepspeed_slurm: bool = False
-    """Ranks read their place from Slurm's variables first; deepy.py started by srun runs the worker in place."""
-
     user_script: str | None = None
     """Worker script the runner starts on every rank; set by Deepy."""
 

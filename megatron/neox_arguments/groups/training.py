@@ -124,15 +124,6 @@ class TrainingArgs(ArgGroup):
     mmap_warmup: bool = False
     """Touch every page of the mmapped data at start-up so the first steps are not I/O bound."""
 
-    s3_path: str | None = not_supported(None)
-    """Also upload checkpoints to this S3 prefix."""
-
-    s3_chunk_size: int = not_supported(104857600)
-    """Chunk size in bytes for S3 uploads."""
-
-    no_save_optim: bool = not_supported(False)
-    """Leave optimizer state out of checkpoints (smaller, but cannot resume exactly)."""
-
     batch_size: int | None = Field(None, ge=1)
     """Micro-batch size per data-parallel rank; an older name for train_micro_batch_size_per_gpu."""
 
