@@ -23,6 +23,7 @@ from megatron.launcher.environment import distributed_env
 from megatron.mpu.config import ParallelConfig
 from megatron.mpu import Coordinates, initialize_model_parallel
 from megatron.mpu.experts import initialize_expert_parallel
+from megatron.mpu.hybrid_shard import initialize_hybrid_shard
 from megatron.mpu.topology import get_coordinates, get_topology
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,8 @@ def initialize(parallel: ParallelConfig, seed: int) -> Coordinates:
     initialize_model_parallel(parallel.tensor, parallel.pipe, parallel.context)
     # experts split over groups of data-parallel ranks (1: no such groups)
     initialize_expert_parallel(parallel.expert)
+    # ZeRO-3 shard groups and their replicas under sharding_strategy: hsdp (None: not built)
+    initialize_hybrid_shard(parallel.sharding_group_size)
     set_seeds(seed)
     coords = get_coordinates()
     get_topology()  # raises if the groups were not built

@@ -27,6 +27,9 @@ class ParallelConfig:
     """``context_parallel_size``: each sequence split over this many ranks (``megatron/mpu/context_parallel.py``)."""
     expert: int = 1
     """``moe_expert_parallel_size``: experts split over this many data-parallel ranks (1 = not split)."""
+    sharding_group_size: int | None = None
+    """``sharding_group_size`` of ``sharding_strategy: hsdp``: data-parallel ranks per ZeRO-3 shard group
+    (``megatron/mpu/hybrid_shard.py``); None = no hybrid sharding."""
     partition_method: str = "type:transformer|mlp"
     """GPT-NeoX's ``pipe_partition_method``."""
     world_size: int | None = None
@@ -55,6 +58,7 @@ class ParallelConfig:
             sequence_parallel=args.sequence_parallel,
             context=args.context_parallel_size,
             expert=args.moe_expert_parallel_size,
+            sharding_group_size=args.sharding_group_size,
             partition_method=args.pipe_partition_method,
             world_size=args.world_size,
             backend=args.distributed_backend,
