@@ -69,7 +69,9 @@ def test_replica_zero_alone_writes_two_partitions(hsdp_run: Path) -> None:
 
 
 @pytest.mark.parametrize(("name", "layout", "rtol", "converted"), [
-    ("hsdp_2x2", HSDP_2X2, 1e-5, False),  # the same layout: DeepSpeed's loader, no conversion
+    # the same layout (DeepSpeed's loader, no conversion), with micro-batches of 1: the replicas average
+    # the partitions accumulated over 2 micro-batches
+    ("hsdp_2x2", {**HSDP_2X2, "train_micro_batch_size_per_gpu": 1}, 1e-5, False),
     ("single_rank", {"num_gpus": 1}, RESUME_RTOL, True),  # 2 partitions -> a universal checkpoint -> 1 rank
 ])
 def test_hsdp_checkpoint_resumes(hsdp_run: Path, tmp_path: Path, name: str, layout: dict[str, Any],
