@@ -85,3 +85,14 @@ def test_refusal_exits_2_before_launch(tmp_path: Path) -> None:
     assert proc.returncode == 2, output
     assert "sharding_group_size=3" in output and "does not divide the data-parallel size 4" in output
     assert "Traceback" not in output
+
+
+def test_an_hsdp_checkpoint_is_another_layout_than_zero3_over_every_rank() -> None:
+    """2 partitions (hsdp 2x2) are not the 4 that ZeRO-3 over 4 ranks reads directly: the layout records
+    the replicas, so that load converts; layouts written before the field read as 1 replica."""
+    from megatron.checkpointing.universal import Layout, needs_universal
+
+    hsdp, fsdp = Layout(1, 1, 4, 3, replicas=2), Layout(1, 1, 4, 3)
+    assert needs_universal(hsdp, fsdp) and needs_universal(fsdp, hsdp) and not needs_universal(hsdp, hsdp)
+    assert Layout.from_dict(hsdp.to_dict()) == hsdp
+    assert Layout.from_dict({"tp": 1, "pp": 1, "dp": 4, "zero_stage": 3}) == fsdp
