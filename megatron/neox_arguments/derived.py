@@ -311,8 +311,9 @@ def derive_sharding(ctx: RuleContext) -> Derivation:
     if strategy == "hsdp":
         from megatron.neox_arguments.hybrid_shard_rules import hybrid_shard_problems, shard_size
 
-        problems += hybrid_shard_problems(ctx, merged)
-        values["sharding_group_size"] = shard_size(ctx)
+        one_node = uses_local_pool(ctx.args)  # without num_gpus: this machine's ranks are one node
+        problems += hybrid_shard_problems(ctx, merged, one_node)
+        values["sharding_group_size"] = shard_size(ctx, one_node)
     if problems:
         return Derivation(problems=problems)
     return Derivation({"zero_optimization": {**merged, **wanted}, **values})

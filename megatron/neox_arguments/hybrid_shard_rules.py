@@ -11,27 +11,31 @@ from typing import Any
 from megatron.config_rules import RuleContext
 
 
-def shard_size(ctx: RuleContext) -> int:
+def shard_size(ctx: RuleContext, one_node: bool) -> int | None:
     """``sharding_group_size``, or the data-parallel ranks of one node: ``num_gpus`` ranks per node
-    (ZeRO-3 goes without tensor and pipeline parallelism, so each of them is a data-parallel rank)."""
-    given = ctx.get("sharding_group_size")
+    (ZeRO-3 goes without tensor and pipeline parallelism, so each of them is a data-parallel rank),
+    or every rank when the launch is ``one_node``; None when neither tells the node size."""
+    given = ctx.get("sharding_group_size") or ctx.get("num_gpus")
     if given is not None:
         return int(given)
-    return int(ctx.get("num_gpus") or ctx.world_size)
+    return ctx.world_size if one_node else None
 
 
 def _offloaded(block: Any) -> bool:
     return isinstance(block, Mapping) and str(block.get("device", "none")).lower() not in ("none", "")
 
 
-def hybrid_shard_problems(ctx: RuleContext, zero_block: Mapping[str, Any]) -> list[str]:
+def hybrid_shard_problems(ctx: RuleContext, zero_block: Mapping[str, Any], one_node: bool) -> list[str]:
     """Combinations hybrid sharding does not support, each with what to do instead."""
     shown = ctx.show("sharding_strategy")
     problems: list[str] = []
-    shard, dp = shard_size(ctx), ctx.dp
+    shard, dp = shard_size(ctx, one_node), ctx.dp
     where = ctx.show("sharding_group_size") if ctx.given("sharding_group_size") else (
         f"sharding_group_size={shard} (the ranks per node, num_gpus)")
-    if dp is not None and dp % shard:
+    if shard is None:
+        problems.append(f"{shown} on several nodes without num_gpus: set sharding_group_size (the data-parallel "
+                        "ranks of one node, which share each ZeRO-3 partition) or num_gpus")
+    elif dp is not None and dp % shard:
         problems.append(f"{shown}: {where} does not divide the data-parallel size {dp}; each replica is "
                         f"sharding_group_size ranks, so set it to a divisor of {dp}")
     if int(zero_block.get("zero_hpz_partition_size") or 1) > 1:

@@ -96,3 +96,11 @@ def test_an_hsdp_checkpoint_is_another_layout_than_zero3_over_every_rank() -> No
     assert needs_universal(hsdp, fsdp) and needs_universal(fsdp, hsdp) and not needs_universal(hsdp, hsdp)
     assert Layout.from_dict(hsdp.to_dict()) == hsdp
     assert Layout.from_dict({"tp": 1, "pp": 1, "dp": 4, "zero_stage": 3}) == fsdp
+
+
+def test_several_nodes_without_num_gpus_need_the_shard_size(tmp_path: Path) -> None:
+    (tmp_path / "hosts").write_text("node1 slots=2\nnode2 slots=2\n")
+    hostfile = f"hostfile: {tmp_path / 'hosts'}\n"
+    with pytest.raises(ConfigError, match="on several nodes without num_gpus: set sharding_group_size"):
+        resolve(tmp_path, hostfile)
+    assert resolve(tmp_path, hostfile + "sharding_group_size: 2\n").args.sharding_group_size == 2

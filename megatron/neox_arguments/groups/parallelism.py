@@ -52,4 +52,5 @@ class ParallelismArgs(ArgGroup):
 
     sharding_group_size: int | None = Field(None, ge=1)
     """Data-parallel ranks per ZeRO-3 shard group with sharding_strategy: hsdp (torch/llama-recipes'
-    name); must divide the data-parallel size. Default: the ranks of one node (num_gpus)."""
+    name); must divide the data-parallel size. Default: the ranks of one node (num_gpus, or every rank
+    of a launch on this machine alone; a multi-node launch without num_gpus must set it)."""
