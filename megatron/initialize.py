@@ -23,6 +23,7 @@ from megatron.launcher.environment import distributed_env
 from megatron.mpu.parallel_config import ParallelRunArgs
 from megatron.mpu import Coordinates, initialize_model_parallel
 from megatron.mpu.experts import initialize_expert_parallel
+from megatron.mpu.hybrid_shard import initialize_hybrid_shard
 from megatron.mpu.topology import get_coordinates, get_topology
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,8 @@ def initialize(parallel: ParallelRunArgs, seed: int) -> Coordinates:
     initialize_model_parallel(parallel.model_parallel_size, parallel.pipe_parallel_size, parallel.context_parallel_size)
     # experts split over groups of data-parallel ranks (1: no such groups)
     initialize_expert_parallel(parallel.moe_expert_parallel_size)
+    # ZeRO-3 shard groups and their replicas under sharding_strategy: hsdp (None: not built)
+    initialize_hybrid_shard(parallel.sharding_group_size)
     set_seeds(seed)
     coords = get_coordinates()
     get_topology()  # raises if the groups were not built

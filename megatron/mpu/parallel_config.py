@@ -46,6 +46,8 @@ class ParallelRunArgs(Protocol):
     @property
     def moe_expert_parallel_size(self) -> int: ...
     @property
+    def sharding_group_size(self) -> int | None: ...
+    @property
     def distributed_backend(self) -> Backend | None: ...
     @property
     def master_addr(self) -> str | None: ...
@@ -96,7 +98,15 @@ class ParallelismArgs(ArgGroup):
     # ---- Deepy extras (not in GPT-NeoX) ----
 
     sharding_strategy: Literal["fsdp", "hsdp", "ddp"] | None = None
-    """fms-fsdp's names for the data-parallel layout: fsdp = ZeRO-3 over every rank; hsdp = ZeRO-3
-    whose parameter all-gathers stay inside a node (DeepSpeed ZeRO++ hpZ, zero_hpz_partition_size =
-    ranks per node unless zero_optimization gives it); ddp = plain data parallel (ZeRO stage 0)."""
+    """fms-fsdp's names for the data-parallel layout: fsdp = ZeRO-3 over every data-parallel rank;
+    hsdp = hybrid sharding, ZeRO-3 within groups of sharding_group_size ranks (a node) and those
+    groups replicated across nodes, gradients averaged over the replicas once per step (each rank
+    holds 1/sharding_group_size of the model states; Deepy's own groups, megatron/mpu/hybrid_shard.py,
+    since DeepSpeed 0.19.8 removed MiCS and ZeRO++ hpZ keeps every rank's shard at 1/dp);
+    ddp = plain data parallel (ZeRO stage 0)."""
+
+    sharding_group_size: int | None = Field(None, ge=1)
+    """Data-parallel ranks per ZeRO-3 shard group with sharding_strategy: hsdp (torch/llama-recipes'
+    name); must divide the data-parallel size. Default: the ranks of one node (num_gpus, or every rank
+    of a launch on this machine alone; a multi-node launch without num_gpus must set it)."""
 

@@ -287,17 +287,16 @@ SHARDING_STAGES = {"fsdp": 3, "hsdp": 3, "ddp": 0}
 @deriver
 def derive_sharding(ctx: RuleContext) -> Derivation:
     """``sharding_strategy`` -> the ``zero_optimization`` block it means (a stage or hpZ size the
-    block gives otherwise is a contradiction)."""
+    block gives otherwise is a contradiction); for hsdp also the shard size (hybrid_shard_problems)."""
     strategy = ctx.get("sharding_strategy")
+    if strategy != "hsdp" and ctx.given("sharding_group_size"):
+        return Derivation(problems=[f"{ctx.show('sharding_group_size')} is read only with sharding_strategy: "
+                                    f"hsdp ({ctx.show('sharding_strategy')}); remove it or use hsdp"])
     if strategy is None:
         return Derivation()
     merged = dict(ctx.get("zero_optimization") or {})
     wanted: dict[str, Any] = {"stage": SHARDING_STAGES[strategy]}
-    if strategy == "hsdp":
-        # hpZ keeps a node-local copy of the parameters: all-gathers of the backward stay in the node
-        per_node = int(ctx.get("num_gpus") or ctx.world_size)
-        wanted["zero_hpz_partition_size"] = int(merged.get("zero_hpz_partition_size") or per_node)
-    elif int(merged.get("zero_hpz_partition_size") or 1) > 1:
+    if strategy != "hsdp" and int(merged.get("zero_hpz_partition_size") or 1) > 1:
         wanted["zero_hpz_partition_size"] = 1
     problems = [
         f"{ctx.show('sharding_strategy')} means zero_optimization.{key}={value}, but zero_optimization."
@@ -306,9 +305,16 @@ def derive_sharding(ctx: RuleContext) -> Derivation:
     ]
     if ctx.get("zero_stage") not in (None, wanted["stage"]):
         problems.append(f"{ctx.show('sharding_strategy')} contradicts {ctx.show('zero_stage')}; keep one of them")
+    values: dict[str, Any] = {}
+    if strategy == "hsdp":
+        from megatron.neox_arguments.hybrid_shard_rules import hybrid_shard_problems, shard_size
+
+        one_node = uses_local_pool(ctx.args)  # without num_gpus: this machine's ranks are one node
+        problems += hybrid_shard_problems(ctx, merged, one_node)
+        values["sharding_group_size"] = shard_size(ctx, one_node)
     if problems:
         return Derivation(problems=problems)
-    return Derivation({"zero_optimization": {**merged, **wanted}})
+    return Derivation({"zero_optimization": {**merged, **wanted}, **values})
 
 
 @deriver

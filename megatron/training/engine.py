@@ -45,6 +45,8 @@ from megatron.model.lora_config import LoRAArgs
 from megatron.model.pipeline import CHECKPOINTABLE_LAYERS
 from megatron.model.transformer_layer import TransformerLayer
 from megatron.mpu import experts as expert_parallel
+from megatron.mpu import hybrid_shard
+from megatron.training import hybrid_shard as hybrid_shard_engine
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.lr_schedules import LRScheduler, SchedulePolicy
 from megatron.training.moe import MoETraining, build_moe_training, install_expert_parallel, keep_expert_shards
@@ -286,7 +288,15 @@ def construction(ds_config: dict[str, Any] | None) -> contextlib.AbstractContext
     exists on one rank), else plainly."""
     if ds_config is None:
         return contextlib.nullcontext()
-    return deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=mpu)
+    view = deepspeed_mpu()
+    return deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=view,
+                               data_parallel_group=view.get_data_parallel_group())
+
+
+def deepspeed_mpu() -> Any:
+    """The ``mpu`` DeepSpeed gets: ours, or under hybrid sharding a view whose data-parallel group is
+    the shard group (ZeRO-3 partitions over it; ``megatron/mpu/hybrid_shard.py``)."""
+    return hybrid_shard.ShardGroupView() if hybrid_shard.is_hybrid() else mpu
 
 
 def build_model(config: GPTConfig, parallel: ParallelRunArgs, ckpt: ActivationCheckpointArgs,
@@ -338,6 +348,7 @@ def build_engine(run: RunConfig, config: GPTConfig, train_iters: int, objective:
         # DeepSpeed counts the context-parallel ranks as data-parallel ones (megatron/mpu/topology.py),
         # each seeing the micro-batch once: its batch is cp times the number of samples
         ds_config["train_batch_size"] = int(ds_config["train_batch_size"]) * run.parallel.context_parallel_size
+    ds_config = hybrid_shard_engine.deepspeed_config(ds_config)  # unchanged without hybrid sharding
     model, is_pipe = build_model(config, run.parallel, run.activation_checkpointing, run.training.compile_layers,
                                  objective, run.lora, zero_init=ds_config if run.training.zero_init else None)
     spec = run.lr.spec(train_iters, run.optimizer.peak_lr)
@@ -359,10 +370,11 @@ def build_engine(run: RunConfig, config: GPTConfig, train_iters: int, objective:
             model_parameters=params,
             lr_scheduler=scheduler,
             config=ds_config,
-            mpu=None if is_pipe else mpu,
+            mpu=None if is_pipe else deepspeed_mpu(),
             dist_init_required=False,
         )
     install_expert_parallel(engine)  # no-op unless experts are split over data-parallel ranks
+    hybrid_shard_engine.install(engine)  # no-op unless ZeRO-3 partitions are replicated (hsdp)
     # checkpoints are written (and read) in GPT-NeoX's layout: its tools and users read them
     neox_files.install(engine, config, mpu.get_tensor_model_parallel_world_size())
     fp32 = not (engine.fp16_enabled() or engine.bfloat16_enabled())

@@ -118,7 +118,8 @@ def _parallel(args: Any) -> object:
     (``initialize.initialize``/``init_distributed``, ``engine.build_model``, the memory estimate): the
     rank is handed the arguments typed as ``ParallelRunArgs``."""
     return (args.model_parallel_size, args.pipe_parallel_size, args.context_parallel_size,  # initialize
-            args.moe_expert_parallel_size, args.world_size, args.distributed_backend,
+            args.moe_expert_parallel_size, args.sharding_group_size,  # initialize: expert and shard groups
+            args.world_size, args.distributed_backend,
             args.master_addr, args.master_port, args.deepspeed_slurm,  # init_distributed
             args.uses_pipeline_module, args.pipe_partition_method,  # engine.build_model
             args.pipe_stages, args.sequence_parallel)  # memory.MemoryLayout

@@ -190,3 +190,17 @@ def test_flat_optimizer_type_without_a_block_gets_gpt_neox_defaults(kind: str) -
     for key, value in defaults.items():
         expected = flat.optimizer_params[key]
         assert (tuple(value) == tuple(expected)) if key == "betas" else (value == expected), key
+
+
+def test_zero_init_placeholders_are_grouped_by_their_real_shape() -> None:
+    """Under deepspeed.zero.Init a weight is an empty 1-d placeholder whose shape DeepSpeed keeps as
+    ``ds_shape``: a matrix is still decayed (it was not, so zero_init runs skipped weight decay)."""
+    import torch
+
+    from megatron.training.optimizers import is_no_decay
+
+    placeholder = torch.nn.Parameter(torch.empty(0))
+    placeholder.ds_shape = torch.Size([8, 4])  # what zero.Init sets
+    assert not is_no_decay("layers.0.mlp.dense_h_to_4h.weight", placeholder)
+    placeholder.ds_shape = torch.Size([8])
+    assert is_no_decay("layers.0.mlp.dense_h_to_4h.scale", placeholder)

@@ -99,9 +99,10 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "deepspeed_log_level": ("logging", "warning"),
     "device_memory_gb": ("logging", None),
     "scale_attn_by_inverse_layer_idx": ("model", False),  # GPT-2's/Levanter's per-block attention scale
-    "sharding_strategy": ("parallelism", None),
+    "sharding_strategy": ("parallelism", None),  # fms-fsdp's fsdp | hsdp | ddp
+    "sharding_group_size": ("parallelism", None),  # hsdp's shard size (torch/llama-recipes' name)
     "plugins": ("plugins", []),  # plug-in modules imported before validation (megatron/plugins.py)
-    "zero_init": ("training_loop", False),  # fms-fsdp's low_cpu_fsdp: build under deepspeed.zero.Init  # fms-fsdp's fsdp | hsdp | ddp
+    "zero_init": ("training_loop", False),  # fms-fsdp's low_cpu_fsdp: build under deepspeed.zero.Init
     "mlp_type": ("model", "regular"),  # earlier GPT-NeoX key its Llama/Mistral configs set
     "moe_aux_loss_coeff": ("moe", 0.0),
     "moe_z_loss_coeff": ("moe", 0.0),
