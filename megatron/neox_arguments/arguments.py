@@ -22,6 +22,7 @@ from megatron.errors import ConfigError
 from megatron.neox_arguments.groups.deepspeed_config import DeepSpeedConfigArgs
 from megatron.neox_arguments.groups.deepspeed_runner import DeepSpeedRunnerArgs
 from megatron.checkpointing.config import CheckpointArgs
+from megatron.data.config import DataArgs
 from megatron.evaluation.config import EvalArgs
 from megatron.logging.config import LoggingArgs
 from megatron.model.lora_config import LoRAArgs
@@ -42,13 +43,14 @@ from megatron.config_schema import is_supported as _field_is_supported
 from megatron.plugins import PluginArgs
 
 # Short group names in documentation order: the module names under groups/, or, for a group declared
-# beside the component that reads it, that component's name (checkpoint, logging, tokenizer, lora, lr).
+# beside the component that reads it, that component's name (checkpoint, logging, tokenizer, lora, lr, data).
 GROUPS: dict[str, type[ArgGroup]] = {
     "parallelism": ParallelismArgs,
     "model": ModelArgs,
     "optimizer": OptimizerArgs,
     "lr": LRSchedulerArgs,
     "training": TrainingArgs,
+    "data": DataArgs,
     "training_loop": TrainingLoopArgs,
     "activation_checkpointing": ActivationCheckpointArgs,
     "checkpoint": CheckpointArgs,
@@ -88,6 +90,7 @@ class _Arguments(
     OptimizerArgs,
     LRSchedulerArgs,
     TrainingArgs,
+    DataArgs,
     TrainingLoopArgs,
     ActivationCheckpointArgs,
     CheckpointArgs,

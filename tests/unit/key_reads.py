@@ -114,6 +114,18 @@ def _training_loop(args: Any) -> object:
             args.compile_layers, args.zero_init)  # engine.build_engine
 
 
+def _data(args: Any) -> object:
+    """What ``build_datasets`` asks of the data keys (``pretrain``, ``data/build.py``): the sample
+    counts, each split's files and weights, the source and how documents become samples."""
+    from megatron.data.build import samples_needed
+    from megatron.data.config import PATH_KEYS, SPLITS
+
+    return (samples_needed(args), [args.path_list(key) for key in PATH_KEYS], [args.split_weights(s) for s in SPLITS],
+            args.use_dummy_dataset, args.train_urls, args.validation_urls, args.cache_dir, args.data_path, args.split,
+            args.weight_by_num_documents, args.weighted_sampler_alpha, args.pack_impl, args.allow_chopped,
+            args.wants_pairs, args.reference_model, args.mmap_warmup, args.seq_length, args.seed, args.train_epochs)
+
+
 def _user_plugins(args: Any) -> object:
     """What each rank does with ``plugins`` before validating its resolved config (``load_resolved``)."""
     return plugins.load_user_plugins(args.plugins)
@@ -133,7 +145,7 @@ def _evaluation(args: Any) -> object:
 def component_builders() -> list[ComponentBuilder]:
     """Everything that turns keys into what a component does, for train.py."""
     return [RunConfig.from_args, _tokenizer, _checkpoints, _logging, _lora, _lr_schedule, _optimizer,
-            _activation_checkpointing, _training_loop, _evaluation, _user_plugins, deepspeed_config, LaunchConfig.from_args,
+            _activation_checkpointing, _training_loop, _data, _evaluation, _user_plugins, deepspeed_config, LaunchConfig.from_args,
             run_directory]
 
 

@@ -115,7 +115,7 @@ def test_dummy_determinism() -> None:
 
 def test_real_blend_same_samples_for_dp_1_2_4(tmp_path) -> None:
     from megatron.data.build import build_datasets
-    from megatron.data.config import DataConfig
+    from megatron.neox_arguments.arguments import NeoXArgs
     from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 
     prefixes = []
@@ -127,7 +127,7 @@ def test_real_blend_same_samples_for_dp_1_2_4(tmp_path) -> None:
             b.end_document()
         b.finalize(prefix + ".idx")
         prefixes.append(prefix)
-    config = DataConfig.of(seq_length=6, seed=9, train_batch_size=8, train_iters=12, eval_iters=0, eval_interval=4,
+    config = NeoXArgs(seq_length=6, seed=9, train_batch_size=8, train_iters=12, eval_iters=0, eval_interval=4,
                            train_data_paths=prefixes, train_data_weights=[0.6, 0.4], cache_dir=str(tmp_path / "c"))
     train = build_datasets(config, None, 512).train
 

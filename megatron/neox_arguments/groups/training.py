@@ -22,104 +22,13 @@ from megatron.training.objectives.registry import NOT_BUILT as OBJECTIVES_NOT_BU
 class TrainingArgs(ArgGroup):
     """GPT-NeoX's ``NeoXArgsTraining`` group."""
 
-    data_path: str | None = None
-    """Prefix of one tokenized dataset (`<prefix>.bin/.idx`) that is split into train/valid/test by
-    `split`."""
-
     use_shared_fs: bool = True
     """All nodes see the same filesystem, so only one rank needs to build the sample index."""
-
-    train_data_paths: list[str] | None = None
-    """Prefixes of the training datasets, blended by train_data_weights."""
-
-    train_label_data_paths: list[str] | None = None
-    """Per-token labels parallel to train_data_paths (-100 masks a token from the loss)."""
-
-    train_reward_data_paths: list[str] | None = None
-    """Per-sample rewards parallel to train_data_paths (reward-model and KTO training)."""
-
-    test_data_paths: list[str] | None = None
-    """Prefixes of the test datasets."""
-
-    test_label_data_paths: list[str] | None = None
-    """Per-token labels parallel to test_data_paths."""
-
-    test_reward_data_paths: list[str] | None = None
-    """Per-sample rewards parallel to test_data_paths."""
-
-    valid_data_paths: list[str] | None = None
-    """Prefixes of the validation datasets."""
-
-    valid_label_data_paths: list[str] | None = None
-    """Per-token labels parallel to valid_data_paths."""
-
-    valid_reward_data_paths: list[str] | None = None
-    """Per-sample rewards parallel to valid_data_paths."""
-
-    pos_train_data_paths: list[str] | None = None
-    """Chosen (preferred) responses for pairwise training."""
-
-    neg_train_data_paths: list[str] | None = None
-    """Rejected responses for pairwise training, aligned with pos_train_data_paths."""
-
-    pos_train_label_data_paths: list[str] | None = None
-    """Labels for the chosen training responses."""
-
-    neg_train_label_data_paths: list[str] | None = None
-    """Labels for the rejected training responses."""
-
-    pos_valid_data_paths: list[str] | None = None
-    """Chosen responses for pairwise validation."""
-
-    neg_valid_data_paths: list[str] | None = None
-    """Rejected responses for pairwise validation."""
-
-    pos_valid_label_data_paths: list[str] | None = None
-    """Labels for the chosen validation responses."""
-
-    neg_valid_label_data_paths: list[str] | None = None
-    """Labels for the rejected validation responses."""
-
-    pos_test_data_paths: list[str] | None = None
-    """Chosen responses for pairwise testing."""
-
-    neg_test_data_paths: list[str] | None = None
-    """Rejected responses for pairwise testing."""
-
-    pos_test_label_data_paths: list[str] | None = None
-    """Labels for the chosen test responses."""
-
-    neg_test_label_data_paths: list[str] | None = None
-    """Labels for the rejected test responses."""
-
-    train_data_weights: list[float] | None = None
-    """Sampling weight of each training dataset; unset means equal weights."""
-
-    valid_data_weights: list[float] | None = None
-    """Sampling weight of each validation dataset."""
-
-    test_data_weights: list[float] | None = None
-    """Sampling weight of each test dataset."""
-
-    weight_by_num_documents: bool = False
-    """Derive blending weights from document counts instead of the *_data_weights lists."""
-
-    weighted_sampler_alpha: float = Field(1.0, ge=0)
-    """Exponent on each dataset's document share for weight_by_num_documents (GPT-NeoX's formula)."""
 
     data_impl: Literal["infer", "mmap", "cached"] = (
         partly_supported("infer", unsupported=("cached",))
     )
     """On-disk dataset format; `infer` reads it from the files."""
-
-    pack_impl: Literal["packed", "pack_until_overflow", "unpacked"] = "packed"
-    """How documents fill samples: packed back to back, packed until one would overflow, or one
-    document per sample."""
-
-    dataset_impl: Literal["gpt2", "pairwise", "online"] = (
-        partly_supported("gpt2", unsupported=("online",))
-    )
-    """Kind of dataset: plain text (gpt2), chosen/rejected pairs, or online rollouts."""
 
     train_impl: str = partly_supported("normal", unsupported=OBJECTIVES_NOT_BUILT)
     """Training objective, a registered objective plug-in (``megatron/training/objectives/registry.py``):
@@ -148,12 +57,6 @@ class TrainingArgs(ArgGroup):
     reinforce_leave_one_out: bool = not_supported(False)
     """Use the leave-one-out baseline in REINFORCE."""
 
-    allow_chopped: bool = True
-    """Keep pairwise samples whose text had to be cut to fit seq_length."""
-
-    mmap_warmup: bool = False
-    """Touch every page of the mmapped data at start-up so the first steps are not I/O bound."""
-
     s3_path: str | None = not_supported(None)
     """Also upload checkpoints to this S3 prefix."""
 
@@ -165,11 +68,6 @@ class TrainingArgs(ArgGroup):
 
     batch_size: int | None = Field(None, ge=1)
     """Micro-batch size per data-parallel rank; an older name for train_micro_batch_size_per_gpu."""
-
-
-    split: str = "969, 30, 1"
-    """Train/valid/test proportions for data_path, as comma-separated weights."""
-
 
     attention_dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on attention probabilities."""
@@ -230,24 +128,10 @@ class TrainingArgs(ArgGroup):
 
     # ---- Deepy extras (not in GPT-NeoX) ----
 
-    use_dummy_dataset: bool = False
-    """Train on random tokens without any data files (smoke tests and benchmarks)."""
-
-    train_urls: list[str] | None = None
-    """Raw-text shards (local paths or URLs, jsonl/jsonl.zst) tokenized on the fly for training
-    (Levanter-style)."""
-
-    validation_urls: list[str] | None = None
-    """Raw-text shards for validation, as train_urls."""
-
-    cache_dir: str | None = None
-    """Where tokenized shards from train_urls/validation_urls are cached."""
-
     reference_logps: str | None = None
     """DPO: the precompute_model_name of reference log-probs written by `generate.py
     text_gen_type=precompute` next to each chosen/rejected dataset (`<prefix>_<name>.bin/.idx`);
     unset uses a frozen copy of the starting weights."""
-
 
     per_device_parallelism: int | None = Field(None, ge=1)
     """Levanter's name for the micro batch per device; read as train_micro_batch_size_per_gpu."""
