@@ -14,6 +14,7 @@ from typing import Any
 from megatron import plugins
 
 from megatron.checkpointing.manager import CheckpointManager
+from megatron.data.batch import BatchLayout
 from megatron.checkpointing.preemption import PreemptionWatcher
 from megatron.errors import DeepyError
 from megatron.launcher.config import LaunchConfig
@@ -110,7 +111,7 @@ def _training_loop(args: Any) -> object:
     return (args.train_iters, args.train_epochs,  # pretrain.resolve_train_iters
             args.eval_interval, args.exit_interval, args.max_consecutive_overflows,  # loop.train
             args.eval_iters, args.num_workers, args.seed, args.precision, args.seq_length,  # pretrain
-            args.train_batch_size, args.train_micro_batch_size_per_gpu,  # pretrain's batch layout
+            BatchLayout.of(args, dp=1),  # pretrain's batch layout
             args.compile_layers, args.zero_init)  # engine.build_engine
 
 
@@ -145,8 +146,8 @@ def _evaluation(args: Any) -> object:
 def component_builders() -> list[ComponentBuilder]:
     """Everything that turns keys into what a component does, for train.py."""
     return [RunConfig.from_args, _tokenizer, _checkpoints, _logging, _lora, _lr_schedule, _optimizer,
-            _activation_checkpointing, _training_loop, _data, _evaluation, _user_plugins, deepspeed_config, LaunchConfig.from_args,
-            run_directory]
+            _activation_checkpointing, _training_loop, _data, _evaluation, _user_plugins, deepspeed_config,
+            LaunchConfig.from_args, run_directory]
 
 
 def plugin_keys_read() -> set[str]:

@@ -72,7 +72,8 @@ def resolved_values(files: list[str], save_only: Path) -> dict[str, Any]:
 
 def snapshot(save_only: Path) -> dict[str, Any]:
     defaults = {k: v for k, v in NeoXArgs().model_dump(mode="json").items() if k not in VOLATILE}
-    return {"defaults": defaults, "configs": {cid: resolved_values(files, save_only) for cid, files in cases(save_only)}}
+    configs = {cid: resolved_values(files, save_only) for cid, files in cases(save_only)}
+    return {"defaults": defaults, "configs": configs}
 
 
 @pytest.fixture(scope="module")

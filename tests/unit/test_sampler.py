@@ -108,7 +108,8 @@ def test_batch_arithmetic() -> None:
     assert solve_batch(None, None, 12, 3) == BatchLayout(micro=4, gas=1, dp=3)
     assert BatchLayout(micro=2, gas=2, dp=3).keys() == {
         "train_micro_batch_size_per_gpu": 2, "batch_size": 2, "gradient_accumulation_steps": 2, "train_batch_size": 12}
-    for micro, gas, total, dp in ((4, None, 10, 1), (2, 2, 10, 2), (None, 3, 8, 1), (None, None, 9, 2), (None, 2, None, 1)):
+    bad = ((4, None, 10, 1), (2, 2, 10, 2), (None, 3, 8, 1), (None, None, 9, 2), (None, 2, None, 1))
+    for micro, gas, total, dp in bad:
         with pytest.raises(BatchError):
             solve_batch(micro, gas, total, dp)
 
