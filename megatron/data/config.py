@@ -16,6 +16,7 @@ from typing import Literal, Protocol
 from pydantic import Field
 
 from megatron.config_schema import ArgGroup, partly_supported
+from megatron.training.objectives.registry import needs_of, reads_reference_files
 
 SPLITS = ("train", "valid", "test")
 # GPT-NeoX's per-split path lists: {prefix}{split}_{kind}data_paths
@@ -162,8 +163,6 @@ class DataArgs(ArgGroup):
     @property
     def objective_dataset(self: DataRunArgs) -> str:
         """What the objective reads (its plug-in's ``needs``): ``lm``, ``pairwise`` or ``reward``."""
-        from megatron.training.objectives.registry import needs_of
-
         return needs_of(self.train_impl).dataset
 
     @property
@@ -176,8 +175,6 @@ class DataArgs(ArgGroup):
         """DPO's ``reference_logps``: preference pairs also carry the reference log-probs written next to
         each chosen/rejected dataset as ``<prefix>_<reference_model>`` by ``generate.py`` precompute;
         None when the objective reads no such files."""
-        from megatron.training.objectives.registry import reads_reference_files
-
         return self.reference_logps if reads_reference_files(self.train_impl) else None
 
 
