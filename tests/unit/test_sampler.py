@@ -212,3 +212,20 @@ def test_prefetcher_reads_ahead_while_the_consumer_is_busy() -> None:
     it = Prefetcher(source(), depth=2)
     assert two_read.wait(timeout=10), "nothing was read ahead before the first next()"
     assert [int(next(it)["text"]) for _ in range(5)] == [0, 1, 2, 3, 4]
+
+
+
+def test_the_batch_arithmetic_is_solved_and_checked_in_one_place() -> None:
+    """Issue 20 (no invariant checked twice): ``train_batch_size = micro x gas x dp`` is computed and
+    checked by ``solve_batch`` alone; the rule before launch calls it, the sampler only reads the layout."""
+    import inspect
+
+    from megatron.data import sampler
+    from megatron.neox_arguments.derived import derive_batch
+
+    rule = inspect.getsource(derive_batch)
+    assert "solve_batch(" in rule and "%" not in rule and "//" not in rule
+    source = inspect.getsource(sampler)
+    assert "ConfigError" not in source and "solve_batch" not in source and "//" not in source.replace(
+        "consumed_samples // global_size", "")  # the position in whole global batches, not the arithmetic
+    assert BatchLayout(micro=3, gas=5, dp=7).global_size == 105  # the product, so the three cannot disagree
