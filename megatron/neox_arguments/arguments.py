@@ -21,6 +21,7 @@ from megatron import plugins
 from megatron.errors import ConfigError
 from megatron.neox_arguments.groups.deepspeed_config import DeepSpeedConfigArgs
 from megatron.checkpointing.config import CheckpointArgs
+from megatron.data.config import DataArgs
 from megatron.evaluation.config import EvalArgs
 from megatron.launcher.config import DeepSpeedRunnerArgs
 from megatron.logging.config import LoggingArgs
@@ -44,13 +45,14 @@ from megatron.plugins import PluginArgs
 
 # Short group names in documentation order: the module names under groups/, or, for a group declared
 # beside the component that reads it, that component's name (checkpoint, logging, tokenizer, lora, lr,
-# objective).
+# objective, data).
 GROUPS: dict[str, type[ArgGroup]] = {
     "parallelism": ParallelismArgs,
     "model": ModelArgs,
     "optimizer": OptimizerArgs,
     "lr": LRSchedulerArgs,
     "training": TrainingArgs,
+    "data": DataArgs,
     "training_loop": TrainingLoopArgs,
     "objective": ObjectiveArgs,
     "activation_checkpointing": ActivationCheckpointArgs,
@@ -91,6 +93,7 @@ class _Arguments(
     OptimizerArgs,
     LRSchedulerArgs,
     TrainingArgs,
+    DataArgs,
     TrainingLoopArgs,
     ObjectiveArgs,
     ActivationCheckpointArgs,

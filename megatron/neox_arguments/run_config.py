@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron.checkpointing.config import CheckpointArgs
-from megatron.data.config import DataConfig
+from megatron.data.config import DataRunArgs
 from megatron.evaluation.config import EvalRunArgs, checked
 from megatron.logging.config import LoggingArgs
 from megatron.model.config import GPTConfig
@@ -44,7 +44,9 @@ class RunConfig:
     """Architecture; its ``padded_vocab_size`` is a placeholder until the tokenizer is known."""
     tokenizer: TokenizerArgs
     """The arguments themselves, as the tokenizer's keys (not a copy)."""
-    data: DataConfig
+    data: DataRunArgs
+    """The arguments themselves, as the keys the datasets read (not a copy): the data keys and the
+    shared ``seq_length``/``seed``/schedule/batch/objective keys, declared by their owners."""
     training: TrainingRunArgs
     """The arguments themselves, as the keys the loop reads (not a copy): its own and the shared
     ``seq_length``/``precision``/``seed``/batch sizes, declared by their owners."""
@@ -79,7 +81,7 @@ class RunConfig:
             parallel=args,
             model=GPTConfig.from_args(args),
             tokenizer=args,
-            data=DataConfig.from_args(args),
+            data=args,
             training=args,
             optimizer=args,
             lr=args,

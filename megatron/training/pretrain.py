@@ -21,6 +21,7 @@ from megatron.checkpointing.hooks import CheckpointHooks
 from megatron.checkpointing.manager import CheckpointManager
 from megatron.checkpointing.save_load import BeforeCommit
 from megatron.data.build import build_datasets
+from megatron.data.batch import BatchLayout
 from megatron.data.sampler import MicroBatchIterator, prefetched
 from megatron.errors import ConfigError
 from megatron.logging.log import get_logger, set_deepspeed_log_level, setup_logging
@@ -53,12 +54,12 @@ def speaks() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def resolve_train_iters(training: TrainingRunArgs, train_dataset: object) -> int:
+def resolve_train_iters(training: TrainingRunArgs, train_dataset: object, batch: BatchLayout) -> int:
     """``train_iters``, or (train_epochs) the whole global batches of the epoch-sized train split."""
     if training.train_iters:
         return training.train_iters
     if training.train_epochs and train_dataset is not None:
-        return len(train_dataset) // training.train_batch_size  # type: ignore[arg-type]
+        return len(train_dataset) // batch.global_size  # type: ignore[arg-type]
     raise ConfigError("set train_iters (or train_epochs) so the run knows when to stop")
 
 
@@ -88,7 +89,10 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     padded_vocab = run.tokenizer.padded(tokenizer.vocab_size, run.parallel.model_parallel_size)
     model_config = run.model.with_vocab(padded_vocab)
     splits = build_datasets(run.data, tokenizer, padded_vocab)
-    train_iters = resolve_train_iters(training, splits.train)
+    # the batch sizes deepy.py solved, on this run's data-parallel ranks (context-parallel ranks read alike)
+    batch = BatchLayout.of(training, dp=mpu.get_data_shard_count())
+    dp_rank = mpu.get_data_shard_rank()
+    train_iters = resolve_train_iters(training, splits.train, batch)
     record = {**run.args_record, "padded_vocab_size": padded_vocab, "train_iters": train_iters}
 
     # the train_impl's batches and loss; a frozen reference copy takes the starting weights before the
@@ -103,14 +107,12 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     log.info("model: %s parameters (%s without embeddings); %s", f"{num_parameters(model_config):,}",
              f"{num_parameters(model_config, include_embeddings=False):,}", "pipeline" if eng.is_pipe else "plain")
 
-    g = training.train_batch_size
-    layout = dict(global_batch_size=g, micro_batch_size=training.train_micro_batch_size_per_gpu,
-                  dp_rank=mpu.get_data_shard_rank(), dp_size=mpu.get_data_shard_count())  # cp ranks read alike
+    g = batch.global_size
     device = _device()
 
     def validation_loss() -> float:
         """Loss of the first global batch of the train split (fixed, for checkpoint validation)."""
-        evaluator = maybe_evaluator(eng, splits.train, 1, layout, device, "train")
+        evaluator = maybe_evaluator(eng, splits.train, 1, batch, dp_rank, device, "train")
         assert evaluator is not None
         return evaluator.evaluate()["lm_loss"]
 
@@ -144,7 +146,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     with progress(skipped, "data fast-forward", "global batches", enabled=speaks() and skipped > 0,
                   every_s=float("inf")) as fast_forward:
         source = MicroBatchIterator(eng.reference.wrap_dataset(splits.train, "train"), state.consumed_samples,
-                                    **layout)
+                                    batch, dp_rank)
         fast_forward.update(source.consumed_samples // g)
     # read ahead by a background thread (num_workers micro-batches), pinned for asynchronous copies on a
     # GPU; the data timer measures what the step still waits for
@@ -159,8 +161,8 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
         peak_tflops=peak_tflops(current_device_name(), compute_dtype(training.precision),
                                 log_config.peak_theoretical_tflops),
         monitor=monitor, hardware_flops_per_token=hardware_flops_per_token(model_config, recomputed, seq),
-        valid=maybe_evaluator(eng, splits.valid, training.eval_iters, layout, device, "valid"),
-        test=maybe_evaluator(eng, splits.test, training.eval_iters, layout, device, "test"),
+        valid=maybe_evaluator(eng, splits.valid, training.eval_iters, batch, dp_rank, device, "valid"),
+        test=maybe_evaluator(eng, splits.test, training.eval_iters, batch, dp_rank, device, "test"),
         tasks=None if run.tasks is None else TaskEvaluation(
             eng, tokenizer, run.tasks, zero_stage=int((run.deepspeed.get("zero_optimization") or {}).get("stage", 0)),
             sequence_parallel=run.model.sequence_parallel and run.parallel.model_parallel_size > 1).run,

@@ -14,6 +14,7 @@ from typing import Any
 from megatron import plugins
 
 from megatron.checkpointing.manager import CheckpointManager
+from megatron.data.batch import BatchLayout
 from megatron.checkpointing.preemption import PreemptionWatcher
 from megatron.errors import DeepyError
 from megatron.neox_arguments.arguments import NeoXArgs
@@ -109,7 +110,7 @@ def _training_loop(args: Any) -> object:
     return (args.train_iters, args.train_epochs,  # pretrain.resolve_train_iters
             args.eval_interval, args.exit_interval, args.max_consecutive_overflows,  # loop.train
             args.eval_iters, args.num_workers, args.seed, args.precision, args.seq_length,  # pretrain
-            args.train_batch_size, args.train_micro_batch_size_per_gpu,  # pretrain's batch layout
+            BatchLayout.of(args, dp=1),  # pretrain's batch layout
             args.compile_layers, args.zero_init)  # engine.build_engine
 
 
@@ -144,6 +145,18 @@ def _objective(args: Any) -> object:
             args.reference_kind)
 
 
+def _data(args: Any) -> object:
+    """What ``build_datasets`` asks of the data keys (``pretrain``, ``data/build.py``): the sample
+    counts, each split's files and weights, the source and how documents become samples."""
+    from megatron.data.build import samples_needed
+    from megatron.data.config import PATH_KEYS, SPLITS
+
+    return (samples_needed(args), [args.path_list(key) for key in PATH_KEYS], [args.split_weights(s) for s in SPLITS],
+            args.use_dummy_dataset, args.train_urls, args.validation_urls, args.cache_dir, args.data_path, args.split,
+            args.weight_by_num_documents, args.weighted_sampler_alpha, args.pack_impl, args.allow_chopped,
+            args.wants_pairs, args.reference_model, args.mmap_warmup, args.seq_length, args.seed, args.train_epochs)
+
+
 def _user_plugins(args: Any) -> object:
     """What each rank does with ``plugins`` before validating its resolved config (``load_resolved``)."""
     return plugins.load_user_plugins(args.plugins)
@@ -163,8 +176,8 @@ def _evaluation(args: Any) -> object:
 def component_builders() -> list[ComponentBuilder]:
     """Everything that turns keys into what a component does, for train.py."""
     return [RunConfig.from_args, _parallel, _tokenizer, _checkpoints, _logging, _lora, _lr_schedule, _optimizer,
-            _activation_checkpointing, _training_loop, _objective, _evaluation, _user_plugins, deepspeed_config, _launch,
-            run_directory]
+            _activation_checkpointing, _training_loop, _data, _objective, _evaluation, _user_plugins, deepspeed_config,
+            _launch, run_directory]
 
 
 def plugin_keys_read() -> set[str]:

@@ -68,6 +68,16 @@ DECLARED_WITH_COMPONENT: dict[str, str] = {
     **dict.fromkeys(("train_impl", "z_loss", "eod_mask_loss", "fp32_reinforce", "kl_impl", "kl_div_beta",
                      "reinforce_leave_one_out"), "objective"),
     **dict.fromkeys(("deepspeed_mpi", "deepspeed_slurm"), "deepspeed_runner"),
+    **dict.fromkeys((
+        "data_path", "train_data_paths", "train_label_data_paths", "train_reward_data_paths", "test_data_paths",
+        "test_label_data_paths", "test_reward_data_paths", "valid_data_paths", "valid_label_data_paths",
+        "valid_reward_data_paths", "pos_train_data_paths", "neg_train_data_paths", "pos_train_label_data_paths",
+        "neg_train_label_data_paths", "pos_valid_data_paths", "neg_valid_data_paths", "pos_valid_label_data_paths",
+        "neg_valid_label_data_paths", "pos_test_data_paths", "neg_test_data_paths", "pos_test_label_data_paths",
+        "neg_test_label_data_paths", "train_data_weights", "valid_data_weights", "test_data_weights",
+        "weight_by_num_documents", "weighted_sampler_alpha", "pack_impl", "dataset_impl", "allow_chopped",
+        "mmap_warmup", "split",
+    ), "data"),
 }
 
 # Defaults Deepy changes on purpose; each field's docstring says why.
@@ -83,10 +93,10 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "min_lr_ratio": ("lr", None),
     "decay_fraction": ("lr", None),
     "selective_checkpointing": ("activation_checkpointing", None),
-    "use_dummy_dataset": ("training", False),
-    "train_urls": ("training", None),
-    "validation_urls": ("training", None),
-    "cache_dir": ("training", None),
+    "use_dummy_dataset": ("data", False),
+    "train_urls": ("data", None),
+    "validation_urls": ("data", None),
+    "cache_dir": ("data", None),
     "save_interval": ("checkpoint", None),
     "keep": ("checkpoint", None),
     "initialize_from": ("checkpoint", None),

@@ -113,6 +113,7 @@ def run_config(config: dict[str, Any]) -> Any:
 
 
 def deepy_contender(arch: Arch, zero: int, compile_layers: bool) -> tuple[Contender, Any]:
+    from megatron.data.batch import BatchLayout
     from megatron.data.build import build_datasets
     from megatron.data.sampler import MicroBatchIterator, prefetched
     from megatron.initialize import initialize
@@ -128,7 +129,8 @@ def deepy_contender(arch: Arch, zero: int, compile_layers: bool) -> tuple[Conten
     eng = build_engine(run, model_config, run.training.train_iters or 1)
     dev = harness.device()
     # the trainer's loader, as pretrain() builds it
-    source = MicroBatchIterator(build_datasets(run.data, tokenizer, padded_vocab).train, 0, arch.batch, arch.batch)
+    source = MicroBatchIterator(build_datasets(run.data, tokenizer, padded_vocab).train, 0,
+                                BatchLayout.of(run.training, dp=1))
     micro = prefetched(source, run.training.num_workers, dev)
 
     def step() -> None:

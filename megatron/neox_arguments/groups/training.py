@@ -1,10 +1,10 @@
-"""Data, batch length, regularisation and fp16 loss scaling: the keys of a training run that are not
+"""Regularisation, fp16 loss scaling and the micro-batch alias: the keys of a training run that are not
 the architecture and not yet declared beside their component (the loop's, the optimizer's,
-activation checkpointing's and the objective's are, in ``megatron/training/``).
+activation checkpointing's and the objective's are, in ``megatron/training/``; the data's in
+``megatron/data/config.py``; the checkpoint keys and tokenizer files in ``megatron/checkpointing/config.py``
+and ``megatron/tokenizer/config.py``).
 
-Besides GPT-NeoX's keys it holds Deepy's extras: Levanter-style data URLs and an overflow guard for fp16.
-GPT-NeoX's checkpoint keys and tokenizer files live beside the components that read them
-(``megatron/checkpointing/config.py``, ``megatron/tokenizer/config.py``).
+Besides GPT-NeoX's keys it holds Deepy's extras: Levanter's micro-batch name and the run directory.
 """
 
 from __future__ import annotations
@@ -19,118 +19,16 @@ from megatron.config_schema import ArgGroup, not_supported, partly_supported
 class TrainingArgs(ArgGroup):
     """GPT-NeoX's ``NeoXArgsTraining`` group."""
 
-    data_path: str | None = None
-    """Prefix of one tokenized dataset (`<prefix>.bin/.idx`) that is split into train/valid/test by
-    `split`."""
-
     use_shared_fs: bool = True
     """All nodes see the same filesystem, so only one rank needs to build the sample index."""
-
-    train_data_paths: list[str] | None = None
-    """Prefixes of the training datasets, blended by train_data_weights."""
-
-    train_label_data_paths: list[str] | None = None
-    """Per-token labels parallel to train_data_paths (-100 masks a token from the loss)."""
-
-    train_reward_data_paths: list[str] | None = None
-    """Per-sample rewards parallel to train_data_paths (reward-model and KTO training)."""
-
-    test_data_paths: list[str] | None = None
-    """Prefixes of the test datasets."""
-
-    test_label_data_paths: list[str] | None = None
-    """Per-token labels parallel to test_data_paths."""
-
-    test_reward_data_paths: list[str] | None = None
-    """Per-sample rewards parallel to test_data_paths."""
-
-    valid_data_paths: list[str] | None = None
-    """Prefixes of the validation datasets."""
-
-    valid_label_data_paths: list[str] | None = None
-    """Per-token labels parallel to valid_data_paths."""
-
-    valid_reward_data_paths: list[str] | None = None
-    """Per-sample rewards parallel to valid_data_paths."""
-
-    pos_train_data_paths: list[str] | None = None
-    """Chosen (preferred) responses for pairwise training."""
-
-    neg_train_data_paths: list[str] | None = None
-    """Rejected responses for pairwise training, aligned with pos_train_data_paths."""
-
-    pos_train_label_data_paths: list[str] | None = None
-    """Labels for the chosen training responses."""
-
-    neg_train_label_data_paths: list[str] | None = None
-    """Labels for the rejected training responses."""
-
-    pos_valid_data_paths: list[str] | None = None
-    """Chosen responses for pairwise validation."""
-
-    neg_valid_data_paths: list[str] | None = None
-    """Rejected responses for pairwise validation."""
-
-    pos_valid_label_data_paths: list[str] | None = None
-    """Labels for the chosen validation responses."""
-
-    neg_valid_label_data_paths: list[str] | None = None
-    """Labels for the rejected validation responses."""
-
-    pos_test_data_paths: list[str] | None = None
-    """Chosen responses for pairwise testing."""
-
-    neg_test_data_paths: list[str] | None = None
-    """Rejected responses for pairwise testing."""
-
-    pos_test_label_data_paths: list[str] | None = None
-    """Labels for the chosen test responses."""
-
-    neg_test_label_data_paths: list[str] | None = None
-    """Labels for the rejected test responses."""
-
-    train_data_weights: list[float] | None = None
-    """Sampling weight of each training dataset; unset means equal weights."""
-
-    valid_data_weights: list[float] | None = None
-    """Sampling weight of each validation dataset."""
-
-    test_data_weights: list[float] | None = None
-    """Sampling weight of each test dataset."""
-
-    weight_by_num_documents: bool = False
-    """Derive blending weights from document counts instead of the *_data_weights lists."""
-
-    weighted_sampler_alpha: float = Field(1.0, ge=0)
-    """Exponent on each dataset's document share for weight_by_num_documents (GPT-NeoX's formula)."""
 
     data_impl: Literal["infer", "mmap", "cached"] = (
         partly_supported("infer", unsupported=("cached",))
     )
     """On-disk dataset format; `infer` reads it from the files."""
 
-    pack_impl: Literal["packed", "pack_until_overflow", "unpacked"] = "packed"
-    """How documents fill samples: packed back to back, packed until one would overflow, or one
-    document per sample."""
-
-    dataset_impl: Literal["gpt2", "pairwise", "online"] = (
-        partly_supported("gpt2", unsupported=("online",))
-    )
-    """Kind of dataset: plain text (gpt2), chosen/rejected pairs, or online rollouts."""
-
-    allow_chopped: bool = True
-    """Keep pairwise samples whose text had to be cut to fit seq_length."""
-
-    mmap_warmup: bool = False
-    """Touch every page of the mmapped data at start-up so the first steps are not I/O bound."""
-
     batch_size: int | None = Field(None, ge=1)
     """Micro-batch size per data-parallel rank; an older name for train_micro_batch_size_per_gpu."""
-
-
-    split: str = "969, 30, 1"
-    """Train/valid/test proportions for data_path, as comma-separated weights."""
-
 
     attention_dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on attention probabilities."""
@@ -190,19 +88,6 @@ class TrainingArgs(ArgGroup):
     """muP: width ratio of the target model to the base model."""
 
     # ---- Deepy extras (not in GPT-NeoX) ----
-
-    use_dummy_dataset: bool = False
-    """Train on random tokens without any data files (smoke tests and benchmarks)."""
-
-    train_urls: list[str] | None = None
-    """Raw-text shards (local paths or URLs, jsonl/jsonl.zst) tokenized on the fly for training
-    (Levanter-style)."""
-
-    validation_urls: list[str] | None = None
-    """Raw-text shards for validation, as train_urls."""
-
-    cache_dir: str | None = None
-    """Where tokenized shards from train_urls/validation_urls are cached."""
 
     per_device_parallelism: int | None = Field(None, ge=1)
     """Levanter's name for the micro batch per device; read as train_micro_batch_size_per_gpu."""
