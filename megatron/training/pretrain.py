@@ -85,8 +85,8 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     set_deepspeed_log_level(log_config.deepspeed_log_level)
     model_parallel_manual_seed(training.seed)
     tokenizer = build_tokenizer(run.tokenizer)
-    padded_vocab = run.tokenizer.padded(tokenizer.vocab_size, run.parallel.tensor)
-    model_config = run.model.with_vocab(padded_vocab)
+    model_config = run.model.for_tokenizer(run.tokenizer.padded(tokenizer.vocab_size, run.parallel.tensor))
+    padded_vocab = model_config.padded_vocab_size
     splits = build_datasets(run.data, tokenizer, padded_vocab)
     train_iters = resolve_train_iters(training, splits.train)
     record = {**run.args_record, "padded_vocab_size": padded_vocab, "train_iters": train_iters}

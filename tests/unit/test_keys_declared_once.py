@@ -24,7 +24,6 @@ from megatron.neox_arguments.arguments import NeoXArgs
 ROOT = Path(__file__).resolve().parents[2] / "megatron"
 
 STILL_COPYING: dict[str, str] = {
-    "GPTConfig": "megatron/model/config.py",
     "DataConfig": "megatron/data/config.py",
     "ParallelConfig": "megatron/mpu/config.py",
     "LaunchConfig": "megatron/launcher/config.py",

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from megatron.neox_arguments.groups.support import partly_supported
+from megatron.config_support import partly_supported
 from megatron import plugins
 from megatron.config_schema import ArgGroup, not_supported
 from megatron.training.objectives.registry import NOT_BUILT as OBJECTIVES_NOT_BUILT
@@ -170,12 +170,6 @@ class TrainingArgs(ArgGroup):
     split: str = "969, 30, 1"
     """Train/valid/test proportions for data_path, as comma-separated weights."""
 
-
-    attention_dropout: float = Field(0.0, ge=0, lt=1)
-    """Dropout on attention probabilities."""
-
-    hidden_dropout: float = Field(0.0, ge=0, lt=1)
-    """Dropout on attention and MLP outputs before they join the residual."""
 
     clip_grad: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this value; 0 disables clipping."""
