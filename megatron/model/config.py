@@ -1,16 +1,14 @@
 """The architecture: sizes, norms, positional embeddings, activations, initialisation, biases, and
 the values every layer is built from: dropout (GPT-NeoX's ``NeoXArgsTraining``), the padded vocabulary
 (``NeoXArgsTokenizer``), the seed the weights are drawn from (``NeoXArgsOther``) and sequence
-parallelism (``NeoXArgsParallelism``).
-The MoE layer's keys are its own group (``megatron/model/moe_config.py``). Fused-kernel switches are
-accepted as performance hints. Switches for Mamba, RWKV, Transformer Engine and online weight serving
-belong to features Deepy does not build yet and are accepted only at their defaults.
+parallelism (``NeoXArgsParallelism``). The MoE layer's keys are its own group (``moe_config.py``).
+Fused-kernel switches are accepted as performance hints. Switches for Mamba, RWKV, Transformer Engine
+and online weight serving belong to features Deepy does not build yet and are accepted only at their defaults.
 
-:class:`GPTConfig` declares these keys once, with GPT-NeoX's names and defaults; the one argument
-object ``NeoXArgs`` is composed of it, so the trainer builds the model from the arguments themselves.
-Interop, tools and tests construct it directly with the same names (``GPTConfig(num_layers=2, ...)``).
-What every module derives from the keys (head dim, kv heads, MLP width, rotary dims, per-layer
-attention types, the weight dtype) is a property here, computed the same way everywhere.
+:class:`GPTConfig` declares these keys once, with GPT-NeoX's names and defaults; ``NeoXArgs`` is composed
+of it, so the trainer builds the model from the arguments themselves, and interop and tests construct it
+with the same names. What every module derives from the keys (head dim, kv heads, MLP width, rotary
+dims, attention types, the weight dtype) is a property here, computed the same way everywhere.
 """
 
 from __future__ import annotations
@@ -66,7 +64,6 @@ InitMethod = Literal[
     "small_init",
     "single_residual_scaled_normal",
 ]
-
 
 
 _POS_EMB = typing.get_args(PositionEmbedding)
@@ -363,8 +360,7 @@ class GPTConfig(MoEArgs):
     """Split layer-norm and dropout activations along the sequence across tensor-parallel ranks to
     save memory."""
 
-    _value_head: bool = PrivateAttr(default=False)
-    # not a key: the objective decides it (train_impl rm), see `replace(value_head=...)`
+    _value_head: bool = PrivateAttr(default=False)  # not a key: the objective's choice (`value_head`)
 
     @field_validator("attention_config")
     @classmethod
@@ -400,8 +396,7 @@ class GPTConfig(MoEArgs):
     # --- what is not a key ----------------------------------------------------------------
     @property
     def value_head(self) -> bool:
-        """Output one scalar per token (reward models, ``train_impl: rm``) instead of vocabulary logits;
-        set by the objective through ``replace(value_head=True)``, never by a config key."""
+        """One scalar per token instead of logits (``train_impl: rm``): ``replace(value_head=True)``, no key."""
         return self._value_head
 
     @property
@@ -413,8 +408,7 @@ class GPTConfig(MoEArgs):
 
     @property
     def max_positions(self) -> int:
-        """Rows of the learned position table and the context rotary scaling refers to:
-        ``max_position_embeddings``, or ``seq_length`` when unset."""
+        """Learned position rows / rotary scaling's context: ``max_position_embeddings``, else ``seq_length``."""
         value = self.max_position_embeddings if self.max_position_embeddings is not None else self.seq_length
         assert value is not None, "check_architecture() first"
         return value
@@ -575,9 +569,8 @@ class GPTConfig(MoEArgs):
         return self.replace(padded_vocab_size=padded_vocab_size)
 
     def for_tokenizer(self, padded_vocab: int) -> Self:
-        """The same architecture sized for the tokenizer: the config's ``padded_vocab_size`` when it
-        gives one (the rules check that it divides as tensor parallelism needs), else ``padded_vocab``
-        (the tokenizer's vocabulary padded, ``TokenizerArgs.padded``)."""
+        """This architecture sized for the tokenizer: the config's ``padded_vocab_size`` when given (the
+        rules check it divides over tp), else ``padded_vocab`` (``TokenizerArgs.padded``)."""
         return self.with_vocab(self.padded_vocab_size or padded_vocab)
 
 
