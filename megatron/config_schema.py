@@ -37,6 +37,14 @@ class ArgGroup(BaseModel):
     )
 
 
+def own_fields(group: type[BaseModel]) -> list[str]:
+    """The fields ``group`` declares itself, not those it inherits from another argument group (the
+    model's ``GPTConfig`` includes the MoE layer's keys, declared by ``MoEArgs``)."""
+    inherited = {name for base in group.__mro__[1:]
+                 if isinstance(base, type) and issubclass(base, ArgGroup) for name in base.model_fields}
+    return [name for name in group.model_fields if name not in inherited]
+
+
 def not_supported(default: Any) -> Any:
     """A field accepted only at ``default``: any other value is a "not supported yet" error."""
     return Field(default, json_schema_extra={SUPPORTED_KEY: False})

@@ -56,8 +56,8 @@ def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
     limit_cpu_threads()
     setup_logging(speaks())
     tokenizer = build_tokenizer(run.tokenizer)
-    padded_vocab = run.tokenizer.padded(tokenizer.vocab_size, run.parallel.model_parallel_size)
-    model_config = run.model.with_vocab(padded_vocab)
+    model_config = run.model.for_tokenizer(run.tokenizer.padded(tokenizer.vocab_size, run.parallel.model_parallel_size))
+    padded_vocab = model_config.padded_vocab_size
     if model_config.value_head:
         raise ConfigError(f"{script} needs a language model; this config builds a reward model (train_impl: rm), "
                           "whose value head scores sequences instead of predicting tokens")

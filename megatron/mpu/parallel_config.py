@@ -77,10 +77,6 @@ class ParallelismArgs(ArgGroup):
     is_pipe_parallel: bool = False
     """Whether the model runs as a DeepSpeed pipeline; derived from pipe_parallel_size."""
 
-    sequence_parallel: bool = False
-    """Split layer-norm and dropout activations along the sequence across tensor-parallel ranks to
-    save memory."""
-
     context_parallel_size: int = Field(1, ge=1)
     """Deepy addition (Megatron-LM's key): split each sequence over this many ranks (all-to-all over
     attention heads, DeepSpeed-Ulysses style); they count as data-parallel ranks to ZeRO."""

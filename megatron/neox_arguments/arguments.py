@@ -25,21 +25,21 @@ from megatron.data.config import DataArgs
 from megatron.evaluation.config import EvalArgs
 from megatron.launcher.config import DeepSpeedRunnerArgs
 from megatron.logging.config import LoggingArgs
+from megatron.model.config import GPTConfig
 from megatron.model.lora_config import LoRAArgs
+from megatron.model.moe_config import MoEArgs
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.config import TrainingLoopArgs
 from megatron.training.lr_config import LRSchedulerArgs
 from megatron.training.objectives.config import ObjectiveArgs
-from megatron.neox_arguments.groups.model import ModelArgs
-from megatron.neox_arguments.groups.moe import MoEArgs
 from megatron.training.optimizer_config import OptimizerArgs
 from megatron.neox_arguments.groups.other import OtherArgs
 from megatron.mpu.parallel_config import ParallelismArgs
-from megatron.neox_arguments.groups.support import UNSUPPORTED_ATTENTION_TYPES
+from megatron.config_support import UNSUPPORTED_ATTENTION_TYPES
 from megatron.neox_arguments.groups.textgen import TextgenArgs
 from megatron.tokenizer.config import TokenizerArgs
 from megatron.neox_arguments.groups.training import TrainingArgs
-from megatron.config_schema import ArgGroup
+from megatron.config_schema import ArgGroup, own_fields
 from megatron.config_schema import is_supported as _field_is_supported, unsupported_values
 from megatron.plugins import PluginArgs
 
@@ -48,7 +48,7 @@ from megatron.plugins import PluginArgs
 # objective, data).
 GROUPS: dict[str, type[ArgGroup]] = {
     "parallelism": ParallelismArgs,
-    "model": ModelArgs,
+    "model": GPTConfig,
     "optimizer": OptimizerArgs,
     "lr": LRSchedulerArgs,
     "training": TrainingArgs,
@@ -80,7 +80,7 @@ def _owner_map(groups: Mapping[str, type[ArgGroup]]) -> dict[str, str]:
     """
     owner: dict[str, str] = {}
     for group_name, group in groups.items():
-        for name in group.model_fields:
+        for name in own_fields(group):
             if name in owner:
                 raise TypeError(f"field {name!r} is in both {owner[name]} and {group_name}")
             owner[name] = group_name
@@ -89,7 +89,7 @@ def _owner_map(groups: Mapping[str, type[ArgGroup]]) -> dict[str, str]:
 
 class _Arguments(
     ParallelismArgs,
-    ModelArgs,
+    GPTConfig,
     OptimizerArgs,
     LRSchedulerArgs,
     TrainingArgs,

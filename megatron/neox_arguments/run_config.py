@@ -7,7 +7,7 @@ object typed as such, so what a component can do is exactly what its config type
 (``tests/unit/test_config_honesty.py``) checks that every supported key is read by one of the
 builders below (or a group's own methods), the DeepSpeed split or the launcher. A component whose keys
 are declared beside it (the loop, the optimizer, the LR schedule, activation checkpointing, the
-tokenizer, checkpoints, logging, LoRA, the objective) is handed the argument object itself, typed as its own group (or,
+tokenizer, checkpoints, logging, LoRA, the objective, the model) is handed the argument object itself, typed as its own group (or,
 for the loop, the protocol naming what it reads), and reads its keys in its own methods.
 """
 
@@ -41,7 +41,8 @@ class RunConfig:
     parallel: ParallelRunArgs
     """The arguments themselves, as the keys that split the run over ranks (not a copy)."""
     model: GPTConfig
-    """Architecture; its ``padded_vocab_size`` is a placeholder until the tokenizer is known."""
+    """The arguments themselves, as the architecture's keys (not a copy); sized for the tokenizer with
+    ``for_tokenizer`` (a new object: the arguments keep the user's ``padded_vocab_size``)."""
     tokenizer: TokenizerArgs
     """The arguments themselves, as the tokenizer's keys (not a copy)."""
     data: DataRunArgs
@@ -79,7 +80,7 @@ class RunConfig:
             raise ConfigError("seq_length and the batch sizes must be resolved (launch through deepy.py)")
         return cls(
             parallel=args,
-            model=GPTConfig.from_args(args),
+            model=args,
             tokenizer=args,
             data=args,
             training=args,

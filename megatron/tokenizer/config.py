@@ -30,9 +30,6 @@ class TokenizerArgs(ArgGroup):
     def _registered_tokenizer(cls, value: str) -> str:
         return plugins.validate_name("tokenizer_type", value)
 
-    padded_vocab_size: int | None = Field(None, ge=1)
-    """Vocabulary size after padding for make_vocab_size_divisible_by; computed at runtime."""
-
     vocab_file: str | None = None
     """Tokenizer file (tokenizer.json, vocab.json or a SentencePiece model)."""
 
@@ -45,8 +42,6 @@ class TokenizerArgs(ArgGroup):
 
     def padded(self, vocab_size: int, tensor_parallel: int) -> int:
         """Rows of the embedding for a tokenizer of ``vocab_size`` entries whose embedding is split over
-        ``tensor_parallel`` ranks (so the padded size divides by it): ``padded_vocab_size`` when the
-        config gives one."""
-        if self.padded_vocab_size is not None:
-            return self.padded_vocab_size
+        ``tensor_parallel`` ranks (so the padded size divides by it). A config's own
+        ``padded_vocab_size`` (a model key) wins over this: ``GPTConfig.for_tokenizer``."""
         return padded_vocab_size(vocab_size, self.make_vocab_size_divisible_by, tensor_parallel)

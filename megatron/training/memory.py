@@ -307,8 +307,8 @@ ASSUMED_VOCAB = 50304
 
 def _padded_vocab(run: RunConfig) -> tuple[int, str]:
     """(padded vocabulary size, a note when it had to be assumed)."""
-    if run.tokenizer.padded_vocab_size:
-        return run.tokenizer.padded_vocab_size, ""
+    if run.model.padded_vocab_size:
+        return run.model.padded_vocab_size, ""
     try:
         from megatron.tokenizer import build_tokenizer
 

@@ -86,8 +86,8 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     set_deepspeed_log_level(log_config.deepspeed_log_level)
     model_parallel_manual_seed(training.seed)
     tokenizer = build_tokenizer(run.tokenizer)
-    padded_vocab = run.tokenizer.padded(tokenizer.vocab_size, run.parallel.model_parallel_size)
-    model_config = run.model.with_vocab(padded_vocab)
+    model_config = run.model.for_tokenizer(run.tokenizer.padded(tokenizer.vocab_size, run.parallel.model_parallel_size))
+    padded_vocab = model_config.padded_vocab_size
     splits = build_datasets(run.data, tokenizer, padded_vocab)
     # the batch sizes deepy.py solved, on this run's data-parallel ranks (context-parallel ranks read alike)
     batch = BatchLayout.of(training, dp=mpu.get_data_shard_count())

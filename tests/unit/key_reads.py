@@ -65,6 +65,22 @@ def _tokenizer(args: Any) -> object:
     return args.padded(vocab, 1)
 
 
+def _model(args: Any) -> object:
+    """What the trainer asks of the model keys (``pretrain``: ``for_tokenizer``, then ``build_engine``
+    builds ``GPTModel`` from the arguments themselves): the model, and one forward of a few tokens (the
+    keys a layer reads as it runs). The recorder itself is the config, so every read counts; the
+    vocabulary is sized on it, as ``for_tokenizer`` sizes the trainer's copy."""
+    import torch
+
+    from megatron.model import GPTModel
+
+    if args.padded_vocab_size is None:
+        args.padded_vocab_size = 128
+    model = GPTModel(args)
+    with torch.no_grad():
+        return model(torch.zeros((1, 4), dtype=torch.long))
+
+
 def _checkpoints(args: Any) -> object:
     """What the trainer asks of the checkpoint keys (``pretrain``): the manager, and whether each save
     is validated by a forward pass. The watcher is not installed (no signal handlers in a test)."""
@@ -175,9 +191,9 @@ def _evaluation(args: Any) -> object:
 
 def component_builders() -> list[ComponentBuilder]:
     """Everything that turns keys into what a component does, for train.py."""
-    return [RunConfig.from_args, _parallel, _tokenizer, _checkpoints, _logging, _lora, _lr_schedule, _optimizer,
-            _activation_checkpointing, _training_loop, _data, _objective, _evaluation, _user_plugins, deepspeed_config,
-            _launch, run_directory]
+    return [RunConfig.from_args, _parallel, _tokenizer, _model, _checkpoints, _logging, _lora, _lr_schedule,
+            _optimizer, _activation_checkpointing, _training_loop, _data, _objective, _evaluation, _user_plugins,
+            deepspeed_config, _launch, run_directory]
 
 
 def plugin_keys_read() -> set[str]:
@@ -205,6 +221,9 @@ FEATURE_VARIANTS: tuple[dict[str, Any], ...] = (
     {"lora_r": 4},  # the adapters' other keys shape the adapters
     {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "absent-vocab.json"},  # GPT-2 BPE reads both files
     {"train_impl": "dpo"},  # an objective with a reference reads where it comes from (reference_logps)
+    # architectures whose layers read their own keys: rotary, RMSNorm, the parallel residual, MoE layers
+    {"pos_emb": "rotary", "norm": "rmsnorm", "gpt_j_residual": True, "moe_num_experts": 2},
+    {"pos_emb": "rpe", "norm": "scalenorm"},  # the relative position bias, ScaleNorm
 )
 
 

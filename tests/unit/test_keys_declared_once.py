@@ -24,7 +24,6 @@ from megatron.neox_arguments.arguments import NeoXArgs
 ROOT = Path(__file__).resolve().parents[2] / "megatron"
 
 STILL_COPYING: dict[str, str] = {
-    "GPTConfig": "megatron/model/config.py",
     "GenerationConfig": "megatron/generation/config.py",
     "RunConfig": "megatron/neox_arguments/run_config.py",
     # no from_args, but they re-declare keys the classes above copy

@@ -26,7 +26,7 @@ LLAMA = dict(norm="rmsnorm", activation="swiglu", num_kv_heads=2, no_weight_tyin
 
 def config_of(arch: dict, seed: int = 1234) -> GPTConfig:
     return GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, max_position_embeddings=16,
-                     padded_vocab_size=256, pos_emb="rotary", seed=seed, params_dtype=torch.float32, **arch)
+                     padded_vocab_size=256, pos_emb="rotary", seed=seed, precision="fp32", **arch)
 
 
 def source_weights(config: GPTConfig) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ from megatron.neox_arguments.arguments import (
     require_supported,
 )
 from megatron.neox_arguments.docs import _group_intro
-from megatron.neox_arguments.groups.model import ModelArgs
+from megatron.model.config import GPTConfig
 
 REPO = Path(__file__).resolve().parents[2]
 TSV = REPO.parent / "shared" / "reference" / "gpt-neox-arguments.tsv"
@@ -78,6 +78,7 @@ DECLARED_WITH_COMPONENT: dict[str, str] = {
         "weight_by_num_documents", "weighted_sampler_alpha", "pack_impl", "dataset_impl", "allow_chopped",
         "mmap_warmup", "split",
     ), "data"),
+    **dict.fromkeys(("attention_dropout", "hidden_dropout", "padded_vocab_size", "seed", "sequence_parallel"), "model"),  # what every layer is built from
 }
 
 # Defaults Deepy changes on purpose; each field's docstring says why.
@@ -558,7 +559,7 @@ def test_a_group_declaring_keys_gpt_neox_files_elsewhere_says_where() -> None:
 
 def test_two_groups_declaring_one_key_is_caught() -> None:
     with pytest.raises(TypeError, match="precision.*model and again"):
-        _owner_map({"model": ModelArgs, "again": ModelArgs})
+        _owner_map({"model": GPTConfig, "again": GPTConfig})
 
 
 # ---------------------------------------------------------------- Deepy extras

@@ -38,9 +38,6 @@ class OtherArgs(ArgGroup):
     adlr_autoresume_interval: int = not_supported(1000)
     """Steps between ADLR autoresume checks."""
 
-    seed: int = Field(1234, ge=0)
-    """Seed for weights, data order and dropout; the same seed gives the same run on any layout."""
-
     onnx_safe: bool = not_supported(False)
     """Avoid operators that ONNX export cannot handle."""
 

@@ -30,11 +30,6 @@ class TrainingArgs(ArgGroup):
     batch_size: int | None = Field(None, ge=1)
     """Micro-batch size per data-parallel rank; an older name for train_micro_batch_size_per_gpu."""
 
-    attention_dropout: float = Field(0.0, ge=0, lt=1)
-    """Dropout on attention probabilities."""
-
-    hidden_dropout: float = Field(0.0, ge=0, lt=1)
-    """Dropout on attention and MLP outputs before they join the residual."""
 
     clip_grad: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this value; 0 disables clipping."""
