@@ -11,7 +11,8 @@ docs and ``--help`` come from the same text::
         \"\"\"Transformer hidden size.\"\"\"
 
 A field whose feature Deepy does not implement yet is declared with :func:`not_supported`: it is
-accepted at its default, and setting it to anything else is a clear "not supported yet" error.
+accepted at its default, and setting it to anything else is a clear "not supported yet" error; one
+supported except for a few of its values (``train_impl: reinforce``) with :func:`partly_supported`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 SUPPORTED_KEY = "deepy_supported"
+UNSUPPORTED_VALUES_KEY = "deepy_unsupported_values"
 
 
 class ArgGroup(BaseModel):
@@ -35,6 +37,14 @@ class ArgGroup(BaseModel):
     )
 
 
+def own_fields(group: type[BaseModel]) -> list[str]:
+    """The fields ``group`` declares itself, not those it inherits from another argument group (the
+    model's ``GPTConfig`` includes the MoE layer's keys, declared by ``MoEArgs``)."""
+    inherited = {name for base in group.__mro__[1:]
+                 if isinstance(base, type) and issubclass(base, ArgGroup) for name in base.model_fields}
+    return [name for name in group.model_fields if name not in inherited]
+
+
 def not_supported(default: Any) -> Any:
     """A field accepted only at ``default``: any other value is a "not supported yet" error."""
     return Field(default, json_schema_extra={SUPPORTED_KEY: False})
@@ -43,3 +53,23 @@ def not_supported(default: Any) -> Any:
 def is_supported(group: type[BaseModel], name: str) -> bool:
     extra = group.model_fields[name].json_schema_extra
     return not (isinstance(extra, dict) and extra.get(SUPPORTED_KEY) is False)
+
+
+def partly_supported(default: Any, unsupported: tuple[Any, ...], **constraints: Any) -> Any:
+    """A field whose values in ``unsupported`` are "not supported yet"; other values are fine.
+
+    Refusing those values is a *support* question, not a type question: each is a valid GPT-NeoX
+    value, so the field still accepts it (GPT-NeoX configs still parse) and the support check
+    (``NeoXArgs.unsupported_values``) refuses it with a "not supported yet" message."""
+    extra = {UNSUPPORTED_VALUES_KEY: list(unsupported)}
+    return Field(default, json_schema_extra=extra, **constraints)  # type: ignore[arg-type]
+
+
+def unsupported_values(group: type[BaseModel], name: str) -> tuple[Any, ...]:
+    """The values of ``group.name`` that Deepy refuses; empty when every valid value is fine."""
+    extra = group.model_fields[name].json_schema_extra
+    if isinstance(extra, dict):
+        values = extra.get(UNSUPPORTED_VALUES_KEY)
+        if isinstance(values, list):
+            return tuple(values)
+    return ()

@@ -297,3 +297,33 @@ def convert_module_state_dicts(engine: Any, on_save: Callable[[Any], Any], on_lo
 
     engine.module_state_dict = module_state_dict
     engine.load_module_state_dict = load_module_state_dict
+
+
+# --- hybrid sharding (megatron/training/hybrid_shard.py) ---------------------------------------------
+def reduce_zero3_gradients_before_step(optimizer: Any, reduce: Callable[[Any], None]) -> None:
+    """Call ``reduce(buffer)`` on ZeRO-3's partitioned gradients right before each optimizer step.
+
+    ``DeepSpeedZeroOptimizer_Stage3`` keeps this rank's gradient partition of every parameter in one
+    flat buffer (``grad_partitions_flat_buffer``); after the last micro-batch's backward it holds the
+    gradients averaged over the partition group, and ``step()`` reads it for the overflow check, the
+    gradient norm, clipping and the update. Hybrid sharding averages that buffer over the replicas
+    there: one all-reduce of ``1/shard`` of the model per step, the same values on every replica, so
+    their norms, clipping and skipped steps agree. DeepSpeed has no hook between its reduce-scatter
+    and its step.
+    """
+    original = optimizer.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        reduce(optimizer.grad_partitions_flat_buffer)
+        return original(*args, **kwargs)
+
+    optimizer.step = step
+
+
+def skip_checkpoint_writes(engine: Any) -> None:
+    """Make ``engine.save_checkpoint`` write no file on this rank (it still takes part in every
+    collective). Hybrid sharding's replicas hold the same ZeRO partitions under the same file names
+    (``zero_pp_rank_<shard rank>_...``): only replica 0 writes them. ``save_non_zero_checkpoint`` and
+    ``save_zero_checkpoint`` are the flags DeepSpeed sets once per rank in ``_configure_checkpointing``."""
+    engine.save_non_zero_checkpoint = False
+    engine.save_zero_checkpoint = False

@@ -20,9 +20,10 @@ import torch
 from megatron.deepspeed_internals import skip_shared_memory_comm_op
 from megatron.errors import ConfigError
 from megatron.launcher.environment import distributed_env
-from megatron.mpu.config import ParallelConfig
+from megatron.mpu.parallel_config import ParallelRunArgs
 from megatron.mpu import Coordinates, initialize_model_parallel
 from megatron.mpu.experts import initialize_expert_parallel
+from megatron.mpu.hybrid_shard import initialize_hybrid_shard
 from megatron.mpu.topology import get_coordinates, get_topology
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ def set_seeds(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def init_distributed(parallel: ParallelConfig) -> None:
+def init_distributed(parallel: ParallelRunArgs) -> None:
     """Join the process group described by the environment (idempotent)."""
     import deepspeed
 
@@ -60,7 +61,7 @@ def init_distributed(parallel: ParallelConfig) -> None:
         os.environ,
         master_addr=parallel.master_addr,
         master_port=parallel.master_port,
-        prefer_slurm=parallel.prefer_slurm,
+        prefer_slurm=parallel.deepspeed_slurm,
     )
     os.environ.update(env)
     local_rank = int(env["LOCAL_RANK"])
@@ -68,7 +69,7 @@ def init_distributed(parallel: ParallelConfig) -> None:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if torch.distributed.is_initialized():
         return
-    backend = backend_for(parallel.backend)
+    backend = backend_for(parallel.distributed_backend)
     if backend == "gloo":
         skip_shared_memory_comm_op()
     # Through DeepSpeed so its comm layer (used by the engine and ZeRO) wraps the same group;
@@ -82,7 +83,7 @@ def init_distributed(parallel: ParallelConfig) -> None:
     )
 
 
-def initialize(parallel: ParallelConfig, seed: int) -> Coordinates:
+def initialize(parallel: ParallelRunArgs, seed: int) -> Coordinates:
     """Distributed start-up for one rank; returns (and prints) where this rank sits in the grid."""
     from megatron.launcher.watchdog import start_launcher_watchdog
 
@@ -95,9 +96,11 @@ def initialize(parallel: ParallelConfig, seed: int) -> Coordinates:
             f"the config was checked for world_size={expected} but {world} ranks started: "
             f"launch through deepy.py, or set num_gpus/hostfile to match"
         )
-    initialize_model_parallel(parallel.tensor, parallel.pipe, parallel.context)
+    initialize_model_parallel(parallel.model_parallel_size, parallel.pipe_parallel_size, parallel.context_parallel_size)
     # experts split over groups of data-parallel ranks (1: no such groups)
-    initialize_expert_parallel(parallel.expert)
+    initialize_expert_parallel(parallel.moe_expert_parallel_size)
+    # ZeRO-3 shard groups and their replicas under sharding_strategy: hsdp (None: not built)
+    initialize_hybrid_shard(parallel.sharding_group_size)
     set_seeds(seed)
     coords = get_coordinates()
     get_topology()  # raises if the groups were not built

@@ -1,4 +1,4 @@
-"""Plug-ins: LR schedules, optimizers, trackers and objectives as registry entries that carry their
+"""Plug-ins: LR schedules, trackers, objectives and tokenizers as registry entries that carry their
 own config keys, checks and needs.
 
 A plug-in is registered by the module that implements it, with everything the rest of the system must
@@ -10,14 +10,16 @@ know about it, so that adding one is one file (plus its test):
 * ``check`` — ``(args, show) -> list[str]``: problems with a validated config that selects it,
   reported before launch with every other problem (``show(key)`` renders ``key=value (file:line)``);
 * ``needs`` — what it requires from the rest of the run (an objective: its dataset kind, a value head,
-  a reference model).
+  a reference model; a tokenizer: the files it reads, an optional package).
 
-The accepted values of the selecting keys (``lr_decay_style``, ``optimizer.type``, ``train_impl``,
-``tracker[].type``) are the registry's names. Deepy's own plug-ins register when their family's module
+The accepted values of the selecting keys (``lr_decay_style``, ``train_impl``, ``tokenizer_type``,
+``tracker[].type``) are the registry's names (``optimizer.type``'s are the optimizer builders',
+``megatron/training/optimizer_block.py``). Deepy's own plug-ins register when their family's module
 is imported (:data:`BUILTIN_MODULES`); a user's are named by the ``plugins`` config key (module names or
 ``.py`` paths) and imported before the config is validated, on the launcher and on every rank.
 
-This module sits below everything else: it imports no component and no argument code.
+This module sits below everything else but the check registry (``megatron/config_rules.py``): it
+imports no component and no argument code.
 """
 
 from __future__ import annotations
@@ -33,15 +35,17 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel
 
+from megatron.config_rules import RuleContext, rule
 from megatron.config_schema import ArgGroup
 from megatron.errors import ConfigError
 
-Family = Literal["lr_decay_style", "tracker", "train_impl"]
+Family = Literal["lr_decay_style", "tracker", "train_impl", "tokenizer_type"]
 
 BUILTIN_MODULES: dict[str, str] = {
     "lr_decay_style": "megatron.training.lr_schedules",
     "tracker": "megatron.logging.trackers",
     "train_impl": "megatron.training.objectives.registry",
+    "tokenizer_type": "megatron.tokenizer.registry",
 }
 """Family -> the module whose import registers Deepy's own plug-ins of that family."""
 
@@ -53,9 +57,10 @@ class Plugin:
     family: str
     name: str
     target: Any
-    """What the family's component builds from: a decay shape, a tracker factory, an objective class;
-    or ``"module:attribute"`` naming it, imported on first use (Deepy's objectives are declared that way
-    so that ``deepy.py`` validates a config without importing DeepSpeed)."""
+    """What the family's component builds from: a decay shape, a tracker factory, an objective or a
+    tokenizer class; or ``"module:attribute"`` naming it, imported on first use (Deepy's objectives and
+    tokenizers are declared that way so that ``deepy.py`` validates a config without DeepSpeed or the
+    tokenizer libraries)."""
     keys: type[ArgGroup] | None = None
     block: type[BaseModel] | None = None
     check: Check | None = None
@@ -177,6 +182,30 @@ def key_groups() -> list[tuple[str, type[ArgGroup]]]:
     return [(f"{p.family}:{p.name}", p.keys) for p in all_plugins() if p.keys is not None]
 
 
+# ---- before launch ------------------------------------------------------------------------------
+
+PLUGIN_SELECTORS: tuple[Family, ...] = ("lr_decay_style", "train_impl", "tokenizer_type")
+"""Flat keys that select a plug-in (tracker plug-ins are selected by their ``tracker:`` entry)."""
+
+
+@rule
+def plugin_keys_match_selection(ctx: RuleContext) -> list[str]:
+    """A plug-in's keys set while another plug-in of its family is selected would be silently
+    ignored: refuse them. The selected plug-in's own checks run here too."""
+    problems: list[str] = []
+    for family in PLUGIN_SELECTORS:
+        selected = str(ctx.get(family))
+        for plugin in of_family(family):
+            given = [key for key in (plugin.keys.model_fields if plugin.keys else ()) if ctx.given(key)]
+            if given and plugin.name != selected:
+                problems.append(f"{', '.join(ctx.show(k) for k in given)} only apply to {family}: {plugin.name} "
+                                f"({ctx.show(family)}): remove them or set {family}: {plugin.name}")
+        chosen = find(family, selected)
+        if chosen is not None and chosen.check is not None:
+            problems.extend(chosen.check(ctx.args, ctx.show))
+    return problems
+
+
 # ---- the user's plug-ins ------------------------------------------------------------------------
 
 _USER_MODULES: dict[str, ModuleType] = {}
@@ -230,5 +259,5 @@ class PluginArgs(ArgGroup):
 
     plugins: list[str] = []
     """Deepy addition: plug-in modules to import before the config is validated — module names on
-    the Python path or ``.py`` files — each registering LR schedules, optimizers, trackers or
-    objectives with their own keys (see ``megatron/plugins.py``)."""
+    the Python path or ``.py`` files — each registering LR schedules, trackers, objectives or
+    tokenizers with their own keys (see ``megatron/plugins.py``)."""

@@ -117,6 +117,7 @@ def fill_in_for_inference(resolved: ResolvedConfig, user_script: str) -> None:
     placeholder data, each recorded as derived and said, instead of refusals for keys inference does
     not read."""
     from megatron.config_rules import DERIVED
+    from megatron.training.optimizer_config import peak_lr_setting
 
     if os.path.basename(user_script) not in ENTRY_POINTS_OF_TEXTGEN:
         return
@@ -124,7 +125,7 @@ def fill_in_for_inference(resolved: ResolvedConfig, user_script: str) -> None:
     fills: dict[str, Any] = {}
     if args.train_micro_batch_size_per_gpu is None and args.train_batch_size is None:
         fills["train_micro_batch_size_per_gpu"] = 1
-    if args.lr is None and (args.optimizer is None or args.optimizer.params.lr is None):
+    if peak_lr_setting(args.lr, args.optimizer)[0] is None:
         fills["lr"] = 0.0
     if args.train_iters is None and args.train_epochs is None:
         fills["train_iters"] = 1
@@ -142,9 +143,9 @@ def fill_in_for_inference(resolved: ResolvedConfig, user_script: str) -> None:
 
 def assign_run_dir(resolved: ResolvedConfig) -> str:
     """``<log_dir or runs>/<timestamp>`` unless already chosen; stored in the resolved config."""
-    if not resolved.run_dir:
-        resolved.run_dir = str(run_directory(resolved.args))
-    return resolved.run_dir
+    if not resolved.directory:
+        resolved.directory = str(run_directory(resolved.args))
+    return resolved.directory
 
 
 def already_finished(resolved: ResolvedConfig, user_script: str) -> str | None:
@@ -209,7 +210,7 @@ def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand, plan: Launch
         "Resolved config (non-default values; source is file:line, cli or derived):",
         format_resolved_table(resolved.args, resolved.provenance),
         "",
-        f"Run directory: {resolved.run_dir} (not created by a dry run)",
+        f"Run directory: {resolved.directory} (not created by a dry run)",
         "",
         "DeepSpeed config:",
         json.dumps(ds_config, indent=2) if ds_config is not None else "(none)",
@@ -240,12 +241,12 @@ def dialect_table(resolved: ResolvedConfig) -> list[str]:
 
 def plan_run(resolved: ResolvedConfig, user_script: str, config_path: str) -> LaunchPlan:
     """Every launch check (ports, tools, hosts) before anything is written or started."""
-    from megatron.launcher import LaunchConfig, check_tools, plan_launch
+    from megatron.launcher import check_tools, plan_launch
     from megatron.neox_arguments.derived import local_device_count
 
-    config = LaunchConfig.from_args(resolved.args, resolved.provenance)
-    plan = plan_launch(config, user_script, config_path, os.environ, local_devices=local_device_count)
-    check_tools(plan, config)
+    plan = plan_launch(resolved.args, user_script, config_path, os.environ, local_devices=local_device_count,
+                       provenance=resolved.provenance)
+    check_tools(plan, resolved.args)
     return plan
 
 

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from megatron.config_schema import ArgGroup
+from megatron.config_schema import ArgGroup, not_supported
 
 
 class CheckpointArgs(ArgGroup):
@@ -53,6 +53,9 @@ class CheckpointArgs(ArgGroup):
     no_save_rng: bool = False
     """Leave random-number-generator state out of checkpoints."""
 
+    no_save_optim: bool = not_supported(False)
+    """Leave optimizer state out of checkpoints (smaller, but cannot resume exactly)."""
+
     no_load_optim: bool = False
     """Do not restore optimizer state when loading."""
 
@@ -67,6 +70,12 @@ class CheckpointArgs(ArgGroup):
 
     iteration: int | None = Field(None, ge=0)
     """Current optimizer step; updated while training, stored in checkpoints."""
+
+    s3_path: str | None = not_supported(None)
+    """Also upload checkpoints to this S3 prefix."""
+
+    s3_chunk_size: int = not_supported(104857600)
+    """Chunk size in bytes for S3 uploads."""
 
     # ---- Deepy extras (not in GPT-NeoX) ----
 

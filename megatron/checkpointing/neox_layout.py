@@ -26,6 +26,7 @@ QKV split and ``tools/ckpts/*``):
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -43,7 +44,8 @@ _ROW_BIASES = ("attention.dense.bias", "mlp.dense_4h_to_h.bias")
 
 @dataclass(frozen=True)
 class NeoxNames:
-    """What the translation needs to know about the model."""
+    """What the translation needs to know about the model: facts of its shape (worked out from the
+    model's config, or from the arguments a checkpoint recorded), not keys of this run's config."""
 
     num_layers: int
     heads: int
@@ -65,16 +67,17 @@ class NeoxNames:
         )
 
     @staticmethod
-    def from_args(args: dict[str, Any]) -> NeoxNames:
-        """From a checkpoint's stored arguments (``deepy_meta.json``)."""
-        heads = int(args["num_attention_heads"])
+    def from_stored(stored: Mapping[str, Any]) -> NeoxNames:
+        """From the arguments a checkpoint recorded (``deepy_meta.json``'s ``args``: the run that wrote
+        it, which may differ from this run's config), read as GPT-NeoX's names."""
+        heads = int(stored["num_attention_heads"])
         return NeoxNames(
-            num_layers=int(args["num_layers"]),
+            num_layers=int(stored["num_layers"]),
             heads=heads,
-            kv_heads=int(args.get("num_kv_heads") or heads),
-            gated_mlp=get_activation(str(args.get("activation") or "gelu")).gated,
-            rmsnorm=str(args.get("norm") or "layernorm") in ("rmsnorm", "te_rmsnorm"),
-            gpt_j_residual=bool(args.get("gpt_j_residual")),
+            kv_heads=int(stored.get("num_kv_heads") or heads),
+            gated_mlp=get_activation(str(stored.get("activation") or "gelu")).gated,
+            rmsnorm=str(stored.get("norm") or "layernorm") in ("rmsnorm", "te_rmsnorm"),
+            gpt_j_residual=bool(stored.get("gpt_j_residual")),
         )
 
     # --- layer indices -------------------------------------------------------------------------

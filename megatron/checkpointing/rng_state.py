@@ -7,7 +7,6 @@ from a checkpoint someone handed you.
 
 from __future__ import annotations
 
-import importlib
 import random
 from typing import Any
 
@@ -17,14 +16,12 @@ import torch
 RngState = dict[str, Any]
 
 
-def _tp_rng_tracker() -> Any | None:
-    """The tensor-parallel RNG tracker if the mpu package provides one (Megatron's API names)."""
-    try:
-        module = importlib.import_module("megatron.mpu.random")
-    except ImportError:
-        return None
-    getter = getattr(module, "get_cuda_rng_tracker", None) or getattr(module, "get_rng_tracker", None)
-    return getter() if getter is not None else None
+def _tp_rng_tracker() -> Any:
+    """The tensor-parallel RNG tracker (dropout inside tensor-parallel regions draws from it)."""
+    # imported here: megatron.mpu.random imports DeepSpeed, which readers of this module need not load
+    from megatron.mpu.random import get_rng_tracker
+
+    return get_rng_tracker()
 
 
 def capture_rng_state() -> RngState:
@@ -43,9 +40,7 @@ def capture_rng_state() -> RngState:
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
-    tracker = _tp_rng_tracker()
-    if tracker is not None and hasattr(tracker, "get_states"):
-        state["tp_tracker"] = dict(tracker.get_states())
+    state["tp_tracker"] = dict(_tp_rng_tracker().get_states())
     return state
 
 
@@ -59,6 +54,5 @@ def restore_rng_state(state: RngState) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    tracker = _tp_rng_tracker()
-    if "tp_tracker" in state and tracker is not None and hasattr(tracker, "set_states"):
-        tracker.set_states(state["tp_tracker"])
+    if "tp_tracker" in state:  # absent in checkpoints of runs that never seeded the tracker
+        _tp_rng_tracker().set_states(state["tp_tracker"])

@@ -112,7 +112,7 @@ class SaveRequest:
 def current_layout(engine: Any) -> Layout:
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    from megatron.mpu import topology
+    from megatron.mpu import hybrid_shard, topology
 
     return Layout(
         tp=topology.get_tensor_model_parallel_world_size(),
@@ -120,6 +120,7 @@ def current_layout(engine: Any) -> Layout:
         dp=topology.get_data_parallel_world_size(),
         zero_stage=int(engine.zero_optimization_stage()),
         pipeline=isinstance(engine, PipelineEngine),
+        replicas=hybrid_shard.get_replica_world_size(),
     )
 
 

@@ -68,6 +68,9 @@ class Layout:
     pipeline: bool = False
     """Wrapped in DeepSpeed's PipelineModule (pipe_parallel_size >= 1): its parameter names
     (``3.attention...``) differ from the plain model's (``layers.2.attention...``)."""
+    replicas: int = 1
+    """Copies of each ZeRO partition (``sharding_strategy: hsdp``): the ZeRO files hold ``dp / replicas``
+    partitions, so an hsdp checkpoint and a ZeRO-3 one over all ``dp`` ranks are different layouts."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,11 +83,13 @@ class Layout:
             dp=int(raw["dp"]),
             zero_stage=int(raw["zero_stage"]),
             pipeline=bool(raw.get("pipeline", False)),
+            replicas=int(raw.get("replicas", 1)),
         )
 
     def __str__(self) -> str:
         kind = "pipeline" if self.pipeline else "plain"
-        return f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero_stage} ({kind} model)"
+        hybrid = f" as {self.replicas} replicas" if self.replicas > 1 else ""
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}{hybrid} zero={self.zero_stage} ({kind} model)"
 
 
 def needs_universal(saved: Layout, current: Layout) -> bool:
@@ -137,7 +142,7 @@ def prepare_universal(ckpt_dir: Path, meta: dict[str, Any], vocab_rows: int | No
                 raise CheckpointError(f"{ckpt_dir} records no universal_checkpoint_info: it cannot change layout")
             log.info("converting %s (saved without ZeRO) to a universal checkpoint for the new layout", ckpt_dir)
             reshard.zero0_to_universal(ckpt_dir, target, saved.tp, saved.pp, saved.pipeline, info,
-                                      NeoxNames.from_args(meta.get("args") or {}))
+                                      NeoxNames.from_stored(meta.get("args") or {}))
             marker = commit.read_commit_marker(ckpt_dir)
             commit.write_commit_marker(target, marker or commit.CommitInfo(step=-1, kind="step", time=time.time()))
     args = meta.get("args") or {}

@@ -1,4 +1,5 @@
-"""``build_datasets(config)``: the train/valid/test datasets a run reads, from its :class:`DataConfig`.
+"""``build_datasets(config)``: the train/valid/test datasets a run reads, from its data keys
+(:class:`~megatron.data.config.DataRunArgs`: the argument object itself).
 
 Sources, in order of precedence:
 
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron.data.config import SPLITS, DataConfig
+from megatron.data.config import SPLITS, DataRunArgs
 from megatron.data.blendable_dataset import BlendedDataset, cached_blend_index, samples_per_dataset, weights_by_num_documents
 from megatron.data.dummy_dataset import DummyDataset
 from megatron.data.gpt_dataset import GPTDataset
@@ -64,7 +65,7 @@ def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
     return [(int(bounds[i]), int(bounds[i + 1])) for i in range(3)]
 
 
-def samples_needed(config: DataConfig) -> tuple[int, int, int]:
+def samples_needed(config: DataRunArgs) -> tuple[int, int, int]:
     """Samples each split must provide for the planned schedule (train from train_iters only)."""
     g = config.train_batch_size
     iters = config.train_iters or 0
@@ -118,7 +119,7 @@ class Component:
 
 
 class _Builder:
-    def __init__(self, config: DataConfig, tokenizer: Any) -> None:
+    def __init__(self, config: DataRunArgs, tokenizer: Any) -> None:
         self.config = config
         self.seq_length = config.seq_length
         self.seed = config.seed
@@ -172,7 +173,7 @@ class _Builder:
         return BlendedDataset(parts, w, num_samples, index=index)
 
 
-def _components_for_split(config: DataConfig, split: str) -> list[Component] | None:
+def _components_for_split(config: DataRunArgs, split: str) -> list[Component] | None:
     """Explicit per-split paths (``train_data_paths``..., ``pos_train_data_paths``...)."""
     pos = config.path_list(f"pos_{split}_data_paths")
     if pos:
@@ -218,13 +219,13 @@ def _train_samples_from_epochs(builder: _Builder, comps: list[Component], epochs
     return max(g, (epochs * per_epoch) // g * g)
 
 
-def _dummy_kind(config: DataConfig) -> str:
+def _dummy_kind(config: DataRunArgs) -> str:
     if config.wants_pairs:
         return "pairwise"
     return "reward" if config.objective_dataset == "reward" else "lm"
 
 
-def _check_matches_train_impl(config: DataConfig, per_split: dict[str, list[Component] | None]) -> None:
+def _check_matches_train_impl(config: DataRunArgs, per_split: dict[str, list[Component] | None]) -> None:
     """The data must carry what the objective reads; say which keys to set when it does not."""
     impl = config.train_impl
     for split, comps in per_split.items():
@@ -238,7 +239,7 @@ def _check_matches_train_impl(config: DataConfig, per_split: dict[str, list[Comp
                                   "(written by tools/datasets/preprocess_data_with_mask.py --mode reward)")
 
 
-def build_datasets(config: DataConfig, tokenizer: Any, padded_vocab_size: int) -> DataSplits:
+def build_datasets(config: DataRunArgs, tokenizer: Any, padded_vocab_size: int) -> DataSplits:
     """Train/valid/test datasets; each is indexable by global sample and returns numpy dicts.
 
     ``tokenizer`` tokenizes ``train_urls`` and gives the pad id; ``padded_vocab_size`` bounds the
@@ -280,7 +281,7 @@ def build_datasets(config: DataConfig, tokenizer: Any, padded_vocab_size: int) -
         raise DataError("the train split is empty: check `split` and the data paths")
     if config.mmap_warmup:
         warm_up({prefix for comps in per_split.values() for c in comps or [] for prefix in c.roles.values()})
-    weights = {s: config.weights.get(f"{s}_data_weights") for s in SPLITS}
+    weights = {s: config.split_weights(s) for s in SPLITS}
     datasets = {}
     for s, n in zip(SPLITS, (train_n, valid_n, test_n)):
         comps = per_split.get(s) or []

@@ -1,15 +1,22 @@
-"""The typed view of the data keys: where each split's files are, how samples are packed and how
-many each split must provide.
+"""The data keys: which files (or URLs, or dummy tokens) each split reads, how they are blended and
+split, and how documents become samples. GPT-NeoX files them under ``NeoXArgsTraining``.
+
+Declared here, beside the datasets that read them (:func:`megatron.data.build.build_datasets`); the one
+argument object (``NeoXArgs``) is composed of :class:`DataArgs`. The data also reads keys declared by
+their owners (``seq_length`` with the model, ``seed`` with the process keys, ``train_iters``/``eval_*``
+with the loop, ``train_batch_size`` with DeepSpeed's, ``train_impl``/``reference_logps`` with the
+objective): :class:`DataRunArgs` names everything the datasets read, and the trainer hands
+``build_datasets`` the argument object typed as that (``RunConfig.data``), not a copy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Literal, Protocol
 
-if TYPE_CHECKING:
-    from megatron.neox_arguments.arguments import NeoXArgs
+from pydantic import Field
+
+from megatron.config_schema import ArgGroup, partly_supported
+from megatron.training.objectives.registry import needs_of, reads_reference_files
 
 SPLITS = ("train", "valid", "test")
 # GPT-NeoX's per-split path lists: {prefix}{split}_{kind}data_paths
@@ -22,95 +29,209 @@ PATH_KEYS: tuple[str, ...] = tuple(
 WEIGHT_KEYS: tuple[str, ...] = tuple(f"{split}_data_weights" for split in SPLITS)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DataConfig:
-    seq_length: int
-    seed: int = 1234
-    train_batch_size: int
-    """Global batch in samples: the sample counts are whole global batches."""
-    train_iters: int | None = None
-    train_epochs: int | None = None
-    eval_iters: int = 100
-    eval_interval: int = 1000
+class DataArgs(ArgGroup):
+    """The data keys of GPT-NeoX's ``NeoXArgsTraining`` group, with Deepy's dummy data and
+    Levanter-style raw-text URLs."""
 
     data_path: str | None = None
-    split: str = "969, 30, 1"
-    paths: Mapping[str, list[str] | None] = field(default_factory=dict)
-    """Every key of PATH_KEYS -> its list (or None)."""
-    weights: Mapping[str, list[float] | None] = field(default_factory=dict)
-    """``{split}_data_weights`` -> its list (or None)."""
-    weight_by_num_documents: bool = False
-    weighted_sampler_alpha: float = 1.0
+    """Prefix of one tokenized dataset (`<prefix>.bin/.idx`) that is split into train/valid/test by
+    `split`."""
 
-    pack_impl: str = "packed"
+    train_data_paths: list[str] | None = None
+    """Prefixes of the training datasets, blended by train_data_weights."""
+
+    train_label_data_paths: list[str] | None = None
+    """Per-token labels parallel to train_data_paths (-100 masks a token from the loss)."""
+
+    train_reward_data_paths: list[str] | None = None
+    """Per-sample rewards parallel to train_data_paths (reward-model and KTO training)."""
+
+    test_data_paths: list[str] | None = None
+    """Prefixes of the test datasets."""
+
+    test_label_data_paths: list[str] | None = None
+    """Per-token labels parallel to test_data_paths."""
+
+    test_reward_data_paths: list[str] | None = None
+    """Per-sample rewards parallel to test_data_paths."""
+
+    valid_data_paths: list[str] | None = None
+    """Prefixes of the validation datasets."""
+
+    valid_label_data_paths: list[str] | None = None
+    """Per-token labels parallel to valid_data_paths."""
+
+    valid_reward_data_paths: list[str] | None = None
+    """Per-sample rewards parallel to valid_data_paths."""
+
+    pos_train_data_paths: list[str] | None = None
+    """Chosen (preferred) responses for pairwise training."""
+
+    pos_train_label_data_paths: list[str] | None = None
+    """Labels for the chosen training responses."""
+
+    pos_valid_data_paths: list[str] | None = None
+    """Chosen responses for pairwise validation."""
+
+    pos_valid_label_data_paths: list[str] | None = None
+    """Labels for the chosen validation responses."""
+
+    pos_test_data_paths: list[str] | None = None
+    """Chosen responses for pairwise testing."""
+
+    pos_test_label_data_paths: list[str] | None = None
+    """Labels for the chosen test responses."""
+
+    neg_train_data_paths: list[str] | None = None
+    """Rejected responses for pairwise training, aligned with pos_train_data_paths."""
+
+    neg_train_label_data_paths: list[str] | None = None
+    """Labels for the rejected training responses."""
+
+    neg_valid_data_paths: list[str] | None = None
+    """Rejected responses for pairwise validation."""
+
+    neg_valid_label_data_paths: list[str] | None = None
+    """Labels for the rejected validation responses."""
+
+    neg_test_data_paths: list[str] | None = None
+    """Rejected responses for pairwise testing."""
+
+    neg_test_label_data_paths: list[str] | None = None
+    """Labels for the rejected test responses."""
+
+    train_data_weights: list[float] | None = None
+    """Sampling weight of each training dataset; unset means equal weights."""
+
+    valid_data_weights: list[float] | None = None
+    """Sampling weight of each validation dataset."""
+
+    test_data_weights: list[float] | None = None
+    """Sampling weight of each test dataset."""
+
+    weight_by_num_documents: bool = False
+    """Derive blending weights from document counts instead of the *_data_weights lists."""
+
+    weighted_sampler_alpha: float = Field(1.0, ge=0)
+    """Exponent on each dataset's document share for weight_by_num_documents (GPT-NeoX's formula)."""
+
+    pack_impl: Literal["packed", "pack_until_overflow", "unpacked"] = "packed"
+    """How documents fill samples: packed back to back, packed until one would overflow, or one
+    document per sample."""
+
+    dataset_impl: Literal["gpt2", "pairwise", "online"] = (
+        partly_supported("gpt2", unsupported=("online",))
+    )
+    """Kind of dataset: plain text (gpt2), chosen/rejected pairs, or online rollouts."""
+
     allow_chopped: bool = True
-    dataset_impl: str = "gpt2"
-    train_impl: str = "normal"
-    use_dummy_dataset: bool = False
-    train_urls: list[str] | None = None
-    validation_urls: list[str] | None = None
-    cache_dir: str | None = None
+    """Keep pairwise samples whose text had to be cut to fit seq_length."""
+
     mmap_warmup: bool = False
-    reference_model: str | None = None
-    """DPO's ``reference_logps``: preference pairs also carry the reference log-probs written next to
-    each chosen/rejected dataset as ``<prefix>_<reference_model>`` by ``generate.py`` precompute."""
-    """Read every data file once at start-up so the first steps are not I/O bound."""
+    """Touch every page of the mmapped data at start-up so the first steps are not I/O bound."""
+
+    split: str = "969, 30, 1"
+    """Train/valid/test proportions for data_path, as comma-separated weights."""
+
+    use_dummy_dataset: bool = False
+    """Train on random tokens without any data files (smoke tests and benchmarks)."""
+
+    train_urls: list[str] | None = None
+    """Raw-text shards (local paths or URLs, jsonl/jsonl.zst) tokenized on the fly for training
+    (Levanter-style)."""
+
+    validation_urls: list[str] | None = None
+    """Raw-text shards for validation, as train_urls."""
+
+    cache_dir: str | None = None
+    """Where tokenized shards from train_urls/validation_urls are cached."""
+
+    # ---- what the datasets ask of these keys (and of the objective's, declared with it) ----
 
     def path_list(self, key: str) -> list[str] | None:
-        value = self.paths.get(key)
+        """The list a per-split path key (one of :data:`PATH_KEYS`) holds; None when unset or empty."""
+        if key not in PATH_KEYS:
+            raise KeyError(f"{key} is not a per-split data path key")
+        value = getattr(self, key)
         return list(value) if value else None
 
+    def split_weights(self, split: str) -> list[float] | None:
+        """``{split}_data_weights``: the blending weights of one split's datasets (None: equal or by
+        document counts)."""
+        return getattr(self, f"{split}_data_weights")
+
     @property
-    def wants_pairs(self) -> bool:
+    def objective_dataset(self: DataRunArgs) -> str:
+        """What the objective reads (its plug-in's ``needs``): ``lm``, ``pairwise`` or ``reward``."""
+        return needs_of(self.train_impl).dataset
+
+    @property
+    def wants_pairs(self: DataRunArgs) -> bool:
         """Chosen/rejected pairs (DPO, reward models) rather than single texts."""
         return self.dataset_impl == "pairwise" or self.objective_dataset == "pairwise"
 
     @property
-    def objective_dataset(self) -> str:
-        """What the objective reads (its plug-in's ``needs``): ``lm``, ``pairwise`` or ``reward``."""
-        from megatron.training.objectives.registry import needs_of
+    def reference_model(self: DataRunArgs) -> str | None:
+        """DPO's ``reference_logps``: preference pairs also carry the reference log-probs written next to
+        each chosen/rejected dataset as ``<prefix>_<reference_model>`` by ``generate.py`` precompute;
+        None when the objective reads no such files."""
+        return self.reference_logps if reads_reference_files(self.train_impl) else None
 
-        return needs_of(self.train_impl).dataset
 
-    @classmethod
-    def of(cls, **keys: Any) -> DataConfig:
-        """From GPT-NeoX key names directly (tools and tests that have no config file): the
-        per-split path and weight keys are gathered into ``paths``/``weights``; any other name must be
-        a field of this class."""
-        paths = {key: keys.pop(key) for key in PATH_KEYS if key in keys}
-        weights = {key: keys.pop(key) for key in WEIGHT_KEYS if key in keys}
-        return cls(paths=paths, weights=weights, **keys)
+class DataRunArgs(Protocol):
+    """Everything :func:`~megatron.data.build.build_datasets` reads: the data keys
+    (:class:`DataArgs`, the per-split lists through :meth:`DataArgs.path_list`) and the shared ones,
+    resolved (``RunConfig.from_args`` refuses an unresolved ``seq_length`` or batch size). Read-only,
+    so any object holding these attributes (``NeoXArgs``) satisfies it."""
 
-    @classmethod
-    def from_args(cls, args: NeoXArgs) -> DataConfig:
-        from megatron.training.objectives.registry import reads_reference_files
+    @property
+    def data_path(self) -> str | None: ...
+    @property
+    def split(self) -> str: ...
+    @property
+    def weight_by_num_documents(self) -> bool: ...
+    @property
+    def weighted_sampler_alpha(self) -> float: ...
+    @property
+    def pack_impl(self) -> str: ...
+    @property
+    def allow_chopped(self) -> bool: ...
+    @property
+    def dataset_impl(self) -> str: ...
+    @property
+    def mmap_warmup(self) -> bool: ...
+    @property
+    def use_dummy_dataset(self) -> bool: ...
+    @property
+    def train_urls(self) -> list[str] | None: ...
+    @property
+    def validation_urls(self) -> list[str] | None: ...
+    @property
+    def cache_dir(self) -> str | None: ...
+    @property
+    def seq_length(self) -> int | None: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def train_batch_size(self) -> int | None: ...
+    @property
+    def train_iters(self) -> int | None: ...
+    @property
+    def train_epochs(self) -> int | None: ...
+    @property
+    def eval_iters(self) -> int: ...
+    @property
+    def eval_interval(self) -> int: ...
+    @property
+    def train_impl(self) -> str: ...
+    @property
+    def reference_logps(self) -> str | None: ...
+    @property
+    def wants_pairs(self) -> bool: ...
+    @property
+    def objective_dataset(self) -> str: ...
+    @property
+    def reference_model(self) -> str | None: ...
 
-        if args.seq_length is None or args.train_batch_size is None:
-            from megatron.errors import ConfigError
-
-            raise ConfigError("seq_length and train_batch_size must be known before building datasets")
-        return cls(
-            seq_length=args.seq_length,
-            seed=args.seed,
-            train_batch_size=args.train_batch_size,
-            train_iters=args.train_iters,
-            train_epochs=args.train_epochs,
-            eval_iters=args.eval_iters,
-            eval_interval=args.eval_interval,
-            data_path=args.data_path,
-            split=args.split,
-            paths={key: getattr(args, key) for key in PATH_KEYS},
-            weights={key: getattr(args, key) for key in WEIGHT_KEYS},
-            weight_by_num_documents=args.weight_by_num_documents,
-            weighted_sampler_alpha=args.weighted_sampler_alpha,
-            pack_impl=args.pack_impl,
-            allow_chopped=args.allow_chopped,
-            dataset_impl=args.dataset_impl,
-            train_impl=args.train_impl,
-            use_dummy_dataset=args.use_dummy_dataset,
-            train_urls=args.train_urls,
-            validation_urls=args.validation_urls,
-            cache_dir=args.cache_dir,
-            mmap_warmup=args.mmap_warmup,
-            reference_model=args.reference_logps if reads_reference_files(args.train_impl) else None,
-        )
+    def path_list(self, key: str) -> list[str] | None: ...
+    def split_weights(self, split: str) -> list[float] | None: ...

@@ -5,7 +5,8 @@ contiguous slice ``[b*G + r*G/dp, b*G + (r+1)*G/dp)`` and splits it into ``G / (
 micro-batches of ``mbs`` samples. Since the global sequence never depends on the layout, a run resumed
 with a different dp size (or micro-batch size) continues with exactly the samples the old layout would
 have read next. Resuming computes the position from ``consumed_samples`` (Levanter's
-``iter_from_step``): O(1), no replay of earlier batches.
+``iter_from_step``): O(1), no replay of earlier batches. The sizes come from the run's
+:class:`~megatron.data.batch.BatchLayout`, solved and checked once before launch; nothing here re-derives them.
 """
 
 from __future__ import annotations
@@ -13,48 +14,20 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from megatron.errors import ConfigError, DataError
+from megatron.data.batch import BatchLayout
+from megatron.errors import DataError
 
 
-@dataclass(frozen=True)
-class BatchLayout:
-    """Batch arithmetic of one run; validated at construction."""
-
-    global_batch_size: int
-    micro_batch_size: int
-    dp_rank: int
-    dp_size: int
-
-    def __post_init__(self) -> None:
-        g, m, r, dp = self.global_batch_size, self.micro_batch_size, self.dp_rank, self.dp_size
-        if min(g, m, dp) <= 0:
-            raise ConfigError(f"batch sizes and dp size must be positive (train_batch_size={g}, "
-                              f"train_micro_batch_size_per_gpu={m}, dp={dp})")
-        if not 0 <= r < dp:
-            raise ConfigError(f"dp_rank {r} is outside [0, {dp})")
-        if g % (m * dp):
-            raise ConfigError(f"train_batch_size={g} must be a multiple of train_micro_batch_size_per_gpu={m} "
-                              f"x data-parallel size {dp}; adjust gradient_accumulation_steps or the batch sizes")
-
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
-
-    @property
-    def per_rank(self) -> int:
-        return self.global_batch_size // self.dp_size
-
-
-def micro_batch_indices(layout: BatchLayout, batch: int, micro: int) -> np.ndarray:
-    """Global sample indices of micro-batch ``micro`` of global batch ``batch`` on this rank."""
-    start = batch * layout.global_batch_size + layout.dp_rank * layout.per_rank + micro * layout.micro_batch_size
-    return np.arange(start, start + layout.micro_batch_size, dtype=np.int64)
+def micro_batch_indices(batch: BatchLayout, dp_rank: int, step: int, micro: int) -> np.ndarray:
+    """Global sample indices of micro-batch ``micro`` of global batch ``step`` on data-parallel rank
+    ``dp_rank``."""
+    start = step * batch.global_size + dp_rank * batch.per_rank + micro * batch.micro
+    return np.arange(start, start + batch.micro, dtype=np.int64)
 
 
 def collate(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
@@ -82,34 +55,29 @@ class MicroBatchIterator:
     themselves; for others the index is taken modulo ``len(dataset)``).
     """
 
-    def __init__(
-        self,
-        dataset: Any,
-        consumed_samples: int,
-        global_batch_size: int,
-        micro_batch_size: int,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-    ) -> None:
-        self.layout = BatchLayout(global_batch_size, micro_batch_size, dp_rank, dp_size)
-        if consumed_samples < 0 or consumed_samples % global_batch_size:
+    def __init__(self, dataset: Any, consumed_samples: int, batch: BatchLayout, dp_rank: int = 0) -> None:
+        if not 0 <= dp_rank < batch.dp:
+            raise ValueError(f"dp_rank {dp_rank} is outside [0, {batch.dp})")
+        self.batch, self.dp_rank = batch, dp_rank
+        global_size = batch.global_size
+        if consumed_samples < 0 or consumed_samples % global_size:
             raise DataError(f"consumed_samples={consumed_samples} is not a whole number of global batches of "
-                            f"{global_batch_size}; the checkpoint does not match this train_batch_size")
+                            f"{global_size}; the checkpoint does not match this train_batch_size")
         if len(dataset) == 0:
             raise DataError("the dataset is empty")
         self.dataset = dataset
         self._wraps = bool(getattr(dataset, "wraps", False))
-        self._batch = consumed_samples // global_batch_size
+        self._batch = consumed_samples // global_size
         self._micro = 0
 
     @property
     def consumed_samples(self) -> int:
         """Global samples consumed by all ranks once the current global batch completes."""
-        return self._batch * self.layout.global_batch_size
+        return self._batch * self.batch.global_size
 
     def indices(self) -> np.ndarray:
         """Global indices of the next micro-batch (without advancing)."""
-        return micro_batch_indices(self.layout, self._batch, self._micro)
+        return micro_batch_indices(self.batch, self.dp_rank, self._batch, self._micro)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self
@@ -119,7 +87,7 @@ class MicroBatchIterator:
         n = len(self.dataset)
         batch = collate([self.dataset[int(i) if self._wraps else int(i) % n] for i in idx])
         self._micro += 1
-        if self._micro == self.layout.gradient_accumulation_steps:
+        if self._micro == self.batch.gas:
             self._micro = 0
             self._batch += 1
         return batch

@@ -65,7 +65,7 @@ def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
     from megatron.neox_arguments.run_config import RunConfig
     from megatron.tokenizer import build_tokenizer
     from megatron.training.engine import build_model
-    from megatron.training.objectives import LMObjective, ObjectiveConfig
+    from megatron.training.objectives import LMObjective, ObjectiveArgs
     from megatron.training.pretrain import limit_cpu_threads, speaks
 
     inference_args = args.model_copy(update=INFERENCE_OVERRIDES)  # the user's args stay untouched
@@ -75,8 +75,8 @@ def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
     limit_cpu_threads()
     setup_logging(speaks())
     tokenizer = build_tokenizer(run.tokenizer)
-    padded_vocab = run.tokenizer.padded(tokenizer.vocab_size, run.parallel.tensor)
-    model_config = run.model.with_vocab(padded_vocab)
+    model_config = run.model.for_tokenizer(run.tokenizer.padded(tokenizer.vocab_size, run.parallel.model_parallel_size))
+    padded_vocab = model_config.padded_vocab_size
     if model_config.value_head:
         raise ConfigError(f"{script} needs a language model; this config builds a reward model (train_impl: rm), "
                           "whose value head scores sequences instead of predicting tokens")
@@ -86,12 +86,11 @@ def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
         module, step = _engine_module(run, model_config, ckpt, padded_vocab, script, reason)
     else:
         lora = run.lora if run.lora.lora_enabled and saved_adapters(ckpt) else None
-        module, _ = build_model(model_config, run.parallel, run.activation_checkpointing, run.training.compile_layers,
-                                LMObjective(ObjectiveConfig()), lora)
+        module, is_pipe = build_model(model_config, run.parallel, run.activation_checkpointing,
+                                      run.training.compile_layers, LMObjective(ObjectiveArgs()), lora)
         weights, step = read_weights(ckpt, model_config)
         load_full_weights(module, model_config, weights, tp=topology.get_tensor_model_parallel_world_size(),
-                          tp_rank=topology.get_tensor_model_parallel_rank(), pipelined=run.parallel.is_pipe,
-                          source=ckpt)
+                          tp_rank=topology.get_tensor_model_parallel_rank(), pipelined=is_pipe, source=ckpt)
         module.to(_device())
         get_logger().info("%s: weights of %s (iteration %d)", script, ckpt, step)
     replica = ModelReplica(module, vocab_size=tokenizer.vocab_size, hidden_size=model_config.hidden_size)

@@ -129,14 +129,13 @@ def export_to_hf(
         vocab_file or args.get("vocab_file"),
         merge_file or args.get("merge_file"),
     )
-    assert config.max_position_embeddings is not None
     recorded = args.get("tokenizer_type") is not None or bool(vocab_file or merge_file or args.get("vocab_file"))
     if tokenizer and not recorded:
         raise ConversionError(f"{ckpt} records no tokenizer (it was imported without tokenizer files): pass "
                               f"--no-tokenizer to export the model alone, or --vocab-file/--merge-file")
     if tokenizer:
         progress(f"writing the {files.tokenizer_type} tokenizer")
-        tokens = export_tokenizer(files, out_dir, config.max_position_embeddings)
+        tokens = export_tokenizer(files, out_dir, config.max_positions)
     elif not recorded:
         # a model imported without tokenizer files records no tokenizer: no special-token ids to name
         tokens = SpecialTokens(bos=None, eos=None, pad=None)
@@ -282,7 +281,7 @@ def import_to_deepy(
 def _check_written(ckpt: Path, config: GPTConfig, weights: dict[str, torch.Tensor]) -> None:
     """What a training run will read back is what was converted, tensor for tensor."""
     back = read_full_checkpoint(ckpt)
-    if back.config.replace(params_dtype=config.params_dtype) != config:
+    if back.config.replace(precision=config.precision) != config:
         raise ConversionError(f"{ckpt}: the stored arguments describe another model than the one converted")
     differ = sorted(k for k in set(back.weights) | set(weights)
                     if k not in back.weights or k not in weights or not torch.equal(back.weights[k], weights[k]))

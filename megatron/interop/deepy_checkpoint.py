@@ -18,7 +18,6 @@ produce it here; ``tests/e2e/test_hf_interop.py`` loads them through a real Deep
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections import defaultdict
@@ -79,22 +78,15 @@ def resolve_checkpoint(path: Path, iteration: int | None = None) -> Path:
 def gpt_config_from_args(args: dict[str, Any]) -> GPTConfig:
     """The architecture stored with a checkpoint (its resolved arguments), in fp32.
 
-    The same fields ``GPTConfig.from_neox_args`` reads, taken by name from the stored dict; unset
-    (None) values keep the config's defaults.
+    The model's keys (``GPTConfig``'s fields), taken by name from the stored dict; unset (None) values
+    keep the defaults. A reward model's objective gives it its value head.
     """
-    values: dict[str, Any] = {}
-    for field in dataclasses.fields(GPTConfig):
-        if field.name == "params_dtype":
-            continue
-        value = args.get(field.name)
-        if value is not None:
-            values[field.name] = value
-    objective = plugins.find("train_impl", str(args.get("train_impl") or "normal"))
-    if objective is not None and objective.needs.get("value_head"):
-        values.setdefault("value_head", True)
+    values = {key: args[key] for key in GPTConfig.model_fields if key != "precision" and args.get(key) is not None}
     if values.get("padded_vocab_size") is None:
         raise CheckpointError("the checkpoint's arguments have no padded_vocab_size")
-    return GPTConfig(**values, params_dtype=torch.float32)
+    objective = plugins.find("train_impl", str(args.get("train_impl") or "normal"))
+    value_head = objective is not None and bool(objective.needs.get("value_head"))
+    return GPTConfig(**values).replace(value_head=value_head)  # precision unset: fp32
 
 
 # --- reading ---------------------------------------------------------------------------------

@@ -139,8 +139,8 @@ def choose_architecture(config: GPTConfig) -> HFArchitecture:
 
 def _rope(config: GPTConfig, partial: bool) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.rotary_emb_base)}
-    if config.rope_scaling is not None:
-        rope.update(config.rope_scaling.to_hf())
+    if config.rope_scaling_spec is not None:
+        rope.update(config.rope_scaling_spec.to_hf())
     if partial:
         rope["partial_rotary_factor"] = rotary_factor(config)
     return rope
@@ -149,7 +149,6 @@ def _rope(config: GPTConfig, partial: bool) -> dict[str, Any]:
 def hf_config_from_gpt(config: GPTConfig, tokens: SpecialTokens, dtype: torch.dtype) -> "PretrainedConfig":
     """The ``transformers`` config of the class ``choose_architecture`` picks, every field from ours."""
     arch = choose_architecture(config)
-    assert config.max_position_embeddings is not None
     common: dict[str, Any] = dict(
         architectures=[arch],
         vocab_size=config.padded_vocab_size,  # padding rows included: they are rows of the trained matrix
@@ -157,7 +156,7 @@ def hf_config_from_gpt(config: GPTConfig, tokens: SpecialTokens, dtype: torch.dt
         num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_attention_heads,
         intermediate_size=config.ffn_hidden_size,  # for gated MLPs: the width of each half
-        max_position_embeddings=config.max_position_embeddings,
+        max_position_embeddings=config.max_positions,
         initializer_range=config.init_method_std,
         attention_dropout=config.attention_dropout,
         tie_word_embeddings=not config.no_weight_tying,
@@ -242,12 +241,11 @@ def gpt_config_from_hf(hf: "PretrainedConfig", seq_length: int | None = None) ->
         padded_vocab_size=int(hf.vocab_size),
         pos_emb="rotary",
         rotary_emb_base=base,
-        rope_scaling=scaling,
+        rope_scaling=None if scaling is None else scaling.to_hf(),
         intermediate_size=int(hf.intermediate_size),
         no_weight_tying=not bool(hf.tie_word_embeddings),
         init_method_std=float(hf.initializer_range),
         attention_dropout=float(hf.attention_dropout or 0.0),
-        params_dtype=torch.float32,
     )
     if kind == "gpt_neox":
         act = _PLAIN_FROM_HF.get(hf.hidden_act)
@@ -258,8 +256,7 @@ def gpt_config_from_hf(hf: "PretrainedConfig", seq_length: int | None = None) ->
         if int(head_dim * factor) % 2:
             raise ConversionError(f"partial_rotary_factor: {factor} rotates an odd number of dimensions")
         return GPTConfig(
-            **common,
-            num_kv_heads=heads,
+            **common,  # num_kv_heads unset: GPTNeoX has one key/value head per query head
             rotary_pct=factor,
             norm="layernorm",
             layernorm_epsilon=float(hf.layer_norm_eps),

@@ -126,9 +126,8 @@ def fixed_batch(vocab_size: int, seq_length: int, batch: int = 2, seed: int = 0)
 
 def parity_seq_length(config: GPTConfig) -> int:
     """Long enough that a sliding window actually cuts, short enough to stay cheap."""
-    assert config.max_position_embeddings is not None
     window = config.sliding_window_width or 0
-    return max(2, min(config.max_position_embeddings, max(32, window + 16)))
+    return max(2, min(config.max_positions, max(32, window + 16)))
 
 
 def build_gpt_model(config: GPTConfig, weights: Weights) -> torch.nn.Module:
@@ -136,7 +135,7 @@ def build_gpt_model(config: GPTConfig, weights: Weights) -> torch.nn.Module:
     from megatron.model.gpt import GPTModel
 
     fp32 = config.replace(
-        params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=False
+        precision="fp32", hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=False
     )
     model = GPTModel(fp32).eval()
     expected = set(model.state_dict())

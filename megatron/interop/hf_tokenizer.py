@@ -51,11 +51,12 @@ class TokenizerFiles:
 
 def build_tokenizer_from_files(files: TokenizerFiles) -> Tokenizer:
     """Our tokenizer for these keys, through the same registry training uses."""
-    from megatron.tokenizer.build import TOKENIZERS
+    from megatron import plugins
+    from megatron.tokenizer.build import build_tokenizer
 
-    factory = TOKENIZERS.get(files.tokenizer_type)
-    if factory is None:
-        raise ConversionError(f"tokenizer_type {files.tokenizer_type!r} is unknown; choose one of {sorted(TOKENIZERS)}")
+    if plugins.find("tokenizer_type", files.tokenizer_type) is None:
+        raise ConversionError(f"tokenizer_type {files.tokenizer_type!r} is unknown; choose one of "
+                              f"{', '.join(plugins.names('tokenizer_type'))}")
     for path in (files.vocab_file, files.merge_file):
         if path and files.tokenizer_type != "TiktokenTokenizer" and not os.path.exists(path):
             raise ConversionError(
@@ -63,9 +64,9 @@ def build_tokenizer_from_files(files: TokenizerFiles) -> Tokenizer:
                 "with its current location"
             )
     try:
-        # the registry's factories take the tokenizer's keys as their typed group
-        return factory(TokenizerArgs(tokenizer_type=files.tokenizer_type, vocab_file=files.vocab_file,
-                                     merge_file=files.merge_file))
+        # the registry's tokenizers are built from the tokenizer's keys, typed as their group
+        return build_tokenizer(TokenizerArgs(tokenizer_type=files.tokenizer_type, vocab_file=files.vocab_file,
+                                             merge_file=files.merge_file))
     except DeepyError:
         raise
     except Exception as err:  # noqa: BLE001 - a tokenizer library's own error for a bad file

@@ -68,7 +68,7 @@ def adapted_model(config: GPTConfig, lora: LoRAArgs, weights: Weights) -> torch.
     """Our model with its adapters, in one process (tp 1), fp32 eval mode, holding ``weights``."""
     from megatron.model.gpt import GPTModel
 
-    fp32 = config.replace(params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+    fp32 = config.replace(precision="fp32", hidden_dropout=0.0, attention_dropout=0.0,
                           sequence_parallel=False)
     model = GPTModel(fp32)
     apply_lora(model, lora.model_copy(update={"lora_dropout": 0.0}), fp32.seed)
@@ -136,8 +136,7 @@ def export_adapters(ckpt: Path, config: GPTConfig, args: dict[str, Any], weights
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConversionError(f"output directory {out_dir} is not empty; choose a new one")
     out_dir.mkdir(parents=True, exist_ok=True)
-    assert config.max_position_embeddings is not None
-    tokens = (export_tokenizer(tokenizer_files, out_dir, config.max_position_embeddings) if tokenizer
+    tokens = (export_tokenizer(tokenizer_files, out_dir, config.max_positions) if tokenizer
               else special_tokens_of(tokenizer_files))
     base = {k: v for k, v in weights.items() if not is_adapter_name(k)}
     hf_config = hf_config_from_gpt(config, tokens, dtype)

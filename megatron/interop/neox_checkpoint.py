@@ -263,8 +263,7 @@ def _to_ours(
     config = GPTConfig(
         num_layers=num_layers,
         hidden_size=hidden,
-        num_attention_heads=heads,
-        num_kv_heads=heads,
+        num_attention_heads=heads,  # num_kv_heads unset: one key/value head per query head
         seq_length=seq,
         max_position_embeddings=int(values.get("max_position_embeddings") or seq),
         padded_vocab_size=int(word.shape[0]),
@@ -285,7 +284,6 @@ def _to_ours(
         init_method_std=float(_value(values, "init_method_std")),
         hidden_dropout=float(_value(values, "hidden_dropout")),
         attention_dropout=float(_value(values, "attention_dropout")),
-        params_dtype=torch.float32,
     )
     if tp > 1 and config.padded_vocab_size % tp:
         raise CheckpointError(f"embedding rows {config.padded_vocab_size} are not divisible by the {tp} tp ranks found")

@@ -45,13 +45,13 @@ def architecture_keys(config: GPTConfig) -> dict[str, Any]:
         keys["num_kv_heads"] = config.kv_heads
     keys.update(
         seq_length=config.seq_length,
-        max_position_embeddings=config.max_position_embeddings,
+        max_position_embeddings=config.max_positions,
         pos_emb=config.pos_emb,
     )
     if config.pos_emb == "rotary":
         keys.update(rotary_pct=config.rotary_pct, rotary_emb_base=config.rotary_emb_base)
-        if config.rope_scaling is not None:
-            keys["rope_scaling"] = config.rope_scaling.to_hf()
+        if config.rope_scaling_spec is not None:
+            keys["rope_scaling"] = config.rope_scaling_spec.to_hf()
     if config.opt_pos_emb_offset:
         keys["opt_pos_emb_offset"] = config.opt_pos_emb_offset
     keys["norm"] = config.norm

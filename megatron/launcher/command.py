@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Mapping
 
 from megatron.errors import ConfigError
-from megatron.launcher.config import LaunchConfig
+from megatron.launcher.config import LaunchArgs, master_port_chosen
 from megatron.launcher.environment import started_by_scheduler
 from megatron.launcher.kinds import launcher_kind
 from megatron.launcher.plan import LaunchPlan, PlanInputs, worker_argv
@@ -28,14 +28,16 @@ def _one_device() -> int:
 
 
 def plan_launch(
-    config: LaunchConfig,
+    config: LaunchArgs,
     user_script: str,
     config_path: str,
     environ: Mapping[str, str],
     local_devices: Callable[[], int] = _one_device,
     python: str | None = None,
+    provenance: Mapping[str, str] | None = None,
 ) -> LaunchPlan:
-    """The launch of ``user_script --deepy_config config_path`` for ``config``."""
+    """The launch of ``user_script --deepy_config config_path`` for ``config`` (the arguments);
+    ``provenance`` (the resolved config's) tells whether ``master_port`` was chosen."""
     python = python or sys.executable
     source = started_by_scheduler(environ, slurm=config.deepspeed_slurm, mpi=config.deepspeed_mpi)
     if source is not None:
@@ -51,6 +53,7 @@ def plan_launch(
     pool = resource_pool(config, environ, local_devices)
     inputs = PlanInputs(
         config=config,
+        master_port_given=master_port_chosen(config, provenance),
         user_script=user_script,
         config_path=config_path,
         environ=environ,
@@ -61,7 +64,7 @@ def plan_launch(
     return kind.build(inputs)
 
 
-def check_tools(plan: LaunchPlan, config: LaunchConfig) -> None:
+def check_tools(plan: LaunchPlan, config: LaunchArgs) -> None:
     """Every executable the launch needs exists here (a clear message, not a runner traceback)."""
     missing = [tool for tool in plan.tools if shutil.which(tool) is None]
     if missing:

@@ -1,85 +1,122 @@
-"""What the launcher reads from a run's config: hosts, ranks per node, rendezvous, how ranks start.
+"""How the ranks start: hosts, processes per node, rendezvous and the multi-node launcher (DeepSpeed's
+runner, mpirun or srun). GPT-NeoX files these keys under ``NeoXArgsDeepspeedRunner`` (``deepspeed_mpi``
+and ``deepspeed_slurm``, which say deepy itself was started by mpirun or srun, under ``NeoXArgsOther``).
 
-One frozen record built once from the user's arguments (:meth:`LaunchConfig.from_args`), so the
-launcher never reaches into the flat argument object and every default stays in the schema
-(``megatron/neox_arguments/groups/deepspeed_runner.py`` and ``other.py``).
+Declared here, beside the launcher that reads them; the one argument object (``NeoXArgs``) is composed
+of this class. The launcher also reads ``deepspeed_log_level``, declared with the logging keys:
+:class:`LaunchArgs` names everything it reads, and ``deepy.py`` hands :func:`plan_launch
+<megatron.launcher.command.plan_launch>` the argument object typed as that. Nothing here imports
+DeepSpeed: deepy.py counts and plans the ranks without it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
-if TYPE_CHECKING:
-    from megatron.neox_arguments.arguments import NeoXArgs
+from pydantic import Field
+
+from megatron.config_rules import DERIVED
+from megatron.config_schema import ArgGroup, not_supported
 
 LauncherName = Literal["pdsh", "openmpi", "mvapich", "mpich", "slurm"]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LaunchConfig:
-    """The launch-related keys of one run (GPT-NeoX names)."""
+class DeepSpeedRunnerArgs(ArgGroup):
+    """GPT-NeoX's ``NeoXArgsDeepspeedRunner`` group, with ``deepspeed_mpi``/``deepspeed_slurm`` of
+    ``NeoXArgsOther``."""
+
+    hostfile: str | None = None
+    """DeepSpeed hostfile listing nodes and their slots."""
+
+    include: str | None = None
+    """Restrict the run to these hosts/devices (`host1:0,1@host2`)."""
+
+    exclude: str | None = None
+    """Leave out these hosts/devices."""
+
+    num_nodes: int = Field(-1, ge=-1)
+    """Number of nodes to use; -1 means all in the hostfile."""
+
+    num_gpus: int | None = Field(None, ge=1)
+    """Processes (devices) per node; on CPU, the number of worker processes."""
+
+    master_port: int = Field(29500, ge=1, le=65535)
+    """Port of the rendezvous on the master node; unset, a free port when rank 0 runs on this machine."""
+
+    master_addr: str | None = None
+    """Address of the master node; unset means the first host."""
 
     launcher: LauncherName = "pdsh"
-    """How ranks start: DeepSpeed's runner (``pdsh``), ``mpirun`` (openmpi/mpich/mvapich) or ``srun``."""
-    hostfile: str | None = None
-    """``<host> slots=<n>`` lines; ``None`` means this machine (or the Slurm allocation)."""
-    include: str = ""
-    """DeepSpeed's ``NAME[:SLOT,...]@...`` filter ('' = no filter)."""
-    exclude: str = ""
-    num_nodes: int = -1
-    """Keep the first N hosts; -1 keeps all."""
-    num_gpus: int | None = None
-    """Ranks per host; ``None`` means the host's slot (device) count."""
-    master_addr: str | None = None
-    master_port: int = 29500
-    master_port_given: bool = False
-    """Whether the user chose ``master_port`` (else a free port is picked where the launch is local)."""
+    """How ranks start: `pdsh` (DeepSpeed's runner, local or over ssh), `openmpi`/`mpich`/`mvapich` (mpirun), `slurm` (srun)."""
+
     force_multi: bool = False
+    """With launcher pdsh: go through pdsh even for one node."""
+
+    autotuning_run: Literal["tune", "run"] | None = not_supported(None)
+    """Run DeepSpeed's autotuner (`tune` or `run`) instead of training."""
+
     no_ssh_check: bool = False
+    """Skip the runner's passwordless-ssh check."""
+
     comment: str | None = None
-    """Passed to ``srun --comment``."""
+    """Comment passed to srun (slurm launcher)."""
+
     account: str | None = None
-    """Passed to ``srun --account``."""
-    deepspeed_slurm: bool = False
-    """Ranks read their place from Slurm's variables first; deepy inside ``srun`` runs the worker in place."""
+    """Account passed to srun (slurm launcher)."""
+
     deepspeed_mpi: bool = False
-    """deepy inside ``mpirun`` runs the worker in place."""
-    deepspeed_log_level: str = "warning"
-    """Log level of DeepSpeed's runner and per-node launcher (``--debug`` sets info)."""
+    """deepy.py started by mpirun (one copy per rank) runs the worker in place; ranks read MPI's variables."""
 
-    @classmethod
-    def from_args(cls, args: NeoXArgs, provenance: Mapping[str, str] | None = None) -> LaunchConfig:
-        """The launch keys of ``args``; ``provenance`` tells whether ``master_port`` was chosen.
+    deepspeed_slurm: bool = False
+    """Ranks read their place from Slurm's variables first; deepy.py started by srun runs the worker in place."""
 
-        Without a provenance entry (tests and programmatic callers build args directly) a
-        ``master_port`` other than the schema default counts as chosen, as in the config rules.
-        """
-        from megatron.neox_arguments.arguments import NeoXArgs
-        from megatron.config_rules import DERIVED
-        from megatron.neox_arguments.provenance import field_default
 
-        source = (provenance or {}).get("master_port")
-        if source is None:
-            port_given = args.master_port != field_default(NeoXArgs, "master_port")
-        else:
-            port_given = source != DERIVED
-        return cls(
-            launcher=args.launcher,
-            hostfile=args.hostfile or None,
-            include=args.include or "",
-            exclude=args.exclude or "",
-            num_nodes=-1 if args.num_nodes is None else int(args.num_nodes),
-            num_gpus=args.num_gpus,
-            master_addr=args.master_addr or None,
-            master_port=int(args.master_port),
-            master_port_given=port_given,
-            force_multi=bool(args.force_multi),
-            no_ssh_check=bool(args.no_ssh_check),
-            comment=args.comment or None,
-            account=args.account or None,
-            deepspeed_slurm=bool(args.deepspeed_slurm),
-            deepspeed_mpi=bool(args.deepspeed_mpi),
-            deepspeed_log_level=args.deepspeed_log_level,
-        )
+class LaunchArgs(Protocol):
+    """Every key the launcher reads: its own (:class:`DeepSpeedRunnerArgs`) and the runner's log level,
+    declared with the logging keys. Read-only properties, so any object holding these attributes
+    (``NeoXArgs``) satisfies it."""
+
+    @property
+    def hostfile(self) -> str | None: ...
+    @property
+    def include(self) -> str | None: ...
+    @property
+    def exclude(self) -> str | None: ...
+    @property
+    def num_nodes(self) -> int: ...
+    @property
+    def num_gpus(self) -> int | None: ...
+    @property
+    def master_port(self) -> int: ...
+    @property
+    def master_addr(self) -> str | None: ...
+    @property
+    def launcher(self) -> LauncherName: ...
+    @property
+    def force_multi(self) -> bool: ...
+    @property
+    def no_ssh_check(self) -> bool: ...
+    @property
+    def comment(self) -> str | None: ...
+    @property
+    def account(self) -> str | None: ...
+    @property
+    def deepspeed_mpi(self) -> bool: ...
+    @property
+    def deepspeed_slurm(self) -> bool: ...
+    @property
+    def deepspeed_log_level(self) -> str: ...
+
+
+def master_port_chosen(args: LaunchArgs, provenance: Mapping[str, str] | None = None) -> bool:
+    """Whether the user chose ``master_port`` (else a free port is picked where the launch is local).
+
+    ``provenance`` is the resolved config's (key -> where its value came from). Without an entry for
+    the key (tests and programmatic callers build the arguments directly) a ``master_port`` other than
+    the schema default counts as chosen, as in the config rules.
+    """
+    source = (provenance or {}).get("master_port")
+    if source is None:
+        return args.master_port != DeepSpeedRunnerArgs.model_fields["master_port"].default
+    return source != DERIVED

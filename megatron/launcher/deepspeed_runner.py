@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from megatron.launcher.config import LaunchConfig
+from megatron.launcher.config import LaunchArgs
 from megatron.launcher.plan import CONFIG_FLAG, LaunchPlan, PlanInputs
 from megatron.launcher.rendezvous import check_first_host_reachable, rendezvous
 from megatron.launcher.watchdog import launcher_environment
 
 
-def runner_flags(config: LaunchConfig, master_port: int, master_addr: str | None = None) -> list[str]:
+def runner_flags(config: LaunchArgs, master_port: int, master_addr: str | None = None) -> list[str]:
     """Flags for ``python -m deepspeed.launcher.runner`` (before the user script)."""
     out: list[str] = []
     for flag, value in (
@@ -75,11 +75,11 @@ def plan_deepspeed_runner(inputs: PlanInputs) -> LaunchPlan:
     hosts = list(inputs.active)
     multi = config.force_multi or len(hosts) > 1
     check_first_host_reachable(config, hosts)
-    meeting = rendezvous(config, hosts[0])
+    meeting = rendezvous(config, hosts[0], inputs.master_port_given)
     # One host: the runner itself uses 127.0.0.1. Several: name the address when it is known
     # here, else the runner asks the first host for it over ssh (``hostname -I``).
     addr = config.master_addr or (meeting.addr if multi and meeting.local else None)
-    on_this_machine = not multi and config.hostfile is None
+    on_this_machine = not multi and not config.hostfile
     if on_this_machine:
         argv = local_ranks_argv(inputs, meeting.port)
     else:

@@ -82,7 +82,7 @@ def plan_mpi(inputs: PlanInputs, kind: str) -> LaunchPlan:
     whole_hosts(kind, inputs.active)
     hosts = list(inputs.active)
     check_first_host_reachable(inputs.config, hosts)
-    meeting = rendezvous(inputs.config, hosts[0])
+    meeting = rendezvous(inputs.config, hosts[0], inputs.master_port_given)
     env = {"MASTER_ADDR": meeting.addr, "MASTER_PORT": str(meeting.port)}
     if kind == "openmpi":
         if os.geteuid() == 0 and not _root_allowed(inputs.environ):

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatron.launcher.config import LaunchConfig
+from megatron.launcher.config import LaunchArgs
 
 CONFIG_FLAG = "--deepy_config"
 
@@ -53,7 +53,10 @@ class LaunchPlan:
 class PlanInputs:
     """What every launcher kind builds its plan from."""
 
-    config: LaunchConfig
+    config: LaunchArgs
+    """The arguments, typed as the keys the launcher reads."""
+    master_port_given: bool = False
+    """The user chose ``master_port`` (else a free port is picked where the launch is local)."""
     user_script: str
     config_path: str
     environ: Mapping[str, str]

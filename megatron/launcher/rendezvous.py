@@ -14,7 +14,7 @@ import socket
 from dataclasses import dataclass
 
 from megatron.errors import ConfigError
-from megatron.launcher.config import LaunchConfig
+from megatron.launcher.config import LaunchArgs
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0"})
 
@@ -61,7 +61,7 @@ class Rendezvous:
     """Rank 0 runs on this machine (so the port was checked, or picked free, here)."""
 
 
-def check_first_host_reachable(config: LaunchConfig, hosts: list[str]) -> None:
+def check_first_host_reachable(config: LaunchArgs, hosts: list[str]) -> None:
     """A hostfile whose first host is ``localhost`` cannot host the rendezvous of a multi-host run."""
     first = hosts[0]
     if len(hosts) > 1 and not config.master_addr and (first in LOCAL_NAMES or first.startswith("127.")):
@@ -71,11 +71,13 @@ def check_first_host_reachable(config: LaunchConfig, hosts: list[str]) -> None:
         )
 
 
-def rendezvous(config: LaunchConfig, first_host: str, first_host_is_here: bool | None = None) -> Rendezvous:
+def rendezvous(config: LaunchArgs, first_host: str, master_port_given: bool,
+               first_host_is_here: bool | None = None) -> Rendezvous:
     """The address and port of the run's rendezvous.
 
     ``first_host`` is the address of the host where rank 0 runs; ``first_host_is_here`` says
-    whether that is this machine when its name alone cannot tell (a Slurm node's address).
+    whether that is this machine when its name alone cannot tell (a Slurm node's address);
+    ``master_port_given``: the user chose ``master_port`` (:func:`~megatron.launcher.config.master_port_chosen`).
     """
     if config.master_addr:
         addr, local = config.master_addr, is_this_machine(config.master_addr)
@@ -84,7 +86,7 @@ def rendezvous(config: LaunchConfig, first_host: str, first_host_is_here: bool |
         local = is_this_machine(addr) if first_host_is_here is None else first_host_is_here
     if not local:
         return Rendezvous(addr=addr, port=config.master_port, local=False)
-    if not config.master_port_given:
+    if not master_port_given:
         return Rendezvous(addr=addr, port=free_port(), local=True)
     if port_in_use(config.master_port):
         raise ConfigError(

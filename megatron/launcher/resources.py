@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 
 from megatron.errors import ConfigError
-from megatron.launcher.config import LaunchConfig
+from megatron.launcher.config import LaunchArgs
 
 # where DeepSpeed's runner looks for a hostfile when none is configured
 DEFAULT_HOSTFILE = "/job/hostfile"
@@ -100,7 +100,7 @@ def _read_hostfile(path: str) -> dict[str, int]:
         ) from None
 
 
-def scheduler_world(config: LaunchConfig, environ: Mapping[str, str]) -> int | None:
+def scheduler_world(config: LaunchArgs, environ: Mapping[str, str]) -> int | None:
     """The world size when deepy itself runs as one task of srun/mpirun (then it runs in place)."""
     from megatron.launcher.environment import started_by_scheduler
 
@@ -108,7 +108,7 @@ def scheduler_world(config: LaunchConfig, environ: Mapping[str, str]) -> int | N
     return None if source is None else int(environ[source.world_size])
 
 
-def uses_local_pool(config: LaunchConfig, environ: Mapping[str, str]) -> bool:
+def uses_local_pool(config: LaunchArgs, environ: Mapping[str, str]) -> bool:
     """True when the ranks run on this machine only, sized by num_gpus or the device count."""
     return (
         config.launcher != "slurm"
@@ -120,7 +120,7 @@ def uses_local_pool(config: LaunchConfig, environ: Mapping[str, str]) -> bool:
 
 
 def resource_pool(
-    config: LaunchConfig, environ: Mapping[str, str], local_devices: Callable[[], int],
+    config: LaunchArgs, environ: Mapping[str, str], local_devices: Callable[[], int],
     warnings: list[str] | None = None,
 ) -> dict[str, list[int]]:
     """Every slot the launcher may use: the Slurm allocation, the hostfile, or this machine.
@@ -149,7 +149,7 @@ def resource_pool(
         return {f"(slurm node {i})": list(range(config.num_gpus)) for i in range(max(config.num_nodes, 1))}
     path = config.hostfile or (DEFAULT_HOSTFILE if os.path.isfile(DEFAULT_HOSTFILE) else None)
     if path is not None and not os.path.isfile(path):
-        named = [spec.partition(":")[0] for spec in (config.include or config.exclude).split("@") if spec]
+        named = [spec.partition(":")[0] for spec in (config.include or config.exclude or "").split("@") if spec]
         if config.num_nodes > 1 or any(host not in ("localhost", "127.0.0.1") for host in named):
             raise ConfigError(
                 f"hostfile={path!r} does not exist, and the launch needs hosts from it (num_nodes="
@@ -169,7 +169,7 @@ def resource_pool(
     return {host: list(range(slots)) for host, slots in _read_hostfile(path).items()}
 
 
-def select_active(config: LaunchConfig, pool: dict[str, list[int]]) -> dict[str, list[int]]:
+def select_active(config: LaunchArgs, pool: dict[str, list[int]]) -> dict[str, list[int]]:
     """The slots of ``pool`` left by include/exclude, num_nodes and num_gpus (DeepSpeed's rules)."""
     if (config.include or config.exclude) and (config.num_nodes > 0 or config.num_gpus is not None):
         key = "include" if config.include else "exclude"
@@ -178,7 +178,7 @@ def select_active(config: LaunchConfig, pool: dict[str, list[int]]) -> dict[str,
             f"num_gpus={config.num_gpus}: DeepSpeed's runner accepts either a host filter or counts; remove one"
         )
     counts = {host: len(slots) for host, slots in pool.items()}
-    filtered = filter_pool(counts, config.include, config.exclude)
+    filtered = filter_pool(counts, config.include or "", config.exclude or "")
     active = apply_counts(filtered, config.num_nodes, -1 if config.num_gpus is None else config.num_gpus)
     if not active:
         raise ConfigError("no ranks left to launch after include/exclude: check include/exclude/hostfile")
@@ -186,7 +186,7 @@ def select_active(config: LaunchConfig, pool: dict[str, list[int]]) -> dict[str,
 
 
 def active_resources(
-    config: LaunchConfig, environ: Mapping[str, str], local_devices: Callable[[], int],
+    config: LaunchArgs, environ: Mapping[str, str], local_devices: Callable[[], int],
     warnings: list[str] | None = None,
 ) -> dict[str, list[int]]:
     """host -> slot ids the ranks run on, as DeepSpeed's runner would choose them."""

@@ -20,7 +20,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 
 from megatron.errors import ConfigError
-from megatron.launcher.config import LaunchConfig
+from megatron.launcher.config import LaunchArgs
 from megatron.launcher.plan import LaunchPlan, PlanInputs
 from megatron.launcher.rendezvous import rendezvous
 
@@ -100,7 +100,7 @@ def check_whole_hosts(active: Mapping[str, list[int]]) -> None:
 
 
 def srun_argv(
-    config: LaunchConfig,
+    config: LaunchArgs,
     active: Mapping[str, list[int]],
     pool: Mapping[str, list[int]],
     worker: Sequence[str],
@@ -133,6 +133,7 @@ def plan_slurm(inputs: PlanInputs) -> LaunchPlan:
     meeting = rendezvous(
         inputs.config,
         node_address(hosts[0]),
+        inputs.master_port_given,
         first_host_is_here=(here == hosts[0]) if here else None,
     )
     env = {"MASTER_ADDR": meeting.addr, "MASTER_PORT": str(meeting.port)}

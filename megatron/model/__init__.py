@@ -15,7 +15,8 @@ Conventions:
   `megatron/training/objectives`.
 
 The names below are imported on first use, not with the package: the argument layer reads the
-adapter keys in ``megatron.model.lora_config`` without paying for torch and DeepSpeed.
+adapter keys in ``megatron.model.lora_config`` and the architecture keys in ``megatron.model.config``
+without paying for torch and DeepSpeed.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ class SelfAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rotary = (
             RotaryEmbedding(config.rotary_dim, config.rotary_emb_base, config.rotary_save_freqs_buffer,
-                            config.rope_scaling, config.max_position_embeddings)
+                            config.rope_scaling_spec, config.max_positions)
             if config.pos_emb == "rotary"
             else None
         )

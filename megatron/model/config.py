@@ -1,31 +1,59 @@
-"""The architecture of a GPT model, as one typed record with GPT-NeoX field names.
+"""The architecture: sizes, norms, positional embeddings, activations, initialisation, biases, and
+the values every layer is built from: dropout (GPT-NeoX's ``NeoXArgsTraining``), the padded vocabulary
+(``NeoXArgsTokenizer``), the seed the weights are drawn from (``NeoXArgsOther``) and sequence
+parallelism (``NeoXArgsParallelism``). The MoE layer's keys are its own group (``moe_config.py``).
+Fused-kernel switches are accepted as performance hints. Switches for Mamba, RWKV, Transformer Engine
+and online weight serving belong to features Deepy does not build yet and are accepted only at their defaults.
 
-`GPTConfig` holds only what changes the network; it is frozen, and the trainer builds it from the
-validated arguments with `GPTConfig.from_args(args)` (one explicit read per key). Derived sizes (head
-dim, kv heads, MLP width, per-layer attention type) live here as properties so every module computes
-them the same way.
+:class:`GPTConfig` declares these keys once, with GPT-NeoX's names and defaults; ``NeoXArgs`` is composed
+of it, so the trainer builds the model from the arguments themselves, and interop and tests construct it
+with the same names. What every module derives from the keys (head dim, kv heads, MLP width, rotary
+dims, attention types, the weight dtype) is a property here, computed the same way everywhere.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import typing
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Self
 
-import torch
+from pydantic import Field, PrivateAttr, field_validator
 
+from megatron.config_schema import not_supported
+from megatron.config_schema import partly_supported
+from megatron.config_support import KNOWN_ATTENTION_TYPES
 from megatron.errors import ConfigError
-from megatron.model.activations import ACTIVATIONS
-from megatron.model.norms import NORMS
-from megatron.model.rope_scaling import RopeScaling, parse_rope_scaling
-from megatron.mpu.initialize_weights import InitFn, init_method_from_name
+from megatron.model.moe_config import MoEArgs
 
 if TYPE_CHECKING:
-    from megatron.neox_arguments.arguments import NeoXArgs
+    import torch
 
-PosEmb = Literal["learned", "rotary", "sinusoidal", "rpe", "alibi", "none"]
+    from megatron.model.rope_scaling import RopeScaling
+    from megatron.mpu.initialize_weights import InitFn
+
+NormType = Literal[
+    "layernorm",
+    "rmsnorm",
+    "non_parametric_layernorm",
+    "scalenorm",
+    "te_rmsnorm",
+    "te_layernorm",
+]
+PositionEmbedding = Literal["learned", "rotary", "sinusoidal", "rpe", "alibi", "none"]
+Activation = Literal[
+    "gelu",
+    "gelu_tanh",
+    "geglu",
+    "relu",
+    "softsign",
+    "swish",
+    "mish",
+    "silu",
+    "reglu",
+    "swiglu",
+    "bilinear",
+    "glu",
+]
 InitMethod = Literal[
     "normal",
     "scaled_normal",
@@ -38,135 +66,381 @@ InitMethod = Literal[
     "single_residual_scaled_normal",
 ]
 
-_POS_EMB = typing.get_args(PosEmb)
+
+_POS_EMB = typing.get_args(PositionEmbedding)
 _INIT_METHODS = typing.get_args(InitMethod)
 
 # attention types a layer may have; the kernel choice ("flash") does not change the maths
 _GLOBAL_ATTENTION = {"global", "flash"}
 _LOCAL_ATTENTION = {"local"}
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
+# the argument object is loaded by deepy.py before any rank starts: torch, the layer registries and the
+# weight initialisers are imported where the model uses them, so loading a config stays light
+_DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bfloat16": "bfloat16"}
 
 
 class ModelConfigError(ConfigError, ValueError):
     """An architecture the model cannot build (a ConfigError for the entry points, a ValueError for callers)."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class GPTConfig:
-    """Architecture fields of a GPT model. Names and defaults follow GPT-NeoX."""
+class GPTConfig(MoEArgs):
+    """GPT-NeoX's ``NeoXArgsModel`` group, with the dropout, padded vocabulary, seed and sequence
+    parallelism that the layers are built from, and the MoE layer's keys (inherited from :class:`MoEArgs`)."""
 
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_kv_heads: int | None = None
-    """Key/value heads for grouped-query (None = one per query head, 1 = multi-query)."""
-    seq_length: int = 128
-    max_position_embeddings: int | None = None
-    """Size of the learned position table; None = seq_length."""
-    padded_vocab_size: int = 128
-    """Vocabulary rows, padded so that it divides by tp (from the tokenizer: see `with_vocab`)."""
+    precision: Literal["fp16", "fp32", "bfloat16"] | None = None
+    """Training dtype: fp16 (with loss scaling), bfloat16, or fp32; derived from the fp16/bf16
+    blocks when unset."""
 
-    pos_emb: PosEmb = "learned"
-    rotary_pct: float = 1.0
-    """Fraction of each head's dimensions that rotary rotates (the rest pass through)."""
-    rotary_emb_base: int = 10000
-    rope_scaling: RopeScaling | None = None
-    """HF-style scaling of the rotary frequencies for longer contexts (`megatron/model/rope_scaling.py`)."""
-    rpe_num_buckets: int = 32
-    """Relative-distance buckets of the T5-style position bias (pos_emb rpe)."""
-    rpe_max_distance: int = 128
-    """Distance from which relative positions share the last bucket (pos_emb rpe)."""
-    rotary_save_freqs_buffer: bool = False
-    """Keep rotary's inverse frequencies in the state dict."""
-    opt_pos_emb_offset: int = 0
-    """Learned positions look up row position + offset (OPT checkpoints use 2)."""
+    num_layers: int | None = Field(None, ge=1)
+    """Number of transformer blocks."""
 
-    norm: str = "layernorm"
-    layernorm_epsilon: float = 1.0e-5
-    rms_norm_epsilon: float = 1.0e-8
-    scalenorm_epsilon: float = 1.0e-8
+    hidden_size: int | None = Field(None, ge=1)
+    """Width of the residual stream."""
+
+    intermediate_size: int | None = Field(None, ge=1)
+    """Hidden width of the MLP; for gated activations (swiglu, geglu) the width of each of the two
+    input projections. Derived from hidden_size when unset."""
+
+    mlp_multiple_of: int = Field(1, ge=1)
+    """Round the derived MLP width up to a multiple of this (LLaMA-style sizing)."""
+
+    expansion_factor: float | None = Field(None, gt=0)
+    """MLP width as a multiple of hidden_size when intermediate_size is not given."""
+
+    num_attention_heads: int | None = Field(None, ge=1)
+    """Number of query heads per attention layer."""
+
+    num_kv_heads: int | None = Field(None, ge=1)
+    """Number of key/value heads for grouped-query attention; unset means one per query head (plain
+    multi-head attention)."""
+
+    seq_length: int | None = Field(None, ge=1)
+    """Number of tokens in one training sample."""
+
+    sliding_window_width: int | None = Field(None, ge=1)
+    """Attend only to this many previous tokens (Mistral-style local attention); unset attends to
+    the whole context."""
+
+    max_position_embeddings: int | None = Field(None, ge=1)
+    """Longest sequence the positional embedding supports; defaults to seq_length."""
+
+    norm: NormType = partly_supported("layernorm", unsupported=("te_rmsnorm", "te_layernorm"))
+    """Normalisation layer used in every block and before the output layer."""
+
+    layernorm_fusion: bool = False
+    """Performance hint: use a fused LayerNorm kernel where one exists; results are unchanged."""
+
+    rmsnorm_fusion: bool = False
+    """Performance hint: use a fused RMSNorm kernel where one exists; results are unchanged."""
+
     use_qk_layernorm: bool = False
+    """Normalise queries and keys per head before the attention product, which steadies training at
+    high learning rates."""
+
     scale_attn_by_inverse_layer_idx: bool = False
-    """Divide block i's (0-based) attention scores by i + 1 as well as by sqrt(head dim) (GPT-2's and
-    Levanter's option), which keeps deep stacks' attention logits small early in training."""
-    use_bias_in_norms: bool = True
-    use_bias_in_attn_linear: bool = True
-    use_bias_in_mlp: bool = True
+    """Also divide the attention scores of block i (0-based) by i + 1, as GPT-2 and Levanter can."""
 
-    activation: str = "gelu"
-    intermediate_size: int | None = None
-    """MLP width (before gating); None = expansion_factor * hidden_size."""
-    expansion_factor: float | None = None
-    """MLP width as a multiple of hidden_size; None = 4."""
-    mlp_multiple_of: int = 1
-    """Round the MLP width up to a multiple of this."""
+    layernorm_epsilon: float = Field(1e-05, gt=0)
+    """Epsilon added to the variance inside LayerNorm."""
 
-    gpt_j_residual: bool = False
-    """Parallel residual: x + attn(norm1(x)) + mlp(norm2(x))."""
-    gpt_j_tied: bool = False
-    """With gpt_j_residual, attention and MLP share one input norm."""
+    rms_norm_epsilon: float = Field(1e-08, gt=0)
+    """Epsilon added inside RMSNorm (LLaMA uses 1e-6, LLaMA-2 1e-5)."""
+
+    scalenorm_epsilon: float = Field(1e-08, gt=0)
+    """Epsilon guarding the division in ScaleNorm."""
+
+    pos_emb: PositionEmbedding = "learned"
+    """How token positions enter the model: learned table, rotary (RoPE), sinusoidal, relative bias
+    (rpe), ALiBi, or none."""
+
+    rpe_num_buckets: int = Field(32, ge=1)
+    """Number of relative-distance buckets for the T5-style relative position bias (pos_emb rpe)."""
+
+    rpe_max_distance: int = Field(128, ge=1)
+    """Distance beyond which relative positions share the last bucket (pos_emb rpe)."""
+
+    opt_pos_emb_offset: int = Field(0, ge=0)
+    """Offset added to position ids before the learned-embedding lookup; OPT checkpoints use 2."""
+
     no_weight_tying: bool = False
-    """Untie the output projection from the token embedding."""
-    value_head: bool = False
-    """Output one scalar per token (reward models, `train_impl: rm`) instead of vocabulary logits."""
+    """Give the output layer its own weights instead of reusing the input embedding matrix."""
+
+    attention_config: list[Any] | None = None
+    """Attention type of every layer as [[types, repeat], ...]: each entry's types repeated `repeat`
+    times (or "all" to fill num_layers), e.g. [[["global"], 12]]; the layers must add up to
+    num_layers. Unset means global attention everywhere."""
+
+    sparsity_config: dict[str, Any] | None = not_supported(None)
+    """Settings for DeepSpeed's block-sparse attention kernels."""
+
+    num_unique_layers: int | None = not_supported(None)
+    """Number of distinct layers when parameters are shared across blocks."""
+
+    param_sharing_style: Literal["grouped", "spread"] = not_supported("grouped")
+    """Order in which shared layers repeat (`grouped` or `spread`)."""
+
+    activation: Activation = "gelu"
+    """Non-linearity of the MLP; the *glu variants gate one projection with another."""
+
+    mlp_type: Literal["regular", "llama"] = "regular"
+    """Earlier GPT-NeoX spelling of a gated MLP, kept so its Llama/Mistral configs load: `llama`
+    gates with `activation` (silu -> swiglu, gelu -> geglu, relu -> reglu), has no MLP biases, and is
+    8/3 x hidden_size wide rounded up to 256 unless intermediate_size is given."""
+
+    use_flashattn_swiglu: bool = False
+    """Performance hint: use flash-attn's fused SwiGLU kernel where available; results are
+    unchanged."""
+
+    scaled_upper_triang_masked_softmax_fusion: bool = False
+    """Performance hint: fuse scale, causal mask and softmax in one kernel; same results."""
+
+    scaled_masked_softmax_fusion: bool = False
+    """Performance hint: fuse scale, arbitrary mask and softmax in one kernel; results are
+    unchanged."""
+
+    bias_gelu_fusion: bool = False
+    """Performance hint: fuse the MLP bias add with GeLU; results are unchanged."""
+
+    bias_dropout_fusion: bool = False
+    """Performance hint: fuse bias add, dropout and residual add; results are unchanged."""
+
+    rope_fusion: bool = False
+    """Performance hint: apply rotary embeddings with a fused kernel; results are unchanged."""
+
+    fused_kernels_build_path: str | None = None
+    """Where compiled fused kernels are cached; unused when the kernels come from torch itself."""
+
+    fp16_lm_cross_entropy: bool = not_supported(False)
+    """Compute the language-model loss in half precision instead of fp32 (saves memory, costs
+    accuracy)."""
+
+    init_method_std: float = Field(0.02, gt=0)
+    """Standard deviation of the normal initialisers."""
+
+    apply_query_key_layer_scaling: bool = False
+    """Divide attention scores by the layer number before softmax and multiply back after, to avoid
+    fp16 overflow in deep models."""
+
+    use_cpu_initialization: bool = False
+    """Create weights in CPU memory before moving them to the device; Deepy always builds full
+    weights from the seed and then shards them, so only where they are built changes."""
+
+    attention_softmax_in_fp32: bool = False
+    """Run the attention softmax in fp32 even when training in half precision."""
+
+    rotary_pct: float = Field(1.0, gt=0, le=1)
+    """Share of each head's dimensions that rotary embeddings rotate (Pythia and GPT-NeoX-20B use
+    0.25)."""
+
+    rotary_emb_base: int = Field(10000, ge=1)
+    """Base of the rotary frequencies (theta); larger values stretch the usable context."""
+
+    rope_scaling: dict[str, Any] | None = None
+    """Deepy addition (Hugging Face's field): stretch rotary positions for a longer context, e.g.
+    `{rope_type: linear, factor: 4}`; types linear, dynamic, yarn, llama3 with HF's fields."""
+
+    rotary_save_freqs_buffer: bool = False
+    """Store the rotary frequency table in the checkpoint instead of recomputing it on load."""
 
     init_method: InitMethod = "normal"
+    """Initialiser of most weight matrices."""
+
     output_layer_init_method: InitMethod = "scaled_normal"
-    init_method_std: float = 0.02
+    """Initialiser of the projections that write into the residual stream (attention output, MLP
+    down-projection)."""
 
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    sliding_window_width: int | None = None
-    """Each token attends to itself and the previous `sliding_window_width` tokens: in the "local"
-    layers of `attention_config` if it has any, else in every layer (Mistral style)."""
-    attention_config: list[Any] | None = None
-    """Per-layer attention types, GPT-NeoX style ([[["global"], n_layers]]) or already expanded."""
-    params_dtype: torch.dtype = torch.float32
-    seed: int = 1234
+    gmlp_attn_dim: int = not_supported(64)
+    """Width of the small attention inside gMLP blocks."""
+
+    gpt_j_residual: bool = False
+    """Run attention and MLP in parallel from the same input and add both to the residual (GPT-J,
+    Pythia, NeoX-20B)."""
+
+    gpt_j_tied: bool = False
+    """With gpt_j_residual, feed attention and MLP from one shared LayerNorm instead of two."""
+
+    use_bias_in_norms: bool = True
+    """Give the norm layers an additive bias (LLaMA-style models have none)."""
+
+    use_bias_in_attn_linear: bool = True
+    """Give the attention projections a bias."""
+
+    use_bias_in_mlp: bool = True
+    """Give the MLP projections a bias."""
+
+    soft_prompt_tuning: dict[str, Any] | None = not_supported(None)
+    """Settings for training a learned prompt prefix while the model stays frozen."""
+
+    mamba_selective_scan_fusion: bool = not_supported(False)
+    """Mamba layers: use the fused selective-scan kernel."""
+
+    mamba_causal_conv_fusion: bool = not_supported(False)
+    """Mamba layers: use the fused causal 1-D convolution kernel."""
+
+    mamba_inner_func_fusion: bool = not_supported(False)
+    """Mamba layers: fuse the whole inner block into one kernel."""
+
+    mamba_selective_fp32_params: bool = not_supported(True)
+    """Mamba layers: keep the selective-scan parameters in fp32."""
+
+    mamba_use_bias_in_conv: bool = not_supported(True)
+    """Mamba layers: give the causal convolution a bias."""
+
+    mamba_use_bias_in_linears: bool = not_supported(False)
+    """Mamba layers: give the input/output projections a bias."""
+
+    output_layer_parallelism: Literal["column"] = "column"
+    """How the output layer is split across tensor-parallel ranks; only column (vocabulary)
+    splitting exists."""
+
+    serve_model_weights: bool = not_supported(False)
+    """Serve the live weights over the network to an external generation server (online RL)."""
+
+    weight_server_port: int | list[int] = not_supported(6000)
+    """Port, or one port per rank, on which weights are served."""
+
+    online_dataserver_ips: str | list[str] = not_supported("localhost")
+    """Hosts providing rollouts when dataset_impl is online."""
+
+    online_dataserver_ports: int | list[int] = not_supported(10000)
+    """Ports of the online rollout servers."""
+
+    te_columnparallel: bool = not_supported(False)
+    """Use Transformer Engine's column-parallel linear layer."""
+
+    te_rowparallel: bool = not_supported(False)
+    """Use Transformer Engine's row-parallel linear layer."""
+
+    te_layernorm_mlp: bool = not_supported(False)
+    """Use Transformer Engine's fused LayerNorm+MLP module."""
+
+    te_mha: bool = not_supported(False)
+    """Use Transformer Engine's multi-head attention module."""
+
+    te_fp8_format: Literal["e4m3", "hybrid"] = not_supported("hybrid")
+    """FP8 format for Transformer Engine layers (e4m3 everywhere, or hybrid e4m3/e5m2)."""
+
+    te_fp8_wgrad: bool = not_supported(True)
+    """Compute weight gradients in FP8 with Transformer Engine."""
+
+    te_fp8_amax_history_len: int = not_supported(1)
+    """Length of the amax history Transformer Engine uses for FP8 scaling."""
+
+    te_fp8_amax_compute_algo: Literal["most_recent", "max"] = not_supported("most_recent")
+    """How Transformer Engine turns the amax history into a scale (`most_recent` or `max`)."""
+
+    te_fp8_margin: int = not_supported(0)
+    """Extra power-of-two margin on Transformer Engine FP8 scales."""
+
+    te_fp8_mha: bool = not_supported(False)
+    """Run Transformer Engine attention in FP8."""
+
+    dim_att: int | None = not_supported(None)
+    """RWKV: attention width."""
+
+    head_size: int | None = not_supported(None)
+    """RWKV: size of each head."""
+
+    ffn_dim: int | None = not_supported(None)
+    """RWKV: width of the channel-mixing layer."""
+
+    attention_dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on attention probabilities."""
+
+    hidden_dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on attention and MLP outputs before they join the residual."""
+
+    padded_vocab_size: int | None = Field(None, ge=1)
+    """Rows of the embedding and output layer; unset means the tokenizer's vocabulary padded to a
+    multiple of make_vocab_size_divisible_by x the tensor-parallel size (computed at runtime)."""
+
+    seed: int = Field(1234, ge=0)
+    """Seed for weights, data order and dropout; the same seed gives the same run on any layout."""
+
     sequence_parallel: bool = False
+    """Split layer-norm and dropout activations along the sequence across tensor-parallel ranks to
+    save memory."""
 
-    # mixture of experts (megatron/model/moe.py); moe_num_experts == 1 is a dense model
-    moe_num_experts: int = 1
-    moe_expert_interval: int = 1
-    """Blocks whose index is a multiple of this get an MoE layer instead of the MLP."""
-    moe_top_k: int = 1
-    moe_router_type: Literal["sinkhorn", "topk"] = "sinkhorn"
-    moe_lbl_in_fp32: bool = False
-    moe_jitter_eps: float | None = None
-    moe_aux_loss_coeff: float = 0.0
-    moe_z_loss_coeff: float = 0.0
+    _value_head: bool = PrivateAttr(default=False)  # not a key: the objective's choice (`value_head`)
 
-    # ------------------------------------------------------------------------------------
-    def __post_init__(self) -> None:
-        # normalised once here; the dataclass is frozen, so through object.__setattr__
-        if isinstance(self.params_dtype, str):
-            object.__setattr__(self, "params_dtype", _DTYPES[self.params_dtype])
-        if self.num_kv_heads is None:
-            object.__setattr__(self, "num_kv_heads", self.num_attention_heads)
-        if self.max_position_embeddings is None:
-            object.__setattr__(self, "max_position_embeddings", self.seq_length)
-        if isinstance(self.rope_scaling, dict):  # HF's dict, as the config file and transformers write it
-            object.__setattr__(self, "rope_scaling", parse_rope_scaling(self.rope_scaling, self.max_position_embeddings))
+    @field_validator("attention_config")
+    @classmethod
+    def _attention_config_shape(cls, value: list[Any] | None) -> list[Any] | None:
+        """Check the NeoX shape ``[[types, repeat], ...]`` and the type names.
+
+        Whether the repeats add up to ``num_layers`` is a cross-field rule checked later; here
+        only what one field can tell: each entry is a list of known type names and a count.
+        """
+        if value is None:
+            return value
+        for entry in value:
+            ok = (
+                isinstance(entry, (list, tuple))
+                and len(entry) == 2
+                and isinstance(entry[0], (list, tuple))
+                and len(entry[0]) > 0
+                and all(isinstance(t, str) for t in entry[0])
+                and ((isinstance(entry[1], int) and not isinstance(entry[1], bool) and entry[1] >= 1)
+                     or entry[1] == "all")
+            )
+            if not ok:
+                raise ValueError(
+                    f"entry {entry!r} should be [[type, ...], repeat] with repeat a count or \"all\", "
+                    f"e.g. [[\"global\"], 12]"
+                )
+            unknown = sorted(set(entry[0]) - KNOWN_ATTENTION_TYPES)
+            if unknown:
+                known = ", ".join(sorted(KNOWN_ATTENTION_TYPES))
+                raise ValueError(f"unknown attention type(s) {', '.join(unknown)}; known: {known}")
+        return value
+
+    # --- what is not a key ----------------------------------------------------------------
+    @property
+    def value_head(self) -> bool:
+        """One scalar per token instead of logits (``train_impl: rm``): ``replace(value_head=True)``, no key."""
+        return self._value_head
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        """The dtype the weights are created in: ``precision`` (fp32 when unset)."""
+        import torch
+
+        return getattr(torch, _DTYPE_NAMES[self.precision or "fp32"])
+
+    @property
+    def max_positions(self) -> int:
+        """Learned position rows / rotary scaling's context: ``max_position_embeddings``, else ``seq_length``."""
+        value = self.max_position_embeddings if self.max_position_embeddings is not None else self.seq_length
+        assert value is not None, "check_architecture() first"
+        return value
+
+    @property
+    def rope_scaling_spec(self) -> RopeScaling | None:
+        """``rope_scaling`` (HF's dict) parsed (``megatron/model/rope_scaling.py``)."""
+        from megatron.model.rope_scaling import parse_rope_scaling
+
+        return parse_rope_scaling(self.rope_scaling, self.max_positions) if self.rope_scaling else None
+
+    def check_architecture(self) -> None:
+        """Raise :class:`ModelConfigError` for an architecture the model cannot build; the model and
+        the pipeline builder call it first."""
+        missing = [key for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+                   if getattr(self, key) is None]
+        if missing:
+            raise ModelConfigError(f"{', '.join(missing)} not set: every model needs num_layers, hidden_size, "
+                                   f"num_attention_heads and seq_length")
         if self.rope_scaling is not None and self.pos_emb != "rotary":
             raise ModelConfigError(f"rope_scaling scales rotary positions; pos_emb is {self.pos_emb!r}")
+        self.rope_scaling_spec  # noqa: B018 - parsing raises for a dict Deepy cannot honour
         if self.hidden_size % self.num_attention_heads != 0:
             raise ModelConfigError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
                 f"{self.num_attention_heads}"
             )
-        if self.num_attention_heads % self.num_kv_heads != 0:
+        if self.num_attention_heads % self.kv_heads != 0:
             raise ModelConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not divisible by "
-                f"num_kv_heads={self.num_kv_heads}"
+                f"num_kv_heads={self.kv_heads}"
             )
         self._check_choices()
         bad = [t for t in self.attention_types if t not in _GLOBAL_ATTENTION | _LOCAL_ATTENTION]
@@ -182,6 +456,9 @@ class GPTConfig:
             raise ModelConfigError(f"moe_top_k={self.moe_top_k} must be in [1, moe_num_experts={self.moe_num_experts}]")
 
     def _check_choices(self) -> None:
+        from megatron.model.activations import ACTIVATIONS
+        from megatron.model.norms import NORMS
+
         choices: dict[str, tuple[str, list[str]]] = {
             "pos_emb": (self.pos_emb, list(_POS_EMB)),
             "norm": (self.norm, sorted(NORMS)),
@@ -200,8 +477,8 @@ class GPTConfig:
 
     @property
     def kv_heads(self) -> int:
-        assert self.num_kv_heads is not None
-        return self.num_kv_heads
+        """Key/value heads: ``num_kv_heads``, or one per query head when unset."""
+        return self.num_kv_heads if self.num_kv_heads is not None else self.num_attention_heads
 
     @property
     def ffn_hidden_size(self) -> int:
@@ -236,7 +513,11 @@ class GPTConfig:
         return expand_attention_config(self.attention_config, self.num_layers)
 
     def check_tensor_parallel(self, tp: int) -> None:
-        """Raise if the sizes that tensor parallelism splits do not divide by `tp`."""
+        """Raise if the architecture cannot be built (``check_architecture``), if the vocabulary is not
+        sized yet, or if the sizes that tensor parallelism splits do not divide by `tp`."""
+        self.check_architecture()
+        if self.padded_vocab_size is None:
+            raise ModelConfigError("padded_vocab_size is not set: size the model for its tokenizer (for_tokenizer)")
         splits = {
             "num_attention_heads": self.num_attention_heads,
             "num_kv_heads": self.kv_heads,
@@ -261,85 +542,37 @@ class GPTConfig:
 
     def init_fn(self) -> InitFn:
         """Init for input-side weights (embeddings, QKV, first MLP projection, untied output)."""
+        from megatron.mpu.initialize_weights import init_method_from_name
+
         return init_method_from_name(self.init_method, self.init_method_std, self.num_layers, self.hidden_size)
 
     def output_init_fn(self) -> InitFn:
         """Init for the layers that write into the residual stream (attention dense, MLP out)."""
+        from megatron.mpu.initialize_weights import init_method_from_name
+
         return init_method_from_name(
             self.output_layer_init_method, self.init_method_std, self.num_layers, self.hidden_size
         )
 
-    def replace(self, **changes: Any) -> "GPTConfig":
-        return dataclasses.replace(self, **changes)
+    # --- variants -----------------------------------------------------------------------
+    def replace(self, **changes: Any) -> Self:
+        """A copy with ``changes`` (GPT-NeoX key names, or ``value_head``); the original is untouched."""
+        value_head = bool(changes.pop("value_head", self._value_head))
+        unknown = sorted(set(changes) - set(type(self).model_fields))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no keys {unknown}")
+        copy = self.model_copy(update=changes)
+        copy._value_head = value_head
+        return copy
 
-    def with_vocab(self, padded_vocab_size: int) -> "GPTConfig":
-        """The same architecture with the embedding sized for the tokenizer."""
-        return dataclasses.replace(self, padded_vocab_size=padded_vocab_size)
+    def with_vocab(self, padded_vocab_size: int) -> Self:
+        """The same architecture with ``padded_vocab_size`` embedding rows."""
+        return self.replace(padded_vocab_size=padded_vocab_size)
 
-    # --- from the trainer's arguments ---------------------------------------------------
-    @classmethod
-    def from_args(cls, args: NeoXArgs) -> "GPTConfig":
-        """The architecture keys of the validated arguments.
-
-        ``padded_vocab_size`` is the config's explicit value or a placeholder until the tokenizer is
-        known (``with_vocab``). Kernel-selection hints (``bias_gelu_fusion``, ...) are not read:
-        they choose kernels, not maths (see ``megatron.neox_arguments.honesty.NO_EFFECT_KEYS``).
-        """
-        from megatron.training.objectives.registry import needs_of
-
-        precision = args.precision or "fp32"
-        return cls(
-            num_layers=_required(args.num_layers, "num_layers"),
-            hidden_size=_required(args.hidden_size, "hidden_size"),
-            num_attention_heads=_required(args.num_attention_heads, "num_attention_heads"),
-            num_kv_heads=args.num_kv_heads,
-            seq_length=_required(args.seq_length, "seq_length"),
-            max_position_embeddings=args.max_position_embeddings,
-            padded_vocab_size=args.padded_vocab_size or 0,
-            pos_emb=args.pos_emb,
-            rotary_pct=args.rotary_pct,
-            rotary_emb_base=args.rotary_emb_base,
-            rope_scaling=args.rope_scaling,  # HF's dict, parsed in __post_init__
-            rpe_num_buckets=args.rpe_num_buckets,
-            rpe_max_distance=args.rpe_max_distance,
-            rotary_save_freqs_buffer=args.rotary_save_freqs_buffer,
-            opt_pos_emb_offset=args.opt_pos_emb_offset,
-            norm=args.norm,
-            layernorm_epsilon=args.layernorm_epsilon,
-            rms_norm_epsilon=args.rms_norm_epsilon,
-            scalenorm_epsilon=args.scalenorm_epsilon,
-            use_qk_layernorm=args.use_qk_layernorm,
-            scale_attn_by_inverse_layer_idx=args.scale_attn_by_inverse_layer_idx,
-            use_bias_in_norms=args.use_bias_in_norms,
-            use_bias_in_attn_linear=args.use_bias_in_attn_linear,
-            use_bias_in_mlp=args.use_bias_in_mlp,
-            activation=args.activation,
-            intermediate_size=args.intermediate_size,
-            expansion_factor=args.expansion_factor,
-            mlp_multiple_of=args.mlp_multiple_of,
-            gpt_j_residual=args.gpt_j_residual,
-            gpt_j_tied=args.gpt_j_tied,
-            no_weight_tying=args.no_weight_tying,
-            value_head=needs_of(args.train_impl).value_head,
-            init_method=args.init_method,
-            output_layer_init_method=args.output_layer_init_method,
-            init_method_std=args.init_method_std,
-            hidden_dropout=args.hidden_dropout,
-            attention_dropout=args.attention_dropout,
-            sliding_window_width=args.sliding_window_width,
-            attention_config=args.attention_config,
-            moe_num_experts=args.moe_num_experts,
-            moe_expert_interval=args.moe_expert_interval,
-            moe_top_k=args.moe_top_k,
-            moe_router_type=args.moe_router_type,
-            moe_lbl_in_fp32=args.moe_lbl_in_fp32,
-            moe_jitter_eps=args.moe_jitter_eps,
-            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-            moe_z_loss_coeff=args.moe_z_loss_coeff,
-            params_dtype=_DTYPES[precision],
-            seed=args.seed,
-            sequence_parallel=args.sequence_parallel,
-        )
+    def for_tokenizer(self, padded_vocab: int) -> Self:
+        """This architecture sized for the tokenizer: the config's ``padded_vocab_size`` when given (the
+        rules check it divides over tp), else ``padded_vocab`` (``TokenizerArgs.padded``)."""
+        return self.with_vocab(self.padded_vocab_size or padded_vocab)
 
 
 def expand_attention_config(config: list[Any], num_layers: int) -> list[str]:
@@ -366,10 +599,3 @@ def expand_attention_config(config: list[Any], num_layers: int) -> list[str]:
             f"(each entry's types times its count) must add up to num_layers"
         )
     return types
-
-
-def _required(value: int | None, key: str) -> int:
-    if value is None:
-        raise ModelConfigError(f"{key} is not set: every model needs num_layers, hidden_size, "
-                               f"num_attention_heads and seq_length")
-    return value

@@ -61,8 +61,7 @@ def num_parameters(config: GPTConfig, include_embeddings: bool = True, active: b
     if include_embeddings:
         total += vocab * h
         if config.pos_emb == "learned":
-            assert config.max_position_embeddings is not None
-            total += (config.max_position_embeddings + config.opt_pos_emb_offset) * h
+            total += (config.max_positions + config.opt_pos_emb_offset) * h
     return total
 
 

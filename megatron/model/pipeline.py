@@ -165,6 +165,7 @@ def is_pipeline_parameter_name(name: str) -> bool:
 def pipeline_layer_specs(config: GPTConfig) -> list[LayerSpec]:
     """Specs for `PipelineModule(layers=..., loss_fn=..., partition_method="type:TransformerLayerPipe",
     checkpointable_layers=CHECKPOINTABLE_LAYERS)`."""
+    config.check_tensor_parallel(get_tensor_model_parallel_world_size())
     tied = not config.no_weight_tying and not config.value_head
     if config.value_head:
         first, last = LayerSpec(EmbeddingPipe, config), LayerSpec(ValueHeadPipe, config)

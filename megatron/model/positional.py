@@ -28,9 +28,8 @@ class LearnedPositionalEmbedding(nn.Module):
 
     def __init__(self, config: GPTConfig, name: str) -> None:
         super().__init__()
-        assert config.max_position_embeddings is not None
         self.offset = config.opt_pos_emb_offset
-        shape = (config.max_position_embeddings + self.offset, config.hidden_size)
+        shape = (config.max_positions + self.offset, config.hidden_size)
         self.weight = nn.Parameter(torch.empty(shape, dtype=config.params_dtype))
         initialize_param_(self.weight, f"{name}.weight", config.seed, config.init_fn(), shape)
 

@@ -20,36 +20,41 @@ from pydantic import BaseModel
 from megatron import plugins
 from megatron.errors import ConfigError
 from megatron.neox_arguments.groups.deepspeed_config import DeepSpeedConfigArgs
-from megatron.neox_arguments.groups.deepspeed_runner import DeepSpeedRunnerArgs
 from megatron.checkpointing.config import CheckpointArgs
+from megatron.data.config import DataArgs
 from megatron.evaluation.config import EvalArgs
+from megatron.launcher.config import DeepSpeedRunnerArgs
 from megatron.logging.config import LoggingArgs
+from megatron.model.config import GPTConfig
 from megatron.model.lora_config import LoRAArgs
+from megatron.model.moe_config import MoEArgs
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.config import TrainingLoopArgs
 from megatron.training.lr_config import LRSchedulerArgs
-from megatron.neox_arguments.groups.model import ModelArgs
-from megatron.neox_arguments.groups.moe import MoEArgs
+from megatron.training.objectives.config import ObjectiveArgs
 from megatron.training.optimizer_config import OptimizerArgs
 from megatron.neox_arguments.groups.other import OtherArgs
-from megatron.neox_arguments.groups.parallelism import ParallelismArgs
-from megatron.neox_arguments.groups.support import UNSUPPORTED_ATTENTION_TYPES, unsupported_values
+from megatron.mpu.parallel_config import ParallelismArgs
+from megatron.config_support import UNSUPPORTED_ATTENTION_TYPES
 from megatron.generation.config import TextgenArgs
 from megatron.tokenizer.config import TokenizerArgs
 from megatron.neox_arguments.groups.training import TrainingArgs
-from megatron.config_schema import ArgGroup
-from megatron.config_schema import is_supported as _field_is_supported
+from megatron.config_schema import ArgGroup, own_fields
+from megatron.config_schema import is_supported as _field_is_supported, unsupported_values
 from megatron.plugins import PluginArgs
 
 # Short group names in documentation order: the module names under groups/, or, for a group declared
-# beside the component that reads it, that component's name (checkpoint, logging, tokenizer, lora, lr).
+# beside the component that reads it, that component's name (checkpoint, logging, tokenizer, lora, lr,
+# objective, data).
 GROUPS: dict[str, type[ArgGroup]] = {
     "parallelism": ParallelismArgs,
-    "model": ModelArgs,
+    "model": GPTConfig,
     "optimizer": OptimizerArgs,
     "lr": LRSchedulerArgs,
     "training": TrainingArgs,
+    "data": DataArgs,
     "training_loop": TrainingLoopArgs,
+    "objective": ObjectiveArgs,
     "activation_checkpointing": ActivationCheckpointArgs,
     "checkpoint": CheckpointArgs,
     "logging": LoggingArgs,
@@ -75,7 +80,7 @@ def _owner_map(groups: Mapping[str, type[ArgGroup]]) -> dict[str, str]:
     """
     owner: dict[str, str] = {}
     for group_name, group in groups.items():
-        for name in group.model_fields:
+        for name in own_fields(group):
             if name in owner:
                 raise TypeError(f"field {name!r} is in both {owner[name]} and {group_name}")
             owner[name] = group_name
@@ -84,11 +89,13 @@ def _owner_map(groups: Mapping[str, type[ArgGroup]]) -> dict[str, str]:
 
 class _Arguments(
     ParallelismArgs,
-    ModelArgs,
+    GPTConfig,
     OptimizerArgs,
     LRSchedulerArgs,
     TrainingArgs,
+    DataArgs,
     TrainingLoopArgs,
+    ObjectiveArgs,
     ActivationCheckpointArgs,
     CheckpointArgs,
     LoggingArgs,

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from megatron.data.batch import BatchError, solve_batch
 from megatron.errors import ConfigError
 from megatron.neox_arguments.honesty import FILLED_IN_KEYS
 from megatron.config_rules import DERIVED
@@ -56,19 +57,17 @@ def detect_world_size(args: NeoXArgs, device_count: int | None = None, warnings:
 def active_resources(args: NeoXArgs, device_count: int | None = None,
                      warnings: list[str] | None = None) -> dict[str, list[int]]:
     """host -> slot ids the ranks will use (see :mod:`megatron.launcher.resources`)."""
-    from megatron.launcher.config import LaunchConfig
     from megatron.launcher.resources import active_resources as launcher_resources
 
     devices = local_device_count if device_count is None else (lambda: device_count)
-    return launcher_resources(LaunchConfig.from_args(args), os.environ, devices, warnings)
+    return launcher_resources(args, os.environ, devices, warnings)
 
 
 def uses_local_pool(args: NeoXArgs) -> bool:
     """True when the ranks run on this machine only, sized by num_gpus or the device count."""
-    from megatron.launcher.config import LaunchConfig
     from megatron.launcher.resources import uses_local_pool as launcher_uses_local_pool
 
-    return launcher_uses_local_pool(LaunchConfig.from_args(args), os.environ)
+    return launcher_uses_local_pool(args, os.environ)
 
 
 # --- derivations ------------------------------------------------------------------------------------
@@ -118,72 +117,24 @@ MICRO_BATCH_ALIASES = ("train_micro_batch_size_per_gpu", "batch_size", "per_devi
 
 @deriver
 def derive_batch(ctx: RuleContext) -> Derivation:
-    """train_batch_size = micro batch x gradient accumulation x dp; any two give the third."""
-    out = Derivation()
+    """train_batch_size = micro batch x gradient accumulation x dp; any two give the third
+    (:func:`megatron.data.batch.solve_batch`, the one place that computes and checks it). The layout's
+    numbers are recorded in the resolved config, ``derived`` where the user left them out, so
+    ``--dry-run`` shows them and the DeepSpeed split copies them."""
     dp = ctx.dp
     if dp is None:
-        return out  # the layout rule reports the world size
+        return Derivation()  # the layout rule reports the world size
     micro_keys = [key for key in MICRO_BATCH_ALIASES if ctx.get(key) is not None]
-    micro_values = {ctx.get(key) for key in micro_keys}
-    if len(micro_values) > 1:
+    if len({ctx.get(key) for key in micro_keys}) > 1:
         shown = ", ".join(ctx.show(key) for key in micro_keys)
-        out.problems.append(f"{shown} all name the per-rank micro batch but differ: keep one")
-        return out
-    micro = ctx.get(micro_keys[0]) if micro_keys else None
+        return Derivation(problems=[f"{shown} all name the per-rank micro batch but differ: keep one"])
     gas = ctx.get("gradient_accumulation_steps") if ctx.given("gradient_accumulation_steps") else None
-    total = ctx.get("train_batch_size")
-    formula = f"train_batch_size = micro batch x gradient_accumulation_steps x data-parallel size ({dp})"
-
-    if micro is not None and gas is not None and total is not None:
-        if micro * gas * dp != total:
-            out.problems.append(
-                f"{ctx.show('train_batch_size')} != {ctx.show(micro_keys[0])} x "
-                f"{ctx.show('gradient_accumulation_steps')} x dp {dp} = {micro * gas * dp}: "
-                f"{formula}; drop one of the three to have it derived"
-            )
-            return out
-    elif micro is not None and total is not None:
-        if total % (micro * dp) != 0:
-            out.problems.append(
-                f"{ctx.show('train_batch_size')} is not a multiple of {ctx.show(micro_keys[0])} x dp {dp} = "
-                f"{micro * dp}: {formula}; use a train_batch_size that is a multiple of {micro * dp}"
-            )
-            return out
-        gas = total // (micro * dp)
-    elif gas is not None and total is not None:
-        if total % (gas * dp) != 0:
-            out.problems.append(
-                f"{ctx.show('train_batch_size')} is not a multiple of {ctx.show('gradient_accumulation_steps')} "
-                f"x dp {dp} = {gas * dp}: {formula}"
-            )
-            return out
-        micro = total // (gas * dp)
-    elif micro is not None:
-        gas = gas or 1
-        total = micro * gas * dp
-    elif total is not None:
-        if total % dp != 0:
-            out.problems.append(
-                f"{ctx.show('train_batch_size')} is not divisible by the data-parallel size {dp}: "
-                f"{formula}; use a multiple of {dp}"
-            )
-            return out
-        gas, micro = 1, total // dp
-    else:
-        shown = f" (only {ctx.show('gradient_accumulation_steps')})" if gas is not None else ""
-        out.problems.append(
-            f"no batch size{shown}: set train_micro_batch_size_per_gpu (samples per rank per step) "
-            f"and/or train_batch_size (global samples per optimizer step)"
-        )
-        return out
-    total = micro * gas * dp
-    out.values.update(
-        train_micro_batch_size_per_gpu=micro,
-        batch_size=micro,
-        gradient_accumulation_steps=gas,
-        train_batch_size=total,
-    )
-    return out
+    try:
+        layout = solve_batch(ctx.get(micro_keys[0]) if micro_keys else None, gas, ctx.get("train_batch_size"), dp,
+                             show=ctx.show, micro_key=micro_keys[0] if micro_keys else "train_micro_batch_size_per_gpu")
+    except BatchError as err:
+        return Derivation(problems=[err.message])
+    return Derivation(layout.keys())
 
 
 @deriver
@@ -289,17 +240,16 @@ SHARDING_STAGES = {"fsdp": 3, "hsdp": 3, "ddp": 0}
 @deriver
 def derive_sharding(ctx: RuleContext) -> Derivation:
     """``sharding_strategy`` -> the ``zero_optimization`` block it means (a stage or hpZ size the
-    block gives otherwise is a contradiction)."""
+    block gives otherwise is a contradiction); for hsdp also the shard size (hybrid_shard_problems)."""
     strategy = ctx.get("sharding_strategy")
+    if strategy != "hsdp" and ctx.given("sharding_group_size"):
+        return Derivation(problems=[f"{ctx.show('sharding_group_size')} is read only with sharding_strategy: "
+                                    f"hsdp ({ctx.show('sharding_strategy')}); remove it or use hsdp"])
     if strategy is None:
         return Derivation()
     merged = dict(ctx.get("zero_optimization") or {})
     wanted: dict[str, Any] = {"stage": SHARDING_STAGES[strategy]}
-    if strategy == "hsdp":
-        # hpZ keeps a node-local copy of the parameters: all-gathers of the backward stay in the node
-        per_node = int(ctx.get("num_gpus") or ctx.world_size)
-        wanted["zero_hpz_partition_size"] = int(merged.get("zero_hpz_partition_size") or per_node)
-    elif int(merged.get("zero_hpz_partition_size") or 1) > 1:
+    if strategy != "hsdp" and int(merged.get("zero_hpz_partition_size") or 1) > 1:
         wanted["zero_hpz_partition_size"] = 1
     problems = [
         f"{ctx.show('sharding_strategy')} means zero_optimization.{key}={value}, but zero_optimization."
@@ -308,9 +258,16 @@ def derive_sharding(ctx: RuleContext) -> Derivation:
     ]
     if ctx.get("zero_stage") not in (None, wanted["stage"]):
         problems.append(f"{ctx.show('sharding_strategy')} contradicts {ctx.show('zero_stage')}; keep one of them")
+    values: dict[str, Any] = {}
+    if strategy == "hsdp":
+        from megatron.neox_arguments.hybrid_shard_rules import hybrid_shard_problems, shard_size
+
+        one_node = uses_local_pool(ctx.args)  # without num_gpus: this machine's ranks are one node
+        problems += hybrid_shard_problems(ctx, merged, one_node)
+        values["sharding_group_size"] = shard_size(ctx, one_node)
     if problems:
         return Derivation(problems=problems)
-    return Derivation({"zero_optimization": {**merged, **wanted}})
+    return Derivation({"zero_optimization": {**merged, **wanted}, **values})
 
 
 @deriver

@@ -17,7 +17,8 @@ from typing import Any, Literal, Union
 
 from megatron import plugins
 from megatron.neox_arguments.arguments import NeoXArgs
-from megatron.neox_arguments.groups.support import UNSUPPORTED_ATTENTION_TYPES
+from megatron.config_support import UNSUPPORTED_ATTENTION_TYPES
+from megatron.config_schema import own_fields
 
 NOT_SUPPORTED = "not supported yet"
 
@@ -103,7 +104,8 @@ def render_markdown() -> str:
         parts.append(f"\n## {group_name} (`{group.__name__}`)\n\n{_group_intro(group_name, group)}\n")
         parts.append("| key | type | default | description | support |")
         parts.append("|---|---|---|---|---|")
-        for name, field in group.model_fields.items():
+        for name in own_fields(group):
+            field = group.model_fields[name]
             default = repr(NeoXArgs.default_of(name))
             row = [
                 f"`{name}`",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import cast
 
 from megatron.data.config import PATH_KEYS
 from megatron.errors import DeepyError
@@ -85,8 +86,8 @@ def tokenizer_loads(ctx: RuleContext) -> list[str]:
         return _not_here(ctx, f"tokenizer file {absent[0]}",
                          f"tokenizer file(s) {', '.join(map(str, absent))} not found ({where})")
     try:
-        build_tokenizer(TokenizerArgs(tokenizer_type=kind, vocab_file=ctx.get("vocab_file"),
-                                      merge_file=ctx.get("merge_file")))
+        # the arguments object itself (composed of TokenizerArgs): a tokenizer plug-in reads its own keys too
+        build_tokenizer(cast(TokenizerArgs, ctx.args))
     except DeepyError as err:
         return [f"tokenizer_type={kind} ({describe(ctx.source('tokenizer_type'))}): {err.message}"]
     except Exception as err:  # noqa: BLE001 - each tokenizer library raises its own types

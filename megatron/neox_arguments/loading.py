@@ -266,7 +266,7 @@ def load_config(
     if translation is not None:
         args = build_args(translation.values, translation.provenance, default_schema())
         args.config_files = dict(translation.texts)
-        return ResolvedConfig(args=args, provenance=translation.provenance, config_files=translation.texts,
+        return ResolvedConfig(args=args, provenance=translation.provenance,
                               dialect=translation.record())
     if not paths:
         raise ConfigError("no config file given; pass at least one .yml file (e.g. configs/125M.yml)")
@@ -281,7 +281,7 @@ def load_config(
     if "config_files" in schema.model_fields and "config_files" not in values:
         # GPT-NeoX keeps the original file texts in the arguments (they end up in checkpoints)
         args.config_files = dict(texts)
-    return ResolvedConfig(args=args, provenance=provenance, config_files=texts)
+    return ResolvedConfig(args=args, provenance=provenance)
 
 
 def config_from_mapping(values: Mapping[str, Any], source: str = "<mapping>") -> ResolvedConfig:

@@ -13,6 +13,7 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
+from megatron import plugins
 from megatron.config_rules import RuleContext, rule
 from megatron.neox_arguments.rules import runs_on_this_machine
 
@@ -33,11 +34,10 @@ def needed_packages(ctx: RuleContext) -> list[tuple[str, str, str]]:
         needs.append(("pytorch_optimizer", "pytorch-optimizer", setting))
     if ctx.get("eval_tasks"):
         needs.append(("lm_eval", "lm-eval", ctx.show("eval_tasks")))
-    tokenizer = ctx.get("tokenizer_type")
-    if tokenizer == "TiktokenTokenizer":
-        needs.append(("tiktoken", "tiktoken", ctx.show("tokenizer_type")))
-    if tokenizer == "SPMTokenizer":
-        needs.append(("sentencepiece", "sentencepiece", ctx.show("tokenizer_type")))
+    tokenizer = plugins.find("tokenizer_type", str(ctx.get("tokenizer_type")))
+    if tokenizer is not None and "package" in tokenizer.needs:  # the tokenizer plug-in names its library
+        module, package = tokenizer.needs["package"]
+        needs.append((module, package, ctx.show("tokenizer_type")))
     for key in ("train_urls", "validation_urls"):
         if any(str(url).endswith(".zst") for url in ctx.get(key) or []):
             needs.append(("zstandard", "zstandard", f"{key} (.zst files)"))

@@ -28,17 +28,18 @@ DEFAULT_RUNS_DIR = "runs"
 
 @dataclass
 class ResolvedConfig:
-    """Everything a rank needs to know about the run, and where each value came from."""
+    """Everything a rank needs to know about the run, and where each value came from: the arguments
+    themselves (every key, declared by its component's group) and what the launch worked out around
+    them; no key is copied here."""
 
     args: NeoXArgs
     provenance: dict[str, str] = field(default_factory=dict)
     """key -> ``"configs/125M.yml:12"`` | ``"cli"`` | ``"derived"``; a missing key kept its default."""
-    config_files: dict[str, str] = field(default_factory=dict)
-    """path as given -> original text of every config file read (includes too)."""
     deepspeed_config: dict[str, Any] | None = None
     """The DeepSpeed config dict, once :func:`finalize` has split it off."""
-    run_dir: str | None = None
-    """Directory of this launch (holds this file); chosen by ``deepy.py`` just before writing."""
+    directory: str | None = None
+    """Directory of this launch, where this file is written: the ``run_dir`` key when set, else a fresh
+    one (:func:`run_directory`); chosen once by ``deepy.py`` just before writing."""
     warnings: list[str] = field(default_factory=list)
     """Said before launching (a hostfile that does not exist, files not visible from here, ...)."""
     skipped: list[str] = field(default_factory=list)
@@ -47,15 +48,20 @@ class ResolvedConfig:
     """For a Levanter or fms-fsdp config: ``{"name": ..., "rows": [{key, where, neox}, ...]}``, each
     dialect key and the GPT-NeoX keys it became (``args`` holds the result, whatever the dialect)."""
 
+    @property
+    def config_files(self) -> dict[str, str]:
+        """path as given -> original text of every config file read (includes too): the loader keeps
+        them in the ``config_files`` key (they are stored with checkpoints); empty for a mapping."""
+        return dict(self.args.config_files or {})
+
     def to_json_dict(self) -> dict[str, Any]:
         return {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "args": self.args.model_dump(mode="json"),
             "provenance": dict(sorted(self.provenance.items())),
-            "config_files": self.config_files,
             "deepspeed_config": self.deepspeed_config,
-            "run_dir": self.run_dir,
+            "run_dir": self.directory,
             "dialect": self.dialect,
         }
 
@@ -96,9 +102,8 @@ def load_resolved(path: str | os.PathLike[str]) -> ResolvedConfig:
     return ResolvedConfig(
         args=args,
         provenance=dict(data.get("provenance") or {}),
-        config_files=dict(data.get("config_files") or {}),
         deepspeed_config=data.get("deepspeed_config"),
-        run_dir=data.get("run_dir"),
+        directory=data.get("run_dir"),
         dialect=data.get("dialect"),
     )
 

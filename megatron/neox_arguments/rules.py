@@ -17,6 +17,8 @@ from megatron.errors import ConfigError
 from megatron.logging.preflight import logging_problems
 from megatron.config_rules import Device, RuleContext, default_of, describe, render, rule
 from megatron.data.config import SPLITS
+from megatron.training.optimizer_config import peak_lr_setting
+from megatron.training.lr_schedules import min_lr_problem
 
 # components whose own checks register on import (checks beside the keys they protect)
 from megatron.training import lr_config as _lr_checks  # noqa: F401  isort: skip
@@ -46,13 +48,9 @@ def zero_stage(ctx: RuleContext) -> int:
 
 
 def effective_lr(ctx: RuleContext) -> tuple[float | None, str]:
-    """The peak learning rate and the key that holds it (``lr`` or ``optimizer.params.lr``)."""
-    if ctx.get("lr") is not None:
-        return float(ctx.get("lr")), "lr"
-    optimizer = ctx.get("optimizer")
-    if optimizer is not None and optimizer.params.lr is not None:
-        return float(optimizer.params.lr), "optimizer.params.lr"
-    return None, "lr"
+    """The peak learning rate and the key that holds it (``lr`` or ``optimizer.params.lr``), as the
+    optimizer decides it (:func:`~megatron.training.optimizer_config.peak_lr_setting`)."""
+    return peak_lr_setting(ctx.get("lr"), ctx.get("optimizer"))
 
 
 # --- model shape ------------------------------------------------------------------------------
@@ -393,9 +391,11 @@ def learning_rates_ordered(ctx: RuleContext) -> list[str]:
         problems.append("no learning rate: set lr (or optimizer.params.lr)")
     if min_lr is not None and min_lr < 0:
         problems.append(f"{ctx.show('min_lr')} is negative: use 0 or more")
-    if lr is not None and min_lr is not None and lr < min_lr:
+    if lr is not None and min_lr is not None:
         shown = ctx.show("lr") if lr_key == "lr" else f"optimizer.params.lr={lr} ({describe(ctx.source('optimizer'))})"
-        problems.append(f"{shown} is below {ctx.show('min_lr')}: the schedule decays from lr down to min_lr")
+        ordered = min_lr_problem(lr, min_lr, shown, ctx.show("min_lr"))
+        if ordered:
+            problems.append(ordered)
     optimizer = ctx.get("optimizer")
     if ctx.get("lr") is not None and optimizer is not None:
         block_lr = optimizer.params.lr

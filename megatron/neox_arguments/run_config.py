@@ -7,7 +7,7 @@ object typed as such, so what a component can do is exactly what its config type
 (``tests/unit/test_config_honesty.py``) checks that every supported key is read by one of the
 builders below (or a group's own methods), the DeepSpeed split or the launcher. A component whose keys
 are declared beside it (the loop, the optimizer, the LR schedule, activation checkpointing, the
-tokenizer, checkpoints, logging, LoRA) is handed the argument object itself, typed as its own group (or,
+tokenizer, checkpoints, logging, LoRA, the objective, the model) is handed the argument object itself, typed as its own group (or,
 for the loop, the protocol naming what it reads), and reads its keys in its own methods.
 """
 
@@ -17,18 +17,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron.checkpointing.config import CheckpointArgs
-from megatron.data.config import DataConfig
+from megatron.data.config import DataRunArgs
 from megatron.evaluation.config import EvalRunArgs, checked
 from megatron.logging.config import LoggingArgs
 from megatron.model.config import GPTConfig
 from megatron.model.lora_config import LoRAArgs
-from megatron.mpu.config import ParallelConfig
+from megatron.mpu.parallel_config import ParallelRunArgs
 from megatron.tokenizer.config import TokenizerArgs
 from megatron.errors import ConfigError
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.config import TrainingRunArgs
 from megatron.training.lr_config import LRSchedulerArgs
-from megatron.training.objectives.config import ObjectiveConfig
+from megatron.training.objectives.config import ObjectiveArgs
 from megatron.training.optimizer_config import OptimizerArgs
 
 if TYPE_CHECKING:
@@ -38,12 +38,16 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
-    parallel: ParallelConfig
+    parallel: ParallelRunArgs
+    """The arguments themselves, as the keys that split the run over ranks (not a copy)."""
     model: GPTConfig
-    """Architecture; its ``padded_vocab_size`` is a placeholder until the tokenizer is known."""
+    """The arguments themselves, as the architecture's keys (not a copy); sized for the tokenizer with
+    ``for_tokenizer`` (a new object: the arguments keep the user's ``padded_vocab_size``)."""
     tokenizer: TokenizerArgs
     """The arguments themselves, as the tokenizer's keys (not a copy)."""
-    data: DataConfig
+    data: DataRunArgs
+    """The arguments themselves, as the keys the datasets read (not a copy): the data keys and the
+    shared ``seq_length``/``seed``/schedule/batch/objective keys, declared by their owners."""
     training: TrainingRunArgs
     """The arguments themselves, as the keys the loop reads (not a copy): its own and the shared
     ``seq_length``/``precision``/``seed``/batch sizes, declared by their owners."""
@@ -57,8 +61,9 @@ class RunConfig:
     """The arguments themselves, as the checkpoint keys (not a copy)."""
     logging: LoggingArgs
     """The arguments themselves, as the logging keys (not a copy)."""
-    objective: ObjectiveConfig
-    """``train_impl`` and its keys (SFT masks, DPO/KTO/RM settings, the reference model)."""
+    objective: ObjectiveArgs
+    """The arguments themselves, as the objective's keys (not a copy): ``train_impl``, the shared keys and
+    the selected plug-in's own (DPO/KTO settings), which the arguments object is composed of too."""
     lora: LoRAArgs
     """The arguments themselves, as the adapter keys (``lora_r == 0``: none, every parameter trains)."""
     tasks: EvalRunArgs | None = None
@@ -74,17 +79,17 @@ class RunConfig:
         if args.seq_length is None or args.train_batch_size is None or args.train_micro_batch_size_per_gpu is None:
             raise ConfigError("seq_length and the batch sizes must be resolved (launch through deepy.py)")
         return cls(
-            parallel=ParallelConfig.from_args(args),
-            model=GPTConfig.from_args(args),
+            parallel=args,
+            model=args,
             tokenizer=args,
-            data=DataConfig.from_args(args),
+            data=args,
             training=args,
             optimizer=args,
             lr=args,
             activation_checkpointing=args,
             checkpoint=args,
             logging=args,
-            objective=ObjectiveConfig.from_args(args),
+            objective=args,
             lora=args,
             tasks=checked(args) if args.eval_tasks else None,
             deepspeed=dict(deepspeed or {}),

@@ -1,6 +1,7 @@
-"""Tokenizers: one small class per kind behind :class:`Tokenizer`, built by :func:`build_tokenizer`."""
+"""Tokenizers: one small class per kind behind :class:`Tokenizer`, each a ``tokenizer_type`` plug-in
+(``registry.py``), built by :func:`build_tokenizer`."""
 
 from megatron.tokenizer.base import Tokenizer, padded_vocab_size
-from megatron.tokenizer.build import TOKENIZERS, build_tokenizer
+from megatron.tokenizer.build import build_tokenizer
 
-__all__ = ["TOKENIZERS", "Tokenizer", "build_tokenizer", "padded_vocab_size"]
+__all__ = ["Tokenizer", "build_tokenizer", "padded_vocab_size"]

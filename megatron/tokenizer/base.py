@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 
 def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,
@@ -26,12 +27,31 @@ def default_num_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+class TokenizerFiles(Protocol):
+    """The file keys Deepy's tokenizers read (declared by ``TokenizerArgs``, ``megatron/tokenizer/config.py``)."""
+
+    @property
+    def vocab_file(self) -> str | None: ...
+    @property
+    def merge_file(self) -> str | None: ...
+
+
 class Tokenizer(ABC):
-    """Text <-> token ids. ``eod`` ends a document; ``pad`` fills batches (eod if the vocab has none)."""
+    """Text <-> token ids. ``eod`` ends a document; ``pad`` fills batches (eod if the vocab has none).
+
+    Each kind is a ``tokenizer_type`` plug-in (``registry.py``; a user's registers with
+    ``megatron.plugins.register("tokenizer_type", name, keys=..., requires=...)``), built from the
+    config by :meth:`from_config`."""
 
     name: str = "tokenizer"
     #: threads used by :meth:`tokenize_batch` where the backend can use several
     num_threads: int = default_num_threads()
+
+    @classmethod
+    def from_config(cls, config: TokenizerFiles) -> Tokenizer:
+        """The tokenizer the config's keys describe: ``config`` is the arguments object, so a plug-in
+        reads its own keys from it too. The keys its registry entry ``requires`` are already set."""
+        return cls()  # type: ignore[abstract]  # a concrete subclass reading no key
 
     @property
     @abstractmethod

@@ -4,37 +4,31 @@ tokenizer files (``vocab_file``, ``merge_file``) under ``NeoXArgsTraining`` and 
 
 Declared here, beside the tokenizers that read them; the one argument object (``NeoXArgs``) is
 composed of this class, and the trainer hands :func:`megatron.tokenizer.build_tokenizer` that object
-(typed as :class:`TokenizerArgs`).
+(typed as :class:`TokenizerArgs`). The accepted ``tokenizer_type`` values are the registered
+tokenizer plug-ins (``registry.py``), whose own keys join the arguments object like any plug-in's.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from pydantic import Field, field_validator
 
-from pydantic import Field
-
+from megatron import plugins
 from megatron.config_schema import ArgGroup
 from megatron.tokenizer.base import padded_vocab_size
-
-TokenizerType = Literal[
-    "GPT2BPETokenizer",
-    "HFTokenizer",
-    "HFGPT2Tokenizer",
-    "SPMTokenizer",
-    "CharLevelTokenizer",
-    "TiktokenTokenizer",
-]
 
 
 class TokenizerArgs(ArgGroup):
     """GPT-NeoX's ``NeoXArgsTokenizer`` group, with the tokenizer files (``NeoXArgsTraining``) and the
     vocabulary padding (``NeoXArgsModel``) that only the tokenizer reads."""
 
-    tokenizer_type: TokenizerType = "GPT2BPETokenizer"
-    """Which tokenizer class reads vocab_file (and merge_file for GPT-2 BPE)."""
+    tokenizer_type: str = "GPT2BPETokenizer"
+    """Which tokenizer reads vocab_file (and merge_file for GPT-2 BPE), a registered tokenizer plug-in
+    (``megatron/tokenizer/registry.py``): GPT-NeoX's names, or a user's from ``plugins``."""
 
-    padded_vocab_size: int | None = Field(None, ge=1)
-    """Vocabulary size after padding for make_vocab_size_divisible_by; computed at runtime."""
+    @field_validator("tokenizer_type")
+    @classmethod
+    def _registered_tokenizer(cls, value: str) -> str:
+        return plugins.validate_name("tokenizer_type", value)
 
     vocab_file: str | None = None
     """Tokenizer file (tokenizer.json, vocab.json or a SentencePiece model)."""
@@ -48,8 +42,6 @@ class TokenizerArgs(ArgGroup):
 
     def padded(self, vocab_size: int, tensor_parallel: int) -> int:
         """Rows of the embedding for a tokenizer of ``vocab_size`` entries whose embedding is split over
-        ``tensor_parallel`` ranks (so the padded size divides by it): ``padded_vocab_size`` when the
-        config gives one."""
-        if self.padded_vocab_size is not None:
-            return self.padded_vocab_size
+        ``tensor_parallel`` ranks (so the padded size divides by it). A config's own
+        ``padded_vocab_size`` (a model key) wins over this: ``GPTConfig.for_tokenizer``."""
         return padded_vocab_size(vocab_size, self.make_vocab_size_divisible_by, tensor_parallel)

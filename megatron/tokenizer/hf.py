@@ -10,7 +10,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
 from megatron.errors import DataError
-from megatron.tokenizer.base import Tokenizer
+from megatron.tokenizer.base import Tokenizer, TokenizerFiles
 from megatron.tokenizer.fast_bpe import FastBPE, build_fast_encoder, verify
 
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
@@ -113,6 +113,10 @@ class HFTokenizer(HFBackedTokenizer):
     def __init__(self, vocab_file: str | os.PathLike[str], fast: bool = True) -> None:
         super().__init__(load_hf_json(vocab_file, self.name), fast=fast)
 
+    @classmethod
+    def from_config(cls, config: TokenizerFiles) -> HFTokenizer:
+        return cls(str(config.vocab_file))
+
 
 class HFGPT2Tokenizer(HFBackedTokenizer):
     """GPT-2's vocabulary from local files, with a ``<|padding|>`` token added as GPT-NeoX does.
@@ -140,6 +144,10 @@ class HFGPT2Tokenizer(HFBackedTokenizer):
             hf.add_special_tokens(["<|padding|>"])
         super().__init__(hf, fast=fast)
 
+    @classmethod
+    def from_config(cls, config: TokenizerFiles) -> HFGPT2Tokenizer:
+        return cls(config.vocab_file, config.merge_file)
+
 
 def byte_level_bpe_from_files(vocab_file: str | os.PathLike[str], merge_file: str | os.PathLike[str],
                               tokenizer_type: str) -> tokenizers.Tokenizer:
@@ -165,3 +173,7 @@ class GPT2BPETokenizer(HFBackedTokenizer):
                  fast: bool = True) -> None:
         super().__init__(byte_level_bpe_from_files(vocab_file, merge_file, self.name), fast=fast,
                          split_special=False)
+
+    @classmethod
+    def from_config(cls, config: TokenizerFiles) -> GPT2BPETokenizer:
+        return cls(str(config.vocab_file), str(config.merge_file))

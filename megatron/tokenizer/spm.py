@@ -7,7 +7,7 @@ import os
 import sentencepiece
 
 from megatron.errors import DataError
-from megatron.tokenizer.base import Tokenizer
+from megatron.tokenizer.base import Tokenizer, TokenizerFiles
 
 
 class SPMTokenizer(Tokenizer):
@@ -29,6 +29,10 @@ class SPMTokenizer(Tokenizer):
         self._eod = int(eod)
         pad = self._sp.pad_id()
         self._pad = int(pad) if pad >= 0 else self._eod
+
+    @classmethod
+    def from_config(cls, config: TokenizerFiles) -> SPMTokenizer:
+        return cls(str(config.vocab_file))
 
     @property
     def vocab_size(self) -> int:

@@ -8,7 +8,7 @@ import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
 from megatron.errors import DataError
-from megatron.tokenizer.base import Tokenizer
+from megatron.tokenizer.base import Tokenizer, TokenizerFiles
 from megatron.tokenizer.fast_bpe import GPT2_SPLIT_PATTERN, FastBPE
 
 EOD = "<|endoftext|>"
@@ -45,6 +45,10 @@ class TiktokenTokenizer(Tokenizer):
             raise DataError(f"tiktoken encoding {source!r} has no {EOD} token to end documents")
         self._enc = enc
         self._fast = FastBPE(enc, split_special=True)
+
+    @classmethod
+    def from_config(cls, config: TokenizerFiles) -> TiktokenTokenizer:
+        return cls(config.vocab_file)
 
     @property
     def vocab_size(self) -> int:

@@ -37,7 +37,7 @@ from megatron import mpu
 from megatron.checkpointing import neox_files
 from megatron.deepspeed_internals import replace_fp32_clipping, skip_frozen_tied_gradients, skip_gradient_allreduce
 from megatron.errors import ConfigError
-from megatron.mpu.config import ParallelConfig
+from megatron.mpu.parallel_config import ParallelRunArgs
 from megatron.logging.log import get_logger
 from megatron.model import GPTConfig, GPTModel, pipeline_layer_specs
 from megatron.model.lora import LoRAAdapter, adapters_of, apply_lora
@@ -45,10 +45,12 @@ from megatron.model.lora_config import LoRAArgs
 from megatron.model.pipeline import CHECKPOINTABLE_LAYERS
 from megatron.model.transformer_layer import TransformerLayer
 from megatron.mpu import experts as expert_parallel
+from megatron.mpu import hybrid_shard
+from megatron.training import hybrid_shard as hybrid_shard_engine
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.lr_schedules import LRScheduler, SchedulePolicy
 from megatron.training.moe import MoETraining, build_moe_training, install_expert_parallel, keep_expert_shards
-from megatron.training.objectives import LMObjective, Objective, ObjectiveConfig, Reference
+from megatron.training.objectives import LMObjective, Objective, ObjectiveArgs, Reference
 from megatron.training.optimizers import DEEPSPEED_BUILT, build_optimizer, deepspeed_optimizer_block, param_groups
 
 if TYPE_CHECKING:
@@ -76,7 +78,7 @@ class Engine:
     ds_config: dict[str, Any]
     moe: MoETraining | None = None
     """Aux-loss scale and router metrics of an MoE model (None when dense)."""
-    objective: Objective = field(default_factory=lambda: LMObjective(ObjectiveConfig()))
+    objective: Objective = field(default_factory=lambda: LMObjective(ObjectiveArgs()))
     """The ``train_impl``'s batch preparation and loss (also the pipeline's ``loss_fn``)."""
     reference: Reference = field(default_factory=Reference)
     """Where DPO/KTO reference log-probs come from; set once the engine exists."""
@@ -286,10 +288,18 @@ def construction(ds_config: dict[str, Any] | None) -> contextlib.AbstractContext
     exists on one rank), else plainly."""
     if ds_config is None:
         return contextlib.nullcontext()
-    return deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=mpu)
+    view = deepspeed_mpu()
+    return deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=view,
+                               data_parallel_group=view.get_data_parallel_group())
 
 
-def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationCheckpointArgs,
+def deepspeed_mpu() -> Any:
+    """The ``mpu`` DeepSpeed gets: ours, or under hybrid sharding a view whose data-parallel group is
+    the shard group (ZeRO-3 partitions over it; ``megatron/mpu/hybrid_shard.py``)."""
+    return hybrid_shard.ShardGroupView() if hybrid_shard.is_hybrid() else mpu
+
+
+def build_model(config: GPTConfig, parallel: ParallelRunArgs, ckpt: ActivationCheckpointArgs,
                 compile_layers: bool, objective: Objective,
                 lora: LoRAArgs | None = None, zero_init: dict[str, Any] | None = None) -> tuple[nn.Module, bool]:
     """(module, is_pipe); a pipeline's last stage computes ``objective.loss``. With ``lora`` enabled
@@ -297,7 +307,7 @@ def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationChe
     ``zero_init``: the DeepSpeed config to partition the model with while it is built (ZeRO-3, no pipeline)."""
     if ckpt.recomputes_activations:
         configure_activation_checkpointing(ckpt, config.num_layers)
-    if not parallel.is_pipe:
+    if not parallel.uses_pipeline_module:
         with construction(zero_init):
             model = GPTModel(config)
         if lora is not None and lora.lora_enabled:
@@ -313,7 +323,7 @@ def build_model(config: GPTConfig, parallel: ParallelConfig, ckpt: ActivationChe
             layers=pipeline_layer_specs(config),
             loss_fn=objective.loss,
             topology=mpu.get_topology(),
-            partition_method=partition_method(parallel.partition_method),
+            partition_method=partition_method(parallel.pipe_partition_method),
             activation_checkpoint_interval=interval,
             activation_checkpoint_func=deepspeed.checkpointing.checkpoint,
             checkpointable_layers=CHECKPOINTABLE_LAYERS,
@@ -330,14 +340,15 @@ def build_engine(run: RunConfig, config: GPTConfig, train_iters: int, objective:
 
     ``objective`` (default: language modelling) decides the pipeline's loss and, for reward models,
     the scalar head."""
-    objective = objective if objective is not None else LMObjective(ObjectiveConfig())
+    objective = objective if objective is not None else LMObjective(ObjectiveArgs())
     if config.value_head != objective.value_head:
         config = config.replace(value_head=objective.value_head)
     ds_config = dict(run.deepspeed)
-    if run.parallel.context > 1 and "train_batch_size" in ds_config:
+    if run.parallel.context_parallel_size > 1 and "train_batch_size" in ds_config:
         # DeepSpeed counts the context-parallel ranks as data-parallel ones (megatron/mpu/topology.py),
         # each seeing the micro-batch once: its batch is cp times the number of samples
-        ds_config["train_batch_size"] = int(ds_config["train_batch_size"]) * run.parallel.context
+        ds_config["train_batch_size"] = int(ds_config["train_batch_size"]) * run.parallel.context_parallel_size
+    ds_config = hybrid_shard_engine.deepspeed_config(ds_config)  # unchanged without hybrid sharding
     model, is_pipe = build_model(config, run.parallel, run.activation_checkpointing, run.training.compile_layers,
                                  objective, run.lora, zero_init=ds_config if run.training.zero_init else None)
     spec = run.lr.spec(train_iters, run.optimizer.peak_lr)
@@ -359,10 +370,11 @@ def build_engine(run: RunConfig, config: GPTConfig, train_iters: int, objective:
             model_parameters=params,
             lr_scheduler=scheduler,
             config=ds_config,
-            mpu=None if is_pipe else mpu,
+            mpu=None if is_pipe else deepspeed_mpu(),
             dist_init_required=False,
         )
     install_expert_parallel(engine)  # no-op unless experts are split over data-parallel ranks
+    hybrid_shard_engine.install(engine)  # no-op unless ZeRO-3 partitions are replicated (hsdp)
     # checkpoints are written (and read) in GPT-NeoX's layout: its tools and users read them
     neox_files.install(engine, config, mpu.get_tensor_model_parallel_world_size())
     fp32 = not (engine.fp16_enabled() or engine.bfloat16_enabled())

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from megatron.data.batch import BatchLayout
 from megatron.training.engine import Engine
 from megatron.training.objectives.run import ObjectiveRunner
 
@@ -59,8 +60,8 @@ class Evaluator:
         return {"lm_loss": total / max(self.eval_iters, 1), **runner.collect_metrics(self.eng, self.device)}
 
 
-def maybe_evaluator(eng: Engine, dataset: Any, eval_iters: int, layout: dict[str, int], device: torch.device,
-                    split: str) -> Evaluator | None:
+def maybe_evaluator(eng: Engine, dataset: Any, eval_iters: int, batch: BatchLayout, dp_rank: int,
+                    device: torch.device, split: str) -> Evaluator | None:
     """An evaluator over ``dataset`` or None when there is nothing to evaluate."""
     from megatron.data.sampler import MicroBatchIterator
 
@@ -70,6 +71,6 @@ def maybe_evaluator(eng: Engine, dataset: Any, eval_iters: int, layout: dict[str
 
     def stream_at(global_batch: int) -> MicroBatchIterator:
         # O(1): the sample order is a pure function of the position (see data/sampler.py)
-        return MicroBatchIterator(source, global_batch * layout["global_batch_size"], **layout)
+        return MicroBatchIterator(source, global_batch * batch.global_size, batch, dp_rank)
 
     return Evaluator(eng, stream_at, eval_iters, device, split)

@@ -93,6 +93,17 @@ def _wsd(progress: float, steps: int, spec: ScheduleSpec) -> float:
 WSD_DEFAULT_DECAY_FRACTION = 0.2
 
 
+def min_lr_problem(lr: float, min_lr: float, shown_lr: str | None = None,
+                   shown_min_lr: str | None = None) -> str | None:
+    """The one check of ``min_lr <= lr`` (the schedule decays from the peak down to the floor): run
+    before launch on the user's keys (``learning_rates_ordered`` in ``neox_arguments/rules.py``, with
+    the keys shown as ``key=value (file:line)``) and by a :class:`ScheduleSpec` built directly in Python."""
+    if lr >= min_lr:
+        return None
+    return (f"{shown_lr or f'lr={lr}'} is below {shown_min_lr or f'min_lr={min_lr}'}: the schedule decays from lr "
+            f"down to min_lr")
+
+
 @dataclass(frozen=True)
 class ScheduleSpec:
     """Everything :func:`lr_at` needs; built from the config by ``LRSchedulerArgs.spec``."""
@@ -124,8 +135,9 @@ class ScheduleSpec:
             )
         if self.total_steps < 1:
             raise ConfigError(f"lr_decay_iters/train_iters: the schedule needs >= 1 step, got {self.total_steps}")
-        if self.min_lr > self.max_lr:
-            raise ConfigError(f"min_lr={self.min_lr} is larger than lr={self.max_lr}; lower min_lr")
+        problem = min_lr_problem(self.max_lr, self.min_lr)
+        if problem:
+            raise ConfigError(problem)
         if self.decay_fraction is not None and not 0.0 <= self.decay_fraction <= 1.0:
             raise ConfigError(f"decay_fraction={self.decay_fraction} must be within [0, 1]")
         if self.timescale <= 0:

@@ -94,8 +94,8 @@ class MemoryLayout:
     @classmethod
     def from_run(cls, run: RunConfig, world_size: int, padded_vocab_size: int) -> MemoryLayout:
         model = run.model.with_vocab(padded_vocab_size)
-        tp = run.parallel.tensor
-        pp = run.parallel.stages
+        tp = run.parallel.model_parallel_size
+        pp = run.parallel.pipe_stages
         zero: Mapping[str, Any] = run.deepspeed.get("zero_optimization") or {}
         stage = int(zero.get("stage", 0) or 0)
         offload = zero.get("offload_optimizer") or {}
@@ -307,12 +307,12 @@ ASSUMED_VOCAB = 50304
 
 def _padded_vocab(run: RunConfig) -> tuple[int, str]:
     """(padded vocabulary size, a note when it had to be assumed)."""
-    if run.tokenizer.padded_vocab_size:
-        return run.tokenizer.padded_vocab_size, ""
+    if run.model.padded_vocab_size:
+        return run.model.padded_vocab_size, ""
     try:
         from megatron.tokenizer import build_tokenizer
 
-        return run.tokenizer.padded(build_tokenizer(run.tokenizer).vocab_size, run.parallel.tensor), ""
+        return run.tokenizer.padded(build_tokenizer(run.tokenizer).vocab_size, run.parallel.model_parallel_size), ""
     except Exception as err:  # an estimate must not fail the dry run; the launch reports a bad tokenizer
         return ASSUMED_VOCAB, f"vocabulary assumed {ASSUMED_VOCAB:,} (tokenizer not loaded: {err})"
 

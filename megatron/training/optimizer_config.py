@@ -32,6 +32,19 @@ OptimizerType = Literal[
 ]
 
 
+def peak_lr_setting(lr: float | None, block: OptimizerBlock | None) -> tuple[float | None, str]:
+    """The one decision of the peak learning rate: the flat ``lr`` when given, else the block's
+    ``optimizer.params.lr``; with the key that holds it (for messages), and ``(None, "lr")`` when
+    neither is set. The optimizer, the schedule, the pre-launch rules and ``deepy.py``'s inference
+    fill-in all ask here; a block lr that disagrees with a given flat lr is refused by the rules
+    (``learning_rates_ordered``), so which one wins never changes a run."""
+    if lr is not None:
+        return float(lr), "lr"
+    if block is not None and block.params.lr is not None:
+        return float(block.params.lr), "optimizer.params.lr"
+    return None, "lr"
+
+
 class OptimizerArgs(ArgGroup):
     """GPT-NeoX's ``NeoXArgsOptimizer`` group."""
 
@@ -83,8 +96,8 @@ class OptimizerArgs(ArgGroup):
 
     @property
     def peak_lr(self) -> float:
-        """The flat ``lr`` when given, else ``optimizer.params.lr`` (the rules refuse a run with neither)."""
-        lr = self.lr if self.lr is not None else (self.optimizer.params.lr if self.optimizer is not None else None)
+        """The peak rate :func:`peak_lr_setting` decides (the rules refuse a run with neither key)."""
+        lr, _ = peak_lr_setting(self.lr, self.optimizer)
         if lr is None:
             raise ConfigError("no learning rate: set optimizer.params.lr (or lr)")
         return lr

@@ -45,7 +45,10 @@ def register_optimizer(kind: str) -> Callable[[OptimizerBuilder], OptimizerBuild
 def is_no_decay(name: str, param: torch.nn.Parameter) -> bool:
     """Biases, norm weights and other vectors are not decayed."""
     lowered = name.lower()
-    return param.ndim < 2 or lowered.endswith("bias") or "norm" in lowered
+    # built under deepspeed.zero.Init (zero_init) a parameter is an empty 1-d placeholder until
+    # gathered: its real shape is DeepSpeed's ds_shape (else every matrix would skip weight decay)
+    shape = getattr(param, "ds_shape", param.shape)
+    return len(shape) < 2 or lowered.endswith("bias") or "norm" in lowered
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> ParamGroups:

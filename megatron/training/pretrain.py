@@ -21,6 +21,7 @@ from megatron.checkpointing.hooks import CheckpointHooks
 from megatron.checkpointing.manager import CheckpointManager
 from megatron.checkpointing.save_load import BeforeCommit
 from megatron.data.build import build_datasets
+from megatron.data.batch import BatchLayout
 from megatron.data.sampler import MicroBatchIterator, prefetched
 from megatron.errors import ConfigError
 from megatron.logging.log import get_logger, set_deepspeed_log_level, setup_logging
@@ -53,12 +54,12 @@ def speaks() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def resolve_train_iters(training: TrainingRunArgs, train_dataset: object) -> int:
+def resolve_train_iters(training: TrainingRunArgs, train_dataset: object, batch: BatchLayout) -> int:
     """``train_iters``, or (train_epochs) the whole global batches of the epoch-sized train split."""
     if training.train_iters:
         return training.train_iters
     if training.train_epochs and train_dataset is not None:
-        return len(train_dataset) // training.train_batch_size  # type: ignore[arg-type]
+        return len(train_dataset) // batch.global_size  # type: ignore[arg-type]
     raise ConfigError("set train_iters (or train_epochs) so the run knows when to stop")
 
 
@@ -85,10 +86,13 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     set_deepspeed_log_level(log_config.deepspeed_log_level)
     model_parallel_manual_seed(training.seed)
     tokenizer = build_tokenizer(run.tokenizer)
-    padded_vocab = run.tokenizer.padded(tokenizer.vocab_size, run.parallel.tensor)
-    model_config = run.model.with_vocab(padded_vocab)
+    model_config = run.model.for_tokenizer(run.tokenizer.padded(tokenizer.vocab_size, run.parallel.model_parallel_size))
+    padded_vocab = model_config.padded_vocab_size
     splits = build_datasets(run.data, tokenizer, padded_vocab)
-    train_iters = resolve_train_iters(training, splits.train)
+    # the batch sizes deepy.py solved, on this run's data-parallel ranks (context-parallel ranks read alike)
+    batch = BatchLayout.of(training, dp=mpu.get_data_shard_count())
+    dp_rank = mpu.get_data_shard_rank()
+    train_iters = resolve_train_iters(training, splits.train, batch)
     record = {**run.args_record, "padded_vocab_size": padded_vocab, "train_iters": train_iters}
 
     # the train_impl's batches and loss; a frozen reference copy takes the starting weights before the
@@ -96,21 +100,19 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     objective = build_objective(run.objective, eod_token=tokenizer.eod)
     eng = build_engine(run, model_config, train_iters, objective)
     eng.reference = build_reference(objective, eng.engine, eng.is_pipe, eng.config, eng.ds_config,
-                                    partition_method(run.parallel.partition_method) if eng.is_pipe else None,
+                                    partition_method(run.parallel.pipe_partition_method) if eng.is_pipe else None,
                                     adapters=run.lora.lora_enabled)
     eng.reference.capture(eng.engine, record, run.checkpoint)
     model_config = eng.config  # a reward model's scalar head replaces the LM head
     log.info("model: %s parameters (%s without embeddings); %s", f"{num_parameters(model_config):,}",
              f"{num_parameters(model_config, include_embeddings=False):,}", "pipeline" if eng.is_pipe else "plain")
 
-    g = training.train_batch_size
-    layout = dict(global_batch_size=g, micro_batch_size=training.train_micro_batch_size_per_gpu,
-                  dp_rank=mpu.get_data_shard_rank(), dp_size=mpu.get_data_shard_count())  # cp ranks read alike
+    g = batch.global_size
     device = _device()
 
     def validation_loss() -> float:
         """Loss of the first global batch of the train split (fixed, for checkpoint validation)."""
-        evaluator = maybe_evaluator(eng, splits.train, 1, layout, device, "train")
+        evaluator = maybe_evaluator(eng, splits.train, 1, batch, dp_rank, device, "train")
         assert evaluator is not None
         return evaluator.evaluate()["lm_loss"]
 
@@ -119,7 +121,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     validate = validation_loss if run.checkpoint.checkpoint_validation_with_forward_pass else None
     ckpt = CheckpointHooks(manager, validate=validate,
                            reseed=lambda iteration: model_parallel_manual_seed(training.seed + iteration))
-    ckpt.attach_model(eng, run.parallel.tensor)
+    ckpt.attach_model(eng, run.parallel.model_parallel_size)
     # also without `load`: a fresh start refuses a `save` directory that already holds a run
     state = ckpt.load(eng, TrainState())
 
@@ -144,7 +146,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     with progress(skipped, "data fast-forward", "global batches", enabled=speaks() and skipped > 0,
                   every_s=float("inf")) as fast_forward:
         source = MicroBatchIterator(eng.reference.wrap_dataset(splits.train, "train"), state.consumed_samples,
-                                    **layout)
+                                    batch, dp_rank)
         fast_forward.update(source.consumed_samples // g)
     # read ahead by a background thread (num_workers micro-batches), pinned for asynchronous copies on a
     # GPU; the data timer measures what the step still waits for
@@ -159,11 +161,11 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
         peak_tflops=peak_tflops(current_device_name(), compute_dtype(training.precision),
                                 log_config.peak_theoretical_tflops),
         monitor=monitor, hardware_flops_per_token=hardware_flops_per_token(model_config, recomputed, seq),
-        valid=maybe_evaluator(eng, splits.valid, training.eval_iters, layout, device, "valid"),
-        test=maybe_evaluator(eng, splits.test, training.eval_iters, layout, device, "test"),
+        valid=maybe_evaluator(eng, splits.valid, training.eval_iters, batch, dp_rank, device, "valid"),
+        test=maybe_evaluator(eng, splits.test, training.eval_iters, batch, dp_rank, device, "test"),
         tasks=None if run.tasks is None else TaskEvaluation(
             eng, tokenizer, run.tasks, zero_stage=int((run.deepspeed.get("zero_optimization") or {}).get("stage", 0)),
-            sequence_parallel=run.model.sequence_parallel and run.parallel.tensor > 1).run,
+            sequence_parallel=run.model.sequence_parallel and run.parallel.model_parallel_size > 1).run,
     )
     hooks = Hooks(after_step=[ckpt.after_step], at_exit=[ckpt.at_exit])
     try:

@@ -40,9 +40,9 @@ def _text() -> torch.Tensor:
 
 
 def _micro_batch(documents: bool) -> Any:
-    from megatron.training.objectives import ObjectiveConfig, build_objective
+    from megatron.training.objectives import ObjectiveArgs, build_objective
 
-    config = ObjectiveConfig(reset_attention_mask=documents, reset_position_ids=documents)
+    config = ObjectiveArgs(reset_attention_mask=documents, reset_position_ids=documents)
     return build_objective(config, eod_token=EOD).prepare({"text": _text()})
 
 

@@ -44,9 +44,9 @@ def _text(seq: int) -> torch.Tensor:
 def _cases(cfg) -> list[tuple[Any, torch.Tensor, tuple[int, int, int]]]:
     """(packed micro-batch, this document's labels in it, (row, start, end)) per document."""
     from megatron.model.documents import document_spans
-    from megatron.training.objectives import ObjectiveConfig, build_objective
+    from megatron.training.objectives import ObjectiveArgs, build_objective
 
-    obj = build_objective(ObjectiveConfig(reset_attention_mask=True, reset_position_ids=True), eod_token=EOD)
+    obj = build_objective(ObjectiveArgs(reset_attention_mask=True, reset_position_ids=True), eod_token=EOD)
     batch = obj.prepare({"text": _text(cfg.seq_length)})
     cases = []
     for row, spans in enumerate(document_spans(batch.document_ids)):

@@ -78,7 +78,7 @@ def rank_main(rank: int, out_dir: str) -> None:
         if not initialized:
             initialize(run.parallel, run.training.seed)
             initialized = True
-        vocab = run.tokenizer.padded(build_tokenizer(run.tokenizer).vocab_size, run.parallel.tensor)
+        vocab = run.tokenizer.padded(build_tokenizer(run.tokenizer).vocab_size, run.parallel.model_parallel_size)
         gc.collect()
         before = _storages()
         eng = build_engine(run, run.model.with_vocab(vocab), run.training.train_iters or 1)

@@ -236,14 +236,14 @@ def _rank_main(rank: int, out_dir: str) -> None:
     import deepspeed
 
     from megatron import mpu
-    from megatron.model import GPTConfig
+    from gpt_configs import gpt_config
 
     from megatron.deepspeed_internals import skip_shared_memory_comm_op
 
     skip_shared_memory_comm_op()  # as train.py: no /dev/shm buffers left behind by DeepSpeed's op
     deepspeed.init_distributed(dist_backend="gloo")
     results: dict[str, str] = {}
-    configs = {name: GPTConfig(**{**BASE, **overrides}) for name, overrides in CONFIGS.items()}
+    configs = {name: gpt_config(**{**BASE, **overrides}) for name, overrides in CONFIGS.items()}
     refs = {name: _run_tp1(cfg) for name, cfg in configs.items()}  # no model-parallel groups: tp=1
 
     def record(key: str, fn, *args) -> None:  # type: ignore[no-untyped-def]

@@ -174,7 +174,7 @@ def test_real_launch_writes_the_resolved_file_and_returns_the_launcher_code(
     assert run_dir.parent == Path("mylogs") and Path(config_file).name == "deepy_config.json"
     assert f"resolved config written to {config_file}" in out
     back = load_resolved(config_file)
-    assert back.run_dir == str(run_dir) and back.args.train_iters == 4
+    assert back.directory == str(run_dir) and back.args.train_iters == 4
     assert back.provenance["num_layers"] == "model.yml:1" and back.provenance["train_iters"] == "cli"
     assert back.deepspeed_config is not None and back.deepspeed_config["train_batch_size"] >= 1
     assert back.config_files == {"model.yml": (work / "model.yml").read_text()}

@@ -60,7 +60,7 @@ def initial_weights(config: dict[str, Any]) -> dict[str, torch.Tensor]:
     from megatron.tokenizer import build_tokenizer
 
     run = RunConfig.from_mapping({k: v for k, v in config.items() if k != "num_gpus"})
-    vocab = run.tokenizer.padded(build_tokenizer(run.tokenizer).vocab_size, run.parallel.tensor)
+    vocab = run.tokenizer.padded(build_tokenizer(run.tokenizer).vocab_size, run.parallel.model_parallel_size)
     return GPTModel(run.model.with_vocab(vocab)).state_dict()
 
 
@@ -71,7 +71,7 @@ def saved_module(ckpt: Path) -> dict[str, torch.Tensor]:
     from megatron.checkpointing.neox_files import canonical_rank_weights
     from megatron.checkpointing.neox_layout import NeoxNames
 
-    names = NeoxNames.from_args(json.loads((ckpt / "deepy_meta.json").read_text())["args"])
+    names = NeoxNames.from_stored(json.loads((ckpt / "deepy_meta.json").read_text())["args"])
     pipeline = any(ckpt.glob("layer_*-model_00-model_states.pt"))
     return canonical_rank_weights(ckpt, names, tp=1, tp_rank=0, pipeline=pipeline)
 

@@ -289,7 +289,7 @@ def test_reward_model_learns_and_keeps_its_head(rm_single: dict[str, Any]) -> No
     from megatron.checkpointing.neox_layout import NeoxNames
 
     ckpt = rm_single["ckpt"] / f"global_step{LEARN_STEPS}"
-    names = NeoxNames.from_args(json.loads((ckpt / "deepy_meta.json").read_text())["args"])
+    names = NeoxNames.from_stored(json.loads((ckpt / "deepy_meta.json").read_text())["args"])
     # GPT-NeoX's layout (sequential.<L+4>.value_head.weight), read back under the model's own names
     states = canonical_rank_weights(ckpt, names, tp=1, tp_rank=0, pipeline=False)
     assert states["value_head.weight"].shape == (1, 64) and not any(k.startswith("output_layer") for k in states)
@@ -302,7 +302,7 @@ def test_reward_model_starts_from_a_language_model_checkpoint(data: dict[str, An
     learning rate the saved RM holds the LM's weights exactly (its LM head dropped) and a value head
     equal to the seeded initialisation of a fresh model of the same config."""
     from megatron.interop.deepy_checkpoint import read_full_checkpoint
-    from megatron.model import GPTConfig, GPTModel
+    from megatron.model import GPTModel
     from megatron.neox_arguments import NeoXArgs
 
     lm_ckpt = sft_single["ckpt"]  # saved at pipe_parallel_size 0
@@ -321,7 +321,7 @@ def test_reward_model_starts_from_a_language_model_checkpoint(data: dict[str, An
     assert body and body == sorted(k for k in lm if not k.startswith("output_layer."))
     assert all(torch.equal(rm[k], lm[k]) for k in body)
     args = NeoXArgs(**{k: v for k, v in {**BASE, **config}.items() if k != "num_gpus"}, padded_vocab_size=512)
-    fresh = GPTModel(GPTConfig.from_args(args).with_vocab(512)).state_dict()
+    fresh = GPTModel(args.with_vocab(512).replace(value_head=True)).state_dict()  # train_impl rm: a value head
     assert torch.equal(rm["value_head.weight"], fresh["value_head.weight"])
 
 

@@ -14,9 +14,9 @@ from typing import Any
 from megatron import plugins
 
 from megatron.checkpointing.manager import CheckpointManager
+from megatron.data.batch import BatchLayout
 from megatron.checkpointing.preemption import PreemptionWatcher
 from megatron.errors import DeepyError
-from megatron.launcher.config import LaunchConfig
 from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.neox_arguments.deepspeed_split import deepspeed_config
 from megatron.neox_arguments.derived import DERIVATIONS
@@ -65,6 +65,22 @@ def _tokenizer(args: Any) -> object:
     return args.padded(vocab, 1)
 
 
+def _model(args: Any) -> object:
+    """What the trainer asks of the model keys (``pretrain``: ``for_tokenizer``, then ``build_engine``
+    builds ``GPTModel`` from the arguments themselves): the model, and one forward of a few tokens (the
+    keys a layer reads as it runs). The recorder itself is the config, so every read counts; the
+    vocabulary is sized on it, as ``for_tokenizer`` sizes the trainer's copy."""
+    import torch
+
+    from megatron.model import GPTModel
+
+    if args.padded_vocab_size is None:
+        args.padded_vocab_size = 128
+    model = GPTModel(args)
+    with torch.no_grad():
+        return model(torch.zeros((1, 4), dtype=torch.long))
+
+
 def _checkpoints(args: Any) -> object:
     """What the trainer asks of the checkpoint keys (``pretrain``): the manager, and whether each save
     is validated by a forward pass. The watcher is not installed (no signal handlers in a test)."""
@@ -110,8 +126,51 @@ def _training_loop(args: Any) -> object:
     return (args.train_iters, args.train_epochs,  # pretrain.resolve_train_iters
             args.eval_interval, args.exit_interval, args.max_consecutive_overflows,  # loop.train
             args.eval_iters, args.num_workers, args.seed, args.precision, args.seq_length,  # pretrain
-            args.train_batch_size, args.train_micro_batch_size_per_gpu,  # pretrain's batch layout
+            BatchLayout.of(args, dp=1),  # pretrain's batch layout
             args.compile_layers, args.zero_init)  # engine.build_engine
+
+
+def _parallel(args: Any) -> object:
+    """What each rank's start-up and the model builder ask of the keys that split the run over ranks
+    (``initialize.initialize``/``init_distributed``, ``engine.build_model``, the memory estimate): the
+    rank is handed the arguments typed as ``ParallelRunArgs``."""
+    return (args.model_parallel_size, args.pipe_parallel_size, args.context_parallel_size,  # initialize
+            args.moe_expert_parallel_size, args.sharding_group_size,  # initialize: expert and shard groups
+            args.world_size, args.distributed_backend,
+            args.master_addr, args.master_port, args.deepspeed_slurm,  # init_distributed
+            args.uses_pipeline_module, args.pipe_partition_method,  # engine.build_model
+            args.pipe_stages, args.sequence_parallel)  # memory.MemoryLayout
+
+
+def _launch(args: Any) -> object:
+    """What deepy.py's launcher asks of its keys (``plan_launch`` and the launcher kinds, handed the
+    arguments typed as ``LaunchArgs``), and whether the user chose ``master_port``."""
+    from megatron.launcher.config import master_port_chosen
+
+    return (args.launcher, args.hostfile, args.include, args.exclude, args.num_nodes, args.num_gpus,  # resources
+            args.master_addr, master_port_chosen(args), args.force_multi, args.no_ssh_check,  # rendezvous, runner
+            args.comment, args.account, args.deepspeed_slurm, args.deepspeed_mpi,  # srun, in place
+            args.deepspeed_log_level)  # runner flags
+
+
+def _objective(args: Any) -> object:
+    """What the objective reads of its keys (``build_objective``, ``Objective.__init__``, ``LMObjective``,
+    ``RewardModelObjective``, ``build_reference``), each where that code reads it: the objective is
+    handed the arguments themselves (``RunConfig.objective``)."""
+    return (args.train_impl, args.eod_mask_loss, args.z_loss, args.reset_attention_mask, args.reset_position_ids,
+            args.reference_kind)
+
+
+def _data(args: Any) -> object:
+    """What ``build_datasets`` asks of the data keys (``pretrain``, ``data/build.py``): the sample
+    counts, each split's files and weights, the source and how documents become samples."""
+    from megatron.data.build import samples_needed
+    from megatron.data.config import PATH_KEYS, SPLITS
+
+    return (samples_needed(args), [args.path_list(key) for key in PATH_KEYS], [args.split_weights(s) for s in SPLITS],
+            args.use_dummy_dataset, args.train_urls, args.validation_urls, args.cache_dir, args.data_path, args.split,
+            args.weight_by_num_documents, args.weighted_sampler_alpha, args.pack_impl, args.allow_chopped,
+            args.wants_pairs, args.reference_model, args.mmap_warmup, args.seq_length, args.seed, args.train_epochs)
 
 
 def _user_plugins(args: Any) -> object:
@@ -143,16 +202,17 @@ def _generation(args: Any) -> object:
 
 def component_builders() -> list[ComponentBuilder]:
     """Everything that turns keys into what a component does, for train.py."""
-    return [RunConfig.from_args, _tokenizer, _checkpoints, _logging, _lora, _lr_schedule, _optimizer,
-            _activation_checkpointing, _training_loop, _evaluation, _generation, _user_plugins, deepspeed_config, LaunchConfig.from_args,
-            run_directory]
+    return [RunConfig.from_args, _parallel, _tokenizer, _model, _checkpoints, _logging, _lora, _lr_schedule,
+            _optimizer, _activation_checkpointing, _training_loop, _data, _objective, _evaluation, _generation,
+            _user_plugins,
+            deepspeed_config, _launch, run_directory]
 
 
 def plugin_keys_read() -> set[str]:
     """Keys a plug-in declares that its implementation reads (``.key``) — in its module's package, where
-    the family's config (``ObjectiveConfig.reference``) and the plug-in's check live too: a plug-in is
-    handed its keys whole (``ObjectiveConfig.keys``, ``ScheduleSpec.options``), so what it reads is in
-    its source."""
+    the family's config (``ObjectiveArgs.reference_kind``) and the plug-in's check live too: a plug-in is
+    handed its keys whole (the arguments object, ``ScheduleSpec.options``), so what it reads is in its
+    source."""
     read: set[str] = set()
     for plugin in plugins.all_plugins():
         if plugin.keys is None:
@@ -172,6 +232,10 @@ FEATURE_VARIANTS: tuple[dict[str, Any], ...] = (
     {"cycles": 2},  # rewarmup shapes the cycles after the first
     {"lora_r": 4},  # the adapters' other keys shape the adapters
     {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "absent-vocab.json"},  # GPT-2 BPE reads both files
+    {"train_impl": "dpo"},  # an objective with a reference reads where it comes from (reference_logps)
+    # architectures whose layers read their own keys: rotary, RMSNorm, the parallel residual, MoE layers
+    {"pos_emb": "rotary", "norm": "rmsnorm", "gpt_j_residual": True, "moe_num_experts": 2},
+    {"pos_emb": "rpe", "norm": "scalenorm"},  # the relative position bias, ScaleNorm
 )
 
 

@@ -218,6 +218,15 @@ def test_unsupported_key_set_away_from_default(cwd: Path) -> None:
     assert load_config(["ok.yml"]).args.sparsity_config is None
 
 
+@pytest.mark.parametrize("line", ["s3_path: s3://bucket/run", "s3_chunk_size: 1024", "no_save_optim: true"])
+def test_checkpoint_keys_not_built_are_refused(cwd: Path, line: str) -> None:
+    """GPT-NeoX's S3 upload and optimizer-less saves (declared with the checkpoint keys) are refused,
+    naming the key and its file:line, never accepted and ignored."""
+    write(cwd, "c.yml", f"num_layers: 2\n{line}\n")
+    message = error_of(["c.yml"])
+    assert "not supported yet" in message and line.split(":")[0] in message and "c.yml:2" in message
+
+
 def test_yaml_text_parser_direct() -> None:
     assert parse_yaml_text("a: 1e3\nb: -2.5E-2\nc: '1e3'\nd: 10", "x") == {"a": 1000.0, "b": -0.025, "c": "1e3", "d": 10}
     assert parse_yaml_text("run: 2024-01-01\nat: 2024-01-01 10:00:00", "x") == {"run": "2024-01-01", "at": "2024-01-01 10:00:00"}
@@ -231,7 +240,7 @@ def test_resolved_config_round_trip_is_atomic(cwd: Path) -> None:
     write(cwd, "r.yml", "num_layers: 2\nhidden_size: 64\noptimizer: {type: Adam, params: {lr: 1e-3}}\n")
     resolved = load_config(["r.yml"], ["train_iters=5"])
     resolved.deepspeed_config = {"train_batch_size": 4}
-    resolved.run_dir = "runs/x"
+    resolved.directory = "runs/x"
     target = resolved.write(cwd / "run" / "deepy_config.json")
     assert sorted(os.listdir(cwd / "run")) == ["deepy_config.json"]  # no temp file left behind
     data = json.loads(target.read_text())
@@ -239,7 +248,7 @@ def test_resolved_config_round_trip_is_atomic(cwd: Path) -> None:
     back = load_resolved(target)
     assert back.args == resolved.args
     assert back.provenance == resolved.provenance and back.config_files == resolved.config_files
-    assert back.deepspeed_config == {"train_batch_size": 4} and back.run_dir == "runs/x"
+    assert back.deepspeed_config == {"train_batch_size": 4} and back.directory == "runs/x"
 
 
 def test_load_resolved_errors(cwd: Path) -> None:

@@ -307,3 +307,55 @@ def test_module_state_dict_conversion_runs_in_save_and_load_checkpoint(engine, t
     finally:
         del engine.module_state_dict, engine.load_module_state_dict  # the class's methods again
     assert seen == [["renamed.bias", "renamed.weight"]]
+
+
+@pytest.fixture()
+def zero3_engine(engine):  # type: ignore[no-untyped-def]
+    """A one-rank ZeRO-3 engine (``engine`` has set up the process group), plain SGD."""
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+              "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}
+    eng, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
+    yield eng
+    eng.destroy()
+
+
+def _zero3_weights(eng) -> list[float]:  # type: ignore[no-untyped-def]
+    return [float(x) for p in eng.module.parameters() for x in p.ds_tensor.flatten()]
+
+
+def test_zero3_gradient_partitions_are_what_its_step_reads(zero3_engine) -> None:  # type: ignore[no-untyped-def]
+    from megatron.deepspeed_internals import reduce_zero3_gradients_before_step
+
+    seen: list[int] = []
+
+    def zero_out(buffer: torch.Tensor) -> None:
+        seen.append(buffer.numel())
+        buffer.zero_()  # a reduction the step must see: no gradient, no update
+
+    reduce_zero3_gradients_before_step(zero3_engine.optimizer, zero_out)
+    before = _zero3_weights(zero3_engine)
+    zero3_engine.backward(zero3_engine(torch.randn(2, 4)).pow(2).mean())
+    zero3_engine.step()
+    assert seen == [sum(p.ds_tensor.numel() for p in zero3_engine.module.parameters())]
+    assert _zero3_weights(zero3_engine) == before
+    # and the buffer really carries the gradients: without the reduction the same step moves the weights
+    zero3_engine.optimizer.step = type(zero3_engine.optimizer).step.__get__(zero3_engine.optimizer)
+    zero3_engine.backward(zero3_engine(torch.randn(2, 4)).pow(2).mean())
+    zero3_engine.step()
+    assert _zero3_weights(zero3_engine) != before
+
+
+def test_checkpoint_write_flags_decide_deepspeeds_files(zero3_engine, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from megatron.deepspeed_internals import skip_checkpoint_writes
+
+    assert zero3_engine.save_non_zero_checkpoint and zero3_engine.save_zero_checkpoint  # set per rank at init
+    zero3_engine.save_checkpoint(str(tmp_path / "written"), "tag")
+    assert sorted(p.name for p in (tmp_path / "written" / "tag").glob("*.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    skip_checkpoint_writes(zero3_engine)
+    zero3_engine.save_checkpoint(str(tmp_path / "skipped"), "tag")
+    assert list((tmp_path / "skipped").rglob("*.pt")) == []

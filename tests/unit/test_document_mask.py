@@ -15,7 +15,7 @@ from megatron.model import GPTConfig, GPTModel
 from megatron.model.documents import document_ids_from_eod, document_spans, positions_in_documents
 from megatron.neox_arguments import config_from_mapping
 from megatron.config_rules import Device
-from megatron.training.objectives import ObjectiveConfig, build_objective, lm_loss_sum
+from megatron.training.objectives import ObjectiveArgs, build_objective, lm_loss_sum
 
 EOD = 0
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=24, padded_vocab_size=64, seed=11)
@@ -52,20 +52,20 @@ def test_document_ids_and_positions_restart_after_each_eod() -> None:
 
 def test_lm_objective_carries_documents_only_when_asked() -> None:
     sample = {"text": torch.tensor([[5, 6, 0, 7, 8, 0, 9]])}
-    both = build_objective(ObjectiveConfig(reset_attention_mask=True, reset_position_ids=True), eod_token=EOD)
+    both = build_objective(ObjectiveArgs(reset_attention_mask=True, reset_position_ids=True), eod_token=EOD)
     b = both.prepare(sample)
     assert b.document_ids.tolist() == [[0, 0, 0, 1, 1, 1]]
     assert b.position_ids.tolist() == [[0, 1, 2, 0, 1, 2]]
     assert b.pipe_inputs()[2] is b.document_ids and set(b.model_kwargs()) == {"position_ids", "document_ids"}
-    only_mask = build_objective(ObjectiveConfig(reset_attention_mask=True), eod_token=EOD).prepare(sample)
+    only_mask = build_objective(ObjectiveArgs(reset_attention_mask=True), eod_token=EOD).prepare(sample)
     assert only_mask.position_ids is None and only_mask.pipe_inputs()[1].tolist() == [list(range(6))]
-    plain = build_objective(ObjectiveConfig(), eod_token=EOD).prepare(sample)
+    plain = build_objective(ObjectiveArgs(), eod_token=EOD).prepare(sample)
     assert plain.model_kwargs() == {} and plain.pipe_inputs() is plain.inputs
 
 
 def per_document_check(model: torch.nn.Module, cfg: GPTConfig, text: torch.Tensor, keep_apart: bool) -> float:
     """Largest difference between each document's (loss, gradients) in the packed batch and alone."""
-    obj = build_objective(ObjectiveConfig(reset_attention_mask=keep_apart, reset_position_ids=keep_apart),
+    obj = build_objective(ObjectiveArgs(reset_attention_mask=keep_apart, reset_position_ids=keep_apart),
                           eod_token=EOD)
     batch = obj.prepare({"text": text})
     params = [p for p in model.parameters()]
@@ -133,7 +133,7 @@ def test_sft_packing_marks_the_documents_it_packed() -> None:
     labels = [[-100] * (len(d) // 2) + d[len(d) // 2 :] for d in docs]  # prompt half masked
     ds = SFTDataset("train", _Docs(docs), _Docs(labels), (0, 30), 8, seq_length=16, seed=1,
                     pack_impl="pack_until_overflow")
-    obj = build_objective(ObjectiveConfig(reset_attention_mask=True, reset_position_ids=True), eod_token=EOD)
+    obj = build_objective(ObjectiveArgs(reset_attention_mask=True, reset_position_ids=True), eod_token=EOD)
     for i in range(8):
         sample = {k: torch.as_tensor(v).unsqueeze(0) for k, v in ds[i].items()}
         batch = obj.prepare(sample)

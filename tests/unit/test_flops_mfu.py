@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 def shipped(name: str, vocab: int) -> GPTConfig:
     raw = yaml.safe_load((REPO / "configs" / name).read_text())
     args = NeoXArgs(**{k.replace("-", "_"): v for k, v in raw.items()})
-    return GPTConfig.from_args(args).with_vocab(vocab)
+    return args.with_vocab(vocab)  # the arguments are the model config
 
 
 def test_gpt_neox_125m_by_hand() -> None:

@@ -19,6 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from gpt_configs import gpt_config
+
 from megatron.errors import ConfigError, ConversionError
 from megatron.interop.convert import export_to_hf, import_to_deepy
 from megatron.interop.deepy_checkpoint import (
@@ -117,7 +119,7 @@ def test_architecture_follows_the_config(changes: dict, arch: str) -> None:
 )
 def test_features_without_an_hf_equivalent_are_refused_by_name(changes: dict, named: str) -> None:
     with pytest.raises(ConversionError, match="no faithful Hugging Face") as err:
-        choose_architecture(GPTConfig(**changes))
+        choose_architecture(gpt_config(**changes))
     assert named in str(err.value)
 
 
@@ -143,8 +145,9 @@ def test_exported_model_computes_our_logits(tmp_path: Path, variant: str) -> Non
     if variant in ("neox_partial_rotary_parallel_untied", "llama_gqa_swiglu_untied", "mistral_sliding_window"):
         back = gpt_config_from_hf(hf_config, config.seq_length)
         assert back.ffn_hidden_size == config.ffn_hidden_size
-        same = dict(seed=config.seed, init_method_std=config.init_method_std,
-                    intermediate_size=config.intermediate_size)  # fmt: skip
+        assert back.max_positions == config.max_positions  # HF always writes the table size; ours may leave it to seq_length
+        same = dict(seed=config.seed, init_method_std=config.init_method_std, intermediate_size=config.intermediate_size,
+                    max_position_embeddings=config.max_position_embeddings)  # fmt: skip
         assert back.replace(**same) == config
 
 

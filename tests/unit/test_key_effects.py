@@ -22,7 +22,7 @@ BASE: dict[str, Any] = {
 def test_make_vocab_size_divisible_by_pads_the_embedding_rows() -> None:
     for divisor, want in ((64, 320), (100, 300), (1, 257)):
         run = RunConfig.from_mapping({**BASE, "make_vocab_size_divisible_by": divisor})
-        assert run.tokenizer.padded(257, run.parallel.tensor) == want  # 257 = the byte tokenizer's vocabulary
+        assert run.tokenizer.padded(257, run.parallel.model_parallel_size) == want  # 257 = the byte tokenizer's vocabulary
 
 
 def test_per_device_parallelism_is_the_micro_batch() -> None:
@@ -52,10 +52,11 @@ def test_output_layer_init_method_sets_the_output_projections_std(method: str, s
 
 def test_dpo_reference_free_compares_against_a_zero_reference() -> None:
     """Reference-free DPO: no reference is built, the loss is -log sigmoid(beta (log pi_c - log pi_r))."""
-    from megatron.training.objectives import ObjectiveConfig, build_objective
+    from megatron.neox_arguments.arguments import NeoXArgs
+    from megatron.training.objectives import build_objective
     from megatron.training.objectives.reference import NoReference, build_reference
 
-    config = ObjectiveConfig.of("dpo", dpo_reference_free=True, dpo_beta=0.5)
+    config = NeoXArgs(train_impl="dpo", dpo_reference_free=True, dpo_beta=0.5)
     objective = build_objective(config, eod_token=None)
     assert isinstance(build_reference(objective, None, False, None, {}, None), NoReference)
     tokens = torch.randint(0, 8, (2, 5))
@@ -70,9 +71,10 @@ def test_dpo_reference_free_compares_against_a_zero_reference() -> None:
 
 @pytest.mark.parametrize("fp32", [True, False])
 def test_kto_fp32_sums_the_log_probs_in_fp32(fp32: bool) -> None:
-    from megatron.training.objectives import ObjectiveConfig, build_objective
+    from megatron.neox_arguments.arguments import NeoXArgs
+    from megatron.training.objectives import build_objective
 
-    objective = build_objective(ObjectiveConfig.of("kto", kto_fp32=fp32), eod_token=None)
+    objective = build_objective(NeoXArgs(train_impl="kto", kto_fp32=fp32), eod_token=None)
     output = torch.randn(2, 6, 8).to(torch.bfloat16)
     labels = torch.randint(0, 8, (2, 6))
     assert objective.reference_logps(output, labels).dtype == (torch.float32 if fp32 else torch.bfloat16)

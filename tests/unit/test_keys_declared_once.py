@@ -24,15 +24,7 @@ from megatron.neox_arguments.arguments import NeoXArgs
 ROOT = Path(__file__).resolve().parents[2] / "megatron"
 
 STILL_COPYING: dict[str, str] = {
-    "GPTConfig": "megatron/model/config.py",
-    "DataConfig": "megatron/data/config.py",
-    "ParallelConfig": "megatron/mpu/config.py",
-    "LaunchConfig": "megatron/launcher/config.py",
-    "ObjectiveConfig": "megatron/training/objectives/config.py",
     "RunConfig": "megatron/neox_arguments/run_config.py",
-    "NeoxNames": "megatron/checkpointing/neox_layout.py",
-    # no from_args, but they re-declare keys the classes above copy
-    "ResolvedConfig": "megatron/neox_arguments/resolved.py",
 }
 """Config classes that still copy keys from the arguments (``from_args``) or re-declare them, with
 their file."""

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 from megatron.errors import ConfigError
-from megatron.launcher import LaunchConfig, LaunchPlan, check_tools, plan_launch
+from megatron.launcher import LaunchPlan, check_tools, plan_launch
+from megatron.launcher.config import master_port_chosen
 from megatron.launcher import local_ranks
 from megatron.launcher.deepspeed_runner import runner_flags
 from megatron.launcher.environment import distributed_env, first_slurm_host, started_by_scheduler
@@ -40,13 +41,15 @@ SECRET = "wandb-secret-value-0123456789"
 ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
-def config(**values: Any) -> LaunchConfig:
-    provenance = {key: "cli" for key in values}
-    return LaunchConfig.from_args(NeoXArgs(**values), provenance)
+def config(**values: Any) -> NeoXArgs:
+    """The arguments the launcher reads, as deepy.py hands them over."""
+    return NeoXArgs(**values)
 
 
 def plan(environ: dict[str, str] | None = None, devices: int = 1, **values: Any) -> LaunchPlan:
-    return plan_launch(config(**values), "train.py", CONFIG, environ or {}, lambda: devices, python=PY)
+    provenance = {key: "cli" for key in values}  # every key given here was chosen
+    return plan_launch(config(**values), "train.py", CONFIG, environ or {}, lambda: devices, python=PY,
+                       provenance=provenance)
 
 
 @pytest.fixture()
@@ -61,13 +64,13 @@ def value_after(argv: list[str], flag: str) -> str:
 
 
 # --- config ------------------------------------------------------------------------------------
-def test_launch_config_knows_whether_the_port_was_chosen() -> None:
+def test_the_launcher_knows_whether_the_port_was_chosen() -> None:
     args = NeoXArgs(master_port=29500, launcher="slurm", comment="c", deepspeed_slurm=True)
-    assert LaunchConfig.from_args(args, {"master_port": "run.yml:3"}).master_port_given
-    assert not LaunchConfig.from_args(args, {}).master_port_given  # the default, untouched
-    assert LaunchConfig.from_args(NeoXArgs(master_port=29611)).master_port_given  # no provenance: by value
-    got = LaunchConfig.from_args(args, {})
-    assert (got.launcher, got.comment, got.deepspeed_slurm, got.include, got.num_nodes) == ("slurm", "c", True, "", -1)
+    assert master_port_chosen(args, {"master_port": "run.yml:3"})
+    assert not master_port_chosen(args, {})  # the default, untouched
+    assert not master_port_chosen(args, {"master_port": "derived"})  # filled in by a rule, not the user
+    assert master_port_chosen(NeoXArgs(master_port=29611))  # no provenance: by value
+    assert not master_port_chosen(NeoXArgs())
 
 
 # --- local and pdsh: DeepSpeed's runner --------------------------------------------------------
@@ -201,8 +204,8 @@ def test_runner_flags_are_understood_by_deepspeeds_runner() -> None:
 
 # --- MPI ----------------------------------------------------------------------------------------
 def mpi_inputs(active: dict[str, list[int]], environ: dict[str, str] | None = None, **values: Any) -> PlanInputs:
-    return PlanInputs(config=config(**values), user_script="train.py", config_path=CONFIG, environ=environ or {},
-                      pool=active, active=active, python=PY)  # fmt: skip
+    return PlanInputs(config=config(**values), master_port_given="master_port" in values, user_script="train.py",
+                      config_path=CONFIG, environ=environ or {}, pool=active, active=active, python=PY)  # fmt: skip
 
 
 def test_openmpi_on_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -491,8 +494,8 @@ def test_counting_ranks_does_not_import_deepspeed_and_checking_prints_nothing(tm
         "                train_micro_batch_size_per_gpu=1, train_iters=1, use_dummy_dataset=True, num_gpus=2,\n"
         "                tokenizer_type='CharLevelTokenizer')\n"
         "world = detect_world_size(args)\n"
-        "from megatron.launcher import LaunchConfig, plan_launch\n"
-        "plan_launch(LaunchConfig.from_args(args), 'train.py', 'c.json', {})\n"
+        "from megatron.launcher import plan_launch\n"
+        "plan_launch(args, 'train.py', 'c.json', {})\n"
         "assert 'deepspeed' not in sys.modules, 'deepspeed imported'\n"
         "finalize(ResolvedConfig(args=args), world)\n"
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import math
 
 import pytest
@@ -120,6 +122,21 @@ def test_bad_specs_are_config_errors() -> None:
         ScheduleSpec("triangle", max_lr=1.0, total_steps=10)
     with pytest.raises(ConfigError, match="min_lr"):
         ScheduleSpec("linear", max_lr=1.0, min_lr=2.0, total_steps=10)
+
+
+def test_min_lr_above_lr_is_one_check() -> None:
+    """``min_lr <= lr`` is decided by one function: the rule before launch and a spec built in Python
+    both say what it says (issue 20: no invariant checked twice)."""
+    from megatron.neox_arguments.rules import learning_rates_ordered
+    from megatron.training.lr_schedules import min_lr_problem
+
+    assert min_lr_problem(1.0, 1.0) is None and min_lr_problem(1.0, 0.0) is None
+    with pytest.raises(ConfigError) as err:
+        ScheduleSpec("linear", max_lr=1.0, min_lr=2.0, total_steps=10)
+    assert err.value.message == min_lr_problem(1.0, 2.0) == (
+        "lr=1.0 is below min_lr=2.0: the schedule decays from lr down to min_lr")
+    rule_source = inspect.getsource(learning_rates_ordered)
+    assert "min_lr_problem(" in rule_source and "< min_lr" not in rule_source
 
 
 def _lr(**kw: object) -> LRSchedulerArgs:

@@ -12,6 +12,8 @@ import math
 import pytest
 import torch
 
+from gpt_configs import gpt_config
+
 from megatron.model import GPTConfig, GPTModel, flops_per_token, lm_loss, num_parameters
 from megatron.model.pipeline import (
     EmbeddingPipe,
@@ -228,7 +230,7 @@ VARIANTS: dict[str, dict] = {
 
 
 def build(variant: dict) -> tuple[GPTConfig, GPTModel]:
-    cfg = GPTConfig(**{**BASE, **variant})
+    cfg = gpt_config(**{**BASE, **variant})
     model = GPTModel(cfg).eval()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # make every parameter matter (init leaves norms at 1 and biases at 0)
@@ -285,7 +287,7 @@ def test_lm_loss_matches_torch_cross_entropy() -> None:
 @pytest.mark.parametrize("name", ["learned", "untied", "alibi_6_heads", "gqa", "value_head"])
 def test_pipeline_layers_compute_the_same_model(name: str) -> None:
     """The pipeline's layer classes, chained by hand, build the same weights and logits."""
-    cfg = GPTConfig(**{**BASE, **VARIANTS[name]})
+    cfg = gpt_config(**{**BASE, **VARIANTS[name]})
     model = GPTModel(cfg).eval()
     embed = EmbeddingPipe(cfg)
     layers = [TransformerLayerPipe(cfg, i) for i in range(cfg.num_layers)]
@@ -336,7 +338,7 @@ def test_num_parameters_and_flops(name: str) -> None:
     cfg, model = build(VARIANTS[name])
     assert num_parameters(cfg) == sum(p.numel() for p in model.parameters())
     h, L, s, v = cfg.hidden_size, cfg.num_layers, cfg.seq_length, cfg.padded_vocab_size
-    table = cfg.max_position_embeddings + cfg.opt_pos_emb_offset
+    table = cfg.max_positions + cfg.opt_pos_emb_offset
     embeddings = v * h + (table * h if cfg.pos_emb == "learned" else 0)
     head = h if cfg.value_head else v * h
     untied_head = head if (cfg.no_weight_tying or cfg.value_head) else 0
@@ -352,19 +354,20 @@ def test_config_from_neox_args() -> None:
         pos_emb="rotary", rotary_pct=0.25, norm="rmsnorm", activation="swiglu", precision="bfloat16",
         attention_config=[[["global"], "all"]], train_iters=10, lr=1e-3,  # not architecture: not read
     )).args
-    cfg = GPTConfig.from_args(args)
-    assert (cfg.num_layers, cfg.kv_heads, cfg.max_position_embeddings) == (3, 6, 32)
+    cfg = args  # the arguments are the model's config: no copy
+    assert isinstance(cfg, GPTConfig)
+    assert (cfg.num_layers, cfg.kv_heads, cfg.max_positions) == (3, 6, 32)
     assert cfg.params_dtype == torch.bfloat16 and cfg.rotary_dim == 2 and cfg.padded_vocab_size == 96
     assert cfg.attention_types == ["global"] * 3
     assert cfg.layernorm_epsilon == 1e-5  # the schema's default
     assert not cfg.value_head and cfg.with_vocab(128).padded_vocab_size == 128
     with pytest.raises(ValueError, match="not supported"):
-        GPTConfig(**BASE, attention_config=[[["sparse_fixed"], "all"]])
+        GPTConfig(**BASE, attention_config=[[["sparse_fixed"], "all"]]).check_architecture()
     for bad in (dict(pos_emb="t5"), dict(norm="batchnorm"), dict(activation="tanh"), dict(init_method="zeros")):
-        with pytest.raises(ValueError, match="not supported"):
+        with pytest.raises(ValueError, match="Input should be"):  # not even a GPT-NeoX value: the schema refuses it
             GPTConfig(**BASE, **bad)
     with pytest.raises(ValueError, match="needs sliding_window_width"):
-        GPTConfig(**BASE, attention_config=[[["local"], "all"]])
+        GPTConfig(**BASE, attention_config=[[["local"], "all"]]).check_architecture()
 
 
 def test_activation_checkpointing_replays_dropout() -> None:
@@ -476,7 +479,7 @@ def test_config_errors_are_config_errors() -> None:
     from megatron.errors import ConfigError
 
     with pytest.raises(ConfigError, match="hidden_size=30"):
-        GPTConfig(**{**BASE, "hidden_size": 30})
+        GPTConfig(**{**BASE, "hidden_size": 30}).check_architecture()
     cfg = GPTConfig(**{**BASE, "num_kv_heads": 1, "intermediate_size": 50})
     cfg.check_tensor_parallel(1)
     with pytest.raises(ConfigError, match=r"num_kv_heads=1, .*MLP width.*=50"):

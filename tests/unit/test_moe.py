@@ -274,7 +274,7 @@ def test_config_rejects_top_k_above_experts() -> None:
     from megatron.errors import ConfigError
 
     with pytest.raises(ConfigError, match="moe_top_k=5"):
-        GPTConfig(**{**BASE, "moe_num_experts": 4, "moe_top_k": 5})
+        GPTConfig(**{**BASE, "moe_num_experts": 4, "moe_top_k": 5}).check_architecture()
     with pytest.raises(ConfigError, match="moe_num_experts"):
         GPTConfig(**{**BASE, "moe_num_experts": 3}).check_tensor_parallel(2)
 

@@ -73,7 +73,7 @@ def test_keys_at_their_defaults_are_fine_on_a_dense_model() -> None:
 def test_moe_keys_reach_the_model_config() -> None:
     args = finalized(1, moe_top_k=2, moe_router_type="topk", moe_expert_interval=2, moe_jitter_eps=0.01,
                      moe_lbl_in_fp32=True, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001).args  # fmt: skip
-    cfg = GPTConfig.from_args(args)
+    cfg: GPTConfig = args  # the arguments are the model config
     assert (cfg.moe_num_experts, cfg.moe_top_k, cfg.moe_router_type, cfg.moe_expert_interval) == (4, 2, "topk", 2)
     assert (cfg.moe_jitter_eps, cfg.moe_lbl_in_fp32, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff) == (
         0.01, True, 0.01, 0.001)  # fmt: skip
@@ -144,10 +144,10 @@ def test_gpt_neox_125m_dmoe_loads_unchanged(tmp_path: Path, monkeypatch: pytest.
     (tmp_path / "data.yml").write_text("use_dummy_dataset: true\ntokenizer_type: CharLevelTokenizer\nsave: ckpt\n")
     monkeypatch.chdir(tmp_path)
     final = finalize(load_config(["125M-dmoe.yml", "data.yml"]), 4, device=CPU)  # pp2 x tp2
-    cfg = GPTConfig.from_args(final.args)
+    cfg: GPTConfig = final.args
     assert cfg.moe_num_experts == 8 and cfg.num_moe_layers == 12  # every block, as GPT-NeoX
     assert (cfg.moe_router_type, cfg.moe_top_k) == ("sinkhorn", 1)  # GPT-NeoX's defaults
-    cfg.check_tensor_parallel(2)  # 8 experts split over the 2 tensor-parallel ranks
+    cfg.for_tokenizer(50304).check_tensor_parallel(2)  # 8 experts split over the 2 tensor-parallel ranks
 
 
 @pytest.mark.parametrize("config", ["configs/125M-dmoe.yml", "configs/tiny-moe.yml"])

@@ -26,7 +26,7 @@ LLAMA = dict(norm="rmsnorm", activation="swiglu", num_kv_heads=2, no_weight_tyin
 
 def config_of(arch: dict, seed: int = 1234) -> GPTConfig:
     return GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, max_position_embeddings=16,
-                     padded_vocab_size=256, pos_emb="rotary", seed=seed, params_dtype=torch.float32, **arch)
+                     padded_vocab_size=256, pos_emb="rotary", seed=seed, precision="fp32", **arch)
 
 
 def source_weights(config: GPTConfig) -> dict[str, torch.Tensor]:
@@ -117,3 +117,16 @@ def test_config_files_keep_their_names_as_gpt_neox_writes_them() -> None:
 
     files = {"configs/model.yml": "a", "runs/x/local.yml": "b", "other/local.yml": "c"}
     assert config_file_names(files) == {"model.yml": "a", "01_local.yml": "c", "02_local.yml": "b"}
+
+
+@pytest.mark.parametrize("arch", ["neox", "llama"])
+def test_names_read_from_a_checkpoints_record_match_the_models(arch: str) -> None:
+    """A checkpoint records the arguments of the run that wrote it (``deepy_meta.json``); reading the
+    layout facts from that record gives what the model's own config gives."""
+    from megatron.neox_arguments.arguments import NeoXArgs
+
+    spec = NEOX if arch == "neox" else LLAMA
+    stored = NeoXArgs(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, **spec).model_dump(mode="json")
+    names = NeoxNames.from_stored(stored)
+    assert names == NeoxNames.from_config(config_of(spec))
+    assert (names.kv_heads, names.gated_mlp, names.rmsnorm) == ((4, False, False) if arch == "neox" else (2, True, True))

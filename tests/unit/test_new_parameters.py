@@ -19,7 +19,7 @@ CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8,
 
 def test_only_the_declared_new_parameters_may_be_missing() -> None:
     lm = GPTModel(GPTConfig(**CONFIG)).state_dict()
-    rm = GPTModel(GPTConfig(**CONFIG, value_head=True))
+    rm = GPTModel(GPTConfig(**CONFIG).replace(value_head=True))
     head = rm.value_head.weight.detach().clone()
     engine = SimpleNamespace(module=rm)
     with tolerating_new_parameters(engine, RewardModelObjective.new_parameters) as report:

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.errors import ConfigError, DataError
-from megatron.training.objectives import ObjectiveConfig, build_objective, dpo_losses, kto_losses, lm_loss_sum, rm_losses
+from megatron.neox_arguments.arguments import NeoXArgs
+from megatron.training.objectives import build_objective, dpo_losses, kto_losses, lm_loss_sum, rm_losses
 from megatron.training.objectives.base import MetricSums, means_from_vector, micro_batch_denominator
 from megatron.training.objectives.kto import mismatched_rows
 from megatron.training.objectives.logprobs import sequence_logps, vocab_parallel_logsumexp
@@ -25,7 +26,7 @@ V = 13  # vocabulary of the stub models
 
 
 def _objective(train_impl: str, **kw: object):  # noqa: ANN202
-    return build_objective(ObjectiveConfig.of(train_impl, **kw), eod_token=0)  # type: ignore[arg-type]
+    return build_objective(NeoXArgs(train_impl=train_impl, **kw), eod_token=0)  # type: ignore[arg-type]
 
 
 def _targets(batch, reference: torch.Tensor | None = None, denominator: float = 1.0):  # noqa: ANN001, ANN202

@@ -55,6 +55,58 @@ def test_top_level_lr_wins() -> None:
     assert optimizer_config("AdamW").peak_lr == 0.01  # optimizer.params.lr otherwise
 
 
+@pytest.mark.parametrize(("flat", "block", "expected"), [
+    (0.5, None, (0.5, "lr")), (None, 0.01, (0.01, "optimizer.params.lr")), (0.01, 0.01, (0.01, "lr")),
+    (None, None, (None, "lr")),
+])
+def test_the_peak_rate_is_decided_in_one_place(flat: float | None, block: float | None,
+                                               expected: tuple[float | None, str]) -> None:
+    """The optimizer, the pre-launch rules and deepy.py's inference fill-in all ask peak_lr_setting
+    (the flat lr when given, else optimizer.params.lr), so none of them can disagree."""
+    from megatron.app.deepy import fill_in_for_inference
+    from megatron.config_rules import RuleContext
+    from megatron.neox_arguments.loading import config_from_mapping
+    from megatron.neox_arguments.rules import effective_lr
+    from megatron.training.optimizer_config import peak_lr_setting
+
+    values: dict[str, Any] = {} if flat is None else {"lr": flat}
+    if block is not None:
+        values["optimizer"] = {"type": "Adam", "params": {"lr": block}}
+    resolved = config_from_mapping(values)
+    args = resolved.args
+    assert peak_lr_setting(args.lr, args.optimizer) == expected
+    assert effective_lr(RuleContext(args=args)) == expected
+    if expected[0] is None:
+        with pytest.raises(ConfigError, match="no learning rate"):
+            args.peak_lr
+        fill_in_for_inference(resolved, "generate.py")  # a model-only config gets lr 0 for the engine
+        assert args.lr == 0.0 and peak_lr_setting(args.lr, args.optimizer) == (0.0, "lr")
+    else:
+        assert args.peak_lr == expected[0]
+        fill_in_for_inference(resolved, "generate.py")
+        assert args.lr == flat  # a rate the config gives is left alone
+
+
+def test_only_the_decision_reads_the_block_lr() -> None:
+    """``optimizer.params.lr`` is read where the peak rate is decided and by the rule refusing a block lr
+    that disagrees with the flat lr, nowhere else in megatron/ (a second decision would show up here)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "megatron"
+    readers = set()
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef):
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.Attribute) and node.attr == "lr" and isinstance(node.value, ast.Attribute) \
+                            and node.value.attr == "params":
+                        readers.add(f"{path.relative_to(root.parent)}:{fn.name}")
+    assert readers == {"megatron/training/optimizer_config.py:peak_lr_setting",
+                       "megatron/neox_arguments/rules.py:learning_rates_ordered"}
+
+
 def test_weight_decay_in_params_is_honoured() -> None:
     cfg = optimizer_config("AdamW", weight_decay=0.3)
     assert cfg.applied_weight_decay == 0.3
@@ -138,3 +190,17 @@ def test_flat_optimizer_type_without_a_block_gets_gpt_neox_defaults(kind: str) -
     for key, value in defaults.items():
         expected = flat.optimizer_params[key]
         assert (tuple(value) == tuple(expected)) if key == "betas" else (value == expected), key
+
+
+def test_zero_init_placeholders_are_grouped_by_their_real_shape() -> None:
+    """Under deepspeed.zero.Init a weight is an empty 1-d placeholder whose shape DeepSpeed keeps as
+    ``ds_shape``: a matrix is still decayed (it was not, so zero_init runs skipped weight decay)."""
+    import torch
+
+    from megatron.training.optimizers import is_no_decay
+
+    placeholder = torch.nn.Parameter(torch.empty(0))
+    placeholder.ds_shape = torch.Size([8, 4])  # what zero.Init sets
+    assert not is_no_decay("layers.0.mlp.dense_h_to_4h.weight", placeholder)
+    placeholder.ds_shape = torch.Size([8])
+    assert is_no_decay("layers.0.mlp.dense_h_to_4h.scale", placeholder)

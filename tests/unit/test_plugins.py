@@ -1,10 +1,11 @@
-"""Plug-ins carry their own config: a toy LR schedule, tracker and objective, each one file, work
-through ``deepy.py --dry-run`` (their keys validated, shown with file:line, checked before launch)
-and do what they say; the accepted values of every plug-in key are its registry's names.
+"""Plug-ins carry their own config: a toy LR schedule, tracker, objective and tokenizer, each one
+file, work through ``deepy.py --dry-run`` (their keys validated, shown with file:line, checked before
+launch) and do what they say; the accepted values of every plug-in key are its registry's names.
 
-The three toy files are written here into a temporary directory, as a user would write them next
+The four toy files are written here into a temporary directory, as a user would write them next
 to their config, and named by the config's ``plugins:`` key. Each toy has its own test below with an
-independent reference (the formula, the rows logged, torch's label-smoothed cross entropy).
+independent reference (the formula, the rows logged, torch's label-smoothed cross entropy, the
+letters' places in the alphabet).
 """
 
 from __future__ import annotations
@@ -108,32 +109,83 @@ class SmoothedLM(LMObjective):
         counted = labels >= 0
         flat = output.float().reshape(-1, output.shape[-1])
         losses = F.cross_entropy(flat, labels.clamp(min=0).reshape(-1), reduction="none",
-                                 label_smoothing=self.config.keys.label_smoothing)
+                                 label_smoothing=self.config.label_smoothing)
         total = (losses * counted.reshape(-1)).sum()
         return total, {"lm_loss": (total.detach(), counted.sum())}
 '''
 
 
+TOY_TOKENIZER = '''
+"""Letters as tokens: each character of ``letters_alphabet`` is its place in it + 1; 0 ends a document."""
+from pydantic import Field
+
+from megatron import plugins
+from megatron.config_schema import ArgGroup
+from megatron.tokenizer.base import Tokenizer
+
+
+class LettersKeys(ArgGroup):
+    """Keys of the letters tokenizer."""
+
+    letters_alphabet: str = Field("abcdefghijklmnopqrstuvwxyz ", min_length=1)
+    """The characters it encodes, in id order (other characters are dropped)."""
+
+
+def _check(args, show):
+    if len(set(args.letters_alphabet)) != len(args.letters_alphabet):
+        return [f"{show('letters_alphabet')} repeats a character: each character needs one id"]
+    return []
+
+
+@plugins.register("tokenizer_type", "letters", keys=LettersKeys, check=_check)
+class LettersTokenizer(Tokenizer):
+    name = "letters"
+
+    def __init__(self, alphabet):
+        self.ids = {char: place + 1 for place, char in enumerate(alphabet)}
+        self.chars = {place: char for char, place in self.ids.items()}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(config.letters_alphabet)
+
+    @property
+    def vocab_size(self):
+        return len(self.ids) + 1
+
+    @property
+    def eod(self):
+        return 0
+
+    def tokenize(self, text):
+        return [self.ids[char] for char in text if char in self.ids]
+
+    def detokenize(self, ids):
+        return "".join(self.chars.get(i, "") for i in ids)
+'''
+
+TOYS = ("step_halving.py", "csv_tracker.py", "smoothed_lm.py", "letters.py")
+
+
 @pytest.fixture(scope="module")
 def toys(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("toys")
-    for name, text in (("step_halving.py", TOY_SCHEDULE), ("csv_tracker.py", TOY_TRACKER),
-                       ("smoothed_lm.py", TOY_OBJECTIVE)):
+    for name, text in zip(TOYS, (TOY_SCHEDULE, TOY_TRACKER, TOY_OBJECTIVE, TOY_TOKENIZER)):
         (folder / name).write_text(textwrap.dedent(text).lstrip(), encoding="utf-8")
     return folder
 
 
-def _config(folder: Path, extra: str) -> Path:
+def _config(folder: Path, extra: str, tokenizer: str = "CharLevelTokenizer") -> Path:
     data = folder / "data.txt"
     data.write_text("plug-ins carry their own keys\n", encoding="utf-8")
     text = textwrap.dedent(f"""\
-        plugins: [step_halving.py, csv_tracker.py, smoothed_lm.py]
+        plugins: [{', '.join(TOYS)}]
         num_layers: 2
         hidden_size: 64
         num_attention_heads: 4
         seq_length: 32
         max_position_embeddings: 32
-        tokenizer_type: CharLevelTokenizer
+        tokenizer_type: {tokenizer}
         use_dummy_dataset: true
         train_micro_batch_size_per_gpu: 2
         train_iters: 40
@@ -154,19 +206,21 @@ def _line_of(config: Path, key: str) -> int:
     return next(i for i, line in enumerate(config.read_text().splitlines(), 1) if line.lstrip().startswith(key))
 
 
-def test_three_toy_plugins_run_through_deepy_dry_run(toys: Path) -> None:
+def test_four_toy_plugins_run_through_deepy_dry_run(toys: Path) -> None:
     config = _config(toys, """\
         lr_decay_style: step_halving
         step_decay_every: 10
         train_impl: smoothed_lm
         label_smoothing: 0.2
         tracker: {type: csv, path: metrics.csv}
-        """)
+        letters_alphabet: "abc "
+        """, tokenizer="letters")
     done = _dry_run(config)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     for key, value in (("lr_decay_style", "step_halving"), ("step_decay_every", "10"),
-                       ("train_impl", "smoothed_lm"), ("label_smoothing", "0.2")):
+                       ("train_impl", "smoothed_lm"), ("label_smoothing", "0.2"), ("tokenizer_type", "letters"),
+                       ("letters_alphabet", "abc ")):
         row = next(line for line in out.splitlines() if line.split() and line.split()[0] == key)
         assert value in row and f"{config.name}:{_line_of(config, key)}" in row, row
     assert "csv" in next(line for line in out.splitlines() if line.split() and line.split()[0] == "tracker")
@@ -176,23 +230,29 @@ def test_a_plugins_check_refuses_before_launch_with_file_and_line(toys: Path) ->
     config = _config(toys, """\
         lr_decay_style: step_halving
         step_decay_every: 400
-        """)
+        letters_alphabet: abca
+        """, tokenizer="letters")
     done = _dry_run(config)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Traceback" not in done.stderr
     assert f"step_decay_every=400 ({config}:{_line_of(config, 'step_decay_every')})" in done.stderr
     assert "would never drop" in done.stderr
+    assert f"letters_alphabet='abca' ({config}:{_line_of(config, 'letters_alphabet')}) repeats a character" \
+        in done.stderr
 
 
 def test_a_plugins_keys_without_the_plugin_selected_are_refused(toys: Path) -> None:
     config = _config(toys, """\
         lr_decay_style: cosine
         step_decay_every: 10
+        letters_alphabet: xyz
         """)
     done = _dry_run(config)
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"step_decay_every=10 ({config}:{_line_of(config, 'step_decay_every')}) only apply to " \
            "lr_decay_style: step_halving" in done.stderr
+    assert f"letters_alphabet='xyz' ({config}:{_line_of(config, 'letters_alphabet')}) only apply to " \
+           "tokenizer_type: letters" in done.stderr
 
 
 def test_an_unregistered_name_lists_the_registry(toys: Path) -> None:
@@ -211,7 +271,7 @@ def loaded(toys: Path) -> Iterator[Path]:
     """The toys registered in this process for this module's tests, and forgotten after them: other
     test files on this worker must see Deepy's own registry (the docs, the honesty index)."""
     saved = {family: dict(entries) for family, entries in plugins._REGISTRY.items()}
-    plugins.load_user_plugins(["step_halving.py", "csv_tracker.py", "smoothed_lm.py"], base_dir=str(toys))
+    plugins.load_user_plugins(list(TOYS), base_dir=str(toys))
     yield toys
     for family, entries in saved.items():
         plugins._REGISTRY[family].clear()
@@ -242,10 +302,10 @@ def test_toy_tracker_receives_every_row(loaded: Path, tmp_path: Path) -> None:
 
 
 def test_toy_objective_is_torchs_label_smoothed_cross_entropy(loaded: Path) -> None:
+    from megatron.neox_arguments.arguments import schema_class
     from megatron.training.objectives import build_objective
-    from megatron.training.objectives.config import ObjectiveConfig
 
-    objective = build_objective(ObjectiveConfig.of("smoothed_lm", label_smoothing=0.2))
+    objective = build_objective(schema_class()(train_impl="smoothed_lm", label_smoothing=0.2))
     torch.manual_seed(0)
     logits, labels = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
     labels[0, :2] = -100
@@ -256,6 +316,20 @@ def test_toy_objective_is_torchs_label_smoothed_cross_entropy(loaded: Path) -> N
     assert torch.allclose(total, expected, atol=1e-5)
     plain = F.cross_entropy(logits.reshape(-1, 11)[keep], labels.reshape(-1)[keep], reduction="sum")
     assert not torch.allclose(total, plain)  # the key has an effect
+
+
+def test_toy_tokenizer_numbers_letters_by_their_place_in_the_alphabet(loaded: Path) -> None:
+    from megatron.neox_arguments.arguments import schema_class
+    from megatron.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(schema_class()(tokenizer_type="letters"))  # the default alphabet, a-z then space
+    text = "plug ins, carry keys!"
+    expected = [27 if char == " " else ord(char) - ord("a") + 1 for char in text if char.isalpha() or char == " "]
+    assert tokenizer.tokenize(text) == expected
+    assert tokenizer.detokenize(expected) == "plug ins carry keys"
+    assert tokenizer.vocab_size == 28 and tokenizer.eod == 0
+    short = build_tokenizer(schema_class()(tokenizer_type="letters", letters_alphabet="cab"))
+    assert short.tokenize("abcd") == [2, 3, 1]  # the key has an effect
 
 
 # ---- the registries are the accepted values --------------------------------------------------------
@@ -274,6 +348,29 @@ def test_accepted_values_of_a_plugin_key_are_its_registry(family: str) -> None:
     bogus = {"type": "not_registered"} if family == "tracker" else "not_registered"
     with pytest.raises(ConfigError, match="not one of the registered"):
         config_from_mapping({family: bogus})
+    if family != "tracker":  # a flat selecting key: the generated docs list exactly the registry as its type
+        from megatron.neox_arguments.docs import render_markdown
+
+        row = next(line for line in render_markdown().splitlines() if line.startswith(f"| `{family}` |"))
+        assert row.split(" | ")[1] == " \\| ".join(f'"{name}"' for name in plugins.names(family))  # type: ignore[arg-type]
+
+
+NEOX_VALUES: dict[str, tuple[str, ...]] = {
+    "tokenizer_type": ("GPT2BPETokenizer", "HFTokenizer", "HFGPT2Tokenizer", "SPMTokenizer", "CharLevelTokenizer",
+                       "TiktokenTokenizer"),
+    "train_impl": ("normal", "dpo", "rm", "kto"),
+}
+"""GPT-NeoX's values of its keys that are plug-in registries now (its Literals, gpt-neox-arguments.tsv;
+``reinforce`` is accepted and refused as not supported yet): each stays accepted, spelt the same."""
+
+
+@pytest.mark.parametrize("family", sorted(NEOX_VALUES))
+def test_gpt_neox_values_stay_registered(family: str) -> None:
+    from megatron.neox_arguments.loading import config_from_mapping
+
+    assert set(NEOX_VALUES[family]) <= set(plugins.names(family))  # type: ignore[arg-type]
+    for name in NEOX_VALUES[family]:
+        assert getattr(config_from_mapping({family: name}).args, family) == name
 
 
 def test_optimizer_types_are_the_builders_registry() -> None:

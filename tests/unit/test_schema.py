@@ -27,7 +27,7 @@ from megatron.neox_arguments.arguments import (
     require_supported,
 )
 from megatron.neox_arguments.docs import _group_intro
-from megatron.neox_arguments.groups.model import ModelArgs
+from megatron.model.config import GPTConfig
 
 REPO = Path(__file__).resolve().parents[2]
 TSV = REPO.parent / "shared" / "reference" / "gpt-neox-arguments.tsv"
@@ -62,9 +62,23 @@ DECLARED_WITH_COMPONENT: dict[str, str] = {
     **dict.fromkeys((
         "save", "config_files", "load", "checkpoint_validation_with_forward_pass", "checkpoint_scale",
         "checkpoint_factor", "extra_save_iters", "no_save_rng", "no_load_optim", "no_load_rng", "finetune",
-        "keep_last_n_checkpoints", "iteration",
+        "keep_last_n_checkpoints", "iteration", "s3_path", "s3_chunk_size", "no_save_optim",
     ), "checkpoint"),
     **dict.fromkeys(("eval_tasks", "eval_results_prefix"), "evaluation"),
+    **dict.fromkeys(("train_impl", "z_loss", "eod_mask_loss", "fp32_reinforce", "kl_impl", "kl_div_beta",
+                     "reinforce_leave_one_out"), "objective"),
+    **dict.fromkeys(("deepspeed_mpi", "deepspeed_slurm"), "deepspeed_runner"),
+    **dict.fromkeys((
+        "data_path", "train_data_paths", "train_label_data_paths", "train_reward_data_paths", "test_data_paths",
+        "test_label_data_paths", "test_reward_data_paths", "valid_data_paths", "valid_label_data_paths",
+        "valid_reward_data_paths", "pos_train_data_paths", "neg_train_data_paths", "pos_train_label_data_paths",
+        "neg_train_label_data_paths", "pos_valid_data_paths", "neg_valid_data_paths", "pos_valid_label_data_paths",
+        "neg_valid_label_data_paths", "pos_test_data_paths", "neg_test_data_paths", "pos_test_label_data_paths",
+        "neg_test_label_data_paths", "train_data_weights", "valid_data_weights", "test_data_weights",
+        "weight_by_num_documents", "weighted_sampler_alpha", "pack_impl", "dataset_impl", "allow_chopped",
+        "mmap_warmup", "split",
+    ), "data"),
+    **dict.fromkeys(("attention_dropout", "hidden_dropout", "padded_vocab_size", "seed", "sequence_parallel"), "model"),  # what every layer is built from
 }
 
 # Defaults Deepy changes on purpose; each field's docstring says why.
@@ -80,10 +94,10 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "min_lr_ratio": ("lr", None),
     "decay_fraction": ("lr", None),
     "selective_checkpointing": ("activation_checkpointing", None),
-    "use_dummy_dataset": ("training", False),
-    "train_urls": ("training", None),
-    "validation_urls": ("training", None),
-    "cache_dir": ("training", None),
+    "use_dummy_dataset": ("data", False),
+    "train_urls": ("data", None),
+    "validation_urls": ("data", None),
+    "cache_dir": ("data", None),
     "save_interval": ("checkpoint", None),
     "keep": ("checkpoint", None),
     "initialize_from": ("checkpoint", None),
@@ -96,9 +110,10 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "deepspeed_log_level": ("logging", "warning"),
     "device_memory_gb": ("logging", None),
     "scale_attn_by_inverse_layer_idx": ("model", False),  # GPT-2's/Levanter's per-block attention scale
-    "sharding_strategy": ("parallelism", None),
+    "sharding_strategy": ("parallelism", None),  # fms-fsdp's fsdp | hsdp | ddp
+    "sharding_group_size": ("parallelism", None),  # hsdp's shard size (torch/llama-recipes' name)
     "plugins": ("plugins", []),  # plug-in modules imported before validation (megatron/plugins.py)
-    "zero_init": ("training_loop", False),  # fms-fsdp's low_cpu_fsdp: build under deepspeed.zero.Init  # fms-fsdp's fsdp | hsdp | ddp
+    "zero_init": ("training_loop", False),  # fms-fsdp's low_cpu_fsdp: build under deepspeed.zero.Init
     "mlp_type": ("model", "regular"),  # earlier GPT-NeoX key its Llama/Mistral configs set
     "moe_aux_loss_coeff": ("moe", 0.0),
     "moe_z_loss_coeff": ("moe", 0.0),
@@ -107,10 +122,10 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "moe_type": ("moe", "megablocks"),
     "moe_token_dropping": ("moe", False),
     "enable_expert_tensor_parallelism": ("moe", False),
-    "reference_logps": ("training", None),
+    "reference_logps": ("objective", None),
     # Megatron-LM's document masking of packed samples (megatron/model/documents.py)
-    "reset_attention_mask": ("other", False),
-    "reset_position_ids": ("other", False),
+    "reset_attention_mask": ("objective", False),
+    "reset_position_ids": ("objective", False),
     "rope_scaling": ("model", None),
     "context_parallel_size": ("parallelism", 1),  # Megatron-LM's key (megatron/mpu/context_parallel.py)  # Hugging Face's field (megatron/model/rope_scaling.py)
     # LoRA adapters (megatron/model/lora.py), PEFT's LoraConfig names with a lora_ prefix
@@ -544,7 +559,7 @@ def test_a_group_declaring_keys_gpt_neox_files_elsewhere_says_where() -> None:
 
 def test_two_groups_declaring_one_key_is_caught() -> None:
     with pytest.raises(TypeError, match="precision.*model and again"):
-        _owner_map({"model": ModelArgs, "again": ModelArgs})
+        _owner_map({"model": GPTConfig, "again": GPTConfig})
 
 
 # ---------------------------------------------------------------- Deepy extras

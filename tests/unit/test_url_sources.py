@@ -70,11 +70,11 @@ def test_bad_shards(tmp_path: Path) -> None:
 
 def test_build_datasets_from_urls(tmp_path: Path) -> None:
     from megatron.data.build import build_datasets
-    from megatron.data.config import DataConfig
+    from megatron.neox_arguments.arguments import NeoXArgs
 
     _shard(tmp_path / "t1.jsonl", [f"document number {i} " * 3 for i in range(30)])
     _shard(tmp_path / "v1.jsonl", [f"held out {i}" for i in range(10)])
-    config = DataConfig(seq_length=16, seed=1, train_batch_size=4, train_iters=5, eval_iters=2,
+    config = NeoXArgs(seq_length=16, seed=1, train_batch_size=4, train_iters=5, eval_iters=2,
                         eval_interval=5, train_urls=[str(tmp_path / "t{1..1}.jsonl")],
                         validation_urls=[str(tmp_path / "v1.jsonl")], cache_dir=str(tmp_path / "cache"))
     tokenizer = CharLevelTokenizer()

@@ -113,6 +113,7 @@ def run_config(config: dict[str, Any]) -> Any:
 
 
 def deepy_contender(arch: Arch, zero: int, compile_layers: bool) -> tuple[Contender, Any]:
+    from megatron.data.batch import BatchLayout
     from megatron.data.build import build_datasets
     from megatron.data.sampler import MicroBatchIterator, prefetched
     from megatron.initialize import initialize
@@ -123,12 +124,12 @@ def deepy_contender(arch: Arch, zero: int, compile_layers: bool) -> tuple[Conten
     run = run_config(deepy_config(arch, zero, compile_layers))
     initialize(run.parallel, run.training.seed)
     tokenizer = build_tokenizer(run.tokenizer)
-    padded_vocab = run.tokenizer.padded(tokenizer.vocab_size, run.parallel.tensor)
-    model_config = run.model.with_vocab(padded_vocab)
+    model_config = run.model.for_tokenizer(run.tokenizer.padded(tokenizer.vocab_size, run.parallel.model_parallel_size))
     eng = build_engine(run, model_config, run.training.train_iters or 1)
     dev = harness.device()
     # the trainer's loader, as pretrain() builds it
-    source = MicroBatchIterator(build_datasets(run.data, tokenizer, padded_vocab).train, 0, arch.batch, arch.batch)
+    source = MicroBatchIterator(build_datasets(run.data, tokenizer, model_config.padded_vocab_size).train, 0,
+                                BatchLayout.of(run.training, dp=1))
     micro = prefetched(source, run.training.num_workers, dev)
 
     def step() -> None:
@@ -146,7 +147,7 @@ def raw_contender(arch: Arch, built: Any, compile_model: bool) -> Contender:
 
     run, model_config = built
     dev = harness.device()
-    model = GPTModel(model_config.replace(params_dtype=torch.float32)).to(dev)
+    model = GPTModel(model_config.replace(precision="fp32")).to(dev)
     optimizer = build_optimizer(model, run.optimizer)
     train_iters = run.training.train_iters or 1
     scheduler = LRScheduler(optimizer, run.lr.spec(train_iters, run.optimizer.peak_lr))

@@ -46,7 +46,7 @@ def _rank(rank: int, world: int, out_dir: str, seq: int, docs: bool, steps: int,
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(minutes=30))
     from megatron import mpu
     from megatron.model import GPTConfig, GPTModel
-    from megatron.training.objectives import ObjectiveConfig, build_objective, lm_loss_sum
+    from megatron.training.objectives import ObjectiveArgs, build_objective, lm_loss_sum
 
     mpu.initialize_model_parallel(1, 1, world)
     config = GPTConfig(**model, seq_length=seq, padded_vocab_size=256, pos_emb="rotary", seed=1)
@@ -54,7 +54,7 @@ def _rank(rank: int, world: int, out_dir: str, seq: int, docs: bool, steps: int,
     text = torch.randint(1, 256, (1, seq + 1), generator=torch.Generator().manual_seed(0))
     if docs:
         text[0, doc_length - 1 :: doc_length] = EOD
-    objective = build_objective(ObjectiveConfig(reset_attention_mask=docs, reset_position_ids=docs), eod_token=EOD)
+    objective = build_objective(ObjectiveArgs(reset_attention_mask=docs, reset_position_ids=docs), eod_token=EOD)
     piece = objective.prepare({"text": text}).context_piece(rank, world)
 
     saved: dict[int, int] = {}

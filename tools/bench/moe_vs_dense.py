@@ -59,11 +59,11 @@ def train(config: str, steps: int, out: Path) -> tuple[list[dict], float]:
 
 def parameters(config: str) -> tuple[int, int]:
     """(total, active per token) parameters without embeddings, from the config alone."""
-    from megatron.model import GPTConfig, num_parameters
+    from megatron.model import num_parameters
     from megatron.neox_arguments import load_config
 
     args = load_config([str(REPO / config)]).args
-    cfg = GPTConfig.from_args(args).with_vocab(128)  # embeddings are left out of both counts anyway
+    cfg = args.with_vocab(128)  # the arguments are the model config; embeddings are left out of both counts
     return num_parameters(cfg, include_embeddings=False), num_parameters(cfg, include_embeddings=False, active=True)
 
 

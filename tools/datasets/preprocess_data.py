@@ -38,7 +38,8 @@ from megatron.data.indexed_dataset import (
     index_file_path,
 )
 from megatron.errors import DataError, run_guarded
-from megatron.tokenizer import TOKENIZERS, Tokenizer, build_tokenizer
+from megatron import plugins
+from megatron.tokenizer import Tokenizer, build_tokenizer
 from megatron.tokenizer.config import TokenizerArgs
 
 CHUNK_BYTES = 1 << 20
@@ -376,7 +377,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--skip-bad", action="store_true",
                    help="skip malformed JSON and invalid UTF-8 lines (counted and reported) instead of stopping")
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", required=True, choices=sorted(TOKENIZERS))
+    g.add_argument("--tokenizer-type", required=True, choices=sorted(plugins.names("tokenizer_type")))
     g.add_argument("--vocab-file", default=None, help="tokenizer file (tokenizer.json, vocab.json, .model, ...)")
     g.add_argument("--merge-file", default=None, help="merges.txt for GPT2BPETokenizer")
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")

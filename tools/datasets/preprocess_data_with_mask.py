@@ -32,7 +32,8 @@ import numpy as np
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
 from megatron.data.url_sources import open_text
 from megatron.errors import DataError, run_guarded
-from megatron.tokenizer import TOKENIZERS, Tokenizer, build_tokenizer
+from megatron import plugins
+from megatron.tokenizer import Tokenizer, build_tokenizer
 from megatron.tokenizer.config import TokenizerArgs
 
 IGNORE_INDEX = -100
@@ -288,7 +289,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rejected-key", default="rejected")
     p.add_argument("--reward-key", default="reward")
     p.add_argument("--chat-template", default=None, help="file with a jinja2 chat template")
-    p.add_argument("--tokenizer-type", required=True, choices=sorted(TOKENIZERS))
+    p.add_argument("--tokenizer-type", required=True, choices=sorted(plugins.names("tokenizer_type")))
     p.add_argument("--vocab-file", default=None)
     p.add_argument("--merge-file", default=None)
     p.add_argument("--append-eod", action="store_true", help="end each document with EOD (trained after a completion)")

@@ -32,25 +32,11 @@ class OtherArgs(ArgGroup):
     short_seq_prob: float = not_supported(0.1)
     """Probability of drawing a shortened sample (a BERT-era option GPT training never uses)."""
 
-    eod_mask_loss: bool = False
-    """Do not train on predicting end-of-document tokens."""
-
-    reset_attention_mask: bool = False
-    """Deepy addition (Megatron-LM's key): in a packed sample a token attends only to its own document
-    (documents end with the end-of-document token), as if each document were alone."""
-
-    reset_position_ids: bool = False
-    """Deepy addition (Megatron-LM's key): positions restart at 0 after each end-of-document token, so
-    every document of a packed sample sees the positions it would see alone."""
-
     adlr_autoresume: bool = not_supported(False)
     """Cooperate with NVIDIA's internal ADLR autoresume scheduler."""
 
     adlr_autoresume_interval: int = not_supported(1000)
     """Steps between ADLR autoresume checks."""
-
-    seed: int = Field(1234, ge=0)
-    """Seed for weights, data order and dropout; the same seed gives the same run on any layout."""
 
     onnx_safe: bool = not_supported(False)
     """Avoid operators that ONNX export cannot handle."""
@@ -60,12 +46,6 @@ class OtherArgs(ArgGroup):
 
     deepscale_config: str | None = not_supported(None)
     """Old alias for a DeepSpeed JSON config path."""
-
-    deepspeed_mpi: bool = False
-    """deepy.py started by mpirun (one copy per rank) runs the worker in place; ranks read MPI's variables."""
-
-    deepspeed_slurm: bool = False
-    """Ranks read their place from Slurm's variables first; deepy.py started by srun runs the worker in place."""
 
     user_script: str | None = None
     """Worker script the runner starts on every rank; set by Deepy."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from megatron.training.objectives.base import MicroBatch, Objective  # noqa: F401
-    from megatron.training.objectives.config import ObjectiveConfig  # noqa: F401
+    from megatron.training.objectives.config import ObjectiveArgs  # noqa: F401
     from megatron.training.objectives.dpo import DPOObjective, dpo_losses  # noqa: F401
     from megatron.training.objectives.kto import KTOObjective, kto_losses  # noqa: F401
     from megatron.training.objectives.lm import LMObjective, lm_loss_sum  # noqa: F401
@@ -27,18 +27,25 @@ if TYPE_CHECKING:
     from megatron.training.objectives.run import ObjectiveRunner  # noqa: F401
 
 _EXPORTS = {
-    "MicroBatch": "base", "Objective": "base", "ObjectiveConfig": "config",
+    "MicroBatch": "base", "Objective": "base", "ObjectiveArgs": "config",
     "DPOObjective": "dpo", "dpo_losses": "dpo", "KTOObjective": "kto", "kto_losses": "kto",
     "LMObjective": "lm", "lm_loss_sum": "lm", "Reference": "reference", "build_reference": "reference",
     "RewardModelObjective": "rm", "rm_losses": "rm", "ObjectiveRunner": "run",
 }
 
 
-def build_objective(config: Any, eod_token: int | None = None) -> Objective:
-    """The objective for ``config.train_impl``; ``eod_token`` is used when ``eod_mask_loss`` is on."""
+def build_objective(config: ObjectiveArgs, eod_token: int | None = None) -> Objective:
+    """The objective ``config.train_impl`` names, reading its keys from ``config`` (the arguments object,
+    composed of :class:`ObjectiveArgs` and the plug-in's own keys); ``eod_token`` is used when
+    ``eod_mask_loss`` is on."""
     from megatron import plugins
 
-    return plugins.get("train_impl", config.train_impl).resolve()(config, eod_token)
+    plugin = plugins.get("train_impl", config.train_impl)
+    if plugin.keys is not None and not isinstance(config, plugin.keys):
+        raise TypeError(f"train_impl {config.train_impl!r} reads its own keys ({plugin.keys.__name__}) from the "
+                        f"arguments object: pass NeoXArgs (or the schema_class() with a user's plug-ins), not "
+                        f"{type(config).__name__}")
+    return plugin.resolve()(config, eod_token)
 
 
 def __getattr__(name: str) -> Any:

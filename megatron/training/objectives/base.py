@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 
 from megatron.errors import DataError
-from megatron.training.objectives.config import ObjectiveConfig
+from megatron.training.objectives.config import ObjectiveArgs
 
 IGNORE_INDEX = -100
 
@@ -196,7 +196,9 @@ class Objective(ABC):
     rows_per_sample: ClassVar[int] = 1
     """Model rows one sample becomes (2: both sides of a pair, or a completion and its mismatch)."""
 
-    def __init__(self, config: ObjectiveConfig, eod_token: int | None = None) -> None:
+    def __init__(self, config: ObjectiveArgs, eod_token: int | None = None) -> None:
+        # the arguments object itself: the shared objective keys and the plug-in's own (NeoXArgs is
+        # composed of both), read where they are used
         self.config = config
         self.eod_token = eod_token if config.eod_mask_loss else None
         self.document_end_token = eod_token  # where documents of a packed sample end (reset_* keys)

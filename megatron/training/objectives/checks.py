@@ -1,5 +1,5 @@
-"""Before-launch checks of the objectives: a plug-in's keys only with that plug-in, the keys some
-objectives share, and the data each objective reads (registered with the other config checks,
+"""Before-launch checks of the objectives: the keys some objectives share, and the data each
+objective reads (registered with the other config checks,
 ``megatron/config_rules.py``; one objective's own checks are declared with it in ``registry.py``).
 """
 
@@ -9,34 +9,13 @@ from megatron import plugins
 from megatron.config_rules import RuleContext, rule
 from megatron.data.config import SPLITS
 from megatron.training.objectives.registry import needs_of, reads_reference_files
+
 _PAIRWISE_DATA_KEYS = tuple(f"{side}_{split}_data_paths" for side in ("pos", "neg") for split in SPLITS)
 _REWARD_DATA_KEYS = tuple(f"{split}_reward_data_paths" for split in SPLITS)
 
 
 def _train_impl(ctx: RuleContext) -> str:
     return str(ctx.get("train_impl") or "normal")
-
-
-@rule
-def plugin_keys_match_selection(ctx: RuleContext) -> list[str]:
-    """A plug-in's keys set while another plug-in of its family is selected would be silently
-    ignored: refuse them. The selected plug-in's own checks run here too."""
-    problems: list[str] = []
-    for family in PLUGIN_SELECTORS:
-        selected = str(ctx.get(family))
-        for plugin in plugins.of_family(family):
-            given = [key for key in (plugin.keys.model_fields if plugin.keys else ()) if ctx.given(key)]
-            if given and plugin.name != selected:
-                problems.append(f"{', '.join(ctx.show(k) for k in given)} only apply to {family}: {plugin.name} "
-                                f"({ctx.show(family)}): remove them or set {family}: {plugin.name}")
-        chosen = plugins.find(family, selected)
-        if chosen is not None and chosen.check is not None:
-            problems.extend(chosen.check(ctx.args, ctx.show))
-    return problems
-
-
-PLUGIN_SELECTORS = ("lr_decay_style", "train_impl")
-"""Flat keys that select a plug-in (tracker plug-ins are selected by their ``tracker:`` entry)."""
 
 
 @rule

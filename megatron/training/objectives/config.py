@@ -1,78 +1,83 @@
-"""The objective's frozen config: ``train_impl``, the keys several objectives share, and the selected
-objective plug-in's own keys (``keys``: the arguments object itself in training, typed as the class the
-plug-in declares).
+"""The training objective's keys: which objective (``train_impl``) and the keys several objectives
+share (the z-loss, end-of-document masking, packed documents kept apart, DPO's precomputed reference
+log-probs), plus GPT-NeoX's REINFORCE keys. GPT-NeoX files them under ``NeoXArgsTraining`` and, for
+``eod_mask_loss``, ``NeoXArgsOther``.
 
-The shared keys are still copied here from the schema (``megatron/neox_arguments/groups/training.py``
-and ``other.py``); ``tests/unit/test_keys_declared_once.py`` lists this class among those left to convert.
+Declared here, beside the objectives that read them; the one argument object (``NeoXArgs``) is
+composed of this class and of each objective plug-in's own keys (``DPOKeys``, ...,
+``registry.py``), and the trainer hands :func:`megatron.training.objectives.build_objective` that
+object itself. This module imports no objective implementation (nor torch or DeepSpeed), so the
+launcher validates a config without them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Literal
+
+from pydantic import Field, field_validator
 
 from megatron import plugins
+from megatron.config_schema import ArgGroup, not_supported, partly_supported
+from megatron.training.objectives.registry import NOT_BUILT, DPOKeys, needs_of
 
-if TYPE_CHECKING:
-    from megatron.neox_arguments import NeoXArgs
-
-TrainImpl = str
-"""A registered objective plug-in's name (``megatron/training/objectives/registry.py``)."""
 ReferenceKind = Literal["none", "frozen_copy", "precomputed", "free"]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ObjectiveConfig:
-    train_impl: TrainImpl = "normal"
-    """Which loss: a registered objective plug-in (language modelling/SFT, DPO, KTO, a reward model, ...)."""
+class ObjectiveArgs(ArgGroup):
+    """The objective keys of GPT-NeoX's ``NeoXArgsTraining`` and ``NeoXArgsOther`` groups, with
+    Megatron-LM's document-mask keys and Deepy's ``reference_logps``."""
+
+    train_impl: str = partly_supported("normal", unsupported=NOT_BUILT)
+    """Training objective, a registered objective plug-in (``megatron/training/objectives/registry.py``):
+    language modelling or label-masked SFT (normal), DPO on preference pairs, a pairwise reward model
+    with a scalar head (rm), KTO on rewarded completions; GPT-NeoX's REINFORCE is not built yet. Each
+    objective declares its own keys (dpo_*, kto_*, reset_*)."""
+
+    @field_validator("train_impl")
+    @classmethod
+    def _registered_objective(cls, value: str) -> str:
+        return plugins.validate_name("train_impl", value, not_built=NOT_BUILT)
+
+    z_loss: float = Field(0.0, ge=0)
+    """Z-loss weight: language modelling adds z_loss x (log Z)^2 per counted token (the softmax
+    normaliser, PaLM); a reward model adds z_loss x (s_chosen^2 + s_rejected^2) per pair (GPT-NeoX)."""
+
     eod_mask_loss: bool = False
-    """Predictions of the end-of-document token carry no loss (token-level objectives)."""
+    """Do not train on predicting end-of-document tokens."""
+
     reset_attention_mask: bool = False
-    """Language modelling: documents of a packed sample attend only within themselves."""
+    """Deepy addition (Megatron-LM's key): in a packed sample a token attends only to its own document
+    (documents end with the end-of-document token), as if each document were alone."""
+
     reset_position_ids: bool = False
-    """Language modelling: positions restart at 0 at each document of a packed sample."""
-    z_loss: float = 0.0
-    """LM: weight of mean (log Z)^2 over counted tokens; RM: weight of mean(s_c^2 + s_r^2)."""
+    """Deepy addition (Megatron-LM's key): positions restart at 0 after each end-of-document token, so
+    every document of a packed sample sees the positions it would see alone."""
+
     reference_logps: str | None = None
-    """DPO: the ``precompute_model_name`` whose log-probs ``generate.py`` wrote next to each dataset
-    (``<prefix>_<name>.bin/.idx``); None = a frozen copy of the starting weights."""
-    keys: Any = None
-    """The objective plug-in's own keys (``dpo_beta``, ``kto_fp32``, ...): an instance of the class it
-    declares — in training the arguments object itself, which is composed of that class; None for
-    an objective that declares none."""
+    """DPO: the precompute_model_name of reference log-probs written by `generate.py
+    text_gen_type=precompute` next to each chosen/rejected dataset (`<prefix>_<name>.bin/.idx`);
+    unset uses a frozen copy of the starting weights."""
 
-    def __post_init__(self) -> None:
-        declared = plugins.get("train_impl", self.train_impl).keys
-        if self.keys is None and declared is not None:
-            object.__setattr__(self, "keys", declared())  # the plug-in's defaults
+    fp32_reinforce: bool = not_supported(True)
+    """Compute REINFORCE log-probabilities in fp32."""
 
-    @classmethod
-    def of(cls, train_impl: str = "normal", **values: Any) -> ObjectiveConfig:
-        """From key names directly (tools and tests): the plug-in's own keys go into ``keys``."""
-        declared = plugins.get("train_impl", train_impl).keys
-        own = {key: values.pop(key) for key in list(values) if declared is not None and key in declared.model_fields}
-        return cls(train_impl=train_impl, keys=declared(**own) if declared is not None else None, **values)
+    kl_impl: Literal["abs", "mse", "kl", "full"] = not_supported("mse")
+    """Estimator of the KL penalty in REINFORCE."""
 
-    @classmethod
-    def from_args(cls, args: "NeoXArgs") -> ObjectiveConfig:
-        declared = plugins.get("train_impl", args.train_impl).keys
-        return cls(
-            train_impl=args.train_impl,
-            eod_mask_loss=args.eod_mask_loss,
-            reset_attention_mask=args.reset_attention_mask,
-            reset_position_ids=args.reset_position_ids,
-            z_loss=args.z_loss,
-            reference_logps=args.reference_logps,
-            keys=args if declared is not None else None,
-        )
+    kl_div_beta: float = not_supported(0.1)
+    """Weight of the KL penalty in REINFORCE."""
+
+    reinforce_leave_one_out: bool = not_supported(False)
+    """Use the leave-one-out baseline in REINFORCE."""
 
     @property
-    def reference(self) -> ReferenceKind:
-        """Where the reference log-probs come from (``none`` for objectives without a reference)."""
-        from megatron.training.objectives.registry import needs_of
-
+    def reference_kind(self) -> ReferenceKind:
+        """Where the objective's reference log-probs come from: ``none`` for an objective without a
+        reference, ``free`` for reference-free DPO, ``precomputed`` files (``reference_logps``) or a
+        ``frozen_copy`` of the starting weights."""
         if not needs_of(self.train_impl).reference:
             return "none"
-        if self.train_impl == "dpo" and self.keys.dpo_reference_free:
+        # DPO's own key: the arguments object is composed of DPOKeys (an ObjectiveArgs alone is not)
+        if self.train_impl == "dpo" and isinstance(self, DPOKeys) and self.dpo_reference_free:
             return "free"
         return "precomputed" if self.reference_logps else "frozen_copy"

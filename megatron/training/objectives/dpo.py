@@ -17,12 +17,14 @@ difference), and ``logps/chosen``/``logps/rejected``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
 from megatron.training.objectives.base import IGNORE_INDEX, MicroBatch, Objective, Stats, count, shifted
 from megatron.training.objectives.logprobs import sequence_logps
+from megatron.training.objectives.registry import DPOKeys
 
 
 def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
@@ -49,6 +51,11 @@ class DPOObjective(Objective):
     metric_names = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin",
                     "logps/chosen", "logps/rejected")
 
+    @property
+    def keys(self) -> DPOKeys:
+        """DPO's own keys: the arguments object, composed of :class:`DPOKeys` (``build_objective`` checks it)."""
+        return cast(DPOKeys, self.config)
+
     def prepare(self, sample: Mapping[str, torch.Tensor]) -> MicroBatch:
         tokens, labels = pair_rows(sample, self.eod_token)
         reference = None
@@ -60,20 +67,20 @@ class DPOObjective(Objective):
         return MicroBatch(tokens, labels, units=float(tokens.shape[0] // 2), reference=reference)
 
     def reference_logps(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return sequence_logps(output, labels, self.config.keys.dpo_fp32)
+        return sequence_logps(output, labels, self.keys.dpo_fp32)
 
     def loss_sum(self, output: torch.Tensor, labels: torch.Tensor, extras: tuple[torch.Tensor, ...],
                  reference: torch.Tensor) -> tuple[torch.Tensor, Stats]:
-        cfg = self.config
-        logps = sequence_logps(output, labels, cfg.keys.dpo_fp32)  # [2m]
-        if cfg.keys.dpo_fp32:
+        cfg = self.keys
+        logps = sequence_logps(output, labels, cfg.dpo_fp32)  # [2m]
+        if cfg.dpo_fp32:
             logps, reference = logps.float(), reference.float()
         else:
             reference = reference.to(logps.dtype)
         policy_chosen, policy_rejected = logps.chunk(2)
         ref_chosen, ref_rejected = reference.chunk(2)
         losses, chosen_rewards, rejected_rewards = dpo_losses(policy_chosen, policy_rejected, ref_chosen,
-                                                              ref_rejected, cfg.keys.dpo_beta)
+                                                              ref_rejected, cfg.dpo_beta)
         pairs = count(losses.shape[0])
         stats: Stats = {
             "rewards/chosen": (chosen_rewards.sum(), pairs),

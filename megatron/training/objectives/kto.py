@@ -21,12 +21,14 @@ batch. Metrics: ``rewards/desirable``, ``rewards/undesirable`` (means of ``beta 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 
 from megatron.errors import DataError
 from megatron.training.objectives.base import IGNORE_INDEX, MicroBatch, Objective, Stats, count, shifted
 from megatron.training.objectives.logprobs import sequence_logps
+from megatron.training.objectives.registry import KTOKeys
 
 
 def kto_losses(policy: torch.Tensor, policy_kl: torch.Tensor, ref: torch.Tensor, ref_kl: torch.Tensor,
@@ -73,6 +75,11 @@ class KTOObjective(Objective):
     rows_per_sample = 2
     metric_names = ("rewards/desirable", "rewards/undesirable", "kl", "logps/desirable", "logps/undesirable")
 
+    @property
+    def keys(self) -> KTOKeys:
+        """KTO's own keys: the arguments object, composed of :class:`KTOKeys` (``build_objective`` checks it)."""
+        return cast(KTOKeys, self.config)
+
     def prepare(self, sample: Mapping[str, torch.Tensor]) -> MicroBatch:
         missing = [key for key in ("text", "label", "reward") if key not in sample]
         if missing:
@@ -86,18 +93,18 @@ class KTOObjective(Objective):
                           units=float(reward.shape[0]))
 
     def reference_logps(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return sequence_logps(output, labels, self.config.keys.kto_fp32)
+        return sequence_logps(output, labels, self.keys.kto_fp32)
 
     def loss_sum(self, output: torch.Tensor, labels: torch.Tensor, extras: tuple[torch.Tensor, ...],
                  reference: torch.Tensor) -> tuple[torch.Tensor, Stats]:
-        cfg = self.config
-        logps = sequence_logps(output, labels, cfg.keys.kto_fp32)  # [2m]: real rows, then mismatched rows
-        reference = reference.float() if cfg.keys.kto_fp32 else reference.to(logps.dtype)
+        cfg = self.keys
+        logps = sequence_logps(output, labels, cfg.kto_fp32)  # [2m]: real rows, then mismatched rows
+        reference = reference.float() if cfg.kto_fp32 else reference.to(logps.dtype)
         policy, policy_kl = logps.chunk(2)
         ref, ref_kl = reference.chunk(2)
         desirable = extras[0] > 0
-        losses, rewards, z0 = kto_losses(policy, policy_kl, ref, ref_kl, desirable, cfg.keys.kto_beta,
-                                         cfg.keys.kto_desirable_weight, cfg.keys.kto_undesirable_weight)
+        losses, rewards, z0 = kto_losses(policy, policy_kl, ref, ref_kl, desirable, cfg.kto_beta,
+                                         cfg.kto_desirable_weight, cfg.kto_undesirable_weight)
         undesirable = ~desirable
         stats: Stats = {
             "rewards/desirable": ((rewards * desirable).sum(), count(desirable.sum())),

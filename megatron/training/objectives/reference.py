@@ -25,7 +25,7 @@ from megatron.checkpointing.config import CheckpointArgs
 from megatron.deepspeed_internals import separate_pipeline_loss_total
 from megatron.model.lora import adapters_disabled
 from megatron.training.objectives.base import MicroBatch, Objective
-from megatron.training.objectives.config import ObjectiveConfig
+from megatron.training.objectives.config import ObjectiveArgs
 from megatron.training.objectives.frozen import FrozenCopy, StartingPoint, starting_point
 
 
@@ -56,7 +56,7 @@ class PrecomputedReference(Reference):
 
 
 class FrozenReference(Reference):
-    def __init__(self, copy: FrozenCopy, config: ObjectiveConfig) -> None:
+    def __init__(self, copy: FrozenCopy, config: ObjectiveArgs) -> None:
         self.copy = copy
         self.config = config
 
@@ -115,7 +115,7 @@ def build_reference(objective: Objective, policy: Any, is_pipe: bool, model_conf
                     ds_config: dict[str, Any], partition_method: str | None, adapters: bool = False) -> Reference:
     """The reference the objective's config asks for (a frozen copy is built here, weights later).
     ``adapters``: the policy trains LoRA adapters on a frozen base, which is then the reference."""
-    kind = objective.config.reference
+    kind = objective.config.reference_kind
     if kind == "precomputed":
         return PrecomputedReference()
     if kind == "frozen_copy" and adapters:

@@ -18,8 +18,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from megatron.neox_arguments.groups.support import partly_supported
-from megatron.config_schema import ArgGroup
+from megatron.config_schema import ArgGroup, partly_supported
 
 
 class MoEArgs(ArgGroup):

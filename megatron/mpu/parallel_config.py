@@ -1,0 +1,108 @@
+"""How the model and the batch are split over ranks: pipeline, tensor and sequence parallelism.
+
+Data parallelism is whatever is left of the world size; it is derived, not configured.
+
+Declared here, beside the process groups that read them (``megatron/initialize.py`` builds the groups
+of ``megatron/mpu/topology.py`` from them); the one argument object (``NeoXArgs``) is composed of this
+class. Start-up also reads keys declared with their owners (the expert split with the MoE keys, the
+backend and the Slurm switch with the process keys, the rendezvous with DeepSpeed's runner keys):
+:class:`ParallelRunArgs` names everything it reads, and each rank hands it the argument object typed as
+that.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+from pydantic import Field
+
+from megatron.config_schema import ArgGroup
+
+
+Backend = Literal["nccl", "gloo", "mpi"]
+
+
+class ParallelRunArgs(Protocol):
+    """Every key a rank's start-up and the model builder read to split the run over ranks: the
+    parallelism keys (:class:`ParallelismArgs`) and the shared ones declared by their owners. Read-only
+    properties, so any object holding these attributes (``NeoXArgs``) satisfies it."""
+
+    @property
+    def model_parallel_size(self) -> int: ...
+    @property
+    def pipe_parallel_size(self) -> int: ...
+    @property
+    def pipe_partition_method(self) -> str: ...
+    @property
+    def sequence_parallel(self) -> bool: ...
+    @property
+    def context_parallel_size(self) -> int: ...
+    @property
+    def world_size(self) -> int | None: ...
+    @property
+    def uses_pipeline_module(self) -> bool: ...
+    @property
+    def pipe_stages(self) -> int: ...
+    @property
+    def moe_expert_parallel_size(self) -> int: ...
+    @property
+    def sharding_group_size(self) -> int | None: ...
+    @property
+    def distributed_backend(self) -> Backend | None: ...
+    @property
+    def master_addr(self) -> str | None: ...
+    @property
+    def master_port(self) -> int: ...
+    @property
+    def deepspeed_slurm(self) -> bool: ...
+
+
+class ParallelismArgs(ArgGroup):
+    """GPT-NeoX's ``NeoXArgsParallelism`` group."""
+
+    pipe_parallel_size: int = Field(0, ge=0)
+    """Number of pipeline stages; 0 builds a plain module without DeepSpeed's PipelineModule, 1 a
+    one-stage pipeline."""
+
+    model_parallel_size: int = Field(1, ge=1)
+    """Tensor-parallel degree: each attention/MLP weight is split across this many ranks."""
+
+    pipe_partition_method: str = "type:transformer|mlp"
+    """How layers are spread over pipeline stages, passed to DeepSpeed's PipelineModule
+    (`parameters`, `uniform`, `type:<regex>`)."""
+
+    world_size: int | None = Field(None, ge=1)
+    """Total number of ranks; filled in at launch, not meant to be set in a config."""
+
+    is_pipe_parallel: bool = False
+    """Whether the model runs as a DeepSpeed pipeline; derived from pipe_parallel_size."""
+
+    context_parallel_size: int = Field(1, ge=1)
+    """Deepy addition (Megatron-LM's key): split each sequence over this many ranks (all-to-all over
+    attention heads, DeepSpeed-Ulysses style); they count as data-parallel ranks to ZeRO."""
+
+    @property
+    def uses_pipeline_module(self) -> bool:
+        """Whether the model is built as DeepSpeed's PipelineModule (``pipe_parallel_size >= 1``)."""
+        return self.pipe_parallel_size >= 1
+
+    @property
+    def pipe_stages(self) -> int:
+        """Pipeline stages, counting a plain module (``pipe_parallel_size: 0``) as one."""
+        return max(self.pipe_parallel_size, 1)
+
+    # ---- Deepy extras (not in GPT-NeoX) ----
+
+    sharding_strategy: Literal["fsdp", "hsdp", "ddp"] | None = None
+    """fms-fsdp's names for the data-parallel layout: fsdp = ZeRO-3 over every data-parallel rank;
+    hsdp = hybrid sharding, ZeRO-3 within groups of sharding_group_size ranks (a node) and those
+    groups replicated across nodes, gradients averaged over the replicas once per step (each rank
+    holds 1/sharding_group_size of the model states; Deepy's own groups, megatron/mpu/hybrid_shard.py,
+    since DeepSpeed 0.19.8 removed MiCS and ZeRO++ hpZ keeps every rank's shard at 1/dp);
+    ddp = plain data parallel (ZeRO stage 0)."""
+
+    sharding_group_size: int | None = Field(None, ge=1)
+    """Data-parallel ranks per ZeRO-3 shard group with sharding_strategy: hsdp (torch/llama-recipes'
+    name); must divide the data-parallel size. Default: the ranks of one node (num_gpus, or every rank
+    of a launch on this machine alone; a multi-node launch without num_gpus must set it)."""
+
