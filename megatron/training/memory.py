@@ -63,7 +63,7 @@ _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryLayout:
-    """Everything the estimate depends on, read from the config (see :meth:`from_args`)."""
+    """Everything the estimate depends on, read from the run (see :meth:`from_run`)."""
 
     model: GPTConfig
     tp: int

@@ -25,7 +25,6 @@ ROOT = Path(__file__).resolve().parents[2] / "megatron"
 
 STILL_COPYING: dict[str, str] = {
     "GenerationConfig": "megatron/generation/config.py",
-    "RunConfig": "megatron/neox_arguments/run_config.py",
     # no from_args, but they re-declare keys the classes above copy
     "SamplingConfig": "megatron/generation/config.py",
 }
