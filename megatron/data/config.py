@@ -181,7 +181,7 @@ class DataArgs(ArgGroup):
 class DataRunArgs(Protocol):
     """Everything :func:`~megatron.data.build.build_datasets` reads: the data keys
     (:class:`DataArgs`, the per-split lists through :meth:`DataArgs.path_list`) and the shared ones,
-    resolved (``RunConfig.from_args`` refuses an unresolved ``seq_length`` or batch size). Read-only,
+    resolved (``RunConfig`` refuses an unresolved ``seq_length`` or batch size). Read-only,
     so any object holding these attributes (``NeoXArgs``) satisfies it."""
 
     @property

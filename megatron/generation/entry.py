@@ -69,8 +69,8 @@ def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
     from megatron.training.pretrain import limit_cpu_threads, speaks
 
     inference_args = args.model_copy(update=INFERENCE_OVERRIDES)  # the user's args stay untouched
-    run = RunConfig.from_args(inference_args, deepspeed=deepspeed_config(inference_args),
-                              args_record=inference_args.model_dump(mode="json"))
+    run = RunConfig(args=inference_args, deepspeed_config=deepspeed_config(inference_args),
+                    args_record=inference_args.model_dump(mode="json"))
     initialize(run.parallel, run.training.seed)
     limit_cpu_threads()
     setup_logging(speaks())

@@ -2,7 +2,7 @@
 keys Deepy fills in itself.
 
 Every other key must be read by a component: ``tests/unit/key_reads.py`` records which keys the
-component builders (``RunConfig.from_args``, the DeepSpeed split, the launcher, the entry points
+component builders (``RunConfig``, the DeepSpeed split, the launcher, the entry points
 below) and the derivations read, and ``tests/unit/test_config_honesty.py`` requires that of every
 supported key; it also requires a test
 that observes each key's effect (``tests/unit/effect_index.py``; a key handed to DeepSpeed only counts

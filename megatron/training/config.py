@@ -66,7 +66,7 @@ class TrainingLoopArgs(ArgGroup):
 
 class TrainingRunArgs(Protocol):
     """Every key the loop reads: its own (:class:`TrainingLoopArgs`) and the shared ones, resolved
-    (``RunConfig.from_args`` refuses unresolved sizes; ``derived.py`` works the batch sizes out).
+    (``RunConfig`` refuses unresolved sizes; ``derived.py`` works the batch sizes out).
     Read-only properties, so any object holding these attributes (``NeoXArgs``) satisfies it."""
 
     @property

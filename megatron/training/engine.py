@@ -54,7 +54,7 @@ from megatron.training.objectives import LMObjective, Objective, ObjectiveArgs, 
 from megatron.training.optimizers import DEEPSPEED_BUILT, build_optimizer, deepspeed_optimizer_block, param_groups
 
 if TYPE_CHECKING:
-    from megatron.neox_arguments.run_config import RunConfig
+    from megatron.training.run_views import RunViews
 
 # GPT-NeoX partition names -> DeepSpeed's PipelineModule partition_method
 PARTITION_METHODS: dict[str, str] = {
@@ -335,7 +335,7 @@ def build_model(config: GPTConfig, parallel: ParallelRunArgs, ckpt: ActivationCh
     return model, True
 
 
-def build_engine(run: RunConfig, config: GPTConfig, train_iters: int, objective: Objective | None = None) -> Engine:
+def build_engine(run: RunViews, config: GPTConfig, train_iters: int, objective: Objective | None = None) -> Engine:
     """Model, optimizer, schedule and ``deepspeed.initialize`` for ``config`` (vocabulary already sized).
 
     ``objective`` (default: language modelling) decides the pipeline's loss and, for reward models,

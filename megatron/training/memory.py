@@ -51,7 +51,7 @@ from megatron.model.lora_config import LoRAArgs
 from megatron.training.config import compute_dtype
 
 if TYPE_CHECKING:
-    from megatron.neox_arguments.run_config import RunConfig
+    from megatron.training.run_views import RunViews
 
 GiB = 1024**3
 
@@ -63,7 +63,7 @@ _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryLayout:
-    """Everything the estimate depends on, read from the config (see :meth:`from_args`)."""
+    """Everything the estimate depends on, read from the run (see :meth:`from_run`)."""
 
     model: GPTConfig
     tp: int
@@ -92,7 +92,7 @@ class MemoryLayout:
     """Adapters (``r == 0``: none, every parameter trains)."""
 
     @classmethod
-    def from_run(cls, run: RunConfig, world_size: int, padded_vocab_size: int) -> MemoryLayout:
+    def from_run(cls, run: RunViews, world_size: int, padded_vocab_size: int) -> MemoryLayout:
         model = run.model.with_vocab(padded_vocab_size)
         tp = run.parallel.model_parallel_size
         pp = run.parallel.pipe_stages
@@ -305,7 +305,7 @@ def render(layout: MemoryLayout, est: MemoryEstimate, device_memory_gib: float |
 ASSUMED_VOCAB = 50304
 
 
-def _padded_vocab(run: RunConfig) -> tuple[int, str]:
+def _padded_vocab(run: RunViews) -> tuple[int, str]:
     """(padded vocabulary size, a note when it had to be assumed)."""
     if run.model.padded_vocab_size:
         return run.model.padded_vocab_size, ""
@@ -326,7 +326,7 @@ def local_device_memory_gib() -> float | None:
     return torch.cuda.get_device_properties(0).total_memory / GiB
 
 
-def dry_run_report(run: RunConfig, launches_locally: bool) -> str:
+def dry_run_report(run: RunViews, launches_locally: bool) -> str:
     """The memory section of ``deepy.py --dry-run`` for the resolved run."""
     vocab, note = _padded_vocab(run)
     layout = MemoryLayout.from_run(run, run.parallel.world_size or 1, vocab)

@@ -130,6 +130,11 @@ def _training_loop(args: Any) -> object:
             args.compile_layers, args.zero_init)  # engine.build_engine
 
 
+def _run_config(args: Any) -> object:
+    """What building the run's views refuses unless resolved (``RunConfig.__post_init__``)."""
+    return RunConfig(args=args)
+
+
 def _parallel(args: Any) -> object:
     """What each rank's start-up and the model builder ask of the keys that split the run over ranks
     (``initialize.initialize``/``init_distributed``, ``engine.build_model``, the memory estimate): the
@@ -202,7 +207,7 @@ def _generation(args: Any) -> object:
 
 def component_builders() -> list[ComponentBuilder]:
     """Everything that turns keys into what a component does, for train.py."""
-    return [RunConfig.from_args, _parallel, _tokenizer, _model, _checkpoints, _logging, _lora, _lr_schedule,
+    return [_run_config, _parallel, _tokenizer, _model, _checkpoints, _logging, _lora, _lr_schedule,
             _optimizer, _activation_checkpointing, _training_loop, _data, _objective, _evaluation, _generation,
             _user_plugins,
             deepspeed_config, _launch, run_directory]

@@ -181,7 +181,7 @@ def _derived_hints(group: type) -> list[Any]:
 
 
 def component_config_classes() -> list[type]:
-    """Every typed config a component receives: RunConfig's, the entry points', and the dataclasses
+    """Every typed config a component receives: RunConfig's views, the entry points', and the dataclasses
     nested in them or derived by the argument groups RunConfig hands over whole (the logging keys'
     tracker settings, ...). None is skipped."""
     import typing
@@ -198,7 +198,8 @@ def component_config_classes() -> list[type]:
             continue
         found.append(cls)
         is_group = issubclass(cls, ArgGroup)
-        hints = _derived_hints(cls) if is_group else list(typing.get_type_hints(cls).values())
+        # RunConfig's views of the arguments are properties; the other dataclasses hold their settings as fields
+        hints = _derived_hints(cls) if is_group or cls is RunConfig else list(typing.get_type_hints(cls).values())
         for hint in hints:
             stack = [hint]
             while stack:
