@@ -42,11 +42,9 @@ def load_neox_weights(engine: Any, tag: Path, args: dict[str, Any]) -> list[str]
     Returns notes for the log."""
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
+    from megatron.checkpointing.local_weights import local_weights
     from megatron.interop.deepy_checkpoint import gpt_config_from_args, merge_tp_shards
-    from megatron.model.partitioning import tp_partition_of
-    from megatron.model.pipeline import model_parameter_name
     from megatron.mpu import topology
-    from megatron.mpu.initialize_weights import shard_tensor
 
     if int(engine.zero_optimization_stage()) == 3:
         raise CheckpointError(f"cannot load the GPT-NeoX checkpoint {tag} at ZeRO stage 3 (its weights are "
@@ -55,32 +53,9 @@ def load_neox_weights(engine: Any, tag: Path, args: dict[str, Any]) -> list[str]
     names = NeoxNames.from_config(config)
     shards, source_tp = neox_checkpoint_shards(tag, names)
     full = merge_tp_shards(config, shards)
-    tp_rank, tp = topology.get_tensor_model_parallel_rank(), topology.get_tensor_model_parallel_world_size()
     pipeline = isinstance(engine, PipelineEngine)
-    current = engine.module.state_dict()
-    problems: list[str] = []
-    new_state: dict[str, torch.Tensor] = {}
-    for local_name, tensor in current.items():
-        canonical = model_parameter_name(local_name) if pipeline else local_name
-        if canonical not in full:
-            if not canonical.endswith(".inv_freq"):  # a rotary buffer: computed from the config anyway
-                problems.append(f"{canonical}: not in the checkpoint")
-            continue
-        source = full[canonical]
-        partition = tp_partition_of(config, canonical)
-        want = list(tensor.shape)
-        if partition is not None:
-            want[partition.dim] *= tp
-        if list(source.shape) != want:
-            problems.append(f"{canonical}: checkpoint {tuple(source.shape)}, this config {tuple(want)}")
-            continue
-        if partition is not None:
-            source = shard_tensor(source, partition.dim, tp_rank, tp, partition.sections)
-        new_state[local_name] = source.to(dtype=tensor.dtype)
-    if not pipeline:
-        known = {name for name in current}
-        problems += [f"{name}: in the checkpoint, not in this model" for name in sorted(full)
-                     if name not in known and not name.endswith(".inv_freq")]
+    new_state, problems = local_weights(engine.module, config, full, tp=topology.get_tensor_model_parallel_world_size(),
+                                        tp_rank=topology.get_tensor_model_parallel_rank(), pipelined=pipeline)
     if problems:
         raise CheckpointError(
             f"the GPT-NeoX checkpoint {tag} does not fit this run's model (num_layers, hidden_size, "

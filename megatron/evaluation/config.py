@@ -56,7 +56,3 @@ def checked(args: EvalRunArgs) -> EvalRunArgs:
         raise ConfigError("seq_length must be set: it is the context the evaluated model reads")
     return args
 
-
-def batch_size(args: EvalRunArgs) -> int:
-    """Requests run together on a replica: the training micro-batch (at least 1)."""
-    return max(1, int(args.train_micro_batch_size_per_gpu or 1))

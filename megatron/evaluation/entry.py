@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from megatron.evaluation.config import batch_size, checked
+from megatron.evaluation.config import checked
+from megatron.generation.config import SamplingParams, batch_size
 
 
 def main(argv: list[str]) -> int:
     from megatron.evaluation.harness import evaluate, write_results
     from megatron.evaluation.lm_eval_adapter import DeepyLM
-    from megatron.generation.config import SamplingConfig
     from megatron.generation.entry import build_inference_model, parse_worker_argv
     from megatron.generation.modes import TextGenerator, is_rank0
     from megatron.neox_arguments import load_resolved
@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
     generator = TextGenerator(
         replica=model.replica,
         tokenizer=model.tokenizer,
-        sampling=SamplingConfig(maximum_tokens=config.maximum_tokens),
+        sampling=SamplingParams.greedy_up_to(config.maximum_tokens),
         seq_length=int(config.seq_length or 0),
         batch_size=batch_size(config),
         seed=config.seed,

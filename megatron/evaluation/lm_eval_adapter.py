@@ -21,7 +21,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from megatron.generation.config import SamplingConfig
+from megatron.generation.config import SamplingParams
 from megatron.generation.modes import TextGenerator
 from megatron.generation.scoring import ScoreRequest, Scored, score
 
@@ -95,7 +95,7 @@ class DeepyLM(LM):
     def generate_until(self, requests: list[Instance]) -> list[str]:
         """Greedy (or, with `do_sample`, sampled) continuations, cut before the first stop string."""
         groups: dict[tuple[Any, ...], list[int]] = {}
-        settings: list[tuple[SamplingConfig, list[str]]] = []
+        settings: list[tuple[SamplingParams, list[str]]] = []
         for i, req in enumerate(requests):
             sampling, until = self._settings(req.args[1])
             settings.append((sampling, until))
@@ -116,17 +116,18 @@ class DeepyLM(LM):
             self.cache_hook.add_partial("generate_until", req.args, answer)
         return answers
 
-    def _settings(self, gen_kwargs: dict[str, Any]) -> tuple[SamplingConfig, list[str]]:
+    def _settings(self, gen_kwargs: dict[str, Any]) -> tuple[SamplingParams, list[str]]:
         kwargs = dict(gen_kwargs or {})
         until = kwargs.pop("until", None) or []
         until = [until] if isinstance(until, str) else list(until)
         maximum = int(kwargs.pop("max_gen_toks", self.default_max_gen_tokens))
         if kwargs.pop("do_sample", False):
             temperature = float(kwargs.pop("temperature", 1.0) or 1.0)
-            sampling = SamplingConfig(temperature=temperature, top_k=int(kwargs.pop("top_k", 0) or 0),
-                                      top_p=float(kwargs.pop("top_p", 0.0) or 0.0), maximum_tokens=maximum)
+            sampling = SamplingParams(temperature=temperature, top_k=int(kwargs.pop("top_k", 0) or 0),
+                                      top_p=float(kwargs.pop("top_p", 0.0) or 0.0), maximum_tokens=maximum,
+                                      recompute=False, return_logits=False)
         else:
-            sampling = SamplingConfig(maximum_tokens=maximum)  # greedy, as the harness asks by default
+            sampling = SamplingParams.greedy_up_to(maximum)  # greedy, as the harness asks by default
         return sampling, until
 
 

@@ -1,6 +1,7 @@
 """Text generation and sequence scoring over our model under tensor and pipeline parallelism.
 
-* `config.py`     `GenerationConfig` / `SamplingConfig`: the textgen keys, typed.
+* `config.py`     `TextgenArgs` (the textgen keys), `GenerateRunArgs` (every key generate.py reads),
+                  `SamplingParams` (one request's sampling).
 * `sampling.py`   greedy, temperature, top-k, top-p on full-vocabulary logits.
 * `replica.py`    `ModelReplica`: this rank's stage of one model copy as tokens -> logits
                   (send/recv between pipeline stages, vocab-parallel helpers).
@@ -8,6 +9,6 @@
 * `scoring.py`    `score`: log-probabilities of given sequences (precompute, lm-eval).
 * `modes.py`      unconditional / input-file / interactive drivers and their jsonl output.
 * `precompute.py` reference log-prob datasets for DPO/KTO: the writer and its reader.
-* `loading.py`    the newest committed checkpoint's weights, through the checkpoint loader.
-* `entry.py`      generate.py's per-rank main and the model set-up shared with eval.py.
+* `loading.py`    the newest committed checkpoint's weights, read whole and cut to this rank (no training engine).
+* `entry.py`      generate.py's per-rank main and the inference model set-up shared with eval.py.
 """

@@ -1,21 +1,26 @@
-"""What generate.py reads from the user's config, as frozen typed records.
+"""Text generation and evaluation settings read by ``generate.py`` and ``eval.py``.
 
-`GenerationConfig.from_args(args)` is the only place that reads the textgen keys
-(`megatron/neox_arguments/groups/textgen.py` holds their defaults and docs). Mistakes a user can
-make with them (an input file that does not exist, precompute without a model name) are
-`ConfigError`s naming the key, raised before any model is built.
+Both run the newest committed checkpoint of ``load`` (``iteration`` picks another) on the config's
+parallel layout; ``train_micro_batch_size_per_gpu`` prompts or requests run together per replica.
+
+Declared here, beside the generation that reads them (:class:`TextgenArgs`, one of the groups ``NeoXArgs`` is
+composed of). generate.py also reads keys other components own (the context, the batch, the seed, the token
+datasets precompute scores): :class:`GenerateRunArgs` names every key it reads, and the arguments object itself
+satisfies it, so nothing is copied. Mistakes a user can make (an input file that does not exist, precompute
+without a model name) are ``ConfigError``\ s naming the key, raised by :func:`checked` before launch and again
+on the ranks before any model is built.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
+from pydantic import Field
+
+from megatron.config_schema import ArgGroup
 from megatron.errors import ConfigError
-
-if TYPE_CHECKING:
-    from megatron.neox_arguments import NeoXArgs
 
 TextGenType = Literal["unconditional", "input-file", "interactive", "precompute"]
 
@@ -27,108 +32,197 @@ def read_prompts(path: str, prompt_end: str) -> list[str]:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class SamplingConfig:
-    """How the next token is chosen, and how many are generated.
+class SamplingParams:
+    """How one request's next tokens are chosen, and how many are generated: a value, not a config.
 
-    Greedy (argmax) when `temperature`, `top_k` and `top_p` are all 0; otherwise a sample from
-    softmax(logits / T) restricted to the `top_k` most likely tokens and/or the smallest set whose
-    probability reaches `top_p`, with T = `temperature` (1 when it is 0). So `top_k: 1` and a tiny
-    `top_p` both reduce to greedy decoding, as they should.
+    generate.py's requests all take :meth:`TextgenArgs.sampling` (the user's keys, whose defaults and docs live
+    there, once); lm-eval builds one per request from the task's ``gen_kwargs``. So no field has a default here.
+
+    Greedy (argmax) when ``temperature``, ``top_k`` and ``top_p`` are all 0; otherwise a sample from
+    softmax(logits / T) restricted to the ``top_k`` most likely tokens and/or the smallest set whose
+    probability reaches ``top_p``, with T = ``temperature`` (1 when it is 0). So ``top_k: 1`` and a tiny
+    ``top_p`` both reduce to greedy decoding, as they should.
     """
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 0.0
-    maximum_tokens: int = 64
-    """Most tokens generated per prompt (fewer when the prompt leaves less room in `seq_length`)."""
-    recompute: bool = False
+    temperature: float
+    top_k: int
+    top_p: float
+    maximum_tokens: int
+    """Most tokens generated (fewer when the prompt leaves less room in the context)."""
+    recompute: bool
     """Run the whole sequence for every new token instead of reusing cached keys/values."""
-    return_logits: bool = False
+    return_logits: bool
     """Keep the (unfiltered, fp32) logits over the real vocabulary of every generated token."""
+
+    @classmethod
+    def greedy_up_to(cls, maximum_tokens: int) -> SamplingParams:
+        """Argmax decoding of at most ``maximum_tokens`` tokens, with the cache and without logits (what
+        lm-evaluation-harness asks by default)."""
+        return cls(temperature=0.0, top_k=0, top_p=0.0, maximum_tokens=maximum_tokens, recompute=False,
+                   return_logits=False)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 and self.top_k == 0 and self.top_p == 0.0
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class GenerationConfig:
-    """Everything generate.py needs besides the model and the tokenizer."""
+class TextgenArgs(ArgGroup):
+    """GPT-NeoX's ``NeoXArgsTextgen`` group."""
 
-    text_gen_type: TextGenType
-    sampling: SamplingConfig
-    seq_length: int
-    """The model's context: prompt + generated tokens never exceed it."""
-    batch_size: int
-    """Prompts (or documents, for precompute) run together; `train_micro_batch_size_per_gpu`."""
-    seed: int
-    """Sample i is drawn with its own generator seeded from (seed, i): the same samples on any layout."""
-    num_samples: int = 1
-    sample_input_file: str | None = None
-    sample_output_file: str = "samples.txt"
-    prompt_end: str = "\n"
+    text_gen_type: TextGenType | None = None
+    """generate.py's mode: `unconditional` (num_samples samples from EOD), `input-file` (complete the prompts
+    of sample_input_file), `interactive` (prompts from stdin, one per line) or `precompute` (reference
+    log-probs of every configured token dataset, for DPO/KTO)."""
+
     precompute_model_name: str | None = None
-    data_prefixes: tuple[str, ...] = ()
-    """Token datasets that precompute scores: data_path and every per-split (pos_/neg_) path."""
+    """Name of the reference log-probs precompute writes next to each dataset: `<prefix>_<name>.bin/.idx`."""
 
-    @classmethod
-    def from_args(cls, args: NeoXArgs) -> GenerationConfig:
-        kind = args.text_gen_type
-        if kind is None:
-            raise ConfigError(
-                "generate.py needs text_gen_type: one of unconditional, input-file, interactive, precompute "
-                "(e.g. add text_gen_type=unconditional to the command line)"
-            )
-        if kind == "input-file":
-            if not args.sample_input_file:
-                raise ConfigError("text_gen_type=input-file needs sample_input_file: the file of prompts to complete")
-            if not os.path.isfile(args.sample_input_file):
-                raise ConfigError(f"sample_input_file={args.sample_input_file!r}: no such file")
-        if kind == "precompute" and not args.precompute_model_name:
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature; with top_k and top_p also 0, greedy decoding."""
+
+    top_p: float = Field(0.0, ge=0, le=1)
+    """Nucleus sampling: keep the fewest tokens whose probability reaches top_p; 0 disables it."""
+
+    top_k: int = Field(0, ge=0)
+    """Sample only from the k most likely tokens; 0 disables it."""
+
+    return_logits: bool = False
+    """Also write the logits over the vocabulary before each generated token (`logits` in the output)."""
+
+    maximum_tokens: int = Field(64, ge=1)
+    """Most tokens generated per prompt (and per eval.py generate_until request without max_gen_toks)."""
+
+    prompt_end: str = "\n"
+    """Separator between prompts in the input file."""
+
+    sample_input_file: str | None = None
+    """File of prompts for input-file generation."""
+
+    sample_output_file: str = "samples.txt"
+    """Where generated samples are written, one JSON object per line (prompt, text, tokens, ...)."""
+
+    num_samples: int = Field(1, ge=1)
+    """Number of unconditional samples to draw."""
+
+    recompute: bool = False
+    """Recompute the whole sequence for every new token instead of using the key/value cache (slow;
+    for checking the cache)."""
+
+    def sampling(self) -> SamplingParams:
+        """How generate.py chooses and counts the tokens of every prompt."""
+        return SamplingParams(temperature=float(self.temperature), top_k=int(self.top_k), top_p=float(self.top_p),
+                              maximum_tokens=int(self.maximum_tokens), recompute=bool(self.recompute),
+                              return_logits=bool(self.return_logits))
+
+    def prompts(self) -> list[str]:
+        """The prompts of ``sample_input_file`` (input-file mode)."""
+        if self.sample_input_file is None:
+            raise ConfigError("text_gen_type=input-file needs sample_input_file: the file of prompts to complete")
+        return read_prompts(self.sample_input_file, self.prompt_end)
+
+
+class GenerateRunArgs(Protocol):
+    """Every key generate.py reads, its own (:class:`TextgenArgs`) and the shared ones; read-only, so any
+    object holding them (``NeoXArgs``) satisfies it."""
+
+    @property
+    def text_gen_type(self) -> TextGenType | None: ...
+    @property
+    def precompute_model_name(self) -> str | None: ...
+    @property
+    def sample_input_file(self) -> str | None: ...
+    @property
+    def sample_output_file(self) -> str: ...
+    @property
+    def prompt_end(self) -> str: ...
+    @property
+    def num_samples(self) -> int: ...
+    @property
+    def seq_length(self) -> int | None: ...
+    @property
+    def train_micro_batch_size_per_gpu(self) -> int | None: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def data_path(self) -> str | None: ...
+    @property
+    def train_data_paths(self) -> list[str] | None: ...
+    @property
+    def valid_data_paths(self) -> list[str] | None: ...
+    @property
+    def test_data_paths(self) -> list[str] | None: ...
+    @property
+    def pos_train_data_paths(self) -> list[str] | None: ...
+    @property
+    def neg_train_data_paths(self) -> list[str] | None: ...
+    @property
+    def pos_valid_data_paths(self) -> list[str] | None: ...
+    @property
+    def neg_valid_data_paths(self) -> list[str] | None: ...
+    @property
+    def pos_test_data_paths(self) -> list[str] | None: ...
+    @property
+    def neg_test_data_paths(self) -> list[str] | None: ...
+    @property
+    def use_dummy_dataset(self) -> bool: ...
+    @property
+    def train_urls(self) -> list[str] | None: ...
+    def sampling(self) -> SamplingParams: ...
+    def prompts(self) -> list[str]: ...
+
+
+def checked(args: GenerateRunArgs) -> GenerateRunArgs:
+    """``args`` when generate.py can run from it; a ``ConfigError`` naming the key otherwise (before launch,
+    and on the ranks before the model is built)."""
+    kind = args.text_gen_type
+    if kind is None:
+        raise ConfigError(
+            "generate.py needs text_gen_type: one of unconditional, input-file, interactive, precompute "
+            "(e.g. add text_gen_type=unconditional to the command line)"
+        )
+    if kind == "input-file":
+        if not args.sample_input_file:
+            raise ConfigError("text_gen_type=input-file needs sample_input_file: the file of prompts to complete")
+        if not os.path.isfile(args.sample_input_file):
+            raise ConfigError(f"sample_input_file={args.sample_input_file!r}: no such file")
+        if not args.prompt_end:
+            raise ConfigError("prompt_end must not be empty: it separates the prompts of sample_input_file")
+        if not args.prompts():
+            raise ConfigError(f"sample_input_file={args.sample_input_file!r} holds no prompts (it is empty or "
+                              f"blank): write one prompt per {args.prompt_end!r}-separated entry")
+    if kind == "precompute":
+        if not args.precompute_model_name:
             raise ConfigError(
                 "text_gen_type=precompute needs precompute_model_name: the reference log-probs are written "
                 "next to each dataset as <prefix>_<precompute_model_name>.bin/.idx"
             )
-        if kind == "input-file" and not args.prompt_end:
-            raise ConfigError("prompt_end must not be empty: it separates the prompts of sample_input_file")
-        if kind == "input-file" and not read_prompts(args.sample_input_file, args.prompt_end):
-            raise ConfigError(f"sample_input_file={args.sample_input_file!r} holds no prompts (it is empty or "
-                              f"blank): write one prompt per {args.prompt_end!r}-separated entry")
-        prefixes = _token_dataset_prefixes(args) if kind == "precompute" else ()
-        if kind == "precompute" and not prefixes:
+        if not token_dataset_prefixes(args):
             what = "use_dummy_dataset" if args.use_dummy_dataset else "train_urls" if args.train_urls else None
             raise ConfigError(
                 "text_gen_type=precompute scores the token datasets of data_path or {train,valid,test}_data_paths "
                 "(pos_/neg_ for preference pairs), and this config has none"
                 + (f" ({what} has no files to write reference log-probs next to)" if what else "")
             )
-        if args.seq_length is None:
-            raise ConfigError("seq_length must be set: it bounds prompt + generated tokens")
-        sampling = SamplingConfig(
-            temperature=float(args.temperature),
-            top_k=int(args.top_k),
-            top_p=float(args.top_p),
-            maximum_tokens=int(args.maximum_tokens),
-            recompute=bool(args.recompute),
-            return_logits=bool(args.return_logits),
-        )
-        return cls(
-            text_gen_type=kind,
-            sampling=sampling,
-            seq_length=int(args.seq_length),
-            batch_size=max(1, int(args.train_micro_batch_size_per_gpu or 1)),
-            seed=int(args.seed),
-            num_samples=int(args.num_samples),
-            sample_input_file=args.sample_input_file,
-            sample_output_file=args.sample_output_file,
-            prompt_end=args.prompt_end,
-            precompute_model_name=args.precompute_model_name,
-            data_prefixes=prefixes,
-        )
+    if args.seq_length is None:
+        raise ConfigError("seq_length must be set: it bounds prompt + generated tokens")
+    args.sampling()
+    return args
 
 
-def _token_dataset_prefixes(args: NeoXArgs) -> tuple[str, ...]:
-    """Every token dataset a run of this config reads (labels and rewards are no tokens), once each."""
+class MicroBatchArgs(Protocol):
+    @property
+    def train_micro_batch_size_per_gpu(self) -> int | None: ...
+
+
+def batch_size(args: MicroBatchArgs) -> int:
+    """Prompts (documents, for precompute; requests, for lm-eval) run together on a replica: the training
+    micro-batch (at least 1)."""
+    return max(1, int(args.train_micro_batch_size_per_gpu or 1))
+
+
+def token_dataset_prefixes(args: GenerateRunArgs) -> tuple[str, ...]:
+    """Every token dataset a run of this config reads (labels and rewards are no tokens), once each: what
+    precompute scores."""
     lists = (
         [args.data_path] if args.data_path else [],
         args.train_data_paths, args.valid_data_paths, args.test_data_paths,

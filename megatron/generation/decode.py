@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.generation.config import SamplingConfig
+from megatron.generation.config import SamplingParams
 from megatron.generation.replica import ModelReplica
 from megatron.generation.sampling import choose_tokens
 from megatron.logging.log import get_logger
@@ -98,7 +98,7 @@ class _Batch:
 def generate(
     replica: ModelReplica,
     prompts: list[list[int]],
-    sampling: SamplingConfig,
+    sampling: SamplingParams,
     *,
     eod: int,
     max_length: int,

@@ -1,7 +1,9 @@
 """generate.py's work on each rank, and the model set-up eval.py shares with it.
 
 `build_inference_model(args)` turns the resolved arguments (with the inference overrides) into the
-typed run config and builds the tokenizer and the model exactly as training does.
+typed run config and builds the tokenizer and the model as training does, without the training engine
+(no optimizer, no LR schedule, no `deepspeed.initialize`) except for the checkpoints only the engine's
+loader reads (`generation.loading.engine_needed`).
 """
 
 from __future__ import annotations
@@ -9,15 +11,22 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+from torch import nn
+
 from megatron.errors import ConfigError
-from megatron.generation.config import GenerationConfig
+from megatron.generation.config import batch_size, checked, token_dataset_prefixes
 from megatron.generation.replica import ModelReplica
+from megatron.logging.log import get_logger
 from megatron.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from megatron.model import GPTConfig
     from megatron.neox_arguments import NeoXArgs
+    from megatron.neox_arguments.run_config import RunConfig
 
 
 def parse_worker_argv(argv: list[str], description: str) -> argparse.Namespace:
@@ -39,14 +48,24 @@ class InferenceModel:
 
 
 def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
-    """Join the job, build the tokenizer and the model as training does, load the checkpoint's weights."""
-    from megatron.generation.loading import INFERENCE_OVERRIDES, load_committed_weights
+    """Join the job, build the tokenizer and the model as training does (no optimizer, no DeepSpeed engine),
+    load the checkpoint's weights."""
+    from megatron.generation.loading import (
+        INFERENCE_OVERRIDES,
+        committed_checkpoint,
+        engine_needed,
+        load_full_weights,
+        read_weights,
+        saved_adapters,
+    )
     from megatron.initialize import initialize
     from megatron.logging.log import setup_logging
+    from megatron.mpu import topology
     from megatron.neox_arguments import deepspeed_config
     from megatron.neox_arguments.run_config import RunConfig
     from megatron.tokenizer import build_tokenizer
-    from megatron.training.engine import build_engine
+    from megatron.training.engine import build_model
+    from megatron.training.objectives import LMObjective, ObjectiveArgs
     from megatron.training.pretrain import limit_cpu_threads, speaks
 
     inference_args = args.model_copy(update=INFERENCE_OVERRIDES)  # the user's args stay untouched
@@ -61,11 +80,40 @@ def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
     if model_config.value_head:
         raise ConfigError(f"{script} needs a language model; this config builds a reward model (train_impl: rm), "
                           "whose value head scores sequences instead of predicting tokens")
-    eng = build_engine(run, model_config, train_iters=run.training.train_iters or 1)
-    step = load_committed_weights(eng.engine, run.checkpoint.load, run.checkpoint.iteration,
-                                  {**run.args_record, "padded_vocab_size": padded_vocab}, script)
-    replica = ModelReplica(eng.engine.module, vocab_size=tokenizer.vocab_size, hidden_size=eng.config.hidden_size)
+    ckpt = committed_checkpoint(run.checkpoint.load, run.checkpoint.iteration, script)
+    reason = engine_needed(ckpt, inference_args.moe_expert_parallel_size)
+    if reason is not None:
+        module, step = _engine_module(run, model_config, ckpt, padded_vocab, script, reason)
+    else:
+        lora = run.lora if run.lora.lora_enabled and saved_adapters(ckpt) else None
+        module, is_pipe = build_model(model_config, run.parallel, run.activation_checkpointing,
+                                      run.training.compile_layers, LMObjective(ObjectiveArgs()), lora)
+        weights, step = read_weights(ckpt, model_config)
+        load_full_weights(module, model_config, weights, tp=topology.get_tensor_model_parallel_world_size(),
+                          tp_rank=topology.get_tensor_model_parallel_rank(), pipelined=is_pipe, source=ckpt)
+        module.to(_device())
+        get_logger().info("%s: weights of %s (iteration %d)", script, ckpt, step)
+    replica = ModelReplica(module, vocab_size=tokenizer.vocab_size, hidden_size=model_config.hidden_size)
     return InferenceModel(replica=replica, tokenizer=tokenizer, step=step)
+
+
+def _engine_module(run: RunConfig, model_config: GPTConfig, ckpt: Path, padded_vocab: int, script: str,
+                   reason: str) -> tuple[nn.Module, int]:
+    """The model inside a training engine, loaded by the checkpoint loader: for the checkpoints whose `reason`
+    the weights-only reader does not cover (see `generation.loading.engine_needed`)."""
+    from megatron.generation.loading import load_committed_weights
+    from megatron.training.engine import build_engine
+
+    get_logger().info("%s: loading %s through the training engine (%s)", script, ckpt, reason)
+    eng = build_engine(run, model_config, train_iters=run.training.train_iters or 1)
+    step = load_committed_weights(eng.engine, ckpt, {**run.args_record, "padded_vocab_size": padded_vocab}, script)
+    return eng.engine.module, step
+
+
+def _device() -> torch.device:
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
 
 
 def read_stdin_prompt() -> str | None:
@@ -90,19 +138,20 @@ def main(argv: list[str]) -> int:
     from megatron.neox_arguments import load_resolved
 
     options = parse_worker_argv(argv, "Deepy text generation (started by deepy.py on each rank)")
-    args = load_resolved(options.deepy_config).args
-    config = GenerationConfig.from_args(args)  # a wrong textgen key fails before the model is built
-    model = build_inference_model(args, "generate.py")
-    gen = TextGenerator.from_config(model.replica, model.tokenizer, config)
-    match config.text_gen_type:
+    resolved = load_resolved(options.deepy_config).args
+    args = checked(resolved)  # a wrong textgen key fails before the model is built
+    model = build_inference_model(resolved, "generate.py")
+    gen = TextGenerator(replica=model.replica, tokenizer=model.tokenizer, sampling=args.sampling(),
+                        seq_length=int(args.seq_length or 0), batch_size=batch_size(args), seed=args.seed)
+    match args.text_gen_type:
         case "unconditional":
-            run_unconditional(gen, config)
+            run_unconditional(gen, args)
         case "input-file":
-            run_input_file(gen, config)
+            run_input_file(gen, args)
         case "interactive":
             run_interactive(gen, read_stdin_prompt, show_completion)
         case "precompute":
-            assert config.precompute_model_name is not None
-            precompute_all(model.replica, list(config.data_prefixes), config.precompute_model_name,
-                           batch_size=config.batch_size, max_length=config.seq_length, eod=model.tokenizer.eod)
+            assert args.precompute_model_name is not None
+            precompute_all(model.replica, list(token_dataset_prefixes(args)), args.precompute_model_name,
+                           batch_size=batch_size(args), max_length=gen.seq_length, eod=model.tokenizer.eod)
     return 0

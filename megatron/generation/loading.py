@@ -1,11 +1,16 @@
 """The weights generate.py and eval.py run: the newest committed checkpoint in `load`.
 
-The model is built exactly as training builds it (the same DeepSpeed engine, plain or pipeline),
-and the weights come in through the checkpoint code's own loader in weights-only mode
-(`megatron.checkpointing.save_load.load_checkpoint`). So a checkpoint saved at another layout is
-read the way a resumed training run reads it: through a universal checkpoint (converted once, cached
-next to the checkpoint), at any ZeRO stage and between pipeline and plain models
-(docs/resume_layouts.md lists what is refused).
+Inference needs the model, not the training engine: the model is built as training builds it (plain
+`GPTModel` or this rank's `PipelineModule` stage, `megatron.training.engine.build_model`) but without an
+optimizer, an LR schedule or `deepspeed.initialize`. Its weights come from the offline reader the HF export
+uses (`megatron.interop.deepy_checkpoint.read_full_checkpoint`: any tp, plain or pipeline, ZeRO 0-3), fitted
+to this run's padded vocabulary and cut to this rank's tensor-parallel shard (:func:`load_full_weights`).
+
+LoRA adapters are applied as trained (the model is built with them, the reader returns their tensors) and
+experts that are not split over data-parallel ranks are ordinary tensor-parallel weights. Cases that reader
+does not cover keep the old path, the training engine loading the checkpoint in
+weights-only mode through the checkpoint loader (universal checkpoint conversion when the layout changed);
+:func:`engine_needed` names each one and why.
 """
 
 from __future__ import annotations
@@ -14,9 +19,18 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
 from megatron.checkpointing.commit import step_of
-from megatron.checkpointing.save_load import LoadOptions, load_checkpoint, resolve_tag
+from megatron.checkpointing.expert_shards import EP_KEY
+from megatron.checkpointing.local_weights import local_weights
+from megatron.checkpointing.save_load import LoadOptions, load_checkpoint, read_meta, resolve_tag
+from megatron.checkpointing.universal import Layout
 from megatron.errors import CheckpointError
+from megatron.interop.deepy_checkpoint import Weights, read_full_checkpoint
+from megatron.model import GPTConfig
+from megatron.model.partitioning import tp_partition_of
 
 log = logging.getLogger("deepy.checkpoint")
 
@@ -31,10 +45,8 @@ INFERENCE_OVERRIDES: dict[str, Any] = {
 """Settings the inference model is built with whatever the training config said."""
 
 
-def load_committed_weights(engine: Any, load: str | None, iteration: int | None, args_dict: dict[str, Any],
-                           script: str) -> int:
-    """Load the model weights of `load`'s newest committed checkpoint (or of `iteration`) into
-    `engine` on every rank; returns the checkpoint's iteration."""
+def committed_checkpoint(load: str | None, iteration: int | None, script: str) -> Path:
+    """The tag directory of `load`'s newest committed checkpoint (or of `iteration`)."""
     if not load:
         raise CheckpointError(f"{script} needs `load`: the directory of a trained checkpoint (its weights are used)")
     load_dir = Path(load)
@@ -44,9 +56,69 @@ def load_committed_weights(engine: Any, load: str | None, iteration: int | None,
     if tag is None:
         raise CheckpointError(f"{script}: no committed checkpoint in {load_dir}; train first, or point `load` "
                               "at a directory that holds one")
-    result = load_checkpoint(engine, load_dir / tag, args_dict, LoadOptions(weights_only=True))
+    return load_dir / tag
+
+
+def engine_needed(ckpt: Path, expert_parallel: int) -> str | None:
+    """Why the checkpoint at `ckpt` must be loaded through the training engine when this run splits experts
+    over `expert_parallel` data-parallel ranks; None when the weights-only reader covers it."""
+    meta = read_meta(ckpt)  # a checkpoint without Deepy's metadata (GPT-NeoX's own) is refused here, by name
+    saved_expert_parallel = int((meta.get("args") or {}).get(EP_KEY) or 1)
+    if max(expert_parallel, saved_expert_parallel) > 1:
+        # each expert-parallel rank's experts are in its own deepy_experts/ file, which the full-weights reader
+        # does not read, and only the engine places them on the ranks that hold them (checkpointing/expert_shards.py)
+        return "experts split over data-parallel ranks (moe_expert_parallel_size > 1)"
+    layout = Layout.from_dict(meta["layout"])
+    if layout.zero_stage == 3 and layout.tp > 1:
+        # zero_to_fp32 rebuilds ZeRO-3 weights only for tp 1; the universal conversion handles tp > 1
+        return "a ZeRO-3 checkpoint saved with tensor parallelism"
+    return None
+
+
+def saved_adapters(ckpt: Path) -> bool:
+    """Whether the checkpoint holds LoRA adapters: a run with lora_r set that starts from a checkpoint without
+    them (its frozen base) runs the base model, the adapters' B being 0 (checkpointing/adapters.py)."""
+    return int((read_meta(ckpt).get("args") or {}).get("lora_r") or 0) > 0
+
+
+def fit_vocabulary(config: GPTConfig, weights: Weights, rows: int) -> Weights:
+    """The padded-vocabulary weights trimmed or zero-padded to `rows` (a run at another tp pads the tokenizer's
+    vocabulary to another multiple); the rows dropped or added are padding, never real tokens."""
+    fitted = dict(weights)
+    for name, tensor in weights.items():
+        partition = tp_partition_of(config, name)
+        if partition is None or not partition.vocabulary or tensor.shape[0] == rows:
+            continue
+        have = tensor.shape[0]
+        fitted[name] = tensor[:rows] if have > rows else torch.nn.functional.pad(tensor, (0, 0, 0, rows - have))
+    return fitted
+
+
+def load_full_weights(module: nn.Module, config: GPTConfig, weights: Weights, *, tp: int, tp_rank: int,
+                      pipelined: bool, source: Path) -> None:
+    """Every tensor of `module` (a `GPTModel` or this rank's `PipelineModule` stage, tied copies included) from
+    the full `weights` under `GPTModel` names: this tp rank's shard of each partitioned one."""
+    state, problems = local_weights(module, config, weights, tp=tp, tp_rank=tp_rank, pipelined=pipelined)
+    if problems:
+        raise CheckpointError(f"{source} does not fit the config's model (its architecture differs from the "
+                              "checkpoint's):\n  " + "\n  ".join(problems[:20]))
+    with torch.no_grad():
+        module.load_state_dict(state, strict=False)  # only computed buffers (rotary) are left out
+
+
+def read_weights(ckpt: Path, config: GPTConfig) -> tuple[Weights, int]:
+    """The full weights of the committed checkpoint `ckpt`, fitted to `config`'s padded vocabulary, and its
+    iteration."""
+    full = read_full_checkpoint(ckpt)
+    return fit_vocabulary(full.config, full.weights, config.padded_vocab_size), full.iteration
+
+
+def load_committed_weights(engine: Any, ckpt: Path, args_dict: dict[str, Any], script: str) -> int:
+    """The engine path: load the model weights of the committed checkpoint `ckpt` into `engine` on every
+    rank through the checkpoint loader; returns the checkpoint's iteration."""
+    result = load_checkpoint(engine, ckpt, args_dict, LoadOptions(weights_only=True))
     for note in result.notes:
         log.info("checkpoint: %s", note)
-    step = step_of(tag)
-    log.info("%s: weights of %s (iteration %s)", script, load_dir / tag, step)
+    step = step_of(ckpt.name)
+    log.info("%s: weights of %s (iteration %s), through the training engine", script, ckpt, step)
     return int(step or 0)

@@ -29,7 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron.atomic_files import atomic_path
-from megatron.generation.config import GenerationConfig, SamplingConfig, read_prompts
+from megatron.generation.config import GenerateRunArgs, SamplingParams
 from megatron.generation.decode import Generated, StopCondition, generate
 from megatron.generation.replica import ModelReplica
 from megatron.generation.sampling import sample_generator
@@ -47,17 +47,12 @@ class TextGenerator:
 
     replica: ModelReplica
     tokenizer: Tokenizer
-    sampling: SamplingConfig
+    sampling: SamplingParams
     seq_length: int
     batch_size: int
     seed: int
 
-    @classmethod
-    def from_config(cls, replica: ModelReplica, tokenizer: Tokenizer, config: GenerationConfig) -> TextGenerator:
-        return cls(replica=replica, tokenizer=tokenizer, sampling=config.sampling, seq_length=config.seq_length,
-                   batch_size=config.batch_size, seed=config.seed)
-
-    def complete_local(self, prompts: dict[int, list[int]], sampling: SamplingConfig | None = None,
+    def complete_local(self, prompts: dict[int, list[int]], sampling: SamplingParams | None = None,
                        stop: StopCondition | None = None) -> dict[int, Generated]:
         """Complete this replica's prompts (index -> tokens) in batches of similar length;
         `stop` receives the prompt's index in `prompts`."""
@@ -80,7 +75,7 @@ class TextGenerator:
             done.update(zip(batch, results))
         return done
 
-    def complete(self, prompts: list[list[int]], sampling: SamplingConfig | None = None,
+    def complete(self, prompts: list[list[int]], sampling: SamplingParams | None = None,
                  stop: StopCondition | None = None) -> list[Generated]:
         """Complete every prompt, spread over the data-parallel replicas; every rank gets all results."""
         mine = {i: p for i, p in enumerate(prompts) if i % self.replica.dp_size == self.replica.dp_rank}
@@ -122,26 +117,25 @@ def _show(rows: list[dict[str, Any]], with_prompt: bool) -> None:
         print((row["prompt"] if with_prompt else "") + row["text"] + end, flush=True)
 
 
-def run_unconditional(gen: TextGenerator, config: GenerationConfig) -> list[dict[str, Any]]:
-    results = gen.complete([[] for _ in range(config.num_samples)])
+def run_unconditional(gen: TextGenerator, args: GenerateRunArgs) -> list[dict[str, Any]]:
+    results = gen.complete([[] for _ in range(args.num_samples)])
     rows = [gen.record("", g) for g in results]
     if is_rank0():
-        write_jsonl(config.sample_output_file, rows)
+        write_jsonl(args.sample_output_file, rows)
         _show(rows, with_prompt=False)
-        get_logger().info("wrote %d samples to %s", len(rows), config.sample_output_file)
+        get_logger().info("wrote %d samples to %s", len(rows), args.sample_output_file)
     return rows
 
 
-def run_input_file(gen: TextGenerator, config: GenerationConfig) -> list[dict[str, Any]]:
-    assert config.sample_input_file is not None
-    prompts = read_prompts(config.sample_input_file, config.prompt_end)
+def run_input_file(gen: TextGenerator, args: GenerateRunArgs) -> list[dict[str, Any]]:
+    prompts = args.prompts()
     results = gen.complete([gen.tokenizer.tokenize(p) for p in prompts])
     rows = [gen.record(p, g) for p, g in zip(prompts, results)]
     if is_rank0():
-        write_jsonl(config.sample_output_file, rows)
+        write_jsonl(args.sample_output_file, rows)
         _show(rows, with_prompt=True)
-        get_logger().info("wrote %d completions of %s to %s", len(rows), config.sample_input_file,
-                          config.sample_output_file)
+        get_logger().info("wrote %d completions of %s to %s", len(rows), args.sample_input_file,
+                          args.sample_output_file)
     return rows
 
 

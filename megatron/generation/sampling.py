@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.generation.config import SamplingConfig
+from megatron.generation.config import SamplingParams
 
 
 def mask_vocab_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -45,7 +45,7 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def filtered_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+def filtered_logits(logits: torch.Tensor, config: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, then top-p (the order GPT-NeoX and `transformers` apply them)."""
     temperature = config.temperature if config.temperature > 0 else 1.0
     logits = logits.float() / temperature
@@ -53,7 +53,7 @@ def filtered_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
     return top_p_filter(logits, config.top_p)
 
 
-def choose_tokens(logits: torch.Tensor, config: SamplingConfig, generators: list[torch.Generator]) -> torch.Tensor:
+def choose_tokens(logits: torch.Tensor, config: SamplingParams, generators: list[torch.Generator]) -> torch.Tensor:
     """Next token per row from `logits` `[b, v]` (padding already masked): argmax when greedy,
     else one draw per row from the filtered distribution with that row's generator. -> `[b]` int64 (CPU)."""
     logits = logits.detach().float().cpu()

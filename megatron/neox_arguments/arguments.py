@@ -36,7 +36,7 @@ from megatron.training.optimizer_config import OptimizerArgs
 from megatron.neox_arguments.groups.other import OtherArgs
 from megatron.mpu.parallel_config import ParallelismArgs
 from megatron.config_support import UNSUPPORTED_ATTENTION_TYPES
-from megatron.neox_arguments.groups.textgen import TextgenArgs
+from megatron.generation.config import TextgenArgs
 from megatron.tokenizer.config import TokenizerArgs
 from megatron.neox_arguments.groups.training import TrainingArgs
 from megatron.config_schema import ArgGroup, own_fields

@@ -87,9 +87,9 @@ def entry_point_builders() -> dict[str, ComponentBuilder]:
     """The typed configs of the other entry points, by script name (each also checks its keys
     before launch: see ``check_entry_point``)."""
     from megatron.evaluation.config import checked
-    from megatron.generation.config import GenerationConfig
+    from megatron.generation.config import checked as generation_checked
 
-    return {"generate.py": GenerationConfig.from_args, "eval.py": checked}
+    return {"generate.py": generation_checked, "eval.py": checked}
 
 
 def check_entry_point(args: NeoXArgs, user_script: str) -> None:

@@ -22,7 +22,8 @@ from typing import Any
 
 from megatron.checkpointing.rng_state import capture_rng_state, restore_rng_state
 from megatron.errors import ConfigError
-from megatron.evaluation.config import EvalRunArgs, batch_size
+from megatron.evaluation.config import EvalRunArgs
+from megatron.generation.config import batch_size
 
 
 class TaskEvaluation:
@@ -44,7 +45,7 @@ class TaskEvaluation:
         """``lm_eval/<task>/<metric>`` -> value (the same on every rank) and ``timers/lm_eval_ms``."""
         from megatron.evaluation.harness import evaluate, metric_rows
         from megatron.evaluation.lm_eval_adapter import DeepyLM
-        from megatron.generation.config import SamplingConfig
+        from megatron.generation.config import SamplingParams
         from megatron.generation.modes import TextGenerator
         from megatron.generation.replica import ModelReplica
 
@@ -57,7 +58,7 @@ class TaskEvaluation:
             if self.every_rank_scores_all:
                 replica.dp_rank, replica.dp_size = 0, 1
             generator = TextGenerator(replica=replica, tokenizer=self.tokenizer,
-                                      sampling=SamplingConfig(maximum_tokens=self.config.maximum_tokens),
+                                      sampling=SamplingParams.greedy_up_to(self.config.maximum_tokens),
                                       seq_length=int(self.config.seq_length or 0), batch_size=batch_size(self.config),
                                       seed=self.config.seed)
             results = evaluate(DeepyLM(generator), self.config)

@@ -186,7 +186,7 @@ def _user_plugins(args: Any) -> object:
 def _evaluation(args: Any) -> object:
     """What lm-eval inside training and eval.py ask of the evaluation keys (``TaskEvaluation``,
     ``harness.evaluate``/``results_base``, the generator's batch and length), when tasks are set."""
-    from megatron.evaluation.config import batch_size
+    from megatron.generation.config import batch_size
     from megatron.evaluation.harness import results_base
 
     if not args.eval_tasks:
@@ -194,10 +194,22 @@ def _evaluation(args: Any) -> object:
     return results_base(args), batch_size(args), args.maximum_tokens, args.seed, args.seq_length
 
 
+def _generation(args: Any) -> object:
+    """What generate.py asks of its keys beyond the checks (``generation.entry.main``, the modes, precompute),
+    when text_gen_type is set: the generator, each mode's files and counts, precompute's datasets."""
+    from megatron.generation.config import batch_size, token_dataset_prefixes
+
+    if not args.text_gen_type:
+        return None
+    return (args.sampling(), batch_size(args), args.seed, args.seq_length, args.num_samples, args.sample_output_file,
+            args.sample_input_file, args.prompt_end, args.precompute_model_name, token_dataset_prefixes(args))
+
+
 def component_builders() -> list[ComponentBuilder]:
     """Everything that turns keys into what a component does, for train.py."""
     return [_run_config, _parallel, _tokenizer, _model, _checkpoints, _logging, _lora, _lr_schedule,
-            _optimizer, _activation_checkpointing, _training_loop, _data, _objective, _evaluation, _user_plugins,
+            _optimizer, _activation_checkpointing, _training_loop, _data, _objective, _evaluation, _generation,
+            _user_plugins,
             deepspeed_config, _launch, run_directory]
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from megatron.errors import ConfigError
-from megatron.evaluation.config import batch_size, checked
+from megatron.evaluation.config import checked
+from megatron.generation.config import batch_size
 from megatron.evaluation.harness import _specs, _task_manager, metric_rows, results_base
 from megatron.evaluation.lm_eval_adapter import _cut
 from megatron.neox_arguments import NeoXArgs
@@ -50,10 +51,10 @@ def test_generations_are_cut_before_the_earliest_stop_string() -> None:
 
 def test_generate_and_eval_refuse_to_run_without_a_checkpoint(tmp_path: Path) -> None:
     from megatron.errors import CheckpointError
-    from megatron.generation.loading import load_committed_weights
+    from megatron.generation.loading import committed_checkpoint
 
     with pytest.raises(CheckpointError, match="generate.py needs `load`"):
-        load_committed_weights(None, None, None, {}, "generate.py")
+        committed_checkpoint(None, None, "generate.py")
     (tmp_path / "global_step5").mkdir()  # an incomplete save: no commit marker
     with pytest.raises(CheckpointError, match=f"eval.py: no committed checkpoint in {tmp_path}"):
-        load_committed_weights(None, str(tmp_path), None, {}, "eval.py")
+        committed_checkpoint(str(tmp_path), None, "eval.py")

@@ -15,7 +15,7 @@ from lm_eval.api.instance import Instance
 from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder, data_file_path, index_file_path
 from megatron.errors import DataError
 from megatron.evaluation.lm_eval_adapter import DeepyLM
-from megatron.generation.config import SamplingConfig
+from megatron.generation.config import SamplingParams, TextgenArgs
 from megatron.generation.decode import generate
 from megatron.generation.config import read_prompts
 from megatron.generation.modes import TextGenerator, run_unconditional
@@ -33,6 +33,11 @@ from megatron.generation.sampling import sample_generator
 from megatron.generation.scoring import score
 from megatron.model import GPTConfig, GPTModel, lm_loss
 from megatron.tokenizer.base import Tokenizer
+
+
+def textgen_sampling(**keys: object) -> SamplingParams:
+    """The sampling generate.py runs with these textgen keys (the others at their schema defaults)."""
+    return TextgenArgs(**keys).sampling()  # type: ignore[arg-type]
 
 SEQ = 24
 VOCAB = 30  # real tokens; the model has 32 rows, so 2 are tensor-parallel padding
@@ -74,7 +79,7 @@ def replica(model: GPTModel) -> ModelReplica:
     return ModelReplica(model, vocab_size=VOCAB, hidden_size=32)
 
 
-def run(replica: ModelReplica, prompts: list[list[int]], sampling: SamplingConfig, seed: int = 1, **kw):
+def run(replica: ModelReplica, prompts: list[list[int]], sampling: SamplingParams, seed: int = 1, **kw):
     return generate(replica, prompts, sampling, eod=EOD, max_length=SEQ,
                     generators=[sample_generator(seed, i) for i in range(len(prompts))], **kw)
 
@@ -95,7 +100,7 @@ def full_forward_greedy(model: GPTModel, prompt: list[int], n: int) -> list[int]
 
 
 def test_cached_batched_greedy_equals_full_forward(model: GPTModel, replica: ModelReplica) -> None:
-    cached = run(replica, PROMPTS, SamplingConfig(maximum_tokens=10))
+    cached = run(replica, PROMPTS, textgen_sampling(maximum_tokens=10))
     for prompt, got in zip(PROMPTS, cached):
         want = full_forward_greedy(model, prompt, 10)
         cut = want.index(EOD) if EOD in want else len(want)
@@ -104,8 +109,8 @@ def test_cached_batched_greedy_equals_full_forward(model: GPTModel, replica: Mod
 
 
 def test_cache_and_recompute_give_the_same_logits(replica: ModelReplica) -> None:
-    cached = run(replica, PROMPTS, SamplingConfig(maximum_tokens=8, return_logits=True))
-    recomputed = run(replica, PROMPTS, SamplingConfig(maximum_tokens=8, return_logits=True, recompute=True))
+    cached = run(replica, PROMPTS, textgen_sampling(maximum_tokens=8, return_logits=True))
+    recomputed = run(replica, PROMPTS, textgen_sampling(maximum_tokens=8, return_logits=True, recompute=True))
     for a, b in zip(cached, recomputed):
         assert a.tokens == b.tokens
         assert a.logits is not None and b.logits is not None and len(a.logits) == len(a.tokens)
@@ -115,7 +120,7 @@ def test_cache_and_recompute_give_the_same_logits(replica: ModelReplica) -> None
 
 
 def test_rows_of_a_batch_equal_rows_alone_even_when_sampling(replica: ModelReplica) -> None:
-    sampling = SamplingConfig(temperature=1.0, maximum_tokens=8)
+    sampling = textgen_sampling(temperature=1.0, maximum_tokens=8)
     batched = run(replica, PROMPTS, sampling, seed=5)
     for i, prompt in enumerate(PROMPTS):
         alone = generate(replica, [prompt], sampling, eod=EOD, max_length=SEQ, generators=[sample_generator(5, i)])
@@ -125,40 +130,39 @@ def test_rows_of_a_batch_equal_rows_alone_even_when_sampling(replica: ModelRepli
 
 
 def test_top_k_one_and_tiny_top_p_generate_greedily(replica: ModelReplica) -> None:
-    greedy = [g.tokens for g in run(replica, PROMPTS, SamplingConfig(maximum_tokens=8))]
-    assert [g.tokens for g in run(replica, PROMPTS, SamplingConfig(top_k=1, temperature=2.0, maximum_tokens=8))] == greedy
-    assert [g.tokens for g in run(replica, PROMPTS, SamplingConfig(top_p=1e-6, maximum_tokens=8))] == greedy
+    greedy = [g.tokens for g in run(replica, PROMPTS, textgen_sampling(maximum_tokens=8))]
+    assert [g.tokens for g in run(replica, PROMPTS, textgen_sampling(top_k=1, temperature=2.0, maximum_tokens=8))] == greedy
+    assert [g.tokens for g in run(replica, PROMPTS, textgen_sampling(top_p=1e-6, maximum_tokens=8))] == greedy
 
 
 def test_generation_stops_at_eod(replica: ModelReplica) -> None:
-    free = run(replica, [[5, 6, 7]], SamplingConfig(maximum_tokens=8))[0]
+    free = run(replica, [[5, 6, 7]], textgen_sampling(maximum_tokens=8))[0]
     assert not free.finished and len(free.tokens) == 8
     # make the model's third token the end-of-document token: it must stop right there
     stop_token = free.tokens[2]
     first = free.tokens.index(stop_token)
-    stopped = generate(replica, [[5, 6, 7]], SamplingConfig(maximum_tokens=8), eod=stop_token, max_length=SEQ,
+    stopped = generate(replica, [[5, 6, 7]], textgen_sampling(maximum_tokens=8), eod=stop_token, max_length=SEQ,
                        generators=[sample_generator(1, 0)])[0]
     assert stopped.finished and stopped.tokens == free.tokens[:first]
 
 
 def test_stop_condition_and_token_budgets(replica: ModelReplica) -> None:
-    got = run(replica, PROMPTS, SamplingConfig(maximum_tokens=6), stop=lambda i, toks: i == 1 and len(toks) == 2)
+    got = run(replica, PROMPTS, textgen_sampling(maximum_tokens=6), stop=lambda i, toks: i == 1 and len(toks) == 2)
     assert got[1].finished and len(got[1].tokens) == 2
     assert len(got[0].tokens) == 6 or got[0].finished
     long_prompt = list(range(1, 23))  # 22 tokens: only SEQ - 22 = 2 fit
-    limited = run(replica, [long_prompt], SamplingConfig(maximum_tokens=6))[0]
+    limited = run(replica, [long_prompt], textgen_sampling(maximum_tokens=6))[0]
     assert len(limited.tokens) <= 2
-    too_long = run(replica, [list(range(1, 29)) + [1, 2]], SamplingConfig(maximum_tokens=6))[0]
+    too_long = run(replica, [list(range(1, 29)) + [1, 2]], textgen_sampling(maximum_tokens=6))[0]
     assert len(too_long.prompt) == SEQ - 1 and too_long.prompt == (list(range(1, 29)) + [1, 2])[-(SEQ - 1):]
 
 
 def test_unconditional_mode_writes_jsonl_and_prints(tmp_path, replica: ModelReplica, capsys) -> None:
-    from megatron.generation.config import GenerationConfig
+    from megatron.neox_arguments import NeoXArgs
 
-    gen = TextGenerator(replica=replica, tokenizer=LetterTokenizer(), sampling=SamplingConfig(temperature=1.0,
+    gen = TextGenerator(replica=replica, tokenizer=LetterTokenizer(), sampling=textgen_sampling(temperature=1.0,
                         maximum_tokens=6), seq_length=SEQ, batch_size=2, seed=9)  # fmt: skip
-    config = GenerationConfig(text_gen_type="unconditional", sampling=gen.sampling, seq_length=SEQ, batch_size=2,
-                              seed=9, num_samples=3, sample_output_file=str(tmp_path / "s.jsonl"))
+    config = NeoXArgs(text_gen_type="unconditional", num_samples=3, sample_output_file=str(tmp_path / "s.jsonl"))
     rows = run_unconditional(gen, config)
     import json
 
@@ -264,7 +268,7 @@ def test_reader_refuses_missing_or_misaligned_log_probs(tmp_path) -> None:
 # --- the lm-eval adapter -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def lm(replica: ModelReplica) -> DeepyLM:
-    gen = TextGenerator(replica=replica, tokenizer=LetterTokenizer(), sampling=SamplingConfig(maximum_tokens=12),
+    gen = TextGenerator(replica=replica, tokenizer=LetterTokenizer(), sampling=textgen_sampling(maximum_tokens=12),
                         seq_length=SEQ, batch_size=2, seed=1)
     return DeepyLM(gen)
 
@@ -325,7 +329,7 @@ def test_loglikelihood_rolling_scores_every_token_once(model: GPTModel, lm: Deep
 def test_generate_until_stops_at_the_stop_string(replica: ModelReplica, lm: DeepyLM) -> None:
     tok = LetterTokenizer()
     prompt = "the cat"
-    free = run(replica, [tok.tokenize(prompt)], SamplingConfig(maximum_tokens=10))[0]
+    free = run(replica, [tok.tokenize(prompt)], textgen_sampling(maximum_tokens=10))[0]
     text = tok.detokenize(free.tokens)
     stop = text[3] if text[3] != text[0] else text[4]
     (answer,) = lm.generate_until([request("generate_until", prompt, {"until": [stop], "max_gen_toks": 10})])

@@ -7,7 +7,7 @@ import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from megatron.errors import ConfigError
-from megatron.generation.config import GenerationConfig, SamplingConfig
+from megatron.generation.config import SamplingParams, TextgenArgs, batch_size, checked, token_dataset_prefixes
 from megatron.generation.sampling import (
     choose_tokens,
     mask_vocab_padding,
@@ -16,6 +16,11 @@ from megatron.generation.sampling import (
     top_p_filter,
 )
 from megatron.neox_arguments import NeoXArgs
+
+
+def textgen_sampling(**keys: object) -> SamplingParams:
+    """The sampling generate.py runs with these textgen keys (the others at their schema defaults)."""
+    return TextgenArgs(**keys).sampling()  # type: ignore[arg-type]
 
 
 def logits(rows: int = 6, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -51,9 +56,9 @@ def greedy_tokens(x: torch.Tensor) -> list[int]:
     return x.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(top_k=1), SamplingConfig(top_p=1e-6),
-                                      SamplingConfig(temperature=5.0, top_k=1), SamplingConfig(temperature=0.7, top_p=1e-9)])
-def test_top_k_one_and_tiny_top_p_are_greedy(sampling: SamplingConfig) -> None:
+@pytest.mark.parametrize("sampling", [textgen_sampling(top_k=1), textgen_sampling(top_p=1e-6),
+                                      textgen_sampling(temperature=5.0, top_k=1), textgen_sampling(temperature=0.7, top_p=1e-9)])
+def test_top_k_one_and_tiny_top_p_are_greedy(sampling: SamplingParams) -> None:
     x = logits(rows=20, seed=3)
     assert not sampling.greedy  # it really samples
     gens = [sample_generator(5, i) for i in range(20)]
@@ -62,13 +67,13 @@ def test_top_k_one_and_tiny_top_p_are_greedy(sampling: SamplingConfig) -> None:
 
 def test_greedy_is_argmax_without_randomness() -> None:
     x = logits(rows=10, seed=4)
-    assert SamplingConfig().greedy
-    assert choose_tokens(x, SamplingConfig(), [sample_generator(0, i) for i in range(10)]).tolist() == greedy_tokens(x)
+    assert textgen_sampling().greedy
+    assert choose_tokens(x, textgen_sampling(), [sample_generator(0, i) for i in range(10)]).tolist() == greedy_tokens(x)
 
 
 def test_temperature_samples_depend_on_the_seed_only() -> None:
     x = torch.zeros(1, 1000)  # uniform: the draw is decided by the generator alone
-    sampling = SamplingConfig(temperature=1.0)
+    sampling = textgen_sampling(temperature=1.0)
     draws = {seed: [int(choose_tokens(x, sampling, [sample_generator(seed, i)])[0]) for i in range(8)]
              for seed in (1, 2)}
     again = [int(choose_tokens(x, sampling, [sample_generator(1, i)])[0]) for i in range(8)]
@@ -81,7 +86,7 @@ def test_sampled_frequencies_follow_the_tempered_softmax() -> None:
     x = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     for temperature in (1.0, 2.0):
         expected = torch.softmax(x / temperature, -1)[0]
-        sampling = SamplingConfig(temperature=temperature)
+        sampling = textgen_sampling(temperature=temperature)
         n = 4000
         counts = torch.zeros(4)
         for i in range(n):
@@ -94,7 +99,7 @@ def test_sampled_frequencies_follow_the_tempered_softmax() -> None:
 def test_top_k_samples_only_from_the_k_best() -> None:
     x = logits(rows=1, vocab=30, seed=8)
     best = set(torch.topk(x[0], 3).indices.tolist())
-    sampling = SamplingConfig(temperature=3.0, top_k=3)
+    sampling = textgen_sampling(temperature=3.0, top_k=3)
     seen = {int(choose_tokens(x, sampling, [sample_generator(2, i)])[0]) for i in range(300)}
     assert seen == best
 
@@ -103,8 +108,8 @@ def test_padding_rows_are_never_chosen() -> None:
     x = logits(rows=4, vocab=16)
     x[:, 12:] = 100.0  # the padding rows would win
     masked = mask_vocab_padding(x, 12)
-    assert choose_tokens(masked, SamplingConfig(), [sample_generator(0, i) for i in range(4)]).max() < 12
-    sampled = choose_tokens(masked, SamplingConfig(temperature=1.0), [sample_generator(0, i) for i in range(4)])
+    assert choose_tokens(masked, textgen_sampling(), [sample_generator(0, i) for i in range(4)]).max() < 12
+    sampled = choose_tokens(masked, textgen_sampling(temperature=1.0), [sample_generator(0, i) for i in range(4)])
     assert sampled.max() < 12
 
 
@@ -116,14 +121,19 @@ def args(**changes: object) -> NeoXArgs:
 def test_config_reads_every_textgen_key(tmp_path) -> None:
     prompts = tmp_path / "p.txt"
     prompts.write_text("a\nb\n")
-    config = GenerationConfig.from_args(args(
+    config = checked(args(
         text_gen_type="input-file", sample_input_file=str(prompts), sample_output_file="o.jsonl", prompt_end="\n",
         temperature=0.5, top_k=7, top_p=0.9, maximum_tokens=11, recompute=True, return_logits=True, num_samples=3,
     ))  # fmt: skip
-    assert config.sampling == SamplingConfig(temperature=0.5, top_k=7, top_p=0.9, maximum_tokens=11, recompute=True,
-                                             return_logits=True)
-    assert (config.sample_input_file, config.sample_output_file, config.num_samples, config.batch_size) == (
-        str(prompts), "o.jsonl", 3, 4)
+    assert config.sampling() == SamplingParams(temperature=0.5, top_k=7, top_p=0.9, maximum_tokens=11, recompute=True,
+                                               return_logits=True)
+    assert (config.prompts(), config.sample_output_file, config.num_samples, batch_size(config)) == (
+        ["a", "b"], "o.jsonl", 3, 4)
+
+
+def test_the_default_sampling_is_greedy_with_the_cache() -> None:
+    """The schema's defaults are the only ones: generate.py without sampling keys decodes greedily, like lm-eval."""
+    assert NeoXArgs().sampling() == SamplingParams.greedy_up_to(64) and NeoXArgs().sampling().greedy
 
 
 @pytest.mark.parametrize(("changes", "message"), [
@@ -135,15 +145,15 @@ def test_config_reads_every_textgen_key(tmp_path) -> None:
 ])  # fmt: skip
 def test_config_mistakes_name_the_key(changes: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        GenerationConfig.from_args(args(**changes))
+        checked(args(**changes))
 
 
 def test_precompute_lists_every_token_dataset_once() -> None:
-    config = GenerationConfig.from_args(args(
+    config = checked(args(
         text_gen_type="precompute", precompute_model_name="ref", train_data_paths=["a", "b"], valid_data_paths=["a"],
         pos_train_data_paths=["p"], neg_train_data_paths=["n"], train_label_data_paths=["la", "lb"],
     ))  # fmt: skip
-    assert config.data_prefixes == ("a", "b", "p", "n")
+    assert token_dataset_prefixes(config) == ("a", "b", "p", "n")
 
 
 @pytest.mark.parametrize("text", ["", "\n\n  \n"])
@@ -152,4 +162,4 @@ def test_an_input_file_without_prompts_is_refused_before_launch(tmp_path, text: 
     prompts = tmp_path / "empty.txt"
     prompts.write_text(text)
     with pytest.raises(ConfigError, match="empty.txt' holds no prompts"):
-        GenerationConfig.from_args(args(text_gen_type="input-file", sample_input_file=str(prompts), prompt_end="\n"))
+        checked(args(text_gen_type="input-file", sample_input_file=str(prompts), prompt_end="\n"))

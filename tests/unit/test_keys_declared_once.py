@@ -5,10 +5,9 @@ keys), a class named ``*Config``, or a class with a ``from_args`` constructor (o
 out of the argument object). The one argument object ``NeoXArgs``
 is composed of the groups by inheritance, so it declares nothing itself.
 
-Components not converted yet still copy their keys into a frozen dataclass through ``from_args``;
-they are listed in :data:`STILL_COPYING` so the debt stays visible and can only shrink: a listed class
-must still exist and still copy (remove it from the list when it is converted), and any other config
-class declaring an already-declared key fails the test.
+Every component has been converted (the last, generation, gave up ``GenerationConfig`` and ``SamplingConfig``):
+no config class copies keys through ``from_args``, and any config class declaring an already-declared key
+fails the test.
 """
 
 from __future__ import annotations
@@ -17,19 +16,9 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-import pytest
-
 from megatron.neox_arguments.arguments import NeoXArgs
 
 ROOT = Path(__file__).resolve().parents[2] / "megatron"
-
-STILL_COPYING: dict[str, str] = {
-    "GenerationConfig": "megatron/generation/config.py",
-    # no from_args, but they re-declare keys the classes above copy
-    "SamplingConfig": "megatron/generation/config.py",
-}
-"""Config classes that still copy keys from the arguments (``from_args``) or re-declare them, with
-their file."""
 
 NESTED_VALUES: dict[str, str] = {
     "_Params": "members of the optimizer block's params (DeepSpeed's spelling of lr and weight_decay inside "
@@ -89,26 +78,15 @@ def declarations(root: Path, exempt: set[str]) -> dict[str, list[str]]:
 
 
 def test_each_supported_key_is_declared_in_exactly_one_config_class() -> None:
-    where = declarations(ROOT, set(STILL_COPYING))
+    where = declarations(ROOT, set())
     missing = sorted(k for k in NeoXArgs.field_names() if k not in where)
     twice = {k: v for k, v in where.items() if len(v) > 1}
     assert not missing, f"keys of NeoXArgs declared in no config class under megatron/: {missing}"
     assert not twice, f"keys declared in more than one config class: {twice}"
 
 
-@pytest.mark.parametrize("name", sorted(STILL_COPYING))
-def test_the_list_of_copying_configs_only_shrinks(name: str) -> None:
-    classes = _config_classes(ROOT)
-    assert name in classes, f"{name} is gone: remove it from STILL_COPYING"
-    path, node = classes[name]
-    assert path == STILL_COPYING[name]
-    others = declarations(ROOT, set(STILL_COPYING))
-    redeclares = any(field in others for field in _declared_fields(node))
-    assert _copies(node) or redeclares, f"{name} no longer copies keys: remove it from STILL_COPYING"
-
-
-def test_no_config_class_outside_the_list_copies_from_the_arguments() -> None:
-    copying = sorted(n for n, (_, node) in _config_classes(ROOT).items() if _copies(node) and n not in STILL_COPYING)
+def test_no_config_class_copies_from_the_arguments() -> None:
+    copying = sorted(n for n, (_, node) in _config_classes(ROOT).items() if _copies(node))
     assert copying == [], f"new from_args copies of the arguments: {copying}; declare the keys once instead"
 
 
