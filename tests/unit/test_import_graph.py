@@ -140,6 +140,28 @@ def test_nothing_below_imports_the_app(megatron_graph: nx.DiGraph) -> None:
     assert app and upward == []
 
 
+ARGUMENT_LAYER_READERS: dict[str, str] = {
+    "megatron.training.pretrain": "train.py's main: reads the resolved config file deepy.py wrote",
+    "megatron.generation.entry": "generate.py's main: reads the resolved config file",
+    "megatron.evaluation.entry": "eval.py's main: reads the resolved config file",
+    "megatron.interop.neox_checkpoint": "reads a GPT-NeoX checkpoint's stored config, spelled as GPT-NeoX keys",
+}
+"""Modules outside the argument layer that may import it, and why: the entry points that read the
+resolved config, and the reader of configs stored in GPT-NeoX checkpoints."""
+
+
+def test_components_do_not_import_the_argument_layer(megatron_graph: nx.DiGraph) -> None:
+    """Dependencies point down: a component gets its keys as its own group (or a protocol), never by
+    importing ``megatron.neox_arguments``, which composes the components' groups."""
+    graph = megatron_graph
+    layer = {m for m in graph if m == "megatron.neox_arguments" or m.startswith("megatron.neox_arguments.")}
+    above = {m for m in graph if m.startswith("megatron.app")} | layer | set(ARGUMENT_LAYER_READERS)
+    upward = sorted(graph.edges[a, b]["where"] for a, b in graph.edges if b in layer and a not in above)
+    assert layer and upward == [], f"components importing the argument layer: {upward}"
+    stale = sorted(m for m in ARGUMENT_LAYER_READERS if not any(b in layer for b in graph.successors(m)))
+    assert stale == [], f"no longer import the argument layer: remove from ARGUMENT_LAYER_READERS: {stale}"
+
+
 # --- the reader itself, on a tiny package written here ------------------------------------------
 
 
