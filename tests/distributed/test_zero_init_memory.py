@@ -20,9 +20,15 @@ from tests.distributed.rank_harness import finish_rank, record_checks, run_ranks
 WORLD = 2
 
 
-def rank_main(rank: int, out: str) -> None:
-    import resource
+def _status_kib(field: str) -> int:
+    """A memory figure of this process from /proc/self/status, in KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise KeyError(field)
 
+
+def rank_main(rank: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
     import torch.distributed as dist
 
@@ -41,10 +47,13 @@ def rank_main(rank: int, out: str) -> None:
     held: dict[str, float] = {}
 
     def build() -> None:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        # the peak since a reset of the high-water mark (Linux: "5" to /proc/self/clear_refs), not
+        # ru_maxrss: a spawned rank (fork + exec) starts with its parent's maximum, which may already exceed the build's
+        Path("/proc/self/clear_refs").write_text("5")
+        before = _status_kib("VmRSS")
         with construction(ds_config if zero_init else None):
             model = GPTModel(config)
-        held["peak_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+        held["peak_mib"] = (_status_kib("VmHWM") - before) / 1024
         params = list(model.parameters())
         held["total"] = sum(getattr(p, "ds_numel", p.numel()) for p in params)
         held["held"] = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
