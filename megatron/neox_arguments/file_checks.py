@@ -1,6 +1,6 @@
 """Rules that look at files and at what the run will read, before anything is launched.
 
-Registered with :func:`megatron.neox_arguments.rules.rule` like every other rule, so their problems
+Registered with :func:`megatron.config_rules.rule` like every other rule, so their problems
 come in the same one message with ``file:line``. A file that is not visible from the machine
 deepy.py runs on is an error for a launch on this machine, and only a warning when the ranks run on
 other machines (node-local disks): the ranks check it again when they open it.
@@ -15,7 +15,8 @@ from typing import cast
 from megatron.data.config import PATH_KEYS
 from megatron.errors import DeepyError
 from megatron.config_rules import RuleContext, describe, rule
-from megatron.neox_arguments.rules import SPLITS, runs_on_this_machine
+from megatron.data.config import SPLITS
+from megatron.launcher.checks import runs_on_this_machine
 
 
 def _prefixes(ctx: RuleContext) -> Iterator[tuple[str, str]]:
