@@ -1,18 +1,50 @@
 """Before-launch checks of the model's shape: heads, key/value heads, positions, rope scaling and the
 padded vocabulary, against the tensor- and pipeline-parallel sizes that split them (read through the
 context). Registered with every other check (``megatron/config_rules.py``).
+
+The model's own guard (:meth:`megatron.model.config.GPTConfig.check_architecture`, for models built
+outside ``deepy.py``: tools, conversions, tests) runs the same functions through :class:`ConfigView`,
+so each invariant is written once.
 """
 
 from __future__ import annotations
 
-from megatron.config_rules import RuleContext, rule
+from typing import Any, Protocol
+
+from megatron.config_rules import RuleContext, render, rule
+
+
+class ModelKeys(Protocol):
+    """What the shape checks read: a :class:`~megatron.config_rules.RuleContext` before launch, a
+    :class:`ConfigView` of a model config when the model is built."""
+
+    @property
+    def tp(self) -> int: ...
+
+    def get(self, key: str) -> Any: ...
+
+    def show(self, key: str) -> str: ...
+
+
+class ConfigView:
+    """A model config read the way a check reads the user's arguments (``get``, ``show``, ``tp``), for the
+    model's own guard; no provenance, so a setting is shown as ``key=value``."""
+
+    def __init__(self, config: Any, tp: int = 1) -> None:
+        self.config, self.tp = config, tp
+
+    def get(self, key: str) -> Any:
+        return getattr(self.config, key)
+
+    def show(self, key: str) -> str:
+        return f"{key}={render(self.get(key))}"
 
 
 MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 
 
 @rule
-def model_shape_given(ctx: RuleContext) -> list[str]:
+def model_shape_given(ctx: ModelKeys) -> list[str]:
     missing = [key for key in MODEL_SHAPE_KEYS if ctx.get(key) is None]
     if not missing:
         return []
@@ -20,7 +52,7 @@ def model_shape_given(ctx: RuleContext) -> list[str]:
 
 
 @rule
-def heads_divide_hidden(ctx: RuleContext) -> list[str]:
+def heads_divide_hidden(ctx: ModelKeys) -> list[str]:
     hidden, heads = ctx.get("hidden_size"), ctx.get("num_attention_heads")
     if hidden is None or heads is None or hidden % heads == 0:
         return []
@@ -44,7 +76,7 @@ def heads_divide_over_tp(ctx: RuleContext) -> list[str]:
 
 
 @rule
-def kv_heads_fit(ctx: RuleContext) -> list[str]:
+def kv_heads_fit(ctx: ModelKeys) -> list[str]:
     heads, kv = ctx.get("num_attention_heads"), ctx.get("num_kv_heads")
     if heads is None or kv is None:
         return []
@@ -89,7 +121,7 @@ def sequence_fits_positions(ctx: RuleContext) -> list[str]:
 
 
 @rule
-def rope_scaling_is_honoured(ctx: RuleContext) -> list[str]:
+def rope_scaling_is_honoured(ctx: ModelKeys) -> list[str]:
     """rope_scaling is HF's dict of one of its kinds, and only rotary positions can be scaled."""
     value = ctx.get("rope_scaling")
     if value is None:

@@ -7,6 +7,7 @@ parallelism over data-parallel ranks supports. Registered with every other check
 from __future__ import annotations
 
 from megatron.config_rules import RuleContext, block_enabled, default_of, rule, zero_source, zero_stage
+from megatron.model.checks import ModelKeys
 
 
 MOE_DEFAULTS_IRRELEVANT_WHEN_DENSE = (
@@ -30,7 +31,7 @@ def moe_keys_need_experts(ctx: RuleContext) -> list[str]:
 
 
 @rule
-def moe_top_k_fits(ctx: RuleContext) -> list[str]:
+def moe_top_k_fits(ctx: ModelKeys) -> list[str]:
     experts, k = int(ctx.get("moe_num_experts") or 1), int(ctx.get("moe_top_k") or 1)
     if experts <= 1 or k <= experts:
         return []

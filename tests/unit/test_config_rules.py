@@ -451,3 +451,16 @@ def test_rules_between_components_read_several_components_keys() -> None:
         assert len(groups) >= 2 or own, f"{fn.__name__} reads only {sorted(keys)} ({groups}): move it beside that component"
         checked += 1
     assert checked >= 5
+
+
+def test_the_model_guards_itself_with_the_same_checks() -> None:
+    """A model built outside deepy.py (tools, conversions) is refused by the same check functions, not a
+    second copy of the invariants: the explanation is the one deepy.py gives before launch."""
+    from megatron.model.config import GPTConfig, ModelConfigError
+
+    why = "each head gets hidden_size/num_attention_heads channels; pick a head count that divides 66"
+    assert why in problems(hidden_size=66)
+    with pytest.raises(ModelConfigError) as err:
+        GPTConfig(num_layers=2, hidden_size=66, num_attention_heads=4, seq_length=32, moe_num_experts=2,
+                  moe_top_k=3).check_architecture()
+    assert why in err.value.message and "moe_top_k=3 exceeds moe_num_experts=2" in err.value.message
