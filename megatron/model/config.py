@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 
 from pydantic import Field, PrivateAttr, field_validator
 
+from megatron.config_rules import RuleContext, describe, rule
 from megatron.config_schema import not_supported
 from megatron.config_schema import partly_supported
 from megatron.config_support import KNOWN_ATTENTION_TYPES
@@ -590,3 +591,18 @@ def expand_attention_config(config: list[Any], num_layers: int) -> list[str]:
             f"(each entry's types times its count) must add up to num_layers"
         )
     return types
+
+
+@rule
+def attention_config_covers_layers(ctx: RuleContext) -> list[str]:
+    """Before launch (registered with the other checks): the layers :func:`expand_attention_config` gives
+    the model cover num_layers."""
+    config, layers = ctx.get("attention_config"), ctx.get("num_layers")
+    if not config or layers is None:
+        return []
+    try:
+        expand_attention_config(config, layers)
+    except ModelConfigError as err:
+        return [f"{err.message} ({describe(ctx.source('attention_config'))}, num_layers at "
+                f"{describe(ctx.source('num_layers'))})"]
+    return []

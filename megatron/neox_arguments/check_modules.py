@@ -19,6 +19,7 @@ from megatron.data import checks as data_checks
 from megatron.launcher import checks as launcher_checks
 from megatron.logging import preflight
 from megatron.model import checks as model_checks
+from megatron.model import config as model_config
 from megatron.model import lora_checks, moe_checks
 from megatron.neox_arguments import deepspeed_blocks, file_checks, optional_packages, rules
 from megatron.training import length_checks, lr_config, optimizer_checks
@@ -29,6 +30,7 @@ CHECK_MODULES: tuple[ModuleType, ...] = (
     lr_config,
     objective_checks,
     model_checks,
+    model_config,  # attention_config covers the layers
     rules,  # the rules between components
     optimizer_checks,
     length_checks,

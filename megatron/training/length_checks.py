@@ -1,4 +1,4 @@
-"""Before-launch check of the training length (``train_iters`` / ``train_epochs``, declared in
+"""Before-launch checks of the training length (``train_iters`` / ``train_epochs``, declared in
 ``megatron/training/config.py``). Registered with every other check (``megatron/config_rules.py``).
 """
 
@@ -14,4 +14,11 @@ def iterations_or_epochs(ctx: RuleContext) -> list[str]:
         return [f"both {ctx.show('train_iters')} and {ctx.show('train_epochs')} are set: keep one"]
     if iters is None and epochs is None:
         return ["neither train_iters nor train_epochs is set: give the training length as one of them"]
+    return []
+
+
+@rule
+def training_length_positive(ctx: RuleContext) -> list[str]:
+    if ctx.get("train_iters") == 0:
+        return [f"{ctx.show('train_iters')}: a run needs at least one step (train_iters >= 1)"]
     return []
