@@ -2,10 +2,12 @@
 checks.
 
 A check is a small function ``(ctx) -> list[str]`` registered with :func:`rule` in the module of the
-component whose keys it protects (``megatron/training/lr_config.py``, ``megatron/training/objectives/checks.py``, ...;
-rules between many components stay in ``megatron/neox_arguments/rules.py``; every such module is listed in ``megatron/neox_arguments/check_modules.py``). It returns one message per
-problem, naming the user's keys, their values and where they were set (``ctx.show(key)`` gives
-``key=value (file:line)``) and saying what to change. :func:`check` runs them all and the caller raises
+component whose keys it protects (``megatron/model/checks.py``, ``megatron/data/checks.py``,
+``megatron/training/optimizer_checks.py``, ...; rules between several components stay in
+``megatron/neox_arguments/rules.py``; every module that registers checks is listed in
+``megatron/neox_arguments/check_modules.py``). It returns one message per problem, naming the user's
+keys, their values and where they were set (``ctx.show(key)`` gives ``key=value (file:line)``) and
+saying what to change. :func:`check` runs them all and the caller raises
 *one* :class:`~megatron.errors.ConfigError` listing every problem.
 
 The checks see the arguments *after* the derived values (batch sizes, precision, ...) are filled in; a
