@@ -2,10 +2,12 @@
 checks.
 
 A check is a small function ``(ctx) -> list[str]`` registered with :func:`rule` in the module of the
-component whose keys it protects (``megatron/training/lr_config.py``, ``megatron/training/objectives/checks.py``, ...;
-rules between many components stay in ``megatron/neox_arguments/rules.py``). It returns one message per
-problem, naming the user's keys, their values and where they were set (``ctx.show(key)`` gives
-``key=value (file:line)``) and saying what to change. :func:`check` runs them all and the caller raises
+component whose keys it protects (``megatron/model/checks.py``, ``megatron/data/checks.py``,
+``megatron/training/optimizer_checks.py``, ...; rules between several components stay in
+``megatron/neox_arguments/rules.py``; every module that registers checks is listed in
+``megatron/neox_arguments/check_modules.py``). It returns one message per problem, naming the user's
+keys, their values and where they were set (``ctx.show(key)`` gives ``key=value (file:line)``) and
+saying what to change. :func:`check` runs them all and the caller raises
 *one* :class:`~megatron.errors.ConfigError` listing every problem.
 
 The checks see the arguments *after* the derived values (batch sizes, precision, ...) are filled in; a
@@ -132,6 +134,28 @@ def render(value: Any) -> str:
     if value is None:
         return "unset"
     return str(value)
+
+
+# --- shared readings of multi-spelling settings (several components' checks ask them) ------------
+def block_enabled(block: Any) -> bool:
+    """DeepSpeed reads ``fp16: {}`` as disabled and ``fp16: {enabled: true}`` as enabled."""
+    return isinstance(block, Mapping) and bool(block.get("enabled", False))
+
+
+def zero_stage(ctx: RuleContext) -> int:
+    """The ZeRO stage DeepSpeed will use (``zero_optimization.stage`` after derivation)."""
+    block = ctx.get("zero_optimization")
+    if isinstance(block, Mapping) and isinstance(block.get("stage"), int):
+        return int(block["stage"])
+    stage = ctx.get("zero_stage")
+    return stage if isinstance(stage, int) and not isinstance(stage, bool) else 0
+
+
+def zero_source(ctx: RuleContext) -> str:
+    """Where the ZeRO stage was set, as a message names it."""
+    if ctx.given("zero_stage"):
+        return f"zero_stage at {describe(ctx.source('zero_stage'))}"
+    return f"zero_optimization.stage at {describe(ctx.source('zero_optimization'))}"
 
 
 Rule = Callable[[RuleContext], list[str]]

@@ -254,7 +254,7 @@ def memory_report(resolved: ResolvedConfig) -> str:
     """Per-device memory estimate of the resolved layout (see megatron/training/memory.py)."""
     from megatron.training.memory import dry_run_report
     from megatron.config_rules import RuleContext
-    from megatron.neox_arguments.rules import runs_on_this_machine
+    from megatron.launcher.checks import runs_on_this_machine
     from megatron.neox_arguments.run_config import RunConfig
 
     return dry_run_report(RunConfig.from_resolved(resolved),

@@ -5,8 +5,8 @@ any rank starts, not a crash on rank 0 after the model is built, and never a sil
 import is real (not just "is it installed"): a broken install (e.g. a protobuf mismatch under
 tensorboard) is caught too. The importer is injected so tests can simulate a missing package.
 
-The rule that calls this (``neox_arguments/rules.py``) hands in the logging keys and how to name a
-setting (``key=value (file:line)``), so this module knows nothing of the argument layer above it.
+:func:`trackers_and_profiling`, the check registered with every other (``megatron/config_rules.py``),
+hands :func:`logging_problems` the logging keys and how to name a setting (``key=value (file:line)``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ import importlib
 from collections.abc import Callable
 from types import ModuleType
 
+from megatron.config_rules import RuleContext, rule
+from megatron.errors import ConfigError
+from megatron.launcher.checks import runs_on_this_machine
 from megatron.logging.config import LoggingArgs, TensorboardSettings, WandbSettings
 
 # tracker type -> (module the tracker imports, pip package)
@@ -54,3 +57,12 @@ def logging_problems(config: LoggingArgs, show: Callable[[str], str], *, local: 
             f"remove memory_profiling (profile: true writes CPU traces)"
         )
     return problems
+
+
+@rule
+def trackers_and_profiling(ctx: RuleContext) -> list[str]:
+    """Trackers importable, one spelling each, profiling ranges and devices (:func:`logging_problems`)."""
+    try:
+        return logging_problems(ctx.args, ctx.show, local=runs_on_this_machine(ctx), cuda=ctx.device.cuda)
+    except ConfigError as err:  # the tracker spellings disagree (LoggingArgs.tracker_settings)
+        return [err.message]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 
 from pydantic import Field, PrivateAttr, field_validator
 
+from megatron.config_rules import RuleContext, describe, rule
 from megatron.config_schema import not_supported
 from megatron.config_schema import partly_supported
 from megatron.config_support import KNOWN_ATTENTION_TYPES
@@ -424,24 +425,17 @@ class GPTConfig(MoEArgs):
     def check_architecture(self) -> None:
         """Raise :class:`ModelConfigError` for an architecture the model cannot build; the model and
         the pipeline builder call it first."""
-        missing = [key for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
-                   if getattr(self, key) is None]
-        if missing:
-            raise ModelConfigError(f"{', '.join(missing)} not set: every model needs num_layers, hidden_size, "
-                                   f"num_attention_heads and seq_length")
-        if self.rope_scaling is not None and self.pos_emb != "rotary":
-            raise ModelConfigError(f"rope_scaling scales rotary positions; pos_emb is {self.pos_emb!r}")
-        self.rope_scaling_spec  # noqa: B018 - parsing raises for a dict Deepy cannot honour
-        if self.hidden_size % self.num_attention_heads != 0:
-            raise ModelConfigError(
-                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-                f"{self.num_attention_heads}"
-            )
-        if self.num_attention_heads % self.kv_heads != 0:
-            raise ModelConfigError(
-                f"num_attention_heads={self.num_attention_heads} is not divisible by "
-                f"num_kv_heads={self.kv_heads}"
-            )
+        # the same checks deepy.py runs before launch (megatron/model/checks.py), one invariant written once
+        from megatron.model import checks, moe_checks
+        from megatron.model.checks import ConfigView
+
+        view = ConfigView(self)
+        problems: list[str] = []
+        for shape_check in (checks.model_shape_given, checks.heads_divide_hidden, checks.kv_heads_fit,
+                            checks.rope_scaling_is_honoured, moe_checks.moe_top_k_fits):
+            problems += shape_check(view)
+        if problems:
+            raise ModelConfigError("; ".join(problems))
         self._check_choices()
         bad = [t for t in self.attention_types if t not in _GLOBAL_ATTENTION | _LOCAL_ATTENTION]
         if bad:
@@ -452,8 +446,6 @@ class GPTConfig(MoEArgs):
             )
         if "local" in self.attention_types and self.sliding_window_width is None:
             raise ModelConfigError('attention type "local" needs sliding_window_width (the window it attends over)')
-        if self.moe_num_experts > 1 and not 1 <= self.moe_top_k <= self.moe_num_experts:
-            raise ModelConfigError(f"moe_top_k={self.moe_top_k} must be in [1, moe_num_experts={self.moe_num_experts}]")
 
     def _check_choices(self) -> None:
         from megatron.model.activations import ACTIVATIONS
@@ -599,3 +591,18 @@ def expand_attention_config(config: list[Any], num_layers: int) -> list[str]:
             f"(each entry's types times its count) must add up to num_layers"
         )
     return types
+
+
+@rule
+def attention_config_covers_layers(ctx: RuleContext) -> list[str]:
+    """Before launch (registered with the other checks): the layers :func:`expand_attention_config` gives
+    the model cover num_layers."""
+    config, layers = ctx.get("attention_config"), ctx.get("num_layers")
+    if not config or layers is None:
+        return []
+    try:
+        expand_attention_config(config, layers)
+    except ModelConfigError as err:
+        return [f"{err.message} ({describe(ctx.source('attention_config'))}, num_layers at "
+                f"{describe(ctx.source('num_layers'))})"]
+    return []

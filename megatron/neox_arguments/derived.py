@@ -1,7 +1,7 @@
 """Derived values (world size, batch sizes, precision, ...) and ``finalize``, the last check before launch.
 
 ``finalize(resolved, world_size)`` fills in every value the user may leave out, marks it
-``derived`` in the provenance, runs the consistency rules of :mod:`megatron.neox_arguments.rules`
+``derived`` in the provenance, runs every registered check (:mod:`megatron.neox_arguments.check_modules`)
 and attaches the DeepSpeed config. All problems found on the way are raised together as one
 :class:`~megatron.errors.ConfigError`.
 
@@ -20,14 +20,11 @@ from megatron.data.batch import BatchError, solve_batch
 from megatron.errors import ConfigError
 from megatron.neox_arguments.honesty import FILLED_IN_KEYS
 from megatron.config_rules import DERIVED
-from megatron.config_rules import Device, RuleContext, check, describe
-from megatron.neox_arguments.rules import block_enabled
+from megatron.config_rules import Device, RuleContext, block_enabled, check, describe
 from megatron.time_phrases import TimePhraseError, parse_duration
 
-# the rules that look at files register themselves with rules.RULES on import
-from megatron.neox_arguments import file_checks  # noqa: E402,F401  isort: skip
-from megatron.neox_arguments import deepspeed_blocks  # noqa: E402,F401  isort: skip
-from megatron.neox_arguments import optional_packages  # noqa: E402,F401  isort: skip
+# every module that registers checks (config_rules.RULES), in report order
+from megatron.neox_arguments import check_modules  # noqa: F401  isort: skip
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.arguments import NeoXArgs
@@ -454,7 +451,7 @@ def finalize(resolved: ResolvedConfig, world_size: int, device: Device | None = 
                 provenance[key] = DERIVED
         for key, value in result.respelled.items():
             setattr(args, key, value)
-    problems.extend(check(ctx))
+    problems.extend(check(ctx, check_modules.ordered_rules()))
     problems.extend(extra_args_problems(args, provenance))
     if problems:
         raise ConfigError(format_problems(problems))

@@ -1,6 +1,6 @@
 """Rules that look at files and at what the run will read, before anything is launched.
 
-Registered with :func:`megatron.neox_arguments.rules.rule` like every other rule, so their problems
+Registered with :func:`megatron.config_rules.rule` like every other rule, so their problems
 come in the same one message with ``file:line``. A file that is not visible from the machine
 deepy.py runs on is an error for a launch on this machine, and only a warning when the ranks run on
 other machines (node-local disks): the ranks check it again when they open it.
@@ -12,10 +12,10 @@ import os
 from collections.abc import Iterator
 from typing import cast
 
+from megatron.config_rules import RuleContext, describe, rule
 from megatron.data.config import PATH_KEYS
 from megatron.errors import DeepyError
-from megatron.config_rules import RuleContext, describe, rule
-from megatron.neox_arguments.rules import SPLITS, runs_on_this_machine
+from megatron.launcher.checks import runs_on_this_machine
 
 
 def _prefixes(ctx: RuleContext) -> Iterator[tuple[str, str]]:
@@ -96,28 +96,6 @@ def tokenizer_loads(ctx: RuleContext) -> list[str]:
             f"vocab_file={ctx.get('vocab_file')!r}: {type(err).__name__}: {str(err)[:300]}; check that the "
             f"file is what {kind} reads (tokenizer.json, vocab.json + merges.txt, a SentencePiece model, ...)"
         ]
-    return []
-
-
-@rule
-def training_length_positive(ctx: RuleContext) -> list[str]:
-    if ctx.get("train_iters") == 0:
-        return [f"{ctx.show('train_iters')}: a run needs at least one step (train_iters >= 1)"]
-    return []
-
-
-@rule
-def attention_config_covers_layers(ctx: RuleContext) -> list[str]:
-    config, layers = ctx.get("attention_config"), ctx.get("num_layers")
-    if not config or layers is None:
-        return []
-    from megatron.model.config import ModelConfigError, expand_attention_config
-
-    try:
-        expand_attention_config(config, layers)
-    except ModelConfigError as err:
-        return [f"{err.message} ({describe(ctx.source('attention_config'))}, num_layers at "
-                f"{describe(ctx.source('num_layers'))})"]
     return []
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from megatron import plugins
 from megatron.config_rules import RuleContext, rule
-from megatron.neox_arguments.rules import runs_on_this_machine
+from megatron.launcher.checks import runs_on_this_machine
 
 Finder = Callable[[str], Any]
 

@@ -96,7 +96,7 @@ WSD_DEFAULT_DECAY_FRACTION = 0.2
 def min_lr_problem(lr: float, min_lr: float, shown_lr: str | None = None,
                    shown_min_lr: str | None = None) -> str | None:
     """The one check of ``min_lr <= lr`` (the schedule decays from the peak down to the floor): run
-    before launch on the user's keys (``learning_rates_ordered`` in ``neox_arguments/rules.py``, with
+    before launch on the user's keys (``learning_rates_ordered`` in ``training/optimizer_checks.py``, with
     the keys shown as ``key=value (file:line)``) and by a :class:`ScheduleSpec` built directly in Python."""
     if lr >= min_lr:
         return None

@@ -324,7 +324,7 @@ def test_launch_keys() -> None:
 
 
 def test_check_runs_a_single_rule_in_isolation() -> None:
-    from megatron.neox_arguments.rules import heads_divide_hidden
+    from megatron.model.checks import heads_divide_hidden
 
     config = resolved(hidden_size=66)
     ctx = RuleContext(config.args, config.provenance)
@@ -390,3 +390,77 @@ def test_num_gpus_pinned_only_for_cpu_local_runs() -> None:
     cpu = ok(world=1, device=CPU)
     assert cpu.args.num_gpus == 1 and cpu.provenance["num_gpus"] == "derived"
     assert ok(world=1, device=GPU).args.num_gpus is None
+
+
+def test_every_module_that_registers_checks_is_listed() -> None:
+    """A component's ``@rule`` checks run only if their module is imported before checking: every module
+    under megatron/ that uses ``@rule`` must be in CHECK_MODULES, and the rules checked are exactly theirs."""
+    import ast
+
+    from megatron.neox_arguments.check_modules import CHECK_MODULES, ordered_rules
+
+    root = Path(__file__).resolve().parents[2]
+    using = set()
+    for path in (root / "megatron").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef) and any(
+                    isinstance(d, ast.Name) and d.id == "rule" for d in node.decorator_list):
+                using.add(".".join(path.relative_to(root).with_suffix("").parts))
+    listed = {module.__name__ for module in CHECK_MODULES}
+    assert len(using) >= 10 and using == listed, f"missing: {sorted(using - listed)}, stale: {sorted(listed - using)}"
+    assert {fn.__module__ for fn in ordered_rules()} == listed
+    assert sorted(ordered_rules(), key=id) == sorted(RULES, key=id)
+
+
+def test_rules_between_components_read_several_components_keys() -> None:
+    """A rule left in neox_arguments/rules.py relates keys no single component owns: each reads keys of
+    at least two config groups, or only the argument layer's own (a rule of one component's keys belongs beside
+    that component)."""
+    import ast
+    import inspect
+
+    from megatron.neox_arguments import rules
+    from megatron.neox_arguments.arguments import NeoXArgs
+
+    owner = {}
+    for group in NeoXArgs.__mro__:
+        for name in getattr(group, "__annotations__", {}):
+            owner.setdefault(name, group.__module__)
+    # ctx.tp/pp/cp/dp read the parallelism keys, zero_stage() the ZeRO keys, the world size and the device
+    # the launch (num_gpus, launcher, ...)
+    implied = {"tp": "model_parallel_size", "pp": "pipe_parallel_size", "cp": "context_parallel_size",
+               "dp": "model_parallel_size", "zero_stage": "zero_optimization", "zero_source": "zero_optimization",
+               "runs_on_this_machine": "launcher", "device": "launcher", "world_size": "num_gpus"}
+    checked = 0
+    for fn in (f for f in vars(rules).values() if inspect.isfunction(f) and f.__module__ == rules.__name__):
+        if fn not in RULES:
+            continue
+        keys = set()
+        for node in ast.walk(ast.parse(inspect.getsource(fn))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in owner:
+                keys.add(node.value)
+            name = getattr(node, "attr", None) or getattr(node, "id", None)
+            if name in implied:
+                keys.add(implied[name])
+            table = vars(rules).get(name) if isinstance(node, ast.Name) else None
+            if isinstance(table, (dict, tuple)):  # a module-level table of key names (_PRECISION_OF_BLOCK)
+                keys.update(k for k in table if isinstance(k, str) and k in owner)
+        groups = {owner[k] for k in keys if k in owner}
+        # keys of the argument layer's own groups (DeepSpeed's blocks, precision) have no component to move to
+        own = all(g.startswith("megatron.neox_arguments.") for g in groups)
+        assert len(groups) >= 2 or own, f"{fn.__name__} reads only {sorted(keys)} ({groups}): move it beside that component"
+        checked += 1
+    assert checked >= 5
+
+
+def test_the_model_guards_itself_with_the_same_checks() -> None:
+    """A model built outside deepy.py (tools, conversions) is refused by the same check functions, not a
+    second copy of the invariants: the explanation is the one deepy.py gives before launch."""
+    from megatron.model.config import GPTConfig, ModelConfigError
+
+    why = "each head gets hidden_size/num_attention_heads channels; pick a head count that divides 66"
+    assert why in problems(hidden_size=66)
+    with pytest.raises(ModelConfigError) as err:
+        GPTConfig(num_layers=2, hidden_size=66, num_attention_heads=4, seq_length=32, moe_num_experts=2,
+                  moe_top_k=3).check_architecture()
+    assert why in err.value.message and "moe_top_k=3 exceeds moe_num_experts=2" in err.value.message

@@ -19,7 +19,7 @@ from megatron.logging.config import LoggingArgs, TensorboardSettings, TrackerSet
 from megatron.logging.preflight import logging_problems
 from megatron.neox_arguments.arguments import NeoXArgs, check_supported
 from megatron.config_rules import Device, RuleContext
-from megatron.neox_arguments.rules import trackers_and_profiling
+from megatron.logging.preflight import trackers_and_profiling
 
 REPO = Path(__file__).resolve().parents[2]
 GPU = Device(cuda=True, fp16_supported=True)

@@ -127,7 +127,7 @@ def test_bad_specs_are_config_errors() -> None:
 def test_min_lr_above_lr_is_one_check() -> None:
     """``min_lr <= lr`` is decided by one function: the rule before launch and a spec built in Python
     both say what it says (issue 20: no invariant checked twice)."""
-    from megatron.neox_arguments.rules import learning_rates_ordered
+    from megatron.training.optimizer_checks import learning_rates_ordered
     from megatron.training.lr_schedules import min_lr_problem
 
     assert min_lr_problem(1.0, 1.0) is None and min_lr_problem(1.0, 0.0) is None

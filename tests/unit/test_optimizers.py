@@ -64,9 +64,7 @@ def test_the_peak_rate_is_decided_in_one_place(flat: float | None, block: float 
     """The optimizer, the pre-launch rules and deepy.py's inference fill-in all ask peak_lr_setting
     (the flat lr when given, else optimizer.params.lr), so none of them can disagree."""
     from megatron.app.deepy import fill_in_for_inference
-    from megatron.config_rules import RuleContext
     from megatron.neox_arguments.loading import config_from_mapping
-    from megatron.neox_arguments.rules import effective_lr
     from megatron.training.optimizer_config import peak_lr_setting
 
     values: dict[str, Any] = {} if flat is None else {"lr": flat}
@@ -75,7 +73,6 @@ def test_the_peak_rate_is_decided_in_one_place(flat: float | None, block: float 
     resolved = config_from_mapping(values)
     args = resolved.args
     assert peak_lr_setting(args.lr, args.optimizer) == expected
-    assert effective_lr(RuleContext(args=args)) == expected
     if expected[0] is None:
         with pytest.raises(ConfigError, match="no learning rate"):
             args.peak_lr
@@ -104,7 +101,7 @@ def test_only_the_decision_reads_the_block_lr() -> None:
                             and node.value.attr == "params":
                         readers.add(f"{path.relative_to(root.parent)}:{fn.name}")
     assert readers == {"megatron/training/optimizer_config.py:peak_lr_setting",
-                       "megatron/neox_arguments/rules.py:learning_rates_ordered"}
+                       "megatron/training/optimizer_checks.py:learning_rates_ordered"}
 
 
 def test_weight_decay_in_params_is_honoured() -> None:

@@ -1,0 +1,85 @@
+"""Before-launch checks of the data keys (``megatron/data/config.py``): one source of training data,
+weights and label files that match their paths, a cache for raw-text URLs. Registered with every other
+check (``megatron/config_rules.py``); the checks that open the files are in
+``megatron/neox_arguments/file_checks.py``.
+"""
+
+from __future__ import annotations
+
+from megatron.config_rules import RuleContext, describe, rule
+from megatron.data.config import SPLITS
+
+
+@rule
+def one_data_source(ctx: RuleContext) -> list[str]:
+    split_keys = [f"{split}_data_paths" for split in SPLITS if ctx.get(f"{split}_data_paths")]
+    problems = []
+    if ctx.get("data_path") and split_keys:
+        shown = ", ".join(ctx.show(key) for key in split_keys)
+        problems.append(
+            f"{ctx.show('data_path')} and {shown} both name data: data_path is split by `split`, the "
+            f"*_data_paths lists are used as given; keep one way"
+        )
+    if ctx.get("train_urls") and (ctx.get("data_path") or split_keys):
+        problems.append(
+            f"{ctx.show('train_urls')} and tokenized data paths are both set: train from raw text "
+            f"(train_urls) or from .bin/.idx files (data_path / *_data_paths), not both"
+        )
+    if split_keys and not ctx.get("train_data_paths"):
+        problems.append(f"{', '.join(ctx.show(k) for k in split_keys)} without train_data_paths: add train_data_paths")
+    # pairwise (DPO) data comes as pos_/neg_ lists; an online dataset is served, not read from disk
+    has_data = any(ctx.get(key) for key in ("data_path", "train_data_paths", "train_urls", "pos_train_data_paths"))
+    if not has_data and not ctx.get("use_dummy_dataset") and ctx.get("dataset_impl") != "online":
+        problems.append(
+            "no training data: set data_path, train_data_paths (pos_/neg_train_data_paths for pairwise "
+            "data) or train_urls (or use_dummy_dataset: true for random tokens)"
+        )
+    if bool(ctx.get("pos_train_data_paths")) != bool(ctx.get("neg_train_data_paths")):
+        given = "pos_train_data_paths" if ctx.get("pos_train_data_paths") else "neg_train_data_paths"
+        problems.append(f"{ctx.show(given)} without its pair: pairwise data needs both pos_ and neg_ lists")
+    return problems
+
+
+@rule
+def weights_match_paths(ctx: RuleContext) -> list[str]:
+    problems = []
+    for split in SPLITS:
+        paths, weights = ctx.get(f"{split}_data_paths"), ctx.get(f"{split}_data_weights")
+        if weights is None:
+            continue
+        if paths is None:
+            problems.append(f"{ctx.show(f'{split}_data_weights')} without {split}_data_paths to weight")
+        elif len(weights) != len(paths):
+            problems.append(
+                f"{split}_data_weights has {len(weights)} entries ({describe(ctx.source(f'{split}_data_weights'))}) "
+                f"but {split}_data_paths has {len(paths)} ({describe(ctx.source(f'{split}_data_paths'))}): "
+                f"give one weight per path"
+            )
+    return problems
+
+
+@rule
+def labels_match_paths(ctx: RuleContext) -> list[str]:
+    problems = []
+    for prefix in ("", "pos_", "neg_"):
+        for split in SPLITS:
+            label_key = f"{prefix}{split}_label_data_paths"
+            data_key = f"{prefix}{split}_data_paths"
+            labels, paths = ctx.get(label_key), ctx.get(data_key)
+            if labels is None:
+                continue
+            if paths is None or len(labels) != len(paths):
+                count = 0 if paths is None else len(paths)
+                problems.append(
+                    f"{label_key} has {len(labels)} entries ({describe(ctx.source(label_key))}) but "
+                    f"{data_key} has {count}: give one label file per data file"
+                )
+    return problems
+
+
+@rule
+def urls_need_cache(ctx: RuleContext) -> list[str]:
+    urls = [key for key in ("train_urls", "validation_urls") if ctx.get(key)]
+    if not urls or ctx.get("cache_dir"):
+        return []
+    return [f"{ctx.show(urls[0])} needs cache_dir: the tokenized shards are written there"]

@@ -1,0 +1,153 @@
+"""Before-launch checks of the model's shape: heads, key/value heads, positions, rope scaling and the
+padded vocabulary, against the tensor- and pipeline-parallel sizes that split them (read through the
+context). Registered with every other check (``megatron/config_rules.py``).
+
+The model's own guard (:meth:`megatron.model.config.GPTConfig.check_architecture`, for models built
+outside ``deepy.py``: tools, conversions, tests) runs the same functions through :class:`ConfigView`,
+so each invariant is written once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from megatron.config_rules import RuleContext, render, rule
+
+
+class ModelKeys(Protocol):
+    """What the shape checks read: a :class:`~megatron.config_rules.RuleContext` before launch, a
+    :class:`ConfigView` of a model config when the model is built."""
+
+    @property
+    def tp(self) -> int: ...
+
+    def get(self, key: str) -> Any: ...
+
+    def show(self, key: str) -> str: ...
+
+
+class ConfigView:
+    """A model config read the way a check reads the user's arguments (``get``, ``show``, ``tp``), for the
+    model's own guard; no provenance, so a setting is shown as ``key=value``."""
+
+    def __init__(self, config: Any, tp: int = 1) -> None:
+        self.config, self.tp = config, tp
+
+    def get(self, key: str) -> Any:
+        return getattr(self.config, key)
+
+    def show(self, key: str) -> str:
+        return f"{key}={render(self.get(key))}"
+
+
+MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+
+
+@rule
+def model_shape_given(ctx: ModelKeys) -> list[str]:
+    missing = [key for key in MODEL_SHAPE_KEYS if ctx.get(key) is None]
+    if not missing:
+        return []
+    return [f"{', '.join(missing)} not set: every model needs {', '.join(MODEL_SHAPE_KEYS)}"]
+
+
+@rule
+def heads_divide_hidden(ctx: ModelKeys) -> list[str]:
+    hidden, heads = ctx.get("hidden_size"), ctx.get("num_attention_heads")
+    if hidden is None or heads is None or hidden % heads == 0:
+        return []
+    return [
+        f"{ctx.show('hidden_size')} is not divisible by {ctx.show('num_attention_heads')}: each "
+        f"head gets hidden_size/num_attention_heads channels; pick a head count that divides "
+        f"{hidden}"
+    ]
+
+
+@rule
+def heads_divide_over_tp(ctx: RuleContext) -> list[str]:
+    heads = ctx.get("num_attention_heads")
+    if heads is None or heads % ctx.tp == 0:
+        return []
+    return [
+        f"{ctx.show('num_attention_heads')} is not divisible by {ctx.show('model_parallel_size')}: "
+        f"tensor parallelism gives each rank whole heads; use a model_parallel_size that divides "
+        f"{heads}"
+    ]
+
+
+@rule
+def kv_heads_fit(ctx: ModelKeys) -> list[str]:
+    heads, kv = ctx.get("num_attention_heads"), ctx.get("num_kv_heads")
+    if heads is None or kv is None:
+        return []
+    problems = []
+    if kv > heads or heads % kv != 0:
+        problems.append(
+            f"{ctx.show('num_kv_heads')} does not divide {ctx.show('num_attention_heads')}: grouped "
+            f"query attention shares each key/value head among heads/num_kv_heads query heads"
+        )
+    tp = ctx.tp
+    # The attention layer splits key/value heads across tensor-parallel ranks; replicating one kv
+    # head over several ranks (tp > kv) is not implemented, so kv must be a multiple of tp.
+    if kv % tp != 0:
+        problems.append(
+            f"{ctx.show('num_kv_heads')} is not divisible by {ctx.show('model_parallel_size')}: each "
+            f"tensor-parallel rank holds whole key/value heads; use a model_parallel_size that divides "
+            f"num_kv_heads"
+        )
+    return problems
+
+
+@rule
+def layers_cover_stages(ctx: RuleContext) -> list[str]:
+    layers, stages = ctx.get("num_layers"), int(ctx.get("pipe_parallel_size") or 0)
+    if layers is None or stages <= 1 or layers >= stages:
+        return []
+    return [
+        f"{ctx.show('num_layers')} is fewer than {ctx.show('pipe_parallel_size')}: every pipeline "
+        f"stage needs at least one transformer layer; lower pipe_parallel_size to {layers} or less"
+    ]
+
+
+@rule
+def sequence_fits_positions(ctx: RuleContext) -> list[str]:
+    seq, positions = ctx.get("seq_length"), ctx.get("max_position_embeddings")
+    if seq is None or positions is None or seq <= positions:
+        return []
+    return [
+        f"{ctx.show('seq_length')} exceeds {ctx.show('max_position_embeddings')}: raise "
+        f"max_position_embeddings to at least {seq} (or remove it to default to seq_length)"
+    ]
+
+
+@rule
+def rope_scaling_is_honoured(ctx: ModelKeys) -> list[str]:
+    """rope_scaling is HF's dict of one of its kinds, and only rotary positions can be scaled."""
+    value = ctx.get("rope_scaling")
+    if value is None:
+        return []
+    if ctx.get("pos_emb") != "rotary":
+        return [f"{ctx.show('rope_scaling')} scales rotary positions, but {ctx.show('pos_emb')}: set pos_emb: "
+                "rotary or remove rope_scaling"]
+    from megatron.model.rope_scaling import RopeScalingError, parse_rope_scaling
+
+    try:
+        parse_rope_scaling(value, ctx.get("max_position_embeddings") or ctx.get("seq_length"))
+    except RopeScalingError as err:
+        return [f"{ctx.show('rope_scaling')}: {err}"]
+    return []
+
+
+@rule
+def vocab_padding_splits_over_tp(ctx: RuleContext) -> list[str]:
+    padded = ctx.get("padded_vocab_size")
+    if padded is None or not ctx.given("padded_vocab_size"):
+        return []
+    multiple = int(ctx.get("make_vocab_size_divisible_by") or 1) * ctx.tp
+    if padded % multiple == 0:
+        return []
+    return [
+        f"{ctx.show('padded_vocab_size')} is not a multiple of make_vocab_size_divisible_by x "
+        f"model_parallel_size = {multiple}: each tensor-parallel rank holds an equal slice of the "
+        f"vocabulary; remove padded_vocab_size so it is computed from the tokenizer"
+    ]

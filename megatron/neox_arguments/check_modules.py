@@ -1,0 +1,54 @@
+"""Every module that registers before-launch checks, so :func:`megatron.config_rules.check` sees them all.
+
+A component registers the checks of its own keys with ``@rule`` beside them; nothing imports those
+modules for their checks alone, so they are listed here, once, and the argument layer imports this
+module before it checks a config (``megatron/neox_arguments/derived.py``).
+``tests/unit/test_config_rules.py`` fails when a module under ``megatron/`` uses ``@rule`` and is
+missing from :data:`CHECK_MODULES`. :func:`ordered_rules` reports problems in this order, whichever
+module happened to be imported first.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from megatron import plugins
+from megatron.config_rules import RULES, Rule
+from megatron.checkpointing import checks as checkpoint_checks
+from megatron.data import checks as data_checks
+from megatron.launcher import checks as launcher_checks
+from megatron.logging import preflight
+from megatron.model import checks as model_checks
+from megatron.model import config as model_config
+from megatron.model import lora_checks, moe_checks
+from megatron.neox_arguments import deepspeed_blocks, file_checks, optional_packages, rules
+from megatron.training import length_checks, lr_config, optimizer_checks
+from megatron.training.objectives import checks as objective_checks
+
+CHECK_MODULES: tuple[ModuleType, ...] = (
+    plugins,  # each plug-in's own keys
+    lr_config,
+    objective_checks,
+    model_checks,
+    model_config,  # attention_config covers the layers
+    rules,  # the rules between components
+    optimizer_checks,
+    length_checks,
+    checkpoint_checks,
+    data_checks,
+    launcher_checks,
+    preflight,  # trackers and profiling
+    moe_checks,
+    lora_checks,
+    file_checks,
+    deepspeed_blocks,
+    optional_packages,
+)
+"""The modules whose ``@rule`` functions make up :data:`megatron.config_rules.RULES`."""
+
+
+def ordered_rules() -> list[Rule]:
+    """Every registered check, module by module in :data:`CHECK_MODULES` order, each module's checks in
+    the order it defines them."""
+    position = {module.__name__: index for index, module in enumerate(CHECK_MODULES)}
+    return sorted(RULES, key=lambda fn: position.get(fn.__module__, len(position)))

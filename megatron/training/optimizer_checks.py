@@ -1,0 +1,82 @@
+"""Before-launch checks of the optimizer's keys: the peak and floor learning rates, the flat keys that
+repeat the ``optimizer`` block (``lr``, ``weight_decay``, ``optimizer_type``) and what 1-bit Adam needs.
+Registered with every other check (``megatron/config_rules.py``).
+"""
+
+from __future__ import annotations
+
+from megatron.config_rules import RuleContext, describe, rule, zero_stage
+from megatron.launcher.checks import runs_on_this_machine
+from megatron.training.lr_schedules import min_lr_problem
+from megatron.training.optimizer_block import OPTIMIZER_KINDS
+from megatron.training.optimizer_config import peak_lr_setting
+
+
+@rule
+def learning_rates_ordered(ctx: RuleContext) -> list[str]:
+    lr, lr_key = peak_lr_setting(ctx.get("lr"), ctx.get("optimizer"))
+    min_lr = ctx.get("min_lr")
+    problems = []
+    if lr is None:
+        problems.append("no learning rate: set lr (or optimizer.params.lr)")
+    if min_lr is not None and min_lr < 0:
+        problems.append(f"{ctx.show('min_lr')} is negative: use 0 or more")
+    if lr is not None and min_lr is not None:
+        shown = ctx.show("lr") if lr_key == "lr" else f"optimizer.params.lr={lr} ({describe(ctx.source('optimizer'))})"
+        ordered = min_lr_problem(lr, min_lr, shown, ctx.show("min_lr"))
+        if ordered:
+            problems.append(ordered)
+    optimizer = ctx.get("optimizer")
+    if ctx.get("lr") is not None and optimizer is not None:
+        block_lr = optimizer.params.lr
+        if block_lr is not None and float(block_lr) != float(ctx.get("lr")):
+            problems.append(
+                f"{ctx.show('lr')} and optimizer.params.lr={block_lr} "
+                f"({describe(ctx.source('optimizer'))}) disagree: keep one of them"
+            )
+    return problems
+
+
+@rule
+def one_weight_decay(ctx: RuleContext) -> list[str]:
+    optimizer = ctx.get("optimizer")
+    block_wd = optimizer.params.weight_decay if optimizer is not None else None
+    if block_wd is None or not ctx.given("weight_decay") or float(block_wd) == float(ctx.get("weight_decay")):
+        return []
+    return [
+        f"{ctx.show('weight_decay')} and optimizer.params.weight_decay={block_wd} "
+        f"({describe(ctx.source('optimizer'))}) disagree: they are one setting, keep one of them"
+    ]
+
+
+@rule
+def optimizer_type_agrees(ctx: RuleContext) -> list[str]:
+    """The flat ``optimizer_type`` and the block's ``type`` name one optimizer."""
+    optimizer = ctx.get("optimizer")
+    if optimizer is None or not ctx.given("optimizer_type"):
+        return []
+    if OPTIMIZER_KINDS.get(str(ctx.get("optimizer_type")).lower()) == optimizer.kind:
+        return []
+    return [
+        f"{ctx.show('optimizer_type')} but optimizer.type={optimizer.type!r} "
+        f"({describe(ctx.source('optimizer'))}): keep one of them"
+    ]
+
+
+@rule
+def onebit_adam_needs_its_backend(ctx: RuleContext) -> list[str]:
+    """DeepSpeed's 1-bit Adam compresses gradients with NCCL or MPI collectives on GPUs."""
+    optimizer = ctx.get("optimizer")
+    kind = optimizer.kind if optimizer is not None else str(ctx.get("optimizer_type")).lower()
+    if kind != "onebitadam":
+        return []
+    problems = []
+    if runs_on_this_machine(ctx) and not ctx.device.cuda:
+        problems.append(
+            "optimizer.type=OneBitAdam needs GPUs: DeepSpeed's 1-bit Adam communicates through NCCL or MPI "
+            "(gloo on CPU is not supported); use Adam here"
+        )
+    if zero_stage(ctx) > 0:
+        problems.append("optimizer.type=OneBitAdam does not work with ZeRO (DeepSpeed's 1-bit Adam "
+                        "communicates the full gradients itself); use zero stage 0")
+    return problems
