@@ -21,9 +21,8 @@ without paying for torch and DeepSpeed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from megatron.lazy_exports import lazy_exports
+import importlib
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from megatron.model.config import GPTConfig  # noqa: F401
@@ -50,4 +49,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

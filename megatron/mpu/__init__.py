@@ -7,9 +7,8 @@ without DeepSpeed, while the rest of the package needs it (and torch).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from megatron.lazy_exports import lazy_exports
+import importlib
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy  # noqa: F401
@@ -78,4 +77,7 @@ _EXPORTS = {
 }
 
 
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -6,7 +6,8 @@ for ``deepy.py --dry-run`` and so the submodules can import each other without i
 
 from __future__ import annotations
 
-from megatron.lazy_exports import lazy_exports
+import importlib
+from typing import Any
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
@@ -24,4 +25,10 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value

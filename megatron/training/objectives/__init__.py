@@ -13,9 +13,8 @@ registry without importing torch's training stack and DeepSpeed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from megatron.lazy_exports import lazy_exports
+import importlib
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from megatron.training.objectives.base import MicroBatch, Objective  # noqa: F401
@@ -49,7 +48,10 @@ def build_objective(config: ObjectiveArgs, eod_token: int | None = None) -> Obje
     return plugin.resolve()(config, eod_token)
 
 
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
 
 
 __all__ = [*_EXPORTS, "build_objective"]
