@@ -65,6 +65,26 @@ def _specs(tasks: tuple[str, ...], manager: Any) -> list[str]:
     return specs
 
 
+def load_tasks(tasks: list[str] | tuple[str, ...]) -> None:
+    """Resolve every task and read its documents, as the first evaluation will; a task that cannot be
+    loaded (an unknown name, a dataset that needs a download while offline, a broken task file) is a
+    ConfigError naming it. Training calls this on every rank before its first step."""
+    from lm_eval.tasks import get_task_dict
+
+    manager = _task_manager(tuple(tasks))
+    for spec in _specs(tuple(tasks), manager):
+        try:
+            get_task_dict([spec], manager)
+        except Exception as err:  # noqa: BLE001 - datasets, hub and jinja each raise their own types
+            offline = [v for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE") if os.environ.get(v, "") not in ("", "0")]
+            raise ConfigError(
+                f"eval_tasks: task {spec!r} cannot be loaded ({type(err).__name__}: {str(err)[:300]}). "
+                "A task reads its documents through Hugging Face datasets"
+                + (f"; with {', '.join(offline)} set they must already be in its cache" if offline else "")
+                + ": download them first (or point the task at local files: dataset_path: json with data_files), "
+                "or remove the task") from None
+
+
 def evaluate(lm: DeepyLM, config: EvalRunArgs) -> dict[str, Any]:
     """Run every task on every rank (the adapter splits the model work); the harness' results."""
     from lm_eval import simple_evaluate
