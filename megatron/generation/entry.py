@@ -45,6 +45,8 @@ class InferenceModel:
     tokenizer: Tokenizer
     step: int
     """Iteration of the checkpoint whose weights were loaded."""
+    run_name: str | None = None
+    """The training run that wrote that checkpoint (its ``TrainState.run_name``; None before runs had names)."""
 
 
 def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
@@ -56,6 +58,7 @@ def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
         engine_needed,
         load_full_weights,
         read_weights,
+        run_name_of,
         saved_adapters,
     )
     from megatron.initialize import initialize
@@ -94,7 +97,7 @@ def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
         module.to(_device())
         get_logger().info("%s: weights of %s (iteration %d)", script, ckpt, step)
     replica = ModelReplica(module, vocab_size=tokenizer.vocab_size, hidden_size=model_config.hidden_size)
-    return InferenceModel(replica=replica, tokenizer=tokenizer, step=step)
+    return InferenceModel(replica=replica, tokenizer=tokenizer, step=step, run_name=run_name_of(ckpt))
 
 
 def _engine_module(run: RunConfig, model_config: GPTConfig, ckpt: Path, padded_vocab: int, script: str,

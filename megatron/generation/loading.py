@@ -81,6 +81,13 @@ def saved_adapters(ckpt: Path) -> bool:
     return int((read_meta(ckpt).get("args") or {}).get("lora_r") or 0) > 0
 
 
+def run_name_of(ckpt: Path) -> str | None:
+    """The training run that wrote the checkpoint at `ckpt` (``TrainState.run_name``, saved with it)."""
+    state = (read_meta(ckpt).get("extra") or {}).get("train_state") or {}
+    name = state.get("run_name")
+    return str(name) if name else None
+
+
 def fit_vocabulary(config: GPTConfig, weights: Weights, rows: int) -> Weights:
     """The padded-vocabulary weights trimmed or zero-padded to `rows` (a run at another tp pads the tokenizer's
     vocabulary to another multiple); the rows dropped or added are padding, never real tokens."""

@@ -138,3 +138,31 @@ def test_a_task_whose_data_needs_a_download_is_refused_by_name(tmp_path: Path,
         "dataset_path: json", "dataset_path: deepy-tests/not-downloaded"))
     with pytest.raises(ConfigError, match=r"eval_tasks: task '.*hub.yaml' cannot be loaded \(ConnectionError.*HF_DATASETS_OFFLINE"):
         load_tasks([str(tmp_path / "hub.yaml")])
+
+
+def test_eval_rows_go_to_the_run_that_wrote_the_checkpoint(tmp_path: Path) -> None:
+    """Not to the newest run of log_dir, which ``<log_dir>/metrics.jsonl`` follows (issue 30, newcomer)."""
+    import json
+
+    from megatron.evaluation.harness import write_results
+    from megatron.generation.loading import run_name_of
+    from megatron.logging.metrics import MetricsWriter
+
+    logs = tmp_path / "logs"
+    for name in ("20260101-000000-aaaa", "20260102-000000-bbbb"):  # the second is newer: the link points there
+        with MetricsWriter.for_run(logs, name) as writer:
+            writer.write({"iteration": 5, "train/lm_loss": 1.0})
+    ckpt = tmp_path / "ckpt" / "global_step5"
+    ckpt.mkdir(parents=True)
+    (ckpt / "deepy_meta.json").write_text(json.dumps(
+        {"format": 2, "iteration": 5, "extra": {"train_state": {"iteration": 5, "run_name": "20260101-000000-aaaa"}}}))
+    assert run_name_of(ckpt) == "20260101-000000-aaaa"
+
+    config = NeoXArgs(seq_length=32, eval_tasks=["t"], log_dir=str(logs), eval_results_prefix=str(tmp_path / "r"))
+    write_results({"results": {"t": {"acc,none": 0.25}}}, config, checkpoint=str(ckpt.parent), step=5,
+                  run_name=run_name_of(ckpt))
+    rows = {name: [json.loads(line) for line in (logs / name / "metrics.jsonl").read_text().splitlines()]
+            for name in ("20260101-000000-aaaa", "20260102-000000-bbbb")}
+    assert rows["20260101-000000-aaaa"][-1] == {"iteration": 5, "lm_eval/t/acc": 0.25}
+    assert all("lm_eval/t/acc" not in r for r in rows["20260102-000000-bbbb"])
+    assert json.loads((tmp_path / "r_eval_results.json").read_text())["deepy"]["run_name"] == "20260101-000000-aaaa"
