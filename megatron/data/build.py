@@ -139,8 +139,9 @@ class _Builder:
             if self.config.reference_model is not None:
                 from megatron.generation.precompute import open_reference_logprobs
 
-                references = (open_reference_logprobs(c.roles["chosen"], self.config.reference_model),
-                              open_reference_logprobs(c.roles["rejected"], self.config.reference_model))
+                references = (open_reference_logprobs(c.roles["chosen"], self.config.reference_model, self.seq_length),
+                              open_reference_logprobs(c.roles["rejected"], self.config.reference_model,
+                                                      self.seq_length))
             return PairwiseDataset(name, files["chosen"], files["rejected"], rng, num_samples,
                                    chosen_label=files.get("chosen_label"), rejected_label=files.get("rejected_label"),
                                    prefixes=(c.roles["chosen"], c.roles["rejected"]), references=references,

@@ -117,7 +117,8 @@ def filled_in_keys_left_alone(ctx: RuleContext) -> list[str]:
 @rule
 def dpo_reference_logps_exist(ctx: RuleContext) -> list[str]:
     """``reference_logps: NAME`` reads ``<prefix>_NAME`` next to every chosen/rejected dataset; a
-    precompute run (``text_gen_type: precompute``) is the one that writes them."""
+    precompute run (``text_gen_type: precompute``) is the one that writes them, recording the ``seq_length``
+    it scored them at, which must cover what this run reads (``megatron/data/reference_logprobs.py``)."""
     name = ctx.get("reference_logps")
     if not name or ctx.get("train_impl") != "dpo" or ctx.get("text_gen_type") == "precompute":
         return []
@@ -134,4 +135,14 @@ def dpo_reference_logps_exist(ctx: RuleContext) -> list[str]:
                                   f"{ctx.show('reference_logps')}: reference log-probs of {key} {prefix}: {bad}; write "
                                   f"them with `python deepy.py generate.py CONFIGS text_gen_type=precompute "
                                   f"precompute_model_name={name} load=<reference checkpoint>`")
+            continue
+        if _missing_or_bad(prefix) is None and ctx.get("seq_length"):
+            from megatron.data.indexed_dataset import MMapIndexedDataset
+            from megatron.data.reference_logprobs import context_problem
+
+            longest = int(MMapIndexedDataset(prefix).sizes.max(initial=0))
+            problem = context_problem(reference, longest, int(ctx.get("seq_length")))
+            if problem is not None:
+                problems.append(f"{ctx.show('reference_logps')} with {ctx.show('seq_length')}: reference log-probs "
+                                f"{reference}: {problem}")
     return problems
