@@ -73,6 +73,45 @@ def data_files_are_datasets(ctx: RuleContext) -> list[str]:
 
 
 @rule
+def token_ids_fit_the_vocabulary(ctx: RuleContext) -> list[str]:
+    """Every token id of the datasets on this machine is below the tokenizer's vocabulary size (data tokenized
+    with another tokenizer crashed a rank with an IndexError, or read zero embeddings under tensor
+    parallelism). Up to ``SCAN_BUDGET_BYTES`` of token data are read; the ranks check every sample anyway."""
+    if ctx.get("use_dummy_dataset"):
+        return []
+    from megatron.data.indexed_dataset import data_file_path
+    from megatron.data.token_range import SCAN_BUDGET_BYTES, cannot_exceed, largest_token
+    from megatron.tokenizer import build_tokenizer
+    from megatron.tokenizer.config import TokenizerArgs
+
+    datasets = [(key, prefix) for key, prefix in _prefixes(ctx) if "reward" not in key and _missing_or_bad(prefix) is None]
+    if not datasets:
+        return []
+    try:
+        vocab = build_tokenizer(cast(TokenizerArgs, ctx.args)).vocab_size
+    except Exception:  # noqa: BLE001 - tokenizer_loads reports it
+        return []
+    problems: list[str] = []
+    budget = SCAN_BUDGET_BYTES
+    for key, prefix in datasets:
+        if cannot_exceed(prefix, vocab):
+            continue
+        size = os.path.getsize(data_file_path(prefix))
+        if size > budget:
+            ctx.skipped.append(f"token ids of {prefix} ({size / 2**30:.1f} GiB) against the vocabulary: the ranks "
+                               "check each sample as they read it")
+            continue
+        budget -= size
+        found = largest_token(prefix)
+        if found is not None and found.value >= vocab:
+            problems.append(f"{key} ({describe(ctx.source(key))}): dataset {prefix} holds token id {found.value} "
+                            f"(sequence {found.sequence}), but {ctx.show('tokenizer_type')} has {vocab} tokens: the "
+                            "data was tokenized with another tokenizer; rebuild it with this tokenizer, or set the "
+                            "tokenizer it was built with")
+    return problems
+
+
+@rule
 def tokenizer_loads(ctx: RuleContext) -> list[str]:
     """The tokenizer files exist and are what ``tokenizer_type`` reads (built here, as the ranks will)."""
     from megatron.tokenizer import build_tokenizer
