@@ -183,3 +183,21 @@ def test_the_last_step_is_saved_before_the_final_evaluations(monkeypatch: pytest
     state = _run_loop(monkeypatch, rec, train_iters=9, eval_interval=3, exit_interval=3)
     assert rec.events == ["saved @2", "at_exit @3 (exit_interval 3)", "tasks @3", "logged ['lm_eval/t/acc'] @3"]
     assert state.iteration == 3
+
+
+def test_comms_logger_summary_at_the_end_and_with_verbose_at_log_steps() -> None:
+    """comms_logger (DeepSpeed's block): its summary after the last step; with verbose also every log_interval."""
+    from megatron.training.comms_report import CommsReport
+
+    def shown(block: dict[str, object] | None) -> list[int]:
+        steps: list[int] = []
+        report = CommsReport(block, log_interval=2, show=lambda: steps.append(state.iteration))
+        state = TrainState()
+        for state.iteration in range(1, 6):
+            assert report.after_step(None, state) is False
+        report.at_exit(None, state)
+        return steps
+
+    assert shown(None) == [] and shown({"enabled": False, "verbose": True}) == []
+    assert shown({"enabled": True}) == [5]
+    assert shown({"enabled": True, "verbose": True}) == [2, 4, 5]
