@@ -185,3 +185,39 @@ def dpo_reference_logps_exist(ctx: RuleContext) -> list[str]:
                 problems.append(f"{ctx.show('reference_logps')} with {ctx.show('seq_length')}: reference log-probs "
                                 f"{reference}: {problem}")
     return problems
+
+
+@rule
+def full_weights_start_has_no_adapters(ctx: RuleContext) -> list[str]:
+    """A run without adapters (``lora_r: 0``) that starts from a checkpoint with LoRA adapters (``initialize_from``,
+    or ``load`` with ``finetune``) would load them into a model that has no place for them ("Unexpected key(s)"
+    on every rank). Refused here, naming the two ways on: keep training adapters (the checkpoint's lora_r), or
+    merge them into the weights first (export merged, import back)."""
+    if int(ctx.get("lora_r") or 0) > 0:
+        return []
+    if ctx.get("initialize_from"):
+        key, iteration = "initialize_from", None
+    elif ctx.get("load") and ctx.get("finetune"):
+        key, iteration = "load", ctx.get("iteration")
+    else:
+        return []
+    from pathlib import Path
+
+    from megatron.checkpointing.discovery import resume_point
+
+    found = resume_point(Path(str(ctx.get(key))), iteration)
+    if found is None:
+        return []
+    ckpt, meta = found
+    saved = meta.get("args") or {}
+    rank = int(saved.get("lora_r") or 0)
+    if rank == 0:
+        return []
+    source = ctx.get(key)
+    return [f"{ctx.show(key)}: {ckpt.name} holds LoRA adapters (lora_r {rank}, lora_alpha {saved.get('lora_alpha')}, "
+            f"lora_target_modules {saved.get('lora_target_modules')}) and {ctx.show('lora_r')} trains every weight "
+            f"without adapters. To go on training adapters, set lora_r: {rank} (and the same lora_alpha and "
+            "lora_target_modules); to train every weight, merge the adapters into them first: "
+            f"`python tools/ckpts/convert_neox_to_hf.py {source} MERGED_HF` (merges by default), then "
+            f"`python tools/ckpts/convert_hf_to_neox.py MERGED_HF MERGED`, and train with MERGED/deepy_model.yml "
+            "(the model's keys as written there) and initialize_from: MERGED"]
