@@ -2,7 +2,8 @@
 
 ``lora_r > 0`` freezes every weight of the model and trains one adapter per targeted projection
 (``megatron/model/lora.py``); the optimizer holds state for the adapters only. DPO and KTO then use
-the base model (adapters switched off) as their reference, so no second copy of the weights is kept.
+the starting model as their reference - the base with its adapters switched off, or set to those of the
+checkpoint the run started from - so no second copy of the weights is kept.
 
 Declared here, beside the adapters that read them (kept apart from ``lora.py`` so the argument layer
 reads the keys without importing torch); the trainer hands the adapters the one argument object,
