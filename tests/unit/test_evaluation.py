@@ -124,15 +124,12 @@ def test_a_task_whose_data_needs_a_download_is_refused_by_name(tmp_path: Path,
     this before the first step), instead of a ConnectionError traceback at the first evaluation."""
     from megatron.evaluation.harness import load_tasks
 
-    import datasets.config
-    import huggingface_hub.constants
-
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    # read once at import by both libraries (a rank imports them with these variables already set)
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    # read once at import by both libraries (lm-eval's dependencies; a rank imports them with these set)
+    monkeypatch.setattr("datasets.config.HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr("datasets.config.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     (tmp_path / "hub.yaml").write_text(LOCAL_TASK.replace("deepy_local", "deepy_hub").replace(
         "dataset_path: json", "dataset_path: deepy-tests/not-downloaded"))
