@@ -150,8 +150,8 @@ def assign_run_dir(resolved: ResolvedConfig) -> str:
 
 def already_finished(resolved: ResolvedConfig, user_script: str) -> str | None:
     """Why launching would do nothing, or None: a training run whose checkpoint in ``load`` is
-    already at its last step (``train_iters``) has nothing left to train or evaluate, because the
-    loop runs the final evaluations before it saves the last step. Only files are read (the commit
+    already at its last step (``train_iters``) has nothing left to train (the loop saves the last step
+    just before the final evaluations, so a failed one costs no training). Only files are read (the commit
     markers and ``deepy_meta.json``), so this costs no rank start-up.
 
     With ``train_epochs`` the last step is derived from the data at start-up; the checkpoint records

@@ -31,6 +31,7 @@ from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.pairwise_dataset import PairwiseDataset
 from megatron.data.reward_dataset import RewardDataset
 from megatron.data.sft_dataset import SFTDataset
+from megatron.data.token_range import TokenRangeChecked
 from megatron.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -119,8 +120,11 @@ class Component:
 
 
 class _Builder:
-    def __init__(self, config: DataRunArgs, tokenizer: Any) -> None:
+    def __init__(self, config: DataRunArgs, tokenizer: Any, rows: int) -> None:
+        """``rows``: the embedding's rows (the padded vocabulary); a sample with a token id beyond them is
+        refused by name (``token_range.py``)."""
         self.config = config
+        self.rows = rows
         self.seq_length = config.seq_length
         self.seed = config.seed
         self.pack_impl = config.pack_impl
@@ -129,6 +133,9 @@ class _Builder:
         self.pad_id = int(getattr(tokenizer, "pad", 0) or 0) if tokenizer is not None else 0
 
     def component(self, name: str, c: Component, num_samples: int) -> Any:
+        return TokenRangeChecked(self._component(name, c, num_samples), self.rows, c.roles)
+
+    def _component(self, name: str, c: Component, num_samples: int) -> Any:
         files = {role: _open(p) for role, p in c.roles.items()}
         rng = c.doc_range or (0, len(files[("text" if "text" in files else "chosen")]))
         common = {"seq_length": self.seq_length, "seed": self.seed, "cache_dir": self.cache_dir,
@@ -139,8 +146,9 @@ class _Builder:
             if self.config.reference_model is not None:
                 from megatron.generation.precompute import open_reference_logprobs
 
-                references = (open_reference_logprobs(c.roles["chosen"], self.config.reference_model),
-                              open_reference_logprobs(c.roles["rejected"], self.config.reference_model))
+                references = (open_reference_logprobs(c.roles["chosen"], self.config.reference_model, self.seq_length),
+                              open_reference_logprobs(c.roles["rejected"], self.config.reference_model,
+                                                      self.seq_length))
             return PairwiseDataset(name, files["chosen"], files["rejected"], rng, num_samples,
                                    chosen_label=files.get("chosen_label"), rejected_label=files.get("rejected_label"),
                                    prefixes=(c.roles["chosen"], c.roles["rejected"]), references=references,
@@ -243,7 +251,7 @@ def build_datasets(config: DataRunArgs, tokenizer: Any, padded_vocab_size: int) 
     """Train/valid/test datasets; each is indexable by global sample and returns numpy dicts.
 
     ``tokenizer`` tokenizes ``train_urls`` and gives the pad id; ``padded_vocab_size`` bounds the
-    random tokens of the dummy dataset.
+    random tokens of the dummy dataset and the token ids a sample of the files may hold.
     """
     train_n, valid_n, test_n = samples_needed(config)
     if config.use_dummy_dataset:
@@ -251,7 +259,7 @@ def build_datasets(config: DataRunArgs, tokenizer: Any, padded_vocab_size: int) 
         make = lambda n, s: DummyDataset(n, seq, padded_vocab_size, seed + s, kind) if n > 0 else None  # noqa: E731
         return DataSplits(make(max(train_n, 1), 0), make(valid_n, 1), make(test_n, 2))
 
-    builder = _Builder(config, tokenizer)
+    builder = _Builder(config, tokenizer, padded_vocab_size)
     per_split: dict[str, list[Component] | None] = {}
     if config.train_urls or config.validation_urls:
         from megatron.data.url_sources import materialize_urls  # tokenizes on first use only

@@ -27,5 +27,5 @@ def main(argv: list[str]) -> int:
     )
     results = evaluate(DeepyLM(generator), config)
     if is_rank0():
-        write_results(results, config, checkpoint=args.load, step=model.step)
+        write_results(results, config, checkpoint=args.load, step=model.step, run_name=model.run_name)
     return 0

@@ -10,8 +10,11 @@ Rank 0 writes
 * `<results_prefix>_eval_results.json` (or `<log_dir>/eval_results.json` without a prefix): the
   harness' results, versions, task configs and sample counts, plus the checkpoint evaluated;
 * `<same base>_eval_samples_<task>.jsonl`: every request of each task with the model's answers;
-* one row in `<log_dir>/metrics.jsonl`: `lm_eval/<task>/<metric>` (`/<filter>` when not "none") at
-  the checkpoint's iteration.
+* one row in the metrics file of the training run that wrote the checkpoint,
+  `<log_dir>/<run name>/metrics.jsonl` (the name is in the checkpoint's `train_state`; `log_dir` may hold
+  newer runs, which the `<log_dir>/metrics.jsonl` link follows): `lm_eval/<task>/<metric>` (`/<filter>` when
+  not "none") at the checkpoint's iteration. A checkpoint without a run name (written before runs had
+  one) gets the row in `<log_dir>/metrics.jsonl`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from megatron.errors import ConfigError
 from megatron.evaluation.config import EvalRunArgs
 from megatron.evaluation.lm_eval_adapter import DeepyLM
 from megatron.logging.log import get_logger
-from megatron.logging.metrics import MetricsWriter
+from megatron.logging.metrics import METRICS_FILE, MetricsWriter, point_newest_run
 
 STDERR_BOOTSTRAP_ITERS = 1000
 """Resamples for the harness' bootstrap standard errors (its command line defaults to 100k)."""
@@ -63,6 +66,26 @@ def _specs(tasks: tuple[str, ...], manager: Any) -> list[str]:
         else:
             specs.append(task)
     return specs
+
+
+def load_tasks(tasks: list[str] | tuple[str, ...]) -> None:
+    """Resolve every task and read its documents, as the first evaluation will; a task that cannot be
+    loaded (an unknown name, a dataset that needs a download while offline, a broken task file) is a
+    ConfigError naming it. Training calls this on every rank before its first step."""
+    from lm_eval.tasks import get_task_dict
+
+    manager = _task_manager(tuple(tasks))
+    for spec in _specs(tuple(tasks), manager):
+        try:
+            get_task_dict([spec], manager)
+        except Exception as err:  # noqa: BLE001 - datasets, hub and jinja each raise their own types
+            offline = [v for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE") if os.environ.get(v, "") not in ("", "0")]
+            raise ConfigError(
+                f"eval_tasks: task {spec!r} cannot be loaded ({type(err).__name__}: {str(err)[:300]}). "
+                "A task reads its documents through Hugging Face datasets"
+                + (f"; with {', '.join(offline)} set they must already be in its cache" if offline else "")
+                + ": download them first (or point the task at local files: dataset_path: json with data_files), "
+                "or remove the task") from None
 
 
 def evaluate(lm: DeepyLM, config: EvalRunArgs) -> dict[str, Any]:
@@ -110,13 +133,23 @@ def metric_rows(results: dict[str, Any]) -> dict[str, float]:
     return row
 
 
-def write_results(results: dict[str, Any], config: EvalRunArgs, *, checkpoint: str | None, step: int) -> Path:
-    """The files described in the module docstring; call on rank 0."""
+def metrics_dir(log_dir: str | None, run_name: str | None) -> Path | None:
+    """Where the metrics row goes: the directory of run ``run_name``'s metrics.jsonl under ``log_dir``."""
+    if log_dir is None:
+        return None
+    return Path(log_dir) / run_name if run_name else Path(log_dir)
+
+
+def write_results(results: dict[str, Any], config: EvalRunArgs, *, checkpoint: str | None, step: int,
+                  run_name: str | None = None) -> Path:
+    """The files described in the module docstring; call on rank 0. ``run_name``: the training run that
+    wrote the checkpoint (its ``TrainState.run_name``)."""
     from lm_eval.utils import handle_non_serializable
 
     base = results_base(config)
     samples = results.pop("samples", {}) or {}
-    results["deepy"] = {"checkpoint": checkpoint, "iteration": step, "tasks": list(config.eval_tasks or [])}
+    results["deepy"] = {"checkpoint": checkpoint, "iteration": step, "tasks": list(config.eval_tasks or []),
+                        "run_name": run_name}
     path = Path(f"{base}eval_results.json")
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(results, indent=2, default=handle_non_serializable), encoding="utf-8")
@@ -125,8 +158,11 @@ def write_results(results: dict[str, Any], config: EvalRunArgs, *, checkpoint: s
             with open(tmp, "w", encoding="utf-8") as f:
                 for sample in rows:
                     f.write(json.dumps(sample, default=handle_non_serializable) + "\n")
-    with MetricsWriter(config.log_dir) as writer:
+    target = metrics_dir(config.log_dir, run_name)
+    with MetricsWriter(target) as writer:
         writer.write({"iteration": step, **metric_rows(results)})
+    if run_name and config.log_dir and not os.path.lexists(Path(config.log_dir) / METRICS_FILE):
+        point_newest_run(Path(config.log_dir), run_name)  # a log_dir of its own: the link finds the row
     log = get_logger()
     for name, value in metric_rows(results).items():
         if "_stderr" not in name:

@@ -45,6 +45,8 @@ class InferenceModel:
     tokenizer: Tokenizer
     step: int
     """Iteration of the checkpoint whose weights were loaded."""
+    run_name: str | None = None
+    """The training run that wrote that checkpoint (its ``TrainState.run_name``; None before runs had names)."""
 
 
 def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
@@ -56,7 +58,9 @@ def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
         engine_needed,
         load_full_weights,
         read_weights,
-        saved_adapters,
+        lora_differences,
+        run_name_of,
+        saved_lora,
     )
     from megatron.initialize import initialize
     from megatron.logging.log import setup_logging
@@ -68,7 +72,11 @@ def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
     from megatron.training.objectives import LMObjective, ObjectiveArgs
     from megatron.training.pretrain import limit_cpu_threads, speaks
 
-    inference_args = args.model_copy(update=INFERENCE_OVERRIDES)  # the user's args stay untouched
+    ckpt = committed_checkpoint(args.load, args.iteration, script)
+    # the adapters as trained: the checkpoint's LoRA settings, whatever the config says (as the HF export does)
+    lora = saved_lora(ckpt)
+    changed = lora_differences(args, lora)
+    inference_args = args.model_copy(update={**INFERENCE_OVERRIDES, **lora.settings()})  # the user's args stay untouched
     run = RunConfig(args=inference_args, deepspeed_config=deepspeed_config(inference_args),
                     args_record=inference_args.model_dump(mode="json"))
     initialize(run.parallel, run.training.seed)
@@ -80,21 +88,23 @@ def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
     if model_config.value_head:
         raise ConfigError(f"{script} needs a language model; this config builds a reward model (train_impl: rm), "
                           "whose value head scores sequences instead of predicting tokens")
-    ckpt = committed_checkpoint(run.checkpoint.load, run.checkpoint.iteration, script)
+    if changed:
+        get_logger().info("%s: LoRA adapters as %s saved them, not as the config says (%s)", script, ckpt,
+                          ", ".join(changed))
     reason = engine_needed(ckpt, inference_args.moe_expert_parallel_size)
     if reason is not None:
         module, step = _engine_module(run, model_config, ckpt, padded_vocab, script, reason)
     else:
-        lora = run.lora if run.lora.lora_enabled and saved_adapters(ckpt) else None
         module, is_pipe = build_model(model_config, run.parallel, run.activation_checkpointing,
-                                      run.training.compile_layers, LMObjective(ObjectiveArgs()), lora)
+                                      run.training.compile_layers, LMObjective(ObjectiveArgs()),
+                                      run.lora if run.lora.lora_enabled else None)
         weights, step = read_weights(ckpt, model_config)
         load_full_weights(module, model_config, weights, tp=topology.get_tensor_model_parallel_world_size(),
                           tp_rank=topology.get_tensor_model_parallel_rank(), pipelined=is_pipe, source=ckpt)
         module.to(_device())
         get_logger().info("%s: weights of %s (iteration %d)", script, ckpt, step)
     replica = ModelReplica(module, vocab_size=tokenizer.vocab_size, hidden_size=model_config.hidden_size)
-    return InferenceModel(replica=replica, tokenizer=tokenizer, step=step)
+    return InferenceModel(replica=replica, tokenizer=tokenizer, step=step, run_name=run_name_of(ckpt))
 
 
 def _engine_module(run: RunConfig, model_config: GPTConfig, ckpt: Path, padded_vocab: int, script: str,

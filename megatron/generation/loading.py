@@ -6,8 +6,9 @@ optimizer, an LR schedule or `deepspeed.initialize`. Its weights come from the o
 uses (`megatron.interop.deepy_checkpoint.read_full_checkpoint`: any tp, plain or pipeline, ZeRO 0-3), fitted
 to this run's padded vocabulary and cut to this rank's tensor-parallel shard (:func:`load_full_weights`).
 
-LoRA adapters are applied as trained (the model is built with them, the reader returns their tensors) and
-experts that are not split over data-parallel ranks are ordinary tensor-parallel weights. Cases that reader
+LoRA adapters are applied as trained: their settings (rank, alpha, targets) come from the checkpoint's recorded
+arguments, not from the config (:func:`saved_lora`), the model is built with them and the reader returns their
+tensors. Experts that are not split over data-parallel ranks are ordinary tensor-parallel weights. Cases that reader
 does not cover keep the old path, the training engine loading the checkpoint in
 weights-only mode through the checkpoint loader (universal checkpoint conversion when the layout changed);
 :func:`engine_needed` names each one and why.
@@ -30,6 +31,7 @@ from megatron.checkpointing.universal import Layout
 from megatron.errors import CheckpointError
 from megatron.interop.deepy_checkpoint import Weights, read_full_checkpoint
 from megatron.model import GPTConfig
+from megatron.model.lora_config import LoRAArgs
 from megatron.model.partitioning import tp_partition_of
 
 log = logging.getLogger("deepy.checkpoint")
@@ -75,10 +77,27 @@ def engine_needed(ckpt: Path, expert_parallel: int) -> str | None:
     return None
 
 
-def saved_adapters(ckpt: Path) -> bool:
-    """Whether the checkpoint holds LoRA adapters: a run with lora_r set that starts from a checkpoint without
-    them (its frozen base) runs the base model, the adapters' B being 0 (checkpointing/adapters.py)."""
-    return int((read_meta(ckpt).get("args") or {}).get("lora_r") or 0) > 0
+def saved_lora(ckpt: Path) -> LoRAArgs:
+    """The LoRA adapters the checkpoint holds, as trained (``lora_r`` 0: none), whatever the config says: the
+    adapters are applied with the checkpoint's rank, scale and targets, as the HF export applies them. A run
+    with lora_r set that started from a checkpoint without adapters (its frozen base) saved lora_r > 0."""
+    return LoRAArgs.of_record(read_meta(ckpt).get("args") or {})
+
+
+def lora_differences(config: LoRAArgs, saved: LoRAArgs) -> list[str]:
+    """``key: config value -> checkpoint value`` for every LoRA key the config sets otherwise (a user reading the
+    log learns that the checkpoint's settings were used)."""
+    if not config.lora_enabled and not saved.lora_enabled:
+        return []
+    mine, theirs = config.settings(), saved.settings()
+    return [f"{key} {mine[key]!r} -> {theirs[key]!r}" for key in mine if mine[key] != theirs[key]]
+
+
+def run_name_of(ckpt: Path) -> str | None:
+    """The training run that wrote the checkpoint at `ckpt` (``TrainState.run_name``, saved with it)."""
+    state = (read_meta(ckpt).get("extra") or {}).get("train_state") or {}
+    name = state.get("run_name")
+    return str(name) if name else None
 
 
 def fit_vocabulary(config: GPTConfig, weights: Weights, rows: int) -> Weights:

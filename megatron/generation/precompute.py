@@ -23,6 +23,10 @@ windows of `seq_length` inputs: token t > 0 sees the tokens from `((t - 1) // se
 seq_length` up to t - 1, which for t <= seq_length is the whole sequence so far (what a pairwise
 sample, truncated to `seq_length + 1` tokens, sees).
 
+Beside it, `<prefix>_<precompute_model_name>.json` records the `seq_length` the values were scored with
+(`{"seq_length": N}`); a DPO run reads them only where that context covers every token it reads, and
+refuses them otherwise, before launch and on the ranks (`megatron/data/reference_logprobs.py`).
+
 Work is split over data-parallel replicas by contiguous blocks of sequences; each replica writes its
 block to a part file and rank 0 joins the parts into the final dataset (written under temporary
 names and moved into place, so a crashed run never leaves a dataset that looks complete).
@@ -44,6 +48,7 @@ from megatron.data.indexed_dataset import (
     index_file_path,
     reference_logprobs_prefix,
 )
+from megatron.data.reference_logprobs import context_problem, write_record
 from megatron.errors import DataError
 from megatron.generation.replica import ModelReplica
 from megatron.generation.scoring import ScoreRequest, score
@@ -55,9 +60,10 @@ SEQUENCES_PER_ROUND = 512
 
 
 # --- the format ----------------------------------------------------------------------------------
-def open_reference_logprobs(data_prefix: str, model_name: str) -> MMapIndexedDataset:
+def open_reference_logprobs(data_prefix: str, model_name: str, seq_length: int | None = None) -> MMapIndexedDataset:
     """The reference log-probs of `data_prefix`, checked against its tokens (same sequences, same
-    sizes, same documents, float32). `ds[i]` is a float32 array aligned with the tokens of `i`."""
+    sizes, same documents, float32) and, given the `seq_length` a run reads them at, against the context
+    they were scored with. `ds[i]` is a float32 array aligned with the tokens of `i`."""
     prefix = reference_logprobs_prefix(data_prefix, model_name)
     if not dataset_exists(prefix):
         raise DataError(
@@ -72,6 +78,10 @@ def open_reference_logprobs(data_prefix: str, model_name: str) -> MMapIndexedDat
     if not (np.array_equal(logps.sizes, tokens.sizes) and np.array_equal(logps.doc_idx, tokens.doc_idx)):
         raise DataError(f"{index_file_path(prefix)} is not aligned with {index_file_path(data_prefix)} "
                         "(different sequence sizes or documents): recompute it for this dataset")
+    if seq_length is not None:
+        problem = context_problem(prefix, int(tokens.sizes.max(initial=0)), seq_length)
+        if problem is not None:
+            raise DataError(f"reference_logps={model_name!r}: reference log-probs {prefix}: {problem}")
     return logps
 
 
@@ -124,7 +134,7 @@ def precompute_dataset(replica: ModelReplica, data_prefix: str, model_name: str,
     write_part(replica, tokens, out, lo, hi, batch_size=batch_size, max_length=max_length, eod=eod)
     _barrier()
     if not dist.is_initialized() or dist.get_rank() == 0:
-        join_parts(tokens, out, replica.dp_size)
+        join_parts(tokens, out, replica.dp_size, seq_length=max_length)
     _barrier()
     return out
 
@@ -145,8 +155,9 @@ def write_part(replica: ModelReplica, tokens: MMapIndexedDataset, out: str, lo: 
         builder.finalize(index_file_path(part))
 
 
-def join_parts(tokens: MMapIndexedDataset, out: str, parts: int) -> None:
-    """Concatenate the replicas' blocks, with the token dataset's document boundaries."""
+def join_parts(tokens: MMapIndexedDataset, out: str, parts: int, *, seq_length: int) -> None:
+    """Concatenate the replicas' blocks, with the token dataset's document boundaries; ``seq_length``: the
+    context they were scored with, recorded beside them before the index completes the dataset."""
     doc_ends = set(int(x) for x in tokens.doc_idx[1:])
     builder = MMapIndexedDatasetBuilder(data_file_path(out), LOGPROB_DTYPE)
     written = 0
@@ -161,6 +172,7 @@ def join_parts(tokens: MMapIndexedDataset, out: str, parts: int) -> None:
         builder.abort()
         raise DataError(f"precompute wrote {written} sequences for {index_file_path(tokens.prefix)}, "
                         f"which has {len(tokens)}")
+    write_record(out, seq_length)
     builder.finalize(index_file_path(out))
     for r in range(parts):
         for path in (data_file_path(_part_prefix(out, r)), index_file_path(_part_prefix(out, r))):

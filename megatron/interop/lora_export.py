@@ -47,7 +47,7 @@ _FROM_ARGS = {"bfloat16": "bf16", "bf16": "bf16", "fp16": "fp16", "float16": "fp
 def lora_config_of(args: dict[str, Any]) -> LoRAArgs:
     """The adapters a checkpoint's stored arguments describe (``lora_r == 0``: none); a key the record
     leaves out takes the schema's default."""
-    return LoRAArgs.model_validate({key: args[key] for key in LoRAArgs.model_fields if args.get(key) is not None})
+    return LoRAArgs.of_record(args)
 
 
 def has_adapters(args: dict[str, Any]) -> bool:

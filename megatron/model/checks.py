@@ -132,7 +132,8 @@ def rope_scaling_is_honoured(ctx: ModelKeys) -> list[str]:
     from megatron.model.rope_scaling import RopeScalingError, parse_rope_scaling
 
     try:
-        parse_rope_scaling(value, ctx.get("max_position_embeddings") or ctx.get("seq_length"))
+        parse_rope_scaling(value, ctx.get("max_position_embeddings") or ctx.get("seq_length"),
+                           own={key: ctx.get(key) for key in ("rotary_emb_base", "rotary_pct")})
     except RopeScalingError as err:
         return [f"{ctx.show('rope_scaling')}: {err}"]
     return []

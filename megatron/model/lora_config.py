@@ -2,7 +2,8 @@
 
 ``lora_r > 0`` freezes every weight of the model and trains one adapter per targeted projection
 (``megatron/model/lora.py``); the optimizer holds state for the adapters only. DPO and KTO then use
-the base model (adapters switched off) as their reference, so no second copy of the weights is kept.
+the starting model as their reference - the base with its adapters switched off, or set to those of the
+checkpoint the run started from - so no second copy of the weights is kept.
 
 Declared here, beside the adapters that read them (kept apart from ``lora.py`` so the argument layer
 reads the keys without importing torch); the trainer hands the adapters the one argument object,
@@ -11,7 +12,7 @@ typed as :class:`LoRAArgs`.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -46,3 +47,14 @@ class LoRAArgs(ArgGroup):
     def lora_scale(self) -> float:
         """What each adapter's output is multiplied by: ``lora_alpha / lora_r``."""
         return self.lora_alpha / self.lora_r
+
+    @staticmethod
+    def of_record(args: dict[str, Any]) -> LoRAArgs:
+        """The adapters a checkpoint's stored arguments describe (``lora_r == 0``: none); a key the record
+        leaves out takes the schema's default. Generation and the HF export both read a checkpoint's
+        adapters this way, whatever the config running them says."""
+        return LoRAArgs.model_validate({key: args[key] for key in LoRAArgs.model_fields if args.get(key) is not None})
+
+    def settings(self) -> dict[str, Any]:
+        """The keys, by name (to build arguments that use these adapters)."""
+        return {key: getattr(self, key) for key in LoRAArgs.model_fields}  # also on the composed NeoXArgs

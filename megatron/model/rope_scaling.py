@@ -79,15 +79,24 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "llama3": ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
 }
 """The accepted rope_type values and the fields each needs besides ``factor``."""
-_HF_ONLY = {"rope_theta", "partial_rotary_factor"}  # carried by rotary_emb_base / rotary_pct instead
+_HF_ONLY = {"rope_theta": "rotary_emb_base", "partial_rotary_factor": "rotary_pct"}
+"""Fields of transformers' ``rope_parameters`` that Deepy reads from its own keys instead: a dict copied from
+an HF config may carry them, and they are accepted only where they say what those keys say."""
 
 
-def parse_rope_scaling(value: Mapping[str, Any] | None, max_position_embeddings: int | None = None) -> RopeScaling | None:
+def parse_rope_scaling(value: Mapping[str, Any] | None, max_position_embeddings: int | None = None,
+                       own: Mapping[str, Any] | None = None) -> RopeScaling | None:
     """A validated :class:`RopeScaling` from HF's dict (None stays None). ``original_max_position_embeddings``
-    defaults to ``max_position_embeddings`` for yarn and llama3, as transformers does."""
+    defaults to ``max_position_embeddings`` for yarn and llama3, as transformers does. ``own``: the values of
+    ``rotary_emb_base`` and ``rotary_pct``; a ``rope_theta`` or ``partial_rotary_factor`` in the dict that
+    differs from them is refused (the model reads the keys, so the dict's value would change nothing)."""
     if value is None:
         return None
     raw = dict(value)
+    for name, key in _HF_ONLY.items():
+        if own is not None and name in raw and own.get(key) is not None and float(raw[name]) != float(own[key]):
+            raise RopeScalingError(f"rope_scaling.{name} {raw[name]!r} differs from {key} {own[key]!r}, which is "
+                                   f"what the model uses: set {key}: {raw[name]!r} and remove {name} from rope_scaling")
     kind = raw.pop("rope_type", None) or raw.pop("type", None)
     raw.pop("type", None)
     if kind in (None, "default"):
@@ -95,7 +104,7 @@ def parse_rope_scaling(value: Mapping[str, Any] | None, max_position_embeddings:
                                "or remove rope_scaling")
     if kind not in _REQUIRED:
         raise RopeScalingError(f"rope_scaling type {kind!r} is not supported; use one of {sorted(_REQUIRED)}")
-    for name in _HF_ONLY & set(raw):
+    for name in set(_HF_ONLY) & set(raw):
         raw.pop(name)
     known = {f.name for f in fields(RopeScaling)} - {"rope_type"}
     unknown = sorted(set(raw) - known)

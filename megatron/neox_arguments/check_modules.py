@@ -16,6 +16,7 @@ from megatron import plugins
 from megatron.config_rules import RULES, Rule
 from megatron.checkpointing import checks as checkpoint_checks
 from megatron.data import checks as data_checks
+from megatron.evaluation import checks as evaluation_checks
 from megatron.launcher import checks as launcher_checks
 from megatron.logging import preflight
 from megatron.model import checks as model_checks
@@ -36,6 +37,7 @@ CHECK_MODULES: tuple[ModuleType, ...] = (
     length_checks,
     checkpoint_checks,
     data_checks,
+    evaluation_checks,  # eval_tasks
     launcher_checks,
     preflight,  # trackers and profiling
     moe_checks,

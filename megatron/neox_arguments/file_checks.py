@@ -73,6 +73,45 @@ def data_files_are_datasets(ctx: RuleContext) -> list[str]:
 
 
 @rule
+def token_ids_fit_the_vocabulary(ctx: RuleContext) -> list[str]:
+    """Every token id of the datasets on this machine is below the tokenizer's vocabulary size (data tokenized
+    with another tokenizer crashed a rank with an IndexError, or read zero embeddings under tensor
+    parallelism). Up to ``SCAN_BUDGET_BYTES`` of token data are read; the ranks check every sample anyway."""
+    if ctx.get("use_dummy_dataset"):
+        return []
+    from megatron.data.indexed_dataset import data_file_path
+    from megatron.data.token_range import SCAN_BUDGET_BYTES, cannot_exceed, largest_token
+    from megatron.tokenizer import build_tokenizer
+    from megatron.tokenizer.config import TokenizerArgs
+
+    datasets = [(key, prefix) for key, prefix in _prefixes(ctx) if "reward" not in key and _missing_or_bad(prefix) is None]
+    if not datasets:
+        return []
+    try:
+        vocab = build_tokenizer(cast(TokenizerArgs, ctx.args)).vocab_size
+    except Exception:  # noqa: BLE001 - tokenizer_loads reports it
+        return []
+    problems: list[str] = []
+    budget = SCAN_BUDGET_BYTES
+    for key, prefix in datasets:
+        if cannot_exceed(prefix, vocab):
+            continue
+        size = os.path.getsize(data_file_path(prefix))
+        if size > budget:
+            ctx.skipped.append(f"token ids of {prefix} ({size / 2**30:.1f} GiB) against the vocabulary: the ranks "
+                               "check each sample as they read it")
+            continue
+        budget -= size
+        found = largest_token(prefix)
+        if found is not None and found.value >= vocab:
+            problems.append(f"{key} ({describe(ctx.source(key))}): dataset {prefix} holds token id {found.value} "
+                            f"(sequence {found.sequence}), but {ctx.show('tokenizer_type')} has {vocab} tokens: the "
+                            "data was tokenized with another tokenizer; rebuild it with this tokenizer, or set the "
+                            "tokenizer it was built with")
+    return problems
+
+
+@rule
 def tokenizer_loads(ctx: RuleContext) -> list[str]:
     """The tokenizer files exist and are what ``tokenizer_type`` reads (built here, as the ranks will)."""
     from megatron.tokenizer import build_tokenizer
@@ -117,7 +156,8 @@ def filled_in_keys_left_alone(ctx: RuleContext) -> list[str]:
 @rule
 def dpo_reference_logps_exist(ctx: RuleContext) -> list[str]:
     """``reference_logps: NAME`` reads ``<prefix>_NAME`` next to every chosen/rejected dataset; a
-    precompute run (``text_gen_type: precompute``) is the one that writes them."""
+    precompute run (``text_gen_type: precompute``) is the one that writes them, recording the ``seq_length``
+    it scored them at, which must cover what this run reads (``megatron/data/reference_logprobs.py``)."""
     name = ctx.get("reference_logps")
     if not name or ctx.get("train_impl") != "dpo" or ctx.get("text_gen_type") == "precompute":
         return []
@@ -134,4 +174,50 @@ def dpo_reference_logps_exist(ctx: RuleContext) -> list[str]:
                                   f"{ctx.show('reference_logps')}: reference log-probs of {key} {prefix}: {bad}; write "
                                   f"them with `python deepy.py generate.py CONFIGS text_gen_type=precompute "
                                   f"precompute_model_name={name} load=<reference checkpoint>`")
+            continue
+        if _missing_or_bad(prefix) is None and ctx.get("seq_length"):
+            from megatron.data.indexed_dataset import MMapIndexedDataset
+            from megatron.data.reference_logprobs import context_problem
+
+            longest = int(MMapIndexedDataset(prefix).sizes.max(initial=0))
+            problem = context_problem(reference, longest, int(ctx.get("seq_length")))
+            if problem is not None:
+                problems.append(f"{ctx.show('reference_logps')} with {ctx.show('seq_length')}: reference log-probs "
+                                f"{reference}: {problem}")
     return problems
+
+
+@rule
+def full_weights_start_has_no_adapters(ctx: RuleContext) -> list[str]:
+    """A run without adapters (``lora_r: 0``) that starts from a checkpoint with LoRA adapters (``initialize_from``,
+    or ``load`` with ``finetune``) would load them into a model that has no place for them ("Unexpected key(s)"
+    on every rank). Refused here, naming the two ways on: keep training adapters (the checkpoint's lora_r), or
+    merge them into the weights first (export merged, import back)."""
+    if int(ctx.get("lora_r") or 0) > 0:
+        return []
+    if ctx.get("initialize_from"):
+        key, iteration = "initialize_from", None
+    elif ctx.get("load") and ctx.get("finetune"):
+        key, iteration = "load", ctx.get("iteration")
+    else:
+        return []
+    from pathlib import Path
+
+    from megatron.checkpointing.discovery import resume_point
+
+    found = resume_point(Path(str(ctx.get(key))), iteration)
+    if found is None:
+        return []
+    ckpt, meta = found
+    saved = meta.get("args") or {}
+    rank = int(saved.get("lora_r") or 0)
+    if rank == 0:
+        return []
+    source = ctx.get(key)
+    return [f"{ctx.show(key)}: {ckpt.name} holds LoRA adapters (lora_r {rank}, lora_alpha {saved.get('lora_alpha')}, "
+            f"lora_target_modules {saved.get('lora_target_modules')}) and {ctx.show('lora_r')} trains every weight "
+            f"without adapters. To go on training adapters, set lora_r: {rank} (and the same lora_alpha and "
+            "lora_target_modules); to train every weight, merge the adapters into them first: "
+            f"`python tools/ckpts/convert_neox_to_hf.py {source} MERGED_HF` (merges by default), then "
+            f"`python tools/ckpts/convert_hf_to_neox.py MERGED_HF MERGED`, and train with MERGED/deepy_model.yml "
+            "(the model's keys as written there) and initialize_from: MERGED"]

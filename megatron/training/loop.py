@@ -2,10 +2,14 @@
 
 State that must survive a restart is in :class:`TrainState`; the data position is a pure function
 of ``consumed_samples`` and each evaluation's position a pure function of the iteration, so resuming
-needs nothing else. The evaluations that end a run (the last validation, the test split) run before
-the hooks see the last step, so a checkpoint at ``train_iters`` means the run has nothing left to do. Checkpointing plugs in through
-:class:`Hooks`: ``after_step(engine, state)`` runs after every optimizer step (save by iteration
-or wall clock, preemption) and may ask the loop to stop; ``at_exit`` runs once after the last step.
+needs nothing else. Checkpointing plugs in through :class:`Hooks`: ``after_step(engine, state)`` runs
+after every optimizer step (save by iteration or wall clock, preemption) and may ask the loop to stop;
+``at_exit`` runs once, after the last step (it saves that step when no ``after_step`` did).
+
+Saving comes before evaluating: at a step that is saved, the hooks run before that step's evaluations
+(validation, test, ``eval_tasks``), and at the step that ends the run ``at_exit`` does too, so an
+evaluation that fails never costs the checkpoint of its step. A stop asked by a hook (preemption)
+skips the evaluations of that step: the time left goes to exiting cleanly.
 """
 
 from __future__ import annotations
@@ -183,6 +187,24 @@ def evaluate_tasks_now(ctx: LoopContext, state: TrainState) -> None:
     ctx.monitor.discard_window()
 
 
+def _evaluate_step(ctx: LoopContext, state: TrainState, eval_interval: int | None) -> bool:
+    """The evaluations due after this step: every ``eval_interval`` steps, and the last validation, the
+    test split and the tasks after the last step. True when any ran."""
+    periodic = bool(eval_interval) and state.iteration % int(eval_interval or 1) == 0
+    last = state.iteration == ctx.train_iters
+    ran = False
+    if ctx.valid is not None and (periodic or last):
+        evaluate_now(ctx, state, ctx.valid, "eval")
+        ran = True
+    if ctx.tasks is not None and (periodic or last):
+        evaluate_tasks_now(ctx, state)
+        ran = True
+    if ctx.test is not None and last:
+        evaluate_now(ctx, state, ctx.test, "test")
+        ran = True
+    return ran
+
+
 def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
     """Run from ``state`` until ``train_iters``, ``exit_interval`` or a hook says stop."""
     eval_interval = ctx.training.eval_interval
@@ -190,6 +212,7 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
     limit = ctx.training.max_consecutive_overflows
     ctx.eng.engine.train()
     window = _Window()
+    exited = False
     while state.iteration < ctx.train_iters:
         lr = ctx.eng.lr_scheduler.get_last_lr()[0]
         ctx.monitor.before_step(state.iteration + 1)
@@ -206,33 +229,29 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
         if log_step:
             ctx.monitor.log(log_row(ctx, state, window, result), state.iteration)
             window = _Window()
-        periodic = bool(eval_interval) and state.iteration % eval_interval == 0
-        if ctx.valid is not None and periodic:
-            evaluate_now(ctx, state, ctx.valid, "eval")
-            window = _Window()  # evaluation time is not training throughput
-        if ctx.tasks is not None and (periodic or state.iteration == ctx.train_iters):
-            evaluate_tasks_now(ctx, state)  # at every evaluation, and after the last step
-            window = _Window()
-        if state.iteration == ctx.train_iters:
-            # before the hooks save the last checkpoint: once it exists, nothing is left to run
-            if ctx.valid is not None and not periodic:
-                evaluate_now(ctx, state, ctx.valid, "eval")
-            if ctx.test is not None:
-                evaluate_now(ctx, state, ctx.test, "test")
 
+        # the step's checkpoint first: an evaluation that fails must not cost it
         stop = False
         for hook in hooks.after_step:
             stop = bool(hook(ctx.eng, state)) or stop
-        if exit_interval and state.iteration % exit_interval == 0:
-            state.stop_reason = f"exit_interval {exit_interval}"
-            break
         if stop:
             state.stop_reason = state.stop_reason or "stopped by a hook"
+        elif exit_interval and state.iteration % exit_interval == 0:
+            state.stop_reason = f"exit_interval {exit_interval}"
+        elif state.iteration == ctx.train_iters:
+            state.stop_reason = "train_iters reached"
+        if state.stop_reason is not None:
+            exited = True
+            for hook in hooks.at_exit:  # saves the last step unless after_step just did
+                hook(ctx.eng, state)
+        if not stop and _evaluate_step(ctx, state, eval_interval):
+            window = _Window()  # evaluation time is not training throughput
+        if state.stop_reason is not None:
             break
 
-    if state.stop_reason is None:
-        state.stop_reason = "train_iters reached"
-    for hook in hooks.at_exit:
-        hook(ctx.eng, state)
+    if not exited:  # the loop ran no step (a run resumed at its end)
+        state.stop_reason = state.stop_reason or "train_iters reached"
+        for hook in hooks.at_exit:
+            hook(ctx.eng, state)
     ctx.monitor.message(f"training stopped at iteration {state.iteration}: {state.stop_reason}")
     return state

@@ -33,6 +33,7 @@ from megatron.model import flops_per_token, num_parameters
 from megatron.model.flops import hardware_flops_per_token
 from megatron.mpu.random import model_parallel_manual_seed
 from megatron.tokenizer import build_tokenizer
+from megatron.training.comms_report import CommsReport
 from megatron.training.config import TrainingRunArgs, compute_dtype
 from megatron.training.engine import build_engine, layers_to_checkpoint, partition_method
 from megatron.training.evaluate import maybe_evaluator
@@ -167,7 +168,9 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
             eng, tokenizer, run.tasks, zero_stage=int((run.deepspeed.get("zero_optimization") or {}).get("stage", 0)),
             sequence_parallel=run.model.sequence_parallel and run.parallel.model_parallel_size > 1).run,
     )
-    hooks = Hooks(after_step=[ckpt.after_step], at_exit=[ckpt.at_exit])
+    # DeepSpeed's communication timings (comms_logger): shown after the last step, and with verbose at log steps
+    comms = CommsReport(run.deepspeed.get("comms_logger"), log_config.log_interval)
+    hooks = Hooks(after_step=[ckpt.after_step, comms.after_step], at_exit=[ckpt.at_exit, comms.at_exit])
     try:
         return train(ctx, state, hooks)
     finally:

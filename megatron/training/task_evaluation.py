@@ -1,5 +1,9 @@
 """lm-evaluation-harness tasks (``eval_tasks``) run inside training at every evaluation.
 
+Before the first step every rank resolves the tasks and reads their documents
+(:func:`~megatron.evaluation.harness.load_tasks`), so a task that cannot run stops the run before it trains;
+deepy.py refuses the layouts the evaluation cannot run in (``megatron/evaluation/checks.py``).
+
 The model being trained is evaluated where it is: its module on this rank (any tp/pp split) becomes a
 :class:`~megatron.generation.replica.ModelReplica`, and the same harness adapter as ``eval.py``
 (``megatron/evaluation/``) scores the tasks, so a task's numbers at step N equal ``eval.py``'s on the
@@ -36,10 +40,19 @@ class TaskEvaluation:
                 "eval_tasks with sequence_parallel: true is not supported inside training (the evaluation "
                 "forwards use a key/value cache, which cannot split the sequence); remove eval_tasks and run "
                 "eval.py on a checkpoint instead (it builds the model without sequence parallelism)")
+        from megatron.evaluation.harness import load_tasks
+
         self.eng = eng
         self.tokenizer = tokenizer
         self.config = config
         self.every_rank_scores_all = zero_stage == 3
+        # an unknown task or one whose documents cannot be read is refused now, before the first step,
+        # not at the first evaluation (deepy.py refused what the keys and files could show)
+        streams = capture_rng_state()  # building a task must not move the training's random streams
+        try:
+            load_tasks(config.eval_tasks or [])
+        finally:
+            restore_rng_state(streams)
 
     def run(self) -> dict[str, float]:
         """``lm_eval/<task>/<metric>`` -> value (the same on every rank) and ``timers/lm_eval_ms``."""

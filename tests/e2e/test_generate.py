@@ -121,7 +121,8 @@ def test_precompute_on_tp2_writes_reference_logprobs(run_dir: Path, model: Any) 
     proc = deepy(run_dir, "generate.py", *TP2, "text_gen_type=precompute", "precompute_model_name=ref")
     assert proc.returncode == 0, output(proc)[-4000:]
     prefix = str(run_dir / "data" / "corpus_text_document")
-    ref = open_reference_logprobs(prefix, "ref")  # checks float32 and alignment with every document
+    ref = open_reference_logprobs(prefix, "ref", SEQ)  # float32, aligned with every document, scored at SEQ
+    assert json.loads((run_dir / "data" / "corpus_text_document_ref.json").read_text()) == {"seq_length": SEQ}
     tokens = MMapIndexedDataset(prefix)
     long_docs = [i for i in range(len(tokens)) if len(tokens[i]) > SEQ + 1]
     assert long_docs  # the window rule is exercised

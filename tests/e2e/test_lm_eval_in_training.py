@@ -101,6 +101,9 @@ def test_task_metrics_equal_eval_py_on_the_same_checkpoint(with_tasks: dict[str,
                   load=str(with_tasks["ckpt"]), iteration=5, eval_results_prefix=str(tmp_path / "r"))
     offline = task_rows(rows)
     assert sorted(offline) == [5]
+    # the row went to the metrics file of the run that wrote the checkpoint (its name is in the checkpoint)
+    meta = json.loads((with_tasks["ckpt"] / "global_step5" / "deepy_meta.json").read_text())
+    assert (tmp_path / "logs" / meta["extra"]["train_state"]["run_name"] / "metrics.jsonl").is_file()
     inside = task_rows(with_tasks["rows"])[5]
     assert offline[5].keys() == inside.keys()
     for name, value in offline[5].items():

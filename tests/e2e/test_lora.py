@@ -227,10 +227,16 @@ DPO_LORA = {"lora_r": 8, "lora_alpha": 16.0, "lora_target_modules": TARGETS,
 
 
 @pytest.fixture(scope="module")
-def dpo_lora(data: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:  # noqa: F811
-    tmp = tmp_path_factory.mktemp("dpo_lora")
-    config = {**_dpo(data["root"]), **pairwise_paths(data["root"]), **DPO_EVAL, **DPO_LORA, "train_iters": 20}
-    return run_post(tmp, "single", config)
+def dpo_lora_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("dpo_lora")
+
+
+@pytest.fixture(scope="module")
+def dpo_lora(data: dict[str, Any], dpo_lora_dir: Path) -> list[dict[str, Any]]:  # noqa: F811
+    """20 steps; its last step is saved (trained adapters, which a later run starts from)."""
+    config = {**_dpo(data["root"]), **pairwise_paths(data["root"]), **DPO_EVAL, **DPO_LORA, "train_iters": 20,
+              "save": str(dpo_lora_dir / "ckpt"), "checkpoint_factor": 20}
+    return run_post(dpo_lora_dir, "single", config)
 
 
 def test_dpo_with_lora_learns_against_the_frozen_base(dpo_lora: list[dict[str, Any]]) -> None:
@@ -241,6 +247,18 @@ def test_dpo_with_lora_learns_against_the_frozen_base(dpo_lora: list[dict[str, A
     evals = [r for r in dpo_lora if "eval/rewards/accuracy" in r]
     assert evals[-1]["eval/rewards/accuracy"] > 0.9, evals  # held-out pairs
     assert evals[-1]["eval/rewards/margin"] > 0
+
+
+def test_dpo_with_lora_from_a_lora_checkpoint_starts_at_it(data: dict[str, Any], dpo_lora: list[dict[str, Any]],  # noqa: F811
+                                                           dpo_lora_dir: Path, tmp_path: Path) -> None:
+    """Started from a checkpoint with trained adapters (issue 30 item 6), the reference is that checkpoint's
+    model - base and adapters -, not the base alone: step 1's loss is ln 2 and its rewards 0 (they were 0.6934
+    and non-zero), whatever the step then does."""
+    rows = run_post(tmp_path, "from_lora", {**_dpo(data["root"]), **DPO_LORA, "train_iters": 1,
+                                            "initialize_from": str(dpo_lora_dir / "ckpt")})
+    assert series(rows, "train/lm_loss")[1] == pytest.approx(np.log(2), abs=1e-6)
+    for side in ("chosen", "rejected"):
+        assert series(rows, f"train/rewards/{side}")[1] == pytest.approx(0.0, abs=1e-6)
 
 
 def test_dpo_with_lora_pp2_equals_single_rank(data: dict[str, Any], dpo_lora: list[dict[str, Any]],  # noqa: F811

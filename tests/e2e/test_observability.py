@@ -47,6 +47,7 @@ OBSERVE = {
     "wall_clock_breakdown": True, "log_param_norm": True, "log_grad_norm": True, "log_grad_pct_zeros": True,
     "log_optimizer_states": True, "profile": True, "profile_step_start": 2, "profile_step_stop": 3,
     "save": "ckpt", "load": "ckpt", "checkpoint_factor": 3,
+    "comms_logger": {"enabled": True, "prof_all": True, "verbose": False},
 }  # fmt: skip
 
 
@@ -139,6 +140,15 @@ def test_console_is_ours_and_the_key_never_shows(resumed_run: tuple[Path, str]) 
     assert SECRET not in out
     leaked = [str(p) for p in tmp.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
     assert leaked == []
+
+
+def test_comms_logger_summary_is_printed_after_the_last_step(resumed_run: tuple[Path, str]) -> None:
+    """DeepSpeed times the collectives it issues (ZeRO-1's gradient reduction over the two ranks); Deepy prints
+    its summary after each launch's last step, on one rank (issue 30: passed to DeepSpeed, never shown)."""
+    _, out = resumed_run
+    assert out.count("Comm. Op") == 2, out[-3000:]  # one table per launch (stopped at 3, resumed to 6)
+    table = out[out.index("Comm. Op"):]
+    assert "Total Latency(ms)" in table and any(op in table for op in ("all_reduce", "reduce_scatter", "all_gather"))
 
 
 def test_plot_tool_draws_the_run(resumed_run: tuple[Path, str], tmp_path: Path) -> None:

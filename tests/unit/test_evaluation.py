@@ -58,3 +58,108 @@ def test_generate_and_eval_refuse_to_run_without_a_checkpoint(tmp_path: Path) ->
     (tmp_path / "global_step5").mkdir()  # an incomplete save: no commit marker
     with pytest.raises(CheckpointError, match=f"eval.py: no committed checkpoint in {tmp_path}"):
         committed_checkpoint(str(tmp_path), None, "eval.py")
+
+
+# --- eval_tasks mistakes refused before launch or before the first step (issue 30, items 3 and 4) ------
+REPO = Path(__file__).resolve().parents[2]
+RUN = """\
+num_layers: 2
+hidden_size: 64
+num_attention_heads: 4
+seq_length: 32
+max_position_embeddings: 32
+optimizer: {type: Adam, params: {lr: 0.001}}
+train_micro_batch_size_per_gpu: 2
+train_iters: 4
+use_dummy_dataset: true
+tokenizer_type: CharLevelTokenizer
+"""
+LOCAL_TASK = "task: deepy_local\ndataset_path: json\noutput_type: loglikelihood\ndoc_to_text: '{{a}}'\ndoc_to_target: '{{b}}'\n"
+
+
+def dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: str) -> tuple[int, str, Path]:
+    from megatron.app.deepy import main
+    from megatron.errors import run_guarded
+
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "task.yaml").write_text(LOCAL_TASK)
+    config = tmp_path / "run.yml"
+    config.write_text(RUN + extra.format(task=tmp_path / "tasks" / "task.yaml"))
+    argv = ["--dry-run", str(REPO / "train.py"), str(config)]
+    with pytest.raises(SystemExit) as done:
+        run_guarded(lambda: main(argv), argv=argv)
+    captured = capsys.readouterr()
+    return int(done.value.code or 0), captured.out + captured.err, config
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    # item 3: gloo "collective mismatch" at the first evaluation before
+    ("num_gpus: 2\ncontext_parallel_size: 2\neval_tasks: [{task}]\n", "context_parallel_size=2 ({config}:12)"),
+    ("num_gpus: 2\nmodel_parallel_size: 2\nsequence_parallel: true\neval_tasks: [{task}]\n",
+     "sequence_parallel=True ({config}:13)"),
+    ("num_gpus: 1\ntrain_impl: rm\neval_tasks: [{task}]\n", "train_impl='rm' ({config}:12)"),
+    ("num_gpus: 1\neval_tasks: [lambada_openaii, {task}]\n", "unknown task(s) ['lambada_openaii']"),
+    ("num_gpus: 1\neval_tasks: [tasks/missing.yaml]\n", "task file(s) ['tasks/missing.yaml'] not found"),
+], ids=["context_parallel", "sequence_parallel", "reward_model", "unknown_name", "missing_file"])
+def test_eval_tasks_mistakes_are_refused_before_launch(extra: str, named: str, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, config = dry_run(tmp_path, capsys, extra)
+    assert code == 2, out
+    assert f"eval_tasks=" in out and f"({config}:" in out and named.format(config=config) in out, out
+    assert "Traceback" not in out
+
+
+def test_known_names_and_local_tasks_pass(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron.evaluation.checks import unknown_task_names
+
+    code, out, _ = dry_run(tmp_path, capsys, "num_gpus: 1\neval_tasks: [{task}, deepy_local]\n")
+    assert code == 0, out
+    # the harness' own names (a task, a group), against its ~14k task files
+    assert unknown_task_names(["lambada_openai", "mmlu", "lambada_openaii"]) == ["lambada_openaii"]
+
+
+def test_a_task_whose_data_needs_a_download_is_refused_by_name(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline, a hub dataset cannot be read: one ConfigError naming eval_tasks and the task (the ranks call
+    this before the first step), instead of a ConnectionError traceback at the first evaluation."""
+    from megatron.evaluation.harness import load_tasks
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # read once at import by both libraries (lm-eval's dependencies; a rank imports them with these set)
+    monkeypatch.setattr("datasets.config.HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr("datasets.config.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "hub.yaml").write_text(LOCAL_TASK.replace("deepy_local", "deepy_hub").replace(
+        "dataset_path: json", "dataset_path: deepy-tests/not-downloaded"))
+    with pytest.raises(ConfigError, match=r"eval_tasks: task '.*hub.yaml' cannot be loaded \(ConnectionError.*HF_DATASETS_OFFLINE"):
+        load_tasks([str(tmp_path / "hub.yaml")])
+
+
+def test_eval_rows_go_to_the_run_that_wrote_the_checkpoint(tmp_path: Path) -> None:
+    """Not to the newest run of log_dir, which ``<log_dir>/metrics.jsonl`` follows (issue 30, newcomer)."""
+    import json
+
+    from megatron.evaluation.harness import write_results
+    from megatron.generation.loading import run_name_of
+    from megatron.logging.metrics import MetricsWriter
+
+    logs = tmp_path / "logs"
+    for name in ("20260101-000000-aaaa", "20260102-000000-bbbb"):  # the second is newer: the link points there
+        with MetricsWriter.for_run(logs, name) as writer:
+            writer.write({"iteration": 5, "train/lm_loss": 1.0})
+    ckpt = tmp_path / "ckpt" / "global_step5"
+    ckpt.mkdir(parents=True)
+    (ckpt / "deepy_meta.json").write_text(json.dumps(
+        {"format": 2, "iteration": 5, "extra": {"train_state": {"iteration": 5, "run_name": "20260101-000000-aaaa"}}}))
+    assert run_name_of(ckpt) == "20260101-000000-aaaa"
+
+    config = NeoXArgs(seq_length=32, eval_tasks=["t"], log_dir=str(logs), eval_results_prefix=str(tmp_path / "r"))
+    write_results({"results": {"t": {"acc,none": 0.25}}}, config, checkpoint=str(ckpt.parent), step=5,
+                  run_name=run_name_of(ckpt))
+    rows = {name: [json.loads(line) for line in (logs / name / "metrics.jsonl").read_text().splitlines()]
+            for name in ("20260101-000000-aaaa", "20260102-000000-bbbb")}
+    assert rows["20260101-000000-aaaa"][-1] == {"iteration": 5, "lm_eval/t/acc": 0.25}
+    assert all("lm_eval/t/acc" not in r for r in rows["20260102-000000-bbbb"])
+    assert json.loads((tmp_path / "r_eval_results.json").read_text())["deepy"]["run_name"] == "20260101-000000-aaaa"

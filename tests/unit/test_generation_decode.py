@@ -7,6 +7,9 @@ end in tests/e2e/test_generate.py.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -244,11 +247,57 @@ def test_precompute_writes_an_aligned_float32_dataset(tmp_path, replica: ModelRe
             write_part(replica, tokens, other, lo, hi, batch_size=2, max_length=SEQ, eod=EOD)
         finally:
             replica.dp_rank, replica.dp_size = 0, 1
-    join_parts(tokens, other, 2)
+    join_parts(tokens, other, 2, seq_length=SEQ)
     joined = MMapIndexedDataset(other)
     assert all(np.allclose(joined[i], ref[i], atol=1e-5) for i in range(len(DOCS)))
     assert np.array_equal(joined.doc_idx, tokens.doc_idx)
     assert not list(tmp_path.glob(f"{_part_prefix('other', 0)}*"))
+
+    # the context they were scored with is recorded; a run reading more of the 54-token sequence is refused
+    assert json.loads(Path(out + ".json").read_text()) == {"seq_length": SEQ}
+    assert open_reference_logprobs(prefix, "ref", seq_length=SEQ) is not None
+    with pytest.raises(DataError, match=f"computed at seq_length {SEQ} .* up to 49 tokens at seq_length 48"):
+        open_reference_logprobs(prefix, "ref", seq_length=2 * SEQ)
+
+
+def test_dry_run_refuses_reference_log_probs_scored_with_less_context(tmp_path, capsys) -> None:
+    """Issue 30 item 9: precompute at 8, train at 32 on 20-token pairs gave step-1 loss 0.709, not ln 2."""
+    from megatron.app.deepy import main
+    from megatron.data.reference_logprobs import write_record
+    from megatron.errors import run_guarded
+
+    sides = {"chosen": [[5 + i % 7 for i in range(20)]] * 4, "rejected": [[40 + i % 5 for i in range(20)]] * 4}
+    for side, docs in sides.items():
+        write_tokens(str(tmp_path / side), docs)
+        builder = MMapIndexedDatasetBuilder(data_file_path(str(tmp_path / f"{side}_ref")), np.float32)
+        for doc in docs:
+            builder.add_item(np.zeros(len(doc), np.float32))
+            builder.end_document()
+        builder.finalize(index_file_path(str(tmp_path / f"{side}_ref")))
+    config = tmp_path / "run.yml"
+    config.write_text("num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\nseq_length: 32\ntrain_iters: 2\n"
+                      "lr: 0.001\ntrain_micro_batch_size_per_gpu: 2\nnum_gpus: 1\ntokenizer_type: CharLevelTokenizer\n"
+                      "train_impl: dpo\ndataset_impl: pairwise\npack_impl: unpacked\nreference_logps: ref\n"
+                      f"pos_train_data_paths: [{tmp_path / 'chosen'}]\nneg_train_data_paths: [{tmp_path / 'rejected'}]\n")
+    argv = ["--dry-run", str(Path(__file__).resolve().parents[2] / "train.py"), str(config)]
+
+    def dry_run() -> tuple[int, str]:
+        with pytest.raises(SystemExit) as done:
+            run_guarded(lambda: main(argv), argv=argv)
+        out = capsys.readouterr()
+        return int(done.value.code or 0), out.out + out.err
+
+    code, out = dry_run()  # no record: an older precompute, context unknown
+    assert code == 2 and "is missing, so the context the values were scored with is unknown" in out, out
+    for side in sides:
+        write_record(str(tmp_path / f"{side}_ref"), 8)
+    code, out = dry_run()
+    assert code == 2 and "Traceback" not in out, out
+    assert f"reference_logps='ref' ({config}:13) with seq_length=32 ({config}:4)" in out, out
+    assert "computed at seq_length 8" in out and "sequences of up to 20 tokens" in out, out
+    for side in sides:
+        write_record(str(tmp_path / f"{side}_ref"), 19)  # covers every token the run reads (20-token pairs)
+    assert dry_run()[0] == 0
 
 
 def test_reader_refuses_missing_or_misaligned_log_probs(tmp_path) -> None:

@@ -130,3 +130,37 @@ def test_lora_dropout_drops_adapter_inputs_while_training_only() -> None:
     full = layer(x) - F.linear(x, layer.weight, layer.bias)
     torch.testing.assert_close(full, (8.0 / 4) * (x @ layer.adapter.lora_A.T @ layer.adapter.lora_B.T))
     assert not torch.allclose(trained, full)  # some inputs were dropped (and the rest scaled by 2)
+
+
+def test_full_weights_from_a_lora_checkpoint_are_refused_before_launch(tmp_path, capsys) -> None:
+    """Issue 30 item 6: full-parameter training from a LoRA checkpoint died on every rank with "Unexpected key(s)"
+    and no way to merge; now one message names lora_r and initialize_from and the way to merge."""
+    import json
+    from pathlib import Path
+
+    from megatron.app.deepy import main
+    from megatron.checkpointing.commit import CommitInfo, write_commit_marker
+    from megatron.errors import run_guarded
+
+    ckpt = tmp_path / "sft_lora" / "global_step7"
+    ckpt.mkdir(parents=True)
+    (ckpt / "deepy_meta.json").write_text(json.dumps({"format": 2, "iteration": 7, "args": {
+        "lora_r": 8, "lora_alpha": 16.0, "lora_target_modules": ["query_key_value"]}}))
+    write_commit_marker(ckpt, CommitInfo(7, "step", 0.0))
+    config = tmp_path / "run.yml"
+    config.write_text("num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\nseq_length: 32\ntrain_iters: 2\n"
+                      "lr: 0.001\ntrain_micro_batch_size_per_gpu: 2\nnum_gpus: 1\ntokenizer_type: CharLevelTokenizer\n"
+                      f"use_dummy_dataset: true\ninitialize_from: {ckpt.parent}\n")
+    argv = ["--dry-run", str(Path(__file__).resolve().parents[2] / "train.py"), str(config)]
+
+    def dry_run(*extra: str) -> tuple[int, str]:
+        with pytest.raises(SystemExit) as done:
+            run_guarded(lambda: main([*argv, *extra]), argv=argv)
+        out = capsys.readouterr()
+        return int(done.value.code or 0), out.out + out.err
+
+    code, out = dry_run()
+    assert code == 2 and "Traceback" not in out, out
+    assert f"initialize_from='{ckpt.parent}' ({config}:11): global_step7 holds LoRA adapters (lora_r 8" in out, out
+    assert "lora_r=0 (default)" in out and "set lora_r: 8" in out and "convert_neox_to_hf.py" in out, out
+    assert dry_run("lora_r=8", "lora_alpha=16.0")[0] == 0  # going on with its adapters is fine

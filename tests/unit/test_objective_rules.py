@@ -105,4 +105,8 @@ def test_dpo_reference_logps_must_have_been_precomputed(tmp_path: Path) -> None:
     assert "text_gen_type=precompute precompute_model_name=ref" in message
     make_dataset(tmp_path / "p_ref")
     make_dataset(tmp_path / "n_ref")
+    from megatron.data.reference_logprobs import write_record
+
+    for name in ("p_ref", "n_ref"):  # scored at the run's seq_length (megatron/data/reference_logprobs.py)
+        write_record(str(tmp_path / name), 128)
     ok(train_impl="dpo", reference_logps="ref", **PAIRS)

@@ -151,7 +151,7 @@ def test_kto_reward_dataset(tmp_path: Path) -> None:
         assert float(s["reward"]) == expected
 
 
-def build(padded_vocab_size: int = 32, **kw: object) -> DataSplits:
+def build(padded_vocab_size: int = 512, **kw: object) -> DataSplits:  # CharLevelTokenizer: 512 ids
     base: dict[str, object] = dict(seq_length=8, seed=1, train_batch_size=2, train_iters=4, eval_iters=1,
                                    eval_interval=2)
     base.update(kw)

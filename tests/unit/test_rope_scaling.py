@@ -156,3 +156,39 @@ def test_config_rules_refuse_scaling_before_launch() -> None:
     with pytest.raises(ConfigError, match="rope_scaling.*'ntk'"):
         finalize(config_from_mapping({**base, "pos_emb": "rotary", "rope_scaling": {"type": "ntk", "factor": 2}}),
                  1, device=device)
+
+
+@pytest.mark.parametrize(("field", "value", "key"), [("rope_theta", 500000.0, "rotary_emb_base"),
+                                                      ("partial_rotary_factor", 0.25, "rotary_pct")])
+def test_hf_only_fields_must_say_what_deepys_keys_say(tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str,
+                                                      value: float, key: str) -> None:
+    """transformers' rope_parameters carry rope_theta and partial_rotary_factor; the model reads rotary_emb_base and
+    rotary_pct (issue 30 item 8: a different value was accepted and changed nothing). Refused before launch, by
+    name; the same value is accepted (it says nothing new), and so is the dict without the field."""
+    from megatron.app.deepy import main
+    from megatron.errors import run_guarded
+
+    repo = Path(__file__).resolve().parents[2]
+    base = ("num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\nseq_length: 32\ntrain_iters: 4\nlr: 0.001\n"
+            "train_micro_batch_size_per_gpu: 2\nnum_gpus: 1\nuse_dummy_dataset: true\n"
+            "tokenizer_type: CharLevelTokenizer\npos_emb: rotary\n")
+
+    def dry_run(scaling: dict) -> tuple[int, str, Path]:
+        config = tmp_path / "run.yml"
+        config.write_text(base + f"rope_scaling: {json.dumps(scaling)}\n")
+        argv = ["--dry-run", str(repo / "train.py"), str(config)]
+        with pytest.raises(SystemExit) as done:
+            run_guarded(lambda: main(argv), argv=argv)
+        out = capsys.readouterr()
+        return int(done.value.code or 0), out.out + out.err, config
+
+    linear = {"rope_type": "linear", "factor": 2.0}
+    code, out, config = dry_run({**linear, field: value})
+    assert code == 2 and "Traceback" not in out, out
+    assert f"({config}:12)" in out and f"rope_scaling.{field} {value}" in out and f"set {key}: {value}" in out, out
+    same = {"rope_theta": 10000.0, "partial_rotary_factor": 1.0}[field]  # the keys' defaults
+    assert dry_run({**linear, field: same})[0] == 0
+    # a model built directly (interop, tests) runs the same check
+    with pytest.raises(ConfigError, match=f"rope_scaling.{field}"):
+        GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, pos_emb="rotary",
+                  rope_scaling={**linear, field: value}, padded_vocab_size=128).check_architecture()

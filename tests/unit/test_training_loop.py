@@ -113,3 +113,91 @@ def test_micro_batches_from_sampler_feed_the_shift() -> None:
     samples = [{"text": np.arange(5, dtype=np.int64) + i} for i in range(2)]
     tokens, _ = shifted(collate(samples), "text", "label", None)
     assert tokens.shape == (2, 4) and tokens.dtype == torch.int64
+
+
+# --- save before evaluating (issue 30: an evaluation that fails never costs its step's checkpoint) --------
+class _Recorder:
+    """The loop's collaborators as fakes that write down what happened, in order."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.events: list[str] = []
+        self.fail_at = fail_at
+        self.lr_scheduler = self
+        self.engine = self
+        self.moe = None
+
+    # engine, scheduler and monitor
+    def train(self) -> None: ...
+    def get_last_lr(self) -> list[float]:
+        return [0.1]
+    def before_step(self, it: int) -> None: ...
+    def after_step(self, it: int, loss: float | None) -> None: ...
+    def is_log_step(self, it: int) -> bool:
+        return False
+    def log(self, row: dict[str, object], it: int) -> None:
+        self.events.append(f"logged {sorted(k for k in row if '/' in k and not k.startswith('timers/'))} @{it}")
+    def discard_window(self) -> None: ...
+    def message(self, text: str) -> None: ...
+
+    # evaluations and hooks
+    def tasks(self, state: TrainState) -> dict[str, float]:
+        self.events.append(f"tasks @{state.iteration}")
+        if state.iteration == self.fail_at:
+            raise RuntimeError("the harness failed")
+        return {"lm_eval/t/acc": 1.0}
+    def save_every_2(self, eng: object, state: TrainState) -> bool:
+        if state.iteration % 2 == 0:
+            self.events.append(f"saved @{state.iteration}")
+        return False
+    def at_exit(self, eng: object, state: TrainState) -> None:
+        self.events.append(f"at_exit @{state.iteration} ({state.stop_reason})")
+
+
+def _run_loop(monkeypatch: pytest.MonkeyPatch, rec: _Recorder, train_iters: int, **training: object) -> TrainState:
+    from megatron.training import loop
+
+    state = TrainState()
+    monkeypatch.setattr(loop, "train_step", lambda eng, micro, device: _result(True))
+    args = NeoXArgs(**{"eval_interval": 2, "exit_interval": None, **training})
+    ctx = loop.LoopContext(eng=rec, training=args, micro_batches=iter(()), device=torch.device("cpu"),  # type: ignore[arg-type]
+                           train_iters=train_iters, global_batch_size=1, tokens_per_step=1, flops_per_token=1.0,
+                           world_size=1, peak_tflops=None, monitor=rec,  # type: ignore[arg-type]
+                           tasks=lambda: rec.tasks(state))
+    return loop.train(ctx, state, loop.Hooks(after_step=[rec.save_every_2], at_exit=[rec.at_exit]))
+
+
+def test_a_step_is_saved_before_its_evaluation_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    rec = _Recorder(fail_at=4)
+    with pytest.raises(RuntimeError, match="the harness failed"):
+        _run_loop(monkeypatch, rec, train_iters=6)
+    assert rec.events == ["saved @2", "tasks @2", "logged ['lm_eval/t/acc'] @2", "saved @4", "tasks @4"]
+
+
+def test_the_last_step_is_saved_before_the_final_evaluations(monkeypatch: pytest.MonkeyPatch) -> None:
+    rec = _Recorder(fail_at=3)
+    with pytest.raises(RuntimeError, match="the harness failed"):
+        _run_loop(monkeypatch, rec, train_iters=3, eval_interval=10)
+    assert rec.events == ["saved @2", "at_exit @3 (train_iters reached)", "tasks @3"]
+    # exit_interval ends the run early: at_exit saves that step, then the step's evaluations run
+    rec = _Recorder()
+    state = _run_loop(monkeypatch, rec, train_iters=9, eval_interval=3, exit_interval=3)
+    assert rec.events == ["saved @2", "at_exit @3 (exit_interval 3)", "tasks @3", "logged ['lm_eval/t/acc'] @3"]
+    assert state.iteration == 3
+
+
+def test_comms_logger_summary_at_the_end_and_with_verbose_at_log_steps() -> None:
+    """comms_logger (DeepSpeed's block): its summary after the last step; with verbose also every log_interval."""
+    from megatron.training.comms_report import CommsReport
+
+    def shown(block: dict[str, object] | None) -> list[int]:
+        steps: list[int] = []
+        report = CommsReport(block, log_interval=2, show=lambda: steps.append(state.iteration))
+        state = TrainState()
+        for state.iteration in range(1, 6):
+            assert report.after_step(None, state) is False
+        report.at_exit(None, state)
+        return steps
+
+    assert shown(None) == [] and shown({"enabled": False, "verbose": True}) == []
+    assert shown({"enabled": True}) == [5]
+    assert shown({"enabled": True, "verbose": True}) == [2, 4, 5]

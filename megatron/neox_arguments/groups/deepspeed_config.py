@@ -105,7 +105,8 @@ class DeepSpeedConfigArgs(ArgGroup):
     """DeepSpeed elastic-training block (batch size adapts to the node count)."""
 
     comms_logger: dict[str, Any] | None = None
-    """DeepSpeed communication logger block."""
+    """DeepSpeed communication logger block ({enabled, prof_all, prof_ops, verbose, debug}): DeepSpeed times its
+    collectives and Deepy prints its summary after the last step (with verbose, at every log_interval too)."""
 
     compression_training: dict[str, Any] | None = not_supported(None)
     """DeepSpeed compression (quantisation/pruning during training) block."""

@@ -6,8 +6,11 @@
   samples (``PairwiseDataset``) and ``DPOObjective.prepare`` sums them; this only checks they came.
 * :class:`FrozenReference`: computed before each step by a frozen copy of the starting weights
   (``frozen.py``), for the step's micro-batches.
-* :class:`BaseModelReference`: with LoRA adapters the starting weights are the frozen base itself,
-  so the policy engine runs once more with its adapters switched off - no second copy of the weights.
+* :class:`BaseModelReference`: with LoRA adapters the starting weights are the frozen base plus the
+  adapters the run starts with, so the policy engine runs once more with its adapters switched off (a
+  start from the seeded initialisation or from a checkpoint without adapters: fresh adapters add 0) or
+  set to the starting checkpoint's (a start from a LoRA checkpoint, e.g. an SFT run's) - no second copy
+  of the base weights.
 
 The step calls :meth:`Reference.fill` with all of its micro-batches before the policy's first
 forward, so under pipeline parallelism the reference values are ready when the last stage's loss
@@ -16,6 +19,9 @@ needs them.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -23,10 +29,12 @@ import torch
 
 from megatron.checkpointing.config import CheckpointArgs
 from megatron.deepspeed_internals import separate_pipeline_loss_total
-from megatron.model.lora import adapters_disabled
+from megatron.model.lora import adapters_disabled, is_adapter_name
 from megatron.training.objectives.base import MicroBatch, Objective
 from megatron.training.objectives.config import ObjectiveArgs
 from megatron.training.objectives.frozen import FrozenCopy, StartingPoint, starting_point
+
+log = logging.getLogger("deepy")
 
 
 class Reference:
@@ -69,21 +77,57 @@ class FrozenReference(Reference):
 
 
 class BaseModelReference(Reference):
-    """The policy's own frozen base: a forward pass with every adapter off, in eval mode (no dropout,
-    so no random numbers are drawn) and without gradients.
+    """The policy's own starting model: a forward pass with the adapters the run started with (none, or the
+    starting checkpoint's), in eval mode (no dropout, so no random numbers are drawn) and without gradients.
 
-    The base never changes while adapters train, and a resumed or ``initialize_from`` run loads the
-    same base, so this is the reference the run started with."""
+    The base never changes while adapters train, and a resumed or ``initialize_from`` run loads the same
+    base, so with the starting adapters this is the model the run started with (``frozen.py`` resolves the
+    starting point, on the first start and on every resume alike)."""
 
     def __init__(self, objective: Objective, policy: Any, is_pipe: bool) -> None:
         self.objective = objective
         self.policy = policy
         self.is_pipe = is_pipe
+        self.start_adapters: dict[str, torch.Tensor] | None = None
+        """This rank's adapter tensors at the starting point, when it holds trained ones (None: fresh adapters,
+        whose output is 0, so switching them off gives the starting model)."""
+
+    def capture(self, policy: Any, args_dict: dict[str, Any], checkpoint: CheckpointArgs) -> None:
+        from megatron.checkpointing.save_load import LoadOptions, load_checkpoint, read_meta
+
+        source = starting_point(checkpoint, self.objective.config.train_impl)
+        if source.checkpoint is None or not int((read_meta(source.checkpoint).get("args") or {}).get("lora_r") or 0):
+            log.info("reference model: the frozen base (adapters off) of %s", source)
+            return
+        load_checkpoint(policy, source.checkpoint, args_dict, LoadOptions(weights_only=True))
+        params = _adapter_parameters(policy.module)
+        with _gathered(policy, params, modify=False):
+            self.start_adapters = {name: p.detach().clone() for name, p in params.items()}
+        log.info("reference model: the frozen base with the adapters of %s", source)
+
+    @contextlib.contextmanager
+    def _starting_model(self, module: Any) -> Iterator[None]:
+        """``module`` as the run started: adapters off, or set to the starting checkpoint's."""
+        if self.start_adapters is None:
+            with adapters_disabled(module):
+                yield
+            return
+        params = _adapter_parameters(module)
+        with _gathered(self.policy, params, modify=True), torch.no_grad():
+            trained = {name: p.detach().clone() for name, p in params.items()}
+            for name, p in params.items():
+                p.copy_(self.start_adapters[name])
+        try:
+            yield
+        finally:
+            with _gathered(self.policy, params, modify=True), torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(trained[name])
 
     def fill(self, batches: list[MicroBatch], split: str, device: torch.device) -> list[MicroBatch]:
         module = self.policy.module
         was_training = module.training
-        with adapters_disabled(module):
+        with self._starting_model(module):
             if self.is_pipe:
                 values = self._pipeline_logps(batches, device)
             else:
@@ -109,6 +153,20 @@ class BaseModelReference(Reference):
         if not self.policy.is_last_stage():
             return [torch.zeros(b.labels.shape[0], device=device) for b in batches]
         return [out.float() for out in outputs]
+
+
+def _adapter_parameters(module: Any) -> dict[str, torch.nn.Parameter]:
+    return {name: p for name, p in module.named_parameters() if is_adapter_name(name)}
+
+
+def _gathered(policy: Any, params: dict[str, torch.nn.Parameter], modify: bool) -> contextlib.AbstractContextManager[Any]:
+    """Whole adapter tensors inside the block: under ZeRO-3 gathered from their partitions (and, with
+    ``modify``, partitioned again from rank 0's values on exit); otherwise they are whole already."""
+    if int(policy.zero_optimization_stage()) != 3 or not params:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0 if modify else None)
 
 
 def build_reference(objective: Objective, policy: Any, is_pipe: bool, model_config: Any,
