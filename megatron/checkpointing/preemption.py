@@ -16,18 +16,11 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from megatron.mpu.topology import collective_device
+
 log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0 speaks
 
 DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
-
-
-def collective_device() -> torch.device:
-    """Where a small tensor must live to take part in a collective: NCCL only moves GPU memory."""
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        from deepspeed.accelerator import get_accelerator
-
-        return torch.device(get_accelerator().current_device_name())
-    return torch.device("cpu")
 
 
 class PreemptionWatcher:
