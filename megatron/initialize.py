@@ -63,10 +63,14 @@ def init_distributed(parallel: ParallelRunArgs) -> None:
         master_port=parallel.master_port,
         prefer_slurm=parallel.deepspeed_slurm,
     )
-    os.environ.update(env)
     local_rank = int(env["LOCAL_RANK"])
+    if torch.cuda.is_available() and local_rank >= torch.cuda.device_count():
+        # a task bound to fewer devices than its local id (Slurm --gpus-per-task without
+        # CUDA_VISIBLE_DEVICES): DeepSpeed's engine calls set_device(LOCAL_RANK) too
+        env["LOCAL_RANK"] = str(local_rank % torch.cuda.device_count())
+    os.environ.update(env)
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(int(env["LOCAL_RANK"]))
     if torch.distributed.is_initialized():
         return
     backend = backend_for(parallel.distributed_backend)

@@ -72,6 +72,22 @@ def first_slurm_host(nodelist: str) -> str:
     return f"{prefix}{start}{suffix}"
 
 
+def visible_devices(environ: Mapping[str, str]) -> list[str]:
+    """The entries of ``CUDA_VISIBLE_DEVICES`` (ids, UUIDs or MIG names); [] when it is unset or empty."""
+    return [entry.strip() for entry in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
+
+
+def device_local_rank(local_rank: int, environ: Mapping[str, str]) -> int:
+    """The device index a scheduler-started rank uses among the devices it can see.
+
+    Slurm's ``SLURM_LOCALID`` (and MPI's local rank) count the tasks of a node. A job that binds
+    devices per task (``--gpus-per-task=1``, ``--gpu-bind``) shows each task only its own GPUs, so
+    ``LOCAL_RANK=3`` would make DeepSpeed's engine call ``set_device(3)`` with one visible device
+    ("invalid device ordinal"): the rank's index is then its local id modulo what it sees."""
+    seen = len(visible_devices(environ))
+    return local_rank % seen if seen and local_rank >= seen else local_rank
+
+
 def distributed_env(
     environ: Mapping[str, str],
     master_addr: str | None = None,
@@ -113,7 +129,7 @@ def distributed_env(
             )
     return {
         "RANK": environ[source.rank],
-        "LOCAL_RANK": environ.get(source.local_rank, "0"),
+        "LOCAL_RANK": str(device_local_rank(int(environ.get(source.local_rank, "0")), environ)),
         "WORLD_SIZE": world,
         "MASTER_ADDR": addr,
         "MASTER_PORT": port,

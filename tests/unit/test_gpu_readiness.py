@@ -47,3 +47,45 @@ def test_tensor_parallel_statistics_are_reduced_on_the_collective_device(monkeyp
     with pytest.raises(_Stop):
         collector._reduce({"w": [1.0, 0.0, 2.0]})
     assert seen == [torch.device("meta")]
+
+
+# --- which GPUs a rank gets -------------------------------------------------------------------------
+def _local_launch(**keys: object) -> object:
+    from megatron.neox_arguments.arguments import NeoXArgs
+
+    return NeoXArgs(**keys)
+
+
+@pytest.mark.parametrize("num_gpus, slots", [(None, [4, 5]), (1, [4])])
+def test_a_local_launch_keeps_the_visible_devices(num_gpus: int | None, slots: list[int]) -> None:
+    """With CUDA_VISIBLE_DEVICES=4,5 (two GPUs to torch) the ranks run on GPUs 4 and 5, not 0 and 1:
+    the per-node launcher writes the slots into each rank's CUDA_VISIBLE_DEVICES."""
+    from megatron.launcher import local_ranks
+    from megatron.launcher.resources import active_resources
+
+    environ = {"CUDA_VISIBLE_DEVICES": "4,5"}
+    active = active_resources(_local_launch(num_gpus=num_gpus), environ, lambda: 2)
+    assert active == {"localhost": slots}
+    envs = [local_ranks.rank_environment(environ, slots, r, "127.0.0.1", 29500) for r in range(len(slots))]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == [",".join(map(str, slots))] * len(slots)
+    assert [e["LOCAL_RANK"] for e in envs] == [str(r) for r in range(len(slots))]
+
+
+def test_devices_named_by_uuid_are_handed_on_by_name() -> None:
+    from megatron.launcher import local_ranks
+
+    environ = {"CUDA_VISIBLE_DEVICES": "GPU-aaaa,GPU-bbbb"}
+    env = local_ranks.rank_environment(environ, [0, 1], 1, "127.0.0.1", 29500)
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-aaaa,GPU-bbbb"
+
+
+@pytest.mark.parametrize("visible, local_id, expected", [("3", "3", "0"), ("2,3", "3", "1"), ("0,1,2,3", "3", "3"),
+                                                         ("", "3", "3")])
+def test_a_slurm_task_bound_to_its_own_gpu_is_local_rank_zero(visible: str, local_id: str, expected: str) -> None:
+    """srun --gpus-per-task=1 shows task 3 of a node one GPU; DeepSpeed's engine calls
+    set_device(LOCAL_RANK), so LOCAL_RANK must index what the task sees."""
+    from megatron.launcher.environment import distributed_env
+
+    env = {"SLURM_PROCID": "11", "SLURM_LOCALID": local_id, "SLURM_NTASKS": "16", "MASTER_ADDR": "10.0.0.1",
+           "CUDA_VISIBLE_DEVICES": visible}
+    assert distributed_env(env, prefer_slurm=True)["LOCAL_RANK"] == expected
