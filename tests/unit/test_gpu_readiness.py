@@ -89,3 +89,46 @@ def test_a_slurm_task_bound_to_its_own_gpu_is_local_rank_zero(visible: str, loca
     env = {"SLURM_PROCID": "11", "SLURM_LOCALID": local_id, "SLURM_NTASKS": "16", "MASTER_ADDR": "10.0.0.1",
            "CUDA_VISIBLE_DEVICES": visible}
     assert distributed_env(env, prefer_slurm=True)["LOCAL_RANK"] == expected
+
+
+# --- dropout streams: each pipeline stage and context-parallel piece draws its own masks -----------
+def _masks_at(monkeypatch: pytest.MonkeyPatch, tp: int, pp: int, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first dropout mask of the default stream and of the tensor-parallel stream on a rank at (tp, pp, cp)."""
+    from megatron.mpu import random as mpu_random
+
+    for name, value in (("get_tensor_model_parallel_rank", tp), ("get_pipe_parallel_rank", pp),
+                        ("get_context_parallel_rank", cp)):
+        monkeypatch.setattr(mpu_random, name, lambda value=value: value, raising=False)
+    mpu_random.model_parallel_manual_seed(1234)
+    replicated = torch.rand(64) < 0.5
+    with mpu_random.tensor_parallel_rng():
+        sharded = torch.rand(64) < 0.5
+    return replicated, sharded
+
+
+def test_each_stage_and_context_piece_draws_its_own_dropout_masks(monkeypatch: pytest.MonkeyPatch) -> None:
+    state = torch.get_rng_state()
+    try:
+        first = _masks_at(monkeypatch, 0, 0, 0)
+        assert all(torch.equal(a, b) for a, b in zip(first, _masks_at(monkeypatch, 0, 0, 0)))  # reproducible
+        for coords in ((0, 1, 0), (0, 0, 1), (0, 1, 1)):  # another stage, context piece, or both
+            other = _masks_at(monkeypatch, *coords)
+            assert not torch.equal(first[0], other[0]) and not torch.equal(first[1], other[1]), coords
+        # tensor-parallel ranks of one stage agree on replicated activations, differ on their shards
+        tp1 = _masks_at(monkeypatch, 1, 0, 0)
+        assert torch.equal(first[0], tp1[0]) and not torch.equal(first[1], tp1[1])
+    finally:
+        from megatron.mpu.random import get_rng_tracker
+
+        get_rng_tracker().reset()  # no seeded tracker left behind for other tests of this process
+        torch.set_rng_state(state)
+
+
+def test_stream_seeds_of_a_grid_are_all_different() -> None:
+    from megatron.mpu.random import stream_seeds
+
+    grid = [stream_seeds(7, tp, pp, cp) for tp in range(8) for pp in range(16) for cp in range(8)]
+    default = {(pp, cp): stream_seeds(7, 0, pp, cp)[0] for pp in range(16) for cp in range(8)}
+    assert len(set(default.values())) == len(default)
+    assert len({s for _, s in grid}) == len(grid) and not {s for _, s in grid} & set(default.values())
+    assert stream_seeds(7, 0) == (7, 7 + 2718)  # one stage, no context parallelism: as before
