@@ -132,3 +132,107 @@ def test_stream_seeds_of_a_grid_are_all_different() -> None:
     assert len(set(default.values())) == len(default)
     assert len({s for _, s in grid}) == len(grid) and not {s for _, s in grid} & set(default.values())
     assert stream_seeds(7, 0) == (7, 7 + 2718)  # one stage, no context parallelism: as before
+
+
+# --- attention: which SDPA call each variant makes ----------------------------------------------------
+ATTN = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, max_position_embeddings=16,
+            padded_vocab_size=64, seed=3)
+
+
+def _sdpa_calls(monkeypatch: pytest.MonkeyPatch, **keys: object) -> list[dict[str, object]]:
+    """What one forward of a 2-layer model hands SDPA (mask or none, kv heads, grouped-query flag)."""
+    import torch.nn.functional as F
+
+    from megatron.model import GPTConfig, GPTModel
+    from megatron.model import attention
+
+    calls: list[dict[str, object]] = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> torch.Tensor:
+        calls.append({"mask": kw.get("attn_mask") is not None, "kv_heads": k.shape[1],
+                      "enable_gqa": kw.get("enable_gqa", False), "scale": kw.get("scale")})
+        return real(q, k, v, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    model = GPTModel(GPTConfig(**{**ATTN, **keys}))
+    model(torch.randint(0, 64, (2, 16)))
+    return calls
+
+
+@pytest.mark.parametrize("width, masked", [(15, False), (64, False), (14, True), (4, True)])
+def test_a_window_as_long_as_the_sequence_keeps_the_flash_path(monkeypatch: pytest.MonkeyPatch, width: int,
+                                                                masked: bool) -> None:
+    """seq 16: a query sees at most 15 earlier keys, so a window of 15 or more is plain causal attention
+    (no mask: is_causal, which the flash kernel takes); 14 cuts something and needs its mask."""
+    calls = _sdpa_calls(monkeypatch, sliding_window_width=width, pos_emb="rotary")
+    assert [c["mask"] for c in calls] == [masked, masked]
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_grouped_query_attention_with_a_mask_does_not_fall_back_to_the_math_kernel(
+        monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
+    """SDPA's enable_gqa exists in the flash and math kernels only, and flash takes no mask: with a
+    mask (a Mistral window here) the kv heads are repeated for their queries so the memory-efficient
+    kernel can take it; without one, the grouped call stays (flash)."""
+    calls = _sdpa_calls(monkeypatch, num_kv_heads=2, pos_emb="rotary", sliding_window_width=window)
+    if window is None:
+        assert calls == [{"mask": False, "kv_heads": 2, "enable_gqa": True, "scale": None}] * 2
+    else:
+        assert calls == [{"mask": True, "kv_heads": 4, "enable_gqa": False, "scale": None}] * 2
+
+
+def test_gqa_with_a_mask_computes_what_grouped_attention_does() -> None:
+    """The repeated kv heads give the grouped result: query head i reads kv head i // (n / n_kv)."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 8, 4, generator=gen) for n in (4, 2, 2))
+    mask = torch.ones(8, 8, dtype=torch.bool).tril().triu(-3)
+    grouped = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    from megatron.model import GPTConfig
+    from megatron.model.attention import SelfAttention
+
+    layer = SelfAttention(GPTConfig(**{**ATTN, "hidden_size": 16, "num_kv_heads": 2}), "l0")
+    torch.testing.assert_close(layer._attend(q, k, v, mask, 0.0), grouped)
+
+
+def test_the_inverse_layer_scale_compiles_one_graph_for_every_layer() -> None:
+    """scale_attn_by_inverse_layer_idx as a float attribute made torch.compile specialise on it: one
+    graph per layer (and layers past the recompile limit run uncompiled)."""
+    from torch._dynamo.utils import counters
+
+    from megatron.model import GPTConfig, GPTModel
+    from megatron.training.engine import transformer_layers
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = GPTModel(GPTConfig(**{**ATTN, "scale_attn_by_inverse_layer_idx": True}))
+    for layer in transformer_layers(model):
+        layer.forward = torch.compile(layer.forward, backend="eager")
+    model(torch.randint(0, 64, (2, 16)))
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
+def test_packed_documents_are_read_from_the_device_once_per_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Document masks read the spans with .tolist() (a host sync on a GPU): once per micro-batch, not
+    once per layer and row."""
+    from megatron.model import GPTConfig, GPTModel
+    from megatron.model.documents import document_ids_from_eod
+
+    model = GPTModel(GPTConfig(**{**ATTN, "num_layers": 4}))
+    tokens = torch.randint(1, 64, (3, 16))
+    tokens[:, 5] = tokens[0, 11] = 0  # end-of-document tokens: 2 or 3 documents per row
+    documents = document_ids_from_eod(tokens, 0)
+    reads = 0
+    real = torch.Tensor.tolist
+
+    def counting(self: torch.Tensor) -> object:
+        nonlocal reads
+        reads += 1
+        return real(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting)
+    model(tokens, document_ids=documents.clone())
+    assert reads == 1
