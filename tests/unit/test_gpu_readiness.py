@@ -236,3 +236,44 @@ def test_packed_documents_are_read_from_the_device_once_per_forward(monkeypatch:
     monkeypatch.setattr(torch.Tensor, "tolist", counting)
     model(tokens, document_ids=documents.clone())
     assert reads == 1
+
+
+# --- the DeepSpeed config: bf16 sums in fp32, no synchronising throughput timer ---------------------
+def _deepspeed_settings(**keys: object) -> object:
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from megatron.config_rules import Device
+    from megatron.neox_arguments.arguments import NeoXArgs
+    from megatron.neox_arguments.derived import finalize
+    from megatron.neox_arguments.resolved import ResolvedConfig
+
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128, train_micro_batch_size_per_gpu=4,
+                train_iters=10, use_dummy_dataset=True, tokenizer_type="CharLevelTokenizer",
+                optimizer={"type": "Adam", "params": {"lr": 0.001}})
+    resolved = finalize(ResolvedConfig(args=NeoXArgs(**{**base, **keys})), 1,
+                        device=Device(cuda=False, fp16_supported=True))
+    return DeepSpeedConfig(resolved.deepspeed_config)  # what DeepSpeed's engine reads
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_gradients_are_accumulated_and_reduced_in_fp32(stage: int) -> None:
+    """DeepSpeed's defaults accumulate and all-reduce bf16 gradients in bf16. fp32 communication at
+    every stage; fp32 accumulation under ZeRO (DeepSpeed refuses it for the plain engine without
+    ZeRO, and the pipeline's bf16 optimizer accumulates in fp32 already)."""
+    parsed = _deepspeed_settings(precision="bfloat16", zero_optimization={"stage": stage})
+    assert parsed.communication_data_type == torch.float32
+    assert parsed.grad_accum_dtype == ("fp32" if stage else None)
+
+
+def test_the_users_dtypes_win_and_fp32_runs_are_left_alone() -> None:
+    parsed = _deepspeed_settings(precision="bfloat16", zero_optimization={"stage": 1},
+                                 communication_data_type="bf16", data_types={"grad_accum_dtype": "bf16"})
+    assert parsed.communication_data_type == torch.bfloat16 and parsed.grad_accum_dtype == "bf16"
+    fp32 = _deepspeed_settings(zero_optimization={"stage": 1})
+    assert fp32.communication_data_type is None and fp32.grad_accum_dtype is None
+
+
+def test_deepspeeds_throughput_timer_does_not_synchronise_every_micro_batch() -> None:
+    assert not _deepspeed_settings().timers_config.enabled
+    mine = _deepspeed_settings(deepspeed_extra_args={"timers": {"throughput": {"enabled": True}}})
+    assert mine.timers_config.enabled
