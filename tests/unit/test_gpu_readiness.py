@@ -277,3 +277,34 @@ def test_deepspeeds_throughput_timer_does_not_synchronise_every_micro_batch() ->
     assert not _deepspeed_settings().timers_config.enabled
     mine = _deepspeed_settings(deepspeed_extra_args={"timers": {"throughput": {"enabled": True}}})
     assert mine.timers_config.enabled
+
+
+# --- the batch's way to the GPU: pinned where it is finally shaped, copied without a host wait -----
+def test_micro_batches_reach_a_gpu_through_pinned_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sample was pinned, but the objective's slicing and masking made new (pageable) tensors, and
+    their copy made the host wait for the GPU every micro-batch. Every tensor of the micro-batch the
+    engine reads is pinned and copied with non_blocking."""
+    from megatron.training.objectives import ObjectiveArgs, build_objective
+
+    copies: list[tuple[bool, str, bool]] = []
+    real_to = torch.Tensor.to
+
+    def pin(self: torch.Tensor) -> torch.Tensor:
+        out = self.clone()
+        out.pinned_here = True  # type: ignore[attr-defined]
+        return out
+
+    def to(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        device = torch.device(args[0]) if args and isinstance(args[0], (str, torch.device)) else None
+        if device is None or device.type != "cuda":
+            return real_to(self, *args, **kwargs)  # type: ignore[arg-type]
+        copies.append((getattr(self, "pinned_here", False), device.type, bool(kwargs.get("non_blocking"))))
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    objective = build_objective(ObjectiveArgs(reset_attention_mask=True, reset_position_ids=True), eod_token=0)
+    batch = objective.prepare({"text": torch.tensor([[5, 6, 0, 7, 8, 9, 0, 4, 3]])})
+    batch.to(torch.device("cuda", 0))
+    assert len(copies) == 4  # inputs, labels, positions, documents
+    assert copies == [(True, "cuda", True)] * 4
