@@ -308,3 +308,63 @@ def test_micro_batches_reach_a_gpu_through_pinned_memory(monkeypatch: pytest.Mon
     batch.to(torch.device("cuda", 0))
     assert len(copies) == 4  # inputs, labels, positions, documents
     assert copies == [(True, "cuda", True)] * 4
+
+
+# --- once-per-step agreements that made the host wait for the device ----------------------------------
+def test_the_preemption_flag_is_read_one_step_late_without_waiting_for_the_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU, reading the all-reduced flag at once (.item()) makes the host wait for the whole step;
+    the deferred read returns the previous step's agreed flag from a finished copy instead."""
+    from megatron.checkpointing.preemption import AgreedFlag
+
+    flag = AgreedFlag(deferred=True)
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("a device read in the step"))
+    assert [flag.exchange(v) for v in (0, 1, 0, 0)] == [0, 0, 1, 0]
+    monkeypatch.undo()
+    assert [AgreedFlag(deferred=False).exchange(v) for v in (0, 1)] == [0, 1]  # gloo: read at once
+
+
+def test_step_based_save_decisions_need_no_broadcast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank computes the same step schedule; only a clock-based save (save_interval) needs rank
+    0's word, and with it a collective and a read of its result every step."""
+    from megatron.checkpointing.manager import CheckpointManager
+    from megatron.checkpointing.retention import RetentionPolicy
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    broadcasts: list[int] = []
+    monkeypatch.setattr(dist, "broadcast", lambda tensor, src, group=None: broadcasts.append(src))
+    manager = CheckpointManager.__new__(CheckpointManager)
+    manager.policy = RetentionPolicy(train_iters=10, checkpoint_factor=5)
+    assert [manager._agreed_decision(step).save for step in range(1, 11)] == [False] * 4 + [True] + [False] * 4 + [True]
+    assert broadcasts == []
+    manager.policy = RetentionPolicy(train_iters=10, save_interval_s=60.0)
+    manager._agreed_decision(1)
+    assert broadcasts == [0]
+
+
+# --- shipped configs: what a GPU user wants ---------------------------------------------------------
+def _shipped() -> list[str]:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    return sorted(p.relative_to(root).as_posix() for p in root.glob("**/*.yml") if p.name != "local_setup.yml")
+
+
+@pytest.mark.parametrize("name", _shipped())
+def test_shipped_configs_neither_sync_every_layer_nor_reduce_in_one_bucket(name: str) -> None:
+    """synchronize_each_layer waits for the device after every block (GPT-NeoX's configs set it); a
+    ZeRO gradient bucket larger than the model reduces everything after the backward, overlapping
+    nothing."""
+    from pathlib import Path
+
+    from megatron.model import num_parameters
+    from megatron.neox_arguments import load_config
+
+    args = load_config([str(Path(__file__).resolve().parents[2] / "configs" / name)], []).args
+    assert not args.synchronize_each_layer
+    zero = args.zero_optimization or {}
+    if int(zero.get("stage", 0) or 0) >= 1 and "reduce_bucket_size" in zero:
+        params = num_parameters(args.with_vocab(50304))
+        assert float(zero["reduce_bucket_size"]) < params / 2, (zero["reduce_bucket_size"], params)
