@@ -368,3 +368,56 @@ def test_shipped_configs_neither_sync_every_layer_nor_reduce_in_one_bucket(name:
     if int(zero.get("stage", 0) or 0) >= 1 and "reduce_bucket_size" in zero:
         params = num_parameters(args.with_vocab(50304))
         assert float(zero["reduce_bucket_size"]) < params / 2, (zero["reduce_bucket_size"], params)
+
+
+# --- the node: cores per rank, GPUs the job forgot, the compiler torch.compile needs ----------------
+def test_srun_hands_on_the_jobs_cores_per_task() -> None:
+    """Since Slurm 22.05 a job step does not inherit --cpus-per-task: each rank would get one core."""
+    from megatron.launcher.slurm import srun_argv
+
+    args = _local_launch(launcher="slurm")
+    pool = {"n1": [0, 1]}
+    assert "--cpus-per-task=12" in srun_argv(args, pool, pool, ["train.py"], "12")
+    assert not any(a.startswith("--cpus-per-task") for a in srun_argv(args, pool, pool, ["train.py"]))
+
+
+def test_a_slurm_job_that_got_no_gpus_on_a_gpu_node_stops(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from megatron.launcher.environment import hidden_gpus_problem
+
+    gpus = Path(str(tmp_path)) / "gpus"
+    gpus.mkdir()
+    for bus in ("0000:17:00.0", "0000:65:00.0"):
+        (gpus / bus).mkdir()
+    job = {"SLURM_JOB_ID": "77", "SLURM_PROCID": "3"}
+    problem = hidden_gpus_problem(job, 0, str(gpus))
+    assert problem is not None and "2 NVIDIA GPU(s)" in problem and "--gpus-per-node" in problem
+    assert hidden_gpus_problem(job, 2, str(gpus)) is None  # it got them
+    assert hidden_gpus_problem({**job, "CUDA_VISIBLE_DEVICES": ""}, 0, str(gpus)) is None  # CPU on purpose
+    assert hidden_gpus_problem({}, 0, str(gpus)) is None  # not a Slurm job
+    assert hidden_gpus_problem(job, 0, str(gpus / "none")) is None  # a node without NVIDIA GPUs
+
+
+def test_compile_layers_without_a_compiler_is_refused_before_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron.config_rules import Device
+    from megatron.errors import ConfigError
+    from megatron.neox_arguments.arguments import NeoXArgs
+    from megatron.neox_arguments.derived import finalize
+    from megatron.neox_arguments.resolved import ResolvedConfig
+    from megatron.training import compile_checks
+
+    monkeypatch.setattr(compile_checks.shutil, "which", lambda name: None)
+    keys = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, train_micro_batch_size_per_gpu=2,
+                train_iters=4, use_dummy_dataset=True, tokenizer_type="CharLevelTokenizer", compile_layers=True,
+                lr=1e-3)
+    resolved = ResolvedConfig(args=NeoXArgs(**keys), provenance={"compile_layers": "run.yml:7"})
+    with pytest.raises(ConfigError, match=r"compile_layers: true \(run.yml:7\) needs a compiler toolchain.*g\+\+"):
+        finalize(resolved, 1, device=Device(cuda=False, fp16_supported=False))
+    # on a GPU node: a C compiler for Triton and Python.h
+    assert compile_checks.toolchain_problems(True, {}, lambda name: "/usr/bin/cc" if name == "gcc" else None,
+                                             str(tmp := __import__("tempfile").mkdtemp())) == [
+        f"no {tmp}/Python.h (the Python development headers Triton compiles against: python3-dev or your "
+        f"distribution's equivalent)"]
+    assert compile_checks.toolchain_problems(False, {"CXX": "icpx"}, lambda name: None)[0].startswith(
+        "no C++ compiler for inductor's C++ kernels (CXX='icpx' not found)")
