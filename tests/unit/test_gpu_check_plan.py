@@ -1,0 +1,35 @@
+"""deepy-gpu-check's plan: every part capped, the caps within ten minutes, --dry-run says so."""
+
+from __future__ import annotations
+
+import pytest
+
+from tools.gpu_check import checks, cli
+from tools.gpu_check.plan import PLAN, TEN_MINUTES, Check, describe, select, total_cap
+
+
+def test_every_check_of_the_plan_is_implemented_and_the_caps_fit_ten_minutes() -> None:
+    assert [c.name for c in PLAN] == list(checks.CHECKS)
+    assert all(c.cap_s > 0 for c in PLAN)
+    assert total_cap() <= TEN_MINUTES
+    # the issue's parts: environment, kernels, compile, tiny run with resume, overhead, memory, MFU, sync audit
+    assert {"environment", "attention", "compile", "tiny_resume", "trainer_125m", "memory_350m",
+            "sync_audit"} == {c.name for c in PLAN}
+
+
+def test_dry_run_prints_the_plan_and_the_total(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert all(c.name in text for c in PLAN)
+    total_line = [line for line in text.splitlines() if line.startswith("total")]
+    assert len(total_line) == 1 and f"{total_cap():.0f}s" in total_line[0]
+    assert "fits ten minutes (600 s)" in text
+    too_long = (*PLAN, Check(name="extra", cap_s=TEN_MINUTES, smoke=False, measures="-"))
+    assert "does NOT fit ten minutes" in describe(too_long)
+
+
+def test_smoke_runs_the_cpu_parts_and_only_names_the_chosen() -> None:
+    assert [c.name for c in select(None, smoke=True)] == ["environment", "attention"]
+    assert [c.name for c in select(["sync_audit", "environment"], smoke=True)] == ["environment", "sync_audit"]
+    with pytest.raises(ValueError, match="unknown check"):
+        select(["gpu_burn"], smoke=False)
