@@ -33,3 +33,39 @@ def test_smoke_runs_the_cpu_parts_and_only_names_the_chosen() -> None:
     assert [c.name for c in select(["sync_audit", "environment"], smoke=True)] == ["environment", "sync_audit"]
     with pytest.raises(ValueError, match="unknown check"):
         select(["gpu_burn"], smoke=False)
+
+
+def multi_gpu_commands(text: str, out: str) -> list[list[str]]:
+    """The deepy.py arguments of each command of docs/benchmarks.md's multi-GPU block (an sbatch
+    command's are the batch script's), with ``$O`` and ``$OUT`` filled in."""
+    import re
+    import shlex
+
+    section = text.split("## Multi-GPU checks")[1]
+    o_value = " ".join(re.search(r"`O`\s+stands\s+for\s+`([^`]+)`", section, re.S).group(1).split())
+    block = section.split("```bash")[1].split("```")[0]
+    found = []
+    for line in block.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        words = shlex.split(line.replace("$OUT", out).replace("$O", o_value).replace(";", " ; ").replace("&", " & "))
+        start = (words.index("deepy.py") if "deepy.py" in words else words.index("tools/slurm/train.sbatch")) + 1
+        args = words[start:]
+        args = args[: min([args.index(t) for t in (";", "&") if t in args], default=len(args))]
+        found.append(args if args[0] == "train.py" else ["train.py", *args])
+    return found
+
+
+def test_the_documented_multi_gpu_commands_pass_the_dry_run(tmp_path: "Path") -> None:  # noqa: F821
+    """Every command docs/benchmarks.md lists for a multi-GPU node resolves as deepy.py --dry-run
+    resolves it (in-process; the launch itself needs the GPUs)."""
+    from pathlib import Path
+
+    from megatron.app.deepy import parse_command, resolve
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md").read_text()
+    commands = multi_gpu_commands(text, str(tmp_path))
+    assert len(commands) == 9
+    for args in commands:
+        resolved = resolve(parse_command(["--dry-run", *args]))
+        assert resolved.args.train_iters == 20, args
