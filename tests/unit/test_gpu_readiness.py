@@ -421,3 +421,23 @@ def test_compile_layers_without_a_compiler_is_refused_before_launch(monkeypatch:
         f"distribution's equivalent)"]
     assert compile_checks.toolchain_problems(False, {"CXX": "icpx"}, lambda name: None)[0].startswith(
         "no C++ compiler for inductor's C++ kernels (CXX='icpx' not found)")
+
+
+def test_sinkhorn_routing_reads_its_convergence_every_eighth_iteration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each convergence test is a device read (a host sync per MoE layer and micro-batch on a GPU)."""
+    from megatron.model.moe import SINKHORN_CHECK_EVERY, sinkhorn
+
+    reads = 0
+    real = torch.Tensor.__bool__
+
+    def counting(self: torch.Tensor) -> bool:
+        nonlocal reads
+        reads += 1
+        return real(self)
+
+    logits = torch.randn(64, 8, generator=torch.Generator().manual_seed(0)) * 3
+    monkeypatch.setattr(torch.Tensor, "__bool__", counting)
+    plan = sinkhorn(logits, max_iters=64)
+    monkeypatch.undo()
+    assert SINKHORN_CHECK_EVERY == 8 and 1 <= reads <= 64 // 8
+    torch.testing.assert_close(plan.sum(0), torch.full((8,), 1 / 8), atol=1e-3, rtol=0)  # still balanced
