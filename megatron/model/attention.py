@@ -200,8 +200,8 @@ class SelfAttention(nn.Module):
         over keys `[0, past + s)`: bool (True = attend) or additive float (ALiBi, relative position
         bias). Query i sits at position past + i.
 
-        A sliding window no longer than the sequence changes nothing (every key is within the window
-        of every later query), so e.g. Mistral's 4096-token window at seq_length 4096 stays causal
+        A sliding window at least as long as the sequence changes nothing (no key is further back than
+        it from any later query), so e.g. Mistral's 4096-token window at seq_length 4096 stays causal
         and keeps the flash kernel."""
         window = self.window if self.window is not None and past + s - 1 > self.window else None
         plain_causal = window is None and self.alibi_slopes is None and self.relative_position_bias is None
