@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 import torch
 
+from megatron.torch_internals import tensor_version
+
 Span = tuple[int, int]
 """``[start, end)`` of one document piece along the sequence."""
 
@@ -60,7 +62,8 @@ class _SpanCache:
 
     @staticmethod
     def _key(t: torch.Tensor) -> tuple[object, ...]:
-        return (t.device, t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        # the version counter (shared by detached views) notices an in-place write to the ids
+        return (t.device, t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), tensor_version(t))
 
     def get(self, document_ids: torch.Tensor) -> list[list[Span]] | None:
         if self.ids is None or self._key(self.ids) != self._key(document_ids):

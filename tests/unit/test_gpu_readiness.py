@@ -200,19 +200,17 @@ def test_gqa_with_a_mask_computes_what_grouped_attention_does() -> None:
 def test_the_inverse_layer_scale_compiles_one_graph_for_every_layer() -> None:
     """scale_attn_by_inverse_layer_idx as a float attribute made torch.compile specialise on it: one
     graph per layer (and layers past the recompile limit run uncompiled)."""
-    from torch._dynamo.utils import counters
-
     from megatron.model import GPTConfig, GPTModel
+    from megatron.torch_internals import compile_counts, reset_compile_counts
     from megatron.training.engine import transformer_layers
 
-    torch._dynamo.reset()
-    counters.clear()
+    reset_compile_counts()
     model = GPTModel(GPTConfig(**{**ATTN, "scale_attn_by_inverse_layer_idx": True}))
     for layer in transformer_layers(model):
         layer.forward = torch.compile(layer.forward, backend="eager")
     model(torch.randint(0, 64, (2, 16)))
-    assert counters["stats"]["unique_graphs"] == 1
-    torch._dynamo.reset()
+    assert compile_counts() == (1, 0)
+    reset_compile_counts()
 
 
 def test_packed_documents_are_read_from_the_device_once_per_forward(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -441,3 +439,14 @@ def test_sinkhorn_routing_reads_its_convergence_every_eighth_iteration(monkeypat
     monkeypatch.undo()
     assert SINKHORN_CHECK_EVERY == 8 and 1 <= reads <= 64 // 8
     torch.testing.assert_close(plan.sum(0), torch.full((8,), 1 / 8), atol=1e-3, rtol=0)  # still balanced
+
+
+def test_the_span_cache_notices_new_and_rewritten_ids() -> None:
+    from megatron.model.documents import document_spans
+
+    ids = torch.tensor([[0, 0, 1, 1, 1, 2]])
+    assert document_spans(ids) == [[(0, 2), (2, 5), (5, 6)]]
+    assert document_spans(ids.detach()) == [[(0, 2), (2, 5), (5, 6)]]  # a detached view: the same ids
+    ids[0, 1:] += 1  # rewritten in place
+    assert document_spans(ids) == [[(0, 1), (1, 2), (2, 5), (5, 6)]]
+    assert document_spans(torch.zeros(2, 3, dtype=torch.long)) == [[(0, 3)], [(0, 3)]]

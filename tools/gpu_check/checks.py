@@ -162,16 +162,14 @@ def _compiled_model(keys: dict[str, Any], layers: int, hidden: int, heads: int, 
 
 
 def compile_check(smoke: bool, work: Path) -> Result:
-    from torch._dynamo.utils import counters
-
     from megatron.model import lm_loss
+    from megatron.torch_internals import compile_counts, reset_compile_counts
 
     layers, hidden, heads, seq, batch = (2, 64, 4, 64, 2) if smoke else (8, 1024, 16, 2048, 4)
     dev, dtype = _device_and_dtype()
     out: Result = {"shape": f"{layers} layers x {hidden}, seq {seq}, batch {batch}, {dtype}"}
     for name, keys in (("plain", {}), ("inverse layer scale", {"scale_attn_by_inverse_layer_idx": True})):
-        torch._dynamo.reset()
-        counters.clear()
+        reset_compile_counts()
         model = _compiled_model(keys, layers, hidden, heads, seq)
         tokens = torch.randint(0, 50304, (batch, seq + 1), device=dev)
 
@@ -186,9 +184,9 @@ def compile_check(smoke: bool, work: Path) -> Result:
         for _ in range(3):
             step()
         _sync()
+        graphs, breaks = compile_counts()
         out[name] = {"first_step_s": round(first, 1), "step_ms": round((time.perf_counter() - start) / 3 * 1e3, 1),
-                     "graphs": counters["stats"]["unique_graphs"],
-                     "graph_breaks": sum(counters["graph_break"].values())}
+                     "graphs": graphs, "graph_breaks": breaks}
         del model
     return out
 
