@@ -58,6 +58,7 @@ class _SpanCache:
 
     def __init__(self) -> None:
         self.ids: torch.Tensor | None = None
+        self.key: tuple[object, ...] = ()
         self.spans: list[list[Span]] = []
 
     @staticmethod
@@ -66,12 +67,12 @@ class _SpanCache:
         return (t.device, t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), tensor_version(t))
 
     def get(self, document_ids: torch.Tensor) -> list[list[Span]] | None:
-        if self.ids is None or self._key(self.ids) != self._key(document_ids):
+        if self.ids is None or self.key != self._key(document_ids):
             return None
         return self.spans
 
     def put(self, document_ids: torch.Tensor, spans: list[list[Span]]) -> None:
-        self.ids, self.spans = document_ids, spans
+        self.ids, self.key, self.spans = document_ids, self._key(document_ids), spans
 
 
 _SPANS = _SpanCache()
