@@ -3,7 +3,8 @@
 Two streams: the default generator (the same on all tp ranks, so dropout on replicated activations
 agrees) and a tracked "model-parallel" stream (offset by 2718 + tp_rank from it, different per tp
 rank, so dropout on sharded activations is independent across shards). Both are offset per pipeline
-stage (``100 * pp_rank``, as Megatron-LM's ``_set_random_seed`` does) and per context-parallel rank
+stage (``100 * pp_rank``, as Megatron-LM's ``_set_random_seed`` does: megatron/training/initialize.py
+at 2fd6e2b; GPT-NeoX's at ea7aefd seeds every stage alike) and per context-parallel rank
 (``10_000 * cp_rank``): otherwise every stage would draw the same masks for its layers (layer 0 and
 layer L/2 of a two-stage pipeline dropping the same units) and every context-parallel rank the same
 masks for its piece of the sequence. A one-stage run without context parallelism keeps ``seed``.

@@ -152,7 +152,9 @@ def gpu_defaults(config: dict[str, Any]) -> None:
     """Settings DeepSpeed 0.19.8 defaults otherwise, which cost accuracy or speed on a GPU; a key the
     user set (top level or in ``deepspeed_extra_args``) wins.
 
-    - bf16 gradients are accumulated and all-reduced in fp32 (Megatron-LM does the same for bf16):
+    - bf16 gradients are accumulated and all-reduced in fp32 (Megatron-LM does the same for bf16 unless
+      told ``--grad-reduce-in-bf16``: megatron/training/arguments.py at 307dcf3; GPT-NeoX's own 7B/34B
+      llemma configs set ``grad_accum_dtype: fp32`` at ea7aefd):
       DeepSpeed's defaults are the model dtype for both, so a sum over micro-batches and ranks loses
       bf16's 8 bits of mantissa. ``communication_data_type: fp32`` everywhere; ``data_types.grad_accum_dtype:
       fp32`` under ZeRO 1-3 (stage 1 then runs DeepSpeed's bf16 optimizer, which keeps an fp32
