@@ -25,6 +25,7 @@ CONSOLE_SCRIPTS = [
     "deepy-convert-hf-to-neox = tools.ckpts.convert_hf_to_neox:cli",
     "deepy-inspect-checkpoint = tools.ckpts.inspect_checkpoint:cli",
     "deepy-plot-metrics = tools.plot_metrics:cli",
+    "deepy-gpu-check = tools.gpu_check.cli:cli",
 ]
 
 

@@ -19,7 +19,7 @@ import torch
 
 from megatron.deepspeed_internals import skip_shared_memory_comm_op
 from megatron.errors import ConfigError
-from megatron.launcher.environment import distributed_env
+from megatron.launcher.environment import distributed_env, hidden_gpus_problem
 from megatron.mpu.parallel_config import ParallelRunArgs
 from megatron.mpu import Coordinates, initialize_model_parallel
 from megatron.mpu.experts import initialize_expert_parallel
@@ -63,10 +63,17 @@ def init_distributed(parallel: ParallelRunArgs) -> None:
         master_port=parallel.master_port,
         prefer_slurm=parallel.deepspeed_slurm,
     )
-    os.environ.update(env)
+    hidden = hidden_gpus_problem(os.environ, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if hidden:
+        raise ConfigError(hidden)
     local_rank = int(env["LOCAL_RANK"])
+    if torch.cuda.is_available() and local_rank >= torch.cuda.device_count():
+        # a task bound to fewer devices than its local id (Slurm --gpus-per-task without
+        # CUDA_VISIBLE_DEVICES): DeepSpeed's engine calls set_device(LOCAL_RANK) too
+        env["LOCAL_RANK"] = str(local_rank % torch.cuda.device_count())
+    os.environ.update(env)
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(int(env["LOCAL_RANK"]))
     if torch.distributed.is_initialized():
         return
     backend = backend_for(parallel.distributed_backend)

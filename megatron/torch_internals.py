@@ -61,3 +61,21 @@ def dump_cuda_memory_snapshot(path: str) -> None:
     and stop recording."""
     torch.cuda.memory._dump_snapshot(path)
     torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def reset_compile_counts() -> None:
+    """Forget every compiled graph and zero torch.compile's tallies (``torch._dynamo.reset`` and its
+    ``utils.counters``): torch has no public way to count the graphs a compilation made."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def compile_counts() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) since :func:`reset_compile_counts`: one graph for all transformer
+    blocks is what ``compile_layers`` wants; one per block means a recompile for each."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))

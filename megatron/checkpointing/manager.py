@@ -350,8 +350,8 @@ class CheckpointManager:
     def _agreed_decision(self, step: int) -> SaveDecision:
         """Rank 0 decides; the others follow (their clocks may disagree by a step's time)."""
         decision = self.policy.decide(step)
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return decision
+        if not (dist.is_initialized() and dist.get_world_size() > 1) or self.policy.save_interval_s is None:
+            return decision  # without time-based saves every rank decides the same from the step: no sync
         code = torch.tensor(
             [_KIND_CODES.index(decision.kind) if decision.save else -1], dtype=torch.int64, device=collective_device()
         )

@@ -4,6 +4,13 @@ The signal handler only sets a flag; the training loop asks :meth:`PreemptionWat
 once per step, which all-reduces the flag (MAX) so every rank stops after the *same* step even
 though a scheduler may signal ranks at different moments - otherwise one rank would enter the
 checkpoint barrier while the others wait in the next step's all-reduce.
+
+Under NCCL the flag lives on the GPU, and reading it right after the all-reduce would make the host
+wait for the whole step queued before it, every step. There the answer is read one step late: each
+call queues this step's all-reduce and an asynchronous copy into pinned memory, and returns the
+previous call's agreed flag, whose copy finished while this step ran. Every rank reads the same
+step's answer, so all still stop after the same step (one step after the signal). With gloo the
+flag is host memory and the answer is read at once.
 """
 
 from __future__ import annotations
@@ -16,18 +23,11 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from megatron.mpu.topology import collective_device
+
 log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0 speaks
 
 DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
-
-
-def collective_device() -> torch.device:
-    """Where a small tensor must live to take part in a collective: NCCL only moves GPU memory."""
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        from deepspeed.accelerator import get_accelerator
-
-        return torch.device(get_accelerator().current_device_name())
-    return torch.device("cpu")
 
 
 class PreemptionWatcher:
@@ -37,6 +37,7 @@ class PreemptionWatcher:
         self.signals = tuple(signals)
         self.requested = False
         self.signal_name: str | None = None
+        self._agreed = AgreedFlag()
 
     def install(self) -> PreemptionWatcher:
         for sig in self.signals:
@@ -50,11 +51,43 @@ class PreemptionWatcher:
 
     def should_stop(self, group: dist.ProcessGroup | None = None) -> bool:
         """True on every rank as soon as any rank received a signal (collective: all must call)."""
-        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32, device=collective_device())
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        stop = bool(flag.item())
+        stop = bool(self._agreed.exchange(1 if self.requested else 0, group))
         if stop and not self.requested:
             self.requested = True
             self.signal_name = self.signal_name or "a signal on another rank"
         return stop
+
+
+class AgreedFlag:
+    """The MAX over ranks of a small integer each rank posts once per step.
+
+    ``deferred`` (None: when the collective runs on a GPU) returns, from each call, the value agreed
+    by the *previous* call (0 for the first), read from pinned memory once the copy queued behind the
+    all-reduce is done, so the host never waits for the step in flight; otherwise the value just
+    agreed."""
+
+    def __init__(self, deferred: bool | None = None) -> None:
+        self.deferred = deferred
+        self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+
+    def exchange(self, value: int, group: dist.ProcessGroup | None = None) -> int:
+        device = collective_device(group)
+        flag = torch.tensor([value], dtype=torch.int32, device=device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        deferred = device.type != "cpu" if self.deferred is None else self.deferred
+        if not deferred:
+            return int(flag.item())
+        on_gpu = device.type == "cuda"
+        host = torch.empty(1, dtype=torch.int32, pin_memory=on_gpu)
+        host.copy_(flag, non_blocking=on_gpu)
+        done = torch.cuda.Event() if on_gpu else None
+        if done is not None:
+            done.record()
+        previous, self._pending = self._pending, (host, done)
+        if previous is None:
+            return 0
+        agreed, copied = previous
+        if copied is not None:
+            copied.synchronize()  # recorded a step ago: already complete while this step runs
+        return int(agreed[0])

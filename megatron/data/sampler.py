@@ -97,34 +97,25 @@ class Prefetcher:
     """Reads micro-batches `depth` ahead of the training step in one background thread.
 
     The step then never waits for sample reads and collation (or only when they are slower than the
-    step), and with a CUDA `pin_device` the batches are in page-locked memory, which lets the copy to
-    the GPU run asynchronously (`.to(device, non_blocking=True)`): a copy from ordinary memory would make
-    the host wait for the GPU first. Order and content are exactly the source's; an error raised by
-    the source is raised by `next()` at the same position. One thread, so the dataset is never read
-    concurrently.
+    step). Samples are not pinned here: the objective shapes them into new tensors before the copy to
+    the device, which pins those (:mod:`megatron.data.transfer`). Order and content are exactly the
+    source's; an error raised by the source is raised by `next()` at the same position. One thread, so
+    the dataset is never read concurrently.
     """
 
     _DONE = object()
 
-    def __init__(self, source: Iterator[dict[str, torch.Tensor]], depth: int,
-                 pin_device: torch.device | None = None) -> None:
+    def __init__(self, source: Iterator[dict[str, torch.Tensor]], depth: int) -> None:
         if depth < 1:
             raise ValueError(f"prefetch depth must be at least 1, got {depth}")
         self._source = source
-        self._pin_device = pin_device if pin_device is not None and pin_device.type == "cuda" else None
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._thread = threading.Thread(target=self._fill, name="deepy-prefetch", daemon=True)
         self._thread.start()
 
     def _fill(self) -> None:
         try:
-            if self._pin_device is not None:
-                # a new thread starts on GPU 0: pinning there would open a CUDA context on GPU 0 for
-                # every rank of the node
-                torch.cuda.set_device(self._pin_device)
             for batch in self._source:
-                if self._pin_device is not None:
-                    batch = {key: value.pin_memory() for key, value in batch.items()}
                 self._queue.put(batch)
             self._queue.put(self._DONE)
         except BaseException as err:  # handed to the consumer, raised where the batch was expected
@@ -144,8 +135,6 @@ class Prefetcher:
         return item
 
 
-def prefetched(source: Iterator[dict[str, torch.Tensor]], depth: int,
-               device: torch.device | None = None) -> Iterator[dict[str, torch.Tensor]]:
-    """`source` read `depth` micro-batches ahead by a `Prefetcher` (pinned for `device` when it is a
-    GPU); `depth` 0 = the source itself."""
-    return Prefetcher(source, depth, device) if depth > 0 else source
+def prefetched(source: Iterator[dict[str, torch.Tensor]], depth: int) -> Iterator[dict[str, torch.Tensor]]:
+    """`source` read `depth` micro-batches ahead by a `Prefetcher`; `depth` 0 = the source itself."""
+    return Prefetcher(source, depth) if depth > 0 else source

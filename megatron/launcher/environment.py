@@ -9,6 +9,7 @@ module maps those to the ``env://`` names torch.distributed reads, as GPT-NeoX's
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -72,6 +73,43 @@ def first_slurm_host(nodelist: str) -> str:
     return f"{prefix}{start}{suffix}"
 
 
+def visible_devices(environ: Mapping[str, str]) -> list[str]:
+    """The entries of ``CUDA_VISIBLE_DEVICES`` (ids, UUIDs or MIG names); [] when it is unset or empty."""
+    return [entry.strip() for entry in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
+
+
+def device_local_rank(local_rank: int, environ: Mapping[str, str]) -> int:
+    """The device index a scheduler-started rank uses among the devices it can see.
+
+    Slurm's ``SLURM_LOCALID`` (and MPI's local rank) count the tasks of a node. A job that binds
+    devices per task (``--gpus-per-task=1``, ``--gpu-bind``) shows each task only its own GPUs, so
+    ``LOCAL_RANK=3`` would make DeepSpeed's engine call ``set_device(3)`` with one visible device
+    ("invalid device ordinal"): the rank's index is then its local id modulo what it sees."""
+    seen = len(visible_devices(environ))
+    return local_rank % seen if seen and local_rank >= seen else local_rank
+
+
+NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
+"""One entry per NVIDIA GPU of the node, whatever the job's cgroup lets it open."""
+
+
+def hidden_gpus_problem(environ: Mapping[str, str], visible_count: int, gpus_dir: str = NVIDIA_GPUS) -> str | None:
+    """A Slurm task on a node with NVIDIA GPUs that sees none of them: the job asked for no GPUs
+    (``--gpus-per-node``/``--gres=gpu``) and would silently train on the CPU. ``CUDA_VISIBLE_DEVICES``
+    set (even empty) is a choice, and is left alone."""
+    if not environ.get("SLURM_JOB_ID") or visible_count > 0 or "CUDA_VISIBLE_DEVICES" in environ:
+        return None
+    try:
+        present = len(os.listdir(gpus_dir))
+    except OSError:
+        return None
+    if not present:
+        return None
+    return (f"this node has {present} NVIDIA GPU(s) but Slurm job {environ['SLURM_JOB_ID']} was given none, so "
+            f"rank {environ.get('SLURM_PROCID', '?')} would train on the CPU: request them (#SBATCH "
+            f"--gpus-per-node=N, or --gres=gpu:N), or set CUDA_VISIBLE_DEVICES= to train on the CPU on purpose")
+
+
 def distributed_env(
     environ: Mapping[str, str],
     master_addr: str | None = None,
@@ -113,7 +151,7 @@ def distributed_env(
             )
     return {
         "RANK": environ[source.rank],
-        "LOCAL_RANK": environ.get(source.local_rank, "0"),
+        "LOCAL_RANK": str(device_local_rank(int(environ.get(source.local_rank, "0")), environ)),
         "WORLD_SIZE": world,
         "MASTER_ADDR": addr,
         "MASTER_PORT": port,

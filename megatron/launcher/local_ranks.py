@@ -32,11 +32,18 @@ GRACE_S = 10.0
 
 def rank_environment(environ: Mapping[str, str], slots: Sequence[int], local_rank: int, master_addr: str,
                      master_port: int) -> dict[str, str]:  # fmt: skip
-    """The environment of the worker on ``slots[local_rank]``: one node, every slot of it a rank."""
+    """The environment of the worker on ``slots[local_rank]``: one node, every slot of it a rank.
+
+    Slots are device ids, as DeepSpeed's launcher sets them. Where this machine names its visible
+    devices by UUID or MIG instance (not ids), slot ``i`` is the ``i``-th of them: writing ``0,1`` there
+    would hand the ranks the whole first GPUs instead."""
+    listed = [entry.strip() for entry in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
+    by_name = listed and not all(entry.isdigit() for entry in listed) and max(slots) < len(listed)
+    devices = [listed[s] for s in slots] if by_name else [str(s) for s in slots]
     return {
         **environ,
         # DeepSpeed's CUDA and CPU accelerators both name the visible devices this way
-        "CUDA_VISIBLE_DEVICES": ",".join(str(s) for s in slots),
+        "CUDA_VISIBLE_DEVICES": ",".join(devices),
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
         "WORLD_SIZE": str(len(slots)),

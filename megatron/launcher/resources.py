@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from megatron.errors import ConfigError
 from megatron.launcher.config import LaunchArgs
+from megatron.launcher.environment import visible_devices
 
 # where DeepSpeed's runner looks for a hostfile when none is configured
 DEFAULT_HOSTFILE = "/job/hostfile"
@@ -86,8 +87,23 @@ def apply_counts(active: dict[str, list[int]], num_nodes: int, num_gpus: int) ->
     if num_nodes > 0:
         active = dict(list(active.items())[:num_nodes])
     if num_gpus > 0:
-        active = {host: list(range(num_gpus)) for host in active}
+        # the first num_gpus of the host's slots (its visible devices on this machine); DeepSpeed's
+        # own runner counts from 0, which is the same for a hostfile's slots
+        active = {host: slots[:num_gpus] if num_gpus <= len(slots) else list(range(num_gpus))
+                  for host, slots in active.items()}
     return active
+
+
+def local_slots(environ: Mapping[str, str], count: int) -> list[int]:
+    """This machine's device ids for a local launch: those ``CUDA_VISIBLE_DEVICES`` lists, when they are
+    ``count`` integer ids (DeepSpeed's runner turns them into ``include=localhost:<ids>``), else 0..count-1.
+
+    The per-node launcher gives each rank ``CUDA_VISIBLE_DEVICES`` = these slots, so counting from 0
+    with ``4,5`` visible would hand the ranks GPUs 0 and 1: someone else's."""
+    listed = visible_devices(environ)
+    if len(listed) == count and all(entry.isdigit() for entry in listed):
+        return [int(entry) for entry in listed]
+    return list(range(count))
 
 
 def _read_hostfile(path: str) -> dict[str, int]:
@@ -165,7 +181,7 @@ def resource_pool(
                 f"num_nodes={config.num_nodes} but no hostfile lists other nodes: add hostfile: <path> "
                 f"(lines like 'node1 slots=8')"
             )
-        return {"localhost": list(range(local_devices()))}
+        return {"localhost": local_slots(environ, local_devices())}
     return {host: list(range(slots)) for host, slots in _read_hostfile(path).items()}
 
 
@@ -177,8 +193,11 @@ def select_active(config: LaunchArgs, pool: dict[str, list[int]]) -> dict[str, l
             f"{key}={config.include or config.exclude!r} together with num_nodes={config.num_nodes}/"
             f"num_gpus={config.num_gpus}: DeepSpeed's runner accepts either a host filter or counts; remove one"
         )
-    counts = {host: len(slots) for host, slots in pool.items()}
-    filtered = filter_pool(counts, config.include or "", config.exclude or "")
+    if config.include or config.exclude:  # DeepSpeed's slot numbers, counted from 0 on every host
+        filtered = filter_pool({host: len(slots) for host, slots in pool.items()}, config.include or "",
+                               config.exclude or "")
+    else:  # the pool's own ids (this machine's visible devices)
+        filtered = {host: list(slots) for host, slots in pool.items()}
     active = apply_counts(filtered, config.num_nodes, -1 if config.num_gpus is None else config.num_gpus)
     if not active:
         raise ConfigError("no ranks left to launch after include/exclude: check include/exclude/hostfile")

@@ -104,6 +104,7 @@ def srun_argv(
     active: Mapping[str, list[int]],
     pool: Mapping[str, list[int]],
     worker: Sequence[str],
+    cpus_per_task: str | None = None,
 ) -> list[str]:
     """One job step with a task per rank on the ``active`` hosts of the allocation ``pool``."""
     check_whole_hosts(active)
@@ -113,6 +114,10 @@ def srun_argv(
         argv.append(f"--ntasks-per-node={counts[0]}")
     if list(active) != list(pool):
         argv.append(f"--nodelist={','.join(active)}")
+    if cpus_per_task:
+        # since Slurm 22.05 a job step no longer inherits the batch job's --cpus-per-task: without it
+        # each rank would get one core (its data prefetching and torch's threads included)
+        argv.append(f"--cpus-per-task={cpus_per_task}")
     # one failed rank ends the step at once instead of leaving the others in a collective
     argv.append("--kill-on-bad-exit=1")
     if config.comment:
@@ -138,7 +143,8 @@ def plan_slurm(inputs: PlanInputs) -> LaunchPlan:
     )
     env = {"MASTER_ADDR": meeting.addr, "MASTER_PORT": str(meeting.port)}
     return LaunchPlan(
-        argv=srun_argv(inputs.config, inputs.active, inputs.pool, inputs.worker),
+        argv=srun_argv(inputs.config, inputs.active, inputs.pool, inputs.worker,
+                       inputs.environ.get("SLURM_CPUS_PER_TASK")),
         mode="srun",
         world_size=inputs.world_size,
         config_path=inputs.config_path,

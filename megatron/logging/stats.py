@@ -129,9 +129,11 @@ class StatsCollector:
             # shards are disjoint: add them up; replicated parameters: count tp rank 0's copy only
             rows = [local[n] if is_model_parallel_parameter(params[n]) or tp_rank == 0 else [0.0] * len(local[n])
                     for n in names]
-            table = torch.tensor(rows, dtype=torch.float64)
-            dist.all_reduce(table, group=mpu.get_tensor_model_parallel_group())
-            local = {n: table[i].tolist() for i, n in enumerate(names)}
+            group = mpu.get_tensor_model_parallel_group()
+            # on the device the backend moves (NCCL refuses a host tensor); read back once, at log steps
+            table = torch.tensor(rows, dtype=torch.float64, device=mpu.collective_device(group))
+            dist.all_reduce(table, group=group)
+            local = {n: row for n, row in zip(names, table.cpu().tolist())}
         if mpu.get_pipe_parallel_world_size() > 1:
             gathered: list[dict[str, list[float]] | None] = [None] * mpu.get_pipe_parallel_world_size()
             dist.all_gather_object(gathered, local, group=mpu.get_pipe_parallel_group())

@@ -9,7 +9,6 @@ attention: query head i reads kv head i // (heads / kv_heads)).
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.nn.functional as F
@@ -97,10 +96,15 @@ class SelfAttention(nn.Module):
             share, cp_rank = self.heads // self.context_parallel, get_context_parallel_rank()
             self.alibi_slopes = self.alibi_slopes[cp_rank * share : (cp_rank + 1) * share].clone()
         self.window = config.attention_window(layer_number)
-        # None keeps SDPA's own 1/sqrt(d); GPT-2's inverse-layer option folds 1/(layer + 1) into it
-        self.scale = (
-            1.0 / (math.sqrt(self.head_dim) * (layer_number + 1)) if config.scale_attn_by_inverse_layer_idx else None
-        )
+        # GPT-2's inverse-layer option divides the scores by (layer + 1): the divisor is a tensor, not a
+        # Python float, because torch.compile specialises on a float attribute and would compile one
+        # graph per layer (and run the layers past its recompile limit uncompiled). An integer buffer:
+        # the engine's bf16/fp16 cast of the module leaves it exact.
+        self.inverse_layer: torch.Tensor | None
+        if config.scale_attn_by_inverse_layer_idx:
+            self.register_buffer("inverse_layer", torch.tensor(layer_number + 1), persistent=False)
+        else:
+            self.inverse_layer = None
         self.dropout = config.attention_dropout
         # Batch-first inside the block (the hidden states stay [s, b, h] outside): the projection then
         # writes q, k, v in the order SDPA reads fastest (the seq-first views took 5-30% longer for
@@ -129,6 +133,8 @@ class SelfAttention(nn.Module):
         if self.rotary is not None:
             cos, signed_sin = self.rotary.tables(position_ids, s, q.device)  # once for q and k
             q, k = self.rotary.rotate(q, cos, signed_sin), self.rotary.rotate(k, cos, signed_sin)
+        if self.inverse_layer is not None:  # scores / (layer + 1), computed in fp32 and rounded once
+            q = (q.float() / self.inverse_layer).to(q.dtype)
         dropout_p = self.dropout if self.training else 0.0
         if self.context_parallel > 1:  # this rank's piece of the sequence -> a share of the heads, all of it
             if kv_cache is not None or attention_mask is not None:
@@ -160,6 +166,15 @@ class SelfAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float
     ) -> torch.Tensor:
         """SDPA of `q` `[b, n, s, d]` over `k`, `v` `[b, n_kv, past + s, d]` with `mask` from `_mask`."""
+        grouped = self.kv_heads != self.heads
+        if grouped and mask is not None:
+            # SDPA's grouped-query path (enable_gqa) exists in the flash and math kernels only, and flash
+            # takes no mask: with one, GQA would fall back to the math kernel and materialise the
+            # [b, n, s, s] scores. Repeating each kv head for its queries lets the memory-efficient
+            # kernel take it (query head i reads kv head i // (n / n_kv), as repeat_interleave lays out).
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)  # [b, n, past + s, d]
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            grouped = False
         # heads differ per rank, so their dropout should too (no RNG switch without dropout: it
         # would only cost a graph break under torch.compile)
         with tensor_parallel_rng() if dropout_p > 0 else contextlib.nullcontext():
@@ -170,8 +185,7 @@ class SelfAttention(nn.Module):
                 attn_mask=mask,
                 dropout_p=dropout_p,
                 is_causal=mask is None,
-                scale=self.scale,
-                enable_gqa=self.kv_heads != self.heads,  # query head i reads kv head i // (n / n_kv)
+                enable_gqa=grouped,  # query head i reads kv head i // (n / n_kv)
             )  # [b, n, s, d]
 
     def _heads(self, t: torch.Tensor, n: int) -> torch.Tensor:
@@ -182,17 +196,23 @@ class SelfAttention(nn.Module):
     def _mask(
         self, s: int, past: int, attention_mask: torch.Tensor | None, q: torch.Tensor
     ) -> torch.Tensor | None:
-        """None (plain causal) or a mask for SDPA over keys `[0, past + s)`: bool (True = attend)
-        or additive float (ALiBi, relative position bias). Query i sits at position past + i."""
-        plain_causal = self.window is None and self.alibi_slopes is None and self.relative_position_bias is None
+        """None (plain causal: SDPA's ``is_causal``, which the flash kernel takes) or a mask for SDPA
+        over keys `[0, past + s)`: bool (True = attend) or additive float (ALiBi, relative position
+        bias). Query i sits at position past + i.
+
+        A sliding window at least as long as the sequence changes nothing (no key is further back than
+        it from any later query), so e.g. Mistral's 4096-token window at seq_length 4096 stays causal
+        and keeps the flash kernel."""
+        window = self.window if self.window is not None and past + s - 1 > self.window else None
+        plain_causal = window is None and self.alibi_slopes is None and self.relative_position_bias is None
         if past == 0 and plain_causal and attention_mask is None:
             return None
         query_pos = torch.arange(past, past + s, device=q.device)
         key_pos = torch.arange(past + s, device=q.device)
         distance = query_pos.unsqueeze(1) - key_pos.unsqueeze(0)  # [s, past + s]
         allowed = distance >= 0
-        if self.window is not None:
-            allowed = allowed & (distance <= self.window)
+        if window is not None:
+            allowed = allowed & (distance <= window)
         if attention_mask is not None:
             allowed = allowed & attention_mask.to(torch.bool)  # broadcast to [b, 1, s, past + s]
         if self.alibi_slopes is not None:

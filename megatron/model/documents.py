@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 import torch
 
+from megatron.torch_internals import tensor_version
+
 Span = tuple[int, int]
 """``[start, end)`` of one document piece along the sequence."""
 
@@ -45,15 +47,54 @@ def positions_in_documents(document_ids: torch.Tensor) -> torch.Tensor:
     return index - start_of
 
 
+class _SpanCache:
+    """The spans of the last ``document_ids`` read, so a forward reads them once, not once per layer.
+
+    On a GPU every read is a host sync (the host waits for the device to finish the work queued
+    before it), and each layer's attention asks for the same micro-batch's spans. The cached tensor is
+    held, so its memory cannot be handed to another tensor while it is the key: a tensor with the same
+    memory, offset, shape and strides is a view of the same ids (the detached copies activation
+    checkpointing makes included)."""
+
+    def __init__(self) -> None:
+        self.ids: torch.Tensor | None = None
+        self.key: tuple[object, ...] = ()
+        self.spans: list[list[Span]] = []
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> tuple[object, ...]:
+        # the version counter (shared by detached views) notices an in-place write to the ids
+        return (t.device, t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), tensor_version(t))
+
+    def get(self, document_ids: torch.Tensor) -> list[list[Span]] | None:
+        if self.ids is None or self.key != self._key(document_ids):
+            return None
+        return self.spans
+
+    def put(self, document_ids: torch.Tensor, spans: list[list[Span]]) -> None:
+        self.ids, self.key, self.spans = document_ids, self._key(document_ids), spans
+
+
+_SPANS = _SpanCache()
+
+
 def document_spans(document_ids: torch.Tensor) -> list[list[Span]]:
-    """Per row, the ``[start, end)`` ranges of constant document id, in order (read on the host)."""
-    ids = document_ids.detach().to("cpu")
-    s = ids.shape[-1]
-    out: list[list[Span]] = []
-    for row in ids:
-        cuts = (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()
-        bounds = [0, *cuts, s]
+    """Per row, the ``[start, end)`` ranges of constant document id, in order: one read from the
+    device for the whole batch, and none for a batch whose spans were just read."""
+    cached = _SPANS.get(document_ids)
+    if cached is not None:
+        return cached
+    b, s = document_ids.shape
+    ids = document_ids.detach()
+    cuts = torch.nonzero(ids[:, 1:] != ids[:, :-1]) + torch.tensor([0, 1], device=ids.device)  # [k, (row, col)]
+    per_row: list[list[int]] = [[] for _ in range(b)]
+    for row, col in cuts.tolist():  # the one host read
+        per_row[row].append(col)
+    out = []
+    for row_cuts in per_row:
+        bounds = [0, *row_cuts, s]
         out.append(list(zip(bounds[:-1], bounds[1:])))
+    _SPANS.put(document_ids, out)
     return out
 
 

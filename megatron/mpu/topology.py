@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
@@ -189,6 +190,16 @@ def get_data_shard_rank() -> int:
 def get_data_shard_count() -> int:
     """How many shares the global batch is read in (the data-parallel size without context parallelism)."""
     return get_data_parallel_world_size() // _STATE.cp if _STATE.topology is not None else 1
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a tensor must live to take part in a collective over ``group``: NCCL moves GPU memory
+    only (a CPU tensor is refused), gloo moves host memory."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        from deepspeed.accelerator import get_accelerator
+
+        return torch.device(get_accelerator().current_device_name())
+    return torch.device("cpu")
 
 
 # --- the names DeepSpeed looks for on an ``mpu`` object ------------------------------------------

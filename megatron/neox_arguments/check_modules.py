@@ -23,7 +23,7 @@ from megatron.model import checks as model_checks
 from megatron.model import config as model_config
 from megatron.model import lora_checks, moe_checks
 from megatron.neox_arguments import deepspeed_blocks, file_checks, optional_packages, rules
-from megatron.training import length_checks, lr_config, optimizer_checks
+from megatron.training import compile_checks, length_checks, lr_config, optimizer_checks
 from megatron.training.objectives import checks as objective_checks
 
 CHECK_MODULES: tuple[ModuleType, ...] = (
@@ -35,6 +35,7 @@ CHECK_MODULES: tuple[ModuleType, ...] = (
     rules,  # the rules between components
     optimizer_checks,
     length_checks,
+    compile_checks,
     checkpoint_checks,
     data_checks,
     evaluation_checks,  # eval_tasks

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from megatron.errors import ConfigError
-from megatron.config_rules import DERIVED
+from megatron.config_rules import DERIVED, block_enabled
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.arguments import NeoXArgs
@@ -143,8 +143,35 @@ def deepspeed_config(args: NeoXArgs, provenance: Mapping[str, str] | None = None
         # The trainer hands DeepSpeed its own optimizer object; ZeRO refuses optimizers outside its
         # short tested list (Lion, SM3, ...) unless told otherwise.
         config["zero_allow_untested_optimizer"] = True
+    gpu_defaults(config)
     config.update(dict(args.deepspeed_extra_args or {}))
     return config
+
+
+def gpu_defaults(config: dict[str, Any]) -> None:
+    """Settings DeepSpeed 0.19.8 defaults otherwise, which cost accuracy or speed on a GPU; a key the
+    user set (top level or in ``deepspeed_extra_args``) wins.
+
+    - bf16 gradients are accumulated and all-reduced in fp32 (Megatron-LM does the same for bf16 unless
+      told ``--grad-reduce-in-bf16``: megatron/training/arguments.py at 307dcf3; GPT-NeoX's own 7B/34B
+      llemma configs set ``grad_accum_dtype: fp32`` at ea7aefd):
+      DeepSpeed's defaults are the model dtype for both, so a sum over micro-batches and ranks loses
+      bf16's 8 bits of mantissa. ``communication_data_type: fp32`` everywhere; ``data_types.grad_accum_dtype:
+      fp32`` under ZeRO 1-3 (stage 1 then runs DeepSpeed's bf16 optimizer, which keeps an fp32
+      gradient buffer; 2 and 3 keep fp32 gradient partitions). Without ZeRO DeepSpeed refuses the key
+      ("unsupported mix" for the plain engine); a pipeline's bf16 optimizer accumulates in fp32 already.
+    - DeepSpeed's throughput timer is off: it synchronises the device at the start and the end of
+      every micro-batch (two host syncs each) to print a samples/s line Deepy does not show; Deepy's
+      ``throughput/*`` metrics time whole logging windows.
+    """
+    if block_enabled(config.get("bf16")):
+        config.setdefault("communication_data_type", "fp32")
+        zero = config.get("zero_optimization") or {}
+        stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+        types = dict(config.get("data_types") or {})
+        if isinstance(stage, int) and stage > 0 and "grad_accum_dtype" not in types:
+            config["data_types"] = {**types, "grad_accum_dtype": "fp32"}
+    config.setdefault("timers", {"throughput": {"enabled": False}})
 
 
 # DeepSpeed's pydantic config models -> the config key that holds them

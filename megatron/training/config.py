@@ -44,8 +44,8 @@ class TrainingLoopArgs(ArgGroup):
     """Evaluate on the validation split every this many steps."""
 
     num_workers: int = Field(2, ge=0)
-    """Training micro-batches read ahead of the step by a background thread per rank (pinned in memory
-    on a GPU, so their copy to the device is asynchronous); 0 reads each when the step asks for it."""
+    """Training micro-batches read ahead of the step by a background thread per rank; 0 reads each
+    when the step asks for it."""
 
     exit_interval: int | None = Field(None, ge=1)
     """Stop cleanly after this many steps (for jobs limited by wall time)."""

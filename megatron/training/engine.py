@@ -48,6 +48,7 @@ from megatron.mpu import experts as expert_parallel
 from megatron.mpu import hybrid_shard
 from megatron.training import hybrid_shard as hybrid_shard_engine
 from megatron.training.activation_config import ActivationCheckpointArgs
+from megatron.training.compile_checks import require_toolchain
 from megatron.training.lr_schedules import LRScheduler, SchedulePolicy
 from megatron.training.moe import MoETraining, build_moe_training, install_expert_parallel, keep_expert_shards
 from megatron.training.objectives import LMObjective, Objective, ObjectiveArgs, Reference
@@ -178,6 +179,7 @@ def wrap_layers(model: nn.Module, cfg: ActivationCheckpointArgs, compile_layers:
     runs the whole chunk under one checkpoint and the others pass their input through."""
     layers = transformer_layers(model)
     if compile_layers:
+        require_toolchain(torch.cuda.is_available())  # inductor builds native code on this node
         for layer in layers:
             layer.forward = torch.compile(layer.forward)  # type: ignore[method-assign]
     if pipe_interval_used:

@@ -4,28 +4,38 @@ Per device, for the pipeline stage with the most parameters:
 
 - **parameters** ``P`` of the stage (tensor-parallel weights split by tp, norms replicated), at the
   training dtype;
-- **gradients**, **fp32 master weights** and **optimizer states**, as DeepSpeed 0.19 lays them
-  out (measured on CPU for fp32 and bf16, ZeRO 0-2, see tests/distributed/test_memory_estimate.py):
+- **gradients**, **fp32 master weights** and **optimizer states**, as DeepSpeed 0.19.8 lays them
+  out (its ``_do_optimizer_sanity_check`` picks the optimizer; measured on CPU for fp32 and bf16,
+  ZeRO 0-1, see tests/distributed/test_memory_estimate.py):
 
-  =========================  ==========  ==========  ================  ==================
-  what                       weights     gradients   fp32 master       optimizer states
-  =========================  ==========  ==========  ================  ==================
-  fp32, ZeRO-0               4P          4P          (the weights)     4kP
-  bf16/fp16, ZeRO-0          2P          2P          4P                4kP
-  ZeRO-1/2                   wP          wP/dp       4P/dp             4kP/dp
-  ZeRO-3                     wP/dp       wP/dp       4P/dp             4kP/dp
-  =========================  ==========  ==========  ================  ==================
+  ==============================  ==========  ==============  ================  ==================
+  what                            weights     gradients       fp32 master       optimizer states
+  ==============================  ==========  ==============  ================  ==================
+  fp32, ZeRO-0                    4P          4P              (the weights)     4kP
+  bf16/fp16, ZeRO-0               2P          2P              4P                4kP
+  bf16 pipeline, ZeRO-0           2P          (4+2)P          4P                4kP
+  ZeRO-1                          wP          wP              4P/dp             4kP/dp
+  bf16 ZeRO-1, fp32 accumulation  2P          (4+2)P          4P/dp             4kP/dp
+  ZeRO-2                          wP          gP/dp           4P/dp             4kP/dp
+  ZeRO-3                          wP/dp       gP/dp           4P/dp             4kP/dp
+  ==============================  ==========  ==============  ================  ==================
 
-  (``w`` bytes per weight, ``k`` fp32 state tensors per parameter: Adam 2, Lion 1, SGD with
-  momentum 1; ``offload_optimizer`` moves master weights and states to CPU memory);
+  (``w`` bytes per weight, ``g`` bytes per accumulated gradient: 4 with ``data_types.grad_accum_dtype:
+  fp32``, which Deepy sets for bf16 under ZeRO, else ``w``; ``k`` fp32 state tensors per parameter:
+  Adam 2, Lion 1, SGD with momentum 1; ``offload_optimizer`` moves master weights and states to CPU
+  memory). ZeRO-1 keeps every gradient whole until the accumulation boundary (it reduces them after
+  the backward, not during it), and DeepSpeed's bf16 optimizer (a pipeline's, and ZeRO-1's with fp32
+  accumulation) keeps a whole fp32 gradient buffer besides the bf16 gradients of the backward;
 - **ZeRO buckets**: with ``contiguous_gradients`` (DeepSpeed's default) ZeRO allocates a gradient
   bucket of ``reduce_bucket_size`` elements (two with ``overlap_comm``) while the backward runs —
   2 GB in fp32 at the default 5e8, whatever the model size;
 - **activations** kept for the backward, counted tensor by tensor for one micro-batch (the same
-  count gives Korthikanti et al.'s 34·s·b·h bytes for a GPT layer in 16 bits), without attention
-  scores (SDPA's fused kernels do not keep them), times the micro-batches a pipeline's first stage
-  holds in flight; with activation checkpointing a recomputed layer keeps only its input, plus one
-  layer's activations while it is recomputed; plus the logits and their fp32 copy for the loss.
+  count gives Korthikanti et al.'s 34·s·b·h bytes for a GPT layer in 16 bits), times the micro-batches
+  a pipeline's first stage holds in flight; with activation checkpointing a recomputed layer keeps
+  only its input, plus one layer's activations while it is recomputed; plus the logits. Attention
+  scores count only where SDPA falls back to its math kernel (:func:`sdpa_kernel`: the fused
+  kernels do not keep them), an RMSNorm in 16 bits keeps its fp32 input, and ``z_loss`` keeps the
+  fp32 exponentials of the logits for its backward.
 
 With LoRA adapters (``lora_r > 0``) the base weights are frozen: they keep only their ``wP`` (``wP/dp``
 under ZeRO-3, which partitions frozen weights too), while gradients, fp32 master weights and
@@ -42,7 +52,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from megatron.model.activations import get_activation
 from megatron.model.config import GPTConfig
@@ -88,6 +98,12 @@ class MemoryLayout:
     chunk's activations alive while it is recomputed."""
     sequence_parallel: bool
     dropout: bool
+    pipeline_engine: bool = False
+    """DeepSpeed's PipelineEngine (``pipe_parallel_size >= 1``), whose bf16 optimizer keeps fp32 gradients."""
+    grad_accum_bytes: int | None = None
+    """Bytes per accumulated gradient element (``data_types.grad_accum_dtype``); None = the weights'."""
+    z_loss: bool = False
+    """The objective adds a z-loss (the log-partition of the logits, in fp32)."""
     lora: LoRAArgs = field(default_factory=LoRAArgs)
     """Adapters (``r == 0``: none, every parameter trains)."""
 
@@ -111,6 +127,7 @@ class MemoryLayout:
             recomputed = layers_per_stage if ckpt.checkpoint_activations else 0
         chunk = 1 if ckpt.selective_checkpointing else min(ckpt.checkpoint_num_layers, max(layers_per_stage, 1))
         training = run.training
+        accum = (run.deepspeed.get("data_types") or {}).get("grad_accum_dtype")
         return cls(
             model=model, tp=tp, pp=pp, dp=max(world_size // (tp * pp), 1),
             precision=compute_dtype(training.precision), zero_stage=stage,
@@ -128,6 +145,9 @@ class MemoryLayout:
             sequence_parallel=run.parallel.sequence_parallel,
             dropout=bool(model.hidden_dropout or model.attention_dropout),
             lora=run.lora,
+            pipeline_engine=run.parallel.pipe_parallel_size >= 1,
+            grad_accum_bytes=_BYTES.get(str(accum)) if accum else None,
+            z_loss=run.objective.z_loss > 0,
         )  # fmt: skip
 
 
@@ -208,10 +228,35 @@ class MemoryEstimate:
         return self.model_states + self.zero_buckets + self.activations
 
 
+SdpaKernel = Literal["flash", "efficient", "math"]
+
+
+def sdpa_kernel(c: GPTConfig, precision: str, seq_length: int) -> SdpaKernel:
+    """The CUDA kernel torch's SDPA picks for the model's attention (torch 2.x's dispatch rules, as
+    ``megatron/model/attention.py`` calls it): flash needs 16 bits, no mask and a head dim of at most
+    256; the memory-efficient kernel takes masks and fp32 but not SDPA's grouped-query flag (Deepy
+    repeats the kv heads where a mask is needed, so only fp32 GQA without a mask misses it); both need
+    the head dim aligned (8 elements in 16 bits, 4 in fp32). The math kernel is what is left, and it
+    keeps the ``[b, n, s, s]`` probabilities for its backward."""
+    half = precision != "fp32"
+    if c.head_dim % (8 if half else 4):
+        return "math"
+    windows = [c.attention_window(i) for i in range(c.num_layers)]
+    cuts = any(w is not None and w < seq_length - 1 for w in windows)
+    masked = cuts or c.pos_emb in ("alibi", "rpe")
+    if half and not masked and c.head_dim <= 256:
+        return "flash"
+    if c.kv_heads != c.num_attention_heads and not masked:
+        return "math"
+    return "efficient"
+
+
 def activation_bytes(layout: MemoryLayout) -> float:
     c, s, b, t = layout.model, layout.seq_length, layout.micro_batch, layout.tp
     h, ffn = c.hidden_size, c.ffn_hidden_size
     a = _BYTES[layout.precision]
+    # RMSNorm normalises an fp32 copy of its input, which autograd keeps (torch's rms_norm saves it)
+    fp32_norm_input = 4 if c.norm in ("rmsnorm", "te_rmsnorm") and a < 4 else 0
     kv = c.kv_heads * c.head_dim
     first = 2 * ffn if get_activation(c.activation).gated else ffn
     # tensors a layer keeps for its backward (elements per token): norm inputs and outputs are whole
@@ -221,8 +266,13 @@ def activation_bytes(layout: MemoryLayout) -> float:
     split = (c.num_attention_heads * c.head_dim + 2 * kv) + c.num_attention_heads * c.head_dim + first + ffn
     per_token = (replicated / t if layout.sequence_parallel else replicated) + split / t
     layer = s * b * per_token * a
+    layer += 2 * s * b * h * fp32_norm_input / (t if layout.sequence_parallel else 1)
     if layout.dropout:
         layer += 2 * s * b * h  # one-byte masks of the two residual dropouts
+    if sdpa_kernel(c, layout.precision, s) == "math":
+        # the softmax probabilities (and, with attention dropout, its mask and the dropped copy)
+        probs = b * (c.num_attention_heads // t) * s * s
+        layer += probs * (a + (1 + a if c.attention_dropout else 0))
     layers = math.ceil(c.num_layers / layout.pp)
     recomputed, chunk = layout.recomputed_layers, layout.checkpoint_chunk
     # one saved input per checkpointed chunk, plus the full activations of the chunk being recomputed
@@ -234,7 +284,25 @@ def activation_bytes(layout: MemoryLayout) -> float:
     stored += layers * adapters * s * b * lora.lora_r * a  # each adapter's rank-r product
     in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
     logits = s * b * c.padded_vocab_size / t * (a + 4)  # logits and the fp32 copy the loss works on
-    return stored * in_flight + logits + s * b * h * a
+    if layout.z_loss:
+        logits += s * b * c.padded_vocab_size / t * 4  # the fp32 exp(logits - max) z-loss's backward reads
+    final_norm = s * b * h * fp32_norm_input / (t if layout.sequence_parallel else 1)
+    return stored * in_flight + logits + s * b * h * a + final_norm
+
+
+def gradient_bytes(layout: MemoryLayout, trainable: int) -> float:
+    """Gradients on one device at their peak, by the optimizer DeepSpeed 0.19.8 builds (module doc)."""
+    w, dp, stage = _BYTES[layout.precision], layout.dp, layout.zero_stage
+    accum = layout.grad_accum_bytes or w
+    bf16_optimizer = layout.precision == "bf16" and (
+        (stage == 0 and layout.pipeline_engine) or (stage == 1 and accum == 4 and not layout.offload_optimizer))
+    if bf16_optimizer:
+        # its whole fp32 gradient buffer, and the bf16 gradients of the backward, which it adds into
+        # the buffer only after the backward (bf16.immediate_grad_update is off by default)
+        return (4.0 + w) * trainable
+    if stage <= 1:
+        return float(w * trainable)  # ZeRO-1 reduces (and partitions) them only after the backward
+    return accum * trainable / dp
 
 
 def estimate(layout: MemoryLayout) -> MemoryEstimate:
@@ -242,13 +310,13 @@ def estimate(layout: MemoryLayout) -> MemoryEstimate:
     t = trainable_parameters(layout)  # p without adapters; else the frozen rest keeps its weights only
     w = _BYTES[layout.precision]
     dp, k, stage = layout.dp, layout.optimizer_states, layout.zero_stage
+    grads = gradient_bytes(layout, t)
     if stage == 0:
-        weights, grads = w * p, w * t
+        weights = w * p
         master = 0.0 if layout.precision == "fp32" else 4.0 * t
         states = 4.0 * k * t
     else:
         weights = w * p / dp if stage == 3 else float(w * p)
-        grads = w * t / dp
         master = 4.0 * t / dp
         states = 4.0 * k * t / dp
     offloaded = 0.0

@@ -151,7 +151,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
         fast_forward.update(source.consumed_samples // g)
     # read ahead by a background thread (num_workers micro-batches), pinned for asynchronous copies on a
     # GPU; the data timer measures what the step still waits for
-    micro = TimedIterator(prefetched(source, training.num_workers, device), monitor.timers)
+    micro = TimedIterator(prefetched(source, training.num_workers), monitor.timers)
     seq = training.seq_length
     # whole model: FLOPs are per token
     recomputed = len(layers_to_checkpoint(run.activation_checkpointing, model_config.num_layers))

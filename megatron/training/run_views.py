@@ -19,6 +19,7 @@ from megatron.tokenizer.config import TokenizerArgs
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.config import TrainingRunArgs
 from megatron.training.lr_config import LRSchedulerArgs
+from megatron.training.objectives.config import ObjectiveArgs
 from megatron.training.optimizer_config import OptimizerArgs
 
 
@@ -43,5 +44,7 @@ class RunViews(Protocol):
     def logging(self) -> LoggingArgs: ...
     @property
     def lora(self) -> LoRAArgs: ...
+    @property
+    def objective(self) -> ObjectiveArgs: ...
     @property
     def deepspeed(self) -> dict[str, Any]: ...

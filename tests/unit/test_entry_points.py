@@ -85,7 +85,7 @@ def test_every_user_facing_tool_has_a_console_script() -> None:
     targets = set(console_scripts().values())
     tools = {f"tools.{p.parent.name}.{p.stem}:cli" for p in (REPO / "tools").glob("[!_]*/*.py")
              if p.parent.name in ("datasets", "ckpts") and not p.stem.startswith("_")}
-    assert tools | {"tools.plot_metrics:cli"} == targets
+    assert tools | {"tools.plot_metrics:cli", "tools.gpu_check.cli:cli"} == targets
     readme = (REPO / "README.md").read_text()
     assert [name for name in console_scripts() if f"`{name}`" not in readme] == []  # the README lists them all
 

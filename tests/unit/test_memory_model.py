@@ -47,11 +47,18 @@ def test_stage_parameters_split_the_model() -> None:
     [
         ({"precision": "fp32", "zero_optimization": {"stage": 0}}, 4 + 4 + 0 + 8),
         ({"precision": "bfloat16", "zero_optimization": {"stage": 0}}, 2 + 2 + 4 + 8),
-        ({"precision": "fp32", "zero_optimization": {"stage": 1}}, 4 + (4 + 4 + 8) / 8),
-        ({"precision": "bfloat16", "zero_optimization": {"stage": 2}}, 2 + (2 + 4 + 8) / 8),
-        ({"precision": "bfloat16", "zero_optimization": {"stage": 3}}, (2 + 2 + 4 + 8) / 8),
+        # a pipeline's bf16 optimizer keeps a whole fp32 gradient buffer besides the backward's bf16 ones
+        ({"precision": "bfloat16", "pipe_parallel_size": 1, "zero_optimization": {"stage": 0}}, 2 + 6 + 4 + 8),
+        # ZeRO-1 keeps whole gradients until the accumulation boundary (reduced after the backward)
+        ({"precision": "fp32", "zero_optimization": {"stage": 1}}, 4 + 4 + (4 + 8) / 8),
+        ({"precision": "bfloat16", "zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "bf16"}},
+         2 + 2 + (4 + 8) / 8),
+        # bf16 under ZeRO accumulates in fp32 (Deepy's default): stage 1 runs DeepSpeed's bf16 optimizer
+        ({"precision": "bfloat16", "zero_optimization": {"stage": 1}}, 2 + 6 + (4 + 8) / 8),
+        ({"precision": "bfloat16", "zero_optimization": {"stage": 2}}, 2 + (4 + 4 + 8) / 8),
+        ({"precision": "bfloat16", "zero_optimization": {"stage": 3}}, (2 + 4 + 4 + 8) / 8),
         ({"precision": "bfloat16", "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
-         2 + 2 / 8),
+         2 + 4 / 8),
         ({"precision": "fp32", "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, 4 + 4),
         ({"precision": "fp32", "optimizer": {"type": "Lion", "params": {"lr": 0.1}}}, 4 + 4 + 4),
     ],
@@ -156,9 +163,66 @@ def test_lora_optimizer_memory_is_for_the_adapters_only(stage: int) -> None:
     div = 1 if stage == 0 else dp
     assert est.optimizer_states == pytest.approx(4 * 2 * t / div)  # Adam: 2 fp32 states per adapter element
     assert est.master_weights == pytest.approx(4 * t / div)
-    assert est.gradients == pytest.approx(2 * t / div)
+    # bf16 under ZeRO accumulates in fp32; ZeRO-1 (DeepSpeed's bf16 optimizer) keeps them whole
+    assert est.gradients == pytest.approx({0: 2 * t, 1: 6 * t, 3: 4 * t / dp}[stage])
     # the frozen base still takes its weights (ZeRO-3 partitions them too)
     assert est.weights == pytest.approx(full.weights * (full.parameters + t) / full.parameters)
     assert est.model_states - est.weights < (full.model_states - full.weights) / 10
     text = render(lay, est, None)
     assert "trained (LoRA r=8)" in text and f"{t:,}" in text
+
+
+# ---------------------------------------------------------------- terms a GPU run pays
+def test_zero1_at_7b_keeps_whole_gradients() -> None:
+    """The issue's figure: a 7B-shaped bf16 model at dp8 under ZeRO-1 (bf16 accumulation) holds its
+    2-byte gradients whole, 2P, not 2P/8."""
+    lay = layout(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=2048,
+                 max_position_embeddings=2048, precision="bfloat16", zero_optimization={"stage": 1},
+                 data_types={"grad_accum_dtype": "bf16"})
+    est = estimate(lay)
+    assert est.gradients == 2 * est.parameters and est.gradients / GiB > 12
+
+
+def test_rmsnorm_keeps_its_fp32_input() -> None:
+    """torch's rms_norm saves the fp32 copy our RMSNorm hands it: 4 bytes per element for each of a
+    layer's two norms and the final one (16-bit activations; fp32 has no copy)."""
+    s, b, h = 256, 2, 512
+    for precision, extra in (("bfloat16", 4), ("fp32", 0)):
+        rms = activation_bytes(layout(precision=precision, norm="rmsnorm"))
+        ln = activation_bytes(layout(precision=precision))
+        assert rms - ln == extra * s * b * h * (2 * 8 + 1)
+
+
+def test_z_loss_keeps_fp32_exponentials_of_the_logits() -> None:
+    s, b, vocab = 256, 2, 1024
+    assert activation_bytes(layout(z_loss=1e-4)) - activation_bytes(layout()) == 4 * s * b * vocab
+
+
+@pytest.mark.parametrize(("overrides", "kernel"), [
+    ({}, "flash"),
+    ({"precision": "fp32"}, "efficient"),
+    ({"pos_emb": "alibi"}, "efficient"),
+    ({"sliding_window_width": 255}, "flash"),  # seq 256: no key is further than 255 back
+    ({"sliding_window_width": 64}, "efficient"),
+    ({"num_kv_heads": 2, "sliding_window_width": 64}, "efficient"),  # kv heads repeated for the mask
+    ({"num_kv_heads": 2, "precision": "fp32"}, "math"),  # grouped, no mask, not 16-bit: flash is out
+    ({"hidden_size": 520}, "math"),  # head dim 65
+])
+def test_sdpa_kernel_by_variant(overrides: dict[str, Any], kernel: str) -> None:
+    from megatron.training.memory import sdpa_kernel
+
+    lay = layout(**{"precision": "bfloat16", **overrides})
+    assert sdpa_kernel(lay.model, lay.precision, lay.seq_length) == kernel
+
+
+def test_the_math_kernel_keeps_the_attention_probabilities() -> None:
+    """b x heads x s x s probabilities per layer (4 bytes in fp32; with attention dropout also its
+    one-byte mask and the dropped copy) where SDPA falls back to the math kernel."""
+    s, b, n = 256, 2, 8
+    fused = layout(precision="fp32", num_kv_heads=8)
+    math_kernel = layout(precision="fp32", num_kv_heads=2)
+    kv_saved = 8 * s * b * 2 * (512 - 128) * 4  # its smaller k and v, 8 layers
+    assert activation_bytes(math_kernel) - activation_bytes(fused) == 8 * b * n * s * s * 4 - kv_saved
+    dropped = layout(precision="fp32", num_kv_heads=2, attention_dropout=0.1)
+    dropped_fused = layout(precision="fp32", num_kv_heads=8, attention_dropout=0.1)
+    assert activation_bytes(dropped) - activation_bytes(dropped_fused) == 8 * b * n * s * s * (4 + 1 + 4) - kv_saved

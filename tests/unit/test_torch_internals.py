@@ -48,3 +48,19 @@ def test_cuda_memory_history_entry_points_keep_their_parameters() -> None:
     assert {"enabled", "max_entries"} <= set(record)
     assert "None" in str(record["enabled"].annotation)  # enabled=None is how recording stops
     assert list(inspect.signature(torch.cuda.memory._dump_snapshot).parameters)[0] == "filename"
+
+
+def test_compile_counts_count_graphs_and_breaks() -> None:
+    from megatron.torch_internals import compile_counts, reset_compile_counts
+
+    reset_compile_counts()
+    assert compile_counts() == (0, 0)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        print("", end="")  # a graph break: two graphs
+        return y + 1
+
+    torch.compile(f, backend="eager")(torch.ones(2))
+    assert compile_counts() == (2, 1)
+    reset_compile_counts()

@@ -130,7 +130,7 @@ def deepy_contender(arch: Arch, zero: int, compile_layers: bool) -> tuple[Conten
     # the trainer's loader, as pretrain() builds it
     source = MicroBatchIterator(build_datasets(run.data, tokenizer, model_config.padded_vocab_size).train, 0,
                                 BatchLayout.of(run.training, dp=1))
-    micro = prefetched(source, run.training.num_workers, dev)
+    micro = prefetched(source, run.training.num_workers)
 
     def step() -> None:
         train_step(eng, micro, dev)

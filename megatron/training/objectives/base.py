@@ -25,6 +25,7 @@ from typing import ClassVar
 
 import torch
 
+from megatron.data.transfer import to_device
 from megatron.errors import DataError
 from megatron.training.objectives.config import ObjectiveArgs
 
@@ -54,11 +55,12 @@ class MicroBatch:
     """``[n, s]`` document of each token when documents must not see each other (``reset_attention_mask``)."""
 
     def to(self, device: torch.device | str) -> MicroBatch:
+        """On ``device``; to a GPU through pinned memory, so the host does not wait for the device."""
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device)
+            return None if t is None else to_device(t, device)
 
-        return replace(self, inputs=self.inputs.to(device), labels=self.labels.to(device),
-                       extras=tuple(x.to(device) for x in self.extras), reference=move(self.reference),
+        return replace(self, inputs=to_device(self.inputs, device), labels=to_device(self.labels, device),
+                       extras=tuple(to_device(x, device) for x in self.extras), reference=move(self.reference),
                        position_ids=move(self.position_ids), document_ids=move(self.document_ids))
 
     def context_piece(self, rank: int, pieces: int) -> MicroBatch:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import mpu
+from megatron.data.transfer import to_device
 from megatron.training.objectives.base import MicroBatch, Objective, means_from_vector, micro_batch_denominator
 from megatron.training.objectives.reference import Reference
 
@@ -58,7 +59,7 @@ class ObjectiveRunner:
         pieces = mpu.get_context_parallel_world_size()
         if pieces > 1:  # each context-parallel rank runs (and counts the loss of) its piece of the sequence
             batches = [b.context_piece(mpu.get_context_parallel_rank(), pieces) for b in batches]
-        units = torch.tensor([sum(b.units for b in batches)], dtype=torch.float64).to(device, non_blocking=True)
+        units = to_device(torch.tensor([sum(b.units for b in batches)], dtype=torch.float64), device)
         denominator = micro_batch_denominator(_dp_sum(units), len(batches), mpu.get_data_parallel_world_size())
         return self.reference.fill(batches, split, device), denominator
 
