@@ -262,8 +262,7 @@ def import_to_deepy(
     progress(f"writing a Deepy checkpoint at tp={tp} pp={pp} to {out_dir}")
     ckpt = write_weights_only_checkpoint(
         out_dir, config=config, weights=weights, tp=tp, pp=pp, step=src.iteration,
-        consumed_samples=src.consumed_samples, args=args, config_files={config_file.name: config_file.read_text()},
-        source=description,
+        consumed_samples=src.consumed_samples, args=args, source=description,
     )  # fmt: skip
     progress("re-reading the written checkpoint")
     _check_written(ckpt, config, weights)

@@ -15,6 +15,7 @@ from types import ModuleType
 from megatron import plugins
 from megatron.config_rules import RULES, Rule
 from megatron.checkpointing import checks as checkpoint_checks
+from megatron.checkpointing import neox_checks
 from megatron.data import checks as data_checks
 from megatron.launcher import checks as launcher_checks
 from megatron.logging import preflight
@@ -35,6 +36,7 @@ CHECK_MODULES: tuple[ModuleType, ...] = (
     optimizer_checks,
     length_checks,
     checkpoint_checks,
+    neox_checks,  # neox_qkv_order
     data_checks,
     launcher_checks,
     preflight,  # trackers and profiling
