@@ -115,7 +115,12 @@ def neox_files(full: dict[str, torch.Tensor], *, num_layers: int, heads: int, kv
 
 def write_neox_checkpoint(save: Path, tag: str, files: dict[str, dict[str, torch.Tensor]], *, pipeline: bool,
                           tp: int, iteration: int) -> Path:
-    """A checkpoint as GPT-NeoX's converters write one: ``latest`` naming ``tag``, no ``configs/``."""
+    """A checkpoint as GPT-NeoX writes one: ``latest`` naming ``tag``, no ``configs/``, and in its
+    ``mp_rank_XX`` files the RNG states its training saves (``np_rng_state``: numpy objects)."""
+    import numpy as np
+
+    rng = {"random_rng_state": (3, tuple(range(5)), None), "np_rng_state": np.random.RandomState(0).get_state(),
+           "torch_rng_state": torch.get_rng_state()}
     ckpt = save / tag
     ckpt.mkdir(parents=True)
     for name, tensors in files.items():
@@ -123,10 +128,10 @@ def write_neox_checkpoint(save: Path, tag: str, files: dict[str, dict[str, torch
             torch.save(tensors, ckpt / name)
         else:
             torch.save({"dp_world_size": 1, "mp_world_size": tp, "optimizer": {}, "global_steps": iteration,
-                        "skipped_steps": 0, "iteration": iteration, "module": tensors}, ckpt / name)
+                        "skipped_steps": 0, "iteration": iteration, "module": tensors, **rng}, ckpt / name)
     if pipeline:
         for rank in range(tp):
             torch.save({"dp_world_size": 1, "mp_world_size": tp, "optimizer": {}, "global_steps": iteration,
-                        "iteration": iteration, "module": None}, ckpt / f"mp_rank_{rank:02d}_model_states.pt")
+                        "iteration": iteration, "module": None, **rng}, ckpt / f"mp_rank_{rank:02d}_model_states.pt")
     (save / "latest").write_text(tag)
     return ckpt

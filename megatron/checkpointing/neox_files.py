@@ -184,12 +184,25 @@ def _load_pipeline_layers(module: Any, names: NeoxNames, tp: int, load_dir: str,
 
 
 # --- offline readers ---------------------------------------------------------------------------------
-def _load(path: Path) -> Any:
+def _numpy_rng_globals() -> list[Any]:
+    """What numpy's RNG state unpickles to: GPT-NeoX saves ``np_rng_state`` in its model files."""
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    return [np.ndarray, np.dtype, type(np.dtype(np.uint32)), _reconstruct]
+
+
+def load_model_file(path: Path) -> Any:
+    """One model file of a Deepy or GPT-NeoX checkpoint, read with ``weights_only`` (no code runs)."""
     from megatron.checkpointing.safe_load import load_checkpoint_file
 
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} is missing")
-    return load_checkpoint_file(path)
+    with torch.serialization.safe_globals(_numpy_rng_globals()):
+        return load_checkpoint_file(path)
 
 
 def _client_format(state: Any) -> int | None:
@@ -220,7 +233,7 @@ def pipeline_rank_weights(ckpt_dir: Path, names: NeoxNames, tp: int, tp_rank: in
                                   f"{names.num_layers} it is a step without any: the config does not match")
         if tp_rank not in per_rank:
             raise CheckpointError(f"{ckpt_dir / f'layer_{index:02d}-model_{tp_rank:02d}-model_states.pt'} is missing")
-        state = _load(per_rank[tp_rank])
+        state = load_model_file(per_rank[tp_rank])
         out[spec] = layer_from_neox(names, spec, state, tp) if neox else state
     if not out:
         raise CheckpointError(f"{ckpt_dir} has no layer_*-model_*-model_states.pt files for its pipeline layout")
@@ -243,7 +256,7 @@ def canonical_rank_weights(ckpt_dir: Path, names: NeoxNames, tp: int, tp_rank: i
 
     if not pipeline:
         path = ckpt_dir / f"mp_rank_{tp_rank:02d}_model_states.pt"
-        return plain_rank_weights(_load(path), as_recorded(names, recorded_format(ckpt_dir)), tp, path)
+        return plain_rank_weights(load_model_file(path), as_recorded(names, recorded_format(ckpt_dir)), tp, path)
     out: Tensors = {}
     for spec, state in pipeline_rank_weights(ckpt_dir, names, tp, tp_rank).items():
         out.update({model_parameter_name(f"{spec}.{local}"): t for local, t in state.items()})

@@ -73,30 +73,11 @@ class NeoxCheckpoint:
     config_files: dict[str, str]
 
 
-def _safe_globals() -> list[Any]:
-    """DeepSpeed's classes plus what numpy's RNG state (saved by GPT-NeoX) unpickles to."""
-    import numpy as np
-
-    from megatron.checkpointing.safe_load import _deepspeed_safe_globals
-
-    extra: list[Any] = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-    try:
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:  # numpy < 2
-        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
-    extra.append(_reconstruct)
-    return _deepspeed_safe_globals() + extra
-
-
 def _load(path: Path) -> Any:
     """``torch.load(weights_only=True)``: reading a foreign checkpoint never runs code from it."""
-    try:
-        with torch.serialization.safe_globals(_safe_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path} is missing") from None
-    except Exception as err:  # noqa: BLE001 - torch raises several types for a bad file
-        raise CheckpointError(f"cannot read {path} as a checkpoint file ({err})") from None
+    from megatron.checkpointing.neox_files import load_model_file
+
+    return load_model_file(path)
 
 
 def read_neox_config(paths: list[Path]) -> tuple[dict[str, Any], dict[str, str]]:
