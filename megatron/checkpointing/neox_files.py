@@ -44,6 +44,7 @@ from megatron.checkpointing.neox_layout import (
     plain_to_neox,
 )
 from megatron.deepspeed_internals import (
+    checkpoint_being_loaded,
     convert_module_state_dicts,
     pipeline_grid,
     pipeline_local_start,
@@ -113,12 +114,13 @@ def install(engine: Any, config: Any, tp: int) -> None:
                                   load=partial(_load_pipeline_layers, module, names, tp))
         return
 
-    loading: list[Path] = []  # the tag directory being loaded: its deepy_meta.json records the format
+    loading = checkpoint_being_loaded(engine)  # its deepy_meta.json records the format of older files
 
     def from_neox(checkpoint: Any) -> Any:
         module = checkpoint.get("module") if isinstance(checkpoint, dict) else None
         if isinstance(module, dict) and is_neox_plain(module):
-            fmt = _client_format(checkpoint) or (recorded_format(loading[-1]) if loading else None)
+            directory = loading()
+            fmt = _client_format(checkpoint) or (recorded_format(Path(directory)) if directory else None)
             if fmt is None and names.grouped_query:
                 raise CheckpointError("the checkpoint being loaded records no Deepy format, so the order of its "
                                       "grouped-query QKV rows is unknown")
@@ -126,16 +128,6 @@ def install(engine: Any, config: Any, tp: int) -> None:
         return checkpoint
 
     convert_module_state_dicts(engine, on_save=lambda weights: plain_to_neox(names, weights, tp), on_load=from_neox)
-    load_checkpoint = engine.load_checkpoint
-
-    def load_naming_the_directory(load_dir: str, tag: str | None = None, *args: Any, **kwargs: Any) -> Any:
-        loading.append(Path(load_dir) / str(tag))
-        try:
-            return load_checkpoint(load_dir, tag, *args, **kwargs)
-        finally:
-            loading.pop()
-
-    engine.load_checkpoint = load_naming_the_directory
 
 
 def _save_pipeline_layers(module: Any, names: NeoxNames, tp: int, save_dir: str, checkpoint_engine: Any,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from megatron.checkpointing.neox_files import gqa_order_for, neox_checkpoint_shards
-from megatron.checkpointing.neox_layout import NeoxNames
+from megatron.checkpointing.neox_layout import GqaOrder, NeoxNames
 from megatron.errors import CheckpointError
 
 _MP_FILE = "mp_rank_00_model_states.pt"
@@ -57,7 +57,7 @@ def recorded_mismatches(tag: Path, args: dict[str, Any]) -> list[str]:
             for key in _RECORDED_SHAPE if recorded.get(key) is not None and recorded[key] != args.get(key)]
 
 
-def load_neox_weights(engine: Any, tag: Path, args: dict[str, Any]) -> list[str]:
+def load_neox_weights(engine: Any, tag: Path, args: dict[str, Any], qkv_order: GqaOrder | None = None) -> list[str]:
     """Copy the weights of GPT-NeoX checkpoint ``tag`` into ``engine``'s module (this rank's part).
     Returns notes for the log."""
     from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -74,7 +74,7 @@ def load_neox_weights(engine: Any, tag: Path, args: dict[str, Any]) -> list[str]
         raise CheckpointError(f"the GPT-NeoX checkpoint {tag} was saved for another model (its recorded args):\n  "
                               + "\n  ".join(mismatched))
     config = gpt_config_from_args(args)
-    names = gqa_order_for(NeoxNames.from_config(config), None, args.get("neox_qkv_order"), tag)
+    names = gqa_order_for(NeoxNames.from_config(config), None, qkv_order, tag)
     shards, source_tp = neox_checkpoint_shards(tag, names)
     full = merge_tp_shards(config, shards)
     pipeline = isinstance(engine, PipelineEngine)

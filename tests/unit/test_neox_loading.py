@@ -128,3 +128,35 @@ def test_inspect_agrees_with_load_on_every_kind_of_directory(tmp_path: Path) -> 
             assert "GPT-NeoX's current names (mlp.linear1/linear2)" in text and "needs neox_qkv_order" in text
         else:
             assert "global_step4" in text and "rows per_rank (format 3)" in text and "resolved.yml" in text
+
+
+# --- the offline converter (tools/ckpts/convert_hf_to_neox.py) on GPT-NeoX's Llama-style checkpoints ---------
+LLAMA_CONFIG = {"num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "num-kv-heads": 2, "seq-length": 16,
+                "max-position-embeddings": 16, "norm": "rmsnorm", "rms-norm-epsilon": 1.0e-6, "pos-emb": "rotary",
+                "no-weight-tying": True, "use-bias-in-attn-linear": False, "use-bias-in-mlp": False,
+                "tokenizer-type": "CharLevelTokenizer"}  # fmt: skip
+
+
+@pytest.mark.parametrize("era", ["current", "mid2024"])
+def test_the_offline_converter_reads_both_eras_of_a_grouped_query_llama(tmp_path: Path, era: str) -> None:
+    """GPT-NeoX's current Llama config (activation: swiglu) and its mid-2024 one (mlp_type: llama with
+    activation: silu, w1/w3/w2 files) convert to the source model; the QKV order is asked for."""
+    from megatron.interop.hf_model import build_gpt_model
+    from megatron.interop.neox_checkpoint import read_neox_checkpoint
+
+    full = weights(2)
+    files = neox_files(full, num_layers=2, heads=4, kv_heads=2, tp=2, pipeline=era == "mid2024", llama=True, era=era)
+    tag = write_neox_checkpoint(tmp_path / "neox", "global_step7", files, pipeline=era == "mid2024", tp=2, iteration=7)
+    activation = {"activation": "swiglu"} if era == "current" else {"activation": "silu", "mlp-type": "llama"}
+    (tag / "configs").mkdir()
+    (tag / "configs" / "llama.yml").write_text(json.dumps({**LLAMA_CONFIG, **activation}))
+    with pytest.raises(CheckpointError, match="set --neox-qkv-order: per_rank"):
+        read_neox_checkpoint(tmp_path / "neox")
+    order = "per_rank" if era == "current" else "per_query_head"
+    neox = read_neox_checkpoint(tmp_path / "neox", qkv_order=order)
+    assert neox.config.activation == "swiglu" and neox.config.ffn_hidden_size == 128 and neox.config.kv_heads == 2
+    assert set(neox.weights) == set(full)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        delta = (build_gpt_model(neox.config, neox.weights)(tokens) - build_gpt_model(neox.config, full)(tokens))
+    assert float(delta.abs().max()) <= 1e-5
