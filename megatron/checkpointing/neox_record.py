@@ -43,7 +43,7 @@ def resolved_config_text(args: dict[str, Any]) -> str:
     values = {key: value for key, value in sorted(args.items()) if value is not None and key not in _LEFT_OUT}
     header = ("# The resolved configuration of this run (config files, key=value overrides and derived values),\n"
               "# written by Deepy for GPT-NeoX's tools, e.g. tools/ckpts/convert_neox_to_hf.py --config_file.\n")
-    return header + yaml.safe_dump(values, sort_keys=False, default_flow_style=None, width=120)
+    return header + yaml.safe_dump(values, sort_keys=False, default_flow_style=False, width=120)
 
 
 def config_files(args: dict[str, Any]) -> dict[str, str]:

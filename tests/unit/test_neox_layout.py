@@ -216,3 +216,11 @@ def test_names_read_from_a_checkpoints_record_match_the_models(arch: str) -> Non
     names = NeoxNames.from_stored(stored)
     assert names == NeoxNames.from_config(config_of(spec))
     assert (names.kv_heads, names.gated_mlp, names.rmsnorm) == ((4, False, False) if arch == "neox" else (2, True, True))
+
+
+def test_the_format_written_is_the_current_order_and_the_launcher_knows_every_format() -> None:
+    from megatron.checkpointing.neox_checks import _ORDER_OF_FORMAT
+    from megatron.checkpointing.save_load import FORMAT_VERSION, READABLE_FORMATS
+
+    assert GQA_ORDER_OF_FORMAT[FORMAT_VERSION] == PER_RANK and set(GQA_ORDER_OF_FORMAT) < set(READABLE_FORMATS)
+    assert _ORDER_OF_FORMAT == GQA_ORDER_OF_FORMAT  # neox_checks' torch-free copy
