@@ -160,3 +160,49 @@ def test_the_offline_converter_reads_both_eras_of_a_grouped_query_llama(tmp_path
     with torch.no_grad():
         delta = (build_gpt_model(neox.config, neox.weights)(tokens) - build_gpt_model(neox.config, full)(tokens))
     assert float(delta.abs().max()) <= 1e-5
+
+
+# --- the engine's plain-model load reads the order a Deepy checkpoint's format records -----------------------
+class PlainEngine:
+    """What ``neox_files.install`` wraps on a plain DeepSpeed engine: ``load_checkpoint(load_dir, tag)``
+    reading ``mp_rank_00_model_states.pt`` and handing it to ``load_module_state_dict`` (as DeepSpeed
+    0.19.8 does; tests/unit/test_deepspeed_internals.py pins that on a real engine)."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    def module_state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_module_state_dict(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        self.loaded = checkpoint["module"]
+
+    def load_checkpoint(self, load_dir: str, tag: str, **kwargs: Any) -> tuple[str, dict[str, Any]]:
+        state = torch.load(Path(load_dir) / tag / "mp_rank_00_model_states.pt", weights_only=False)
+        self.load_module_state_dict(state)
+        return load_dir, {}
+
+
+@pytest.mark.parametrize(("era", "fmt"), [("mid2024", 2), ("current", 3), ("current", None)])
+def test_the_engine_reads_a_deepy_checkpoints_recorded_order(tmp_path: Path, era: str, fmt: int | None) -> None:
+    """Format 2 (GPT-NeoX's mid-2024 layout, grouped by query head) and 3 (current, per rank) load as
+    the model they hold; files that record no format are refused for a grouped-query model."""
+    from megatron.checkpointing.neox_files import install
+    from megatron.model.config import GPTConfig
+
+    config = GPTConfig(**MODEL, max_position_embeddings=16, padded_vocab_size=256, norm="rmsnorm",
+                       activation="swiglu", num_kv_heads=2, intermediate_size=128, mlp_multiple_of=128,
+                       no_weight_tying=True, use_bias_in_attn_linear=False, use_bias_in_mlp=False)  # fmt: skip
+    full = weights(2)
+    files = neox_files(full, num_layers=2, heads=4, kv_heads=2, tp=1, pipeline=False, llama=True, era=era)
+    tag = write_neox_checkpoint(tmp_path, "global_step3", files, pipeline=False, tp=1, iteration=3)
+    if fmt is not None:  # a weights-only checkpoint of an earlier Deepy: the format only in deepy_meta.json
+        (tag / "deepy_meta.json").write_text(json.dumps({"format": fmt}))
+    engine = PlainEngine()
+    install(engine, config, tp=1)
+    if fmt is None:
+        with pytest.raises(CheckpointError, match="records no Deepy format"):
+            engine.load_checkpoint(str(tmp_path), "global_step3")
+        return
+    engine.load_checkpoint(str(tmp_path), "global_step3")
+    assert set(engine.loaded) == set(full) and all(torch.equal(engine.loaded[k], full[k]) for k in full)
