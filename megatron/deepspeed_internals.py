@@ -299,6 +299,27 @@ def convert_module_state_dicts(engine: Any, on_save: Callable[[Any], Any], on_lo
     engine.load_module_state_dict = load_module_state_dict
 
 
+def checkpoint_being_loaded(engine: Any) -> Callable[[], Any]:
+    """A getter of the tag directory ``engine.load_checkpoint(load_dir, tag, ...)`` is reading
+    (``load_dir/tag``), None outside a load: ``on_load`` of :func:`convert_module_state_dicts` is
+    handed the checkpoint dict only, and a Deepy checkpoint's format is recorded beside it
+    (``deepy_meta.json``). DeepSpeed keeps the path only for pipeline engines (``_curr_ckpt_path``)."""
+    import os
+
+    loading: list[str] = []
+    load = engine.load_checkpoint
+
+    def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        loading.append(os.path.join(load_dir, str(tag)) if tag is not None else "")
+        try:
+            return load(load_dir, tag, *args, **kwargs)
+        finally:
+            loading.pop()
+
+    engine.load_checkpoint = load_checkpoint
+    return lambda: (loading[-1] or None) if loading else None
+
+
 # --- hybrid sharding (megatron/training/hybrid_shard.py) ---------------------------------------------
 def reduce_zero3_gradients_before_step(optimizer: Any, reduce: Callable[[Any], None]) -> None:
     """Call ``reduce(buffer)`` on ZeRO-3's partitioned gradients right before each optimizer step.

@@ -90,6 +90,13 @@ class CheckpointArgs(ArgGroup):
     initialize_from: str | None = None
     """Checkpoint to take the starting weights from, without its optimizer state or step."""
 
+    neox_qkv_order: Literal["per_rank", "per_query_head"] | None = None
+    """Row order of the fused QKV weights of a grouped-query GPT-NeoX checkpoint named by `load` or
+    `initialize_from` (its files cannot tell): per_rank = [Q; K; V] of each tensor-parallel rank
+    (GPT-NeoX since Nov 2024 and its HF converter since May 2025), per_query_head = each query head's
+    rows with its slice of K and V (earlier GPT-NeoX). Required for such a checkpoint; Deepy's own
+    checkpoints record their order, and the key must then be unset or agree."""
+
     @field_validator("keep")
     @classmethod
     def _keep_rules_shape(

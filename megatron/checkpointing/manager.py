@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpointing import commit, discovery, neox_import
+from megatron.checkpointing.neox_layout import GqaOrder
 from megatron.checkpointing.preemption import PreemptionWatcher, collective_device
 from megatron.checkpointing.retention import (
     CheckpointKind,
@@ -105,7 +106,10 @@ class CheckpointManager:
         before_commit: BeforeCommit | None = None,
         load_requested: bool = False,
         new_parameters: tuple[str, ...] = (),
+        neox_qkv_order: GqaOrder | None = None,
     ) -> None:
+        self.neox_qkv_order = neox_qkv_order
+        """How a grouped-query GPT-NeoX checkpoint's QKV rows are ordered (``neox_import``)."""
         self.save_dir = Path(save) if save else None
         self.load_dir = Path(load) if load else None
         self.load_requested = load_requested
@@ -167,6 +171,7 @@ class CheckpointManager:
             load_requested=bool(config.load),
             new_parameters=new_parameters,
             preemption=preemption,
+            neox_qkv_order=config.neox_qkv_order,
         )
 
     # --- load ----------------------------------------------------------------------------------
@@ -217,7 +222,8 @@ class CheckpointManager:
                     log.info("%s already holds %s of this run: resuming it, not re-loading %s", self.save_dir,
                              own_tag, tag)
                 return self._resume(engine, self.save_dir, own_tag, rank)
-        result = LoadResult(loaded=True, path=tag, notes=neox_import.load_neox_weights(engine, tag, self.args_dict))
+        result = LoadResult(loaded=True, path=tag, notes=neox_import.load_neox_weights(engine, tag, self.args_dict,
+                                                                                      self.neox_qkv_order))
         weights_only = self.finetune or self.initialize_from is not None
         if not weights_only:
             result.iteration, result.consumed_samples = neox_import.neox_position(tag, self.args_dict)

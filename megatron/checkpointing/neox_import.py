@@ -2,8 +2,10 @@
 
 A GPT-NeoX checkpoint (``<load>/global_stepN`` or the tag ``0`` that GPT-NeoX's Llama converter
 writes, with ``latest`` naming it) has DeepSpeed model files and no ``deepy_meta.json``. It may have
-no ``configs/`` either, so the architecture is the one of this run's config; a tensor whose shape
-does not fit is reported by name before any weight changes.
+no ``configs/`` either, so the architecture is the one of this run's config; the ``args`` GPT-NeoX
+records in ``mp_rank_00_model_states.pt`` must agree with it, and a tensor whose shape does not fit
+is reported by name, before any weight changes. Its files name the MLP weights in either of
+GPT-NeoX's eras, but cannot say the order of grouped-query QKV rows: ``neox_qkv_order`` does.
 
 Every rank reads the model files of every tensor-parallel rank (a GPT-NeoX checkpoint may have been
 saved at another tp/pp), joins them into full tensors and keeps its own part. The optimizer starts
@@ -18,8 +20,8 @@ from typing import Any
 
 import torch
 
-from megatron.checkpointing.neox_files import neox_checkpoint_shards
-from megatron.checkpointing.neox_layout import NeoxNames
+from megatron.checkpointing.neox_files import gqa_order_for, neox_checkpoint_shards
+from megatron.checkpointing.neox_layout import GqaOrder, NeoxNames
 from megatron.errors import CheckpointError
 
 _MP_FILE = "mp_rank_00_model_states.pt"
@@ -27,7 +29,7 @@ _MP_FILE = "mp_rank_00_model_states.pt"
 
 def neox_position(tag: Path, args: dict[str, Any]) -> tuple[int, int]:
     """(iteration, consumed samples) recorded by GPT-NeoX in ``mp_rank_00_model_states.pt``."""
-    from megatron.checkpointing.neox_files import _load
+    from megatron.checkpointing.neox_files import load_model_file as _load
 
     state = _load(tag / _MP_FILE) if (tag / _MP_FILE).is_file() else {}
     iteration = int(state.get("iteration") or state.get("global_steps") or 0)
@@ -37,7 +39,25 @@ def neox_position(tag: Path, args: dict[str, Any]) -> tuple[int, int]:
     return iteration, int(consumed)
 
 
-def load_neox_weights(engine: Any, tag: Path, args: dict[str, Any]) -> list[str]:
+_RECORDED_SHAPE = ("num_layers", "hidden_size", "num_attention_heads")
+"""Keys of GPT-NeoX's recorded ``args`` that must equal this run's (tp and the tokenizer may change;
+the padded vocabulary is checked as the embedding's rows)."""
+
+
+def recorded_mismatches(tag: Path, args: dict[str, Any]) -> list[str]:
+    """Where the ``args`` GPT-NeoX recorded in ``tag`` disagree with this run (same-shape tensors can
+    hide some: a different head count splits the same QKV weight into other heads)."""
+    from megatron.checkpointing.neox_files import load_model_file as _load
+
+    state = _load(tag / _MP_FILE) if (tag / _MP_FILE).is_file() else {}
+    recorded = state.get("args") if isinstance(state, dict) else None
+    if not isinstance(recorded, dict):
+        return []
+    return [f"{key}: checkpoint {recorded[key]!r}, config {args.get(key)!r}"
+            for key in _RECORDED_SHAPE if recorded.get(key) is not None and recorded[key] != args.get(key)]
+
+
+def load_neox_weights(engine: Any, tag: Path, args: dict[str, Any], qkv_order: GqaOrder | None = None) -> list[str]:
     """Copy the weights of GPT-NeoX checkpoint ``tag`` into ``engine``'s module (this rank's part).
     Returns notes for the log."""
     from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -49,8 +69,12 @@ def load_neox_weights(engine: Any, tag: Path, args: dict[str, Any]) -> list[str]
     if int(engine.zero_optimization_stage()) == 3:
         raise CheckpointError(f"cannot load the GPT-NeoX checkpoint {tag} at ZeRO stage 3 (its weights are "
                               "partitioned by DeepSpeed); use stage 0-2 for this first run, then save and continue")
+    mismatched = recorded_mismatches(tag, args)
+    if mismatched:
+        raise CheckpointError(f"the GPT-NeoX checkpoint {tag} was saved for another model (its recorded args):\n  "
+                              + "\n  ".join(mismatched))
     config = gpt_config_from_args(args)
-    names = NeoxNames.from_config(config)
+    names = gqa_order_for(NeoxNames.from_config(config), None, qkv_order, tag)
     shards, source_tp = neox_checkpoint_shards(tag, names)
     full = merge_tp_shards(config, shards)
     pipeline = isinstance(engine, PipelineEngine)

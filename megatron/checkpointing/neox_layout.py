@@ -1,33 +1,40 @@
 """GPT-NeoX's checkpoint layout: layer numbers, parameter names and the fused-QKV row order.
 
 Deepy's modules keep their own names (they seed the initialisation, see ``model/gpt.py``) and their
-own ``[q; k; v]`` QKV rows. Checkpoint files are written in GPT-NeoX's layout instead, so GPT-NeoX's
-tools read them and GPT-NeoX's checkpoints load here. This module is the whole translation, applied
-to one tensor-parallel rank's shard at the file boundary (``neox_files.py`` does the I/O).
+own per-rank ``[q; k; v]`` QKV rows and ``[gate; up]`` gated-MLP rows. Checkpoint files are written
+in GPT-NeoX's current layout instead, so GPT-NeoX's tools read them and GPT-NeoX's checkpoints load
+here. This module is the whole translation, applied to one tensor-parallel rank's shard at the
+file boundary (``neox_files.py`` does the I/O). docs/checkpoint_format.md lists every fact with the
+GPT-NeoX file and commit it was read from (EleutherAI/gpt-neox ea7aefd8, 2026-05-19).
 
-Facts of GPT-NeoX's layout (its ``megatron/model/gpt2_model.py`` layer list, ``transformer.py``
-QKV split and ``tools/ckpts/*``):
-
-* pipeline layer indices: 0 the embedding, 1 a parameter-less step, 2..L+1 the blocks, L+2 a
-  parameter-less step, L+3 the final norm, L+4 the output layer (no file when tied to the
-  embedding). Deepy's PipelineModule numbers the same modules 0, 1..L, L+1, L+2.
-* the plain model (``pipe_parallel_size: 0``) names every parameter ``sequential.<index>.<name>``.
-* names: the final norm is ``norm.*``, the untied head ``final_linear.weight``; RMSNorm weights are
-  ``scale``; a gated MLP is ``w1`` (gate), ``w3`` (up), ``w2`` (down) instead of one fused
-  ``dense_h_to_4h`` and ``dense_4h_to_h``; the rotary buffer is ``attention.rotary_emb.inv_freq``.
-* QKV rows, per tensor-parallel rank, grouped by query head: for each of its query heads, that
-  head's ``d`` query rows, then ``d * kv / heads`` key rows and as many value rows (the keys and
-  values of all kv heads, in order, cut into one slice per query head). With as many kv heads as
-  query heads this is GPT-NeoX's classic per-head ``[q_h; k_h; v_h]``.
+* pipeline layer indices (``megatron/model/gpt2_model.py`` ``init_specs``): 0 the embedding, 1 a
+  parameter-less step, 2..L+1 the blocks, L+2 a parameter-less step, L+3 the final norm, L+4 the
+  output layer (no file when tied to the embedding). Deepy's PipelineModule numbers the same
+  modules 0, 1..L, L+1, L+2. The plain model (``pipe_parallel_size: 0``) names every parameter
+  ``sequential.<index>.<name>``.
+* names (``transformer.py`` ``ParallelMLP``, ``norms.py`` ``RMSNorm``): the final norm ``norm.*``,
+  the untied head ``final_linear.weight``, RMSNorm weights ``scale``, the MLP ``mlp.linear1`` and
+  ``mlp.linear2`` for every activation (since #1212, Sep 2024); a gated ``linear1`` holds, on each
+  tensor-parallel rank, that rank's up rows first and its gate rows second (``Gated_Activation``:
+  ``x, gate = x.chunk(2)``, ``act(gate) * x``), Deepy's holds ``[gate; up]``.
+* QKV rows per tensor-parallel rank: multi-head attention (``num_kv_heads`` unset or equal to
+  ``num_attention_heads``) per head ``[q_h; k_h; v_h]``; grouped-query attention ``[Q; K; V]`` of the
+  rank's heads (``gqa_project`` since #1315, Nov 2024; the HF converters since #1345, May 2025).
 * with ``gpt_j_residual`` every rank adds its copy of a row-parallel bias before the all-reduce, so
   each file holds ``bias / tp``.
+
+Earlier layouts are read too (never written): GPT-NeoX's mid-2024 names (``mlp.dense_h_to_4h`` /
+``dense_4h_to_h``; ``mlp.w1`` gate, ``w3`` up, ``w2`` down for Llama-style MLPs) and its grouped-query
+order before Nov 2024 (:data:`PER_QUERY_HEAD`: for each query head of the rank its ``d`` query rows,
+then its slice of the rank's key rows and of its value rows). The names tell the first apart; the
+QKV order cannot be told from the files and is given by :class:`NeoxNames.gqa_order`.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -37,15 +44,23 @@ from megatron.model.activations import get_activation
 
 Tensors = dict[str, torch.Tensor]
 LayerKind = Literal["embedding", "block", "final_norm", "head"]
+GqaOrder = Literal["per_rank", "per_query_head"]
+PER_RANK: GqaOrder = "per_rank"
+"""GPT-NeoX's grouped-query QKV rows since Nov 2024: ``[Q; K; V]`` of each tensor-parallel rank."""
+PER_QUERY_HEAD: GqaOrder = "per_query_head"
+"""GPT-NeoX's grouped-query QKV rows before Nov 2024 (and Deepy's checkpoint format 2)."""
 
 _SEQUENTIAL = re.compile(r"^sequential\.(\d+)\.(.+)$")
 _ROW_BIASES = ("attention.dense.bias", "mlp.dense_4h_to_h.bias")
+_NEOX_ROW_BIASES = ("attention.dense.bias", "mlp.linear2.bias", "mlp.w2.bias", "mlp.dense_4h_to_h.bias")
 
 
 @dataclass(frozen=True)
 class NeoxNames:
     """What the translation needs to know about the model: facts of its shape (worked out from the
-    model's config, or from the arguments a checkpoint recorded), not keys of this run's config."""
+    model's config, or from the arguments a checkpoint recorded), not keys of this run's config;
+    and, for reading, the grouped-query row order the files hold (written files are always
+    :data:`PER_RANK`)."""
 
     num_layers: int
     heads: int
@@ -53,6 +68,7 @@ class NeoxNames:
     gated_mlp: bool
     rmsnorm: bool
     gpt_j_residual: bool = False
+    gqa_order: GqaOrder = PER_RANK
 
     @staticmethod
     def from_config(config: Any) -> NeoxNames:
@@ -79,6 +95,15 @@ class NeoxNames:
             rmsnorm=str(stored.get("norm") or "layernorm") in ("rmsnorm", "te_rmsnorm"),
             gpt_j_residual=bool(stored.get("gpt_j_residual")),
         )
+
+    @property
+    def grouped_query(self) -> bool:
+        """Fewer key/value heads than query heads: the files' QKV order depends on GPT-NeoX's version."""
+        return self.kv_heads != self.heads
+
+    def reading(self, order: GqaOrder) -> NeoxNames:
+        """The same model, read from files whose grouped-query rows are in ``order``."""
+        return replace(self, gqa_order=order)
 
     # --- layer indices -------------------------------------------------------------------------
     def neox_index(self, spec: int) -> int:
@@ -122,8 +147,12 @@ def _qkv_sizes(rows: int, heads: int, kv_heads: int) -> tuple[int, int] | None:
     return d, kv_heads * d // heads
 
 
-def qkv_to_neox(t: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
-    """One rank's ``[q; k; v]`` rows (``heads``/``kv_heads`` on this rank) -> GPT-NeoX's per-head order."""
+def qkv_to_neox(t: torch.Tensor, heads: int, kv_heads: int, order: GqaOrder = PER_RANK) -> torch.Tensor:
+    """One rank's ``[q; k; v]`` rows (``heads``/``kv_heads`` on this rank) -> GPT-NeoX's order: per head
+    ``[q_h; k_h; v_h]`` for multi-head attention; for grouped-query attention unchanged
+    (:data:`PER_RANK`) or grouped by query head (:data:`PER_QUERY_HEAD`)."""
+    if kv_heads != heads and order == PER_RANK:
+        return t
     sizes = _qkv_sizes(t.shape[0], heads, kv_heads)
     if sizes is None:
         return t
@@ -134,8 +163,10 @@ def qkv_to_neox(t: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
     return grouped.reshape(t.shape).contiguous()
 
 
-def qkv_from_neox(t: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+def qkv_from_neox(t: torch.Tensor, heads: int, kv_heads: int, order: GqaOrder = PER_RANK) -> torch.Tensor:
     """The inverse of :func:`qkv_to_neox`."""
+    if kv_heads != heads and order == PER_RANK:
+        return t
     sizes = _qkv_sizes(t.shape[0], heads, kv_heads)
     if sizes is None:
         return t
@@ -143,6 +174,15 @@ def qkv_from_neox(t: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
     rest = t.shape[1:]
     q, k, v = t.reshape(heads, d + 2 * per, *rest).split([d, per, per], 1)
     return torch.cat([q.reshape(heads * d, *rest), k.reshape(kv_heads * d, *rest), v.reshape(kv_heads * d, *rest)])
+
+
+def swap_halves(t: torch.Tensor) -> torch.Tensor:
+    """``[a; b]`` -> ``[b; a]`` along dim 0: one rank's gated rows between Deepy's ``[gate; up]`` and
+    GPT-NeoX's ``[up; gate]`` (its own inverse). Empty tensors (ZeRO-3 placeholders) pass."""
+    if t.numel() == 0:
+        return t
+    first, second = t.chunk(2)
+    return torch.cat([second, first]).contiguous()
 
 
 # --- one layer's tensors -------------------------------------------------------------------------
@@ -156,7 +196,7 @@ def _our_norm_field(field: str, names: NeoxNames) -> str:
 
 def layer_to_neox(names: NeoxNames, spec: int, state: Tensors, tp: int) -> Tensors:
     """Deepy's tensors of pipeline layer ``spec`` (names inside the layer, one tp rank's shards)
-    -> GPT-NeoX's names and row order for the same layer. Names it does not know pass unchanged."""
+    -> GPT-NeoX's current names and row order for the same layer. Names it does not know pass unchanged."""
     kind = names.kind(spec)
     out: Tensors = {}
     for name, t in state.items():
@@ -176,21 +216,22 @@ def _block_to_neox(names: NeoxNames, name: str, t: torch.Tensor, tp: int) -> Ten
     if module in ("input_layernorm", "post_attention_layernorm"):
         return {f"{module}.{_norm_field(field, names)}": t}
     if module == "attention.query_key_value":
-        return {name: qkv_to_neox(t, names.heads // tp, names.kv_heads // tp)}
+        return {name: qkv_to_neox(t, names.heads // tp, names.kv_heads // tp, PER_RANK)}
     if name == "attention.rotary.inv_freq":
         return {"attention.rotary_emb.inv_freq": t}
     if names.gpt_j_residual and name in _ROW_BIASES and tp > 1:
         t = t / tp
-    if names.gated_mlp and module == "mlp.dense_h_to_4h":
-        gate, up = t.chunk(2) if t.numel() else (t, t)
-        return {f"mlp.w1.{field}": gate.contiguous(), f"mlp.w3.{field}": up.contiguous()}
-    if names.gated_mlp and module == "mlp.dense_4h_to_h":
-        return {f"mlp.w2.{field}": t}
+    if module == "mlp.dense_h_to_4h":
+        return {f"mlp.linear1.{field}": swap_halves(t) if names.gated_mlp else t}
+    if module == "mlp.dense_4h_to_h":
+        return {f"mlp.linear2.{field}": t}
     return {name: t}
 
 
 def layer_from_neox(names: NeoxNames, spec: int, state: Tensors, tp: int) -> Tensors:
-    """The inverse of :func:`layer_to_neox`."""
+    """The inverse of :func:`layer_to_neox`, for GPT-NeoX's current names and its earlier ones
+    (``dense_h_to_4h``/``dense_4h_to_h``, ``w1``/``w3``/``w2``); the grouped-query rows are read in
+    ``names.gqa_order``."""
     kind = names.kind(spec)
     out: Tensors = {}
     gated: dict[str, dict[str, torch.Tensor]] = {}
@@ -205,15 +246,16 @@ def layer_from_neox(names: NeoxNames, spec: int, state: Tensors, tp: int) -> Ten
         elif module in ("input_layernorm", "post_attention_layernorm"):
             out[f"{module}.{_our_norm_field(field, names)}"] = t
         elif module == "attention.query_key_value":
-            out[name] = qkv_from_neox(t, names.heads // tp, names.kv_heads // tp)
+            out[name] = qkv_from_neox(t, names.heads // tp, names.kv_heads // tp, names.gqa_order)
         elif name == "attention.rotary_emb.inv_freq":
             out["attention.rotary.inv_freq"] = t
+        elif module in ("mlp.linear1", "mlp.dense_h_to_4h"):
+            # GPT-NeoX's fused gated rows are [up; gate] per rank, in both its current and mid-2024 MLP
+            out[f"mlp.dense_h_to_4h.{field}"] = swap_halves(t) if names.gated_mlp else t
         elif module in ("mlp.w1", "mlp.w3"):
             gated.setdefault(field, {})[module] = t
-        elif module == "mlp.w2":
+        elif module in ("mlp.linear2", "mlp.w2", "mlp.dense_4h_to_h"):
             out[f"mlp.dense_4h_to_h.{field}"] = t
-        elif names.gpt_j_residual and name in _ROW_BIASES and tp > 1:
-            out[name] = t * tp
         else:
             out[name] = t
     for field, parts in gated.items():
@@ -221,8 +263,11 @@ def layer_from_neox(names: NeoxNames, spec: int, state: Tensors, tp: int) -> Ten
             raise CheckpointError(f"a gated MLP needs both mlp.w1.{field} and mlp.w3.{field}; found {sorted(parts)}")
         gate, up = parts["mlp.w1"], parts["mlp.w3"]
         out[f"mlp.dense_h_to_4h.{field}"] = gate if gate.numel() == 0 else torch.cat([gate, up])
-    if names.gpt_j_residual and tp > 1 and "mlp.w2.bias" in state:
-        out["mlp.dense_4h_to_h.bias"] = state["mlp.w2.bias"] * tp
+    if names.gpt_j_residual and tp > 1 and kind == "block":
+        for name in _NEOX_ROW_BIASES:
+            if name in state:
+                ours = "attention.dense.bias" if name.startswith("attention.") else "mlp.dense_4h_to_h.bias"
+                out[ours] = state[name] * tp
     return out
 
 

@@ -8,7 +8,8 @@ One checkpoint directory ``<save>/global_step<N>/`` holds
 * ``deepy_rng/rank_<r>.pt``: each rank's RNG streams (python, numpy, torch, tensor-parallel);
 * ``deepy_meta.json``: iteration, consumed samples, layout, the resolved arguments - readable
   without torch, so a load can decide whether to convert before touching any tensor;
-* ``configs/``: the original config files of the run, verbatim;
+* ``configs/resolved.yml``: every key of the run with its resolved value, for GPT-NeoX's tools
+  (``neox_record.py``; the files' original text is in ``deepy_meta.json``);
 * ``COMMITTED``: written last (see ``commit.py``).
 
 Every rank takes part in every collective whatever happens to its own writes: file errors are
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpointing import commit, reshard
+from megatron.checkpointing import neox_record
 from megatron.checkpointing.expert_shards import check_expert_layout, load_expert_shards, save_expert_shards
 from megatron.checkpointing.new_parameters import tolerating_new_parameters
 from megatron.checkpointing.preemption import collective_device
@@ -58,9 +60,10 @@ CONFIGS_DIR = "configs"
 CLIENT_KEY = "deepy"
 WEIGHTS_ONLY_KEY = "weights_only"
 """``deepy_meta.json`` flag of a converted checkpoint: module weights only, no optimizer or RNG files."""
-FORMAT_VERSION = 2
-"""2: model files in GPT-NeoX's layout (``neox_layout.py``); 1: Deepy's earlier layout, still read."""
-READABLE_FORMATS = (1, 2)
+FORMAT_VERSION = 3
+"""3: model files in GPT-NeoX's current layout (``neox_layout.py``); 2: in its mid-2024 layout; 1: Deepy's
+first layout. All are read (``neox_files.GQA_ORDER_OF_FORMAT``)."""
+READABLE_FORMATS = (1, 2, 3)
 
 # Arguments that fix the shape of the weights: a checkpoint with other values cannot be loaded.
 SHAPE_KEYS = (
@@ -154,7 +157,7 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Save
     client_state = {
         # what GPT-NeoX's own loader and tools read from mp_rank_XX_model_states.pt
         "iteration": request.step,
-        "args": json.loads(json.dumps(request.args, default=str)),  # plain values: weights-only loads read them
+        "args": neox_record.neox_checkpoint_args(request.args),
         CLIENT_KEY: {
             "format": FORMAT_VERSION,
             "iteration": request.step,
@@ -223,21 +226,10 @@ def _write_rank_files(ckpt_dir: Path, request: SaveRequest, rank: int) -> None:
         "args": request.args,
     }
     (ckpt_dir / META_FILE).write_text(json.dumps(meta, indent=1, default=str), encoding="utf-8")
-    if request.config_files:
-        configs = ckpt_dir / CONFIGS_DIR
-        configs.mkdir(exist_ok=True)
-        for name, text in config_file_names(request.config_files).items():
-            (configs / name).write_text(text, encoding="utf-8")
-
-
-def config_file_names(files: dict[str, str]) -> dict[str, str]:
-    """``configs/`` file name -> text: each file under its base name, as GPT-NeoX writes them; two
-    files of the same base name (from different folders) are prefixed with their position."""
-    bases = [Path(name).name for name in sorted(files)]
-    return {
-        (base if bases.count(base) == 1 else f"{index:02d}_{base}"): files[name]
-        for index, (name, base) in enumerate(zip(sorted(files), bases))
-    }
+    configs = ckpt_dir / CONFIGS_DIR
+    configs.mkdir(exist_ok=True)
+    for name, text in neox_record.config_files(request.args).items():
+        (configs / name).write_text(text, encoding="utf-8")
 
 
 # --- loading ---------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from megatron.interop.hf_tokenizer import (
 )
 from megatron.interop.hf_weights import from_hf_state_dict, to_hf_state_dict
 from megatron.checkpointing.discovery import find_gpt_neox_tag
+from megatron.checkpointing.neox_layout import GqaOrder
 from megatron.interop.neox_checkpoint import read_neox_checkpoint
 from megatron.interop.yaml_config import architecture_keys, vocab_divisor, write_config
 from megatron.model.config import GPTConfig
@@ -204,9 +205,10 @@ def _read_hf(source: Path, out_dir: Path, seq_length: int | None, progress: Prog
     return _Source("hf", config, weights, hf.dtype, 0, 0, files, 128)
 
 
-def _read_neox(source: Path, config_paths: list[Path] | None, progress: Progress) -> _Source:
+def _read_neox(source: Path, config_paths: list[Path] | None, qkv_order: GqaOrder | None,
+               progress: Progress) -> _Source:
     progress(f"reading the GPT-NeoX checkpoint {source}")
-    neox = read_neox_checkpoint(source, config_paths)
+    neox = read_neox_checkpoint(source, config_paths, qkv_order)
     values = neox.values
     files = TokenizerFiles(str(values.get("tokenizer_type") or "GPT2BPETokenizer"),
                            values.get("vocab_file"), values.get("merge_file"))  # fmt: skip
@@ -235,6 +237,7 @@ def import_to_deepy(
     verify: bool = True,
     seq_length: int | None = None,
     neox_configs: list[Path] | None = None,
+    neox_qkv_order: GqaOrder | None = None,
     progress: Progress = _quiet,
 ) -> ImportReport:
     kind = detect_source(source)
@@ -242,7 +245,7 @@ def import_to_deepy(
     if kind == "hf":
         src = _read_hf(source, out_dir, seq_length, progress)
     else:
-        src = _read_neox(source, neox_configs, progress)
+        src = _read_neox(source, neox_configs, neox_qkv_order, progress)
     config = src.config
     config.check_tensor_parallel(tp)
     dtype = src.dtype if precision == "auto" else DTYPES[precision]
@@ -262,8 +265,7 @@ def import_to_deepy(
     progress(f"writing a Deepy checkpoint at tp={tp} pp={pp} to {out_dir}")
     ckpt = write_weights_only_checkpoint(
         out_dir, config=config, weights=weights, tp=tp, pp=pp, step=src.iteration,
-        consumed_samples=src.consumed_samples, args=args, config_files={config_file.name: config_file.read_text()},
-        source=description,
+        consumed_samples=src.consumed_samples, args=args, source=description,
     )  # fmt: skip
     progress("re-reading the written checkpoint")
     _check_written(ckpt, config, weights)

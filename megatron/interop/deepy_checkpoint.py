@@ -10,7 +10,8 @@ starts from (``mpu.initialize_weights.shard_tensor``):
   from the optimizer shards.
 
 Writing: the same files (GPT-NeoX's layout) for a chosen tp/pp, module weights only (no optimizer or RNG files),
-plus ``deepy_meta.json`` marked ``weights_only`` and the commit marker. DeepSpeed's module-only
+plus ``deepy_meta.json`` marked ``weights_only``, ``configs/resolved.yml`` and the ``args`` GPT-NeoX reads
+(``checkpointing/neox_record.py``) and the commit marker. DeepSpeed's module-only
 load (fine-tuning) reads exactly these files: the first run after a conversion starts its optimizer
 fresh. DeepSpeed has no offline writer for its checkpoint layout, hence the few lines that
 produce it here; ``tests/e2e/test_hf_interop.py`` loads them through a real DeepSpeed engine.
@@ -27,12 +28,19 @@ from typing import Any
 
 import torch
 
-from megatron.checkpointing import commit
+from megatron.checkpointing import commit, neox_record
 from megatron.checkpointing.neox_files import canonical_rank_weights
 from megatron.checkpointing.neox_layout import NeoxNames, layer_to_neox, plain_to_neox
 from megatron import plugins
 from megatron.checkpointing.safe_load import weights_only_loading
-from megatron.checkpointing.save_load import CONFIGS_DIR, FORMAT_VERSION, META_FILE, WEIGHTS_ONLY_KEY, read_meta
+from megatron.checkpointing.save_load import (
+    CLIENT_KEY,
+    CONFIGS_DIR,
+    FORMAT_VERSION,
+    META_FILE,
+    WEIGHTS_ONLY_KEY,
+    read_meta,
+)
 from megatron.checkpointing.universal import Layout
 from megatron.errors import CheckpointError, ConversionError
 from megatron.model.config import GPTConfig
@@ -158,8 +166,10 @@ def shard_for_tp(config: GPTConfig, weights: Weights, tp: int) -> list[Weights]:
     return ranks
 
 
-def _engine_state(module: Weights | None, step: int, consumed_samples: int, mp_world_size: int) -> dict[str, Any]:
-    """What DeepSpeed's module-only load reads from ``mp_rank_XX_model_states.pt`` (0.19.8)."""
+def _engine_state(module: Weights | None, step: int, consumed_samples: int, mp_world_size: int,
+                  args: dict[str, Any]) -> dict[str, Any]:
+    """What DeepSpeed's module-only load reads from ``mp_rank_XX_model_states.pt`` (0.19.8), with the
+    client state GPT-NeoX reads (``iteration``, ``args``) and Deepy's format (which says the QKV order)."""
     import deepspeed
 
     return {
@@ -168,7 +178,8 @@ def _engine_state(module: Weights | None, step: int, consumed_samples: int, mp_w
         "lr_scheduler": None, "data_sampler": None, "random_ltd": None, "skipped_steps": 0,
         "global_steps": step, "global_samples": consumed_samples, "dp_world_size": 1,
         "mp_world_size": mp_world_size, "ds_config": {}, "ds_version": deepspeed.__version__,
-        "iteration": step,  # GPT-NeoX's client state
+        "iteration": step, "args": neox_record.neox_checkpoint_args(args),  # GPT-NeoX's client state
+        CLIENT_KEY: {"format": FORMAT_VERSION, "iteration": step, "consumed_samples": consumed_samples},
     }  # fmt: skip
 
 
@@ -182,7 +193,6 @@ def write_weights_only_checkpoint(
     step: int = 0,
     consumed_samples: int = 0,
     args: dict[str, Any],
-    config_files: dict[str, str] | None = None,
     source: str = "",
 ) -> Path:
     """A committed Deepy checkpoint ``<save_dir>/global_step<step>`` of ``weights`` at tp/pp
@@ -200,7 +210,7 @@ def write_weights_only_checkpoint(
     names = NeoxNames.from_config(config)  # written in GPT-NeoX's layout, as training runs save
     if pp == 0:
         for rank, module in enumerate(per_rank):
-            state = _engine_state(plain_to_neox(names, module, tp), step, consumed_samples, tp)
+            state = _engine_state(plain_to_neox(names, module, tp), step, consumed_samples, tp, args)
             torch.save(state, ckpt / f"mp_rank_{rank:02d}_model_states.pt")
     else:
         for rank, module in enumerate(per_rank):
@@ -217,7 +227,7 @@ def write_weights_only_checkpoint(
                 torch.save(neox, ckpt / f"layer_{index:02d}-model_{rank:02d}-model_states.pt")
         # DeepSpeed numbers a pipeline's model-parallel files stage-major: stage * tp + tp rank
         for mp_rank in range(stages * tp):
-            state = _engine_state(None, step, consumed_samples, stages * tp)
+            state = _engine_state(None, step, consumed_samples, stages * tp, args)
             torch.save(state, ckpt / f"mp_rank_{mp_rank:02d}_model_states.pt")
     layout = Layout(tp=tp, pp=stages, dp=1, zero_stage=0, pipeline=pp >= 1)
     meta = {
@@ -226,10 +236,10 @@ def write_weights_only_checkpoint(
         "args": args, WEIGHTS_ONLY_KEY: True, "converted_from": source,
     }  # fmt: skip
     (ckpt / META_FILE).write_text(json.dumps(meta, indent=1, default=str), encoding="utf-8")
-    if config_files:
-        (ckpt / CONFIGS_DIR).mkdir()
-        for name, text in config_files.items():
-            (ckpt / CONFIGS_DIR / Path(name).name).write_text(text, encoding="utf-8")
+    (ckpt / CONFIGS_DIR).mkdir()
+    resolved = {"pipe_parallel_size": pp, "model_parallel_size": tp, "num_layers": config.num_layers, **args}
+    for name, text in neox_record.config_files(resolved).items():
+        (ckpt / CONFIGS_DIR / name).write_text(text, encoding="utf-8")
     commit.write_commit_marker(ckpt, commit.CommitInfo(step=step, kind="permanent", time=time.time()))
     commit.write_latest(save_dir, ckpt.name)
     return ckpt

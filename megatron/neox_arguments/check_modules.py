@@ -15,6 +15,7 @@ from types import ModuleType
 from megatron import plugins
 from megatron.config_rules import RULES, Rule
 from megatron.checkpointing import checks as checkpoint_checks
+from megatron.checkpointing import neox_checks
 from megatron.data import checks as data_checks
 from megatron.evaluation import checks as evaluation_checks
 from megatron.launcher import checks as launcher_checks
@@ -37,6 +38,7 @@ CHECK_MODULES: tuple[ModuleType, ...] = (
     length_checks,
     compile_checks,
     checkpoint_checks,
+    neox_checks,  # neox_qkv_order
     data_checks,
     evaluation_checks,  # eval_tasks
     launcher_checks,

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from test_resume import MODEL_YML, REPO, losses, output
 from test_resume import deepy as deepy_run
 
@@ -257,9 +258,10 @@ def test_saved_checkpoints_are_gpt_neox_files_key_by_key(style: str, llama_run: 
         assert sorted(got) == sorted(tensors), name
         assert all(torch.equal(got[k], tensors[k]) for k in tensors), name
     client = torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)
-    assert client["iteration"] == 2 and client["args"]["num_layers"] == 2
+    assert client["iteration"] == 2 and client["args"]["num_layers"] == 2 and len(client["args"]) == 8
     assert (run / "ckpt" / "latest").read_text().strip() == "global_step3"
-    assert (ckpt / "configs" / "model.yml").is_file()
+    resolved = yaml.safe_load((ckpt / "configs" / "resolved.yml").read_text())  # key=value overrides included
+    assert (resolved["pipe_parallel_size"], resolved["model_parallel_size"]) == ((2, 2) if pipeline else (0, 1))
 
 
 def test_export_with_gpt_neox_flags_equals_ours(neox_run: Path, exports: dict[str, Path], tmp_path: Path) -> None:
@@ -267,7 +269,7 @@ def test_export_with_gpt_neox_flags_equals_ours(neox_run: Path, exports: dict[st
 
     tool = REPO / "tools" / "ckpts" / "convert_neox_to_hf.py"
     ckpt = neox_run / "ckpt" / "global_step2"
-    flags = ["--input_dir", str(ckpt), "--config_file", str(ckpt / "configs" / "model.yml"),
+    flags = ["--input_dir", str(ckpt), "--config_file", str(ckpt / "configs" / "resolved.yml"),
              "--output_dir", str(tmp_path / "hf"), "--precision", "auto", "--architecture", "neox"]  # fmt: skip
     proc = subprocess.run([sys.executable, str(tool), *flags], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -282,7 +284,7 @@ GPT_NEOX_SOURCES = {
     # Llama style as GPT-NeoX's converter writes it (tag `0`, no configs/), here in pipeline files at tp2,
     # loaded by a plain tp2 run; GPT-NeoX style plain at tp1 (sequential.*), resumed by a pp1 run
     "llama": dict(pipeline=True, tp=2, run=("num_gpus=2", "model_parallel_size=2", "pipe_parallel_size=0",
-                                           "finetune=true", *LLAMA)),
+                                           "finetune=true", "neox_qkv_order=per_rank", *LLAMA)),
     "neox": dict(pipeline=False, tp=1, run=("num_gpus=1", "model_parallel_size=1", "pipe_parallel_size=1", *NEOX)),
 }  # fmt: skip
 

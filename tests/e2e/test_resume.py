@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -137,8 +138,11 @@ def test_exact_resume_matches_the_uninterrupted_run(tmp_path: Path, first_half: 
     # the checkpoint carries the config files and the resolved arguments
     meta = json.loads((tmp_path / "ckpt" / "global_step12" / "deepy_meta.json").read_text())
     assert meta["iteration"] == 12 and meta["consumed_samples"] == 96
-    assert meta["args"]["hidden_size"] == 64
-    assert (tmp_path / "ckpt" / "global_step12" / "configs" / "model.yml").read_text() == MODEL_YML
+    assert meta["args"]["hidden_size"] == 64 and MODEL_YML in meta["args"]["config_files"].values()
+    # configs/ holds the run's resolved values, key=value overrides included (what GPT-NeoX's tools read)
+    resolved = yaml.safe_load((tmp_path / "ckpt" / "global_step12" / "configs" / "resolved.yml").read_text())
+    assert resolved["hidden_size"] == 64 and resolved["checkpoint_factor"] == 6
+    assert (resolved["pipe_parallel_size"], resolved["model_parallel_size"]) == (1, 1)
 
 
 def to_earlier_deepy_layout(ckpt: Path, num_layers: int = 2, heads: int = 4) -> None:
@@ -158,6 +162,9 @@ def to_earlier_deepy_layout(ckpt: Path, num_layers: int = 2, heads: int = 4) -> 
         if 2 <= index <= num_layers + 1:
             spec = index - 1
             state = {k: blocks_qkv(v) if "query_key_value" in k else v for k, v in state.items()}
+            names = {"mlp.linear1.": "mlp.dense_h_to_4h.", "mlp.linear2.": "mlp.dense_4h_to_h."}  # gelu: no gate
+            state = {next((k.replace(a, b) for a, b in names.items() if k.startswith(a)), k): v
+                     for k, v in state.items()}
         elif index == num_layers + 3:
             spec = num_layers + 1
             state = {k.replace("norm.", "final_norm.", 1): v for k, v in state.items()}

@@ -309,6 +309,23 @@ def test_module_state_dict_conversion_runs_in_save_and_load_checkpoint(engine, t
     assert seen == [["renamed.bias", "renamed.weight"]]
 
 
+def test_the_directory_being_loaded_is_known_to_the_module_hook(engine, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``load_checkpoint(load_dir, tag)`` is what calls ``load_module_state_dict`` (neox_files reads
+    the format of the files it converts from ``load_dir/tag``)."""
+    from megatron.deepspeed_internals import checkpoint_being_loaded, convert_module_state_dicts
+
+    loading = checkpoint_being_loaded(engine)
+    seen: list[object] = []
+    convert_module_state_dicts(engine, on_save=lambda w: w, on_load=lambda c: seen.append(loading()) or c)
+    try:
+        engine.save_checkpoint(str(tmp_path), "tag7", save_latest=False)
+        assert loading() is None
+        engine.load_checkpoint(str(tmp_path), "tag7")
+    finally:
+        del engine.module_state_dict, engine.load_module_state_dict, engine.load_checkpoint
+    assert seen == [str(tmp_path / "tag7")] and loading() is None
+
+
 @pytest.fixture()
 def zero3_engine(engine):  # type: ignore[no-untyped-def]
     """A one-rank ZeRO-3 engine (``engine`` has set up the process group), plain SGD."""

@@ -244,3 +244,20 @@ def test_verify_fast_path_switches_to_hf_on_disagreement(tok_json: Path, texts: 
     assert tok.backend == "hf"
     hf = tokenizers.Tokenizer.from_file(str(tok_json))
     assert tok.tokenize(texts[0]) == hf.encode(texts[0]).ids
+
+
+def test_written_tokenizer_json_has_the_merges_form_every_tokenizers_release_reads(tok_json: Path,
+                                                                                   texts: list[str]) -> None:
+    """tokenizers 0.15.2 (GPT-NeoX's pin, through transformers 4.38) deserialises BPE merges only as
+    ``"a b"`` strings (its models/bpe/serialization.rs: ``Vec<String>``, split at the one space);
+    releases >= 0.20 write ``["a", "b"]`` pairs and read both forms. The file Deepy writes holds the
+    string form, and the current release reads it back to the same tokenizer."""
+    from tokenizers import Tokenizer
+
+    data = json.loads(tok_json.read_text())
+    merges = data["model"]["merges"]
+    assert merges and all(isinstance(m, str) and m.count(" ") == 1 for m in merges)
+    trained = train_tokenizer.train_bpe(texts, vocab_size=600)
+    assert [m.split(" ") for m in merges] == [list(m) for m in json.loads(trained.to_str())["model"]["merges"]]
+    back = Tokenizer.from_file(str(tok_json))
+    assert all(back.encode(t).ids == trained.encode(t).ids for t in texts[:50])

@@ -42,6 +42,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="seq_length for the written config (default: max_position_embeddings)")
     parser.add_argument("--config", type=Path, nargs="+", default=None,
                         help="GPT-NeoX config files, when the checkpoint has no configs/ directory")
+    parser.add_argument("--neox-qkv-order", choices=["per_rank", "per_query_head"], default=None,
+                        help="a grouped-query GPT-NeoX checkpoint's QKV row order, which its files cannot say: "
+                             "per_rank (GPT-NeoX since Nov 2024) or per_query_head (earlier)")
     parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                         help="compare Deepy's and transformers' logits on a fixed batch (HF sources)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -61,6 +64,7 @@ def main() -> int:
         verify=opts.verify,
         seq_length=opts.seq_length,
         neox_configs=opts.config,
+        neox_qkv_order=opts.neox_qkv_order,
         progress=lambda line: print(line, flush=True),
     )
     print(f"wrote {report.checkpoint} (iteration {report.iteration}) and {report.config_file}")

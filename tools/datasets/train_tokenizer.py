@@ -3,7 +3,7 @@
 
 The result is a ``tokenizer.json`` for ``tokenizer_type: HFTokenizer`` whose layout (every byte in the
 alphabet, merge results numbered in merge order, no normalizer) lets Deepy encode it with the fast
-tiktoken path. ``<|endoftext|>`` is a special token (the end-of-document id). Training is
+tiktoken path, written in the form both GPT-NeoX's pinned tokenizers (0.15.2) and current ones read. ``<|endoftext|>`` is a special token (the end-of-document id). Training is
 deterministic: the same texts and vocab size give the same file.
 """
 
@@ -62,10 +62,26 @@ def iter_texts(paths: list[str], key: str) -> Iterator[str]:
                     yield text
 
 
+def portable_json(tok: Tokenizer) -> str:
+    """``tok`` as a tokenizer.json that tokenizers 0.15.2 (GPT-NeoX's pin, via transformers 4.38) reads
+    as well as current releases: BPE merges as ``"a b"`` strings. tokenizers >= 0.20 writes them as
+    ``["a", "b"]`` pairs, which 0.15 cannot parse; both read the string form. A byte-level piece never
+    holds a space (the byte alphabet maps it to ``Ġ``), so the string form is exact."""
+    data = json.loads(tok.to_str(pretty=True))
+    model = data.get("model") or {}
+    merges = model.get("merges")
+    if isinstance(merges, list):
+        pairs = [m if isinstance(m, str) else list(m) for m in merges]
+        if any(not isinstance(m, str) and any(" " in part for part in m) for m in pairs):
+            raise DataError("a BPE merge contains a space, which tokenizer.json's string form cannot hold")
+        model["merges"] = [m if isinstance(m, str) else " ".join(m) for m in pairs]
+    return json.dumps(data, ensure_ascii=False, indent=2) + "\n"
+
+
 def save(tok: Tokenizer, path: str | os.PathLike[str]) -> None:
     """Write atomically so a crash never leaves a truncated tokenizer.json behind."""
     with atomic_path(path) as tmp:
-        tok.save(str(tmp), pretty=True)
+        Path(tmp).write_text(portable_json(tok), encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
