@@ -24,6 +24,7 @@ import torch
 from megatron.errors import ConversionError
 from megatron.model.activations import get_activation
 from megatron.model.config import GPTConfig
+from megatron.model.mlp_width import intermediate_size_for
 from megatron.model.rope_scaling import RopeScaling, RopeScalingError, parse_rope_scaling
 
 if TYPE_CHECKING:
@@ -242,7 +243,7 @@ def gpt_config_from_hf(hf: "PretrainedConfig", seq_length: int | None = None) ->
         pos_emb="rotary",
         rotary_emb_base=base,
         rope_scaling=None if scaling is None else scaling.to_hf(),
-        intermediate_size=int(hf.intermediate_size),
+        intermediate_size=int(hf.intermediate_size),  # a plain MLP's width; a gated one's below
         no_weight_tying=not bool(hf.tie_word_embeddings),
         init_method_std=float(hf.initializer_range),
         attention_dropout=float(hf.attention_dropout or 0.0),
@@ -280,6 +281,8 @@ def gpt_config_from_hf(hf: "PretrainedConfig", seq_length: int | None = None) ->
         window = getattr(hf, "sliding_window", None) if kind == "mistral" else None
         if getattr(hf, "layer_types", None) and len(set(hf.layer_types)) > 1:
             raise ConversionError(f"layer_types: {sorted(set(hf.layer_types))} (mixed layer types are not built)")
+        # HF's intermediate_size is each half's width; GPT-NeoX's key is 3x that (mlp_width.py)
+        common["intermediate_size"] = intermediate_size_for(int(hf.intermediate_size), gated=True)
         return GPTConfig(
             **common,
             num_kv_heads=int(hf.num_key_value_heads or heads),
