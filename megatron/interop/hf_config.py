@@ -95,9 +95,9 @@ def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list
     arch: HFArchitecture | None = None
     if norm == "layernorm":
         arch = "GPTNeoXForCausalLM"
-        if config.activation not in PLAIN_ACTIVATIONS:
+        if config.mlp_activation not in PLAIN_ACTIVATIONS:
             problems.append(
-                f"activation: {config.activation} (GPTNeoXForCausalLM's MLP is not gated and runs one of "
+                f"activation: {config.mlp_activation} (GPTNeoXForCausalLM's MLP is not gated and runs one of "
                 f"{sorted(PLAIN_ACTIVATIONS)}; a gated MLP exports as Llama, which needs norm: rmsnorm)"
             )
         if config.kv_heads != config.num_attention_heads:
@@ -172,7 +172,7 @@ def hf_config_from_gpt(config: GPTConfig, tokens: SpecialTokens, dtype: torch.dt
 
         return GPTNeoXConfig(
             **common,
-            hidden_act=PLAIN_ACTIVATIONS[config.activation],
+            hidden_act=PLAIN_ACTIVATIONS[config.mlp_activation],  # bias_gelu_fusion: gelu's tanh form
             hidden_dropout=config.hidden_dropout,
             classifier_dropout=config.hidden_dropout,
             layer_norm_eps=config.layernorm_epsilon,

@@ -61,7 +61,7 @@ def architecture_keys(config: GPTConfig) -> dict[str, Any]:
     else:
         keys.update(layernorm_epsilon=config.layernorm_epsilon, use_bias_in_norms=config.use_bias_in_norms)
     keys.update(
-        activation=config.activation,
+        activation=config.mlp_activation,  # gelu with bias_gelu_fusion is gelu_tanh
         # GPT-NeoX's key for this width (3x each half when gated, mlp_width.intermediate_size_for)
         intermediate_size=intermediate_size_for(config.ffn_hidden_size, config.mlp_widths.gated),
         use_bias_in_attn_linear=config.use_bias_in_attn_linear,

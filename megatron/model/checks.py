@@ -235,3 +235,12 @@ def layernorm_bias_key(ctx: RuleContext) -> list[str]:
         ctx.warnings.append(f"{ctx.show('use_bias_in_norms')}: Deepy builds LayerNorms without a bias; GPT-NeoX "
                             f"ignores this key (its LayerNorm always has one), so GPT-NeoX builds another model")
     return []
+
+
+@rule
+def fused_gelu_has_a_bias(ctx: ModelKeys) -> list[str]:
+    """GPT-NeoX's fused bias+GeLU kernel adds the MLP's bias, and fails without one (transformer.py:168-171)."""
+    if ctx.get("bias_gelu_fusion") and ctx.get("activation") == "gelu" and not ctx.get("use_bias_in_mlp"):
+        return [f"{ctx.show('bias_gelu_fusion')} with {ctx.show('use_bias_in_mlp')}: GPT-NeoX's fused kernel (tanh "
+                f"GeLU) adds the MLP's bias and cannot run without one; set activation: gelu_tanh instead"]
+    return []

@@ -204,7 +204,8 @@ class GPTConfig(MoEArgs):
     unchanged."""
 
     bias_gelu_fusion: bool = False
-    """Performance hint: fuse the MLP bias add with GeLU; results are unchanged."""
+    """With activation gelu, GPT-NeoX's fused bias+GeLU kernel, which computes GeLU's tanh approximation
+    (not the exact erf GeLU): Deepy computes the same function (activation gelu_tanh)."""
 
     bias_dropout_fusion: bool = False
     """Performance hint: fuse bias add, dropout and residual add; results are unchanged."""
@@ -438,7 +439,7 @@ class GPTConfig(MoEArgs):
         for shape_check in (checks.model_shape_given, checks.heads_divide_hidden, checks.kv_heads_fit,
                             checks.rope_scaling_is_honoured, moe_checks.moe_top_k_fits, checks.mlp_widths_fit,
                             checks.rotary_dims_even, checks.parallel_residual_keeps_attention,
-                            checks.positions_fit_the_learned_table):
+                            checks.positions_fit_the_learned_table, checks.fused_gelu_has_a_bias):
             problems += shape_check(view)
         if problems:
             raise ModelConfigError("; ".join(problems))
@@ -492,6 +493,12 @@ class GPTConfig(MoEArgs):
     def ffn_hidden_size(self) -> int:
         """MLP width after the activation (each half of the first projection when gated)."""
         return self.mlp_widths.second
+
+    @property
+    def mlp_activation(self) -> str:
+        """The MLP's activation as GPT-NeoX runs it: ``bias_gelu_fusion`` makes gelu the tanh
+        approximation (its ``bias_gelu`` kernel, activations.py:45-53, 78-81 at ea7aefd8)."""
+        return "gelu_tanh" if self.activation == "gelu" and self.bias_gelu_fusion else self.activation
 
     @property
     def expert_ffn_hidden_size(self) -> int:

@@ -21,7 +21,7 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTConfig, name: str) -> None:
         super().__init__()
-        self.activation = get_activation(config.activation)
+        self.activation = get_activation(config.mlp_activation)
         widths = config.mlp_widths  # buildable: check_tensor_parallel ran in GPTModel / the pipeline specs
         ffn = widths.second
         sections = [widths.first // 2] * 2 if self.activation.gated else [widths.first]
