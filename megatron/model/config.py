@@ -13,7 +13,6 @@ dims, attention types, the weight dtype) is a property here, computed the same w
 
 from __future__ import annotations
 
-import math
 import typing
 from typing import TYPE_CHECKING, Any, Literal, Self
 
