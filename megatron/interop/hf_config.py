@@ -24,6 +24,7 @@ import torch
 from megatron.errors import ConversionError
 from megatron.model.activations import get_activation
 from megatron.model.config import GPTConfig
+from megatron.model.mlp_width import intermediate_size_for
 from megatron.model.rope_scaling import RopeScaling, RopeScalingError, parse_rope_scaling
 
 if TYPE_CHECKING:
@@ -94,9 +95,9 @@ def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list
     arch: HFArchitecture | None = None
     if norm == "layernorm":
         arch = "GPTNeoXForCausalLM"
-        if config.activation not in PLAIN_ACTIVATIONS:
+        if config.mlp_activation not in PLAIN_ACTIVATIONS:
             problems.append(
-                f"activation: {config.activation} (GPTNeoXForCausalLM's MLP is not gated and runs one of "
+                f"activation: {config.mlp_activation} (GPTNeoXForCausalLM's MLP is not gated and runs one of "
                 f"{sorted(PLAIN_ACTIVATIONS)}; a gated MLP exports as Llama, which needs norm: rmsnorm)"
             )
         if config.kv_heads != config.num_attention_heads:
@@ -171,7 +172,7 @@ def hf_config_from_gpt(config: GPTConfig, tokens: SpecialTokens, dtype: torch.dt
 
         return GPTNeoXConfig(
             **common,
-            hidden_act=PLAIN_ACTIVATIONS[config.activation],
+            hidden_act=PLAIN_ACTIVATIONS[config.mlp_activation],  # bias_gelu_fusion: gelu's tanh form
             hidden_dropout=config.hidden_dropout,
             classifier_dropout=config.hidden_dropout,
             layer_norm_eps=config.layernorm_epsilon,
@@ -242,7 +243,7 @@ def gpt_config_from_hf(hf: "PretrainedConfig", seq_length: int | None = None) ->
         pos_emb="rotary",
         rotary_emb_base=base,
         rope_scaling=None if scaling is None else scaling.to_hf(),
-        intermediate_size=int(hf.intermediate_size),
+        intermediate_size=int(hf.intermediate_size),  # a plain MLP's width; a gated one's below
         no_weight_tying=not bool(hf.tie_word_embeddings),
         init_method_std=float(hf.initializer_range),
         attention_dropout=float(hf.attention_dropout or 0.0),
@@ -280,6 +281,8 @@ def gpt_config_from_hf(hf: "PretrainedConfig", seq_length: int | None = None) ->
         window = getattr(hf, "sliding_window", None) if kind == "mistral" else None
         if getattr(hf, "layer_types", None) and len(set(hf.layer_types)) > 1:
             raise ConversionError(f"layer_types: {sorted(set(hf.layer_types))} (mixed layer types are not built)")
+        # HF's intermediate_size is each half's width; GPT-NeoX's key is 3x that (mlp_width.py)
+        common["intermediate_size"] = intermediate_size_for(int(hf.intermediate_size), gated=True)
         return GPTConfig(
             **common,
             num_kv_heads=int(hf.num_key_value_heads or heads),

@@ -19,6 +19,7 @@ import yaml
 from megatron.errors import ConversionError
 from megatron.interop.hf_tokenizer import TokenizerFiles
 from megatron.model.config import GPTConfig
+from megatron.model.mlp_width import intermediate_size_for
 from megatron.tokenizer.base import padded_vocab_size
 
 CONFIG_NAME = "deepy_model.yml"
@@ -60,8 +61,9 @@ def architecture_keys(config: GPTConfig) -> dict[str, Any]:
     else:
         keys.update(layernorm_epsilon=config.layernorm_epsilon, use_bias_in_norms=config.use_bias_in_norms)
     keys.update(
-        activation=config.activation,
-        intermediate_size=config.ffn_hidden_size,
+        activation=config.mlp_activation,  # gelu with bias_gelu_fusion is gelu_tanh
+        # GPT-NeoX's key for this width (3x each half when gated, mlp_width.intermediate_size_for)
+        intermediate_size=intermediate_size_for(config.ffn_hidden_size, config.mlp_widths.gated),
         use_bias_in_attn_linear=config.use_bias_in_attn_linear,
         use_bias_in_mlp=config.use_bias_in_mlp,
         gpt_j_residual=config.gpt_j_residual,

@@ -152,3 +152,96 @@ def vocab_padding_splits_over_tp(ctx: RuleContext) -> list[str]:
         f"model_parallel_size = {multiple}: each tensor-parallel rank holds an equal slice of the "
         f"vocabulary; remove padded_vocab_size so it is computed from the tokenizer"
     ]
+
+
+@rule
+def mlp_widths_fit(ctx: ModelKeys) -> list[str]:
+    """The MLP widths GPT-NeoX's rule gives fit each other (``megatron/model/mlp_width.py``), and only one
+    of intermediate_size / expansion_factor sizes it (GPT-NeoX asserts that, transformer.py:106)."""
+    from megatron.model.mlp_width import GATED_ACTIVATIONS, neox_mlp_widths, width_problem
+
+    hidden, size, factor = ctx.get("hidden_size"), ctx.get("intermediate_size"), ctx.get("expansion_factor")
+    if hidden is None:
+        return []
+    if size is not None and factor is not None:
+        return [f"{ctx.show('intermediate_size')} and {ctx.show('expansion_factor')} both size the MLP; GPT-NeoX "
+                f"accepts only one of them: remove one"]
+    if ctx.get("mlp_type") == "llama":
+        return []  # each half is intermediate_size wide as given (mlp_width.legacy_llama_width)
+    multiple = ctx.get("mlp_multiple_of")
+    gated = ctx.get("activation") in GATED_ACTIVATIONS
+    problem = width_problem(neox_mlp_widths(hidden, size, factor, multiple, gated), hidden, size, factor, multiple)
+    if problem is None:
+        return []
+    sizing = ctx.show("intermediate_size") if size is not None else (
+        ctx.show("expansion_factor") if factor is not None else f"{ctx.show('hidden_size')} (F = 4 x hidden_size)")
+    return [f"{sizing} with {ctx.show('mlp_multiple_of')} and {ctx.show('activation')}: {problem}"]
+
+
+@rule
+def rotary_dims_even(ctx: ModelKeys) -> list[str]:
+    """Rotary rotates pairs of dimensions: GPT-NeoX's RotaryEmbedding builds cos/sin for an even count
+    only (``torch.cat((freqs, freqs))`` is one wider than an odd count), so an odd one is refused."""
+    hidden, heads, pct = ctx.get("hidden_size"), ctx.get("num_attention_heads"), ctx.get("rotary_pct")
+    if ctx.get("pos_emb") != "rotary" or hidden is None or not heads or hidden % heads:
+        return []
+    head = hidden // heads
+    dims = head if pct == 1 else int(head * pct)
+    if dims % 2 == 0:
+        return []
+    return [f"{ctx.show('rotary_pct')} rotates {dims} of each head's {head} dimensions (int(head_dim x rotary_pct), "
+            f"as GPT-NeoX computes it): rotary needs an even count; choose a rotary_pct that gives one"]
+
+
+@rule
+def parallel_residual_keeps_attention(ctx: ModelKeys) -> list[str]:
+    """GPT-NeoX's parallel residual adds the attention output to the MLP's only through the MLP's bias:
+    without one (use_bias_in_mlp false, or an MoE layer, which has none) it computes x + mlp(norm(x))
+    and drops the attention (transformer.py:1102-1113 at ea7aefd8). Deepy would build the block with
+    attention, a different model, so the combination is refused."""
+    if not ctx.get("gpt_j_residual"):
+        return []
+    why = []
+    if not ctx.get("use_bias_in_mlp"):
+        why.append(ctx.show("use_bias_in_mlp"))
+    if (ctx.get("moe_num_experts") or 1) > 1:
+        why.append(f"{ctx.show('moe_num_experts')} (MoE layers have no bias)")
+    if not why:
+        return []
+    return [f"{ctx.show('gpt_j_residual')} with {' and '.join(why)}: GPT-NeoX's parallel residual then drops the "
+            f"attention output (it is added together with the MLP's bias only); set use_bias_in_mlp: true "
+            f"without MoE, or gpt_j_residual: false"]
+
+
+@rule
+def positions_fit_the_learned_table(ctx: ModelKeys) -> list[str]:
+    """GPT-NeoX's learned table has max_position_embeddings rows and positions are shifted by
+    opt_pos_emb_offset before the lookup (word_embeddings.py:88-91, 143-149 at ea7aefd8)."""
+    offset, seq = ctx.get("opt_pos_emb_offset") or 0, ctx.get("seq_length")
+    positions = ctx.get("max_position_embeddings") or seq
+    if ctx.get("pos_emb") != "learned" or not offset or seq is None:
+        return []
+    if seq + offset <= positions:
+        return []
+    return [f"{ctx.show('seq_length')} + {ctx.show('opt_pos_emb_offset')} exceeds {ctx.show('max_position_embeddings')}: "
+            f"the learned table has max_position_embeddings rows and positions are shifted by the offset; "
+            f"set max_position_embeddings: {seq + offset}"]
+
+
+@rule
+def layernorm_bias_key(ctx: RuleContext) -> list[str]:
+    """``use_bias_in_norms`` is declared by GPT-NeoX but read by none of its layers (its LayerNorm always
+    has a bias); Deepy honours it. Say so where the two differ."""
+    if ctx.get("norm") in ("layernorm", "te_layernorm") and not ctx.get("use_bias_in_norms"):
+        ctx.warnings.append(f"{ctx.show('use_bias_in_norms')}: Deepy builds LayerNorms without a bias; GPT-NeoX "
+                            f"ignores this key (its LayerNorm always has one), so GPT-NeoX builds another model")
+    return []
+
+
+@rule
+def fused_gelu_has_a_bias(ctx: ModelKeys) -> list[str]:
+    """GPT-NeoX's fused bias+GeLU kernel adds the MLP's bias, and fails without one (transformer.py:168-171)."""
+    if ctx.get("bias_gelu_fusion") and ctx.get("activation") == "gelu" and not ctx.get("use_bias_in_mlp"):
+        return [f"{ctx.show('bias_gelu_fusion')} with {ctx.show('use_bias_in_mlp')}: GPT-NeoX's fused kernel (tanh "
+                f"GeLU) adds the MLP's bias and cannot run without one; set activation: gelu_tanh instead"]
+    return []

@@ -13,7 +13,6 @@ dims, attention types, the weight dtype) is a property here, computed the same w
 
 from __future__ import annotations
 
-import math
 import typing
 from typing import TYPE_CHECKING, Any, Literal, Self
 
@@ -24,6 +23,7 @@ from megatron.config_schema import not_supported
 from megatron.config_schema import partly_supported
 from megatron.config_support import KNOWN_ATTENTION_TYPES
 from megatron.errors import ConfigError
+from megatron.model.mlp_width import GATED_ACTIVATIONS, MLPWidths, expert_width, legacy_llama_width, neox_mlp_widths
 from megatron.model.moe_config import MoEArgs
 
 if TYPE_CHECKING:
@@ -99,14 +99,16 @@ class GPTConfig(MoEArgs):
     """Width of the residual stream."""
 
     intermediate_size: int | None = Field(None, ge=1)
-    """Hidden width of the MLP; for gated activations (swiglu, geglu) the width of each of the two
-    input projections. Derived from hidden_size when unset."""
+    """GPT-NeoX's MLP size F (default 4 x hidden_size): a plain MLP is F wide; a gated one (swiglu,
+    geglu, ...) has a first projection of int(2F/3) rows and halves of int(2F/3) // 2, so a Llama
+    MLP with halves of w is F = 3w (docs/gpt_neox_semantics.md)."""
 
     mlp_multiple_of: int = Field(1, ge=1)
-    """Round the derived MLP width up to a multiple of this (LLaMA-style sizing)."""
+    """Round the MLP's first projection up to a multiple of twice this, its second projection's input
+    to a multiple of this (GPT-NeoX's rule; widths that no longer fit each other are refused)."""
 
     expansion_factor: float | None = Field(None, gt=0)
-    """MLP width as a multiple of hidden_size when intermediate_size is not given."""
+    """F = int(expansion_factor x hidden_size) when intermediate_size is not given (not both)."""
 
     num_attention_heads: int | None = Field(None, ge=1)
     """Number of query heads per attention layer."""
@@ -184,9 +186,10 @@ class GPTConfig(MoEArgs):
     """Non-linearity of the MLP; the *glu variants gate one projection with another."""
 
     mlp_type: Literal["regular", "llama"] = "regular"
-    """Earlier GPT-NeoX spelling of a gated MLP, kept so its Llama/Mistral configs load: `llama`
-    gates with `activation` (silu -> swiglu, gelu -> geglu, relu -> reglu), has no MLP biases, and is
-    8/3 x hidden_size wide rounded up to 256 unless intermediate_size is given."""
+    """GPT-NeoX's spelling of a gated MLP before September 2024, kept so its Llama/Mistral configs of
+    that time load: `llama` gates with `activation` (silu -> swiglu, gelu -> geglu, relu -> reglu),
+    has no MLP biases, and each half is intermediate_size wide as given (not GPT-NeoX's current
+    rule), or 8/3 x hidden_size rounded up to 256."""
 
     use_flashattn_swiglu: bool = False
     """Performance hint: use flash-attn's fused SwiGLU kernel where available; results are
@@ -200,7 +203,8 @@ class GPTConfig(MoEArgs):
     unchanged."""
 
     bias_gelu_fusion: bool = False
-    """Performance hint: fuse the MLP bias add with GeLU; results are unchanged."""
+    """With activation gelu, GPT-NeoX's fused bias+GeLU kernel, which computes GeLU's tanh approximation
+    (not the exact erf GeLU): Deepy computes the same function (activation gelu_tanh)."""
 
     bias_dropout_fusion: bool = False
     """Performance hint: fuse bias add, dropout and residual add; results are unchanged."""
@@ -432,7 +436,9 @@ class GPTConfig(MoEArgs):
         view = ConfigView(self)
         problems: list[str] = []
         for shape_check in (checks.model_shape_given, checks.heads_divide_hidden, checks.kv_heads_fit,
-                            checks.rope_scaling_is_honoured, moe_checks.moe_top_k_fits):
+                            checks.rope_scaling_is_honoured, moe_checks.moe_top_k_fits, checks.mlp_widths_fit,
+                            checks.rotary_dims_even, checks.parallel_residual_keeps_attention,
+                            checks.positions_fit_the_learned_table, checks.fused_gelu_has_a_bias):
             problems += shape_check(view)
         if problems:
             raise ModelConfigError("; ".join(problems))
@@ -473,15 +479,32 @@ class GPTConfig(MoEArgs):
         return self.num_kv_heads if self.num_kv_heads is not None else self.num_attention_heads
 
     @property
+    def mlp_widths(self) -> MLPWidths:
+        """The dense MLP's two widths by GPT-NeoX's rules (``megatron/model/mlp_width.py``)."""
+        gated = self.activation in GATED_ACTIVATIONS
+        if self.mlp_type == "llama":
+            width = legacy_llama_width(self.hidden_size, self.intermediate_size)
+            return MLPWidths(first=2 * width, second=width, gated=True)
+        return neox_mlp_widths(self.hidden_size, self.intermediate_size, self.expansion_factor,
+                               self.mlp_multiple_of, gated)
+
+    @property
     def ffn_hidden_size(self) -> int:
-        """MLP width (one half of the first projection for gated activations)."""
-        if self.intermediate_size is not None:
-            width = self.intermediate_size
-        else:
-            factor = 4.0 if self.expansion_factor is None else self.expansion_factor
-            width = int(factor * self.hidden_size)
-        multiple = max(1, self.mlp_multiple_of)
-        return multiple * math.ceil(width / multiple)
+        """MLP width after the activation (each half of the first projection when gated)."""
+        return self.mlp_widths.second
+
+    @property
+    def mlp_activation(self) -> str:
+        """The MLP's activation as GPT-NeoX runs it: ``bias_gelu_fusion`` makes gelu the tanh
+        approximation (its ``bias_gelu`` kernel, activations.py:45-53, 78-81 at ea7aefd8)."""
+        return "gelu_tanh" if self.activation == "gelu" and self.bias_gelu_fusion else self.activation
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """One expert's width (each half when gated) in an MoE layer: GPT-NeoX's expert rule."""
+        if self.mlp_type == "llama":
+            return self.ffn_hidden_size
+        return expert_width(self.hidden_size, self.intermediate_size)
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether block `layer_number` (0-based) has an MoE layer instead of the dense MLP (GPT-NeoX's rule)."""
@@ -493,9 +516,10 @@ class GPTConfig(MoEArgs):
 
     @property
     def rotary_dim(self) -> int:
-        """Dimensions of each head that rotary rotates (even)."""
-        dim = int(self.head_dim * self.rotary_pct)
-        return dim - dim % 2
+        """Dimensions of each head that rotary rotates."""
+        # GPT-NeoX: the whole head at rotary_pct 1, else int(head_dim * rotary_pct); an odd count is
+        # refused (checks.rotary_dims_even)
+        return self.head_dim if self.rotary_pct == 1 else int(self.head_dim * self.rotary_pct)
 
     @property
     def attention_types(self) -> list[str]:
@@ -514,7 +538,7 @@ class GPTConfig(MoEArgs):
             "num_attention_heads": self.num_attention_heads,
             "num_kv_heads": self.kv_heads,
             "padded_vocab_size": self.padded_vocab_size,
-            "the MLP width (intermediate_size / expansion_factor * hidden_size)": self.ffn_hidden_size,
+            "the MLP width (from intermediate_size, expansion_factor, mlp_multiple_of)": self.ffn_hidden_size,
         }
         if self.moe_num_experts > 1:
             splits["moe_num_experts (each tp rank holds whole experts)"] = self.moe_num_experts

@@ -5,7 +5,6 @@ Pure arithmetic on the config (no model is built), so it is cheap for any size.
 
 from __future__ import annotations
 
-from megatron.model.activations import get_activation
 from megatron.model.config import GPTConfig
 
 # parameters of one norm over `dim` features
@@ -23,11 +22,16 @@ def _norm_params(config: GPTConfig, dim: int) -> int:
     return _NORM_PARAMS[config.norm](dim, config)
 
 
-def mlp_parameters(config: GPTConfig) -> int:
-    """Parameters of one dense MLP (or of one expert: same shape)."""
-    h, ffn = config.hidden_size, config.ffn_hidden_size
-    first = 2 * ffn if get_activation(config.activation).gated else ffn
-    return h * first + ffn * h + (first + h if config.use_bias_in_mlp else 0)
+def mlp_parameters(config: GPTConfig, expert: bool = False) -> int:
+    """Parameters of one dense MLP (``expert``: of one expert of an MoE layer, whose width follows
+    GPT-NeoX's expert rule; Deepy's experts gate and carry biases like the dense MLP)."""
+    h = config.hidden_size
+    if expert:
+        inner = config.expert_ffn_hidden_size
+        first = 2 * inner if config.mlp_widths.gated else inner
+    else:
+        first, inner = config.mlp_widths.first, config.mlp_widths.second
+    return h * first + inner * h + (first + h if config.use_bias_in_mlp else 0)
 
 
 def layer_parameters(config: GPTConfig, layer_number: int = 0, active: bool = False) -> int:
@@ -41,27 +45,50 @@ def layer_parameters(config: GPTConfig, layer_number: int = 0, active: bool = Fa
         attention += 2 * _norm_params(config, d)
     if config.pos_emb == "rpe":
         attention += config.rpe_num_buckets * config.num_attention_heads
-    mlp = mlp_parameters(config)
     if config.is_moe_layer(layer_number):
         experts = config.moe_top_k if active else config.moe_num_experts
-        mlp = experts * mlp + config.moe_num_experts * h  # + the router
+        mlp = experts * mlp_parameters(config, expert=True) + config.moe_num_experts * h  # + the router
+    else:
+        mlp = mlp_parameters(config)
+    return attention + mlp + layer_norm_parameters(config)
+
+
+def layer_norm_parameters(config: GPTConfig) -> int:
+    """Parameters of one layer's norms (one shared norm with a tied parallel residual)."""
     norms = 1 if (config.gpt_j_residual and config.gpt_j_tied) else 2
-    return attention + mlp + norms * _norm_params(config, h)
+    return norms * _norm_params(config, config.hidden_size)
+
+
+def final_norm_parameters(config: GPTConfig) -> int:
+    return _norm_params(config, config.hidden_size)
+
+
+def embedding_parameters(config: GPTConfig) -> int:
+    """The input tables: the (padded) token embedding and a learned position table of
+    ``max_position_embeddings`` rows (GPT-NeoX's size; ``opt_pos_emb_offset`` shifts inside it)."""
+    h = config.hidden_size
+    positions = config.max_positions * h if config.pos_emb == "learned" else 0
+    return config.padded_vocab_size * h + positions
+
+
+def head_parameters(config: GPTConfig) -> int:
+    """The output side's own parameters: an untied output projection (vocab x h), a value head (h),
+    or none when the output reuses the token embedding."""
+    if config.value_head:
+        return config.hidden_size
+    return config.padded_vocab_size * config.hidden_size if config.no_weight_tying else 0
 
 
 def num_parameters(config: GPTConfig, include_embeddings: bool = True, active: bool = False) -> int:
     """Unique parameters of the full (unsharded) model; a tied output projection counts once.
-    ``active``: only the experts one token uses (what its FLOPs see)."""
-    h, vocab = config.hidden_size, config.padded_vocab_size
-    total = sum(layer_parameters(config, i, active) for i in range(config.num_layers)) + _norm_params(config, h)
+    ``include_embeddings=False`` leaves out the token and position tables and an untied output
+    projection (Pythia's "non-embedding" count); ``active``: only the experts one token uses (what its
+    FLOPs see)."""
+    total = sum(layer_parameters(config, i, active) for i in range(config.num_layers)) + final_norm_parameters(config)
     if config.value_head:
-        total += h
-    elif config.no_weight_tying:
-        total += vocab * h
+        total += head_parameters(config)
     if include_embeddings:
-        total += vocab * h
-        if config.pos_emb == "learned":
-            total += (config.max_positions + config.opt_pos_emb_offset) * h
+        total += embedding_parameters(config) + (0 if config.value_head else head_parameters(config))
     return total
 
 
@@ -84,8 +111,8 @@ def flops_per_token(config: GPTConfig, seq_length: int | None = None) -> float:
     """
     s = config.seq_length if seq_length is None else seq_length
     matmul_params = num_parameters(config, include_embeddings=False, active=True)
-    if not config.no_weight_tying and not config.value_head:
-        matmul_params += config.padded_vocab_size * config.hidden_size
+    if not config.value_head:
+        matmul_params += config.padded_vocab_size * config.hidden_size  # the output projection, tied or not
     return 6.0 * matmul_params + 3.0 * config.num_layers * _attention_flops_per_layer(config, s)
 
 

@@ -1,4 +1,10 @@
-"""The feed-forward block: h -> ffn (column-parallel) -> activation -> h (row-parallel)."""
+"""The feed-forward block: h -> ffn (column-parallel) -> activation -> h (row-parallel).
+
+The widths are GPT-NeoX's (``GPTConfig.mlp_widths``, ``megatron/model/mlp_width.py``). A gated
+activation computes ``act(gate) * up`` from the first projection's two halves; Deepy keeps them as
+``[gate; up]`` (GPT-NeoX's ``Gated_Activation`` takes ``x, gate = chunk(2)`` of each tp rank's
+slice: ``checkpointing/neox_layout.py`` converts between the two).
+"""
 
 from __future__ import annotations
 
@@ -15,9 +21,10 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTConfig, name: str) -> None:
         super().__init__()
-        self.activation = get_activation(config.activation)
-        ffn = config.ffn_hidden_size
-        sections = [ffn, ffn] if self.activation.gated else [ffn]
+        self.activation = get_activation(config.mlp_activation)
+        widths = config.mlp_widths  # buildable: check_tensor_parallel ran in GPTModel / the pipeline specs
+        ffn = widths.second
+        sections = [widths.first // 2] * 2 if self.activation.gated else [widths.first]
         self.dense_h_to_4h = ColumnParallelLinear(
             config.hidden_size,
             sum(sections),

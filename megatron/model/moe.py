@@ -270,10 +270,10 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, config: GPTConfig, name: str, first_expert: int, num_local: int) -> None:
         super().__init__()
-        self.activation = get_activation(config.activation)
+        self.activation = get_activation(config.mlp_activation)
         self.first_expert = first_expert
         """Global id of ``w1[0]``: this rank holds experts ``first_expert .. first_expert + n - 1``."""
-        h, ffn = config.hidden_size, config.ffn_hidden_size
+        h, ffn = config.hidden_size, config.expert_ffn_hidden_size  # GPT-NeoX's expert width rule
         width = 2 * ffn if self.activation.gated else ffn
         dtype = config.params_dtype
         self.w1 = nn.Parameter(torch.empty(num_local, h, width, dtype=dtype))

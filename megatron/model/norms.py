@@ -34,12 +34,13 @@ class NormSettings(Protocol):
 
 
 class RMSNorm(nn.RMSNorm):
-    """torch's RMSNorm, normalising in fp32 whatever the activation dtype (as LLaMA does), then
-    scaling by the weight in the activation dtype."""
+    """GPT-NeoX's RMSNorm (``megatron/model/norms.py`` ``RMSNorm.forward`` at ea7aefd8):
+    ``scale * x * rsqrt(mean(x^2) + eps)``, epsilon inside the root, computed in fp32 whatever the
+    activation dtype and cast back after the scale."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), self.normalized_shape, None, self.eps).to(x.dtype)
-        return normed * self.weight
+        normed = F.rms_norm(x.float(), self.normalized_shape, None, self.eps)  # fp32
+        return (normed * self.weight).to(x.dtype)
 
 
 class ScaleNorm(nn.Module):

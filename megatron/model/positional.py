@@ -29,7 +29,8 @@ class LearnedPositionalEmbedding(nn.Module):
     def __init__(self, config: GPTConfig, name: str) -> None:
         super().__init__()
         self.offset = config.opt_pos_emb_offset
-        shape = (config.max_positions + self.offset, config.hidden_size)
+        # GPT-NeoX: max_position_embeddings rows; the offset shifts positions inside the table
+        shape = (config.max_positions, config.hidden_size)
         self.weight = nn.Parameter(torch.empty(shape, dtype=config.params_dtype))
         initialize_param_(self.weight, f"{name}.weight", config.seed, config.init_fn(), shape)
 

@@ -63,8 +63,11 @@ def init_method_from_name(name: str, std: float, num_layers: int, hidden_size: i
         "scaled_normal": lambda: _normal(std / math.sqrt(2.0 * num_layers)),
         # one residual branch per layer (e.g. a parallel residual): scale by the layer count only
         "single_residual_scaled_normal": lambda: _normal(std / math.sqrt(num_layers)),
-        "orthogonal": lambda: _orthogonal(1.0),
-        "scaled_orthogonal": lambda: _orthogonal(2.0 / math.sqrt(2.0 * num_layers)),
+        # GPT-NeoX's orthogonal_init_method: gain sqrt(2 / n_layers), n_layers = 1 unscaled (its
+        # get_init_methods passes the arguments of "orthogonal" in the wrong order and raises; the
+        # function's own default is what the name means) and num_layers scaled
+        "orthogonal": lambda: _orthogonal(math.sqrt(2.0)),
+        "scaled_orthogonal": lambda: _orthogonal(math.sqrt(2.0 / num_layers)),
         "xavier_uniform": lambda: _xavier_uniform,
         "xavier_normal": lambda: _xavier_normal,
         "wang_init": lambda: _normal(2.0 / num_layers / math.sqrt(hidden_size)),

@@ -143,18 +143,23 @@ def derive_positions(ctx: RuleContext) -> Derivation:
 
 # mlp_type: llama computes w2(act(w1 x) * w3 x): the gated form of the configured activation
 _GATED_FORM = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "relu": "reglu"}
-# its width when intermediate_size is unset: LLaMA's 2/3 of 4 x hidden_size, rounded up to this
-_LLAMA_MLP_MULTIPLE = 256
 
 
 @deriver
 def derive_llama_mlp_type(ctx: RuleContext) -> Derivation:
     """``mlp_type: llama`` (GPT-NeoX's Llama/Mistral configs before ``swiglu`` existed) in the keys
-    Deepy's model reads: the gated activation, no MLP biases, and LLaMA's MLP width."""
+    Deepy's model reads: the gated activation, no MLP biases, and LLaMA's MLP width (each half
+    ``intermediate_size`` wide as given, ``megatron/model/mlp_width.py``)."""
+    from megatron.model.mlp_width import legacy_llama_width
+
     if ctx.get("mlp_type") != "llama":
         return Derivation()
     activation, hidden = ctx.get("activation"), ctx.get("hidden_size")
     problems = []
+    if ctx.given("mlp_multiple_of") and ctx.get("mlp_multiple_of") != 1:
+        problems.append(f"{ctx.show('mlp_type')} sizes each half of the MLP by intermediate_size alone (GPT-NeoX's "
+                        f"rule before mlp_multiple_of existed), but {ctx.show('mlp_multiple_of')}: drop mlp_type "
+                        f"to use GPT-NeoX's current width rule, or remove mlp_multiple_of")
     if activation not in _GATED_FORM:
         problems.append(
             f"{ctx.show('mlp_type')} gates {ctx.show('activation')}, which has no gated form here: use "
@@ -166,8 +171,7 @@ def derive_llama_mlp_type(ctx: RuleContext) -> Derivation:
         return Derivation(problems=problems)  # a missing hidden_size is reported by its own rule
     values: dict[str, Any] = {"activation": _GATED_FORM[activation], "use_bias_in_mlp": False}
     if ctx.get("intermediate_size") is None:
-        width = int(2 * hidden * 4 / 3)
-        values["intermediate_size"] = _LLAMA_MLP_MULTIPLE * -(-width // _LLAMA_MLP_MULTIPLE)
+        values["intermediate_size"] = legacy_llama_width(hidden, None)
     return Derivation(values)
 
 

@@ -23,7 +23,6 @@ _KERNEL_HINT = "selects a fused kernel in GPT-NeoX; Deepy's SDPA/torch.compile p
 NO_EFFECT_KEYS: dict[str, str] = {
     "scaled_upper_triang_masked_softmax_fusion": _KERNEL_HINT,
     "scaled_masked_softmax_fusion": _KERNEL_HINT,
-    "bias_gelu_fusion": _KERNEL_HINT,
     "bias_dropout_fusion": _KERNEL_HINT,
     "rope_fusion": _KERNEL_HINT,
     "layernorm_fusion": _KERNEL_HINT,

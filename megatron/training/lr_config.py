@@ -15,6 +15,7 @@ from megatron import plugins
 from megatron.config_rules import RuleContext, rule
 from megatron.config_schema import ArgGroup
 from megatron.errors import ConfigError
+from megatron.training.lr_neox import NEOX_STYLES, decay_steps
 from megatron.training.lr_schedules import SchedulePolicy, ScheduleSpec, cycle_starts_for, steps_of
 
 
@@ -32,17 +33,18 @@ class LRSchedulerArgs(ArgGroup):
         return plugins.validate_name("lr_decay_style", value)
 
     lr_decay_iters: int | None = Field(None, ge=0)
-    """Number of steps over which the rate decays; defaults to train_iters."""
+    """Number of steps over which the rate decays; defaults to train_iters. Wins over
+    lr_decay_fraction, as in GPT-NeoX's code."""
 
     lr_decay_fraction: float | None = Field(None, gt=0, le=1)
-    """Decay over this fraction of train_iters instead of giving lr_decay_iters."""
+    """Decay over floor(lr_decay_fraction x train_iters) steps when lr_decay_iters is not given."""
 
     min_lr: float = Field(0.0, ge=0)
-    """Floor the learning rate never decays below."""
+    """Floor of the rate: linear and exponential decay are cut at it, cosine decays onto it."""
 
     warmup: float = Field(0.01, ge=0)
-    """Linear warmup length: a fraction of the decay steps when below 1, otherwise a number of
-    steps."""
+    """Linear warmup over warmup x the decay steps (GPT-NeoX: lr x max(1, step) / that, a fraction of
+    a step included); a whole number above 1 is a number of steps (a Deepy extension)."""
 
     override_lr_scheduler: bool = False
     """On resume, ignore the schedule stored in the checkpoint and use this config's values."""
@@ -73,12 +75,9 @@ class LRSchedulerArgs(ArgGroup):
     def spec(self, train_iters: int, max_lr: float) -> ScheduleSpec:
         """GPT-NeoX semantics: ``warmup`` is a fraction of ``lr_decay_iters`` (default train_iters),
         ``min_lr`` an absolute floor; Deepy extras as documented on the keys."""
-        total = self.lr_decay_iters or 0
-        if not total and self.lr_decay_fraction is not None:
-            total = int(round(self.lr_decay_fraction * train_iters))
-        total = total or train_iters
-        if total < 1:
+        if self.lr_decay_iters is None and train_iters < 1:
             raise ConfigError("the LR schedule needs lr_decay_iters or train_iters to be set (>= 1)")
+        total = decay_steps(train_iters, self.lr_decay_iters, self.lr_decay_fraction)
         min_lr = max_lr * self.min_lr_ratio if self.min_lr_ratio is not None else self.min_lr
         starts = cycle_starts_for(total, self.cycles, self.cycle_length)
         later_len = (starts[2] - starts[1]) if len(starts) > 2 else (total - starts[-1])
@@ -123,4 +122,24 @@ def warmup_in_range(ctx: RuleContext) -> list[str]:
     iters = ctx.get("train_iters")
     if iters is not None and warmup > iters:
         return [f"{ctx.show('warmup')} steps is more than {ctx.show('train_iters')}: use a fraction in [0, 1]"]
+    return []
+
+
+@rule
+def neox_curve_surprises(ctx: RuleContext) -> list[str]:
+    """Two things GPT-NeoX's curve does that a config rarely means; Deepy follows it and says so."""
+    style, iters = ctx.get("lr_decay_style"), ctx.get("train_iters")
+    if style not in NEOX_STYLES or iters is None or ctx.get("cycles") or ctx.get("cycle_length") \
+            or ctx.get("decay_fraction"):
+        return []
+    total = decay_steps(iters, ctx.get("lr_decay_iters"), ctx.get("lr_decay_fraction"))
+    warmup = ctx.get("warmup") or 0.0
+    steps = warmup * total if warmup <= 1 else float(int(warmup))
+    if 0 < steps < 1:
+        ctx.warnings.append(f"{ctx.show('warmup')} x {total} decay steps = {steps:g} steps: GPT-NeoX's warmup "
+                            f"(lr x max(1, step) / {steps:g}) gives the first update {1 / steps:.3g} x lr, and "
+                            f"so does Deepy; use warmup: 0 for none")
+    if style == "cosine" and iters > total:
+        ctx.warnings.append(f"{ctx.show('train_iters')} runs past the {total} decay steps: GPT-NeoX's cosine rises "
+                            f"again after them, and so does Deepy's; set lr_decay_iters to train_iters to stop at min_lr")
     return []

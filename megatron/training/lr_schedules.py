@@ -7,9 +7,11 @@ remembers how many steps were taken and asks :func:`lr_at` for the value.
 
 Decay shapes come from a registry keyed by the ``lr_decay_style`` config string:
 
-* GPT-NeoX styles ``constant``, ``linear``, ``cosine``, ``exponential``. As in GPT-NeoX, the shape
-  decays from ``max_lr`` towards zero over the decay steps and is then *floored* at ``min_lr``
-  (rather than interpolated to it), so a NeoX config gives the same curve here.
+* GPT-NeoX styles ``constant``, ``linear``, ``cosine``, ``exponential``: with one cycle and no
+  ``decay_fraction`` (everything a GPT-NeoX config can say), :func:`lr_at` is GPT-NeoX's own curve,
+  ``megatron/training/lr_neox.py`` (warmup ``lr * max(1, step) / W``; linear and exponential floored
+  at ``min_lr``, cosine interpolated to it). With Deepy's extras the same shapes run in the phases
+  below.
 * Levanter styles ``inv_sqrt`` and ``inv`` (``max_lr / sqrt(1 + t/T)`` and ``max_lr / (1 + t/T)``
   with timescale ``T``), and ``wsd`` (warmup-stable-decay: constant, then a linear decay over the
   final ``decay_fraction`` of the steps).
@@ -32,6 +34,7 @@ from typing import Any, Literal
 from megatron import plugins
 from megatron.config_schema import ArgGroup
 from megatron.errors import ConfigError
+from megatron.training.lr_neox import EXPONENTIAL_RATE, NEOX_STYLES, annealing_lr
 
 # A decay shape maps progress through the decay phase (0 at its start, 1 at its end) and the
 # number of steps already spent decaying to a multiplier of max_lr before the min_lr floor.
@@ -63,13 +66,15 @@ def _linear(progress: float, steps: int, spec: ScheduleSpec) -> float:
 
 @register_decay("cosine")
 def _cosine(progress: float, steps: int, spec: ScheduleSpec) -> float:
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+    # interpolated from max_lr to min_lr, as GPT-NeoX's (and Levanter's) cosine is
+    floor = spec.min_lr / spec.max_lr if spec.max_lr else 0.0
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 @register_decay("exponential")
 def _exponential(progress: float, steps: int, spec: ScheduleSpec) -> float:
-    # halves the learning rate over the whole decay phase (GPT-NeoX's constant 0.693 = ln 2)
-    return math.exp(-math.log(2.0) * progress)
+    # halves the learning rate over the whole decay phase, with GPT-NeoX's constant 0.693
+    return math.exp(-EXPONENTIAL_RATE * progress)
 
 
 @register_decay("inv_sqrt")
@@ -162,11 +167,18 @@ def cycle_bounds(spec: ScheduleSpec, step: int) -> tuple[int, int, int]:
     return index, start, max(end - start, 1)
 
 
+def is_neox_schedule(spec: ScheduleSpec) -> bool:
+    """One of GPT-NeoX's styles with nothing GPT-NeoX cannot say (cycles, decay_fraction)."""
+    return spec.style in NEOX_STYLES and len(spec.cycle_starts) == 1 and spec.decay_fraction is None
+
+
 def lr_at(spec: ScheduleSpec, step: int) -> float:
     """Learning rate for optimizer step ``step`` (0-based: the rate used by the first update)."""
     step = max(step, 0)
+    if is_neox_schedule(spec):
+        return annealing_lr(spec.style, spec.max_lr, spec.min_lr, spec.warmup_steps, spec.total_steps, step)
     if step >= spec.total_steps:
-        # past the schedule: the fully decayed value (GPT-NeoX holds min_lr after lr_decay_iters)
+        # past the schedule: the fully decayed value
         return _within_cycle(spec, *cycle_bounds(spec, spec.total_steps - 1), spec.total_steps)
     return _within_cycle(spec, *cycle_bounds(spec, step), step)
 
@@ -176,8 +188,8 @@ def _within_cycle(spec: ScheduleSpec, index: int, start: int, length: int, step:
     warmup = spec.warmup_steps if index == 0 else spec.rewarmup_steps
     warmup = min(warmup, length)
     if local < warmup:
-        # the first cycle warms from zero, later ones from the floor they decayed to; step/W as in
-        # GPT-NeoX (its first update uses lr 0), so a NeoX config gives the same curve here
+        # the first cycle warms from zero (Levanter's linear warmup: the first update uses lr 0), later
+        # ones from the floor they decayed to
         floor = 0.0 if index == 0 else spec.min_lr
         return floor + (spec.max_lr - floor) * local / warmup
     after_warmup = length - warmup

@@ -54,9 +54,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from megatron.model.activations import get_activation
 from megatron.model.config import GPTConfig
-from megatron.model.flops import layer_parameters
+from megatron.model.flops import (embedding_parameters, final_norm_parameters, layer_norm_parameters,
+                                  layer_parameters, num_parameters)
 from megatron.model.lora_config import LoRAArgs
 from megatron.training.config import compute_dtype
 
@@ -156,22 +156,20 @@ def _replicated_in_layer(c: GPTConfig) -> int:
     """Parameters of one layer that tensor parallelism does not split: norms and the biases added
     after the row-parallel projections."""
     h = c.hidden_size
-    norm = {"layernorm": h * (2 if c.use_bias_in_norms else 1), "rmsnorm": h, "scalenorm": 1}.get(c.norm, h)
-    norms = (1 if (c.gpt_j_residual and c.gpt_j_tied) else 2) * norm
-    return norms + (h if c.use_bias_in_attn_linear else 0) + (h if c.use_bias_in_mlp else 0)
+    return layer_norm_parameters(c) + (h if c.use_bias_in_attn_linear else 0) + (h if c.use_bias_in_mlp else 0)
 
 
 def stage_parameters(layout: MemoryLayout) -> int:
-    """Parameters on one device of the stage that holds the most."""
+    """Parameters on one device of the stage that holds the most (the counts of ``megatron/model/flops.py``)."""
     c, tp = layout.model, layout.tp
     rep = _replicated_in_layer(c)
     per_layer = (layer_parameters(c) - rep) // tp + rep
     layers = math.ceil(c.num_layers / layout.pp) * per_layer
     vocab = c.padded_vocab_size * c.hidden_size // tp
-    positions = (c.max_position_embeddings or c.seq_length) * c.hidden_size if c.pos_emb == "learned" else 0
+    positions = embedding_parameters(c) - c.padded_vocab_size * c.hidden_size  # replicated learned table
     first = vocab + positions + layers
     head = c.hidden_size if c.value_head else vocab
-    last_extra = c.hidden_size * 2 + (head if (c.no_weight_tying or c.value_head or layout.pp > 1) else 0)
+    last_extra = final_norm_parameters(c) + (head if (c.no_weight_tying or c.value_head or layout.pp > 1) else 0)
     if layout.pp == 1:
         return first + last_extra
     return max(first, layers + last_extra)
@@ -180,7 +178,7 @@ def stage_parameters(layout: MemoryLayout) -> int:
 def _adapted_projections(c: GPTConfig) -> dict[str, tuple[int, int, bool]]:
     """projection -> (in, out, column-parallel) of one layer."""
     q, kv = c.num_attention_heads * c.head_dim, c.kv_heads * c.head_dim
-    first = 2 * c.ffn_hidden_size if get_activation(c.activation).gated else c.ffn_hidden_size
+    first = c.mlp_widths.first
     return {"query_key_value": (c.hidden_size, q + 2 * kv, True), "dense": (q, c.hidden_size, False),
             "dense_h_to_4h": (c.hidden_size, first, True), "dense_4h_to_h": (c.ffn_hidden_size, c.hidden_size, False)}
 
@@ -258,7 +256,7 @@ def activation_bytes(layout: MemoryLayout) -> float:
     # RMSNorm normalises an fp32 copy of its input, which autograd keeps (torch's rms_norm saves it)
     fp32_norm_input = 4 if c.norm in ("rmsnorm", "te_rmsnorm") and a < 4 else 0
     kv = c.kv_heads * c.head_dim
-    first = 2 * ffn if get_activation(c.activation).gated else ffn
+    first = c.mlp_widths.first
     # tensors a layer keeps for its backward (elements per token): norm inputs and outputs are whole
     # hidden states (split by tp only under sequence parallelism); q/k/v, attention output and the
     # MLP's inner activations are split by tp
@@ -370,19 +368,23 @@ def render(layout: MemoryLayout, est: MemoryEstimate, device_memory_gib: float |
 
 
 # --- the dry run -------------------------------------------------------------------------------------
-ASSUMED_VOCAB = 50304
+ASSUMED_VOCAB = 50257
+"""GPT-2's vocabulary, assumed (and padded for the run) when the tokenizer cannot be loaded."""
 
 
 def _padded_vocab(run: RunViews) -> tuple[int, str]:
-    """(padded vocabulary size, a note when it had to be assumed)."""
+    """(padded vocabulary size, a note when it had to be assumed): the tokenizer's, padded as GPT-NeoX
+    pads it for this run's tp (``make_vocab_size_divisible_by x tp``)."""
     if run.model.padded_vocab_size:
         return run.model.padded_vocab_size, ""
+    tp = run.parallel.model_parallel_size
     try:
         from megatron.tokenizer import build_tokenizer
 
-        return run.tokenizer.padded(build_tokenizer(run.tokenizer).vocab_size, run.parallel.model_parallel_size), ""
+        return run.tokenizer.padded(build_tokenizer(run.tokenizer).vocab_size, tp), ""
     except Exception as err:  # an estimate must not fail the dry run; the launch reports a bad tokenizer
-        return ASSUMED_VOCAB, f"vocabulary assumed {ASSUMED_VOCAB:,} (tokenizer not loaded: {err})"
+        return (run.tokenizer.padded(ASSUMED_VOCAB, tp),
+                f"tokenizer vocabulary assumed {ASSUMED_VOCAB:,} (GPT-2's; tokenizer not loaded: {err})")
 
 
 def local_device_memory_gib() -> float | None:
@@ -402,4 +404,14 @@ def dry_run_report(run: RunViews, launches_locally: bool) -> str:
     if device is None and launches_locally:
         device, source = local_device_memory_gib(), "this machine's GPU"
     text = render(layout, estimate(layout), device, source if device is not None else None)
-    return text + (f"\n  note: {note}" if note else "")
+    return model_size(layout) + "\n" + text + (f"\n  note: {note}" if note else "")
+
+
+def model_size(layout: MemoryLayout) -> str:
+    """The whole model (every stage and tensor-parallel shard), with the vocabulary padded as GPT-NeoX
+    pads it for this run's tp (``make_vocab_size_divisible_by x tp``); "without embeddings" leaves out the
+    token and position tables and an untied output layer."""
+    c = layout.model
+    return (f"Model: {num_parameters(c):,} parameters ({num_parameters(c, include_embeddings=False):,} without "
+            f"embeddings), the whole model over all stages and tensor-parallel shards, vocabulary padded to "
+            f"{c.padded_vocab_size:,} for tp={layout.tp}")

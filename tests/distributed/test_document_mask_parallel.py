@@ -24,7 +24,7 @@ EOD = 0
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=24, padded_vocab_size=64, seed=5)
 CONFIGS: dict[str, dict[str, Any]] = {
     "learned": dict(),
-    "rotary_gqa": dict(pos_emb="rotary", num_kv_heads=2, activation="swiglu"),
+    "rotary_gqa": dict(pos_emb="rotary", num_kv_heads=2, activation="swiglu", intermediate_size=384),
     "alibi_window_sequence_parallel": dict(pos_emb="alibi", sliding_window_width=4, sequence_parallel=True),
 }
 LENGTHS = [[6, 10, 8, 6], [12, 14]]  # even pieces: sequence parallelism splits each in two

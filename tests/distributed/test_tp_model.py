@@ -25,11 +25,13 @@ WORLD = 2
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, padded_vocab_size=64, seed=3)
 CONFIGS: dict[str, dict[str, Any]] = {
     "mha_learned": dict(),
-    "gqa_rotary_swiglu": dict(num_kv_heads=2, pos_emb="rotary", rotary_pct=0.5, activation="swiglu", norm="rmsnorm"),
+    "gqa_rotary_swiglu": dict(num_kv_heads=2, pos_emb="rotary", rotary_pct=0.5, activation="swiglu", norm="rmsnorm",
+                              intermediate_size=384),  # GPT-NeoX's gated width rule: halves of 128
     "alibi_untied_qknorm_parallel": dict(
         pos_emb="alibi", no_weight_tying=True, use_qk_layernorm=True, gpt_j_residual=True, sliding_window_width=3
     ),
-    "sequence_parallel_gqa": dict(sequence_parallel=True, num_kv_heads=2, pos_emb="rotary", activation="geglu"),
+    "sequence_parallel_gqa": dict(sequence_parallel=True, num_kv_heads=2, pos_emb="rotary", activation="geglu",
+                                  intermediate_size=384),
     "value_head_sequence_parallel": dict(value_head=True, sequence_parallel=True, pos_emb="sinusoidal"),
     "rpe_local_gqa": dict(
         pos_emb="rpe", attention_config=[[["local", "global"], 1]], sliding_window_width=2, num_kv_heads=2

@@ -42,7 +42,8 @@ pytestmark = pytest.mark.slow
 VOCAB = 512  # CharLevelTokenizer's vocabulary, already a multiple of 128 * tp
 SEQ = 32
 BATCH = 8
-LLAMA = ("norm=rmsnorm", "activation=swiglu", "num_kv_heads=2", "intermediate_size=96", "no_weight_tying=true",
+# intermediate_size 288: GPT-NeoX's gated width rule gives halves of 96 (HF's intermediate_size)
+LLAMA = ("norm=rmsnorm", "activation=swiglu", "num_kv_heads=2", "intermediate_size=288", "no_weight_tying=true",
          "use_bias_in_attn_linear=false", "use_bias_in_mlp=false", "rms_norm_epsilon=1.0e-6")  # fmt: skip
 NEOX = ("norm=layernorm", "rotary_pct=0.25", "gpt_j_residual=true")
 TP2PP2 = ("num_gpus=4", "model_parallel_size=2", "pipe_parallel_size=2", "zero_optimization={stage: 1}")

@@ -73,7 +73,7 @@ def test_dp2_to_dp1_to_dp2_across_zero_stages(tmp_path: Path, reference: dict[in
 def test_tp2_to_tp1_and_back_with_gqa_and_swiglu(tmp_path: Path) -> None:
     # fused QKV with unequal sections (4 query heads, 2 kv heads) and a gated MLP: the universal
     # conversion must cut and glue them section by section
-    model = ("num_kv_heads=2", "activation=swiglu")
+    model = ("num_kv_heads=2", "activation=swiglu", "intermediate_size=768")  # GPT-NeoX's rule: halves of 256
     ref = deepy(tmp_path, *layout(1, 1, 2, 1), *model, "hidden_dropout=0.0", "log_dir=ref")
     assert ref.returncode == 0, output(ref)
     reference = losses(tmp_path / "ref")

@@ -239,8 +239,9 @@ FEATURE_VARIANTS: tuple[dict[str, Any], ...] = (
     {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "absent-vocab.json"},  # GPT-2 BPE reads both files
     {"train_impl": "dpo"},  # an objective with a reference reads where it comes from (reference_logps)
     # architectures whose layers read their own keys: rotary, RMSNorm, the parallel residual, MoE layers
-    {"pos_emb": "rotary", "norm": "rmsnorm", "gpt_j_residual": True, "moe_num_experts": 2},
-    {"pos_emb": "rpe", "norm": "scalenorm"},  # the relative position bias, ScaleNorm
+    # (apart: GPT-NeoX's parallel residual drops the attention output in MoE layers, which Deepy refuses)
+    {"pos_emb": "rotary", "norm": "rmsnorm", "moe_num_experts": 2},
+    {"pos_emb": "rpe", "norm": "scalenorm", "gpt_j_residual": True},  # the relative position bias, ScaleNorm
 )
 
 

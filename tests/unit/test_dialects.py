@@ -116,7 +116,8 @@ def test_levanter_defaults_where_gpt_neox_differs(tmp_path: Path) -> None:
     # llama: rotary, RMSNorm, SwiGLU, untied output, no biases, kv heads = heads
     assert (a.pos_emb, a.norm, a.activation, a.no_weight_tying) == ("rotary", "rmsnorm", "swiglu", True)
     assert not (a.use_bias_in_attn_linear or a.use_bias_in_mlp or a.use_bias_in_norms)
-    assert (a.num_kv_heads, a.intermediate_size, a.rms_norm_epsilon) == (4, 128, 1e-5)
+    # Levanter's intermediate_dim is each half's width: GPT-NeoX's intermediate_size 3 x 128 gives it
+    assert (a.num_kv_heads, a.ffn_hidden_size, a.intermediate_size, a.rms_norm_epsilon) == (4, 128, 384, 1e-5)
 
 
 def test_include_per_section_and_both_flag_spellings(tmp_path: Path) -> None:

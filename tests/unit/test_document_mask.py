@@ -21,7 +21,8 @@ EOD = 0
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=24, padded_vocab_size=64, seed=11)
 VARIANTS = {
     "learned": dict(),
-    "rotary_gqa_swiglu": dict(pos_emb="rotary", num_kv_heads=2, activation="swiglu", norm="rmsnorm"),
+    "rotary_gqa_swiglu": dict(pos_emb="rotary", num_kv_heads=2, activation="swiglu", intermediate_size=384,
+                              norm="rmsnorm"),  # GPT-NeoX's width rule: halves of 128
     "alibi_window": dict(pos_emb="alibi", sliding_window_width=3),
     "rpe_untied": dict(pos_emb="rpe", no_weight_tying=True),
 }

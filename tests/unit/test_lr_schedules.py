@@ -29,45 +29,67 @@ def test_registry_has_neox_and_levanter_styles() -> None:
     assert {"constant", "linear", "cosine", "exponential", "inv_sqrt", "inv", "wsd"} <= set(plugins.names("lr_decay_style"))
 
 
-def test_warmup_is_linear_from_zero_and_reaches_max() -> None:
-    """GPT-NeoX's AnnealingLR: lr = max_lr * step / warmup, so the first update uses 0."""
+# GPT-NeoX's AnnealingLR.get_lr, megatron/learning_rates.py:63-89 at ea7aefd8 (warmup max(1, n) since
+# #1379), with T and W from megatron/training.py:1117-1126: written out here from the formulas, not
+# taken from Deepy's code.
+def neox_lr(style: str, lr: float, min_lr: float, warmup: float, T: int, n: int) -> float:
+    W = warmup * T
+    if W > 0 and n <= W:
+        return lr * max(1, n) / W
+    m, S = n - W, T - W
+    value = {
+        "linear": lr * (S - m) / S,
+        "cosine": min_lr + (lr - min_lr) / 2.0 * (math.cos(math.pi * m / S) + 1),
+        "exponential": lr * math.exp(-0.693 * m / S),
+        "constant": lr,
+    }[style]
+    return max(value, min_lr)
+
+
+@pytest.mark.parametrize("style", ["constant", "linear", "cosine", "exponential"])
+def test_every_neox_style_equals_gpt_neox_formula(style: str) -> None:
+    """Per-step values through the config keys, to 1e-7 relative: min_lr 0 and > 0, warmup 0, a
+    fraction of a step (the first update then uses lr / W > lr, as in GPT-NeoX since #1379) and many
+    steps, and steps past lr_decay_iters (GPT-NeoX's cosine rises again there)."""
+    for lr, min_lr, warmup, iters, decay in [(6e-4, 0.0, 0.01, 1000, None), (6e-4, 6e-5, 0.01, 1000, None),
+                                             (1.0, 0.3, 0.1, 97, None), (1.0, 0.1, 0.1, 3, None),
+                                             (3e-4, 3e-5, 0.0, 200, None), (3e-4, 3e-5, 0.25, 300, 120)]:
+        keys: dict[str, object] = dict(lr_decay_style=style, min_lr=min_lr, warmup=warmup)
+        if decay is not None:
+            keys["lr_decay_iters"] = decay
+        spec = _lr(**keys).spec(iters, lr)
+        T = decay or iters
+        for n in range(iters + 5):
+            want = neox_lr(style, lr, min_lr, warmup, T, n)
+            assert lr_at(spec, n) == pytest.approx(want, rel=1e-7, abs=0), (keys, iters, n)
+
+
+def test_neox_warmup_first_update_is_not_zero() -> None:
+    """#1379: step 0 uses lr / W (it used 0 before); the peak is reached at step W."""
     spec = ScheduleSpec("constant", max_lr=2.0, total_steps=100, warmup_steps=4)
-    assert [lr_at(spec, s) for s in range(6)] == [0.0, 0.5, 1.0, 1.5, 2.0, 2.0]
+    assert [lr_at(spec, s) for s in range(6)] == [0.5, 0.5, 1.0, 1.5, 2.0, 2.0]
 
 
-def test_warmup_then_linear_decay_matches_gpt_neox_formula() -> None:
-    """GPT-NeoX: step <= W -> max*step/W; after: max*(T-step)/(T-W) floored at min_lr."""
-    spec = ScheduleSpec("linear", max_lr=1.0, total_steps=20, warmup_steps=5, min_lr=0.05)
-
-    def neox(step: int) -> float:
-        if step <= 5:
-            return step / 5
-        return max((20 - step) / (20 - 5), 0.05)
-
-    assert [lr_at(spec, s) for s in range(25)] == [approx(neox(min(s, 20))) for s in range(25)]
+def test_cosine_is_interpolated_to_min_lr_and_linear_is_floored() -> None:
+    cos = ScheduleSpec("cosine", max_lr=1.0, total_steps=100, min_lr=0.2)
+    assert lr_at(cos, 50) == approx(0.6)  # halfway between 1.0 and 0.2, not max(0.5, 0.2)
+    assert lr_at(cos, 100) == approx(0.2)
+    lin = ScheduleSpec("linear", max_lr=1.0, total_steps=100, min_lr=0.2)
+    assert lr_at(lin, 50) == approx(0.5) and lr_at(lin, 90) == approx(0.2)  # cut at the floor
 
 
-def test_linear_decays_to_floor_at_the_end() -> None:
-    spec = ScheduleSpec("linear", max_lr=1.0, total_steps=110, warmup_steps=10, min_lr=0.0)
-    assert lr_at(spec, 10) == approx(1.0)
-    assert lr_at(spec, 60) == approx(0.5)
-    assert lr_at(spec, 109) == approx(0.01)
-    assert lr_at(spec, 500) == approx(0.0)  # fully decayed (to min_lr) after the schedule ends
-
-
-def test_cosine_midpoint_and_min_lr_floor() -> None:
-    spec = ScheduleSpec("cosine", max_lr=1.0, total_steps=100, min_lr=0.2)
-    assert lr_at(spec, 0) == approx(1.0)
-    assert lr_at(spec, 50) == approx(0.5)
-    # neox semantics: the cosine goes towards 0, floored at min_lr
-    assert lr_at(spec, 80) == approx(max(0.5 * (1 + math.cos(math.pi * 0.8)), 0.2))
-    assert lr_at(spec, 99) == approx(0.2)
-
-
-def test_exponential_halves_over_the_decay() -> None:
+def test_exponential_uses_gpt_neoxs_0_693() -> None:
     spec = ScheduleSpec("exponential", max_lr=1.0, total_steps=100)
-    assert lr_at(spec, 0) == approx(1.0)
-    assert lr_at(spec, 50) == approx(2 ** -0.5)
+    assert lr_at(spec, 50) == approx(math.exp(-0.693 / 2))
+    assert lr_at(spec, 50) != approx(2 ** -0.5)
+
+
+def test_decay_steps_follow_gpt_neox_precedence() -> None:
+    """lr_decay_iters wins over lr_decay_fraction, which is floored (training.py:1118-1124)."""
+    assert _lr(lr_decay_fraction=0.333).spec(1000, 1e-3).total_steps == 333
+    assert _lr(lr_decay_fraction=0.3339).spec(1000, 1e-3).total_steps == 333  # floor, not round
+    assert _lr(lr_decay_fraction=0.5, lr_decay_iters=40).spec(1000, 1e-3).total_steps == 40
+    assert _lr(lr_decay_iters=0).spec(1000, 1e-3).total_steps == 1  # max(1, .)
 
 
 def test_inv_sqrt_and_inv_use_timescale() -> None:
@@ -91,6 +113,8 @@ def test_decay_fraction_applies_to_cosine_too() -> None:
     spec = ScheduleSpec("cosine", max_lr=1.0, total_steps=100, decay_fraction=0.5)
     assert lr_at(spec, 49) == approx(1.0)
     assert lr_at(spec, 75) == approx(0.5)
+    floored = ScheduleSpec("cosine", max_lr=1.0, min_lr=0.2, total_steps=100, decay_fraction=0.5)
+    assert lr_at(floored, 75) == approx(0.6)  # interpolated to min_lr here too
 
 
 def test_cycles_rewarm_from_min_lr() -> None:
@@ -211,18 +235,20 @@ def test_warmup_of_one_is_the_whole_span_as_in_gpt_neox() -> None:
 
 def test_fractional_warmup_follows_gpt_neox_float_warmup() -> None:
     """GPT-NeoX's warmup is ``warmup * lr_decay_iters`` steps as a float: with 0.1 x 3 = 0.3 steps the
-    first update still uses lr 0, and the cosine decays over the 2.7 steps after it."""
-    import math
-
-    from megatron.training.lr_schedules import lr_at
-
+    first update uses lr / 0.3 (``max(1, 0) / 0.3``), then the cosine decays over the 2.7 steps after."""
     spec = _lr(warmup=0.1, lr_decay_style="cosine").spec(3, 1.0)
     assert spec.warmup_steps == pytest.approx(0.3)
-    warmup, end = 0.3, 3.0
-    for step in range(4):
-        if step <= warmup:
-            want = step / warmup
-        else:
-            ratio = min((step - warmup) / (end - warmup), 1.0)
-            want = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        assert lr_at(spec, step) == pytest.approx(want, abs=1e-12), step
+    assert lr_at(spec, 0) == pytest.approx(1 / 0.3)
+    for step in (1, 2):
+        assert lr_at(spec, step) == pytest.approx(0.5 * (math.cos(math.pi * (step - 0.3) / 2.7) + 1.0))
+
+
+def test_gpt_neox_curve_surprises_are_said_before_launch() -> None:
+    from megatron.config_rules import RuleContext
+    from megatron.training.lr_config import neox_curve_surprises
+
+    ctx = RuleContext(args=config_from_mapping(dict(lr_decay_style="cosine", warmup=0.1, train_iters=5,
+                                                    lr_decay_iters=3)).args)
+    assert neox_curve_surprises(ctx) == []
+    assert len(ctx.warnings) == 2
+    assert "first update 3.33 x lr" in ctx.warnings[0] and "cosine rises again" in ctx.warnings[1]

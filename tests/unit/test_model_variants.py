@@ -197,7 +197,8 @@ def ref_logits(cfg: GPTConfig, sd: dict, tokens, position_ids=None, attention_ma
 # --- the variants ----------------------------------------------------------------------------
 VARIANTS: dict[str, dict] = {
     "learned": dict(pos_emb="learned", max_position_embeddings=16),
-    "learned_opt_offset": dict(pos_emb="learned", opt_pos_emb_offset=2),
+    # GPT-NeoX's table has max_position_embeddings rows; the offset shifts positions inside it
+    "learned_opt_offset": dict(pos_emb="learned", opt_pos_emb_offset=2, max_position_embeddings=10),
     "rotary": dict(pos_emb="rotary"),
     "rotary_pct_half": dict(pos_emb="rotary", rotary_pct=0.5, rotary_emb_base=500),
     "alibi_6_heads": dict(pos_emb="alibi", hidden_size=48, num_attention_heads=6),
@@ -208,8 +209,10 @@ VARIANTS: dict[str, dict] = {
     "te_rmsnorm": dict(norm="te_rmsnorm"),
     "scalenorm": dict(norm="scalenorm"),
     "non_parametric_layernorm": dict(norm="non_parametric_layernorm"),
-    **{f"act_{a}": dict(activation=a) for a in
-       ["gelu", "relu", "silu", "swish", "softsign", "mish", "geglu", "reglu", "swiglu", "bilinear", "glu"]},
+    **{f"act_{a}": dict(activation=a) for a in ["gelu", "relu", "silu", "swish", "softsign", "mish"]},
+    # GPT-NeoX's gated width rule: int(96 * 2/3) = 64 rows, halves of 32 (its default 4h = 128 gives 85 and 42,
+    # which it cannot run)
+    **{f"act_{a}": dict(activation=a, intermediate_size=96) for a in ["geglu", "reglu", "swiglu", "bilinear", "glu"]},
     "gqa": dict(num_kv_heads=2, pos_emb="rotary"),
     "mqa": dict(num_kv_heads=1),
     "sliding_window": dict(sliding_window_width=3),
@@ -224,7 +227,8 @@ VARIANTS: dict[str, dict] = {
     "untied": dict(no_weight_tying=True),
     "value_head": dict(value_head=True, pos_emb="rotary"),
     "no_linear_biases": dict(use_bias_in_attn_linear=False, use_bias_in_mlp=False),
-    "mlp_width": dict(intermediate_size=50, mlp_multiple_of=16, activation="swiglu"),
+    # GPT-NeoX's rule: int(40 * 2/3) = 26 rows rounded to 32, halves of 13 rounded to 16
+    "mlp_width": dict(intermediate_size=40, mlp_multiple_of=8, activation="swiglu"),
     "expansion_factor": dict(expansion_factor=2.5),
 }
 
@@ -338,7 +342,7 @@ def test_num_parameters_and_flops(name: str) -> None:
     cfg, model = build(VARIANTS[name])
     assert num_parameters(cfg) == sum(p.numel() for p in model.parameters())
     h, L, s, v = cfg.hidden_size, cfg.num_layers, cfg.seq_length, cfg.padded_vocab_size
-    table = cfg.max_positions + cfg.opt_pos_emb_offset
+    table = cfg.max_positions
     embeddings = v * h + (table * h if cfg.pos_emb == "learned" else 0)
     head = h if cfg.value_head else v * h
     untied_head = head if (cfg.no_weight_tying or cfg.value_head) else 0
@@ -351,7 +355,7 @@ def test_config_from_neox_args() -> None:
 
     args = config_from_mapping(dict(
         num_layers=3, hidden_size=48, num_attention_heads=6, seq_length=32, padded_vocab_size=96,
-        pos_emb="rotary", rotary_pct=0.25, norm="rmsnorm", activation="swiglu", precision="bfloat16",
+        pos_emb="rotary", rotary_pct=0.25, norm="rmsnorm", activation="swiglu", intermediate_size=576, precision="bfloat16",
         attention_config=[[["global"], "all"]], train_iters=10, lr=1e-3,  # not architecture: not read
     )).args
     cfg = args  # the arguments are the model's config: no copy

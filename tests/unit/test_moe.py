@@ -248,10 +248,11 @@ def test_expert_interval_places_moe_layers_like_gpt_neox() -> None:
 
 
 def test_parameters_and_flops_count_active_experts() -> None:
-    cfg = GPTConfig(**{**BASE, **MOE, "moe_expert_interval": 2})  # layer 0 MoE, layer 1 dense
+    # intermediate_size sizes the dense MLP and each expert alike (GPT-NeoX's two rules agree on it)
+    cfg = GPTConfig(**{**BASE, **MOE, "moe_expert_interval": 2, "intermediate_size": 128})  # layer 0 MoE, 1 dense
     model = GPTModel(cfg)
     assert num_parameters(cfg) == sum(p.numel() for p in model.parameters())
-    dense = GPTConfig(**BASE)
+    dense = GPTConfig(**BASE, intermediate_size=128)
     mlp = sum(p.numel() for p in MLP(dense, "m").parameters())
     router = 4 * 32
     assert num_parameters(cfg) == num_parameters(dense) + 3 * mlp + router
@@ -317,3 +318,13 @@ def test_a_changed_expert_parallel_size_is_refused_by_name(tmp_path) -> None:
     check_expert_layout({}, {"moe_expert_parallel_size": 1}, tmp_path)  # saved before MoE existed
     with pytest.raises(CheckpointError, match="moe_expert_parallel_size=2, this run has 1.*resume with"):
         check_expert_layout({"moe_expert_parallel_size": 2}, {"moe_expert_parallel_size": 1}, tmp_path)
+
+
+def test_expert_width_follows_gpt_neoxs_expert_rule() -> None:
+    """GPT-NeoX's ParallelGroupedMLP (moe_mlp.py:159-166 at ea7aefd8): intermediate_size, else 4 x hidden
+    rounded up to a multiple of 256 (not the dense MLP's rule)."""
+    moe = GPTConfig(**{**BASE, **MOE})  # hidden 32: 4h = 128 -> 256
+    model = GPTModel(moe)
+    experts = model.layers[0].mlp.experts
+    assert tuple(experts.w2.shape[1:]) == (256, 32) and moe.ffn_hidden_size == 128
+    assert GPTConfig(**{**BASE, **MOE, "intermediate_size": 96}).expert_ffn_hidden_size == 96

@@ -785,11 +785,11 @@ def test_architecture_numbers() -> None:
     neox20 = NeoXArgs(**_load(c / "20B.yml"))
     assert (neox20.num_layers, neox20.hidden_size, neox20.num_attention_heads) == (44, 6144, 64)
     llama = NeoXArgs(**_load(c / "llama2" / "7B.yml"))
-    assert llama.norm == "rmsnorm" and llama.activation == "swiglu" and llama.intermediate_size == 11008
+    assert llama.norm == "rmsnorm" and llama.activation == "swiglu" and llama.ffn_hidden_size == 11008
     assert not (llama.use_bias_in_mlp or llama.use_bias_in_attn_linear or llama.use_bias_in_norms)
     assert llama.seq_length == 4096 and llama.no_weight_tying
     mistral = NeoXArgs(**_load(c / "mistral" / "7B.yml"))
-    assert (mistral.num_kv_heads, mistral.sliding_window_width, mistral.intermediate_size) == (8, 4096, 14336)
+    assert (mistral.num_kv_heads, mistral.sliding_window_width, mistral.ffn_hidden_size) == (8, 4096, 14336)
     tiny = NeoXArgs(**_load(c / "tiny.yml"))
     assert (tiny.num_layers, tiny.hidden_size, tiny.num_attention_heads, tiny.seq_length) == (2, 64, 4, 128)
     assert tiny.precision == "fp32" and tiny.train_iters == 200 and tiny.num_gpus == 2

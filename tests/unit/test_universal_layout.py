@@ -62,7 +62,7 @@ def _classify(info: dict, name: str) -> str:
 @pytest.mark.parametrize("prefix", ["layers.0.", "3."])  # plain model and PipelineModule names
 def test_universal_info_classifies_every_parameter(prefix: str) -> None:
     config = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, seq_length=128,
-                       activation="swiglu", padded_vocab_size=256)
+                       activation="swiglu", intermediate_size=768, padded_vocab_size=256)
     info = universal.universal_checkpoint_info(config, tp=2)
     expected = {
         "attention.query_key_value.weight": "sections",

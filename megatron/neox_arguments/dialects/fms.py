@@ -20,7 +20,8 @@ def _llama(hidden: int, layers: int, heads: int, ffn: int, kv: int | None = None
     return dict(pos_emb="rotary", norm="rmsnorm", activation="swiglu", no_weight_tying=True,
                 use_bias_in_attn_linear=False, use_bias_in_mlp=False, use_bias_in_norms=False,
                 rms_norm_epsilon=1e-5, hidden_size=hidden, num_layers=layers, num_attention_heads=heads,
-                num_kv_heads=kv or heads, intermediate_size=ffn, rotary_emb_base=theta,
+                # ffn: each half of the gated MLP; GPT-NeoX's intermediate_size is 3x that (model/mlp_width.py)
+                num_kv_heads=kv or heads, intermediate_size=3 * ffn, rotary_emb_base=theta,
                 max_position_embeddings=seq, padded_vocab_size=vocab)
 
 

@@ -13,6 +13,7 @@ import os
 import secrets
 from typing import Any
 
+from megatron.model.mlp_width import intermediate_size_for
 from megatron.neox_arguments.dialects.common import Context, Leaf, Refused, Rule, Translation, to
 
 NAME = "levanter"
@@ -29,13 +30,13 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # LlamaConfig defaults: Llama-2 7B, rotary, RMSNorm, SwiGLU, no biases, untied output
     "llama": dict(pos_emb="rotary", norm="rmsnorm", activation="swiglu", no_weight_tying=True,
                   use_bias_in_attn_linear=False, use_bias_in_mlp=False, use_bias_in_norms=False,
-                  hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_kv_heads=32,
+                  hidden_size=4096, intermediate_size=3 * 11008, num_attention_heads=32, num_kv_heads=32,
                   num_layers=32, seq_length=2048, max_position_embeddings=2048, rms_norm_epsilon=1e-5,
                   rotary_emb_base=10000, init_method_std=0.02),
     # MistralConfig defaults: Mistral 7B (grouped-query attention, 4096-token sliding window)
     "mistral": dict(pos_emb="rotary", norm="rmsnorm", activation="swiglu", no_weight_tying=True,
                     use_bias_in_attn_linear=False, use_bias_in_mlp=False, use_bias_in_norms=False,
-                    hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_kv_heads=8,
+                    hidden_size=4096, intermediate_size=3 * 14336, num_attention_heads=32, num_kv_heads=8,
                     num_layers=32, seq_length=8192, max_position_embeddings=8192, rms_norm_epsilon=1e-5,
                     rotary_emb_base=10000, sliding_window_width=4096, init_method_std=0.02),
 }
@@ -71,6 +72,15 @@ def _activation(value: Any, ctx: Context) -> dict[str, Any]:
             raise Refused(f"a gated ({model_type(ctx)}) MLP gates silu, gelu or relu, not {value!r}")
         return {"activation": gated}
     return {"activation": name}
+
+
+def _intermediate_dim(value: Any, ctx: Context) -> dict[str, Any]:
+    """Levanter's width of each half of a gated MLP is GPT-NeoX's intermediate_size / 3
+    (``megatron/model/mlp_width.py``); GPT-2's MLP is not gated."""
+    size = intermediate_size_for(int(value), gated=model_type(ctx) != "gpt2")
+    if size is None:
+        raise Refused(f"intermediate_dim {value}: GPT-NeoX's MLP rule builds no odd ungated width; use an even one")
+    return {"intermediate_size": size}
 
 
 def _layer_norm_epsilon(value: Any, ctx: Context) -> dict[str, Any]:
@@ -109,7 +119,7 @@ def _no_upcast(value: Any, ctx: Context) -> dict[str, Any]:
 MODEL_RULES: dict[str, Rule] = {
     "model.type": _model_type_rule,
     "model.hidden_dim": to("hidden_size"),
-    "model.intermediate_dim": to("intermediate_size"),
+    "model.intermediate_dim": _intermediate_dim,
     "model.num_heads": to("num_attention_heads"),
     "model.num_kv_heads": to("num_kv_heads"),
     "model.num_layers": to("num_layers"),
