@@ -73,6 +73,11 @@ class LRSchedulerArgs(ArgGroup):
     def spec(self, train_iters: int, max_lr: float) -> ScheduleSpec:
         """GPT-NeoX semantics: ``warmup`` is a fraction of ``lr_decay_iters`` (default train_iters),
         ``min_lr`` an absolute floor; Deepy extras as documented on the keys."""
+        style = plugins.get("lr_decay_style", self.lr_decay_style)
+        if style.needs.get("whole_curve"):  # Levanter's and fms-fsdp's curves: the style computes every step
+            keys = style.keys.model_fields if style.keys else ()
+            return ScheduleSpec(style=self.lr_decay_style, max_lr=max_lr, total_steps=train_iters,
+                                options=tuple((key, getattr(self, key)) for key in keys))
         total = self.lr_decay_iters or 0
         if not total and self.lr_decay_fraction is not None:
             total = int(round(self.lr_decay_fraction * train_iters))
@@ -83,7 +88,7 @@ class LRSchedulerArgs(ArgGroup):
         starts = cycle_starts_for(total, self.cycles, self.cycle_length)
         later_len = (starts[2] - starts[1]) if len(starts) > 2 else (total - starts[-1])
         warmup_steps = steps_of(self.warmup, total)
-        keys = plugins.get("lr_decay_style", self.lr_decay_style).keys
+        keys = style.keys
         return ScheduleSpec(
             style=self.lr_decay_style,
             max_lr=max_lr,
