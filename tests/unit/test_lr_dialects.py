@@ -44,6 +44,9 @@ LEVANTER_POINTS: dict[str, tuple[dict[str, Any], int, dict[int, float]]] = {
     # a second cycle re-warms from where the first ended (min_lr) over int(0.2 x 20) = 4 steps
     "cycles": ({"levanter_cycles": 2, "levanter_rewarmup": 0.2, "levanter_warmup": 0.1}, 40,
                {0: 0.0, 1: 0.5, 2: 1.0, 19: 0.1068365, 20: 0.1, 21: 0.325, 22: 0.55, 23: 0.775, 39: 0.1086466}),
+    # cycles of 20 steps: warmup 2 steps, then each later cycle re-warms over int(0.1 x 20) = 2 steps
+    "cycle_length": ({"levanter_cycle_length": 20, "levanter_rewarmup": 0.1, "levanter_warmup": 2}, 40,
+                     {0: 0.0, 1: 0.5, 2: 1.0, 10: 0.6281416, 19: 0.1068365, 20: 0.1, 21: 0.55, 22: 1.0, 39: 0.1068365}),
     # the deprecated cooldown: a final linear decay to min_lr over int(0.2 x 20) = 4 steps
     "cooldown": ({"levanter_lr_schedule": "constant", "levanter_cooldown": 0.2, "levanter_warmup": 0}, 20,
                  {0: 1.0, 15: 1.0, 16: 1.0, 17: 0.775, 19: 0.325}),

@@ -120,6 +120,8 @@ def classify(data: Any) -> str:
         return levanter.NAME
     if "optimizer" in sections and "params" not in data["optimizer"] and "type" not in data["optimizer"]:
         return levanter.NAME
+    if keys & (levanter.TOP_KEYS - _neox_fields()):  # TrainLmConfig's own keys (z_loss_weight, eval_harness, ...)
+        return levanter.NAME
     if keys & fms_only_keys():
         return fms.NAME
     if keys and keys <= LAUNCH_KEYS:

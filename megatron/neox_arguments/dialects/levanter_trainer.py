@@ -112,6 +112,10 @@ def _load_checkpoint(value: Any, ctx: Context) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------- trackers
 
+TENSORBOARD_DEFAULTS: dict[str, Any] = {"comment": "", "purge_step": None, "max_queue": 10, "flush_secs": 120,
+                                        "filename_suffix": "", "write_to_disk": True}
+"""TensorboardConfig's writer settings, accepted at these defaults (what Deepy's writer does)."""
+
 _WANDB_FIELDS = {"project": "project", "entity": "entity", "name": "name", "group": "group", "tags": "tags",
                  "notes": "notes", "mode": "mode", "id": "id"}
 
@@ -121,10 +125,13 @@ def _tracker_from(spec: dict[str, Any], ctx: Context) -> dict[str, Any] | None:
     if kind == "noop":
         return None
     if kind == "tensorboard":
-        extra = set(spec) - {"type", "logdir", "comment", "purge_step", "max_queue", "flush_secs",
-                             "filename_suffix", "write_to_disk"}
+        extra = set(spec) - {"type", "logdir", *TENSORBOARD_DEFAULTS}
         if extra:
             raise Refused(f"{sorted(extra)} are not fields of Levanter's TensorboardConfig")
+        changed = sorted(k for k, v in spec.items() if k in TENSORBOARD_DEFAULTS and v != TENSORBOARD_DEFAULTS[k])
+        if changed:
+            raise Refused(f"TensorBoard writer settings {changed} are not built here (Deepy's writer keeps "
+                          f"SummaryWriter's defaults, and purges a resumed run's later events itself)")
         # TensorboardConfig.init writes to <logdir>/<run id>
         return {"type": "tensorboard", "logdir": os.path.join(str(spec.get("logdir") or "tblogs"), run_id(ctx))}
     if kind != "wandb":
