@@ -299,6 +299,24 @@ def test_errors_exit_2_without_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
+def test_the_dialect_commands_of_the_docs_resolve(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/dialects.md's Levanter and fms-fsdp commands, as written (my-run.yaml: the guide's example),
+    pass every check of a launch (--dry-run); one rank here."""
+    from megatron.app.deepy import main
+
+    text = (REPO / "docs" / "dialects.md").read_text()
+    commands = [line.split("python deepy.py train.py ")[1] for line in text.splitlines()
+                if line.startswith("python deepy.py train.py --")]
+    assert len(commands) == 2
+    write_local_data(tmp_path)
+    (tmp_path / "my-run.yaml").write_text(GUIDE.format(root=tmp_path))
+    monkeypatch.chdir(tmp_path)
+    for command in commands:
+        assert main(["--dry-run", str(REPO / "train.py"), *command.split(), "--num_gpus", "1"]) == 0, command
+    assert "deepy: dry run OK" in capsys.readouterr().out
+
+
 def test_docs_map_every_dialect_key() -> None:
     """docs/dialects.md names every key the dialects accept or refuse."""
     text = (REPO / "docs" / "dialects.md").read_text()

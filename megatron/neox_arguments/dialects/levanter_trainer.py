@@ -200,6 +200,17 @@ def _batch_axis(value: Any, ctx: Context) -> dict[str, Any]:
     return noted("the batch is split over the data-parallel ranks, as Levanter's batch axis is")
 
 
+def fully_sharded(ctx: Context) -> dict[str, Any]:
+    """Parameters, gradients and optimizer states sharded over the data-parallel ranks: ZeRO-3; beside
+    tensor parallelism (which Deepy does not combine with ZeRO-3) the gradients and optimizer states
+    only, ZeRO-2, and the dry run says so."""
+    if int(ctx.value("trainer.model_axis_size", 1)) > 1:
+        return {"zero_stage": 2, **noted("with model_axis_size > 1 Deepy shards the gradients and optimizer states "
+                                         "over the data axis (ZeRO-2); its tensor parallelism does not combine "
+                                         "with ZeRO-3, so the parameters stay whole on each data rank")}
+    return {"sharding_strategy": "fsdp"}
+
+
 def _fsdp_axis(value: Any, ctx: Context) -> dict[str, Any]:
     """Levanter shards every parameter (and its optimizer state) over the data axis along ``fsdp_axis``
     (default ``embed``): ZeRO-3 over the data-parallel ranks. ``null`` replicates them."""
@@ -208,7 +219,7 @@ def _fsdp_axis(value: Any, ctx: Context) -> dict[str, Any]:
     axes = [value] if isinstance(value, str) else list(value)
     if not all(isinstance(axis, str) for axis in axes):
         raise Refused("fsdp_axis is an axis name or a list of them")
-    return {"sharding_strategy": "fsdp"}
+    return fully_sharded(ctx)
 
 
 def _tensor_parallel_axes(value: Any, ctx: Context) -> dict[str, Any]:
@@ -235,7 +246,7 @@ def _axis_resources(value: Any, ctx: Context, parameters: bool = False) -> dict[
         if axis == "batch" and not parameters and set(physical) <= {"replica", "data"}:
             continue
         if axis == "embed" and physical == ["data"]:
-            out["sharding_strategy"] = "fsdp"
+            out.update(fully_sharded(ctx))
             continue
         if axis in TP_AXES and physical == ["model"]:
             continue
