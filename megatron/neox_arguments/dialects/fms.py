@@ -349,7 +349,7 @@ def implied(translation: Translation, leaves: dict[str, Leaf], source: str) -> N
             rule = RULES[key]
             translation.put(Leaf(f"{key}={value}", value, "fms-fsdp's default"),
                             rule(value, Context({**leaves, key: Leaf(key, value, "default")})), implied=True)
-    if not ctx.value("use_dummy_dataset", False) and not {"data_path", "datasets", "weights"} <= set(leaves):
+    if not ctx.value("use_dummy_dataset", False) and not {"data_path", "datasets", "weights"} & set(leaves):
         translation.put(Leaf("data_path/datasets/weights", None, "fms-fsdp's default"), _datasets(ctx), implied=True)
     # main_training_llama.py: AdamW(lr, betas=(0.9, 0.95), weight_decay=0.1) over every parameter
     translation.put(Leaf("AdamW(betas=(0.9, 0.95), weight_decay=0.1)", None, "fms-fsdp"),
