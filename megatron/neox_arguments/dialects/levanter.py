@@ -85,8 +85,8 @@ _OTHER_ENTRY = ("a key of Levanter's {what} config, not of train_lm's TrainLmCon
 OTHER_ENTRY_POINTS: dict[str, str] = {
     **{key: _OTHER_ENTRY.format(what="sft.py") for key in (
         "dataset_type", "supervised_data", "chat_train_urls", "max_seq_len", "model_name_or_path", "mixture_weights",
-        "mixture_block_size", "stop_strategy", "input_role", "output_role", "messages_field", "reinit_tokens",
-        "tokenizer")},
+        "mixture_block_size", "stop_strategy", "input_role", "output_role", "messages_field", "reinit_tokens")},
+    "tokenizer": _OTHER_ENTRY.format(what="sft.py or export (export_lm_to_hf.py)"),
     **{key: _OTHER_ENTRY.format(what="lora_lm.py") for key in ("peft_save_path", "max_train_length", "lora")},
 }
 """Top-level keys of Levanter's other entry points (sft.py, lora_lm.py, the exporters), refused by name."""
