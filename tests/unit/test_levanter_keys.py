@@ -72,10 +72,11 @@ def test_mesh_keys_at_levanters_values(tmp_path: Path) -> None:
     zero3 = MODEL + "trainer:\n  fsdp_axis: null\n  model_axis_size: 2\n  axis_resources:\n    batch: \"data\"\n" \
                     "    vocab: \"model\"\n    mlp: \"model\"\n    heads: \"model\"\n" \
                     "  parameter_axis_resources:\n    embed: \"data\"\n"
-    with pytest.raises(ConfigError, match="both set sharding_strategy"):
-        load(tmp_path, zero3)  # fsdp_axis null (ddp) against embed over data (fsdp): one of them
     a = load(tmp_path, zero3.replace("  fsdp_axis: null\n", "")).args
-    assert (a.sharding_strategy, a.model_parallel_size) == ("fsdp", 2)
+    # beside tensor parallelism (no ZeRO-3 with tp here): gradients and optimizer states sharded, ZeRO-2
+    assert (a.sharding_strategy, a.zero_stage, a.model_parallel_size) == (None, 2, 2)
+    assert load(tmp_path, zero3.replace("  fsdp_axis: null\n", "").replace("model_axis_size: 2",
+                                                                             "model_axis_size: 1")).args.sharding_strategy == "fsdp"
     for bad, reason in (("  tensor_parallel_axes: [\"position\", \"key_position\"]\n", "sequence splitting"),
                         ("  batch_axis: \"tokens\"\n", "batch axis is Levanter's 'batch'"),
                         ("  axis_resources:\n    token: \"data\"\n", "token: data is not a layout"),

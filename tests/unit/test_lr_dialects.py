@@ -3,8 +3,7 @@
 Expected values are Levanter's own ``OptimizerConfig.lr_scheduler`` (src/levanter/optim/config.py at
 stanford-crfm/levanter 9263f81e) evaluated with optax 0.2.8 in float32 (written down here, rounded to
 7 digits), and fms-fsdp's ``schedule`` lambda (main_training_llama.py at foundation-model-stack/fms-fsdp
-5a296afe) re-derived in this file. The comparison over 17 configurations and every step is in the
-session note; these are the points that tell the shapes apart.
+5a296afe) re-derived in this file: the points that tell the shapes apart.
 """
 
 from __future__ import annotations
