@@ -310,7 +310,7 @@ DIALECT_SAMPLES: dict[str, dict[str, object]] = {
         "tracker": "wandb", "tracker_dir": "logs", "tracker_project_name": "p", "tracker_run_id": "r",
         "use_torch_compile": True, "file_type": "arrow", "col_name": "tokens", "tokenizer_path": "t", "bos_token": 1,
         "eos_token": 0, "bol_token": None, "eol_token": None, "strip_tokens": "5", "logical_shards": 1024,
-        "num_workers": 2, "training_stage": "initial", "resuming_dataset": False, "profiler_rank0_only": True,
+        "num_workers": 2, "training_stage": "initial", "resuming_dataset": False, "profiler_rank0_only": False,
     },
 }
 DIALECT_CONTEXT: dict[str, dict[str, object]] = {

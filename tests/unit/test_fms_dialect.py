@@ -192,3 +192,11 @@ def test_the_shard_keys_shape_what_training_reads(tmp_path: Path) -> None:
     counter = build_datasets(NeoXArgs(**base, use_dummy_dataset=True, dummy_data="counter",
                                       dummy_data_vocab_size=5), None, 64).train
     assert [int(t) for t in counter[1]["text"][:6]] == [1, 2, 3, 4, 0, 1]  # ids 6..11 modulo 5
+
+
+def test_the_profiler_traces_every_rank_so_rank0_only_must_be_off() -> None:
+    """get_profiler returns None on ranks other than 0 unless profiler_rank0_only is false (its default
+    is true); Deepy's profiler writes one trace per rank."""
+    with pytest.raises(ConfigError, match="traces every rank"):
+        fms_args("--use_dummy_dataset=True", "--use_profiler=True")
+    assert fms_args("--use_dummy_dataset=True", "--use_profiler=True", "--profiler_rank0_only=False").profile

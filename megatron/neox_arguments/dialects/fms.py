@@ -247,10 +247,22 @@ def _resuming_dataset(value: Any, ctx: Context) -> dict[str, Any]:
     return noted("loading from ckpt_save_path, both values resume the data where the checkpoint stopped")
 
 
+_RANK0 = ("fms-fsdp's profiler traces rank 0 only unless profiler_rank0_only is false; Deepy's traces every rank: "
+          "give --profiler_rank0_only=False with --use_profiler=True")
+
+
+def _profiler(value: Any, ctx: Context) -> dict[str, Any]:
+    if value and ctx.value("profiler_rank0_only", True):
+        raise Refused(_RANK0)
+    return {"profile": bool(value)}
+
+
 def _rank0_profiler(value: Any, ctx: Context) -> dict[str, Any]:
     if not value:
-        raise Refused("Deepy's profiler traces rank 0 only")
-    return noted("Deepy's profiler traces rank 0 only")
+        return noted("every rank is traced, as Deepy's profiler does")
+    if ctx.value("use_profiler", False):
+        raise Refused(_RANK0)
+    return noted("no profiler runs (use_profiler is false)")
 
 
 RULES: dict[str, Rule] = {
@@ -285,7 +297,7 @@ RULES: dict[str, Rule] = {
     "grad_clip_thresh": to("gradient_clipping"),
     "seed": to("seed"),
     "resuming_dataset": _resuming_dataset,
-    "use_profiler": to("profile"),
+    "use_profiler": _profiler,
     "profiler_rank0_only": _rank0_profiler,
     "report_interval": to("log_interval"),
     "checkpoint_interval": to("checkpoint_factor"),
