@@ -41,13 +41,14 @@ from megatron.errors import ConfigError
 
 Family = Literal["lr_decay_style", "tracker", "train_impl", "tokenizer_type"]
 
-BUILTIN_MODULES: dict[str, str] = {
-    "lr_decay_style": "megatron.training.lr_schedules",
-    "tracker": "megatron.logging.trackers",
-    "train_impl": "megatron.training.objectives.registry",
-    "tokenizer_type": "megatron.tokenizer.registry",
+BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
+    # GPT-NeoX's schedules, then Levanter's and fms-fsdp's (their dialects' curves)
+    "lr_decay_style": ("megatron.training.lr_schedules", "megatron.training.lr_dialects"),
+    "tracker": ("megatron.logging.trackers",),
+    "train_impl": ("megatron.training.objectives.registry",),
+    "tokenizer_type": ("megatron.tokenizer.registry",),
 }
-"""Family -> the module whose import registers Deepy's own plug-ins of that family."""
+"""Family -> the modules whose import registers Deepy's own plug-ins of that family."""
 
 Check = Callable[[Any, Callable[[str], str]], list[str]]
 
@@ -143,7 +144,8 @@ def load_builtins(families: Iterable[str] | None = None) -> None:
     """Import the modules that register Deepy's own plug-ins (once)."""
     for family in families if families is not None else BUILTIN_MODULES:
         if family not in _LOADED_BUILTINS:
-            importlib.import_module(BUILTIN_MODULES[family])
+            for module in BUILTIN_MODULES[family]:
+                importlib.import_module(module)
             _LOADED_BUILTINS.add(family)
 
 

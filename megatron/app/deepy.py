@@ -234,7 +234,10 @@ def dialect_table(resolved: ResolvedConfig) -> list[str]:
     width = max((len(row["key"]) for row in rows), default=0)
     place = max((len(row["where"]) for row in rows), default=0)
     for row in rows:
-        became = ", ".join(f"{k}={json.dumps(v, default=str)}" for k, v in row["neox"].items()) or "(nothing to set: Deepy's default)"
+        became = ", ".join(f"{k}={json.dumps(v, default=str)}" for k, v in row["neox"].items())
+        if row.get("note"):  # accepted at a value that is what Deepy does anyway, and why
+            became = f"{became}  ({row['note']})" if became else f"(nothing to set: {row['note']})"
+        became = became or "(nothing to set: Deepy's default)"
         lines.append(f"  {row['key']:<{width}}  {row['where']:<{place}}  -> {became}")
     return [*lines, ""]
 

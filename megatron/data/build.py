@@ -6,7 +6,8 @@ Sources, in order of precedence:
 1. ``use_dummy_dataset``: random tokens, no files.
 2. ``train_urls``/``validation_urls``: raw jsonl shards tokenized once into the cache (Levanter style).
 3. ``{train,valid,test}_data_paths`` (+ ``_label``/``_reward``, or ``pos_``/``neg_`` for pairwise), each
-   list blended by ``*_data_weights`` or by document counts (``weight_by_num_documents``).
+   list blended by ``*_data_weights`` or by document counts (``weight_by_num_documents``); a path that
+   is a directory holds fms-fsdp's token shards (``megatron/data/token_shards.py``).
 4. ``data_path`` (one prefix or a list), split by documents according to ``split``.
 
 Sample counts come from the schedule: train = train_iters x G (or train_epochs whole epochs),
@@ -227,6 +228,19 @@ def _train_samples_from_epochs(builder: _Builder, comps: list[Component], epochs
     return max(g, (epochs * per_epoch) // g * g)
 
 
+def _read_shard_directory(c: Component, builder: _Builder, config: DataRunArgs, vocab: int) -> Component:
+    """A ``text`` path that is a directory holds fms-fsdp's token shards: read it once into a dataset."""
+    path = c.roles.get("text")
+    if path is None or not os.path.isdir(path):
+        return c
+    from megatron.data.token_shards import materialize_shards  # pyarrow, only for shard directories
+
+    prefix = materialize_shards(path, builder.cache_dir, file_type=config.shard_file_type, column=config.shard_column,
+                                tokenizer_dir=config.shard_tokenizer, eos=config.shard_eos_token,
+                                bos=config.shard_bos_token, strip=config.shard_strip_tokens, vocab_size=vocab)
+    return Component({**c.roles, "text": prefix}, c.doc_range)
+
+
 def _dummy_kind(config: DataRunArgs) -> str:
     if config.wants_pairs:
         return "pairwise"
@@ -255,8 +269,11 @@ def build_datasets(config: DataRunArgs, tokenizer: Any, padded_vocab_size: int) 
     """
     train_n, valid_n, test_n = samples_needed(config)
     if config.use_dummy_dataset:
-        seq, seed, kind = config.seq_length, config.seed, _dummy_kind(config)
-        make = lambda n, s: DummyDataset(n, seq, padded_vocab_size, seed + s, kind) if n > 0 else None  # noqa: E731
+        seq, seed, kind, pattern = config.seq_length, config.seed, _dummy_kind(config), config.dummy_data
+        vocab = config.dummy_data_vocab_size or padded_vocab_size
+        if vocab > padded_vocab_size:
+            raise ConfigError(f"dummy_data_vocab_size={vocab} exceeds the {padded_vocab_size} embedding rows")
+        make = lambda n, s: DummyDataset(n, seq, vocab, seed + s, kind, pattern) if n > 0 else None  # noqa: E731
         return DataSplits(make(max(train_n, 1), 0), make(valid_n, 1), make(test_n, 2))
 
     builder = _Builder(config, tokenizer, padded_vocab_size)
@@ -281,6 +298,8 @@ def build_datasets(config: DataRunArgs, tokenizer: Any, padded_vocab_size: int) 
         raise ConfigError("no training data: set data_path, train_data_paths, train_urls or use_dummy_dataset "
                           "(run `python prepare_data.py` to build the built-in corpus)")
 
+    per_split = {s: [_read_shard_directory(c, builder, config, padded_vocab_size) for c in comps] if comps else comps
+                 for s, comps in per_split.items()}
     _check_matches_train_impl(config, per_split)
     if not config.train_iters and config.train_epochs and per_split.get("train"):
         train_n = _train_samples_from_epochs(builder, per_split["train"], config.train_epochs,

@@ -136,6 +136,15 @@ class DataArgs(ArgGroup):
     use_dummy_dataset: bool = False
     """Train on random tokens without any data files (smoke tests and benchmarks)."""
 
+    dummy_data: Literal["uniform", "counter"] = "uniform"
+    """Deepy addition: what use_dummy_dataset's samples hold: uniform random ids, or fms-fsdp's
+    counter (sample k holds the ids k*s ... k*s+s-1 modulo dummy_data_vocab_size, and its targets are
+    those same ids, as fms-fsdp's SteadyCounter yields (x, x))."""
+
+    dummy_data_vocab_size: int | None = Field(None, ge=2)
+    """Deepy addition: the dummy data's ids stay below this (fms-fsdp's vocab_size); unset: the padded
+    vocabulary."""
+
     train_urls: list[str] | None = None
     """Raw-text shards (local paths or URLs, jsonl/jsonl.zst) tokenized on the fly for training
     (Levanter-style)."""
@@ -144,7 +153,31 @@ class DataArgs(ArgGroup):
     """Raw-text shards for validation, as train_urls."""
 
     cache_dir: str | None = None
-    """Where tokenized shards from train_urls/validation_urls are cached."""
+    """Where tokenized shards from train_urls/validation_urls, and datasets read from token-shard
+    directories, are cached."""
+
+    # ---- token-shard directories (fms-fsdp's data), Deepy additions ----
+
+    shard_file_type: Literal["arrow", "hf_parquet", "auto"] = "arrow"
+    """A data path that is a directory holds fms-fsdp's shard files: arrow (one document of token ids
+    per record batch, column 'tokens'), hf_parquet (a text column tokenized with shard_tokenizer) or
+    auto (both, by extension); they are read once into a dataset under cache_dir."""
+
+    shard_column: str = "tokens"
+    """Column of hf_parquet shards to read (fms-fsdp's col_name); arrow shards are read at 'tokens'."""
+
+    shard_tokenizer: str | None = None
+    """Local Hugging Face tokenizer directory that tokenizes hf_parquet shards (fms-fsdp's tokenizer_path)."""
+
+    shard_eos_token: int = Field(0, ge=0)
+    """Token appended after every document of a shard directory (fms-fsdp's eos_token)."""
+
+    shard_bos_token: int | None = Field(None, ge=0)
+    """Token put before every document of a shard directory (fms-fsdp's bos_token); unset: none."""
+
+    shard_strip_tokens: list[int] = []
+    """Ids removed from the start and end of each shard document, with shard_eos_token and
+    shard_bos_token, before they are added back (fms-fsdp's strip_tokens)."""
 
     # ---- what the datasets ask of these keys (and of the objective's, declared with it) ----
 
@@ -208,6 +241,22 @@ class DataRunArgs(Protocol):
     def validation_urls(self) -> list[str] | None: ...
     @property
     def cache_dir(self) -> str | None: ...
+    @property
+    def dummy_data(self) -> str: ...
+    @property
+    def dummy_data_vocab_size(self) -> int | None: ...
+    @property
+    def shard_file_type(self) -> str: ...
+    @property
+    def shard_column(self) -> str: ...
+    @property
+    def shard_tokenizer(self) -> str | None: ...
+    @property
+    def shard_eos_token(self) -> int: ...
+    @property
+    def shard_bos_token(self) -> int | None: ...
+    @property
+    def shard_strip_tokens(self) -> list[int]: ...
     @property
     def seq_length(self) -> int | None: ...
     @property

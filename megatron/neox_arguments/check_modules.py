@@ -24,12 +24,13 @@ from megatron.model import checks as model_checks
 from megatron.model import config as model_config
 from megatron.model import lora_checks, moe_checks
 from megatron.neox_arguments import deepspeed_blocks, file_checks, optional_packages, rules
-from megatron.training import compile_checks, length_checks, lr_config, optimizer_checks
+from megatron.training import compile_checks, length_checks, lr_config, lr_dialects, optimizer_checks
 from megatron.training.objectives import checks as objective_checks
 
 CHECK_MODULES: tuple[ModuleType, ...] = (
     plugins,  # each plug-in's own keys
     lr_config,
+    lr_dialects,  # Levanter's and fms-fsdp's curves read only their own keys
     objective_checks,
     model_checks,
     model_config,  # attention_config covers the layers

@@ -29,9 +29,13 @@ def _prefixes(ctx: RuleContext) -> Iterator[tuple[str, str]]:
             yield key, str(prefix)
 
 
-def _missing_or_bad(prefix: str) -> str | None:
+def _missing_or_bad(prefix: str, shard_file_type: str = "arrow") -> str | None:
     from megatron.data.indexed_dataset import MMapIndexedDataset
 
+    if os.path.isdir(prefix):  # fms-fsdp's token shards, read into a dataset at start-up
+        from megatron.data.token_shards import shard_files
+
+        return None if shard_files(prefix, shard_file_type) else f"no {shard_file_type} shard files below the directory"
     missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
     if missing:
         return f"{' and '.join(missing)} not found"
@@ -57,7 +61,7 @@ def data_files_are_datasets(ctx: RuleContext) -> list[str]:
         return []
     problems: list[str] = []
     for key, prefix in _prefixes(ctx):
-        bad = _missing_or_bad(prefix)
+        bad = _missing_or_bad(prefix, str(ctx.get("shard_file_type")))
         if bad is None:
             continue
         fix = ("build it with `python prepare_data.py` or tools/datasets/preprocess_data.py, or fix the path"

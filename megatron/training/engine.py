@@ -360,7 +360,7 @@ def build_engine(run: RunViews, config: GPTConfig, train_iters: int, objective: 
         ds_config["optimizer"] = deepspeed_optimizer_block(run.optimizer)
         optimizer: Any = None
         scheduler: Any = lambda opt: LRScheduler(optimizer=opt, spec=spec, policy=policy)  # noqa: E731
-        params: Any = param_groups(model, run.optimizer.applied_weight_decay)
+        params: Any = param_groups(model, run.optimizer.applied_weight_decay, run.optimizer.weight_decay_embeddings)
     else:
         optimizer = build_optimizer(model, run.optimizer, offload=optimizer_offloaded(ds_config))
         scheduler = LRScheduler(optimizer=optimizer, spec=spec, policy=policy)

@@ -75,6 +75,11 @@ class LRSchedulerArgs(ArgGroup):
     def spec(self, train_iters: int, max_lr: float) -> ScheduleSpec:
         """GPT-NeoX semantics: ``warmup`` is a fraction of ``lr_decay_iters`` (default train_iters),
         ``min_lr`` an absolute floor; Deepy extras as documented on the keys."""
+        style = plugins.get("lr_decay_style", self.lr_decay_style)
+        if style.needs.get("whole_curve"):  # Levanter's and fms-fsdp's curves: the style computes every step
+            keys = style.keys.model_fields if style.keys else ()
+            return ScheduleSpec(style=self.lr_decay_style, max_lr=max_lr, total_steps=train_iters,
+                                options=tuple((key, getattr(self, key)) for key in keys))
         if self.lr_decay_iters is None and train_iters < 1:
             raise ConfigError("the LR schedule needs lr_decay_iters or train_iters to be set (>= 1)")
         total = decay_steps(train_iters, self.lr_decay_iters, self.lr_decay_fraction)
@@ -82,7 +87,7 @@ class LRSchedulerArgs(ArgGroup):
         starts = cycle_starts_for(total, self.cycles, self.cycle_length)
         later_len = (starts[2] - starts[1]) if len(starts) > 2 else (total - starts[-1])
         warmup_steps = steps_of(self.warmup, total)
-        keys = plugins.get("lr_decay_style", self.lr_decay_style).keys
+        keys = style.keys
         return ScheduleSpec(
             style=self.lr_decay_style,
             max_lr=max_lr,

@@ -79,6 +79,10 @@ class OptimizerArgs(ArgGroup):
     weight_decay: float = Field(0.1, ge=0)
     """Decoupled weight decay applied to weight matrices."""
 
+    weight_decay_embeddings: bool = True
+    """Deepy addition: decay the token and position embeddings too (GPT-NeoX does; Levanter's default
+    mask does not, and its dialect sets this false). Biases and norms are never decayed."""
+
     optimizer: OptimizerBlock | None = None
     """Optimizer block: {type: Adam, params: {lr, betas, eps, ...}}; type is one of Adam, AdamW,
     CPU_Adam, CPU_torch_adam, OneBitAdam, SM3, madgrad_wd, Lion, SGD and params are checked per type."""

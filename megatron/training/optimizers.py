@@ -42,23 +42,27 @@ def register_optimizer(kind: str) -> Callable[[OptimizerBuilder], OptimizerBuild
 
 
 # --- parameter groups ------------------------------------------------------------------------
-def is_no_decay(name: str, param: torch.nn.Parameter) -> bool:
-    """Biases, norm weights and other vectors are not decayed."""
+def is_no_decay(name: str, param: torch.nn.Parameter, decay_embeddings: bool = True) -> bool:
+    """Biases, norm weights and other vectors are not decayed; nor, when ``decay_embeddings`` is
+    false, the token and position embeddings (Levanter's default mask; an untied output layer is
+    decayed, a tied one is the embedding)."""
     lowered = name.lower()
     # built under deepspeed.zero.Init (zero_init) a parameter is an empty 1-d placeholder until
     # gathered: its real shape is DeepSpeed's ds_shape (else every matrix would skip weight decay)
     shape = getattr(param, "ds_shape", param.shape)
+    if not decay_embeddings and "_embeddings" in lowered:
+        return True
     return len(shape) < 2 or lowered.endswith("bias") or "norm" in lowered
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> ParamGroups:
+def param_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: bool = True) -> ParamGroups:
     """Two groups (decay, no decay); empty groups are dropped because ZeRO rejects them."""
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (no_decay if is_no_decay(name, param) else decay).append(param)
+        (no_decay if is_no_decay(name, param, decay_embeddings) else decay).append(param)
     groups = [
         {"params": decay, "weight_decay": weight_decay, "name": "decay"},
         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
@@ -179,7 +183,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerArgs, offload: bool = 
     if builder is None:
         raise ConfigError(f"optimizer.type={cfg.optimizer_type_shown!r} is not built by Deepy's trainer "
                           f"(kinds: {sorted(OPTIMIZERS)})")
-    groups = param_groups(model, cfg.applied_weight_decay)
+    groups = param_groups(model, cfg.applied_weight_decay, cfg.weight_decay_embeddings)
     if not groups:
         raise ConfigError("the model has no trainable parameters")
     return builder(groups, cfg)

@@ -41,6 +41,7 @@ model:
   scale_attn_by_inverse_layer_idx: true
 trainer:
   mp: p=f32,c=f32
+  fsdp_axis: null  # parameters replicated over the data axis (Levanter's default embed is ZeRO-3 here)
   per_device_parallelism: 2
   steps_per_eval: 1000
   max_eval_batches: 1
@@ -75,8 +76,9 @@ def switched(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("levanter")
     write_local_data(tmp)
     (tmp / "gpt2_tiny.yaml").write_text(TINY_LEVANTER.format(root=tmp))
+    # no save schedule given: Levanter's checkpointer saves every 15 minutes and at the end by default
     common = ("--config_path", "gpt2_tiny.yaml", "--trainer.checkpointer.base_path", "out",
-              "--trainer.train_batch_size", "8", "--trainer.checkpointer.save_interval", "15min")
+              "--trainer.train_batch_size", "8")
     deepy(tmp, *common, "--trainer.num_train_steps", "3", "--trainer.id", "run1", "--trainer.log_dir", "logs",
           "--num_gpus", "2")
     shutil.copytree(tmp / "out", tmp / "out_tp2")  # the same step-3 checkpoint, resumed a second way
@@ -153,14 +155,45 @@ def test_the_same_wandb_run_continues(switched: Path) -> None:
     assert [s for s, _ in runs[1].series("train/lm_loss")] == [4, 5, 6]
 
 
+TRAIN_SH_FLAGS = """\
+--use_dummy_dataset=False
+--ckpt_load_path=/lustre/pretrain/ckpt
+--ckpt_save_path=/lustre/pretrain/ckpt
+--data_path=/lustre/bluepile-processing/rel0_7/tokens/llama2/high_quality_rerun_fuzzy_deduped
+--fsdp_activation_checkpointing=False
+--selective_checkpointing=1
+--sharding_strategy=hsdp
+--low_cpu_fsdp=False
+--batch_size=2
+--report_interval=200
+--checkpoint_interval=20000
+--use_torch_compile=False
+--use_profiler=False
+"""
+"""MODEL_ARGS of fms-fsdp's scripts/train.sh (foundation-model-stack/fms-fsdp 5a296afe), as written."""
+
+DEFAULT_DATASETS = ("lang=en/dataset=commoncrawl,lang=en/dataset=webhose,lang=en/dataset=github_clean,"
+                    "lang=de/dataset=wikipedia,lang=es/dataset=wikipedia,lang=fr/dataset=wikipedia,"
+                    "lang=ja/dataset=wikipedia,lang=pt/dataset=wikipedia,lang=en/dataset=wikimedia,"
+                    "lang=en/dataset=uspto,lang=en/dataset=pubmedcentral,lang=en/dataset=arxiv,"
+                    "lang=en/dataset=stackexchange").split(",")
+"""train_config.datasets' default: train.sh names none, so these directories are read under data_path."""
+
+
 def test_fms_train_sh_flags_run(tmp_path: Path) -> None:
-    """scripts/train.sh's flags (local paths), dummy data, on 2 ranks with hsdp and low_cpu_fsdp."""
-    deepy(tmp_path, "--model_variant=llama_tiny", "--use_dummy_dataset=True", f"--ckpt_load_path={tmp_path}/ckpt",
-          f"--ckpt_save_path={tmp_path}/ckpt", f"--data_path={tmp_path}/data", "--fsdp_activation_checkpointing=True",
-          "--selective_checkpointing=1", "--sharding_strategy=hsdp", "--low_cpu_fsdp=True", "--batch_size=2",
-          "--report_interval=1", "--checkpoint_interval=2", "--use_torch_compile=False", "--use_profiler=False",
-          "--num_steps=2", "--seq_length=32", "--mixed_precision=False", f"--tracker_dir={tmp_path}/logs",
-          "--num_gpus=2")
+    """scripts/train.sh's flags with local paths for its /lustre ones, on arrow token shards in the 13
+    default dataset directories, 2 ranks with hsdp; a small variant for 2 steps of 32 tokens."""
+    from tests.unit.test_fms_dialect import write_arrow_shard
+
+    data = tmp_path / "tokens"
+    for i, name in enumerate(DEFAULT_DATASETS):
+        write_arrow_shard(data / name / "shard-0.arrow", [[(7 * i + j) % 250 + 1 for j in range(40)] for _ in range(4)])
+    flags = (TRAIN_SH_FLAGS.replace("/lustre/pretrain/ckpt", str(tmp_path / "ckpt"))
+             .replace("/lustre/bluepile-processing/rel0_7/tokens/llama2/high_quality_rerun_fuzzy_deduped", str(data))
+             .split())
+    deepy(tmp_path, *flags, "--model_variant=llama_tiny", "--num_steps=2", "--seq_length=32", "--report_interval=1",
+          "--checkpoint_interval=2", "--mixed_precision=False", f"--tracker_dir={tmp_path}/logs", "--num_gpus=2")
     steps = losses(tmp_path / "logs")
-    assert sorted(steps) == [1, 2] and all(5.0 < loss < 6.0 for loss in steps.values())  # ln(256) = 5.55
-    assert any((tmp_path / "ckpt").iterdir())
+    assert sorted(steps) == [1, 2] and all(4.0 < loss < 7.0 for loss in steps.values())  # ln(256) = 5.55
+    assert any((tmp_path / "ckpt" / "checkpoints").iterdir())  # Checkpointer's <ckpt_save_path>/checkpoints
+    assert len(list((tmp_path / "cache" / "shards").glob("shards_*_text_document.idx"))) == 13

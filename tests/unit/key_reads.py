@@ -110,7 +110,8 @@ def _lr_schedule(args: Any) -> object:
 
 def _optimizer(args: Any) -> object:
     """What the trainer asks of the optimizer keys (``engine.build_engine``, ``optimizers.build_optimizer``)."""
-    return args.optimizer_kind, args.optimizer_type_shown, args.peak_lr, args.applied_weight_decay, args.optimizer_params
+    return (args.optimizer_kind, args.optimizer_type_shown, args.peak_lr, args.applied_weight_decay, args.optimizer_params,
+            args.weight_decay_embeddings)  # param_groups
 
 
 def _activation_checkpointing(args: Any) -> object:
@@ -175,7 +176,10 @@ def _data(args: Any) -> object:
     return (samples_needed(args), [args.path_list(key) for key in PATH_KEYS], [args.split_weights(s) for s in SPLITS],
             args.use_dummy_dataset, args.train_urls, args.validation_urls, args.cache_dir, args.data_path, args.split,
             args.weight_by_num_documents, args.weighted_sampler_alpha, args.pack_impl, args.allow_chopped,
-            args.wants_pairs, args.reference_model, args.mmap_warmup, args.seq_length, args.seed, args.train_epochs)
+            args.wants_pairs, args.reference_model, args.mmap_warmup, args.seq_length, args.seed, args.train_epochs,
+            args.dummy_data, args.dummy_data_vocab_size,  # build_datasets' dummy data
+            args.shard_file_type, args.shard_column, args.shard_tokenizer, args.shard_eos_token,  # token-shard
+            args.shard_bos_token, args.shard_strip_tokens)  # directories (_read_shard_directory)
 
 
 def _user_plugins(args: Any) -> object:

@@ -1,7 +1,10 @@
 """Levanter's and fms-fsdp's configs and flags become the GPT-NeoX keys they mean (in-process, no launch).
 
-Expected values come from the dialects' own documentation (Levanter's Configuration Guide, fms-fsdp's
-``train_config`` and ``scripts/train.sh``), written out here by hand, not from our output.
+Expected values come from the dialects' own code (Levanter's config classes at stanford-crfm/levanter
+9263f81e, fms-fsdp's ``train_config``, ``main_training_llama.py`` and ``scripts/train.sh`` at
+foundation-model-stack/fms-fsdp 5a296afe), written out here by hand, not from our output. Each key family
+of Levanter's configs is tried in ``tests/unit/test_levanter_keys.py``, fms-fsdp's variants and data in
+``tests/unit/test_fms_dialect.py``.
 """
 
 from __future__ import annotations
@@ -93,8 +96,8 @@ def test_guide_example_means_what_levanter_says(tmp_path: Path) -> None:
     assert (a.pos_emb, a.norm, a.activation, a.no_weight_tying) == ("learned", "layernorm", "gelu_tanh", False)
     assert a.precision == "bfloat16"  # c=bfloat16, master params fp32
     assert (a.model_parallel_size, a.train_micro_batch_size_per_gpu, a.train_batch_size) == (1, 4, 512)
-    assert (a.lr, a.weight_decay, a.min_lr_ratio) == (6e-4, 0.1, 0.1)
-    assert a.lr_decay_style == "cosine" and a.seed == 0  # Levanter's defaults, not GPT-NeoX's
+    assert (a.lr, a.weight_decay, a.levanter_min_lr_ratio) == (6e-4, 0.1, 0.1)
+    assert (a.lr_decay_style, a.levanter_lr_schedule, a.seed) == ("levanter", "cosine", 0)  # Levanter's curve
     assert a.train_iters == 10
     assert a.train_urls == [f"{tmp_path}/train.{{1..2}}.jsonl"] and a.validation_urls == [f"{tmp_path}/val.jsonl"]
     assert a.cache_dir == f"{tmp_path}/cache"
@@ -108,12 +111,15 @@ def test_guide_example_means_what_levanter_says(tmp_path: Path) -> None:
 
 
 def test_levanter_defaults_where_gpt_neox_differs(tmp_path: Path) -> None:
+    """TrainerConfig, AdamConfig/OptimizerConfig and LlamaConfig's defaults (not the doc table's)."""
     a = levanter_args(tmp_path, "model:\n  type: llama\n  num_layers: 2\n  hidden_dim: 64\n  num_heads: 4\n"
-                                "  intermediate_dim: 128\n  seq_len: 32\n").args
-    assert (a.seed, a.weight_decay, a.lr, a.lr_decay_style) == (0, 0.0, 1e-4, "cosine")
-    assert (a.train_iters, a.train_batch_size) == (400_000, 32)
-    assert a.optimizer.model_dump()["params"]["betas"] == (0.9, 0.999)
-    # llama: rotary, RMSNorm, SwiGLU, untied output, no biases, kv heads = heads
+                                "  num_kv_heads: 4\n  intermediate_dim: 128\n  seq_len: 32\n").args
+    assert (a.seed, a.weight_decay, a.lr, a.lr_decay_style) == (0, 0.1, 6e-4, "levanter")
+    assert (a.levanter_warmup, a.levanter_min_lr_ratio, a.levanter_lr_schedule) == (0.01, 0.1, "cosine")
+    assert (a.train_iters, a.train_batch_size, a.eval_interval) == (400_000, 512, 1000)
+    params = a.optimizer.model_dump()["params"]
+    assert (params["betas"], params["eps"], a.gradient_clipping) == ((0.9, 0.95), 1e-8, 1.0)
+    # llama: rotary, RMSNorm, SwiGLU, untied output, no biases
     assert (a.pos_emb, a.norm, a.activation, a.no_weight_tying) == ("rotary", "rmsnorm", "swiglu", True)
     assert not (a.use_bias_in_attn_linear or a.use_bias_in_mlp or a.use_bias_in_norms)
     # Levanter's intermediate_dim is each half's width: GPT-NeoX's intermediate_size 3 x 128 gives it
@@ -165,10 +171,9 @@ def test_remote_urls_are_refused_by_key_and_line(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("key", sorted(levanter.REFUSED))
 def test_levanter_keys_without_meaning_are_refused_by_name(tmp_path: Path, key: str) -> None:
-    section, *rest = key.split(".")
-    nested = ".".join(rest)
+    section = key.split(".")[0] if "." in key else "trainer"
     with pytest.raises(ConfigError, match=rf"levanter key {key.replace('.', '[.]')}(\.\w+)? at .*has no meaning in Deepy"):
-        levanter_args(tmp_path, f"{section}:\n  placeholder_for_structure: null\n", f"--{section}.{nested}", "x")
+        levanter_args(tmp_path, f"{section}:\n  placeholder_for_structure: null\n", f"--{key}", "x")
 
 
 def test_unknown_levanter_key_gets_a_suggestion(tmp_path: Path) -> None:
@@ -189,19 +194,20 @@ TRAIN_SH = ("--use_dummy_dataset={dummy}", "--ckpt_load_path={root}/ckpt", "--ck
 @pytest.mark.parametrize("dummy", [True, False])
 def test_fms_train_sh_flags(tmp_path: Path, dummy: bool) -> None:
     flags = [f.format(dummy=dummy, root=tmp_path) for f in TRAIN_SH]
-    a = fms_args(*flags, "--model_variant=llama_tiny", "--datasets=a,b", "--weights=3,1").args
-    assert (a.load, a.save) == (f"{tmp_path}/ckpt", f"{tmp_path}/ckpt")
+    a = fms_args(*flags, "--model_variant=llama_tiny", "--datasets=a,b", "--weights=3,1", "--vocab_size=256").args
+    # Checkpointer(ckpt_save_path, ...) keeps its checkpoints in <path>/checkpoints/
+    assert (a.load, a.save) == (f"{tmp_path}/ckpt/checkpoints", f"{tmp_path}/ckpt/checkpoints")
     assert a.use_dummy_dataset is dummy
     assert a.train_data_paths == (None if dummy else [f"{tmp_path}/data/a", f"{tmp_path}/data/b"])
     assert a.train_data_weights == (None if dummy else [3.0, 1.0])
+    assert (a.dummy_data, a.dummy_data_vocab_size) == (("counter", 256) if dummy else ("uniform", None))
     assert not a.checkpoint_activations and a.selective_checkpointing is None
     assert a.sharding_strategy == "hsdp"
     assert (a.train_micro_batch_size_per_gpu, a.gradient_accumulation_steps) == (2, 1)
     assert (a.log_interval, a.checkpoint_factor, a.compile_layers, a.profile) == (200, 20000, False, False)
-    # fms-fsdp's defaults: seed 2023, 3e-4 peak, cosine to 0.1x, bf16 mixed precision, 4096 tokens
-    assert (a.seed, a.lr, a.lr_decay_style, a.min_lr_ratio) == (2023, 3e-4, "cosine", 0.1)
-    assert a.warmup == 2000.0  # min(2000, num_steps // 20) with num_steps 1,000,000
-    assert (a.precision, a.seq_length) == ("bfloat16", 4096)
+    # fms-fsdp's defaults: seed 2023, 3e-4 peak on its warmup-cosine curve, bf16 mixed precision, 4096 tokens
+    assert (a.seed, a.lr, a.lr_decay_style, a.train_iters) == (2023, 3e-4, "fms", 1_000_000)
+    assert (a.precision, a.seq_length, a.gradient_clipping) == ("bfloat16", 4096, 1.0)
     assert (a.hidden_size, a.num_layers, a.padded_vocab_size) == (64, 2, 256)
 
 
@@ -209,7 +215,7 @@ def test_fms_keys_in_a_yaml_file_and_selective_fraction(tmp_path: Path) -> None:
     config = tmp_path / "fms.yaml"
     config.write_text("model_variant: llama_tiny\nuse_dummy_dataset: true\nfsdp_activation_checkpointing: true\n"
                       "selective_checkpointing: 0.5\nnum_steps: 3\n")
-    resolved = fms_args("--seq_length=32", files=(str(config),))
+    resolved = fms_args("--seq_length=32", "--vocab_size=256", files=(str(config),))
     assert classify({"model_variant": "7b"}) == fms.NAME
     assert resolved.args.checkpoint_activations and resolved.args.selective_checkpointing == 2  # every 2nd block
     assert resolved.args.train_iters == 3 and resolved.args.seq_length == 32
@@ -241,7 +247,8 @@ def test_launch_keys_accompany_any_dialect(tmp_path: Path) -> None:
     local.write_text("num_gpus: 2\n")
     resolved = levanter_args(tmp_path, "trainer:\n  seed: 1\n", "--num_gpus", "3", overrides=("master_port=29999",))
     assert (resolved.args.num_gpus, resolved.args.master_port) == (3, 29999)
-    assert fms_args("--model_variant=llama_tiny", "--use_dummy_dataset=true", files=(str(local),)).args.num_gpus == 2
+    assert fms_args("--model_variant=llama_tiny", "--use_dummy_dataset=true", "--vocab_size=256",
+                    files=(str(local),)).args.num_gpus == 2
 
 
 def test_unknown_flag_is_a_usage_error() -> None:
@@ -284,12 +291,31 @@ def test_errors_exit_2_without_traceback(tmp_path: Path) -> None:
     import sys
 
     config = tmp_path / "run.yaml"
-    config.write_text("trainer:\n  fsdp_axis: embed\n")
+    config.write_text("trainer:\n  model_averaging:\n    type: ema\n    beta: 0.995\n")
     proc = subprocess.run([sys.executable, str(REPO / "deepy.py"), "--dry-run", str(REPO / "train.py"),
                            "--config_path", str(config)], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert f"levanter key trainer.fsdp_axis at {config}:2 has no meaning in Deepy" in proc.stdout + proc.stderr
+    assert f"levanter key trainer.model_averaging = {{'type': 'ema', 'beta': 0.995}} at {config}:2: model averaging" \
+        in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_the_dialect_commands_of_the_docs_resolve(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/dialects.md's Levanter and fms-fsdp commands, as written (my-run.yaml: the guide's example),
+    pass every check of a launch (--dry-run); one rank here."""
+    from megatron.app.deepy import main
+
+    text = (REPO / "docs" / "dialects.md").read_text()
+    commands = [line.split("python deepy.py train.py ")[1] for line in text.splitlines()
+                if line.startswith("python deepy.py train.py --")]
+    assert len(commands) == 2
+    write_local_data(tmp_path)
+    (tmp_path / "my-run.yaml").write_text(GUIDE.format(root=tmp_path))
+    monkeypatch.chdir(tmp_path)
+    for command in commands:
+        assert main(["--dry-run", str(REPO / "train.py"), *command.split(), "--num_gpus", "1"]) == 0, command
+    assert "deepy: dry run OK" in capsys.readouterr().out
 
 
 def test_docs_map_every_dialect_key() -> None:

@@ -134,6 +134,27 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "lora_alpha": ("lora", 8.0),
     "lora_dropout": ("lora", 0.0),
     "lora_target_modules": ("lora", ["query_key_value"]),
+    # fms-fsdp's dummy data and token-shard directories (megatron/data/dummy_dataset.py, token_shards.py)
+    "dummy_data": ("data", "uniform"),
+    "dummy_data_vocab_size": ("data", None),
+    "shard_file_type": ("data", "arrow"),
+    "shard_column": ("data", "tokens"),
+    "shard_tokenizer": ("data", None),
+    "shard_eos_token": ("data", 0),
+    "shard_bos_token": ("data", None),
+    "shard_strip_tokens": ("data", []),
+    "weight_decay_embeddings": ("optimizer", True),  # Levanter's default mask leaves embeddings undecayed
+    # Levanter's schedule (megatron/training/lr_dialects.py), the keys of lr_decay_style: levanter
+    "levanter_lr_schedule": ("lr_decay_style:levanter", "cosine"),
+    "levanter_warmup": ("lr_decay_style:levanter", 0.01),
+    "levanter_decay": ("lr_decay_style:levanter", None),
+    "levanter_rewarmup": ("lr_decay_style:levanter", 0.0),
+    "levanter_cooldown": ("lr_decay_style:levanter", None),
+    "levanter_cycles": ("lr_decay_style:levanter", None),
+    "levanter_cycle_length": ("lr_decay_style:levanter", None),
+    "levanter_min_lr_ratio": ("lr_decay_style:levanter", 0.1),
+    "levanter_cosine_exponent": ("lr_decay_style:levanter", 1.0),
+    "levanter_inv_sqrt_timescale": ("lr_decay_style:levanter", 10000.0),
 }
 
 NEOX_REFERENCE: dict[str, tuple[tuple[str, Any], ...]] = {

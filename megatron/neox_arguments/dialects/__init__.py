@@ -23,7 +23,7 @@ from typing import Any
 
 from megatron.errors import ConfigError, UsageError
 from megatron.neox_arguments.dialects import fms, levanter
-from megatron.neox_arguments.dialects.common import LAUNCH_KEYS, Leaf, Translation, flatten, translate_leaves
+from megatron.neox_arguments.dialects.common import LAUNCH_KEYS, Leaf, Refused, Translation, flatten, translate_leaves
 from megatron.neox_arguments.overrides import parse_overrides
 from megatron.neox_arguments.yaml_source import LocatedDict, load_yaml_file, parse_yaml_text, resolve_config_path
 
@@ -120,6 +120,8 @@ def classify(data: Any) -> str:
         return levanter.NAME
     if "optimizer" in sections and "params" not in data["optimizer"] and "type" not in data["optimizer"]:
         return levanter.NAME
+    if keys & (levanter.TOP_KEYS - _neox_fields()):  # TrainLmConfig's own keys (z_loss_weight, eval_harness, ...)
+        return levanter.NAME
     if keys & fms_only_keys():
         return fms.NAME
     if keys and keys <= LAUNCH_KEYS:
@@ -130,6 +132,8 @@ def classify(data: Any) -> str:
 def _flag_dialect(flag: Flag) -> str:
     key = flag.key.replace("-", "_") if flag.key != "config_path" else flag.key
     if key == "config_path" or key.split(".")[0] in levanter.SECTIONS and "." in key:
+        return levanter.NAME
+    if key.split(".")[0] in levanter.TOP_KEYS:  # TrainLmConfig's own keys (z_loss_weight, eval_harness, ...)
         return levanter.NAME
     if key in LAUNCH_KEYS:
         return "neutral"
@@ -214,7 +218,7 @@ def translate(
             for key, value in data.items():
                 neutral.append(Leaf(key, value, data.where(key) if isinstance(data, LocatedDict) else item.path))
             continue
-        flatten(data, "", item.path, file_leaves, keep_whole=frozenset())
+        flatten(data, "", item.path, file_leaves, keep_whole=module.KEEP_WHOLE)
         for path, leaf in file_leaves.items():
             if path in leaves:
                 raise ConfigError(f"{dialect} key {path} is set at {leaves[path].where} and again at {leaf.where}; keep one")
@@ -226,13 +230,16 @@ def translate(
             continue
         value = _flag_value(flag)
         if isinstance(value, dict):
-            flatten(value, key, flag.where, leaves, keep_whole=frozenset())
+            flatten(value, key, flag.where, leaves, keep_whole=module.KEEP_WHOLE)
         else:
             for shadowed in [p for p in leaves if p.startswith(key + ".")]:
                 del leaves[shadowed]  # a flag giving a whole section replaces that section
             leaves[key] = Leaf(key, value, flag.where)
-    translate_leaves(dialect, leaves, module.RULES, module.REFUSED, translation)
-    module.implied(translation, leaves, config_paths[0] if config_paths else "the command line")
+    translate_leaves(dialect, leaves, module.RULES, module.REFUSED, translation, module.KEEP_WHOLE)
+    try:
+        module.implied(translation, leaves, config_paths[0] if config_paths else "the command line")
+    except Refused as err:  # a default the dialect implies, refused with what the config does say
+        raise ConfigError(f"{dialect}: {err}") from None
     for leaf in neutral:
         translation.put(leaf, {leaf.path: leaf.value})
     for override in neutral_overrides:

@@ -59,6 +59,16 @@ def to(*names: str) -> Rule:
     return lambda value, ctx: {name: value for name in names}
 
 
+NOTE = "__note__"
+"""A rule's result may carry, under this name, why the key sets nothing here (``--dry-run`` shows it)."""
+
+
+def noted(reason: str) -> dict[str, Any]:
+    """A rule's result for a key accepted at a value that is what Deepy does anyway (a kernel's block
+    size, JAX's layer scan): nothing to set, and the reason."""
+    return {NOTE: reason}
+
+
 @dataclass(frozen=True)
 class Row:
     """One line of the dry-run's dialect table: a dialect key and the GPT-NeoX key(s) it became."""
@@ -66,9 +76,11 @@ class Row:
     key: str
     where: str
     neox: dict[str, Any]
+    note: str = ""
+    """Why the key sets nothing (or nothing more): what Deepy does is already what it means."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "where": self.where, "neox": self.neox}
+        return {"key": self.key, "where": self.where, "neox": self.neox, **({"note": self.note} if self.note else {})}
 
 
 @dataclass
@@ -92,6 +104,8 @@ class Translation:
         gives way to an explicit one; two explicit keys setting one GPT-NeoX key differently are an
         error naming both."""
         kept: dict[str, Any] = {}
+        neox = dict(neox)
+        note = str(neox.pop(NOTE, ""))
         for name, value in neox.items():
             previous = self.owner.get(name)
             if previous is not None and name in self.values:
@@ -106,7 +120,7 @@ class Translation:
             self.provenance[name] = f"{leaf.where} ({self.dialect} {leaf.path}{' (implied)' if implied else ''})"
             self.owner[name] = f"{leaf.path} at {leaf.where}"
             kept[name] = value
-        self.rows.append(Row(leaf.path + (" (implied)" if implied else ""), leaf.where, kept))
+        self.rows.append(Row(leaf.path + (" (implied)" if implied else ""), leaf.where, kept, note))
 
 
 def flatten(data: Any, prefix: str, where: str, leaves: dict[str, Leaf], keep_whole: frozenset[str]) -> None:
@@ -147,8 +161,11 @@ def translate_leaves(
     rules: Mapping[str, Rule],
     refused: Mapping[str, str],
     translation: Translation,
+    keep_whole: frozenset[str] = frozenset(),
 ) -> None:
-    """Apply each leaf's rule; every refusal and unknown key is collected into one error."""
+    """Apply each leaf's rule; every refusal and unknown key is collected into one error. A flag naming
+    one entry of a mapping read whole (``--trainer.jax_config.x v``) is handed to that mapping's rule."""
+    leaves = _gather_whole(leaves, keep_whole)
     ctx = Context(leaves)
     problems: list[str] = []
     for path, leaf in leaves.items():
@@ -177,6 +194,20 @@ def translate_leaves(
         if len(problems) == 1:
             raise ConfigError(problems[0])
         raise ConfigError(f"{len(problems)} problems in the {dialect} config:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _gather_whole(leaves: Mapping[str, Leaf], keep_whole: frozenset[str]) -> dict[str, Leaf]:
+    out: dict[str, Leaf] = {}
+    for path, leaf in leaves.items():
+        whole = next((w for w in keep_whole if path.startswith(w + ".")), None)
+        if whole is None:
+            out[path] = leaf
+            continue
+        held = out.get(whole)
+        value = dict(held.value) if held is not None and isinstance(held.value, dict) else {}
+        value[path[len(whole) + 1:]] = leaf.value
+        out[whole] = Leaf(whole, value, leaf.where)
+    return out
 
 
 def _refusal(path: str, refused: Mapping[str, str]) -> str | None:

@@ -1,0 +1,267 @@
+"""Levanter's ``model:`` section: its ``LmConfig`` classes as GPT-NeoX model keys.
+
+Defaults and meanings are read from stanford-crfm/levanter at 9263f81e: ``Gpt2Config``
+(``src/levanter/models/gpt2.py``), ``LlamaConfig`` (``llama.py``), ``MistralConfig`` (``mistral.py``), the
+rotary configs (``src/levanter/layers/rotary.py``) and ``TrainLmConfig`` (``src/levanter/main/train_lm.py``,
+whose default model is a ``LlamaConfig``). Model types Deepy does not build are refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron.model.mlp_width import intermediate_size_for
+from megatron.neox_arguments.dialects.common import Context, Refused, Rule, noted, to
+
+DEFAULT_TYPE = "llama"
+"""``TrainLmConfig.model`` defaults to ``LlamaConfig``."""
+
+_RMS = dict(pos_emb="rotary", norm="rmsnorm", activation="swiglu", no_weight_tying=True,
+            use_bias_in_attn_linear=False, use_bias_in_mlp=False, use_bias_in_norms=False, init_method_std=0.02,
+            rotary_emb_base=10000, checkpoint_activations=True)
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    # Gpt2Config: GPT-2 small, learned positions, LayerNorm, gelu_new, tied embeddings, MLP 4 x hidden,
+    # biases, gradient_checkpointing on
+    "gpt2": dict(pos_emb="learned", norm="layernorm", activation="gelu_tanh", no_weight_tying=False,
+                 hidden_size=768, intermediate_size=4 * 768, num_attention_heads=12, num_layers=12, seq_length=1024,
+                 max_position_embeddings=1024, layernorm_epsilon=1e-5, init_method_std=0.02,
+                 use_bias_in_attn_linear=True, use_bias_in_mlp=True, checkpoint_activations=True),
+    # (a gated MLP whose halves are W wide is GPT-NeoX's intermediate_size 3W: model/mlp_width.py)
+    # LlamaConfig: Llama-2 7B shapes, 32 kv heads (whatever num_heads is), RMSNorm eps 1e-5, untied
+    "llama": dict(_RMS, hidden_size=4096, intermediate_size=3 * 11008, num_attention_heads=32, num_kv_heads=32,
+                  num_layers=32, seq_length=2048, max_position_embeddings=2048, rms_norm_epsilon=1e-5),
+    # MistralConfig: Mistral 7B shapes, 8 kv heads, RMSNorm eps 1e-6 (its sliding_window is only written
+    # into exported HF configs: Levanter's attention is full causal)
+    "mistral": dict(_RMS, hidden_size=4096, intermediate_size=3 * 14336, num_attention_heads=32, num_kv_heads=8,
+                    num_layers=32, seq_length=8192, max_position_embeddings=8192, rms_norm_epsilon=1e-6),
+}
+
+NOT_BUILT = {
+    "gpt2_hyena": "Hyena operators", "backpack": "Backpack sense vectors", "whisper": "an encoder-decoder speech model",
+    "gemma": "Gemma (its (1 + w) RMSNorm, scaled embeddings and GeGLU)", "gemma2": "Gemma 2", "gemma3": "Gemma 3",
+    "mixtral": "Mixtral's mixture of experts", "olmo": "OLMo", "olmo2": "OLMo 2 (its QK norms and post-norms)",
+    "qwen": "Qwen (attention biases on q/k/v only)", "qwen3": "Qwen 3 (QK norms)", "llama4": "Llama 4",
+    "apertus": "Apertus", "mpt": "MPT", "gpt_oss": "gpt-oss",
+}
+"""Levanter's model types Deepy does not build, with what they need."""
+
+_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
+                "silu": "silu", "swish": "silu"}
+_GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "relu": "reglu"}
+
+
+def model_type(ctx: Context) -> str:
+    kind = str(ctx.value("model.type", DEFAULT_TYPE)).lower()
+    if kind in NOT_BUILT:
+        raise Refused(f"model type {kind!r} ({NOT_BUILT[kind]}) is not built here; Deepy runs {', '.join(MODEL_PRESETS)}")
+    if kind not in MODEL_PRESETS:
+        raise Refused(f"unknown model type {kind!r}; Deepy runs {', '.join(MODEL_PRESETS)}")
+    return kind
+
+
+def shape_kind(ctx: Context) -> str:
+    """The model type for shaping a key's value (``model.type``'s own rule refuses a type Deepy lacks)."""
+    kind = str(ctx.value("model.type", DEFAULT_TYPE)).lower()
+    return kind if kind in MODEL_PRESETS else DEFAULT_TYPE
+
+
+def _model_type_rule(value: Any, ctx: Context) -> dict[str, Any]:
+    model_type(ctx)  # checks the name; the preset itself is implied (explicit fields win)
+    return {}
+
+
+def _seq_len(value: Any, ctx: Context) -> dict[str, Any]:
+    return {"seq_length": value, "max_position_embeddings": value}
+
+
+def _hidden_dim(value: Any, ctx: Context) -> dict[str, Any]:
+    if shape_kind(ctx) == "gpt2" and "model.intermediate_dim" not in ctx.leaves:
+        return {"hidden_size": value, "intermediate_size": int(ctx.value("model.mlp_scale", 4)) * int(value)}
+    return {"hidden_size": value}
+
+
+def _mlp_scale(value: Any, ctx: Context) -> dict[str, Any]:
+    if shape_kind(ctx) != "gpt2":
+        raise Refused("mlp_scale is a Gpt2Config field; llama/mistral give intermediate_dim")
+    return {"intermediate_size": int(value) * int(ctx.value("model.hidden_dim", 768))}
+
+
+def _activation(value: Any, ctx: Context) -> dict[str, Any]:
+    name = _ACTIVATIONS.get(str(value))
+    if name is None:
+        raise Refused(f"activation_function {value!r} is not built here; use one of {', '.join(_ACTIVATIONS)}")
+    if shape_kind(ctx) != "gpt2":  # Llama's MLP gates the activation
+        gated = _GATED.get(str(value))
+        if gated is None:
+            raise Refused(f"a gated ({shape_kind(ctx)}) MLP gates silu, gelu or relu, not {value!r}")
+        return {"activation": gated}
+    return {"activation": name}
+
+
+def _intermediate_dim(value: Any, ctx: Context) -> dict[str, Any]:
+    """Levanter's width of each half of a gated MLP is GPT-NeoX's intermediate_size / 3
+    (``megatron/model/mlp_width.py``); GPT-2's MLP is not gated."""
+    size = intermediate_size_for(int(value), gated=shape_kind(ctx) != "gpt2")
+    if size is None:
+        raise Refused(f"intermediate_dim {value}: GPT-NeoX's MLP rule builds no odd ungated width; use an even one")
+    return {"intermediate_size": size}
+
+
+def _layer_norm_epsilon(value: Any, ctx: Context) -> dict[str, Any]:
+    return {"layernorm_epsilon" if shape_kind(ctx) == "gpt2" else "rms_norm_epsilon": value}
+
+
+def _use_bias(value: Any, ctx: Context) -> dict[str, Any]:
+    return {"use_bias_in_attn_linear": bool(value), "use_bias_in_mlp": bool(value)}
+
+
+def _tie(value: Any, ctx: Context) -> dict[str, Any]:
+    if shape_kind(ctx) == "gpt2":
+        raise Refused("Levanter's GPT-2 always ties its embeddings; tie_word_embeddings is a llama/mistral field")
+    return {"no_weight_tying": not value}
+
+
+def _gradient_checkpointing(value: Any, ctx: Context) -> dict[str, Any]:
+    """True, False or a remat policy name (``nested``, ``offload``, ...): every policy recomputes the
+    blocks' activations in the backward, the same maths with less memory."""
+    if value is False:
+        return {"checkpoint_activations": False}
+    out: dict[str, Any] = {"checkpoint_activations": True}
+    if value is not True:
+        out.update(noted(f"the {value!r} remat policy is Levanter's way of scanning; Deepy recomputes each block"))
+    return out
+
+
+def rope_keys(spec: dict[str, Any]) -> dict[str, Any]:
+    """Levanter's ``rope:`` choice (``RotaryEmbeddingsConfig``) as ``rotary_emb_base`` and ``rope_scaling``."""
+    kind = str(spec.get("type", "default"))
+    defaults = {"default": {"theta": 10000, "factor": 1.0}, "linear": {"theta": 10000, "factor": 1.0},
+                "llama3": {"theta": 500000, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192},
+                "yarn": {"theta": 10000, "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 2048, "mscale": 1.0}}
+    if kind not in defaults:
+        raise Refused(f"rope type {kind!r} is not one of Levanter's: {', '.join(defaults)}")
+    extra = set(spec) - {"type", *defaults[kind]}
+    if extra:
+        raise Refused(f"{sorted(extra)} are not fields of Levanter's {kind} rope")
+    values = {**defaults[kind], **{k: v for k, v in spec.items() if k != "type"}}
+    out: dict[str, Any] = {"rotary_emb_base": values["theta"]}
+    factor = float(values["factor"])
+    if kind in ("default", "linear"):  # Levanter divides every frequency by factor: linear interpolation
+        if factor != 1.0:
+            out["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    elif kind == "llama3":  # Levanter's port of transformers' llama3 frequencies
+        out["rope_scaling"] = {"rope_type": "llama3", "factor": factor,
+                               "low_freq_factor": float(values["low_freq_factor"]),
+                               "high_freq_factor": float(values["high_freq_factor"]),
+                               "original_max_position_embeddings": int(values["original_max_position_embeddings"])}
+    elif factor != 1.0:  # Levanter's yarn at factor 1 changes no frequency and multiplies cos/sin by 1
+        raise Refused("Levanter's yarn with factor != 1 also divides the positions by factor and scales cos/sin by "
+                      "sqrt(0.1 mscale ln(factor) + 1), which is not Hugging Face's yarn; Deepy builds HF's "
+                      "(rope_scaling), so only factor 1.0 (the plain rotary embedding) is taken")
+    return out
+
+
+def _rope(value: Any, ctx: Context) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise Refused("rope is a mapping: {type: default|linear|llama3|yarn, theta: ..., factor: ...}")
+    if shape_kind(ctx) == "gpt2":
+        raise Refused("Levanter's GPT-2 has learned positions, no rope")
+    return rope_keys(value)
+
+
+def _rope_field(value: Any, ctx: Context) -> dict[str, Any]:
+    spec = {path.split(".")[-1]: leaf.value for path, leaf in ctx.leaves.items() if path.startswith("model.rope.")}
+    return _rope(spec, ctx)
+
+
+def _dropout_equal_to_resid(value: Any, ctx: Context) -> dict[str, Any]:
+    if value != ctx.value("model.resid_pdrop", 0.0):
+        raise Refused("Deepy drops out the embeddings with hidden_dropout, so embed_pdrop must equal resid_pdrop")
+    return {}
+
+
+def _upcast(value: Any, ctx: Context) -> dict[str, Any]:
+    # Levanter's default attention backends (jax_flash, nvte, splash) are flash kernels that keep the
+    # softmax statistics in fp32 whatever upcast_attn says; only its vanilla backend computes the
+    # softmax in the compute dtype without it
+    if not value and ctx.value("model.attn_backend") == "vanilla" and "bf" in str(ctx.value("trainer.mp", "f32")):
+        raise Refused("with attn_backend vanilla and a bf16 compute dtype Levanter's softmax runs in bf16; "
+                      "Deepy's attention keeps it in fp32: set upcast_attn true (or use the default backend)")
+    return noted("the attention softmax is accumulated in fp32 (SDPA), as Levanter's flash backends do")
+
+
+def _attn_backend(value: Any, ctx: Context) -> dict[str, Any]:
+    if value not in (None, "default", "jax_flash", "nvte", "splash", "vanilla"):
+        raise Refused(f"attn_backend {value!r} is not one of Levanter's (default, jax_flash, nvte, splash, vanilla)")
+    return noted("every backend computes exact attention; Deepy's is torch's scaled_dot_product_attention")
+
+
+def _no_effect(reason: str) -> Rule:
+    return lambda value, ctx: noted(reason)
+
+
+def _equal_or_refuse(default: Any, reason: str) -> Rule:
+    """Accepted at Levanter's default (what Deepy builds); another value is refused with ``reason``."""
+    def rule(value: Any, ctx: Context) -> dict[str, Any]:
+        if value != default:
+            raise Refused(reason)
+        return noted(f"{value!r} is Levanter's default, what Deepy builds")
+    return rule
+
+
+def _num_kv_heads(value: Any, ctx: Context) -> dict[str, Any]:
+    heads = int(ctx.value("model.num_heads", MODEL_PRESETS[shape_kind(ctx)]["num_attention_heads"]))
+    if heads % int(value):
+        raise Refused(f"num_heads {heads} is not divisible by num_kv_heads {value} (LlamaConfig asserts it)")
+    return {"num_kv_heads": value}
+
+
+MODEL_RULES: dict[str, Rule] = {
+    "model.type": _model_type_rule,
+    "model.hidden_dim": _hidden_dim,
+    "model.mlp_scale": _mlp_scale,
+    "model.intermediate_dim": _intermediate_dim,
+    "model.num_heads": to("num_attention_heads"),
+    "model.num_kv_heads": _num_kv_heads,
+    "model.num_layers": to("num_layers"),
+    "model.seq_len": _seq_len,
+    "model.gradient_checkpointing": _gradient_checkpointing,
+    "model.scale_attn_by_inverse_layer_idx": to("scale_attn_by_inverse_layer_idx"),
+    "model.initializer_range": to("init_method_std"),
+    "model.resid_pdrop": to("hidden_dropout"),
+    "model.attn_pdrop": to("attention_dropout"),
+    "model.embed_pdrop": _dropout_equal_to_resid,
+    "model.layer_norm_epsilon": _layer_norm_epsilon,
+    "model.activation_function": _activation,
+    "model.use_bias": _use_bias,
+    "model.use_layer_norm_weight": lambda v, ctx: {} if v else {"norm": "non_parametric_layernorm"},
+    "model.tie_word_embeddings": _tie,
+    "model.rope": _rope,
+    **{f"model.rope.{field}": _rope_field for field in ("type", "theta", "factor", "low_freq_factor",
+                                                          "high_freq_factor", "original_max_position_embeddings",
+                                                          "beta_fast", "beta_slow", "mscale")},
+    "model.sliding_window": _no_effect("MistralConfig only writes it into exported HF configs; Levanter's "
+                                       "attention (and Deepy's for this config) is full causal"),
+    "model.upcast_attn": _upcast,
+    "model.attn_backend": _attn_backend,
+    "model.use_flash_attention": _no_effect("flash or not, attention is exact; Deepy uses torch's SDPA"),
+    "model.flash_attention_block_size": _no_effect("a flash-attention kernel's block size: speed, not maths"),
+    "model.cross_entropy_block_size": _no_effect("the block size of Levanter's blockwise cross-entropy: "
+                                                 "memory, not maths"),
+    "model.scan_layers": _no_effect("JAX's scan over the layers: compile time, not maths"),
+    "model.reference_checkpoint": _no_effect("the HF repo Levanter copies config and tokenizer files from "
+                                             "when it exports; Deepy's export writes its own"),
+    "model.tokenizer": _no_effect("the tokenizer Levanter saves beside an HF export; training reads "
+                                  "data.tokenizer"),
+    "model.head_dim": lambda v, ctx: {} if v is None or int(v) * int(ctx.value("model.num_heads", 32)) ==
+    int(ctx.value("model.hidden_dim", 4096)) else _refuse("a head_dim other than hidden_dim / num_heads is not built here"),
+    "model.hybrid_norm": _equal_or_refuse(False, "hybrid_norm (extra norms after attention and MLP) is not built here"),
+    "model.input_embedding_norm": _equal_or_refuse(False, "input_embedding_norm is not built here"),
+}
+
+
+def _refuse(reason: str) -> dict[str, Any]:
+    raise Refused(reason)

@@ -1,0 +1,284 @@
+"""Every key family Levanter's own configs use, written in Levanter's style, loads to what it means there.
+
+The YAML below is written the way stanford-crfm/levanter's ``config/`` files write these keys (at
+9263f81e: the mesh block of ``gpt2_nano.yaml``, the dumped ``llama2_7b.yaml``, ``llama3_small_4k_yarn.yaml``,
+``gpt2_small_fast_eval.yaml``, ...), with local paths. Expected values are Levanter's code: the config
+classes' defaults and ``TrainerConfig``/``CheckpointerConfig``/``AdamConfig`` as written in the comments.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megatron.errors import ConfigError
+from megatron.neox_arguments.dialects import split_argv
+from megatron.neox_arguments.loading import load_config
+
+MODEL = """\
+model:
+  type: gpt2
+  hidden_dim: 32
+  num_heads: 4
+  num_layers: 2
+"""
+
+
+def load(tmp_path: Path, text: str, *flags: str) -> Any:
+    (tmp_path / "tokenizer.json").write_text("{}")
+    config = tmp_path / "run.yaml"
+    config.write_text(text.format(root=tmp_path))
+    _, parsed = split_argv(["--config_path", str(config), *flags])
+    return load_config([], (), None, parsed)
+
+
+def dry_run_lines(tmp_path: Path, text: str, capsys: pytest.CaptureFixture[str]) -> dict[str, str]:
+    from megatron.app.deepy import dialect_table
+
+    resolved = load(tmp_path, text)
+    return {line.split()[0]: line for line in dialect_table(resolved) if line.startswith("  ")}
+
+
+def test_levanters_defaults_from_its_code(tmp_path: Path) -> None:
+    resolved = load(tmp_path, "trainer:\n  id: r1\n")
+    a = resolved.args
+    # TrainLmConfig.model = LlamaConfig(): 4096 / 11008 / 32 heads / 32 kv heads / 32 layers / 2048 tokens
+    assert (a.hidden_size, a.intermediate_size, a.num_attention_heads, a.num_kv_heads, a.num_layers,
+            a.seq_length) == (4096, 11008, 32, 32, 32, 2048)
+    assert a.checkpoint_activations  # gradient_checkpointing: True
+    # CheckpointerConfig: checkpoints/ + run id, every 15 minutes, keep every 10000 steps; loads from there
+    assert (a.save, a.load, a.save_interval, a.keep) == ("checkpoints/r1", "checkpoints/r1", "15min", [{"every": 10000}])
+    # WandbConfig() is the default tracker (project levanter), its run id the trainer's
+    tracker = a.tracker.model_dump()
+    assert (tracker["type"], tracker["project"], tracker["id"]) == ("wandb", "levanter", "r1")
+    # TrainerConfig: fsdp_axis embed shards parameters and optimizer states over the data axis
+    assert (a.sharding_strategy, a.log_dir, a.cache_dir) == ("fsdp", "logs/", "cache/")
+    # AdamConfig's default mask: no decay on embeddings (nor norms, biases)
+    assert a.weight_decay_embeddings is False
+    assert a.reset_attention_mask  # LmExample.causal: a token after eos starts a new segment
+    assert "(implied)" in resolved.provenance["save_interval"]
+
+
+def test_mesh_keys_at_levanters_values(tmp_path: Path) -> None:
+    """gpt2_nano.yaml's mesh block (Levanter's defaults), written out: what Deepy's layout does."""
+    text = MODEL + "trainer:\n  model_axis_size: 1\n  tensor_parallel_axes: [\"mlp\", \"heads\"]\n" \
+                   "  fsdp_axis: \"embed\"\n  batch_axis: \"batch\"\n  axis_resources: {{}}\n" \
+                   "  parameter_axis_resources: {{}}\n  replica_ici_axis_size: 1\n  replica_dcn_axis_size: 1\n"
+    assert load(tmp_path, text).args.sharding_strategy == "fsdp"
+    assert load(tmp_path, text, "--trainer.fsdp_axis", "null").args.sharding_strategy == "ddp"
+    # gpt2_20b.yaml: batch over data, vocab/mlp/heads over model, "ZERO-3" embed over data
+    zero3 = MODEL + "trainer:\n  fsdp_axis: null\n  model_axis_size: 2\n  axis_resources:\n    batch: \"data\"\n" \
+                    "    vocab: \"model\"\n    mlp: \"model\"\n    heads: \"model\"\n" \
+                    "  parameter_axis_resources:\n    embed: \"data\"\n"
+    a = load(tmp_path, zero3.replace("  fsdp_axis: null\n", "")).args
+    # beside tensor parallelism (no ZeRO-3 with tp here): gradients and optimizer states sharded, ZeRO-2
+    assert (a.sharding_strategy, a.zero_stage, a.model_parallel_size) == (None, 2, 2)
+    assert load(tmp_path, zero3.replace("  fsdp_axis: null\n", "").replace("model_axis_size: 2",
+                                                                             "model_axis_size: 1")).args.sharding_strategy == "fsdp"
+    for bad, reason in (("  tensor_parallel_axes: [\"position\", \"key_position\"]\n", "sequence splitting"),
+                        ("  batch_axis: \"tokens\"\n", "batch axis is Levanter's 'batch'"),
+                        ("  axis_resources:\n    token: \"data\"\n", "token: data is not a layout"),
+                        ("  replica_dcn_axis_size: 2\n", "multi-slice replicas")):
+        with pytest.raises(ConfigError, match=reason):
+            load(tmp_path, MODEL + "trainer:\n" + bad)
+
+
+@pytest.mark.parametrize(("policy", "precision"), [
+    ("p=f32,c=bfloat16", "bfloat16"), ("compute=bfloat16,params=float32,output=bfloat16", "bfloat16"),
+    ("f32", "fp32"), ("params=float32,compute=float16", "fp16")])
+def test_mixed_precision_policy_strings(tmp_path: Path, policy: str, precision: str) -> None:
+    assert load(tmp_path, MODEL + f"trainer:\n  mp: {policy}\n").args.precision == precision
+
+
+def test_one_dtype_policy_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"trainer.mp = 'bfloat16' .*parameters .*in bfloat16 with no fp32 copy"):
+        load(tmp_path, MODEL + "trainer:\n  mp: bfloat16\n")
+
+
+def test_kernel_and_jax_keys_change_nothing_and_say_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = ("model:\n  type: llama\n  hidden_dim: 32\n  num_heads: 4\n  num_kv_heads: 4\n  num_layers: 2\n"
+            "  flash_attention_block_size: 512\n  attn_backend: jax_flash\n  scan_layers: true\n"
+            "  cross_entropy_block_size: 32000\n  gradient_checkpointing: nested\n  upcast_attn: false\n"
+            "trainer:\n  jax_config:\n    jax_threefry_partitionable: true\n  log_jaxprs: false\n")
+    lines = dry_run_lines(tmp_path, text, capsys)
+    assert "nothing to set: a flash-attention kernel's block size" in lines["model.flash_attention_block_size"]
+    assert "nothing to set: every backend computes exact attention" in lines["model.attn_backend"]
+    assert "JAX's scan" in lines["model.scan_layers"] and "JAX runtime flags" in lines["trainer.jax_config"]
+    assert "checkpoint_activations=true" in lines["model.gradient_checkpointing"]
+
+
+def test_rope_choices(tmp_path: Path) -> None:
+    llama = "model:\n  type: llama\n  hidden_dim: 32\n  num_heads: 4\n  num_kv_heads: 4\n  num_layers: 2\n  seq_len: 64\n"
+    # llama3_small_4k_yarn.yaml's rope: yarn at factor 1 changes no frequency (Levanter's YarnRotaryEmbeddings)
+    yarn = llama + ("  rope:\n    type: yarn\n    factor: 1.0\n    beta_fast: 32.0\n    beta_slow: 1.0\n"
+                    "    original_max_position_embeddings: 256\n    mscale: 1.0\n")
+    a = load(tmp_path, yarn).args
+    assert (a.rotary_emb_base, a.rope_scaling) == (10000, None)
+    # Llama3RotaryEmbeddingsConfig's defaults: theta 500000, factor 8, low 1, high 4, original 8192
+    b = load(tmp_path, llama + "  rope:\n    type: llama3\n").args
+    assert b.rotary_emb_base == 500000 and b.rope_scaling == {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}
+    c = load(tmp_path, llama + "  rope:\n    type: default\n    theta: 10000\n    factor: 2.0\n").args
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 2.0}  # inv_freq / factor
+    with pytest.raises(ConfigError, match="not Hugging Face's yarn"):
+        load(tmp_path, yarn.replace("factor: 1.0", "factor: 4.0"))
+
+
+def test_eval_harness_becomes_eval_tasks(tmp_path: Path) -> None:
+    text = MODEL + "eval_harness:\n  task_spec: [\"piqa\", \"hellaswag\"]\neval_harness_steps: 1000\n"
+    assert load(tmp_path, text).args.eval_tasks == ["piqa", "hellaswag"]
+    with pytest.raises(ConfigError, match="max_examples is not built"):
+        load(tmp_path, text.replace("eval_harness_steps", "  max_examples: 32\neval_harness_steps"))
+    with pytest.raises(ConfigError, match=r"eval_harness_steps \(50\) must equal trainer.steps_per_eval \(1000"):
+        load(tmp_path, text.replace("1000", "50"))
+
+
+def test_eval_parallelism_matters_only_with_max_eval_batches(tmp_path: Path) -> None:
+    text = MODEL + "trainer:\n  per_device_parallelism: 2\n  per_device_eval_parallelism: 8\n"
+    assert load(tmp_path, text).args.train_micro_batch_size_per_gpu == 2
+    with pytest.raises(ConfigError, match="decides how many examples are evaluated"):
+        load(tmp_path, text + "  max_eval_batches: 10\n")
+
+
+@pytest.mark.parametrize(("text", "reason"), [
+    ("trainer:\n  model_averaging:\n    type: ema\n    beta: 0.995\n", "model averaging \\(ema"),
+    ("optimizer:\n  skip_bad_steps: true\n", "skip_bad_steps\\) is not built"),
+    ("trainer:\n  quantization:\n    fp8: true\n", "quantised training \\(fp8"),
+    ("optimizer:\n  type: sophia-h\n", "Sophia-H"),
+    ("model:\n  type: gpt2_hyena\n", "Hyena"),
+    ("model:\n  type: backpack\n", "Backpack"),
+    ("model:\n  type: whisper\n", "speech"),
+    ("initialize_from_hf: \"meta-llama/Llama-2-7b-hf\"\n", "tools/ckpts/convert_hf_to_neox.py"),
+    ("trainer:\n  train_batch_size:\n    - start: 0\n      value: 64\n", "batch-size schedule"),
+])
+def test_features_not_built_are_refused_by_name(tmp_path: Path, text: str, reason: str) -> None:
+    with pytest.raises(ConfigError, match=reason):
+        load(tmp_path, text if text.startswith("model") else MODEL + text)
+    if "skip_bad_steps" in text:
+        assert load(tmp_path, MODEL + text.replace("true", "false")).args.lr == 6e-4
+
+
+DUMPED = """\
+model:
+  type: llama
+  activation_function: silu
+  attn_backend: null
+  cross_entropy_block_size: null
+  flash_attention_block_size: null
+  hidden_dim: 64
+  intermediate_dim: 128
+  num_heads: 4
+  num_kv_heads: 2
+  num_layers: 2
+  rope:
+    factor: 1.0
+    theta: 10000
+    type: default
+  seq_len: 32
+  tie_word_embeddings: false
+  upcast_attn: false
+  use_bias: false
+optimizer:
+  cooldown: null
+  cycle_length: null
+  cycles: null
+  decay: 0.1
+  default_weight_decay_mask: null
+  haps: null
+  lr_schedule: inv
+  type: adam
+  warmup: 10
+  weight_decay_modules: null
+trainer:
+  axis_resources: {{}}
+  checkpointer:
+    append_run_id_to_base_path: false
+    base_path: {root}/ckpt
+    keep:
+    - every: 20000
+    save_interval: 10m
+  quantization: null
+  id: dumped-1
+  initialize_from: null
+  load_checkpoint: null
+  load_checkpoint_path: null
+  max_eval_batches: null
+  per_device_eval_parallelism: 2
+  per_device_parallelism: 2
+  ray:
+    address: null
+    auto_start_cluster: false
+    start_workers: false
+  require_accelerator: false
+  tensor_parallel_axes: null
+  tracker:
+    entity: null
+    group: null
+    id: null
+    mode: offline
+    project: levanter
+    resume: allow
+    save_code: false
+    save_xla_dumps: false
+    tags: [llama]
+    type: wandb
+  wandb: null
+"""
+
+
+def test_a_dumped_config_with_null_defaults_loads(tmp_path: Path) -> None:
+    """Levanter writes its whole config, nulls included (llama2_7b.yaml); load_checkpoint_path null is
+    the checkpointer's directory, not a second load path."""
+    a = load(tmp_path, DUMPED).args
+    assert (a.save, a.load) == (f"{tmp_path}/ckpt", f"{tmp_path}/ckpt")
+    assert (a.levanter_lr_schedule, a.levanter_warmup, a.levanter_decay) == ("inv", 10, 0.1)
+    assert (a.num_kv_heads, a.save_interval, a.tracker.model_dump()["id"]) == (2, "10m", "dumped-1")
+
+
+def test_tensorboard_logdir_gets_the_run_id_and_noop_logs_nowhere(tmp_path: Path) -> None:
+    a = load(tmp_path, MODEL + "trainer:\n  id: r9\n  tracker:\n    type: tensorboard\n    logdir: tb\n").args
+    assert a.tracker.model_dump()["logdir"] == "tb/r9"  # TensorboardConfig.init: logdir/run_id
+    assert load(tmp_path, MODEL + "trainer:\n  tracker:\n    type: noop\n").args.tracker == []
+
+
+def test_initialize_from_continues_another_run_until_this_one_has_a_checkpoint(tmp_path: Path) -> None:
+    a = load(tmp_path, MODEL + "trainer:\n  id: r2\n  initialize_from: {root}/other\n").args
+    assert (a.save, a.load) == ("checkpoints/r2", f"{tmp_path}/other")
+    with pytest.raises(ConfigError, match="load_checkpoint: true, but checkpoints/r3 holds no checkpoint"):
+        load(tmp_path, MODEL + "trainer:\n  id: r3\n  load_checkpoint: true\n")
+
+
+def test_weight_decay_skips_embeddings_under_levanters_mask() -> None:
+    """build_weight_decay_mask's default: no decay for Embedding modules, norms and biases; an untied
+    lm_head is decayed."""
+    from megatron.model.gpt import GPTModel
+    from megatron.training.optimizers import param_groups
+    from tests.gpt_configs import gpt_config
+
+    model = GPTModel(gpt_config(hidden_size=16, num_attention_heads=2, num_layers=1, seq_length=8,
+                                max_position_embeddings=8, padded_vocab_size=32, no_weight_tying=True))
+    names = {id(p): n for n, p in model.named_parameters()}
+    for decay_embeddings, embeddings_decayed in ((True, True), (False, False)):
+        decayed = {names[id(p)] for p in param_groups(model, 0.1, decay_embeddings)[0]["params"]}
+        assert ("embedding.word_embeddings.weight" in decayed) is embeddings_decayed
+        assert ("embedding.position_embeddings.weight" in decayed) is embeddings_decayed
+        assert "output_layer.weight" in decayed and not any("norm" in n or n.endswith("bias") for n in decayed)
+
+
+def test_weight_decay_embeddings_key_reaches_the_optimizer() -> None:
+    from megatron.model.gpt import GPTModel
+    from megatron.neox_arguments.loading import config_from_mapping
+    from megatron.training.optimizers import build_optimizer
+    from tests.gpt_configs import gpt_config
+
+    model = GPTModel(gpt_config(hidden_size=16, num_attention_heads=2, num_layers=1, seq_length=8,
+                                max_position_embeddings=8, padded_vocab_size=32))
+    embedding = model.embedding.word_embeddings.weight
+    for key, decays in ((True, 0.1), (False, 0.0)):
+        args = config_from_mapping({"optimizer": {"type": "Adam", "params": {"lr": 0.01}}, "weight_decay": 0.1,
+                                    "weight_decay_embeddings": key}).args
+        groups = build_optimizer(model, args).param_groups
+        assert next(g["weight_decay"] for g in groups if any(p is embedding for p in g["params"])) == decays
