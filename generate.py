@@ -18,8 +18,11 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from megatron.logging.rank_errors import current_rank, for_worker
+
     try:
-        run_guarded(main)
+        # an error every rank hits is printed once (megatron/logging/rank_errors.py)
+        run_guarded(main, report=for_worker(sys.argv, current_rank))
     except SystemExit as done:
         from megatron.initialize import exit_process
 

@@ -327,3 +327,20 @@ def skip_checkpoint_writes(engine: Any) -> None:
     ``save_zero_checkpoint`` are the flags DeepSpeed sets once per rank in ``_configure_checkpointing``."""
     engine.save_non_zero_checkpoint = False
     engine.save_zero_checkpoint = False
+
+
+QUIET_STEPS_PER_PRINT = 2**62
+"""A print interval no run reaches (``global_steps % n == 0`` only at step 0, before any print check)."""
+
+
+def quiet_step_line(engine: Any) -> None:
+    """Stop the pipeline engine's ``steps: 10 loss: 6.0265 iter time (s): ...`` line.
+
+    DeepSpeed's PipelineEngine ``print()``s it on rank 0 every ``steps_per_print`` steps, past its
+    logger, so ``deepspeed_log_level`` cannot hide it (the plain engine's twin goes through the logger
+    at INFO and is hidden by it). Its loss is one step's where Deepy's line averages the logging window,
+    so the two disagree on the same step. Deepy logs every ``log_interval`` itself; at the default level
+    this engine's ``steps_per_print()`` answers an interval no run reaches. Every reader of that
+    interval in the engine is a print or a timer log (``wall_clock_breakdown``: Deepy reads the
+    timers itself, ``megatron/logging/timers.py``), so nothing else changes."""
+    engine.steps_per_print = lambda: QUIET_STEPS_PER_PRINT
