@@ -329,18 +329,34 @@ def skip_checkpoint_writes(engine: Any) -> None:
     engine.save_zero_checkpoint = False
 
 
-QUIET_STEPS_PER_PRINT = 2**62
-"""A print interval no run reaches (``global_steps % n == 0`` only at step 0, before any print check)."""
+STEP_LINE_START = "steps: "
+"""How the pipeline engine's own progress line starts (``steps: 10 loss: 6.0265 iter time (s): ...``)."""
 
 
-def quiet_step_line(engine: Any) -> None:
-    """Stop the pipeline engine's ``steps: 10 loss: 6.0265 iter time (s): ...`` line.
+def quiet_step_line(quiet: bool = True) -> None:
+    """Keep the pipeline engine's ``steps: 10 loss: 6.0265 iter time (s): ...`` line off the console.
 
     DeepSpeed's PipelineEngine ``print()``s it on rank 0 every ``steps_per_print`` steps, past its
     logger, so ``deepspeed_log_level`` cannot hide it (the plain engine's twin goes through the logger
-    at INFO and is hidden by it). Its loss is one step's where Deepy's line averages the logging window,
-    so the two disagree on the same step. Deepy logs every ``log_interval`` itself; at the default level
-    this engine's ``steps_per_print()`` answers an interval no run reaches. Every reader of that
-    interval in the engine is a print or a timer log (``wall_clock_breakdown``: Deepy reads the
-    timers itself, ``megatron/logging/timers.py``), so nothing else changes."""
-    engine.steps_per_print = lambda: QUIET_STEPS_PER_PRINT
+    at INFO and is hidden by it). Its loss is the last step's where Deepy's line averages the logging
+    window, so the two disagree on the same step; Deepy logs every ``log_interval`` itself. The engine
+    keeps ``steps_per_print`` as configured: a ``print`` in the pipeline engine's module namespace
+    (which shadows the builtin there) drops that one line, and with ``quiet`` False (deepy.py
+    ``--verbose``) lets it through again."""
+    import builtins
+
+    import deepspeed.runtime.pipe.engine as pipe_engine
+
+    def filtered_print(*args: Any, **kwargs: Any) -> None:
+        if _State.quiet_steps and args and str(args[0]).startswith(STEP_LINE_START):
+            return
+        builtins.print(*args, **kwargs)
+
+    _State.quiet_steps = quiet
+    if getattr(pipe_engine, "print", None) is None or not getattr(pipe_engine.print, "deepy", False):
+        filtered_print.deepy = True  # type: ignore[attr-defined]
+        pipe_engine.print = filtered_print  # type: ignore[attr-defined]
+
+
+class _State:
+    quiet_steps = True

@@ -109,7 +109,7 @@ def write_config(
         f"# Deepy model config for the checkpoint converted from {source}.",
         "# Merge it with your data / schedule configs: python deepy.py train.py THIS.yml YOURS.yml",
         f"# The checkpoint holds weights only, at model_parallel_size {tp} and pipe_parallel_size {pp}: keep",
-        "# those (any data parallelism and ZeRO stage 0-2 work); the optimizer starts fresh.",
+        f"# those (any data parallelism and ZeRO stage {zero_stages(pp)} work); the optimizer starts fresh.",
     ]
     if finetune:
         header.append("# finetune: true starts at step 0; set it to false to continue at the checkpoint's iteration.")
@@ -120,3 +120,9 @@ def write_config(
     path = out_dir / CONFIG_NAME
     path.write_text("\n".join(header) + "\n" + yaml.safe_dump(keys, sort_keys=False), encoding="utf-8")
     return path
+
+
+def zero_stages(pp: int) -> str:
+    """The ZeRO stages the written layout takes: DeepSpeed's pipeline engine (pipe_parallel_size 1 uses it
+    too) refuses ZeRO-2/3 (``zero_with_pipeline`` in ``neox_arguments/rules.py``)."""
+    return "0-1" if pp >= 1 else "0-2"

@@ -365,8 +365,8 @@ def build_engine(run: RunViews, config: GPTConfig, train_iters: int, objective: 
             mpu=None if is_pipe else deepspeed_mpu(),
             dist_init_required=False,
         )
-    if is_pipe and not is_verbose(run.logging.deepspeed_log_level):
-        quiet_step_line(engine)  # Deepy's own line per log_interval says it (steps_per_print: --verbose)
+    if is_pipe:  # DeepSpeed's step line every steps_per_print steps, with --verbose only (Deepy logs its own)
+        quiet_step_line(quiet=not is_verbose(run.logging.deepspeed_log_level))
     install_expert_parallel(engine)  # no-op unless experts are split over data-parallel ranks
     hybrid_shard_engine.install(engine)  # no-op unless ZeRO-3 partitions are replicated (hsdp)
     # checkpoints are written (and read) in GPT-NeoX's layout: its tools and users read them
