@@ -42,7 +42,10 @@ def main(before_commit: Callable[[int], None] | None = None) -> int:
 
 
 def run_worker(before_commit: Callable[[int], None] | None = None) -> None:
+    from megatron.logging.console import quiet_other_ranks
     from megatron.logging.rank_errors import current_rank, for_worker
+
+    quiet_other_ranks(current_rank())  # one rank draws progress bars (lm-eval's among them)
 
     try:
         # an error every rank hits is printed once (megatron/logging/rank_errors.py)

@@ -136,9 +136,10 @@ def auto_label(config: dict[str, Any], objective: str, fallback: str) -> str:
 
 def distinguish(runs: list[Run]) -> list[Run]:
     """Runs that would share a label get the command-line overrides that tell them apart, then their folder."""
-    labels = [run.label for run in runs]
+    original = [run.label for run in runs]
+    labels = list(original)
     for i, run in enumerate(runs):
-        if labels.count(run.label) == 1:
+        if original.count(run.label) == 1:
             continue
         config = run_config(run.path)
         cli = sorted(k for k, where in (config.get("provenance") or {}).items() if where == "cli")

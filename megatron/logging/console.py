@@ -81,3 +81,12 @@ def deepspeed_prints_quiet() -> Iterator[None]:
         return
     with contextlib.redirect_stdout(io.StringIO()):
         yield
+
+
+def quiet_other_ranks(rank: int | None) -> None:
+    """Progress bars on global rank 0 only: every other rank of a data-parallel job draws the same bars
+    (lm-eval's, Hugging Face datasets'), so tqdm is switched off there (``TQDM_DISABLE``, which tqdm reads
+    when it is imported: call this first)."""
+    if rank:
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")

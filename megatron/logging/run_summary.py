@@ -43,6 +43,8 @@ class RunFacts:
     accumulation: int
     global_batch: int
     seq_length: int
+    rows_per_sample: int = 1
+    """Sequences per sample: 2 for a DPO pair (chosen and rejected) or KTO's completion and its mismatched twin."""
     tokens_per_step: int
     train_iters: int
     start_iteration: int
@@ -75,6 +77,12 @@ def split_size(dataset: Any) -> tuple[int | None, int | None]:
         return None, None
     packed = getattr(dataset, "pack_impl", "packed") == "packed"
     return (int(sizes.sum()) if packed else None), len(sizes)
+
+
+def _samples(f: RunFacts) -> str:
+    if f.rows_per_sample == 1:
+        return f"{_count(f.global_batch)} sequences"
+    return f"{_count(f.global_batch)} samples ({_count(f.global_batch * f.rows_per_sample)} sequences)"
 
 
 def _count(n: int) -> str:
@@ -111,7 +119,7 @@ def header_lines(f: RunFacts) -> list[str]:
         f"  model       {_count(f.parameters)} parameters ({_count(f.non_embedding_parameters)} without embeddings), "
         f"{trainable}; {f.engine} engine",
         f"  layout      {layout}; ZeRO {f.zero_stage}; {f.precision}",
-        f"  batch       {_count(f.global_batch)} sequences x {_count(f.seq_length)} tokens = "
+        f"  batch       {_samples(f)} x {_count(f.seq_length)} tokens = "
         f"{_count(f.tokens_per_step)} tokens per step ({f.micro_batch} per rank x {f.accumulation} accumulation "
         f"x {f.dp} data-parallel)",
         f"  schedule    {schedule}",

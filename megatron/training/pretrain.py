@@ -147,7 +147,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
             cp=run.parallel.context_parallel_size,
             zero_stage=int((run.deepspeed.get("zero_optimization") or {}).get("stage", 0) or 0),
             precision=compute_dtype(training.precision), micro_batch=batch.micro, accumulation=batch.gas,
-            global_batch=batch.global_size, seq_length=training.seq_length,
+            global_batch=batch.global_size, seq_length=training.seq_length, rows_per_sample=objective.rows_per_sample,
             tokens_per_step=batch.global_size * training.seq_length * objective.rows_per_sample,
             train_iters=train_iters, start_iteration=state.iteration, split_tokens=split_tokens,
             split_documents=split_documents, eval_interval=training.eval_interval if splits.valid is not None else None,

@@ -45,12 +45,13 @@ NOT_HERE = {
 
 RUN = {"tools/plot_metrics.py", "tools/ckpts/inspect_checkpoint.py", "tools/datasets/preprocess_data.py",
        "tools/datasets/build_preference_data.py", "tools/bench/train_speed.py", "tools/ckpts/convert_neox_to_hf.py",
-       "tools/ckpts/convert_hf_to_neox.py"}
+       "tools/ckpts/convert_hf_to_neox.py", "tools/datasets/preprocess_data_with_mask.py"}
 """Tools quick enough to run for real on the quick start's outputs (train_speed: its --dry-run only); the
 others take minutes (benchmarks) and have their command line parsed."""
 
 MADE_BY_A_RUN = {"checkpoints_lora": "the LoRA training command before it",
-                 "reference_logps=sft_ref": "the precompute command before it (docs/generation.md)"}
+                 "reference_logps=sft_ref": "the precompute command before it (docs/generation.md)",
+                 "initialize_from=checkpoints_sft": "the SFT run before it (README, post-training)"}
 """Inputs that documented runs make, which this test only dry-runs: a tool reading them has its command
 line parsed, a deepy.py command its config loaded (files, keys, types) without the checks that open them."""
 
@@ -125,7 +126,7 @@ def documented_commands(files: tuple[Path, ...] = DOCS) -> list[Command]:
     found: list[Command] = []
     for path in files:
         text = path.read_text(encoding="utf-8")
-        name = path.relative_to(REPO).as_posix()
+        name = path.relative_to(path.parents[1] if path.parent.name == "docs" else path.parent).as_posix()
         for match in re.finditer(r"```bash\n(.*?)```", text, re.S):
             first = text.count("\n", 0, match.start(1)) + 1
             for line_no, line in _logical_lines(match.group(1), first):

@@ -189,8 +189,7 @@ SHORTER_TAGS = {"global_step100": "global_step30", "global_step200": f"global_st
 
 def check(command: Command, quick: Command) -> str | None:
     """None when ``command`` works here as written, else what is wrong."""
-    argv = [SHORTER_TAGS.get(Path(a).name) and str(Path(a).parent / SHORTER_TAGS[Path(a).name]) or a
-            for a in command.argv]
+    argv = [re.sub(r"global_step(100|200)\b", lambda m: SHORTER_TAGS[m.group(0)], a) for a in command.argv]
     if not_here(argv) is not None:
         return None
     if argv[0] == "sbatch":
@@ -206,7 +205,9 @@ def check(command: Command, quick: Command) -> str | None:
             return None  # `python deepy.py` in a sentence: the program's name
         if any(made in command.text for made in MADE_BY_A_RUN):
             return _loads(argv[2:])
-        return _dry_run(argv[2:], train="train.py" in argv[2:4], quick=command.text == quick.text)
+        # a training launch (not one that is itself a dry run) must train: not reuse the quick start's run
+        train = "train.py" in argv[2:4] and "--dry-run" not in argv
+        return _dry_run(argv[2:], train=train, quick=command.text == quick.text)
     script, args = tool_path(argv)
     if not Path(script).is_file():
         return f"{script} does not exist"
@@ -225,7 +226,7 @@ def _dry_run(args: list[str], train: bool, quick: bool = False) -> str | None:
         return f"--dry-run: exit code {code}: {said.strip().splitlines()[-1]}"
     if train and not quick and "a launch would exit at once" in said:
         return "the run is already finished here: give it its own save/load"
-    load = re.search(r"^load\s+(\S+)\s", said, re.M)
+    load = re.search(r'^load\s+"?([^"\s]+)"?\s', said, re.M)  # the resolved table's row (JSON-quoted value)
     if train and not quick and load and load.group(1) == "checkpoints":
         return "it loads the quick start's checkpoints/: give it its own save/load (initialize_from to start from it)"
     return None

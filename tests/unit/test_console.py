@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -47,6 +48,9 @@ def test_header_of_a_lora_run_and_a_resumed_one() -> None:
     # unpacked data: a sample is one document
     assert f"= {200 * 8 / 3_299:.2f} epochs of the train split (3,299 documents, one per sample)" in text
     assert "no checkpoints (save is not set)" in text
+    # DPO: a sample is a pair, two sequences of seq_length
+    dpo = "\n".join(header_lines(RunFacts(**{**FACTS, "rows_per_sample": 2, "tokens_per_step": 2048})))
+    assert "8 samples (16 sequences) x 128 tokens = 2,048 tokens per step" in dpo
 
 
 def test_split_size_reads_packed_unpacked_and_blended_splits() -> None:
@@ -177,3 +181,34 @@ def test_resolved_config_names_the_run_and_its_one_directory(tmp_path: Path) -> 
     assert run_directory(args, run_name="20260101-120000-ab12") == Path("logs/20260101-120000-ab12")
     assert run_directory(NeoXArgs(log_dir="logs", run_dir="elsewhere"), run_name="x") == Path("elsewhere")
     assert json.dumps(str(run_directory(NeoXArgs(), run_name="x"))) == '"runs/x"'
+
+
+def test_progress_bars_are_drawn_by_rank_zero_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """lm-eval's bars came from every rank: ranks other than 0 switch tqdm off before importing it."""
+    from megatron.logging.console import quiet_other_ranks
+
+    for name in ("TQDM_DISABLE", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
+        monkeypatch.delenv(name, raising=False)
+    quiet_other_ranks(0)
+    assert "TQDM_DISABLE" not in os.environ
+    quiet_other_ranks(1)
+    code = "import tqdm, io; s = io.StringIO(); [None for _ in tqdm.tqdm(range(3), file=s)]; print(repr(s.getvalue()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ}).stdout
+    assert out.strip() == "''"  # tqdm honours it: nothing drawn
+
+
+def test_a_preprocessed_prefix_is_named_when_data_path_misses_its_suffix(tmp_path: Path) -> None:
+    """preprocess_data.py --output-prefix data/mine writes data/mine_text_document.*; data_path=data/mine
+    said "not found" with no hint (issue 32)."""
+    import numpy as np
+
+    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+    from megatron.neox_arguments.file_checks import _written_by_preprocess
+
+    builder = MMapIndexedDatasetBuilder(str(tmp_path / "mine_text_document.bin"), np.uint16)
+    builder.add_item(np.arange(4))
+    builder.end_document()
+    builder.finalize(str(tmp_path / "mine_text_document.idx"))
+    assert _written_by_preprocess(str(tmp_path / "mine")) == [str(tmp_path / "mine_text_document")]
+    assert _written_by_preprocess(str(tmp_path / "other")) == []
