@@ -43,6 +43,10 @@ _FORMATS: list[tuple[str, str, str]] = [
     ("train/lm_loss", "loss", "{:.6f}"),
     ("eval/lm_loss", "eval loss", "{:.6f}"),
     ("test/lm_loss", "test loss", "{:.6f}"),
+    ("train/rewards/accuracy", "reward accuracy", "{:.2f}"),  # DPO/KTO
+    ("eval/rewards/accuracy", "eval reward accuracy", "{:.2f}"),
+    ("train/rm/accuracy", "accuracy", "{:.2f}"),  # reward models
+    ("eval/rm/accuracy", "eval accuracy", "{:.2f}"),
     ("train/lr", "lr", "{:.3e}"),
     ("train/loss_scale", "loss scale", "{:.1f}"),
     ("train/grad_norm", "grad norm", "{:.4f}"),

@@ -173,7 +173,8 @@ def summary_lines(o: RunOutcome) -> list[str]:
              f"{o.last_iteration}, {o.stop_reason}) in {format_duration(o.wall_seconds)}: "
              f"{_count(o.tokens)} tokens, {speed} on average"]
     losses = [f"{label} {o.last_row[key]:.4f}" for key, label in
-              (("train/lm_loss", "train loss"), ("eval/lm_loss", "eval loss"), ("test/lm_loss", "test loss"))
+              (("train/lm_loss", "train loss"), ("eval/lm_loss", "eval loss"), ("test/lm_loss", "test loss"),
+               ("eval/rewards/accuracy", "eval reward accuracy"), ("eval/rm/accuracy", "eval accuracy"))
               if isinstance(o.last_row.get(key), (int, float))]
     if losses:
         lines.append("  last        " + ", ".join(losses))
