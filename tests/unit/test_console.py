@@ -212,3 +212,17 @@ def test_a_preprocessed_prefix_is_named_when_data_path_misses_its_suffix(tmp_pat
     builder.finalize(str(tmp_path / "mine_text_document.idx"))
     assert _written_by_preprocess(str(tmp_path / "mine")) == [str(tmp_path / "mine_text_document")]
     assert _written_by_preprocess(str(tmp_path / "other")) == []
+
+
+@pytest.mark.parametrize("pp", [0, 1, 2])
+def test_a_converted_models_yaml_names_the_zero_stages_its_layout_takes(pp: int) -> None:
+    """Issue 32: the converter's deepy_model.yml said "ZeRO stage 0-2 work" for pp2, which refuses ZeRO-2."""
+    from test_config_rules import ok, problems
+
+    from megatron.interop.yaml_config import zero_stages
+
+    low, high = (int(n) for n in zero_stages(pp).split("-"))
+    world = 2 if pp == 2 else 1
+    for stage in range(low, high + 1):
+        ok(world=world, pipe_parallel_size=pp, zero_optimization={"stage": stage})
+    assert "ZeRO stage" in problems(world=world, pipe_parallel_size=pp, zero_optimization={"stage": high + 1})
