@@ -69,7 +69,8 @@ ErrorReport = Callable[[str, str], bool]
 each error of a run once (``megatron/logging/rank_errors.py``); False when another rank prints it."""
 
 
-def run_guarded(main: Callable[[], int | None], argv: list[str] | None = None, report: ErrorReport | None = None) -> None:
+def run_guarded(main: Callable[[], int | None], argv: list[str] | None = None,
+                report: ErrorReport | None = None) -> None:
     """Run ``main``; turn a DeepyError into one message on stderr and exit code 2.
 
     With ``report`` (a worker rank), every other exception is reported too (exit code 1), and the

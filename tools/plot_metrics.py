@@ -296,7 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     labels = args.label or []
     if labels and len(labels) != len(args.runs):
         raise UsageError(f"{len(labels)} --label for {len(args.runs)} runs: give one per run or none")
-    runs = distinguish([run for i, path in enumerate(args.runs) for run in read_runs(path, labels[i] if labels else None)])
+    runs = distinguish([run for i, path in enumerate(args.runs)
+                        for run in read_runs(path, labels[i] if labels else None)])
     if args.ascii:
         for run in runs:
             xs, ys = run.series(args.key)

@@ -95,8 +95,8 @@ def _share(part: int, whole: int) -> str:
 
 def header_lines(f: RunFacts) -> list[str]:
     """The header block (no trailing empty line); see :class:`RunFacts`."""
-    trainable = (f"{_count(f.trainable_parameters)} trainable (LoRA adapters, {_share(f.trainable_parameters, f.parameters)})"
-                 if f.adapters else
+    share = _share(f.trainable_parameters, f.parameters)
+    trainable = (f"{_count(f.trainable_parameters)} trainable (LoRA adapters, {share})" if f.adapters else
                  "all trainable" if f.trainable_parameters == f.parameters else
                  f"{_count(f.trainable_parameters)} trainable")
     layout = f"{f.world_size} rank{'s' if f.world_size != 1 else ''}: data {f.dp} x tensor {f.tp} x pipeline {f.pp}"
