@@ -340,7 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"deepy: resolved config written to {config_file}", flush=True)
     from megatron.logging import rank_errors
 
-    rank_errors.clear(run_dir)  # a resumed run's directory may hold the errors of its last launch
+    if plan is not None and not plan.in_place:  # in place, every rank's deepy.py would clear the others'
+        rank_errors.clear(run_dir)  # a resumed run's directory may hold the errors of its last launch
 
     from megatron.launcher import run_plan
 

@@ -153,8 +153,9 @@ class LaunchSupervisor:
             send(self.process.pid, signal.SIGTERM)
 
     def _result(self, code: int) -> int:
-        if code != 0:
-            # the ranks printed the first error once; say which ranks had it, and any other error once
+        if code != 0 and not self.plan.in_place:
+            # the ranks printed the first error once; say which ranks had it, and any other error once (in
+            # place, srun/mpirun started one deepy.py per rank: the ranks' own reports are all there is)
             for line in rank_errors.summary(os.path.dirname(self.plan.config_path)):
                 print(line, flush=True)
         if self.stop_signal is None:

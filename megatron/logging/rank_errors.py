@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,9 @@ class RankErrorReport:
     def __init__(self, run_dir: str | os.PathLike[str], rank: int) -> None:
         self.directory = Path(run_dir) / ERRORS_DIR
         self.rank = rank
+        self.started = time.time()
+        """A claim older than this rank is an earlier launch's (deepy.py clears the directory before it starts
+        the ranks, except where srun/mpirun start one deepy.py per rank)."""
 
     def __call__(self, message: str, details: str) -> bool:
         """Record the error; True when this rank should print it (it failed first, or cannot record)."""
@@ -50,10 +54,17 @@ class RankErrorReport:
             (self.directory / f"rank{self.rank}.json").write_text(json.dumps(record), encoding="utf-8")
         except OSError:
             return True
+        first = self.directory / FIRST
         try:
-            fd = os.open(self.directory / FIRST, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(first, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            return False
+            try:
+                stale = first.stat().st_mtime < self.started - 1.0
+            except OSError:
+                stale = True
+            if stale:  # left by an earlier launch of this run: this launch's first failure is ours
+                first.write_text(str(self.rank))
+            return stale
         except OSError:
             return True
         with os.fdopen(fd, "w") as first:
