@@ -128,7 +128,6 @@ def test_different_errors_are_each_said_once_with_their_ranks(tmp_path: Path, ca
 
 def test_an_earlier_launchs_claim_does_not_silence_this_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Where srun/mpirun start one deepy.py per rank, nobody clears the directory between launches."""
-
     failing_rank(tmp_path, 0, ConfigError("last week"), capsys)
     first = tmp_path / "errors" / "first"
     os.utime(first, (first.stat().st_atime - 3600, first.stat().st_mtime - 3600))
