@@ -20,8 +20,14 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from megatron.logging.console import quiet_other_ranks
+    from megatron.logging.rank_errors import current_rank, for_worker
+
+    quiet_other_ranks(current_rank())  # one rank draws progress bars (lm-eval's among them)
+
     try:
-        run_guarded(main)
+        # an error every rank hits is printed once (megatron/logging/rank_errors.py)
+        run_guarded(main, report=for_worker(sys.argv, current_rank))
     except SystemExit as done:
         from megatron.initialize import exit_process
 

@@ -24,13 +24,16 @@ def parse_worker_argv(argv: list[str]) -> argparse.Namespace:
 
 def main(before_commit: Callable[[int], None] | None = None) -> int:
     """``before_commit``: a test seam passed through to the checkpointing (see pretrain)."""
+    options = parse_worker_argv(sys.argv[1:])  # first: --help needs none of the imports below
+
     from megatron.initialize import initialize
+    from megatron.logging.console import is_verbose
     from megatron.neox_arguments import load_resolved
     from megatron.neox_arguments.run_config import RunConfig
 
-    options = parse_worker_argv(sys.argv[1:])
     run = RunConfig.from_resolved(load_resolved(options.deepy_config))
-    initialize(run.parallel, run.training.seed)  # prints this rank's coordinates
+    # each rank's place in the layout, with deepy.py --verbose (the run's header states the layout)
+    initialize(run.parallel, run.training.seed, announce=is_verbose(run.logging.deepspeed_log_level))
 
     from megatron.training.pretrain import pretrain
 
@@ -39,8 +42,14 @@ def main(before_commit: Callable[[int], None] | None = None) -> int:
 
 
 def run_worker(before_commit: Callable[[int], None] | None = None) -> None:
+    from megatron.logging.console import quiet_other_ranks
+    from megatron.logging.rank_errors import current_rank, for_worker
+
+    quiet_other_ranks(current_rank())  # one rank draws progress bars (lm-eval's among them)
+
     try:
-        run_guarded(lambda: main(before_commit))
+        # an error every rank hits is printed once (megatron/logging/rank_errors.py)
+        run_guarded(lambda: main(before_commit), report=for_worker(sys.argv, current_rank))
     except SystemExit as done:
         from megatron.initialize import exit_process
 

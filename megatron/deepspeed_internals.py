@@ -348,3 +348,36 @@ def skip_checkpoint_writes(engine: Any) -> None:
     ``save_zero_checkpoint`` are the flags DeepSpeed sets once per rank in ``_configure_checkpointing``."""
     engine.save_non_zero_checkpoint = False
     engine.save_zero_checkpoint = False
+
+
+STEP_LINE_START = "steps: "
+"""How the pipeline engine's own progress line starts (``steps: 10 loss: 6.0265 iter time (s): ...``)."""
+
+
+def quiet_step_line(quiet: bool = True) -> None:
+    """Keep the pipeline engine's ``steps: 10 loss: 6.0265 iter time (s): ...`` line off the console.
+
+    DeepSpeed's PipelineEngine ``print()``s it on rank 0 every ``steps_per_print`` steps, past its
+    logger, so ``deepspeed_log_level`` cannot hide it (the plain engine's twin goes through the logger
+    at INFO and is hidden by it). Its loss is the last step's where Deepy's line averages the logging
+    window, so the two disagree on the same step; Deepy logs every ``log_interval`` itself. The engine
+    keeps ``steps_per_print`` as configured: a ``print`` in the pipeline engine's module namespace
+    (which shadows the builtin there) drops that one line, and with ``quiet`` False (deepy.py
+    ``--verbose``) lets it through again."""
+    import builtins
+
+    import deepspeed.runtime.pipe.engine as pipe_engine
+
+    def filtered_print(*args: Any, **kwargs: Any) -> None:
+        if _State.quiet_steps and args and str(args[0]).startswith(STEP_LINE_START):
+            return
+        builtins.print(*args, **kwargs)
+
+    _State.quiet_steps = quiet
+    if getattr(pipe_engine, "print", None) is None or not getattr(pipe_engine.print, "deepy", False):
+        filtered_print.deepy = True  # type: ignore[attr-defined]
+        pipe_engine.print = filtered_print  # type: ignore[attr-defined]
+
+
+class _State:
+    quiet_steps = True

@@ -64,16 +64,33 @@ def debug_requested(argv: list[str] | None = None) -> bool:
     return "--debug" in argv or os.environ.get("DEEPY_DEBUG", "") not in ("", "0")
 
 
-def run_guarded(main: Callable[[], int | None], argv: list[str] | None = None) -> None:
-    """Run ``main``; turn a DeepyError into one message on stderr and exit code 2."""
+ErrorReport = Callable[[str, str], bool]
+"""``report(message, traceback) -> print here?``: a rank records its error for deepy.py, which prints
+each error of a run once (``megatron/logging/rank_errors.py``); False when another rank prints it."""
+
+
+def run_guarded(main: Callable[[], int | None], argv: list[str] | None = None,
+                report: ErrorReport | None = None) -> None:
+    """Run ``main``; turn a DeepyError into one message on stderr and exit code 2.
+
+    With ``report`` (a worker rank), every other exception is reported too (exit code 1), and the
+    message (and traceback) is printed only where ``report`` says so."""
     try:
         code = main()
     except DeepyError as err:
-        if debug_requested(argv):
-            traceback.print_exc()
-        print(f"deepy: {err.kind}: {err.message}", file=sys.stderr)
+        message = f"deepy: {err.kind}: {err.message}"
+        details = traceback.format_exc() if debug_requested(argv) else ""
+        if report is None or report(message, details):
+            print(details + message, file=sys.stderr)
         sys.exit(USER_ERROR_EXIT_CODE)
     except KeyboardInterrupt:
         print("deepy: interrupted", file=sys.stderr)
         sys.exit(130)
+    except Exception as err:
+        if report is None:
+            raise
+        details = traceback.format_exc()
+        if report(f"{type(err).__name__}: {err}".splitlines()[0], details):
+            print(details, end="", file=sys.stderr)
+        sys.exit(1)
     sys.exit(code or 0)

@@ -90,8 +90,9 @@ def init_distributed(parallel: ParallelRunArgs) -> None:
     )
 
 
-def initialize(parallel: ParallelRunArgs, seed: int) -> Coordinates:
-    """Distributed start-up for one rank; returns (and prints) where this rank sits in the grid."""
+def initialize(parallel: ParallelRunArgs, seed: int, announce: bool = False) -> Coordinates:
+    """Distributed start-up for one rank; returns (and with ``announce`` prints) where this rank sits
+    in the grid."""
     from megatron.launcher.watchdog import start_launcher_watchdog
 
     start_launcher_watchdog()  # a local launch's rank ends with the deepy.py that started it
@@ -111,9 +112,10 @@ def initialize(parallel: ParallelRunArgs, seed: int) -> Coordinates:
     set_seeds(seed)
     coords = get_coordinates()
     get_topology()  # raises if the groups were not built
-    # one write per line: ranks share the launcher's pipe and print() writes the newline separately
-    sys.stdout.write(f"deepy: {coords} world={world}\n")
-    sys.stdout.flush()
+    if announce:
+        # one write per line: ranks share the launcher's pipe and print() writes the newline separately
+        sys.stdout.write(f"deepy: {coords} world={world}\n")
+        sys.stdout.flush()
     return coords
 
 

@@ -5,12 +5,14 @@
     python tools/plot_metrics.py runs/a runs/b -o compare.png          # several log_dirs overlaid
     python tools/plot_metrics.py logs --ascii [--key train/lm_loss]    # a quick look in the terminal
 
-Six panels against the iteration: training loss, evaluation loss, learning rate, gradient norm,
-loss scale (fp16 runs; the others say so) and tokens per second. A training run keeps its rows in
-``<log_dir>/<run name>/metrics.jsonl`` (a resumed run continues its own file), so a log_dir shared by
-several runs shows each as its own curve. Each run is one colour, labelled by its folder (``--label``
-overrides, one per argument). ``--ascii`` prints one metric as a character chart
-instead, without matplotlib.
+Panels against the iteration, only for what the runs logged: one loss panel per kind of loss (a
+language model's cross-entropy, pre-training and SFT alike, in nats per token; DPO's and KTO's loss per
+pair or completion; a reward model's), each with its training, evaluation and test values; the
+preference accuracy and reward margin of DPO/KTO/reward-model runs; learning rate, gradient norm, the
+fp16 loss scale (fp16 runs only) and tokens per second. A training run keeps its rows and its
+``deepy_config.json`` in one folder, ``<log_dir>/<run name>/``: each run is one colour, named after its
+objective and config files (``DPO: tiny+dpo``), or the W&B run name when set (``--label`` overrides,
+one per argument). ``--ascii`` prints one metric as a character chart instead, without matplotlib.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,15 +28,39 @@ from typing import Any
 from megatron.errors import UsageError, run_guarded
 from megatron.logging.metrics import METRICS_FILE, run_files
 
-# (metric key, panel title, y-axis scale, what an empty panel says)
-PANELS: list[tuple[str, str, str, str]] = [
-    ("train/lm_loss", "training loss", "linear", "no training loss logged"),
-    ("eval/lm_loss", "evaluation loss", "linear", "no evaluation (eval_interval / eval_iters)"),
-    ("train/lr", "learning rate", "linear", "no learning rate logged"),
-    ("train/grad_norm", "gradient norm (before clipping)", "log", "no gradient norm logged"),
-    ("train/loss_scale", "fp16 loss scale", "log", "no loss scale: only fp16 runs scale the loss"),
-    ("throughput/tokens_per_sec", "tokens / s (all devices)", "linear", "no throughput logged"),
-]
+CONFIG_FILE = "deepy_config.json"
+
+OBJECTIVES = {"lm": "LM", "sft": "SFT", "dpo": "DPO", "kto": "KTO", "rm": "RM"}
+"""A run's objective, as its label names it."""
+
+SPLITS = (("train", "-", "train"), ("eval", "o--", "eval"), ("test", "x", "test"))
+"""(metric prefix, matplotlib style, legend word)."""
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    metrics: tuple[str, ...]
+    """Metric names without the split prefix (``lm_loss``, ``rewards/accuracy``); ``train/lr``-style keys
+    that exist for one split only are given whole, with ``whole`` set."""
+    objectives: tuple[str, ...] = ()
+    """Runs of these objectives only (empty: every run)."""
+    scale: str = "linear"
+    whole: bool = False
+
+
+PANELS: tuple[Panel, ...] = (
+    Panel("cross-entropy loss (nats per token)", ("lm_loss",), ("lm", "sft")),
+    Panel("DPO loss (per pair; ln 2 = 0.693 at the start)", ("lm_loss",), ("dpo",)),
+    Panel("KTO loss", ("lm_loss",), ("kto",)),
+    Panel("reward-model loss (per pair)", ("lm_loss",), ("rm",)),
+    Panel("preference accuracy", ("rewards/accuracy", "rm/accuracy")),
+    Panel("reward margin", ("rewards/margin", "rm/margin")),
+    Panel("learning rate", ("train/lr",), whole=True),
+    Panel("gradient norm (before clipping)", ("train/grad_norm",), scale="log", whole=True),
+    Panel("fp16 loss scale", ("train/loss_scale",), scale="log", whole=True),
+    Panel("tokens / s (all devices)", ("throughput/tokens_per_sec",), whole=True),
+)
 
 
 @dataclass(frozen=True)
@@ -41,6 +68,8 @@ class Run:
     label: str
     path: Path
     rows: list[dict[str, Any]]
+    objective: str = "lm"
+    """``lm``, ``sft``, ``dpo``, ``kto`` or ``rm`` (see :func:`objective_of`)."""
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         xs, ys = [], []
@@ -68,6 +97,61 @@ def read_runs(path: Path, label: str | None = None) -> list[Run]:
     return [read_run(file, f"{label}/{file.parent.name}" if label else None) for file in files]
 
 
+def run_config(metrics_file: Path) -> dict[str, Any]:
+    """The resolved arguments of the run beside its metrics (``deepy_config.json``), or {}."""
+    try:
+        data = json.loads((metrics_file.resolve().parent / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def objective_of(args: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
+    """From the run's config when there is one (``train_impl``; SFT: label datasets), else from what it logged."""
+    impl = args.get("train_impl")
+    if impl in ("dpo", "kto", "rm"):
+        return str(impl)
+    if impl is not None:
+        return "sft" if args.get("train_label_data_paths") else "lm"
+    keys = {key for row in rows for key in row}
+    if "train/rewards/accuracy" in keys:
+        return "dpo"
+    if "train/rewards/desirable" in keys:
+        return "kto"
+    if "train/rm/accuracy" in keys:
+        return "rm"
+    return "lm"
+
+
+def auto_label(config: dict[str, Any], objective: str, fallback: str) -> str:
+    """``DPO: tiny+dpo``: the objective and the stems of the config files (local_setup-style files that
+    only say where things are left out), or the W&B run name when one is set."""
+    args = config.get("args") or {}
+    if args.get("wandb_run_name"):
+        return str(args["wandb_run_name"])
+    stems = [Path(name).stem for name in (args.get("config_files") or {})]
+    stems = [s for s in stems if "setup" not in s] or stems
+    return f"{OBJECTIVES[objective]}: {'+'.join(stems) if stems else fallback}"
+
+
+def distinguish(runs: list[Run]) -> list[Run]:
+    """Runs that would share a label get the command-line overrides that tell them apart, then their folder."""
+    original = [run.label for run in runs]
+    labels = list(original)
+    for i, run in enumerate(runs):
+        if original.count(run.label) == 1:
+            continue
+        config = run_config(run.path)
+        cli = sorted(k for k, where in (config.get("provenance") or {}).items() if where == "cli")
+        args = config.get("args") or {}
+        extra = " ".join(f"{k}={args.get(k)}" for k in cli if k not in ("save", "load", "log_dir", "master_port"))
+        labels[i] = f"{run.label} {extra}".strip()
+    for i, run in enumerate(runs):
+        if labels.count(labels[i]) > 1:
+            labels[i] = f"{labels[i]} ({run.path.parent.name})"
+    return [Run(label, run.path, run.rows, run.objective) for label, run in zip(labels, runs)]
+
+
 def read_run(path: Path, label: str | None = None) -> Run:
     """One run: a metrics file, or a folder's newest run."""
     file = metrics_paths(path)[-1]
@@ -83,40 +167,81 @@ def read_run(path: Path, label: str | None = None) -> Run:
             rows.append(row)
     if not rows:
         raise UsageError(f"{file}: no metric rows")
-    return Run(label or (file.parent.name if file.parent.name else str(file)), file, rows)
+    config = run_config(file)
+    objective = objective_of(config.get("args") or {}, rows)
+    fallback = file.resolve().parent.name or str(file)
+    return Run(label or auto_label(config, objective, fallback), file, rows, objective)
+
+
+def panel_lines(panel: Panel, run: Run) -> list[tuple[str, str, list[int], list[float]]]:
+    """(style, legend word, xs, ys) of each line ``run`` contributes to ``panel``."""
+    if panel.objectives and run.objective not in panel.objectives:
+        return []
+    out = []
+    if panel.whole:
+        for key in panel.metrics:
+            xs, ys = run.series(key)
+            if xs:
+                out.append(("-", "", xs, ys))
+        return out
+    for prefix, style, word in SPLITS:
+        for metric in panel.metrics:
+            xs, ys = run.series(f"{prefix}/{metric}")
+            if xs:
+                out.append((style, word, xs, ys))
+    return out
+
+
+def drawn_panels(runs: list[Run]) -> list[Panel]:
+    """The panels some run has values for, in :data:`PANELS` order."""
+    return [panel for panel in PANELS if any(panel_lines(panel, run) for run in runs)]
 
 
 def build_figure(runs: list[Run]) -> Any:
-    """A matplotlib Figure with one axis per entry of :data:`PANELS`."""
+    """A matplotlib Figure with one axis per panel that has data (at most three columns)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
-    for ax, (key, title, scale, empty) in zip(axes.flat, PANELS):
-        drawn = False
+    panels = drawn_panels(runs)
+    if not panels:
+        raise UsageError("none of the runs logged a metric this tool plots (losses, learning rate, throughput)")
+    cols = {1: 1, 2: 2, 3: 3, 4: 2}.get(len(panels), 3)
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows + 0.6), constrained_layout=True,
+                             squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.remove()
+    for ax, panel in zip(axes.flat, panels):
+        values: list[float] = []
+        labelled = 0
         for i, run in enumerate(runs):
-            xs, ys = run.series(key)
-            if not xs:
-                continue
-            style = "o-" if len(xs) < 30 else "-"
-            ax.plot(xs, ys, style, color=f"C{i}", label=run.label, markersize=3, linewidth=1.3)
-            drawn = True
-        ax.set_title(title)
-        ax.set_xlabel("iteration")
+            for style, word, xs, ys in panel_lines(panel, run):
+                name = run.label if len(runs) > 1 else ""
+                label = " · ".join(part for part in (name, word) if part)
+                dense = style == "-" and len(xs) >= 30
+                ax.plot(xs, ys, "-" if dense else style, color=f"C{i}", label=label or None,
+                        markersize=6 if word == "test" else 3.5,
+                        linewidth=1.4 if word != "eval" else 1.0)
+                labelled += bool(label)
+                values += ys
+        ax.set_title(panel.title, fontsize=10)
+        ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
-        if drawn:
-            if scale == "log" and all(y > 0 for run in runs for y in run.series(key)[1]):
-                ax.set_yscale("log")
-            if len(runs) > 1:
-                ax.legend(fontsize=8)
-        else:
-            ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="gray")
-            ax.set_xticks([])
-            ax.set_yticks([])
-    fig.suptitle("training curves: " + ", ".join(f"{run.label} ({run.path})" for run in runs), fontsize=11)
+        if panel.scale == "log" and values and min(values) > 0 and max(values) / min(values) > 20:
+            ax.set_yscale("log")  # only where the values span decades: a log axis over 0.5-0.8 reads badly
+        if labelled > 1:
+            ax.legend(fontsize=8)
+    fig.suptitle(title(runs), fontsize=12)
     return fig
+
+
+def title(runs: list[Run]) -> str:
+    if len(runs) == 1:
+        return f"{runs[0].label}: {runs[0].rows[-1]['iteration']} steps"
+    joined = ", ".join(run.label for run in runs)
+    return joined if len(joined) <= 90 else f"{len(runs)} runs (see the legends)"
 
 
 def write_png(runs: list[Run], out: Path) -> int:
@@ -153,21 +278,26 @@ def render_ascii(points: list[tuple[int, float]], width: int, height: int) -> li
     return lines
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="log_dir(s), run folder(s) or metrics.jsonl file(s)")
     parser.add_argument("-o", "--output", type=Path, default=None, help="PNG to write (default: curves.png)")
-    parser.add_argument("--label", action="append", default=None, help="legend label per run, in order")
+    parser.add_argument("--label", action="append", default=None, help="legend label per run argument, in order")
     parser.add_argument("--ascii", action="store_true", help="print --key as a character chart instead")
     parser.add_argument("--key", default="train/lm_loss", help="metric for --ascii")
     parser.add_argument("--width", type=int, default=72)
     parser.add_argument("--height", type=int, default=16)
     parser.add_argument("--debug", action="store_true")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     labels = args.label or []
     if labels and len(labels) != len(args.runs):
         raise UsageError(f"{len(labels)} --label for {len(args.runs)} runs: give one per run or none")
-    runs = [run for i, path in enumerate(args.runs) for run in read_runs(path, labels[i] if labels else None)]
+    runs = distinguish([run for i, path in enumerate(args.runs)
+                        for run in read_runs(path, labels[i] if labels else None)])
     if args.ascii:
         for run in runs:
             xs, ys = run.series(args.key)
@@ -184,7 +314,8 @@ def main() -> int:
                          f"or use --ascii") from None
     out = args.output or Path("curves.png")
     panels = write_png(runs, out)
-    print(f"wrote {out} ({panels} panels, {len(runs)} run{'s' if len(runs) > 1 else ''})")
+    print(f"wrote {out} ({panels} panels, {len(runs)} run{'s' if len(runs) > 1 else ''}: "
+          f"{', '.join(run.label for run in runs)})")
     return 0
 
 

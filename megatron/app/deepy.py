@@ -1,6 +1,6 @@
 """``deepy.py``'s command line: parse argv, resolve the config, then print it (``--dry-run``) or launch.
 
-    python deepy.py [--dry-run] [--debug] [-d DIR] USER_SCRIPT CONFIG... [key=value ...]
+    python deepy.py [--dry-run] [--verbose] [--debug] [-d DIR] USER_SCRIPT CONFIG... [key=value ...]
 
 Nothing heavy (torch, DeepSpeed) is imported before it is needed, so ``--dry-run`` and every config
 error come back in well under a second of Python start-up.
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from megatron.errors import ConfigError, UsageError
+from megatron.logging.console import is_verbose
 from megatron.neox_arguments.overrides import looks_like_override
 from megatron.neox_arguments.provenance import format_resolved_table
 from megatron.neox_arguments.resolved import RESOLVED_FILE_NAME, ResolvedConfig, run_directory
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from megatron.launcher import LaunchPlan
     from megatron.neox_arguments.dialects import Flag
 
-USAGE = ("deepy.py [--dry-run] [--debug] [-d CONF_DIR] USER_SCRIPT CONFIG [CONFIG ...] [key=value ...]\n"
+USAGE = ("deepy.py [--dry-run] [--verbose] [--debug] [-d CONF_DIR] USER_SCRIPT CONFIG [CONFIG ...] [key=value ...]\n"
          "       deepy.py [--dry-run] USER_SCRIPT --config_path LEVANTER.yaml [--section.key value ...]\n"
          "       deepy.py [--dry-run] USER_SCRIPT [FMS.yaml] --key=value ... (fms-fsdp's flags)")
 
@@ -42,6 +43,8 @@ class DeepyCommand:
     conf_dir: str | None = None
     dry_run: bool = False
     debug: bool = False
+    verbose: bool = False
+    """Show the libraries' own lines (DeepSpeed's INFO lines, the launch command, every rank's place)."""
     dialect_flags: tuple[Flag, ...] = ()
     """Levanter's ``--config_path F``/``--a.b value`` or fms-fsdp's ``--key=value`` flags."""
 
@@ -53,14 +56,32 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message}\nusage: {USAGE}")
 
 
+EPILOG = """\
+examples (from the repository root, after the README's quick start):
+  python deepy.py train.py configs/tiny.yml configs/local_setup.yml         train (resumes from `load`)
+  python deepy.py --dry-run train.py configs/125M.yml configs/local_setup.yml
+                                                  check everything, print the resolved config, launch nothing
+  python deepy.py train.py -d configs tiny local_setup train_iters=50      key=value overrides come last
+  python deepy.py generate.py configs/tiny.yml configs/local_setup.yml text_gen_type=unconditional
+
+Every config mistake stops deepy.py before anything starts: one message naming the key and its
+file:line, exit code 2. Keys: configs/neox_arguments.md."""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="deepy.py",
         usage=USAGE,
-        description="Resolve GPT-NeoX-style YAML configs and launch USER_SCRIPT on every rank.",
+        description="Resolve GPT-NeoX-style YAML configs and launch USER_SCRIPT (train.py, generate.py, eval.py) "
+                    "on every rank.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--dry-run", action="store_true", help="run every check, print the resolved config, launch nothing")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show the libraries' own output too: DeepSpeed's INFO lines and step line, the launch "
+                             "command, each rank's place in the layout (deepspeed_log_level=info)")
+    parser.add_argument("--debug", action="store_true", help="--verbose, and tracebacks of errors")
     parser.add_argument("-d", "--conf_dir", "--conf-dir", default=None, help="directory the CONFIG names are relative to")
     parser.add_argument("user_script", metavar="USER_SCRIPT", help="the script each rank runs, e.g. train.py")
     parser.add_argument("rest", nargs="*", metavar="CONFIG|key=value", help="config files, then key=value overrides")
@@ -91,7 +112,8 @@ def parse_command(argv: Sequence[str]) -> DeepyCommand:
         raise UsageError(f"user script not found: {ns.user_script}")
     if not configs and not dialect_flags:
         raise UsageError(f"no config file given after {ns.user_script}\nusage: {USAGE}")
-    return DeepyCommand(ns.user_script, configs, overrides, ns.conf_dir, ns.dry_run, ns.debug, tuple(dialect_flags))
+    return DeepyCommand(ns.user_script, configs, overrides, ns.conf_dir, ns.dry_run, ns.debug,
+                        ns.verbose or ns.debug, tuple(dialect_flags))
 
 
 def resolve(command: DeepyCommand) -> ResolvedConfig:
@@ -141,11 +163,36 @@ def fill_in_for_inference(resolved: ResolvedConfig, user_script: str) -> None:
                                  f"engine that holds the weights (none of them is read by inference)")
 
 
-def assign_run_dir(resolved: ResolvedConfig) -> str:
-    """``<log_dir or runs>/<timestamp>`` unless already chosen; stored in the resolved config."""
+def assign_run_dir(resolved: ResolvedConfig, user_script: str) -> str:
+    """The run's one directory, unless already chosen: ``run_dir`` when set, else ``<log_dir>/<run
+    name>`` (the directory its metrics.jsonl goes to): the name a resumed run's checkpoint records, or
+    a fresh one. Stored in the resolved config with the name, which the ranks then use."""
     if not resolved.directory:
-        resolved.directory = str(run_directory(resolved.args))
+        if not resolved.args.run_dir:
+            from megatron.logging.trackers import new_run_name
+
+            resolved.run_name = resumed_run_name(resolved, user_script) or new_run_name()
+        resolved.directory = str(run_directory(resolved.args, run_name=resolved.run_name))
     return resolved.directory
+
+
+def resumed_run_name(resolved: ResolvedConfig, user_script: str) -> str | None:
+    """The name of the run a training launch continues (its checkpoint in ``load`` records it), or None."""
+    from pathlib import Path
+
+    from megatron.checkpointing.discovery import resume_point
+
+    args = resolved.args
+    if os.path.basename(user_script) in ENTRY_POINTS_OF_TEXTGEN or not args.load or not args.load_checkpoint:
+        return None
+    if args.finetune:
+        return None
+    found = resume_point(Path(args.load), args.iteration)
+    if found is None:
+        return None
+    state = (found[1].get("extra") or {}).get("train_state") or {}
+    name = state.get("run_name")
+    return name if isinstance(name, str) and name and os.sep not in name else None
 
 
 def already_finished(resolved: ResolvedConfig, user_script: str) -> str | None:
@@ -267,8 +314,8 @@ def memory_report(resolved: ResolvedConfig) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     command = parse_command(sys.argv[1:] if argv is None else argv)
     resolved = resolve(command)
-    if command.debug and "deepspeed_log_level" not in resolved.provenance:
-        resolved.args.deepspeed_log_level = "info"  # --debug shows DeepSpeed's own INFO lines too
+    if command.verbose and "deepspeed_log_level" not in resolved.provenance:
+        resolved.args.deepspeed_log_level = "info"  # --verbose/--debug show DeepSpeed's own INFO lines too
         resolved.provenance["deepspeed_log_level"] = "cli"
     finished = already_finished(resolved, command.user_script)
     if finished is not None and not command.dry_run:
@@ -277,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if finished is not None:
         resolved.warnings.append(f"{finished}; a launch would exit at once")
-    run_dir = assign_run_dir(resolved)
+    run_dir = assign_run_dir(resolved, command.user_script)
     config_path = os.path.join(run_dir, RESOLVED_FILE_NAME)
     try:
         plan: LaunchPlan | None = plan_run(resolved, command.user_script, config_path)
@@ -294,7 +341,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"deepy: {line}", flush=True)
     config_file = resolved.write(config_path)
     print(f"deepy: resolved config written to {config_file}", flush=True)
+    from megatron.logging import rank_errors
+
+    if plan is not None and not plan.in_place:  # in place, every rank's deepy.py would clear the others'
+        rank_errors.clear(run_dir)  # a resumed run's directory may hold the errors of its last launch
 
     from megatron.launcher import run_plan
 
-    return run_plan(plan, os.environ)
+    return run_plan(plan, os.environ, verbose=is_verbose(resolved.args.deepspeed_log_level))

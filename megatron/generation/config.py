@@ -99,7 +99,9 @@ class TextgenArgs(ArgGroup):
     """File of prompts for input-file generation."""
 
     sample_output_file: str = "samples.txt"
-    """Where generated samples are written, one JSON object per line (prompt, text, tokens, ...)."""
+    """Where generated samples are written, one JSON object per line (prompt, text, tokens, ...): JSON
+    lines whatever the name; the default is GPT-NeoX's (which writes JSON lines to it too: neox_args.py:1580,
+    text_generation_utils.py:642 at ea7aefd), so name it ``.jsonl`` yourself."""
 
     num_samples: int = Field(1, ge=1)
     """Number of unconditional samples to draw."""

@@ -111,7 +111,7 @@ def write_config(
         f"# Deepy model config for the checkpoint converted from {source}.",
         "# Merge it with your data / schedule configs: python deepy.py train.py THIS.yml YOURS.yml",
         f"# The checkpoint holds weights only, at model_parallel_size {tp} and pipe_parallel_size {pp}: keep",
-        "# those (any data parallelism and ZeRO stage 0-2 work); the optimizer starts fresh.",
+        f"# those (any data parallelism and ZeRO stage {zero_stages(tp, pp)} work); the optimizer starts fresh.",
     ]
     if finetune:
         header.append("# finetune: true starts at step 0; set it to false to continue at the checkpoint's iteration.")
@@ -122,3 +122,11 @@ def write_config(
     path = out_dir / CONFIG_NAME
     path.write_text("\n".join(header) + "\n" + yaml.safe_dump(keys, sort_keys=False), encoding="utf-8")
     return path
+
+
+def zero_stages(tp: int, pp: int) -> str:
+    """The ZeRO stages the written layout takes (``neox_arguments/rules.py``): DeepSpeed's pipeline engine
+    (pipe_parallel_size 1 uses it too) refuses ZeRO-2/3, and ZeRO-3 is refused with tensor parallelism."""
+    if pp >= 1:
+        return "0-1"
+    return "0-2" if tp > 1 else "0-3"

@@ -16,6 +16,7 @@ and ``-genv``) follow DeepSpeed's.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping
 
 from megatron.errors import ConfigError
@@ -85,10 +86,14 @@ def plan_mpi(inputs: PlanInputs, kind: str) -> LaunchPlan:
     meeting = rendezvous(inputs.config, hosts[0], inputs.master_port_given)
     env = {"MASTER_ADDR": meeting.addr, "MASTER_PORT": str(meeting.port)}
     if kind == "openmpi":
-        if os.geteuid() == 0 and not _root_allowed(inputs.environ):
-            raise ConfigError(ROOT_HINT)
-        argv = openmpi_argv(inputs, {**inputs.environ, **env})
         tools: tuple[str, ...] = ("mpirun", "ompi_info")
+        if os.geteuid() == 0 and not _root_allowed(inputs.environ):
+            # both things to fix in one message, not the second one after the first is fixed
+            missing = [tool for tool in tools if shutil.which(tool) is None]
+            also = (f"; and this launch needs {', '.join(repr(t) for t in missing)} on PATH, which is not installed "
+                    f"here: install Open MPI, or pick another launcher") if missing else ""
+            raise ConfigError(ROOT_HINT + also)
+        argv = openmpi_argv(inputs, {**inputs.environ, **env})
     else:
         extra = {**env, **(MVAPICH_ENV if kind == "mvapich" else {})}
         argv = hydra_argv(inputs, kind, extra)

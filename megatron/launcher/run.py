@@ -26,6 +26,7 @@ from types import FrameType
 from typing import Any
 
 from megatron.launcher.plan import LaunchPlan
+from megatron.logging import rank_errors
 from megatron.launcher.processes import end_session, rank_processes, send
 
 # the directory holding the ``megatron`` package: workers outside the repo must still import it
@@ -152,6 +153,11 @@ class LaunchSupervisor:
             send(self.process.pid, signal.SIGTERM)
 
     def _result(self, code: int) -> int:
+        if code != 0 and not self.plan.in_place:
+            # the ranks printed the first error once; say which ranks had it, and any other error once (in
+            # place, srun/mpirun started one deepy.py per rank: the ranks' own reports are all there is)
+            for line in rank_errors.summary(os.path.dirname(self.plan.config_path)):
+                print(line, flush=True)
         if self.stop_signal is None:
             if code != 0:
                 print(f"deepy: run failed with exit code {code}", flush=True)
@@ -164,10 +170,17 @@ class LaunchSupervisor:
         return 128 + self.stop_signal
 
 
-def run_plan(plan: LaunchPlan, environ: Mapping[str, str]) -> int:
+def launch_line(plan: LaunchPlan, verbose: bool = False) -> str:
+    """``deepy: starting 2 ranks on this machine (rendezvous 127.0.0.1:29500)``; with ``verbose``, the
+    command that starts them too (on this machine, deepy's own per-node launcher: an internal detail)."""
+    ranks = f"{plan.world_size} rank{'s' if plan.world_size != 1 else ''}"
+    how = "on this machine" if plan.mode == "local" else f"via {plan.mode}"
+    where = f" (rendezvous {plan.master_addr}:{plan.master_port})" if plan.master_port is not None else ""
+    line = f"deepy: starting {ranks} {how}{where}"
+    return f"{line}: {shlex.join(plan.argv)}" if verbose or plan.mode != "local" else line
+
+
+def run_plan(plan: LaunchPlan, environ: Mapping[str, str], verbose: bool = False) -> int:
     """Start ``plan`` and wait for it; returns deepy's exit code."""
-    where = ""
-    if plan.master_port is not None:
-        where = f" (rendezvous {plan.master_addr}:{plan.master_port})"
-    print(f"deepy: starting {plan.world_size} rank(s) via {plan.mode}{where}: {shlex.join(plan.argv)}", flush=True)
+    print(launch_line(plan, verbose), flush=True)
     return LaunchSupervisor(plan, worker_environment(environ, plan.env)).run()

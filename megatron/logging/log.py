@@ -11,17 +11,27 @@ import sys
 from typing import Any
 
 LOGGER_NAME = "deepy"
+MODULES_LOGGER_NAME = "megatron"
+"""Parent of the ``logging.getLogger(__name__)`` loggers of Deepy's modules."""
 
 
-def setup_logging(speaks: bool, level: int = logging.INFO) -> logging.Logger:
-    """Configure the ``deepy`` logger: INFO on the speaking rank, WARNING elsewhere."""
+def setup_logging(speaks: bool, level: int = logging.INFO, verbose: bool = False) -> logging.Logger:
+    """Configure the ``deepy`` logger (the run's lines) and the ``megatron`` modules' loggers.
+
+    The speaking rank shows ``deepy`` at ``level`` and the modules' warnings; the other ranks show
+    errors only, since in a data-parallel run they would repeat the speaking rank's lines word for word
+    (``verbose``: their warnings too, and every module's info lines)."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
     logger = logging.getLogger(LOGGER_NAME)
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(level if speaks else logging.WARNING)
+    modules = logging.getLogger(MODULES_LOGGER_NAME)
+    for each in (logger, modules):
+        if not each.handlers:
+            each.addHandler(handler)
+            each.propagate = False
+    quiet = logging.WARNING if verbose else logging.ERROR
+    logger.setLevel(level if speaks else quiet)
+    modules.setLevel((logging.INFO if verbose else logging.WARNING) if speaks else quiet)
     return logger
 
 
@@ -33,13 +43,18 @@ _FORMATS: list[tuple[str, str, str]] = [
     ("train/lm_loss", "loss", "{:.6f}"),
     ("eval/lm_loss", "eval loss", "{:.6f}"),
     ("test/lm_loss", "test loss", "{:.6f}"),
+    ("train/rewards/accuracy", "reward accuracy", "{:.2f}"),  # DPO/KTO
+    ("eval/rewards/accuracy", "eval reward accuracy", "{:.2f}"),
+    ("train/rm/accuracy", "accuracy", "{:.2f}"),  # reward models
+    ("eval/rm/accuracy", "eval accuracy", "{:.2f}"),
     ("train/lr", "lr", "{:.3e}"),
     ("train/loss_scale", "loss scale", "{:.1f}"),
     ("train/grad_norm", "grad norm", "{:.4f}"),
-    ("train/skipped_steps", "skipped", "{:d}"),
-    ("throughput/tokens_per_sec", "tokens/s", "{:.1f}"),
+    ("train/skipped_steps", "skipped", "{:d}"),  # fp16 rows only (see format_row)
+    ("throughput/tokens_per_sec", "tokens/s", "{:,.0f}"),
     ("timers/ms_per_iter", "ms/iter", "{:.1f}"),
-    ("throughput/tflops_per_device", "TFLOP/s", "{:.3g}"),  # 3 significant digits: tiny CPU models too
+    # the same number of decimals on every row, so the column does not jump between 0.0157 and 0.00909
+    ("throughput/tflops_per_device", "TFLOP/s", "{:.3f}"),
     ("throughput/mfu", "MFU", "{:.1%}"),
     ("throughput/hfu", "HFU", "{:.1%}"),
 ]
@@ -53,6 +68,8 @@ def format_row(row: dict[str, Any], train_iters: int | None = None) -> str:
         value = row.get(key)
         if value is None:
             continue
+        if key == "train/skipped_steps" and "train/loss_scale" not in row:
+            continue  # only fp16's loss scaling skips steps: "skipped 0" says nothing elsewhere
         try:
             parts.append(f"{label} {fmt.format(value)}")
         except (ValueError, TypeError):

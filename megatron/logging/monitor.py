@@ -10,6 +10,7 @@ here from the logging keys (:class:`~megatron.logging.config.LoggingArgs`), so t
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +35,10 @@ class Monitor:
         self.train_iters = train_iters
         self.stats = stats
         self.profiler = profiler
+        self.started: float | None = None
+        """When this launch's first step began (``time.monotonic``), for the summary's wall time."""
+        self.last: dict[str, Any] = {}
+        """The newest logged value of every metric (the summary's losses)."""
 
     @property
     def wandb_run_id(self) -> str | None:
@@ -44,6 +49,9 @@ class Monitor:
 
     def before_step(self, iteration: int) -> None:
         """``iteration``: the step about to run (1-based)."""
+        if self.started is None:
+            self.started = time.monotonic()
+            self.progress.begin()
         if self.stats is not None:
             self.stats.arm(self.is_log_step(iteration))
         if self.profiler is not None:
@@ -68,10 +76,15 @@ class Monitor:
 
     def log(self, row: Mapping[str, Any], step: int) -> None:
         self.trackers.log({k: v for k, v in row.items() if k != "iteration"}, step)
+        self.last.update(row)
         self.progress.row({"iteration": step, **row})
 
     def message(self, text: str) -> None:
         self.progress.message(text)
+
+    def elapsed(self) -> float:
+        """Seconds since this launch's first step began (0 before it)."""
+        return 0.0 if self.started is None else time.monotonic() - self.started
 
     def close(self, iteration: int, failed: bool = False) -> None:
         if self.profiler is not None:

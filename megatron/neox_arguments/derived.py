@@ -428,7 +428,8 @@ def derive_save_interval(ctx: RuleContext) -> Derivation:
         seconds = parse_duration(value)
     except TimePhraseError:
         return Derivation()  # save_interval_is_duration reports it with file:line
-    return Derivation({"save_interval": int(round(seconds))})
+    # the user's value in seconds: provenance stays theirs (cli, file:line), not "derived"
+    return Derivation(respelled={"save_interval": int(round(seconds))})
 
 
 # --- finalize ---------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import cast
 
 from megatron.config_rules import RuleContext, describe, rule
@@ -55,6 +56,13 @@ def _not_here(ctx: RuleContext, what: str, problem: str) -> list[str]:
     return []
 
 
+def _written_by_preprocess(prefix: str) -> list[str]:
+    """The datasets ``preprocess_data.py --output-prefix <prefix>`` wrote (``<prefix>_text_document``, one
+    per ``--jsonl-keys`` key)."""
+    found = sorted(str(p)[: -len(".idx")] for p in Path(prefix).parent.glob(f"{Path(prefix).name}_*_document.idx"))
+    return [f for f in found if Path(f + ".bin").exists()]
+
+
 @rule
 def data_files_are_datasets(ctx: RuleContext) -> list[str]:
     if ctx.get("use_dummy_dataset"):
@@ -66,6 +74,11 @@ def data_files_are_datasets(ctx: RuleContext) -> list[str]:
             continue
         fix = ("build it with `python prepare_data.py` or tools/datasets/preprocess_data.py, or fix the path"
                if "not found" in bad else "rebuild it with tools/datasets/preprocess_data.py")
+        written = _written_by_preprocess(prefix) if "not found" in bad else []
+        if written:
+            # preprocess_data.py appends _<json key>_document to --output-prefix, as GPT-NeoX's does
+            fix = (f"tools/datasets/preprocess_data.py names its output <output-prefix>_<key>_document: did you mean "
+                   f"{key}={' or '.join(written)}?")
         problems += _not_here(ctx, f"{key}: {prefix}", f"{key} ({describe(ctx.source(key))}): dataset {prefix}: {bad}; {fix}")
     for key in ("train_urls", "validation_urls"):
         for url in ctx.get(key) or []:

@@ -38,8 +38,12 @@ class ResolvedConfig:
     deepspeed_config: dict[str, Any] | None = None
     """The DeepSpeed config dict, once :func:`finalize` has split it off."""
     directory: str | None = None
-    """Directory of this launch, where this file is written: the ``run_dir`` key when set, else a fresh
-    one (:func:`run_directory`); chosen once by ``deepy.py`` just before writing."""
+    """Directory of this launch, where this file is written: the ``run_dir`` key when set, else the run's
+    own directory ``<log_dir>/<run name>`` (:func:`run_directory`), which also holds its metrics.jsonl;
+    chosen once by ``deepy.py`` just before writing."""
+    run_name: str | None = None
+    """The run's name when deepy.py chose the directory (a new run's fresh name, or the name a resumed
+    run's checkpoint records): the ranks name the run so, and its metrics go to the same directory."""
     warnings: list[str] = field(default_factory=list)
     """Said before launching (a hostfile that does not exist, files not visible from here, ...)."""
     skipped: list[str] = field(default_factory=list)
@@ -62,6 +66,7 @@ class ResolvedConfig:
             "provenance": dict(sorted(self.provenance.items())),
             "deepspeed_config": self.deepspeed_config,
             "run_dir": self.directory,
+            "run_name": self.run_name,
             "dialect": self.dialect,
         }
 
@@ -104,6 +109,7 @@ def load_resolved(path: str | os.PathLike[str]) -> ResolvedConfig:
         provenance=dict(data.get("provenance") or {}),
         deepspeed_config=data.get("deepspeed_config"),
         directory=data.get("run_dir"),
+        run_name=data.get("run_name"),
         dialect=data.get("dialect"),
     )
 
@@ -131,7 +137,12 @@ def default_run_dir(log_dir: str | None, now: datetime | None = None) -> Path:
     return Path(log_dir or DEFAULT_RUNS_DIR) / stamp
 
 
-def run_directory(args: NeoXArgs, now: datetime | None = None) -> Path:
-    """Where this launch's resolved config goes: ``run_dir`` if set, else a fresh timestamped
+def run_directory(args: NeoXArgs, now: datetime | None = None, run_name: str | None = None) -> Path:
+    """Where this launch's resolved config goes: ``run_dir`` if set, else the run's own directory
+    ``<log_dir or runs>/<run_name>`` (the one its metrics.jsonl is written to), else a fresh timestamped
     directory under ``log_dir`` (or ``runs``)."""
-    return Path(args.run_dir) if args.run_dir else default_run_dir(args.log_dir, now)
+    if args.run_dir:
+        return Path(args.run_dir)
+    if run_name:
+        return Path(args.log_dir or DEFAULT_RUNS_DIR) / run_name
+    return default_run_dir(args.log_dir, now)

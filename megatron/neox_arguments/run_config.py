@@ -49,6 +49,8 @@ class RunConfig:
     """The DeepSpeed config dict deepy.py split off (batch sizes, precision, ZeRO, ...)."""
     args_record: dict[str, Any] = field(default_factory=dict)
     """Every resolved key as JSON (stored in checkpoints to describe the run; never read for settings)."""
+    run_name: str | None = None
+    """The name deepy.py gave the run (its directory under ``log_dir``); None: the ranks name it."""
 
     def __post_init__(self) -> None:
         args = self.args
@@ -136,7 +138,8 @@ class RunConfig:
 
         args = resolved.args
         ds = resolved.deepspeed_config if resolved.deepspeed_config is not None else deepspeed_config(args)
-        return cls(args=args, deepspeed_config=ds, args_record=args.model_dump(mode="json"))
+        return cls(args=args, deepspeed_config=ds, args_record=args.model_dump(mode="json"),
+                   run_name=resolved.run_name)
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], world_size: int = 1) -> RunConfig:

@@ -20,7 +20,6 @@ the single-rank run and no ``train/grad_norm`` could be logged.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -35,9 +34,15 @@ from torch import nn
 
 from megatron import mpu
 from megatron.checkpointing import neox_files
-from megatron.deepspeed_internals import replace_fp32_clipping, skip_frozen_tied_gradients, skip_gradient_allreduce
+from megatron.deepspeed_internals import (
+    quiet_step_line,
+    replace_fp32_clipping,
+    skip_frozen_tied_gradients,
+    skip_gradient_allreduce,
+)
 from megatron.errors import ConfigError
 from megatron.mpu.parallel_config import ParallelRunArgs
+from megatron.logging.console import deepspeed_prints_quiet, is_verbose
 from megatron.logging.log import get_logger
 from megatron.model import GPTConfig, GPTModel, pipeline_layer_specs
 from megatron.model.lora import LoRAAdapter, adapters_of, apply_lora
@@ -256,19 +261,6 @@ def optimizer_offloaded(ds_config: dict[str, Any]) -> bool:
 
 
 @contextlib.contextmanager
-def _deepspeed_prints_quiet() -> Iterator[None]:
-    """PipelineModule print()s its seeds and layer partition on every rank, bypassing DeepSpeed's
-    logger: keep that out of the user's console unless DeepSpeed's log level is info or debug."""
-    from deepspeed.utils import logger as ds_logger
-
-    if ds_logger.getEffectiveLevel() <= logging.INFO:
-        yield
-        return
-    with contextlib.redirect_stdout(io.StringIO()):
-        yield
-
-
-@contextlib.contextmanager
 def _deepspeed_info_logs(on: bool) -> Iterator[None]:
     """``dump_state``: DeepSpeed prints its engine state (rank 0, during ``initialize``) at info level,
     which ``deepspeed_log_level`` (warning by default) would hide; the user asked for it, so DeepSpeed's
@@ -320,7 +312,7 @@ def build_model(config: GPTConfig, parallel: ParallelRunArgs, ckpt: ActivationCh
 
     # whole-chunk checkpointing by PipelineModule unless only every k-th block is recomputed
     interval = ckpt.checkpoint_num_layers if ckpt.checkpoint_activations and not ckpt.selective_checkpointing else 0
-    with _deepspeed_prints_quiet():
+    with deepspeed_prints_quiet():  # its SEED_LAYERS=... and stage=0 layers=5 dump
         model = PipelineModule(
             layers=pipeline_layer_specs(config),
             loss_fn=objective.loss,
@@ -375,6 +367,8 @@ def build_engine(run: RunViews, config: GPTConfig, train_iters: int, objective: 
             mpu=None if is_pipe else deepspeed_mpu(),
             dist_init_required=False,
         )
+    if is_pipe:  # DeepSpeed's step line every steps_per_print steps, with --verbose only (Deepy logs its own)
+        quiet_step_line(quiet=not is_verbose(run.logging.deepspeed_log_level))
     install_expert_parallel(engine)  # no-op unless experts are split over data-parallel ranks
     hybrid_shard_engine.install(engine)  # no-op unless ZeRO-3 partitions are replicated (hsdp)
     # checkpoints are written (and read) in GPT-NeoX's layout: its tools and users read them

@@ -253,5 +253,4 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
         state.stop_reason = state.stop_reason or "train_iters reached"
         for hook in hooks.at_exit:
             hook(ctx.eng, state)
-    ctx.monitor.message(f"training stopped at iteration {state.iteration}: {state.stop_reason}")
-    return state
+    return state  # the run's summary says where and why it stopped (pretrain)

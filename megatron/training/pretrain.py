@@ -24,9 +24,11 @@ from megatron.data.build import build_datasets
 from megatron.data.batch import BatchLayout
 from megatron.data.sampler import MicroBatchIterator, prefetched
 from megatron.errors import ConfigError
+from megatron.logging.console import is_verbose, set_verbose
 from megatron.logging.log import get_logger, set_deepspeed_log_level, setup_logging
-from megatron.logging.monitor import build_monitor
+from megatron.logging.monitor import Monitor, build_monitor
 from megatron.logging.progress import progress
+from megatron.logging.run_summary import RunFacts, RunOutcome, header_lines, split_size, summary_lines
 from megatron.logging.throughput import current_device_name, peak_tflops
 from megatron.logging.timers import TimedIterator
 from megatron.model import flops_per_token, num_parameters
@@ -81,9 +83,11 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     """Train as ``run`` says. ``before_commit``: called between writing a checkpoint's files and
     committing it (the crash-safety tests kill the process there)."""
     limit_cpu_threads()
-    setup_logging(speaks())
-    log = get_logger()
     training, log_config = run.training, run.logging
+    verbose = is_verbose(log_config.deepspeed_log_level)
+    set_verbose(verbose)
+    setup_logging(speaks(), verbose=verbose)
+    log = get_logger()
     set_deepspeed_log_level(log_config.deepspeed_log_level)
     model_parallel_manual_seed(training.seed)
     tokenizer = build_tokenizer(run.tokenizer)
@@ -105,8 +109,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
                                     adapters=run.lora.lora_enabled)
     eng.reference.capture(eng.engine, record, run.checkpoint)
     model_config = eng.config  # a reward model's scalar head replaces the LM head
-    log.info("model: %s parameters (%s without embeddings); %s", f"{num_parameters(model_config):,}",
-             f"{num_parameters(model_config, include_embeddings=False):,}", "pipeline" if eng.is_pipe else "plain")
+    trainable = adapter_parameters(eng.engine.module) if run.lora.lora_enabled else num_parameters(model_config)
 
     g = batch.global_size
     device = _device()
@@ -131,12 +134,28 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
                             engine=eng.engine, rank=rank, speaks=speaks(), start_iteration=state.iteration,
                             train_iters=train_iters, wandb_run_id=state.wandb_run_id,
                             run_config=run.args_record, logger=log, cuda=torch.cuda.is_available(),
-                            run_name=state.run_name)
+                            run_name=state.run_name or run.run_name)
     state.wandb_run_id = monitor.wandb_run_id or state.wandb_run_id  # saved with every checkpoint
     state.run_name = monitor.run_name
-    if log_config.log_dir:
-        log.info("metrics: %s (%s)", os.path.join(log_config.log_dir, state.run_name, "metrics.jsonl"),
-                 f"continued after iteration {state.iteration}" if state.iteration else "a new run")
+    metrics_dir = os.path.join(log_config.log_dir, state.run_name) if log_config.log_dir else None
+    split_tokens, split_documents = split_size(splits.train)
+    for line in header_lines(RunFacts(
+            run_name=state.run_name, metrics_dir=metrics_dir, parameters=num_parameters(model_config),
+            non_embedding_parameters=num_parameters(model_config, include_embeddings=False),
+            trainable_parameters=trainable, adapters=run.lora.lora_enabled,
+            engine="pipeline" if eng.is_pipe else "plain",
+            world_size=dist.get_world_size() if dist.is_initialized() else 1,
+            dp=batch.dp, tp=run.parallel.model_parallel_size, pp=run.parallel.pipe_stages,
+            cp=run.parallel.context_parallel_size,
+            zero_stage=int((run.deepspeed.get("zero_optimization") or {}).get("stage", 0) or 0),
+            precision=compute_dtype(training.precision), micro_batch=batch.micro, accumulation=batch.gas,
+            global_batch=batch.global_size, seq_length=training.seq_length,
+            rows_per_sample=objective.rows_per_sample,
+            tokens_per_step=batch.global_size * training.seq_length * objective.rows_per_sample,
+            train_iters=train_iters, start_iteration=state.iteration, split_tokens=split_tokens,
+            split_documents=split_documents, eval_interval=training.eval_interval if splits.valid is not None else None,
+            eval_iters=training.eval_iters, save=run.checkpoint.save)):
+        monitor.message(line)
     if state.consumed_samples:
         log.info("data: resuming at sample %s of the global order (computed from consumed_samples, nothing "
                  "replayed)", f"{state.consumed_samples:,}")
@@ -171,7 +190,35 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     # DeepSpeed's communication timings (comms_logger): shown after the last step, and with verbose at log steps
     comms = CommsReport(run.deepspeed.get("comms_logger"), log_config.log_interval)
     hooks = Hooks(after_step=[ckpt.after_step, comms.after_step], at_exit=[ckpt.at_exit, comms.at_exit])
+    first, first_tokens = state.iteration, state.consumed_tokens
     try:
-        return train(ctx, state, hooks)
+        state = train(ctx, state, hooks)
+        say_summary(monitor, ctx, state, first, state.consumed_tokens - first_tokens, run.checkpoint.save,
+                    os.path.join(metrics_dir, "metrics.jsonl") if metrics_dir else None)
+        return state
     finally:
         monitor.close(state.iteration, failed=sys.exc_info()[0] is not None)
+
+
+def say_summary(monitor: Monitor, ctx: LoopContext, state: TrainState, first: int, tokens: int, save: str | None,
+                metrics_file: str | None) -> None:
+    """The run's closing lines (speaking rank): steps, time, tokens, speed, last losses, where things are."""
+    for line in summary_lines(RunOutcome(
+            first_iteration=first, last_iteration=state.iteration, stop_reason=state.stop_reason or "stopped",
+            wall_seconds=monitor.elapsed(), tokens=tokens, world_size=ctx.world_size,
+            flops_per_token=ctx.flops_per_token, peak_tflops=ctx.peak_tflops, last_row=monitor.last,
+            save=save, metrics_file=metrics_file)):
+        monitor.message(line)
+
+
+def adapter_parameters(module: torch.nn.Module) -> int:
+    """Parameters a LoRA run trains, over the whole model: this rank's trainable ones at their full
+    tensor-parallel size (a split factor times tp), each pipeline stage's counted once by name."""
+    tp = mpu.get_tensor_model_parallel_world_size()
+    local = {name: int(getattr(p, "ds_numel", p.numel())) * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+             for name, p in module.named_parameters() if p.requires_grad}
+    if mpu.get_pipe_parallel_world_size() > 1:
+        stages: list[dict[str, int] | None] = [None] * mpu.get_pipe_parallel_world_size()
+        dist.all_gather_object(stages, local, group=mpu.get_pipe_parallel_group())
+        local = {name: n for stage in stages for name, n in (stage or {}).items()}
+    return sum(local.values())

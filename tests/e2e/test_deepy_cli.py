@@ -160,7 +160,7 @@ def test_real_launch_writes_the_resolved_file_and_returns_the_launcher_code(
 
     calls: list[tuple[str, str]] = []
 
-    def fake_run_plan(plan: megatron.launcher.LaunchPlan, environ: object) -> int:
+    def fake_run_plan(plan: megatron.launcher.LaunchPlan, environ: object, verbose: bool = False) -> int:
         calls.append((plan.argv[-3], plan.config_path))
         assert Path(plan.config_path).is_file()  # written before any rank could start
         return 3
@@ -175,6 +175,7 @@ def test_real_launch_writes_the_resolved_file_and_returns_the_launcher_code(
     assert f"resolved config written to {config_file}" in out
     back = load_resolved(config_file)
     assert back.directory == str(run_dir) and back.args.train_iters == 4
+    assert back.run_name == run_dir.name  # the ranks name the run after its directory: metrics go there too
     assert back.provenance["num_layers"] == "model.yml:1" and back.provenance["train_iters"] == "cli"
     assert back.deepspeed_config is not None and back.deepspeed_config["train_batch_size"] >= 1
     assert back.config_files == {"model.yml": (work / "model.yml").read_text()}

@@ -46,7 +46,7 @@ pytestmark = pytest.mark.slow
 
 SECRET = "local-test-secret-5151"
 
-PORT = re.compile(r"^deepy: starting 2 rank\(s\) via local \(rendezvous 127\.0\.0\.1:(\d+)\)", re.MULTILINE)
+PORT = re.compile(r"^deepy: starting 2 ranks on this machine \(rendezvous 127\.0\.0\.1:(\d+)\)", re.MULTILINE)
 
 
 def test_two_runs_started_together_both_train(two_runs_at_once: TwoRuns) -> None:

@@ -41,7 +41,8 @@ def train(layout: str, tmp: Path, **extra: Any) -> dict[str, Any]:
     if proc.returncode != 0:
         pytest.fail(f"LoRA {layout} failed with exit code {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
     rows = [json.loads(line) for line in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()]
-    return {"rows": rows, "ckpt": tmp / "ckpt" / f"global_step{STEPS}", "config": config}
+    return {"rows": rows, "ckpt": tmp / "ckpt" / f"global_step{STEPS}", "config": config,
+            "console": proc.stdout + proc.stderr}
 
 
 def column(rows: list[dict[str, Any]], key: str) -> list[float]:
@@ -138,6 +139,15 @@ def test_lora_layout_equals_single_rank(layout: str, single: dict[str, Any],
     assert_close(f"lora {layout}", "train/grad_norm", column(rows, "train/grad_norm"),
                  column(want, "train/grad_norm"), 1e-4)
     assert_close(f"lora {layout}", "eval/lm_loss", column(rows, "eval/lm_loss"), column(want, "eval/lm_loss"), 1e-5)
+
+
+@pytest.mark.parametrize("layout", ["single", *PARITY_LAYOUTS])
+def test_the_run_header_counts_the_adapters_of_the_whole_model(layout: str, single: dict[str, Any],
+                                                               request: pytest.FixtureRequest) -> None:
+    """Issue 32: LoRA runs did not say how many parameters train. Split over tp, pp and ZeRO-3 the header
+    still counts the whole model's adapters once."""
+    run = single if layout == "single" else request.getfixturevalue("layout_runs")[layout]
+    assert f" {ADAPTER_PARAMS:,} trainable (LoRA adapters, " in run["console"], run["console"][-3000:]
 
 
 @pytest.mark.parametrize("layout", ["single", "dp2_zero1", "dp2_zero3"])

@@ -256,7 +256,8 @@ def test_save_needs_a_schedule_and_vice_versa() -> None:
 
 def test_save_interval_phrase_becomes_seconds() -> None:
     config = ok(save="ckpt", save_interval="1h30m")
-    assert config.args.save_interval == 5400 and config.provenance["save_interval"] == "derived"
+    # the user's value, respelled: it keeps the user's provenance (issue 32: a cli value showed "derived")
+    assert config.args.save_interval == 5400 and config.provenance["save_interval"] == "cfg.yml:10"
     assert "save_interval='15 minutes later' (cfg.yml:10)" in problems(save="ckpt", save_interval="15 minutes later")
 
 

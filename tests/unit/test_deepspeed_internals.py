@@ -376,3 +376,27 @@ def test_checkpoint_write_flags_decide_deepspeeds_files(zero3_engine, tmp_path) 
     skip_checkpoint_writes(zero3_engine)
     zero3_engine.save_checkpoint(str(tmp_path / "skipped"), "tag")
     assert list((tmp_path / "skipped").rglob("*.pt")) == []
+
+
+def test_pipeline_step_line_is_a_print_in_its_module_and_is_filtered(capsys: pytest.CaptureFixture[str]) -> None:
+    """quiet_step_line: the pipeline engine prints its step line with the module-global ``print``
+    (which a module attribute shadows), starting with ``steps: ``; only that line is dropped."""
+    import inspect
+
+    import deepspeed.runtime.pipe.engine as pipe_engine
+
+    from megatron.deepspeed_internals import STEP_LINE_START, quiet_step_line
+
+    source = inspect.getsource(pipe_engine.PipelineEngine.train_batch)
+    assert f"log_str = f'{STEP_LINE_START}{{self.global_steps}}" in source and "print(log_str)" in source
+    capsys.readouterr()  # whatever importing DeepSpeed's modules logged
+    try:
+        quiet_step_line(quiet=True)
+        pipe_engine.print("steps: 10 loss: 6.0265 iter time (s): 0.1 samples/sec: 80.0")
+        pipe_engine.print("something else")
+        assert capsys.readouterr().out == "something else\n"
+        quiet_step_line(quiet=False)  # deepy.py --verbose
+        pipe_engine.print("steps: 20 loss: 5.9")
+        assert capsys.readouterr().out == "steps: 20 loss: 5.9\n"
+    finally:
+        del pipe_engine.print

@@ -109,3 +109,35 @@ def test_a_tool_runs_as_a_module_from_the_repository_root() -> None:
     proc = subprocess.run([sys.executable, "-m", "tools.datasets.build_preference_data", "--input", "missing.jsonl"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "missing.jsonl not found" in proc.stderr, proc.stderr
+
+
+SCRIPTS = ["train.py", "generate.py", "eval.py", "prepare_data.py",
+           *sorted(str(p.relative_to(REPO)) for p in (REPO / "tools" / "bench").glob("[!_]*.py")
+                   if 'if __name__ == "__main__"' in p.read_text())]  # harness.py, nanogpt.py: libraries
+"""The scripts without a console script: the workers deepy.py starts, the corpus builder, the benchmarks."""
+
+
+def test_deepy_help_exits_0() -> None:
+    """Issue 32: ``python deepy.py --help`` said "the following arguments are required" with exit code 2."""
+    proc = subprocess.run([sys.executable, str(REPO / "deepy.py"), "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: deepy.py [--dry-run] [--verbose] [--debug]")
+    assert "--verbose" in proc.stdout and "examples (from the repository root" in proc.stdout and proc.stderr == ""
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_answers_help(script: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import runpy
+
+    import megatron.initialize
+
+    def leave(code: int | str | None) -> None:  # the workers leave through os._exit: not out of pytest
+        raise SystemExit(code)
+
+    monkeypatch.setattr(megatron.initialize, "exit_process", leave)
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as done:
+        runpy.run_path(str(REPO / script), run_name="__main__")
+    assert done.value.code in (0, None) and out.getvalue().startswith("usage: "), out.getvalue()[:300]

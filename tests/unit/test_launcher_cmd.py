@@ -234,6 +234,18 @@ def test_openmpi_as_root_needs_open_mpis_consent(monkeypatch: pytest.MonkeyPatch
         plan({}, launcher="openmpi", num_gpus=2)
 
 
+def test_openmpi_as_root_without_mpirun_says_both_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 32: the dry run named the root consent, and once that was given, the missing mpirun."""
+    import shutil
+
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(shutil, "which", lambda tool: None)
+    with pytest.raises(ConfigError) as refused:
+        plan({}, launcher="openmpi", num_gpus=2)
+    assert "OMPI_ALLOW_RUN_AS_ROOT=1" in refused.value.message
+    assert "needs 'mpirun', 'ompi_info' on PATH, which is not installed here" in refused.value.message
+
+
 @pytest.mark.parametrize("kind", ["mpich", "mvapich"])
 def test_hydra_mpirun_for_mpich_and_mvapich(kind: str, hostfile: str) -> None:
     environ = {"WANDB_API_KEY": SECRET}

@@ -26,18 +26,62 @@ def test_format_duration() -> None:
     assert [format_duration(s) for s in (0, 59.4, 61, 3600 + 125)] == ["0s", "59s", "1m01s", "1h02m"]
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_log_file_gets_one_line_per_log_step_with_eta() -> None:
     logger, stream = capture_logger()
-    p = TrainingProgress(total=100, start=0, enabled=True, logger=logger, terminal=False)
+    clock = FakeClock()
+    p = TrainingProgress(total=100, start=0, enabled=True, logger=logger, terminal=False, clock=clock, heartbeat_s=0)
     assert p.bar is None
+    p.begin()
     for it in range(1, 11):
+        clock.now += 1.0
         p.step(it, 5.0)  # no bar: nothing printed per step
     assert stream.getvalue() == ""
     p.row({"iteration": 10, "train/lm_loss": 5.0, "timers/ms_per_iter": 1000.0})
     line = stream.getvalue().strip()
+    # 1 s per step measured after the first step: 90 steps left
     assert line.startswith("iteration 10/100 | loss 5.000000") and line.endswith("| ETA 1m30s")
-    p.row({"iteration": 10, "eval/lm_loss": 5.1})  # evaluation rows carry no timing: no ETA
+    p.row({"iteration": 10, "eval/lm_loss": 5.1})  # evaluation rows: no ETA
     assert stream.getvalue().splitlines()[-1] == "iteration 10/100 | eval loss 5.100000"
+
+
+def test_a_slow_first_step_does_not_throw_the_eta() -> None:
+    """Issue 32: a first step that compiles for 79 s promised 5m16s for one second of work. The ETA is
+    the rate after the first step; the slow step is named once."""
+    logger, stream = capture_logger()
+    clock = FakeClock()
+    p = TrainingProgress(total=20, start=0, enabled=True, logger=logger, terminal=False, clock=clock, heartbeat_s=0)
+    p.begin()
+    clock.now = 79.0
+    p.step(1)
+    for it in range(2, 11):
+        clock.now += 0.1
+        p.step(it)
+    p.row({"iteration": 10, "train/lm_loss": 5.0})
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "step 1 took 1m19s (start-up: compilation, first allocations); the ETA counts the steps after it"
+    assert lines[1].endswith("| ETA 1s")  # 10 steps x 0.1 s, not 10 x 7.9 s
+
+
+def test_a_long_first_step_says_it_is_still_running() -> None:
+    logger, stream = capture_logger()
+    p = TrainingProgress(total=5, start=2, enabled=True, logger=logger, terminal=False, heartbeat_s=0.05)
+    p.begin()
+    time.sleep(0.3)
+    p.step(3)
+    p.close()
+    beats = [line for line in stream.getvalue().splitlines() if line.startswith("step 3 still running after")]
+    assert beats and len(beats) <= 6
+    said = len(stream.getvalue().splitlines())
+    time.sleep(0.15)
+    assert len(stream.getvalue().splitlines()) == said  # the heartbeat stopped with the first step
 
 
 def test_terminal_gets_a_bar_and_rows_above_it(capsys: pytest.CaptureFixture[str]) -> None:
@@ -86,9 +130,14 @@ def test_tool_progress_is_a_tqdm_bar_on_a_terminal() -> None:
 
 def test_phase_lines() -> None:
     logger, stream = capture_logger()
-    with phase(logger, "building sample index"):
+    with phase(logger, "building sample index", announce_after_s=0):
         pass
     assert stream.getvalue().splitlines() == ["building sample index...", "building sample index: done in 0s"]
+    with phase(logger, "a quick one", announce_after_s=5.0):
+        pass  # done before it was worth a line: no trace
+    with phase(logger, "a slow one", announce_after_s=0.05):
+        time.sleep(0.2)
+    assert stream.getvalue().splitlines()[2:] == ["a slow one...", "a slow one: done in 0s"]
 
 
 def test_timed_iterator_and_window_metrics() -> None:

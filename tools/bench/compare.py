@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import time
 from typing import Any
 
 import torch
@@ -221,11 +222,19 @@ def main(argv: list[str] | None = None) -> int:
     arch = harness.arch_from(o)
     zero = o.zero if o.zero is not None else (1 if torch.cuda.is_available() else 0)
     names = [n.strip() for n in o.contenders.split(",") if n.strip()]
+
+    def say(line: str) -> None:  # every phase says it started: a run takes minutes
+        print(line, flush=True)
+
+    say(f"building {', '.join(names)} ({arch.layers} layers x {arch.hidden}, seq {arch.seq}, batch {arch.batch})...")
+    started = time.perf_counter()
     contenders = build_contenders(names, arch, zero, o.compile)
+    say(f"built in {time.perf_counter() - started:.1f} s; measuring the matmul peak...")
     peak_before = harness.matmul_tflops(arch.precision, o.matmul_size, clock=o.clock)
-    harness.run_rounds(contenders, warmup=o.warmup, block=o.block, rounds=o.rounds, clock=o.clock,
-                       progress=lambda line: print(line, flush=True))
+    say(f"{o.warmup} warm-up steps per contender, then {o.rounds} rounds of {o.block} timed steps each...")
+    harness.run_rounds(contenders, warmup=o.warmup, block=o.block, rounds=o.rounds, clock=o.clock, progress=say)
     # the peak is measured before and after the rounds; the better one is the machine's ceiling
+    say("measuring the matmul peak again...")
     peak = max(peak_before, harness.matmul_tflops(arch.precision, o.matmul_size, clock=o.clock))
     print(harness.report(arch, contenders, block=o.block, matmul_peak=peak, clock=o.clock, goals=GOALS), flush=True)
     return 0

@@ -180,9 +180,12 @@ def run_rounds(contenders: Sequence[Contender], *, warmup: int, block: int, roun
     """Warm every contender up, then `rounds` rounds of one timed `block` per contender; the order
     rotates each round so that none always runs first (or right after the same neighbour)."""
     for c in contenders:
+        started = time.perf_counter()
         for _ in range(warmup):
             c.step()
-    synchronize()
+        synchronize()
+        if progress and warmup:  # the first steps compile and allocate: minutes with --compile
+            progress(f"warm-up: {c.name} {warmup} step{'s' if warmup > 1 else ''} in {time.perf_counter() - started:.1f} s")
     for r in range(rounds):
         order = list(contenders[r % len(contenders):]) + list(contenders[: r % len(contenders)])
         for c in order:

@@ -12,8 +12,8 @@ arrive:
 
 - ``config``: deepy.py started -> ``deepy: starting N rank(s)`` (load, merge, validate, split);
 - ``ranks``: -> the last ``deepy: rank=...`` line (launcher and rank processes start, imports,
-  process groups);
-- ``model``: -> ``model: N parameters`` (model, optimizer, DeepSpeed engine);
+  process groups; printed with ``deepspeed_log_level=info``, which every launch here sets);
+- ``model``: -> the run header's ``model  N parameters`` line (model, optimizer, DeepSpeed engine);
 - ``first step``: -> the first ``iteration 1/`` line (data, the step itself);
 - ``exit``: -> deepy.py returned (the remaining step, evaluation, checkpoint, teardown).
 
@@ -38,8 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PHASES = (
     ("config", re.compile(r"^deepy: starting \d+ rank")),
-    ("ranks", re.compile(r"^deepy: rank=")),
-    ("model", re.compile(r"^model: [\d,]+ parameters")),
+    ("ranks", re.compile(r"^deepy: rank=")),  # each rank's place: printed at deepspeed_log_level=info (below)
+    ("model", re.compile(r"^(model: |  model\s+)[\d,]+ parameters")),  # the run header's model line (older: model:)
     ("first step", re.compile(r"^iteration 1/")),
 )
 
@@ -55,6 +55,7 @@ def launch(repo: Path, data_root: Path, ranks: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="deepy-launch-") as tmp:
         argv = [sys.executable, str(repo / "deepy.py"), str(repo / "train.py"), "configs/tiny.yml",
                 "configs/local_setup.yml", f"num_gpus={ranks}", "train_iters=2", "log_interval=1",
+                "deepspeed_log_level=info",  # --verbose's console: each rank says where it sits (the "ranks" phase)
                 f"save={tmp}/ckpt", f"load={tmp}/ckpt", f"log_dir={tmp}/logs"]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1"}
         cpu0, start = children_cpu(), time.perf_counter()

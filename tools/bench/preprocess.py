@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Benchmark ``tools/datasets/preprocess_data.py`` against HF ``tokenizers.encode_batch``.
 
-Builds, deterministically, the corpus of /work/shared/reference/ANCHORS.md: the Python standard
-library's docstrings of at least 200 characters as ``{"text": ...}`` lines, repeated 20 times
-(~26 MB). Then, in one run:
+Builds, deterministically, a corpus from the Python standard library's docstrings of at least 200
+characters as ``{"text": ...}`` lines, repeated 20 times (~26 MB), and tokenizes it with the
+byte-level BPE tokenizer the README's quick start trains (``data/pydocs/tokenizer.json``, from
+``python prepare_data.py``; ``--tokenizer`` takes another). Then, in one run:
 
 1. our tool end to end (a subprocess, so interpreter start and imports count), ``--append-eod``;
 2. HF ``Tokenizer.encode_batch`` on the same documents in this process (the ceiling of a tool built
@@ -12,6 +13,7 @@ library's docstrings of at least 200 characters as ``{"text": ...}`` lines, repe
 
 Prints tokens/s of both and their ratio, by wall clock and per CPU second (steadier when other jobs
 share the cores). Numbers on a shared 2-core machine are noisy: use ``--runs 3`` (best of three). ``--modes processes,threads`` also times the tool's thread-based mode.
+Each phase prints a line when it starts and what it measured when it ends (a run takes minutes).
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ import numpy as np
 from megatron.data.indexed_dataset import MMapIndexedDataset
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_TOKENIZER = REPO.parent / "shared" / "data" / "gpt2-tokenizer.json"
+DEFAULT_TOKENIZER = Path("data") / "pydocs" / "tokenizer.json"
+"""The quick start's tokenizer (``python prepare_data.py``), relative to the working directory."""
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
 
 
 def build_corpus(path: Path, repeats: int, min_chars: int) -> int:
@@ -77,8 +84,8 @@ def peak_rss_children_mb() -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER) if DEFAULT_TOKENIZER.exists() else None,
-                   help="a byte-level BPE tokenizer.json (default: ../shared/data/gpt2-tokenizer.json)")
+    p.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER),
+                   help=f"a byte-level BPE tokenizer.json (default: {DEFAULT_TOKENIZER}, from python prepare_data.py)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--min-chars", type=int, default=200)
@@ -86,14 +93,15 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=1, help="time each side this many times and keep the best")
     p.add_argument("--workdir", default=None, help="keep the corpus and outputs here (default: a temp dir)")
     args = p.parse_args()
-    if not args.tokenizer:
-        sys.exit("no --tokenizer given and ../shared/data/gpt2-tokenizer.json does not exist; "
-                 "train one with tools/datasets/train_tokenizer.py")
+    if not Path(args.tokenizer).is_file():
+        sys.exit(f"--tokenizer {args.tokenizer} does not exist: run `python prepare_data.py` (the README's quick "
+                 f"start) for the default one, or give a byte-level BPE tokenizer.json")
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.workdir or tmp)
         work.mkdir(parents=True, exist_ok=True)
         corpus = work / "stdlib_docstrings.jsonl"
+        say(f"building the corpus ({args.repeats} copies of the standard library's docstrings)...")
         n_docs = build_corpus(corpus, args.repeats, args.min_chars)
         mb = corpus.stat().st_size / 1e6
         print(f"corpus: {n_docs:,} docs, {mb:.1f} MB ({corpus})")
@@ -102,7 +110,8 @@ def main() -> int:
         results: dict[str, tuple[float, float, Path]] = {}
         for mode in args.modes.split(","):
             prefix = work / f"bench_{mode}"
-            for _ in range(args.runs):
+            for run in range(args.runs):
+                say(f"ours [{mode}]: run {run + 1}/{args.runs} of tools/datasets/preprocess_data.py...")
                 wall, cpu, out = run_tool(corpus, Path(args.tokenizer), prefix, args.workers, mode)
                 inner = re.search(r"in ([\d.]+) s", out)
                 print(f"ours [{mode}, {args.workers} workers]: {wall:.2f} s wall end to end, {cpu:.2f} CPU s"
@@ -117,7 +126,8 @@ def main() -> int:
         texts = [json.loads(line)["text"] for line in open(corpus, encoding="utf-8")]
         hf = tokenizers.Tokenizer.from_file(args.tokenizer)
         hf_time, hf_cpu, hf_ids = float("inf"), 0.0, []
-        for _ in range(args.runs):
+        for run in range(args.runs):
+            say(f"HF encode_batch: run {run + 1}/{args.runs}...")
             cpu0, start = self_cpu(), time.perf_counter()
             encodings = hf.encode_batch(texts)
             wall, cpu = time.perf_counter() - start, self_cpu() - cpu0
@@ -131,6 +141,7 @@ def main() -> int:
         print(f"HF encode_batch (best): {n_tokens / hf_time / 1e6:.2f}M tokens/s, "
               f"{n_tokens / hf_cpu / 1e6:.2f}M tokens per CPU s ({n_tokens:,} tokens incl. eod)")
         for mode, (wall, cpu, prefix) in results.items():
+            say(f"ours [{mode}]: comparing {len(hf_ids):,} documents' ids with HF's...")
             ds = MMapIndexedDataset(f"{prefix}_text_document")
             same = len(ds) == len(hf_ids) and all(
                 np.array_equal(ds[i], np.asarray(ids + [eod])) for i, ids in enumerate(hf_ids))

@@ -94,7 +94,14 @@ def export_lora_checkpoint(opts: argparse.Namespace) -> int | None:
 
 def main() -> int:
     opts = parse_args(sys.argv[1:])
+    from megatron.errors import UsageError
     from megatron.interop.convert import check_neox_flags, export_to_hf
+
+    if opts.config_file is not None and not opts.config_file.is_file():
+        stored = opts.checkpoint / "configs"
+        hint = (f"; the checkpoint keeps its config files in {stored}: "
+                f"{', '.join(sorted(p.name for p in stored.iterdir()))}" if stored.is_dir() else "")
+        raise UsageError(f"--config_file {opts.config_file}: no such file{hint}")
 
     check_neox_flags(opts.checkpoint, opts.iteration, opts.config_file, opts.architecture)
     lora_code = export_lora_checkpoint(opts)

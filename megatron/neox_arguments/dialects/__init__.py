@@ -28,7 +28,7 @@ from megatron.neox_arguments.overrides import parse_overrides
 from megatron.neox_arguments.yaml_source import LocatedDict, load_yaml_file, parse_yaml_text, resolve_config_path
 
 GPT_NEOX = "gpt-neox"
-DEEPY_FLAGS = frozenset({"--dry-run", "--debug"})
+DEEPY_FLAGS = frozenset({"--dry-run", "--debug", "--verbose", "--help"})
 DEEPY_VALUE_FLAGS = frozenset({"-d", "--conf_dir", "--conf-dir"})
 
 

@@ -68,7 +68,8 @@ class DeepSpeedConfigArgs(ArgGroup):
     """Current curriculum sequence length; runtime state of curriculum learning."""
 
     steps_per_print: int = Field(10, ge=1)
-    """DeepSpeed prints its own progress line every this many steps."""
+    """DeepSpeed prints its own progress line every this many steps, shown when deepspeed_log_level is info
+    or debug (deepy.py --verbose); Deepy's own line comes every log_interval."""
 
     wall_clock_breakdown: bool = False
     """DeepSpeed times forward, backward and optimizer step separately."""

@@ -88,5 +88,5 @@ class TrainingArgs(ArgGroup):
     """Levanter's name for the micro batch per device; read as train_micro_batch_size_per_gpu."""
 
     run_dir: str | None = None
-    """Directory where the resolved config (deepy_config.json) is written; unset derives one from
-    log_dir or save."""
+    """Directory where the resolved config (deepy_config.json) is written; unset means the run's own
+    directory <log_dir>/<run name> (runs/<run name> without log_dir), which holds its metrics.jsonl too."""

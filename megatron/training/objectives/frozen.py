@@ -104,10 +104,12 @@ class FrozenCopy:
             from deepspeed.pipe import PipelineModule
 
             from megatron import mpu
+            from megatron.logging.console import deepspeed_prints_quiet
             from megatron.model import pipeline_layer_specs
 
-            module = PipelineModule(layers=pipeline_layer_specs(model_config), loss_fn=objective.reference_fn,
-                                    topology=mpu.get_topology(), partition_method=partition_method or "uniform")
+            with deepspeed_prints_quiet():  # PipelineModule's SEED_LAYERS=... and layer partition dump
+                module = PipelineModule(layers=pipeline_layer_specs(model_config), loss_fn=objective.reference_fn,
+                                        topology=mpu.get_topology(), partition_method=partition_method or "uniform")
             module.requires_grad_(False)
             self.engine, *_ = deepspeed.initialize(model=module, config=_inference_ds_config(ds_config),
                                                    dist_init_required=False)
