@@ -25,6 +25,7 @@ from megatron.checkpointing.neox_files import gqa_order_for, load_model_file, ne
 from megatron.checkpointing.neox_layout import GqaOrder, NeoxNames
 from megatron.interop.deepy_checkpoint import merge_tp_shards
 from megatron.model.config import GPTConfig
+from megatron.model.mlp_width import GATED_ACTIVATIONS, intermediate_size_for
 from megatron.neox_arguments.keys import normalize_key
 
 Weights = dict[str, torch.Tensor]
@@ -44,7 +45,7 @@ _DEFAULTS: dict[str, Any] = {
     "rms_norm_epsilon": 1.0e-8,
 }  # fmt: skip
 _PLAIN_ACTIVATIONS = {"gelu", "relu", "silu", "swish", "mish", "softsign"}
-_GATED_ACTIVATIONS = {"geglu", "reglu", "swiglu", "bilinear", "glu"}
+
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def _refusals(values: dict[str, Any]) -> list[str]:
         problems.append(f"pos_emb: {_value(values, 'pos_emb')} (rotary and learned are read)")
     if _value(values, "norm") not in ("layernorm", "rmsnorm"):
         problems.append(f"norm: {_value(values, 'norm')} (layernorm and rmsnorm are read)")
-    if _activation(values) not in _PLAIN_ACTIVATIONS | _GATED_ACTIVATIONS:
+    if _activation(values) not in _PLAIN_ACTIVATIONS | GATED_ACTIVATIONS:
         problems.append(f"activation: {_value(values, 'activation')} with mlp_type: {_value(values, 'mlp_type')}")
     for key in ("openai_gelu", "onnx_safe", "use_mup", "use_qk_layernorm"):
         if _value(values, key):
@@ -154,6 +155,15 @@ def _ffn_width(block: dict[str, torch.Tensor], tp: int) -> int:
         if name in block:
             return int(block[name].shape[1]) * tp
     raise CheckpointError(f"no MLP output weight (mlp.linear2 / w2 / dense_4h_to_h) among {sorted(block)}")
+
+
+def _intermediate_size(width: int, activation: str) -> int:
+    """GPT-NeoX's ``intermediate_size`` that builds the files' MLP, ``width`` wide after the activation
+    (each half of a gated one): its width rule (``megatron/model/mlp_width.py``) decides."""
+    size = intermediate_size_for(width, gated=activation in GATED_ACTIVATIONS)
+    if size is None:
+        raise CheckpointError(f"an ungated MLP {width} wide: GPT-NeoX's width rule builds no odd ungated width")
+    return size
 
 
 def read_neox_checkpoint(path: Path, config_paths: list[Path] | None = None,
@@ -216,7 +226,7 @@ def _config(values: dict[str, Any], embedding: dict[str, torch.Tensor], first: d
         use_bias_in_attn_linear="attention.query_key_value.bias" in first,
         use_bias_in_mlp=any(f"mlp.{n}.bias" in first for n in ("linear1", "dense_h_to_4h", "w1")),
         activation=_activation(values),
-        intermediate_size=_ffn_width(first, tp),  # for gated MLPs: the width of each half
+        intermediate_size=_intermediate_size(_ffn_width(first, tp), _activation(values)),
         gpt_j_residual=bool(_value(values, "gpt_j_residual")),
         gpt_j_tied=bool(_value(values, "gpt_j_tied")),
         no_weight_tying=untied,

@@ -307,7 +307,8 @@ def test_the_dialect_commands_of_the_docs_resolve(tmp_path: Path, capsys: pytest
     from megatron.app.deepy import main
 
     text = (REPO / "docs" / "dialects.md").read_text()
-    commands = [line.split("python deepy.py train.py ")[1] for line in text.splitlines()
+    joined = text.replace("\\\n", " ")  # a command continued over lines with a backslash
+    commands = [line.split("python deepy.py train.py ")[1] for line in joined.splitlines()
                 if line.startswith("python deepy.py train.py --")]
     assert len(commands) == 2
     write_local_data(tmp_path)

@@ -48,7 +48,9 @@ def test_every_variant_builds_fms_fsdps_shape(variant: str) -> None:
     from megatron.model.flops import num_parameters
 
     a = fms_args(f"--model_variant={variant}", "--use_dummy_dataset=True")
-    got = (a.hidden_size, a.num_layers, a.num_attention_heads, a.num_kv_heads, a.intermediate_size,
+    # the MLP width built (each half of the gated MLP), as fms-fsdp's GatedLinearUnit has it; GPT-NeoX's
+    # intermediate_size that gives it is 3x (megatron/model/mlp_width.py)
+    got = (a.hidden_size, a.num_layers, a.num_attention_heads, a.num_kv_heads, a.ffn_hidden_size,
            a.padded_vocab_size, a.max_position_embeddings, float(a.rotary_emb_base))
     assert got == FMS_VARIANTS[variant][:8]
     assert (a.pos_emb, a.norm, a.activation, a.no_weight_tying) == ("rotary", "rmsnorm", "swiglu", True)
@@ -59,7 +61,7 @@ def test_every_variant_builds_fms_fsdps_shape(variant: str) -> None:
 def test_old_names_and_the_default_variant() -> None:
     """train_config defaults to 7b, the llama2_7b of fms-fsdp before its rename (be50bb6)."""
     assert fms_args("--use_dummy_dataset=True").hidden_size == 4096
-    assert fms_args("--model_variant=13b", "--use_dummy_dataset=True").intermediate_size == 13824
+    assert fms_args("--model_variant=13b", "--use_dummy_dataset=True").ffn_hidden_size == 13824
 
 
 def test_mamba_is_refused_by_name() -> None:

@@ -45,7 +45,7 @@ def test_levanters_defaults_from_its_code(tmp_path: Path) -> None:
     resolved = load(tmp_path, "trainer:\n  id: r1\n")
     a = resolved.args
     # TrainLmConfig.model = LlamaConfig(): 4096 / 11008 / 32 heads / 32 kv heads / 32 layers / 2048 tokens
-    assert (a.hidden_size, a.intermediate_size, a.num_attention_heads, a.num_kv_heads, a.num_layers,
+    assert (a.hidden_size, a.ffn_hidden_size, a.num_attention_heads, a.num_kv_heads, a.num_layers,
             a.seq_length) == (4096, 11008, 32, 32, 32, 2048)
     assert a.checkpoint_activations  # gradient_checkpointing: True
     # CheckpointerConfig: checkpoints/ + run id, every 15 minutes, keep every 10000 steps; loads from there
