@@ -2,8 +2,9 @@
 the values every layer is built from: dropout (GPT-NeoX's ``NeoXArgsTraining``), the padded vocabulary
 (``NeoXArgsTokenizer``), the seed the weights are drawn from (``NeoXArgsOther``) and sequence
 parallelism (``NeoXArgsParallelism``). The MoE layer's keys are its own group (``moe_config.py``).
-Fused-kernel switches are accepted as performance hints. Switches for Mamba, RWKV, Transformer Engine
-and online weight serving belong to features Deepy does not build yet and are accepted only at their defaults.
+Fused-kernel switches are accepted as performance hints. Switches for Transformer Engine and online
+weight serving belong to features Deepy does not build yet and are accepted only at their defaults. The
+keys of the Mamba, RWKV and gMLP layer families are their own group (``family_config.py``).
 
 :class:`GPTConfig` declares these keys once, with GPT-NeoX's names and defaults; ``NeoXArgs`` is composed
 of it, so the trainer builds the model from the arguments themselves, and interop and tests construct it
@@ -24,6 +25,7 @@ from megatron.config_schema import not_supported
 from megatron.config_schema import partly_supported
 from megatron.config_support import KNOWN_ATTENTION_TYPES
 from megatron.errors import ConfigError
+from megatron.model.family_config import FAMILY_OF_TYPE, FamilyArgs, FamilyName, expand_layer_types, family_of
 from megatron.model.moe_config import MoEArgs
 
 if TYPE_CHECKING:
@@ -84,9 +86,10 @@ class ModelConfigError(ConfigError, ValueError):
     """An architecture the model cannot build (a ConfigError for the entry points, a ValueError for callers)."""
 
 
-class GPTConfig(MoEArgs):
+class GPTConfig(MoEArgs, FamilyArgs):
     """GPT-NeoX's ``NeoXArgsModel`` group, with the dropout, padded vocabulary, seed and sequence
-    parallelism that the layers are built from, and the MoE layer's keys (inherited from :class:`MoEArgs`)."""
+    parallelism that the layers are built from, the MoE layer's keys (inherited from :class:`MoEArgs`) and
+    the Mamba/RWKV/gMLP layers' keys (from :class:`FamilyArgs`)."""
 
     precision: Literal["fp16", "fp32", "bfloat16"] | None = None
     """Training dtype: fp16 (with loss scaling), bfloat16, or fp32; derived from the fp16/bf16
@@ -250,9 +253,6 @@ class GPTConfig(MoEArgs):
     """Initialiser of the projections that write into the residual stream (attention output, MLP
     down-projection)."""
 
-    gmlp_attn_dim: int = not_supported(64)
-    """Width of the small attention inside gMLP blocks."""
-
     gpt_j_residual: bool = False
     """Run attention and MLP in parallel from the same input and add both to the residual (GPT-J,
     Pythia, NeoX-20B)."""
@@ -271,24 +271,6 @@ class GPTConfig(MoEArgs):
 
     soft_prompt_tuning: dict[str, Any] | None = not_supported(None)
     """Settings for training a learned prompt prefix while the model stays frozen."""
-
-    mamba_selective_scan_fusion: bool = not_supported(False)
-    """Mamba layers: use the fused selective-scan kernel."""
-
-    mamba_causal_conv_fusion: bool = not_supported(False)
-    """Mamba layers: use the fused causal 1-D convolution kernel."""
-
-    mamba_inner_func_fusion: bool = not_supported(False)
-    """Mamba layers: fuse the whole inner block into one kernel."""
-
-    mamba_selective_fp32_params: bool = not_supported(True)
-    """Mamba layers: keep the selective-scan parameters in fp32."""
-
-    mamba_use_bias_in_conv: bool = not_supported(True)
-    """Mamba layers: give the causal convolution a bias."""
-
-    mamba_use_bias_in_linears: bool = not_supported(False)
-    """Mamba layers: give the input/output projections a bias."""
 
     output_layer_parallelism: Literal["column"] = "column"
     """How the output layer is split across tensor-parallel ranks; only column (vocabulary)
@@ -335,15 +317,6 @@ class GPTConfig(MoEArgs):
 
     te_fp8_mha: bool = not_supported(False)
     """Run Transformer Engine attention in FP8."""
-
-    dim_att: int | None = not_supported(None)
-    """RWKV: attention width."""
-
-    head_size: int | None = not_supported(None)
-    """RWKV: size of each head."""
-
-    ffn_dim: int | None = not_supported(None)
-    """RWKV: width of the channel-mixing layer."""
 
     attention_dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on attention probabilities."""
@@ -437,9 +410,15 @@ class GPTConfig(MoEArgs):
         if problems:
             raise ModelConfigError("; ".join(problems))
         self._check_choices()
-        bad = [t for t in self.attention_types if t not in _GLOBAL_ATTENTION | _LOCAL_ATTENTION]
+        bad = [t for t in self.attention_types if t not in _GLOBAL_ATTENTION | _LOCAL_ATTENTION | set(FAMILY_OF_TYPE)]
         if bad:
-            raise ModelConfigError(f"attention types {sorted(set(bad))} are not supported (only global, flash, local)")
+            raise ModelConfigError(f"attention types {sorted(set(bad))} are not supported (only global, flash, local, "
+                                   f"{', '.join(sorted(FAMILY_OF_TYPE))})")
+        from megatron.model import family_checks  # the Mamba/RWKV/gMLP layers' own shape rules
+
+        problems = family_checks.shape_problems(view)
+        if problems:
+            raise ModelConfigError("; ".join(problems))
         if self.pos_emb == "rpe" and self.rpe_max_distance <= self.rpe_num_buckets // 2:
             raise ModelConfigError(
                 f"rpe_max_distance={self.rpe_max_distance} must exceed half of rpe_num_buckets={self.rpe_num_buckets}"
@@ -504,18 +483,27 @@ class GPTConfig(MoEArgs):
             return ["global"] * self.num_layers
         return expand_attention_config(self.attention_config, self.num_layers)
 
+    @property
+    def layer_families(self) -> set[FamilyName]:
+        """The families of this model's layers: ``transformer`` (attention + MLP), ``mamba``, ``rwkv``, ``gmlp``."""
+        return {family_of(t) for t in self.attention_types}
+
     def check_tensor_parallel(self, tp: int) -> None:
         """Raise if the architecture cannot be built (``check_architecture``), if the vocabulary is not
         sized yet, or if the sizes that tensor parallelism splits do not divide by `tp`."""
         self.check_architecture()
         if self.padded_vocab_size is None:
             raise ModelConfigError("padded_vocab_size is not set: size the model for its tokenizer (for_tokenizer)")
-        splits = {
-            "num_attention_heads": self.num_attention_heads,
-            "num_kv_heads": self.kv_heads,
-            "padded_vocab_size": self.padded_vocab_size,
-            "the MLP width (intermediate_size / expansion_factor * hidden_size)": self.ffn_hidden_size,
-        }
+        splits = {"padded_vocab_size": self.padded_vocab_size}
+        if "transformer" in self.layer_families:
+            splits.update({
+                "num_attention_heads": self.num_attention_heads,
+                "num_kv_heads": self.kv_heads,
+                "the MLP width (intermediate_size / expansion_factor * hidden_size)": self.ffn_hidden_size,
+            })
+        from megatron.model.family_checks import tensor_parallel_splits
+
+        splits.update(tensor_parallel_splits(self))
         if self.moe_num_experts > 1:
             splits["moe_num_experts (each tp rank holds whole experts)"] = self.moe_num_experts
         bad = [f"{key}={value}" for key, value in splits.items() if value % tp != 0]
@@ -568,29 +556,11 @@ class GPTConfig(MoEArgs):
 
 
 def expand_attention_config(config: list[Any], num_layers: int) -> list[str]:
-    """GPT-NeoX's ``[[types, repeat], ...]`` as one type per layer: each entry contributes its
-    ``types`` list ``repeat`` times (``[["global", "local"], 6]`` is 12 layers); ``"all"`` repeats
-    the list to fill ``num_layers`` and must divide it. A list of plain strings is already expanded.
-    The result must have exactly ``num_layers`` entries."""
-    if all(isinstance(item, str) for item in config):
-        types = list(config)
-    else:
-        types = []
-        for kinds, repeats in config:
-            if repeats == "all":
-                if num_layers % len(kinds) != 0:
-                    raise ModelConfigError(
-                        f"attention_config entry {[list(kinds), 'all']}: {len(kinds)} types do not divide "
-                        f"num_layers={num_layers}"
-                    )
-                repeats = num_layers // len(kinds)
-            types.extend(list(kinds) * int(repeats))
-    if len(types) != num_layers:
-        raise ModelConfigError(
-            f"attention_config describes {len(types)} layers but num_layers={num_layers}: the repeats "
-            f"(each entry's types times its count) must add up to num_layers"
-        )
-    return types
+    """GPT-NeoX's ``[[types, repeat], ...]`` as one type per layer (:func:`megatron.model.family_config.expand_layer_types`)."""
+    try:
+        return expand_layer_types(config, num_layers)
+    except ValueError as err:
+        raise ModelConfigError(str(err)) from None
 
 
 @rule
