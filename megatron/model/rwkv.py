@@ -119,7 +119,8 @@ class TimeMix(nn.Module):
         w = self.time_decay + torch.tanh((x + xx * (self.time_maa_w + mw)) @ self.time_decay_w1) @ self.time_decay_w2
         heads, n = self.shape.heads, self.shape.head_size
         split = (b, t, heads, n)
-        y, state = self._wkv(r.view(split), k.view(split), v.view(split), -torch.exp(w.float()).view(split), state)
+        log_w = -torch.exp(w.to(torch.promote_types(w.dtype, torch.float32)))  # log of the per-step decay
+        y, state = self._wkv(r.view(split), k.view(split), v.view(split), log_w.view(split), state)
         y = self.ln_x(y.reshape(b * t, -1).to(x.dtype)).view(b, t, -1)
         return self.output(y * g), state
 
