@@ -57,7 +57,7 @@ def heads_divide_hidden(ctx: ModelKeys) -> list[str]:
     hidden, heads = ctx.get("hidden_size"), ctx.get("num_attention_heads")
     if hidden is None or heads is None or hidden % heads == 0:
         return []
-    if "mamba" in configured_families(ctx.get("attention_config"), ctx.get("num_layers")):
+    if "mamba" in configured_families(ctx.get("attention_config")):
         return []  # GPT-NeoX skips this check for Mamba models (arguments.py:1245, ea7aefd8)
     return [
         f"{ctx.show('hidden_size')} is not divisible by {ctx.show('num_attention_heads')}: each "

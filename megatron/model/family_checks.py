@@ -38,7 +38,7 @@ FUSED_KERNELS: dict[str, tuple[FamilyName, tuple[tuple[str, str], ...]]] = {
 
 
 def layer_families(ctx: ModelKeys) -> set[FamilyName]:
-    return configured_families(ctx.get("attention_config"), ctx.get("num_layers"))
+    return configured_families(ctx.get("attention_config"))
 
 
 def shape_problems(ctx: ModelKeys) -> list[str]:

@@ -48,17 +48,18 @@ def family_of(layer_type: str) -> FamilyName:
     return FAMILY_OF_TYPE.get(layer_type, "transformer")
 
 
-def configured_families(attention_config: list[Any] | None, num_layers: int | None) -> set[FamilyName]:
-    """The families of the configured layers; empty when the layer list cannot be worked out (a check
-    reports that)."""
-    if num_layers is None:
-        return set()
+def configured_families(attention_config: list[Any] | None) -> set[FamilyName]:
+    """The families of the layer types ``attention_config`` names (whether or not its repeats add up to
+    num_layers: another check says so)."""
     if not attention_config:
         return {"transformer"}
-    try:
-        return {family_of(t) for t in expand_layer_types(attention_config, num_layers)}
-    except (ValueError, TypeError):
-        return set()
+    names: set[str] = set()
+    for entry in attention_config:
+        if isinstance(entry, str):
+            names.add(entry)
+        elif isinstance(entry, (list, tuple)) and entry and isinstance(entry[0], (list, tuple)):
+            names.update(t for t in entry[0] if isinstance(t, str))
+    return {family_of(t) for t in names}
 
 
 def expand_layer_types(config: list[Any], num_layers: int) -> list[str]:
