@@ -23,7 +23,7 @@ from megatron.model.family_config import (
     configured_families,
     family_of,
     mamba_shape,
-    rwkv_shape,
+    rwkv_derived_shape,
 )
 
 Finder = Callable[[str], Any]
@@ -49,7 +49,7 @@ def shape_problems(ctx: ModelKeys) -> list[str]:
         problems.append(f"{ctx.show('intermediate_size')} and {ctx.show('expansion_factor')} both size the "
                         f"Mamba/RWKV inner width: keep one")
     if "rwkv" in families and ctx.get("hidden_size") and ctx.get("num_attention_heads"):
-        shape = rwkv_shape(_Keys(ctx))
+        shape = rwkv_derived_shape(_Keys(ctx))
         for key, value in (("hidden_size", shape.hidden), ("dim_att", shape.dim_att), ("ffn_dim", shape.ffn)):
             if value % 32 or value == 0:
                 problems.append(f"RWKV layers need {key}={value} to be a positive multiple of 32 (GPT-NeoX's kernel)")

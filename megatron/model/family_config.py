@@ -164,7 +164,8 @@ class RWKVShape:
         return self.dim_att // self.heads
 
 
-def rwkv_shape(config: Any) -> RWKVShape:
+def rwkv_derived_shape(config: Any) -> RWKVShape:
+    """The sizes as GPT-NeoX's code works them out (it overwrites head_size and ffn_dim with these)."""
     h = int(config.hidden_size)
     if config.intermediate_size:
         ffn = int(config.intermediate_size)
@@ -172,6 +173,15 @@ def rwkv_shape(config: Any) -> RWKVShape:
         ffn = int((config.expansion_factor if config.expansion_factor else 3.5) * h)
     return RWKVShape(hidden=h, dim_att=int(config.dim_att or h), heads=int(config.num_attention_heads),
                      ffn=ffn // 32 * 32)
+
+
+def rwkv_shape(config: Any) -> RWKVShape:
+    """The sizes the layer is built with: ``head_size`` and ``ffn_dim`` where given (the checks accept them only
+    when they equal :func:`rwkv_derived_shape`'s), else derived."""
+    derived = rwkv_derived_shape(config)
+    heads = derived.dim_att // int(config.head_size) if config.head_size else derived.heads
+    return RWKVShape(hidden=derived.hidden, dim_att=derived.dim_att, heads=heads,
+                     ffn=int(config.ffn_dim) if config.ffn_dim else derived.ffn)
 
 
 @dataclass(frozen=True)

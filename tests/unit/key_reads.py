@@ -241,6 +241,8 @@ FEATURE_VARIANTS: tuple[dict[str, Any], ...] = (
     # architectures whose layers read their own keys: rotary, RMSNorm, the parallel residual, MoE layers
     {"pos_emb": "rotary", "norm": "rmsnorm", "gpt_j_residual": True, "moe_num_experts": 2},
     {"pos_emb": "rpe", "norm": "scalenorm"},  # the relative position bias, ScaleNorm
+    # the other layer families read their own keys (megatron/model/family_config.py)
+    {"num_layers": 3, "attention_config": [[["mamba", "rwkv", "amlp"], 1]], "head_size": 16, "ffn_dim": 224},
 )
 
 

@@ -363,3 +363,43 @@ def test_mamba_flops_are_gpt_neox_count_plus_the_small_weights() -> None:
     neox = 3 * (d * (11 * n + 4 * r + 1) + 6 * d * h + 2 * d * 4) * layers + 6 * h * VOCAB
     small = layers * (h + d + d + d * n + d) + h  # norms, conv bias, dt_proj bias, A_log, D; the final norm
     assert flops_per_token(config) == pytest.approx(neox + 6 * small, rel=1e-12)
+
+
+def test_mamba_bias_keys_shape_the_layer() -> None:
+    def names(**keys: Any) -> set[str]:
+        config = GPTConfig(**{**MAMBA, "num_layers": 1, "attention_config": [[["mamba"], 1]], **keys})
+        return {n for n, _ in GPTModel(config).named_parameters() if n.startswith("layers.0.mixer.")}
+
+    default = names()
+    assert "layers.0.mixer.conv1d.bias" in default and "layers.0.mixer.in_proj.bias" not in default
+    assert names(mamba_use_bias_in_conv=False) == default - {"layers.0.mixer.conv1d.bias"}
+    assert names(mamba_use_bias_in_linears=True) - default == {
+        f"layers.0.mixer.{p}.bias" for p in ("in_proj", "x_proj", "out_proj")}
+
+
+# --- the fused kernels (an NVIDIA GPU with the packages installed) -------------------------------------------
+KERNELS = {"mamba_selective_scan_fusion": ("mamba_ssm",), "mamba_causal_conv_fusion": ("causal_conv1d",),
+           "mamba_inner_func_fusion": ("mamba_ssm", "causal_conv1d"), "rwkv_wkv_fusion": ("fla",)}
+
+
+@pytest.mark.parametrize("key", sorted(KERNELS))
+def test_fused_path_equals_the_reference(key: str) -> None:
+    """Each kernel key computes what the PyTorch path computes: logits and gradients, fp32, on the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("the fused kernels are CUDA-only")
+    for module in KERNELS[key]:
+        pytest.importorskip(module)
+    kind = "rwkv" if key.startswith("rwkv") else "mamba"
+    config = GPTConfig(**{**MAMBA, "hidden_size": 64, "num_attention_heads": 1, "seq_length": 64,
+                          "attention_config": [[[kind], 2]]})
+    tokens = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    outputs = []
+    for variant in (config, config.replace(**{key: True})):
+        model = GPTModel(variant).cuda().train()  # the same seed: the same weights
+        logits = model(tokens)
+        logits.float().square().mean().backward()
+        outputs.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (ref, ref_grads), (fused, fused_grads) = outputs
+    torch.testing.assert_close(fused, ref, atol=1e-4, rtol=1e-3)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, atol=1e-4, rtol=1e-3, msg=lambda m: f"{name}: {m}")
