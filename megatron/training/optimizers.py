@@ -43,12 +43,14 @@ def register_optimizer(kind: str) -> Callable[[OptimizerBuilder], OptimizerBuild
 
 # --- parameter groups ------------------------------------------------------------------------
 def is_no_decay(name: str, param: torch.nn.Parameter) -> bool:
-    """Biases, norm weights and other vectors are not decayed."""
+    """Biases, norm weights and other vectors are not decayed, nor what a layer marks ``_no_weight_decay``
+    (GPT-NeoX's flag: Mamba's A_log and D)."""
     lowered = name.lower()
     # built under deepspeed.zero.Init (zero_init) a parameter is an empty 1-d placeholder until
     # gathered: its real shape is DeepSpeed's ds_shape (else every matrix would skip weight decay)
     shape = getattr(param, "ds_shape", param.shape)
-    return len(shape) < 2 or lowered.endswith("bias") or "norm" in lowered
+    flagged = bool(getattr(param, "_no_weight_decay", False))
+    return len(shape) < 2 or lowered.endswith("bias") or "norm" in lowered or flagged
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> ParamGroups:

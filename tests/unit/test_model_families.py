@@ -403,3 +403,44 @@ def test_fused_path_equals_the_reference(key: str) -> None:
     torch.testing.assert_close(fused, ref, atol=1e-4, rtol=1e-3)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(fused_grads[name], grad, atol=1e-4, rtol=1e-3, msg=lambda m: f"{name}: {m}")
+
+
+# --- checkpoints in GPT-NeoX's layout, the optimizer's groups --------------------------------------------------
+def test_gpt_neox_layout_names_of_each_family() -> None:
+    """GPT-NeoX's names for these layers' tensors (its modules' attribute names; RMSNorm's weight is ``scale``);
+    the translation round-trips."""
+    from megatron.checkpointing.neox_layout import NeoxNames, plain_from_neox, plain_to_neox
+
+    config = GPTConfig(num_layers=3, hidden_size=64, num_attention_heads=2, seq_length=8, padded_vocab_size=64,
+                       attention_config=[[["mamba", "rwkv", "amlp"], 1]], norm="rmsnorm", gmlp_attn_dim=8)
+    state = GPTModel(config).state_dict()
+    neox = plain_to_neox(NeoxNames.from_config(config), state, tp=1)
+    for name in ("sequential.2.norm.scale", "sequential.2.mixer.in_proj.weight", "sequential.2.mixer.A_log",
+                 "sequential.2.mixer.dt_proj.bias", "sequential.3.ln1.weight", "sequential.3.att.time_faaaa",
+                 "sequential.3.att.ln_x.bias", "sequential.3.ffn.key.weight", "sequential.4.norm.scale",
+                 "sequential.4.sgu.norm.scale", "sequential.4.sgu.proj.weight", "sequential.4.sgu.attn.proj_qkv.bias",
+                 "sequential.4.input_linear.bias", "sequential.6.norm.scale"):
+        assert name in neox, name
+    back = plain_from_neox(NeoxNames.from_config(config), neox, tp=1)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], v) for k, v in state.items())
+
+
+def test_mamba_a_log_and_d_are_not_decayed() -> None:
+    from megatron.training.optimizers import param_groups
+
+    model = GPTModel(GPTConfig(**MAMBA))
+    groups = {g["name"]: {id(p) for p in g["params"]} for g in param_groups(model, 0.1)}
+    mixer = model.layers[0].mixer
+    assert {id(mixer.A_log), id(mixer.D)} <= groups["no_decay"]
+    assert id(mixer.x_proj.weight) in groups["decay"] and id(mixer.conv1d.weight) in groups["decay"]
+
+
+def test_fms_fsdp_mamba_variant_is_refused_as_the_other_architecture_it_is() -> None:
+    """fms-fsdp's only Mamba preset (config_utils.py, commit 5a296afe) is a Mamba-2 hybrid; mapping it onto
+    GPT-NeoX's Mamba-1 layer would train another model, so the dialect names it and refuses."""
+    from megatron.neox_arguments.dialects import split_argv
+    from megatron.neox_arguments.loading import load_config
+
+    _, parsed = split_argv(["--model_variant=mamba_9.8b", "--use_dummy_dataset=true"])
+    with pytest.raises(ConfigError, match=r"mamba_9\.8b is a Mamba-2 hybrid .* not supported"):
+        load_config([], (), None, parsed)

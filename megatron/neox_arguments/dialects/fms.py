@@ -40,7 +40,18 @@ MODEL_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+# fms-fsdp's Mamba variants (fms_fsdp/utils/config_utils.py, commit 5a296afe, trained by main_training_mamba.py
+# with mamba_ssm's MambaLMHeadModel), and why none maps onto Deepy's Mamba (GPT-NeoX's Mamba-1 layer)
+MAMBA_VARIANTS: dict[str, str] = {
+    "mamba_9.8b": "a Mamba-2 hybrid (ssm_cfg layer Mamba2: multi-head SSD mixers; a 14336-wide MLP in each of its 32 "
+                  "blocks; attention in blocks 9, 18 and 27); Deepy builds GPT-NeoX's Mamba-1 layers "
+                  "(attention_config: mamba), which compute another function: not supported",
+}
+
+
 def _variant(value: Any, ctx: Context) -> dict[str, Any]:
+    if str(value) in MAMBA_VARIANTS:
+        raise Refused(f"fms-fsdp's {value} is {MAMBA_VARIANTS[str(value)]}")
     if str(value) not in MODEL_VARIANTS:
         raise Refused(f"unknown model_variant; Deepy has {', '.join(MODEL_VARIANTS)}")
     return {}  # the preset is implied, so seq_length/vocab_size given explicitly win
