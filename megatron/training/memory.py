@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron.model.activations import get_activation
 from megatron.model.config import GPTConfig
+from megatron.model.family_config import family_of, replicated_layer_parameters
 from megatron.model.flops import layer_parameters
 from megatron.model.lora_config import LoRAArgs
 from megatron.training.config import compute_dtype
@@ -134,9 +135,12 @@ class MemoryLayout:
 # --- parameter counts on one device ------------------------------------------------------------------
 def _replicated_in_layer(c: GPTConfig) -> int:
     """Parameters of one layer that tensor parallelism does not split: norms and the biases added
-    after the row-parallel projections."""
+    after the row-parallel projections (a Mamba/RWKV/gMLP layer: ``family_config``'s count)."""
     h = c.hidden_size
     norm = {"layernorm": h * (2 if c.use_bias_in_norms else 1), "rmsnorm": h, "scalenorm": 1}.get(c.norm, h)
+    kind = c.attention_types[0]
+    if family_of(kind) != "transformer":
+        return replicated_layer_parameters(c, kind, lambda dim: norm * dim // h if c.norm != "scalenorm" else 1)
     norms = (1 if (c.gpt_j_residual and c.gpt_j_tied) else 2) * norm
     return norms + (h if c.use_bias_in_attn_linear else 0) + (h if c.use_bias_in_mlp else 0)
 

@@ -444,3 +444,24 @@ def test_fms_fsdp_mamba_variant_is_refused_as_the_other_architecture_it_is() -> 
     _, parsed = split_argv(["--model_variant=mamba_9.8b", "--use_dummy_dataset=true"])
     with pytest.raises(ConfigError, match=r"mamba_9\.8b is a Mamba-2 hybrid .* not supported"):
         load_config([], (), None, parsed)
+
+
+def test_memory_estimate_splits_what_tensor_parallelism_splits() -> None:
+    """Per device at tp=2: RWKV layers are whole on every rank (GPT-NeoX has no tensor-parallel RWKV), a Mamba
+    layer keeps its norm whole and halves the rest; only the vocabulary halves besides."""
+    from megatron.training.memory import MemoryLayout, stage_parameters
+
+    def per_device(config: GPTConfig, tp: int) -> int:
+        return stage_parameters(MemoryLayout(
+            model=config, tp=tp, pp=1, dp=1, precision="fp32", zero_stage=0, offload_optimizer=False,
+            contiguous_gradients=False, overlap_comm=False, reduce_bucket_size=0, optimizer_states=2, micro_batch=1,
+            seq_length=8, grad_accum=1, recomputed_layers=0, sequence_parallel=False, dropout=False))
+
+    h, v = 64, 128
+    rwkv = GPTConfig(num_layers=2, hidden_size=h, num_attention_heads=2, seq_length=8, padded_vocab_size=v,
+                     attention_config=[[["rwkv"], 2]])
+    assert per_device(rwkv, 1) - per_device(rwkv, 2) == v * h // 2
+    mamba = GPTConfig(**{**MAMBA, "hidden_size": h, "padded_vocab_size": v})
+    d, r, n = 2 * h, 4, 16
+    split = h * 2 * d + d * 4 + d + d * (r + 2 * n) + r * d + d + d * n + d + d * h  # all but the layer's norm
+    assert per_device(mamba, 1) - per_device(mamba, 2) == v * h // 2 + 2 * split // 2
