@@ -194,7 +194,7 @@ class RWKVLayer(Block):
         x_bth = self._drop(x_bth + self.ffn(ffn_in, None if shifts is None else shifts[:, 1]), self.hidden_dropout)
         if kv_cache is not None:
             kv_cache.layers[self.layer_number] = (torch.stack([att_in[:, -1], ffn_in[:, -1]], dim=1), wkv_state)
-        return x_bth.transpose(0, 1)
+        return x_bth.transpose(0, 1).contiguous()  # [s, b, h] (a pipeline stage sends it as is)
 
     @staticmethod
     def _only_real(x: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
