@@ -4,7 +4,8 @@ the values every layer is built from: dropout (GPT-NeoX's ``NeoXArgsTraining``),
 parallelism (``NeoXArgsParallelism``). The MoE layer's keys are its own group (``moe_config.py``).
 Fused-kernel switches are accepted as performance hints. Switches for Transformer Engine and online
 weight serving belong to features Deepy does not build yet and are accepted only at their defaults. The
-keys of the Mamba, RWKV and gMLP layer families are their own group (``family_config.py``).
+Mamba, RWKV and gMLP layers' keys are GPT-NeoX's model keys too; the sizes they derive are worked out in
+``family_config.py``.
 
 :class:`GPTConfig` declares these keys once, with GPT-NeoX's names and defaults; ``NeoXArgs`` is composed
 of it, so the trainer builds the model from the arguments themselves, and interop and tests construct it
@@ -25,7 +26,7 @@ from megatron.config_schema import not_supported
 from megatron.config_schema import partly_supported
 from megatron.config_support import KNOWN_ATTENTION_TYPES
 from megatron.errors import ConfigError
-from megatron.model.family_config import FAMILY_OF_TYPE, FamilyArgs, FamilyName, expand_layer_types, family_of
+from megatron.model.family_config import FAMILY_OF_TYPE, FamilyName, expand_layer_types, family_of
 from megatron.model.moe_config import MoEArgs
 
 if TYPE_CHECKING:
@@ -86,10 +87,9 @@ class ModelConfigError(ConfigError, ValueError):
     """An architecture the model cannot build (a ConfigError for the entry points, a ValueError for callers)."""
 
 
-class GPTConfig(MoEArgs, FamilyArgs):
+class GPTConfig(MoEArgs):
     """GPT-NeoX's ``NeoXArgsModel`` group, with the dropout, padded vocabulary, seed and sequence
-    parallelism that the layers are built from, the MoE layer's keys (inherited from :class:`MoEArgs`) and
-    the Mamba/RWKV/gMLP layers' keys (from :class:`FamilyArgs`)."""
+    parallelism that the layers are built from, and the MoE layer's keys (inherited from :class:`MoEArgs`)."""
 
     precision: Literal["fp16", "fp32", "bfloat16"] | None = None
     """Training dtype: fp16 (with loss scaling), bfloat16, or fp32; derived from the fp16/bf16
@@ -253,6 +253,9 @@ class GPTConfig(MoEArgs, FamilyArgs):
     """Initialiser of the projections that write into the residual stream (attention output, MLP
     down-projection)."""
 
+    gmlp_attn_dim: int = Field(64, ge=1)
+    """Width of the one-head attention inside `amlp` (gMLP) blocks; `gmlp` blocks have none."""
+
     gpt_j_residual: bool = False
     """Run attention and MLP in parallel from the same input and add both to the residual (GPT-J,
     Pythia, NeoX-20B)."""
@@ -271,6 +274,29 @@ class GPTConfig(MoEArgs, FamilyArgs):
 
     soft_prompt_tuning: dict[str, Any] | None = not_supported(None)
     """Settings for training a learned prompt prefix while the model stays frozen."""
+
+    mamba_selective_scan_fusion: bool = False
+    """Mamba layers: run the selective scan with the `mamba_ssm` package's CUDA kernel instead of the
+    PyTorch scan (same maths; needs the package and an NVIDIA GPU)."""
+
+    mamba_causal_conv_fusion: bool = False
+    """Mamba layers: run the causal 1-D convolution with the `causal_conv1d` package's CUDA kernel (same
+    maths; needs the package and an NVIDIA GPU)."""
+
+    mamba_inner_func_fusion: bool = False
+    """Mamba layers: run everything after the input projection as `mamba_ssm`'s one fused function
+    (needs `mamba_ssm` and `causal_conv1d` on an NVIDIA GPU; one tensor-parallel rank, no biases in the
+    projections)."""
+
+    mamba_selective_fp32_params: bool = not_supported(True)
+    """Mamba layers: A_log and D enter the scan in fp32 (Deepy upcasts them in the forward; DeepSpeed keeps
+    the fp32 master copy)."""
+
+    mamba_use_bias_in_conv: bool = True
+    """Mamba layers: give the causal convolution a bias."""
+
+    mamba_use_bias_in_linears: bool = False
+    """Mamba layers: give the input, B/C/step-size and output projections a bias."""
 
     output_layer_parallelism: Literal["column"] = "column"
     """How the output layer is split across tensor-parallel ranks; only column (vocabulary)
@@ -317,6 +343,22 @@ class GPTConfig(MoEArgs, FamilyArgs):
 
     te_fp8_mha: bool = not_supported(False)
     """Run Transformer Engine attention in FP8."""
+
+    dim_att: int | None = Field(None, ge=1)
+    """RWKV: width of the time-mixing (attention) layer; unset means hidden_size."""
+
+    head_size: int | None = Field(None, ge=1)
+    """RWKV: channels per head; GPT-NeoX derives it as dim_att / num_attention_heads, so a value is
+    accepted only when it equals that."""
+
+    ffn_dim: int | None = Field(None, ge=1)
+    """RWKV: width of the channel-mixing layer; GPT-NeoX derives it from intermediate_size or
+    expansion_factor (3.5 x hidden_size), rounded down to a multiple of 32, so a value is accepted only
+    when it equals that."""
+
+    rwkv_wkv_fusion: bool = False
+    """Deepy addition: run RWKV-6's WKV recurrence with the `flash-linear-attention` package's fused
+    kernel (`fla`, an NVIDIA GPU) instead of the PyTorch chunked recurrence; same maths."""
 
     attention_dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on attention probabilities."""

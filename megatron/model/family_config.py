@@ -1,4 +1,5 @@
-"""The keys of GPT-NeoX's other layer families (Mamba, RWKV-6, gMLP), and the sizes each derives.
+"""GPT-NeoX's other layer families (Mamba, RWKV-6, gMLP): which family a layer is, the sizes each derives from
+the model's keys (declared in ``GPTConfig``, GPT-NeoX's model keys), and their parameter and FLOP counts.
 
 A layer's family is its ``attention_config`` type: ``mamba``, ``rwkv``, ``gmlp`` / ``amlp`` (gMLP with a
 small attention), or an attention type (a transformer block). GPT-NeoX reads the keys below in
@@ -25,13 +26,9 @@ Facts of GPT-NeoX's code at that commit (each a test in ``tests/unit/test_model_
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
-
-from pydantic import Field
-
-from megatron.config_schema import ArgGroup, not_supported
 
 FamilyName = Literal["transformer", "mamba", "rwkv", "gmlp"]
 FAMILY_OF_TYPE: dict[str, FamilyName] = {"mamba": "mamba", "rwkv": "rwkv", "gmlp": "gmlp", "amlp": "gmlp"}
@@ -82,52 +79,6 @@ def expand_layer_types(config: list[Any], num_layers: int) -> list[str]:
         raise ValueError(f"attention_config describes {len(types)} layers but num_layers={num_layers}: the repeats "
                          f"(each entry's types times its count) must add up to num_layers")
     return types
-
-
-class FamilyArgs(ArgGroup):
-    """GPT-NeoX's keys of its Mamba, RWKV and gMLP layers (``NeoXArgsModel``), and Deepy's fused-WKV switch."""
-
-    gmlp_attn_dim: int = Field(64, ge=1)
-    """Width of the one-head attention inside `amlp` (gMLP) blocks; `gmlp` blocks have none."""
-
-    mamba_selective_scan_fusion: bool = False
-    """Mamba layers: run the selective scan with the `mamba_ssm` package's CUDA kernel instead of the
-    PyTorch scan (same maths; needs the package and an NVIDIA GPU)."""
-
-    mamba_causal_conv_fusion: bool = False
-    """Mamba layers: run the causal 1-D convolution with the `causal_conv1d` package's CUDA kernel (same
-    maths; needs the package and an NVIDIA GPU)."""
-
-    mamba_inner_func_fusion: bool = False
-    """Mamba layers: run everything after the input projection as `mamba_ssm`'s one fused function
-    (needs `mamba_ssm` and `causal_conv1d` on an NVIDIA GPU; one tensor-parallel rank, no biases in the
-    projections)."""
-
-    mamba_selective_fp32_params: bool = not_supported(True)
-    """Mamba layers: A_log and D enter the scan in fp32 (Deepy upcasts them in the forward; DeepSpeed keeps
-    the fp32 master copy)."""
-
-    mamba_use_bias_in_conv: bool = True
-    """Mamba layers: give the causal convolution a bias."""
-
-    mamba_use_bias_in_linears: bool = False
-    """Mamba layers: give the input, B/C/step-size and output projections a bias."""
-
-    dim_att: int | None = Field(None, ge=1)
-    """RWKV: width of the time-mixing (attention) layer; unset means hidden_size."""
-
-    head_size: int | None = Field(None, ge=1)
-    """RWKV: channels per head; GPT-NeoX derives it as dim_att / num_attention_heads, so a value is
-    accepted only when it equals that."""
-
-    ffn_dim: int | None = Field(None, ge=1)
-    """RWKV: width of the channel-mixing layer; GPT-NeoX derives it from intermediate_size or
-    expansion_factor (3.5 x hidden_size), rounded down to a multiple of 32, so a value is accepted only
-    when it equals that."""
-
-    rwkv_wkv_fusion: bool = False
-    """Deepy addition: run RWKV-6's WKV recurrence with the `flash-linear-attention` package's fused
-    kernel (`fla`, an NVIDIA GPU) instead of the PyTorch chunked recurrence; same maths."""
 
 
 # --- sizes (GPT-NeoX's formulas; ``config`` is a GPTConfig or the user's arguments) --------------------

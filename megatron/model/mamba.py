@@ -114,7 +114,7 @@ class MambaMixer(nn.Module):
         self.A_log = layer_parameter((d, n), name=f"{name}.A_log", seed=config.seed, init_fn=_a_log_init, dim=0)
         self.D = layer_parameter((d,), name=f"{name}.D", seed=config.seed, init_fn=_ones, dim=0)
         for param in (self.A_log, self.D):
-            param._no_weight_decay = True  # type: ignore[attr-defined]  # GPT-NeoX's flag, read by the optimizer
+            param.no_weight_decay = True  # type: ignore[attr-defined]  # GPT-NeoX's _no_weight_decay, read by the optimizer
         self.out_proj = RowParallelLinear(d, h, name=f"{name}.out_proj", init_fn=config.output_init_fn(), bias=bias,
                                           sequence_parallel=config.sequence_parallel, **common)  # type: ignore[arg-type]
 

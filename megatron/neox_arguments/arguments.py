@@ -27,7 +27,6 @@ from megatron.launcher.config import DeepSpeedRunnerArgs
 from megatron.logging.config import LoggingArgs
 from megatron.model.config import GPTConfig
 from megatron.model.lora_config import LoRAArgs
-from megatron.model.family_config import FamilyArgs
 from megatron.model.moe_config import MoEArgs
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.config import TrainingLoopArgs
@@ -63,7 +62,6 @@ GROUPS: dict[str, type[ArgGroup]] = {
     "textgen": TextgenArgs,
     "evaluation": EvalArgs,
     "moe": MoEArgs,
-    "layer_families": FamilyArgs,
     "lora": LoRAArgs,
     "other": OtherArgs,
     "deepspeed_config": DeepSpeedConfigArgs,
@@ -105,7 +103,6 @@ class _Arguments(
     TextgenArgs,
     EvalArgs,
     MoEArgs,
-    FamilyArgs,
     LoRAArgs,
     OtherArgs,
     DeepSpeedConfigArgs,

@@ -43,13 +43,13 @@ def register_optimizer(kind: str) -> Callable[[OptimizerBuilder], OptimizerBuild
 
 # --- parameter groups ------------------------------------------------------------------------
 def is_no_decay(name: str, param: torch.nn.Parameter) -> bool:
-    """Biases, norm weights and other vectors are not decayed, nor what a layer marks ``_no_weight_decay``
-    (GPT-NeoX's flag: Mamba's A_log and D)."""
+    """Biases, norm weights and other vectors are not decayed, nor what a layer marks ``no_weight_decay``
+    (GPT-NeoX's ``_no_weight_decay``: Mamba's A_log and D)."""
     lowered = name.lower()
     # built under deepspeed.zero.Init (zero_init) a parameter is an empty 1-d placeholder until
     # gathered: its real shape is DeepSpeed's ds_shape (else every matrix would skip weight decay)
     shape = getattr(param, "ds_shape", param.shape)
-    flagged = bool(getattr(param, "_no_weight_decay", False))
+    flagged = bool(getattr(param, "no_weight_decay", False))
     return len(shape) < 2 or lowered.endswith("bias") or "norm" in lowered or flagged
 
 

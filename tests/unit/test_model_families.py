@@ -103,7 +103,7 @@ def test_rwkv_layer_equals_a_per_token_recurrence(layer_number: int) -> None:
         for p in layer.parameters():
             p.add_(0.2 * torch.randn_like(p))
         layer.att.time_decay.add_(3.0)  # decays of exp(-exp(3)) per step: strong, as trained models reach
-    x = torch.randn(2, 40, 64, dtype=torch.float64)  # 40 steps: three of the scan's chunks
+    x = torch.randn(1, 36, 64, dtype=torch.float64)  # 36 steps: three of the scan's chunks
     with torch.no_grad():
         got = layer(x.transpose(0, 1)).transpose(0, 1)
         want = rwkv_layer_by_hand(layer, x, heads=2)
