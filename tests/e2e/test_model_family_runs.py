@@ -8,7 +8,8 @@ One short launch per family, on GPT-NeoX's own files (``tests/fixtures/neox_conf
   ``mixer.A_log``); a second launch resumes at step 2 and logs the same losses (exact); the step-4
   checkpoint exports to transformers' ``MambaForCausalLM`` (parity check <= 1e-4) and Deepy's greedy
   generation from the checkpoint equals transformers' ``generate`` on the export.
-* RWKV as two pipeline stages (pp=2), 3 steps; gMLP on one rank under ZeRO-3, 3 steps.
+* RWKV through DeepSpeed's PipelineModule with its file's activation checkpointing, 3 steps; gMLP under
+  ZeRO-3, 3 steps (one rank each: their tp/pp layouts are the parallel test's).
 
 The fused-kernel keys GPT-NeoX's Mamba file sets are switched off: this machine has neither the packages
 nor a GPU (a launch here refuses them by name, ``tests/unit/test_model_families.py``).
@@ -107,9 +108,10 @@ def test_mamba_checkpoint_greedy_generation_equals_transformers(mamba_run: Path,
         assert row.tokens == until_eod, (prompt, row.tokens, theirs)
 
 
-def test_rwkv_trains_as_two_pipeline_stages(tmp_path: Path) -> None:
-    # its file's bf16 block carries DeeperSpeed's loss-scale fields (DeepSpeed refuses them): fp32 here
-    curve = trained(tmp_path, "rwkv/170M.yml", "attention_config=[[[rwkv], 2]]", "num_gpus=2", "pipe_parallel_size=2",
+def test_rwkv_trains_as_a_pipeline_module_with_checkpointed_layers(tmp_path: Path) -> None:
+    # its file's pipe_parallel_size 1 (DeepSpeed's PipelineModule) and activation checkpointing; its bf16 block
+    # carries DeeperSpeed's loss-scale fields (DeepSpeed refuses them): fp32 here. Two stages: the parallel test
+    curve = trained(tmp_path, "rwkv/170M.yml", "attention_config=[[[rwkv], 2]]", "num_gpus=1",
                     "bf16={enabled: false}", "train_iters=3", "lr_decay_iters=3", "save=ckpt")
     assert sorted(curve) == [1, 2, 3]
 
