@@ -211,9 +211,12 @@ def layer_to_neox(names: NeoxNames, spec: int, state: Tensors, tp: int) -> Tenso
     return out
 
 
+_BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm", "norm", "sgu.norm")  # the last two: Mamba, gMLP
+
+
 def _block_to_neox(names: NeoxNames, name: str, t: torch.Tensor, tp: int) -> Tensors:
     module, _, field = name.rpartition(".")
-    if module in ("input_layernorm", "post_attention_layernorm"):
+    if module in _BLOCK_NORMS:
         return {f"{module}.{_norm_field(field, names)}": t}
     if module == "attention.query_key_value":
         return {name: qkv_to_neox(t, names.heads // tp, names.kv_heads // tp, PER_RANK)}
@@ -243,7 +246,7 @@ def layer_from_neox(names: NeoxNames, spec: int, state: Tensors, tp: int) -> Ten
             out["output_layer.weight"] = t
         elif kind != "block":
             out[name] = t
-        elif module in ("input_layernorm", "post_attention_layernorm"):
+        elif module in _BLOCK_NORMS:
             out[f"{module}.{_our_norm_field(field, names)}"] = t
         elif module == "attention.query_key_value":
             out[name] = qkv_from_neox(t, names.heads // tp, names.kv_heads // tp, names.gqa_order)

@@ -28,9 +28,9 @@ from torch import nn
 from megatron.generation.sampling import mask_vocab_padding
 from megatron.model.embedding import GPTEmbedding
 from megatron.model.gpt import GPTModel
+from megatron.model.block import Block
 from megatron.model.kv_cache import KVCache
 from megatron.model.pipeline import FinalNormPipe, OutputLayerPipe, tied_embedding_logits
-from megatron.model.transformer_layer import TransformerLayer
 from megatron.mpu import topology
 from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megatron.mpu.mappings import gather_from_tensor_model_parallel_region
@@ -40,9 +40,9 @@ def _stage_parts(module: PipelineModule) -> list[tuple[str, Callable[..., Any]]]
     """This rank's pipeline stage as ("embed" | "layer" | "norm" | "head", callable), in order."""
     parts: list[tuple[str, Callable[..., Any]]] = []
     for fn in module.forward_funcs:
-        if isinstance(fn, TransformerLayer):
+        if isinstance(fn, Block):
             # the block itself, not the pipe wrapper's tuple interface: it takes the cache
-            parts.append(("layer", functools.partial(TransformerLayer.forward, fn)))
+            parts.append(("layer", fn.block_forward))
         elif isinstance(fn, GPTEmbedding):
             parts.append(("embed", functools.partial(GPTEmbedding.forward, fn)))
         elif isinstance(fn, FinalNormPipe):

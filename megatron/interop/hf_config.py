@@ -6,7 +6,8 @@ Which HF class can run a model is decided here, and only from our config:
   (partial rotary via ``partial_rotary_factor``, GPT-J parallel residual, tied or untied head);
 * ``norm: rmsnorm`` + a gated activation + full rotary            -> ``LlamaForCausalLM``
   (grouped-query attention, optional attention / MLP biases);
-* the same with a sliding window on every layer                   -> ``MistralForCausalLM``.
+* the same with a sliding window on every layer                   -> ``MistralForCausalLM``;
+* every layer ``mamba``                                           -> ``MambaForCausalLM`` (``hf_mamba.py``).
 
 Everything else is refused with the feature named (ALiBi, learned or relative positions,
 scalenorm, query/key norms, ...): a conversion that silently changes the maths is the failure this
@@ -30,7 +31,7 @@ from megatron.model.rope_scaling import RopeScaling, RopeScalingError, parse_rop
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-HFArchitecture = Literal["GPTNeoXForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"]
+HFArchitecture = Literal["GPTNeoXForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MambaForCausalLM"]
 
 # our activation -> the name in transformers' ACT2FN computing exactly the same function
 PLAIN_ACTIVATIONS: dict[str, str] = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu", "swish": "silu", "mish": "mish"}
@@ -66,6 +67,15 @@ def _sliding_window(config: GPTConfig) -> int | None:
 
 def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list[str]]:
     """The HF class for this architecture, and every feature that class cannot reproduce."""
+    families = config.layer_families
+    if families == {"mamba"}:  # every layer Mamba: MambaForCausalLM (megatron/interop/hf_mamba.py)
+        from megatron.interop.hf_mamba import mamba_problems
+
+        return "MambaForCausalLM", mamba_problems(config)
+    if families != {"transformer"}:
+        kinds = ", ".join(sorted(families - {"transformer"}))
+        return None, [f"attention_config: {kinds} layers (transformers has MambaForCausalLM for all-Mamba models "
+                      f"only; no RWKV-6, gMLP or mixed stacks)"]
     problems: list[str] = []
     if config.value_head:
         problems.append("value_head (train_impl: rm): a reward model's value head has no causal-LM equivalent")
@@ -150,6 +160,10 @@ def _rope(config: GPTConfig, partial: bool) -> dict[str, Any]:
 def hf_config_from_gpt(config: GPTConfig, tokens: SpecialTokens, dtype: torch.dtype) -> "PretrainedConfig":
     """The ``transformers`` config of the class ``choose_architecture`` picks, every field from ours."""
     arch = choose_architecture(config)
+    if arch == "MambaForCausalLM":
+        from megatron.interop.hf_mamba import mamba_hf_config
+
+        return mamba_hf_config(config, tokens.bos, tokens.eos, tokens.pad, dtype)
     common: dict[str, Any] = dict(
         architectures=[arch],
         vocab_size=config.padded_vocab_size,  # padding rows included: they are rows of the trained matrix
@@ -227,8 +241,12 @@ def _rope_from_hf(hf: "PretrainedConfig") -> tuple[int, float, RopeScaling | Non
 
 
 def gpt_config_from_hf(hf: "PretrainedConfig", seq_length: int | None = None) -> GPTConfig:
-    """Our architecture for an HF GPTNeoX / Llama / Mistral config (refuses what Deepy cannot run)."""
+    """Our architecture for an HF GPTNeoX / Llama / Mistral / Mamba config (refuses what Deepy cannot run)."""
     kind = hf.model_type
+    if kind == "mamba":
+        from megatron.interop.hf_mamba import gpt_config_from_mamba
+
+        return gpt_config_from_mamba(hf, seq_length)
     base, factor, scaling = _rope_from_hf(hf)
     heads = int(hf.num_attention_heads)
     hidden = int(hf.hidden_size)
@@ -294,4 +312,4 @@ def gpt_config_from_hf(hf: "PretrainedConfig", seq_length: int | None = None) ->
             activation=act,
             sliding_window_width=None if window is None else int(window) - 1,
         )
-    raise ConversionError(f"model_type {kind!r} is not supported (GPTNeoX, Llama and Mistral models are)")
+    raise ConversionError(f"model_type {kind!r} is not supported (GPTNeoX, Llama, Mistral and Mamba models are)")

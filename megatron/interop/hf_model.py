@@ -88,6 +88,7 @@ _ARCHITECTURES: dict[str, HFArchitecture] = {
     "gpt_neox": "GPTNeoXForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mamba": "MambaForCausalLM",
 }
 
 
@@ -105,13 +106,13 @@ def load_hf_model(model_dir: Path, dtype: torch.dtype | None = None) -> "PreTrai
 
 
 def read_hf_checkpoint(model_dir: Path) -> HFCheckpoint:
-    """Config and state dict of a local HF GPTNeoX / Llama / Mistral model directory."""
+    """Config and state dict of a local HF GPTNeoX / Llama / Mistral / Mamba model directory."""
     if not (model_dir / "config.json").is_file():
         raise ConversionError(f"{model_dir} is not a Hugging Face model directory (no config.json)")
     model = load_hf_model(model_dir)
     kind = model.config.model_type
     if kind not in _ARCHITECTURES:
-        raise ConversionError(f"{model_dir}: model_type {kind!r} is not supported (gpt_neox, llama, mistral are)")
+        raise ConversionError(f"{model_dir}: model_type {kind!r} is not supported (gpt_neox, llama, mistral, mamba are)")
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     dtype = next(model.parameters()).dtype
     return HFCheckpoint(config=model.config, architecture=_ARCHITECTURES[kind], state=state, dtype=dtype)

@@ -53,6 +53,10 @@ def _take(weights: Weights, name: str) -> torch.Tensor:
 
 def to_hf_state_dict(config: GPTConfig, arch: HFArchitecture, weights: Weights) -> Weights:
     """HF state dict (``transformers`` names) for our full weights."""
+    if arch == "MambaForCausalLM":
+        from megatron.interop.hf_mamba import mamba_to_hf
+
+        return mamba_to_hf(config, weights)
     if arch == "GPTNeoXForCausalLM":
         return _to_gpt_neox(config, weights)
     return _to_llama(config, weights)
@@ -60,6 +64,10 @@ def to_hf_state_dict(config: GPTConfig, arch: HFArchitecture, weights: Weights) 
 
 def from_hf_state_dict(config: GPTConfig, arch: HFArchitecture, hf: Weights) -> Weights:
     """Our full weights (canonical names) from an HF state dict."""
+    if arch == "MambaForCausalLM":
+        from megatron.interop.hf_mamba import mamba_from_hf
+
+        return mamba_from_hf(config, hf)
     if arch == "GPTNeoXForCausalLM":
         return _from_gpt_neox(config, hf)
     return _from_llama(config, hf)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from megatron.config_rules import RuleContext, render, rule
+from megatron.model.family_config import configured_families
 
 
 class ModelKeys(Protocol):
@@ -56,6 +57,8 @@ def heads_divide_hidden(ctx: ModelKeys) -> list[str]:
     hidden, heads = ctx.get("hidden_size"), ctx.get("num_attention_heads")
     if hidden is None or heads is None or hidden % heads == 0:
         return []
+    if "mamba" in configured_families(ctx.get("attention_config")):
+        return []  # GPT-NeoX skips this check for Mamba models (arguments.py:1245, ea7aefd8)
     return [
         f"{ctx.show('hidden_size')} is not divisible by {ctx.show('num_attention_heads')}: each "
         f"head gets hidden_size/num_attention_heads channels; pick a head count that divides "

@@ -2,8 +2,10 @@
 the values every layer is built from: dropout (GPT-NeoX's ``NeoXArgsTraining``), the padded vocabulary
 (``NeoXArgsTokenizer``), the seed the weights are drawn from (``NeoXArgsOther``) and sequence
 parallelism (``NeoXArgsParallelism``). The MoE layer's keys are its own group (``moe_config.py``).
-Fused-kernel switches are accepted as performance hints. Switches for Mamba, RWKV, Transformer Engine
-and online weight serving belong to features Deepy does not build yet and are accepted only at their defaults.
+Fused-kernel switches are accepted as performance hints. Switches for Transformer Engine and online
+weight serving belong to features Deepy does not build yet and are accepted only at their defaults. The
+Mamba, RWKV and gMLP layers' keys are GPT-NeoX's model keys too; the sizes they derive are worked out in
+``family_config.py``.
 
 :class:`GPTConfig` declares these keys once, with GPT-NeoX's names and defaults; ``NeoXArgs`` is composed
 of it, so the trainer builds the model from the arguments themselves, and interop and tests construct it
@@ -24,6 +26,7 @@ from megatron.config_schema import partly_supported
 from megatron.config_support import KNOWN_ATTENTION_TYPES
 from megatron.errors import ConfigError
 from megatron.model.mlp_width import GATED_ACTIVATIONS, MLPWidths, expert_width, legacy_llama_width, neox_mlp_widths
+from megatron.model.family_config import FAMILY_OF_TYPE, FamilyName, expand_layer_types, family_of
 from megatron.model.moe_config import MoEArgs
 
 if TYPE_CHECKING:
@@ -254,8 +257,8 @@ class GPTConfig(MoEArgs):
     """Initialiser of the projections that write into the residual stream (attention output, MLP
     down-projection)."""
 
-    gmlp_attn_dim: int = not_supported(64)
-    """Width of the small attention inside gMLP blocks."""
+    gmlp_attn_dim: int = Field(64, ge=1)
+    """Width of the one-head attention inside `amlp` (gMLP) blocks; `gmlp` blocks have none."""
 
     gpt_j_residual: bool = False
     """Run attention and MLP in parallel from the same input and add both to the residual (GPT-J,
@@ -276,23 +279,28 @@ class GPTConfig(MoEArgs):
     soft_prompt_tuning: dict[str, Any] | None = not_supported(None)
     """Settings for training a learned prompt prefix while the model stays frozen."""
 
-    mamba_selective_scan_fusion: bool = not_supported(False)
-    """Mamba layers: use the fused selective-scan kernel."""
+    mamba_selective_scan_fusion: bool = False
+    """Mamba layers: run the selective scan with the `mamba_ssm` package's CUDA kernel instead of the
+    PyTorch scan (same maths; needs the package and an NVIDIA GPU)."""
 
-    mamba_causal_conv_fusion: bool = not_supported(False)
-    """Mamba layers: use the fused causal 1-D convolution kernel."""
+    mamba_causal_conv_fusion: bool = False
+    """Mamba layers: run the causal 1-D convolution with the `causal_conv1d` package's CUDA kernel (same
+    maths; needs the package and an NVIDIA GPU)."""
 
-    mamba_inner_func_fusion: bool = not_supported(False)
-    """Mamba layers: fuse the whole inner block into one kernel."""
+    mamba_inner_func_fusion: bool = False
+    """Mamba layers: run everything after the input projection as `mamba_ssm`'s one fused function
+    (needs `mamba_ssm` and `causal_conv1d` on an NVIDIA GPU; one tensor-parallel rank, no biases in the
+    projections)."""
 
     mamba_selective_fp32_params: bool = not_supported(True)
-    """Mamba layers: keep the selective-scan parameters in fp32."""
+    """Mamba layers: A_log and D enter the scan in fp32 (Deepy upcasts them in the forward; DeepSpeed keeps
+    the fp32 master copy)."""
 
-    mamba_use_bias_in_conv: bool = not_supported(True)
+    mamba_use_bias_in_conv: bool = True
     """Mamba layers: give the causal convolution a bias."""
 
-    mamba_use_bias_in_linears: bool = not_supported(False)
-    """Mamba layers: give the input/output projections a bias."""
+    mamba_use_bias_in_linears: bool = False
+    """Mamba layers: give the input, B/C/step-size and output projections a bias."""
 
     output_layer_parallelism: Literal["column"] = "column"
     """How the output layer is split across tensor-parallel ranks; only column (vocabulary)
@@ -340,14 +348,21 @@ class GPTConfig(MoEArgs):
     te_fp8_mha: bool = not_supported(False)
     """Run Transformer Engine attention in FP8."""
 
-    dim_att: int | None = not_supported(None)
-    """RWKV: attention width."""
+    dim_att: int | None = Field(None, ge=1)
+    """RWKV: width of the time-mixing (attention) layer; unset means hidden_size."""
 
-    head_size: int | None = not_supported(None)
-    """RWKV: size of each head."""
+    head_size: int | None = Field(None, ge=1)
+    """RWKV: channels per head; GPT-NeoX derives it as dim_att / num_attention_heads, so a value is
+    accepted only when it equals that."""
 
-    ffn_dim: int | None = not_supported(None)
-    """RWKV: width of the channel-mixing layer."""
+    ffn_dim: int | None = Field(None, ge=1)
+    """RWKV: width of the channel-mixing layer; GPT-NeoX derives it from intermediate_size or
+    expansion_factor (3.5 x hidden_size), rounded down to a multiple of 32, so a value is accepted only
+    when it equals that."""
+
+    rwkv_wkv_fusion: bool = False
+    """Deepy addition: run RWKV-6's WKV recurrence with the `flash-linear-attention` package's fused
+    kernel (`fla`, an NVIDIA GPU) instead of the PyTorch chunked recurrence; same maths."""
 
     attention_dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on attention probabilities."""
@@ -443,9 +458,15 @@ class GPTConfig(MoEArgs):
         if problems:
             raise ModelConfigError("; ".join(problems))
         self._check_choices()
-        bad = [t for t in self.attention_types if t not in _GLOBAL_ATTENTION | _LOCAL_ATTENTION]
+        bad = [t for t in self.attention_types if t not in _GLOBAL_ATTENTION | _LOCAL_ATTENTION | set(FAMILY_OF_TYPE)]
         if bad:
-            raise ModelConfigError(f"attention types {sorted(set(bad))} are not supported (only global, flash, local)")
+            raise ModelConfigError(f"attention types {sorted(set(bad))} are not supported (only global, flash, local, "
+                                   f"{', '.join(sorted(FAMILY_OF_TYPE))})")
+        from megatron.model import family_checks  # the Mamba/RWKV/gMLP layers' own shape rules
+
+        problems = family_checks.shape_problems(view)
+        if problems:
+            raise ModelConfigError("; ".join(problems))
         if self.pos_emb == "rpe" and self.rpe_max_distance <= self.rpe_num_buckets // 2:
             raise ModelConfigError(
                 f"rpe_max_distance={self.rpe_max_distance} must exceed half of rpe_num_buckets={self.rpe_num_buckets}"
@@ -528,18 +549,27 @@ class GPTConfig(MoEArgs):
             return ["global"] * self.num_layers
         return expand_attention_config(self.attention_config, self.num_layers)
 
+    @property
+    def layer_families(self) -> set[FamilyName]:
+        """The families of this model's layers: ``transformer`` (attention + MLP), ``mamba``, ``rwkv``, ``gmlp``."""
+        return {family_of(t) for t in self.attention_types}
+
     def check_tensor_parallel(self, tp: int) -> None:
         """Raise if the architecture cannot be built (``check_architecture``), if the vocabulary is not
         sized yet, or if the sizes that tensor parallelism splits do not divide by `tp`."""
         self.check_architecture()
         if self.padded_vocab_size is None:
             raise ModelConfigError("padded_vocab_size is not set: size the model for its tokenizer (for_tokenizer)")
-        splits = {
-            "num_attention_heads": self.num_attention_heads,
-            "num_kv_heads": self.kv_heads,
-            "padded_vocab_size": self.padded_vocab_size,
-            "the MLP width (from intermediate_size, expansion_factor, mlp_multiple_of)": self.ffn_hidden_size,
-        }
+        splits = {"padded_vocab_size": self.padded_vocab_size}
+        if "transformer" in self.layer_families:
+            splits.update({
+                "num_attention_heads": self.num_attention_heads,
+                "num_kv_heads": self.kv_heads,
+                "the MLP width (from intermediate_size, expansion_factor, mlp_multiple_of)": self.ffn_hidden_size,
+            })
+        from megatron.model.family_checks import tensor_parallel_splits
+
+        splits.update(tensor_parallel_splits(self))
         if self.moe_num_experts > 1:
             splits["moe_num_experts (each tp rank holds whole experts)"] = self.moe_num_experts
         bad = [f"{key}={value}" for key, value in splits.items() if value % tp != 0]
@@ -592,29 +622,11 @@ class GPTConfig(MoEArgs):
 
 
 def expand_attention_config(config: list[Any], num_layers: int) -> list[str]:
-    """GPT-NeoX's ``[[types, repeat], ...]`` as one type per layer: each entry contributes its
-    ``types`` list ``repeat`` times (``[["global", "local"], 6]`` is 12 layers); ``"all"`` repeats
-    the list to fill ``num_layers`` and must divide it. A list of plain strings is already expanded.
-    The result must have exactly ``num_layers`` entries."""
-    if all(isinstance(item, str) for item in config):
-        types = list(config)
-    else:
-        types = []
-        for kinds, repeats in config:
-            if repeats == "all":
-                if num_layers % len(kinds) != 0:
-                    raise ModelConfigError(
-                        f"attention_config entry {[list(kinds), 'all']}: {len(kinds)} types do not divide "
-                        f"num_layers={num_layers}"
-                    )
-                repeats = num_layers // len(kinds)
-            types.extend(list(kinds) * int(repeats))
-    if len(types) != num_layers:
-        raise ModelConfigError(
-            f"attention_config describes {len(types)} layers but num_layers={num_layers}: the repeats "
-            f"(each entry's types times its count) must add up to num_layers"
-        )
-    return types
+    """GPT-NeoX's ``[[types, repeat], ...]`` as one type per layer (:func:`megatron.model.family_config.expand_layer_types`)."""
+    try:
+        return expand_layer_types(config, num_layers)
+    except ValueError as err:
+        raise ModelConfigError(str(err)) from None
 
 
 @rule

@@ -5,6 +5,7 @@ Pure arithmetic on the config (no model is built), so it is cheap for any size.
 
 from __future__ import annotations
 
+from megatron.model import family_config as families
 from megatron.model.config import GPTConfig
 
 # parameters of one norm over `dim` features
@@ -18,8 +19,12 @@ _NORM_PARAMS["te_layernorm"] = _NORM_PARAMS["layernorm"]
 _NORM_PARAMS["te_rmsnorm"] = _NORM_PARAMS["rmsnorm"]
 
 
-def _norm_params(config: GPTConfig, dim: int) -> int:
+def norm_parameters(config: GPTConfig, dim: int) -> int:
+    """Parameters of one of the config's norms over ``dim`` features."""
     return _NORM_PARAMS[config.norm](dim, config)
+
+
+_norm_params = norm_parameters
 
 
 def mlp_parameters(config: GPTConfig, expert: bool = False) -> int:
@@ -36,7 +41,11 @@ def mlp_parameters(config: GPTConfig, expert: bool = False) -> int:
 
 def layer_parameters(config: GPTConfig, layer_number: int = 0, active: bool = False) -> int:
     """Parameters of one transformer layer. An MoE layer holds ``moe_num_experts`` experts and a
-    router; with ``active`` only the ``moe_top_k`` experts a token passes through count."""
+    router; with ``active`` only the ``moe_top_k`` experts a token passes through count. A Mamba, RWKV or
+    gMLP layer counts its own (``family_config.layer_parameters``)."""
+    kind = config.attention_types[layer_number]
+    if families.family_of(kind) != "transformer":
+        return families.layer_parameters(config, kind, lambda dim: _norm_params(config, dim))
     h, d = config.hidden_size, config.head_dim
     qkv_out = (config.num_attention_heads + 2 * config.kv_heads) * d
     attn_bias = config.use_bias_in_attn_linear
@@ -92,10 +101,14 @@ def num_parameters(config: GPTConfig, include_embeddings: bool = True, active: b
     return total
 
 
-def _attention_flops_per_layer(config: GPTConfig, seq_length: int) -> float:
+def _attention_flops_per_layer(config: GPTConfig, seq_length: int, layer_number: int = 0) -> float:
     """Forward FLOPs per token of one layer's score (q·k) and value (p·v) products: 2 * 2 * s *
     (heads * head_dim). Keys/values shared by GQA/MQA heads do not shrink this: every query head
-    still scores every position."""
+    still scores every position. A Mamba/RWKV/gMLP layer's scan, recurrence or spatial projection
+    instead (``family_config.token_mixing_flops``)."""
+    kind = config.attention_types[layer_number]
+    if families.family_of(kind) != "transformer":
+        return families.token_mixing_flops(config, kind, seq_length)
     return 4.0 * seq_length * config.num_attention_heads * config.head_dim
 
 
@@ -111,14 +124,19 @@ def flops_per_token(config: GPTConfig, seq_length: int | None = None) -> float:
     """
     s = config.seq_length if seq_length is None else seq_length
     matmul_params = num_parameters(config, include_embeddings=False, active=True)
+    # a Mamba/RWKV/gMLP layer's parameters that take part in no matmul (decays, convolutions, ...)
+    matmul_params -= sum(families.non_matmul_parameters(config, kind) for kind in config.attention_types)
     if not config.value_head:
         matmul_params += config.padded_vocab_size * config.hidden_size  # the output projection, tied or not
-    return 6.0 * matmul_params + 3.0 * config.num_layers * _attention_flops_per_layer(config, s)
+    mixing = sum(_attention_flops_per_layer(config, s, i) for i in range(config.num_layers))
+    return 6.0 * matmul_params + 3.0 * mixing
 
 
 def hardware_flops_per_token(config: GPTConfig, recomputed_layers: int, seq_length: int | None = None) -> float:
     """:func:`flops_per_token` plus one more forward of each of ``recomputed_layers`` transformer
     layers (activation checkpointing recomputes them in the backward); the basis of HFU."""
     s = config.seq_length if seq_length is None else seq_length
-    layer_forward = 2.0 * layer_parameters(config) + _attention_flops_per_layer(config, s)
+    kind = config.attention_types[0]
+    matmul = layer_parameters(config) - families.non_matmul_parameters(config, kind)
+    layer_forward = 2.0 * matmul + _attention_flops_per_layer(config, s)
     return flops_per_token(config, s) + recomputed_layers * layer_forward

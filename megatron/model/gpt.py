@@ -1,4 +1,5 @@
-"""The GPT model: embedding -> transformer layers -> final norm -> (tied) output projection."""
+"""The GPT model: embedding -> layers (transformer, Mamba, RWKV or gMLP blocks) -> final norm -> (tied) output
+projection."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from megatron.model.config import GPTConfig, ModelConfigError
 from megatron.model.embedding import GPTEmbedding
 from megatron.model.kv_cache import KVCache
 from megatron.model.norms import build_norm
-from megatron.model.transformer_layer import TransformerLayer
+from megatron.model.blocks import build_block
 from megatron.mpu.initialize_weights import initialize_param_, set_tensor_model_parallel_attributes
 from megatron.mpu.layers import ColumnParallelLinear, allreduce_grads_across_tensor_parallel, parallel_lm_logits
 from megatron.mpu.mappings import gather_from_sequence_parallel_region
@@ -70,7 +71,7 @@ class GPTModel(nn.Module):
         config.check_tensor_parallel(get_tensor_model_parallel_world_size())
         self.sequence_parallel = config.sequence_parallel and get_tensor_model_parallel_world_size() > 1
         self.embedding = GPTEmbedding(config)
-        self.layers = nn.ModuleList(TransformerLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(build_block(config, i) for i in range(config.num_layers))
         self.final_norm = build_final_norm(config)
         untied = config.no_weight_tying and not config.value_head
         self.output_layer = build_output_layer(config) if untied else None

@@ -2,7 +2,7 @@
 
 Patterns are regexes for `re.match` (they are anchored) on a parameter's name; they match `GPTModel` names
 (`layers.3.attention.dense.weight`) and pipeline layer names (`4.attention.dense.weight`) alike.
-A parameter that matches no pattern is replicated on every tp rank.
+A parameter that matches no pattern is replicated on every tp rank (an RWKV layer's, all of them).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 from megatron.model.activations import get_activation
 from megatron.model.config import GPTConfig
+from megatron.model.family_config import mamba_shape
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,26 @@ def tp_partition_patterns(config: GPTConfig) -> dict[str, TPPartition]:
         r"^(.*\.)?mlp\.dense_h_to_4h\.adapter\.lora_B$": TPPartition(0, h_to_4h),
         r"^(.*\.)?mlp\.dense_4h_to_h\.adapter\.lora_A$": TPPartition(1),
     }
+    families = config.layer_families
+    if "mamba" in families:
+        # GPT-NeoX's Mamba split (megatron/model/mamba/mamba.py): inner channels over ranks, in_proj as [x; z]
+        inner = mamba_shape(config).inner
+        patterns.update({
+            r"^(.*\.)?mixer\.in_proj\.(weight|bias)$": TPPartition(0, (inner, inner)),
+            r"^(.*\.)?mixer\.(conv1d|dt_proj)\.(weight|bias)$": TPPartition(0),
+            r"^(.*\.)?mixer\.(A_log|D)$": TPPartition(0),
+            r"^(.*\.)?mixer\.(x_proj|out_proj)\.weight$": TPPartition(1),
+        })
+    if "gmlp" in families:
+        # GPT-NeoX's gMLP split (megatron/model/gmlp.py): the 4h inner width over ranks, input_linear as [res; gate]
+        ff = 4 * config.hidden_size
+        patterns.update({
+            r"^(.*\.)?input_linear\.(weight|bias)$": TPPartition(0, (ff, ff)),
+            r"^(.*\.)?sgu\.norm\.(weight|bias)$": TPPartition(0),
+            r"^(.*\.)?sgu\.attn\.proj_qkv\.weight$": TPPartition(1, (ff, ff)),
+            r"^(.*\.)?sgu\.attn\.proj_ffn\.(weight|bias)$": TPPartition(0),
+            r"^(.*\.)?output_linear\.weight$": TPPartition(1),
+        })
     if config.moe_num_experts > 1:
         # MoE layers: tp rank r holds a contiguous block of whole experts, stacked on dim 0
         patterns[r"^(.*\.)?mlp\.experts\.(w1|w2|w1_bias|w2_bias)$"] = TPPartition(0)

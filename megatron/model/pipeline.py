@@ -17,15 +17,23 @@ import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
+from megatron.model.block import Block
+from megatron.model.blocks import block_family
 from megatron.model.config import GPTConfig
 from megatron.model.embedding import GPTEmbedding
+from megatron.model.family_config import FamilyName
+from megatron.model.gmlp import GMLPBlock
 from megatron.model.gpt import ValueHead, build_final_norm, build_output_layer
+from megatron.model.mamba import MambaLayer
+from megatron.model.rwkv import RWKVLayer
 from megatron.model.transformer_layer import TransformerLayer
 from megatron.mpu.layers import parallel_lm_logits
 from megatron.mpu.topology import get_tensor_model_parallel_world_size
 
 __all__ = [
+    "BLOCK_PARTITION",
     "CHECKPOINTABLE_LAYERS",
+    "PIPE_BLOCKS",
     "EmbeddingPipe",
     "FinalNormPipe",
     "OutputLayerPipe",
@@ -36,9 +44,6 @@ __all__ = [
 ]
 
 TIED_EMBEDDING_KEY = "embed"
-CHECKPOINTABLE_LAYERS = ["TransformerLayerPipe"]
-"""Only blocks: a chunk that starts at the embedding has integer inputs only, so DeepSpeed's
-(reentrant) checkpoint would return an output that does not require grad."""
 TIED_WEIGHT_ATTR = "word_embeddings.weight"
 
 Activation = torch.Tensor | tuple[torch.Tensor, ...]
@@ -63,12 +68,53 @@ class EmbeddingPipe(GPTEmbedding):
         return _join(super().forward(tokens, position_ids), extra)
 
 
+def _block_pipe_forward(block: Block, inputs: Activation) -> Activation:
+    x, extra = _split(inputs)
+    position_ids = extra[0] if len(extra) > 0 else None
+    document_ids = extra[1] if len(extra) > 1 else None
+    return _join(block.block_forward(x, position_ids, None, None, document_ids), extra)
+
+
 class TransformerLayerPipe(TransformerLayer):
+    block_forward = TransformerLayer.forward  # type: ignore[assignment]
+
     def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]
-        x, extra = _split(inputs)
-        position_ids = extra[0] if len(extra) > 0 else None
-        document_ids = extra[1] if len(extra) > 1 else None
-        return _join(super().forward(x, position_ids, None, None, document_ids), extra)
+        return _block_pipe_forward(self, inputs)
+
+
+class MambaLayerPipe(MambaLayer):
+    block_forward = MambaLayer.forward  # type: ignore[assignment]
+
+    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]
+        return _block_pipe_forward(self, inputs)
+
+
+class RWKVLayerPipe(RWKVLayer):
+    block_forward = RWKVLayer.forward  # type: ignore[assignment]
+
+    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]
+        return _block_pipe_forward(self, inputs)
+
+
+class GMLPBlockPipe(GMLPBlock):
+    block_forward = GMLPBlock.forward  # type: ignore[assignment]
+
+    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]
+        return _block_pipe_forward(self, inputs)
+
+
+PIPE_BLOCKS: dict[FamilyName, type[Block]] = {
+    "transformer": TransformerLayerPipe,
+    "mamba": MambaLayerPipe,
+    "rwkv": RWKVLayerPipe,
+    "gmlp": GMLPBlockPipe,
+}
+"""layer family -> its pipeline layer (the block with the tuple interface between stages)."""
+CHECKPOINTABLE_LAYERS = [cls.__name__ for cls in PIPE_BLOCKS.values()]
+"""Only blocks: a chunk that starts at the embedding has integer inputs only, so DeepSpeed's
+(reentrant) checkpoint would return an output that does not require grad."""
+BLOCK_PARTITION = "type:" + "|".join(f"^{name}$" for name in CHECKPOINTABLE_LAYERS)
+"""DeepSpeed's ``partition_method`` that balances the blocks (of every family) over the stages."""
 
 
 class FinalNormPipe(nn.Module):
@@ -111,7 +157,10 @@ def tied_embedding_logits(embedding: EmbeddingPipe, x_sbh: torch.Tensor) -> torc
     return parallel_lm_logits(x_sbh, embedding.word_embeddings.weight, embedding.sequence_parallel)
 
 
-_BLOCK_PREFIXES = ("input_layernorm.", "attention.", "post_attention_layernorm.", "mlp.")
+_BLOCK_PREFIXES = ("input_layernorm.", "attention.", "post_attention_layernorm.", "mlp.",  # transformer
+                   "norm.", "mixer.",  # Mamba
+                   "ln1.", "ln2.", "att.", "ffn.",  # RWKV
+                   "input_linear.", "sgu.", "output_linear.")  # gMLP
 _EMBEDDING_PREFIXES = ("word_embeddings.", "position_embeddings.")
 
 
@@ -163,7 +212,7 @@ def is_pipeline_parameter_name(name: str) -> bool:
 
 
 def pipeline_layer_specs(config: GPTConfig) -> list[LayerSpec]:
-    """Specs for `PipelineModule(layers=..., loss_fn=..., partition_method="type:TransformerLayerPipe",
+    """Specs for `PipelineModule(layers=..., loss_fn=..., partition_method=BLOCK_PARTITION,
     checkpointable_layers=CHECKPOINTABLE_LAYERS)`."""
     config.check_tensor_parallel(get_tensor_model_parallel_world_size())
     tied = not config.no_weight_tying and not config.value_head
@@ -180,5 +229,5 @@ def pipeline_layer_specs(config: GPTConfig) -> list[LayerSpec]:
         )
     else:
         first, last = LayerSpec(EmbeddingPipe, config), LayerSpec(OutputLayerPipe, config)
-    layers = [LayerSpec(TransformerLayerPipe, config, i) for i in range(config.num_layers)]
+    layers = [LayerSpec(PIPE_BLOCKS[block_family(config, i)], config, i) for i in range(config.num_layers)]
     return [first, *layers, LayerSpec(FinalNormPipe, config), last]

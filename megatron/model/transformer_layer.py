@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.model.attention import SelfAttention
+from megatron.model.block import Block
 from megatron.model.config import GPTConfig
 from megatron.model.kv_cache import KVCache
 from megatron.model.mlp import MLP
@@ -19,7 +20,7 @@ from megatron.mpu.random import tensor_parallel_rng
 from megatron.mpu.topology import get_tensor_model_parallel_world_size
 
 
-class TransformerLayer(nn.Module):
+class TransformerLayer(Block):
     """x + attn(norm(x)), then x + mlp(norm(x)); or, with `gpt_j_residual`, both from the same x."""
 
     def __init__(self, config: GPTConfig, layer_number: int) -> None:

@@ -22,7 +22,7 @@ from megatron.launcher import checks as launcher_checks
 from megatron.logging import preflight
 from megatron.model import checks as model_checks
 from megatron.model import config as model_config
-from megatron.model import lora_checks, moe_checks
+from megatron.model import family_checks, lora_checks, moe_checks
 from megatron.neox_arguments import deepspeed_blocks, file_checks, optional_packages, rules
 from megatron.training import compile_checks, length_checks, lr_config, lr_dialects, optimizer_checks
 from megatron.training.objectives import checks as objective_checks
@@ -45,6 +45,7 @@ CHECK_MODULES: tuple[ModuleType, ...] = (
     launcher_checks,
     preflight,  # trackers and profiling
     moe_checks,
+    family_checks,
     lora_checks,
     file_checks,
     deepspeed_blocks,

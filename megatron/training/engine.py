@@ -47,8 +47,8 @@ from megatron.logging.log import get_logger
 from megatron.model import GPTConfig, GPTModel, pipeline_layer_specs
 from megatron.model.lora import LoRAAdapter, adapters_of, apply_lora
 from megatron.model.lora_config import LoRAArgs
-from megatron.model.pipeline import CHECKPOINTABLE_LAYERS
-from megatron.model.transformer_layer import TransformerLayer
+from megatron.model.block import Block
+from megatron.model.pipeline import BLOCK_PARTITION, CHECKPOINTABLE_LAYERS
 from megatron.mpu import experts as expert_parallel
 from megatron.mpu import hybrid_shard
 from megatron.training import hybrid_shard as hybrid_shard_engine
@@ -62,11 +62,11 @@ from megatron.training.optimizers import DEEPSPEED_BUILT, build_optimizer, deeps
 if TYPE_CHECKING:
     from megatron.training.run_views import RunViews
 
-# GPT-NeoX partition names -> DeepSpeed's PipelineModule partition_method
+# GPT-NeoX partition names -> DeepSpeed's PipelineModule partition_method (blocks of every family)
 PARTITION_METHODS: dict[str, str] = {
-    "type:transformer|mlp": "type:TransformerLayerPipe",
-    "type:transformer": "type:TransformerLayerPipe",
-    "type:transformerlayerpipe": "type:TransformerLayerPipe",
+    "type:transformer|mlp": BLOCK_PARTITION,
+    "type:transformer": BLOCK_PARTITION,
+    "type:transformerlayerpipe": BLOCK_PARTITION,
     "parameters": "parameters",
     "uniform": "uniform",
 }
@@ -120,9 +120,9 @@ def configure_activation_checkpointing(cfg: ActivationCheckpointArgs, num_layers
     deepspeed.checkpointing.configure(mpu, **cfg.deepspeed_checkpointing_options(num_layers))
 
 
-def transformer_layers(model: nn.Module) -> list[TransformerLayer]:
-    """The blocks of a GPTModel or of this rank's pipeline stage, in order."""
-    return [m for m in model.modules() if isinstance(m, TransformerLayer)]
+def transformer_layers(model: nn.Module) -> list[Block]:
+    """The blocks (transformer, Mamba, RWKV, gMLP) of a GPTModel or of this rank's pipeline stage, in order."""
+    return [m for m in model.modules() if isinstance(m, Block)]
 
 
 def layers_to_checkpoint(cfg: ActivationCheckpointArgs, num_local_layers: int, first_index: int = 0) -> list[int]:

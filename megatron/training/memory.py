@@ -55,8 +55,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from megatron.model.config import GPTConfig
+from megatron.model.family_config import family_of, replicated_layer_parameters
 from megatron.model.flops import (embedding_parameters, final_norm_parameters, layer_norm_parameters,
-                                  layer_parameters, num_parameters)
+                                  layer_parameters, norm_parameters, num_parameters)
 from megatron.model.lora_config import LoRAArgs
 from megatron.training.config import compute_dtype
 
@@ -154,8 +155,11 @@ class MemoryLayout:
 # --- parameter counts on one device ------------------------------------------------------------------
 def _replicated_in_layer(c: GPTConfig) -> int:
     """Parameters of one layer that tensor parallelism does not split: norms and the biases added
-    after the row-parallel projections."""
+    after the row-parallel projections (a Mamba/RWKV/gMLP layer: ``family_config``'s count)."""
     h = c.hidden_size
+    kind = c.attention_types[0]
+    if family_of(kind) != "transformer":
+        return replicated_layer_parameters(c, kind, lambda dim: norm_parameters(c, dim))
     return layer_norm_parameters(c) + (h if c.use_bias_in_attn_linear else 0) + (h if c.use_bias_in_mlp else 0)
 
 

@@ -43,16 +43,18 @@ def register_optimizer(kind: str) -> Callable[[OptimizerBuilder], OptimizerBuild
 
 # --- parameter groups ------------------------------------------------------------------------
 def is_no_decay(name: str, param: torch.nn.Parameter, decay_embeddings: bool = True) -> bool:
-    """Biases, norm weights and other vectors are not decayed; nor, when ``decay_embeddings`` is
-    false, the token and position embeddings (Levanter's default mask; an untied output layer is
-    decayed, a tied one is the embedding)."""
+    """Biases, norm weights and other vectors are not decayed, nor what a layer marks ``no_weight_decay``
+    (GPT-NeoX's ``_no_weight_decay``: Mamba's A_log and D); nor, when ``decay_embeddings`` is false, the
+    token and position embeddings (Levanter's default mask; an untied output layer is decayed, a tied one
+    is the embedding)."""
     lowered = name.lower()
     # built under deepspeed.zero.Init (zero_init) a parameter is an empty 1-d placeholder until
     # gathered: its real shape is DeepSpeed's ds_shape (else every matrix would skip weight decay)
     shape = getattr(param, "ds_shape", param.shape)
     if not decay_embeddings and "_embeddings" in lowered:
         return True
-    return len(shape) < 2 or lowered.endswith("bias") or "norm" in lowered
+    flagged = bool(getattr(param, "no_weight_decay", False))
+    return len(shape) < 2 or lowered.endswith("bias") or "norm" in lowered or flagged
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: bool = True) -> ParamGroups:

@@ -246,6 +246,8 @@ FEATURE_VARIANTS: tuple[dict[str, Any], ...] = (
     # (apart: GPT-NeoX's parallel residual drops the attention output in MoE layers, which Deepy refuses)
     {"pos_emb": "rotary", "norm": "rmsnorm", "moe_num_experts": 2},
     {"pos_emb": "rpe", "norm": "scalenorm", "gpt_j_residual": True},  # the relative position bias, ScaleNorm
+    # the other layer families read their own keys (megatron/model/family_config.py)
+    {"num_layers": 3, "attention_config": [[["mamba", "rwkv", "amlp"], 1]], "head_size": 16, "ffn_dim": 224},
 )
 
 

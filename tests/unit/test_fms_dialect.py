@@ -65,7 +65,7 @@ def test_old_names_and_the_default_variant() -> None:
 
 
 def test_mamba_is_refused_by_name() -> None:
-    with pytest.raises(ConfigError, match=r"model_variant = 'mamba_9.8b' .*Mamba model .*no Mamba layers yet"):
+    with pytest.raises(ConfigError, match=r"model_variant = 'mamba_9.8b' .*Mamba-2 hybrid .*Mamba-1 layers"):
         fms_args("--model_variant=mamba_9.8b", "--use_dummy_dataset=True")
 
 

@@ -64,12 +64,17 @@ def imported_modules(path: Path) -> dict[str, int]:
     return found
 
 
+NOT_INSTALLABLE_HERE = {"fla": ["flash-linear-attention"]}
+"""Providers of modules whose distributions cannot be installed on a CPU machine (CUDA builds), so
+``importlib.metadata`` cannot name them: requirements/requirements-kernels.txt."""
+
+
 def undeclared_imports(root: Path) -> list[str]:
     """``module (file:line)`` for each third-party import no requirements file declares."""
     declared = declared_distributions(root)
     local = local_modules(root)
     stdlib = set(sys.stdlib_module_names) | {"__future__"}
-    providers = metadata.packages_distributions()
+    providers = {**NOT_INSTALLABLE_HERE, **metadata.packages_distributions()}
     missing = []
     for path in python_files(root):
         for module, line in imported_modules(path).items():

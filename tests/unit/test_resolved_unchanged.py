@@ -48,7 +48,7 @@ def cases(save_only: Path) -> Iterator[tuple[str, list[str]]]:
             rel = path.relative_to(REPO).as_posix()
             yield rel, [str(path), str(REPO / "configs" / "local_setup.yml")]
     for c in CASES:
-        if not (c.unsupported or c.unknown or c.duplicate or c.overrides):
+        if not (c.unsupported or c.unknown or c.duplicate or c.overrides or c.problems):
             files = [str(save_only) if f == SAVE_ONLY else str(NEOX / f) for f in c.files]
             yield f"neox:{c.id}", files
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron.errors import ConfigError
+from megatron.model.pipeline import BLOCK_PARTITION
 from megatron.neox_arguments import NeoXArgs, config_from_mapping
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.config import TrainingLoopArgs, TrainingRunArgs
@@ -100,7 +101,7 @@ def test_the_loops_protocol_names_declared_keys_and_every_loop_key() -> None:
 
 
 def test_partition_method_names() -> None:
-    assert partition_method("type:transformer|mlp") == "type:TransformerLayerPipe"
+    assert partition_method("type:transformer|mlp") == BLOCK_PARTITION  # blocks of every family
     assert partition_method("parameters") == "parameters"
     assert partition_method("type:Embedding") == "type:Embedding"
     with pytest.raises(ConfigError, match="pipe_partition_method"):

@@ -74,14 +74,19 @@ OLD_NAMES = {"70b": "llama2_70b", "34b": "llama2_34b", "13b": "llama2_13b", "7b"
 """fms-fsdp's names before its commit be50bb6 (2024-05-16) renamed them llama2_*. ``train_config`` still
 defaults to ``7b``, which ``get_model_config`` at 5a296afe no longer knows; Deepy reads the old names."""
 
-MAMBA = {"mamba_9.8b"}
-"""``get_model_config``'s Mamba variants (``main_training_mamba.py``); Deepy has no Mamba layers yet."""
+# fms-fsdp's Mamba variants (fms_fsdp/utils/config_utils.py, commit 5a296afe, trained by main_training_mamba.py
+# with mamba_ssm's MambaLMHeadModel), and why none maps onto Deepy's Mamba (GPT-NeoX's Mamba-1 layer)
+MAMBA_VARIANTS: dict[str, str] = {
+    "mamba_9.8b": "a Mamba-2 hybrid (ssm_cfg layer Mamba2: multi-head SSD mixers; a 14336-wide MLP in each of its 32 "
+                  "blocks; attention in blocks 9, 18 and 27); Deepy builds GPT-NeoX's Mamba-1 layers "
+                  "(attention_config: mamba), which compute another function: not supported",
+}
 
 
 def variant_name(ctx: Context) -> str:
     name = str(ctx.value("model_variant", FMS_DEFAULTS["model_variant"]))
-    if name in MAMBA:
-        raise Refused(f"{name} is a Mamba model (fms-fsdp's main_training_mamba.py); Deepy has no Mamba layers yet")
+    if name in MAMBA_VARIANTS:
+        raise Refused(f"fms-fsdp's {name} is {MAMBA_VARIANTS[name]}")
     name = OLD_NAMES.get(name, name)
     if name not in MODEL_VARIANTS:
         raise Refused(f"unknown model_variant; fms-fsdp's are {', '.join(n for n in MODEL_VARIANTS if '_' in n and not n.startswith('llama_'))}"
