@@ -31,7 +31,7 @@ import train  # the real worker's argv parsing (--deepy_config, --local_rank)
 def main():
     options = train.parse_worker_argv(sys.argv[1:])
     run = RunConfig.from_resolved(load_resolved(options.deepy_config))
-    initialize(run.parallel, run.training.seed)
+    initialize(run.parallel, run.training.seed, announce=True)
     return 0
 
 run_guarded(main)

@@ -89,8 +89,9 @@ def deepy(config: dict[str, Any], tmp: Path, *extra: str, timeout: int = 400) ->
     path = tmp / "config.json"
     path.write_text(json.dumps(config))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # --verbose: each rank prints its (tp, pp, dp) place, which the layout tests check
     return subprocess.run(
-        [sys.executable, "deepy.py", *extra, "train.py", str(path)],
+        [sys.executable, "deepy.py", "--verbose", *extra, "train.py", str(path)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
     )
 
