@@ -48,7 +48,7 @@ def deepy(script: str, *overrides: str, cwd: Path) -> subprocess.CompletedProces
     # no master_port: deepy picks a free one, so these runs and anyone else's on this machine coexist
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, DEEPY, script, TINY, *NO_DATA, *overrides],
+        [sys.executable, DEEPY, "--verbose", script, TINY, *NO_DATA, *overrides],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=540,
     )
 
