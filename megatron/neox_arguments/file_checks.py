@@ -101,7 +101,9 @@ def token_ids_fit_the_vocabulary(ctx: RuleContext) -> list[str]:
     from megatron.tokenizer import build_tokenizer
     from megatron.tokenizer.config import TokenizerArgs
 
-    datasets = [(key, prefix) for key, prefix in _prefixes(ctx) if "reward" not in key and _missing_or_bad(prefix) is None]
+    # a directory holds fms-fsdp's token shards, read into a dataset on the ranks (which check each sample)
+    datasets = [(key, prefix) for key, prefix in _prefixes(ctx)
+                if "reward" not in key and not os.path.isdir(prefix) and _missing_or_bad(prefix) is None]
     if not datasets:
         return []
     try:
