@@ -91,7 +91,10 @@ class Command:
 
     @property
     def argv(self) -> list[str]:
-        return shlex.split(self.text)
+        words = shlex.split(self.text)
+        while words and ASSIGNMENT.match(words[0]):  # `CUDA_VISIBLE_DEVICES=2,3 python ...`: the program's environment
+            words = words[1:]
+        return words
 
 
 def _logical_lines(block: str, first_line: int) -> Iterator[tuple[int, str]]:
@@ -118,7 +121,21 @@ def _without_comment(line: str) -> str:
     return line.rstrip()
 
 
-TEMPLATE = re.compile(r"\.\.\.|…|<[^>]+>")
+TEMPLATE = re.compile(r"\.\.\.|…|<[^>]+>|\$\{?[A-Z_]+\}?")
+"""What marks an inline span as a template: an ellipsis, a ``<placeholder>``, a shell variable."""
+ASSIGNMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(\S*)$")
+VARIABLE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
+
+
+def _assigned(line: str) -> tuple[str, str] | None:
+    """``O="a=1 b=2"`` on a line of its own: a variable later lines of the block use (name, words)."""
+    try:
+        words = shlex.split(line)
+    except ValueError:
+        return None
+    if len(words) == 1 and (match := re.match(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", words[0], re.S)):
+        return match.group(1), match.group(2)
+    return None
 INLINE = re.compile(r"`((?:python |deepy-[a-z-]+ |sbatch )[^`]+)`")
 
 
@@ -129,8 +146,14 @@ def documented_commands(files: tuple[Path, ...] = DOCS) -> list[Command]:
         name = path.relative_to(path.parents[1] if path.parent.name == "docs" else path.parent).as_posix()
         for match in re.finditer(r"```bash\n(.*?)```", text, re.S):
             first = text.count("\n", 0, match.start(1)) + 1
+            variables: dict[str, str] = {}  # the block's own assignments, as a shell would expand them
             for line_no, line in _logical_lines(match.group(1), first):
-                for part in _without_comment(line).split("&&"):
+                code = _without_comment(line)
+                if (assigned := _assigned(code)) is not None:
+                    variables[assigned[0]] = assigned[1]
+                    continue
+                code = VARIABLE.sub(lambda m: variables.get(m.group(1), m.group(0)), code)
+                for part in code.split("&&"):
                     if part.strip():
                         found.append(Command(f"{name}:{line_no}", " ".join(part.split())))
         for match in INLINE.finditer(text):

@@ -197,7 +197,9 @@ def check(command: Command, quick: Command) -> str | None:
         if not Path(script).is_file():
             return f"{script} does not exist"
         at = argv.index(script)
-        counts = [f"{k}={v}" for k, v in sbatch_counts(argv[1:at], Path(script)).items()]
+        given = argv[at + 1:]
+        counts = [f"{k}={v}" for k, v in sbatch_counts(argv[1:at], Path(script)).items()
+                  if not any(a.startswith(f"{k}=") for a in given)]  # the command's own num_gpus= wins
         # what the batch script runs inside the allocation (outside one: its size from sbatch's options)
         return _dry_run(["train.py", *argv[at + 1:], "launcher=slurm", "deepspeed_slurm=true", *counts], train=True)
     if argv[:2] == ["python", "deepy.py"]:
