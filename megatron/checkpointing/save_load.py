@@ -39,7 +39,7 @@ from megatron.checkpointing.new_parameters import tolerating_new_parameters
 from megatron.checkpointing.preemption import collective_device
 from megatron.checkpointing.retention import CheckpointKind
 from megatron.checkpointing.rng_state import capture_rng_state, restore_rng_state
-from megatron.checkpointing.adapters import base_checkpoint_loading
+from megatron.checkpointing.adapters import base_checkpoint_loading, base_for_adapters
 from megatron.checkpointing.resume_checks import SHAPE_KEYS
 from megatron.checkpointing.safe_load import load_trusted_tensors, weights_only_loading
 from megatron.checkpointing.universal import (
@@ -389,6 +389,12 @@ def _load_checkpoint(engine: Any, ckpt_dir: Path, args: dict[str, Any], options:
         restore = options.load_optim and not options.weights_only
         with weights_only_loading(source):
             reshard.load_into_torch_optimizer(engine, source, load_optimizer=restore, load_scheduler=restore)
+    elif universal and base_for_adapters(meta.get("args", {}), args, options.weights_only):
+        # the adapters are detached (adapters.py) and the optimizer holds only them, which a base checkpoint does
+        # not have: DeepSpeed's universal loader, which fills the optimizer's parameters, has nothing to read.
+        # Every weight left in the module is the frozen base.
+        with weights_only_loading(source):
+            reshard.load_frozen_parameters(engine, source)
     else:
         with _own_weight_decay(engine, keep=universal):
             result.notes += _engine_load(engine, source, universal, options)

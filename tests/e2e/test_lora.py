@@ -171,17 +171,19 @@ def files_under(root: Path) -> dict[str, tuple[int, int]]:
 
 def test_adapters_start_from_a_checkpoint_without_them_and_keep_it_across_a_layout_change(tmp_path: Path) -> None:
     """A full-parameter checkpoint becomes the frozen base of an adapter run (initialize_from): it loads
-    although it has no adapter entries, and the base stays bit-identical to it. Resumed at another layout
-    (single rank, ZeRO-0 -> dp2 ZeRO-3, through a universal checkpoint), the adapter run keeps that trained
-    base bit for bit (not the seeded initialisation the conversion used to leave it at) and takes the
-    uninterrupted run's step; the conversion goes beside the new run's `save`, never into the source."""
+    although it has no adapter entries (here at another layout), and the base stays bit-identical to it.
+    Resumed at another layout (dp2 ZeRO-1 -> dp2 ZeRO-3, through a universal checkpoint), the adapter run
+    keeps that trained base bit for bit (not the seeded initialisation the conversion used to leave it at)
+    and takes the uninterrupted run's step; the conversion goes beside the new run's `save`, never into the
+    source."""
     full = {**BASE_CONFIG, **LAYOUTS["single"], "train_iters": 2, "log_dir": str(tmp_path / "full" / "logs"),
             "save": str(tmp_path / "full" / "ckpt"), "checkpoint_factor": 2, "master_port": free_port()}
     (tmp_path / "full").mkdir()
     assert deepy(full, tmp_path / "full").returncode == 0
     base = saved_module(tmp_path / "full" / "ckpt" / "global_step2")
     assert base and not any(".adapter." in k for k in base)
-    adapted = train("single", tmp_path / "lora", initialize_from=str(tmp_path / "full" / "ckpt"), train_iters=3,
+    # at another layout than the base (dp2 ZeRO-1): the base comes through a universal checkpoint
+    adapted = train("dp2_zero1", tmp_path / "lora", initialize_from=str(tmp_path / "full" / "ckpt"), train_iters=3,
                     checkpoint_factor=3, extra_save_iters=[2])
     saved = saved_module(adapted["ckpt"].parent / "global_step3")
     assert all(torch.equal(saved[k], base[k]) for k in base)
