@@ -129,7 +129,9 @@ def run_in_save(save_dir: Path, *, load: str | None, initialize_from: str | None
 def same_source(recorded: dict[str, Any], *, load: str | None, initialize_from: str | None, finetune: bool) -> bool:
     """Whether a run that recorded ``recorded`` started from the same place as this one: the same ``load``,
     ``initialize_from`` and ``finetune`` (a restart of the same config writes on where it stopped)."""
-    return (_same_path(recorded.get("load"), load) and _same_path(recorded.get("initialize_from"), initialize_from)
+    # `load` counts only where it was read: `load_checkpoint: false` ignores it
+    recorded_load = recorded.get("load") if recorded.get("load_checkpoint", True) else None
+    return (_same_path(recorded_load, load) and _same_path(recorded.get("initialize_from"), initialize_from)
             and bool(recorded.get("finetune")) == bool(finetune))
 
 
