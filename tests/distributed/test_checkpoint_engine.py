@@ -264,6 +264,9 @@ def test_layout_changes_through_universal_checkpoints(tmp_path: Path) -> None:
     assert codes == [0, 0], logs
     assert "layout changed" in logs[0]
     assert files_under(save) == before
+    from megatron.checkpointing.universal import conversion_dir
+
+    assert not conversion_dir(save / "global_step6", None).exists()  # removed once loaded
     assert_close(losses_of(tmp_path / "zero2.json"), tail, 1e-5)
 
     # dp2 -> dp1 rewound in its own directory (load = save, iteration 6): converted beside the checkpoint
