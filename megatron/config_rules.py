@@ -17,6 +17,7 @@ This module sits below the components and the argument layer: it imports neither
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,8 @@ DERIVED = "derived"
 """Provenance of a value Deepy computed from others."""
 DEFAULT = "default"
 """Provenance of a key left at its default."""
+INFERENCE_ENTRY_POINTS = ("generate.py", "eval.py")
+"""The scripts that load a checkpoint's weights to run them, and neither resume nor save."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,14 @@ class RuleContext:
     """Things that are fine to launch with but worth saying (printed by deepy.py)."""
     skipped: list[str] = field(default_factory=list)
     """Checks not made here and why (``--dry-run`` lists them)."""
+    entry_point: str | None = None
+    """The script the ranks run (``deepy.py``'s USER_SCRIPT); None where no launch is planned (a config
+    built in Python by a tool or test): the checks of what a run loads (``resume_checks.py``) need it."""
+
+    @property
+    def trains(self) -> bool:
+        """The ranks train (any script but the inference ones), so they resume, save and follow a schedule."""
+        return self.entry_point is not None and os.path.basename(self.entry_point) not in INFERENCE_ENTRY_POINTS
 
     def get(self, key: str) -> Any:
         return getattr(self.args, key)

@@ -126,6 +126,7 @@ def resolve(command: DeepyCommand) -> ResolvedConfig:
     from megatron.neox_arguments.honesty import check_entry_point
 
     fill_in_for_inference(resolved, command.user_script)
+    resolved.entry_point = command.user_script  # what the run loads is checked as this script loads it
     world = detect_world_size(resolved.args, warnings=resolved.warnings)
     final = finalize(resolved, world)
     check_entry_point(final.args, command.user_script)

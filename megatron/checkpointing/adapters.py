@@ -41,6 +41,11 @@ def adapters_detached(module: nn.Module) -> Iterator[None]:
             layer.add_module(ADAPTER, adapter)
 
 
+def base_for_adapters(saved_args: dict[str, Any], args: dict[str, Any], weights_only: bool) -> bool:
+    """A run with adapters starts from a checkpoint without them: the load runs with the adapters detached."""
+    return weights_only and _adapter_rank(args) > 0 and _adapter_rank(saved_args) == 0
+
+
 def base_checkpoint_loading(engine: Any, ckpt_dir: Path, saved_args: dict[str, Any], args: dict[str, Any],
                             weights_only: bool) -> contextlib.AbstractContextManager[None]:
     """The context a load of ``ckpt_dir`` runs in: adapters detached when a run with adapters starts

@@ -9,7 +9,9 @@ A save directory looks like::
 ``COMMITTED`` is written last, by rank 0, after every rank has finished writing and the files are
 fsynced; ``latest`` is replaced atomically afterwards. A process killed at any moment therefore
 leaves either a committed checkpoint or a directory without a marker, which loading skips with a
-warning. These helpers only touch the file system; the barrier around them lives in ``manager.py``.
+warning. A step saved again by another trajectory (a rewind with ``iteration``) is written to
+``global_step100.replacing/``, committed there and then swapped in (:func:`replace_checkpoint`).
+These helpers only touch the file system; the barrier around them lives in ``save_load.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0
 COMMIT_MARKER = "COMMITTED"
 LATEST_FILE = "latest"
 TAG_PREFIX = "global_step"
+REPLACING_SUFFIX = ".replacing"
+"""The new copy of a step being saved again, until it takes the old one's place."""
 _TAG_RE = re.compile(rf"^{TAG_PREFIX}(\d+)$")
 
 
@@ -153,6 +157,27 @@ def newest_committed(save_dir: Path) -> tuple[str | None, list[str]]:
     if chosen is not None and latest is not None and chosen != latest:
         warnings.append(f"'latest' names {latest!r}, which is not a committed checkpoint; using {chosen}")
     return chosen, warnings
+
+
+def replace_checkpoint(save_dir: Path, step: int, committed_copy: Path) -> None:
+    """Put ``committed_copy`` (a committed checkpoint of ``step`` beside the save directory's own) in place of
+    ``<save>/global_step<step>``: the old one and its cached universal conversion are un-committed and removed,
+    then the copy is renamed. Only the moment between the un-commit and the rename has no committed copy of the
+    step (a crash there resumes from the newest other committed checkpoint)."""
+    final = save_dir / tag_for(step)
+    retired = save_dir / (tag_for(step) + ".replaced")
+    if retired.exists():
+        shutil.rmtree(retired, ignore_errors=True)
+    for stale in (final / COMMIT_MARKER, save_dir / f"{tag_for(step)}_universal" / COMMIT_MARKER):
+        if stale.exists():
+            stale.unlink()
+            fsync_dir(stale.parent)
+    if final.exists():
+        os.rename(final, retired)
+    os.rename(committed_copy, final)
+    fsync_dir(save_dir)
+    shutil.rmtree(retired, ignore_errors=True)
+    shutil.rmtree(save_dir / f"{tag_for(step)}_universal", ignore_errors=True)
 
 
 def remove_checkpoint(save_dir: Path, step: int) -> None:

@@ -105,13 +105,54 @@ def resume_point(load_dir: Path, iteration: int | None = None) -> tuple[Path, di
     return (load_dir / tag, meta) if isinstance(meta, dict) else None
 
 
+def _same_path(a: Any, b: Any) -> bool:
+    if not a or not b:
+        return not a and not b
+    return Path(str(a)).resolve() == Path(str(b)).resolve()
+
+
+def run_in_save(save_dir: Path, *, load: str | None, initialize_from: str | None,
+                finetune: bool) -> tuple[str, dict[str, Any]] | None:
+    """The newest committed checkpoint in ``save_dir`` and the arguments it recorded; None when there is none.
+    A checkpoint belongs to this run (a restart) when :func:`same_source` says so."""
+    tag, _ = commit.newest_committed(save_dir) if save_dir.is_dir() else (None, [])
+    if tag is None:
+        return None
+    try:
+        meta = json.loads((save_dir / tag / META_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        meta = {}
+    recorded = meta.get("args") if isinstance(meta, dict) else None
+    return tag, recorded if isinstance(recorded, dict) else {}
+
+
+def same_source(recorded: dict[str, Any], *, load: str | None, initialize_from: str | None, finetune: bool) -> bool:
+    """Whether a run that recorded ``recorded`` started from the same place as this one: the same ``load``,
+    ``initialize_from`` and ``finetune`` (a restart of the same config writes on where it stopped)."""
+    # `load` counts only where it was read: `load_checkpoint: false` ignores it
+    recorded_load = recorded.get("load") if recorded.get("load_checkpoint", True) else None
+    return (_same_path(recorded_load, load) and _same_path(recorded.get("initialize_from"), initialize_from)
+            and bool(recorded.get("finetune")) == bool(finetune))
+
+
+def foreign_run_message(save_dir: Path, tag: str, recorded: dict[str, Any], this_run: str,
+                        shown: str | None = None) -> str:
+    """Why a run refuses a ``save`` directory that holds another run's checkpoints (``shown``: how the message
+    names the setting)."""
+    started = ", ".join(f"{key}={recorded[key]}" for key in ("load", "initialize_from", "finetune") if recorded.get(key))
+    return (f"{shown or f'save: {save_dir}'} already holds {tag} of another run (which started from "
+            f"{started or 'scratch'}), and this run {this_run}: its checkpoints would be mixed with that run's "
+            f"(and replace those of the same steps). Save to another directory, or remove them.")
+
+
 def _fresh_start_hint() -> str:
     return "set load_checkpoint: false (or remove load) to start fresh instead"
 
 
-def explain(found: Found, tp: int, pp: int, key: str = "load") -> str:
-    """The error message for a ``load`` (or ``initialize_from``) that holds no committed Deepy checkpoint."""
-    where = f"{key}: {found.path}"
+def explain(found: Found, tp: int, pp: int, key: str = "load", shown: str | None = None) -> str:
+    """The error message for a ``load`` (or ``initialize_from``) that holds no committed Deepy checkpoint;
+    ``shown``: how the message names the setting (``key=value (file:line)`` before launch)."""
+    where = shown or f"{key}: {found.path}"
     if found.kind == "missing":
         return f"{where} does not exist, so there is nothing to resume from; fix the path, or {_fresh_start_hint()}"
     if found.kind == "empty":

@@ -16,6 +16,7 @@ the same step, whatever each rank's own clock says.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from megatron.checkpointing.retention import (
     SaveDecision,
 )
 from megatron.checkpointing.config import CheckpointArgs
+from megatron.checkpointing.universal import foreign_conversions
 from megatron.checkpointing.save_load import (
     BeforeCommit,
     LoadOptions,
@@ -127,6 +129,8 @@ class CheckpointManager:
         self.preemption = preemption if preemption is not None else PreemptionWatcher().install()
         self.before_commit = before_commit
         self.last_saved_step: int | None = None
+        self.resumed_from: Path | None = None
+        """The checkpoint this run resumed (its state is the run's state until the next step)."""
         self.universal_info: dict[str, Any] | None = None
         """DeepSpeed's TP merge patterns for this model; set by whoever knows the model."""
 
@@ -199,7 +203,32 @@ class CheckpointManager:
             elif rank == 0 and self.load_requested:
                 log.info("load_checkpoint: false: not loading from `load`, starting from scratch")
             return LoadResult(loaded=False)
+        restart = self._own_checkpoint(self.load_dir, f"resumes from load: {self.load_dir}")
+        if restart is not None:
+            if rank == 0:
+                log.info("%s already holds %s of this run: resuming it, not re-loading %s", self.save_dir, restart,
+                         self.load_dir)
+            assert self.save_dir is not None
+            return self._resume(engine, self.save_dir, restart, rank)
         return self._resume(engine, self.load_dir, resume_tag, rank)
+
+    def _own_checkpoint(self, source: Path, this_run: str) -> str | None:
+        """The newest committed checkpoint in ``save`` when ``save`` is not ``source`` (where this run starts from)
+        and the checkpoint is this run's (a restart: resume it); None when ``save`` holds none. Another run's there
+        is an error: this run's saves would be mixed with it."""
+        if self.save_dir is None or _same_dir(self.save_dir, source):
+            return None
+        found = discovery.run_in_save(self.save_dir, load=str(self.load_dir) if self.load_dir else None,
+                                      initialize_from=str(self.initialize_from) if self.initialize_from else None,
+                                      finetune=self.finetune)
+        if found is None:
+            return None
+        tag, recorded = found
+        if not discovery.same_source(recorded, load=str(self.load_dir) if self.load_dir else None,
+                                     initialize_from=str(self.initialize_from) if self.initialize_from else None,
+                                     finetune=self.finetune):
+            raise CheckpointError(discovery.foreign_run_message(self.save_dir, tag, recorded, this_run))
+        return tag
 
     def _gpt_neox_source(self) -> Path | None:
         """The GPT-NeoX checkpoint (tag directory) to start from, if ``initialize_from`` or ``load`` is one."""
@@ -216,7 +245,7 @@ class CheckpointManager:
         """Weights of a GPT-NeoX checkpoint; a resume (``load`` without ``finetune``) keeps its position.
         A restarted run that already saved its own checkpoints continues from those instead."""
         if self.save_dir is not None and not _same_dir(self.save_dir, tag.parent):
-            own_tag, _ = commit.newest_committed(self.save_dir)
+            own_tag = self._own_checkpoint(tag.parent, f"starts from the GPT-NeoX checkpoint {tag}")
             if own_tag is not None:
                 if rank == 0:
                     log.info("%s already holds %s of this run: resuming it, not re-loading %s", self.save_dir,
@@ -278,7 +307,7 @@ class CheckpointManager:
         # A restarted fine-tune (preempted, crashed) must continue from its own checkpoints in
         # `save`, not start over from the weights it was initialized with.
         if self.save_dir is not None and self.save_dir.resolve() != source_dir.resolve():
-            own_tag, _ = commit.newest_committed(self.save_dir)
+            own_tag = self._own_checkpoint(source_dir, f"starts from the weights of {source_dir}")
             if own_tag is not None:
                 if rank == 0:
                     log.info("%s already holds %s of this run: resuming it, not re-initializing", self.save_dir, own_tag)
@@ -290,15 +319,17 @@ class CheckpointManager:
             found = discovery.inspect_load_dir(source_dir)
             raise CheckpointError(discovery.explain(found, layout.tp, layout.pp if layout.pipeline else 0, key))
         result = load_checkpoint(engine, source_dir / tag, self.args_dict,
-                                 LoadOptions(weights_only=True, new_parameters=self.new_parameters))
+                                 LoadOptions(weights_only=True, new_parameters=self.new_parameters,
+                                             save_dir=self.save_dir))
         self._report(rank, result, "initialized weights from")
         return result
 
     def _resume(self, engine: Any, directory: Path, tag: str, rank: int) -> LoadResult:
-        options = LoadOptions(load_optim=not self.no_load_optim, load_rng=not self.no_load_rng)
+        options = LoadOptions(load_optim=not self.no_load_optim, load_rng=not self.no_load_rng, save_dir=self.save_dir)
         result = load_checkpoint(engine, directory / tag, self.args_dict, options)
         self._report(rank, result, "resumed from")
         self.last_saved_step = result.iteration
+        self.resumed_from = (directory / tag).resolve()
         return result
 
     @staticmethod
@@ -347,11 +378,13 @@ class CheckpointManager:
             save_rng=self.save_rng,
             universal_info=self.universal_info,
             before_commit=self.before_commit,
+            keep_existing=self.resumed_from == (self.save_dir / commit.tag_for(step)).resolve(),
         )
         save_checkpoint(engine, self.save_dir, request)
         self.policy.on_committed()
         self.last_saved_step = step
-        self._apply_retention()
+        self._apply_retention(step)
+        self._remove_foreign_conversions()
 
     def _agreed_decision(self, step: int) -> SaveDecision:
         """Rank 0 decides; the others follow (their clocks may disagree by a step's time)."""
@@ -365,14 +398,25 @@ class CheckpointManager:
         value = int(code.item())
         return SaveDecision(save=False) if value < 0 else SaveDecision(save=True, kind=_KIND_CODES[value])
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self, step: int) -> None:
         if self.save_dir is None or (dist.is_initialized() and dist.get_rank() != 0):
             return
         listing = commit.list_checkpoints(self.save_dir)
-        committed = [CommittedCheckpoint(step, info.kind) for step, info in listing.committed.items()]
-        for step in self.policy.to_delete(committed):
+        # checkpoints after this step belong to the trajectory a rewind (``iteration``) left: they never count
+        # against this one's (keep_last_n would otherwise delete the new checkpoints and keep the old ones)
+        committed = [CommittedCheckpoint(s, info.kind) for s, info in listing.committed.items() if s <= step]
+        for doomed in self.policy.to_delete(committed):
             try:
-                commit.remove_checkpoint(self.save_dir, step)
-                log.info("retention: deleted checkpoint at step %d", step)
+                commit.remove_checkpoint(self.save_dir, doomed)
+                log.info("retention: deleted checkpoint at step %d", doomed)
             except OSError as err:
-                log.warning("retention: could not delete checkpoint at step %d: %s", step, err)
+                log.warning("retention: could not delete checkpoint at step %d: %s", doomed, err)
+
+    def _remove_foreign_conversions(self) -> None:
+        """Conversions of another directory's checkpoint written into ``save`` (``universal.conversion_dir``) are
+        not needed once this run has a committed checkpoint of its own: a restart resumes that one."""
+        if self.save_dir is None or (dist.is_initialized() and dist.get_rank() != 0):
+            return
+        for path in foreign_conversions(self.save_dir):
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("removed %s: this run's own checkpoints replace it", path)

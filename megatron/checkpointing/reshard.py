@@ -22,6 +22,12 @@ this module does:
   which DeepSpeed's universal loader does not fill. :func:`load_into_torch_optimizer` cuts each full
   tensor for this tensor-parallel rank with the partition the parameter itself records (set by
   the tensor-parallel layers) and loads weights, moments, step, LR schedule and step counters.
+* **carry frozen weights**: both converters write the optimizer's parameters only, and DeepSpeed's
+  universal loader fills only those. A LoRA run's base is frozen (no optimizer state), so without
+  more it would come back at its initialisation after a layout change. :func:`write_frozen_parameters`
+  gives every frozen weight its full ``fp32.pt`` (merged over tp from the model files, or rebuilt by
+  DeepSpeed's ``zero_to_fp32`` for ZeRO-3) and :func:`load_frozen_parameters` loads them into ZeRO-1/2/3
+  engines (a ZeRO-0 engine reads every weight anyway).
 
 Every function here runs on files of one checkpoint; only :func:`load_into_torch_optimizer` touches
 an engine. Everything is read with the weights-only loader (see ``safe_load.py``).
@@ -38,9 +44,10 @@ from typing import Any
 
 import torch
 
-from megatron.checkpointing.neox_files import pipeline_rank_weights, plain_rank_weights
+from megatron.checkpointing.local_weights import computed_buffer, merge_tp_shards, stored_model_config
+from megatron.checkpointing.neox_files import canonical_rank_weights, pipeline_rank_weights, plain_rank_weights
 from megatron.checkpointing.neox_layout import NeoxNames
-from megatron.checkpointing.safe_load import load_checkpoint_file
+from megatron.checkpointing.safe_load import load_checkpoint_file, weights_only_loading
 from megatron.deepspeed_internals import merge_universal_tp_slices, restore_engine_counters
 from megatron.errors import CheckpointError
 from megatron.model.pipeline import is_pipeline_parameter_name, model_parameter_name, pipeline_parameter_name
@@ -310,22 +317,12 @@ def load_into_torch_optimizer(engine: Any, universal: Path, *, load_optimizer: b
     through its own ``load_state_dict`` (which places them as the optimizer expects); the parameter
     groups' hyperparameters stay this run's (the LR scheduler sets the rate).
     """
-    from megatron.mpu import topology
-    from megatron.mpu.initialize_weights import shard_tensor
-
     optimizer = plain_torch_optimizer(engine)
     assert optimizer is not None, "only for engines without ZeRO that train with a torch optimizer"
     zero = universal / ZERO_DIR
-    tp_rank, tp = topology.get_tensor_model_parallel_rank(), topology.get_tensor_model_parallel_world_size()
 
     def local(name: str, key: str, param: torch.Tensor) -> torch.Tensor:
-        full = _load(zero / name / f"{key}.pt")["param"]
-        if getattr(param, "tensor_model_parallel", False) and tp > 1:
-            full = shard_tensor(full, param.partition_dim, tp_rank, tp, param.partition_sections)
-        if full.numel() != param.numel():
-            raise CheckpointError(f"{zero / name / f'{key}.pt'} holds {tuple(full.shape)} for a parameter of "
-                                  f"{tuple(param.shape)} on tensor-parallel rank {tp_rank} of {tp}")
-        return full.reshape(param.shape).to(dtype=param.dtype)
+        return _local_part(zero, name, key, param)
 
     position = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
     state_dict = optimizer.state_dict()
@@ -345,3 +342,91 @@ def load_into_torch_optimizer(engine: Any, universal: Path, *, load_optimizer: b
             engine.lr_scheduler.load_state_dict(counters["lr_scheduler"])
         if load_optimizer:
             restore_engine_counters(engine, counters)
+
+
+def _local_part(zero: Path, name: str, key: str, param: torch.Tensor) -> torch.Tensor:
+    """This tensor-parallel rank's part of ``zero/<name>/<key>.pt`` in ``param``'s shape and dtype, cut with the
+    partition the parameter records (set by the tensor-parallel layers)."""
+    from megatron.mpu import topology
+    from megatron.mpu.initialize_weights import shard_tensor
+
+    tp_rank, tp = topology.get_tensor_model_parallel_rank(), topology.get_tensor_model_parallel_world_size()
+    path = zero / name / f"{key}.pt"
+    if not path.is_file() and key == "fp32" and not getattr(param, "requires_grad", True):
+        raise CheckpointError(
+            f"{path} is missing: {zero.parent} carries no copy of the frozen weight {name} (it was converted by a "
+            "Deepy that left LoRA's frozen base out). Delete that directory and load again: it is converted anew")
+    full = _load(path)["param"]
+    if getattr(param, "tensor_model_parallel", False) and tp > 1:
+        full = shard_tensor(full, param.partition_dim, tp_rank, tp, param.partition_sections)
+    if full.numel() != param.numel():
+        raise CheckpointError(f"{path} holds {tuple(full.shape)} for a parameter of "
+                              f"{tuple(param.shape)} on tensor-parallel rank {tp_rank} of {tp}")
+    return full.reshape(param.shape).to(dtype=param.dtype)
+
+
+# --- frozen weights (LoRA's base) ------------------------------------------------------------------------------
+def write_frozen_parameters(ckpt_dir: Path, target: Path, meta: dict[str, Any]) -> list[str]:
+    """Give the universal checkpoint ``target`` of ``ckpt_dir`` an ``fp32.pt`` for every weight outside the
+    optimizer: a LoRA run's frozen base (``lora_r > 0``; no other run freezes weights). Returns their names.
+
+    Both converters write the optimizer's parameters only (the adapters); the base is read here from the model
+    files of every tp rank (plain or pipeline, either file layout) and merged with the recorded architecture's
+    partitions, or for ZeRO-3 (whose model files hold placeholders) rebuilt by DeepSpeed's ``zero_to_fp32``.
+    Stored in fp32 like every universal tensor (lossless for a bf16/fp16 base; loading casts back).
+    """
+    args = meta.get("args") or {}
+    if int(args.get("lora_r") or 0) == 0:
+        return []
+    layout = meta["layout"]
+    tp, pipeline = int(layout["tp"]), bool(layout.get("pipeline", False))
+    zero = target / ZERO_DIR
+    held = {model_parameter_name(p.name) if is_pipeline_parameter_name(p.name) else p.name
+            for p in zero.iterdir() if p.is_dir()}
+    if int(layout["zero_stage"]) == 3:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with weights_only_loading(ckpt_dir):
+            full = dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir.parent), tag=ckpt_dir.name))
+        frozen = {name: t for name, t in full.items() if name not in held and not computed_buffer(name)}
+    else:
+        names = NeoxNames.from_stored(args)
+        shards: dict[str, list[torch.Tensor]] = defaultdict(list)
+        for tp_rank in range(tp):
+            for name, tensor in canonical_rank_weights(ckpt_dir, names, tp, tp_rank, pipeline).items():
+                if name not in held and not computed_buffer(name):
+                    shards[name].append(tensor)
+        frozen = merge_tp_shards(stored_model_config(args), shards)
+    for name, tensor in sorted(frozen.items()):
+        (zero / name).mkdir(parents=True, exist_ok=True)
+        torch.save({"param": tensor.detach().float().clone()}, zero / name / "fp32.pt")
+    return sorted(frozen)
+
+
+def load_frozen_parameters(engine: Any, universal: Path) -> int:
+    """Load every frozen weight of ``engine``'s module (``requires_grad`` False: LoRA's base) from ``universal``,
+    cut for this tensor-parallel rank; returns how many. For ZeRO-1/2/3 engines, whose universal loader fills the
+    optimizer's parameters only; under ZeRO-3 the partitioned weights are gathered, written and partitioned again."""
+    frozen = [(name, param) for name, param in engine.module.named_parameters() if not param.requires_grad]
+    if not frozen:
+        return 0
+    zero = universal / ZERO_DIR
+    with torch.no_grad(), _whole(engine, [param for _, param in frozen]):
+        for name, param in frozen:
+            param.copy_(_local_part(zero, name, "fp32", param))
+    return len(frozen)
+
+
+def _whole(engine: Any, params: list[torch.Tensor]) -> Any:
+    """A context in which ZeRO-3's partitioned ``params`` are whole and what is written to them is kept
+    (DeepSpeed's ``GatheredParameters``; every rank writes the same values). Nothing to do below stage 3."""
+    import contextlib
+
+    if int(engine.zero_optimization_stage()) != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+    import torch.distributed as dist
+
+    group = getattr(params[0], "ds_process_group", None)
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=source)

@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -40,14 +41,15 @@ from megatron.checkpointing.new_parameters import tolerating_new_parameters
 from megatron.checkpointing.preemption import collective_device
 from megatron.checkpointing.retention import CheckpointKind
 from megatron.checkpointing.rng_state import capture_rng_state, restore_rng_state
-from megatron.checkpointing.adapters import base_checkpoint_loading
+from megatron.checkpointing.adapters import base_checkpoint_loading, base_for_adapters
+from megatron.checkpointing.resume_checks import SHAPE_KEYS
 from megatron.checkpointing.safe_load import load_trusted_tensors, weights_only_loading
 from megatron.checkpointing.universal import (
     Layout,
     check_convertible,
+    conversion_dir,
     needs_universal,
     prepare_universal,
-    universal_dir,
 )
 from megatron.deepspeed_internals import recorded_checkpoint_writes, universal_loading, untie_optimizer_steps
 from megatron.errors import CheckpointError
@@ -65,12 +67,6 @@ FORMAT_VERSION = 3
 first layout. All are read (``neox_files.GQA_ORDER_OF_FORMAT``)."""
 READABLE_FORMATS = (1, 2, 3)
 
-# Arguments that fix the shape of the weights: a checkpoint with other values cannot be loaded.
-SHAPE_KEYS = (
-    "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "intermediate_size",
-    "padded_vocab_size", "max_position_embeddings", "pos_emb", "norm", "activation",
-    "num_experts", "no_weight_tying", "moe_num_experts", "moe_expert_interval",
-)  # fmt: skip
 
 BeforeCommit = Callable[[int], None]
 """Called with the step on every rank after all files are written and before the commit marker
@@ -110,6 +106,10 @@ class SaveRequest:
     universal_info: dict[str, Any] | None = None
     """DeepSpeed's ``universal_checkpoint_info`` (TP patterns), needed to change tp later."""
     before_commit: BeforeCommit | None = None
+    keep_existing: bool = False
+    """A committed checkpoint of this step already on disk is this very state (the one the run resumed
+    from, saved again when preempted at once): keep it. Otherwise one on disk is another trajectory's
+    (a rewind with ``iteration``) and is replaced."""
 
 
 def current_layout(engine: Any) -> Layout:
@@ -128,25 +128,34 @@ def current_layout(engine: Any) -> Layout:
 
 
 def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: SaveRequest) -> Path | None:
-    """Write and commit one checkpoint on every rank. Returns its path (None if it already existed).
+    """Write and commit one checkpoint on every rank. Returns its path (None if it was kept, see
+    ``SaveRequest.keep_existing``).
 
-    Raises :class:`CheckpointError` on every rank if any rank failed to write its part.
+    A committed checkpoint of the same step from another trajectory is replaced, never skipped: the new
+    one is written beside it (``<tag>.replacing``) and swapped in once committed, so a crash while
+    writing leaves the old one in place. Raises :class:`CheckpointError` on every rank if any rank failed
+    to write its part.
     """
     save = Path(save_dir)
     tag = commit.tag_for(request.step)
-    ckpt_dir = save / tag
+    final_dir = save / tag
     rank = _rank()
-    if commit.is_committed(ckpt_dir):
-        # e.g. preempted right after resuming: the same state is already on disk, and deleting
-        # it to write it again would leave a window with no checkpoint at all
+    replacing = commit.is_committed(final_dir)
+    if replacing and request.keep_existing:
+        # preempted right after resuming: the same state is already on disk, and deleting it to
+        # write it again would leave a window with no checkpoint at all
         return None
+    ckpt_dir = save / (tag + commit.REPLACING_SUFFIX) if replacing else final_dir
+    written_tag = ckpt_dir.name
 
     started = time.monotonic()
     error: BaseException | None = None
     if rank == 0:
         try:
             save.mkdir(parents=True, exist_ok=True)
-            if ckpt_dir.exists():  # left over by a crash before its marker
+            if ckpt_dir.exists() and replacing:  # a replacement left over by a crash
+                shutil.rmtree(ckpt_dir)
+            elif ckpt_dir.exists():  # left over by a crash before its marker
                 commit.remove_checkpoint(save, request.step)
         except OSError as err:
             error = err
@@ -172,7 +181,7 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Save
     if request.universal_info is not None:
         client_state["universal_checkpoint_info"] = request.universal_info
     with recorded_checkpoint_writes(engine) as write_errors:
-        engine.save_checkpoint(str(save), tag, client_state=client_state, save_latest=False)
+        engine.save_checkpoint(str(save), written_tag, client_state=client_state, save_latest=False)
     error = write_errors[0] if write_errors else None
     if error is None:
         try:
@@ -196,15 +205,18 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Save
     if rank == 0:
         try:
             commit.write_commit_marker(ckpt_dir, commit.CommitInfo(request.step, request.kind, time.time()))
+            if replacing:
+                commit.replace_checkpoint(save, request.step, ckpt_dir)
             commit.write_latest(save, tag)
         except OSError as err:
             error = err
     failed = _failed_ranks(error is not None)
     if failed:
-        raise CheckpointError(f"committing checkpoint {ckpt_dir} failed: {error or 'see the log of rank 0'}")
+        raise CheckpointError(f"committing checkpoint {final_dir} failed: {error or 'see the log of rank 0'}")
     if rank == 0:
-        log.info("saved %s checkpoint %s in %.1fs", request.kind, ckpt_dir, time.monotonic() - started)
-    return ckpt_dir
+        log.info("saved %s checkpoint %s in %.1fs%s", request.kind, final_dir, time.monotonic() - started,
+                 " (replacing the one of another trajectory at this step)" if replacing else "")
+    return final_dir
 
 
 def _write_rank_files(ckpt_dir: Path, request: SaveRequest, rank: int) -> None:
@@ -256,6 +268,9 @@ class LoadOptions:
     new_parameters: tuple[str, ...] = ()
     """``GPTModel`` name prefixes the objective adds to the checkpoint's model (a reward model's
     ``value_head.``): with ``weights_only`` they may be missing and start from their initialisation."""
+    save_dir: Path | None = None
+    """The loading run's ``save``: a conversion for another layout is written there (or, without one, to a
+    temporary directory), never beside the checkpoint loaded (``universal.conversion_dir``)."""
 
 
 def read_meta(ckpt_dir: Path) -> dict[str, Any]:
@@ -341,30 +356,48 @@ def _load_checkpoint(engine: Any, ckpt_dir: Path, args: dict[str, Any], options:
                 "fp32 runs can change layout (DeepSpeed's fp16/bf16 optimizers keep their own layout there). Use "
                 "zero_optimization.stage 1 for this run, or load at the saved layout."
             )
-        result.notes.append(f"layout changed from {saved} to {layout}: loading through a universal checkpoint")
+        source = conversion_dir(ckpt_dir, options.save_dir)
+        result.notes.append(f"layout changed from {saved} to {layout}: loading through a universal checkpoint "
+                            f"({source})")
         error: BaseException | None = None
         if rank == 0:
             try:
                 rows = args.get("padded_vocab_size")
-                prepare_universal(ckpt_dir, meta, int(rows) if rows else None)
+                prepare_universal(ckpt_dir, meta, int(rows) if rows else None, source)
             except Exception as err:  # noqa: BLE001 - reported on every rank below
                 error = err
-        failed = _failed_ranks(error is not None)
+        failed = _failed_ranks(error is not None)  # also the barrier: rank 0 has converted
         if failed:
             if isinstance(error, CheckpointError):
                 raise error
             raise CheckpointError(f"converting {ckpt_dir} for the new layout failed: {error or 'see rank 0'}")
-        source = universal_dir(ckpt_dir)
+        unseen = _failed_ranks(not commit.is_committed(source))
+        if unseen:
+            raise CheckpointError(
+                f"the universal checkpoint {source} that rank 0 wrote is not visible on rank(s) {unseen}: set save "
+                "to a directory every node shares (the conversion is written beside it)")
 
     if universal and reshard.plain_torch_optimizer(engine) is not None:
         restore = options.load_optim and not options.weights_only
         with weights_only_loading(source):
             reshard.load_into_torch_optimizer(engine, source, load_optimizer=restore, load_scheduler=restore)
+    elif universal and base_for_adapters(meta.get("args", {}), args, options.weights_only):
+        # the adapters are detached (adapters.py) and the optimizer holds only them, which a base checkpoint does
+        # not have: DeepSpeed's universal loader, which fills the optimizer's parameters, has nothing to read.
+        # Every weight left in the module is the frozen base.
+        with weights_only_loading(source):
+            reshard.load_frozen_parameters(engine, source)
     else:
         with _own_weight_decay(engine, keep=universal):
             result.notes += _engine_load(engine, source, universal, options)
         if universal:
             untie_optimizer_steps(engine)
+            with weights_only_loading(source):
+                reshard.load_frozen_parameters(engine, source)
+    if universal and options.save_dir is None:
+        _failed_ranks(False)  # every rank has read it
+        if rank == 0:
+            shutil.rmtree(source, ignore_errors=True)  # a temporary conversion (no `save` to keep it beside)
     load_expert_shards(engine, ckpt_dir, load_optim=options.load_optim and not options.weights_only)
     if options.weights_only:
         result.notes.append(
@@ -457,7 +490,11 @@ def _engine_load(engine: Any, source: Path, universal: bool, options: LoadOption
                 str(source.parent),
                 source.name,
                 load_module_strict=True,
-                load_optimizer_states=options.load_optim and not options.weights_only,
+                # weights only from a universal checkpoint: DeepSpeed reads them from its zero/ folder; with
+                # "no optimizer states" its ZeRO-3 engine would instead rebuild them with zero_to_fp32 from
+                # files a universal checkpoint does not have ('NoneType' object has no attribute 'items')
+                load_optimizer_states=(options.load_optim and not options.weights_only)
+                or (universal and options.weights_only),
                 load_lr_scheduler_states=options.load_optim and not options.weights_only,
                 load_module_only=options.weights_only,
             )

@@ -1,10 +1,17 @@
 """Changing the parallel layout between save and load, through DeepSpeed's universal checkpoints.
 
 A checkpoint records the layout it was written at. When the loading run differs in tp, pp, dp, ZeRO
-stage or pipeline wrapping, rank 0 converts ``<save>/<tag>`` into ``<save>/<tag>_universal`` (one
-full, unsharded tensor per parameter and optimizer state) while the other ranks wait; then every rank
-loads it and cuts each tensor for the new layout. The conversion is cached: it is committed with the
-same marker protocol as a checkpoint and reused by later loads.
+stage or pipeline wrapping, rank 0 converts the checkpoint into a universal one (one full, unsharded
+tensor per parameter and optimizer state, LoRA's frozen base included) while the other ranks wait; then
+every rank loads it and cuts each tensor for the new layout. The conversion is written where the loading
+run writes, never into the source (which may be read-only, or another run's), see :func:`conversion_dir`:
+
+* ``<save>/<tag>_universal`` for the run's own checkpoint (``load`` is ``save``), deleted with it;
+* ``<save>/<tag>_universal_of_<key>`` for a checkpoint elsewhere, deleted once the run has committed a
+  checkpoint of its own (a restart resumes that one);
+* a temporary directory without ``save``, deleted after loading.
+
+It is committed with the same marker protocol as a checkpoint and reused by later loads.
 
 Who does what (``reshard.py`` holds Deepy's parts):
 
@@ -34,18 +41,20 @@ data-parallel rank; ZeRO 1-2 layout changes of MoE models work).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron.checkpointing import commit, reshard
+from megatron.checkpointing.layout import Layout, check_convertible, needs_universal  # noqa: F401  (their home)
 from megatron.checkpointing.neox_layout import NeoxNames
 from megatron.errors import CheckpointError
 
@@ -57,92 +66,56 @@ log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0
 UNIVERSAL_SUFFIX = "_universal"
 
 
-@dataclass(frozen=True)
-class Layout:
-    """How the model and optimizer were split across ranks."""
-
-    tp: int
-    pp: int
-    dp: int
-    zero_stage: int
-    pipeline: bool = False
-    """Wrapped in DeepSpeed's PipelineModule (pipe_parallel_size >= 1): its parameter names
-    (``3.attention...``) differ from the plain model's (``layers.2.attention...``)."""
-    replicas: int = 1
-    """Copies of each ZeRO partition (``sharding_strategy: hsdp``): the ZeRO files hold ``dp / replicas``
-    partitions, so an hsdp checkpoint and a ZeRO-3 one over all ``dp`` ranks are different layouts."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @staticmethod
-    def from_dict(raw: dict[str, Any]) -> Layout:
-        return Layout(
-            tp=int(raw["tp"]),
-            pp=int(raw["pp"]),
-            dp=int(raw["dp"]),
-            zero_stage=int(raw["zero_stage"]),
-            pipeline=bool(raw.get("pipeline", False)),
-            replicas=int(raw.get("replicas", 1)),
-        )
-
-    def __str__(self) -> str:
-        kind = "pipeline" if self.pipeline else "plain"
-        hybrid = f" as {self.replicas} replicas" if self.replicas > 1 else ""
-        return f"tp={self.tp} pp={self.pp} dp={self.dp}{hybrid} zero={self.zero_stage} ({kind} model)"
-
-
-def needs_universal(saved: Layout, current: Layout) -> bool:
-    """Whether DeepSpeed's native loader cannot read ``saved`` into ``current``."""
-    if saved == current:
-        return False
-    if saved.pipeline != current.pipeline:
-        return True  # rejected by check_convertible with the reason
-    if saved.zero_stage == 0 and current.zero_stage == 0 and (saved.tp, saved.pp) == (current.tp, current.pp):
-        return False  # dp-only change without ZeRO: every mp_rank file holds the full optimizer
-    return True
-
-
-def check_convertible(saved: Layout, current: Layout, *, moe: bool = False) -> None:
-    """Reject layout changes Deepy cannot make, with what to do instead."""
-    if moe and (saved.pipeline != current.pipeline or {saved.zero_stage, current.zero_stage} & {0, 3}):
-        raise CheckpointError(
-            f"cannot load a mixture-of-experts checkpoint saved at {saved} into a run at {current}: layout changes "
-            "of MoE models go through ZeRO stage 1 or 2 on both sides with the same pipeline wrapping. Load at the "
-            "saved layout, or save from a ZeRO-1 run first."
-        )
-    for side, lay in (("saved", saved), ("loading", current)):
-        if lay.zero_stage == 3 and lay.tp > 1:
-            # DeepSpeed 0.19.8 reassembles (and cuts) ZeRO-3 tensor-parallel shards only for its own
-            # AutoTP layers, not for Megatron-style layers such as ours
-            raise CheckpointError(
-                f"cannot load a checkpoint saved at {saved} into a run at {current}: the {side} run combines ZeRO "
-                "stage 3 with tensor parallelism (model_parallel_size > 1), whose checkpoints cannot change layout. "
-                "Use zero_optimization.stage 0, 1 or 2 on that side, or load at the saved layout."
-            )
-
-
 def universal_dir(ckpt_dir: Path) -> Path:
+    """``<save>/<tag>_universal``: the conversion of a run's own checkpoint, beside it."""
     return ckpt_dir.with_name(ckpt_dir.name + UNIVERSAL_SUFFIX)
 
 
-def prepare_universal(ckpt_dir: Path, meta: dict[str, Any], vocab_rows: int | None) -> Path:
-    """The universal checkpoint of ``ckpt_dir``, converted once and made loadable by any target
-    (rank 0 only; the other ranks wait). ``meta``: the checkpoint's ``deepy_meta.json``."""
+TEMPORARY_ROOT = "deepy_universal"
+"""Folder under the system's temporary directory for conversions of runs without ``save``."""
+
+
+def conversion_dir(ckpt_dir: Path, save_dir: Path | None) -> Path:
+    """Where the universal checkpoint of ``ckpt_dir`` goes for a run that saves to ``save_dir`` (module docstring).
+
+    A checkpoint outside ``save`` gets a name keyed by its path and commit time, so a cached conversion is
+    never mistaken for another source's, nor for the same tag rewritten since.
+    """
+    if save_dir is not None and ckpt_dir.parent.resolve() == save_dir.resolve():
+        return universal_dir(ckpt_dir)
+    marker = commit.read_commit_marker(ckpt_dir)
+    identity = f"{ckpt_dir.resolve()}|{marker.time if marker else ''}"
+    key = hashlib.sha1(identity.encode("utf-8")).hexdigest()[:12]
+    root = save_dir if save_dir is not None else Path(tempfile.gettempdir()) / TEMPORARY_ROOT
+    return root / f"{ckpt_dir.name}{UNIVERSAL_SUFFIX}_of_{key}"
+
+
+def foreign_conversions(save_dir: Path) -> list[Path]:
+    """The conversions of checkpoints outside ``save_dir`` that this run wrote into it."""
+    if not save_dir.is_dir():
+        return []
+    return sorted(p for p in save_dir.iterdir() if p.is_dir() and f"{UNIVERSAL_SUFFIX}_of_" in p.name)
+
+
+def prepare_universal(ckpt_dir: Path, meta: dict[str, Any], vocab_rows: int | None, target: Path) -> Path:
+    """The universal checkpoint of ``ckpt_dir`` in ``target`` (see :func:`conversion_dir`), converted once and
+    made loadable by any target layout (rank 0 only; the other ranks wait). ``meta``: the checkpoint's
+    ``deepy_meta.json``. Nothing is written into ``ckpt_dir``."""
     saved = Layout.from_dict(meta["layout"])
     info = meta.get("universal_info") or {}
-    target = universal_dir(ckpt_dir)
     if not commit.is_committed(target):
         if target.exists():
             shutil.rmtree(target)  # a conversion killed half-way
+        target.parent.mkdir(parents=True, exist_ok=True)
         if reshard.has_zero_files(ckpt_dir):
-            convert_to_universal(ckpt_dir)
+            convert_to_universal(ckpt_dir, target, meta)
         else:
             if not info:
                 raise CheckpointError(f"{ckpt_dir} records no universal_checkpoint_info: it cannot change layout")
             log.info("converting %s (saved without ZeRO) to a universal checkpoint for the new layout", ckpt_dir)
             reshard.zero0_to_universal(ckpt_dir, target, saved.tp, saved.pp, saved.pipeline, info,
                                       NeoxNames.from_stored(meta.get("args") or {}))
+            reshard.write_frozen_parameters(ckpt_dir, target, meta)
             marker = commit.read_commit_marker(ckpt_dir)
             commit.write_commit_marker(target, marker or commit.CommitInfo(step=-1, kind="step", time=time.time()))
     args = meta.get("args") or {}
@@ -152,19 +125,18 @@ def prepare_universal(ckpt_dir: Path, meta: dict[str, Any], vocab_rows: int | No
     return target
 
 
-def convert_to_universal(ckpt_dir: Path, timeout_s: float = 3600.0) -> Path:
-    """Run ``ds_to_universal`` on ``ckpt_dir`` (a ZeRO 1-3 checkpoint; once: later calls reuse the
-    committed result).
+def convert_to_universal(ckpt_dir: Path, target: Path, meta: dict[str, Any], timeout_s: float = 3600.0) -> Path:
+    """Run ``ds_to_universal`` on ``ckpt_dir`` (a ZeRO 1-3 checkpoint), writing ``target`` (once: later calls
+    reuse the committed result); LoRA's frozen base is added from the model files.
 
     It runs in a child process: the converter forks worker pools and loads every shard, neither of
     which should happen inside a rank that holds a process group.
     """
-    target = universal_dir(ckpt_dir)
     if commit.is_committed(target):
         return target
     if target.exists():
         shutil.rmtree(target)  # a conversion killed half-way
-    source = _converter_input(ckpt_dir)
+    source = _converter_input(ckpt_dir, target)
     cmd = [
         sys.executable, "-m", "megatron.checkpointing.convert",
         "--input_folder", str(source),
@@ -187,20 +159,22 @@ def convert_to_universal(ckpt_dir: Path, timeout_s: float = 3600.0) -> Path:
     if returncode != 0:
         tail = "\n".join(output[-15:])
         raise CheckpointError(f"converting {ckpt_dir} to a universal checkpoint failed:\n{tail}")
-    # the converter points <save>/latest_universal at its output; our loads name the tag
+    # the converter points latest_universal beside its output at it; our loads name the directory
     # explicitly, and a stray pointer would only confuse DeepSpeed-native tools
-    stray = ckpt_dir.parent / "latest_universal"
+    stray = target.parent / "latest_universal"
     if stray.exists():
         stray.unlink()
+    reshard.write_frozen_parameters(ckpt_dir, target, meta)
     info = commit.read_commit_marker(ckpt_dir)
     commit.write_commit_marker(target, info or commit.CommitInfo(step=-1, kind="step", time=time.time()))
     log.info("universal conversion done in %.1fs: %s", time.monotonic() - started, target)
     return target
 
 
-def _converter_input(ckpt_dir: Path) -> Path:
+def _converter_input(ckpt_dir: Path, target: Path) -> Path:
     """The folder to hand ``ds_to_universal``: ``ckpt_dir`` itself, or for a pipeline checkpoint in
-    GPT-NeoX's layout a folder of links to its files plus ``layer_01-*`` names.
+    GPT-NeoX's layout a folder of links to its files plus ``layer_01-*`` names, beside ``target`` (not
+    in the source's directory).
 
     DeepSpeed's converter refuses a pipeline checkpoint without ``layer_01-*`` files (the first block
     in Megatron-DeepSpeed's numbering), while GPT-NeoX's layer 1 has no parameters and so no file. It
@@ -210,7 +184,7 @@ def _converter_input(ckpt_dir: Path) -> Path:
     layer_files = sorted(ckpt_dir.glob("layer_*-model_*-model_states.pt"))
     if not layer_files or any(p.name.startswith("layer_01-") for p in layer_files):
         return ckpt_dir
-    staged = ckpt_dir.with_name(ckpt_dir.name + UNIVERSAL_SUFFIX + "_input")
+    staged = target.with_name(target.name + "_input")
     if staged.exists():
         shutil.rmtree(staged)
     staged.mkdir()

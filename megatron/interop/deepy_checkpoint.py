@@ -29,9 +29,10 @@ from typing import Any
 import torch
 
 from megatron.checkpointing import commit, neox_record
+from megatron.checkpointing.local_weights import merge_tp_shards
+from megatron.checkpointing.local_weights import stored_model_config as gpt_config_from_args
 from megatron.checkpointing.neox_files import canonical_rank_weights
 from megatron.checkpointing.neox_layout import NeoxNames, layer_to_neox, plain_to_neox
-from megatron import plugins
 from megatron.checkpointing.safe_load import weights_only_loading
 from megatron.checkpointing.save_load import (
     CLIENT_KEY,
@@ -46,7 +47,7 @@ from megatron.errors import CheckpointError, ConversionError
 from megatron.model.config import GPTConfig
 from megatron.model.partitioning import tp_partition_of
 from megatron.model.pipeline import pipeline_location
-from megatron.mpu.initialize_weights import shard_tensor, unshard_tensors
+from megatron.mpu.initialize_weights import shard_tensor
 
 Weights = dict[str, torch.Tensor]
 
@@ -83,20 +84,6 @@ def resolve_checkpoint(path: Path, iteration: int | None = None) -> Path:
     return path / tag
 
 
-def gpt_config_from_args(args: dict[str, Any]) -> GPTConfig:
-    """The architecture stored with a checkpoint (its resolved arguments), in fp32.
-
-    The model's keys (``GPTConfig``'s fields), taken by name from the stored dict; unset (None) values
-    keep the defaults. A reward model's objective gives it its value head.
-    """
-    values = {key: args[key] for key in GPTConfig.model_fields if key != "precision" and args.get(key) is not None}
-    if values.get("padded_vocab_size") is None:
-        raise CheckpointError("the checkpoint's arguments have no padded_vocab_size")
-    objective = plugins.find("train_impl", str(args.get("train_impl") or "normal"))
-    value_head = objective is not None and bool(objective.needs.get("value_head"))
-    return GPTConfig(**values).replace(value_head=value_head)  # precision unset: fp32
-
-
 # --- reading ---------------------------------------------------------------------------------
 def _rank_shards(ckpt: Path, layout: Layout, config: GPTConfig) -> dict[str, list[torch.Tensor]]:
     """Every tp rank's tensors under ``GPTModel`` names, from GPT-NeoX's layout or Deepy's earlier one."""
@@ -117,18 +104,6 @@ def _zero3_weights(ckpt: Path, layout: Layout) -> Weights:
     with weights_only_loading(ckpt):
         state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
     return dict(state)
-
-
-def merge_tp_shards(config: GPTConfig, shards: dict[str, list[torch.Tensor]]) -> Weights:
-    """Full tensors from every tp rank's shard (replicated ones: rank 0's copy)."""
-    full: Weights = {}
-    for name, parts in shards.items():
-        partition = tp_partition_of(config, name)
-        if partition is None or len(parts) == 1:
-            full[name] = parts[0]
-        else:
-            full[name] = unshard_tensors(parts, partition.dim, partition.sections)
-    return full
 
 
 def read_checkpoint_config(ckpt: Path) -> tuple[GPTConfig, dict[str, Any]]:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from megatron.checkpointing.resume_checks import batch_across_layouts
 from megatron.data.batch import BatchError, solve_batch
 from megatron.errors import ConfigError
 from megatron.neox_arguments.honesty import FILLED_IN_KEYS
@@ -126,9 +127,14 @@ def derive_batch(ctx: RuleContext) -> Derivation:
         shown = ", ".join(ctx.show(key) for key in micro_keys)
         return Derivation(problems=[f"{shown} all name the per-rank micro batch but differ: keep one"])
     gas = ctx.get("gradient_accumulation_steps") if ctx.given("gradient_accumulation_steps") else None
+    micro, micro_key = (ctx.get(micro_keys[0]), micro_keys[0]) if micro_keys else (None, "train_micro_batch_size_per_gpu")
+    total = ctx.get("train_batch_size")
+    if total is None and ctx.trains:  # a resume at another data-parallel size keeps the checkpoint's global batch
+        total, problems = batch_across_layouts(ctx, dp, micro, micro_key, gas)
+        if problems:
+            return Derivation(problems=problems)
     try:
-        layout = solve_batch(ctx.get(micro_keys[0]) if micro_keys else None, gas, ctx.get("train_batch_size"), dp,
-                             show=ctx.show, micro_key=micro_keys[0] if micro_keys else "train_micro_batch_size_per_gpu")
+        layout = solve_batch(micro, gas, total, dp, show=ctx.show, micro_key=micro_key)
     except BatchError as err:
         return Derivation(problems=[err.message])
     return Derivation(layout.keys())
@@ -443,8 +449,8 @@ def finalize(resolved: ResolvedConfig, world_size: int, device: Device | None = 
     from megatron.neox_arguments.deepspeed_split import deepspeed_config, deepspeed_problems, extra_args_problems
 
     args, provenance = resolved.args, resolved.provenance
-    ctx = RuleContext(args=args, provenance=provenance, world_size=world_size,
-                      device=device or Device.detect(), warnings=resolved.warnings, skipped=resolved.skipped)
+    ctx = RuleContext(args=args, provenance=provenance, world_size=world_size, device=device or Device.detect(),
+                      warnings=resolved.warnings, skipped=resolved.skipped, entry_point=resolved.entry_point)
     problems: list[str] = []
     for derive in DERIVATIONS:
         result = derive(ctx)

@@ -131,6 +131,43 @@ def token_ids_fit_the_vocabulary(ctx: RuleContext) -> list[str]:
 
 
 @rule
+def splits_hold_a_sample(ctx: RuleContext) -> list[str]:
+    """Each split of ``data_path`` that the run reads (train for ``train_iters``, validation and test for
+    ``eval_iters``) holds at least one packed sample of ``seq_length + 1`` tokens; otherwise every rank stops
+    at start-up ("the dataset yields no samples"). A split with no document at all is skipped with a warning
+    by the ranks, so it is not refused here."""
+    from megatron.data.build import samples_needed, split_ranges
+    from megatron.data.config import SPLITS, DataRunArgs
+    from megatron.data.indexed_dataset import MMapIndexedDataset
+
+    data_path, seq = ctx.get("data_path"), ctx.get("seq_length")
+    if ctx.get("use_dummy_dataset") or not data_path or not seq or ctx.get("pack_impl") != "packed" \
+            or ctx.get("train_batch_size") is None or any(ctx.get(key) for key in PATH_KEYS):
+        return []
+    try:
+        needed = dict(zip(SPLITS, samples_needed(cast(DataRunArgs, ctx.args))))
+    except (TypeError, ValueError):
+        return []
+    problems: list[str] = []
+    for prefix in data_path if isinstance(data_path, list) else [data_path]:
+        if _missing_or_bad(str(prefix)) is not None:
+            continue  # data_files_are_datasets says what is wrong with it
+        sizes = MMapIndexedDataset(str(prefix)).sizes
+        try:
+            ranges = split_ranges(str(ctx.get("split")), len(sizes))
+        except DeepyError:
+            return []  # the split's own rule reports it
+        for name, (lo, hi) in zip(SPLITS, ranges):
+            tokens = int(sizes[lo:hi].sum())
+            if needed[name] > 0 and hi > lo and (tokens - 1) // int(seq) < 1:
+                problems.append(
+                    f"{ctx.show('split')}: the {name} split of {prefix} (documents {lo}-{hi - 1}) holds {tokens} tokens, "
+                    f"fewer than one sample of {ctx.show('seq_length')} + 1; give that split a larger share, or "
+                    f"use a shorter seq_length")
+    return problems
+
+
+@rule
 def tokenizer_loads(ctx: RuleContext) -> list[str]:
     """The tokenizer files exist and are what ``tokenizer_type`` reads (built here, as the ranks will)."""
     from megatron.tokenizer import build_tokenizer
@@ -240,3 +277,25 @@ def full_weights_start_has_no_adapters(ctx: RuleContext) -> list[str]:
             f"`python tools/ckpts/convert_neox_to_hf.py {source} MERGED_HF` (merges by default), then "
             f"`python tools/ckpts/convert_hf_to_neox.py MERGED_HF MERGED`, and train with MERGED/deepy_model.yml "
             "(the model's keys as written there) and initialize_from: MERGED"]
+
+
+@rule
+def checkpoint_fits_the_config(ctx: RuleContext) -> list[str]:
+    """What the run starts from (``load``, ``initialize_from``, a restart's own checkpoint in ``save``) against the
+    config, from the arguments the checkpoint recorded: ``megatron/checkpointing/resume_checks.py``. Only for a
+    launch (``deepy.py`` names the script); a checkpoint not visible from here is checked by the ranks."""
+    from megatron.checkpointing import resume_checks
+
+    if ctx.entry_point is None:
+        return []
+    paths = [(key, str(ctx.get(key))) for key in ("load", "initialize_from", "save") if ctx.get(key)]
+    unseen = [(key, path) for key, path in paths if not os.path.exists(path)]
+    if unseen and not runs_on_this_machine(ctx):
+        key, path = unseen[0]
+        ctx.skipped.append(f"what the run starts from: {key} {path} is not on this machine (the ranks check it)")
+        return []
+    problems = resume_checks.start_problems(ctx)
+    start = resume_checks.planned_start(ctx)
+    if start is not None:
+        problems += resume_checks.fit_problems(ctx, start)
+    return problems

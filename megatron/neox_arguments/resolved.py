@@ -51,6 +51,9 @@ class ResolvedConfig:
     dialect: dict[str, Any] | None = None
     """For a Levanter or fms-fsdp config: ``{"name": ..., "rows": [{key, where, neox}, ...]}``, each
     dialect key and the GPT-NeoX keys it became (``args`` holds the result, whatever the dialect)."""
+    entry_point: str | None = None
+    """The script the ranks will run (``train.py``, ``generate.py``, ...), set by ``deepy.py`` before the checks:
+    what a run starts from is checked as that script will load it. Not stored: the ranks know their script."""
 
     @property
     def config_files(self) -> dict[str, str]:

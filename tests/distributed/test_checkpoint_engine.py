@@ -239,6 +239,12 @@ def test_exact_resume_after_kill_during_save(tmp_path: Path) -> None:
     assert abs(no_optim[10] - reference[10]) > 1e-6
 
 
+def files_under(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``root`` (relative path -> size, modification time): what a run wrote there."""
+    return {str(path.relative_to(root)): (path.stat().st_size, path.stat().st_mtime_ns)
+            for path in sorted(root.rglob("*")) if path.is_file()}
+
+
 def test_layout_changes_through_universal_checkpoints(tmp_path: Path) -> None:
     save = tmp_path / "ckpt"
     common = ["--steps", "12", "--dropout", "0"]
@@ -251,18 +257,30 @@ def test_layout_changes_through_universal_checkpoints(tmp_path: Path) -> None:
     assert codes == [2], logs
     assert "committed iterations: 6, 12" in logs[0]
 
-    # dp2 -> dp1: rank 0 converts to <tag>_universal, then DeepSpeed re-partitions it
-    codes, logs = run(1, *common, "--load", str(save), "--iteration", "6", "--out", str(tmp_path / "dp1.json"))
+    # ZeRO-1 -> ZeRO-2 at dp2 without a `save`: rank 0 converts into a temporary directory (removed after
+    # loading), then DeepSpeed re-partitions it; nothing is written into the checkpoint's directory
+    before = files_under(save)
+    codes, logs = run(2, *common, "--load", str(save), "--iteration", "6", "--zero", "2",
+                      "--out", str(tmp_path / "zero2.json"))  # fmt: skip
+    assert codes == [0, 0], logs
+    assert "layout changed" in logs[0]
+    assert files_under(save) == before
+    from megatron.checkpointing.universal import conversion_dir
+
+    assert not conversion_dir(save / "global_step6", None).exists()  # removed once loaded
+    assert_close(losses_of(tmp_path / "zero2.json"), tail, 1e-5)
+
+    # dp2 -> dp1 rewound in its own directory (load = save, iteration 6): converted beside the checkpoint
+    # (<tag>_universal), and the step-12 checkpoint of this new trajectory replaces the dp2 run's
+    codes, logs = run(1, *common, "--save", str(save), "--load", str(save), "--iteration", "6", "--factor", "6",
+                      "--out", str(tmp_path / "dp1.json"))  # fmt: skip
     assert codes == [0], logs
     assert (save / "global_step6_universal" / "COMMITTED").exists()
     assert "layout changed" in logs[0]
     assert_close(losses_of(tmp_path / "dp1.json"), tail, 1e-5)
-
-    # ZeRO-1 -> ZeRO-2 at dp2, reusing the cached conversion
-    codes, logs = run(2, *common, "--load", str(save), "--iteration", "6", "--zero", "2",
-                      "--out", str(tmp_path / "zero2.json"))  # fmt: skip
-    assert codes == [0, 0], logs
-    assert_close(losses_of(tmp_path / "zero2.json"), tail, 1e-5)
+    assert json.loads((save / "global_step12" / "deepy_meta.json").read_text())["layout"]["dp"] == 1
+    assert (save / "latest").read_text().strip() == "global_step12"
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith("global_step12")) == ["global_step12"]
 
 
 def test_sigterm_on_one_rank_saves_and_exits_zero(tmp_path: Path) -> None:

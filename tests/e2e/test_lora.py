@@ -173,23 +173,48 @@ def test_lora_resume_continues_the_curve_exactly(single: dict[str, Any], tmp_pat
     assert all(got[i] == pytest.approx(want[i], rel=1e-6) for i in got), (got, want)
 
 
-def test_adapters_start_from_a_checkpoint_without_them(tmp_path: Path) -> None:
+def files_under(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``root`` (relative path -> size, modification time): what a run wrote there."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_adapters_start_from_a_checkpoint_without_them_and_keep_it_across_a_layout_change(tmp_path: Path) -> None:
     """A full-parameter checkpoint becomes the frozen base of an adapter run (initialize_from): it loads
-    although it has no adapter entries, and the base stays bit-identical to it."""
+    although it has no adapter entries (here at another layout), and the base stays bit-identical to it.
+    Resumed at another layout (dp2 ZeRO-1 -> dp2 ZeRO-3, through a universal checkpoint), the adapter run
+    keeps that trained base bit for bit (not the seeded initialisation the conversion used to leave it at)
+    and takes the uninterrupted run's step; the conversion goes beside the new run's `save`, never into the
+    source."""
     full = {**BASE_CONFIG, **LAYOUTS["single"], "train_iters": 2, "log_dir": str(tmp_path / "full" / "logs"),
             "save": str(tmp_path / "full" / "ckpt"), "checkpoint_factor": 2, "master_port": free_port()}
     (tmp_path / "full").mkdir()
     assert deepy(full, tmp_path / "full").returncode == 0
     base = saved_module(tmp_path / "full" / "ckpt" / "global_step2")
     assert base and not any(".adapter." in k for k in base)
-    adapted = train("single", tmp_path / "lora", initialize_from=str(tmp_path / "full" / "ckpt"), train_iters=3,
-                    checkpoint_factor=3)
+    # at another layout than the base (dp2 ZeRO-1): the base comes through a universal checkpoint
+    adapted = train("dp2_zero1", tmp_path / "lora", initialize_from=str(tmp_path / "full" / "ckpt"), train_iters=3,
+                    checkpoint_factor=3, extra_save_iters=[2])
     saved = saved_module(adapted["ckpt"].parent / "global_step3")
     assert all(torch.equal(saved[k], base[k]) for k in base)
     assert {k for k in saved if k not in base} == {k for k in saved if ".adapter.lora_" in k} != set()
     # the checkpoint names its base
     meta = json.loads((adapted["ckpt"].parent / "global_step3" / "deepy_meta.json").read_text())
     assert meta["args"]["initialize_from"] == str(tmp_path / "full" / "ckpt") and meta["args"]["lora_r"] == 4
+
+    from megatron.interop.deepy_checkpoint import read_full_checkpoint
+
+    source = adapted["ckpt"].parent
+    before = files_under(source)
+    moved = train("dp2_zero3", tmp_path / "moved", initialize_from=str(tmp_path / "full" / "ckpt"), load=str(source),
+                  iteration=2, train_iters=3, checkpoint_factor=3)
+    assert files_under(source) == before  # nothing written into the checkpoint it resumed
+    assert not any("_universal" in p.name for p in moved["ckpt"].parent.iterdir())  # dropped after its own save
+    got, want = column(moved["rows"], "train/lm_loss"), column(adapted["rows"], "train/lm_loss")
+    assert len(got) == 1 and abs(got[0] - want[2]) <= 1e-5, (got, want)
+    weights = read_full_checkpoint(moved["ckpt"].parent / "global_step3").weights
+    changed = [k for k in base if not torch.equal(weights[k], base[k])]
+    assert not changed, f"frozen base weights changed across the layout change: {changed}"
 
 
 # ---------------------------------------------------------------- export

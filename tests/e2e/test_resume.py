@@ -218,10 +218,13 @@ def test_finetune_and_initialize_from_load_weights_only(tmp_path: Path, saved_ru
     assert "resuming it, not re-initializing" in output(again)
     assert sorted(losses(tmp_path / "ft_logs2")) == [4, 5]
 
-    init = deepy(tmp_path, *DP2, f"initialize_from={ckpt}", "train_iters=3", "lr_decay_iters=3",
-                 "log_dir=init_logs")  # fmt: skip
+    # initialize_from into a ZeRO-3 (fsdp) run of another layout (plain model, ZeRO-3 instead of a one-stage
+    # pipeline at ZeRO-1): the weights come through a universal checkpoint, which ZeRO-3 reads module-only
+    init = deepy(tmp_path, "num_gpus=2", "model_parallel_size=1", "pipe_parallel_size=0", "sharding_strategy=fsdp",
+                 f"initialize_from={ckpt}", "train_iters=3", "lr_decay_iters=3", "log_dir=init_logs")  # fmt: skip
     assert init.returncode == 0, output(init)
-    assert_curves_match(losses(tmp_path / "init_logs"), ft, 1e-6)
+    assert "layout changed from" in output(init) and "Traceback" not in output(init)
+    assert_curves_match(losses(tmp_path / "init_logs"), ft, 2e-5)  # another layout sums in another order
 
 
 def test_load_errors_are_clear(tmp_path: Path, saved_run: Path) -> None:
@@ -231,11 +234,12 @@ def test_load_errors_are_clear(tmp_path: Path, saved_run: Path) -> None:
     assert "no committed checkpoint for iteration 5" in output(missing)
     assert "committed iterations: 3, 6" in output(missing)
 
-    shape = deepy(tmp_path, *DP2, f"load={ckpt}", "hidden_size=32", "log_dir=l2")
+    # refused before launch, from the arguments the checkpoint recorded (no rank is started)
+    shape = deepy(tmp_path, *DP2, f"load={ckpt}", "hidden_size=32", "train_iters=6", "lr_decay_iters=6",
+                  "log_dir=l2")  # fmt: skip
     assert shape.returncode == 2, output(shape)
-    assert "saved for another model shape" in output(shape)
-    assert "hidden_size: checkpoint 64, config 32" in output(shape)
-    assert "Traceback" not in output(shape)
+    assert "hidden_size=32 (command line): " in output(shape) and "was saved with hidden_size 64" in output(shape)
+    assert "Traceback" not in output(shape) and "rank=" not in output(shape)
 
 
 def test_iteration_selects_an_older_checkpoint(tmp_path: Path, saved_run: Path) -> None:

@@ -101,3 +101,22 @@ def test_marker_write_fails_loudly_on_a_read_only_dir(tmp_path: Path) -> None:
             commit.write_commit_marker(path, CommitInfo(1, "step", 0.0))
     finally:
         path.chmod(0o700)
+
+
+def test_replace_checkpoint_swaps_in_the_new_copy_and_drops_the_stale_conversion(tmp_path: Path) -> None:
+    """A rewound run saving a step the directory holds (issue 30 item 2): the new copy takes the old one's
+    place, and the old one's cached universal conversion goes with it (it would be reused for the new one)."""
+    old = make_ckpt(tmp_path, 12, committed=True)
+    (old / "mp_rank_00_model_states.pt").write_bytes(b"old")
+    stale = tmp_path / "global_step12_universal"
+    stale.mkdir()
+    commit.write_commit_marker(stale, CommitInfo(step=12, kind="step", time=time.time()))
+    new = tmp_path / ("global_step12" + commit.REPLACING_SUFFIX)
+    new.mkdir()
+    (new / "mp_rank_00_model_states.pt").write_bytes(b"new")
+    commit.write_commit_marker(new, CommitInfo(step=12, kind="step", time=time.time()))
+    assert commit.list_checkpoints(tmp_path).steps == [12]  # the copy is invisible until swapped in
+    commit.replace_checkpoint(tmp_path, 12, new)
+    assert (tmp_path / "global_step12" / "mp_rank_00_model_states.pt").read_bytes() == b"new"
+    assert commit.is_committed(tmp_path / "global_step12")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step12"]

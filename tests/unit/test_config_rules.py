@@ -309,7 +309,7 @@ def test_data_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "u.jsonl").write_text('{"text": "hello"}\n')
     ok(use_dummy_dataset=False, train_urls=["u.jsonl"], cache_dir="cache")
     make_dataset(tmp_path / "d" / "x")
-    ok(use_dummy_dataset=False, data_path="d/x")
+    ok(use_dummy_dataset=False, data_path="d/x", seq_length=4)  # its 20 tokens hold samples of 4 + 1
 
 
 def test_weights_and_labels_match_paths() -> None:

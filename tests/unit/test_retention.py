@@ -118,3 +118,23 @@ def test_invalid_settings_are_rejected() -> None:
         RetentionPolicy(train_iters=10, keep_last_n_checkpoints=0)
     with pytest.raises(ValueError):
         RetentionPolicy(train_iters=10, save_interval_s=0)
+
+
+def test_a_rewound_run_keeps_its_own_newest_checkpoints(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """After a rewind (``iteration: 5`` in a directory holding steps up to 10), the old trajectory's later
+    checkpoints do not count against ``keep_last_n_checkpoints``: the rewound run's newest stay, and so do they
+    (until the new trajectory replaces them step by step)."""
+    import time
+
+    from megatron.checkpointing import commit
+    from megatron.checkpointing.manager import CheckpointManager
+    from megatron.checkpointing.preemption import PreemptionWatcher
+
+    for step in (6, 7, 8, 9, 10):
+        tag = tmp_path / commit.tag_for(step)
+        tag.mkdir()
+        commit.write_commit_marker(tag, commit.CommitInfo(step=step, kind="step", time=time.time()))
+    manager = CheckpointManager(save=str(tmp_path), load=str(tmp_path), args_dict={}, preemption=PreemptionWatcher(),
+                                policy=RetentionPolicy(train_iters=20, checkpoint_factor=1, keep_last_n_checkpoints=2))
+    manager._apply_retention(8)  # the rewound run has just saved step 8
+    assert commit.list_checkpoints(tmp_path).steps == [7, 8, 9, 10]

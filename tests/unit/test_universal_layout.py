@@ -104,3 +104,26 @@ def test_padded_vocabulary_is_trimmed_for_a_smaller_tp(tmp_path: Path) -> None:
     assert reshard.fit_vocabulary_rows(tmp_path / "zero", info["vocabulary_parameter_patterns"], rows=400)
     grown = torch.load(tmp_path / "zero" / "embedding.word_embeddings.weight" / "fp32.pt", weights_only=True)["param"]
     assert grown.shape == (400, 2) and grown[383, 1].item() == 767.0 and not grown[384:].any()
+
+
+def test_a_conversion_is_written_where_the_loading_run_writes(tmp_path: Path) -> None:
+    """Issue 30 item 10: never into the source directory (it may be read-only, or another run's)."""
+    import tempfile
+    import time
+
+    from megatron.checkpointing import commit
+    from megatron.checkpointing.universal import conversion_dir, foreign_conversions
+
+    source = tmp_path / "a" / "global_step4"
+    source.mkdir(parents=True)
+    commit.write_commit_marker(source, commit.CommitInfo(step=4, kind="step", time=1.0))
+    save = tmp_path / "b"
+    assert conversion_dir(source, tmp_path / "a") == tmp_path / "a" / "global_step4_universal"  # its own run's
+    beside = conversion_dir(source, save)
+    assert beside.parent == save and beside.name.startswith("global_step4_universal_of_")
+    beside.mkdir(parents=True)
+    assert foreign_conversions(save) == [beside]
+    assert conversion_dir(source, None).parent == Path(tempfile.gettempdir()) / "deepy_universal"
+    # the same tag written again (a rewound run replaced it) is another source: the cached conversion is not reused
+    commit.write_commit_marker(source, commit.CommitInfo(step=4, kind="step", time=time.time()))
+    assert conversion_dir(source, save) != beside
