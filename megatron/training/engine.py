@@ -284,15 +284,24 @@ def _deepspeed_info_logs(on: bool) -> Iterator[None]:
         ds_logger.setLevel(previous)
 
 
-def construction(ds_config: dict[str, Any] | None) -> contextlib.AbstractContextManager[Any]:
+def construction(ds_config: dict[str, Any] | None,
+                 device: torch.device | None = None) -> contextlib.AbstractContextManager[Any]:
     """Where the model is built: under deepspeed.zero.Init when ``ds_config`` is given (each module's
     weights are partitioned over the ZeRO-3 ranks right after they are made, so the whole model never
-    exists on one rank), else plainly."""
+    exists on one rank), else on ``device`` (None: torch's default, the CPU)."""
     if ds_config is None:
-        return contextlib.nullcontext()
+        return torch.device(device) if device is not None else contextlib.nullcontext()
     view = deepspeed_mpu()
     return deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=view,
                                data_parallel_group=view.get_data_parallel_group())
+
+
+def training_device() -> torch.device:
+    """The device this rank trains on (``cuda:<LOCAL_RANK>`` on a GPU node, where ``initialize`` set
+    it; else the CPU), the one DeepSpeed's engine moves the model to."""
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
 
 
 def deepspeed_mpu() -> Any:
@@ -303,14 +312,18 @@ def deepspeed_mpu() -> Any:
 
 def build_model(config: GPTConfig, parallel: ParallelRunArgs, ckpt: ActivationCheckpointArgs,
                 compile_layers: bool, objective: Objective,
-                lora: LoRAArgs | None = None, zero_init: dict[str, Any] | None = None) -> tuple[nn.Module, bool]:
+                lora: LoRAArgs | None = None, zero_init: dict[str, Any] | None = None,
+                device: torch.device | None = None) -> tuple[nn.Module, bool]:
     """(module, is_pipe); a pipeline's last stage computes ``objective.loss``. With ``lora`` enabled
     the weights are frozen and adapters attached before any wrapping (compile, checkpointing).
-    ``zero_init``: the DeepSpeed config to partition the model with while it is built (ZeRO-3, no pipeline)."""
+    ``zero_init``: the DeepSpeed config to partition the model with while it is built (ZeRO-3, no pipeline).
+    ``device``: where the weights are created (the rank's GPU: the model never exists whole in host
+    memory, 14 GB per rank for 7B in bf16), in the run's dtype; each weight's values are drawn on the
+    CPU as before (``mpu/initialize_weights.py``), so they are the same bits wherever it is built."""
     if ckpt.recomputes_activations:
         configure_activation_checkpointing(ckpt, config.num_layers)
     if not parallel.uses_pipeline_module:
-        with construction(zero_init):
+        with construction(zero_init, device):
             model = GPTModel(config)
         if lora is not None and lora.lora_enabled:
             apply_lora(model, lora, config.seed)
@@ -320,7 +333,7 @@ def build_model(config: GPTConfig, parallel: ParallelRunArgs, ckpt: ActivationCh
 
     # whole-chunk checkpointing by PipelineModule unless only every k-th block is recomputed
     interval = ckpt.checkpoint_num_layers if ckpt.checkpoint_activations and not ckpt.selective_checkpointing else 0
-    with _deepspeed_prints_quiet():
+    with _deepspeed_prints_quiet(), construction(None, device):
         model = PipelineModule(
             layers=pipeline_layer_specs(config),
             loss_fn=objective.loss,
@@ -352,7 +365,8 @@ def build_engine(run: RunViews, config: GPTConfig, train_iters: int, objective: 
         ds_config["train_batch_size"] = int(ds_config["train_batch_size"]) * run.parallel.context_parallel_size
     ds_config = hybrid_shard_engine.deepspeed_config(ds_config)  # unchanged without hybrid sharding
     model, is_pipe = build_model(config, run.parallel, run.activation_checkpointing, run.training.compile_layers,
-                                 objective, run.lora, zero_init=ds_config if run.training.zero_init else None)
+                                 objective, run.lora, zero_init=ds_config if run.training.zero_init else None,
+                                 device=training_device())
     spec = run.lr.spec(train_iters, run.optimizer.peak_lr)
     policy = run.lr.resume_policy
     if run.optimizer.optimizer_kind in DEEPSPEED_BUILT:

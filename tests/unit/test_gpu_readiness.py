@@ -236,6 +236,36 @@ def test_packed_documents_are_read_from_the_device_once_per_forward(monkeypatch:
     assert reads == 1
 
 
+# --- the model is made where it trains --------------------------------------------------------------
+def test_the_model_is_built_in_its_dtype_on_the_training_device() -> None:
+    """build_engine builds the model on the rank's device (``training_device()``) in the run's dtype:
+    the meta device stands in for a GPU here, so every parameter and buffer being on it shows that none
+    was made on the host first (they were: the whole model in host memory, 14 GB per rank for 7B in
+    bf16, before DeepSpeed moved it). Built on the CPU, the weights are the bits of before."""
+    from megatron.model import GPTConfig, GPTModel
+    from megatron.mpu.parallel_config import ParallelismArgs
+    from megatron.training.activation_config import ActivationCheckpointArgs
+    from megatron.training.engine import build_model, training_device
+    from megatron.training.objectives import LMObjective, ObjectiveArgs
+
+    keys = {**ATTN, "pos_emb": "rotary", "num_kv_heads": 2, "use_qk_layernorm": True}
+    config = GPTConfig(**keys, precision="bfloat16")
+
+    def built(device: torch.device | None, cfg: GPTConfig = config) -> torch.nn.Module:
+        return build_model(cfg, ParallelismArgs(), ActivationCheckpointArgs(), False, LMObjective(ObjectiveArgs()),
+                           device=device)[0]
+
+    on_device = built(torch.device("meta"))
+    tensors = dict(on_device.named_parameters()) | dict(on_device.named_buffers())
+    assert tensors and {t.device.type for t in tensors.values()} == {"meta"}
+    assert {p.dtype for p in on_device.parameters()} == {torch.bfloat16}
+    assert training_device() == torch.device("cpu")  # this machine's ranks train on the CPU
+    fp32 = GPTConfig(**keys)
+    before = GPTModel(fp32).state_dict()
+    after = built(training_device(), fp32).state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
 # --- the DeepSpeed config: bf16 sums in fp32, no synchronising throughput timer ---------------------
 def _deepspeed_settings(**keys: object) -> object:
     from deepspeed.runtime.config import DeepSpeedConfig
