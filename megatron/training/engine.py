@@ -35,7 +35,13 @@ from torch import nn
 
 from megatron import mpu
 from megatron.checkpointing import neox_files
-from megatron.deepspeed_internals import replace_fp32_clipping, skip_frozen_tied_gradients, skip_gradient_allreduce
+from megatron.deepspeed_internals import (
+    before_optimizer_step,
+    reduced_gradients,
+    replace_fp32_clipping,
+    skip_frozen_tied_gradients,
+    skip_gradient_allreduce,
+)
 from megatron.errors import ConfigError
 from megatron.mpu.parallel_config import ParallelRunArgs
 from megatron.logging.log import get_logger
@@ -46,6 +52,7 @@ from megatron.model.pipeline import CHECKPOINTABLE_LAYERS
 from megatron.model.transformer_layer import TransformerLayer
 from megatron.mpu import experts as expert_parallel
 from megatron.mpu import hybrid_shard
+from megatron.mpu.layers import partial_over_tensor_parallel, sum_partial_grads_over_tensor_parallel
 from megatron.training import hybrid_shard as hybrid_shard_engine
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.compile_checks import require_toolchain
@@ -248,6 +255,18 @@ def install_fp32_clipping(engine: Any) -> None:
     replace_fp32_clipping(engine, lambda: clip_grad_norm(params, float(engine.gradient_clipping())))
 
 
+def install_partial_grad_sum(engine: Any) -> None:
+    """Sum the gradients of the parameters tensor parallelism leaves partial (norms and row-parallel
+    biases under sequence parallelism, qk-norms over split heads, ...: ``mpu/layers.py``) over the tp
+    group once per optimizer step, all in one all-reduce: after DeepSpeed's data-parallel reduction (the
+    two sums commute) and before its clipping and update, where Megatron-LM's ``finalize_model_grads``
+    takes it. Not per micro-batch in the backward: ZeRO-2 and the bf16 optimizer take ``param.grad``
+    away during the backward, so the one point every DeepSpeed optimizer shares is the step."""
+    params = partial_over_tensor_parallel(engine.module)
+    if params:
+        before_optimizer_step(engine, lambda: sum_partial_grads_over_tensor_parallel(reduced_gradients(params)))
+
+
 # --- building ------------------------------------------------------------------------------------
 def optimizer_offloaded(ds_config: dict[str, Any]) -> bool:
     zero = ds_config.get("zero_optimization") or {}
@@ -390,6 +409,7 @@ def build_engine(run: RunViews, config: GPTConfig, train_iters: int, objective: 
             dist_init_required=False,
         )
     install_expert_parallel(engine)  # no-op unless experts are split over data-parallel ranks
+    install_partial_grad_sum(engine)  # no-op unless replicated weights see part of the data per tp rank
     hybrid_shard_engine.install(engine)  # no-op unless ZeRO-3 partitions are replicated (hsdp)
     # checkpoints are written (and read) in GPT-NeoX's layout: its tools and users read them
     neox_files.install(engine, config, mpu.get_tensor_model_parallel_world_size())

@@ -201,6 +201,7 @@ def check_sequence_parallel_mlp_pair() -> None:
         RowParallelLinear,
         get_tensor_model_parallel_rank,
     )
+    from megatron.mpu.layers import partial_over_tensor_parallel, sum_partial_grads_over_tensor_parallel
 
     rank = get_tensor_model_parallel_rank()
     x_full = _same_inputs(4, 2, 6, seed=12)
@@ -215,6 +216,8 @@ def check_sequence_parallel_mlp_pair() -> None:
         x = (x_full.chunk(WORLD, dim=0)[rank] if sp else x_full).clone().requires_grad_()
         y = row(F.gelu(col(x)))
         y.backward(g_full.chunk(WORLD, dim=0)[rank] if sp else g_full)
+        # the row bias sees a sequence shard: its gradient is partial until the trainer's tp sum
+        sum_partial_grads_over_tensor_parallel([p.grad for p in partial_over_tensor_parallel(row)])
         outputs[sp] = y.detach() if not sp else torch.cat(_gather(y.detach()), dim=0)
         x_grad = x.grad if not sp else torch.cat(_gather(x.grad), dim=0)
         grads[sp] = [x_grad, col.weight.grad, col.bias.grad, row.weight.grad, row.bias.grad]
