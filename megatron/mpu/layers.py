@@ -50,9 +50,11 @@ def mark_partial_over_tensor_parallel(params: Iterable[nn.Parameter]) -> None:
     gradient on each rank; its gradient is the sum over the tp group. That sum is not taken here, per
     parameter and micro-batch (a hook each: dozens of small all-reduces per backward), but once per
     optimizer step for every marked parameter together (:func:`sum_partial_grads_over_tensor_parallel`,
-    called by the trainer after the data-parallel reduction, as Megatron-LM's
-    ``_allreduce_non_tensor_model_parallel_grads`` does; whoever runs a backward without the trainer
-    calls it before using the gradients).
+    called by the trainer after the data-parallel reduction, where Megatron-LM's
+    ``finalize_model_grads`` calls ``_allreduce_non_tensor_model_parallel_grads``: one flattened
+    all-reduce, megatron/core/distributed/finalize_model_grads.py:416 and :661 at d98e8a6; GPT-NeoX
+    registers a hook per norm parameter, megatron/model/utils.py:397 at ea7aefd, as Deepy did). Whoever
+    runs a backward without the trainer calls it before using the gradients.
     """
     if get_tensor_model_parallel_world_size() == 1:
         return
