@@ -149,6 +149,16 @@ def check_vocab_parallel_cross_entropy() -> None:
     half = logits_full.chunk(WORLD, dim=-1)[rank].to(torch.bfloat16).requires_grad_()
     vocab_parallel_cross_entropy(half, target).sum().backward()
     assert half.grad.dtype == torch.bfloat16
+    # the z-loss's log Z over the whole vocabulary from the same pass, gradient softmax on each shard
+    from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy_and_log_z
+
+    ref_in = logits_full.double().requires_grad_()
+    (torch.logsumexp(ref_in, dim=-1) * grad_out).sum().backward()
+    shard = logits_full.chunk(WORLD, dim=-1)[rank].clone().requires_grad_()
+    _, log_z = vocab_parallel_cross_entropy_and_log_z(shard, target, 2)
+    _close(log_z.double(), torch.logsumexp(logits_full.double(), dim=-1), "log Z", atol=1e-4)
+    (log_z * grad_out).sum().backward()
+    _close(shard.grad.double(), ref_in.grad.chunk(WORLD, dim=-1)[rank], "log Z grad")
 
 
 def check_mappings() -> None:
