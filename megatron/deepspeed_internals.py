@@ -381,3 +381,40 @@ def quiet_step_line(quiet: bool = True) -> None:
 
 class _State:
     quiet_steps = True
+
+
+def before_optimizer_step(engine: Any, run: Callable[[], None]) -> None:
+    """Call ``run`` at every optimizer step, after DeepSpeed's data-parallel gradient reduction and
+    before its clipping, gradient norm and update.
+
+    ``_take_model_step`` is the method both ``DeepSpeedEngine.step`` and the ``PipelineEngine``'s
+    optimizer step call at the accumulation boundary, whatever the optimizer (ZeRO 0-2, the bf16
+    optimizer, fp16); DeepSpeed has no hook there, and ``allreduce_gradients`` is not one: ZeRO-2 and
+    the bf16 optimizer have consumed ``param.grad`` by then, and a pipeline's bf16 reduction bypasses it.
+    """
+    step = engine._take_model_step
+
+    def take_model_step(*args: Any, **kwargs: Any) -> Any:
+        run()
+        return step(*args, **kwargs)
+
+    engine._take_model_step = take_model_step
+
+
+def reduced_gradients(params: Any) -> list[Any]:
+    """Where each parameter's data-parallel-reduced gradient is between DeepSpeed's reduction and its
+    step (see :func:`before_optimizer_step`), as writable tensors: the bf16 optimizer's fp32 buffer
+    (``_hp_grad``, the whole gradient on every rank), else ``param.grad`` (no ZeRO: reduced in place),
+    else this rank's fragment of ZeRO-1/2's flat gradient partition (``_hp_mapping``, the accessor
+    DeepSpeed's own ``safe_set_full_grad`` writes through; parameters outside this rank's partition have
+    none). Ranks with the same data-parallel rank and the same parameter shapes get the same layout."""
+    out = []
+    for param in params:
+        hp_grad = getattr(param, "_hp_grad", None)
+        if hp_grad is not None:
+            out.append(hp_grad)
+        elif param.grad is not None:
+            out.append(param.grad)
+        elif getattr(param, "_hp_mapping", None) is not None:
+            out.append(param._hp_mapping.get_lp_grad_fragment(param._index_in_param_group))
+    return out

@@ -81,7 +81,8 @@ class CheckpointArgs(ArgGroup):
 
     save_interval: str | int | None = None
     """Also save a temporary checkpoint at this wall-clock interval (`15min`, `1h`, or seconds); it
-    is replaced by the next one."""
+    is replaced by the next one. Rank 0's clock decides, after the step in which the interval since
+    the last save elapsed (on GPUs after the next one: the ranks agree without waiting for the device)."""
 
     keep: list[dict[str, int | None]] | None = None
     """Step-based retention policy as a list of {every, until} rules, e.g. [{every: 1000, until:

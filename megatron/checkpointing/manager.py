@@ -9,8 +9,12 @@
         if ckpt.maybe_save(engine, step, consumed_samples).stop:
             break                                  # preempted: checkpoint written, exit 0
 
-Rank 0 runs the retention policy and broadcasts its decision, so every rank saves (or not) after
-the same step, whatever each rank's own clock says.
+Every rank runs the retention policy's step rules itself (they read only the step); for a clock-based
+save (``save_interval``) rank 0's clock decides, and its word travels in the preemption flag's
+once-per-step all-reduce (``preemption.py``), so every rank saves (or not) after the same step,
+whatever its own clock says. Under NCCL that agreement is read one step late (no host wait for the
+step in flight): a time-based save then comes one step after rank 0's clock found the interval
+elapsed.
 """
 
 from __future__ import annotations
@@ -23,12 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from megatron.checkpointing import commit, discovery, neox_import
 from megatron.checkpointing.neox_layout import GqaOrder
-from megatron.checkpointing.preemption import PreemptionWatcher, collective_device
+from megatron.checkpointing.preemption import PreemptionWatcher
 from megatron.checkpointing.retention import (
     CheckpointKind,
     CommittedCheckpoint,
@@ -52,8 +55,6 @@ from megatron.errors import CheckpointError, ConfigError
 from megatron.time_phrases import parse_duration
 
 log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0 speaks
-
-_KIND_CODES: tuple[CheckpointKind, ...] = ("temporary", "step", "permanent")
 
 
 @dataclass(frozen=True)
@@ -345,12 +346,14 @@ class CheckpointManager:
         self, engine: Any, step: int, consumed_samples: int, extra: dict[str, Any] | None = None
     ) -> SaveOutcome:
         """Call after every optimizer step, on every rank (it holds collectives)."""
-        stop = self.preemption.should_stop()
+        agreed = self.preemption.agree(self._time_save_step(step))
+        stop = agreed.stop
         if self.save_dir is None:
             if stop:
                 log.warning("preempted (%s) with no `save` directory: nothing is saved", self.preemption.signal_name)
             return SaveOutcome(saved=False, stop=stop)
-        decision = self._agreed_decision(step)
+        # a time-based save posted before the last save (a step late under NCCL) is already served
+        decision = self.policy.decide(step, time_due=agreed.time_save_step > (self.last_saved_step or 0))
         if stop and not decision.save:
             decision = SaveDecision(save=True, kind="temporary", reason=f"preempted by {self.preemption.signal_name}")
         if not decision.save:
@@ -386,17 +389,11 @@ class CheckpointManager:
         self._apply_retention(step)
         self._remove_foreign_conversions()
 
-    def _agreed_decision(self, step: int) -> SaveDecision:
-        """Rank 0 decides; the others follow (their clocks may disagree by a step's time)."""
-        decision = self.policy.decide(step)
-        if not (dist.is_initialized() and dist.get_world_size() > 1) or self.policy.save_interval_s is None:
-            return decision  # without time-based saves every rank decides the same from the step: no sync
-        code = torch.tensor(
-            [_KIND_CODES.index(decision.kind) if decision.save else -1], dtype=torch.int64, device=collective_device()
-        )
-        dist.broadcast(code, src=0)
-        value = int(code.item())
-        return SaveDecision(save=False) if value < 0 else SaveDecision(save=True, kind=_KIND_CODES[value])
+    def _time_save_step(self, step: int) -> int:
+        """What this rank posts for the clock's part of the save decision: ``step`` when it is rank 0
+        and its clock finds the interval elapsed, else 0 (only rank 0's clock decides)."""
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        return step if rank0 and self.save_dir is not None and self.policy.interval_elapsed() else 0
 
     def _apply_retention(self, step: int) -> None:
         if self.save_dir is None or (dist.is_initialized() and dist.get_rank() != 0):

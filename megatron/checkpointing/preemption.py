@@ -1,23 +1,27 @@
-"""Preemption: SIGTERM/SIGUSR1 -> finish the step, save, exit 0.
+"""Preemption: SIGTERM/SIGUSR1 -> finish the step, save, exit 0; and the once-per-step agreement
+that carries it.
 
-The signal handler only sets a flag; the training loop asks :meth:`PreemptionWatcher.should_stop`
-once per step, which all-reduces the flag (MAX) so every rank stops after the *same* step even
-though a scheduler may signal ranks at different moments - otherwise one rank would enter the
-checkpoint barrier while the others wait in the next step's all-reduce.
+The signal handler only sets a flag; the training loop asks :meth:`PreemptionWatcher.agree` once per
+step, which all-reduces the flag (MAX) so every rank stops after the *same* step even though a
+scheduler may signal ranks at different moments - otherwise one rank would enter the checkpoint
+barrier while the others wait in the next step's all-reduce. The same all-reduce carries rank 0's
+word on clock-based saves (``save_interval``: the step at which its clock found the interval
+elapsed), so they cost no collective of their own.
 
-Under NCCL the flag lives on the GPU, and reading it right after the all-reduce would make the host
-wait for the whole step queued before it, every step. There the answer is read one step late: each
-call queues this step's all-reduce and an asynchronous copy into pinned memory, and returns the
-previous call's agreed flag, whose copy finished while this step ran. Every rank reads the same
-step's answer, so all still stop after the same step (one step after the signal). With gloo the
-flag is host memory and the answer is read at once.
+Under NCCL the values live on the GPU, and reading them right after the all-reduce would make the
+host wait for the whole step queued before it, every step. There the answer is read one step late:
+each call queues this step's all-reduce and an asynchronous copy into pinned memory, and returns the
+previous call's agreed values, whose copy finished while this step ran. Every rank reads the same
+step's answer, so all still stop (or save) after the same step (one step after the signal, or after
+rank 0's clock said so). With gloo the values are host memory and the answer is read at once.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from types import FrameType
 
 import torch
@@ -49,45 +53,62 @@ class PreemptionWatcher:
         self.requested = True
         self.signal_name = signal.Signals(signum).name
 
-    def should_stop(self, group: dist.ProcessGroup | None = None) -> bool:
-        """True on every rank as soon as any rank received a signal (collective: all must call)."""
-        stop = bool(self._agreed.exchange(1 if self.requested else 0, group))
+    def agree(self, time_save_step: int = 0, group: dist.ProcessGroup | None = None) -> Agreement:
+        """This step's agreement (collective: every rank calls it once per step). ``time_save_step``:
+        the step at which this rank's clock finds a time-based save due, 0 if none (only rank 0's
+        counts: the others post 0)."""
+        flag, time_save_step = self._agreed.exchange((1 if self.requested else 0, time_save_step), group)
+        stop = bool(flag)
         if stop and not self.requested:
             self.requested = True
             self.signal_name = self.signal_name or "a signal on another rank"
-        return stop
+        return Agreement(stop=stop, time_save_step=time_save_step)
+
+    def should_stop(self, group: dist.ProcessGroup | None = None) -> bool:
+        """True on every rank as soon as any rank received a signal (collective: all must call)."""
+        return self.agree(0, group).stop
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank agreed on after a step (one step late under NCCL)."""
+
+    stop: bool
+    """Some rank was signalled: save and stop."""
+    time_save_step: int
+    """The step at which rank 0's clock found a time-based save due (0: none)."""
 
 
 class AgreedFlag:
-    """The MAX over ranks of a small integer each rank posts once per step.
+    """The elementwise MAX over ranks of a few small integers each rank posts once per step.
 
-    ``deferred`` (None: when the collective runs on a GPU) returns, from each call, the value agreed
-    by the *previous* call (0 for the first), read from pinned memory once the copy queued behind the
-    all-reduce is done, so the host never waits for the step in flight; otherwise the value just
+    ``deferred`` (None: when the collective runs on a GPU) returns, from each call, the values agreed
+    by the *previous* call (zeros for the first), read from pinned memory once the copy queued behind
+    the all-reduce is done, so the host never waits for the step in flight; otherwise the values just
     agreed."""
 
     def __init__(self, deferred: bool | None = None) -> None:
         self.deferred = deferred
         self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
 
-    def exchange(self, value: int, group: dist.ProcessGroup | None = None) -> int:
+    def exchange(self, values: Sequence[int], group: dist.ProcessGroup | None = None) -> tuple[int, ...]:
         device = collective_device(group)
-        flag = torch.tensor([value], dtype=torch.int32, device=device)
+        flags = torch.tensor(list(values), dtype=torch.int64, device=device)
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         deferred = device.type != "cpu" if self.deferred is None else self.deferred
         if not deferred:
-            return int(flag.item())
+            return tuple(int(v) for v in flags.tolist())
         on_gpu = device.type == "cuda"
-        host = torch.empty(1, dtype=torch.int32, pin_memory=on_gpu)
-        host.copy_(flag, non_blocking=on_gpu)
+        host = torch.empty(len(values), dtype=torch.int64, pin_memory=on_gpu)
+        host.copy_(flags, non_blocking=on_gpu)
         done = torch.cuda.Event() if on_gpu else None
         if done is not None:
             done.record()
         previous, self._pending = self._pending, (host, done)
         if previous is None:
-            return 0
+            return (0,) * len(values)
         agreed, copied = previous
         if copied is not None:
             copied.synchronize()  # recorded a step ago: already complete while this step runs
-        return int(agreed[0])
+        return tuple(int(v) for v in agreed.tolist())

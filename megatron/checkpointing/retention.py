@@ -12,7 +12,7 @@ Three families of rules meet here, each from a project that users already know:
 
 The policy never touches the disk or a clock of its own: it gets the time from an injected
 ``clock`` and the list of committed checkpoints from the caller, so every rule is unit-testable
-with a fake clock. Rank 0 runs it and broadcasts the decision (see ``manager.py``).
+with a fake clock. Every rank runs it; for the clock's part rank 0's answer is agreed (``manager.py``).
 """
 
 from __future__ import annotations
@@ -119,8 +119,13 @@ class RetentionPolicy:
         self._last_commit_time = clock()
 
     # --- when to save ------------------------------------------------------------------------
-    def decide(self, step: int) -> SaveDecision:
-        """Called after ``step`` (the number of completed iterations) has finished."""
+    def interval_elapsed(self) -> bool:
+        """The clock's part of :meth:`decide`: ``save_interval`` has passed since the last commit."""
+        return self.save_interval_s is not None and self._clock() - self._last_commit_time >= self.save_interval_s
+
+    def decide(self, step: int, time_due: bool | None = None) -> SaveDecision:
+        """Called after ``step`` (the number of completed iterations) has finished. ``time_due``: the
+        clock's answer agreed by the ranks (rank 0's, ``manager.py``); None asks this policy's clock."""
         kinds: list[tuple[CheckpointKind, str]] = []
         if any(rule.matches(step) for rule in self.keep_rules):
             kinds.append(("permanent", "keep rule"))
@@ -128,7 +133,7 @@ class RetentionPolicy:
             kinds.append(("step", "step schedule"))
         if self.save_at_end and step == self.train_iters:
             kinds.append(("step", "end of training"))
-        if self.save_interval_s is not None and self._clock() - self._last_commit_time >= self.save_interval_s:
+        if self.save_interval_s is not None and (self.interval_elapsed() if time_due is None else time_due):
             kinds.append(("temporary", f"{self.save_interval_s:g}s since the last save"))
         if not kinds:
             return NO_SAVE

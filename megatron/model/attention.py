@@ -20,7 +20,7 @@ from megatron.model.kv_cache import KVCache
 from megatron.model.norms import build_norm
 from megatron.model.positional import RelativePositionBias, RotaryEmbedding, alibi_bias, alibi_slopes
 from megatron.mpu.context_parallel import heads_to_sequence, sequence_to_heads
-from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, allreduce_grads_across_tensor_parallel
+from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, mark_partial_over_tensor_parallel
 from megatron.mpu.random import tensor_parallel_rng
 from megatron.mpu.topology import (
     get_context_parallel_rank,
@@ -65,7 +65,7 @@ class SelfAttention(nn.Module):
             # one norm over the head dim, shared by all heads; heads are split, so grads are partial
             self.q_norm: nn.Module | None = build_norm(config, self.head_dim)
             self.k_norm: nn.Module | None = build_norm(config, self.head_dim)
-            allreduce_grads_across_tensor_parallel([*self.q_norm.parameters(), *self.k_norm.parameters()])
+            mark_partial_over_tensor_parallel([*self.q_norm.parameters(), *self.k_norm.parameters()])
         else:
             self.q_norm = self.k_norm = None
         self.rotary = (

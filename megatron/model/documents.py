@@ -10,9 +10,14 @@ The EOD token belongs to the document it ends: token ``t`` is in document "numbe
 strictly before ``t``". This is all the model needs (``document_ids`` ``[b, s]``), and it is what any
 packing writes (``pack_impl: packed`` for pretraining, ``pack_until_overflow`` for SFT).
 
-Attention over documents runs one causal SDPA per document piece (:func:`attend_per_document`),
-a "varlen" attention by slicing: its cost is the sum of the squared document lengths and it never
-builds a ``[s, s]`` mask. Why not FlexAttention with a document ``mask_mod``: in torch 2.13 its CPU
+Attention over documents (:func:`attend_per_document`) gathers the document pieces of the whole
+micro-batch into padded batches, one per length bucket (lengths rounded up to a power of two), and
+runs one causal SDPA per bucket: a "varlen" attention whose number of calls does not grow with the
+number of documents (at most log2(seq_length) + 1, one for equal-length documents), whose work stays
+within 4x of the sum of the squared document lengths (a piece fills more than half its bucket; the
+padding sits after the document, where no causal query of it looks), and which never builds a
+``[s, s]`` mask. The pieces are read from the device once per micro-batch (a host sync on a GPU) and
+the gather plan is reused by every layer. Why not FlexAttention with a document ``mask_mod``: in torch 2.13 its CPU
 backward is not implemented (``NotImplementedError: FlexAttention does not support backward on
 CPU``), and eager FlexAttention materialises the full score matrix, so on the CPU - where Deepy is
 tested - it would be neither trainable nor lean.
@@ -21,6 +26,7 @@ tested - it would be neither trainable nor lean.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -48,7 +54,8 @@ def positions_in_documents(document_ids: torch.Tensor) -> torch.Tensor:
 
 
 class _SpanCache:
-    """The spans of the last ``document_ids`` read, so a forward reads them once, not once per layer.
+    """The spans (and the attention's gather plan) of the last ``document_ids`` read, so a forward
+    reads them once, not once per layer.
 
     On a GPU every read is a host sync (the host waits for the device to finish the work queued
     before it), and each layer's attention asks for the same micro-batch's spans. The cached tensor is
@@ -60,6 +67,7 @@ class _SpanCache:
         self.ids: torch.Tensor | None = None
         self.key: tuple[object, ...] = ()
         self.spans: list[list[Span]] = []
+        self.plan: DocumentPlan | None = None
 
     @staticmethod
     def _key(t: torch.Tensor) -> tuple[object, ...]:
@@ -72,7 +80,7 @@ class _SpanCache:
         return self.spans
 
     def put(self, document_ids: torch.Tensor, spans: list[list[Span]]) -> None:
-        self.ids, self.key, self.spans = document_ids, self._key(document_ids), spans
+        self.ids, self.key, self.spans, self.plan = document_ids, self._key(document_ids), spans, None
 
 
 _SPANS = _SpanCache()
@@ -99,7 +107,54 @@ def document_spans(document_ids: torch.Tensor) -> list[list[Span]]:
 
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``attend(q, k, v)`` for one sequence alone: ``[1, n, l, d]`` (k, v ``[1, n_kv, l, d]``) -> ``[1, n, l, d]``."""
+"""``attend(q, k, v)`` for sequences alone: ``[p, n, l, d]`` (k, v ``[p, n_kv, l, d]``) -> ``[p, n, l, d]``."""
+
+
+@dataclass(frozen=True)
+class DocumentPlan:
+    """Where each document piece of a ``[b, s]`` batch goes for attention, as device index tensors.
+
+    ``buckets``: per bucket length ``L``, a ``[p, L]`` index into the ``b * s`` tokens (row-major): row
+    ``j`` lists the tokens of one piece, then repeats its last token up to ``L``. ``back``: ``[b * s]``,
+    each token's row in the buckets' concatenated ``[sum(p * L)]`` outputs."""
+
+    buckets: tuple[tuple[int, torch.Tensor], ...]
+    back: torch.Tensor
+
+
+def bucket_length(length: int, seq_length: int) -> int:
+    """The padded length of a piece: the next power of two, at most the sequence."""
+    return min(1 << max(length - 1, 0).bit_length(), seq_length)
+
+
+def _build_plan(spans: list[list[Span]], s: int, device: torch.device) -> DocumentPlan:
+    by_length: dict[int, list[tuple[int, int]]] = {}
+    for row, pieces in enumerate(spans):
+        for a, e in pieces:
+            by_length.setdefault(bucket_length(e - a, s), []).append((row * s + a, e - a))
+    back = torch.empty(len(spans) * s, dtype=torch.int64)
+    buckets, offset = [], 0
+    for length in sorted(by_length):
+        starts, counts = torch.tensor(by_length[length], dtype=torch.int64).unbind(-1)  # [p] each
+        j = torch.arange(length)
+        index = starts[:, None] + torch.minimum(j[None, :], counts[:, None] - 1)  # [p, L]: pad with the last token
+        real = j[None, :] < counts[:, None]
+        slots = offset + torch.arange(len(starts))[:, None] * length + j[None, :]  # [p, L] rows of the outputs
+        back[index[real]] = slots[real]
+        offset += len(starts) * length
+        buckets.append((length, index.to(device, non_blocking=True)))
+    return DocumentPlan(buckets=tuple(buckets), back=back.to(device, non_blocking=True))
+
+
+def document_plan(document_ids: torch.Tensor) -> DocumentPlan | None:
+    """The gather plan of this batch's document pieces (None: one document per row); built once per
+    batch from :func:`document_spans` and reused by every layer."""
+    spans = document_spans(document_ids)
+    if all(len(row) == 1 for row in spans):
+        return None
+    if _SPANS.plan is None:  # document_spans just cached these ids: the plan belongs to them
+        _SPANS.plan = _build_plan(spans, document_ids.shape[-1], document_ids.device)
+    return _SPANS.plan
 
 
 def attend_per_document(
@@ -107,14 +162,25 @@ def attend_per_document(
 ) -> torch.Tensor:
     """``[b, n, s, d]`` attention where each document of each row sees only itself.
 
-    ``attend`` is the layer's own attention for a sequence alone (causal, with its window, ALiBi or
-    relative bias), so a document in a packed row is computed as that document alone."""
-    spans = document_spans(document_ids)
-    if all(len(row) == 1 for row in spans):  # nothing packed: one batched call
+    ``attend`` is the layer's own attention for sequences alone (causal, with its window, ALiBi or
+    relative bias), so a document in a packed row is computed as that document alone: the pieces of
+    every row are gathered into one padded batch per length bucket and ``attend`` runs once per
+    bucket (module docstring)."""
+    plan = document_plan(document_ids)
+    if plan is None:  # nothing packed: one batched call
         return attend(q, k, v)
-    rows = []
-    for i, row in enumerate(spans):
-        qi, ki, vi = q[i : i + 1], k[i : i + 1], v[i : i + 1]
-        parts = [attend(qi[:, :, a:e], ki[:, :, a:e], vi[:, :, a:e]) for a, e in row]  # [1, n, l, d] each
-        rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
-    return torch.cat(rows, dim=0)  # [b, n, s, d]
+    b, n, s, d = q.shape
+
+    def tokens(t: torch.Tensor) -> torch.Tensor:  # [b, h, s, d] -> [b * s, h, d]
+        return t.transpose(1, 2).reshape(b * s, t.shape[1], d)
+
+    q_t, k_t, v_t = tokens(q), tokens(k), tokens(v)
+    outs = []
+    for length, index in plan.buckets:
+        def pieces(t: torch.Tensor, index: torch.Tensor = index, length: int = length) -> torch.Tensor:
+            return t.index_select(0, index.reshape(-1)).view(index.shape[0], length, t.shape[1], d).transpose(1, 2)
+
+        out = attend(pieces(q_t), pieces(k_t), pieces(v_t))  # [p, n, L, d]
+        outs.append(out.transpose(1, 2).reshape(-1, n, d))  # [p * L, n, d]
+    out_t = torch.cat(outs).index_select(0, plan.back)  # [b * s, n, d]
+    return out_t.view(b, s, n, d).transpose(1, 2)  # [b, n, s, d]

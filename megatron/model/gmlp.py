@@ -37,7 +37,7 @@ from megatron.model.kv_cache import KVCache
 from megatron.model.norms import RMSNorm, ScaleNorm, build_norm
 from megatron.model.scans import real_tokens
 from megatron.mpu.initialize_weights import set_tensor_model_parallel_attributes
-from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, allreduce_grads_across_tensor_parallel
+from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, mark_partial_over_tensor_parallel
 from megatron.mpu.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -144,11 +144,11 @@ class SpatialGatingUnit(nn.Module):
             if p.numel() == ff // tp:
                 set_tensor_model_parallel_attributes(p, True, 0)
             else:  # ScaleNorm's one gain: every rank's copy sees its channels only
-                allreduce_grads_across_tensor_parallel([p])
+                mark_partial_over_tensor_parallel([p])
         self.proj = nn.Linear(seq, seq, dtype=config.params_dtype)
         nn.init.zeros_(self.proj.weight)
         nn.init.ones_(self.proj.bias)
-        allreduce_grads_across_tensor_parallel(self.proj.parameters())  # each rank mixes its own channels
+        mark_partial_over_tensor_parallel(self.proj.parameters())  # each rank mixes its own channels
         self.attn = None if attn_dim is None else TinyAttention(config, ff, attn_dim, f"{name}.attn")
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None, attention_mask: torch.Tensor | None,
@@ -211,7 +211,7 @@ class GMLPBlock(Block):
             assert linear.bias is not None
             linear.bias.requires_grad_(False)  # never added, so never trained (GPT-NeoX's stay zero too)
         if config.sequence_parallel and get_tensor_model_parallel_world_size() > 1:
-            allreduce_grads_across_tensor_parallel(self.norm.parameters())  # it sees a sequence shard
+            mark_partial_over_tensor_parallel(self.norm.parameters())  # it sees a sequence shard
 
     def forward(
         self,

@@ -13,7 +13,7 @@ from megatron.model.kv_cache import KVCache
 from megatron.model.norms import build_norm
 from megatron.model.blocks import build_block
 from megatron.mpu.initialize_weights import initialize_param_, set_tensor_model_parallel_attributes
-from megatron.mpu.layers import ColumnParallelLinear, allreduce_grads_across_tensor_parallel, parallel_lm_logits
+from megatron.mpu.layers import ColumnParallelLinear, mark_partial_over_tensor_parallel, parallel_lm_logits
 from megatron.mpu.mappings import gather_from_sequence_parallel_region
 from megatron.mpu.topology import get_tensor_model_parallel_world_size
 
@@ -34,7 +34,7 @@ def build_output_layer(config: GPTConfig) -> ColumnParallelLinear:
 def build_final_norm(config: GPTConfig) -> nn.Module:
     norm = build_norm(config)
     if config.sequence_parallel:
-        allreduce_grads_across_tensor_parallel(norm.parameters())  # it sees a sequence shard
+        mark_partial_over_tensor_parallel(norm.parameters())  # it sees a sequence shard
     return norm
 
 
@@ -48,7 +48,7 @@ class ValueHead(nn.Module):
         set_tensor_model_parallel_attributes(self.weight, False)
         self.sequence_parallel = config.sequence_parallel and get_tensor_model_parallel_world_size() > 1
         if self.sequence_parallel:
-            allreduce_grads_across_tensor_parallel([self.weight])  # it sees a sequence shard
+            mark_partial_over_tensor_parallel([self.weight])  # it sees a sequence shard
 
     def forward(self, x_sbh: torch.Tensor) -> torch.Tensor:
         values_sb1 = F.linear(x_sbh, self.weight)  # [s, b, 1] (or this rank's sequence shard)

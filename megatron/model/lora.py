@@ -39,7 +39,7 @@ from megatron.errors import ConfigError
 from megatron.model.gpt import ValueHead
 from megatron.model.lora_config import LoRAArgs
 from megatron.mpu.initialize_weights import initialize_param_, set_tensor_model_parallel_attributes
-from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, allreduce_grads_across_tensor_parallel
+from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, mark_partial_over_tensor_parallel
 from megatron.mpu.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -101,7 +101,7 @@ class LoRAAdapter(nn.Module):
             replicated = self.lora_B
         if self.sequence_parallel:
             # the replicated factor meets a sequence shard on each rank: its gradient is partial
-            allreduce_grads_across_tensor_parallel([replicated])
+            mark_partial_over_tensor_parallel([replicated])
         self.enabled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from megatron.model.kv_cache import KVCache
 from megatron.model.norms import build_norm
 from megatron.model.scans import linear_recurrence, real_tokens
 from megatron.mpu.initialize_weights import InitFn
-from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, allreduce_grads_across_tensor_parallel
+from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, mark_partial_over_tensor_parallel
 from megatron.mpu.mappings import copy_to_tensor_model_parallel_region
 from megatron.mpu.topology import get_tensor_model_parallel_world_size
 
@@ -193,7 +193,7 @@ class MambaLayer(Block):
         self.norm = build_norm(config)
         self.mixer = MambaMixer(config, f"layers.{layer_number}.mixer")
         if config.sequence_parallel and get_tensor_model_parallel_world_size() > 1:
-            allreduce_grads_across_tensor_parallel(self.norm.parameters())  # it sees a sequence shard
+            mark_partial_over_tensor_parallel(self.norm.parameters())  # it sees a sequence shard
 
     def forward(
         self,

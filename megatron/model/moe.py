@@ -309,7 +309,7 @@ class GroupedExperts(nn.Module):
 
 
 def _linear_weight(name: str, shape: tuple[int, int], seed: int, init_fn: InitFn) -> torch.Tensor:
-    full = torch.empty(shape, dtype=torch.float32)
+    full = torch.empty(shape, dtype=torch.float32, device="cpu")  # drawn on the CPU wherever the model is built
     init_fn(full, param_generator(seed, name))
     return full
 

@@ -15,7 +15,7 @@ from megatron.model.kv_cache import KVCache
 from megatron.model.mlp import MLP
 from megatron.model.moe import MoELayer
 from megatron.model.norms import build_norm
-from megatron.mpu.layers import allreduce_grads_across_tensor_parallel
+from megatron.mpu.layers import mark_partial_over_tensor_parallel
 from megatron.mpu.random import tensor_parallel_rng
 from megatron.mpu.topology import get_tensor_model_parallel_world_size
 
@@ -40,7 +40,7 @@ class TransformerLayer(Block):
         if self.sequence_parallel:
             # norms see only this rank's part of the sequence: their gradients are partial sums
             norms = [self.input_layernorm, self.post_attention_layernorm]
-            allreduce_grads_across_tensor_parallel(p for n in norms if n is not None for p in n.parameters())
+            mark_partial_over_tensor_parallel(p for n in norms if n is not None for p in n.parameters())
 
     def forward(
         self,

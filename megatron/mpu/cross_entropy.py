@@ -10,6 +10,11 @@ in cache on a CPU and to bound the temporary memory on a GPU, so no `[tokens, vo
 is ever materialised. The forward saves the logits themselves (in their own dtype, e.g. bf16) and
 two fp32 numbers per token (max, sum of exp); the backward recomputes the softmax block by block and writes
 `softmax - one_hot(target)` straight into the gradient.
+
+The same pass yields each token's log-normaliser ``log Z = max + log(sum of exp)`` (the z-loss's
+``log Z``, PaLM): :func:`vocab_parallel_cross_entropy_and_log_z` returns it as a second
+differentiable output whose gradient (``softmax`` times the incoming gradient) joins the
+cross-entropy's in the same block-wise backward, so a z-loss costs no fp32 copy of the logits either.
 """
 
 from __future__ import annotations
@@ -56,8 +61,11 @@ def _shifted(block: torch.Tensor, by: torch.Tensor, out: torch.Tensor | None = N
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """(per-token loss, per-token log Z), both fp32 of the target's shape."""
+
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, rows: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor,  # type: ignore[override]
+                rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         vocab_per_rank = logits.shape[-1]
         flat = logits.reshape(-1, vocab_per_rank)  # [n, v/tp]
         n = flat.shape[0]
@@ -83,19 +91,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         shifted_target = flat.gather(-1, index).squeeze(-1).float() - top
         shifted_target = _all_reduce(shifted_target.masked_fill_(not_mine, 0.0))
 
-        loss = (sum_exp.log() - shifted_target).masked_fill(ignored, 0.0)
+        log_sum_exp = sum_exp.log()
+        loss = (log_sum_exp - shifted_target).masked_fill(ignored, 0.0)
+        log_z = log_sum_exp + top  # log sum_v exp(logit_v) over the full vocabulary
         ctx.save_for_backward(logits, top, sum_exp, index, not_mine, ignored)
         ctx.rows = rows
-        return loss.view(logits.shape[:-1])
+        return loss.view(logits.shape[:-1]), log_z.view(logits.shape[:-1])
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad_loss: torch.Tensor, grad_log_z: torch.Tensor):  # type: ignore[override]
         logits, top, sum_exp, index, not_mine, ignored = ctx.saved_tensors
         vocab_per_rank = logits.shape[-1]
         flat = logits.reshape(-1, vocab_per_rank)
         n, rows = flat.shape[0], ctx.rows
         scale = grad_loss.reshape(-1).float().masked_fill(ignored, 0.0)  # [n]
-        softmax_scale = (scale / sum_exp).unsqueeze(-1)  # [n, 1]
+        # d log Z / d logits = softmax: the log Z gradient adds to the softmax term only
+        softmax_scale = ((scale + grad_log_z.reshape(-1).float()) / sum_exp).unsqueeze(-1)  # [n, 1]
         minus_owned = ((~not_mine).to(torch.float32) * -scale).unsqueeze(-1)  # -scale where this rank holds the target
         grad = torch.empty_like(flat)
         in_place = flat.dtype == torch.float32
@@ -116,6 +127,17 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     `logits`: `[..., vocab/tp]`, rank r holding columns `[r*v/tp, (r+1)*v/tp)`; `target`: `[...]`
     full-vocabulary ids. Negative targets (e.g. -100) give loss 0 and no gradient. `block_rows`:
     tokens per block of the fp32 work (default: `default_block_rows` for the device).
+    """
+    return vocab_parallel_cross_entropy_and_log_z(logits, target, block_rows)[0]
+
+
+def vocab_parallel_cross_entropy_and_log_z(logits: torch.Tensor, target: torch.Tensor,
+                                           block_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token loss, per-token ``log Z``), both fp32 of `target`'s shape, from one chunked pass.
+
+    ``log Z = log sum_v exp(logits_v)`` over the full vocabulary is defined for every token (ignored
+    targets included); it is differentiable, its gradient being the softmax. Arguments as
+    :func:`vocab_parallel_cross_entropy`.
     """
     rows = block_rows or default_block_rows(logits.shape[-1], logits.device)
     return _VocabParallelCrossEntropy.apply(logits, target, rows)

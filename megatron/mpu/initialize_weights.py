@@ -136,8 +136,12 @@ def initialize_param_(
     world: int = 1,
     sections: Sequence[int] | None = None,
 ) -> None:
-    """Fill `param` with this rank's shard of the full weight drawn from (seed, name)."""
-    full = torch.empty(tuple(full_shape), dtype=torch.float32)
+    """Fill `param` with this rank's shard of the full weight drawn from (seed, name).
+
+    The full weight is drawn on the CPU in fp32 whatever `param`'s device and dtype (the same numbers
+    wherever the model is built), and only this rank's shard is copied into `param`: the host holds
+    one full weight at a time, never the model."""
+    full = torch.empty(tuple(full_shape), dtype=torch.float32, device="cpu")
     init_fn(full, param_generator(seed, name))
     local = full if partition_dim is None else shard_tensor(full, partition_dim, rank, world, sections)
     if tuple(local.shape) != tuple(param.shape):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -20,7 +21,6 @@ from megatron.mpu.initialize_weights import (
     set_tensor_model_parallel_attributes,
 )
 from megatron.mpu.mappings import (
-    _all_reduce,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -28,7 +28,12 @@ from megatron.mpu.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from megatron.mpu.topology import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from megatron.mpu.topology import (
+    collective_device,
+    get_tensor_model_parallel_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 
 
 def _divide(n: int, world: int, what: str) -> int:
@@ -37,20 +42,44 @@ def _divide(n: int, world: int, what: str) -> int:
     return n // world
 
 
-def allreduce_grads_across_tensor_parallel(params: Iterable[nn.Parameter]) -> None:
-    """Sum the gradients of these (replicated) parameters over the tp group.
+def mark_partial_over_tensor_parallel(params: Iterable[nn.Parameter]) -> None:
+    """Mark replicated parameters whose gradient each tp rank computes only in part.
 
-    For parameters that are the same on every tp rank but see only part of the data there:
-    a norm over heads split across ranks, or any replicated parameter under sequence parallelism.
-    Each rank's gradient is then partial; the hook makes it the full sum before accumulation.
+    A parameter that is the same on every tp rank but sees only part of the data there (a norm over
+    heads split across ranks, any replicated parameter under sequence parallelism) gets a partial
+    gradient on each rank; its gradient is the sum over the tp group. That sum is not taken here, per
+    parameter and micro-batch (a hook each: dozens of small all-reduces per backward), but once per
+    optimizer step for every marked parameter together (:func:`sum_partial_grads_over_tensor_parallel`,
+    called by the trainer after the data-parallel reduction, where Megatron-LM's
+    ``finalize_model_grads`` calls ``_allreduce_non_tensor_model_parallel_grads``: one flattened
+    all-reduce, megatron/core/distributed/finalize_model_grads.py:416 and :661 at d98e8a6; GPT-NeoX
+    registers a hook per norm parameter, megatron/model/utils.py:397 at ea7aefd, as Deepy did). Whoever
+    runs a backward without the trainer calls it before using the gradients.
     """
     if get_tensor_model_parallel_world_size() == 1:
         return
     for param in params:
-        if getattr(param, "allreduce_across_tp", False):
-            continue
-        param.allreduce_across_tp = True  # type: ignore[attr-defined]
-        param.register_hook(lambda grad: _all_reduce(grad.clone()))
+        param.partial_over_tp = True  # type: ignore[attr-defined]
+
+
+def partial_over_tensor_parallel(module: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters of ``module`` marked by :func:`mark_partial_over_tensor_parallel`, in order."""
+    return [p for p in module.parameters() if p.requires_grad and getattr(p, "partial_over_tp", False)]
+
+
+def sum_partial_grads_over_tensor_parallel(grads: Sequence[torch.Tensor]) -> None:
+    """Replace each gradient (any dtype and device, each a piece of a marked parameter's gradient that
+    every tp rank holds in the same layout) by its sum over the tp group: one all-reduce of all of
+    them, flattened in fp32 on the collective's device."""
+    if get_tensor_model_parallel_world_size() == 1 or not grads:
+        return
+    group = get_tensor_model_parallel_group()
+    flat = torch.cat([g.detach().reshape(-1).to(collective_device(group), torch.float32) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for grad in grads:
+        grad.detach().copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
 
 
 class ColumnParallelLinear(nn.Module):
@@ -147,7 +176,7 @@ class RowParallelLinear(nn.Module):
             set_tensor_model_parallel_attributes(self.bias, False)
             if self.sequence_parallel:
                 # the bias is added to a sequence shard, so each rank's gradient is partial
-                allreduce_grads_across_tensor_parallel([self.bias])
+                mark_partial_over_tensor_parallel([self.bias])
         else:
             self.register_parameter("bias", None)
 

@@ -35,7 +35,9 @@ from torch import nn
 from megatron import mpu
 from megatron.checkpointing import neox_files
 from megatron.deepspeed_internals import (
+    before_optimizer_step,
     quiet_step_line,
+    reduced_gradients,
     replace_fp32_clipping,
     skip_frozen_tied_gradients,
     skip_gradient_allreduce,
@@ -51,6 +53,7 @@ from megatron.model.block import Block
 from megatron.model.pipeline import BLOCK_PARTITION, CHECKPOINTABLE_LAYERS
 from megatron.mpu import experts as expert_parallel
 from megatron.mpu import hybrid_shard
+from megatron.mpu.layers import partial_over_tensor_parallel, sum_partial_grads_over_tensor_parallel
 from megatron.training import hybrid_shard as hybrid_shard_engine
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.compile_checks import require_toolchain
@@ -253,6 +256,18 @@ def install_fp32_clipping(engine: Any) -> None:
     replace_fp32_clipping(engine, lambda: clip_grad_norm(params, float(engine.gradient_clipping())))
 
 
+def install_partial_grad_sum(engine: Any) -> None:
+    """Sum the gradients of the parameters tensor parallelism leaves partial (norms and row-parallel
+    biases under sequence parallelism, qk-norms over split heads, ...: ``mpu/layers.py``) over the tp
+    group once per optimizer step, all in one all-reduce: after DeepSpeed's data-parallel reduction (the
+    two sums commute) and before its clipping and update, where Megatron-LM's ``finalize_model_grads``
+    takes it. Not per micro-batch in the backward: ZeRO-2 and the bf16 optimizer take ``param.grad``
+    away during the backward, so the one point every DeepSpeed optimizer shares is the step."""
+    params = partial_over_tensor_parallel(engine.module)
+    if params:
+        before_optimizer_step(engine, lambda: sum_partial_grads_over_tensor_parallel(reduced_gradients(params)))
+
+
 # --- building ------------------------------------------------------------------------------------
 def optimizer_offloaded(ds_config: dict[str, Any]) -> bool:
     zero = ds_config.get("zero_optimization") or {}
@@ -276,15 +291,24 @@ def _deepspeed_info_logs(on: bool) -> Iterator[None]:
         ds_logger.setLevel(previous)
 
 
-def construction(ds_config: dict[str, Any] | None) -> contextlib.AbstractContextManager[Any]:
+def construction(ds_config: dict[str, Any] | None,
+                 device: torch.device | None = None) -> contextlib.AbstractContextManager[Any]:
     """Where the model is built: under deepspeed.zero.Init when ``ds_config`` is given (each module's
     weights are partitioned over the ZeRO-3 ranks right after they are made, so the whole model never
-    exists on one rank), else plainly."""
+    exists on one rank), else on ``device`` (None: torch's default, the CPU)."""
     if ds_config is None:
-        return contextlib.nullcontext()
+        return torch.device(device) if device is not None else contextlib.nullcontext()
     view = deepspeed_mpu()
     return deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=view,
                                data_parallel_group=view.get_data_parallel_group())
+
+
+def training_device() -> torch.device:
+    """The device this rank trains on (``cuda:<LOCAL_RANK>`` on a GPU node, where ``initialize`` set
+    it; else the CPU), the one DeepSpeed's engine moves the model to."""
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
 
 
 def deepspeed_mpu() -> Any:
@@ -295,14 +319,18 @@ def deepspeed_mpu() -> Any:
 
 def build_model(config: GPTConfig, parallel: ParallelRunArgs, ckpt: ActivationCheckpointArgs,
                 compile_layers: bool, objective: Objective,
-                lora: LoRAArgs | None = None, zero_init: dict[str, Any] | None = None) -> tuple[nn.Module, bool]:
+                lora: LoRAArgs | None = None, zero_init: dict[str, Any] | None = None,
+                device: torch.device | None = None) -> tuple[nn.Module, bool]:
     """(module, is_pipe); a pipeline's last stage computes ``objective.loss``. With ``lora`` enabled
     the weights are frozen and adapters attached before any wrapping (compile, checkpointing).
-    ``zero_init``: the DeepSpeed config to partition the model with while it is built (ZeRO-3, no pipeline)."""
+    ``zero_init``: the DeepSpeed config to partition the model with while it is built (ZeRO-3, no pipeline).
+    ``device``: where the weights are created (the rank's GPU: the model never exists whole in host
+    memory, 14 GB per rank for 7B in bf16), in the run's dtype; each weight's values are drawn on the
+    CPU as before (``mpu/initialize_weights.py``), so they are the same bits wherever it is built."""
     if ckpt.recomputes_activations:
         configure_activation_checkpointing(ckpt, config.num_layers)
     if not parallel.uses_pipeline_module:
-        with construction(zero_init):
+        with construction(zero_init, device):
             model = GPTModel(config)
         if lora is not None and lora.lora_enabled:
             apply_lora(model, lora, config.seed)
@@ -312,7 +340,7 @@ def build_model(config: GPTConfig, parallel: ParallelRunArgs, ckpt: ActivationCh
 
     # whole-chunk checkpointing by PipelineModule unless only every k-th block is recomputed
     interval = ckpt.checkpoint_num_layers if ckpt.checkpoint_activations and not ckpt.selective_checkpointing else 0
-    with deepspeed_prints_quiet():  # its SEED_LAYERS=... and stage=0 layers=5 dump
+    with deepspeed_prints_quiet(), construction(None, device):  # its SEED_LAYERS=... and stage=0 layers=5 dump
         model = PipelineModule(
             layers=pipeline_layer_specs(config),
             loss_fn=objective.loss,
@@ -344,7 +372,8 @@ def build_engine(run: RunViews, config: GPTConfig, train_iters: int, objective: 
         ds_config["train_batch_size"] = int(ds_config["train_batch_size"]) * run.parallel.context_parallel_size
     ds_config = hybrid_shard_engine.deepspeed_config(ds_config)  # unchanged without hybrid sharding
     model, is_pipe = build_model(config, run.parallel, run.activation_checkpointing, run.training.compile_layers,
-                                 objective, run.lora, zero_init=ds_config if run.training.zero_init else None)
+                                 objective, run.lora, zero_init=ds_config if run.training.zero_init else None,
+                                 device=training_device())
     spec = run.lr.spec(train_iters, run.optimizer.peak_lr)
     policy = run.lr.resume_policy
     if run.optimizer.optimizer_kind in DEEPSPEED_BUILT:
@@ -370,6 +399,7 @@ def build_engine(run: RunViews, config: GPTConfig, train_iters: int, objective: 
     if is_pipe:  # DeepSpeed's step line every steps_per_print steps, with --verbose only (Deepy logs its own)
         quiet_step_line(quiet=not is_verbose(run.logging.deepspeed_log_level))
     install_expert_parallel(engine)  # no-op unless experts are split over data-parallel ranks
+    install_partial_grad_sum(engine)  # no-op unless replicated weights see part of the data per tp rank
     hybrid_shard_engine.install(engine)  # no-op unless ZeRO-3 partitions are replicated (hsdp)
     # checkpoints are written (and read) in GPT-NeoX's layout: its tools and users read them
     neox_files.install(engine, config, mpu.get_tensor_model_parallel_world_size())

@@ -34,8 +34,8 @@ Per device, for the pipeline stage with the most parameters:
   a pipeline's first stage holds in flight; with activation checkpointing a recomputed layer keeps
   only its input, plus one layer's activations while it is recomputed; plus the logits. Attention
   scores count only where SDPA falls back to its math kernel (:func:`sdpa_kernel`: the fused
-  kernels do not keep them), an RMSNorm in 16 bits keeps its fp32 input, and ``z_loss`` keeps the
-  fp32 exponentials of the logits for its backward.
+  kernels do not keep them) and an RMSNorm in 16 bits keeps its fp32 input; ``z_loss`` adds nothing
+  of the logits' size (its ``log Z`` comes out of the cross-entropy's own chunked pass).
 
 With LoRA adapters (``lora_r > 0``) the base weights are frozen: they keep only their ``wP`` (``wP/dp``
 under ZeRO-3, which partitions frozen weights too), while gradients, fp32 master weights and
@@ -103,8 +103,6 @@ class MemoryLayout:
     """DeepSpeed's PipelineEngine (``pipe_parallel_size >= 1``), whose bf16 optimizer keeps fp32 gradients."""
     grad_accum_bytes: int | None = None
     """Bytes per accumulated gradient element (``data_types.grad_accum_dtype``); None = the weights'."""
-    z_loss: bool = False
-    """The objective adds a z-loss (the log-partition of the logits, in fp32)."""
     lora: LoRAArgs = field(default_factory=LoRAArgs)
     """Adapters (``r == 0``: none, every parameter trains)."""
 
@@ -148,7 +146,6 @@ class MemoryLayout:
             lora=run.lora,
             pipeline_engine=run.parallel.pipe_parallel_size >= 1,
             grad_accum_bytes=_BYTES.get(str(accum)) if accum else None,
-            z_loss=run.objective.z_loss > 0,
         )  # fmt: skip
 
 
@@ -286,8 +283,6 @@ def activation_bytes(layout: MemoryLayout) -> float:
     stored += layers * adapters * s * b * lora.lora_r * a  # each adapter's rank-r product
     in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
     logits = s * b * c.padded_vocab_size / t * (a + 4)  # logits and the fp32 copy the loss works on
-    if layout.z_loss:
-        logits += s * b * c.padded_vocab_size / t * 4  # the fp32 exp(logits - max) z-loss's backward reads
     final_norm = s * b * h * fp32_norm_input / (t if layout.sequence_parallel else 1)
     return stored * in_flight + logits + s * b * h * a + final_norm
 

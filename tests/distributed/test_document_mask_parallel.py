@@ -74,6 +74,7 @@ def _grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
 
 def check_tp2(cfg) -> None:
     from megatron.model import GPTModel
+    from megatron.mpu.layers import partial_over_tensor_parallel, sum_partial_grads_over_tensor_parallel
     from megatron.training.objectives import lm_loss_sum
 
     model = GPTModel(cfg)
@@ -82,6 +83,7 @@ def check_tp2(cfg) -> None:
     def run(tokens: torch.Tensor, labels: torch.Tensor, **kwargs: torch.Tensor):  # noqa: ANN202
         loss, _ = lm_loss_sum(model(tokens, **kwargs), labels)
         loss.backward()
+        sum_partial_grads_over_tensor_parallel([p.grad for p in partial_over_tensor_parallel(model)])  # as the trainer
         return loss.detach(), _grads(params)
 
     for batch, labels, (row, a, e) in _cases(cfg):

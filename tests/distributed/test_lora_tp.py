@@ -76,6 +76,10 @@ def _check(column: bool, sequence_parallel: bool) -> None:
     y = adapter(x)
     _close(y, want_y, "adapter output")
     y.backward(g)
+    # the replicated factor meets a sequence shard under sequence parallelism: the trainer's tp sum
+    from megatron.mpu.layers import partial_over_tensor_parallel, sum_partial_grads_over_tensor_parallel
+
+    sum_partial_grads_over_tensor_parallel([p.grad for p in partial_over_tensor_parallel(adapter)])
     if column:
         _close(adapter.lora_A.grad, a_ref.grad, "A grad (replicated, summed over tp)")
         _close(adapter.lora_B.grad, shard_tensor(b_ref.grad, 0, rank, WORLD, sections), "B grad shard")

@@ -149,6 +149,16 @@ def check_vocab_parallel_cross_entropy() -> None:
     half = logits_full.chunk(WORLD, dim=-1)[rank].to(torch.bfloat16).requires_grad_()
     vocab_parallel_cross_entropy(half, target).sum().backward()
     assert half.grad.dtype == torch.bfloat16
+    # the z-loss's log Z over the whole vocabulary from the same pass, gradient softmax on each shard
+    from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy_and_log_z
+
+    ref_in = logits_full.double().requires_grad_()
+    (torch.logsumexp(ref_in, dim=-1) * grad_out).sum().backward()
+    shard = logits_full.chunk(WORLD, dim=-1)[rank].clone().requires_grad_()
+    _, log_z = vocab_parallel_cross_entropy_and_log_z(shard, target, 2)
+    _close(log_z.double(), torch.logsumexp(logits_full.double(), dim=-1), "log Z", atol=1e-4)
+    (log_z * grad_out).sum().backward()
+    _close(shard.grad.double(), ref_in.grad.chunk(WORLD, dim=-1)[rank], "log Z grad")
 
 
 def check_mappings() -> None:
@@ -201,6 +211,7 @@ def check_sequence_parallel_mlp_pair() -> None:
         RowParallelLinear,
         get_tensor_model_parallel_rank,
     )
+    from megatron.mpu.layers import partial_over_tensor_parallel, sum_partial_grads_over_tensor_parallel
 
     rank = get_tensor_model_parallel_rank()
     x_full = _same_inputs(4, 2, 6, seed=12)
@@ -215,6 +226,8 @@ def check_sequence_parallel_mlp_pair() -> None:
         x = (x_full.chunk(WORLD, dim=0)[rank] if sp else x_full).clone().requires_grad_()
         y = row(F.gelu(col(x)))
         y.backward(g_full.chunk(WORLD, dim=0)[rank] if sp else g_full)
+        # the row bias sees a sequence shard: its gradient is partial until the trainer's tp sum
+        sum_partial_grads_over_tensor_parallel([p.grad for p in partial_over_tensor_parallel(row)])
         outputs[sp] = y.detach() if not sp else torch.cat(_gather(y.detach()), dim=0)
         x_grad = x.grad if not sp else torch.cat(_gather(x.grad), dim=0)
         grads[sp] = [x_grad, col.weight.grad, col.bias.grad, row.weight.grad, row.bias.grad]

@@ -4,7 +4,14 @@ Each rank first builds and runs the tp=1 model (no model-parallel groups yet), t
 config at tp=2, and compares: initial full weights (exactly), logits, loss, every full
 gradient, and the logits of token-by-token decoding with a KV cache. All parameters get the same layout-independent random perturbation first so that norm
 gains and biases matter. Then the ranks switch to pp=2 and run `pipeline_layer_specs` as two
-DeepSpeed `PipelineModule` stages, passing the activation by hand. One spawn for everything.
+DeepSpeed `PipelineModule` stages, passing the activation by hand.
+
+Through DeepSpeed's engine at tp=2 with sequence parallelism (the norms' gradients partial per rank),
+one SGD step (lr 1, two micro-batches) on each optimizer path - no ZeRO, ZeRO-2, ZeRO-1 in bf16
+(DeepSpeed's bf16 optimizer) - moves every weight by the tp=1 gradient, with one tp all-reduce for
+all partial gradients per step and none in the backward. Last, at dp=2: a bf16 ZeRO-1 checkpoint
+written the way Deepy configured DeepSpeed before issue 33 (bf16 gradient accumulation: DeepSpeed's
+ZeRO-1 optimizer) loads into today's bf16 optimizer bit for bit. One spawn for everything.
 """
 
 from __future__ import annotations
@@ -38,6 +45,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     ),
 }
 PIPELINE_CONFIGS = ["mha_learned", "alibi_untied_qknorm_parallel", "value_head_sequence_parallel", "rpe_local_gqa"]
+# DeepSpeed optimizer paths (where the reduced gradient lives at the step): param.grad, ZeRO-2's flat
+# partition fragments, the bf16 optimizer's fp32 buffer
+ENGINE_PATHS: dict[str, dict[str, Any]] = {
+    "fp32_zero0": dict(stage=0, bf16=False),
+    "fp32_zero2": dict(stage=2, bf16=False),
+    "bf16_zero1": dict(stage=1, bf16=True),
+}
+ENGINE_CONFIG = "sequence_parallel_gqa"
 
 
 def _batch(cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,6 +134,7 @@ def check_tp2_equals_tp1(cfg, ref: dict[str, Any]) -> None:
 
     from megatron import mpu
     from megatron.model import GPTModel
+    from megatron.mpu.layers import partial_over_tensor_parallel, sum_partial_grads_over_tensor_parallel
 
     model = GPTModel(cfg)
     for name, value in model.state_dict().items():
@@ -136,6 +152,10 @@ def check_tp2_equals_tp1(cfg, ref: dict[str, Any]) -> None:
     loss = _loss(cfg, logits, labels, loss_mask)
     torch.testing.assert_close(loss, ref["loss"], atol=1e-6, rtol=1e-6)
     loss.backward()
+    # norms under sequence parallelism and qk-norms over split heads: partial until the trainer's tp sum
+    partial = partial_over_tensor_parallel(model)
+    assert bool(partial) == bool(cfg.sequence_parallel or cfg.use_qk_layernorm)
+    sum_partial_grads_over_tensor_parallel([p.grad for p in partial])
     for name, p in model.named_parameters():
         assert p.grad is not None, f"{name} got no gradient"
         full_grad = _unshard(cfg, name, p.grad)
@@ -229,6 +249,127 @@ def check_pp2_equals_tp1(cfg, ref: dict[str, Any]) -> None:
                                    msg=lambda m: f"stage {stage} grad {name}: {m}")
 
 
+def check_engine_step_equals_tp1(cfg, ref: dict[str, Any], path: dict[str, Any]) -> None:
+    """One engine step (SGD, lr 1, no clipping: the update is minus the gradient) of two one-row
+    micro-batches (each row counts 7 tokens, so their mean is the tp=1 batch loss)."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from megatron import mpu
+    from megatron.model import GPTModel
+    from megatron.mpu.layers import partial_over_tensor_parallel
+    from megatron.neox_arguments.deepspeed_split import gpu_defaults
+    from megatron.training.engine import install_partial_grad_sum
+
+    model = GPTModel(cfg)
+    _perturb(model, cfg, ref["shapes"])
+    config: dict[str, Any] = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
+                              "gradient_clipping": 0.0, "zero_optimization": {"stage": path["stage"]},
+                              "zero_allow_untested_optimizer": True}
+    if path["bf16"]:
+        config["bf16"] = {"enabled": True}
+    gpu_defaults(config)  # what deepy.py hands DeepSpeed: bf16 accumulated and reduced in fp32
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                      config=config, mpu=mpu)
+    install_partial_grad_sum(engine)  # as build_engine does
+    expected = type(engine.optimizer).__name__
+    assert expected == {0: "DeepSpeedEngine", 2: "DeepSpeedZeroOptimizer", 1: "BF16_Optimizer"}.get(
+        path["stage"], expected) or path["stage"] == 0, expected
+    partial = partial_over_tensor_parallel(engine.module)
+    assert partial, "sequence parallelism leaves the norms' gradients partial"
+    before = {n: safe_get_full_fp32_param(p).clone() if path["bf16"] else p.detach().clone()
+              for n, p in engine.module.named_parameters()}
+    tp_group = mpu.get_tensor_model_parallel_group()
+    reduces: dict[str, list[int]] = {"backward": [], "step": []}
+    real = dist.all_reduce
+    phase = [""]
+
+    def counting(tensor: torch.Tensor, *args: Any, group: Any = None, **kwargs: Any) -> Any:
+        if phase[0] and group is tp_group and tensor.numel() > 1:  # not DeepSpeed's scalar norms
+            reduces[phase[0]].append(tensor.numel())
+        return real(tensor, *args, group=group, **kwargs)
+
+    tokens, labels, loss_mask = _batch(cfg)
+    dist.all_reduce = counting  # type: ignore[assignment]
+    try:
+        for row in range(2):
+            loss = _loss(cfg, engine(tokens[row : row + 1]), labels[row : row + 1], loss_mask[row : row + 1])
+            phase[0] = "backward"
+            engine.backward(loss)
+            phase[0] = "step"
+            engine.step()
+            phase[0] = ""
+    finally:
+        dist.all_reduce = real  # type: ignore[assignment]
+    assert reduces == {"backward": [], "step": [sum(p.numel() for p in partial)]}, reduces
+    for name, p in engine.module.named_parameters():
+        after = safe_get_full_fp32_param(p) if path["bf16"] else p.detach()
+        moved = _unshard(cfg, name, before[name] - after)
+        want = ref["grads"][name]
+        if path["bf16"]:
+            # a bf16 forward and backward: the gradient to bf16's precision (3.5% off here at worst); a
+            # partial gradient summed once too few or too many times would be 50-100% off
+            assert (moved - want).norm() <= 0.1 * want.norm() + 1e-4, (name, float((moved - want).norm()),
+                                                                       float(want.norm()))
+        else:
+            torch.testing.assert_close(moved, want, atol=1e-5, rtol=1e-4, msg=lambda m: f"step of {name}: {m}")
+
+
+def check_old_bf16_zero1_checkpoint_loads() -> None:
+    """Before issue 33 Deepy handed DeepSpeed no ``data_types``, so bf16 ZeRO-1 ran DeepSpeed's ZeRO-1
+    optimizer (bf16 gradient accumulation); now ``grad_accum_dtype: fp32`` makes it run the bf16
+    optimizer. A checkpoint of the old one (dp=2, two parameter groups, sizes that need padding) loads
+    into the new one with every fp32 master weight, Adam moment and step count as saved."""
+    import tempfile
+
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    from megatron import mpu
+    from megatron.deepspeed_internals import relink_optimizer_state_views
+    from megatron.neox_arguments.deepspeed_split import gpu_defaults
+
+    def engine(old: bool):  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(7, 11), torch.nn.LayerNorm(11), torch.nn.Linear(11, 5))
+        matrices = [p for p in model.parameters() if p.dim() > 1]
+        rest = [p for p in model.parameters() if p.dim() == 1]
+        optimizer = torch.optim.AdamW([{"params": matrices}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+        config: dict[str, Any] = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                                  "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
+                                  "steps_per_print": 10**9}
+        gpu_defaults(config)
+        if old:
+            del config["data_types"]  # what deepy.py wrote before issue 33
+        eng, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
+        return eng
+
+    def state(eng):  # type: ignore[no-untyped-def]
+        relink_optimizer_state_views(eng.optimizer)
+        return {n: [safe_get_full_fp32_param(p)] + [safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")]
+                for n, p in eng.module.named_parameters()}
+
+    old = engine(old=True)
+    assert type(old.optimizer).__name__ == "DeepSpeedZeroOptimizer"
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(4):
+        old.backward(old(torch.randn(1, 7, generator=gen).bfloat16()).float().pow(2).mean())
+        old.step()
+    saved = state(old)
+    directory = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(directory)
+    old.save_checkpoint(directory[0], tag="old")
+    new = engine(old=False)
+    assert type(new.optimizer).__name__ == "BF16_Optimizer"
+    new.load_checkpoint(directory[0], tag="old")
+    loaded = state(new)
+    for name, tensors in saved.items():
+        for what, a, b in zip(("fp32 weight", "exp_avg", "exp_avg_sq"), tensors, loaded[name]):
+            assert torch.equal(a, b), f"{name} {what} differs after loading"
+    assert new.global_steps == old.global_steps == 2
+    assert {float(s["step"]) for s in new.optimizer.optimizer.state.values()} == {2.0}
+
+
 def _rank_main(rank: int, out_dir: str) -> None:
     faulthandler.enable()  # a native crash prints the Python stack
     torch.set_num_threads(1)
@@ -258,10 +399,15 @@ def _rank_main(rank: int, out_dir: str) -> None:
     mpu.initialize_model_parallel(WORLD, 1)
     for name, cfg in configs.items():
         record(f"tp2_{name}", check_tp2_equals_tp1, cfg, refs[name])
+    for path_name, path in ENGINE_PATHS.items():
+        record(f"engine_{path_name}", check_engine_step_equals_tp1, configs[ENGINE_CONFIG], refs[ENGINE_CONFIG], path)
     mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(1, WORLD)
     for name in PIPELINE_CONFIGS:
         record(f"pp2_{name}", check_pp2_equals_tp1, configs[name], refs[name])
+    mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(1, 1)  # dp=2
+    record("old_bf16_zero1_checkpoint", check_old_bf16_zero1_checkpoint_loads)
     finish_rank(out_dir, rank, results)
 
 
@@ -274,3 +420,16 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
 def test_layouts_match_tp1(results: list[dict[str, str]], key: str) -> None:
     for rank, per_rank in enumerate(results):
         assert per_rank[key] == "ok", f"rank {rank}:\n{per_rank[key]}"
+
+
+@pytest.mark.parametrize("path", list(ENGINE_PATHS))
+def test_partial_gradients_are_summed_once_per_step_on_every_optimizer_path(results: list[dict[str, str]],
+                                                                             path: str) -> None:
+    for rank, per_rank in enumerate(results):
+        assert per_rank[f"engine_{path}"] == "ok", f"rank {rank}:\n{per_rank[f'engine_{path}']}"
+
+
+def test_a_bf16_zero1_checkpoint_from_before_issue_33_loads_into_the_bf16_optimizer(
+        results: list[dict[str, str]]) -> None:
+    for rank, per_rank in enumerate(results):
+        assert per_rank["old_bf16_zero1_checkpoint"] == "ok", f"rank {rank}:\n{per_rank['old_bf16_zero1_checkpoint']}"

@@ -71,7 +71,10 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "tp2": {"num_gpus": 2, "model_parallel_size": 2},
     "pp2": {"num_gpus": 2, "pipe_parallel_size": 2},
     "tp2_pp2": {"num_gpus": 4, "model_parallel_size": 2, "pipe_parallel_size": 2},
-    "tp2_dp2_zero1": {"num_gpus": 4, "model_parallel_size": 2, "zero_optimization": {"stage": 1}},
+    # with sequence parallelism: the norms' partial gradients are summed over tp once per step, after
+    # ZeRO-1's data-parallel reduction, in its flat partitions (megatron/training/engine.py)
+    "tp2_dp2_zero1_sp": {"num_gpus": 4, "model_parallel_size": 2, "zero_optimization": {"stage": 1},
+                         "sequence_parallel": True},
     "pp2_dp2": {"num_gpus": 4, "pipe_parallel_size": 2},
     # ZeRO-1 is the one ZeRO stage DeepSpeed runs under a pipeline; clipping goes through its norm code
     "pp2_zero1": {"num_gpus": 2, "pipe_parallel_size": 2, "zero_optimization": {"stage": 1}},

@@ -57,3 +57,52 @@ def test_default_block_size_on_cpu_follows_the_thread_count() -> None:
         assert default_block_rows(8192, torch.device("cpu")) == 2048  # 64 MiB: few fork-joins
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_z_loss_equals_the_direct_formula(dtype: torch.dtype) -> None:
+    """PaLM's z-loss, z * (log sum_v exp(logit_v))^2 per counted token, written out on an fp32 copy:
+    the value and the gradient of the fused pass (log Z from the cross-entropy's own blocks) agree.
+    The reference runs in fp64 (torch's fp32 logsumexp is itself 8e-5 off in the gradient at these
+    large logits; the fused pass, 8e-7)."""
+    from megatron.training.objectives import lm_loss_sum
+
+    logits, target, _ = _case(dtype)
+    z = 1e-2
+    ref_in = logits.double().requires_grad_()
+    counted = (target >= 0).double()
+    ce = F.cross_entropy(ref_in.flatten(0, 1), target.flatten(), reduction="none", ignore_index=-100).view(3, 7)
+    ref_z = z * (torch.logsumexp(ref_in, dim=-1).square() * counted).sum()
+    (ref_total := (ce * counted).sum() + ref_z).backward()
+    x = logits.clone().requires_grad_()
+    total, z_term = lm_loss_sum(x, target, z_loss=z)
+    total.backward()
+    torch.testing.assert_close(z_term.double(), ref_z.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(total.double(), ref_total.detach(), rtol=1e-6, atol=0)
+    tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=4e-3, rtol=1e-2)
+    torch.testing.assert_close(x.grad.double(), ref_in.grad, **tol)
+    # the z-loss's gradient is there: without it the logits' gradient differs
+    x.grad = None
+    lm_loss_sum(x, target)[0].backward()
+    assert (x.grad.double() - ref_in.grad).abs().max() > 1e-2
+
+
+def test_z_loss_keeps_no_fp32_copy_of_the_logits() -> None:
+    """What autograd keeps for the backward of the loss with a z-loss, on bf16 logits: the logits
+    themselves and per-token numbers, no fp32 tensor of the logits' size (4 x 8192 x 50k: 6.6 GB each)."""
+    from megatron.training.objectives import lm_loss_sum
+
+    logits, target, _ = _case(torch.bfloat16)
+    x = logits.clone().requires_grad_()
+    saved: list[torch.Tensor] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        total, _ = lm_loss_sum(x, target, z_loss=1e-2)
+    big = [(t.dtype, tuple(t.shape)) for t in saved if t.numel() >= logits.numel()]
+    assert big and all(dtype == torch.bfloat16 for dtype, _ in big), big
+    total.backward()
+    assert x.grad is not None and x.grad.dtype == torch.bfloat16

@@ -185,6 +185,42 @@ def test_gradient_allreduce_wrapper_is_what_backward_calls(engine) -> None:  # t
     assert "self.allreduce_gradients(" in inspect.getsource(PipelineEngine._exec_reduce_grads)
 
 
+def test_the_model_step_runs_at_the_boundary_before_the_update(engine) -> None:  # type: ignore[no-untyped-def]
+    """training/engine.py sums partial tensor-parallel gradients in ``before_optimizer_step``: the plain
+    and the pipeline engine both take their optimizer step through ``_take_model_step``, after the
+    data-parallel reduction and before clipping and the update, and (no ZeRO) the reduced gradient is
+    ``param.grad``; ZeRO-1/2's and the bf16 optimizer's are where ``safe_get_full_grad`` reads them."""
+    import inspect
+
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.utils import safe_get_full_grad
+    from deepspeed.utils.tensor_fragment import tensor_fragment
+
+    from megatron.deepspeed_internals import before_optimizer_step, reduced_gradients
+
+    seen: list[list[torch.Tensor]] = []
+    weight = engine.module.weight
+    before = weight.detach().clone()
+    before_optimizer_step(engine, lambda: seen.append([g.clone() for g in reduced_gradients([weight])]))
+    try:
+        engine.backward(engine(torch.ones(2, 4)).sum())
+        engine.step()
+    finally:
+        del engine._take_model_step  # the class's method again
+    assert len(seen) == 1 and len(seen[0]) == 1 and seen[0][0].abs().sum() > 0  # the gradient, before the update
+    assert not torch.equal(weight.detach(), before)  # and the step still ran
+    assert "self._take_model_step(" in inspect.getsource(DeepSpeedEngine.step)
+    assert "self._take_model_step(" in inspect.getsource(PipelineEngine._exec_optimizer_step)
+    step = inspect.getsource(DeepSpeedEngine._take_model_step)
+    assert step.index("clip_fp32_gradients") < step.index("self.optimizer.step()")
+    reader = inspect.getsource(safe_get_full_grad)
+    assert reader.index("'_hp_grad'") < reader.index("param.grad is not None") < reader.index("'_hp_mapping'")
+    assert "lp._hp_grad = hp_grad" in inspect.getsource(BF16_Optimizer._update_hp_grad)
+    assert "def get_lp_grad_fragment(self, index_in_param_group)" in inspect.getsource(tensor_fragment)
+
+
 def test_engine_timer_group_and_pipeline_backward_timer_lists(engine) -> None:  # type: ignore[no-untyped-def]
     from deepspeed.runtime.engine import EngineTimers
     from deepspeed.utils.timer import SynchronizedWallClockTimer

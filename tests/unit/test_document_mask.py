@@ -98,6 +98,38 @@ def test_packed_document_equals_document_alone(variant: str) -> None:
     assert per_document_check(model, cfg, text, keep_apart=False) > 1e-3
 
 
+def test_attention_runs_once_per_length_bucket_not_once_per_document(monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 document pieces in 2 rows (15 of 3 or 4 tokens, bucket 4, and one of 5, bucket 8): each
+    layer makes two SDPA calls, on [15, heads, 4, d] and [1, heads, 8, d], not one per document (the
+    loop of before made 16 per layer: on a GPU a launch each, forward and backward); a row holding one
+    document goes into the full-length bucket. (That every document still gets what it gets alone,
+    whatever the buckets, is test_packed_document_equals_document_alone's: its pieces fill 3 buckets.)"""
+    import torch.nn.functional as F
+
+    from megatron.model import attention
+
+    calls: list[tuple[int, ...]] = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> torch.Tensor:
+        calls.append(tuple(q.shape))
+        return real(q, k, v, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    cfg = GPTConfig(**{**BASE, **VARIANTS["alibi_window"], "seq_length": 32})  # a mask broadcast over pieces
+    model = GPTModel(cfg)
+    text = packed_rows([[4] * 8 + [2], [3, 4, 4, 4, 4, 4, 4, 6]], cfg.seq_length)  # cut to 33: inputs 32
+    batch = build_objective(ObjectiveArgs(reset_attention_mask=True), eod_token=EOD).prepare({"text": text})
+    model(batch.inputs, **batch.model_kwargs())
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    assert calls == [(15, 4, 4, head_dim), (1, 4, 8, head_dim)] * cfg.num_layers
+    calls.clear()
+    text = torch.cat([text[:1], packed_rows([[40]], cfg.seq_length)])  # row 1: one document, cut
+    batch = build_objective(ObjectiveArgs(reset_attention_mask=True), eod_token=EOD).prepare({"text": text})
+    model(batch.inputs, **batch.model_kwargs())
+    assert calls == [(8, 4, 4, head_dim), (1, 4, 32, head_dim)] * cfg.num_layers
+
+
 def test_reset_keys_are_refused_for_pairwise_objectives() -> None:
     from megatron.errors import ConfigError
     from megatron.neox_arguments.derived import finalize

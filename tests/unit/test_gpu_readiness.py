@@ -236,6 +236,36 @@ def test_packed_documents_are_read_from_the_device_once_per_forward(monkeypatch:
     assert reads == 1
 
 
+# --- the model is made where it trains --------------------------------------------------------------
+def test_the_model_is_built_in_its_dtype_on_the_training_device() -> None:
+    """build_engine builds the model on the rank's device (``training_device()``) in the run's dtype:
+    the meta device stands in for a GPU here, so every parameter and buffer being on it shows that none
+    was made on the host first (they were: the whole model in host memory, 14 GB per rank for 7B in
+    bf16, before DeepSpeed moved it). Built on the CPU, the weights are the bits of before."""
+    from megatron.model import GPTConfig, GPTModel
+    from megatron.mpu.parallel_config import ParallelismArgs
+    from megatron.training.activation_config import ActivationCheckpointArgs
+    from megatron.training.engine import build_model, training_device
+    from megatron.training.objectives import LMObjective, ObjectiveArgs
+
+    keys = {**ATTN, "pos_emb": "rotary", "num_kv_heads": 2, "use_qk_layernorm": True}
+    config = GPTConfig(**keys, precision="bfloat16")
+
+    def built(device: torch.device | None, cfg: GPTConfig = config) -> torch.nn.Module:
+        return build_model(cfg, ParallelismArgs(), ActivationCheckpointArgs(), False, LMObjective(ObjectiveArgs()),
+                           device=device)[0]
+
+    on_device = built(torch.device("meta"))
+    tensors = dict(on_device.named_parameters()) | dict(on_device.named_buffers())
+    assert tensors and {t.device.type for t in tensors.values()} == {"meta"}
+    assert {p.dtype for p in on_device.parameters()} == {torch.bfloat16}
+    assert training_device() == torch.device("cpu")  # this machine's ranks train on the CPU
+    fp32 = GPTConfig(**keys)
+    before = GPTModel(fp32).state_dict()
+    after = built(training_device(), fp32).state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
 # --- the DeepSpeed config: bf16 sums in fp32, no synchronising throughput timer ---------------------
 def _deepspeed_settings(**keys: object) -> object:
     from deepspeed.runtime.config import DeepSpeedConfig
@@ -317,29 +347,78 @@ def test_the_preemption_flag_is_read_one_step_late_without_waiting_for_the_devic
 
     flag = AgreedFlag(deferred=True)
     monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("a device read in the step"))
-    assert [flag.exchange(v) for v in (0, 1, 0, 0)] == [0, 0, 1, 0]
+    assert [flag.exchange((v,))[0] for v in (0, 1, 0, 0)] == [0, 0, 1, 0]
     monkeypatch.undo()
-    assert [AgreedFlag(deferred=False).exchange(v) for v in (0, 1)] == [0, 1]  # gloo: read at once
+    assert [AgreedFlag(deferred=False).exchange((v,))[0] for v in (0, 1)] == [0, 1]  # gloo: read at once
 
 
-def test_step_based_save_decisions_need_no_broadcast(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every rank computes the same step schedule; only a clock-based save (save_interval) needs rank
-    0's word, and with it a collective and a read of its result every step."""
+class _Collectives:
+    """A 2-rank world on paper: records the collectives a rank issues, each rank's posted value is what
+    the others post too (MAX of equal values)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
+        self.calls: list[str] = []
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+        monkeypatch.setattr(dist, "broadcast", lambda tensor, src, group=None: self.calls.append("broadcast"))
+        monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None, group=None: self.calls.append("all_reduce"))
+
+
+def _manager(policy: object, deferred: bool, tmp_path: object) -> object:
     from megatron.checkpointing.manager import CheckpointManager
+    from megatron.checkpointing.preemption import AgreedFlag, PreemptionWatcher
+
+    watcher = PreemptionWatcher()
+    watcher._agreed = AgreedFlag(deferred=deferred)  # NCCL's one-step-late read, on the CPU
+    manager = CheckpointManager(save=str(tmp_path), load=None, policy=policy, args_dict={}, preemption=watcher)
+    manager.save = lambda engine, step, consumed, kind="step", extra=None: (  # type: ignore[method-assign]
+        setattr(manager, "last_saved_step", step), policy.on_committed(), saved.append((step, kind)))
+    saved: list[tuple[int, str]] = []
+    manager.saved = saved  # type: ignore[attr-defined]
+    return manager
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_clock_based_saves_ride_on_the_once_per_step_agreement(monkeypatch: pytest.MonkeyPatch, tmp_path: object,
+                                                               deferred: bool) -> None:
+    """A save_interval needs rank 0's clock: its word travels in the preemption flag's all-reduce, so a
+    step costs one collective and (under NCCL) no device read, with or without a time-based save; the
+    step rules need no word at all. Rank 0's clock: 100 s per step, interval 250 s, and a step save at
+    9: time-based saves after steps 3 and 6; read a step late (as under NCCL) after 4 and 8, and not
+    again after 5 (the 'due' rank 0 posted at step 4, before that step's save, is not served twice)."""
     from megatron.checkpointing.retention import RetentionPolicy
 
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
-    broadcasts: list[int] = []
-    monkeypatch.setattr(dist, "broadcast", lambda tensor, src, group=None: broadcasts.append(src))
-    manager = CheckpointManager.__new__(CheckpointManager)
-    manager.policy = RetentionPolicy(train_iters=10, checkpoint_factor=5)
-    assert [manager._agreed_decision(step).save for step in range(1, 11)] == [False] * 4 + [True] + [False] * 4 + [True]
-    assert broadcasts == []
-    manager.policy = RetentionPolicy(train_iters=10, save_interval_s=60.0)
-    manager._agreed_decision(1)
-    assert broadcasts == [0]
+    ranks = _Collectives(monkeypatch, rank=0)
+    now = [0.0]
+    policy = RetentionPolicy(train_iters=10, extra_save_iters=[9], save_interval_s=250.0, clock=lambda: now[0])
+    manager = _manager(policy, deferred, tmp_path)
+    if deferred:
+        monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("a device read in the step"))
+    for step in range(1, 11):
+        now[0] = 100.0 * step
+        ranks.calls.clear()
+        manager.maybe_save(None, step, consumed_samples=step)
+        assert ranks.calls == ["all_reduce"], (step, ranks.calls)
+    times = [4, 8] if deferred else [3, 6]
+    assert manager.saved == [(times[0], "temporary"), (times[1], "temporary"), (9, "step"), (10, "step")]
+
+
+def test_other_ranks_follow_rank_zeros_clock(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    """Rank 1 posts nothing for the clock: what it saves is what the agreement says, whatever its own
+    clock shows (here: it never moves)."""
+    from megatron.checkpointing.retention import RetentionPolicy
+
+    _Collectives(monkeypatch, rank=1)
+    policy = RetentionPolicy(train_iters=10, save_interval_s=250.0, clock=lambda: 0.0)
+    manager = _manager(policy, False, tmp_path)
+    posted: list[tuple[int, ...]] = []
+    monkeypatch.setattr(manager.preemption._agreed, "exchange",
+                        lambda values, group=None: posted.append(tuple(values)) or (0, 3 if len(posted) == 3 else 0))
+    for step in range(1, 6):
+        manager.maybe_save(None, step, consumed_samples=step)
+    assert posted == [(0, 0)] * 5 and manager.saved == [(3, "temporary")]
 
 
 # --- shipped configs: what a GPU user wants ---------------------------------------------------------

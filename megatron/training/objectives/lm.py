@@ -25,9 +25,8 @@ import torch
 
 from megatron.errors import DataError
 from megatron.model.documents import document_ids_from_eod, positions_in_documents
-from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
+from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy_and_log_z
 from megatron.training.objectives.base import MicroBatch, Objective, Stats, count, shifted
-from megatron.training.objectives.logprobs import vocab_parallel_logsumexp
 
 
 def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,12 +34,13 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, z_loss: float = 0.0)
 
     ``logits`` ``[n, s, v/tp]``, ``labels`` ``[n, s]`` with -100 where nothing is counted.
     """
-    losses = vocab_parallel_cross_entropy(logits, labels)  # [n, s] fp32, 0 where not counted
+    # log Z comes from the cross-entropy's own chunked pass: no fp32 copy of the logits for the z-loss
+    losses, log_z = vocab_parallel_cross_entropy_and_log_z(logits, labels)  # [n, s] fp32 each
     counted = (labels >= 0).float()
     total = (losses * counted).sum()
     z_term = torch.zeros((), dtype=total.dtype, device=total.device)
     if z_loss > 0:
-        z_term = z_loss * (vocab_parallel_logsumexp(logits).square() * counted).sum()
+        z_term = z_loss * (log_z.square() * counted).sum()
         total = total + z_term
     return total, z_term
 
