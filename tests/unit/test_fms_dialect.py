@@ -202,3 +202,16 @@ def test_the_profiler_traces_every_rank_so_rank0_only_must_be_off() -> None:
     with pytest.raises(ConfigError, match="traces every rank"):
         fms_args("--use_dummy_dataset=True", "--use_profiler=True")
     assert fms_args("--use_dummy_dataset=True", "--use_profiler=True", "--profiler_rank0_only=False").profile
+
+
+def test_a_load_path_without_checkpoints_starts_from_scratch_as_fms_fsdp_does(tmp_path: Path) -> None:
+    """fms-fsdp's Checkpointer.load (checkpointing_utils.py:165-211 at 5a296afe): a ckpt_load_path whose
+    checkpoints/ is missing or empty is "No valid checkpoint detected ..., starting from scratch"."""
+    save = tmp_path / "save"
+    fresh = fms_args("--use_dummy_dataset=True", f"--ckpt_save_path={save}", f"--ckpt_load_path={tmp_path / 'none'}")
+    assert fresh.load is None and fresh.save == str(save / "checkpoints")
+    (tmp_path / "old" / "checkpoints" / "step_10_ckp").mkdir(parents=True)
+    resumed = fms_args("--use_dummy_dataset=True", f"--ckpt_save_path={save}", f"--ckpt_load_path={tmp_path / 'old'}")
+    assert resumed.load == str(tmp_path / "old" / "checkpoints")
+    same = fms_args("--use_dummy_dataset=True", f"--ckpt_save_path={save}", f"--ckpt_load_path={save}")
+    assert same.load == str(save / "checkpoints")  # a restart's own directory, empty on the first run

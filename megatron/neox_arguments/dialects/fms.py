@@ -245,6 +245,18 @@ def _checkpoints(key: str) -> Rule:
     return lambda value, ctx: {key: os.path.join(str(value), "checkpoints")}
 
 
+def _load_checkpoints(value: Any, ctx: Context) -> dict[str, Any]:
+    """fms-fsdp's ``Checkpointer.load`` resumes from ``<ckpt_save_path>/checkpoints`` when it holds one (a
+    restart), else from ``<ckpt_load_path>/checkpoints`` when that holds one, else starts from scratch with
+    "No valid checkpoint detected" (fms_fsdp/utils/checkpointing_utils.py:165-211 at 5a296afe). A load
+    directory that holds nothing on this machine is that last case: no ``load``, the run starts fresh."""
+    load = os.path.join(str(value), "checkpoints")
+    save = os.path.join(str(ctx.value("ckpt_save_path", FMS_DEFAULTS["ckpt_save_path"])), "checkpoints")
+    if os.path.normpath(load) != os.path.normpath(save) and not (os.path.isdir(load) and os.listdir(load)):
+        return noted(f"{load} holds no checkpoint here: fms-fsdp starts from scratch, and so does this run")
+    return {"load": load}
+
+
 def _resuming_dataset(value: Any, ctx: Context) -> dict[str, Any]:
     load = ctx.value("ckpt_load_path", FMS_DEFAULTS["ckpt_load_path"])
     if load != ctx.value("ckpt_save_path", FMS_DEFAULTS["ckpt_save_path"]):
@@ -273,7 +285,7 @@ def _rank0_profiler(value: Any, ctx: Context) -> dict[str, Any]:
 
 RULES: dict[str, Rule] = {
     "model_variant": _variant,
-    "ckpt_load_path": _checkpoints("load"),
+    "ckpt_load_path": _load_checkpoints,
     "ckpt_save_path": _checkpoints("save"),
     "use_dummy_dataset": _dummy,
     "data_path": _data,
