@@ -42,11 +42,11 @@ def multi_gpu_commands(text: str, out: str) -> list[list[str]]:
     import shlex
 
     section = text.split("## Multi-GPU checks")[1]
-    o_value = " ".join(re.search(r"`O`\s+stands\s+for\s+`([^`]+)`", section, re.S).group(1).split())
     block = section.split("```bash")[1].split("```")[0]
+    o_value = shlex.split(re.search(r"^O=(.*)$", block, re.M).group(1))[0]  # the block's own O="..."
     found = []
     for line in block.splitlines():
-        if not line.strip() or line.startswith("#"):
+        if not line.strip() or line.startswith("#") or re.match(r"^[A-Z]+=", line) or line.startswith("nvidia-smi"):
             continue
         words = shlex.split(line.replace("$OUT", out).replace("$O", o_value).replace(";", " ; ").replace("&", " & "))
         start = (words.index("deepy.py") if "deepy.py" in words else words.index("tools/slurm/train.sbatch")) + 1
