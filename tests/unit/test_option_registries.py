@@ -126,7 +126,12 @@ def test_toy_norm_computes_its_formula_and_counts_its_parameters(toy_norm: None)
     assert real - num_parameters(config.replace(norm="non_parametric_layernorm")) == 2 * (2 * 32 + 2 * 16) + 32
 
 
-def test_toy_norm_runs_through_deepy_dry_run_and_two_steps(tmp_path: Path) -> None:
+def test_toy_norm_runs_through_deepy_dry_run_and_two_steps(toy_norm: None, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """The dry run in this process (the plug-in is imported by the ``plugins`` key as on the launcher), then one
+    1-rank launch of 2 steps (the ranks import it again)."""
+    from megatron.app.deepy import main
+
     config = tmp_path / "toy.yml"
     config.write_text(textwrap.dedent(f"""\
         plugins: [{TOY_NORM}]
@@ -141,29 +146,27 @@ def test_toy_norm_runs_through_deepy_dry_run_and_two_steps(tmp_path: Path) -> No
         train_micro_batch_size_per_gpu: 2
         train_iters: 2
         log_interval: 1
-        eval_interval: 1000
-        eval_iters: 1
+        eval_iters: 0
         num_workers: 0
         num_gpus: 1
         lr: 0.001
         log_dir: logs
         """), encoding="utf-8")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    env.pop("DEEPY_DEBUG", None)
-    argv = [sys.executable, str(REPO / "deepy.py")]
-    dry = subprocess.run([*argv, "--dry-run", str(REPO / "train.py"), str(config)], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert dry.returncode == 0, dry.stdout + dry.stderr
-    row = next(line for line in dry.stdout.splitlines() if line.split()[:1] == ["norm"])
+    assert main(["--dry-run", str(REPO / "train.py"), str(config)]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.split()[:1] == ["norm"])
     assert "l1norm" in row and f"{config.name}:2" in row, row
-    # the dry run's whole-model count includes the toy's 5 norms of 32 gains (vocabulary 512, no position table)
-    with_toy = GPTConfig(**{**BASE, "seq_length": 16, "max_position_embeddings": 16, "padded_vocab_size": 512,
+    # the whole-model count includes the toy's 5 norms of 32 gains (CharLevelTokenizer's 512 rows, no table)
+    like_toy = GPTConfig(**{**BASE, "seq_length": 16, "max_position_embeddings": 16, "padded_vocab_size": 512,
                             "intermediate_size": None, "norm": "rmsnorm"})  # rmsnorm: h gains, like the toy
-    assert f"Model: {num_parameters(with_toy):,} parameters" in dry.stdout, dry.stdout
+    assert f"Model: {num_parameters(like_toy):,} parameters" in out, out
     from ports import free_port
 
-    run = subprocess.run([*argv, str(REPO / "train.py"), str(config), f"master_port={free_port()}"], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("DEEPY_DEBUG", None)
+    run = subprocess.run([sys.executable, str(REPO / "deepy.py"), str(REPO / "train.py"), str(config),
+                          f"master_port={free_port()}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     rows = [json.loads(line) for line in next((tmp_path / "logs").rglob("metrics.jsonl")).read_text().splitlines()]
     losses = {row["iteration"]: row["train/lm_loss"] for row in rows if "train/lm_loss" in row}
