@@ -108,9 +108,20 @@ class RuleContext:
         return int(self.get("model_parallel_size") or 1)
 
     @property
+    def pipe_parallel_size(self) -> int:
+        """``pipe_parallel_size`` as validated (an int >= 0): 0 builds no PipelineModule, 1 a one-stage one."""
+        value: int = self.get("pipe_parallel_size")
+        return value
+
+    @property
+    def uses_pipeline_module(self) -> bool:
+        """The model runs under DeepSpeed's PipelineEngine (``pipe_parallel_size >= 1``)."""
+        return self.pipe_parallel_size >= 1
+
+    @property
     def pp(self) -> int:
         """Pipeline stages; ``pipe_parallel_size: 0`` (no PipelineModule) is one stage."""
-        return max(int(self.get("pipe_parallel_size") or 0), 1)
+        return max(self.pipe_parallel_size, 1)
 
     @property
     def cp(self) -> int:

@@ -133,7 +133,7 @@ def planned_start(ctx: RuleContext) -> Start | None:
 
 
 def _explain(ctx: RuleContext, found: discovery.Found, key: str) -> str:
-    return discovery.explain(found, ctx.tp, int(ctx.get("pipe_parallel_size") or 0), key, shown=ctx.show(key))
+    return discovery.explain(found, ctx.tp, ctx.pipe_parallel_size, key, shown=ctx.show(key))
 
 
 def start_problems(ctx: RuleContext) -> list[str]:
@@ -311,7 +311,7 @@ def planned_layout(ctx: RuleContext) -> Layout | None:
     dp = ctx.dp
     if dp is None:
         return None
-    pipe = int(ctx.get("pipe_parallel_size") or 0)
+    pipe = ctx.pipe_parallel_size
     replicas = 1
     if ctx.get("sharding_strategy") == "hsdp" and ctx.get("sharding_group_size"):
         replicas = max(dp // int(ctx.get("sharding_group_size")), 1)

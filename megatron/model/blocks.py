@@ -1,4 +1,5 @@
-"""Which block each layer is: its ``attention_config`` type picks the family (``family_config.family_of``).
+"""Which block each layer is: its ``attention_config`` type picks the family (``family_config.family_of``),
+whose registry entry (``family_config.FAMILIES``) names the block class.
 
 GPT-NeoX builds its layer list the same way (``megatron/model/gpt2_model.py:243-287``, commit ea7aefd8):
 ``gmlp``/``amlp`` -> ``GMLPBlock``, ``rwkv`` -> ``RWKVResidualLayerPipe``, ``mamba`` ->
@@ -9,19 +10,7 @@ from __future__ import annotations
 
 from megatron.model.block import Block
 from megatron.model.config import GPTConfig
-from megatron.model.family_config import FamilyName, family_of
-from megatron.model.gmlp import GMLPBlock
-from megatron.model.mamba import MambaLayer
-from megatron.model.rwkv import RWKVLayer
-from megatron.model.transformer_layer import TransformerLayer
-
-BLOCKS: dict[FamilyName, type[Block]] = {
-    "transformer": TransformerLayer,
-    "mamba": MambaLayer,
-    "rwkv": RWKVLayer,
-    "gmlp": GMLPBlock,
-}
-"""layer family -> the block class (constructed as ``cls(config, layer_number)``)."""
+from megatron.model.family_config import FAMILIES, FamilyName, family_of
 
 
 def block_family(config: GPTConfig, layer_number: int) -> FamilyName:
@@ -30,4 +19,6 @@ def block_family(config: GPTConfig, layer_number: int) -> FamilyName:
 
 def build_block(config: GPTConfig, layer_number: int) -> Block:
     """Layer ``layer_number`` (0-based) of the stack."""
-    return BLOCKS[block_family(config, layer_number)](config, layer_number)  # type: ignore[call-arg]
+    block = FAMILIES[block_family(config, layer_number)].build(config, layer_number)
+    assert isinstance(block, Block)
+    return block

@@ -103,7 +103,7 @@ def kv_heads_fit(ctx: ModelKeys) -> list[str]:
 
 @rule
 def layers_cover_stages(ctx: RuleContext) -> list[str]:
-    layers, stages = ctx.get("num_layers"), int(ctx.get("pipe_parallel_size") or 0)
+    layers, stages = ctx.get("num_layers"), ctx.pipe_parallel_size
     if layers is None or stages <= 1 or layers >= stages:
         return []
     return [

@@ -25,9 +25,11 @@ from megatron.config_schema import not_supported
 from megatron.config_schema import partly_supported
 from megatron.config_support import KNOWN_ATTENTION_TYPES
 from megatron.errors import ConfigError
-from megatron.model.mlp_width import GATED_ACTIVATIONS, MLPWidths, expert_width, legacy_llama_width, neox_mlp_widths
+from megatron.model.activations import is_gated
+from megatron.model.mlp_width import MLPWidths, expert_width
 from megatron.model.family_config import FAMILY_OF_TYPE, FamilyName, expand_layer_types, family_of
 from megatron.model.moe_config import MoEArgs
+from megatron.model.transformer_options import ATTENTION_TYPES, MLP_TYPES, POSITIONAL
 
 if TYPE_CHECKING:
     import torch
@@ -35,15 +37,9 @@ if TYPE_CHECKING:
     from megatron.model.rope_scaling import RopeScaling
     from megatron.mpu.initialize_weights import InitFn
 
-NormType = Literal[
-    "layernorm",
-    "rmsnorm",
-    "non_parametric_layernorm",
-    "scalenorm",
-    "te_rmsnorm",
-    "te_layernorm",
-]
 PositionEmbedding = Literal["learned", "rotary", "sinusoidal", "rpe", "alibi", "none"]
+"""The ``pos_emb`` values: ``transformer_options.POSITIONAL``'s names (tests/unit/test_option_registries.py)."""
+# the activation values: ``activations.ACTIVATIONS``'s names (tests/unit/test_option_registries.py)
 Activation = Literal[
     "gelu",
     "gelu_tanh",
@@ -71,12 +67,10 @@ InitMethod = Literal[
 ]
 
 
-_POS_EMB = typing.get_args(PositionEmbedding)
 _INIT_METHODS = typing.get_args(InitMethod)
 
-# attention types a layer may have; the kernel choice ("flash") does not change the maths
-_GLOBAL_ATTENTION = {"global", "flash"}
-_LOCAL_ATTENTION = {"local"}
+# attention types a layer may have (the kernel choice, "flash", does not change the maths)
+_LOCAL_ATTENTION = {name for name, entry in ATTENTION_TYPES.items() if entry.windowed}
 
 # the argument object is loaded by deepy.py before any rank starts: torch, the layer registries and the
 # weight initialisers are imported where the model uses them, so loading a config stays light
@@ -130,8 +124,16 @@ class GPTConfig(MoEArgs):
     max_position_embeddings: int | None = Field(None, ge=1)
     """Longest sequence the positional embedding supports; defaults to seq_length."""
 
-    norm: NormType = partly_supported("layernorm", unsupported=("te_rmsnorm", "te_layernorm"))
-    """Normalisation layer used in every block and before the output layer."""
+    norm: str = partly_supported("layernorm", unsupported=("te_rmsnorm", "te_layernorm"))
+    """Normalisation layer used in every block and before the output layer: layernorm, rmsnorm,
+    scalenorm, non_parametric_layernorm, or a plug-in's (``megatron/model/norms.py``)."""
+
+    @field_validator("norm")
+    @classmethod
+    def _registered_norm(cls, value: str) -> str:
+        from megatron.model.norms import NORMS  # no torch: the registry builds its modules lazily
+
+        return NORMS.validate(value)
 
     layernorm_fusion: bool = False
     """Performance hint: use a fused LayerNorm kernel where one exists; results are unchanged."""
@@ -458,10 +460,10 @@ class GPTConfig(MoEArgs):
         if problems:
             raise ModelConfigError("; ".join(problems))
         self._check_choices()
-        bad = [t for t in self.attention_types if t not in _GLOBAL_ATTENTION | _LOCAL_ATTENTION | set(FAMILY_OF_TYPE)]
+        bad = [t for t in self.attention_types if t not in ATTENTION_TYPES and t not in FAMILY_OF_TYPE]
         if bad:
-            raise ModelConfigError(f"attention types {sorted(set(bad))} are not supported (only global, flash, local, "
-                                   f"{', '.join(sorted(FAMILY_OF_TYPE))})")
+            raise ModelConfigError(f"attention types {sorted(set(bad))} are not supported (only "
+                                   f"{', '.join([*ATTENTION_TYPES, *sorted(FAMILY_OF_TYPE)])})")
         from megatron.model import family_checks  # the Mamba/RWKV/gMLP layers' own shape rules
 
         problems = family_checks.shape_problems(view)
@@ -479,7 +481,7 @@ class GPTConfig(MoEArgs):
         from megatron.model.norms import NORMS
 
         choices: dict[str, tuple[str, list[str]]] = {
-            "pos_emb": (self.pos_emb, list(_POS_EMB)),
+            "pos_emb": (self.pos_emb, list(POSITIONAL)),
             "norm": (self.norm, sorted(NORMS)),
             "activation": (self.activation, sorted(ACTIVATIONS)),
             "init_method": (self.init_method, list(_INIT_METHODS)),
@@ -502,12 +504,7 @@ class GPTConfig(MoEArgs):
     @property
     def mlp_widths(self) -> MLPWidths:
         """The dense MLP's two widths by GPT-NeoX's rules (``megatron/model/mlp_width.py``)."""
-        gated = self.activation in GATED_ACTIVATIONS
-        if self.mlp_type == "llama":
-            width = legacy_llama_width(self.hidden_size, self.intermediate_size)
-            return MLPWidths(first=2 * width, second=width, gated=True)
-        return neox_mlp_widths(self.hidden_size, self.intermediate_size, self.expansion_factor,
-                               self.mlp_multiple_of, gated)
+        return MLP_TYPES[self.mlp_type].widths(self, is_gated(self.activation))
 
     @property
     def ffn_hidden_size(self) -> int:

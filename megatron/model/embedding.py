@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.model.config import GPTConfig
-from megatron.model.positional import ABSOLUTE_POSITIONAL, default_position_ids
+from megatron.model.positional import default_position_ids
+from megatron.model.transformer_options import POSITIONAL
 from megatron.mpu.layers import VocabParallelEmbedding
 from megatron.mpu.mappings import scatter_to_sequence_parallel_region
 from megatron.mpu.random import tensor_parallel_rng
@@ -32,8 +33,7 @@ class GPTEmbedding(nn.Module):
             seed=config.seed,
             params_dtype=config.params_dtype,
         )
-        positional = ABSOLUTE_POSITIONAL.get(config.pos_emb)
-        self.position_embeddings = positional(config, f"{name}.position_embeddings") if positional else None
+        self.position_embeddings = POSITIONAL[config.pos_emb].build_embedding(config, f"{name}.position_embeddings")
         self.dropout = config.hidden_dropout
         self.sequence_parallel = config.sequence_parallel and get_tensor_model_parallel_world_size() > 1
 

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from megatron.model.option_registry import OptionRegistry
+
 FamilyName = Literal["transformer", "mamba", "rwkv", "gmlp"]
 FAMILY_OF_TYPE: dict[str, FamilyName] = {"mamba": "mamba", "rwkv": "rwkv", "gmlp": "gmlp", "amlp": "gmlp"}
 """attention_config type -> layer family; every other type is an attention (transformer) block."""
@@ -150,78 +152,157 @@ def gmlp_shape(config: Any, layer_type: str) -> GMLPShape:
                      attn_dim=int(config.gmlp_attn_dim) if layer_type == "amlp" else None)
 
 
-# --- parameters and FLOPs per layer (read by megatron/model/flops.py and the memory estimate) ---------
+# --- parameters and FLOPs per layer: one registry entry per family (read by flops.py and the memory estimate)
 NormParams = Callable[[int], int]
 """Parameters of one of the config's norms over ``dim`` features."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FamilyEntry:
+    """One layer family: the block it builds and its counts for one layer of ``layer_type``."""
+
+    block: str
+    """``module:class`` of the block (``cls(config, layer_number)``)."""
+    parameters: Callable[[Any, str, NormParams, int, bool], int]
+    """(config, layer type, norm, layer number, active) -> parameters; ``active``: only what one token uses."""
+    replicated: Callable[[Any, str, NormParams], int]
+    """Parameters every tensor-parallel rank holds whole."""
+    mixing_flops: Callable[[Any, str, int], float]
+    """Forward FLOPs per token of what mixes positions and is not a weight times the token."""
+    non_matmul: Callable[[Any, str], int] = lambda config, layer_type: 0
+    """Parameters that do not multiply each token once, left out of the 6 x N (gMLP's spatial projection)."""
+
+    def build(self, config: Any, layer_number: int) -> Any:
+        return _import(self.block)(config, layer_number)
+
+    def flops_per_token(self, config: Any, layer_type: str, norm: NormParams, seq_length: int,
+                        layer_number: int = 0) -> float:
+        """Training FLOPs per token of one layer: 6 per weight a token passes through, 3 x the mixing."""
+        matmul = self.parameters(config, layer_type, norm, layer_number, True) - self.non_matmul(config, layer_type)
+        return 6.0 * matmul + 3.0 * self.mixing_flops(config, layer_type, seq_length)
+
+
+def _import(target: str) -> Any:
+    import importlib
+
+    module, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def _layernorm(dim: int) -> int:
     return 2 * dim  # torch's LayerNorm with a bias, as GPT-NeoX's RWKV layer builds it whatever `norm` says
 
 
-def layer_parameters(config: Any, layer_type: str, norm: NormParams) -> int:
-    """Parameters of one Mamba/RWKV/gMLP layer: GPT-NeoX's module shapes (see the module doc), biases included."""
-    family = family_of(layer_type)
-    h = int(config.hidden_size)
-    if family == "mamba":
-        m = mamba_shape(config)
-        d, r, n = m.inner, m.dt_rank, m.state
-        bias = bool(config.mamba_use_bias_in_linears)
-        return (norm(h) + h * 2 * d + (2 * d if bias else 0)
-                + d * m.conv + (d if config.mamba_use_bias_in_conv else 0)
-                + d * (r + 2 * n) + (r + 2 * n if bias else 0)
-                + r * d + d + d * n + d
-                + d * h + (h if bias else 0))
-    if family == "rwkv":
-        w = rwkv_shape(config)
-        a, f = w.dim_att, w.ffn
-        mixers = 6 * h + h * 5 * RWKV_TIME_MIX_RANK + 5 * RWKV_TIME_MIX_RANK * h
-        decay = a + h * RWKV_TIME_DECAY_RANK + RWKV_TIME_DECAY_RANK * a + a
-        time_mix = mixers + decay + 4 * h * a + a * h + 2 * a
-        channel_mix = 2 * h + h * f + h * h + f * h
-        return 2 * _layernorm(h) + time_mix + channel_mix
-    if family == "gmlp":
-        g = gmlp_shape(config, layer_type)
-        ff = g.ff
-        attention = 0 if g.attn_dim is None else 2 * ff * 3 * g.attn_dim + 3 * g.attn_dim + g.attn_dim * ff + ff
-        return norm(h) + h * 2 * ff + 2 * ff + norm(ff) + g.seq * g.seq + g.seq + attention + ff * h + h
-    raise ValueError(f"{layer_type!r} is an attention layer, not one of {sorted(FAMILY_OF_TYPE)}")
+def _mamba_parameters(config: Any, layer_type: str, norm: NormParams, layer_number: int, active: bool) -> int:
+    h, m = int(config.hidden_size), mamba_shape(config)
+    d, r, n = m.inner, m.dt_rank, m.state
+    bias = bool(config.mamba_use_bias_in_linears)
+    return (norm(h) + h * 2 * d + (2 * d if bias else 0)
+            + d * m.conv + (d if config.mamba_use_bias_in_conv else 0)
+            + d * (r + 2 * n) + (r + 2 * n if bias else 0)
+            + r * d + d + d * n + d
+            + d * h + (h if bias else 0))
+
+
+def _mamba_replicated(config: Any, layer_type: str, norm: NormParams) -> int:
+    h, m = int(config.hidden_size), mamba_shape(config)
+    return norm(h) + ((m.dt_rank + 2 * m.state) + h if config.mamba_use_bias_in_linears else 0)
+
+
+def _mamba_mixing(config: Any, layer_type: str, seq_length: int) -> float:
+    """The selective scan: 7 per state and channel plus the D skip (GPT-NeoX's ``logging.py`` count
+    without the projections)."""
+    m = mamba_shape(config)
+    return float(m.inner * (7 * m.state + 1))
+
+
+def _rwkv_parameters(config: Any, layer_type: str, norm: NormParams, layer_number: int, active: bool) -> int:
+    h, w = int(config.hidden_size), rwkv_shape(config)
+    a, f = w.dim_att, w.ffn
+    mixers = 6 * h + h * 5 * RWKV_TIME_MIX_RANK + 5 * RWKV_TIME_MIX_RANK * h
+    decay = a + h * RWKV_TIME_DECAY_RANK + RWKV_TIME_DECAY_RANK * a + a
+    time_mix = mixers + decay + 4 * h * a + a * h + 2 * a
+    channel_mix = 2 * h + h * f + h * h + f * h
+    return 2 * _layernorm(h) + time_mix + channel_mix
+
+
+def _rwkv_replicated(config: Any, layer_type: str, norm: NormParams) -> int:
+    return _rwkv_parameters(config, layer_type, norm, 0, False)  # GPT-NeoX has no tensor-parallel RWKV
+
+
+def _rwkv_mixing(config: Any, layer_type: str, seq_length: int) -> float:
+    """The WKV recurrence: 6 x dim_att x head_size (GPT-NeoX's term)."""
+    w = rwkv_shape(config)
+    return 6.0 * w.dim_att * w.head_size
+
+
+def _gmlp_parameters(config: Any, layer_type: str, norm: NormParams, layer_number: int, active: bool) -> int:
+    h, g = int(config.hidden_size), gmlp_shape(config, layer_type)
+    ff = g.ff
+    attention = 0 if g.attn_dim is None else 2 * ff * 3 * g.attn_dim + 3 * g.attn_dim + g.attn_dim * ff + ff
+    return norm(h) + h * 2 * ff + 2 * ff + norm(ff) + g.seq * g.seq + g.seq + attention + ff * h + h
+
+
+def _gmlp_replicated(config: Any, layer_type: str, norm: NormParams) -> int:
+    h, g = int(config.hidden_size), gmlp_shape(config, layer_type)
+    return norm(h) + g.seq * g.seq + g.seq + h + (0 if g.attn_dim is None else 3 * g.attn_dim)
+
+
+def _gmlp_non_matmul(config: Any, layer_type: str) -> int:
+    seq = int(config.seq_length)
+    return seq * seq + seq  # the spatial projection mixes positions; its cost is the mixing FLOPs
+
+
+def _gmlp_mixing(config: Any, layer_type: str, seq_length: int) -> float:
+    """The spatial projection (2 x seq x 4h, full sequence as attention is counted) and the small attention."""
+    g = gmlp_shape(config, layer_type)
+    return 2.0 * seq_length * g.ff + (0.0 if g.attn_dim is None else 4.0 * seq_length * g.attn_dim)
+
+
+def _families() -> OptionRegistry[FamilyEntry]:
+    from megatron.model import transformer_options as t
+
+    registry: OptionRegistry[FamilyEntry] = OptionRegistry("layer family")
+    for name, entry in {
+        "transformer": FamilyEntry(block="megatron.model.transformer_layer:TransformerLayer",
+                                   parameters=t.transformer_parameters, replicated=t.transformer_replicated,
+                                   mixing_flops=t.transformer_mixing_flops),
+        "mamba": FamilyEntry(block="megatron.model.mamba:MambaLayer",
+                             parameters=_mamba_parameters, replicated=_mamba_replicated, mixing_flops=_mamba_mixing),
+        "rwkv": FamilyEntry(block="megatron.model.rwkv:RWKVLayer",
+                            parameters=_rwkv_parameters, replicated=_rwkv_replicated, mixing_flops=_rwkv_mixing),
+        "gmlp": FamilyEntry(block="megatron.model.gmlp:GMLPBlock",
+                            parameters=_gmlp_parameters, replicated=_gmlp_replicated, mixing_flops=_gmlp_mixing,
+                            non_matmul=_gmlp_non_matmul),
+    }.items():
+        registry.register(name, entry, __name__)
+    return registry
+
+
+FAMILIES: OptionRegistry[FamilyEntry] = _families()
+"""layer family -> entry (``FAMILY_OF_TYPE`` says which family an ``attention_config`` type is)."""
+
+
+def family_entry(layer_type: str) -> FamilyEntry:
+    return FAMILIES[family_of(layer_type)]
+
+
+def layer_parameters(config: Any, layer_type: str, norm: NormParams, layer_number: int = 0, active: bool = False) -> int:
+    """Parameters of one layer of ``layer_type``: its family's count (GPT-NeoX's module shapes, biases included)."""
+    return family_entry(layer_type).parameters(config, layer_type, norm, layer_number, active)
 
 
 def replicated_layer_parameters(config: Any, layer_type: str, norm: NormParams) -> int:
     """Parameters of one such layer that every tensor-parallel rank holds whole."""
-    family = family_of(layer_type)
-    h = int(config.hidden_size)
-    if family == "mamba":
-        m = mamba_shape(config)
-        return norm(h) + ((m.dt_rank + 2 * m.state) + h if config.mamba_use_bias_in_linears else 0)
-    if family == "rwkv":
-        return layer_parameters(config, layer_type, norm)  # GPT-NeoX has no tensor-parallel RWKV
-    g = gmlp_shape(config, layer_type)
-    return norm(h) + g.seq * g.seq + g.seq + h + (0 if g.attn_dim is None else 3 * g.attn_dim)
+    return family_entry(layer_type).replicated(config, layer_type, norm)
 
 
 def non_matmul_parameters(config: Any, layer_type: str) -> int:
-    """Parameters that do not multiply each token once (gMLP's spatial projection mixes positions; its cost
-    is :func:`token_mixing_flops`), left out of the 6 x N of the FLOPs count."""
-    if family_of(layer_type) != "gmlp":
-        return 0
-    seq = int(config.seq_length)
-    return seq * seq + seq
+    """Parameters that do not multiply each token once, left out of the 6 x N of the FLOPs count."""
+    return family_entry(layer_type).non_matmul(config, layer_type)
 
 
 def token_mixing_flops(config: Any, layer_type: str, seq_length: int) -> float:
-    """Forward FLOPs per token of what mixes positions and is not a weight times the token: the selective
-    scan (Mamba: 7 per state and channel plus the D skip, GPT-NeoX's ``logging.py`` count without the
-    projections), the WKV recurrence (RWKV: 6 x dim_att x head_size, GPT-NeoX's term), the spatial
-    projection (gMLP: 2 x seq x 4h, full sequence as attention is counted) and its small attention."""
-    family = family_of(layer_type)
-    if family == "mamba":
-        m = mamba_shape(config)
-        return float(m.inner * (7 * m.state + 1))
-    if family == "rwkv":
-        w = rwkv_shape(config)
-        return 6.0 * w.dim_att * w.head_size
-    g = gmlp_shape(config, layer_type)
-    spatial = 2.0 * seq_length * g.ff
-    return spatial + (0.0 if g.attn_dim is None else 4.0 * seq_length * g.attn_dim)
+    """Forward FLOPs per token of what mixes positions (attention's products, the scan, the recurrence, the
+    spatial projection)."""
+    return family_entry(layer_type).mixing_flops(config, layer_type, seq_length)

@@ -34,7 +34,8 @@ from megatron.model.block import Block, layer_parameter, torch_linear_default
 from megatron.model.config import GPTConfig
 from megatron.model.family_config import gmlp_shape
 from megatron.model.kv_cache import KVCache
-from megatron.model.norms import RMSNorm, ScaleNorm, build_norm
+from megatron.model.norm_layers import RMSNorm, ScaleNorm
+from megatron.model.norms import build_norm
 from megatron.model.scans import real_tokens
 from megatron.mpu.initialize_weights import set_tensor_model_parallel_attributes
 from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, mark_partial_over_tensor_parallel

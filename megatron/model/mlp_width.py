@@ -30,9 +30,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-GATED_ACTIVATIONS = frozenset({"geglu", "reglu", "swiglu", "bilinear", "glu"})
+from megatron.model.activations import ACTIVATIONS
+
+GATED_ACTIVATIONS = frozenset(name for name, entry in ACTIVATIONS.items() if entry.gated)
 """Activations GPT-NeoX runs through ``Gated_Activation`` (``megatron/model/activations.py``
-``get_activation``: ``is_gated = True``); ``megatron/model/activations.py`` marks the same ones."""
+``get_activation``: ``is_gated = True``): the registry's gated entries (``megatron/model/activations.py``)."""
 
 LEGACY_LLAMA_MULTIPLE = 256
 """``LLaMAParallelMLP``'s ``multiple_of`` (its width when ``intermediate_size`` is unset)."""

@@ -1,17 +1,27 @@
-"""Normalisation layers, chosen by the config string `norm`.
+"""Normalisation layers, chosen by the config string ``norm``: one registry entry per norm.
+
+An entry builds the module over ``dim`` features and states its parameter count, its FLOPs per token
+(the 6N convention of ``flops.py``: each weight is 2 forward and 4 backward FLOPs per token; the
+elementwise arithmetic is not counted, as for every other layer) and whether it keeps an fp32 copy of
+its input for the backward (the memory estimate). No torch import: the builders import it when called
+(the modules torch lacks are in ``norm_layers.py``), so the launcher and ``--dry-run`` count without it.
 
 Parameters are constants at init (ones/zeros), so they are layout-independent without a seed.
 The builders read the few settings they need through :class:`NormSettings` (``GPTConfig`` has them),
-so this registry sits below the model config, which checks ``norm`` against it.
+so this registry sits below the model config, whose ``norm`` key accepts its names.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+from megatron.model.option_registry import OptionRegistry
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 class NormSettings(Protocol):
@@ -33,43 +43,76 @@ class NormSettings(Protocol):
     def params_dtype(self) -> torch.dtype: ...
 
 
-class RMSNorm(nn.RMSNorm):
-    """GPT-NeoX's RMSNorm (``megatron/model/norms.py`` ``RMSNorm.forward`` at ea7aefd8):
-    ``scale * x * rsqrt(mean(x^2) + eps)``, epsilon inside the root, computed in fp32 whatever the
-    activation dtype and cast back after the scale."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NormEntry:
+    """One ``norm`` value."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), self.normalized_shape, None, self.eps)  # fp32
-        return (normed * self.weight).to(x.dtype)
+    build: Callable[[int, NormSettings], nn.Module]
+    """The module over ``dim`` features."""
+    parameters: Callable[[int, NormSettings], int]
+    """Its parameter count (what ``build`` makes: a test compares)."""
+    keeps_fp32_input: bool = False
+    """Autograd keeps an fp32 copy of a 16-bit input (torch's rms_norm on the upcast input)."""
 
-
-class ScaleNorm(nn.Module):
-    """x / max(||x||, eps) * g, with one learned scalar g."""
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        del dim
-        self.eps = eps
-        self.g = nn.Parameter(torch.ones(1, dtype=dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        norm = x.float().norm(dim=-1, keepdim=True).clamp(min=self.eps)
-        return (x.float() / norm).to(x.dtype) * self.g
+    def flops_per_token(self, dim: int, settings: NormSettings) -> float:
+        """Training FLOPs per token counted for MFU: 6 per weight (the elementwise work is not counted)."""
+        return 6.0 * self.parameters(dim, settings)
 
 
-NORMS: dict[str, Callable[[int, NormSettings], nn.Module]] = {
-    "layernorm": lambda dim, c: nn.LayerNorm(dim, c.layernorm_epsilon, bias=c.use_bias_in_norms, dtype=c.params_dtype),
-    "rmsnorm": lambda dim, c: RMSNorm(dim, c.rms_norm_epsilon, dtype=c.params_dtype),
-    "scalenorm": lambda dim, c: ScaleNorm(dim, c.scalenorm_epsilon, c.params_dtype),
-    "non_parametric_layernorm": lambda dim, c: nn.LayerNorm(dim, c.layernorm_epsilon, elementwise_affine=False),
-}
-# Transformer Engine's fused kernels compute the same functions
-NORMS["te_layernorm"] = NORMS["layernorm"]
-NORMS["te_rmsnorm"] = NORMS["rmsnorm"]
-"""`norm` config string -> builder(dim, config)."""
+NORMS: OptionRegistry[NormEntry] = OptionRegistry("norm")
+"""``norm`` config string -> entry."""
+
+
+def register_norm(name: str, entry: NormEntry) -> NormEntry:
+    """Add a norm (a plug-in file calls this; the caller's module owns the name)."""
+    owner = getattr(entry.build, "__module__", "") or ""
+    return NORMS.register(name, entry, owner)
+
+
+def _layernorm(dim: int, c: NormSettings) -> nn.Module:
+    from torch import nn
+
+    return nn.LayerNorm(dim, c.layernorm_epsilon, bias=c.use_bias_in_norms, dtype=c.params_dtype)
+
+
+def _rmsnorm(dim: int, c: NormSettings) -> nn.Module:
+    from megatron.model.norm_layers import RMSNorm
+
+    return RMSNorm(dim, c.rms_norm_epsilon, dtype=c.params_dtype)
+
+
+def _scalenorm(dim: int, c: NormSettings) -> nn.Module:
+    from megatron.model.norm_layers import ScaleNorm
+
+    return ScaleNorm(dim, c.scalenorm_epsilon, c.params_dtype)
+
+
+def _non_parametric_layernorm(dim: int, c: NormSettings) -> nn.Module:
+    from torch import nn
+
+    return nn.LayerNorm(dim, c.layernorm_epsilon, elementwise_affine=False)
+
+
+_LAYERNORM = NormEntry(build=_layernorm, parameters=lambda dim, c: dim * (2 if c.use_bias_in_norms else 1))
+_RMSNORM = NormEntry(build=_rmsnorm, parameters=lambda dim, c: dim, keeps_fp32_input=True)
+register_norm("layernorm", _LAYERNORM)
+register_norm("rmsnorm", _RMSNORM)
+register_norm("non_parametric_layernorm", NormEntry(build=_non_parametric_layernorm, parameters=lambda dim, c: 0))
+register_norm("scalenorm", NormEntry(build=_scalenorm, parameters=lambda dim, c: 1))
+# Transformer Engine's fused kernels compute the same functions (refused before launch: not built yet)
+register_norm("te_rmsnorm", _RMSNORM)
+register_norm("te_layernorm", _LAYERNORM)
+
+
+def norm_entry(config: NormSettings) -> NormEntry:
+    return NORMS[config.norm]
 
 
 def build_norm(config: NormSettings, dim: int | None = None) -> nn.Module:
-    if config.norm not in NORMS:
-        raise ValueError(f"unknown norm {config.norm!r}; choose one of {sorted(NORMS)}")
-    return NORMS[config.norm](config.hidden_size if dim is None else dim, config)
+    """The config's norm over ``dim`` features (``hidden_size`` when None)."""
+    return norm_entry(config).build(config.hidden_size if dim is None else dim, config)
+
+
+def norm_parameters(config: NormSettings, dim: int) -> int:
+    """Parameters of one of the config's norms over ``dim`` features."""
+    return norm_entry(config).parameters(dim, config)

@@ -55,12 +55,7 @@ class SinusoidalPositionalEmbedding(nn.Module):
         return table[..., : self.dim]
 
 
-ABSOLUTE_POSITIONAL: dict[str, type[nn.Module]] = {
-    "learned": LearnedPositionalEmbedding,
-    "sinusoidal": SinusoidalPositionalEmbedding,
-}
-"""pos_emb values that add a table to the token embedding; others act in attention or not at all."""
-
+# which pos_emb values add one of these tables to the token embedding: transformer_options.POSITIONAL
 
 # --- rotary ----------------------------------------------------------------------------------
 class RotaryEmbedding(nn.Module):

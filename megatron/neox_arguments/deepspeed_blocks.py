@@ -79,7 +79,7 @@ def checkpoint_num_layers_has_effect(ctx: RuleContext) -> list[str]:
 @rule
 def flops_profiler_needs_the_plain_engine(ctx: RuleContext) -> list[str]:
     block = ctx.get("flops_profiler")
-    if not (isinstance(block, Mapping) and block.get("enabled")) or int(ctx.get("pipe_parallel_size") or 0) < 1:
+    if not (isinstance(block, Mapping) and block.get("enabled")) or not ctx.uses_pipeline_module:
         return []
     return [f"flops_profiler.enabled ({describe(ctx.source('flops_profiler'))}) with "
             f"{ctx.show('pipe_parallel_size')}: DeepSpeed's pipeline engine never prints the profile (only "

@@ -93,7 +93,7 @@ def derive_layout(ctx: RuleContext) -> Derivation:
     values: dict[str, Any] = {
         "world_size": ctx.world_size,
         "global_num_gpus": ctx.world_size,
-        "is_pipe_parallel": int(ctx.get("pipe_parallel_size") or 0) >= 1,
+        "is_pipe_parallel": ctx.uses_pipeline_module,
     }
     problems = [
         f"{ctx.show(key)} but Deepy computes {value} for this launch: {key} is filled in by Deepy "
@@ -289,7 +289,7 @@ def check_zero_init(ctx: RuleContext) -> Derivation:
     if stage != 3:
         problems.append(f"{ctx.show('zero_init')} builds the model partitioned as ZeRO-3 does: set "
                         f"zero_optimization.stage 3 (or sharding_strategy fsdp/hsdp)")
-    if int(ctx.get("pipe_parallel_size") or 0) >= 1:
+    if ctx.uses_pipeline_module:
         problems.append(f"{ctx.show('zero_init')} does not go with a pipeline (pipe_parallel_size)")
     return Derivation(problems=problems)
 

@@ -50,7 +50,7 @@ def hybrid_shard_problems(ctx: RuleContext, zero_block: Mapping[str, Any], one_n
         problems.append(f"{shown} with ZeRO offload (zero_optimization.offload_optimizer/offload_param, "
                         f"{ctx.source('zero_optimization')}) is not supported: the replicas average "
                         "gradients after the copy to the CPU is made; use sharding_strategy: fsdp with offload")
-    if int(ctx.get("pipe_parallel_size") or 0) >= 1:
+    if ctx.uses_pipeline_module:
         problems.append(f"{shown} with {ctx.show('pipe_parallel_size')}: ZeRO-3 does not run under DeepSpeed's "
                         "PipelineEngine; set pipe_parallel_size: 0")
     if ctx.cp > 1:

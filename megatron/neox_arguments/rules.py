@@ -135,7 +135,7 @@ def zero_stage_known(ctx: RuleContext) -> list[str]:
 
 @rule
 def zero_with_pipeline(ctx: RuleContext) -> list[str]:
-    stage, pipe = zero_stage(ctx), int(ctx.get("pipe_parallel_size") or 0)
+    stage, pipe = zero_stage(ctx), ctx.pipe_parallel_size
     if stage < 2 or pipe < 1:
         return []
     why = (

@@ -55,9 +55,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from megatron.model.config import GPTConfig
-from megatron.model.family_config import family_of, replicated_layer_parameters
-from megatron.model.flops import (embedding_parameters, final_norm_parameters, layer_norm_parameters,
-                                  layer_parameters, norm_parameters, num_parameters)
+from megatron.model.family_config import replicated_layer_parameters
+from megatron.model.flops import embedding_parameters, final_norm_parameters, layer_parameters, norm_parameters, num_parameters
+from megatron.model.norms import norm_entry
+from megatron.model.transformer_options import POSITIONAL
 from megatron.model.lora_config import LoRAArgs
 from megatron.training.config import compute_dtype
 
@@ -151,13 +152,9 @@ class MemoryLayout:
 
 # --- parameter counts on one device ------------------------------------------------------------------
 def _replicated_in_layer(c: GPTConfig) -> int:
-    """Parameters of one layer that tensor parallelism does not split: norms and the biases added
-    after the row-parallel projections (a Mamba/RWKV/gMLP layer: ``family_config``'s count)."""
-    h = c.hidden_size
-    kind = c.attention_types[0]
-    if family_of(kind) != "transformer":
-        return replicated_layer_parameters(c, kind, lambda dim: norm_parameters(c, dim))
-    return layer_norm_parameters(c) + (h if c.use_bias_in_attn_linear else 0) + (h if c.use_bias_in_mlp else 0)
+    """Parameters of one layer that tensor parallelism does not split (its family entry's count: a
+    transformer layer's norms and the biases added after the row-parallel projections)."""
+    return replicated_layer_parameters(c, c.attention_types[0], lambda dim: norm_parameters(c, dim))
 
 
 def stage_parameters(layout: MemoryLayout) -> int:
@@ -167,7 +164,7 @@ def stage_parameters(layout: MemoryLayout) -> int:
     per_layer = (layer_parameters(c) - rep) // tp + rep
     layers = math.ceil(c.num_layers / layout.pp) * per_layer
     vocab = c.padded_vocab_size * c.hidden_size // tp
-    positions = embedding_parameters(c) - c.padded_vocab_size * c.hidden_size  # replicated learned table
+    positions = embedding_parameters(c) - c.padded_vocab_size * c.hidden_size  # the positional entry's table, replicated
     first = vocab + positions + layers
     head = c.hidden_size if c.value_head else vocab
     last_extra = final_norm_parameters(c) + (head if (c.no_weight_tying or c.value_head or layout.pp > 1) else 0)
@@ -242,7 +239,7 @@ def sdpa_kernel(c: GPTConfig, precision: str, seq_length: int) -> SdpaKernel:
         return "math"
     windows = [c.attention_window(i) for i in range(c.num_layers)]
     cuts = any(w is not None and w < seq_length - 1 for w in windows)
-    masked = cuts or c.pos_emb in ("alibi", "rpe")
+    masked = cuts or POSITIONAL[c.pos_emb].additive_bias
     if half and not masked and c.head_dim <= 256:
         return "flash"
     if c.kv_heads != c.num_attention_heads and not masked:
@@ -255,7 +252,7 @@ def activation_bytes(layout: MemoryLayout) -> float:
     h, ffn = c.hidden_size, c.ffn_hidden_size
     a = _BYTES[layout.precision]
     # RMSNorm normalises an fp32 copy of its input, which autograd keeps (torch's rms_norm saves it)
-    fp32_norm_input = 4 if c.norm in ("rmsnorm", "te_rmsnorm") and a < 4 else 0
+    fp32_norm_input = 4 if norm_entry(c).keeps_fp32_input and a < 4 else 0
     kv = c.kv_heads * c.head_dim
     first = c.mlp_widths.first
     # tensors a layer keeps for its backward (elements per token): norm inputs and outputs are whole

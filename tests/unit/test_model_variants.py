@@ -367,7 +367,9 @@ def test_config_from_neox_args() -> None:
     assert not cfg.value_head and cfg.with_vocab(128).padded_vocab_size == 128
     with pytest.raises(ValueError, match="not supported"):
         GPTConfig(**BASE, attention_config=[[["sparse_fixed"], "all"]]).check_architecture()
-    for bad in (dict(pos_emb="t5"), dict(norm="batchnorm"), dict(activation="tanh"), dict(init_method="zeros")):
+    with pytest.raises(ValueError, match="not a registered norm"):  # the norm registry's names (or a plug-in's)
+        GPTConfig(**BASE, norm="batchnorm")
+    for bad in (dict(pos_emb="t5"), dict(activation="tanh"), dict(init_method="zeros")):
         with pytest.raises(ValueError, match="Input should be"):  # not even a GPT-NeoX value: the schema refuses it
             GPTConfig(**BASE, **bad)
     with pytest.raises(ValueError, match="needs sliding_window_width"):

@@ -268,7 +268,7 @@ def test_rotary_rotates_int_head_dim_x_rotary_pct() -> None:
 # --- norms -------------------------------------------------------------------------------------------
 def test_rmsnorm_has_its_epsilon_inside_the_root_and_scales_in_fp32() -> None:
     """norms.py:86-99: x * rsqrt(mean(x^2) + eps) in fp32, times the scale, then cast."""
-    from megatron.model.norms import RMSNorm
+    from megatron.model.norm_layers import RMSNorm
 
     x = torch.randn(3, 16, generator=torch.Generator().manual_seed(0)) * 0.3
     norm = RMSNorm(16, eps=0.5)
