@@ -97,10 +97,10 @@ def tolerating_new_parameters(engine: Any, prefixes: tuple[str, ...]) -> Iterato
                 layer.load_state_dict = _non_strict(  # type: ignore[method-assign]
                     layer, lambda k, s=start + i: model_parameter_name(f"{s}.{k}"), is_new, report)
                 patched.append(layer)
-            module.load_state_dir = _skipping_absent(module, new_layers, start, report)  # type: ignore[method-assign]
+            module.load_state_dir = _skipping_absent(module, new_layers, start, report)
             patched.append(module)
         else:
-            module.load_state_dict = _non_strict(module, lambda k: k, is_new, report)  # type: ignore[method-assign]
+            module.load_state_dict = _non_strict(module, lambda k: k, is_new, report)
             patched.append(module)
         yield report
     finally:

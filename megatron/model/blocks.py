@@ -30,4 +30,4 @@ def block_family(config: GPTConfig, layer_number: int) -> FamilyName:
 
 def build_block(config: GPTConfig, layer_number: int) -> Block:
     """Layer ``layer_number`` (0-based) of the stack."""
-    return BLOCKS[block_family(config, layer_number)](config, layer_number)  # type: ignore[call-arg]
+    return BLOCKS[block_family(config, layer_number)](config, layer_number)

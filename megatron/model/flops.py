@@ -5,6 +5,7 @@ Pure arithmetic on the config (no model is built), so it is cheap for any size.
 
 from __future__ import annotations
 
+from megatron.errors import required
 from megatron.model import family_config as families
 from megatron.model.config import GPTConfig
 
@@ -30,7 +31,7 @@ _norm_params = norm_parameters
 def mlp_parameters(config: GPTConfig, expert: bool = False) -> int:
     """Parameters of one dense MLP (``expert``: of one expert of an MoE layer, whose width follows
     GPT-NeoX's expert rule; Deepy's experts gate and carry biases like the dense MLP)."""
-    h = config.hidden_size
+    h = config.arch.hidden
     if expert:
         inner = config.expert_ffn_hidden_size
         first = 2 * inner if config.mlp_widths.gated else inner
@@ -46,14 +47,14 @@ def layer_parameters(config: GPTConfig, layer_number: int = 0, active: bool = Fa
     kind = config.attention_types[layer_number]
     if families.family_of(kind) != "transformer":
         return families.layer_parameters(config, kind, lambda dim: _norm_params(config, dim))
-    h, d = config.hidden_size, config.head_dim
-    qkv_out = (config.num_attention_heads + 2 * config.kv_heads) * d
+    h, d = config.arch.hidden, config.head_dim
+    qkv_out = (config.arch.heads + 2 * config.kv_heads) * d
     attn_bias = config.use_bias_in_attn_linear
-    attention = h * qkv_out + config.num_attention_heads * d * h + (qkv_out + h if attn_bias else 0)
+    attention = h * qkv_out + config.arch.heads * d * h + (qkv_out + h if attn_bias else 0)
     if config.use_qk_layernorm:
         attention += 2 * _norm_params(config, d)
     if config.pos_emb == "rpe":
-        attention += config.rpe_num_buckets * config.num_attention_heads
+        attention += config.rpe_num_buckets * config.arch.heads
     if config.is_moe_layer(layer_number):
         experts = config.moe_top_k if active else config.moe_num_experts
         mlp = experts * mlp_parameters(config, expert=True) + config.moe_num_experts * h  # + the router
@@ -65,27 +66,27 @@ def layer_parameters(config: GPTConfig, layer_number: int = 0, active: bool = Fa
 def layer_norm_parameters(config: GPTConfig) -> int:
     """Parameters of one layer's norms (one shared norm with a tied parallel residual)."""
     norms = 1 if (config.gpt_j_residual and config.gpt_j_tied) else 2
-    return norms * _norm_params(config, config.hidden_size)
+    return norms * _norm_params(config, config.arch.hidden)
 
 
 def final_norm_parameters(config: GPTConfig) -> int:
-    return _norm_params(config, config.hidden_size)
+    return _norm_params(config, config.arch.hidden)
 
 
 def embedding_parameters(config: GPTConfig) -> int:
     """The input tables: the (padded) token embedding and a learned position table of
     ``max_position_embeddings`` rows (GPT-NeoX's size; ``opt_pos_emb_offset`` shifts inside it)."""
-    h = config.hidden_size
+    h = config.arch.hidden
     positions = config.max_positions * h if config.pos_emb == "learned" else 0
-    return config.padded_vocab_size * h + positions
+    return config.vocab * h + positions
 
 
 def head_parameters(config: GPTConfig) -> int:
     """The output side's own parameters: an untied output projection (vocab x h), a value head (h),
     or none when the output reuses the token embedding."""
     if config.value_head:
-        return config.hidden_size
-    return config.padded_vocab_size * config.hidden_size if config.no_weight_tying else 0
+        return config.arch.hidden
+    return config.vocab * config.arch.hidden if config.no_weight_tying else 0
 
 
 def num_parameters(config: GPTConfig, include_embeddings: bool = True, active: bool = False) -> int:
@@ -93,7 +94,7 @@ def num_parameters(config: GPTConfig, include_embeddings: bool = True, active: b
     ``include_embeddings=False`` leaves out the token and position tables and an untied output
     projection (Pythia's "non-embedding" count); ``active``: only the experts one token uses (what its
     FLOPs see)."""
-    total = sum(layer_parameters(config, i, active) for i in range(config.num_layers)) + final_norm_parameters(config)
+    total = sum(layer_parameters(config, i, active) for i in range(config.arch.layers)) + final_norm_parameters(config)
     if config.value_head:
         total += head_parameters(config)
     if include_embeddings:
@@ -109,7 +110,7 @@ def _attention_flops_per_layer(config: GPTConfig, seq_length: int, layer_number:
     kind = config.attention_types[layer_number]
     if families.family_of(kind) != "transformer":
         return families.token_mixing_flops(config, kind, seq_length)
-    return 4.0 * seq_length * config.num_attention_heads * config.head_dim
+    return 4.0 * seq_length * config.arch.heads * config.head_dim
 
 
 def flops_per_token(config: GPTConfig, seq_length: int | None = None) -> float:
@@ -122,20 +123,20 @@ def flops_per_token(config: GPTConfig, seq_length: int | None = None) -> float:
     not subtracted), and the sliding window's savings are not counted, so MFU stays comparable.
     In MoE layers only the ``moe_top_k`` experts a token visits (and the router) count.
     """
-    s = config.seq_length if seq_length is None else seq_length
+    s = required(config.seq_length, "seq_length", "FLOPs per token depend on it") if seq_length is None else seq_length
     matmul_params = num_parameters(config, include_embeddings=False, active=True)
     # a Mamba/RWKV/gMLP layer's parameters that take part in no matmul (decays, convolutions, ...)
     matmul_params -= sum(families.non_matmul_parameters(config, kind) for kind in config.attention_types)
     if not config.value_head:
-        matmul_params += config.padded_vocab_size * config.hidden_size  # the output projection, tied or not
-    mixing = sum(_attention_flops_per_layer(config, s, i) for i in range(config.num_layers))
+        matmul_params += config.vocab * config.arch.hidden  # the output projection, tied or not
+    mixing = sum(_attention_flops_per_layer(config, s, i) for i in range(config.arch.layers))
     return 6.0 * matmul_params + 3.0 * mixing
 
 
 def hardware_flops_per_token(config: GPTConfig, recomputed_layers: int, seq_length: int | None = None) -> float:
     """:func:`flops_per_token` plus one more forward of each of ``recomputed_layers`` transformer
     layers (activation checkpointing recomputes them in the backward); the basis of HFU."""
-    s = config.seq_length if seq_length is None else seq_length
+    s = required(config.seq_length, "seq_length", "FLOPs per token depend on it") if seq_length is None else seq_length
     kind = config.attention_types[0]
     matmul = layer_parameters(config) - families.non_matmul_parameters(config, kind)
     layer_forward = 2.0 * matmul + _attention_flops_per_layer(config, s)

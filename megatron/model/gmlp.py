@@ -200,12 +200,12 @@ class GMLPBlock(Block):
         ff = shape.ff
         self.norm = build_norm(config)
         self.input_linear = _ColumnWithoutBias(
-            config.hidden_size, 2 * ff, name=f"{name}.input_linear", init_fn=config.init_fn(), seed=config.seed,
+            config.arch.hidden, 2 * ff, name=f"{name}.input_linear", init_fn=config.init_fn(), seed=config.seed,
             sections=[ff, ff], sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
         self.activation = get_activation(config.activation).fn
         self.sgu = SpatialGatingUnit(config, ff, shape.seq, shape.attn_dim, f"{name}.sgu")
         self.output_linear = _RowWithoutBias(
-            ff, config.hidden_size, name=f"{name}.output_linear", init_fn=config.output_init_fn(), seed=config.seed,
+            ff, config.arch.hidden, name=f"{name}.output_linear", init_fn=config.output_init_fn(), seed=config.seed,
             sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
         for linear in (self.input_linear, self.output_linear):
             assert linear.bias is not None

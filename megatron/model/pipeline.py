@@ -229,5 +229,5 @@ def pipeline_layer_specs(config: GPTConfig) -> list[LayerSpec]:
         )
     else:
         first, last = LayerSpec(EmbeddingPipe, config), LayerSpec(OutputLayerPipe, config)
-    layers = [LayerSpec(PIPE_BLOCKS[block_family(config, i)], config, i) for i in range(config.num_layers)]
+    layers = [LayerSpec(PIPE_BLOCKS[block_family(config, i)], config, i) for i in range(config.arch.layers)]
     return [first, *layers, LayerSpec(FinalNormPipe, config), last]

@@ -30,7 +30,7 @@ class LearnedPositionalEmbedding(nn.Module):
         super().__init__()
         self.offset = config.opt_pos_emb_offset
         # GPT-NeoX: max_position_embeddings rows; the offset shifts positions inside the table
-        shape = (config.max_positions, config.hidden_size)
+        shape = (config.max_positions, config.arch.hidden)
         self.weight = nn.Parameter(torch.empty(shape, dtype=config.params_dtype))
         initialize_param_(self.weight, f"{name}.weight", config.seed, config.init_fn(), shape)
 
@@ -44,7 +44,7 @@ class SinusoidalPositionalEmbedding(nn.Module):
     def __init__(self, config: GPTConfig, name: str, base: float = 10000.0) -> None:
         super().__init__()
         del name  # no parameters to initialise
-        dim = config.hidden_size
+        dim = config.arch.hidden
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.dim = dim
@@ -182,7 +182,7 @@ class RelativePositionBias(nn.Module):
     def __init__(self, config: GPTConfig, name: str) -> None:
         super().__init__()
         world, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
-        heads = config.num_attention_heads
+        heads = config.arch.heads
         self.num_buckets, self.max_distance = config.rpe_num_buckets, config.rpe_max_distance
         self.weight = nn.Parameter(torch.empty(self.num_buckets, heads // world, dtype=config.params_dtype))
         initialize_param_(

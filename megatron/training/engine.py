@@ -189,7 +189,7 @@ def wrap_layers(model: nn.Module, cfg: ActivationCheckpointArgs, compile_layers:
     if compile_layers:
         require_toolchain(torch.cuda.is_available())  # inductor builds native code on this node
         for layer in layers:
-            layer.forward = torch.compile(layer.forward)  # type: ignore[method-assign]
+            layer.forward = torch.compile(layer.forward)
     if pipe_interval_used:
         return  # PipelineModule checkpoints chunks of layers itself
     first = min((layer.layer_number for layer in layers), default=0)
@@ -198,9 +198,9 @@ def wrap_layers(model: nn.Module, cfg: ActivationCheckpointArgs, compile_layers:
     starts = chosen if size == 1 else chosen[::size]
     for start in starts:
         members = layers[start:start + size]
-        layers[start].forward = _checkpointed(_chunk_of([m.forward for m in members]))  # type: ignore[method-assign]
+        layers[start].forward = _checkpointed(_chunk_of([m.forward for m in members]))
         for member in members[1:]:
-            member.forward = _passthrough  # type: ignore[method-assign]
+            member.forward = _passthrough
     if chosen:
         get_logger().info("activation checkpointing: recomputing layers %s in chunks of %d%s",
                           [layers[i].layer_number for i in chosen], size,

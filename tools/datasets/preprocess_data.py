@@ -75,7 +75,7 @@ def open_lines(path: str) -> BinaryIO:
     if path.endswith((".zst", ".zstd")):
         import zstandard
 
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))  # type: ignore[return-value]
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
     return raw
 
 
