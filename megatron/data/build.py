@@ -33,7 +33,7 @@ from megatron.data.pairwise_dataset import PairwiseDataset
 from megatron.data.reward_dataset import RewardDataset
 from megatron.data.sft_dataset import SFTDataset
 from megatron.data.token_range import TokenRangeChecked
-from megatron.errors import ConfigError, DataError
+from megatron.errors import ConfigError, DataError, required
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
 
 def samples_needed(config: DataRunArgs) -> tuple[int, int, int]:
     """Samples each split must provide for the planned schedule (train from train_iters only)."""
-    g = config.train_batch_size
+    g = required(config.train_batch_size, "train_batch_size", "the splits are sized in batches")
     iters = config.train_iters or 0
     eval_iters = config.eval_iters
     interval = config.eval_interval or max(iters, 1)
@@ -139,7 +139,7 @@ class _Builder:
     def _component(self, name: str, c: Component, num_samples: int) -> Any:
         files = {role: _open(p) for role, p in c.roles.items()}
         rng = c.doc_range or (0, len(files[("text" if "text" in files else "chosen")]))
-        common = {"seq_length": self.seq_length, "seed": self.seed, "cache_dir": self.cache_dir,
+        common: dict[str, Any] = {"seq_length": self.seq_length, "seed": self.seed, "cache_dir": self.cache_dir,
                   "pad_id": self.pad_id, "allow_chopped": self.allow_chopped}
         num_samples = max(1, int(num_samples))
         if "chosen" in files:

@@ -1,36 +1,20 @@
 """Normalisation layers, chosen by the config string `norm`.
 
 Parameters are constants at init (ones/zeros), so they are layout-independent without a seed.
-The builders read the few settings they need through :class:`NormSettings` (``GPTConfig`` has them),
-so this registry sits below the model config, which checks ``norm`` against it.
+The builders read the model's own config (:class:`GPTConfig`, imported for the checker only), so this
+registry sits below the model config at run time, which checks ``norm`` against it.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-class NormSettings(Protocol):
-    """What the norm builders read from the model config (read-only: the config is frozen)."""
-
-    @property
-    def norm(self) -> str: ...
-    @property
-    def hidden_size(self) -> int: ...
-    @property
-    def layernorm_epsilon(self) -> float: ...
-    @property
-    def rms_norm_epsilon(self) -> float: ...
-    @property
-    def scalenorm_epsilon(self) -> float: ...
-    @property
-    def use_bias_in_norms(self) -> bool: ...
-    @property
-    def params_dtype(self) -> torch.dtype: ...
+if TYPE_CHECKING:
+    from megatron.model.config import GPTConfig
 
 
 class RMSNorm(nn.RMSNorm):
@@ -57,7 +41,7 @@ class ScaleNorm(nn.Module):
         return (x.float() / norm).to(x.dtype) * self.g
 
 
-NORMS: dict[str, Callable[[int, NormSettings], nn.Module]] = {
+NORMS: dict[str, Callable[[int, GPTConfig], nn.Module]] = {
     "layernorm": lambda dim, c: nn.LayerNorm(dim, c.layernorm_epsilon, bias=c.use_bias_in_norms, dtype=c.params_dtype),
     "rmsnorm": lambda dim, c: RMSNorm(dim, c.rms_norm_epsilon, dtype=c.params_dtype),
     "scalenorm": lambda dim, c: ScaleNorm(dim, c.scalenorm_epsilon, c.params_dtype),
@@ -69,7 +53,7 @@ NORMS["te_rmsnorm"] = NORMS["rmsnorm"]
 """`norm` config string -> builder(dim, config)."""
 
 
-def build_norm(config: NormSettings, dim: int | None = None) -> nn.Module:
+def build_norm(config: GPTConfig, dim: int | None = None) -> nn.Module:
     if config.norm not in NORMS:
         raise ValueError(f"unknown norm {config.norm!r}; choose one of {sorted(NORMS)}")
-    return NORMS[config.norm](config.hidden_size if dim is None else dim, config)
+    return NORMS[config.norm](config.arch.hidden if dim is None else dim, config)

@@ -216,11 +216,13 @@ def pipeline_layer_specs(config: GPTConfig) -> list[LayerSpec]:
     checkpointable_layers=CHECKPOINTABLE_LAYERS)`."""
     config.check_tensor_parallel(get_tensor_model_parallel_world_size())
     tied = not config.no_weight_tying and not config.value_head
+    first: LayerSpec
+    last: LayerSpec
     if config.value_head:
         first, last = LayerSpec(EmbeddingPipe, config), LayerSpec(ValueHeadPipe, config)
     elif tied:
-        first: LayerSpec = TiedLayerSpec(TIED_EMBEDDING_KEY, EmbeddingPipe, config, tied_weight_attr=TIED_WEIGHT_ATTR)
-        last: LayerSpec = TiedLayerSpec(
+        first = TiedLayerSpec(TIED_EMBEDDING_KEY, EmbeddingPipe, config, tied_weight_attr=TIED_WEIGHT_ATTR)
+        last = TiedLayerSpec(
             TIED_EMBEDDING_KEY,
             EmbeddingPipe,
             config,

@@ -328,7 +328,7 @@ def build_model(config: GPTConfig, parallel: ParallelRunArgs, ckpt: ActivationCh
     memory, 14 GB per rank for 7B in bf16), in the run's dtype; each weight's values are drawn on the
     CPU as before (``mpu/initialize_weights.py``), so they are the same bits wherever it is built."""
     if ckpt.recomputes_activations:
-        configure_activation_checkpointing(ckpt, config.num_layers)
+        configure_activation_checkpointing(ckpt, config.arch.layers)
     if not parallel.uses_pipeline_module:
         with construction(zero_init, device):
             model = GPTModel(config)
@@ -410,5 +410,5 @@ def build_engine(run: RunViews, config: GPTConfig, train_iters: int, objective: 
             skip_gradient_allreduce(engine)
     return Engine(engine=engine, optimizer=ds_optimizer, lr_scheduler=ds_scheduler,
                   config=config, is_pipe=is_pipe, ds_config=ds_config,
-                  moe=build_moe_training(model, config.num_layers, config.moe_num_experts), objective=objective,
+                  moe=build_moe_training(model, config.arch.layers, config.moe_num_experts), objective=objective,
                   adapters=adapters_of(model))

@@ -311,7 +311,7 @@ def estimate(layout: MemoryLayout) -> MemoryEstimate:
     dp, k, stage = layout.dp, layout.optimizer_states, layout.zero_stage
     grads = gradient_bytes(layout, t)
     if stage == 0:
-        weights = w * p
+        weights = float(w * p)
         master = 0.0 if layout.precision == "fp32" else 4.0 * t
         states = 4.0 * k * t
     else:

@@ -317,7 +317,7 @@ def preprocess(args: argparse.Namespace) -> dict[str, Any]:
     progress = Progress(args.num_docs, args.log_interval, args.quiet)
     empty = {k: 0 for k in args.jsonl_keys}
     docs_out = {k: 0 for k in args.jsonl_keys}
-    bad, examples = 0, []
+    bad, examples = 0, list[str]()
     try:
         chunks = read_chunks(files)
         first = next(chunks, None)
