@@ -1,20 +1,36 @@
 """Normalisation layers, chosen by the config string `norm`.
 
 Parameters are constants at init (ones/zeros), so they are layout-independent without a seed.
-The builders read the model's own config (:class:`GPTConfig`, imported for the checker only), so this
-registry sits below the model config at run time, which checks ``norm`` against it.
+The builders read the few settings they need through :class:`NormSettings` (``GPTConfig`` has them),
+so this registry sits below the model config, which checks ``norm`` against it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from megatron.model.config import GPTConfig
+
+class NormSettings(Protocol):
+    """What the norm builders read from the model config (read-only: the config is frozen)."""
+
+    @property
+    def norm(self) -> str: ...
+    @property
+    def hidden_size(self) -> int | None: ...
+    @property
+    def layernorm_epsilon(self) -> float: ...
+    @property
+    def rms_norm_epsilon(self) -> float: ...
+    @property
+    def scalenorm_epsilon(self) -> float: ...
+    @property
+    def use_bias_in_norms(self) -> bool: ...
+    @property
+    def params_dtype(self) -> torch.dtype: ...
 
 
 class RMSNorm(nn.RMSNorm):
@@ -41,7 +57,7 @@ class ScaleNorm(nn.Module):
         return (x.float() / norm).to(x.dtype) * self.g
 
 
-NORMS: dict[str, Callable[[int, GPTConfig], nn.Module]] = {
+NORMS: dict[str, Callable[[int, NormSettings], nn.Module]] = {
     "layernorm": lambda dim, c: nn.LayerNorm(dim, c.layernorm_epsilon, bias=c.use_bias_in_norms, dtype=c.params_dtype),
     "rmsnorm": lambda dim, c: RMSNorm(dim, c.rms_norm_epsilon, dtype=c.params_dtype),
     "scalenorm": lambda dim, c: ScaleNorm(dim, c.scalenorm_epsilon, c.params_dtype),
@@ -53,7 +69,10 @@ NORMS["te_rmsnorm"] = NORMS["rmsnorm"]
 """`norm` config string -> builder(dim, config)."""
 
 
-def build_norm(config: GPTConfig, dim: int | None = None) -> nn.Module:
+def build_norm(config: NormSettings, dim: int | None = None) -> nn.Module:
     if config.norm not in NORMS:
         raise ValueError(f"unknown norm {config.norm!r}; choose one of {sorted(NORMS)}")
-    return NORMS[config.norm](config.arch.hidden if dim is None else dim, config)
+    width = dim if dim is not None else config.hidden_size
+    if width is None:
+        raise ValueError("build_norm needs hidden_size (or the width `dim`)")
+    return NORMS[config.norm](width, config)
