@@ -78,10 +78,10 @@ def resolve_checkpoint(path: Path, iteration: int | None = None) -> Path:
             steps = ", ".join(map(str, commit.list_checkpoints(path).steps)) or "none"
             raise CheckpointError(f"{path} has no committed checkpoint for iteration {iteration}; committed: {steps}")
         return path / tag
-    tag, _ = commit.newest_committed(path)
-    if tag is None:
+    newest, _ = commit.newest_committed(path)
+    if newest is None:
         raise CheckpointError(f"{path} holds no committed Deepy checkpoint")
-    return path / tag
+    return path / newest
 
 
 # --- reading ---------------------------------------------------------------------------------

@@ -150,7 +150,7 @@ def build_gpt_model(config: GPTConfig, weights: Weights) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def max_logit_difference(ours: torch.nn.Module, theirs: "PreTrainedModel", tokens: torch.Tensor) -> float:
+def max_logit_difference(ours: torch.nn.Module, theirs: torch.nn.Module, tokens: torch.Tensor) -> float:
     """max |Δ| over every logit of `tokens` `[b, s]`, both models in fp32."""
     a = ours(tokens).float()  # [b, s, v]
     b = theirs(input_ids=tokens).logits.float()  # [b, s, v]

@@ -41,6 +41,8 @@ class LearnedPositionalEmbedding(nn.Module):
 class SinusoidalPositionalEmbedding(nn.Module):
     """Fixed [sin(p * f_i), cos(p * f_i)] features, f_i = base^(-2i/h)."""
 
+    inv_freq: torch.Tensor  # a registered buffer
+
     def __init__(self, config: GPTConfig, name: str, base: float = 10000.0) -> None:
         super().__init__()
         del name  # no parameters to initialise
@@ -72,6 +74,8 @@ class RotaryEmbedding(nn.Module):
     `scaling` (HF's rope_scaling kinds, `megatron/model/rope_scaling.py`) changes the frequencies,
     and for yarn multiplies cos/sin; `dynamic` recomputes them per call from the positions seen.
     """
+
+    inv_freq: torch.Tensor  # a registered buffer
 
     def __init__(self, rotary_dim: int, base: float, save_freqs: bool = False, scaling: RopeScaling | None = None,
                  max_positions: int | None = None) -> None:
