@@ -375,7 +375,7 @@ def quiet_step_line(quiet: bool = True) -> None:
 
     _State.quiet_steps = quiet
     if getattr(pipe_engine, "print", None) is None or not getattr(pipe_engine.print, "deepy", False):
-        filtered_print.deepy = True  # type: ignore[attr-defined]
+        filtered_print.deepy = True  # type: ignore[attr-defined]  # a mark on a function object
         pipe_engine.print = filtered_print
 
 

@@ -87,7 +87,7 @@ def optimizer_param_names(engine: Any) -> list[list[str]] | None:
     groups = [[names.get(id(param)) for param in group["params"]] for group in optimizer.param_groups]
     if any(name is None for group in groups for name in group):
         return None  # an optimizer over tensors outside the module: nothing we could map
-    return groups  # type: ignore[return-value]
+    return [[name for name in group if name is not None] for group in groups]
 
 
 def has_zero_files(ckpt_dir: Path) -> bool:

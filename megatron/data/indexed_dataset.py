@@ -174,7 +174,7 @@ class MMapIndexedDataset:
         return self.prefix
 
     def __setstate__(self, prefix: str) -> None:
-        self.__init__(prefix)  # type: ignore[misc]
+        self.__init__(prefix)  # type: ignore[misc]  # unpickling: the files are opened again
 
     # --- the index -------------------------------------------------------------------------
     @property

@@ -62,7 +62,7 @@ def _join(x: torch.Tensor, extra: tuple[torch.Tensor, ...]) -> Activation:
 class EmbeddingPipe(GPTEmbedding):
     """tokens `[b, s]` or `(tokens, position_ids[, document_ids])` -> hidden (+ the extras)."""
 
-    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]
+    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]  # a pipeline stage's one input
         tokens, extra = _split(inputs)
         position_ids = extra[0] if extra else None
         return _join(super().forward(tokens, position_ids), extra)
@@ -76,30 +76,30 @@ def _block_pipe_forward(block: Block, inputs: Activation) -> Activation:
 
 
 class TransformerLayerPipe(TransformerLayer):
-    block_forward = TransformerLayer.forward  # type: ignore[assignment]
+    block_forward = TransformerLayer.forward  # type: ignore[assignment]  # Block declares the shared signature
 
-    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]
+    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]  # a pipeline stage's one input
         return _block_pipe_forward(self, inputs)
 
 
 class MambaLayerPipe(MambaLayer):
-    block_forward = MambaLayer.forward  # type: ignore[assignment]
+    block_forward = MambaLayer.forward  # type: ignore[assignment]  # Block declares the shared signature
 
-    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]
+    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]  # a pipeline stage's one input
         return _block_pipe_forward(self, inputs)
 
 
 class RWKVLayerPipe(RWKVLayer):
-    block_forward = RWKVLayer.forward  # type: ignore[assignment]
+    block_forward = RWKVLayer.forward  # type: ignore[assignment]  # Block declares the shared signature
 
-    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]
+    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]  # a pipeline stage's one input
         return _block_pipe_forward(self, inputs)
 
 
 class GMLPBlockPipe(GMLPBlock):
-    block_forward = GMLPBlock.forward  # type: ignore[assignment]
+    block_forward = GMLPBlock.forward  # type: ignore[assignment]  # Block declares the shared signature
 
-    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]
+    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]  # a pipeline stage's one input
         return _block_pipe_forward(self, inputs)
 
 

@@ -62,7 +62,7 @@ def resolve_train_iters(training: TrainingRunArgs, train_dataset: object, batch:
     if training.train_iters:
         return training.train_iters
     if training.train_epochs and train_dataset is not None:
-        return len(train_dataset) // batch.global_size  # type: ignore[arg-type]
+        return len(train_dataset) // batch.global_size  # type: ignore[arg-type]  # every train split is Sized
     raise ConfigError("set train_iters (or train_epochs) so the run knows when to stop")
 
 

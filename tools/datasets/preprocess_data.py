@@ -71,7 +71,7 @@ def open_lines(path: str) -> BinaryIO:
     """A binary line reader; .gz and .zst are decompressed as a stream."""
     raw = open(path, "rb")
     if path.endswith(".gz"):
-        return gzip.GzipFile(fileobj=raw)  # type: ignore[return-value]
+        return gzip.GzipFile(fileobj=raw)  # type: ignore[return-value]  # a BinaryIO the stubs do not say
     if path.endswith((".zst", ".zstd")):
         import zstandard
 
