@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel
 
@@ -59,6 +59,9 @@ class Device:
         return cls(cuda=cuda, fp16_supported=fp16)
 
 
+G = TypeVar("G", bound=BaseModel)
+
+
 @dataclass
 class RuleContext:
     """The arguments under check plus what the rules need to phrase their messages."""
@@ -83,6 +86,12 @@ class RuleContext:
 
     def get(self, key: str) -> Any:
         return getattr(self.args, key)
+
+    def group(self, cls: type[G]) -> G:
+        """The arguments read as the component's own group ``cls``: ``NeoXArgs`` inherits every
+        ArgGroup, so a check hands its component the typed group it declares. Not checked at run time
+        (the honesty test's read recorder stands in for the arguments)."""
+        return cast(G, self.args)
 
     def source(self, key: str) -> str:
         return self.provenance.get(key, DEFAULT)
@@ -182,9 +191,10 @@ def zero_source(ctx: RuleContext) -> str:
 
 Rule = Callable[[RuleContext], list[str]]
 RULES: list[Rule] = []
+R = TypeVar("R", bound=Rule)
 
 
-def rule(fn: Rule) -> Rule:
+def rule(fn: R) -> R:
     """Register ``fn`` as a rule; registration order is report order."""
     RULES.append(fn)
     return fn

@@ -62,6 +62,7 @@ def partly_supported(default: Any, unsupported: tuple[Any, ...], **constraints: 
     value, so the field still accepts it (GPT-NeoX configs still parse) and the support check
     (``NeoXArgs.unsupported_values``) refuses it with a "not supported yet" message."""
     extra = {UNSUPPORTED_VALUES_KEY: list(unsupported)}
+    # arg-type: pydantic's Field overloads cannot match constraints passed through **kwargs
     return Field(default, json_schema_extra=extra, **constraints)  # type: ignore[arg-type]
 
 

@@ -375,8 +375,8 @@ def quiet_step_line(quiet: bool = True) -> None:
 
     _State.quiet_steps = quiet
     if getattr(pipe_engine, "print", None) is None or not getattr(pipe_engine.print, "deepy", False):
-        filtered_print.deepy = True  # type: ignore[attr-defined]
-        pipe_engine.print = filtered_print  # type: ignore[attr-defined]
+        filtered_print.deepy = True  # type: ignore[attr-defined]  # a mark on a function object
+        pipe_engine.print = filtered_print
 
 
 class _State:

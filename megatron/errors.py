@@ -12,6 +12,9 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from typing import TypeVar
+
+_T = TypeVar("_T")
 
 USER_ERROR_EXIT_CODE = 2
 
@@ -57,6 +60,13 @@ class UsageError(DeepyError):
     """A bad command line."""
 
     kind = "usage error"
+
+
+def required(value: _T | None, key: str, why: str) -> _T:
+    """``value`` when the config set it; a :class:`ConfigError` naming ``key`` and ``why`` it is needed."""
+    if value is None:
+        raise ConfigError(f"{key} must be set: {why}")
+    return value
 
 
 def debug_requested(argv: list[str] | None = None) -> bool:

@@ -338,13 +338,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command.dry_run:
         print(render_dry_run(resolved, command, plan))
         return 0
+    assert plan is not None, "only a dry run goes on without a launch plan"
     for line in notes(resolved, command.user_script):
         print(f"deepy: {line}", flush=True)
     config_file = resolved.write(config_path)
     print(f"deepy: resolved config written to {config_file}", flush=True)
     from megatron.logging import rank_errors
 
-    if plan is not None and not plan.in_place:  # in place, every rank's deepy.py would clear the others'
+    if not plan.in_place:  # in place, every rank's deepy.py would clear the others'
         rank_errors.clear(run_dir)  # a resumed run's directory may hold the errors of its last launch
 
     from megatron.launcher import run_plan

@@ -110,7 +110,7 @@ class CheckpointArgs(ArgGroup):
         """
         for rule in value or []:
             unknown = sorted(set(rule) - {"every", "until"})
-            if unknown or not isinstance(rule.get("every"), int) or rule["every"] < 1:
+            if unknown or not isinstance(every := rule.get("every"), int) or every < 1:
                 raise ValueError(
                     f"rule {rule!r} should be {{every: N}} or {{every: N, until: M}} with N >= 1"
                 )

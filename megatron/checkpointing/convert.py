@@ -7,6 +7,7 @@ converter is started with one worker per stage; its children inherit torch's wei
 
 from __future__ import annotations
 
+import contextlib
 import runpy
 import sys
 
@@ -17,8 +18,10 @@ from megatron.errors import CheckpointError
 def main() -> None:
     # the refused file is named from the checkpoint being converted
     source = sys.argv[sys.argv.index("--input_folder") + 1] if "--input_folder" in sys.argv else None
+    # without --input_folder ds_to_universal's own argument parser names the missing argument (exit 2)
+    guard = contextlib.nullcontext() if source is None else weights_only_loading(source)
     try:
-        with weights_only_loading(source):
+        with guard:
             runpy.run_module("deepspeed.checkpoint.ds_to_universal", run_name="__main__", alter_sys=True)
     except CheckpointError as err:
         print(f"deepy: checkpoint error: {err.message}", file=sys.stderr)

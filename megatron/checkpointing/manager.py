@@ -74,13 +74,14 @@ def parse_save_interval(value: str | int | float | None) -> float | None:
         raise ConfigError(f"save_interval: {err}") from err
 
 
-def keep_rules(raw: list[dict[str, int]] | None) -> list[KeepRule]:
+def keep_rules(raw: list[dict[str, int | None]] | None) -> list[KeepRule]:
     rules = []
     for item in raw or []:
         unknown = set(item) - {"every", "until"}
-        if "every" not in item or unknown:
+        every = item.get("every")
+        if every is None or unknown:
             raise ConfigError(f"keep: each rule is {{every: N, until: M}} (until optional); got {item!r}")
-        rules.append(KeepRule(every=int(item["every"]), until=item.get("until")))
+        rules.append(KeepRule(every=int(every), until=item.get("until")))
     return rules
 
 

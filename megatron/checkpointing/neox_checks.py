@@ -45,7 +45,8 @@ def neox_qkv_order_names_a_gpt_neox_checkpoint(ctx: RuleContext) -> list[str]:
         point = discovery.resume_point(Path(source))
         meta = point[1] if point is not None else {}
         stored = meta.get("args") or {}
-        recorded = _ORDER_OF_FORMAT.get(meta.get("format"))  # type: ignore[arg-type]
+        fmt = meta.get("format")
+        recorded = _ORDER_OF_FORMAT.get(fmt) if isinstance(fmt, int) else None
         heads, kv = stored.get("num_attention_heads"), stored.get("num_kv_heads")
         grouped = kv is not None and heads is not None and kv != heads
         if recorded is None or not grouped or recorded == order:

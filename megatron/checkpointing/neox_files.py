@@ -183,7 +183,7 @@ def _numpy_rng_globals() -> list[Any]:
     try:
         from numpy._core.multiarray import _reconstruct
     except ImportError:  # numpy < 2
-        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]  # the same function, older path
     return [np.ndarray, np.dtype, type(np.dtype(np.uint32)), _reconstruct]
 
 

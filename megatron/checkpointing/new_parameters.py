@@ -71,6 +71,11 @@ def _non_strict(module: nn.Module, to_model_name: Callable[[str], str], is_new: 
     return load_state_dict
 
 
+def _in_layer(index: int) -> Callable[[str], str]:
+    """A pipeline layer's own state-dict key -> the model's parameter name (the layer at ``index``)."""
+    return lambda key: model_parameter_name(f"{index}.{key}")
+
+
 @contextlib.contextmanager
 def tolerating_new_parameters(engine: Any, prefixes: tuple[str, ...]) -> Iterator[NewParameterReport]:
     """Within the block, loads into ``engine`` leave parameters named ``prefixes*`` at their init."""
@@ -94,13 +99,14 @@ def tolerating_new_parameters(engine: Any, prefixes: tuple[str, ...]) -> Iterato
                 names = [model_parameter_name(f"{start + i}.{n}") for n, _ in layer.named_parameters()]
                 if names and all(is_new(n) for n in names):
                     new_layers.append(i)
+                # patched for this load only (restored on the way out): method-assign on purpose
                 layer.load_state_dict = _non_strict(  # type: ignore[method-assign]
-                    layer, lambda k, s=start + i: model_parameter_name(f"{s}.{k}"), is_new, report)
+                    layer, _in_layer(start + i), is_new, report)
                 patched.append(layer)
-            module.load_state_dir = _skipping_absent(module, new_layers, start, report)  # type: ignore[method-assign]
+            module.load_state_dir = _skipping_absent(module, new_layers, start, report)
             patched.append(module)
         else:
-            module.load_state_dict = _non_strict(module, lambda k: k, is_new, report)  # type: ignore[method-assign]
+            module.load_state_dict = _non_strict(module, lambda k: k, is_new, report)
             patched.append(module)
         yield report
     finally:

@@ -87,7 +87,7 @@ def optimizer_param_names(engine: Any) -> list[list[str]] | None:
     groups = [[names.get(id(param)) for param in group["params"]] for group in optimizer.param_groups]
     if any(name is None for group in groups for name in group):
         return None  # an optimizer over tensors outside the module: nothing we could map
-    return groups  # type: ignore[return-value]
+    return [[name for name in group if name is not None] for group in groups]
 
 
 def has_zero_files(ckpt_dir: Path) -> bool:
@@ -348,7 +348,7 @@ def _local_part(zero: Path, name: str, key: str, param: torch.Tensor) -> torch.T
     """This tensor-parallel rank's part of ``zero/<name>/<key>.pt`` in ``param``'s shape and dtype, cut with the
     partition the parameter records (set by the tensor-parallel layers)."""
     from megatron.mpu import topology
-    from megatron.mpu.initialize_weights import shard_tensor
+    from megatron.mpu.initialize_weights import shard_tensor, tensor_parallel_partition
 
     tp_rank, tp = topology.get_tensor_model_parallel_rank(), topology.get_tensor_model_parallel_world_size()
     path = zero / name / f"{key}.pt"
@@ -358,7 +358,8 @@ def _local_part(zero: Path, name: str, key: str, param: torch.Tensor) -> torch.T
             "Deepy that left LoRA's frozen base out). Delete that directory and load again: it is converted anew")
     full = _load(path)["param"]
     if getattr(param, "tensor_model_parallel", False) and tp > 1:
-        full = shard_tensor(full, param.partition_dim, tp_rank, tp, param.partition_sections)
+        dim, sections = tensor_parallel_partition(param)
+        full = shard_tensor(full, dim, tp_rank, tp, sections)
     if full.numel() != param.numel():
         raise CheckpointError(f"{path} holds {tuple(full.shape)} for a parameter of "
                               f"{tuple(param.shape)} on tensor-parallel rank {tp_rank} of {tp}")

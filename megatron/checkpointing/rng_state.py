@@ -26,7 +26,7 @@ def _tp_rng_tracker() -> Any:
 
 def capture_rng_state() -> RngState:
     version, internal, gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state(legacy=True)
     state: RngState = {
         "python": {"version": version, "internal": list(internal), "gauss": gauss},
         "numpy": {

@@ -163,7 +163,7 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Save
     if failed:
         raise CheckpointError(f"cannot prepare checkpoint directory {ckpt_dir}: {error or 'failed on rank 0'}")
 
-    client_state = {
+    client_state: dict[str, Any] = {
         # what GPT-NeoX's own loader and tools read from mp_rank_XX_model_states.pt
         "iteration": request.step,
         "args": neox_record.neox_checkpoint_args(request.args),

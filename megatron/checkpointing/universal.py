@@ -252,7 +252,7 @@ def universal_checkpoint_info(config: GPTConfig, tp: int) -> dict[str, Any]:
     replicated = "^(?!" + "|".join(anywhere(p) for p in patterns) + ").*$"
     return {
         ds.UNIVERSAL_CHECKPOINT_VERSION_KEY: ds.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-        "original_vocab_size": int(config.padded_vocab_size),
+        "original_vocab_size": int(config.vocab),
         ds.VOCABULARY_PARAMETER_PATTERNS: vocab,
         ds.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: row,
         ds.PARAMETER_WITH_SUB_PARAMS: sub_params,

@@ -21,7 +21,11 @@ from megatron.data.index_cache import cache_key, load_or_build
 from megatron.errors import DataError
 
 
-def normalize_weights(weights: Sequence[float]) -> np.ndarray:
+Weights = Sequence[float] | np.ndarray
+"""Blend weights: a list from the config or an array already computed."""
+
+
+def normalize_weights(weights: Weights) -> np.ndarray:
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or w.size == 0:
         raise DataError("blend weights must be a non-empty list of numbers")
@@ -50,7 +54,7 @@ def weights_by_num_documents(num_documents: Sequence[int], alpha: float) -> np.n
     return normalize_weights(tempered * (1.0 - q))
 
 
-def blend_index(weights: Sequence[float], num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+def blend_index(weights: Weights, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
     """``(dataset_index[num_samples], dataset_sample_index[num_samples])`` for the blend."""
     w = normalize_weights(weights)
     num_samples = int(num_samples)
@@ -80,7 +84,7 @@ class BlendedDataset:
     def __init__(
         self,
         datasets: Sequence[Any],
-        weights: Sequence[float],
+        weights: Weights,
         num_samples: int,
         cache_dir: str | Path | None = None,
         cache_name: str = "blend",

@@ -25,7 +25,7 @@ import numpy as np
 
 from megatron.data.config import SPLITS, DataRunArgs
 from megatron.data.blendable_dataset import BlendedDataset, cached_blend_index, samples_per_dataset, weights_by_num_documents
-from megatron.data.dummy_dataset import DummyDataset
+from megatron.data.dummy_dataset import DummyDataset, DummyKind
 from megatron.data.gpt_dataset import GPTDataset
 from megatron.data.index_cache import default_cache_dir
 from megatron.data.indexed_dataset import MMapIndexedDataset
@@ -33,7 +33,7 @@ from megatron.data.pairwise_dataset import PairwiseDataset
 from megatron.data.reward_dataset import RewardDataset
 from megatron.data.sft_dataset import SFTDataset
 from megatron.data.token_range import TokenRangeChecked
-from megatron.errors import ConfigError, DataError
+from megatron.errors import ConfigError, DataError, required
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
 
 def samples_needed(config: DataRunArgs) -> tuple[int, int, int]:
     """Samples each split must provide for the planned schedule (train from train_iters only)."""
-    g = config.train_batch_size
+    g = required(config.train_batch_size, "train_batch_size", "the splits are sized in batches")
     iters = config.train_iters or 0
     eval_iters = config.eval_iters
     interval = config.eval_interval or max(iters, 1)
@@ -139,7 +139,7 @@ class _Builder:
     def _component(self, name: str, c: Component, num_samples: int) -> Any:
         files = {role: _open(p) for role, p in c.roles.items()}
         rng = c.doc_range or (0, len(files[("text" if "text" in files else "chosen")]))
-        common = {"seq_length": self.seq_length, "seed": self.seed, "cache_dir": self.cache_dir,
+        common: dict[str, Any] = {"seq_length": self.seq_length, "seed": self.seed, "cache_dir": self.cache_dir,
                   "pad_id": self.pad_id, "allow_chopped": self.allow_chopped}
         num_samples = max(1, int(num_samples))
         if "chosen" in files:
@@ -241,7 +241,7 @@ def _read_shard_directory(c: Component, builder: _Builder, config: DataRunArgs, 
     return Component({**c.roles, "text": prefix}, c.doc_range)
 
 
-def _dummy_kind(config: DataRunArgs) -> str:
+def _dummy_kind(config: DataRunArgs) -> DummyKind:
     if config.wants_pairs:
         return "pairwise"
     return "reward" if config.objective_dataset == "reward" else "lm"
@@ -269,7 +269,8 @@ def build_datasets(config: DataRunArgs, tokenizer: Any, padded_vocab_size: int) 
     """
     train_n, valid_n, test_n = samples_needed(config)
     if config.use_dummy_dataset:
-        seq, seed, kind, pattern = config.seq_length, config.seed, _dummy_kind(config), config.dummy_data
+        seq = required(config.seq_length, "seq_length", "every dummy sample is this long")
+        seed, kind, pattern = config.seed, _dummy_kind(config), config.dummy_data
         vocab = config.dummy_data_vocab_size or padded_vocab_size
         if vocab > padded_vocab_size:
             raise ConfigError(f"dummy_data_vocab_size={vocab} exceeds the {padded_vocab_size} embedding rows")
@@ -288,12 +289,13 @@ def build_datasets(config: DataRunArgs, tokenizer: Any, padded_vocab_size: int) 
         per_split = {s: _components_for_split(config, s) for s in SPLITS}
     elif config.data_path:
         prefixes = _as_list(config.data_path) or []
-        per_split = {s: [] for s in SPLITS}
+        found: dict[str, list[Component]] = {s: [] for s in SPLITS}
         for prefix in prefixes:
             n = len(_open(prefix))
             for s, rng in zip(SPLITS, split_ranges(config.split, n)):
                 if rng[1] > rng[0]:
-                    per_split[s].append(Component({"text": prefix}, rng))
+                    found[s].append(Component({"text": prefix}, rng))
+        per_split = {**found}
     else:
         raise ConfigError("no training data: set data_path, train_data_paths, train_urls or use_dummy_dataset "
                           "(run `python prepare_data.py` to build the built-in corpus)")
@@ -301,9 +303,10 @@ def build_datasets(config: DataRunArgs, tokenizer: Any, padded_vocab_size: int) 
     per_split = {s: [_read_shard_directory(c, builder, config, padded_vocab_size) for c in comps] if comps else comps
                  for s, comps in per_split.items()}
     _check_matches_train_impl(config, per_split)
-    if not config.train_iters and config.train_epochs and per_split.get("train"):
-        train_n = _train_samples_from_epochs(builder, per_split["train"], config.train_epochs,
-                                             config.train_batch_size)
+    train = per_split.get("train")
+    if not config.train_iters and config.train_epochs and train:
+        train_n = _train_samples_from_epochs(builder, train, config.train_epochs, required(
+            config.train_batch_size, "train_batch_size", "train_epochs counts whole global batches"))
     if train_n > 0 and not per_split.get("train"):
         raise DataError("the train split is empty: check `split` and the data paths")
     if config.mmap_warmup:

@@ -16,6 +16,8 @@ from typing import Literal, Protocol
 from pydantic import Field
 
 from megatron.config_schema import ArgGroup, partly_supported
+from megatron.data.dummy_dataset import DummyPattern
+from megatron.data.sample_index import PackImpl
 from megatron.training.objectives.registry import needs_of, reads_reference_files
 
 SPLITS = ("train", "valid", "test")
@@ -226,7 +228,7 @@ class DataRunArgs(Protocol):
     @property
     def weighted_sampler_alpha(self) -> float: ...
     @property
-    def pack_impl(self) -> str: ...
+    def pack_impl(self) -> PackImpl: ...
     @property
     def allow_chopped(self) -> bool: ...
     @property
@@ -242,7 +244,7 @@ class DataRunArgs(Protocol):
     @property
     def cache_dir(self) -> str | None: ...
     @property
-    def dummy_data(self) -> str: ...
+    def dummy_data(self) -> DummyPattern: ...
     @property
     def dummy_data_vocab_size(self) -> int | None: ...
     @property

@@ -52,5 +52,5 @@ class DummyDataset:
                     "rejected_label": rejected.copy()}
         text = draw()
         if self.kind == "reward":
-            return {"text": text, "label": text.copy(), "reward": np.float32(1.0 if i % 2 else -1.0)}
+            return {"text": text, "label": text.copy(), "reward": np.array(1.0 if i % 2 else -1.0, dtype=np.float32)}
         return {"text": text}

@@ -24,6 +24,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -78,7 +79,7 @@ def save_arrays(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray]) 
     """Write ``arrays`` to ``path`` atomically: readers see the old file or the complete new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    entries = []
+    entries: list[dict[str, Any]] = []  # the JSON header
     offset = 0
     for name, arr in arrays.items():
         arr = np.ascontiguousarray(arr)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -174,7 +174,7 @@ class MMapIndexedDataset:
         return self.prefix
 
     def __setstate__(self, prefix: str) -> None:
-        self.__init__(prefix)  # type: ignore[misc]
+        self.__init__(prefix)  # type: ignore[misc]  # unpickling: the files are opened again
 
     # --- the index -------------------------------------------------------------------------
     @property
@@ -208,11 +208,17 @@ class MMapIndexedDataset:
         ptr = int(self._index.pointers[i]) + offset * self._index.itemsize
         return np.frombuffer(self._bin, dtype=self.dtype, count=length, offset=ptr)
 
+    @overload
+    def __getitem__(self, idx: int | np.integer) -> np.ndarray: ...
+
+    @overload
+    def __getitem__(self, idx: slice) -> list[np.ndarray]: ...
+
     def __getitem__(self, idx: int | np.integer | slice) -> np.ndarray | list[np.ndarray]:
         n = len(self)
         if isinstance(idx, slice):
             start, stop, step = idx.indices(n)
-            return [self[i] for i in range(start, stop, step)]
+            return [self.get(i) for i in range(start, stop, step)]
         i = int(idx)
         if i < 0:
             i += n

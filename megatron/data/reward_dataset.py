@@ -47,5 +47,5 @@ class RewardDataset:
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         out = self.inner[i]
         doc = self.inner.spans(int(i))[0][0] + self.inner.lo
-        out["reward"] = np.float32(self.reward.get(doc)[0])
+        out["reward"] = np.array(self.reward.get(doc)[0], dtype=np.float32)  # 0-d, as collate reads it
         return out

@@ -50,7 +50,7 @@ def _top_level_group(pattern: str) -> tuple[int, int] | None:
 
 
 def _split_top_level(body: str) -> list[str]:
-    parts, depth, cur = [], 0, []
+    parts, depth, cur = [], 0, list[str]()
     for ch in body:
         if ch == "," and depth == 0:
             parts.append("".join(cur))

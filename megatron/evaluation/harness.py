@@ -97,10 +97,10 @@ def evaluate(lm: DeepyLM, config: EvalRunArgs) -> dict[str, Any]:
     # the harness bootstraps standard errors in a multiprocessing pool: a fork of a rank that
     # holds a process group (gloo/NCCL threads) is not safe, so it runs them in-process
     os.environ.setdefault("DISABLE_MULTIPROC", "1")
-    manager = _task_manager(config.eval_tasks or [])
+    manager = _task_manager(tuple(config.eval_tasks or ()))
     results = simple_evaluate(
         model=lm,
-        tasks=_specs(config.eval_tasks or [], manager),
+        tasks=_specs(tuple(config.eval_tasks or ()), manager),
         task_manager=manager,
         bootstrap_iters=STDERR_BOOTSTRAP_ITERS,
         log_samples=True,

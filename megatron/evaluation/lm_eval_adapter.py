@@ -62,7 +62,7 @@ class DeepyLM(LM):
                        max_length=self.max_length, eod=self.eod)
         merged: dict[int, Scored] = {}
         for part in self.replica.gather_over_replicas(dict(zip(mine, scored))):
-            merged.update(part)  # type: ignore[arg-type]
+            merged.update(part)
         return [merged[i] for i in range(len(requests))]
 
     # --- the three request types -----------------------------------------------------------------

@@ -84,7 +84,7 @@ def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
     setup_logging(speaks())
     tokenizer = build_tokenizer(run.tokenizer)
     model_config = run.model.for_tokenizer(run.tokenizer.padded(tokenizer.vocab_size, run.parallel.model_parallel_size))
-    padded_vocab = model_config.padded_vocab_size
+    padded_vocab = model_config.vocab
     if model_config.value_head:
         raise ConfigError(f"{script} needs a language model; this config builds a reward model (train_impl: rm), "
                           "whose value head scores sequences instead of predicting tokens")
@@ -103,7 +103,7 @@ def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
                           tp_rank=topology.get_tensor_model_parallel_rank(), pipelined=is_pipe, source=ckpt)
         module.to(_device())
         get_logger().info("%s: weights of %s (iteration %d)", script, ckpt, step)
-    replica = ModelReplica(module, vocab_size=tokenizer.vocab_size, hidden_size=model_config.hidden_size)
+    replica = ModelReplica(module, vocab_size=tokenizer.vocab_size, hidden_size=model_config.arch.hidden)
     return InferenceModel(replica=replica, tokenizer=tokenizer, step=step, run_name=run_name_of(ckpt))
 
 

@@ -129,7 +129,7 @@ def read_weights(ckpt: Path, config: GPTConfig) -> tuple[Weights, int]:
     """The full weights of the committed checkpoint `ckpt`, fitted to `config`'s padded vocabulary, and its
     iteration."""
     full = read_full_checkpoint(ckpt)
-    return fit_vocabulary(full.config, full.weights, config.padded_vocab_size), full.iteration
+    return fit_vocabulary(full.config, full.weights, config.vocab), full.iteration
 
 
 def load_committed_weights(engine: Any, ckpt: Path, args_dict: dict[str, Any], script: str) -> int:

@@ -82,7 +82,7 @@ class TextGenerator:
         local = self.complete_local(mine, sampling, stop)
         merged: dict[int, Generated] = {}
         for part in self.replica.gather_over_replicas(local):
-            merged.update(part)  # type: ignore[arg-type]
+            merged.update(part)
         return [merged[i] for i in range(len(prompts))]
 
     def record(self, prompt: str, generated: Generated) -> dict[str, Any]:

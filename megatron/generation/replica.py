@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,8 @@ from megatron.model.pipeline import FinalNormPipe, OutputLayerPipe, tied_embeddi
 from megatron.mpu import topology
 from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megatron.mpu.mappings import gather_from_tensor_model_parallel_region
+
+_T = TypeVar("_T")
 
 
 def _stage_parts(module: PipelineModule) -> list[tuple[str, Callable[..., Any]]]:
@@ -200,10 +202,10 @@ class ModelReplica:
                        group=topology.get_tensor_model_parallel_group())
         return buffer
 
-    def gather_over_replicas(self, value: object) -> list[object]:
-        """Every data-parallel replica's `value` (index = dp rank), on every rank."""
+    def gather_over_replicas(self, value: _T) -> list[_T]:
+        """Every data-parallel replica's `value` (index = dp rank; every rank passes the same type), on every rank."""
         if self.dp_size == 1:
             return [value]
-        gathered: list[object] = [None] * self.dp_size
+        gathered: list[Any] = [None] * self.dp_size
         dist.all_gather_object(gathered, value, group=topology.get_data_parallel_group())
         return gathered

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from megatron.errors import ConversionError, DeepyError
+from megatron.errors import ConversionError, DeepyError, required
 from megatron.interop.deepy_checkpoint import (
     read_checkpoint_config,
     read_full_checkpoint,
@@ -250,7 +250,7 @@ def import_to_deepy(
     config.check_tensor_parallel(tp)
     dtype = src.dtype if precision == "auto" else DTYPES[precision]
     vocab = _tokenizer_vocab(src.tokenizer, progress)
-    divisor = vocab_divisor(config.padded_vocab_size, vocab, tp, src.preferred_divisor)
+    divisor = vocab_divisor(config.vocab, vocab, tp, src.preferred_divisor)
     finetune = src.iteration == 0
     description = f"{'Hugging Face model' if kind == 'hf' else 'GPT-NeoX checkpoint'} {source.resolve()}"
     config_file = write_config(out_dir, config=config, tokenizer=src.tokenizer, vocab_divisible_by=divisor,
@@ -295,6 +295,7 @@ def _check_written(ckpt: Path, config: GPTConfig, weights: dict[str, torch.Tenso
 def _check_runs(config: GPTConfig, weights: dict[str, torch.Tensor]) -> None:
     """No reference model for a GPT-NeoX source: at least the model builds and its logits are finite."""
     model = build_gpt_model(config, weights)
-    logits = model(fixed_batch(config.padded_vocab_size, min(16, config.seq_length)))
+    seq = required(config.seq_length, "seq_length", "the check runs a batch of that length")
+    logits = model(fixed_batch(config.vocab, min(16, seq)))
     if not torch.isfinite(logits).all():
         raise ConversionError("the converted model produces non-finite logits")

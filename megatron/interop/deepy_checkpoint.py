@@ -78,10 +78,10 @@ def resolve_checkpoint(path: Path, iteration: int | None = None) -> Path:
             steps = ", ".join(map(str, commit.list_checkpoints(path).steps)) or "none"
             raise CheckpointError(f"{path} has no committed checkpoint for iteration {iteration}; committed: {steps}")
         return path / tag
-    tag, _ = commit.newest_committed(path)
-    if tag is None:
+    newest, _ = commit.newest_committed(path)
+    if newest is None:
         raise CheckpointError(f"{path} holds no committed Deepy checkpoint")
-    return path / tag
+    return path / newest
 
 
 # --- reading ---------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def write_weights_only_checkpoint(
     (``pp = 0``: the plain model; ``pp >= 1``: pipeline layers, which load at any pp)."""
     if tp < 1 or pp < 0:
         raise ConversionError(f"--tp must be >= 1 and --pp >= 0 (got tp={tp}, pp={pp})")
-    if pp > config.num_layers:
+    if pp > config.arch.layers:
         raise ConversionError(f"--pp {pp} exceeds num_layers={config.num_layers}")
     ckpt = save_dir / commit.tag_for(step)
     if ckpt.exists():
@@ -192,7 +192,7 @@ def write_weights_only_checkpoint(
             layers: dict[int, Weights] = defaultdict(dict)
             for name, tensor in module.items():
                 try:
-                    index, local = pipeline_location(name, config.num_layers)
+                    index, local = pipeline_location(name, config.arch.layers)
                 except ValueError as err:
                     raise ConversionError(str(err)) from err
                 layers[index][local] = tensor

@@ -24,7 +24,7 @@ import torch
 
 from megatron.errors import ConversionError
 from megatron.model.activations import get_activation
-from megatron.model.config import GPTConfig
+from megatron.model.config import Activation, GPTConfig
 from megatron.model.mlp_width import intermediate_size_for
 from megatron.model.rope_scaling import RopeScaling, RopeScalingError, parse_rope_scaling
 
@@ -36,7 +36,7 @@ HFArchitecture = Literal["GPTNeoXForCausalLM", "LlamaForCausalLM", "MistralForCa
 # our activation -> the name in transformers' ACT2FN computing exactly the same function
 PLAIN_ACTIVATIONS: dict[str, str] = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu", "swish": "silu", "mish": "mish"}
 """Non-gated activations GPTNeoXForCausalLM can run (HF "gelu" is the exact erf GELU, like ours)."""
-GATED_ACTIVATIONS: dict[str, str] = {
+GATED_ACTIVATIONS: dict[Activation, str] = {
     "swiglu": "silu", "geglu": "gelu", "reglu": "relu", "glu": "sigmoid", "bilinear": "linear",
 }  # fmt: skip
 """Gated activations as Llama's act(gate_proj(x)) * up_proj(x)."""
@@ -59,7 +59,7 @@ def rotary_factor(config: GPTConfig) -> float:
 
 
 def _sliding_window(config: GPTConfig) -> int | None:
-    windows = {config.attention_window(i) for i in range(config.num_layers)}
+    windows = {config.attention_window(i) for i in range(config.arch.layers)}
     if windows == {None}:
         return None
     return next(w for w in windows if w is not None)
@@ -90,8 +90,8 @@ def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list
                         "attention scale)")
     if config.opt_pos_emb_offset and config.pos_emb == "learned":
         problems.append(f"opt_pos_emb_offset: {config.opt_pos_emb_offset}")
-    kinds = {_LOCAL if config.attention_window(i) is not None else "global" for i in range(config.num_layers)}
-    if len(kinds) > 1:
+    layer_kinds = {_LOCAL if config.attention_window(i) is not None else "global" for i in range(config.arch.layers)}
+    if len(layer_kinds) > 1:
         problems.append(
             "attention_config mixes sliding-window (local) and global layers (Mistral applies one window to all)"
         )
@@ -195,7 +195,7 @@ def hf_config_from_gpt(config: GPTConfig, tokens: SpecialTokens, dtype: torch.dt
             attention_bias=config.use_bias_in_attn_linear,
             is_decoder=False,
         )
-    gated = dict(
+    gated: dict[str, Any] = dict(
         num_key_value_heads=config.kv_heads,
         head_dim=config.head_dim,
         hidden_act=GATED_ACTIVATIONS[config.activation],
@@ -221,8 +221,8 @@ def hf_config_from_gpt(config: GPTConfig, tokens: SpecialTokens, dtype: torch.dt
 
 
 # --- from transformers -----------------------------------------------------------------------
-_GATED_FROM_HF = {hf: ours for ours, hf in GATED_ACTIVATIONS.items() if ours != "swish"}
-_PLAIN_FROM_HF = {"gelu": "gelu", "relu": "relu", "silu": "silu", "mish": "mish"}
+_GATED_FROM_HF: dict[str, Activation] = {hf: ours for ours, hf in GATED_ACTIVATIONS.items() if ours != "swish"}
+_PLAIN_FROM_HF: dict[str, Activation] = {"gelu": "gelu", "relu": "relu", "silu": "silu", "mish": "mish"}
 
 
 def _rope_from_hf(hf: "PretrainedConfig") -> tuple[int, float, RopeScaling | None]:

@@ -55,10 +55,10 @@ def mamba_hf_config(config: GPTConfig, bos: int | None, eos: int | None, pad: in
     shape = mamba_shape(config)
     return MambaConfig(
         architectures=["MambaForCausalLM"],
-        vocab_size=config.padded_vocab_size,
+        vocab_size=config.vocab,
         hidden_size=shape.hidden,
         state_size=MAMBA_STATE_SIZE,
-        num_hidden_layers=config.num_layers,
+        num_hidden_layers=config.arch.layers,
         layer_norm_epsilon=config.rms_norm_epsilon,
         expand=shape.inner // shape.hidden,
         conv_kernel=MAMBA_CONV_WIDTH,
@@ -112,7 +112,7 @@ def _mixer_fields(config: GPTConfig) -> tuple[str, ...]:
 
 def mamba_to_hf(config: GPTConfig, w: Weights) -> Weights:
     out: Weights = {"backbone.embeddings.weight": _take(w, "embedding.word_embeddings.weight")}
-    for i in range(config.num_layers):
+    for i in range(config.arch.layers):
         out[f"backbone.layers.{i}.norm.weight"] = _take(w, f"layers.{i}.norm.weight")
         for field in _mixer_fields(config):
             out[f"backbone.layers.{i}.mixer.{field}"] = _take(w, f"layers.{i}.mixer.{field}")
@@ -123,7 +123,7 @@ def mamba_to_hf(config: GPTConfig, w: Weights) -> Weights:
 
 def mamba_from_hf(config: GPTConfig, hf: Weights) -> Weights:
     out: Weights = {"embedding.word_embeddings.weight": _take(hf, "backbone.embeddings.weight")}
-    for i in range(config.num_layers):
+    for i in range(config.arch.layers):
         out[f"layers.{i}.norm.weight"] = _take(hf, f"backbone.layers.{i}.norm.weight")
         for field in _mixer_fields(config):
             out[f"layers.{i}.mixer.{field}"] = _take(hf, f"backbone.layers.{i}.mixer.{field}")

@@ -150,7 +150,7 @@ def build_gpt_model(config: GPTConfig, weights: Weights) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def max_logit_difference(ours: torch.nn.Module, theirs: "PreTrainedModel", tokens: torch.Tensor) -> float:
+def max_logit_difference(ours: torch.nn.Module, theirs: torch.nn.Module, tokens: torch.Tensor) -> float:
     """max |Δ| over every logit of `tokens` `[b, s]`, both models in fp32."""
     a = ours(tokens).float()  # [b, s, v]
     b = theirs(input_ids=tokens).logits.float()  # [b, s, v]
@@ -163,7 +163,7 @@ def verify_parity(config: GPTConfig, weights: Weights, hf_dir: Path, tolerance: 
     """Load ``hf_dir`` in fp32, compare with our model holding ``weights``; raise above ``tolerance``."""
     ours = build_gpt_model(config, weights)
     theirs = load_hf_model(hf_dir, torch.float32)
-    tokens = fixed_batch(config.padded_vocab_size, parity_seq_length(config))
+    tokens = fixed_batch(config.vocab, parity_seq_length(config))
     delta = max_logit_difference(ours, theirs, tokens)
     if not delta <= tolerance:  # also catches NaN
         raise ConversionError(

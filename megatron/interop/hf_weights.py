@@ -27,7 +27,7 @@ Weights = dict[str, torch.Tensor]
 
 def _qkv_sizes(config: GPTConfig) -> list[int]:
     d = config.head_dim
-    return [config.num_attention_heads * d, config.kv_heads * d, config.kv_heads * d]
+    return [config.arch.heads * d, config.kv_heads * d, config.kv_heads * d]
 
 
 def qkv_ours_to_neox(t: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
@@ -83,8 +83,8 @@ def _norm_to_hf(weights: Weights, ours: str, out: Weights, theirs: str) -> None:
 
 def _to_gpt_neox(config: GPTConfig, w: Weights) -> Weights:
     out: Weights = {"gpt_neox.embed_in.weight": _take(w, "embedding.word_embeddings.weight")}
-    heads, d = config.num_attention_heads, config.head_dim
-    for i in range(config.num_layers):
+    heads, d = config.arch.heads, config.head_dim
+    for i in range(config.arch.layers):
         ours, hf = f"layers.{i}", f"gpt_neox.layers.{i}"
         _norm_to_hf(w, f"{ours}.input_layernorm", out, f"{hf}.input_layernorm")
         # gpt_j_tied: one shared norm; HF has two, so the second is a copy
@@ -109,8 +109,8 @@ def _to_gpt_neox(config: GPTConfig, w: Weights) -> Weights:
 
 def _from_gpt_neox(config: GPTConfig, hf: Weights) -> Weights:
     out: Weights = {"embedding.word_embeddings.weight": _take(hf, "gpt_neox.embed_in.weight")}
-    heads, d = config.num_attention_heads, config.head_dim
-    for i in range(config.num_layers):
+    heads, d = config.arch.heads, config.head_dim
+    for i in range(config.arch.layers):
         ours, src = f"layers.{i}", f"gpt_neox.layers.{i}"
         for norm in ("input_layernorm", "post_attention_layernorm"):
             for field in ("weight", "bias"):
@@ -137,7 +137,7 @@ def _to_llama(config: GPTConfig, w: Weights) -> Weights:
     out: Weights = {"model.embed_tokens.weight": _take(w, "embedding.word_embeddings.weight")}
     sizes = _qkv_sizes(config)
     ffn = config.ffn_hidden_size
-    for i in range(config.num_layers):
+    for i in range(config.arch.layers):
         ours, hf = f"layers.{i}", f"model.layers.{i}"
         out[f"{hf}.input_layernorm.weight"] = _take(w, f"{ours}.input_layernorm.weight")
         out[f"{hf}.post_attention_layernorm.weight"] = _take(w, f"{ours}.post_attention_layernorm.weight")
@@ -164,7 +164,7 @@ def _to_llama(config: GPTConfig, w: Weights) -> Weights:
 
 def _from_llama(config: GPTConfig, hf: Weights) -> Weights:
     out: Weights = {"embedding.word_embeddings.weight": _take(hf, "model.embed_tokens.weight")}
-    for i in range(config.num_layers):
+    for i in range(config.arch.layers):
         ours, src = f"layers.{i}", f"model.layers.{i}"
         out[f"{ours}.input_layernorm.weight"] = _take(hf, f"{src}.input_layernorm.weight")
         out[f"{ours}.post_attention_layernorm.weight"] = _take(hf, f"{src}.post_attention_layernorm.weight")

@@ -80,7 +80,7 @@ def peft_state_dict(config: GPTConfig, weights: Weights) -> Weights:
     """PEFT's names and layout for our adapters on a GPTNeoX model: the fused QKV's rows are interleaved
     per head in transformers, so ``B`` of ``query_key_value`` gets the same row order as its weight."""
     out: Weights = {}
-    heads, d = config.num_attention_heads, config.head_dim
+    heads, d = config.arch.heads, config.head_dim
     for key, tensor in weights.items():
         if not is_adapter_name(key):
             continue
@@ -156,6 +156,6 @@ def export_adapters(ckpt: Path, config: GPTConfig, args: dict[str, Any], weights
         rounded = {k: v.to(dtype).float() for k, v in weights.items()}
         ours = adapted_model(config, lora, rounded)
         theirs = load_hf_model(out_dir, torch.float32) if adapter_dir is None else load_peft_model(out_dir, adapter_dir)
-        batch = fixed_batch(config.padded_vocab_size, parity_seq_length(config))
+        batch = fixed_batch(config.vocab, parity_seq_length(config))
         delta = _check(max_logit_difference(ours, theirs, batch), "peft" if adapter_dir else "transformers")
     return AdapterExportReport(ckpt, out_dir, adapter_dir, arch, dtype, delta)

@@ -18,13 +18,14 @@ from typing import Any
 
 import torch
 import yaml
+from pydantic import TypeAdapter
 
 from megatron.checkpointing.discovery import find_gpt_neox_tag
 from megatron.errors import CheckpointError, ConversionError
 from megatron.checkpointing.neox_files import gqa_order_for, load_model_file, neox_checkpoint_shards
 from megatron.checkpointing.neox_layout import GqaOrder, NeoxNames
 from megatron.interop.deepy_checkpoint import merge_tp_shards
-from megatron.model.config import GPTConfig
+from megatron.model.config import Activation, GPTConfig
 from megatron.model.mlp_width import GATED_ACTIVATIONS, intermediate_size_for
 from megatron.neox_arguments.keys import normalize_key
 
@@ -206,7 +207,9 @@ def _config(values: dict[str, Any], embedding: dict[str, torch.Tensor], first: d
     if tp > 1 and vocab % tp:
         raise CheckpointError(f"embedding rows {vocab} are not divisible by the {tp} tp ranks found")
     seq = int(values.get("seq_length") or values.get("max_position_embeddings") or 2048)
-    norm = str(_value(values, "norm"))
+    # typed as GPTConfig validates them (after _refusals kept the kinds this reader maps)
+    norm = str(_value(values, "norm"))  # GPTConfig checks it against the norms' registry
+    activation = TypeAdapter(Activation).validate_python(_activation(values))
     return GPTConfig(
         num_layers=num_layers,
         hidden_size=hidden,
@@ -225,8 +228,8 @@ def _config(values: dict[str, Any], embedding: dict[str, torch.Tensor], first: d
         use_bias_in_norms="input_layernorm.bias" in first,
         use_bias_in_attn_linear="attention.query_key_value.bias" in first,
         use_bias_in_mlp=any(f"mlp.{n}.bias" in first for n in ("linear1", "dense_h_to_4h", "w1")),
-        activation=_activation(values),
-        intermediate_size=_intermediate_size(_ffn_width(first, tp), _activation(values)),
+        activation=activation,
+        intermediate_size=_intermediate_size(_ffn_width(first, tp), activation),
         gpt_j_residual=bool(_value(values, "gpt_j_residual")),
         gpt_j_tied=bool(_value(values, "gpt_j_tied")),
         no_weight_tying=untied,

@@ -6,6 +6,7 @@ Registered with every other check (``megatron/config_rules.py``).
 from __future__ import annotations
 
 import os
+from typing import cast
 
 from megatron.config_rules import RuleContext, rule
 from megatron.launcher.config import LaunchArgs
@@ -20,7 +21,7 @@ def runs_on_this_machine(ctx: RuleContext) -> bool:
     or srun/mpirun starting the ranks themselves (``deepspeed_slurm``/``deepspeed_mpi``) all mean the
     ranks run elsewhere, with the ``num_gpus``/``num_nodes`` the user gave.
     """
-    return not launches_elsewhere(ctx.args)
+    return not launches_elsewhere(cast(LaunchArgs, ctx.args))  # NeoXArgs holds every key it names
 
 
 def launches_elsewhere(args: LaunchArgs) -> bool:

@@ -63,6 +63,7 @@ def logging_problems(config: LoggingArgs, show: Callable[[str], str], *, local: 
 def trackers_and_profiling(ctx: RuleContext) -> list[str]:
     """Trackers importable, one spelling each, profiling ranges and devices (:func:`logging_problems`)."""
     try:
-        return logging_problems(ctx.args, ctx.show, local=runs_on_this_machine(ctx), cuda=ctx.device.cuda)
+        return logging_problems(ctx.group(LoggingArgs), ctx.show, local=runs_on_this_machine(ctx),
+                                cuda=ctx.device.cuda)
     except ConfigError as err:  # the tracker spellings disagree (LoggingArgs.tracker_settings)
         return [err.message]

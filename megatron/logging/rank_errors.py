@@ -67,8 +67,8 @@ class RankErrorReport:
             return stale
         except OSError:
             return True
-        with os.fdopen(fd, "w") as first:
-            first.write(str(self.rank))
+        with os.fdopen(fd, "w") as handle:
+            handle.write(str(self.rank))
         return True
 
 

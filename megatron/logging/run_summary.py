@@ -72,11 +72,11 @@ def split_size(dataset: Any) -> tuple[int | None, int | None]:
     inner = getattr(dataset, "inner", None)
     if inner is not None:
         return split_size(inner)
-    sizes = getattr(dataset, "sizes", None)
-    if sizes is None:
+    doc_sizes = getattr(dataset, "sizes", None)
+    if doc_sizes is None:
         return None, None
     packed = getattr(dataset, "pack_impl", "packed") == "packed"
-    return (int(sizes.sum()) if packed else None), len(sizes)
+    return (int(doc_sizes.sum()) if packed else None), len(doc_sizes)
 
 
 def _samples(f: RunFacts) -> str:

@@ -53,9 +53,8 @@ class ActivationEntry:
         if self.function == "identity":
             fn: Fn = _identity
         else:
-            fn = getattr(F, self.function, None) or getattr(torch, self.function)
-        if self.approximate is not None:
-            fn = functools.partial(fn, approximate=self.approximate)
+            base: Callable[..., torch.Tensor] = getattr(F, self.function, None) or getattr(torch, self.function)
+            fn = base if self.approximate is None else functools.partial(base, approximate=self.approximate)
         return Activation(fn, self.gated)
 
     @staticmethod

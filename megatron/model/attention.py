@@ -37,11 +37,11 @@ class SelfAttention(nn.Module):
         tp = get_tensor_model_parallel_world_size()
         config.check_tensor_parallel(tp)
         self.head_dim = config.head_dim
-        self.heads = config.num_attention_heads // tp  # on this rank
+        self.heads = config.arch.heads // tp  # on this rank
         self.kv_heads = config.kv_heads // tp
-        sections = [config.num_attention_heads * self.head_dim] + [config.kv_heads * self.head_dim] * 2
+        sections = [config.arch.heads * self.head_dim] + [config.kv_heads * self.head_dim] * 2
         self.query_key_value = ColumnParallelLinear(
-            config.hidden_size,
+            config.arch.hidden,
             sum(sections),
             name=f"{name}.query_key_value",
             init_fn=config.init_fn(),
@@ -52,8 +52,8 @@ class SelfAttention(nn.Module):
             params_dtype=config.params_dtype,
         )
         self.dense = RowParallelLinear(
-            config.num_attention_heads * self.head_dim,
-            config.hidden_size,
+            config.arch.heads * self.head_dim,
+            config.arch.hidden,
             name=f"{name}.dense",
             init_fn=config.output_init_fn(),
             seed=config.seed,
@@ -76,7 +76,7 @@ class SelfAttention(nn.Module):
         )
         if config.pos_emb == "alibi":
             rank = get_tensor_model_parallel_rank()
-            slopes = alibi_slopes(config.num_attention_heads)[rank * self.heads : (rank + 1) * self.heads]
+            slopes = alibi_slopes(config.arch.heads)[rank * self.heads : (rank + 1) * self.heads]
             self.register_buffer("alibi_slopes", slopes, persistent=False)
         else:
             self.alibi_slopes = None

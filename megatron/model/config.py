@@ -16,6 +16,7 @@ dims, attention types, the weight dtype) is a property here, computed the same w
 from __future__ import annotations
 
 import typing
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 from pydantic import Field, PrivateAttr, field_validator
@@ -79,6 +80,20 @@ _DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bfloat16": "bfloat16"}
 
 class ModelConfigError(ConfigError, ValueError):
     """An architecture the model cannot build (a ConfigError for the entry points, a ValueError for callers)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    """The sizes every layer is built from, never None (:attr:`GPTConfig.arch`): the schema's fields
+    stay nullable (a config may leave them to a rule), the model, the parameter count, the FLOPs and the
+    memory estimate compute with these."""
+
+    layers: int
+    """``num_layers``."""
+    hidden: int
+    """``hidden_size`` (h)."""
+    heads: int
+    """``num_attention_heads``."""
 
 
 class GPTConfig(MoEArgs):
@@ -430,6 +445,22 @@ class GPTConfig(MoEArgs):
         return getattr(torch, _DTYPE_NAMES[self.precision or "fp32"])
 
     @property
+    def arch(self) -> Architecture:
+        """The resolved sizes (:class:`Architecture`); a :class:`ModelConfigError` naming the key left unset."""
+        layers, hidden, heads = self.num_layers, self.hidden_size, self.num_attention_heads
+        if layers is None or hidden is None or heads is None:
+            missing = [key for key in ("num_layers", "hidden_size", "num_attention_heads") if getattr(self, key) is None]
+            raise ModelConfigError(f"{', '.join(missing)} must be set: the model is built from them")
+        return Architecture(layers, hidden, heads)
+
+    @property
+    def vocab(self) -> int:
+        """``padded_vocab_size``, once set (:meth:`for_tokenizer`); a :class:`ModelConfigError` before."""
+        if self.padded_vocab_size is None:
+            raise ModelConfigError("padded_vocab_size is not set: size the model for its tokenizer (for_tokenizer)")
+        return self.padded_vocab_size
+
+    @property
     def max_positions(self) -> int:
         """Learned position rows / rotary scaling's context: ``max_position_embeddings``, else ``seq_length``."""
         value = self.max_position_embeddings if self.max_position_embeddings is not None else self.seq_length
@@ -494,12 +525,12 @@ class GPTConfig(MoEArgs):
     # --- derived sizes -------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.arch.hidden // self.arch.heads
 
     @property
     def kv_heads(self) -> int:
         """Key/value heads: ``num_kv_heads``, or one per query head when unset."""
-        return self.num_kv_heads if self.num_kv_heads is not None else self.num_attention_heads
+        return self.num_kv_heads if self.num_kv_heads is not None else self.arch.heads
 
     @property
     def mlp_widths(self) -> MLPWidths:
@@ -522,7 +553,7 @@ class GPTConfig(MoEArgs):
         """One expert's width (each half when gated) in an MoE layer: GPT-NeoX's expert rule."""
         if self.mlp_type == "llama":
             return self.ffn_hidden_size
-        return expert_width(self.hidden_size, self.intermediate_size)
+        return expert_width(self.arch.hidden, self.intermediate_size)
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether block `layer_number` (0-based) has an MoE layer instead of the dense MLP (GPT-NeoX's rule)."""
@@ -530,7 +561,7 @@ class GPTConfig(MoEArgs):
 
     @property
     def num_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        return sum(self.is_moe_layer(i) for i in range(self.arch.layers))
 
     @property
     def rotary_dim(self) -> int:
@@ -543,8 +574,8 @@ class GPTConfig(MoEArgs):
     def attention_types(self) -> list[str]:
         """One attention type per layer (see :func:`expand_attention_config`)."""
         if not self.attention_config:
-            return ["global"] * self.num_layers
-        return expand_attention_config(self.attention_config, self.num_layers)
+            return ["global"] * self.arch.layers
+        return expand_attention_config(self.attention_config, self.arch.layers)
 
     @property
     def layer_families(self) -> set[FamilyName]:
@@ -555,12 +586,10 @@ class GPTConfig(MoEArgs):
         """Raise if the architecture cannot be built (``check_architecture``), if the vocabulary is not
         sized yet, or if the sizes that tensor parallelism splits do not divide by `tp`."""
         self.check_architecture()
-        if self.padded_vocab_size is None:
-            raise ModelConfigError("padded_vocab_size is not set: size the model for its tokenizer (for_tokenizer)")
-        splits = {"padded_vocab_size": self.padded_vocab_size}
+        splits = {"padded_vocab_size": self.vocab}
         if "transformer" in self.layer_families:
             splits.update({
-                "num_attention_heads": self.num_attention_heads,
+                "num_attention_heads": self.arch.heads,
                 "num_kv_heads": self.kv_heads,
                 "the MLP width (from intermediate_size, expansion_factor, mlp_multiple_of)": self.ffn_hidden_size,
             })
@@ -587,14 +616,14 @@ class GPTConfig(MoEArgs):
         """Init for input-side weights (embeddings, QKV, first MLP projection, untied output)."""
         from megatron.mpu.initialize_weights import init_method_from_name
 
-        return init_method_from_name(self.init_method, self.init_method_std, self.num_layers, self.hidden_size)
+        return init_method_from_name(self.init_method, self.init_method_std, self.arch.layers, self.arch.hidden)
 
     def output_init_fn(self) -> InitFn:
         """Init for the layers that write into the residual stream (attention dense, MLP out)."""
         from megatron.mpu.initialize_weights import init_method_from_name
 
         return init_method_from_name(
-            self.output_layer_init_method, self.init_method_std, self.num_layers, self.hidden_size
+            self.output_layer_init_method, self.init_method_std, self.arch.layers, self.arch.hidden
         )
 
     # --- variants -----------------------------------------------------------------------

@@ -26,8 +26,8 @@ class GPTEmbedding(nn.Module):
     def __init__(self, config: GPTConfig, name: str = "embedding") -> None:
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(
-            config.padded_vocab_size,
-            config.hidden_size,
+            config.vocab,
+            config.arch.hidden,
             name=f"{name}.word_embeddings",
             init_fn=config.init_fn(),
             seed=config.seed,

@@ -8,6 +8,7 @@ for the layer families); this module adds them up for a whole model. Pure arithm
 
 from __future__ import annotations
 
+from megatron.errors import required
 from megatron.model import family_config as families
 from megatron.model.config import GPTConfig
 from megatron.model.norms import NormSettings, norm_entry
@@ -47,21 +48,21 @@ def layer_norm_parameters(config: GPTConfig) -> int:
 
 
 def final_norm_parameters(config: GPTConfig) -> int:
-    return norm_parameters(config, config.hidden_size)
+    return norm_parameters(config, config.arch.hidden)
 
 
 def embedding_parameters(config: GPTConfig) -> int:
     """The input tables: the (padded) token embedding and the positional entry's table (learned:
     ``max_position_embeddings`` rows, GPT-NeoX's size; ``opt_pos_emb_offset`` shifts inside it)."""
-    return config.padded_vocab_size * config.hidden_size + POSITIONAL[config.pos_emb].embedding_parameters(config)
+    return config.vocab * config.arch.hidden + POSITIONAL[config.pos_emb].embedding_parameters(config)
 
 
 def head_parameters(config: GPTConfig) -> int:
     """The output side's own parameters: an untied output projection (vocab x h), a value head (h),
     or none when the output reuses the token embedding."""
     if config.value_head:
-        return config.hidden_size
-    return config.padded_vocab_size * config.hidden_size if config.no_weight_tying else 0
+        return config.arch.hidden
+    return config.vocab * config.arch.hidden if config.no_weight_tying else 0
 
 
 def num_parameters(config: GPTConfig, include_embeddings: bool = True, active: bool = False) -> int:
@@ -69,7 +70,7 @@ def num_parameters(config: GPTConfig, include_embeddings: bool = True, active: b
     ``include_embeddings=False`` leaves out the token and position tables and an untied output
     projection (Pythia's "non-embedding" count); ``active``: only the experts one token uses (what its
     FLOPs see)."""
-    total = sum(layer_parameters(config, i, active) for i in range(config.num_layers)) + final_norm_parameters(config)
+    total = sum(layer_parameters(config, i, active) for i in range(config.arch.layers)) + final_norm_parameters(config)
     if config.value_head:
         total += head_parameters(config)
     if include_embeddings:
@@ -94,17 +95,18 @@ def flops_per_token(config: GPTConfig, seq_length: int | None = None) -> float:
     not subtracted), and the sliding window's savings are not counted, so MFU stays comparable.
     In MoE layers only the ``moe_top_k`` experts a token visits (and the router) count.
     """
-    s = config.seq_length if seq_length is None else seq_length
-    layers = sum(layer_flops_per_token(config, i, s) for i in range(config.num_layers))
-    final_norm = norm_entry(config).flops_per_token(config.hidden_size, config)
-    output = config.hidden_size if config.value_head else config.padded_vocab_size * config.hidden_size  # tied or not
+    s = required(config.seq_length, "seq_length", "FLOPs per token depend on it") if seq_length is None else seq_length
+    h = config.arch.hidden
+    layers = sum(layer_flops_per_token(config, i, s) for i in range(config.arch.layers))
+    final_norm = norm_entry(config).flops_per_token(h, config)
+    output = h if config.value_head else config.vocab * h  # tied or not
     return layers + final_norm + 6.0 * output
 
 
 def hardware_flops_per_token(config: GPTConfig, recomputed_layers: int, seq_length: int | None = None) -> float:
     """:func:`flops_per_token` plus one more forward of each of ``recomputed_layers`` layers
     (activation checkpointing recomputes them in the backward); the basis of HFU."""
-    s = config.seq_length if seq_length is None else seq_length
+    s = required(config.seq_length, "seq_length", "FLOPs per token depend on it") if seq_length is None else seq_length
     kind = config.attention_types[0]
     entry = families.family_entry(kind)
     matmul = entry.parameters(config, kind, _norm(config), 0, False) - entry.non_matmul(config, kind)

@@ -99,6 +99,14 @@ def _norm_over_ranks(x: torch.Tensor, norm: nn.Module, width: int) -> torch.Tens
     raise TypeError(f"{type(norm).__name__} over a tensor-parallel split is not built")
 
 
+class _Projection(nn.Module):
+    """A weight and a bias under one name (GPT-NeoX's ``proj_qkv`` / ``proj_ffn`` state-dict keys)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+
+
 class TinyAttention(nn.Module):
     """GPT-NeoX's one-head attention of ``amlp`` blocks: `[b, s, 2ff/tp]` -> `[b, s, ff/tp]`."""
 
@@ -106,17 +114,15 @@ class TinyAttention(nn.Module):
         super().__init__()
         self.attn_dim = attn_dim
         qkv_init, ffn_init = torch_linear_default(2 * ff), torch_linear_default(attn_dim)
-        common = dict(seed=config.seed, dtype=config.params_dtype)
-        self.proj_qkv = nn.Module()
-        self.proj_qkv.weight = layer_parameter((3 * attn_dim, 2 * ff), name=f"{name}.proj_qkv.weight",
-                                               init_fn=qkv_init, dim=1, sections=(ff, ff), **common)  # type: ignore[arg-type]
-        self.proj_qkv.bias = layer_parameter((3 * attn_dim,), name=f"{name}.proj_qkv.bias", init_fn=qkv_init,
-                                             **common)  # type: ignore[arg-type]
-        self.proj_ffn = nn.Module()
-        self.proj_ffn.weight = layer_parameter((ff, attn_dim), name=f"{name}.proj_ffn.weight", init_fn=ffn_init,
-                                               dim=0, **common)  # type: ignore[arg-type]
-        self.proj_ffn.bias = layer_parameter((ff,), name=f"{name}.proj_ffn.bias", init_fn=ffn_init, dim=0,
-                                             **common)  # type: ignore[arg-type]
+        seed, dtype = config.seed, config.params_dtype
+        self.proj_qkv = _Projection(
+            layer_parameter((3 * attn_dim, 2 * ff), name=f"{name}.proj_qkv.weight", init_fn=qkv_init, dim=1,
+                            sections=(ff, ff), seed=seed, dtype=dtype),
+            layer_parameter((3 * attn_dim,), name=f"{name}.proj_qkv.bias", init_fn=qkv_init, seed=seed, dtype=dtype))
+        self.proj_ffn = _Projection(
+            layer_parameter((ff, attn_dim), name=f"{name}.proj_ffn.weight", init_fn=ffn_init, dim=0, seed=seed,
+                            dtype=dtype),
+            layer_parameter((ff,), name=f"{name}.proj_ffn.bias", init_fn=ffn_init, dim=0, seed=seed, dtype=dtype))
 
     def qkv(self, x: torch.Tensor) -> torch.Tensor:
         """`[b, s, 2ff/tp]` -> `[b, s, 3a]`, the same on every rank."""
@@ -201,12 +207,12 @@ class GMLPBlock(Block):
         ff = shape.ff
         self.norm = build_norm(config)
         self.input_linear = _ColumnWithoutBias(
-            config.hidden_size, 2 * ff, name=f"{name}.input_linear", init_fn=config.init_fn(), seed=config.seed,
+            config.arch.hidden, 2 * ff, name=f"{name}.input_linear", init_fn=config.init_fn(), seed=config.seed,
             sections=[ff, ff], sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
         self.activation = get_activation(config.activation).fn
         self.sgu = SpatialGatingUnit(config, ff, shape.seq, shape.attn_dim, f"{name}.sgu")
         self.output_linear = _RowWithoutBias(
-            ff, config.hidden_size, name=f"{name}.output_linear", init_fn=config.output_init_fn(), seed=config.seed,
+            ff, config.arch.hidden, name=f"{name}.output_linear", init_fn=config.output_init_fn(), seed=config.seed,
             sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
         for linear in (self.input_linear, self.output_linear):
             assert linear.bias is not None

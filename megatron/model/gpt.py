@@ -21,8 +21,8 @@ from megatron.mpu.topology import get_tensor_model_parallel_world_size
 def build_output_layer(config: GPTConfig) -> ColumnParallelLinear:
     """The untied output projection (vocab-parallel rows, no bias)."""
     return ColumnParallelLinear(
-        config.hidden_size,
-        config.padded_vocab_size,
+        config.arch.hidden,
+        config.vocab,
         name="output_layer",
         init_fn=config.init_fn(),
         seed=config.seed,
@@ -43,8 +43,8 @@ class ValueHead(nn.Module):
 
     def __init__(self, config: GPTConfig, name: str = "value_head") -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype))
-        initialize_param_(self.weight, f"{name}.weight", config.seed, config.init_fn(), (1, config.hidden_size))
+        self.weight = nn.Parameter(torch.empty(1, config.arch.hidden, dtype=config.params_dtype))
+        initialize_param_(self.weight, f"{name}.weight", config.seed, config.init_fn(), (1, config.arch.hidden))
         set_tensor_model_parallel_attributes(self.weight, False)
         self.sequence_parallel = config.sequence_parallel and get_tensor_model_parallel_world_size() > 1
         if self.sequence_parallel:
@@ -71,7 +71,7 @@ class GPTModel(nn.Module):
         config.check_tensor_parallel(get_tensor_model_parallel_world_size())
         self.sequence_parallel = config.sequence_parallel and get_tensor_model_parallel_world_size() > 1
         self.embedding = GPTEmbedding(config)
-        self.layers = nn.ModuleList(build_block(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(build_block(config, i) for i in range(config.arch.layers))
         self.final_norm = build_final_norm(config)
         untied = config.no_weight_tying and not config.value_head
         self.output_layer = build_output_layer(config) if untied else None

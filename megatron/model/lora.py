@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +51,7 @@ from megatron.mpu.topology import get_tensor_model_parallel_rank, get_tensor_mod
 
 # the projections an adapter can target, by the last part of their module name (GPT-NeoX's names,
 # which are also what PEFT's target_modules name on a Hugging Face GPTNeoX model)
-TARGETS: dict[str, type[nn.Module]] = {
+TARGETS: dict[str, type[ColumnParallelLinear] | type[RowParallelLinear]] = {
     "query_key_value": ColumnParallelLinear,
     "dense": RowParallelLinear,
     "dense_h_to_4h": ColumnParallelLinear,
@@ -76,7 +76,7 @@ class LoRAAdapter(nn.Module):
         self.dropout = config.lora_dropout
         like = base.weight
         # the factor on the split side of the layer is split with it; the other is replicated
-        if self.column:
+        if isinstance(base, ColumnParallelLinear):  # self.column, narrowed for the checker
             a_local, b_local = (config.lora_r, base.input_size), (base.output_size_per_partition, config.lora_r)
         else:
             a_local, b_local = (config.lora_r, base.input_size_per_partition), (base.output_size, config.lora_r)
@@ -91,7 +91,7 @@ class LoRAAdapter(nn.Module):
         with torch.no_grad():
             initialize_param_(self.lora_A, f"{name}.lora_A", seed, uniform, (config.lora_r, base.input_size),
                               a_dim, rank, world)
-        if self.column:
+        if isinstance(base, ColumnParallelLinear):
             set_tensor_model_parallel_attributes(self.lora_A, False)
             set_tensor_model_parallel_attributes(self.lora_B, True, 0, base.sections)
             replicated = self.lora_A
@@ -130,7 +130,7 @@ def _add_adapter_output(layer: nn.Module, inputs: tuple[torch.Tensor, ...], outp
     return output + adapter(inputs[0])
 
 
-def check_targets(target_modules: tuple[str, ...] | list[str]) -> None:
+def check_targets(target_modules: Sequence[str]) -> None:
     unknown = sorted(set(target_modules) - set(TARGETS))
     if unknown or not target_modules:
         raise ConfigError(f"lora_target_modules={list(target_modules)!r}: choose among {sorted(TARGETS)}")

@@ -90,10 +90,10 @@ class MambaMixer(nn.Module):
         self.fused_scan = config.mamba_selective_scan_fusion
         self.fused_conv = config.mamba_causal_conv_fusion
         self.fused_inner = config.mamba_inner_func_fusion
-        common = dict(seed=config.seed, params_dtype=config.params_dtype)
+        seed, dtype = config.seed, config.params_dtype
         self.in_proj = ColumnParallelLinear(h, 2 * d, name=f"{name}.in_proj", init_fn=config.init_fn(),
                                             bias=bias, sections=[d, d], sequence_parallel=config.sequence_parallel,
-                                            **common)  # type: ignore[arg-type]
+                                            seed=seed, params_dtype=dtype)
         local = self.inner_per_rank
         self.conv1d = nn.Conv1d(local, local, k, groups=local, padding=k - 1, bias=config.mamba_use_bias_in_conv,
                                 dtype=config.params_dtype)
@@ -104,7 +104,7 @@ class MambaMixer(nn.Module):
             fill_parameter_(self.conv1d.bias, (d,), name=f"{name}.conv1d.bias", seed=config.seed, init_fn=conv_init,
                             dim=0)
         self.x_proj = RowParallelLinear(d, r + 2 * n, name=f"{name}.x_proj", init_fn=config.init_fn(), bias=bias,
-                                        **common)  # type: ignore[arg-type]
+                                        seed=seed, params_dtype=dtype)
         self.dt_proj = nn.Linear(r, local, bias=True, dtype=config.params_dtype)
         fill_parameter_(self.dt_proj.weight, (d, r), name=f"{name}.dt_proj.weight", seed=config.seed,
                         init_fn=uniform(r**-0.5), dim=0)
@@ -116,7 +116,7 @@ class MambaMixer(nn.Module):
         for param in (self.A_log, self.D):
             param.no_weight_decay = True  # type: ignore[attr-defined]  # GPT-NeoX's _no_weight_decay, read by the optimizer
         self.out_proj = RowParallelLinear(d, h, name=f"{name}.out_proj", init_fn=config.output_init_fn(), bias=bias,
-                                          sequence_parallel=config.sequence_parallel, **common)  # type: ignore[arg-type]
+                                          sequence_parallel=config.sequence_parallel, seed=seed, params_dtype=dtype)
 
     def forward(self, x_sbh: torch.Tensor, real: torch.Tensor | None = None,
                 state: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -26,7 +26,7 @@ class MLP(nn.Module):
         ffn = widths.second
         sections = [widths.first // 2] * 2 if self.activation.gated else [widths.first]
         self.dense_h_to_4h = ColumnParallelLinear(
-            config.hidden_size,
+            config.arch.hidden,
             sum(sections),
             name=f"{name}.dense_h_to_4h",
             init_fn=config.init_fn(),
@@ -38,7 +38,7 @@ class MLP(nn.Module):
         )
         self.dense_4h_to_h = RowParallelLinear(
             ffn,
-            config.hidden_size,
+            config.arch.hidden,
             name=f"{name}.dense_4h_to_h",
             init_fn=config.output_init_fn(),
             seed=config.seed,

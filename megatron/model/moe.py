@@ -119,9 +119,9 @@ class Router(nn.Module):
         self.top_k = config.moe_top_k
         self.router_type = config.moe_router_type
         self.jitter_eps = config.moe_jitter_eps
-        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=config.params_dtype))
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.arch.hidden, dtype=config.params_dtype))
         initialize_param_(self.weight, f"{name}.weight", config.seed, config.init_fn(),
-                          (self.num_experts, config.hidden_size))  # fmt: skip
+                          (self.num_experts, config.arch.hidden))  # fmt: skip
         set_tensor_model_parallel_attributes(self.weight, False)
 
     def forward(self, tokens_th: torch.Tensor) -> Routing:
@@ -170,13 +170,13 @@ class _AuxLossGrad(torch.autograd.Function):
     ``aux`` had been added to the (scaled) training loss."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
         ctx.save_for_backward(aux)
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         (aux,) = ctx.saved_tensors
         return grad, torch.full_like(aux, ctx.scale), None
 
@@ -223,11 +223,11 @@ class _ContiguousGrad(torch.autograd.Function):
     expanded gradient a ``.sum()`` produces)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
 
 
@@ -273,7 +273,7 @@ class GroupedExperts(nn.Module):
         self.activation = get_activation(config.mlp_activation)
         self.first_expert = first_expert
         """Global id of ``w1[0]``: this rank holds experts ``first_expert .. first_expert + n - 1``."""
-        h, ffn = config.hidden_size, config.expert_ffn_hidden_size  # GPT-NeoX's expert width rule
+        h, ffn = config.arch.hidden, config.expert_ffn_hidden_size  # GPT-NeoX's expert width rule
         width = 2 * ffn if self.activation.gated else ffn
         dtype = config.params_dtype
         self.w1 = nn.Parameter(torch.empty(num_local, h, width, dtype=dtype))

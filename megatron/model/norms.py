@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from megatron.errors import required
 from megatron.model.option_registry import OptionRegistry
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ class NormSettings(Protocol):
     @property
     def norm(self) -> str: ...
     @property
-    def hidden_size(self) -> int: ...
+    def hidden_size(self) -> int | None: ...
     @property
     def layernorm_epsilon(self) -> float: ...
     @property
@@ -110,7 +111,8 @@ def norm_entry(config: NormSettings) -> NormEntry:
 
 def build_norm(config: NormSettings, dim: int | None = None) -> nn.Module:
     """The config's norm over ``dim`` features (``hidden_size`` when None)."""
-    return norm_entry(config).build(config.hidden_size if dim is None else dim, config)
+    width = required(config.hidden_size, "hidden_size", "a norm is built over it") if dim is None else dim
+    return norm_entry(config).build(width, config)
 
 
 def norm_parameters(config: NormSettings, dim: int) -> int:

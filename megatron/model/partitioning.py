@@ -32,7 +32,7 @@ class TPPartition:
 def tp_partition_patterns(config: GPTConfig) -> dict[str, TPPartition]:
     """regex -> how that parameter is partitioned."""
     d = config.head_dim
-    qkv = (config.num_attention_heads * d, config.kv_heads * d, config.kv_heads * d)
+    qkv = (config.arch.heads * d, config.kv_heads * d, config.kv_heads * d)
     ffn = config.ffn_hidden_size
     h_to_4h = (ffn, ffn) if get_activation(config.activation).gated else (ffn,)
     patterns = {
@@ -62,7 +62,7 @@ def tp_partition_patterns(config: GPTConfig) -> dict[str, TPPartition]:
         })
     if "gmlp" in families:
         # GPT-NeoX's gMLP split (megatron/model/gmlp.py): the 4h inner width over ranks, input_linear as [res; gate]
-        ff = 4 * config.hidden_size
+        ff = 4 * config.arch.hidden
         patterns.update({
             r"^(.*\.)?input_linear\.(weight|bias)$": TPPartition(0, (ff, ff)),
             r"^(.*\.)?sgu\.norm\.(weight|bias)$": TPPartition(0),

@@ -62,7 +62,7 @@ def _join(x: torch.Tensor, extra: tuple[torch.Tensor, ...]) -> Activation:
 class EmbeddingPipe(GPTEmbedding):
     """tokens `[b, s]` or `(tokens, position_ids[, document_ids])` -> hidden (+ the extras)."""
 
-    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]
+    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]  # a pipeline stage's one input
         tokens, extra = _split(inputs)
         position_ids = extra[0] if extra else None
         return _join(super().forward(tokens, position_ids), extra)
@@ -76,30 +76,30 @@ def _block_pipe_forward(block: Block, inputs: Activation) -> Activation:
 
 
 class TransformerLayerPipe(TransformerLayer):
-    block_forward = TransformerLayer.forward  # type: ignore[assignment]
+    block_forward = TransformerLayer.forward  # type: ignore[assignment]  # Block declares the shared signature
 
-    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]
+    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]  # a pipeline stage's one input
         return _block_pipe_forward(self, inputs)
 
 
 class MambaLayerPipe(MambaLayer):
-    block_forward = MambaLayer.forward  # type: ignore[assignment]
+    block_forward = MambaLayer.forward  # type: ignore[assignment]  # Block declares the shared signature
 
-    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]
+    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]  # a pipeline stage's one input
         return _block_pipe_forward(self, inputs)
 
 
 class RWKVLayerPipe(RWKVLayer):
-    block_forward = RWKVLayer.forward  # type: ignore[assignment]
+    block_forward = RWKVLayer.forward  # type: ignore[assignment]  # Block declares the shared signature
 
-    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]
+    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]  # a pipeline stage's one input
         return _block_pipe_forward(self, inputs)
 
 
 class GMLPBlockPipe(GMLPBlock):
-    block_forward = GMLPBlock.forward  # type: ignore[assignment]
+    block_forward = GMLPBlock.forward  # type: ignore[assignment]  # Block declares the shared signature
 
-    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]
+    def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]  # a pipeline stage's one input
         return _block_pipe_forward(self, inputs)
 
 
@@ -216,11 +216,13 @@ def pipeline_layer_specs(config: GPTConfig) -> list[LayerSpec]:
     checkpointable_layers=CHECKPOINTABLE_LAYERS)`."""
     config.check_tensor_parallel(get_tensor_model_parallel_world_size())
     tied = not config.no_weight_tying and not config.value_head
+    first: LayerSpec
+    last: LayerSpec
     if config.value_head:
         first, last = LayerSpec(EmbeddingPipe, config), LayerSpec(ValueHeadPipe, config)
     elif tied:
-        first: LayerSpec = TiedLayerSpec(TIED_EMBEDDING_KEY, EmbeddingPipe, config, tied_weight_attr=TIED_WEIGHT_ATTR)
-        last: LayerSpec = TiedLayerSpec(
+        first = TiedLayerSpec(TIED_EMBEDDING_KEY, EmbeddingPipe, config, tied_weight_attr=TIED_WEIGHT_ATTR)
+        last = TiedLayerSpec(
             TIED_EMBEDDING_KEY,
             EmbeddingPipe,
             config,
@@ -229,5 +231,5 @@ def pipeline_layer_specs(config: GPTConfig) -> list[LayerSpec]:
         )
     else:
         first, last = LayerSpec(EmbeddingPipe, config), LayerSpec(OutputLayerPipe, config)
-    layers = [LayerSpec(PIPE_BLOCKS[block_family(config, i)], config, i) for i in range(config.num_layers)]
+    layers = [LayerSpec(PIPE_BLOCKS[block_family(config, i)], config, i) for i in range(config.arch.layers)]
     return [first, *layers, LayerSpec(FinalNormPipe, config), last]

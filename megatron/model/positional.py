@@ -30,7 +30,7 @@ class LearnedPositionalEmbedding(nn.Module):
         super().__init__()
         self.offset = config.opt_pos_emb_offset
         # GPT-NeoX: max_position_embeddings rows; the offset shifts positions inside the table
-        shape = (config.max_positions, config.hidden_size)
+        shape = (config.max_positions, config.arch.hidden)
         self.weight = nn.Parameter(torch.empty(shape, dtype=config.params_dtype))
         initialize_param_(self.weight, f"{name}.weight", config.seed, config.init_fn(), shape)
 
@@ -41,10 +41,12 @@ class LearnedPositionalEmbedding(nn.Module):
 class SinusoidalPositionalEmbedding(nn.Module):
     """Fixed [sin(p * f_i), cos(p * f_i)] features, f_i = base^(-2i/h)."""
 
+    inv_freq: torch.Tensor  # a registered buffer
+
     def __init__(self, config: GPTConfig, name: str, base: float = 10000.0) -> None:
         super().__init__()
         del name  # no parameters to initialise
-        dim = config.hidden_size
+        dim = config.arch.hidden
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.dim = dim
@@ -67,6 +69,8 @@ class RotaryEmbedding(nn.Module):
     `scaling` (HF's rope_scaling kinds, `megatron/model/rope_scaling.py`) changes the frequencies,
     and for yarn multiplies cos/sin; `dynamic` recomputes them per call from the positions seen.
     """
+
+    inv_freq: torch.Tensor  # a registered buffer
 
     def __init__(self, rotary_dim: int, base: float, save_freqs: bool = False, scaling: RopeScaling | None = None,
                  max_positions: int | None = None) -> None:
@@ -177,7 +181,7 @@ class RelativePositionBias(nn.Module):
     def __init__(self, config: GPTConfig, name: str) -> None:
         super().__init__()
         world, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
-        heads = config.num_attention_heads
+        heads = config.arch.heads
         self.num_buckets, self.max_distance = config.rpe_num_buckets, config.rpe_max_distance
         self.weight = nn.Parameter(torch.empty(self.num_buckets, heads // world, dtype=config.params_dtype))
         initialize_param_(

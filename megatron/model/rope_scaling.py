@@ -132,11 +132,12 @@ def _linear(inv_freq: torch.Tensor, base: float, dim: int, s: RopeScaling) -> tu
 
 
 def _yarn(inv_freq: torch.Tensor, base: float, dim: int, s: RopeScaling) -> tuple[torch.Tensor, float]:
-    assert s.original_max_position_embeddings is not None
+    original = s.original_max_position_embeddings
+    assert original is not None  # parse_rope_scaling requires it for yarn (filled from max_position_embeddings)
 
     def dimension_of(rotations: float) -> float:
         # the dimension i whose wavelength 2 pi base^(2i/d) fits `rotations` times in the original context
-        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
     low, high = dimension_of(s.beta_fast), dimension_of(s.beta_slow)
     if s.truncate:

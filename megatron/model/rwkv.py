@@ -70,7 +70,7 @@ class TimeMix(nn.Module):
         shape = rwkv_shape(config)
         self.shape = shape
         self.fused = config.rwkv_wkv_fusion
-        h, a, layers = shape.hidden, shape.dim_att, config.num_layers
+        h, a, layers = shape.hidden, shape.dim_att, config.arch.layers
         ratio_0_to_1 = layer_number / (layers - 1) if layers > 1 else 0.0
         ratio_1_to_almost0 = 1.0 - layer_number / layers
         ddd = torch.arange(h, dtype=torch.float32) / h
@@ -147,7 +147,7 @@ class ChannelMix(nn.Module):
         shape = rwkv_shape(config)
         h = shape.hidden
         ddd = torch.arange(h, dtype=torch.float32) / h
-        mix = 1.0 - ddd.pow(1.0 - layer_number / config.num_layers)
+        mix = 1.0 - ddd.pow(1.0 - layer_number / config.arch.layers)
         self.time_maa_k = layer_parameter((1, 1, h), name=f"{name}.time_maa_k", seed=config.seed,
                                           init_fn=_values(mix), dtype=config.params_dtype)
         self.time_maa_r = layer_parameter((1, 1, h), name=f"{name}.time_maa_r", seed=config.seed,
@@ -169,7 +169,7 @@ class RWKVLayer(Block):
         super().__init__()
         name = f"layers.{layer_number}"
         self.layer_number = layer_number
-        h = config.hidden_size
+        h = config.arch.hidden
         self.ln1 = nn.LayerNorm(h, dtype=config.params_dtype)
         self.ln2 = nn.LayerNorm(h, dtype=config.params_dtype)
         self.att = TimeMix(config, layer_number, f"{name}.att")

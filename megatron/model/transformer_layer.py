@@ -60,8 +60,8 @@ class TransformerLayer(Block):
         return x
 
     def _mlp_norm(self, x: torch.Tensor) -> torch.Tensor:
-        shared = self.post_attention_layernorm is None
-        return self.input_layernorm(x) if shared else self.post_attention_layernorm(x)
+        own = self.post_attention_layernorm  # None: the MLP shares the attention's norm
+        return self.input_layernorm(x) if own is None else own(x)
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.hidden_dropout == 0.0:

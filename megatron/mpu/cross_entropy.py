@@ -64,7 +64,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """(per-token loss, per-token log Z), both fp32 of the target's shape."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor,  # type: ignore[override]
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor,
                 rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         vocab_per_rank = logits.shape[-1]
         flat = logits.reshape(-1, vocab_per_rank)  # [n, v/tp]
@@ -99,7 +99,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss.view(logits.shape[:-1]), log_z.view(logits.shape[:-1])
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor, grad_log_z: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad_loss: torch.Tensor, grad_log_z: torch.Tensor):
         logits, top, sum_exp, index, not_mine, ignored = ctx.saved_tensors
         vocab_per_rank = logits.shape[-1]
         flat = logits.reshape(-1, vocab_per_rank)

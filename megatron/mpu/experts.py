@@ -94,12 +94,12 @@ class _AllToAll(torch.autograd.Function):
     backward sends the gradients back the same way (the adjoint of a permutation is its inverse)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         ctx.send, ctx.recv = send, recv
         return _all_to_all(x, send, recv)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         return _all_to_all(grad, ctx.recv, ctx.send), None, None
 
 

@@ -118,10 +118,16 @@ def set_tensor_model_parallel_attributes(
     Partitioned parameters count once per tp rank in the gradient norm; replicated ones only on
     tp rank 0. `partition_sections` records the fused layout for checkpoint resharding.
     """
+    # attributes a torch.Tensor does not declare (DeepSpeed reads them by name): attr-defined on purpose
     param.tensor_model_parallel = is_parallel  # type: ignore[attr-defined]
     param.partition_dim = dim  # type: ignore[attr-defined]
     param.partition_stride = len(sections) if sections else 1  # type: ignore[attr-defined]
     param.partition_sections = list(sections) if sections else None  # type: ignore[attr-defined]
+
+
+def tensor_parallel_partition(param: torch.Tensor) -> tuple[int, list[int] | None]:
+    """(dim, sections) that :func:`set_tensor_model_parallel_attributes` recorded on ``param``."""
+    return int(getattr(param, "partition_dim", -1)), getattr(param, "partition_sections", None)
 
 
 @torch.no_grad()

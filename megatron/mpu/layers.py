@@ -59,7 +59,7 @@ def mark_partial_over_tensor_parallel(params: Iterable[nn.Parameter]) -> None:
     if get_tensor_model_parallel_world_size() == 1:
         return
     for param in params:
-        param.partial_over_tp = True  # type: ignore[attr-defined]
+        param.partial_over_tp = True  # type: ignore[attr-defined]  # a mark torch.Tensor does not declare
 
 
 def partial_over_tensor_parallel(module: nn.Module) -> list[nn.Parameter]:

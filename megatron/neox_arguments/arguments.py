@@ -31,6 +31,8 @@ from megatron.model.moe_config import MoEArgs
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.config import TrainingLoopArgs
 from megatron.training.lr_config import LRSchedulerArgs
+from megatron.training.lr_dialects import LevanterScheduleArgs
+from megatron.training.objectives.registry import DPOKeys, KTOKeys
 from megatron.training.objectives.config import ObjectiveArgs
 from megatron.training.optimizer_config import OptimizerArgs
 from megatron.neox_arguments.groups.other import OtherArgs
@@ -112,7 +114,7 @@ class _Arguments(
     """All argument groups joined into one flat model (GPT-NeoX's 318 keys plus Deepy's extras).
 
     Instances are mutable on purpose: runtime values such as ``padded_vocab_size`` and
-    ``iteration`` are assigned on the object while training runs. :data:`NeoXArgs` is this class
+    ``iteration`` are assigned on the object while training runs. :class:`NeoXArgs` is this class
     joined with the keys of Deepy's own plug-ins; :func:`schema_class` adds a user's.
     """
 
@@ -172,22 +174,38 @@ class _Arguments(
         return name
 
 
-def _compose(base: type[_Arguments], extra: list[tuple[str, type[ArgGroup]]]) -> type[_Arguments]:
+def _compose(base: type[NeoXArgs], extra: list[tuple[str, type[ArgGroup]]]) -> type[NeoXArgs]:
     groups = {**base._groups, **dict(extra)}
-    namespace = {"__module__": __name__, "__qualname__": "NeoXArgs", "__doc__": _Arguments.__doc__,
+    namespace = {"__module__": __name__, "__qualname__": "NeoXArgs", "__doc__": NeoXArgs.__doc__,
                  "_groups": groups, "_owner": _owner_map(groups)}
     return type("NeoXArgs", (base, *(group for _, group in extra)), namespace)
 
 
 plugins.load_builtins()
 _BUILTIN_PLUGIN_GROUPS = plugins.key_groups()
-NeoXArgs = _compose(_Arguments, _BUILTIN_PLUGIN_GROUPS)
-"""The argument object of every run: the fixed groups plus the keys of Deepy's own plug-ins."""
-
-_COMPOSED: dict[tuple[type[ArgGroup], ...], type[_Arguments]] = {}
 
 
-def schema_class() -> type[_Arguments]:
+class NeoXArgs(_Arguments, LevanterScheduleArgs, DPOKeys, KTOKeys):
+    """The argument object of every run: the fixed groups plus the keys of Deepy's own plug-ins.
+
+    Declared here, not composed at run time, so a type checker reads every key; a user's plug-ins
+    extend it in :func:`schema_class`.
+    """
+
+    _groups: ClassVar[dict[str, type[ArgGroup]]] = {**GROUPS, **dict(_BUILTIN_PLUGIN_GROUPS)}
+    _owner: ClassVar[dict[str, str]] = _owner_map(_groups)
+
+
+if [group for _, group in _BUILTIN_PLUGIN_GROUPS] != [LevanterScheduleArgs, DPOKeys, KTOKeys]:
+    raise TypeError(
+        "NeoXArgs' plug-in bases differ from the built-in plug-ins' key groups "
+        f"{[name for name, _ in _BUILTIN_PLUGIN_GROUPS]}: list each one as a base of NeoXArgs"
+    )
+
+_COMPOSED: dict[tuple[type[ArgGroup], ...], type[NeoXArgs]] = {}
+
+
+def schema_class() -> type[NeoXArgs]:
     """:data:`NeoXArgs`, joined with the keys of every plug-in registered since (a user's
     ``plugins:``); the same class for the same plug-ins."""
     known = {group for _, group in _BUILTIN_PLUGIN_GROUPS}

@@ -91,6 +91,7 @@ def _group_intro(group_name: str, group: type) -> str:
 def _type_cell(name: str, annotation: Any) -> str:
     """The type; a key that selects a plug-in lists the registered names."""
     if name in plugins.BUILTIN_MODULES:
+        # arg-type: ``name`` is a str key of BUILTIN_MODULES, whose keys are exactly the plug-in families
         return " | ".join(f'"{n}"' for n in plugins.names(name))  # type: ignore[arg-type]
     return type_name(annotation)
 

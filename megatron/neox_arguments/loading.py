@@ -24,10 +24,11 @@ from megatron.neox_arguments.resolved import ResolvedConfig
 from megatron.neox_arguments.yaml_source import LocatedDict, load_yaml_file, plain, resolve_config_path
 
 if TYPE_CHECKING:
+    from megatron.neox_arguments.arguments import NeoXArgs
     from megatron.neox_arguments.dialects import Flag
 
 
-def default_schema() -> type[BaseModel]:
+def default_schema() -> type[NeoXArgs]:
     """The argument class, with the keys of every plug-in imported so far."""
     from megatron.neox_arguments.arguments import schema_class
 
@@ -221,7 +222,7 @@ def _is_type_tag(part: Any) -> bool:
     )
 
 
-def build_args(values: dict[str, Any], provenance: dict[str, str], schema: type[BaseModel]) -> BaseModel:
+def build_args(values: dict[str, Any], provenance: dict[str, str], schema: type[NeoXArgs]) -> NeoXArgs:
     try:
         args = schema.model_validate(values)
     except ValidationError as err:

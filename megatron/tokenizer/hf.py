@@ -45,10 +45,11 @@ class HFBackedTokenizer(Tokenizer):
         self._hf = hf
         self._fast: FastBPE | None = build_fast_encoder(hf, split_special=split_special) if fast else None
         self._vocab_size = hf.get_vocab_size(with_added_tokens=True)
-        self._eod = self._first_id(EOD_CANDIDATES)
-        if self._eod is None:
+        eod = self._first_id(EOD_CANDIDATES)
+        if eod is None:
             raise DataError(f"{self.name}: the vocabulary has no end-of-document token "
                             f"(looked for {', '.join(EOD_CANDIDATES)})")
+        self._eod: int = eod
         pad = self._first_id(PAD_CANDIDATES)
         self._pad = self._eod if pad is None else pad
 

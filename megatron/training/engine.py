@@ -189,7 +189,7 @@ def wrap_layers(model: nn.Module, cfg: ActivationCheckpointArgs, compile_layers:
     if compile_layers:
         require_toolchain(torch.cuda.is_available())  # inductor builds native code on this node
         for layer in layers:
-            layer.forward = torch.compile(layer.forward)  # type: ignore[method-assign]
+            layer.forward = torch.compile(layer.forward)
     if pipe_interval_used:
         return  # PipelineModule checkpoints chunks of layers itself
     first = min((layer.layer_number for layer in layers), default=0)
@@ -198,9 +198,9 @@ def wrap_layers(model: nn.Module, cfg: ActivationCheckpointArgs, compile_layers:
     starts = chosen if size == 1 else chosen[::size]
     for start in starts:
         members = layers[start:start + size]
-        layers[start].forward = _checkpointed(_chunk_of([m.forward for m in members]))  # type: ignore[method-assign]
+        layers[start].forward = _checkpointed(_chunk_of([m.forward for m in members]))
         for member in members[1:]:
-            member.forward = _passthrough  # type: ignore[method-assign]
+            member.forward = _passthrough
     if chosen:
         get_logger().info("activation checkpointing: recomputing layers %s in chunks of %d%s",
                           [layers[i].layer_number for i in chosen], size,
@@ -328,7 +328,7 @@ def build_model(config: GPTConfig, parallel: ParallelRunArgs, ckpt: ActivationCh
     memory, 14 GB per rank for 7B in bf16), in the run's dtype; each weight's values are drawn on the
     CPU as before (``mpu/initialize_weights.py``), so they are the same bits wherever it is built."""
     if ckpt.recomputes_activations:
-        configure_activation_checkpointing(ckpt, config.num_layers)
+        configure_activation_checkpointing(ckpt, config.arch.layers)
     if not parallel.uses_pipeline_module:
         with construction(zero_init, device):
             model = GPTModel(config)
@@ -410,5 +410,5 @@ def build_engine(run: RunViews, config: GPTConfig, train_iters: int, objective: 
             skip_gradient_allreduce(engine)
     return Engine(engine=engine, optimizer=ds_optimizer, lr_scheduler=ds_scheduler,
                   config=config, is_pipe=is_pipe, ds_config=ds_config,
-                  moe=build_moe_training(model, config.num_layers, config.moe_num_experts), objective=objective,
+                  moe=build_moe_training(model, config.arch.layers, config.moe_num_experts), objective=objective,
                   adapters=adapters_of(model))

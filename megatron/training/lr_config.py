@@ -77,9 +77,9 @@ class LRSchedulerArgs(ArgGroup):
         ``min_lr`` an absolute floor; Deepy extras as documented on the keys."""
         style = plugins.get("lr_decay_style", self.lr_decay_style)
         if style.needs.get("whole_curve"):  # Levanter's and fms-fsdp's curves: the style computes every step
-            keys = style.keys.model_fields if style.keys else ()
+            names = style.keys.model_fields if style.keys else ()
             return ScheduleSpec(style=self.lr_decay_style, max_lr=max_lr, total_steps=train_iters,
-                                options=tuple((key, getattr(self, key)) for key in keys))
+                                options=tuple((key, getattr(self, key)) for key in names))
         if self.lr_decay_iters is None and train_iters < 1:
             raise ConfigError("the LR schedule needs lr_decay_iters or train_iters to be set (>= 1)")
         total = decay_steps(train_iters, self.lr_decay_iters, self.lr_decay_fraction)

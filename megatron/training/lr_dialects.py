@@ -205,16 +205,17 @@ def _decay_piece(keys: LevanterScheduleArgs, lr: float, min_lr: float, warmup: i
 @lru_cache(maxsize=8)
 def _cached_levanter(options: tuple[tuple[str, Any], ...], total: int) -> Callable[[int], float]:
     values = {key: (list(value) if isinstance(value, tuple) else value) for key, value in options}
-    return levanter_curve(LevanterScheduleArgs(**values), total)
+    return levanter_curve(LevanterScheduleArgs.model_validate(values), total)
 
 
 def _hashable(options: Sequence[tuple[str, Any]]) -> tuple[tuple[str, Any], ...]:
     return tuple((key, tuple(value) if isinstance(value, list) else value) for key, value in options)
 
 
-def _levanter_shape(progress: float, steps: int, spec: ScheduleSpec) -> float:
-    # a whole-curve style: ``steps`` is the optimizer step (lr_config.spec gives it no warmup of its own)
-    return _cached_levanter(_hashable(spec.options), spec.total_steps)(steps)
+def _levanter_shape(progress: float, steps: float, spec: ScheduleSpec) -> float:
+    # a whole-curve style: ``steps`` is the optimizer step, a whole number (lr_config.spec gives it no
+    # warmup of its own)
+    return _cached_levanter(_hashable(spec.options), spec.total_steps)(int(steps))
 
 
 # ------------------------------------------------------------------------------------- fms-fsdp
@@ -232,11 +233,11 @@ def fms_multiplier(step: int, num_steps: int) -> float:
     return min(rise, 0.1 + 0.5 * (1 - 0.1) * (1 + math.cos(min(step, num_steps) / num_steps * math.pi)))
 
 
-def _fms_shape(progress: float, steps: int, spec: ScheduleSpec) -> float:
-    return fms_multiplier(steps, spec.total_steps)
+def _fms_shape(progress: float, steps: float, spec: ScheduleSpec) -> float:
+    return fms_multiplier(int(steps), spec.total_steps)  # a whole-curve style: the optimizer step
 
 
-def _fms_annealing_shape(progress: float, steps: int, spec: ScheduleSpec) -> float:
+def _fms_annealing_shape(progress: float, steps: float, spec: ScheduleSpec) -> float:
     return 1 - steps / spec.total_steps
 
 
@@ -252,13 +253,11 @@ def _levanter_check(args: Any, show: Callable[[str], str]) -> list[str]:
     return []
 
 
-WHOLE_CURVE = {"whole_curve": True}
-"""A style's ``needs``: it computes the whole curve; ``LRSchedulerArgs.spec`` adds no phases of its own."""
-
+# a style's need ``whole_curve``: it computes the whole curve; ``LRSchedulerArgs.spec`` adds no phases of its own
 plugins.register("lr_decay_style", "levanter", keys=LevanterScheduleArgs, check=_levanter_check,
-                 **WHOLE_CURVE)(_levanter_shape)
-plugins.register("lr_decay_style", "fms", **WHOLE_CURVE)(_fms_shape)
-plugins.register("lr_decay_style", "fms_annealing", **WHOLE_CURVE)(_fms_annealing_shape)
+                 whole_curve=True)(_levanter_shape)
+plugins.register("lr_decay_style", "fms", whole_curve=True)(_fms_shape)
+plugins.register("lr_decay_style", "fms_annealing", whole_curve=True)(_fms_annealing_shape)
 
 
 @rule

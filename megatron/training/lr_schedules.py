@@ -38,7 +38,7 @@ from megatron.training.lr_neox import EXPONENTIAL_RATE, NEOX_STYLES, annealing_l
 
 # A decay shape maps progress through the decay phase (0 at its start, 1 at its end) and the
 # number of steps already spent decaying to a multiplier of max_lr before the min_lr floor.
-DecayShape = Callable[[float, int, "ScheduleSpec"], float]
+DecayShape = Callable[[float, float, "ScheduleSpec"], float]
 
 
 
@@ -55,40 +55,40 @@ def decay_shape(style: str) -> DecayShape:
 
 
 @register_decay("constant")
-def _constant(progress: float, steps: int, spec: ScheduleSpec) -> float:
+def _constant(progress: float, steps: float, spec: ScheduleSpec) -> float:
     return 1.0
 
 
 @register_decay("linear")
-def _linear(progress: float, steps: int, spec: ScheduleSpec) -> float:
+def _linear(progress: float, steps: float, spec: ScheduleSpec) -> float:
     return 1.0 - progress
 
 
 @register_decay("cosine")
-def _cosine(progress: float, steps: int, spec: ScheduleSpec) -> float:
+def _cosine(progress: float, steps: float, spec: ScheduleSpec) -> float:
     # interpolated from max_lr to min_lr, as GPT-NeoX's (and Levanter's) cosine is
     floor = spec.min_lr / spec.max_lr if spec.max_lr else 0.0
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 @register_decay("exponential")
-def _exponential(progress: float, steps: int, spec: ScheduleSpec) -> float:
+def _exponential(progress: float, steps: float, spec: ScheduleSpec) -> float:
     # halves the learning rate over the whole decay phase, with GPT-NeoX's constant 0.693
     return math.exp(-EXPONENTIAL_RATE * progress)
 
 
 @register_decay("inv_sqrt")
-def _inv_sqrt(progress: float, steps: int, spec: ScheduleSpec) -> float:
+def _inv_sqrt(progress: float, steps: float, spec: ScheduleSpec) -> float:
     return 1.0 / math.sqrt(1.0 + steps / spec.timescale)
 
 
 @register_decay("inv")
-def _inv(progress: float, steps: int, spec: ScheduleSpec) -> float:
+def _inv(progress: float, steps: float, spec: ScheduleSpec) -> float:
     return 1.0 / (1.0 + steps / spec.timescale)
 
 
 @register_decay("wsd")
-def _wsd(progress: float, steps: int, spec: ScheduleSpec) -> float:
+def _wsd(progress: float, steps: float, spec: ScheduleSpec) -> float:
     # the stable phase comes from decay_fraction (see ScheduleSpec.effective_decay_fraction)
     return 1.0 - progress
 

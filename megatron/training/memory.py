@@ -54,6 +54,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from megatron.errors import required
 from megatron.model.config import GPTConfig
 from megatron.model.family_config import replicated_layer_parameters
 from megatron.model.flops import embedding_parameters, final_norm_parameters, layer_parameters, norm_parameters, num_parameters
@@ -119,7 +120,7 @@ class MemoryLayout:
         states = _STATE_TENSORS.get(kind, 2)
         if kind == "sgd" and not float(run.optimizer.optimizer_params.get("momentum", 0.0) or 0.0):
             states = 0
-        layers_per_stage = math.ceil(model.num_layers / pp)
+        layers_per_stage = math.ceil(model.arch.layers / pp)
         ckpt = run.activation_checkpointing
         if ckpt.selective_checkpointing:
             recomputed = len([i for i in range(layers_per_stage) if i % ckpt.selective_checkpointing == 0])
@@ -137,8 +138,9 @@ class MemoryLayout:
             overlap_comm=bool(zero.get("overlap_comm", stage == 3)),
             reduce_bucket_size=int(float(zero.get("reduce_bucket_size", 5e8))),
             optimizer_states=states,
-            micro_batch=training.train_micro_batch_size_per_gpu,
-            seq_length=training.seq_length,
+            micro_batch=required(training.train_micro_batch_size_per_gpu, "train_micro_batch_size_per_gpu",
+                                 "the activations are sized by it"),
+            seq_length=required(training.seq_length, "seq_length", "the activations are sized by it"),
             grad_accum=training.gradient_accumulation_steps,
             recomputed_layers=recomputed,
             checkpoint_chunk=chunk,
@@ -162,11 +164,11 @@ def stage_parameters(layout: MemoryLayout) -> int:
     c, tp = layout.model, layout.tp
     rep = _replicated_in_layer(c)
     per_layer = (layer_parameters(c) - rep) // tp + rep
-    layers = math.ceil(c.num_layers / layout.pp) * per_layer
-    vocab = c.padded_vocab_size * c.hidden_size // tp
-    positions = embedding_parameters(c) - c.padded_vocab_size * c.hidden_size  # the positional entry's table, replicated
+    layers = math.ceil(c.arch.layers / layout.pp) * per_layer
+    vocab = c.vocab * c.arch.hidden // tp
+    positions = embedding_parameters(c) - c.vocab * c.arch.hidden  # the positional entry's table, replicated
     first = vocab + positions + layers
-    head = c.hidden_size if c.value_head else vocab
+    head = c.arch.hidden if c.value_head else vocab
     last_extra = final_norm_parameters(c) + (head if (c.no_weight_tying or c.value_head or layout.pp > 1) else 0)
     if layout.pp == 1:
         return first + last_extra
@@ -175,10 +177,10 @@ def stage_parameters(layout: MemoryLayout) -> int:
 
 def _adapted_projections(c: GPTConfig) -> dict[str, tuple[int, int, bool]]:
     """projection -> (in, out, column-parallel) of one layer."""
-    q, kv = c.num_attention_heads * c.head_dim, c.kv_heads * c.head_dim
+    q, kv = c.arch.heads * c.head_dim, c.kv_heads * c.head_dim
     first = c.mlp_widths.first
-    return {"query_key_value": (c.hidden_size, q + 2 * kv, True), "dense": (q, c.hidden_size, False),
-            "dense_h_to_4h": (c.hidden_size, first, True), "dense_4h_to_h": (c.ffn_hidden_size, c.hidden_size, False)}
+    return {"query_key_value": (c.arch.hidden, q + 2 * kv, True), "dense": (q, c.arch.hidden, False),
+            "dense_h_to_4h": (c.arch.hidden, first, True), "dense_4h_to_h": (c.ffn_hidden_size, c.arch.hidden, False)}
 
 
 def adapter_parameters(layout: MemoryLayout) -> int:
@@ -191,14 +193,14 @@ def adapter_parameters(layout: MemoryLayout) -> int:
     for name, (d_in, d_out, column) in _adapted_projections(layout.model).items():
         if name in layout.lora.lora_target_modules:
             per_layer += r * d_in + d_out * r // tp if column else r * d_in // tp + d_out * r
-    return math.ceil(layout.model.num_layers / layout.pp) * per_layer
+    return math.ceil(layout.model.arch.layers / layout.pp) * per_layer
 
 
 def trainable_parameters(layout: MemoryLayout) -> int:
     """Parameters the optimizer holds on one device: all of the stage's, or its adapters (and a reward head)."""
     if not layout.lora.lora_enabled:
         return stage_parameters(layout)
-    return adapter_parameters(layout) + (layout.model.hidden_size if layout.model.value_head else 0)
+    return adapter_parameters(layout) + (layout.model.arch.hidden if layout.model.value_head else 0)
 
 
 # --- the estimate ------------------------------------------------------------------------------------
@@ -237,19 +239,19 @@ def sdpa_kernel(c: GPTConfig, precision: str, seq_length: int) -> SdpaKernel:
     half = precision != "fp32"
     if c.head_dim % (8 if half else 4):
         return "math"
-    windows = [c.attention_window(i) for i in range(c.num_layers)]
+    windows = [c.attention_window(i) for i in range(c.arch.layers)]
     cuts = any(w is not None and w < seq_length - 1 for w in windows)
     masked = cuts or POSITIONAL[c.pos_emb].additive_bias
     if half and not masked and c.head_dim <= 256:
         return "flash"
-    if c.kv_heads != c.num_attention_heads and not masked:
+    if c.kv_heads != c.arch.heads and not masked:
         return "math"
     return "efficient"
 
 
 def activation_bytes(layout: MemoryLayout) -> float:
     c, s, b, t = layout.model, layout.seq_length, layout.micro_batch, layout.tp
-    h, ffn = c.hidden_size, c.ffn_hidden_size
+    h, ffn = c.arch.hidden, c.ffn_hidden_size
     a = _BYTES[layout.precision]
     # RMSNorm normalises an fp32 copy of its input, which autograd keeps (torch's rms_norm saves it)
     fp32_norm_input = 4 if norm_entry(c).keeps_fp32_input and a < 4 else 0
@@ -259,7 +261,7 @@ def activation_bytes(layout: MemoryLayout) -> float:
     # hidden states (split by tp only under sequence parallelism); q/k/v, attention output and the
     # MLP's inner activations are split by tp
     replicated = 4 * h  # attention-norm input/output, mlp-norm input/output
-    split = (c.num_attention_heads * c.head_dim + 2 * kv) + c.num_attention_heads * c.head_dim + first + ffn
+    split = (c.arch.heads * c.head_dim + 2 * kv) + c.arch.heads * c.head_dim + first + ffn
     per_token = (replicated / t if layout.sequence_parallel else replicated) + split / t
     layer = s * b * per_token * a
     layer += 2 * s * b * h * fp32_norm_input / (t if layout.sequence_parallel else 1)
@@ -267,9 +269,9 @@ def activation_bytes(layout: MemoryLayout) -> float:
         layer += 2 * s * b * h  # one-byte masks of the two residual dropouts
     if sdpa_kernel(c, layout.precision, s) == "math":
         # the softmax probabilities (and, with attention dropout, its mask and the dropped copy)
-        probs = b * (c.num_attention_heads // t) * s * s
+        probs = b * (c.arch.heads // t) * s * s
         layer += probs * (a + (1 + a if c.attention_dropout else 0))
-    layers = math.ceil(c.num_layers / layout.pp)
+    layers = math.ceil(c.arch.layers / layout.pp)
     recomputed, chunk = layout.recomputed_layers, layout.checkpoint_chunk
     # one saved input per checkpointed chunk, plus the full activations of the chunk being recomputed
     stored = (layers - recomputed) * layer + math.ceil(recomputed / chunk) * s * b * h * a
@@ -279,7 +281,7 @@ def activation_bytes(layout: MemoryLayout) -> float:
     adapters = sum(1 for name in _adapted_projections(c) if name in lora.lora_target_modules) if lora.lora_r else 0
     stored += layers * adapters * s * b * lora.lora_r * a  # each adapter's rank-r product
     in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
-    logits = s * b * c.padded_vocab_size / t * (a + 4)  # logits and the fp32 copy the loss works on
+    logits = s * b * c.vocab / t * (a + 4)  # logits and the fp32 copy the loss works on
     final_norm = s * b * h * fp32_norm_input / (t if layout.sequence_parallel else 1)
     return stored * in_flight + logits + s * b * h * a + final_norm
 
@@ -306,7 +308,7 @@ def estimate(layout: MemoryLayout) -> MemoryEstimate:
     dp, k, stage = layout.dp, layout.optimizer_states, layout.zero_stage
     grads = gradient_bytes(layout, t)
     if stage == 0:
-        weights = w * p
+        weights = float(w * p)
         master = 0.0 if layout.precision == "fp32" else 4.0 * t
         states = 4.0 * k * t
     else:

@@ -53,12 +53,13 @@ class MoETraining:
                             device=self._device())  # fmt: skip
         for layer in self.layers:
             stats, layer.stats = layer.stats, RouterStats()
-            if stats.forwards == 0:
-                continue
+            lbl, z, entropy, counts = stats.load_balancing, stats.z_loss, stats.entropy, stats.counts
+            if stats.forwards == 0 or lbl is None or z is None or entropy is None or counts is None:
+                continue  # no training forward since the last read (the sums are set together by add())
             row = table[layer.layer_number]
             row[_FORWARDS], row[_TOKENS] = stats.forwards, stats.tokens
-            row[_LBL], row[_Z], row[_ENTROPY] = stats.load_balancing, stats.z_loss, stats.entropy
-            row[_COUNTS:] = stats.counts
+            row[_LBL], row[_Z], row[_ENTROPY] = lbl, z, entropy
+            row[_COUNTS:] = counts
         for group, size in ((mpu.get_pipe_parallel_group(), mpu.get_pipe_parallel_world_size()),
                             (mpu.get_data_parallel_group(), mpu.get_data_parallel_world_size())):
             if size > 1:

@@ -146,7 +146,7 @@ class _DecoupledDecay:
 
     @staticmethod
     def wrap(base: type[torch.optim.Optimizer]) -> Callable[..., torch.optim.Optimizer]:
-        class WithDecoupledDecay(base):  # type: ignore[valid-type, misc]
+        class WithDecoupledDecay(base):  # type: ignore[valid-type, misc]  # a base known only at run time
             @torch.no_grad()
             def step(self, closure: Callable[[], float] | None = None) -> Any:
                 for group in self.param_groups:

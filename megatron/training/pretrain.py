@@ -23,7 +23,7 @@ from megatron.checkpointing.save_load import BeforeCommit
 from megatron.data.build import build_datasets
 from megatron.data.batch import BatchLayout
 from megatron.data.sampler import MicroBatchIterator, prefetched
-from megatron.errors import ConfigError
+from megatron.errors import ConfigError, required
 from megatron.logging.console import is_verbose, set_verbose
 from megatron.logging.log import get_logger, set_deepspeed_log_level, setup_logging
 from megatron.logging.monitor import Monitor, build_monitor
@@ -62,7 +62,7 @@ def resolve_train_iters(training: TrainingRunArgs, train_dataset: object, batch:
     if training.train_iters:
         return training.train_iters
     if training.train_epochs and train_dataset is not None:
-        return len(train_dataset) // batch.global_size  # type: ignore[arg-type]
+        return len(train_dataset) // batch.global_size  # type: ignore[arg-type]  # every train split is Sized
     raise ConfigError("set train_iters (or train_epochs) so the run knows when to stop")
 
 
@@ -92,7 +92,8 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     model_parallel_manual_seed(training.seed)
     tokenizer = build_tokenizer(run.tokenizer)
     model_config = run.model.for_tokenizer(run.tokenizer.padded(tokenizer.vocab_size, run.parallel.model_parallel_size))
-    padded_vocab = model_config.padded_vocab_size
+    padded_vocab = model_config.vocab
+    seq = required(training.seq_length, "seq_length", "every batch is this long")
     splits = build_datasets(run.data, tokenizer, padded_vocab)
     # the batch sizes deepy.py solved, on this run's data-parallel ranks (context-parallel ranks read alike)
     batch = BatchLayout.of(training, dp=mpu.get_data_shard_count())
@@ -149,9 +150,9 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
             cp=run.parallel.context_parallel_size,
             zero_stage=int((run.deepspeed.get("zero_optimization") or {}).get("stage", 0) or 0),
             precision=compute_dtype(training.precision), micro_batch=batch.micro, accumulation=batch.gas,
-            global_batch=batch.global_size, seq_length=training.seq_length,
+            global_batch=batch.global_size, seq_length=seq,
             rows_per_sample=objective.rows_per_sample,
-            tokens_per_step=batch.global_size * training.seq_length * objective.rows_per_sample,
+            tokens_per_step=batch.global_size * seq * objective.rows_per_sample,
             train_iters=train_iters, start_iteration=state.iteration, split_tokens=split_tokens,
             split_documents=split_documents, eval_interval=training.eval_interval if splits.valid is not None else None,
             eval_iters=training.eval_iters, save=run.checkpoint.save)):
@@ -171,9 +172,8 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
     # read ahead by a background thread (num_workers micro-batches), pinned for asynchronous copies on a
     # GPU; the data timer measures what the step still waits for
     micro = TimedIterator(prefetched(source, training.num_workers), monitor.timers)
-    seq = training.seq_length
     # whole model: FLOPs are per token
-    recomputed = len(layers_to_checkpoint(run.activation_checkpointing, model_config.num_layers))
+    recomputed = len(layers_to_checkpoint(run.activation_checkpointing, model_config.arch.layers))
     ctx = LoopContext(
         eng=eng, training=training, micro_batches=micro, device=device,
         train_iters=train_iters, global_batch_size=g, tokens_per_step=g * seq * objective.rows_per_sample,

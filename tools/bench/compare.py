@@ -170,11 +170,15 @@ def hf_contender(arch: Arch, compile_model: bool) -> Contender:
     dev = harness.device()
     config = GPTNeoXConfig(
         vocab_size=arch.vocab, hidden_size=arch.hidden, num_hidden_layers=arch.layers,
-        num_attention_heads=arch.heads, intermediate_size=4 * arch.hidden, rotary_pct=1.0,
+        num_attention_heads=arch.heads, intermediate_size=4 * arch.hidden,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
         max_position_embeddings=arch.seq, use_parallel_residual=False, hidden_dropout=0.0, attention_dropout=0.0,
-        tie_word_embeddings=False, attn_implementation="sdpa",
+        tie_word_embeddings=False,
     )
-    model = GPTNeoXForCausalLM(config).to(dev)
+    model = GPTNeoXForCausalLM(config)
+    model.set_attn_implementation("sdpa")
+    # transformers types PreTrainedModel.to as an unbound wrapper (its first argument the model): arg-type
+    model = model.to(dev)  # type: ignore[arg-type]
     forward = torch.compile(model) if compile_model else model
     tokens, labels = fixed_batch(arch, dev)
 

@@ -27,6 +27,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,7 @@ EOD = 0
 
 
 def _rank(rank: int, world: int, out_dir: str, seq: int, docs: bool, steps: int, doc_length: int,
-          model: dict[str, int]) -> None:
+          model: dict[str, Any]) -> None:
     # one thread per rank: cp1 runs on one core, cp2 on two (more threads per rank made the single-rank
     # timings swing 5x on a loaded 2-core machine)
     torch.set_num_threads(1)
@@ -85,7 +86,7 @@ def _rank(rank: int, world: int, out_dir: str, seq: int, docs: bool, steps: int,
     dist.destroy_process_group()
 
 
-def run_case(seq: int, cp: int, docs: bool, steps: int, doc_length: int, model: dict[str, int]) -> dict[str, float]:
+def run_case(seq: int, cp: int, docs: bool, steps: int, doc_length: int, model: dict[str, Any]) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(_rank, args=(cp, out, seq, docs, steps, doc_length, model), nprocs=cp,
                            start_method="spawn")

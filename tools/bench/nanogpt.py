@@ -61,6 +61,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    cos: torch.Tensor  # registered buffers
+    sin: torch.Tensor
+
     def __init__(self, *, layers: int, hidden: int, heads: int, seq: int, vocab: int) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, hidden)

@@ -236,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         verdict = ""
         if goal is not None and r.mfu is not None:
             verdict = f"  (goal MFU >= {goal:.0%}: {'meets' if r.mfu >= goal else 'below'})"
-        mb = f" mb {r.micro_batch}" if r.micro_batch else ""
-        print(f"  {r.config}{mb}: {describe(r)}{verdict}")
+        batch = f" mb {r.micro_batch}" if r.micro_batch else ""
+        print(f"  {r.config}{batch}: {describe(r)}{verdict}")
     if o.json:
         o.json.write_text(json.dumps({"device": device_line(), "results": [asdict(r) for r in results]}, indent=2))
     return 0 if all(r.ok for r in results) else 1

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from megatron.atomic_files import atomic_path
@@ -77,7 +78,7 @@ def as_kto(pairs: list[dict[str, str]]) -> list[dict[str, object]]:
     return rows
 
 
-def write_jsonl(rows: list[dict[str, object]], path: Path) -> None:
+def write_jsonl(rows: Sequence[Mapping[str, object]], path: Path) -> None:
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as handle:
         for row in rows:
             handle.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs = splits["train"] + splits["valid"]
     out = Path(args.output_dir)
     for split, rows in splits.items():
-        records: list[dict[str, object]] = list(rows) if args.format == "pairwise" else as_kto(rows)
+        records: Sequence[Mapping[str, object]] = rows if args.format == "pairwise" else as_kto(rows)
         jsonl = out / f"{split}.jsonl"
         write_jsonl(records, jsonl)
         masked.main(["--input", str(jsonl), "--output-prefix", str(out / split), "--mode", args.format,

@@ -26,12 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
     rows = [count(prefix) for prefix in args.datasets]
-    total = {"prefix": "total", **{k: sum(int(r[k]) for r in rows) for k in ("documents", "sequences", "tokens")}}
+    total: dict[str, int | str] = {"prefix": "total", **{k: sum(int(r[k]) for r in rows) for k in ("documents", "sequences", "tokens")}}
     if args.json:
         for row in [*rows, total]:
             print(json.dumps(row))
         return 0
-    width = max(len(str(r["prefix"])) for r in [*rows, total])
+    width = max(len(str(row["prefix"])) for row in [*rows, total])
     print(f"{'dataset':<{width}}  {'documents':>12}  {'sequences':>12}  {'tokens':>15}")
     for r in [*rows, total] if len(rows) > 1 else rows:
         print(f"{r['prefix']:<{width}}  {r['documents']:>12,}  {r['sequences']:>12,}  {r['tokens']:>15,}")

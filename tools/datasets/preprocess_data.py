@@ -71,11 +71,11 @@ def open_lines(path: str) -> BinaryIO:
     """A binary line reader; .gz and .zst are decompressed as a stream."""
     raw = open(path, "rb")
     if path.endswith(".gz"):
-        return gzip.GzipFile(fileobj=raw)  # type: ignore[return-value]
+        return gzip.GzipFile(fileobj=raw)  # type: ignore[return-value]  # a BinaryIO the stubs do not say
     if path.endswith((".zst", ".zstd")):
         import zstandard
 
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))  # type: ignore[return-value]
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
     return raw
 
 
@@ -317,7 +317,7 @@ def preprocess(args: argparse.Namespace) -> dict[str, Any]:
     progress = Progress(args.num_docs, args.log_interval, args.quiet)
     empty = {k: 0 for k in args.jsonl_keys}
     docs_out = {k: 0 for k in args.jsonl_keys}
-    bad, examples = 0, []
+    bad, examples = 0, list[str]()
     try:
         chunks = read_chunks(files)
         first = next(chunks, None)

@@ -77,6 +77,7 @@ def load_chat_template(template_file: str | None, vocab_file: str | None) -> Cha
         cfg_path = Path(vocab_file).parent / "tokenizer_config.json"
         if cfg_path.is_file():
             config = json.loads(cfg_path.read_text())
+    source: str | None
     if template_file:
         path = Path(template_file)
         if not path.is_file():

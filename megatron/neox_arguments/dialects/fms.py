@@ -36,7 +36,7 @@ def fms_llama(emb_dim: int = 4096, nheads: int = 32, kvheads: int = 0, nlayers: 
                 max_position_embeddings=max_expected_seq_len, padded_vocab_size=src_vocab_size)
 
 
-_L3 = dict(src_vocab_size=128256, rope_theta=500000.0)
+_L3: dict[str, Any] = dict(src_vocab_size=128256, rope_theta=500000.0)
 MODEL_VARIANTS: dict[str, dict[str, Any]] = {
     # get_model_config, in its order
     "llama2_70b": fms_llama(emb_dim=8192, multiple_of=4096, nheads=64, kvheads=8, nlayers=80,

@@ -21,7 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from typing import ClassVar, overload
 
 import torch
 
@@ -125,6 +125,14 @@ def shifted(sample: Mapping[str, torch.Tensor], text_key: str, label_key: str | 
         keep &= labels != eod_token
     labels = torch.where(keep, labels, torch.full_like(labels, IGNORE_INDEX))
     return text[:, :-1].contiguous(), labels.contiguous()
+
+
+@overload
+def micro_batch_denominator(global_units: torch.Tensor, micro_batches: int, dp_size: int) -> torch.Tensor: ...
+
+
+@overload
+def micro_batch_denominator(global_units: float, micro_batches: int, dp_size: int) -> float: ...
 
 
 def micro_batch_denominator(global_units: float | torch.Tensor, micro_batches: int,

@@ -49,7 +49,7 @@ class LMObjective(Objective):
     train_impl = "normal"
 
     @property
-    def metric_names(self) -> tuple[str, ...]:  # type: ignore[override]
+    def metric_names(self) -> tuple[str, ...]:  # type: ignore[override]  # a ClassVar elsewhere, per-config here
         return ("z_loss",) if self.config.z_loss > 0 else ()
 
     def prepare(self, sample: Mapping[str, torch.Tensor]) -> MicroBatch:

@@ -14,7 +14,7 @@ every rank returns the same numbers.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,14 @@ def last_stage_rank() -> int:
     return int(topo.filter_match(pipe=topo.get_dim("pipe") - 1, data=me.dp, model=me.tp)[0])
 
 
+class EngineHandle(Protocol):
+    """What a runner reads of :class:`megatron.training.engine.Engine` (named by its shape: that module
+    imports this package)."""
+
+    engine: Any  # DeepSpeed's DeepSpeedEngine or PipelineEngine: DeepSpeed ships no type information
+    is_pipe: bool
+
+
 class ObjectiveRunner:
     """Runs global batches of one objective through one engine (``megatron.training.engine.Engine``)."""
 
@@ -63,7 +71,7 @@ class ObjectiveRunner:
         denominator = micro_batch_denominator(_dp_sum(units), len(batches), mpu.get_data_parallel_world_size())
         return self.reference.fill(batches, split, device), denominator
 
-    def run(self, eng: Any, micro_batches: Iterator[dict[str, torch.Tensor]], split: str, device: torch.device,
+    def run(self, eng: EngineHandle, micro_batches: Iterator[dict[str, torch.Tensor]], split: str, device: torch.device,
             train: bool) -> torch.Tensor:
         """One global batch; returns its loss (the same on every rank) as a 0-dim device tensor,
         unread. Metrics accumulate."""
@@ -96,7 +104,7 @@ class ObjectiveRunner:
                 engine.train()
         return mean_over_data_parallel(torch.stack(losses).mean())
 
-    def collect_metrics(self, eng: Any, device: torch.device) -> dict[str, float]:
+    def collect_metrics(self, eng: EngineHandle, device: torch.device) -> dict[str, float]:
         """Means of the metrics accumulated since the last call, identical on every rank; resets them."""
         names = tuple(self.objective.metric_names)
         if not names:
