@@ -29,8 +29,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron.checkpointing import commit, discovery, neox_import
-from megatron.checkpointing.neox_layout import GqaOrder
+from megatron.checkpointing import commit, discovery
+from megatron.checkpointing.neox import load as neox_import
+from megatron.checkpointing.neox.layout import GqaOrder
 from megatron.checkpointing.preemption import PreemptionWatcher
 from megatron.checkpointing.retention import (
     CheckpointKind,
@@ -112,7 +113,7 @@ class CheckpointManager:
         neox_qkv_order: GqaOrder | None = None,
     ) -> None:
         self.neox_qkv_order = neox_qkv_order
-        """How a grouped-query GPT-NeoX checkpoint's QKV rows are ordered (``neox_import``)."""
+        """How a grouped-query GPT-NeoX checkpoint's QKV rows are ordered (``neox/load.py``)."""
         self.save_dir = Path(save) if save else None
         self.load_dir = Path(load) if load else None
         self.load_requested = load_requested

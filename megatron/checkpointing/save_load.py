@@ -9,7 +9,7 @@ One checkpoint directory ``<save>/global_step<N>/`` holds
 * ``deepy_meta.json``: iteration, consumed samples, layout, the resolved arguments - readable
   without torch, so a load can decide whether to convert before touching any tensor;
 * ``configs/resolved.yml``: every key of the run with its resolved value, for GPT-NeoX's tools
-  (``neox_record.py``; the files' original text is in ``deepy_meta.json``);
+  (``neox/record.py``; the files' original text is in ``deepy_meta.json``);
 * ``COMMITTED``: written last (see ``commit.py``).
 
 Every rank takes part in every collective whatever happens to its own writes: file errors are
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpointing import commit, reshard
-from megatron.checkpointing import neox_record
+from megatron.checkpointing.neox import record as neox_record
 from megatron.checkpointing.expert_shards import check_expert_layout, load_expert_shards, save_expert_shards
 from megatron.checkpointing.new_parameters import tolerating_new_parameters
 from megatron.checkpointing.preemption import collective_device
@@ -63,8 +63,8 @@ CLIENT_KEY = "deepy"
 WEIGHTS_ONLY_KEY = "weights_only"
 """``deepy_meta.json`` flag of a converted checkpoint: module weights only, no optimizer or RNG files."""
 FORMAT_VERSION = 3
-"""3: model files in GPT-NeoX's current layout (``neox_layout.py``); 2: in its mid-2024 layout; 1: Deepy's
-first layout. All are read (``neox_files.GQA_ORDER_OF_FORMAT``)."""
+"""3: model files in GPT-NeoX's current layout (``neox/layout.py``); 2: in its mid-2024 layout; 1: Deepy's
+first layout. All are read (``neox.files.GQA_ORDER_OF_FORMAT``)."""
 READABLE_FORMATS = (1, 2, 3)
 
 

@@ -9,7 +9,6 @@ Everything here works on *full* (unsharded) weights under our canonical paramete
   (GPTNeoXForCausalLM, LlamaForCausalLM, MistralForCausalLM), both ways, refusing what has no
   faithful equivalent;
 * ``hf_tokenizer``: our tokenizer as HF tokenizer files, checked to encode identically;
-* ``neox_checkpoint``: a GPT-NeoX (DeeperSpeed) checkpoint directory read into full weights;
 * ``verify``: our model and the ``transformers`` model on one batch, max |Δ logits|;
 * ``yaml_config``: the Deepy config written next to an imported checkpoint.
 

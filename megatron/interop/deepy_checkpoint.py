@@ -5,13 +5,13 @@ own partition patterns (``megatron.model.partitioning``), the inverse of the sha
 starts from (``mpu.initialize_weights.shard_tensor``):
 
 * the model files are in GPT-NeoX's layout (or Deepy's earlier one), translated back to ``GPTModel``
-  names and Deepy's QKV order by ``checkpointing.neox_files`` (see ``checkpointing/neox_layout.py``);
+  names and Deepy's QKV order by ``checkpointing.neox.files`` (see ``checkpointing/neox/layout.py``);
 * ZeRO-3 (tp = 1): the module files hold placeholders; DeepSpeed's ``zero_to_fp32`` rebuilds the weights
   from the optimizer shards.
 
 Writing: the same files (GPT-NeoX's layout) for a chosen tp/pp, module weights only (no optimizer or RNG files),
 plus ``deepy_meta.json`` marked ``weights_only``, ``configs/resolved.yml`` and the ``args`` GPT-NeoX reads
-(``checkpointing/neox_record.py``) and the commit marker. DeepSpeed's module-only
+(``checkpointing/neox/record.py``) and the commit marker. DeepSpeed's module-only
 load (fine-tuning) reads exactly these files: the first run after a conversion starts its optimizer
 fresh. DeepSpeed has no offline writer for its checkpoint layout, hence the few lines that
 produce it here; ``tests/e2e/test_hf_interop.py`` loads them through a real DeepSpeed engine.
@@ -28,11 +28,12 @@ from typing import Any
 
 import torch
 
-from megatron.checkpointing import commit, neox_record
+from megatron.checkpointing import commit
+from megatron.checkpointing.neox import record as neox_record
 from megatron.checkpointing.local_weights import merge_tp_shards
 from megatron.checkpointing.local_weights import stored_model_config as gpt_config_from_args
-from megatron.checkpointing.neox_files import canonical_rank_weights
-from megatron.checkpointing.neox_layout import NeoxNames, layer_to_neox, plain_to_neox
+from megatron.checkpointing.neox.files import canonical_rank_weights
+from megatron.checkpointing.neox.layout import NeoxNames, layer_to_neox, plain_to_neox
 from megatron.checkpointing.safe_load import weights_only_loading
 from megatron.checkpointing.save_load import (
     CLIENT_KEY,

@@ -33,7 +33,7 @@ from deepspeed.runtime.utils import is_model_parallel_parameter
 from torch import nn
 
 from megatron import mpu
-from megatron.checkpointing import neox_files
+from megatron.checkpointing.neox import files as neox_files
 from megatron.deepspeed_internals import (
     before_optimizer_step,
     quiet_step_line,

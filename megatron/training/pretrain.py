@@ -41,7 +41,7 @@ from megatron.training.engine import build_engine, layers_to_checkpoint, partiti
 from megatron.training.evaluate import maybe_evaluator
 from megatron.training.loop import Hooks, LoopContext, TrainState, train
 from megatron.training.objectives import build_objective, build_reference
-from megatron.training.task_evaluation import TaskEvaluation
+from megatron.evaluation.in_training import TaskEvaluation
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.run_config import RunConfig

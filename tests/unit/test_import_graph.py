@@ -144,7 +144,7 @@ ARGUMENT_LAYER_READERS: dict[str, str] = {
     "megatron.training.pretrain": "train.py's main: reads the resolved config file deepy.py wrote",
     "megatron.generation.entry": "generate.py's main: reads the resolved config file",
     "megatron.evaluation.entry": "eval.py's main: reads the resolved config file",
-    "megatron.interop.neox_checkpoint": "reads a GPT-NeoX checkpoint's stored config, spelled as GPT-NeoX keys",
+    "megatron.checkpointing.neox.reader": "reads a GPT-NeoX checkpoint's stored config, spelled as GPT-NeoX keys",
 }
 """Modules outside the argument layer that may import it, and why: the entry points that read the
 resolved config, and the reader of configs stored in GPT-NeoX checkpoints."""

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from megatron.checkpointing.neox_files import gqa_order_for, neox_checkpoint_shards
-from megatron.checkpointing.neox_layout import GqaOrder, NeoxNames
+from megatron.checkpointing.neox.files import gqa_order_for, neox_checkpoint_shards
+from megatron.checkpointing.neox.layout import GqaOrder, NeoxNames
 from megatron.errors import CheckpointError
 
 _MP_FILE = "mp_rank_00_model_states.pt"
@@ -29,7 +29,7 @@ _MP_FILE = "mp_rank_00_model_states.pt"
 
 def neox_position(tag: Path, args: dict[str, Any]) -> tuple[int, int]:
     """(iteration, consumed samples) recorded by GPT-NeoX in ``mp_rank_00_model_states.pt``."""
-    from megatron.checkpointing.neox_files import load_model_file as _load
+    from megatron.checkpointing.neox.files import load_model_file as _load
 
     state = _load(tag / _MP_FILE) if (tag / _MP_FILE).is_file() else {}
     iteration = int(state.get("iteration") or state.get("global_steps") or 0)
@@ -47,7 +47,7 @@ the padded vocabulary is checked as the embedding's rows)."""
 def recorded_mismatches(tag: Path, args: dict[str, Any]) -> list[str]:
     """Where the ``args`` GPT-NeoX recorded in ``tag`` disagree with this run (same-shape tensors can
     hide some: a different head count splits the same QKV weight into other heads)."""
-    from megatron.checkpointing.neox_files import load_model_file as _load
+    from megatron.checkpointing.neox.files import load_model_file as _load
 
     state = _load(tag / _MP_FILE) if (tag / _MP_FILE).is_file() else {}
     recorded = state.get("args") if isinstance(state, dict) else None
