@@ -17,7 +17,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from megatron import mpu
-from megatron.checkpointing.hooks import CheckpointHooks
+from megatron.checkpointing.manager import CheckpointHooks
 from megatron.checkpointing.manager import CheckpointManager
 from megatron.checkpointing.save_load import BeforeCommit
 from megatron.data.build import build_datasets
