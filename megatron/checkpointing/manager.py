@@ -40,8 +40,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron.checkpointing import commit, discovery
-from megatron.checkpointing.neox import load as neox_import
-from megatron.checkpointing.neox.layout import GqaOrder
+from megatron.checkpointing.neox import GqaOrder, load_neox_weights, neox_position
 from megatron.checkpointing.preemption import PreemptionWatcher
 from megatron.checkpointing.commit import (
     CheckpointKind,
@@ -263,11 +262,11 @@ class CheckpointManager:
                     log.info("%s already holds %s of this run: resuming it, not re-loading %s", self.save_dir,
                              own_tag, tag)
                 return self._resume(engine, self.save_dir, own_tag, rank)
-        result = LoadResult(loaded=True, path=tag, notes=neox_import.load_neox_weights(engine, tag, self.args_dict,
+        result = LoadResult(loaded=True, path=tag, notes=load_neox_weights(engine, tag, self.args_dict,
                                                                                       self.neox_qkv_order))
         weights_only = self.finetune or self.initialize_from is not None
         if not weights_only:
-            result.iteration, result.consumed_samples = neox_import.neox_position(tag, self.args_dict)
+            result.iteration, result.consumed_samples = neox_position(tag, self.args_dict)
             self.last_saved_step = result.iteration
         self._report(rank, result, "initialized weights from" if weights_only else "resumed from")
         return result

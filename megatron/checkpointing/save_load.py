@@ -46,7 +46,8 @@ import torch.distributed as dist
 from megatron.checkpointing import commit, reshard
 from megatron.checkpointing.commit import CheckpointKind
 from megatron.checkpointing.expert_shards import check_expert_layout, load_expert_shards, save_expert_shards
-from megatron.checkpointing.neox import record as neox_record
+from megatron.checkpointing.neox import config_files as neox_config_files
+from megatron.checkpointing.neox import neox_checkpoint_args
 from megatron.checkpointing.new_parameters import base_checkpoint_loading, base_for_adapters, tolerating_new_parameters
 from megatron.checkpointing.preemption import collective_device
 from megatron.checkpointing.resume_checks import SHAPE_KEYS
@@ -173,7 +174,7 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Save
     client_state = {
         # what GPT-NeoX's own loader and tools read from mp_rank_XX_model_states.pt
         "iteration": request.step,
-        "args": neox_record.neox_checkpoint_args(request.args),
+        "args": neox_checkpoint_args(request.args),
         CLIENT_KEY: {
             "format": FORMAT_VERSION,
             "iteration": request.step,
@@ -247,7 +248,7 @@ def _write_rank_files(ckpt_dir: Path, request: SaveRequest, rank: int) -> None:
     (ckpt_dir / META_FILE).write_text(json.dumps(meta, indent=1, default=str), encoding="utf-8")
     configs = ckpt_dir / CONFIGS_DIR
     configs.mkdir(exist_ok=True)
-    for name, text in neox_record.config_files(request.args).items():
+    for name, text in neox_config_files(request.args).items():
         (configs / name).write_text(text, encoding="utf-8")
 
 

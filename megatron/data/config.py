@@ -16,7 +16,7 @@ from typing import Literal, Protocol
 from pydantic import Field
 
 from megatron.config_schema import ArgGroup, partly_supported
-from megatron.training.objectives.registry import needs_of, reads_reference_files
+from megatron.objective_needs import needs_of, reads_reference_files
 
 SPLITS = ("train", "valid", "test")
 # GPT-NeoX's per-split path lists: {prefix}{split}_{kind}data_paths

@@ -82,7 +82,7 @@ def eval_tasks_can_run(ctx: RuleContext) -> list[str]:
     tasks = ctx.get("eval_tasks")
     if not tasks:
         return []
-    from megatron.training.objectives.registry import needs_of
+    from megatron.objective_needs import needs_of
 
     shown = ctx.show("eval_tasks")
     problems: list[str] = []

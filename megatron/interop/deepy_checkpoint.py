@@ -29,11 +29,10 @@ from typing import Any
 import torch
 
 from megatron.checkpointing import commit
-from megatron.checkpointing.neox import record as neox_record
 from megatron.checkpointing.local_weights import merge_tp_shards
 from megatron.checkpointing.local_weights import stored_model_config as gpt_config_from_args
-from megatron.checkpointing.neox.files import canonical_rank_weights
-from megatron.checkpointing.neox.layout import NeoxNames, layer_to_neox, plain_to_neox
+from megatron.checkpointing.neox import NeoxNames, canonical_rank_weights, layer_to_neox, neox_checkpoint_args, plain_to_neox
+from megatron.checkpointing.neox import config_files as neox_config_files
 from megatron.checkpointing.safe_load import weights_only_loading
 from megatron.checkpointing.save_load import (
     CLIENT_KEY,
@@ -154,7 +153,7 @@ def _engine_state(module: Weights | None, step: int, consumed_samples: int, mp_w
         "lr_scheduler": None, "data_sampler": None, "random_ltd": None, "skipped_steps": 0,
         "global_steps": step, "global_samples": consumed_samples, "dp_world_size": 1,
         "mp_world_size": mp_world_size, "ds_config": {}, "ds_version": deepspeed.__version__,
-        "iteration": step, "args": neox_record.neox_checkpoint_args(args),  # GPT-NeoX's client state
+        "iteration": step, "args": neox_checkpoint_args(args),  # GPT-NeoX's client state
         CLIENT_KEY: {"format": FORMAT_VERSION, "iteration": step, "consumed_samples": consumed_samples},
     }  # fmt: skip
 
@@ -214,7 +213,7 @@ def write_weights_only_checkpoint(
     (ckpt / META_FILE).write_text(json.dumps(meta, indent=1, default=str), encoding="utf-8")
     (ckpt / CONFIGS_DIR).mkdir()
     resolved = {"pipe_parallel_size": pp, "model_parallel_size": tp, "num_layers": config.num_layers, **args}
-    for name, text in neox_record.config_files(resolved).items():
+    for name, text in neox_config_files(resolved).items():
         (ckpt / CONFIGS_DIR / name).write_text(text, encoding="utf-8")
     commit.write_commit_marker(ckpt, commit.CommitInfo(step=step, kind="permanent", time=time.time()))
     commit.write_latest(save_dir, ckpt.name)

@@ -16,8 +16,16 @@ import torch
 import yaml
 from neox_reference_layout import neox_files, write_neox_checkpoint
 
-from megatron.checkpointing.neox.files import GQA_ORDER_OF_FORMAT, gqa_order_for, neox_checkpoint_shards
-from megatron.checkpointing.neox.layout import PER_QUERY_HEAD, PER_RANK, NeoxNames, qkv_from_neox, qkv_to_neox
+from megatron.checkpointing.neox import (
+    GQA_ORDER_OF_FORMAT,
+    PER_QUERY_HEAD,
+    PER_RANK,
+    NeoxNames,
+    gqa_order_for,
+    neox_checkpoint_shards,
+    qkv_from_neox,
+    qkv_to_neox,
+)
 from megatron.errors import CheckpointError
 from megatron.interop.deepy_checkpoint import merge_tp_shards, read_full_checkpoint, write_weights_only_checkpoint
 from megatron.interop.hf_model import build_gpt_model
@@ -186,7 +194,7 @@ def test_args_and_configs_are_what_gpt_neox_reads() -> None:
     args, and its load asserts each equals its own value: another key would stop it. configs/ holds
     every resolved value (overrides included), pipe_parallel_size even at Deepy's default 0 (GPT-NeoX's
     converter assumes a pipeline when the key is absent)."""
-    from megatron.checkpointing.neox.record import config_files, neox_checkpoint_args
+    from megatron.checkpointing.neox import config_files, neox_checkpoint_args
     from megatron.neox_arguments.arguments import NeoXArgs
 
     args = NeoXArgs(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16,

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from megatron.checkpointing import commit, discovery
-from megatron.checkpointing.neox.files import GQA_ORDER_OF_FORMAT, ORDER_KEY, load_model_file
+from megatron.checkpointing.neox import GQA_ORDER_OF_FORMAT, ORDER_KEY, load_model_file
 from megatron.checkpointing.save_load import META_FILE
 from megatron.errors import CheckpointError, UsageError, run_guarded
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from megatron.checkpointing.local_weights import local_weights, merge_tp_shards, stored_model_config
 from megatron.checkpointing.neox.files import gqa_order_for, neox_checkpoint_shards
 from megatron.checkpointing.neox.layout import GqaOrder, NeoxNames
 from megatron.errors import CheckpointError
@@ -62,8 +63,6 @@ def load_neox_weights(engine: Any, tag: Path, args: dict[str, Any], qkv_order: G
     Returns notes for the log."""
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    from megatron.checkpointing.local_weights import local_weights
-    from megatron.interop.deepy_checkpoint import gpt_config_from_args, merge_tp_shards
     from megatron.mpu import topology
 
     if int(engine.zero_optimization_stage()) == 3:
@@ -73,7 +72,7 @@ def load_neox_weights(engine: Any, tag: Path, args: dict[str, Any], qkv_order: G
     if mismatched:
         raise CheckpointError(f"the GPT-NeoX checkpoint {tag} was saved for another model (its recorded args):\n  "
                               + "\n  ".join(mismatched))
-    config = gpt_config_from_args(args)
+    config = stored_model_config(args)
     names = gqa_order_for(NeoxNames.from_config(config), None, qkv_order, tag)
     shards, source_tp = neox_checkpoint_shards(tag, names)
     full = merge_tp_shards(config, shards)

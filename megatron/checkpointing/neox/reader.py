@@ -20,10 +20,10 @@ import torch
 import yaml
 
 from megatron.checkpointing.discovery import find_gpt_neox_tag
-from megatron.errors import CheckpointError, ConversionError
+from megatron.checkpointing.local_weights import merge_tp_shards
 from megatron.checkpointing.neox.files import gqa_order_for, load_model_file, neox_checkpoint_shards
 from megatron.checkpointing.neox.layout import GqaOrder, NeoxNames
-from megatron.interop.deepy_checkpoint import merge_tp_shards
+from megatron.errors import CheckpointError, ConversionError
 from megatron.model.config import GPTConfig
 from megatron.model.mlp_width import GATED_ACTIVATIONS, intermediate_size_for
 from megatron.neox_arguments.keys import normalize_key
