@@ -1,7 +1,7 @@
 """Reference log-probabilities for DPO/KTO, computed once by `generate.py` (`text_gen_type: precompute`).
 
-Format (the contract with the DPO/KTO data readers; read it with `megatron.data.reference_logprobs.open_reference_logprobs`)
-------------------------------------------------------------------------------------------------------------------------
+Format (the contract with the DPO/KTO data readers; read by `data/reference_logprobs.py`'s `open_reference_logprobs`)
+---------------------------------------------------------------------------------------------------------------------
 For every token dataset `<prefix>.bin/.idx` of the config (`data_path`, `{train,valid,test}_data_paths`,
 `pos_`/`neg_{train,valid,test}_data_paths`), the run writes, next to it,
 

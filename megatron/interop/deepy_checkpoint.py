@@ -31,7 +31,13 @@ import torch
 from megatron.checkpointing import commit
 from megatron.checkpointing.local_weights import merge_tp_shards
 from megatron.checkpointing.local_weights import stored_model_config as gpt_config_from_args
-from megatron.checkpointing.neox import NeoxNames, canonical_rank_weights, layer_to_neox, neox_checkpoint_args, plain_to_neox
+from megatron.checkpointing.neox import (
+    NeoxNames,
+    canonical_rank_weights,
+    layer_to_neox,
+    neox_checkpoint_args,
+    plain_to_neox,
+)
 from megatron.checkpointing.neox import config_files as neox_config_files
 from megatron.checkpointing.safe_load import weights_only_loading
 from megatron.checkpointing.save_load import (
