@@ -12,6 +12,23 @@ leaves either a committed checkpoint or a directory without a marker, which load
 warning. A step saved again by another trajectory (a rewind with ``iteration``) is written to
 ``global_step100.replacing/``, committed there and then swapped in (:func:`replace_checkpoint`).
 These helpers only touch the file system; the barrier around them lives in ``save_load.py``.
+
+Retention:
+When to save a checkpoint and which old ones to delete: a pure policy object.
+
+Three families of rules meet here, each from a project that users already know:
+
+* GPT-NeoX step saves: every ``checkpoint_factor`` steps (``checkpoint_scale: linear``) or at the
+  powers of ``checkpoint_factor`` (``checkpoint_scale: log``), plus ``extra_save_iters``; the oldest
+  of these are pruned down to ``keep_last_n_checkpoints``.
+* Levanter time saves (``save_interval: 15min``): *temporary* checkpoints that exist only so a
+  crash loses little work. The previous temporary one is deleted only after a newer checkpoint is
+  committed, so there is always one complete checkpoint on disk.
+* Levanter permanent steps (``keep: [{every: 1000, until: 10000}, {every: 5000}]``): never deleted.
+
+The policy never touches the disk or a clock of its own: it gets the time from an injected
+``clock`` and the list of committed checkpoints from the caller, so every rule is unit-testable
+with a fake clock. Every rank runs it; for the clock's part rank 0's answer is agreed (``manager.py``).
 """
 
 from __future__ import annotations
@@ -21,12 +38,13 @@ import logging
 import os
 import re
 import shutil
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from megatron.atomic_files import atomic_write_text, fsync_dir
-from megatron.checkpointing.retention import CheckpointKind
 
 log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0 speaks
 
@@ -191,3 +209,155 @@ def remove_checkpoint(save_dir: Path, step: int) -> None:
             marker.unlink()
             fsync_dir(path)
         shutil.rmtree(path, ignore_errors=True)
+
+
+# --- Retention -----------------------------------------------------------------------------------
+CheckpointKind = Literal["permanent", "step", "temporary"]
+
+# Ordered by how long a checkpoint of that kind must survive; when one step matches several
+# rules the longest-lived kind wins.
+_KIND_RANK: dict[CheckpointKind, int] = {"temporary": 0, "step": 1, "permanent": 2}
+
+
+@dataclass(frozen=True)
+class KeepRule:
+    """Keep every ``every``-th step for good, up to and including ``until`` (None = forever)."""
+
+    every: int
+    until: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.every <= 0:
+            raise ValueError(f"keep rule 'every' must be a positive step count, got {self.every}")
+
+    def matches(self, step: int) -> bool:
+        return step > 0 and step % self.every == 0 and (self.until is None or step <= self.until)
+
+
+@dataclass(frozen=True)
+class SaveDecision:
+    """Whether to save after a step, and how long the checkpoint should live."""
+
+    save: bool
+    kind: CheckpointKind = "step"
+    reason: str = ""
+
+
+NO_SAVE = SaveDecision(save=False, reason="")
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    """What retention needs to know about a checkpoint already on disk."""
+
+    step: int
+    kind: CheckpointKind
+
+
+def step_save_iterations(
+    checkpoint_factor: int | None,
+    checkpoint_scale: Literal["linear", "log"],
+    extra_save_iters: Iterable[int] | None,
+    train_iters: int,
+) -> frozenset[int]:
+    """The GPT-NeoX step schedule as an explicit set, so it can be printed and tested."""
+    steps: set[int] = set(extra_save_iters or ())
+    if checkpoint_factor:
+        if checkpoint_scale == "linear":
+            steps.update(range(checkpoint_factor, train_iters + 1, checkpoint_factor))
+        elif checkpoint_scale == "log":
+            if checkpoint_factor < 2:
+                raise ValueError("checkpoint_scale 'log' needs checkpoint_factor >= 2")
+            power = checkpoint_factor
+            while power <= train_iters:
+                steps.add(power)
+                power *= checkpoint_factor
+        else:
+            raise ValueError(f"unknown checkpoint_scale {checkpoint_scale!r}; use 'linear' or 'log'")
+    return frozenset(s for s in steps if 0 < s <= train_iters)
+
+
+class RetentionPolicy:
+    """Decides after each step whether to save, and after each commit what to delete."""
+
+    def __init__(
+        self,
+        *,
+        train_iters: int,
+        checkpoint_factor: int | None = None,
+        checkpoint_scale: Literal["linear", "log"] = "linear",
+        extra_save_iters: Iterable[int] | None = None,
+        keep_last_n_checkpoints: int | None = None,
+        save_interval_s: float | None = None,
+        keep: Sequence[KeepRule] = (),
+        save_at_end: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if keep_last_n_checkpoints is not None and keep_last_n_checkpoints < 1:
+            raise ValueError("keep_last_n_checkpoints must be at least 1 (or unset to keep all)")
+        if save_interval_s is not None and save_interval_s <= 0:
+            raise ValueError("save_interval must be a positive duration")
+        self.train_iters = train_iters
+        self.step_saves = step_save_iterations(checkpoint_factor, checkpoint_scale, extra_save_iters, train_iters)
+        self.keep_last_n = keep_last_n_checkpoints
+        self.save_interval_s = save_interval_s
+        self.keep_rules = tuple(keep)
+        self.save_at_end = save_at_end
+        self._clock = clock
+        # The interval counts from the start of this process: a resumed run should not save
+        # immediately just because the previous run's last save is long ago.
+        self._last_commit_time = clock()
+
+    # --- when to save ------------------------------------------------------------------------
+    def interval_elapsed(self) -> bool:
+        """The clock's part of :meth:`decide`: ``save_interval`` has passed since the last commit."""
+        return self.save_interval_s is not None and self._clock() - self._last_commit_time >= self.save_interval_s
+
+    def decide(self, step: int, time_due: bool | None = None) -> SaveDecision:
+        """Called after ``step`` (the number of completed iterations) has finished. ``time_due``: the
+        clock's answer agreed by the ranks (rank 0's, ``manager.py``); None asks this policy's clock."""
+        kinds: list[tuple[CheckpointKind, str]] = []
+        if any(rule.matches(step) for rule in self.keep_rules):
+            kinds.append(("permanent", "keep rule"))
+        if step in self.step_saves:
+            kinds.append(("step", "step schedule"))
+        if self.save_at_end and step == self.train_iters:
+            kinds.append(("step", "end of training"))
+        if self.save_interval_s is not None and (self.interval_elapsed() if time_due is None else time_due):
+            kinds.append(("temporary", f"{self.save_interval_s:g}s since the last save"))
+        if not kinds:
+            return NO_SAVE
+        kind, _ = max(kinds, key=lambda k: _KIND_RANK[k[0]])
+        return SaveDecision(save=True, kind=kind, reason=", ".join(reason for _, reason in kinds))
+
+    def on_committed(self) -> None:
+        """Restart the time-based interval: any committed checkpoint bounds the work at risk."""
+        self._last_commit_time = self._clock()
+
+    # --- what to delete ----------------------------------------------------------------------
+    def to_delete(self, committed: Iterable[CommittedCheckpoint]) -> list[int]:
+        """Steps of checkpoints to remove, given every *committed* checkpoint on disk.
+
+        The newest committed checkpoint is never deleted, whatever its kind: it is what a crash
+        would resume from.
+        """
+        ckpts = sorted(committed, key=lambda c: c.step)
+        if not ckpts:
+            return []
+        newest = ckpts[-1].step
+        doomed: set[int] = set()
+        for ckpt in ckpts:
+            # a permanent step stays permanent even if an old run saved it as another kind
+            if ckpt.kind == "permanent" or any(rule.matches(ckpt.step) for rule in self.keep_rules):
+                continue
+            if ckpt.kind == "temporary" and ckpt.step != newest:
+                doomed.add(ckpt.step)
+        if self.keep_last_n is not None:
+            step_kind = [
+                c.step
+                for c in ckpts
+                if c.kind == "step" and not any(rule.matches(c.step) for rule in self.keep_rules)
+            ]
+            doomed.update(step_kind[: max(len(step_kind) - self.keep_last_n, 0)])
+        doomed.discard(newest)
+        return sorted(doomed)

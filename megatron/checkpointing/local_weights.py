@@ -1,6 +1,6 @@
 """This rank's part of a model's full weights: what a module built for the run's layout loads.
 
-Readers of a checkpoint saved at any layout (a GPT-NeoX checkpoint in ``neox_import.py``, a Deepy one read
+Readers of a checkpoint saved at any layout (a GPT-NeoX checkpoint in ``neox/load.py``, a Deepy one read
 whole by ``interop.deepy_checkpoint.read_full_checkpoint`` for generation, the frozen weights a universal
 conversion carries in ``reshard.py``) produce full tensors under ``GPTModel`` names: :func:`merge_tp_shards`
 glues every tp rank's shard with the architecture a checkpoint recorded (:func:`stored_model_config`), and

@@ -15,11 +15,21 @@ once-per-step all-reduce (``preemption.py``), so every rank saves (or not) after
 whatever its own clock says. Under NCCL that agreement is read one step late (no host wait for the
 step in flight): a time-based save then comes one step after rank 0's clock found the interval
 elapsed.
+
+The training loop's hooks:
+The training loop's checkpoint hooks, wired explicitly by ``pretrain``.
+
+``CheckpointHooks(manager)`` offers ``load(eng, state)`` before the loop, ``after_step(eng, state)``
+after every optimizer step (returns True to stop: preemption) and ``at_exit(eng, state)`` once at
+the end. ``validate`` (``checkpoint_validation_with_forward_pass``) is a function computing the loss
+of a fixed batch: after every save the weights just written are read back into the engine and that
+loss must not change.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import time
 from collections.abc import Callable
@@ -29,10 +39,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron.checkpointing import commit, discovery, neox_import
-from megatron.checkpointing.neox_layout import GqaOrder
+from megatron.checkpointing import commit, discovery
+from megatron.checkpointing.neox import GqaOrder, load_neox_weights, neox_position
 from megatron.checkpointing.preemption import PreemptionWatcher
-from megatron.checkpointing.retention import (
+from megatron.checkpointing.commit import (
     CheckpointKind,
     CommittedCheckpoint,
     KeepRule,
@@ -40,7 +50,7 @@ from megatron.checkpointing.retention import (
     SaveDecision,
 )
 from megatron.checkpointing.config import CheckpointArgs
-from megatron.checkpointing.universal import foreign_conversions
+from megatron.checkpointing.universal import foreign_conversions, universal_checkpoint_info
 from megatron.checkpointing.save_load import (
     BeforeCommit,
     LoadOptions,
@@ -113,7 +123,7 @@ class CheckpointManager:
         neox_qkv_order: GqaOrder | None = None,
     ) -> None:
         self.neox_qkv_order = neox_qkv_order
-        """How a grouped-query GPT-NeoX checkpoint's QKV rows are ordered (``neox_import``)."""
+        """How a grouped-query GPT-NeoX checkpoint's QKV rows are ordered (``neox/load.py``)."""
         self.save_dir = Path(save) if save else None
         self.load_dir = Path(load) if load else None
         self.load_requested = load_requested
@@ -253,11 +263,11 @@ class CheckpointManager:
                     log.info("%s already holds %s of this run: resuming it, not re-loading %s", self.save_dir,
                              own_tag, tag)
                 return self._resume(engine, self.save_dir, own_tag, rank)
-        result = LoadResult(loaded=True, path=tag, notes=neox_import.load_neox_weights(engine, tag, self.args_dict,
+        result = LoadResult(loaded=True, path=tag, notes=load_neox_weights(engine, tag, self.args_dict,
                                                                                       self.neox_qkv_order))
         weights_only = self.finetune or self.initialize_from is not None
         if not weights_only:
-            result.iteration, result.consumed_samples = neox_import.neox_position(tag, self.args_dict)
+            result.iteration, result.consumed_samples = neox_position(tag, self.args_dict)
             self.last_saved_step = result.iteration
         self._report(rank, result, "initialized weights from" if weights_only else "resumed from")
         return result
@@ -418,3 +428,69 @@ class CheckpointManager:
         for path in foreign_conversions(self.save_dir):
             shutil.rmtree(path, ignore_errors=True)
             log.info("removed %s: this run's own checkpoints replace it", path)
+
+
+# --- The training loop's hooks -------------------------------------------------------------------
+log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0 speaks
+
+
+class CheckpointHooks:
+    def __init__(self, manager: CheckpointManager, validate: Callable[[], float] | None = None,
+                 reseed: Callable[[int], None] | None = None) -> None:
+        """``reseed(iteration)``: seeds fresh RNG streams when a resume cannot restore the saved ones
+        (the tp/pp/dp split changed), so the run does not replay the dropout masks of its first steps."""
+        self.manager = manager
+        self.validate = validate
+        self.reseed = reseed
+
+    def attach_model(self, eng: Any, tp: int) -> None:
+        """Record how the model's tensors split over tp, so later loads can change the layout."""
+        self.manager.universal_info = universal_checkpoint_info(eng.config, tp)
+
+    def load(self, eng: Any, state: Any) -> Any:
+        """Restore the engine and return the loop's state (the given one when nothing was loaded)."""
+        result = self.manager.load(eng.engine)
+        if not result.loaded:
+            return state
+        if result.iteration == 0 and result.consumed_samples == 0:
+            return state  # weights only (finetune / initialize_from): progress starts at zero
+        if not result.rng_restored and not self.manager.no_load_rng and self.reseed is not None:
+            self.reseed(result.iteration)
+        saved = dict(result.extra.get("train_state") or {})
+        saved.update(iteration=result.iteration, consumed_samples=result.consumed_samples, stop_reason=None)
+        return type(state).from_dict({**state.to_dict(), **saved})
+
+    def after_step(self, eng: Any, state: Any) -> bool:
+        before = self.manager.last_saved_step
+        outcome = self.manager.maybe_save(
+            eng.engine, state.iteration, state.consumed_samples, extra={"train_state": state.to_dict()}
+        )
+        if outcome.saved and self.manager.last_saved_step != before:
+            self._check_reload(eng, state.iteration)
+        if outcome.stop:
+            state.stop_reason = f"preempted ({self.manager.preemption.signal_name}); checkpoint saved"
+        return outcome.stop
+
+    def at_exit(self, eng: Any, state: Any) -> None:
+        """Save when the loop ended early (exit_interval) and the last step is not on disk yet."""
+        manager = self.manager
+        if manager.save_dir is None or manager.last_saved_step == state.iteration or state.iteration == 0:
+            return
+        manager.save(eng.engine, state.iteration, state.consumed_samples, "step",
+                     extra={"train_state": state.to_dict()})
+        self._check_reload(eng, state.iteration)
+
+    def _check_reload(self, eng: Any, step: int) -> None:
+        if self.validate is None or self.manager.save_dir is None:
+            return
+        before = self.validate()
+        ckpt_dir = self.manager.save_dir / commit.tag_for(step)
+        load_checkpoint(eng.engine, ckpt_dir, self.manager.args_dict, LoadOptions(weights_only=True))
+        after = self.validate()
+        if not (math.isfinite(before) and after == before):
+            raise CheckpointError(
+                f"checkpoint_validation_with_forward_pass: {ckpt_dir} does not reproduce the model: the "
+                f"loss of the validation batch was {before!r} before saving and {after!r} after reading "
+                f"the saved weights back"
+            )
+        log.info("checkpoint %s validated: reloaded weights give the same loss (%.6f)", ckpt_dir.name, after)

@@ -45,8 +45,7 @@ from typing import Any
 import torch
 
 from megatron.checkpointing.local_weights import computed_buffer, merge_tp_shards, stored_model_config
-from megatron.checkpointing.neox_files import canonical_rank_weights, pipeline_rank_weights, plain_rank_weights
-from megatron.checkpointing.neox_layout import NeoxNames
+from megatron.checkpointing.neox import NeoxNames, canonical_rank_weights, pipeline_rank_weights, plain_rank_weights
 from megatron.checkpointing.safe_load import load_checkpoint_file, weights_only_loading
 from megatron.deepspeed_internals import merge_universal_tp_slices, restore_engine_counters
 from megatron.errors import CheckpointError

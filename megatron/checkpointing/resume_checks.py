@@ -22,6 +22,11 @@ batch derivation), or refuses by name where it cannot.
 
 Only files are read (listings, commit markers, JSON); no tensor, no torch. The ranks check the same again
 when they load, so a checkpoint changed between the launch and the load is still refused.
+
+Save schedule checks:
+Before-launch checks of the checkpoint keys (``megatron/checkpointing/config.py``): a save directory
+goes with a save schedule, and ``save_interval`` is a duration. Registered with every other check
+(``megatron/config_rules.py``).
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ from typing import Any, cast
 from megatron import plugins
 from megatron.checkpointing import commit, discovery
 from megatron.checkpointing.layout import Layout, check_convertible, needs_universal
-from megatron.config_rules import RuleContext, render, zero_stage
+from megatron.config_rules import RuleContext, render, rule, zero_stage
 from megatron.errors import CheckpointError
+from megatron.time_phrases import TimePhraseError, parse_duration
 
 # Arguments that fix the shape of the weights: a checkpoint with other values cannot be loaded.
 SHAPE_KEYS = (
@@ -231,7 +237,7 @@ def shape_problems(ctx: RuleContext, start: Start) -> list[str]:
 
 
 def lora_problems(ctx: RuleContext, start: Start) -> list[str]:
-    """The adapters of the checkpoint against the config's (``megatron/checkpointing/adapters.py`` loads them)."""
+    """The adapters of the checkpoint against the config's (``megatron/checkpointing/new_parameters.py`` loads them)."""
     recorded = start.args
     saved_r, r = int(recorded.get("lora_r") or 0), int(ctx.get("lora_r") or 0)
     if saved_r == 0 and r == 0:
@@ -398,3 +404,33 @@ def batch_across_layouts(ctx: RuleContext, dp: int, micro: int | None, micro_key
     ctx.warnings.append(f"{what}: train_batch_size {saved_total} kept, gradient_accumulation_steps "
                         f"{saved_total // (micro * dp)} derived (set train_batch_size to change the global batch)")
     return saved_total, []
+
+
+# --- Save schedule checks ------------------------------------------------------------------------
+SAVE_SCHEDULE_KEYS = ("checkpoint_factor", "extra_save_iters", "save_interval", "keep")
+
+
+@rule
+def save_has_schedule(ctx: RuleContext) -> list[str]:
+    scheduled = [key for key in SAVE_SCHEDULE_KEYS if ctx.get(key) not in (None, [], "")]
+    if ctx.get("save") and not scheduled:
+        return [
+            f"{ctx.show('save')} but no save schedule: add checkpoint_factor (save every N steps), "
+            f"extra_save_iters, save_interval (e.g. 15min) or keep"
+        ]
+    if scheduled and not ctx.get("save"):
+        shown = ", ".join(ctx.show(key) for key in scheduled)
+        return [f"{shown} but save (the checkpoint directory) is not set: add save: <dir> or remove them"]
+    return []
+
+
+@rule
+def save_interval_is_duration(ctx: RuleContext) -> list[str]:
+    value = ctx.get("save_interval")
+    if value is None:
+        return []
+    try:
+        parse_duration(value)
+    except TimePhraseError as err:
+        return [f"{ctx.show('save_interval')}: {err}"]
+    return []

@@ -9,13 +9,20 @@ One checkpoint directory ``<save>/global_step<N>/`` holds
 * ``deepy_meta.json``: iteration, consumed samples, layout, the resolved arguments - readable
   without torch, so a load can decide whether to convert before touching any tensor;
 * ``configs/resolved.yml``: every key of the run with its resolved value, for GPT-NeoX's tools
-  (``neox_record.py``; the files' original text is in ``deepy_meta.json``);
+  (``neox/record.py``; the files' original text is in ``deepy_meta.json``);
 * ``COMMITTED``: written last (see ``commit.py``).
 
 Every rank takes part in every collective whatever happens to its own writes: file errors are
 caught, all ranks agree on the outcome with an all-reduce, and only then everybody raises the same
 ``CheckpointError``. So a full disk stops the run loudly instead of hanging it, and the previous
 checkpoint - the one ``latest`` points to - is never touched.
+
+Random-number-generator state:
+Random-number-generator state of one rank, as plain tensors and numbers.
+
+Everything is converted to tensors, ints and lists so the file loads with
+``torch.load(weights_only=True)``: no pickled numpy or Python objects, hence no code execution
+from a checkpoint someone handed you.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -31,17 +39,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron.checkpointing import commit, reshard
-from megatron.checkpointing import neox_record
+from megatron.checkpointing.commit import CheckpointKind
 from megatron.checkpointing.expert_shards import check_expert_layout, load_expert_shards, save_expert_shards
-from megatron.checkpointing.new_parameters import tolerating_new_parameters
+from megatron.checkpointing.neox import config_files as neox_config_files
+from megatron.checkpointing.neox import neox_checkpoint_args
+from megatron.checkpointing.new_parameters import base_checkpoint_loading, base_for_adapters, tolerating_new_parameters
 from megatron.checkpointing.preemption import collective_device
-from megatron.checkpointing.retention import CheckpointKind
-from megatron.checkpointing.rng_state import capture_rng_state, restore_rng_state
-from megatron.checkpointing.adapters import base_checkpoint_loading, base_for_adapters
 from megatron.checkpointing.resume_checks import SHAPE_KEYS
 from megatron.checkpointing.safe_load import load_trusted_tensors, weights_only_loading
 from megatron.checkpointing.universal import (
@@ -63,8 +71,8 @@ CLIENT_KEY = "deepy"
 WEIGHTS_ONLY_KEY = "weights_only"
 """``deepy_meta.json`` flag of a converted checkpoint: module weights only, no optimizer or RNG files."""
 FORMAT_VERSION = 3
-"""3: model files in GPT-NeoX's current layout (``neox_layout.py``); 2: in its mid-2024 layout; 1: Deepy's
-first layout. All are read (``neox_files.GQA_ORDER_OF_FORMAT``)."""
+"""3: model files in GPT-NeoX's current layout (``neox/layout.py``); 2: in its mid-2024 layout; 1: Deepy's
+first layout. All are read (``neox.files.GQA_ORDER_OF_FORMAT``)."""
 READABLE_FORMATS = (1, 2, 3)
 
 
@@ -166,7 +174,7 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Save
     client_state: dict[str, Any] = {
         # what GPT-NeoX's own loader and tools read from mp_rank_XX_model_states.pt
         "iteration": request.step,
-        "args": neox_record.neox_checkpoint_args(request.args),
+        "args": neox_checkpoint_args(request.args),
         CLIENT_KEY: {
             "format": FORMAT_VERSION,
             "iteration": request.step,
@@ -240,7 +248,7 @@ def _write_rank_files(ckpt_dir: Path, request: SaveRequest, rank: int) -> None:
     (ckpt_dir / META_FILE).write_text(json.dumps(meta, indent=1, default=str), encoding="utf-8")
     configs = ckpt_dir / CONFIGS_DIR
     configs.mkdir(exist_ok=True)
-    for name, text in neox_record.config_files(request.args).items():
+    for name, text in neox_config_files(request.args).items():
         (configs / name).write_text(text, encoding="utf-8")
 
 
@@ -382,7 +390,7 @@ def _load_checkpoint(engine: Any, ckpt_dir: Path, args: dict[str, Any], options:
         with weights_only_loading(source):
             reshard.load_into_torch_optimizer(engine, source, load_optimizer=restore, load_scheduler=restore)
     elif universal and base_for_adapters(meta.get("args", {}), args, options.weights_only):
-        # the adapters are detached (adapters.py) and the optimizer holds only them, which a base checkpoint does
+        # the adapters are detached (new_parameters.py) and the optimizer holds only them, which a base checkpoint does
         # not have: DeepSpeed's universal loader, which fills the optimizer's parameters, has nothing to read.
         # Every weight left in the module is the frozen base.
         with weights_only_loading(source):
@@ -525,3 +533,49 @@ def _reset_optimizer_state(engine: Any) -> None:
                 value.zero_()
             elif key == "step":
                 state[key] = 0
+
+
+# --- Random-number-generator state ---------------------------------------------------------------
+RngState = dict[str, Any]
+
+
+def _tp_rng_tracker() -> Any:
+    """The tensor-parallel RNG tracker (dropout inside tensor-parallel regions draws from it)."""
+    # imported here: megatron.mpu.random imports DeepSpeed, which readers of this module need not load
+    from megatron.mpu.random import get_rng_tracker
+
+    return get_rng_tracker()
+
+
+def capture_rng_state() -> RngState:
+    version, internal, gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state(legacy=True)
+    state: RngState = {
+        "python": {"version": version, "internal": list(internal), "gauss": gauss},
+        "numpy": {
+            "name": str(np_name),
+            "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "cached_gaussian": float(np_cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    state["tp_tracker"] = dict(_tp_rng_tracker().get_states())
+    return state
+
+
+def restore_rng_state(state: RngState) -> None:
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["internal"]), py["gauss"]))
+    npy = state["numpy"]
+    np.random.set_state(
+        (npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "tp_tracker" in state:  # absent in checkpoints of runs that never seeded the tracker
+        _tp_rng_tracker().set_states(state["tp_tracker"])

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron.checkpointing import commit, reshard
 from megatron.checkpointing.layout import Layout, check_convertible, needs_universal  # noqa: F401  (their home)
-from megatron.checkpointing.neox_layout import NeoxNames
+from megatron.checkpointing.neox import NeoxNames
 from megatron.errors import CheckpointError
 
 if TYPE_CHECKING:

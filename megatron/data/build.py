@@ -30,6 +30,7 @@ from megatron.data.gpt_dataset import GPTDataset
 from megatron.data.index_cache import default_cache_dir
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.pairwise_dataset import PairwiseDataset
+from megatron.data.reference_logprobs import open_reference_logprobs
 from megatron.data.reward_dataset import RewardDataset
 from megatron.data.sft_dataset import SFTDataset
 from megatron.data.token_range import TokenRangeChecked
@@ -145,8 +146,6 @@ class _Builder:
         if "chosen" in files:
             references = None
             if self.config.reference_model is not None:
-                from megatron.generation.precompute import open_reference_logprobs
-
                 references = (open_reference_logprobs(c.roles["chosen"], self.config.reference_model, self.seq_length),
                               open_reference_logprobs(c.roles["rejected"], self.config.reference_model,
                                                       self.seq_length))

@@ -18,7 +18,7 @@ from pydantic import Field
 from megatron.config_schema import ArgGroup, partly_supported
 from megatron.data.dummy_dataset import DummyPattern
 from megatron.data.sample_index import PackImpl
-from megatron.training.objectives.registry import needs_of, reads_reference_files
+from megatron.objective_needs import needs_of, reads_reference_files
 
 SPLITS = ("train", "valid", "test")
 # GPT-NeoX's per-split path lists: {prefix}{split}_{kind}data_paths

@@ -1,4 +1,6 @@
-"""The context precomputed reference log-probs were scored with, and whether a run may read them.
+"""Precomputed reference log-probs: the context they were scored with, whether a run may read them, and
+their reader (:func:`open_reference_logprobs`; the format is described in ``megatron/generation/precompute.py``,
+which writes them).
 
 ``generate.py`` precompute (``megatron/generation/precompute.py``) scores a sequence longer than
 ``seq_length + 1`` tokens in windows of ``seq_length`` inputs, so token ``t > seq_length`` of it is
@@ -20,7 +22,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
+from megatron.data.indexed_dataset import MMapIndexedDataset, dataset_exists, index_file_path, reference_logprobs_prefix
+from megatron.errors import DataError
+
 RECORD_SUFFIX = ".json"
+LOGPROB_DTYPE = np.float32
+"""The values' dtype: MMIDIDX dtype code 7."""
 
 
 def record_path(reference_prefix: str) -> Path:
@@ -59,3 +68,29 @@ def context_problem(reference_prefix: str, longest_sequence: int, seq_length: in
             f"and this run reads sequences of up to {needed + 1} tokens at seq_length {seq_length}, whose tokens see "
             f"all of them: recompute them with generate.py text_gen_type=precompute at seq_length {seq_length} (or "
             f"train at seq_length {scored})")
+
+
+# --- the reader ------------------------------------------------------------------------------------
+def open_reference_logprobs(data_prefix: str, model_name: str, seq_length: int | None = None) -> MMapIndexedDataset:
+    """The reference log-probs of `data_prefix`, checked against its tokens (same sequences, same
+    sizes, same documents, float32) and, given the `seq_length` a run reads them at, against the context
+    they were scored with. `ds[i]` is a float32 array aligned with the tokens of `i`."""
+    prefix = reference_logprobs_prefix(data_prefix, model_name)
+    if not dataset_exists(prefix):
+        raise DataError(
+            f"reference log-probs {prefix}(.bin/.idx) not found: compute them with "
+            f"`python deepy.py generate.py CONFIGS... text_gen_type=precompute precompute_model_name={model_name}` "
+            "and the reference model's `load`"
+        )
+    logps = MMapIndexedDataset(prefix)
+    tokens = MMapIndexedDataset(data_prefix)
+    if np.dtype(logps.dtype) != np.dtype(LOGPROB_DTYPE):
+        raise DataError(f"{index_file_path(prefix)} holds {np.dtype(logps.dtype)}, not float32 log-probs")
+    if not (np.array_equal(logps.sizes, tokens.sizes) and np.array_equal(logps.doc_idx, tokens.doc_idx)):
+        raise DataError(f"{index_file_path(prefix)} is not aligned with {index_file_path(data_prefix)} "
+                        "(different sequence sizes or documents): recompute it for this dataset")
+    if seq_length is not None:
+        problem = context_problem(prefix, int(tokens.sizes.max(initial=0)), seq_length)
+        if problem is not None:
+            raise DataError(f"reference_logps={model_name!r}: reference log-probs {prefix}: {problem}")
+    return logps

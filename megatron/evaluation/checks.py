@@ -1,7 +1,7 @@
 """Before-launch checks of ``eval_tasks`` (``megatron/evaluation/config.py``), registered with every other
 check (``megatron/config_rules.py``).
 
-Training runs the tasks at every ``eval_interval`` on the model where it is (``training/task_evaluation.py``);
+Training runs the tasks at every ``eval_interval`` on the model where it is (``evaluation/in_training.py``);
 a mistake there used to surface at the first evaluation, after the steps before it were trained. These
 checks find the ones the keys and this machine's files can show, before anything is launched:
 
@@ -82,7 +82,7 @@ def eval_tasks_can_run(ctx: RuleContext) -> list[str]:
     tasks = ctx.get("eval_tasks")
     if not tasks:
         return []
-    from megatron.training.objectives.registry import needs_of
+    from megatron.objective_needs import needs_of
 
     shown = ctx.show("eval_tasks")
     problems: list[str] = []

@@ -1,7 +1,7 @@
 """Reference log-probabilities for DPO/KTO, computed once by `generate.py` (`text_gen_type: precompute`).
 
-Format (the contract with the DPO/KTO data readers; read it with :func:`open_reference_logprobs`)
--------------------------------------------------------------------------------------------------
+Format (the contract with the DPO/KTO data readers; read by `data/reference_logprobs.py`'s `open_reference_logprobs`)
+---------------------------------------------------------------------------------------------------------------------
 For every token dataset `<prefix>.bin/.idx` of the config (`data_path`, `{train,valid,test}_data_paths`,
 `pos_`/`neg_{train,valid,test}_data_paths`), the run writes, next to it,
 
@@ -48,41 +48,14 @@ from megatron.data.indexed_dataset import (
     index_file_path,
     reference_logprobs_prefix,
 )
-from megatron.data.reference_logprobs import context_problem, write_record
+from megatron.data.reference_logprobs import LOGPROB_DTYPE, write_record
 from megatron.errors import DataError
 from megatron.generation.replica import ModelReplica
 from megatron.generation.scoring import ScoreRequest, score
 from megatron.logging.log import get_logger
 
-LOGPROB_DTYPE = np.float32
 SEQUENCES_PER_ROUND = 512
 """Sequences scored between two writes: bounds the memory a replica holds at once."""
-
-
-# --- the format ----------------------------------------------------------------------------------
-def open_reference_logprobs(data_prefix: str, model_name: str, seq_length: int | None = None) -> MMapIndexedDataset:
-    """The reference log-probs of `data_prefix`, checked against its tokens (same sequences, same
-    sizes, same documents, float32) and, given the `seq_length` a run reads them at, against the context
-    they were scored with. `ds[i]` is a float32 array aligned with the tokens of `i`."""
-    prefix = reference_logprobs_prefix(data_prefix, model_name)
-    if not dataset_exists(prefix):
-        raise DataError(
-            f"reference log-probs {prefix}(.bin/.idx) not found: compute them with "
-            f"`python deepy.py generate.py CONFIGS... text_gen_type=precompute precompute_model_name={model_name}` "
-            "and the reference model's `load`"
-        )
-    logps = MMapIndexedDataset(prefix)
-    tokens = MMapIndexedDataset(data_prefix)
-    if np.dtype(logps.dtype) != np.dtype(LOGPROB_DTYPE):
-        raise DataError(f"{index_file_path(prefix)} holds {np.dtype(logps.dtype)}, not float32 log-probs")
-    if not (np.array_equal(logps.sizes, tokens.sizes) and np.array_equal(logps.doc_idx, tokens.doc_idx)):
-        raise DataError(f"{index_file_path(prefix)} is not aligned with {index_file_path(data_prefix)} "
-                        "(different sequence sizes or documents): recompute it for this dataset")
-    if seq_length is not None:
-        problem = context_problem(prefix, int(tokens.sizes.max(initial=0)), seq_length)
-        if problem is not None:
-            raise DataError(f"reference_logps={model_name!r}: reference log-probs {prefix}: {problem}")
-    return logps
 
 
 # --- computing -----------------------------------------------------------------------------------
@@ -197,7 +170,6 @@ def precompute_all(replica: ModelReplica, data_prefixes: list[str], model_name: 
 
 
 __all__ = [
-    "open_reference_logprobs",
     "precompute_all",
     "precompute_dataset",
     "reference_logprobs_prefix",

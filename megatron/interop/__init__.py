@@ -8,8 +8,9 @@ Everything here works on *full* (unsharded) weights under our canonical paramete
 * ``hf_config`` / ``hf_weights``: the architecture and the tensors in ``transformers``' terms
   (GPTNeoXForCausalLM, LlamaForCausalLM, MistralForCausalLM), both ways, refusing what has no
   faithful equivalent;
+* ``convert``: the converters' work; a GPT-NeoX checkpoint is read by ``megatron.checkpointing.neox``
+  (``reader.py``), the package that owns GPT-NeoX's format;
 * ``hf_tokenizer``: our tokenizer as HF tokenizer files, checked to encode identically;
-* ``neox_checkpoint``: a GPT-NeoX (DeeperSpeed) checkpoint directory read into full weights;
 * ``verify``: our model and the ``transformers`` model on one batch, max |Δ logits|;
 * ``yaml_config``: the Deepy config written next to an imported checkpoint.
 

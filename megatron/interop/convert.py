@@ -39,8 +39,7 @@ from megatron.interop.hf_tokenizer import (
 )
 from megatron.interop.hf_weights import from_hf_state_dict, to_hf_state_dict
 from megatron.checkpointing.discovery import find_gpt_neox_tag
-from megatron.checkpointing.neox_layout import GqaOrder
-from megatron.interop.neox_checkpoint import read_neox_checkpoint
+from megatron.checkpointing.neox import GqaOrder, read_neox_checkpoint
 from megatron.interop.yaml_config import architecture_keys, vocab_divisor, write_config
 from megatron.model.config import GPTConfig
 
@@ -89,7 +88,7 @@ def check_neox_flags(checkpoint: Path, iteration: int | None, config_file: Path 
     checkpoint records its own architecture, so ``--config_file`` must agree with it on every key that
     shapes the weights and ``--architecture`` must name the class the checkpoint exports to."""
     from megatron.checkpointing.save_load import SHAPE_KEYS
-    from megatron.interop.neox_checkpoint import read_neox_config
+    from megatron.checkpointing.neox import read_neox_config
 
     ckpt = resolve_checkpoint(checkpoint, iteration)
     config, args = read_checkpoint_config(ckpt)

@@ -5,13 +5,13 @@ own partition patterns (``megatron.model.partitioning``), the inverse of the sha
 starts from (``mpu.initialize_weights.shard_tensor``):
 
 * the model files are in GPT-NeoX's layout (or Deepy's earlier one), translated back to ``GPTModel``
-  names and Deepy's QKV order by ``checkpointing.neox_files`` (see ``checkpointing/neox_layout.py``);
+  names and Deepy's QKV order by ``checkpointing.neox.files`` (see ``checkpointing/neox/layout.py``);
 * ZeRO-3 (tp = 1): the module files hold placeholders; DeepSpeed's ``zero_to_fp32`` rebuilds the weights
   from the optimizer shards.
 
 Writing: the same files (GPT-NeoX's layout) for a chosen tp/pp, module weights only (no optimizer or RNG files),
 plus ``deepy_meta.json`` marked ``weights_only``, ``configs/resolved.yml`` and the ``args`` GPT-NeoX reads
-(``checkpointing/neox_record.py``) and the commit marker. DeepSpeed's module-only
+(``checkpointing/neox/record.py``) and the commit marker. DeepSpeed's module-only
 load (fine-tuning) reads exactly these files: the first run after a conversion starts its optimizer
 fresh. DeepSpeed has no offline writer for its checkpoint layout, hence the few lines that
 produce it here; ``tests/e2e/test_hf_interop.py`` loads them through a real DeepSpeed engine.
@@ -28,11 +28,17 @@ from typing import Any
 
 import torch
 
-from megatron.checkpointing import commit, neox_record
+from megatron.checkpointing import commit
 from megatron.checkpointing.local_weights import merge_tp_shards
 from megatron.checkpointing.local_weights import stored_model_config as gpt_config_from_args
-from megatron.checkpointing.neox_files import canonical_rank_weights
-from megatron.checkpointing.neox_layout import NeoxNames, layer_to_neox, plain_to_neox
+from megatron.checkpointing.neox import (
+    NeoxNames,
+    canonical_rank_weights,
+    layer_to_neox,
+    neox_checkpoint_args,
+    plain_to_neox,
+)
+from megatron.checkpointing.neox import config_files as neox_config_files
 from megatron.checkpointing.safe_load import weights_only_loading
 from megatron.checkpointing.save_load import (
     CLIENT_KEY,
@@ -153,7 +159,7 @@ def _engine_state(module: Weights | None, step: int, consumed_samples: int, mp_w
         "lr_scheduler": None, "data_sampler": None, "random_ltd": None, "skipped_steps": 0,
         "global_steps": step, "global_samples": consumed_samples, "dp_world_size": 1,
         "mp_world_size": mp_world_size, "ds_config": {}, "ds_version": deepspeed.__version__,
-        "iteration": step, "args": neox_record.neox_checkpoint_args(args),  # GPT-NeoX's client state
+        "iteration": step, "args": neox_checkpoint_args(args),  # GPT-NeoX's client state
         CLIENT_KEY: {"format": FORMAT_VERSION, "iteration": step, "consumed_samples": consumed_samples},
     }  # fmt: skip
 
@@ -213,7 +219,7 @@ def write_weights_only_checkpoint(
     (ckpt / META_FILE).write_text(json.dumps(meta, indent=1, default=str), encoding="utf-8")
     (ckpt / CONFIGS_DIR).mkdir()
     resolved = {"pipe_parallel_size": pp, "model_parallel_size": tp, "num_layers": config.num_layers, **args}
-    for name, text in neox_record.config_files(resolved).items():
+    for name, text in neox_config_files(resolved).items():
         (ckpt / CONFIGS_DIR / name).write_text(text, encoding="utf-8")
     commit.write_commit_marker(ckpt, commit.CommitInfo(step=step, kind="permanent", time=time.time()))
     commit.write_latest(save_dir, ckpt.name)

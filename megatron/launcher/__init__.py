@@ -7,8 +7,9 @@ needs nothing but the standard library.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from megatron.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from megatron.launcher.command import check_tools, plan_launch  # noqa: F401
@@ -25,8 +26,4 @@ _EXPORTS = {
     "run_plan": "run",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

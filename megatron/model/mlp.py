@@ -3,7 +3,7 @@
 The widths are GPT-NeoX's (``GPTConfig.mlp_widths``, ``megatron/model/mlp_width.py``). A gated
 activation computes ``act(gate) * up`` from the first projection's two halves; Deepy keeps them as
 ``[gate; up]`` (GPT-NeoX's ``Gated_Activation`` takes ``x, gate = chunk(2)`` of each tp rank's
-slice: ``checkpointing/neox_layout.py`` converts between the two).
+slice: ``checkpointing/neox/layout.py`` converts between the two).
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ without DeepSpeed, while the rest of the package needs it (and torch).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from megatron.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy  # noqa: F401
@@ -77,8 +78,4 @@ _EXPORTS = {
     "tensor_parallel_rng": "random",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -6,8 +6,7 @@ for ``deepy.py --dry-run`` and so the submodules can import each other without i
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megatron.lazy import lazy_exports
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
@@ -23,12 +22,4 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)

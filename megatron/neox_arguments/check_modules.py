@@ -14,8 +14,8 @@ from types import ModuleType
 
 from megatron import plugins
 from megatron.config_rules import RULES, Rule
-from megatron.checkpointing import checks as checkpoint_checks
-from megatron.checkpointing import neox_checks
+from megatron.checkpointing import resume_checks as checkpoint_checks
+from megatron.checkpointing.neox import checks as neox_checks
 from megatron.data import checks as data_checks
 from megatron.evaluation import checks as evaluation_checks
 from megatron.launcher import checks as launcher_checks

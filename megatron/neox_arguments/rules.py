@@ -39,7 +39,7 @@ def context_parallel_fits(ctx: RuleContext) -> list[str]:
     """What context parallelism (all-to-all over heads, megatron/mpu/context_parallel.py) can split: it
     relates the model's shape, tensor parallelism, the objective and the position encoding, so it stays
     here with the other rules between components."""
-    from megatron.training.objectives.registry import needs_of
+    from megatron.objective_needs import needs_of
 
     cp = ctx.cp
     if cp == 1:

@@ -33,7 +33,7 @@ from deepspeed.runtime.utils import is_model_parallel_parameter
 from torch import nn
 
 from megatron import mpu
-from megatron.checkpointing import neox_files
+from megatron.checkpointing.neox import install as install_neox_layout
 from megatron.deepspeed_internals import (
     before_optimizer_step,
     quiet_step_line,
@@ -402,7 +402,7 @@ def build_engine(run: RunViews, config: GPTConfig, train_iters: int, objective: 
     install_partial_grad_sum(engine)  # no-op unless replicated weights see part of the data per tp rank
     hybrid_shard_engine.install(engine)  # no-op unless ZeRO-3 partitions are replicated (hsdp)
     # checkpoints are written (and read) in GPT-NeoX's layout: its tools and users read them
-    neox_files.install(engine, config, mpu.get_tensor_model_parallel_world_size())
+    install_neox_layout(engine, config, mpu.get_tensor_model_parallel_world_size())
     fp32 = not (engine.fp16_enabled() or engine.bfloat16_enabled())
     if fp32 and not engine.zero_optimization():
         install_fp32_clipping(engine)

@@ -117,7 +117,7 @@ class LoopContext:
     """flops_per_token plus recomputed forwards (activation checkpointing), for HFU."""
     tasks: Callable[[], dict[str, float]] | None = None
     """lm-eval tasks (``eval_tasks``) at every evaluation: returns ``lm_eval/<task>/<metric>`` values
-    (``megatron/training/task_evaluation.py``)."""
+    (``megatron/evaluation/in_training.py``)."""
 
 
 def _sync() -> None:

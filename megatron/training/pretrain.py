@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from megatron import mpu
-from megatron.checkpointing.hooks import CheckpointHooks
+from megatron.checkpointing.manager import CheckpointHooks
 from megatron.checkpointing.manager import CheckpointManager
 from megatron.checkpointing.save_load import BeforeCommit
 from megatron.data.build import build_datasets
@@ -41,7 +41,6 @@ from megatron.training.engine import build_engine, layers_to_checkpoint, partiti
 from megatron.training.evaluate import maybe_evaluator
 from megatron.training.loop import Hooks, LoopContext, TrainState, train
 from megatron.training.objectives import build_objective, build_reference
-from megatron.training.task_evaluation import TaskEvaluation
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.run_config import RunConfig
@@ -79,9 +78,26 @@ def limit_cpu_threads() -> None:
     torch.set_num_threads(max(1, cores // local_ranks))
 
 
-def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> TrainState:
+class TaskRunner(Protocol):
+    def run(self) -> dict[str, float]: ...
+
+
+class TaskEvaluationBuilder(Protocol):
+    """Builds what runs the lm-eval tasks (``eval_tasks``) on the engine's module at every evaluation:
+    ``megatron.evaluation.in_training.TaskEvaluation``, handed in by ``train.py`` (evaluation sits above
+    training: it runs the model through generation's replica)."""
+
+    def __call__(self, eng: Any, tokenizer: Any, config: Any, zero_stage: int,
+                 sequence_parallel: bool) -> TaskRunner: ...
+
+
+def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
+             task_evaluation: TaskEvaluationBuilder | None = None) -> TrainState:
     """Train as ``run`` says. ``before_commit``: called between writing a checkpoint's files and
-    committing it (the crash-safety tests kill the process there)."""
+    committing it (the crash-safety tests kill the process there); ``task_evaluation``: builds the
+    lm-eval tasks' runner, needed when the config names ``eval_tasks``."""
+    if run.tasks is not None and task_evaluation is None:
+        raise ValueError("eval_tasks is set: pass task_evaluation=megatron.evaluation.in_training.TaskEvaluation")
     limit_cpu_threads()
     training, log_config = run.training, run.logging
     verbose = is_verbose(log_config.deepspeed_log_level)
@@ -183,7 +199,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None) -> Train
         monitor=monitor, hardware_flops_per_token=hardware_flops_per_token(model_config, recomputed, seq),
         valid=maybe_evaluator(eng, splits.valid, training.eval_iters, batch, dp_rank, device, "valid"),
         test=maybe_evaluator(eng, splits.test, training.eval_iters, batch, dp_rank, device, "test"),
-        tasks=None if run.tasks is None else TaskEvaluation(
+        tasks=None if run.tasks is None or task_evaluation is None else task_evaluation(
             eng, tokenizer, run.tasks, zero_stage=int((run.deepspeed.get("zero_optimization") or {}).get("stage", 0)),
             sequence_parallel=run.model.sequence_parallel and run.parallel.model_parallel_size > 1).run,
     )

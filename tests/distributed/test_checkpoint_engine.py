@@ -39,7 +39,7 @@ def worker(opts: argparse.Namespace) -> int:
 
     from megatron.checkpointing.manager import CheckpointManager
     from megatron.checkpointing.preemption import PreemptionWatcher
-    from megatron.checkpointing.retention import KeepRule, RetentionPolicy
+    from megatron.checkpointing.commit import KeepRule, RetentionPolicy
     from megatron.errors import CheckpointError
     from megatron.deepspeed_internals import skip_shared_memory_comm_op
     from megatron.mpu import topology

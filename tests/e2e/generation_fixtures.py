@@ -119,8 +119,7 @@ def checkpoint_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     """`GPTModel` weights from a tp1 pipeline checkpoint: DeepSpeed writes one file per pipeline layer
     in GPT-NeoX's numbering and names (read back by the reader `tests/unit/test_neox_layout.py` checks
     against files built from GPT-NeoX's published rules)."""
-    from megatron.checkpointing.neox_files import canonical_rank_weights
-    from megatron.checkpointing.neox_layout import NeoxNames
+    from megatron.checkpointing.neox import NeoxNames, canonical_rank_weights
 
     names = NeoxNames.from_config(model_config())
     return canonical_rank_weights(ckpt_dir, names, tp=1, tp_rank=0, pipeline=True)

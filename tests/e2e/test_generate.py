@@ -116,7 +116,7 @@ def windowed_reference(model: Any, tokens: list[int]) -> np.ndarray:
 
 def test_precompute_on_tp2_writes_reference_logprobs(run_dir: Path, model: Any) -> None:
     from megatron.data.indexed_dataset import MMapIndexedDataset
-    from megatron.generation.precompute import open_reference_logprobs
+    from megatron.data.reference_logprobs import open_reference_logprobs
 
     proc = deepy(run_dir, "generate.py", *TP2, "text_gen_type=precompute", "precompute_model_name=ref")
     assert proc.returncode == 0, output(proc)[-4000:]

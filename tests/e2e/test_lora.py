@@ -69,8 +69,7 @@ def saved_module(ckpt: Path) -> dict[str, torch.Tensor]:
     """The whole model of a checkpoint without tensor parallelism under ``GPTModel`` names: one file, or
     the pipeline's layer files, both in GPT-NeoX's layout (read back by the reader
     ``tests/unit/test_neox_layout.py`` checks against GPT-NeoX's published rules)."""
-    from megatron.checkpointing.neox_files import canonical_rank_weights
-    from megatron.checkpointing.neox_layout import NeoxNames
+    from megatron.checkpointing.neox import NeoxNames, canonical_rank_weights
 
     names = NeoxNames.from_stored(json.loads((ckpt / "deepy_meta.json").read_text())["args"])
     pipeline = any(ckpt.glob("layer_*-model_00-model_states.pt"))

@@ -285,8 +285,7 @@ def test_reward_model_learns_and_keeps_its_head(rm_single: dict[str, Any]) -> No
     rows = rm_single["rows"]
     assert last(rows, "eval/rm/accuracy") > 0.9, [r for r in rows if "eval/rm/accuracy" in r]
     assert last(rows, "eval/rm/margin") > 0
-    from megatron.checkpointing.neox_files import canonical_rank_weights
-    from megatron.checkpointing.neox_layout import NeoxNames
+    from megatron.checkpointing.neox import NeoxNames, canonical_rank_weights
 
     ckpt = rm_single["ckpt"] / f"global_step{LEARN_STEPS}"
     names = NeoxNames.from_stored(json.loads((ckpt / "deepy_meta.json").read_text())["args"])

@@ -293,7 +293,7 @@ def test_relinking_clears_the_guard_and_links_again() -> None:
 
 
 def test_pipeline_module_layer_bookkeeping(engine) -> None:  # type: ignore[no-untyped-def]
-    """neox_files.py writes GPT-NeoX's layer files through these: the stage's first spec index, the
+    """checkpointing/neox/files.py writes GPT-NeoX's layer files through these: the stage's first spec index, the
     grid placing the files, the tied-weight sync and the engine's calls into save/load."""
     import inspect
 
@@ -346,7 +346,7 @@ def test_module_state_dict_conversion_runs_in_save_and_load_checkpoint(engine, t
 
 
 def test_the_directory_being_loaded_is_known_to_the_module_hook(engine, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """``load_checkpoint(load_dir, tag)`` is what calls ``load_module_state_dict`` (neox_files reads
+    """``load_checkpoint(load_dir, tag)`` is what calls ``load_module_state_dict`` (neox/files.py reads
     the format of the files it converts from ``load_dir/tag``)."""
     from megatron.deepspeed_internals import checkpoint_being_loaded, convert_module_state_dicts
 

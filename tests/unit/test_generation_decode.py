@@ -17,6 +17,7 @@ from lm_eval.api.instance import Instance
 
 from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder, data_file_path, index_file_path
 from megatron.errors import DataError
+from megatron.data.reference_logprobs import open_reference_logprobs
 from megatron.evaluation.lm_eval_adapter import DeepyLM
 from megatron.generation.config import SamplingParams, TextgenArgs
 from megatron.generation.decode import generate
@@ -25,7 +26,6 @@ from megatron.generation.modes import TextGenerator, run_unconditional
 from megatron.generation.precompute import (
     _part_prefix,
     join_parts,
-    open_reference_logprobs,
     precompute_dataset,
     reference_logprobs_prefix,
     sequence_logprobs,

@@ -388,7 +388,7 @@ def test_clock_based_saves_ride_on_the_once_per_step_agreement(monkeypatch: pyte
     step rules need no word at all. Rank 0's clock: 100 s per step, interval 250 s, and a step save at
     9: time-based saves after steps 3 and 6; read a step late (as under NCCL) after 4 and 8, and not
     again after 5 (the 'due' rank 0 posted at step 4, before that step's save, is not served twice)."""
-    from megatron.checkpointing.retention import RetentionPolicy
+    from megatron.checkpointing.commit import RetentionPolicy
 
     ranks = _Collectives(monkeypatch, rank=0)
     now = [0.0]
@@ -408,7 +408,7 @@ def test_clock_based_saves_ride_on_the_once_per_step_agreement(monkeypatch: pyte
 def test_other_ranks_follow_rank_zeros_clock(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
     """Rank 1 posts nothing for the clock: what it saves is what the agreement says, whatever its own
     clock shows (here: it never moves)."""
-    from megatron.checkpointing.retention import RetentionPolicy
+    from megatron.checkpointing.commit import RetentionPolicy
 
     _Collectives(monkeypatch, rank=1)
     policy = RetentionPolicy(train_iters=10, save_interval_s=250.0, clock=lambda: 0.0)

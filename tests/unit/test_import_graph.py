@@ -21,6 +21,7 @@ submodules.
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterable
 from pathlib import Path
 
 import networkx as nx
@@ -51,6 +52,17 @@ def _lazy_exports(module: str, tree: ast.Module) -> dict[str, str]:
     return exports
 
 
+def _module_getattr(tree: ast.Module) -> ast.stmt | None:
+    """The statement defining a module's ``__getattr__`` (PEP 562): a function, or an assignment
+    (``__getattr__ = lazy_exports(__name__, _EXPORTS)``)."""
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+            return node
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__getattr__" for t in node.targets):
+            return node
+    return None
+
+
 def import_graph(root: Path, package: str) -> nx.DiGraph:
     """Edges ``importer -> imported`` between the modules of ``package``; each edge's ``where`` is the
     ``file:line`` of the import."""
@@ -59,7 +71,7 @@ def import_graph(root: Path, package: str) -> nx.DiGraph:
     exports = {name: _lazy_exports(name, tree) for name, tree in trees.items()}
     lazy_without_exports = [
         str(modules[name].relative_to(root)) for name, tree in trees.items()
-        if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body) and not exports[name]
+        if _module_getattr(tree) is not None and not exports[name]
     ]
     assert not lazy_without_exports, (
         f"{lazy_without_exports}: a module __getattr__ (PEP 562) without an _EXPORTS dict hides its imports "
@@ -144,7 +156,7 @@ ARGUMENT_LAYER_READERS: dict[str, str] = {
     "megatron.training.pretrain": "train.py's main: reads the resolved config file deepy.py wrote",
     "megatron.generation.entry": "generate.py's main: reads the resolved config file",
     "megatron.evaluation.entry": "eval.py's main: reads the resolved config file",
-    "megatron.interop.neox_checkpoint": "reads a GPT-NeoX checkpoint's stored config, spelled as GPT-NeoX keys",
+    "megatron.checkpointing.neox.reader": "reads a GPT-NeoX checkpoint's stored config, spelled as GPT-NeoX keys",
 }
 """Modules outside the argument layer that may import it, and why: the entry points that read the
 resolved config, and the reader of configs stored in GPT-NeoX checkpoints."""
@@ -160,6 +172,104 @@ def test_components_do_not_import_the_argument_layer(megatron_graph: nx.DiGraph)
     assert layer and upward == [], f"components importing the argument layer: {upward}"
     stale = sorted(m for m in ARGUMENT_LAYER_READERS if not any(b in layer for b in graph.successors(m)))
     assert stale == [], f"no longer import the argument layer: remove from ARGUMENT_LAYER_READERS: {stale}"
+
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("app", "__init__"),  # the deepy.py command; megatron/__init__.py installs the console filters first
+    ("neox_arguments",),  # the argument layer: composes every component's keys, checks them before launch
+    ("evaluation",),  # eval.py, and lm-eval inside training: runs the model through generation's replica
+    ("generation",),  # generate.py: builds the model as training does, loads checkpoints through interop
+    ("training", "interop"),  # train.py's loop; offline conversion (neither imports the other)
+    ("checkpointing",),  # save/load, retention/commit, layout change, GPT-NeoX's format
+    ("data", "model", "tokenizer", "initialize"),
+    ("launcher",),
+    ("logging",),
+    ("mpu",),
+    ("objective_needs",),  # what an objective needs of the data and model, read from its plug-in entry
+    ("plugins",),
+    ("config_rules",),
+    ("config_schema", "config_support", "errors", "time_phrases", "atomic_files", "lazy", "torch_internals",
+     "deepspeed_internals"),
+)
+"""The packages (and top-level modules) of ``megatron/``, top to bottom: a module imports only modules of
+the layers below its own; the packages of one layer do not import each other."""
+
+UPWARD_IMPORTS: dict[tuple[str, str], str] = {
+    ("megatron.checkpointing.resume_checks", "megatron.training.lr_config"):
+        "the before-launch resume check compares the LR schedule a checkpoint recorded with the config's",
+    ("megatron.checkpointing.resume_checks", "megatron.training.lr_schedules"):
+        "the same check: which schedule differences the ranks would refuse",
+    ("megatron.logging.preflight", "megatron.launcher.checks"):
+        "the tracker checks apply only where the run starts on this machine (runs_on_this_machine)",
+}
+"""The imports that point up, each with why; every other one follows :data:`LAYERS` (the entry points that
+read the resolved config import the argument layer: :data:`ARGUMENT_LAYER_READERS`)."""
+
+
+def _unit(module: str) -> str:
+    """The package of ``megatron/`` (or top-level module) ``module`` belongs to: its layer's name."""
+    return module.split(".")[1] if "." in module else "__init__"
+
+
+def layering_violations(graph: nx.DiGraph, layers: tuple[tuple[str, ...], ...] = LAYERS,
+                        allowed: Iterable[tuple[str, str]] = ()) -> list[str]:
+    """``file:line: importer -> imported`` for every import that does not point to a lower layer."""
+    level = {unit: index for index, units in enumerate(layers) for unit in units}
+    allowed = set(allowed)
+    found = []
+    for importer, imported in graph.edges:
+        a, b = _unit(importer), _unit(imported)
+        if a == b or (importer, imported) in allowed:
+            continue
+        if level[a] >= level[b]:
+            found.append(f"{graph.edges[importer, imported]['where']}: {importer} ({a}) imports {imported} ({b})")
+    return sorted(found)
+
+
+def test_packages_form_the_named_layers(megatron_graph: nx.DiGraph) -> None:
+    """Dependencies point down, package by package: ``data`` never imports ``training`` (the objective's
+    needs are ``megatron/objective_needs.py``), ``data`` never imports ``generation`` (the reference
+    log-probs' reader is ``data/reference_logprobs.py``), ``training`` never imports ``evaluation`` or
+    ``generation`` (``train.py`` hands ``pretrain`` the lm-eval runner), ``checkpointing`` never imports
+    ``interop``."""
+    graph = megatron_graph
+    unplaced = sorted({_unit(m) for m in graph} - {unit for units in LAYERS for unit in units})
+    assert unplaced == [], f"place these in LAYERS (test_import_graph.py): {unplaced}"
+    readers = {(a, b) for a in ARGUMENT_LAYER_READERS for b in graph.successors(a) if _unit(b) == "neox_arguments"}
+    found = layering_violations(graph, allowed=set(UPWARD_IMPORTS) | readers)
+    assert found == [], "imports that point up the layers (LAYERS in tests/unit/test_import_graph.py):\n" + "\n".join(found)
+    stale = sorted(f"{a} -> {b}" for a, b in UPWARD_IMPORTS if not graph.has_edge(a, b))
+    assert stale == [], f"no longer imported: remove from UPWARD_IMPORTS: {stale}"
+
+
+def test_one_lazy_export_helper() -> None:
+    """Every package that exports names on first use takes its ``__getattr__`` from ``megatron/lazy.py``."""
+    own = []
+    for path in sorted((REPO / "megatron").rglob("*.py")):
+        node = _module_getattr(ast.parse(path.read_text(), str(path)))
+        if node is None:
+            continue
+        uses_helper = (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                       and getattr(node.value.func, "id", None) == "lazy_exports")
+        if not uses_helper:
+            own.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert own == [], f"a module __getattr__ of its own; use __getattr__ = lazy_exports(__name__, _EXPORTS): {own}"
+
+
+def test_lazy_exports_import_on_first_read() -> None:
+    from megatron.lazy import lazy_exports
+
+    getattr_ = lazy_exports("megatron", {"ConfigError": "errors", "parse_duration": "megatron.time_phrases",
+                                         "Nope": "errors"})
+    from megatron.errors import ConfigError
+    from megatron.time_phrases import parse_duration
+
+    assert getattr_("ConfigError") is ConfigError  # a module of the package
+    assert getattr_("parse_duration") is parse_duration  # a full dotted name
+    with pytest.raises(AttributeError, match="has no attribute 'missing'"):
+        getattr_("missing")
+    with pytest.raises(AttributeError):
+        getattr_("Nope")  # named, but its module does not define it
 
 
 # --- the reader itself, on a tiny package written here ------------------------------------------
@@ -222,3 +332,12 @@ def test_lazy_package_without_exports_is_refused(tmp_path: Path) -> None:
     _write(tmp_path, {"toy/__init__.py": "def __getattr__(name):\n    pass\n"})
     with pytest.raises(AssertionError, match="_EXPORTS"):
         import_graph(tmp_path, "toy")
+
+
+def test_an_import_up_the_layers_is_named(tmp_path: Path) -> None:
+    _write(tmp_path, {"toy/__init__.py": "", "toy/low/__init__.py": "", "toy/high/__init__.py": "",
+                      "toy/high/a.py": "import toy.low.b\n", "toy/low/b.py": "", "toy/low/c.py": "from toy.high import a\n"})
+    graph = import_graph(tmp_path, "toy")
+    assert layering_violations(graph, (("high",), ("low",))) == ["toy/low/c.py:1: toy.low.c (low) imports toy.high.a (high)"]
+    assert layering_violations(graph, (("high",), ("low",)), allowed={("toy.low.c", "toy.high.a")}) == []
+    assert len(layering_violations(graph, (("high", "low"),))) == 2  # one layer's packages do not import each other

@@ -99,7 +99,7 @@ def test_a_checkpoint_without_adapters_loads_as_a_base_only() -> None:
     from pathlib import Path
     from types import SimpleNamespace
 
-    from megatron.checkpointing.adapters import base_checkpoint_loading
+    from megatron.checkpointing.new_parameters import base_checkpoint_loading
     from megatron.errors import CheckpointError
 
     model, before = adapted()

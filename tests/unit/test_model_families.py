@@ -409,7 +409,7 @@ def test_fused_path_equals_the_reference(key: str) -> None:
 def test_gpt_neox_layout_names_of_each_family() -> None:
     """GPT-NeoX's names for these layers' tensors (its modules' attribute names; RMSNorm's weight is ``scale``);
     the translation round-trips."""
-    from megatron.checkpointing.neox_layout import NeoxNames, plain_from_neox, plain_to_neox
+    from megatron.checkpointing.neox import NeoxNames, plain_from_neox, plain_to_neox
 
     config = GPTConfig(num_layers=3, hidden_size=64, num_attention_heads=2, seq_length=8, padded_vocab_size=64,
                        attention_config=[[["mamba", "rwkv", "amlp"], 1]], norm="rmsnorm", gmlp_attn_dim=8)

@@ -16,8 +16,16 @@ import torch
 import yaml
 from neox_reference_layout import neox_files, write_neox_checkpoint
 
-from megatron.checkpointing.neox_files import GQA_ORDER_OF_FORMAT, gqa_order_for, neox_checkpoint_shards
-from megatron.checkpointing.neox_layout import PER_QUERY_HEAD, PER_RANK, NeoxNames, qkv_from_neox, qkv_to_neox
+from megatron.checkpointing.neox import (
+    GQA_ORDER_OF_FORMAT,
+    PER_QUERY_HEAD,
+    PER_RANK,
+    NeoxNames,
+    gqa_order_for,
+    neox_checkpoint_shards,
+    qkv_from_neox,
+    qkv_to_neox,
+)
 from megatron.errors import CheckpointError
 from megatron.interop.deepy_checkpoint import merge_tp_shards, read_full_checkpoint, write_weights_only_checkpoint
 from megatron.interop.hf_model import build_gpt_model
@@ -186,7 +194,7 @@ def test_args_and_configs_are_what_gpt_neox_reads() -> None:
     args, and its load asserts each equals its own value: another key would stop it. configs/ holds
     every resolved value (overrides included), pipe_parallel_size even at Deepy's default 0 (GPT-NeoX's
     converter assumes a pipeline when the key is absent)."""
-    from megatron.checkpointing.neox_record import config_files, neox_checkpoint_args
+    from megatron.checkpointing.neox import config_files, neox_checkpoint_args
     from megatron.neox_arguments.arguments import NeoXArgs
 
     args = NeoXArgs(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16,
@@ -219,8 +227,8 @@ def test_names_read_from_a_checkpoints_record_match_the_models(arch: str) -> Non
 
 
 def test_the_format_written_is_the_current_order_and_the_launcher_knows_every_format() -> None:
-    from megatron.checkpointing.neox_checks import _ORDER_OF_FORMAT
+    from megatron.checkpointing.neox.checks import _ORDER_OF_FORMAT
     from megatron.checkpointing.save_load import FORMAT_VERSION, READABLE_FORMATS
 
     assert GQA_ORDER_OF_FORMAT[FORMAT_VERSION] == PER_RANK and set(GQA_ORDER_OF_FORMAT) < set(READABLE_FORMATS)
-    assert _ORDER_OF_FORMAT == GQA_ORDER_OF_FORMAT  # neox_checks' torch-free copy
+    assert _ORDER_OF_FORMAT == GQA_ORDER_OF_FORMAT  # neox/checks.py's torch-free copy

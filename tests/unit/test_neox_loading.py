@@ -14,9 +14,9 @@ import torch
 from neox_reference_layout import neox_files, write_neox_checkpoint
 
 from megatron.checkpointing import discovery
-from megatron.checkpointing.neox_import import recorded_mismatches
+from megatron.checkpointing.neox import recorded_mismatches
 from megatron.config_rules import RuleContext
-from megatron.checkpointing.neox_checks import neox_qkv_order_names_a_gpt_neox_checkpoint as rule
+from megatron.checkpointing.neox.checks import neox_qkv_order_names_a_gpt_neox_checkpoint as rule
 from megatron.errors import CheckpointError
 from megatron.neox_arguments.arguments import NeoXArgs
 
@@ -142,7 +142,7 @@ def test_the_offline_converter_reads_both_eras_of_a_grouped_query_llama(tmp_path
     """GPT-NeoX's current Llama config (activation: swiglu) and its mid-2024 one (mlp_type: llama with
     activation: silu, w1/w3/w2 files) convert to the source model; the QKV order is asked for."""
     from megatron.interop.hf_model import build_gpt_model
-    from megatron.interop.neox_checkpoint import read_neox_checkpoint
+    from megatron.checkpointing.neox import read_neox_checkpoint
 
     full = weights(2)
     files = neox_files(full, num_layers=2, heads=4, kv_heads=2, tp=2, pipeline=era == "mid2024", llama=True, era=era)
@@ -164,7 +164,7 @@ def test_the_offline_converter_reads_both_eras_of_a_grouped_query_llama(tmp_path
 
 # --- the engine's plain-model load reads the order a Deepy checkpoint's format records -----------------------
 class PlainEngine:
-    """What ``neox_files.install`` wraps on a plain DeepSpeed engine: ``load_checkpoint(load_dir, tag)``
+    """What ``neox.files.install`` wraps on a plain DeepSpeed engine: ``load_checkpoint(load_dir, tag)``
     reading ``mp_rank_00_model_states.pt`` and handing it to ``load_module_state_dict`` (as DeepSpeed
     0.19.8 does; tests/unit/test_deepspeed_internals.py pins that on a real engine)."""
 
@@ -187,7 +187,7 @@ class PlainEngine:
 def test_the_engine_reads_a_deepy_checkpoints_recorded_order(tmp_path: Path, era: str, fmt: int | None) -> None:
     """Format 2 (GPT-NeoX's mid-2024 layout, grouped by query head) and 3 (current, per rank) load as
     the model they hold; files that record no format are refused for a grouped-query model."""
-    from megatron.checkpointing.neox_files import install
+    from megatron.checkpointing.neox import install
     from megatron.model.config import GPTConfig
 
     config = GPTConfig(**MODEL, max_position_embeddings=16, padded_vocab_size=256, norm="rmsnorm",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.checkpointing.retention import (
+from megatron.checkpointing.commit import (
     CommittedCheckpoint,
     KeepRule,
     RetentionPolicy,

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from megatron.checkpointing import commit, discovery
-from megatron.checkpointing.neox_files import GQA_ORDER_OF_FORMAT, ORDER_KEY, load_model_file
+from megatron.checkpointing.neox import GQA_ORDER_OF_FORMAT, ORDER_KEY, load_model_file
 from megatron.checkpointing.save_load import META_FILE
 from megatron.errors import CheckpointError, UsageError, run_guarded
 
@@ -61,7 +61,7 @@ def resolve(path: Path) -> tuple[Path, bool]:
 
 
 def _neox_meta(ckpt: Path, states: dict[str, Any]) -> dict[str, Any]:
-    """What a GPT-NeoX checkpoint records, as ``load:`` reads it (``neox_import.neox_position``)."""
+    """What a GPT-NeoX checkpoint records, as ``load:`` reads it (``checkpointing.neox.load.neox_position``)."""
     client = states.get("mp_rank_00_model_states.pt") or {}
     iteration = int(client.get("iteration") or client.get("global_steps") or 0)
     consumed = client.get("global_samples")

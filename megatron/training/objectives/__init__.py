@@ -13,8 +13,9 @@ registry without importing torch's training stack and DeepSpeed.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from megatron.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from megatron.training.objectives.base import MicroBatch, Objective  # noqa: F401
@@ -48,10 +49,7 @@ def build_objective(config: ObjectiveArgs, eod_token: int | None = None) -> Obje
     return plugin.resolve()(config, eod_token)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = [*_EXPORTS, "build_objective"]

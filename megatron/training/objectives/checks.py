@@ -8,7 +8,7 @@ from __future__ import annotations
 from megatron import plugins
 from megatron.config_rules import RuleContext, rule
 from megatron.data.config import SPLITS
-from megatron.training.objectives.registry import needs_of, reads_reference_files
+from megatron.objective_needs import needs_of, reads_reference_files
 
 _PAIRWISE_DATA_KEYS = tuple(f"{side}_{split}_data_paths" for side in ("pos", "neg") for split in SPLITS)
 _REWARD_DATA_KEYS = tuple(f"{split}_reward_data_paths" for split in SPLITS)

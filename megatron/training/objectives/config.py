@@ -18,7 +18,8 @@ from pydantic import Field, field_validator
 
 from megatron import plugins
 from megatron.config_schema import ArgGroup, not_supported, partly_supported
-from megatron.training.objectives.registry import NOT_BUILT, DPOKeys, needs_of
+from megatron.objective_needs import needs_of
+from megatron.training.objectives.registry import NOT_BUILT, DPOKeys
 
 ReferenceKind = Literal["none", "frozen_copy", "precomputed", "free"]
 

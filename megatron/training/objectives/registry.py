@@ -5,49 +5,20 @@ config without them; the implementations (``lm.py``, ``dpo.py``, ...) are import
 the objective. A plug-in objective of a user's (``plugins:``) registers the same way in one file, with
 :func:`megatron.plugins.register` on its class.
 
-``needs`` of an objective, read by the data, model and checkpoint code instead of ``train_impl ==``
-switches:
-
-* ``dataset`` — ``lm`` (token documents, optional label masks), ``pairwise`` (chosen/rejected pairs)
-  or ``reward`` (documents with a per-document reward);
-* ``value_head`` — the model ends in a scalar head instead of the LM head;
-* ``reference`` — the loss reads a reference model's log-probs;
-* ``documents`` — packed samples hold several documents, so the document-mask keys
-  (``reset_attention_mask``, ``reset_position_ids``) apply.
+The ``needs`` of an objective (its dataset kind, a value head, a reference, packed documents) are read
+through :mod:`megatron.objective_needs`, below every component, so the data config reads them without
+importing the training package.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 from pydantic import Field
 
 from megatron import plugins
 from megatron.config_schema import ArgGroup
-
-DatasetKind = Literal["lm", "pairwise", "reward"]
-
-
-@dataclass(frozen=True)
-class ObjectiveNeeds:
-    dataset: DatasetKind = "lm"
-    value_head: bool = False
-    reference: bool = False
-    documents: bool = False
-
-
-def needs_of(train_impl: str) -> ObjectiveNeeds:
-    """What ``train_impl`` requires from the rest of the run."""
-    return ObjectiveNeeds(**plugins.get("train_impl", train_impl).needs)
-
-
-def reads_reference_files(train_impl: str) -> bool:
-    """Whether the objective's reference log-probs may come from files written next to its pairs
-    (``reference_logps``, by ``generate.py`` precompute): a pairwise objective with a reference (DPO)."""
-    needs = needs_of(train_impl)
-    return needs.reference and needs.dataset == "pairwise"
 
 
 class DPOKeys(ArgGroup):

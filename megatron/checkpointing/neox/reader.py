@@ -1,8 +1,8 @@
 """A GPT-NeoX (DeeperSpeed) checkpoint directory read into full weights under our names (the offline
-converter, ``tools/ckpts/convert_hf_to_neox.py``; ``load:`` reads the same files in ``neox_import.py``).
+converter, ``tools/ckpts/convert_hf_to_neox.py``; ``load:`` reads the same files in ``load.py``).
 
-The files are read by ``checkpointing/neox_files.py`` (every layout fact, of GPT-NeoX's current and
-mid-2024 eras, is in ``checkpointing/neox_layout.py`` and docs/checkpoint_format.md). Here: the
+The files are read by ``checkpointing/neox/files.py`` (every layout fact, of GPT-NeoX's current and
+mid-2024 eras, is in ``checkpointing/neox/layout.py`` and docs/checkpoint_format.md). Here: the
 architecture, from the run's GPT-NeoX config (``configs/`` or ``--config``) and the tensors' shapes
 (hidden size, vocabulary, MLP width, biases, an untied head), and the refusal of what Deepy's model
 does not compute the same way, each with its key named. A grouped-query model needs
@@ -21,10 +21,10 @@ import yaml
 from pydantic import TypeAdapter
 
 from megatron.checkpointing.discovery import find_gpt_neox_tag
+from megatron.checkpointing.local_weights import merge_tp_shards
+from megatron.checkpointing.neox.files import gqa_order_for, load_model_file, neox_checkpoint_shards
+from megatron.checkpointing.neox.layout import GqaOrder, NeoxNames
 from megatron.errors import CheckpointError, ConversionError
-from megatron.checkpointing.neox_files import gqa_order_for, load_model_file, neox_checkpoint_shards
-from megatron.checkpointing.neox_layout import GqaOrder, NeoxNames
-from megatron.interop.deepy_checkpoint import merge_tp_shards
 from megatron.model.config import Activation, GPTConfig
 from megatron.model.mlp_width import GATED_ACTIVATIONS, intermediate_size_for
 from megatron.neox_arguments.keys import normalize_key
@@ -169,7 +169,7 @@ def _intermediate_size(width: int, activation: str) -> int:
 
 def read_neox_checkpoint(path: Path, config_paths: list[Path] | None = None,
                          qkv_order: GqaOrder | None = None) -> NeoxCheckpoint:
-    """A GPT-NeoX checkpoint of either era (``checkpointing/neox_layout.py``) as full weights;
+    """A GPT-NeoX checkpoint of either era (``checkpointing/neox/layout.py``) as full weights;
     ``qkv_order``: the grouped-query row order, which its files cannot say (``--neox-qkv-order``)."""
     tag = find_gpt_neox_tag(path) if path.is_dir() else None
     if tag is None:

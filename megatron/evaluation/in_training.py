@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from megatron.checkpointing.rng_state import capture_rng_state, restore_rng_state
+from megatron.checkpointing.save_load import capture_rng_state, restore_rng_state
 from megatron.errors import ConfigError
 from megatron.evaluation.config import EvalRunArgs
 from megatron.generation.config import batch_size

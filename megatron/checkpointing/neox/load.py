@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from megatron.checkpointing.neox_files import gqa_order_for, neox_checkpoint_shards
-from megatron.checkpointing.neox_layout import GqaOrder, NeoxNames
+from megatron.checkpointing.local_weights import local_weights, merge_tp_shards, stored_model_config
+from megatron.checkpointing.neox.files import gqa_order_for, neox_checkpoint_shards
+from megatron.checkpointing.neox.layout import GqaOrder, NeoxNames
 from megatron.errors import CheckpointError
 
 _MP_FILE = "mp_rank_00_model_states.pt"
@@ -29,7 +30,7 @@ _MP_FILE = "mp_rank_00_model_states.pt"
 
 def neox_position(tag: Path, args: dict[str, Any]) -> tuple[int, int]:
     """(iteration, consumed samples) recorded by GPT-NeoX in ``mp_rank_00_model_states.pt``."""
-    from megatron.checkpointing.neox_files import load_model_file as _load
+    from megatron.checkpointing.neox.files import load_model_file as _load
 
     state = _load(tag / _MP_FILE) if (tag / _MP_FILE).is_file() else {}
     iteration = int(state.get("iteration") or state.get("global_steps") or 0)
@@ -47,7 +48,7 @@ the padded vocabulary is checked as the embedding's rows)."""
 def recorded_mismatches(tag: Path, args: dict[str, Any]) -> list[str]:
     """Where the ``args`` GPT-NeoX recorded in ``tag`` disagree with this run (same-shape tensors can
     hide some: a different head count splits the same QKV weight into other heads)."""
-    from megatron.checkpointing.neox_files import load_model_file as _load
+    from megatron.checkpointing.neox.files import load_model_file as _load
 
     state = _load(tag / _MP_FILE) if (tag / _MP_FILE).is_file() else {}
     recorded = state.get("args") if isinstance(state, dict) else None
@@ -62,8 +63,6 @@ def load_neox_weights(engine: Any, tag: Path, args: dict[str, Any], qkv_order: G
     Returns notes for the log."""
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    from megatron.checkpointing.local_weights import local_weights
-    from megatron.interop.deepy_checkpoint import gpt_config_from_args, merge_tp_shards
     from megatron.mpu import topology
 
     if int(engine.zero_optimization_stage()) == 3:
@@ -73,7 +72,7 @@ def load_neox_weights(engine: Any, tag: Path, args: dict[str, Any], qkv_order: G
     if mismatched:
         raise CheckpointError(f"the GPT-NeoX checkpoint {tag} was saved for another model (its recorded args):\n  "
                               + "\n  ".join(mismatched))
-    config = gpt_config_from_args(args)
+    config = stored_model_config(args)
     names = gqa_order_for(NeoxNames.from_config(config), None, qkv_order, tag)
     shards, source_tp = neox_checkpoint_shards(tag, names)
     full = merge_tp_shards(config, shards)

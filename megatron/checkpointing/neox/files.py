@@ -1,6 +1,6 @@
 """Model files in GPT-NeoX's layout: written by the engine, read back by the engine and by our tools.
 
-The engine's own module save/load is where the translation of ``neox_layout.py`` is applied:
+The engine's own module save/load is where the translation of ``layout.py`` is applied:
 
 * pipeline models: DeepSpeed's ``PipelineModule.save_state_dict``/``load_state_dir`` write and read
   one file per layer, numbered by spec; :func:`install` replaces both on the module instance with
@@ -11,7 +11,7 @@ The engine's own module save/load is where the translation of ``neox_layout.py``
 
 Reading recognises the layouts by their files: Deepy's first layout (format 1) always has a
 ``layer_01-*`` file (GPT-NeoX's layer 1 has no parameters) and plain ``module`` names without
-``sequential.``; GPT-NeoX's names of either era are told apart by ``neox_layout``. The one thing files
+``sequential.``; GPT-NeoX's names of either era are told apart by ``layout.py``. The one thing files
 cannot tell is the grouped-query QKV order: a Deepy checkpoint records it by its format
 (``deepy_meta.json`` and the ``deepy`` client state: 2 = GPT-NeoX's order before Nov 2024, 3 = its
 current one); for a GPT-NeoX checkpoint the key ``neox_qkv_order`` says it, and without it a
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from megatron.checkpointing.discovery import META_FILE
-from megatron.checkpointing.neox_layout import (
+from megatron.checkpointing.neox.layout import (
     PER_QUERY_HEAD,
     PER_RANK,
     GqaOrder,

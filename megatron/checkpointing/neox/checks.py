@@ -1,7 +1,7 @@
 """Before-launch check of ``neox_qkv_order`` (``checkpointing/config.py``): it says how a GPT-NeoX
 checkpoint's grouped-query QKV rows are ordered, so it is set only where one is loaded, and never
 against the order a Deepy checkpoint records. Only names, markers and ``deepy_meta.json`` are read (no
-torch): the launcher runs it. At load time ``neox_files.gqa_order_for`` refuses a grouped-query
+torch): the launcher runs it. At load time ``files.gqa_order_for`` refuses a grouped-query
 GPT-NeoX checkpoint without it.
 """
 
@@ -13,7 +13,7 @@ from megatron.checkpointing import discovery
 from megatron.config_rules import RuleContext, rule
 
 KEY = "neox_qkv_order"
-_ORDER_OF_FORMAT = {2: "per_query_head", 3: "per_rank"}  # neox_files.GQA_ORDER_OF_FORMAT, without torch
+_ORDER_OF_FORMAT = {2: "per_query_head", 3: "per_rank"}  # files.GQA_ORDER_OF_FORMAT, without torch
 
 
 def _grouped_query(ctx: RuleContext) -> bool:

@@ -4,7 +4,7 @@ Deepy's modules keep their own names (they seed the initialisation, see ``model/
 own per-rank ``[q; k; v]`` QKV rows and ``[gate; up]`` gated-MLP rows. Checkpoint files are written
 in GPT-NeoX's current layout instead, so GPT-NeoX's tools read them and GPT-NeoX's checkpoints load
 here. This module is the whole translation, applied to one tensor-parallel rank's shard at the
-file boundary (``neox_files.py`` does the I/O). docs/checkpoint_format.md lists every fact with the
+file boundary (``files.py`` does the I/O). docs/checkpoint_format.md lists every fact with the
 GPT-NeoX file and commit it was read from (EleutherAI/gpt-neox ea7aefd8, 2026-05-19).
 
 * pipeline layer indices (``megatron/model/gpt2_model.py`` ``init_specs``): 0 the embedding, 1 a

@@ -1,0 +1,44 @@
+"""What a training objective (``train_impl``) needs from the rest of the run, read from its plug-in entry.
+
+The data, model, evaluation and checkpoint code read these needs instead of ``train_impl ==`` switches.
+They live here, below every component, because the data config (``megatron/data/config.py``) reads them
+while the objectives themselves (``megatron/training/objectives/``, declared in its ``registry.py``) sit
+above the data: the registry's entries carry the needs, and :mod:`megatron.plugins` imports the
+registry on first use.
+
+* ``dataset`` — ``lm`` (token documents, optional label masks), ``pairwise`` (chosen/rejected pairs)
+  or ``reward`` (documents with a per-document reward);
+* ``value_head`` — the model ends in a scalar head instead of the LM head;
+* ``reference`` — the loss reads a reference model's log-probs;
+* ``documents`` — packed samples hold several documents, so the document-mask keys
+  (``reset_attention_mask``, ``reset_position_ids``) apply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron import plugins
+
+DatasetKind = Literal["lm", "pairwise", "reward"]
+
+
+@dataclass(frozen=True)
+class ObjectiveNeeds:
+    dataset: DatasetKind = "lm"
+    value_head: bool = False
+    reference: bool = False
+    documents: bool = False
+
+
+def needs_of(train_impl: str) -> ObjectiveNeeds:
+    """What ``train_impl`` requires from the rest of the run."""
+    return ObjectiveNeeds(**plugins.get("train_impl", train_impl).needs)
+
+
+def reads_reference_files(train_impl: str) -> bool:
+    """Whether the objective's reference log-probs may come from files written next to its pairs
+    (``reference_logps``, by ``generate.py`` precompute): a pairwise objective with a reference (DPO)."""
+    needs = needs_of(train_impl)
+    return needs.reference and needs.dataset == "pairwise"
