@@ -195,7 +195,8 @@ def _evaluation(args: Any) -> object:
 
     if not args.eval_tasks:
         return None
-    return results_base(args), batch_size(args), args.maximum_tokens, args.seed, args.seq_length
+    return (results_base(args), batch_size(args), args.maximum_tokens, args.seed, args.seq_length,
+            args.eval_tasks_limit, args.eval_tasks_interval)
 
 
 def _generation(args: Any) -> object:

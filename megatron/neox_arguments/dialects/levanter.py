@@ -115,20 +115,23 @@ def _eval_harness(value: Any, ctx: Context) -> dict[str, Any]:
         tasks.append(str(task))
     defaults = {"max_examples": None, "max_eval_length": None, "log_samples": False, "bootstrap_iters": 0,
                 "apply_chat_template": False, "confirm_run_unsafe_code": True, "sample_logging": None}
+    out: dict[str, Any] = {"eval_tasks": tasks}
     for key, value in spec.items():
         if key == "task_spec":
+            continue
+        if key == "max_examples" and value is not None:
+            # eval_harness.py:577,609@9263f81e: evaluator.evaluate(..., limit=config.max_examples)
+            out["eval_tasks_limit"] = int(value)
             continue
         if key not in defaults:
             raise Refused(f"{key!r} is not a field of Levanter's LmEvalHarnessConfig")
         if value != defaults[key] and not (key == "sample_logging" and not value):
             raise Refused(f"eval_harness.{key} is not built here: Deepy runs each of eval_tasks whole, as "
                           f"lm-evaluation-harness defines it")
-    every = int(ctx.value("eval_harness_steps", 10000))
-    evals = int(ctx.value("trainer.steps_per_eval", 1000))
-    if every != evals:
-        raise Refused(f"Deepy runs eval_tasks at every evaluation: eval_harness_steps ({every}) must equal "
-                      f"trainer.steps_per_eval ({evals}; Levanter's defaults are 10000 and 1000)")
-    return {"eval_tasks": tasks}
+    # train_lm.py:225-231@9263f81e: the harness is a hook every eval_harness_steps (default 10000, line 68);
+    # Levanter's trainer also runs every hook after the last step, as Deepy does
+    out["eval_tasks_interval"] = int(ctx.value("eval_harness_steps", 10000))
+    return out
 
 
 def _hf_save(value: Any, ctx: Context) -> dict[str, Any]:
@@ -161,7 +164,7 @@ def _epoch(value: Any, ctx: Context) -> dict[str, Any]:
 TOP_RULES: dict[str, Rule] = {
     "z_loss_weight": to("z_loss"),
     "eval_harness": _eval_harness,
-    "eval_harness_steps": lambda v, ctx: noted("the interval of eval_harness (checked with it)")
+    "eval_harness_steps": lambda v, ctx: noted("the interval of eval_harness (set with it: eval_tasks_interval)")
     if ctx.value("eval_harness") else noted("no eval_harness"),
     "initialize_from_hf": _initialize_from_hf,
     "use_hf_model_config": lambda v, ctx: noted("no initialize_from_hf") if not v or ctx.value("initialize_from_hf")
