@@ -129,7 +129,7 @@ def _eval_harness(value: Any, ctx: Context) -> dict[str, Any]:
             raise Refused(f"eval_harness.{key} is not built here: Deepy runs each of eval_tasks whole, as "
                           f"lm-evaluation-harness defines it")
     # train_lm.py:225-231@9263f81e: the harness is a hook every eval_harness_steps (default 10000, line 68);
-    # Levanter's trainer also runs every hook after the last step, as Deepy does
+    # Levanter's trainer also runs every hook after the last step (trainer.py:449, force=True), as Deepy does
     out["eval_tasks_interval"] = int(ctx.value("eval_harness_steps", 10000))
     return out
 
