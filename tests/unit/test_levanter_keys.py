@@ -156,7 +156,6 @@ def test_eval_parallelism_matters_only_with_max_eval_batches(tmp_path: Path) -> 
     ("model:\n  type: gpt2_hyena\n", "Hyena"),
     ("model:\n  type: backpack\n", "Backpack"),
     ("model:\n  type: whisper\n", "speech"),
-    ("initialize_from_hf: \"meta-llama/Llama-2-7b-hf\"\n", "tools/ckpts/convert_hf_to_neox.py"),
     ("trainer:\n  train_batch_size:\n    - start: 0\n      value: 64\n", "batch-size schedule"),
 ])
 def test_features_not_built_are_refused_by_name(tmp_path: Path, text: str, reason: str) -> None:
@@ -345,3 +344,21 @@ def test_a_dumped_tracker_with_save_code_is_refused_at_that_key_alone(tmp_path: 
         load(tmp_path, text)
     assert str(err.value).count("save_code") == 2 and "problems" not in str(err.value)  # the key and the fix
     assert "trainer.tracker.save_code = True" in str(err.value)
+
+
+def test_initialize_from_hf_takes_a_local_model_directory(tmp_path: Path) -> None:
+    """train_lm.py:46,79-92@9263f81e: a path or true (the model's reference_checkpoint); not beside
+    trainer.initialize_from (line 81); hub names would be downloaded."""
+    hf = tmp_path / "hf_llama"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    assert load(tmp_path, MODEL + f"initialize_from_hf: {hf}\n").args.initialize_from_hf == str(hf)
+    by_reference = MODEL + f"  reference_checkpoint: {hf}\ninitialize_from_hf: true\n"
+    assert load(tmp_path, by_reference).args.initialize_from_hf == str(hf)
+    for text, reason in ((MODEL + "initialize_from_hf: meta-llama/Llama-2-7b-hf\n", "would be downloaded"),
+                         (MODEL + "initialize_from_hf: true\n", "would be downloaded"),
+                         (MODEL + f"initialize_from_hf: {hf}\nuse_hf_model_config: true\n", "use_hf_model_config"),
+                         (MODEL + f"initialize_from_hf: {hf}\ntrainer:\n  initialize_from: {tmp_path}\n",
+                          "beside trainer.initialize_from")):
+        with pytest.raises(ConfigError, match=reason):
+            load(tmp_path, text)

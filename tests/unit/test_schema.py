@@ -102,6 +102,7 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "save_interval": ("checkpoint", None),
     "keep": ("checkpoint", None),
     "initialize_from": ("checkpoint", None),
+    "initialize_from_hf": ("checkpoint", None),  # Levanter's: a local HF model converted before launch
     "neox_qkv_order": ("checkpoint", None),  # a GPT-NeoX checkpoint's grouped-query QKV order (files cannot say)
     "max_consecutive_overflows": ("training_loop", 50),
     "compile_layers": ("training_loop", False),

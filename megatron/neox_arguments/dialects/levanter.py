@@ -142,11 +142,20 @@ def _hf_save(value: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _initialize_from_hf(value: Any, ctx: Context) -> dict[str, Any]:
+    """train_lm.py:79-92,155-173@9263f81e: a path (or true: the model's reference_checkpoint) whose weights
+    the run starts from at step 0; both with trainer.initialize_from is Levanter's ValueError (line 81)."""
     if value is False or value is None:
         return {}
-    raise Refused("loading Hugging Face weights at start is one command here: python tools/ckpts/convert_hf_to_neox.py "
-                  "HF_DIR OUT (local directories only) writes a Deepy checkpoint; then give trainer.initialize_from "
-                  "OUT (fine-tuning starts at step 0 from its weights)")
+    source = ctx.value("model.reference_checkpoint") if value is True else value
+    if ctx.value("trainer.initialize_from"):
+        raise Refused("Levanter refuses initialize_from_hf beside trainer.initialize_from; keep one")
+    if source is None or not os.path.isfile(os.path.join(str(source), "config.json")):
+        raise Refused(f"{source!r} is not a local transformers model directory (a hub name would be downloaded; "
+                      f"give the directory save_pretrained wrote{'' if value is not True else ' as model.reference_checkpoint'})")
+    if ctx.value("use_hf_model_config"):
+        raise Refused("use_hf_model_config reads the model's shape from the HF config; here the model: section "
+                      "gives it (the import checks the two agree)")
+    return {"initialize_from_hf": str(source)}
 
 
 def _data_seed(value: Any, ctx: Context) -> dict[str, Any]:
@@ -167,8 +176,8 @@ TOP_RULES: dict[str, Rule] = {
     "eval_harness_steps": lambda v, ctx: noted("the interval of eval_harness (set with it: eval_tasks_interval)")
     if ctx.value("eval_harness") else noted("no eval_harness"),
     "initialize_from_hf": _initialize_from_hf,
-    "use_hf_model_config": lambda v, ctx: noted("no initialize_from_hf") if not v or ctx.value("initialize_from_hf")
-    else _refuse("use_hf_model_config reads the model of initialize_from_hf, which is not set"),
+    "use_hf_model_config": lambda v, ctx: noted("the model: section gives the shape") if not v
+    else _refuse("use_hf_model_config (the model's shape from the HF config) is not built; give the model: section"),
     "hf_save_path": _hf_save,
     "hf_upload": lambda v, ctx: noted("unset") if v is None else _refuse("uploading to the Hugging Face hub is not built"),
     "hf_save_steps": _hf_save,
