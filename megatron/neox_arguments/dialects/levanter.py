@@ -149,7 +149,10 @@ def _initialize_from_hf(value: Any, ctx: Context) -> dict[str, Any]:
     source = ctx.value("model.reference_checkpoint") if value is True else value
     if ctx.value("trainer.initialize_from"):
         raise Refused("Levanter refuses initialize_from_hf beside trainer.initialize_from; keep one")
-    if source is None or not os.path.isfile(os.path.join(str(source), "config.json")):
+    if source is None:
+        raise Refused("true reads model.reference_checkpoint, which is not set (Levanter's default for each model "
+                      "type is a hub name, which would be downloaded); give a local model directory")
+    if not os.path.isfile(os.path.join(str(source), "config.json")):
         raise Refused(f"{source!r} is not a local transformers model directory (a hub name would be downloaded; "
                       f"give the directory save_pretrained wrote{'' if value is not True else ' as model.reference_checkpoint'})")
     if ctx.value("use_hf_model_config"):
