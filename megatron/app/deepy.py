@@ -196,6 +196,25 @@ def resumed_run_name(resolved: ResolvedConfig, user_script: str) -> str | None:
     return name if isinstance(name, str) and name and os.sep not in name else None
 
 
+def hf_start(resolved: ResolvedConfig, in_place: bool) -> str | None:
+    """``initialize_from_hf``: convert the model into ``<save>/hf_import`` once, before any rank starts
+    (``megatron/interop/hf_start.py``), and start from there."""
+    from pathlib import Path
+
+    from megatron.checkpointing.discovery import resume_point
+    from megatron.errors import required
+    from megatron.interop.hf_start import CONVERTED_MARKER, IMPORT_DIR, start_from_hf
+
+    args = resolved.args
+    save = Path(required(args.save, "save", "initialize_from_hf converts the model into <save>/hf_import"))
+    own = any(resume_point(Path(d), None) is not None for d in {args.save, args.load} if d and Path(d).is_dir())
+    if in_place and not own and not (save / IMPORT_DIR / CONVERTED_MARKER).is_file():
+        raise ConfigError(f"initialize_from_hf with a launch where every rank runs deepy.py itself: convert first "
+                          f"with python tools/ckpts/convert_hf_to_neox.py {args.initialize_from_hf} "
+                          f"{save / IMPORT_DIR}, then launch again")
+    return start_from_hf(args, resolved.provenance, has_own_checkpoint=own)
+
+
 def already_finished(resolved: ResolvedConfig, user_script: str) -> str | None:
     """Why launching would do nothing, or None: a training run whose checkpoint in ``load`` is
     already at its last step (``train_iters``) has nothing left to train (the loop saves the last step
@@ -341,6 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     assert plan is not None, "only a dry run goes on without a launch plan"
     for line in notes(resolved, command.user_script):
         print(f"deepy: {line}", flush=True)
+    if resolved.args.initialize_from_hf:
+        started = hf_start(resolved, in_place=plan is not None and plan.in_place)
+        print(f"deepy: {started}", flush=True)
     config_file = resolved.write(config_path)
     print(f"deepy: resolved config written to {config_file}", flush=True)
     from megatron.logging import rank_errors

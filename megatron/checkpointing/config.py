@@ -91,6 +91,11 @@ class CheckpointArgs(ArgGroup):
     initialize_from: str | None = None
     """Checkpoint to take the starting weights from, without its optimizer state or step."""
 
+    initialize_from_hf: str | None = None
+    """A local transformers model directory to start from (weights only, step 0), while `save` holds no
+    checkpoint of the run's own: deepy.py converts it before launch into <save>/hf_import (the import tool,
+    at the run's split and dtype) and sets initialize_from to it. Deepy extra (Levanter's initialize_from_hf)."""
+
     neox_qkv_order: Literal["per_rank", "per_query_head"] | None = None
     """Row order of the fused QKV weights of a grouped-query GPT-NeoX checkpoint named by `load` or
     `initialize_from` (its files cannot tell): per_rank = [Q; K; V] of each tensor-parallel rank

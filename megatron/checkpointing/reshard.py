@@ -179,14 +179,15 @@ def _rank_weights(ckpt_dir: Path, tp: int, tp_rank: int, pipeline: bool, layer_n
 
 # --- making a universal checkpoint loadable by any target -------------------------------------------------------
 def complete_for_any_target(universal: Path, *, num_layers: int, tied: bool, vocab_rows: int | None,
-                            vocab_patterns: list[str]) -> None:
+                            vocab_patterns: list[str], info: dict[str, Any] | None = None) -> None:
     """Make ``universal`` loadable by a plain or pipeline engine at any ZeRO stage (idempotent).
 
     ``vocab_rows``: the loading run's padded vocabulary (a smaller tp pads less, a larger one more;
-    the rows added or dropped are padding beyond the tokenizer's vocabulary).
+    the rows added or dropped are padding beyond the tokenizer's vocabulary). ``info``: the checkpoint's
+    ``universal_checkpoint_info`` (how each parameter splits over tp).
     """
     zero = universal / ZERO_DIR
-    _shape_zero3_tensors(universal)
+    _shape_zero3_tensors(universal, info or {})
     _link_both_names(zero, num_layers, tied)
     if vocab_rows:
         fit_vocabulary_rows(zero, vocab_patterns, vocab_rows)
@@ -196,13 +197,18 @@ def complete_for_any_target(universal: Path, *, num_layers: int, tied: bool, voc
     _name_model_states_for_every_stage(universal)
 
 
-def _shape_zero3_tensors(universal: Path) -> None:
+def _shape_zero3_tensors(universal: Path, info: dict[str, Any]) -> None:
     """Give a ZeRO-3 conversion the files every other loader reads.
 
     ``ds_to_universal`` writes a ZeRO-3 checkpoint's tensors flat and bare (no ``{"param": ...}``,
-    no shape) and its step only in ``optimizer_state.pt``; the ZeRO-1/2 loaders and
+    no shape, no split metadata) and its step only in ``optimizer_state.pt``; the ZeRO-1/2 loaders and
     :func:`load_into_torch_optimizer` need each tensor in its shape (to cut it over tp) and a
     ``step.pt`` per parameter. The shapes are the ones the ZeRO-3 model-state file records.
+
+    DeepSpeed's ZeRO-1/2 universal loader cuts a tensor along its ``cat_dim`` (dim 0 when absent) and by
+    its sub-parameter sections: without them a row-parallel weight (attention output, MLP output) reached
+    a tp>1 run cut along the wrong dimension. So each tensor goes through DeepSpeed's own merge step at
+    tp 1 with the checkpoint's ``info``, which writes the metadata ``ds_to_universal`` writes for ZeRO-1/2.
     """
     model_files = sorted(p for p in universal.iterdir() if (m := _ZERO3_MODEL_STATES.match(p.name)) and m.group(1) == "0")
     if not model_files:
@@ -212,14 +218,25 @@ def _shape_zero3_tensors(universal: Path) -> None:
         raise CheckpointError(f"{universal}: ZeRO-3 checkpoints saved with tensor parallelism cannot change layout")
     shapes = {name: shape for group in state.get("param_shapes") or [] for name, shape in group.items()}
     zero = universal / ZERO_DIR
+    split_info = _with_tuple_shapes(info) if len(info) > 1 else None  # more than the version key
+    slices = universal / "tmp_zero3_slices"
     step: Any = None
     for name, shape in shapes.items():
         folder = zero / name
+        bare = False
         for key in STATE_FILES:
             path = folder / f"{key}.pt"
             value = _load(path)
             if isinstance(value, torch.Tensor):
-                torch.save({"param": value.reshape(shape).clone()}, path)
+                bare = True
+                if split_info is None:
+                    torch.save({"param": value.reshape(shape).clone()}, path)
+                else:
+                    fragment = slices / name / "0" / f"{key}.00"  # DeepSpeed's fragment naming, tp rank 0
+                    fragment.parent.mkdir(parents=True, exist_ok=True)
+                    torch.save(value.flatten().clone(), fragment)
+        if bare and split_info is not None:
+            merge_universal_tp_slices(split_info, zero, slices, 1, name, [torch.Size(shape)])
         if not (folder / "step.pt").is_file():
             if step is None:
                 inner = _load(zero / OPTIMIZER_STATE_FILE).get("optimizer_state_dict") or {}
@@ -227,6 +244,7 @@ def _shape_zero3_tensors(universal: Path) -> None:
                 if step is None:
                     raise CheckpointError(f"{zero / OPTIMIZER_STATE_FILE} records no optimizer step")
             torch.save(step, folder / "step.pt")
+    shutil.rmtree(slices, ignore_errors=True)
 
 
 def _link_both_names(zero: Path, num_layers: int, tied: bool) -> None:

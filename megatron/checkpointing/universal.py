@@ -121,7 +121,7 @@ def prepare_universal(ckpt_dir: Path, meta: dict[str, Any], vocab_rows: int | No
     args = meta.get("args") or {}
     tied = not args.get("no_weight_tying", False) and args.get("train_impl") != "rm"
     reshard.complete_for_any_target(target, num_layers=int(args["num_layers"]), tied=tied, vocab_rows=vocab_rows,
-                                    vocab_patterns=list(info.get("vocabulary_parameter_patterns", [])))
+                                    vocab_patterns=list(info.get("vocabulary_parameter_patterns", [])), info=info)
     return target
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from pydantic import Field
+
 from megatron.config_schema import ArgGroup
 from megatron.errors import ConfigError
 
@@ -24,6 +26,14 @@ class EvalArgs(ArgGroup):
     """lm-evaluation-harness tasks (names or paths of task YAML files) that eval.py runs, and that train.py runs
     at every eval_interval and after the last step, logging lm_eval/<task>/<metric>."""
 
+    eval_tasks_interval: int | None = Field(None, ge=1)
+    """train.py runs eval_tasks every this many steps (and after the last step); None: every eval_interval.
+    Deepy extra (Levanter's eval_harness_steps)."""
+
+    eval_tasks_limit: int | None = Field(None, ge=1)
+    """Evaluate at most this many documents of each task (lm-evaluation-harness' `limit`: the first ones);
+    None: every document. Deepy extra (Levanter's eval_harness.max_examples)."""
+
 
 class EvalRunArgs(Protocol):
     """Every key evaluation reads, its own (:class:`EvalArgs`) and the shared ones; read-only, so any
@@ -31,6 +41,10 @@ class EvalRunArgs(Protocol):
 
     @property
     def eval_tasks(self) -> list[str] | None: ...
+    @property
+    def eval_tasks_limit(self) -> int | None: ...
+    @property
+    def eval_tasks_interval(self) -> int | None: ...
     @property
     def eval_results_prefix(self) -> str: ...
     @property

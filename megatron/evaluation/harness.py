@@ -102,6 +102,7 @@ def evaluate(lm: DeepyLM, config: EvalRunArgs) -> dict[str, Any]:
         model=lm,
         tasks=_specs(tuple(config.eval_tasks or ()), manager),
         task_manager=manager,
+        limit=config.eval_tasks_limit,
         bootstrap_iters=STDERR_BOOTSTRAP_ITERS,
         log_samples=True,
         random_seed=config.seed,

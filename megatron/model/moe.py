@@ -63,10 +63,13 @@ class Routing:
     """[T, E] router logits (the auxiliary losses read them)."""
 
 
-def topk_routing(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k highest softmax probabilities (not renormalised, as GPT-NeoX) and their experts."""
+def topk_routing(logits: torch.Tensor, k: int, renormalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k highest softmax probabilities and their experts; not renormalised (GPT-NeoX), or divided by
+    their sum (``renormalize``: Mixtral)."""
     probs = torch.softmax(logits.float(), dim=-1).to(logits.dtype)
     weights, indices = probs.topk(k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, indices
 
 
@@ -118,6 +121,7 @@ class Router(nn.Module):
         self.num_experts = config.moe_num_experts
         self.top_k = config.moe_top_k
         self.router_type = config.moe_router_type
+        self.renormalize = config.moe_router_renormalize
         self.jitter_eps = config.moe_jitter_eps
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.arch.hidden, dtype=config.params_dtype))
         initialize_param_(self.weight, f"{name}.weight", config.seed, config.init_fn(),
@@ -131,7 +135,7 @@ class Router(nn.Module):
             tokens_th = tokens_th * noise
         logits_te = F.linear(tokens_th, self.weight)  # [T, E]
         if self.router_type == "topk":
-            weights, indices = topk_routing(logits_te, self.top_k)
+            weights, indices = topk_routing(logits_te, self.top_k, self.renormalize)
         else:
             weights, indices = sinkhorn_routing(logits_te, self.top_k, self.training)
         return Routing(weights, indices, logits_te)

@@ -11,7 +11,7 @@ from megatron.model.checks import ModelKeys
 
 
 MOE_DEFAULTS_IRRELEVANT_WHEN_DENSE = (
-    "moe_top_k", "moe_router_type", "moe_expert_interval", "moe_lbl_in_fp32", "moe_jitter_eps",
+    "moe_top_k", "moe_router_type", "moe_router_renormalize", "moe_expert_interval", "moe_lbl_in_fp32", "moe_jitter_eps",
     "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_parallel_size",
 )  # fmt: skip
 
@@ -28,6 +28,14 @@ def moe_keys_need_experts(ctx: RuleContext) -> list[str]:
         f"configure MoE layers, and a model with one expert has none; set moe_num_experts to 2 or more, "
         f"or remove them"
     ]
+
+
+@rule
+def moe_router_renormalize_needs_topk(ctx: ModelKeys) -> list[str]:
+    if not ctx.get("moe_router_renormalize") or ctx.get("moe_router_type") == "topk":
+        return []
+    return [f"{ctx.show('moe_router_renormalize')} renormalises top-k routing weights, but "
+            f"{ctx.show('moe_router_type')}: set moe_router_type: topk"]
 
 
 @rule

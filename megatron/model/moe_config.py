@@ -38,6 +38,10 @@ class MoEArgs(ArgGroup):
     assignment while training (weights: sigmoid of the logit for k=1, softmax for k>1) and plain top-k at
     evaluation."""
 
+    moe_router_renormalize: bool = False
+    """With moe_router_type "topk": divide each token's k weights by their sum, so they add up to 1 (Mixtral's
+    router: HF's MixtralSparseMoeBlock, Levanter's MixtralSparseMoeBlock._route); false keeps the plain softmax
+    probabilities, as GPT-NeoX. Deepy extra."""
     moe_lbl_in_fp32: bool = False
     """Compute the router's auxiliary losses (load balancing, z-loss) in fp32 instead of the training precision."""
 

@@ -18,6 +18,7 @@ from megatron.checkpointing import resume_checks as checkpoint_checks
 from megatron.checkpointing.neox import checks as neox_checks
 from megatron.data import checks as data_checks
 from megatron.evaluation import checks as evaluation_checks
+from megatron.interop import hf_start
 from megatron.launcher import checks as launcher_checks
 from megatron.logging import preflight
 from megatron.model import checks as model_checks
@@ -40,6 +41,7 @@ CHECK_MODULES: tuple[ModuleType, ...] = (
     compile_checks,
     checkpoint_checks,
     neox_checks,  # neox_qkv_order
+    hf_start,  # initialize_from_hf
     data_checks,
     evaluation_checks,  # eval_tasks
     launcher_checks,

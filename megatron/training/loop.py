@@ -118,6 +118,8 @@ class LoopContext:
     tasks: Callable[[], dict[str, float]] | None = None
     """lm-eval tasks (``eval_tasks``) at every evaluation: returns ``lm_eval/<task>/<metric>`` values
     (``megatron/evaluation/in_training.py``)."""
+    tasks_interval: int | None = None
+    """Steps between runs of ``tasks`` (``eval_tasks_interval``); None: every ``eval_interval``."""
 
 
 def _sync() -> None:
@@ -191,12 +193,14 @@ def _evaluate_step(ctx: LoopContext, state: TrainState, eval_interval: int | Non
     """The evaluations due after this step: every ``eval_interval`` steps, and the last validation, the
     test split and the tasks after the last step. True when any ran."""
     periodic = bool(eval_interval) and state.iteration % int(eval_interval or 1) == 0
+    tasks_every = ctx.tasks_interval or eval_interval
+    tasks_due = bool(tasks_every) and state.iteration % int(tasks_every or 1) == 0
     last = state.iteration == ctx.train_iters
     ran = False
     if ctx.valid is not None and (periodic or last):
         evaluate_now(ctx, state, ctx.valid, "eval")
         ran = True
-    if ctx.tasks is not None and (periodic or last):
+    if ctx.tasks is not None and (tasks_due or last):
         evaluate_tasks_now(ctx, state)
         ran = True
     if ctx.test is not None and last:

@@ -156,7 +156,8 @@ def _launch(args: Any) -> object:
     return (args.launcher, args.hostfile, args.include, args.exclude, args.num_nodes, args.num_gpus,  # resources
             args.master_addr, master_port_chosen(args), args.force_multi, args.no_ssh_check,  # rendezvous, runner
             args.comment, args.account, args.deepspeed_slurm, args.deepspeed_mpi,  # srun, in place
-            args.deepspeed_log_level)  # runner flags
+            args.deepspeed_log_level,  # runner flags
+            args.initialize_from_hf)  # converted before launch (deepy.py's hf_start)
 
 
 def _objective(args: Any) -> object:
@@ -195,7 +196,8 @@ def _evaluation(args: Any) -> object:
 
     if not args.eval_tasks:
         return None
-    return results_base(args), batch_size(args), args.maximum_tokens, args.seed, args.seq_length
+    return (results_base(args), batch_size(args), args.maximum_tokens, args.seed, args.seq_length,
+            args.eval_tasks_limit, args.eval_tasks_interval)
 
 
 def _generation(args: Any) -> object:

@@ -300,6 +300,8 @@ DIALECT_SAMPLES: dict[str, dict[str, object]] = {
         "initialize_from_hf": False, "use_hf_model_config": False, "hf_save_path": None, "hf_upload": None,
         "hf_save_steps": 10000, "hf_save_dtype": None, "data_seed": None, "initialize_from_checkpoint_path": None,
         "epoch": 0, "log_entropy": False,
+        "model.n_routed_experts": 4, "model.num_experts_per_tok": 2, "model.n_shared_experts": 0,
+        "model.lbl_coef": 0.01, "model.rzl_coef": 0.001,
     },
     "fms-fsdp": {
         "model_variant": "llama_tiny", "ckpt_load_path": "ck", "ckpt_save_path": "ck", "use_dummy_dataset": False,
@@ -323,6 +325,8 @@ DIALECT_CONTEXT: dict[str, dict[str, object]] = {
        for f in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")},
     **{f"model.rope.{f}": {"model.rope.type": "yarn"} for f in ("beta_fast", "beta_slow", "mscale")},
     "eval_harness": {"eval_harness_steps": 1000},
+    **{f"model.{f}": {"model.type": "mixtral"}
+       for f in ("n_routed_experts", "num_experts_per_tok", "n_shared_experts", "lbl_coef", "rzl_coef")},
 }
 """Levanter keys whose meaning depends on another key of their config (its sample's neighbours)."""
 

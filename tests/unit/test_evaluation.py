@@ -163,3 +163,40 @@ def test_eval_rows_go_to_the_run_that_wrote_the_checkpoint(tmp_path: Path) -> No
     assert rows["20260101-000000-aaaa"][-1] == {"iteration": 5, "lm_eval/t/acc": 0.25}
     assert all("lm_eval/t/acc" not in r for r in rows["20260102-000000-bbbb"])
     assert json.loads((tmp_path / "r_eval_results.json").read_text())["deepy"]["run_name"] == "20260101-000000-aaaa"
+
+
+def test_eval_tasks_limit_caps_the_documents_each_task_reads(tmp_path: Path) -> None:
+    """lm-evaluation-harness runs on a local 5-document task; eval_tasks_limit=2 scores the first 2 only."""
+    import json
+    from types import SimpleNamespace
+
+    from lm_eval.api.model import LM
+
+    from megatron.evaluation.harness import evaluate
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"a": f"q{i}", "b": f" a{i}"}) + "\n" for i in range(5)))
+    (tmp_path / "t.yaml").write_text(
+        f"task: limit_probe\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {docs}\n"
+        "test_split: test\noutput_type: loglikelihood\ndoc_to_text: '{{a}}'\ndoc_to_target: '{{b}}'\n"
+        "metric_list:\n  - metric: acc\n")
+
+    class Scored(LM):  # every continuation gets log-probability -1 and counts as greedy
+        replica = SimpleNamespace(dp_rank=0, tp_rank=0, pp_rank=0)
+        seen: list[str] = []
+
+        def loglikelihood(self, requests):  # type: ignore[no-untyped-def]
+            self.seen.extend(r.args[0] for r in requests)
+            return [(-1.0, True) for _ in requests]
+
+        def loglikelihood_rolling(self, requests):  # type: ignore[no-untyped-def]
+            raise NotImplementedError
+
+        def generate_until(self, requests):  # type: ignore[no-untyped-def]
+            raise NotImplementedError
+
+    lm = Scored()
+    config = NeoXArgs(seq_length=32, eval_tasks=[str(tmp_path / "t.yaml")], eval_tasks_limit=2)
+    results = evaluate(lm, config)  # type: ignore[arg-type]
+    assert sorted(lm.seen) == ["q0", "q1"]  # without the limit: all 5
+    assert len(results["samples"]["limit_probe"]) == 2

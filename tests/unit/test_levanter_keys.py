@@ -79,7 +79,7 @@ def test_mesh_keys_at_levanters_values(tmp_path: Path) -> None:
                                                                              "model_axis_size: 1")).args.sharding_strategy == "fsdp"
     for bad, reason in (("  tensor_parallel_axes: [\"position\", \"key_position\"]\n", "sequence splitting"),
                         ("  batch_axis: \"tokens\"\n", "batch axis is Levanter's 'batch'"),
-                        ("  axis_resources:\n    token: \"data\"\n", "token: data is not a layout"),
+                        ("  axis_resources:\n    heads: \"data\"\n", "heads: data is not a layout"),
                         ("  replica_dcn_axis_size: 2\n", "multi-slice replicas")):
         with pytest.raises(ConfigError, match=reason):
             load(tmp_path, MODEL + "trainer:\n" + bad)
@@ -129,11 +129,16 @@ def test_rope_choices(tmp_path: Path) -> None:
 
 def test_eval_harness_becomes_eval_tasks(tmp_path: Path) -> None:
     text = MODEL + "eval_harness:\n  task_spec: [\"piqa\", \"hellaswag\"]\neval_harness_steps: 1000\n"
-    assert load(tmp_path, text).args.eval_tasks == ["piqa", "hellaswag"]
-    with pytest.raises(ConfigError, match="max_examples is not built"):
-        load(tmp_path, text.replace("eval_harness_steps", "  max_examples: 32\neval_harness_steps"))
-    with pytest.raises(ConfigError, match=r"eval_harness_steps \(50\) must equal trainer.steps_per_eval \(1000"):
-        load(tmp_path, text.replace("1000", "50"))
+    a = load(tmp_path, text).args
+    assert (a.eval_tasks, a.eval_tasks_interval, a.eval_tasks_limit) == (["piqa", "hellaswag"], 1000, None)
+    # gpt2_nano_harness.yaml: max_examples -> lm-eval's limit (eval_harness.py:609@9263f81e,
+    # evaluator.evaluate(limit=config.max_examples)); eval_harness_steps is the harness hook's own
+    # interval (train_lm.py:225-231), apart from steps_per_eval; without it 10000 (train_lm.py:68)
+    b = load(tmp_path, text.replace("eval_harness_steps: 1000", "  max_examples: 32\neval_harness_steps: 50")).args
+    assert (b.eval_tasks_limit, b.eval_tasks_interval, b.eval_interval) == (32, 50, 1000)
+    assert load(tmp_path, text.replace("eval_harness_steps: 1000\n", "")).args.eval_tasks_interval == 10000
+    with pytest.raises(ConfigError, match="max_eval_length is not built"):
+        load(tmp_path, text.replace("eval_harness_steps", "  max_eval_length: 64\neval_harness_steps"))
 
 
 def test_eval_parallelism_matters_only_with_max_eval_batches(tmp_path: Path) -> None:
@@ -151,7 +156,6 @@ def test_eval_parallelism_matters_only_with_max_eval_batches(tmp_path: Path) -> 
     ("model:\n  type: gpt2_hyena\n", "Hyena"),
     ("model:\n  type: backpack\n", "Backpack"),
     ("model:\n  type: whisper\n", "speech"),
-    ("initialize_from_hf: \"meta-llama/Llama-2-7b-hf\"\n", "tools/ckpts/convert_hf_to_neox.py"),
     ("trainer:\n  train_batch_size:\n    - start: 0\n      value: 64\n", "batch-size schedule"),
 ])
 def test_features_not_built_are_refused_by_name(tmp_path: Path, text: str, reason: str) -> None:
@@ -282,3 +286,79 @@ def test_weight_decay_embeddings_key_reaches_the_optimizer() -> None:
                                     "weight_decay_embeddings": key}).args
         groups = build_optimizer(model, args).param_groups
         assert next(g["weight_decay"] for g in groups if any(p is embedding for p in g["params"])) == decays
+
+
+MIXTRAL = """\
+model:
+  type: mixtral
+  hidden_dim: 32
+  intermediate_dim: 48
+  num_heads: 4
+  num_kv_heads: 2
+  num_layers: 2
+  seq_len: 16
+trainer:
+  mp: p=f32,c=bfloat16
+  axis_resources:
+    token: "data"
+"""
+
+
+def test_mixtral_builds_levanters_mixture_of_experts(tmp_path: Path) -> None:
+    """mixtral_8x7b.yaml's family. MixtralConfig (mixtral.py:65-90@9263f81e): 8 experts, top 2, lbl_coef 0.01,
+    rzl_coef 0.001, SwiGLU experts intermediate_dim wide, kv 8, eps 1e-6; _route (344-345) divides the top-2
+    softmax weights by their sum; the balance loss lbl_coef * sum_e (load_e * E / k) * P_e (459-462) is
+    Deepy's E * sum_e load_e * P_e scaled by lbl_coef / k."""
+    from megatron.model.gpt import GPTModel
+    from megatron.model.moe import MoELayer
+    from tests.gpt_configs import gpt_config
+
+    a = load(tmp_path, MIXTRAL).args
+    assert (a.moe_num_experts, a.moe_top_k, a.moe_router_type, a.moe_router_renormalize, a.moe_expert_interval) == \
+        (8, 2, "topk", True, 1)
+    assert (a.moe_aux_loss_coeff, a.moe_z_loss_coeff) == (pytest.approx(0.01 / 2), 0.001)
+    assert (a.activation, a.rms_norm_epsilon, a.rotary_emb_base, a.no_weight_tying) == ("swiglu", 1e-6, 10000, True)
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_kv_heads", "num_layers", "seq_length",
+            "max_position_embeddings", "activation", "norm", "pos_emb", "use_bias_in_mlp", "moe_num_experts",
+            "moe_top_k", "moe_router_type", "moe_router_renormalize")
+    model = GPTModel(gpt_config(padded_vocab_size=64, **{k: getattr(a, k) for k in keys}))
+    for block in model.layers:  # every MLP a mixture; each expert's gate and up halves 48 wide, no biases
+        assert isinstance(block.mlp, MoELayer)
+        assert tuple(block.mlp.experts.w1.shape) == (8, 32, 2 * 48) and block.mlp.experts.w1_bias is None
+        assert tuple(block.mlp.experts.w2.shape) == (8, 48, 32)
+    b = load(tmp_path, MIXTRAL.replace("  seq_len: 16\n", "  seq_len: 16\n  n_routed_experts: 4\n"
+                                       "  num_experts_per_tok: 1\n  lbl_coef: 0.02\n  rzl_coef: null\n")).args
+    assert (b.moe_num_experts, b.moe_top_k, b.moe_aux_loss_coeff, b.moe_z_loss_coeff) == (4, 1, 0.02, 0.0)
+    for extra, reason in (("  n_shared_experts: 1\n", "shared experts"), ("  use_bias: true\n", "router has no bias")):
+        with pytest.raises(ConfigError, match=reason):
+            load(tmp_path, MIXTRAL.replace("  seq_len: 16\n", "  seq_len: 16\n" + extra))
+    with pytest.raises(ConfigError, match="a MixtralConfig field"):
+        load(tmp_path, MODEL + "  n_routed_experts: 4\n")
+
+
+def test_a_dumped_tracker_with_save_code_is_refused_at_that_key_alone(tmp_path: Path) -> None:
+    """llama2_7b.yaml's dumped WandbConfig (save_code: true, its default at tracker/wandb.py:156@9263f81e):
+    one problem, at save_code, not one per tracker key."""
+    text = MODEL + "trainer:\n  tracker:\n    type: wandb\n    project: levanter\n    tags: [a]\n    save_code: true\n"
+    with pytest.raises(ConfigError) as err:
+        load(tmp_path, text)
+    assert str(err.value).count("save_code") == 2 and "problems" not in str(err.value)  # the key and the fix
+    assert "trainer.tracker.save_code = True" in str(err.value)
+
+
+def test_initialize_from_hf_takes_a_local_model_directory(tmp_path: Path) -> None:
+    """train_lm.py:46,79-92@9263f81e: a path or true (the model's reference_checkpoint); not beside
+    trainer.initialize_from (line 81); hub names would be downloaded."""
+    hf = tmp_path / "hf_llama"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    assert load(tmp_path, MODEL + f"initialize_from_hf: {hf}\n").args.initialize_from_hf == str(hf)
+    by_reference = MODEL + f"  reference_checkpoint: {hf}\ninitialize_from_hf: true\n"
+    assert load(tmp_path, by_reference).args.initialize_from_hf == str(hf)
+    for text, reason in ((MODEL + "initialize_from_hf: meta-llama/Llama-2-7b-hf\n", "would be downloaded"),
+                         (MODEL + "initialize_from_hf: true\n", "would be downloaded"),
+                         (MODEL + f"initialize_from_hf: {hf}\nuse_hf_model_config: true\n", "use_hf_model_config"),
+                         (MODEL + f"initialize_from_hf: {hf}\ntrainer:\n  initialize_from: {tmp_path}\n",
+                          "beside trainer.initialize_from")):
+        with pytest.raises(ConfigError, match=reason):
+            load(tmp_path, text)

@@ -50,6 +50,19 @@ def test_topk_router_picks_the_highest_softmax_probabilities() -> None:
         assert weights[t].tolist() == pytest.approx([probs[e] for e in ranked], rel=1e-5)
 
 
+def test_renormalised_topk_router_is_mixtrals() -> None:
+    """moe_router_renormalize: HF's MixtralSparseMoeBlock.forward (softmax in fp32, topk, divide by the sum),
+    re-derived here; the layer's output changes with it."""
+    logits = torch.randn(16, 6, generator=gen(1))
+    weights, indices = topk_routing(logits, 2, renormalize=True)
+    probs = torch.softmax(logits.double(), dim=-1)
+    top = probs.topk(2, dim=-1)
+    assert torch.equal(indices, top.indices)
+    assert torch.allclose(weights.double(), top.values / top.values.sum(-1, keepdim=True), atol=1e-6)
+    x = torch.randn(8, 2, 32, generator=gen(2))
+    assert not torch.allclose(layer()(x), layer(moe_router_renormalize=True)(x))
+
+
 def direct_sinkhorn(logits: torch.Tensor, iters: int = 5000) -> torch.Tensor:
     """Alternately rescale rows to 1/T and columns to 1/E, in float64, far past convergence."""
     m = torch.exp(logits.double())

@@ -102,6 +102,7 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "save_interval": ("checkpoint", None),
     "keep": ("checkpoint", None),
     "initialize_from": ("checkpoint", None),
+    "initialize_from_hf": ("checkpoint", None),  # Levanter's: a local HF model converted before launch
     "neox_qkv_order": ("checkpoint", None),  # a GPT-NeoX checkpoint's grouped-query QKV order (files cannot say)
     "max_consecutive_overflows": ("training_loop", 50),
     "compile_layers": ("training_loop", False),
@@ -118,6 +119,9 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "zero_init": ("training_loop", False),  # fms-fsdp's low_cpu_fsdp: build under deepspeed.zero.Init
     "mlp_type": ("model", "regular"),  # earlier GPT-NeoX key its Llama/Mistral configs set
     "moe_aux_loss_coeff": ("moe", 0.0),
+    "moe_router_renormalize": ("moe", False),  # Mixtral's top-k weights over their sum
+    "eval_tasks_limit": ("evaluation", None),  # lm-eval's limit (Levanter's eval_harness.max_examples)
+    "eval_tasks_interval": ("evaluation", None),  # Levanter's eval_harness_steps
     "moe_z_loss_coeff": ("moe", 0.0),
     "moe_expert_parallel_size": ("moe", 1),
     # earlier GPT-NeoX releases' MoE keys (their configs load)

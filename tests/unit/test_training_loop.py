@@ -163,7 +163,7 @@ def _run_loop(monkeypatch: pytest.MonkeyPatch, rec: _Recorder, train_iters: int,
     ctx = loop.LoopContext(eng=rec, training=args, micro_batches=iter(()), device=torch.device("cpu"),  # type: ignore[arg-type]
                            train_iters=train_iters, global_batch_size=1, tokens_per_step=1, flops_per_token=1.0,
                            world_size=1, peak_tflops=None, monitor=rec,  # type: ignore[arg-type]
-                           tasks=lambda: rec.tasks(state))
+                           tasks=lambda: rec.tasks(state), tasks_interval=args.eval_tasks_interval)
     return loop.train(ctx, state, loop.Hooks(after_step=[rec.save_every_2], at_exit=[rec.at_exit]))
 
 
@@ -184,6 +184,13 @@ def test_the_last_step_is_saved_before_the_final_evaluations(monkeypatch: pytest
     state = _run_loop(monkeypatch, rec, train_iters=9, eval_interval=3, exit_interval=3)
     assert rec.events == ["saved @2", "at_exit @3 (exit_interval 3)", "tasks @3", "logged ['lm_eval/t/acc'] @3"]
     assert state.iteration == 3
+
+
+def test_eval_tasks_interval_runs_the_tasks_on_their_own_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """eval_tasks_interval (Levanter's eval_harness_steps): every 3 steps and after the last, whatever eval_interval."""
+    rec = _Recorder()
+    _run_loop(monkeypatch, rec, train_iters=7, eval_interval=2, eval_tasks_interval=3)
+    assert [e for e in rec.events if e.startswith("tasks")] == ["tasks @3", "tasks @6", "tasks @7"]
 
 
 def test_comms_logger_summary_at_the_end_and_with_verbose_at_log_steps() -> None:

@@ -115,20 +115,23 @@ def _eval_harness(value: Any, ctx: Context) -> dict[str, Any]:
         tasks.append(str(task))
     defaults = {"max_examples": None, "max_eval_length": None, "log_samples": False, "bootstrap_iters": 0,
                 "apply_chat_template": False, "confirm_run_unsafe_code": True, "sample_logging": None}
+    out: dict[str, Any] = {"eval_tasks": tasks}
     for key, value in spec.items():
         if key == "task_spec":
+            continue
+        if key == "max_examples" and value is not None:
+            # eval_harness.py:577,609@9263f81e: evaluator.evaluate(..., limit=config.max_examples)
+            out["eval_tasks_limit"] = int(value)
             continue
         if key not in defaults:
             raise Refused(f"{key!r} is not a field of Levanter's LmEvalHarnessConfig")
         if value != defaults[key] and not (key == "sample_logging" and not value):
             raise Refused(f"eval_harness.{key} is not built here: Deepy runs each of eval_tasks whole, as "
                           f"lm-evaluation-harness defines it")
-    every = int(ctx.value("eval_harness_steps", 10000))
-    evals = int(ctx.value("trainer.steps_per_eval", 1000))
-    if every != evals:
-        raise Refused(f"Deepy runs eval_tasks at every evaluation: eval_harness_steps ({every}) must equal "
-                      f"trainer.steps_per_eval ({evals}; Levanter's defaults are 10000 and 1000)")
-    return {"eval_tasks": tasks}
+    # train_lm.py:225-231@9263f81e: the harness is a hook every eval_harness_steps (default 10000, line 68);
+    # Levanter's trainer also runs every hook after the last step (trainer.py:449, force=True), as Deepy does
+    out["eval_tasks_interval"] = int(ctx.value("eval_harness_steps", 10000))
+    return out
 
 
 def _hf_save(value: Any, ctx: Context) -> dict[str, Any]:
@@ -139,11 +142,23 @@ def _hf_save(value: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _initialize_from_hf(value: Any, ctx: Context) -> dict[str, Any]:
+    """train_lm.py:79-92,155-173@9263f81e: a path (or true: the model's reference_checkpoint) whose weights
+    the run starts from at step 0; both with trainer.initialize_from is Levanter's ValueError (line 81)."""
     if value is False or value is None:
         return {}
-    raise Refused("loading Hugging Face weights at start is one command here: python tools/ckpts/convert_hf_to_neox.py "
-                  "HF_DIR OUT (local directories only) writes a Deepy checkpoint; then give trainer.initialize_from "
-                  "OUT (fine-tuning starts at step 0 from its weights)")
+    source = ctx.value("model.reference_checkpoint") if value is True else value
+    if ctx.value("trainer.initialize_from"):
+        raise Refused("Levanter refuses initialize_from_hf beside trainer.initialize_from; keep one")
+    if source is None:
+        raise Refused("true reads model.reference_checkpoint, which is not set (Levanter's default for each model "
+                      "type is a hub name, which would be downloaded); give a local model directory")
+    if not os.path.isfile(os.path.join(str(source), "config.json")):
+        raise Refused(f"{source!r} is not a local transformers model directory (a hub name would be downloaded; "
+                      f"give the directory save_pretrained wrote{'' if value is not True else ' as model.reference_checkpoint'})")
+    if ctx.value("use_hf_model_config"):
+        raise Refused("use_hf_model_config reads the model's shape from the HF config; here the model: section "
+                      "gives it (the import checks the two agree)")
+    return {"initialize_from_hf": str(source)}
 
 
 def _data_seed(value: Any, ctx: Context) -> dict[str, Any]:
@@ -161,11 +176,11 @@ def _epoch(value: Any, ctx: Context) -> dict[str, Any]:
 TOP_RULES: dict[str, Rule] = {
     "z_loss_weight": to("z_loss"),
     "eval_harness": _eval_harness,
-    "eval_harness_steps": lambda v, ctx: noted("the interval of eval_harness (checked with it)")
+    "eval_harness_steps": lambda v, ctx: noted("the interval of eval_harness (set with it: eval_tasks_interval)")
     if ctx.value("eval_harness") else noted("no eval_harness"),
     "initialize_from_hf": _initialize_from_hf,
-    "use_hf_model_config": lambda v, ctx: noted("no initialize_from_hf") if not v or ctx.value("initialize_from_hf")
-    else _refuse("use_hf_model_config reads the model of initialize_from_hf, which is not set"),
+    "use_hf_model_config": lambda v, ctx: noted("the model: section gives the shape") if not v
+    else _refuse("use_hf_model_config (the model's shape from the HF config) is not built; give the model: section"),
     "hf_save_path": _hf_save,
     "hf_upload": lambda v, ctx: noted("unset") if v is None else _refuse("uploading to the Hugging Face hub is not built"),
     "hf_save_steps": _hf_save,

@@ -35,12 +35,21 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # into exported HF configs: Levanter's attention is full causal)
     "mistral": dict(_RMS, hidden_size=4096, intermediate_size=3 * 14336, num_attention_heads=32, num_kv_heads=8,
                     num_layers=32, seq_length=8192, max_position_embeddings=8192, rms_norm_epsilon=1e-6),
+    # MixtralConfig (mixtral.py:65-90@9263f81e): Mistral's shapes with every MLP a mixture of 8 SwiGLU experts
+    # of 14336 (GPT-NeoX's expert rule: intermediate_size is each half's width, model/mlp_width.py), top-2
+    # routing renormalised over the two (_route, mixtral.py:344-345), rope theta 1e4 (not HF's 1e6); its
+    # balance loss lbl_coef x (E/k) sum_e load_e P_e is Deepy's E sum_e load_e P_e times lbl_coef / k
+    # (mixtral.py:459-462), its router z-loss rzl_coef x mean logsumexp^2 (463-466), both summed over layers
+    "mixtral": dict(_RMS, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_kv_heads=8,
+                    num_layers=32, seq_length=8192, max_position_embeddings=8192, rms_norm_epsilon=1e-6,
+                    moe_num_experts=8, moe_top_k=2, moe_router_type="topk", moe_router_renormalize=True,
+                    moe_expert_interval=1, moe_aux_loss_coeff=0.01 / 2, moe_z_loss_coeff=0.001),
 }
 
 NOT_BUILT = {
     "gpt2_hyena": "Hyena operators", "backpack": "Backpack sense vectors", "whisper": "an encoder-decoder speech model",
     "gemma": "Gemma (its (1 + w) RMSNorm, scaled embeddings and GeGLU)", "gemma2": "Gemma 2", "gemma3": "Gemma 3",
-    "mixtral": "Mixtral's mixture of experts", "olmo": "OLMo", "olmo2": "OLMo 2 (its QK norms and post-norms)",
+    "olmo": "OLMo", "olmo2": "OLMo 2 (its QK norms and post-norms)",
     "qwen": "Qwen (attention biases on q/k/v only)", "qwen3": "Qwen 3 (QK norms)", "llama4": "Llama 4",
     "apertus": "Apertus", "mpt": "MPT", "gpt_oss": "gpt-oss",
 }
@@ -102,6 +111,8 @@ def _activation(value: Any, ctx: Context) -> dict[str, Any]:
 def _intermediate_dim(value: Any, ctx: Context) -> dict[str, Any]:
     """Levanter's width of each half of a gated MLP is GPT-NeoX's intermediate_size / 3
     (``megatron/model/mlp_width.py``); GPT-2's MLP is not gated."""
+    if shape_kind(ctx) == "mixtral":  # every MLP is an expert: GPT-NeoX's expert width is intermediate_size
+        return {"intermediate_size": int(value)}
     size = intermediate_size_for(int(value), gated=shape_kind(ctx) != "gpt2")
     if size is None:
         raise Refused(f"intermediate_dim {value}: GPT-NeoX's MLP rule builds no odd ungated width; use an even one")
@@ -219,6 +230,36 @@ def _num_kv_heads(value: Any, ctx: Context) -> dict[str, Any]:
     return {"num_kv_heads": value}
 
 
+def _mixtral_only(rule: Rule) -> Rule:
+    def checked(value: Any, ctx: Context) -> dict[str, Any]:
+        if shape_kind(ctx) != "mixtral":
+            raise Refused("a MixtralConfig field; give model.type: mixtral")
+        return rule(value, ctx)
+    return checked
+
+
+def _balance_coefficient(ctx: Context) -> dict[str, Any]:
+    """Levanter's lbl_coef (default 0.01, None: no loss) over top-k: Deepy's balance loss is k times Levanter's."""
+    coef = ctx.value("model.lbl_coef", 0.01) if "model.lbl_coef" in ctx.leaves else 0.01
+    return {"moe_aux_loss_coeff": 0.0 if coef is None else float(coef) / int(ctx.value("model.num_experts_per_tok", 2))}
+
+
+def _top_k(value: Any, ctx: Context) -> dict[str, Any]:
+    return {"moe_top_k": int(value), **_balance_coefficient(ctx)}
+
+
+def _shared_experts(value: Any, ctx: Context) -> dict[str, Any]:
+    if value:
+        raise Refused("shared experts (every token also through n_shared_experts dense MLPs) are not built here")
+    return noted("0: no shared experts, as Deepy's MoE layer")
+
+
+def _mixtral_bias(value: Any, ctx: Context) -> dict[str, Any]:
+    if value and shape_kind(ctx) == "mixtral":
+        raise Refused("Mixtral's router takes use_bias too (mixtral.py:320); Deepy's router has no bias")
+    return _use_bias(value, ctx)
+
+
 MODEL_RULES: dict[str, Rule] = {
     "model.type": _model_type_rule,
     "model.hidden_dim": _hidden_dim,
@@ -236,7 +277,7 @@ MODEL_RULES: dict[str, Rule] = {
     "model.embed_pdrop": _dropout_equal_to_resid,
     "model.layer_norm_epsilon": _layer_norm_epsilon,
     "model.activation_function": _activation,
-    "model.use_bias": _use_bias,
+    "model.use_bias": _mixtral_bias,
     "model.use_layer_norm_weight": lambda v, ctx: {} if v else {"norm": "non_parametric_layernorm"},
     "model.tie_word_embeddings": _tie,
     "model.rope": _rope,
@@ -258,6 +299,11 @@ MODEL_RULES: dict[str, Rule] = {
                                   "data.tokenizer"),
     "model.head_dim": lambda v, ctx: {} if v is None or int(v) * int(ctx.value("model.num_heads", 32)) ==
     int(ctx.value("model.hidden_dim", 4096)) else _refuse("a head_dim other than hidden_dim / num_heads is not built here"),
+    "model.n_routed_experts": _mixtral_only(to("moe_num_experts")),
+    "model.num_experts_per_tok": _mixtral_only(_top_k),
+    "model.n_shared_experts": _mixtral_only(_shared_experts),
+    "model.lbl_coef": _mixtral_only(lambda v, ctx: _balance_coefficient(ctx)),
+    "model.rzl_coef": _mixtral_only(lambda v, ctx: {"moe_z_loss_coeff": 0.0 if v is None else float(v)}),
     "model.hybrid_norm": _equal_or_refuse(False, "hybrid_norm (extra norms after attention and MLP) is not built here"),
     "model.input_embedding_norm": _equal_or_refuse(False, "input_embedding_norm is not built here"),
 }

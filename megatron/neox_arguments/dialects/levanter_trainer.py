@@ -138,10 +138,8 @@ def _tracker_from(spec: dict[str, Any], ctx: Context) -> dict[str, Any] | None:
         raise Refused(f"tracker type {kind!r} is not built here; use wandb, tensorboard or noop")
     block: dict[str, Any] = {"type": "wandb", "project": "levanter"}  # WandbConfig.project's default
     for key, value in spec.items():
-        if key in ("type", "resume", "save_xla_dumps") or (key == "save_code" and value is False):
-            continue
-        if key == "save_code":
-            raise Refused(SAVE_CODE)
+        if key in ("type", "resume", "save_xla_dumps", "save_code"):
+            continue  # save_code: refused by its own rule, so the other tracker keys do not repeat it
         if key not in _WANDB_FIELDS:
             raise Refused(f"W&B field {key!r} is not read here; Deepy reads {', '.join(_WANDB_FIELDS)}, resume")
         if value is not None:
@@ -156,6 +154,8 @@ def tracker_block(ctx: Context) -> dict[str, Any] | list[dict[str, Any]] | None:
     for prefix in ("trainer.tracker", "trainer.wandb"):
         whole = ctx.value(prefix)
         if isinstance(whole, list):
+            if any(dict(item).get("save_code", False) is not False for item in whole):
+                raise Refused(SAVE_CODE)
             blocks = [b for b in (_tracker_from(dict(item), ctx) for item in whole) if b is not None]
             return blocks or None
         spec = {path[len(prefix) + 1:]: leaf.value for path, leaf in ctx.leaves.items() if path.startswith(prefix + ".")}
@@ -243,7 +243,8 @@ def _axis_resources(value: Any, ctx: Context, parameters: bool = False) -> dict[
     out: dict[str, Any] = {}
     for axis, resource in dict(value).items():
         physical = [resource] if isinstance(resource, str) else list(resource)
-        if axis == "batch" and not parameters and set(physical) <= {"replica", "data"}:
+        # token: Mixtral's flattened batch x position axis (mixtral.py:430@9263f81e), split as the batch is
+        if axis in ("batch", "token") and not parameters and set(physical) <= {"replica", "data"}:
             continue
         if axis == "embed" and physical == ["data"]:
             out.update(fully_sharded(ctx))

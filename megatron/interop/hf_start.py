@@ -1,0 +1,85 @@
+"""``initialize_from_hf``: a run that starts from a local Hugging Face model directory.
+
+``deepy.py`` converts the directory once, before it launches the ranks, with the import tool
+(``tools/ckpts/convert_hf_to_neox.py``, run as a child process so the launcher stays free of torch) into
+``<save>/hf_import``, at the run's tensor and pipeline split and in its compute dtype, and the run starts
+from there as ``initialize_from`` does: weights only, step 0, a fresh optimizer, and only while ``save``
+holds no checkpoint of the run's own (a restart resumes that one). This is Levanter's
+``initialize_from_hf`` (``src/levanter/main/train_lm.py:155-173`` at 9263f81e: the HF weights are read
+when the step is 0, in the compute dtype, then cast to the parameter dtype).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from megatron.config_rules import RuleContext, rule
+from megatron.errors import ConfigError
+
+IMPORT_DIR = "hf_import"
+"""Folder under ``save`` that receives the converted model."""
+CONVERTED_MARKER = "deepy_model.yml"
+"""Written last by the import tool: its presence means the conversion finished."""
+_PRECISION = {"bfloat16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+REPO = Path(__file__).resolve().parents[2]
+
+
+@rule
+def initialize_from_hf_is_a_local_model(ctx: RuleContext) -> list[str]:
+    source = ctx.get("initialize_from_hf")
+    if not source:
+        return []
+    problems = []
+    if not (Path(str(source)) / "config.json").is_file():
+        problems.append(f"{ctx.show('initialize_from_hf')} is not a local transformers model directory (no "
+                        f"config.json there); nothing is downloaded: give the directory save_pretrained wrote")
+    if ctx.get("initialize_from"):
+        problems.append(f"{ctx.show('initialize_from_hf')} and {ctx.show('initialize_from')}: a run starts from "
+                        f"one of them; keep one")
+    if not ctx.get("save"):
+        problems.append(f"{ctx.show('initialize_from_hf')} needs save: the model is converted into "
+                        f"<save>/{IMPORT_DIR} before launch")
+    return problems
+
+
+Runner = Callable[[Sequence[str]], "subprocess.CompletedProcess[str]"]
+
+
+def _run(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    return subprocess.run(list(argv), capture_output=True, text=True, env=env)
+
+
+def import_command(args: Any, target: Path) -> list[str]:
+    """The import tool's command for ``args`` (the resolved arguments): the run's split and compute dtype."""
+    return [sys.executable, str(REPO / "tools" / "ckpts" / "convert_hf_to_neox.py"), str(args.initialize_from_hf),
+            str(target), "--tp", str(args.model_parallel_size or 1), "--pp", str(args.pipe_parallel_size),
+            "--precision", _PRECISION.get(str(args.precision), "auto"), "--seq-length", str(args.seq_length),
+            "--no-verify"]
+
+
+def start_from_hf(args: Any, provenance: dict[str, str], has_own_checkpoint: bool,
+                  run: Runner = _run) -> str | None:
+    """Point ``initialize_from`` at ``<save>/hf_import``, converting ``initialize_from_hf`` there first when
+    the run starts afresh and it is not converted yet; returns what was done (for the launch notes), or None
+    without ``initialize_from_hf``. ``run`` executes the import tool (tests inject their own)."""
+    if not args.initialize_from_hf:
+        return None
+    target = Path(args.save) / IMPORT_DIR
+    args.initialize_from = str(target)
+    provenance["initialize_from"] = "derived (initialize_from_hf, converted before launch)"
+    if has_own_checkpoint:
+        return f"initialize_from_hf: the run resumes its own checkpoint in {args.save}; {target} is not read"
+    if (target / CONVERTED_MARKER).is_file():
+        return f"initialize_from_hf: starting from {target} (converted by an earlier launch)"
+    command = import_command(args, target)
+    proc = run(command)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-10:])
+        raise ConfigError(f"initialize_from_hf: converting {args.initialize_from_hf} failed:\n{tail}")
+    return f"initialize_from_hf: converted {args.initialize_from_hf} into {target}; the run starts from its weights"
