@@ -66,7 +66,7 @@ NEEDS: dict[str, str] = {
         "optimizer:\n  learning_rate: 1e-3\n"
     ),
     "my_data_and_schedule.yml": (  # README, Hugging Face interop: what deepy_model.yml leaves to the user
-        "data_path: data/pydocs/pydocs_text_document\nnum_gpus: 4\ntrain_micro_batch_size_per_gpu: 4\n"
+        "data_path: data/pydocs/pydocs_text_document\nsplit: '960,20,20'\nnum_gpus: 4\ntrain_micro_batch_size_per_gpu: 4\n"
         "train_iters: 100\nlr: 1.0e-4\nsave: checkpoints_ft\ncheckpoint_factor: 50\n"
     ),
     "my_task.yaml": (  # an lm-eval task over local files (docs/generation.md)
