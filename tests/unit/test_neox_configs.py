@@ -18,7 +18,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,17 @@ SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 REPO = Path(__file__).resolve().parents[2]
 NEOX = REPO / "tests" / "fixtures" / "neox_configs"
 SLURM = ["launcher=slurm", "deepspeed_slurm=true", "num_gpus=8"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def away_from_the_repository(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Resolve from an empty directory: local_setup.yml's relative save/load (``checkpoints``) must not
+    meet the checkpoints a quick start leaves in the repository root (CI trains there before the tests),
+    which the dry run reads and compares with the config."""
+    previous = os.getcwd()
+    os.chdir(here := tmp_path_factory.mktemp("cwd"))
+    yield here
+    os.chdir(previous)
 LAUNCHING_MACHINE = Device.detect()
 """What this machine's devices can do (the rules ask the same)."""
 
@@ -144,7 +155,7 @@ def merged_keys(files: list[Path]) -> dict[str, Any]:
 
 def dry_run(files: list[Path], overrides: tuple[str, ...] = ()) -> tuple[ResolvedConfig, str]:
     """The dry run of ``deepy.py``, raising its one DeepyError; any other exception fails the test."""
-    command = parse_command(["--dry-run", "train.py", *map(str, files), *overrides, *SLURM])
+    command = parse_command(["--dry-run", str(REPO / "train.py"), *map(str, files), *overrides, *SLURM])
     resolved = resolve(command)
     return resolved, render_dry_run(resolved, command)
 
@@ -341,8 +352,8 @@ def test_deeperspeed_inner_fp16_flag_contradicting_enabled_is_refused(tmp_path: 
 def run_deepy(*argv: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("DEEPY_DEBUG", None)
-    return subprocess.run([sys.executable, str(REPO / "deepy.py"), "--dry-run", "train.py", *argv, *SLURM],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run([sys.executable, str(REPO / "deepy.py"), "--dry-run", str(REPO / "train.py"), *argv, *SLURM],
+                          cwd=os.getcwd(), env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
 
 
 def test_script_passes_pythia_14m(save_only: Path) -> None:

@@ -21,6 +21,7 @@ are left out. In-process
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,6 +75,17 @@ def snapshot(save_only: Path) -> dict[str, Any]:
     defaults = {k: v for k, v in NeoXArgs().model_dump(mode="json").items() if k not in VOLATILE}
     configs = {cid: resolved_values(files, save_only) for cid, files in cases(save_only)}
     return {"defaults": defaults, "configs": configs}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def away_from_the_repository(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Resolve from an empty directory: local_setup.yml's relative save/load (``checkpoints``) must not
+    meet the checkpoints a quick start leaves in the repository root (CI trains there before the tests),
+    which the dry run reads and compares with the config."""
+    previous = os.getcwd()
+    os.chdir(here := tmp_path_factory.mktemp("cwd"))
+    yield here
+    os.chdir(previous)
 
 
 @pytest.fixture(scope="module")
