@@ -17,9 +17,9 @@ import os
 import socket
 
 BASE = 20000
-SPAN = 900
-"""Worker gwN takes ports from its session's block + N*SPAN upwards (gw0: 20000-20899, gw1: 20900-21799)."""
-WORKERS_PER_SLOT = 2
+SPAN = 600
+"""Worker gwN takes ports from its session's block + N*SPAN upwards (gw0: 20000-20599, gw1: 20600-21199, ...)."""
+WORKERS_PER_SLOT = 3
 SLOTS = 7
 """Session blocks of WORKERS_PER_SLOT*SPAN ports each; the last ends below the ephemeral range (32768)."""
 
