@@ -21,7 +21,6 @@ are left out. In-process
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # for --write, run as 
 from megatron.app.deepy import parse_command, resolve  # noqa: E402
 from megatron.neox_arguments.arguments import NeoXArgs  # noqa: E402
 from test_neox_configs import CASES, NEOX, SAVE_ONLY, SLURM  # noqa: E402
+# resolved from an empty directory, as test_neox_configs.py's checks are (its autouse fixture, used here too)
+from test_neox_configs import away_from_the_repository  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[2]
 SNAPSHOT = REPO / "tests" / "fixtures" / "resolved_snapshot.json"
@@ -75,17 +76,6 @@ def snapshot(save_only: Path) -> dict[str, Any]:
     defaults = {k: v for k, v in NeoXArgs().model_dump(mode="json").items() if k not in VOLATILE}
     configs = {cid: resolved_values(files, save_only) for cid, files in cases(save_only)}
     return {"defaults": defaults, "configs": configs}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def away_from_the_repository(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Resolve from an empty directory: local_setup.yml's relative save/load (``checkpoints``) must not
-    meet the checkpoints a quick start leaves in the repository root (CI trains there before the tests),
-    which the dry run reads and compares with the config."""
-    previous = os.getcwd()
-    os.chdir(here := tmp_path_factory.mktemp("cwd"))
-    yield here
-    os.chdir(previous)
 
 
 @pytest.fixture(scope="module")
