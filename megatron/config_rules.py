@@ -34,29 +34,43 @@ INFERENCE_ENTRY_POINTS = ("generate.py", "eval.py")
 """The scripts that load a checkpoint's weights to run them, and neither resume nor save."""
 
 
-@dataclass(frozen=True)
 class Device:
-    """What the launching machine offers; injected so rules are testable without a GPU."""
+    """What the launching machine offers; injected so rules are testable without a GPU.
 
-    cuda: bool
-    fp16_supported: bool
+    ``fp16_supported`` left out is asked of this machine when a rule first reads it (it needs
+    torch, which deepy.py imports only when a rule needs it)."""
+
+    def __init__(self, cuda: bool, fp16_supported: bool | None = None) -> None:
+        self.cuda = cuda
+        self._fp16_supported = fp16_supported
+
+    @property
+    def fp16_supported(self) -> bool:
+        if self._fp16_supported is None:
+            self._fp16_supported = _fp16_supported_here(self.cuda)
+        return self._fp16_supported
 
     @classmethod
     def detect(cls) -> Device:
-        import torch
+        from megatron.devices import gpu_count
 
-        from megatron import torch_internals
+        return cls(cuda=gpu_count() > 0)
 
-        cuda = torch.cuda.is_available()
-        # DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has fp16 kernels for this CPU
-        # ("Type fp16 is not supported on your device"), so ask the same question it will ask.
-        fp16 = cuda
-        if not cuda:
-            try:
-                fp16 = torch_internals.mkldnn_fp16_supported()
-            except (AttributeError, RuntimeError):
-                fp16 = False
-        return cls(cuda=cuda, fp16_supported=fp16)
+    def __repr__(self) -> str:
+        return f"Device(cuda={self.cuda}, fp16_supported={self._fp16_supported})"
+
+
+def _fp16_supported_here(cuda: bool) -> bool:
+    # DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has fp16 kernels for this CPU
+    # ("Type fp16 is not supported on your device"), so ask the same question it will ask.
+    if cuda:
+        return True
+    from megatron import torch_internals
+
+    try:
+        return torch_internals.mkldnn_fp16_supported()
+    except (AttributeError, RuntimeError):
+        return False
 
 
 G = TypeVar("G", bound=BaseModel)

@@ -31,6 +31,50 @@ def skip_shared_memory_comm_op() -> None:
     compatible["deepspeed_shm_comm"] = False
 
 
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def defer_muon_kernel_compiles() -> None:
+    """Import DeepSpeed's Muon module with its ``torch.compile`` wraps deferred to their first call.
+
+    DeepSpeed's ZeRO optimizers import ``deepspeed.runtime.zero.muon.muon_optimizer`` on every run
+    (an ``isinstance`` check in ``is_zero_supported_optimizer`` and in the gradient reduction), and
+    that module wraps three kernels in ``torch.compile`` at import. Creating those wrappers imports
+    TorchInductor: about 2 s of a CPU's time on every rank of every ZeRO run, for an optimizer
+    Deepy does not offer. DeepSpeed routes the wraps through ``deepspeed.runtime.compiler.compile``;
+    swapping it for a deferring decorator during this one import keeps the kernels exactly as
+    they were (compiled with the same ``torch.compile`` when first called) and the start-up short.
+    """
+    import functools
+    import sys
+
+    if MUON_MODULE in sys.modules:
+        return
+    from deepspeed.runtime import compiler
+
+    real = compiler.compile
+
+    def deferred() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+            compiled: list[Callable[..., Any]] = []
+
+            @functools.wraps(fn)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if not compiled:
+                    compiled.append(real()(fn))
+                return compiled[0](*args, **kwargs)
+
+            return call
+
+        return wrap
+
+    compiler.compile = deferred
+    try:
+        __import__(MUON_MODULE)
+    finally:
+        compiler.compile = real
+
+
 @contextlib.contextmanager
 def universal_loading(engine: Any, enabled: bool) -> Iterator[None]:
     """``engine.load_checkpoint`` reads a universal checkpoint while this is on.

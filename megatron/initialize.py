@@ -17,7 +17,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 
-from megatron.deepspeed_internals import skip_shared_memory_comm_op
+from megatron.deepspeed_internals import defer_muon_kernel_compiles, skip_shared_memory_comm_op
 from megatron.errors import ConfigError
 from megatron.launcher.environment import distributed_env, hidden_gpus_problem
 from megatron.mpu.parallel_config import ParallelRunArgs
@@ -74,6 +74,7 @@ def init_distributed(parallel: ParallelRunArgs) -> None:
     os.environ.update(env)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(env["LOCAL_RANK"]))
+    defer_muon_kernel_compiles()
     if torch.distributed.is_initialized():
         return
     backend = backend_for(parallel.distributed_backend)

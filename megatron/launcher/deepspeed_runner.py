@@ -63,9 +63,9 @@ def _local_accelerator(environ: Mapping[str, str]) -> dict[str, str]:
     """On a machine without a GPU, tell DeepSpeed so (``DS_ACCELERATOR=cpu``, unless the user chose):
     its auto-detection would print "unable to detect" a warning in every process of a local launch.
     Only for local launches: the ranks run on this machine, so what it has is what they have."""
-    import torch
+    from megatron.devices import gpu_count
 
-    if "DS_ACCELERATOR" in environ or torch.cuda.is_available():
+    if "DS_ACCELERATOR" in environ or gpu_count():
         return {}
     return {"DS_ACCELERATOR": "cpu"}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron.errors import ConfigError
@@ -199,10 +200,10 @@ def _deepspeed_config_class() -> Any:
     import (and restoring the environment after) keeps deepy.py's output to our lines. The ranks
     are other processes and detect their own devices.
     """
-    import torch
+    from megatron.devices import gpu_count
 
     previous = os.environ.get("DS_ACCELERATOR")
-    os.environ["DS_ACCELERATOR"] = previous or ("cuda" if torch.cuda.is_available() else "cpu")
+    os.environ["DS_ACCELERATOR"] = previous or ("cuda" if gpu_count() else "cpu")
     try:
         from deepspeed.accelerator import get_accelerator
         from deepspeed.runtime.config import DeepSpeedConfig
@@ -214,6 +215,33 @@ def _deepspeed_config_class() -> Any:
     return DeepSpeedConfig
 
 
+def accepted_config_marker(config: Mapping[str, Any]) -> Path | None:
+    """Where deepy.py records that this DeepSpeed installation accepted ``config`` (None: no cache).
+
+    Asking DeepSpeed's parser means importing DeepSpeed and torch, about 2 s of every launch; its
+    answer depends only on the config, DeepSpeed's version and the accelerator, so an accepted
+    config is remembered under ``$XDG_CACHE_HOME/deepy`` (``~/.cache/deepy``) by a hash of those.
+    Refusals are never remembered: they are asked again and reported every time.
+    ``DEEPY_NO_CACHE=1`` turns this off.
+    """
+    import hashlib
+    import json
+    from importlib import metadata
+
+    from megatron.devices import gpu_driver_present
+
+    if os.environ.get("DEEPY_NO_CACHE", "") not in ("", "0"):
+        return None
+    try:
+        version = metadata.version("deepspeed")
+    except metadata.PackageNotFoundError:
+        return None
+    key = json.dumps([version, os.environ.get("DS_ACCELERATOR", ""), gpu_driver_present(), config],
+                     sort_keys=True, default=str)
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deepy" / "deepspeed-accepted"
+    return root / hashlib.sha256(key.encode()).hexdigest()
+
+
 def deepspeed_problems(config: Mapping[str, Any], provenance: Mapping[str, str] | None = None) -> list[str]:
     """What DeepSpeed's own config parser refuses in ``config`` (bad numbers or keys inside the
     fp16/bf16/ZeRO/... blocks), as messages naming the block and where it was set.
@@ -221,12 +249,26 @@ def deepspeed_problems(config: Mapping[str, Any], provenance: Mapping[str, str] 
     The batch sizes are left out: Deepy's rules check them against the real data-parallel size,
     which DeepSpeed's parser cannot know without a process group.
     """
+    checked = {k: v for k, v in config.items() if k != "train_batch_size"}
+    marker = accepted_config_marker(checked)
+    if marker is not None and marker.exists():
+        return []
+    problems = _parser_problems(checked, provenance)
+    if not problems and marker is not None:
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        except OSError:
+            pass  # a read-only home: the parser is asked again next time
+    return problems
+
+
+def _parser_problems(checked: Mapping[str, Any], provenance: Mapping[str, str] | None) -> list[str]:
     from pydantic import ValidationError
 
     DeepSpeedConfig = _deepspeed_config_class()
-    checked = {k: v for k, v in config.items() if k != "train_batch_size"}
     try:
-        DeepSpeedConfig(checked)
+        DeepSpeedConfig(dict(checked))
     except ValidationError as err:
         block = _DEEPSPEED_BLOCK_OF_MODEL.get(err.title, err.title)
         top = block.split(".")[0].split("/")[0]

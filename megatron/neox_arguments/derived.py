@@ -36,9 +36,9 @@ if TYPE_CHECKING:
 # --- world size ---------------------------------------------------------------------------------
 def local_device_count() -> int:
     """Ranks a plain single-node launch gets: the CUDA device count, or one CPU rank."""
-    import torch
+    from megatron.devices import gpu_count
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+    return gpu_count() or 1
 
 
 def detect_world_size(args: NeoXArgs, device_count: int | None = None, warnings: list[str] | None = None) -> int:

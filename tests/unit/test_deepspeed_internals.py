@@ -436,3 +436,35 @@ def test_pipeline_step_line_is_a_print_in_its_module_and_is_filtered(capsys: pyt
         assert capsys.readouterr().out == "steps: 20 loss: 5.9\n"
     finally:
         del pipe_engine.print
+
+
+def _fresh_python(code: str) -> str:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(repo), "DS_ACCELERATOR": "cpu"})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()[-1]
+
+
+def test_muon_module_compiles_at_import_unless_deferred() -> None:
+    """The cost the deferral removes is real (DeepSpeed's Muon module imports TorchInductor), and
+    with the deferral its kernels are the same functions, compiled by torch.compile on first call."""
+    plain = _fresh_python("import sys, deepspeed.runtime.zero.muon.muon_optimizer\n"
+                          "print('torch._inductor.compile_fx' in sys.modules)")
+    assert plain == "True"
+    deferred = _fresh_python(
+        "import sys\n"
+        "from megatron.deepspeed_internals import defer_muon_kernel_compiles\n"
+        "defer_muon_kernel_compiles()\n"
+        "import torch\n"
+        "from deepspeed.runtime import compiler\n"
+        "from deepspeed.runtime.zero.muon import original_muon as m\n"
+        "from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam\n"
+        "kernels = [m.muon_update, m.zeropower_via_newtonschulz5, m.zeropower_via_gram_newtonschulz]\n"
+        "print(['torch._inductor.compile_fx' in sys.modules, compiler.compile() is torch.compile,\n"
+        "       all(callable(k) and k.__wrapped__.__module__ == m.__name__ for k in kernels)])")
+    assert deferred == "[False, True, True]"

@@ -189,7 +189,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("plugins",),
     ("config_rules",),
     ("config_schema", "config_support", "errors", "time_phrases", "atomic_files", "lazy", "torch_internals",
-     "deepspeed_internals"),
+     "deepspeed_internals", "devices"),
 )
 """The packages (and top-level modules) of ``megatron/``, top to bottom: a module imports only modules of
 the layers below its own; the packages of one layer do not import each other."""

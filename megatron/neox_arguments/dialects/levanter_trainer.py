@@ -312,9 +312,9 @@ def _ray(value: Any, ctx: Context) -> dict[str, Any]:
 
 def _require_accelerator(value: Any, ctx: Context) -> dict[str, Any]:
     if value:
-        from megatron.neox_arguments.derived import local_device_count
+        from megatron.devices import gpu_count
 
-        if local_device_count() == 0:
+        if gpu_count() == 0:
             raise Refused("no GPU here, and Levanter stops without an accelerator when this is true: set it false "
                           "to train on CPU")
     return noted("Deepy trains on the GPUs it finds, else on CPU")
