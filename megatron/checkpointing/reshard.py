@@ -291,14 +291,18 @@ def _optimizer_state_for_every_stage(state: dict[str, Any], step: Any) -> dict[s
 def _name_model_states_for_every_stage(universal: Path) -> None:
     """ZeRO-3 engines look for ``zero_pp_rank_0_mp_rank_XX_model_states.pt``, the others for
     ``mp_rank_XX_model_states.pt``; each reads one of them (any one: they differ only in the
-    source layout's bookkeeping) for the LR scheduler, step counters and client state."""
+    source layout's bookkeeping) for the LR scheduler, step counters and client state. Every tp
+    rank's file gets both names: DeepSpeed's loader counts the files it finds against the
+    ``mp_world_size`` they record (a tp2 checkpoint linked once was refused at ZeRO-3)."""
     files = sorted(p.name for p in universal.iterdir() if p.is_file())
-    plain = [name for name in files if _MODEL_STATES.match(name)]
-    zero3 = [name for name in files if (m := _ZERO3_MODEL_STATES.match(name)) and m.group(1) == "0"]
+    plain = {int(m.group(1)): name for name in files if (m := _MODEL_STATES.match(name))}
+    zero3 = {int(m.group(2)): name for name in files if (m := _ZERO3_MODEL_STATES.match(name)) and m.group(1) == "0"}
     if not plain and zero3:
-        os.link(universal / zero3[0], universal / "mp_rank_00_model_states.pt")
+        for mp_rank, name in zero3.items():
+            os.link(universal / name, universal / f"mp_rank_{mp_rank:02d}_model_states.pt")
     if not zero3 and plain:
-        os.link(universal / plain[0], universal / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+        for mp_rank, name in plain.items():
+            os.link(universal / name, universal / f"zero_pp_rank_0_mp_rank_{mp_rank:02d}_model_states.pt")
 
 
 def fit_vocabulary_rows(zero: Path, patterns: list[str], rows: int) -> list[str]:

@@ -41,10 +41,11 @@ def worker(opts: argparse.Namespace) -> int:
     from megatron.checkpointing.preemption import PreemptionWatcher
     from megatron.checkpointing.commit import KeepRule, RetentionPolicy
     from megatron.errors import CheckpointError
-    from megatron.deepspeed_internals import skip_shared_memory_comm_op
+    from megatron.deepspeed_internals import defer_muon_kernel_compiles, skip_shared_memory_comm_op
     from megatron.mpu import topology
 
     skip_shared_memory_comm_op()  # as train.py: no /dev/shm buffers left behind by DeepSpeed's op
+    defer_muon_kernel_compiles()  # as train.py: ZeRO's Muon check without TorchInductor
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     dist.init_process_group("gloo")

@@ -46,12 +46,13 @@ def rank_main(rank: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from megatron.deepspeed_internals import skip_shared_memory_comm_op
+    from megatron.deepspeed_internals import defer_muon_kernel_compiles, skip_shared_memory_comm_op
     from megatron.mpu import hybrid_shard, initialize_model_parallel
     from megatron.training import hybrid_shard as hybrid_engine
     from megatron.training.engine import deepspeed_mpu
 
     skip_shared_memory_comm_op()
+    defer_muon_kernel_compiles()  # as train.py: ZeRO's Muon check without TorchInductor
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     initialize_model_parallel(1, 0)

@@ -381,9 +381,10 @@ def _rank_main(rank: int, out_dir: str) -> None:
     from megatron import mpu
     from gpt_configs import gpt_config
 
-    from megatron.deepspeed_internals import skip_shared_memory_comm_op
+    from megatron.deepspeed_internals import defer_muon_kernel_compiles, skip_shared_memory_comm_op
 
     skip_shared_memory_comm_op()  # as train.py: no /dev/shm buffers left behind by DeepSpeed's op
+    defer_muon_kernel_compiles()  # as train.py: ZeRO's Muon check without TorchInductor
     deepspeed.init_distributed(dist_backend="gloo")
     results: dict[str, str] = {}
     configs = {name: gpt_config(**{**BASE, **overrides}) for name, overrides in CONFIGS.items()}

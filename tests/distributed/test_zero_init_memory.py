@@ -32,13 +32,14 @@ def rank_main(rank: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
     import torch.distributed as dist
 
-    from megatron.deepspeed_internals import skip_shared_memory_comm_op
+    from megatron.deepspeed_internals import defer_muon_kernel_compiles, skip_shared_memory_comm_op
     from megatron.model.config import GPTConfig
     from megatron.model.gpt import GPTModel
     from megatron.mpu import topology
     from megatron.training.engine import construction
 
     skip_shared_memory_comm_op()
+    defer_muon_kernel_compiles()  # as train.py: ZeRO's Muon check without TorchInductor
     dist.init_process_group("gloo")
     topology.initialize_model_parallel(1, 1)
     zero_init = os.environ["ZERO_INIT_TEST_MODE"] == "zero_init"
