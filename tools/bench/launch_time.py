@@ -49,7 +49,7 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def launch(repo: Path, data_root: Path, ranks: int) -> dict[str, float]:
+def launch(repo: Path, data_root: Path, ranks: int, zero: int | None = None) -> dict[str, float]:
     """One launch from ``repo``'s scripts with ``data_root`` as the working directory; seconds since
     start at which each phase ended, and the CPU seconds of the whole launch."""
     with tempfile.TemporaryDirectory(prefix="deepy-launch-") as tmp:
@@ -57,6 +57,8 @@ def launch(repo: Path, data_root: Path, ranks: int) -> dict[str, float]:
                 "configs/local_setup.yml", f"num_gpus={ranks}", "train_iters=2", "log_interval=1",
                 "deepspeed_log_level=info",  # --verbose's console: each rank says where it sits (the "ranks" phase)
                 f"save={tmp}/ckpt", f"load={tmp}/ckpt", f"log_dir={tmp}/logs"]  # fmt: skip
+        if zero is not None:
+            argv.append(f"zero_optimization={{stage: {zero}}}")
         env = {**os.environ, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1"}
         cpu0, start = children_cpu(), time.perf_counter()
         proc = subprocess.Popen(argv, cwd=data_root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -83,6 +85,8 @@ def main() -> None:
     parser.add_argument("--baseline", help="a git revision to measure beside this checkout")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ranks", type=int, default=2, help="num_gpus (CPU ranks here), 2 as in configs/local_setup.yml")
+    parser.add_argument("--zero", type=int, default=None,
+                        help="ZeRO stage (configs/tiny.yml has none); stages 1-3 build DeepSpeed's ZeRO optimizer")
     options = parser.parse_args()
     if not (REPO / "data" / "pydocs").is_dir():
         sys.exit("data/pydocs is missing: run `python prepare_data.py` first")
@@ -99,13 +103,14 @@ def main() -> None:
         results: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
         for _ in range(options.repeats):
             for name, repo in contenders.items():
-                results[name].append(launch(repo, REPO, options.ranks))
+                results[name].append(launch(repo, REPO, options.ranks, options.zero))
     finally:
         if worktree is not None:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(worktree)], check=False)
 
     columns = [name for name, _ in PHASES] + ["exit", "cpu s"]
-    print(f"{options.ranks} rank(s), median of {options.repeats} launches; seconds since `python deepy.py` started")
+    zero = "" if options.zero is None else f", ZeRO-{options.zero}"
+    print(f"{options.ranks} rank(s){zero}, median of {options.repeats} launches; seconds since `python deepy.py` started")
     print(f"| {'revision':<14} | " + " | ".join(f"{c:>10}" for c in columns) + " |")
     print(f"|{'-' * 16}|" + "|".join("-" * 12 for _ in columns) + "|")
     medians = {name: {c: statistics.median(r[c] for r in runs) for c in columns} for name, runs in results.items()}
