@@ -30,12 +30,14 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatron.errors import ConfigError
+from megatron.model.embedding import GPTEmbedding
 from megatron.model.gpt import ValueHead
 from megatron.model.lora_config import LoRAArgs
 from megatron.mpu.initialize_weights import initialize_param_, set_tensor_model_parallel_attributes
@@ -130,6 +132,22 @@ def _add_adapter_output(layer: nn.Module, inputs: tuple[torch.Tensor, ...], outp
     return output + adapter(inputs[0])
 
 
+def _hidden_carries_gradients(embedding: nn.Module, inputs: Any, output: Any) -> Any:
+    """The frozen embedding's output asks for a gradient while training.
+
+    DeepSpeed's activation checkpoint (reentrant, as GPT-NeoX's) passes gradients into a recomputed block
+    only through inputs that require them. With the embedding frozen, the hidden states entering the
+    first checkpointed block require none, so that block's adapters silently got no gradient (selective
+    recomputation left the single-rank curve) and with every block recomputed the loss had no gradient
+    at all (DeepSpeed: "loss must be a scalar tensor"). PEFT asks the same of the input embeddings
+    (``enable_input_require_grads``). The extra work is one gradient of the hidden states; no weight's
+    gradient changes."""
+    hidden = output[0] if isinstance(output, tuple) else output
+    if torch.is_grad_enabled() and torch.is_floating_point(hidden) and not hidden.requires_grad:
+        hidden.requires_grad_(True)
+    return output
+
+
 def check_targets(target_modules: Sequence[str]) -> None:
     unknown = sorted(set(target_modules) - set(TARGETS))
     if unknown or not target_modules:
@@ -155,6 +173,8 @@ def apply_lora(model: nn.Module, config: LoRAArgs, seed: int) -> list[LoRAAdapte
             adapters.append(adapter)
         elif isinstance(module, ValueHead):  # also inside a pipeline's ValueHeadPipe
             module.requires_grad_(True)
+        elif isinstance(module, GPTEmbedding):  # also a pipeline's EmbeddingPipe (first stage)
+            module.register_forward_hook(_hidden_carries_gradients)
     return adapters  # may be empty on a pipeline stage without blocks
 
 

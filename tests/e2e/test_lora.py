@@ -122,12 +122,18 @@ def test_base_weights_are_bit_identical_after_training(layout: str, single: dict
 
 
 PARITY_LAYOUTS = ["tp2", "pp2", "dp2_zero1", "dp2_zero3"]
+RECOMPUTED = {"pp2": {"checkpoint_activations": True}, "dp2_zero1": {"selective_checkpointing": 1}}
+"""Two layouts also recompute every block in the backward (DeepSpeed's reentrant checkpoint): with the frozen
+embedding in front, the first recomputed block once passed no gradient to its adapters (selective recomputation
+left the single-rank curve by 6e-3) and, every block recomputed, the loss had none (DeepSpeed's "loss must be a
+scalar tensor"). Recomputation changes no number, so these runs still equal the single rank's."""
 
 
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """One LoRA run per layout, shared by the parity, base and optimizer-state tests."""
-    return {name: train(name, tmp_path_factory.mktemp(f"lora_{name}")) for name in PARITY_LAYOUTS}
+    return {name: train(name, tmp_path_factory.mktemp(f"lora_{name}"), **RECOMPUTED.get(name, {}))
+            for name in PARITY_LAYOUTS}
 
 
 @pytest.mark.parametrize("layout", PARITY_LAYOUTS)

@@ -85,13 +85,6 @@ def test_mlp_adapters_on_moe_layers_are_refused() -> None:
     ok(lora_r=4, lora_target_modules=["query_key_value"], moe_num_experts=2)
 
 
-def test_lora_with_selective_recomputation_is_refused() -> None:
-    message = problems(lora_r=4, selective_checkpointing=2)
-    assert "lora_r=4" in message and "selective_checkpointing=2" in message
-    ok(lora_r=4)
-    ok(selective_checkpointing=2)
-
-
 def test_unknown_target_module_is_refused() -> None:
     from megatron.errors import ConfigError
     from megatron.neox_arguments.loading import config_from_mapping
