@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
         tokenizer=model.tokenizer,
         sampling=SamplingParams.greedy_up_to(config.maximum_tokens),
         seq_length=int(config.seq_length or 0),
-        batch_size=batch_size(config),
+        batch_size=batch_size(config.train_micro_batch_size_per_gpu),
         seed=config.seed,
     )
     results = evaluate(DeepyLM(generator), config)

@@ -72,7 +72,8 @@ class TaskEvaluation:
                 replica.dp_rank, replica.dp_size = 0, 1
             generator = TextGenerator(replica=replica, tokenizer=self.tokenizer,
                                       sampling=SamplingParams.greedy_up_to(self.config.maximum_tokens),
-                                      seq_length=int(self.config.seq_length or 0), batch_size=batch_size(self.config),
+                                      seq_length=int(self.config.seq_length or 0),
+                                      batch_size=batch_size(self.config.train_micro_batch_size_per_gpu),
                                       seed=self.config.seed)
             results = evaluate(DeepyLM(generator), self.config)
         finally:

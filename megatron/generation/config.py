@@ -211,15 +211,11 @@ def checked(args: GenerateRunArgs) -> GenerateRunArgs:
     return args
 
 
-class MicroBatchArgs(Protocol):
-    @property
-    def train_micro_batch_size_per_gpu(self) -> int | None: ...
-
-
-def batch_size(args: MicroBatchArgs) -> int:
+def batch_size(train_micro_batch_size_per_gpu: int | None) -> int:
     """Prompts (documents, for precompute; requests, for lm-eval) run together on a replica: the training
-    micro-batch (at least 1)."""
-    return max(1, int(args.train_micro_batch_size_per_gpu or 1))
+    micro-batch (at least 1). The key is the DeepSpeed group's (``neox_arguments``, above this package),
+    so callers pass its value."""
+    return max(1, int(train_micro_batch_size_per_gpu or 1))
 
 
 def token_dataset_prefixes(args: GenerateRunArgs) -> tuple[str, ...]:

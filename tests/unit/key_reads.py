@@ -196,7 +196,7 @@ def _evaluation(args: Any) -> object:
 
     if not args.eval_tasks:
         return None
-    return (results_base(args), batch_size(args), args.maximum_tokens, args.seed, args.seq_length,
+    return (results_base(args), batch_size(args.train_micro_batch_size_per_gpu), args.maximum_tokens, args.seed, args.seq_length,
             args.eval_tasks_limit, args.eval_tasks_interval)
 
 
@@ -207,7 +207,7 @@ def _generation(args: Any) -> object:
 
     if not args.text_gen_type:
         return None
-    return (args.sampling(), batch_size(args), args.seed, args.seq_length, args.num_samples, args.sample_output_file,
+    return (args.sampling(), batch_size(args.train_micro_batch_size_per_gpu), args.seed, args.seq_length, args.num_samples, args.sample_output_file,
             args.sample_input_file, args.prompt_end, args.precompute_model_name, token_dataset_prefixes(args))
 
 

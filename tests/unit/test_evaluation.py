@@ -21,11 +21,11 @@ def test_config_needs_tasks_and_reads_its_keys() -> None:
         checked(NeoXArgs(eval_tasks=["a"]))
     config = checked(NeoXArgs(seq_length=32, eval_tasks=["a", "b.yaml"], eval_results_prefix="out/x",
                               maximum_tokens=7, train_micro_batch_size_per_gpu=3, log_dir="logs"))
-    assert (config.eval_tasks, config.eval_results_prefix, config.maximum_tokens, batch_size(config)) == (
+    assert (config.eval_tasks, config.eval_results_prefix, config.maximum_tokens, batch_size(config.train_micro_batch_size_per_gpu)) == (
         ["a", "b.yaml"], "out/x", 7, 3)
     assert results_base(config) == "out/x_"
     assert results_base(checked(NeoXArgs(seq_length=32, eval_tasks=["a"], log_dir="logs"))) == "logs/"
-    assert batch_size(checked(NeoXArgs(seq_length=32, eval_tasks=["a"]))) == 1  # unset micro-batch: one request
+    assert batch_size(checked(NeoXArgs(seq_length=32, eval_tasks=["a"])).train_micro_batch_size_per_gpu) == 1  # unset micro-batch: one request
 
 
 def test_local_task_files_need_no_builtin_index(tmp_path: Path) -> None:

@@ -127,7 +127,7 @@ def test_config_reads_every_textgen_key(tmp_path) -> None:
     ))  # fmt: skip
     assert config.sampling() == SamplingParams(temperature=0.5, top_k=7, top_p=0.9, maximum_tokens=11, recompute=True,
                                                return_logits=True)
-    assert (config.prompts(), config.sample_output_file, config.num_samples, batch_size(config)) == (
+    assert (config.prompts(), config.sample_output_file, config.num_samples, batch_size(config.train_micro_batch_size_per_gpu)) == (
         ["a", "b"], "o.jsonl", 3, 4)
 
 
