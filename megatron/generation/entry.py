@@ -149,9 +149,10 @@ def main(argv: list[str]) -> int:
 
     options = parse_worker_argv(argv, "Deepy text generation (started by deepy.py on each rank)")
     resolved = load_resolved(options.deepy_config).args
-    args = checked(resolved)  # a wrong textgen key fails before the model is built
+    args = resolved
+    checked(args, args, args)  # a wrong textgen key fails before the model is built
     model = build_inference_model(resolved, "generate.py")
-    per_batch = batch_size(resolved.train_micro_batch_size_per_gpu)
+    per_batch = batch_size(args.train_micro_batch_size_per_gpu)
     gen = TextGenerator(replica=model.replica, tokenizer=model.tokenizer, sampling=args.sampling(),
                         seq_length=int(args.seq_length or 0), batch_size=per_batch, seed=args.seed)
     match args.text_gen_type:

@@ -88,7 +88,7 @@ def entry_point_builders() -> dict[str, ComponentBuilder]:
     from megatron.evaluation.config import checked
     from megatron.generation.config import checked as generation_checked
 
-    return {"generate.py": generation_checked, "eval.py": checked}
+    return {"generate.py": lambda args: generation_checked(args, args, args), "eval.py": checked}
 
 
 def check_entry_point(args: NeoXArgs, user_script: str) -> None:
