@@ -202,7 +202,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
         tasks=None if run.tasks is None or task_evaluation is None else task_evaluation(
             eng, tokenizer, run.tasks, zero_stage=int((run.deepspeed.get("zero_optimization") or {}).get("stage", 0)),
             sequence_parallel=run.model.sequence_parallel and run.parallel.model_parallel_size > 1).run,
-        tasks_interval=None if run.tasks is None else run.tasks.eval_tasks_interval,
+        tasks_interval=None if run.tasks is None else run.tasks.evaluation.eval_tasks_interval,
     )
     # DeepSpeed's communication timings (comms_logger): shown after the last step, and with verbose at log steps
     comms = CommsReport(run.deepspeed.get("comms_logger"), log_config.log_interval)

@@ -191,13 +191,14 @@ def _user_plugins(args: Any) -> object:
 def _evaluation(args: Any) -> object:
     """What lm-eval inside training and eval.py ask of the evaluation keys (``TaskEvaluation``,
     ``harness.evaluate``/``results_base``, the generator's batch and length), when tasks are set."""
-    from megatron.generation.config import batch_size
     from megatron.evaluation.harness import results_base
+    from megatron.neox_arguments.arguments import evaluation_run
 
     if not args.eval_tasks:
         return None
-    return (results_base(args), batch_size(args.train_micro_batch_size_per_gpu), args.maximum_tokens, args.seed, args.seq_length,
-            args.eval_tasks_limit, args.eval_tasks_interval)
+    run = evaluation_run(args)
+    return (results_base(run), run.batch_size, run.textgen.maximum_tokens, run.model.seed, run.model.seq_length,
+            run.evaluation.eval_tasks_limit, run.evaluation.eval_tasks_interval)
 
 
 def _generation(args: Any) -> object:
