@@ -26,6 +26,7 @@ from megatron.config_rules import RuleContext
 from megatron.neox_arguments.run_config import RunConfig
 from megatron.tokenizer import build_tokenizer
 from megatron.training.engine import layers_to_checkpoint
+from megatron.training.objectives.registry import reference_kind
 
 
 class ReadRecorder:
@@ -165,7 +166,7 @@ def _objective(args: Any) -> object:
     ``RewardModelObjective``, ``build_reference``), each where that code reads it: the objective is
     handed the arguments themselves (``RunConfig.objective``)."""
     return (args.train_impl, args.eod_mask_loss, args.z_loss, args.reset_attention_mask, args.reset_position_ids,
-            args.reference_kind)
+            reference_kind(args))
 
 
 def _data(args: Any) -> object:
@@ -222,7 +223,7 @@ def component_builders() -> list[ComponentBuilder]:
 
 def plugin_keys_read() -> set[str]:
     """Keys a plug-in declares that its implementation reads (``.key``) — in its module's package, where
-    the family's config (``ObjectiveArgs.reference_kind``) and the plug-in's check live too: a plug-in is
+    the family's config (``objectives.registry.reference_kind``) and the plug-in's check live too: a plug-in is
     handed its keys whole (the arguments object, ``ScheduleSpec.options``), so what it reads is in its
     source."""
     read: set[str] = set()

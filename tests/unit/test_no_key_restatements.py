@@ -24,9 +24,7 @@ NOT_YET_REMOVED = {
     "megatron/model/norms.py:NormSettings",  # norms.py may not name GPTConfig (import cycle): the registry's issue
     "megatron/mpu/parallel_config.py:ParallelRunArgs",
     "megatron/training/config.py:TrainingRunArgs",
-    "megatron/training/objectives/registry.py:_DPOCheckArgs",
     "megatron/training/objectives/registry.py:_KTOCheckArgs",
-    "megatron/training/objectives/registry.py:_RMCheckArgs",
     # per-component views named like the GPT-NeoX keys lr/optimizer/deepspeed/activation_checkpointing
     "megatron/training/run_views.py:RunViews",
 }
