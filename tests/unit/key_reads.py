@@ -151,7 +151,7 @@ def _parallel(args: Any) -> object:
 
 def _launch(args: Any) -> object:
     """What deepy.py's launcher asks of its keys (``plan_launch`` and the launcher kinds, handed the
-    arguments typed as ``LaunchArgs``), and whether the user chose ``master_port``."""
+    arguments typed as ``DeepSpeedRunnerArgs`` and ``LoggingArgs``), and whether the user chose ``master_port``."""
     from megatron.launcher.config import master_port_chosen
 
     return (args.launcher, args.hostfile, args.include, args.exclude, args.num_nodes, args.num_gpus,  # resources
