@@ -95,7 +95,7 @@ def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
     if reason is not None:
         module, step = _engine_module(run, model_config, ckpt, padded_vocab, script, reason)
     else:
-        module, is_pipe = build_model(model_config, run.parallel, run.activation_checkpointing,
+        module, is_pipe = build_model(model_config, run.parallel, run.activation_config,
                                       run.training.compile_layers, LMObjective(ObjectiveArgs()),
                                       run.lora if run.lora.lora_enabled else None)
         weights, step = read_weights(ckpt, model_config)

@@ -86,17 +86,17 @@ class RunConfig:
         return self.args
 
     @property
-    def optimizer(self) -> OptimizerArgs:
+    def optimizer_config(self) -> OptimizerArgs:
         """The arguments, as the optimizer's keys."""
         return self.args
 
     @property
-    def lr(self) -> LRSchedulerArgs:
+    def lr_config(self) -> LRSchedulerArgs:
         """The arguments, as the LR schedule's keys."""
         return self.args
 
     @property
-    def activation_checkpointing(self) -> ActivationCheckpointArgs:
+    def activation_config(self) -> ActivationCheckpointArgs:
         """The arguments, as activation checkpointing's keys."""
         return self.args
 
@@ -125,11 +125,6 @@ class RunConfig:
     def tasks(self) -> EvalRun | None:
         """The arguments as lm-eval in training reads them (``eval_tasks``); None without tasks."""
         return evaluation_run(self.args) if self.args.eval_tasks else None
-
-    @property
-    def deepspeed(self) -> dict[str, Any]:
-        """The DeepSpeed config dict (``deepspeed_config``)."""
-        return self.deepspeed_config
 
     @classmethod
     def from_resolved(cls, resolved: ResolvedConfig) -> RunConfig:

@@ -24,8 +24,6 @@ NOT_YET_REMOVED = {
     "megatron/mpu/parallel_config.py:ParallelRunArgs",
     "megatron/training/config.py:TrainingRunArgs",
     "megatron/training/objectives/registry.py:_KTOCheckArgs",
-    # per-component views named like the GPT-NeoX keys lr/optimizer/deepspeed/activation_checkpointing
-    "megatron/training/run_views.py:RunViews",
 }
 
 
