@@ -315,7 +315,7 @@ def plan_run(resolved: ResolvedConfig, user_script: str, config_path: str) -> La
     from megatron.neox_arguments.derived import local_device_count
 
     plan = plan_launch(resolved.args, user_script, config_path, os.environ, local_devices=local_device_count,
-                       provenance=resolved.provenance)
+                       provenance=resolved.provenance, logging=resolved.args)
     check_tools(plan, resolved.args)
     return plan
 

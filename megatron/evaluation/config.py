@@ -2,18 +2,21 @@
 (GPT-NeoX files ``eval_tasks`` and ``eval_results_prefix`` under ``NeoXArgsTextgen``).
 
 Declared here, beside the evaluation that reads them. Evaluation also reads keys other components own (the
-context, the batch, the sampling length, the seed, the log directory): :class:`EvalRunArgs` names them
-all, and the arguments object itself satisfies it, so nothing is copied.
+context, the batch, the sampling length, the seed, the log directory): :class:`EvalRun` holds the groups
+that declare them (the arguments object, typed as each), so nothing is copied.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
 
 from pydantic import Field
 
 from megatron.config_schema import ArgGroup
 from megatron.errors import ConfigError
+from megatron.generation.config import TextgenArgs
+from megatron.logging.config import LoggingArgs
+from megatron.model.config import GPTConfig
 
 
 class EvalArgs(ArgGroup):
@@ -35,38 +38,32 @@ class EvalArgs(ArgGroup):
     None: every document. Deepy extra (Levanter's eval_harness.max_examples)."""
 
 
-class EvalRunArgs(Protocol):
-    """Every key evaluation reads, its own (:class:`EvalArgs`) and the shared ones; read-only, so any
-    object holding them (``NeoXArgs``) satisfies it."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvalRun:
+    """What evaluation reads, from the groups that declare it: every field but ``batch_size`` is the arguments
+    object itself typed as that group (nothing is copied). ``batch_size``, the requests run together, is derived
+    once from ``train_micro_batch_size_per_gpu``, a key of ``neox_arguments``' DeepSpeed group (above this
+    package): ``megatron.neox_arguments.arguments.evaluation_run`` builds this from the arguments."""
 
-    @property
-    def eval_tasks(self) -> list[str] | None: ...
-    @property
-    def eval_tasks_limit(self) -> int | None: ...
-    @property
-    def eval_tasks_interval(self) -> int | None: ...
-    @property
-    def eval_results_prefix(self) -> str: ...
-    @property
-    def log_dir(self) -> str | None: ...
-    @property
-    def seq_length(self) -> int | None: ...
-    @property
-    def train_micro_batch_size_per_gpu(self) -> int | None: ...
-    @property
-    def maximum_tokens(self) -> int: ...
-    @property
-    def seed(self) -> int: ...
+    evaluation: EvalArgs
+    """The tasks, their limit and interval, the results prefix."""
+    model: GPTConfig
+    """The context the evaluated model reads (``seq_length``) and the seed of lm-eval's sampling."""
+    textgen: TextgenArgs
+    """``maximum_tokens`` of generate_until requests without ``max_gen_toks``."""
+    logging: LoggingArgs
+    """``log_dir``: where results go without a prefix, and the metrics row."""
+    batch_size: int
 
 
-def checked(args: EvalRunArgs) -> EvalRunArgs:
-    """``args`` when evaluation can run from it; a clear error before the model is built otherwise."""
-    if not args.eval_tasks:
+def checked(run: EvalRun) -> EvalRun:
+    """``run`` when evaluation can run from it; a clear error before the model is built otherwise."""
+    if not run.evaluation.eval_tasks:
         raise ConfigError(
             "eval.py needs eval_tasks: lm-evaluation-harness task names or task YAML paths, "
             "e.g. eval_tasks=[lambada_openai] or eval_tasks=[my_tasks/task.yaml]"
         )
-    if args.seq_length is None:
+    if run.model.seq_length is None:
         raise ConfigError("seq_length must be set: it is the context the evaluated model reads")
-    return args
+    return run
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from megatron.atomic_files import atomic_path
 from megatron.errors import ConfigError
-from megatron.evaluation.config import EvalRunArgs
+from megatron.evaluation.config import EvalRun
 from megatron.evaluation.lm_eval_adapter import DeepyLM
 from megatron.logging.log import get_logger
 from megatron.logging.metrics import METRICS_FILE, MetricsWriter, point_newest_run
@@ -88,7 +88,7 @@ def load_tasks(tasks: list[str] | tuple[str, ...]) -> None:
                 "or remove the task") from None
 
 
-def evaluate(lm: DeepyLM, config: EvalRunArgs) -> dict[str, Any]:
+def evaluate(lm: DeepyLM, config: EvalRun) -> dict[str, Any]:
     """Run every task on every rank (the adapter splits the model work); the harness' results."""
     from lm_eval import simple_evaluate
 
@@ -97,28 +97,28 @@ def evaluate(lm: DeepyLM, config: EvalRunArgs) -> dict[str, Any]:
     # the harness bootstraps standard errors in a multiprocessing pool: a fork of a rank that
     # holds a process group (gloo/NCCL threads) is not safe, so it runs them in-process
     os.environ.setdefault("DISABLE_MULTIPROC", "1")
-    manager = _task_manager(tuple(config.eval_tasks or ()))
+    manager = _task_manager(tuple(config.evaluation.eval_tasks or ()))
     results = simple_evaluate(
         model=lm,
-        tasks=_specs(tuple(config.eval_tasks or ()), manager),
+        tasks=_specs(tuple(config.evaluation.eval_tasks or ()), manager),
         task_manager=manager,
-        limit=config.eval_tasks_limit,
+        limit=config.evaluation.eval_tasks_limit,
         bootstrap_iters=STDERR_BOOTSTRAP_ITERS,
         log_samples=True,
-        random_seed=config.seed,
-        numpy_random_seed=config.seed,
-        torch_random_seed=config.seed,
-        fewshot_random_seed=config.seed,
+        random_seed=config.model.seed,
+        numpy_random_seed=config.model.seed,
+        torch_random_seed=config.model.seed,
+        fewshot_random_seed=config.model.seed,
     )
     if results is None:  # the harness returns results on local rank 0 only
         return {}
     return results
 
 
-def results_base(config: EvalRunArgs) -> str:
-    if config.eval_results_prefix:
-        return f"{config.eval_results_prefix}_"
-    return os.path.join(config.log_dir or ".", "")
+def results_base(config: EvalRun) -> str:
+    if config.evaluation.eval_results_prefix:
+        return f"{config.evaluation.eval_results_prefix}_"
+    return os.path.join(config.logging.log_dir or ".", "")
 
 
 def metric_rows(results: dict[str, Any]) -> dict[str, float]:
@@ -141,7 +141,7 @@ def metrics_dir(log_dir: str | None, run_name: str | None) -> Path | None:
     return Path(log_dir) / run_name if run_name else Path(log_dir)
 
 
-def write_results(results: dict[str, Any], config: EvalRunArgs, *, checkpoint: str | None, step: int,
+def write_results(results: dict[str, Any], config: EvalRun, *, checkpoint: str | None, step: int,
                   run_name: str | None = None) -> Path:
     """The files described in the module docstring; call on rank 0. ``run_name``: the training run that
     wrote the checkpoint (its ``TrainState.run_name``)."""
@@ -149,7 +149,8 @@ def write_results(results: dict[str, Any], config: EvalRunArgs, *, checkpoint: s
 
     base = results_base(config)
     samples = results.pop("samples", {}) or {}
-    results["deepy"] = {"checkpoint": checkpoint, "iteration": step, "tasks": list(config.eval_tasks or []),
+    results["deepy"] = {"checkpoint": checkpoint, "iteration": step,
+                        "tasks": list(config.evaluation.eval_tasks or []),
                         "run_name": run_name}
     path = Path(f"{base}eval_results.json")
     with atomic_path(path) as tmp:
@@ -159,11 +160,12 @@ def write_results(results: dict[str, Any], config: EvalRunArgs, *, checkpoint: s
             with open(tmp, "w", encoding="utf-8") as f:
                 for sample in rows:
                     f.write(json.dumps(sample, default=handle_non_serializable) + "\n")
-    target = metrics_dir(config.log_dir, run_name)
+    log_dir = config.logging.log_dir
+    target = metrics_dir(log_dir, run_name)
     with MetricsWriter(target) as writer:
         writer.write({"iteration": step, **metric_rows(results)})
-    if run_name and config.log_dir and not os.path.lexists(Path(config.log_dir) / METRICS_FILE):
-        point_newest_run(Path(config.log_dir), run_name)  # a log_dir of its own: the link finds the row
+    if run_name and log_dir and not os.path.lexists(Path(log_dir) / METRICS_FILE):
+        point_newest_run(Path(log_dir), run_name)  # a log_dir of its own: the link finds the row
     log = get_logger()
     for name, value in metric_rows(results).items():
         if "_stderr" not in name:

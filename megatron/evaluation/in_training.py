@@ -26,14 +26,13 @@ from typing import Any
 
 from megatron.checkpointing.save_load import capture_rng_state, restore_rng_state
 from megatron.errors import ConfigError
-from megatron.evaluation.config import EvalRunArgs
-from megatron.generation.config import batch_size
+from megatron.evaluation.config import EvalRun
 
 
 class TaskEvaluation:
-    """Runs ``config.eval_tasks`` on the training engine's module; ``run()`` returns the metric row."""
+    """Runs ``config.evaluation.eval_tasks`` on the training engine's module; ``run()`` returns the metric row."""
 
-    def __init__(self, eng: Any, tokenizer: Any, config: EvalRunArgs, zero_stage: int,
+    def __init__(self, eng: Any, tokenizer: Any, config: EvalRun, zero_stage: int,
                  sequence_parallel: bool) -> None:
         if sequence_parallel:
             raise ConfigError(
@@ -50,7 +49,7 @@ class TaskEvaluation:
         # not at the first evaluation (deepy.py refused what the keys and files could show)
         streams = capture_rng_state()  # building a task must not move the training's random streams
         try:
-            load_tasks(config.eval_tasks or [])
+            load_tasks(config.evaluation.eval_tasks or [])
         finally:
             restore_rng_state(streams)
 
@@ -71,9 +70,10 @@ class TaskEvaluation:
             if self.every_rank_scores_all:
                 replica.dp_rank, replica.dp_size = 0, 1
             generator = TextGenerator(replica=replica, tokenizer=self.tokenizer,
-                                      sampling=SamplingParams.greedy_up_to(self.config.maximum_tokens),
-                                      seq_length=int(self.config.seq_length or 0), batch_size=batch_size(self.config),
-                                      seed=self.config.seed)
+                                      sampling=SamplingParams.greedy_up_to(self.config.textgen.maximum_tokens),
+                                      seq_length=int(self.config.model.seq_length or 0),
+                                      batch_size=self.config.batch_size,
+                                      seed=self.config.model.seed)
             results = evaluate(DeepyLM(generator), self.config)
         finally:
             module.train(was_training)

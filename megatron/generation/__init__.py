@@ -1,7 +1,7 @@
 """Text generation and sequence scoring over our model under tensor and pipeline parallelism.
 
-* `config.py`     `TextgenArgs` (the textgen keys), `GenerateRunArgs` (every key generate.py reads),
-                  `SamplingParams` (one request's sampling).
+* `config.py`     `TextgenArgs` (the textgen keys), `checked` (what generate.py reads, from the groups
+                  declaring it), `SamplingParams` (one request's sampling).
 * `sampling.py`   greedy, temperature, top-k, top-p on full-vocabulary logits.
 * `replica.py`    `ModelReplica`: this rank's stage of one model copy as tokens -> logits
                   (send/recv between pipeline stages, vocab-parallel helpers).

@@ -4,9 +4,9 @@ Both run the newest committed checkpoint of ``load`` (``iteration`` picks anothe
 parallel layout; ``train_micro_batch_size_per_gpu`` prompts or requests run together per replica.
 
 Declared here, beside the generation that reads them (:class:`TextgenArgs`, one of the groups ``NeoXArgs`` is
-composed of). generate.py also reads keys other components own (the context, the batch, the seed, the token
-datasets precompute scores): :class:`GenerateRunArgs` names every key it reads, and the arguments object itself
-satisfies it, so nothing is copied. Mistakes a user can make (an input file that does not exist, precompute
+composed of). generate.py also reads keys other components own (the context and seed: ``GPTConfig``; the token
+datasets precompute scores: ``DataArgs``; the batch): each is read from the group that declares it, which the
+arguments object is, so nothing is copied. Mistakes a user can make (an input file that does not exist, precompute
 without a model name) are ``ConfigError``\ s naming the key, raised by :func:`checked` before launch and again
 on the ranks before any model is built.
 """
@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 from pydantic import Field
 
 from megatron.config_schema import ArgGroup
+from megatron.data.config import DataArgs
 from megatron.errors import ConfigError
+from megatron.model.config import GPTConfig
 
 TextGenType = Literal["unconditional", "input-file", "interactive", "precompute"]
 
@@ -123,59 +125,10 @@ class TextgenArgs(ArgGroup):
         return read_prompts(self.sample_input_file, self.prompt_end)
 
 
-class GenerateRunArgs(Protocol):
-    """Every key generate.py reads, its own (:class:`TextgenArgs`) and the shared ones; read-only, so any
-    object holding them (``NeoXArgs``) satisfies it."""
-
-    @property
-    def text_gen_type(self) -> TextGenType | None: ...
-    @property
-    def precompute_model_name(self) -> str | None: ...
-    @property
-    def sample_input_file(self) -> str | None: ...
-    @property
-    def sample_output_file(self) -> str: ...
-    @property
-    def prompt_end(self) -> str: ...
-    @property
-    def num_samples(self) -> int: ...
-    @property
-    def seq_length(self) -> int | None: ...
-    @property
-    def train_micro_batch_size_per_gpu(self) -> int | None: ...
-    @property
-    def seed(self) -> int: ...
-    @property
-    def data_path(self) -> str | None: ...
-    @property
-    def train_data_paths(self) -> list[str] | None: ...
-    @property
-    def valid_data_paths(self) -> list[str] | None: ...
-    @property
-    def test_data_paths(self) -> list[str] | None: ...
-    @property
-    def pos_train_data_paths(self) -> list[str] | None: ...
-    @property
-    def neg_train_data_paths(self) -> list[str] | None: ...
-    @property
-    def pos_valid_data_paths(self) -> list[str] | None: ...
-    @property
-    def neg_valid_data_paths(self) -> list[str] | None: ...
-    @property
-    def pos_test_data_paths(self) -> list[str] | None: ...
-    @property
-    def neg_test_data_paths(self) -> list[str] | None: ...
-    @property
-    def use_dummy_dataset(self) -> bool: ...
-    @property
-    def train_urls(self) -> list[str] | None: ...
-    def sampling(self) -> SamplingParams: ...
-    def prompts(self) -> list[str]: ...
-
-
-def checked(args: GenerateRunArgs) -> GenerateRunArgs:
-    """``args`` when generate.py can run from it; a ``ConfigError`` naming the key otherwise (before launch,
-    and on the ranks before the model is built)."""
+def checked(args: TextgenArgs, data: DataArgs, model: GPTConfig) -> None:
+    """A ``ConfigError`` naming the key unless generate.py can run (before launch, and on the ranks before the
+    model is built): its own keys (``args``), the token datasets precompute scores (``data``) and the context
+    (``model.seq_length``), each read from the group that declares it (the arguments object is all three)."""
     kind = args.text_gen_type
     if kind is None:
         raise ConfigError(
@@ -198,31 +151,26 @@ def checked(args: GenerateRunArgs) -> GenerateRunArgs:
                 "text_gen_type=precompute needs precompute_model_name: the reference log-probs are written "
                 "next to each dataset as <prefix>_<precompute_model_name>.bin/.idx"
             )
-        if not token_dataset_prefixes(args):
-            what = "use_dummy_dataset" if args.use_dummy_dataset else "train_urls" if args.train_urls else None
+        if not token_dataset_prefixes(data):
+            what = "use_dummy_dataset" if data.use_dummy_dataset else "train_urls" if data.train_urls else None
             raise ConfigError(
                 "text_gen_type=precompute scores the token datasets of data_path or {train,valid,test}_data_paths "
                 "(pos_/neg_ for preference pairs), and this config has none"
                 + (f" ({what} has no files to write reference log-probs next to)" if what else "")
             )
-    if args.seq_length is None:
+    if model.seq_length is None:
         raise ConfigError("seq_length must be set: it bounds prompt + generated tokens")
     args.sampling()
-    return args
 
 
-class MicroBatchArgs(Protocol):
-    @property
-    def train_micro_batch_size_per_gpu(self) -> int | None: ...
-
-
-def batch_size(args: MicroBatchArgs) -> int:
+def batch_size(train_micro_batch_size_per_gpu: int | None) -> int:
     """Prompts (documents, for precompute; requests, for lm-eval) run together on a replica: the training
-    micro-batch (at least 1)."""
-    return max(1, int(args.train_micro_batch_size_per_gpu or 1))
+    micro-batch (at least 1). The key is the DeepSpeed group's (``neox_arguments``, above this package),
+    so callers pass its value."""
+    return max(1, int(train_micro_batch_size_per_gpu or 1))
 
 
-def token_dataset_prefixes(args: GenerateRunArgs) -> tuple[str, ...]:
+def token_dataset_prefixes(args: DataArgs) -> tuple[str, ...]:
     """Every token dataset a run of this config reads (labels and rewards are no tokens), once each: what
     precompute scores."""
     lists = (

@@ -95,7 +95,7 @@ def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
     if reason is not None:
         module, step = _engine_module(run, model_config, ckpt, padded_vocab, script, reason)
     else:
-        module, is_pipe = build_model(model_config, run.parallel, run.activation_checkpointing,
+        module, is_pipe = build_model(model_config, run.parallel, run.activation_config,
                                       run.training.compile_layers, LMObjective(ObjectiveArgs()),
                                       run.lora if run.lora.lora_enabled else None)
         weights, step = read_weights(ckpt, model_config)
@@ -149,10 +149,12 @@ def main(argv: list[str]) -> int:
 
     options = parse_worker_argv(argv, "Deepy text generation (started by deepy.py on each rank)")
     resolved = load_resolved(options.deepy_config).args
-    args = checked(resolved)  # a wrong textgen key fails before the model is built
+    args = resolved
+    checked(args, args, args)  # a wrong textgen key fails before the model is built
     model = build_inference_model(resolved, "generate.py")
+    per_batch = batch_size(args.train_micro_batch_size_per_gpu)
     gen = TextGenerator(replica=model.replica, tokenizer=model.tokenizer, sampling=args.sampling(),
-                        seq_length=int(args.seq_length or 0), batch_size=batch_size(args), seed=args.seed)
+                        seq_length=int(args.seq_length or 0), batch_size=per_batch, seed=args.seed)
     match args.text_gen_type:
         case "unconditional":
             run_unconditional(gen, args)
@@ -163,5 +165,5 @@ def main(argv: list[str]) -> int:
         case "precompute":
             assert args.precompute_model_name is not None
             precompute_all(model.replica, list(token_dataset_prefixes(args)), args.precompute_model_name,
-                           batch_size=batch_size(args), max_length=gen.seq_length, eod=model.tokenizer.eod)
+                           batch_size=per_batch, max_length=gen.seq_length, eod=model.tokenizer.eod)
     return 0

@@ -29,7 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron.atomic_files import atomic_path
-from megatron.generation.config import GenerateRunArgs, SamplingParams
+from megatron.generation.config import SamplingParams, TextgenArgs
 from megatron.generation.decode import Generated, StopCondition, generate
 from megatron.generation.replica import ModelReplica
 from megatron.generation.sampling import sample_generator
@@ -117,7 +117,7 @@ def _show(rows: list[dict[str, Any]], with_prompt: bool) -> None:
         print((row["prompt"] if with_prompt else "") + row["text"] + end, flush=True)
 
 
-def run_unconditional(gen: TextGenerator, args: GenerateRunArgs) -> list[dict[str, Any]]:
+def run_unconditional(gen: TextGenerator, args: TextgenArgs) -> list[dict[str, Any]]:
     results = gen.complete([[] for _ in range(args.num_samples)])
     rows = [gen.record("", g) for g in results]
     if is_rank0():
@@ -127,7 +127,7 @@ def run_unconditional(gen: TextGenerator, args: GenerateRunArgs) -> list[dict[st
     return rows
 
 
-def run_input_file(gen: TextGenerator, args: GenerateRunArgs) -> list[dict[str, Any]]:
+def run_input_file(gen: TextGenerator, args: TextgenArgs) -> list[dict[str, Any]]:
     prompts = args.prompts()
     results = gen.complete([gen.tokenizer.tokenize(p) for p in prompts])
     rows = [gen.record(p, g) for p, g in zip(prompts, results)]

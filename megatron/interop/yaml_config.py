@@ -20,7 +20,7 @@ from megatron.errors import ConversionError
 from megatron.interop.hf_tokenizer import TokenizerFiles
 from megatron.model.config import GPTConfig
 from megatron.model.mlp_width import intermediate_size_for
-from megatron.tokenizer.base import padded_vocab_size
+from megatron.tokenizer.config import padded_vocab_size
 
 CONFIG_NAME = "deepy_model.yml"
 

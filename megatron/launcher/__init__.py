@@ -13,14 +13,12 @@ from megatron.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from megatron.launcher.command import check_tools, plan_launch  # noqa: F401
-    from megatron.launcher.config import LaunchArgs  # noqa: F401
     from megatron.launcher.plan import LaunchPlan, worker_argv  # noqa: F401
     from megatron.launcher.run import run_plan  # noqa: F401
 
 _EXPORTS = {
     "check_tools": "command",
     "plan_launch": "command",
-    "LaunchArgs": "config",
     "LaunchPlan": "plan",
     "worker_argv": "plan",
     "run_plan": "run",

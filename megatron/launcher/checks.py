@@ -9,7 +9,7 @@ import os
 from typing import cast
 
 from megatron.config_rules import RuleContext, rule
-from megatron.launcher.config import LaunchArgs
+from megatron.launcher.config import DeepSpeedRunnerArgs
 from megatron.launcher.resources import DEFAULT_HOSTFILE
 
 
@@ -21,10 +21,10 @@ def runs_on_this_machine(ctx: RuleContext) -> bool:
     or srun/mpirun starting the ranks themselves (``deepspeed_slurm``/``deepspeed_mpi``) all mean the
     ranks run elsewhere, with the ``num_gpus``/``num_nodes`` the user gave.
     """
-    return not launches_elsewhere(cast(LaunchArgs, ctx.args))  # NeoXArgs holds every key it names
+    return not launches_elsewhere(cast(DeepSpeedRunnerArgs, ctx.args))  # NeoXArgs holds every key it names
 
 
-def launches_elsewhere(args: LaunchArgs) -> bool:
+def launches_elsewhere(args: DeepSpeedRunnerArgs) -> bool:
     """The ranks start on other machines (or under srun/mpirun), see :func:`runs_on_this_machine`."""
     hostfile = args.hostfile or (DEFAULT_HOSTFILE if os.path.isfile(DEFAULT_HOSTFILE) else None)
     return bool(

@@ -16,9 +16,10 @@ import sys
 from collections.abc import Callable, Mapping
 
 from megatron.errors import ConfigError
-from megatron.launcher.config import LaunchArgs, master_port_chosen
+from megatron.launcher.config import DeepSpeedRunnerArgs, master_port_chosen
 from megatron.launcher.environment import started_by_scheduler
 from megatron.launcher.kinds import launcher_kind
+from megatron.logging.config import LoggingArgs
 from megatron.launcher.plan import LaunchPlan, PlanInputs, worker_argv
 from megatron.launcher.resources import resource_pool, select_active
 
@@ -28,16 +29,19 @@ def _one_device() -> int:
 
 
 def plan_launch(
-    config: LaunchArgs,
+    config: DeepSpeedRunnerArgs,
     user_script: str,
     config_path: str,
     environ: Mapping[str, str],
     local_devices: Callable[[], int] = _one_device,
     python: str | None = None,
     provenance: Mapping[str, str] | None = None,
+    *,
+    logging: LoggingArgs,
 ) -> LaunchPlan:
-    """The launch of ``user_script --deepy_config config_path`` for ``config`` (the arguments);
-    ``provenance`` (the resolved config's) tells whether ``master_port`` was chosen."""
+    """The launch of ``user_script --deepy_config config_path`` for ``config`` (the arguments, typed as the
+    launcher's keys; ``logging``: the same, typed as the logging keys); ``provenance`` (the resolved
+    config's) tells whether ``master_port`` was chosen."""
     python = python or sys.executable
     source = started_by_scheduler(environ, slurm=config.deepspeed_slurm, mpi=config.deepspeed_mpi)
     if source is not None:
@@ -53,6 +57,7 @@ def plan_launch(
     pool = resource_pool(config, environ, local_devices)
     inputs = PlanInputs(
         config=config,
+        logging=logging,
         master_port_given=master_port_chosen(config, provenance),
         user_script=user_script,
         config_path=config_path,
@@ -64,7 +69,7 @@ def plan_launch(
     return kind.build(inputs)
 
 
-def check_tools(plan: LaunchPlan, config: LaunchArgs) -> None:
+def check_tools(plan: LaunchPlan, config: DeepSpeedRunnerArgs) -> None:
     """Every executable the launch needs exists here (a clear message, not a runner traceback)."""
     missing = [tool for tool in plan.tools if shutil.which(tool) is None]
     if missing:

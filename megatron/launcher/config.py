@@ -4,15 +4,15 @@ and ``deepspeed_slurm``, which say deepy itself was started by mpirun or srun, u
 
 Declared here, beside the launcher that reads them; the one argument object (``NeoXArgs``) is composed
 of this class. The launcher also reads ``deepspeed_log_level``, declared with the logging keys:
-:class:`LaunchArgs` names everything it reads, and ``deepy.py`` hands :func:`plan_launch
-<megatron.launcher.command.plan_launch>` the argument object typed as that. Nothing here imports
+``deepy.py`` hands :func:`plan_launch <megatron.launcher.command.plan_launch>` the argument object typed
+as :class:`DeepSpeedRunnerArgs` and again as ``LoggingArgs``, so nothing is copied. Nothing here imports
 DeepSpeed: deepy.py counts and plans the ranks without it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal, Protocol
+from typing import Literal
 
 from pydantic import Field
 
@@ -72,44 +72,7 @@ class DeepSpeedRunnerArgs(ArgGroup):
     """Ranks read their place from Slurm's variables first; deepy.py started by srun runs the worker in place."""
 
 
-class LaunchArgs(Protocol):
-    """Every key the launcher reads: its own (:class:`DeepSpeedRunnerArgs`) and the runner's log level,
-    declared with the logging keys. Read-only properties, so any object holding these attributes
-    (``NeoXArgs``) satisfies it."""
-
-    @property
-    def hostfile(self) -> str | None: ...
-    @property
-    def include(self) -> str | None: ...
-    @property
-    def exclude(self) -> str | None: ...
-    @property
-    def num_nodes(self) -> int: ...
-    @property
-    def num_gpus(self) -> int | None: ...
-    @property
-    def master_port(self) -> int: ...
-    @property
-    def master_addr(self) -> str | None: ...
-    @property
-    def launcher(self) -> LauncherName: ...
-    @property
-    def force_multi(self) -> bool: ...
-    @property
-    def no_ssh_check(self) -> bool: ...
-    @property
-    def comment(self) -> str | None: ...
-    @property
-    def account(self) -> str | None: ...
-    @property
-    def deepspeed_mpi(self) -> bool: ...
-    @property
-    def deepspeed_slurm(self) -> bool: ...
-    @property
-    def deepspeed_log_level(self) -> str: ...
-
-
-def master_port_chosen(args: LaunchArgs, provenance: Mapping[str, str] | None = None) -> bool:
+def master_port_chosen(args: DeepSpeedRunnerArgs, provenance: Mapping[str, str] | None = None) -> bool:
     """Whether the user chose ``master_port`` (else a free port is picked where the launch is local).
 
     ``provenance`` is the resolved config's (key -> where its value came from). Without an entry for

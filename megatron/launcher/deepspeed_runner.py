@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from megatron.launcher.config import LaunchArgs
+from megatron.launcher.config import DeepSpeedRunnerArgs
+from megatron.logging.config import LoggingArgs
 from megatron.launcher.plan import CONFIG_FLAG, LaunchPlan, PlanInputs
 from megatron.launcher.rendezvous import check_first_host_reachable, rendezvous
 from megatron.launcher.watchdog import launcher_environment
 
 
-def runner_flags(config: LaunchArgs, master_port: int, master_addr: str | None = None) -> list[str]:
+def runner_flags(config: DeepSpeedRunnerArgs, logging: LoggingArgs, master_port: int,
+                 master_addr: str | None = None) -> list[str]:
     """Flags for ``python -m deepspeed.launcher.runner`` (before the user script)."""
     out: list[str] = []
     for flag, value in (
@@ -37,7 +39,7 @@ def runner_flags(config: LaunchArgs, master_port: int, master_addr: str | None =
         out += ["--num_gpus", str(config.num_gpus)]
     out += ["--master_port", str(master_port), "--launcher", "pdsh"]
     # DeepSpeed's runner and per-node launcher log at INFO unless told otherwise
-    out += ["--log_level", config.deepspeed_log_level]
+    out += ["--log_level", logging.deepspeed_log_level]
     if config.force_multi:
         out.append("--force_multi")
     if config.no_ssh_check:
@@ -83,7 +85,7 @@ def plan_deepspeed_runner(inputs: PlanInputs) -> LaunchPlan:
     if on_this_machine:
         argv = local_ranks_argv(inputs, meeting.port)
     else:
-        argv = runner_argv(runner_flags(config, meeting.port, addr), inputs)
+        argv = runner_argv(runner_flags(config, inputs.logging, meeting.port, addr), inputs)
     return LaunchPlan(
         argv=argv,
         env={**_local_accelerator(inputs.environ), **launcher_environment()} if not multi else {},

@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatron.launcher.config import LaunchArgs
+from megatron.launcher.config import DeepSpeedRunnerArgs
+from megatron.logging.config import LoggingArgs
 
 CONFIG_FLAG = "--deepy_config"
 
@@ -53,8 +54,10 @@ class LaunchPlan:
 class PlanInputs:
     """What every launcher kind builds its plan from."""
 
-    config: LaunchArgs
-    """The arguments, typed as the keys the launcher reads."""
+    config: DeepSpeedRunnerArgs
+    """The arguments, typed as the launcher's keys."""
+    logging: LoggingArgs
+    """The arguments, typed as the logging keys: DeepSpeed's runner logs at ``deepspeed_log_level``."""
     master_port_given: bool = False
     """The user chose ``master_port`` (else a free port is picked where the launch is local)."""
     user_script: str

@@ -14,7 +14,7 @@ import socket
 from dataclasses import dataclass
 
 from megatron.errors import ConfigError
-from megatron.launcher.config import LaunchArgs
+from megatron.launcher.config import DeepSpeedRunnerArgs
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0"})
 
@@ -61,7 +61,7 @@ class Rendezvous:
     """Rank 0 runs on this machine (so the port was checked, or picked free, here)."""
 
 
-def check_first_host_reachable(config: LaunchArgs, hosts: list[str]) -> None:
+def check_first_host_reachable(config: DeepSpeedRunnerArgs, hosts: list[str]) -> None:
     """A hostfile whose first host is ``localhost`` cannot host the rendezvous of a multi-host run."""
     first = hosts[0]
     if len(hosts) > 1 and not config.master_addr and (first in LOCAL_NAMES or first.startswith("127.")):
@@ -71,7 +71,7 @@ def check_first_host_reachable(config: LaunchArgs, hosts: list[str]) -> None:
         )
 
 
-def rendezvous(config: LaunchArgs, first_host: str, master_port_given: bool,
+def rendezvous(config: DeepSpeedRunnerArgs, first_host: str, master_port_given: bool,
                first_host_is_here: bool | None = None) -> Rendezvous:
     """The address and port of the run's rendezvous.
 

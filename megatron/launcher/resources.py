@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 
 from megatron.errors import ConfigError
-from megatron.launcher.config import LaunchArgs
+from megatron.launcher.config import DeepSpeedRunnerArgs
 from megatron.launcher.environment import visible_devices
 
 # where DeepSpeed's runner looks for a hostfile when none is configured
@@ -116,7 +116,7 @@ def _read_hostfile(path: str) -> dict[str, int]:
         ) from None
 
 
-def scheduler_world(config: LaunchArgs, environ: Mapping[str, str]) -> int | None:
+def scheduler_world(config: DeepSpeedRunnerArgs, environ: Mapping[str, str]) -> int | None:
     """The world size when deepy itself runs as one task of srun/mpirun (then it runs in place)."""
     from megatron.launcher.environment import started_by_scheduler
 
@@ -124,7 +124,7 @@ def scheduler_world(config: LaunchArgs, environ: Mapping[str, str]) -> int | Non
     return None if source is None else int(environ[source.world_size])
 
 
-def uses_local_pool(config: LaunchArgs, environ: Mapping[str, str]) -> bool:
+def uses_local_pool(config: DeepSpeedRunnerArgs, environ: Mapping[str, str]) -> bool:
     """True when the ranks run on this machine only, sized by num_gpus or the device count."""
     return (
         config.launcher != "slurm"
@@ -136,7 +136,7 @@ def uses_local_pool(config: LaunchArgs, environ: Mapping[str, str]) -> bool:
 
 
 def resource_pool(
-    config: LaunchArgs, environ: Mapping[str, str], local_devices: Callable[[], int],
+    config: DeepSpeedRunnerArgs, environ: Mapping[str, str], local_devices: Callable[[], int],
     warnings: list[str] | None = None,
 ) -> dict[str, list[int]]:
     """Every slot the launcher may use: the Slurm allocation, the hostfile, or this machine.
@@ -185,7 +185,7 @@ def resource_pool(
     return {host: list(range(slots)) for host, slots in _read_hostfile(path).items()}
 
 
-def select_active(config: LaunchArgs, pool: dict[str, list[int]]) -> dict[str, list[int]]:
+def select_active(config: DeepSpeedRunnerArgs, pool: dict[str, list[int]]) -> dict[str, list[int]]:
     """The slots of ``pool`` left by include/exclude, num_nodes and num_gpus (DeepSpeed's rules)."""
     if (config.include or config.exclude) and (config.num_nodes > 0 or config.num_gpus is not None):
         key = "include" if config.include else "exclude"
@@ -205,7 +205,7 @@ def select_active(config: LaunchArgs, pool: dict[str, list[int]]) -> dict[str, l
 
 
 def active_resources(
-    config: LaunchArgs, environ: Mapping[str, str], local_devices: Callable[[], int],
+    config: DeepSpeedRunnerArgs, environ: Mapping[str, str], local_devices: Callable[[], int],
     warnings: list[str] | None = None,
 ) -> dict[str, list[int]]:
     """host -> slot ids the ranks run on, as DeepSpeed's runner would choose them."""

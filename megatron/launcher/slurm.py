@@ -20,7 +20,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 
 from megatron.errors import ConfigError
-from megatron.launcher.config import LaunchArgs
+from megatron.launcher.config import DeepSpeedRunnerArgs
 from megatron.launcher.plan import LaunchPlan, PlanInputs
 from megatron.launcher.rendezvous import rendezvous
 
@@ -100,7 +100,7 @@ def check_whole_hosts(active: Mapping[str, list[int]]) -> None:
 
 
 def srun_argv(
-    config: LaunchArgs,
+    config: DeepSpeedRunnerArgs,
     active: Mapping[str, list[int]],
     pool: Mapping[str, list[int]],
     worker: Sequence[str],

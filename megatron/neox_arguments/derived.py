@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 from megatron.checkpointing.resume_checks import batch_across_layouts
 from megatron.data.batch import BatchError, solve_batch
 from megatron.errors import ConfigError
-from megatron.launcher.config import LaunchArgs
+from megatron.launcher.config import DeepSpeedRunnerArgs
 from megatron.neox_arguments.honesty import FILLED_IN_KEYS
 from megatron.config_rules import DERIVED
 from megatron.config_rules import Device, RuleContext, block_enabled, check, describe
@@ -62,7 +62,7 @@ def active_resources(args: NeoXArgs, device_count: int | None = None,
     return launcher_resources(args, os.environ, devices, warnings)
 
 
-def uses_local_pool(args: LaunchArgs) -> bool:
+def uses_local_pool(args: DeepSpeedRunnerArgs) -> bool:
     """True when the ranks run on this machine only, sized by num_gpus or the device count."""
     from megatron.launcher.resources import uses_local_pool as launcher_uses_local_pool
 
@@ -104,7 +104,7 @@ def derive_layout(ctx: RuleContext) -> Derivation:
     ]
     if problems:
         return Derivation(problems=problems)
-    if ctx.get("num_gpus") is None and uses_local_pool(cast(LaunchArgs, ctx.args)) and not ctx.device.cuda:
+    if ctx.get("num_gpus") is None and uses_local_pool(cast(DeepSpeedRunnerArgs, ctx.args)) and not ctx.device.cuda:
         # DeepSpeed's CPU accelerator counts NUMA nodes when num_gpus is absent; pin the count we
         # checked. Not with CUDA: an explicit --num_gpus makes the runner ignore CUDA_VISIBLE_DEVICES.
         values["num_gpus"] = ctx.world_size
@@ -270,7 +270,7 @@ def derive_sharding(ctx: RuleContext) -> Derivation:
     if strategy == "hsdp":
         from megatron.neox_arguments.hybrid_shard_rules import hybrid_shard_problems, shard_size
 
-        one_node = uses_local_pool(cast(LaunchArgs, ctx.args))  # without num_gpus: this machine is one node
+        one_node = uses_local_pool(cast(DeepSpeedRunnerArgs, ctx.args))  # without num_gpus: this machine is one node
         problems += hybrid_shard_problems(ctx, merged, one_node)
         values["sharding_group_size"] = shard_size(ctx, one_node)
     if problems:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron.checkpointing.config import CheckpointArgs
 from megatron.data.config import DataRunArgs
-from megatron.evaluation.config import EvalRunArgs
+from megatron.evaluation.config import EvalRun
 from megatron.logging.config import LoggingArgs
 from megatron.model.config import GPTConfig
 from megatron.model.lora_config import LoRAArgs
@@ -29,7 +29,7 @@ from megatron.training.lr_config import LRSchedulerArgs
 from megatron.training.objectives.config import ObjectiveArgs
 from megatron.training.optimizer_config import OptimizerArgs
 
-from megatron.neox_arguments.arguments import NeoXArgs
+from megatron.neox_arguments.arguments import NeoXArgs, evaluation_run
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.resolved import ResolvedConfig
@@ -86,17 +86,17 @@ class RunConfig:
         return self.args
 
     @property
-    def optimizer(self) -> OptimizerArgs:
+    def optimizer_config(self) -> OptimizerArgs:
         """The arguments, as the optimizer's keys."""
         return self.args
 
     @property
-    def lr(self) -> LRSchedulerArgs:
+    def lr_config(self) -> LRSchedulerArgs:
         """The arguments, as the LR schedule's keys."""
         return self.args
 
     @property
-    def activation_checkpointing(self) -> ActivationCheckpointArgs:
+    def activation_config(self) -> ActivationCheckpointArgs:
         """The arguments, as activation checkpointing's keys."""
         return self.args
 
@@ -122,14 +122,9 @@ class RunConfig:
         return self.args
 
     @property
-    def tasks(self) -> EvalRunArgs | None:
+    def tasks(self) -> EvalRun | None:
         """The arguments as lm-eval in training reads them (``eval_tasks``); None without tasks."""
-        return self.args if self.args.eval_tasks else None
-
-    @property
-    def deepspeed(self) -> dict[str, Any]:
-        """The DeepSpeed config dict (``deepspeed_config``)."""
-        return self.deepspeed_config
+        return evaluation_run(self.args) if self.args.eval_tasks else None
 
     @classmethod
     def from_resolved(cls, resolved: ResolvedConfig) -> RunConfig:
@@ -148,3 +143,4 @@ class RunConfig:
         from megatron.neox_arguments.loading import config_from_mapping
 
         return cls.from_resolved(finalize(config_from_mapping(values), world_size))
+

@@ -1,22 +1,13 @@
-"""The one interface every tokenizer implements, and vocabulary padding."""
+"""The one interface every tokenizer implements."""
 
 from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-
-def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,
-                      model_parallel_size: int = 1) -> int:
-    """Round the vocabulary up so the embedding splits evenly over tensor-parallel ranks.
-
-    Each rank holds ``padded / tp`` rows, and a multiple of 128 keeps those matmuls aligned.
-    """
-    if vocab_size <= 0:
-        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-    multiple = max(1, make_vocab_size_divisible_by) * max(1, model_parallel_size)
-    return -(-vocab_size // multiple) * multiple
+if TYPE_CHECKING:
+    from megatron.tokenizer.config import TokenizerArgs
 
 
 def default_num_threads() -> int:
@@ -25,15 +16,6 @@ def default_num_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
         return max(1, os.cpu_count() or 1)
-
-
-class TokenizerFiles(Protocol):
-    """The file keys Deepy's tokenizers read (declared by ``TokenizerArgs``, ``megatron/tokenizer/config.py``)."""
-
-    @property
-    def vocab_file(self) -> str | None: ...
-    @property
-    def merge_file(self) -> str | None: ...
 
 
 class Tokenizer(ABC):
@@ -48,9 +30,10 @@ class Tokenizer(ABC):
     num_threads: int = default_num_threads()
 
     @classmethod
-    def from_config(cls, config: TokenizerFiles) -> Tokenizer:
-        """The tokenizer the config's keys describe: ``config`` is the arguments object, so a plug-in
-        reads its own keys from it too. The keys its registry entry ``requires`` are already set."""
+    def from_config(cls, config: TokenizerArgs) -> Tokenizer:
+        """The tokenizer the config's keys describe (``vocab_file``, ``merge_file``: :class:`TokenizerArgs`):
+        ``config`` is the arguments object, so a plug-in reads its own keys from it too. The keys its
+        registry entry ``requires`` are already set."""
         return cls()  # a concrete subclass reading no key
 
     @property

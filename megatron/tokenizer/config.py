@@ -14,7 +14,18 @@ from pydantic import Field, field_validator
 
 from megatron import plugins
 from megatron.config_schema import ArgGroup
-from megatron.tokenizer.base import padded_vocab_size
+
+
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,
+                      model_parallel_size: int = 1) -> int:
+    """Round the vocabulary up so the embedding splits evenly over tensor-parallel ranks.
+
+    Each rank holds ``padded / tp`` rows, and a multiple of 128 keeps those matmuls aligned.
+    """
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    multiple = max(1, make_vocab_size_divisible_by) * max(1, model_parallel_size)
+    return -(-vocab_size // multiple) * multiple
 
 
 class TokenizerArgs(ArgGroup):

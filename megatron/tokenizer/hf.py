@@ -10,7 +10,8 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
 from megatron.errors import DataError
-from megatron.tokenizer.base import Tokenizer, TokenizerFiles
+from megatron.tokenizer.base import Tokenizer
+from megatron.tokenizer.config import TokenizerArgs
 from megatron.tokenizer.fast_bpe import FastBPE, build_fast_encoder, verify
 
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
@@ -115,7 +116,7 @@ class HFTokenizer(HFBackedTokenizer):
         super().__init__(load_hf_json(vocab_file, self.name), fast=fast)
 
     @classmethod
-    def from_config(cls, config: TokenizerFiles) -> HFTokenizer:
+    def from_config(cls, config: TokenizerArgs) -> HFTokenizer:
         return cls(str(config.vocab_file))
 
 
@@ -146,7 +147,7 @@ class HFGPT2Tokenizer(HFBackedTokenizer):
         super().__init__(hf, fast=fast)
 
     @classmethod
-    def from_config(cls, config: TokenizerFiles) -> HFGPT2Tokenizer:
+    def from_config(cls, config: TokenizerArgs) -> HFGPT2Tokenizer:
         return cls(config.vocab_file, config.merge_file)
 
 
@@ -176,5 +177,5 @@ class GPT2BPETokenizer(HFBackedTokenizer):
                          split_special=False)
 
     @classmethod
-    def from_config(cls, config: TokenizerFiles) -> GPT2BPETokenizer:
+    def from_config(cls, config: TokenizerArgs) -> GPT2BPETokenizer:
         return cls(str(config.vocab_file), str(config.merge_file))

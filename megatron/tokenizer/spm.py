@@ -7,7 +7,8 @@ import os
 import sentencepiece
 
 from megatron.errors import DataError
-from megatron.tokenizer.base import Tokenizer, TokenizerFiles
+from megatron.tokenizer.base import Tokenizer
+from megatron.tokenizer.config import TokenizerArgs
 
 
 class SPMTokenizer(Tokenizer):
@@ -31,7 +32,7 @@ class SPMTokenizer(Tokenizer):
         self._pad = int(pad) if pad >= 0 else self._eod
 
     @classmethod
-    def from_config(cls, config: TokenizerFiles) -> SPMTokenizer:
+    def from_config(cls, config: TokenizerArgs) -> SPMTokenizer:
         return cls(str(config.vocab_file))
 
     @property

@@ -8,7 +8,8 @@ import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
 from megatron.errors import DataError
-from megatron.tokenizer.base import Tokenizer, TokenizerFiles
+from megatron.tokenizer.base import Tokenizer
+from megatron.tokenizer.config import TokenizerArgs
 from megatron.tokenizer.fast_bpe import GPT2_SPLIT_PATTERN, FastBPE
 
 EOD = "<|endoftext|>"
@@ -47,7 +48,7 @@ class TiktokenTokenizer(Tokenizer):
         self._fast = FastBPE(enc, split_special=True)
 
     @classmethod
-    def from_config(cls, config: TokenizerFiles) -> TiktokenTokenizer:
+    def from_config(cls, config: TokenizerArgs) -> TiktokenTokenizer:
         return cls(config.vocab_file)
 
     @property

@@ -365,25 +365,25 @@ def build_engine(run: RunViews, config: GPTConfig, train_iters: int, objective: 
     objective = objective if objective is not None else LMObjective(ObjectiveArgs())
     if config.value_head != objective.value_head:
         config = config.replace(value_head=objective.value_head)
-    ds_config = dict(run.deepspeed)
+    ds_config = dict(run.deepspeed_config)
     if run.parallel.context_parallel_size > 1 and "train_batch_size" in ds_config:
         # DeepSpeed counts the context-parallel ranks as data-parallel ones (megatron/mpu/topology.py),
         # each seeing the micro-batch once: its batch is cp times the number of samples
         ds_config["train_batch_size"] = int(ds_config["train_batch_size"]) * run.parallel.context_parallel_size
     ds_config = hybrid_shard_engine.deepspeed_config(ds_config)  # unchanged without hybrid sharding
-    model, is_pipe = build_model(config, run.parallel, run.activation_checkpointing, run.training.compile_layers,
+    model, is_pipe = build_model(config, run.parallel, run.activation_config, run.training.compile_layers,
                                  objective, run.lora, zero_init=ds_config if run.training.zero_init else None,
                                  device=training_device())
-    spec = run.lr.spec(train_iters, run.optimizer.peak_lr)
-    policy = run.lr.resume_policy
-    if run.optimizer.optimizer_kind in DEEPSPEED_BUILT:
+    spec = run.lr_config.spec(train_iters, run.optimizer_config.peak_lr)
+    policy = run.lr_config.resume_policy
+    if run.optimizer_config.optimizer_kind in DEEPSPEED_BUILT:
         # DeepSpeed builds it (it needs the engine's communication backend); our schedule wraps it
-        ds_config["optimizer"] = deepspeed_optimizer_block(run.optimizer)
+        ds_config["optimizer"] = deepspeed_optimizer_block(run.optimizer_config)
         optimizer: Any = None
         scheduler: Any = lambda opt: LRScheduler(optimizer=opt, spec=spec, policy=policy)  # noqa: E731
-        params: Any = param_groups(model, run.optimizer.applied_weight_decay, run.optimizer.weight_decay_embeddings)
+        params: Any = param_groups(model, run.optimizer_config.applied_weight_decay, run.optimizer_config.weight_decay_embeddings)
     else:
-        optimizer = build_optimizer(model, run.optimizer, offload=optimizer_offloaded(ds_config))
+        optimizer = build_optimizer(model, run.optimizer_config, offload=optimizer_offloaded(ds_config))
         scheduler = LRScheduler(optimizer=optimizer, spec=spec, policy=policy)
         params = None
     with keep_expert_shards(model), _deepspeed_info_logs(bool(ds_config.get("dump_state"))):

@@ -113,22 +113,22 @@ class MemoryLayout:
         model = run.model.with_vocab(padded_vocab_size)
         tp = run.parallel.model_parallel_size
         pp = run.parallel.pipe_stages
-        zero: Mapping[str, Any] = run.deepspeed.get("zero_optimization") or {}
+        zero: Mapping[str, Any] = run.deepspeed_config.get("zero_optimization") or {}
         stage = int(zero.get("stage", 0) or 0)
         offload = zero.get("offload_optimizer") or {}
-        kind = run.optimizer.optimizer_kind
+        kind = run.optimizer_config.optimizer_kind
         states = _STATE_TENSORS.get(kind, 2)
-        if kind == "sgd" and not float(run.optimizer.optimizer_params.get("momentum", 0.0) or 0.0):
+        if kind == "sgd" and not float(run.optimizer_config.optimizer_params.get("momentum", 0.0) or 0.0):
             states = 0
         layers_per_stage = math.ceil(model.arch.layers / pp)
-        ckpt = run.activation_checkpointing
+        ckpt = run.activation_config
         if ckpt.selective_checkpointing:
             recomputed = len([i for i in range(layers_per_stage) if i % ckpt.selective_checkpointing == 0])
         else:
             recomputed = layers_per_stage if ckpt.checkpoint_activations else 0
         chunk = 1 if ckpt.selective_checkpointing else min(ckpt.checkpoint_num_layers, max(layers_per_stage, 1))
         training = run.training
-        accum = (run.deepspeed.get("data_types") or {}).get("grad_accum_dtype")
+        accum = (run.deepspeed_config.get("data_types") or {}).get("grad_accum_dtype")
         return cls(
             model=model, tp=tp, pp=pp, dp=max(world_size // (tp * pp), 1),
             precision=compute_dtype(training.precision), zero_stage=stage,

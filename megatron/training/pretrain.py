@@ -147,7 +147,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
     state = ckpt.load(eng, TrainState())
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    monitor = build_monitor(log_config, wall_clock_breakdown=bool(run.deepspeed.get("wall_clock_breakdown")),
+    monitor = build_monitor(log_config, wall_clock_breakdown=bool(run.deepspeed_config.get("wall_clock_breakdown")),
                             engine=eng.engine, rank=rank, speaks=speaks(), start_iteration=state.iteration,
                             train_iters=train_iters, wandb_run_id=state.wandb_run_id,
                             run_config=run.args_record, logger=log, cuda=torch.cuda.is_available(),
@@ -164,7 +164,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
             world_size=dist.get_world_size() if dist.is_initialized() else 1,
             dp=batch.dp, tp=run.parallel.model_parallel_size, pp=run.parallel.pipe_stages,
             cp=run.parallel.context_parallel_size,
-            zero_stage=int((run.deepspeed.get("zero_optimization") or {}).get("stage", 0) or 0),
+            zero_stage=int((run.deepspeed_config.get("zero_optimization") or {}).get("stage", 0) or 0),
             precision=compute_dtype(training.precision), micro_batch=batch.micro, accumulation=batch.gas,
             global_batch=batch.global_size, seq_length=seq,
             rows_per_sample=objective.rows_per_sample,
@@ -189,7 +189,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
     # GPU; the data timer measures what the step still waits for
     micro = TimedIterator(prefetched(source, training.num_workers), monitor.timers)
     # whole model: FLOPs are per token
-    recomputed = len(layers_to_checkpoint(run.activation_checkpointing, model_config.arch.layers))
+    recomputed = len(layers_to_checkpoint(run.activation_config, model_config.arch.layers))
     ctx = LoopContext(
         eng=eng, training=training, micro_batches=micro, device=device,
         train_iters=train_iters, global_batch_size=g, tokens_per_step=g * seq * objective.rows_per_sample,
@@ -200,12 +200,12 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
         valid=maybe_evaluator(eng, splits.valid, training.eval_iters, batch, dp_rank, device, "valid"),
         test=maybe_evaluator(eng, splits.test, training.eval_iters, batch, dp_rank, device, "test"),
         tasks=None if run.tasks is None or task_evaluation is None else task_evaluation(
-            eng, tokenizer, run.tasks, zero_stage=int((run.deepspeed.get("zero_optimization") or {}).get("stage", 0)),
+            eng, tokenizer, run.tasks, zero_stage=int((run.deepspeed_config.get("zero_optimization") or {}).get("stage", 0)),
             sequence_parallel=run.model.sequence_parallel and run.parallel.model_parallel_size > 1).run,
-        tasks_interval=None if run.tasks is None else run.tasks.eval_tasks_interval,
+        tasks_interval=None if run.tasks is None else run.tasks.evaluation.eval_tasks_interval,
     )
     # DeepSpeed's communication timings (comms_logger): shown after the last step, and with verbose at log steps
-    comms = CommsReport(run.deepspeed.get("comms_logger"), log_config.log_interval)
+    comms = CommsReport(run.deepspeed_config.get("comms_logger"), log_config.log_interval)
     hooks = Hooks(after_step=[ckpt.after_step, comms.after_step], at_exit=[ckpt.at_exit, comms.at_exit])
     first, first_tokens = state.iteration, state.consumed_tokens
     try:

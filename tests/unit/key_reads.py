@@ -26,6 +26,7 @@ from megatron.config_rules import RuleContext
 from megatron.neox_arguments.run_config import RunConfig
 from megatron.tokenizer import build_tokenizer
 from megatron.training.engine import layers_to_checkpoint
+from megatron.training.objectives.registry import reference_kind
 
 
 class ReadRecorder:
@@ -150,7 +151,7 @@ def _parallel(args: Any) -> object:
 
 def _launch(args: Any) -> object:
     """What deepy.py's launcher asks of its keys (``plan_launch`` and the launcher kinds, handed the
-    arguments typed as ``LaunchArgs``), and whether the user chose ``master_port``."""
+    arguments typed as ``DeepSpeedRunnerArgs`` and ``LoggingArgs``), and whether the user chose ``master_port``."""
     from megatron.launcher.config import master_port_chosen
 
     return (args.launcher, args.hostfile, args.include, args.exclude, args.num_nodes, args.num_gpus,  # resources
@@ -165,7 +166,7 @@ def _objective(args: Any) -> object:
     ``RewardModelObjective``, ``build_reference``), each where that code reads it: the objective is
     handed the arguments themselves (``RunConfig.objective``)."""
     return (args.train_impl, args.eod_mask_loss, args.z_loss, args.reset_attention_mask, args.reset_position_ids,
-            args.reference_kind)
+            reference_kind(args))
 
 
 def _data(args: Any) -> object:
@@ -191,13 +192,14 @@ def _user_plugins(args: Any) -> object:
 def _evaluation(args: Any) -> object:
     """What lm-eval inside training and eval.py ask of the evaluation keys (``TaskEvaluation``,
     ``harness.evaluate``/``results_base``, the generator's batch and length), when tasks are set."""
-    from megatron.generation.config import batch_size
     from megatron.evaluation.harness import results_base
+    from megatron.neox_arguments.arguments import evaluation_run
 
     if not args.eval_tasks:
         return None
-    return (results_base(args), batch_size(args), args.maximum_tokens, args.seed, args.seq_length,
-            args.eval_tasks_limit, args.eval_tasks_interval)
+    run = evaluation_run(args)
+    return (results_base(run), run.batch_size, run.textgen.maximum_tokens, run.model.seed, run.model.seq_length,
+            run.evaluation.eval_tasks_limit, run.evaluation.eval_tasks_interval)
 
 
 def _generation(args: Any) -> object:
@@ -207,7 +209,7 @@ def _generation(args: Any) -> object:
 
     if not args.text_gen_type:
         return None
-    return (args.sampling(), batch_size(args), args.seed, args.seq_length, args.num_samples, args.sample_output_file,
+    return (args.sampling(), batch_size(args.train_micro_batch_size_per_gpu), args.seed, args.seq_length, args.num_samples, args.sample_output_file,
             args.sample_input_file, args.prompt_end, args.precompute_model_name, token_dataset_prefixes(args))
 
 
@@ -221,7 +223,7 @@ def component_builders() -> list[ComponentBuilder]:
 
 def plugin_keys_read() -> set[str]:
     """Keys a plug-in declares that its implementation reads (``.key``) — in its module's package, where
-    the family's config (``ObjectiveArgs.reference_kind``) and the plug-in's check live too: a plug-in is
+    the family's config (``objectives.registry.reference_kind``) and the plug-in's check live too: a plug-in is
     handed its keys whole (the arguments object, ``ScheduleSpec.options``), so what it reads is in its
     source."""
     read: set[str] = set()

@@ -8,24 +8,25 @@ import pytest
 
 from megatron.errors import ConfigError
 from megatron.evaluation.config import checked
-from megatron.generation.config import batch_size
 from megatron.evaluation.harness import _specs, _task_manager, metric_rows, results_base
 from megatron.evaluation.lm_eval_adapter import _cut
 from megatron.neox_arguments import NeoXArgs
+from megatron.neox_arguments.arguments import evaluation_run
 
 
 def test_config_needs_tasks_and_reads_its_keys() -> None:
     with pytest.raises(ConfigError, match="eval.py needs eval_tasks"):
-        checked(NeoXArgs(seq_length=32))
+        checked(evaluation_run(NeoXArgs(seq_length=32)))
     with pytest.raises(ConfigError, match="seq_length must be set"):
-        checked(NeoXArgs(eval_tasks=["a"]))
-    config = checked(NeoXArgs(seq_length=32, eval_tasks=["a", "b.yaml"], eval_results_prefix="out/x",
-                              maximum_tokens=7, train_micro_batch_size_per_gpu=3, log_dir="logs"))
-    assert (config.eval_tasks, config.eval_results_prefix, config.maximum_tokens, batch_size(config)) == (
-        ["a", "b.yaml"], "out/x", 7, 3)
+        checked(evaluation_run(NeoXArgs(eval_tasks=["a"])))
+    config = checked(evaluation_run(NeoXArgs(seq_length=32, eval_tasks=["a", "b.yaml"], eval_results_prefix="out/x",
+                                             maximum_tokens=7, train_micro_batch_size_per_gpu=3, log_dir="logs")))
+    assert (config.evaluation.eval_tasks, config.evaluation.eval_results_prefix, config.textgen.maximum_tokens,
+            config.batch_size) == (["a", "b.yaml"], "out/x", 7, 3)
     assert results_base(config) == "out/x_"
-    assert results_base(checked(NeoXArgs(seq_length=32, eval_tasks=["a"], log_dir="logs"))) == "logs/"
-    assert batch_size(checked(NeoXArgs(seq_length=32, eval_tasks=["a"]))) == 1  # unset micro-batch: one request
+    assert results_base(checked(evaluation_run(NeoXArgs(seq_length=32, eval_tasks=["a"], log_dir="logs")))) == "logs/"
+    # unset micro-batch: one request
+    assert checked(evaluation_run(NeoXArgs(seq_length=32, eval_tasks=["a"]))).batch_size == 1
 
 
 def test_local_task_files_need_no_builtin_index(tmp_path: Path) -> None:
@@ -156,7 +157,7 @@ def test_eval_rows_go_to_the_run_that_wrote_the_checkpoint(tmp_path: Path) -> No
     assert run_name_of(ckpt) == "20260101-000000-aaaa"
 
     config = NeoXArgs(seq_length=32, eval_tasks=["t"], log_dir=str(logs), eval_results_prefix=str(tmp_path / "r"))
-    write_results({"results": {"t": {"acc,none": 0.25}}}, config, checkpoint=str(ckpt.parent), step=5,
+    write_results({"results": {"t": {"acc,none": 0.25}}}, evaluation_run(config), checkpoint=str(ckpt.parent), step=5,
                   run_name=run_name_of(ckpt))
     rows = {name: [json.loads(line) for line in (logs / name / "metrics.jsonl").read_text().splitlines()]
             for name in ("20260101-000000-aaaa", "20260102-000000-bbbb")}
@@ -197,6 +198,6 @@ def test_eval_tasks_limit_caps_the_documents_each_task_reads(tmp_path: Path) -> 
 
     lm = Scored()
     config = NeoXArgs(seq_length=32, eval_tasks=[str(tmp_path / "t.yaml")], eval_tasks_limit=2)
-    results = evaluate(lm, config)  # type: ignore[arg-type]
+    results = evaluate(lm, evaluation_run(config))  # type: ignore[arg-type]
     assert sorted(lm.seen) == ["q0", "q1"]  # without the limit: all 5
     assert len(results["samples"]["limit_probe"]) == 2

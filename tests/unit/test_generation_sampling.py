@@ -121,13 +121,14 @@ def args(**changes: object) -> NeoXArgs:
 def test_config_reads_every_textgen_key(tmp_path) -> None:
     prompts = tmp_path / "p.txt"
     prompts.write_text("a\nb\n")
-    config = checked(args(
+    config = args(
         text_gen_type="input-file", sample_input_file=str(prompts), sample_output_file="o.jsonl", prompt_end="\n",
         temperature=0.5, top_k=7, top_p=0.9, maximum_tokens=11, recompute=True, return_logits=True, num_samples=3,
-    ))  # fmt: skip
+    )  # fmt: skip
+    checked(config, config, config)
     assert config.sampling() == SamplingParams(temperature=0.5, top_k=7, top_p=0.9, maximum_tokens=11, recompute=True,
                                                return_logits=True)
-    assert (config.prompts(), config.sample_output_file, config.num_samples, batch_size(config)) == (
+    assert (config.prompts(), config.sample_output_file, config.num_samples, batch_size(config.train_micro_batch_size_per_gpu)) == (
         ["a", "b"], "o.jsonl", 3, 4)
 
 
@@ -145,14 +146,16 @@ def test_the_default_sampling_is_greedy_with_the_cache() -> None:
 ])  # fmt: skip
 def test_config_mistakes_name_the_key(changes: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        checked(args(**changes))
+        config = args(**changes)
+        checked(config, config, config)
 
 
 def test_precompute_lists_every_token_dataset_once() -> None:
-    config = checked(args(
+    config = args(
         text_gen_type="precompute", precompute_model_name="ref", train_data_paths=["a", "b"], valid_data_paths=["a"],
         pos_train_data_paths=["p"], neg_train_data_paths=["n"], train_label_data_paths=["la", "lb"],
-    ))  # fmt: skip
+    )  # fmt: skip
+    checked(config, config, config)
     assert token_dataset_prefixes(config) == ("a", "b", "p", "n")
 
 
@@ -162,4 +165,5 @@ def test_an_input_file_without_prompts_is_refused_before_launch(tmp_path, text: 
     prompts = tmp_path / "empty.txt"
     prompts.write_text(text)
     with pytest.raises(ConfigError, match="empty.txt' holds no prompts"):
-        checked(args(text_gen_type="input-file", sample_input_file=str(prompts), prompt_end="\n"))
+        config = args(text_gen_type="input-file", sample_input_file=str(prompts), prompt_end="\n")
+        checked(config, config, config)

@@ -48,8 +48,9 @@ def config(**values: Any) -> NeoXArgs:
 
 def plan(environ: dict[str, str] | None = None, devices: int = 1, **values: Any) -> LaunchPlan:
     provenance = {key: "cli" for key in values}  # every key given here was chosen
-    return plan_launch(config(**values), "train.py", CONFIG, environ or {}, lambda: devices, python=PY,
-                       provenance=provenance)
+    args = config(**values)
+    return plan_launch(args, "train.py", CONFIG, environ or {}, lambda: devices, python=PY, provenance=provenance,
+                       logging=args)
 
 
 @pytest.fixture()
@@ -193,7 +194,7 @@ def test_runner_flags_are_understood_by_deepspeeds_runner() -> None:
     from deepspeed.launcher.runner import parse_args
 
     cfg = config(hostfile="/etc/hosts.ds", num_nodes=2, num_gpus=8, force_multi=True, no_ssh_check=True)
-    parsed = parse_args(runner_flags(cfg, 29600, "10.0.0.1") + ["train.py", "--deepy_config", "run/deepy_config.json"])
+    parsed = parse_args(runner_flags(cfg, cfg, 29600, "10.0.0.1") + ["train.py", "--deepy_config", "run/deepy_config.json"])
     assert parsed.hostfile == "/etc/hosts.ds"
     assert (parsed.num_nodes, parsed.num_gpus) == (2, 8)
     assert (parsed.master_addr, parsed.master_port) == ("10.0.0.1", 29600)
@@ -204,7 +205,8 @@ def test_runner_flags_are_understood_by_deepspeeds_runner() -> None:
 
 # --- MPI ----------------------------------------------------------------------------------------
 def mpi_inputs(active: dict[str, list[int]], environ: dict[str, str] | None = None, **values: Any) -> PlanInputs:
-    return PlanInputs(config=config(**values), master_port_given="master_port" in values, user_script="train.py",
+    args = config(**values)
+    return PlanInputs(config=args, logging=args, master_port_given="master_port" in values, user_script="train.py",
                       config_path=CONFIG, environ=environ or {}, pool=active, active=active, python=PY)  # fmt: skip
 
 
@@ -507,7 +509,7 @@ def test_counting_ranks_does_not_import_deepspeed_and_checking_prints_nothing(tm
         "                tokenizer_type='CharLevelTokenizer')\n"
         "world = detect_world_size(args)\n"
         "from megatron.launcher import plan_launch\n"
-        "plan_launch(args, 'train.py', 'c.json', {})\n"
+        "plan_launch(args, 'train.py', 'c.json', {}, logging=args)\n"
         "assert 'deepspeed' not in sys.modules, 'deepspeed imported'\n"
         "finalize(ResolvedConfig(args=args), world)\n"
     )

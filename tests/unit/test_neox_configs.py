@@ -324,7 +324,7 @@ def test_guide_max_grad_norm_is_the_gradient_clip(tmp_path: Path) -> None:
                          name="no_clip.yml")
     resolved, _ = dry_run([alone], ("optimizer.params.max_grad_norm=0.25",))
     assert resolved.deepspeed_config["gradient_clipping"] == 0.25
-    assert "max_grad_norm" not in RunConfig.from_resolved(resolved).optimizer.optimizer_params  # not an Adam argument
+    assert "max_grad_norm" not in RunConfig.from_resolved(resolved).optimizer_config.optimizer_params  # not an Adam argument
     with pytest.raises(ConfigError, match=r"max_grad_norm=1.0 .* and gradient_clipping=0.5 .* disagree"):
         dry_run([config], ("gradient_clipping=0.5",))
 

@@ -20,19 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 NOT_YET_REMOVED = {
     "megatron/data/batch.py:ResolvedBatch",
     "megatron/data/config.py:DataRunArgs",
-    "megatron/evaluation/config.py:EvalRunArgs",
-    "megatron/generation/config.py:GenerateRunArgs",
-    "megatron/generation/config.py:MicroBatchArgs",
-    "megatron/launcher/config.py:LaunchArgs",
     "megatron/model/norms.py:NormSettings",  # norms.py may not name GPTConfig (import cycle): the registry's issue
     "megatron/mpu/parallel_config.py:ParallelRunArgs",
-    "megatron/tokenizer/base.py:TokenizerFiles",
     "megatron/training/config.py:TrainingRunArgs",
-    "megatron/training/objectives/registry.py:_DPOCheckArgs",
     "megatron/training/objectives/registry.py:_KTOCheckArgs",
-    "megatron/training/objectives/registry.py:_RMCheckArgs",
-    # per-component views named like the GPT-NeoX keys lr/optimizer/deepspeed/activation_checkpointing
-    "megatron/training/run_views.py:RunViews",
 }
 
 

@@ -149,9 +149,9 @@ def raw_contender(arch: Arch, built: Any, compile_model: bool) -> Contender:
     run, model_config = built
     dev = harness.device()
     model = GPTModel(model_config.replace(precision="fp32")).to(dev)
-    optimizer = build_optimizer(model, run.optimizer)
+    optimizer = build_optimizer(model, run.optimizer_config)
     train_iters = run.training.train_iters or 1
-    scheduler = LRScheduler(optimizer, run.lr.spec(train_iters, run.optimizer.peak_lr))
+    scheduler = LRScheduler(optimizer, run.lr_config.spec(train_iters, run.optimizer_config.peak_lr))
     tokens, labels = fixed_batch(arch, dev)
     forward = torch.compile(model) if compile_model else model
     inner = plain_loop(model, lambda: lm_loss(forward(tokens), labels), optimizer, arch, dev)

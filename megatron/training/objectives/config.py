@@ -18,10 +18,12 @@ from pydantic import Field, field_validator
 
 from megatron import plugins
 from megatron.config_schema import ArgGroup, not_supported, partly_supported
-from megatron.objective_needs import needs_of
-from megatron.training.objectives.registry import NOT_BUILT, DPOKeys
 
 ReferenceKind = Literal["none", "frozen_copy", "precomputed", "free"]
+
+NOT_BUILT: tuple[str, ...] = ("reinforce",)
+"""GPT-NeoX's ``train_impl`` values Deepy has not built: accepted by the schema, refused as "not
+supported yet" before launch."""
 
 
 class ObjectiveArgs(ArgGroup):
@@ -70,15 +72,3 @@ class ObjectiveArgs(ArgGroup):
 
     reinforce_leave_one_out: bool = not_supported(False)
     """Use the leave-one-out baseline in REINFORCE."""
-
-    @property
-    def reference_kind(self) -> ReferenceKind:
-        """Where the objective's reference log-probs come from: ``none`` for an objective without a
-        reference, ``free`` for reference-free DPO, ``precomputed`` files (``reference_logps``) or a
-        ``frozen_copy`` of the starting weights."""
-        if not needs_of(self.train_impl).reference:
-            return "none"
-        # DPO's own key: the arguments object is composed of DPOKeys (an ObjectiveArgs alone is not)
-        if self.train_impl == "dpo" and isinstance(self, DPOKeys) and self.dpo_reference_free:
-            return "free"
-        return "precomputed" if self.reference_logps else "frozen_copy"

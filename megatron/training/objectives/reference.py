@@ -33,6 +33,7 @@ from megatron.model.lora import adapters_disabled, is_adapter_name
 from megatron.training.objectives.base import MicroBatch, Objective
 from megatron.training.objectives.config import ObjectiveArgs
 from megatron.training.objectives.frozen import FrozenCopy, StartingPoint, starting_point
+from megatron.training.objectives.registry import reference_kind
 
 log = logging.getLogger("deepy")
 
@@ -173,7 +174,7 @@ def build_reference(objective: Objective, policy: Any, is_pipe: bool, model_conf
                     ds_config: dict[str, Any], partition_method: str | None, adapters: bool = False) -> Reference:
     """The reference the objective's config asks for (a frozen copy is built here, weights later).
     ``adapters``: the policy trains LoRA adapters on a frozen base, which is then the reference."""
-    kind = objective.config.reference_kind
+    kind = reference_kind(objective.config)
     if kind == "precomputed":
         return PrecomputedReference()
     if kind == "frozen_copy" and adapters:

@@ -19,6 +19,8 @@ from pydantic import Field
 
 from megatron import plugins
 from megatron.config_schema import ArgGroup
+from megatron.objective_needs import needs_of
+from megatron.training.objectives.config import ObjectiveArgs, ReferenceKind
 
 
 class DPOKeys(ArgGroup):
@@ -50,18 +52,16 @@ class KTOKeys(ArgGroup):
     """KTO temperature, as dpo_beta is for DPO."""
 
 
-class _DPOCheckArgs(Protocol):
-    """The keys DPO's check reads (its own and the shared ``reference_logps``)."""
-
-    @property
-    def dpo_reference_free(self) -> bool: ...
-    @property
-    def reference_logps(self) -> str | None: ...
-
-
-class _RMCheckArgs(Protocol):
-    @property
-    def eod_mask_loss(self) -> bool: ...
+def reference_kind(config: ObjectiveArgs) -> ReferenceKind:
+    """Where the objective's reference log-probs come from: ``none`` for an objective without a reference,
+    ``free`` for reference-free DPO, ``precomputed`` files (``reference_logps``) or a ``frozen_copy`` of the
+    starting weights. ``config`` is the arguments object, composed of :class:`DPOKeys` too (a bare
+    ``ObjectiveArgs`` holds no DPO key, so it is never reference-free)."""
+    if not needs_of(config.train_impl).reference:
+        return "none"
+    if config.train_impl == "dpo" and isinstance(config, DPOKeys) and config.dpo_reference_free:
+        return "free"
+    return "precomputed" if config.reference_logps else "frozen_copy"
 
 
 class _KTOCheckArgs(Protocol):
@@ -69,14 +69,14 @@ class _KTOCheckArgs(Protocol):
     def train_micro_batch_size_per_gpu(self) -> int | None: ...
 
 
-def _dpo_check(args: _DPOCheckArgs, show: Callable[[str], str]) -> list[str]:
-    if args.dpo_reference_free and args.reference_logps:
+def _dpo_check(args: ObjectiveArgs, show: Callable[[str], str]) -> list[str]:
+    if reference_kind(args) == "free" and args.reference_logps:  # free: dpo_reference_free is set
         return [f"{show('dpo_reference_free')} and {show('reference_logps')} contradict each other: "
                 "reference-free DPO reads no reference log-probs; keep one"]
     return []
 
 
-def _rm_check(args: _RMCheckArgs, show: Callable[[str], str]) -> list[str]:
+def _rm_check(args: ObjectiveArgs, show: Callable[[str], str]) -> list[str]:
     if args.eod_mask_loss:
         return [f"{show('eod_mask_loss')} has no effect on a reward model (it scores whole responses; no "
                 "token carries a loss): remove it"]
@@ -99,7 +99,3 @@ plugins.declare("train_impl", "kto", "megatron.training.objectives.kto:KTOObject
                 keys=KTOKeys, check=_kto_check, dataset="reward", reference=True)
 plugins.declare("train_impl", "rm", "megatron.training.objectives.rm:RewardModelObjective",
                 check=_rm_check, dataset="pairwise", value_head=True)
-
-NOT_BUILT: tuple[str, ...] = ("reinforce",)
-"""GPT-NeoX's ``train_impl`` values Deepy has not built: accepted by the schema, refused as "not
-supported yet" before launch."""
