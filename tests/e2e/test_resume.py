@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ports import free_port  # noqa: E402  (tests/ports.py: a port range per xdist worker)
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
@@ -67,6 +69,10 @@ def deepy(
         write_config(tmp)
     run_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     run_env.pop("DEEPY_DEBUG", None)
+    if not any(o.startswith("master_port=") for o in overrides):
+        # deepy.py's own pick is the kernel's ephemeral choice, which the other xdist worker's gloo
+        # connections draw from too (one collided: EADDRINUSE); tests/ports.py's ranges lie below it
+        overrides = (*overrides, f"master_port={free_port()}")
     return subprocess.run(
         [sys.executable, str(REPO / "deepy.py"), str(script), str(config), *overrides],
         cwd=tmp, env=run_env, capture_output=True, text=True, timeout=timeout,
