@@ -15,6 +15,10 @@ import psutil
 
 from megatron.launcher.plan import CONFIG_FLAG
 
+FORKED_RANK_PREFIX = "deepy-rank"
+"""The process name of a rank forked by ``local_ranks`` (``RANK_NAME`` there; that module imports only
+the standard library, so the name is written in both)."""
+
 
 def session_processes(session: int) -> list[psutil.Process]:
     """Live processes of ``session`` (the pid of the process deepy started), zombies excluded."""
@@ -28,12 +32,25 @@ def session_processes(session: int) -> list[psutil.Process]:
     return found
 
 
+def names_config(cmdline: list[str], config_path: str) -> bool:
+    return any(a == CONFIG_FLAG and b == config_path for a, b in zip(cmdline, cmdline[1:]))
+
+
 def is_rank_cmdline(cmdline: list[str], config_path: str) -> bool:
     """A worker of this run: ``... SCRIPT [--local_rank=N] --deepy_config PATH``, not a launcher
     (DeepSpeed's runner or per-node launcher, or deepy's ``local_ranks``) whose arguments end the same."""
     if any(arg.startswith("deepspeed.launcher") or arg == "megatron.launcher.local_ranks" for arg in cmdline):
         return False
-    return any(a == CONFIG_FLAG and b == config_path for a, b in zip(cmdline, cmdline[1:]))
+    return names_config(cmdline, config_path)
+
+
+def is_rank(proc: psutil.Process, config_path: str) -> bool:
+    """A worker of this run: started as a worker's command line, or forked by deepy's ``local_ranks``
+    (whose command line it keeps, under the process name ``deepy-rank<N>``)."""
+    cmdline = proc.cmdline()
+    if is_rank_cmdline(cmdline, config_path):
+        return True
+    return proc.name().startswith(FORKED_RANK_PREFIX) and names_config(cmdline, config_path)
 
 
 def rank_processes(session: int, config_path: str) -> list[psutil.Process]:
@@ -41,7 +58,7 @@ def rank_processes(session: int, config_path: str) -> list[psutil.Process]:
     workers: dict[int, psutil.Process] = {}
     for proc in session_processes(session):
         try:
-            if is_rank_cmdline(proc.cmdline(), config_path):
+            if is_rank(proc, config_path):
                 workers[proc.pid] = proc
         except psutil.Error:
             continue

@@ -71,17 +71,21 @@ def _wait_for(proc: subprocess.Popen[str], text: str, timeout: float = 300) -> l
 
 
 def _worker_pid(tmp: Path, local_rank: int) -> int:
-    """The pid of the train.py worker of ``local_rank`` started in ``tmp``."""
+    """The pid of the train.py worker of ``local_rank`` started in ``tmp``: its command line names it, or
+    (forked by deepy's launcher, which keeps its own command line) its process name does."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmd = (entry / "cmdline").read_bytes().split(b"\0")
             cwd = os.readlink(entry / "cwd")
+            name = (entry / "comm").read_text().strip()
         except OSError:
             continue
         args = [c.decode(errors="replace") for c in cmd]
-        if cwd == str(tmp) and any(a.endswith("train.py") for a in args) and f"--local_rank={local_rank}" in args:
+        if cwd != str(tmp) or not any(a.endswith("train.py") for a in args):
+            continue
+        if f"--local_rank={local_rank}" in args or name == f"deepy-rank{local_rank}":
             return int(entry.name)
     raise AssertionError(f"no worker with local rank {local_rank} under {tmp}")
 

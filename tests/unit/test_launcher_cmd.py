@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from megatron.devices import gpu_driver_present
 from megatron.errors import ConfigError
 from megatron.launcher import LaunchPlan, check_tools, plan_launch
 from megatron.launcher.config import master_port_chosen
@@ -120,25 +121,40 @@ def test_each_rank_gets_what_deepspeeds_launcher_gives_it(monkeypatch: pytest.Mo
         assert local_ranks.rank_environment(os.environ, slots, rank, "127.0.0.1", 29611) == env
 
 
-def test_our_launcher_runs_every_rank_and_a_failure_stops_the_others(tmp_path: Path) -> None:
-    """Real processes: each worker sees its rank; when rank 1 fails, rank 0 (which would wait a
-    minute) is ended and the failing code is the launcher's."""
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_our_launcher_runs_every_rank_and_a_failure_stops_the_others(tmp_path: Path, fork: str) -> None:
+    """Real processes: each worker sees its rank, argv, ``sys.path[0]``, ``__main__`` and ``atexit`` as
+    ``python -u SCRIPT`` gives them; when rank 1 fails, rank 0 (which would wait a minute) is ended and
+    the failing code is the launcher's. Without a GPU driver the workers are forked from the launcher
+    with torch and DeepSpeed already imported, named ``deepy-rank<N>``; ``DEEPY_FORK_RANKS=0`` starts
+    them fresh (what a GPU machine does)."""
     worker = tmp_path / "worker.py"
     worker.write_text(
-        "import os, sys, time\n"
+        "import atexit, os, sys, time\n"
+        "preloaded = 'torch' in sys.modules and 'deepspeed' in sys.modules\n"
         "rank = os.environ['RANK']\n"
-        "open(os.path.join(sys.argv[-1], 'rank' + rank), 'w').write(os.environ['WORLD_SIZE'] + ' ' + sys.argv[1])\n"
+        "name = open('/proc/self/comm').read().strip()\n"
+        "out = os.path.join(sys.argv[-1], 'rank' + rank)\n"
+        "open(out, 'w').write(' '.join([os.environ['WORLD_SIZE'], sys.argv[1], __name__, sys.path[0], name,\n"
+        "                               str(preloaded), str(sys.argv[0] == __file__)]))\n"
+        "atexit.register(lambda: open(out + '.atexit', 'w').close())\n"
         "if os.environ.get('FAIL') == rank: sys.exit(3)\n"
         "time.sleep(60 if os.environ.get('FAIL') else 0)\n"
     )
     cmd = [sys.executable, "-m", "megatron.launcher.local_ranks", "--slots=0,1", "--master_port=29611",
            str(worker), str(tmp_path)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    assert subprocess.run(cmd, env=env, timeout=60).returncode == 0
-    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["2 --local_rank=0", "2 --local_rank=1"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "DEEPY_FORK_RANKS": fork}
+    assert not gpu_driver_present(), "a GPU machine never forks its ranks: this test is for CPU machines"
+    assert subprocess.run(cmd, env=env, timeout=120).returncode == 0
+    forked = fork == "1"
+    for r in (0, 1):
+        *seen, name, preloaded, argv0 = (tmp_path / f"rank{r}").read_text().split(" ")
+        assert seen == ["2", f"--local_rank={r}", "__main__", str(tmp_path)] and argv0 == "True"
+        assert (name == f"deepy-rank{r}") == forked and preloaded == str(forked), (name, preloaded)
+        assert (tmp_path / f"rank{r}.atexit").exists()
     start = time.monotonic()
-    failed = subprocess.run(cmd, env={**env, "FAIL": "1"}, timeout=60, capture_output=True, text=True)
-    assert failed.returncode == 3 and time.monotonic() - start < 30, failed.stderr
+    failed = subprocess.run(cmd, env={**env, "FAIL": "1"}, timeout=120, capture_output=True, text=True)
+    assert failed.returncode == 3 and time.monotonic() - start < 40, failed.stderr
     assert "exited with code 3; stopping the others" in failed.stderr
 
 
