@@ -4,6 +4,11 @@ logged step, by phase, optionally side by side with another revision of the repo
 
     python tools/bench/launch_time.py                      # this checkout, 3 launches
     python tools/bench/launch_time.py --baseline 45ebd4f   # and a git worktree of 45ebd4f, interleaved
+    python tools/bench/launch_time.py --env DEEPY_FORK_RANKS=0   # and this checkout with that variable set
+
+A baseline worktree's own ``megatron.launcher.local_ranks`` is not what its launch runs: ``python -m`` puts
+the working directory (this checkout, where ``data/pydocs`` is) first on ``sys.path``. Compare launcher
+changes with ``--env`` where a variable switches them.
 
 Each launch runs the README's training command from the repository root (so ``data/pydocs`` from
 ``prepare_data.py`` must exist) with its checkpoints and logs in a fresh temporary folder and
@@ -49,7 +54,8 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def launch(repo: Path, data_root: Path, ranks: int, zero: int | None = None) -> dict[str, float]:
+def launch(repo: Path, data_root: Path, ranks: int, zero: int | None = None,
+           extra_env: dict[str, str] | None = None) -> dict[str, float]:
     """One launch from ``repo``'s scripts with ``data_root`` as the working directory; seconds since
     start at which each phase ended, and the CPU seconds of the whole launch."""
     with tempfile.TemporaryDirectory(prefix="deepy-launch-") as tmp:
@@ -59,7 +65,7 @@ def launch(repo: Path, data_root: Path, ranks: int, zero: int | None = None) -> 
                 f"save={tmp}/ckpt", f"load={tmp}/ckpt", f"log_dir={tmp}/logs"]  # fmt: skip
         if zero is not None:
             argv.append(f"zero_optimization={{stage: {zero}}}")
-        env = {**os.environ, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1", **(extra_env or {})}
         cpu0, start = children_cpu(), time.perf_counter()
         proc = subprocess.Popen(argv, cwd=data_root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)  # fmt: skip
@@ -87,23 +93,28 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2, help="num_gpus (CPU ranks here), 2 as in configs/local_setup.yml")
     parser.add_argument("--zero", type=int, default=None,
                         help="ZeRO stage (configs/tiny.yml has none); stages 1-3 build DeepSpeed's ZeRO optimizer")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="also launch this checkout with these variables set (repeatable)")
     options = parser.parse_args()
     if not (REPO / "data" / "pydocs").is_dir():
         sys.exit("data/pydocs is missing: run `python prepare_data.py` first")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    contenders = {"this checkout": REPO}
+    contenders: dict[str, tuple[Path, dict[str, str]]] = {"this checkout": (REPO, {})}
+    if options.env:
+        variables = dict(item.split("=", 1) for item in options.env)
+        contenders = {" ".join(options.env): (REPO, variables), **contenders}
     worktree = None
     if options.baseline:
         worktree = Path(tempfile.mkdtemp(prefix="deepy-baseline-")) / "repo"
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(worktree), options.baseline],
                        check=True, capture_output=True)  # fmt: skip
-        contenders = {options.baseline: worktree, **contenders}
+        contenders = {options.baseline: (worktree, {}), **contenders}
     try:
         results: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
         for _ in range(options.repeats):
-            for name, repo in contenders.items():
-                results[name].append(launch(repo, REPO, options.ranks, options.zero))
+            for name, (repo, variables) in contenders.items():
+                results[name].append(launch(repo, REPO, options.ranks, options.zero, variables))
     finally:
         if worktree is not None:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(worktree)], check=False)
@@ -111,14 +122,15 @@ def main() -> None:
     columns = [name for name, _ in PHASES] + ["exit", "cpu s"]
     zero = "" if options.zero is None else f", ZeRO-{options.zero}"
     print(f"{options.ranks} rank(s){zero}, median of {options.repeats} launches; seconds since `python deepy.py` started")
-    print(f"| {'revision':<14} | " + " | ".join(f"{c:>10}" for c in columns) + " |")
-    print(f"|{'-' * 16}|" + "|".join("-" * 12 for _ in columns) + "|")
+    width = max(14, *(len(name) for name in contenders))
+    print(f"| {'revision':<{width}} | " + " | ".join(f"{c:>10}" for c in columns) + " |")
+    print(f"|{'-' * (width + 2)}|" + "|".join("-" * 12 for _ in columns) + "|")
     medians = {name: {c: statistics.median(r[c] for r in runs) for c in columns} for name, runs in results.items()}
     for name, row in medians.items():
-        print(f"| {name:<14} | " + " | ".join(f"{row[c]:>10.2f}" for c in columns) + " |")
-    if options.baseline:
-        base, now = medians[options.baseline], medians["this checkout"]
-        print(f"first step: {base['first step']:.2f} s -> {now['first step']:.2f} s "
+        print(f"| {name:<{width}} | " + " | ".join(f"{row[c]:>10.2f}" for c in columns) + " |")
+    for other in [name for name in medians if name != "this checkout"]:
+        base, now = medians[other], medians["this checkout"]
+        print(f"{other} -> this checkout: first step {base['first step']:.2f} s -> {now['first step']:.2f} s "
               f"({now['first step'] / base['first step']:.2f}x); CPU {base['cpu s']:.1f} -> {now['cpu s']:.1f} s")
 
 
