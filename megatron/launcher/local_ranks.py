@@ -18,12 +18,13 @@ A SIGTERM or SIGINT to this process ends the workers, as DeepSpeed's launcher do
 **Forked ranks (machines without a GPU driver).** Every rank of a CPU launch used to import the same
 torch, TorchDynamo (torch's optimizers import it on their first step), DeepSpeed and Deepy modules:
 about 4 s of a core's time each, most of a small run's cost. Where no GPU driver is installed
-(``megatron.devices.gpu_driver_present``), this launcher imports them once (:data:`PRELOAD`, no
-thread is started and no tensor op runs) and forks one worker per slot, which runs the script as
-``python -u SCRIPT --local_rank=N ARGS`` would (``runpy``, the same ``sys.argv``, environment and
-``sys.path[0]``) and is named ``deepy-rank<N>`` (``ps``, ``/proc/<pid>/comm``). Where a driver is
-installed, workers are started fresh as above: a CUDA context must never be forked, and a GPU job's
-start-up does not hinge on 4 s. ``DEEPY_FORK_RANKS=0`` starts them fresh on CPU too.
+(``megatron.devices.gpu_driver_present``), this launcher imports torch, TorchDynamo and DeepSpeed
+once (:data:`PRELOAD`; no thread is started and no tensor op runs) and forks one worker per slot,
+which runs the script as ``python -u SCRIPT --local_rank=N ARGS`` would (``runpy``, the same
+``sys.argv``, environment and ``sys.path[0]``) and is named ``deepy-rank<N>`` (``ps``,
+``/proc/<pid>/comm``). Where a driver is installed, workers are started fresh as above: a CUDA context
+must never be forked, and a GPU job's start-up does not hinge on 4 s. ``DEEPY_FORK_RANKS=0`` starts
+them fresh on CPU too.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ from collections.abc import Mapping, Sequence
 from typing import NoReturn, Protocol
 
 FORK_RANKS_ENV = "DEEPY_FORK_RANKS"
-PRELOAD = ("torch", "torch._dynamo", "deepspeed", "megatron.initialize", "megatron.training.pretrain")
-"""What every training rank imports (train.py, generate.py and eval.py share the rest's bulk)."""
+PRELOAD = ("torch", "torch._dynamo", "deepspeed")
+"""What every rank of train.py, generate.py and eval.py imports, ~85 % of its imports' time. Deepy's own
+modules (the rest) are left to the script: the launcher sits below the trainer and names nothing above it."""
 RANK_NAME = "deepy-rank{}"
 """A forked worker's process name (``/proc/<pid>/comm``): its command line is this launcher's
 (``processes.FORKED_RANK_PREFIX`` finds it by this name)."""
