@@ -22,9 +22,10 @@ about 4 s of a core's time each, most of a small run's cost. Where no GPU driver
 once (:data:`PRELOAD`; no thread is started and no tensor op runs) and forks one worker per slot,
 which runs the script as ``python -u SCRIPT --local_rank=N ARGS`` would (``runpy``, the same
 ``sys.argv``, environment and ``sys.path[0]``) and is named ``deepy-rank<N>`` (``ps``,
-``/proc/<pid>/comm``). Where a driver is installed, workers are started fresh as above: a CUDA context
-must never be forked, and a GPU job's start-up does not hinge on 4 s. ``DEEPY_FORK_RANKS=0`` starts
-them fresh on CPU too.
+``/proc/<pid>/comm``). Where a driver is installed, or DeepSpeed's accelerator is not the CPU once
+imported (:func:`preload`), workers are started fresh as above: a device context must never be
+forked, and a GPU job's start-up does not hinge on 4 s. ``DEEPY_FORK_RANKS=0`` starts them fresh on
+CPU too.
 """
 
 from __future__ import annotations
@@ -142,9 +143,17 @@ def fork_ranks_here(environ: Mapping[str, str]) -> bool:
     return environ.get(FORK_RANKS_ENV, "1") != "0" and not gpu_driver_present()
 
 
-def preload() -> None:
+def preload() -> bool:
+    """Import :data:`PRELOAD`; whether DeepSpeed then runs on the CPU, so the workers may be forked.
+
+    No NVIDIA or AMD driver does not mean no accelerator: DeepSpeed also drives Intel XPUs, Habana HPUs
+    and others, whose runtimes its import may start (and a started device runtime must not be forked).
+    Then the workers start fresh, as on a GPU machine."""
     for name in PRELOAD:
         importlib.import_module(name)
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().device_name() == "cpu")
 
 
 def fork_rank(script: str, local_rank: int, script_args: Sequence[str], env: Mapping[str, str]) -> ForkedRank:
@@ -245,9 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGINT, on_stop)
-    forked = fork_ranks_here(os.environ)
-    if forked:
-        preload()
+    forked = fork_ranks_here(os.environ) and preload()
     for local_rank in range(len(slots)):
         env = rank_environment(os.environ, slots, local_rank, options.master_addr, options.master_port)
         if forked:

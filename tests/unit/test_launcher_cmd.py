@@ -158,6 +158,24 @@ def test_our_launcher_runs_every_rank_and_a_failure_stops_the_others(tmp_path: P
     assert "exited with code 3; stopping the others" in failed.stderr
 
 
+def test_ranks_are_forked_only_where_deepspeed_runs_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No NVIDIA/AMD driver, yet DeepSpeed on another accelerator (an XPU, an HPU): its runtime may be
+    started by the import, so the workers start fresh."""
+    import deepspeed.accelerator
+
+    cpu_machine = not gpu_driver_present()
+    assert local_ranks.fork_ranks_here({}) is cpu_machine and not local_ranks.fork_ranks_here({"DEEPY_FORK_RANKS": "0"})
+    if cpu_machine:
+        assert local_ranks.preload() is True  # DeepSpeed on the CPU here
+
+    class Hpu:
+        def device_name(self) -> str:
+            return "hpu"
+
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: Hpu())
+    assert local_ranks.preload() is False
+
+
 def test_a_chosen_free_port_is_kept_and_a_busy_one_is_a_config_error() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
