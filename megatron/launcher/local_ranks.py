@@ -47,9 +47,9 @@ FORK_RANKS_ENV = "DEEPY_FORK_RANKS"
 PRELOAD = ("torch", "torch._dynamo", "deepspeed")
 """What every rank of train.py, generate.py and eval.py imports, ~85 % of its imports' time. Deepy's own
 modules (the rest) are left to the script: the launcher sits below the trainer and names nothing above it."""
-RANK_NAME = "deepy-rank{}"
-"""A forked worker's process name (``/proc/<pid>/comm``): its command line is this launcher's
-(``processes.FORKED_RANK_PREFIX`` finds it by this name)."""
+RANK_NAME_PREFIX = "deepy-rank"
+"""A forked worker's process name (``/proc/<pid>/comm``) is this and its local rank: its command line is
+this launcher's, so ``processes.rank_processes`` finds it by the name."""
 POLL_S = 0.05
 GRACE_S = 10.0
 """How long a worker gets to exit after SIGTERM before SIGKILL, once another one has failed."""
@@ -163,7 +163,7 @@ def fork_rank(script: str, local_rank: int, script_args: Sequence[str], env: Map
     pid = os.fork()
     if pid:
         return ForkedRank(pid)
-    _run_script(script, [f"--local_rank={local_rank}", *script_args], env, RANK_NAME.format(local_rank))
+    _run_script(script, [f"--local_rank={local_rank}", *script_args], env, f"{RANK_NAME_PREFIX}{local_rank}")
 
 
 def _run_script(script: str, args: Sequence[str], env: Mapping[str, str], name: str) -> NoReturn:

@@ -13,11 +13,8 @@ import signal
 
 import psutil
 
+from megatron.launcher.local_ranks import RANK_NAME_PREFIX
 from megatron.launcher.plan import CONFIG_FLAG
-
-FORKED_RANK_PREFIX = "deepy-rank"
-"""The process name of a rank forked by ``local_ranks`` (``RANK_NAME`` there; that module imports only
-the standard library, so the name is written in both)."""
 
 
 def session_processes(session: int) -> list[psutil.Process]:
@@ -50,7 +47,7 @@ def is_rank(proc: psutil.Process, config_path: str) -> bool:
     cmdline = proc.cmdline()
     if is_rank_cmdline(cmdline, config_path):
         return True
-    return proc.name().startswith(FORKED_RANK_PREFIX) and names_config(cmdline, config_path)
+    return proc.name().startswith(RANK_NAME_PREFIX) and names_config(cmdline, config_path)
 
 
 def rank_processes(session: int, config_path: str) -> list[psutil.Process]:
