@@ -3,8 +3,8 @@
 The kernel's choice (bind to port 0, then close) is not safe while pytest-xdist runs tests side by
 side: the kernel can hand the port just released to the next caller, so two workers - or a worker and
 a deepy.py picking its own rendezvous port - got the same one ("master_port=... is already in use").
-Each worker therefore takes ports from a range of its own, below the kernel's ephemeral range (where
-deepy's own picks come from), and skips any port something already listens on.
+Each worker therefore takes ports from a range of its own, below the kernel's ephemeral range (deepy's
+own picks lie above it), and skips any port something already listens on.
 
 Several pytest sessions on one machine (developers or agents testing side by side) would still share
 those ranges; ``DEEPY_TEST_PORT_SLOT=K`` (0-6) moves a whole session to a block of its own.

@@ -10,8 +10,10 @@ from here, and the configured port (default 29500) is used as it is.
 from __future__ import annotations
 
 import errno
+import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatron.errors import ConfigError
 from megatron.launcher.config import DeepSpeedRunnerArgs
@@ -30,12 +32,41 @@ def is_this_machine(host: str) -> bool:
     return host in names
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on now (the kernel's choice).
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LINUX_EPHEMERAL_RANGE = (32768, 60999)
+"""Linux's default range of the local ports the kernel gives outgoing connections and ``bind(0)``."""
+PORT_STRIDE = 7919
+"""A prime: consecutive process ids start their search this far apart (modulo the range)."""
 
-    Another program could take it before rank 0 listens (seconds later); the kernel hands out
-    ephemeral ports in rotation, so that is unlikely, and it fails loudly rather than silently.
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range (``ip_local_port_range``; Linux's default where unreadable)."""
+    try:
+        low, high = (int(part) for part in EPHEMERAL_RANGE_FILE.read_text().split())
+    except (OSError, ValueError):
+        return LINUX_EPHEMERAL_RANGE
+    return low, high
+
+
+def free_port(pid: int | None = None) -> int:
+    """A TCP port nothing listens on now, above the kernel's ephemeral range.
+
+    Not the kernel's own choice (``bind(0)``): that port comes from the ephemeral range, from which
+    every outgoing connection - the ranks' gloo connections of a run already going, say - also takes
+    its local port, and one did take it in the seconds before rank 0 listened (``EADDRINUSE``). Above
+    the range only a program that binds a port by number can hold it. The search starts at a place
+    given by the process id, so two deepy launches picking at the same moment start ``PORT_STRIDE``
+    apart instead of both taking the first free port. Falls back to the kernel's choice where the
+    range leaves fewer than 256 ports above it.
     """
+    start, end = ephemeral_range()[1] + 1, 65535
+    span = end - start + 1
+    if span >= 256:
+        first = ((os.getpid() if pid is None else pid) * PORT_STRIDE) % span
+        for step in range(span):
+            port = start + (first + step) % span
+            if not port_in_use(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return int(sock.getsockname()[1])

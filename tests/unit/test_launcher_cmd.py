@@ -31,7 +31,7 @@ from megatron.launcher.kinds import LAUNCHERS
 from megatron.launcher.mpi import hydra_argv, openmpi_argv
 from megatron.launcher.plan import PlanInputs
 from megatron.launcher.processes import is_rank_cmdline
-from megatron.launcher.rendezvous import port_in_use
+from megatron.launcher.rendezvous import ephemeral_range, free_port, port_in_use
 from megatron.launcher.run import exit_code, pdsh_stop_command, worker_environment
 from megatron.launcher.slurm import expand_tasks_per_node, srun_argv
 from megatron.neox_arguments.arguments import NeoXArgs
@@ -174,6 +174,21 @@ def test_ranks_are_forked_only_where_deepspeed_runs_on_the_cpu(monkeypatch: pyte
 
     monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: Hpu())
     assert local_ranks.preload() is False
+
+
+def test_a_picked_port_lies_above_the_kernels_ephemeral_range_and_differs_by_process() -> None:
+    """Outgoing connections take their local ports from the ephemeral range; a rendezvous port picked
+    there could be taken before rank 0 listens. Two launches picking at once start apart."""
+    low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert ephemeral_range() == (low, high)
+    picks = {free_port(pid) for pid in range(1000, 1008)}
+    assert len(picks) == 8 and all(high < port <= 65535 and not port_in_use(port) for port in picks)
+    # a port something listens on is skipped
+    port = free_port(4242)
+    with socket.socket() as sock:
+        sock.bind(("", port))
+        sock.listen()
+        assert port_in_use(port) and free_port(4242) not in (port, None)
 
 
 def test_a_chosen_free_port_is_kept_and_a_busy_one_is_a_config_error() -> None:
