@@ -1,6 +1,7 @@
 """Checkpoints through a real DeepSpeed engine on 2 gloo ranks (CPU, fp32, ZeRO).
 
-Each scenario launches fresh processes (``python this_file.py --worker ...``), so resume really
+Each scenario starts fresh rank processes (forked, as deepy's launcher forks them on CPU, from one
+``python this_file.py --ranks N ...`` that imported torch and DeepSpeed once), so resume really
 starts from disk: a tiny MLP with dropout, a data position that is a pure function of the step,
 and the checkpoint manager the training loop uses. Covered here, without the full model:
 exact resume, kill -9 before the commit marker, dp2 -> dp1 and ZeRO-1 -> ZeRO-2 through universal
@@ -17,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -152,39 +154,89 @@ def _free_port() -> int:
     return free_port()
 
 
-def launch(world: int, *worker_args: str, env: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
-    port = _free_port()
-    procs = []
+class Ranks:
+    """The ranks of one scenario: forked by one launcher process that imported torch and DeepSpeed once
+    (as deepy's own launcher does on CPU); each rank writes its output to a file of its own."""
+
+    def __init__(self, launcher: subprocess.Popen[str], logdir: Path, world: int) -> None:
+        self.launcher, self.logdir, self.world = launcher, logdir, world
+        self._pids: list[int] = []
+
+    def log(self, rank: int) -> str:
+        path = self.logdir / f"rank{rank}.log"
+        return path.read_text() if path.exists() else ""
+
+    def pid(self, rank: int) -> int:
+        assert self.launcher.stdout is not None
+        while len(self._pids) < self.world:
+            line = self.launcher.stdout.readline()
+            assert line.startswith("PID "), line or self.launcher.wait()
+            self._pids.append(int(line.split()[2]))
+        return self._pids[rank]
+
+    def wait_for_line(self, rank: int, prefix: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(line.startswith(prefix) for line in self.log(rank).splitlines()):
+            assert time.monotonic() < deadline and self.launcher.poll() is None, self.log(rank)
+            time.sleep(0.05)
+
+    def wait(self, timeout: float = 300) -> tuple[list[int], list[str]]:
+        out, _ = self.launcher.communicate(timeout=timeout)
+        logs = [self.log(rank) for rank in range(self.world)]
+        codes_file = self.logdir / "codes.json"
+        assert self.launcher.returncode == 0 and codes_file.exists(), (out, logs)
+        return json.loads(codes_file.read_text()), logs
+
+
+def launch(world: int, *worker_args: str, env: dict[str, str] | None = None) -> Ranks:
+    logdir = Path(tempfile.mkdtemp(prefix="deepy-ckpt-engine-"))
+    launcher = subprocess.Popen(
+        [sys.executable, __file__, "--ranks", str(world), "--port", str(_free_port()), "--logdir", str(logdir),
+         "--worker", *worker_args],
+        env={**os.environ, **(env or {}), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return Ranks(launcher, logdir, world)
+
+
+def fork_ranks(world: int, port: int, logdir: Path, worker_argv: list[str], opts: argparse.Namespace) -> int:
+    """The launcher process: import torch and DeepSpeed once, fork ``world`` ranks, report each one's pid
+    and, once all have ended, their exit codes (``-N``: killed by signal N) in ``codes.json``."""
+    from megatron.initialize import exit_process
+    from megatron.launcher.local_ranks import preload
+
+    forkable = preload()  # False where DeepSpeed drives a device: the ranks then exec fresh interpreters
+    pids = []
     for rank in range(world):
-        rank_env = {
-            **os.environ,
-            **(env or {}),
-            "PYTHONPATH": str(REPO),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "OMP_NUM_THREADS": "1",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, "--worker", *worker_args],
-                env=rank_env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    return procs
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            out = os.open(logdir / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+            os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)})
+            if not forkable:
+                os.execv(sys.executable, [sys.executable, __file__, "--worker", *worker_argv])
+            try:
+                exit_process(worker(opts))
+            except BaseException:  # noqa: BLE001  (a crash is this rank's output and exit code, as a process's)
+                import traceback
+
+                traceback.print_exc()
+                sys.stderr.flush()
+                os._exit(1)
+        pids.append(pid)
+        print(f"PID {rank} {pid}", flush=True)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    (logdir / "codes.json").write_text(json.dumps(codes))
+    return 0
 
 
-def wait_all(procs: list[subprocess.Popen[str]], timeout: float = 300) -> tuple[list[int], list[str]]:
-    outputs = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=timeout)
-        outputs.append(out)
-    return [p.returncode for p in procs], outputs
+def wait_all(ranks: Ranks, timeout: float = 300) -> tuple[list[int], list[str]]:
+    return ranks.wait(timeout)
 
 
 def run(world: int, *worker_args: str, env: dict[str, str] | None = None) -> tuple[list[int], list[str]]:
@@ -286,14 +338,11 @@ def test_layout_changes_through_universal_checkpoints(tmp_path: Path) -> None:
 
 def test_sigterm_on_one_rank_saves_and_exits_zero(tmp_path: Path) -> None:
     save = tmp_path / "ckpt"
-    procs = launch(2, "--steps", "500", "--sleep", "0.2", "--save", str(save), "--dropout", "0")
+    ranks = launch(2, "--steps", "500", "--sleep", "0.2", "--save", str(save), "--dropout", "0")
     # wait for training to be under way, then preempt rank 1 only
-    assert procs[0].stdout is not None
-    for line in procs[0].stdout:
-        if line.startswith("STEP 3"):
-            break
-    procs[1].send_signal(signal.SIGTERM)
-    codes, logs = wait_all(procs)
+    ranks.wait_for_line(0, "STEP 3")
+    os.kill(ranks.pid(1), signal.SIGTERM)
+    codes, logs = wait_all(ranks)
     assert codes == [0, 0], logs
     stopped = [line for line in logs[0].splitlines() if line.startswith("PREEMPTED at")]
     assert stopped, logs[0]
@@ -375,6 +424,15 @@ if __name__ == "__main__":
     parser.add_argument("--no-load-optim", action="store_true")
     parser.add_argument("--out")
     parser.add_argument("--kill-before-commit", type=int, default=None)
+    parser.add_argument("--ranks", type=int, default=0)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--logdir", type=Path)
+    args = parser.parse_args()
+    if args.ranks:
+        worker_argv = sys.argv[sys.argv.index("--worker") + 1:]
+        code = fork_ranks(args.ranks, args.port, args.logdir, worker_argv, args)
+        sys.stdout.flush()
+        os._exit(code)  # no teardown of the preloaded torch and DeepSpeed (as deepy's launcher)
     from megatron.initialize import exit_process
 
-    exit_process(worker(parser.parse_args()))  # as train.py: no interpreter teardown abort (-6)
+    exit_process(worker(args))  # as train.py: no interpreter teardown abort (-6)
