@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron.checkpointing.config import CheckpointArgs
-from megatron.data.config import DataRunArgs
+from megatron.data.config import DataRun
 from megatron.evaluation.config import EvalRun
 from megatron.logging.config import LoggingArgs
 from megatron.model.config import GPTConfig
@@ -74,10 +74,10 @@ class RunConfig:
         return self.args
 
     @property
-    def data(self) -> DataRunArgs:
-        """The arguments, as the keys the datasets read: the data keys and the shared
-        ``seq_length``/``seed``/schedule/batch/objective keys, declared by their owners."""
-        return self.args
+    def data(self) -> DataRun:
+        """What the datasets read: the data keys and the shared ``seq_length``/``seed``/schedule/batch/
+        objective values, resolved (:func:`data_run`)."""
+        return data_run(self.args)
 
     @property
     def training(self) -> TrainingRunArgs:
@@ -144,3 +144,17 @@ class RunConfig:
 
         return cls.from_resolved(finalize(config_from_mapping(values), world_size))
 
+
+def _resolved(value: int | None, key: str) -> int:
+    """A key ``RunConfig`` refuses unresolved (or that the derivations always fill in)."""
+    if value is None:
+        raise ConfigError(f"{key} must be resolved (launch through deepy.py)")
+    return value
+
+
+def data_run(args: NeoXArgs) -> DataRun:
+    """The datasets' frozen view: the data keys (``args`` typed as ``DataArgs``) and the shared values."""
+    return DataRun(keys=args, seq_length=_resolved(args.seq_length, "seq_length"), seed=args.seed,
+                   train_batch_size=_resolved(args.train_batch_size, "train_batch_size"),
+                   train_iters=args.train_iters, train_epochs=args.train_epochs, eval_iters=args.eval_iters,
+                   eval_interval=args.eval_interval, train_impl=args.train_impl, reference_logps=args.reference_logps)

@@ -171,17 +171,22 @@ def _objective(args: Any) -> object:
 
 def _data(args: Any) -> object:
     """What ``build_datasets`` asks of the data keys (``pretrain``, ``data/build.py``): the sample
-    counts, each split's files and weights, the source and how documents become samples."""
+    counts, each split's files and weights, the source and how documents become samples. The datasets
+    get the frozen ``RunConfig.data`` (``data_run``), whose data keys are the arguments themselves."""
     from megatron.data.build import samples_needed
     from megatron.data.config import PATH_KEYS, SPLITS
+    from megatron.neox_arguments.run_config import data_run
 
-    return (samples_needed(args), [args.path_list(key) for key in PATH_KEYS], [args.split_weights(s) for s in SPLITS],
-            args.use_dummy_dataset, args.train_urls, args.validation_urls, args.cache_dir, args.data_path, args.split,
-            args.weight_by_num_documents, args.weighted_sampler_alpha, args.pack_impl, args.allow_chopped,
-            args.wants_pairs, args.reference_model, args.mmap_warmup, args.seq_length, args.seed, args.train_epochs,
-            args.dummy_data, args.dummy_data_vocab_size,  # build_datasets' dummy data
-            args.shard_file_type, args.shard_column, args.shard_tokenizer, args.shard_eos_token,  # token-shard
-            args.shard_bos_token, args.shard_strip_tokens)  # directories (_read_shard_directory)
+    data = data_run(args)
+    keys = data.keys
+    return (samples_needed(data.train_batch_size, data.train_iters, data.eval_iters, data.eval_interval),
+            [keys.path_list(key) for key in PATH_KEYS], [keys.split_weights(s) for s in SPLITS],
+            keys.use_dummy_dataset, keys.train_urls, keys.validation_urls, keys.cache_dir, keys.data_path, keys.split,
+            keys.weight_by_num_documents, keys.weighted_sampler_alpha, keys.pack_impl, keys.allow_chopped,
+            data.wants_pairs, data.reference_model, keys.mmap_warmup, data.seq_length, data.seed, data.train_epochs,
+            keys.dummy_data, keys.dummy_data_vocab_size,  # build_datasets' dummy data
+            keys.shard_file_type, keys.shard_column, keys.shard_tokenizer, keys.shard_eos_token,  # token-shard
+            keys.shard_bos_token, keys.shard_strip_tokens)  # directories (_read_shard_directory)
 
 
 def _user_plugins(args: Any) -> object:
