@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron.checkpointing.config import CheckpointArgs
+from megatron.data.batch import RankBatch
 from megatron.data.config import DataRun
 from megatron.evaluation.config import EvalRun
 from megatron.logging.config import LoggingArgs
@@ -24,7 +25,7 @@ from megatron.mpu.parallel_config import ParallelRunArgs
 from megatron.tokenizer.config import TokenizerArgs
 from megatron.errors import ConfigError
 from megatron.training.activation_config import ActivationCheckpointArgs
-from megatron.training.config import TrainingRunArgs
+from megatron.training.config import TrainingRun
 from megatron.training.lr_config import LRSchedulerArgs
 from megatron.training.objectives.config import ObjectiveArgs
 from megatron.training.optimizer_config import OptimizerArgs
@@ -80,10 +81,10 @@ class RunConfig:
         return data_run(self.args)
 
     @property
-    def training(self) -> TrainingRunArgs:
-        """The arguments, as the keys the loop reads: its own and the shared
-        ``seq_length``/``precision``/``seed``/batch sizes, declared by their owners."""
-        return self.args
+    def training(self) -> TrainingRun:
+        """What the loop reads: its own keys and the shared ``seq_length``/``precision``/``seed``/batch
+        sizes, resolved (:func:`training_run`)."""
+        return training_run(self.args)
 
     @property
     def optimizer_config(self) -> OptimizerArgs:
@@ -158,3 +159,11 @@ def data_run(args: NeoXArgs) -> DataRun:
                    train_batch_size=_resolved(args.train_batch_size, "train_batch_size"),
                    train_iters=args.train_iters, train_epochs=args.train_epochs, eval_iters=args.eval_iters,
                    eval_interval=args.eval_interval, train_impl=args.train_impl, reference_logps=args.reference_logps)
+
+
+def training_run(args: NeoXArgs) -> TrainingRun:
+    """The loop's frozen view: its keys (``args`` typed as ``TrainingLoopArgs``) and the shared values."""
+    batch = RankBatch(micro=_resolved(args.train_micro_batch_size_per_gpu, "train_micro_batch_size_per_gpu"),
+                      gas=args.gradient_accumulation_steps)
+    return TrainingRun(loop=args, seq_length=_resolved(args.seq_length, "seq_length"), precision=args.precision,
+                       seed=args.seed, batch=batch)

@@ -17,7 +17,7 @@ from megatron.model.lora_config import LoRAArgs
 from megatron.mpu.parallel_config import ParallelRunArgs
 from megatron.tokenizer.config import TokenizerArgs
 from megatron.training.activation_config import ActivationCheckpointArgs
-from megatron.training.config import TrainingRunArgs
+from megatron.training.config import TrainingRun
 from megatron.training.lr_config import LRSchedulerArgs
 from megatron.training.objectives.config import ObjectiveArgs
 from megatron.training.optimizer_config import OptimizerArgs
@@ -33,7 +33,7 @@ class RunViews(Protocol):
     @property
     def tokenizer(self) -> TokenizerArgs: ...
     @property
-    def training(self) -> TrainingRunArgs: ...
+    def training(self) -> TrainingRun: ...
     @property
     def optimizer_config(self) -> OptimizerArgs: ...
     @property

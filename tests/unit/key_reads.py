@@ -14,7 +14,6 @@ from typing import Any
 from megatron import plugins
 
 from megatron.checkpointing.manager import CheckpointManager
-from megatron.data.batch import BatchLayout
 from megatron.checkpointing.preemption import PreemptionWatcher
 from megatron.errors import DeepyError
 from megatron.neox_arguments.arguments import NeoXArgs
@@ -124,12 +123,17 @@ def _activation_checkpointing(args: Any) -> object:
 
 def _training_loop(args: Any) -> object:
     """What the loop reads of its keys (``pretrain.pretrain``, ``loop.train``, ``engine.build_engine``),
-    each where that code reads it: the loop is handed the arguments typed as ``TrainingRunArgs``."""
-    return (args.train_iters, args.train_epochs,  # pretrain.resolve_train_iters
-            args.eval_interval, args.exit_interval, args.max_consecutive_overflows,  # loop.train
-            args.eval_iters, args.num_workers, args.seed, args.precision, args.seq_length,  # pretrain
-            BatchLayout.of(args, dp=1),  # pretrain's batch layout
-            args.compile_layers, args.zero_init)  # engine.build_engine
+    each where that code reads it: the loop is handed the frozen ``RunConfig.training`` (``training_run``),
+    whose loop keys are the arguments themselves."""
+    from megatron.neox_arguments.run_config import training_run
+
+    training = training_run(args)
+    loop = training.loop
+    return (loop.train_iters, loop.train_epochs,  # pretrain.resolve_train_iters
+            loop.eval_interval, loop.exit_interval, loop.max_consecutive_overflows,  # loop.train
+            loop.eval_iters, loop.num_workers, training.seed, training.precision, training.seq_length,  # pretrain
+            training.batch.on(dp=1),  # pretrain's batch layout
+            loop.compile_layers, loop.zero_init)  # engine.build_engine
 
 
 def _run_config(args: Any) -> object:

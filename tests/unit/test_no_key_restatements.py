@@ -18,10 +18,8 @@ from megatron.neox_arguments.arguments import NeoXArgs
 ROOT = Path(__file__).resolve().parents[2]
 
 NOT_YET_REMOVED = {
-    "megatron/data/batch.py:ResolvedBatch",
     "megatron/model/norms.py:NormSettings",  # norms.py may not name GPTConfig (import cycle): the registry's issue
     "megatron/mpu/parallel_config.py:ParallelRunArgs",
-    "megatron/training/config.py:TrainingRunArgs",
     "megatron/training/objectives/registry.py:_KTOCheckArgs",
 }
 
