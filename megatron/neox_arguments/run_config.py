@@ -21,7 +21,7 @@ from megatron.evaluation.config import EvalRun
 from megatron.logging.config import LoggingArgs
 from megatron.model.config import GPTConfig
 from megatron.model.lora_config import LoRAArgs
-from megatron.mpu.parallel_config import ParallelRunArgs
+from megatron.mpu.parallel_config import ParallelRun
 from megatron.tokenizer.config import TokenizerArgs
 from megatron.errors import ConfigError
 from megatron.training.activation_config import ActivationCheckpointArgs
@@ -59,9 +59,9 @@ class RunConfig:
             raise ConfigError("seq_length and the batch sizes must be resolved (launch through deepy.py)")
 
     @property
-    def parallel(self) -> ParallelRunArgs:
-        """The arguments, as the keys that split the run over ranks."""
-        return self.args
+    def parallel(self) -> ParallelRun:
+        """What splits the run over ranks: the parallel sizes and the rendezvous (:func:`parallel_run`)."""
+        return parallel_run(self.args)
 
     @property
     def model(self) -> GPTConfig:
@@ -167,3 +167,15 @@ def training_run(args: NeoXArgs) -> TrainingRun:
                       gas=args.gradient_accumulation_steps)
     return TrainingRun(loop=args, seq_length=_resolved(args.seq_length, "seq_length"), precision=args.precision,
                        seed=args.seed, batch=batch)
+
+
+def parallel_run(args: NeoXArgs) -> ParallelRun:
+    """The ranks' frozen split: the parallelism keys and the expert, model, backend and rendezvous values."""
+    return ParallelRun(model_parallel_size=args.model_parallel_size, pipe_parallel_size=args.pipe_parallel_size,
+                       pipe_stages=args.pipe_stages, uses_pipeline_module=args.uses_pipeline_module,
+                       pipe_partition_method=args.pipe_partition_method,
+                       context_parallel_size=args.context_parallel_size, world_size=args.world_size,
+                       sharding_group_size=args.sharding_group_size, sequence_parallel=args.sequence_parallel,
+                       moe_expert_parallel_size=args.moe_expert_parallel_size,
+                       distributed_backend=args.distributed_backend, master_addr=args.master_addr,
+                       master_port=args.master_port, deepspeed_slurm=args.deepspeed_slurm)

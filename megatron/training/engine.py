@@ -43,7 +43,7 @@ from megatron.deepspeed_internals import (
     skip_gradient_allreduce,
 )
 from megatron.errors import ConfigError
-from megatron.mpu.parallel_config import ParallelRunArgs
+from megatron.mpu.parallel_config import ParallelRun
 from megatron.logging.console import deepspeed_prints_quiet, is_verbose
 from megatron.logging.log import get_logger
 from megatron.model import GPTConfig, GPTModel, pipeline_layer_specs
@@ -317,7 +317,7 @@ def deepspeed_mpu() -> Any:
     return hybrid_shard.ShardGroupView() if hybrid_shard.is_hybrid() else mpu
 
 
-def build_model(config: GPTConfig, parallel: ParallelRunArgs, ckpt: ActivationCheckpointArgs,
+def build_model(config: GPTConfig, parallel: ParallelRun, ckpt: ActivationCheckpointArgs,
                 compile_layers: bool, objective: Objective,
                 lora: LoRAArgs | None = None, zero_init: dict[str, Any] | None = None,
                 device: torch.device | None = None) -> tuple[nn.Module, bool]:

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from megatron.logging.config import LoggingArgs
 from megatron.model.config import GPTConfig
 from megatron.model.lora_config import LoRAArgs
-from megatron.mpu.parallel_config import ParallelRunArgs
+from megatron.mpu.parallel_config import ParallelRun
 from megatron.tokenizer.config import TokenizerArgs
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.config import TrainingRun
@@ -27,7 +27,7 @@ class RunViews(Protocol):
     """The per-component views of one run's arguments that the engine and the estimate read."""
 
     @property
-    def parallel(self) -> ParallelRunArgs: ...
+    def parallel(self) -> ParallelRun: ...
     @property
     def model(self) -> GPTConfig: ...
     @property

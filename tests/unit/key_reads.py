@@ -144,13 +144,10 @@ def _run_config(args: Any) -> object:
 def _parallel(args: Any) -> object:
     """What each rank's start-up and the model builder ask of the keys that split the run over ranks
     (``initialize.initialize``/``init_distributed``, ``engine.build_model``, the memory estimate): the
-    rank is handed the arguments typed as ``ParallelRunArgs``."""
-    return (args.model_parallel_size, args.pipe_parallel_size, args.context_parallel_size,  # initialize
-            args.moe_expert_parallel_size, args.sharding_group_size,  # initialize: expert and shard groups
-            args.world_size, args.distributed_backend,
-            args.master_addr, args.master_port, args.deepspeed_slurm,  # init_distributed
-            args.uses_pipeline_module, args.pipe_partition_method,  # engine.build_model
-            args.pipe_stages, args.sequence_parallel)  # memory.MemoryLayout
+    rank is handed the frozen ``RunConfig.parallel`` (``parallel_run``), which reads them all."""
+    from megatron.neox_arguments.run_config import parallel_run
+
+    return parallel_run(args)
 
 
 def _launch(args: Any) -> object:

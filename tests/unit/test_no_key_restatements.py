@@ -19,7 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 NOT_YET_REMOVED = {
     "megatron/model/norms.py:NormSettings",  # norms.py may not name GPTConfig (import cycle): the registry's issue
-    "megatron/mpu/parallel_config.py:ParallelRunArgs",
 }
 
 
