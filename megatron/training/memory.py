@@ -252,7 +252,7 @@ def activation_bytes(layout: MemoryLayout) -> float:
     h, ffn = c.arch.hidden, c.ffn_hidden_size
     a = _BYTES[layout.precision]
     # RMSNorm normalises an fp32 copy of its input, which autograd keeps (torch's rms_norm saves it)
-    fp32_norm_input = 4 if norm_entry(c).keeps_fp32_input and a < 4 else 0
+    fp32_norm_input = 4 if norm_entry(c.norm_settings).keeps_fp32_input and a < 4 else 0
     kv = c.kv_heads * c.head_dim
     first = c.mlp_widths.first
     # tensors a layer keeps for its backward (elements per token): norm inputs and outputs are whole
