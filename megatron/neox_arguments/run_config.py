@@ -5,8 +5,9 @@ component its own part (``run.model``, ``run.data``, ...). No component sees the
 object typed as such, so what a component can do is exactly what its config type holds; the honesty test
 (``tests/unit/test_config_honesty.py``) checks that every supported key is read by a component (or a
 group's own methods), the DeepSpeed split or the launcher. Every component's keys are declared beside it,
-so each view is the argument object itself, typed as the component's group (or a protocol naming what it
-reads, when it also reads keys other components own), and the component reads its keys in its own methods.
+so a view is the argument object itself, typed as the component's group; a component that also reads keys
+other components own gets a frozen object declared beside it (``DataRun``, ``TrainingRun``, ``ParallelRun``)
+holding its group and those values, resolved here once (``data_run``, ``training_run``, ``parallel_run``).
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ if TYPE_CHECKING:
 class RunConfig:
     """The resolved arguments of one run and each component's typed view of them.
 
-    Holds no key of its own: every view below is the arguments object itself, typed as the group (or
-    protocol) of what that component reads, so a component's type says what it may read and nothing is
-    copied. Construction refuses arguments deepy.py has not resolved."""
+    Holds no key of its own: a view is the arguments object itself, typed as the component's group, or a
+    frozen object of that group and the shared values it reads, so a component's type says what it may
+    read. Construction refuses arguments deepy.py has not resolved."""
 
     args: NeoXArgs
     """The validated, resolved arguments (``resolved.args``)."""
@@ -52,16 +53,23 @@ class RunConfig:
     """Every resolved key as JSON (stored in checkpoints to describe the run; never read for settings)."""
     run_name: str | None = None
     """The name deepy.py gave the run (its directory under ``log_dir``); None: the ranks name it."""
+    parallel: ParallelRun = field(init=False, repr=False)
+    """What splits the run over ranks: the parallel sizes and the rendezvous (:func:`parallel_run`)."""
+    data: DataRun = field(init=False, repr=False)
+    """What the datasets read: the data keys and the shared ``seq_length``/``seed``/schedule/batch/
+    objective values (:func:`data_run`)."""
+    training: TrainingRun = field(init=False, repr=False)
+    """What the loop reads: its own keys and the shared ``seq_length``/``precision``/``seed``/batch sizes
+    (:func:`training_run`)."""
 
     def __post_init__(self) -> None:
         args = self.args
         if args.seq_length is None or args.train_batch_size is None or args.train_micro_batch_size_per_gpu is None:
             raise ConfigError("seq_length and the batch sizes must be resolved (launch through deepy.py)")
-
-    @property
-    def parallel(self) -> ParallelRun:
-        """What splits the run over ranks: the parallel sizes and the rendezvous (:func:`parallel_run`)."""
-        return parallel_run(self.args)
+        # the values other components declare, resolved once for the components that read them
+        object.__setattr__(self, "parallel", parallel_run(args))
+        object.__setattr__(self, "data", data_run(args))
+        object.__setattr__(self, "training", training_run(args))
 
     @property
     def model(self) -> GPTConfig:
@@ -73,18 +81,6 @@ class RunConfig:
     def tokenizer(self) -> TokenizerArgs:
         """The arguments, as the tokenizer's keys."""
         return self.args
-
-    @property
-    def data(self) -> DataRun:
-        """What the datasets read: the data keys and the shared ``seq_length``/``seed``/schedule/batch/
-        objective values, resolved (:func:`data_run`)."""
-        return data_run(self.args)
-
-    @property
-    def training(self) -> TrainingRun:
-        """What the loop reads: its own keys and the shared ``seq_length``/``precision``/``seed``/batch
-        sizes, resolved (:func:`training_run`)."""
-        return training_run(self.args)
 
     @property
     def optimizer_config(self) -> OptimizerArgs:
