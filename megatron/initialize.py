@@ -20,7 +20,7 @@ import torch
 from megatron.deepspeed_internals import defer_muon_kernel_compiles, skip_shared_memory_comm_op
 from megatron.errors import ConfigError
 from megatron.launcher.environment import distributed_env, hidden_gpus_problem
-from megatron.mpu.parallel_config import ParallelRunArgs
+from megatron.mpu.parallel_config import ParallelRun
 from megatron.mpu import Coordinates, initialize_model_parallel
 from megatron.mpu.experts import initialize_expert_parallel
 from megatron.mpu.hybrid_shard import initialize_hybrid_shard
@@ -53,7 +53,7 @@ def set_seeds(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def init_distributed(parallel: ParallelRunArgs) -> None:
+def init_distributed(parallel: ParallelRun) -> None:
     """Join the process group described by the environment (idempotent)."""
     import deepspeed
 
@@ -91,7 +91,7 @@ def init_distributed(parallel: ParallelRunArgs) -> None:
     )
 
 
-def initialize(parallel: ParallelRunArgs, seed: int, announce: bool = False) -> Coordinates:
+def initialize(parallel: ParallelRun, seed: int, announce: bool = False) -> Coordinates:
     """Distributed start-up for one rank; returns (and with ``announce`` prints) where this rank sits
     in the grid."""
     from megatron.launcher.watchdog import start_launcher_watchdog

@@ -11,7 +11,9 @@ registry on first use.
 * ``value_head`` — the model ends in a scalar head instead of the LM head;
 * ``reference`` — the loss reads a reference model's log-probs;
 * ``documents`` — packed samples hold several documents, so the document-mask keys
-  (``reset_attention_mask``, ``reset_position_ids``) apply.
+  (``reset_attention_mask``, ``reset_position_ids``) apply;
+* ``min_micro_batch`` — samples one micro-batch must hold, for an objective whose loss compares the
+  samples of a micro-batch with each other (refused before launch where the batch is solved).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class ObjectiveNeeds:
     value_head: bool = False
     reference: bool = False
     documents: bool = False
+    min_micro_batch: int = 1
 
 
 def needs_of(train_impl: str) -> ObjectiveNeeds:

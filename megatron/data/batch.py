@@ -7,17 +7,16 @@ data-parallel size the launch will have, reports its :class:`BatchError` as the 
 and records the layout's three numbers in the resolved config (provenance ``derived`` for those the
 user left out, so ``--dry-run`` shows them); the DeepSpeed config is split from those recorded numbers.
 
-On the ranks nothing is solved or checked again: :meth:`BatchLayout.of` reads the resolved micro batch
-and accumulation with the real data-parallel size, and the sampler, the evaluator and the loop read the
-global batch off that one object (``global_size`` is the product, so the three cannot disagree).
+On the ranks nothing is solved or checked again: ``RunConfig`` reads the resolved micro batch and
+accumulation once into a :class:`RankBatch`, :meth:`RankBatch.on` adds the real data-parallel size, and
+the sampler, the evaluator and the loop read the global batch off that one object (``global_size`` is
+the product, so the three cannot disagree).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
-
 from megatron.errors import ConfigError
 
 
@@ -52,22 +51,20 @@ class BatchLayout:
         return {"train_micro_batch_size_per_gpu": self.micro, "batch_size": self.micro,
                 "gradient_accumulation_steps": self.gas, "train_batch_size": self.global_size}
 
-    @classmethod
-    def of(cls, resolved: ResolvedBatch, dp: int) -> BatchLayout:
-        """The layout a resolved config describes, on ``dp`` data-parallel ranks (the ranks' view:
-        :func:`solve_batch` filled in and checked these keys before launch)."""
-        if resolved.train_micro_batch_size_per_gpu is None:
-            raise ConfigError("the batch sizes must be resolved (launch through deepy.py)")
-        return cls(micro=resolved.train_micro_batch_size_per_gpu, gas=resolved.gradient_accumulation_steps, dp=dp)
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankBatch:
+    """The per-rank half of a resolved config's layout (``solve_batch`` filled in and checked it before
+    launch): built once above (``RunConfig``) and handed down; the data-parallel size comes with the ranks."""
 
-class ResolvedBatch(Protocol):
-    """The batch keys a resolved config holds (``NeoXArgs`` has them)."""
+    micro: int
+    """Samples per data-parallel rank in one forward/backward (``train_micro_batch_size_per_gpu``)."""
+    gas: int
+    """Micro-batches accumulated before each optimizer step (``gradient_accumulation_steps``)."""
 
-    @property
-    def train_micro_batch_size_per_gpu(self) -> int | None: ...
-    @property
-    def gradient_accumulation_steps(self) -> int: ...
+    def on(self, dp: int) -> BatchLayout:
+        """The run's layout on ``dp`` data-parallel ranks; nothing is solved or checked again."""
+        return BatchLayout(micro=self.micro, gas=self.gas, dp=dp)
 
 
 def solve_batch(micro: int | None, gas: int | None, total: int | None, dp: int,

@@ -1,5 +1,5 @@
 """``build_datasets(config)``: the train/valid/test datasets a run reads, from its data keys
-(:class:`~megatron.data.config.DataRunArgs`: the argument object itself).
+(:class:`~megatron.data.config.DataRun`: the data keys and the shared values, resolved once).
 
 Sources, in order of precedence:
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron.data.config import SPLITS, DataRunArgs
+from megatron.data.config import SPLITS, DataRun
 from megatron.data.blendable_dataset import BlendedDataset, cached_blend_index, samples_per_dataset, weights_by_num_documents
 from megatron.data.dummy_dataset import DummyDataset, DummyKind
 from megatron.data.gpt_dataset import GPTDataset
@@ -34,7 +34,7 @@ from megatron.data.reference_logprobs import open_reference_logprobs
 from megatron.data.reward_dataset import RewardDataset
 from megatron.data.sft_dataset import SFTDataset
 from megatron.data.token_range import TokenRangeChecked
-from megatron.errors import ConfigError, DataError, required
+from megatron.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +68,12 @@ def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
     return [(int(bounds[i]), int(bounds[i + 1])) for i in range(3)]
 
 
-def samples_needed(config: DataRunArgs) -> tuple[int, int, int]:
-    """Samples each split must provide for the planned schedule (train from train_iters only)."""
-    g = required(config.train_batch_size, "train_batch_size", "the splits are sized in batches")
-    iters = config.train_iters or 0
-    eval_iters = config.eval_iters
-    interval = config.eval_interval or max(iters, 1)
+def samples_needed(global_batch: int, train_iters: int | None, eval_iters: int, eval_interval: int) -> tuple[int, int, int]:
+    """Samples each split must provide for the planned schedule (train from ``train_iters`` only):
+    ``global_batch`` samples per step, ``eval_iters`` batches every ``eval_interval`` steps and once at the end."""
+    g = global_batch
+    iters = train_iters or 0
+    interval = eval_interval or max(iters, 1)
     train = iters * g
     valid = (iters // interval + 1) * eval_iters * g if eval_iters else 0
     test = eval_iters * g
@@ -122,16 +122,16 @@ class Component:
 
 
 class _Builder:
-    def __init__(self, config: DataRunArgs, tokenizer: Any, rows: int) -> None:
+    def __init__(self, config: DataRun, tokenizer: Any, rows: int) -> None:
         """``rows``: the embedding's rows (the padded vocabulary); a sample with a token id beyond them is
         refused by name (``token_range.py``)."""
         self.config = config
         self.rows = rows
         self.seq_length = config.seq_length
         self.seed = config.seed
-        self.pack_impl = config.pack_impl
-        self.allow_chopped = config.allow_chopped
-        self.cache_dir = config.cache_dir
+        self.pack_impl = config.keys.pack_impl
+        self.allow_chopped = config.keys.allow_chopped
+        self.cache_dir = config.keys.cache_dir
         self.pad_id = int(getattr(tokenizer, "pad", 0) or 0) if tokenizer is not None else 0
 
     def component(self, name: str, c: Component, num_samples: int) -> Any:
@@ -166,8 +166,8 @@ class _Builder:
             return None
         if len(comps) == 1:
             return self.component(name, comps[0], num_samples)
-        if self.config.weight_by_num_documents:
-            w = weights_by_num_documents([c.num_documents() for c in comps], self.config.weighted_sampler_alpha)
+        if self.config.keys.weight_by_num_documents:
+            w = weights_by_num_documents([c.num_documents() for c in comps], self.config.keys.weighted_sampler_alpha)
         elif weights is not None:
             if len(weights) != len(comps):
                 raise ConfigError(f"{name}_data_weights has {len(weights)} entries for {len(comps)} datasets")
@@ -181,15 +181,15 @@ class _Builder:
         return BlendedDataset(parts, w, num_samples, index=index)
 
 
-def _components_for_split(config: DataRunArgs, split: str) -> list[Component] | None:
+def _components_for_split(config: DataRun, split: str) -> list[Component] | None:
     """Explicit per-split paths (``train_data_paths``..., ``pos_train_data_paths``...)."""
-    pos = config.path_list(f"pos_{split}_data_paths")
+    pos = config.keys.path_list(f"pos_{split}_data_paths")
     if pos:
-        neg = config.path_list(f"neg_{split}_data_paths") or []
+        neg = config.keys.path_list(f"neg_{split}_data_paths") or []
         if len(neg) != len(pos):
             raise ConfigError(f"neg_{split}_data_paths must list one rejected dataset per pos_{split}_data_paths entry")
-        pos_l = config.path_list(f"pos_{split}_label_data_paths")
-        neg_l = config.path_list(f"neg_{split}_label_data_paths")
+        pos_l = config.keys.path_list(f"pos_{split}_label_data_paths")
+        neg_l = config.keys.path_list(f"neg_{split}_label_data_paths")
         comps = []
         for i, (p, n) in enumerate(zip(pos, neg)):
             roles = {"chosen": p, "rejected": n}
@@ -199,11 +199,11 @@ def _components_for_split(config: DataRunArgs, split: str) -> list[Component] | 
                 roles["rejected_label"] = neg_l[i]
             comps.append(Component(roles))
         return comps
-    paths = config.path_list(f"{split}_data_paths")
+    paths = config.keys.path_list(f"{split}_data_paths")
     if not paths:
         return None
-    labels = config.path_list(f"{split}_label_data_paths")
-    rewards = config.path_list(f"{split}_reward_data_paths")
+    labels = config.keys.path_list(f"{split}_label_data_paths")
+    rewards = config.keys.path_list(f"{split}_reward_data_paths")
     for key, extra in ((f"{split}_label_data_paths", labels), (f"{split}_reward_data_paths", rewards)):
         if extra is not None and len(extra) != len(paths):
             raise ConfigError(f"{key} must have one entry per {split}_data_paths entry ({len(paths)})")
@@ -227,26 +227,26 @@ def _train_samples_from_epochs(builder: _Builder, comps: list[Component], epochs
     return max(g, (epochs * per_epoch) // g * g)
 
 
-def _read_shard_directory(c: Component, builder: _Builder, config: DataRunArgs, vocab: int) -> Component:
+def _read_shard_directory(c: Component, builder: _Builder, config: DataRun, vocab: int) -> Component:
     """A ``text`` path that is a directory holds fms-fsdp's token shards: read it once into a dataset."""
     path = c.roles.get("text")
     if path is None or not os.path.isdir(path):
         return c
     from megatron.data.token_shards import materialize_shards  # pyarrow, only for shard directories
 
-    prefix = materialize_shards(path, builder.cache_dir, file_type=config.shard_file_type, column=config.shard_column,
-                                tokenizer_dir=config.shard_tokenizer, eos=config.shard_eos_token,
-                                bos=config.shard_bos_token, strip=config.shard_strip_tokens, vocab_size=vocab)
+    prefix = materialize_shards(path, builder.cache_dir, file_type=config.keys.shard_file_type, column=config.keys.shard_column,
+                                tokenizer_dir=config.keys.shard_tokenizer, eos=config.keys.shard_eos_token,
+                                bos=config.keys.shard_bos_token, strip=config.keys.shard_strip_tokens, vocab_size=vocab)
     return Component({**c.roles, "text": prefix}, c.doc_range)
 
 
-def _dummy_kind(config: DataRunArgs) -> DummyKind:
+def _dummy_kind(config: DataRun) -> DummyKind:
     if config.wants_pairs:
         return "pairwise"
     return "reward" if config.objective_dataset == "reward" else "lm"
 
 
-def _check_matches_train_impl(config: DataRunArgs, per_split: dict[str, list[Component] | None]) -> None:
+def _check_matches_train_impl(config: DataRun, per_split: dict[str, list[Component] | None]) -> None:
     """The data must carry what the objective reads; say which keys to set when it does not."""
     impl = config.train_impl
     for split, comps in per_split.items():
@@ -260,17 +260,18 @@ def _check_matches_train_impl(config: DataRunArgs, per_split: dict[str, list[Com
                                   "(written by tools/datasets/preprocess_data_with_mask.py --mode reward)")
 
 
-def build_datasets(config: DataRunArgs, tokenizer: Any, padded_vocab_size: int) -> DataSplits:
+def build_datasets(config: DataRun, tokenizer: Any, padded_vocab_size: int) -> DataSplits:
     """Train/valid/test datasets; each is indexable by global sample and returns numpy dicts.
 
     ``tokenizer`` tokenizes ``train_urls`` and gives the pad id; ``padded_vocab_size`` bounds the
     random tokens of the dummy dataset and the token ids a sample of the files may hold.
     """
-    train_n, valid_n, test_n = samples_needed(config)
-    if config.use_dummy_dataset:
-        seq = required(config.seq_length, "seq_length", "every dummy sample is this long")
-        seed, kind, pattern = config.seed, _dummy_kind(config), config.dummy_data
-        vocab = config.dummy_data_vocab_size or padded_vocab_size
+    train_n, valid_n, test_n = samples_needed(config.train_batch_size, config.train_iters, config.eval_iters,
+                                              config.eval_interval)
+    if config.keys.use_dummy_dataset:
+        seq = config.seq_length
+        seed, kind, pattern = config.seed, _dummy_kind(config), config.keys.dummy_data
+        vocab = config.keys.dummy_data_vocab_size or padded_vocab_size
         if vocab > padded_vocab_size:
             raise ConfigError(f"dummy_data_vocab_size={vocab} exceeds the {padded_vocab_size} embedding rows")
         make = lambda n, s: DummyDataset(n, seq, vocab, seed + s, kind, pattern) if n > 0 else None  # noqa: E731
@@ -278,20 +279,20 @@ def build_datasets(config: DataRunArgs, tokenizer: Any, padded_vocab_size: int) 
 
     builder = _Builder(config, tokenizer, padded_vocab_size)
     per_split: dict[str, list[Component] | None] = {}
-    if config.train_urls or config.validation_urls:
+    if config.keys.train_urls or config.keys.validation_urls:
         from megatron.data.url_sources import materialize_urls  # tokenizes on first use only
 
-        for split, urls in (("train", config.train_urls), ("valid", config.validation_urls)):
+        for split, urls in (("train", config.keys.train_urls), ("valid", config.keys.validation_urls)):
             per_split[split] = [Component({"text": materialize_urls(urls, builder.cache_dir, tokenizer)})] if urls else None
         per_split["test"] = None
     elif any(_components_for_split(config, s) for s in SPLITS):
         per_split = {s: _components_for_split(config, s) for s in SPLITS}
-    elif config.data_path:
-        prefixes = _as_list(config.data_path) or []
+    elif config.keys.data_path:
+        prefixes = _as_list(config.keys.data_path) or []
         found: dict[str, list[Component]] = {s: [] for s in SPLITS}
         for prefix in prefixes:
             n = len(_open(prefix))
-            for s, rng in zip(SPLITS, split_ranges(config.split, n)):
+            for s, rng in zip(SPLITS, split_ranges(config.keys.split, n)):
                 if rng[1] > rng[0]:
                     found[s].append(Component({"text": prefix}, rng))
         per_split = {**found}
@@ -304,13 +305,12 @@ def build_datasets(config: DataRunArgs, tokenizer: Any, padded_vocab_size: int) 
     _check_matches_train_impl(config, per_split)
     train = per_split.get("train")
     if not config.train_iters and config.train_epochs and train:
-        train_n = _train_samples_from_epochs(builder, train, config.train_epochs, required(
-            config.train_batch_size, "train_batch_size", "train_epochs counts whole global batches"))
+        train_n = _train_samples_from_epochs(builder, train, config.train_epochs, config.train_batch_size)
     if train_n > 0 and not per_split.get("train"):
         raise DataError("the train split is empty: check `split` and the data paths")
-    if config.mmap_warmup:
+    if config.keys.mmap_warmup:
         warm_up({prefix for comps in per_split.values() for c in comps or [] for prefix in c.roles.values()})
-    weights = {s: config.split_weights(s) for s in SPLITS}
+    weights = {s: config.keys.split_weights(s) for s in SPLITS}
     datasets = {}
     for s, n in zip(SPLITS, (train_n, valid_n, test_n)):
         comps = per_split.get(s) or []

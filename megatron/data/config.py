@@ -5,19 +5,18 @@ Declared here, beside the datasets that read them (:func:`megatron.data.build.bu
 argument object (``NeoXArgs``) is composed of :class:`DataArgs`. The data also reads keys declared by
 their owners (``seq_length`` with the model, ``seed`` with the process keys, ``train_iters``/``eval_*``
 with the loop, ``train_batch_size`` with DeepSpeed's, ``train_impl``/``reference_logps`` with the
-objective): :class:`DataRunArgs` names everything the datasets read, and the trainer hands
-``build_datasets`` the argument object typed as that (``RunConfig.data``), not a copy.
+objective): :class:`DataRun` holds the data keys (the arguments typed as :class:`DataArgs`) with those
+values, resolved once (``RunConfig.data``), and the trainer hands ``build_datasets`` that frozen object.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import Field
 
 from megatron.config_schema import ArgGroup, partly_supported
-from megatron.data.dummy_dataset import DummyPattern
-from megatron.data.sample_index import PackImpl
 from megatron.objective_needs import needs_of, reads_reference_files
 
 SPLITS = ("train", "valid", "test")
@@ -181,7 +180,7 @@ class DataArgs(ArgGroup):
     """Ids removed from the start and end of each shard document, with shard_eos_token and
     shard_bos_token, before they are added back (fms-fsdp's strip_tokens)."""
 
-    # ---- what the datasets ask of these keys (and of the objective's, declared with it) ----
+    # ---- what the datasets ask of these keys ----
 
     def path_list(self, key: str) -> list[str] | None:
         """The list a per-split path key (one of :data:`PATH_KEYS`) holds; None when unset or empty."""
@@ -195,94 +194,47 @@ class DataArgs(ArgGroup):
         document counts)."""
         return getattr(self, f"{split}_data_weights")
 
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataRun:
+    """Everything :func:`~megatron.data.build.build_datasets` reads: the data keys (``keys``, the
+    arguments object typed as :class:`DataArgs`) and the values of keys other components declare,
+    resolved once above (``neox_arguments/run_config.py``: ``RunConfig.data``)."""
+
+    keys: DataArgs
+    """The data keys: which files, how they are blended, split and packed."""
+    seq_length: int
+    """Tokens per sample (each holds ``seq_length + 1``), declared with the model."""
+    seed: int
+    """Seeds the sample order (the process keys')."""
+    train_batch_size: int
+    """Samples per optimizer step over all ranks (the splits are sized in global batches)."""
+    train_iters: int | None
+    """The loop's optimizer steps; None: ``train_epochs`` sizes the train split."""
+    train_epochs: int | None
+    """Passes over the train split instead of ``train_iters``."""
+    eval_iters: int
+    """Batches per evaluation (the validation and test splits are sized by it)."""
+    eval_interval: int
+    """Steps between evaluations."""
+    train_impl: str
+    """The objective (its plug-in's ``needs`` say which dataset kind it reads)."""
+    reference_logps: str | None
+    """DPO's precomputed reference log-probs (the objective's key)."""
+
     @property
-    def objective_dataset(self: DataRunArgs) -> str:
+    def objective_dataset(self) -> str:
         """What the objective reads (its plug-in's ``needs``): ``lm``, ``pairwise`` or ``reward``."""
         return needs_of(self.train_impl).dataset
 
     @property
-    def wants_pairs(self: DataRunArgs) -> bool:
+    def wants_pairs(self) -> bool:
         """Chosen/rejected pairs (DPO, reward models) rather than single texts."""
-        return self.dataset_impl == "pairwise" or self.objective_dataset == "pairwise"
+        return self.keys.dataset_impl == "pairwise" or self.objective_dataset == "pairwise"
 
     @property
-    def reference_model(self: DataRunArgs) -> str | None:
+    def reference_model(self) -> str | None:
         """DPO's ``reference_logps``: preference pairs also carry the reference log-probs written next to
         each chosen/rejected dataset as ``<prefix>_<reference_model>`` by ``generate.py`` precompute;
         None when the objective reads no such files."""
         return self.reference_logps if reads_reference_files(self.train_impl) else None
-
-
-class DataRunArgs(Protocol):
-    """Everything :func:`~megatron.data.build.build_datasets` reads: the data keys
-    (:class:`DataArgs`, the per-split lists through :meth:`DataArgs.path_list`) and the shared ones,
-    resolved (``RunConfig`` refuses an unresolved ``seq_length`` or batch size). Read-only,
-    so any object holding these attributes (``NeoXArgs``) satisfies it."""
-
-    @property
-    def data_path(self) -> str | None: ...
-    @property
-    def split(self) -> str: ...
-    @property
-    def weight_by_num_documents(self) -> bool: ...
-    @property
-    def weighted_sampler_alpha(self) -> float: ...
-    @property
-    def pack_impl(self) -> PackImpl: ...
-    @property
-    def allow_chopped(self) -> bool: ...
-    @property
-    def dataset_impl(self) -> str: ...
-    @property
-    def mmap_warmup(self) -> bool: ...
-    @property
-    def use_dummy_dataset(self) -> bool: ...
-    @property
-    def train_urls(self) -> list[str] | None: ...
-    @property
-    def validation_urls(self) -> list[str] | None: ...
-    @property
-    def cache_dir(self) -> str | None: ...
-    @property
-    def dummy_data(self) -> DummyPattern: ...
-    @property
-    def dummy_data_vocab_size(self) -> int | None: ...
-    @property
-    def shard_file_type(self) -> str: ...
-    @property
-    def shard_column(self) -> str: ...
-    @property
-    def shard_tokenizer(self) -> str | None: ...
-    @property
-    def shard_eos_token(self) -> int: ...
-    @property
-    def shard_bos_token(self) -> int | None: ...
-    @property
-    def shard_strip_tokens(self) -> list[int]: ...
-    @property
-    def seq_length(self) -> int | None: ...
-    @property
-    def seed(self) -> int: ...
-    @property
-    def train_batch_size(self) -> int | None: ...
-    @property
-    def train_iters(self) -> int | None: ...
-    @property
-    def train_epochs(self) -> int | None: ...
-    @property
-    def eval_iters(self) -> int: ...
-    @property
-    def eval_interval(self) -> int: ...
-    @property
-    def train_impl(self) -> str: ...
-    @property
-    def reference_logps(self) -> str | None: ...
-    @property
-    def wants_pairs(self) -> bool: ...
-    @property
-    def objective_dataset(self) -> str: ...
-    @property
-    def reference_model(self) -> str | None: ...
-
-    def path_list(self, key: str) -> list[str] | None: ...
-    def split_weights(self, split: str) -> list[float] | None: ...

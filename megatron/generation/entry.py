@@ -96,7 +96,7 @@ def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
         module, step = _engine_module(run, model_config, ckpt, padded_vocab, script, reason)
     else:
         module, is_pipe = build_model(model_config, run.parallel, run.activation_config,
-                                      run.training.compile_layers, LMObjective(ObjectiveArgs()),
+                                      run.training.loop.compile_layers, LMObjective(ObjectiveArgs()),
                                       run.lora if run.lora.lora_enabled else None)
         weights, step = read_weights(ckpt, model_config)
         load_full_weights(module, model_config, weights, tp=topology.get_tensor_model_parallel_world_size(),
@@ -115,7 +115,7 @@ def _engine_module(run: RunConfig, model_config: GPTConfig, ckpt: Path, padded_v
     from megatron.training.engine import build_engine
 
     get_logger().info("%s: loading %s through the training engine (%s)", script, ckpt, reason)
-    eng = build_engine(run, model_config, train_iters=run.training.train_iters or 1)
+    eng = build_engine(run, model_config, train_iters=run.training.loop.train_iters or 1)
     step = load_committed_weights(eng.engine, ckpt, {**run.args_record, "padded_vocab_size": padded_vocab}, script)
     return eng.engine.module, step
 

@@ -63,8 +63,8 @@ class SelfAttention(nn.Module):
         )
         if config.use_qk_layernorm:
             # one norm over the head dim, shared by all heads; heads are split, so grads are partial
-            self.q_norm: nn.Module | None = build_norm(config, self.head_dim)
-            self.k_norm: nn.Module | None = build_norm(config, self.head_dim)
+            self.q_norm: nn.Module | None = build_norm(config.norm_settings, self.head_dim)
+            self.k_norm: nn.Module | None = build_norm(config.norm_settings, self.head_dim)
             mark_partial_over_tensor_parallel([*self.q_norm.parameters(), *self.k_norm.parameters()])
         else:
             self.q_norm = self.k_norm = None

@@ -28,6 +28,7 @@ from megatron.config_support import KNOWN_ATTENTION_TYPES
 from megatron.errors import ConfigError
 from megatron.model.activations import is_gated
 from megatron.model.mlp_width import MLPWidths, expert_width
+from megatron.model.norms import NormSettings
 from megatron.model.family_config import FAMILY_OF_TYPE, FamilyName, expand_layer_types, family_of
 from megatron.model.moe_config import MoEArgs
 from megatron.model.transformer_options import ATTENTION_TYPES, MLP_TYPES, POSITIONAL
@@ -443,6 +444,13 @@ class GPTConfig(MoEArgs):
         import torch
 
         return getattr(torch, _DTYPE_NAMES[self.precision or "fp32"])
+
+    @property
+    def norm_settings(self) -> NormSettings:
+        """What the ``norm`` entry builds and counts from (its epsilons, bias and dtype), as plain values."""
+        return NormSettings(norm=self.norm, hidden_size=self.hidden_size, layernorm_epsilon=self.layernorm_epsilon,
+                            rms_norm_epsilon=self.rms_norm_epsilon, scalenorm_epsilon=self.scalenorm_epsilon,
+                            use_bias_in_norms=self.use_bias_in_norms, dtype_name=_DTYPE_NAMES[self.precision or "fp32"])
 
     @property
     def arch(self) -> Architecture:

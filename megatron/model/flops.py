@@ -11,18 +11,20 @@ from __future__ import annotations
 from megatron.errors import required
 from megatron.model import family_config as families
 from megatron.model.config import GPTConfig
-from megatron.model.norms import NormSettings, norm_entry
+from megatron.model.norms import norm_entry
 from megatron.model.transformer_options import POSITIONAL, expert_parameters, layer_norms
 
 
-def norm_parameters(config: NormSettings, dim: int) -> int:
+def norm_parameters(config: GPTConfig, dim: int) -> int:
     """Parameters of one of the config's norms over ``dim`` features (its registry entry's count)."""
-    return norm_entry(config).parameters(dim, config)
+    settings = config.norm_settings
+    return norm_entry(settings).parameters(dim, settings)
 
 
 def _norm(config: GPTConfig) -> families.NormParams:
-    entry = norm_entry(config)
-    return lambda dim: entry.parameters(dim, config)
+    settings = config.norm_settings
+    entry = norm_entry(settings)
+    return lambda dim: entry.parameters(dim, settings)
 
 
 def mlp_parameters(config: GPTConfig, expert: bool = False) -> int:
@@ -98,7 +100,7 @@ def flops_per_token(config: GPTConfig, seq_length: int | None = None) -> float:
     s = required(config.seq_length, "seq_length", "FLOPs per token depend on it") if seq_length is None else seq_length
     h = config.arch.hidden
     layers = sum(layer_flops_per_token(config, i, s) for i in range(config.arch.layers))
-    final_norm = norm_entry(config).flops_per_token(h, config)
+    final_norm = norm_entry(config.norm_settings).flops_per_token(h, config.norm_settings)
     output = h if config.value_head else config.vocab * h  # tied or not
     return layers + final_norm + 6.0 * output
 

@@ -146,7 +146,7 @@ class SpatialGatingUnit(nn.Module):
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
         self.ff = ff
-        self.norm = build_norm(config, ff // tp)
+        self.norm = build_norm(config.norm_settings, ff // tp)
         for p in self.norm.parameters():
             if p.numel() == ff // tp:
                 set_tensor_model_parallel_attributes(p, True, 0)
@@ -205,7 +205,7 @@ class GMLPBlock(Block):
         self.layer_number = layer_number
         shape = gmlp_shape(config, config.attention_types[layer_number])
         ff = shape.ff
-        self.norm = build_norm(config)
+        self.norm = build_norm(config.norm_settings)
         self.input_linear = _ColumnWithoutBias(
             config.arch.hidden, 2 * ff, name=f"{name}.input_linear", init_fn=config.init_fn(), seed=config.seed,
             sections=[ff, ff], sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)

@@ -32,7 +32,7 @@ def build_output_layer(config: GPTConfig) -> ColumnParallelLinear:
 
 
 def build_final_norm(config: GPTConfig) -> nn.Module:
-    norm = build_norm(config)
+    norm = build_norm(config.norm_settings)
     if config.sequence_parallel:
         mark_partial_over_tensor_parallel(norm.parameters())  # it sees a sequence shard
     return norm

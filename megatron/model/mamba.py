@@ -190,7 +190,7 @@ class MambaLayer(Block):
     def __init__(self, config: GPTConfig, layer_number: int) -> None:
         super().__init__()
         self.layer_number = layer_number
-        self.norm = build_norm(config)
+        self.norm = build_norm(config.norm_settings)
         self.mixer = MambaMixer(config, f"layers.{layer_number}.mixer")
         if config.sequence_parallel and get_tensor_model_parallel_world_size() > 1:
             mark_partial_over_tensor_parallel(self.norm.parameters())  # it sees a sequence shard

@@ -7,15 +7,16 @@ its input for the backward (the memory estimate). No torch import: the builders 
 (the modules torch lacks are in ``norm_layers.py``), so the launcher and ``--dry-run`` count without it.
 
 Parameters are constants at init (ones/zeros), so they are layout-independent without a seed.
-The builders read the few settings they need through :class:`NormSettings` (``GPTConfig`` has them),
-so this registry sits below the model config, whose ``norm`` key accepts its names.
+The builders read the few values they need from a frozen :class:`NormSettings` that the model config
+builds (``GPTConfig.norm_settings``), so this registry sits below the model config, whose ``norm`` key
+accepts its names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from megatron.errors import required
 from megatron.model.option_registry import OptionRegistry
@@ -25,23 +26,29 @@ if TYPE_CHECKING:
     from torch import nn
 
 
-class NormSettings(Protocol):
-    """What the norm builders read from the model config (read-only: the config is frozen)."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NormSettings:
+    """The plain values the norm builders read, built by the model config (``GPTConfig.norm_settings``),
+    which sits above this registry."""
+
+    norm: str
+    """The ``norm`` key: which registry entry."""
+    hidden_size: int | None
+    """Features of a norm built without an explicit ``dim``."""
+    layernorm_epsilon: float
+    rms_norm_epsilon: float
+    scalenorm_epsilon: float
+    use_bias_in_norms: bool
+    dtype_name: str
+    """torch's name of the weights' dtype (``float32``, ``bfloat16``, ``float16``): no torch import to count."""
 
     @property
-    def norm(self) -> str: ...
-    @property
-    def hidden_size(self) -> int | None: ...
-    @property
-    def layernorm_epsilon(self) -> float: ...
-    @property
-    def rms_norm_epsilon(self) -> float: ...
-    @property
-    def scalenorm_epsilon(self) -> float: ...
-    @property
-    def use_bias_in_norms(self) -> bool: ...
-    @property
-    def params_dtype(self) -> torch.dtype: ...
+    def params_dtype(self) -> torch.dtype:
+        """The dtype the weights are created in."""
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype_name)
+        return dtype
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

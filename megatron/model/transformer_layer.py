@@ -28,10 +28,10 @@ class TransformerLayer(Block):
         name = f"layers.{layer_number}"
         self.layer_number = layer_number
         self.gpt_j_residual = config.gpt_j_residual
-        self.input_layernorm = build_norm(config)
+        self.input_layernorm = build_norm(config.norm_settings)
         self.attention = SelfAttention(config, f"{name}.attention", layer_number)
         shared_norm = config.gpt_j_residual and config.gpt_j_tied
-        self.post_attention_layernorm = None if shared_norm else build_norm(config)
+        self.post_attention_layernorm = None if shared_norm else build_norm(config.norm_settings)
         # a mixture of experts replaces the MLP in every moe_expert_interval-th block
         moe = config.is_moe_layer(layer_number)
         self.mlp = MoELayer(config, f"{name}.mlp", layer_number) if moe else MLP(config, f"{name}.mlp")

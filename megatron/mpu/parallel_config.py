@@ -6,13 +6,14 @@ Declared here, beside the process groups that read them (``megatron/initialize.p
 of ``megatron/mpu/topology.py`` from them); the one argument object (``NeoXArgs``) is composed of this
 class. Start-up also reads keys declared with their owners (the expert split with the MoE keys, the
 backend and the Slurm switch with the process keys, the rendezvous with DeepSpeed's runner keys):
-:class:`ParallelRunArgs` names everything it reads, and each rank hands it the argument object typed as
-that.
+:class:`ParallelRun` holds everything it reads as plain values, built once above (``RunConfig.parallel``)
+and handed to each rank's start-up.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import Field
 
@@ -22,39 +23,40 @@ from megatron.config_schema import ArgGroup
 Backend = Literal["nccl", "gloo", "mpi"]
 
 
-class ParallelRunArgs(Protocol):
-    """Every key a rank's start-up and the model builder read to split the run over ranks: the
-    parallelism keys (:class:`ParallelismArgs`) and the shared ones declared by their owners. Read-only
-    properties, so any object holding these attributes (``NeoXArgs``) satisfies it."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelRun:
+    """Everything a rank's start-up and the model builder read to split the run over ranks: the
+    parallelism keys (:class:`ParallelismArgs`) and the shared ones declared by their owners, as plain
+    values resolved once above (``RunConfig.parallel``)."""
 
-    @property
-    def model_parallel_size(self) -> int: ...
-    @property
-    def pipe_parallel_size(self) -> int: ...
-    @property
-    def pipe_partition_method(self) -> str: ...
-    @property
-    def sequence_parallel(self) -> bool: ...
-    @property
-    def context_parallel_size(self) -> int: ...
-    @property
-    def world_size(self) -> int | None: ...
-    @property
-    def uses_pipeline_module(self) -> bool: ...
-    @property
-    def pipe_stages(self) -> int: ...
-    @property
-    def moe_expert_parallel_size(self) -> int: ...
-    @property
-    def sharding_group_size(self) -> int | None: ...
-    @property
-    def distributed_backend(self) -> Backend | None: ...
-    @property
-    def master_addr(self) -> str | None: ...
-    @property
-    def master_port(self) -> int: ...
-    @property
-    def deepspeed_slurm(self) -> bool: ...
+    model_parallel_size: int
+    """Tensor-parallel degree."""
+    pipe_parallel_size: int
+    """Pipeline stages as configured (0: a plain module)."""
+    pipe_stages: int
+    """Pipeline stages, counting a plain module as one (:attr:`ParallelismArgs.pipe_stages`)."""
+    uses_pipeline_module: bool
+    """Built as DeepSpeed's PipelineModule (:attr:`ParallelismArgs.uses_pipeline_module`)."""
+    pipe_partition_method: str
+    """How layers are spread over the pipeline stages."""
+    context_parallel_size: int
+    """Ranks each sequence is split over."""
+    world_size: int | None
+    """Total ranks, as the launch recorded it (None: not recorded)."""
+    sharding_group_size: int | None
+    """Data-parallel ranks per ZeRO-3 shard group (``sharding_strategy: hsdp``); None: no hybrid sharding."""
+    sequence_parallel: bool
+    """Activations split over the tensor-parallel ranks between layers (the model's key)."""
+    moe_expert_parallel_size: int
+    """Ranks the experts are split over (the MoE keys')."""
+    distributed_backend: Backend | None
+    """torch.distributed backend (the process keys'); None: the device's default."""
+    master_addr: str | None
+    """Rendezvous address (DeepSpeed runner's key)."""
+    master_port: int
+    """Rendezvous port (DeepSpeed runner's key)."""
+    deepspeed_slurm: bool
+    """Read the rank layout from Slurm's variables (DeepSpeed runner's key)."""
 
 
 class ParallelismArgs(ArgGroup):

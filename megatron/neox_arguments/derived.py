@@ -20,6 +20,7 @@ from megatron.checkpointing.resume_checks import batch_across_layouts
 from megatron.data.batch import BatchError, solve_batch
 from megatron.errors import ConfigError
 from megatron.launcher.config import DeepSpeedRunnerArgs
+from megatron.objective_needs import needs_of
 from megatron.neox_arguments.honesty import FILLED_IN_KEYS
 from megatron.config_rules import DERIVED
 from megatron.config_rules import Device, RuleContext, block_enabled, check, describe
@@ -138,6 +139,12 @@ def derive_batch(ctx: RuleContext) -> Derivation:
         layout = solve_batch(micro, gas, total, dp, show=ctx.show, micro_key=micro_key)
     except BatchError as err:
         return Derivation(problems=[err.message])
+    impl, least = ctx.get("train_impl"), needs_of(ctx.get("train_impl")).min_micro_batch
+    if layout.micro < least:
+        shown = ctx.show(micro_key) if micro is not None else f"{micro_key}={layout.micro} (derived)"
+        return Derivation(layout.keys(), problems=[
+            f"{shown} with train_impl: {impl}: its loss compares the samples inside a micro-batch, which needs at "
+            f"least {least} samples; raise it to {least} or more"])
     return Derivation(layout.keys())
 
 

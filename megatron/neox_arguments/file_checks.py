@@ -17,6 +17,7 @@ from megatron.config_rules import RuleContext, describe, rule
 from megatron.data.config import PATH_KEYS
 from megatron.errors import DeepyError
 from megatron.launcher.checks import runs_on_this_machine
+from megatron.neox_arguments.arguments import NeoXArgs
 
 
 def _prefixes(ctx: RuleContext) -> Iterator[tuple[str, str]]:
@@ -137,7 +138,7 @@ def splits_hold_a_sample(ctx: RuleContext) -> list[str]:
     at start-up ("the dataset yields no samples"). A split with no document at all is skipped with a warning
     by the ranks, so it is not refused here."""
     from megatron.data.build import samples_needed, split_ranges
-    from megatron.data.config import SPLITS, DataRunArgs
+    from megatron.data.config import SPLITS
     from megatron.data.indexed_dataset import MMapIndexedDataset
 
     data_path, seq = ctx.get("data_path"), ctx.get("seq_length")
@@ -145,7 +146,9 @@ def splits_hold_a_sample(ctx: RuleContext) -> list[str]:
             or ctx.get("train_batch_size") is None or any(ctx.get(key) for key in PATH_KEYS):
         return []
     try:
-        needed = dict(zip(SPLITS, samples_needed(cast(DataRunArgs, ctx.args))))
+        args = cast(NeoXArgs, ctx.args)
+        needed = dict(zip(SPLITS, samples_needed(int(args.train_batch_size or 0), args.train_iters, args.eval_iters,
+                                                 args.eval_interval)))
     except (TypeError, ValueError):
         return []
     problems: list[str] = []

@@ -5,8 +5,9 @@ component its own part (``run.model``, ``run.data``, ...). No component sees the
 object typed as such, so what a component can do is exactly what its config type holds; the honesty test
 (``tests/unit/test_config_honesty.py``) checks that every supported key is read by a component (or a
 group's own methods), the DeepSpeed split or the launcher. Every component's keys are declared beside it,
-so each view is the argument object itself, typed as the component's group (or a protocol naming what it
-reads, when it also reads keys other components own), and the component reads its keys in its own methods.
+so a view is the argument object itself, typed as the component's group; a component that also reads keys
+other components own gets a frozen object declared beside it (``DataRun``, ``TrainingRun``, ``ParallelRun``)
+holding its group and those values, resolved here once (``data_run``, ``training_run``, ``parallel_run``).
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron.checkpointing.config import CheckpointArgs
-from megatron.data.config import DataRunArgs
+from megatron.data.batch import RankBatch
+from megatron.data.config import DataRun
 from megatron.evaluation.config import EvalRun
 from megatron.logging.config import LoggingArgs
 from megatron.model.config import GPTConfig
 from megatron.model.lora_config import LoRAArgs
-from megatron.mpu.parallel_config import ParallelRunArgs
+from megatron.mpu.parallel_config import ParallelRun
 from megatron.tokenizer.config import TokenizerArgs
 from megatron.errors import ConfigError
 from megatron.training.activation_config import ActivationCheckpointArgs
-from megatron.training.config import TrainingRunArgs
+from megatron.training.config import TrainingRun
 from megatron.training.lr_config import LRSchedulerArgs
 from megatron.training.objectives.config import ObjectiveArgs
 from megatron.training.optimizer_config import OptimizerArgs
@@ -39,9 +41,9 @@ if TYPE_CHECKING:
 class RunConfig:
     """The resolved arguments of one run and each component's typed view of them.
 
-    Holds no key of its own: every view below is the arguments object itself, typed as the group (or
-    protocol) of what that component reads, so a component's type says what it may read and nothing is
-    copied. Construction refuses arguments deepy.py has not resolved."""
+    Holds no key of its own: a view is the arguments object itself, typed as the component's group, or a
+    frozen object of that group and the shared values it reads, so a component's type says what it may
+    read. Construction refuses arguments deepy.py has not resolved."""
 
     args: NeoXArgs
     """The validated, resolved arguments (``resolved.args``)."""
@@ -51,16 +53,23 @@ class RunConfig:
     """Every resolved key as JSON (stored in checkpoints to describe the run; never read for settings)."""
     run_name: str | None = None
     """The name deepy.py gave the run (its directory under ``log_dir``); None: the ranks name it."""
+    parallel: ParallelRun = field(init=False, repr=False)
+    """What splits the run over ranks: the parallel sizes and the rendezvous (:func:`parallel_run`)."""
+    data: DataRun = field(init=False, repr=False)
+    """What the datasets read: the data keys and the shared ``seq_length``/``seed``/schedule/batch/
+    objective values (:func:`data_run`)."""
+    training: TrainingRun = field(init=False, repr=False)
+    """What the loop reads: its own keys and the shared ``seq_length``/``precision``/``seed``/batch sizes
+    (:func:`training_run`)."""
 
     def __post_init__(self) -> None:
         args = self.args
         if args.seq_length is None or args.train_batch_size is None or args.train_micro_batch_size_per_gpu is None:
             raise ConfigError("seq_length and the batch sizes must be resolved (launch through deepy.py)")
-
-    @property
-    def parallel(self) -> ParallelRunArgs:
-        """The arguments, as the keys that split the run over ranks."""
-        return self.args
+        # the values other components declare, resolved once for the components that read them
+        object.__setattr__(self, "parallel", parallel_run(args))
+        object.__setattr__(self, "data", data_run(args))
+        object.__setattr__(self, "training", training_run(args))
 
     @property
     def model(self) -> GPTConfig:
@@ -71,18 +80,6 @@ class RunConfig:
     @property
     def tokenizer(self) -> TokenizerArgs:
         """The arguments, as the tokenizer's keys."""
-        return self.args
-
-    @property
-    def data(self) -> DataRunArgs:
-        """The arguments, as the keys the datasets read: the data keys and the shared
-        ``seq_length``/``seed``/schedule/batch/objective keys, declared by their owners."""
-        return self.args
-
-    @property
-    def training(self) -> TrainingRunArgs:
-        """The arguments, as the keys the loop reads: its own and the shared
-        ``seq_length``/``precision``/``seed``/batch sizes, declared by their owners."""
         return self.args
 
     @property
@@ -144,3 +141,37 @@ class RunConfig:
 
         return cls.from_resolved(finalize(config_from_mapping(values), world_size))
 
+
+def _resolved(value: int | None, key: str) -> int:
+    """A key ``RunConfig`` refuses unresolved (or that the derivations always fill in)."""
+    if value is None:
+        raise ConfigError(f"{key} must be resolved (launch through deepy.py)")
+    return value
+
+
+def data_run(args: NeoXArgs) -> DataRun:
+    """The datasets' frozen view: the data keys (``args`` typed as ``DataArgs``) and the shared values."""
+    return DataRun(keys=args, seq_length=_resolved(args.seq_length, "seq_length"), seed=args.seed,
+                   train_batch_size=_resolved(args.train_batch_size, "train_batch_size"),
+                   train_iters=args.train_iters, train_epochs=args.train_epochs, eval_iters=args.eval_iters,
+                   eval_interval=args.eval_interval, train_impl=args.train_impl, reference_logps=args.reference_logps)
+
+
+def training_run(args: NeoXArgs) -> TrainingRun:
+    """The loop's frozen view: its keys (``args`` typed as ``TrainingLoopArgs``) and the shared values."""
+    batch = RankBatch(micro=_resolved(args.train_micro_batch_size_per_gpu, "train_micro_batch_size_per_gpu"),
+                      gas=args.gradient_accumulation_steps)
+    return TrainingRun(loop=args, seq_length=_resolved(args.seq_length, "seq_length"), precision=args.precision,
+                       seed=args.seed, batch=batch)
+
+
+def parallel_run(args: NeoXArgs) -> ParallelRun:
+    """The ranks' frozen split: the parallelism keys and the expert, model, backend and rendezvous values."""
+    return ParallelRun(model_parallel_size=args.model_parallel_size, pipe_parallel_size=args.pipe_parallel_size,
+                       pipe_stages=args.pipe_stages, uses_pipeline_module=args.uses_pipeline_module,
+                       pipe_partition_method=args.pipe_partition_method,
+                       context_parallel_size=args.context_parallel_size, world_size=args.world_size,
+                       sharding_group_size=args.sharding_group_size, sequence_parallel=args.sequence_parallel,
+                       moe_expert_parallel_size=args.moe_expert_parallel_size,
+                       distributed_backend=args.distributed_backend, master_addr=args.master_addr,
+                       master_port=args.master_port, deepspeed_slurm=args.deepspeed_slurm)

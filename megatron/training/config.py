@@ -6,17 +6,18 @@ Declared here, beside the loop that reads them (``megatron/training/pretrain.py`
 ``engine.py``); the one argument object (``NeoXArgs``) is composed of this class. The loop also reads
 keys that several components share and that are declared with their owners (``seq_length`` and
 ``precision`` with the model, ``seed`` with the process keys, the batch sizes with DeepSpeed's):
-:class:`TrainingRunArgs` names everything the loop reads, and the trainer hands the loop the argument
-object typed as that.
+:class:`TrainingRun` holds the loop's keys (the arguments typed as :class:`TrainingLoopArgs`) with those
+values, resolved once (``RunConfig.training``).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
 
 from pydantic import Field
 
 from megatron.config_schema import ArgGroup
+from megatron.data.batch import RankBatch
 
 # precision key -> the name the device peak table and the memory estimate use
 _COMPUTE_DTYPE = {"bfloat16": "bf16", "fp16": "fp16", "fp32": "fp32", None: "fp32"}
@@ -64,38 +65,18 @@ class TrainingLoopArgs(ArgGroup):
     weights are partitioned as soon as they are made, so no rank ever holds the whole model."""
 
 
-class TrainingRunArgs(Protocol):
-    """Every key the loop reads: its own (:class:`TrainingLoopArgs`) and the shared ones, resolved
-    (``RunConfig`` refuses unresolved sizes; ``derived.py`` works the batch sizes out).
-    Read-only properties, so any object holding these attributes (``NeoXArgs``) satisfies it."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainingRun:
+    """What the loop reads: its own keys (``loop``, the arguments typed as :class:`TrainingLoopArgs`) and
+    the values of keys other components declare, resolved once above (``RunConfig.training``)."""
 
-    @property
-    def train_iters(self) -> int | None: ...
-    @property
-    def train_epochs(self) -> int | None: ...
-    @property
-    def eval_iters(self) -> int: ...
-    @property
-    def eval_interval(self) -> int: ...
-    @property
-    def num_workers(self) -> int: ...
-    @property
-    def exit_interval(self) -> int | None: ...
-    @property
-    def max_consecutive_overflows(self) -> int: ...
-    @property
-    def compile_layers(self) -> bool: ...
-    @property
-    def zero_init(self) -> bool: ...
-    @property
-    def seq_length(self) -> int | None: ...
-    @property
-    def precision(self) -> str | None: ...
-    @property
-    def seed(self) -> int: ...
-    @property
-    def train_batch_size(self) -> int | None: ...
-    @property
-    def train_micro_batch_size_per_gpu(self) -> int | None: ...
-    @property
-    def gradient_accumulation_steps(self) -> int: ...
+    loop: TrainingLoopArgs
+    """The loop's keys: length, evaluation and exit intervals, the overflow guard, read-ahead, build options."""
+    seq_length: int
+    """Tokens per sample (the model's key)."""
+    precision: str | None
+    """The compute precision (the model's key: ``bfloat16``, ``fp16``, ``fp32`` or unset)."""
+    seed: int
+    """The run's seed (the process keys')."""
+    batch: RankBatch
+    """Micro batch and accumulation (DeepSpeed's keys, solved before launch)."""

@@ -43,7 +43,7 @@ from megatron.deepspeed_internals import (
     skip_gradient_allreduce,
 )
 from megatron.errors import ConfigError
-from megatron.mpu.parallel_config import ParallelRunArgs
+from megatron.mpu.parallel_config import ParallelRun
 from megatron.logging.console import deepspeed_prints_quiet, is_verbose
 from megatron.logging.log import get_logger
 from megatron.model import GPTConfig, GPTModel, pipeline_layer_specs
@@ -317,7 +317,7 @@ def deepspeed_mpu() -> Any:
     return hybrid_shard.ShardGroupView() if hybrid_shard.is_hybrid() else mpu
 
 
-def build_model(config: GPTConfig, parallel: ParallelRunArgs, ckpt: ActivationCheckpointArgs,
+def build_model(config: GPTConfig, parallel: ParallelRun, ckpt: ActivationCheckpointArgs,
                 compile_layers: bool, objective: Objective,
                 lora: LoRAArgs | None = None, zero_init: dict[str, Any] | None = None,
                 device: torch.device | None = None) -> tuple[nn.Module, bool]:
@@ -371,8 +371,8 @@ def build_engine(run: RunViews, config: GPTConfig, train_iters: int, objective: 
         # each seeing the micro-batch once: its batch is cp times the number of samples
         ds_config["train_batch_size"] = int(ds_config["train_batch_size"]) * run.parallel.context_parallel_size
     ds_config = hybrid_shard_engine.deepspeed_config(ds_config)  # unchanged without hybrid sharding
-    model, is_pipe = build_model(config, run.parallel, run.activation_config, run.training.compile_layers,
-                                 objective, run.lora, zero_init=ds_config if run.training.zero_init else None,
+    model, is_pipe = build_model(config, run.parallel, run.activation_config, run.training.loop.compile_layers,
+                                 objective, run.lora, zero_init=ds_config if run.training.loop.zero_init else None,
                                  device=training_device())
     spec = run.lr_config.spec(train_iters, run.optimizer_config.peak_lr)
     policy = run.lr_config.resume_policy

@@ -26,7 +26,7 @@ from megatron.errors import DeepyError
 from megatron.logging.monitor import Monitor
 from megatron.logging.peak_memory import memory_metrics
 from megatron.logging.throughput import as_metrics, measure
-from megatron.training.config import TrainingRunArgs
+from megatron.training.config import TrainingLoopArgs
 from megatron.training.engine import Engine
 from megatron.training.evaluate import Evaluator, evaluation_number
 from megatron.training.step import StepResult, read_grad_norm, train_step
@@ -101,7 +101,7 @@ class _Window:
 @dataclass
 class LoopContext:
     eng: Engine
-    training: TrainingRunArgs
+    training: TrainingLoopArgs
     micro_batches: Iterator[dict[str, torch.Tensor]]
     device: torch.device
     train_iters: int

@@ -54,7 +54,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from megatron.errors import required
 from megatron.model.config import GPTConfig
 from megatron.model.family_config import replicated_layer_parameters
 from megatron.model.flops import embedding_parameters, final_norm_parameters, layer_parameters, norm_parameters, num_parameters
@@ -138,10 +137,9 @@ class MemoryLayout:
             overlap_comm=bool(zero.get("overlap_comm", stage == 3)),
             reduce_bucket_size=int(float(zero.get("reduce_bucket_size", 5e8))),
             optimizer_states=states,
-            micro_batch=required(training.train_micro_batch_size_per_gpu, "train_micro_batch_size_per_gpu",
-                                 "the activations are sized by it"),
-            seq_length=required(training.seq_length, "seq_length", "the activations are sized by it"),
-            grad_accum=training.gradient_accumulation_steps,
+            micro_batch=training.batch.micro,
+            seq_length=training.seq_length,
+            grad_accum=training.batch.gas,
             recomputed_layers=recomputed,
             checkpoint_chunk=chunk,
             sequence_parallel=run.parallel.sequence_parallel,
@@ -254,7 +252,7 @@ def activation_bytes(layout: MemoryLayout) -> float:
     h, ffn = c.arch.hidden, c.ffn_hidden_size
     a = _BYTES[layout.precision]
     # RMSNorm normalises an fp32 copy of its input, which autograd keeps (torch's rms_norm saves it)
-    fp32_norm_input = 4 if norm_entry(c).keeps_fp32_input and a < 4 else 0
+    fp32_norm_input = 4 if norm_entry(c.norm_settings).keeps_fp32_input and a < 4 else 0
     kv = c.kv_heads * c.head_dim
     first = c.mlp_widths.first
     # tensors a layer keeps for its backward (elements per token): norm inputs and outputs are whole

@@ -23,7 +23,7 @@ from megatron.checkpointing.save_load import BeforeCommit
 from megatron.data.build import build_datasets
 from megatron.data.batch import BatchLayout
 from megatron.data.sampler import MicroBatchIterator, prefetched
-from megatron.errors import ConfigError, required
+from megatron.errors import ConfigError
 from megatron.logging.console import is_verbose, set_verbose
 from megatron.logging.log import get_logger, set_deepspeed_log_level, setup_logging
 from megatron.logging.monitor import Monitor, build_monitor
@@ -36,7 +36,7 @@ from megatron.model.flops import hardware_flops_per_token
 from megatron.mpu.random import model_parallel_manual_seed
 from megatron.tokenizer import build_tokenizer
 from megatron.training.comms_report import CommsReport
-from megatron.training.config import TrainingRunArgs, compute_dtype
+from megatron.training.config import TrainingLoopArgs, compute_dtype
 from megatron.training.engine import build_engine, layers_to_checkpoint, partition_method
 from megatron.training.evaluate import maybe_evaluator
 from megatron.training.loop import Hooks, LoopContext, TrainState, train
@@ -56,7 +56,7 @@ def speaks() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def resolve_train_iters(training: TrainingRunArgs, train_dataset: object, batch: BatchLayout) -> int:
+def resolve_train_iters(training: TrainingLoopArgs, train_dataset: object, batch: BatchLayout) -> int:
     """``train_iters``, or (train_epochs) the whole global batches of the epoch-sized train split."""
     if training.train_iters:
         return training.train_iters
@@ -109,12 +109,12 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
     tokenizer = build_tokenizer(run.tokenizer)
     model_config = run.model.for_tokenizer(run.tokenizer.padded(tokenizer.vocab_size, run.parallel.model_parallel_size))
     padded_vocab = model_config.vocab
-    seq = required(training.seq_length, "seq_length", "every batch is this long")
+    seq = training.seq_length
     splits = build_datasets(run.data, tokenizer, padded_vocab)
     # the batch sizes deepy.py solved, on this run's data-parallel ranks (context-parallel ranks read alike)
-    batch = BatchLayout.of(training, dp=mpu.get_data_shard_count())
+    batch = training.batch.on(dp=mpu.get_data_shard_count())
     dp_rank = mpu.get_data_shard_rank()
-    train_iters = resolve_train_iters(training, splits.train, batch)
+    train_iters = resolve_train_iters(training.loop, splits.train, batch)
     record = {**run.args_record, "padded_vocab_size": padded_vocab, "train_iters": train_iters}
 
     # the train_impl's batches and loss; a frozen reference copy takes the starting weights before the
@@ -170,8 +170,8 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
             rows_per_sample=objective.rows_per_sample,
             tokens_per_step=batch.global_size * seq * objective.rows_per_sample,
             train_iters=train_iters, start_iteration=state.iteration, split_tokens=split_tokens,
-            split_documents=split_documents, eval_interval=training.eval_interval if splits.valid is not None else None,
-            eval_iters=training.eval_iters, save=run.checkpoint.save)):
+            split_documents=split_documents, eval_interval=training.loop.eval_interval if splits.valid is not None else None,
+            eval_iters=training.loop.eval_iters, save=run.checkpoint.save)):
         monitor.message(line)
     if state.consumed_samples:
         log.info("data: resuming at sample %s of the global order (computed from consumed_samples, nothing "
@@ -187,18 +187,18 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
         fast_forward.update(source.consumed_samples // g)
     # read ahead by a background thread (num_workers micro-batches), pinned for asynchronous copies on a
     # GPU; the data timer measures what the step still waits for
-    micro = TimedIterator(prefetched(source, training.num_workers), monitor.timers)
+    micro = TimedIterator(prefetched(source, training.loop.num_workers), monitor.timers)
     # whole model: FLOPs are per token
     recomputed = len(layers_to_checkpoint(run.activation_config, model_config.arch.layers))
     ctx = LoopContext(
-        eng=eng, training=training, micro_batches=micro, device=device,
+        eng=eng, training=training.loop, micro_batches=micro, device=device,
         train_iters=train_iters, global_batch_size=g, tokens_per_step=g * seq * objective.rows_per_sample,
         flops_per_token=flops_per_token(model_config, seq), world_size=dist.get_world_size() if dist.is_initialized() else 1,
         peak_tflops=peak_tflops(current_device_name(), compute_dtype(training.precision),
                                 log_config.peak_theoretical_tflops),
         monitor=monitor, hardware_flops_per_token=hardware_flops_per_token(model_config, recomputed, seq),
-        valid=maybe_evaluator(eng, splits.valid, training.eval_iters, batch, dp_rank, device, "valid"),
-        test=maybe_evaluator(eng, splits.test, training.eval_iters, batch, dp_rank, device, "test"),
+        valid=maybe_evaluator(eng, splits.valid, training.loop.eval_iters, batch, dp_rank, device, "valid"),
+        test=maybe_evaluator(eng, splits.test, training.loop.eval_iters, batch, dp_rank, device, "test"),
         tasks=None if run.tasks is None or task_evaluation is None else task_evaluation(
             eng, tokenizer, run.tasks, zero_stage=int((run.deepspeed_config.get("zero_optimization") or {}).get("stage", 0)),
             sequence_parallel=run.model.sequence_parallel and run.parallel.model_parallel_size > 1).run,

@@ -14,10 +14,10 @@ from typing import Any, Protocol
 from megatron.logging.config import LoggingArgs
 from megatron.model.config import GPTConfig
 from megatron.model.lora_config import LoRAArgs
-from megatron.mpu.parallel_config import ParallelRunArgs
+from megatron.mpu.parallel_config import ParallelRun
 from megatron.tokenizer.config import TokenizerArgs
 from megatron.training.activation_config import ActivationCheckpointArgs
-from megatron.training.config import TrainingRunArgs
+from megatron.training.config import TrainingRun
 from megatron.training.lr_config import LRSchedulerArgs
 from megatron.training.objectives.config import ObjectiveArgs
 from megatron.training.optimizer_config import OptimizerArgs
@@ -27,13 +27,13 @@ class RunViews(Protocol):
     """The per-component views of one run's arguments that the engine and the estimate read."""
 
     @property
-    def parallel(self) -> ParallelRunArgs: ...
+    def parallel(self) -> ParallelRun: ...
     @property
     def model(self) -> GPTConfig: ...
     @property
     def tokenizer(self) -> TokenizerArgs: ...
     @property
-    def training(self) -> TrainingRunArgs: ...
+    def training(self) -> TrainingRun: ...
     @property
     def optimizer_config(self) -> OptimizerArgs: ...
     @property

@@ -81,9 +81,9 @@ def rank_main(rank: int, out_dir: str) -> None:
         vocab = run.tokenizer.padded(build_tokenizer(run.tokenizer).vocab_size, run.parallel.model_parallel_size)
         gc.collect()
         before = _storages()
-        eng = build_engine(run, run.model.with_vocab(vocab), run.training.train_iters or 1)
+        eng = build_engine(run, run.model.with_vocab(vocab), run.training.loop.train_iters or 1)
         engine, measured = eng.engine, []
-        b, s = run.training.train_micro_batch_size_per_gpu, run.training.seq_length
+        b, s = run.training.batch.micro, run.training.seq_length
         generator = torch.Generator().manual_seed(rank)
         for _ in range(2):
             tokens = torch.randint(0, 200, (b, s + 1), generator=generator)

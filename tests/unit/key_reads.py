@@ -14,7 +14,6 @@ from typing import Any
 from megatron import plugins
 
 from megatron.checkpointing.manager import CheckpointManager
-from megatron.data.batch import BatchLayout
 from megatron.checkpointing.preemption import PreemptionWatcher
 from megatron.errors import DeepyError
 from megatron.neox_arguments.arguments import NeoXArgs
@@ -124,12 +123,17 @@ def _activation_checkpointing(args: Any) -> object:
 
 def _training_loop(args: Any) -> object:
     """What the loop reads of its keys (``pretrain.pretrain``, ``loop.train``, ``engine.build_engine``),
-    each where that code reads it: the loop is handed the arguments typed as ``TrainingRunArgs``."""
-    return (args.train_iters, args.train_epochs,  # pretrain.resolve_train_iters
-            args.eval_interval, args.exit_interval, args.max_consecutive_overflows,  # loop.train
-            args.eval_iters, args.num_workers, args.seed, args.precision, args.seq_length,  # pretrain
-            BatchLayout.of(args, dp=1),  # pretrain's batch layout
-            args.compile_layers, args.zero_init)  # engine.build_engine
+    each where that code reads it: the loop is handed the frozen ``RunConfig.training`` (``training_run``),
+    whose loop keys are the arguments themselves."""
+    from megatron.neox_arguments.run_config import training_run
+
+    training = training_run(args)
+    loop = training.loop
+    return (loop.train_iters, loop.train_epochs,  # pretrain.resolve_train_iters
+            loop.eval_interval, loop.exit_interval, loop.max_consecutive_overflows,  # loop.train
+            loop.eval_iters, loop.num_workers, training.seed, training.precision, training.seq_length,  # pretrain
+            training.batch.on(dp=1),  # pretrain's batch layout
+            loop.compile_layers, loop.zero_init)  # engine.build_engine
 
 
 def _run_config(args: Any) -> object:
@@ -140,13 +144,10 @@ def _run_config(args: Any) -> object:
 def _parallel(args: Any) -> object:
     """What each rank's start-up and the model builder ask of the keys that split the run over ranks
     (``initialize.initialize``/``init_distributed``, ``engine.build_model``, the memory estimate): the
-    rank is handed the arguments typed as ``ParallelRunArgs``."""
-    return (args.model_parallel_size, args.pipe_parallel_size, args.context_parallel_size,  # initialize
-            args.moe_expert_parallel_size, args.sharding_group_size,  # initialize: expert and shard groups
-            args.world_size, args.distributed_backend,
-            args.master_addr, args.master_port, args.deepspeed_slurm,  # init_distributed
-            args.uses_pipeline_module, args.pipe_partition_method,  # engine.build_model
-            args.pipe_stages, args.sequence_parallel)  # memory.MemoryLayout
+    rank is handed the frozen ``RunConfig.parallel`` (``parallel_run``), which reads them all."""
+    from megatron.neox_arguments.run_config import parallel_run
+
+    return parallel_run(args)
 
 
 def _launch(args: Any) -> object:
@@ -171,17 +172,22 @@ def _objective(args: Any) -> object:
 
 def _data(args: Any) -> object:
     """What ``build_datasets`` asks of the data keys (``pretrain``, ``data/build.py``): the sample
-    counts, each split's files and weights, the source and how documents become samples."""
+    counts, each split's files and weights, the source and how documents become samples. The datasets
+    get the frozen ``RunConfig.data`` (``data_run``), whose data keys are the arguments themselves."""
     from megatron.data.build import samples_needed
     from megatron.data.config import PATH_KEYS, SPLITS
+    from megatron.neox_arguments.run_config import data_run
 
-    return (samples_needed(args), [args.path_list(key) for key in PATH_KEYS], [args.split_weights(s) for s in SPLITS],
-            args.use_dummy_dataset, args.train_urls, args.validation_urls, args.cache_dir, args.data_path, args.split,
-            args.weight_by_num_documents, args.weighted_sampler_alpha, args.pack_impl, args.allow_chopped,
-            args.wants_pairs, args.reference_model, args.mmap_warmup, args.seq_length, args.seed, args.train_epochs,
-            args.dummy_data, args.dummy_data_vocab_size,  # build_datasets' dummy data
-            args.shard_file_type, args.shard_column, args.shard_tokenizer, args.shard_eos_token,  # token-shard
-            args.shard_bos_token, args.shard_strip_tokens)  # directories (_read_shard_directory)
+    data = data_run(args)
+    keys = data.keys
+    return (samples_needed(data.train_batch_size, data.train_iters, data.eval_iters, data.eval_interval),
+            [keys.path_list(key) for key in PATH_KEYS], [keys.split_weights(s) for s in SPLITS],
+            keys.use_dummy_dataset, keys.train_urls, keys.validation_urls, keys.cache_dir, keys.data_path, keys.split,
+            keys.weight_by_num_documents, keys.weighted_sampler_alpha, keys.pack_impl, keys.allow_chopped,
+            data.wants_pairs, data.reference_model, keys.mmap_warmup, data.seq_length, data.seed, data.train_epochs,
+            keys.dummy_data, keys.dummy_data_vocab_size,  # build_datasets' dummy data
+            keys.shard_file_type, keys.shard_column, keys.shard_tokenizer, keys.shard_eos_token,  # token-shard
+            keys.shard_bos_token, keys.shard_strip_tokens)  # directories (_read_shard_directory)
 
 
 def _user_plugins(args: Any) -> object:

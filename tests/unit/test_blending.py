@@ -16,6 +16,7 @@ from megatron.data.blendable_dataset import (
 )
 from megatron.data.build import DataSplits, build_datasets, parse_split, samples_needed, split_ranges
 from megatron.neox_arguments.arguments import NeoXArgs
+from megatron.neox_arguments.run_config import data_run
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 from megatron.errors import ConfigError, DataError
 
@@ -92,9 +93,8 @@ def test_split_ranges_cover_documents() -> None:
 
 
 def test_samples_needed_from_schedule() -> None:
-    config = NeoXArgs(seq_length=8, train_batch_size=8, train_iters=100, eval_iters=5, eval_interval=30)
-    assert samples_needed(config) == (800, (100 // 30 + 1) * 5 * 8, 40)
-    assert samples_needed(NeoXArgs(seq_length=8, train_batch_size=8, train_iters=100, eval_iters=0)) == (800, 0, 0)
+    assert samples_needed(8, 100, eval_iters=5, eval_interval=30) == (800, (100 // 30 + 1) * 5 * 8, 40)
+    assert samples_needed(8, 100, eval_iters=0, eval_interval=1000) == (800, 0, 0)
 
 
 def _corpus(path: Path, marker: int, docs: int) -> str:
@@ -111,7 +111,7 @@ def build(padded_vocab_size: int = 64, **kw: object) -> DataSplits:
     base: dict[str, object] = dict(seq_length=8, seed=1, train_batch_size=10, train_iters=100, eval_iters=0,
                                    eval_interval=10)
     base.update(kw)
-    return build_datasets(NeoXArgs(**base), None, padded_vocab_size)
+    return build_datasets(data_run(NeoXArgs(**base)), None, padded_vocab_size)
 
 
 def test_build_blend_from_train_paths(tmp_path: Path) -> None:

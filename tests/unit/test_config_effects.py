@@ -56,6 +56,7 @@ def test_git_hash_is_recorded() -> None:
 def test_mmap_warmup_reads_every_data_file(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
     from megatron.data.build import build_datasets
     from megatron.neox_arguments.arguments import NeoXArgs
+    from megatron.neox_arguments.run_config import data_run
     from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 
     prefixes = []
@@ -69,9 +70,9 @@ def test_mmap_warmup_reads_every_data_file(tmp_path: Path, caplog) -> None:  # t
         prefixes.append(prefix)
     config = dict(seq_length=8, train_batch_size=2, train_iters=2, eval_iters=0, train_data_paths=prefixes)
     with caplog.at_level(logging.INFO, logger="megatron.data.build"):
-        build_datasets(NeoXArgs(**config), None, 64)
+        build_datasets(data_run(NeoXArgs(**config)), None, 64)
     assert "mmap_warmup" not in caplog.text
     with caplog.at_level(logging.INFO, logger="megatron.data.build"):
-        build_datasets(NeoXArgs(**config, mmap_warmup=True), None, 64)
+        build_datasets(data_run(NeoXArgs(**config, mmap_warmup=True)), None, 64)
     for prefix in prefixes:
         assert f"mmap_warmup: read {prefix}.bin" in caplog.text

@@ -176,23 +176,24 @@ def test_the_shard_keys_shape_what_training_reads(tmp_path: Path) -> None:
     framed documents; the counter dummy data stays below dummy_data_vocab_size."""
     from megatron.data.build import build_datasets
     from megatron.neox_arguments.arguments import NeoXArgs
+    from megatron.neox_arguments.run_config import data_run
 
     write_arrow_shard(tmp_path / "x" / "0.arrow", [[7, 8, 9, 10, 11] for _ in range(20)])
     write_arrow_shard(tmp_path / "y" / "0.arrow", [[2, 3, 4, 5, 6] for _ in range(20)])
     base = dict(seq_length=6, seed=1, train_batch_size=4, train_iters=5, eval_iters=0, eval_interval=10,
                 cache_dir=str(tmp_path / "cache"))
-    train = build_datasets(NeoXArgs(**base, train_data_paths=[str(tmp_path / "x")], shard_bos_token=1,
-                                     shard_eos_token=2, shard_strip_tokens=[11]), None, 64).train
+    train = build_datasets(data_run(NeoXArgs(**base, train_data_paths=[str(tmp_path / "x")], shard_bos_token=1,
+                                              shard_eos_token=2, shard_strip_tokens=[11])), None, 64).train
     sample = [int(t) for t in train[0]["text"]]
     stream = [1, 7, 8, 9, 10, 2]  # bos, the document without its stripped 11, eos; documents packed back to back
     start = stream.index(sample[0])
     assert sample == (stream * 3)[start:start + 7]
-    blended = build_datasets(NeoXArgs(**base, train_data_paths=[str(tmp_path / "x"), str(tmp_path / "y")],
-                                      train_data_weights=[1.0, 3.0]), None, 64).train
+    blended = build_datasets(data_run(NeoXArgs(**base, train_data_paths=[str(tmp_path / "x"), str(tmp_path / "y")],
+                                               train_data_weights=[1.0, 3.0])), None, 64).train
     from_y = sum(any(2 <= int(t) <= 6 for t in blended[i]["text"]) for i in range(40))
     assert 24 <= from_y <= 36  # weights 1:3 blend the two directories (y: ids 2..6, x: 7..11)
-    counter = build_datasets(NeoXArgs(**base, use_dummy_dataset=True, dummy_data="counter",
-                                      dummy_data_vocab_size=5), None, 64).train
+    counter = build_datasets(data_run(NeoXArgs(**base, use_dummy_dataset=True, dummy_data="counter",
+                                               dummy_data_vocab_size=5)), None, 64).train
     assert [int(t) for t in counter[1]["text"][:6]] == [1, 2, 3, 4, 0, 1]  # ids 6..11 modulo 5
 
 

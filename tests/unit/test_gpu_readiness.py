@@ -243,7 +243,8 @@ def test_the_model_is_built_in_its_dtype_on_the_training_device() -> None:
     was made on the host first (they were: the whole model in host memory, 14 GB per rank for 7B in
     bf16, before DeepSpeed moved it). Built on the CPU, the weights are the bits of before."""
     from megatron.model import GPTConfig, GPTModel
-    from megatron.mpu.parallel_config import ParallelismArgs
+    from megatron.neox_arguments import NeoXArgs
+    from megatron.neox_arguments.run_config import parallel_run
     from megatron.training.activation_config import ActivationCheckpointArgs
     from megatron.training.engine import build_model, training_device
     from megatron.training.objectives import LMObjective, ObjectiveArgs
@@ -252,7 +253,7 @@ def test_the_model_is_built_in_its_dtype_on_the_training_device() -> None:
     config = GPTConfig(**keys, precision="bfloat16")
 
     def built(device: torch.device | None, cfg: GPTConfig = config) -> torch.nn.Module:
-        return build_model(cfg, ParallelismArgs(), ActivationCheckpointArgs(), False, LMObjective(ObjectiveArgs()),
+        return build_model(cfg, parallel_run(NeoXArgs()), ActivationCheckpointArgs(), False, LMObjective(ObjectiveArgs()),
                            device=device)[0]
 
     on_device = built(torch.device("meta"))

@@ -3,9 +3,8 @@ elsewhere in megatron/ restates it as a property stub, so a key's type lives in 
 checker (mypy, .ci/run) checks every reader against it.
 
 Read from the source (ast): every class deriving from ``Protocol`` whose body declares a name that is a
-key of :class:`NeoXArgs` (an annotated attribute or a ``@property``). The Protocols listed in
-``NOT_YET_REMOVED`` predate the rule and go group by group; the list may only shrink (a listed Protocol
-that no longer restates a key fails too, so the list is kept exact).
+key of :class:`NeoXArgs` (an annotated attribute or a ``@property``). There are none: a component is
+handed its own group, or a frozen object of values resolved once (``neox_arguments/run_config.py``).
 """
 
 from __future__ import annotations
@@ -16,15 +15,6 @@ from pathlib import Path
 from megatron.neox_arguments.arguments import NeoXArgs
 
 ROOT = Path(__file__).resolve().parents[2]
-
-NOT_YET_REMOVED = {
-    "megatron/data/batch.py:ResolvedBatch",
-    "megatron/data/config.py:DataRunArgs",
-    "megatron/model/norms.py:NormSettings",  # norms.py may not name GPTConfig (import cycle): the registry's issue
-    "megatron/mpu/parallel_config.py:ParallelRunArgs",
-    "megatron/training/config.py:TrainingRunArgs",
-    "megatron/training/objectives/registry.py:_KTOCheckArgs",
-}
 
 
 def _is_protocol(node: ast.ClassDef) -> bool:
@@ -55,11 +45,9 @@ def restating_protocols(files: list[Path], root: Path = ROOT) -> dict[str, set[s
 
 
 def test_no_protocol_restates_a_declared_key() -> None:
-    found = restating_protocols(sorted((ROOT / "megatron").rglob("*.py")))
-    new = {name: sorted(keys) for name, keys in found.items() if name not in NOT_YET_REMOVED}
-    assert not new, f"Protocols restating config keys (read the ArgGroup that declares them instead): {new}"
-    gone = NOT_YET_REMOVED - set(found)
-    assert not gone, f"no longer restate a key: remove them from NOT_YET_REMOVED: {sorted(gone)}"
+    found = {name: sorted(keys) for name, keys in restating_protocols(sorted((ROOT / "megatron").rglob("*.py"))).items()}
+    assert not found, ("Protocols restating config keys (hand the component the ArgGroup that declares them, or "
+                       f"a frozen object of the values derived once): {found}")
 
 
 def test_the_scan_finds_a_restatement(tmp_path: Path) -> None:

@@ -66,6 +66,8 @@ def test_objectives_name_the_data_they_need() -> None:
 def test_kto_needs_two_samples_per_micro_batch() -> None:
     message = problems(train_impl="kto", train_micro_batch_size_per_gpu=1, **KTO)
     assert "train_micro_batch_size_per_gpu=1 (cfg.yml:5) with train_impl: kto" in message and "at least 2" in message
+    derived = problems(train_impl="kto", train_micro_batch_size_per_gpu=None, train_batch_size=1, **KTO)
+    assert "train_micro_batch_size_per_gpu=1 (derived) with train_impl: kto" in derived  # from train_batch_size
 
 
 def _checkpoint(directory: Path, step: int, args: dict[str, Any]) -> Path:

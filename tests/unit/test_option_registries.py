@@ -76,10 +76,10 @@ def test_every_option_counts_what_it_builds(option: str) -> None:
 @pytest.mark.parametrize("name", list(NORMS))
 def test_each_norm_entry_builds_the_parameters_it_states(name: str) -> None:
     config = GPTConfig(**{**BASE, "norm": name})
-    entry = NORMS[name]
+    entry, settings = NORMS[name], config.norm_settings
     for dim in (config.hidden_size, config.head_dim):
-        assert sum(p.numel() for p in entry.build(dim, config).parameters()) == entry.parameters(dim, config)
-    assert entry.flops_per_token(32, config) == 6 * entry.parameters(32, config)
+        assert sum(p.numel() for p in entry.build(dim, settings).parameters()) == entry.parameters(dim, settings)
+    assert entry.flops_per_token(32, settings) == 6 * entry.parameters(32, settings)
 
 
 def test_the_config_values_are_the_registries_names() -> None:
@@ -114,7 +114,7 @@ def toy_norm() -> Iterator[None]:
 
 def test_toy_norm_computes_its_formula_and_counts_its_parameters(toy_norm: None) -> None:
     config = GPTConfig(**{**BASE, "norm": "l1norm", "use_qk_layernorm": True})
-    norm = NORMS["l1norm"].build(32, config)
+    norm = NORMS["l1norm"].build(32, config.norm_settings)
     with torch.no_grad():
         norm.weight.copy_(torch.linspace(0.5, 2.0, 32))
     x = torch.randn(3, 32, generator=torch.Generator().manual_seed(0))

@@ -11,6 +11,7 @@ import pytest
 
 from megatron.data.build import DataSplits, build_datasets
 from megatron.neox_arguments.arguments import NeoXArgs
+from megatron.neox_arguments.run_config import data_run
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.pairwise_dataset import PairwiseDataset
 from megatron.data.reward_dataset import RewardDataset
@@ -155,7 +156,7 @@ def build(padded_vocab_size: int = 512, **kw: object) -> DataSplits:  # CharLeve
     base: dict[str, object] = dict(seq_length=8, seed=1, train_batch_size=2, train_iters=4, eval_iters=1,
                                    eval_interval=2)
     base.update(kw)
-    return build_datasets(NeoXArgs(**base), None, padded_vocab_size)
+    return build_datasets(data_run(NeoXArgs(**base)), None, padded_vocab_size)
 
 
 def test_build_datasets_for_each_train_impl(tmp_path: Path) -> None:

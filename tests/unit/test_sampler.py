@@ -137,6 +137,7 @@ def test_dummy_determinism() -> None:
 def test_real_blend_same_samples_for_dp_1_2_4(tmp_path) -> None:
     from megatron.data.build import build_datasets
     from megatron.neox_arguments.arguments import NeoXArgs
+    from megatron.neox_arguments.run_config import data_run
     from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 
     prefixes = []
@@ -150,7 +151,7 @@ def test_real_blend_same_samples_for_dp_1_2_4(tmp_path) -> None:
         prefixes.append(prefix)
     config = NeoXArgs(seq_length=6, seed=9, train_batch_size=8, train_iters=12, eval_iters=0, eval_interval=4,
                            train_data_paths=prefixes, train_data_weights=[0.6, 0.4], cache_dir=str(tmp_path / "c"))
-    train = build_datasets(config, None, 512).train
+    train = build_datasets(data_run(config), None, 512).train
 
     def run(dp: int, mbs: int) -> torch.Tensor:
         its = [MicroBatchIterator(train, 16, layout(8, mbs, dp), r) for r in range(dp)]

@@ -48,10 +48,11 @@ def test_dry_run_names_the_dataset_and_the_id(tmp_path: Path, capsys: pytest.Cap
 def test_ranks_refuse_a_sample_beyond_the_embedding(tmp_path: Path) -> None:
     from megatron.data.build import build_datasets
     from megatron.neox_arguments import NeoXArgs
+    from megatron.neox_arguments.run_config import data_run
 
     bad = write(tmp_path / "bad", DOCS)
-    splits = build_datasets(NeoXArgs(seq_length=16, seed=1, train_batch_size=2, train_iters=8, eval_iters=0,
-                                     train_data_paths=[bad], pack_impl="unpacked"), None, 512)
+    splits = build_datasets(data_run(NeoXArgs(seq_length=16, seed=1, train_batch_size=2, train_iters=8, eval_iters=0,
+                                              train_data_paths=[bad], pack_impl="unpacked")), None, 512)
     clean, refused = 0, []
     for i in range(len(splits.train)):
         try:

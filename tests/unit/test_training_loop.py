@@ -11,7 +11,8 @@ from megatron.errors import ConfigError
 from megatron.model.pipeline import BLOCK_PARTITION
 from megatron.neox_arguments import NeoXArgs, config_from_mapping
 from megatron.training.activation_config import ActivationCheckpointArgs
-from megatron.training.config import TrainingLoopArgs, TrainingRunArgs
+from megatron.data.batch import RankBatch
+from megatron.neox_arguments.run_config import RunConfig
 from megatron.training.engine import clip_grad_norm, layers_to_checkpoint, partition_method
 from megatron.training.loop import TrainingAborted, TrainState, _check_overflow
 from megatron.training.objectives.base import IGNORE_INDEX, shifted
@@ -93,11 +94,17 @@ def test_activation_block_is_another_spelling_of_the_flat_keys() -> None:
     assert (block["partition_activations"], block["checkpoint_in_cpu"], block["num_checkpoints"]) == (True, True, 3)
 
 
-def test_the_loops_protocol_names_declared_keys_and_every_loop_key() -> None:
-    """``RunConfig.training`` is the arguments typed as ``TrainingRunArgs``: each name it lists is a
-    declared key, and it lists every key of the loop's own group."""
-    members = {name for name, value in vars(TrainingRunArgs).items() if isinstance(value, property)}
-    assert set(TrainingLoopArgs.model_fields) <= members <= set(NeoXArgs.model_fields)
+def test_the_loop_gets_its_keys_and_the_shared_values_resolved() -> None:
+    """``RunConfig.training``: the loop's own keys are the arguments themselves (not a copy), and the keys
+    other components declare arrive as resolved values; an unresolved batch is refused by name."""
+    args = NeoXArgs(seq_length=32, seed=7, precision="bfloat16", train_micro_batch_size_per_gpu=3,
+                    gradient_accumulation_steps=2, train_batch_size=6, eval_interval=5)
+    training = RunConfig(args=args).training
+    assert training.loop is args and training.loop.eval_interval == 5
+    assert (training.seq_length, training.seed, training.precision) == (32, 7, "bfloat16")
+    assert training.batch == RankBatch(micro=3, gas=2) and training.batch.on(dp=4).global_size == 24
+    with pytest.raises(ConfigError, match="batch sizes"):
+        RunConfig(args=args.model_copy(update={"train_micro_batch_size_per_gpu": None})).training
 
 
 def test_partition_method_names() -> None:

@@ -71,6 +71,7 @@ def test_bad_shards(tmp_path: Path) -> None:
 def test_build_datasets_from_urls(tmp_path: Path) -> None:
     from megatron.data.build import build_datasets
     from megatron.neox_arguments.arguments import NeoXArgs
+    from megatron.neox_arguments.run_config import data_run
 
     _shard(tmp_path / "t1.jsonl", [f"document number {i} " * 3 for i in range(30)])
     _shard(tmp_path / "v1.jsonl", [f"held out {i}" for i in range(10)])
@@ -78,7 +79,7 @@ def test_build_datasets_from_urls(tmp_path: Path) -> None:
                         eval_interval=5, train_urls=[str(tmp_path / "t{1..1}.jsonl")],
                         validation_urls=[str(tmp_path / "v1.jsonl")], cache_dir=str(tmp_path / "cache"))
     tokenizer = CharLevelTokenizer()
-    splits = build_datasets(config, tokenizer, tokenizer.vocab_size)
+    splits = build_datasets(data_run(config), tokenizer, tokenizer.vocab_size)
     assert len(splits.train) == 20 and len(splits.valid) == 16 and splits.test is None
     s = splits.train[3]["text"]
     assert s.shape == (17,) and s.dtype == np.int64

@@ -114,7 +114,6 @@ def run_config(config: dict[str, Any]) -> Any:
 
 
 def deepy_contender(arch: Arch, zero: int, compile_layers: bool) -> tuple[Contender, Any]:
-    from megatron.data.batch import BatchLayout
     from megatron.data.build import build_datasets
     from megatron.data.sampler import MicroBatchIterator, prefetched
     from megatron.initialize import initialize
@@ -126,12 +125,12 @@ def deepy_contender(arch: Arch, zero: int, compile_layers: bool) -> tuple[Conten
     initialize(run.parallel, run.training.seed)
     tokenizer = build_tokenizer(run.tokenizer)
     model_config = run.model.for_tokenizer(run.tokenizer.padded(tokenizer.vocab_size, run.parallel.model_parallel_size))
-    eng = build_engine(run, model_config, run.training.train_iters or 1)
+    eng = build_engine(run, model_config, run.training.loop.train_iters or 1)
     dev = harness.device()
     # the trainer's loader, as pretrain() builds it
     source = MicroBatchIterator(build_datasets(run.data, tokenizer, model_config.padded_vocab_size).train, 0,
-                                BatchLayout.of(run.training, dp=1))
-    micro = prefetched(source, run.training.num_workers)
+                                run.training.batch.on(dp=1))
+    micro = prefetched(source, run.training.loop.num_workers)
 
     def step() -> None:
         train_step(eng, micro, dev)
@@ -150,7 +149,7 @@ def raw_contender(arch: Arch, built: Any, compile_model: bool) -> Contender:
     dev = harness.device()
     model = GPTModel(model_config.replace(precision="fp32")).to(dev)
     optimizer = build_optimizer(model, run.optimizer_config)
-    train_iters = run.training.train_iters or 1
+    train_iters = run.training.loop.train_iters or 1
     scheduler = LRScheduler(optimizer, run.lr_config.spec(train_iters, run.optimizer_config.peak_lr))
     tokens, labels = fixed_batch(arch, dev)
     forward = torch.compile(model) if compile_model else model

@@ -13,8 +13,6 @@ importing the training package.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
-
 from pydantic import Field
 
 from megatron import plugins
@@ -64,11 +62,6 @@ def reference_kind(config: ObjectiveArgs) -> ReferenceKind:
     return "precomputed" if config.reference_logps else "frozen_copy"
 
 
-class _KTOCheckArgs(Protocol):
-    @property
-    def train_micro_batch_size_per_gpu(self) -> int | None: ...
-
-
 def _dpo_check(args: ObjectiveArgs, show: Callable[[str], str]) -> list[str]:
     if reference_kind(args) == "free" and args.reference_logps:  # free: dpo_reference_free is set
         return [f"{show('dpo_reference_free')} and {show('reference_logps')} contradict each other: "
@@ -83,19 +76,11 @@ def _rm_check(args: ObjectiveArgs, show: Callable[[str], str]) -> list[str]:
     return []
 
 
-def _kto_check(args: _KTOCheckArgs, show: Callable[[str], str]) -> list[str]:
-    micro = args.train_micro_batch_size_per_gpu
-    if isinstance(micro, int) and micro < 2:
-        return [f"{show('train_micro_batch_size_per_gpu')} with train_impl: kto: KTO estimates its KL reference "
-                "point from mismatched pairs inside a micro-batch, which needs at least 2 samples; raise it to 2 "
-                "or more"]
-    return []
-
-
 plugins.declare("train_impl", "normal", "megatron.training.objectives.lm:LMObjective", documents=True)
 plugins.declare("train_impl", "dpo", "megatron.training.objectives.dpo:DPOObjective",
                 keys=DPOKeys, check=_dpo_check, dataset="pairwise", reference=True)
+# KTO estimates its KL reference point from mismatched pairs inside a micro-batch: at least 2 samples
 plugins.declare("train_impl", "kto", "megatron.training.objectives.kto:KTOObjective",
-                keys=KTOKeys, check=_kto_check, dataset="reward", reference=True)
+                keys=KTOKeys, dataset="reward", reference=True, min_micro_batch=2)
 plugins.declare("train_impl", "rm", "megatron.training.objectives.rm:RewardModelObjective",
                 check=_rm_check, dataset="pairwise", value_head=True)
