@@ -37,8 +37,17 @@ class TrainingLoopArgs(ArgGroup):
     train_epochs: int | None = Field(None, ge=1)
     """Train for this many passes over the data instead of giving train_iters."""
 
+    max_train_epochs: int | None = Field(None, ge=1)
+    """Stop early once the train split has been read this many times over (in whole global batches),
+    even before train_iters, whose length the LR schedule keeps (Levanter's top-level epoch)."""
+
     eval_iters: int = Field(100, ge=0)
     """Batches per evaluation."""
+
+    eval_micro_batch_size_per_gpu: int | None = Field(None, ge=1)
+    """Samples per data-parallel rank in each evaluation batch, which then holds this x the data-parallel
+    ranks samples with no accumulation (Levanter's per_device_eval_parallelism); unset: each evaluation
+    batch is a training global batch (train_batch_size), as in GPT-NeoX."""
 
     eval_interval: int = Field(1000, ge=1)
     """Evaluate on the validation split every this many steps."""
@@ -74,7 +83,11 @@ class TrainingRunArgs(Protocol):
     @property
     def train_epochs(self) -> int | None: ...
     @property
+    def max_train_epochs(self) -> int | None: ...
+    @property
     def eval_iters(self) -> int: ...
+    @property
+    def eval_micro_batch_size_per_gpu(self) -> int | None: ...
     @property
     def eval_interval(self) -> int: ...
     @property

@@ -65,6 +65,21 @@ def resolve_train_iters(training: TrainingRunArgs, train_dataset: object, batch:
     raise ConfigError("set train_iters (or train_epochs) so the run knows when to stop")
 
 
+def last_iteration(train_iters: int, samples_cap: int | None, global_batch: int) -> int:
+    """Where the run stops: ``train_iters``, or earlier where ``max_train_epochs`` of data end (the last
+    whole global batch within them). Levanter's loop ends when its loader runs out
+    (trainer.py:418-428@9263f81e) while its LR schedule keeps spanning num_train_steps; its loader pads
+    a final partial batch with zero-loss examples (data/loader.py:322-335@9263f81e), which Deepy does
+    not build, so a remainder smaller than one global batch is left unread."""
+    if samples_cap is None:
+        return train_iters
+    last = min(train_iters, samples_cap // global_batch)
+    if last < 1:
+        raise ConfigError(f"max_train_epochs: its epochs hold {samples_cap} samples, fewer than one global batch "
+                          f"({global_batch}); raise max_train_epochs or lower train_batch_size")
+    return last
+
+
 def limit_cpu_threads() -> None:
     """On CPU, give each local rank its share of the cores: torch's default (every core per rank)
     oversubscribes a multi-rank run and made tiny runs ~20x slower here."""
@@ -115,6 +130,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
     batch = BatchLayout.of(training, dp=mpu.get_data_shard_count())
     dp_rank = mpu.get_data_shard_rank()
     train_iters = resolve_train_iters(training, splits.train, batch)
+    stop_at = last_iteration(train_iters, splits.train_samples_cap, batch.global_size)
     record = {**run.args_record, "padded_vocab_size": padded_vocab, "train_iters": train_iters}
 
     # the train_impl's batches and loss; a frozen reference copy takes the starting weights before the
@@ -130,6 +146,9 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
 
     g = batch.global_size
     device = _device()
+    # evaluation batches: eval_micro_batch_size_per_gpu per rank with no accumulation, else training's
+    eval_batch = batch if training.eval_micro_batch_size_per_gpu is None else BatchLayout(
+        micro=training.eval_micro_batch_size_per_gpu, gas=1, dp=batch.dp)
 
     def validation_loss() -> float:
         """Loss of the first global batch of the train split (fixed, for checkpoint validation)."""
@@ -137,7 +156,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
         assert evaluator is not None
         return evaluator.evaluate()["lm_loss"]
 
-    manager = CheckpointManager.from_config(run.checkpoint, args_record=record, train_iters=train_iters,
+    manager = CheckpointManager.from_config(run.checkpoint, args_record=record, train_iters=stop_at,
                                             before_commit=before_commit, new_parameters=eng.objective.new_parameters)
     validate = validation_loss if run.checkpoint.checkpoint_validation_with_forward_pass else None
     ckpt = CheckpointHooks(manager, validate=validate,
@@ -149,7 +168,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
     rank = dist.get_rank() if dist.is_initialized() else 0
     monitor = build_monitor(log_config, wall_clock_breakdown=bool(run.deepspeed_config.get("wall_clock_breakdown")),
                             engine=eng.engine, rank=rank, speaks=speaks(), start_iteration=state.iteration,
-                            train_iters=train_iters, wandb_run_id=state.wandb_run_id,
+                            train_iters=stop_at, wandb_run_id=state.wandb_run_id,
                             run_config=run.args_record, logger=log, cuda=torch.cuda.is_available(),
                             run_name=state.run_name or run.run_name)
     state.wandb_run_id = monitor.wandb_run_id or state.wandb_run_id  # saved with every checkpoint
@@ -190,19 +209,22 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
     micro = TimedIterator(prefetched(source, training.num_workers), monitor.timers)
     # whole model: FLOPs are per token
     recomputed = len(layers_to_checkpoint(run.activation_config, model_config.arch.layers))
+    end_reason = ("train_iters reached" if stop_at == train_iters
+                  else f"the data's {training.max_train_epochs} epochs are used up (max_train_epochs)")
     ctx = LoopContext(
         eng=eng, training=training, micro_batches=micro, device=device,
-        train_iters=train_iters, global_batch_size=g, tokens_per_step=g * seq * objective.rows_per_sample,
+        train_iters=stop_at, global_batch_size=g, tokens_per_step=g * seq * objective.rows_per_sample,
         flops_per_token=flops_per_token(model_config, seq), world_size=dist.get_world_size() if dist.is_initialized() else 1,
         peak_tflops=peak_tflops(current_device_name(), compute_dtype(training.precision),
                                 log_config.peak_theoretical_tflops),
         monitor=monitor, hardware_flops_per_token=hardware_flops_per_token(model_config, recomputed, seq),
-        valid=maybe_evaluator(eng, splits.valid, training.eval_iters, batch, dp_rank, device, "valid"),
-        test=maybe_evaluator(eng, splits.test, training.eval_iters, batch, dp_rank, device, "test"),
+        valid=maybe_evaluator(eng, splits.valid, training.eval_iters, eval_batch, dp_rank, device, "valid"),
+        test=maybe_evaluator(eng, splits.test, training.eval_iters, eval_batch, dp_rank, device, "test"),
         tasks=None if run.tasks is None or task_evaluation is None else task_evaluation(
             eng, tokenizer, run.tasks, zero_stage=int((run.deepspeed_config.get("zero_optimization") or {}).get("stage", 0)),
             sequence_parallel=run.model.sequence_parallel and run.parallel.model_parallel_size > 1).run,
         tasks_interval=None if run.tasks is None else run.tasks.evaluation.eval_tasks_interval,
+        end_reason=end_reason,
     )
     # DeepSpeed's communication timings (comms_logger): shown after the last step, and with verbose at log steps
     comms = CommsReport(run.deepspeed_config.get("comms_logger"), log_config.log_interval)
