@@ -155,7 +155,8 @@ def _bf16_everywhere_state() -> dict[str, Any]:
     return {
         "stage": engine.zero_optimization_stage(),
         "weights": sorted({str(getattr(p, "ds_tensor", p).dtype) for p in engine.module.parameters()}),
-        "optimizer_weights": sorted({str(p.dtype) for g in engine.optimizer.optimizer.param_groups for p in g["params"]}),
+        # ZeRO-3's own copy of the weights the optimizer updates (named fp32, held in the master dtype)
+        "optimizer_weights": sorted({str(t.dtype) for t in engine.optimizer.fp32_partitioned_groups_flat}),
         "moments": sorted({f"{k}:{v.dtype}" for st in states for k, v in st.items() if torch.is_tensor(v) and v.dim()}),
         "losses": losses,
     }
