@@ -128,6 +128,7 @@ def _training_loop(args: Any) -> object:
     return (args.train_iters, args.train_epochs,  # pretrain.resolve_train_iters
             args.eval_interval, args.exit_interval, args.max_consecutive_overflows,  # loop.train
             args.eval_iters, args.num_workers, args.seed, args.precision, args.seq_length,  # pretrain
+            args.max_train_epochs, args.eval_micro_batch_size_per_gpu,  # pretrain: end reason, eval batches
             BatchLayout.of(args, dp=1),  # pretrain's batch layout
             args.compile_layers, args.zero_init)  # engine.build_engine
 
@@ -179,6 +180,7 @@ def _data(args: Any) -> object:
             args.use_dummy_dataset, args.train_urls, args.validation_urls, args.cache_dir, args.data_path, args.split,
             args.weight_by_num_documents, args.weighted_sampler_alpha, args.pack_impl, args.allow_chopped,
             args.wants_pairs, args.reference_model, args.mmap_warmup, args.seq_length, args.seed, args.train_epochs,
+            args.max_train_epochs,  # build_datasets' epoch cap
             args.dummy_data, args.dummy_data_vocab_size,  # build_datasets' dummy data
             args.shard_file_type, args.shard_column, args.shard_tokenizer, args.shard_eos_token,  # token-shard
             args.shard_bos_token, args.shard_strip_tokens)  # directories (_read_shard_directory)
