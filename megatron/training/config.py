@@ -17,6 +17,7 @@ from typing import Protocol
 from pydantic import Field
 
 from megatron.config_schema import ArgGroup
+from megatron.errors import ConfigError
 
 # precision key -> the name the device peak table and the memory estimate use
 _COMPUTE_DTYPE = {"bfloat16": "bf16", "fp16": "fp16", "fp32": "fp32", None: "fp32"}
@@ -26,6 +27,21 @@ def compute_dtype(precision: str | None) -> str:
     """``fp32 | bf16 | fp16``: the compute dtype the ``precision`` key (``bfloat16``, ``fp16``,
     ``fp32`` or unset) trains in."""
     return _COMPUTE_DTYPE[precision]
+
+
+def last_iteration(train_iters: int, samples_cap: int | None, global_batch: int) -> int:
+    """Where the run stops: ``train_iters``, or earlier where ``max_train_epochs`` of data end (the last
+    whole global batch within them). Levanter's loop ends when its loader runs out
+    (trainer.py:418-428@9263f81e) while its LR schedule keeps spanning num_train_steps; its loader pads
+    a final partial batch with zero-loss examples (data/loader.py:322-335@9263f81e), which Deepy does
+    not build, so a remainder smaller than one global batch is left unread."""
+    if samples_cap is None:
+        return train_iters
+    last = min(train_iters, samples_cap // global_batch)
+    if last < 1:
+        raise ConfigError(f"max_train_epochs: its epochs hold {samples_cap} samples, fewer than one global batch "
+                          f"({global_batch}); raise max_train_epochs or lower train_batch_size")
+    return last
 
 
 class TrainingLoopArgs(ArgGroup):

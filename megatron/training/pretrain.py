@@ -36,7 +36,7 @@ from megatron.model.flops import hardware_flops_per_token
 from megatron.mpu.random import model_parallel_manual_seed
 from megatron.tokenizer import build_tokenizer
 from megatron.training.comms_report import CommsReport
-from megatron.training.config import TrainingRunArgs, compute_dtype
+from megatron.training.config import TrainingRunArgs, compute_dtype, last_iteration
 from megatron.training.engine import build_engine, layers_to_checkpoint, partition_method
 from megatron.training.evaluate import maybe_evaluator
 from megatron.training.loop import Hooks, LoopContext, TrainState, train
@@ -63,21 +63,6 @@ def resolve_train_iters(training: TrainingRunArgs, train_dataset: object, batch:
     if training.train_epochs and train_dataset is not None:
         return len(train_dataset) // batch.global_size  # type: ignore[arg-type]  # every train split is Sized
     raise ConfigError("set train_iters (or train_epochs) so the run knows when to stop")
-
-
-def last_iteration(train_iters: int, samples_cap: int | None, global_batch: int) -> int:
-    """Where the run stops: ``train_iters``, or earlier where ``max_train_epochs`` of data end (the last
-    whole global batch within them). Levanter's loop ends when its loader runs out
-    (trainer.py:418-428@9263f81e) while its LR schedule keeps spanning num_train_steps; its loader pads
-    a final partial batch with zero-loss examples (data/loader.py:322-335@9263f81e), which Deepy does
-    not build, so a remainder smaller than one global batch is left unread."""
-    if samples_cap is None:
-        return train_iters
-    last = min(train_iters, samples_cap // global_batch)
-    if last < 1:
-        raise ConfigError(f"max_train_epochs: its epochs hold {samples_cap} samples, fewer than one global batch "
-                          f"({global_batch}); raise max_train_epochs or lower train_batch_size")
-    return last
 
 
 def limit_cpu_threads() -> None:

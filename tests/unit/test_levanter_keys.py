@@ -177,7 +177,7 @@ def test_the_epoch_cap_ends_the_run_at_its_last_whole_batch() -> None:
     whole global batches of max_train_epochs x the samples of one epoch; a remainder below one batch is
     not read (Levanter pads it with zero-loss examples, data/loader.py:322-335@9263f81e)."""
     from megatron.errors import ConfigError
-    from megatron.training.pretrain import last_iteration
+    from megatron.training.config import last_iteration
 
     assert last_iteration(500, None, 8) == 500
     assert last_iteration(500, 3 * 51, 8) == 153 // 8 == 19
