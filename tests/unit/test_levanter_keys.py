@@ -400,3 +400,21 @@ def test_initialize_from_hf_takes_a_local_model_directory(tmp_path: Path) -> Non
                           "beside trainer.initialize_from")):
         with pytest.raises(ConfigError, match=reason):
             load(tmp_path, text)
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    ({"max_train_epochs": 2, "train_iters": None, "train_epochs": 3}, "train_epochs already ends the run"),
+    ({"max_train_epochs": 2, "use_dummy_dataset": True}, "dummy dataset has no epochs"),
+    ({"eval_micro_batch_size_per_gpu": 4, "pipe_parallel_size": 1}, "pipeline engine .* evaluates in training's"),
+])
+def test_the_new_keys_are_refused_where_they_cannot_act(keys: dict[str, Any], message: str) -> None:
+    from megatron.config_rules import Device
+    from megatron.neox_arguments import finalize
+    from megatron.neox_arguments.arguments import NeoXArgs
+    from megatron.neox_arguments.resolved import ResolvedConfig
+
+    base = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+            "max_position_embeddings": 32, "train_micro_batch_size_per_gpu": 2, "train_iters": 10,
+            "tokenizer_type": "CharLevelTokenizer", "data_path": "data/x_text_document"}
+    with pytest.raises(ConfigError, match=message):
+        finalize(ResolvedConfig(args=NeoXArgs(**{**base, **keys})), 1, device=Device(cuda=False, fp16_supported=False))
