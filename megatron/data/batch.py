@@ -104,3 +104,12 @@ def solve_batch(micro: int | None, gas: int | None, total: int | None, dp: int,
         raise BatchError(f"no batch size{shown}: set train_micro_batch_size_per_gpu (samples per rank per step) "
                          f"and/or train_batch_size (global samples per optimizer step)")
     return BatchLayout(micro=micro, gas=gas, dp=dp)
+
+
+def eval_batch_size(global_batch: int, train: RankBatch, eval_micro: int | None) -> int:
+    """Samples per evaluation batch over all ranks: ``eval_micro`` per data-parallel rank with no
+    accumulation (``eval_micro_batch_size_per_gpu``, Levanter's per_device_eval_parallelism x its data
+    axis, trainer.py:808-810@9263f81e); unset, a training global batch, as in GPT-NeoX."""
+    if eval_micro is None:
+        return global_batch
+    return eval_micro * (global_batch // (train.micro * train.gas))

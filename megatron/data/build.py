@@ -44,6 +44,9 @@ class DataSplits:
     train: Any | None
     valid: Any | None
     test: Any | None
+    train_samples_cap: int | None = None
+    """``max_train_epochs`` x the samples of one epoch of the train split: the run stops before it
+    reads past them (None: no cap)."""
 
 
 # ---- pure helpers ---------------------------------------------------------------------------
@@ -68,15 +71,18 @@ def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
     return [(int(bounds[i]), int(bounds[i + 1])) for i in range(3)]
 
 
-def samples_needed(global_batch: int, train_iters: int | None, eval_iters: int, eval_interval: int) -> tuple[int, int, int]:
+def samples_needed(global_batch: int, train_iters: int | None, eval_iters: int, eval_interval: int,
+                   eval_batch: int | None = None) -> tuple[int, int, int]:
     """Samples each split must provide for the planned schedule (train from ``train_iters`` only):
-    ``global_batch`` samples per step, ``eval_iters`` batches every ``eval_interval`` steps and once at the end."""
+    ``global_batch`` samples per step, ``eval_iters`` batches of ``eval_batch`` samples (None: a global
+    batch) every ``eval_interval`` steps and once at the end."""
     g = global_batch
     iters = train_iters or 0
     interval = eval_interval or max(iters, 1)
     train = iters * g
-    valid = (iters // interval + 1) * eval_iters * g if eval_iters else 0
-    test = eval_iters * g
+    eval_g = eval_batch or g
+    valid = (iters // interval + 1) * eval_iters * eval_g if eval_iters else 0
+    test = eval_iters * eval_g
     return train, valid, test
 
 
@@ -218,13 +224,18 @@ def _components_for_split(config: DataRun, split: str) -> list[Component] | None
     return comps
 
 
-def _train_samples_from_epochs(builder: _Builder, comps: list[Component], epochs: int, g: int) -> int:
-    """train_epochs x samples in one epoch of every training component, in whole global batches."""
+def _samples_per_epoch(builder: _Builder, comps: list[Component]) -> int:
+    """Samples in one epoch of every training component (one epoch of each sample index)."""
     per_epoch = 0
     for c in comps:
         ds = builder.component("train", c, 1)
         per_epoch += len(ds.shuffle_idx) if hasattr(ds, "shuffle_idx") else len(ds.inner.shuffle_idx)
-    return max(g, (epochs * per_epoch) // g * g)
+    return per_epoch
+
+
+def _train_samples_from_epochs(builder: _Builder, comps: list[Component], epochs: int, g: int) -> int:
+    """train_epochs x samples in one epoch of every training component, in whole global batches."""
+    return max(g, (epochs * _samples_per_epoch(builder, comps)) // g * g)
 
 
 def _read_shard_directory(c: Component, builder: _Builder, config: DataRun, vocab: int) -> Component:
@@ -267,7 +278,7 @@ def build_datasets(config: DataRun, tokenizer: Any, padded_vocab_size: int) -> D
     random tokens of the dummy dataset and the token ids a sample of the files may hold.
     """
     train_n, valid_n, test_n = samples_needed(config.train_batch_size, config.train_iters, config.eval_iters,
-                                              config.eval_interval)
+                                              config.eval_interval, config.eval_batch_size)
     if config.keys.use_dummy_dataset:
         seq = config.seq_length
         seed, kind, pattern = config.seed, _dummy_kind(config), config.keys.dummy_data
@@ -306,6 +317,11 @@ def build_datasets(config: DataRun, tokenizer: Any, padded_vocab_size: int) -> D
     train = per_split.get("train")
     if not config.train_iters and config.train_epochs and train:
         train_n = _train_samples_from_epochs(builder, train, config.train_epochs, config.train_batch_size)
+    cap = None
+    if config.max_train_epochs and train:
+        # Levanter's EpochDataset (data/dataset.py:510-565@9263f81e): the data ends after this many epochs
+        cap = config.max_train_epochs * _samples_per_epoch(builder, train)
+        train_n = min(train_n, cap)
     if train_n > 0 and not per_split.get("train"):
         raise DataError("the train split is empty: check `split` and the data paths")
     if config.keys.mmap_warmup:
@@ -317,4 +333,4 @@ def build_datasets(config: DataRun, tokenizer: Any, padded_vocab_size: int) -> D
         if n > 0 and not comps and s != "train":
             logger.warning("%s split has no data; evaluation on it is skipped", s)
         datasets[s] = builder.blend(s, comps, weights[s], n)
-    return DataSplits(datasets["train"], datasets["valid"], datasets["test"])
+    return DataSplits(datasets["train"], datasets["valid"], datasets["test"], train_samples_cap=cap)

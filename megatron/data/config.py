@@ -213,8 +213,12 @@ class DataRun:
     """The loop's optimizer steps; None: ``train_epochs`` sizes the train split."""
     train_epochs: int | None
     """Passes over the train split instead of ``train_iters``."""
+    max_train_epochs: int | None
+    """The train split ends after this many passes over its files (Levanter's ``epoch``); None: no end."""
     eval_iters: int
     """Batches per evaluation (the validation and test splits are sized by it)."""
+    eval_batch_size: int
+    """Samples per evaluation batch over all ranks (:func:`~megatron.data.batch.eval_batch_size`)."""
     eval_interval: int
     """Steps between evaluations."""
     train_impl: str

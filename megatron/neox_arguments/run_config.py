@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron.checkpointing.config import CheckpointArgs
-from megatron.data.batch import RankBatch
+from megatron.data.batch import RankBatch, eval_batch_size
 from megatron.data.config import DataRun
 from megatron.evaluation.config import EvalRun
 from megatron.logging.config import LoggingArgs
@@ -151,18 +151,25 @@ def _resolved(value: int | None, key: str) -> int:
 
 def data_run(args: NeoXArgs) -> DataRun:
     """The datasets' frozen view: the data keys (``args`` typed as ``DataArgs``) and the shared values."""
+    global_batch = _resolved(args.train_batch_size, "train_batch_size")
     return DataRun(keys=args, seq_length=_resolved(args.seq_length, "seq_length"), seed=args.seed,
-                   train_batch_size=_resolved(args.train_batch_size, "train_batch_size"),
-                   train_iters=args.train_iters, train_epochs=args.train_epochs, eval_iters=args.eval_iters,
+                   train_batch_size=global_batch, train_iters=args.train_iters, train_epochs=args.train_epochs,
+                   max_train_epochs=args.max_train_epochs, eval_iters=args.eval_iters,
+                   eval_batch_size=global_batch if args.eval_micro_batch_size_per_gpu is None else eval_batch_size(
+                       global_batch, _rank_batch(args), args.eval_micro_batch_size_per_gpu),
                    eval_interval=args.eval_interval, train_impl=args.train_impl, reference_logps=args.reference_logps)
+
+
+def _rank_batch(args: NeoXArgs) -> RankBatch:
+    """The resolved micro batch and accumulation (``derive_batch`` solved them before launch)."""
+    return RankBatch(micro=_resolved(args.train_micro_batch_size_per_gpu, "train_micro_batch_size_per_gpu"),
+                     gas=args.gradient_accumulation_steps)
 
 
 def training_run(args: NeoXArgs) -> TrainingRun:
     """The loop's frozen view: its keys (``args`` typed as ``TrainingLoopArgs``) and the shared values."""
-    batch = RankBatch(micro=_resolved(args.train_micro_batch_size_per_gpu, "train_micro_batch_size_per_gpu"),
-                      gas=args.gradient_accumulation_steps)
     return TrainingRun(loop=args, seq_length=_resolved(args.seq_length, "seq_length"), precision=args.precision,
-                       seed=args.seed, batch=batch)
+                       seed=args.seed, batch=_rank_batch(args))
 
 
 def parallel_run(args: NeoXArgs) -> ParallelRun:

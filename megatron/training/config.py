@@ -18,6 +18,7 @@ from pydantic import Field
 
 from megatron.config_schema import ArgGroup
 from megatron.data.batch import RankBatch
+from megatron.errors import ConfigError
 
 # precision key -> the name the device peak table and the memory estimate use
 _COMPUTE_DTYPE = {"bfloat16": "bf16", "fp16": "fp16", "fp32": "fp32", None: "fp32"}
@@ -29,6 +30,21 @@ def compute_dtype(precision: str | None) -> str:
     return _COMPUTE_DTYPE[precision]
 
 
+def last_iteration(train_iters: int, samples_cap: int | None, global_batch: int) -> int:
+    """Where the run stops: ``train_iters``, or earlier where ``max_train_epochs`` of data end (the last
+    whole global batch within them). Levanter's loop ends when its loader runs out
+    (trainer.py:418-428@9263f81e) while its LR schedule keeps spanning num_train_steps; its loader pads
+    a final partial batch with zero-loss examples (data/loader.py:322-335@9263f81e), which Deepy does
+    not build, so a remainder smaller than one global batch is left unread."""
+    if samples_cap is None:
+        return train_iters
+    last = min(train_iters, samples_cap // global_batch)
+    if last < 1:
+        raise ConfigError(f"max_train_epochs: its epochs hold {samples_cap} samples, fewer than one global batch "
+                          f"({global_batch}); raise max_train_epochs or lower train_batch_size")
+    return last
+
+
 class TrainingLoopArgs(ArgGroup):
     """Deepy's own group: the loop's keys, which GPT-NeoX files under ``NeoXArgsTraining``."""
 
@@ -38,8 +54,17 @@ class TrainingLoopArgs(ArgGroup):
     train_epochs: int | None = Field(None, ge=1)
     """Train for this many passes over the data instead of giving train_iters."""
 
+    max_train_epochs: int | None = Field(None, ge=1)
+    """Stop early once the train split has been read this many times over (in whole global batches),
+    even before train_iters, whose length the LR schedule keeps (Levanter's top-level epoch)."""
+
     eval_iters: int = Field(100, ge=0)
     """Batches per evaluation."""
+
+    eval_micro_batch_size_per_gpu: int | None = Field(None, ge=1)
+    """Samples per data-parallel rank in each evaluation batch, which then holds this x the data-parallel
+    ranks samples with no accumulation (Levanter's per_device_eval_parallelism); unset: each evaluation
+    batch is a training global batch (train_batch_size), as in GPT-NeoX."""
 
     eval_interval: int = Field(1000, ge=1)
     """Evaluate on the validation split every this many steps."""

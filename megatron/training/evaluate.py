@@ -1,5 +1,9 @@
 """Validation/test evaluation: ``eval_iters`` global batches of the run's objective.
 
+A batch is the training global batch, or with ``eval_micro_batch_size_per_gpu`` that many samples per
+data-parallel rank and no accumulation (Levanter's eval batch: per_device_eval_parallelism x the data
+axis, trainer.py:808-810@9263f81e), so ``eval_iters`` x that many examples are evaluated.
+
 The loss of each batch is normalised as in training (the objective's units over the whole global
 batch) and the batches are averaged; the objective's metrics (DPO reward accuracy, reward-model
 accuracy, ...) are summed over all ``eval_iters`` batches before they are averaged.
@@ -41,8 +45,12 @@ class Evaluator:
     batches per evaluation."""
 
     def __init__(self, eng: Engine, stream_at: StreamAt, eval_iters: int, device: torch.device,
-                 split: str = "valid") -> None:
+                 split: str = "valid", micro_count: int | None = None, dp: int = 1) -> None:
+        """``micro_count``: micro-batches per evaluation batch (None: the engine's accumulation steps);
+        ``dp``: the data-parallel ranks, each reading as many samples as this one."""
         self.eng = eng
+        self.micro_count = micro_count
+        self.dp = dp
         self.eval_iters = eval_iters
         self.device = device
         self.split = split
@@ -51,13 +59,31 @@ class Evaluator:
     def evaluate(self, evaluation: int = 0) -> dict[str, float]:
         """``{"lm_loss": mean loss, **objective metrics}`` over global batches
         ``[evaluation * eval_iters, (evaluation + 1) * eval_iters)`` of the split, the same on every rank."""
-        micro = self._stream_at(evaluation * self.eval_iters)
+        micro = _Counted(self._stream_at(evaluation * self.eval_iters))
         runner = ObjectiveRunner(self.eng.objective, self.eng.reference)
         self.eng.objective.metrics.reset()
         total = 0.0
         for _ in range(self.eval_iters):
-            total += float(runner.run(self.eng, micro, self.split, self.device, train=False))
-        return {"lm_loss": total / max(self.eval_iters, 1), **runner.collect_metrics(self.eng, self.device)}
+            total += float(runner.run(self.eng, micro, self.split, self.device, train=False,
+                                      micro_count=self.micro_count))
+        # examples: the samples this evaluation read, over all data-parallel ranks
+        return {"lm_loss": total / max(self.eval_iters, 1), "examples": float(micro.rows * self.dp),
+                **runner.collect_metrics(self.eng, self.device)}
+
+
+class _Counted:
+    """A micro-batch stream that counts the samples (rows) it hands out."""
+
+    def __init__(self, inner: Iterator[dict[str, torch.Tensor]]) -> None:
+        self.inner, self.rows = inner, 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        batch = next(self.inner)
+        self.rows += int(next(iter(batch.values())).shape[0])
+        return batch
 
 
 def maybe_evaluator(eng: Engine, dataset: Any, eval_iters: int, batch: BatchLayout, dp_rank: int,
@@ -73,4 +99,4 @@ def maybe_evaluator(eng: Engine, dataset: Any, eval_iters: int, batch: BatchLayo
         # O(1): the sample order is a pure function of the position (see data/sampler.py)
         return MicroBatchIterator(source, global_batch * batch.global_size, batch, dp_rank)
 
-    return Evaluator(eng, stream_at, eval_iters, device, split)
+    return Evaluator(eng, stream_at, eval_iters, device, split, micro_count=batch.gas, dp=batch.dp)

@@ -120,6 +120,8 @@ class LoopContext:
     (``megatron/evaluation/in_training.py``)."""
     tasks_interval: int | None = None
     """Steps between runs of ``tasks`` (``eval_tasks_interval``); None: every ``eval_interval``."""
+    end_reason: str = "train_iters reached"
+    """Why the run ends at ``train_iters`` (the last step: train_iters, or where max_train_epochs end)."""
 
 
 def _sync() -> None:
@@ -243,7 +245,7 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
         elif exit_interval and state.iteration % exit_interval == 0:
             state.stop_reason = f"exit_interval {exit_interval}"
         elif state.iteration == ctx.train_iters:
-            state.stop_reason = "train_iters reached"
+            state.stop_reason = ctx.end_reason
         if state.stop_reason is not None:
             exited = True
             for hook in hooks.at_exit:  # saves the last step unless after_step just did

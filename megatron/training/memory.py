@@ -106,6 +106,10 @@ class MemoryLayout:
     """Bytes per accumulated gradient element (``data_types.grad_accum_dtype``); None = the weights'."""
     lora: LoRAArgs = field(default_factory=LoRAArgs)
     """Adapters (``r == 0``: none, every parameter trains)."""
+    master_bytes: int = 4
+    """Bytes per element of ZeRO's master weights: 2 with the bf16 block's ``bf16_master_weights_and_grads``."""
+    state_bytes: int = 4
+    """Bytes per element of the optimizer's states: 2 with ``bf16_optimizer_states`` (they follow the master)."""
 
     @classmethod
     def from_run(cls, run: RunViews, world_size: int, padded_vocab_size: int) -> MemoryLayout:
@@ -128,6 +132,7 @@ class MemoryLayout:
         chunk = 1 if ckpt.selective_checkpointing else min(ckpt.checkpoint_num_layers, max(layers_per_stage, 1))
         training = run.training
         accum = (run.deepspeed_config.get("data_types") or {}).get("grad_accum_dtype")
+        bf16: Mapping[str, Any] = run.deepspeed_config.get("bf16") or {}
         return cls(
             model=model, tp=tp, pp=pp, dp=max(world_size // (tp * pp), 1),
             precision=compute_dtype(training.precision), zero_stage=stage,
@@ -147,6 +152,9 @@ class MemoryLayout:
             lora=run.lora,
             pipeline_engine=run.parallel.pipe_parallel_size >= 1,
             grad_accum_bytes=_BYTES.get(str(accum)) if accum else None,
+            # DeepSpeed honours these two under ZeRO 1-3 only (runtime/config.py:706-714 in 0.19.8)
+            master_bytes=2 if stage > 0 and bf16.get("bf16_master_weights_and_grads") else 4,
+            state_bytes=2 if stage > 0 and bf16.get("bf16_optimizer_states") else 4,
         )  # fmt: skip
 
 
@@ -299,6 +307,9 @@ def gradient_bytes(layout: MemoryLayout, trainable: int) -> float:
     return accum * trainable / dp
 
 
+_NAME = {4: "fp32", 2: "bf16"}
+
+
 def estimate(layout: MemoryLayout) -> MemoryEstimate:
     p = stage_parameters(layout) + adapter_parameters(layout)
     t = trainable_parameters(layout)  # p without adapters; else the frozen rest keeps its weights only
@@ -311,8 +322,8 @@ def estimate(layout: MemoryLayout) -> MemoryEstimate:
         states = 4.0 * k * t
     else:
         weights = w * p / dp if stage == 3 else float(w * p)
-        master = 4.0 * t / dp
-        states = 4.0 * k * t / dp
+        master = float(layout.master_bytes) * t / dp
+        states = float(layout.state_bytes) * k * t / dp
     offloaded = 0.0
     if layout.offload_optimizer:
         offloaded, master, states = master + states, 0.0, 0.0
@@ -332,8 +343,8 @@ def render(layout: MemoryLayout, est: MemoryEstimate, device_memory_gib: float |
     rows: list[tuple[str, float, str]] = [
         (f"weights ({layout.precision})", est.weights, ""),
         ("gradients", est.gradients, ""),
-        ("fp32 master weights", est.master_weights, ""),
-        (f"optimizer states ({layout.optimizer_states} x fp32)", est.optimizer_states, ""),
+        (f"{_NAME[layout.master_bytes]} master weights", est.master_weights, ""),
+        (f"optimizer states ({layout.optimizer_states} x {_NAME[layout.state_bytes]})", est.optimizer_states, ""),
     ]
     if est.zero_buckets:
         rows.append(("ZeRO gradient buckets", est.zero_buckets, "reduce_bucket_size, during the backward"))

@@ -36,7 +36,7 @@ from megatron.model.flops import hardware_flops_per_token
 from megatron.mpu.random import model_parallel_manual_seed
 from megatron.tokenizer import build_tokenizer
 from megatron.training.comms_report import CommsReport
-from megatron.training.config import TrainingLoopArgs, compute_dtype
+from megatron.training.config import TrainingLoopArgs, compute_dtype, last_iteration
 from megatron.training.engine import build_engine, layers_to_checkpoint, partition_method
 from megatron.training.evaluate import maybe_evaluator
 from megatron.training.loop import Hooks, LoopContext, TrainState, train
@@ -115,6 +115,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
     batch = training.batch.on(dp=mpu.get_data_shard_count())
     dp_rank = mpu.get_data_shard_rank()
     train_iters = resolve_train_iters(training.loop, splits.train, batch)
+    stop_at = last_iteration(train_iters, splits.train_samples_cap, batch.global_size)
     record = {**run.args_record, "padded_vocab_size": padded_vocab, "train_iters": train_iters}
 
     # the train_impl's batches and loss; a frozen reference copy takes the starting weights before the
@@ -130,6 +131,9 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
 
     g = batch.global_size
     device = _device()
+    # evaluation batches: eval_micro_batch_size_per_gpu per rank with no accumulation, else training's
+    eval_batch = batch if training.loop.eval_micro_batch_size_per_gpu is None else BatchLayout(
+        micro=training.loop.eval_micro_batch_size_per_gpu, gas=1, dp=batch.dp)
 
     def validation_loss() -> float:
         """Loss of the first global batch of the train split (fixed, for checkpoint validation)."""
@@ -137,7 +141,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
         assert evaluator is not None
         return evaluator.evaluate()["lm_loss"]
 
-    manager = CheckpointManager.from_config(run.checkpoint, args_record=record, train_iters=train_iters,
+    manager = CheckpointManager.from_config(run.checkpoint, args_record=record, train_iters=stop_at,
                                             before_commit=before_commit, new_parameters=eng.objective.new_parameters)
     validate = validation_loss if run.checkpoint.checkpoint_validation_with_forward_pass else None
     ckpt = CheckpointHooks(manager, validate=validate,
@@ -149,7 +153,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
     rank = dist.get_rank() if dist.is_initialized() else 0
     monitor = build_monitor(log_config, wall_clock_breakdown=bool(run.deepspeed_config.get("wall_clock_breakdown")),
                             engine=eng.engine, rank=rank, speaks=speaks(), start_iteration=state.iteration,
-                            train_iters=train_iters, wandb_run_id=state.wandb_run_id,
+                            train_iters=stop_at, wandb_run_id=state.wandb_run_id,
                             run_config=run.args_record, logger=log, cuda=torch.cuda.is_available(),
                             run_name=state.run_name or run.run_name)
     state.wandb_run_id = monitor.wandb_run_id or state.wandb_run_id  # saved with every checkpoint
@@ -190,19 +194,22 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
     micro = TimedIterator(prefetched(source, training.loop.num_workers), monitor.timers)
     # whole model: FLOPs are per token
     recomputed = len(layers_to_checkpoint(run.activation_config, model_config.arch.layers))
+    end_reason = ("train_iters reached" if stop_at == train_iters
+                  else f"the data's {training.loop.max_train_epochs} epochs are used up (max_train_epochs)")
     ctx = LoopContext(
         eng=eng, training=training.loop, micro_batches=micro, device=device,
-        train_iters=train_iters, global_batch_size=g, tokens_per_step=g * seq * objective.rows_per_sample,
+        train_iters=stop_at, global_batch_size=g, tokens_per_step=g * seq * objective.rows_per_sample,
         flops_per_token=flops_per_token(model_config, seq), world_size=dist.get_world_size() if dist.is_initialized() else 1,
         peak_tflops=peak_tflops(current_device_name(), compute_dtype(training.precision),
                                 log_config.peak_theoretical_tflops),
         monitor=monitor, hardware_flops_per_token=hardware_flops_per_token(model_config, recomputed, seq),
-        valid=maybe_evaluator(eng, splits.valid, training.loop.eval_iters, batch, dp_rank, device, "valid"),
-        test=maybe_evaluator(eng, splits.test, training.loop.eval_iters, batch, dp_rank, device, "test"),
+        valid=maybe_evaluator(eng, splits.valid, training.loop.eval_iters, eval_batch, dp_rank, device, "valid"),
+        test=maybe_evaluator(eng, splits.test, training.loop.eval_iters, eval_batch, dp_rank, device, "test"),
         tasks=None if run.tasks is None or task_evaluation is None else task_evaluation(
             eng, tokenizer, run.tasks, zero_stage=int((run.deepspeed_config.get("zero_optimization") or {}).get("stage", 0)),
             sequence_parallel=run.model.sequence_parallel and run.parallel.model_parallel_size > 1).run,
         tasks_interval=None if run.tasks is None else run.tasks.evaluation.eval_tasks_interval,
+        end_reason=end_reason,
     )
     # DeepSpeed's communication timings (comms_logger): shown after the last step, and with verbose at log steps
     comms = CommsReport(run.deepspeed_config.get("comms_logger"), log_config.log_interval)

@@ -120,6 +120,48 @@ def _engine_state(overrides: dict[str, Any], out_dir: str) -> dict[str, Any]:
     return state
 
 
+BF16_EVERYWHERE = {
+    "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "max_position_embeddings": 32,
+    "pos_emb": "rotary", "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 1, "train_iters": 4, "use_dummy_dataset": True, "warmup": 0.0,
+    "tokenizer_type": "CharLevelTokenizer", "num_gpus": 1, "sharding_strategy": "fsdp", "precision": "bfloat16",
+    # what the Levanter dialect writes for trainer.mp: bfloat16 (levanter_trainer.BF16_EVERYWHERE)
+    "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+}  # fmt: skip
+
+
+def _bf16_everywhere_state() -> dict[str, Any]:
+    """Levanter's ``mp: bfloat16`` under its default mesh (ZeRO-3): the dtypes DeepSpeed holds the weights,
+    the optimizer's weights and Adam's moments in, and the losses of 4 steps on one batch."""
+    import torch
+
+    from megatron.config_rules import Device
+    from megatron.initialize import initialize
+    from megatron.neox_arguments import finalize
+    from megatron.neox_arguments.arguments import NeoXArgs
+    from megatron.neox_arguments.resolved import ResolvedConfig
+    from megatron.neox_arguments.run_config import RunConfig
+    from megatron.training.engine import build_engine
+    from megatron.training.step import train_step
+
+    resolved = finalize(ResolvedConfig(args=NeoXArgs(**BF16_EVERYWHERE)), 1, device=Device(cuda=False, fp16_supported=False))
+    run = RunConfig.from_resolved(resolved)
+    initialize(run.parallel, run.training.seed)
+    eng = build_engine(run, run.model.with_vocab(128), 4)
+    engine = eng.engine
+    batch = {"text": torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(0))}
+    losses = [float(train_step(eng, iter([batch]), torch.device("cpu")).loss) for _ in range(4)]
+    states = engine.optimizer.optimizer.state.values()
+    return {
+        "stage": engine.zero_optimization_stage(),
+        "weights": sorted({str(getattr(p, "ds_tensor", p).dtype) for p in engine.module.parameters()}),
+        # ZeRO-3's own copy of the weights the optimizer updates (named fp32, held in the master dtype)
+        "optimizer_weights": sorted({str(t.dtype) for t in engine.optimizer.fp32_partitioned_groups_flat}),
+        "moments": sorted({f"{k}:{v.dtype}" for st in states for k, v in st.items() if torch.is_tensor(v) and v.dim()}),
+        "losses": losses,
+    }
+
+
 def rank_main(rank: int, out_dir: str) -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ["MASTER_PORT"] = Path(out_dir, "port").read_text()
@@ -131,6 +173,7 @@ def rank_main(rank: int, out_dir: str) -> None:
         results[name] = json.dumps(_engine_state(overrides, out_dir))
 
     checks = {name: (lambda n=name, o=over: record(n, o)) for name, over in ENGINES.items()}
+    checks["bf16_everywhere"] = lambda: results.__setitem__("bf16_everywhere", json.dumps(_bf16_everywhere_state()))
     errors = record_checks(checks)
     finish_rank(out_dir, rank, {**{f"error:{k}": v for k, v in errors.items() if v != "ok"}, **results})
 
@@ -167,6 +210,18 @@ def test_blocks_reach_deepspeeds_state(engine: str, states: dict[str, dict[str, 
     assert (got["gradient_accumulation_steps"], got["gradient_clipping"]) == (2, 0.5)
     if engine == "plain":
         assert got["flops_profiler"] and got["flops_profiler_object"]
+
+
+def test_one_dtype_bf16_keeps_weights_and_adam_moments_in_bf16(states: dict[str, dict[str, Any]]) -> None:
+    """Levanter's ``mp: bfloat16`` (jmp: params, compute, output bf16; optax adam's moments in the params'
+    dtype): under ZeRO-3 DeepSpeed holds no fp32 copy - weights, the optimizer's weights and Adam's
+    exp_avg/exp_avg_sq are bf16 - and 4 steps on one batch train it (the loss falls)."""
+    got = states["bf16_everywhere"]
+    assert got["stage"] == 3
+    assert got["weights"] == got["optimizer_weights"] == ["torch.bfloat16"]
+    assert got["moments"] == ["exp_avg:torch.bfloat16", "exp_avg_sq:torch.bfloat16"]
+    losses = got["losses"]
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
 
 
 def test_flops_profiler_is_refused_on_a_pipeline() -> None:

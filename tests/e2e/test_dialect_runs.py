@@ -89,8 +89,10 @@ def switched(tmp_path_factory: pytest.TempPathFactory) -> Path:
     resumed = deepy(tmp, *common, "--trainer.num_train_steps", "6", "--trainer.load_checkpoint_path", "out/run1",
                     "--trainer.wandb.resume", "true", "--trainer.id", "run1", "--trainer.log_dir", "logs",
                     "--num_gpus", "1")
-    ref = deepy(tmp, *common, "--trainer.num_train_steps", "6", "--trainer.id", "ref", "--trainer.log_dir", "ref",
-                "--num_gpus", "1")
+    # the uninterrupted run; `epoch: 1` ends it after the one epoch its data holds (6 whole batches), before
+    # the 10 steps of its (constant) schedule
+    ref = deepy(tmp, *common, "--trainer.num_train_steps", "10", "--epoch", "1", "--trainer.id", "ref",
+                "--trainer.log_dir", "ref", "--num_gpus", "1")
     for name, proc in (("tp2", tp2), ("resumed", resumed), ("ref", ref)):  # what each run printed
         (tmp / f"{name}.out").write_text(proc.stdout + proc.stderr)
     neox = gpt_neox_config_of(next((tmp / "logs").glob("*/deepy_config.json")))
@@ -123,6 +125,30 @@ def test_resumed_with_tensor_parallelism_the_curve_is_the_same(switched: Path) -
     assert sorted(resumed) == [4, 5, 6]
     for step in resumed:
         assert resumed[step] == pytest.approx(reference[step], abs=1e-5), step
+
+
+def test_epoch_ends_the_run_when_its_data_is_used_up(switched: Path) -> None:
+    """``epoch: 1`` with num_train_steps 10: Levanter's EpochDataset ends the loader after one epoch
+    (data/dataset.py:548-556@9263f81e) and the loop stops there (trainer.py:423-428). One epoch here is
+    the 2 x 20 documents of 40 words + an end-of-text token = 1640 tokens, (1640 - 1) // 32 = 51 samples
+    of 33 tokens: 6 whole batches of 8."""
+    tokens = 2 * 20 * (40 + 1)
+    steps = ((tokens - 1) // 32) // 8
+    assert sorted(losses(switched / "ref")) == list(range(1, steps + 1)) == [1, 2, 3, 4, 5, 6]
+    assert "6 steps (1-6, the data's 1 epochs are used up (max_train_epochs))" in (switched / "ref.out").read_text()
+
+
+def eval_rows(log_dir: Path) -> list[dict]:
+    return [row for line in (log_dir / "metrics.jsonl").read_text().splitlines()
+            if "eval/lm_loss" in (row := json.loads(line))]
+
+
+def test_evaluation_reads_levanters_number_of_examples(switched: Path) -> None:
+    """max_eval_batches 1 x per_device_eval_parallelism (-1: per_device_parallelism 2) x the data axis
+    (train_lm.py:179-181, trainer.py:808-810,954-961@9263f81e): 4 examples on 2 ranks, 2 on 1, whatever
+    the accumulation (train_batch_size 8 is 2 or 4 micro-batches per step here)."""
+    assert [row["eval/examples"] for row in eval_rows(switched / "logs")] == [1 * 2 * 2, 1 * 2 * 1]
+    assert [row["eval/examples"] for row in eval_rows(switched / "ref")] == [1 * 2 * 1]
 
 
 def test_a_levanter_run_resumes_from_a_gpt_neox_config(switched: Path) -> None:

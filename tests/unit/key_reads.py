@@ -132,6 +132,7 @@ def _training_loop(args: Any) -> object:
     return (loop.train_iters, loop.train_epochs,  # pretrain.resolve_train_iters
             loop.eval_interval, loop.exit_interval, loop.max_consecutive_overflows,  # loop.train
             loop.eval_iters, loop.num_workers, training.seed, training.precision, training.seq_length,  # pretrain
+            loop.max_train_epochs, loop.eval_micro_batch_size_per_gpu,  # pretrain: end reason, eval batches
             training.batch.on(dp=1),  # pretrain's batch layout
             loop.compile_layers, loop.zero_init)  # engine.build_engine
 
@@ -180,11 +181,13 @@ def _data(args: Any) -> object:
 
     data = data_run(args)
     keys = data.keys
-    return (samples_needed(data.train_batch_size, data.train_iters, data.eval_iters, data.eval_interval),
+    return (samples_needed(data.train_batch_size, data.train_iters, data.eval_iters, data.eval_interval,
+                           data.eval_batch_size),
             [keys.path_list(key) for key in PATH_KEYS], [keys.split_weights(s) for s in SPLITS],
             keys.use_dummy_dataset, keys.train_urls, keys.validation_urls, keys.cache_dir, keys.data_path, keys.split,
             keys.weight_by_num_documents, keys.weighted_sampler_alpha, keys.pack_impl, keys.allow_chopped,
             data.wants_pairs, data.reference_model, keys.mmap_warmup, data.seq_length, data.seed, data.train_epochs,
+            data.max_train_epochs,  # build_datasets' epoch cap
             keys.dummy_data, keys.dummy_data_vocab_size,  # build_datasets' dummy data
             keys.shard_file_type, keys.shard_column, keys.shard_tokenizer, keys.shard_eos_token,  # token-shard
             keys.shard_bos_token, keys.shard_strip_tokens)  # directories (_read_shard_directory)

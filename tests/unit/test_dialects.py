@@ -157,9 +157,12 @@ def test_mixed_precision_policies(tmp_path: Path, policy: str, precision: str) -
     assert levanter_args(tmp_path, f"trainer:\n  mp: {policy}\n").args.precision == precision
 
 
-def test_bf16_master_params_are_refused(tmp_path: Path) -> None:
+def test_bf16_params_keep_no_fp32_copy(tmp_path: Path) -> None:
+    """p=bf16,c=bf16 is jmp's one-dtype bf16 policy (test_levanter_keys.py checks it as ``bfloat16``)."""
+    args = levanter_args(tmp_path, "trainer:\n  mp: p=bf16,c=bf16\n").args
+    assert args.bf16["bf16_master_weights_and_grads"] and args.bf16["bf16_optimizer_states"]
     with pytest.raises(ConfigError, match=r"trainer.mp .*p=f32"):
-        levanter_args(tmp_path, "trainer:\n  mp: p=bf16,c=bf16\n")
+        levanter_args(tmp_path, "trainer:\n  mp: p=f16,c=f16\n")
 
 
 def test_remote_urls_are_refused_by_key_and_line(tmp_path: Path) -> None:

@@ -92,9 +92,19 @@ def test_mixed_precision_policy_strings(tmp_path: Path, policy: str, precision: 
     assert load(tmp_path, MODEL + f"trainer:\n  mp: {policy}\n").args.precision == precision
 
 
-def test_one_dtype_policy_is_refused_by_name(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"trainer.mp = 'bfloat16' .*parameters .*in bfloat16 with no fp32 copy"):
-        load(tmp_path, MODEL + "trainer:\n  mp: bfloat16\n")
+def test_one_dtype_policy_keeps_weights_and_moments_in_bf16(tmp_path: Path) -> None:
+    """gpt2_nano.yaml's ``mp: bfloat16``: jmp's one-dtype policy makes params, compute and output bf16,
+    and optax's adam keeps its moments in the params' dtype; DeepSpeed's bf16 block says the same under
+    ZeRO (Levanter's default fsdp_axis embed = ZeRO-3), which it allows only at stages 1-3."""
+    args = load(tmp_path, MODEL + "trainer:\n  mp: bfloat16\n").args
+    assert args.precision == "bfloat16" and args.sharding_strategy == "fsdp"  # ZeRO-3
+    assert args.bf16 == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    tp = load(tmp_path, MODEL + "trainer:\n  mp: bfloat16\n  model_axis_size: 2\n").args
+    assert tp.bf16["bf16_optimizer_states"] and tp.zero_stage == 2
+    with pytest.raises(ConfigError, match=r"trainer.mp = 'bfloat16' .*need ZeRO 1-3.*fsdp_axis: null"):
+        load(tmp_path, MODEL + "trainer:\n  mp: bfloat16\n  fsdp_axis: null\n")
+    with pytest.raises(ConfigError, match=r"parameters in bfloat16 and computes in fp32"):
+        load(tmp_path, MODEL + "trainer:\n  mp: p=bf16,c=f32\n")
 
 
 def test_kernel_and_jax_keys_change_nothing_and_say_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -141,11 +151,39 @@ def test_eval_harness_becomes_eval_tasks(tmp_path: Path) -> None:
         load(tmp_path, text.replace("eval_harness_steps", "  max_eval_length: 64\neval_harness_steps"))
 
 
-def test_eval_parallelism_matters_only_with_max_eval_batches(tmp_path: Path) -> None:
-    text = MODEL + "trainer:\n  per_device_parallelism: 2\n  per_device_eval_parallelism: 8\n"
-    assert load(tmp_path, text).args.train_micro_batch_size_per_gpu == 2
-    with pytest.raises(ConfigError, match="decides how many examples are evaluated"):
-        load(tmp_path, text + "  max_eval_batches: 10\n")
+def test_eval_batch_is_per_device_eval_parallelism(tmp_path: Path) -> None:
+    """llama2_3b_pretrain.yaml: Levanter evaluates max_eval_batches x eval_batch_size examples
+    (train_lm.py:179-181@9263f81e), eval_batch_size = per_device_eval_parallelism x data axis
+    (trainer.py:808-810); -1 takes per_device_parallelism (trainer.py:954-961), -1 too: one train batch."""
+    text = MODEL + "trainer:\n  train_batch_size: 64\n  per_device_parallelism: 2\n  max_eval_batches: 10\n"
+    a = load(tmp_path, text + "  per_device_eval_parallelism: 8\n").args
+    assert (a.train_micro_batch_size_per_gpu, a.eval_micro_batch_size_per_gpu, a.eval_iters) == (2, 8, 10)
+    assert load(tmp_path, text).args.eval_micro_batch_size_per_gpu == 2  # not 2 x accumulation
+    whole = load(tmp_path, MODEL + "trainer:\n  train_batch_size: 64\n  max_eval_batches: 10\n").args
+    assert whole.eval_micro_batch_size_per_gpu is None  # the global batch, as Deepy's default
+
+
+def test_epoch_caps_the_data_and_keeps_the_schedule(tmp_path: Path) -> None:
+    """llama_7b_tulu.yaml's ``epoch: 3``: train_lm.py:144 wraps the train set in EpochDataset(max_epochs=3)
+    (data/text.py:1018-1020@9263f81e) while num_train_steps still sets the schedule; 0 (the default,
+    train_lm.py:66) repeats the data without end."""
+    a = load(tmp_path, MODEL + "trainer:\n  num_train_steps: 500\nepoch: 3\n").args
+    assert (a.max_train_epochs, a.train_iters, a.train_epochs) == (3, 500, None)
+    assert load(tmp_path, MODEL + "epoch: 0\n").args.max_train_epochs is None
+
+
+def test_the_epoch_cap_ends_the_run_at_its_last_whole_batch() -> None:
+    """Where the run stops (tests/e2e/test_dialect_runs.py observes it): the schedule's 500 steps, or the
+    whole global batches of max_train_epochs x the samples of one epoch; a remainder below one batch is
+    not read (Levanter pads it with zero-loss examples, data/loader.py:322-335@9263f81e)."""
+    from megatron.errors import ConfigError
+    from megatron.training.config import last_iteration
+
+    assert last_iteration(500, None, 8) == 500
+    assert last_iteration(500, 3 * 51, 8) == 153 // 8 == 19
+    assert last_iteration(10, 3 * 51, 8) == 10
+    with pytest.raises(ConfigError, match="fewer than one global batch"):
+        last_iteration(500, 7, 8)
 
 
 @pytest.mark.parametrize(("text", "reason"), [
@@ -362,3 +400,21 @@ def test_initialize_from_hf_takes_a_local_model_directory(tmp_path: Path) -> Non
                           "beside trainer.initialize_from")):
         with pytest.raises(ConfigError, match=reason):
             load(tmp_path, text)
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    ({"max_train_epochs": 2, "train_iters": None, "train_epochs": 3}, "train_epochs already ends the run"),
+    ({"max_train_epochs": 2, "use_dummy_dataset": True}, "dummy dataset has no epochs"),
+    ({"eval_micro_batch_size_per_gpu": 4, "pipe_parallel_size": 1}, "pipeline engine .* evaluates in training's"),
+])
+def test_the_new_keys_are_refused_where_they_cannot_act(keys: dict[str, Any], message: str) -> None:
+    from megatron.config_rules import Device
+    from megatron.neox_arguments import finalize
+    from megatron.neox_arguments.arguments import NeoXArgs
+    from megatron.neox_arguments.resolved import ResolvedConfig
+
+    base = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+            "max_position_embeddings": 32, "train_micro_batch_size_per_gpu": 2, "train_iters": 10,
+            "tokenizer_type": "CharLevelTokenizer", "data_path": "data/x_text_document"}
+    with pytest.raises(ConfigError, match=message):
+        finalize(ResolvedConfig(args=NeoXArgs(**{**base, **keys})), 1, device=Device(cuda=False, fp16_supported=False))

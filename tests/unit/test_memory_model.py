@@ -57,6 +57,11 @@ def test_stage_parameters_split_the_model() -> None:
         ({"precision": "bfloat16", "zero_optimization": {"stage": 1}}, 2 + 6 + (4 + 8) / 8),
         ({"precision": "bfloat16", "zero_optimization": {"stage": 2}}, 2 + (4 + 4 + 8) / 8),
         ({"precision": "bfloat16", "zero_optimization": {"stage": 3}}, (2 + 4 + 4 + 8) / 8),
+        # Levanter's mp: bfloat16 (bf16 block's master weights and optimizer states, DeepSpeed 0.19.8):
+        # the master copy and Adam's two moments at 2 bytes
+        ({"precision": "bfloat16", "zero_optimization": {"stage": 3}, "bf16": {
+            "enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}},
+         (2 + 4 + 2 + 2 * 2) / 8),
         ({"precision": "bfloat16", "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
          2 + 4 / 8),
         ({"precision": "fp32", "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, 4 + 4),

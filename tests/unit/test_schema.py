@@ -105,6 +105,8 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "initialize_from_hf": ("checkpoint", None),  # Levanter's: a local HF model converted before launch
     "neox_qkv_order": ("checkpoint", None),  # a GPT-NeoX checkpoint's grouped-query QKV order (files cannot say)
     "max_consecutive_overflows": ("training_loop", 50),
+    "max_train_epochs": ("training_loop", None),  # Levanter's epoch: stop when these epochs of data are read
+    "eval_micro_batch_size_per_gpu": ("training_loop", None),  # Levanter's per_device_eval_parallelism
     "compile_layers": ("training_loop", False),
     "per_device_parallelism": ("training", None),
     "run_dir": ("training", None),

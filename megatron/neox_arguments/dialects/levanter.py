@@ -168,8 +168,11 @@ def _data_seed(value: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _epoch(value: Any, ctx: Context) -> dict[str, Any]:
+    """train_lm.py:66,144@9263f81e and data/text.py:1020: the train set is wrapped in an EpochDataset of
+    ``epoch`` passes; the loop stops when the loader runs out (trainer.py:418-428), while the LR
+    schedule keeps num_train_steps."""
     if value:
-        raise Refused("the run's length is num_train_steps; Deepy repeats the data as often as those steps need")
+        return {"max_train_epochs": int(value)}
     return noted("0: the data repeats as often as num_train_steps needs")
 
 

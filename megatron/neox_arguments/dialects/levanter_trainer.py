@@ -30,6 +30,13 @@ _DTYPES = {"f32": "fp32", "float32": "fp32", "full": "fp32", "bf16": "bfloat16",
 _POLICY_KEYS = {"p": "p", "params": "p", "c": "c", "compute": "c", "o": "o", "output": "o"}
 
 
+BF16_EVERYWHERE: dict[str, Any] = {"enabled": True, "bf16_master_weights_and_grads": True,
+                                   "bf16_optimizer_states": True}
+"""DeepSpeed's bf16 block for one dtype everywhere: ZeRO keeps its (partitioned) weights and gradients
+in bf16 and Adam's moments follow them (deepspeed/runtime/base_optimizer.py ``_configure_master_weights``,
+0.19.8); DeepSpeed allows it under ZeRO 1-3 only (runtime/config.py:706-714)."""
+
+
 def _mixed_precision(value: Any, ctx: Context) -> dict[str, Any]:
     """jmp's policy string: ``p=f32,c=bfloat16`` or one dtype for everything (``bfloat16`` keeps even
     the parameters in bf16)."""
@@ -47,12 +54,21 @@ def _mixed_precision(value: Any, ctx: Context) -> dict[str, Any]:
         if dtype not in _DTYPES:
             raise Refused(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
     compute = _DTYPES[policy.get("c", "f32")]
-    if _DTYPES[policy.get("p", "f32")] != "fp32":
-        raise Refused(f"jmp policy {value!r} keeps the parameters (and Adam's moments) in {_DTYPES[policy['p']]} "
-                      f"with no fp32 copy; Deepy keeps fp32 master weights: write p=f32,c={policy.get('c', 'f32')}")
     if "o" in policy and _DTYPES[policy["o"]] != compute:
         raise Refused("the output dtype (o=) follows the compute dtype here; leave o= out or set it equal to c=")
-    return {"precision": compute}
+    params = _DTYPES[policy.get("p", "f32")]
+    if params == "fp32":
+        return {"precision": compute}
+    if params != "bfloat16" or compute != "bfloat16":
+        raise Refused(f"jmp policy {value!r} keeps the parameters in {params} and computes in {compute}; Deepy "
+                      f"keeps parameters in fp32 (p=f32,c=...) or everything in bf16 (bfloat16)")
+    # jmp's "bfloat16": params, compute and output bf16; optax's adam keeps its moments in the params'
+    # dtype (mu_dtype None), so no fp32 copy exists anywhere
+    if ctx.value("trainer.fsdp_axis", "embed") in (None, []):
+        raise Refused("parameters and Adam's moments in bf16 need ZeRO 1-3 in DeepSpeed 0.19.8 (its "
+                      "bf16_master_weights_and_grads); fsdp_axis: null replicates them (no ZeRO): keep "
+                      "Levanter's fsdp_axis embed, or write p=f32,c=bfloat16")
+    return {"precision": "bfloat16", "bf16": dict(BF16_EVERYWHERE)}
 
 
 # ------------------------------------------------------------------------------------ run id, paths
@@ -264,19 +280,25 @@ def _train_batch_size(value: Any, ctx: Context) -> dict[str, Any]:
 
 def _micro_batch(value: Any, ctx: Context) -> dict[str, Any]:
     if value in (-1, None):
-        return {}  # Levanter's -1: the whole batch per step, derived from train_batch_size
-    return {"train_micro_batch_size_per_gpu": value}
+        return eval_micro_batch(ctx)  # Levanter's -1: the whole batch per step, derived from train_batch_size
+    return {"train_micro_batch_size_per_gpu": value, **eval_micro_batch(ctx)}
+
+
+def eval_micro_batch(ctx: Context) -> dict[str, Any]:
+    """Levanter's eval batch is per_device_eval_parallelism x the data axis, with no accumulation
+    (trainer.py:808-810@9263f81e); -1 takes per_device_parallelism, or (that -1 too) the train batch
+    over the data axis (trainer.py:954-963), which is Deepy's default of one global batch."""
+    value = ctx.value("trainer.per_device_eval_parallelism", -1)
+    if value in (-1, None):
+        value = ctx.value("trainer.per_device_parallelism", ctx.value("trainer.per_device_train_parallelism", -1))
+    if value in (-1, None):
+        return {}
+    return {"eval_micro_batch_size_per_gpu": int(value)}
 
 
 def _eval_micro_batch(value: Any, ctx: Context) -> dict[str, Any]:
-    if ctx.value("trainer.max_eval_batches") is None:
-        return noted("the examples per evaluation batch: with max_eval_batches unset it changes memory, not "
-                     "the evaluated loss")
-    train = ctx.value("trainer.per_device_parallelism", ctx.value("trainer.per_device_train_parallelism", -1))
-    if value in (-1, None, train):
-        return {}  # Levanter's default: the training micro batch, which is what Deepy evaluates with
-    raise Refused(f"with max_eval_batches set this decides how many examples are evaluated; Deepy evaluates "
-                  f"batches of the training micro batch ({train}): leave it out or set it equal")
+    return eval_micro_batch(ctx) or noted("-1 with per_device_parallelism -1: one training batch per "
+                                           "evaluation batch, as Deepy does")
 
 
 def _eval_batches(value: Any, ctx: Context) -> dict[str, Any]:

@@ -72,11 +72,14 @@ class ObjectiveRunner:
         return self.reference.fill(batches, split, device), denominator
 
     def run(self, eng: EngineHandle, micro_batches: Iterator[dict[str, torch.Tensor]], split: str, device: torch.device,
-            train: bool) -> torch.Tensor:
-        """One global batch; returns its loss (the same on every rank) as a 0-dim device tensor,
-        unread. Metrics accumulate."""
+            train: bool, micro_count: int | None = None) -> torch.Tensor:
+        """One global batch of ``micro_count`` micro-batches (None: the engine's accumulation steps);
+        returns its loss (the same on every rank) as a 0-dim device tensor, unread. Metrics accumulate."""
         engine = eng.engine
-        samples = [next(micro_batches) for _ in range(int(engine.gradient_accumulation_steps()))]
+        count = int(engine.gradient_accumulation_steps()) if micro_count is None else micro_count
+        if eng.is_pipe and count != int(engine.gradient_accumulation_steps()):
+            raise ValueError("a pipeline engine runs its configured number of micro-batches per batch")
+        samples = [next(micro_batches) for _ in range(count)]
         batches, denominator = self.prepare(samples, split, device)
         if eng.is_pipe:
             items = [(b.to(device).pipe_inputs(), tuple(t.to(device) for t in b.targets(denominator))) for b in batches]
