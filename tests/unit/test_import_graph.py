@@ -156,7 +156,6 @@ ARGUMENT_LAYER_READERS: dict[str, str] = {
     "megatron.training.pretrain": "train.py's main: reads the resolved config file deepy.py wrote",
     "megatron.generation.entry": "generate.py's main: reads the resolved config file",
     "megatron.evaluation.entry": "eval.py's main: reads the resolved config file",
-    "megatron.checkpointing.neox.reader": "reads a GPT-NeoX checkpoint's stored config, spelled as GPT-NeoX keys",
 }
 """Modules outside the argument layer that may import it, and why: the entry points that read the
 resolved config, and the reader of configs stored in GPT-NeoX checkpoints."""
@@ -199,8 +198,6 @@ UPWARD_IMPORTS: dict[tuple[str, str], str] = {
         "the before-launch resume check compares the LR schedule a checkpoint recorded with the config's",
     ("megatron.checkpointing.resume_checks", "megatron.training.lr_schedules"):
         "the same check: which schedule differences the ranks would refuse",
-    ("megatron.logging.preflight", "megatron.launcher.checks"):
-        "the tracker checks apply only where the run starts on this machine (runs_on_this_machine)",
 }
 """The imports that point up, each with why; every other one follows :data:`LAYERS` (the entry points that
 read the resolved config import the argument layer: :data:`ARGUMENT_LAYER_READERS`)."""
