@@ -194,10 +194,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 the layers below its own; the packages of one layer do not import each other."""
 
 UPWARD_IMPORTS: dict[tuple[str, str], str] = {
-    ("megatron.checkpointing.resume_checks", "megatron.training.lr_config"):
-        "the before-launch resume check compares the LR schedule a checkpoint recorded with the config's",
-    ("megatron.checkpointing.resume_checks", "megatron.training.lr_schedules"):
-        "the same check: which schedule differences the ranks would refuse",
 }
 """The imports that point up, each with why; every other one follows :data:`LAYERS` (the entry points that
 read the resolved config import the argument layer: :data:`ARGUMENT_LAYER_READERS`)."""
