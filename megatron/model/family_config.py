@@ -178,7 +178,10 @@ class FamilyEntry:
     """Parameters that do not multiply each token once, left out of the 6 x N (gMLP's spatial projection)."""
 
     def build(self, config: Any, layer_number: int) -> Any:
-        return _import(self.block)(config, layer_number)
+        return self.block_class()(config, layer_number)
+
+    def block_class(self) -> Any:
+        return _import(self.block)
 
     def pipe_class(self) -> Any:
         """The pipeline layer's class (a ``LayerSpec`` builds it on its stage)."""

@@ -102,17 +102,11 @@ def test_each_family_entry_names_its_pipeline_layer() -> None:
     from megatron.model.pipeline import BLOCK_PARTITION, CHECKPOINTABLE_LAYERS, pipeline_layer_specs
 
     for name, entry in FAMILIES.items():
-        pipe = entry.pipe_class()
-        plain = type(entry.build(GPTConfig(**BASE, attention_config=[[[_a_type_of(name)], 2]]), 0))
+        pipe, plain = entry.pipe_class(), entry.block_class()
         assert issubclass(pipe, plain) and pipe is not plain, (name, pipe, plain)
         assert pipe.__name__ in CHECKPOINTABLE_LAYERS and f"^{pipe.__name__}$" in BLOCK_PARTITION
     specs = pipeline_layer_specs(GPTConfig(**BASE, attention_config=[[["mamba", "rwkv"], 1]]))
     assert [spec.typename.__name__ for spec in specs[1:3]] == ["MambaLayerPipe", "RWKVLayerPipe"]
-
-
-def _a_type_of(family: str) -> str:
-    """An ``attention_config`` type of ``family``."""
-    return next((t for t, f in FAMILY_OF_TYPE.items() if f == family), "global")
 
 
 # --- a toy norm, one plug-in file ------------------------------------------------------------------
