@@ -14,7 +14,7 @@ from megatron.errors import run_guarded
 
 
 def main() -> int:
-    from megatron.evaluation.entry import main as eval_main
+    from megatron.app.workers import eval_main
 
     return eval_main(sys.argv[1:])
 

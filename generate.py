@@ -12,7 +12,7 @@ from megatron.errors import run_guarded
 
 
 def main() -> int:
-    from megatron.generation.entry import main as generate_main
+    from megatron.app.workers import generate_main
 
     return generate_main(sys.argv[1:])
 

@@ -35,10 +35,11 @@ def main(before_commit: Callable[[int], None] | None = None) -> int:
     # each rank's place in the layout, with deepy.py --verbose (the run's header states the layout)
     initialize(run.parallel, run.training.seed, announce=is_verbose(run.logging.deepspeed_log_level))
 
-    from megatron.evaluation.in_training import TaskEvaluation
+    from megatron.evaluation.in_training import TasksInTraining
     from megatron.training.pretrain import pretrain
 
-    pretrain(run, before_commit=before_commit, task_evaluation=TaskEvaluation)
+    tasks = None if run.tasks is None else TasksInTraining(run.tasks)  # eval_tasks: lm-eval at evaluations
+    pretrain(run, run.checkpoint, before_commit=before_commit, task_evaluation=tasks)
     return 0
 
 

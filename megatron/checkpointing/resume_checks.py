@@ -12,7 +12,8 @@ universal conversion:
 * another architecture (:data:`SHAPE_KEYS`);
 * other LoRA adapters (``lora_r``, ``lora_alpha``, ``lora_target_modules``), none where the checkpoint has
   some, or some where a resumed checkpoint has none;
-* another LR schedule on resume (unless ``override_lr_scheduler`` or ``use_checkpoint_lr_scheduler``);
+* another LR schedule on resume (unless ``override_lr_scheduler`` or ``use_checkpoint_lr_scheduler``): the
+  schedule's own comparison (``training/lr_config.py``), handed to :func:`fit_problems`;
 * a layout change Deepy cannot make, and a new objective head (a reward model from a language model)
   started from a checkpoint at another layout.
 
@@ -31,9 +32,10 @@ goes with a save schedule, and ``save_interval`` is a duration. Registered with 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from megatron import plugins
 from megatron.checkpointing import commit, discovery
@@ -260,58 +262,6 @@ def lora_problems(ctx: RuleContext, start: Start) -> list[str]:
             f"{render(recorded[key])})" for key in differ]
 
 
-def _peak_lr(recorded: dict[str, Any]) -> float | None:
-    if recorded.get("lr") is not None:
-        return float(recorded["lr"])
-    block = recorded.get("optimizer") or {}
-    params = block.get("params") if isinstance(block, dict) else None
-    return float(params["lr"]) if isinstance(params, dict) and params.get("lr") is not None else None
-
-
-def schedule_problems(ctx: RuleContext, start: Start) -> list[str]:
-    """A resume that restores the LR schedule's state under a schedule other than the checkpoint's is refused
-    by the ranks (``LRScheduler.load_state_dict``) unless the config says whose schedule wins."""
-    from megatron.training.lr_config import LRSchedulerArgs
-    from megatron.training.lr_schedules import spec_differences
-
-    if start.weights_only or ctx.get("no_load_optim") or ctx.get("override_lr_scheduler") \
-            or ctx.get("use_checkpoint_lr_scheduler"):
-        return []
-    recorded = start.args
-    saved_iters, saved_peak = recorded.get("train_iters"), _peak_lr(recorded)
-    train_iters = ctx.get("train_iters")
-    schedule = cast(LRSchedulerArgs, ctx.args)
-    peak = _peak_lr({"lr": ctx.get("lr"), "optimizer": _as_dict(ctx.get("optimizer"))})
-    if not isinstance(saved_iters, int) or saved_peak is None or not train_iters or peak is None:
-        return []  # an epoch-based length is known on the ranks only; they compare there
-    style = str(recorded.get("lr_decay_style") or schedule.lr_decay_style)
-    entry = plugins.find("lr_decay_style", style)
-    keys = set(LRSchedulerArgs.model_fields) | set(entry.keys.model_fields if entry is not None and entry.keys else ())
-    saved_values = {key: recorded[key] for key in keys if key in recorded and _declared(ctx, key)}
-    try:
-        saved_spec = cast(LRSchedulerArgs, ctx.args.model_copy(update=saved_values)).spec(saved_iters, saved_peak)
-        spec = schedule.spec(int(train_iters), peak)
-    except Exception:  # noqa: BLE001 - a schedule the ranks cannot build either is reported by its own rule
-        return []
-    differences = spec_differences(saved_spec, spec)
-    if not differences:
-        return []
-    changed = [key for key in sorted(saved_values) if saved_values[key] != ctx.get(key)]
-    if saved_iters != train_iters:
-        changed.append("train_iters")
-    if saved_peak != peak:
-        changed.append("lr" if ctx.get("lr") is not None else "optimizer")
-    shown = ", ".join(ctx.show(key) for key in changed) or "the config"
-    return [f"{shown}: {start.ckpt} was trained with another LR schedule ({'; '.join(differences)}); resuming "
-            "it restores that schedule's state. Set override_lr_scheduler: true to follow this config's schedule "
-            "from here on, or use_checkpoint_lr_scheduler: true to keep the checkpoint's"]
-
-
-def _as_dict(value: Any) -> Any:
-    dump = getattr(value, "model_dump", None)
-    return dump() if callable(dump) else value
-
-
 def planned_layout(ctx: RuleContext) -> Layout | None:
     """The layout the ranks will have (``current_layout`` on a rank), from the resolved keys."""
     dp = ctx.dp
@@ -360,12 +310,18 @@ def layout_problems(ctx: RuleContext, start: Start) -> list[str]:
     return []
 
 
-def fit_problems(ctx: RuleContext, start: Start) -> list[str]:
+FitCheck = Callable[[RuleContext, Start], list[str]]
+"""A comparison of what a checkpoint recorded with the config: ``(ctx, start) -> problems``."""
+
+
+def fit_problems(ctx: RuleContext, start: Start, *, schedule: FitCheck) -> list[str]:
     """Everything in the checkpoint's recorded arguments this config contradicts (for generate.py and eval.py,
-    which read the weights whole and take the adapters from the checkpoint: the architecture only)."""
+    which read the weights whole and take the adapters from the checkpoint: the architecture only).
+    ``schedule`` compares the LR schedules; it belongs to the schedule (``training/lr_config.py``:
+    ``schedule_problems``, above this package), so the argument layer hands it in."""
     if not ctx.trains:
         return shape_problems(ctx, start)
-    return [*shape_problems(ctx, start), *lora_problems(ctx, start), *schedule_problems(ctx, start),
+    return [*shape_problems(ctx, start), *lora_problems(ctx, start), *schedule(ctx, start),
             *layout_problems(ctx, start)]
 
 

@@ -1,23 +1,26 @@
-"""eval.py's work on each rank: load the model, run the lm-eval tasks, rank 0 writes the results."""
+"""eval.py's work on each rank: run the lm-eval tasks on the loaded model, rank 0 writes the results.
+
+Reading the resolved config file and loading the checkpoint's model is the rank's program's
+(``megatron/app/workers.py``); this module receives the typed :class:`EvalRun` and the model.
+"""
 
 from __future__ import annotations
 
-from megatron.evaluation.config import checked
+from typing import TYPE_CHECKING
+
+from megatron.evaluation.config import EvalRun
 from megatron.generation.config import SamplingParams
 
+if TYPE_CHECKING:
+    from megatron.generation.entry import InferenceModel
 
-def main(argv: list[str]) -> int:
+
+def evaluate_checkpoint(config: EvalRun, model: InferenceModel, checkpoint: str | None) -> None:
+    """The tasks of ``config`` on ``model``, loaded from ``checkpoint`` (``load``, named in the results)."""
     from megatron.evaluation.harness import evaluate, write_results
     from megatron.evaluation.lm_eval_adapter import DeepyLM
-    from megatron.generation.entry import build_inference_model, parse_worker_argv
     from megatron.generation.modes import TextGenerator, is_rank0
-    from megatron.neox_arguments import load_resolved
-    from megatron.neox_arguments.arguments import evaluation_run
 
-    options = parse_worker_argv(argv, "Deepy evaluation with lm-evaluation-harness (started by deepy.py on each rank)")
-    args = load_resolved(options.deepy_config).args
-    config = checked(evaluation_run(args))  # a wrong key fails before the model is built
-    model = build_inference_model(args, "eval.py")
     generator = TextGenerator(
         replica=model.replica,
         tokenizer=model.tokenizer,
@@ -28,5 +31,4 @@ def main(argv: list[str]) -> int:
     )
     results = evaluate(DeepyLM(generator), config)
     if is_rank0():
-        write_results(results, config, checkpoint=args.load, step=model.step, run_name=model.run_name)
-    return 0
+        write_results(results, config, checkpoint=checkpoint, step=model.step, run_name=model.run_name)

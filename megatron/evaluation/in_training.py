@@ -22,11 +22,27 @@ request instead of its data-parallel share.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from megatron.checkpointing.save_load import capture_rng_state, restore_rng_state
 from megatron.errors import ConfigError
 from megatron.evaluation.config import EvalRun
+
+
+@dataclass(frozen=True)
+class TasksInTraining:
+    """``config``'s tasks planned for a training run: ``interval`` steps apart (None: at every evaluation), built
+    on the engine by calling this (``pretrain``'s ``task_evaluation``; ``train.py`` makes it from ``RunConfig.tasks``)."""
+
+    config: EvalRun
+
+    @property
+    def interval(self) -> int | None:
+        return self.config.evaluation.eval_tasks_interval
+
+    def __call__(self, eng: Any, tokenizer: Any, zero_stage: int, sequence_parallel: bool) -> TaskEvaluation:
+        return TaskEvaluation(eng, tokenizer, self.config, zero_stage, sequence_parallel)
 
 
 class TaskEvaluation:

@@ -1,42 +1,39 @@
 """generate.py's work on each rank, and the model set-up eval.py shares with it.
 
-`build_inference_model(args)` turns the resolved arguments (with the inference overrides) into the
-typed run config and builds the tokenizer and the model as training does, without the training engine
-(no optimizer, no LR schedule, no `deepspeed.initialize`) except for the checkpoints only the engine's
-loader reads (`generation.loading.engine_needed`).
+`build_inference_model(run, ckpt, script)` builds the tokenizer and the model from the typed run views as
+training does, without the training engine (no optimizer, no LR schedule, no `deepspeed.initialize`) except
+for the checkpoints only the engine's loader reads (`generation.loading.engine_needed`), and loads `ckpt`'s
+weights. `run_generation` runs `text_gen_type`'s mode on it. Reading the resolved config file and choosing
+the checkpoint is the rank's program's (`megatron/app/workers.py`).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from megatron.data.config import DataArgs
 from megatron.errors import ConfigError
-from megatron.generation.config import batch_size, checked, token_dataset_prefixes
+from megatron.generation.config import TextgenArgs, batch_size, token_dataset_prefixes
 from megatron.generation.replica import ModelReplica
 from megatron.logging.log import get_logger
+from megatron.model.config import GPTConfig
 from megatron.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from megatron.model import GPTConfig
-    from megatron.neox_arguments import NeoXArgs
-    from megatron.neox_arguments.run_config import RunConfig
+from megatron.training.run_views import RunViews
 
 
-def parse_worker_argv(argv: list[str], description: str) -> argparse.Namespace:
-    """The worker command line deepy.py starts on each rank: `SCRIPT --deepy_config PATH`."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--deepy_config", required=True, help="resolved config written by deepy.py")
-    # DeepSpeed's launcher appends --local_rank=N; the rank comes from the environment instead
-    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
-    return parser.parse_args(argv)
+class InferenceRun(RunViews, Protocol):
+    """The run views the inference model is built from (``RunConfig`` provides them)."""
+
+    @property
+    def args_record(self) -> dict[str, Any]:
+        """Every resolved key as JSON: what the engine's checkpoint loader compares the checkpoint with."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -49,36 +46,19 @@ class InferenceModel:
     """The training run that wrote that checkpoint (its ``TrainState.run_name``; None before runs had names)."""
 
 
-def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
+def build_inference_model(run: InferenceRun, ckpt: Path, script: str, lora_changed: list[str]) -> InferenceModel:
     """Join the job, build the tokenizer and the model as training does (no optimizer, no DeepSpeed engine),
-    load the checkpoint's weights."""
-    from megatron.generation.loading import (
-        INFERENCE_OVERRIDES,
-        committed_checkpoint,
-        engine_needed,
-        load_full_weights,
-        read_weights,
-        lora_differences,
-        run_name_of,
-        saved_lora,
-    )
+    load the weights of ``ckpt`` (a committed checkpoint's tag directory). ``run`` carries the checkpoint's
+    LoRA settings; ``lora_changed`` names where they differ from the config's (logged)."""
+    from megatron.generation.loading import engine_needed, load_full_weights, read_weights, run_name_of
     from megatron.initialize import initialize
     from megatron.logging.log import setup_logging
     from megatron.mpu import topology
-    from megatron.neox_arguments import deepspeed_config
-    from megatron.neox_arguments.run_config import RunConfig
     from megatron.tokenizer import build_tokenizer
     from megatron.training.engine import build_model
     from megatron.training.objectives import LMObjective, ObjectiveArgs
     from megatron.training.pretrain import limit_cpu_threads, speaks
 
-    ckpt = committed_checkpoint(args.load, args.iteration, script)
-    # the adapters as trained: the checkpoint's LoRA settings, whatever the config says (as the HF export does)
-    lora = saved_lora(ckpt)
-    changed = lora_differences(args, lora)
-    inference_args = args.model_copy(update={**INFERENCE_OVERRIDES, **lora.settings()})  # the user's args stay untouched
-    run = RunConfig(args=inference_args, deepspeed_config=deepspeed_config(inference_args),
-                    args_record=inference_args.model_dump(mode="json"))
     initialize(run.parallel, run.training.seed)
     limit_cpu_threads()
     setup_logging(speaks())
@@ -88,10 +68,10 @@ def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
     if model_config.value_head:
         raise ConfigError(f"{script} needs a language model; this config builds a reward model (train_impl: rm), "
                           "whose value head scores sequences instead of predicting tokens")
-    if changed:
+    if lora_changed:
         get_logger().info("%s: LoRA adapters as %s saved them, not as the config says (%s)", script, ckpt,
-                          ", ".join(changed))
-    reason = engine_needed(ckpt, inference_args.moe_expert_parallel_size)
+                          ", ".join(lora_changed))
+    reason = engine_needed(ckpt, run.parallel.moe_expert_parallel_size)
     if reason is not None:
         module, step = _engine_module(run, model_config, ckpt, padded_vocab, script, reason)
     else:
@@ -107,7 +87,7 @@ def build_inference_model(args: NeoXArgs, script: str) -> InferenceModel:
     return InferenceModel(replica=replica, tokenizer=tokenizer, step=step, run_name=run_name_of(ckpt))
 
 
-def _engine_module(run: RunConfig, model_config: GPTConfig, ckpt: Path, padded_vocab: int, script: str,
+def _engine_module(run: InferenceRun, model_config: GPTConfig, ckpt: Path, padded_vocab: int, script: str,
                    reason: str) -> tuple[nn.Module, int]:
     """The model inside a training engine, loaded by the checkpoint loader: for the checkpoints whose `reason`
     the weights-only reader does not cover (see `generation.loading.engine_needed`)."""
@@ -142,28 +122,24 @@ def show_completion(text: str) -> None:
     sys.stdout.flush()
 
 
-def main(argv: list[str]) -> int:
+def run_generation(textgen: TextgenArgs, data: DataArgs, model_config: GPTConfig, micro_batch: int | None,
+                   model: InferenceModel) -> None:
+    """``text_gen_type``'s mode on ``model``: its keys (``textgen``), the datasets precompute reads (``data``), the
+    sequence length and seed (``model_config``), and the micro-batch size, which sets the prompts per batch."""
     from megatron.generation.modes import TextGenerator, run_input_file, run_interactive, run_unconditional
     from megatron.generation.precompute import precompute_all
-    from megatron.neox_arguments import load_resolved
 
-    options = parse_worker_argv(argv, "Deepy text generation (started by deepy.py on each rank)")
-    resolved = load_resolved(options.deepy_config).args
-    args = resolved
-    checked(args, args, args)  # a wrong textgen key fails before the model is built
-    model = build_inference_model(resolved, "generate.py")
-    per_batch = batch_size(args.train_micro_batch_size_per_gpu)
-    gen = TextGenerator(replica=model.replica, tokenizer=model.tokenizer, sampling=args.sampling(),
-                        seq_length=int(args.seq_length or 0), batch_size=per_batch, seed=args.seed)
-    match args.text_gen_type:
+    per_batch = batch_size(micro_batch)
+    gen = TextGenerator(replica=model.replica, tokenizer=model.tokenizer, sampling=textgen.sampling(),
+                        seq_length=int(model_config.seq_length or 0), batch_size=per_batch, seed=model_config.seed)
+    match textgen.text_gen_type:
         case "unconditional":
-            run_unconditional(gen, args)
+            run_unconditional(gen, textgen)
         case "input-file":
-            run_input_file(gen, args)
+            run_input_file(gen, textgen)
         case "interactive":
             run_interactive(gen, read_stdin_prompt, show_completion)
         case "precompute":
-            assert args.precompute_model_name is not None
-            precompute_all(model.replica, list(token_dataset_prefixes(args)), args.precompute_model_name,
+            assert textgen.precompute_model_name is not None
+            precompute_all(model.replica, list(token_dataset_prefixes(data)), textgen.precompute_model_name,
                            batch_size=per_batch, max_length=gen.seq_length, eod=model.tokenizer.eod)
-    return 0

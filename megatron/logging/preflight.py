@@ -17,7 +17,6 @@ from types import ModuleType
 
 from megatron.config_rules import RuleContext, rule
 from megatron.errors import ConfigError
-from megatron.launcher.checks import runs_on_this_machine
 from megatron.logging.config import LoggingArgs, TensorboardSettings, WandbSettings
 
 # tracker type -> (module the tracker imports, pip package)
@@ -27,10 +26,11 @@ _MODULES: dict[str, tuple[str, str]] = {
 }
 
 
-def logging_problems(config: LoggingArgs, show: Callable[[str], str], *, local: bool, cuda: bool,
+def logging_problems(config: LoggingArgs, show: Callable[[str], str],
                      import_module: Callable[[str], ModuleType] = importlib.import_module) -> list[str]:
-    """Problems of ``config`` before launch; ``show(key)`` names a setting as the user wrote it,
-    ``local``: the ranks run on this machine, whose devices (``cuda``) then count."""
+    """Problems of ``config`` before launch; ``show(key)`` names a setting as the user wrote it. Whether
+    the devices of the machine the ranks run on can record memory snapshots is a rule between this
+    component and the launcher (``neox_arguments/rules.py``: ``memory_snapshot_needs_a_gpu``)."""
     problems: list[str] = []
     for tracker in config.tracker_settings():
         if not isinstance(tracker, (WandbSettings, TensorboardSettings)):
@@ -51,19 +51,13 @@ def logging_problems(config: LoggingArgs, show: Callable[[str], str], *, local: 
             f"{show(keys)} records steps {show('profile_step_start')} to {show('profile_step_stop')}: "
             f"the stop step must come after the start step"
         )
-    if p.memory_snapshot and local and not cuda:
-        problems.append(
-            f"{show('memory_profiling')} records the CUDA allocator's history and this machine has no GPU: "
-            f"remove memory_profiling (profile: true writes CPU traces)"
-        )
     return problems
 
 
 @rule
 def trackers_and_profiling(ctx: RuleContext) -> list[str]:
-    """Trackers importable, one spelling each, profiling ranges and devices (:func:`logging_problems`)."""
+    """Trackers importable, one spelling each, profiling ranges (:func:`logging_problems`)."""
     try:
-        return logging_problems(ctx.group(LoggingArgs), ctx.show, local=runs_on_this_machine(ctx),
-                                cuda=ctx.device.cuda)
+        return logging_problems(ctx.group(LoggingArgs), ctx.show)
     except ConfigError as err:  # the tracker spellings disagree (LoggingArgs.tracker_settings)
         return [err.message]

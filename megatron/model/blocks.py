@@ -1,5 +1,5 @@
 """Which block each layer is: its ``attention_config`` type picks the family (``family_config.family_of``),
-whose registry entry (``family_config.FAMILIES``) names the block class.
+whose registry entry (``family_config.FAMILIES``) names the block class and its pipeline layer.
 
 GPT-NeoX builds its layer list the same way (``megatron/model/gpt2_model.py:243-287``, commit ea7aefd8):
 ``gmlp``/``amlp`` -> ``GMLPBlock``, ``rwkv`` -> ``RWKVResidualLayerPipe``, ``mamba`` ->

@@ -159,10 +159,15 @@ NormParams = Callable[[int], int]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FamilyEntry:
-    """One layer family: the block it builds and its counts for one layer of ``layer_type``."""
+    """One layer family: the block it builds (plain, and as a pipeline layer) and its counts for one layer of
+    ``layer_type``."""
 
     block: str
     """``module:class`` of the block (``cls(config, layer_number)``)."""
+    pipe_block: str
+    """``module:class`` of the same block as a pipeline layer: one input, the hidden state or the tuple passed
+    between stages (``model/pipeline.py``); DeepSpeed's activation checkpointing and stage balancing find the
+    blocks by this class's name."""
     parameters: Callable[[Any, str, NormParams, int, bool], int]
     """(config, layer type, norm, layer number, active) -> parameters; ``active``: only what one token uses."""
     replicated: Callable[[Any, str, NormParams], int]
@@ -173,7 +178,18 @@ class FamilyEntry:
     """Parameters that do not multiply each token once, left out of the 6 x N (gMLP's spatial projection)."""
 
     def build(self, config: Any, layer_number: int) -> Any:
-        return _import(self.block)(config, layer_number)
+        return self.block_class()(config, layer_number)
+
+    def block_class(self) -> Any:
+        return _import(self.block)
+
+    def pipe_class(self) -> Any:
+        """The pipeline layer's class (a ``LayerSpec`` builds it on its stage)."""
+        return _import(self.pipe_block)
+
+    @property
+    def pipe_block_name(self) -> str:
+        return self.pipe_block.rpartition(":")[2]
 
     def flops_per_token(self, config: Any, layer_type: str, norm: NormParams, seq_length: int,
                         layer_number: int = 0) -> float:
@@ -265,13 +281,14 @@ def _families() -> OptionRegistry[FamilyEntry]:
     registry: OptionRegistry[FamilyEntry] = OptionRegistry("layer family")
     for name, entry in {
         "transformer": FamilyEntry(block="megatron.model.transformer_layer:TransformerLayer",
+                                   pipe_block="megatron.model.pipeline:TransformerLayerPipe",
                                    parameters=t.transformer_parameters, replicated=t.transformer_replicated,
                                    mixing_flops=t.transformer_mixing_flops),
-        "mamba": FamilyEntry(block="megatron.model.mamba:MambaLayer",
+        "mamba": FamilyEntry(block="megatron.model.mamba:MambaLayer", pipe_block="megatron.model.pipeline:MambaLayerPipe",
                              parameters=_mamba_parameters, replicated=_mamba_replicated, mixing_flops=_mamba_mixing),
-        "rwkv": FamilyEntry(block="megatron.model.rwkv:RWKVLayer",
+        "rwkv": FamilyEntry(block="megatron.model.rwkv:RWKVLayer", pipe_block="megatron.model.pipeline:RWKVLayerPipe",
                             parameters=_rwkv_parameters, replicated=_rwkv_replicated, mixing_flops=_rwkv_mixing),
-        "gmlp": FamilyEntry(block="megatron.model.gmlp:GMLPBlock",
+        "gmlp": FamilyEntry(block="megatron.model.gmlp:GMLPBlock", pipe_block="megatron.model.pipeline:GMLPBlockPipe",
                             parameters=_gmlp_parameters, replicated=_gmlp_replicated, mixing_flops=_gmlp_mixing,
                             non_matmul=_gmlp_non_matmul),
     }.items():

@@ -21,7 +21,7 @@ from megatron.model.block import Block
 from megatron.model.blocks import block_family
 from megatron.model.config import GPTConfig
 from megatron.model.embedding import GPTEmbedding
-from megatron.model.family_config import FamilyName
+from megatron.model.family_config import FAMILIES
 from megatron.model.gmlp import GMLPBlock
 from megatron.model.gpt import ValueHead, build_final_norm, build_output_layer
 from megatron.model.mamba import MambaLayer
@@ -33,7 +33,6 @@ from megatron.mpu.topology import get_tensor_model_parallel_world_size
 __all__ = [
     "BLOCK_PARTITION",
     "CHECKPOINTABLE_LAYERS",
-    "PIPE_BLOCKS",
     "EmbeddingPipe",
     "FinalNormPipe",
     "OutputLayerPipe",
@@ -103,16 +102,10 @@ class GMLPBlockPipe(GMLPBlock):
         return _block_pipe_forward(self, inputs)
 
 
-PIPE_BLOCKS: dict[FamilyName, type[Block]] = {
-    "transformer": TransformerLayerPipe,
-    "mamba": MambaLayerPipe,
-    "rwkv": RWKVLayerPipe,
-    "gmlp": GMLPBlockPipe,
-}
-"""layer family -> its pipeline layer (the block with the tuple interface between stages)."""
-CHECKPOINTABLE_LAYERS = [cls.__name__ for cls in PIPE_BLOCKS.values()]
-"""Only blocks: a chunk that starts at the embedding has integer inputs only, so DeepSpeed's
-(reentrant) checkpoint would return an output that does not require grad."""
+CHECKPOINTABLE_LAYERS = [entry.pipe_block_name for _, entry in FAMILIES.items()]
+"""Every family's pipeline layer (its registry entry's ``pipe_block``), and only blocks: a chunk that starts at
+the embedding has integer inputs only, so DeepSpeed's (reentrant) checkpoint would return an output that does
+not require grad."""
 BLOCK_PARTITION = "type:" + "|".join(f"^{name}$" for name in CHECKPOINTABLE_LAYERS)
 """DeepSpeed's ``partition_method`` that balances the blocks (of every family) over the stages."""
 
@@ -231,5 +224,5 @@ def pipeline_layer_specs(config: GPTConfig) -> list[LayerSpec]:
         )
     else:
         first, last = LayerSpec(EmbeddingPipe, config), LayerSpec(OutputLayerPipe, config)
-    layers = [LayerSpec(PIPE_BLOCKS[block_family(config, i)], config, i) for i in range(config.arch.layers)]
+    layers = [LayerSpec(FAMILIES[block_family(config, i)].pipe_class(), config, i) for i in range(config.arch.layers)]
     return [first, *layers, LayerSpec(FinalNormPipe, config), last]

@@ -288,6 +288,7 @@ def checkpoint_fits_the_config(ctx: RuleContext) -> list[str]:
     config, from the arguments the checkpoint recorded: ``megatron/checkpointing/resume_checks.py``. Only for a
     launch (``deepy.py`` names the script); a checkpoint not visible from here is checked by the ranks."""
     from megatron.checkpointing import resume_checks
+    from megatron.training.lr_config import schedule_problems
 
     if ctx.entry_point is None:
         return []
@@ -300,5 +301,5 @@ def checkpoint_fits_the_config(ctx: RuleContext) -> list[str]:
     problems = resume_checks.start_problems(ctx)
     start = resume_checks.planned_start(ctx)
     if start is not None:
-        problems += resume_checks.fit_problems(ctx, start)
+        problems += resume_checks.fit_problems(ctx, start, schedule=schedule_problems)
     return problems

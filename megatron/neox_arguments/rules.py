@@ -5,7 +5,7 @@ Each component checks its own keys beside them (``megatron/model/checks.py``,
 that registers checks is :data:`megatron.neox_arguments.check_modules.CHECK_MODULES`). What stays here
 relates several components at once: the world size against tensor x pipeline x context parallelism,
 what context parallelism can split, precision against DeepSpeed's fp16/bf16/data_types blocks and the
-device, and ZeRO against pipeline and tensor parallelism.
+device, memory profiling against the device, and ZeRO against pipeline and tensor parallelism.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from megatron.config_rules import RuleContext, block_enabled, describe, rule, zero_source, zero_stage
 from megatron.launcher.checks import runs_on_this_machine
+from megatron.logging.config import LoggingArgs
 
 
 @rule
@@ -108,6 +109,16 @@ def fp16_needs_device_support(ctx: RuleContext) -> list[str]:
         f"fp16 needs a GPU: use bf16 or fp32 on CPU ({ctx.show(key)}; DeepSpeed's CPU accelerator "
         f"has no fp16 on this machine)"
     ]
+
+
+@rule
+def memory_snapshot_needs_a_gpu(ctx: RuleContext) -> list[str]:
+    """``memory_profiling`` records the CUDA allocator's history, which needs a GPU where the ranks run; only
+    a launch on this machine can be judged by its devices."""
+    if not ctx.group(LoggingArgs).memory_profiling or ctx.device.cuda or not runs_on_this_machine(ctx):
+        return []
+    return [f"{ctx.show('memory_profiling')} records the CUDA allocator's history and this machine has no GPU: "
+            f"remove memory_profiling (profile: true writes CPU traces)"]
 
 
 @rule

@@ -4,10 +4,14 @@ warmup-stable-decay.
 Declared here, beside the schedule that reads them; the one argument object (``NeoXArgs``) is
 composed of this class, and the trainer hands the schedule that object (typed as this class).
 :meth:`LRSchedulerArgs.spec` turns the keys into the :class:`ScheduleSpec` the schedule evaluates
-(``megatron/training/lr_schedules.py``), once the steps and the peak rate are known.
+(``megatron/training/lr_schedules.py``), once the steps and the peak rate are known. The checks of
+these keys before launch are here too, the comparison of a resumed checkpoint's schedule with the
+config's among them (:func:`schedule_problems`).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import Field, field_validator
 
@@ -16,7 +20,10 @@ from megatron.config_rules import RuleContext, rule
 from megatron.config_schema import ArgGroup
 from megatron.errors import ConfigError
 from megatron.training.lr_neox import NEOX_STYLES, decay_steps
-from megatron.training.lr_schedules import SchedulePolicy, ScheduleSpec, cycle_starts_for, steps_of
+from megatron.training.lr_schedules import SchedulePolicy, ScheduleSpec, cycle_starts_for, spec_differences, steps_of
+
+if TYPE_CHECKING:
+    from megatron.checkpointing.resume_checks import Start
 
 
 class LRSchedulerArgs(ArgGroup):
@@ -148,3 +155,56 @@ def neox_curve_surprises(ctx: RuleContext) -> list[str]:
         ctx.warnings.append(f"{ctx.show('train_iters')} runs past the {total} decay steps: GPT-NeoX's cosine rises "
                             f"again after them, and so does Deepy's; set lr_decay_iters to train_iters to stop at min_lr")
     return []
+
+
+# --- the schedule a checkpoint recorded, against the config's (before a resume) ---------------------------
+def _peak_lr(recorded: dict[str, Any]) -> float | None:
+    if recorded.get("lr") is not None:
+        return float(recorded["lr"])
+    block = recorded.get("optimizer") or {}
+    params = block.get("params") if isinstance(block, dict) else None
+    return float(params["lr"]) if isinstance(params, dict) and params.get("lr") is not None else None
+
+
+def schedule_problems(ctx: RuleContext, start: Start) -> list[str]:
+    """Before launch, the LR schedule the checkpoint to be resumed recorded against this config's
+    (``checkpointing/resume_checks.py`` finds ``start``; the argument layer hands it this check): a resume that
+    restores the schedule's state under another schedule is refused by the ranks
+    (``LRScheduler.load_state_dict``) unless the config says whose schedule wins."""
+    if start.weights_only or ctx.get("no_load_optim") or ctx.get("override_lr_scheduler") \
+            or ctx.get("use_checkpoint_lr_scheduler"):
+        return []
+    recorded = start.args
+    saved_iters, saved_peak = recorded.get("train_iters"), _peak_lr(recorded)
+    train_iters = ctx.get("train_iters")
+    schedule = cast(LRSchedulerArgs, ctx.args)
+    peak = _peak_lr({"lr": ctx.get("lr"), "optimizer": _as_dict(ctx.get("optimizer"))})
+    if not isinstance(saved_iters, int) or saved_peak is None or not train_iters or peak is None:
+        return []  # an epoch-based length is known on the ranks only; they compare there
+    style = str(recorded.get("lr_decay_style") or schedule.lr_decay_style)
+    entry = plugins.find("lr_decay_style", style)
+    keys = set(LRSchedulerArgs.model_fields) | set(entry.keys.model_fields if entry is not None and entry.keys else ())
+    saved_values = {key: recorded[key] for key in keys if key in recorded
+                    and key in getattr(type(ctx.args), "model_fields", {})}  # the honesty test's recorder has none
+    try:
+        saved_spec = cast(LRSchedulerArgs, ctx.args.model_copy(update=saved_values)).spec(saved_iters, saved_peak)
+        spec = schedule.spec(int(train_iters), peak)
+    except Exception:  # noqa: BLE001 - a schedule the ranks cannot build either is reported by its own rule
+        return []
+    differences = spec_differences(saved_spec, spec)
+    if not differences:
+        return []
+    changed = [key for key in sorted(saved_values) if saved_values[key] != ctx.get(key)]
+    if saved_iters != train_iters:
+        changed.append("train_iters")
+    if saved_peak != peak:
+        changed.append("lr" if ctx.get("lr") is not None else "optimizer")
+    shown = ", ".join(ctx.show(key) for key in changed) or "the config"
+    return [f"{shown}: {start.ckpt} was trained with another LR schedule ({'; '.join(differences)}); resuming "
+            "it restores that schedule's state. Set override_lr_scheduler: true to follow this config's schedule "
+            "from here on, or use_checkpoint_lr_scheduler: true to keep the checkpoint's"]
+
+
+def _as_dict(value: Any) -> Any:
+    dump = getattr(value, "model_dump", None)
+    return dump() if callable(dump) else value

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from megatron import mpu
+from megatron.checkpointing.config import CheckpointArgs
 from megatron.checkpointing.manager import CheckpointHooks
 from megatron.checkpointing.manager import CheckpointManager
 from megatron.checkpointing.save_load import BeforeCommit
 from megatron.data.build import build_datasets
+from megatron.data.config import DataRun
 from megatron.data.batch import BatchLayout
 from megatron.data.sampler import MicroBatchIterator, prefetched
 from megatron.errors import ConfigError
@@ -41,9 +43,8 @@ from megatron.training.engine import build_engine, layers_to_checkpoint, partiti
 from megatron.training.evaluate import maybe_evaluator
 from megatron.training.loop import Hooks, LoopContext, TrainState, train
 from megatron.training.objectives import build_objective, build_reference
+from megatron.training.run_views import RunViews
 
-if TYPE_CHECKING:
-    from megatron.neox_arguments.run_config import RunConfig
 
 
 def _device() -> torch.device:
@@ -83,21 +84,38 @@ class TaskRunner(Protocol):
 
 
 class TaskEvaluationBuilder(Protocol):
-    """Builds what runs the lm-eval tasks (``eval_tasks``) on the engine's module at every evaluation:
-    ``megatron.evaluation.in_training.TaskEvaluation``, handed in by ``train.py`` (evaluation sits above
-    training: it runs the model through generation's replica)."""
+    """Builds what runs the lm-eval tasks (``eval_tasks``) on the engine's module every ``interval`` steps
+    (None: at every evaluation): ``megatron.evaluation.in_training.TasksInTraining``, made by ``train.py`` from
+    ``RunConfig.tasks`` (evaluation sits above training: it runs the model through generation's replica)."""
 
-    def __call__(self, eng: Any, tokenizer: Any, config: Any, zero_stage: int,
-                 sequence_parallel: bool) -> TaskRunner: ...
+    @property
+    def interval(self) -> int | None: ...
+
+    def __call__(self, eng: Any, tokenizer: Any, zero_stage: int, sequence_parallel: bool) -> TaskRunner: ...
 
 
-def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
+class PretrainRun(RunViews, Protocol):
+    """The run ``pretrain`` trains: the views the engine reads (:class:`RunViews`), the data keys, and the
+    run's record and name. ``RunConfig`` provides them (the argument layer, above training)."""
+
+    @property
+    def data(self) -> DataRun: ...
+    @property
+    def args_record(self) -> dict[str, Any]:
+        """Every resolved key as JSON (stored in checkpoints to describe the run)."""
+        ...
+    @property
+    def run_name(self) -> str | None:
+        """The name deepy.py gave the run; None: the ranks name it."""
+        ...
+
+
+def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: BeforeCommit | None = None,
              task_evaluation: TaskEvaluationBuilder | None = None) -> TrainState:
-    """Train as ``run`` says. ``before_commit``: called between writing a checkpoint's files and
-    committing it (the crash-safety tests kill the process there); ``task_evaluation``: builds the
-    lm-eval tasks' runner, needed when the config names ``eval_tasks``."""
-    if run.tasks is not None and task_evaluation is None:
-        raise ValueError("eval_tasks is set: pass task_evaluation=megatron.evaluation.in_training.TaskEvaluation")
+    """Train as ``run`` says, saving and loading as ``checkpoint`` (``RunConfig.checkpoint``) says.
+    ``before_commit``: called between writing a checkpoint's files and committing it (the crash-safety tests
+    kill the process there); ``task_evaluation``: runs the lm-eval tasks, given when the config names
+    ``eval_tasks`` (``train.py`` builds it from ``RunConfig.tasks``)."""
     limit_cpu_threads()
     training, log_config = run.training, run.logging
     verbose = is_verbose(log_config.deepspeed_log_level)
@@ -125,7 +143,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
     eng.reference = build_reference(objective, eng.engine, eng.is_pipe, eng.config, eng.ds_config,
                                     partition_method(run.parallel.pipe_partition_method) if eng.is_pipe else None,
                                     adapters=run.lora.lora_enabled)
-    eng.reference.capture(eng.engine, record, run.checkpoint)
+    eng.reference.capture(eng.engine, record, checkpoint)
     model_config = eng.config  # a reward model's scalar head replaces the LM head
     trainable = adapter_parameters(eng.engine.module) if run.lora.lora_enabled else num_parameters(model_config)
 
@@ -141,9 +159,9 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
         assert evaluator is not None
         return evaluator.evaluate()["lm_loss"]
 
-    manager = CheckpointManager.from_config(run.checkpoint, args_record=record, train_iters=stop_at,
+    manager = CheckpointManager.from_config(checkpoint, args_record=record, train_iters=stop_at,
                                             before_commit=before_commit, new_parameters=eng.objective.new_parameters)
-    validate = validation_loss if run.checkpoint.checkpoint_validation_with_forward_pass else None
+    validate = validation_loss if checkpoint.checkpoint_validation_with_forward_pass else None
     ckpt = CheckpointHooks(manager, validate=validate,
                            reseed=lambda iteration: model_parallel_manual_seed(training.seed + iteration))
     ckpt.attach_model(eng, run.parallel.model_parallel_size)
@@ -175,7 +193,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
             tokens_per_step=batch.global_size * seq * objective.rows_per_sample,
             train_iters=train_iters, start_iteration=state.iteration, split_tokens=split_tokens,
             split_documents=split_documents, eval_interval=training.loop.eval_interval if splits.valid is not None else None,
-            eval_iters=training.loop.eval_iters, save=run.checkpoint.save)):
+            eval_iters=training.loop.eval_iters, save=checkpoint.save)):
         monitor.message(line)
     if state.consumed_samples:
         log.info("data: resuming at sample %s of the global order (computed from consumed_samples, nothing "
@@ -205,10 +223,10 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
         monitor=monitor, hardware_flops_per_token=hardware_flops_per_token(model_config, recomputed, seq),
         valid=maybe_evaluator(eng, splits.valid, training.loop.eval_iters, eval_batch, dp_rank, device, "valid"),
         test=maybe_evaluator(eng, splits.test, training.loop.eval_iters, eval_batch, dp_rank, device, "test"),
-        tasks=None if run.tasks is None or task_evaluation is None else task_evaluation(
-            eng, tokenizer, run.tasks, zero_stage=int((run.deepspeed_config.get("zero_optimization") or {}).get("stage", 0)),
+        tasks=None if task_evaluation is None else task_evaluation(
+            eng, tokenizer, zero_stage=int((run.deepspeed_config.get("zero_optimization") or {}).get("stage", 0)),
             sequence_parallel=run.model.sequence_parallel and run.parallel.model_parallel_size > 1).run,
-        tasks_interval=None if run.tasks is None else run.tasks.evaluation.eval_tasks_interval,
+        tasks_interval=None if task_evaluation is None else task_evaluation.interval,
         end_reason=end_reason,
     )
     # DeepSpeed's communication timings (comms_logger): shown after the last step, and with verbose at log steps
@@ -217,7 +235,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
     first, first_tokens = state.iteration, state.consumed_tokens
     try:
         state = train(ctx, state, hooks)
-        say_summary(monitor, ctx, state, first, state.consumed_tokens - first_tokens, run.checkpoint.save,
+        say_summary(monitor, ctx, state, first, state.consumed_tokens - first_tokens, checkpoint.save,
                     os.path.join(metrics_dir, "metrics.jsonl") if metrics_dir else None)
         return state
     finally:

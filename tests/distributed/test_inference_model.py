@@ -82,7 +82,7 @@ def _rank(rank: int, out_dir: str) -> None:
     import megatron.training.optimizers as optimizers
     from megatron.generation.config import SamplingParams
     from megatron.generation.decode import generate
-    from megatron.generation.entry import build_inference_model
+    from megatron.app.workers import inference_model
     from megatron.generation.sampling import sample_generator
     from megatron.neox_arguments import load_resolved
 
@@ -97,7 +97,7 @@ def _rank(rank: int, out_dir: str) -> None:
 
     def builds_without_engine() -> None:
         args = load_resolved(setup["config"]).args
-        got["model"] = build_inference_model(args, "generate.py")
+        got["model"] = inference_model(args, "generate.py")
 
     def generates() -> None:
         model = got["model"]

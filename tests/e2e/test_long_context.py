@@ -168,7 +168,7 @@ def _runs_in_process(rank: int, out_dir: str) -> None:
         try:
             run = RunConfig.from_mapping(config, world)
             initialize(run.parallel, run.training.seed)  # new groups for this run's layout
-            pretrain(run)
+            pretrain(run, run.checkpoint)
             # what the layout became: the DeepSpeed config and groups the engine was built from
             zero = int((run.deepspeed_config.get("zero_optimization") or {}).get("stage", 0))
             results[name] = (f"ok zero={zero} tp={mpu.get_tensor_model_parallel_world_size()} "

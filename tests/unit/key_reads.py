@@ -212,7 +212,7 @@ def _evaluation(args: Any) -> object:
 
 
 def _generation(args: Any) -> object:
-    """What generate.py asks of its keys beyond the checks (``generation.entry.main``, the modes, precompute),
+    """What generate.py asks of its keys beyond the checks (``generation.entry.run_generation``, the modes, precompute),
     when text_gen_type is set: the generator, each mode's files and counts, precompute's datasets."""
     from megatron.generation.config import batch_size, token_dataset_prefixes
 

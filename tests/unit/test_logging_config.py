@@ -20,17 +20,17 @@ from megatron.logging.preflight import logging_problems
 from megatron.neox_arguments.arguments import NeoXArgs, check_supported
 from megatron.config_rules import Device, RuleContext
 from megatron.logging.preflight import trackers_and_profiling
+from megatron.neox_arguments.rules import memory_snapshot_needs_a_gpu
 
 REPO = Path(__file__).resolve().parents[2]
 GPU = Device(cuda=True, fp16_supported=True)
 CPU = Device(cuda=False, fp16_supported=False)
 
 
-def _problems(ctx: RuleContext, *, local: bool,
+def _problems(ctx: RuleContext,
               import_module: Callable[[str], ModuleType] = importlib.import_module) -> list[str]:
-    """The logging checks of ``ctx``'s config, ``local`` or not, with an injected importer."""
-    return logging_problems(ctx.args, ctx.show, local=local, cuda=ctx.device.cuda,
-                            import_module=import_module)
+    """The logging checks of ``ctx``'s config with an injected importer."""
+    return logging_problems(ctx.args, ctx.show, import_module=import_module)
 
 
 def _tracker(cfg: LoggingArgs, kind: str) -> TrackerSettings:
@@ -118,23 +118,25 @@ def _missing(*names: str) -> Any:
 
 def test_missing_tracker_package_is_named_before_launch() -> None:
     ctx = RuleContext(NeoXArgs(use_wandb=True, tensorboard_dir="tb"), provenance={"use_wandb": "run.yml:3"})
-    problems = _problems(ctx, local=True, import_module=_missing("wandb"))
+    problems = _problems(ctx, import_module=_missing("wandb"))
     assert len(problems) == 1
     assert "use_wandb=True (run.yml:3)" in problems[0] and "it pins wandb" in problems[0]
-    tb = _problems(ctx, local=True, import_module=_missing("torch.utils.tensorboard"))
+    tb = _problems(ctx, import_module=_missing("torch.utils.tensorboard"))
     assert len(tb) == 1 and "tensorboard_dir='tb'" in tb[0] and "'tensorboard' package" in tb[0]
-    assert _problems(ctx, local=True) == []  # both are installed here
+    assert _problems(ctx) == []  # both are installed here
 
 
 def test_profiling_checks() -> None:
-    cpu = RuleContext(NeoXArgs(memory_profiling=True, profile_step_start=3, profile_step_stop=5), device=CPU)
-    assert any("no GPU" in p for p in _problems(cpu, local=True))
-    # launching elsewhere (a login node): this machine's devices say nothing
-    assert _problems(cpu, local=False) == []
-    gpu = RuleContext(NeoXArgs(memory_profiling=True, profile_step_start=3, profile_step_stop=5), device=GPU)
-    assert _problems(gpu, local=True) == []
+    memory = dict(memory_profiling=True, profile_step_start=3, profile_step_stop=5)
+    cpu = RuleContext(NeoXArgs(**memory), device=CPU)
+    assert _problems(cpu) == []  # the ranges are right; the device is the rule below's business
+    assert any("no GPU" in p for p in memory_snapshot_needs_a_gpu(cpu))
+    # launching elsewhere (a login node, here several nodes): this machine's devices say nothing
+    assert memory_snapshot_needs_a_gpu(RuleContext(NeoXArgs(**memory, num_nodes=2), device=CPU)) == []
+    gpu = RuleContext(NeoXArgs(**memory), device=GPU)
+    assert _problems(gpu) == [] and memory_snapshot_needs_a_gpu(gpu) == []
     backwards = RuleContext(NeoXArgs(profile=True, profile_step_start=5, profile_step_stop=5))
-    assert any("stop step must come after" in p for p in _problems(backwards, local=True))
+    assert any("stop step must come after" in p for p in _problems(backwards))
 
 
 def run_deepy(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

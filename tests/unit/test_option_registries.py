@@ -96,6 +96,19 @@ def test_the_config_values_are_the_registries_names() -> None:
         GPTConfig(**BASE, norm="batchnorm")
 
 
+def test_each_family_entry_names_its_pipeline_layer() -> None:
+    """A family's entry states its block plain and as a pipeline layer (one table, not a second dict keyed by
+    family); DeepSpeed's activation checkpointing and stage balancing find the blocks by those names."""
+    from megatron.model.pipeline import BLOCK_PARTITION, CHECKPOINTABLE_LAYERS, pipeline_layer_specs
+
+    for name, entry in FAMILIES.items():
+        pipe, plain = entry.pipe_class(), entry.block_class()
+        assert issubclass(pipe, plain) and pipe is not plain, (name, pipe, plain)
+        assert pipe.__name__ in CHECKPOINTABLE_LAYERS and f"^{pipe.__name__}$" in BLOCK_PARTITION
+    specs = pipeline_layer_specs(GPTConfig(**BASE, attention_config=[[["mamba", "rwkv"], 1]]))
+    assert [spec.typename.__name__ for spec in specs[1:3]] == ["MambaLayerPipe", "RWKVLayerPipe"]
+
+
 # --- a toy norm, one plug-in file ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def toy_norm() -> Iterator[None]:

@@ -27,7 +27,6 @@ from megatron.checkpointing.neox.layout import GqaOrder, NeoxNames
 from megatron.errors import CheckpointError, ConversionError
 from megatron.model.config import Activation, GPTConfig
 from megatron.model.mlp_width import GATED_ACTIVATIONS, intermediate_size_for
-from megatron.neox_arguments.keys import normalize_key
 
 Weights = dict[str, torch.Tensor]
 
@@ -79,7 +78,9 @@ def read_neox_config(paths: list[Path]) -> tuple[dict[str, Any], dict[str, str]]
         if not isinstance(data, dict):
             raise ConversionError(f"{path}: a GPT-NeoX config is a mapping of keys to values")
         texts[path.name] = text
-        values.update({normalize_key(str(k)): v for k, v in data.items()})
+        # GPT-NeoX's loader reads `train-iters` as `train_iters` and nothing more (megatron/neox_arguments/
+        # arguments.py:251-253, commit ea7aefd8); no key read from these values has another spelling
+        values.update({str(k).replace("-", "_"): v for k, v in data.items()})
     return values, texts
 
 
