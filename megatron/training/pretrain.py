@@ -39,8 +39,11 @@ from megatron.training.comms_report import CommsReport
 from megatron.training.config import TrainingRunArgs, compute_dtype
 from megatron.training.engine import build_engine, layers_to_checkpoint, partition_method
 from megatron.training.evaluate import maybe_evaluator
+from megatron.training.bad_steps import BadStepRule
 from megatron.training.loop import Hooks, LoopContext, TrainState, train
+from megatron.training.model_averaging import ModelAverage
 from megatron.training.objectives import build_objective, build_reference
+from megatron.training.skip_gate import BadStepGate
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.run_config import RunConfig
@@ -143,8 +146,25 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
     ckpt = CheckpointHooks(manager, validate=validate,
                            reseed=lambda iteration: model_parallel_manual_seed(training.seed + iteration))
     ckpt.attach_model(eng, run.parallel.model_parallel_size)
+    averaging = None if run.averaging.ema_beta is None else ModelAverage(
+        eng.engine.module, run.averaging.ema_beta,
+        layout={"tp": mpu.get_tensor_model_parallel_world_size(), "pp": mpu.get_pipe_parallel_world_size(),
+                "pipeline": eng.is_pipe},
+        place=f"tp{mpu.get_tensor_model_parallel_rank():02d}_pp{mpu.get_pipe_parallel_rank():02d}",
+        writer=mpu.get_data_parallel_rank() == 0)
+    if averaging is not None:
+        manager.rank_files.append(averaging.save)
+    bad_steps = None
+    if run.bad_steps.skip_bad_steps_window is not None:
+        bad_steps = BadStepGate(eng.engine, BadStepRule(run.bad_steps.skip_bad_steps_window,
+                                                        run.bad_steps.skip_bad_steps_sigma))
+        eng.before_update = bad_steps.set_loss
     # also without `load`: a fresh start refuses a `save` directory that already holds a run
     state = ckpt.load(eng, TrainState())
+    if averaging is not None and not (manager.resumed_from is not None and averaging.load(manager.resumed_from)):
+        averaging.restart()  # the weights this run starts from (loaded ones included) begin the average
+    if bad_steps is not None:
+        bad_steps.rule.restore(state.bad_steps)
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     monitor = build_monitor(log_config, wall_clock_breakdown=bool(run.deepspeed_config.get("wall_clock_breakdown")),
@@ -203,6 +223,7 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
             eng, tokenizer, run.tasks, zero_stage=int((run.deepspeed_config.get("zero_optimization") or {}).get("stage", 0)),
             sequence_parallel=run.model.sequence_parallel and run.parallel.model_parallel_size > 1).run,
         tasks_interval=None if run.tasks is None else run.tasks.evaluation.eval_tasks_interval,
+        averaging=averaging, bad_steps=bad_steps,
     )
     # DeepSpeed's communication timings (comms_logger): shown after the last step, and with verbose at log steps
     comms = CommsReport(run.deepspeed_config.get("comms_logger"), log_config.log_interval)
