@@ -44,6 +44,12 @@ class BadStepArgs(ArgGroup):
     """How many standard deviations above the window's mean a loss or gradient norm may be (Levanter's
     sigma_factor); read with skip_bad_steps_window."""
 
+    def bad_step_rule(self) -> BadStepRule | None:
+        """The rule these keys ask for; None without a window."""
+        if self.skip_bad_steps_window is None:
+            return None
+        return BadStepRule(self.skip_bad_steps_window, self.skip_bad_steps_sigma)
+
 
 @rule
 def bad_step_keys(ctx: RuleContext) -> list[str]:

@@ -39,7 +39,6 @@ from megatron.training.comms_report import CommsReport
 from megatron.training.config import TrainingRunArgs, compute_dtype
 from megatron.training.engine import build_engine, layers_to_checkpoint, partition_method
 from megatron.training.evaluate import maybe_evaluator
-from megatron.training.bad_steps import BadStepRule
 from megatron.training.loop import Hooks, LoopContext, TrainState, train
 from megatron.training.model_averaging import ModelAverage
 from megatron.training.objectives import build_objective, build_reference
@@ -154,10 +153,9 @@ def pretrain(run: RunConfig, before_commit: BeforeCommit | None = None,
         writer=mpu.get_data_parallel_rank() == 0)
     if averaging is not None:
         manager.rank_files.append(averaging.save)
-    bad_steps = None
-    if run.bad_steps.skip_bad_steps_window is not None:
-        bad_steps = BadStepGate(eng.engine, BadStepRule(run.bad_steps.skip_bad_steps_window,
-                                                        run.bad_steps.skip_bad_steps_sigma))
+    rule = run.bad_steps.bad_step_rule()
+    bad_steps = None if rule is None else BadStepGate(eng.engine, rule)
+    if bad_steps is not None:
         eng.before_update = bad_steps.set_loss
     # also without `load`: a fresh start refuses a `save` directory that already holds a run
     state = ckpt.load(eng, TrainState())

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.training.bad_steps import BadStepRule
+from megatron.training.bad_steps import BadStepArgs, BadStepRule
 
 
 def _levanter_verdicts(losses: list[float], norms: list[float], length: int, sigma: float) -> list[bool]:
@@ -49,7 +49,8 @@ def test_rule_matches_levanters_arithmetic_on_a_loss_sequence() -> None:
     losses[12] = 9.0  # a loss spike
     norms[20] = 40.0  # a gradient-norm spike
     losses[30] = math.nan  # a NaN fails every comparison
-    rule = BadStepRule(window=8, sigma=3.0)
+    rule = BadStepArgs(skip_bad_steps_window=8, skip_bad_steps_sigma=3.0).bad_step_rule()
+    assert rule is not None and BadStepArgs().bad_step_rule() is None  # no window: no rule
     ours = [rule.judge(loss, norm).skip for loss, norm in zip(losses, norms)]
     assert ours == _levanter_verdicts(losses, norms, 8, 3.0)
     assert ours[3] is False and ours[12] and ours[20] and ours[30]
@@ -114,7 +115,9 @@ def test_a_skipped_step_changes_no_weight_nor_adam_state_and_the_lr_moves_on(dis
     from megatron.training.skip_gate import BadStepGate
 
     eng = _engine(zero_stage)
-    gate = BadStepGate(eng, BadStepRule(window=4, sigma=6.0))
+    rule = BadStepArgs(skip_bad_steps_window=4).bad_step_rule()  # sigma 6.0 by default
+    assert rule is not None
+    gate = BadStepGate(eng, rule)
     x, y = torch.randn(2, 4), torch.randn(2, 3)
 
     def step(reported_loss: float) -> None:
