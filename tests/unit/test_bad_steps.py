@@ -140,3 +140,19 @@ def test_a_skipped_step_changes_no_weight_nor_adam_state_and_the_lr_moves_on(dis
     step(1.0)  # the next ordinary step applies its update
     assert not gate.last.skip
     assert not all(torch.equal(a, b) for a, b in zip(weights, eng.module.parameters()))
+
+
+def test_sigma_alone_and_a_pipeline_are_refused_by_name() -> None:
+    from megatron.config_rules import Device
+    from megatron.errors import ConfigError
+    from megatron.neox_arguments import config_from_mapping
+    from megatron.neox_arguments.derived import finalize
+
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, train_iters=10, lr=1e-3,
+                train_micro_batch_size_per_gpu=2, use_dummy_dataset=True, tokenizer_type="CharLevelTokenizer")
+    device = Device(cuda=False, fp16_supported=False)
+    finalize(config_from_mapping({**base, "skip_bad_steps_window": 8}), 1, device=device)
+    with pytest.raises(ConfigError, match="skip_bad_steps_sigma=3.0 .*without skip_bad_steps_window"):
+        finalize(config_from_mapping({**base, "skip_bad_steps_sigma": 3.0}), 1, device=device)
+    with pytest.raises(ConfigError, match="skip_bad_steps_window=8 .*pipe_parallel_size=1"):
+        finalize(config_from_mapping({**base, "skip_bad_steps_window": 8, "pipe_parallel_size": 1}), 1, device=device)

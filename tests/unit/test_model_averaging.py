@@ -83,3 +83,44 @@ def test_checkpoint_file_round_trip_and_a_layout_change_is_refused(engine, tmp_p
         other.load(tmp_path)
     ModelAverage(engine.module, 0.9, layout=layout, writer=False).save(tmp_path / "replica")
     assert not (tmp_path / "replica").exists()  # data-parallel replicas hold the same average: one writes
+
+
+def test_evaluations_report_both_and_tasks_run_on_the_average(engine) -> None:  # type: ignore[no-untyped-def]
+    """Levanter's eval.py logs eval/loss and eval/ema/loss; its eval harness reads ``eval_model`` (the average)."""
+    from types import SimpleNamespace
+
+    from megatron.training.loop import TrainState, evaluate_now, evaluate_tasks_now
+
+    average = ModelAverage(engine.module, 0.5)
+    average.average["weight"].fill_(0.25)
+    weights = engine.module.weight.detach().clone()
+    seen: list[torch.Tensor] = []
+    rows: list[dict[str, float]] = []
+
+    def tasks() -> dict[str, float]:
+        seen.append(engine.module.weight.detach().clone())
+        return {"lm_eval/task/acc": 1.0}
+
+    monitor = SimpleNamespace(log=lambda row, step: rows.append(row), discard_window=lambda: None)
+    ctx = SimpleNamespace(tasks=tasks, averaging=average, monitor=monitor, training=SimpleNamespace(eval_interval=10))
+    evaluate_tasks_now(ctx, TrainState(iteration=3))  # type: ignore[arg-type]
+    assert torch.all(seen[0] == 0.25) and torch.equal(engine.module.weight, weights)
+    evaluator = SimpleNamespace(evaluate=lambda number: {"lm_loss": float(engine.module.weight.sum())})
+    evaluate_now(ctx, TrainState(iteration=3), evaluator, "eval")  # type: ignore[arg-type]
+    assert rows[-1]["eval/ema/lm_loss"] == pytest.approx(0.25 * weights.numel())
+    assert rows[-1]["eval/lm_loss"] == pytest.approx(float(weights.sum()))
+
+
+def test_zero3_is_refused_by_name() -> None:
+    from megatron.neox_arguments import config_from_mapping
+    from megatron.neox_arguments.derived import finalize
+    from megatron.config_rules import Device
+    from megatron.errors import ConfigError
+
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, train_iters=10, lr=1e-3,
+                train_micro_batch_size_per_gpu=2, use_dummy_dataset=True, tokenizer_type="CharLevelTokenizer",
+                ema_beta=0.99)
+    device = Device(cuda=False, fp16_supported=False)
+    finalize(config_from_mapping({**base, "zero_optimization": {"stage": 2}}), 1, device=device)
+    with pytest.raises(ConfigError, match="ema_beta=0.99 .*zero_optimization.stage 3"):
+        finalize(config_from_mapping({**base, "zero_optimization": {"stage": 3}}), 1, device=device)
