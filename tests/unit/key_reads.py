@@ -221,8 +221,8 @@ def _generation(args: Any) -> object:
 def component_builders() -> list[ComponentBuilder]:
     """Everything that turns keys into what a component does, for train.py."""
     return [_run_config, _parallel, _tokenizer, _model, _checkpoints, _logging, _lora, _lr_schedule,
-            _optimizer, _activation_checkpointing, _training_loop, _step_policies, _data, _objective, _evaluation, _generation,
-            _user_plugins,
+            _optimizer, _activation_checkpointing, _training_loop, _step_policies, _data, _objective, _evaluation,
+            _generation, _user_plugins,
             deepspeed_config, _launch, run_directory]
 
 
