@@ -9,7 +9,8 @@ from megatron.config_schema import ArgGroup
 
 
 class ModelAveragingArgs(ArgGroup):
-    """Deepy's own group: an average of the weights kept beside them (Levanter's ``trainer.model_averaging``)."""
+    """Deepy's own group (not in GPT-NeoX's ``NeoXArgs``): an average of the weights kept beside them (Levanter's
+    ``trainer.model_averaging``)."""
 
     ema_beta: float | None = Field(None, ge=0.0, le=1.0)
     """Keep an exponential moving average of the weights, ``ema = beta * ema + (1 - beta) * weights`` after

@@ -33,7 +33,7 @@ from megatron.config_schema import ArgGroup
 
 
 class BadStepArgs(ArgGroup):
-    """Deepy's own group: Levanter's ``optimizer.skip_bad_steps``."""
+    """Deepy's own group (not in GPT-NeoX's ``NeoXArgs``): Levanter's ``optimizer.skip_bad_steps``."""
 
     skip_bad_steps_window: int | None = Field(None, ge=1)
     """Skip a step whose loss or raw gradient norm exceeds the mean + skip_bad_steps_sigma standard deviations of
