@@ -144,6 +144,8 @@ def test_the_weight_average_and_the_skip_window_resume_exactly(switched: Path) -
                ["extra"]["train_state"]["bad_steps"] for name in ("run1", "ref")}
     assert windows["run1"]["losses"] == pytest.approx(windows["ref"]["losses"], abs=1e-5)
     assert len(windows["ref"]["losses"]) == 6 and windows["ref"]["skipped"] == 0
+    rows = [json.loads(line) for line in next((switched / "ref").glob("*/metrics.jsonl")).read_text().splitlines()]
+    assert [row["train/skipped_bad_steps"] for row in rows if "train/lm_loss" in row] == [0] * 6  # logged each step
 
 
 def test_resumed_with_tensor_parallelism_the_curve_is_the_same(switched: Path) -> None:

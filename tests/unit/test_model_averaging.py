@@ -105,7 +105,7 @@ def test_evaluations_report_both_and_tasks_run_on_the_average(engine) -> None:  
     ctx = SimpleNamespace(tasks=tasks, averaging=average, monitor=monitor, training=SimpleNamespace(eval_interval=10))
     evaluate_tasks_now(ctx, TrainState(iteration=3))  # type: ignore[arg-type]
     assert torch.all(seen[0] == 0.25) and torch.equal(engine.module.weight, weights)
-    evaluator = SimpleNamespace(evaluate=lambda number: {"lm_loss": float(engine.module.weight.sum())})
+    evaluator = SimpleNamespace(evaluate=lambda number: {"lm_loss": float(engine.module.weight.detach().sum())})
     evaluate_now(ctx, TrainState(iteration=3), evaluator, "eval")  # type: ignore[arg-type]
     assert rows[-1]["eval/ema/lm_loss"] == pytest.approx(0.25 * weights.numel())
     assert rows[-1]["eval/lm_loss"] == pytest.approx(float(weights.sum()))
