@@ -10,6 +10,7 @@ DeepSpeed's private names and off writes into its engine (torch's are in ``torch
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -462,3 +463,34 @@ def reduced_gradients(params: Any) -> list[Any]:
         elif getattr(param, "_hp_mapping", None) is not None:
             out.append(param._hp_mapping.get_lp_grad_fragment(param._index_in_param_group))
     return out
+
+
+def gate_optimizer_update(engine: Any, allow: Callable[[], bool]) -> None:
+    """Let the optimizer's own update run only when ``allow()`` says so, once DeepSpeed has reduced, measured
+    and clipped the gradients.
+
+    ``basic_optimizer`` is the torch optimizer every DeepSpeed wrapper (ZeRO-1/2, the bf16 and fp16 optimizers)
+    ends its step with - the fp32 master partitions it leaves unchanged are copied back into the module
+    unchanged - and the engine's own optimizer without one. A refused update is not an overflow: DeepSpeed
+    still zeroes the gradients and steps the LR scheduler."""
+    base = engine.basic_optimizer
+    step = base.step
+
+    @functools.wraps(step)  # keeps the marks torch's LR schedulers put on the step they wrap
+    def gated(*args: Any, **kwargs: Any) -> Any:
+        return step(*args, **kwargs) if allow() else None
+
+    base.step = gated
+
+
+def pending_grad_norm(engine: Any) -> float | None:
+    """The global gradient norm (before clipping, unscaled) DeepSpeed computed at this step, read during its
+    optimizer step: the wrapper's ``_global_grad_norm`` (ZeRO-1/2, bf16, fp16 set it before the update), or
+    the engine's (no wrapper: set by Deepy's fp32 clipping, :func:`replace_fp32_clipping`, when
+    ``gradient_clipping > 0``). None: nothing computed it."""
+    wrapper = engine.optimizer
+    if wrapper is not engine.basic_optimizer and getattr(wrapper, "_global_grad_norm", None) is not None:
+        return float(wrapper._global_grad_norm)
+    if float(engine.gradient_clipping()) > 0 and getattr(engine, "_global_grad_norm", None) is not None:
+        return float(engine._global_grad_norm)
+    return None

@@ -145,6 +145,8 @@ class CheckpointManager:
         """The checkpoint this run resumed (its state is the run's state until the next step)."""
         self.universal_info: dict[str, Any] | None = None
         """DeepSpeed's TP merge patterns for this model; set by whoever knows the model."""
+        self.rank_files: list[Callable[[Path], None]] = []
+        """Writers of other components' files into each checkpoint (``SaveRequest.rank_files``)."""
 
     @classmethod
     def from_config(
@@ -392,6 +394,7 @@ class CheckpointManager:
             save_rng=self.save_rng,
             universal_info=self.universal_info,
             before_commit=self.before_commit,
+            rank_files=tuple(self.rank_files),
             keep_existing=self.resumed_from == (self.save_dir / commit.tag_for(step)).resolve(),
         )
         save_checkpoint(engine, self.save_dir, request)

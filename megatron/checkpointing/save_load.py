@@ -114,6 +114,9 @@ class SaveRequest:
     universal_info: dict[str, Any] | None = None
     """DeepSpeed's ``universal_checkpoint_info`` (TP patterns), needed to change tp later."""
     before_commit: BeforeCommit | None = None
+    rank_files: tuple[Callable[[Path], None], ...] = ()
+    """Other components' files (the weight average): each is called on every rank with the checkpoint
+    directory after the engine's files are written and before the commit, and writes what its rank owns."""
     keep_existing: bool = False
     """A committed checkpoint of this step already on disk is this very state (the one the run resumed
     from, saved again when preempted at once): keep it. Otherwise one on disk is another trajectory's
@@ -195,6 +198,8 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Save
         try:
             _write_rank_files(ckpt_dir, request, rank)
             save_expert_shards(engine, ckpt_dir)  # experts split over data-parallel ranks, if any
+            for write in request.rank_files:
+                write(ckpt_dir)
         except Exception as err:  # noqa: BLE001
             error = err
     failed = _failed_ranks(error is not None)

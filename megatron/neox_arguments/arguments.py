@@ -29,6 +29,8 @@ from megatron.model.config import GPTConfig
 from megatron.model.lora_config import LoRAArgs
 from megatron.model.moe_config import MoEArgs
 from megatron.training.activation_config import ActivationCheckpointArgs
+from megatron.training.averaging_config import ModelAveragingArgs
+from megatron.training.bad_steps import BadStepArgs
 from megatron.training.config import TrainingLoopArgs
 from megatron.training.lr_config import LRSchedulerArgs
 from megatron.training.lr_dialects import LevanterScheduleArgs
@@ -56,6 +58,8 @@ GROUPS: dict[str, type[ArgGroup]] = {
     "training": TrainingArgs,
     "data": DataArgs,
     "training_loop": TrainingLoopArgs,
+    "model_averaging": ModelAveragingArgs,
+    "bad_steps": BadStepArgs,
     "objective": ObjectiveArgs,
     "activation_checkpointing": ActivationCheckpointArgs,
     "checkpoint": CheckpointArgs,
@@ -97,6 +101,8 @@ class _Arguments(
     TrainingArgs,
     DataArgs,
     TrainingLoopArgs,
+    ModelAveragingArgs,
+    BadStepArgs,
     ObjectiveArgs,
     ActivationCheckpointArgs,
     CheckpointArgs,

@@ -26,6 +26,8 @@ from megatron.mpu.parallel_config import ParallelRun
 from megatron.tokenizer.config import TokenizerArgs
 from megatron.errors import ConfigError
 from megatron.training.activation_config import ActivationCheckpointArgs
+from megatron.training.averaging_config import ModelAveragingArgs
+from megatron.training.bad_steps import BadStepArgs
 from megatron.training.config import TrainingRun
 from megatron.training.lr_config import LRSchedulerArgs
 from megatron.training.objectives.config import ObjectiveArgs
@@ -95,6 +97,16 @@ class RunConfig:
     @property
     def activation_config(self) -> ActivationCheckpointArgs:
         """The arguments, as activation checkpointing's keys."""
+        return self.args
+
+    @property
+    def averaging(self) -> ModelAveragingArgs:
+        """The arguments, as the weight average's keys (``ema_beta``)."""
+        return self.args
+
+    @property
+    def bad_steps(self) -> BadStepArgs:
+        """The arguments, as the bad-step rule's keys (``skip_bad_steps_window``, ``_sigma``)."""
         return self.args
 
     @property

@@ -94,6 +94,9 @@ class Engine:
     adapters: list[LoRAAdapter] = field(default_factory=list)
     """This rank's LoRA adapters (empty without ``lora_r``): the only trainable weights besides a
     reward model's head."""
+    before_update: Callable[[torch.Tensor], None] | None = None
+    """Told each training step's loss (a 0-dim device tensor, the same on every rank) before the update is
+    applied: the bad-step rule's input (``skip_gate.py``); None: nothing needs it."""
 
     @property
     def is_last_stage(self) -> bool:

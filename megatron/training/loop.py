@@ -14,6 +14,7 @@ skips the evaluations of that step: the time left goes to exiting cleanly.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -29,6 +30,8 @@ from megatron.logging.throughput import as_metrics, measure
 from megatron.training.config import TrainingLoopArgs
 from megatron.training.engine import Engine
 from megatron.training.evaluate import Evaluator, evaluation_number
+from megatron.training.model_averaging import ModelAverage
+from megatron.training.skip_gate import BadStepGate
 from megatron.training.step import StepResult, read_grad_norm, train_step
 
 
@@ -54,6 +57,8 @@ class TrainState:
     run_name: str | None = None
     """Named at the run's first launch; its metrics.jsonl is ``<log_dir>/<run_name>/metrics.jsonl``,
     which a resumed run continues."""
+    bad_steps: dict[str, Any] | None = None
+    """The bad-step rule's window (``skip_bad_steps_window``): the last steps' losses and gradient norms."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,6 +127,11 @@ class LoopContext:
     """Steps between runs of ``tasks`` (``eval_tasks_interval``); None: every ``eval_interval``."""
     end_reason: str = "train_iters reached"
     """Why the run ends at ``train_iters`` (the last step: train_iters, or where max_train_epochs end)."""
+    averaging: ModelAverage | None = None
+    """The EMA of the weights (``ema_beta``): updated after every step, evaluated beside the weights
+    (``eval/ema/...``), the weights ``tasks`` run on."""
+    bad_steps: BadStepGate | None = None
+    """The bad-step rule (``skip_bad_steps_window``), deciding inside each optimizer step."""
 
 
 def _sync() -> None:
@@ -162,6 +172,8 @@ def log_row(ctx: LoopContext, state: TrainState, window: _Window, result: StepRe
     if ctx.eng.moe is not None:
         row.update(ctx.eng.moe.metrics())  # router statistics (a collective: every rank logs)
     row["train/skipped_steps"] = state.skipped_steps
+    if ctx.bad_steps is not None:
+        row["train/skipped_bad_steps"] = ctx.bad_steps.rule.skipped
     row["train/consumed_tokens"] = state.consumed_tokens
     row.update(as_metrics(measure(tokens_per_iter=ctx.tokens_per_step, iterations=window.steps, seconds=seconds,
                                   flops_per_token=ctx.flops_per_token, world_size=ctx.world_size,
@@ -177,6 +189,9 @@ def evaluate_now(ctx: LoopContext, state: TrainState, evaluator: Evaluator, pref
     # validation: the k-th evaluation reads the k-th block of batches; test runs once, from the start
     number = evaluation_number(state.iteration, ctx.training.eval_interval) if prefix == "eval" else 0
     metrics = evaluator.evaluate(number)  # lm_loss (the objective's loss) and the objective's metrics
+    if ctx.averaging is not None:  # Levanter evaluates both: eval/loss and eval/ema/loss
+        with ctx.averaging.swapped_in():
+            metrics.update({f"ema/{name}": value for name, value in evaluator.evaluate(number).items()})
     row = {"iteration": state.iteration, "consumed_samples": state.consumed_samples,
            **{f"{prefix}/{name}": value for name, value in metrics.items()},
            f"timers/{prefix}_ms": 1000.0 * (time.perf_counter() - start)}
@@ -186,7 +201,9 @@ def evaluate_now(ctx: LoopContext, state: TrainState, evaluator: Evaluator, pref
 
 def evaluate_tasks_now(ctx: LoopContext, state: TrainState) -> None:
     assert ctx.tasks is not None
-    row = {"iteration": state.iteration, "consumed_samples": state.consumed_samples, **ctx.tasks()}
+    with ctx.averaging.swapped_in() if ctx.averaging is not None else contextlib.nullcontext():
+        results = ctx.tasks()  # Levanter runs lm-eval on the average (TrainerState.eval_model)
+    row = {"iteration": state.iteration, "consumed_samples": state.consumed_samples, **results}
     ctx.monitor.log(row, state.iteration)
     ctx.monitor.discard_window()
 
@@ -226,6 +243,10 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
         state.iteration += 1
         state.consumed_samples += ctx.global_batch_size
         state.consumed_tokens += ctx.tokens_per_step
+        if ctx.averaging is not None:
+            ctx.averaging.update()  # after every step, skipped or not (Levanter's take_step)
+        if ctx.bad_steps is not None:
+            state.bad_steps = ctx.bad_steps.rule.to_dict()
         log_step = ctx.monitor.is_log_step(state.iteration)
         # the loss is read (a wait for the device) only at log steps
         ctx.monitor.after_step(state.iteration, float(result.loss) if log_step else None)

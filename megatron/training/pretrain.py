@@ -37,13 +37,17 @@ from megatron.model import flops_per_token, num_parameters
 from megatron.model.flops import hardware_flops_per_token
 from megatron.mpu.random import model_parallel_manual_seed
 from megatron.tokenizer import build_tokenizer
+from megatron.training.averaging_config import ModelAveragingArgs
+from megatron.training.bad_steps import BadStepArgs
 from megatron.training.comms_report import CommsReport
 from megatron.training.config import TrainingLoopArgs, compute_dtype, last_iteration
 from megatron.training.engine import build_engine, layers_to_checkpoint, partition_method
 from megatron.training.evaluate import maybe_evaluator
 from megatron.training.loop import Hooks, LoopContext, TrainState, train
+from megatron.training.model_averaging import ModelAverage
 from megatron.training.objectives import build_objective, build_reference
 from megatron.training.run_views import RunViews
+from megatron.training.skip_gate import BadStepGate
 
 
 
@@ -100,6 +104,10 @@ class PretrainRun(RunViews, Protocol):
 
     @property
     def data(self) -> DataRun: ...
+    @property
+    def averaging(self) -> ModelAveragingArgs: ...
+    @property
+    def bad_steps(self) -> BadStepArgs: ...
     @property
     def args_record(self) -> dict[str, Any]:
         """Every resolved key as JSON (stored in checkpoints to describe the run)."""
@@ -165,8 +173,24 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
     ckpt = CheckpointHooks(manager, validate=validate,
                            reseed=lambda iteration: model_parallel_manual_seed(training.seed + iteration))
     ckpt.attach_model(eng, run.parallel.model_parallel_size)
+    averaging = None if run.averaging.ema_beta is None else ModelAverage(
+        eng.engine.module, run.averaging.ema_beta,
+        layout={"tp": mpu.get_tensor_model_parallel_world_size(), "pp": mpu.get_pipe_parallel_world_size(),
+                "pipeline": eng.is_pipe},
+        place=f"tp{mpu.get_tensor_model_parallel_rank():02d}_pp{mpu.get_pipe_parallel_rank():02d}",
+        writer=mpu.get_data_parallel_rank() == 0)
+    if averaging is not None:
+        manager.rank_files.append(averaging.save)
+    rule = run.bad_steps.bad_step_rule()
+    bad_steps = None if rule is None else BadStepGate(eng.engine, rule)
+    if bad_steps is not None:
+        eng.before_update = bad_steps.set_loss
     # also without `load`: a fresh start refuses a `save` directory that already holds a run
     state = ckpt.load(eng, TrainState())
+    if averaging is not None and not (manager.resumed_from is not None and averaging.load(manager.resumed_from)):
+        averaging.restart()  # the weights this run starts from (loaded ones included) begin the average
+    if bad_steps is not None:
+        bad_steps.rule.restore(state.bad_steps)
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     monitor = build_monitor(log_config, wall_clock_breakdown=bool(run.deepspeed_config.get("wall_clock_breakdown")),
@@ -227,7 +251,7 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
             eng, tokenizer, zero_stage=int((run.deepspeed_config.get("zero_optimization") or {}).get("stage", 0)),
             sequence_parallel=run.model.sequence_parallel and run.parallel.model_parallel_size > 1).run,
         tasks_interval=None if task_evaluation is None else task_evaluation.interval,
-        end_reason=end_reason,
+        end_reason=end_reason, averaging=averaging, bad_steps=bad_steps,
     )
     # DeepSpeed's communication timings (comms_logger): shown after the last step, and with verbose at log steps
     comms = CommsReport(run.deepspeed_config.get("comms_logger"), log_config.log_interval)

@@ -55,6 +55,12 @@ optimizer:
 """
 
 
+AVERAGED = ("--trainer.model_averaging.type", "ema", "--trainer.model_averaging.beta", "0.9",
+            "--optimizer.skip_bad_steps", "8")
+"""Levanter's EMA and skip-step keys, on every run but the tensor-parallel resume (the average is kept per tp
+shard and is not re-split: that run leaves it off)."""
+
+
 def deepy(tmp: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline",
            "PYTHONPATH": str(REPO)}
@@ -78,12 +84,12 @@ def switched(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (tmp / "gpt2_tiny.yaml").write_text(TINY_LEVANTER.format(root=tmp))
     # no save schedule given: Levanter's checkpointer saves every 15 minutes and at the end by default
     common = ("--config_path", "gpt2_tiny.yaml", "--trainer.checkpointer.base_path", "out",
-              "--trainer.train_batch_size", "8")
+              "--trainer.train_batch_size", "8", *AVERAGED)
     deepy(tmp, *common, "--trainer.num_train_steps", "3", "--trainer.id", "run1", "--trainer.log_dir", "logs",
           "--num_gpus", "2")
     shutil.copytree(tmp / "out", tmp / "out_tp2")  # the same step-3 checkpoint, resumed a second way
     shutil.copytree(tmp / "out", tmp / "out_neox")  # ... and a third, by a GPT-NeoX config
-    tp2 = deepy(tmp, *common[:2], "--trainer.checkpointer.base_path", "out_tp2", *common[4:],
+    tp2 = deepy(tmp, *common[:2], "--trainer.checkpointer.base_path", "out_tp2", *common[4:6],
                 "--trainer.num_train_steps", "6", "--trainer.wandb.resume", "true", "--trainer.id", "run1",
                 "--trainer.log_dir", "logs_tp2", "--trainer.model_axis_size", "2", "--num_gpus", "2")
     resumed = deepy(tmp, *common, "--trainer.num_train_steps", "6", "--trainer.load_checkpoint_path", "out/run1",
@@ -117,6 +123,31 @@ def test_resumed_on_other_hardware_the_curve_is_the_uninterrupted_one(switched: 
     for step in reference:  # steps 4-6 read the batches after the first 3: the data fast-forwarded
         assert resumed[step] == pytest.approx(reference[step], abs=1e-5), step
     assert (switched / "out" / "run1").is_dir()  # Levanter's <base_path>/<run id>
+
+
+def test_the_weight_average_and_the_skip_window_resume_exactly(switched: Path) -> None:
+    """ema_beta and skip_bad_steps_window across the 2 -> 1 rank resume: the step-6 average (evaluated and saved)
+    and the rule's window are the uninterrupted run's."""
+    import torch
+
+    def evals(log_dir: Path) -> dict[str, float]:
+        rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+        return next(row for row in rows if "eval/ema/lm_loss" in row and row["iteration"] == 6)
+
+    resumed, reference = evals(switched / "logs"), evals(switched / "ref")
+    assert resumed["eval/ema/lm_loss"] == pytest.approx(reference["eval/ema/lm_loss"], abs=1e-5)
+    assert abs(reference["eval/ema/lm_loss"] - reference["eval/lm_loss"]) > 1e-3  # the average, not the weights
+    ema = {name: torch.load(switched / "out" / name / "global_step6" / "deepy_ema" / "tp00_pp00.pt")["average"]
+           for name in ("run1", "ref")}
+    assert ema["run1"].keys() == ema["ref"].keys()
+    for key, tensor in ema["ref"].items():
+        torch.testing.assert_close(ema["run1"][key], tensor, atol=1e-5, rtol=0)
+    windows = {name: json.loads((switched / "out" / name / "global_step6" / "deepy_meta.json").read_text())
+               ["extra"]["train_state"]["bad_steps"] for name in ("run1", "ref")}
+    assert windows["run1"]["losses"] == pytest.approx(windows["ref"]["losses"], abs=1e-5)
+    assert len(windows["ref"]["losses"]) == 6 and windows["ref"]["skipped"] == 0
+    rows = [json.loads(line) for line in next((switched / "ref").glob("*/metrics.jsonl")).read_text().splitlines()]
+    assert [row["train/skipped_bad_steps"] for row in rows if "train/lm_loss" in row] == [0] * 6  # logged each step
 
 
 def test_resumed_with_tensor_parallelism_the_curve_is_the_same(switched: Path) -> None:

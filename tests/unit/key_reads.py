@@ -137,6 +137,11 @@ def _training_loop(args: Any) -> object:
             loop.compile_layers, loop.zero_init)  # engine.build_engine
 
 
+def _step_policies(args: Any) -> object:
+    """What ``pretrain`` asks of the weight average's and the bad-step rule's keys."""
+    return args.ema_beta, args.bad_step_rule()
+
+
 def _run_config(args: Any) -> object:
     """What building the run's views refuses unless resolved (``RunConfig.__post_init__``)."""
     return RunConfig(args=args)
@@ -225,8 +230,8 @@ def _generation(args: Any) -> object:
 def component_builders() -> list[ComponentBuilder]:
     """Everything that turns keys into what a component does, for train.py."""
     return [_run_config, _parallel, _tokenizer, _model, _checkpoints, _logging, _lora, _lr_schedule,
-            _optimizer, _activation_checkpointing, _training_loop, _data, _objective, _evaluation, _generation,
-            _user_plugins,
+            _optimizer, _activation_checkpointing, _training_loop, _step_policies, _data, _objective, _evaluation,
+            _generation, _user_plugins,
             deepspeed_config, _launch, run_directory]
 
 
@@ -253,6 +258,7 @@ FEATURE_VARIANTS: tuple[dict[str, Any], ...] = (
     {"text_gen_type": "unconditional", "eval_tasks": ["task"]},
     {"cycles": 2},  # rewarmup shapes the cycles after the first
     {"lora_r": 4},  # the adapters' other keys shape the adapters
+    {"skip_bad_steps_window": 8},  # the sigma shapes the rule
     {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "absent-vocab.json"},  # GPT-2 BPE reads both files
     {"train_impl": "dpo"},  # an objective with a reference reads where it comes from (reference_logps)
     # architectures whose layers read their own keys: rotary, RMSNorm, the parallel residual, MoE layers

@@ -294,11 +294,11 @@ def test_errors_exit_2_without_traceback(tmp_path: Path) -> None:
     import sys
 
     config = tmp_path / "run.yaml"
-    config.write_text("trainer:\n  model_averaging:\n    type: ema\n    beta: 0.995\n")
+    config.write_text("trainer:\n  model_averaging:\n    type: ema_decay_sqrt\n    beta: 0.995\n")
     proc = subprocess.run([sys.executable, str(REPO / "deepy.py"), "--dry-run", str(REPO / "train.py"),
                            "--config_path", str(config)], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert f"levanter key trainer.model_averaging = {{'type': 'ema', 'beta': 0.995}} at {config}:2: model averaging" \
+    assert f"levanter key trainer.model_averaging = {{'type': 'ema_decay_sqrt', 'beta': 0.995}} at {config}:2: model averaging" \
         in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
 

@@ -187,8 +187,8 @@ def test_the_epoch_cap_ends_the_run_at_its_last_whole_batch() -> None:
 
 
 @pytest.mark.parametrize(("text", "reason"), [
-    ("trainer:\n  model_averaging:\n    type: ema\n    beta: 0.995\n", "model averaging \\(ema"),
-    ("optimizer:\n  skip_bad_steps: true\n", "skip_bad_steps\\) is not built"),
+    ("trainer:\n  model_averaging:\n    type: ema_decay_sqrt\n", "model averaging 'ema_decay_sqrt'"),
+    ("optimizer:\n  type: lion\n  skip_bad_steps: true\n", "only Levanter's adam optimizer has skip_bad_steps"),
     ("trainer:\n  quantization:\n    fp8: true\n", "quantised training \\(fp8"),
     ("optimizer:\n  type: sophia-h\n", "Sophia-H"),
     ("model:\n  type: gpt2_hyena\n", "Hyena"),
@@ -199,8 +199,29 @@ def test_the_epoch_cap_ends_the_run_at_its_last_whole_batch() -> None:
 def test_features_not_built_are_refused_by_name(tmp_path: Path, text: str, reason: str) -> None:
     with pytest.raises(ConfigError, match=reason):
         load(tmp_path, text if text.startswith("model") else MODEL + text)
-    if "skip_bad_steps" in text:
-        assert load(tmp_path, MODEL + text.replace("true", "false")).args.lr == 6e-4
+
+
+# stanford-crfm/levanter 9263f81e: optim/model_averaging.py EmaModelAveragingConfig (beta 0.999 by default);
+# optim/skipstep.py SkipStepConfig (rolling_interval_length 128, sigma_factor 6.0; from_bool_int_or_config:
+# true = defaults, an int = the window, false = off); only AdamConfig declares skip_bad_steps (optim/config.py).
+@pytest.mark.parametrize(("text", "expected"), [
+    ("trainer:\n  model_averaging:\n    type: ema\n    beta: 0.995\n", {"ema_beta": 0.995}),
+    ("trainer:\n  model_averaging:\n    type: ema\n", {"ema_beta": 0.999}),
+    ("trainer:\n  model_averaging: null\n", {"ema_beta": None}),
+    ("optimizer:\n  skip_bad_steps: true\n", {"skip_bad_steps_window": 128, "skip_bad_steps_sigma": 6.0}),
+    ("optimizer:\n  skip_bad_steps: 10\n", {"skip_bad_steps_window": 10, "skip_bad_steps_sigma": 6.0}),
+    ("optimizer:\n  skip_bad_steps:\n    rolling_interval_length: 64\n    sigma_factor: 3.0\n",
+     {"skip_bad_steps_window": 64, "skip_bad_steps_sigma": 3.0}),
+    ("optimizer:\n  skip_bad_steps: false\n", {"skip_bad_steps_window": None}),
+])
+def test_ema_and_skip_bad_steps_map_to_their_keys(tmp_path: Path, text: str, expected: dict[str, Any]) -> None:
+    args = load(tmp_path, MODEL + text).args
+    assert {key: getattr(args, key) for key in expected} == expected
+
+
+def test_skip_step_keys_refused_where_they_would_be_ignored(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="SkipStepConfig has no window"):
+        load(tmp_path, MODEL + "optimizer:\n  skip_bad_steps:\n    window: 3\n")
 
 
 DUMPED = """\

@@ -119,6 +119,9 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "sharding_group_size": ("parallelism", None),  # hsdp's shard size (torch/llama-recipes' name)
     "plugins": ("plugins", []),  # plug-in modules imported before validation (megatron/plugins.py)
     "zero_init": ("training_loop", False),  # fms-fsdp's low_cpu_fsdp: build under deepspeed.zero.Init
+    "ema_beta": ("model_averaging", None),  # Levanter's trainer.model_averaging (EMA)
+    "skip_bad_steps_window": ("bad_steps", None),  # Levanter's optimizer.skip_bad_steps
+    "skip_bad_steps_sigma": ("bad_steps", 6.0),
     "mlp_type": ("model", "regular"),  # earlier GPT-NeoX key its Llama/Mistral configs set
     "moe_aux_loss_coeff": ("moe", 0.0),
     "moe_router_renormalize": ("moe", False),  # Mixtral's top-k weights over their sum

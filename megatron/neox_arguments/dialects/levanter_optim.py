@@ -101,6 +101,29 @@ def _equal_or_refuse(default: Any, reason: str) -> Rule:
     return rule
 
 
+def _skip_bad_steps(value: Any, ctx: Context) -> dict[str, Any]:
+    """``SkipStepConfig.from_bool_int_or_config``: true = the default window (128, sigma 6.0), an integer = the
+    window, or ``{rolling_interval_length, sigma_factor}``; false/0 = off. Only ``AdamConfig`` has the key."""
+    if value is False or value is None or value == 0:
+        return {}
+    if _kind(ctx) != "adam":
+        raise Refused("only Levanter's adam optimizer has skip_bad_steps")
+    if value is True:
+        spec: dict[str, Any] = {}
+    elif isinstance(value, int):
+        spec = {"rolling_interval_length": value}
+    elif isinstance(value, dict):
+        spec = dict(value)
+    else:
+        raise Refused(f"{value!r} is not a bool, an integer or a SkipStepConfig")
+    window = spec.pop("rolling_interval_length", 128)
+    sigma = spec.pop("sigma_factor", 6.0)
+    if spec:
+        raise Refused(f"SkipStepConfig has no {', '.join(map(str, spec))}; it has rolling_interval_length and "
+                      "sigma_factor")
+    return {"skip_bad_steps_window": int(window), "skip_bad_steps_sigma": float(sigma)}
+
+
 def _adam_only(name: str) -> Rule:
     def rule(value: Any, ctx: Context) -> dict[str, Any]:
         if _kind(ctx) != "adam" and name == "epsilon":
@@ -131,8 +154,7 @@ OPTIMIZER_RULES: dict[str, Rule] = {
     "optimizer.nesterov": _equal_or_refuse(False, "Nesterov momentum in Adam is not built here"),
     "optimizer.update_rms_clipping": _equal_or_refuse(None, "update RMS clipping is not built here"),
     "optimizer.clip_update_norm": _equal_or_refuse(None, "update-norm clipping is not built here"),
-    "optimizer.skip_bad_steps": _equal_or_refuse(False, "skipping steps whose loss or gradient norm is far above "
-                                                        "the recent ones (skip_bad_steps) is not built here"),
+    "optimizer.skip_bad_steps": _skip_bad_steps,
     "optimizer.adamc_weight_decay": _equal_or_refuse(False, "AdamC's lr-scaled weight decay is not built here"),
 }
 

@@ -350,10 +350,18 @@ def _quantization(value: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _model_averaging(value: Any, ctx: Context) -> dict[str, Any]:
-    if value:
-        kind = dict(value).get("type", "ema") if isinstance(value, dict) else value
-        raise Refused(f"model averaging ({kind}: an average of the weights kept beside them) is not built here")
-    return {}
+    """``{type: ema, beta}`` (``EmaModelAveragingConfig``, beta 0.999 by default) -> ``ema_beta``."""
+    if not value:
+        return {}
+    spec = dict(value) if isinstance(value, dict) else {"type": value}
+    kind = spec.pop("type", "ema")
+    if kind != "ema":
+        raise Refused(f"model averaging {kind!r} (the EMA followed by a 1 - sqrt decay) is not built here; "
+                      "type: ema is (ema_beta)")
+    beta = spec.pop("beta", 0.999)
+    if spec:
+        raise Refused(f"EmaModelAveragingConfig has no {', '.join(map(str, spec))}; it has beta")
+    return {"ema_beta": float(beta)}
 
 
 TRACKER_PATHS = [*(f"trainer.{p}.{f}" for p in ("wandb", "tracker") for f in _WANDB_FIELDS),

@@ -13,7 +13,7 @@ every rank returns the same numbers.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -50,6 +50,7 @@ class EngineHandle(Protocol):
 
     engine: Any  # DeepSpeed's DeepSpeedEngine or PipelineEngine: DeepSpeed ships no type information
     is_pipe: bool
+    before_update: Callable[[torch.Tensor], None] | None
 
 
 class ObjectiveRunner:
@@ -89,12 +90,17 @@ class ObjectiveRunner:
             return engine.eval_batch(iter(items)).detach().float()
         losses = []
         if train:
-            for b in batches:
+            for i, b in enumerate(batches):
                 b = b.to(device)
                 loss = self.objective.loss(engine(b.inputs, **b.model_kwargs()), b.targets(denominator))
                 engine.backward(loss)
-                engine.step()  # applies the update only at the accumulation boundary
                 losses.append(loss.detach())
+                if i == len(batches) - 1 and eng.before_update is not None:
+                    step_loss = mean_over_data_parallel(torch.stack(losses).mean())
+                    eng.before_update(step_loss)  # the bad-step rule reads it inside the update
+                    engine.step()
+                    return step_loss
+                engine.step()  # applies the update only at the accumulation boundary
         else:
             was_training = engine.module.training
             engine.eval()
