@@ -268,3 +268,14 @@ def test_gpt2_lora_targets_map_onto_fused_projections(tmp_path: Path) -> None:
     text = text.replace("  num_kv_heads: 4\n", "")
     path.write_text(text)
     assert _load(path).args.lora_target_modules == ["query_key_value", "dense", "dense_4h_to_h"]
+
+
+def test_chat_urls_glob_like_levanter(tmp_path: Path) -> None:
+    from megatron.neox_arguments.dialects.levanter_sft import chat_urls
+
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    for name in ("a/x.jsonl", "a/b/y.jsonl", "a/b/z.txt"):
+        (tmp_path / name).write_text("{}\n")
+    assert chat_urls([str(tmp_path / "a" / "**" / "*.jsonl")]) == [str(tmp_path / "a/b/y.jsonl"),
+                                                                    str(tmp_path / "a/x.jsonl")]
+    assert chat_urls(str(tmp_path / "missing.jsonl")) == [str(tmp_path / "missing.jsonl")]  # refused when checked

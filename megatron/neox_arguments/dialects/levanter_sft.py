@@ -45,7 +45,9 @@ CONVERT_TOOL = "tools/datasets/preprocess_data_with_mask.py"
 
 
 def is_sft(ctx: Context) -> bool:
-    return any(path.split(".")[0] in SFT_KEYS for path in ctx.leaves)
+    """An sft.py config: it holds a key only SFTConfig has (the top-level tokenizer alone does not tell: Levanter's
+    exporter, export_lm_to_hf.py, has it too)."""
+    return any(path.split(".")[0] in SFT_KEYS - {"tokenizer"} for path in ctx.leaves)
 
 
 def is_lora(ctx: Context) -> bool:
@@ -90,11 +92,11 @@ def _supervised_data(value: Any, ctx: Context) -> dict[str, Any]:
                  "its train_urls are not read with dataset_type chat_jsonl (chat_train_urls are)")
 
 
-def _tokenizer_file(ctx: Context) -> str:
+def _tokenizer_file(ctx: Context, check: bool = True) -> str:
     path = str(ctx.value("tokenizer", SFT_DEFAULT_MODEL))
     if os.path.isdir(path):
         path = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(path):
+    if check and not os.path.isfile(path):
         raise Refused(f"the tokenizer {ctx.value('tokenizer', SFT_DEFAULT_MODEL)!r} (sft.py's top-level tokenizer "
                       f"key) is not a local tokenizer.json or its directory; a hub name would be downloaded")
     return path
@@ -102,18 +104,19 @@ def _tokenizer_file(ctx: Context) -> str:
 
 def _tokenizer(value: Any, ctx: Context) -> dict[str, Any]:
     if not is_sft(ctx):
-        raise Refused("a key of Levanter's sft.py or export (export_lm_to_hf.py); train_lm reads data.tokenizer")
+        raise Refused("a key of Levanter's sft.py and of its exporter (export_lm_to_hf.py); beside no other sft.py key "
+                      "(chat_train_urls, supervised_data, ...) this file is not an sft.py config; train_lm reads "
+                      "data.tokenizer, and a Deepy checkpoint is exported with tools/ckpts/convert_neox_to_hf.py")
     return {"tokenizer_type": "HFTokenizer", "vocab_file": _tokenizer_file(ctx)}
 
 
 def chat_urls(value: Any) -> list[str]:
-    """chat_train_urls as local files: each pattern globbed (``**`` too), as Levanter's fsspec expands them."""
+    """chat_train_urls as local files: a pattern globbed (``**`` too), as Levanter's fsspec expands them; a plain
+    path as it is (:func:`check_converted` requires it to exist)."""
     found: list[str] = []
     for pattern in [value] if isinstance(value, str) else list(value or []):
-        matched = sorted(glob.glob(str(pattern), recursive=True))
-        if not matched:
-            raise Refused(f"{pattern!r} matches no local file")
-        found += matched
+        pattern = str(pattern)
+        found += sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
     return found
 
 
@@ -140,16 +143,24 @@ def _chat_train_urls(value: Any, ctx: Context) -> dict[str, Any]:
         return noted("read only with dataset_type chat_jsonl")
     if ctx.value("supervised_data") is None:
         raise Refused("sft.py asserts supervised_data is set (sft.py:152): its cache_dir holds the tokenized chats")
-    sft_structure(ctx)
-    urls = chat_urls(value)
-    tokenizer = _tokenizer_file(ctx)
-    prefix = converted_prefix(ctx, urls, tokenizer)
-    if not os.path.isfile(f"{prefix}_label_document.idx"):
-        raise Refused(f"the chats are not converted into a Deepy SFT dataset yet; run once: "
-                      f"{convert_command(ctx, urls, tokenizer, prefix)}")
+    prefix = converted_prefix(ctx, chat_urls(value), _tokenizer_file(ctx, check=False))
     # packing.py:128-157: whole conversations fill a sequence until the next would overflow it
     return {"train_data_paths": [f"{prefix}_text_document"], "train_label_data_paths": [f"{prefix}_label_document"],
             "pack_impl": "pack_until_overflow"}
+
+
+def check_converted(ctx: Context) -> None:
+    """The chats exist and are converted; otherwise the one command that converts them."""
+    urls = chat_urls(ctx.value("chat_train_urls"))
+    missing = [u for u in urls if not os.path.isfile(u)]
+    if not urls or missing:
+        raise Refused(f"chat_train_urls: {missing[0] if missing else ctx.value('chat_train_urls')!r} matches no "
+                      f"local file")
+    tokenizer = _tokenizer_file(ctx)
+    prefix = converted_prefix(ctx, urls, tokenizer)
+    if not os.path.isfile(f"{prefix}_label_document.idx"):
+        raise Refused(f"chat_train_urls: the chats are not converted into a Deepy SFT dataset yet; run once: "
+                      f"{convert_command(ctx, urls, tokenizer, prefix)}")
 
 
 def _dataset_type(value: Any, ctx: Context) -> dict[str, Any]:
@@ -283,6 +294,8 @@ def implied(translation: Translation, leaves: dict[str, Leaf]) -> None:
         raise Refused("this config holds keys of both sft.py and lora_lm.py; a run uses one entry point")
     if sft:
         sft_structure(ctx)
+        if _value(ctx, "dataset_type") == "chat_jsonl":
+            check_converted(ctx)
     if lora:
         if not ctx.value("initialize_from_hf"):
             raise Refused("lora_lm.py adapts a model initialize_from_hf names (a required field, lora_lm.py:35)")
