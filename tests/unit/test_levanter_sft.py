@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.errors import ConfigError
 from megatron.neox_arguments.dialects import split_argv
-from megatron.neox_arguments.dialects.levanter_sft import convert_command
+from megatron.neox_arguments.dialects.levanter_sft import convert_argv
 from megatron.neox_arguments.loading import load_config
 from megatron.tokenizer.hf import HFTokenizer
 from tools.datasets import preprocess_data_with_mask as tool
@@ -153,16 +153,22 @@ output_role: assistant
 {extra}"""
 
 
-def test_sft_config_is_refused_with_the_command_that_converts_it(tmp_path: Path) -> None:
+def test_sft_chats_are_converted_once_before_launch(tmp_path: Path) -> None:
+    from megatron.app.prepare import pending, run_steps
+
     tok_dir = _tokenizer_dir(tmp_path)
     path = _write(tmp_path, _sft_yaml(tmp_path, tok_dir))
-    with pytest.raises(ConfigError, match="not converted") as err:
-        _load(path)
-    command = str(err.value).split("run once: ")[1].split("\n")[0]
-    assert command.startswith("python tools/datasets/preprocess_data_with_mask.py --single-turn")
-    argv = command.split()[2:]
-    assert tool.main(argv) == 0  # the command as printed runs
-    args = _load(path).args
+    resolved = _load(path)
+    (step,) = pending(resolved.dialect)
+    assert step["argv"][:2] == ["tools/datasets/preprocess_data_with_mask.py", "--single-turn"]
+    with pytest.raises(ConfigError, match="convert first with python tools/datasets/preprocess_data_with_mask.py"):
+        run_steps(resolved.dialect, in_place=True)  # every rank would run it: the user converts first
+    (done,) = run_steps(resolved.dialect, in_place=False)  # what deepy.py does before it launches
+    assert "converted" in done and pending(resolved.dialect) == []
+    assert run_steps(resolved.dialect, in_place=False) == []  # once
+    resolved = _load(path)
+    assert "prepare" not in resolved.dialect
+    args = resolved.args
     prefix = args.train_data_paths[0][: -len("_text_document")]
     assert args.train_label_data_paths == [prefix + "_label_document"]
     assert args.pack_impl == "pack_until_overflow"
@@ -178,6 +184,15 @@ def test_sft_config_is_refused_with_the_command_that_converts_it(tmp_path: Path)
     expected = tool.encode_single_turn(tokenizer, TWO_TURNS, tool.SingleTurn(max_length=64),
                                        tool._eos_text(tokenizer, str(tok_dir / "tokenizer.json")), "t")
     assert (list(text[0]), list(labels[0])) == expected
+    # the resolved config feeds Deepy's SFT dataset: whole conversations per sample, loss on the completions only
+    from megatron.config_rules import Device
+    from megatron.data.build import build_datasets
+    from megatron.neox_arguments.derived import finalize
+
+    resolved = finalize(resolved, 1, device=Device(cuda=False, fp16_supported=False))
+    sample = build_datasets(resolved.args, tokenizer, 128).train[0]
+    trained = [WORDS[t] for t in sample["label"] if t >= 0]
+    assert trained == ["4", "</s>"] * 3  # three 9-token conversations in one 65-token sample
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -209,8 +224,7 @@ def test_convert_command_names_every_setting(tmp_path: Path) -> None:
 
     ctx = Context({k: Leaf(k, v, "f:1") for k, v in {"messages_field": "conv", "input_role": "human",
                                                      "output_role": "gpt", "max_seq_len": 128}.items()})
-    command = convert_command(ctx, ["a.jsonl"], "tok.json", "cache/p")
-    args = tool.parse_args(command.split()[2:])
+    args = tool.parse_args(list(convert_argv(ctx, ["a.jsonl"], "tok.json", "cache/p"))[1:])
     assert (args.messages_key, args.input_role, args.output_role, args.max_length) == ("conv", "human", "gpt", 128)
 
 

@@ -8,9 +8,9 @@ them when it holds a key only that entry point has (:data:`SFT_KEYS`, :data:`LOR
 SFT data (``dataset_type: chat_jsonl``): sft.py reads the first ``input_role`` message and the first
 ``output_role`` message of each line, joins them without a template and trains on every token after the
 prompt's. Deepy's train.py reads that as an SFT dataset (``train_data_paths`` + ``train_label_data_paths``)
-written by ``tools/datasets/preprocess_data_with_mask.py --single-turn``, which encodes exactly so; until it
-is written the config is refused with the one command that writes it (under ``supervised_data.cache_dir``,
-named by a hash of what the tokens depend on, so a changed input is converted afresh).
+written by ``tools/datasets/preprocess_data_with_mask.py --single-turn``, which encodes exactly so; deepy.py
+runs it once before launch (a :class:`PrepareStep` of the translation) into ``supervised_data.cache_dir``,
+named by a hash of what the tokens depend on, so a changed input is converted afresh.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import json
 import os
 from typing import Any
 
-from megatron.neox_arguments.dialects.common import Context, Leaf, Refused, Rule, Translation, noted
+from megatron.neox_arguments.dialects.common import Context, Leaf, PrepareStep, Refused, Rule, Translation, noted
 
 SFT_DEFAULT_MODEL = "NousResearch/Llama-2-7b-hf"
 """sft.py:73-74@9263f81e: the default model_name_or_path and tokenizer (hub names: refused here)."""
@@ -130,12 +130,17 @@ def converted_prefix(ctx: Context, urls: list[str], tokenizer: str) -> str:
     return os.path.join(cache_dir, f"levanter_sft_{digest}")
 
 
+def convert_argv(ctx: Context, urls: list[str], tokenizer: str, prefix: str) -> tuple[str, ...]:
+    """The tool and arguments that write the SFT dataset of this config (Deepy's own data tool)."""
+    return (CONVERT_TOOL, "--single-turn", "--input", ",".join(urls), "--output-prefix", prefix, "--mode", "sft",
+            "--tokenizer-type", "HFTokenizer", "--vocab-file", tokenizer, "--messages-key", str(_value(ctx, "messages_field")),
+            "--input-role", str(_value(ctx, "input_role")), "--output-role", str(_value(ctx, "output_role")),
+            "--max-length", str(_value(ctx, "max_seq_len")))
+
+
 def convert_command(ctx: Context, urls: list[str], tokenizer: str, prefix: str) -> str:
-    """The one command that writes the SFT dataset of this config (Deepy's own data tool)."""
-    return (f"python {CONVERT_TOOL} --single-turn --input {','.join(urls)} --output-prefix {prefix} --mode sft "
-            f"--tokenizer-type HFTokenizer --vocab-file {tokenizer} --messages-key {_value(ctx, 'messages_field')} "
-            f"--input-role {_value(ctx, 'input_role')} --output-role {_value(ctx, 'output_role')} "
-            f"--max-length {_value(ctx, 'max_seq_len')}")
+    """:func:`convert_argv` as one command line."""
+    return "python " + " ".join(convert_argv(ctx, urls, tokenizer, prefix))
 
 
 def _chat_train_urls(value: Any, ctx: Context) -> dict[str, Any]:
@@ -149,8 +154,9 @@ def _chat_train_urls(value: Any, ctx: Context) -> dict[str, Any]:
             "pack_impl": "pack_until_overflow"}
 
 
-def check_converted(ctx: Context) -> None:
-    """The chats exist and are converted; otherwise the one command that converts them."""
+def check_converted(ctx: Context, translation: Translation) -> None:
+    """The chats and tokenizer are local files; their conversion, unless done, is a step deepy.py runs before
+    launch (the converted files' name holds a hash of what they depend on, so a changed input converts afresh)."""
     urls = chat_urls(ctx.value("chat_train_urls"))
     missing = [u for u in urls if not os.path.isfile(u)]
     if not urls or missing:
@@ -159,13 +165,13 @@ def check_converted(ctx: Context) -> None:
     tokenizer = _tokenizer_file(ctx)
     prefix = converted_prefix(ctx, urls, tokenizer)
     if not os.path.isfile(f"{prefix}_label_document.idx"):
-        raise Refused(f"chat_train_urls: the chats are not converted into a Deepy SFT dataset yet; run once: "
-                      f"{convert_command(ctx, urls, tokenizer, prefix)}")
+        translation.prepare.append(PrepareStep(convert_argv(ctx, urls, tokenizer, prefix), f"{prefix}_label_document.idx",
+                                               "sft.py's chat_train_urls, tokenized as sft.py does"))
 
 
 def _dataset_type(value: Any, ctx: Context) -> dict[str, Any]:
     if value == "chat_jsonl":
-        return noted("chat jsonl, converted by the command chat_train_urls names")
+        return noted("chat jsonl: chat_train_urls, converted by deepy.py before launch")
     raise Refused("Deepy reads sft.py's chat_jsonl data (chat_train_urls); the huggingface type reads a hub dataset")
 
 
@@ -295,7 +301,7 @@ def implied(translation: Translation, leaves: dict[str, Leaf]) -> None:
     if sft:
         sft_structure(ctx)
         if _value(ctx, "dataset_type") == "chat_jsonl":
-            check_converted(ctx)
+            check_converted(ctx, translation)
     if lora:
         if not ctx.value("initialize_from_hf"):
             raise Refused("lora_lm.py adapts a model initialize_from_hf names (a required field, lora_lm.py:35)")
