@@ -206,6 +206,13 @@ def test_sft_keys_refused_by_name(tmp_path: Path, extra: str, message: str) -> N
         _load(path)
 
 
+def test_sft_trains_at_max_seq_len_from_hf(tmp_path: Path) -> None:
+    # sft.py:72,123@9263f81e: with initialize_from_hf the model's length is max_seq_len (default 2048), not model.seq_len
+    text = _sft_yaml(tmp_path, _tokenizer_dir(tmp_path)).replace("max_seq_len: 64\n", "")
+    args = _load(_write(tmp_path, text)).args
+    assert (args.seq_length, args.max_position_embeddings) == (2048, 2048)
+
+
 def test_sft_requires_a_start_and_local_sources(tmp_path: Path) -> None:
     tok_dir = _tokenizer_dir(tmp_path)
     text = _sft_yaml(tmp_path, tok_dir).replace("initialize_from_hf: true\n", "")

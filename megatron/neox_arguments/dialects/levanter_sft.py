@@ -302,6 +302,10 @@ def implied(translation: Translation, leaves: dict[str, Leaf]) -> None:
         sft_structure(ctx)
         if _value(ctx, "dataset_type") == "chat_jsonl":
             check_converted(ctx, translation)
+        if "max_seq_len" not in leaves and ctx.value("initialize_from_hf"):
+            value = SFT_DEFAULTS["max_seq_len"]
+            translation.put(Leaf(f"max_seq_len={value}", value, "Levanter's default (sft.py:72)"),
+                            _max_seq_len(value, ctx), implied=True)
     if lora:
         if not ctx.value("initialize_from_hf"):
             raise Refused("lora_lm.py adapts a model initialize_from_hf names (a required field, lora_lm.py:35)")
