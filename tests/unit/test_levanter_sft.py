@@ -300,3 +300,15 @@ def test_chat_urls_glob_like_levanter(tmp_path: Path) -> None:
     assert chat_urls([str(tmp_path / "a" / "**" / "*.jsonl")]) == [str(tmp_path / "a/b/y.jsonl"),
                                                                     str(tmp_path / "a/x.jsonl")]
     assert chat_urls(str(tmp_path / "missing.jsonl")) == [str(tmp_path / "missing.jsonl")]  # refused when checked
+
+
+def test_a_save_directory_holding_only_the_hf_import_starts_fresh(tmp_path: Path) -> None:
+    """Levanter's load = save = base_path/<id>, where deepy.py converts initialize_from_hf (<save>/hf_import): a
+    directory holding only that is no checkpoint of the run's own, so the run starts from the import."""
+    from megatron.checkpointing.discovery import inspect_load_dir
+    from megatron.interop.hf_start import IMPORT_DIR
+
+    (tmp_path / IMPORT_DIR / "global_step0").mkdir(parents=True)
+    assert inspect_load_dir(tmp_path).kind == "empty"
+    (tmp_path / "stray").mkdir()
+    assert inspect_load_dir(tmp_path).kind == "other"
