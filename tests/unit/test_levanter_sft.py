@@ -312,3 +312,21 @@ def test_a_save_directory_holding_only_the_hf_import_starts_fresh(tmp_path: Path
     assert inspect_load_dir(tmp_path).kind == "empty"
     (tmp_path / "stray").mkdir()
     assert inspect_load_dir(tmp_path).kind == "other"
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_an_hf_llama_reads_back_as_converted(kv_heads: int) -> None:
+    """The import's model and the one its stored arguments describe agree, also where every query head has its own
+    key/value head (Llama-2-7b; the import stopped with 'the stored arguments describe another model')."""
+    from transformers import LlamaConfig
+
+    from megatron.interop.deepy_checkpoint import gpt_config_from_args
+    from megatron.interop.hf_config import gpt_config_from_hf
+    from megatron.interop.yaml_config import architecture_keys
+
+    hf = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=kv_heads, max_position_embeddings=64)
+    config = gpt_config_from_hf(hf)
+    assert config.kv_heads == kv_heads
+    back = gpt_config_from_args({**architecture_keys(config), "padded_vocab_size": config.padded_vocab_size})
+    assert back.replace(precision=config.precision) == config
