@@ -140,6 +140,7 @@ model:
 trainer:
   num_train_steps: 10
   train_batch_size: 4
+  fsdp_axis: null  # ZeRO stage 0: a start from the HF import's weights-only checkpoint
 optimizer:
   learning_rate: 5e-6
   lr_schedule: linear
@@ -189,10 +190,16 @@ def test_sft_chats_are_converted_once_before_launch(tmp_path: Path) -> None:
     from megatron.data.build import build_datasets
     from megatron.neox_arguments.derived import finalize
 
-    resolved = finalize(resolved, 1, device=Device(cuda=False, fp16_supported=False))
+    device = Device(cuda=False, fp16_supported=False)
+    resolved = finalize(resolved, 1, device=device)
     sample = build_datasets(resolved.args, tokenizer, 128).train[0]
     trained = [WORDS[t] for t in sample["label"] if t >= 0]
     assert trained == ["4", "</s>"] * 3  # three 9-token conversations in one 65-token sample
+    # Levanter's default fsdp_axis (embed, as these configs write it) is ZeRO-3 here, which cannot read the
+    # weights-only import: refused by the rules, before the conversion, not by the ranks after it
+    path.write_text(path.read_text().replace("  fsdp_axis: null", "  fsdp_axis: embed"))
+    with pytest.raises(ConfigError, match="ZeRO stage 3"):
+        finalize(_load(path), 1, device=device)
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -330,3 +337,4 @@ def test_an_hf_llama_reads_back_as_converted(kv_heads: int) -> None:
     assert config.kv_heads == kv_heads
     back = gpt_config_from_args({**architecture_keys(config), "padded_vocab_size": config.padded_vocab_size})
     assert back.replace(precision=config.precision) == config
+
