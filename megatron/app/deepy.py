@@ -121,6 +121,7 @@ def resolve(command: DeepyCommand) -> ResolvedConfig:
     from megatron.neox_arguments.loading import load_config
 
     resolved = load_config(command.config_files, command.overrides, command.conf_dir, command.dialect_flags)
+    prepare_data(resolved)
     # imported only now: the rules may need torch to look at the devices, structure errors do not
     from megatron.neox_arguments import detect_world_size, finalize
     from megatron.neox_arguments.honesty import check_entry_point
@@ -131,6 +132,18 @@ def resolve(command: DeepyCommand) -> ResolvedConfig:
     final = finalize(resolved, world)
     check_entry_point(final.args, command.user_script)
     return final
+
+
+def prepare_data(resolved: ResolvedConfig) -> None:
+    """A dialect config's data conversion (a Levanter sft.py config's chats), run once before the data are
+    checked (``megatron/app/prepare.py``); not where every rank runs deepy.py itself (they would race)."""
+    from megatron.app.prepare import run_steps
+    from megatron.launcher.environment import started_by_scheduler
+
+    args = resolved.args
+    in_place = started_by_scheduler(os.environ, slurm=args.deepspeed_slurm, mpi=args.deepspeed_mpi) is not None
+    for line in run_steps(resolved.dialect, in_place=in_place):
+        print(f"deepy: {line}", flush=True)
 
 
 def fill_in_for_inference(resolved: ResolvedConfig, user_script: str) -> None:

@@ -23,8 +23,9 @@ FoundKind = Literal["missing", "empty", "deepy", "deepy_tag", "incomplete", "gpt
 
 META_FILE = "deepy_meta.json"
 DEEPSPEED_MODEL_FILE = re.compile(r"^(mp_rank_\d+_model_states\.pt|layer_\d+-model_\d+-model_states\.pt)$")
-# files DeepSpeed drops into every save directory; on their own they are not a checkpoint
-_HELPERS = {"zero_to_fp32.py", "zero_to_torch.py", commit.LATEST_FILE, "latest_universal"}
+# files DeepSpeed drops into every save directory, and the folder deepy.py converts initialize_from_hf into
+# (interop/hf_start.py's IMPORT_DIR, inside save); on their own they are not a checkpoint of the run's
+_HELPERS = {"zero_to_fp32.py", "zero_to_torch.py", commit.LATEST_FILE, "latest_universal", "hf_import"}
 IMPORT_TOOL = "tools/ckpts/convert_hf_to_neox.py"
 
 

@@ -303,7 +303,9 @@ def gpt_config_from_hf(hf: "PretrainedConfig", seq_length: int | None = None) ->
         common["intermediate_size"] = intermediate_size_for(int(hf.intermediate_size), gated=True)
         return GPTConfig(
             **common,
-            num_kv_heads=int(hf.num_key_value_heads or heads),
+            # unset when every query head has its own key/value head: what the stored arguments keep
+            # (yaml_config.architecture_keys), so a converted checkpoint reads back as the model converted
+            num_kv_heads=None if int(hf.num_key_value_heads or heads) == heads else int(hf.num_key_value_heads),
             rotary_pct=1.0,
             norm="rmsnorm",
             rms_norm_epsilon=float(hf.rms_norm_eps),

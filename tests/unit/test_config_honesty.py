@@ -302,6 +302,13 @@ DIALECT_SAMPLES: dict[str, dict[str, object]] = {
         "epoch": 0, "log_entropy": False,
         "model.n_routed_experts": 4, "model.num_experts_per_tok": 2, "model.n_shared_experts": 0,
         "model.lbl_coef": 0.01, "model.rzl_coef": 0.001,
+        # sft.py and lora_lm.py (levanter_sft.py)
+        "dataset_type": "chat_jsonl", "supervised_data": {"cache_dir": "c"}, "chat_train_urls": ["a.jsonl"],
+        "max_seq_len": 64, "model_name_or_path": "m", "tokenizer": str(REPO / "README.md"), "messages_field": "messages",
+        "input_role": "user", "output_role": "assistant", "reinit_tokens": False, "reinit_lm_head": True,
+        "reinit_embeddings": True, "lora.r": 8, "lora.alpha": 16.0, "lora.dropout": 0.1,
+        "lora.target_modules": ["o_proj"], "max_train_length": 32, "peft_save_path": None, "peft_hf_upload": None,
+        "merged_hf_save_path": None, "merged_hf_upload": None, "trust_remote_code": False,
     },
     "fms-fsdp": {
         "model_variant": "llama_tiny", "ckpt_load_path": "ck", "ckpt_save_path": "ck", "use_dummy_dataset": False,
@@ -325,6 +332,9 @@ DIALECT_CONTEXT: dict[str, dict[str, object]] = {
        for f in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")},
     **{f"model.rope.{f}": {"model.rope.type": "yarn"} for f in ("beta_fast", "beta_slow", "mscale")},
     "eval_harness": {"eval_harness_steps": 1000},
+    "chat_train_urls": {"supervised_data": {"cache_dir": "c"}},
+    "max_seq_len": {"initialize_from_hf": "m", "dataset_type": "chat_jsonl"},
+    "tokenizer": {"dataset_type": "chat_jsonl"},  # alone it could be the exporter's key too
     **{f"model.{f}": {"model.type": "mixtral"}
        for f in ("n_routed_experts", "num_experts_per_tok", "n_shared_experts", "lbl_coef", "rzl_coef")},
 }

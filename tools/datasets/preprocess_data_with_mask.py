@@ -16,6 +16,14 @@ the tokenizer's chat template, a jinja2 string from ``--chat-template FILE`` or 
 the ``tokenizer_config.json`` next to ``--vocab-file``. Only assistant turns get loss: the template is
 rendered for growing prefixes of the conversation, and the text an assistant turn adds is the only
 text whose tokens keep their labels.
+
+``--single-turn`` reads a chat the way Levanter's ``sft.py`` does (``dataset_type: chat_jsonl``): the first
+message of ``--input-role`` is the prompt and the first of ``--output-role`` the completion, joined with
+nothing between them (no chat template), encoded with the tokenizer's special tokens (a BOS its
+post-processor adds), the end-of-text token appended when the tokenizer does not end ``"hi there"`` with it,
+truncated to ``--max-length``; every token after the prompt's (the completion and that end token) is
+trained on (stanford-crfm/levanter 9263f81e: ``data/text.py:812-843``, ``main/sft.py:363-404``,
+``data/packing.py:142-143``).
 """
 
 from __future__ import annotations
@@ -138,6 +146,52 @@ def encode_messages(tokenizer: Tokenizer, template: ChatTemplate, messages: list
     return _finish(tokenizer, _segments_to_ids(tokenizer, segments), append_eod)
 
 
+@dataclass(frozen=True)
+class SingleTurn:
+    """Levanter's single-turn chat reading (sft.py's ``chat_jsonl``): which roles, how long a sequence."""
+
+    input_role: str = "user"
+    output_role: str = "assistant"
+    max_length: int | None = None
+
+
+def _eos_text(tokenizer: Tokenizer, vocab_file: str | None) -> tuple[str, int]:
+    """The end-of-text token (text, id): ``eos_token`` of the tokenizer_config.json beside the vocab (what
+    transformers' tokenizer calls eos), else the tokenizer's end-of-document token."""
+    hf = getattr(tokenizer, "hf_tokenizer", None)
+    if hf is None:
+        raise DataError("--single-turn encodes with a Hugging Face tokenizer (--tokenizer-type HFTokenizer)")
+    config_path = Path(vocab_file).parent / "tokenizer_config.json" if vocab_file else None
+    if config_path is not None and config_path.is_file():
+        text = _token_text(json.loads(config_path.read_text()).get("eos_token"))
+        if text and hf.token_to_id(text) is not None:
+            return text, int(hf.token_to_id(text))
+    return str(hf.id_to_token(tokenizer.eod)), tokenizer.eod
+
+
+def encode_single_turn(tokenizer: Tokenizer, messages: list[dict[str, Any]], turn: SingleTurn, eos: tuple[str, int],
+                       where: str) -> Encoded | None:
+    """One conversation as Levanter's sft.py trains on it, or None where sft.py skips it (a prompt of
+    ``max_length - 1`` tokens or more, or no completion token left after truncation)."""
+    hf = tokenizer.hf_tokenizer  # type: ignore[attr-defined]
+    try:
+        source = next(str(m["content"]) for m in messages if m.get("role") == turn.input_role)
+        target = next(str(m["content"]) for m in messages if m.get("role") == turn.output_role)
+    except StopIteration:
+        raise DataError(f"{where}: no message with role {turn.input_role!r} and one with role "
+                        f"{turn.output_role!r}") from None
+    eos_text, eos_id = eos
+    if hf.encode("hi there").ids[-1] != eos_id:  # text.py:857-858: EOS only where the tokenizer adds none
+        target += eos_text
+    limit = turn.max_length
+    source_ids = hf.encode(source).ids[:limit]
+    ids = hf.encode(source + target).ids[:limit]
+    prompt = len(source_ids)
+    if (limit is not None and prompt > limit - 1) or len(ids) <= prompt:  # sft.py:386-394
+        return None
+    return ids, [IGNORE_INDEX] * prompt + ids[prompt:]
+
+
 @dataclass
 class Options:
     mode: str
@@ -148,6 +202,8 @@ class Options:
     rejected_key: str
     reward_key: str
     append_eod: bool
+    single_turn: SingleTurn | None = None
+    eos: tuple[str, int] = ("", -1)
 
 
 def _check_messages(value: Any, where: str) -> list[dict[str, Any]]:
@@ -184,7 +240,11 @@ def encode_record(record: dict[str, Any], tokenizer: Tokenizer, template: ChatTe
         for role, key in (("chosen", opts.chosen_key), ("rejected", opts.rejected_key)):
             out[role] = _encode_one(record, _get(record, key, where), tokenizer, template, opts, where)
         return out
-    if opts.messages_key in record:
+    if opts.single_turn is not None:
+        encoded = encode_single_turn(tokenizer, _check_messages(_get(record, opts.messages_key, where), where),
+                                     opts.single_turn, opts.eos, where)
+        out["text"] = encoded if encoded is not None else ([], [])
+    elif opts.messages_key in record:
         out["text"] = _encode_one(record, record[opts.messages_key], tokenizer, template, opts, where)
     else:
         out["text"] = _encode_one(record, _get(record, opts.completion_key, where), tokenizer, template, opts, where)
@@ -294,6 +354,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab-file", default=None)
     p.add_argument("--merge-file", default=None)
     p.add_argument("--append-eod", action="store_true", help="end each document with EOD (trained after a completion)")
+    p.add_argument("--single-turn", action="store_true",
+                   help="Levanter sft.py's chat_jsonl: first input-role message + first output-role message, no template")
+    p.add_argument("--input-role", default="user", help="with --single-turn: the prompt's role")
+    p.add_argument("--output-role", default="assistant", help="with --single-turn: the completion's role")
+    p.add_argument("--max-length", type=int, default=None, help="with --single-turn: tokens kept per conversation")
     p.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
     return p.parse_args(argv)
 
@@ -303,11 +368,15 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = build_tokenizer(TokenizerArgs(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                                               merge_file=args.merge_file))
     template = load_chat_template(args.chat_template, args.vocab_file)
+    single = SingleTurn(args.input_role, args.output_role, args.max_length) if args.single_turn else None
+    if single is not None and args.mode != "sft":
+        raise DataError("--single-turn writes an SFT dataset (--mode sft)")
     opts = Options(args.mode, args.prompt_key, args.completion_key, args.messages_key, args.chosen_key,
-                   args.rejected_key, args.reward_key, args.append_eod)
+                   args.rejected_key, args.reward_key, args.append_eod, single,
+                   _eos_text(tokenizer, args.vocab_file) if single is not None else ("", -1))
     paths = [s.strip() for s in args.input.split(",") if s.strip()]
     stats = preprocess_with_mask(paths, args.output_prefix, tokenizer, template, opts)
-    print(f"{stats['documents']} documents ({stats['skipped_empty']} empty skipped) -> "
+    print(f"{stats['documents']} documents ({stats['skipped_empty']} skipped: empty, or too long for --single-turn) -> "
           + ", ".join(stats["outputs"]))
     return 0
 

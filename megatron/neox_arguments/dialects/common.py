@@ -83,6 +83,20 @@ class Row:
         return {"key": self.key, "where": self.where, "neox": self.neox, **({"note": self.note} if self.note else {})}
 
 
+@dataclass(frozen=True)
+class PrepareStep:
+    """A command of Deepy's own tools that deepy.py runs before launch, once: while ``creates`` is missing."""
+
+    argv: tuple[str, ...]
+    """The tool and its arguments, the tool's path relative to the repository (``tools/datasets/...``)."""
+    creates: str
+    """The file written last; present means done."""
+    why: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"argv": list(self.argv), "creates": self.creates, "why": self.why}
+
+
 @dataclass
 class Translation:
     """A dialect config turned into GPT-NeoX values, with the record of what became what."""
@@ -94,10 +108,15 @@ class Translation:
     texts: dict[str, str] = field(default_factory=dict)
     owner: dict[str, str] = field(default_factory=dict)
     """GPT-NeoX key -> the dialect key that set it (to name both in a conflict)."""
+    prepare: list[PrepareStep] = field(default_factory=list)
+    """What deepy.py runs once before launch for this config (a data conversion the dialect's data need)."""
 
     def record(self) -> dict[str, Any]:
         """What the resolved config keeps of the translation (shown by ``--dry-run``)."""
-        return {"name": self.dialect, "rows": [row.to_json() for row in self.rows]}
+        out: dict[str, Any] = {"name": self.dialect, "rows": [row.to_json() for row in self.rows]}
+        if self.prepare:
+            out["prepare"] = [step.to_json() for step in self.prepare]
+        return out
 
     def put(self, leaf: Leaf, neox: dict[str, Any], *, implied: bool = False) -> None:
         """Record ``leaf`` -> ``neox``. An implied value (a model type's preset, a dialect default)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from megatron.neox_arguments.dialects import levanter_optim, levanter_trainer
+from megatron.neox_arguments.dialects import levanter_optim, levanter_sft, levanter_trainer
 from megatron.neox_arguments.dialects.common import Context, Leaf, Refused, Rule, Translation, noted, to
 from megatron.neox_arguments.dialects.levanter_model import MODEL_PRESETS, MODEL_RULES, model_type
 from megatron.neox_arguments.dialects.levanter_optim import OPTIMIZER_DEFAULTS, OPTIMIZER_RULES
@@ -80,16 +80,9 @@ DATA_REFUSED: dict[str, str] = {
 }
 
 
-_OTHER_ENTRY = ("a key of Levanter's {what} config, not of train_lm's TrainLmConfig: Deepy's train.py reads train_lm "
-                "configs (supervised fine-tuning is a GPT-NeoX config with train_label_data_paths)")
-OTHER_ENTRY_POINTS: dict[str, str] = {
-    **{key: _OTHER_ENTRY.format(what="sft.py") for key in (
-        "dataset_type", "supervised_data", "chat_train_urls", "max_seq_len", "model_name_or_path", "mixture_weights",
-        "mixture_block_size", "stop_strategy", "input_role", "output_role", "messages_field", "reinit_tokens")},
-    "tokenizer": _OTHER_ENTRY.format(what="sft.py or export (export_lm_to_hf.py)"),
-    **{key: _OTHER_ENTRY.format(what="lora_lm.py") for key in ("peft_save_path", "max_train_length", "lora")},
-}
-"""Top-level keys of Levanter's other entry points (sft.py, lora_lm.py, the exporters), refused by name."""
+OTHER_ENTRY_POINTS: dict[str, str] = {}
+"""Top-level keys of Levanter's other entry points that are not mapped (sft.py's and lora_lm.py's are:
+``levanter_sft.py``; the exporters' ``tokenizer`` is sft.py's rule, refused outside an sft.py config)."""
 
 
 def _refuse(reason: str) -> dict[str, Any]:
@@ -146,7 +139,11 @@ def _initialize_from_hf(value: Any, ctx: Context) -> dict[str, Any]:
     the run starts from at step 0; both with trainer.initialize_from is Levanter's ValueError (line 81)."""
     if value is False or value is None:
         return {}
-    source = ctx.value("model.reference_checkpoint") if value is True else value
+    sft = levanter_sft.is_sft(ctx)
+    if value is True:
+        source = levanter_sft.hf_source(ctx) if sft else ctx.value("model.reference_checkpoint")
+    else:
+        source = value
     if ctx.value("trainer.initialize_from"):
         raise Refused("Levanter refuses initialize_from_hf beside trainer.initialize_from; keep one")
     if source is None:
@@ -154,7 +151,8 @@ def _initialize_from_hf(value: Any, ctx: Context) -> dict[str, Any]:
                       "type is a hub name, which would be downloaded); give a local model directory")
     if not os.path.isfile(os.path.join(str(source), "config.json")):
         raise Refused(f"{source!r} is not a local transformers model directory (a hub name would be downloaded; "
-                      f"give the directory save_pretrained wrote{'' if value is not True else ' as model.reference_checkpoint'})")
+                      f"give the directory save_pretrained wrote"
+                      f"{'' if value is not True else ' as ' + ('model_name_or_path' if sft else 'model.reference_checkpoint')})")
     if ctx.value("use_hf_model_config"):
         raise Refused("use_hf_model_config reads the model's shape from the HF config; here the model: section "
                       "gives it (the import checks the two agree)")
@@ -197,12 +195,14 @@ TOP_RULES: dict[str, Rule] = {
 
 # ----------------------------------------------------------------------------------- everything
 
-RULES: dict[str, Rule] = {**MODEL_RULES, **TRAINER_RULES, **OPTIMIZER_RULES, **DATA_RULES, **TOP_RULES}
-REFUSED: dict[str, str] = {**TRAINER_REFUSED, **DATA_REFUSED, **OTHER_ENTRY_POINTS}
-TOP_KEYS = frozenset(TOP_RULES) | frozenset(OTHER_ENTRY_POINTS)
+RULES: dict[str, Rule] = {**MODEL_RULES, **TRAINER_RULES, **OPTIMIZER_RULES, **DATA_RULES, **TOP_RULES,
+                          **levanter_sft.SFT_RULES, **levanter_sft.LORA_RULES}
+REFUSED: dict[str, str] = {**TRAINER_REFUSED, **DATA_REFUSED, **OTHER_ENTRY_POINTS, **levanter_sft.SFT_REFUSED}
+TOP_KEYS = (frozenset(TOP_RULES) | frozenset(OTHER_ENTRY_POINTS) | levanter_sft.SFT_KEYS | levanter_sft.LORA_KEYS
+            | frozenset(levanter_sft.SFT_REFUSED))
 """Keys at the top of a Levanter config besides its sections."""
 KEEP_WHOLE = (levanter_trainer.KEEP_WHOLE | levanter_optim.KEEP_WHOLE
-              | frozenset({"eval_harness", "data.format", "data.cache_options"}))
+              | frozenset({"eval_harness", "data.format", "data.cache_options"}) | levanter_sft.KEEP_WHOLE)
 """Mappings read as a whole by their rule."""
 
 LEVANTER_DEFAULTS: dict[str, Any] = {
@@ -225,6 +225,7 @@ OptimizerConfig, LMTaskConfig): a key a Levanter user leaves out means what it m
 def implied(translation: Translation, leaves: dict[str, Leaf], source: str) -> None:
     """The model type's preset and Levanter's defaults, for every GPT-NeoX key nothing explicit set."""
     ctx = Context(leaves)
+    levanter_sft.implied(translation, leaves)  # sft.py / lora_lm.py: what they require and imply
     kind = model_type(ctx)
     where = leaves["model.type"].where if "model.type" in leaves else "Levanter's default (LlamaConfig)"
     preset = dict(MODEL_PRESETS[kind])

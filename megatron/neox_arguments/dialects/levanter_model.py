@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron.model.mlp_width import intermediate_size_for
+from megatron.neox_arguments.dialects import levanter_sft
 from megatron.neox_arguments.dialects.common import Context, Refused, Rule, noted, to
 
 DEFAULT_TYPE = "llama"
@@ -81,6 +82,11 @@ def _model_type_rule(value: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _seq_len(value: Any, ctx: Context) -> dict[str, Any]:
+    owner = levanter_sft.length_owner(ctx)  # sft.py and lora_lm.py set the trained length themselves
+    if owner == "max_seq_len":
+        return noted("sft.py with initialize_from_hf trains at max_seq_len (sft.py:123)")
+    if owner == "max_train_length":
+        return {"max_position_embeddings": value}
     return {"seq_length": value, "max_position_embeddings": value}
 
 

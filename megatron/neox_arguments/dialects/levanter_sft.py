@@ -1,0 +1,320 @@
+"""Levanter's other training entry points: ``sft.py`` (``SFTConfig``) and ``lora_lm.py`` (``LoraLmConfig``).
+
+Read from stanford-crfm/levanter at 9263f81e (``src/levanter/main/sft.py``, ``src/levanter/main/lora_lm.py``,
+``src/levanter/lora.py``, ``src/levanter/data/text.py``, ``src/levanter/data/packing.py``). A config is one of
+them when it holds a key only that entry point has (:data:`SFT_KEYS`, :data:`LORA_KEYS`); its ``model``,
+``trainer`` and ``optimizer`` sections are read as train_lm's are.
+
+SFT data (``dataset_type: chat_jsonl``): sft.py reads the first ``input_role`` message and the first
+``output_role`` message of each line, joins them without a template and trains on every token after the
+prompt's. Deepy's train.py reads that as an SFT dataset (``train_data_paths`` + ``train_label_data_paths``)
+written by ``tools/datasets/preprocess_data_with_mask.py --single-turn``, which encodes exactly so; deepy.py
+runs it once before launch (a :class:`PrepareStep` of the translation) into ``supervised_data.cache_dir``,
+named by a hash of what the tokens depend on, so a changed input is converted afresh.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from typing import Any
+
+from megatron.neox_arguments.dialects.common import Context, Leaf, PrepareStep, Refused, Rule, Translation, noted
+
+SFT_DEFAULT_MODEL = "NousResearch/Llama-2-7b-hf"
+"""sft.py:73-74@9263f81e: the default model_name_or_path and tokenizer (hub names: refused here)."""
+SFT_DEFAULTS: dict[str, Any] = {"max_seq_len": 2048, "dataset_type": "chat_jsonl", "messages_field": "messages",
+                                "input_role": "user", "output_role": "assistant"}
+"""SFTConfig's defaults (sft.py:72-81@9263f81e)."""
+LORA_DEFAULTS: dict[str, Any] = {"r": 8, "alpha": 8.0, "dropout": 0.0, "target_modules": None}
+"""LoraConfig's defaults (lora.py:94-99@9263f81e)."""
+
+SFT_KEYS = frozenset({"dataset_type", "supervised_data", "chat_train_urls", "max_seq_len", "model_name_or_path",
+                      "messages_field", "input_role", "output_role", "reinit_tokens", "reinit_lm_head",
+                      "reinit_embeddings", "tokenizer"})
+"""Top-level keys only sft.py's SFTConfig has (sft.py:57-96@9263f81e)."""
+LORA_KEYS = frozenset({"lora", "peft_save_path", "peft_hf_upload", "merged_hf_save_path", "merged_hf_upload",
+                       "trust_remote_code", "max_train_length"})
+"""Top-level keys only lora_lm.py's LoraLmConfig has (lora_lm.py:33-49@9263f81e)."""
+
+KEEP_WHOLE = frozenset({"supervised_data"})
+"""Mappings read as a whole by their rule."""
+CONVERT_TOOL = "tools/datasets/preprocess_data_with_mask.py"
+
+
+def is_sft(ctx: Context) -> bool:
+    """An sft.py config: it holds a key only SFTConfig has (the top-level tokenizer alone does not tell: Levanter's
+    exporter, export_lm_to_hf.py, has it too)."""
+    return any(path.split(".")[0] in SFT_KEYS - {"tokenizer"} for path in ctx.leaves)
+
+
+def is_lora(ctx: Context) -> bool:
+    return any(path.split(".")[0] in LORA_KEYS for path in ctx.leaves)
+
+
+def length_owner(ctx: Context) -> str | None:
+    """The entry point's key that sets the trained sequence length instead of model.seq_len, if any:
+    sft.py's max_seq_len with initialize_from_hf (sft.py:123), lora_lm.py's max_train_length (lora_lm.py:74-77)."""
+    if is_sft(ctx) and ctx.value("initialize_from_hf"):
+        return "max_seq_len"
+    if is_lora(ctx) and ctx.value("max_train_length") is not None:
+        return "max_train_length"
+    return None
+
+
+def _value(ctx: Context, key: str) -> Any:
+    return ctx.value(key, SFT_DEFAULTS.get(key))
+
+
+# ----------------------------------------------------------------------------------------- sft.py
+
+
+def _supervised_sources(value: Any) -> list[dict[str, Any]]:
+    """supervised_data: one source, or a mapping name -> source (sft.py:64)."""
+    if not isinstance(value, dict):
+        raise Refused("a source (cache_dir, train_urls) or a mapping of named sources")
+    if any(isinstance(v, dict) for v in value.values()):
+        return [dict(v or {}) for v in value.values()]
+    return [dict(value)]
+
+
+def _supervised_data(value: Any, ctx: Context) -> dict[str, Any]:
+    sources = _supervised_sources(value)
+    if any("id" in s for s in sources):
+        raise Refused("a Hugging Face dataset id would be downloaded; give local chat jsonl in chat_train_urls")
+    if _value(ctx, "dataset_type") != "chat_jsonl":
+        return {}  # dataset_type's own rule refuses it
+    if not sources[0].get("cache_dir"):
+        raise Refused("sft.py reads its cache_dir (the first source's, sft.py:155-159); give one")
+    return noted("sft.py reads only the first source's cache_dir (sft.py:155-159): the converted chat data goes there; "
+                 "its train_urls are not read with dataset_type chat_jsonl (chat_train_urls are)")
+
+
+def _tokenizer_file(ctx: Context, check: bool = True) -> str:
+    path = str(ctx.value("tokenizer", SFT_DEFAULT_MODEL))
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    if check and not os.path.isfile(path):
+        raise Refused(f"the tokenizer {ctx.value('tokenizer', SFT_DEFAULT_MODEL)!r} (sft.py's top-level tokenizer "
+                      f"key) is not a local tokenizer.json or its directory; a hub name would be downloaded")
+    return path
+
+
+def _tokenizer(value: Any, ctx: Context) -> dict[str, Any]:
+    if not is_sft(ctx):
+        raise Refused("a key of Levanter's sft.py and of its exporter (export_lm_to_hf.py); beside no other sft.py key "
+                      "(chat_train_urls, supervised_data, ...) this file is not an sft.py config; train_lm reads "
+                      "data.tokenizer, and a Deepy checkpoint is exported with tools/ckpts/convert_neox_to_hf.py")
+    return {"tokenizer_type": "HFTokenizer", "vocab_file": _tokenizer_file(ctx)}
+
+
+def chat_urls(value: Any) -> list[str]:
+    """chat_train_urls as local files: a pattern globbed (``**`` too), as Levanter's fsspec expands them; a plain
+    path as it is (:func:`check_converted` requires it to exist)."""
+    found: list[str] = []
+    for pattern in [value] if isinstance(value, str) else list(value or []):
+        pattern = str(pattern)
+        found += sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+    return found
+
+
+def converted_prefix(ctx: Context, urls: list[str], tokenizer: str) -> str:
+    """Where the converted SFT dataset of this config lives: ``<cache_dir>/levanter_sft_<hash>``, the hash
+    of everything its tokens depend on."""
+    cache_dir = str(_supervised_sources(ctx.value("supervised_data"))[0]["cache_dir"])
+    spec = {"urls": [os.path.abspath(u) for u in urls], "tokenizer": os.path.abspath(tokenizer),
+            **{k: _value(ctx, k) for k in ("messages_field", "input_role", "output_role", "max_seq_len")}}
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
+    return os.path.join(cache_dir, f"levanter_sft_{digest}")
+
+
+def convert_argv(ctx: Context, urls: list[str], tokenizer: str, prefix: str) -> tuple[str, ...]:
+    """The tool and arguments that write the SFT dataset of this config (Deepy's own data tool)."""
+    return (CONVERT_TOOL, "--single-turn", "--input", ",".join(urls), "--output-prefix", prefix, "--mode", "sft",
+            "--tokenizer-type", "HFTokenizer", "--vocab-file", tokenizer, "--messages-key", str(_value(ctx, "messages_field")),
+            "--input-role", str(_value(ctx, "input_role")), "--output-role", str(_value(ctx, "output_role")),
+            "--max-length", str(_value(ctx, "max_seq_len")))
+
+
+def convert_command(ctx: Context, urls: list[str], tokenizer: str, prefix: str) -> str:
+    """:func:`convert_argv` as one command line."""
+    return "python " + " ".join(convert_argv(ctx, urls, tokenizer, prefix))
+
+
+def _chat_train_urls(value: Any, ctx: Context) -> dict[str, Any]:
+    if _value(ctx, "dataset_type") != "chat_jsonl":
+        return noted("read only with dataset_type chat_jsonl")
+    if ctx.value("supervised_data") is None:
+        raise Refused("sft.py asserts supervised_data is set (sft.py:152): its cache_dir holds the tokenized chats")
+    prefix = converted_prefix(ctx, chat_urls(value), _tokenizer_file(ctx, check=False))
+    # packing.py:128-157: whole conversations fill a sequence until the next would overflow it
+    return {"train_data_paths": [f"{prefix}_text_document"], "train_label_data_paths": [f"{prefix}_label_document"],
+            "pack_impl": "pack_until_overflow"}
+
+
+def check_converted(ctx: Context, translation: Translation) -> None:
+    """The chats and tokenizer are local files; their conversion, unless done, is a step deepy.py runs before
+    launch (the converted files' name holds a hash of what they depend on, so a changed input converts afresh)."""
+    urls = chat_urls(ctx.value("chat_train_urls"))
+    missing = [u for u in urls if not os.path.isfile(u)]
+    if not urls or missing:
+        raise Refused(f"chat_train_urls: {missing[0] if missing else ctx.value('chat_train_urls')!r} matches no "
+                      f"local file")
+    tokenizer = _tokenizer_file(ctx)
+    prefix = converted_prefix(ctx, urls, tokenizer)
+    if not os.path.isfile(f"{prefix}_label_document.idx"):
+        translation.prepare.append(PrepareStep(convert_argv(ctx, urls, tokenizer, prefix), f"{prefix}_label_document.idx",
+                                               "sft.py's chat_train_urls, tokenized as sft.py does"))
+
+
+def _dataset_type(value: Any, ctx: Context) -> dict[str, Any]:
+    if value == "chat_jsonl":
+        return noted("chat jsonl: chat_train_urls, converted by deepy.py before launch")
+    raise Refused("Deepy reads sft.py's chat_jsonl data (chat_train_urls); the huggingface type reads a hub dataset")
+
+
+def _max_seq_len(value: Any, ctx: Context) -> dict[str, Any]:
+    # sft.py:100-105,123: the tokenizer truncates at max_seq_len; with initialize_from_hf it is also the model's
+    if ctx.value("initialize_from_hf"):
+        return {"seq_length": int(value), "max_position_embeddings": int(value)}
+    return noted("the tokenizer truncates each conversation there (the converter's --max-length)")
+
+
+def _reinit_tokens(value: Any, ctx: Context) -> dict[str, Any]:
+    if value:
+        raise Refused("re-drawing the embeddings of some tokens before SFT (sft.py:247-273) is not built here")
+    return noted("off")
+
+
+def _model_name_or_path(value: Any, ctx: Context) -> dict[str, Any]:
+    if ctx.value("initialize_from_hf") is True:
+        return noted("the model initialize_from_hf: true reads (sft.py:114)")
+    return noted("read by sft.py only with initialize_from_hf (sft.py:114) or hf_save_steps (sft.py:127-128)")
+
+
+def hf_source(ctx: Context) -> Any:
+    """What ``initialize_from_hf: true`` reads: sft.py's model_name_or_path (sft.py:114)."""
+    return ctx.value("model_name_or_path", SFT_DEFAULT_MODEL)
+
+
+_MIXTURE = ("not a field of Levanter's SFTConfig (sft.py:57-96@9263f81e), so Levanter's own sft.py refuses this "
+            "file; blend converted datasets with GPT-NeoX's train_data_paths/train_data_weights")
+SFT_RULES: dict[str, Rule] = {
+    "dataset_type": _dataset_type,
+    "supervised_data": _supervised_data,
+    "chat_train_urls": _chat_train_urls,
+    "max_seq_len": _max_seq_len,
+    "model_name_or_path": _model_name_or_path,
+    "tokenizer": _tokenizer,
+    "messages_field": lambda v, ctx: noted("the converter's --messages-key"),
+    "input_role": lambda v, ctx: noted("the converter's --input-role: the prompt, no loss"),
+    "output_role": lambda v, ctx: noted("the converter's --output-role: the completion, trained on"),
+    "reinit_tokens": _reinit_tokens,
+    "reinit_lm_head": lambda v, ctx: noted("read only with reinit_tokens"),
+    "reinit_embeddings": lambda v, ctx: noted("read only with reinit_tokens"),
+}
+SFT_REFUSED: dict[str, str] = {"mixture_weights": _MIXTURE, "mixture_block_size": _MIXTURE, "stop_strategy": _MIXTURE}
+
+# ------------------------------------------------------------------------------------- lora_lm.py
+
+# lora.py:102-109: a module is adapted when its key path ends with a target name. Deepy's adapters sit on
+# GPT-NeoX's projections; a Levanter name maps when it names the same matrices (GPT-2's c_attn is the fused
+# q/k/v projection, as query_key_value is; c_proj ends both the attention's and the MLP's output projections)
+LORA_TARGETS: dict[str, dict[str, tuple[str, ...]]] = {
+    "gpt2": {"c_attn": ("query_key_value",), "c_proj": ("dense", "dense_4h_to_h"), "c_fc": ("dense_h_to_4h",)},
+    "llama": {"o_proj": ("dense",), "down_proj": ("dense_4h_to_h",)},
+}
+_FUSED = ("Levanter gives q_proj, k_proj, v_proj (and gate_proj, up_proj) an adapter each; Deepy fuses them into one "
+          "projection (query_key_value, dense_h_to_4h) with one adapter, a different low-rank update")
+
+
+def _lora_targets(value: Any, ctx: Context) -> dict[str, Any]:
+    kind = str(ctx.value("model.type", "llama")).lower()
+    table = LORA_TARGETS["gpt2" if kind == "gpt2" else "llama"]
+    if value is None:
+        raise Refused(f"null adapts every linear layer, the output head too (lora.py:95-96); {_FUSED}, and the head "
+                      f"gets none: list target_modules among {sorted(table)}")
+    if isinstance(value, str):
+        raise Refused(f"a regular expression of module paths is not mapped; list target_modules among {sorted(table)}")
+    targets: list[str] = []
+    for name in value:
+        if name not in table:
+            raise Refused(f"{name!r} has no adapter of the same shape here ({_FUSED}); map-able: {sorted(table)}")
+        targets += [t for t in table[name] if t not in targets]
+    return {"lora_target_modules": targets}
+
+
+def _lora_r(value: Any, ctx: Context) -> dict[str, Any]:
+    if int(value) <= 0:
+        raise Refused("a LoRA rank must be positive")
+    return {"lora_r": int(value)}
+
+
+def _null_export(what: str) -> Rule:
+    return lambda v, ctx: noted("unset") if not v else _refuse(f"{what} while training is not built; export a "
+                                                                 f"checkpoint with tools/ckpts/convert_neox_to_hf.py")
+
+
+def _refuse(reason: str) -> dict[str, Any]:
+    raise Refused(reason)
+
+
+LORA_RULES: dict[str, Rule] = {
+    "lora.r": _lora_r,
+    "lora.alpha": lambda v, ctx: {"lora_alpha": float(v)},
+    "lora.dropout": lambda v, ctx: {"lora_dropout": float(v)},
+    "lora.target_modules": _lora_targets,
+    # lora_lm.py:74-77: the sequence length trained on
+    "max_train_length": lambda v, ctx: {"seq_length": int(v)} if v is not None else noted("the model's length"),
+    "peft_save_path": _null_export("saving PEFT adapters"),
+    "peft_hf_upload": _null_export("uploading PEFT adapters"),
+    "merged_hf_save_path": _null_export("saving merged HF checkpoints"),
+    "merged_hf_upload": _null_export("uploading merged HF checkpoints"),
+    "trust_remote_code": lambda v, ctx: noted("no remote code runs here") if not v
+    else _refuse("running a model repository's own code is not built"),
+}
+
+
+def sft_structure(ctx: Context) -> None:
+    """What sft.py requires of a config as a whole (checked before its data are looked for)."""
+    if any(path.startswith("data.") for path in ctx.leaves):
+        raise Refused("sft.py's SFTConfig has no data section: its data are chat_train_urls and supervised_data")
+    if not ctx.value("initialize_from_hf") and not ctx.value("trainer.initialize_from"):
+        raise Refused("sft.py starts from a model: give initialize_from_hf or trainer.initialize_from "
+                      "(sft.py:124-125 raises 'Must specify either --initialize_from_hf or --initialize_from')")
+    if _value(ctx, "dataset_type") == "chat_jsonl" and "chat_train_urls" not in ctx.leaves:
+        raise Refused("sft.py's chat_jsonl data are chat_train_urls (it asserts them, sft.py:151); give local "
+                      "chat jsonl files")
+    if "tokenizer" not in ctx.leaves:
+        raise Refused(f"sft.py's tokenizer defaults to the hub name {SFT_DEFAULT_MODEL!r} (sft.py:74), which "
+                      f"would be downloaded; give a local tokenizer directory")
+
+
+def implied(translation: Translation, leaves: dict[str, Leaf]) -> None:
+    """What sft.py and lora_lm.py require or imply beyond their keys' rules."""
+    ctx = Context(leaves)
+    sft, lora = is_sft(ctx), is_lora(ctx)
+    if sft and lora:
+        raise Refused("this config holds keys of both sft.py and lora_lm.py; a run uses one entry point")
+    if sft:
+        sft_structure(ctx)
+        if _value(ctx, "dataset_type") == "chat_jsonl":
+            check_converted(ctx, translation)
+        if "max_seq_len" not in leaves and ctx.value("initialize_from_hf"):
+            value = SFT_DEFAULTS["max_seq_len"]
+            translation.put(Leaf(f"max_seq_len={value}", value, "Levanter's default (sft.py:72)"),
+                            _max_seq_len(value, ctx), implied=True)
+    if lora:
+        if not ctx.value("initialize_from_hf"):
+            raise Refused("lora_lm.py adapts a model initialize_from_hf names (a required field, lora_lm.py:35)")
+        for key, value in LORA_DEFAULTS.items():
+            path = f"lora.{key}"
+            if path not in leaves:
+                default = Leaf(path, value, "Levanter's default")
+                translation.put(Leaf(f"{path}={value}", value, "Levanter's default (lora.py:94-99)"),
+                                LORA_RULES[path](value, Context({**leaves, path: default})), implied=True)
+
+
+__all__ = ["LORA_KEYS", "LORA_RULES", "SFT_KEYS", "SFT_REFUSED", "SFT_RULES", "hf_source", "implied", "is_sft"]
