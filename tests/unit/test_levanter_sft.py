@@ -188,11 +188,12 @@ def test_sft_chats_are_converted_once_before_launch(tmp_path: Path) -> None:
     # the resolved config feeds Deepy's SFT dataset: whole conversations per sample, loss on the completions only
     from megatron.config_rules import Device
     from megatron.data.build import build_datasets
+    from megatron.neox_arguments.run_config import data_run
     from megatron.neox_arguments.derived import finalize
 
     device = Device(cuda=False, fp16_supported=False)
     resolved = finalize(resolved, 1, device=device)
-    sample = build_datasets(resolved.args, tokenizer, 128).train[0]
+    sample = build_datasets(data_run(resolved.args), tokenizer, 128).train[0]
     trained = [WORDS[t] for t in sample["label"] if t >= 0]
     assert trained == ["4", "</s>"] * 3  # three 9-token conversations in one 65-token sample
     # Levanter's default fsdp_axis (embed, as these configs write it) is ZeRO-3 here, which cannot read the
