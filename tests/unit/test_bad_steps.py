@@ -12,8 +12,6 @@ inside ``optax.inject_hyperparams``, whose count (the LR schedule's step) advanc
 from __future__ import annotations
 
 import math
-import os
-import socket
 
 import numpy as np
 import pytest
@@ -73,18 +71,9 @@ def test_the_threshold_is_the_mean_plus_sigma_population_stds() -> None:
 
 @pytest.fixture(scope="module")
 def dist_ready() -> None:
-    import deepspeed
-    import torch.distributed as dist
+    from single_rank import init_single_rank_gloo
 
-    from megatron.deepspeed_internals import skip_shared_memory_comm_op
-
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        skip_shared_memory_comm_op()
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    init_single_rank_gloo()
 
 
 def _engine(zero_stage: int):  # type: ignore[no-untyped-def]

@@ -4,7 +4,6 @@ module assumes (pinned DeepSpeed 0.19.8). A DeepSpeed upgrade that moves one fai
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -14,17 +13,10 @@ import torch
 def engine():  # type: ignore[no-untyped-def]
     """A one-rank fp32 DeepSpeed engine on gloo, the kind the trainer builds."""
     import deepspeed
-    import torch.distributed as dist
 
-    from megatron.deepspeed_internals import skip_shared_memory_comm_op
+    from single_rank import init_single_rank_gloo
 
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        skip_shared_memory_comm_op()
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    init_single_rank_gloo()
     model = torch.nn.Linear(4, 4)
     config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
               "steps_per_print": 10**9}

@@ -23,6 +23,21 @@ WORDS = ["<s>", "</s>", "[UNK]", "what", "is", "2", "+", "?", "4", "say", "hel",
          "bye", "you", "are", "welcome"]
 
 
+
+TINY_LLAMA = """model:
+  type: llama
+  seq_len: 64
+  hidden_dim: 32
+  intermediate_dim: 64
+  num_layers: 2
+  num_heads: 4
+  num_kv_heads: 4
+trainer:
+  num_train_steps: 10
+  train_batch_size: 4
+"""
+"""A tiny Llama and a 10-step trainer, in Levanter's keys."""
+
 def _tokenizer_dir(tmp_path: Path, eos_in_template: bool = False) -> Path:
     """A word-level tokenizer whose post-processor adds a BOS (as Llama's does), saved as tokenizer.json with a
     tokenizer_config.json naming its special tokens (what transformers reads)."""
@@ -129,18 +144,7 @@ supervised_data:
   cache_dir: "{tmp_path / 'cache'}"
 max_seq_len: 64
 tokenizer: "{tok_dir}"
-model:
-  type: llama
-  seq_len: 64
-  hidden_dim: 32
-  intermediate_dim: 64
-  num_layers: 2
-  num_heads: 4
-  num_kv_heads: 4
-trainer:
-  num_train_steps: 10
-  train_batch_size: 4
-  fsdp_axis: null  # ZeRO stage 0: a start from the HF import's weights-only checkpoint
+{TINY_LLAMA}  fsdp_axis: null  # ZeRO stage 0: a start from the HF import's weights-only checkpoint
 optimizer:
   learning_rate: 5e-6
   lr_schedule: linear
@@ -256,18 +260,7 @@ def _lora_yaml(tmp_path: Path, lora: str) -> Path:
   tokenizer: "{tok_dir}"
 initialize_from_hf: "{_hf_model(tmp_path)}"
 max_train_length: 32
-model:
-  type: llama
-  seq_len: 64
-  hidden_dim: 32
-  intermediate_dim: 64
-  num_layers: 2
-  num_heads: 4
-  num_kv_heads: 4
-trainer:
-  num_train_steps: 10
-  train_batch_size: 4
-{lora}""")
+{TINY_LLAMA}{lora}""")
 
 
 def test_lora_keys_and_levanters_defaults(tmp_path: Path) -> None:

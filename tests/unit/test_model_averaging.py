@@ -9,9 +9,6 @@ updates it after every step.
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 
@@ -23,17 +20,10 @@ from megatron.training.model_averaging import EMA_DIR, ModelAverage
 @pytest.fixture(scope="module")
 def engine():  # type: ignore[no-untyped-def]
     import deepspeed
-    import torch.distributed as dist
 
-    from megatron.deepspeed_internals import skip_shared_memory_comm_op
+    from single_rank import init_single_rank_gloo
 
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        skip_shared_memory_comm_op()
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    init_single_rank_gloo()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     model.bias.requires_grad_(False)  # frozen: not averaged (Levanter averages trainables_only)
