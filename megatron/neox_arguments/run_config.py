@@ -27,6 +27,7 @@ from megatron.tokenizer.config import TokenizerArgs
 from megatron.errors import ConfigError
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.averaging_config import ModelAveragingArgs
+from megatron.training.reinit_config import ReinitTokensArgs
 from megatron.training.bad_steps import BadStepArgs
 from megatron.training.config import TrainingRun
 from megatron.training.lr_config import LRSchedulerArgs
@@ -102,6 +103,11 @@ class RunConfig:
     @property
     def averaging(self) -> ModelAveragingArgs:
         """The arguments, as the weight average's keys (``ema_beta``)."""
+        return self.args
+
+    @property
+    def reinit(self) -> ReinitTokensArgs:
+        """The arguments, as the token re-initialisation's keys (``reinit_tokens``)."""
         return self.args
 
     @property

@@ -46,6 +46,8 @@ from megatron.training.evaluate import maybe_evaluator
 from megatron.training.loop import Hooks, LoopContext, TrainState, train
 from megatron.training.model_averaging import ModelAverage
 from megatron.training.objectives import build_objective, build_reference
+from megatron.training.reinit_config import ReinitTokensArgs
+from megatron.training.reinit_tokens import reinit_tokens
 from megatron.training.run_views import RunViews
 from megatron.training.skip_gate import BadStepGate
 
@@ -108,6 +110,8 @@ class PretrainRun(RunViews, Protocol):
     def averaging(self) -> ModelAveragingArgs: ...
     @property
     def bad_steps(self) -> BadStepArgs: ...
+    @property
+    def reinit(self) -> ReinitTokensArgs: ...
     @property
     def args_record(self) -> dict[str, Any]:
         """Every resolved key as JSON (stored in checkpoints to describe the run)."""
@@ -187,6 +191,12 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
         eng.before_update = bad_steps.set_loss
     # also without `load`: a fresh start refuses a `save` directory that already holds a run
     state = ckpt.load(eng, TrainState())
+    if state.iteration == 0:  # sft.py:244-273: at the start only, after the starting weights are loaded
+        redrawn = reinit_tokens(eng.engine.module, run.reinit, tokenizer, tied=not model_config.no_weight_tying,
+                                seed=training.seed, optimizer=eng.engine.optimizer)
+        if redrawn and speaks():
+            log.info("reinit_tokens: re-drew the rows of %s in %s", ", ".join(run.reinit.reinit_tokens or []),
+                     " and ".join(redrawn))
     if averaging is not None and not (manager.resumed_from is not None and averaging.load(manager.resumed_from)):
         averaging.restart()  # the weights this run starts from (loaded ones included) begin the average
     if bad_steps is not None:

@@ -288,6 +288,38 @@ def check_rng_tracker() -> None:
     assert MODEL_PARALLEL_RNG in get_cuda_rng_tracker().get_states()
 
 
+def check_reinit_tokens_on_vocabulary_shards() -> None:
+    """``reinit_tokens`` on a vocabulary split over 2 ranks equals Levanter's rule on the whole matrix
+    (levanter@9263f81e sft.py:342-350: truncated_normal(-3, 3) * std + mean, per hidden unit over the tokenizer's
+    rows, population std), here computed on the full weight; the padding rows (13-15) are not counted."""
+    from tokenizers import Tokenizer as HFJson
+    from tokenizers import models
+
+    from megatron.mpu import ColumnParallelLinear, VocabParallelEmbedding, get_tensor_model_parallel_rank
+    from megatron.mpu.initialize_weights import param_generator
+    from megatron.tokenizer.hf import HFBackedTokenizer
+    from megatron.training.reinit_config import ReinitTokensArgs
+    from megatron.training.reinit_tokens import reinit_tokens
+
+    rank, vocab = get_tensor_model_parallel_rank(), ["<|endoftext|>"] + [f"t{i}" for i in range(12)]
+    model = torch.nn.ModuleDict({
+        "emb": VocabParallelEmbedding(16, 4, name="embedding.word_embeddings", init_fn=_normal(), seed=SEED),
+        "out": ColumnParallelLinear(4, 16, name="output_layer", init_fn=_normal(), seed=SEED, bias=False)})
+    tokenizer = HFBackedTokenizer(HFJson(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="t0")),
+                                  fast=False)
+    ids = [2, 10]  # one row on each rank
+    reinit_tokens(model, ReinitTokensArgs(reinit_tokens=["t1", "t9"]), tokenizer, tied=False, seed=SEED)
+    for key, name in (("emb", "embedding.word_embeddings.weight"), ("out", "output_layer.weight")):
+        full = _full_weight(name, (16, 4))
+        counted = full[:13].double()
+        mu, std = counted.mean(0), counted.std(0, unbiased=False)
+        z = torch.empty(2, 4)
+        torch.nn.init.trunc_normal_(z, 0.0, 1.0, -3.0, 3.0, generator=param_generator(SEED, f"reinit_tokens.{name}"))
+        expected = full.clone()
+        expected[ids] = (z.double() * std + mu).float()
+        _close(model[key].weight.detach(), expected.chunk(WORLD, dim=0)[rank], f"{name} shard")
+
+
 CHECKS: dict[str, Callable[[], None]] = {
     "column_parallel_linear": check_column_parallel_linear,
     "row_parallel_linear": check_row_parallel_linear,
@@ -297,6 +329,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "sequence_parallel_mlp_pair": check_sequence_parallel_mlp_pair,
     "deepspeed_sees_tp_params": check_deepspeed_sees_tp_params,
     "rng_tracker": check_rng_tracker,
+    "reinit_tokens_on_vocabulary_shards": check_reinit_tokens_on_vocabulary_shards,
 }
 
 

@@ -1,0 +1,57 @@
+"""The keys of the token re-initialisation (``reinit_tokens.py``), apart from it so the launcher reads them without
+torch. Levanter's ``sft.py`` rule (``reinit_tokens``, ``reinit_lm_head``, ``reinit_embeddings``; the dialect maps them,
+``neox_arguments/dialects/levanter_sft.py``)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from megatron.config_rules import RuleContext, rule, zero_stage
+from megatron.config_schema import ArgGroup
+
+
+class ReinitTokensArgs(ArgGroup):
+    """Deepy's own group (not in GPT-NeoX's ``NeoXArgs``): re-drawing some tokens' rows of the embedding and output
+    matrices when a run starts (Levanter's ``sft.py``)."""
+
+    reinit_tokens: list[str] | None = Field(None, min_length=1)
+    """Tokens (as the tokenizer spells them, e.g. `<|eot_id|>`) whose rows of the token embedding and of the output
+    layer are re-drawn when the run starts at step 0, after the weights it starts from are loaded (never on a
+    resume): each row = truncated normal in [-3, 3] * std + mean, the mean and population std per hidden unit over
+    the tokenizer's rows of that matrix (Levanter's sft.py). Tied weights: the one matrix is re-drawn once.
+    None: nothing is re-drawn."""
+
+    reinit_lm_head: bool = True
+    """With reinit_tokens: re-draw the tokens' rows of the output layer (untied weights)."""
+
+    reinit_embeddings: bool = True
+    """With reinit_tokens: re-draw the tokens' rows of the token embedding."""
+
+
+@rule
+def reinit_tokens_runs(ctx: RuleContext) -> list[str]:
+    """What the re-drawing needs: a token list without repeats, a matrix to re-draw, whole matrices on each
+    tensor-parallel rank (not ZeRO-3's partitions), weights that are trained and saved (not a LoRA run's frozen base)
+    and the language-model objective (a reference copy or value head would not see the new rows)."""
+    tokens = ctx.get("reinit_tokens")
+    if not tokens:
+        return [f"{ctx.show(key)} is read only with reinit_tokens; set reinit_tokens or leave it out"
+                for key in ("reinit_lm_head", "reinit_embeddings") if ctx.given(key)]
+    problems = []
+    repeated = sorted({t for t in tokens if tokens.count(t) > 1})
+    if repeated:
+        problems.append(f"{ctx.show('reinit_tokens')} names {', '.join(repeated)} more than once; list each token once")
+    if not ctx.get("reinit_lm_head") and not ctx.get("reinit_embeddings"):
+        problems.append(f"{ctx.show('reinit_tokens')} with {ctx.show('reinit_lm_head')} and "
+                        f"{ctx.show('reinit_embeddings')} re-draws nothing; enable one or drop reinit_tokens")
+    if zero_stage(ctx) >= 3:
+        problems.append(f"{ctx.show('reinit_tokens')} with zero_optimization.stage 3: the rows are re-drawn in each "
+                        "rank's whole vocabulary shard, which ZeRO-3 partitions; use stage 0-2")
+    if int(ctx.get("lora_r") or 0) > 0:
+        problems.append(f"{ctx.show('reinit_tokens')} with {ctx.show('lora_r')}: the embeddings are the frozen base "
+                        "of a LoRA run; re-drawing them is not built (Levanter's lora_lm.py has no reinit_tokens)")
+    if str(ctx.get("train_impl")) != "normal":
+        problems.append(f"{ctx.show('reinit_tokens')} with {ctx.show('train_impl')}: built for language-model "
+                        "training (train_impl: normal, Levanter's sft.py); a reference copy or value head would not "
+                        "see the re-drawn rows")
+    return problems

@@ -1,0 +1,113 @@
+"""Re-drawing some tokens' rows of the token embedding and the output layer when a run starts (``reinit_tokens``).
+
+Levanter's ``sft.py`` (stanford-crfm/levanter at 9263f81e, ``src/levanter/main/sft.py:247-273`` and
+``reinitialize_some_tokens``/``_reinit_embed_vectors``, lines 298-350): at step 0 only (a resumed run keeps its
+rows), after the starting weights are loaded, each named token's row of the embedding (``reinit_embeddings``) and of
+the LM head (``reinit_lm_head``) becomes ``truncated_normal(-3, 3) * std + mean``, where ``mean`` and ``std`` are the
+per-hidden-unit mean and population standard deviation over the matrix's vocabulary rows (the re-drawn tokens'
+own rows included, as there). Levanter's HF start resizes the vocabulary to ``len(tokenizer)`` first (sft.py:209), so
+its statistics cover the tokenizer's rows; here they cover the same rows, not the padding Deepy adds for tensor
+parallelism. The draws come from ``(seed, matrix name)``, so every tensor-parallel, pipeline and data-parallel rank
+draws the same numbers and keeps the rows it holds; the mean and std are summed over the tensor-parallel group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron import mpu
+from megatron.errors import ConfigError
+from megatron.mpu.initialize_weights import param_generator
+from megatron.mpu.layers import ColumnParallelLinear, VocabParallelEmbedding
+from megatron.tokenizer.base import Tokenizer
+from megatron.tokenizer.hf import HFBackedTokenizer
+from megatron.training.reinit_config import ReinitTokensArgs
+
+EMBEDDING = "embedding.word_embeddings.weight"
+HEAD = "output_layer.weight"
+TRUNCATION = 3.0
+"""sft.py:347: ``hax.random.truncated_normal(key, ..., -3, 3)``, a standard normal cut at +-3."""
+
+
+def token_ids(tokenizer: Tokenizer, tokens: Sequence[str]) -> list[int]:
+    """The ids of ``tokens`` as the tokenizer spells them; a token it does not have is a ConfigError (sft.py:317-325
+    raises 'One or more tokens are not in the tokenizer vocabulary')."""
+    if not isinstance(tokenizer, HFBackedTokenizer):
+        raise ConfigError(f"reinit_tokens looks tokens up in a Hugging Face tokenizer (HFTokenizer, HFGPT2Tokenizer); "
+                          f"{tokenizer.name} has no token table to look them up in")
+    found = {token: tokenizer.hf_tokenizer.token_to_id(token) for token in tokens}
+    missing = [token for token, tid in found.items() if tid is None]
+    if missing:
+        raise ConfigError(f"reinit_tokens: {', '.join(map(repr, missing))} not in the tokenizer's vocabulary; list "
+                          f"tokens as the tokenizer spells them")
+    return [int(found[token]) for token in tokens]  # type: ignore[arg-type]  # None ruled out above
+
+
+@dataclass(frozen=True)
+class Target:
+    """One matrix whose rows are re-drawn: this rank's vocabulary shard, its first row, the name seeding the draw."""
+
+    weight: torch.Tensor
+    first_row: int
+    name: str
+
+
+def targets(module: nn.Module, *, embeddings: bool, head: bool, tied: bool) -> list[Target]:
+    """The matrices this rank holds that the settings name: the word embedding (``VocabParallelEmbedding``, on each
+    pipeline stage that holds it, the tied head's copy included) and the untied output layer. With tied weights the
+    one matrix is re-drawn when either setting asks (Levanter's tied models have no separate head)."""
+    found: list[Target] = []
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    for layer in module.modules():
+        if isinstance(layer, VocabParallelEmbedding) and (embeddings or (tied and head)):
+            found.append(Target(layer.weight, layer.vocab_start, EMBEDDING))
+        elif isinstance(layer, ColumnParallelLinear) and layer.canonical_name == "output_layer" and head and not tied:
+            found.append(Target(layer.weight, tp_rank * layer.output_size_per_partition, HEAD))
+    return found
+
+
+def _tp_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and mpu.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(t, group=mpu.get_tensor_model_parallel_group())
+    return t
+
+
+@torch.no_grad()
+def redraw_rows(target: Target, ids: Sequence[int], vocab_size: int, seed: int) -> None:
+    """Levanter's rule on one matrix (sft.py:342-350): statistics over rows ``[0, vocab_size)`` of the whole matrix
+    (this rank's shard, summed over the tensor-parallel group), draws from ``(seed, "reinit_tokens." + name)``."""
+    shard = target.weight
+    rows = max(0, min(shard.shape[0], vocab_size - target.first_row))
+    counted = shard[:rows].float()  # [rows, h]
+    mean = _tp_sum(counted.sum(0)) / vocab_size  # [h]
+    std = (_tp_sum(((counted - mean) ** 2).sum(0)) / vocab_size).sqrt()  # [h], jnp.std's ddof=0
+    noise = torch.empty(len(ids), shard.shape[1], dtype=torch.float32)  # [n, h], the same on every rank
+    torch.nn.init.trunc_normal_(noise, mean=0.0, std=1.0, a=-TRUNCATION, b=TRUNCATION,
+                                generator=param_generator(seed, f"reinit_tokens.{target.name}"))
+    drawn = noise.to(shard.device) * std + mean
+    for j, tid in enumerate(ids):
+        local = tid - target.first_row
+        if 0 <= local < shard.shape[0]:
+            shard[local] = drawn[j].to(shard.dtype)
+
+
+def reinit_tokens(module: nn.Module, settings: ReinitTokensArgs, tokenizer: Tokenizer, *, tied: bool,
+                  seed: int, optimizer: object | None = None) -> list[str]:
+    """Re-draw the rows ``settings`` names in ``module`` (call at step 0, after the starting weights are loaded);
+    returns the matrices re-drawn. ``optimizer``: the engine's, whose fp32 copy of the weights (ZeRO, fp16/bf16) is
+    refreshed from the module afterwards."""
+    if not settings.reinit_tokens:
+        return []
+    ids = token_ids(tokenizer, settings.reinit_tokens)
+    chosen = targets(module, embeddings=settings.reinit_embeddings, head=settings.reinit_lm_head, tied=tied)
+    for target in chosen:
+        redraw_rows(target, ids, tokenizer.vocab_size, seed)
+    refresh = getattr(optimizer, "refresh_fp32_params", None)
+    if callable(refresh):
+        refresh()  # ZeRO / fp16 / bf16 optimizers keep their own fp32 copy of the weights
+    return sorted({t.name for t in chosen})
