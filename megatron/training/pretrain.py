@@ -191,12 +191,12 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
         eng.before_update = bad_steps.set_loss
     # also without `load`: a fresh start refuses a `save` directory that already holds a run
     state = ckpt.load(eng, TrainState())
-    if state.iteration == 0:  # sft.py:244-273: at the start only, after the starting weights are loaded
-        redrawn = reinit_tokens(eng.engine.module, run.reinit, tokenizer, tied=not model_config.no_weight_tying,
-                                seed=training.seed, optimizer=eng.engine.optimizer)
-        if redrawn and speaks():
-            log.info("reinit_tokens: re-drew the rows of %s in %s", ", ".join(run.reinit.reinit_tokens or []),
-                     " and ".join(redrawn))
+    # Levanter's sft.py: at step 0 only, after the starting weights are loaded (a resume keeps the run's rows)
+    redrawn = reinit_tokens(eng.engine.module, run.reinit, tokenizer, iteration=state.iteration,
+                            tied=not model_config.no_weight_tying, seed=training.seed, optimizer=eng.engine.optimizer)
+    if redrawn and speaks():
+        log.info("reinit_tokens: re-drew the rows of %s in %s", ", ".join(run.reinit.reinit_tokens or []),
+                 " and ".join(redrawn))
     if averaging is not None and not (manager.resumed_from is not None and averaging.load(manager.resumed_from)):
         averaging.restart()  # the weights this run starts from (loaded ones included) begin the average
     if bad_steps is not None:

@@ -27,6 +27,15 @@ class ReinitTokensArgs(ArgGroup):
     reinit_embeddings: bool = True
     """With reinit_tokens: re-draw the tokens' rows of the token embedding."""
 
+    def redrawn(self, tied: bool) -> tuple[bool, bool]:
+        """Whether the (token embedding, output layer) rows are re-drawn. Tied weights are one matrix, the embedding,
+        re-drawn once when either setting asks (Levanter's tied models have no head of their own)."""
+        if not self.reinit_tokens:
+            return False, False
+        if tied:
+            return self.reinit_embeddings or self.reinit_lm_head, False
+        return self.reinit_embeddings, self.reinit_lm_head
+
 
 @rule
 def reinit_tokens_runs(ctx: RuleContext) -> list[str]:

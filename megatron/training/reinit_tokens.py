@@ -1,11 +1,11 @@
 """Re-drawing some tokens' rows of the token embedding and the output layer when a run starts (``reinit_tokens``).
 
-Levanter's ``sft.py`` (stanford-crfm/levanter at 9263f81e, ``src/levanter/main/sft.py:247-273`` and
-``reinitialize_some_tokens``/``_reinit_embed_vectors``, lines 298-350): at step 0 only (a resumed run keeps its
+Levanter's ``sft.py`` (stanford-crfm/levanter at 9263f81e, ``src/levanter/main/sft.py:245-274`` and
+``reinitialize_some_tokens``/``_reinit_embed_vectors``, lines 305-360): at step 0 only (a resumed run keeps its
 rows), after the starting weights are loaded, each named token's row of the embedding (``reinit_embeddings``) and of
 the LM head (``reinit_lm_head``) becomes ``truncated_normal(-3, 3) * std + mean``, where ``mean`` and ``std`` are the
 per-hidden-unit mean and population standard deviation over the matrix's vocabulary rows (the re-drawn tokens'
-own rows included, as there). Levanter's HF start resizes the vocabulary to ``len(tokenizer)`` first (sft.py:209), so
+own rows included, as there). Levanter's HF start resizes the vocabulary to ``len(tokenizer)`` first (sft.py:213), so
 its statistics cover the tokenizer's rows; here they cover the same rows, not the padding Deepy adds for tensor
 parallelism. The draws come from ``(seed, matrix name)``, so every tensor-parallel, pipeline and data-parallel rank
 draws the same numbers and keeps the rows it holds; the mean and std are summed over the tensor-parallel group.
@@ -31,11 +31,11 @@ from megatron.training.reinit_config import ReinitTokensArgs
 EMBEDDING = "embedding.word_embeddings.weight"
 HEAD = "output_layer.weight"
 TRUNCATION = 3.0
-"""sft.py:347: ``hax.random.truncated_normal(key, ..., -3, 3)``, a standard normal cut at +-3."""
+"""sft.py:358: ``hax.random.truncated_normal(key, ..., -3, 3)``, a standard normal cut at +-3."""
 
 
 def token_ids(tokenizer: Tokenizer, tokens: Sequence[str]) -> list[int]:
-    """The ids of ``tokens`` as the tokenizer spells them; a token it does not have is a ConfigError (sft.py:317-325
+    """The ids of ``tokens`` as the tokenizer spells them; a token it does not have is a ConfigError (sft.py:320-329
     raises 'One or more tokens are not in the tokenizer vocabulary')."""
     if not isinstance(tokenizer, HFBackedTokenizer):
         raise ConfigError(f"reinit_tokens looks tokens up in a Hugging Face tokenizer (HFTokenizer, HFGPT2Tokenizer); "
@@ -57,16 +57,15 @@ class Target:
     name: str
 
 
-def targets(module: nn.Module, *, embeddings: bool, head: bool, tied: bool) -> list[Target]:
-    """The matrices this rank holds that the settings name: the word embedding (``VocabParallelEmbedding``, on each
-    pipeline stage that holds it, the tied head's copy included) and the untied output layer. With tied weights the
-    one matrix is re-drawn when either setting asks (Levanter's tied models have no separate head)."""
+def targets(module: nn.Module, *, embedding: bool, head: bool) -> list[Target]:
+    """The matrices this rank holds of those named: the word embedding (``VocabParallelEmbedding``, on each pipeline
+    stage that holds it, the tied head's copy included) and the untied output layer."""
     found: list[Target] = []
     tp_rank = mpu.get_tensor_model_parallel_rank()
     for layer in module.modules():
-        if isinstance(layer, VocabParallelEmbedding) and (embeddings or (tied and head)):
+        if isinstance(layer, VocabParallelEmbedding) and embedding:
             found.append(Target(layer.weight, layer.vocab_start, EMBEDDING))
-        elif isinstance(layer, ColumnParallelLinear) and layer.canonical_name == "output_layer" and head and not tied:
+        elif isinstance(layer, ColumnParallelLinear) and layer.canonical_name == "output_layer" and head:
             found.append(Target(layer.weight, tp_rank * layer.output_size_per_partition, HEAD))
     return found
 
@@ -79,7 +78,7 @@ def _tp_sum(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def redraw_rows(target: Target, ids: Sequence[int], vocab_size: int, seed: int) -> None:
-    """Levanter's rule on one matrix (sft.py:342-350): statistics over rows ``[0, vocab_size)`` of the whole matrix
+    """Levanter's rule on one matrix (sft.py:353-360): statistics over rows ``[0, vocab_size)`` of the whole matrix
     (this rank's shard, summed over the tensor-parallel group), draws from ``(seed, "reinit_tokens." + name)``."""
     shard = target.weight
     rows = max(0, min(shard.shape[0], vocab_size - target.first_row))
@@ -96,15 +95,17 @@ def redraw_rows(target: Target, ids: Sequence[int], vocab_size: int, seed: int) 
             shard[local] = drawn[j].to(shard.dtype)
 
 
-def reinit_tokens(module: nn.Module, settings: ReinitTokensArgs, tokenizer: Tokenizer, *, tied: bool,
-                  seed: int, optimizer: object | None = None) -> list[str]:
-    """Re-draw the rows ``settings`` names in ``module`` (call at step 0, after the starting weights are loaded);
-    returns the matrices re-drawn. ``optimizer``: the engine's, whose fp32 copy of the weights (ZeRO, fp16/bf16) is
-    refreshed from the module afterwards."""
-    if not settings.reinit_tokens:
+def reinit_tokens(module: nn.Module, settings: ReinitTokensArgs, tokenizer: Tokenizer, *, iteration: int,
+                  tied: bool, seed: int, optimizer: object | None = None) -> list[str]:
+    """Re-draw the rows ``settings`` names in ``module`` when the run starts at step 0 (``iteration``: the step the
+    loaded state is at; call after the starting weights are loaded; a resumed run, at a later step, keeps its rows:
+    sft.py:232-244); returns the matrices re-drawn. ``optimizer``: the engine's, whose fp32 copy of the weights
+    (ZeRO, fp16/bf16) is refreshed from the module afterwards."""
+    if not settings.reinit_tokens or iteration != 0:
         return []
     ids = token_ids(tokenizer, settings.reinit_tokens)
-    chosen = targets(module, embeddings=settings.reinit_embeddings, head=settings.reinit_lm_head, tied=tied)
+    embedding, head = settings.redrawn(tied)
+    chosen = targets(module, embedding=embedding, head=head)
     for target in chosen:
         redraw_rows(target, ids, tokenizer.vocab_size, seed)
     refresh = getattr(optimizer, "refresh_fp32_params", None)

@@ -290,7 +290,7 @@ def check_rng_tracker() -> None:
 
 def check_reinit_tokens_on_vocabulary_shards() -> None:
     """``reinit_tokens`` on a vocabulary split over 2 ranks equals Levanter's rule on the whole matrix
-    (levanter@9263f81e sft.py:342-350: truncated_normal(-3, 3) * std + mean, per hidden unit over the tokenizer's
+    (levanter@9263f81e sft.py:353-360: truncated_normal(-3, 3) * std + mean, per hidden unit over the tokenizer's
     rows, population std), here computed on the full weight; the padding rows (13-15) are not counted."""
     from tokenizers import Tokenizer as HFJson
     from tokenizers import models
@@ -308,7 +308,7 @@ def check_reinit_tokens_on_vocabulary_shards() -> None:
     tokenizer = HFBackedTokenizer(HFJson(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="t0")),
                                   fast=False)
     ids = [2, 10]  # one row on each rank
-    reinit_tokens(model, ReinitTokensArgs(reinit_tokens=["t1", "t9"]), tokenizer, tied=False, seed=SEED)
+    reinit_tokens(model, ReinitTokensArgs(reinit_tokens=["t1", "t9"]), tokenizer, iteration=0, tied=False, seed=SEED)
     for key, name in (("emb", "embedding.word_embeddings.weight"), ("out", "output_layer.weight")):
         full = _full_weight(name, (16, 4))
         counted = full[:13].double()

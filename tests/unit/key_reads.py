@@ -138,8 +138,8 @@ def _training_loop(args: Any) -> object:
 
 
 def _step_policies(args: Any) -> object:
-    """What ``pretrain`` asks of the weight average's and the bad-step rule's keys."""
-    return args.ema_beta, args.bad_step_rule()
+    """What ``pretrain`` asks of the weight average's, the bad-step rule's and the token re-drawing's keys."""
+    return args.ema_beta, args.bad_step_rule(), args.reinit_tokens, args.redrawn(tied=False)
 
 
 def _run_config(args: Any) -> object:
@@ -259,6 +259,7 @@ FEATURE_VARIANTS: tuple[dict[str, Any], ...] = (
     {"cycles": 2},  # rewarmup shapes the cycles after the first
     {"lora_r": 4},  # the adapters' other keys shape the adapters
     {"skip_bad_steps_window": 8},  # the sigma shapes the rule
+    {"reinit_tokens": ["a"]},  # which matrices are re-drawn
     {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "absent-vocab.json"},  # GPT-2 BPE reads both files
     {"train_impl": "dpo"},  # an objective with a reference reads where it comes from (reference_logps)
     # architectures whose layers read their own keys: rotary, RMSNorm, the parallel residual, MoE layers

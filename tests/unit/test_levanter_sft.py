@@ -209,13 +209,28 @@ def test_sft_chats_are_converted_once_before_launch(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("extra", "message"), [
     ("mixture_weights: {tulu: 1}\n", "not a field of Levanter's SFTConfig"),
-    ("reinit_tokens: true\n", "reinit_tokens"),
+    ("reinit_tokens: 3\n", "reinit_tokens.*a list of token strings"),
     ("data:\n  cache_dir: x\n", "no data section"),
 ])
 def test_sft_keys_refused_by_name(tmp_path: Path, extra: str, message: str) -> None:
     path = _write(tmp_path, _sft_yaml(tmp_path, _tokenizer_dir(tmp_path), extra))
     with pytest.raises(ConfigError, match=message):
         _load(path)
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    # sft.py:88-96,245-274@9263f81e: true names llama3's five chat tokens (sft.py:250-258), a list its tokens, a false
+    # value (an empty list too) nothing; reinit_lm_head and reinit_embeddings default to true
+    ("reinit_tokens: true\n", (["<|finetune_right_pad_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+                                "<|eot_id|>"], True, True)),
+    ("reinit_tokens: [hello, bye]\nreinit_lm_head: false\n", (["hello", "bye"], False, True)),
+    ("reinit_tokens: [hello]\nreinit_embeddings: false\n", (["hello"], True, False)),
+    ("reinit_tokens: []\nreinit_lm_head: false\n", (None, True, True)),
+    ("reinit_tokens: false\n", (None, True, True)),
+])
+def test_sft_reinit_tokens_map_onto_deepys_keys(tmp_path: Path, extra: str, expected: tuple[object, ...]) -> None:
+    args = _load(_write(tmp_path, _sft_yaml(tmp_path, _tokenizer_dir(tmp_path), extra))).args
+    assert (args.reinit_tokens, args.reinit_lm_head, args.reinit_embeddings) == expected
 
 
 def test_sft_trains_at_max_seq_len_from_hf(tmp_path: Path) -> None:

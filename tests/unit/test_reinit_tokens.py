@@ -1,11 +1,11 @@
 """``reinit_tokens`` against Levanter's rule computed directly in the test.
 
-The rule (stanford-crfm/levanter at 9263f81e, src/levanter/main/sft.py:342-350, ``_reinit_embed_vectors``): each
+The rule (stanford-crfm/levanter at 9263f81e, src/levanter/main/sft.py:353-360, ``_reinit_embed_vectors``): each
 named token's row becomes ``truncated_normal(-3, 3) * std + mean``, ``mean``/``std`` per hidden unit over the
 matrix's vocabulary rows (``hax.mean``/``hax.std`` over "vocab": population std), the re-drawn rows included; the
-embedding (``reinit_embeddings``) and the LM head (``reinit_lm_head``) each with a draw of their own (sft.py:330-339);
-``reinit_tokens: true`` names five llama3 tokens (sft.py:254-260); a token the tokenizer lacks is an error
-(sft.py:317-325). Levanter's HF start resizes the vocabulary to ``len(tokenizer)`` (sft.py:209), so the statistics
+embedding (``reinit_embeddings``) and the LM head (``reinit_lm_head``) each with a draw of their own (sft.py:336-346);
+``reinit_tokens: true`` names five llama3 tokens (sft.py:250-258); a token the tokenizer lacks is an error
+(sft.py:320-329). Levanter's HF start resizes the vocabulary to ``len(tokenizer)`` (sft.py:213), so the statistics
 cover the tokenizer's rows: here the padding rows hold 100.0 and would move them if counted.
 """
 
@@ -43,7 +43,7 @@ def _model(tied: bool) -> GPTModel:
 
 
 def _levanter_rows(before: torch.Tensor, n: int, stream: str) -> np.ndarray:
-    """sft.py:346-348 on the tokenizer's rows, in numpy; the standard draws are Deepy's stream for the matrix."""
+    """sft.py:356-358 on the tokenizer's rows, in numpy; the standard draws are Deepy's stream for the matrix."""
     rows = before[: len(VOCAB)].double().numpy()
     mu, std = rows.mean(axis=0), rows.std(axis=0)  # population std, as jnp.std
     z = torch.empty(n, before.shape[1])
@@ -68,12 +68,12 @@ def test_untied_rows_equal_levanters_formula_and_nothing_else_moves(embeddings: 
     emb0, out0, rest0 = emb.detach().clone(), out.detach().clone(), {
         k: v.clone() for k, v in model.state_dict().items() if "word_embeddings" not in k and "output_layer" not in k}
     settings = ReinitTokensArgs(reinit_tokens=tokens, reinit_embeddings=embeddings, reinit_lm_head=head)
-    done = reinit_tokens(model, settings, _tokenizer(), tied=False, seed=SEED)
+    done = reinit_tokens(model, settings, _tokenizer(), iteration=0, tied=False, seed=SEED)
     assert done == [name for name, on in (("embedding.word_embeddings.weight", embeddings),
                                           ("output_layer.weight", head)) if on]
     _check(emb.detach(), emb0, ids, _levanter_rows(emb0, 3, "embedding.word_embeddings.weight") if embeddings else None)
     _check(out.detach(), out0, ids, _levanter_rows(out0, 3, "output_layer.weight") if head else None)
-    if embeddings and head:  # two draws of their own (sft.py:330: emb_key, lm_key)
+    if embeddings and head:  # two draws of their own (sft.py:336: emb_key, lm_key)
         assert not torch.allclose(emb[ids[0]] - emb0[:40].mean(0), out[ids[0]] - out0[:40].mean(0))
     assert all(torch.equal(v, rest0[k]) for k, v in model.state_dict().items() if k in rest0)
 
@@ -85,7 +85,7 @@ def test_tied_weights_are_one_matrix_redrawn_once(embeddings: bool, head: bool) 
     emb = model.embedding.word_embeddings.weight
     emb0 = emb.detach().clone()
     done = reinit_tokens(model, ReinitTokensArgs(reinit_tokens=tokens, reinit_embeddings=embeddings,
-                                                 reinit_lm_head=head), _tokenizer(), tied=True, seed=SEED)
+                                                 reinit_lm_head=head), _tokenizer(), iteration=0, tied=True, seed=SEED)
     assert done == ["embedding.word_embeddings.weight"]
     _check(emb.detach(), emb0, [VOCAB.index(tokens[0])], _levanter_rows(emb0, 1, "embedding.word_embeddings.weight"))
 
@@ -94,7 +94,7 @@ def test_a_token_the_tokenizer_lacks_is_named() -> None:
     model = _model(tied=False)
     with pytest.raises(ConfigError, match="'<|finetune_right_pad_id|>' not in the tokenizer's vocabulary"):
         reinit_tokens(model, ReinitTokensArgs(reinit_tokens=["w1", "<|finetune_right_pad_id|>"]), _tokenizer(),
-                      tied=False, seed=SEED)
+                      iteration=0, tied=False, seed=SEED)
 
 
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, train_iters=10, lr=1e-3,
@@ -119,3 +119,30 @@ def test_refusals_name_the_key(changes: dict[str, object], message: str) -> None
     finalize(config_from_mapping({**BASE, "reinit_tokens": ["a"]}), 1, device=device)
     with pytest.raises(ConfigError, match=message):
         finalize(config_from_mapping({**BASE, **changes}), 1, device=device)
+
+
+def test_at_step_0_only_and_the_optimizers_fp32_copy_follows() -> None:
+    """In a bf16 DeepSpeed engine (an fp32 master copy of the weights): a resumed state (step 3) keeps its rows
+    (sft.py:232-244 re-draws only when the step is 0); at step 0 the re-drawn rows survive an optimizer step at lr 0,
+    so the master copy was refreshed from them (without it the step writes the old rows back)."""
+    import deepspeed
+
+    from single_rank import init_single_rank_gloo
+
+    init_single_rank_gloo()
+    model = GPTModel(GPTConfig(**CONFIG, no_weight_tying=True, precision="bfloat16"))
+    config = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
+              "bf16": {"enabled": True}}
+    eng, *_ = deepspeed.initialize(model=model, config=config,
+                                   optimizer=torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0))
+    emb = eng.module.embedding.word_embeddings.weight
+    before, settings, ids = emb.detach().clone(), ReinitTokensArgs(reinit_tokens=["<|eot_id|>"]), [VOCAB.index("<|eot_id|>")]
+    assert reinit_tokens(eng.module, settings, _tokenizer(), iteration=3, tied=False, seed=SEED) == []
+    assert torch.equal(emb.detach(), before)
+    reinit_tokens(eng.module, settings, _tokenizer(), iteration=0, tied=False, seed=SEED, optimizer=eng.optimizer)
+    drawn = emb.detach().clone()
+    assert not torch.equal(drawn[ids], before[ids])
+    loss = eng(torch.tensor([[1, 2, 3, 37]])).float().sum()
+    eng.backward(loss)
+    eng.step()
+    assert torch.equal(emb.detach(), drawn)

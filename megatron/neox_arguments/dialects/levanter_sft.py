@@ -182,10 +182,29 @@ def _max_seq_len(value: Any, ctx: Context) -> dict[str, Any]:
     return noted("the tokenizer truncates each conversation there (the converter's --max-length)")
 
 
+LLAMA3_REINIT_TOKENS = ["<|finetune_right_pad_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+                        "<|eot_id|>"]
+"""What ``reinit_tokens: true`` re-draws (sft.py:250-258@9263f81e, "hardcoded to llama3")."""
+
+
 def _reinit_tokens(value: Any, ctx: Context) -> dict[str, Any]:
-    if value:
-        raise Refused("re-drawing the embeddings of some tokens before SFT (sft.py:247-273) is not built here")
-    return noted("off")
+    # sft.py:232-274: at step 0 only (a resumed run or trainer.initialize_from's continued run keeps its rows)
+    if not value:
+        return noted("off (an empty list too: sft.py:247 tests its truth)")
+    if value is True:
+        return {"reinit_tokens": list(LLAMA3_REINIT_TOKENS)}
+    if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+        raise Refused("a list of token strings, or true for llama3's five chat tokens (sft.py:88)")
+    return {"reinit_tokens": list(value)}
+
+
+def _reinit_flag(key: str) -> Rule:
+    """reinit_lm_head / reinit_embeddings (sft.py:93-96): read only when reinit_tokens is set."""
+    def rule(value: Any, ctx: Context) -> dict[str, Any]:
+        if not ctx.value("reinit_tokens"):
+            return noted("read only with reinit_tokens")
+        return {key: bool(value)}
+    return rule
 
 
 def _model_name_or_path(value: Any, ctx: Context) -> dict[str, Any]:
@@ -212,8 +231,8 @@ SFT_RULES: dict[str, Rule] = {
     "input_role": lambda v, ctx: noted("the converter's --input-role: the prompt, no loss"),
     "output_role": lambda v, ctx: noted("the converter's --output-role: the completion, trained on"),
     "reinit_tokens": _reinit_tokens,
-    "reinit_lm_head": lambda v, ctx: noted("read only with reinit_tokens"),
-    "reinit_embeddings": lambda v, ctx: noted("read only with reinit_tokens"),
+    "reinit_lm_head": _reinit_flag("reinit_lm_head"),
+    "reinit_embeddings": _reinit_flag("reinit_embeddings"),
 }
 SFT_REFUSED: dict[str, str] = {"mixture_weights": _MIXTURE, "mixture_block_size": _MIXTURE, "stop_strategy": _MIXTURE}
 
