@@ -99,8 +99,8 @@ def reinit_tokens(module: nn.Module, settings: ReinitTokensArgs, tokenizer: Toke
                   tied: bool, seed: int, optimizer: object | None = None) -> list[str]:
     """Re-draw the rows ``settings`` names in ``module`` when the run starts at step 0 (``iteration``: the step the
     loaded state is at; call after the starting weights are loaded; a resumed run, at a later step, keeps its rows:
-    sft.py:232-244); returns the matrices re-drawn. ``optimizer``: the engine's, whose fp32 copy of the weights
-    (ZeRO, fp16/bf16) is refreshed from the module afterwards."""
+    sft.py:232-244); returns the matrices re-drawn in the whole model (a pipeline stage holds some of them).
+    ``optimizer``: the engine's, whose fp32 copy of the weights (ZeRO, fp16/bf16) is refreshed from the module."""
     if not settings.reinit_tokens or iteration != 0:
         return []
     ids = token_ids(tokenizer, settings.reinit_tokens)
@@ -111,4 +111,4 @@ def reinit_tokens(module: nn.Module, settings: ReinitTokensArgs, tokenizer: Toke
     refresh = getattr(optimizer, "refresh_fp32_params", None)
     if callable(refresh):
         refresh()  # ZeRO / fp16 / bf16 optimizers keep their own fp32 copy of the weights
-    return sorted({t.name for t in chosen})
+    return [name for name, on in ((EMBEDDING, embedding), (HEAD, head)) if on]  # the model's, whichever stage

@@ -136,7 +136,8 @@ def test_at_step_0_only_and_the_optimizers_fp32_copy_follows() -> None:
     eng, *_ = deepspeed.initialize(model=model, config=config,
                                    optimizer=torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0))
     emb = eng.module.embedding.word_embeddings.weight
-    before, settings, ids = emb.detach().clone(), ReinitTokensArgs(reinit_tokens=["<|eot_id|>"]), [VOCAB.index("<|eot_id|>")]
+    before, ids = emb.detach().clone(), [VOCAB.index("<|eot_id|>")]
+    settings = ReinitTokensArgs(reinit_tokens=["<|eot_id|>"])
     assert reinit_tokens(eng.module, settings, _tokenizer(), iteration=3, tied=False, seed=SEED) == []
     assert torch.equal(emb.detach(), before)
     reinit_tokens(eng.module, settings, _tokenizer(), iteration=0, tied=False, seed=SEED, optimizer=eng.optimizer)
