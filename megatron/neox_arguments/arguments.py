@@ -31,6 +31,7 @@ from megatron.model.moe_config import MoEArgs
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.averaging_config import ModelAveragingArgs
 from megatron.training.bad_steps import BadStepArgs
+from megatron.training.peft_config import PeftSaveArgs
 from megatron.training.config import TrainingLoopArgs
 from megatron.training.lr_config import LRSchedulerArgs
 from megatron.training.lr_dialects import LevanterScheduleArgs
@@ -60,6 +61,7 @@ GROUPS: dict[str, type[ArgGroup]] = {
     "training_loop": TrainingLoopArgs,
     "model_averaging": ModelAveragingArgs,
     "bad_steps": BadStepArgs,
+    "peft_saves": PeftSaveArgs,
     "objective": ObjectiveArgs,
     "activation_checkpointing": ActivationCheckpointArgs,
     "checkpoint": CheckpointArgs,
@@ -103,6 +105,7 @@ class _Arguments(
     TrainingLoopArgs,
     ModelAveragingArgs,
     BadStepArgs,
+    PeftSaveArgs,
     ObjectiveArgs,
     ActivationCheckpointArgs,
     CheckpointArgs,

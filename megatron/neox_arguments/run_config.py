@@ -28,6 +28,7 @@ from megatron.errors import ConfigError
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.averaging_config import ModelAveragingArgs
 from megatron.training.bad_steps import BadStepArgs
+from megatron.training.peft_config import PeftSaveArgs
 from megatron.training.config import TrainingRun
 from megatron.training.lr_config import LRSchedulerArgs
 from megatron.training.objectives.config import ObjectiveArgs
@@ -102,6 +103,11 @@ class RunConfig:
     @property
     def averaging(self) -> ModelAveragingArgs:
         """The arguments, as the weight average's keys (``ema_beta``)."""
+        return self.args
+
+    @property
+    def peft_saves(self) -> PeftSaveArgs:
+        """The arguments, as the PEFT adapter saves' keys (``lora_peft_save_path``, ...)."""
         return self.args
 
     @property
