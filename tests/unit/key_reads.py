@@ -138,8 +138,9 @@ def _training_loop(args: Any) -> object:
 
 
 def _step_policies(args: Any) -> object:
-    """What ``pretrain`` asks of the weight average's and the bad-step rule's keys."""
-    return args.ema_beta, args.bad_step_rule()
+    """What ``pretrain`` asks of the weight average's, the bad-step rule's and the PEFT saves' keys (``PeftSaves``)."""
+    return (args.ema_beta, args.bad_step_rule(),
+            args.lora_peft_save_path, args.lora_peft_save_interval, args.lora_peft_names)
 
 
 def _run_config(args: Any) -> object:

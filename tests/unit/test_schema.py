@@ -122,6 +122,9 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "ema_beta": ("model_averaging", None),  # Levanter's trainer.model_averaging (EMA)
     "skip_bad_steps_window": ("bad_steps", None),  # Levanter's optimizer.skip_bad_steps
     "skip_bad_steps_sigma": ("bad_steps", 6.0),
+    "lora_peft_save_path": ("peft_saves", None),  # Levanter's lora_lm.py peft_save_path
+    "lora_peft_save_interval": ("peft_saves", 1000),  # its hf_save_steps
+    "lora_peft_names": ("peft_saves", "gpt_neox"),
     "mlp_type": ("model", "regular"),  # earlier GPT-NeoX key its Llama/Mistral configs set
     "moe_aux_loss_coeff": ("moe", 0.0),
     "moe_router_renormalize": ("moe", False),  # Mixtral's top-k weights over their sum
