@@ -32,6 +32,7 @@ from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.averaging_config import ModelAveragingArgs
 from megatron.training.bad_steps import BadStepArgs
 from megatron.training.reinit_config import ReinitTokensArgs
+from megatron.training.peft_config import PeftSaveArgs
 from megatron.training.config import TrainingLoopArgs
 from megatron.training.lr_config import LRSchedulerArgs
 from megatron.training.lr_dialects import LevanterScheduleArgs
@@ -62,6 +63,7 @@ GROUPS: dict[str, type[ArgGroup]] = {
     "model_averaging": ModelAveragingArgs,
     "bad_steps": BadStepArgs,
     "reinit_tokens": ReinitTokensArgs,
+    "peft_saves": PeftSaveArgs,
     "objective": ObjectiveArgs,
     "activation_checkpointing": ActivationCheckpointArgs,
     "checkpoint": CheckpointArgs,
@@ -106,6 +108,7 @@ class _Arguments(
     ModelAveragingArgs,
     BadStepArgs,
     ReinitTokensArgs,
+    PeftSaveArgs,
     ObjectiveArgs,
     ActivationCheckpointArgs,
     CheckpointArgs,

@@ -29,6 +29,7 @@ from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.averaging_config import ModelAveragingArgs
 from megatron.training.reinit_config import ReinitTokensArgs
 from megatron.training.bad_steps import BadStepArgs
+from megatron.training.peft_config import PeftSaveArgs
 from megatron.training.config import TrainingRun
 from megatron.training.lr_config import LRSchedulerArgs
 from megatron.training.objectives.config import ObjectiveArgs
@@ -108,6 +109,11 @@ class RunConfig:
     @property
     def reinit(self) -> ReinitTokensArgs:
         """The arguments, as the token re-initialisation's keys (``reinit_tokens``)."""
+        return self.args
+
+    @property
+    def peft_saves(self) -> PeftSaveArgs:
+        """The arguments, as the PEFT adapter saves' keys (``lora_peft_save_path``, ...)."""
         return self.args
 
     @property

@@ -48,6 +48,8 @@ from megatron.training.model_averaging import ModelAverage
 from megatron.training.objectives import build_objective, build_reference
 from megatron.training.reinit_config import ReinitTokensArgs
 from megatron.training.reinit_tokens import reinit_tokens
+from megatron.training.peft_config import PeftSaveArgs
+from megatron.training.peft_saves import PeftSaves
 from megatron.training.run_views import RunViews
 from megatron.training.skip_gate import BadStepGate
 
@@ -112,6 +114,8 @@ class PretrainRun(RunViews, Protocol):
     def bad_steps(self) -> BadStepArgs: ...
     @property
     def reinit(self) -> ReinitTokensArgs: ...
+    @property
+    def peft_saves(self) -> PeftSaveArgs: ...
     @property
     def args_record(self) -> dict[str, Any]:
         """Every resolved key as JSON (stored in checkpoints to describe the run)."""
@@ -266,6 +270,13 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
     # DeepSpeed's communication timings (comms_logger): shown after the last step, and with verbose at log steps
     comms = CommsReport(run.deepspeed_config.get("comms_logger"), log_config.log_interval)
     hooks = Hooks(after_step=[ckpt.after_step, comms.after_step], at_exit=[ckpt.at_exit, comms.at_exit])
+    if run.peft_saves.lora_peft_save_path is not None:  # Levanter's eval_model: the average when there is one
+        module = eng.engine.module
+        peft = PeftSaves(run.peft_saves, run.lora, model_config.arch.heads, base_model=checkpoint.initialize_from_hf,
+                         weights=lambda: averaging.average if averaging is not None else dict(module.named_parameters()),
+                         writer=rank == 0)
+        hooks.after_step.append(peft.after_step)
+        hooks.at_exit.append(peft.at_exit)
     first, first_tokens = state.iteration, state.consumed_tokens
     try:
         state = train(ctx, state, hooks)

@@ -132,8 +132,40 @@ scalar tensor"). Recomputation changes no number, so these runs still equal the 
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """One LoRA run per layout, shared by the parity, base and optimizer-state tests."""
-    return {name: train(name, tmp_path_factory.mktemp(f"lora_{name}"), **RECOMPUTED.get(name, {}))
-            for name in PARITY_LAYOUTS}
+    runs = {}
+    for name in PARITY_LAYOUTS:
+        tmp = tmp_path_factory.mktemp(f"lora_{name}")
+        extra = dict(RECOMPUTED.get(name, {}))
+        if name == PEFT_LAYOUT:  # the PEFT saves ride along: they change no number
+            extra.update(lora_peft_save_path=str(tmp / "peft"), lora_peft_save_interval=4)
+        runs[name] = train(name, tmp, **extra)
+    return runs
+
+
+PEFT_LAYOUT = "dp2_zero1"
+"""The layout run that also saves its adapters in PEFT's format while training (rank 0 of two writes)."""
+
+
+def test_peft_saves_while_training_hold_the_trained_adapters(layout_runs: dict[str, dict[str, Any]]) -> None:
+    """lora_peft_save_path: Levanter's directories (0-based steps 4 and 8 of 10 at interval 4, then the last, 9:
+    lora.py:384-400, trainer.py:97-100,448-449 at 9263f81e), each PEFT's two files; the last holds the adapters of
+    the step-10 checkpoint under the names and row order of the offline export (megatron/interop/lora_export.py)."""
+    from safetensors.torch import load_file
+
+    from megatron.interop.lora_export import peft_state_dict
+    from megatron.neox_arguments.run_config import RunConfig
+
+    run = layout_runs[PEFT_LAYOUT]
+    peft = Path(run["config"]["lora_peft_save_path"])
+    assert sorted(p.name for p in peft.iterdir()) == ["step-4", "step-8", "step-9"]
+    config = json.loads((peft / "step-9" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8.0, TARGETS)
+    model = RunConfig.from_mapping({k: v for k, v in run["config"].items() if k != "num_gpus"}).model
+    want = peft_state_dict(model, saved_module(run["ckpt"]))
+    last = load_file(str(peft / "step-9" / "adapter_model.safetensors"))
+    assert sorted(last) == sorted(want) and all(torch.equal(last[k], want[k]) for k in want)
+    earlier = load_file(str(peft / "step-4" / "adapter_model.safetensors"))
+    assert any(not torch.equal(earlier[k], last[k]) for k in want)  # written as training went, not only at the end
 
 
 @pytest.mark.parametrize("layout", PARITY_LAYOUTS)

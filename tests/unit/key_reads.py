@@ -138,8 +138,10 @@ def _training_loop(args: Any) -> object:
 
 
 def _step_policies(args: Any) -> object:
-    """What ``pretrain`` asks of the weight average's, the bad-step rule's and the token re-drawing's keys."""
-    return args.ema_beta, args.bad_step_rule(), args.reinit_tokens, args.redrawn(tied=False)
+    """What ``pretrain`` asks of the weight average's, the bad-step rule's, the token re-drawing's and the PEFT
+    saves' keys (``PeftSaves``)."""
+    return (args.ema_beta, args.bad_step_rule(), args.reinit_tokens, args.redrawn(tied=False),
+            args.lora_peft_save_path, args.lora_peft_save_interval, args.lora_peft_names)
 
 
 def _run_config(args: Any) -> object:

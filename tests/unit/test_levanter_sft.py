@@ -292,11 +292,24 @@ def test_lora_keys_and_levanters_defaults(tmp_path: Path) -> None:
     ("lora:\n  r: 4\n", "every linear layer"),  # target_modules null: every linear layer, the head too
     ("lora:\n  target_modules: [q_proj, v_proj]\n", "fuses"),
     ("lora:\n  target_modules: '.*proj'\n", "regular expression"),
-    ("peft_save_path: out\nlora:\n  target_modules: [o_proj]\n", "PEFT"),
+    ("peft_save_path: out\npeft_hf_upload: me/repo\nlora:\n  target_modules: [o_proj]\n", "uploading PEFT"),
+    ("merged_hf_save_path: out\nlora:\n  target_modules: [o_proj]\n", "merged HF"),
 ])
 def test_lora_refusals(tmp_path: Path, lora: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         _load(_lora_yaml(tmp_path, lora))
+
+
+def test_peft_save_path_is_levanters_directory_and_interval(tmp_path: Path) -> None:
+    # lora_lm.py:42-43,151-158@9263f81e: <peft_save_path>/<trainer.run_id>/step-N every hf_save_steps (default 1000)
+    path = _lora_yaml(tmp_path, f"peft_save_path: {tmp_path / 'peft'}\nhf_save_steps: 5\n"
+                                "lora:\n  target_modules: [o_proj]\n")
+    path.write_text(path.read_text().replace("trainer:\n", "trainer:\n  id: run7\n"))
+    args = _load(path).args
+    assert args.lora_peft_save_path == str(tmp_path / "peft" / "run7")
+    assert (args.lora_peft_save_interval, args.lora_peft_names) == (5, "llama")
+    args = _load(_lora_yaml(tmp_path, "lora:\n  target_modules: [o_proj]\n")).args
+    assert (args.lora_peft_save_path, args.lora_peft_save_interval) == (None, 1000)
 
 
 def test_gpt2_lora_targets_map_onto_fused_projections(tmp_path: Path) -> None:
@@ -305,6 +318,9 @@ def test_gpt2_lora_targets_map_onto_fused_projections(tmp_path: Path) -> None:
     text = text.replace("  num_kv_heads: 4\n", "")
     path.write_text(text)
     assert _load(path).args.lora_target_modules == ["query_key_value", "dense", "dense_4h_to_h"]
+    path.write_text(text + "peft_save_path: out\n")  # transformers' GPT2 names its modules otherwise
+    with pytest.raises(ConfigError, match="PEFT adapters of a gpt2 model"):
+        _load(path)
 
 
 def test_chat_urls_glob_like_levanter(tmp_path: Path) -> None:

@@ -125,6 +125,9 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "reinit_tokens": ("reinit_tokens", None),  # Levanter's sft.py reinit_tokens
     "reinit_lm_head": ("reinit_tokens", True),
     "reinit_embeddings": ("reinit_tokens", True),
+    "lora_peft_save_path": ("peft_saves", None),  # Levanter's lora_lm.py peft_save_path
+    "lora_peft_save_interval": ("peft_saves", 1000),  # its hf_save_steps
+    "lora_peft_names": ("peft_saves", "gpt_neox"),
     "mlp_type": ("model", "regular"),  # earlier GPT-NeoX key its Llama/Mistral configs set
     "moe_aux_loss_coeff": ("moe", 0.0),
     "moe_router_renormalize": ("moe", False),  # Mixtral's top-k weights over their sum

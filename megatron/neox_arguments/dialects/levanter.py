@@ -128,6 +128,8 @@ def _eval_harness(value: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _hf_save(value: Any, ctx: Context) -> dict[str, Any]:
+    if ctx.value("peft_save_path") and levanter_sft.is_lora(ctx):  # lora_lm.py:43,157: the PEFT saves' interval
+        return {"lora_peft_save_interval": int(value)} if value is not None else noted("Levanter's default, 1000")
     if ctx.value("hf_save_path") is not None:
         raise Refused("exporting Hugging Face checkpoints while training is not built here; export a checkpoint "
                       "with tools/ckpts/convert_neox_to_hf.py")

@@ -22,6 +22,7 @@ import os
 from typing import Any
 
 from megatron.neox_arguments.dialects.common import Context, Leaf, PrepareStep, Refused, Rule, Translation, noted
+from megatron.neox_arguments.dialects.levanter_trainer import run_id
 
 SFT_DEFAULT_MODEL = "NousResearch/Llama-2-7b-hf"
 """sft.py:73-74@9263f81e: the default model_name_or_path and tokenizer (hub names: refused here)."""
@@ -280,6 +281,21 @@ def _refuse(reason: str) -> dict[str, Any]:
     raise Refused(reason)
 
 
+PEFT_NAMES = {"llama": "llama", "mistral": "llama"}
+"""Levanter model types whose transformers class names the adapters as Llama does (model.layers.N.self_attn.o_proj)."""
+
+
+def _peft_save_path(value: Any, ctx: Context) -> dict[str, Any]:
+    """lora_lm.py:151-158: PEFT adapters into ``<peft_save_path>/<run id>/step-<step>`` every hf_save_steps."""
+    if not value:
+        return noted("unset")
+    kind = str(ctx.value("model.type", "llama")).lower()
+    if kind not in PEFT_NAMES:
+        raise Refused(f"saving PEFT adapters of a {kind} model is not built (llama and mistral are); export a "
+                      "checkpoint with tools/ckpts/convert_neox_to_hf.py")
+    return {"lora_peft_save_path": os.path.join(str(value), run_id(ctx)), "lora_peft_names": PEFT_NAMES[kind]}
+
+
 LORA_RULES: dict[str, Rule] = {
     "lora.r": _lora_r,
     "lora.alpha": lambda v, ctx: {"lora_alpha": float(v)},
@@ -287,7 +303,7 @@ LORA_RULES: dict[str, Rule] = {
     "lora.target_modules": _lora_targets,
     # lora_lm.py:74-77: the sequence length trained on
     "max_train_length": lambda v, ctx: {"seq_length": int(v)} if v is not None else noted("the model's length"),
-    "peft_save_path": _null_export("saving PEFT adapters"),
+    "peft_save_path": _peft_save_path,
     "peft_hf_upload": _null_export("uploading PEFT adapters"),
     "merged_hf_save_path": _null_export("saving merged HF checkpoints"),
     "merged_hf_upload": _null_export("uploading merged HF checkpoints"),

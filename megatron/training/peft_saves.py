@@ -1,0 +1,148 @@
+"""Saving the LoRA adapters while training in HF PEFT's format, as Levanter's ``lora_lm.py`` does.
+
+When, where and what (stanford-crfm/levanter 9263f81e):
+- ``trainer.add_hook(save_peft_checkpoint_callback(...), every=hf_save_steps)`` (``main/lora_lm.py:151-158``);
+  a hook runs when ``info.step % every == 0`` (``trainer.py:97-100``) and once more, forced, after the last step
+  (``trainer.py:448-449``), where ``info.step`` is the 0-based step just completed (``int(state.step) - 1``,
+  ``callbacks/_core.py:37``); the callback skips ``info.step == 0`` (``lora.py:384-387``).
+- into ``<peft_save_path>/<run id>/step-<info.step>`` (``lora_lm.py:152``, ``lora.py:400``): Levanter's dialect
+  gives ``lora_peft_save_path`` as ``<peft_save_path>/<run id>``, and the steps go below it;
+- ``adapter_model.safetensors`` and ``adapter_config.json`` (``lora.py:313-314,345-349``; the config's values
+  ``lora.py:504-516``), written from ``step.eval_model`` (the EMA when there is one, ``trainer_state.py:82-94``).
+
+Here rank 0 holds the whole model (tp 1, pp 0, ZeRO 0-2: ``peft_config.peft_save_layouts``) and writes it; the
+step directory appears whole (written beside it, then renamed: a reader never sees half of one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron.atomic_files import fsync_dir
+from megatron.model.lora import ADAPTER, is_adapter_name
+from megatron.model.lora_config import LoRAArgs
+from megatron.training.peft_config import PeftNames, PeftSaveArgs
+
+Weights = dict[str, torch.Tensor]
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+# Deepy's module path -> the transformers model's, per naming (the base's names in megatron/interop/hf_weights.py)
+_MODULES: dict[str, dict[str, str]] = {
+    "gpt_neox": {"attention.query_key_value": "attention.query_key_value", "attention.dense": "attention.dense",
+                 "mlp.dense_h_to_4h": "mlp.dense_h_to_4h", "mlp.dense_4h_to_h": "mlp.dense_4h_to_h"},
+    "llama": {"attention.dense": "self_attn.o_proj", "mlp.dense_4h_to_h": "mlp.down_proj"},
+}
+_PREFIX = {"gpt_neox": "base_model.model.gpt_neox.layers", "llama": "base_model.model.model.layers"}
+_PEFT_TARGET = {"query_key_value": "query_key_value", "dense_h_to_4h": "dense_h_to_4h",
+                "dense": "dense", "dense_4h_to_h": "dense_4h_to_h"}
+_LLAMA_TARGET = {"dense": "o_proj", "dense_4h_to_h": "down_proj"}
+
+
+def levanter_step(completed: int) -> int:
+    """Levanter's ``info.step``: the 0-based number of the step just completed."""
+    return completed - 1
+
+
+def save_due(completed: int, every: int, *, last: bool) -> bool:
+    """Whether Levanter's hook writes after ``completed`` steps: every ``every``-th 0-based step and after the
+    last one, never after the first (step 0)."""
+    step = levanter_step(completed)
+    return step > 0 and (last or step % every == 0)
+
+
+def step_dir(base: str | os.PathLike[str], completed: int) -> Path:
+    """``<lora_peft_save_path>/step-<0-based step>`` (Levanter's dialect puts its run id into the path)."""
+    return Path(base) / f"step-{levanter_step(completed)}"
+
+
+def _qkv_rows_per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[q; k; v]`` rows -> GPT-NeoX's per-head ``[q_h; k_h; v_h]`` (transformers' fused layout)."""
+    return t.reshape(3, heads, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def peft_state_dict(weights: Mapping[str, torch.Tensor], names: PeftNames, heads: int) -> Weights:
+    """PEFT's names (and row order) for our adapters, ``layers.N.<module>.adapter.lora_X`` ->
+    ``base_model.model.<model>.layers.N.<hf module>.lora_X.weight``."""
+    out: Weights = {}
+    for key, tensor in weights.items():
+        if not is_adapter_name(key):
+            continue
+        layer, factor = key.rsplit(f".{ADAPTER}.", 1)
+        _, index, module = layer.split(".", 2)  # layers, N, attention.dense
+        if module not in _MODULES[names]:
+            raise ValueError(f"{names} has no single module for the adapter of {layer}")
+        if module == "attention.query_key_value" and factor == "lora_B":
+            tensor = _qkv_rows_per_head(tensor, heads)
+        out[f"{_PREFIX[names]}.{index}.{_MODULES[names][module]}.{factor}.weight"] = tensor.detach().cpu().contiguous()
+    return out
+
+
+def adapter_config(lora: LoRAArgs, names: PeftNames, base_model: str | None) -> dict[str, Any]:
+    """``adapter_config.json``: Levanter's values (``lora.py:504-516``; dropout written as 0.0 there too), the
+    targets under the transformers model's module names."""
+    table = _LLAMA_TARGET if names == "llama" else _PEFT_TARGET
+    return {"base_model_name_or_path": base_model, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+            "lora_alpha": lora.lora_alpha, "lora_dropout": 0.0, "modules_to_save": None, "peft_type": "LORA",
+            "r": lora.lora_r, "target_modules": [table[t] for t in lora.lora_target_modules],
+            "task_type": "CAUSAL_LM"}
+
+
+def write_adapter(directory: Path, tensors: Weights, config: dict[str, Any]) -> None:
+    """Write the two files into a new directory beside ``directory`` and rename it into place (a step written
+    again, by a resumed run, replaces the old one)."""
+    from safetensors.torch import save_file
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(directory.parent)
+
+
+class PeftSaves:
+    """The loop's hooks (``after_step``, ``at_exit``) that write the adapters of ``weights()``: the model's
+    parameters, or the weight average's when there is one (Levanter's ``eval_model``)."""
+
+    def __init__(self, keys: PeftSaveArgs, lora: LoRAArgs, heads: int,
+                 weights: Callable[[], Mapping[str, torch.Tensor]], base_model: str | None, writer: bool) -> None:
+        """``heads``: attention heads (the fused q/k/v rows' order); ``base_model``: the adapter config's
+        ``base_model_name_or_path`` (Levanter writes ``initialize_from_hf``); ``writer``: this rank writes."""
+        assert keys.lora_peft_save_path is not None
+        self.keys, self.lora, self.heads = keys, lora, heads
+        self.weights, self.base_model, self.writer = weights, base_model, writer
+        self.written: list[Path] = []
+
+    def _save(self, completed: int) -> None:
+        if not self.writer:
+            return
+        assert self.keys.lora_peft_save_path is not None
+        target = step_dir(self.keys.lora_peft_save_path, completed)
+        write_adapter(target, peft_state_dict(self.weights(), self.keys.lora_peft_names, self.heads),
+                      adapter_config(self.lora, self.keys.lora_peft_names, self.base_model))
+        self.written.append(target)
+
+    def after_step(self, _eng: Any, state: Any) -> None:
+        if save_due(state.iteration, self.keys.lora_peft_save_interval, last=False):
+            self._save(state.iteration)
+
+    def at_exit(self, _eng: Any, state: Any) -> None:
+        if save_due(state.iteration, self.keys.lora_peft_save_interval, last=True):
+            self._save(state.iteration)  # Levanter's forced hooks: the last step, written again if just written

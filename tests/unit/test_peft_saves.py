@@ -1,0 +1,132 @@
+"""LoRA adapters saved while training in HF PEFT's format (``megatron/training/peft_saves.py``): when Levanter's
+``lora_lm.py`` saves, where, and that peft's own loader gives our adapted model's logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from megatron.model.config import GPTConfig
+from megatron.model.lora_config import LoRAArgs
+from megatron.training.peft_config import PeftSaveArgs
+from megatron.training.peft_saves import PeftSaves, save_due, step_dir
+
+BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=48, padded_vocab_size=128, seed=3,
+            pos_emb="rotary", precision="fp32")  # fmt: skip
+NEOX = dict(BASE, norm="layernorm", activation="gelu", rotary_pct=0.25, gpt_j_residual=True, no_weight_tying=True)
+LLAMA = dict(BASE, norm="rmsnorm", activation="swiglu", num_kv_heads=2, intermediate_size=96, no_weight_tying=True,
+             use_bias_in_attn_linear=False, use_bias_in_mlp=False, rms_norm_epsilon=1e-6)  # fmt: skip
+
+
+def levanter_saves(num_train_steps: int, every: int) -> list[int]:
+    """The step directories Levanter writes, re-derived from its code (stanford-crfm/levanter 9263f81e):
+    ``StepInfo.step = state.step - 1`` (callbacks/_core.py:37); hooks run when ``step % every == 0``
+    (trainer.py:97-100) and, forced, after the last step (trainer.py:448-449); the PEFT callback returns at step 0
+    (lora.py:384-387)."""
+    written = []
+    for state_step in range(1, num_train_steps + 1):
+        step = state_step - 1
+        if step % every == 0 and step != 0:
+            written.append(step)
+    if num_train_steps - 1 != 0:
+        written.append(num_train_steps - 1)
+    return written
+
+
+@pytest.mark.parametrize("steps, every", [(5, 2), (7, 3), (1, 1), (2, 1), (1000, 1000), (2001, 1000)])
+def test_saves_at_levanters_steps(steps: int, every: int) -> None:
+    ours = [n - 1 for n in range(1, steps + 1) if save_due(n, every, last=False)]
+    ours += [steps - 1] if save_due(steps, every, last=True) else []
+    assert ours == levanter_saves(steps, every)
+    assert step_dir("out/peft/run-a", 1001) == Path("out/peft/run-a/step-1000")  # lora_lm.py:152, lora.py:400
+
+
+def _adapted_weights(config: GPTConfig, lora: LoRAArgs) -> dict[str, torch.Tensor]:
+    """Our model's weights with adapters whose B is not zero (a fresh adapter changes nothing)."""
+    from megatron.model.gpt import GPTModel
+    from megatron.model.lora import apply_lora, is_adapter_name
+
+    model = GPTModel(config)
+    apply_lora(model, lora, config.seed)
+    gen = torch.Generator().manual_seed(1)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for key in state:
+        if is_adapter_name(key):
+            state[key] = torch.randn(state[key].shape, generator=gen) * 0.3
+    return state
+
+
+@pytest.mark.parametrize("names, shape, targets", [
+    ("llama", LLAMA, ["dense", "dense_4h_to_h"]),
+    ("gpt_neox", NEOX, ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]),
+])  # fmt: skip
+def test_saved_adapter_loads_in_peft_with_our_logits(tmp_path: Path, names: str, shape: dict[str, Any],
+                                                     targets: list[str]) -> None:
+    from megatron.interop.hf_config import SpecialTokens, choose_architecture, hf_config_from_gpt
+    from megatron.interop.hf_model import fixed_batch, load_hf_model, max_logit_difference, save_hf_model
+    from megatron.interop.hf_weights import to_hf_state_dict
+    from megatron.interop.lora_export import adapted_model, load_peft_model
+    from megatron.model.lora import is_adapter_name
+
+    config = GPTConfig(**shape)
+    lora = LoRAArgs(lora_r=4, lora_alpha=8.0, lora_target_modules=targets)
+    weights = _adapted_weights(config, lora)
+    base_dir = tmp_path / "base"  # the transformers model the adapters go on, built here (nothing downloaded)
+    arch = choose_architecture(config)
+    save_hf_model(hf_config_from_gpt(config, SpecialTokens(0, 0, None), torch.float32),
+                  to_hf_state_dict(config, arch, {k: v for k, v in weights.items() if not is_adapter_name(k)}),
+                  base_dir, torch.float32)
+    keys = PeftSaveArgs(lora_peft_save_path=str(tmp_path / "peft" / "run-a"), lora_peft_save_interval=2, lora_peft_names=names)
+    saves = PeftSaves(keys, lora, config.num_attention_heads or 0, weights=lambda: weights,
+                      base_model=str(base_dir), writer=True)
+    for iteration in (1, 2, 3):
+        saves.after_step(None, SimpleNamespace(iteration=iteration))
+    saves.at_exit(None, SimpleNamespace(iteration=3))
+    adapter = tmp_path / "peft" / "run-a" / "step-2"
+    assert saves.written == [adapter, adapter]  # 0-based step 2, then again as the last step (Levanter's forced hook)
+    assert sorted(p.name for p in adapter.parent.iterdir()) == ["step-2"]  # no temporary directory left
+    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    written = json.loads((adapter / "adapter_config.json").read_text())
+    assert (written["r"], written["lora_alpha"], written["peft_type"]) == (4, 8.0, "LORA")
+
+    tokens = fixed_batch(128, 32)
+    ours = adapted_model(config, lora, weights)
+    peft = load_peft_model(base_dir, adapter)
+    assert max_logit_difference(ours, peft, tokens) <= 1e-4
+    # the adapters matter: the base alone is far from our adapted model
+    assert max_logit_difference(ours, load_hf_model(base_dir, torch.float32), tokens) > 1e-2
+
+
+def test_only_the_writer_writes(tmp_path: Path) -> None:
+    keys = PeftSaveArgs(lora_peft_save_path=str(tmp_path), lora_peft_save_interval=1)
+    saves = PeftSaves(keys, LoRAArgs(lora_r=2), 4, weights=dict, base_model=None, writer=False)
+    saves.after_step(None, SimpleNamespace(iteration=2))
+    assert saves.written == [] and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("changes, world, message", [
+    ({"lora_r": 0}, 1, "lora_peft_save_path='out' .* without adapters"),
+    ({"model_parallel_size": 2}, 2, "lora_peft_save_path='out' .* with model_parallel_size=2"),
+    ({"pipe_parallel_size": 1}, 1, "lora_peft_save_path='out' .* with pipe_parallel_size=1"),
+    ({"zero_optimization": {"stage": 3}}, 1, "lora_peft_save_path='out' .* with zero_optimization.stage 3"),
+    ({"lora_peft_names": "llama"}, 1, r"lora_target_modules=.* with lora_peft_names='llama' .*: \['query_key_value'\]"),
+])  # fmt: skip
+def test_layouts_without_the_whole_adapters_on_rank0_are_refused_by_name(changes: dict[str, Any], world: int,
+                                                                        message: str) -> None:
+    from megatron.config_rules import Device
+    from megatron.errors import ConfigError
+    from megatron.neox_arguments import config_from_mapping
+    from megatron.neox_arguments.derived import finalize
+
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, train_iters=10, lr=1e-3,
+                train_micro_batch_size_per_gpu=2, use_dummy_dataset=True, tokenizer_type="CharLevelTokenizer",
+                lora_r=4, lora_peft_save_path="out")
+    device = Device(cuda=False, fp16_supported=False)
+    finalize(config_from_mapping(base), 1, device=device)  # tp 1, pp 0, ZeRO 0, gpt_neox names: accepted
+    with pytest.raises(ConfigError, match=message):
+        finalize(config_from_mapping({**base, **changes}), world, device=device)
