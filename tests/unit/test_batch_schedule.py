@@ -109,3 +109,49 @@ def test_train_batch_size_is_step_zeros_batch_and_bad_schedules_are_refused_by_n
             finalized(2, **values)
         assert "train_batch_size_schedule" in err.value.message and "cfg.yml:" in err.value.message, err.value.message
         assert words in err.value.message, err.value.message
+
+
+# Levanter's schedule, written as its config/gpt2_small_fast_batch_schedule.yaml writes it (@9263f81e: a
+# list of {start, value} under trainer.train_batch_size, per_device_parallelism -1, an eval parallelism,
+# allow_nondivisible_batch_size: true); the sizes here are small
+LEVANTER = """\
+model:
+  type: gpt2
+  hidden_dim: 32
+  num_heads: 4
+  num_layers: 2
+trainer:
+  per_device_parallelism: -1
+  per_device_eval_parallelism: 4
+  train_batch_size:
+    - start: 0
+      value: 16
+    - start: 4
+      value: 32
+    - start: 10
+      value: 8
+  num_train_steps: 20
+  allow_nondivisible_batch_size: true
+"""
+
+
+def load_levanter(tmp_path: Any, text: str) -> Any:
+    from megatron.neox_arguments.dialects import split_argv
+    from megatron.neox_arguments.loading import load_config
+
+    (tmp_path / "run.yaml").write_text(text)
+    _, parsed = split_argv(["--config_path", str(tmp_path / "run.yaml")])
+    return load_config([], (), None, parsed)
+
+
+def test_levanters_schedule_maps_onto_the_key_with_one_micro_batch(tmp_path: Any) -> None:
+    resolved = load_levanter(tmp_path, LEVANTER)
+    assert resolved.args.train_batch_size_schedule == steps((0, 16), (4, 32), (10, 8))
+    # per_device_parallelism -1: Levanter runs each step's batch whole; Deepy's fixed micro batch x dp is the
+    # sizes' gcd (8), so step 0's 16 samples are 2 micro-batches, step 4's 32 are 4
+    assert resolved.args.gradient_accumulation_steps == 2
+    resolved.args.use_dummy_dataset, resolved.args.tokenizer_type = True, "CharLevelTokenizer"  # no data block here
+    args = finalize(resolved, 2, device=Device(cuda=False, fp16_supported=False)).args
+    assert (args.train_batch_size, args.train_micro_batch_size_per_gpu) == (16, 4)
+    with pytest.raises(ConfigError, match="trainer.train_batch_size.*per_device_eval_parallelism"):
+        load_levanter(tmp_path, LEVANTER.replace("  per_device_eval_parallelism: 4\n", ""))
