@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from megatron.data.batch_schedule import BatchSchedule
 from megatron.errors import ConfigError
 
 
@@ -61,10 +62,16 @@ class RankBatch:
     """Samples per data-parallel rank in one forward/backward (``train_micro_batch_size_per_gpu``)."""
     gas: int
     """Micro-batches accumulated before each optimizer step (``gradient_accumulation_steps``)."""
+    steps: tuple[tuple[int, int], ...] = ()
+    """``train_batch_size_schedule`` as (start_step, global_batch) pairs; (): the layout's batch every step."""
 
     def on(self, dp: int) -> BatchLayout:
         """The run's layout on ``dp`` data-parallel ranks; nothing is solved or checked again."""
         return BatchLayout(micro=self.micro, gas=self.gas, dp=dp)
+
+    def schedule(self, dp: int) -> BatchSchedule:
+        """Each step's global batch on ``dp`` data-parallel ranks (step 0's is the layout's)."""
+        return BatchSchedule.of(self.steps) if self.steps else BatchSchedule.fixed(self.on(dp).global_size)
 
 
 def solve_batch(micro: int | None, gas: int | None, total: int | None, dp: int,

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron.data.batch_schedule import BatchSchedule
 from megatron.data.config import SPLITS, DataRun
 from megatron.data.blendable_dataset import BlendedDataset, cached_blend_index, samples_per_dataset, weights_by_num_documents
 from megatron.data.dummy_dataset import DummyDataset, DummyKind
@@ -72,14 +73,16 @@ def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
 
 
 def samples_needed(global_batch: int, train_iters: int | None, eval_iters: int, eval_interval: int,
-                   eval_batch: int | None = None) -> tuple[int, int, int]:
+                   eval_batch: int | None = None,
+                   batch_steps: tuple[tuple[int, int], ...] = ()) -> tuple[int, int, int]:
     """Samples each split must provide for the planned schedule (train from ``train_iters`` only):
-    ``global_batch`` samples per step, ``eval_iters`` batches of ``eval_batch`` samples (None: a global
-    batch) every ``eval_interval`` steps and once at the end."""
+    ``global_batch`` samples per step (with ``batch_steps``, the sum of each step's batch),
+    ``eval_iters`` batches of ``eval_batch`` samples (None: a global batch) every ``eval_interval`` steps
+    and once at the end."""
     g = global_batch
     iters = train_iters or 0
     interval = eval_interval or max(iters, 1)
-    train = iters * g
+    train = BatchSchedule.of(batch_steps).offset_at(iters) if batch_steps else iters * g
     eval_g = eval_batch or g
     valid = (iters // interval + 1) * eval_iters * eval_g if eval_iters else 0
     test = eval_iters * eval_g
@@ -278,7 +281,7 @@ def build_datasets(config: DataRun, tokenizer: Any, padded_vocab_size: int) -> D
     random tokens of the dummy dataset and the token ids a sample of the files may hold.
     """
     train_n, valid_n, test_n = samples_needed(config.train_batch_size, config.train_iters, config.eval_iters,
-                                              config.eval_interval, config.eval_batch_size)
+                                              config.eval_interval, config.eval_batch_size, config.batch_steps)
     if config.keys.use_dummy_dataset:
         seq = config.seq_length
         seed, kind, pattern = config.seed, _dummy_kind(config), config.keys.dummy_data

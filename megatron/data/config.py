@@ -34,6 +34,12 @@ class DataArgs(ArgGroup):
     """The data keys of GPT-NeoX's ``NeoXArgsTraining`` group, with Deepy's dummy data and
     Levanter-style raw-text URLs."""
 
+    train_batch_size_schedule: list[dict[str, int]] | None = None
+    """A global batch that changes with the step: ``[{start_step: 0, global_batch: 64}, {start_step: 100,
+    global_batch: 128}, ...]`` (Levanter's train_batch_size schedule); step s uses the last entry whose
+    start_step <= s, the micro batch stays fixed and gradient accumulation follows, the data offset
+    advances by each step's batch. train_batch_size is step 0's batch. Not with a pipeline engine."""
+
     data_path: str | None = None
     """Prefix of one tokenized dataset (`<prefix>.bin/.idx`) that is split into train/valid/test by
     `split`."""
@@ -209,6 +215,8 @@ class DataRun:
     """Seeds the sample order (the process keys')."""
     train_batch_size: int
     """Samples per optimizer step over all ranks (the splits are sized in global batches)."""
+    batch_steps: tuple[tuple[int, int], ...]
+    """``train_batch_size_schedule`` as (start_step, global_batch) pairs; (): train_batch_size every step."""
     train_iters: int | None
     """The loop's optimizer steps; None: ``train_epochs`` sizes the train split."""
     train_epochs: int | None

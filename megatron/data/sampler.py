@@ -20,13 +20,18 @@ import numpy as np
 import torch
 
 from megatron.data.batch import BatchLayout
+from megatron.data.batch_schedule import BatchSchedule
 from megatron.errors import DataError
 
 
-def micro_batch_indices(batch: BatchLayout, dp_rank: int, step: int, micro: int) -> np.ndarray:
+def micro_batch_indices(batch: BatchLayout, dp_rank: int, step: int, micro: int,
+                        schedule: BatchSchedule | None = None) -> np.ndarray:
     """Global sample indices of micro-batch ``micro`` of global batch ``step`` on data-parallel rank
-    ``dp_rank``."""
-    start = step * batch.global_size + dp_rank * batch.per_rank + micro * batch.micro
+    ``dp_rank``; with ``schedule``, step ``step`` starts at its offset and holds its own batch."""
+    if schedule is None:
+        start = step * batch.global_size + dp_rank * batch.per_rank + micro * batch.micro
+    else:
+        start = schedule.offset_at(step) + dp_rank * schedule.per_rank_at(step, batch.dp) + micro * batch.micro
     return np.arange(start, start + batch.micro, dtype=np.int64)
 
 
@@ -55,29 +60,36 @@ class MicroBatchIterator:
     themselves; for others the index is taken modulo ``len(dataset)``).
     """
 
-    def __init__(self, dataset: Any, consumed_samples: int, batch: BatchLayout, dp_rank: int = 0) -> None:
+    def __init__(self, dataset: Any, consumed_samples: int, batch: BatchLayout, dp_rank: int = 0,
+                 schedule: BatchSchedule | None = None) -> None:
         if not 0 <= dp_rank < batch.dp:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, {batch.dp})")
         self.batch, self.dp_rank = batch, dp_rank
-        global_size = batch.global_size
-        if consumed_samples < 0 or consumed_samples % global_size:
-            raise DataError(f"consumed_samples={consumed_samples} is not a whole number of global batches of "
-                            f"{global_size}; the checkpoint does not match this train_batch_size")
+        self.schedule = schedule or BatchSchedule.fixed(batch.global_size)
+        step = self.schedule.step_at_offset(consumed_samples) if consumed_samples >= 0 else None
+        if step is None:
+            raise DataError(f"consumed_samples={consumed_samples} is not where a step of this run's batch schedule "
+                            f"starts (global batches of {'/'.join(map(str, self.schedule.sizes))}); the checkpoint "
+                            "does not match this train_batch_size (or train_batch_size_schedule)")
         if len(dataset) == 0:
             raise DataError("the dataset is empty")
         self.dataset = dataset
         self._wraps = bool(getattr(dataset, "wraps", False))
-        self._batch = consumed_samples // global_size
+        self._batch = step
         self._micro = 0
 
     @property
     def consumed_samples(self) -> int:
         """Global samples consumed by all ranks once the current global batch completes."""
-        return self._batch * self.batch.global_size
+        return self.schedule.offset_at(self._batch)
+
+    def _gas(self) -> int:
+        """Micro-batches of the current global batch on this rank (its batch over micro x dp)."""
+        return self.schedule.gas_at(self._batch, self.batch.micro, self.batch.dp)
 
     def indices(self) -> np.ndarray:
         """Global indices of the next micro-batch (without advancing)."""
-        return micro_batch_indices(self.batch, self.dp_rank, self._batch, self._micro)
+        return micro_batch_indices(self.batch, self.dp_rank, self._batch, self._micro, self.schedule)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self
@@ -87,7 +99,7 @@ class MicroBatchIterator:
         n = len(self.dataset)
         batch = collate([self.dataset[int(i) if self._wraps else int(i) % n] for i in idx])
         self._micro += 1
-        if self._micro == self.batch.gas:
+        if self._micro == self._gas():
             self._micro = 0
             self._batch += 1
         return batch

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from megatron.checkpointing.resume_checks import batch_across_layouts
-from megatron.data.batch import BatchError, solve_batch
+from megatron.data.batch import BatchError, BatchLayout, solve_batch
+from megatron.data.batch_schedule import schedule_problems
 from megatron.errors import ConfigError
 from megatron.launcher.config import DeepSpeedRunnerArgs
 from megatron.objective_needs import needs_of
@@ -131,6 +132,9 @@ def derive_batch(ctx: RuleContext) -> Derivation:
     gas = ctx.get("gradient_accumulation_steps") if ctx.given("gradient_accumulation_steps") else None
     micro, micro_key = (ctx.get(micro_keys[0]), micro_keys[0]) if micro_keys else (None, "train_micro_batch_size_per_gpu")
     total = ctx.get("train_batch_size")
+    steps = ctx.get("train_batch_size_schedule")
+    if total is None and steps and isinstance(steps[0], dict) and isinstance(steps[0].get("global_batch"), int):
+        total = steps[0]["global_batch"]  # train_batch_size is step 0's batch
     if total is None and ctx.trains:  # a resume at another data-parallel size keeps the checkpoint's global batch
         total, problems = batch_across_layouts(ctx, dp, micro, micro_key, gas)
         if problems:
@@ -145,7 +149,29 @@ def derive_batch(ctx: RuleContext) -> Derivation:
         return Derivation(layout.keys(), problems=[
             f"{shown} with train_impl: {impl}: its loss compares the samples inside a micro-batch, which needs at "
             f"least {least} samples; raise it to {least} or more"])
+    if steps is not None:
+        problems = schedule_rule_problems(ctx, steps, layout)
+        if problems:
+            return Derivation(layout.keys(), problems=problems)
     return Derivation(layout.keys())
+
+
+def schedule_rule_problems(ctx: RuleContext, steps: Any, layout: BatchLayout) -> list[str]:
+    """``train_batch_size_schedule`` against the solved layout: entries, multiples of micro x dp, and the
+    engines and keys it cannot go with (a pipeline engine runs a fixed number of micro-batches)."""
+    shown = ctx.show("train_batch_size_schedule")
+    if not isinstance(steps, list):
+        return [f"{shown}: give a list of {{start_step, global_batch}}"]
+    given = ctx.get("train_batch_size") if ctx.given("train_batch_size") else None
+    problems = [f"{shown}: {p}" for p in schedule_problems(steps, layout.micro, layout.dp, given)]
+    if ctx.uses_pipeline_module:
+        problems.append(f"{shown} with {ctx.show('pipe_parallel_size')}: DeepSpeed's pipeline engine runs a fixed "
+                        "number of micro-batches per step; use pipe_parallel_size: 0 or one train_batch_size")
+    for key in ("train_epochs", "max_train_epochs"):
+        if ctx.get(key):
+            problems.append(f"{shown} with {ctx.show(key)}: epochs are counted in steps of one batch size; "
+                            "give train_iters")
+    return problems
 
 
 @deriver

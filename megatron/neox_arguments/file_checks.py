@@ -137,6 +137,7 @@ def splits_hold_a_sample(ctx: RuleContext) -> list[str]:
     ``eval_iters``) holds at least one packed sample of ``seq_length + 1`` tokens; otherwise every rank stops
     at start-up ("the dataset yields no samples"). A split with no document at all is skipped with a warning
     by the ranks, so it is not refused here."""
+    from megatron.data.batch_schedule import schedule_pairs
     from megatron.data.build import samples_needed, split_ranges
     from megatron.data.config import SPLITS
     from megatron.data.indexed_dataset import MMapIndexedDataset
@@ -148,7 +149,8 @@ def splits_hold_a_sample(ctx: RuleContext) -> list[str]:
     try:
         args = cast(NeoXArgs, ctx.args)
         needed = dict(zip(SPLITS, samples_needed(int(args.train_batch_size or 0), args.train_iters, args.eval_iters,
-                                                 args.eval_interval)))
+                                                 args.eval_interval, None,
+                                                 schedule_pairs(args.train_batch_size_schedule))))
     except (TypeError, ValueError):
         return []
     problems: list[str] = []

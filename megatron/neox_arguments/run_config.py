@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron.checkpointing.config import CheckpointArgs
 from megatron.data.batch import RankBatch, eval_batch_size
+from megatron.data.batch_schedule import schedule_pairs
 from megatron.data.config import DataRun
 from megatron.evaluation.config import EvalRun
 from megatron.logging.config import LoggingArgs
@@ -177,7 +178,8 @@ def data_run(args: NeoXArgs) -> DataRun:
     """The datasets' frozen view: the data keys (``args`` typed as ``DataArgs``) and the shared values."""
     global_batch = _resolved(args.train_batch_size, "train_batch_size")
     return DataRun(keys=args, seq_length=_resolved(args.seq_length, "seq_length"), seed=args.seed,
-                   train_batch_size=global_batch, train_iters=args.train_iters, train_epochs=args.train_epochs,
+                   train_batch_size=global_batch, batch_steps=schedule_pairs(args.train_batch_size_schedule),
+                   train_iters=args.train_iters, train_epochs=args.train_epochs,
                    max_train_epochs=args.max_train_epochs, eval_iters=args.eval_iters,
                    eval_batch_size=global_batch if args.eval_micro_batch_size_per_gpu is None else eval_batch_size(
                        global_batch, _rank_batch(args), args.eval_micro_batch_size_per_gpu),
@@ -187,7 +189,7 @@ def data_run(args: NeoXArgs) -> DataRun:
 def _rank_batch(args: NeoXArgs) -> RankBatch:
     """The resolved micro batch and accumulation (``derive_batch`` solved them before launch)."""
     return RankBatch(micro=_resolved(args.train_micro_batch_size_per_gpu, "train_micro_batch_size_per_gpu"),
-                     gas=args.gradient_accumulation_steps)
+                     gas=args.gradient_accumulation_steps, steps=schedule_pairs(args.train_batch_size_schedule))
 
 
 def training_run(args: NeoXArgs) -> TrainingRun:

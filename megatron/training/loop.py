@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from megatron.data.batch_schedule import BatchSchedule
 from megatron.errors import DeepyError
 from megatron.logging.monitor import Monitor
 from megatron.logging.peak_memory import memory_metrics
@@ -87,13 +88,17 @@ class _Window:
     steps: int = 0
     loss_sum: float | torch.Tensor = 0.0  # a device tensor once a step added to it: read at log steps only
     loss_count: int = 0
+    tokens: int = 0
+    samples: int = 0
     metric_sums: dict[str, float] = field(default_factory=dict)
     metric_counts: dict[str, int] = field(default_factory=dict)
 
     lr: float = 0.0
 
-    def add(self, result: StepResult, lr: float) -> None:
+    def add(self, result: StepResult, lr: float, samples: int, tokens: int) -> None:
         self.steps += 1
+        self.samples += samples
+        self.tokens += tokens
         self.lr = lr
         if result.applied:
             self.loss_sum += result.loss
@@ -111,7 +116,9 @@ class LoopContext:
     device: torch.device
     train_iters: int
     global_batch_size: int
+    """Step 0's global batch (``train_batch_size``)."""
     tokens_per_step: int
+    """Step 0's tokens."""
     flops_per_token: float
     world_size: int
     peak_tflops: float | None
@@ -132,6 +139,15 @@ class LoopContext:
     (``eval/ema/...``), the weights ``tasks`` run on."""
     bad_steps: BadStepGate | None = None
     """The bad-step rule (``skip_bad_steps_window``), deciding inside each optimizer step."""
+    schedule: BatchSchedule | None = None
+    """Each step's global batch (``train_batch_size_schedule``); None: ``global_batch_size`` every step."""
+
+    def step_batch(self, iteration: int) -> tuple[int, int]:
+        """Samples and tokens of 0-based step ``iteration``."""
+        if self.schedule is None:
+            return self.global_batch_size, self.tokens_per_step
+        samples = self.schedule.batch_at(iteration)
+        return samples, self.tokens_per_step // self.global_batch_size * samples
 
 
 def _sync() -> None:
@@ -175,9 +191,12 @@ def log_row(ctx: LoopContext, state: TrainState, window: _Window, result: StepRe
     if ctx.bad_steps is not None:
         row["train/skipped_bad_steps"] = ctx.bad_steps.rule.skipped
     row["train/consumed_tokens"] = state.consumed_tokens
-    row.update(as_metrics(measure(tokens_per_iter=ctx.tokens_per_step, iterations=window.steps, seconds=seconds,
-                                  flops_per_token=ctx.flops_per_token, world_size=ctx.world_size,
-                                  peak=ctx.peak_tflops, samples_per_iter=ctx.global_batch_size,
+    if ctx.schedule is not None:  # the batch DeepSpeed ran the last step with (its accumulation = the micro-batch count)
+        row["train/global_batch"] = int(ctx.eng.engine.train_batch_size())
+    steps = max(window.steps, 1)  # the window's steps' own batches (a batch schedule changes them)
+    row.update(as_metrics(measure(tokens_per_iter=round(window.tokens / steps), iterations=window.steps,
+                                  seconds=seconds, flops_per_token=ctx.flops_per_token, world_size=ctx.world_size,
+                                  peak=ctx.peak_tflops, samples_per_iter=round(window.samples / steps),
                                   hardware_flops_per_token=ctx.hardware_flops_per_token)))
     row.update(ctx.monitor.window_metrics(window.steps))
     row.update(memory_metrics())
@@ -239,10 +258,14 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
     while state.iteration < ctx.train_iters:
         lr = ctx.eng.lr_scheduler.get_last_lr()[0]
         ctx.monitor.before_step(state.iteration + 1)
+        samples, tokens = ctx.step_batch(state.iteration)
+        if ctx.schedule is not None and samples != ctx.eng.engine.train_batch_size():
+            # the micro batch stays, DeepSpeed's accumulation steps (the objective's micro-batch count) follow
+            ctx.eng.engine.set_train_batch_size(samples)
         result = train_step(ctx.eng, ctx.micro_batches, ctx.device)
         state.iteration += 1
-        state.consumed_samples += ctx.global_batch_size
-        state.consumed_tokens += ctx.tokens_per_step
+        state.consumed_samples += samples
+        state.consumed_tokens += tokens
         if ctx.averaging is not None:
             ctx.averaging.update()  # after every step, skipped or not (Levanter's take_step)
         if ctx.bad_steps is not None:
@@ -250,7 +273,7 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
         log_step = ctx.monitor.is_log_step(state.iteration)
         # the loss is read (a wait for the device) only at log steps
         ctx.monitor.after_step(state.iteration, float(result.loss) if log_step else None)
-        window.add(result, lr)
+        window.add(result, lr, samples, tokens)
         _check_overflow(state, result, limit)
 
         if log_step:

@@ -239,12 +239,13 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
     # Levanter's users watch a bar while a resumed run fast-forwards through its data. Ours is a seek
     # (the iterator computes its position), so the bar over the skipped global batches fills at once
     # and says how long that took; on the speaking rank, to stderr, and only when there is a skip.
-    skipped = state.consumed_samples // g
+    schedule = training.batch.schedule(batch.dp) if training.batch.steps else None
+    skipped = state.iteration if schedule is not None else state.consumed_samples // g
     with progress(skipped, "data fast-forward", "global batches", enabled=speaks() and skipped > 0,
                   every_s=float("inf")) as fast_forward:
         source = MicroBatchIterator(eng.reference.wrap_dataset(splits.train, "train"), state.consumed_samples,
-                                    batch, dp_rank)
-        fast_forward.update(source.consumed_samples // g)
+                                    batch, dp_rank, schedule)
+        fast_forward.update(skipped)
     # read ahead by a background thread (num_workers micro-batches), pinned for asynchronous copies on a
     # GPU; the data timer measures what the step still waits for
     micro = TimedIterator(prefetched(source, training.loop.num_workers), monitor.timers)
@@ -265,7 +266,7 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
             eng, tokenizer, zero_stage=int((run.deepspeed_config.get("zero_optimization") or {}).get("stage", 0)),
             sequence_parallel=run.model.sequence_parallel and run.parallel.model_parallel_size > 1).run,
         tasks_interval=None if task_evaluation is None else task_evaluation.interval,
-        end_reason=end_reason, averaging=averaging, bad_steps=bad_steps,
+        end_reason=end_reason, averaging=averaging, bad_steps=bad_steps, schedule=schedule,
     )
     # DeepSpeed's communication timings (comms_logger): shown after the last step, and with verbose at log steps
     comms = CommsReport(run.deepspeed_config.get("comms_logger"), log_config.log_interval)

@@ -194,7 +194,6 @@ def test_the_epoch_cap_ends_the_run_at_its_last_whole_batch() -> None:
     ("model:\n  type: gpt2_hyena\n", "Hyena"),
     ("model:\n  type: backpack\n", "Backpack"),
     ("model:\n  type: whisper\n", "speech"),
-    ("trainer:\n  train_batch_size:\n    - start: 0\n      value: 64\n", "batch-size schedule"),
 ])
 def test_features_not_built_are_refused_by_name(tmp_path: Path, text: str, reason: str) -> None:
     with pytest.raises(ConfigError, match=reason):

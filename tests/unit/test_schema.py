@@ -96,6 +96,7 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "decay_fraction": ("lr", None),
     "selective_checkpointing": ("activation_checkpointing", None),
     "use_dummy_dataset": ("data", False),
+    "train_batch_size_schedule": ("data", None),  # Levanter's batch schedule (megatron/data/batch_schedule.py)
     "train_urls": ("data", None),
     "validation_urls": ("data", None),
     "cache_dir": ("data", None),

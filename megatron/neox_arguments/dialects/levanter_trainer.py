@@ -9,6 +9,7 @@ mean); JAX and TPU plumbing that changes nothing here is accepted at its default
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 from pathlib import Path
@@ -273,9 +274,32 @@ def _axis_resources(value: Any, ctx: Context, parameters: bool = False) -> dict[
 
 
 def _train_batch_size(value: Any, ctx: Context) -> dict[str, Any]:
-    if isinstance(value, list):
-        raise Refused("a batch-size schedule ([{start, value}, ...]) is not built here; give one number")
-    return {"train_batch_size": value}
+    """A number, or Levanter's schedule ``[{start, value}, ...]`` (``ScheduleStep``, schedule.py:13-16
+    @9263f81e; ``TrainerConfig.train_batch_size: int | IntSchedule``, trainer.py:694) ->
+    ``train_batch_size_schedule`` (step s takes the last entry with start <= s, schedule.py:98-106)."""
+    if not isinstance(value, list):
+        return {"train_batch_size": value}
+    if not value or not all(isinstance(e, dict) and set(e) == {"start", "value"} for e in value):
+        raise Refused("a batch schedule is a list of {start: step, value: batch size}")
+    steps = [{"start_step": e["start"], "global_batch": e["value"]} for e in value]
+    out: dict[str, Any] = {"train_batch_size_schedule": steps}
+    micro = ctx.value("trainer.per_device_parallelism", ctx.value("trainer.per_device_train_parallelism", -1))
+    if micro in (-1, None):
+        # Levanter with -1 runs each step's batch whole, no accumulation (trainer.py:925-932); Deepy keeps one
+        # micro batch: micro x dp = the sizes' greatest common divisor, and accumulates (the same mean gradient)
+        sizes = [int(e["value"]) for e in value if isinstance(e["value"], int)]
+        out["gradient_accumulation_steps"] = sizes[0] // math.gcd(*sizes) if len(sizes) == len(value) else 1
+        if ctx.value("trainer.per_device_eval_parallelism", -1) in (-1, None):
+            raise Refused("with a batch schedule and per_device_parallelism -1 Levanter's evaluation batch is the "
+                          "largest scheduled batch (trainer.py:954-959); give trainer.per_device_eval_parallelism")
+    return out
+
+
+def _nondivisible(value: Any, ctx: Context) -> dict[str, Any]:
+    """Levanter's flag only lets a batch that the data axis does not divide through, padded
+    (data/loader.py:138-146, 180-190@9263f81e); a batch that divides is read the same either way."""
+    return noted("Deepy's batches divide over the data-parallel ranks, where the flag changes nothing; one that "
+                 "does not is refused before launch (train_batch_size, train_batch_size_schedule)")
 
 
 def _micro_batch(value: Any, ctx: Context) -> dict[str, Any]:
@@ -376,7 +400,7 @@ TRAINER_RULES: dict[str, Rule] = {
     "trainer.per_device_parallelism": _micro_batch,
     "trainer.per_device_train_parallelism": _micro_batch,
     "trainer.per_device_eval_parallelism": _eval_micro_batch,
-    "trainer.allow_nondivisible_batch_size": _equal_or_refuse(False, "Deepy's batch divides evenly over its ranks"),
+    "trainer.allow_nondivisible_batch_size": _nondivisible,
     "trainer.steps_per_eval": to("eval_interval"),
     "trainer.max_eval_batches": _eval_batches,
     "trainer.mp": _mixed_precision,

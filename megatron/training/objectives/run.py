@@ -91,6 +91,9 @@ class ObjectiveRunner:
         losses = []
         if train:
             for i, b in enumerate(batches):
+                # the step's last micro-batch is the boundary, whatever micro-batches came before (with a
+                # batch schedule DeepSpeed's count of micro steps no longer lines up with the accumulation)
+                engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
                 b = b.to(device)
                 loss = self.objective.loss(engine(b.inputs, **b.model_kwargs()), b.targets(denominator))
                 engine.backward(loss)
