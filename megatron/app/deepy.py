@@ -216,16 +216,25 @@ def hf_start(resolved: ResolvedConfig, in_place: bool) -> str | None:
 
     from megatron.checkpointing.discovery import resume_point
     from megatron.errors import required
-    from megatron.interop.hf_start import CONVERTED_MARKER, IMPORT_DIR, start_from_hf
+    from megatron.interop.hf_start import CONVERTED_MARKER, HfImport, start_from_hf
 
     args = resolved.args
+    if not args.initialize_from_hf:
+        return None
     save = Path(required(args.save, "save", "initialize_from_hf converts the model into <save>/hf_import"))
+    plan = HfImport(str(args.initialize_from_hf), save, args.model_parallel_size or 1, args.pipe_parallel_size,
+                    str(args.precision),
+                    required(args.seq_length, "seq_length", "the converted model's positions follow it"))
     own = any(resume_point(Path(d), None) is not None for d in {args.save, args.load} if d and Path(d).is_dir())
-    if in_place and not own and not (save / IMPORT_DIR / CONVERTED_MARKER).is_file():
+    if in_place and not own and not (plan.target / CONVERTED_MARKER).is_file():
         raise ConfigError(f"initialize_from_hf with a launch where every rank runs deepy.py itself: convert first "
                           f"with python tools/ckpts/convert_hf_to_neox.py {args.initialize_from_hf} "
-                          f"{save / IMPORT_DIR}, then launch again")
-    return start_from_hf(args, resolved.provenance, has_own_checkpoint=own)
+                          f"{plan.target}, then launch again")
+    note = start_from_hf(plan, has_own_checkpoint=own)
+    # a restart with its own checkpoint keeps initialize_from too: the checkpoint recorded it (the same run)
+    args.initialize_from = str(plan.target)
+    resolved.provenance["initialize_from"] = "derived (initialize_from_hf, converted before launch)"
+    return note
 
 
 def already_finished(resolved: ResolvedConfig, user_script: str) -> str | None:

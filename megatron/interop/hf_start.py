@@ -15,8 +15,8 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from megatron.config_rules import RuleContext, rule, zero_source, zero_stage
 from megatron.errors import ConfigError
@@ -68,31 +68,42 @@ def _run(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(argv), capture_output=True, text=True, env=env)
 
 
-def import_command(args: Any, target: Path) -> list[str]:
-    """The import tool's command for ``args`` (the resolved arguments): the run's split and compute dtype."""
-    return [sys.executable, str(REPO / "tools" / "ckpts" / "convert_hf_to_neox.py"), str(args.initialize_from_hf),
-            str(target), "--tp", str(args.model_parallel_size or 1), "--pp", str(args.pipe_parallel_size),
-            "--precision", _PRECISION.get(str(args.precision), "auto"), "--seq-length", str(args.seq_length),
+@dataclass(frozen=True)
+class HfImport:
+    """What the conversion reads from the resolved config (the app builds it there): the local model, the run's
+    ``save``, its tensor and pipeline split, compute dtype and sequence length."""
+
+    source: str
+    save: Path
+    tensor_parallel: int
+    pipe_parallel: int
+    precision: str
+    seq_length: int
+
+    @property
+    def target(self) -> Path:
+        """Where the converted model goes, and where the run starts from (its ``initialize_from``)."""
+        return self.save / IMPORT_DIR
+
+
+def import_command(plan: HfImport) -> list[str]:
+    """The import tool's command: the run's split and compute dtype."""
+    return [sys.executable, str(REPO / "tools" / "ckpts" / "convert_hf_to_neox.py"), plan.source,
+            str(plan.target), "--tp", str(plan.tensor_parallel), "--pp", str(plan.pipe_parallel),
+            "--precision", _PRECISION.get(plan.precision, "auto"), "--seq-length", str(plan.seq_length),
             "--no-verify"]
 
 
-def start_from_hf(args: Any, provenance: dict[str, str], has_own_checkpoint: bool,
-                  run: Runner = _run) -> str | None:
-    """Point ``initialize_from`` at ``<save>/hf_import``, converting ``initialize_from_hf`` there first when
-    the run starts afresh and it is not converted yet; returns what was done (for the launch notes), or None
-    without ``initialize_from_hf``. ``run`` executes the import tool (tests inject their own)."""
-    if not args.initialize_from_hf:
-        return None
-    target = Path(args.save) / IMPORT_DIR
-    args.initialize_from = str(target)
-    provenance["initialize_from"] = "derived (initialize_from_hf, converted before launch)"
+def start_from_hf(plan: HfImport, has_own_checkpoint: bool, run: Runner = _run) -> str:
+    """Convert ``plan.source`` into ``plan.target`` when the run starts afresh and it is not converted yet;
+    returns what was done (for the launch notes). The caller points ``initialize_from`` at ``plan.target``.
+    ``run`` executes the import tool (tests inject their own)."""
     if has_own_checkpoint:
-        return f"initialize_from_hf: the run resumes its own checkpoint in {args.save}; {target} is not read"
-    if (target / CONVERTED_MARKER).is_file():
-        return f"initialize_from_hf: starting from {target} (converted by an earlier launch)"
-    command = import_command(args, target)
-    proc = run(command)
+        return f"initialize_from_hf: the run resumes its own checkpoint in {plan.save}; {plan.target} is not read"
+    if (plan.target / CONVERTED_MARKER).is_file():
+        return f"initialize_from_hf: starting from {plan.target} (converted by an earlier launch)"
+    proc = run(import_command(plan))
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-10:])
-        raise ConfigError(f"initialize_from_hf: converting {args.initialize_from_hf} failed:\n{tail}")
-    return f"initialize_from_hf: converted {args.initialize_from_hf} into {target}; the run starts from its weights"
+        raise ConfigError(f"initialize_from_hf: converting {plan.source} failed:\n{tail}")
+    return f"initialize_from_hf: converted {plan.source} into {plan.target}; the run starts from its weights"

@@ -241,21 +241,21 @@ def _fms_annealing_shape(progress: float, steps: float, spec: ScheduleSpec) -> f
     return 1 - steps / spec.total_steps
 
 
-def _levanter_check(args: Any, show: Callable[[str], str]) -> list[str]:
+@rule
+def levanter_schedule_is_one_levanter_builds(ctx: RuleContext) -> list[str]:
     """Levanter's own refusals, before launch (its optax cosine with no decay steps, bad cycles)."""
-    if not args.train_iters:
+    if str(ctx.get("lr_decay_style")) != "levanter" or not ctx.get("train_iters"):
         return []
-    keys = LevanterScheduleArgs(**{key: getattr(args, key) for key in LevanterScheduleArgs.model_fields})
+    keys = LevanterScheduleArgs(**{key: ctx.get(key) for key in LevanterScheduleArgs.model_fields})
     try:
-        levanter_curve(keys, int(args.train_iters))
+        levanter_curve(keys, int(ctx.get("train_iters")))
     except ConfigError as err:
-        return [f"{show('lr_decay_style')}: {err}"]
+        return [f"{ctx.show('lr_decay_style')}: {err}"]
     return []
 
 
 # a style's need ``whole_curve``: it computes the whole curve; ``LRSchedulerArgs.spec`` adds no phases of its own
-plugins.register("lr_decay_style", "levanter", keys=LevanterScheduleArgs, check=_levanter_check,
-                 whole_curve=True)(_levanter_shape)
+plugins.register("lr_decay_style", "levanter", keys=LevanterScheduleArgs, whole_curve=True)(_levanter_shape)
 plugins.register("lr_decay_style", "fms", whole_curve=True)(_fms_shape)
 plugins.register("lr_decay_style", "fms_annealing", whole_curve=True)(_fms_annealing_shape)
 
