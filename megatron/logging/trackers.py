@@ -8,7 +8,9 @@ training loop only ever calls :meth:`Trackers.log`.
   resumed run continues the same W&B run and its step axis (``step=iteration``). Offline mode
   (``WANDB_MODE=offline`` or ``mode: offline``) needs no network. The API key is never passed by
   Deepy: wandb reads it from WANDB_API_KEY or ~/.netrc itself, so it appears on no command line and
-  in no log line of ours.
+  in no log line of ours. With ``wandb_code_dir`` the speaking rank's run also saves that directory's
+  source files and records its git commit (:func:`code_settings`); wandb itself saves the Python
+  packages installed (the run file requirements.txt) with every run.
 - TensorBoard: ``torch.utils.tensorboard.SummaryWriter``; a resumed run purges events at or after
   its first step, so a resume from an older checkpoint does not leave two curves.
 - metrics.jsonl: the run's own file ``<log_dir>/<run name>/metrics.jsonl`` (see ``metrics.py``); a
@@ -163,6 +165,8 @@ class WandbTracker:
         # since wandb's process-wide settings may have been read before the variable was set)
         directory = os.environ.get("WANDB_DIR") or log_dir or "."
         os.makedirs(directory, exist_ok=True)
+        code, commit = code_settings(settings.code_dir if ctx.speaks else None, os.environ)
+        config = {**ctx.run_config, **({"git_commit": commit} if commit else {})}
         self.run = wandb.init(
             project=settings.project,
             entity=settings.entity,
@@ -174,9 +178,9 @@ class WandbTracker:
             id=run_id,
             resume="allow",  # same id: continue that run (and its step axis) when it exists
             dir=directory,
-            config=dict(ctx.run_config) if ctx.speaks else None,
+            config=config if ctx.speaks else None,
             # console="off": W&B would otherwise wrap stdout/stderr of every rank it runs on
-            settings=wandb.Settings(base_url=settings.host, console="off"),
+            settings=wandb.Settings(base_url=settings.host, console="off", **code),
         )
 
     @property
@@ -189,6 +193,42 @@ class WandbTracker:
 
     def finish(self, failed: bool = False) -> None:
         self.run.finish(exit_code=1 if failed else 0)
+
+
+def code_settings(code_dir: str | None, environ: Mapping[str, str]) -> tuple[dict[str, Any], str | None]:
+    """The ``wandb.Settings`` that save ``code_dir``'s source with the run, and the commit recorded with it
+    (Levanter's ``WandbConfig._git_settings``/``_get_git_sha``, tracker/wandb.py:245-294@9263f81e: code_dir
+    and git_root both the directory; the commit is $GIT_COMMIT, else the HEAD of the repository whose root
+    the directory is, else none).
+
+    wandb (0.31.0, wandb_run.py ``_on_start``) logs code_dir's files (``log_code``: *.py, requirements.txt,
+    Dockerfile*, not under wandb/ or .wandb/) only when its save_code setting is on; the key asks for
+    them, so it is on unless the user's WANDB_SAVE_CODE or WANDB_DISABLE_CODE says otherwise (online,
+    wandb lets the account's code-saving setting win over both, wandb_init.py)."""
+    if code_dir is None:
+        return {}, None
+    out: dict[str, Any] = {"code_dir": code_dir, "git_root": code_dir}
+    if "WANDB_SAVE_CODE" not in environ and "WANDB_DISABLE_CODE" not in environ:
+        out["save_code"] = True
+    commit = environ["GIT_COMMIT"] if "GIT_COMMIT" in environ else head_commit(code_dir)
+    if commit:
+        out["git_commit"] = commit
+    return out, commit
+
+
+def head_commit(root: str) -> str | None:
+    """HEAD of the git repository whose root is ``root`` (as GitPython's ``Repo(root)`` reads it: a
+    directory inside a repository is not its root), or None."""
+    import subprocess
+
+    if not os.path.exists(os.path.join(root, ".git")):
+        return None
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    commit = out.stdout.strip()
+    return commit if out.returncode == 0 and commit else None
 
 
 TrackerFactory = Callable[[Any, TrackerContext, str | None], Tracker]
