@@ -182,6 +182,9 @@ class WandbTracker:
             # console="off": W&B would otherwise wrap stdout/stderr of every rank it runs on
             settings=wandb.Settings(base_url=settings.host, console="off", **code),
         )
+        if code and self.run.settings.save_code:  # what wandb's code_dir setting does, less what git ignores
+            assert settings.code_dir is not None
+            self.run.log_code(settings.code_dir, include_fn=source_files(settings.code_dir))
 
     @property
     def run_id(self) -> str:
@@ -196,24 +199,53 @@ class WandbTracker:
 
 
 def code_settings(code_dir: str | None, environ: Mapping[str, str]) -> tuple[dict[str, Any], str | None]:
-    """The ``wandb.Settings`` that save ``code_dir``'s source with the run, and the commit recorded with it
-    (Levanter's ``WandbConfig._git_settings``/``_get_git_sha``, tracker/wandb.py:245-294@9263f81e: code_dir
-    and git_root both the directory; the commit is $GIT_COMMIT, else the HEAD of the repository whose root
-    the directory is, else none).
+    """The ``wandb.Settings`` of a run that saves ``code_dir``'s source, and the commit recorded with it
+    (Levanter's ``WandbConfig._git_settings``/``_get_git_sha``, tracker/wandb.py:245-294@9263f81e: git_root
+    the directory; the commit is $GIT_COMMIT, else the HEAD of the repository whose root the directory is,
+    else none).
 
-    wandb (0.31.0, wandb_run.py ``_on_start``) logs code_dir's files (``log_code``: *.py, requirements.txt,
-    Dockerfile*, not under wandb/ or .wandb/) only when its save_code setting is on; the key asks for
-    them, so it is on unless the user's WANDB_SAVE_CODE or WANDB_DISABLE_CODE says otherwise (online,
-    wandb lets the account's code-saving setting win over both, wandb_init.py)."""
+    Levanter also sets wandb's code_dir, which makes wandb (0.31.0, wandb_run.py ``_on_start``) call
+    ``log_code(code_dir)`` when its save_code setting is on; the tracker makes that call itself, to leave
+    out what git ignores (:func:`source_files`). The key asks for the code, so save_code is on unless the
+    user's WANDB_SAVE_CODE or WANDB_DISABLE_CODE says otherwise (online, wandb lets the account's
+    code-saving setting win over all of them, wandb_init.py)."""
     if code_dir is None:
         return {}, None
-    out: dict[str, Any] = {"code_dir": code_dir, "git_root": code_dir}
+    out: dict[str, Any] = {"git_root": code_dir}
     if "WANDB_SAVE_CODE" not in environ and "WANDB_DISABLE_CODE" not in environ:
         out["save_code"] = True
     commit = environ["GIT_COMMIT"] if "GIT_COMMIT" in environ else head_commit(code_dir)
     if commit:
         out["git_commit"] = commit
     return out, commit
+
+
+def source_files(root: str) -> Callable[[str, str], bool]:
+    """Which files of ``root`` ``log_code`` saves: those wandb's own rule takes (*.py, requirements.txt,
+    Dockerfile*; wandb/util.py ``_is_py_requirements_or_dockerfile``) that git does not ignore (tracked or
+    new), so a checkout's .venv (thousands of *.py) stays out; outside a git work tree, every such file
+    but those of a Python environment (a directory holding pyvenv.cfg or conda-meta)."""
+    import subprocess
+
+    def wandbs_rule(path: str) -> bool:
+        name = os.path.basename(path)
+        return name.endswith(".py") or name.startswith("Dockerfile") or name == "requirements.txt"
+
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                             capture_output=True, text=True, timeout=60)
+        listed = set(out.stdout.split("\0")) if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        listed = None
+    if listed is not None:
+        return lambda path, top: wandbs_rule(path) and os.path.relpath(path, top) in listed
+
+    def in_environment(path: str, top: str) -> bool:
+        parts = os.path.relpath(os.path.dirname(path), top).split(os.sep)
+        dirs = (os.path.join(top, *parts[:n]) for n in range(1, len(parts) + 1))
+        return any(os.path.exists(os.path.join(d, m)) for d in dirs for m in ("pyvenv.cfg", "conda-meta"))
+
+    return lambda path, top: wandbs_rule(path) and not in_environment(path, top)
 
 
 def head_commit(root: str) -> str | None:

@@ -11,7 +11,8 @@ import pytest
 from tracker_readers import read_wandb_file, tensorboard_scalars, wandb_runs
 
 from megatron import plugins
-from megatron.logging.trackers import TrackerContext, build_trackers, code_settings, new_wandb_run_id, scalars
+from megatron.logging.trackers import (TrackerContext, build_trackers, code_settings, new_wandb_run_id, scalars,
+                                       source_files)
 from megatron.neox_arguments.arguments import NeoXArgs
 
 ROWS = [
@@ -28,15 +29,21 @@ def test_registry_is_keyed_by_tracker_type() -> None:
     assert len(ids) == 50 and all(len(i) == 8 and i.isalnum() and i.islower() or i.isdigit() for i in ids)
 
 
+CODE = {"a.py": "x = 1\n", "sub/b.py": "y = 2\n", "requirements.txt": "torch\n", "notes.txt": "not code\n",
+        "wandb/skipped.py": "z = 3\n", ".venv/pyvenv.cfg": "home = /usr\n", ".venv/lib/site.py": "w = 4\n"}
+"""A project's directory: source, a text file, wandb's own directory, and a virtual environment."""
+
+
 def code_repository(root: Path) -> str:
-    """A small git repository (source files, a text file, a wandb/ directory); returns its commit."""
-    for name, text in (("a.py", "x = 1\n"), ("sub/b.py", "y = 2\n"), ("requirements.txt", "torch\n"),
-                       ("notes.txt", "not code\n"), ("wandb/skipped.py", "z = 3\n")):
+    """:data:`CODE` as a git repository that ignores its .venv, plus a new file not committed yet; returns
+    the commit."""
+    for name, text in {**CODE, ".gitignore": ".venv/\n"}.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t"]
     for command in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "code"]):
         subprocess.run(git + command, check=True)
+    (root / "new.py").write_text("v = 5\n")
     return subprocess.run(git + ["log", "-1", "--format=%H"], check=True, capture_output=True, text=True).stdout.strip()
 
 
@@ -72,10 +79,12 @@ def test_all_trackers_receive_every_row(tmp_path: Path, monkeypatch: pytest.Monk
     assert run.series("throughput/tokens_per_sec") == [(1, 1000.0), (2, 1100.0)]
     assert run.series("eval/lm_loss") == [(3, 5.2)]
     # wandb_code_dir: wandb's log_code saves the directory's *.py and requirements.txt (not other files, not
-    # wandb/) as a "code" artifact; the commit is the repository's HEAD, in the config as Levanter records it
-    # (hparams_to_save["git_commit"], tracker/wandb.py:187-188@9263f81e) and in the run record
+    # wandb/, and here not what git ignores) as a "code" artifact; the commit is the repository's HEAD, in the
+    # config as Levanter records it (hparams_to_save["git_commit"], tracker/wandb.py:187-188@9263f81e) and in
+    # the run record
     ((kind, name, paths),) = run.artifacts
-    assert (kind, name.startswith("source-unit-"), paths) == ("code", True, ["a.py", "requirements.txt", "sub/b.py"])
+    assert (kind, name.startswith("source-unit-")) == ("code", True)
+    assert paths == ["a.py", "new.py", "requirements.txt", "sub/b.py"]
     assert run.config["git_commit"] == run.git_commit == commit
     # wandb saves the installed packages with every run (its x_save_requirements), the list Levanter logs
     # as its own requirements.txt artifact (tracker/wandb.py:230-237@9263f81e)
@@ -89,12 +98,21 @@ def test_code_settings_follow_git_commit_and_wandbs_switches(tmp_path: Path) -> 
     (tmp_path / "sub").mkdir()
     commit = code_repository(tmp_path)
     root, sub = str(tmp_path), str(tmp_path / "sub")
-    assert code_settings(root, {}) == ({"code_dir": root, "git_root": root, "save_code": True,
-                                        "git_commit": commit}, commit)
+    assert code_settings(root, {}) == ({"git_root": root, "save_code": True, "git_commit": commit}, commit)
     assert code_settings(root, {"GIT_COMMIT": "c0ffee"})[1] == "c0ffee"
-    assert code_settings(sub, {}) == ({"code_dir": sub, "git_root": sub, "save_code": True}, None)
+    assert code_settings(sub, {}) == ({"git_root": sub, "save_code": True}, None)
     assert "save_code" not in code_settings(sub, {"WANDB_DISABLE_CODE": "true"})[0]
     assert code_settings(None, {"GIT_COMMIT": "c0ffee"}) == ({}, None)
+
+
+def test_outside_git_the_code_leaves_out_python_environments(tmp_path: Path) -> None:
+    for name, text in CODE.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    taken = source_files(str(tmp_path))
+    picked = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() and taken(str(p), str(tmp_path)))
+    # wandb/ is left to log_code's own exclude_fn (wandb's exclude_wandb_fn)
+    assert picked == ["a.py", "requirements.txt", "sub/b.py", "wandb/skipped.py"]
 
 
 def test_non_speaking_ranks_track_nothing_unless_wandb_on_all_ranks(tmp_path: Path,
