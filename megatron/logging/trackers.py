@@ -63,8 +63,9 @@ class WandbTrackerArgs(TrackerBlock):
     """W&B mode; unset means WANDB_MODE from the environment, else online."""
     host: str | None = None
     """W&B server URL; unset means wandb_host."""
-    id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]+$")
-    """W&B run id of a new run (Levanter's trainer.id); a resumed run keeps its checkpoint's id."""
+    id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$")
+    """W&B run id of a new run (Levanter's trainer.id); a resumed run keeps its checkpoint's id. Letters,
+    digits, _, - and . (not first: the id also names a checkpoint directory; wandb reserves :;,#?/')."""
 
 
 class TensorboardTrackerArgs(TrackerBlock):

@@ -263,7 +263,7 @@ trainer:
     - every: 20000
     save_interval: 10m
   quantization: null
-  id: dumped-1
+  id: dumped-0.001
   initialize_from: null
   load_checkpoint: null
   load_checkpoint_path: null
@@ -283,7 +283,7 @@ trainer:
     mode: offline
     project: levanter
     resume: allow
-    save_code: false
+    save_code: '{root}'
     save_xla_dumps: false
     tags: [llama]
     type: wandb
@@ -297,7 +297,8 @@ def test_a_dumped_config_with_null_defaults_loads(tmp_path: Path) -> None:
     a = load(tmp_path, DUMPED).args
     assert (a.save, a.load) == (f"{tmp_path}/ckpt", f"{tmp_path}/ckpt")
     assert (a.levanter_lr_schedule, a.levanter_warmup, a.levanter_decay) == ("inv", 10, 0.1)
-    assert (a.num_kv_heads, a.save_interval, a.tracker.model_dump()["id"]) == (2, "10m", "dumped-1")
+    assert (a.num_kv_heads, a.save_interval, a.tracker.model_dump()["id"]) == (2, "10m", "dumped-0.001")
+    assert a.wandb_code_dir == str(tmp_path)  # llama2_7b.yaml's save_code: true is tested with the others below
 
 
 def test_tensorboard_logdir_gets_the_run_id_and_noop_logs_nowhere(tmp_path: Path) -> None:
@@ -418,6 +419,16 @@ def test_save_code_names_the_directory_wandb_saves(tmp_path: Path, monkeypatch: 
     assert levanter_trainer.experiment_git_root(tmp_path) is None
     monkeypatch.setattr(levanter_trainer, "experiment_git_root", lambda: None)
     assert load(tmp_path, wandb).args.wandb_code_dir == "."  # made absolute before launch
+
+
+def test_run_ids_with_dots_name_the_wandb_run(tmp_path: Path) -> None:
+    """llama2_7b.yaml's trainer.id has a dot (llama-8b-tootsie-0.001-19ad63); wandb 0.31.0 reserves only
+    :;,#?/' (wandb_settings.py validate_run_id). A leading dot or a slash would leave the checkpoint directory."""
+    ok = "llama-8b-tootsie-0.001-19ad63"
+    assert load(tmp_path, MODEL + f"trainer:\n  id: {ok}\n").args.tracker.model_dump()["id"] == ok
+    for bad in ("../up", "a/b", ".hidden"):
+        with pytest.raises(ConfigError, match="tracker.id"):
+            load(tmp_path, MODEL + f"trainer:\n  id: '{bad}'\n")
 
 
 def test_initialize_from_hf_takes_a_local_model_directory(tmp_path: Path) -> None:
