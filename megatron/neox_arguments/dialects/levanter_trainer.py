@@ -9,6 +9,7 @@ mean); JAX and TPU plumbing that changes nothing here is accepted at its default
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import secrets
@@ -205,6 +206,7 @@ TRAIN_SCRIPT_DIR = Path(__file__).resolve().parents[3]
 """The directory of the training script Deepy launches (train.py, at the repository's root)."""
 
 
+@functools.cache  # one answer per process: every rule of a translation asks
 def experiment_git_root(script_dir: Path = TRAIN_SCRIPT_DIR) -> str | None:
     """Levanter's ``infer_experiment_git_root`` (tracker/helpers.py:51-73@9263f81e) for Deepy's training
     script: the root of the git work tree holding the script's directory, unless that directory is in a
