@@ -168,10 +168,11 @@ class LoggingArgs(ArgGroup):
 
     wandb_code_dir: str | None = None
     """The directory whose source files W&B saves with the run (its *.py, requirements.txt and
-    Dockerfile* that git does not ignore, as a 'code' artifact) and whose git commit it records (git_commit in the run's
-    config: $GIT_COMMIT, else the directory's HEAD); made absolute before launch, and it must be a
-    directory. Null saves none. W&B's own switches still apply: WANDB_SAVE_CODE/WANDB_DISABLE_CODE,
-    and online the account's code-saving setting (Levanter's tracker.save_code)."""
+    Dockerfile* that git does not ignore, as a 'code' artifact) and whose git commit it records
+    (git_commit in the run's config: $GIT_COMMIT, else the HEAD of the repository the directory is the
+    root of); made absolute before launch, and it must be a directory. Null saves none. W&B's own
+    switches still apply: WANDB_SAVE_CODE/WANDB_DISABLE_CODE, and online the account's code-saving
+    setting (Levanter's tracker.save_code)."""
 
     git_hash: str | None = None
     """Commit of the code that ran, recorded at launch. GPT-NeoX computes it as the field default;

@@ -110,7 +110,8 @@ def test_outside_git_the_code_leaves_out_python_environments(tmp_path: Path) -> 
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     taken = source_files(str(tmp_path))
-    picked = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() and taken(str(p), str(tmp_path)))
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    picked = sorted(str(p.relative_to(tmp_path)) for p in files if taken(str(p), str(tmp_path)))
     # wandb/ is left to log_code's own exclude_fn (wandb's exclude_wandb_fn)
     assert picked == ["a.py", "requirements.txt", "sub/b.py", "wandb/skipped.py"]
 
