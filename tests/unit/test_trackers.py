@@ -169,3 +169,4 @@ def test_wandb_files_follow_the_users_wandb_dir(tmp_path: Path, monkeypatch: pyt
     assert run.run_id == "unit0003"
     assert not (tmp_path / "logs" / "wandb").exists()
     assert (run.artifacts, "git_commit" in run.config) == ([], False)  # no wandb_code_dir: no code, no commit
+    assert "requirements.txt" in run.files  # the installed packages, saved by wandb with every run
