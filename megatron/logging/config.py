@@ -44,6 +44,9 @@ class WandbSettings:
     """Which keys asked for it (``use_wandb`` or ``tracker``), for messages."""
     run_id: str | None = None
     """The id a new run takes (``tracker: {id: ...}``); None: a fresh one. A resumed run keeps its own."""
+    code_dir: str | None = None
+    """``wandb_code_dir``: the directory whose source files the run saves (a ``code`` artifact) and whose
+    git commit it records; None saves none."""
 
     type: Literal["wandb"] = "wandb"
 
@@ -163,6 +166,14 @@ class LoggingArgs(ArgGroup):
     wandb_init_all_ranks: bool = False
     """Start a W&B run on every rank instead of rank 0 only (for per-rank system metrics)."""
 
+    wandb_code_dir: str | None = None
+    """The directory whose source files W&B saves with the run (its *.py, requirements.txt and
+    Dockerfile* that git does not ignore, as a 'code' artifact) and whose git commit it records
+    (git_commit in the run's config: $GIT_COMMIT, else the HEAD of the repository the directory is the
+    root of); made absolute before launch, and it must be a directory. Null saves none. W&B's own
+    switches still apply: WANDB_SAVE_CODE/WANDB_DISABLE_CODE, and online the account's code-saving
+    setting (Levanter's tracker.save_code)."""
+
     git_hash: str | None = None
     """Commit of the code that ran, recorded at launch. GPT-NeoX computes it as the field default;
     Deepy fills it in when the config is resolved, so the default here is None."""
@@ -281,6 +292,7 @@ class LoggingArgs(ArgGroup):
                     init_all_ranks=self.wandb_init_all_ranks,
                     source="tracker",
                     run_id=block.id,
+                    code_dir=self.wandb_code_dir,
                 ))
             elif block.type == "tensorboard":
                 if self.tensorboard_dir and block.logdir and block.logdir != self.tensorboard_dir:
@@ -297,7 +309,7 @@ class LoggingArgs(ArgGroup):
             out.append(WandbSettings(
                 project=self.wandb_project, entity=self.wandb_team, name=self.wandb_run_name,
                 group=self.wandb_group, tags=(), notes=None, mode=None, host=self.wandb_host,
-                init_all_ranks=self.wandb_init_all_ranks, source="use_wandb",
+                init_all_ranks=self.wandb_init_all_ranks, source="use_wandb", code_dir=self.wandb_code_dir,
             ))  # fmt: skip
         if self.tensorboard_dir and not any(t.type == "tensorboard" for t in out):
             out.append(TensorboardSettings(logdir=self.tensorboard_dir, source="tensorboard_dir"))

@@ -1,7 +1,8 @@
 """Logging, tracker and profiling checks that run before launch (registered as one config rule).
 
 A tracker asked for must be importable here — W&B or TensorBoard missing is a clear error before
-any rank starts, not a crash on rank 0 after the model is built, and never a silent no-op. The
+any rank starts, not a crash on rank 0 after the model is built, and never a silent no-op; so is a
+``wandb_code_dir`` that is not a directory, or that no W&B run would save. The
 import is real (not just "is it installed"): a broken install (e.g. a protobuf mismatch under
 tensorboard) is caught too. The importer is injected so tests can simulate a missing package.
 
@@ -12,6 +13,7 @@ hands :func:`logging_problems` the logging keys and how to name a setting (``key
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from types import ModuleType
 
@@ -44,6 +46,13 @@ def logging_problems(config: LoggingArgs, show: Callable[[str], str],
                 f"imported here ({err}): pip install -r requirements/requirements.txt (it pins {package}), "
                 f"or remove {tracker.source}"
             )
+    code_dir = config.wandb_code_dir
+    if code_dir is not None and not os.path.isdir(code_dir):
+        problems.append(f"{show('wandb_code_dir')} is not a directory: give the directory whose source files W&B "
+                        f"saves with the run, or null to save none")
+    elif code_dir is not None and not any(isinstance(t, WandbSettings) for t in config.tracker_settings()):
+        problems.append(f"{show('wandb_code_dir')} asks W&B to save code, but no W&B run is asked for: set "
+                        f"use_wandb: true (or a tracker of type wandb), or remove wandb_code_dir")
     p = config.profile_settings()
     if p.any and p.stop <= p.start:
         keys = "profile" if p.torch_profiler else "memory_profiling"

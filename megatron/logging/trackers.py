@@ -8,7 +8,9 @@ training loop only ever calls :meth:`Trackers.log`.
   resumed run continues the same W&B run and its step axis (``step=iteration``). Offline mode
   (``WANDB_MODE=offline`` or ``mode: offline``) needs no network. The API key is never passed by
   Deepy: wandb reads it from WANDB_API_KEY or ~/.netrc itself, so it appears on no command line and
-  in no log line of ours.
+  in no log line of ours. With ``wandb_code_dir`` the speaking rank's run also saves that directory's
+  source files and records its git commit (:func:`code_settings`); wandb itself saves the Python
+  packages installed (the run file requirements.txt) with every run.
 - TensorBoard: ``torch.utils.tensorboard.SummaryWriter``; a resumed run purges events at or after
   its first step, so a resume from an older checkpoint does not leave two curves.
 - metrics.jsonl: the run's own file ``<log_dir>/<run name>/metrics.jsonl`` (see ``metrics.py``); a
@@ -61,8 +63,9 @@ class WandbTrackerArgs(TrackerBlock):
     """W&B mode; unset means WANDB_MODE from the environment, else online."""
     host: str | None = None
     """W&B server URL; unset means wandb_host."""
-    id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]+$")
-    """W&B run id of a new run (Levanter's trainer.id); a resumed run keeps its checkpoint's id."""
+    id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$")
+    """W&B run id of a new run (Levanter's trainer.id); a resumed run keeps its checkpoint's id. Letters,
+    digits, _, - and . (not first: the id also names a checkpoint directory; wandb reserves :;,#?/')."""
 
 
 class TensorboardTrackerArgs(TrackerBlock):
@@ -163,6 +166,8 @@ class WandbTracker:
         # since wandb's process-wide settings may have been read before the variable was set)
         directory = os.environ.get("WANDB_DIR") or log_dir or "."
         os.makedirs(directory, exist_ok=True)
+        code, commit = code_settings(settings.code_dir if ctx.speaks else None, os.environ)
+        config = {**ctx.run_config, **({"git_commit": commit} if commit else {})}
         self.run = wandb.init(
             project=settings.project,
             entity=settings.entity,
@@ -174,10 +179,13 @@ class WandbTracker:
             id=run_id,
             resume="allow",  # same id: continue that run (and its step axis) when it exists
             dir=directory,
-            config=dict(ctx.run_config) if ctx.speaks else None,
+            config=config if ctx.speaks else None,
             # console="off": W&B would otherwise wrap stdout/stderr of every rank it runs on
-            settings=wandb.Settings(base_url=settings.host, console="off"),
+            settings=wandb.Settings(base_url=settings.host, console="off", **code),
         )
+        if code and self.run.settings.save_code:  # what wandb's code_dir setting does, less what git ignores
+            assert settings.code_dir is not None
+            self.run.log_code(settings.code_dir, include_fn=source_files(settings.code_dir))
 
     @property
     def run_id(self) -> str:
@@ -189,6 +197,71 @@ class WandbTracker:
 
     def finish(self, failed: bool = False) -> None:
         self.run.finish(exit_code=1 if failed else 0)
+
+
+def code_settings(code_dir: str | None, environ: Mapping[str, str]) -> tuple[dict[str, Any], str | None]:
+    """The ``wandb.Settings`` of a run that saves ``code_dir``'s source, and the commit recorded with it
+    (Levanter's ``WandbConfig._git_settings``/``_get_git_sha``, tracker/wandb.py:245-294@9263f81e: git_root
+    the directory; the commit is $GIT_COMMIT, else the HEAD of the repository whose root the directory is,
+    else none).
+
+    Levanter also sets wandb's code_dir, which makes wandb (0.31.0, wandb_run.py ``_on_start``) call
+    ``log_code(code_dir)`` when its save_code setting is on; the tracker makes that call itself, to leave
+    out what git ignores (:func:`source_files`). The key asks for the code, so save_code is on unless the
+    user's WANDB_SAVE_CODE or WANDB_DISABLE_CODE says otherwise (online, wandb lets the account's
+    code-saving setting win over all of them, wandb_init.py)."""
+    if code_dir is None:
+        return {}, None
+    out: dict[str, Any] = {"git_root": code_dir}
+    if "WANDB_SAVE_CODE" not in environ and "WANDB_DISABLE_CODE" not in environ:
+        out["save_code"] = True
+    commit = environ["GIT_COMMIT"] if "GIT_COMMIT" in environ else head_commit(code_dir)
+    if commit:
+        out["git_commit"] = commit
+    return out, commit
+
+
+def source_files(root: str) -> Callable[[str, str], bool]:
+    """Which files of ``root`` ``log_code`` saves: those wandb's own rule takes (*.py, requirements.txt,
+    Dockerfile*; wandb/util.py ``_is_py_requirements_or_dockerfile``) that git does not ignore (tracked or
+    new), so a checkout's .venv (thousands of *.py) stays out; outside a git work tree, every such file
+    but those of a Python environment (a directory holding pyvenv.cfg or conda-meta)."""
+    import subprocess
+
+    def wandbs_rule(path: str) -> bool:
+        name = os.path.basename(path)
+        return name.endswith(".py") or name.startswith("Dockerfile") or name == "requirements.txt"
+
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                             capture_output=True, text=True, timeout=60)
+        listed = set(out.stdout.split("\0")) if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        listed = None
+    if listed is not None:
+        return lambda path, top: wandbs_rule(path) and os.path.relpath(path, top) in listed
+
+    def in_environment(path: str, top: str) -> bool:
+        parts = os.path.relpath(os.path.dirname(path), top).split(os.sep)
+        dirs = (os.path.join(top, *parts[:n]) for n in range(1, len(parts) + 1))
+        return any(os.path.exists(os.path.join(d, m)) for d in dirs for m in ("pyvenv.cfg", "conda-meta"))
+
+    return lambda path, top: wandbs_rule(path) and not in_environment(path, top)
+
+
+def head_commit(root: str) -> str | None:
+    """HEAD of the git repository whose root is ``root`` (as GitPython's ``Repo(root)`` reads it: a
+    directory inside a repository is not its root), or None."""
+    import subprocess
+
+    if not os.path.exists(os.path.join(root, ".git")):
+        return None
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    commit = out.stdout.strip()
+    return commit if out.returncode == 0 and commit else None
 
 
 TrackerFactory = Callable[[Any, TrackerContext, str | None], Tracker]

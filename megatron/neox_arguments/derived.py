@@ -459,6 +459,16 @@ def derive_git_hash(ctx: RuleContext) -> Derivation:
 
 
 @deriver
+def derive_wandb_code_dir(ctx: RuleContext) -> Derivation:
+    """``wandb_code_dir`` as an absolute path (of the launching directory), so every rank saves the same
+    directory; it keeps its provenance (the user's file:line)."""
+    value = ctx.get("wandb_code_dir")
+    if not isinstance(value, str) or os.path.isabs(value):
+        return Derivation()
+    return Derivation(respelled={"wandb_code_dir": os.path.abspath(value)})
+
+
+@deriver
 def derive_save_interval(ctx: RuleContext) -> Derivation:
     """``save_interval: 15min`` becomes seconds so the trainer never parses phrases."""
     value = ctx.get("save_interval")

@@ -48,6 +48,7 @@ trainer:
   wandb:
     project: deepy-levanter
     mode: offline
+    save_code: false  # the checkout's ~450 files per launch; save_code is tested in tests/unit/test_trackers.py
 optimizer:
   learning_rate: 1e-3
   lr_schedule: constant

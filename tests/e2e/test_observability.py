@@ -2,7 +2,8 @@
 
 One training of a tiny untied model (dummy data, ZeRO-1, dp2) is stopped at step 3 and resumed
 to step 6, with W&B (offline), TensorBoard, DeepSpeed's timers, every ``log_*`` statistic and the
-torch profiler on. Read back with the libraries' own readers:
+torch profiler on, and W&B saving a directory's code (``wandb_code_dir``). Read back with the libraries'
+own readers:
 
 - TensorBoard event files and the W&B offline run hold the same scalars as metrics.jsonl; the
   resumed launch logs to the *same* W&B run id and continues its step axis (4, 5, 6);
@@ -49,6 +50,7 @@ OBSERVE = {
     "log_optimizer_states": True, "profile": True, "profile_step_start": 2, "profile_step_stop": 3,
     "save": "ckpt", "load": "ckpt", "checkpoint_factor": 3,
     "comms_logger": {"enabled": True, "prof_all": True, "verbose": False},
+    "wandb_code_dir": "code",  # relative: the launching directory's, made absolute before launch
 }  # fmt: skip
 
 
@@ -56,8 +58,10 @@ def deepy(tmp: Path, config: dict, *extra: str) -> subprocess.CompletedProcess[s
     path = tmp / "run.json"
     path.write_text(json.dumps({**config, "master_port": free_port()}))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline",
-           "WANDB_API_KEY": SECRET, "PYTHONPATH": str(REPO)}
-    env.pop("DEEPY_DEBUG", None)
+           "WANDB_API_KEY": SECRET, "PYTHONPATH": str(REPO), "GIT_COMMIT": "e2e0c0de",
+           "WANDB_DATA_DIR": str(tmp / "wandb-data")}  # the code artifact's staged copy, not in ~/.local
+    for name in ("DEEPY_DEBUG", "WANDB_SAVE_CODE", "WANDB_DISABLE_CODE"):
+        env.pop(name, None)
     return subprocess.run([sys.executable, str(REPO / "deepy.py"), str(REPO / "train.py"), str(path), *extra],
                           cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
 
@@ -65,6 +69,8 @@ def deepy(tmp: Path, config: dict, *extra: str) -> subprocess.CompletedProcess[s
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     tmp = tmp_path_factory.mktemp("observe")
+    (tmp / "code").mkdir()
+    (tmp / "code" / "experiment.py").write_text("print('the code saved with the run')\n")
     first = deepy(tmp, {**MODEL, **OBSERVE, "exit_interval": 3})
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     second = deepy(tmp, {**MODEL, **OBSERVE})
@@ -93,6 +99,10 @@ def test_wandb_resumes_the_same_run_and_step_axis(resumed_run: tuple[Path, str])
             assert loss == pytest.approx(rows[step]["train/lm_loss"], rel=1e-9)
         assert all(step in rows for step, _ in run.series("timers/forward_ms"))
     assert runs[0].config["hidden_size"] == 64  # the resolved arguments are the run's config
+    # wandb_code_dir: rank 0's run of each launch saves the directory's source and records $GIT_COMMIT
+    for run in runs:
+        assert [(kind, paths) for kind, _, paths in run.artifacts] == [("code", ["experiment.py"])]
+        assert run.config["git_commit"] == run.git_commit == "e2e0c0de"
 
 
 def test_tensorboard_holds_the_logged_scalars(resumed_run: tuple[Path, str]) -> None:

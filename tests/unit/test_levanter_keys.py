@@ -263,7 +263,7 @@ trainer:
     - every: 20000
     save_interval: 10m
   quantization: null
-  id: dumped-1
+  id: dumped-0.001
   initialize_from: null
   load_checkpoint: null
   load_checkpoint_path: null
@@ -283,7 +283,7 @@ trainer:
     mode: offline
     project: levanter
     resume: allow
-    save_code: false
+    save_code: '{root}'
     save_xla_dumps: false
     tags: [llama]
     type: wandb
@@ -297,7 +297,8 @@ def test_a_dumped_config_with_null_defaults_loads(tmp_path: Path) -> None:
     a = load(tmp_path, DUMPED).args
     assert (a.save, a.load) == (f"{tmp_path}/ckpt", f"{tmp_path}/ckpt")
     assert (a.levanter_lr_schedule, a.levanter_warmup, a.levanter_decay) == ("inv", 10, 0.1)
-    assert (a.num_kv_heads, a.save_interval, a.tracker.model_dump()["id"]) == (2, "10m", "dumped-1")
+    assert (a.num_kv_heads, a.save_interval, a.tracker.model_dump()["id"]) == (2, "10m", "dumped-0.001")
+    assert a.wandb_code_dir == str(tmp_path)  # llama2_7b.yaml's save_code: true is tested with the others below
 
 
 def test_tensorboard_logdir_gets_the_run_id_and_noop_logs_nowhere(tmp_path: Path) -> None:
@@ -394,14 +395,40 @@ def test_mixtral_builds_levanters_mixture_of_experts(tmp_path: Path) -> None:
         load(tmp_path, MODEL + "  n_routed_experts: 4\n")
 
 
-def test_a_dumped_tracker_with_save_code_is_refused_at_that_key_alone(tmp_path: Path) -> None:
-    """llama2_7b.yaml's dumped WandbConfig (save_code: true, its default at tracker/wandb.py:156@9263f81e):
-    one problem, at save_code, not one per tracker key."""
-    text = MODEL + "trainer:\n  tracker:\n    type: wandb\n    project: levanter\n    tags: [a]\n    save_code: true\n"
-    with pytest.raises(ConfigError) as err:
-        load(tmp_path, text)
-    assert str(err.value).count("save_code") == 2 and "problems" not in str(err.value)  # the key and the fix
-    assert "trainer.tracker.save_code = True" in str(err.value)
+def test_save_code_names_the_directory_wandb_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """WandbConfig.save_code (tracker/wandb.py:156-158, 245-256@9263f81e): true by default; true is the git root
+    of the launched script's directory (infer_experiment_git_root, tracker/helpers.py:51-73), "." without one;
+    a string is that directory; false saves none. Deepy launches train.py, at this repository's root."""
+    from megatron.neox_arguments.dialects import levanter_trainer
+
+    repo = Path(__file__).resolve().parents[2]
+    root = str(repo) if (repo / ".git").exists() else "."  # a checkout here; "." where the tree is no git one
+    wandb = MODEL + "trainer:\n  tracker:\n    type: wandb\n    project: levanter\n    tags: [a]\n"
+    assert load(tmp_path, wandb + "    save_code: true\n").args.wandb_code_dir == root  # llama2_7b.yaml's
+    assert load(tmp_path, wandb).args.wandb_code_dir == root  # WandbConfig's default
+    assert load(tmp_path, MODEL + "trainer:\n  id: r3\n").args.wandb_code_dir == root  # the default tracker's
+    assert load(tmp_path, wandb + "    save_code: {root}/code\n").args.wandb_code_dir == f"{tmp_path}/code"
+    assert load(tmp_path, wandb + "    save_code: false\n").args.wandb_code_dir is None
+    listed = MODEL + "trainer:\n  tracker:\n  - type: tensorboard\n  - type: wandb\n    save_code: {root}/c\n"
+    assert load(tmp_path, listed).args.wandb_code_dir == f"{tmp_path}/c"
+    assert load(tmp_path, listed.replace("    save_code: {root}/c\n", "")).args.wandb_code_dir == root
+    for no_wandb in ("  tracker:\n    type: tensorboard\n", "  tracker:\n    type: noop\n"):
+        assert load(tmp_path, MODEL + "trainer:\n" + no_wandb).args.wandb_code_dir is None
+    # the frames Levanter skips: a script inside a Python environment has no experiment root, nor one outside git
+    assert levanter_trainer.experiment_git_root(repo / "venv" / "lib") is None
+    assert levanter_trainer.experiment_git_root(tmp_path) is None
+    monkeypatch.setattr(levanter_trainer, "experiment_git_root", lambda: None)
+    assert load(tmp_path, wandb).args.wandb_code_dir == "."  # made absolute before launch
+
+
+def test_run_ids_with_dots_name_the_wandb_run(tmp_path: Path) -> None:
+    """llama2_7b.yaml's trainer.id has a dot (llama-8b-tootsie-0.001-19ad63); wandb 0.31.0 reserves only
+    :;,#?/' (wandb_settings.py validate_run_id). A leading dot or a slash would leave the checkpoint directory."""
+    ok = "llama-8b-tootsie-0.001-19ad63"
+    assert load(tmp_path, MODEL + f"trainer:\n  id: {ok}\n").args.tracker.model_dump()["id"] == ok
+    for bad in ("../up", "a/b", ".hidden"):
+        with pytest.raises(ConfigError, match="tracker.id"):
+            load(tmp_path, MODEL + f"trainer:\n  id: '{bad}'\n")
 
 
 def test_initialize_from_hf_takes_a_local_model_directory(tmp_path: Path) -> None:

@@ -191,3 +191,22 @@ def test_dry_run_shows_the_memory_estimate_and_debug_turns_deepspeed_info_on(
     code, out = run_deepy(["--dry-run", "--debug", str(REPO / "train.py"), str(config)], capsys)
     assert code == 0, out
     assert re.search(r'^deepspeed_log_level\s+"info"\s+cli$', out, re.MULTILINE), out
+
+
+def test_wandb_code_dir_is_an_existing_directory_made_absolute_before_launch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "run.yml"
+    config.write_text(MODEL + "use_wandb: true\nwandb_code_dir: missing\n")
+    monkeypatch.chdir(tmp_path)  # a relative directory is one of the launching directory
+    code, out = run_deepy(["--dry-run", str(REPO / "train.py"), str(config)], capsys)
+    assert code == 2, out
+    assert f"wandb_code_dir='{tmp_path}/missing' ({config}:13) is not a directory" in out
+    assert "Traceback" not in out
+    (tmp_path / "missing").mkdir()
+    code, out = run_deepy(["--dry-run", str(REPO / "train.py"), str(config)], capsys)
+    assert code == 0, out
+    assert re.search(rf'^wandb_code_dir\s+"{tmp_path}/missing"\s+{config}:13$', out, re.MULTILINE), out
+    # a directory with no W&B run to save it with is a key without effect: refused
+    alone = RuleContext(NeoXArgs(wandb_code_dir=str(tmp_path)), provenance={"wandb_code_dir": "run.yml:2"})
+    (problem,) = _problems(alone)
+    assert f"wandb_code_dir='{tmp_path}' (run.yml:2)" in problem and "no W&B run is asked for" in problem

@@ -4,13 +4,15 @@ event files and a W&B offline run, and are read back with each library's own rea
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 from tracker_readers import read_wandb_file, tensorboard_scalars, wandb_runs
 
 from megatron import plugins
-from megatron.logging.trackers import TrackerContext, build_trackers, new_wandb_run_id, scalars
+from megatron.logging.trackers import (TrackerContext, build_trackers, code_settings, new_wandb_run_id, scalars,
+                                       source_files)
 from megatron.neox_arguments.arguments import NeoXArgs
 
 ROWS = [
@@ -27,11 +29,34 @@ def test_registry_is_keyed_by_tracker_type() -> None:
     assert len(ids) == 50 and all(len(i) == 8 and i.isalnum() and i.islower() or i.isdigit() for i in ids)
 
 
+CODE = {"a.py": "x = 1\n", "sub/b.py": "y = 2\n", "requirements.txt": "torch\n", "notes.txt": "not code\n",
+        "wandb/skipped.py": "z = 3\n", ".venv/pyvenv.cfg": "home = /usr\n", ".venv/lib/site.py": "w = 4\n"}
+"""A project's directory: source, a text file, wandb's own directory, and a virtual environment."""
+
+
+def code_repository(root: Path) -> str:
+    """:data:`CODE` as a git repository that ignores its .venv, plus a new file not committed yet; returns
+    the commit."""
+    for name, text in {**CODE, ".gitignore": ".venv/\n"}.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "code"]):
+        subprocess.run(git + command, check=True)
+    (root / "new.py").write_text("v = 5\n")
+    return subprocess.run(git + ["log", "-1", "--format=%H"], check=True, capture_output=True, text=True).stdout.strip()
+
+
 def test_all_trackers_receive_every_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))  # artifact staging, not ~/.local
+    for name in ("GIT_COMMIT", "WANDB_SAVE_CODE", "WANDB_DISABLE_CODE"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "code").mkdir()
+    commit = code_repository(tmp_path / "code")
     cfg = NeoXArgs(log_dir=str(tmp_path / "logs"), use_wandb=True, wandb_project="unit",
-                   tensorboard_dir=str(tmp_path / "tb"))
+                   tensorboard_dir=str(tmp_path / "tb"), wandb_code_dir=str(tmp_path / "code"))
     ctx = TrackerContext(rank=0, speaks=True, run_id="unit0001", start_step=0, run_config={"hidden_size": 64})
     trackers = build_trackers(cfg.tracker_settings(), ctx, cfg.log_dir)
     assert trackers.wandb_run_id == "unit0001"
@@ -53,6 +78,42 @@ def test_all_trackers_receive_every_row(tmp_path: Path, monkeypatch: pytest.Monk
     assert run.series("train/lm_loss") == [(1, 5.5), (2, 5.0)]
     assert run.series("throughput/tokens_per_sec") == [(1, 1000.0), (2, 1100.0)]
     assert run.series("eval/lm_loss") == [(3, 5.2)]
+    # wandb_code_dir: wandb's log_code saves the directory's *.py and requirements.txt (not other files, not
+    # wandb/, and here not what git ignores) as a "code" artifact; the commit is the repository's HEAD, in the
+    # config as Levanter records it (hparams_to_save["git_commit"], tracker/wandb.py:187-188@9263f81e) and in
+    # the run record
+    ((kind, name, paths),) = run.artifacts
+    assert (kind, name.startswith("source-unit-")) == ("code", True)
+    assert paths == ["a.py", "new.py", "requirements.txt", "sub/b.py"]
+    assert run.config["git_commit"] == run.git_commit == commit
+    # wandb saves the installed packages with every run (its x_save_requirements), the list Levanter logs
+    # as its own requirements.txt artifact (tracker/wandb.py:230-237@9263f81e)
+    assert "requirements.txt" in run.files
+
+
+def test_code_settings_follow_git_commit_and_wandbs_switches(tmp_path: Path) -> None:
+    """$GIT_COMMIT wins over the repository (tracker/wandb.py:269-270@9263f81e); a directory that is not a
+    repository's root records no commit (GitPython's Repo(code_dir) there); WANDB_DISABLE_CODE/SAVE_CODE
+    leave wandb's save_code to wandb."""
+    (tmp_path / "sub").mkdir()
+    commit = code_repository(tmp_path)
+    root, sub = str(tmp_path), str(tmp_path / "sub")
+    assert code_settings(root, {}) == ({"git_root": root, "save_code": True, "git_commit": commit}, commit)
+    assert code_settings(root, {"GIT_COMMIT": "c0ffee"})[1] == "c0ffee"
+    assert code_settings(sub, {}) == ({"git_root": sub, "save_code": True}, None)
+    assert "save_code" not in code_settings(sub, {"WANDB_DISABLE_CODE": "true"})[0]
+    assert code_settings(None, {"GIT_COMMIT": "c0ffee"}) == ({}, None)
+
+
+def test_outside_git_the_code_leaves_out_python_environments(tmp_path: Path) -> None:
+    for name, text in CODE.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    taken = source_files(str(tmp_path))
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    picked = sorted(str(p.relative_to(tmp_path)) for p in files if taken(str(p), str(tmp_path)))
+    # wandb/ is left to log_code's own exclude_fn (wandb's exclude_wandb_fn)
+    assert picked == ["a.py", "requirements.txt", "sub/b.py", "wandb/skipped.py"]
 
 
 def test_non_speaking_ranks_track_nothing_unless_wandb_on_all_ranks(tmp_path: Path,
@@ -62,13 +123,15 @@ def test_non_speaking_ranks_track_nothing_unless_wandb_on_all_ranks(tmp_path: Pa
     ctx = TrackerContext(rank=1, speaks=False, run_id="unit0002", start_step=0)
     quiet = NeoXArgs(log_dir=str(tmp_path), use_wandb=True, tensorboard_dir=str(tmp_path))
     assert build_trackers(quiet.tracker_settings(), ctx, quiet.log_dir).trackers == []
-    every = NeoXArgs(log_dir=str(tmp_path), use_wandb=True, wandb_init_all_ranks=True, wandb_group="grp")
+    every = NeoXArgs(log_dir=str(tmp_path), use_wandb=True, wandb_init_all_ranks=True, wandb_group="grp",
+                     wandb_code_dir=str(tmp_path))
     trackers = build_trackers(every.tracker_settings(), ctx, every.log_dir)
     assert trackers.wandb_run_id == "unit0002-rank1"  # its own run in the group, for its system metrics
     trackers.log({"train/lm_loss": 1.0}, 1)  # the loss is logged by rank 0 only
     trackers.finish()
     (path,) = tmp_path.glob("wandb/offline-run-*/run-unit0002-rank1.wandb")
-    assert read_wandb_file(path).series("train/lm_loss") == []
+    run = read_wandb_file(path)
+    assert run.series("train/lm_loss") == [] and run.artifacts == []  # the code is rank 0's to save
 
 
 def test_tensorboard_resume_drops_steps_logged_again(tmp_path: Path) -> None:
@@ -102,5 +165,8 @@ def test_wandb_files_follow_the_users_wandb_dir(tmp_path: Path, monkeypatch: pyt
     trackers = build_trackers(cfg.tracker_settings(), ctx, cfg.log_dir)
     trackers.log(ROWS[0], 1)
     trackers.finish()
-    assert [run.run_id for run in wandb_runs(tmp_path / "mine")] == ["unit0003"]
+    (run,) = wandb_runs(tmp_path / "mine")
+    assert run.run_id == "unit0003"
     assert not (tmp_path / "logs" / "wandb").exists()
+    assert (run.artifacts, "git_commit" in run.config) == ([], False)  # no wandb_code_dir: no code, no commit
+    assert "requirements.txt" in run.files  # the installed packages, saved by wandb with every run

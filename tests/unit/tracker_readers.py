@@ -67,6 +67,12 @@ class WandbRun:
     config: dict[str, Any] = field(default_factory=dict)
     history: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     """(step, {key: value}) per logged row."""
+    git_commit: str = ""
+    """The commit the run record carries (wandb's ``git_commit`` setting)."""
+    artifacts: list[tuple[str, str, list[str]]] = field(default_factory=list)
+    """(type, name, the paths in its manifest) per logged artifact."""
+    files: list[str] = field(default_factory=list)
+    """The run files saved with the run (paths under its files/ directory)."""
 
     def series(self, key: str) -> list[tuple[int, Any]]:
         return [(step, row[key]) for step, row in self.history if key in row]
@@ -93,22 +99,30 @@ def _read_wandb_file_once(path: Path) -> WandbRun:
 
     run: WandbRun | None = None
     history: list[tuple[int, dict[str, Any]]] = []
+    artifacts: list[tuple[str, str, list[str]]] = []
+    files: list[str] = []
     for raw in _chunks(path.read_bytes()):
         record = pb.Record()
         record.ParseFromString(raw)
         kind = record.WhichOneof("record_type")
         if kind == "run":
             config = {item.key: json.loads(item.value_json) for item in record.run.config.update}
-            run = WandbRun(run_id=record.run.run_id, project=record.run.project, config=config)
+            run = WandbRun(run_id=record.run.run_id, project=record.run.project, config=config,
+                           git_commit=record.run.git.commit)
         elif kind == "history":
             row = {}
             for item in record.history.item:
                 key = item.key or "/".join(item.nested_key)
                 row[key] = json.loads(item.value_json)
             history.append((int(record.history.step.num), row))
+        elif kind == "artifact":
+            art = record.artifact
+            artifacts.append((art.type, art.name, sorted(entry.path for entry in art.manifest.contents)))
+        elif kind == "files":
+            files.extend(f.path for f in record.files.files)
     if run is None:
         raise ValueError(f"{path}: no run record")
-    run.history = history
+    run.history, run.artifacts, run.files = history, artifacts, files
     return run
 
 

@@ -19,7 +19,7 @@ from megatron.neox_arguments.dialects.common import Context, Leaf, Refused, Rule
 from megatron.neox_arguments.dialects.levanter_model import MODEL_PRESETS, MODEL_RULES, model_type
 from megatron.neox_arguments.dialects.levanter_optim import OPTIMIZER_DEFAULTS, OPTIMIZER_RULES
 from megatron.neox_arguments.dialects.levanter_trainer import (CHECKPOINTER_DEFAULTS, TRAINER_REFUSED, TRAINER_RULES,
-                                                              tracker_block)
+                                                              implied_code_dir, tracker_block)
 
 NAME = "levanter"
 SECTIONS = ("data", "model", "trainer", "optimizer")
@@ -254,6 +254,9 @@ def implied(translation: Translation, leaves: dict[str, Leaf], source: str) -> N
             p.startswith(("trainer.tracker.", "trainer.wandb.")) for p in leaves):
         translation.put(Leaf("trainer.tracker=WandbConfig()", None, "Levanter's default"),
                         {"tracker": tracker_block(ctx)}, implied=True)
+    code = implied_code_dir(translation.values.get("tracker"))
+    if code and "wandb_code_dir" not in translation.values:
+        translation.put(Leaf("trainer.tracker.save_code=True", True, "Levanter's default"), code, implied=True)
 
 
 def refused_at(leaf: Leaf, message: str) -> Exception:

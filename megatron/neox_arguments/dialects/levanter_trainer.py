@@ -9,6 +9,7 @@ mean); JAX and TPU plumbing that changes nothing here is accepted at its default
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import secrets
@@ -156,7 +157,7 @@ def _tracker_from(spec: dict[str, Any], ctx: Context) -> dict[str, Any] | None:
     block: dict[str, Any] = {"type": "wandb", "project": "levanter"}  # WandbConfig.project's default
     for key, value in spec.items():
         if key in ("type", "resume", "save_xla_dumps", "save_code"):
-            continue  # save_code: refused by its own rule, so the other tracker keys do not repeat it
+            continue  # read by their own rules (save_code: wandb_code_dir)
         if key not in _WANDB_FIELDS:
             raise Refused(f"W&B field {key!r} is not read here; Deepy reads {', '.join(_WANDB_FIELDS)}, resume")
         if value is not None:
@@ -171,8 +172,6 @@ def tracker_block(ctx: Context) -> dict[str, Any] | list[dict[str, Any]] | None:
     for prefix in ("trainer.tracker", "trainer.wandb"):
         whole = ctx.value(prefix)
         if isinstance(whole, list):
-            if any(dict(item).get("save_code", False) is not False for item in whole):
-                raise Refused(SAVE_CODE)
             blocks = [b for b in (_tracker_from(dict(item), ctx) for item in whole) if b is not None]
             return blocks or None
         spec = {path[len(prefix) + 1:]: leaf.value for path, leaf in ctx.leaves.items() if path.startswith(prefix + ".")}
@@ -185,7 +184,13 @@ def tracker_block(ctx: Context) -> dict[str, Any] | list[dict[str, Any]] | None:
 
 def _tracker(value: Any, ctx: Context) -> dict[str, Any]:
     block = tracker_block(ctx)
-    return {"tracker": block if block is not None else []}
+    out: dict[str, Any] = {"tracker": block if block is not None else []}
+    for prefix in ("trainer.tracker", "trainer.wandb"):
+        whole = ctx.value(prefix)
+        if isinstance(whole, list):  # a list's entries are no leaves of their own: their save_code is read here
+            wandb = [dict(item) for item in whole if str(dict(item).get("type", "wandb")) == "wandb"]
+            out["wandb_code_dir"] = code_dir(wandb[0].get("save_code", True)) if wandb else None
+    return out
 
 
 def _resume(value: Any, ctx: Context) -> dict[str, Any]:
@@ -194,14 +199,49 @@ def _resume(value: Any, ctx: Context) -> dict[str, Any]:
     raise Refused("Deepy always continues the W&B run of the checkpoint it resumes; leave resume out or true")
 
 
-SAVE_CODE = ("Deepy's W&B runs record the code's git commit (git_hash), not a copy of the code: set save_code: "
-             "false")
+ENVIRONMENT_DIRS = ("site-packages", "dist-packages", "venv", "opt/homebrew", "conda", "pyenv")
+"""Directories that ``infer_experiment_git_root`` skips as a Python environment's (tracker/helpers.py:63@9263f81e)."""
+
+TRAIN_SCRIPT_DIR = Path(__file__).resolve().parents[3]
+"""The directory of the training script Deepy launches (train.py, at the repository's root)."""
+
+
+@functools.cache  # one answer per process: every rule of a translation asks
+def experiment_git_root(script_dir: Path = TRAIN_SCRIPT_DIR) -> str | None:
+    """Levanter's ``infer_experiment_git_root`` (tracker/helpers.py:51-73@9263f81e) for Deepy's training
+    script: the root of the git work tree holding the script's directory, unless that directory is in a
+    Python environment; None when there is none."""
+    import subprocess
+
+    if any(part in str(script_dir) for part in ENVIRONMENT_DIRS):
+        return None
+    try:
+        out = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=script_dir, capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    root = out.stdout.strip()
+    return root if out.returncode == 0 and root else None
+
+
+def code_dir(save_code: Any) -> str | None:
+    """``WandbConfig.save_code`` (tracker/wandb.py:156, 245-256@9263f81e) -> ``wandb_code_dir``: a string is
+    that directory; true the experiment's git root, else "." (made absolute before launch); false none."""
+    if save_code is None or isinstance(save_code, bool):
+        return (experiment_git_root() or ".") if save_code else None
+    if isinstance(save_code, str):
+        return save_code
+    raise Refused(f"save_code is true, false or a directory, not {save_code!r}")
 
 
 def _save_code(value: Any, ctx: Context) -> dict[str, Any]:
-    if value is False:
-        return _tracker(value, ctx)
-    raise Refused(SAVE_CODE)
+    return {**_tracker(value, ctx), "wandb_code_dir": code_dir(value)}
+
+
+def implied_code_dir(tracker: Any) -> dict[str, Any]:
+    """Levanter's default ``save_code: true`` for a W&B tracker that does not say (WandbConfig's default)."""
+    blocks = tracker if isinstance(tracker, list) else [tracker] if tracker else []
+    return {"wandb_code_dir": code_dir(True)} if any(dict(b).get("type") == "wandb" for b in blocks) else {}
 
 
 def _id(value: Any, ctx: Context) -> dict[str, Any]:
