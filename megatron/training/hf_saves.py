@@ -127,8 +127,11 @@ class HFSaves:
             self._save(state.iteration)
 
     def at_exit(self, _eng: Any, state: Any) -> None:
-        if save_due(state.iteration, self.keys.hf_save_interval, last=True):
-            self._save(state.iteration)  # Levanter's forced hooks: the last step, written again if just written
+        # Levanter's forced hooks: the last step; Levanter writes it again when after_step just did, the same
+        # weights (nothing changes between the two hooks), so here it is written once
+        done = bool(self.written) and self.written[-1] == step_dir(str(self.keys.hf_save_path), state.iteration)
+        if save_due(state.iteration, self.keys.hf_save_interval, last=True) and not done:
+            self._save(state.iteration)
 
 
 def live_weights(module: torch.nn.Module, average: Callable[[], Weights] | None) -> Callable[[], Weights]:

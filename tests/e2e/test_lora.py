@@ -51,7 +51,8 @@ def column(rows: list[dict[str, Any]], key: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return train("single", tmp_path_factory.mktemp("lora_single"), extra_save_iters=[5])
+    tmp = tmp_path_factory.mktemp("lora_single")  # its merged HF saves ride along (hf_save_path): no number changes
+    return train("single", tmp, extra_save_iters=[5], hf_save_path=str(tmp / "hf"), hf_save_interval=5)
 
 
 def initial_weights(config: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -291,6 +292,24 @@ def test_merged_and_peft_exports_reproduce_our_logits(single: dict[str, Any], la
     assert (base - ours).abs().max() > 1e-2  # the adapters matter: without them the logits differ
     config = json.loads((tmp_path / "peft" / "lora_adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8.0, TARGETS)
+
+
+@torch.no_grad()
+def test_hf_saves_while_training_hold_the_merged_model(single: dict[str, Any]) -> None:
+    """hf_save_path on a LoRA run (lora_lm.py's merged_hf_save_path, 163-168 at 9263f81e): 0-based steps 5 and 9 of
+    10 at interval 5; the last, read by transformers, gives our adapted model's logits at the step-10 checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron.interop.deepy_checkpoint import read_full_checkpoint
+    from megatron.interop.lora_export import adapted_model, lora_config_of
+
+    hf = Path(single["config"]["hf_save_path"])
+    assert sorted(p.name for p in hf.iterdir()) == ["step-5", "step-9"]
+    merged = AutoModelForCausalLM.from_pretrained(hf / "step-9", local_files_only=True, torch_dtype=torch.float32)
+    full = read_full_checkpoint(single["ckpt"])
+    tokens = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(3))
+    ours = adapted_model(full.config, lora_config_of(full.args), full.weights)(tokens)
+    assert (merged.eval()(input_ids=tokens).logits - ours).abs().max() <= 1e-4
 
 
 # ---------------------------------------------------------------- DPO with adapters

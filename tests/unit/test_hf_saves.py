@@ -77,7 +77,7 @@ def test_a_save_loads_in_transformers_with_our_logits(tmp_path: Path) -> None:
     weights = _trained_like(config)
     saves = _run(tmp_path, config, weights)
     step = tmp_path / "hf" / "run-a" / "step-2"
-    assert saves.written == [step, step]  # 0-based step 2, then again as the last step (Levanter's forced hook)
+    assert saves.written == [step]  # 0-based step 2; the forced last hook finds it written (Levanter rewrites it)
     assert sorted(p.name for p in step.parent.iterdir()) == ["step-2"]  # no temporary directory left
     names = {p.name for p in step.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
@@ -126,6 +126,21 @@ def test_dtype_and_the_average_in_place_of_the_trained_weights(tmp_path: Path) -
     written = json.loads((step / "config.json").read_text())
     assert written.get("dtype", written.get("torch_dtype")) == "bfloat16"
     assert torch.equal(stored["model.norm.weight"], weights["final_norm.weight"].to(torch.bfloat16))
+
+
+def test_the_last_step_is_written_after_the_loop(tmp_path: Path) -> None:
+    calls: list[str] = []
+
+    def writer(weights: Any, out_dir: Path) -> None:
+        calls.append(out_dir.name)
+        (out_dir / "config.json").write_text("{}")
+
+    saves = HFSaves(HFSaveArgs(hf_save_path=str(tmp_path), hf_save_interval=2), dict, writer)
+    for iteration in range(1, 5):
+        saves.after_step(None, SimpleNamespace(iteration=iteration))
+    saves.at_exit(None, SimpleNamespace(iteration=4))
+    assert [p.name for p in saves.written] == ["step-2", "step-3"] and len(calls) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-3"]
 
 
 def test_only_the_writer_writes(tmp_path: Path) -> None:
