@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from megatron.config_rules import RuleContext, rule, zero_stage
+from megatron.config_rules import RuleContext, rule
 from megatron.config_schema import ArgGroup
 
 HFSaveDtype = Literal["fp32", "bf16", "fp16"]
@@ -27,8 +27,9 @@ class HFSaveArgs(ArgGroup):
     """Directory the model is written to while training as a ``transformers`` model directory (config.json,
     model.safetensors, the tokenizer's files), one per save: ``<path>/step-<N>``, N = the completed steps minus one
     (Levanter's 0-based step). With LoRA adapters the model written has them merged into its weights (lora_lm.py's
-    merged_hf_save_path). Written by rank 0 (tp 1, pp 0, ZeRO 0-2), from the weight average when ema_beta is set.
-    None: none written (export a checkpoint with tools/ckpts/convert_neox_to_hf.py)."""
+    merged_hf_save_path). Written by rank 0 (tp 1, pp 0; under ZeRO-3 every rank gathers the weights first), from
+    the weight average when ema_beta is set. None: none written (export a checkpoint with
+    tools/ckpts/convert_neox_to_hf.py)."""
 
     hf_save_interval: int = Field(10000, ge=1)
     """HF saves happen after the steps whose 0-based number is a multiple of this (not step 0), and after the last
@@ -41,9 +42,9 @@ class HFSaveArgs(ArgGroup):
 
 @rule
 def hf_save_layouts(ctx: RuleContext) -> list[str]:
-    """The model is written by rank 0 from its whole, unsplit module: with tensor or pipeline parallelism, ZeRO-3 or
-    experts split over data-parallel ranks it holds only a part of it; a reward model's scalar head has no
-    ``transformers`` causal-LM class."""
+    """The model is written by rank 0 from its whole, unsplit module (under ZeRO-3 gathered by every rank first):
+    with tensor or pipeline parallelism or experts split over data-parallel ranks it holds only a part of it; a
+    reward model's scalar head has no ``transformers`` causal-LM class."""
     if ctx.get("hf_save_path") is None:
         return []
     key = ctx.show("hf_save_path")
@@ -56,9 +57,6 @@ def hf_save_layouts(ctx: RuleContext) -> list[str]:
     if int(ctx.get("pipe_parallel_size") or 0) > 0:
         problems.append(f"{key} with {ctx.show('pipe_parallel_size')}: a pipeline stage holds only its layers; use "
                         f"pipe_parallel_size: 0, or {export}")
-    if zero_stage(ctx) >= 3:
-        problems.append(f"{key} with zero_optimization.stage 3: ZeRO-3 partitions the weights; use stage 0-2, or "
-                        f"{export}")
     if int(ctx.get("moe_expert_parallel_size") or 1) > 1:
         problems.append(f"{key} with {ctx.show('moe_expert_parallel_size')}: experts split over data-parallel ranks; "
                         f"use moe_expert_parallel_size: 1")

@@ -16,9 +16,10 @@ When, where and what (stanford-crfm/levanter 9263f81e):
   lines 223-252), written from ``step.eval_model`` (the weight average when there is one,
   ``trainer_state.py:82-94``).
 
-Here rank 0 holds the whole model (tp 1, pp 0, ZeRO 0-2: ``hf_save_config.hf_save_layouts``) and writes it with the
-HF exporter's pieces (``megatron/interop``, handed in by ``train.py``: training does not import the converters); the
-step directory appears whole (written beside it, then renamed: a reader never sees half of one).
+Here rank 0 holds the whole model (tp 1, pp 0: ``hf_save_config.hf_save_layouts``; under ZeRO-3 every rank gathers
+it first) and writes it with the HF exporter's pieces (``megatron/interop``, handed in by ``train.py``: training does
+not import the converters); the step directory appears whole (written beside it, then renamed: a reader never sees
+half of one).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -113,13 +115,14 @@ class HFSaves:
         self.written: list[Path] = []
 
     def _save(self, completed: int) -> None:
+        weights = self.weights()  # on every rank: under ZeRO-3 a gather all ranks take part in
         if self.writer is None:
             return
         assert self.keys.hf_save_path is not None
         target = step_dir(self.keys.hf_save_path, completed)
-        weights = {name: tensor.detach().cpu() for name, tensor in self.weights().items()}
+        full = {name: tensor.detach().cpu() for name, tensor in weights.items()}
         writer = self.writer
-        write_whole(target, lambda tmp: writer(weights, tmp))
+        write_whole(target, lambda tmp: writer(full, tmp))
         self.written.append(target)
 
     def after_step(self, _eng: Any, state: Any) -> None:
@@ -134,11 +137,18 @@ class HFSaves:
             self._save(state.iteration)
 
 
-def live_weights(module: torch.nn.Module, average: Callable[[], Weights] | None) -> Callable[[], Weights]:
+def live_weights(module: torch.nn.Module, average: Callable[[], Weights] | None,
+                 gathered: Callable[[], AbstractContextManager[Any]] | None = None,
+                 keep: bool = True) -> Callable[[], Weights]:
     """What a save writes: the module's state (its trained and frozen weights) with the average's tensors in place
-    of the trained ones when there is one."""
+    of the trained ones when there is one. ``gathered``: a block inside which the module's parameters are whole
+    (ZeRO-3's ``GatheredParameters``, entered by every rank); ``keep``: this rank keeps a copy (the writer)."""
     def weights() -> Weights:
-        state = dict(module.state_dict())
+        if gathered is None:
+            state = dict(module.state_dict())
+        else:
+            with gathered():
+                state = {k: v.detach().clone() for k, v in module.state_dict().items()} if keep else {}
         if average is not None:
             state.update(average())
         return state

@@ -289,8 +289,14 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
             raise ConfigError("hf_save_path: this program was not given the HF writer (train.py gives it)")
         writer = hf_writer(model_config, run.tokenizer, save_dtype(run.hf_saves, training.precision),
                            run.lora.lora_scale if run.lora.lora_enabled else None) if rank == 0 else None
-        hf = HFSaves(run.hf_saves, live_weights(eng.engine.module, None if averaging is None else lambda: averaging.average),
-                     writer)
+        module = eng.engine.module
+        gathered = None
+        if int(eng.engine.zero_optimization_stage()) == 3:  # every rank gathers the partitions, rank 0 keeps them
+            import deepspeed
+
+            gathered = lambda: deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)  # noqa: E731
+        hf = HFSaves(run.hf_saves, live_weights(module, None if averaging is None else lambda: averaging.average,
+                                                gathered, keep=rank == 0), writer)
         hooks.after_step.append(hf.after_step)
         hooks.at_exit.append(hf.at_exit)
     first, first_tokens = state.iteration, state.consumed_tokens
