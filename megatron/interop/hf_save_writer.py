@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from megatron.errors import ConversionError
 from megatron.interop.hf_config import choose_architecture, hf_config_from_gpt
 from megatron.interop.hf_model import save_hf_model
 from megatron.interop.hf_tokenizer import TokenizerFiles, export_tokenizer
@@ -31,12 +32,15 @@ class HFModelWriter:
     def __init__(self, config: GPTConfig, tokenizer: TokenizerArgs, dtype: torch.dtype,
                  lora_scale: float | None) -> None:
         self.config, self.dtype, self.lora_scale = config, dtype, lora_scale
-        self.architecture = choose_architecture(config)
-        files = TokenizerFiles(tokenizer.tokenizer_type, tokenizer.vocab_file, tokenizer.merge_file)
-        with tempfile.TemporaryDirectory() as tmp:  # written once, copied into every save
-            tokens = export_tokenizer(files, Path(tmp), config.max_positions)
-            self.tokenizer_files = {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
-        self.hf_config = hf_config_from_gpt(config, tokens, dtype)
+        try:
+            self.architecture = choose_architecture(config)
+            files = TokenizerFiles(tokenizer.tokenizer_type, tokenizer.vocab_file, tokenizer.merge_file)
+            with tempfile.TemporaryDirectory() as tmp:  # written once, copied into every save
+                tokens = export_tokenizer(files, Path(tmp), config.max_positions)
+                self.tokenizer_files = {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+            self.hf_config = hf_config_from_gpt(config, tokens, dtype)
+        except ConversionError as err:
+            raise ConversionError(f"hf_save_path (HF saves while training) cannot write this run: {err}") from None
 
     def __call__(self, weights: Mapping[str, torch.Tensor], out_dir: Path) -> None:
         full = dict(weights)
