@@ -39,7 +39,12 @@ def main(before_commit: Callable[[int], None] | None = None) -> int:
     from megatron.training.pretrain import pretrain
 
     tasks = None if run.tasks is None else TasksInTraining(run.tasks)  # eval_tasks: lm-eval at evaluations
-    pretrain(run, run.checkpoint, before_commit=before_commit, task_evaluation=tasks)
+    hf_writer = None
+    if run.hf_saves.hf_save_path is not None:  # HF model directories while training, by the exporter's pieces
+        from megatron.interop.hf_save_writer import HFModelWriter
+
+        hf_writer = HFModelWriter
+    pretrain(run, run.checkpoint, before_commit=before_commit, task_evaluation=tasks, hf_writer=hf_writer)
     return 0
 
 

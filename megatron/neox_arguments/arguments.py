@@ -33,6 +33,7 @@ from megatron.training.averaging_config import ModelAveragingArgs
 from megatron.training.bad_steps import BadStepArgs
 from megatron.training.reinit_config import ReinitTokensArgs
 from megatron.training.peft_config import PeftSaveArgs
+from megatron.training.hf_save_config import HFSaveArgs
 from megatron.training.config import TrainingLoopArgs
 from megatron.training.lr_config import LRSchedulerArgs
 from megatron.training.lr_dialects import LevanterScheduleArgs
@@ -64,6 +65,7 @@ GROUPS: dict[str, type[ArgGroup]] = {
     "bad_steps": BadStepArgs,
     "reinit_tokens": ReinitTokensArgs,
     "peft_saves": PeftSaveArgs,
+    "hf_saves": HFSaveArgs,
     "objective": ObjectiveArgs,
     "activation_checkpointing": ActivationCheckpointArgs,
     "checkpoint": CheckpointArgs,
@@ -109,6 +111,7 @@ class _Arguments(
     BadStepArgs,
     ReinitTokensArgs,
     PeftSaveArgs,
+    HFSaveArgs,
     ObjectiveArgs,
     ActivationCheckpointArgs,
     CheckpointArgs,

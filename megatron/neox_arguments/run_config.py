@@ -31,6 +31,7 @@ from megatron.training.averaging_config import ModelAveragingArgs
 from megatron.training.reinit_config import ReinitTokensArgs
 from megatron.training.bad_steps import BadStepArgs
 from megatron.training.peft_config import PeftSaveArgs
+from megatron.training.hf_save_config import HFSaveArgs
 from megatron.training.config import TrainingRun
 from megatron.training.lr_config import LRSchedulerArgs
 from megatron.training.objectives.config import ObjectiveArgs
@@ -115,6 +116,11 @@ class RunConfig:
     @property
     def peft_saves(self) -> PeftSaveArgs:
         """The arguments, as the PEFT adapter saves' keys (``lora_peft_save_path``, ...)."""
+        return self.args
+
+    @property
+    def hf_saves(self) -> HFSaveArgs:
+        """The arguments, as the HF saves' keys (``hf_save_path``, ...)."""
         return self.args
 
     @property

@@ -43,6 +43,8 @@ from megatron.training.comms_report import CommsReport
 from megatron.training.config import TrainingLoopArgs, compute_dtype, last_iteration
 from megatron.training.engine import build_engine, layers_to_checkpoint, partition_method
 from megatron.training.evaluate import maybe_evaluator
+from megatron.training.hf_save_config import HFSaveArgs
+from megatron.training.hf_saves import HFSaves, HFWriterFactory, live_weights, save_dtype
 from megatron.training.loop import Hooks, LoopContext, TrainState, train
 from megatron.training.model_averaging import ModelAverage
 from megatron.training.objectives import build_objective, build_reference
@@ -117,6 +119,8 @@ class PretrainRun(RunViews, Protocol):
     @property
     def peft_saves(self) -> PeftSaveArgs: ...
     @property
+    def hf_saves(self) -> HFSaveArgs: ...
+    @property
     def args_record(self) -> dict[str, Any]:
         """Every resolved key as JSON (stored in checkpoints to describe the run)."""
         ...
@@ -127,11 +131,13 @@ class PretrainRun(RunViews, Protocol):
 
 
 def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: BeforeCommit | None = None,
-             task_evaluation: TaskEvaluationBuilder | None = None) -> TrainState:
+             task_evaluation: TaskEvaluationBuilder | None = None,
+             hf_writer: HFWriterFactory | None = None) -> TrainState:
     """Train as ``run`` says, saving and loading as ``checkpoint`` (``RunConfig.checkpoint``) says.
     ``before_commit``: called between writing a checkpoint's files and committing it (the crash-safety tests
     kill the process there); ``task_evaluation``: runs the lm-eval tasks, given when the config names
-    ``eval_tasks`` (``train.py`` builds it from ``RunConfig.tasks``)."""
+    ``eval_tasks`` (``train.py`` builds it from ``RunConfig.tasks``); ``hf_writer``: builds the writer of the
+    HF saves, given when the config names ``hf_save_path`` (``train.py``: the exporter sits beside training)."""
     limit_cpu_threads()
     training, log_config = run.training, run.logging
     verbose = is_verbose(log_config.deepspeed_log_level)
@@ -278,6 +284,21 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
                          writer=rank == 0)
         hooks.after_step.append(peft.after_step)
         hooks.at_exit.append(peft.at_exit)
+    if run.hf_saves.hf_save_path is not None:  # Levanter's hf_save_path: rank 0 writes, the average when there is one
+        if hf_writer is None:
+            raise ConfigError("hf_save_path: this program was not given the HF writer (train.py gives it)")
+        writer = hf_writer(model_config, run.tokenizer, save_dtype(run.hf_saves, training.precision),
+                           run.lora.lora_scale if run.lora.lora_enabled else None) if rank == 0 else None
+        module = eng.engine.module
+        gathered = None
+        if int(eng.engine.zero_optimization_stage()) == 3:  # every rank gathers the partitions, rank 0 keeps them
+            import deepspeed
+
+            gathered = lambda: deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)  # noqa: E731
+        hf = HFSaves(run.hf_saves, live_weights(module, None if averaging is None else lambda: averaging.average,
+                                                gathered, keep=rank == 0), writer)
+        hooks.after_step.append(hf.after_step)
+        hooks.at_exit.append(hf.at_exit)
     first, first_tokens = state.iteration, state.consumed_tokens
     try:
         state = train(ctx, state, hooks)

@@ -71,7 +71,8 @@ def llama_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def neox_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train(tmp_path_factory.mktemp("neox"), *DP2_PLAIN, *NEOX)
+    # the HF saves ride along (rank 0 of two writes <tmp>/hf/step-N while training): they change no number
+    return train(tmp_path_factory.mktemp("neox"), *DP2_PLAIN, *NEOX, "hf_save_path=hf", "hf_save_interval=1")
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +124,29 @@ def exports(llama_run: Path, neox_run: Path, tmp_path_factory: pytest.TempPathFa
     report = export_to_hf(llama_run / "ckpt", out / "llama", iteration=2)
     assert report.architecture == "LlamaForCausalLM" and report.max_logit_diff is not None
     return {"llama": out / "llama", "neox": out / "neox"}
+
+
+@torch.no_grad()
+def test_hf_saves_while_training_hold_the_checkpoints_model(neox_run: Path, exports: dict[str, Path]) -> None:
+    """hf_save_path at interval 1 over 3 steps: Levanter's 0-based steps 1 and 2 (step 0 skipped; the last written
+    again, forced: compat/hf_checkpoints.py:1049-1058, trainer.py:99,448-449 at 9263f81e). step-1, written after 2
+    steps, loads in transformers with the logits of our model holding the step-2 checkpoint, and is the offline
+    export of that checkpoint (tools/ckpts/convert_neox_to_hf.py's path) tensor for tensor."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    hf = neox_run / "hf"
+    assert sorted(p.name for p in hf.iterdir()) == ["step-1", "step-2"]
+    model = AutoModelForCausalLM.from_pretrained(hf / "step-1", local_files_only=True, torch_dtype=torch.float32)
+    full = read_full_checkpoint(neox_run / "ckpt", iteration=2)
+    tokens = fixed_batch(VOCAB, SEQ)
+    ours = build_gpt_model(full.config, full.weights)(tokens)
+    assert (model.eval()(input_ids=tokens).logits - ours).abs().max() <= 1e-4
+    live, offline = load_file(str(hf / "step-1" / "model.safetensors")), load_file(str(exports["neox"] / "model.safetensors"))
+    assert sorted(live) == sorted(offline) and all(torch.equal(live[k], offline[k]) for k in live)
+    last = load_file(str(hf / "step-2" / "model.safetensors"))
+    assert any(not torch.equal(last[k], live[k]) for k in live)  # written as training went
+    assert (hf / "step-1" / "tokenizer.json").is_file()
 
 
 @pytest.mark.parametrize("style", ["llama", "neox"])

@@ -138,12 +138,16 @@ def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
         extra = dict(RECOMPUTED.get(name, {}))
         if name == PEFT_LAYOUT:  # the PEFT saves ride along: they change no number
             extra.update(lora_peft_save_path=str(tmp / "peft"), lora_peft_save_interval=4)
+        if name == HF_SAVE_LAYOUT:  # the merged HF saves too (every rank gathers, rank 0 writes)
+            extra.update(hf_save_path=str(tmp / "hf"), hf_save_interval=5)
         runs[name] = train(name, tmp, **extra)
     return runs
 
 
 PEFT_LAYOUT = "dp2_zero1"
 """The layout run that also saves its adapters in PEFT's format while training (rank 0 of two writes)."""
+HF_SAVE_LAYOUT = "dp2_zero3"
+"""The layout run that also writes its merged model while training (hf_save_path: ZeRO-3's partitions gathered)."""
 
 
 def test_peft_saves_while_training_hold_the_trained_adapters(layout_runs: dict[str, dict[str, Any]]) -> None:
@@ -291,6 +295,26 @@ def test_merged_and_peft_exports_reproduce_our_logits(single: dict[str, Any], la
     assert (base - ours).abs().max() > 1e-2  # the adapters matter: without them the logits differ
     config = json.loads((tmp_path / "peft" / "lora_adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8.0, TARGETS)
+
+
+@torch.no_grad()
+def test_hf_saves_while_training_hold_the_merged_model(layout_runs: dict[str, dict[str, Any]]) -> None:
+    """hf_save_path on a LoRA run under ZeRO-3 at dp2 (lora_lm.py's merged_hf_save_path, 163-168 at 9263f81e): 0-based
+    steps 5 and 9 of 10 at interval 5; the last, read by transformers, gives our adapted model's logits at the run's
+    step-10 checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron.interop.deepy_checkpoint import read_full_checkpoint
+    from megatron.interop.lora_export import adapted_model, lora_config_of
+
+    run = layout_runs[HF_SAVE_LAYOUT]
+    hf = Path(run["config"]["hf_save_path"])
+    assert sorted(p.name for p in hf.iterdir()) == ["step-5", "step-9"]
+    merged = AutoModelForCausalLM.from_pretrained(hf / "step-9", local_files_only=True, torch_dtype=torch.float32)
+    full = read_full_checkpoint(run["ckpt"])
+    tokens = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(3))
+    ours = adapted_model(full.config, lora_config_of(full.args), full.weights)(tokens)
+    assert (merged.eval()(input_ids=tokens).logits - ours).abs().max() <= 1e-4
 
 
 # ---------------------------------------------------------------- DPO with adapters

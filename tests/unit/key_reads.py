@@ -138,10 +138,11 @@ def _training_loop(args: Any) -> object:
 
 
 def _step_policies(args: Any) -> object:
-    """What ``pretrain`` asks of the weight average's, the bad-step rule's, the token re-drawing's and the PEFT
-    saves' keys (``PeftSaves``)."""
+    """What ``pretrain`` asks of the weight average's, the bad-step rule's, the token re-drawing's, the PEFT
+    saves' keys (``PeftSaves``) and the HF saves' (``HFSaves``, ``hf_saves.save_dtype``)."""
     return (args.ema_beta, args.bad_step_rule(), args.reinit_tokens, args.redrawn(tied=False),
-            args.lora_peft_save_path, args.lora_peft_save_interval, args.lora_peft_names)
+            args.lora_peft_save_path, args.lora_peft_save_interval, args.lora_peft_names,
+            args.hf_save_path, args.hf_save_interval, args.hf_save_dtype)
 
 
 def _run_config(args: Any) -> object:

@@ -293,7 +293,7 @@ def test_lora_keys_and_levanters_defaults(tmp_path: Path) -> None:
     ("lora:\n  target_modules: [q_proj, v_proj]\n", "fuses"),
     ("lora:\n  target_modules: '.*proj'\n", "regular expression"),
     ("peft_save_path: out\npeft_hf_upload: me/repo\nlora:\n  target_modules: [o_proj]\n", "uploading PEFT"),
-    ("merged_hf_save_path: out\nlora:\n  target_modules: [o_proj]\n", "merged HF"),
+    ("merged_hf_save_path: out\nmerged_hf_upload: me/repo\nlora:\n  target_modules: [o_proj]\n", "merged HF"),
 ])
 def test_lora_refusals(tmp_path: Path, lora: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -130,6 +130,9 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "lora_peft_save_path": ("peft_saves", None),  # Levanter's lora_lm.py peft_save_path
     "lora_peft_save_interval": ("peft_saves", 1000),  # its hf_save_steps
     "lora_peft_names": ("peft_saves", "gpt_neox"),
+    "hf_save_path": ("hf_saves", None),  # Levanter's hf_save_path (lora_lm.py's merged_hf_save_path)
+    "hf_save_interval": ("hf_saves", 10000),  # its hf_save_steps
+    "hf_save_dtype": ("hf_saves", None),
     "mlp_type": ("model", "regular"),  # earlier GPT-NeoX key its Llama/Mistral configs set
     "moe_aux_loss_coeff": ("moe", 0.0),
     "moe_router_renormalize": ("moe", False),  # Mixtral's top-k weights over their sum

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from megatron.neox_arguments.dialects import levanter_optim, levanter_sft, levanter_trainer
+from megatron.neox_arguments.dialects import levanter_hf_save, levanter_optim, levanter_sft, levanter_trainer
 from megatron.neox_arguments.dialects.common import Context, Leaf, Refused, Rule, Translation, noted, to
 from megatron.neox_arguments.dialects.levanter_model import MODEL_PRESETS, MODEL_RULES, model_type
 from megatron.neox_arguments.dialects.levanter_optim import OPTIMIZER_DEFAULTS, OPTIMIZER_RULES
@@ -127,15 +127,6 @@ def _eval_harness(value: Any, ctx: Context) -> dict[str, Any]:
     return out
 
 
-def _hf_save(value: Any, ctx: Context) -> dict[str, Any]:
-    if ctx.value("peft_save_path") and levanter_sft.is_lora(ctx):  # lora_lm.py:43,157: the PEFT saves' interval
-        return {"lora_peft_save_interval": int(value)} if value is not None else noted("Levanter's default, 1000")
-    if ctx.value("hf_save_path") is not None:
-        raise Refused("exporting Hugging Face checkpoints while training is not built here; export a checkpoint "
-                      "with tools/ckpts/convert_neox_to_hf.py")
-    return noted("no HF export while training (hf_save_path is unset)")
-
-
 def _initialize_from_hf(value: Any, ctx: Context) -> dict[str, Any]:
     """train_lm.py:79-92,155-173@9263f81e: a path (or true: the model's reference_checkpoint) whose weights
     the run starts from at step 0; both with trainer.initialize_from is Levanter's ValueError (line 81)."""
@@ -184,10 +175,9 @@ TOP_RULES: dict[str, Rule] = {
     "initialize_from_hf": _initialize_from_hf,
     "use_hf_model_config": lambda v, ctx: noted("the model: section gives the shape") if not v
     else _refuse("use_hf_model_config (the model's shape from the HF config) is not built; give the model: section"),
-    "hf_save_path": _hf_save,
-    "hf_upload": lambda v, ctx: noted("unset") if v is None else _refuse("uploading to the Hugging Face hub is not built"),
-    "hf_save_steps": _hf_save,
-    "hf_save_dtype": _hf_save,
+    **levanter_hf_save.TRAIN_LM_RULES,  # hf_save_path, hf_save_steps, hf_save_dtype
+    "hf_upload": lambda v, ctx: noted("unset") if v is None else _refuse("uploading to the Hugging Face hub is not "
+                                                                         "built (the HF saves stay local)"),
     "data_seed": _data_seed,
     "initialize_from_checkpoint_path": lambda v, ctx: noted("unset") if v is None else
     _refuse("use trainer.initialize_from (weights, optimizer and step of another run)"),
@@ -198,7 +188,9 @@ TOP_RULES: dict[str, Rule] = {
 # ----------------------------------------------------------------------------------- everything
 
 RULES: dict[str, Rule] = {**MODEL_RULES, **TRAINER_RULES, **OPTIMIZER_RULES, **DATA_RULES, **TOP_RULES,
-                          **levanter_sft.SFT_RULES, **levanter_sft.LORA_RULES}
+                          **levanter_sft.SFT_RULES, **levanter_sft.LORA_RULES,
+                          **levanter_hf_save.LORA_RULES}
+# (over levanter_sft.LORA_RULES' refusal of merged_hf_save_path: the merged HF saves are built, levanter_hf_save.py)
 REFUSED: dict[str, str] = {**TRAINER_REFUSED, **DATA_REFUSED, **OTHER_ENTRY_POINTS, **levanter_sft.SFT_REFUSED}
 TOP_KEYS = (frozenset(TOP_RULES) | frozenset(OTHER_ENTRY_POINTS) | levanter_sft.SFT_KEYS | levanter_sft.LORA_KEYS
             | frozenset(levanter_sft.SFT_REFUSED))

@@ -1,0 +1,155 @@
+"""Hugging Face model directories written while training, as Levanter's ``hf_save_path`` writes them.
+
+When, where and what (stanford-crfm/levanter 9263f81e):
+- ``trainer.add_hook(save_hf_checkpoint_callback(...), every=hf_save_steps)`` (``main/train_lm.py:214-222``,
+  ``main/sft.py:290-300``; lora_lm.py's merged model: ``main/lora_lm.py:163-168``); a hook runs when
+  ``info.step % every == 0`` (``trainer.py:97-100``) and once more, forced, after the last step
+  (``trainer.py:448-449``), where ``info.step`` is the 0-based step just completed (``int(state.step) - 1``,
+  ``callbacks/_core.py:37``); the callbacks skip ``info.step == 0`` (``compat/hf_checkpoints.py:1049-1050``,
+  ``lora.py:437-438``).
+- into ``<base>/step-<info.step>`` (``compat/hf_checkpoints.py:1058``, ``lora.py:446``), ``<base>`` being
+  ``<hf_save_path>/<run id>`` unless ``trainer.checkpointer.append_run_id_to_base_path`` is false
+  (``train_lm.py:206-209``, ``sft.py:292-295``; always with the run id for ``merged_hf_save_path``,
+  ``lora_lm.py:164``): the dialect puts the run id into ``hf_save_path``, and the steps go below it;
+- ``config.json``, the safetensors weights and the tokenizer's files (``save_pretrained``,
+  ``compat/hf_checkpoints.py:754-954``), cast to ``hf_save_dtype`` when one is given (``_to_state_dict_with_dtype``,
+  lines 223-252), written from ``step.eval_model`` (the weight average when there is one,
+  ``trainer_state.py:82-94``).
+
+Here rank 0 holds the whole model (tp 1, pp 0: ``hf_save_config.hf_save_layouts``; under ZeRO-3 every rank gathers
+it first) and writes it with the HF exporter's pieces (``megatron/interop``, handed in by ``train.py``: training does
+not import the converters); the step directory appears whole (written beside it, then renamed: a reader never sees
+half of one).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from megatron.atomic_files import fsync_dir
+from megatron.model.config import GPTConfig
+from megatron.tokenizer.config import TokenizerArgs
+from megatron.training.hf_save_config import HFSaveArgs
+
+Weights = Mapping[str, torch.Tensor]
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class HFWriter(Protocol):
+    """Writes a ``transformers`` model directory holding ``weights`` (full, under ``GPTModel``'s names, adapters
+    included) into the empty directory ``out_dir``."""
+
+    def __call__(self, weights: Weights, out_dir: Path) -> None: ...
+
+
+class HFWriterFactory(Protocol):
+    """Builds the writer for a model (``megatron.interop.hf_save_writer.HFModelWriter``, which ``train.py`` hands to
+    ``pretrain``): it refuses a model or tokenizer it cannot write when built, before the first step.
+    ``lora_scale``: the adapters are merged into their layers' weights with it; None: no adapters."""
+
+    def __call__(self, config: GPTConfig, tokenizer: TokenizerArgs, dtype: torch.dtype,
+                 lora_scale: float | None) -> HFWriter: ...
+
+
+def levanter_step(completed: int) -> int:
+    """Levanter's ``info.step``: the 0-based number of the step just completed."""
+    return completed - 1
+
+
+def save_due(completed: int, every: int, *, last: bool) -> bool:
+    """Whether Levanter's hook writes after ``completed`` steps: every ``every``-th 0-based step and after the
+    last one, never after the first (step 0)."""
+    step = levanter_step(completed)
+    return step > 0 and (last or step % every == 0)
+
+
+def step_dir(base: str | os.PathLike[str], completed: int) -> Path:
+    """``<hf_save_path>/step-<0-based step>``."""
+    return Path(base) / f"step-{levanter_step(completed)}"
+
+
+def save_dtype(keys: HFSaveArgs, precision: str | None) -> torch.dtype:
+    """``hf_save_dtype``, else the training precision's dtype (``fp16``, ``bfloat16`` or fp32)."""
+    if keys.hf_save_dtype is not None:
+        return DTYPES[keys.hf_save_dtype]
+    return {"fp16": torch.float16, "bfloat16": torch.bfloat16}.get(precision or "fp32", torch.float32)
+
+
+def write_whole(directory: Path, fill: Callable[[Path], None]) -> None:
+    """``fill`` a new directory beside ``directory``, persist its files and rename it into place (a step written
+    again, by the forced last hook or a resumed run, replaces the old one)."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        fill(tmp)
+        for path in tmp.rglob("*"):
+            if path.is_file():
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+        fsync_dir(tmp)
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(directory.parent)
+
+
+class HFSaves:
+    """The loop's hooks (``after_step``, ``at_exit``) that write the model of ``weights()``: the module's weights,
+    with the weight average's in place of the trained ones when there is one (Levanter's ``eval_model``)."""
+
+    def __init__(self, keys: HFSaveArgs, weights: Callable[[], Weights], writer: HFWriter | None) -> None:
+        """``writer``: None on the ranks that do not write."""
+        assert keys.hf_save_path is not None
+        self.keys, self.weights, self.writer = keys, weights, writer
+        self.written: list[Path] = []
+
+    def _save(self, completed: int) -> None:
+        weights = self.weights()  # on every rank: under ZeRO-3 a gather all ranks take part in
+        if self.writer is None:
+            return
+        assert self.keys.hf_save_path is not None
+        target = step_dir(self.keys.hf_save_path, completed)
+        full = {name: tensor.detach().cpu() for name, tensor in weights.items()}
+        writer = self.writer
+        write_whole(target, lambda tmp: writer(full, tmp))
+        self.written.append(target)
+
+    def after_step(self, _eng: Any, state: Any) -> None:
+        if save_due(state.iteration, self.keys.hf_save_interval, last=False):
+            self._save(state.iteration)
+
+    def at_exit(self, _eng: Any, state: Any) -> None:
+        # Levanter's forced hooks: the last step; Levanter writes it again when after_step just did, the same
+        # weights (nothing changes between the two hooks), so here it is written once
+        done = bool(self.written) and self.written[-1] == step_dir(str(self.keys.hf_save_path), state.iteration)
+        if save_due(state.iteration, self.keys.hf_save_interval, last=True) and not done:
+            self._save(state.iteration)
+
+
+def live_weights(module: torch.nn.Module, average: Callable[[], Weights] | None,
+                 gathered: Callable[[], AbstractContextManager[Any]] | None = None,
+                 keep: bool = True) -> Callable[[], Weights]:
+    """What a save writes: the module's state (its trained and frozen weights) with the average's tensors in place
+    of the trained ones when there is one. ``gathered``: a block inside which the module's parameters are whole
+    (ZeRO-3's ``GatheredParameters``, entered by every rank); ``keep``: this rank keeps a copy (the writer)."""
+    def weights() -> Weights:
+        if gathered is None:
+            state = dict(module.state_dict())
+        else:
+            with gathered():
+                state = {k: v.detach().clone() for k, v in module.state_dict().items()} if keep else {}
+        if average is not None:
+            state.update(average())
+        return state
+    return weights
