@@ -288,9 +288,24 @@ def test_lora_keys_and_levanters_defaults(tmp_path: Path) -> None:
     assert (args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_scale) == (16, 32.0, 0.1, 2.0)
 
 
+def test_lora_target_modules_null_adapts_every_linear_layer_as_levanter(tmp_path: Path) -> None:
+    """lora.py:95-109@9263f81e: target_modules null matches every hnn.Linear, each with its own LowRankLinear: a
+    Llama's q/k/v/o, gate/up/down (llama.py:264-266) and its untied lm_head (llama.py:500-503); both factors drawn
+    by haliax's Linear.init (lora.py:148-152)."""
+    args = _load(_lora_yaml(tmp_path, "lora:\n  r: 4\n")).args
+    assert args.lora_target_modules == ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "output_layer"]
+    assert (args.lora_split_fused, args.lora_init, args.lora_r) == (True, "levanter", 4)
+    # named one by one: q/k/v and gate/up are sections of Deepy's fused projections, each its own adapter
+    args = _load(_lora_yaml(tmp_path, "lora:\n  target_modules: [q_proj, k_proj, v_proj, up_proj, gate_proj]\n")).args
+    assert (args.lora_target_modules, args.lora_split_fused) == (["query_key_value", "dense_h_to_4h"], True)
+    # a tied head is the embedding (an hnn.Embedding): null adds nothing for it (llama.py:500-501)
+    tied = _lora_yaml(tmp_path, "lora:\n  r: 4\n")
+    tied.write_text(tied.read_text().replace("  num_kv_heads: 4\n", "  num_kv_heads: 4\n  tie_word_embeddings: true\n"))
+    assert "output_layer" not in _load(tied).args.lora_target_modules
+
+
 @pytest.mark.parametrize(("lora", "message"), [
-    ("lora:\n  r: 4\n", "every linear layer"),  # target_modules null: every linear layer, the head too
-    ("lora:\n  target_modules: [q_proj, v_proj]\n", "fuses"),
+    ("lora:\n  target_modules: [q_proj, v_proj]\n", r"fuses .* without \['k_proj'\]|without \['k_proj'\].* fuses"),
     ("lora:\n  target_modules: '.*proj'\n", "regular expression"),
     ("peft_save_path: out\npeft_hf_upload: me/repo\nlora:\n  target_modules: [o_proj]\n", "uploading PEFT"),
     ("merged_hf_save_path: out\nlora:\n  target_modules: [o_proj]\n", "merged HF"),
