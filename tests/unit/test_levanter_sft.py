@@ -304,6 +304,19 @@ def test_lora_target_modules_null_adapts_every_linear_layer_as_levanter(tmp_path
     assert "output_layer" not in _load(tied).args.lora_target_modules
 
 
+def test_train_batch_size_minus_one_is_per_device_parallelism_without_accumulation(tmp_path: Path) -> None:
+    """trainer.py:922-923,934-935@9263f81e (lora_llama2.yaml's train_batch_size: -1): the batch is
+    per_device_parallelism x the data axis; both -1 is Levanter's ValueError."""
+    path = _lora_yaml(tmp_path, "lora:\n  target_modules: [o_proj]\n")
+    text = path.read_text().replace("  train_batch_size: 4\n", "  train_batch_size: -1\n  per_device_parallelism: 3\n")
+    path.write_text(text)
+    args = _load(path).args
+    assert (args.train_micro_batch_size_per_gpu, args.gradient_accumulation_steps) == (3, 1)
+    path.write_text(text.replace("  per_device_parallelism: 3\n", ""))
+    with pytest.raises(ConfigError, match="per_device_parallelism must be specified"):
+        _load(path)
+
+
 @pytest.mark.parametrize(("lora", "message"), [
     ("lora:\n  target_modules: [q_proj, v_proj]\n", r"fuses .* without \['k_proj'\]|without \['k_proj'\].* fuses"),
     ("lora:\n  target_modules: '.*proj'\n", "regular expression"),
