@@ -108,6 +108,18 @@ def test_saved_adapter_loads_in_peft_with_our_logits(tmp_path: Path, names: str,
     assert max_logit_difference(ours, peft, tokens) <= 1e-4
     # the adapters matter: the base alone is far from our adapted model
     assert max_logit_difference(ours, load_hf_model(base_dir, torch.float32), tokens) > 1e-2
+    # the export's merge (convert_neox_to_hf.py --adapters merge): W + scale B A, per section for split adapters,
+    # read by transformers, gives the same logits
+    from megatron.interop.lora_export import fused_sections
+    from megatron.model.lora import merge_adapters
+
+    merged = merge_adapters(weights, lora.lora_scale, fused_sections(config))
+    save_hf_model(hf_config_from_gpt(config, SpecialTokens(0, 0, None), torch.float32),
+                  to_hf_state_dict(config, arch, merged), tmp_path / "merged", torch.float32)
+    merged_hf = load_hf_model(tmp_path / "merged", torch.float32)
+    # W + scale B A is rounded to fp32 once per weight (~5e-7 here), which these large random adapters carry to
+    # ~2e-4 in logits of magnitude ~14; a misplaced section or head row moves them by O(1)
+    assert max_logit_difference(ours, merged_hf, tokens) <= 1e-3
 
 
 def test_only_the_writer_writes(tmp_path: Path) -> None:
