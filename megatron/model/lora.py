@@ -1,9 +1,14 @@
 """LoRA adapters on the tensor-parallel projections, attached to a built model from outside.
 
 ``y = W x + b + (alpha / r) * B A dropout(x)`` with ``A`` ``[r, in]`` drawn like PEFT's (uniform in
-``+-1/sqrt(in)``) and ``B`` ``[out, r]`` zero, so a fresh adapter leaves the model unchanged. The base
-weights are frozen; the adapters are the only trainable parameters (plus a reward model's new
-scalar head, which has no base to keep).
+``+-1/sqrt(in)``) and ``B`` ``[out, r]`` zero, so a fresh adapter leaves the model unchanged
+(``lora_init: levanter`` draws both as Levanter does instead). The base weights are frozen; the adapters are
+the only trainable parameters (plus a reward model's new scalar head, which has no base to keep).
+
+``lora_split_fused`` gives each section of a fused projection (q, k, v; gate, up) its own adapter, as Levanter
+and PEFT adapt a Llama's separate projections: ``A`` stacks the sections' ``A_s`` (``[S r, in]``) and ``B``
+keeps the layer's row layout, so ``B`` is block-diagonal in effect. The untied output head
+(``output_layer``) is adapted like any column-parallel layer, its logits batch-first.
 
 Tensor parallelism splits each adapter like the layer it adapts:
 
@@ -150,13 +155,19 @@ class LoRAAdapter(nn.Module):
             mark_partial_over_tensor_parallel([replicated])
         self.enabled = True
 
+    def _dropped(self, x: torch.Tensor) -> torch.Tensor:
+        # the input is replicated over tp ranks (same mask) unless it is a shard (per-rank stream)
+        sharded = self.sequence_parallel or not self.column
+        with tensor_parallel_rng() if sharded else contextlib.nullcontext():
+            return F.dropout(x, self.dropout, training=True)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dropout > 0 and self.training:
-            # the input is replicated over tp ranks (same mask) unless it is a shard (per-rank stream)
-            sharded = self.sequence_parallel or not self.column
-            with tensor_parallel_rng() if sharded else contextlib.nullcontext():
-                x = F.dropout(x, self.dropout, training=True)
-        h = F.linear(x, self.lora_A)  # [..., S r], partial over tp for a row-parallel layer
+        if self.dropout > 0 and self.training and len(self.local_sections) > 1:
+            # each section's adapter drops its input on its own, as separate modules do (Levanter, PEFT)
+            h = torch.cat([F.linear(self._dropped(x), a_s) for a_s in self.lora_A.split(self.lora_B.shape[1])], -1)
+        else:
+            h = F.linear(self._dropped(x) if self.dropout > 0 and self.training else x, self.lora_A)
+        # h: [..., S r], partial over tp for a row-parallel layer
         if self.column:
             if self.sequence_parallel:
                 h = gather_from_sequence_parallel_region(h, grad_is_partial=True)  # [s, b, S r]

@@ -256,3 +256,17 @@ def test_split_and_head_adapters_reshard_as_they_are_split() -> None:
             assert table.vocabulary == name.startswith("output_layer"), name
         checked += 1
     assert checked == 2 * (4 * 2 + 1)
+
+
+def test_split_adapters_drop_their_inputs_each_on_their_own() -> None:
+    """Separate modules draw separate dropout masks (Levanter's LowRankLinear each has its hnn.Dropout)."""
+    model, _ = adapted(LLAMA, lora_target_modules=["query_key_value"], lora_split_fused=True, lora_dropout=0.5)
+    layer = model.layers[0].attention.query_key_value
+    with torch.no_grad():
+        layer.adapter.lora_A.copy_(torch.eye(4, 32).repeat(3, 1))  # every section reads the same 4 inputs
+        layer.adapter.lora_B.fill_(1.0)
+    layer.train()
+    torch.manual_seed(0)
+    term = layer(torch.ones(64, 32)) - F.linear(torch.ones(64, 32), layer.weight)  # [64, q + k + v]
+    q, k, v = term.split([32, 16, 16], dim=1)
+    assert not torch.equal(q[:, 0], k[:, 0]) and not torch.equal(k[:, 0], v[:, 0])  # masks differ per section
