@@ -110,7 +110,8 @@ def _factors(layer: str, weights: Mapping[str, torch.Tensor], names: PeftNames,
 def peft_state_dict(weights: Mapping[str, torch.Tensor], names: PeftNames, config: GPTConfig) -> Weights:
     """PEFT's names (and row order) for our adapters, ``layers.N.<module>.adapter.lora_X`` ->
     ``base_model.model.<model>.layers.N.<hf module>.lora_X.weight`` (one per section of a split adapter), the
-    head's ``output_layer.adapter.lora_X`` -> ``base_model.model.lm_head.lora_X.weight`` (transformers 5 names both heads so)."""
+    head's ``output_layer.adapter.lora_X`` -> ``base_model.model.lm_head.lora_X.weight`` (transformers 5's name of
+    both models' head)."""
     out: Weights = {}
     for key in weights:
         if not key.endswith(f".{ADAPTER}.lora_A"):

@@ -280,5 +280,5 @@ def test_peft_export_of_split_qkv_adapters_is_refused_by_name(tmp_path) -> None:
 
     args = {"lora_r": 4, "lora_split_fused": True, "lora_target_modules": ["query_key_value"]}
     with pytest.raises(ConversionError, match="lora_split_fused.*--adapters merge"):
-        export_adapters(tmp_path / "ckpt", CONFIG.replace(norm="layernorm", pos_emb="rotary"), args, {}, tmp_path / "out", mode="peft",
-                        tokenizer_files=None)  # type: ignore[arg-type]
+        export_adapters(tmp_path / "ckpt", CONFIG.replace(norm="layernorm", pos_emb="rotary"), args, {},
+                        tmp_path / "out", mode="peft", tokenizer_files=None)  # type: ignore[arg-type]
