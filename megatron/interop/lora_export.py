@@ -14,7 +14,7 @@ export, in fp32: max |Δ logit| <= 1e-4.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -36,11 +36,13 @@ from megatron.interop.hf_weights import qkv_ours_to_neox, to_hf_state_dict
 from megatron.model.config import GPTConfig
 from megatron.model.lora import ADAPTER, apply_lora, is_adapter_name, merge_adapters
 from megatron.model.lora_config import LoRAArgs
+from megatron.model.partitioning import TPPartition, tp_partition_of
 
 AdapterExport = Literal["merge", "peft"]
 ADAPTER_DIR = "lora_adapter"
 Weights = dict[str, torch.Tensor]
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_WHOLE = TPPartition(0)
 _FROM_ARGS = {"bfloat16": "bf16", "bf16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "fp32", "float32": "fp32"}
 
 
@@ -78,7 +80,8 @@ def adapted_model(config: GPTConfig, lora: LoRAArgs, weights: Weights) -> torch.
 
 def peft_state_dict(config: GPTConfig, weights: Weights) -> Weights:
     """PEFT's names and layout for our adapters on a GPTNeoX model: the fused QKV's rows are interleaved
-    per head in transformers, so ``B`` of ``query_key_value`` gets the same row order as its weight."""
+    per head in transformers, so ``B`` of ``query_key_value`` gets the same row order as its weight; the
+    untied head is ``lm_head``."""
     out: Weights = {}
     heads, d = config.arch.heads, config.head_dim
     for key, tensor in weights.items():
@@ -87,8 +90,14 @@ def peft_state_dict(config: GPTConfig, weights: Weights) -> Weights:
         layer, factor = key.rsplit(f".{ADAPTER}.", 1)  # layers.0.attention.query_key_value, lora_B
         if layer.endswith("query_key_value") and factor == "lora_B":
             tensor = qkv_ours_to_neox(tensor, heads, d)
-        out[f"base_model.model.gpt_neox.{layer}.{factor}.weight"] = tensor.contiguous()
+        module = "lm_head" if layer == "output_layer" else f"gpt_neox.{layer}"
+        out[f"base_model.model.{module}.{factor}.weight"] = tensor.contiguous()
     return out
+
+
+def fused_sections(config: GPTConfig) -> Callable[[str], Sequence[int] | None]:
+    """The full row sections of a weight (``[q, k, v]``, ``[gate, up]``), which a split adapter follows."""
+    return lambda weight: (tp_partition_of(config, weight) or _WHOLE).sections
 
 
 def write_peft_adapter(config: GPTConfig, lora: LoRAArgs, weights: Weights, adapter_dir: Path, base_dir: Path,
@@ -101,7 +110,7 @@ def write_peft_adapter(config: GPTConfig, lora: LoRAArgs, weights: Weights, adap
     adapter_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_dir.resolve()),
         "r": lora.lora_r, "lora_alpha": lora.lora_alpha, "lora_dropout": 0.0,
-        "target_modules": list(lora.lora_target_modules),
+        "target_modules": ["lm_head" if t == "output_layer" else t for t in lora.lora_target_modules],
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
     }
@@ -132,6 +141,9 @@ def export_adapters(ckpt: Path, config: GPTConfig, args: dict[str, Any], weights
     if mode == "peft" and arch != "GPTNeoXForCausalLM":
         raise ConversionError(f"--adapters peft writes PEFT's GPTNeoX names; this model exports as {arch}: use "
                               "--adapters merge")
+    if mode == "peft" and lora.lora_split_fused and "query_key_value" in lora.lora_target_modules:
+        raise ConversionError("--adapters peft: lora_split_fused gave q, k and v an adapter each, and GPTNeoX's "
+                              "query_key_value is one module with one adapter in PEFT; use --adapters merge")
     dtype = _DTYPES[_FROM_ARGS.get(str(args.get("precision") or "fp32"), "fp32") if precision == "auto" else precision]
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConversionError(f"output directory {out_dir} is not empty; choose a new one")
@@ -143,7 +155,7 @@ def export_adapters(ckpt: Path, config: GPTConfig, args: dict[str, Any], weights
     adapter_dir = out_dir / ADAPTER_DIR if mode == "peft" else None
     if mode == "merge":
         progress(f"writing {arch} with the adapters merged (alpha/r = {lora.lora_scale:g}) to {out_dir}")
-        merged = merge_adapters(weights, lora.lora_scale)
+        merged = merge_adapters(weights, lora.lora_scale, fused_sections(config))
         save_hf_model(hf_config, to_hf_state_dict(config, arch, merged), out_dir, dtype)
     else:
         assert adapter_dir is not None

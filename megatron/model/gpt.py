@@ -18,15 +18,24 @@ from megatron.mpu.mappings import gather_from_sequence_parallel_region
 from megatron.mpu.topology import get_tensor_model_parallel_world_size
 
 
-def build_output_layer(config: GPTConfig) -> ColumnParallelLinear:
+class OutputLayer(ColumnParallelLinear):
+    """The untied output projection: hidden `[s, b, h]` (or its sequence shard) -> logits `[b, s, v/tp]`
+    (vocab-parallel rows, no bias). A module of its own so that a LoRA adapter hooks it like any projection."""
+
+    def forward(self, x_sbh: torch.Tensor) -> torch.Tensor:
+        return parallel_lm_logits(x_sbh, self.weight, self.sequence_parallel)  # [b, s, v/tp]
+
+
+def build_output_layer(config: GPTConfig) -> OutputLayer:
     """The untied output projection (vocab-parallel rows, no bias)."""
-    return ColumnParallelLinear(
+    return OutputLayer(
         config.arch.hidden,
         config.vocab,
         name="output_layer",
         init_fn=config.init_fn(),
         seed=config.seed,
         bias=False,
+        sequence_parallel=config.sequence_parallel,
         params_dtype=config.params_dtype,
     )
 
@@ -115,4 +124,6 @@ class GPTModel(nn.Module):
         x = self.final_norm(x)
         if self.value_head is not None:
             return self.value_head(x)  # [b, s, 1]
+        if self.output_layer is not None:
+            return self.output_layer(x)  # [b, s, v/tp]
         return parallel_lm_logits(x, self.output_weight(), self.sequence_parallel)  # [b, s, v/tp]

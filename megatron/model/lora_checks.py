@@ -7,7 +7,7 @@ from __future__ import annotations
 from megatron.config_rules import RuleContext, rule
 
 
-_LORA_KEYS = ("lora_alpha", "lora_dropout", "lora_target_modules")
+_LORA_KEYS = ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_split_fused", "lora_init")
 
 
 _LORA_MLP_TARGETS = ("dense_h_to_4h", "dense_4h_to_h")
@@ -33,3 +33,32 @@ def lora_mlp_targets_need_dense_mlps(ctx: RuleContext) -> list[str]:
         return []
     return [f"{ctx.show('lora_target_modules')} with {ctx.show('moe_num_experts')}: adapters on the experts of MoE "
             f"layers are not built yet, so {mlp} would stay unadapted there; target query_key_value/dense only"]
+
+
+@rule
+def lora_head_needs_an_untied_head(ctx: RuleContext) -> list[str]:
+    """output_layer is the untied head; a tied head is the token embedding, which no adapter adapts (Levanter's
+    adapters sit on hnn.Linear only, lora.py:95-109@9263f81e; a tied head has none), and a reward model has none."""
+    if int(ctx.get("lora_r") or 0) == 0 or "output_layer" not in (ctx.get("lora_target_modules") or []):
+        return []
+    if ctx.get("value_head"):
+        return [f"{ctx.show('lora_target_modules')} with {ctx.show('value_head')}: a reward model has no output "
+                "head (its value head trains); remove output_layer"]
+    if not ctx.get("no_weight_tying"):
+        return [f"{ctx.show('lora_target_modules')} with {ctx.show('no_weight_tying')}: the head is tied to the token "
+                "embedding, which gets no adapter; remove output_layer, or untie the head (no_weight_tying: true)"]
+    return []
+
+
+@rule
+def levanter_init_needs_its_own_reference(ctx: RuleContext) -> list[str]:
+    """DPO's and KTO's reference is the starting model, taken as the base with its adapters switched off when the
+    run starts without trained adapters (megatron/training/objectives/reference.py): right only when fresh
+    adapters add nothing, as PEFT's (B zero) do and Levanter's (B drawn) do not."""
+    if int(ctx.get("lora_r") or 0) == 0 or ctx.get("lora_init") != "levanter":
+        return []
+    impl = ctx.get("train_impl")
+    if impl not in ("dpo", "kto"):
+        return []
+    return [f"{ctx.show('lora_init')} with {ctx.show('train_impl')}: Levanter's fresh adapters change the model, so "
+            "the reference (the base with its adapters off) would not be the starting model; use lora_init: peft"]

@@ -18,7 +18,8 @@ from pydantic import Field
 
 from megatron.config_schema import ArgGroup
 
-LoRATarget = Literal["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
+LoRATarget = Literal["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "output_layer"]
+LoRAInit = Literal["peft", "levanter"]
 
 
 class LoRAArgs(ArgGroup):
@@ -36,7 +37,18 @@ class LoRAArgs(ArgGroup):
 
     lora_target_modules: list[LoRATarget] = Field(default_factory=lambda: list[LoRATarget](["query_key_value"]))
     """Projections that get an adapter, by GPT-NeoX module name (query_key_value and dense in attention,
-    dense_h_to_4h and dense_4h_to_h in the MLP); PEFT's target_modules for GPT-NeoX models."""
+    dense_h_to_4h and dense_4h_to_h in the MLP, output_layer the untied output head); PEFT's target_modules for
+    GPT-NeoX models."""
+
+    lora_split_fused: bool = False
+    """One adapter per section of a fused projection: q, k and v of query_key_value, gate and up of a gated
+    dense_h_to_4h, each with its own A and B, as PEFT and Levanter adapt a Llama's separate q_proj, k_proj, v_proj,
+    gate_proj and up_proj. False: one adapter for the whole fused projection (PEFT on GPT-NeoX's query_key_value)."""
+
+    lora_init: LoRAInit = "peft"
+    """How the adapters start. peft: A uniform in +-1/sqrt(in), B zero (a fresh adapter changes nothing). levanter:
+    both factors truncated normal in +-3 standard deviations over sqrt(fan in) (A: /sqrt(in), B: /sqrt(lora_r)),
+    haliax's Linear.init as Levanter's LowRankLinear.init draws them, so the fresh model is not the base."""
 
     @property
     def lora_enabled(self) -> bool:

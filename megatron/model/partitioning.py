@@ -49,6 +49,7 @@ def tp_partition_patterns(config: GPTConfig) -> dict[str, TPPartition]:
         r"^(.*\.)?attention\.dense\.adapter\.lora_A$": TPPartition(1),
         r"^(.*\.)?mlp\.dense_h_to_4h\.adapter\.lora_B$": TPPartition(0, h_to_4h),
         r"^(.*\.)?mlp\.dense_4h_to_h\.adapter\.lora_A$": TPPartition(1),
+        r"^(.*\.)?output_layer\.adapter\.lora_B$": TPPartition(0, vocabulary=True),
     }
     families = config.layer_families
     if "mamba" in families:

@@ -128,10 +128,9 @@ class OutputLayerPipe(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.output_layer = build_output_layer(config)
-        self.sequence_parallel = config.sequence_parallel and get_tensor_model_parallel_world_size() > 1
 
     def forward(self, x_sbh: torch.Tensor) -> torch.Tensor:
-        return parallel_lm_logits(x_sbh, self.output_layer.weight, self.sequence_parallel)
+        return self.output_layer(x_sbh)  # [b, s, v/tp]
 
 
 class ValueHeadPipe(nn.Module):

@@ -189,6 +189,15 @@ def _adapted_projections(c: GPTConfig) -> dict[str, tuple[int, int, bool]]:
             "dense_h_to_4h": (c.arch.hidden, first, True), "dense_4h_to_h": (c.ffn_hidden_size, c.arch.hidden, False)}
 
 
+def _adapter_pieces(c: GPTConfig, lora: LoRAArgs, name: str) -> int:
+    """How many rank-r adapters one projection's adapter is: its sections with ``lora_split_fused``, else 1."""
+    if not lora.lora_split_fused:
+        return 1
+    if name == "query_key_value":
+        return 3
+    return 2 if name == "dense_h_to_4h" and c.mlp_widths.first == 2 * c.ffn_hidden_size else 1
+
+
 def adapter_parameters(layout: MemoryLayout) -> int:
     """LoRA parameters on one device of the stage with the most layers: per projection ``A`` ``[r, in]``
     and ``B`` ``[out, r]``, the factor on the layer's split side divided by tp."""
@@ -198,8 +207,13 @@ def adapter_parameters(layout: MemoryLayout) -> int:
     per_layer = 0
     for name, (d_in, d_out, column) in _adapted_projections(layout.model).items():
         if name in layout.lora.lora_target_modules:
-            per_layer += r * d_in + d_out * r // tp if column else r * d_in // tp + d_out * r
-    return math.ceil(layout.model.arch.layers / layout.pp) * per_layer
+            pieces = _adapter_pieces(layout.model, layout.lora, name)
+            per_layer += pieces * r * d_in + d_out * r // tp if column else r * d_in // tp + d_out * r
+    # the untied head's adapter (on the last stage): A [r, h] replicated, B [vocab/tp, r]
+    head = 0
+    if "output_layer" in layout.lora.lora_target_modules:
+        head = r * layout.model.arch.hidden + layout.model.vocab * r // tp
+    return math.ceil(layout.model.arch.layers / layout.pp) * per_layer + head
 
 
 def trainable_parameters(layout: MemoryLayout) -> int:
@@ -284,7 +298,8 @@ def activation_bytes(layout: MemoryLayout) -> float:
     if recomputed:
         stored += min(chunk, recomputed) * layer
     lora = layout.lora
-    adapters = sum(1 for name in _adapted_projections(c) if name in lora.lora_target_modules) if lora.lora_r else 0
+    adapters = sum(_adapter_pieces(c, lora, name) for name in _adapted_projections(c)
+                   if name in lora.lora_target_modules) if lora.lora_r else 0
     stored += layers * adapters * s * b * lora.lora_r * a  # each adapter's rank-r product
     in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
     logits = s * b * c.vocab / t * (a + 4)  # logits and the fp32 copy the loss works on

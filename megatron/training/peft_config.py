@@ -18,10 +18,13 @@ from megatron.config_schema import ArgGroup
 
 PeftNames = Literal["gpt_neox", "llama"]
 # the targets each naming writes: PEFT names one module per adapter, and a Llama model's q/k/v and gate/up are
-# separate modules there while Deepy fuses each group into one projection with one adapter
-PEFT_TARGETS: dict[str, frozenset[str]] = {
-    "gpt_neox": frozenset({"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"}),
-    "llama": frozenset({"dense", "dense_4h_to_h"}),
+# separate modules there while Deepy fuses each group into one projection: one adapter, unless lora_split_fused
+# gives each section its own (then GPT-NeoX's one query_key_value module cannot hold them)
+PEFT_TARGETS: dict[tuple[str, bool], frozenset[str]] = {
+    ("gpt_neox", False): frozenset({"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "output_layer"}),
+    ("gpt_neox", True): frozenset({"dense", "dense_h_to_4h", "dense_4h_to_h", "output_layer"}),
+    ("llama", False): frozenset({"dense", "dense_4h_to_h", "output_layer"}),
+    ("llama", True): frozenset({"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "output_layer"}),
 }
 
 
@@ -66,12 +69,17 @@ def peft_save_layouts(ctx: RuleContext) -> list[str]:
                         "tools/ckpts/convert_neox_to_hf.py --adapters peft")
     if zero_stage(ctx) >= 3:
         problems.append(f"{key} with zero_optimization.stage 3: ZeRO-3 partitions the adapters; use stage 0-2")
-    names = ctx.get("lora_peft_names")
-    other = sorted(set(ctx.get("lora_target_modules") or []) - PEFT_TARGETS[names])
-    if other:
+    names, split = ctx.get("lora_peft_names"), bool(ctx.get("lora_split_fused"))
+    writable = PEFT_TARGETS[(names, split)]
+    other = sorted(set(ctx.get("lora_target_modules") or []) - writable)
+    if other and split:
+        problems.append(f"{ctx.show('lora_target_modules')} with {ctx.show('lora_split_fused')} and "
+                        f"{ctx.show('lora_peft_names')}: {other} is one module in {names}, with one adapter in PEFT; "
+                        f"set lora_split_fused: false or target {sorted(writable)}")
+    elif other:
         problems.append(f"{ctx.show('lora_target_modules')} with {ctx.show('lora_peft_names')}: {other} fuse modules "
-                        f"that {names} keeps apart (q/k/v, gate/up), each with its own adapter in PEFT; target "
-                        f"{sorted(PEFT_TARGETS[names])}")
+                        f"that {names} keeps apart (q/k/v, gate/up), each with its own adapter in PEFT; set "
+                        f"lora_split_fused: true (an adapter per section) or target {sorted(writable)}")
     if names == "gpt_neox" and "query_key_value" in (ctx.get("lora_target_modules") or []):
         kv = ctx.get("num_kv_heads")
         if kv is not None and int(kv) != int(ctx.get("num_attention_heads") or 0):

@@ -27,23 +27,32 @@ from typing import Any
 import torch
 
 from megatron.atomic_files import fsync_dir
-from megatron.model.lora import ADAPTER, is_adapter_name
+from megatron.model.config import GPTConfig
+from megatron.model.lora import ADAPTER
 from megatron.model.lora_config import LoRAArgs
 from megatron.training.peft_config import PeftNames, PeftSaveArgs
 
 Weights = dict[str, torch.Tensor]
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-# Deepy's module path -> the transformers model's, per naming (the base's names in megatron/interop/hf_weights.py)
-_MODULES: dict[str, dict[str, str]] = {
-    "gpt_neox": {"attention.query_key_value": "attention.query_key_value", "attention.dense": "attention.dense",
-                 "mlp.dense_h_to_4h": "mlp.dense_h_to_4h", "mlp.dense_4h_to_h": "mlp.dense_4h_to_h"},
-    "llama": {"attention.dense": "self_attn.o_proj", "mlp.dense_4h_to_h": "mlp.down_proj"},
+# Deepy's module path -> the transformers model's modules, per naming (the base's names in
+# megatron/interop/hf_weights.py); a fused projection maps onto one module per section when its adapter is split
+# by sections (lora_split_fused), in the order of the sections
+_MODULES: dict[str, dict[str, tuple[str, ...]]] = {
+    "gpt_neox": {"attention.query_key_value": ("attention.query_key_value",), "attention.dense": ("attention.dense",),
+                 "mlp.dense_h_to_4h": ("mlp.dense_h_to_4h",), "mlp.dense_4h_to_h": ("mlp.dense_4h_to_h",)},
+    "llama": {"attention.query_key_value": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              "attention.dense": ("self_attn.o_proj",), "mlp.dense_h_to_4h": ("mlp.gate_proj", "mlp.up_proj"),
+              "mlp.dense_4h_to_h": ("mlp.down_proj",)},
 }
 _PREFIX = {"gpt_neox": "base_model.model.gpt_neox.layers", "llama": "base_model.model.model.layers"}
-_PEFT_TARGET = {"query_key_value": "query_key_value", "dense_h_to_4h": "dense_h_to_4h",
-                "dense": "dense", "dense_4h_to_h": "dense_4h_to_h"}
-_LLAMA_TARGET = {"dense": "o_proj", "dense_4h_to_h": "down_proj"}
+_HEAD = {"gpt_neox": "lm_head", "llama": "lm_head"}
+"""The untied output head's module in each transformers model."""
+_PEFT_TARGET = {"gpt_neox": {"query_key_value": ["query_key_value"], "dense_h_to_4h": ["dense_h_to_4h"],
+                             "dense": ["dense"], "dense_4h_to_h": ["dense_4h_to_h"], "output_layer": ["lm_head"]},
+                "llama": {"query_key_value": ["q_proj", "k_proj", "v_proj"], "dense": ["o_proj"],
+                          "dense_h_to_4h": ["gate_proj", "up_proj"], "dense_4h_to_h": ["down_proj"],
+                          "output_layer": ["lm_head"]}}
 
 
 def levanter_step(completed: int) -> int:
@@ -68,31 +77,58 @@ def _qkv_rows_per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.reshape(3, heads, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
-def peft_state_dict(weights: Mapping[str, torch.Tensor], names: PeftNames, heads: int) -> Weights:
+def _sections(config: GPTConfig, module: str) -> list[int]:
+    """The row sections of a fused projection, in our order (``[q, k, v]``, ``[gate, up]``)."""
+    if module == "attention.query_key_value":
+        return [config.arch.heads * config.head_dim] + [config.kv_heads * config.head_dim] * 2
+    first = config.mlp_widths.first
+    return [first // 2] * 2
+
+
+def _factors(layer: str, weights: Mapping[str, torch.Tensor], names: PeftNames,
+             config: GPTConfig) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(transformers module path, A, B) of each PEFT adapter that our adapter of ``layer`` is."""
+    a, b = weights[f"{layer}.{ADAPTER}.lora_A"], weights[f"{layer}.{ADAPTER}.lora_B"]
+    if layer == "output_layer":
+        return [(f"base_model.model.{_HEAD[names]}", a, b)]
+    _, index, module = layer.split(".", 2)  # layers, N, attention.dense
+    hf = _MODULES[names].get(module, ())
+    prefix = f"{_PREFIX[names]}.{index}"
+    r = b.shape[1]
+    if a.shape[0] > r:  # split by sections: A_s stacked, B's rows by section
+        if len(hf) * r != a.shape[0]:
+            raise ValueError(f"{names} has no module per section of {layer}")
+        pieces = zip(hf, a.split(r, 0), b.split(_sections(config, module), 0))
+        return [(f"{prefix}.{m}", a_s, b_s) for m, a_s, b_s in pieces]
+    if len(hf) != 1:
+        raise ValueError(f"{names} has no single module for the adapter of {layer}")
+    if module == "attention.query_key_value":
+        b = _qkv_rows_per_head(b, config.arch.heads)
+    return [(f"{prefix}.{hf[0]}", a, b)]
+
+
+def peft_state_dict(weights: Mapping[str, torch.Tensor], names: PeftNames, config: GPTConfig) -> Weights:
     """PEFT's names (and row order) for our adapters, ``layers.N.<module>.adapter.lora_X`` ->
-    ``base_model.model.<model>.layers.N.<hf module>.lora_X.weight``."""
+    ``base_model.model.<model>.layers.N.<hf module>.lora_X.weight`` (one per section of a split adapter), the
+    head's ``output_layer.adapter.lora_X`` -> ``base_model.model.lm_head.lora_X.weight`` (transformers 5's name of
+    both models' head)."""
     out: Weights = {}
-    for key, tensor in weights.items():
-        if not is_adapter_name(key):
+    for key in weights:
+        if not key.endswith(f".{ADAPTER}.lora_A"):
             continue
-        layer, factor = key.rsplit(f".{ADAPTER}.", 1)
-        _, index, module = layer.split(".", 2)  # layers, N, attention.dense
-        if module not in _MODULES[names]:
-            raise ValueError(f"{names} has no single module for the adapter of {layer}")
-        if module == "attention.query_key_value" and factor == "lora_B":
-            tensor = _qkv_rows_per_head(tensor, heads)
-        out[f"{_PREFIX[names]}.{index}.{_MODULES[names][module]}.{factor}.weight"] = tensor.detach().cpu().contiguous()
+        for module, a, b in _factors(key[: -len(f".{ADAPTER}.lora_A")], weights, names, config):
+            out[f"{module}.lora_A.weight"] = a.detach().cpu().contiguous()
+            out[f"{module}.lora_B.weight"] = b.detach().cpu().contiguous()
     return out
 
 
 def adapter_config(lora: LoRAArgs, names: PeftNames, base_model: str | None) -> dict[str, Any]:
     """``adapter_config.json``: Levanter's values (``lora.py:504-516``; dropout written as 0.0 there too), the
     targets under the transformers model's module names."""
-    table = _LLAMA_TARGET if names == "llama" else _PEFT_TARGET
+    targets = [m for t in lora.lora_target_modules for m in _PEFT_TARGET[names][t]]
     return {"base_model_name_or_path": base_model, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
             "lora_alpha": lora.lora_alpha, "lora_dropout": 0.0, "modules_to_save": None, "peft_type": "LORA",
-            "r": lora.lora_r, "target_modules": [table[t] for t in lora.lora_target_modules],
-            "task_type": "CAUSAL_LM"}
+            "r": lora.lora_r, "target_modules": targets, "task_type": "CAUSAL_LM"}
 
 
 def write_adapter(directory: Path, tensors: Weights, config: dict[str, Any]) -> None:
@@ -121,12 +157,12 @@ class PeftSaves:
     """The loop's hooks (``after_step``, ``at_exit``) that write the adapters of ``weights()``: the model's
     parameters, or the weight average's when there is one (Levanter's ``eval_model``)."""
 
-    def __init__(self, keys: PeftSaveArgs, lora: LoRAArgs, heads: int,
+    def __init__(self, keys: PeftSaveArgs, lora: LoRAArgs, config: GPTConfig,
                  weights: Callable[[], Mapping[str, torch.Tensor]], base_model: str | None, writer: bool) -> None:
-        """``heads``: attention heads (the fused q/k/v rows' order); ``base_model``: the adapter config's
+        """``config``: the model (heads and sections order the fused rows); ``base_model``: the adapter config's
         ``base_model_name_or_path`` (Levanter writes ``initialize_from_hf``); ``writer``: this rank writes."""
         assert keys.lora_peft_save_path is not None
-        self.keys, self.lora, self.heads = keys, lora, heads
+        self.keys, self.lora, self.config = keys, lora, config
         self.weights, self.base_model, self.writer = weights, base_model, writer
         self.written: list[Path] = []
 
@@ -135,7 +171,7 @@ class PeftSaves:
             return
         assert self.keys.lora_peft_save_path is not None
         target = step_dir(self.keys.lora_peft_save_path, completed)
-        write_adapter(target, peft_state_dict(self.weights(), self.keys.lora_peft_names, self.heads),
+        write_adapter(target, peft_state_dict(self.weights(), self.keys.lora_peft_names, self.config),
                       adapter_config(self.lora, self.keys.lora_peft_names, self.base_model))
         self.written.append(target)
 

@@ -279,7 +279,7 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
     hooks = Hooks(after_step=[ckpt.after_step, comms.after_step], at_exit=[ckpt.at_exit, comms.at_exit])
     if run.peft_saves.lora_peft_save_path is not None:  # Levanter's eval_model: the average when there is one
         module = eng.engine.module
-        peft = PeftSaves(run.peft_saves, run.lora, model_config.arch.heads, base_model=checkpoint.initialize_from_hf,
+        peft = PeftSaves(run.peft_saves, run.lora, model_config, base_model=checkpoint.initialize_from_hf,
                          weights=lambda: averaging.average if averaging is not None else dict(module.named_parameters()),
                          writer=rank == 0)
         hooks.after_step.append(peft.after_step)

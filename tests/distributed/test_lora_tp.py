@@ -1,6 +1,7 @@
 """LoRA adapters split like the layer they adapt, on 2 real gloo ranks: output and gradients equal the
 direct full computation ``scale * x A^T B^T`` (plain torch, one process), with and without sequence
-parallelism, for a fused (sectioned) column-parallel layer and a row-parallel layer.
+parallelism, for a fused (sectioned) column-parallel layer (one adapter, or one per section), a row-parallel
+layer and the untied output head (vocab-parallel logits).
 
 One spawn runs every check; each is reported as its own test.
 """
@@ -35,7 +36,16 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"{what}: {m}")
 
 
-def _check(column: bool, sequence_parallel: bool) -> None:
+def _low_rank(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sections: list[int] | None) -> torch.Tensor:
+    """The direct computation: ``scale B A x``, or with ``sections`` one rank-R update per section (A_s: R rows of
+    ``a`` each, B_s: the section's rows of ``b``), concatenated: Levanter's separate LowRankLinears."""
+    if sections is None:
+        return F.linear(F.linear(x, a), b) * (ALPHA / R)
+    parts = [F.linear(F.linear(x, a_s), b_s) for a_s, b_s in zip(a.split(R), b.split(sections))]
+    return torch.cat(parts, dim=-1) * (ALPHA / R)
+
+
+def _check(column: bool, sequence_parallel: bool, split: bool = False) -> None:
     from megatron.model.lora import LoRAAdapter
     from megatron.model.lora_config import LoRAArgs
     from megatron.mpu import ColumnParallelLinear, RowParallelLinear, get_tensor_model_parallel_rank
@@ -51,8 +61,9 @@ def _check(column: bool, sequence_parallel: bool) -> None:
                                      sequence_parallel=sequence_parallel)
     else:
         layer = RowParallelLinear(d_in, d_out, name="r", init_fn=init, seed=SEED, sequence_parallel=sequence_parallel)
-    adapter = LoRAAdapter(layer, LoRAArgs(lora_r=R, lora_alpha=ALPHA), SEED)
-    a_full, b_full = _rand(R, d_in, seed=1), _rand(d_out, R, seed=2)
+    adapter = LoRAAdapter(layer, LoRAArgs(lora_r=R, lora_alpha=ALPHA, lora_split_fused=split), SEED)
+    # split: GQA-like sections [q 4, k 2, v 2], each with its own adapter (A_s stacked: [3 R, in])
+    a_full, b_full = _rand(3 * R if split else R, d_in, seed=1), _rand(d_out, R, seed=2)
     with torch.no_grad():  # known full factors, sharded the way the adapter's layer is
         adapter.lora_A.copy_(a_full if column else shard_tensor(a_full, 1, rank, WORLD))
         adapter.lora_B.copy_(shard_tensor(b_full, 0, rank, WORLD, sections) if column else b_full)
@@ -60,7 +71,7 @@ def _check(column: bool, sequence_parallel: bool) -> None:
     x_full, g_full = _rand(4, 2, d_in, seed=3), _rand(4, 2, d_out, seed=4)  # [s, b, in], [s, b, out]
     a_ref, b_ref = a_full.clone().requires_grad_(), b_full.clone().requires_grad_()
     x_ref = x_full.clone().requires_grad_()
-    y_ref = F.linear(F.linear(x_ref, a_ref), b_ref) * (ALPHA / R)
+    y_ref = _low_rank(x_ref, a_ref, b_ref, sections if split else None)
     y_ref.backward(g_full)
 
     # what this rank's adapter sees and returns
@@ -102,8 +113,44 @@ def _check(column: bool, sequence_parallel: bool) -> None:
     _close(both - base, want_y, "hooked layer minus base")
 
 
+def _check_head(sequence_parallel: bool) -> None:
+    """The untied head's adapter: hidden [s, b, h] -> logits [b, s, v/tp], B split by vocabulary rows."""
+    from megatron.model.gpt import OutputLayer
+    from megatron.model.lora import LoRAAdapter
+    from megatron.model.lora_config import LoRAArgs
+    from megatron.mpu import get_tensor_model_parallel_rank
+    from megatron.mpu.initialize_weights import init_method_from_name
+
+    rank = get_tensor_model_parallel_rank()
+    d_in, vocab = 6, 8
+    head = OutputLayer(d_in, vocab, name="output_layer", init_fn=init_method_from_name("normal", 0.02, 2, 8),
+                       seed=SEED, bias=False, sequence_parallel=sequence_parallel)
+    adapter = LoRAAdapter(head, LoRAArgs(lora_r=R, lora_alpha=ALPHA, lora_init="levanter"), SEED)
+    a_full, b_full = _rand(R, d_in, seed=1), _rand(vocab, R, seed=2)
+    with torch.no_grad():
+        adapter.lora_A.copy_(a_full)
+        adapter.lora_B.copy_(b_full.chunk(WORLD, 0)[rank])
+    x_full, g_full = _rand(4, 2, d_in, seed=3), _rand(2, 4, vocab, seed=4)  # [s, b, h], [b, s, v]
+    a_ref, b_ref, x_ref = (t.clone().requires_grad_() for t in (a_full, b_full, x_full))
+    y_ref = _low_rank(x_ref.transpose(0, 1), a_ref, b_ref, None)  # [b, s, v]
+    y_ref.backward(g_full)
+    x = (x_full.chunk(WORLD, 0)[rank] if sequence_parallel else x_full).clone().requires_grad_()
+    y = adapter(x)
+    _close(y, y_ref.detach().chunk(WORLD, 2)[rank], "head adapter logits (this rank's vocabulary)")
+    y.backward(g_full.chunk(WORLD, 2)[rank])
+    from megatron.mpu.layers import partial_over_tensor_parallel, sum_partial_grads_over_tensor_parallel
+
+    sum_partial_grads_over_tensor_parallel([p.grad for p in partial_over_tensor_parallel(adapter)])
+    _close(adapter.lora_A.grad, a_ref.grad, "head A grad (replicated, summed over tp)")
+    _close(adapter.lora_B.grad, b_ref.grad.chunk(WORLD, 0)[rank], "head B grad shard")
+
+
 CHECKS = {
     "column_sectioned": lambda: _check(column=True, sequence_parallel=False),
+    "column_split_by_sections": lambda: _check(column=True, sequence_parallel=False, split=True),
+    "column_split_sequence_parallel": lambda: _check(column=True, sequence_parallel=True, split=True),
+    "head": lambda: _check_head(sequence_parallel=False),
+    "head_sequence_parallel": lambda: _check_head(sequence_parallel=True),
     "column_sequence_parallel": lambda: _check(column=True, sequence_parallel=True),
     "row": lambda: _check(column=False, sequence_parallel=False),
     "row_sequence_parallel": lambda: _check(column=False, sequence_parallel=True),

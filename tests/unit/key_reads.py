@@ -100,7 +100,8 @@ def _lora(args: Any) -> object:
     """What the model builder and each adapter ask of the adapter keys (``build_model``, ``LoRAAdapter``)."""
     if not args.lora_enabled:
         return None
-    return args.lora_r, args.lora_scale, args.lora_dropout, args.lora_target_modules
+    return (args.lora_r, args.lora_scale, args.lora_dropout, args.lora_target_modules, args.lora_split_fused,
+            args.lora_init)
 
 
 def _lr_schedule(args: Any) -> object:

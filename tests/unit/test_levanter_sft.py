@@ -288,9 +288,37 @@ def test_lora_keys_and_levanters_defaults(tmp_path: Path) -> None:
     assert (args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_scale) == (16, 32.0, 0.1, 2.0)
 
 
+def test_lora_target_modules_null_adapts_every_linear_layer_as_levanter(tmp_path: Path) -> None:
+    """lora.py:95-109@9263f81e: target_modules null matches every hnn.Linear, each with its own LowRankLinear: a
+    Llama's q/k/v/o, gate/up/down (llama.py:264-266) and its untied lm_head (llama.py:500-503); both factors drawn
+    by haliax's Linear.init (lora.py:148-152)."""
+    args = _load(_lora_yaml(tmp_path, "lora:\n  r: 4\n")).args
+    assert args.lora_target_modules == ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "output_layer"]
+    assert (args.lora_split_fused, args.lora_init, args.lora_r) == (True, "levanter", 4)
+    # named one by one: q/k/v and gate/up are sections of Deepy's fused projections, each its own adapter
+    args = _load(_lora_yaml(tmp_path, "lora:\n  target_modules: [q_proj, k_proj, v_proj, up_proj, gate_proj]\n")).args
+    assert (args.lora_target_modules, args.lora_split_fused) == (["query_key_value", "dense_h_to_4h"], True)
+    # a tied head is the embedding (an hnn.Embedding): null adds nothing for it (llama.py:500-501)
+    tied = _lora_yaml(tmp_path, "lora:\n  r: 4\n")
+    tied.write_text(tied.read_text().replace("  num_kv_heads: 4\n", "  num_kv_heads: 4\n  tie_word_embeddings: true\n"))
+    assert "output_layer" not in _load(tied).args.lora_target_modules
+
+
+def test_train_batch_size_minus_one_is_per_device_parallelism_without_accumulation(tmp_path: Path) -> None:
+    """trainer.py:922-923,934-935@9263f81e (lora_llama2.yaml's train_batch_size: -1): the batch is
+    per_device_parallelism x the data axis; both -1 is Levanter's ValueError."""
+    path = _lora_yaml(tmp_path, "lora:\n  target_modules: [o_proj]\n")
+    text = path.read_text().replace("  train_batch_size: 4\n", "  train_batch_size: -1\n  per_device_parallelism: 3\n")
+    path.write_text(text)
+    args = _load(path).args
+    assert (args.train_micro_batch_size_per_gpu, args.gradient_accumulation_steps) == (3, 1)
+    path.write_text(text.replace("  per_device_parallelism: 3\n", ""))
+    with pytest.raises(ConfigError, match="per_device_parallelism must be specified"):
+        _load(path)
+
+
 @pytest.mark.parametrize(("lora", "message"), [
-    ("lora:\n  r: 4\n", "every linear layer"),  # target_modules null: every linear layer, the head too
-    ("lora:\n  target_modules: [q_proj, v_proj]\n", "fuses"),
+    ("lora:\n  target_modules: [q_proj, v_proj]\n", r"fuses .* without \['k_proj'\]|without \['k_proj'\].* fuses"),
     ("lora:\n  target_modules: '.*proj'\n", "regular expression"),
     ("peft_save_path: out\npeft_hf_upload: me/repo\nlora:\n  target_modules: [o_proj]\n", "uploading PEFT"),
     ("merged_hf_save_path: out\nmerged_hf_upload: me/repo\nlora:\n  target_modules: [o_proj]\n", "merged HF"),

@@ -164,3 +164,121 @@ def test_full_weights_from_a_lora_checkpoint_are_refused_before_launch(tmp_path,
     assert f"initialize_from='{ckpt.parent}' ({config}:11): global_step7 holds LoRA adapters (lora_r 8" in out, out
     assert "lora_r=0 (default)" in out and "set lora_r: 8" in out and "convert_neox_to_hf.py" in out, out
     assert dry_run("lora_r=8", "lora_alpha=16.0")[0] == 0  # going on with its adapters is fine
+
+
+# ------------------------------------------------------------------- Levanter's LoRA on every linear layer
+LLAMA = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2, seq_length=8,
+                  padded_vocab_size=64, norm="rmsnorm", activation="swiglu", intermediate_size=48,
+                  no_weight_tying=True, pos_emb="rotary", use_bias_in_attn_linear=False, use_bias_in_mlp=False)
+EVERY = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "output_layer"]
+
+
+def test_split_adapters_are_separate_low_rank_updates_per_section_and_the_head_is_adapted() -> None:
+    """lora_split_fused: q, k, v (GQA: k and v narrower) and gate, up each get their own A_s [r, in], B_s [out_s, r]
+    (Levanter's LowRankLinear per hnn.Linear, lora.py:118-157@9263f81e); the section's rows are computed by hand
+    here. The head's adapter adds scale * B A h to the logits of the final norm's output h. Merging gives the
+    adapted model's logits in a plain model."""
+    model, _ = adapted(LLAMA, lora_target_modules=EVERY, lora_split_fused=True, lora_alpha=6.0)
+    gen = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = torch.randn(p.shape, generator=gen) * 0.3
+    scale, r, x = 6.0 / 4, 4, torch.randn(3, 32, generator=gen)
+    for layer, sizes in ((model.layers[0].attention.query_key_value, [32, 16, 16]),
+                         (model.layers[1].mlp.dense_h_to_4h, [LLAMA.ffn_hidden_size] * 2)):
+        a, b = layer.adapter.lora_A, layer.adapter.lora_B
+        assert a.shape == (len(sizes) * r, 32) and b.shape == (sum(sizes), r)
+        rows = []
+        for s, (a_s, b_s) in enumerate(zip(a.split(r), b.split(sizes))):
+            rows.append(scale * (x @ a_s.T) @ b_s.T)  # section s alone: its own rank-r update
+        torch.testing.assert_close(layer(x), x @ layer.weight.T + torch.cat(rows, dim=1))
+    tokens = torch.randint(0, 64, (2, 8), generator=gen)
+    hidden = {}
+    model.final_norm.register_forward_hook(lambda m, i, o: hidden.setdefault("h", o))
+    logits = model(tokens)
+    head, h = model.output_layer, hidden["h"].transpose(0, 1)  # [b, s, hidden]
+    want = h @ head.weight.T + scale * (h @ head.adapter.lora_A.T) @ head.adapter.lora_B.T
+    torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+    from megatron.interop.lora_export import fused_sections
+
+    plain = GPTModel(LLAMA)
+    plain.load_state_dict(merge_adapters(model.state_dict(), scale, fused_sections(LLAMA)))
+    torch.testing.assert_close(plain(tokens), logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="split by sections"):
+        merge_adapters(model.state_dict(), scale)  # a split adapter needs its sections
+
+
+def test_levanter_init_draws_both_factors_from_a_truncated_normal() -> None:
+    """haliax@f41e7d40 linear.py:41-69: truncated_normal(-3, 3) * 1/sqrt(fan_in) for A (fan in: the layer's input)
+    and B (fan in: r) alike (lora.py:148-152@9263f81e), so a fresh Levanter LoRA model is not the base. The std of
+    a standard normal truncated at +-3 is 0.98658."""
+    config = LLAMA.replace(hidden_size=256, num_attention_heads=4, num_kv_heads=4, intermediate_size=256,
+                           num_layers=1, padded_vocab_size=512)
+    model, _ = adapted(config, lora_target_modules=EVERY, lora_split_fused=True, lora_init="levanter", lora_r=64)
+    layer = model.layers[0].attention.query_key_value.adapter
+    for t, fan_in in ((layer.lora_A, 256), (layer.lora_B, 64), (model.output_layer.adapter.lora_B, 64)):
+        values = t.detach().flatten() * fan_in ** 0.5
+        assert values.abs().max() <= 3.0 + 1e-5 and values.abs().max() > 2.5
+        assert abs(values.std().item() - 0.98658) < 0.02 and abs(values.mean().item()) < 0.02
+    tokens = torch.randint(0, 512, (1, 8))
+    assert not torch.allclose(model(tokens), GPTModel(config)(tokens))  # B is not zero (PEFT's is: first test)
+
+
+def test_head_and_levanter_init_rules() -> None:
+    message = problems(lora_r=4, lora_target_modules=["output_layer"])  # tied by default
+    assert "lora_target_modules" in message and "no_weight_tying" in message and "tied" in message
+    ok(lora_r=4, lora_target_modules=["output_layer"], no_weight_tying=True)
+    message = problems(lora_r=4, lora_init="levanter", train_impl="dpo", no_weight_tying=True)
+    assert "lora_init='levanter'" in message and "train_impl='dpo'" in message
+    assert "lora_split_fused" in problems(lora_split_fused=True)  # without a rank
+
+
+def test_split_and_head_adapters_reshard_as_they_are_split() -> None:
+    """A checkpoint's tp change (universal checkpoint, generation's vocabulary fit) splits each tensor by
+    ``tp_partition_of``: it must describe what the adapters themselves record (their tp attributes, which the
+    2-rank check in tests/distributed/test_lora_tp.py validates): A of a split adapter ([S r, in]) replicated, B by
+    the layer's sections, the head's B by vocabulary rows (padding kept)."""
+    from megatron.model.partitioning import tp_partition_of
+    from megatron.mpu.initialize_weights import tensor_parallel_partition
+
+    model, _ = adapted(LLAMA, lora_target_modules=EVERY, lora_split_fused=True)
+    checked = 0
+    for name, param in model.named_parameters():
+        if ".adapter." not in name and not name.startswith("output_layer.adapter"):
+            continue
+        dim, sections = tensor_parallel_partition(param)
+        table = tp_partition_of(LLAMA, name)
+        if dim == -1:
+            assert table is None, name
+        else:
+            assert table is not None and table.dim == dim, name
+            assert list(table.sections or [param.shape[dim]]) == list(sections or [param.shape[dim]]), name
+            assert table.vocabulary == name.startswith("output_layer"), name
+        checked += 1
+    assert checked == 2 * (4 * 2 + 1)
+
+
+def test_split_adapters_drop_their_inputs_each_on_their_own() -> None:
+    """Separate modules draw separate dropout masks (Levanter's LowRankLinear each has its hnn.Dropout)."""
+    model, _ = adapted(LLAMA, lora_target_modules=["query_key_value"], lora_split_fused=True, lora_dropout=0.5)
+    layer = model.layers[0].attention.query_key_value
+    with torch.no_grad():
+        layer.adapter.lora_A.copy_(torch.eye(4, 32).repeat(3, 1))  # every section reads the same 4 inputs
+        layer.adapter.lora_B.fill_(1.0)
+    layer.train()
+    torch.manual_seed(0)
+    term = layer(torch.ones(64, 32)) - F.linear(torch.ones(64, 32), layer.weight)  # [64, q + k + v]
+    q, k, v = term.split([32, 16, 16], dim=1)
+    assert not torch.equal(q[:, 0], k[:, 0]) and not torch.equal(k[:, 0], v[:, 0])  # masks differ per section
+
+
+def test_peft_export_of_split_qkv_adapters_is_refused_by_name(tmp_path) -> None:
+    """GPTNeoX keeps q/k/v in one query_key_value module: PEFT gives it one adapter, so split ones cannot be
+    written there (the merged export can hold them)."""
+    from megatron.errors import ConversionError
+    from megatron.interop.lora_export import export_adapters
+
+    args = {"lora_r": 4, "lora_split_fused": True, "lora_target_modules": ["query_key_value"]}
+    with pytest.raises(ConversionError, match="lora_split_fused.*--adapters merge"):
+        export_adapters(tmp_path / "ckpt", CONFIG.replace(norm="layernorm", pos_emb="rotary"), args, {},
+                        tmp_path / "out", mode="peft", tokenizer_files=None)  # type: ignore[arg-type]

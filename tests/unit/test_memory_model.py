@@ -137,15 +137,20 @@ LORA = {"lora_r": 8, "lora_alpha": 16, "lora_target_modules": ["query_key_value"
                                                                 "dense_4h_to_h"]}
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_adapter_count_is_the_real_models_trainable_parameters(tp: int) -> None:
+EVERY_LINEAR = {"lora_r": 8, "lora_split_fused": True, "activation": "swiglu", "num_kv_heads": 2,
+                "intermediate_size": 2046, "no_weight_tying": True, "lora_target_modules": [*LORA["lora_target_modules"], "output_layer"]}
+"""Levanter's target_modules null on a Llama: q/k/v and gate/up split by sections (GQA) and the untied head."""
+
+
+@pytest.mark.parametrize("tp, lora", [(1, LORA), (2, LORA), (1, EVERY_LINEAR)])
+def test_adapter_count_is_the_real_models_trainable_parameters(tp: int, lora: dict[str, Any]) -> None:
     """Independent count: the trainable parameters of a GPTModel after apply_lora (tp 1), and at tp 2
     each factor on a layer's split side halves."""
     from megatron.model import GPTModel
     from megatron.model.lora import apply_lora
     from megatron.training.memory import adapter_parameters
 
-    one = layout(world=1, **LORA)
+    one = layout(world=1, **lora)
     model = GPTModel(one.model)
     apply_lora(model, one.lora, seed=1)
     real = sum(p.numel() for p in model.parameters() if p.requires_grad)

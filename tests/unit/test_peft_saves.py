@@ -61,9 +61,14 @@ def _adapted_weights(config: GPTConfig, lora: LoRAArgs) -> dict[str, torch.Tenso
     return state
 
 
+ALL = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "output_layer"]
+
+
 @pytest.mark.parametrize("names, shape, targets", [
-    ("llama", LLAMA, ["dense", "dense_4h_to_h"]),
-    ("gpt_neox", NEOX, ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]),
+    # every Linear of a Llama, as Levanter's target_modules null: q/k/v and gate/up split by sections (each its
+    # own PEFT q_proj, k_proj, v_proj, gate_proj, up_proj adapter, GQA's narrower k/v) and the untied lm_head
+    ("llama", LLAMA, ALL),
+    ("gpt_neox", NEOX, ALL),  # the head is lm_head
 ])  # fmt: skip
 def test_saved_adapter_loads_in_peft_with_our_logits(tmp_path: Path, names: str, shape: dict[str, Any],
                                                      targets: list[str]) -> None:
@@ -74,7 +79,7 @@ def test_saved_adapter_loads_in_peft_with_our_logits(tmp_path: Path, names: str,
     from megatron.model.lora import is_adapter_name
 
     config = GPTConfig(**shape)
-    lora = LoRAArgs(lora_r=4, lora_alpha=8.0, lora_target_modules=targets)
+    lora = LoRAArgs(lora_r=4, lora_alpha=8.0, lora_target_modules=targets, lora_split_fused=names == "llama")
     weights = _adapted_weights(config, lora)
     base_dir = tmp_path / "base"  # the transformers model the adapters go on, built here (nothing downloaded)
     arch = choose_architecture(config)
@@ -82,7 +87,7 @@ def test_saved_adapter_loads_in_peft_with_our_logits(tmp_path: Path, names: str,
                   to_hf_state_dict(config, arch, {k: v for k, v in weights.items() if not is_adapter_name(k)}),
                   base_dir, torch.float32)
     keys = PeftSaveArgs(lora_peft_save_path=str(tmp_path / "peft" / "run-a"), lora_peft_save_interval=2, lora_peft_names=names)
-    saves = PeftSaves(keys, lora, config.num_attention_heads or 0, weights=lambda: weights,
+    saves = PeftSaves(keys, lora, config, weights=lambda: weights,
                       base_model=str(base_dir), writer=True)
     for iteration in (1, 2, 3):
         saves.after_step(None, SimpleNamespace(iteration=iteration))
@@ -93,6 +98,9 @@ def test_saved_adapter_loads_in_peft_with_our_logits(tmp_path: Path, names: str,
     assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     written = json.loads((adapter / "adapter_config.json").read_text())
     assert (written["r"], written["lora_alpha"], written["peft_type"]) == (4, 8.0, "LORA")
+    if names == "llama":
+        assert written["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj", "lm_head"]
 
     tokens = fixed_batch(128, 32)
     ours = adapted_model(config, lora, weights)
@@ -100,11 +108,23 @@ def test_saved_adapter_loads_in_peft_with_our_logits(tmp_path: Path, names: str,
     assert max_logit_difference(ours, peft, tokens) <= 1e-4
     # the adapters matter: the base alone is far from our adapted model
     assert max_logit_difference(ours, load_hf_model(base_dir, torch.float32), tokens) > 1e-2
+    # the export's merge (convert_neox_to_hf.py --adapters merge): W + scale B A, per section for split adapters,
+    # read by transformers, gives the same logits
+    from megatron.interop.lora_export import fused_sections
+    from megatron.model.lora import merge_adapters
+
+    merged = merge_adapters(weights, lora.lora_scale, fused_sections(config))
+    save_hf_model(hf_config_from_gpt(config, SpecialTokens(0, 0, None), torch.float32),
+                  to_hf_state_dict(config, arch, merged), tmp_path / "merged", torch.float32)
+    merged_hf = load_hf_model(tmp_path / "merged", torch.float32)
+    # W + scale B A is rounded to fp32 once per weight (~5e-7 here), which these large random adapters carry to
+    # ~2e-4 in logits of magnitude ~14; a misplaced section or head row moves them by O(1)
+    assert max_logit_difference(ours, merged_hf, tokens) <= 1e-3
 
 
 def test_only_the_writer_writes(tmp_path: Path) -> None:
     keys = PeftSaveArgs(lora_peft_save_path=str(tmp_path), lora_peft_save_interval=1)
-    saves = PeftSaves(keys, LoRAArgs(lora_r=2), 4, weights=dict, base_model=None, writer=False)
+    saves = PeftSaves(keys, LoRAArgs(lora_r=2), GPTConfig(**BASE), weights=dict, base_model=None, writer=False)
     saves.after_step(None, SimpleNamespace(iteration=2))
     assert saves.written == [] and list(tmp_path.iterdir()) == []
 

@@ -155,6 +155,8 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "lora_alpha": ("lora", 8.0),
     "lora_dropout": ("lora", 0.0),
     "lora_target_modules": ("lora", ["query_key_value"]),
+    "lora_split_fused": ("lora", False),  # one adapter per section of a fused projection (Levanter, PEFT on Llama)
+    "lora_init": ("lora", "peft"),  # or Levanter's truncated-normal A and B
     # fms-fsdp's dummy data and token-shard directories (megatron/data/dummy_dataset.py, token_shards.py)
     "dummy_data": ("data", "uniform"),
     "dummy_data_vocab_size": ("data", None),

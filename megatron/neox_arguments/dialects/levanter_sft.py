@@ -239,37 +239,58 @@ SFT_REFUSED: dict[str, str] = {"mixture_weights": _MIXTURE, "mixture_block_size"
 
 # ------------------------------------------------------------------------------------- lora_lm.py
 
-# lora.py:102-109: a module is adapted when its key path ends with a target name. Deepy's adapters sit on
-# GPT-NeoX's projections; a Levanter name maps when it names the same matrices (GPT-2's c_attn is the fused
-# q/k/v projection, as query_key_value is; c_proj ends both the attention's and the MLP's output projections)
+# lora.py:95-109@9263f81e: every hnn.Linear whose key path ends with a target name is adapted (target_modules null:
+# every one), each with its own LowRankLinear. Deepy's adapters sit on GPT-NeoX's projections; a Levanter name maps
+# onto the projection holding the same matrix. GPT-2's c_attn is itself the fused q/k/v projection (one Linear,
+# gpt2.py:172), as query_key_value is; c_proj ends both the attention's and the MLP's output projections. A Llama's
+# q/k/v and gate/up are separate Linears (llama.py:264-266, and its attention's q_proj..o_proj), which Deepy fuses:
+# lora_split_fused gives each section its own adapter. lm_head is a Linear only when the head is untied
+# (llama.py:500-503; a tied head is the embedding, an hnn.Embedding, never adapted).
 LORA_TARGETS: dict[str, dict[str, tuple[str, ...]]] = {
     "gpt2": {"c_attn": ("query_key_value",), "c_proj": ("dense", "dense_4h_to_h"), "c_fc": ("dense_h_to_4h",)},
-    "llama": {"o_proj": ("dense",), "down_proj": ("dense_4h_to_h",)},
+    "llama": {"q_proj": ("query_key_value",), "k_proj": ("query_key_value",), "v_proj": ("query_key_value",),
+              "o_proj": ("dense",), "gate_proj": ("dense_h_to_4h",), "up_proj": ("dense_h_to_4h",),
+              "down_proj": ("dense_4h_to_h",), "lm_head": ("output_layer",)},
 }
-_FUSED = ("Levanter gives q_proj, k_proj, v_proj (and gate_proj, up_proj) an adapter each; Deepy fuses them into one "
-          "projection (query_key_value, dense_h_to_4h) with one adapter, a different low-rank update")
+_SECTIONS = {"query_key_value": ("q_proj", "k_proj", "v_proj"), "dense_h_to_4h": ("gate_proj", "up_proj")}
+"""Deepy's fused projections of a Llama and the Levanter modules that are their sections, in order."""
+
+
+def _tied_head(ctx: Context, kind: str) -> bool:
+    """GPT-2 always ties (gpt2.py); llama/mistral's tie_word_embeddings defaults to False (llama.py:64)."""
+    return kind == "gpt2" or bool(ctx.value("model.tie_word_embeddings", False))
 
 
 def _lora_targets(value: Any, ctx: Context) -> dict[str, Any]:
-    kind = str(ctx.value("model.type", "llama")).lower()
-    table = LORA_TARGETS["gpt2" if kind == "gpt2" else "llama"]
-    if value is None:
-        raise Refused(f"null adapts every linear layer, the output head too (lora.py:95-96); {_FUSED}, and the head "
-                      f"gets none: list target_modules among {sorted(table)}")
+    kind = "gpt2" if str(ctx.value("model.type", "llama")).lower() == "gpt2" else "llama"
+    table = LORA_TARGETS[kind]
+    tied = _tied_head(ctx, kind)
     if isinstance(value, str):
         raise Refused(f"a regular expression of module paths is not mapped; list target_modules among {sorted(table)}")
+    names = [n for n in table if not (tied and n == "lm_head")] if value is None else list(value)
     targets: list[str] = []
-    for name in value:
+    for name in names:
         if name not in table:
-            raise Refused(f"{name!r} has no adapter of the same shape here ({_FUSED}); map-able: {sorted(table)}")
+            raise Refused(f"{name!r} names no linear layer of a {kind} model here; map-able: {sorted(table)}")
+        if name == "lm_head" and tied:
+            raise Refused("lm_head with a tied head (model.tie_word_embeddings): Levanter's tied model has no lm_head "
+                          "Linear (llama.py:500-501), so nothing would be adapted; remove lm_head")
         targets += [t for t in table[name] if t not in targets]
-    return {"lora_target_modules": targets}
+    if kind == "gpt2":
+        return {"lora_target_modules": targets}
+    for fused, sections in _SECTIONS.items():
+        missing = [s for s in sections if s not in names]
+        if fused in targets and missing:
+            raise Refused(f"{[s for s in sections if s in names]} without {missing}: Deepy fuses {', '.join(sections)} "
+                          f"into {fused}, whose sections get their adapters together; list all of them")
+    return {"lora_target_modules": targets, "lora_split_fused": any(t in _SECTIONS for t in targets)}
 
 
 def _lora_r(value: Any, ctx: Context) -> dict[str, Any]:
     if int(value) <= 0:
         raise Refused("a LoRA rank must be positive")
-    return {"lora_r": int(value)}
+    # lora.py:148-152: both factors drawn with haliax's Linear.init (truncated normal / sqrt(fan in))
+    return {"lora_r": int(value), "lora_init": "levanter"}
 
 
 def _null_export(what: str) -> Rule:

@@ -317,6 +317,14 @@ def _train_batch_size(value: Any, ctx: Context) -> dict[str, Any]:
     """A number, or Levanter's schedule ``[{start, value}, ...]`` (``ScheduleStep``, schedule.py:13-16
     @9263f81e; ``TrainerConfig.train_batch_size: int | IntSchedule``, trainer.py:694) ->
     ``train_batch_size_schedule`` (step s takes the last entry with start <= s, schedule.py:98-106)."""
+    if value == -1:
+        # trainer.py:922-923,934-935@9263f81e: -1 is per_device_parallelism x the data axis (no accumulation);
+        # both -1 is Levanter's ValueError
+        micro = ctx.value("trainer.per_device_parallelism", ctx.value("trainer.per_device_train_parallelism", -1))
+        if micro in (-1, None):
+            raise Refused("-1 with per_device_parallelism -1: Levanter raises 'either train_batch_size or "
+                          "per_device_parallelism must be specified (not -1)' (trainer.py:922-923)")
+        return {"gradient_accumulation_steps": 1}  # with the micro batch, Deepy's batch is micro x data ranks
     if not isinstance(value, list):
         return {"train_batch_size": value}
     if not value or not all(isinstance(e, dict) and set(e) == {"start", "value"} for e in value):
