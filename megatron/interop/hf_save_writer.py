@@ -19,6 +19,7 @@ from megatron.interop.hf_config import choose_architecture, hf_config_from_gpt
 from megatron.interop.hf_model import save_hf_model
 from megatron.interop.hf_tokenizer import TokenizerFiles, export_tokenizer
 from megatron.interop.hf_weights import to_hf_state_dict
+from megatron.interop.lora_export import fused_sections
 from megatron.model.config import GPTConfig
 from megatron.model.lora import merge_adapters
 from megatron.tokenizer.config import TokenizerArgs
@@ -45,7 +46,7 @@ class HFModelWriter:
     def __call__(self, weights: Mapping[str, torch.Tensor], out_dir: Path) -> None:
         full = dict(weights)
         if self.lora_scale is not None:
-            full = merge_adapters(full, self.lora_scale)
+            full = merge_adapters(full, self.lora_scale, fused_sections(self.config))  # split adapters too
         save_hf_model(self.hf_config, to_hf_state_dict(self.config, self.architecture, full), out_dir, self.dtype)
         for name, data in self.tokenizer_files.items():
             (out_dir / name).write_bytes(data)

@@ -89,8 +89,10 @@ def test_a_save_loads_in_transformers_with_our_logits(tmp_path: Path) -> None:
 
 
 @torch.no_grad()
-def test_a_lora_run_saves_the_merged_model(tmp_path: Path) -> None:
-    """lora_lm.py's merged_hf_save_path: the base with ``W + (alpha/r) B A`` in every adapted layer."""
+@pytest.mark.parametrize("levanter_targets", [False, True], ids=["fused", "every_linear_layer"])
+def test_a_lora_run_saves_the_merged_model(tmp_path: Path, levanter_targets: bool) -> None:
+    """lora_lm.py's merged_hf_save_path: the base with ``W + (alpha/r) B A`` in every adapted layer; with
+    Levanter's ``target_modules: null`` (one adapter per q, k, v, gate, up and one on the head) too."""
     from transformers import AutoModelForCausalLM
 
     from megatron.interop.hf_model import fixed_batch
@@ -98,7 +100,9 @@ def test_a_lora_run_saves_the_merged_model(tmp_path: Path) -> None:
     from megatron.model.lora_config import LoRAArgs
 
     config = GPTConfig(**LLAMA)
-    lora = LoRAArgs(lora_r=4, lora_alpha=8.0, lora_target_modules=["query_key_value", "dense", "dense_h_to_4h"])
+    targets = ["query_key_value", "dense", "dense_h_to_4h"] + (["dense_4h_to_h", "output_layer"] if levanter_targets
+                                                               else [])
+    lora = LoRAArgs(lora_r=4, lora_alpha=8.0, lora_target_modules=targets, lora_split_fused=levanter_targets)
     weights = _trained_like(config, lora)
     _run(tmp_path, config, weights, lora_scale=lora.lora_scale, steps=2, every=1)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf" / "run-a" / "step-1", local_files_only=True).eval()
