@@ -24,9 +24,6 @@ half of one).
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -34,10 +31,10 @@ from typing import Any, Protocol
 
 import torch
 
-from megatron.atomic_files import fsync_dir
 from megatron.model.config import GPTConfig
 from megatron.tokenizer.config import TokenizerArgs
 from megatron.training.hf_save_config import HFSaveArgs
+from megatron.training.step_saves import save_due, step_dir, write_whole
 
 Weights = Mapping[str, torch.Tensor]
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -59,49 +56,11 @@ class HFWriterFactory(Protocol):
                  lora_scale: float | None) -> HFWriter: ...
 
 
-def levanter_step(completed: int) -> int:
-    """Levanter's ``info.step``: the 0-based number of the step just completed."""
-    return completed - 1
-
-
-def save_due(completed: int, every: int, *, last: bool) -> bool:
-    """Whether Levanter's hook writes after ``completed`` steps: every ``every``-th 0-based step and after the
-    last one, never after the first (step 0)."""
-    step = levanter_step(completed)
-    return step > 0 and (last or step % every == 0)
-
-
-def step_dir(base: str | os.PathLike[str], completed: int) -> Path:
-    """``<hf_save_path>/step-<0-based step>``."""
-    return Path(base) / f"step-{levanter_step(completed)}"
-
-
 def save_dtype(keys: HFSaveArgs, precision: str | None) -> torch.dtype:
     """``hf_save_dtype``, else the training precision's dtype (``fp16``, ``bfloat16`` or fp32)."""
     if keys.hf_save_dtype is not None:
         return DTYPES[keys.hf_save_dtype]
     return {"fp16": torch.float16, "bfloat16": torch.bfloat16}.get(precision or "fp32", torch.float32)
-
-
-def write_whole(directory: Path, fill: Callable[[Path], None]) -> None:
-    """``fill`` a new directory beside ``directory``, persist its files and rename it into place (a step written
-    again, by the forced last hook or a resumed run, replaces the old one)."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
-        fill(tmp)
-        for path in tmp.rglob("*"):
-            if path.is_file():
-                with open(path, "rb") as f:
-                    os.fsync(f.fileno())
-        fsync_dir(tmp)
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_dir(directory.parent)
 
 
 class HFSaves:

@@ -17,20 +17,17 @@ step directory appears whole (written beside it, then renamed: a reader never se
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron.atomic_files import fsync_dir
 from megatron.model.config import GPTConfig
 from megatron.model.lora import ADAPTER
 from megatron.model.lora_config import LoRAArgs
 from megatron.training.peft_config import PeftNames, PeftSaveArgs
+from megatron.training.step_saves import save_due, step_dir, write_whole
 
 Weights = dict[str, torch.Tensor]
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -53,23 +50,6 @@ _PEFT_TARGET = {"gpt_neox": {"query_key_value": ["query_key_value"], "dense_h_to
                 "llama": {"query_key_value": ["q_proj", "k_proj", "v_proj"], "dense": ["o_proj"],
                           "dense_h_to_4h": ["gate_proj", "up_proj"], "dense_4h_to_h": ["down_proj"],
                           "output_layer": ["lm_head"]}}
-
-
-def levanter_step(completed: int) -> int:
-    """Levanter's ``info.step``: the 0-based number of the step just completed."""
-    return completed - 1
-
-
-def save_due(completed: int, every: int, *, last: bool) -> bool:
-    """Whether Levanter's hook writes after ``completed`` steps: every ``every``-th 0-based step and after the
-    last one, never after the first (step 0)."""
-    step = levanter_step(completed)
-    return step > 0 and (last or step % every == 0)
-
-
-def step_dir(base: str | os.PathLike[str], completed: int) -> Path:
-    """``<lora_peft_save_path>/step-<0-based step>`` (Levanter's dialect puts its run id into the path)."""
-    return Path(base) / f"step-{levanter_step(completed)}"
 
 
 def _qkv_rows_per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -132,25 +112,14 @@ def adapter_config(lora: LoRAArgs, names: PeftNames, base_model: str | None) -> 
 
 
 def write_adapter(directory: Path, tensors: Weights, config: dict[str, Any]) -> None:
-    """Write the two files into a new directory beside ``directory`` and rename it into place (a step written
-    again, by a resumed run, replaces the old one)."""
+    """The two files, in a directory that appears whole (a step written again, by a resumed run, replaces it)."""
     from safetensors.torch import save_file
 
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
+    def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
-            with open(tmp / name, "rb") as f:
-                os.fsync(f.fileno())
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_dir(directory.parent)
+
+    write_whole(directory, fill)
 
 
 class PeftSaves:
