@@ -69,7 +69,8 @@ def spawn(mode: str, out: Path) -> list[dict[str, float]]:
 
     os.environ.update(ZERO_INIT_TEST_MODE=mode, MASTER_PORT=str(free_port()), MALLOC_MMAP_THRESHOLD_="1048576")
     try:
-        per_rank = run_ranks(rank_main, WORLD, out)
+        # new interpreters: glibc reads MALLOC_MMAP_THRESHOLD_ at a process's start
+        per_rank = run_ranks(rank_main, WORLD, out, start_method="spawn")
     finally:
         os.environ.pop("MALLOC_MMAP_THRESHOLD_")
     for results in per_rank:

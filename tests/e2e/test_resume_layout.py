@@ -9,6 +9,7 @@ Global batch (8) and the schedule are the same in every layout, so the data posi
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -47,11 +48,18 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
 
 
 def run_chain(
-    tmp: Path, stages: list[tuple[tuple[str, ...], int]], extra: tuple[str, ...] = ()
+    tmp: Path, stages: list[tuple[tuple[str, ...], int]], extra: tuple[str, ...] = (), first: Path | None = None
 ) -> list[dict[int, float]]:
-    """Run each (layout, stop step) in turn on one checkpoint directory; return each run's losses."""
+    """Run each (layout, stop step) in turn on one checkpoint directory; return each run's losses.
+    ``first``: a directory where ``stages[0]`` already ran (its ``ckpt`` and ``logs0``), shared by chains
+    that start alike; the chain continues from a copy of it."""
     curves = []
+    if first is not None:
+        shutil.copytree(first / "ckpt", tmp / "ckpt")
+        curves.append(losses(first / "logs0"))
     for index, (lay, stop) in enumerate(stages):
+        if index < len(curves):
+            continue
         log_dir = f"logs{index}"
         proc = deepy(tmp, *lay, *extra, "hidden_dropout=0.0", "save=ckpt", "load=ckpt", "checkpoint_factor=4",
                      f"exit_interval={stop}", f"log_dir={log_dir}")  # fmt: skip
@@ -60,6 +68,17 @@ def run_chain(
             assert "layout changed from" in output(proc), output(proc)
         curves.append(losses(tmp / log_dir))
     return curves
+
+
+PP2_TO_STEP4 = (layout(1, 2, 1, 1), 4)
+"""The first stage of two chains (a pipeline of 2 stages, ZeRO-1, saved at step 4): run once, copied."""
+
+
+@pytest.fixture(scope="module")
+def pp2_step4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("pp2_step4")
+    run_chain(tmp, [PP2_TO_STEP4])
+    return tmp
 
 
 def test_dp2_to_dp1_to_dp2_across_zero_stages(tmp_path: Path, reference: dict[int, float]) -> None:
@@ -82,8 +101,9 @@ def test_tp2_to_tp1_and_back_with_gqa_and_swiglu(tmp_path: Path) -> None:
         assert_curves_match(curve, reference, TOL)
 
 
-def test_pp2_to_pp1_and_back(tmp_path: Path, reference: dict[int, float]) -> None:
-    curves = run_chain(tmp_path, [(layout(1, 2, 1, 1), 4), (layout(1, 1, 2, 1), 8), (layout(1, 2, 1, 1), 12)])
+def test_pp2_to_pp1_and_back(tmp_path: Path, reference: dict[int, float], pp2_step4: Path) -> None:
+    curves = run_chain(tmp_path, [PP2_TO_STEP4, (layout(1, 1, 2, 1), 8), (layout(1, 2, 1, 1), 12)], first=pp2_step4)
+    assert [sorted(c) for c in curves] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
     for curve in curves:
         assert_curves_match(curve, reference, TOL)
 
@@ -122,9 +142,11 @@ def test_zero3_checkpoint_resumes_at_tp2(tmp_path: Path, reference: dict[int, fl
     assert_within(curve, reference)
 
 
-def test_pipeline_checkpoint_resumes_as_the_plain_model(tmp_path: Path, reference: dict[int, float]) -> None:
-    stages = [(layout(1, 2, 1, 1), 4), (layout(1, 0, 2, 0), 8), (layout(1, 0, 1, 3), 12)]
-    for curve in run_chain(tmp_path, stages):
+def test_pipeline_checkpoint_resumes_as_the_plain_model(
+    tmp_path: Path, reference: dict[int, float], pp2_step4: Path
+) -> None:
+    stages = [PP2_TO_STEP4, (layout(1, 0, 2, 0), 8), (layout(1, 0, 1, 3), 12)]
+    for curve in run_chain(tmp_path, stages, first=pp2_step4):
         assert_within(curve, reference)
 
 
