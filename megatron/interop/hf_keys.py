@@ -69,7 +69,8 @@ def neox_model_keys(cfg: Mapping[str, Any], seq_length: int | None = None) -> di
     theta, factor, scaling = rope_fields(cfg)
     if theta != int(theta):
         raise ConversionError(f"rope_theta: {theta} (Deepy's rotary_emb_base is an integer)")
-    heads, hidden, max_pos = int(cfg["num_attention_heads"]), int(cfg["hidden_size"]), int(cfg["max_position_embeddings"])
+    heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+    max_pos = int(cfg["max_position_embeddings"])
     common: dict[str, Any] = dict(
         num_layers=int(cfg["num_hidden_layers"]),
         hidden_size=hidden,

@@ -23,7 +23,8 @@ def _hf_llama(tmp_path: Path, **fields: object):  # type: ignore[no-untyped-def]
                      num_key_value_heads=2, max_position_embeddings=96, vocab_size=8, rms_norm_eps=1e-6,
                      initializer_range=0.01, rope_theta=50000.0, **fields)
     hf.save_pretrained(tmp_path / "hf")
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "a", "b"])}, unk_token="<unk>"))
+    words = ["<unk>", "<s>", "</s>", "a", "b"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "hf" / "tokenizer.json"))
     (tmp_path / "train.jsonl").write_text('{"text": "a b"}\n')
