@@ -25,8 +25,8 @@ import torch
 from megatron.errors import ConversionError
 from megatron.model.activations import get_activation
 from megatron.model.config import Activation, GPTConfig
-from megatron.model.mlp_width import intermediate_size_for
-from megatron.model.rope_scaling import RopeScaling, RopeScalingError, parse_rope_scaling
+from megatron.interop.hf_keys import neox_model_keys
+from megatron.model.rope_scaling import RopeScalingError, parse_rope_scaling
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -221,97 +221,18 @@ def hf_config_from_gpt(config: GPTConfig, tokens: SpecialTokens, dtype: torch.dt
 
 
 # --- from transformers -----------------------------------------------------------------------
-_GATED_FROM_HF: dict[str, Activation] = {hf: ours for ours, hf in GATED_ACTIVATIONS.items() if ours != "swish"}
-_PLAIN_FROM_HF: dict[str, Activation] = {"gelu": "gelu", "relu": "relu", "silu": "silu", "mish": "mish"}
-
-
-def _rope_from_hf(hf: "PretrainedConfig") -> tuple[int, float, RopeScaling | None]:
-    rope = dict(getattr(hf, "rope_parameters", None) or {})
-    kind = rope.get("rope_type", "default")
-    scaling = None
-    if kind != "default":
-        try:
-            scaling = parse_rope_scaling(rope, int(hf.max_position_embeddings))
-        except RopeScalingError as err:
-            raise ConversionError(f"rope_parameters: {err}") from None
-    theta = float(rope.get("rope_theta", 10000.0))
-    if theta != int(theta):
-        raise ConversionError(f"rope_theta: {theta} (Deepy's rotary_emb_base is an integer)")
-    return int(theta), float(rope.get("partial_rotary_factor", 1.0)), scaling
-
-
 def gpt_config_from_hf(hf: "PretrainedConfig", seq_length: int | None = None) -> GPTConfig:
-    """Our architecture for an HF GPTNeoX / Llama / Mistral / Mamba config (refuses what Deepy cannot run)."""
-    kind = hf.model_type
-    if kind == "mamba":
+    """Our architecture for an HF GPTNeoX / Llama / Mistral / Mamba config (refuses what Deepy cannot run):
+    the keys of ``hf_keys.neox_model_keys`` (the mapping the argument layer reads config.json with)."""
+    if hf.model_type == "mamba":
         from megatron.interop.hf_mamba import gpt_config_from_mamba
 
         return gpt_config_from_mamba(hf, seq_length)
-    base, factor, scaling = _rope_from_hf(hf)
-    heads = int(hf.num_attention_heads)
-    hidden = int(hf.hidden_size)
-    max_pos = int(hf.max_position_embeddings)
-    common: dict[str, Any] = dict(
-        num_layers=int(hf.num_hidden_layers),
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        seq_length=int(seq_length or max_pos),
-        max_position_embeddings=max_pos,
-        padded_vocab_size=int(hf.vocab_size),
-        pos_emb="rotary",
-        rotary_emb_base=base,
-        rope_scaling=None if scaling is None else scaling.to_hf(),
-        intermediate_size=int(hf.intermediate_size),  # a plain MLP's width; a gated one's below
-        no_weight_tying=not bool(hf.tie_word_embeddings),
-        init_method_std=float(hf.initializer_range),
-        attention_dropout=float(hf.attention_dropout or 0.0),
-    )
-    if kind == "gpt_neox":
-        act = _PLAIN_FROM_HF.get(hf.hidden_act)
-        if act is None:
-            known = sorted(_PLAIN_FROM_HF)
-            raise ConversionError(f"hidden_act: {hf.hidden_act!r} (Deepy's plain activations: {known})")
-        head_dim = hidden // heads
-        if int(head_dim * factor) % 2:
-            raise ConversionError(f"partial_rotary_factor: {factor} rotates an odd number of dimensions")
-        return GPTConfig(
-            **common,  # num_kv_heads unset: GPTNeoX has one key/value head per query head
-            rotary_pct=factor,
-            norm="layernorm",
-            layernorm_epsilon=float(hf.layer_norm_eps),
-            use_bias_in_norms=True,
-            use_bias_in_attn_linear=bool(getattr(hf, "attention_bias", True)),
-            use_bias_in_mlp=True,
-            activation=act,
-            gpt_j_residual=bool(hf.use_parallel_residual),
-            hidden_dropout=float(hf.hidden_dropout or 0.0),
-        )
-    if kind in ("llama", "mistral"):
-        act = _GATED_FROM_HF.get(hf.hidden_act)
-        if act is None:
-            raise ConversionError(f"hidden_act: {hf.hidden_act!r} (Deepy's gated activations compute one of "
-                                  f"{sorted(_GATED_FROM_HF)})")
-        head_dim = getattr(hf, "head_dim", None) or hidden // heads
-        if head_dim * heads != hidden:
-            raise ConversionError(f"head_dim: {head_dim} (Deepy needs head_dim = hidden_size / num_attention_heads)")
-        if factor != 1.0:
-            raise ConversionError(f"partial_rotary_factor: {factor} ({kind} rotates the whole head in Deepy)")
-        window = getattr(hf, "sliding_window", None) if kind == "mistral" else None
-        if getattr(hf, "layer_types", None) and len(set(hf.layer_types)) > 1:
-            raise ConversionError(f"layer_types: {sorted(set(hf.layer_types))} (mixed layer types are not built)")
-        # HF's intermediate_size is each half's width; GPT-NeoX's key is 3x that (mlp_width.py)
-        common["intermediate_size"] = intermediate_size_for(int(hf.intermediate_size), gated=True)
-        return GPTConfig(
-            **common,
-            # unset when every query head has its own key/value head: what the stored arguments keep
-            # (yaml_config.architecture_keys), so a converted checkpoint reads back as the model converted
-            num_kv_heads=None if int(hf.num_key_value_heads or heads) == heads else int(hf.num_key_value_heads),
-            rotary_pct=1.0,
-            norm="rmsnorm",
-            rms_norm_epsilon=float(hf.rms_norm_eps),
-            use_bias_in_attn_linear=bool(getattr(hf, "attention_bias", False)),
-            use_bias_in_mlp=bool(getattr(hf, "mlp_bias", False)),
-            activation=act,
-            sliding_window_width=None if window is None else int(window) - 1,
-        )
-    raise ConversionError(f"model_type {kind!r} is not supported (GPTNeoX, Llama, Mistral and Mamba models are)")
+    keys = neox_model_keys(hf.to_dict(), seq_length)
+    if keys["rope_scaling"] is not None:
+        try:
+            scaling = parse_rope_scaling(keys["rope_scaling"], keys["max_position_embeddings"])
+        except RopeScalingError as err:
+            raise ConversionError(f"rope_parameters: {err}") from None
+        keys["rope_scaling"] = None if scaling is None else scaling.to_hf()
+    return GPTConfig(**keys)

@@ -17,9 +17,11 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from megatron.config_rules import RuleContext, rule, zero_source, zero_stage
-from megatron.errors import ConfigError
+from megatron.config_rules import RuleContext, render, rule, zero_source, zero_stage
+from megatron.errors import ConfigError, ConversionError
+from megatron.interop.hf_keys import MATH_KEYS, neox_model_keys, read_config_json
 
 IMPORT_DIR = "hf_import"
 """Folder under ``save`` that receives the converted model."""
@@ -51,6 +53,46 @@ def initialize_from_hf_is_a_local_model(ctx: RuleContext) -> list[str]:
                         f"({ctx.show('sharding_strategy') if ctx.given('sharding_strategy') else zero_source(ctx)}) cannot read (DeepSpeed rebuilds ZeRO-3 weights from optimizer shards); "
                         f"run the first launch at stage 0-2 (Levanter: trainer.fsdp_axis: null), then resume at stage 3")
     return problems
+
+
+_NOT_COMPARED = ("sliding_window_width",)
+"""Read only with a "local" attention type (attention_config), which the import sets itself."""
+
+
+def _comparable(key: str, value: Any, keys: dict[str, Any]) -> Any:
+    """``value`` of ``key`` in the form both sides share (unset kv heads are one per head; HF's rope dict
+    spellings)."""
+    if key == "num_kv_heads" and value is None:
+        return keys["num_attention_heads"]
+    if key == "rope_scaling" and isinstance(value, dict):
+        out = {k: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for k, v in value.items()
+               if k not in ("rope_theta", "partial_rotary_factor", "type")}
+        out["rope_type"] = value.get("rope_type") or value.get("type")
+        return out
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+@rule
+def initialize_from_hf_agrees_with_its_config(ctx: RuleContext) -> list[str]:
+    """Every key that changes the model's maths (``hf_keys.MATH_KEYS``: shape, norm and its epsilon, rope theta and
+    scaling, activation, tied embeddings, biases, ...) equals what the model directory's config.json says; the
+    weights would load into another model otherwise (a Llama's rms_norm_eps 1e-6 trained at 1e-5)."""
+    source = ctx.get("initialize_from_hf")
+    if not source or not (Path(str(source)) / "config.json").is_file():
+        return []  # initialize_from_hf_is_a_local_model says why
+    try:
+        cfg = read_config_json(str(source))
+        if cfg.get("model_type") == "mamba":
+            return []  # the import's Mamba mapping (hf_mamba.py) checks its own keys
+        keys = neox_model_keys(cfg)
+    except ConversionError as err:
+        return [f"{ctx.show('initialize_from_hf')}: the import cannot read {source}/config.json: {err}"]
+    return [f"{ctx.show(key)}: {source}/config.json gives {key} {render(keys[key])}; the model would compute "
+            f"something else than the checkpoint (set {key}: {render(keys[key])})"
+            for key in MATH_KEYS if key in keys and key not in _NOT_COMPARED
+            and _comparable(key, ctx.get(key), keys) != _comparable(key, keys[key], keys)]
 
 
 def _has_own_checkpoint(ctx: RuleContext) -> bool:

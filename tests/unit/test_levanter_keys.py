@@ -442,7 +442,8 @@ def test_initialize_from_hf_takes_a_local_model_directory(tmp_path: Path) -> Non
     assert load(tmp_path, by_reference).args.initialize_from_hf == str(hf)
     for text, reason in ((MODEL + "initialize_from_hf: meta-llama/Llama-2-7b-hf\n", "would be downloaded"),
                          (MODEL + "initialize_from_hf: true\n", "would be downloaded"),
-                         (MODEL + f"initialize_from_hf: {hf}\nuse_hf_model_config: true\n", "use_hf_model_config"),
+                         # use_hf_model_config reads config.json (here empty): train_lm.py:93-96
+                         (MODEL + f"initialize_from_hf: {hf}\nuse_hf_model_config: true\n", "model_type None"),
                          (MODEL + f"initialize_from_hf: {hf}\ntrainer:\n  initialize_from: {tmp_path}\n",
                           "beside trainer.initialize_from")):
         with pytest.raises(ConfigError, match=reason):

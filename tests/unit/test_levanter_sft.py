@@ -128,10 +128,13 @@ def _load(path: Path):
     return load_config([], (), None, flags)
 
 
-def _hf_model(tmp_path: Path) -> Path:
+def _hf_model(tmp_path: Path, **fields: object) -> Path:
+    """TINY_LLAMA's shape as transformers writes it (the model lora_lm.py and sft.py build, from config.json)."""
+    from transformers import LlamaConfig
+
     model = tmp_path / "hf_model"
-    model.mkdir(exist_ok=True)
-    (model / "config.json").write_text("{}")
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                max_position_embeddings=64, vocab_size=len(WORDS), **fields).save_pretrained(model)
     return model
 
 
@@ -300,7 +303,7 @@ def test_lora_target_modules_null_adapts_every_linear_layer_as_levanter(tmp_path
     assert (args.lora_target_modules, args.lora_split_fused) == (["query_key_value", "dense_h_to_4h"], True)
     # a tied head is the embedding (an hnn.Embedding): null adds nothing for it (llama.py:500-501)
     tied = _lora_yaml(tmp_path, "lora:\n  r: 4\n")
-    tied.write_text(tied.read_text().replace("  num_kv_heads: 4\n", "  num_kv_heads: 4\n  tie_word_embeddings: true\n"))
+    _hf_model(tmp_path, tie_word_embeddings=True)  # lora_lm.py:62: the HF config decides the head
     assert "output_layer" not in _load(tied).args.lora_target_modules
 
 
@@ -341,13 +344,20 @@ def test_peft_save_path_is_levanters_directory_and_interval(tmp_path: Path) -> N
 
 
 def test_gpt2_lora_targets_map_onto_fused_projections(tmp_path: Path) -> None:
+    from megatron.neox_arguments.dialects.common import Context, Leaf
+    from megatron.neox_arguments.dialects.levanter_sft import LORA_RULES
+
+    leaves = {"model.type": Leaf("model.type", "gpt2", "f:1")}
+    targets = LORA_RULES["lora.target_modules"](["c_attn", "c_proj"], Context(leaves))
+    assert targets == {"lora_target_modules": ["query_key_value", "dense", "dense_4h_to_h"]}
+    with pytest.raises(Exception, match="PEFT adapters of a gpt2 model"):  # transformers' GPT2 names them otherwise
+        LORA_RULES["peft_save_path"]("out", Context({**leaves, "trainer.id": Leaf("trainer.id", "r", "f:2")}))
+    # lora_lm.py:56,62@9263f81e: the model is the HF checkpoint's, and Deepy imports no GPT-2 checkpoint
+    from transformers import GPT2Config
+
     path = _lora_yaml(tmp_path, "lora:\n  target_modules: [c_attn, c_proj]\n")
-    text = path.read_text().replace("type: llama", "type: gpt2").replace("  intermediate_dim: 64\n", "")
-    text = text.replace("  num_kv_heads: 4\n", "")
-    path.write_text(text)
-    assert _load(path).args.lora_target_modules == ["query_key_value", "dense", "dense_4h_to_h"]
-    path.write_text(text + "peft_save_path: out\n")  # transformers' GPT2 names its modules otherwise
-    with pytest.raises(ConfigError, match="PEFT adapters of a gpt2 model"):
+    GPT2Config(n_embd=32, n_layer=2, n_head=4).save_pretrained(tmp_path / "hf_model")
+    with pytest.raises(ConfigError, match="model_type 'gpt2'"):
         _load(path)
 
 

@@ -146,9 +146,6 @@ def _initialize_from_hf(value: Any, ctx: Context) -> dict[str, Any]:
         raise Refused(f"{source!r} is not a local transformers model directory (a hub name would be downloaded; "
                       f"give the directory save_pretrained wrote"
                       f"{'' if value is not True else ' as ' + ('model_name_or_path' if sft else 'model.reference_checkpoint')})")
-    if ctx.value("use_hf_model_config"):
-        raise Refused("use_hf_model_config reads the model's shape from the HF config; here the model: section "
-                      "gives it (the import checks the two agree)")
     return {"initialize_from_hf": str(source)}
 
 
@@ -173,8 +170,10 @@ TOP_RULES: dict[str, Rule] = {
     "eval_harness_steps": lambda v, ctx: noted("the interval of eval_harness (set with it: eval_tasks_interval)")
     if ctx.value("eval_harness") else noted("no eval_harness"),
     "initialize_from_hf": _initialize_from_hf,
+    # train_lm.py:93-96@9263f81e: with initialize_from_hf, the model is the HF checkpoint's config.json
     "use_hf_model_config": lambda v, ctx: noted("the model: section gives the shape") if not v
-    else _refuse("use_hf_model_config (the model's shape from the HF config) is not built; give the model: section"),
+    else noted("the model is initialize_from_hf's config.json (train_lm.py:93-96)") if ctx.value("initialize_from_hf")
+    else noted("read only with initialize_from_hf (train_lm.py:93): the model: section gives the shape"),
     **levanter_hf_save.TRAIN_LM_RULES,  # hf_save_path, hf_save_steps, hf_save_dtype
     "hf_upload": lambda v, ctx: noted("unset") if v is None else _refuse("uploading to the Hugging Face hub is not "
                                                                          "built (the HF saves stay local)"),
@@ -220,10 +219,16 @@ def implied(translation: Translation, leaves: dict[str, Leaf], source: str) -> N
     """The model type's preset and Levanter's defaults, for every GPT-NeoX key nothing explicit set."""
     ctx = Context(leaves)
     levanter_sft.implied(translation, leaves)  # sft.py / lora_lm.py: what they require and imply
-    kind = model_type(ctx)
+    shape = levanter_sft.hf_model(ctx)
+    if shape is not None:  # lora_lm.py, sft.py (and train_lm's use_hf_model_config): the model is config.json's
+        found = levanter_sft.hf_model_source(ctx)
+        assert found is not None
+        translation.put(Leaf(f"model from {shape.config_json}", None, f"{shape.config_json} ({found[1]}@9263f81e)"),
+                        shape.keys, implied=True)
+    kind = model_type(ctx) if shape is None else shape.kind
     where = leaves["model.type"].where if "model.type" in leaves else "Levanter's default (LlamaConfig)"
     preset = dict(MODEL_PRESETS[kind])
-    if kind != "gpt2" and "model.num_kv_heads" not in leaves and "model.num_heads" in leaves:
+    if shape is None and kind != "gpt2" and "model.num_kv_heads" not in leaves and "model.num_heads" in leaves:
         heads, kv = int(leaves["model.num_heads"].value), int(preset["num_kv_heads"])
         if heads % kv:
             raise refused_at(leaves["model.num_heads"], f"num_heads {heads} is not divisible by {kind}'s default "

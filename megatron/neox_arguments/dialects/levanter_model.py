@@ -12,7 +12,7 @@ from typing import Any
 
 from megatron.model.mlp_width import intermediate_size_for
 from megatron.neox_arguments.dialects import levanter_sft
-from megatron.neox_arguments.dialects.common import Context, Refused, Rule, noted, to
+from megatron.neox_arguments.dialects.common import NOTE, Context, Refused, Rule, noted, to
 
 DEFAULT_TYPE = "llama"
 """``TrainLmConfig.model`` defaults to ``LlamaConfig``."""
@@ -317,3 +317,36 @@ MODEL_RULES: dict[str, Rule] = {
 
 def _refuse(reason: str) -> dict[str, Any]:
     raise Refused(reason)
+
+
+_ABSENT = object()
+
+
+def _hf_checked(path: str, rule: Rule) -> Rule:
+    """``rule`` where the model: section gives the model; where Levanter takes it from the HF checkpoint's
+    config.json (:func:`levanter_sft.hf_model_source`) the key is not read: accepted, with a note saying so, when
+    what it means agrees with the model built from config.json (and Levanter's defaults), refused by name when not."""
+    def checked(value: Any, ctx: Context) -> dict[str, Any]:
+        found = levanter_sft.hf_model_source(ctx)
+        if found is None:
+            return rule(value, ctx)
+        shape = levanter_sft.hf_model(ctx)
+        assert shape is not None
+        where = f"{shape.config_json} ({found[1]}@9263f81e)"
+        if path == "model.type" and str(value).lower() != shape.kind:
+            raise Refused(f"Levanter builds the model of {where}, a {shape.kind}; remove model.type or make it agree")
+        built = {**MODEL_PRESETS[shape.kind], **shape.keys}
+        if built.get("num_kv_heads") is None:
+            built["num_kv_heads"] = built["num_attention_heads"]
+        means = dict(rule(value, ctx))
+        means.pop(NOTE, None)
+        differ = [f"{key} {means[key]!r} where the model built has {built.get(key, 'none')!r}"
+                  for key in means if built.get(key, _ABSENT) != means[key]]
+        if differ:
+            raise Refused(f"Levanter takes the model from {where}, not from model: ({', '.join(differ)}); "
+                          f"remove the key or make it agree")
+        return noted(f"not read: Levanter takes the model from {where}; this value agrees with it")
+    return checked
+
+
+MODEL_RULES = {path: _hf_checked(path, rule) for path, rule in MODEL_RULES.items()}

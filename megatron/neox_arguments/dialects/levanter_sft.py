@@ -22,6 +22,7 @@ import os
 from typing import Any
 
 from megatron.neox_arguments.dialects.common import Context, Leaf, PrepareStep, Refused, Rule, Translation, noted
+from megatron.neox_arguments.dialects.levanter_hf_model import HfShape, hf_shape
 from megatron.neox_arguments.dialects.levanter_trainer import run_id
 
 SFT_DEFAULT_MODEL = "NousResearch/Llama-2-7b-hf"
@@ -63,6 +64,31 @@ def length_owner(ctx: Context) -> str | None:
     if is_lora(ctx) and ctx.value("max_train_length") is not None:
         return "max_train_length"
     return None
+
+
+def hf_model_source(ctx: Context) -> tuple[str, str] | None:
+    """The local HF directory whose config.json gives this run's model, and the Levanter lines that say so; None
+    where the model: section gives it (``initialize_from_hf``'s own rule refuses a source that is not local)."""
+    value = ctx.value("initialize_from_hf")
+    if not value:
+        return None
+    if is_lora(ctx):
+        source, why = value, "lora_lm.py:56,62"
+    elif is_sft(ctx):
+        source, why = (hf_source(ctx) if value is True else value), "sft.py:114-123"
+    elif ctx.value("use_hf_model_config"):
+        source, why = (ctx.value("model.reference_checkpoint") if value is True else value), "train_lm.py:93-96"
+    else:
+        return None
+    if not isinstance(source, str) or not os.path.isfile(os.path.join(source, "config.json")):
+        return None
+    return source, why
+
+
+def hf_model(ctx: Context) -> HfShape | None:
+    """The model Levanter builds from the HF checkpoint's config.json for this config, if it does."""
+    found = hf_model_source(ctx)
+    return None if found is None else hf_shape(found[0])
 
 
 def _value(ctx: Context, key: str) -> Any:
@@ -256,13 +282,22 @@ _SECTIONS = {"query_key_value": ("q_proj", "k_proj", "v_proj"), "dense_h_to_4h":
 """Deepy's fused projections of a Llama and the Levanter modules that are their sections, in order."""
 
 
+def model_kind(ctx: Context) -> str:
+    """The Levanter model type trained: config.json's where the HF checkpoint gives the model, else model.type."""
+    shape = hf_model(ctx)
+    return shape.kind if shape is not None else str(ctx.value("model.type", "llama")).lower()
+
+
 def _tied_head(ctx: Context, kind: str) -> bool:
     """GPT-2 always ties (gpt2.py); llama/mistral's tie_word_embeddings defaults to False (llama.py:64)."""
+    shape = hf_model(ctx)
+    if shape is not None:
+        return shape.tied
     return kind == "gpt2" or bool(ctx.value("model.tie_word_embeddings", False))
 
 
 def _lora_targets(value: Any, ctx: Context) -> dict[str, Any]:
-    kind = "gpt2" if str(ctx.value("model.type", "llama")).lower() == "gpt2" else "llama"
+    kind = "gpt2" if model_kind(ctx) == "gpt2" else "llama"
     table = LORA_TARGETS[kind]
     tied = _tied_head(ctx, kind)
     if isinstance(value, str):
@@ -310,7 +345,7 @@ def _peft_save_path(value: Any, ctx: Context) -> dict[str, Any]:
     """lora_lm.py:151-158: PEFT adapters into ``<peft_save_path>/<run id>/step-<step>`` every hf_save_steps."""
     if not value:
         return noted("unset")
-    kind = str(ctx.value("model.type", "llama")).lower()
+    kind = model_kind(ctx)
     if kind not in PEFT_NAMES:
         raise Refused(f"saving PEFT adapters of a {kind} model is not built (llama and mistral are); export a "
                       "checkpoint with tools/ckpts/convert_neox_to_hf.py")

@@ -1,0 +1,147 @@
+"""An HF ``config.json`` (GPTNeoX, Llama, Mistral) as GPT-NeoX model keys, without torch or transformers.
+
+One mapping serves two readers: the HF import (``hf_config.gpt_config_from_hf`` builds its ``GPTConfig``
+from these keys, passing ``PretrainedConfig.to_dict()``) and the argument layer before launch (the Levanter
+dialect takes the model of a ``lora_lm.py`` / ``sft.py`` run from the checkpoint's ``config.json``, and the
+``initialize_from_hf`` check compares the config with it), which reads the plain JSON file.
+
+A field ``save_pretrained`` may leave out is taken at transformers' class default (``LlamaConfig`` /
+``MistralConfig`` / ``GPTNeoXConfig``); the fields that fix the shape are required. Both spellings of the
+rotary settings are read: transformers 5's ``rope_parameters`` and 4's ``rope_theta`` / ``rope_scaling``
+(and GPTNeoX's ``rotary_emb_base`` / ``rotary_pct``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from megatron.errors import ConversionError
+from megatron.model.mlp_width import intermediate_size_for
+
+GATED_FROM_HF: dict[str, str] = {"silu": "swiglu", "gelu": "geglu", "relu": "reglu", "sigmoid": "glu",
+                                 "linear": "bilinear"}
+"""HF's ``hidden_act`` of a gated (Llama/Mistral) MLP -> Deepy's gated activation."""
+PLAIN_FROM_HF: dict[str, str] = {"gelu": "gelu", "relu": "relu", "silu": "silu", "mish": "mish"}
+"""HF's ``hidden_act`` of GPTNeoX's plain MLP -> Deepy's activation."""
+_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings",
+             "vocab_size")
+_FAMILIES = ("gpt_neox", "llama", "mistral")
+
+
+def read_config_json(directory: str | Path) -> dict[str, Any]:
+    """``<directory>/config.json`` as a dict (plain JSON: nothing is imported or downloaded)."""
+    path = Path(directory) / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConversionError(f"{path}: not a readable JSON file ({err})") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path}: not a JSON object")
+    return data
+
+
+def rope_fields(cfg: Mapping[str, Any]) -> tuple[float, float, dict[str, Any] | None]:
+    """rope theta, the rotated fraction of a head, and the scaling dict (None: plain rotary)."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    if not rope:  # transformers 4's spelling
+        theta = cfg.get("rope_theta", cfg.get("rotary_emb_base", 10000.0))
+        rope = {**dict(cfg.get("rope_scaling") or {}), "rope_theta": theta}
+        if "partial_rotary_factor" in cfg or "rotary_pct" in cfg:
+            rope["partial_rotary_factor"] = cfg.get("partial_rotary_factor", cfg.get("rotary_pct"))
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    scaling = None if kind == "default" else {k: v for k, v in rope.items()
+                                              if k not in ("rope_theta", "partial_rotary_factor")}
+    return float(rope.get("rope_theta", 10000.0)), float(rope.get("partial_rotary_factor", 1.0)), scaling
+
+
+def neox_model_keys(cfg: Mapping[str, Any], seq_length: int | None = None) -> dict[str, Any]:
+    """GPT-NeoX model keys for an HF GPTNeoX / Llama / Mistral config (refuses what Deepy cannot run).
+    ``rope_scaling`` stays HF's dict (``model/rope_scaling.py`` parses it)."""
+    kind = cfg.get("model_type")
+    if kind not in _FAMILIES:
+        raise ConversionError(f"model_type {kind!r} is not supported (GPTNeoX, Llama, Mistral and Mamba models are)")
+    missing = [name for name in _REQUIRED if cfg.get(name) is None]
+    if missing:
+        raise ConversionError(f"the {kind} config has no {', '.join(missing)}")
+    theta, factor, scaling = rope_fields(cfg)
+    if theta != int(theta):
+        raise ConversionError(f"rope_theta: {theta} (Deepy's rotary_emb_base is an integer)")
+    heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+    max_pos = int(cfg["max_position_embeddings"])
+    common: dict[str, Any] = dict(
+        num_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        seq_length=int(seq_length or max_pos),
+        max_position_embeddings=max_pos,
+        padded_vocab_size=int(cfg["vocab_size"]),
+        pos_emb="rotary",
+        rotary_emb_base=int(theta),
+        rope_scaling=scaling,
+        intermediate_size=int(cfg["intermediate_size"]),  # a plain MLP's width; a gated one's below
+        # LlamaConfig / MistralConfig default to untied, GPTNeoXConfig too
+        no_weight_tying=not bool(cfg.get("tie_word_embeddings", False)),
+        init_method_std=float(cfg.get("initializer_range", 0.02)),
+        attention_dropout=float(cfg.get("attention_dropout") or 0.0),
+    )
+    if kind == "gpt_neox":
+        act = PLAIN_FROM_HF.get(str(cfg.get("hidden_act", "gelu")))
+        if act is None:
+            raise ConversionError(f"hidden_act: {cfg.get('hidden_act')!r} (Deepy's plain activations: "
+                                  f"{sorted(PLAIN_FROM_HF)})")
+        if int(hidden // heads * factor) % 2:
+            raise ConversionError(f"partial_rotary_factor: {factor} rotates an odd number of dimensions")
+        return dict(
+            common,  # num_kv_heads unset: GPTNeoX has one key/value head per query head
+            rotary_pct=factor,
+            norm="layernorm",
+            layernorm_epsilon=float(cfg.get("layer_norm_eps", 1e-5)),
+            use_bias_in_norms=True,
+            use_bias_in_attn_linear=bool(cfg.get("attention_bias", True)),
+            use_bias_in_mlp=True,
+            activation=act,
+            gpt_j_residual=bool(cfg.get("use_parallel_residual", True)),
+            hidden_dropout=float(cfg.get("hidden_dropout") or 0.0),
+        )
+    act = GATED_FROM_HF.get(str(cfg.get("hidden_act", "silu")))
+    if act is None:
+        raise ConversionError(f"hidden_act: {cfg.get('hidden_act')!r} (Deepy's gated activations compute one of "
+                              f"{sorted(GATED_FROM_HF)})")
+    head_dim = cfg.get("head_dim") or hidden // heads
+    if head_dim * heads != hidden:
+        raise ConversionError(f"head_dim: {head_dim} (Deepy needs head_dim = hidden_size / num_attention_heads)")
+    if factor != 1.0:
+        raise ConversionError(f"partial_rotary_factor: {factor} ({kind} rotates the whole head in Deepy)")
+    window = cfg.get("sliding_window") if kind == "mistral" else None
+    if cfg.get("layer_types") and len(set(cfg["layer_types"])) > 1:
+        raise ConversionError(f"layer_types: {sorted(set(cfg['layer_types']))} (mixed layer types are not built)")
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    # HF's intermediate_size is each half's width; GPT-NeoX's key is 3x that (mlp_width.py)
+    common["intermediate_size"] = intermediate_size_for(int(cfg["intermediate_size"]), gated=True)
+    return dict(
+        common,
+        # unset when every query head has its own key/value head: what the stored arguments keep
+        # (yaml_config.architecture_keys), so a converted checkpoint reads back as the model converted
+        num_kv_heads=None if kv_heads == heads else kv_heads,
+        rotary_pct=1.0,
+        norm="rmsnorm",
+        rms_norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
+        use_bias_in_attn_linear=bool(cfg.get("attention_bias", False)),
+        use_bias_in_mlp=bool(cfg.get("mlp_bias", False)),
+        activation=act,
+        sliding_window_width=None if window is None else int(window) - 1,
+    )
+
+
+MATH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "intermediate_size", "pos_emb",
+             "rotary_emb_base", "rope_scaling", "rotary_pct", "norm", "layernorm_epsilon", "rms_norm_epsilon",
+             "activation", "no_weight_tying", "use_bias_in_attn_linear", "use_bias_in_mlp", "gpt_j_residual",
+             "sliding_window_width")
+"""The keys of :func:`neox_model_keys` that change the model's maths: a config that starts from the HF model
+must agree with it on each (``initialize_from_hf``'s check before launch)."""
+
+
+__all__ = ["GATED_FROM_HF", "MATH_KEYS", "PLAIN_FROM_HF", "neox_model_keys", "read_config_json", "rope_fields"]
