@@ -89,6 +89,12 @@ def initialize_from_hf_agrees_with_its_config(ctx: RuleContext) -> list[str]:
         keys = neox_model_keys(cfg)
     except ConversionError as err:
         return [f"{ctx.show('initialize_from_hf')}: the import cannot read {source}/config.json: {err}"]
+    if keys.get("rope_scaling") is None and ctx.get("rope_scaling") is not None:
+        # a context extension of a model trained without one: the weights are the same, the positions are
+        # scaled on purpose (the key is the user's, written beside initialize_from_hf)
+        ctx.warnings.append(f"{ctx.show('rope_scaling')}: {source}/config.json has no rope scaling; the imported "
+                            "model runs with this one (a context extension)")
+        keys = {k: v for k, v in keys.items() if k != "rope_scaling"}
     return [f"{ctx.show(key)}: {source}/config.json gives {key} {render(keys[key])}; the model would compute "
             f"something else than the checkpoint (set {key}: {render(keys[key])})"
             for key in MATH_KEYS if key in keys and key not in _NOT_COMPARED

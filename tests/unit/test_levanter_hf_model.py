@@ -115,3 +115,26 @@ def test_initialize_from_hf_refuses_other_maths_by_name(tmp_path: Path) -> None:
     for key, value in (("rms_norm_epsilon", "1e-06"), ("rotary_emb_base", "50000"), ("no_weight_tying", "False")):
         assert f"config.json gives {key} {value}" in message, message
     assert "hidden_size" not in message  # the keys that agree are not named
+
+
+@pytest.mark.parametrize("hf_scaling", [None, {"rope_type": "linear", "factor": 2.0}], ids=["extension", "other"])
+def test_a_rope_scaling_on_a_model_without_one_is_a_context_extension(tmp_path: Path, hf_scaling: object) -> None:
+    """Scaling positions of an HF model trained without scaling is a deliberate context extension (the weights are
+    the same): accepted with a warning. A config.json with its own scaling must be matched."""
+    from megatron.config_rules import RuleContext
+    from megatron.interop.hf_keys import neox_model_keys, read_config_json
+    from megatron.interop.hf_start import initialize_from_hf_agrees_with_its_config
+    from megatron.neox_arguments import NeoXArgs
+
+    _hf_llama(tmp_path, **({"rope_scaling": hf_scaling} if hf_scaling else {}))
+    model = neox_model_keys(read_config_json(str(tmp_path / "hf")))
+    ours = {"rope_type": "dynamic", "factor": 4.0}
+    args = NeoXArgs(**{k: v for k, v in model.items() if k in NeoXArgs.model_fields and k != "rope_scaling"},
+                    initialize_from_hf=str(tmp_path / "hf"), rope_scaling=ours)
+    ctx = RuleContext(args)
+    problems = initialize_from_hf_agrees_with_its_config(ctx)
+    if hf_scaling is None:
+        assert problems == [] and any("context extension" in w for w in ctx.warnings)
+        assert initialize_from_hf_agrees_with_its_config(RuleContext(args.model_copy(update={"rms_norm_epsilon": 1e-5})))
+    else:
+        assert len(problems) == 1 and "rope_scaling" in problems[0], problems
