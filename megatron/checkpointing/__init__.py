@@ -5,7 +5,7 @@ The package holds a handful of concepts:
 * save/load: ``save_load.py`` (one checkpoint through the DeepSpeed engine, the RNG state beside it),
   ``new_parameters.py`` (loading into a model with parameters the checkpoint lacks: a value head, LoRA
   adapters), ``expert_shards.py`` (experts split over data-parallel ranks), ``safe_load.py`` (weights-only
-  ``torch.load``);
+  ``torch.load``), ``partitioned_load.py`` (a converter's weights-only checkpoint into a ZeRO-3 model);
 * the run's checkpoints: ``manager.py`` (``CheckpointManager`` owns one run's save directory, retention and
   preemption flag; ``CheckpointHooks`` adapts it to the training loop, wired by ``pretrain``),
   ``preemption.py``;

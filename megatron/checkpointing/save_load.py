@@ -49,6 +49,7 @@ from megatron.checkpointing.expert_shards import check_expert_layout, load_exper
 from megatron.checkpointing.neox import config_files as neox_config_files
 from megatron.checkpointing.neox import neox_checkpoint_args
 from megatron.checkpointing.new_parameters import base_checkpoint_loading, base_for_adapters, tolerating_new_parameters
+from megatron.checkpointing.partitioned_load import load_whole_files
 from megatron.checkpointing.preemption import collective_device
 from megatron.checkpointing.resume_checks import SHAPE_KEYS
 from megatron.checkpointing.safe_load import load_trusted_tensors, weights_only_loading
@@ -467,8 +468,9 @@ def _load_weights_only(
 ) -> LoadResult:
     """A checkpoint written by a converter: module weights only, at the tp/pp it was written for.
 
-    Any data parallelism and ZeRO stage 0-2 can read it (DeepSpeed rebuilds its fp32 copies from
-    the module); resuming keeps the stored iteration but the optimizer starts fresh.
+    Any data parallelism and ZeRO stage can read it (DeepSpeed rebuilds its fp32 copies from the module; ZeRO-3,
+    whose loader reads its own per-rank files, gets the module filled by ``partitioned_load``); resuming keeps the
+    stored iteration but the optimizer starts fresh.
     """
     problems = []
     if (saved.tp, saved.pp, saved.pipeline) != (layout.tp, layout.pp, layout.pipeline):
@@ -478,14 +480,17 @@ def _load_weights_only(
             f"this run is at {layout}. Run with those sizes, or convert the source again with --tp/--pp for this run"
             + (f" ({meta['converted_from']})" if meta.get("converted_from") else "")
         )
-    if layout.zero_stage == 3:
-        problems.append("ZeRO stage 3 cannot read a weights-only checkpoint (DeepSpeed rebuilds ZeRO-3 weights from "
-                        "optimizer shards, which it does not have); use stage 0-2 for this first run")
     if problems:
         raise CheckpointError(f"cannot load {ckpt_dir}: " + "; ".join(problems))
     result = LoadResult(loaded=True, path=ckpt_dir)
-    result.notes += _engine_load(engine, ckpt_dir, False, LoadOptions(weights_only=True,
-                                                                       new_parameters=options.new_parameters))
+    if layout.zero_stage == 3:
+        try:
+            result.notes += load_whole_files(engine, ckpt_dir, meta.get("args", {}), options.new_parameters)
+        except RuntimeError as err:
+            raise CheckpointError(_explain_load_error(ckpt_dir, err)) from err
+    else:
+        result.notes += _engine_load(engine, ckpt_dir, False, LoadOptions(weights_only=True,
+                                                                           new_parameters=options.new_parameters))
     result.notes.append("weights-only checkpoint (converted): optimizer and LR-scheduler state start fresh")
     if not options.weights_only:
         result.iteration = int(meta["iteration"])

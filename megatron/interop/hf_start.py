@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron.config_rules import RuleContext, render, rule, zero_source, zero_stage
+from megatron.config_rules import RuleContext, render, rule
 from megatron.errors import ConfigError, ConversionError
 from megatron.interop.hf_keys import MATH_KEYS, neox_model_keys, read_config_json
 
@@ -46,12 +46,6 @@ def initialize_from_hf_is_a_local_model(ctx: RuleContext) -> list[str]:
     if not ctx.get("save"):
         problems.append(f"{ctx.show('initialize_from_hf')} needs save: the model is converted into "
                         f"<save>/{IMPORT_DIR} before launch")
-    elif zero_stage(ctx) == 3 and not _has_own_checkpoint(ctx):
-        # checkpointing/save_load.py refuses a weights-only checkpoint under ZeRO-3 on the ranks; say it here,
-        # before the conversion and the launch
-        problems.append(f"{ctx.show('initialize_from_hf')} starts from a weights-only checkpoint, which ZeRO stage 3 "
-                        f"({ctx.show('sharding_strategy') if ctx.given('sharding_strategy') else zero_source(ctx)}) cannot read (DeepSpeed rebuilds ZeRO-3 weights from optimizer shards); "
-                        f"run the first launch at stage 0-2 (Levanter: trainer.fsdp_axis: null), then resume at stage 3")
     return problems
 
 
@@ -99,13 +93,6 @@ def initialize_from_hf_agrees_with_its_config(ctx: RuleContext) -> list[str]:
             f"something else than the checkpoint (set {key}: {render(keys[key])})"
             for key in MATH_KEYS if key in keys and key not in _NOT_COMPARED
             and _comparable(key, ctx.get(key), keys) != _comparable(key, keys[key], keys)]
-
-
-def _has_own_checkpoint(ctx: RuleContext) -> bool:
-    from megatron.checkpointing.discovery import resume_point
-
-    dirs = {str(ctx.get(key)) for key in ("save", "load") if ctx.get(key)}
-    return any(Path(d).is_dir() and resume_point(Path(d), None) is not None for d in dirs)
 
 
 Runner = Callable[[Sequence[str]], "subprocess.CompletedProcess[str]"]

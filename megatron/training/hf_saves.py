@@ -96,6 +96,14 @@ class HFSaves:
             self._save(state.iteration)
 
 
+def gathered_parameters(params: list[torch.nn.Parameter]) -> Callable[[], AbstractContextManager[Any]]:
+    """A block inside which ZeRO-3's partitioned ``params`` are whole on every rank (every rank enters it; nothing
+    is written back)."""
+    import deepspeed
+
+    return lambda: deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
 def live_weights(module: torch.nn.Module, average: Callable[[], Weights] | None,
                  gathered: Callable[[], AbstractContextManager[Any]] | None = None,
                  keep: bool = True) -> Callable[[], Weights]:

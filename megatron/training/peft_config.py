@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from megatron.config_rules import RuleContext, rule, zero_stage
+from megatron.config_rules import RuleContext, rule
 from megatron.config_schema import ArgGroup
 
 PeftNames = Literal["gpt_neox", "llama"]
@@ -35,7 +35,7 @@ class PeftSaveArgs(ArgGroup):
     lora_peft_save_path: str | None = None
     """Directory the LoRA adapters are written to while training, in HF PEFT's format (adapter_config.json,
     adapter_model.safetensors), one directory per save: ``<path>/step-<N>``, N = the completed steps minus one
-    (Levanter's 0-based step). Written by rank 0 (tp 1, pp 0, ZeRO 0-2), from the weight average when ema_beta
+    (Levanter's 0-based step). Written by rank 0 (tp 1, pp 0; under ZeRO-3 every rank gathers them first), from the weight average when ema_beta
     is set. None: no PEFT saves (the checkpoints keep the adapters; export them with
     tools/ckpts/convert_neox_to_hf.py)."""
 
@@ -51,8 +51,8 @@ class PeftSaveArgs(ArgGroup):
 
 @rule
 def peft_save_layouts(ctx: RuleContext) -> list[str]:
-    """The adapters are written by rank 0 from its whole, unsplit model: with tensor or pipeline parallelism or
-    ZeRO-3 it holds only a part of them."""
+    """The adapters are written by rank 0 from its whole, unsplit model: with tensor or pipeline parallelism it
+    holds only a part of them (ZeRO-3's partitions are gathered first: ``peft_saves.py``)."""
     if ctx.get("lora_peft_save_path") is None:
         return []
     key = ctx.show("lora_peft_save_path")
@@ -67,8 +67,6 @@ def peft_save_layouts(ctx: RuleContext) -> list[str]:
         problems.append(f"{key} with {ctx.show('pipe_parallel_size')}: a pipeline stage holds only its layers' "
                         "adapters; use pipe_parallel_size: 0, or export a checkpoint with "
                         "tools/ckpts/convert_neox_to_hf.py --adapters peft")
-    if zero_stage(ctx) >= 3:
-        problems.append(f"{key} with zero_optimization.stage 3: ZeRO-3 partitions the adapters; use stage 0-2")
     names, split = ctx.get("lora_peft_names"), bool(ctx.get("lora_split_fused"))
     writable = PEFT_TARGETS[(names, split)]
     other = sorted(set(ctx.get("lora_target_modules") or []) - writable)

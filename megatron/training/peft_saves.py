@@ -10,8 +10,9 @@ When, where and what (stanford-crfm/levanter 9263f81e):
 - ``adapter_model.safetensors`` and ``adapter_config.json`` (``lora.py:313-314,345-349``; the config's values
   ``lora.py:504-516``), written from ``step.eval_model`` (the EMA when there is one, ``trainer_state.py:82-94``).
 
-Here rank 0 holds the whole model (tp 1, pp 0, ZeRO 0-2: ``peft_config.peft_save_layouts``) and writes it; the
-step directory appears whole (written beside it, then renamed: a reader never sees half of one).
+Here rank 0 holds the whole model (tp 1, pp 0: ``peft_config.peft_save_layouts``; under ZeRO-3 every rank gathers
+the adapters first, ``hf_saves.live_weights``) and writes it; the step directory appears whole (written beside it,
+then renamed: a reader never sees half of one).
 """
 
 from __future__ import annotations
@@ -128,19 +129,21 @@ class PeftSaves:
 
     def __init__(self, keys: PeftSaveArgs, lora: LoRAArgs, config: GPTConfig,
                  weights: Callable[[], Mapping[str, torch.Tensor]], base_model: str | None, writer: bool) -> None:
-        """``config``: the model (heads and sections order the fused rows); ``base_model``: the adapter config's
-        ``base_model_name_or_path`` (Levanter writes ``initialize_from_hf``); ``writer``: this rank writes."""
+        """``config``: the model (heads and sections order the fused rows); ``weights``: called on every rank at a
+        save; ``base_model``: the adapter config's ``base_model_name_or_path`` (Levanter writes
+        ``initialize_from_hf``); ``writer``: this rank writes."""
         assert keys.lora_peft_save_path is not None
         self.keys, self.lora, self.config = keys, lora, config
         self.weights, self.base_model, self.writer = weights, base_model, writer
         self.written: list[Path] = []
 
     def _save(self, completed: int) -> None:
+        weights = self.weights()  # on every rank: under ZeRO-3 a gather all ranks take part in
         if not self.writer:
             return
         assert self.keys.lora_peft_save_path is not None
         target = step_dir(self.keys.lora_peft_save_path, completed)
-        write_adapter(target, peft_state_dict(self.weights(), self.keys.lora_peft_names, self.config),
+        write_adapter(target, peft_state_dict(weights, self.keys.lora_peft_names, self.config),
                       adapter_config(self.lora, self.keys.lora_peft_names, self.base_model))
         self.written.append(target)
 

@@ -44,7 +44,7 @@ from megatron.training.config import TrainingLoopArgs, compute_dtype, last_itera
 from megatron.training.engine import build_engine, layers_to_checkpoint, partition_method
 from megatron.training.evaluate import maybe_evaluator
 from megatron.training.hf_save_config import HFSaveArgs
-from megatron.training.hf_saves import HFSaves, HFWriterFactory, live_weights, save_dtype
+from megatron.training.hf_saves import HFSaves, HFWriterFactory, gathered_parameters, live_weights, save_dtype
 from megatron.training.loop import Hooks, LoopContext, TrainState, train
 from megatron.training.model_averaging import ModelAverage
 from megatron.training.objectives import build_objective, build_reference
@@ -277,10 +277,13 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
     # DeepSpeed's communication timings (comms_logger): shown after the last step, and with verbose at log steps
     comms = CommsReport(run.deepspeed_config.get("comms_logger"), log_config.log_interval)
     hooks = Hooks(after_step=[ckpt.after_step, comms.after_step], at_exit=[ckpt.at_exit, comms.at_exit])
+    zero3 = int(eng.engine.zero_optimization_stage()) == 3  # every rank gathers the partitions, rank 0 keeps them
     if run.peft_saves.lora_peft_save_path is not None:  # Levanter's eval_model: the average when there is one
         module = eng.engine.module
+        adapters = [p for a in eng.adapters for p in a.parameters()]
         peft = PeftSaves(run.peft_saves, run.lora, model_config, base_model=checkpoint.initialize_from_hf,
-                         weights=lambda: averaging.average if averaging is not None else dict(module.named_parameters()),
+                         weights=live_weights(module, None if averaging is None else lambda: averaging.average,
+                                              gathered_parameters(adapters) if zero3 else None, keep=rank == 0),
                          writer=rank == 0)
         hooks.after_step.append(peft.after_step)
         hooks.at_exit.append(peft.at_exit)
@@ -290,11 +293,7 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
         writer = hf_writer(model_config, run.tokenizer, save_dtype(run.hf_saves, training.precision),
                            run.lora.lora_scale if run.lora.lora_enabled else None) if rank == 0 else None
         module = eng.engine.module
-        gathered = None
-        if int(eng.engine.zero_optimization_stage()) == 3:  # every rank gathers the partitions, rank 0 keeps them
-            import deepspeed
-
-            gathered = lambda: deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)  # noqa: E731
+        gathered = gathered_parameters(list(module.parameters())) if zero3 else None
         hf = HFSaves(run.hf_saves, live_weights(module, None if averaging is None else lambda: averaging.average,
                                                 gathered, keep=rank == 0), writer)
         hooks.after_step.append(hf.after_step)

@@ -136,7 +136,7 @@ def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
     for name in PARITY_LAYOUTS:
         tmp = tmp_path_factory.mktemp(f"lora_{name}")
         extra = dict(RECOMPUTED.get(name, {}))
-        if name == PEFT_LAYOUT:  # the PEFT saves ride along: they change no number
+        if name in PEFT_LAYOUTS:  # the PEFT saves ride along: they change no number
             extra.update(lora_peft_save_path=str(tmp / "peft"), lora_peft_save_interval=4)
         if name == HF_SAVE_LAYOUT:  # the merged HF saves too (every rank gathers, rank 0 writes)
             extra.update(hf_save_path=str(tmp / "hf"), hf_save_interval=5)
@@ -144,28 +144,33 @@ def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
     return runs
 
 
-PEFT_LAYOUT = "dp2_zero1"
-"""The layout run that also saves its adapters in PEFT's format while training (rank 0 of two writes)."""
+PEFT_LAYOUTS = ("dp2_zero1", "dp2_zero3")
+"""The layout runs that also save their adapters in PEFT's format while training (rank 0 of two writes; under
+ZeRO-3 both ranks gather the adapters first)."""
 HF_SAVE_LAYOUT = "dp2_zero3"
 """The layout run that also writes its merged model while training (hf_save_path: ZeRO-3's partitions gathered)."""
 
 
-def test_peft_saves_while_training_hold_the_trained_adapters(layout_runs: dict[str, dict[str, Any]]) -> None:
+@pytest.mark.parametrize("layout", PEFT_LAYOUTS)
+def test_peft_saves_while_training_hold_the_trained_adapters(layout: str,
+                                                             layout_runs: dict[str, dict[str, Any]]) -> None:
     """lora_peft_save_path: Levanter's directories (0-based steps 4 and 8 of 10 at interval 4, then the last, 9:
     lora.py:384-400, trainer.py:97-100,448-449 at 9263f81e), each PEFT's two files; the last holds the adapters of
-    the step-10 checkpoint under the names and row order of the offline export (megatron/interop/lora_export.py)."""
+    the step-10 checkpoint under the names and row order of the offline export (megatron/interop/lora_export.py)
+    (under ZeRO-3 the checkpoint's adapters are its fp32 optimizer partitions, read by the converter's reader)."""
     from safetensors.torch import load_file
 
+    from megatron.interop.deepy_checkpoint import read_full_checkpoint
     from megatron.interop.lora_export import peft_state_dict
     from megatron.neox_arguments.run_config import RunConfig
 
-    run = layout_runs[PEFT_LAYOUT]
+    run = layout_runs[layout]
     peft = Path(run["config"]["lora_peft_save_path"])
     assert sorted(p.name for p in peft.iterdir()) == ["step-4", "step-8", "step-9"]
     config = json.loads((peft / "step-9" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8.0, TARGETS)
     model = RunConfig.from_mapping({k: v for k, v in run["config"].items() if k != "num_gpus"}).model
-    want = peft_state_dict(model, saved_module(run["ckpt"]))
+    want = peft_state_dict(model, read_full_checkpoint(run["ckpt"]).weights)
     last = load_file(str(peft / "step-9" / "adapter_model.safetensors"))
     assert sorted(last) == sorted(want) and all(torch.equal(last[k], want[k]) for k in want)
     earlier = load_file(str(peft / "step-4" / "adapter_model.safetensors"))
