@@ -171,6 +171,8 @@ def mlp_widths_fit(ctx: ModelKeys) -> list[str]:
                 f"accepts only one of them: remove one"]
     if ctx.get("mlp_type") == "llama":
         return []  # each half is intermediate_size wide as given (mlp_width.legacy_llama_width)
+    if int(ctx.get("moe_num_experts") or 1) > 1 and int(ctx.get("moe_expert_interval") or 1) == 1:
+        return []  # every block's MLP is a mixture of experts, each intermediate_size wide (mlp_width.expert_width)
     multiple = ctx.get("mlp_multiple_of")
     gated = ctx.get("activation") in GATED_ACTIVATIONS
     problem = width_problem(neox_mlp_widths(hidden, size, factor, multiple, gated), hidden, size, factor, multiple)

@@ -381,6 +381,15 @@ def test_mixtral_builds_levanters_mixture_of_experts(tmp_path: Path) -> None:
             "max_position_embeddings", "activation", "norm", "pos_emb", "use_bias_in_mlp", "moe_num_experts",
             "moe_top_k", "moe_router_type", "moe_router_renormalize")
     model = GPTModel(gpt_config(padded_vocab_size=64, **{k: getattr(a, k) for k in keys}))
+    # every block's MLP is a mixture, so GPT-NeoX's dense-MLP width rule does not apply: mixtral_8x7b's
+    # intermediate_dim 14336 (Levanter's default) would fail it (2/3 of 14336 gives halves of 4779 against a
+    # 4778-wide second projection), and is refused where some blocks keep a dense MLP
+    from megatron.config_rules import RuleContext
+    from megatron.model.checks import mlp_widths_fit
+
+    default = a.model_copy(update={"intermediate_size": 14336, "hidden_size": 4096})
+    assert mlp_widths_fit(RuleContext(default)) == []
+    assert "4779" in mlp_widths_fit(RuleContext(default.model_copy(update={"moe_expert_interval": 2})))[0]
     for block in model.layers:  # every MLP a mixture; each expert's gate and up halves 48 wide, no biases
         assert isinstance(block.mlp, MoELayer)
         assert tuple(block.mlp.experts.w1.shape) == (8, 32, 2 * 48) and block.mlp.experts.w1_bias is None
