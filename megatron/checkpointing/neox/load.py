@@ -11,7 +11,8 @@ Every rank reads the model files of every tensor-parallel rank (a GPT-NeoX check
 saved at another tp/pp), joins them into full tensors and keeps its own part; under ZeRO-3 that part
 is copied into the partitioned module one module at a time and DeepSpeed's fp32 partitions follow
 (``partitioned_load.py``). The optimizer starts fresh: GPT-NeoX's optimizer files belong to
-DeeperSpeed's layout. Resuming keeps GPT-NeoX's iteration and consumed samples; ``finetune`` / ``initialize_from`` start at step 0.
+DeeperSpeed's layout. Resuming keeps GPT-NeoX's iteration and consumed samples; ``finetune`` /
+``initialize_from`` start at step 0.
 """
 
 from __future__ import annotations
