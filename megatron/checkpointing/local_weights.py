@@ -60,6 +60,8 @@ def local_weights(module: nn.Module, config: GPTConfig, full: dict[str, torch.Te
     ``full``, one whose full shape differs, or (plain model only: a stage holds some layers) a tensor of
     ``full`` the module has not."""
     current = module.state_dict()
+    # ZeRO-3 leaves each parameter an empty placeholder outside a gather; its whole shape is DeepSpeed's ds_shape
+    whole = {name: p.ds_shape for name, p in module.named_parameters(remove_duplicate=False) if hasattr(p, "ds_shape")}
     state: dict[str, torch.Tensor] = {}
     problems: list[str] = []
     for local_name, tensor in current.items():
@@ -70,7 +72,7 @@ def local_weights(module: nn.Module, config: GPTConfig, full: dict[str, torch.Te
             continue
         source = full[name]
         partition = tp_partition_of(config, name)
-        want = list(tensor.shape)
+        want = list(whole.get(local_name, tensor.shape))
         if partition is not None:
             want[partition.dim] *= tp
         if list(source.shape) != want:

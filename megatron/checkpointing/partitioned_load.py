@@ -1,4 +1,5 @@
-"""Module weights into a model whose parameters ZeRO-3 partitions: a weights-only start at stage 3.
+"""Module weights into a model whose parameters ZeRO-3 partitions: a weights-only start at stage 3 (a converter's
+checkpoint here, a GPT-NeoX checkpoint in ``neox/load.py``), and the block ``reinit_tokens`` edits rows in.
 
 A weights-only checkpoint (what the converters write, ``<save>/hf_import`` among them) holds the whole model in
 its ``mp_rank_XX_model_states.pt`` and no ZeRO shards. DeepSpeed's ZeRO-3 loader reads only its own per-rank files
@@ -13,8 +14,8 @@ own module-only load does at stage 1-2): the masters hold the module's values, i
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +23,27 @@ import torch
 from torch import nn
 
 
+def editing_whole(params: Sequence[torch.Tensor]) -> AbstractContextManager[Any]:
+    """A block inside which ZeRO-3's partitioned ``params`` are whole on every rank (every rank enters it) and what
+    rank 0 writes to them is kept: on exit rank 0's values are partitioned again. The ranks that write the same
+    values (a load of the same tensors, a draw from the same seed) leave every partition as at stage 0-2."""
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
 @contextmanager
 def _gathered_per_module(root: nn.Module) -> Iterator[None]:
     """Within the block, ``root.load_state_dict`` sees each module's own parameters whole while that module (and
     its children) load: gathered by a load pre-hook, released (re-partitioned from rank 0's values) by the
     post-hook, which runs after the children."""
-    import deepspeed
-
     open_blocks: list[ExitStack] = []
 
     def gather(module: nn.Module, *_: Any) -> None:
         stack = ExitStack()
         own = list(module.parameters(recurse=False))
         if own:
-            stack.enter_context(deepspeed.zero.GatheredParameters(own, modifier_rank=0))
+            stack.enter_context(editing_whole(own))
         open_blocks.append(stack)
 
     def release(_module: nn.Module, _incompatible: Any) -> None:
@@ -54,11 +62,12 @@ def _gathered_per_module(root: nn.Module) -> Iterator[None]:
             open_blocks.pop().close()
 
 
-def load_into_partitioned(src: dict[str, torch.Tensor], dst: nn.Module) -> None:
-    """``dst.load_state_dict(src)`` (as patched, if it is) on a ZeRO-3 module, its parameters gathered module by
-    module (every rank calls it, with the same ``src``)."""
+def load_into_partitioned(src: dict[str, torch.Tensor], dst: nn.Module, strict: bool = True) -> None:
+    """``dst.load_state_dict(src, strict)`` (as patched, if it is) on a ZeRO-3 module, its parameters gathered
+    module by module (every rank calls it, with the same ``src``). ``strict=False``: for a caller that has matched
+    every tensor itself (the GPT-NeoX reader leaves out the buffers the model computes)."""
     with torch.no_grad(), _gathered_per_module(dst):
-        dst.load_state_dict(src, strict=True)
+        dst.load_state_dict(src, strict=strict)
 
 
 def load_whole_files(engine: Any, ckpt_dir: Path, saved_args: dict[str, Any],

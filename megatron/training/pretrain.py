@@ -203,7 +203,8 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
     state = ckpt.load(eng, TrainState())
     # Levanter's sft.py: at step 0 only, after the starting weights are loaded (a resume keeps the run's rows)
     redrawn = reinit_tokens(eng.engine.module, run.reinit, tokenizer, iteration=state.iteration,
-                            tied=not model_config.no_weight_tying, seed=training.seed, optimizer=eng.engine.optimizer)
+                            tied=not model_config.no_weight_tying, seed=training.seed, optimizer=eng.engine.optimizer,
+                            partitioned=int(eng.engine.zero_optimization_stage()) == 3)
     if redrawn and speaks():
         log.info("reinit_tokens: re-drew the rows of %s in %s", ", ".join(run.reinit.reinit_tokens or []),
                  " and ".join(redrawn))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from megatron.config_rules import RuleContext, rule, zero_stage
+from megatron.config_rules import RuleContext, rule
 from megatron.config_schema import ArgGroup
 
 
@@ -39,9 +39,9 @@ class ReinitTokensArgs(ArgGroup):
 
 @rule
 def reinit_tokens_runs(ctx: RuleContext) -> list[str]:
-    """What the re-drawing needs: a token list without repeats, a matrix to re-draw, whole matrices on each
-    tensor-parallel rank (not ZeRO-3's partitions), weights that are trained and saved (not a LoRA run's frozen base)
-    and the language-model objective (a reference copy or value head would not see the new rows)."""
+    """What the re-drawing needs: a token list without repeats, a matrix to re-draw, weights that are trained and
+    saved (not a LoRA run's frozen base) and the language-model objective (a reference copy or value head would not
+    see the new rows). Any ZeRO stage: under stage 3 each matrix is gathered whole for the draw."""
     tokens = ctx.get("reinit_tokens")
     if not tokens:
         return [f"{ctx.show(key)} is read only with reinit_tokens; set reinit_tokens or leave it out"
@@ -53,9 +53,6 @@ def reinit_tokens_runs(ctx: RuleContext) -> list[str]:
     if not ctx.get("reinit_lm_head") and not ctx.get("reinit_embeddings"):
         problems.append(f"{ctx.show('reinit_tokens')} with {ctx.show('reinit_lm_head')} and "
                         f"{ctx.show('reinit_embeddings')} re-draws nothing; enable one or drop reinit_tokens")
-    if zero_stage(ctx) >= 3:
-        problems.append(f"{ctx.show('reinit_tokens')} with zero_optimization.stage 3: the rows are re-drawn in each "
-                        "rank's whole vocabulary shard, which ZeRO-3 partitions; use stage 0-2")
     if int(ctx.get("lora_r") or 0) > 0:
         problems.append(f"{ctx.show('reinit_tokens')} with {ctx.show('lora_r')}: the embeddings are the frozen base "
                         "of a LoRA run; re-drawing them is not built (Levanter's lora_lm.py has no reinit_tokens)")

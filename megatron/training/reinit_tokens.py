@@ -9,11 +9,14 @@ own rows included, as there). Levanter's HF start resizes the vocabulary to ``le
 its statistics cover the tokenizer's rows; here they cover the same rows, not the padding Deepy adds for tensor
 parallelism. The draws come from ``(seed, matrix name)``, so every tensor-parallel, pipeline and data-parallel rank
 draws the same numbers and keeps the rows it holds; the mean and std are summed over the tensor-parallel group.
+Under ZeRO-3 each matrix is gathered whole first (every rank draws the same rows, rank 0's are kept) and partitioned
+again, so the rows do not depend on the ZeRO stage; the optimizer's fp32 partitions are then refreshed from them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron import mpu
+from megatron.checkpointing.partitioned_load import editing_whole
 from megatron.errors import ConfigError
 from megatron.mpu.initialize_weights import param_generator
 from megatron.mpu.layers import ColumnParallelLinear, VocabParallelEmbedding
@@ -96,18 +100,22 @@ def redraw_rows(target: Target, ids: Sequence[int], vocab_size: int, seed: int) 
 
 
 def reinit_tokens(module: nn.Module, settings: ReinitTokensArgs, tokenizer: Tokenizer, *, iteration: int,
-                  tied: bool, seed: int, optimizer: object | None = None) -> list[str]:
+                  tied: bool, seed: int, optimizer: object | None = None, partitioned: bool = False) -> list[str]:
     """Re-draw the rows ``settings`` names in ``module`` when the run starts at step 0 (``iteration``: the step the
     loaded state is at; call after the starting weights are loaded; a resumed run, at a later step, keeps its rows:
     sft.py:232-244); returns the matrices re-drawn in the whole model (a pipeline stage holds some of them).
-    ``optimizer``: the engine's, whose fp32 copy of the weights (ZeRO, fp16/bf16) is refreshed from the module."""
+    ``optimizer``: the engine's, whose fp32 copy of the weights (ZeRO, fp16/bf16) is refreshed from the module.
+    ``partitioned``: ZeRO-3 partitions the module's parameters (every rank calls this, each matrix is gathered)."""
     if not settings.reinit_tokens or iteration != 0:
         return []
     ids = token_ids(tokenizer, settings.reinit_tokens)
     embedding, head = settings.redrawn(tied)
     chosen = targets(module, embedding=embedding, head=head)
     for target in chosen:
-        redraw_rows(target, ids, tokenizer.vocab_size, seed)
+        with ExitStack() as whole:  # one matrix gathered at a time
+            if partitioned:
+                whole.enter_context(editing_whole([target.weight]))
+            redraw_rows(target, ids, tokenizer.vocab_size, seed)
     refresh = getattr(optimizer, "refresh_fp32_params", None)
     if callable(refresh):
         refresh()  # ZeRO / fp16 / bf16 optimizers keep their own fp32 copy of the weights

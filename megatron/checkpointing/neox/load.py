@@ -8,9 +8,11 @@ is reported by name, before any weight changes. Its files name the MLP weights i
 GPT-NeoX's eras, but cannot say the order of grouped-query QKV rows: ``neox_qkv_order`` does.
 
 Every rank reads the model files of every tensor-parallel rank (a GPT-NeoX checkpoint may have been
-saved at another tp/pp), joins them into full tensors and keeps its own part. The optimizer starts
-fresh: GPT-NeoX's optimizer files belong to DeeperSpeed's layout. Resuming keeps GPT-NeoX's
-iteration and consumed samples; ``finetune`` / ``initialize_from`` start at step 0.
+saved at another tp/pp), joins them into full tensors and keeps its own part; under ZeRO-3 that part
+is copied into the partitioned module one module at a time and DeepSpeed's fp32 partitions follow
+(``partitioned_load.py``). The optimizer starts fresh: GPT-NeoX's optimizer files belong to
+DeeperSpeed's layout. Resuming keeps GPT-NeoX's iteration and consumed samples; ``finetune`` /
+``initialize_from`` start at step 0.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from megatron.checkpointing.local_weights import local_weights, merge_tp_shards, stored_model_config
 from megatron.checkpointing.neox.files import gqa_order_for, neox_checkpoint_shards
 from megatron.checkpointing.neox.layout import GqaOrder, NeoxNames
+from megatron.checkpointing.partitioned_load import load_into_partitioned
 from megatron.errors import CheckpointError
 
 _MP_FILE = "mp_rank_00_model_states.pt"
@@ -65,9 +68,6 @@ def load_neox_weights(engine: Any, tag: Path, args: dict[str, Any], qkv_order: G
 
     from megatron.mpu import topology
 
-    if int(engine.zero_optimization_stage()) == 3:
-        raise CheckpointError(f"cannot load the GPT-NeoX checkpoint {tag} at ZeRO stage 3 (its weights are "
-                              "partitioned by DeepSpeed); use stage 0-2 for this first run, then save and continue")
     mismatched = recorded_mismatches(tag, args)
     if mismatched:
         raise CheckpointError(f"the GPT-NeoX checkpoint {tag} was saved for another model (its recorded args):\n  "
@@ -85,8 +85,11 @@ def load_neox_weights(engine: Any, tag: Path, args: dict[str, Any], qkv_order: G
             "num_attention_heads, num_kv_heads, intermediate_size, norm, activation, no_weight_tying and the "
             "vocabulary decide the shapes):\n  " + "\n  ".join(problems[:20])
         )
-    with torch.no_grad():
-        engine.module.load_state_dict(new_state, strict=False)
+    if int(engine.zero_optimization_stage()) == 3:  # the module is partitioned: gathered one module at a time
+        load_into_partitioned(new_state, engine.module, strict=False)  # computed buffers are not in new_state
+    else:
+        with torch.no_grad():
+            engine.module.load_state_dict(new_state, strict=False)
     refresh = getattr(engine.optimizer, "refresh_fp32_params", None)
     if callable(refresh):
         refresh()  # ZeRO / fp16 / bf16 optimizers keep their own fp32 copy of the weights
