@@ -86,8 +86,9 @@ def switched(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # no save schedule given: Levanter's checkpointer saves every 15 minutes and at the end by default
     common = ("--config_path", "gpt2_tiny.yaml", "--trainer.checkpointer.base_path", "out",
               "--trainer.train_batch_size", "8", *AVERAGED)
+    # Levanter's default fsdp_axis (embed): ZeRO-3 on the 2 ranks, resumed below without it (the average too)
     deepy(tmp, *common, "--trainer.num_train_steps", "3", "--trainer.id", "run1", "--trainer.log_dir", "logs",
-          "--num_gpus", "2")
+          "--trainer.fsdp_axis", "embed", "--num_gpus", "2")
     shutil.copytree(tmp / "out", tmp / "out_tp2")  # the same step-3 checkpoint, resumed a second way
     shutil.copytree(tmp / "out", tmp / "out_neox")  # ... and a third, by a GPT-NeoX config
     tp2 = deepy(tmp, *common[:2], "--trainer.checkpointer.base_path", "out_tp2", *common[4:6],
@@ -106,6 +107,7 @@ def switched(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # this launch's own choices: steps, where it saves (and its save schedule), logs and ranks
     neox.update(train_iters=6, save="out_neox/run1", load="out_neox/run1", save_interval="15min",
                 log_dir="logs_neox", num_gpus=1)
+    neox["sharding_strategy"] = "fsdp"  # ZeRO-3 again, on 1 rank: the 2-rank ZeRO-3 average read at another dp
     (tmp / "neox.yml").write_text(json.dumps(neox))
     deepy(tmp, "neox.yml")
     return tmp
@@ -138,11 +140,16 @@ def test_the_weight_average_and_the_skip_window_resume_exactly(switched: Path) -
     resumed, reference = evals(switched / "logs"), evals(switched / "ref")
     assert resumed["eval/ema/lm_loss"] == pytest.approx(reference["eval/ema/lm_loss"], abs=1e-5)
     assert abs(reference["eval/ema/lm_loss"] - reference["eval/lm_loss"]) > 1e-3  # the average, not the weights
-    ema = {name: torch.load(switched / "out" / name / "global_step6" / "deepy_ema" / "tp00_pp00.pt")["average"]
-           for name in ("run1", "ref")}
-    assert ema["run1"].keys() == ema["ref"].keys()
-    for key, tensor in ema["ref"].items():
-        torch.testing.assert_close(ema["run1"][key], tensor, atol=1e-5, rtol=0)
+    # steps 1-3 ran at ZeRO-3 on 2 ranks (partitions averaged, saved whole), 4-6 without ZeRO (logs) and at ZeRO-3
+    # on 1 rank (logs_neox, evaluated on the average copied into the partitions)
+    zero3 = evals(switched / "logs_neox")
+    assert zero3["eval/ema/lm_loss"] == pytest.approx(reference["eval/ema/lm_loss"], abs=1e-5)
+    ema = {(out, name): torch.load(switched / out / name / "global_step6" / "deepy_ema" / "tp00_pp00.pt")["average"]
+           for out, name in (("out", "run1"), ("out", "ref"), ("out_neox", "run1"))}
+    for run in (ema[("out", "run1")], ema[("out_neox", "run1")]):
+        assert run.keys() == ema[("out", "ref")].keys()
+        for key, tensor in ema[("out", "ref")].items():
+            torch.testing.assert_close(run[key], tensor, atol=1e-5, rtol=0)
     windows = {name: json.loads((switched / "out" / name / "global_step6" / "deepy_meta.json").read_text())
                ["extra"]["train_state"]["bad_steps"] for name in ("run1", "ref")}
     assert windows["run1"]["losses"] == pytest.approx(windows["ref"]["losses"], abs=1e-5)
