@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pydantic import Field
 
 from megatron.config_rules import RuleContext, rule, zero_stage
@@ -21,15 +23,18 @@ class ModelAveragingArgs(ArgGroup):
 
 @rule
 def averaging_layouts(ctx: RuleContext) -> list[str]:
-    """The average copies each rank's module parameters, written by data-parallel rank 0: ZeRO-3 leaves a rank only
-    a partition of them, and experts split over data-parallel ranks differ between them."""
+    """The average is written by data-parallel rank 0 (under ZeRO-3 after a gather over the partitions): experts
+    split over data-parallel ranks differ between them. Under ZeRO-3 it reads each rank's partitions in memory,
+    which parameters offloaded to NVMe are not between steps."""
     if ctx.get("ema_beta") is None:
         return []
     problems = []
-    if zero_stage(ctx) >= 3:
-        problems.append(f"{ctx.show('ema_beta')} with zero_optimization.stage 3: ZeRO-3 partitions the module's "
-                        "parameters, and an average of a partition is not built here; use stage 1 or 2 (ZeRO-1/2 keep "
-                        "the whole module on every rank)")
+    block = ctx.get("zero_optimization")
+    offload = block.get("offload_param") if isinstance(block, Mapping) else None
+    if zero_stage(ctx) >= 3 and isinstance(offload, Mapping) and str(offload.get("device", "none")).lower() == "nvme":
+        problems.append(f"{ctx.show('ema_beta')} with zero_optimization.offload_param.device nvme: the average reads "
+                        "each rank's parameter partitions in memory, which NVMe offload swaps out; offload them to "
+                        "cpu, or set ema_beta: null")
     if int(ctx.get("moe_expert_parallel_size") or 1) > 1:
         problems.append(f"{ctx.show('ema_beta')} with {ctx.show('moe_expert_parallel_size')}: experts split over "
                         "data-parallel ranks differ between them, and the average is saved from data-parallel rank 0 "

@@ -279,12 +279,13 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
     comms = CommsReport(run.deepspeed_config.get("comms_logger"), log_config.log_interval)
     hooks = Hooks(after_step=[ckpt.after_step, comms.after_step], at_exit=[ckpt.at_exit, comms.at_exit])
     zero3 = int(eng.engine.zero_optimization_stage()) == 3  # every rank gathers the partitions, rank 0 keeps them
+    average = None if averaging is None else lambda: averaging.whole(keep=rank == 0)  # gathered under ZeRO-3
     if run.peft_saves.lora_peft_save_path is not None:  # Levanter's eval_model: the average when there is one
         module = eng.engine.module
         adapters = [p for a in eng.adapters for p in a.parameters()]
         peft = PeftSaves(run.peft_saves, run.lora, model_config, base_model=checkpoint.initialize_from_hf,
-                         weights=live_weights(module, None if averaging is None else lambda: averaging.average,
-                                              gathered_parameters(adapters) if zero3 else None, keep=rank == 0),
+                         weights=live_weights(module, average, gathered_parameters(adapters) if zero3 else None,
+                                              keep=rank == 0),
                          writer=rank == 0)
         hooks.after_step.append(peft.after_step)
         hooks.at_exit.append(peft.at_exit)
@@ -295,8 +296,7 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
                            run.lora.lora_scale if run.lora.lora_enabled else None) if rank == 0 else None
         module = eng.engine.module
         gathered = gathered_parameters(list(module.parameters())) if zero3 else None
-        hf = HFSaves(run.hf_saves, live_weights(module, None if averaging is None else lambda: averaging.average,
-                                                gathered, keep=rank == 0), writer)
+        hf = HFSaves(run.hf_saves, live_weights(module, average, gathered, keep=rank == 0), writer)
         hooks.after_step.append(hf.after_step)
         hooks.at_exit.append(hf.at_exit)
     first, first_tokens = state.iteration, state.consumed_tokens

@@ -57,12 +57,13 @@ def finish_rank(out_dir: str, rank: int, results: dict[str, str]) -> None:
     exit_process(0)
 
 
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "deepspeed", "megatron.mpu", "megatron.initialize"]
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "deepspeed", "megatron.mpu", "megatron.initialize"]
 """What every rank imports. The fork server (one per pytest process, started at its first use) imports
 these once and forks each rank from itself - a fresh single-threaded interpreter that ran no tensor op,
 as deepy's launcher forks ranks on CPU - so a start of N ranks no longer pays ~4 s of a CPU's imports
-N times. A preload that fails is skipped (multiprocessing's rule): the rank imports it, as a spawned one
-would."""
+N times. TorchDynamo is among them, as in the launcher's ``local_ranks.PRELOAD``: every torch optimizer imports it
+when it is built (~4 s of a CPU per rank otherwise). A preload that fails is skipped (multiprocessing's rule): the
+rank imports it, as a spawned one would."""
 
 
 def _in_environment(rank: int, rank_main: Callable[..., None], environ: dict[str, str], out: str) -> None:

@@ -97,9 +97,10 @@ def switched(tmp_path_factory: pytest.TempPathFactory) -> Path:
                     "--trainer.wandb.resume", "true", "--trainer.id", "run1", "--trainer.log_dir", "logs",
                     "--num_gpus", "1")
     # the uninterrupted run; `epoch: 1` ends it after the one epoch its data holds (6 whole batches), before
-    # the 10 steps of its (constant) schedule
+    # the 10 steps of its (constant) schedule; at Levanter's default fsdp_axis (embed: ZeRO-3), which the
+    # resumed runs are not: its weight average is kept in ZeRO-3's partitions, the others' whole
     ref = deepy(tmp, *common, "--trainer.num_train_steps", "10", "--epoch", "1", "--trainer.id", "ref",
-                "--trainer.log_dir", "ref", "--num_gpus", "1")
+                "--trainer.log_dir", "ref", "--trainer.fsdp_axis", "embed", "--num_gpus", "1")
     for name, proc in (("tp2", tp2), ("resumed", resumed), ("ref", ref)):  # what each run printed
         (tmp / f"{name}.out").write_text(proc.stdout + proc.stderr)
     neox = gpt_neox_config_of(next((tmp / "logs").glob("*/deepy_config.json")))
@@ -128,13 +129,17 @@ def test_resumed_on_other_hardware_the_curve_is_the_uninterrupted_one(switched: 
 
 def test_the_weight_average_and_the_skip_window_resume_exactly(switched: Path) -> None:
     """ema_beta and skip_bad_steps_window across the 2 -> 1 rank resume: the step-6 average (evaluated and saved)
-    and the rule's window are the uninterrupted run's."""
+    and the rule's window are the uninterrupted run's - a ZeRO-3 run, whose average is evaluated in its partitions
+    and saved whole, in the file format of the runs without ZeRO."""
     import torch
 
     def evals(log_dir: Path) -> dict[str, float]:
         rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
         return next(row for row in rows if "eval/ema/lm_loss" in row and row["iteration"] == 6)
 
+    layouts = {run: re.findall(r"^ *layout .*$", (switched / f"{run}.out").read_text(), re.MULTILINE)
+               for run in ("ref", "resumed")}
+    assert "ZeRO 3;" in layouts["ref"][0] and "ZeRO 3;" not in layouts["resumed"][0], layouts
     resumed, reference = evals(switched / "logs"), evals(switched / "ref")
     assert resumed["eval/ema/lm_loss"] == pytest.approx(reference["eval/ema/lm_loss"], abs=1e-5)
     assert abs(reference["eval/ema/lm_loss"] - reference["eval/lm_loss"]) > 1e-3  # the average, not the weights

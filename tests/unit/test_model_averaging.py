@@ -101,7 +101,9 @@ def test_evaluations_report_both_and_tasks_run_on_the_average(engine) -> None:  
     assert rows[-1]["eval/lm_loss"] == pytest.approx(float(weights.sum()))
 
 
-def test_zero3_and_split_experts_are_refused_by_name() -> None:
+def test_split_experts_are_refused_by_name_and_zero3_is_accepted() -> None:
+    """ZeRO-3 averages each rank's partitions (tests/distributed/test_model_averaging_zero3.py); experts split over
+    data-parallel ranks and parameters offloaded to NVMe (swapped out of memory between steps) are refused."""
     from megatron.neox_arguments import config_from_mapping
     from megatron.neox_arguments.derived import finalize
     from megatron.config_rules import Device
@@ -112,7 +114,9 @@ def test_zero3_and_split_experts_are_refused_by_name() -> None:
                 ema_beta=0.99)
     device = Device(cuda=False, fp16_supported=False)
     finalize(config_from_mapping({**base, "zero_optimization": {"stage": 2}}), 1, device=device)
-    with pytest.raises(ConfigError, match="ema_beta=0.99 .*zero_optimization.stage 3"):
-        finalize(config_from_mapping({**base, "zero_optimization": {"stage": 3}}), 1, device=device)
+    finalize(config_from_mapping({**base, "zero_optimization": {"stage": 3}}), 2, device=device)
+    with pytest.raises(ConfigError, match="ema_beta=0.99 .*offload_param.device nvme"):
+        finalize(config_from_mapping({**base, "zero_optimization": {
+            "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}), 2, device=device)
     with pytest.raises(ConfigError, match="ema_beta=0.99 .*moe_expert_parallel_size=2"):
         finalize(config_from_mapping({**base, "moe_num_experts": 2, "moe_expert_parallel_size": 2}), 2, device=device)
