@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,19 +69,13 @@ def load_into_partitioned(src: dict[str, torch.Tensor], dst: nn.Module, strict: 
         dst.load_state_dict(src, strict=strict)
 
 
-def load_whole_files(engine: Any, ckpt_dir: Path, saved_args: dict[str, Any],
-                     new_parameters: tuple[str, ...]) -> list[str]:
-    """A weights-only checkpoint's module into a ZeRO-3 ``engine`` (every rank): this tp rank's model file under
-    ``GPTModel`` names (``neox.canonical_rank_weights``, either naming), loaded gathered, then DeepSpeed's fp32
-    partitions refreshed from the module. ``new_parameters``: name prefixes that may start from their
-    initialisation (``new_parameters.tolerating_new_parameters``). Returns notes for the log."""
-    from megatron import mpu
-    from megatron.checkpointing.neox import NeoxNames, canonical_rank_weights
+def load_whole_files(engine: Any, weights: dict[str, torch.Tensor], new_parameters: tuple[str, ...]) -> list[str]:
+    """A weights-only checkpoint's module into a ZeRO-3 ``engine`` (every rank): ``weights``, this tp rank's model
+    file under ``GPTModel`` names (``neox.canonical_rank_weights``, either naming, read by the caller), loaded
+    gathered, then DeepSpeed's fp32 partitions refreshed from the module. ``new_parameters``: name prefixes that
+    may start from their initialisation (``new_parameters.tolerating_new_parameters``). Returns notes for the log."""
     from megatron.checkpointing.new_parameters import tolerating_new_parameters
 
-    tp = mpu.get_tensor_model_parallel_world_size()
-    weights = canonical_rank_weights(ckpt_dir, NeoxNames.from_stored(saved_args), tp,
-                                     mpu.get_tensor_model_parallel_rank(), pipeline=False)
     with tolerating_new_parameters(engine, new_parameters) as report:
         load_into_partitioned(weights, engine.module)
     engine.optimizer.refresh_fp32_params()  # the fp32 master partitions from the module's new ones

@@ -47,7 +47,7 @@ from megatron.checkpointing import commit, reshard
 from megatron.checkpointing.commit import CheckpointKind
 from megatron.checkpointing.expert_shards import check_expert_layout, load_expert_shards, save_expert_shards
 from megatron.checkpointing.neox import config_files as neox_config_files
-from megatron.checkpointing.neox import neox_checkpoint_args
+from megatron.checkpointing.neox import NeoxNames, canonical_rank_weights, neox_checkpoint_args
 from megatron.checkpointing.new_parameters import base_checkpoint_loading, base_for_adapters, tolerating_new_parameters
 from megatron.checkpointing.partitioned_load import load_whole_files
 from megatron.checkpointing.preemption import collective_device
@@ -485,7 +485,12 @@ def _load_weights_only(
     result = LoadResult(loaded=True, path=ckpt_dir)
     if layout.zero_stage == 3:
         try:
-            result.notes += load_whole_files(engine, ckpt_dir, meta.get("args", {}), options.new_parameters)
+            from megatron import mpu  # as the other loaders here: the package imports DeepSpeed
+
+            tp = mpu.get_tensor_model_parallel_world_size()
+            weights = canonical_rank_weights(ckpt_dir, NeoxNames.from_stored(meta.get("args", {})), tp,
+                                             mpu.get_tensor_model_parallel_rank(), pipeline=False)
+            result.notes += load_whole_files(engine, weights, options.new_parameters)
         except RuntimeError as err:
             raise CheckpointError(_explain_load_error(ckpt_dir, err)) from err
     else:

@@ -49,6 +49,27 @@ def run_tp_checks(rank: int, out_dir: str, world: int, checks: Mapping[str, Call
     finish_rank(out_dir, rank, record_checks(checks))
 
 
+def join_data_parallel_ranks(rank: int, world: int, port_variable: str) -> None:
+    """A rank of ``world`` pure data-parallel gloo ranks set up as train.py sets up a DeepSpeed rank: the address
+    in the environment (the port from ``port_variable``), no shared-memory comm op, no Muon kernel compile, one
+    thread, the process group and the model-parallel groups (tp 1, no pipeline)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron.deepspeed_internals import defer_muon_kernel_compiles, skip_shared_memory_comm_op
+    from megatron.mpu import initialize_model_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ[port_variable], RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    skip_shared_memory_comm_op()
+    defer_muon_kernel_compiles()  # as train.py: ZeRO's Muon check without TorchInductor
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    initialize_model_parallel(1, 0)
+
+
 def finish_rank(out_dir: str, rank: int, results: dict[str, str]) -> None:
     """Write this rank's results, then leave without interpreter teardown (see exit_process)."""
     from megatron.initialize import exit_process

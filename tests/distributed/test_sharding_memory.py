@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from tests.distributed.rank_harness import finish_rank, record_checks, run_ranks
+from tests.distributed.rank_harness import finish_rank, join_data_parallel_ranks, record_checks, run_ranks
 
 WORLD = 4
 STRATEGIES = ("fsdp", "hsdp", "ddp")
@@ -38,24 +38,15 @@ def deepy_config(strategy: str) -> tuple[dict, int | None]:
 
 
 def rank_main(rank: int, out: str) -> None:
-    import os
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["SHARDING_TEST_PORT"], RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
     import deepspeed
     import torch
     import torch.distributed as dist
 
-    from megatron.deepspeed_internals import defer_muon_kernel_compiles, skip_shared_memory_comm_op
-    from megatron.mpu import hybrid_shard, initialize_model_parallel
+    from megatron.mpu import hybrid_shard
     from megatron.training import hybrid_shard as hybrid_engine
     from megatron.training.engine import deepspeed_mpu
 
-    skip_shared_memory_comm_op()
-    defer_muon_kernel_compiles()  # as train.py: ZeRO's Muon check without TorchInductor
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    initialize_model_parallel(1, 0)
+    join_data_parallel_ranks(rank, WORLD, "SHARDING_TEST_PORT")
     held: dict[str, dict[str, float]] = {}
     after_step: dict[str, list[float]] = {}
 

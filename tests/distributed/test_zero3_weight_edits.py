@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.rank_harness import finish_rank, record_checks, run_ranks
+from tests.distributed.rank_harness import finish_rank, join_data_parallel_ranks, record_checks, run_ranks
 
 WORLD, SEED = 2, 5
 MODEL = dict(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8, padded_vocab_size=64, seed=SEED,
@@ -122,18 +122,7 @@ def check_gpt_neox_checkpoint(out: str) -> None:
 
 
 def rank_main(rank: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["ZERO3_EDITS_TEST_PORT"], RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
-    import torch.distributed as dist
-
-    from megatron.deepspeed_internals import defer_muon_kernel_compiles, skip_shared_memory_comm_op
-    from megatron.mpu import initialize_model_parallel
-
-    skip_shared_memory_comm_op()
-    defer_muon_kernel_compiles()  # as train.py: ZeRO's Muon check without TorchInductor
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    initialize_model_parallel(1, 0)
+    join_data_parallel_ranks(rank, WORLD, "ZERO3_EDITS_TEST_PORT")
     results = record_checks({"reinit_tokens": check_reinit_tokens,
                              "gpt_neox_checkpoint": lambda: check_gpt_neox_checkpoint(out)})
     finish_rank(out, rank, results)
