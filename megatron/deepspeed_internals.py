@@ -32,6 +32,32 @@ def skip_shared_memory_comm_op() -> None:
     compatible["deepspeed_shm_comm"] = False
 
 
+
+def use_current_collective_names() -> None:
+    """Make DeepSpeed's torch comm backend gather and reduce-scatter flat tensors through torch's current names.
+
+    DeepSpeed 0.19.8's ``TorchBackend`` picks ``torch.distributed.all_gather_into_tensor`` and
+    ``reduce_scatter_tensor`` once, when its backend object (``deepspeed.comm.comm.cdb``) is made, and every
+    flat gather and reduce-scatter of DeepSpeed goes through them (a pipeline's activations split over
+    tensor-parallel ranks, ZeRO's partitions). torch 2.13 deprecates both - each call prints a
+    ``FutureWarning`` once per rank - and their bodies are one call of ``all_gather_single`` /
+    ``reduce_scatter_single`` with the same arguments; the backend gets those. Idempotent; nothing before
+    DeepSpeed's comm is set up.
+    """
+    import torch.distributed as dist
+    from deepspeed.comm import comm
+
+    backend = comm.cdb
+    if backend is None:
+        return
+    for attribute, deprecated, current in (
+            ("all_gather_function", "all_gather_into_tensor", "all_gather_single"),
+            ("reduce_scatter_function", "reduce_scatter_tensor", "reduce_scatter_single")):
+        replacement = getattr(dist, current, None)
+        if replacement is not None and getattr(backend, attribute, None) is getattr(dist, deprecated, None):
+            setattr(backend, attribute, replacement)
+
+
 MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
@@ -310,7 +336,10 @@ def pipeline_grid(module: Any) -> Any:
 def synchronize_tied_weights(module: Any) -> None:
     """Copy each tied weight from its owning stage to the others (``_synchronize_tied_weights``), as
     ``PipelineModule.load_state_dir`` does after reading the layers; a replacement loader must too."""
-    module._synchronize_tied_weights()
+    import torch
+
+    with torch.no_grad():  # a broadcast into a weight with grad on marks it for autograd (see engine.build_model)
+        module._synchronize_tied_weights()
 
 
 def replace_pipeline_layer_io(module: Any, save: Callable[..., None], load: Callable[..., None]) -> None:
@@ -494,3 +523,5 @@ def pending_grad_norm(engine: Any) -> float | None:
     if float(engine.gradient_clipping()) > 0 and getattr(engine, "_global_grad_norm", None) is not None:
         return float(engine._global_grad_norm)
     return None
+
+

@@ -460,3 +460,33 @@ def test_muon_module_compiles_at_import_unless_deferred() -> None:
         "print(['torch._inductor.compile_fx' in sys.modules, compiler.compile() is torch.compile,\n"
         "       all(callable(k) and k.__wrapped__.__module__ == m.__name__ for k in kernels)])")
     assert deferred == "[False, True, True]"
+
+
+def test_deepspeeds_flat_gathers_use_torchs_current_names(engine, recwarn) -> None:  # type: ignore[no-untyped-def]
+    """Issue 42 item 17: DeepSpeed's comm backend picked torch's deprecated all_gather_into_tensor and
+    reduce_scatter_tensor (a FutureWarning per rank in a tp2 pipeline); it gets their replacements, whose bodies
+    the deprecated ones are, and gathers the same."""
+    import inspect
+
+    import deepspeed.comm as ds_comm
+    import torch.distributed as dist
+    from deepspeed.comm import comm
+
+    from megatron.deepspeed_internals import use_current_collective_names
+
+    for deprecated, current in (("all_gather_into_tensor", "all_gather_single"),
+                                ("reduce_scatter_tensor", "reduce_scatter_single")):
+        assert f"return {current}(" in inspect.getsource(getattr(dist, deprecated))  # the same collective
+    comm.cdb.all_gather_function = comm.cdb.get_all_gather_function()  # what DeepSpeed picks when it starts
+    comm.cdb.reduce_scatter_function = comm.cdb.get_reduce_scatter_function()
+    assert comm.cdb.all_gather_function is dist.all_gather_into_tensor
+    use_current_collective_names()
+    use_current_collective_names()  # idempotent
+    assert comm.cdb.all_gather_function is dist.all_gather_single
+    assert comm.cdb.reduce_scatter_function is dist.reduce_scatter_single
+    out, part = torch.zeros(3), torch.tensor([1.0, 2.0, 3.0])
+    ds_comm.all_gather_into_tensor(out, part)
+    reduced = torch.zeros(3)
+    ds_comm.reduce_scatter_tensor(reduced, part * 2)
+    assert torch.equal(out, part) and torch.equal(reduced, part * 2)  # one rank: its own
+    assert not [w for w in recwarn if "deprecated" in str(w.message)]
