@@ -462,6 +462,36 @@ def test_muon_module_compiles_at_import_unless_deferred() -> None:
     assert deferred == "[False, True, True]"
 
 
+def test_fp16_optimizers_masters_are_whole_views_the_step_updates(engine) -> None:  # type: ignore[no-untyped-def]
+    """Without ZeRO DeepSpeed's fp16 optimizers (also bf16 without a pipeline) keep whole fp32 copies: the fused one
+    in one flat buffer per group (a GPU's FusedAdam picks it; here with SGD), the unfused one per parameter. The
+    slices are views of them that the step moves, the module's weights their rounding. ZeRO and the bf16 optimizer:
+    tests/distributed/test_model_averaging_zero3.py."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    from megatron.deepspeed_internals import fp32_master_slices
+
+    for cls in (FP16_Optimizer, FP16_UnfusedOptimizer):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).bfloat16()
+        params = list(model.parameters())
+        optimizer = cls(torch.optim.SGD(params, lr=0.1), low_precision_dtype=torch.bfloat16)
+        slices = fp32_master_slices(optimizer, params)
+        held = [view for view, _, _ in slices]  # type: ignore[misc]
+        assert [(start, group) for _, start, group in slices] == [(0, None)] * len(params), cls  # type: ignore[misc]
+        if cls is FP16_Optimizer:
+            flat = optimizer.fp32_groups_flat[0]
+            assert all(v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for v in held)
+        model(torch.randn(5, 4).bfloat16()).float().pow(2).sum().backward()
+        optimizer.step()
+        for param, view in zip(params, held):
+            assert view.dtype == torch.float32 and view.numel() == param.numel(), cls
+            assert torch.equal(view.view(param.shape).bfloat16(), param.detach()), cls  # the step wrote both
+            assert not torch.equal(view.view(param.shape), param.detach().float()), cls  # and they differ
+    assert fp32_master_slices(torch.optim.SGD(params, lr=0.1), params) == [None] * len(params)  # no fp32 copy
+
+
 def test_deepspeeds_flat_gathers_use_torchs_current_names(engine, recwarn) -> None:  # type: ignore[no-untyped-def]
     """Issue 42 item 17: DeepSpeed's comm backend picked torch's deprecated all_gather_into_tensor and
     reduce_scatter_tensor (a FutureWarning per rank in a tp2 pipeline); it gets their replacements, whose bodies
