@@ -32,6 +32,32 @@ def skip_shared_memory_comm_op() -> None:
     compatible["deepspeed_shm_comm"] = False
 
 
+
+def use_current_collective_names() -> None:
+    """Make DeepSpeed's torch comm backend gather and reduce-scatter flat tensors through torch's current names.
+
+    DeepSpeed 0.19.8's ``TorchBackend`` picks ``torch.distributed.all_gather_into_tensor`` and
+    ``reduce_scatter_tensor`` once, when its backend object (``deepspeed.comm.comm.cdb``) is made, and every
+    flat gather and reduce-scatter of DeepSpeed goes through them (a pipeline's activations split over
+    tensor-parallel ranks, ZeRO's partitions). torch 2.13 deprecates both - each call prints a
+    ``FutureWarning`` once per rank - and their bodies are one call of ``all_gather_single`` /
+    ``reduce_scatter_single`` with the same arguments; the backend gets those. Idempotent; nothing before
+    DeepSpeed's comm is set up.
+    """
+    import torch.distributed as dist
+    from deepspeed.comm import comm
+
+    backend = comm.cdb
+    if backend is None:
+        return
+    for attribute, deprecated, current in (
+            ("all_gather_function", "all_gather_into_tensor", "all_gather_single"),
+            ("reduce_scatter_function", "reduce_scatter_tensor", "reduce_scatter_single")):
+        replacement = getattr(dist, current, None)
+        if replacement is not None and getattr(backend, attribute, None) is getattr(dist, deprecated, None):
+            setattr(backend, attribute, replacement)
+
+
 MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
@@ -310,7 +336,10 @@ def pipeline_grid(module: Any) -> Any:
 def synchronize_tied_weights(module: Any) -> None:
     """Copy each tied weight from its owning stage to the others (``_synchronize_tied_weights``), as
     ``PipelineModule.load_state_dir`` does after reading the layers; a replacement loader must too."""
-    module._synchronize_tied_weights()
+    import torch
+
+    with torch.no_grad():  # a broadcast into a weight with grad on marks it for autograd (see engine.build_model)
+        module._synchronize_tied_weights()
 
 
 def replace_pipeline_layer_io(module: Any, save: Callable[..., None], load: Callable[..., None]) -> None:
@@ -494,3 +523,67 @@ def pending_grad_norm(engine: Any) -> float | None:
     if float(engine.gradient_clipping()) > 0 and getattr(engine, "_global_grad_norm", None) is not None:
         return float(engine._global_grad_norm)
     return None
+
+
+
+# --- the fp32 master weights (megatron/training/model_averaging.py) -----------------------------------
+def fp32_master_slices(optimizer: Any, params: list[Any]) -> list[tuple[Any, int, Any] | None]:
+    """Where ``optimizer`` (the engine's) keeps this rank's fp32 master copy of each of ``params`` (a bf16/fp16
+    module's trainable parameters): ``(view, start, group)``, ``view`` a 1-D fp32 tensor on the optimizer's own
+    storage (its step updates it in place; a checkpoint load and ``refresh_fp32_params`` copy into it), holding
+    elements ``start .. start + view.numel()`` of the flattened parameter; ``group``: the process group whose
+    ranks' views make up the whole parameter, None when ``view`` is the whole of it. None for a parameter the
+    optimizer keeps no fp32 copy of. DeepSpeed 0.19.8's optimizers:
+
+    - ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``, marked on each parameter as ``_z3_optimizer``): this rank's
+      partition of the parameter padded to a multiple of its partition group (``ds_process_group``), the same
+      elements as ``param.ds_tensor``, at ``grad_position[param id] = (sub-group, offset, numel)`` of
+      ``fp32_partitioned_groups_flat`` (what ``safe_get_local_fp32_param`` narrows, without its stream sync and
+      its copy to the device, which would make the average of CPU-offloaded masters a copy).
+    - ZeRO-1/2 (``DeepSpeedZeroOptimizer``) and the bf16 optimizer (``BF16_Optimizer``: a pipeline's bf16 at
+      stage 0, and stage 1 with fp32 gradient accumulation): the fragment of the parameter inside this rank's
+      flat fp32 partition, ``param._hp_mapping.hp_fragment`` at ``lp_fragment_address.start`` (DeepSpeed's
+      ``get_full_hp_param`` puts it there and all-reduces over ``param._dp_group``); a parameter wholly in
+      other ranks' partitions has ``_hp_mapping`` None: an empty view.
+    - Without ZeRO (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``: fp16, and bf16 without a pipeline): the whole
+      parameter on every rank, in ``fp32_groups_flat[group]`` at the parameter's offset in its group
+      (``_unflatten_dense_tensors`` order), or ``fp32_groups[group][index]``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    def _or_world(group: Any) -> Any:
+        return dist.group.WORLD if group is None else group  # DeepSpeed's None: the default group
+
+    whole: dict[int, Any] = {}  # FP16_Optimizer / FP16_UnfusedOptimizer: id(param) -> its whole fp32 copy
+    flats: Any = getattr(optimizer, "fp32_groups_flat", None)
+    singles: Any = getattr(optimizer, "fp32_groups", None)
+    if flats is not None or singles is not None:
+        for group_index, group in enumerate(optimizer.fp16_groups):
+            offset = 0
+            for index, param in enumerate(group):
+                whole[id(param)] = (flats[group_index].narrow(0, offset, param.numel()) if flats is not None
+                                    else singles[group_index][index].view(-1))
+                offset += param.numel()
+    out: list[tuple[Any, int, Any] | None] = []
+    for param in params:
+        zero3 = getattr(param, "_z3_optimizer", None)
+        if zero3 is not None and hasattr(param, "ds_tensor"):
+            group_index, offset, numel = zero3.grad_position[zero3.get_param_id(param)]
+            flat = zero3.fp32_partitioned_groups_flat[group_index]
+            if flat.numel() == 0:
+                raise RuntimeError("the fp32 master partitions of this parameter are swapped out to NVMe "
+                                   "(zero_optimization.offload_optimizer.device nvme)")
+            group = _or_world(getattr(param, "ds_process_group", zero3.dp_process_group))
+            out.append((flat.narrow(0, offset, numel), dist.get_rank(group=group) * numel, group))
+        elif hasattr(param, "_hp_mapping"):
+            mapping, group = param._hp_mapping, _or_world(param._dp_group)
+            if mapping is None:
+                out.append((torch.empty(0, dtype=torch.float32, device=param.device), 0, group))
+            else:
+                out.append((mapping.hp_fragment, mapping.lp_fragment_address.start, group))
+        elif id(param) in whole:
+            out.append((whole[id(param)], 0, None))
+        else:
+            out.append(None)
+    return out

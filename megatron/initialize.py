@@ -17,7 +17,11 @@ from datetime import timedelta
 import numpy as np
 import torch
 
-from megatron.deepspeed_internals import defer_muon_kernel_compiles, skip_shared_memory_comm_op
+from megatron.deepspeed_internals import (
+    defer_muon_kernel_compiles,
+    skip_shared_memory_comm_op,
+    use_current_collective_names,
+)
 from megatron.errors import ConfigError
 from megatron.launcher.environment import distributed_env, hidden_gpus_problem
 from megatron.mpu.parallel_config import ParallelRun
@@ -89,6 +93,7 @@ def init_distributed(parallel: ParallelRun) -> None:
         rank=int(env["RANK"]),
         world_size=int(env["WORLD_SIZE"]),
     )
+    use_current_collective_names()  # DeepSpeed's flat gathers without torch's deprecation warning on every rank
 
 
 def initialize(parallel: ParallelRun, seed: int, announce: bool = False) -> Coordinates:

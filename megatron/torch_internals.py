@@ -39,6 +39,14 @@ def tensor_version(tensor: torch.Tensor) -> int:
     return int(tensor._version)
 
 
+
+def lerp_all_(tensors: Sequence[torch.Tensor], ends: Sequence[torch.Tensor], weight: float) -> None:
+    """``tensors[i].lerp_(ends[i], weight)`` for every ``i`` in one call (``torch._foreach_lerp_``, what torch's
+    optimizers use for their moving averages with ``foreach=True``): a loop of ``lerp_`` costs a Python round trip
+    and a kernel launch per tensor, the weight average's update runs after every step. The same arithmetic per
+    element; tensors on different devices are taken one by one."""
+    torch._foreach_lerp_(list(tensors), list(ends), weight)
+
 def mkldnn_fp16_supported() -> bool:
     """Whether oneDNN has fp16 kernels for this CPU.
 

@@ -343,7 +343,12 @@ def build_model(config: GPTConfig, parallel: ParallelRun, ckpt: ActivationCheckp
 
     # whole-chunk checkpointing by PipelineModule unless only every k-th block is recomputed
     interval = ckpt.checkpoint_num_layers if ckpt.checkpoint_activations and not ckpt.selective_checkpointing else 0
-    with deepspeed_prints_quiet(), construction(None, device):  # its SEED_LAYERS=... and stage=0 layers=5 dump
+    # no_grad: PipelineModule's constructor broadcasts each tied weight (the embedding shared by the first and
+    # the last stage) from its owning stage with dist.broadcast, an in-place op torch has no autograd kernel for;
+    # with grad on, torch marks the weight and warns at every backward that reaches it ("c10d::broadcast_: an
+    # autograd kernel was not registered ... silently incorrect behavior"). The copy is an initialization, not
+    # part of any graph; the weights are made requiring grad as ever.
+    with deepspeed_prints_quiet(), construction(None, device), torch.no_grad():  # and its stage=0 layers=5 dump
         model = PipelineModule(
             layers=pipeline_layer_specs(config),
             loss_fn=objective.loss,

@@ -188,7 +188,7 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
                            reseed=lambda iteration: model_parallel_manual_seed(training.seed + iteration))
     ckpt.attach_model(eng, run.parallel.model_parallel_size)
     averaging = None if run.averaging.ema_beta is None else ModelAverage(
-        eng.engine.module, run.averaging.ema_beta,
+        eng.engine.module, run.averaging.ema_beta, optimizer=eng.engine.optimizer,
         layout={"tp": mpu.get_tensor_model_parallel_world_size(), "pp": mpu.get_pipe_parallel_world_size(),
                 "pipeline": eng.is_pipe},
         place=f"tp{mpu.get_tensor_model_parallel_rank():02d}_pp{mpu.get_pipe_parallel_rank():02d}",

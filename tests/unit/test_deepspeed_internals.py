@@ -460,3 +460,63 @@ def test_muon_module_compiles_at_import_unless_deferred() -> None:
         "print(['torch._inductor.compile_fx' in sys.modules, compiler.compile() is torch.compile,\n"
         "       all(callable(k) and k.__wrapped__.__module__ == m.__name__ for k in kernels)])")
     assert deferred == "[False, True, True]"
+
+
+def test_fp16_optimizers_masters_are_whole_views_the_step_updates(engine) -> None:  # type: ignore[no-untyped-def]
+    """Without ZeRO DeepSpeed's fp16 optimizers (also bf16 without a pipeline) keep whole fp32 copies: the fused one
+    in one flat buffer per group (a GPU's FusedAdam picks it; here with SGD), the unfused one per parameter. The
+    slices are views of them that the step moves, the module's weights their rounding. ZeRO and the bf16 optimizer:
+    tests/distributed/test_model_averaging_zero3.py."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    from megatron.deepspeed_internals import fp32_master_slices
+
+    for cls in (FP16_Optimizer, FP16_UnfusedOptimizer):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).bfloat16()
+        params = list(model.parameters())
+        optimizer = cls(torch.optim.SGD(params, lr=0.1), low_precision_dtype=torch.bfloat16)
+        slices = fp32_master_slices(optimizer, params)
+        held = [view for view, _, _ in slices]  # type: ignore[misc]
+        assert [(start, group) for _, start, group in slices] == [(0, None)] * len(params), cls  # type: ignore[misc]
+        if cls is FP16_Optimizer:
+            flat = optimizer.fp32_groups_flat[0]
+            assert all(v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for v in held)
+        model(torch.randn(5, 4).bfloat16()).float().pow(2).sum().backward()
+        optimizer.step()
+        for param, view in zip(params, held):
+            assert view.dtype == torch.float32 and view.numel() == param.numel(), cls
+            assert torch.equal(view.view(param.shape).bfloat16(), param.detach()), cls  # the step wrote both
+            assert not torch.equal(view.view(param.shape), param.detach().float()), cls  # and they differ
+    assert fp32_master_slices(torch.optim.SGD(params, lr=0.1), params) == [None] * len(params)  # no fp32 copy
+
+
+def test_deepspeeds_flat_gathers_use_torchs_current_names(engine, recwarn) -> None:  # type: ignore[no-untyped-def]
+    """Issue 42 item 17: DeepSpeed's comm backend picked torch's deprecated all_gather_into_tensor and
+    reduce_scatter_tensor (a FutureWarning per rank in a tp2 pipeline); it gets their replacements, whose bodies
+    the deprecated ones are, and gathers the same."""
+    import inspect
+
+    import deepspeed.comm as ds_comm
+    import torch.distributed as dist
+    from deepspeed.comm import comm
+
+    from megatron.deepspeed_internals import use_current_collective_names
+
+    for deprecated, current in (("all_gather_into_tensor", "all_gather_single"),
+                                ("reduce_scatter_tensor", "reduce_scatter_single")):
+        assert f"return {current}(" in inspect.getsource(getattr(dist, deprecated))  # the same collective
+    comm.cdb.all_gather_function = comm.cdb.get_all_gather_function()  # what DeepSpeed picks when it starts
+    comm.cdb.reduce_scatter_function = comm.cdb.get_reduce_scatter_function()
+    assert comm.cdb.all_gather_function is dist.all_gather_into_tensor
+    use_current_collective_names()
+    use_current_collective_names()  # idempotent
+    assert comm.cdb.all_gather_function is dist.all_gather_single
+    assert comm.cdb.reduce_scatter_function is dist.reduce_scatter_single
+    out, part = torch.zeros(3), torch.tensor([1.0, 2.0, 3.0])
+    ds_comm.all_gather_into_tensor(out, part)
+    reduced = torch.zeros(3)
+    ds_comm.reduce_scatter_tensor(reduced, part * 2)
+    assert torch.equal(out, part) and torch.equal(reduced, part * 2)  # one rank: its own
+    assert not [w for w in recwarn if "deprecated" in str(w.message)]

@@ -103,7 +103,8 @@ def test_evaluations_report_both_and_tasks_run_on_the_average(engine) -> None:  
 
 def test_split_experts_are_refused_by_name_and_zero3_is_accepted() -> None:
     """ZeRO-3 averages each rank's partitions (tests/distributed/test_model_averaging_zero3.py); experts split over
-    data-parallel ranks and parameters offloaded to NVMe (swapped out of memory between steps) are refused."""
+    data-parallel ranks and parameters offloaded to NVMe (swapped out of memory between steps) are refused, and so is
+    an optimizer offloaded to NVMe under bf16 (the average follows its fp32 master partitions)."""
     from megatron.neox_arguments import config_from_mapping
     from megatron.neox_arguments.derived import finalize
     from megatron.config_rules import Device
@@ -118,5 +119,10 @@ def test_split_experts_are_refused_by_name_and_zero3_is_accepted() -> None:
     with pytest.raises(ConfigError, match="ema_beta=0.99 .*offload_param.device nvme"):
         finalize(config_from_mapping({**base, "zero_optimization": {
             "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}), 2, device=device)
+    optimizer_on_nvme = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}
+    with pytest.raises(ConfigError, match="ema_beta=0.99 .*offload_optimizer.device nvme: under bfloat16"):
+        finalize(config_from_mapping({**base, "precision": "bfloat16", "zero_optimization": optimizer_on_nvme}), 2,
+                 device=device)
+    finalize(config_from_mapping({**base, "zero_optimization": optimizer_on_nvme}), 2, device=device)  # fp32: none
     with pytest.raises(ConfigError, match="ema_beta=0.99 .*moe_expert_parallel_size=2"):
         finalize(config_from_mapping({**base, "moe_num_experts": 2, "moe_expert_parallel_size": 2}), 2, device=device)

@@ -31,6 +31,22 @@ def test_tensor_version_counts_in_place_writes() -> None:
     assert torch_internals.tensor_version(t + 1) == 0  # a new tensor starts at 0
 
 
+
+def test_lerp_all_is_a_lerp_of_each_pair_in_place() -> None:
+    """The weight average's update: ``a + w (b - a)`` per element, bit-equal to a ``lerp_`` of each pair (the
+    fp32 average of a run without masters stays what it was), an empty tensor (a rank holding no fragment of a
+    parameter) included."""
+    torch.manual_seed(0)
+    averages = [torch.randn(3, 4), torch.randn(0), torch.randn(5)]
+    ends = [torch.randn(3, 4), torch.randn(0), torch.randn(5)]
+    expected = [a.clone().lerp_(b, 0.3) for a, b in zip(averages, ends)]
+    direct = [a + 0.3 * (b - a) for a, b in zip(averages, ends)]
+    storages = [a.data_ptr() for a in averages]
+    torch_internals.lerp_all_(averages, ends, 0.3)
+    assert [a.data_ptr() for a in averages] == storages  # in place
+    assert all(torch.equal(a, e) for a, e in zip(averages, expected))
+    assert all(torch.allclose(a, d, atol=1e-6) for a, d in zip(averages, direct))
+
 def test_mkldnn_fp16_question_is_the_one_deepspeeds_cpu_accelerator_asks() -> None:
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
