@@ -99,9 +99,12 @@ def remove_partials(base: Path) -> list[Path]:
 
 
 def missing_before(base: Path, completed: int, every: int, shown: int = 4) -> tuple[int, list[str]]:
-    """The saves due every ``every`` steps before the one after ``completed`` steps that ``base`` lacks: how many,
-    and the names of the first ``shown``."""
-    present = {p.name for p in base.iterdir()} if base.is_dir() else set()
+    """The saves due every ``every`` steps before the one after ``completed`` steps that ``base`` lacks while it
+    holds others (a run that never wrote there, one that set the key only now, lacks them all, as expected): how
+    many, and the names of the first ``shown``."""
+    present = {p.name for p in base.iterdir() if p.name.startswith("step-")} if base.is_dir() else set()
+    if not present:
+        return 0, []
     missing = [name for step in range(every, levanter_step(completed), every)
                if (name := f"step-{step}") not in present]
     return len(missing), missing[:shown]

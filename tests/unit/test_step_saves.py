@@ -136,6 +136,10 @@ def test_saves_due_before_the_resumed_step_that_are_missing_are_named(tmp_path: 
         rank0.resume(9, 20)  # 0-based 8 is due; 4 and 6 are missing, their weights gone
     assert f"2 save(s) due before step 8 are not in {base} (step-4, step-6)" in caplog.text
     assert (base / "step-8").is_dir()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="deepy"):  # a run that never wrote here (the key set only now)
+        _ranks(tmp_path / "new", every=2)[0].resume(11, 20)
+    assert "due before" not in caplog.text and (tmp_path / "new" / "step-10").is_dir()
 
 
 def test_each_save_says_which_deepy_checkpoint_it_holds(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
