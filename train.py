@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from megatron.errors import run_guarded
+
+if TYPE_CHECKING:
+    from megatron.training.hf_saves import HFWriterFactory
 
 
 def parse_worker_argv(argv: list[str]) -> argparse.Namespace:
@@ -22,8 +26,9 @@ def parse_worker_argv(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(before_commit: Callable[[int], None] | None = None) -> int:
-    """``before_commit``: a test seam passed through to the checkpointing (see pretrain)."""
+def main(before_commit: Callable[[int], None] | None = None, hf_writer: HFWriterFactory | None = None) -> int:
+    """``before_commit``: a test seam passed through to the checkpointing (see pretrain); ``hf_writer``: a test
+    seam in place of the HF saves' writer (the crash-safety tests wrap the real one and kill the rank inside it)."""
     options = parse_worker_argv(sys.argv[1:])  # first: --help needs none of the imports below
 
     from megatron.initialize import initialize
@@ -39,8 +44,7 @@ def main(before_commit: Callable[[int], None] | None = None) -> int:
     from megatron.training.pretrain import pretrain
 
     tasks = None if run.tasks is None else TasksInTraining(run.tasks)  # eval_tasks: lm-eval at evaluations
-    hf_writer = None
-    if run.hf_saves.hf_save_path is not None:  # HF model directories while training, by the exporter's pieces
+    if run.hf_saves.hf_save_path is not None and hf_writer is None:  # HF directories while training: the exporter's
         from megatron.interop.hf_save_writer import HFModelWriter
 
         hf_writer = HFModelWriter
@@ -48,7 +52,7 @@ def main(before_commit: Callable[[int], None] | None = None) -> int:
     return 0
 
 
-def run_worker(before_commit: Callable[[int], None] | None = None) -> None:
+def run_worker(before_commit: Callable[[int], None] | None = None, hf_writer: HFWriterFactory | None = None) -> None:
     from megatron.logging.console import quiet_other_ranks
     from megatron.logging.rank_errors import current_rank, for_worker
 
@@ -56,7 +60,7 @@ def run_worker(before_commit: Callable[[int], None] | None = None) -> None:
 
     try:
         # an error every rank hits is printed once (megatron/logging/rank_errors.py)
-        run_guarded(lambda: main(before_commit), report=for_worker(sys.argv, current_rank))
+        run_guarded(lambda: main(before_commit, hf_writer), report=for_worker(sys.argv, current_rank))
     except SystemExit as done:
         from megatron.initialize import exit_process
 

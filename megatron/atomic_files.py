@@ -4,6 +4,8 @@ Everything Deepy writes that something else reads back (resolved configs, sample
 checkpoint markers and ``latest``, tokenizers, the built-in corpus) goes through here: write to a
 temporary file in the same directory, fsync it, ``os.replace`` it over the target, fsync the
 directory so the rename itself survives a crash. On failure the temporary file is removed.
+The file ends with the mode an ``open()`` gives (``0o666`` less the umask), not ``mkstemp``'s private ``0o600``: a
+checkpoint's ``latest`` and marker, a shared sample-index cache, are read by other accounts as its other files are.
 """
 
 from __future__ import annotations
@@ -24,6 +26,19 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def umask() -> int:
+    """The process's umask, read without changing it (Linux's ``/proc``); elsewhere set and restored at once."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _fsync_file(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -40,6 +55,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
+        os.chmod(tmp, 0o666 & ~umask())  # what open() would have created
         yield Path(tmp)
         _fsync_file(tmp)
         os.replace(tmp, target)

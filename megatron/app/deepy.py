@@ -241,7 +241,8 @@ def already_finished(resolved: ResolvedConfig, user_script: str) -> str | None:
     """Why launching would do nothing, or None: a training run whose checkpoint in ``load`` is
     already at its last step (``train_iters``) has nothing left to train (the loop saves the last step
     just before the final evaluations, so a failed one costs no training). Only files are read (the commit
-    markers and ``deepy_meta.json``), so this costs no rank start-up.
+    markers and ``deepy_meta.json``), so this costs no rank start-up. A finished run whose last HF or PEFT
+    save is missing (killed while writing it) is launched: its ranks write it (said in ``resolved.warnings``).
 
     With ``train_epochs`` the last step is derived from the data at start-up; the checkpoint records
     it, and it is trusted when the checkpoint was trained for the same number of epochs.
@@ -266,7 +267,26 @@ def already_finished(resolved: ResolvedConfig, user_script: str) -> str | None:
     done = meta.get("iteration")
     if not isinstance(last, int) or not isinstance(done, int) or last <= 0 or done < last:
         return None
+    unwritten = unwritten_last_saves(resolved, done)
+    if unwritten:
+        # the ranks resume at the end and write it from the checkpoint (StepSaves.resume)
+        resolved.warnings.append(f"already finished at iteration {done} (checkpoint {ckpt}), but its last save "
+                                 f"{' and '.join(unwritten)} is missing (a run killed while writing it): launching "
+                                 f"to write it from that checkpoint")
+        return None
     return f"already finished at iteration {done} (checkpoint {ckpt}): nothing to do"
+
+
+def unwritten_last_saves(resolved: ResolvedConfig, done: int) -> list[str]:
+    """The saves due after the last step (``hf_save_path``, ``lora_peft_save_path``: Levanter's forced hook) of a
+    run finished at ``done`` steps that are not on disk, as ``key: directory``."""
+    from megatron.training.step_saves import save_due, step_dir
+
+    args = resolved.args
+    saves = [("hf_save_path", args.hf_save_path, args.hf_save_interval),
+             ("lora_peft_save_path", args.lora_peft_save_path, args.lora_peft_save_interval)]
+    return [f"{key}: {step_dir(base, done)}" for key, base, every in saves
+            if base is not None and save_due(done, int(every), last=True) and not step_dir(base, done).is_dir()]
 
 
 def notes(resolved: ResolvedConfig, user_script: str) -> list[str]:

@@ -62,6 +62,7 @@ from megatron.checkpointing.universal import (
 )
 from megatron.deepspeed_internals import recorded_checkpoint_writes, universal_loading, untie_optimizer_steps
 from megatron.errors import CheckpointError
+from megatron.mpu.topology import rank0_decides
 
 log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0 speaks
 
@@ -152,7 +153,9 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Save
     tag = commit.tag_for(request.step)
     final_dir = save / tag
     rank = _rank()
-    replacing = commit.is_committed(final_dir)
+    # rank 0's disk decides (a rank that read its own could write under another name, or return here alone while
+    # the others wait in the save's all-reduce)
+    replacing = rank0_decides(commit.is_committed(final_dir) if rank == 0 else False)
     if replacing and request.keep_existing:
         # preempted right after resuming: the same state is already on disk, and deleting it to
         # write it again would leave a window with no checkpoint at all

@@ -56,6 +56,7 @@ _EXPORTS = {
     "get_data_shard_rank": "topology",
     "get_data_shard_count": "topology",
     "collective_device": "topology",
+    "rank0_decides": "topology",
     # the names DeepSpeed looks for on the module passed as deepspeed.initialize(mpu=...)
     "get_model_parallel_group": "topology",
     "get_model_parallel_world_size": "topology",

@@ -202,6 +202,17 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+def rank0_decides(value: bool) -> bool:
+    """Global rank 0's ``value``, on every rank (a broadcast every rank enters; ``value`` itself without a process
+    group). For a decision read from one rank's own state (a directory on its disk, its clock): the ranks that act
+    on it then enter the same collectives, or none of them does."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    flag = torch.tensor([int(value)], dtype=torch.int64, device=collective_device())
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
 # --- the names DeepSpeed looks for on an ``mpu`` object ------------------------------------------
 # DeepSpeed calls these on the module passed as ``deepspeed.initialize(mpu=...)``: the "model
 # parallel" group there means the tensor-parallel group (gradient-norm reduction, ZeRO partitioning).

@@ -27,9 +27,9 @@ class HFSaveArgs(ArgGroup):
     """Directory the model is written to while training as a ``transformers`` model directory (config.json,
     model.safetensors, the tokenizer's files), one per save: ``<path>/step-<N>``, N = the completed steps minus one
     (Levanter's 0-based step). With LoRA adapters the model written has them merged into its weights (lora_lm.py's
-    merged_hf_save_path). Written by rank 0 (tp 1, pp 0; under ZeRO-3 every rank gathers the weights first), from
-    the weight average when ema_beta is set. None: none written (export a checkpoint with
-    tools/ckpts/convert_neox_to_hf.py)."""
+    merged_hf_save_path). Written by rank 0 (tp 1, pp 0 or 1; under ZeRO-3 every rank gathers the weights first),
+    from the weight average when ema_beta is set; each save says on the console which Deepy checkpoint step it holds
+    (step-N: global_step{N+1}). None: none written (export a checkpoint with tools/ckpts/convert_neox_to_hf.py)."""
 
     hf_save_interval: int = Field(10000, ge=1)
     """HF saves happen after the steps whose 0-based number is a multiple of this (not step 0), and after the last
@@ -42,9 +42,10 @@ class HFSaveArgs(ArgGroup):
 
 @rule
 def hf_save_layouts(ctx: RuleContext) -> list[str]:
-    """The model is written by rank 0 from its whole, unsplit module (under ZeRO-3 gathered by every rank first):
-    with tensor or pipeline parallelism or experts split over data-parallel ranks it holds only a part of it; a
-    reward model's scalar head has no ``transformers`` causal-LM class."""
+    """The model is written by rank 0 from its whole, unsplit module (under ZeRO-3 gathered by every rank first; a
+    pipeline of one stage, ``pipe_parallel_size: 1``, holds every layer): with tensor parallelism, two or more
+    pipeline stages or experts split over data-parallel ranks it holds only a part of it; a reward model's scalar
+    head has no ``transformers`` causal-LM class."""
     if ctx.get("hf_save_path") is None:
         return []
     key = ctx.show("hf_save_path")
@@ -54,9 +55,9 @@ def hf_save_layouts(ctx: RuleContext) -> list[str]:
         problems.append(f"{key} with {ctx.show('model_parallel_size')}: rank 0 holds a tensor-parallel shard of the "
                         f"weights, and gathering them while training is not built; use model_parallel_size: 1, or "
                         f"{export}")
-    if int(ctx.get("pipe_parallel_size") or 0) > 0:
+    if int(ctx.get("pipe_parallel_size") or 0) > 1:  # 1: one stage holds every layer (GPT-NeoX's configs)
         problems.append(f"{key} with {ctx.show('pipe_parallel_size')}: a pipeline stage holds only its layers; use "
-                        f"pipe_parallel_size: 0, or {export}")
+                        f"pipe_parallel_size: 0 or 1, or {export}")
     if int(ctx.get("moe_expert_parallel_size") or 1) > 1:
         problems.append(f"{key} with {ctx.show('moe_expert_parallel_size')}: experts split over data-parallel ranks; "
                         f"use moe_expert_parallel_size: 1")

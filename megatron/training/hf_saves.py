@@ -16,10 +16,14 @@ When, where and what (stanford-crfm/levanter 9263f81e):
   lines 223-252), written from ``step.eval_model`` (the weight average when there is one,
   ``trainer_state.py:82-94``).
 
-Here rank 0 holds the whole model (tp 1, pp 0: ``hf_save_config.hf_save_layouts``; under ZeRO-3 every rank gathers
-it first) and writes it with the HF exporter's pieces (``megatron/interop``, handed in by ``train.py``: training does
-not import the converters); the step directory appears whole (written beside it, then renamed: a reader never sees
-half of one).
+Here rank 0 holds the whole model (tp 1, and no pipeline or one stage holding every layer: pp 0 or 1,
+``hf_save_config.hf_save_layouts``; under ZeRO-3 every rank gathers it first; a ``PipelineModule``'s names are read
+back as ``GPTModel``'s) and writes it with the HF exporter's pieces (``megatron/interop``, handed in by ``train.py``:
+training does not import the converters); the step directory appears whole (written beside it, then renamed: a
+reader never sees half of one). ``step-N`` holds the model after N + 1 steps, which Deepy's checkpoints call
+``global_step{N+1}``: each save says so on the console where it is written (and whether it holds the weight
+average). The rules that keep every rank in step (a save killed while writing, written again by the resumed run)
+are ``step_saves.py``'s.
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ from typing import Any, Protocol
 
 import torch
 
+from megatron.checkpointing.commit import tag_for
 from megatron.model.config import GPTConfig
 from megatron.tokenizer.config import TokenizerArgs
 from megatron.training.hf_save_config import HFSaveArgs
-from megatron.training.step_saves import save_due, step_dir, write_whole
+from megatron.training.step_saves import Agree, StepSaves, alone, levanter_step, write_whole
+from megatron.training.step_saves import save_due, step_dir  # noqa: F401  (the hooks' step rule, read by tests)
 
 Weights = Mapping[str, torch.Tensor]
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -63,37 +69,36 @@ def save_dtype(keys: HFSaveArgs, precision: str | None) -> torch.dtype:
     return {"fp16": torch.float16, "bfloat16": torch.bfloat16}.get(precision or "fp32", torch.float32)
 
 
-class HFSaves:
-    """The loop's hooks (``after_step``, ``at_exit``) that write the model of ``weights()``: the module's weights,
-    with the weight average's in place of the trained ones when there is one (Levanter's ``eval_model``)."""
+class HFSaves(StepSaves):
+    """The loop's hooks (``after_step``, ``at_exit``, ``resume``: ``step_saves.StepSaves``) that write the model of
+    ``weights()``: the module's weights, with the weight average's in place of the trained ones when there is one
+    (Levanter's ``eval_model``)."""
 
-    def __init__(self, keys: HFSaveArgs, weights: Callable[[], Weights], writer: HFWriter | None) -> None:
-        """``writer``: None on the ranks that do not write."""
+    key = "hf_save_path"
+
+    def __init__(self, keys: HFSaveArgs, weights: Callable[[], Weights], writer: HFWriter | None,
+                 agree: Agree = alone, ema_beta: float | None = None) -> None:
+        """``writer``: None on the ranks that do not write; ``agree``: rank 0's answer on every rank
+        (``mpu.rank0_decides``); ``ema_beta``: the weights are the weight average's (said where a save is written)."""
         assert keys.hf_save_path is not None
-        self.keys, self.weights, self.writer = keys, weights, writer
-        self.written: list[Path] = []
+        super().__init__(keys.hf_save_path, keys.hf_save_interval, writer is not None, agree)
+        self.keys, self.weights, self.writer_fn, self.ema_beta = keys, weights, writer, ema_beta
 
-    def _save(self, completed: int) -> None:
+    def _write(self, completed: int, target: Path) -> None:
         weights = self.weights()  # on every rank: under ZeRO-3 a gather all ranks take part in
-        if self.writer is None:
+        if self.writer_fn is None:
             return
-        assert self.keys.hf_save_path is not None
-        target = step_dir(self.keys.hf_save_path, completed)
         full = {name: tensor.detach().cpu() for name, tensor in weights.items()}
-        writer = self.writer
+        writer = self.writer_fn
         write_whole(target, lambda tmp: writer(full, tmp))
-        self.written.append(target)
 
-    def after_step(self, _eng: Any, state: Any) -> None:
-        if save_due(state.iteration, self.keys.hf_save_interval, last=False):
-            self._save(state.iteration)
-
-    def at_exit(self, _eng: Any, state: Any) -> None:
-        # Levanter's forced hooks: the last step; Levanter writes it again when after_step just did, the same
-        # weights (nothing changes between the two hooks), so here it is written once
-        done = bool(self.written) and self.written[-1] == step_dir(str(self.keys.hf_save_path), state.iteration)
-        if save_due(state.iteration, self.keys.hf_save_interval, last=True) and not done:
-            self._save(state.iteration)
+    def describe(self, completed: int, target: Path) -> str:
+        """Which Deepy step the save is: Levanter names it by the 0-based step, Deepy's checkpoints by the steps
+        taken, so ``step-N`` holds the weights of ``global_step{N+1}``."""
+        what = (f"the weight average (ema_beta {self.ema_beta}) of Deepy's {tag_for(completed)}, not its trained "
+                "weights" if self.ema_beta is not None else f"the weights of Deepy's {tag_for(completed)}")
+        return (f"{self.key}: wrote {target}, the model after {completed} steps (Levanter's 0-based step "
+                f"{levanter_step(completed)}): {what}")
 
 
 def gathered_parameters(params: list[torch.nn.Parameter]) -> Callable[[], AbstractContextManager[Any]]:
@@ -106,10 +111,12 @@ def gathered_parameters(params: list[torch.nn.Parameter]) -> Callable[[], Abstra
 
 def live_weights(module: torch.nn.Module, average: Callable[[], Weights] | None,
                  gathered: Callable[[], AbstractContextManager[Any]] | None = None,
-                 keep: bool = True) -> Callable[[], Weights]:
+                 keep: bool = True, rename: Callable[[str], str] | None = None) -> Callable[[], Weights]:
     """What a save writes: the module's state (its trained and frozen weights) with the average's tensors in place
     of the trained ones when there is one. ``gathered``: a block inside which the module's parameters are whole
-    (ZeRO-3's ``GatheredParameters``, entered by every rank); ``keep``: this rank keeps a copy (the writer)."""
+    (ZeRO-3's ``GatheredParameters``, entered by every rank); ``keep``: this rank keeps a copy (the writer);
+    ``rename``: the module's (and the average's) names -> ``GPTModel``'s (a one-stage ``PipelineModule``:
+    ``megatron.model.pipeline.model_parameter_name``)."""
     def weights() -> Weights:
         if gathered is None:
             state = dict(module.state_dict())
@@ -118,5 +125,5 @@ def live_weights(module: torch.nn.Module, average: Callable[[], Weights] | None,
                 state = {k: v.detach().clone() for k, v in module.state_dict().items()} if keep else {}
         if average is not None:
             state.update(average())
-        return state
+        return state if rename is None else {rename(name): tensor for name, tensor in state.items()}
     return weights

@@ -35,8 +35,8 @@ class PeftSaveArgs(ArgGroup):
     lora_peft_save_path: str | None = None
     """Directory the LoRA adapters are written to while training, in HF PEFT's format (adapter_config.json,
     adapter_model.safetensors), one directory per save: ``<path>/step-<N>``, N = the completed steps minus one
-    (Levanter's 0-based step). Written by rank 0 (tp 1, pp 0; under ZeRO-3 every rank gathers them first), from the weight average when ema_beta
-    is set. None: no PEFT saves (the checkpoints keep the adapters; export them with
+    (Levanter's 0-based step). Written by rank 0 (tp 1, pp 0 or 1; under ZeRO-3 every rank gathers them first), from
+    the weight average when ema_beta is set. None: no PEFT saves (the checkpoints keep the adapters; export them with
     tools/ckpts/convert_neox_to_hf.py)."""
 
     lora_peft_save_interval: int = Field(1000, ge=1)
@@ -51,8 +51,9 @@ class PeftSaveArgs(ArgGroup):
 
 @rule
 def peft_save_layouts(ctx: RuleContext) -> list[str]:
-    """The adapters are written by rank 0 from its whole, unsplit model: with tensor or pipeline parallelism it
-    holds only a part of them (ZeRO-3's partitions are gathered first: ``peft_saves.py``)."""
+    """The adapters are written by rank 0 from its whole, unsplit model: with tensor parallelism or two or more
+    pipeline stages it holds only a part of them (ZeRO-3's partitions are gathered first: ``peft_saves.py``; one
+    pipeline stage holds every layer)."""
     if ctx.get("lora_peft_save_path") is None:
         return []
     key = ctx.show("lora_peft_save_path")
@@ -63,9 +64,9 @@ def peft_save_layouts(ctx: RuleContext) -> list[str]:
         problems.append(f"{key} with {ctx.show('model_parallel_size')}: rank 0 holds a tensor-parallel shard of the "
                         "adapters, and gathering them is not built; use model_parallel_size: 1, or export a checkpoint "
                         "with tools/ckpts/convert_neox_to_hf.py --adapters peft")
-    if int(ctx.get("pipe_parallel_size") or 0) > 0:
+    if int(ctx.get("pipe_parallel_size") or 0) > 1:  # 1: one stage holds every layer (GPT-NeoX's configs)
         problems.append(f"{key} with {ctx.show('pipe_parallel_size')}: a pipeline stage holds only its layers' "
-                        "adapters; use pipe_parallel_size: 0, or export a checkpoint with "
+                        "adapters; use pipe_parallel_size: 0 or 1, or export a checkpoint with "
                         "tools/ckpts/convert_neox_to_hf.py --adapters peft")
     names, split = ctx.get("lora_peft_names"), bool(ctx.get("lora_split_fused"))
     writable = PEFT_TARGETS[(names, split)]

@@ -10,9 +10,10 @@ When, where and what (stanford-crfm/levanter 9263f81e):
 - ``adapter_model.safetensors`` and ``adapter_config.json`` (``lora.py:313-314,345-349``; the config's values
   ``lora.py:504-516``), written from ``step.eval_model`` (the EMA when there is one, ``trainer_state.py:82-94``).
 
-Here rank 0 holds the whole model (tp 1, pp 0: ``peft_config.peft_save_layouts``; under ZeRO-3 every rank gathers
-the adapters first, ``hf_saves.live_weights``) and writes it; the step directory appears whole (written beside it,
-then renamed: a reader never sees half of one).
+Here rank 0 holds the whole model (tp 1, pp 0 or 1: ``peft_config.peft_save_layouts``; under ZeRO-3 every rank
+gathers the adapters first, ``hf_saves.live_weights``) and writes it; the step directory appears whole (written
+beside it, then renamed: a reader never sees half of one); ``step-N`` holds the adapters after N + 1 steps (Deepy's
+``global_step{N+1}``, said on the console). The rules that keep every rank in step are ``step_saves.py``'s.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from typing import Any
 
 import torch
 
+from megatron.checkpointing.commit import tag_for
 from megatron.model.config import GPTConfig
 from megatron.model.lora import ADAPTER
 from megatron.model.lora_config import LoRAArgs
 from megatron.training.peft_config import PeftNames, PeftSaveArgs
-from megatron.training.step_saves import save_due, step_dir, write_whole
+from megatron.training.step_saves import Agree, StepSaves, alone, levanter_step, write_whole
+from megatron.training.step_saves import save_due, step_dir  # noqa: F401  (the hooks' step rule, read by tests)
 
 Weights = dict[str, torch.Tensor]
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -123,34 +126,34 @@ def write_adapter(directory: Path, tensors: Weights, config: dict[str, Any]) -> 
     write_whole(directory, fill)
 
 
-class PeftSaves:
-    """The loop's hooks (``after_step``, ``at_exit``) that write the adapters of ``weights()``: the model's
-    parameters, or the weight average's when there is one (Levanter's ``eval_model``)."""
+class PeftSaves(StepSaves):
+    """The loop's hooks (``after_step``, ``at_exit``, ``resume``: ``step_saves.StepSaves``) that write the adapters
+    of ``weights()``: the model's parameters, or the weight average's when there is one (Levanter's
+    ``eval_model``)."""
+
+    key = "lora_peft_save_path"
 
     def __init__(self, keys: PeftSaveArgs, lora: LoRAArgs, config: GPTConfig,
-                 weights: Callable[[], Mapping[str, torch.Tensor]], base_model: str | None, writer: bool) -> None:
+                 weights: Callable[[], Mapping[str, torch.Tensor]], base_model: str | None, writer: bool,
+                 agree: Agree = alone, ema_beta: float | None = None) -> None:
         """``config``: the model (heads and sections order the fused rows); ``weights``: called on every rank at a
         save; ``base_model``: the adapter config's ``base_model_name_or_path`` (Levanter writes
-        ``initialize_from_hf``); ``writer``: this rank writes."""
+        ``initialize_from_hf``); ``writer``: this rank writes (global rank 0); ``agree``: rank 0's answer on every
+        rank (``mpu.rank0_decides``); ``ema_beta``: the adapters are the weight average's (said on the console)."""
         assert keys.lora_peft_save_path is not None
+        super().__init__(keys.lora_peft_save_path, keys.lora_peft_save_interval, writer, agree)
         self.keys, self.lora, self.config = keys, lora, config
-        self.weights, self.base_model, self.writer = weights, base_model, writer
-        self.written: list[Path] = []
+        self.weights, self.base_model, self.ema_beta = weights, base_model, ema_beta
 
-    def _save(self, completed: int) -> None:
+    def _write(self, completed: int, target: Path) -> None:
         weights = self.weights()  # on every rank: under ZeRO-3 a gather all ranks take part in
         if not self.writer:
             return
-        assert self.keys.lora_peft_save_path is not None
-        target = step_dir(self.keys.lora_peft_save_path, completed)
         write_adapter(target, peft_state_dict(weights, self.keys.lora_peft_names, self.config),
                       adapter_config(self.lora, self.keys.lora_peft_names, self.base_model))
-        self.written.append(target)
 
-    def after_step(self, _eng: Any, state: Any) -> None:
-        if save_due(state.iteration, self.keys.lora_peft_save_interval, last=False):
-            self._save(state.iteration)
-
-    def at_exit(self, _eng: Any, state: Any) -> None:
-        if save_due(state.iteration, self.keys.lora_peft_save_interval, last=True):
-            self._save(state.iteration)  # Levanter's forced hooks: the last step, written again if just written
+    def describe(self, completed: int, target: Path) -> str:
+        what = (f"the weight average's (ema_beta {self.ema_beta}) of Deepy's {tag_for(completed)}"
+                if self.ema_beta is not None else f"those of Deepy's {tag_for(completed)}")
+        return (f"{self.key}: wrote {target}, the adapters after {completed} steps (Levanter's 0-based step "
+                f"{levanter_step(completed)}): {what}")

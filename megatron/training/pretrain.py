@@ -35,6 +35,7 @@ from megatron.logging.throughput import current_device_name, peak_tflops
 from megatron.logging.timers import TimedIterator
 from megatron.model import flops_per_token, num_parameters
 from megatron.model.flops import hardware_flops_per_token
+from megatron.model.pipeline import model_parameter_name
 from megatron.mpu.random import model_parallel_manual_seed
 from megatron.tokenizer import build_tokenizer
 from megatron.training.averaging_config import ModelAveragingArgs
@@ -52,6 +53,7 @@ from megatron.training.reinit_config import ReinitTokensArgs
 from megatron.training.reinit_tokens import reinit_tokens
 from megatron.training.peft_config import PeftSaveArgs
 from megatron.training.peft_saves import PeftSaves
+from megatron.training.step_saves import StepSaves
 from megatron.training.run_views import RunViews
 from megatron.training.skip_gate import BadStepGate
 
@@ -280,15 +282,17 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
     hooks = Hooks(after_step=[ckpt.after_step, comms.after_step], at_exit=[ckpt.at_exit, comms.at_exit])
     zero3 = int(eng.engine.zero_optimization_stage()) == 3  # every rank gathers the partitions, rank 0 keeps them
     average = None if averaging is None else lambda: averaging.whole(keep=rank == 0)  # gathered under ZeRO-3
+    rename = model_parameter_name if eng.is_pipe else None  # a one-stage pipeline (pp 1): GPTModel's names back
+    ema_beta = run.averaging.ema_beta
+    step_saves: list[StepSaves] = []
     if run.peft_saves.lora_peft_save_path is not None:  # Levanter's eval_model: the average when there is one
         module = eng.engine.module
         adapters = [p for a in eng.adapters for p in a.parameters()]
-        peft = PeftSaves(run.peft_saves, run.lora, model_config, base_model=checkpoint.initialize_from_hf,
-                         weights=live_weights(module, average, gathered_parameters(adapters) if zero3 else None,
-                                              keep=rank == 0),
-                         writer=rank == 0)
-        hooks.after_step.append(peft.after_step)
-        hooks.at_exit.append(peft.at_exit)
+        step_saves.append(PeftSaves(
+            run.peft_saves, run.lora, model_config, base_model=checkpoint.initialize_from_hf,
+            weights=live_weights(module, average, gathered_parameters(adapters) if zero3 else None, keep=rank == 0,
+                                 rename=rename),
+            writer=rank == 0, agree=mpu.rank0_decides, ema_beta=ema_beta))
     if run.hf_saves.hf_save_path is not None:  # Levanter's hf_save_path: rank 0 writes, the average when there is one
         if hf_writer is None:
             raise ConfigError("hf_save_path: this program was not given the HF writer (train.py gives it)")
@@ -296,11 +300,15 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
                            run.lora.lora_scale if run.lora.lora_enabled else None) if rank == 0 else None
         module = eng.engine.module
         gathered = gathered_parameters(list(module.parameters())) if zero3 else None
-        hf = HFSaves(run.hf_saves, live_weights(module, average, gathered, keep=rank == 0), writer)
-        hooks.after_step.append(hf.after_step)
-        hooks.at_exit.append(hf.at_exit)
+        step_saves.append(HFSaves(run.hf_saves, live_weights(module, average, gathered, keep=rank == 0, rename=rename),
+                                  writer, agree=mpu.rank0_decides, ema_beta=ema_beta))
+    for saves in step_saves:
+        hooks.after_step.append(saves.after_step)
+        hooks.at_exit.append(saves.at_exit)
     first, first_tokens = state.iteration, state.consumed_tokens
     try:
+        for saves in step_saves:  # a save killed while writing (its step's checkpoint committed) is written now
+            saves.resume(state.iteration, stop_at)
         state = train(ctx, state, hooks)
         say_summary(monitor, ctx, state, first, state.consumed_tokens - first_tokens, checkpoint.save,
                     os.path.join(metrics_dir, "metrics.jsonl") if metrics_dir else None)

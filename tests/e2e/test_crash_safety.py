@@ -7,18 +7,21 @@
   the newest committed checkpoint and finishes.
 * SIGTERM to one rank: every rank finishes the step, one checkpoint is saved, the run exits 0,
   and the next run continues from that step.
+* A rank killed with SIGKILL inside an HF save (``hf_save_path``): the resumed run writes the lost save.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from launch_helpers import survivors
 from test_resume import DP2, REPO, assert_curves_match, deepy, losses, output, write_config
 
@@ -45,6 +48,50 @@ def test_kill_before_commit_marker_loses_only_uncommitted_steps(tmp_path: Path) 
     before = losses(tmp_path / "logs1")
     assert_curves_match({s: v for s, v in curve.items() if s <= 8}, before, 1e-6)
     assert (ckpt / "global_step8" / "COMMITTED").exists()
+
+
+HF_RUN = (*DP2, "save=ckpt", "load=ckpt", "checkpoint_factor=1", "train_iters=4", "lr_decay_iters=4",
+          "hf_save_path=hf", "hf_save_interval=1")
+"""pipe_parallel_size 1 (test_resume's DP2, as configs/tiny.yml): one pipeline stage holds the whole model."""
+
+
+def test_kill_inside_an_hf_save_then_resume_leaves_every_due_save(tmp_path: Path) -> None:
+    """Rank 0 killed (SIGKILL) inside the HF save of 0-based step 2, its files written beside their place, after the
+    checkpoint of that step (global_step3) was committed: the resumed run starts from global_step3, removes the
+    half-written directory, writes step-2 from it before its first step, then step-3: every save due at interval 1
+    over 4 steps (Levanter's 1, 2 and the last, 3: trainer.py:97-100,448-449, compat/hf_checkpoints.py:1049-1058 at
+    9263f81e) and no hidden directory. step-2 is the offline export of global_step3 tensor for tensor (a one-stage
+    pipeline's names read back as GPTModel's), the console says so, and with umask 027 every directory is 750
+    and every file 640, as the checkpoint's ``latest``."""
+    from safetensors.torch import load_file
+
+    from megatron.interop.convert import export_to_hf
+
+    killed = deepy(tmp_path, *HF_RUN, "log_dir=logs1", script=Path(__file__).with_name("kill_inside_hf_save_train.py"),
+                   env={"KILL_INSIDE_HF_SAVE_STEP": "2"}, umask=0o027)  # fmt: skip
+    assert killed.returncode != 0, output(killed)
+    hf, ckpt = tmp_path / "hf", tmp_path / "ckpt"
+    assert (ckpt / "latest").read_text().strip() == "global_step3"
+    left = sorted(p.name for p in hf.iterdir())
+    assert left[0].startswith(".step-2.partial-") and left[1:] == ["step-1"], left
+
+    resumed = deepy(tmp_path, *HF_RUN, "log_dir=logs2", umask=0o027)
+    assert resumed.returncode == 0, output(resumed)
+    assert sorted(p.name for p in hf.iterdir()) == ["step-1", "step-2", "step-3"]
+    said = output(resumed)
+    assert f"removed hf/{left[0]}, a save a killed run left half-written" in said
+    assert "hf_save_path: hf/step-2 was due and is missing" in said
+    assert ("hf_save_path: wrote hf/step-2, the model after 3 steps (Levanter's 0-based step 2): the weights of "
+            "Deepy's global_step3") in said
+    report = export_to_hf(ckpt, tmp_path / "export", iteration=3)
+    assert report.max_logit_diff is not None
+    live, offline = load_file(str(hf / "step-2" / "model.safetensors")), load_file(
+        str(tmp_path / "export" / "model.safetensors"))
+    assert sorted(live) == sorted(offline) and all(torch.equal(live[k], offline[k]) for k in live)
+    modes = {stat.S_IMODE(p.stat().st_mode) for p in [hf, *hf.rglob("*")] if p.is_dir()}
+    assert modes == {0o750}
+    modes = {stat.S_IMODE(p.stat().st_mode) for p in [*hf.rglob("*"), ckpt / "latest"] if p.is_file()}
+    assert modes == {0o640}
 
 
 def _start(tmp: Path, *overrides: str) -> subprocess.Popen[str]:

@@ -139,7 +139,7 @@ def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
         if name in PEFT_LAYOUTS:  # the PEFT saves ride along: they change no number
             extra.update(lora_peft_save_path=str(tmp / "peft"), lora_peft_save_interval=4)
         if name == HF_SAVE_LAYOUT:  # the merged HF saves too (every rank gathers, rank 0 writes)
-            extra.update(hf_save_path=str(tmp / "hf"), hf_save_interval=5)
+            extra.update(hf_save_path=str(tmp / "hf"), hf_save_interval=HF_SAVE_INTERVAL)
         runs[name] = train(name, tmp, **extra)
     return runs
 
@@ -149,6 +149,9 @@ PEFT_LAYOUTS = ("dp2_zero1", "dp2_zero3")
 ZeRO-3 both ranks gather the adapters first)."""
 HF_SAVE_LAYOUT = "dp2_zero3"
 """The layout run that also writes its merged model while training (hf_save_path: ZeRO-3's partitions gathered)."""
+HF_SAVE_INTERVAL = 3
+"""The last 0-based step (9) is a multiple of it: the forced last save finds it written on every rank alike (issue
+42: rank 1 gathered for it again while rank 0 went on to the final evaluation, and the run never ended)."""
 
 
 @pytest.mark.parametrize("layout", PEFT_LAYOUTS)
@@ -305,8 +308,9 @@ def test_merged_and_peft_exports_reproduce_our_logits(single: dict[str, Any], la
 @torch.no_grad()
 def test_hf_saves_while_training_hold_the_merged_model(layout_runs: dict[str, dict[str, Any]]) -> None:
     """hf_save_path on a LoRA run under ZeRO-3 at dp2 (lora_lm.py's merged_hf_save_path, 163-168 at 9263f81e): 0-based
-    steps 5 and 9 of 10 at interval 5; the last, read by transformers, gives our adapted model's logits at the run's
-    step-10 checkpoint."""
+    steps 3, 6 and 9 of 10 at interval 3 (9, the last, once: the run ended within the launch's bound, 400 s); the
+    last, read by transformers, gives our adapted model's logits at the run's step-10 checkpoint, and the console
+    says which checkpoint each save holds."""
     from transformers import AutoModelForCausalLM
 
     from megatron.interop.deepy_checkpoint import read_full_checkpoint
@@ -314,7 +318,9 @@ def test_hf_saves_while_training_hold_the_merged_model(layout_runs: dict[str, di
 
     run = layout_runs[HF_SAVE_LAYOUT]
     hf = Path(run["config"]["hf_save_path"])
-    assert sorted(p.name for p in hf.iterdir()) == ["step-5", "step-9"]
+    assert sorted(p.name for p in hf.iterdir()) == ["step-3", "step-6", "step-9"]
+    assert run["console"].count(f"hf_save_path: wrote {hf / 'step-9'}, the model after 10 steps (Levanter's 0-based "
+                                "step 9): the weights of Deepy's global_step10") == 1
     merged = AutoModelForCausalLM.from_pretrained(hf / "step-9", local_files_only=True, torch_dtype=torch.float32)
     full = read_full_checkpoint(run["ckpt"])
     tokens = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(3))

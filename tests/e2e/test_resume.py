@@ -61,9 +61,10 @@ def write_config(tmp: Path) -> Path:
 
 def deepy(
     tmp: Path, *overrides: str, env: dict[str, str] | None = None, timeout: float = 400,
-    script: Path = REPO / "train.py",
+    script: Path = REPO / "train.py", umask: int = -1,
 ) -> subprocess.CompletedProcess[str]:
-    """``deepy.py SCRIPT model.yml key=value...`` in ``tmp`` (SCRIPT: train.py); output captured."""
+    """``deepy.py SCRIPT model.yml key=value...`` in ``tmp`` (SCRIPT: train.py); output captured. ``umask``: the
+    launch's (-1: this process's)."""
     config = tmp / "model.yml"
     if not config.exists():
         write_config(tmp)
@@ -75,7 +76,7 @@ def deepy(
         overrides = (*overrides, f"master_port={free_port()}")
     return subprocess.run(
         [sys.executable, str(REPO / "deepy.py"), str(script), str(config), *overrides],
-        cwd=tmp, env=run_env, capture_output=True, text=True, timeout=timeout,
+        cwd=tmp, env=run_env, capture_output=True, text=True, timeout=timeout, umask=umask,
     )  # fmt: skip
 
 

@@ -164,7 +164,7 @@ def test_a_model_without_a_transformers_class_is_refused_before_the_first_step()
 
 @pytest.mark.parametrize("extra, named", [
     ({"model_parallel_size": 2}, "model_parallel_size=2"),
-    ({"pipe_parallel_size": 1}, "pipe_parallel_size=1"),
+    ({"pipe_parallel_size": 2}, "pipe_parallel_size=2"),
     ({"moe_expert_parallel_size": 2}, "moe_expert_parallel_size=2"),
     ({"train_impl": "rm"}, "train_impl='rm'"),
 ])  # fmt: skip
@@ -177,6 +177,14 @@ def test_layouts_where_rank_0_lacks_the_model_are_refused_by_name(extra: dict[st
     args.zero_optimization = {"stage": 3}  # ZeRO-3: every rank gathers the partitions before rank 0 writes
     assert len(hf_save_layouts(RuleContext(args=args, provenance={}, world_size=2))) == 1
     args.hf_save_path = None
+    assert hf_save_layouts(RuleContext(args=args, provenance={}, world_size=2)) == []
+
+
+def test_one_pipeline_stage_holds_the_whole_model_and_is_accepted() -> None:
+    """pipe_parallel_size 1 (configs/tiny.yml, GPT-NeoX's configs): one PipelineModule stage holds every layer, read
+    back under GPTModel's names (the save equals the offline export: tests/e2e/test_crash_safety.py)."""
+    args = SimpleNamespace(hf_save_path="out", model_parallel_size=1, pipe_parallel_size=1, moe_expert_parallel_size=1,
+                           zero_optimization={"stage": 1}, zero_stage=None, train_impl="normal")
     assert hf_save_layouts(RuleContext(args=args, provenance={}, world_size=2)) == []
 
 

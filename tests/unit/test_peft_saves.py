@@ -93,7 +93,8 @@ def test_saved_adapter_loads_in_peft_with_our_logits(tmp_path: Path, names: str,
         saves.after_step(None, SimpleNamespace(iteration=iteration))
     saves.at_exit(None, SimpleNamespace(iteration=3))
     adapter = tmp_path / "peft" / "run-a" / "step-2"
-    assert saves.written == [adapter, adapter]  # 0-based step 2, then again as the last step (Levanter's forced hook)
+    # 0-based step 2, and the last step: Levanter's forced hook writes it again (the same weights), here once
+    assert saves.written == [adapter]
     assert sorted(p.name for p in adapter.parent.iterdir()) == ["step-2"]  # no temporary directory left
     assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     written = json.loads((adapter / "adapter_config.json").read_text())
@@ -136,7 +137,7 @@ def test_only_the_writer_writes(tmp_path: Path) -> None:
 @pytest.mark.parametrize("changes, world, message", [
     ({"lora_r": 0}, 1, "lora_peft_save_path='out' .* without adapters"),
     ({"model_parallel_size": 2}, 2, "lora_peft_save_path='out' .* with model_parallel_size=2"),
-    ({"pipe_parallel_size": 1}, 1, "lora_peft_save_path='out' .* with pipe_parallel_size=1"),
+    ({"pipe_parallel_size": 2}, 2, "lora_peft_save_path='out' .* with pipe_parallel_size=2"),
     ({"lora_peft_names": "llama"}, 1, r"lora_target_modules=.* with lora_peft_names='llama' .*: \['query_key_value'\]"),
 ])  # fmt: skip
 def test_layouts_without_the_whole_adapters_on_rank0_are_refused_by_name(changes: dict[str, Any], world: int,
@@ -152,5 +153,56 @@ def test_layouts_without_the_whole_adapters_on_rank0_are_refused_by_name(changes
     device = Device(cuda=False, fp16_supported=False)
     finalize(config_from_mapping(base), 1, device=device)  # tp 1, pp 0, ZeRO 0, gpt_neox names: accepted
     finalize(config_from_mapping({**base, "zero_optimization": {"stage": 3}}), 1, device=device)  # gathered first
+    finalize(config_from_mapping({**base, "pipe_parallel_size": 1}), 1, device=device)  # one stage: every layer
     with pytest.raises(ConfigError, match=message):
         finalize(config_from_mapping({**base, **changes}), world, device=device)
+
+
+@pytest.fixture
+def one_stage() -> Any:
+    """This process as a one-rank world with a pipeline of one stage (pipe_parallel_size 1)."""
+    from single_rank import init_single_rank_gloo
+
+    from megatron import mpu
+
+    init_single_rank_gloo()
+    yield mpu.initialize_model_parallel(1, 1)
+    mpu.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_one_stage_pipeline_saves_what_the_plain_model_saves(tmp_path: Path, one_stage: Any, tied: bool) -> None:
+    """pipe_parallel_size 1 (configs/tiny.yml, GPT-NeoX's configs): DeepSpeed's PipelineModule names its layers by
+    spec index (``2.attention...``, ``tied_modules.embed...``); the saves read them back as GPTModel's. Reference:
+    GPTModel built directly (the seeded initialisation does not depend on the layout), adapters alike; the PEFT
+    save of each holds the same tensors under the same names, and so does the HF model save."""
+    from deepspeed.pipe import PipelineModule
+    from safetensors.torch import load_file
+
+    from megatron.interop.hf_save_writer import HFModelWriter
+    from megatron.model.gpt import GPTModel
+    from megatron.model.lora import apply_lora
+    from megatron.model.pipeline import model_parameter_name, pipeline_layer_specs
+    from megatron.tokenizer.config import TokenizerArgs
+    from megatron.training.hf_save_config import HFSaveArgs
+    from megatron.training.hf_saves import HFSaves, live_weights
+
+    config = GPTConfig(**dict(NEOX, no_weight_tying=not tied))
+    lora = LoRAArgs(lora_r=2, lora_target_modules=["query_key_value", "dense", "dense_4h_to_h"])
+    piped = PipelineModule(layers=pipeline_layer_specs(config), loss_fn=None, topology=one_stage)
+    plain = GPTModel(config)
+    for module in (piped, plain):
+        apply_lora(module, lora, config.seed)
+    assert any(name.startswith("2.attention") for name in piped.state_dict())  # its names are the pipeline's
+    for name, module in (("piped", piped), ("plain", plain)):
+        weights = live_weights(module, None, rename=model_parameter_name if module is piped else None)
+        keys = PeftSaveArgs(lora_peft_save_path=str(tmp_path / name / "peft"), lora_peft_save_interval=1)
+        PeftSaves(keys, lora, config, weights=weights, base_model=None, writer=True).after_step(
+            None, SimpleNamespace(iteration=2))
+        writer = HFModelWriter(config, TokenizerArgs(tokenizer_type="CharLevelTokenizer"), torch.float32,
+                               lora.lora_scale)
+        HFSaves(HFSaveArgs(hf_save_path=str(tmp_path / name / "hf"), hf_save_interval=1), weights, writer).after_step(
+            None, SimpleNamespace(iteration=2))
+    for save in ("peft/step-1/adapter_model.safetensors", "hf/step-1/model.safetensors"):
+        got, want = load_file(str(tmp_path / "piped" / save)), load_file(str(tmp_path / "plain" / save))
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), save

@@ -60,6 +60,23 @@ def test_a_finished_run_is_recognised_from_its_checkpoint(tmp_path: Path) -> Non
     assert already_finished(_resolved(tmp_path, f"load={save}", "train_iters=9"), "train.py") is None
 
 
+def test_a_finished_run_whose_last_save_was_killed_is_launched_to_write_it(tmp_path: Path) -> None:
+    """A run killed inside its forced last HF (or PEFT) save, after its last checkpoint was committed, has a save
+    left to write: deepy.py launches it (the ranks write it from that checkpoint: StepSaves.resume) and says so;
+    once the save is there, the run is finished."""
+    save = tmp_path / "ckpt"
+    _checkpoint(save, 8, {"train_iters": 8})
+    hf = tmp_path / "hf"
+    resolved = _resolved(tmp_path, f"load={save}", "train_iters=8", f"hf_save_path={hf}", "hf_save_interval=5")
+    assert already_finished(resolved, "train.py") is None
+    assert [w for w in resolved.warnings if "already finished" in w] == [
+        f"already finished at iteration 8 (checkpoint {save / 'global_step8'}), but its last save hf_save_path: "
+        f"{hf / 'step-7'} is missing (a run killed while writing it): launching to write it from that checkpoint"]
+    (hf / "step-7").mkdir(parents=True)
+    done = already_finished(_resolved(tmp_path, f"load={save}", "train_iters=8", f"hf_save_path={hf}"), "train.py")
+    assert done is not None and done.startswith("already finished at iteration 8")
+
+
 def test_train_epochs_uses_the_derived_last_step_of_the_same_epochs(tmp_path: Path) -> None:
     save = tmp_path / "ckpt"
     _checkpoint(save, 30, {"train_iters": 30, "train_epochs": 2})
