@@ -101,6 +101,18 @@ def _failed_ranks(failed: bool) -> list[int]:
     return [r for r, f in enumerate(flags.cpu().tolist()) if f]
 
 
+def _raise_if_failed(ckpt_dir: Path, error: BaseException | None) -> None:
+    """Every rank learns whether any rank failed to write its part of ``ckpt_dir``, and all raise together."""
+    failed = _failed_ranks(error is not None)
+    if failed:
+        reason = f"{type(error).__name__}: {error}" if error else f"see the log of rank {failed[0]}"
+        raise CheckpointError(
+            f"saving checkpoint {ckpt_dir} failed on rank(s) {failed} ({reason}); it was not committed "
+            "and the previous checkpoint is untouched. Training stops here: free space or fix "
+            "permissions, then resume."
+        )
+
+
 @dataclass(frozen=True)
 class SaveRequest:
     """What to write besides the engine's own state."""
@@ -198,22 +210,17 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Save
     with recorded_checkpoint_writes(engine) as write_errors:
         engine.save_checkpoint(str(save), written_tag, client_state=client_state, save_latest=False)
     error = write_errors[0] if write_errors else None
-    if error is None:
-        try:
-            _write_rank_files(ckpt_dir, request, rank)
-            save_expert_shards(engine, ckpt_dir)  # experts split over data-parallel ranks, if any
-            for write in request.rank_files:
-                write(ckpt_dir)
-        except Exception as err:  # noqa: BLE001
-            error = err
-    failed = _failed_ranks(error is not None)
-    if failed:
-        reason = f"{type(error).__name__}: {error}" if error else f"see the log of rank {failed[0]}"
-        raise CheckpointError(
-            f"saving checkpoint {ckpt_dir} failed on rank(s) {failed} ({reason}); it was not committed "
-            "and the previous checkpoint is untouched. Training stops here: free space or fix "
-            "permissions, then resume."
-        )
+    # the ranks agree before the files of their own: the expert shards and the components' files (the weight
+    # average) gather across ranks, and a rank whose engine files failed would not join them
+    _raise_if_failed(ckpt_dir, error)
+    try:
+        _write_rank_files(ckpt_dir, request, rank)
+        save_expert_shards(engine, ckpt_dir)  # experts split over data-parallel ranks, if any
+        for write in request.rank_files:
+            write(ckpt_dir)
+    except Exception as err:  # noqa: BLE001
+        error = err
+    _raise_if_failed(ckpt_dir, error)
 
     if request.before_commit is not None:
         request.before_commit(request.step)

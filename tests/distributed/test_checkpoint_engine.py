@@ -6,7 +6,8 @@ starts from disk: a tiny MLP with dropout, a data position that is a pure functi
 and the checkpoint manager the training loop uses. Covered here, without the full model:
 exact resume, kill -9 before the commit marker, dp2 -> dp1 and ZeRO-1 -> ZeRO-2 through universal
 checkpoints, SIGTERM on one rank -> all ranks save and exit 0, and a write failure on one rank
-(file-size limit) -> every rank exits non-zero with a clear message, previous checkpoint intact.
+(file-size limit, at ZeRO-3 with the weight average's gathered file) -> every rank exits non-zero with a clear
+message, previous checkpoint intact.
 """
 
 from __future__ import annotations
@@ -101,6 +102,11 @@ def worker(opts: argparse.Namespace) -> int:
         preemption=PreemptionWatcher().install(),
         before_commit=kill_before_commit(opts.kill_before_commit),
     )
+    if opts.ema:  # the weight average's file in every checkpoint: under ZeRO-3 a gather every rank takes part in
+        from megatron.training.model_averaging import ModelAverage
+
+        average = ModelAverage(engine.module, 0.9, optimizer=engine.optimizer, writer=rank == 0)
+        manager.rank_files.append(average.save)
     try:
         start = manager.load(engine)
         losses: dict[int, float] = {}
@@ -116,6 +122,8 @@ def worker(opts: argparse.Namespace) -> int:
             loss = ((out - y[rank * per : (rank + 1) * per]) ** 2).mean()
             engine.backward(loss)
             engine.step()
+            if opts.ema:
+                average.update()
             consumed += GLOBAL_BATCH
             mean = loss.detach().clone()
             dist.all_reduce(mean)
@@ -352,12 +360,15 @@ def test_sigterm_on_one_rank_saves_and_exits_zero(tmp_path: Path) -> None:
 
 
 def test_failed_save_stops_loudly_and_keeps_previous(tmp_path: Path) -> None:
+    """At ZeRO-3 with the weight average: the ranks whose engine files were written must not go on alone into the
+    average's gather (every rank writes its files, or none does), which left them waiting for rank 1."""
     save = tmp_path / "ckpt"
-    codes, logs = run(2, "--steps", "4", "--factor", "2", "--save", str(save), "--dropout", "0")
+    common = ("--zero", "3", "--ema", "--dropout", "0", "--factor", "2", "--save", str(save))
+    codes, logs = run(2, "--steps", "4", *common)
     assert codes == [0, 0], logs
+    assert (save / "global_step4" / "deepy_ema" / "tp00_pp00.pt").exists()
     # resume with a file-size limit on rank 1: its optimizer shard cannot be written
-    codes, logs = run(2, "--steps", "8", "--factor", "2", "--save", str(save), "--load", str(save),
-                      "--dropout", "0", "--fsize-limit-rank", "1")  # fmt: skip
+    codes, logs = run(2, "--steps", "8", *common, "--load", str(save), "--fsize-limit-rank", "1")
     assert codes == [2, 2], logs
     assert "saving checkpoint" in logs[0] and "failed on rank(s) [1]" in logs[0], logs[0]
     assert (save / "latest").read_text().strip() == "global_step4"
@@ -423,6 +434,7 @@ if __name__ == "__main__":
     parser.add_argument("--fake-clock", action="store_true")
     parser.add_argument("--no-load-optim", action="store_true")
     parser.add_argument("--out")
+    parser.add_argument("--ema", action="store_true")
     parser.add_argument("--kill-before-commit", type=int, default=None)
     parser.add_argument("--ranks", type=int, default=0)
     parser.add_argument("--port", type=int, default=0)
