@@ -217,29 +217,61 @@ def derive_llama_mlp_type(ctx: RuleContext) -> Derivation:
 
 _BLOCK_OF_PRECISION = {"fp16": "fp16", "bfloat16": "bf16"}
 
+LOSS_SCALE_KEYS = ("loss_scale", "loss_scale_window", "initial_scale_power", "hysteresis", "consecutive_hysteresis",
+                   "min_loss_scale")
+"""DeeperSpeed's (and DeepSpeed's) fp16 loss-scaling fields (``runtime/constants.py:157-181`` of DeeperSpeed at
+91d1c55b, the commit GPT-NeoX pins)."""
+
 
 @deriver
 def derive_redundant_precision_flag(ctx: RuleContext) -> Derivation:
     """``fp16: {fp16: true, enabled: true, ...}`` (most of GPT-NeoX's own configs; ``bf16: {bf16: true}``
     likewise): DeeperSpeed reads only ``enabled`` and ignores the inner flag, while DeepSpeed's config
     parser refuses the unknown key. A flag that agrees with ``enabled`` is dropped with a warning; one
-    that contradicts it is an error, since the config then says two things."""
+    that contradicts it is an error, since the config then says two things.
+
+    A ``bf16`` block's loss-scale fields (GPT-NeoX's ``configs/rwkv/170M.yml`` copies its fp16 block's)
+    mean nothing: DeeperSpeed reads only ``bf16.enabled`` (and ``immediate_grad_update``) from the block
+    and fixes a bf16 run's loss scale at 1 (``runtime/config.py:167-171, 194-241`` at 91d1c55b); DeepSpeed
+    0.19.8's ``DeepSpeedBF16Config`` refuses them. They are left out of DeepSpeed's config, and said."""
     out = Derivation()
     for name in ("fp16", "bf16"):
         block = ctx.get(name)
-        if not isinstance(block, Mapping) or name not in block:
+        if not isinstance(block, Mapping):
             continue
-        flag, enabled = block[name], bool(block.get("enabled", False))
-        if not isinstance(flag, bool) or flag != enabled:
-            out.problems.append(
-                f"{name}.{name}={flag!r} and {name}.enabled={block.get('enabled')!r} "
-                f"({describe(ctx.source(name))}) disagree; DeepSpeed reads only {name}.enabled: remove {name}.{name}"
-            )
-            continue
-        ctx.warnings.append(f"{name}.{name} ({describe(ctx.source(name))}) changes nothing ({name}.enabled decides, "
-                            f"as in DeeperSpeed); left out of DeepSpeed's config")
-        out.respelled[name] = {key: value for key, value in block.items() if key != name}
+        kept = dict(block)
+        if name in block:
+            flag, enabled = block[name], bool(block.get("enabled", False))
+            if isinstance(flag, bool) and flag and "enabled" not in block:
+                out.problems.append(
+                    f"{name}.{name}=True without {name}.enabled ({describe(ctx.source(name))}): DeeperSpeed, "
+                    f"GPT-NeoX's DeepSpeed, reads only {name}.enabled (default false), so GPT-NeoX trains this "
+                    f"config in fp32; set {name}.enabled: true for {name}, or remove the {name} block for fp32")
+                continue
+            if not isinstance(flag, bool) or flag != enabled:
+                out.problems.append(
+                    f"{name}.{name}={flag!r} and {name}.enabled={block.get('enabled')!r} "
+                    f"({describe(ctx.source(name))}) disagree; DeepSpeed reads only {name}.enabled: "
+                    f"remove {name}.{name}"
+                )
+                continue
+            ctx.warnings.append(f"{name}.{name} ({describe(ctx.source(name))}) changes nothing ({name}.enabled "
+                                f"decides, as in DeeperSpeed); left out of DeepSpeed's config")
+            del kept[name]
+        scaling = [key for key in LOSS_SCALE_KEYS if key in kept] if name == "bf16" else []
+        if scaling:
+            _say_no_loss_scaling(ctx, name, scaling)
+            kept = {key: value for key, value in kept.items() if key not in scaling}
+        if kept != dict(block):
+            out.respelled[name] = kept
     return out
+
+
+def _say_no_loss_scaling(ctx: RuleContext, block: str, keys: list[str]) -> None:
+    ctx.warnings.append(
+        f"{', '.join(f'{block}.{key}' for key in keys)} ({describe(ctx.source(block))}) have no effect: bf16 has no "
+        f"loss scaling (DeeperSpeed, GPT-NeoX's DeepSpeed, keeps a bf16 run's loss scale at 1); left out of "
+        f"DeepSpeed's config, which refuses them in a bf16 block")
 
 
 @deriver
@@ -254,6 +286,9 @@ def derive_deeperspeed_bf16(ctx: RuleContext) -> Derivation:
             f"fp16.type=bfloat16 ({ctx.source('fp16')}) and a bf16 block are both given: keep the bf16 block"
         ])
     enabled = bool(fp16.get("enabled", False))
+    scaling = [key for key in LOSS_SCALE_KEYS if key in fp16]
+    if enabled and scaling:  # Pythia-1B's; DeeperSpeed gave this type a scale of 1 (config.py:104-113@996951ef)
+        _say_no_loss_scaling(ctx, "fp16", scaling)
     return Derivation({"fp16": None, "bf16": {"enabled": enabled}} if enabled else {"fp16": None})
 
 
