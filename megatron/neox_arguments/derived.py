@@ -503,6 +503,66 @@ def derive_wandb_code_dir(ctx: RuleContext) -> Derivation:
     return Derivation(respelled={"wandb_code_dir": os.path.abspath(value)})
 
 
+_NO_KEY = ("no W&B API key on this machine (WANDB_API_KEY, the ~/.netrc entry `wandb login` writes, wandb's "
+           "settings), and the ranks have no terminal to ask for one: wandb.init would stop them (\"No API key "
+           "configured\")")
+_GO_ONLINE = "for online, run `wandb login` (or export WANDB_API_KEY) before launching"
+
+
+@deriver
+def derive_wandb_offline_without_a_key(ctx: RuleContext) -> Derivation:
+    """A W&B run asked for without a login where the ranks run (Levanter's default tracker is W&B): wandb decides
+    with no terminal by failing on the ranks after launch (``megatron/logging/wandb_login.py``). A mode left to
+    W&B (Levanter's default, ``use_wandb``, a tracker without ``mode``) becomes ``offline``, said before launch:
+    every row is kept for ``wandb sync``, and GPT-NeoX's own ``local_setup.yml`` (``use_wandb: true``) runs, as
+    GPT-NeoX runs it without a key (it skips W&B: ``megatron/utils.py:144-183`` at ea7aefd8). ``mode: online``
+    said explicitly is refused (docs/dialects.md says why)."""
+    from megatron.launcher.checks import runs_on_this_machine
+    from megatron.logging.config import LoggingArgs, WandbSettings
+    from megatron.logging.trackers import WandbTrackerArgs
+    from megatron.logging.wandb_login import login_state
+
+    if not ctx.trains:
+        return Derivation()
+    try:
+        wandb = next((t for t in ctx.group(LoggingArgs).tracker_settings() if isinstance(t, WandbSettings)), None)
+    except ConfigError:
+        return Derivation()  # the tracker check names the clash
+    if wandb is None:
+        return Derivation()
+    try:
+        import wandb as _  # noqa: F401 - the tracker check refuses a W&B that does not import
+    except ImportError:
+        return Derivation()
+    login = login_state(wandb.host, wandb.mode)
+    if login.state in ("no_login_needed", "logged_in"):
+        return Derivation()
+    asked = ctx.show("use_wandb") if wandb.source == "use_wandb" else f"W&B ({describe(ctx.source('tracker'))})"
+    if not runs_on_this_machine(ctx) or login.state == "unknown":
+        ctx.skipped.append(f"the W&B login of the ranks' machines ({asked}): "
+                           f"{login.detail or 'the ranks run on other machines'}")
+        return Derivation()
+    if login.state == "bad_key":
+        return Derivation(problems=[f"{asked}: wandb refuses this machine's key ({login.detail}); {_GO_ONLINE}"])
+    if wandb.mode == "online":
+        return Derivation(problems=[f"{asked} asks for mode online, but {_NO_KEY}; {_GO_ONLINE}, or set mode: "
+                                    f"offline (WANDB_MODE=offline) and upload later with `wandb sync`"])
+    ctx.warnings.append(f"{asked}: {_NO_KEY}; so this run logs to W&B offline (files under log_dir or WANDB_DIR; "
+                        f"`wandb sync` uploads them). {_GO_ONLINE[0].upper()}{_GO_ONLINE[1:]}; to say offline: "
+                        f"WANDB_MODE=offline or the tracker's mode: offline; for no W&B: use_wandb: false, or "
+                        f"Levanter's --trainer.tracker.type noop")
+    offline = WandbTrackerArgs(mode="offline")
+    if wandb.source == "use_wandb":  # the flat keys have no mode: the tracker block carries it (same W&B run)
+        blocks = ctx.get("tracker")
+        blocks = blocks if isinstance(blocks, list) else [blocks] if blocks else []
+        return Derivation({"use_wandb": False, "tracker": [*blocks, offline]})
+    tracker = ctx.get("tracker")
+    if isinstance(tracker, list):
+        return Derivation(respelled={"tracker": [b.model_copy(update={"mode": "offline"}) if b.type == "wandb" else b
+                                                 for b in tracker]})
+    return Derivation(respelled={"tracker": tracker.model_copy(update={"mode": "offline"})})
+
+
 @deriver
 def derive_save_interval(ctx: RuleContext) -> Derivation:
     """``save_interval: 15min`` becomes seconds so the trainer never parses phrases."""
