@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from megatron.logging.config import WandbMode
+
 LoginState = Literal["no_login_needed", "logged_in", "no_key", "bad_key", "unknown"]
 
 
@@ -34,7 +36,7 @@ class WandbLogin:
     """Why ``unknown`` (a wandb without these functions), or wandb's words for a ``bad_key``."""
 
 
-def login_state(host: str, mode: str | None) -> WandbLogin:
+def login_state(host: str, mode: WandbMode | None) -> WandbLogin:
     """What ``wandb.init(mode=mode, settings=Settings(base_url=host))`` would find on this machine."""
     try:
         from wandb import env
@@ -51,7 +53,7 @@ def login_state(host: str, mode: str | None) -> WandbLogin:
     settings.update_from_env_vars(dict(os.environ))
     if mode is not None:
         settings.update_from_settings(Settings(mode=mode))
-    if settings._offline or settings._noop:
+    if settings.mode in ("offline", "dryrun", "disabled"):  # its _offline and _noop (wandb_settings.py:1672-1683)
         return WandbLogin("no_login_needed", settings.mode)
     url = wbauth.HostUrl(host)
     try:  # _try_env_auth, then the netrc file, then the settings' key (authenticate.py:198-208)
