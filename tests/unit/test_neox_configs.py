@@ -324,8 +324,14 @@ def test_guide_max_grad_norm_is_the_gradient_clip(tmp_path: Path) -> None:
     resolved, _ = dry_run([alone], ("optimizer.params.max_grad_norm=0.25",))
     assert resolved.deepspeed_config["gradient_clipping"] == 0.25
     assert "max_grad_norm" not in RunConfig.from_resolved(resolved).optimizer_config.optimizer_params  # not an Adam argument
+    # the command line wins over the file's other spelling (the README's precedence); two files that disagree do not
+    resolved, _ = dry_run([config], ("gradient_clipping=0.5",))
+    assert resolved.deepspeed_config["gradient_clipping"] == 0.5
+    assert any(w.startswith("optimizer.params.max_grad_norm=1.0 (") for w in resolved.warnings)
+    clip = tmp_path / "clip.yml"
+    clip.write_text("gradient_clipping: 0.5\n")
     with pytest.raises(ConfigError, match=r"max_grad_norm=1.0 .* and gradient_clipping=0.5 .* disagree"):
-        dry_run([config], ("gradient_clipping=0.5",))
+        dry_run([alone, clip])
 
 
 def test_deeperspeed_inner_fp16_flag_is_dropped_with_a_warning(tmp_path: Path) -> None:
@@ -372,6 +378,12 @@ def test_rwkv_bf16_block_loss_scale_keys_have_no_effect_and_are_said() -> None:
     from megatron.neox_arguments.deepspeed_split import _parser_problems
 
     assert _parser_problems({k: v for k, v in resolved.deepspeed_config.items() if k != "train_batch_size"}, {}) == []
+    # an fp16 block's loss-scale fields are DeepSpeed's dynamic loss scaler's settings: passed on unchanged
+    resolved, _ = dry_run([NEOX / "19M.yml", NEOX / LOCAL])
+    fp16 = resolved.deepspeed_config["fp16"]
+    assert (fp16["loss_scale"], fp16["loss_scale_window"], fp16["initial_scale_power"], fp16["hysteresis"],
+            fp16["min_loss_scale"]) == (0, 1000, 12, 2, 1)
+    assert not any("have no effect" in w for w in resolved.warnings)
 
 
 def test_pythia_1b_bf16_spelling_says_its_loss_scale_fields_have_no_effect() -> None:
@@ -381,15 +393,6 @@ def test_pythia_1b_bf16_spelling_says_its_loss_scale_fields_have_no_effect() -> 
     assert resolved.deepspeed_config["bf16"] == {"enabled": True} and "fp16" not in resolved.deepspeed_config
     said = [w for w in resolved.warnings if "have no effect" in w]
     assert len(said) == 1 and all(f"fp16.{key}" in said[0] for key in BF16_LOSS_SCALE), resolved.warnings
-
-
-def test_fp16_block_keeps_its_loss_scale_keys() -> None:
-    """An fp16 block's loss-scale fields are DeepSpeed's dynamic loss scaler's settings: passed on unchanged."""
-    resolved, _ = dry_run([NEOX / "19M.yml", NEOX / LOCAL])
-    fp16 = resolved.deepspeed_config["fp16"]
-    assert (fp16["loss_scale"], fp16["loss_scale_window"], fp16["initial_scale_power"], fp16["hysteresis"],
-            fp16["min_loss_scale"]) == (0, 1000, 12, 2, 1)
-    assert not any("have no effect" in w for w in resolved.warnings)
 
 
 def test_bf16_inner_flag_without_enabled_is_refused_saying_gpt_neox_runs_fp32(tmp_path: Path) -> None:
