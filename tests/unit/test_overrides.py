@@ -148,6 +148,12 @@ def test_lr_on_the_command_line_wins_over_the_files_optimizer_params_lr(tmp_path
     assert (run.optimizer_config.peak_lr, run.optimizer_config.applied_weight_decay) == (0.02, 0.2)
     assert "lr" not in resolved.provenance and replaced_said(resolved, "lr=0.003 (")
     assert replaced_said(resolved, "weight_decay=0.0 (")
+    # spellings that disagree within the files, or both on the command line, are still refused, naming both
+    flat.write_text("lr: 0.01\n")
+    with pytest.raises(ConfigError, match=r"lr=0.01 \(.*flat.yml:1\) and optimizer.params.lr=0.003 .* disagree"):
+        tiny_dry_run(tmp_path, files=(flat,))
+    with pytest.raises(ConfigError, match=r"lr=0.01 \(command line\) and optimizer.params.lr=0.02 .* disagree"):
+        tiny_dry_run(tmp_path, "lr=0.01", "optimizer.params.lr=0.02")
 
 
 def test_the_command_line_wins_over_every_other_spelling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -179,17 +185,6 @@ def test_the_command_line_wins_over_every_other_spelling(tmp_path: Path, monkeyp
                                       *RUNNABLE, "precision=fp32"]))
     assert resolved.args.precision == "fp32" and not resolved.deepspeed_config.get("bf16", {}).get("enabled")
     assert replaced_said(resolved, "bf16.enabled=True (")
-
-
-def test_spellings_that_disagree_within_the_files_or_on_the_command_line_are_still_refused(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    flat = tmp_path / "flat.yml"
-    flat.write_text("lr: 0.01\n")
-    with pytest.raises(ConfigError, match=r"lr=0.01 \(.*flat.yml:1\) and optimizer.params.lr=0.003 .* disagree"):
-        tiny_dry_run(tmp_path, files=(flat,))
-    with pytest.raises(ConfigError, match=r"lr=0.01 \(command line\) and optimizer.params.lr=0.02 .* disagree"):
-        tiny_dry_run(tmp_path, "lr=0.01", "optimizer.params.lr=0.02")
 
 
 # --- another trainer's name for a key: answered by meaning --------------------------------------------------
