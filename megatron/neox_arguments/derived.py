@@ -217,29 +217,61 @@ def derive_llama_mlp_type(ctx: RuleContext) -> Derivation:
 
 _BLOCK_OF_PRECISION = {"fp16": "fp16", "bfloat16": "bf16"}
 
+LOSS_SCALE_KEYS = ("loss_scale", "loss_scale_window", "initial_scale_power", "hysteresis", "consecutive_hysteresis",
+                   "min_loss_scale")
+"""DeeperSpeed's (and DeepSpeed's) fp16 loss-scaling fields (``runtime/constants.py:157-181`` of DeeperSpeed at
+91d1c55b, the commit GPT-NeoX pins)."""
+
 
 @deriver
 def derive_redundant_precision_flag(ctx: RuleContext) -> Derivation:
     """``fp16: {fp16: true, enabled: true, ...}`` (most of GPT-NeoX's own configs; ``bf16: {bf16: true}``
     likewise): DeeperSpeed reads only ``enabled`` and ignores the inner flag, while DeepSpeed's config
     parser refuses the unknown key. A flag that agrees with ``enabled`` is dropped with a warning; one
-    that contradicts it is an error, since the config then says two things."""
+    that contradicts it is an error, since the config then says two things.
+
+    A ``bf16`` block's loss-scale fields (GPT-NeoX's ``configs/rwkv/170M.yml`` copies its fp16 block's)
+    mean nothing: DeeperSpeed reads only ``bf16.enabled`` (and ``immediate_grad_update``) from the block
+    and fixes a bf16 run's loss scale at 1 (``runtime/config.py:167-171, 194-241`` at 91d1c55b); DeepSpeed
+    0.19.8's ``DeepSpeedBF16Config`` refuses them. They are left out of DeepSpeed's config, and said."""
     out = Derivation()
     for name in ("fp16", "bf16"):
         block = ctx.get(name)
-        if not isinstance(block, Mapping) or name not in block:
+        if not isinstance(block, Mapping):
             continue
-        flag, enabled = block[name], bool(block.get("enabled", False))
-        if not isinstance(flag, bool) or flag != enabled:
-            out.problems.append(
-                f"{name}.{name}={flag!r} and {name}.enabled={block.get('enabled')!r} "
-                f"({describe(ctx.source(name))}) disagree; DeepSpeed reads only {name}.enabled: remove {name}.{name}"
-            )
-            continue
-        ctx.warnings.append(f"{name}.{name} ({describe(ctx.source(name))}) changes nothing ({name}.enabled decides, "
-                            f"as in DeeperSpeed); left out of DeepSpeed's config")
-        out.respelled[name] = {key: value for key, value in block.items() if key != name}
+        kept = dict(block)
+        if name in block:
+            flag, enabled = block[name], bool(block.get("enabled", False))
+            if isinstance(flag, bool) and flag and "enabled" not in block:
+                out.problems.append(
+                    f"{name}.{name}=True without {name}.enabled ({describe(ctx.source(name))}): DeeperSpeed, "
+                    f"GPT-NeoX's DeepSpeed, reads only {name}.enabled (default false), so GPT-NeoX trains this "
+                    f"config in fp32; set {name}.enabled: true for {name}, or remove the {name} block for fp32")
+                continue
+            if not isinstance(flag, bool) or flag != enabled:
+                out.problems.append(
+                    f"{name}.{name}={flag!r} and {name}.enabled={block.get('enabled')!r} "
+                    f"({describe(ctx.source(name))}) disagree; DeepSpeed reads only {name}.enabled: "
+                    f"remove {name}.{name}"
+                )
+                continue
+            ctx.warnings.append(f"{name}.{name} ({describe(ctx.source(name))}) changes nothing ({name}.enabled "
+                                f"decides, as in DeeperSpeed); left out of DeepSpeed's config")
+            del kept[name]
+        scaling = [key for key in LOSS_SCALE_KEYS if key in kept] if name == "bf16" else []
+        if scaling:
+            _say_no_loss_scaling(ctx, name, scaling)
+            kept = {key: value for key, value in kept.items() if key not in scaling}
+        if kept != dict(block):
+            out.respelled[name] = kept
     return out
+
+
+def _say_no_loss_scaling(ctx: RuleContext, block: str, keys: list[str]) -> None:
+    ctx.warnings.append(
+        f"{', '.join(f'{block}.{key}' for key in keys)} ({describe(ctx.source(block))}) have no effect: bf16 has no "
+        f"loss scaling (DeeperSpeed, GPT-NeoX's DeepSpeed, keeps a bf16 run's loss scale at 1); left out of "
+        f"DeepSpeed's config, which refuses them in a bf16 block")
 
 
 @deriver
@@ -254,6 +286,9 @@ def derive_deeperspeed_bf16(ctx: RuleContext) -> Derivation:
             f"fp16.type=bfloat16 ({ctx.source('fp16')}) and a bf16 block are both given: keep the bf16 block"
         ])
     enabled = bool(fp16.get("enabled", False))
+    scaling = [key for key in LOSS_SCALE_KEYS if key in fp16]
+    if enabled and scaling:  # Pythia-1B's; DeeperSpeed gave this type a scale of 1 (config.py:104-113@996951ef)
+        _say_no_loss_scaling(ctx, "fp16", scaling)
     return Derivation({"fp16": None, "bf16": {"enabled": enabled}} if enabled else {"fp16": None})
 
 
@@ -466,6 +501,66 @@ def derive_wandb_code_dir(ctx: RuleContext) -> Derivation:
     if not isinstance(value, str) or os.path.isabs(value):
         return Derivation()
     return Derivation(respelled={"wandb_code_dir": os.path.abspath(value)})
+
+
+_NO_KEY = ("no W&B API key on this machine (WANDB_API_KEY, the ~/.netrc entry `wandb login` writes, wandb's "
+           "settings), and the ranks have no terminal to ask for one: wandb.init would stop them (\"No API key "
+           "configured\")")
+_GO_ONLINE = "for online, run `wandb login` (or export WANDB_API_KEY) before launching"
+
+
+@deriver
+def derive_wandb_offline_without_a_key(ctx: RuleContext) -> Derivation:
+    """A W&B run asked for without a login where the ranks run (Levanter's default tracker is W&B): wandb decides
+    with no terminal by failing on the ranks after launch (``megatron/logging/wandb_login.py``). A mode left to
+    W&B (Levanter's default, ``use_wandb``, a tracker without ``mode``) becomes ``offline``, said before launch:
+    every row is kept for ``wandb sync``, and GPT-NeoX's own ``local_setup.yml`` (``use_wandb: true``) runs, as
+    GPT-NeoX runs it without a key (it skips W&B: ``megatron/utils.py:144-183`` at ea7aefd8). ``mode: online``
+    said explicitly is refused (docs/dialects.md says why)."""
+    from megatron.launcher.checks import runs_on_this_machine
+    from megatron.logging.config import LoggingArgs, WandbSettings
+    from megatron.logging.trackers import WandbTrackerArgs
+    from megatron.logging.wandb_login import login_state
+
+    if not ctx.trains:
+        return Derivation()
+    try:
+        wandb = next((t for t in ctx.group(LoggingArgs).tracker_settings() if isinstance(t, WandbSettings)), None)
+    except ConfigError:
+        return Derivation()  # the tracker check names the clash
+    if wandb is None:
+        return Derivation()
+    try:
+        import wandb as _  # noqa: F401 - the tracker check refuses a W&B that does not import
+    except ImportError:
+        return Derivation()
+    login = login_state(wandb.host, wandb.mode)
+    if login.state in ("no_login_needed", "logged_in"):
+        return Derivation()
+    asked = ctx.show("use_wandb") if wandb.source == "use_wandb" else f"W&B ({describe(ctx.source('tracker'))})"
+    if not runs_on_this_machine(ctx) or login.state == "unknown":
+        ctx.skipped.append(f"the W&B login of the ranks' machines ({asked}): "
+                           f"{login.detail or 'the ranks run on other machines'}")
+        return Derivation()
+    if login.state == "bad_key":
+        return Derivation(problems=[f"{asked}: wandb refuses this machine's key ({login.detail}); {_GO_ONLINE}"])
+    if wandb.mode == "online":
+        return Derivation(problems=[f"{asked} asks for mode online, but {_NO_KEY}; {_GO_ONLINE}, or set mode: "
+                                    f"offline (WANDB_MODE=offline) and upload later with `wandb sync`"])
+    ctx.warnings.append(f"{asked}: {_NO_KEY}; so this run logs to W&B offline (files under log_dir or WANDB_DIR; "
+                        f"`wandb sync` uploads them). {_GO_ONLINE[0].upper()}{_GO_ONLINE[1:]}; to say offline: "
+                        f"WANDB_MODE=offline or the tracker's mode: offline; for no W&B: use_wandb: false, or "
+                        f"Levanter's --trainer.tracker.type noop")
+    offline = WandbTrackerArgs(mode="offline")
+    if wandb.source == "use_wandb":  # the flat keys have no mode: the tracker block carries it (same W&B run)
+        blocks = ctx.get("tracker")
+        blocks = blocks if isinstance(blocks, list) else [blocks] if blocks else []
+        return Derivation({"use_wandb": False, "tracker": [*blocks, offline]})
+    tracker = ctx.get("tracker")
+    if isinstance(tracker, list):
+        return Derivation(respelled={"tracker": [b.model_copy(update={"mode": "offline"}) if b.type == "wandb" else b
+                                                 for b in tracker]})
+    return Derivation(respelled={"tracker": tracker.model_copy(update={"mode": "offline"})})
 
 
 @deriver

@@ -92,9 +92,11 @@ def data_files_are_datasets(ctx: RuleContext) -> list[str]:
 
 @rule
 def token_ids_fit_the_vocabulary(ctx: RuleContext) -> list[str]:
-    """Every token id of the datasets on this machine is below the tokenizer's vocabulary size (data tokenized
-    with another tokenizer crashed a rank with an IndexError, or read zero embeddings under tensor
-    parallelism). Up to ``SCAN_BUDGET_BYTES`` of token data are read; the ranks check every sample anyway."""
+    """Every token id of the datasets on this machine is below the vocabulary (data tokenized with another
+    tokenizer crashed a rank with an IndexError, or read zero embeddings under tensor parallelism): the
+    tokenizer's, or the model's embedding rows where the config gives them (``padded_vocab_size``: fms-fsdp's
+    model variants, whose ``src_vocab_size`` bounds the token data it trains on without a tokenizer). Up to
+    ``SCAN_BUDGET_BYTES`` of token data are read; the ranks check every sample anyway."""
     if ctx.get("use_dummy_dataset"):
         return []
     from megatron.data.indexed_dataset import data_file_path
@@ -107,10 +109,19 @@ def token_ids_fit_the_vocabulary(ctx: RuleContext) -> list[str]:
                 if "reward" not in key and not os.path.isdir(prefix) and _missing_or_bad(prefix) is None]
     if not datasets:
         return []
-    try:
-        vocab = build_tokenizer(cast(TokenizerArgs, ctx.args)).vocab_size
-    except Exception:  # noqa: BLE001 - tokenizer_loads reports it
-        return []
+    rows = ctx.get("padded_vocab_size") if ctx.given("padded_vocab_size") else None
+    if rows is not None:  # the model's rows are the config's: the ranks refuse ids at or beyond them
+        vocab = int(rows)
+        bound = f"the model has {vocab} embedding rows ({ctx.show('padded_vocab_size')})"
+        fix = "the data holds ids the model has no row for; give data tokenized for this model, or more rows"
+    else:
+        try:
+            vocab = build_tokenizer(cast(TokenizerArgs, ctx.args)).vocab_size
+        except Exception:  # noqa: BLE001 - tokenizer_loads reports it
+            return []
+        bound = f"{ctx.show('tokenizer_type')} has {vocab} tokens"
+        fix = ("the data was tokenized with another tokenizer; rebuild it with this tokenizer, or set the tokenizer "
+               "it was built with")
     problems: list[str] = []
     budget = SCAN_BUDGET_BYTES
     for key, prefix in datasets:
@@ -125,9 +136,7 @@ def token_ids_fit_the_vocabulary(ctx: RuleContext) -> list[str]:
         found = largest_token(prefix)
         if found is not None and found.value >= vocab:
             problems.append(f"{key} ({describe(ctx.source(key))}): dataset {prefix} holds token id {found.value} "
-                            f"(sequence {found.sequence}), but {ctx.show('tokenizer_type')} has {vocab} tokens: the "
-                            "data was tokenized with another tokenizer; rebuild it with this tokenizer, or set the "
-                            "tokenizer it was built with")
+                            f"(sequence {found.sequence}), but {bound}: {fix}")
     return problems
 
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from megatron.errors import ConfigError
 from megatron.neox_arguments.keys import aliased_value, normalize_key, unknown_key_message
-from megatron.neox_arguments.overrides import apply_overrides, parse_overrides
+from megatron.neox_arguments.overrides import apply_overrides, command_line_wins, parse_overrides
 from megatron.config_rules import DEFAULT
 from megatron.neox_arguments.provenance import describe_source, field_default
 from megatron.neox_arguments.resolved import ResolvedConfig
@@ -151,7 +151,9 @@ def validation_message(
             continue  # a union type yields one error per member; one line is enough
         reported.add(shown_key)
         field = schema.model_fields.get(key)
-        where = describe_source(provenance.get(key, DEFAULT))
+        # the most specific source: optimizer.params.lr=... on the command line, inside a block from a file
+        dotted = [".".join([key, *map(str, inner_parts[:n])]) for n in range(len(inner_parts), 0, -1)]
+        where = describe_source(next((provenance[p] for p in dotted if p in provenance), provenance.get(key, DEFAULT)))
         if item.get("type") == "missing" and not inner_parts:
             lines.append(f"missing key '{key}' ({_expected(field)}): set it in a config file or as {key}=...")
         elif not inner_parts:
@@ -194,6 +196,11 @@ def _value_at(value: Any, path: list[Any]) -> tuple[bool, Any]:
     return True, value
 
 
+_PARAMS_BY_MEANING = {"learning_rate": "lr", "beta1": "betas", "beta2": "betas", "adam_beta1": "betas",
+                      "adam_beta2": "betas", "epsilon": "eps", "adam_epsilon": "eps"}
+"""Names Hugging Face, Levanter and nanoGPT give the optimizer's parameters -> the block's own."""
+
+
 def _nested_suggestion(value: Any, path: list[Any]) -> str:
     """``; did you mean lr?`` for a misspelt key inside the optimizer block."""
     import difflib
@@ -207,6 +214,9 @@ def _nested_suggestion(value: Any, path: list[Any]) -> str:
     elif len(path) == 1 and isinstance(value, dict):
         allowed = ["type", "params"]
     close = difflib.get_close_matches(str(path[-1]), allowed, n=2, cutoff=0.5)
+    meant = _PARAMS_BY_MEANING.get(str(path[-1]))
+    if meant in allowed:
+        return f"; did you mean {meant}? ('{path[-1]}' is another trainer's name for it)"
     if close:
         return f"; did you mean {', '.join(close)}?"
     return f"; allowed here: {', '.join(allowed)}" if allowed else ""
@@ -276,13 +286,14 @@ def load_config(
     names = list(schema.model_fields)
     values, provenance, texts = read_config_files(paths, names, conf_dir)
     apply_overrides(values, provenance, parse_overrides(overrides), names, lambda key: field_default(schema, key))
+    replaced = command_line_wins(values, provenance)
     args = build_args(values, provenance, schema)
     if plugin_specs is not None:
         args.plugins = plugin_specs  # the ranks import the same files whatever their working directory
     if "config_files" in schema.model_fields and "config_files" not in values:
         # GPT-NeoX keeps the original file texts in the arguments (they end up in checkpoints)
         args.config_files = dict(texts)
-    return ResolvedConfig(args=args, provenance=provenance)
+    return ResolvedConfig(args=args, provenance=provenance, warnings=replaced)
 
 
 def config_from_mapping(values: Mapping[str, Any], source: str = "<mapping>") -> ResolvedConfig:

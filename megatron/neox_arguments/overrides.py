@@ -3,7 +3,9 @@
 The value is parsed as YAML (so ``lr=3e-4`` is a float, ``zero_optimization={stage: 1}`` a dict,
 ``log_dir=null`` a None), and a dotted key such as ``optimizer.params.lr=3e-4`` reaches inside a
 dict-valued argument. Overrides are applied after every file, so they win over them; they are the one
-way to set a key twice on purpose.
+way to set a key twice on purpose. They also win over a file's *other spelling* of the same setting
+(:data:`SPELLINGS`: ``lr=0.01`` over the file's ``optimizer.params.lr``; ``precision`` and the
+``fp16``/``bf16`` blocks): the file's value is taken out, and said (:func:`command_line_wins`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from megatron.errors import ConfigError
 from megatron.neox_arguments.keys import aliased_value, normalize_key, unknown_key_message
-from megatron.config_rules import CLI
+from megatron.config_rules import CLI, describe
 from megatron.neox_arguments.yaml_source import parse_yaml_text, plain
 
 _KEY_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*(?:\.[A-Za-z0-9_\-]+)*$")
@@ -121,3 +123,83 @@ def _set_path(root: Any, override: Override, root_source: str) -> dict[str, Any]
         else:
             node = node.setdefault(part, {})
     return root
+
+
+SPELLINGS: tuple[tuple[tuple[str, ...], ...], ...] = (
+    (("lr",), ("optimizer", "params", "lr")),
+    (("weight_decay",), ("optimizer", "params", "weight_decay")),
+    (("gradient_clipping",), ("clip_grad",), ("optimizer", "params", "max_grad_norm")),
+    (("train_micro_batch_size_per_gpu",), ("batch_size",), ("per_device_parallelism",)),
+)
+"""Settings a config may write in more than one place (a flat key and a field of a block, or GPT-NeoX's
+aliases); the rules refuse two of them that disagree, so a command-line value takes the files' out."""
+
+_PRECISION_BLOCKS = {"fp16": "fp16", "bf16": "bfloat16"}
+
+
+def _value_at(values: dict[str, Any], path: tuple[str, ...]) -> tuple[bool, Any]:
+    node: Any = values
+    for part in path:
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _source_at(values: dict[str, Any], provenance: dict[str, str], path: tuple[str, ...]) -> str | None:
+    """Where the value at ``path`` came from (the most specific provenance), None when it is not set."""
+    if not _value_at(values, path)[0]:
+        return None
+    return next((provenance[".".join(path[:n])] for n in range(len(path), 0, -1) if ".".join(path[:n]) in provenance),
+                None)
+
+
+def _take_out(values: dict[str, Any], provenance: dict[str, str], path: tuple[str, ...]) -> None:
+    if len(path) == 1:
+        values.pop(path[0], None)
+        provenance.pop(path[0], None)
+        return
+    parent = _value_at(values, path[:-1])[1]
+    parent.pop(path[-1], None)
+
+
+def command_line_wins(values: dict[str, Any], provenance: dict[str, str]) -> list[str]:
+    """Take out of ``values`` each file's spelling of a setting the command line also gives (:data:`SPELLINGS`,
+    and ``precision`` with the ``fp16``/``bf16`` blocks' ``enabled``); one line per value taken out, to say."""
+    said: list[str] = []
+
+    def replaced(path: tuple[str, ...], source: str, by: str) -> None:
+        shown = ".".join(path)
+        said.append(f"{shown}={_value_at(values, path)[1]!r} ({describe(source)}) is replaced by {by} from the "
+                    f"command line: overrides win over the config files")
+
+    for group in SPELLINGS:
+        sources = {path: _source_at(values, provenance, path) for path in group}
+        given = [path for path, source in sources.items() if source == CLI]
+        if not given:
+            continue
+        by = f"{'.'.join(given[0])}={_value_at(values, given[0])[1]!r}"
+        for path, source in sources.items():
+            if source is not None and source != CLI:
+                replaced(path, source, by)
+                _take_out(values, provenance, path)
+    # precision: one setting, spelled `precision` or as which of the fp16/bf16 blocks is enabled
+    blocks = {name: _source_at(values, provenance, (name, "enabled")) for name in _PRECISION_BLOCKS}
+    if provenance.get("precision") == CLI:
+        precision = values["precision"]
+        for name, source in blocks.items():
+            wanted = precision == _PRECISION_BLOCKS[name]
+            if source not in (None, CLI) and bool(values[name]["enabled"]) != wanted:
+                replaced((name, "enabled"), source, f"precision={precision!r}")
+                values[name]["enabled"] = wanted
+    elif cli_blocks := [name for name, source in blocks.items() if source == CLI]:
+        by = " and ".join(f"{name}.enabled={values[name]['enabled']!r}" for name in cli_blocks)
+        if provenance.get("precision") is not None:
+            replaced(("precision",), provenance["precision"], by)
+            _take_out(values, provenance, ("precision",))  # derived again from the blocks
+        if any(values[name]["enabled"] for name in cli_blocks):
+            for name, source in blocks.items():
+                if source not in (None, CLI) and values[name]["enabled"]:
+                    replaced((name, "enabled"), source, by)
+                    values[name]["enabled"] = False
+    return said

@@ -43,8 +43,9 @@ def non_default_values(args: BaseModel) -> dict[str, Any]:
 def _render(value: Any) -> str:
     if isinstance(value, BaseModel):
         value = value.model_dump(mode="json")
-    try:
-        return json.dumps(value, sort_keys=False, default=str)
+    try:  # a list of blocks (tracker: [{type: wandb}, ...]) as their fields too
+        return json.dumps(value, sort_keys=False,
+                          default=lambda v: v.model_dump(mode="json") if isinstance(v, BaseModel) else str(v))
     except (TypeError, ValueError):
         return repr(value)
 

@@ -17,6 +17,7 @@ nor a GPU (a launch here refuses them by name, ``tests/unit/test_model_families.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -109,11 +110,17 @@ def test_mamba_checkpoint_greedy_generation_equals_transformers(mamba_run: Path,
 
 
 def test_rwkv_trains_as_a_pipeline_module_with_checkpointed_layers(tmp_path: Path) -> None:
-    # its file's pipe_parallel_size 1 (DeepSpeed's PipelineModule) and activation checkpointing; its bf16 block
-    # carries DeeperSpeed's loss-scale fields (DeepSpeed refuses them): fp32 here. Two stages: the parallel test
-    curve = trained(tmp_path, "rwkv/170M.yml", "attention_config=[[[rwkv], 2]]", "num_gpus=1",
-                    "bf16={enabled: false}", "train_iters=3", "lr_decay_iters=3", "save=ckpt")
-    assert sorted(curve) == [1, 2, 3]
+    # its file's pipe_parallel_size 1 (DeepSpeed's PipelineModule), activation checkpointing and bf16 block as
+    # written (GPT-NeoX's loss-scale fields in it have no effect: left out, and said). Two stages: the parallel test
+    proc = deepy(tmp_path, "rwkv/170M.yml", "attention_config=[[[rwkv], 2]]", "num_gpus=1", "train_iters=3",
+                 "lr_decay_iters=3", "save=ckpt", "log_dir=logs")
+    assert proc.returncode == 0, output(proc)[-4000:]
+    curve = losses(tmp_path / "logs")
+    assert sorted(curve) == [1, 2, 3] and all(math.isfinite(loss) for loss in curve.values()), curve
+    assert "bf16.loss_scale, bf16.loss_scale_window, bf16.initial_scale_power, bf16.hysteresis, bf16.min_loss_scale" \
+        in output(proc) and "have no effect" in output(proc)
+    resolved = json.loads(next((tmp_path / "logs").glob("*/deepy_config.json")).read_text())
+    assert resolved["deepspeed_config"]["bf16"] == {"enabled": True}  # the run is bf16, without the fields
 
 
 def test_gmlp_trains_under_zero3(tmp_path: Path) -> None:

@@ -211,7 +211,7 @@ def test_fms_train_sh_flags(tmp_path: Path, dummy: bool) -> None:
     # fms-fsdp's defaults: seed 2023, 3e-4 peak on its warmup-cosine curve, bf16 mixed precision, 4096 tokens
     assert (a.seed, a.lr, a.lr_decay_style, a.train_iters) == (2023, 3e-4, "fms", 1_000_000)
     assert (a.precision, a.seq_length, a.gradient_clipping) == ("bfloat16", 4096, 1.0)
-    assert (a.hidden_size, a.num_layers, a.padded_vocab_size) == (64, 2, 256)
+    assert (a.hidden_size, a.num_layers, a.padded_vocab_size) == (64, 2, 8192)
 
 
 def test_fms_keys_in_a_yaml_file_and_selective_fraction(tmp_path: Path) -> None:

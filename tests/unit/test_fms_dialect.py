@@ -82,7 +82,7 @@ def test_vocab_size_is_the_dummy_datas_not_the_embeddings() -> None:
     a = fms_args("--model_variant=llama3_194m_4k", "--use_dummy_dataset=True", "--vocab_size=1000")
     assert (a.padded_vocab_size, a.dummy_data, a.dummy_data_vocab_size) == (128256, "counter", 1000)
     assert fms_args("--model_variant=llama3_194m_4k", "--use_dummy_dataset=True").dummy_data_vocab_size == 32000
-    with pytest.raises(ConfigError, match=r"vocab_size - 1 = 31999, beyond the 256 embedding rows of llama_tiny"):
+    with pytest.raises(ConfigError, match=r"vocab_size - 1 = 31999, beyond the 8192 embedding rows of llama_tiny"):
         fms_args("--model_variant=llama_tiny", "--use_dummy_dataset=True")
 
 
@@ -216,3 +216,51 @@ def test_a_load_path_without_checkpoints_starts_from_scratch_as_fms_fsdp_does(tm
     assert resumed.load == str(tmp_path / "old" / "checkpoints")
     same = fms_args("--use_dummy_dataset=True", f"--ckpt_save_path={save}", f"--ckpt_load_path={save}")
     assert same.load == str(save / "checkpoints")  # a restart's own directory, empty on the first run
+
+
+# ----------------------------------------------------------- pre-tokenized data against the model's rows
+def write_token_dataset(prefix: Path, docs: list[list[int]], dtype: type = np.uint16) -> None:
+    """A tokenized dataset (``.bin``/``.idx``, what prepare_data.py and preprocess_data.py write)."""
+    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    builder = MMapIndexedDatasetBuilder(f"{prefix}.bin", dtype)
+    for doc in docs:
+        builder.add_item(np.asarray(doc, dtype=np.int64))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+
+
+def fms_dry_run(tmp: Path, *flags: str):  # noqa: ANN201 - the resolved config
+    """``deepy.py --dry-run train.py <flags>`` as the command runs it (every check before launch), one CPU rank."""
+    from megatron.app.deepy import parse_command, resolve
+
+    repo = Path(__file__).resolve().parents[2]
+    return resolve(parse_command(["--dry-run", str(repo / "train.py"), *flags, f"--ckpt_save_path={tmp / 'ck'}",
+                                  f"--ckpt_load_path={tmp / 'ck'}", f"--tracker_dir={tmp / 'logs'}", "--seq_length=32",
+                                  "--mixed_precision=False", "--num_gpus=1"]))
+
+
+def test_pre_tokenized_data_is_checked_against_the_variants_rows_not_a_stand_in_tokenizer(tmp_path: Path) -> None:
+    """fms-fsdp trains on token ids without a tokenizer: the ids are bounded by the model variant's embedding
+    rows (its ``src_vocab_size``: llama_small's 32000), not by the 512 tokens of the byte-level tokenizer that
+    stands in for the end-of-document id. The README's pydocs data holds ids up to 8191 (an 8192-token
+    tokenizer): it passes the dry run; an id of 32000 has no row and is refused before launch, naming the rows."""
+    write_token_dataset(tmp_path / "data" / "pydocs_text_document", [[(37 * j) % 8191 + 1 for j in range(50)] + [8191]])
+    flags = ("--use_dummy_dataset=False", f"--data_path={tmp_path / 'data'}", "--datasets=pydocs_text_document",
+             "--weights=1", "--model_variant=llama_small")
+    resolved = fms_dry_run(tmp_path, *flags)
+    assert resolved.args.padded_vocab_size == 32000 and resolved.args.tokenizer_type == "CharLevelTokenizer"
+    write_token_dataset(tmp_path / "wide" / "pydocs_text_document", [[5, 6, 32000, 7]], np.int32)
+    with pytest.raises(ConfigError, match=r"holds token id 32000 \(sequence 0\), but the model has 32000 embedding "
+                                          r"rows \(padded_vocab_size=32000 \(.*model_variant=llama_small"):
+        fms_dry_run(tmp_path, *flags[:1], f"--data_path={tmp_path / 'wide'}", *flags[2:])
+
+
+def test_ids_beyond_a_small_variants_rows_are_refused_before_launch(tmp_path: Path) -> None:
+    """llama_tiny's 8192 rows: an id of 8999 has no row. The ranks would refuse it (``TokenRangeChecked``) after the
+    launch; the dry run refuses it first, naming the model's rows (not a tokenizer this run does not have)."""
+    write_token_dataset(tmp_path / "data" / "ds_text_document", [[1, 2, 3, 8999]])
+    with pytest.raises(ConfigError, match=r"holds token id 8999 .* the model has 8192 embedding rows"):
+        fms_dry_run(tmp_path, "--use_dummy_dataset=False", f"--data_path={tmp_path / 'data'}",
+                    "--datasets=ds_text_document", "--weights=1", "--model_variant=llama_tiny")

@@ -116,9 +116,8 @@ CASES: list[Case] = [
     *(case(f"mamba/mamba-{size}.yml", LOCAL, overrides=MAMBA_TRAINING) for size in ("130M", "1.4B", "2.8B")),
     *(case(f"mamba/mamba-{size}.yml", LOCAL, overrides=MAMBA_TRAINING,
            problems=("attention_config describes 64 layers but num_layers=48",)) for size in ("370M", "790M")),
-    # the RWKV files' bf16 block carries DeeperSpeed's loss-scale fields, which DeepSpeed's bf16 block refuses
-    *(case(f"rwkv/{size}.yml", LOCAL, problems=("bf16.loss_scale = 0", "DeepSpeed refuses it"))
-      for size in ("170M", "430M", "1.5B")),
+    # the RWKV files' bf16 block carries DeeperSpeed's loss-scale fields: no effect there, left out here (said)
+    *(case(f"rwkv/{size}.yml", LOCAL) for size in ("170M", "430M", "1.5B")),
     case("1-3B-transformer-engine.yml", LOCAL, unsupported=("te_layernorm_mlp", "te_mha")),
     case("bnb_125M.yml", LOCAL, unsupported=("use_bnb_optimizer",)),
     case("gmlp_small.yml", LOCAL),  # (its eps 1.0e_8 is a string in YAML)
@@ -325,8 +324,14 @@ def test_guide_max_grad_norm_is_the_gradient_clip(tmp_path: Path) -> None:
     resolved, _ = dry_run([alone], ("optimizer.params.max_grad_norm=0.25",))
     assert resolved.deepspeed_config["gradient_clipping"] == 0.25
     assert "max_grad_norm" not in RunConfig.from_resolved(resolved).optimizer_config.optimizer_params  # not an Adam argument
+    # the command line wins over the file's other spelling (the README's precedence); two files that disagree do not
+    resolved, _ = dry_run([config], ("gradient_clipping=0.5",))
+    assert resolved.deepspeed_config["gradient_clipping"] == 0.5
+    assert any(w.startswith("optimizer.params.max_grad_norm=1.0 (") for w in resolved.warnings)
+    clip = tmp_path / "clip.yml"
+    clip.write_text("gradient_clipping: 0.5\n")
     with pytest.raises(ConfigError, match=r"max_grad_norm=1.0 .* and gradient_clipping=0.5 .* disagree"):
-        dry_run([config], ("gradient_clipping=0.5",))
+        dry_run([alone, clip])
 
 
 def test_deeperspeed_inner_fp16_flag_is_dropped_with_a_warning(tmp_path: Path) -> None:
@@ -346,6 +351,62 @@ def test_deeperspeed_inner_fp16_flag_contradicting_enabled_is_refused(tmp_path: 
     files = [config, *without(PENDING_KEYS, [NEOX / LOCAL], tmp_path)]
     with pytest.raises(ConfigError, match=r"fp16\.fp16=False and fp16\.enabled=True .* disagree"):
         dry_run(files)
+
+
+BF16_LOSS_SCALE = ("loss_scale", "loss_scale_window", "initial_scale_power", "hysteresis", "min_loss_scale")
+
+
+def test_rwkv_bf16_block_loss_scale_keys_have_no_effect_and_are_said() -> None:
+    """GPT-NeoX's ``configs/rwkv/170M.yml`` (ea7aefd8, the fixture verbatim) writes its bf16 block with the fp16
+    block's loss-scale fields. GPT-NeoX hands the block to DeeperSpeed as written (``deepspeed_config``,
+    ``megatron/neox_arguments/arguments.py:644-651``; ``bf16`` a plain dict, ``deepspeed_args.py:101``), and
+    DeeperSpeed at 91d1c55b (the commit GPT-NeoX's requirements pin) reads only ``bf16.enabled`` (and
+    ``immediate_grad_update``) from it, with the scale fixed at 1 for bf16: ``get_bfloat16_enabled``,
+    ``get_loss_scale``, ``get_initial_dynamic_scale`` (2**0) and ``get_dynamic_loss_scale_args`` (fp16 only) in
+    ``deepspeed/runtime/config.py:167-171, 194-241``. So the run is bf16 with no loss scaling; DeepSpeed 0.19.8's
+    ``DeepSpeedBF16Config`` refuses the fields, so they are left out, and the dry run says they have no effect."""
+    files = [NEOX / "rwkv/170M.yml", NEOX / LOCAL]
+    resolved, text = dry_run(files)
+    assert resolved.deepspeed_config["bf16"] == {"enabled": True}  # what DeeperSpeed reads of the block
+    assert "fp16" not in resolved.deepspeed_config
+    assert resolved.args.precision == "bfloat16"
+    said = [w for w in resolved.warnings if "have no effect" in w]
+    assert len(said) == 1 and all(f"bf16.{key}" in said[0] for key in BF16_LOSS_SCALE), resolved.warnings
+    assert "rwkv/170M.yml:" in said[0] and "no loss scaling" in said[0]
+    assert f"warning: {said[0]}" in text  # printed by --dry-run
+    # DeepSpeed's own parser takes the translated config (deepy's dry run asked it; asked again here)
+    from megatron.neox_arguments.deepspeed_split import _parser_problems
+
+    assert _parser_problems({k: v for k, v in resolved.deepspeed_config.items() if k != "train_batch_size"}, {}) == []
+    # an fp16 block's loss-scale fields are DeepSpeed's dynamic loss scaler's settings: passed on unchanged
+    resolved, _ = dry_run([NEOX / "19M.yml", NEOX / LOCAL])
+    fp16 = resolved.deepspeed_config["fp16"]
+    assert (fp16["loss_scale"], fp16["loss_scale_window"], fp16["initial_scale_power"], fp16["hysteresis"],
+            fp16["min_loss_scale"]) == (0, 1000, 12, 2, 1)
+    assert not any("have no effect" in w for w in resolved.warnings)
+
+
+def test_pythia_1b_bf16_spelling_says_its_loss_scale_fields_have_no_effect() -> None:
+    """Pythia-1B's ``fp16: {type: bfloat16, loss_scale, ...}``: the DeeperSpeed of its time gave that type a loss
+    scale of 1 (``deepspeed/runtime/config.py:97-113`` at 996951ef), so the fields had no effect; said."""
+    resolved, _ = dry_run([NEOX / "pythia/1B.yml", NEOX / LOCAL])
+    assert resolved.deepspeed_config["bf16"] == {"enabled": True} and "fp16" not in resolved.deepspeed_config
+    said = [w for w in resolved.warnings if "have no effect" in w]
+    assert len(said) == 1 and all(f"fp16.{key}" in said[0] for key in BF16_LOSS_SCALE), resolved.warnings
+
+
+def test_bf16_inner_flag_without_enabled_is_refused_saying_gpt_neox_runs_fp32(tmp_path: Path) -> None:
+    """``bf16: {bf16: true}`` without ``enabled``: DeeperSpeed's ``get_bfloat16_enabled`` reads only ``enabled``
+    (default False: ``runtime/constants.py:126-127`` at 91d1c55b), and GPT-NeoX derives its precision from
+    ``bf16.get("enabled")`` (``megatron/neox_arguments/arguments.py:974-979`` at ea7aefd8), so GPT-NeoX trains
+    it in fp32. Deepy neither guesses bf16 nor runs fp32 behind the user's back: refused, saying both."""
+    data = yaml.load((NEOX / "rwkv/170M.yml").read_text(), Loader=SafeLoader)
+    del data["bf16"]["enabled"]
+    config = tmp_path / "170M.yml"
+    config.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"bf16\.bf16=True without bf16\.enabled .* GPT-NeoX trains this config "
+                                          r"in fp32; set bf16\.enabled: true for bf16"):
+        dry_run([config, NEOX / LOCAL])
 
 
 # --- the real script: exit codes and no traceback -----------------------------------------------------

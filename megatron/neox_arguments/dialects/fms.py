@@ -63,9 +63,10 @@ MODEL_VARIANTS: dict[str, dict[str, Any]] = {
     "llama3_70b_4k": fms_llama(emb_dim=8192, nheads=64, kvheads=8, nlayers=80, hidden_grow_factor=3.5,
                                max_expected_seq_len=4096, **_L3),
     "llama3_194m_4k": fms_llama(emb_dim=1024, nheads=8, nlayers=10, max_expected_seq_len=4096, **_L3),
-    # Deepy's small variants, for tests and CPU smoke runs (not fms-fsdp's)
+    # Deepy's small variants, for tests and CPU smoke runs (not fms-fsdp's); llama_tiny's 8192 rows hold the ids of
+    # the README's pydocs data (prepare_data.py's 8192-token tokenizer), so train.sh trains it on that data
     "llama_tiny": fms_llama(emb_dim=64, nlayers=2, nheads=4, hidden_grow_factor=172 / 64, multiple_of=0,
-                            src_vocab_size=256, max_expected_seq_len=256),
+                            src_vocab_size=8192, max_expected_seq_len=256),
     "llama_small": fms_llama(emb_dim=512, nlayers=8, nheads=8, hidden_grow_factor=1376 / 512, multiple_of=0,
                              max_expected_seq_len=2048),
 }
