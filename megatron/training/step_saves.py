@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron.atomic_files import fsync_dir, umask
+from megatron.errors import CheckpointError
 
 log = logging.getLogger("deepy.saves")  # a child of the run logger: rank 0 speaks
 
@@ -136,7 +137,14 @@ class StepSaves:
 
     def save(self, completed: int) -> None:
         target = step_dir(self.base, completed)
-        self._write(completed, target)
+        try:
+            self._write(completed, target)
+        except OSError as err:  # disk full, permissions: the writer's; the launcher stops the other ranks
+            raise CheckpointError(
+                f"{self.key}: writing {target} failed ({type(err).__name__}: {err}); nothing of it was left behind "
+                f"and the earlier saves and checkpoints are untouched. Free space or fix permissions, then run the "
+                f"same command again: it resumes from the last checkpoint and writes the saves due from there"
+            ) from err
         self.saved = completed
         if self.writer:
             self.written.append(target)

@@ -181,3 +181,18 @@ def test_saves_and_atomic_files_follow_the_umask(tmp_path: Path, umask_027: None
     mode = {p.relative_to(tmp_path).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in tmp_path.rglob("*")}
     assert mode == {"hf": 0o750, "hf/step-1": 0o750, "hf/step-1/sub": 0o750, "hf/step-1/config.json": 0o640,
                     "hf/step-1/model.safetensors": 0o640, "hf/step-1/sub/tokenizer.json": 0o640, "latest": 0o640}
+
+
+def test_a_save_that_cannot_be_written_is_one_clear_error_and_leaves_nothing(tmp_path: Path) -> None:
+    """A disk that refuses the save (here the writer's OSError, as a full disk raises it) ends the run with one
+    message naming the key and the directory, not a traceback of the writer's, and leaves no half-written save."""
+    from megatron.errors import CheckpointError
+
+    def full_disk(weights: Any, out_dir: Path) -> None:
+        (out_dir / "config.json").write_text("{}")
+        raise OSError(28, "No space left on device")
+
+    saves = HFSaves(HFSaveArgs(hf_save_path=str(tmp_path), hf_save_interval=2), lambda: {}, full_disk)
+    with pytest.raises(CheckpointError, match=r"hf_save_path: writing .*step-2 failed \(OSError: .*No space left"):
+        saves.after_step(None, SimpleNamespace(iteration=3))
+    assert list(tmp_path.iterdir()) == []
