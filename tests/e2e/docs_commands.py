@@ -51,7 +51,8 @@ others take minutes (benchmarks) and have their command line parsed."""
 
 MADE_BY_A_RUN = {"checkpoints_lora": "the LoRA training command before it",
                  "reference_logps=sft_ref": "the precompute command before it (docs/generation.md)",
-                 "initialize_from=checkpoints_sft": "the SFT run before it (README, post-training)"}
+                 "initialize_from=checkpoints_sft": "the SFT run before it (README, post-training)",
+                 "checkpoints_dpo": "the DPO run before it, whose run the plot picks by its save (README)"}
 """Inputs that documented runs make, which this test only dry-runs: a tool reading them has its command
 line parsed, a deepy.py command its config loaded (files, keys, types) without the checks that open them."""
 
