@@ -7,16 +7,15 @@ needs a download and which local task to use instead; training with ``eval_tasks
 
 The oracles are the libraries' own code, run here: lm-eval 0.4.13's ``TaskIndex``/``load_yaml`` for what a name
 and a file resolve to, ``datasets`` 5.2.0's ``CachedDatasetModuleFactory`` for what counts as cached, its
-``camelcase_to_snakecase`` and its packaged builders; the shipped task runs through lm-eval itself, offline.
+``camelcase_to_snakecase`` and its packaged builders. The shipped task runs through lm-eval itself, offline, in
+``tests/unit/test_evaluation.py`` (beside the other in-process harness run: one import of the harness).
 """
 
 from __future__ import annotations
 
-import json
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -104,20 +103,22 @@ def test_a_hub_that_does_not_answer_counts_as_no_network(env: pytest.MonkeyPatch
     assert "tasks 'mmlu_abstract_algebra', 'mmlu_anatomy' and 55 more" in out  # the group's 57 subjects
 
 
-def test_a_cached_dataset_or_a_hub_in_reach_passes(env: pytest.MonkeyPatch, tmp_path: Path, listening_port: int,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_cached_dataset_or_a_hub_in_reach_passes(env: pytest.MonkeyPatch, tmp_path: Path,
+                                                   listening_port: int) -> None:
+    """The check itself (the dry runs above show how deepy.py prints it)."""
+    from megatron.evaluation.checks import data_problems
+
     # offline with a prepared copy where datasets looks for one: fine
     (tmp_path / "hf_cache" / "EleutherAI___lambada_openai" / "default" / "0.0.0" / "1a2b").mkdir(parents=True)
     env.setenv("HF_DATASETS_OFFLINE", "1")
-    code, out = dry_run(tmp_path, capsys, "[lambada_openai]")
-    assert code == 0 and "Hugging Face Hub" not in out, out
-    # online and not cached: the download is said before launch, and the run goes ahead
+    warnings: list[str] = []
+    assert data_problems("eval_tasks", ["lambada_openai"], warnings) == [] and warnings == []
+    # online and not cached: the download is said before launch (deepy.py prints it as a warning), the run goes on
     env.delenv("HF_DATASETS_OFFLINE")
     env.setenv("HF_ENDPOINT", f"http://127.0.0.1:{listening_port}")
-    code, out = dry_run(tmp_path, capsys, "[hellaswag]")
-    warned = [line for line in out.splitlines() if line.startswith("warning: eval_tasks=")]
-    assert code == 0 and len(warned) == 1 and "'Rowan/hellaswag'" in warned[0], out
-    assert "download it at the first evaluation" in warned[0] and task_data.EXAMPLE_TASK in warned[0]
+    assert data_problems("eval_tasks", ["hellaswag"], warnings) == []
+    assert len(warnings) == 1 and "task 'hellaswag' reads 'Rowan/hellaswag'" in warnings[0], warnings
+    assert "download it at the first evaluation" in warnings[0] and task_data.EXAMPLE_TASK in warnings[0]
 
 
 def test_a_local_task_whose_data_file_is_missing_is_refused(env: pytest.MonkeyPatch, tmp_path: Path,
@@ -129,9 +130,10 @@ def test_a_local_task_whose_data_file_is_missing_is_refused(env: pytest.MonkeyPa
     env.chdir(tmp_path)
     code, out = dry_run(tmp_path, capsys, f"[{task}]")
     assert code == 2 and "task 'mine' reads ['tasks/mine.jsonl'], which do not exist" in out, out
+    from megatron.evaluation.checks import data_problems
+
     (tmp_path / "tasks" / "mine.jsonl").write_text('{"a": "x", "b": " y"}\n')
-    code, out = dry_run(tmp_path, capsys, f"[{task}]")
-    assert code == 0, out
+    assert data_problems("eval_tasks", [str(task)], []) == []
 
 
 def test_task_names_resolve_as_the_harness_indexes_them() -> None:
@@ -184,49 +186,3 @@ def test_cached_and_builders_as_datasets_decides(tmp_path: Path) -> None:
         if made:
             (tmp_path / made).mkdir(parents=True)
         assert task_data.hub_cached(name, str(tmp_path)) == datasets_finds(name), name
-
-
-def test_the_shipped_local_task_runs_through_lm_eval_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """configs/lm_eval/python_builtins.yaml, as the docs run it (from the repository root, offline): the harness
-    reads all 24 questions from the file beside it and scores each choice after the docstring; with an LM that
-    prefers the shortest choice, accuracy is the share of questions whose answer is the shortest name."""
-    from types import SimpleNamespace
-
-    from lm_eval.api.model import LM
-
-    from megatron.evaluation.harness import evaluate
-    from megatron.neox_arguments import NeoXArgs
-    from megatron.neox_arguments.arguments import evaluation_run
-
-    monkeypatch.chdir(REPO)
-    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
-        monkeypatch.setenv(name, "1")
-    monkeypatch.setattr("datasets.config.HF_HUB_OFFLINE", True)
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
-    monkeypatch.setattr("datasets.config.HF_DATASETS_CACHE", tmp_path / "cache")
-    data = REPO / "configs" / "lm_eval" / "python_builtins.jsonl"
-    docs = [json.loads(line) for line in data.read_text().splitlines()]
-
-    class Shortest(LM):
-        replica = SimpleNamespace(dp_rank=0, tp_rank=0, pp_rank=0)
-        contexts: set[str] = set()
-
-        def loglikelihood(self, requests: Any) -> list[tuple[float, bool]]:
-            self.contexts.update(r.args[0] for r in requests)
-            return [(-float(len(r.args[1])), False) for r in requests]
-
-        def loglikelihood_rolling(self, requests: Any) -> Any:
-            raise NotImplementedError
-
-        def generate_until(self, requests: Any) -> Any:
-            raise NotImplementedError
-
-    lm = Shortest()
-    config = NeoXArgs(seq_length=32, eval_tasks=[task_data.EXAMPLE_TASK])
-    results = evaluate(lm, evaluation_run(config))  # type: ignore[arg-type]
-    assert lm.contexts == {f"{d['docstring']}\nThe built-in function:" for d in docs}
-    shortest = [min(range(4), key=lambda i, d=d: len(d["choices"][i])) for d in docs]  # lm-eval: first of equals
-    want = sum(s == d["answer"] for s, d in zip(shortest, docs)) / len(docs)
-    assert len(docs) == 24 and sorted(d["answer"] for d in docs) == sorted([0, 1, 2, 3] * 6)
-    assert results["results"]["python_builtins"]["acc,none"] == pytest.approx(want)
-    assert len(results["samples"]["python_builtins"]) == 24
