@@ -270,6 +270,16 @@ def hub_cached(dataset: str, cache_dir: str | None = None) -> bool:
     return any(os.path.isdir(p) for p in glob.glob(os.path.join(glob.escape(str(root)), "*", "*", "*")))
 
 
+def hub_snapshot(dataset: str) -> bool:
+    """A download of Hub dataset ``dataset`` in ``huggingface_hub``'s cache (``<HF_HUB_CACHE>/datasets--org--name``,
+    e.g. from ``hf download --repo-type dataset``): ``datasets`` reads it when the Hub does not answer, not when
+    told it is offline (it raises before looking, ``load.py:1104-1124``)."""
+    home = os.environ.get("HF_HOME", os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"))
+    hub = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
+    snapshots = Path(os.path.expanduser(hub)) / f"datasets--{dataset.replace('/', '--')}" / "snapshots"
+    return snapshots.is_dir() and any(snapshots.iterdir())
+
+
 def _data_files(value: Any) -> list[str]:
     if isinstance(value, dict):
         return [f for v in value.values() for f in _data_files(v)]
@@ -297,7 +307,7 @@ def unreadable(source: TaskSource) -> Unreadable | None:
     if os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1:
         return Unreadable(source.task, missing=(path,))  # not a Hub id: datasets looks for it on disk
     cache = kwargs.get("cache_dir")
-    if hub_cached(path, cache if isinstance(cache, str) else None):
+    if hub_cached(path, cache if isinstance(cache, str) else None) or (offline_switch() is None and hub_snapshot(path)):
         return None
     return Unreadable(source.task, hub=path)
 

@@ -113,8 +113,15 @@ def test_a_cached_dataset_or_a_hub_in_reach_passes(env: pytest.MonkeyPatch, tmp_
     env.setenv("HF_DATASETS_OFFLINE", "1")
     warnings: list[str] = []
     assert data_problems("eval_tasks", ["lambada_openai"], warnings) == [] and warnings == []
-    # online and not cached: the download is said before launch (deepy.py prints it as a warning), the run goes on
+    # not told it is offline, datasets also reads a download in huggingface_hub's cache when the Hub is out of reach
     env.delenv("HF_DATASETS_OFFLINE")
+    env.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "hub" / "datasets--baber--piqa" / "snapshots" / "0a1b").mkdir(parents=True)
+    assert data_problems("eval_tasks", ["piqa"], warnings) == [] and warnings == []
+    env.setenv("HF_HUB_OFFLINE", "1")  # told it is offline, it does not look there
+    assert "task 'piqa' reads 'baber/piqa'" in data_problems("eval_tasks", ["piqa"], warnings)[0]
+    env.delenv("HF_HUB_OFFLINE")
+    # online and not cached: the download is said before launch (deepy.py prints it as a warning), the run goes on
     env.setenv("HF_ENDPOINT", f"http://127.0.0.1:{listening_port}")
     assert data_problems("eval_tasks", ["hellaswag"], warnings) == []
     assert len(warnings) == 1 and "task 'hellaswag' reads 'Rowan/hellaswag'" in warnings[0], warnings
