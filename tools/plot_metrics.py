@@ -3,6 +3,7 @@
     python tools/plot_metrics.py logs -o curves.png                    # every run of a log_dir
     python tools/plot_metrics.py logs/20250101-120000-ab12 -o one.png  # one run (its folder or its file)
     python tools/plot_metrics.py runs/a runs/b -o compare.png          # several log_dirs overlaid
+    python tools/plot_metrics.py logs --save checkpoints checkpoints_sft -o two.png   # the runs that saved there
     python tools/plot_metrics.py logs --ascii [--key train/lm_loss]    # a quick look in the terminal
 
 Panels against the iteration, only for what the runs logged: one loss panel per kind of loss (a
@@ -12,7 +13,9 @@ preference accuracy and reward margin of DPO/KTO/reward-model runs; learning rat
 fp16 loss scale (fp16 runs only) and tokens per second. A training run keeps its rows and its
 ``deepy_config.json`` in one folder, ``<log_dir>/<run name>/``: each run is one colour, named after its
 objective and config files (``DPO: tiny+dpo``), or the W&B run name when set (``--label`` overrides,
-one per argument). ``--ascii`` prints one metric as a character chart instead, without matplotlib.
+one per argument). ``--save DIR...`` keeps the runs whose checkpoints went to those directories (the ``save``
+their ``deepy_config.json`` records), in that order: run names are launch times, a run's ``save`` is yours.
+``--ascii`` prints one metric as a character chart instead, without matplotlib.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -278,11 +282,30 @@ def render_ascii(points: list[tuple[int, float]], width: int, height: int) -> li
     return lines
 
 
+def saved_into(runs: list[Run], saves: Sequence[str]) -> list[Run]:
+    """The runs of ``runs`` whose ``save`` (in their ``deepy_config.json``) is one of ``saves``, in that order; a
+    directory no run saved into is an error (a misspelt name, or the run's log is elsewhere)."""
+    def same(a: str, b: str) -> bool:
+        return os.path.normpath(a) == os.path.normpath(b) or Path(a).resolve() == Path(b).resolve()
+
+    chosen: list[Run] = []
+    for save in saves:
+        found = [run for run in runs if isinstance(saved := (run_config(run.path).get("args") or {}).get("save"), str)
+                 and same(saved, save)]
+        if not found:
+            raise UsageError(f"--save {save}: no run of these logs saved into it (runs given: "
+                             f"{', '.join(run.path.parent.name for run in runs) or 'none'})")
+        chosen.extend(run for run in found if all(run is not had for had in chosen))
+    return chosen
+
+
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="log_dir(s), run folder(s) or metrics.jsonl file(s)")
     parser.add_argument("-o", "--output", type=Path, default=None, help="PNG to write (default: curves.png)")
     parser.add_argument("--label", action="append", default=None, help="legend label per run argument, in order")
+    parser.add_argument("--save", nargs="+", default=None, metavar="DIR",
+                        help="only the runs whose checkpoints went to these directories (their `save`), in this order")
     parser.add_argument("--ascii", action="store_true", help="print --key as a character chart instead")
     parser.add_argument("--key", default="train/lm_loss", help="metric for --ascii")
     parser.add_argument("--width", type=int, default=72)
@@ -296,8 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     labels = args.label or []
     if labels and len(labels) != len(args.runs):
         raise UsageError(f"{len(labels)} --label for {len(args.runs)} runs: give one per run or none")
-    runs = distinguish([run for i, path in enumerate(args.runs)
-                        for run in read_runs(path, labels[i] if labels else None)])
+    runs = [run for i, path in enumerate(args.runs) for run in read_runs(path, labels[i] if labels else None)]
+    runs = distinguish(saved_into(runs, args.save) if args.save else runs)
     if args.ascii:
         for run in runs:
             xs, ys = run.series(args.key)

@@ -8,7 +8,12 @@ checks find the ones the keys and this machine's files can show, before anything
 * layouts the evaluation forwards cannot run in: ``context_parallel_size > 1`` (the key/value cache reads
   whole sequences), ``sequence_parallel`` with tensor parallelism (the cache cannot split the sequence);
 * an objective whose model has no language-model head (``train_impl: rm``);
-* a task entry that is neither an existing task file or directory nor a name lm-evaluation-harness knows.
+* a task entry that is neither an existing task file or directory nor a name lm-evaluation-harness knows;
+* for eval.py and training, a task whose documents this machine cannot read: a local data file that does not
+  exist, or a Hugging Face Hub dataset that is not in the ``datasets`` cache while nothing can be downloaded
+  (``HF_DATASETS_OFFLINE``/``HF_HUB_OFFLINE`` set, or the Hub unreachable): without this, both ranks retried the
+  download for minutes and ended in a traceback. With the Hub reachable the download is said before launch, as
+  a warning. How a task's data are found: ``megatron/evaluation/task_data.py``.
 
 Names are looked up without importing the harness (seconds) or building its index (tens of seconds): every
 task, group and tag the harness indexes is named in one of its task YAML files (or in the YAML files the
@@ -23,35 +28,16 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Iterable
-from functools import lru_cache
 from pathlib import Path
 
 from megatron.config_rules import RuleContext, rule
+from megatron.evaluation.task_data import file_bytes, harness_task_files, yaml_files
 
 _YAML = (".yaml", ".yml")
 
 
 def _looks_like_a_path(entry: str) -> bool:
     return entry.endswith(_YAML) or os.sep in entry or entry.startswith(".")
-
-
-def _yaml_files(root: Path) -> Iterable[Path]:
-    if root.is_file():
-        yield root
-        return
-    for folder, _, files in os.walk(root):
-        for name in files:
-            if name.endswith(_YAML):
-                yield Path(folder) / name
-
-
-@lru_cache(maxsize=4)
-def _harness_task_files() -> tuple[Path, ...]:
-    """The task YAML files lm-evaluation-harness indexes (empty when it is not installed)."""
-    spec = importlib.util.find_spec("lm_eval")
-    if spec is None or spec.origin is None:
-        return ()
-    return tuple(_yaml_files(Path(spec.origin).parent / "tasks"))
 
 
 def unknown_task_names(tasks: list[str], harness_files: Iterable[Path] | None = None) -> list[str]:
@@ -62,13 +48,10 @@ def unknown_task_names(tasks: list[str], harness_files: Iterable[Path] | None = 
     if not names:
         return []
     left = {name: name.encode() for name in names}
-    files = [*(f for p in local for f in _yaml_files(p if p.is_dir() else p.parent)),
-             *(_harness_task_files() if harness_files is None else harness_files)]
+    files = [*(f for p in local for f in yaml_files(p if p.is_dir() else p.parent)),
+             *(harness_task_files() if harness_files is None else harness_files)]
     for path in files:
-        try:
-            text = path.read_bytes()
-        except OSError:
-            continue
+        text = file_bytes(path)
         for name in [n for n, raw in left.items() if raw in text]:
             del left[name]
         if not left:
@@ -108,4 +91,57 @@ def eval_tasks_can_run(ctx: RuleContext) -> list[str]:
         if unknown:
             problems.append(f"{shown}: unknown task(s) {unknown}: neither lm-evaluation-harness tasks, groups or "
                             "tags nor existing task YAML files (`python -m lm_eval ls tasks` lists the known ones)")
+    runs_tasks = ctx.trains or os.path.basename(ctx.entry_point or "") == "eval.py"
+    if not problems and runs_tasks and importlib.util.find_spec("lm_eval") is not None:
+        problems.extend(data_problems(shown, list(tasks), ctx.warnings))
+    return problems
+
+
+def _reads(tasks: list[str], dataset: str, most: int = 2) -> str:
+    """``task 'a' reads 'org/x'``, ``tasks 'a', 'b' and 3 more read 'org/x'``."""
+    unique = list(dict.fromkeys(tasks))
+    listed = ", ".join(repr(t) for t in unique[:most])
+    listed += f" and {len(unique) - most} more" if len(unique) > most else ""
+    return f"task {listed} reads {dataset!r}" if len(unique) == 1 else f"tasks {listed} read {dataset!r}"
+
+
+def data_problems(shown: str, tasks: list[str], warnings: list[str]) -> list[str]:
+    """The tasks whose documents cannot be read here (one message per kind); a download the run will make is
+    added to ``warnings``."""
+    from megatron.evaluation.task_data import (
+        EXAMPLE_TASK,
+        datasets_cache,
+        hub_unreachable,
+        offline_switch,
+        task_sources,
+        unreadable,
+    )
+
+    sources = task_sources(tasks)
+    if not sources:
+        return []
+    gaps = [gap for source in sources if (gap := unreadable(source)) is not None]
+    problems = []
+    missing = [gap for gap in gaps if gap.missing]
+    if missing:
+        files = "; ".join(f"task {gap.task!r} reads {list(gap.missing)}" for gap in missing)
+        problems.append(f"{shown}: {files}, which do not exist (data_files and dataset_path are read relative to the "
+                        f"directory the run starts in, {os.getcwd()})")
+    remote = [gap for gap in gaps if gap.hub]
+    if remote:
+        by_dataset: dict[str, list[str]] = {}
+        for gap in remote:
+            by_dataset.setdefault(str(gap.hub), []).append(gap.task)
+        reads = "; ".join(_reads(tasks_of, hub) for hub, tasks_of in by_dataset.items())
+        what = f"{reads} from the Hugging Face Hub, not in this machine's datasets cache ({datasets_cache()})"
+        local = (f"a task YAML over local files (dataset_path: json with dataset_kwargs.data_files, as "
+                 f"{EXAMPLE_TASK}; docs/generation.md)")
+        offline = offline_switch()
+        why = f"{offline} is set" if offline else hub_unreachable()
+        if why:
+            problems.append(f"{shown}: {what}, and nothing can be downloaded now ({why}): run once where the Hub "
+                            f"can be reached (or copy that cache here), or evaluate {local} instead")
+        else:
+            warnings.append(f"{shown}: {what}: the ranks download it at the first evaluation; without a network, "
+                            f"evaluate {local} instead")
     return problems

@@ -84,8 +84,8 @@ def load_tasks(tasks: list[str] | tuple[str, ...]) -> None:
                 f"eval_tasks: task {spec!r} cannot be loaded ({type(err).__name__}: {str(err)[:300]}). "
                 "A task reads its documents through Hugging Face datasets"
                 + (f"; with {', '.join(offline)} set they must already be in its cache" if offline else "")
-                + ": download them first (or point the task at local files: dataset_path: json with data_files), "
-                "or remove the task") from None
+                + ": download them first (or point the task at local files: dataset_path: json with data_files, as "
+                "configs/lm_eval/python_builtins.yaml does), or remove the task") from None
 
 
 def evaluate(lm: DeepyLM, config: EvalRun) -> dict[str, Any]:

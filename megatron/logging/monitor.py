@@ -57,10 +57,10 @@ class Monitor:
         if self.profiler is not None:
             self.profiler.before_step(iteration)
 
-    def after_step(self, iteration: int, loss: float | None = None) -> None:
+    def after_step(self, iteration: int) -> None:
         if self.profiler is not None:
             self.profiler.after_step(iteration)
-        self.progress.step(iteration, loss)
+        self.progress.step(iteration)
 
     def window_metrics(self, iterations: int) -> dict[str, float]:
         """``timers/*`` for the logging window and the statistics of the last step (every rank

@@ -1,7 +1,8 @@
 """Progress of long operations: a tqdm bar with ETA on a terminal, plain lines otherwise.
 
 - :class:`TrainingProgress`: the speaking rank's view of training. On a terminal, a tqdm bar over
-  ``train_iters`` (ETA, s/it, the last loss) with each log row printed above it; in a log file or
+  ``train_iters`` (ETA, s/it, and the loss of the last log row: the same number as the row above it, the mean
+  over its ``log_interval`` steps) with each log row printed above it; in a log file or
   pipe, one line per ``log_interval`` with the ETA appended (a bar's carriage returns would make one
   unreadable line of a log). The ETA leaves out the first step (compilation, first allocations).
 - :func:`progress`: the same choice for tools (preprocessing, conversion): a tqdm bar on a terminal,
@@ -96,14 +97,12 @@ class TrainingProgress:
             self.message(f"step {self.start_iteration + 1} still running after {format_duration(waited)} "
                          f"(the first step compiles and allocates; later steps are faster)")
 
-    def step(self, iteration: int, loss: float | None = None) -> None:
+    def step(self, iteration: int) -> None:
         if self._anchor is None:
             self._first_step_done(iteration)
         if self.bar is None:
             return
         self.bar.update(iteration - self.bar.n)
-        if loss is not None:
-            self.bar.set_postfix_str(f"loss {loss:.4f}", refresh=False)
 
     def _first_step_done(self, iteration: int) -> None:
         now = self.clock()
@@ -148,6 +147,11 @@ class TrainingProgress:
                 line += f" | ETA {format_duration(eta)}"
         if self.bar is not None:
             self.bar.write(line)
+            loss = row.get("train/lm_loss")
+            if isinstance(loss, (int, float)):
+                # the row's loss (a mean over the window), printed as the row prints it: one number, not the
+                # last step's beside the window's (issue 42, item 18)
+                self.bar.set_postfix_str(f"loss {loss:.6f}", refresh=False)
         else:
             self.log.info(line)
 

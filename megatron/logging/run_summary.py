@@ -48,6 +48,12 @@ class RunFacts:
     tokens_per_step: int
     train_iters: int
     start_iteration: int
+    samples_at_end: int
+    """Samples read after step ``train_iters``: those a resumed run read before (its checkpoint's consumed
+    samples, at the batch sizes it had) plus this launch's steps' batches."""
+    tokens_at_end: int
+    """Tokens of ``samples_at_end``, counted as :attr:`samples_at_end` is (a micro-batch change between
+    launches changes the tokens per step of the steps to go only)."""
     split_tokens: int | None
     """Tokens of one pass over a packed train split (None: not packed, or the data cannot say)."""
     split_documents: int | None
@@ -106,16 +112,17 @@ def header_lines(f: RunFacts) -> list[str]:
     schedule = f"{_count(f.train_iters)} steps"
     if f.start_iteration:
         schedule += f" (resuming after step {_count(f.start_iteration)}: {_count(steps_left)} to go)"
-    schedule += f", {_count(f.train_iters * f.tokens_per_step)} tokens"
+    schedule += f", {_count(f.tokens_at_end)} tokens"
     if f.split_tokens:
-        epochs = f.train_iters * f.tokens_per_step / f.split_tokens
+        epochs = f.tokens_at_end / f.split_tokens
         schedule += (f" = {epochs:.2f} epochs of the train split ({_count(f.split_tokens)} tokens"
                      + (f" in {_count(f.split_documents)} documents)" if f.split_documents else ")"))
     elif f.split_documents:
-        epochs = f.train_iters * f.global_batch / f.split_documents
+        epochs = f.samples_at_end / f.split_documents
         schedule += f" = {epochs:.2f} epochs of the train split ({_count(f.split_documents)} documents, one per sample)"
     lines = [
-        f"run {f.run_name}" + (f": metrics and config in {f.metrics_dir}/" if f.metrics_dir else ""),
+        f"run {f.run_name}" + (f": metrics and config in {f.metrics_dir}/" if f.metrics_dir else
+                               ": no metrics.jsonl (log_dir is not set)"),
         f"  model       {_count(f.parameters)} parameters ({_count(f.non_embedding_parameters)} without embeddings), "
         f"{trainable}; {f.engine} engine",
         f"  layout      {layout}; ZeRO {f.zero_stage}; {f.precision}",

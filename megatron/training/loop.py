@@ -271,8 +271,7 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
         if ctx.bad_steps is not None:
             state.bad_steps = ctx.bad_steps.rule.to_dict()
         log_step = ctx.monitor.is_log_step(state.iteration)
-        # the loss is read (a wait for the device) only at log steps
-        ctx.monitor.after_step(state.iteration, float(result.loss) if log_step else None)
+        ctx.monitor.after_step(state.iteration)
         window.add(result, lr, samples, tokens)
         _check_overflow(state, result, limit)
 

@@ -225,6 +225,11 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
     state.run_name = monitor.run_name
     metrics_dir = os.path.join(log_config.log_dir, state.run_name) if log_config.log_dir else None
     split_tokens, split_documents = split_size(splits.train)
+    # what the run will have read after its last step: what it read before this launch (at the batch it had
+    # then; a checkpoint GPT-NeoX wrote counts samples only) and the batches of the steps to go
+    per_sample = seq * objective.rows_per_sample
+    batches = training.batch.schedule(batch.dp)
+    ahead = batches.offset_at(train_iters) - batches.offset_at(state.iteration) if train_iters > state.iteration else 0
     for line in header_lines(RunFacts(
             run_name=state.run_name, metrics_dir=metrics_dir, parameters=num_parameters(model_config),
             non_embedding_parameters=num_parameters(model_config, include_embeddings=False),
@@ -238,7 +243,10 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
             global_batch=batch.global_size, seq_length=seq,
             rows_per_sample=objective.rows_per_sample,
             tokens_per_step=batch.global_size * seq * objective.rows_per_sample,
-            train_iters=train_iters, start_iteration=state.iteration, split_tokens=split_tokens,
+            train_iters=train_iters, start_iteration=state.iteration,
+            samples_at_end=state.consumed_samples + ahead,
+            tokens_at_end=(state.consumed_tokens or state.consumed_samples * per_sample) + ahead * per_sample,
+            split_tokens=split_tokens,
             split_documents=split_documents, eval_interval=training.loop.eval_interval if splits.valid is not None else None,
             eval_iters=training.loop.eval_iters, save=checkpoint.save)):
         monitor.message(line)

@@ -51,7 +51,8 @@ others take minutes (benchmarks) and have their command line parsed."""
 
 MADE_BY_A_RUN = {"checkpoints_lora": "the LoRA training command before it",
                  "reference_logps=sft_ref": "the precompute command before it (docs/generation.md)",
-                 "initialize_from=checkpoints_sft": "the SFT run before it (README, post-training)"}
+                 "initialize_from=checkpoints_sft": "the SFT run before it (README, post-training)",
+                 "checkpoints_dpo": "the DPO run before it, whose run the plot picks by its save (README)"}
 """Inputs that documented runs make, which this test only dry-runs: a tool reading them has its command
 line parsed, a deepy.py command its config loaded (files, keys, types) without the checks that open them."""
 
@@ -67,14 +68,8 @@ NEEDS: dict[str, str] = {
     ),
     "my_data_and_schedule.yml": (  # README, Hugging Face interop: what deepy_model.yml leaves to the user
         "data_path: data/pydocs/pydocs_text_document\nsplit: '960,20,20'\nnum_gpus: 4\ntrain_micro_batch_size_per_gpu: 4\n"
-        "train_iters: 100\nlr: 1.0e-4\nsave: checkpoints_ft\ncheckpoint_factor: 50\n"
+        "train_iters: 100\nlr: 1.0e-4\nsave: checkpoints_ft\ncheckpoint_factor: 50\nlog_dir: logs\n"
     ),
-    "my_task.yaml": (  # an lm-eval task over local files (docs/generation.md)
-        "task: my_task\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: my_task.jsonl\n"
-        "test_split: test\noutput_type: loglikelihood\ndoc_to_text: '{{context}}'\n"
-        "doc_to_target: '{{continuation}}'\nmetric_list:\n  - metric: acc\n"
-    ),
-    "my_task.jsonl": '{"context": "import", "continuation": " os"}\n',
 }
 """Files the user brings, by the name a command gives them, and what the docs say they hold."""
 

@@ -32,6 +32,8 @@ def scheduled(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert first.returncode == 0, output(first)
     resumed = deepy(tmp, *COMMON, "load=ckpt", "iteration=3", "save=ckpt2", "log_dir=resumed")
     assert resumed.returncode == 0, output(resumed)
+    (tmp / "first.out").write_text(output(first))
+    (tmp / "resumed.out").write_text(output(resumed))
     return tmp
 
 
@@ -49,3 +51,14 @@ def test_a_resume_in_the_middle_of_the_schedule_gives_the_uninterrupted_losses(s
     assert sorted(resumed) == [4, 5, 6]
     assert rows(scheduled / "resumed")[4]["train/global_batch"] == 6
     assert_curves_match(resumed, losses(scheduled / "logs"), 1e-6)
+
+
+def test_the_header_counts_the_tokens_of_each_steps_batch(scheduled: Path) -> None:
+    """Issue 42 item 18: the header said train_iters x the first step's batch (6 x 2 x 32 = 384 tokens; a resume
+    after a micro-batch change likewise stated 450,560 tokens for 245,760). The run reads 2+2+6+6+4+4 = 24
+    samples of 32 tokens; the resumed one read 10 of them before step 3 and adds the 14 of its steps."""
+    tokens = 32 * sum(BATCHES)
+    first = next(line for line in (scheduled / "first.out").read_text().splitlines() if "  schedule " in line)
+    assert f"6 steps, {tokens:,} tokens" in first, first
+    resumed = next(line for line in (scheduled / "resumed.out").read_text().splitlines() if "  schedule " in line)
+    assert f"6 steps (resuming after step 3: 3 to go), {tokens:,} tokens" in resumed, resumed

@@ -37,11 +37,9 @@ from docs_commands import (
 
 pytestmark = pytest.mark.slow
 
+from tools.bench.readme_figures import ITERS, LINKED, RECORD, SHORTER, transcript
+
 REPO = Path(__file__).resolve().parents[2]
-ITERS = 60
-SHORTER = {'"train_iters": 200': f'"train_iters": {ITERS}', '"lr_decay_iters": 200': f'"lr_decay_iters": {ITERS}',
-           '"checkpoint_factor": 100': '"checkpoint_factor": 30', '"eval_interval": 100': '"eval_interval": 30'}
-LINKED = ("deepy.py", "train.py", "generate.py", "eval.py", "prepare_data.py", "setup.py", "tools", "requirements")
 
 
 @dataclass(frozen=True)
@@ -114,6 +112,16 @@ def test_tiny_config_trains_on_pydocs(quick_start: QuickStart) -> None:
     # one directory per run: its metrics and the resolved config deepy.py wrote for it
     runs = [p for p in (quick_start.root / "logs").iterdir() if p.is_dir()]
     assert len(runs) == 1 and {p.name for p in runs[0].iterdir()} >= {"metrics.jsonl", "deepy_config.json"}
+    # issue 42 item 18: tools/bench/readme_figures.py measures the README's figures and records them with this
+    # 60-step run's (tests/e2e/readme_figures.json; tests/unit/test_readme_figures.py holds the README to the
+    # record): a change that moves the losses fails here, then measure the README's figures again
+    for key, want in json.loads(RECORD.read_text())["quick_start_60"].items():
+        got = {str(r["iteration"]): r[key] for r in rows if key in r}
+        off = {step: (got.get(step), value) for step, value in want.items()
+               if step not in got or abs(got[step] - value) > 1e-3}
+        assert sorted(got) == sorted(want) and not off, (
+            f"{key} moved (step: (this run, recorded)): {off}; run `python tools/bench/readme_figures.py --record` "
+            "and change the README figures it names")
 
 
 def test_the_console_of_a_two_rank_run(quick_start: QuickStart) -> None:
@@ -141,12 +149,35 @@ def test_the_console_of_a_two_rank_run(quick_start: QuickStart) -> None:
     assert lines[summary + 2:summary + 4] == [f"  checkpoint  checkpoints/global_step{ITERS}",
                                               f"  metrics     logs/{run_dir}/metrics.jsonl"]
     assert lines[-1] == lines[summary + 3]  # the summary ends the run's output
+    # the README's transcript (a 200-step run) shows these lines as this run prints them
+    shown = transcript((REPO / "README.md").read_text())
+    for start in ("  model ", "  layout ", "  batch "):  # not the output line: 30-step evaluations here
+        line = next(line for line in shown if line.startswith(start))
+        assert line in lines, (line, [got for got in lines if got.startswith(start)])
+    schedule_shown = next(line for line in shown if line.startswith("  schedule"))
+    split = re.search(r"epochs of the train split \(.*\)$", schedule_shown)  # the corpus' train split
+    assert split and lines[header + 4].endswith(split.group(0)), (split, lines[header + 4])
     # nothing of DeepSpeed's own, nor our internals (tiny.yml leaves steps_per_print at DeepSpeed's 10)
     for noise in (r"^steps: \d+ loss", r"SEED_LAYERS=", r"^stage=\d+ layers=", r"Setting accelerator to CPU",
                   r"\[INFO\]", r"\[WARNING\]", r"megatron\.launcher\.local_ranks", r"^deepy: rank=", r"skipped \d",
                   r"split has no data", r"distutils", r"Traceback"):
         assert not re.search(noise, quick_start.console, re.M), noise
     assert "steps_per_print" not in (REPO / "configs" / "tiny.yml").read_text()
+
+
+def test_the_fine_tune_example_writes_metrics_and_is_the_file_the_commands_test_uses() -> None:
+    """Issue 42 item 18: the Hugging Face fine-tune recipe (``deepy_model.yml`` + ``my_data_and_schedule.yml``,
+    no local_setup.yml) wrote no metrics.jsonl and did not say so: the README's example sets ``log_dir`` (the
+    header of a run without it says so, ``tests/unit/test_console.py``), and the file the documented commands are
+    checked with is that example."""
+    import yaml
+
+    readme = (REPO / "README.md").read_text()
+    example = re.search(r"`my_data_and_schedule.yml` what\s+is left to you, for instance `(\{[^`]*\})`", readme)
+    assert example, "README.md: the my_data_and_schedule.yml example moved"
+    shown = yaml.safe_load(example.group(1))
+    assert shown.get("log_dir") == "logs", shown
+    assert yaml.safe_load(NEEDS["my_data_and_schedule.yml"]) == shown
 
 
 def test_an_error_every_rank_hits_is_printed_once(quick_start: QuickStart, tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ FACTS = dict(run_name="20260101-120000-ab12", metrics_dir="logs/20260101-120000-
              non_embedding_parameters=100_096, trainable_parameters=624_384, adapters=False, engine="pipeline",
              world_size=2, dp=2, tp=1, pp=1, cp=1, zero_stage=0, precision="fp32", micro_batch=4, accumulation=1,
              global_batch=8, seq_length=128, tokens_per_step=1024, train_iters=200, start_iteration=0,
+             samples_at_end=1_600, tokens_at_end=204_800,
              split_tokens=377_415, split_documents=3_299, eval_interval=100, eval_iters=5, save="checkpoints")
 
 
@@ -41,16 +42,33 @@ def test_header_states_batch_tokens_steps_epochs_and_parameters() -> None:
 
 def test_header_of_a_lora_run_and_a_resumed_one() -> None:
     lora = header_lines(RunFacts(**{**FACTS, "trainable_parameters": 8_192, "adapters": True, "start_iteration": 150,
-                                    "split_tokens": None, "save": None}))
+                                    "split_tokens": None, "save": None, "metrics_dir": None}))
     text = "\n".join(lora)
     assert f"8,192 trainable (LoRA adapters, {100 * 8192 / 624_384:.2f}%)" in text
     assert "200 steps (resuming after step 150: 50 to go)" in text
     # unpacked data: a sample is one document
     assert f"= {200 * 8 / 3_299:.2f} epochs of the train split (3,299 documents, one per sample)" in text
     assert "no checkpoints (save is not set)" in text
+    # no log_dir (a config without local_setup.yml): the header says no metrics file is written (issue 42, item 18)
+    assert lora[0] == "run 20260101-120000-ab12: no metrics.jsonl (log_dir is not set)"
     # DPO: a sample is a pair, two sequences of seq_length
     dpo = "\n".join(header_lines(RunFacts(**{**FACTS, "rows_per_sample": 2, "tokens_per_step": 2048})))
     assert "8 samples (16 sequences) x 128 tokens = 2,048 tokens per step" in dpo
+
+
+def test_a_resume_with_another_micro_batch_states_the_tokens_read_and_to_read() -> None:
+    """Issue 42 item 18: 200 steps of 1,024 tokens, then resumed to 220 steps at micro batch 8 (2,048 tokens per
+    step): 200 x 1,024 + 20 x 2,048 = 245,760 tokens at the end, not 220 x 2,048 = 450,560. The header reads the
+    checkpoint's consumed samples and tokens and adds the steps to go (``pretrain.py``)."""
+    resumed = header_lines(RunFacts(**{**FACTS, "micro_batch": 8, "global_batch": 16, "tokens_per_step": 2048,
+                                       "train_iters": 220, "start_iteration": 200,
+                                       "samples_at_end": 200 * 8 + 20 * 16, "tokens_at_end": 200 * 1024 + 20 * 2048}))
+    text = "\n".join(resumed)
+    assert "220 steps (resuming after step 200: 20 to go), 245,760 tokens = " in text, text
+    assert f"= {245_760 / 377_415:.2f} epochs of the train split" in text
+    unpacked = "\n".join(header_lines(RunFacts(**{**FACTS, "split_tokens": None, "train_iters": 220,
+                                                 "start_iteration": 200, "samples_at_end": 1_920})))
+    assert f"= {1_920 / 3_299:.2f} epochs of the train split (3,299 documents, one per sample)" in unpacked
 
 
 def test_split_size_reads_packed_unpacked_and_blended_splits() -> None:

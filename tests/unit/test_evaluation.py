@@ -201,3 +201,51 @@ def test_eval_tasks_limit_caps_the_documents_each_task_reads(tmp_path: Path) -> 
     results = evaluate(lm, evaluation_run(config))  # type: ignore[arg-type]
     assert sorted(lm.seen) == ["q0", "q1"]  # without the limit: all 5
     assert len(results["samples"]["limit_probe"]) == 2
+
+
+def test_the_shipped_local_task_runs_through_lm_eval_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Issue 42 item 15: configs/lm_eval/python_builtins.yaml, as the docs run it (from the repository root,
+    offline): the harness reads all 24 questions from the file beside it and scores each choice after the
+    docstring; with an LM that prefers the shortest choice, accuracy is the share of questions whose answer is
+    the shortest name."""
+    import json
+    from types import SimpleNamespace
+    from typing import Any
+
+    from lm_eval.api.model import LM
+
+    from megatron.evaluation.harness import evaluate
+    from megatron.evaluation.task_data import EXAMPLE_TASK
+
+    monkeypatch.chdir(REPO)
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setattr("datasets.config.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("datasets.config.HF_DATASETS_CACHE", tmp_path / "cache")
+    data = REPO / "configs" / "lm_eval" / "python_builtins.jsonl"
+    docs = [json.loads(line) for line in data.read_text().splitlines()]
+
+    class Shortest(LM):
+        replica = SimpleNamespace(dp_rank=0, tp_rank=0, pp_rank=0)
+        contexts: set[str] = set()
+
+        def loglikelihood(self, requests: Any) -> list[tuple[float, bool]]:
+            self.contexts.update(r.args[0] for r in requests)
+            return [(-float(len(r.args[1])), False) for r in requests]
+
+        def loglikelihood_rolling(self, requests: Any) -> Any:
+            raise NotImplementedError
+
+        def generate_until(self, requests: Any) -> Any:
+            raise NotImplementedError
+
+    lm = Shortest()
+    config = NeoXArgs(seq_length=32, eval_tasks=[EXAMPLE_TASK])
+    results = evaluate(lm, evaluation_run(config))  # type: ignore[arg-type]
+    assert lm.contexts == {f"{d['docstring']}\nThe built-in function:" for d in docs}
+    shortest = [min(range(4), key=lambda i, d=d: len(d["choices"][i])) for d in docs]  # lm-eval: first of equals
+    want = sum(s == d["answer"] for s, d in zip(shortest, docs)) / len(docs)
+    assert len(docs) == 24 and sorted(d["answer"] for d in docs) == sorted([0, 1, 2, 3] * 6)
+    assert results["results"]["python_builtins"]["acc,none"] == pytest.approx(want)
+    assert len(results["samples"]["python_builtins"]) == 24

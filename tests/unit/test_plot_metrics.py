@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,36 @@ def test_the_png_is_written(three_runs: Path, tmp_path: Path, capsys: pytest.Cap
     assert plot_metrics.main([str(three_runs), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert capsys.readouterr().out == f"wrote {out} (7 panels, 3 runs: LM: tiny, SFT: tiny, DPO: tiny+dpo)\n"
+
+
+def test_the_readmes_sft_dpo_plot_draws_those_runs_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 42 item 18: ``plot_metrics.py logs`` drew every run of logs/, the other commands' runs too. The
+    README's command (read from README.md) names the quick start's, the SFT and the DPO run by their ``save``."""
+    from tools.bench.readme_figures import README, post_training
+
+    command = next(c for c in post_training(README.read_text()) if "tools/plot_metrics.py" in c)
+    files = {"configs/tiny.yml": "", "configs/local_setup.yml": ""}
+    logs = tmp_path / "logs"  # as the README's commands leave it: the quick start's run, then others
+    write_run(logs, "20260101-100000-aaaa", {"train_impl": "normal", "config_files": files, "save": "checkpoints"},
+              lm_rows(200))
+    write_run(logs, "20260101-103000-abab", {"train_impl": "normal", "config_files": files, "seed": 7,
+                                             "save": "checkpoints_seed7"}, lm_rows(200), provenance={"seed": "cli"})
+    write_run(logs, "20260101-110000-bbbb", {"train_impl": "normal", "config_files": files, "save": "checkpoints_sft",
+                                             "train_label_data_paths": ["data/sft_label_document"]}, lm_rows(100))
+    write_run(logs, "20260101-113000-baba", {"train_impl": "normal", "config_files": files, "lora_r": 8,
+                                             "save": "checkpoints_lora"}, lm_rows(200), provenance={"lora_r": "cli"})
+    dpo = [{"iteration": 10, "train/lm_loss": 0.6, "train/rewards/accuracy": 0.6, "train/rewards/margin": 0.1}]
+    write_run(logs, "20260101-120000-cccc", {"train_impl": "dpo", "save": "checkpoints_dpo", "config_files": {
+        **files, "data/pydocs_pref/dpo.yml": ""}}, dpo)
+    (tmp_path / "docs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert plot_metrics.main(shlex.split(command)[2:]) == 0
+    assert capsys.readouterr().out.endswith("3 runs: LM: tiny, SFT: tiny, DPO: tiny+dpo)\n")
+
+
+def test_a_save_no_run_wrote_is_refused(three_runs: Path) -> None:
+    from megatron.errors import UsageError
+
+    with pytest.raises(UsageError, match="--save checkpoints_dpo: no run of these logs saved into it"):
+        plot_metrics.main([str(three_runs), "--save", "checkpoints_dpo", "-o", "x.png"])

@@ -42,7 +42,7 @@ def test_log_file_gets_one_line_per_log_step_with_eta() -> None:
     p.begin()
     for it in range(1, 11):
         clock.now += 1.0
-        p.step(it, 5.0)  # no bar: nothing printed per step
+        p.step(it)  # no bar: nothing printed per step
     assert stream.getvalue() == ""
     p.row({"iteration": 10, "train/lm_loss": 5.0, "timers/ms_per_iter": 1000.0})
     line = stream.getvalue().strip()
@@ -88,19 +88,35 @@ def test_terminal_gets_a_bar_and_rows_above_it(capsys: pytest.CaptureFixture[str
     logger, stream = capture_logger()
     p = TrainingProgress(total=50, start=10, enabled=True, logger=logger, terminal=True)
     assert p.bar is not None and p.bar.n == 10  # a resumed run starts the bar where it stands
-    p.step(11, 4.25)
+    p.step(11)
     p.row({"iteration": 11, "train/lm_loss": 4.25, "timers/ms_per_iter": 100.0})
     p.close()
     out = capsys.readouterr().out
-    assert "training" in out and "11/50" in out and "loss 4.2500" in out
+    assert "training" in out and "11/50" in out and "loss 4.250000" in out
     assert "iteration 11/50 | loss 4.250000" in out and "ETA" not in out.split("iteration 11/50")[1].split("\n")[0]
     assert stream.getvalue() == ""  # written through the bar, not the logger
+
+
+def test_the_bar_shows_the_loss_of_the_row_above_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 42 item 18: the bar showed the last step's loss (7.8583) under a row with the mean of the window's
+    steps (8.462402), two numbers for "loss" at one step. The bar now shows the row's number, as the row prints it."""
+    logger, _ = capture_logger()
+    p = TrainingProgress(total=50, start=0, enabled=True, logger=logger, terminal=True, heartbeat_s=0)
+    p.begin()
+    for it in range(1, 11):
+        p.step(it)
+    p.row({"iteration": 10, "train/lm_loss": 8.462402, "timers/ms_per_iter": 100.0})
+    assert p.bar is not None and p.bar.postfix == "loss 8.462402"
+    p.row({"iteration": 10, "eval/lm_loss": 9.5})  # an evaluation row leaves the training loss
+    assert p.bar.postfix == "loss 8.462402"
+    p.close()
+    assert "iteration 10/50 | loss 8.462402" in capsys.readouterr().out
 
 
 def test_silent_on_ranks_that_do_not_speak(capsys: pytest.CaptureFixture[str]) -> None:
     logger, stream = capture_logger()
     p = TrainingProgress(total=5, start=0, enabled=False, logger=logger, terminal=True)
-    p.step(1, 1.0)
+    p.step(1)
     p.row({"iteration": 1, "train/lm_loss": 1.0})
     p.message("hello")
     assert p.bar is None and stream.getvalue() == "" and capsys.readouterr().out == ""
