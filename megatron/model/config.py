@@ -28,7 +28,7 @@ from megatron.config_support import KNOWN_ATTENTION_TYPES
 from megatron.errors import ConfigError
 from megatron.model.activations import is_gated
 from megatron.model.mlp_width import MLPWidths, expert_width
-from megatron.model.norms import NormSettings
+from megatron.model.norms import NORM_KEYS, NORMS, NormSettings
 from megatron.model.family_config import FAMILY_OF_TYPE, FamilyName, expand_layer_types, family_of
 from megatron.model.moe_config import MoEArgs
 from megatron.model.transformer_options import ATTENTION_TYPES, MLP_TYPES, POSITIONAL
@@ -451,6 +451,25 @@ class GPTConfig(MoEArgs):
         return NormSettings(norm=self.norm, hidden_size=self.hidden_size, layernorm_epsilon=self.layernorm_epsilon,
                             rms_norm_epsilon=self.rms_norm_epsilon, scalenorm_epsilon=self.scalenorm_epsilon,
                             use_bias_in_norms=self.use_bias_in_norms, dtype_name=_DTYPE_NAMES[self.precision or "fp32"])
+
+    def keys_without_effect(self) -> frozenset[str]:
+        """Keys whose value changes nothing in this model: the norm keys its ``norm`` entry does not read
+        (``use_bias_in_norms`` and ``layernorm_epsilon`` for rmsnorm, ``NormEntry.reads``). Two configs
+        that differ only in these build the same weights and compute the same function."""
+        if self.norm not in NORMS:  # a plug-in's norm not registered in this process: every key counts
+            return frozenset()
+        return frozenset(NORM_KEYS) - frozenset(NORMS[self.norm].reads)
+
+    def differences(self, other: GPTConfig) -> list[str]:
+        """``key: mine -> other's`` for every key in which ``other`` describes another model (the keys of
+        :meth:`keys_without_effect` in both left out)."""
+        inert = self.keys_without_effect() & other.keys_without_effect()
+        mine, theirs = self.model_dump(), other.model_dump()
+        found = [f"{key}: {mine.get(key)!r} -> {theirs.get(key)!r}" for key in sorted(mine.keys() | theirs.keys())
+                 if key not in inert and mine.get(key) != theirs.get(key)]
+        if self._value_head != other._value_head:
+            found.append(f"value head: {self._value_head} -> {other._value_head}")
+        return found
 
     @property
     def arch(self) -> Architecture:
