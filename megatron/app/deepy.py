@@ -27,6 +27,7 @@ ENTRY_POINTS_OF_TEXTGEN = ("generate.py", "eval.py")
 """The entry points that read the text-generation/evaluation keys."""
 
 if TYPE_CHECKING:
+    from megatron.config_rules import Device
     from megatron.launcher import LaunchPlan
     from megatron.neox_arguments.dialects import Flag
 
@@ -116,8 +117,9 @@ def parse_command(argv: Sequence[str]) -> DeepyCommand:
                         ns.verbose or ns.debug, tuple(dialect_flags))
 
 
-def resolve(command: DeepyCommand) -> ResolvedConfig:
-    """Every check of a real launch: load and type-check, then the rules that need the world size."""
+def resolve(command: DeepyCommand, device: Device | None = None) -> ResolvedConfig:
+    """Every check of a real launch: load and type-check, then the rules that need the world size (and this
+    machine's ``device``, detected when None)."""
     from megatron.neox_arguments.loading import load_config
 
     resolved = load_config(command.config_files, command.overrides, command.conf_dir, command.dialect_flags)
@@ -129,7 +131,7 @@ def resolve(command: DeepyCommand) -> ResolvedConfig:
     fill_in_for_inference(resolved, command.user_script)
     resolved.entry_point = command.user_script  # what the run loads is checked as this script loads it
     world = detect_world_size(resolved.args, warnings=resolved.warnings)
-    final = finalize(resolved, world)
+    final = finalize(resolved, world, device=device)
     check_entry_point(final.args, command.user_script)
     return final
 

@@ -159,6 +159,9 @@ def start_problems(ctx: RuleContext) -> list[str]:
         if found.kind not in ("deepy", "gpt_neox") and not first_run:
             problems.append(_explain(ctx, found, "load"))
     origin, weights_only = _origin(ctx)
+    if finetune and origin is None:  # CheckpointManager._initialize refuses it on the ranks
+        problems.append(f"{ctx.show('finetune')} starts from the weights of a checkpoint, and neither load nor "
+                        "initialize_from names one: set load (or initialize_from) to its directory, or remove finetune")
     if origin is not None and weights_only and not problems:
         found = discovery.inspect_load_dir(origin)
         if found.kind not in ("deepy", "gpt_neox") and _restart(ctx, origin) is None:

@@ -51,16 +51,24 @@ class DataSplits:
 
 
 # ---- pure helpers ---------------------------------------------------------------------------
-def parse_split(split: str) -> np.ndarray:
-    """``"949,50,1"`` (or ``"949/50/1"``) -> normalised train/valid/test fractions."""
+def split_shares(split: str) -> list[float] | str:
+    """``"949,50,1"`` (or ``"949/50/1"``) -> the three shares, or what is wrong with ``split`` (the ranks and the
+    check before launch, ``data/checks.py``, read it alike)."""
     parts = [p.strip() for p in str(split).replace("/", ",").split(",") if p.strip()]
     try:
         values = [float(p) for p in parts]
     except ValueError:
-        raise ConfigError(f"split: {split!r} must be comma-separated numbers like '949,50,1'") from None
+        return "must be comma-separated numbers like '949,50,1'"
     if not values or len(values) > 3 or any(v < 0 for v in values) or sum(values) <= 0:
-        raise ConfigError(f"split: {split!r} must be up to three non-negative numbers with a positive sum")
-    values += [0.0] * (3 - len(values))
+        return "must be up to three non-negative numbers with a positive sum"
+    return values + [0.0] * (3 - len(values))
+
+
+def parse_split(split: str) -> np.ndarray:
+    """``"949,50,1"`` (or ``"949/50/1"``) -> normalised train/valid/test fractions."""
+    values = split_shares(split)
+    if isinstance(values, str):
+        raise ConfigError(f"split: {split!r} {values}")
     return np.asarray(values) / sum(values)
 
 

@@ -78,8 +78,38 @@ def labels_match_paths(ctx: RuleContext) -> list[str]:
 
 
 @rule
+def pairs_and_rewards_match_paths(ctx: RuleContext) -> list[str]:
+    """One rejected dataset per chosen one, and one reward file per data file (``build._components_for_split``
+    pairs them by position)."""
+    problems = []
+    for split in SPLITS:
+        for key, other in ((f"neg_{split}_data_paths", f"pos_{split}_data_paths"),
+                           (f"{split}_reward_data_paths", f"{split}_data_paths")):
+            given, paths = ctx.get(key), ctx.get(other)
+            if given is None or (paths is None and key.startswith("neg_")):
+                continue
+            count = 0 if paths is None else len(paths)
+            if len(given) != count:
+                problems.append(f"{key} has {len(given)} entries ({describe(ctx.source(key))}) but {other} has "
+                                f"{count}: they are read in pairs, one per entry")
+    return problems
+
+
+@rule
 def urls_need_cache(ctx: RuleContext) -> list[str]:
     urls = [key for key in ("train_urls", "validation_urls") if ctx.get(key)]
     if not urls or ctx.get("cache_dir"):
         return []
     return [f"{ctx.show(urls[0])} needs cache_dir: the tokenized shards are written there"]
+
+
+@rule
+def split_is_three_shares(ctx: RuleContext) -> list[str]:
+    """``split`` as the ranks read it (``build.split_shares``) when they cut the train, validation and test sets from
+    ``data_path``."""
+    if ctx.get("use_dummy_dataset") or not ctx.get("data_path"):
+        return []
+    from megatron.data.build import split_shares
+
+    problem = split_shares(str(ctx.get("split")))
+    return [f"{ctx.show('split')} {problem}"] if isinstance(problem, str) else []

@@ -86,6 +86,11 @@ def eval_tasks_can_run(ctx: RuleContext) -> list[str]:
     if missing:
         problems.append(f"{shown}: task file(s) {missing} not found; give existing task YAML files or directories, "
                         "or lm-evaluation-harness task names")
+    # the ranks run the tasks defined by the YAML files directly in a directory entry (harness._specs)
+    empty = [t for t in tasks if Path(t).is_dir() and not any(p.suffix in _YAML for p in Path(t).iterdir())]
+    if empty:
+        problems.append(f"{shown}: {empty} holds no task YAML files (a directory entry runs the tasks of the YAML "
+                        "files in it); give the directory the task files are in, or the files themselves")
     if importlib.util.find_spec("lm_eval") is not None:  # missing: optional_packages names the package
         unknown = unknown_task_names(list(tasks))
         if unknown:

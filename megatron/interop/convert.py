@@ -8,8 +8,12 @@ was written and (for HF sources) the parity check against the source model.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,9 +42,10 @@ from megatron.interop.hf_tokenizer import (
     special_tokens_of,
 )
 from megatron.interop.hf_weights import from_hf_state_dict, to_hf_state_dict
+from megatron.checkpointing import commit
 from megatron.checkpointing.discovery import find_gpt_neox_tag
 from megatron.checkpointing.neox import GqaOrder, read_neox_checkpoint
-from megatron.interop.yaml_config import architecture_keys, vocab_divisor, write_config
+from megatron.interop.yaml_config import CONFIG_NAME, architecture_keys, vocab_divisor, write_config
 from megatron.model.config import GPTConfig
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
@@ -55,10 +60,57 @@ def _quiet(_: str) -> None:
     pass
 
 
-def _empty_output(out: Path) -> None:
-    if out.exists() and any(out.iterdir()):
+@contextmanager
+def staged_output(out: Path, last: tuple[str, ...] = ()) -> Iterator[Path]:
+    """A new directory beside ``out`` for a conversion to write into, moved into ``out`` when the block
+    succeeds: a conversion that fails (a check, a bad file) or is killed leaves nothing in ``out`` that looks
+    finished (a commit marker, a loadable config). ``out`` must be new or empty; on failure the directory
+    written is removed and ``out`` is as it was (absent, or the empty directory the user made). Into an
+    existing ``out`` the entries move one by one, those named in ``last`` last (the config that says where
+    the checkpoint is)."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConversionError(f"output directory {out} is not empty; choose a new one")
-    out.mkdir(parents=True, exist_ok=True)
+    created = [p for p in (out, *out.parents) if not p.exists()]  # deepest first, removed again on failure
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+    staging.mkdir()  # the umask's permissions (mkdtemp's would be 0700), kept by the rename
+    moved: list[Path] = []
+    try:
+        yield staging
+        if not out.exists():
+            staging.rename(out)
+            return
+        for entry in sorted(staging.iterdir(), key=lambda p: (last.index(p.name) + 1 if p.name in last else 0, p.name)):
+            entry.rename(out / entry.name)
+            moved.append(out / entry.name)
+        staging.rmdir()
+    except BaseException:
+        for path in [staging, *moved]:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+        for made in created:
+            if not made.exists():
+                continue
+            try:
+                made.rmdir()
+            except OSError:
+                break  # not empty (something else wrote there) or already gone
+        raise
+
+
+def _moved(files: TokenizerFiles | None, staging: Path, out: Path) -> TokenizerFiles | None:
+    """The tokenizer files as they will be named once ``staging`` is ``out``."""
+    if files is None:
+        return None
+
+    def final(path: str | None) -> str | None:
+        if path is None or not Path(path).is_relative_to(staging.resolve()):
+            return path
+        return str(out.resolve() / Path(path).relative_to(staging.resolve()))
+
+    return replace(files, vocab_file=final(files.vocab_file), merge_file=final(files.merge_file))
 
 
 def _cast(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -123,7 +175,6 @@ def export_to_hf(
     arch = choose_architecture(config)  # refuse before reading any tensor
     name = args.get("precision") or "fp32"
     dtype = DTYPES[_FROM_ARGS.get(str(name), "fp32") if precision == "auto" else precision]
-    _empty_output(out_dir)
     files = TokenizerFiles(
         str(args.get("tokenizer_type") or "GPT2BPETokenizer"),
         vocab_file or args.get("vocab_file"),
@@ -133,23 +184,25 @@ def export_to_hf(
     if tokenizer and not recorded:
         raise ConversionError(f"{ckpt} records no tokenizer (it was imported without tokenizer files): pass "
                               f"--no-tokenizer to export the model alone, or --vocab-file/--merge-file")
-    if tokenizer:
-        progress(f"writing the {files.tokenizer_type} tokenizer")
-        tokens = export_tokenizer(files, out_dir, config.max_positions)
-    elif not recorded:
-        # a model imported without tokenizer files records no tokenizer: no special-token ids to name
-        tokens = SpecialTokens(bos=None, eos=None, pad=None)
-    else:
-        tokens = special_tokens_of(files)
-    progress(f"reading {ckpt}")
-    full = read_full_checkpoint(ckpt)
-    progress(f"writing {arch} ({str(dtype).removeprefix('torch.')}) to {out_dir}")
-    hf_config = hf_config_from_gpt(config, tokens, dtype)
-    save_hf_model(hf_config, to_hf_state_dict(config, arch, full.weights), out_dir, dtype)
-    delta = None
-    if verify:
-        progress("verifying: both models on a fixed batch in fp32")
-        delta = verify_parity(config, _cast(_cast(full.weights, dtype), torch.float32), out_dir)
+    # written beside out_dir and moved in once verified: a failed export leaves no loadable model behind
+    with staged_output(out_dir, last=("config.json",)) as work:
+        if tokenizer:
+            progress(f"writing the {files.tokenizer_type} tokenizer")
+            tokens = export_tokenizer(files, work, config.max_positions)
+        elif not recorded:
+            # a model imported without tokenizer files records no tokenizer: no special-token ids to name
+            tokens = SpecialTokens(bos=None, eos=None, pad=None)
+        else:
+            tokens = special_tokens_of(files)
+        progress(f"reading {ckpt}")
+        full = read_full_checkpoint(ckpt)
+        progress(f"writing {arch} ({str(dtype).removeprefix('torch.')}) to {out_dir}")
+        hf_config = hf_config_from_gpt(config, tokens, dtype)
+        save_hf_model(hf_config, to_hf_state_dict(config, arch, full.weights), work, dtype)
+        delta = None
+        if verify:
+            progress("verifying: both models on a fixed batch in fp32")
+            delta = verify_parity(config, _cast(_cast(full.weights, dtype), torch.float32), work)
     return ExportReport(ckpt, out_dir, arch, dtype, tokenizer, delta)
 
 
@@ -179,8 +232,6 @@ class _Source:
 def detect_source(source: Path) -> Literal["hf", "gpt-neox"]:
     if (source / "config.json").is_file():
         return "hf"
-    from megatron.checkpointing import commit
-
     tag, _ = commit.newest_committed(source)
     if (source / "deepy_meta.json").is_file() or tag is not None:
         raise ConversionError(f"{source} is already a Deepy checkpoint: point `load` at it directly")
@@ -240,54 +291,69 @@ def import_to_deepy(
     progress: Progress = _quiet,
 ) -> ImportReport:
     kind = detect_source(source)
-    _empty_output(out_dir)
-    if kind == "hf":
-        src = _read_hf(source, out_dir, seq_length, progress)
-    else:
-        src = _read_neox(source, neox_configs, neox_qkv_order, progress)
-    config = src.config
-    config.check_tensor_parallel(tp)
-    dtype = src.dtype if precision == "auto" else DTYPES[precision]
-    vocab = _tokenizer_vocab(src.tokenizer, progress)
-    divisor = vocab_divisor(config.vocab, vocab, tp, src.preferred_divisor)
-    finetune = src.iteration == 0
-    description = f"{'Hugging Face model' if kind == 'hf' else 'GPT-NeoX checkpoint'} {source.resolve()}"
-    config_file = write_config(out_dir, config=config, tokenizer=src.tokenizer, vocab_divisible_by=divisor,
-                               precision=_DEEPY_PRECISION[dtype], tp=tp, pp=pp, finetune=finetune,
-                               source=description)  # fmt: skip
-    args: dict[str, Any] = {**architecture_keys(config), "padded_vocab_size": config.padded_vocab_size,
-                            "precision": _DEEPY_PRECISION[dtype], "model_parallel_size": tp, "pipe_parallel_size": pp}
-    if src.tokenizer is not None:
-        args.update(tokenizer_type=src.tokenizer.tokenizer_type, vocab_file=src.tokenizer.vocab_file,
-                    merge_file=src.tokenizer.merge_file, make_vocab_size_divisible_by=divisor)  # fmt: skip
-    weights = _cast(src.weights, dtype)
-    progress(f"writing a Deepy checkpoint at tp={tp} pp={pp} to {out_dir}")
-    ckpt = write_weights_only_checkpoint(
-        out_dir, config=config, weights=weights, tp=tp, pp=pp, step=src.iteration,
-        consumed_samples=src.consumed_samples, args=args, source=description,
-    )  # fmt: skip
-    progress("re-reading the written checkpoint")
-    _check_written(ckpt, config, weights)
-    delta = None
-    if verify:
-        reference = _cast(weights, torch.float32)
+    # written beside out_dir and moved in once every check passed: a conversion that fails leaves no committed
+    # checkpoint or loadable deepy_model.yml behind (the files name out_dir, where they end up)
+    with staged_output(out_dir, last=(commit.LATEST_FILE, CONFIG_NAME)) as work:
         if kind == "hf":
-            progress("verifying: Deepy and transformers on a fixed batch in fp32")
-            delta = verify_parity(config, reference, source)
+            src = _read_hf(source, work, seq_length, progress)
         else:
-            _check_runs(config, reference)
-    return ImportReport(source, kind, ckpt, config_file, src.iteration, delta)
+            src = _read_neox(source, neox_configs, neox_qkv_order, progress)
+        config = src.config
+        config.check_tensor_parallel(tp)
+        dtype = src.dtype if precision == "auto" else DTYPES[precision]
+        vocab = _tokenizer_vocab(src.tokenizer, progress)
+        divisor = vocab_divisor(config.vocab, vocab, tp, src.preferred_divisor)
+        finetune = src.iteration == 0
+        description = f"{'Hugging Face model' if kind == 'hf' else 'GPT-NeoX checkpoint'} {source.resolve()}"
+        tokenizer = _moved(src.tokenizer, work, out_dir)
+        write_config(work, config=config, tokenizer=tokenizer, vocab_divisible_by=divisor,
+                     precision=_DEEPY_PRECISION[dtype], tp=tp, pp=pp, finetune=finetune, source=description,
+                     load=out_dir)  # fmt: skip
+        args: dict[str, Any] = {**architecture_keys(config), "padded_vocab_size": config.padded_vocab_size,
+                                "precision": _DEEPY_PRECISION[dtype], "model_parallel_size": tp,
+                                "pipe_parallel_size": pp}
+        if tokenizer is not None:
+            args.update(tokenizer_type=tokenizer.tokenizer_type, vocab_file=tokenizer.vocab_file,
+                        merge_file=tokenizer.merge_file, make_vocab_size_divisible_by=divisor)  # fmt: skip
+        weights = _cast(src.weights, dtype)
+        progress(f"writing a Deepy checkpoint at tp={tp} pp={pp} to {out_dir}")
+        ckpt = write_weights_only_checkpoint(
+            work, config=config, weights=weights, tp=tp, pp=pp, step=src.iteration,
+            consumed_samples=src.consumed_samples, args=args, source=description,
+        )  # fmt: skip
+        progress("re-reading the written checkpoint")
+        _check_written(ckpt, config, weights)
+        delta = None
+        if verify:
+            reference = _cast(weights, torch.float32)
+            if kind == "hf":
+                progress("verifying: Deepy and transformers on a fixed batch in fp32")
+                delta = verify_parity(config, reference, source)
+            else:
+                _check_runs(config, reference)
+    return ImportReport(source, kind, out_dir / ckpt.name, out_dir / CONFIG_NAME, src.iteration, delta)
 
 
 def _check_written(ckpt: Path, config: GPTConfig, weights: dict[str, torch.Tensor]) -> None:
     """What a training run will read back is what was converted, tensor for tensor."""
     back = read_full_checkpoint(ckpt)
-    if back.config.replace(precision=config.precision) != config:
-        raise ConversionError(f"{ckpt}: the stored arguments describe another model than the one converted")
+    # every key that changes the weights or the function; one the model does not read (use_bias_in_norms of an
+    # RMSNorm, which deepy_model.yml leaves out) may differ
+    differ = config.differences(back.config.replace(precision=config.precision))
+    if differ:
+        raise ConversionError(f"{ckpt.name}: the stored arguments describe another model than the one converted: "
+                              + "; ".join(differ))
     differ = sorted(k for k in set(back.weights) | set(weights)
-                    if k not in back.weights or k not in weights or not torch.equal(back.weights[k], weights[k]))
+                    if k not in back.weights or k not in weights or not _same_bits(back.weights[k], weights[k]))
     if differ:
         raise ConversionError(f"{ckpt}: re-read tensors differ from the converted ones: {differ[:5]}")
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (a NaN read back as written is the same tensor; the model check reports it)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 @torch.no_grad()

@@ -91,7 +91,10 @@ def write_config(
     pp: int,
     finetune: bool,
     source: str,
+    load: Path | None = None,
 ) -> Path:
+    """``deepy_model.yml`` in ``out_dir``, with ``load`` (default ``out_dir``: a conversion writing elsewhere first
+    names the directory the checkpoint ends up in)."""
     keys = architecture_keys(config)
     if tokenizer is not None:
         keys["tokenizer_type"] = tokenizer.tokenizer_type
@@ -104,7 +107,7 @@ def write_config(
         model_parallel_size=tp,
         pipe_parallel_size=pp,
         precision=precision,
-        load=str(out_dir.resolve()),
+        load=str((out_dir if load is None else load).resolve()),
         finetune=finetune,
     )
     header = [

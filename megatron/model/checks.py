@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from megatron.config_rules import RuleContext, render, rule
-from megatron.model.family_config import configured_families
+from megatron.model.family_config import configured_families, expand_layer_types
 
 
 class ModelKeys(Protocol):
@@ -250,3 +250,43 @@ def fused_gelu_has_a_bias(ctx: ModelKeys) -> list[str]:
         return [f"{ctx.show('bias_gelu_fusion')} with {ctx.show('use_bias_in_mlp')}: GPT-NeoX's fused kernel (tanh "
                 f"GeLU) adds the MLP's bias and cannot run without one; set activation: gelu_tanh instead"]
     return []
+
+
+@rule
+def rpe_distance_exceeds_half_the_buckets(ctx: ModelKeys) -> list[str]:
+    """T5's relative position buckets: half are exact distances, the others log-spaced up to rpe_max_distance, which
+    must lie beyond the exact half (``positional.RelativePositionBias``)."""
+    if ctx.get("pos_emb") != "rpe":
+        return []
+    distance, buckets = ctx.get("rpe_max_distance"), ctx.get("rpe_num_buckets")
+    if distance is None or buckets is None or distance > buckets // 2:
+        return []
+    return [f"{ctx.show('rpe_max_distance')} must exceed half of {ctx.show('rpe_num_buckets')}: half the buckets are "
+            f"exact distances, the rest are log-spaced up to rpe_max_distance; raise it above {buckets // 2}"]
+
+
+@rule
+def local_attention_has_a_window(ctx: ModelKeys) -> list[str]:
+    """A ``local`` layer attends over the last sliding_window_width tokens, so it needs the width."""
+    config, layers = ctx.get("attention_config"), ctx.get("num_layers")
+    if not config or layers is None or ctx.get("sliding_window_width") is not None:
+        return []
+    try:
+        types = expand_layer_types(config, layers)
+    except ValueError:
+        return []  # attention_config_covers_layers names it
+    if "local" not in types:
+        return []
+    return [f"{ctx.show('attention_config')} has local attention layers: each needs sliding_window_width (the "
+            f"number of previous tokens they attend to): set it"]
+
+
+@rule
+def sequence_parallel_splits_the_sequence(ctx: RuleContext) -> list[str]:
+    """Sequence parallelism gives each tensor-parallel rank seq_length / model_parallel_size tokens of every
+    sequence between the layers (``mpu/mappings.py`` refuses a length that does not split)."""
+    seq = ctx.get("seq_length")
+    if not ctx.get("sequence_parallel") or ctx.tp <= 1 or seq is None or seq % ctx.tp == 0:
+        return []
+    return [f"{ctx.show('sequence_parallel')} splits each sequence of {ctx.show('seq_length')} over "
+            f"{ctx.show('model_parallel_size')}: use a seq_length that is a multiple of {ctx.tp}"]

@@ -28,7 +28,7 @@ from megatron.config_support import KNOWN_ATTENTION_TYPES
 from megatron.errors import ConfigError
 from megatron.model.activations import is_gated
 from megatron.model.mlp_width import MLPWidths, expert_width
-from megatron.model.norms import NormSettings
+from megatron.model.norms import NORM_KEYS, NORMS, NormSettings
 from megatron.model.family_config import FAMILY_OF_TYPE, FamilyName, expand_layer_types, family_of
 from megatron.model.moe_config import MoEArgs
 from megatron.model.transformer_options import ATTENTION_TYPES, MLP_TYPES, POSITIONAL
@@ -452,6 +452,25 @@ class GPTConfig(MoEArgs):
                             rms_norm_epsilon=self.rms_norm_epsilon, scalenorm_epsilon=self.scalenorm_epsilon,
                             use_bias_in_norms=self.use_bias_in_norms, dtype_name=_DTYPE_NAMES[self.precision or "fp32"])
 
+    def keys_without_effect(self) -> frozenset[str]:
+        """Keys whose value changes nothing in this model: the norm keys its ``norm`` entry does not read
+        (``use_bias_in_norms`` and ``layernorm_epsilon`` for rmsnorm, ``NormEntry.reads``). Two configs
+        that differ only in these build the same weights and compute the same function."""
+        if self.norm not in NORMS:  # a plug-in's norm not registered in this process: every key counts
+            return frozenset()
+        return frozenset(NORM_KEYS) - frozenset(NORMS[self.norm].reads)
+
+    def differences(self, other: GPTConfig) -> list[str]:
+        """``key: mine -> other's`` for every key in which ``other`` describes another model (the keys of
+        :meth:`keys_without_effect` in both left out)."""
+        inert = self.keys_without_effect() & other.keys_without_effect()
+        mine, theirs = self.model_dump(), other.model_dump()
+        found = [f"{key}: {mine.get(key)!r} -> {theirs.get(key)!r}" for key in sorted(mine.keys() | theirs.keys())
+                 if key not in inert and mine.get(key) != theirs.get(key)]
+        if self._value_head != other._value_head:
+            found.append(f"value head: {self._value_head} -> {other._value_head}")
+        return found
+
     @property
     def arch(self) -> Architecture:
         """The resolved sizes (:class:`Architecture`); a :class:`ModelConfigError` naming the key left unset."""
@@ -494,7 +513,8 @@ class GPTConfig(MoEArgs):
         for shape_check in (checks.model_shape_given, checks.heads_divide_hidden, checks.kv_heads_fit,
                             checks.rope_scaling_is_honoured, moe_checks.moe_top_k_fits, checks.mlp_widths_fit,
                             checks.rotary_dims_even, checks.parallel_residual_keeps_attention,
-                            checks.positions_fit_the_learned_table, checks.fused_gelu_has_a_bias):
+                            checks.positions_fit_the_learned_table, checks.fused_gelu_has_a_bias,
+                            checks.rpe_distance_exceeds_half_the_buckets, checks.local_attention_has_a_window):
             problems += shape_check(view)
         if problems:
             raise ModelConfigError("; ".join(problems))
@@ -508,12 +528,6 @@ class GPTConfig(MoEArgs):
         problems = family_checks.shape_problems(view)
         if problems:
             raise ModelConfigError("; ".join(problems))
-        if self.pos_emb == "rpe" and self.rpe_max_distance <= self.rpe_num_buckets // 2:
-            raise ModelConfigError(
-                f"rpe_max_distance={self.rpe_max_distance} must exceed half of rpe_num_buckets={self.rpe_num_buckets}"
-            )
-        if "local" in self.attention_types and self.sliding_window_width is None:
-            raise ModelConfigError('attention type "local" needs sliding_window_width (the window it attends over)')
 
     def _check_choices(self) -> None:
         from megatron.model.activations import ACTIVATIONS
@@ -590,23 +604,33 @@ class GPTConfig(MoEArgs):
         """The families of this model's layers: ``transformer`` (attention + MLP), ``mamba``, ``rwkv``, ``gmlp``."""
         return {family_of(t) for t in self.attention_types}
 
-    def check_tensor_parallel(self, tp: int) -> None:
-        """Raise if the architecture cannot be built (``check_architecture``), if the vocabulary is not
-        sized yet, or if the sizes that tensor parallelism splits do not divide by `tp`."""
-        self.check_architecture()
-        splits = {"padded_vocab_size": self.vocab}
+    def tensor_parallel_splits(self) -> dict[str, tuple[int, tuple[str, ...]]]:
+        """What tensor parallelism splits in this model: name -> (size, the keys that set it). The embedding rows
+        (``padded_vocab_size``) only once the vocabulary is sized."""
+        splits: dict[str, tuple[int, tuple[str, ...]]] = {}
+        if self.padded_vocab_size is not None:
+            splits["padded_vocab_size"] = (self.padded_vocab_size, ("padded_vocab_size",))
         if "transformer" in self.layer_families:
             splits.update({
-                "num_attention_heads": self.arch.heads,
-                "num_kv_heads": self.kv_heads,
-                "the MLP width (from intermediate_size, expansion_factor, mlp_multiple_of)": self.ffn_hidden_size,
+                "num_attention_heads": (self.arch.heads, ("num_attention_heads",)),
+                "num_kv_heads": (self.kv_heads, ("num_kv_heads", "num_attention_heads")),
+                "the MLP width (GPT-NeoX's rule: intermediate_size, expansion_factor, mlp_multiple_of)": (
+                    self.ffn_hidden_size, MLP_WIDTH_KEYS),
             })
         from megatron.model.family_checks import tensor_parallel_splits
 
         splits.update(tensor_parallel_splits(self))
         if self.moe_num_experts > 1:
-            splits["moe_num_experts (each tp rank holds whole experts)"] = self.moe_num_experts
-        bad = [f"{key}={value}" for key, value in splits.items() if value % tp != 0]
+            splits["moe_num_experts (each tp rank holds whole experts)"] = (self.moe_num_experts, ("moe_num_experts",))
+        return splits
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Raise if the architecture cannot be built (``check_architecture``), if the vocabulary is not
+        sized yet, or if the sizes that tensor parallelism splits do not divide by `tp` (before launch:
+        :func:`sizes_split_over_tensor_parallel` and the rules of heads, key/value heads, vocabulary and experts)."""
+        self.check_architecture()
+        self.vocab  # noqa: B018  # sized (for_tokenizer) before any layer splits it
+        bad = [f"{key}={value}" for key, (value, _) in self.tensor_parallel_splits().items() if value % tp != 0]
         if bad:
             raise ModelConfigError(
                 f"tensor parallelism splits these across {tp} ranks, but they are not divisible by {tp}: "
@@ -676,3 +700,39 @@ def attention_config_covers_layers(ctx: RuleContext) -> list[str]:
         return [f"{err.message} ({describe(ctx.source('attention_config'))}, num_layers at "
                 f"{describe(ctx.source('num_layers'))})"]
     return []
+
+
+MLP_WIDTH_KEYS = ("hidden_size", "intermediate_size", "expansion_factor", "mlp_multiple_of", "activation", "mlp_type")
+"""The keys GPT-NeoX's MLP width rule reads (``megatron/model/mlp_width.py``)."""
+
+OWN_RULES = {
+    "padded_vocab_size": "vocab_padding_splits_over_tp",
+    "num_attention_heads": "heads_divide_over_tp",
+    "num_kv_heads": "kv_heads_fit",
+    "moe_num_experts (each tp rank holds whole experts)": "moe_experts_split_evenly",
+}
+"""Splits whose own rule (``model/checks.py``, ``model/moe_checks.py``) says what to change."""
+
+
+@rule
+def sizes_split_over_tensor_parallel(ctx: RuleContext) -> list[str]:
+    """What the layers refuse when they are built (:meth:`GPTConfig.check_tensor_parallel`), before launch: each
+    size tensor parallelism splits (the MLP width by GPT-NeoX's rule, a Mamba or gMLP layer's inner width)
+    divides by model_parallel_size. A model the shape rules refuse is left to them."""
+    tp = ctx.tp
+    if tp <= 1:
+        return []
+    config = ctx.group(GPTConfig)
+    try:
+        config.check_architecture()
+        splits = config.tensor_parallel_splits()
+    except (ConfigError, ValueError, TypeError):
+        return []  # the shape rules name what is missing or wrong
+
+    def sources(keys: tuple[str, ...]) -> str:
+        return ", ".join(ctx.show(key) for key in keys if key == "hidden_size" or ctx.given(key))
+
+    return [f"{ctx.show('model_parallel_size')} splits {name} = {size} over {tp} ranks, but {size} is not divisible "
+            f"by {tp} (it follows from {sources(keys)}): choose sizes that give a multiple of {tp}, or a "
+            f"model_parallel_size that divides {size}"
+            for name, (size, keys) in splits.items() if name not in OWN_RULES and size % tp != 0]

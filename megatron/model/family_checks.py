@@ -81,17 +81,33 @@ def family_shapes(ctx: RuleContext) -> list[str]:
     return shape_problems(ctx)
 
 
-def tensor_parallel_splits(config: Any) -> dict[str, int]:
-    """What tensor parallelism splits in these layers (name -> size), as GPT-NeoX splits them: a Mamba
-    layer's inner channels, a gMLP layer's inner width; RWKV layers are replicated (GPT-NeoX has no
-    tensor-parallel RWKV)."""
+def tensor_parallel_splits(config: Any) -> dict[str, tuple[int, tuple[str, ...]]]:
+    """What tensor parallelism splits in these layers (name -> (size, the keys that set it)), as GPT-NeoX splits
+    them: a Mamba layer's inner channels, a gMLP layer's inner width; RWKV layers are replicated (GPT-NeoX has
+    no tensor-parallel RWKV)."""
     families = {family_of(t) for t in config.attention_types}
-    splits: dict[str, int] = {}
+    splits: dict[str, tuple[int, tuple[str, ...]]] = {}
     if "mamba" in families:
-        splits["the Mamba inner width (intermediate_size / expansion_factor * hidden_size)"] = mamba_shape(config).inner
+        splits["the Mamba inner width (intermediate_size / expansion_factor * hidden_size)"] = (
+            mamba_shape(config).inner, ("intermediate_size", "expansion_factor", "hidden_size"))
     if "gmlp" in families:
-        splits["the gMLP inner width (4 * hidden_size)"] = 4 * config.hidden_size
+        splits["the gMLP inner width (4 * hidden_size)"] = (4 * config.hidden_size, ("hidden_size",))
     return splits
+
+
+SPLIT_NORMS = ("layernorm", "non_parametric_layernorm", "te_layernorm", "rmsnorm", "te_rmsnorm", "scalenorm")
+"""The norms a gMLP layer's spatial gate normalises over its tensor-parallel split (statistics summed over the ranks,
+``gmlp._norm_over_ranks``: torch's LayerNorm, Deepy's RMSNorm and ScaleNorm)."""
+
+
+@rule
+def gmlp_norm_splits_over_tensor_parallel(ctx: RuleContext) -> list[str]:
+    """A plug-in norm in a gMLP layer at tensor parallelism: its statistics over the split width are not built."""
+    if ctx.tp <= 1 or "gmlp" not in layer_families(ctx) or ctx.get("norm") in SPLIT_NORMS:
+        return []
+    return [f"{ctx.show('norm')} in gMLP layers with {ctx.show('model_parallel_size')}: the spatial gate normalises "
+            f"over a width tensor parallelism splits, built for {', '.join(SPLIT_NORMS)} only; use one of them or "
+            f"model_parallel_size: 1"]
 
 
 def kernel_problems(ctx: RuleContext, find_spec: Finder | None = None) -> list[str]:

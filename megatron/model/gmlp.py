@@ -96,6 +96,7 @@ def _norm_over_ranks(x: torch.Tensor, norm: nn.Module, width: int) -> torch.Tens
     if isinstance(norm, ScaleNorm):
         length = _summed(xf.pow(2).sum(-1, keepdim=True)).sqrt().clamp(min=norm.eps)
         return (xf / length).to(x.dtype) * norm.g
+    # before launch: family_checks.gmlp_norm_splits_over_tensor_parallel (its SPLIT_NORMS)
     raise TypeError(f"{type(norm).__name__} over a tensor-parallel split is not built")
 
 

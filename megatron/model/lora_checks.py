@@ -5,12 +5,15 @@
 from __future__ import annotations
 
 from megatron.config_rules import RuleContext, rule
+from megatron.model.family_config import configured_families
 
 
 _LORA_KEYS = ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_split_fused", "lora_init")
 
 
 _LORA_MLP_TARGETS = ("dense_h_to_4h", "dense_4h_to_h")
+_LORA_BLOCK_TARGETS = ("query_key_value", "dense", *_LORA_MLP_TARGETS)
+"""The projections of a transformer block that ``lora.apply_lora`` adapts (Mamba, RWKV and gMLP layers have none)."""
 
 
 @rule
@@ -62,3 +65,30 @@ def levanter_init_needs_its_own_reference(ctx: RuleContext) -> list[str]:
         return []
     return [f"{ctx.show('lora_init')} with {ctx.show('train_impl')}: Levanter's fresh adapters change the model, so "
             "the reference (the base with its adapters off) would not be the starting model; use lora_init: peft"]
+
+
+@rule
+def lora_targets_are_in_the_model(ctx: RuleContext) -> list[str]:
+    """A LoRA run freezes the base and trains the adapters (and a reward model's value head): every rank needs some
+    to train, or its optimizer has none (``optimizers.build_optimizer`` refuses "no trainable parameters"). The
+    adapted projections are transformer blocks' (``_LORA_BLOCK_TARGETS``) and the untied head, which only the last
+    pipeline stage holds."""
+    if int(ctx.get("lora_r") or 0) == 0:
+        return []
+    from megatron.objective_needs import needs_of
+
+    targets = ctx.get("lora_target_modules") or []
+    families = configured_families(ctx.get("attention_config"))
+    in_blocks = "transformer" in families and any(t in _LORA_BLOCK_TARGETS for t in targets)
+    head = "output_layer" in targets or needs_of(str(ctx.get("train_impl") or "normal")).value_head
+    if in_blocks:
+        return []
+    if not head:
+        return [f"{ctx.show('lora_target_modules')} names no projection of this model's layers "
+                f"({', '.join(sorted(families))}: only transformer blocks have {', '.join(_LORA_BLOCK_TARGETS)}), so "
+                "nothing would train; target projections the model has, or train without adapters (lora_r: 0)"]
+    if ctx.pp > 1:
+        return [f"{ctx.show('lora_target_modules')} with {ctx.show('pipe_parallel_size')}: only the last pipeline "
+                "stage holds the head, so the ranks of the other stages would train nothing; add a projection of the "
+                "transformer blocks (query_key_value, ...)"]
+    return []

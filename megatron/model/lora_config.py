@@ -35,7 +35,8 @@ class LoRAArgs(ArgGroup):
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout applied to each adapter's input while training. PEFT's lora_dropout."""
 
-    lora_target_modules: list[LoRATarget] = Field(default_factory=lambda: list[LoRATarget](["query_key_value"]))
+    lora_target_modules: list[LoRATarget] = Field(default_factory=lambda: list[LoRATarget](["query_key_value"]),
+                                                  min_length=1)
     """Projections that get an adapter, by GPT-NeoX module name (query_key_value and dense in attention,
     dense_h_to_4h and dense_4h_to_h in the MLP, output_layer the untied output head); PEFT's target_modules for
     GPT-NeoX models."""

@@ -51,6 +51,10 @@ class NormSettings:
         return dtype
 
 
+NORM_KEYS = ("use_bias_in_norms", "layernorm_epsilon", "rms_norm_epsilon", "scalenorm_epsilon")
+"""The model keys a norm builder may read (besides the dtype and its width)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NormEntry:
     """One ``norm`` value."""
@@ -61,6 +65,10 @@ class NormEntry:
     """Its parameter count (what ``build`` makes: a test compares)."""
     keeps_fp32_input: bool = False
     """Autograd keeps an fp32 copy of a 16-bit input (torch's rms_norm on the upcast input)."""
+    reads: tuple[str, ...] = NORM_KEYS
+    """The keys of :data:`NORM_KEYS` its module depends on; the others change nothing for this norm (an
+    RMSNorm has no bias and no LayerNorm epsilon, whatever ``use_bias_in_norms`` says). A plug-in that
+    leaves it out reads them all. ``tests/unit/test_option_registries.py`` changes each key and compares."""
 
     def flops_per_token(self, dim: int, settings: NormSettings) -> float:
         """Training FLOPs per token counted for MFU: 6 per weight (the elementwise work is not counted)."""
@@ -101,12 +109,17 @@ def _non_parametric_layernorm(dim: int, c: NormSettings) -> nn.Module:
     return nn.LayerNorm(dim, c.layernorm_epsilon, elementwise_affine=False)
 
 
-_LAYERNORM = NormEntry(build=_layernorm, parameters=lambda dim, c: dim * (2 if c.use_bias_in_norms else 1))
-_RMSNORM = NormEntry(build=_rmsnorm, parameters=lambda dim, c: dim, keeps_fp32_input=True)
+_LAYERNORM = NormEntry(build=_layernorm, parameters=lambda dim, c: dim * (2 if c.use_bias_in_norms else 1),
+                       reads=("use_bias_in_norms", "layernorm_epsilon"))
+# GPT-NeoX's RMSNorm has no bias either: get_norm hands over only the epsilon (megatron/model/norms.py:19-59,
+# transformer.py:931-934 at ea7aefd8: RMSNorm(dim, eps=eps), bias=False), so use_bias_in_norms changes nothing there either
+_RMSNORM = NormEntry(build=_rmsnorm, parameters=lambda dim, c: dim, keeps_fp32_input=True,
+                     reads=("rms_norm_epsilon",))
 register_norm("layernorm", _LAYERNORM)
 register_norm("rmsnorm", _RMSNORM)
-register_norm("non_parametric_layernorm", NormEntry(build=_non_parametric_layernorm, parameters=lambda dim, c: 0))
-register_norm("scalenorm", NormEntry(build=_scalenorm, parameters=lambda dim, c: 1))
+register_norm("non_parametric_layernorm", NormEntry(build=_non_parametric_layernorm, parameters=lambda dim, c: 0,
+                                                   reads=("layernorm_epsilon",)))
+register_norm("scalenorm", NormEntry(build=_scalenorm, parameters=lambda dim, c: 1, reads=("scalenorm_epsilon",)))
 # Transformer Engine's fused kernels compute the same functions (refused before launch: not built yet)
 register_norm("te_rmsnorm", _RMSNORM)
 register_norm("te_layernorm", _LAYERNORM)

@@ -12,11 +12,13 @@ and handed to each rank's start-up.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field
 
+from megatron.config_rules import RuleContext, rule
 from megatron.config_schema import ArgGroup
 
 
@@ -108,3 +110,32 @@ class ParallelismArgs(ArgGroup):
     name); must divide the data-parallel size. Default: the ranks of one node (num_gpus, or every rank
     of a launch on this machine alone; a multi-node launch without num_gpus must set it)."""
 
+
+PARTITION_NAMES = ("type:transformer|mlp", "type:transformer", "type:transformerlayerpipe", "parameters", "uniform")
+"""GPT-NeoX's ``pipe_partition_method`` names (``training/engine.py`` maps the ``type:`` ones onto the blocks of
+every layer family); any other ``type:<regex>`` goes to DeepSpeed's PipelineModule as it is."""
+
+
+def partition_method_problem(method: str, shown: str | None = None) -> str | None:
+    """Why DeepSpeed's PipelineModule cannot partition by ``method`` (the key as ``shown``), or None (the ranks and
+    the check before launch ask the same)."""
+    shown = shown or f"pipe_partition_method={method!r}"
+    if method.lower() in PARTITION_NAMES:
+        return None
+    if method.startswith("type:"):
+        try:
+            re.compile(method.removeprefix("type:"), re.IGNORECASE)  # DeepSpeed searches the layer names with it
+        except re.error as err:
+            return f"{shown}: the regex after type: does not compile ({err})"
+        return None
+    return (f"{shown} is not known; use one of {sorted(PARTITION_NAMES)} "
+            f"or type:<regex over layer class names>")
+
+
+@rule
+def pipe_partition_method_known(ctx: RuleContext) -> list[str]:
+    """The partition a pipeline engine is built with (``pipe_parallel_size`` 1 or more)."""
+    if not ctx.uses_pipeline_module:
+        return []
+    problem = partition_method_problem(str(ctx.get("pipe_partition_method")), ctx.show("pipe_partition_method"))
+    return [] if problem is None else [problem]

@@ -24,6 +24,7 @@ from megatron.logging import preflight
 from megatron.model import checks as model_checks
 from megatron.model import config as model_config
 from megatron.model import family_checks, lora_checks, moe_checks
+from megatron.mpu import parallel_config
 from megatron.neox_arguments import deepspeed_blocks, file_checks, optional_packages, rules
 from megatron.training import averaging_config, bad_steps, compile_checks, length_checks, lr_config, lr_dialects
 from megatron.training import hf_save_config, optimizer_checks, peft_config, reinit_config
@@ -37,6 +38,7 @@ CHECK_MODULES: tuple[ModuleType, ...] = (
     model_checks,
     model_config,  # attention_config covers the layers
     rules,  # the rules between components
+    parallel_config,  # pipe_partition_method
     optimizer_checks,
     averaging_config,  # ema_beta (ZeRO-3)
     bad_steps,  # skip_bad_steps_window

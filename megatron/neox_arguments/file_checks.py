@@ -209,6 +209,60 @@ def tokenizer_loads(ctx: RuleContext) -> list[str]:
 
 
 @rule
+def dummy_tokens_fit_the_embedding(ctx: RuleContext) -> list[str]:
+    """``dummy_data_vocab_size`` bounds the random tokens of the dummy dataset, which index the embedding: at most
+    its rows, the tokenizer's vocabulary padded as the ranks pad it (or ``padded_vocab_size``)."""
+    drawn = ctx.get("dummy_data_vocab_size")
+    if not ctx.get("use_dummy_dataset") or drawn is None:
+        return []
+    rows = ctx.get("padded_vocab_size")
+    if rows is None:
+        from megatron.tokenizer import build_tokenizer
+        from megatron.tokenizer.config import TokenizerArgs
+
+        try:
+            tokenizer = cast(TokenizerArgs, ctx.args)
+            rows = tokenizer.padded(build_tokenizer(tokenizer).vocab_size, ctx.tp)
+        except Exception:  # noqa: BLE001 - tokenizer_loads reports a tokenizer that cannot be built here
+            return []
+    if drawn <= rows:
+        return []
+    return [f"{ctx.show('dummy_data_vocab_size')} exceeds the {rows} embedding rows ({ctx.show('tokenizer_type')}, "
+            f"padded for model_parallel_size {ctx.tp}): use at most {rows}, or leave it out to draw from all of them"]
+
+
+@rule
+def hf_saves_can_be_written(ctx: RuleContext) -> list[str]:
+    """``hf_save_path``: rank 0 builds the writer of the HF model directories before the first step
+    (``interop/hf_save_writer.HFModelWriter``: the ``transformers`` class of the model, the tokenizer's files);
+    built here the same way, so a model without a ``transformers`` class (ALiBi, T5 biases, ...) is refused before
+    launch. Layouts the saves cannot run in are ``hf_save_layouts``' (``training/hf_save_config.py``)."""
+    if ctx.get("hf_save_path") is None or ctx.tp > 1 or str(ctx.get("train_impl")) == "rm":
+        return []
+    from megatron.errors import ConversionError
+    from megatron.interop.hf_save_writer import HFModelWriter
+    from megatron.model.config import GPTConfig
+    from megatron.tokenizer import build_tokenizer
+    from megatron.tokenizer.config import TokenizerArgs
+    from megatron.training.hf_save_config import HFSaveArgs
+    from megatron.training.hf_saves import save_dtype
+
+    args = cast(NeoXArgs, ctx.args)
+    try:
+        rows = cast(TokenizerArgs, args).padded(build_tokenizer(cast(TokenizerArgs, args)).vocab_size, ctx.tp)
+        config = cast(GPTConfig, args).for_tokenizer(rows)
+        config.check_architecture()
+    except Exception:  # noqa: BLE001 - the tokenizer's and the model's own rules say what is wrong
+        return []
+    try:
+        HFModelWriter(config, cast(TokenizerArgs, args), save_dtype(cast(HFSaveArgs, args), args.precision),
+                      args.lora_scale if args.lora_enabled else None)
+    except ConversionError as err:
+        return [f"{ctx.show('hf_save_path')}: {err.message.partition(': ')[2]}"]
+    return []
+
+
+@rule
 def filled_in_keys_left_alone(ctx: RuleContext) -> list[str]:
     """Keys Deepy fills in itself (rank, do_train, ...) are not settings; the layout ones are compared
     with what Deepy computes in ``derive_layout``."""

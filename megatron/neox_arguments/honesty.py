@@ -105,4 +105,13 @@ def check_entry_point(args: NeoXArgs, user_script: str) -> None:
 
             raise ConfigError(f"context_parallel_size={args.context_parallel_size} splits training sequences; "
                               f"{os.path.basename(user_script)} runs whole sequences: set context_parallel_size=1")
+        from megatron.objective_needs import needs_of
+
+        if needs_of(args.train_impl).value_head:  # the ranks' build_inference_model refuses it after loading
+            from megatron.errors import ConfigError
+
+            raise ConfigError(f"{os.path.basename(user_script)} needs a language model, and train_impl="
+                              f"{args.train_impl!r} builds a reward model, whose value head scores sequences instead "
+                              f"of predicting tokens: set train_impl: normal (or the objective the model was trained "
+                              f"with, if it predicts tokens)")
         build(args)

@@ -112,6 +112,17 @@ def fp16_needs_device_support(ctx: RuleContext) -> list[str]:
 
 
 @rule
+def nccl_needs_a_gpu(ctx: RuleContext) -> list[str]:
+    """``distributed_backend: nccl`` joins the ranks over CUDA GPUs (``initialize.backend_for`` refuses it on a rank
+    without one); only a launch (``deepy.py`` names the script) on this machine can be judged by its devices."""
+    if ctx.get("distributed_backend") != "nccl" or ctx.device.cuda or ctx.entry_point is None \
+            or not runs_on_this_machine(ctx):
+        return []
+    return [f"{ctx.show('distributed_backend')} needs CUDA GPUs, and the ranks run on this machine, which has none: "
+            f"use gloo, or remove the key (gloo on CPU, nccl on GPUs)"]
+
+
+@rule
 def memory_snapshot_needs_a_gpu(ctx: RuleContext) -> list[str]:
     """``memory_profiling`` records the CUDA allocator's history, which needs a GPU where the ranks run; only
     a launch on this machine can be judged by its devices."""

@@ -43,7 +43,7 @@ from megatron.deepspeed_internals import (
     skip_gradient_allreduce,
 )
 from megatron.errors import ConfigError
-from megatron.mpu.parallel_config import ParallelRun
+from megatron.mpu.parallel_config import PARTITION_NAMES, ParallelRun, partition_method_problem
 from megatron.logging.console import deepspeed_prints_quiet, is_verbose
 from megatron.logging.log import get_logger
 from megatron.model import GPTConfig, GPTModel, pipeline_layer_specs
@@ -66,13 +66,8 @@ if TYPE_CHECKING:
     from megatron.training.run_views import RunViews
 
 # GPT-NeoX partition names -> DeepSpeed's PipelineModule partition_method (blocks of every family)
-PARTITION_METHODS: dict[str, str] = {
-    "type:transformer|mlp": BLOCK_PARTITION,
-    "type:transformer": BLOCK_PARTITION,
-    "type:transformerlayerpipe": BLOCK_PARTITION,
-    "parameters": "parameters",
-    "uniform": "uniform",
-}
+PARTITION_METHODS: dict[str, str] = {name: BLOCK_PARTITION if name.startswith("type:") else name
+                                     for name in PARTITION_NAMES}
 
 
 @dataclass
@@ -108,15 +103,10 @@ class Engine:
 
 
 def partition_method(method: str) -> str:
-    mapped = PARTITION_METHODS.get(method.lower())
-    if mapped is not None:
-        return mapped
-    if method.startswith("type:"):
-        return method  # a regex over layer class names: DeepSpeed applies it as is
-    raise ConfigError(
-        f"pipe_partition_method={method!r} is not known; use one of {sorted(PARTITION_METHODS)} "
-        f"or type:<regex over layer class names>"
-    )
+    problem = partition_method_problem(method)  # before launch: parallel_config.pipe_partition_method_known
+    if problem is not None:
+        raise ConfigError(problem)
+    return PARTITION_METHODS.get(method.lower(), method)  # a type:<regex> other than GPT-NeoX's goes as it is
 
 
 # --- activation checkpointing and compilation ----------------------------------------------------

@@ -20,7 +20,14 @@ from megatron.config_rules import RuleContext, rule
 from megatron.config_schema import ArgGroup
 from megatron.errors import ConfigError
 from megatron.training.lr_neox import NEOX_STYLES, decay_steps
-from megatron.training.lr_schedules import SchedulePolicy, ScheduleSpec, cycle_starts_for, spec_differences, steps_of
+from megatron.training.lr_schedules import (
+    SchedulePolicy,
+    ScheduleSpec,
+    cycle_starts_for,
+    min_lr_problem,
+    spec_differences,
+    steps_of,
+)
 
 if TYPE_CHECKING:
     from megatron.checkpointing.resume_checks import Start
@@ -154,6 +161,34 @@ def neox_curve_surprises(ctx: RuleContext) -> list[str]:
     if style == "cosine" and iters > total:
         ctx.warnings.append(f"{ctx.show('train_iters')} runs past the {total} decay steps: GPT-NeoX's cosine rises "
                             f"again after them, and so does Deepy's; set lr_decay_iters to train_iters to stop at min_lr")
+    return []
+
+
+SCHEDULE_KEYS = ("lr_decay_style", "lr_decay_iters", "lr_decay_fraction", "min_lr", "min_lr_ratio", "warmup", "cycles",
+                 "cycle_length", "rewarmup", "decay_fraction")
+"""The keys :meth:`LRSchedulerArgs.spec` reads besides train_iters and the peak rate."""
+
+
+@rule
+def schedule_builds(ctx: RuleContext) -> list[str]:
+    """The schedule the ranks build (:meth:`LRSchedulerArgs.spec`, in ``training/engine.py``), built here from the
+    same keys: cycles that fit the steps, a known style. With ``train_epochs`` the steps are counted from the data
+    on the ranks, which build it then."""
+    from megatron.training.optimizer_config import peak_lr_setting
+
+    train_iters = ctx.get("train_iters")
+    peak, _ = peak_lr_setting(ctx.get("lr"), ctx.get("optimizer"))
+    if not train_iters or peak is None:
+        return []  # no length or no rate: their own rules say so (or the ranks count epochs)
+    schedule = cast(LRSchedulerArgs, ctx.args)
+    floor = peak * schedule.min_lr_ratio if schedule.min_lr_ratio is not None else schedule.min_lr
+    if min_lr_problem(peak, floor) is not None:
+        return []  # learning_rates_ordered names it (training/optimizer_checks.py)
+    try:
+        schedule.spec(int(train_iters), peak)
+    except ConfigError as err:
+        given = [ctx.show(key) for key in SCHEDULE_KEYS if ctx.given(key)] or [ctx.show("train_iters")]
+        return [f"the learning-rate schedule of {', '.join(given)}: {err.message}"]
     return []
 
 

@@ -4,10 +4,18 @@ torch. Levanter's ``sft.py`` rule (``reinit_tokens``, ``reinit_lm_head``, ``rein
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
+
 from pydantic import Field
 
+from megatron import plugins
 from megatron.config_rules import RuleContext, rule
 from megatron.config_schema import ArgGroup
+from megatron.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megatron.tokenizer.base import Tokenizer
 
 
 class ReinitTokensArgs(ArgGroup):
@@ -37,6 +45,59 @@ class ReinitTokensArgs(ArgGroup):
         return self.reinit_embeddings, self.reinit_lm_head
 
 
+def looks_tokens_up(tokenizer_type: str) -> bool | None:
+    """Whether the ``tokenizer_type`` plug-in has a token table to look ``reinit_tokens`` up in (a Hugging Face
+    tokenizer); None for a name no plug-in has (the tokenizer's own rule names it)."""
+    plugin = plugins.find("tokenizer_type", tokenizer_type)
+    if plugin is None:
+        return None
+    from megatron.tokenizer.hf import HFBackedTokenizer
+
+    kind = plugin.resolve()
+    return isinstance(kind, type) and issubclass(kind, HFBackedTokenizer)
+
+
+def token_ids(tokenizer: Tokenizer, tokens: Sequence[str]) -> list[int]:
+    """The ids of ``tokens`` as the tokenizer spells them; a token it does not have is a ConfigError (sft.py:320-329
+    raises 'One or more tokens are not in the tokenizer vocabulary'). Before launch (``reinit_tokens_runs``) and on
+    the ranks (``reinit_tokens.py``) alike."""
+    from megatron.tokenizer.hf import HFBackedTokenizer
+
+    if not isinstance(tokenizer, HFBackedTokenizer):
+        raise ConfigError(f"reinit_tokens looks tokens up in a Hugging Face tokenizer (HFTokenizer, HFGPT2Tokenizer, "
+                          f"GPT2BPETokenizer); {tokenizer.name} has no token table to look them up in")
+    found = {token: tokenizer.hf_tokenizer.token_to_id(token) for token in tokens}
+    missing = [token for token, tid in found.items() if tid is None]
+    if missing:
+        raise ConfigError(f"reinit_tokens: {', '.join(map(repr, missing))} not in the tokenizer's vocabulary; list "
+                          f"tokens as the tokenizer spells them")
+    return [int(found[token]) for token in tokens]  # type: ignore[arg-type]  # None ruled out above
+
+
+def _tokens_in_the_tokenizer(ctx: RuleContext, tokens: list[str]) -> list[str]:
+    """The tokenizer the ranks build has each token (built here from the same keys, as ``tokenizer_loads`` does)."""
+    kind = str(ctx.get("tokenizer_type"))
+    table = looks_tokens_up(kind)
+    if table is None:
+        return []
+    if not table:
+        return [f"{ctx.show('reinit_tokens')} looks the tokens up in a Hugging Face tokenizer's token table "
+                f"(HFTokenizer, HFGPT2Tokenizer, GPT2BPETokenizer), but {ctx.show('tokenizer_type')} has none: use "
+                f"one of those tokenizers, or remove reinit_tokens"]
+    from megatron.tokenizer import build_tokenizer
+    from megatron.tokenizer.config import TokenizerArgs
+
+    try:
+        tokenizer = build_tokenizer(cast(TokenizerArgs, ctx.args))
+    except Exception:  # noqa: BLE001 - tokenizer_loads reports a tokenizer that cannot be built (or seen) here
+        return []
+    try:
+        token_ids(tokenizer, tokens)
+    except ConfigError as err:
+        return [f"{ctx.show('reinit_tokens')} with {ctx.show('vocab_file')}: {err.message}"]
+    return []
+
+
 @rule
 def reinit_tokens_runs(ctx: RuleContext) -> list[str]:
     """What the re-drawing needs: a token list without repeats, a matrix to re-draw, weights that are trained and
@@ -60,4 +121,4 @@ def reinit_tokens_runs(ctx: RuleContext) -> list[str]:
         problems.append(f"{ctx.show('reinit_tokens')} with {ctx.show('train_impl')}: built for language-model "
                         "training (train_impl: normal, Levanter's sft.py); a reference copy or value head would not "
                         "see the re-drawn rows")
-    return problems
+    return problems + _tokens_in_the_tokenizer(ctx, tokens)

@@ -25,31 +25,15 @@ from torch import nn
 
 from megatron import mpu
 from megatron.checkpointing.partitioned_load import editing_whole
-from megatron.errors import ConfigError
 from megatron.mpu.initialize_weights import param_generator
 from megatron.mpu.layers import ColumnParallelLinear, VocabParallelEmbedding
 from megatron.tokenizer.base import Tokenizer
-from megatron.tokenizer.hf import HFBackedTokenizer
-from megatron.training.reinit_config import ReinitTokensArgs
+from megatron.training.reinit_config import ReinitTokensArgs, token_ids
 
 EMBEDDING = "embedding.word_embeddings.weight"
 HEAD = "output_layer.weight"
 TRUNCATION = 3.0
 """sft.py:358: ``hax.random.truncated_normal(key, ..., -3, 3)``, a standard normal cut at +-3."""
-
-
-def token_ids(tokenizer: Tokenizer, tokens: Sequence[str]) -> list[int]:
-    """The ids of ``tokens`` as the tokenizer spells them; a token it does not have is a ConfigError (sft.py:320-329
-    raises 'One or more tokens are not in the tokenizer vocabulary')."""
-    if not isinstance(tokenizer, HFBackedTokenizer):
-        raise ConfigError(f"reinit_tokens looks tokens up in a Hugging Face tokenizer (HFTokenizer, HFGPT2Tokenizer); "
-                          f"{tokenizer.name} has no token table to look them up in")
-    found = {token: tokenizer.hf_tokenizer.token_to_id(token) for token in tokens}
-    missing = [token for token, tid in found.items() if tid is None]
-    if missing:
-        raise ConfigError(f"reinit_tokens: {', '.join(map(repr, missing))} not in the tokenizer's vocabulary; list "
-                          f"tokens as the tokenizer spells them")
-    return [int(found[token]) for token in tokens]  # type: ignore[arg-type]  # None ruled out above
 
 
 @dataclass(frozen=True)

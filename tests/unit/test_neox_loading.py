@@ -162,6 +162,77 @@ def test_the_offline_converter_reads_both_eras_of_a_grouped_query_llama(tmp_path
     assert float(delta.abs().max()) <= 1e-5
 
 
+def _llama_save(tmp: Path, finite: bool = True) -> tuple[Path, dict[str, torch.Tensor], Path]:
+    """A GPT-NeoX Llama checkpoint (tp 1, plain) with 512 vocabulary rows (CharLevelTokenizer's), and its config
+    as GPT-NeoX's Llama configs write it (``use_bias_in_norms: false``, configs/llama2/7B.yml:23 at ea7aefd8);
+    not ``finite``: a NaN in the final norm's scale."""
+    full = weights(2)
+    full["embedding.word_embeddings.weight"] = torch.randn(512, 64)
+    full["output_layer.weight"] = torch.randn(512, 64)
+    if not finite:
+        full["final_norm.weight"][5] = float("nan")
+    files = neox_files(full, num_layers=2, heads=4, kv_heads=2, tp=1, pipeline=False, llama=True)
+    write_neox_checkpoint(tmp / "neox", "global_step7", files, pipeline=False, tp=1, iteration=7)
+    config = tmp / "llama.yml"
+    config.write_text(json.dumps({**LLAMA_CONFIG, "activation": "swiglu", "use-bias-in-norms": False}))
+    return tmp / "neox", full, config
+
+
+def test_an_rmsnorm_checkpoint_with_gpt_neoxs_norm_bias_key_converts(tmp_path: Path) -> None:
+    """``use_bias_in_norms: false`` (every GPT-NeoX Llama config) changes nothing in an RMSNorm (GPT-NeoX's get_norm
+    hands RMSNorm only its epsilon: megatron/model/norms.py:19-59, transformer.py:931-934 at ea7aefd8), and
+    deepy_model.yml leaves it out: the re-read check compares what changes the model, so the conversion succeeds,
+    and the model deepy_model.yml describes, with the weights written, computes the source model's logits."""
+    from megatron.interop.convert import import_to_deepy
+    from megatron.interop.deepy_checkpoint import read_full_checkpoint
+    from megatron.interop.hf_model import build_gpt_model
+    from megatron.checkpointing.neox import read_neox_checkpoint
+    from megatron.neox_arguments.loading import load_config
+
+    source, full, config = _llama_save(tmp_path)
+    report = import_to_deepy(source, tmp_path / "out", neox_configs=[config], neox_qkv_order="per_rank")
+    assert report.config_file == tmp_path / "out" / "deepy_model.yml" and (report.checkpoint / "COMMITTED").is_file()
+    written = load_config([str(report.config_file)], []).args
+    assert written.norm == "rmsnorm" and written.load == str((tmp_path / "out").resolve())
+    back = read_full_checkpoint(tmp_path / "out")
+    neox = read_neox_checkpoint(source, [config], "per_rank")
+    assert not neox.config.use_bias_in_norms and back.config.use_bias_in_norms  # the key the re-read differs in
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = build_gpt_model(written.with_vocab(512), back.weights)(tokens)
+        theirs = build_gpt_model(neox.config, full)(tokens)
+    assert float((ours - theirs).abs().max()) == 0.0
+    # a key that does change the model still fails the check
+    assert neox.config.differences(neox.config.replace(rms_norm_epsilon=1e-3)) == ["rms_norm_epsilon: 1e-06 -> 0.001"]
+    assert neox.config.differences(back.config.replace(precision=neox.config.precision)) == []
+
+
+@pytest.mark.parametrize("made_by_user", [False, True])
+def test_a_failed_conversion_leaves_nothing_that_looks_finished(tmp_path: Path, made_by_user: bool) -> None:
+    """A GPT-NeoX checkpoint whose weights are not finite fails the last check (its logits), after every file was
+    written: the output directory is as before (absent, or the empty directory the user made, its mode kept),
+    with no commit marker, deepy_model.yml or staging directory anywhere; a later conversion into it works."""
+    from megatron.errors import ConversionError
+    from megatron.interop.convert import import_to_deepy
+
+    source, _, config = _llama_save(tmp_path, finite=False)
+    out = tmp_path / "runs" / "imported"
+    if made_by_user:
+        out.mkdir(parents=True)
+        out.chmod(0o750)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(ConversionError) as failed:
+        import_to_deepy(source, out, neox_configs=[config], neox_qkv_order="per_rank")
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert "non-finite logits" in failed.value.message  # the last check, after every file was written
+    if made_by_user:
+        assert out.stat().st_mode & 0o777 == 0o750
+    good, _, _ = _llama_save(tmp_path / "again")
+    report = import_to_deepy(good, out, neox_configs=[config], neox_qkv_order="per_rank")
+    assert (report.checkpoint / "COMMITTED").is_file() and report.config_file.is_file()
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["imported"]
+
+
 # --- the engine's plain-model load reads the order a Deepy checkpoint's format records -----------------------
 class PlainEngine:
     """What ``neox.files.install`` wraps on a plain DeepSpeed engine: ``load_checkpoint(load_dir, tag)``

@@ -82,6 +82,39 @@ def test_each_norm_entry_builds_the_parameters_it_states(name: str) -> None:
     assert entry.flops_per_token(32, settings) == 6 * entry.parameters(32, settings)
 
 
+NORM_KEY_CHANGES: dict[str, Any] = {"use_bias_in_norms": False, "layernorm_epsilon": 0.5, "rms_norm_epsilon": 0.5,
+                                    "scalenorm_epsilon": 100.0}
+"""Each norm key changed from its default to a value whose effect shows on a small input (an epsilon near the
+input's scale, no bias)."""
+
+
+@pytest.mark.parametrize("name", list(NORMS))
+def test_each_norm_entry_reads_exactly_the_keys_it_states(name: str) -> None:
+    """``NormEntry.reads`` (what ``GPTConfig.keys_without_effect`` leaves out of the converter's check): changing
+    a key it reads changes the module's parameters or output; changing any other key changes neither (an
+    RMSNorm with ``use_bias_in_norms: false`` is the same module, as in GPT-NeoX, whose get_norm hands RMSNorm only
+    its epsilon: megatron/model/norms.py:19-59, transformer.py:931-934 at ea7aefd8)."""
+    from megatron.model.norms import NORM_KEYS
+
+    assert set(NORM_KEY_CHANGES) == set(NORM_KEYS)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(0))
+
+    def built(**changes: Any) -> tuple[dict[str, tuple[int, ...]], torch.Tensor]:
+        config = GPTConfig(**{**BASE, "norm": name, **changes})
+        module = NORMS[name].build(32, config.norm_settings)
+        for p in module.parameters():  # not the constant init: a missing bias or scale would show
+            torch.nn.init.uniform_(p, 0.5, 1.5, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            return {n: tuple(p.shape) for n, p in module.named_parameters()}, module(x)
+
+    shapes, out = built()
+    for key, value in NORM_KEY_CHANGES.items():
+        changed_shapes, changed_out = built(**{key: value})
+        same = changed_shapes == shapes and torch.equal(changed_out, out)
+        assert same == (key not in NORMS[name].reads), (name, key)
+        assert (key in GPTConfig(**{**BASE, "norm": name}).keys_without_effect()) == same, (name, key)
+
+
 def test_the_config_values_are_the_registries_names() -> None:
     """The keys' accepted values come from the registries (``norm`` validates against its registry, the
     others' Literals are checked here), so a new entry cannot be missing from one of them."""

@@ -98,27 +98,43 @@ def test_a_token_the_tokenizer_lacks_is_named() -> None:
 
 
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, train_iters=10, lr=1e-3,
-            train_micro_batch_size_per_gpu=2, use_dummy_dataset=True, tokenizer_type="CharLevelTokenizer")
+            train_micro_batch_size_per_gpu=2, use_dummy_dataset=True, tokenizer_type="HFTokenizer")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """``_tokenizer()``'s token table as the tokenizer.json an ``HFTokenizer`` config names."""
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    HFJson(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="w0")).save(str(path))
+    return str(path)
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"reinit_tokens": ["a", "b", "a"]}, r"reinit_tokens=.* names a more than once"),
-    ({"reinit_tokens": ["a"], "reinit_lm_head": False, "reinit_embeddings": False}, "re-draws nothing"),
-    ({"reinit_tokens": ["a"], "lora_r": 4}, "reinit_tokens=.*lora_r=4"),
-    ({"reinit_tokens": ["a"], "train_impl": "rm"}, "reinit_tokens=.*train_impl='rm'"),
+    ({"reinit_tokens": ["w1", "w2", "w1"]}, r"reinit_tokens=.* names w1 more than once"),
+    ({"reinit_tokens": ["w1"], "reinit_lm_head": False, "reinit_embeddings": False}, "re-draws nothing"),
+    ({"reinit_tokens": ["w1"], "lora_r": 4}, "reinit_tokens=.*lora_r=4"),
+    ({"reinit_tokens": ["w1"], "train_impl": "rm"}, "reinit_tokens=.*train_impl='rm'"),
     ({"reinit_lm_head": False}, "reinit_lm_head=False .*read only with reinit_tokens"),
     ({"reinit_tokens": []}, "reinit_tokens"),
+    # what the ranks refused after building the model and the engine (token_ids), now before launch
+    ({"reinit_tokens": ["w1"], "tokenizer_type": "CharLevelTokenizer", "vocab_file": None},
+     r"reinit_tokens=\['w1'\] \(<mapping>\) looks the tokens up in a Hugging Face tokenizer's token table .* "
+     r"tokenizer_type='CharLevelTokenizer' \(<mapping>\) has none"),
+    ({"reinit_tokens": ["w1", "<|finetune_right_pad_id|>"]},
+     r"reinit_tokens=.* with vocab_file=.*'<\|finetune_right_pad_id\|>' not in the tokenizer's vocabulary"),
 ])
-def test_refusals_name_the_key(changes: dict[str, object], message: str) -> None:
+def test_refusals_name_the_key(changes: dict[str, object], message: str, tokenizer_file: str) -> None:
     from megatron.config_rules import Device
     from megatron.neox_arguments import config_from_mapping
     from megatron.neox_arguments.derived import finalize
 
     device = Device(cuda=False, fp16_supported=False)
+    base = {**BASE, "vocab_file": tokenizer_file}
     # accepted at ZeRO-3 too (Levanter's default fsdp_axis): tests/distributed/test_zero3_weight_edits.py
-    finalize(config_from_mapping({**BASE, "reinit_tokens": ["a"], "zero_optimization": {"stage": 3}}), 1, device=device)
+    finalize(config_from_mapping({**base, "reinit_tokens": ["<|eot_id|>", "w3"], "zero_optimization": {"stage": 3}}),
+             1, device=device)
     with pytest.raises(ConfigError, match=message):
-        finalize(config_from_mapping({**BASE, **changes}), 1, device=device)
+        finalize(config_from_mapping({**base, **changes}), 1, device=device)
 
 
 def test_at_step_0_only_and_the_optimizers_fp32_copy_follows() -> None:

@@ -15,6 +15,9 @@ tokenizer, layout and ``load``:
 
     python deepy.py train.py OUTPUT_DIR/deepy_model.yml your_data_and_schedule.yml
 
+Everything is written beside OUTPUT_DIR and moved in once every check passed: a conversion that fails leaves
+OUTPUT_DIR as it was (absent, or the empty directory you made).
+
 The checkpoint holds weights only: the first run starts its optimizer fresh (fine-tuning from an
 HF model starts at step 0; a GPT-NeoX run continues at its iteration). ``--verify`` (default)
 compares our model with the source transformers model on a fixed batch (max |Δ logit| <= 1e-4).

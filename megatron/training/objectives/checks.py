@@ -82,3 +82,28 @@ def objective_data_matches_train_impl(ctx: RuleContext) -> list[str]:
                         "(a reward or preference belongs to one response), never packed; set pack_impl: unpacked "
                         "or remove it")
     return problems
+
+
+@rule
+def resumed_reference_keeps_its_objective(ctx: RuleContext) -> list[str]:
+    """A frozen reference copy of the starting weights is found from the checkpoints on disk when the run starts
+    (``starting_point.starting_point``): resuming, with ``load``, a checkpoint another objective wrote would lose
+    it at the next resume, and the ranks refuse it before their first step; the same check, here."""
+    load = ctx.get("load")
+    if not ctx.trains or not load or ctx.get("initialize_from") or ctx.get("finetune"):
+        return []
+    from megatron.training.objectives.registry import reference_kind
+    from megatron.training.objectives.config import ObjectiveArgs
+
+    if reference_kind(ctx.group(ObjectiveArgs)) != "frozen_copy":
+        return []
+    from pathlib import Path
+
+    from megatron.checkpointing.discovery import resume_point
+    from megatron.training.objectives.starting_point import other_objective_problem
+
+    found = resume_point(Path(str(load)), None)  # the newest committed checkpoint, as starting_point reads it
+    if found is None:
+        return []
+    problem = other_objective_problem(str(load), found[1].get("args") or {}, _train_impl(ctx))
+    return [] if problem is None else [f"{ctx.show('train_impl')} with {ctx.show('load')}: {problem}"]

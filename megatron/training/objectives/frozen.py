@@ -33,59 +33,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatron.checkpointing.config import CheckpointArgs
-from megatron.errors import CheckpointError, ConfigError
+from megatron.errors import CheckpointError
 from megatron.training.objectives.base import MicroBatch, Objective
+from megatron.training.objectives.starting_point import StartingPoint, starting_point
 
 log = logging.getLogger("deepy")
 
 # keys of the DeepSpeed config a forward-only engine keeps (precision and batch arithmetic)
 _INFERENCE_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                    "bf16", "fp16", "steps_per_print", "wall_clock_breakdown")
-
-
-@dataclass(frozen=True)
-class StartingPoint:
-    checkpoint: Path | None
-    """A committed checkpoint directory (``<dir>/global_stepN``), or None for the seeded init."""
-
-    def __str__(self) -> str:
-        return str(self.checkpoint) if self.checkpoint is not None else "the seeded initialisation"
-
-
-def _committed(directory: str, iteration: int | None, key: str) -> Path:
-    from megatron.checkpointing.save_load import resolve_tag
-
-    tag, _ = resolve_tag(Path(directory), iteration)
-    if tag is None:
-        raise ConfigError(f"{key}={directory!r}: no committed checkpoint there to take the reference model from")
-    return Path(directory) / tag
-
-
-def starting_point(config: CheckpointArgs, train_impl: str, _depth: int = 0) -> StartingPoint:
-    """Where the policy's starting weights, hence the frozen reference, come from (see module doc): the
-    checkpoint keys of this run (``config``), of an objective ``train_impl``."""
-    from megatron.checkpointing import commit
-    from megatron.checkpointing.save_load import read_meta
-
-    if config.initialize_from:
-        return StartingPoint(_committed(config.initialize_from, None, "initialize_from"))
-    if config.finetune and config.load:
-        return StartingPoint(_committed(config.load, config.iteration, "load"))
-    if config.load and _depth == 0:
-        tag, _ = commit.newest_committed(Path(config.load))
-        if tag is not None:
-            saved = read_meta(Path(config.load) / tag).get("args", {})
-            if saved.get("train_impl") != train_impl:
-                raise ConfigError(
-                    f"load={config.load!r} holds a train_impl={saved.get('train_impl')!r} checkpoint and this "
-                    f"run is train_impl={train_impl!r}: its reference model is a frozen copy of the "
-                    "starting weights, which must stay known when the run resumes. Start from that checkpoint "
-                    f"with initialize_from: {config.load} (or finetune: true), and save to another directory")
-            where = CheckpointArgs(load=saved.get("load"), finetune=bool(saved.get("finetune")),
-                                   initialize_from=saved.get("initialize_from"), iteration=saved.get("iteration"))
-            return starting_point(where, train_impl, _depth + 1)
-    return StartingPoint(None)
 
 
 def _inference_ds_config(ds_config: dict[str, Any]) -> dict[str, Any]:
