@@ -69,6 +69,19 @@ def rank_processes(session: int, config_path: str) -> list[psutil.Process]:
     return sorted(ranks, key=lambda p: p.pid)
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler installed for ``signum`` (``SigCgt`` in /proc/<pid>/status):
+    a rank that does not would die of the signal's default action. False when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 def send(pid: int, signum: int) -> bool:
     try:
         os.kill(pid, signum)
