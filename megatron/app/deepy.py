@@ -28,6 +28,7 @@ ENTRY_POINTS_OF_TEXTGEN = ("generate.py", "eval.py")
 
 if TYPE_CHECKING:
     from megatron.launcher import LaunchPlan
+    from megatron.launcher.save_lock import SaveLock
     from megatron.training.memory import MemoryFit
     from megatron.neox_arguments.dialects import Flag
 
@@ -394,6 +395,47 @@ def check_memory(resolved: ResolvedConfig, fit: MemoryFit, user_script: str) -> 
                       f"memory: exit code 137)")
 
 
+def take_save_lock(resolved: ResolvedConfig, command: DeepyCommand, plan: LaunchPlan) -> SaveLock | None:
+    """The lock of ``save`` for a launch that trains into it (megatron/launcher/save_lock.py); None for one
+    that does not write there (generate.py, eval.py), has no ``save``, or is an in-place task other than
+    rank 0's. Another run holding it is a config error naming it."""
+    from megatron.config_rules import RuleContext
+    from megatron.launcher.save_lock import SaveDirInUse, acquire, this_process
+    from megatron.logging.rank_errors import current_rank
+
+    save = resolved.args.save
+    if not save or os.path.basename(command.user_script) in ENTRY_POINTS_OF_TEXTGEN:
+        return None
+    if plan.in_place and current_rank() not in (0, None):
+        return None
+    holder = this_process(shlex.join([os.path.basename(sys.executable), "deepy.py", *sys.argv[1:]]),
+                          resolved.run_name or "", resolved.directory or "")
+    try:
+        lock, note = acquire(save, holder)
+    except SaveDirInUse as busy:
+        shown = RuleContext(args=resolved.args, provenance=resolved.provenance).show("save")
+        raise ConfigError(f"{shown}: {busy.describe()}: wait for it to end or stop it, or save this run "
+                          f"elsewhere") from None
+    if note is not None:
+        print(f"deepy: note: {note}", flush=True)
+    return lock
+
+
+def save_lock_note(resolved: ResolvedConfig, user_script: str) -> str | None:
+    """What a dry run says when another run holds ``save`` (a launch would be refused; the dry run is not)."""
+    from megatron.launcher.save_lock import current_holder
+
+    save = resolved.args.save
+    if not save or os.path.basename(user_script) in ENTRY_POINTS_OF_TEXTGEN or not os.path.isdir(save):
+        return None
+    held = current_holder(save)
+    if held is None:
+        return None
+    holder, why = held
+    who = holder.describe() if holder is not None else "another run"
+    return f"save={save} is in use by {who} ({why}): a launch now would be refused"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     command = parse_command(sys.argv[1:] if argv is None else argv)
     resolved = resolve(command)
@@ -420,14 +462,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         resolved.skipped.append(f"the srun command: {err.message}")
         plan = None
     if command.dry_run:
+        held = save_lock_note(resolved, command.user_script)
+        if held is not None:
+            resolved.warnings.append(held)
         print(render_dry_run(resolved, command, plan, fit))
         return 0
     assert plan is not None, "only a dry run goes on without a launch plan"
-    return launch(resolved, command, plan, config_path, fit)
+    lock = take_save_lock(resolved, command, plan)  # before anything is written into save or the run directory
+    try:
+        return launch(resolved, command, plan, config_path, fit)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def launch(resolved: ResolvedConfig, command: DeepyCommand, plan: LaunchPlan, config_path: str, fit: MemoryFit) -> int:
-    """Write the resolved config and run the launch to its end."""
+    """Write the resolved config and run the launch to its end (the ``save`` lock held)."""
     for line in notes(resolved, command.user_script):
         print(f"deepy: {line}", flush=True)
     if resolved.args.initialize_from_hf:

@@ -131,6 +131,10 @@ def test_sigkill_at_any_moment_resumes_from_newest_committed(tmp_path: Path) -> 
     resumed = deepy(tmp_path, *COMMON, "checkpoint_factor=1", "train_iters=40", "lr_decay_iters=40",
                     "log_dir=logs2")  # fmt: skip
     assert resumed.returncode == 0, output(resumed)
+    # issue 42 item 13: the killed deepy's lock of `save` is stale (its pid is gone): taken over, said in one line
+    took = [line for line in output(resumed).splitlines() if "took over the lock of ckpt" in line]
+    assert len(took) == 1 and f"deepy.py pid {proc.pid} on host {socket.gethostname()}" in took[0], output(resumed)
+    assert "(no such process)" in took[0] and not list(ckpt.glob(".deepy-run.lock*"))  # released at the end
     curve = losses(tmp_path / "logs2")
     start = int(latest.removeprefix("global_step"))
     assert min(curve) == start + 1 and max(curve) == 40
@@ -144,7 +148,22 @@ def test_sigkill_at_any_moment_resumes_from_newest_committed(tmp_path: Path) -> 
 def test_sigterm_on_one_rank_saves_and_exits_zero(tmp_path: Path) -> None:
     proc = _start(tmp_path, *COMMON, "checkpoint_factor=1000", "train_iters=400", "lr_decay_iters=400",
                   "log_dir=logs1")  # fmt: skip
-    _wait_for(proc, "iteration 3/400")
+    seen = _wait_for(proc, "iteration 3/400")
+    # issue 42 item 13: the same launch again while this one trains into `save` is refused before it starts,
+    # naming the running one; a dry run is not refused, and says that a launch would be
+    again = [sys.executable, str(REPO / "deepy.py"), str(REPO / "train.py"), str(tmp_path / "model.yml"), *COMMON,
+             "checkpoint_factor=1000", "train_iters=400", "lr_decay_iters=400", "log_dir=logs1"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    second, dry = (subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True) for argv in (again, [*again[:2], "--dry-run", *again[2:]]))  # fmt: skip
+    refused, checked = second.communicate(timeout=300)[0], dry.communicate(timeout=300)[0]
+    run_name = next(m.group(1) for line in seen if (m := re.match(r"run (\S+): metrics", line)))
+    host = re.escape(socket.gethostname())
+    holder = rf"deepy\.py pid {proc.pid} on host {host}, started \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d"
+    assert second.returncode == 2, refused
+    assert refused.count("another run is training into it") == 1 and re.search(holder, refused), refused
+    assert run_name in refused and "Traceback" not in refused and "starting" not in refused
+    assert dry.returncode == 0 and re.search(holder, checked) and "a launch now would be refused" in checked, checked
     os.kill(_worker_pid(tmp_path, 1), signal.SIGTERM)  # a preempted node: one rank told first
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
