@@ -14,9 +14,9 @@ that session when the launch command ends is terminated.
 
 A rank takes a stop request once its stop handler is installed (train.py's, when its checkpointing is
 set up, before the first step); until then SIGUSR1's default action would kill it. So on this machine
-(stop route ``ranks``) deepy sends SIGUSR1 only to ranks that catch it (``SigCgt`` in /proc): a request
-that comes while they are still starting ends them at once instead - no step has been trained, so
-nothing can be lost - and deepy says the run was stopped before it began and exits 0. The same for
+(stop route ``ranks``) deepy sends SIGUSR1 only to ranks that catch (or ignore) it (``SigCgt``/``SigIgn``
+in /proc): a request that comes while they are still starting ends them at once instead - no step has
+been trained, so nothing can be lost - and deepy says the run was stopped before it began and exits 0. The same for
 workers that never take stop requests (generate.py, eval.py: they have nothing to save), which are
 just stopped.
 """
@@ -35,7 +35,7 @@ from typing import Any
 
 from megatron.launcher.plan import LaunchPlan
 from megatron.logging import rank_errors
-from megatron.launcher.processes import catches, end_session, rank_processes, send
+from megatron.launcher.processes import end_session, rank_processes, send, survives
 
 # the directory holding the ``megatron`` package: workers outside the repo must still import it
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
@@ -148,7 +148,7 @@ class LaunchSupervisor:
         if route == "ranks":
             # look again on every pass and signal each rank once, when it takes the signal
             for proc in rank_processes(self.process.pid, self.plan.config_path):
-                if proc.pid in self.delivered or not catches(proc.pid, RANK_STOP_SIGNAL):
+                if proc.pid in self.delivered or not survives(proc.pid, RANK_STOP_SIGNAL):
                     continue
                 if send(proc.pid, RANK_STOP_SIGNAL):
                     self.delivered.add(proc.pid)
@@ -161,11 +161,11 @@ class LaunchSupervisor:
                                stdin=subprocess.DEVNULL, timeout=120, check=False)  # fmt: skip
 
     def _ranks_take_stop_requests(self) -> bool:
-        """Some rank runs here and every one that does catches SIGUSR1 (ranks that ended are not looked at:
-        at the end of a run one rank may finish its last saves after the others have exited)."""
+        """Some rank runs here and every one that does catches (or ignores) SIGUSR1 (ranks that ended are not
+        looked at: at the end of a run one rank may finish its last saves after the others have exited)."""
         assert self.process is not None
         ranks = rank_processes(self.process.pid, self.plan.config_path)
-        return bool(ranks) and all(catches(p.pid, RANK_STOP_SIGNAL) for p in ranks)
+        return bool(ranks) and all(survives(p.pid, RANK_STOP_SIGNAL) for p in ranks)
 
     def _end_unready(self) -> None:
         """The ranks cannot take a stop request (not one started yet, or one has no handler): end them.
