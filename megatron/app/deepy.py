@@ -29,6 +29,8 @@ ENTRY_POINTS_OF_TEXTGEN = ("generate.py", "eval.py")
 if TYPE_CHECKING:
     from megatron.config_rules import Device
     from megatron.launcher import LaunchPlan
+    from megatron.launcher.save_lock import SaveLock
+    from megatron.training.memory import MemoryFit
     from megatron.neox_arguments.dialects import Flag
 
 USAGE = ("deepy.py [--dry-run] [--verbose] [--debug] [-d CONF_DIR] USER_SCRIPT CONFIG [CONFIG ...] [key=value ...]\n"
@@ -310,7 +312,8 @@ def notes(resolved: ResolvedConfig, user_script: str) -> list[str]:
     return lines
 
 
-def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand, plan: LaunchPlan | None = None) -> str:
+def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand, plan: LaunchPlan | None = None,
+                   fit: MemoryFit | None = None) -> str:
     ds_config: Any = resolved.deepspeed_config
     said = notes(resolved, command.user_script)
     parts = [
@@ -326,7 +329,7 @@ def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand, plan: Launch
         "DeepSpeed config:",
         json.dumps(ds_config, indent=2) if ds_config is not None else "(none)",
         "",
-        memory_report(resolved),
+        fit.report() if fit is not None else memory_report(resolved),
         "",
         *([*said, ""] if said else []),
     ]
@@ -366,13 +369,93 @@ def plan_run(resolved: ResolvedConfig, user_script: str, config_path: str) -> La
 
 def memory_report(resolved: ResolvedConfig) -> str:
     """Per-device memory estimate of the resolved layout (see megatron/training/memory.py)."""
-    from megatron.training.memory import dry_run_report
+    return memory_fit(resolved).report()
+
+
+def memory_fit(resolved: ResolvedConfig) -> MemoryFit:
+    """The memory estimate of the resolved run against what its ranks will have (megatron/training/memory.py)."""
     from megatron.config_rules import RuleContext
     from megatron.launcher.checks import runs_on_this_machine
     from megatron.neox_arguments.run_config import RunConfig
+    from megatron.training.memory import memory_fit as fit_of
 
-    return dry_run_report(RunConfig.from_resolved(resolved),
-                          launches_locally=runs_on_this_machine(RuleContext(args=resolved.args)))
+    return fit_of(RunConfig.from_resolved(resolved),
+                  launches_locally=runs_on_this_machine(RuleContext(args=resolved.args)))
+
+
+def check_memory(resolved: ResolvedConfig, fit: MemoryFit, user_script: str) -> None:
+    """Refuse a training run whose memory estimate exceeds what the ranks of a node have, naming the key
+    behind the largest part of it (``allow_memory_overcommit: true`` makes it a warning). Inference
+    (generate.py, eval.py) builds no optimizer states nor activations for a backward: not checked."""
+    from megatron.config_rules import RuleContext, describe
+
+    if os.path.basename(user_script) in ENTRY_POINTS_OF_TEXTGEN:
+        return
+    ctx = RuleContext(args=resolved.args, provenance=resolved.provenance)
+    problem = fit.problem()
+    if problem is None:
+        if fit.warning() is not None:
+            resolved.warnings.append(f"{fit.warning()}")
+        return
+    why, key = problem
+    if resolved.args.allow_memory_overcommit:
+        resolved.warnings.append(f"{why}; launching anyway ({ctx.show('allow_memory_overcommit')})")
+        return
+    largest = fit.largest_part()
+    advice = {
+        "activations": "lower it (raise gradient_accumulation_steps to keep the batch), recompute activations "
+                       "(checkpoint_activations: true), or use fewer ranks per machine",
+        "ZeRO gradient buckets": "lower zero_optimization.reduce_bucket_size",
+        "model states": "split the model over more devices (a higher ZeRO stage, tensor or pipeline parallelism) "
+                        "or offload the optimizer",
+    }[largest]
+    # the ZeRO block is long: its stage is what splits the model states and sizes the buckets
+    shown = (f"zero_optimization.stage={fit.layout.zero_stage} ({describe(ctx.source(key))})"
+             if key == "zero_optimization" else ctx.show(key))
+    raise ConfigError(f"{why}: the most of it is {largest} ({shown}): {advice}; or set "
+                      f"allow_memory_overcommit: true to launch anyway (the kernel kills a rank that runs out of "
+                      f"memory: exit code 137)")
+
+
+def take_save_lock(resolved: ResolvedConfig, command: DeepyCommand, plan: LaunchPlan) -> SaveLock | None:
+    """The lock of ``save`` for a launch that trains into it (megatron/launcher/save_lock.py); None for one
+    that does not write there (generate.py, eval.py), has no ``save``, or is an in-place task other than
+    rank 0's. Another run holding it is a config error naming it."""
+    from megatron.config_rules import RuleContext
+    from megatron.launcher.save_lock import SaveDirInUse, acquire, this_process
+    from megatron.logging.rank_errors import current_rank
+
+    save = resolved.args.save
+    if not save or os.path.basename(command.user_script) in ENTRY_POINTS_OF_TEXTGEN:
+        return None
+    if plan.in_place and current_rank() not in (0, None):
+        return None
+    holder = this_process(shlex.join([os.path.basename(sys.executable), "deepy.py", *sys.argv[1:]]),
+                          resolved.run_name or "", resolved.directory or "")
+    try:
+        lock, note = acquire(save, holder)
+    except SaveDirInUse as busy:
+        shown = RuleContext(args=resolved.args, provenance=resolved.provenance).show("save")
+        raise ConfigError(f"{shown}: {busy.describe()}: wait for it to end or stop it, or save this run "
+                          f"elsewhere") from None
+    if note is not None:
+        print(f"deepy: note: {note}", flush=True)
+    return lock
+
+
+def save_lock_note(resolved: ResolvedConfig, user_script: str) -> str | None:
+    """What a dry run says when another run holds ``save`` (a launch would be refused; the dry run is not)."""
+    from megatron.launcher.save_lock import current_holder
+
+    save = resolved.args.save
+    if not save or os.path.basename(user_script) in ENTRY_POINTS_OF_TEXTGEN or not os.path.isdir(save):
+        return None
+    held = current_holder(save)
+    if held is None:
+        return None
+    holder, why = held
+    who = holder.describe() if holder is not None else "another run"
+    return f"save={save} is in use by {who} ({why}): a launch now would be refused"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -388,6 +471,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if finished is not None:
         resolved.warnings.append(f"{finished}; a launch would exit at once")
+    fit = memory_fit(resolved)
+    check_memory(resolved, fit, command.user_script)
     run_dir = assign_run_dir(resolved, command.user_script)
     config_path = os.path.join(run_dir, RESOLVED_FILE_NAME)
     try:
@@ -399,21 +484,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         resolved.skipped.append(f"the srun command: {err.message}")
         plan = None
     if command.dry_run:
-        print(render_dry_run(resolved, command, plan))
+        held = save_lock_note(resolved, command.user_script)
+        if held is not None:
+            resolved.warnings.append(held)
+        print(render_dry_run(resolved, command, plan, fit))
         return 0
     assert plan is not None, "only a dry run goes on without a launch plan"
+    lock = take_save_lock(resolved, command, plan)  # before anything is written into save or the run directory
+    try:
+        return launch(resolved, command, plan, config_path, fit)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def launch(resolved: ResolvedConfig, command: DeepyCommand, plan: LaunchPlan, config_path: str, fit: MemoryFit) -> int:
+    """Write the resolved config and run the launch to its end (the ``save`` lock held)."""
     for line in notes(resolved, command.user_script):
         print(f"deepy: {line}", flush=True)
     if resolved.args.initialize_from_hf:
-        started = hf_start(resolved, in_place=plan is not None and plan.in_place)
+        started = hf_start(resolved, in_place=plan.in_place)
         print(f"deepy: {started}", flush=True)
     config_file = resolved.write(config_path)
     print(f"deepy: resolved config written to {config_file}", flush=True)
     from megatron.logging import rank_errors
 
     if not plan.in_place:  # in place, every rank's deepy.py would clear the others'
-        rank_errors.clear(run_dir)  # a resumed run's directory may hold the errors of its last launch
+        # a resumed run's directory may hold the errors of its last launch
+        rank_errors.clear(os.path.dirname(config_path))
 
     from megatron.launcher import run_plan
 
-    return run_plan(plan, os.environ, verbose=is_verbose(resolved.args.deepspeed_log_level))
+    return run_plan(plan, os.environ, verbose=is_verbose(resolved.args.deepspeed_log_level), memory=fit.note(),
+                    trains=os.path.basename(command.user_script) not in ENTRY_POINTS_OF_TEXTGEN)

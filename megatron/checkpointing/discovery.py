@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megatron.checkpointing import commit
+from megatron.launcher.save_lock import LOCK_NAME
 
 FoundKind = Literal["missing", "empty", "deepy", "deepy_tag", "incomplete", "gpt_neox", "hf_model", "other"]
 
@@ -81,7 +82,8 @@ def inspect_load_dir(path: Path) -> Found:
         return Found("hf_model", path)
     if listing.incomplete:
         return Found("incomplete", path, incomplete=listing.incomplete)
-    entries = sorted(p.name for p in path.iterdir() if p.name not in _HELPERS)
+    # deepy.py's lock (megatron/launcher/save_lock.py) is taken before the ranks look at an empty save directory
+    entries = sorted(p.name for p in path.iterdir() if p.name not in _HELPERS and not p.name.startswith(LOCK_NAME))
     if not entries:
         return Found("empty", path)
     return Found("other", path, entries=entries)

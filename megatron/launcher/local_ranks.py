@@ -36,6 +36,7 @@ import importlib
 import os
 import runpy
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -215,22 +216,59 @@ def stop_all(processes: Sequence[Worker], grace_s: float = GRACE_S) -> None:
             proc.wait()
 
 
-def supervise(processes: Sequence[Worker]) -> int:
-    """Wait for every worker; the first non-zero exit ends the others and is the result."""
+def describe_end(returncode: int) -> str:
+    """``killed by signal 9 (SIGKILL: out of memory?)`` or ``exited with code 3``, for a Popen return code."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        return f"killed by signal {-returncode}"
+    oom = ": out of memory?" if returncode == -signal.SIGKILL else ""  # the kernel's OOM killer sends SIGKILL
+    return f"killed by signal {-returncode} ({name}{oom})"
+
+
+def supervise(processes: Sequence[Worker], run_dir: str | None = None) -> int:
+    """Wait for every worker (``processes[r]`` is rank ``r``); the first non-zero exit ends the others and
+    is the result. Ranks that failed are said with their rank and host, and recorded in ``run_dir``'s
+    errors (:func:`megatron.logging.rank_errors.record_exit`) with the last moment each was seen
+    running, so that deepy names the rank that failed first as the cause, not a peer whose collective
+    it broke."""
+    from megatron.logging.rank_errors import record_exit
+
+    rank_of = {proc.pid: rank for rank, proc in enumerate(processes)}
+    alive_at = dict.fromkeys(rank_of, time.time())
     running = list(processes)
     while running:
+        failed = []
         for proc in list(running):
+            looked = time.time()
             code = proc.poll()
             if code is None:
+                alive_at[proc.pid] = looked
                 continue
             running.remove(proc)
             if code != 0:
-                print(f"deepy: rank process {proc.pid} exited with code {code}; stopping the others",
-                      file=sys.stderr, flush=True)  # fmt: skip
-                stop_all(running)
-                return code if code > 0 else 128 - code
+                failed.append((proc, code))
+        for proc, code in failed:  # every rank found dead in this look, before the others are stopped
+            rank = rank_of[proc.pid]
+            print(f"deepy: rank {rank} (pid {proc.pid} on host {socket.gethostname()}) {describe_end(code)}; "
+                  f"stopping the others", file=sys.stderr, flush=True)  # fmt: skip
+            if run_dir is not None:
+                record_exit(run_dir, rank, proc.pid, code, alive_at[proc.pid])
+        if failed:
+            stop_all(running)
+            code = failed[0][1]
+            return code if code > 0 else 128 - code
         time.sleep(POLL_S)
     return 0
+
+
+def run_directory(script_args: Sequence[str]) -> str | None:
+    """The run directory of the workers' ``--deepy_config <run_dir>/deepy_config.json``, if they name one."""
+    args = list(script_args)
+    path = next((b for a, b in zip(args, args[1:]) if a == "--deepy_config"), None)
+    return os.path.dirname(os.path.abspath(path)) if path else None
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -262,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             cmd = rank_command(sys.executable, options.script, local_rank, options.script_args)
             processes.append(subprocess.Popen(cmd, env=env))
-    return supervise(processes)
+    return supervise(processes, run_directory(options.script_args))
 
 
 if __name__ == "__main__":

@@ -69,6 +69,17 @@ def rank_processes(session: int, config_path: str) -> list[psutil.Process]:
     return sorted(ranks, key=lambda p: p.pid)
 
 
+def survives(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` catches or ignores ``signum`` (``SigCgt``/``SigIgn`` in /proc/<pid>/status),
+    rather than dying of its default action. False when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            masks = [int(line.split()[1], 16) for line in status if line.startswith(("SigCgt:", "SigIgn:"))]
+    except (OSError, ValueError, IndexError):
+        return False
+    return any(mask >> (signum - 1) & 1 for mask in masks)
+
+
 def send(pid: int, signum: int) -> bool:
     try:
         os.kill(pid, signum)

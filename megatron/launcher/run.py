@@ -11,6 +11,14 @@ exits 0. SIGUSR1 because it is the one signal ``srun`` and ``mpirun`` pass on un
 SIGTERM into killing the job). A second stop request stops the ranks at once. Nothing of the run
 outlives deepy on this machine: the launch runs in a session of its own, and whatever is left of
 that session when the launch command ends is terminated.
+
+A rank takes a stop request once its stop handler is installed (train.py's, when its checkpointing is
+set up, before the first step); until then SIGUSR1's default action would kill it. So on this machine
+(stop route ``ranks``) deepy sends SIGUSR1 only to ranks that catch (or ignore) it (``SigCgt``/``SigIgn``
+in /proc): a request that comes while they are still starting ends them at once instead - no step has
+been trained, so nothing can be lost - and deepy says the run was stopped before it began and exits 0. The same for
+workers that never take stop requests (generate.py, eval.py: they have nothing to save), which are
+just stopped.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from typing import Any
 
 from megatron.launcher.plan import LaunchPlan
 from megatron.logging import rank_errors
-from megatron.launcher.processes import end_session, rank_processes, send
+from megatron.launcher.processes import end_session, rank_processes, send, survives
 
 # the directory holding the ``megatron`` package: workers outside the repo must still import it
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
@@ -75,14 +83,21 @@ def _regex_escape(text: str) -> str:
 class LaunchSupervisor:
     """Runs one plan in its own session and relays stop requests according to its stop route."""
 
-    def __init__(self, plan: LaunchPlan, env: Mapping[str, str]) -> None:
+    def __init__(self, plan: LaunchPlan, env: Mapping[str, str], memory: str | None = None,
+                 trains: bool = True) -> None:
+        """``memory``: the launch's memory estimate, said beside a rank killed by SIGKILL; ``trains``: the
+        workers take stop requests once started (train.py), rather than never (generate.py, eval.py)."""
         self.plan = plan
         self.env = dict(env)
+        self.memory = memory
+        self.trains = trains
         self.process: subprocess.Popen[bytes] | None = None
         self.stop_signal: int | None = None
         self.pending: list[int] = []
         self.delivered: set[int] = set()
         self.aborted = False
+        self.ended_unready = False
+        """A stop request came before the ranks could take it: deepy ended them instead."""
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self.pending.append(signum)  # only a note: the loop acts on it
@@ -117,6 +132,9 @@ class LaunchSupervisor:
             name = signal.Signals(signum).name
             if self.stop_signal is None:
                 self.stop_signal = signum
+                if self.plan.stop_route == "ranks" and not self._ranks_take_stop_requests():
+                    self._end_unready()
+                    continue
                 print(f"deepy: {name}: asking every rank to finish its step, save a checkpoint (when `save` is "
                       f"set) and stop; send it again to stop them at once", flush=True)  # fmt: skip
             elif not self.aborted:
@@ -128,9 +146,11 @@ class LaunchSupervisor:
         assert self.process is not None
         route = self.plan.stop_route
         if route == "ranks":
-            # ranks may still be starting: look again on every pass and signal each one once
+            # look again on every pass and signal each rank once, when it takes the signal
             for proc in rank_processes(self.process.pid, self.plan.config_path):
-                if proc.pid not in self.delivered and send(proc.pid, RANK_STOP_SIGNAL):
+                if proc.pid in self.delivered or not survives(proc.pid, RANK_STOP_SIGNAL):
+                    continue
+                if send(proc.pid, RANK_STOP_SIGNAL):
                     self.delivered.add(proc.pid)
         elif not self.delivered:
             self.delivered.add(self.process.pid)
@@ -139,6 +159,25 @@ class LaunchSupervisor:
             else:  # pdsh: the ranks live on other hosts, behind ssh
                 subprocess.run(pdsh_stop_command(self.plan, RANK_STOP_SIGNAL), env=self.env,
                                stdin=subprocess.DEVNULL, timeout=120, check=False)  # fmt: skip
+
+    def _ranks_take_stop_requests(self) -> bool:
+        """Some rank runs here and every one that does catches (or ignores) SIGUSR1 (ranks that ended are not
+        looked at: at the end of a run one rank may finish its last saves after the others have exited)."""
+        assert self.process is not None
+        ranks = rank_processes(self.process.pid, self.plan.config_path)
+        return bool(ranks) and all(survives(p.pid, RANK_STOP_SIGNAL) for p in ranks)
+
+    def _end_unready(self) -> None:
+        """The ranks cannot take a stop request (not one started yet, or one has no handler): end them.
+        None has trained a step (a step needs every rank, and a rank catches SIGUSR1 before its first
+        step), so nothing is lost; the per-node launcher stops them on SIGTERM."""
+        assert self.process is not None and self.stop_signal is not None
+        self.ended_unready = self.aborted = True
+        name = signal.Signals(self.stop_signal).name
+        why = ("the ranks are still starting (none takes a stop request yet, none has trained a step)"
+               if self.trains else "the ranks have nothing to save")
+        print(f"deepy: {name}: {why}: stopping them now", flush=True)
+        send(self.process.pid, signal.SIGTERM)
 
     def _abort(self) -> None:
         assert self.process is not None
@@ -153,10 +192,18 @@ class LaunchSupervisor:
             send(self.process.pid, signal.SIGTERM)
 
     def _result(self, code: int) -> int:
+        if self.ended_unready and self.stop_signal is not None:
+            name = signal.Signals(self.stop_signal).name
+            if not self.trains:
+                print(f"deepy: stopped on {name}", flush=True)
+                return 128 + self.stop_signal
+            print(f"deepy: stopped on {name} before the run began (the ranks were still starting): nothing was "
+                  f"trained or saved, nothing is lost", flush=True)  # fmt: skip
+            return 0
         if code != 0 and not self.plan.in_place:
             # the ranks printed the first error once; say which ranks had it, and any other error once (in
             # place, srun/mpirun started one deepy.py per rank: the ranks' own reports are all there is)
-            for line in rank_errors.summary(os.path.dirname(self.plan.config_path)):
+            for line in rank_errors.summary(os.path.dirname(self.plan.config_path), self.memory):
                 print(line, flush=True)
         if self.stop_signal is None:
             if code != 0:
@@ -180,7 +227,9 @@ def launch_line(plan: LaunchPlan, verbose: bool = False) -> str:
     return f"{line}: {shlex.join(plan.argv)}" if verbose or plan.mode != "local" else line
 
 
-def run_plan(plan: LaunchPlan, environ: Mapping[str, str], verbose: bool = False) -> int:
-    """Start ``plan`` and wait for it; returns deepy's exit code."""
+def run_plan(plan: LaunchPlan, environ: Mapping[str, str], verbose: bool = False, *, memory: str | None = None,
+             trains: bool = True) -> int:  # fmt: skip
+    """Start ``plan`` and wait for it; returns deepy's exit code. ``memory`` and ``trains``: see
+    :class:`LaunchSupervisor`."""
     print(launch_line(plan, verbose), flush=True)
-    return LaunchSupervisor(plan, worker_environment(environ, plan.env)).run()
+    return LaunchSupervisor(plan, worker_environment(environ, plan.env), memory, trains).run()

@@ -186,8 +186,14 @@ class LoggingArgs(ArgGroup):
     default so Deepy's lines stand out, and deepy.py --debug shows them (info)."""
 
     device_memory_gb: float | None = Field(None, gt=0)
-    """Memory of one accelerator in GiB, for the memory estimate of deepy.py --dry-run; unset means
-    detected when deepy launches on local GPUs (no warning otherwise)."""
+    """Memory of one accelerator in GiB, for the memory estimate before launch (deepy.py refuses a run
+    whose estimate exceeds it); unset means detected when deepy launches on local GPUs (not checked
+    otherwise)."""
+
+    allow_memory_overcommit: bool = False
+    """Launch even when the memory estimate exceeds what the ranks of a node have (device_memory_gb or
+    the local GPU's memory; without a GPU, this machine's memory shared by its CPU ranks), which deepy.py
+    otherwise refuses before launch: for users who know the estimate is too high for their run."""
 
     tensorboard_dir: str | None = None
     """Write TensorBoard event files here; unset disables TensorBoard."""

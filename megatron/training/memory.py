@@ -410,23 +410,169 @@ def _padded_vocab(run: RunViews) -> tuple[int, str]:
 
 
 def local_device_memory_gib() -> float | None:
-    """Memory of the first local GPU, when there is one."""
+    """Memory of the first local GPU, when there is one (torch is not imported where no GPU driver is)."""
+    from megatron.devices import gpu_count
+
+    if not gpu_count():
+        return None
     import torch
 
-    if not torch.cuda.is_available():
-        return None
     return torch.cuda.get_device_properties(0).total_memory / GiB
+
+
+# --- does it fit: refused before launch --------------------------------------------------------------
+MEMINFO = "/proc/meminfo"
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+"""A container's memory limit (cgroup v2, v1): /proc/meminfo shows the whole host's, the limit is where the
+kernel kills."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HostMemory:
+    """What the ranks of this machine share, in bytes."""
+
+    total: float
+    """The least of ``MemTotal`` and the cgroup's limit: what the ranks can ever have. The refusal compares
+    with it, not with ``MemAvailable``: what is free changes from second to second (page cache, other
+    jobs), so the same launch would be refused or not by chance; a run over it can never fit."""
+    source: str
+    available: float | None
+    """``MemAvailable``: what is free now without swapping (a warning when the estimate exceeds it)."""
+
+
+def host_memory(meminfo: str = MEMINFO, cgroup_limits: tuple[str, ...] = CGROUP_LIMITS) -> HostMemory | None:
+    """This machine's memory (see :class:`HostMemory`); None where /proc/meminfo cannot be read."""
+    fields: dict[str, float] = {}
+    try:
+        with open(meminfo) as lines:
+            for line in lines:
+                name, _, value = line.partition(":")
+                if value.split() and value.split()[0].isdigit():
+                    fields[name] = float(value.split()[0]) * 1024  # kB
+    except OSError:
+        return None
+    if "MemTotal" not in fields:
+        return None
+    total, source = fields["MemTotal"], "MemTotal in /proc/meminfo"
+    for path in cgroup_limits:
+        try:
+            text = open(path).read().strip()  # noqa: SIM115 - one short read
+        except OSError:
+            continue
+        if text.isdigit() and float(text) < total:
+            total, source = float(text), f"this container's memory limit, {path}"
+    return HostMemory(total=total, source=source, available=fields.get("MemAvailable"))
+
+
+_KEY_OF_PART = {"activations": "train_micro_batch_size_per_gpu", "ZeRO gradient buckets": "zero_optimization",
+                "model states": "zero_optimization"}
+"""The key that most directly shrinks each part of the estimate (named in the refusal)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryFit:
+    """The estimate of a launch and what the ranks of one node have: the dry run's section, and the
+    refusal when it cannot fit (``allow_memory_overcommit`` turns the refusal into a warning)."""
+
+    layout: MemoryLayout
+    estimate: MemoryEstimate
+    vocab_note: str = ""
+    device_gib: float | None = None
+    """One accelerator's memory (``device_memory_gb``, or this machine's GPU); None: not known here."""
+    device_source: str | None = None
+    ranks_here: int = 0
+    """Ranks on this machine (0: they run elsewhere, whose host memory is not known here)."""
+    cpu_ranks: bool = False
+    """The ranks train on this machine's CPU: the estimate is host memory, shared by ``ranks_here``."""
+    host: HostMemory | None = None
+
+    @property
+    def host_need(self) -> float:
+        """Host memory one rank of this machine needs: everything on a CPU rank (a ZeRO bucket's pages
+        only as far as the gradients fill it: Linux gives memory on the first write), else what
+        offload_optimizer moves there."""
+        est = self.estimate
+        if not self.cpu_ranks:
+            return est.offloaded
+        buckets = 2 if self.layout.overlap_comm else 1
+        filled = _BYTES[self.layout.precision] * trainable_parameters(self.layout) * buckets
+        return est.model_states + est.offloaded + min(est.zero_buckets, filled) + est.activations
+
+    def largest_part(self) -> str:
+        est = self.estimate
+        parts = {"activations": est.activations, "ZeRO gradient buckets": est.zero_buckets,
+                 "model states": est.model_states + (est.offloaded if self.cpu_ranks else 0.0)}
+        return max(parts, key=lambda part: parts[part])
+
+    def problem(self) -> tuple[str, str] | None:
+        """(why the launch cannot fit, the key of its largest part), or None when it fits or is not known."""
+        est = self.estimate
+        if self.device_gib is not None and est.total > self.device_gib * GiB:
+            return (f"the memory estimate, {est.total / GiB:.2f} GiB per rank, exceeds the device's "
+                    f"{self.device_gib:.1f} GiB ({self.device_source})", _KEY_OF_PART[self.largest_part()])
+        if self.host is not None and self.ranks_here and self.ranks_here * self.host_need > self.host.total:
+            what = "the ranks train on its CPU" if self.cpu_ranks else "offload_optimizer keeps states there"
+            return (f"the memory estimate, {self.host_need / GiB:.2f} GiB per rank x {self.ranks_here} rank(s) "
+                    f"on this machine = {self.ranks_here * self.host_need / GiB:.2f} GiB, exceeds its "
+                    f"{self.host.total / GiB:.1f} GiB ({self.host.source}; {what})",
+                    _KEY_OF_PART[self.largest_part()] if self.cpu_ranks else "zero_optimization")
+        return None
+
+    def warning(self) -> str | None:
+        """The estimate fits the machine but not what is free on it now (MemAvailable)."""
+        host = self.host
+        if host is None or host.available is None or not self.ranks_here or self.problem() is not None:
+            return None
+        need = self.ranks_here * self.host_need
+        if need <= host.available:
+            return None
+        return (f"the memory estimate of the {self.ranks_here} rank(s) on this machine, {need / GiB:.2f} GiB, is more "
+                f"than is free on it now ({host.available / GiB:.1f} GiB MemAvailable of {host.total / GiB:.1f} GiB): "
+                f"other processes hold the rest")
+
+    def note(self) -> str:
+        """One line beside a rank killed by SIGKILL: ``memory estimate 37.41 GiB per rank, ...``."""
+        per_rank = self.host_need if self.cpu_ranks else self.estimate.total
+        line = f"memory estimate {per_rank / GiB:.2f} GiB per rank"
+        if self.cpu_ranks and self.host is not None and self.ranks_here:
+            line += (f", {self.ranks_here} rank(s) on this machine: {self.ranks_here * per_rank / GiB:.2f} GiB of "
+                     f"its {self.host.total / GiB:.1f} GiB ({self.host.source})")
+        elif self.device_gib is not None:
+            line += f" on a {self.device_gib:.1f} GiB device"
+        return line
+
+    def report(self) -> str:
+        """The memory section of ``deepy.py --dry-run``."""
+        text = render(self.layout, self.estimate, self.device_gib, self.device_source)
+        if self.cpu_ranks and self.host is not None and self.ranks_here:
+            need = self.ranks_here * self.host_need
+            verdict = "WARNING: exceeds" if need > self.host.total else "fits in"
+            text += (f"\n  {verdict} this machine's {self.host.total / GiB:.1f} GiB ({self.host.source}): "
+                     f"{self.ranks_here} CPU rank(s) x {self.host_need / GiB:.2f} GiB = {need / GiB:.2f} GiB "
+                     f"(untouched ZeRO bucket pages cost no memory on the CPU)")
+        return model_size(self.layout) + "\n" + text + (f"\n  note: {self.vocab_note}" if self.vocab_note else "")
+
+
+def memory_fit(run: RunViews, launches_locally: bool) -> MemoryFit:
+    """The estimate of the resolved run against what it will have: ``device_memory_gb`` (any launch), this
+    machine's GPU, or, without one, this machine's memory shared by its CPU ranks (local launches only:
+    the nodes of other launches are not known here)."""
+    vocab, note = _padded_vocab(run)
+    world = run.parallel.world_size or 1
+    layout = MemoryLayout.from_run(run, world, vocab)
+    device, source = run.logging.device_memory_gb, "device_memory_gb"
+    local_gpu = local_device_memory_gib() if launches_locally else None
+    if device is None and local_gpu is not None:
+        device, source = local_gpu, "this machine's GPU"
+    cpu = launches_locally and local_gpu is None
+    return MemoryFit(layout=layout, estimate=estimate(layout), vocab_note=note, device_gib=device,
+                     device_source=source if device is not None else None, ranks_here=world if launches_locally else 0,
+                     cpu_ranks=cpu, host=host_memory() if launches_locally else None)
 
 
 def dry_run_report(run: RunViews, launches_locally: bool) -> str:
     """The memory section of ``deepy.py --dry-run`` for the resolved run."""
-    vocab, note = _padded_vocab(run)
-    layout = MemoryLayout.from_run(run, run.parallel.world_size or 1, vocab)
-    device, source = run.logging.device_memory_gb, "device_memory_gb"
-    if device is None and launches_locally:
-        device, source = local_device_memory_gib(), "this machine's GPU"
-    text = render(layout, estimate(layout), device, source if device is not None else None)
-    return model_size(layout) + "\n" + text + (f"\n  note: {note}" if note else "")
+    return memory_fit(run, launches_locally).report()
 
 
 def model_size(layout: MemoryLayout) -> str:

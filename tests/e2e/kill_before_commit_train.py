@@ -1,5 +1,6 @@
-"""``train.py`` with the crash-safety seam: this rank dies by SIGKILL after checkpoint STEP's files
-are written and before its commit marker, as a machine failure at the worst moment would.
+"""``train.py`` with the crash-safety seam: rank 0 dies by SIGKILL after checkpoint STEP's files are
+written and before its commit marker, as a machine failure (or the kernel's out-of-memory killer) at the
+worst moment would: rank 0 is the one that commits, and its peers fail in the collective that follows.
 
 STEP comes from ``KILL_BEFORE_COMMIT_STEP`` in the environment (read here, by the test's own user
 script; the trainer only sees the injected callback).
@@ -20,7 +21,7 @@ STEP = int(os.environ["KILL_BEFORE_COMMIT_STEP"])
 
 
 def kill_at(step: int) -> None:
-    if step == STEP:
+    if step == STEP and os.environ["RANK"] == "0":
         os.kill(os.getpid(), signal.SIGKILL)
 
 

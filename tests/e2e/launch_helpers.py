@@ -87,6 +87,16 @@ while not got and time.time() < deadline:
 sys.exit(0 if got else 5)
 """
 STUBBORN_WORKER = STOP_WORKER.replace("STUBBORN = False", "STUBBORN = True")
+# A rank still starting (importing, building its model): no stop handler yet, so SIGUSR1's default action
+# would kill it. It says it runs (started.<rank>) and would take minutes.
+SLOW_START_WORKER = """\
+import os, sys, time
+from pathlib import Path
+
+run_dir = Path(sys.argv[sys.argv.index("--deepy_config") + 1]).parent
+(run_dir / f"started.{os.environ['RANK']}").write_text(str(os.getpid()))
+time.sleep(300)
+"""
 
 # Rank 1 fails with exit code 3; rank 0 would wait two minutes, so the launcher must stop it.
 FAIL_WORKER = """\

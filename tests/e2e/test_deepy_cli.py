@@ -160,7 +160,8 @@ def test_real_launch_writes_the_resolved_file_and_returns_the_launcher_code(
 
     calls: list[tuple[str, str]] = []
 
-    def fake_run_plan(plan: megatron.launcher.LaunchPlan, environ: object, verbose: bool = False) -> int:
+    def fake_run_plan(plan: megatron.launcher.LaunchPlan, environ: object, verbose: bool = False,
+                      **_said: object) -> int:
         calls.append((plan.argv[-3], plan.config_path))
         assert Path(plan.config_path).is_file()  # written before any rank could start
         return 3

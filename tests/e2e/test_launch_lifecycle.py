@@ -6,8 +6,9 @@
   checkpoint and exits 0, deepy exits 0, no process of the run survives, and the resumed run
   continues the uninterrupted loss curve exactly.
 * SIGINT (Ctrl-C) and SIGHUP to deepy are stop requests too (SIGUSR1: test_mpi.py); a second
-  request stops the ranks at once. The user's environment reaches the ranks, secrets on no
-  command line.
+  request stops the ranks at once. A request while the ranks are still starting ends them (nothing
+  trained, nothing lost) instead of killing them with SIGUSR1's default action. The user's
+  environment reaches the ranks, secrets on no command line.
 * A busy ``master_port`` set by the user is a config error naming the key, before anything starts.
 """
 
@@ -25,6 +26,7 @@ from conftest import TwoRuns
 from launch_helpers import (
     REPO,
     SAVE,
+    SLOW_START_WORKER,
     STOP_WORKER,
     STUBBORN_WORKER,
     TRAIN,
@@ -38,6 +40,7 @@ from launch_helpers import (
     start_deepy,
     stopped_signals,
     survivors,
+    wait_for_files,
     write_model,
     write_script,
 )
@@ -108,6 +111,23 @@ def test_a_second_stop_request_stops_the_ranks_at_once(tmp_path: Path) -> None:
     assert run.wait(timeout=120) == 128 + signal.SIGHUP, run.output[-4000:]
     assert "stopping the ranks now, without saving" in run.output
     assert stopped_signals(tmp_path) == []  # never got to finish on their own
+    assert survivors(tmp_path) == []
+
+
+def test_a_stop_request_while_the_ranks_start_stops_the_run_before_it_began(tmp_path: Path) -> None:
+    """Issue 42 item 9: SIGTERM to deepy while its ranks are still starting (no stop handler yet) used to kill
+    them with SIGUSR1's default action ("the ranks ended with exit code 138", deepy exit 143)."""
+    worker = write_script(tmp_path, "slow_start_worker.py", SLOW_START_WORKER)
+    # fresh interpreters: the stand-in needs no torch, which a forking launcher would import first
+    run = start_deepy(tmp_path, worker, str(write_model(tmp_path)), "num_gpus=2", "log_dir=logs",
+                      env={"DEEPY_FORK_RANKS": "0"})
+    run_dir = Path(run.wait_for(r"^deepy: resolved config written to (\S+)/deepy_config\.json").group(1))
+    wait_for_files([tmp_path / run_dir / "started.0", tmp_path / run_dir / "started.1"])
+    os.kill(run.proc.pid, signal.SIGTERM)
+    assert run.wait(timeout=120) == 0, run.output[-4000:]
+    assert "deepy: stopped on SIGTERM before the run began (the ranks were still starting): nothing was trained " \
+           "or saved, nothing is lost" in run.output
+    assert "exit code 138" not in run.output and "SIGUSR1" not in run.output
     assert survivors(tmp_path) == []
 
 

@@ -253,8 +253,11 @@ def check(command: Command, quick: Command) -> str | None:
 
 def _dry_run(args: list[str], train: bool, quick: bool = False) -> str | None:
     code, said = run_deepy(args)
-    if code != 0 and ("not installed here" in said or "refuses to start ranks as root" in said):
-        code, said = _resolve_only(args)  # a cluster launcher: this machine has none of its tools
+    # a cluster launcher (this machine has none of its tools), or a run sized for a GPU node (more memory than
+    # this machine's, which its CPU ranks would share): every check but the machine's
+    here = "not installed here" in said or "refuses to start ranks as root" in said
+    if code != 0 and (here or ("on this machine =" in said and "allow_memory_overcommit" in said)):
+        code, said = _resolve_only(args)
     if code != 0:
         return f"--dry-run: exit code {code}: {said.strip().splitlines()[-1]}"
     if train and not quick and "a launch would exit at once" in said:

@@ -91,9 +91,11 @@ def _checkpoints(args: Any) -> object:
 
 def _logging(args: Any) -> object:
     """What the trainer and the monitor ask of the logging keys (``pretrain``, ``build_monitor``,
-    ``Monitor.is_log_step``; the dry run's memory estimate reads device_memory_gb)."""
+    ``Monitor.is_log_step``; the memory estimate before launch reads device_memory_gb and
+    allow_memory_overcommit)."""
     return (args.tracker_settings(), args.stats_settings, args.profile_settings(), args.log_interval,
-            args.log_dir, args.deepspeed_log_level, args.peak_theoretical_tflops, args.device_memory_gb)
+            args.log_dir, args.deepspeed_log_level, args.peak_theoretical_tflops, args.device_memory_gb,
+            args.allow_memory_overcommit)
 
 
 def _lora(args: Any) -> object:

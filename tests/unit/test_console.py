@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from megatron.logging.log import format_row
 from megatron.logging.run_summary import RunFacts, RunOutcome, header_lines, split_size, summary_lines
 
 REPO = Path(__file__).resolve().parents[2]
+HOST = socket.gethostname()
 
 FACTS = dict(run_name="20260101-120000-ab12", metrics_dir="logs/20260101-120000-ab12", parameters=624_384,
              non_embedding_parameters=100_096, trainable_parameters=624_384, adapters=False, engine="pipeline",
@@ -129,7 +133,7 @@ def test_an_error_every_rank_hits_is_printed_once(tmp_path: Path, capsys: pytest
     said = [failing_rank(tmp_path, rank, ConfigError("bad value for lr_decay_iters"), capsys) for rank in range(4)]
     assert said[0] == "deepy: config error: bad value for lr_decay_iters\n"
     assert said[1:] == ["", "", ""]  # recorded, not printed
-    assert rank_errors.summary(tmp_path) == ["deepy: ranks 0, 1, 2, 3 failed with the error above"]
+    assert rank_errors.summary(tmp_path) == [f"deepy: ranks 0, 1, 2, 3 failed with the error above (host {HOST})"]
 
 
 def test_different_errors_are_each_said_once_with_their_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -137,8 +141,8 @@ def test_different_errors_are_each_said_once_with_their_ranks(tmp_path: Path, ca
     failing_rank(tmp_path, 0, RuntimeError("Connection closed by peer"), capsys)
     failing_rank(tmp_path, 2, RuntimeError("Connection closed by peer"), capsys)
     lines = rank_errors.summary(tmp_path)
-    assert lines[:2] == ["deepy: rank 1 failed with the error above",
-                         "deepy: also on ranks 0, 2: RuntimeError: Connection closed by peer"]
+    assert lines[:2] == [f"deepy: rank 1 failed with the error above (host {HOST})",
+                         f"deepy: also on ranks 0, 2 (host {HOST}): RuntimeError: Connection closed by peer"]
     assert lines[2].endswith("errors/rank<N>.json")  # where the tracebacks are
     rank_errors.clear(tmp_path)
     assert rank_errors.summary(tmp_path) == []  # the next launch of a resumed run starts clean
@@ -151,6 +155,30 @@ def test_an_earlier_launchs_claim_does_not_silence_this_one(tmp_path: Path, caps
     os.utime(first, (first.stat().st_atime - 3600, first.stat().st_mtime - 3600))
     assert failing_rank(tmp_path, 1, ConfigError("today"), capsys) == "deepy: config error: today\n"
     assert failing_rank(tmp_path, 0, ConfigError("today"), capsys) == ""  # this launch's claim holds
+
+
+def test_a_rank_killed_first_is_the_cause_and_its_peers_errors_follow(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 42 item 4: rank 0 killed by SIGKILL (its launcher saw it running last at t0), then rank 1's
+    collective fails (recorded after t0): rank 0 and its host are the cause, rank 1's error follows it,
+    with the memory estimate beside the SIGKILL. An error recorded before the death stays the cause."""
+    t0 = time.time()
+    time.sleep(0.01)
+    failing_rank(tmp_path, 1, RuntimeError("Connection closed by peer [127.0.0.1]:1234"), capsys)
+    rank_errors.record_exit(tmp_path, 0, 4242, -signal.SIGKILL, t0)
+    lines = rank_errors.summary(tmp_path, memory="memory estimate 37.41 GiB per rank")
+    assert lines[0] == (f"deepy: rank 0 on host {HOST} (pid 4242) failed first: killed (out of memory?) by signal 9 "
+                        f"(SIGKILL); memory estimate 37.41 GiB per rank")
+    assert lines[1] == (f"deepy: then, most likely as a consequence, on rank 1 (host {HOST}): RuntimeError: "
+                        f"Connection closed by peer [127.0.0.1]:1234 (printed above)")
+    assert not any("failed with the error above" in line for line in lines)
+
+    later = tmp_path / "later"
+    failing_rank(later, 1, ConfigError("the data split is empty"), capsys)
+    rank_errors.record_exit(later, 0, 4243, -signal.SIGSEGV, time.time())  # died after rank 1's own error
+    lines = rank_errors.summary(later, memory="memory estimate 37.41 GiB per rank")
+    assert lines == [f"deepy: rank 1 failed with the error above (host {HOST})",
+                     f"deepy: also: rank 0 on host {HOST} (pid 4243) killed by signal 11 (SIGSEGV)"]
 
 
 def test_a_rank_that_cannot_record_prints(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -307,7 +307,7 @@ def test_the_dialect_commands_of_the_docs_resolve(tmp_path: Path, capsys: pytest
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/dialects.md's Levanter and fms-fsdp commands, as written (my-run.yaml: the guide's example),
     pass every check of a launch (--dry-run); one rank here."""
-    from megatron.app.deepy import main
+    from megatron.app.deepy import main, parse_command, resolve
 
     text = (REPO / "docs" / "dialects.md").read_text()
     joined = text.replace("\\\n", " ")  # a command continued over lines with a backslash
@@ -318,7 +318,14 @@ def test_the_dialect_commands_of_the_docs_resolve(tmp_path: Path, capsys: pytest
     (tmp_path / "my-run.yaml").write_text(GUIDE.format(root=tmp_path))
     monkeypatch.chdir(tmp_path)
     for command in commands:
-        assert main(["--dry-run", str(REPO / "train.py"), *command.split(), "--num_gpus", "1"]) == 0, command
+        argv = ["--dry-run", str(REPO / "train.py"), *command.split(), "--num_gpus", "1"]
+        try:
+            assert main(argv) == 0, command
+        except ConfigError as err:
+            # fms-fsdp's llama3_8b is sized for a GPU node: where this machine's memory is smaller (its CPU rank
+            # would hold the whole model) the memory estimate refuses the launch; every other check passes
+            assert "on this machine =" in err.message and "allow_memory_overcommit" in err.message, err.message
+            resolve(parse_command(argv))
     assert "deepy: dry run OK" in capsys.readouterr().out
 
 

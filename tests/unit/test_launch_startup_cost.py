@@ -124,9 +124,11 @@ def test_resolving_and_planning_a_cpu_launch_imports_neither_torch_nor_deepspeed
                                     "precision: fp32\nzero_optimization: {stage: 1}\nlr: 0.001\n")
     code = f"""
 import sys
-from megatron.app.deepy import parse_command, plan_run, resolve
+from megatron.app.deepy import check_memory, memory_fit, parse_command, plan_run, resolve
 command = parse_command([{str(REPO / 'train.py')!r}, {str(tmp_path / 'm.yml')!r}])
-plan = plan_run(resolve(command), command.user_script, 'deepy_config.json')
+resolved = resolve(command)
+check_memory(resolved, memory_fit(resolved), command.user_script)  # the estimate against this machine
+plan = plan_run(resolved, command.user_script, 'deepy_config.json')
 print(plan.mode, plan.world_size, sorted({{m.split('.')[0] for m in sys.modules}} & {{'torch', 'deepspeed'}}))
 """
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}

@@ -184,6 +184,9 @@ def test_dry_run_shows_the_memory_estimate_and_debug_turns_deepspeed_info_on(
     config = tmp_path / "run.yml"
     config.write_text(MODEL + "device_memory_gb: 0.001\n")
     code, out = run_deepy(["--dry-run", str(REPO / "train.py"), str(config)], capsys)
+    assert code == 2 and "exceeds the device's 0.0 GiB (device_memory_gb)" in out, out  # refused (issue 42)
+    config.write_text(MODEL + "device_memory_gb: 0.001\nallow_memory_overcommit: true\n")
+    code, out = run_deepy(["--dry-run", str(REPO / "train.py"), str(config)], capsys)
     assert code == 0, out
     assert "Memory estimate per device (tp=1 pp=1 dp=1, ZeRO-0, fp32" in out
     assert "WARNING: the estimate exceeds the device's 0.0 GiB (device_memory_gb)" in out

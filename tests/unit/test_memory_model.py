@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +14,9 @@ from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.neox_arguments.resolved import ResolvedConfig
 from megatron.config_rules import Device
 from megatron.neox_arguments.run_config import RunConfig
-from megatron.training.memory import GiB, MemoryLayout, activation_bytes, estimate, render, stage_parameters
+from megatron.devices import gpu_driver_present
+from megatron.training.memory import (GiB, MemoryLayout, activation_bytes, estimate, host_memory, render,
+                                     stage_parameters)
 
 BASE: dict[str, Any] = {
     "num_layers": 8, "hidden_size": 512, "num_attention_heads": 8, "seq_length": 256,
@@ -22,6 +25,7 @@ BASE: dict[str, Any] = {
     "train_iters": 10, "use_dummy_dataset": True, "tokenizer_type": "CharLevelTokenizer",
 }  # fmt: skip
 GPU = Device(cuda=True, fp16_supported=True)
+REPO = Path(__file__).resolve().parents[2]
 
 
 def layout(world: int = 8, vocab: int = 1024, **overrides: Any) -> MemoryLayout:
@@ -237,3 +241,86 @@ def test_the_math_kernel_keeps_the_attention_probabilities() -> None:
     dropped = layout(precision="fp32", num_kv_heads=2, attention_dropout=0.1)
     dropped_fused = layout(precision="fp32", num_kv_heads=8, attention_dropout=0.1)
     assert activation_bytes(dropped) - activation_bytes(dropped_fused) == 8 * b * n * s * s * (4 + 1 + 4) - kv_saved
+
+
+# --- issue 42 item 14: refused before launch where the ranks of this machine cannot fit -------------
+DRY_MODEL = """\
+num_layers: 2
+hidden_size: 64
+num_attention_heads: 4
+seq_length: 32
+max_position_embeddings: 32
+optimizer: {type: Adam, params: {lr: 0.001}}
+train_iters: 4
+use_dummy_dataset: true
+tokenizer_type: CharLevelTokenizer
+precision: fp32
+zero_optimization: {stage: 1}
+"""
+
+
+def _dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str], *overrides: str) -> tuple[int, str]:
+    from megatron.app.deepy import main
+    from megatron.errors import run_guarded
+
+    config = tmp_path / "model.yml"
+    config.write_text(DRY_MODEL)
+    argv = ["--dry-run", str(REPO / "train.py"), str(config), *overrides]
+    with pytest.raises(SystemExit) as done:
+        run_guarded(lambda: main(argv), argv=argv)
+    captured = capsys.readouterr()
+    return int(done.value.code or 0), captured.out + captured.err
+
+
+def _machine_memory() -> float:
+    """Bytes this machine's ranks can have, read here: MemTotal, or a container's smaller limit."""
+    limits = [int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+              if line.startswith("MemTotal:")]
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        text = Path(path).read_text().strip() if Path(path).is_file() else ""
+        limits += [int(text)] if text.isdigit() else []
+    return float(min(limits))
+
+
+def test_host_memory_is_the_least_of_memtotal_and_the_containers_limit(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24684084 kB\nMemFree:  1 kB\nMemAvailable:   22118880 kB\n")
+    limit = tmp_path / "memory.max"
+    limit.write_text("max\n")  # cgroup v2 without a limit
+    host = host_memory(str(meminfo), (str(limit),))
+    assert host is not None and (host.total, host.available) == (24684084 * 1024, 22118880 * 1024)
+    assert host.source == "MemTotal in /proc/meminfo"
+    limit.write_text(f"{8 * GiB}\n")
+    host = host_memory(str(meminfo), (str(limit),))
+    assert host is not None and host.total == 8 * GiB and str(limit) in host.source
+
+
+@pytest.mark.skipif(gpu_driver_present(), reason="the CPU ranks' shared memory is checked where there is no GPU")
+def test_the_cpu_ranks_of_a_machine_share_its_memory_before_launch_unless_allow_memory_overcommit(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The CPU ranks of one machine share its memory: a micro batch one rank fits in and two do not is
+    refused at 2 ranks, by name, before launch (the dry run too); allow_memory_overcommit launches anyway."""
+    from megatron.app.deepy import memory_fit, parse_command, resolve
+
+    def need(micro: int) -> float:
+        command = parse_command([str(REPO / "train.py"), str(tmp_path / "model.yml"), "num_gpus=1",
+                                 f"train_micro_batch_size_per_gpu={micro}"])
+        return memory_fit(resolve(command)).host_need
+
+    (tmp_path / "model.yml").write_text(DRY_MODEL)
+    machine = _machine_memory()
+    # the estimate grows linearly with the micro batch: pick one that takes 3/4 of the machine per rank
+    slope = need(2) - need(1)
+    micro = int((0.75 * machine - (need(1) - slope)) / slope)
+    assert 0.7 * machine < need(micro) < 0.8 * machine
+    code, out = _dry_run(tmp_path, capsys, "num_gpus=1", f"train_micro_batch_size_per_gpu={micro}")
+    assert code == 0 and "fits in this machine's" in out, out
+    code, out = _dry_run(tmp_path, capsys, "num_gpus=2", f"train_micro_batch_size_per_gpu={micro}")
+    assert code == 2, out
+    assert out.count("deepy: config error:") == 1 and "Traceback" not in out
+    assert f"x 2 rank(s) on this machine = {2 * need(micro) / GiB:.2f} GiB, exceeds its {machine / GiB:.1f} GiB" in out
+    assert f"the most of it is activations (train_micro_batch_size_per_gpu={micro} (command line))" in out
+    assert "allow_memory_overcommit: true" in out
+    code, out = _dry_run(tmp_path, capsys, "num_gpus=2", f"train_micro_batch_size_per_gpu={micro}",
+                         "allow_memory_overcommit=true")
+    assert code == 0 and "launching anyway (allow_memory_overcommit=True (command line))" in out, out

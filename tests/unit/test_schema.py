@@ -115,6 +115,7 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "tracker": ("logging", None),
     "deepspeed_log_level": ("logging", "warning"),
     "device_memory_gb": ("logging", None),
+    "allow_memory_overcommit": ("logging", False),  # launch although the memory estimate exceeds the node's
     "wandb_code_dir": ("logging", None),  # Levanter's tracker.save_code (W&B saves that directory's code)
     "scale_attn_by_inverse_layer_idx": ("model", False),  # GPT-2's/Levanter's per-block attention scale
     "sharding_strategy": ("parallelism", None),  # fms-fsdp's fsdp | hsdp | ddp
