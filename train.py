@@ -53,8 +53,13 @@ def main(before_commit: Callable[[int], None] | None = None, hf_writer: HFWriter
 
 
 def run_worker(before_commit: Callable[[int], None] | None = None, hf_writer: HFWriterFactory | None = None) -> None:
+    from megatron.checkpointing.stop_request import catch_until_training
+    from megatron.logging.rank_errors import current_rank
+
+    catch_until_training(current_rank())  # first: a stop request while starting ends the rank cleanly
+
     from megatron.logging.console import quiet_other_ranks
-    from megatron.logging.rank_errors import current_rank, for_worker
+    from megatron.logging.rank_errors import for_worker
 
     quiet_other_ranks(current_rank())  # one rank draws progress bars (lm-eval's among them)
 

@@ -27,11 +27,12 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from megatron.checkpointing.stop_request import STOP_SIGNALS
 from megatron.mpu.topology import collective_device
 
 log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0 speaks
 
-DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+DEFAULT_SIGNALS: tuple[signal.Signals, ...] = STOP_SIGNALS
 
 
 class PreemptionWatcher:

@@ -12,8 +12,10 @@ SIGTERM into killing the job). A second stop request stops the ranks at once. No
 outlives deepy on this machine: the launch runs in a session of its own, and whatever is left of
 that session when the launch command ends is terminated.
 
-A rank takes a stop request once its stop handler is installed (train.py's, when its checkpointing is
-set up, before the first step); until then SIGUSR1's default action would kill it. So on this machine
+A rank finishes its step and saves on a stop request once its checkpointing is set up, before the first step;
+before that train.py ends it cleanly (``megatron/checkpointing/stop_request.py``, installed on its first line),
+and a worker without a handler (or a rank in the moment before it) dies of SIGUSR1's default action. So on this
+machine
 (stop route ``ranks``) deepy sends SIGUSR1 only to ranks that catch (or ignore) it (``SigCgt``/``SigIgn``
 in /proc): a request that comes while they are still starting ends them at once instead - no step has
 been trained, so nothing can be lost - and deepy says the run was stopped before it began and exits 0. The same for

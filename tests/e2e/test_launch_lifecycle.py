@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -128,6 +129,40 @@ def test_a_stop_request_while_the_ranks_start_stops_the_run_before_it_began(tmp_
     assert "deepy: stopped on SIGTERM before the run began (the ranks were still starting): nothing was trained " \
            "or saved, nothing is lost" in run.output
     assert "exit code 138" not in run.output and "SIGUSR1" not in run.output
+    assert survivors(tmp_path) == []
+
+
+def test_a_stop_request_reaching_starting_train_ranks_ends_them_cleanly(tmp_path: Path) -> None:
+    """Issue 42 item 9, the route of srun and mpirun: they pass SIGUSR1 on to every rank at once, also to ranks
+    still importing torch. train.py catches it from its first line (``catch_until_training``): each rank ends with
+    exit code 0 and one line says nothing was trained or saved. Before, SIGUSR1's default action killed them
+    (exit code 138), or, reached after the watcher was set up, they trained a step and saved it."""
+    import psutil
+
+    from megatron.launcher.processes import survives
+
+    run = start_deepy(tmp_path, TRAIN, str(write_model(tmp_path)), "num_gpus=2", "log_dir=logs", *SAVE,
+                      env={"DEEPY_FORK_RANKS": "0"})  # fresh interpreters: seconds of imports before a step
+    run_dir = Path(run.wait_for(r"^deepy: resolved config written to (\S+)/deepy_config\.json").group(1))
+    config = str(run_dir / "deepy_config.json")  # as deepy.py names it to the ranks
+    deadline = time.monotonic() + 120
+    ranks: list[int] = []
+    while len(ranks) < 2 or not all(survives(pid, signal.SIGUSR1) for pid in ranks):
+        assert time.monotonic() < deadline and run.proc.poll() is None, run.output[-4000:]
+        ranks = []
+        for proc in psutil.Process(run.proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):  # a helper process that just ended
+                argv = proc.cmdline()
+                if config in argv and any(arg.startswith("--local_rank=") for arg in argv):  # not their launcher
+                    ranks.append(proc.pid)
+        time.sleep(0.01)
+    for pid in ranks:  # as srun does: straight to the ranks, not through deepy
+        os.kill(pid, signal.SIGUSR1)
+    assert run.wait(timeout=120) == 0, run.output[-4000:]
+    assert run.output.count("SIGUSR1 while the ranks were starting: stopping before the run began; nothing was "
+                            "trained or saved") == 1, run.output[-4000:]
+    assert "exit code 138" not in run.output and "iteration 1/" not in run.output
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").glob("global_step*"))
     assert survivors(tmp_path) == []
 
 
