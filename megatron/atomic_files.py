@@ -69,3 +69,13 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def follow_umask(root: Path) -> None:
+    """Give ``root`` and everything below it the modes ``mkdir`` and ``open`` give (``0o777``/``0o666`` less the
+    umask), as a checkpoint's files have: libraries that write privately (safetensors 0.8: ``0o600``) would keep a
+    model from the other accounts the umask lets read it."""
+    mask = umask()
+    for path in [root, *root.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 
+from megatron.atomic_files import follow_umask
 from megatron.errors import ConversionError, DeepyError, required
 from megatron.interop.deepy_checkpoint import (
     read_checkpoint_config,
@@ -77,6 +78,7 @@ def staged_output(out: Path, last: tuple[str, ...] = ()) -> Iterator[Path]:
     moved: list[Path] = []
     try:
         yield staging
+        follow_umask(staging)  # save_pretrained's safetensors file is written 0o600
         if not out.exists():
             staging.rename(out)
             return

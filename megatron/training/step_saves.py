@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from megatron.atomic_files import fsync_dir, umask
+from megatron.atomic_files import follow_umask, fsync_dir
 from megatron.errors import CheckpointError
 
 log = logging.getLogger("deepy.saves")  # a child of the run logger: rank 0 speaks
@@ -69,14 +69,11 @@ def write_whole(directory: Path, fill: Callable[[Path], None]) -> None:
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.parent / f".{directory.name}.partial-{secrets.token_hex(4)}"
     tmp.mkdir()
-    mask = umask()
     try:
         fill(tmp)
+        follow_umask(tmp)
         for path in tmp.rglob("*"):
-            if path.is_symlink():
-                continue
-            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
-            if path.is_file():
+            if path.is_file() and not path.is_symlink():
                 with open(path, "rb") as f:
                     os.fsync(f.fileno())
         fsync_dir(tmp)

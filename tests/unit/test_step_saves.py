@@ -196,3 +196,20 @@ def test_a_save_that_cannot_be_written_is_one_clear_error_and_leaves_nothing(tmp
     with pytest.raises(CheckpointError, match=r"hf_save_path: writing .*step-2 failed \(OSError: .*No space left"):
         saves.after_step(None, SimpleNamespace(iteration=3))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_offline_conversions_follow_the_umask_too(tmp_path: Path, umask_027: None) -> None:
+    """convert_neox_to_hf.py / convert_hf_to_neox.py write through ``staged_output``: a file a library wrote
+    privately (safetensors' 0o600, as ``save_pretrained`` leaves ``model.safetensors``) gets the umask's mode, as
+    the saves while training do."""
+    from megatron.interop.convert import staged_output
+
+    out = tmp_path / "hf_model"
+    with staged_output(out) as staging:
+        (staging / "sub").mkdir(mode=0o700)
+        private = staging / "sub" / "model.safetensors"
+        private.write_bytes(b"weights")
+        private.chmod(0o600)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o750
+    assert stat.S_IMODE((out / "sub").stat().st_mode) == 0o750
+    assert stat.S_IMODE((out / "sub" / "model.safetensors").stat().st_mode) == 0o640
