@@ -37,7 +37,7 @@ from docs_commands import (
 
 pytestmark = pytest.mark.slow
 
-from tools.bench.readme_figures import ITERS, LINKED, RECORD, SHORTER, transcript
+from tools.bench.readme_figures import ITERS, RECORD, Scratch, transcript
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,17 +65,8 @@ def environment() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def quick_start(tmp_path_factory: pytest.TempPathFactory) -> QuickStart:
-    root = tmp_path_factory.mktemp("clone")
-    for name in LINKED:
-        (root / name).symlink_to(REPO / name)
-    shutil.copytree(REPO / "configs", root / "configs")
-    (root / "docs").mkdir()  # the plot goes here: never over the committed one
-    tiny = root / "configs" / "tiny.yml"
-    text = tiny.read_text()
-    for old, new in SHORTER.items():
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
-    tiny.write_text(text)
+    # the benchmark's scratch clone: the repository's programs linked, configs copied with tiny.yml shortened
+    root = Scratch.make(tmp_path_factory.mktemp("clone"), shorten=True).root
     prepare, train, plot, sample = quick_start_commands()
     assert [c.argv[1] for c in (prepare, train, plot)] == ["prepare_data.py", "deepy.py", "tools/plot_metrics.py"]
     assert sample.argv[2] == "generate.py"  # checked with the other commands (a dry run)
