@@ -57,6 +57,8 @@ class SlurmCluster:
             f"SlurmctldHost={host}(127.0.0.1)",
             f"SlurmctldPort={_free_port()}",
             "AuthType=auth/none",
+            # a requeued job waits cred_expire + 1 s before it may start again (120 s by default)
+            "AuthInfo=cred_expire=10",
             "CredType=cred/none",
             "SlurmUser=root" if os.geteuid() == 0 else f"SlurmUser={os.environ.get('USER', 'nobody')}",
             f"StateSaveLocation={self.root}/state",
