@@ -114,7 +114,7 @@ def stop_reason(job: SlurmJob, now: float) -> tuple[str | None, str]:
     if not job.batch:
         return None, "not a batch job (salloc): only sbatch jobs can be requeued"
     if job.preempt_time is not None:
-        return "preempted", f"preempted at {job.preempt_time}"
+        return "preempted", f"at {job.preempt_time}"
     if job.end_time is not None and job.end_time - now <= TIME_LIMIT_WINDOW_S:
         return "time limit", f"{max(0, round(job.end_time - now))} s left of its time limit"
     left = "no time limit" if job.end_time is None else f"{round((job.end_time - now) / 60)} min left of its time limit"
