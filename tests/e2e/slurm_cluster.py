@@ -79,11 +79,20 @@ class SlurmCluster:
             "ReturnToService=2",
             "KillWait=30",
             "MinJobAge=600",
+            "PreemptType=preempt/partition_prio",
+            "PreemptMode=CANCEL",
         ]
         for node in NODES:
             lines.append(f"NodeName={node} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={self.cpus} "
                          f"RealMemory=1000 State=UNKNOWN")  # fmt: skip
-        lines.append(f"PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES")
+        nodes = ",".join(NODES)
+        lines.append(f"PartitionName=debug Nodes={nodes} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES "
+                     f"PriorityTier=1 PreemptMode=OFF")  # fmt: skip
+        # preemption (by partition): a job in "urgent" preempts the jobs of "low", which get SIGCONT and SIGTERM
+        # and GraceTime seconds to end before they are cancelled; "debug"'s jobs are never preempted
+        lines.append(f"PartitionName=low Nodes={nodes} MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=CANCEL "
+                     f"GraceTime=120")  # fmt: skip
+        lines.append(f"PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF")
         self.conf.write_text("\n".join(lines) + "\n")
 
     @property

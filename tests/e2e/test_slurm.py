@@ -246,3 +246,30 @@ def test_a_job_that_never_progresses_stops_after_its_requeue_budget(
     ledger = [json.loads(line) for line in (tmp / "ckpt" / "slurm_requeues.jsonl").read_text().splitlines()]
     assert [(e["step"], e["reason"], e["restart"]) for e in ledger] == [(0, "time limit", 0)]
     assert survivors(tmp, wait_s=10) == []
+
+
+def test_a_preempted_job_saves_requeues_itself_and_finishes_on_the_same_curve(
+    slurm: SlurmCluster, tmp_path: Path, reference_curve: dict[int, float]
+) -> None:
+    """Partition ``low`` is preempted by ``urgent`` with PreemptMode=CANCEL and a GraceTime (slurm_cluster.py): Slurm
+    sends SIGTERM to the job's steps (the ranks), which save; deepy finds ``PreemptTime`` set and requeues the job
+    (Slurm itself would have cancelled it); it runs again once the urgent job is done."""
+    slow = write_script(tmp_path, "slow_first_run.py", SLOW_FIRST_RUN)
+    job = submit(slurm, tmp_path, str(write_model(tmp_path)), "log_dir=logs", *SAVE, script=str(slow),
+                 options=("--partition=low",))  # fmt: skip
+    wait_output(tmp_path, job, f"iteration 3/{TRAIN_ITERS}", slurm)
+    # two tasks on each node: only room once the low job's are gone
+    urgent = slurm.sbatch(["--partition=urgent", "--nodes=2", "--ntasks-per-node=2", f"--output={tmp_path}/urgent.out",
+                           "--wrap=echo urgent ran"], cwd=tmp_path, env=deepy_env(slurm.env))  # fmt: skip
+    info = slurm.wait_job(job)
+    out = job_output(tmp_path, job)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), out[-6000:]
+    assert slurm.wait_job(urgent)["JobState"] == "COMPLETED"
+    assert "preempted (SIGTERM); checkpoint saved" in out and "deepy: preempted (at " in out, out[-6000:]
+    rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines() if line]
+    events = [row for row in rows if row.get("event") == "requeue"]
+    assert [(e["reason"], e["job"]) for e in events] == [("preempted", str(job))] and 3 <= events[0]["step"] < 30
+    curve = losses(tmp_path / "logs")
+    assert sorted(curve) == list(range(1, TRAIN_ITERS + 1))
+    assert_curves_match(curve, reference_curve, 1e-6)
+    assert survivors(tmp_path, wait_s=10) == []
