@@ -184,14 +184,18 @@ def requeue_after_stop(*, environ: Mapping[str, str], save: Path, step: int, max
                 f"{max_without_progress}); the record is {save / LEDGER_FILE}")
             return BUDGET_SPENT_EXIT_CODE
         event = Requeue(job=job_id, restart=job.restarts, step=step, reason=reason, time=clock())
-        _append(save / LEDGER_FILE, event.row())
-        if metrics is not None:
-            _append(metrics, event.row())
+        _append(save / LEDGER_FILE, event.row())  # first: a requeue counts even where Slurm ends this job at once
         say(f"{reason} ({why}): saved at step {step}; requeueing job {job_id} (requeue {job.restarts + 1}; "
             f"{stalled} in a row without progress, at most {max_without_progress}): scontrol requeue {job_id}")
-        # Slurm ends this job's processes (SIGTERM) once it is requeued: nothing is left to do but exit
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        _run(["scontrol", "requeue", job_id], environ)
+        # Slurm ends this job's processes (SIGTERM) once it is requeued: what is left to do must not be cut short
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            _run(["scontrol", "requeue", job_id], environ)
+        except RequeueFailed:
+            signal.signal(signal.SIGTERM, previous)
+            raise
+        if metrics is not None:
+            _append(metrics, event.row())
         return 0
     except RequeueFailed as failed:
         say(f"could not requeue job {job_id}: {failed}; the run saved step {step}: submit the job again to resume "

@@ -273,3 +273,30 @@ def test_a_preempted_job_saves_requeues_itself_and_finishes_on_the_same_curve(
     assert sorted(curve) == list(range(1, TRAIN_ITERS + 1))
     assert_curves_match(curve, reference_curve, 1e-6)
     assert survivors(tmp_path, wait_s=10) == []
+
+
+def test_a_job_slurm_may_not_requeue_says_so_and_ends_cleanly(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """A job submitted with --no-requeue (or on a cluster with JobRequeue=0 and no #SBATCH --requeue): Slurm refuses
+    ``scontrol requeue``. deepy's requeue step, run here in the test's own process for a real running job with a
+    one-minute limit (so: at its time limit), says why and that the job must be submitted again, and exits 0 (the
+    ranks saved; nothing is lost)."""
+    from megatron.launcher.requeue import requeue_after_stop
+
+    job = slurm.sbatch(["--no-requeue", "--time=1", "--nodes=1", f"--output={tmp_path}/sleep.out", "--wrap=sleep 120"],
+                       cwd=tmp_path, env=deepy_env(slurm.env))  # fmt: skip
+    deadline = time.monotonic() + 120
+    while slurm.job(job).get("JobState") != "RUNNING" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    said: list[str] = []
+    try:
+        code = requeue_after_stop(environ={**deepy_env(slurm.env), "SLURM_JOB_ID": str(job)}, save=tmp_path / "ckpt",
+                                  step=7, max_without_progress=3, metrics=tmp_path / "metrics.jsonl", say=said.append)
+        info = slurm.job(job)
+    finally:
+        slurm.run(["scancel", str(job)])
+    assert code == 0 and len(said) == 2, said
+    assert said[0].startswith("time limit (") and f"saved at step 7; requeueing job {job}" in said[0]
+    assert said[1].startswith(f"could not requeue job {job}: 'scontrol requeue {job}' failed: ") and \
+        "disabled" in said[1] and "submit the job again" in said[1], said
+    assert (info["JobState"], info["Restarts"]) == ("RUNNING", "0")
+    assert not (tmp_path / "metrics.jsonl").exists()  # no requeue row for a requeue that did not happen
