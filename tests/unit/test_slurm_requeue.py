@@ -97,3 +97,8 @@ def test_the_dry_run_says_what_a_stopped_job_does_and_bad_values_are_refused_by_
     assert code == 0 and "Slurm requeue: off (slurm_requeue: false)" in out, out
     code, out = dry_run(tmp_path, capsys, "max_requeues_without_progress=0")
     assert code == 2 and "max_requeues_without_progress" in out and "Traceback" not in out, out
+
+
+def test_the_requeue_keys_are_refused_for_another_launcher(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = dry_run(tmp_path, capsys, "launcher=pdsh", "deepspeed_slurm=false", "max_requeues_without_progress=5")
+    assert code == 2 and "max_requeues_without_progress=5 (command line) only apply to a Slurm batch job" in out, out
