@@ -6,17 +6,20 @@ deepy.py calls :func:`requeue_after_stop` once, after the launch ended with ever
 (``scontrol show job``):
 
 * ``PreemptTime`` set: the job was preempted (``PreemptMode=CANCEL`` or ``REQUEUE`` with a ``GraceTime``: Slurm
-  sends SIGCONT and SIGTERM to every step, src/interfaces/preempt.c:_job_check_grace_internal@284c3b9);
+  sends SIGCONT and SIGTERM to the job's steps, src/interfaces/preempt.c:_job_check_grace_internal@284c3b9; on
+  the test cluster's 22.05 the ranks get it, the batch step does not; where deepy gets it too it passes it on as
+  any stop request). With ``REQUEUE`` Slurm would requeue the job at the end of the grace time; deepy's comes first;
 * ``EndTime`` less than :data:`TIME_LIMIT_WINDOW_S` away: its time limit (Slurm sends the ``--signal`` warning
-  up to ``PERIODIC_TIMEOUT`` = 30 s before its lead, src/slurmctld/job_mgr.c:send_job_warn_signal@284c3b9);
+  up to ``PERIODIC_TIMEOUT`` = 30 s before its lead, src/slurmctld/job_mgr.c:send_job_warn_signal@284c3b9, and
+  ends the job at its first check after the limit plus ``OverTimeLimit``, 0 by default);
 * otherwise a person asked it to stop (``scancel --signal=TERM``): not requeued, as before. A job no longer
   ``RUNNING`` (``scancel``led) is not requeued either.
 
 Why ``scontrol requeue`` and not a new ``sbatch``: the requeued job keeps its id, its script and every option it
 was submitted with (``sbatch --nodes=4 --time=...`` on the command line included, which the job cannot read
 back to resubmit itself), its place in the accounting, and Slurm counts its restarts (``SLURM_RESTART_COUNT``);
-PyTorch Lightning (src/lightning/pytorch/trainer/connectors/signal_connector.py:90@7f0c343) and submitit do the
-same. It needs a requeueable job (``#SBATCH --requeue``, or ``JobRequeue=1``, slurm.conf's default; refused
+PyTorch Lightning's auto-requeue does the same (src/lightning/pytorch/trainer/connectors/signal_connector.py:90
+@7f0c343). It needs a requeueable job (``#SBATCH --requeue``, or ``JobRequeue=1``, slurm.conf's default; refused
 otherwise: src/slurmctld/job_mgr.c:17270@slurm-22-05-8-1) and a batch job (not ``salloc``). Slurm makes a
 requeued job wait ``cred_expire`` + 1 s (AuthInfo, 120 s by default) before it may start again
 (src/slurmctld/job_mgr.c:16104@slurm-22-05-8-1), and the job's output file starts afresh unless it is opened
