@@ -68,7 +68,8 @@ class DeepSpeedRunnerArgs(ArgGroup):
     slurm_requeue: bool = True
     """launcher slurm, in an sbatch job: when its time limit's signal or a preemption stopped the ranks (they
     saved) short of `train_iters`, the job requeues itself (`scontrol requeue`; needs `#SBATCH --requeue`, as in
-    tools/slurm/train.sbatch). False: it ends, to be submitted again by hand."""
+    tools/slurm/train.sbatch) and resumes from `load`, which must be `save`. False: it ends, to be submitted again
+    by hand."""
 
     max_requeues_without_progress: int = Field(3, ge=1)
     """With `slurm_requeue`: requeues in a row after which the job had no newer checkpoint, before it stops
