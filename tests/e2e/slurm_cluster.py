@@ -24,6 +24,7 @@ from ports import free_port  # noqa: E402  (tests/ports.py: a port range per xdi
 
 DAEMONS = ("slurmctld", "slurmd", "srun", "sbatch", "scontrol", "scancel", "squeue", "sinfo")
 NODES = ("deepy-n1", "deepy-n2")
+PARTITIONS = ("debug", "low", "urgent")
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL"}
 
 
@@ -140,8 +141,10 @@ class SlurmCluster:
     def stop(self) -> None:
         """Cancel every job, wait for it to end, then stop the daemons (nothing is left running)."""
         try:
-            self.run(["scancel", "--full", "--signal=KILL", "--partition=debug"])  # every process of every job
-            self.run(["scancel", "--partition=debug"])  # and the jobs themselves
+            for partition in PARTITIONS:
+                # every process of every job, then the jobs themselves
+                self.run(["scancel", "--full", "--signal=KILL", f"--partition={partition}"])
+                self.run(["scancel", f"--partition={partition}"])
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and self.run(["squeue", "-h"]).stdout.strip():
                 time.sleep(0.5)
