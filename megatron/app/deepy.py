@@ -335,6 +335,10 @@ def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand, plan: Launch
     ]
     if plan is not None:
         parts += [f"Launch: {plan.world_size} rank(s) via {plan.mode}: {shlex.join(plan.argv)}", ""]
+    if resolved.args.launcher == "slurm":
+        from megatron.launcher.requeue import describe
+
+        parts += [describe(resolved.args.slurm_requeue, resolved.args.max_requeues_without_progress), ""]
     parts.append("deepy: dry run OK, nothing launched")
     return "\n".join(parts)
 
@@ -492,10 +496,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     assert plan is not None, "only a dry run goes on without a launch plan"
     lock = take_save_lock(resolved, command, plan)  # before anything is written into save or the run directory
     try:
-        return launch(resolved, command, plan, config_path, fit)
+        code = launch(resolved, command, plan, config_path, fit)
     finally:
         if lock is not None:
             lock.release()
+    return requeue_if_stopped(resolved, command, plan, code)  # after the lock: the requeued job takes it again
 
 
 def launch(resolved: ResolvedConfig, command: DeepyCommand, plan: LaunchPlan, config_path: str, fit: MemoryFit) -> int:
@@ -517,3 +522,34 @@ def launch(resolved: ResolvedConfig, command: DeepyCommand, plan: LaunchPlan, co
 
     return run_plan(plan, os.environ, verbose=is_verbose(resolved.args.deepspeed_log_level), memory=fit.note(),
                     trains=os.path.basename(command.user_script) not in ENTRY_POINTS_OF_TEXTGEN)
+
+
+def requeue_if_stopped(resolved: ResolvedConfig, command: DeepyCommand, plan: LaunchPlan, code: int) -> int:
+    """deepy's exit code, once a Slurm batch job whose ranks all stopped cleanly (they saved on a stop request) short
+    of its last step has requeued itself when Slurm's time limit or a preemption stopped it
+    (``slurm_requeue``, megatron/launcher/requeue.py). Anything else keeps ``code``."""
+    from pathlib import Path
+
+    from megatron.checkpointing.discovery import resume_point
+
+    args = resolved.args
+    if code != 0 or plan.mode != "srun" or plan.in_place or not args.slurm_requeue or not args.save:
+        return code
+    if os.path.basename(command.user_script) in ENTRY_POINTS_OF_TEXTGEN:
+        return code
+    if already_finished(resolved, command.user_script) is not None:
+        return code
+    save = Path(args.save)
+    if not args.load or not args.load_checkpoint or args.finetune or Path(args.load).resolve() != save.resolve():
+        print(f"deepy: not requeued: a requeued job resumes from `load`, which is not `save` ({args.save}); submit "
+              f"again with load={args.save} to resume", flush=True)  # fmt: skip
+        return code
+    found = resume_point(save)
+    step = found[1].get("iteration") if found is not None else 0
+    name = resumed_run_name(resolved, command.user_script) or resolved.run_name
+    metrics = Path(args.log_dir, name, "metrics.jsonl") if args.log_dir and name else None
+    from megatron.launcher.requeue import requeue_after_stop
+
+    return requeue_after_stop(environ=os.environ, save=save, step=step if isinstance(step, int) else 0,
+                              max_without_progress=args.max_requeues_without_progress, metrics=metrics,
+                              say=lambda line: print(f"deepy: {line}", flush=True))

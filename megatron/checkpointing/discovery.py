@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megatron.checkpointing import commit
+from megatron.launcher.requeue import LEDGER_FILE
 from megatron.launcher.save_lock import LOCK_NAME
 
 FoundKind = Literal["missing", "empty", "deepy", "deepy_tag", "incomplete", "gpt_neox", "hf_model", "other"]
@@ -25,8 +26,9 @@ FoundKind = Literal["missing", "empty", "deepy", "deepy_tag", "incomplete", "gpt
 META_FILE = "deepy_meta.json"
 DEEPSPEED_MODEL_FILE = re.compile(r"^(mp_rank_\d+_model_states\.pt|layer_\d+-model_\d+-model_states\.pt)$")
 # files DeepSpeed drops into every save directory, and the folder deepy.py converts initialize_from_hf into
-# (interop/hf_start.py's IMPORT_DIR, inside save); on their own they are not a checkpoint of the run's
-_HELPERS = {"zero_to_fp32.py", "zero_to_torch.py", commit.LATEST_FILE, "latest_universal", "hf_import"}
+# (interop/hf_start.py's IMPORT_DIR, inside save), and a Slurm job's requeue record (launcher/requeue.py); on their
+# own they are not a checkpoint of the run's
+_HELPERS = {"zero_to_fp32.py", "zero_to_torch.py", commit.LATEST_FILE, "latest_universal", "hf_import", LEDGER_FILE}
 IMPORT_TOOL = "tools/ckpts/convert_hf_to_neox.py"
 
 

@@ -47,6 +47,17 @@ def slurm_only_keys(ctx: RuleContext) -> list[str]:
 
 
 @rule
+def requeue_keys_need_slurm(ctx: RuleContext) -> list[str]:
+    """``slurm_requeue``/``max_requeues_without_progress`` act where deepy starts the ranks with srun in an sbatch
+    job (megatron/launcher/requeue.py); set for another launcher they would be accepted and ignored."""
+    keys = [key for key in ("slurm_requeue", "max_requeues_without_progress") if ctx.given(key)]
+    if not keys or (ctx.get("launcher") or "pdsh") == "slurm":
+        return []
+    return [f"{', '.join(ctx.show(k) for k in keys)} only apply to a Slurm batch job whose ranks deepy starts with "
+            f"srun: set launcher: slurm or remove them"]
+
+
+@rule
 def one_environment_mapping(ctx: RuleContext) -> list[str]:
     if ctx.get("deepspeed_mpi") and ctx.get("deepspeed_slurm"):
         return [

@@ -65,6 +65,16 @@ class DeepSpeedRunnerArgs(ArgGroup):
     account: str | None = None
     """Account passed to srun (slurm launcher)."""
 
+    slurm_requeue: bool = True
+    """launcher slurm, in an sbatch job: when its time limit's signal or a preemption stopped the ranks (they
+    saved) short of `train_iters`, the job requeues itself (`scontrol requeue`; needs `#SBATCH --requeue`, as in
+    tools/slurm/train.sbatch) and resumes from `load`, which must be `save`. False: it ends, to be submitted again
+    by hand."""
+
+    max_requeues_without_progress: int = Field(3, ge=1)
+    """With `slurm_requeue`: requeues in a row after which the job had no newer checkpoint, before it stops
+    (exit code 75) instead of requeueing again; counted in `<save>/slurm_requeues.jsonl`."""
+
     deepspeed_mpi: bool = False
     """deepy.py started by mpirun (one copy per rank) runs the worker in place; ranks read MPI's variables."""
 

@@ -24,6 +24,7 @@ from ports import free_port  # noqa: E402  (tests/ports.py: a port range per xdi
 
 DAEMONS = ("slurmctld", "slurmd", "srun", "sbatch", "scontrol", "scancel", "squeue", "sinfo")
 NODES = ("deepy-n1", "deepy-n2")
+PARTITIONS = ("debug", "low", "urgent")
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL"}
 
 
@@ -57,6 +58,8 @@ class SlurmCluster:
             f"SlurmctldHost={host}(127.0.0.1)",
             f"SlurmctldPort={_free_port()}",
             "AuthType=auth/none",
+            # a requeued job waits cred_expire + 1 s before it may start again (120 s by default)
+            "AuthInfo=cred_expire=10",
             "CredType=cred/none",
             "SlurmUser=root" if os.geteuid() == 0 else f"SlurmUser={os.environ.get('USER', 'nobody')}",
             f"StateSaveLocation={self.root}/state",
@@ -77,11 +80,20 @@ class SlurmCluster:
             "ReturnToService=2",
             "KillWait=30",
             "MinJobAge=600",
+            "PreemptType=preempt/partition_prio",
+            "PreemptMode=CANCEL",
         ]
         for node in NODES:
             lines.append(f"NodeName={node} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={self.cpus} "
                          f"RealMemory=1000 State=UNKNOWN")  # fmt: skip
-        lines.append(f"PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES")
+        nodes = ",".join(NODES)
+        lines.append(f"PartitionName=debug Nodes={nodes} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES "
+                     f"PriorityTier=1 PreemptMode=OFF")  # fmt: skip
+        # preemption (by partition): a job in "urgent" preempts the jobs of "low", which get SIGCONT and SIGTERM
+        # and GraceTime seconds to end before they are cancelled; "debug"'s jobs are never preempted
+        lines.append(f"PartitionName=low Nodes={nodes} MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=CANCEL "
+                     f"GraceTime=120")  # fmt: skip
+        lines.append(f"PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF")
         self.conf.write_text("\n".join(lines) + "\n")
 
     @property
@@ -129,8 +141,10 @@ class SlurmCluster:
     def stop(self) -> None:
         """Cancel every job, wait for it to end, then stop the daemons (nothing is left running)."""
         try:
-            self.run(["scancel", "--full", "--signal=KILL", "--partition=debug"])  # every process of every job
-            self.run(["scancel", "--partition=debug"])  # and the jobs themselves
+            for partition in PARTITIONS:
+                # every process of every job, then the jobs themselves
+                self.run(["scancel", "--full", "--signal=KILL", f"--partition={partition}"])
+                self.run(["scancel", f"--partition={partition}"])
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and self.run(["squeue", "-h"]).stdout.strip():
                 time.sleep(0.5)

@@ -171,6 +171,7 @@ def _launch(args: Any) -> object:
             args.master_addr, master_port_chosen(args), args.force_multi, args.no_ssh_check,  # rendezvous, runner
             args.comment, args.account, args.deepspeed_slurm, args.deepspeed_mpi,  # srun, in place
             args.deepspeed_log_level,  # runner flags
+            args.slurm_requeue, args.max_requeues_without_progress,  # after the launch (deepy.py's requeue_if_stopped)
             args.initialize_from_hf)  # converted before launch (deepy.py's hf_start)
 
 

@@ -151,6 +151,9 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "reset_position_ids": ("objective", False),
     "rope_scaling": ("model", None),
     "context_parallel_size": ("parallelism", 1),  # Megatron-LM's key (megatron/mpu/context_parallel.py)  # Hugging Face's field (megatron/model/rope_scaling.py)
+    # a Slurm job stopped by its time limit or a preemption requeues itself (megatron/launcher/requeue.py)
+    "slurm_requeue": ("deepspeed_runner", True),
+    "max_requeues_without_progress": ("deepspeed_runner", 3),
     # LoRA adapters (megatron/model/lora.py), PEFT's LoraConfig names with a lora_ prefix
     "lora_r": ("lora", 0),
     "lora_alpha": ("lora", 8.0),
