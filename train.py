@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from megatron.errors import run_guarded
 
 if TYPE_CHECKING:
+    from megatron.neox_arguments.run_config import RunConfig
     from megatron.training.hf_saves import HFWriterFactory
 
 
@@ -37,8 +38,10 @@ def main(before_commit: Callable[[int], None] | None = None, hf_writer: HFWriter
     from megatron.neox_arguments.run_config import RunConfig
 
     run = RunConfig.from_resolved(load_resolved(options.deepy_config))
+    watch_for_hangs(run, options.deepy_config)
     # each rank's place in the layout, with deepy.py --verbose (the run's header states the layout)
-    initialize(run.parallel, run.training.seed, announce=is_verbose(run.logging.deepspeed_log_level))
+    initialize(run.parallel, run.training.seed, announce=is_verbose(run.logging.deepspeed_log_level),
+               timeout_seconds=run.hang.init_timeout_seconds)
 
     from megatron.evaluation.in_training import TasksInTraining
     from megatron.training.pretrain import pretrain
@@ -50,6 +53,21 @@ def main(before_commit: Callable[[int], None] | None = None, hf_writer: HFWriter
         hf_writer = HFModelWriter
     pretrain(run, run.checkpoint, before_commit=before_commit, task_evaluation=tasks, hf_writer=hf_writer)
     return 0
+
+
+def watch_for_hangs(run: RunConfig, config_path: str) -> None:
+    """This rank's heartbeat and hang watch (megatron/training/hang_watch.py), from before the rendezvous on."""
+    import os
+
+    from megatron.logging.rank_errors import current_rank
+    from megatron.training import hang_watch
+
+    rank = current_rank()
+    if rank is None:
+        return
+    startup, steady = run.hang.hang_limits()
+    hang_watch.start(os.path.dirname(os.path.abspath(config_path)), rank, startup_limit_s=startup, limit_s=steady,
+                     train_timeout_s=run.hang.train_timeout_seconds)
 
 
 def run_worker(before_commit: Callable[[int], None] | None = None, hf_writer: HFWriterFactory | None = None) -> None:

@@ -23,6 +23,7 @@ from megatron.deepspeed_internals import (
     use_current_collective_names,
 )
 from megatron.errors import ConfigError
+from megatron.torch_internals import set_collective_timeouts
 from megatron.launcher.environment import distributed_env, hidden_gpus_problem
 from megatron.mpu.parallel_config import ParallelRun
 from megatron.mpu import Coordinates, initialize_model_parallel
@@ -32,9 +33,8 @@ from megatron.mpu.topology import get_coordinates, get_topology
 
 logger = logging.getLogger(__name__)
 
-# Generous: the first collective waits for the slowest rank's imports (tens of seconds on a busy
-# CPU box) but a dead peer should still fail the job within the hour rather than hang forever.
-RENDEZVOUS_TIMEOUT = timedelta(minutes=30)
+INIT_TIMEOUT_SECONDS = 3600
+"""``init_timeout_seconds``'s default (megatron/training/hang_config.py), for workers that do not pass it."""
 
 
 def backend_for(chosen: str | None) -> str:
@@ -57,8 +57,9 @@ def set_seeds(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def init_distributed(parallel: ParallelRun) -> None:
-    """Join the process group described by the environment (idempotent)."""
+def init_distributed(parallel: ParallelRun, timeout_seconds: int = INIT_TIMEOUT_SECONDS) -> None:
+    """Join the process group described by the environment (idempotent); its collectives time out after
+    ``timeout_seconds`` (``init_timeout_seconds``) until the first step sets ``train_timeout_seconds``."""
     import deepspeed
 
     env = distributed_env(
@@ -89,20 +90,21 @@ def init_distributed(parallel: ParallelRun) -> None:
     deepspeed.init_distributed(
         dist_backend=backend,
         auto_mpi_discovery=False,
-        timeout=RENDEZVOUS_TIMEOUT,
+        timeout=timedelta(seconds=timeout_seconds),
         rank=int(env["RANK"]),
         world_size=int(env["WORLD_SIZE"]),
     )
     use_current_collective_names()  # DeepSpeed's flat gathers without torch's deprecation warning on every rank
 
 
-def initialize(parallel: ParallelRun, seed: int, announce: bool = False) -> Coordinates:
+def initialize(parallel: ParallelRun, seed: int, announce: bool = False,
+               timeout_seconds: int = INIT_TIMEOUT_SECONDS) -> Coordinates:
     """Distributed start-up for one rank; returns (and with ``announce`` prints) where this rank sits
-    in the grid."""
+    in the grid. ``timeout_seconds``: every process group's collective timeout (``init_timeout_seconds``)."""
     from megatron.launcher.watchdog import start_launcher_watchdog
 
     start_launcher_watchdog()  # a local launch's rank ends with the deepy.py that started it
-    init_distributed(parallel)
+    init_distributed(parallel, timeout_seconds)
     world = torch.distributed.get_world_size()
     expected = parallel.world_size
     if expected is not None and expected != world:
@@ -115,6 +117,8 @@ def initialize(parallel: ParallelRun, seed: int, announce: bool = False) -> Coor
     initialize_expert_parallel(parallel.moe_expert_parallel_size)
     # ZeRO-3 shard groups and their replicas under sharding_strategy: hsdp (None: not built)
     initialize_hybrid_shard(parallel.sharding_group_size)
+    # the groups above were created with torch's default timeout, not the world's
+    set_collective_timeouts(timedelta(seconds=timeout_seconds))
     set_seeds(seed)
     coords = get_coordinates()
     get_topology()  # raises if the groups were not built

@@ -10,6 +10,7 @@ used here still exists with the shape relied on, so a torch upgrade that moves o
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 
@@ -87,3 +88,41 @@ def compile_counts() -> tuple[int, int]:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
+
+
+def set_collective_timeouts(timeout: timedelta, barrier_first: bool = False) -> int:
+    """Give every process group of this rank (the default one included) ``timeout`` for its collectives; returns how
+    many. torch sets a group's timeout only when it is created; its own setter is private (``_set_pg_timeout``,
+    what torchtitan's ``set_pg_timeouts`` uses after the first step: torchtitan/distributed/utils.py:563@b5bcd76), and
+    the groups a rank belongs to are listed only in ``_world.pg_map``. ``barrier_first``: torchtitan's barrier, so no
+    rank issues collectives under the shorter timeout while a slower one is still within the old one."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return 0
+    if barrier_first:
+        dist.barrier()
+    count = 0
+    for group in list(c10d._world.pg_map):
+        try:
+            c10d._set_pg_timeout(timeout, group)
+        except (ValueError, AssertionError, RuntimeError):
+            continue  # a group this rank is not part of, or a backend without a settable timeout
+        count += 1
+    return count
+
+
+def collective_timeouts() -> list[timedelta]:
+    """The timeout of every process group of this rank (its backend's ``options._timeout``: torch has no public
+    getter), to check what :func:`set_collective_timeouts` did."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return []
+    found = []
+    for group in list(c10d._world.pg_map):
+        for device in group._device_types:
+            found.append(group._get_backend(device).options._timeout)
+    return found

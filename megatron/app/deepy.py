@@ -335,12 +335,30 @@ def render_dry_run(resolved: ResolvedConfig, command: DeepyCommand, plan: Launch
     ]
     if plan is not None:
         parts += [f"Launch: {plan.world_size} rank(s) via {plan.mode}: {shlex.join(plan.argv)}", ""]
-    if resolved.args.launcher == "slurm":
-        from megatron.launcher.requeue import describe
-
-        parts += [describe(resolved.args.slurm_requeue, resolved.args.max_requeues_without_progress), ""]
+    parts += [*resilience_lines(resolved), ""]
     parts.append("deepy: dry run OK, nothing launched")
     return "\n".join(parts)
+
+
+def resilience_lines(resolved: ResolvedConfig) -> list[str]:
+    """The dry run's block on what the run does when a rank dies, hangs or is stopped by its scheduler."""
+    args = resolved.args
+    restarts = (f"restarts: up to {args.max_restarts} relaunch(es) from the last checkpoint when a rank dies or "
+                f"hangs (max_restarts)" if args.max_restarts else "restarts: none, a failed rank ends the run "
+                "(max_restarts: 0)")
+    hang = ", ".join(f"{key}={getattr(args, key)}" for key in ("hang_timeout", "startup_hang_timeout"))
+    lines = ["Resilience:", f"  {restarts}",
+             f"  hang watch: {hang} (null: off)",
+             f"  collective timeouts: init_timeout_seconds={args.init_timeout_seconds} (through the first step), "
+             f"train_timeout_seconds={args.train_timeout_seconds} (after it)",
+             f"  stragglers: straggler_factor={getattr(args, 'straggler_factor', None)}"]
+    if getattr(args, "straggler_factor", None) is None:
+        lines.pop()
+    if args.launcher == "slurm":
+        from megatron.launcher.requeue import describe
+
+        lines.append(f"  {describe(args.slurm_requeue, args.max_requeues_without_progress)}")
+    return lines
 
 
 def dialect_table(resolved: ResolvedConfig) -> list[str]:
@@ -487,6 +505,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         resolved.skipped.append(f"the srun command: {err.message}")
         plan = None
+    if plan is not None:
+        from megatron.config_rules import RuleContext
+        from megatron.launcher.restarts import check_restartable
+
+        check_restartable(plan, resolved.args.max_restarts,
+                          RuleContext(args=resolved.args, provenance=resolved.provenance).show("max_restarts"))
     if command.dry_run:
         held = save_lock_note(resolved, command.user_script)
         if held is not None:
@@ -518,10 +542,27 @@ def launch(resolved: ResolvedConfig, command: DeepyCommand, plan: LaunchPlan, co
         # a resumed run's directory may hold the errors of its last launch
         rank_errors.clear(os.path.dirname(config_path))
 
-    from megatron.launcher import run_plan
+    from megatron.launcher.restarts import RestartPolicy, run_with_restarts
 
-    return run_plan(plan, os.environ, verbose=is_verbose(resolved.args.deepspeed_log_level), memory=fit.note(),
-                    trains=os.path.basename(command.user_script) not in ENTRY_POINTS_OF_TEXTGEN)
+    policy = RestartPolicy(resolved.args.max_restarts, os.path.dirname(config_path),
+                           lambda: last_checkpoint(resolved))  # fmt: skip
+    return run_with_restarts(plan, lambda: plan_run(resolved, command.user_script, config_path), os.environ, policy,
+                             verbose=is_verbose(resolved.args.deepspeed_log_level), memory=fit.note(),
+                             trains=os.path.basename(command.user_script) not in ENTRY_POINTS_OF_TEXTGEN)
+
+
+def last_checkpoint(resolved: ResolvedConfig) -> str | None:
+    """The newest committed checkpoint a relaunch resumes from, in words (``ckpt/global_step8 (step 8)``)."""
+    from pathlib import Path
+
+    from megatron.checkpointing.discovery import resume_point
+
+    load = resolved.args.load
+    found = resume_point(Path(load), None) if load and os.path.isdir(load) else None
+    if found is None:
+        return None
+    ckpt, meta = found
+    return f"{ckpt} (step {meta.get('iteration')})"
 
 
 def requeue_if_stopped(resolved: ResolvedConfig, command: DeepyCommand, plan: LaunchPlan, code: int) -> int:

@@ -75,6 +75,12 @@ class DeepSpeedRunnerArgs(ArgGroup):
     """With `slurm_requeue`: requeues in a row after which the job had no newer checkpoint, before it stops
     (exit code 75) instead of requeueing again; counted in `<save>/slurm_requeues.jsonl`."""
 
+    max_restarts: int = Field(0, ge=0)
+    """When a rank dies or the run hangs (`hang_timeout`), stop every rank and launch again, resuming from the last
+    committed checkpoint, at most this many times per deepy.py invocation (the same hosts: srun again inside the
+    allocation, mpirun or pdsh again); then exit with the failing rank's code. Not for ranks that each run
+    deepy.py (in-place launches), nor after a rank refused its input (exit code 2). 0: a failure ends the run."""
+
     deepspeed_mpi: bool = False
     """deepy.py started by mpirun (one copy per rank) runs the worker in place; ranks read MPI's variables."""
 

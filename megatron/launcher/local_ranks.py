@@ -44,6 +44,8 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import NoReturn, Protocol
 
+from megatron.logging.heartbeats import HANG_EXIT_CODE  # standard library only
+
 FORK_RANKS_ENV = "DEEPY_FORK_RANKS"
 PRELOAD = ("torch", "torch._dynamo", "deepspeed")
 """What every rank of train.py, generate.py and eval.py imports, ~85 % of its imports' time. Deepy's own
@@ -52,6 +54,8 @@ RANK_NAME_PREFIX = "deepy-rank"
 """A forked worker's process name (``/proc/<pid>/comm``) is this and its local rank: its command line is
 this launcher's, so ``processes.rank_processes`` finds it by the name."""
 POLL_S = 0.05
+STACKS_WAIT_S = 2.0
+"""How long the ranks still running get to write their stacks once the run hung."""
 GRACE_S = 10.0
 """How long a worker gets to exit after SIGTERM before SIGKILL, once another one has failed."""
 
@@ -257,11 +261,28 @@ def supervise(processes: Sequence[Worker], run_dir: str | None = None) -> int:
             if run_dir is not None:
                 record_exit(run_dir, rank, proc.pid, code, alive_at[proc.pid])
         if failed:
+            if any(code == HANG_EXIT_CODE for _, code in failed):
+                ask_for_stacks(running)
             stop_all(running)
             code = failed[0][1]
             return code if code > 0 else 128 - code
         time.sleep(POLL_S)
     return 0
+
+
+def ask_for_stacks(processes: Sequence[Worker], wait_s: float = STACKS_WAIT_S) -> None:
+    """The run hung (a rank ended with the hang code): have every rank still running write its Python stacks
+    (SIGUSR2: ``megatron/training/hang_watch.py``) before it is stopped; SIGCONT after it, so that a stopped rank
+    takes the signal too."""
+    for proc in processes:
+        if proc.poll() is None:
+            for signum in (signal.SIGUSR2, signal.SIGCONT):
+                try:
+                    os.kill(proc.pid, signum)
+                except ProcessLookupError:
+                    pass
+    if processes:
+        time.sleep(wait_s)  # faulthandler writes from the signal handler itself: well within this
 
 
 def run_directory(script_args: Sequence[str]) -> str | None:

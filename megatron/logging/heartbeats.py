@@ -1,8 +1,8 @@
 """Each rank's progress, as a file the launcher (and the other ranks) can read: ``<run_dir>/heartbeats/rank<R>.json``.
 
 A rank says where it is (:meth:`Heartbeat.beat`: the phase it entered and the last step it finished) in memory, at
-no cost; a daemon thread writes that to its file every ``interval_s`` seconds, refreshing ``written_at`` even
-when nothing changed. So a file that stops being refreshed belongs to a rank that cannot run at all (stopped,
+little cost; a daemon thread writes that to its file every ``interval_s`` seconds, refreshing ``written_at`` even
+when nothing changed (a finished step and the start of the next are written at once). So a file that stops being refreshed belongs to a rank that cannot run at all (stopped,
 frozen in a C call that holds the GIL, its machine gone), while a rank waiting in a collective for a stuck peer
 still refreshes its file, with the phase it has been waiting in since ``phase_since``.
 
@@ -19,12 +19,28 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 HEARTBEATS_DIR = "heartbeats"
 HANG_EXIT_CODE = 124
 """A rank's exit code when it ended itself because the run hung (``timeout(1)``'s code for "timed out")."""
+
+RESTARTS_ENV = "DEEPY_RESTARTS"
+"""JSON list of the restarts of this deepy.py invocation before this launch (each ``{"rank", "step", "reason"}``),
+set by ``megatron/launcher/restarts.py`` for the relaunched ranks; absent on a first launch."""
+
+
+def restarts_so_far(environ: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """On a rank: :data:`RESTARTS_ENV`'s restarts, oldest first (empty on a first launch)."""
+    try:
+        events = json.loads((os.environ if environ is None else environ).get(RESTARTS_ENV, "[]"))
+    except ValueError:
+        return []
+    return [e for e in events if isinstance(e, dict)] if isinstance(events, list) else []
+
 
 PHASES = ("start-up", "data", "forward/backward", "save", "evaluation")
 """What a rank may be doing, in the order a step goes through them (start-up comes once)."""
@@ -101,8 +117,12 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
 
     def beat(self, phase: str, step: int | None = None) -> None:
-        """This rank enters ``phase`` (one of :data:`PHASES`), having finished ``step`` when given."""
+        """This rank enters ``phase`` (one of :data:`PHASES`), having finished ``step`` when given. A new step is
+        written at once (one small file per step: the step a failed launch reached is what decides whether a
+        restart made progress); a phase alone waits for the thread."""
         with self._lock:
+            # a finished step, and the start of the next one, are written at once
+            new_step = (step is not None and step != self.step) or (phase == "data" and phase != self.phase)
             if step is not None:
                 self.step = step
             if phase != self.phase:
@@ -110,6 +130,8 @@ class Heartbeat:
                 self.phase_since = time.time()
             elif step is not None:
                 self.phase_since = time.time()  # a new step in the same phase is progress too
+        if new_step and self._thread is not None:
+            self.write()
 
     def current(self) -> Beat:
         with self._lock:

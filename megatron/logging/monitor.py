@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from megatron.logging.heartbeats import restarts_so_far
 from megatron.logging.config import LoggingArgs, TrackerSettings, WandbSettings
 from megatron.logging.profiling import StepProfiler
 from megatron.logging.progress import TrainingProgress
@@ -75,6 +76,9 @@ class Monitor:
         self.timers.window_metrics(1)
 
     def log(self, row: Mapping[str, Any], step: int) -> None:
+        if not self.last:  # this launch's first row: how many restarts (max_restarts) led to it, for the trackers
+            restarts = restarts_so_far()
+            row = {**row, "resilience/restarts": len(restarts)} if restarts else row
         self.trackers.log({k: v for k, v in row.items() if k != "iteration"}, step)
         self.last.update(row)
         self.progress.row({"iteration": step, **row})

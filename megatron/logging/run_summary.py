@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron.logging.heartbeats import restarts_so_far
+
 from megatron.logging.progress import format_duration
 
 
@@ -188,6 +190,11 @@ def summary_lines(o: RunOutcome) -> list[str]:
     if o.save:
         tag = _latest_tag(o.save)
         lines.append(f"  checkpoint  {Path(o.save) / tag if tag else o.save + ' (none committed yet)'}")
+    restarts = restarts_so_far()
+    if restarts:
+        last = restarts[-1]
+        lines.append(f"  restarts    {len(restarts)} (max_restarts; the last after step {last.get('step')}: "
+                     f"{last.get('reason')})")
     if o.metrics_file:
         lines.append(f"  metrics     {o.metrics_file}")
     return lines

@@ -31,6 +31,7 @@ from megatron.model.moe_config import MoEArgs
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.averaging_config import ModelAveragingArgs
 from megatron.training.bad_steps import BadStepArgs
+from megatron.training.hang_config import HangArgs
 from megatron.training.reinit_config import ReinitTokensArgs
 from megatron.training.peft_config import PeftSaveArgs
 from megatron.training.hf_save_config import HFSaveArgs
@@ -63,6 +64,7 @@ GROUPS: dict[str, type[ArgGroup]] = {
     "training_loop": TrainingLoopArgs,
     "model_averaging": ModelAveragingArgs,
     "bad_steps": BadStepArgs,
+    "hang": HangArgs,
     "reinit_tokens": ReinitTokensArgs,
     "peft_saves": PeftSaveArgs,
     "hf_saves": HFSaveArgs,
@@ -109,6 +111,7 @@ class _Arguments(
     TrainingLoopArgs,
     ModelAveragingArgs,
     BadStepArgs,
+    HangArgs,
     ReinitTokensArgs,
     PeftSaveArgs,
     HFSaveArgs,

@@ -27,7 +27,7 @@ from megatron.model import family_checks, lora_checks, moe_checks
 from megatron.mpu import parallel_config
 from megatron.neox_arguments import deepspeed_blocks, file_checks, optional_packages, rules
 from megatron.training import averaging_config, bad_steps, compile_checks, length_checks, lr_config, lr_dialects
-from megatron.training import hf_save_config, optimizer_checks, peft_config, reinit_config
+from megatron.training import hang_config, hf_save_config, optimizer_checks, peft_config, reinit_config
 from megatron.training.objectives import checks as objective_checks
 
 CHECK_MODULES: tuple[ModuleType, ...] = (
@@ -42,6 +42,7 @@ CHECK_MODULES: tuple[ModuleType, ...] = (
     optimizer_checks,
     averaging_config,  # ema_beta (ZeRO-3)
     bad_steps,  # skip_bad_steps_window
+    hang_config,  # hang_timeout, startup_hang_timeout
     reinit_config,  # reinit_tokens
     peft_config,  # lora_peft_save_path (tp, pp, ZeRO-3, targets)
     hf_save_config,  # hf_save_path (tp, pp, ZeRO-3, experts, reward models)

@@ -28,6 +28,7 @@ from megatron.tokenizer.config import TokenizerArgs
 from megatron.errors import ConfigError
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.averaging_config import ModelAveragingArgs
+from megatron.training.hang_config import HangArgs
 from megatron.training.reinit_config import ReinitTokensArgs
 from megatron.training.bad_steps import BadStepArgs
 from megatron.training.peft_config import PeftSaveArgs
@@ -101,6 +102,11 @@ class RunConfig:
     @property
     def activation_config(self) -> ActivationCheckpointArgs:
         """The arguments, as activation checkpointing's keys."""
+        return self.args
+
+    @property
+    def hang(self) -> HangArgs:
+        """The arguments, as hang detection's and the collective timeouts' keys."""
         return self.args
 
     @property

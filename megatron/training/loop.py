@@ -30,6 +30,7 @@ from megatron.logging.peak_memory import memory_metrics
 from megatron.logging.throughput import as_metrics, measure
 from megatron.training.config import TrainingLoopArgs
 from megatron.training.engine import Engine
+from megatron.training import hang_watch
 from megatron.training.evaluate import Evaluator, evaluation_number
 from megatron.training.model_averaging import ModelAverage
 from megatron.training.skip_gate import BadStepGate
@@ -247,8 +248,23 @@ def _evaluate_step(ctx: LoopContext, state: TrainState, eval_interval: int | Non
     return ran
 
 
+def beating(batches: Iterator[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+    """``batches``, with this rank's heartbeat in phase "data" while it waits for one, "forward/backward" after."""
+    while True:
+        hang_watch.beat("data")
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        hang_watch.beat("forward/backward")
+        yield batch
+
+
 def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
     """Run from ``state`` until ``train_iters``, ``exit_interval`` or a hook says stop."""
+    watch = hang_watch.current()
+    micro_batches = beating(ctx.micro_batches) if watch is not None else ctx.micro_batches
+    first = True
     eval_interval = ctx.training.eval_interval
     exit_interval = ctx.training.exit_interval
     limit = ctx.training.max_consecutive_overflows
@@ -262,8 +278,13 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
         if ctx.schedule is not None and samples != ctx.eng.engine.train_batch_size():
             # the micro batch stays, DeepSpeed's accumulation steps (the objective's micro-batch count) follow
             ctx.eng.engine.set_train_batch_size(samples)
-        result = train_step(ctx.eng, ctx.micro_batches, ctx.device)
+        hang_watch.beat("data", state.iteration)
+        result = train_step(ctx.eng, micro_batches, ctx.device)
         state.iteration += 1
+        hang_watch.beat("save", state.iteration)  # the step's hooks: checkpoint and HF saves
+        if first and watch is not None:
+            watch.first_step_done()  # torchtitan's train_timeout_seconds from here on
+        first = False
         state.consumed_samples += samples
         state.consumed_tokens += tokens
         if ctx.averaging is not None:
@@ -293,6 +314,7 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
             exited = True
             for hook in hooks.at_exit:  # saves the last step unless after_step just did
                 hook(ctx.eng, state)
+        hang_watch.beat("evaluation")
         if not stop and _evaluate_step(ctx, state, eval_interval):
             window = _Window()  # evaluation time is not training throughput
         if state.stop_reason is not None:

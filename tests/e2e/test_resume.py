@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
 
+from launch_helpers import survivors
 from ports import free_port  # noqa: E402  (tests/ports.py: a port range per xdist worker)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -314,3 +317,85 @@ def test_evaluation_after_resume_equals_the_uninterrupted_run_and_a_finished_run
     assert "already finished at iteration 6" in again.stdout
     assert "starting" not in again.stdout and "rank=" not in output(again)  # no rank was launched
     assert (b / "logs" / "metrics.jsonl").read_text() == rows_before  # nothing logged twice
+
+
+# --- issue 43: max_restarts and the hang watch restart a failed launch from its last checkpoint --------------------
+FAULTS = Path(__file__).with_name("fault_train.py")
+RESTARTING = (*DP2, "hidden_dropout=0.1", "save=ckpt", "load=ckpt", "checkpoint_factor=4", "log_dir=logs")
+
+
+def events(log_dir: Path, kind: str) -> list[dict[str, object]]:
+    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [row for row in rows if row.get("event") == kind]
+
+
+def faulty(tmp: Path, faults: str, *overrides: str) -> subprocess.CompletedProcess[str]:
+    return deepy(tmp, *RESTARTING, *overrides, script=FAULTS,
+                 env={"DEEPY_FAULTS": faults, "DEEPY_FAULT_MARKERS": str(tmp)})  # fmt: skip
+
+
+def test_a_rank_killed_after_step_10_is_restarted_on_the_uninterrupted_curve(
+        tmp_path: Path, dropout_reference: dict[int, float]) -> None:  # fmt: skip
+    """kill -9 of rank 1 as step 11 begins (checkpoints every 4 steps): deepy stops rank 0, launches again from
+    global_step8, and the run ends with exit 0 on the curve of the run nothing happened to."""
+    proc = faulty(tmp_path, "kill:1:11", "max_restarts=2")
+    said = output(proc)
+    assert proc.returncode == 0, said[-4000:]
+    assert_curves_match(losses(tmp_path / "logs"), dropout_reference, 1e-6)
+    assert sorted(losses(tmp_path / "logs")) == list(range(1, 13))
+    (row,) = events(tmp_path / "logs", "restart")
+    assert (row["rank"], row["step"], row["restart"], row["max_restarts"]) == (1, 10, 1, 2), row
+    assert "killed (out of memory?) by signal 9 (SIGKILL)" in str(row["reason"])
+    assert said.count("deepy: restart 1 of 2: rank 1 on host ") == 1, said[-4000:]
+    assert "after step 10); resuming from checkpoint ckpt/global_step8 (step 8)" in said
+    assert said.count("deepy: starting 2 ranks") == 2
+    # the relaunched ranks know: the trackers get resilience/restarts (here metrics.jsonl), the summary says it
+    rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows if "resilience/restarts" in r] == [9]
+    assert re.search(r"^  restarts    1 \(max_restarts; the last after step 10: rank 1 on host ", said, re.MULTILINE)
+    assert not survivors(tmp_path)
+
+
+def test_a_stopped_rank_is_found_hung_its_stacks_written_and_the_run_restarted(
+        tmp_path: Path, dropout_reference: dict[int, float]) -> None:  # fmt: skip
+    """SIGSTOP of rank 1 as step 11 begins: nothing inside it can notice. Rank 0 waits in the step's collective; its
+    hang watch fires after hang_timeout, names rank 1 (whose heartbeat stopped), both ranks' stacks are written
+    (the stopped one's through deepy's launcher: SIGUSR2 then SIGCONT), and max_restarts resumes from global_step8."""
+    started = time.monotonic()
+    proc = faulty(tmp_path, "stop:1:11", "max_restarts=1", "hang_timeout=8s")
+    took = time.monotonic() - started
+    said = output(proc)
+    assert proc.returncode == 0, said[-4000:]
+    assert_curves_match(losses(tmp_path / "logs"), dropout_reference, 1e-6)
+    (hang,) = events(tmp_path / "logs", "hang")
+    (restart,) = events(tmp_path / "logs", "restart")
+    assert (hang["rank"], hang["step"], hang["detected_by"]) == (1, 10, 0), hang
+    assert restart["rank"] == 1 and restart["step"] == 10, restart
+    assert said.count("deepy: hang: rank 1 (host ") == 1, said[-4000:]  # printed once (then quoted by the restart)
+    assert "its heartbeat stopped" in said and "rank 0 saw it after 8s in forward/backward" in said
+    # detected within hang_timeout + 30 s of the stop: the whole run, both launches included, is bounded by it
+    assert float(str(hang["time"])) - os.stat(tmp_path / "fault0-stop-1-11").st_mtime <= 8 + 30
+    assert took < 400
+    run_dir = (tmp_path / "logs" / "metrics.jsonl").resolve().parent
+    stacks = {rank: (run_dir / "hangs" / f"stacks-rank{rank}.txt").read_text() for rank in (0, 1)}
+    assert "hang_watch.py" in stacks[0] and "Current thread" in stacks[0]
+    assert "fault_train.py" in stacks[1], stacks[1][-2000:]  # where the stopped rank stood: the injected SIGSTOP
+    assert not survivors(tmp_path)
+
+
+def test_the_restart_budget_runs_out_with_the_last_checkpoint_named_and_intact(tmp_path: Path) -> None:
+    """Rank 0 killed in step 6 of every launch, max_restarts=1: the relaunch fails at the same step ("no step was
+    completed since the last restart"), deepy gives up with the killed rank's code and names global_step4, which a
+    launch without the fault then resumes."""
+    proc = faulty(tmp_path, "kill!:0:6", "max_restarts=1", "train_iters=8", "lr_decay_iters=8")
+    said = output(proc)
+    assert proc.returncode == 128 + 9, said[-4000:]
+    assert "deepy: restart 1 of 1: rank 0 on host " in said
+    assert re.search(r"deepy: giving up after 1 restart \(max_restarts=1\): rank 0 on host \S+ killed \(out of "
+                     r"memory\?\) by signal 9 \(SIGKILL\) \(after step 5; no step was completed since the last "
+                     r"restart\); the last committed checkpoint is ckpt/global_step4 \(step 4\)", said), said[-4000:]
+    assert len(events(tmp_path / "logs", "restart")) == 1
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step4"
+    resumed = deepy(tmp_path, *RESTARTING, "train_iters=8", "lr_decay_iters=8")
+    assert resumed.returncode == 0, output(resumed)[-4000:]
+    assert "resum" in output(resumed) and sorted(losses(tmp_path / "logs"))[-1] == 8

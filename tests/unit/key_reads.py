@@ -148,6 +148,12 @@ def _step_policies(args: Any) -> object:
             args.hf_save_path, args.hf_save_interval, args.hf_save_dtype)
 
 
+def _hang_watch(args: Any) -> object:
+    """What each rank's hang watch and start-up read (train.py's ``watch_for_hangs``, ``initialize``): the rank is
+    handed the arguments typed as ``HangArgs`` (``RunConfig.hang``)."""
+    return (args.hang_limits(), args.init_timeout_seconds, args.train_timeout_seconds)
+
+
 def _run_config(args: Any) -> object:
     """What building the run's views refuses unless resolved (``RunConfig.__post_init__``)."""
     return RunConfig(args=args)
@@ -172,6 +178,7 @@ def _launch(args: Any) -> object:
             args.comment, args.account, args.deepspeed_slurm, args.deepspeed_mpi,  # srun, in place
             args.deepspeed_log_level,  # runner flags
             args.slurm_requeue, args.max_requeues_without_progress,  # after the launch (deepy.py's requeue_if_stopped)
+            args.max_restarts,  # after a failed launch (megatron/launcher/restarts.py)
             args.initialize_from_hf)  # converted before launch (deepy.py's hf_start)
 
 
@@ -236,7 +243,7 @@ def _generation(args: Any) -> object:
 
 def component_builders() -> list[ComponentBuilder]:
     """Everything that turns keys into what a component does, for train.py."""
-    return [_run_config, _parallel, _tokenizer, _model, _checkpoints, _logging, _lora, _lr_schedule,
+    return [_run_config, _parallel, _hang_watch, _tokenizer, _model, _checkpoints, _logging, _lora, _lr_schedule,
             _optimizer, _activation_checkpointing, _training_loop, _step_policies, _data, _objective, _evaluation,
             _generation, _user_plugins,
             deepspeed_config, _launch, run_directory]

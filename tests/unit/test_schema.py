@@ -154,6 +154,12 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     # a Slurm job stopped by its time limit or a preemption requeues itself (megatron/launcher/requeue.py)
     "slurm_requeue": ("deepspeed_runner", True),
     "max_requeues_without_progress": ("deepspeed_runner", 3),
+    # a failed launch is launched again (megatron/launcher/restarts.py); hangs end it (megatron/training/hang_watch.py)
+    "max_restarts": ("deepspeed_runner", 0),
+    "hang_timeout": ("hang", "20min"),
+    "startup_hang_timeout": ("hang", "45min"),
+    "init_timeout_seconds": ("hang", 3600),
+    "train_timeout_seconds": ("hang", 1800),
     # LoRA adapters (megatron/model/lora.py), PEFT's LoraConfig names with a lora_ prefix
     "lora_r": ("lora", 0),
     "lora_alpha": ("lora", 8.0),
