@@ -351,9 +351,8 @@ def resilience_lines(resolved: ResolvedConfig) -> list[str]:
              f"  hang watch: {hang} (null: off)",
              f"  collective timeouts: init_timeout_seconds={args.init_timeout_seconds} (through the first step), "
              f"train_timeout_seconds={args.train_timeout_seconds} (after it)",
-             f"  stragglers: straggler_factor={getattr(args, 'straggler_factor', None)}"]
-    if getattr(args, "straggler_factor", None) is None:
-        lines.pop()
+             f"  stragglers: straggler_factor={args.straggler_factor} over straggler_window={args.straggler_window} "
+             f"steps (null: off)"]
     if args.launcher == "slurm":
         from megatron.launcher.requeue import describe
 

@@ -32,6 +32,7 @@ from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.averaging_config import ModelAveragingArgs
 from megatron.training.bad_steps import BadStepArgs
 from megatron.training.hang_config import HangArgs
+from megatron.training.stragglers import StragglerArgs
 from megatron.training.reinit_config import ReinitTokensArgs
 from megatron.training.peft_config import PeftSaveArgs
 from megatron.training.hf_save_config import HFSaveArgs
@@ -65,6 +66,7 @@ GROUPS: dict[str, type[ArgGroup]] = {
     "model_averaging": ModelAveragingArgs,
     "bad_steps": BadStepArgs,
     "hang": HangArgs,
+    "stragglers": StragglerArgs,
     "reinit_tokens": ReinitTokensArgs,
     "peft_saves": PeftSaveArgs,
     "hf_saves": HFSaveArgs,
@@ -112,6 +114,7 @@ class _Arguments(
     ModelAveragingArgs,
     BadStepArgs,
     HangArgs,
+    StragglerArgs,
     ReinitTokensArgs,
     PeftSaveArgs,
     HFSaveArgs,

@@ -29,6 +29,7 @@ from megatron.errors import ConfigError
 from megatron.training.activation_config import ActivationCheckpointArgs
 from megatron.training.averaging_config import ModelAveragingArgs
 from megatron.training.hang_config import HangArgs
+from megatron.training.stragglers import StragglerArgs
 from megatron.training.reinit_config import ReinitTokensArgs
 from megatron.training.bad_steps import BadStepArgs
 from megatron.training.peft_config import PeftSaveArgs
@@ -107,6 +108,11 @@ class RunConfig:
     @property
     def hang(self) -> HangArgs:
         """The arguments, as hang detection's and the collective timeouts' keys."""
+        return self.args
+
+    @property
+    def stragglers(self) -> StragglerArgs:
+        """The arguments, as the straggler watch's keys."""
         return self.args
 
     @property

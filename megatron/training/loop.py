@@ -34,6 +34,7 @@ from megatron.training import hang_watch
 from megatron.training.evaluate import Evaluator, evaluation_number
 from megatron.training.model_averaging import ModelAverage
 from megatron.training.skip_gate import BadStepGate
+from megatron.training.stragglers import StragglerWatch
 from megatron.training.step import StepResult, read_grad_norm, train_step
 
 
@@ -140,6 +141,8 @@ class LoopContext:
     (``eval/ema/...``), the weights ``tasks`` run on."""
     bad_steps: BadStepGate | None = None
     """The bad-step rule (``skip_bad_steps_window``), deciding inside each optimizer step."""
+    stragglers: StragglerWatch | None = None
+    """The straggler watch (``straggler_factor``): each rank's own work per step, judged at log steps."""
     schedule: BatchSchedule | None = None
     """Each step's global batch (``train_batch_size_schedule``); None: ``global_batch_size`` every step."""
 
@@ -282,6 +285,8 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
         result = train_step(ctx.eng, micro_batches, ctx.device)
         state.iteration += 1
         hang_watch.beat("save", state.iteration)  # the step's hooks: checkpoint and HF saves
+        if ctx.stragglers is not None:
+            ctx.stragglers.end_step()
         if first and watch is not None:
             watch.first_step_done()  # torchtitan's train_timeout_seconds from here on
         first = False
@@ -297,7 +302,10 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
         _check_overflow(state, result, limit)
 
         if log_step:
-            ctx.monitor.log(log_row(ctx, state, window, result), state.iteration)
+            row = log_row(ctx, state, window, result)
+            if ctx.stragglers is not None:
+                row.update(ctx.stragglers.check(state.iteration))  # a collective: every rank at log steps
+            ctx.monitor.log(row, state.iteration)
             window = _Window()
 
         # the step's checkpoint first: an evaluation that fails must not cost it

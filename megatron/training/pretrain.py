@@ -39,6 +39,7 @@ from megatron.model.pipeline import model_parameter_name
 from megatron.mpu.random import model_parallel_manual_seed
 from megatron.tokenizer import build_tokenizer
 from megatron.training.averaging_config import ModelAveragingArgs
+from megatron.training.stragglers import StragglerArgs, StragglerWatch
 from megatron.training.bad_steps import BadStepArgs
 from megatron.training.comms_report import CommsReport
 from megatron.training.config import TrainingLoopArgs, compute_dtype, last_iteration
@@ -114,6 +115,9 @@ class PretrainRun(RunViews, Protocol):
     def data(self) -> DataRun: ...
     @property
     def averaging(self) -> ModelAveragingArgs: ...
+
+    @property
+    def stragglers(self) -> StragglerArgs: ...
     @property
     def bad_steps(self) -> BadStepArgs: ...
     @property
@@ -284,6 +288,8 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
             sequence_parallel=run.model.sequence_parallel and run.parallel.model_parallel_size > 1).run,
         tasks_interval=None if task_evaluation is None else task_evaluation.interval,
         end_reason=end_reason, averaging=averaging, bad_steps=bad_steps, schedule=schedule,
+        stragglers=None if run.stragglers.straggler_factor is None else StragglerWatch(
+            run.stragglers.straggler_factor, run.stragglers.straggler_window, rank, metrics_dir, monitor.message),
     )
     # DeepSpeed's communication timings (comms_logger): shown after the last step, and with verbose at log steps
     comms = CommsReport(run.deepspeed_config.get("comms_logger"), log_config.log_interval)

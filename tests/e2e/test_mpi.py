@@ -86,7 +86,11 @@ def test_sigusr1_reaches_every_rank_through_mpirun(tmp_path: Path) -> None:
 
 def test_a_failing_rank_sets_deepys_exit_code(tmp_path: Path) -> None:
     worker = write_script(tmp_path, "fail_worker.py", FAIL_WORKER)
-    done = run_deepy(tmp_path, worker, str(write_model(tmp_path)), *MPI, "log_dir=logs", env=ROOT_OK, timeout=110)
+    done = run_deepy(tmp_path, worker, str(write_model(tmp_path)), *MPI, "log_dir=logs", "max_restarts=1", env=ROOT_OK,
+                     timeout=200)  # fmt: skip
     assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
     assert "deepy: run failed with exit code 3" in done.stdout
+    # issue 43: max_restarts runs mpirun again; the rank fails again, and deepy gives up with its code
+    assert done.stdout.count("deepy: starting 2 ranks via mpirun") == 2 and "deepy: restart 1 of 1: " in done.stdout
+    assert "deepy: giving up after 1 restart (max_restarts=1)" in done.stdout
     assert survivors(tmp_path) == []

@@ -108,7 +108,10 @@ def test_ranks_start_through_pdsh_and_stop_on_sigterm_to_deepy(ssh_args: str, tm
 def test_a_failing_rank_sets_deepys_exit_code_through_pdsh(ssh_args: str, tmp_path: Path) -> None:
     worker = write_script(tmp_path, "fail_worker.py", FAIL_WORKER)
     done = run_deepy(tmp_path, worker, str(write_model(tmp_path)), *pdsh_run(tmp_path),
-                     env={"PDSH_SSH_ARGS_APPEND": ssh_args}, timeout=110)  # fmt: skip
+                     "max_restarts=1", env={"PDSH_SSH_ARGS_APPEND": ssh_args}, timeout=200)  # fmt: skip
     assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
     assert "deepy: run failed with exit code 3" in done.stdout
+    # issue 43: max_restarts runs DeepSpeed's runner (pdsh) again; the rank fails again, and deepy gives up
+    assert done.stdout.count("deepy: starting 2 ranks via pdsh") == 2 and "deepy: restart 1 of 1: " in done.stdout
+    assert "deepy: giving up after 1 restart (max_restarts=1)" in done.stdout
     assert survivors(tmp_path, wait_s=10) == []

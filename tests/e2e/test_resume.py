@@ -337,8 +337,9 @@ def faulty(tmp: Path, faults: str, *overrides: str) -> subprocess.CompletedProce
 def test_a_rank_killed_after_step_10_is_restarted_on_the_uninterrupted_curve(
         tmp_path: Path, dropout_reference: dict[int, float]) -> None:  # fmt: skip
     """kill -9 of rank 1 as step 11 begins (checkpoints every 4 steps): deepy stops rank 0, launches again from
-    global_step8, and the run ends with exit 0 on the curve of the run nothing happened to."""
-    proc = faulty(tmp_path, "kill:1:11", "max_restarts=2")
+    global_step8, and the run ends with exit 0 on the curve of the run nothing happened to. Rank 1 also waits
+    0.15 s for each micro-batch (a slow data loader): a straggler, named, and nothing stops for it."""
+    proc = faulty(tmp_path, "kill:1:11,slow:1:0.15", "max_restarts=2", "straggler_window=4")
     said = output(proc)
     assert proc.returncode == 0, said[-4000:]
     assert_curves_match(losses(tmp_path / "logs"), dropout_reference, 1e-6)
@@ -353,7 +354,23 @@ def test_a_rank_killed_after_step_10_is_restarted_on_the_uninterrupted_curve(
     rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows if "resilience/restarts" in r] == [9]
     assert re.search(r"^  restarts    1 \(max_restarts; the last after step 10: rank 1 on host ", said, re.MULTILINE)
+    assert_straggler_named(said, tmp_path / "logs", rank=1, window=4)
     assert not survivors(tmp_path)
+
+
+def assert_straggler_named(said: str, log_dir: Path, rank: int, window: int) -> None:
+    """The slowed rank is named on the console and in event rows, the log rows carry straggler/*, with the ratio
+    computed again from the per-rank means the console states (median of two ranks: their mean)."""
+    lines = re.findall(rf"^deepy: straggler: rank {rank} \(host \S+\) took (\d+\.\d)x the median local step time "
+                       rf"\((\d+) ms vs (\d+) ms\) over the last {window} steps$", said, re.MULTILINE)
+    assert lines, said[-4000:]
+    for ratio, slow, median in lines:
+        assert abs(float(ratio) - int(slow) / int(median)) <= 0.1 and float(ratio) > 1.5
+    rows = events(log_dir, "straggler")
+    assert rows and all(r["rank"] == rank and float(str(r["ratio"])) > 1.5 for r in rows)
+    logged = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    slowest = [r["straggler/slowest_rank"] for r in logged if "straggler/slowest_rank" in r]
+    assert slowest and set(slowest) == {float(rank)}
 
 
 def test_a_stopped_rank_is_found_hung_its_stacks_written_and_the_run_restarted(

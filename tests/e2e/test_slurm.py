@@ -143,14 +143,17 @@ def test_a_signal_to_deepy_in_the_batch_step_reaches_every_rank(slurm: SlurmClus
 def test_a_failing_rank_fails_the_job_and_deepy(slurm: SlurmCluster, tmp_path: Path) -> None:
     worker = write_script(tmp_path, "fail_worker.py", FAIL_WORKER)
     started = time.monotonic()
-    job = submit(slurm, tmp_path, str(write_model(tmp_path)), "log_dir=logs", script=str(worker))
+    job = submit(slurm, tmp_path, str(write_model(tmp_path)), "log_dir=logs", "max_restarts=1", script=str(worker))
     info = slurm.wait_job(job, timeout=300)
     out = job_output(tmp_path, job)
     assert info["JobState"] == "FAILED", out
+    # issue 43: max_restarts runs srun again inside the same allocation (one job); it fails again, deepy gives up
+    assert out.count("deepy: starting 2 ranks via srun") == 2 and "deepy: restart 1 of 1: " in out, out
+    assert "deepy: giving up after 1 restart (max_restarts=1)" in out
     assert "task 1: Exited with exit code 3" in out  # srun names the failed rank's code
     # srun's own code is its tasks' highest: rank 0, which it stopped with SIGTERM, counts as 143
     assert "deepy: run failed with exit code 143" in out and info["ExitCode"] == "143:0"
-    assert time.monotonic() - started < 100  # rank 0 was stopped, not left to sleep for 120 s
+    assert time.monotonic() - started < 150  # rank 0 was stopped (twice), not left to sleep for 120 s
     assert survivors(tmp_path, wait_s=10) == []
 
 

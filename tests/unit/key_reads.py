@@ -151,7 +151,8 @@ def _step_policies(args: Any) -> object:
 def _hang_watch(args: Any) -> object:
     """What each rank's hang watch and start-up read (train.py's ``watch_for_hangs``, ``initialize``): the rank is
     handed the arguments typed as ``HangArgs`` (``RunConfig.hang``)."""
-    return (args.hang_limits(), args.init_timeout_seconds, args.train_timeout_seconds)
+    return (args.hang_limits(), args.init_timeout_seconds, args.train_timeout_seconds,
+            args.straggler_factor, args.straggler_window)  # the loop's straggler watch (pretrain)
 
 
 def _run_config(args: Any) -> object:

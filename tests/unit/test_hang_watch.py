@@ -68,20 +68,19 @@ def test_a_start_up_longer_than_startup_hang_timeout_ends_the_rank_with_its_stac
 def test_init_and_train_timeout_seconds_reach_every_process_group(tmp_path: Path) -> None:
     """init_timeout_seconds at the rendezvous and on the groups built after it (initialize), train_timeout_seconds
     on all of them after the first step (torchtitan's set_pg_timeouts): read back from each group's backend."""
-    script = textwrap.dedent("""
+    script = textwrap.dedent(f"""
         import os, datetime, torch.distributed as dist
         from megatron import torch_internals
-        dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=77))
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=77))
         dist.new_group([0])  # created with torch's default timeout, as initialize_model_parallel's are
-        print(sorted({t.total_seconds() for t in torch_internals.collective_timeouts()}))
+        print(sorted({{t.total_seconds() for t in torch_internals.collective_timeouts()}}))
         torch_internals.set_collective_timeouts(datetime.timedelta(seconds=77))
-        print(sorted({t.total_seconds() for t in torch_internals.collective_timeouts()}))
+        print(sorted({{t.total_seconds() for t in torch_internals.collective_timeouts()}}))
         torch_internals.set_collective_timeouts(datetime.timedelta(seconds=12), barrier_first=True)
-        print(sorted({t.total_seconds() for t in torch_internals.collective_timeouts()}))
+        print(sorted({{t.total_seconds() for t in torch_internals.collective_timeouts()}}))
     """)
-    from ports import free_port
-
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.split("\n")
@@ -89,3 +88,16 @@ def test_init_and_train_timeout_seconds_reach_every_process_group(tmp_path: Path
     assert lines[1:3] == ["[77.0]", "[12.0]"]
     assert not dist.is_initialized()  # all of it happened in the child process
     assert torch_internals.collective_timeouts() == []
+
+
+def test_a_straggler_is_a_rank_above_straggler_factor_times_the_median_of_the_ranks_means() -> None:
+    """straggler_factor 1.5 over four ranks' mean local step times; the median is statistics.median's, by hand
+    (0.11 and 0.12 in the middle: 0.115)."""
+    from megatron.training.stragglers import stragglers
+
+    means = [0.10, 0.12, 0.30, 0.11]
+    slow, median = stragglers(means, factor=1.5)
+    assert median == (0.11 + 0.12) / 2
+    assert [rank for rank, _ in slow] == [2] and abs(slow[0][1] - 0.30 / 0.115) < 1e-12
+    assert stragglers(means, factor=3.0)[0] == []  # 2.6x is not above 3x
+    assert stragglers([0.2, 0.2], factor=1.5)[0] == []

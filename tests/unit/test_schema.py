@@ -160,6 +160,8 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "startup_hang_timeout": ("hang", "45min"),
     "init_timeout_seconds": ("hang", 3600),
     "train_timeout_seconds": ("hang", 1800),
+    "straggler_factor": ("stragglers", 1.5),  # megatron/training/stragglers.py
+    "straggler_window": ("stragglers", 20),
     # LoRA adapters (megatron/model/lora.py), PEFT's LoraConfig names with a lora_ prefix
     "lora_r": ("lora", 0),
     "lora_alpha": ("lora", 8.0),

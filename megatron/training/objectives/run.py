@@ -23,6 +23,7 @@ from megatron import mpu
 from megatron.data.transfer import to_device
 from megatron.training.objectives.base import MicroBatch, Objective, means_from_vector, micro_batch_denominator
 from megatron.training.objectives.reference import Reference
+from megatron.training.stragglers import timed
 
 
 def _dp_sum(value: torch.Tensor) -> torch.Tensor:
@@ -80,7 +81,7 @@ class ObjectiveRunner:
         count = int(engine.gradient_accumulation_steps()) if micro_count is None else micro_count
         if eng.is_pipe and count != int(engine.gradient_accumulation_steps()):
             raise ValueError("a pipeline engine runs its configured number of micro-batches per batch")
-        samples = [next(micro_batches) for _ in range(count)]
+        samples = timed(lambda: [next(micro_batches) for _ in range(count)])  # this rank's own work (stragglers)
         batches, denominator = self.prepare(samples, split, device)
         if eng.is_pipe:
             items = [(b.to(device).pipe_inputs(), tuple(t.to(device) for t in b.targets(denominator))) for b in batches]
@@ -95,7 +96,8 @@ class ObjectiveRunner:
                 # batch schedule DeepSpeed's count of micro steps no longer lines up with the accumulation)
                 engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
                 b = b.to(device)
-                loss = self.objective.loss(engine(b.inputs, **b.model_kwargs()), b.targets(denominator))
+                output = timed(lambda: engine(b.inputs, **b.model_kwargs()))  # noqa: B023 - called at once
+                loss = self.objective.loss(output, b.targets(denominator))
                 engine.backward(loss)
                 losses.append(loss.detach())
                 if i == len(batches) - 1 and eng.before_update is not None:
