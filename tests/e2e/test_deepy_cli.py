@@ -155,18 +155,19 @@ def test_real_launch_writes_the_resolved_file_and_returns_the_launcher_code(
     work: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import megatron.launcher
+    import megatron.launcher.restarts
 
     from megatron.neox_arguments.resolved import load_resolved
 
     calls: list[tuple[str, str]] = []
 
-    def fake_run_plan(plan: megatron.launcher.LaunchPlan, environ: object, verbose: bool = False,
-                      **_said: object) -> int:
+    def fake_run(plan: megatron.launcher.LaunchPlan, replan: object, environ: object, policy: object,
+                 **_said: object) -> int:
         calls.append((plan.argv[-3], plan.config_path))
         assert Path(plan.config_path).is_file()  # written before any rank could start
         return 3
 
-    monkeypatch.setattr(megatron.launcher, "run_plan", fake_run_plan)
+    monkeypatch.setattr(megatron.launcher.restarts, "run_with_restarts", fake_run)
     code, out, err = run_in_process(["train.py", "model.yml", "log_dir=mylogs", "train_iters=4"], capsys)
     assert code == 3, err  # a failed rank's exit code is deepy's exit code
     [(script, config_file)] = calls

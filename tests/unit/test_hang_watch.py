@@ -86,7 +86,6 @@ def test_init_and_train_timeout_seconds_reach_every_process_group(tmp_path: Path
     lines = done.stdout.split("\n")
     assert lines[0] == "[77.0, 1800.0]"  # the world's, and torch's default for gloo on the later group
     assert lines[1:3] == ["[77.0]", "[12.0]"]
-    assert not dist.is_initialized()  # all of it happened in the child process
     assert torch_internals.collective_timeouts() == []
 
 
