@@ -68,3 +68,24 @@ def test_in_place_launches_refuse_max_restarts_by_name(tmp_path: Path) -> None:
         check_restartable(plan_of("pass", tmp_path, in_place=True), 1, "max_restarts=1 (cli)")
     check_restartable(plan_of("pass", tmp_path, in_place=True), 0, "max_restarts=0")
     check_restartable(plan_of("pass", tmp_path), 2, "max_restarts=2")
+
+
+def test_the_dry_run_shows_the_resilience_settings_and_refuses_bad_ones_by_name() -> None:
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[2]
+    base = [sys.executable, "deepy.py", "--dry-run", "train.py", "configs/tiny.yml", "configs/local_setup.yml"]
+    done = subprocess.run([*base, "max_restarts=2", "hang_timeout=5s", "straggler_factor=2"], cwd=repo,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    block = done.stdout[done.stdout.index("Resilience:"):]
+    assert "up to 2 relaunch(es) from the last checkpoint when a rank dies or hangs (max_restarts)" in block
+    assert "hang_timeout=5s, startup_hang_timeout=45min" in block
+    assert "init_timeout_seconds=3600 (through the first step), train_timeout_seconds=1800 (after it)" in block
+    assert "straggler_factor=2.0 over straggler_window=20 steps" in block
+    for bad, named in (("max_restarts=-1", "max_restarts"), ("hang_timeout=soon", "hang_timeout='soon'"),
+                       ("hang_timeout=1h", "hang_timeout='1h' (command line) is not shorter than "
+                                           "train_timeout_seconds=1800"),
+                       ("straggler_factor=1.0", "straggler_factor")):  # fmt: skip
+        refused = subprocess.run([*base, bad], cwd=repo, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and named in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
