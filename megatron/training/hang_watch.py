@@ -12,7 +12,8 @@ second daemon thread here watches this rank's own beat: when one phase has laste
    refreshed cannot run at all (stopped, frozen holding the GIL, its machine gone); else the ranks furthest
    behind; else every rank waits in the same phase (a collective that never completes);
 3. records that as its error (``megatron/logging/rank_errors.py``: deepy prints it once and ``max_restarts``
-   reads it), and appends an event row ``{"event": "hang", ...}`` to the run's metrics.jsonl;
+   reads it), and, when it is the launch's first error (one verdict per launch), prints it and appends an event row
+   ``{"event": "hang", ...}`` to the run's metrics.jsonl;
 4. exits with :data:`~megatron.logging.heartbeats.HANG_EXIT_CODE`; its launcher then ends the other ranks.
 
 Every rank also dumps its stacks into the same file on SIGUSR2 (``kill -USR2 <pid>``: neither torch nor
@@ -140,8 +141,12 @@ class HangWatch:
                    f"{', '.join(sorted({b.phase for b in stuck}))} ({why})")
         message = (f"deepy: hang: {who}; rank {self.rank} saw it after {limit:g}s in {own.phase} "
                    f"(hang_timeout); every rank's stacks: {self.run_dir / HANGS_DIR}/")
-        if RankErrorReport(self.run_dir, self.rank)(message, ""):
-            print(message, file=sys.stderr, flush=True)
+        if not RankErrorReport(self.run_dir, self.rank)(message, ""):
+            # another rank's error came first (its own verdict on this hang, or what caused it): one verdict per
+            # launch; a stopped rank continued for its stacks must not judge the peers that already ended
+            sys.stderr.flush()
+            os._exit(HANG_EXIT_CODE)
+        print(message, file=sys.stderr, flush=True)
         row = {"event": "hang", "rank": stuck[0].rank if len(stuck) == 1 else None,
                "ranks": [b.rank for b in stuck], "step": own.step, "phase": stuck[0].phase if stuck else own.phase,
                "reason": who, "detected_by": self.rank, "time": now}

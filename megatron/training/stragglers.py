@@ -73,13 +73,19 @@ def timed(fn: Callable[[], Any]) -> Any:
         LOCAL.add(time.perf_counter() - start)
 
 
+MIN_EXCESS_S = 0.005
+"""A rank must also be this much slower than the median: on a tiny CPU model a step's own work is a millisecond or
+two, where scheduling jitter alone makes ratios of 3x."""
+
+
 def stragglers(means: list[float], factor: float) -> tuple[list[tuple[int, float]], float]:
-    """(rank, ratio to the median) of every rank above ``factor`` x the median of ``means``, slowest first; and
-    the median."""
+    """(rank, ratio to the median) of every rank above ``factor`` x the median of ``means`` (and at least
+    :data:`MIN_EXCESS_S` above it), slowest first; and the median."""
     median = statistics.median(means)
     if median <= 0:
         return [], median
-    slow = [(rank, mean / median) for rank, mean in enumerate(means) if mean > factor * median]
+    slow = [(rank, mean / median) for rank, mean in enumerate(means)
+            if mean > factor * median and mean - median >= MIN_EXCESS_S]
     return sorted(slow, key=lambda item: -item[1]), median
 
 

@@ -100,3 +100,4 @@ def test_a_straggler_is_a_rank_above_straggler_factor_times_the_median_of_the_ra
     assert [rank for rank, _ in slow] == [2] and abs(slow[0][1] - 0.30 / 0.115) < 1e-12
     assert stragglers(means, factor=3.0)[0] == []  # 2.6x is not above 3x
     assert stragglers([0.2, 0.2], factor=1.5)[0] == []
+    assert stragglers([0.001, 0.004], factor=1.5)[0] == []  # 1.6x the median, but 1.5 ms: jitter, not a straggler
