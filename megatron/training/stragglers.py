@@ -3,7 +3,9 @@ than the others' is named on the console and in the metrics; nothing stops.
 
 Every rank of a synchronous step takes the same wall time: the fast ones wait for the slow one in the gradient
 all-reduce. So each rank times only the work it does without waiting for its peers (:data:`LOCAL`): how long it
-waits for its step's micro-batches (before the step's first collective) and its forward passes. With tensor,
+waits for its step's micro-batches (before the step's first collective) and, outside DeepSpeed's pipeline engine
+(``pipe_parallel_size: 0``), its forward passes; the pipeline engine interleaves forwards with sends and receives,
+so with it only the data wait is timed. With tensor,
 pipeline or context parallelism, or ZeRO-3 (which gathers parameters in the forward), the forward holds
 collectives too and a slow rank makes its group's forwards slow with it: there the measure isolates a slow
 data-parallel replica, not one rank of it. Host time: on a GPU, kernels run asynchronously, so a slow device shows
