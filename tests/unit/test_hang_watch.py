@@ -11,9 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-import torch.distributed as dist
 
-from megatron import torch_internals
 from megatron.logging.heartbeats import HANG_EXIT_CODE, Beat
 from megatron.training.hang_watch import stuck_ranks
 
@@ -86,7 +84,6 @@ def test_init_and_train_timeout_seconds_reach_every_process_group(tmp_path: Path
     lines = done.stdout.split("\n")
     assert lines[0] == "[77.0, 1800.0]"  # the world's, and torch's default for gloo on the later group
     assert lines[1:3] == ["[77.0]", "[12.0]"]
-    assert torch_internals.collective_timeouts() == []
 
 
 def test_a_straggler_is_a_rank_above_straggler_factor_times_the_median_of_the_ranks_means() -> None:
