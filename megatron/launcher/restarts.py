@@ -25,7 +25,6 @@ import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -33,6 +32,7 @@ from megatron.errors import ConfigError
 from megatron.launcher.plan import LaunchPlan
 from megatron.logging import heartbeats, rank_errors
 from megatron.logging.heartbeats import RESTARTS_ENV
+from megatron.logging.metrics import append_event
 
 USER_ERROR_EXIT_CODE = 2
 _UNSET = object()
@@ -72,17 +72,6 @@ def first_failure(run_dir: str | os.PathLike[str]) -> tuple[int | None, str]:
     if stuck:
         return int(stuck.group(1)), text
     return chosen.rank, text if text.startswith("hang:") or text.startswith("rank ") else f"rank {chosen.rank}: {text}"
-
-
-def append_event(run_dir: str | os.PathLike[str], row: Mapping[str, Any]) -> None:
-    """One event row at the end of the run's metrics.jsonl (one write, append mode); never raises."""
-    try:
-        path = Path(run_dir) / "metrics.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(dict(row)) + "\n")
-    except OSError:
-        pass
 
 
 class _StopNotes:

@@ -74,6 +74,19 @@ class MetricsWriter:
         self.close()
 
 
+def append_event(run_dir: str | os.PathLike[str], row: dict[str, Any]) -> None:
+    """One event row (``{"event": "restart"|"hang"|"straggler", ...}``, no ``iteration``: a resumed run's
+    :func:`truncate_after` keeps it) at the end of the run's metrics.jsonl, in one write in append mode, from any
+    process (deepy.py between launches, a rank beside the speaking rank's writer); never raises."""
+    try:
+        path = Path(run_dir) / METRICS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
+    except OSError:
+        pass
+
+
 def truncate_after(path: Path, step: int) -> int:
     """Drop the rows of ``path`` logged after ``step``, and a torn last line left by a killed run
     (the next row would be glued to it), atomically; returns how many lines were dropped."""

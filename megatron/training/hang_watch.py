@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import IO
 
 from megatron.logging.heartbeats import HANG_EXIT_CODE, PHASES, Beat, Heartbeat, read_beats
+from megatron.logging.metrics import append_event
 from megatron.logging.rank_errors import RankErrorReport
 
 HANGS_DIR = "hangs"
@@ -115,8 +116,6 @@ class HangWatch:
 
     def _hung(self, own: Beat, limit: float) -> None:
         """Write this rank's stacks, name the stuck rank, record it, leave with the hang code."""
-        import json
-
         if self._stacks is not None:
             self._stacks.write(f"--- rank {self.rank} (pid {os.getpid()}): no progress for {limit:g}s in {own.phase} "
                                f"after step {own.step}, {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
@@ -150,11 +149,7 @@ class HangWatch:
         row = {"event": "hang", "rank": stuck[0].rank if len(stuck) == 1 else None,
                "ranks": [b.rank for b in stuck], "step": own.step, "phase": stuck[0].phase if stuck else own.phase,
                "reason": who, "detected_by": self.rank, "time": now}
-        try:
-            with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(row) + "\n")
-        except OSError:
-            pass
+        append_event(self.run_dir, row)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(HANG_EXIT_CODE)

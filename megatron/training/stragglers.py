@@ -19,7 +19,6 @@ and an event row ``{"event": "straggler", ...}`` goes to metrics.jsonl.
 
 from __future__ import annotations
 
-import json
 import socket
 import statistics
 import time
@@ -31,6 +30,7 @@ from typing import Any
 from pydantic import Field
 
 from megatron.config_schema import ArgGroup
+from megatron.logging.metrics import append_event
 
 
 class StragglerArgs(ArgGroup):
@@ -136,10 +136,5 @@ class StragglerWatch:
         return row
 
     def _event(self, row: dict[str, Any]) -> None:
-        if self.metrics_dir is None:
-            return
-        try:
-            with open(self.metrics_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(row) + "\n")
-        except OSError:
-            pass
+        if self.metrics_dir is not None:
+            append_event(self.metrics_dir, row)
