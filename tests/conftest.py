@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,6 +15,24 @@ REPO = Path(__file__).resolve().parents[1]
 # through the installed project; this checkout goes first, so they run the code under test even where
 # the editable install points at another clone.
 os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One S3-compatible server (moto's server mode, tests/s3_server.py) per test worker; each test makes its
+    own bucket. Its environment variables are set in this process too, so the ranks a test starts inherit them."""
+    from s3_server import S3Server
+
+    server = S3Server.start(tmp_path_factory.mktemp("moto") / "moto.log")
+    saved = {key: os.environ.get(key) for key in server.env()}
+    os.environ.update(server.env())
+    yield server
+    server.stop()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture(scope="session")

@@ -202,6 +202,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("objective_needs",),  # what an objective needs of the data and model, read from its plug-in entry
     ("plugins",),
     ("config_rules",),
+    ("object_store",),  # s3:// and fsspec's schemes: checkpoints, data and the checks before launch
     ("config_schema", "config_support", "errors", "time_phrases", "atomic_files", "lazy", "torch_internals",
      "deepspeed_internals", "devices"),
 )
