@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from megatron.errors import ConfigError, UsageError
+from megatron.object_store import is_remote
 from megatron.logging.console import is_verbose
 from megatron.neox_arguments.overrides import looks_like_override
 from megatron.neox_arguments.provenance import format_resolved_table
@@ -203,7 +204,7 @@ def resumed_run_name(resolved: ResolvedConfig, user_script: str) -> str | None:
     args = resolved.args
     if os.path.basename(user_script) in ENTRY_POINTS_OF_TEXTGEN or not args.load or not args.load_checkpoint:
         return None
-    if args.finetune:
+    if args.finetune or is_remote(args.load):  # a bucket's checkpoints are read by the ranks
         return None
     found = resume_point(Path(args.load), args.iteration)
     if found is None:
@@ -225,6 +226,10 @@ def hf_start(resolved: ResolvedConfig, in_place: bool) -> str | None:
     args = resolved.args
     if not args.initialize_from_hf:
         return None
+    if is_remote(args.save):
+        raise ConfigError(f"initialize_from_hf converts the model into <save>/hf_import, and save={args.save} is in "
+                          "object storage: convert first with python tools/ckpts/convert_hf_to_neox.py "
+                          f"{args.initialize_from_hf} DIR, then start from it with initialize_from: DIR")
     save = Path(required(args.save, "save", "initialize_from_hf converts the model into <save>/hf_import"))
     plan = HfImport(str(args.initialize_from_hf), save, args.model_parallel_size or 1, args.pipe_parallel_size,
                     str(args.precision),
@@ -260,6 +265,8 @@ def already_finished(resolved: ResolvedConfig, user_script: str) -> str | None:
         return None
     if args.finetune:
         return None  # fine-tuning starts at step 0 from the loaded weights
+    if is_remote(args.load):
+        return None  # the ranks list the bucket's checkpoints (and resume at the end: nothing to train)
     found = resume_point(Path(args.load), args.iteration)
     if found is None:
         return None
@@ -446,7 +453,7 @@ def take_save_lock(resolved: ResolvedConfig, command: DeepyCommand, plan: Launch
     from megatron.launcher.save_lock import SaveDirInUse, acquire, this_process
     from megatron.logging.rank_errors import current_rank
 
-    save = resolved.args.save
+    save = local_save(resolved)
     if not save or os.path.basename(command.user_script) in ENTRY_POINTS_OF_TEXTGEN:
         return None
     if plan.in_place and current_rank() not in (0, None):
@@ -468,7 +475,7 @@ def save_lock_note(resolved: ResolvedConfig, user_script: str) -> str | None:
     """What a dry run says when another run holds ``save`` (a launch would be refused; the dry run is not)."""
     from megatron.launcher.save_lock import current_holder
 
-    save = resolved.args.save
+    save = local_save(resolved)
     if not save or os.path.basename(user_script) in ENTRY_POINTS_OF_TEXTGEN or not os.path.isdir(save):
         return None
     held = current_holder(save)
@@ -550,6 +557,29 @@ def launch(resolved: ResolvedConfig, command: DeepyCommand, plan: LaunchPlan, co
                              trains=os.path.basename(command.user_script) not in ENTRY_POINTS_OF_TEXTGEN)
 
 
+def local_save(resolved: ResolvedConfig) -> str | None:
+    """``save`` on this machine: the directory itself, or for a bucket its staging directory (the ranks write there
+    before uploading; the save lock and Slurm's requeue ledger live there)."""
+    from megatron.checkpointing.remote import staging_dir
+
+    save = resolved.args.save
+    return str(staging_dir(save, resolved.args.checkpoint_staging_dir)) if save and is_remote(save) else save
+
+
+def local_load(resolved: ResolvedConfig) -> str | None:
+    """``load`` on this machine, resolved (a bucket's: its staging directory)."""
+    from pathlib import Path
+
+    from megatron.checkpointing.remote import staging_dir
+
+    load = resolved.args.load
+    if not load:
+        return None
+    if is_remote(load):
+        return str(staging_dir(load, resolved.args.checkpoint_staging_dir).resolve())
+    return str(Path(load).resolve())
+
+
 def last_checkpoint(resolved: ResolvedConfig) -> str | None:
     """The newest committed checkpoint a relaunch resumes from, in words (``ckpt/global_step8 (step 8)``)."""
     from pathlib import Path
@@ -557,7 +587,7 @@ def last_checkpoint(resolved: ResolvedConfig) -> str | None:
     from megatron.checkpointing.discovery import resume_point
 
     load = resolved.args.load
-    found = resume_point(Path(load), None) if load and os.path.isdir(load) else None
+    found = resume_point(Path(load), None) if load and not is_remote(load) and os.path.isdir(load) else None
     if found is None:
         return None
     ckpt, meta = found
@@ -579,8 +609,8 @@ def requeue_if_stopped(resolved: ResolvedConfig, command: DeepyCommand, plan: La
         return code
     if already_finished(resolved, command.user_script) is not None:
         return code
-    save = Path(args.save)
-    if not args.load or not args.load_checkpoint or args.finetune or Path(args.load).resolve() != save.resolve():
+    save = Path(local_save(resolved) or args.save).resolve()
+    if not args.load or not args.load_checkpoint or args.finetune or local_load(resolved) != str(save):
         print(f"deepy: not requeued: a requeued job resumes from `load`, which is not `save` ({args.save}); submit "
               f"again with load={args.save} to resume", flush=True)  # fmt: skip
         return code

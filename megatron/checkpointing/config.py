@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from megatron.config_schema import ArgGroup, not_supported
+from megatron.object_store import S3_MIN_PART
 
 
 class CheckpointArgs(ArgGroup):
@@ -71,13 +72,26 @@ class CheckpointArgs(ArgGroup):
     iteration: int | None = Field(None, ge=0)
     """Current optimizer step; updated while training, stored in checkpoints."""
 
-    s3_path: str | None = not_supported(None)
-    """Also upload checkpoints to this S3 prefix."""
+    s3_path: str | None = None
+    """Also upload every committed checkpoint to this object-store prefix, as GPT-NeoX does: rank 0 uploads
+    <save>/<tag>/... to <s3_path>/<basename of save>/<tag>/... (so `save` is a directory every node shares);
+    the bucket's copies are never deleted."""
 
-    s3_chunk_size: int = not_supported(104857600)
-    """Chunk size in bytes for S3 uploads."""
+    s3_chunk_size: int = Field(104857600, ge=S3_MIN_PART)
+    """Part size in bytes of the multipart uploads (S3's smallest part is 5 MiB)."""
 
     # ---- Deepy extras (not in GPT-NeoX) ----
+
+    async_save: bool = False
+    """Write checkpoints in the background (Megatron's --async-save): the loop stops only to copy the state into
+    host memory; a thread writes the files while training goes on, and the checkpoint is committed (marker,
+    `latest`, uploads) only once every rank's files are written and verified. One save at a time: the next save,
+    a stop and the end of the run wait for it."""
+
+    checkpoint_staging_dir: str | None = None
+    """Local directory for the checkpoints of a `save`/`load` in object storage (s3://...): written here, then
+    uploaded; downloaded here before loading. Default ~/.cache/deepy/staging/<scheme>/<bucket>/<prefix>;
+    one per node (not a shared file system)."""
 
     save_interval: str | int | None = None
     """Also save a temporary checkpoint at this wall-clock interval (`15min`, `1h`, or seconds); it

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +41,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron import object_store
 from megatron.checkpointing import commit, discovery
+from megatron.checkpointing.remote import Mirror, staging_dir
 from megatron.checkpointing.neox import GqaOrder, load_neox_weights, neox_position
 from megatron.checkpointing.preemption import PreemptionWatcher
 from megatron.checkpointing.commit import (
@@ -55,11 +59,14 @@ from megatron.checkpointing.save_load import (
     BeforeCommit,
     LoadOptions,
     LoadResult,
+    PendingSave,
     SaveRequest,
+    commit_checkpoint,
     current_layout,
+    failed_ranks,
     load_checkpoint,
     resolve_tag,
-    save_checkpoint,
+    write_checkpoint,
 )
 from megatron.errors import CheckpointError, ConfigError
 from megatron.time_phrases import parse_duration
@@ -95,6 +102,37 @@ def keep_rules(raw: list[dict[str, int | None]] | None) -> list[KeepRule]:
     return rules
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _local_rank() -> int:
+    """This rank's place on its node (the launchers' LOCAL_RANK): the first rank of a node moves its files."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+class InFlight:
+    """A save whose files are being written in the background; its commit runs on this thread too, with
+    agreements on ``group`` (every rank's, gloo), so the training thread never waits for the slowest disk."""
+
+    def __init__(self, pending: PendingSave, group: Any, complete: Callable[[PendingSave, Any], None]) -> None:
+        self.pending = pending
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                complete(pending, group)
+            except BaseException as err:  # noqa: BLE001 - raised on the training thread by wait()
+                self.error = err
+                log.error("background save of %s failed: %s (the run stops at its next save)", pending.final_dir, err)
+
+        self._thread = threading.Thread(target=run, name=f"deepy-commit-{pending.request.step}", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+
+
 def _same_dir(a: Path, b: Path) -> bool:
     return a.resolve() == b.resolve()
 
@@ -121,8 +159,19 @@ class CheckpointManager:
         load_requested: bool = False,
         new_parameters: tuple[str, ...] = (),
         neox_qkv_order: GqaOrder | None = None,
+        async_save: bool = False,
+        mirror: Mirror | None = None,
+        load_mirror: Mirror | None = None,
     ) -> None:
         self.neox_qkv_order = neox_qkv_order
+        self.async_save = async_save
+        """Write in the background (``background_writes.py``); commit on a thread of its own, one save at a time."""
+        self.mirror = mirror
+        """The object-store prefix that follows ``save`` (``s3_path``, or ``save`` itself in a bucket)."""
+        self.load_mirror = load_mirror
+        """``load`` in a bucket: its committed checkpoints are brought into ``load_dir`` (staging) before loading."""
+        self.in_flight: InFlight | None = None
+        self._save_group: Any = None
         """How a grouped-query GPT-NeoX checkpoint's QKV rows are ordered (``neox/load.py``)."""
         self.save_dir = Path(save) if save else None
         self.load_dir = Path(load) if load else None
@@ -173,9 +222,24 @@ class CheckpointManager:
             keep=keep_rules(config.keep),
             clock=clock,
         )
+        chunk, s3_path, staging = int(config.s3_chunk_size), config.s3_path, config.checkpoint_staging_dir
+        save, mirror = config.save, None
+        if save and object_store.is_remote(save):
+            mirror = Mirror(save, chunk, is_save=True)
+            save = str(staging_dir(save, staging))
+        elif save and s3_path:
+            mirror = Mirror.for_s3_path(s3_path, save, chunk)
+        load = config.load if config.load_checkpoint else None
+        load_mirror = None
+        if load and object_store.is_remote(load):
+            load_mirror = mirror if mirror is not None and mirror.url == load else Mirror(load, chunk, is_save=True)
+            load = str(staging_dir(load, staging))
         return cls(
-            save=config.save,
-            load=config.load if config.load_checkpoint else None,
+            save=save,
+            load=load,
+            async_save=config.async_save,
+            mirror=mirror,
+            load_mirror=load_mirror,
             policy=policy,
             args_dict=args_record,
             config_files=config.config_files,
@@ -200,6 +264,7 @@ class CheckpointManager:
         naming what is there (see ``discovery``), except a missing/empty ``load`` that is also ``save``.
         """
         rank = dist.get_rank() if dist.is_initialized() else 0
+        self._bring_from_object_store()
         neox = self._gpt_neox_source()
         if neox is not None:
             return self._load_gpt_neox(engine, neox, rank)
@@ -225,6 +290,34 @@ class CheckpointManager:
             assert self.save_dir is not None
             return self._resume(engine, self.save_dir, restart, rank)
         return self._resume(engine, self.load_dir, resume_tag, rank)
+
+    def _bring_from_object_store(self) -> None:
+        """``load`` (and a bucket ``save``, where a restart finds its own checkpoints) made to list what the bucket
+        holds committed, and the checkpoint to be loaded downloaded whole; by each node's first rank, the others
+        waiting. A checkpoint whose upload never finished is not in the listing: the one before it is loaded."""
+        pairs = [(m, d) for m, d in ((self.load_mirror, self.load_dir), (self.mirror, self.save_dir))
+                 if m is not None and m.is_save and d is not None]
+        if not pairs:
+            return
+        error: BaseException | None = None
+        if _local_rank() == 0:
+            try:
+                seen = set()
+                for mirror, directory in pairs:
+                    if mirror.url in seen:
+                        continue
+                    seen.add(mirror.url)
+                    if mirror.sync_listing(directory):
+                        wanted = self.iteration if mirror is self.load_mirror and not self.finetune else None
+                        tag, _ = resolve_tag(directory, wanted)
+                        if tag is not None:
+                            mirror.fetch(directory, tag)
+            except Exception as err:  # noqa: BLE001 - every rank raises together below
+                error = err
+        failed = failed_ranks(error is not None)
+        if failed:
+            reason = f"{type(error).__name__}: {error}" if error else f"see the log of rank {failed[0]}"
+            raise CheckpointError(f"reading the checkpoints in {pairs[0][0].url} failed ({reason})")
 
     def _own_checkpoint(self, source: Path, this_run: str) -> str | None:
         """The newest committed checkpoint in ``save`` when ``save`` is not ``source`` (where this run starts from)
@@ -372,6 +465,8 @@ class CheckpointManager:
         if not decision.save:
             return SaveOutcome(saved=False, stop=stop)
         self.save(engine, step, consumed_samples, decision.kind, extra)
+        if stop:
+            self.wait("the run stops")  # preempted: the checkpoint is committed before the process ends
         return SaveOutcome(saved=True, stop=stop)
 
     def save(
@@ -397,11 +492,61 @@ class CheckpointManager:
             rank_files=tuple(self.rank_files),
             keep_existing=self.resumed_from == (self.save_dir / commit.tag_for(step)).resolve(),
         )
-        save_checkpoint(engine, self.save_dir, request)
+        if self.in_flight is not None:
+            self.wait(f"the save of step {step}")
+        pending = write_checkpoint(engine, self.save_dir, request, background=self.async_save)
         self.policy.on_committed()
         self.last_saved_step = step
-        self._apply_retention(step)
+        if pending is None:
+            return
+        if not self.async_save:
+            self._complete(pending, None)
+            return
+        if self._save_group is None and dist.is_initialized():
+            # the background commit's agreements travel on a gloo group of their own: collectives of two threads
+            # on one group could pair with each other's
+            self._save_group = dist.new_group(backend="gloo")
+        self.in_flight = InFlight(pending, self._save_group, self._complete)
+        if _rank() == 0 and pending.writes is not None:
+            log.info("checkpoint %s: the state (%.1f MB) is in host memory after %.2fs; writing it in the background",
+                     pending.final_dir.name, pending.writes.nbytes / 1e6, time.monotonic() - pending.started)
+
+    def wait(self, why: str) -> None:
+        """Until the save in flight is committed (or raise its error, on every rank: each learned it in the same
+        agreement); says how long it waited."""
+        if self.in_flight is None:
+            return
+        in_flight, self.in_flight = self.in_flight, None
+        started = time.monotonic()
+        in_flight.join()
+        waited = time.monotonic() - started
+        if _rank() == 0 and waited >= 0.01:
+            log.info("%s waited %.2fs for the background save of %s", why, waited, in_flight.pending.final_dir.name)
+        if in_flight.error is not None:
+            if isinstance(in_flight.error, CheckpointError):
+                raise in_flight.error
+            raise CheckpointError(f"the background save of {in_flight.pending.final_dir} failed: "
+                                  f"{type(in_flight.error).__name__}: {in_flight.error}") from in_flight.error
+
+    def _complete(self, pending: PendingSave, group: Any) -> None:
+        """Commit (every rank), upload (object storage), then retention."""
+        commit_checkpoint(pending, group, after_commit=self._uploads(pending))
+        self._apply_retention(pending.request.step)
         self._remove_foreign_conversions()
+
+    def _uploads(self, pending: PendingSave) -> list[Callable[[], None]]:
+        mirror = self.mirror
+        if mirror is None:
+            return []
+        tag, save, rank = commit.tag_for(pending.request.step), pending.save, _rank()
+        steps: list[Callable[[], None]] = []
+        if mirror.uploads_on(rank, _local_rank()):
+            steps.append(lambda: mirror.upload(save, tag))
+        else:
+            steps.append(lambda: None)
+        if mirror.is_save:
+            steps.append(lambda: mirror.seal(save, tag) if rank == 0 else None)
+        return steps
 
     def _time_save_step(self, step: int) -> int:
         """What this rank posts for the clock's part of the save decision: ``step`` when it is rank 0
@@ -419,8 +564,10 @@ class CheckpointManager:
         for doomed in self.policy.to_delete(committed):
             try:
                 commit.remove_checkpoint(self.save_dir, doomed)
+                if self.mirror is not None and self.mirror.is_save:
+                    self.mirror.delete(commit.tag_for(doomed))
                 log.info("retention: deleted checkpoint at step %d", doomed)
-            except OSError as err:
+            except Exception as err:  # noqa: BLE001 - a file system's or an object store's error
                 log.warning("retention: could not delete checkpoint at step %d: %s", doomed, err)
 
     def _remove_foreign_conversions(self) -> None:
@@ -478,14 +625,17 @@ class CheckpointHooks:
         """Save when the loop ended early (exit_interval) and the last step is not on disk yet."""
         manager = self.manager
         if manager.save_dir is None or manager.last_saved_step == state.iteration or state.iteration == 0:
+            manager.wait("the end of the run")
             return
         manager.save(eng.engine, state.iteration, state.consumed_samples, "step",
                      extra={"train_state": state.to_dict()})
         self._check_reload(eng, state.iteration)
+        manager.wait("the end of the run")
 
     def _check_reload(self, eng: Any, step: int) -> None:
         if self.validate is None or self.manager.save_dir is None:
             return
+        self.manager.wait("checkpoint_validation_with_forward_pass")
         before = self.validate()
         ckpt_dir = self.manager.save_dir / commit.tag_for(step)
         load_checkpoint(eng.engine, ckpt_dir, self.manager.args_dict, LoadOptions(weights_only=True))

@@ -40,7 +40,7 @@ from typing import Any
 from megatron import plugins
 from megatron.checkpointing import commit, discovery
 from megatron.checkpointing.layout import Layout, check_convertible, needs_universal
-from megatron.config_rules import RuleContext, render, rule, zero_stage
+from megatron.config_rules import RuleContext, describe, render, rule, zero_stage
 from megatron.errors import CheckpointError
 from megatron.time_phrases import TimePhraseError, parse_duration
 
@@ -393,3 +393,61 @@ def save_interval_is_duration(ctx: RuleContext) -> list[str]:
     except TimePhraseError as err:
         return [f"{ctx.show('save_interval')}: {err}"]
     return []
+
+
+OBJECT_STORE_KEYS = {"save": True, "load": False, "s3_path": True}
+"""The checkpoint keys that may name an object store, and whether the run writes there."""
+
+
+@rule
+def object_store_paths_usable(ctx: RuleContext) -> list[str]:
+    """A ``scheme://`` path is a bucket, never a local directory: refused unless Deepy can write (or read) it, and
+    its bucket is probed with the standard credentials (``megatron/object_store.py``); ``initialize_from`` in a
+    bucket is not read (copy it here first)."""
+    from megatron import object_store
+
+    problems = []
+    for key, write in OBJECT_STORE_KEYS.items():
+        value = ctx.get(key)
+        if value and object_store.is_remote(str(value)):
+            try:
+                object_store.check_url(key, str(value), describe(ctx.source(key)), write=write)
+            except object_store.StoreError as err:
+                problems.append(str(err))
+    origin = ctx.get("initialize_from")
+    if origin and object_store.is_remote(str(origin)):
+        problems.append(f"{ctx.show('initialize_from')}: starting weights are read from a local directory; copy "
+                        f"{origin} to this machine (or set load: {origin} with finetune: true)")
+    problems += _local_only_urls(ctx)
+    if ctx.get("s3_path") and not ctx.get("save"):
+        problems.append(f"{ctx.show('s3_path')} uploads the checkpoints of `save`, which is not set")
+    if ctx.get("s3_path") and object_store.is_remote(str(ctx.get("save") or "")):
+        problems.append(f"{ctx.show('s3_path')} with {ctx.show('save')}: `save` is already in object storage; "
+                        "drop s3_path")
+    return problems
+
+
+LOCAL_SUFFIXES = ("_path", "_paths", "_dir", "_file", "_urls")
+"""Keys named so hold paths; any of them not handled elsewhere must be a local one."""
+ELSEWHERE = ("save", "load", "s3_path", "initialize_from", "data_path", "train_urls", "validation_urls")
+"""Keys whose object-store paths are checked by their own rule (above, and the data's in ``megatron/data/checks.py``)."""
+
+
+def _local_only_urls(ctx: RuleContext) -> list[str]:
+    """A ``scheme://`` value in a path key Deepy reads or writes only locally (``hf_save_path``, ``log_dir``, a
+    tokenizer's ``vocab_file``, ...): without this it would be written as a local directory named ``s3:``."""
+    from megatron import object_store
+    from megatron.data.config import PATH_KEYS
+
+    problems = []
+    for key in sorted(type(ctx.args).model_fields):
+        if not key.endswith(LOCAL_SUFFIXES) or key in ELSEWHERE or key in PATH_KEYS:
+            continue
+        value = ctx.get(key)
+        values = value if isinstance(value, list) else [value]
+        remote = [v for v in values if isinstance(v, str) and object_store.is_remote(v)]
+        if remote:
+            problems.append(f"{ctx.show(key)}: {remote[0]} is in object storage, and {key} is read and written as a "
+                            "local path only; give a local path (object storage is taken by save, load, s3_path and "
+                            "the data paths)")
+    return problems

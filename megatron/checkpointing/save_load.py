@@ -34,7 +34,7 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpointing import commit, reshard
+from megatron.checkpointing.background_writes import BackgroundWrites
 from megatron.checkpointing.commit import CheckpointKind
 from megatron.checkpointing.expert_shards import check_expert_layout, load_expert_shards, save_expert_shards
 from megatron.checkpointing.neox import config_files as neox_config_files
@@ -91,23 +92,25 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _failed_ranks(failed: bool) -> list[int]:
-    """All-gather of "did my part fail", via one all-reduce (also a barrier)."""
+def failed_ranks(failed: bool, group: Any = None) -> list[int]:
+    """All-gather of "did my part fail", via one all-reduce (also a barrier). ``group``: a gloo group of
+    every rank (a background save's), else the default group."""
     flags = torch.zeros(_world(), dtype=torch.int32)
     flags[_rank()] = int(failed)
     if dist.is_initialized():
-        flags = flags.to(collective_device())
-        dist.all_reduce(flags)
+        if group is None:
+            flags = flags.to(collective_device())
+        dist.all_reduce(flags, group=group)
     return [r for r, f in enumerate(flags.cpu().tolist()) if f]
 
 
-def _raise_if_failed(ckpt_dir: Path, error: BaseException | None) -> None:
+def _raise_if_failed(ckpt_dir: Path, error: BaseException | None, group: Any = None, doing: str = "saving") -> None:
     """Every rank learns whether any rank failed to write its part of ``ckpt_dir``, and all raise together."""
-    failed = _failed_ranks(error is not None)
+    failed = failed_ranks(error is not None, group)
     if failed:
         reason = f"{type(error).__name__}: {error}" if error else f"see the log of rank {failed[0]}"
         raise CheckpointError(
-            f"saving checkpoint {ckpt_dir} failed on rank(s) {failed} ({reason}); it was not committed "
+            f"{doing} checkpoint {ckpt_dir} failed on rank(s) {failed} ({reason}); it was not committed "
             "and the previous checkpoint is untouched. Training stops here: free space or fix "
             "permissions, then resume."
         )
@@ -161,6 +164,32 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Save
     writing leaves the old one in place. Raises :class:`CheckpointError` on every rank if any rank failed
     to write its part.
     """
+    pending = write_checkpoint(engine, save_dir, request)
+    return None if pending is None else commit_checkpoint(pending)
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint whose files this rank has written (or handed to ``writes``), not yet committed."""
+
+    save: Path
+    request: SaveRequest
+    ckpt_dir: Path
+    """Where the files go: the final directory, or ``<tag>.replacing`` beside a committed one of another trajectory."""
+    replacing: bool
+    started: float
+    writes: BackgroundWrites | None = None
+    """The engine's files, serialized in memory and written by a thread (``async_save``); None: on disk already."""
+
+    @property
+    def final_dir(self) -> Path:
+        return self.save / commit.tag_for(self.request.step)
+
+
+def write_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: SaveRequest,
+                     background: bool = False) -> PendingSave | None:
+    """Every rank's files of one checkpoint (``background``: the engine's files go to a thread of their own,
+    see ``background_writes.py``); nothing is committed. None: the checkpoint is kept (``keep_existing``)."""
     save = Path(save_dir)
     tag = commit.tag_for(request.step)
     final_dir = save / tag
@@ -186,7 +215,7 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Save
                 commit.remove_checkpoint(save, request.step)
         except OSError as err:
             error = err
-    failed = _failed_ranks(error is not None)
+    failed = failed_ranks(error is not None)
     if failed:
         raise CheckpointError(f"cannot prepare checkpoint directory {ckpt_dir}: {error or 'failed on rank 0'}")
 
@@ -207,7 +236,11 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Save
         client_state[CLIENT_KEY][reshard.OPTIMIZER_PARAMS_KEY] = names
     if request.universal_info is not None:
         client_state["universal_checkpoint_info"] = request.universal_info
-    with recorded_checkpoint_writes(engine) as write_errors:
+    writes = BackgroundWrites() if background else None
+    with contextlib.ExitStack() as stack:
+        if writes is not None:
+            stack.enter_context(writes.capturing(engine))
+        write_errors = stack.enter_context(recorded_checkpoint_writes(engine))
         engine.save_checkpoint(str(save), written_tag, client_state=client_state, save_latest=False)
     error = write_errors[0] if write_errors else None
     # the ranks agree before the files of their own: the expert shards and the components' files (the weight
@@ -221,6 +254,20 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Save
     except Exception as err:  # noqa: BLE001
         error = err
     _raise_if_failed(ckpt_dir, error)
+    if writes is not None:
+        writes.start(f"step {request.step}")
+    return PendingSave(save, request, ckpt_dir, replacing, started, writes)
+
+
+def commit_checkpoint(pending: PendingSave, group: Any = None, after_commit: Sequence[Callable[[], None]] = ()) -> Path:
+    """Wait for this rank's background files (if any), agree with every rank that all were written and verified,
+    then seal the checkpoint: the commit marker, the swap of a replacement, ``latest``. ``group``: the process
+    group of the agreements (a background save's own, so its collectives never meet the training loop's);
+    ``after_commit``: steps run on every rank once sealed, each followed by an agreement (the upload to object
+    storage, then its remote commit marker)."""
+    request, ckpt_dir, rank = pending.request, pending.ckpt_dir, _rank()
+    error = pending.writes.wait() if pending.writes is not None else None
+    _raise_if_failed(ckpt_dir, error, group)
 
     if request.before_commit is not None:
         request.before_commit(request.step)
@@ -229,18 +276,29 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Save
     if rank == 0:
         try:
             commit.write_commit_marker(ckpt_dir, commit.CommitInfo(request.step, request.kind, time.time()))
-            if replacing:
-                commit.replace_checkpoint(save, request.step, ckpt_dir)
-            commit.write_latest(save, tag)
+            if pending.replacing:
+                commit.replace_checkpoint(pending.save, request.step, ckpt_dir)
+            commit.write_latest(pending.save, commit.tag_for(request.step))
         except OSError as err:
             error = err
-    failed = _failed_ranks(error is not None)
+    failed = failed_ranks(error is not None, group)
     if failed:
-        raise CheckpointError(f"committing checkpoint {final_dir} failed: {error or 'see the log of rank 0'}")
+        raise CheckpointError(f"committing checkpoint {pending.final_dir} failed: {error or 'see the log of rank 0'}")
+    for step in after_commit:
+        try:
+            step()
+        except Exception as err:  # noqa: BLE001 - every rank raises together below
+            error = err
+        failed = failed_ranks(error is not None, group)
+        if failed:
+            reason = f"{type(error).__name__}: {error}" if error else f"see the log of rank {failed[0]}"
+            raise CheckpointError(f"uploading checkpoint {pending.final_dir} failed on rank(s) {failed} ({reason}); "
+                                  "it is committed locally, not in the object store, whose previous checkpoint stays "
+                                  "current. Training stops here: check the store, then resume.")
     if rank == 0:
-        log.info("saved %s checkpoint %s in %.1fs%s", request.kind, final_dir, time.monotonic() - started,
-                 " (replacing the one of another trajectory at this step)" if replacing else "")
-    return final_dir
+        log.info("saved %s checkpoint %s in %.1fs%s", request.kind, pending.final_dir, time.monotonic() - pending.started,
+                 " (replacing the one of another trajectory at this step)" if pending.replacing else "")
+    return pending.final_dir
 
 
 def _write_rank_files(ckpt_dir: Path, request: SaveRequest, rank: int) -> None:
@@ -390,12 +448,12 @@ def _load_checkpoint(engine: Any, ckpt_dir: Path, args: dict[str, Any], options:
                 prepare_universal(ckpt_dir, meta, int(rows) if rows else None, source)
             except Exception as err:  # noqa: BLE001 - reported on every rank below
                 error = err
-        failed = _failed_ranks(error is not None)  # also the barrier: rank 0 has converted
+        failed = failed_ranks(error is not None)  # also the barrier: rank 0 has converted
         if failed:
             if isinstance(error, CheckpointError):
                 raise error
             raise CheckpointError(f"converting {ckpt_dir} for the new layout failed: {error or 'see rank 0'}")
-        unseen = _failed_ranks(not commit.is_committed(source))
+        unseen = failed_ranks(not commit.is_committed(source))
         if unseen:
             raise CheckpointError(
                 f"the universal checkpoint {source} that rank 0 wrote is not visible on rank(s) {unseen}: set save "
@@ -419,7 +477,7 @@ def _load_checkpoint(engine: Any, ckpt_dir: Path, args: dict[str, Any], options:
             with weights_only_loading(source):
                 reshard.load_frozen_parameters(engine, source)
     if universal and options.save_dir is None:
-        _failed_ranks(False)  # every rank has read it
+        failed_ranks(False)  # every rank has read it
         if rank == 0:
             shutil.rmtree(source, ignore_errors=True)  # a temporary conversion (no `save` to keep it beside)
     load_expert_shards(engine, ckpt_dir, load_optim=options.load_optim and not options.weights_only)

@@ -18,6 +18,7 @@ from megatron.data.config import PATH_KEYS
 from megatron.errors import DeepyError
 from megatron.launcher.checks import runs_on_this_machine
 from megatron.neox_arguments.arguments import NeoXArgs
+from megatron.object_store import is_remote
 
 
 def _prefixes(ctx: RuleContext) -> Iterator[tuple[str, str]]:
@@ -358,6 +359,12 @@ def checkpoint_fits_the_config(ctx: RuleContext) -> list[str]:
     if ctx.entry_point is None:
         return []
     paths = [(key, str(ctx.get(key))) for key in ("load", "initialize_from", "save") if ctx.get(key)]
+    remote = [(key, path) for key, path in paths if is_remote(path)]
+    if remote:
+        key, path = remote[0]
+        ctx.skipped.append(f"what the run starts from: {key} {path} is in object storage (the ranks check it once "
+                           "downloaded)")
+        return []
     unseen = [(key, path) for key, path in paths if not os.path.exists(path)]
     if unseen and not runs_on_this_machine(ctx):
         key, path = unseen[0]

@@ -16,6 +16,7 @@ import argparse
 import json
 import re
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,7 +63,7 @@ def worker(opts: argparse.Namespace) -> int:
 
     torch.manual_seed(1234)
     model = torch.nn.Sequential(
-        torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Dropout(opts.dropout), torch.nn.Linear(64, 16)
+        torch.nn.Linear(16, opts.width), torch.nn.Tanh(), torch.nn.Dropout(opts.dropout), torch.nn.Linear(opts.width, 16)
     )
     config = {
         "train_batch_size": GLOBAL_BATCH,
@@ -72,6 +74,12 @@ def worker(opts: argparse.Namespace) -> int:
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=topology)
     torch.manual_seed(99 + rank)  # per-rank dropout streams: resume must restore them exactly
+    import random
+
+    import numpy
+
+    random.seed(rank)  # every stream a checkpoint holds starts the same in every launch
+    numpy.random.seed(rank)
 
     step_now = [0]
     if opts.fake_clock:
@@ -91,9 +99,24 @@ def worker(opts: argparse.Namespace) -> int:
         keep=[KeepRule(every=4)] if opts.fake_clock else (),
         clock=clock,
     )
+    from megatron import object_store
+    from megatron.checkpointing.remote import Mirror, staging_dir
+
+    save, load, mirror, load_mirror = opts.save, opts.load, None, None
+    if save and object_store.is_remote(save):  # as CheckpointManager.from_config does for a bucket `save`
+        mirror = Mirror(save, 5 * 1024 * 1024, is_save=True)
+        save = str(staging_dir(save, opts.staging))
+    elif save and opts.s3_path:
+        mirror = Mirror.for_s3_path(opts.s3_path, save, 5 * 1024 * 1024)
+    if load and object_store.is_remote(load):
+        load_mirror = mirror if mirror is not None and mirror.url == load else Mirror(load, 5 * 1024 * 1024, True)
+        load = str(staging_dir(load, opts.staging))
     manager = CheckpointManager(
-        save=opts.save,
-        load=opts.load,
+        save=save,
+        load=load,
+        async_save=opts.async_save,
+        mirror=mirror,
+        load_mirror=load_mirror,
         policy=policy,
         args_dict={"hidden_size": 64, "num_layers": 2},
         config_files={"configs/tiny.yml": "hidden_size: 64\n"},
@@ -134,6 +157,7 @@ def worker(opts: argparse.Namespace) -> int:
             if manager.maybe_save(engine, step, consumed).stop:
                 print(f"PREEMPTED at {step}", flush=True)
                 break
+        manager.wait("the end of the run")
     except CheckpointError as err:
         print(f"deepy: checkpoint error: {err}", file=sys.stderr, flush=True)
         return 2
@@ -408,6 +432,119 @@ def test_pickled_code_in_a_checkpoint_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "pwned").exists()
 
 
+def checkpoint_tensors(ckpt: Path) -> dict[str, Any]:
+    """Every tensor of every ``.pt`` file of a checkpoint, by file and key path."""
+    import torch
+
+    found: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if torch.is_tensor(value):
+            found[prefix] = value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}/{key}", item)
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(f"{prefix}/{index}", item)
+
+    for path in sorted(ckpt.rglob("*.pt")):
+        walk(str(path.relative_to(ckpt)), torch.load(path, weights_only=False, map_location="cpu"))
+    return found
+
+
+def test_background_save_equals_synchronous_save(tmp_path: Path) -> None:
+    common = ["--steps", "4", "--factor", "2", "--dropout", "0.1"]
+    codes, logs = run(2, *common, "--save", str(tmp_path / "sync"))
+    assert codes == [0, 0], logs
+    codes, logs = run(2, *common, "--save", str(tmp_path / "async"), "--async-save")
+    assert codes == [0, 0], logs
+    assert "writing it in the background" in logs[0], logs[0]
+    for tag in ("global_step2", "global_step4"):
+        sync, background = checkpoint_tensors(tmp_path / "sync" / tag), checkpoint_tensors(tmp_path / "async" / tag)
+        assert sorted(sync) == sorted(background) and len(sync) > 10, (sorted(sync), sorted(background))
+        for key, tensor in sync.items():
+            assert tensor.dtype == background[key].dtype and tensor.equal(background[key]), key
+        assert (tmp_path / "async" / tag / "COMMITTED").exists()
+    assert (tmp_path / "async" / "latest").read_text().strip() == "global_step4"
+
+
+def test_kill_during_background_writes_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL of every rank at a random moment while a background save writes (a node lost): the newest
+    committed checkpoint is whole, and the next launch resumes from it; three trials, then a run to the end."""
+    import random
+
+    from megatron.checkpointing import commit
+
+    save = tmp_path / "ckpt"
+    # ~10M parameters: each save writes ~120 MB per rank, long enough to be killed inside it
+    common = ["--steps", "40", "--factor", "2", "--width", "300000", "--async-save", "--save", str(save),
+              "--load", str(save), "--dropout", "0"]
+    draw = random.Random(os.environ.get("PYTEST_XDIST_WORKER", "") + str(time.time()))
+    committed_before: int | None = None
+    for trial in range(3):
+        ranks = launch(2, *common)
+        if committed_before is not None:
+            ranks.wait_for_line(0, "INFO deepy.checkpoint: resumed from")
+            assert f"global_step{committed_before} (iteration {committed_before}" in ranks.log(0), ranks.log(0)
+        background = ranks.log(0).count("writing it in the background")
+        deadline = time.monotonic() + 120
+        # inside the 2nd, 3rd or 4th save of this launch: the one before it is committed (a save waits for the last)
+        while ranks.log(0).count("writing it in the background") < background + 2 + trial:
+            assert time.monotonic() < deadline and ranks.launcher.poll() is None, ranks.log(0)
+            time.sleep(0.01)
+        time.sleep(draw.uniform(0.0, 0.4))
+        for rank in range(2):
+            os.kill(ranks.pid(rank), signal.SIGKILL)
+        codes, logs = wait_all(ranks)
+        assert codes == [-signal.SIGKILL, -signal.SIGKILL], logs
+        tag, _ = commit.newest_committed(save)
+        assert tag is not None, sorted(p.name for p in save.iterdir())
+        assert checkpoint_tensors(save / tag)  # every file of it reads back
+        committed_before = commit.step_of(tag)
+    assert committed_before is not None
+    end = ["--steps", str(committed_before + 2), *common[2:]]
+    codes, logs = run(2, *end, "--out", str(tmp_path / "end.json"))
+    assert codes == [0, 0], logs
+    assert json.loads((tmp_path / "end.json").read_text())["start"] == committed_before
+
+
+def test_checkpoints_in_object_storage(tmp_path: Path, s3_server: Any) -> None:
+    """GPT-NeoX's s3_path leaves its layout in the bucket, object for object the local files; a run saving into a
+    bucket resumes on another machine (its staging directory gone) on the uninterrupted curve."""
+    s3_server.bucket("deepy-ckpt")
+    local = tmp_path / "neox_run"
+    common = ["--steps", "6", "--dropout", "0.1"]
+    codes, logs = run(2, *common, "--save", str(local), "--factor", "3", "--s3-path", "s3://deepy-ckpt/mirror",
+                      "--async-save", "--out", str(tmp_path / "ref.json"))  # fmt: skip
+    assert codes == [0, 0], logs
+    reference = losses_of(tmp_path / "ref.json")
+    # <s3_path>/<basename of save>/<tag>/<relative path> (gpt-neox megatron/checkpointing.py: upload_checkpoint)
+    objects = s3_server.objects("deepy-ckpt", "mirror/")
+    local_files = {str(p.relative_to(local)): p.read_bytes() for p in sorted(local.rglob("*"))
+                   if p.is_file() and p.parent != local}
+    assert sorted(objects) == sorted(f"neox_run/{name}" for name in local_files) and len(local_files) > 10
+    for name, data in local_files.items():
+        assert objects[f"neox_run/{name}"] == data, name
+
+    url = "s3://deepy-ckpt/runs/a"
+    codes, logs = run(2, "--steps", "3", "--dropout", "0.1", "--factor", "3", "--save", url,
+                      "--staging", str(tmp_path / "node1"))  # fmt: skip
+    assert codes == [0, 0], logs
+    stored = s3_server.objects("deepy-ckpt", "runs/a/")
+    assert stored["latest"] == b"global_step3\n" and "global_step3/COMMITTED" in stored
+    # an upload that never finished (no marker) is not loaded: the committed one before it is
+    s3_server.client().put_object(Bucket="deepy-ckpt", Key="runs/a/global_step5/deepy_meta.json", Body=b"{}")
+    shutil.rmtree(tmp_path / "node1")
+    codes, logs = run(2, *common, "--factor", "3", "--save", url, "--load", url, "--staging", str(tmp_path / "node2"),
+                      "--out", str(tmp_path / "resumed.json"))  # fmt: skip
+    assert codes == [0, 0], logs
+    assert json.loads((tmp_path / "resumed.json").read_text())["start"] == 3
+    assert_close(losses_of(tmp_path / "resumed.json"), {s: v for s, v in reference.items() if s > 3}, 1e-6)
+    stored = s3_server.objects("deepy-ckpt", "runs/a/")
+    assert stored["latest"] == b"global_step6\n" and "global_step6/COMMITTED" in stored
+
+
 class _Exploit:
     """Unpickling this runs a shell command: what a weights-only load must never do."""
 
@@ -435,6 +572,10 @@ if __name__ == "__main__":
     parser.add_argument("--no-load-optim", action="store_true")
     parser.add_argument("--out")
     parser.add_argument("--ema", action="store_true")
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--s3-path")
+    parser.add_argument("--staging")
     parser.add_argument("--kill-before-commit", type=int, default=None)
     parser.add_argument("--ranks", type=int, default=0)
     parser.add_argument("--port", type=int, default=0)

@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -416,3 +417,27 @@ def test_the_restart_budget_runs_out_with_the_last_checkpoint_named_and_intact(t
     resumed = deepy(tmp_path, *RESTARTING, "train_iters=8", "lr_decay_iters=8")
     assert resumed.returncode == 0, output(resumed)[-4000:]
     assert "resum" in output(resumed) and sorted(losses(tmp_path / "logs"))[-1] == 8
+
+
+def test_a_run_saving_into_a_bucket_resumes_on_another_machine(tmp_path: Path, s3_server: Any,
+                                                               dropout_reference: dict[int, float]) -> None:
+    """save=load=s3://... with background saves: the checkpoints reach the bucket (marker and `latest` last), and a
+    launch whose staging directory is gone (another node) resumes from the bucket on the uninterrupted curve. Before,
+    the same keys trained into a local directory named `s3:/...` and nothing reached the bucket."""
+    s3_server.bucket("deepy-e2e")
+    url = "s3://deepy-e2e/runs/dropout"
+    common = (*DP2, "hidden_dropout=0.1", f"save={url}", f"load={url}", "checkpoint_factor=6", "async_save=true")
+    first = deepy(tmp_path, *common, "exit_interval=6", "log_dir=logs1", f"checkpoint_staging_dir={tmp_path / 'node1'}")
+    assert first.returncode == 0, output(first)
+    assert "writing it in the background" in output(first)
+    stored = s3_server.objects("deepy-e2e", "runs/dropout/")
+    assert stored["latest"] == b"global_step6\n" and "global_step6/COMMITTED" in stored
+    assert not list(tmp_path.glob("s3*")), "a local directory named after the URL"
+    shutil.rmtree(tmp_path / "node1")
+    second = deepy(tmp_path, *common, "log_dir=logs2", f"checkpoint_staging_dir={tmp_path / 'node2'}")
+    assert second.returncode == 0, output(second)
+    resumed = losses(tmp_path / "logs2")
+    assert min(resumed) == 7 and max(resumed) == 12, resumed
+    assert_curves_match(resumed, dropout_reference, 1e-6)
+    stored = s3_server.objects("deepy-e2e", "runs/dropout/")
+    assert stored["latest"] == b"global_step12\n" and "global_step12/COMMITTED" in stored

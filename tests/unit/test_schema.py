@@ -102,6 +102,8 @@ EXTRAS: dict[str, tuple[str, Any]] = {
     "cache_dir": ("data", None),
     "save_interval": ("checkpoint", None),
     "keep": ("checkpoint", None),
+    "async_save": ("checkpoint", False),  # Megatron's --async-save
+    "checkpoint_staging_dir": ("checkpoint", None),  # where a bucket `save`/`load` is staged on each node
     "initialize_from": ("checkpoint", None),
     "initialize_from_hf": ("checkpoint", None),  # Levanter's: a local HF model converted before launch
     "neox_qkv_order": ("checkpoint", None),  # a GPT-NeoX checkpoint's grouped-query QKV order (files cannot say)
@@ -722,7 +724,7 @@ MUST_BE_SUPPORTED = [
     "pipe_parallel_size", "model_parallel_size", "sequence_parallel", "hidden_size", "num_kv_heads",
     "pos_emb", "rpe_num_buckets", "attention_config", "activation", "precision", "optimizer_type",
     "lr", "zero_stage", "lr_decay_style", "warmup", "data_path", "train_data_paths", "save", "load",
-    "checkpoint_factor", "keep_last_n_checkpoints", "extra_save_iters", "finetune", "no_load_optim",
+    "checkpoint_factor", "keep_last_n_checkpoints", "s3_path", "s3_chunk_size", "extra_save_iters", "finetune", "no_load_optim",
     "no_load_rng", "log_dir", "log_interval", "train_batch_size", "zero_optimization", "fp16", "bf16",
     "optimizer", "hostfile", "num_gpus", "launcher", "deepspeed_slurm", "train_impl",
     "scaled_upper_triang_masked_softmax_fusion", "mmap_warmup", "override_lr_scheduler",
@@ -740,7 +742,7 @@ MUST_BE_SUPPORTED = [
 MUST_BE_UNSUPPORTED = [
     "mamba_selective_fp32_params", "te_mha",
     "te_fp8_format", "serve_model_weights", "sparsity_config", "curriculum_learning",
-    "sparse_attention", "use_comet", "use_mup", "s3_path", "scheduler", "no_save_optim",
+    "sparse_attention", "use_comet", "use_mup", "scheduler", "no_save_optim",
     "sparse_gradients", "fp16_lm_cross_entropy", "deepspeed_activation_checkpointing",
     "log_gradient_noise_scale", "gradient_noise_scale_n_batches", "gradient_noise_scale_cpu_offload",
 ]  # fmt: skip

@@ -1,0 +1,92 @@
+"""The files of one checkpoint written by a thread while training goes on (``async_save``).
+
+DeepSpeed's engine hands every file of a save to its checkpoint engine's ``save(state_dict, path)``;
+for the length of one save that call is replaced by a serialization into host memory, exactly as
+``TorchCheckpointEngine.save`` would write the file (``torch.save``, the engine's zipfile setting): the
+tensors are copied off the devices there, so training may change them as soon as the save returns.
+A thread then writes each buffer to its path, fsyncs it and checks the size on disk; the commit
+(``save_load.commit_checkpoint``) waits for that and agrees with every rank before the marker.
+
+DeepSpeed's own background engines (``DecoupledCheckpointEngine``, ``FastCheckpointEngine``) need its
+``async_io`` op, which a CPU install does not build; Megatron-Core's ``--async-save`` and torchtitan's
+``checkpoint.async_mode`` copy to host and write in the background the same way, for their own formats.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from megatron.errors import CheckpointError
+
+log = logging.getLogger("deepy.checkpoint")
+
+
+class BackgroundWrites:
+    """One rank's files of one save: serialized by the training thread, written by a thread of their own."""
+
+    def __init__(self) -> None:
+        self.files: list[tuple[str, bytes]] = []
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def capturing(self, engine: Any) -> Iterator[None]:
+        """Serialize instead of write, for the duration of one ``engine.save_checkpoint``."""
+        from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+        ckpt_engine = engine.checkpoint_engine
+        if not isinstance(ckpt_engine, TorchCheckpointEngine):
+            raise CheckpointError(f"async_save: DeepSpeed's checkpoint engine here is {type(ckpt_engine).__name__}; "
+                                  "background saves write what its TorchCheckpointEngine writes. Set async_save: false")
+        zipfile = bool(getattr(ckpt_engine, "zipfile_serialization", False))
+        original = ckpt_engine.save
+
+        def serialize(state_dict: Any, path: str) -> None:
+            buffer = io.BytesIO()
+            torch.save(state_dict, buffer, _use_new_zipfile_serialization=zipfile)
+            self.files.append((str(path), buffer.getvalue()))
+
+        ckpt_engine.save = serialize
+        try:
+            yield
+        finally:
+            ckpt_engine.save = original
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(data) for _, data in self.files)
+
+    def start(self, name: str) -> None:
+        self._thread = threading.Thread(target=self._write, name=f"deepy-save-{name}", daemon=True)
+        self._thread.start()
+
+    def _write(self) -> None:
+        try:
+            for path, data in self.files:
+                with open(path, "wb") as handle:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                written = os.stat(path).st_size
+                if written != len(data):
+                    raise OSError(f"{path}: {written} bytes on disk, {len(data)} written")
+        except BaseException as err:  # noqa: BLE001 - reported by wait() on the training thread
+            self.error = err
+        finally:
+            self.files = []  # the buffers' memory goes back as soon as they are on disk
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> BaseException | None:
+        if self._thread is not None:
+            self._thread.join()
+        return self.error
