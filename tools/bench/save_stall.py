@@ -64,7 +64,7 @@ def run_case(mode: str, target: str, root: Path, params: int, saves: int, every:
     manager.wait("the end of the run")
     final_wait = time.perf_counter() - begun
     total = time.perf_counter() - started
-    size = sum(p.stat().st_size for p in Path(manager.save_dir or ".").rglob("*.pt"))  # type: ignore[arg-type]
+    size = sum(p.stat().st_size for p in Path(manager.save_dir or ".").rglob("*.pt"))
     return {"mode": mode, "target": target, "params": sum(p.numel() for p in model.parameters()),
             "checkpoint_mb": size / saves / 1e6, "stall_s": stalls, "mean_stall_s": sum(stalls) / len(stalls),
             "final_wait_s": final_wait, "total_s": total}
