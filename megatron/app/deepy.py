@@ -197,16 +197,12 @@ def assign_run_dir(resolved: ResolvedConfig, user_script: str) -> str:
 
 def resumed_run_name(resolved: ResolvedConfig, user_script: str) -> str | None:
     """The name of the run a training launch continues (its checkpoint in ``load`` records it), or None."""
-    from pathlib import Path
-
-    from megatron.checkpointing.discovery import resume_point
-
     args = resolved.args
     if os.path.basename(user_script) in ENTRY_POINTS_OF_TEXTGEN or not args.load or not args.load_checkpoint:
         return None
-    if args.finetune or is_remote(args.load):  # a bucket's checkpoints are read by the ranks
+    if args.finetune:
         return None
-    found = resume_point(Path(args.load), args.iteration)
+    found = starting_point(args.load, args.iteration)
     if found is None:
         return None
     state = (found[1].get("extra") or {}).get("train_state") or {}
@@ -256,18 +252,12 @@ def already_finished(resolved: ResolvedConfig, user_script: str) -> str | None:
     With ``train_epochs`` the last step is derived from the data at start-up; the checkpoint records
     it, and it is trusted when the checkpoint was trained for the same number of epochs.
     """
-    from pathlib import Path
-
-    from megatron.checkpointing.discovery import resume_point
-
     args = resolved.args
     if os.path.basename(user_script) in ENTRY_POINTS_OF_TEXTGEN or not args.load or not args.load_checkpoint:
         return None
     if args.finetune:
         return None  # fine-tuning starts at step 0 from the loaded weights
-    if is_remote(args.load):
-        return None  # the ranks list the bucket's checkpoints (and resume at the end: nothing to train)
-    found = resume_point(Path(args.load), args.iteration)
+    found = starting_point(args.load, args.iteration)
     if found is None:
         return None
     ckpt, meta = found
@@ -297,7 +287,18 @@ def unwritten_last_saves(resolved: ResolvedConfig, done: int) -> list[str]:
     saves = [("hf_save_path", args.hf_save_path, args.hf_save_interval),
              ("lora_peft_save_path", args.lora_peft_save_path, args.lora_peft_save_interval)]
     return [f"{key}: {step_dir(base, done)}" for key, base, every in saves
-            if base is not None and save_due(done, int(every), last=True) and not step_dir(base, done).is_dir()]
+            if base is not None and save_due(done, int(every), last=True) and not written(base, done)]
+
+
+def written(base: str, done: int) -> bool:
+    """The step save of ``done`` steps is in ``base`` (a directory, or a bucket's prefix)."""
+    from megatron import object_store
+    from megatron.training.step_saves import step_dir
+
+    name = step_dir(base, done)
+    if not is_remote(base):
+        return name.is_dir()
+    return bool(object_store.store_for(base).list(object_store.join(base, name.name)))
 
 
 def notes(resolved: ResolvedConfig, user_script: str) -> list[str]:
@@ -557,6 +558,19 @@ def launch(resolved: ResolvedConfig, command: DeepyCommand, plan: LaunchPlan, co
                              trains=os.path.basename(command.user_script) not in ENTRY_POINTS_OF_TEXTGEN)
 
 
+def starting_point(load: str, iteration: int | None) -> tuple[Any, dict[str, Any]] | None:
+    """The checkpoint a resume from ``load`` loads and its ``deepy_meta.json`` (``discovery.resume_point``; for a
+    bucket, read there: ``remote.remote_resume_point``)."""
+    from pathlib import Path
+
+    from megatron.checkpointing.discovery import resume_point
+    from megatron.checkpointing.remote import remote_resume_point
+
+    if is_remote(load):
+        return remote_resume_point(load, iteration)
+    return resume_point(Path(load), iteration)
+
+
 def local_save(resolved: ResolvedConfig) -> str | None:
     """``save`` on this machine: the directory itself, or for a bucket its staging directory (the ranks write there
     before uploading; the save lock and Slurm's requeue ledger live there)."""
@@ -582,12 +596,8 @@ def local_load(resolved: ResolvedConfig) -> str | None:
 
 def last_checkpoint(resolved: ResolvedConfig) -> str | None:
     """The newest committed checkpoint a relaunch resumes from, in words (``ckpt/global_step8 (step 8)``)."""
-    from pathlib import Path
-
-    from megatron.checkpointing.discovery import resume_point
-
     load = resolved.args.load
-    found = resume_point(Path(load), None) if load and not is_remote(load) and os.path.isdir(load) else None
+    found = starting_point(load, None) if load and (is_remote(load) or os.path.isdir(load)) else None
     if found is None:
         return None
     ckpt, meta = found

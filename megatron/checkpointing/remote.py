@@ -19,11 +19,13 @@ Two ways, one mechanism (a local directory of committed checkpoints and a remote
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from megatron import object_store
 from megatron.checkpointing import commit
@@ -119,3 +121,19 @@ class Mirror:
         keys = object_store.download_tree(object_store.join(self.url, tag), local, skip=[commit.COMMIT_MARKER])
         object_store.store_for(self.url).get_file(object_store.join(self.url, tag, commit.COMMIT_MARKER), marker)
         log.info("downloaded %s (%d files) into %s", object_store.join(self.url, tag), len(keys) + 1, local)
+
+
+def remote_resume_point(url: str, iteration: int | None = None) -> tuple[str, dict[str, Any]] | None:
+    """``discovery.resume_point`` for a bucket: the committed checkpoint a resume from ``url`` would load
+    (``iteration``'s, else the newest) as its URL, and its ``deepy_meta.json``; None when there is none or its
+    metadata is unreadable. Reads the listing and one small object (deepy.py's checks before launch)."""
+    tags = Mirror(url, 0, is_save=True).committed_tags()
+    tag = commit.tag_for(iteration) if iteration is not None else (tags[-1] if tags else None)
+    if tag is None or tag not in tags:
+        return None
+    text = object_store.store_for(url).read_text(object_store.join(url, tag, "deepy_meta.json"))
+    try:
+        meta = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return (object_store.join(url, tag), meta) if isinstance(meta, dict) else None

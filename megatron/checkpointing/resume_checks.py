@@ -395,7 +395,7 @@ def save_interval_is_duration(ctx: RuleContext) -> list[str]:
     return []
 
 
-OBJECT_STORE_KEYS = {"save": True, "load": False, "s3_path": True}
+OBJECT_STORE_KEYS = {"save": True, "load": False, "s3_path": True, "hf_save_path": True, "lora_peft_save_path": True}
 """The checkpoint keys that may name an object store, and whether the run writes there."""
 
 
@@ -429,7 +429,8 @@ def object_store_paths_usable(ctx: RuleContext) -> list[str]:
 
 LOCAL_SUFFIXES = ("_path", "_paths", "_dir", "_file", "_urls")
 """Keys named so hold paths; any of them not handled elsewhere must be a local one."""
-ELSEWHERE = ("save", "load", "s3_path", "initialize_from", "data_path", "train_urls", "validation_urls")
+ELSEWHERE = ("save", "load", "s3_path", "initialize_from", "hf_save_path", "lora_peft_save_path", "data_path",
+             "train_urls", "validation_urls")
 """Keys whose object-store paths are checked by their own rule (above, and the data's in ``megatron/data/checks.py``)."""
 
 

@@ -26,10 +26,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from megatron import object_store
 from megatron.atomic_files import follow_umask, fsync_dir
+from megatron.checkpointing.remote import staging_dir
 from megatron.errors import CheckpointError
 
 log = logging.getLogger("deepy.saves")  # a child of the run logger: rank 0 speaks
+
+UPLOAD_PART = 100 * 1024 * 1024
+"""Part size of a save's multipart uploads (GPT-NeoX's ``s3_chunk_size`` default)."""
 
 Agree = Callable[[bool], bool]
 """Rank 0's answer, on every rank (``megatron.mpu.rank0_decides``; in one process, the answer itself)."""
@@ -117,8 +122,12 @@ class StepSaves:
     """The config key of ``base`` (in messages)."""
 
     def __init__(self, base: str, every: int, writer: bool, agree: Agree = alone) -> None:
-        """``writer``: this rank writes (global rank 0, the one ``agree`` takes the answer of)."""
-        self.base, self.every, self.writer, self.agree = Path(base), every, writer, agree
+        """``writer``: this rank writes (global rank 0, the one ``agree`` takes the answer of). ``base`` in object
+        storage (``s3://...``, as Levanter's ``hf_save_path`` on ``gs://``): each save is written whole into a
+        local staging directory, uploaded to ``<base>/step-N/``, and removed here."""
+        self.url = base if object_store.is_remote(base) else None
+        local = staging_dir(base, None) if self.url is not None else Path(base)
+        self.base, self.every, self.writer, self.agree = local, every, writer, agree
         self.saved: int | None = None
         """The completed steps of the latest save this run wrote or found, the same on every rank."""
         self.written: list[Path] = []
@@ -142,10 +151,27 @@ class StepSaves:
                 f"and the earlier saves and checkpoints are untouched. Free space or fix permissions, then run the "
                 f"same command again: it resumes from the last checkpoint and writes the saves due from there"
             ) from err
+        if self.url is not None and self.writer:
+            remote = object_store.join(self.url, target.name)
+            try:
+                object_store.upload_tree(target, remote, UPLOAD_PART)
+            except Exception as err:  # noqa: BLE001 - the store's own errors (network, permissions)
+                raise CheckpointError(f"{self.key}: uploading {target} to {remote} failed ({type(err).__name__}: "
+                                      f"{err}); run the same command again: it resumes from the last checkpoint and "
+                                      "writes the saves due from there") from err
+            shutil.rmtree(target, ignore_errors=True)
+            target = Path(remote)
         self.saved = completed
         if self.writer:
             self.written.append(target)
             log.info(self.describe(completed, target))
+
+    def _present(self, completed: int) -> bool:
+        """The save of ``completed`` steps is written (in the bucket, for a ``base`` there)."""
+        if self.url is None:
+            return step_dir(self.base, completed).is_dir()
+        name = step_dir(self.base, completed).name
+        return bool(object_store.store_for(self.url).list(object_store.join(self.url, name)))
 
     def after_step(self, _eng: Any, state: Any) -> None:
         if save_due(state.iteration, self.every, last=False):
@@ -170,8 +196,9 @@ class StepSaves:
         if self.writer:
             for path in remove_partials(self.base):
                 log.info("%s: removed %s, a save a killed run left half-written", self.key, path)
-            missing = due and not step_dir(self.base, completed).is_dir()
-            count, names = missing_before(self.base, completed, self.every) if completed > 0 else (0, [])
+            missing = due and not self._present(completed)
+            count, names = (missing_before(self.base, completed, self.every) if completed > 0 and self.url is None
+                            else (0, []))
             if count:
                 more = f" and {count - len(names)} more" if count > len(names) else ""
                 log.warning("%s: %d save(s) due before step %d are not in %s (%s%s); this run starts after %d steps "

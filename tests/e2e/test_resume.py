@@ -441,3 +441,7 @@ def test_a_run_saving_into_a_bucket_resumes_on_another_machine(tmp_path: Path, s
     assert_curves_match(resumed, dropout_reference, 1e-6)
     stored = s3_server.objects("deepy-e2e", "runs/dropout/")
     assert stored["latest"] == b"global_step12\n" and "global_step12/COMMITTED" in stored
+    # started again, the finished run reads its bucket before launch and has nothing to do
+    third = deepy(tmp_path, *common, "log_dir=logs3", f"checkpoint_staging_dir={tmp_path / 'node3'}")
+    assert third.returncode == 0, output(third)
+    assert f"already finished at iteration 12 (checkpoint {url}/global_step12)" in output(third)

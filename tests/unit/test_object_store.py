@@ -105,8 +105,8 @@ def test_the_dry_run_refuses_a_bucket_it_cannot_use(s3_server: Any, local_setup_
         (["load=s3://deepy-missing/run"], r"load \(command line\): s3://deepy-missing/run: bucket"),
         (["save=s3://deepy-present/r", "s3_path=s3://deepy-present/m"], r"`save` is already in object storage"),
         (["initialize_from=s3://deepy-missing/w"], r"initialize_from=.*copy s3://deepy-missing/w to this machine"),
-        (["hf_save_path=s3://deepy-present/hf", "hf_save_interval=2"], r"hf_save_path=.* is read and written as a "
-                                                                       r"local path only"),
+        (["hf_save_path=s3://deepy-missing/hf", "hf_save_interval=2"], r"hf_save_path \(command line\): "
+                                                                       r"s3://deepy-missing/hf: bucket"),
         (["log_dir=gs://b/logs"], r"log_dir=.* is read and written as a local path only"),
     ):
         with pytest.raises(DeepyError, match=says):

@@ -213,3 +213,22 @@ def test_offline_conversions_follow_the_umask_too(tmp_path: Path, umask_027: Non
     assert stat.S_IMODE(out.stat().st_mode) == 0o750
     assert stat.S_IMODE((out / "sub").stat().st_mode) == 0o750
     assert stat.S_IMODE((out / "sub" / "model.safetensors").stat().st_mode) == 0o640
+
+
+def test_saves_into_a_bucket_are_uploaded_whole_and_found_there_on_resume(s3_server: Any) -> None:
+    """Levanter's hf_save_path on a bucket (gs://, here s3:// on a moto server): each step directory is written
+    whole locally, uploaded to <base>/step-N/, and removed here; a resumed run finds the last save in the bucket
+    and does not write it again."""
+    s3_server.bucket("deepy-hf")
+    base = "s3://deepy-hf/hf/run-1"
+    keys = HFSaveArgs(hf_save_path=base, hf_save_interval=2)
+    written: list[str] = []
+    saves = HFSaves(keys, lambda: {}, _writer(written))
+    _loop(saves, 1, 5)
+    assert sorted(s3_server.objects("deepy-hf", "hf/run-1/")) == ["step-2/config.json", "step-4/config.json"]
+    assert not any(saves.base.glob("step-*")), "the local copies stay behind"
+    again: list[str] = []
+    resumed = HFSaves(keys, lambda: {}, _writer(again))
+    resumed.resume(5, 5)
+    resumed.at_exit(None, SimpleNamespace(iteration=5))
+    assert again == []  # step-4, the forced last save, is in the bucket
