@@ -141,8 +141,10 @@ class S3Store:
         from boto3.s3.transfer import TransferConfig
 
         bucket, key = _bucket_key(url)
-        # parts of exactly chunk_size, as GPT-NeoX's _upload cuts them; boto3 sends the parts in parallel
-        transfer = TransferConfig(multipart_threshold=chunk_size, multipart_chunksize=chunk_size)
+        # a multipart upload of every file, in parts of exactly chunk_size, as GPT-NeoX's _upload does (so the
+        # objects' ETags are the ones its uploads get: <md5 of the parts' md5s>-<parts>); boto3 sends the parts in
+        # parallel (GPT-NeoX: hf_transfer). An empty file, which has no part, goes in one request.
+        transfer = TransferConfig(multipart_threshold=1, multipart_chunksize=chunk_size)
         self._client.upload_file(str(local), bucket, key, Config=transfer,
                                  ExtraArgs={"ACL": "bucket-owner-full-control"})
 

@@ -8,6 +8,7 @@ before launch, and GPT-NeoX's multipart parts.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 from pathlib import Path
@@ -54,23 +55,32 @@ def test_refused_by_name(s3_server: Any) -> None:
             object_store.check_url("save", "gs://b/run", write=True)
 
 
+def multipart_etag(data: bytes, chunk: int) -> str:
+    """S3's ETag of an object uploaded in parts of ``chunk`` bytes: the MD5 of the parts' MD5s, then ``-<parts>``."""
+    parts = [data[i:i + chunk] for i in range(0, len(data), chunk)]
+    return hashlib.md5(b"".join(hashlib.md5(p).digest() for p in parts)).hexdigest() + f"-{len(parts)}"
+
+
 def test_s3_chunk_size_cuts_the_multipart_parts(s3_server: Any, tmp_path: Path) -> None:
-    """GPT-NeoX's _upload: parts of s3_chunk_size bytes. S3's ETag of a multipart object ends in -<parts>."""
+    """GPT-NeoX's _upload (gpt-neox@ea7aefd8 megatron/checkpointing.py) uploads every file in multipart parts of
+    s3_chunk_size bytes, small files too (one part): each object's ETag is then S3's multipart ETag of those parts,
+    recomputed here from the bytes. (Run by hand, GPT-NeoX's own upload_checkpoint gave the same keys, bytes and
+    ETags for a Deepy checkpoint: docs/checkpoint_storage.md.)"""
     s3_server.bucket("deepy-parts")
     save = tmp_path / "run"
     (save / "global_step2" / "sub").mkdir(parents=True)
-    big = os.urandom(11 * MIB)
-    (save / "global_step2" / "sub" / "big.pt").write_bytes(big)
-    (save / "global_step2" / "COMMITTED").write_text("{}")
-    for chunk, parts in ((5 * MIB, "-3"), (104857600, None)):
+    files = {"global_step2/sub/big.pt": os.urandom(11 * MIB), "global_step2/COMMITTED": b"{}"}
+    for name, data in files.items():
+        (save / name).write_bytes(data)
+    for chunk in (5 * MIB, 104857600):
         mirror = manager(save=str(save), s3_path=f"s3://deepy-parts/c{chunk}", s3_chunk_size=chunk).mirror
         assert mirror is not None and mirror.chunk_size == chunk and not mirror.is_save
         mirror.upload(save, "global_step2")
-        head = s3_server.client().head_object(Bucket="deepy-parts", Key=f"c{chunk}/run/global_step2/sub/big.pt")
-        etag = head["ETag"].strip('"')
-        assert (etag.endswith(parts) if parts else "-" not in etag), (chunk, etag)
-        assert s3_server.objects("deepy-parts", f"c{chunk}/run/") == {"global_step2/sub/big.pt": big,
-                                                                      "global_step2/COMMITTED": b"{}"}
+        assert s3_server.objects("deepy-parts", f"c{chunk}/run/") == files  # <s3_path>/<basename of save>/<tag>/...
+        for name, data in files.items():
+            head = s3_server.client().head_object(Bucket="deepy-parts", Key=f"c{chunk}/run/{name}")
+            assert head["ETag"].strip('"') == multipart_etag(data, chunk), (chunk, name)
+    assert multipart_etag(files["global_step2/sub/big.pt"], 5 * MIB).endswith("-3")
     with pytest.raises(ValueError, match="s3_chunk_size"):
         CheckpointArgs(s3_chunk_size=MIB)  # below S3's smallest part: S3 itself would refuse the upload
 
