@@ -369,8 +369,11 @@ def test_layout_changes_through_universal_checkpoints(tmp_path: Path) -> None:
 
 
 def test_sigterm_on_one_rank_saves_and_exits_zero(tmp_path: Path) -> None:
+    """With background saves (the synchronous ones: tests/e2e/test_crash_safety.py): the stop waits for the write, so
+    the process ends with the checkpoint committed."""
     save = tmp_path / "ckpt"
-    ranks = launch(2, "--steps", "500", "--sleep", "0.2", "--save", str(save), "--dropout", "0")
+    ranks = launch(2, "--steps", "500", "--sleep", "0.2", "--save", str(save), "--dropout", "0", "--async-save",
+                   "--width", "100000")
     # wait for training to be under way, then preempt rank 1 only
     ranks.wait_for_line(0, "STEP 3")
     os.kill(ranks.pid(1), signal.SIGTERM)
@@ -381,6 +384,7 @@ def test_sigterm_on_one_rank_saves_and_exits_zero(tmp_path: Path) -> None:
     step = int(stopped[0].split()[-1])
     assert (save / "latest").read_text().strip() == f"global_step{step}"
     assert (save / f"global_step{step}" / "COMMITTED").exists()
+    assert "writing it in the background" in logs[0], logs[0]
 
 
 def test_failed_save_stops_loudly_and_keeps_previous(tmp_path: Path) -> None:
