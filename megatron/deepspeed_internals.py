@@ -210,6 +210,29 @@ def recorded_checkpoint_writes(engine: Any) -> Iterator[list[BaseException]]:
         ckpt_engine.save, ckpt_engine.makedirs = original_save, original_makedirs
 
 
+class OtherCheckpointEngine(TypeError):
+    """The engine writes through a checkpoint engine other than ``TorchCheckpointEngine`` (its class name)."""
+
+
+@contextlib.contextmanager
+def checkpoint_writes_to(engine: Any, write: Callable[[Any, str], None]) -> Iterator[bool]:
+    """Route every file of one ``engine.save_checkpoint`` to ``write(state_dict, path)`` instead of the engine's
+    checkpoint engine (a background save serializes them into memory: ``checkpointing/background_writes.py``).
+    Yields the engine's zipfile serialization setting (``TorchCheckpointEngine``'s, which ``write`` must follow to
+    write the same bytes); raises :class:`OtherCheckpointEngine` for another one (Nebula, DeepSpeed's decoupled ones)."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    ckpt_engine = engine.checkpoint_engine
+    if not isinstance(ckpt_engine, TorchCheckpointEngine):
+        raise OtherCheckpointEngine(type(ckpt_engine).__name__)
+    original = ckpt_engine.save
+    ckpt_engine.save = write
+    try:
+        yield bool(getattr(ckpt_engine, "zipfile_serialization", False))
+    finally:
+        ckpt_engine.save = original
+
+
 def model_parallel_rng_tracker_name() -> str:
     """The name under which DeepSpeed's activation checkpointing replays the tensor-parallel RNG
     stream: our dropout must draw from the same tracker entry for recompute to be exact."""

@@ -233,12 +233,13 @@ class FsspecStore:
         self.fs.get_file(url, str(local))
 
     def list(self, url: str) -> list[Entry]:
-        base = str(self.fs._strip_protocol(url)).rstrip("/")
+        from fsspec.core import strip_protocol
+
+        base = str(strip_protocol(url)).rstrip("/")
         if not self.fs.exists(url):
             return []
         found = self.fs.find(url, detail=True)
-        return [Entry(posixpath.relpath(str(self.fs._strip_protocol(name)), base), int(info["size"]))
-                for name, info in found.items()]
+        return [Entry(posixpath.relpath(str(strip_protocol(name)), base), int(info["size"])) for name, info in found.items()]
 
     def exists(self, url: str) -> bool:
         return bool(self.fs.exists(url))

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from megatron.deepspeed_internals import OtherCheckpointEngine, checkpoint_writes_to
 from megatron.errors import CheckpointError
 
 log = logging.getLogger("deepy.checkpoint")
@@ -40,25 +41,19 @@ class BackgroundWrites:
     @contextlib.contextmanager
     def capturing(self, engine: Any) -> Iterator[None]:
         """Serialize instead of write, for the duration of one ``engine.save_checkpoint``."""
-        from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
-
-        ckpt_engine = engine.checkpoint_engine
-        if not isinstance(ckpt_engine, TorchCheckpointEngine):
-            raise CheckpointError(f"async_save: DeepSpeed's checkpoint engine here is {type(ckpt_engine).__name__}; "
-                                  "background saves write what its TorchCheckpointEngine writes. Set async_save: false")
-        zipfile = bool(getattr(ckpt_engine, "zipfile_serialization", False))
-        original = ckpt_engine.save
+        zipfile = [False]
 
         def serialize(state_dict: Any, path: str) -> None:
             buffer = io.BytesIO()
-            torch.save(state_dict, buffer, _use_new_zipfile_serialization=zipfile)
+            torch.save(state_dict, buffer, _use_new_zipfile_serialization=zipfile[0])
             self.files.append((str(path), buffer.getvalue()))
 
-        ckpt_engine.save = serialize
         try:
-            yield
-        finally:
-            ckpt_engine.save = original
+            with checkpoint_writes_to(engine, serialize) as zipfile[0]:
+                yield
+        except OtherCheckpointEngine as err:
+            raise CheckpointError(f"async_save: DeepSpeed's checkpoint engine here is {err}; background saves write "
+                                  "what its TorchCheckpointEngine writes. Set async_save: false") from None
 
     @property
     def nbytes(self) -> int:

@@ -520,3 +520,17 @@ def test_deepspeeds_flat_gathers_use_torchs_current_names(engine, recwarn) -> No
     ds_comm.reduce_scatter_tensor(reduced, part * 2)
     assert torch.equal(out, part) and torch.equal(reduced, part * 2)  # one rank: its own
     assert not [w for w in recwarn if "deprecated" in str(w.message)]
+
+
+def test_checkpoint_writes_go_where_a_background_save_sends_them(engine, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """checkpoint_writes_to: every file of one save reaches the given writer (none is written by the engine), with
+    the engine's serialization setting; afterwards the engine writes through its own save again."""
+    from megatron.deepspeed_internals import checkpoint_writes_to
+
+    original = engine.checkpoint_engine.save
+    seen: list[str] = []
+    with checkpoint_writes_to(engine, lambda state_dict, path: seen.append(path)) as zipfile:  # DeepSpeed passes keywords
+        engine.save_checkpoint(str(tmp_path), "tag", save_latest=False)
+    assert isinstance(zipfile, bool) and seen
+    assert not any((tmp_path / "tag").glob("*.pt")), "the engine wrote a file itself"
+    assert engine.checkpoint_engine.save == original
