@@ -55,6 +55,11 @@ def is_remote(path: str | os.PathLike[str] | None) -> bool:
     return scheme_of(path) is not None
 
 
+def cache_home() -> Path:
+    """``$XDG_CACHE_HOME`` (the XDG base directory, which a user or a test points elsewhere), else ``~/.cache``."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser()
+
+
 def local_path(path: str) -> str:
     """``file:///x`` -> ``/x``; any other local path unchanged."""
     return path[len("file://"):] if path.startswith("file://") else path
@@ -72,6 +77,8 @@ class Entry:
     key: str
     """Path below the listed prefix, with ``/`` separators."""
     size: int
+    version: str = ""
+    """What changes when the object does (S3's ETag; fsspec's ETag, checksum or modification time)."""
 
 
 class Store(Protocol):
@@ -86,6 +93,8 @@ class Store(Protocol):
     def list(self, url: str) -> list[Entry]: ...
 
     def exists(self, url: str) -> bool: ...
+
+    def stat(self, url: str) -> Entry | None: ...
 
     def read_text(self, url: str) -> str | None: ...
 
@@ -159,7 +168,7 @@ class S3Store:
         entries = []
         for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             for item in page.get("Contents", []):
-                entries.append(Entry(item["Key"][len(prefix):], int(item["Size"])))
+                entries.append(Entry(item["Key"][len(prefix):], int(item["Size"]), str(item.get("ETag", ""))))
         return entries
 
     def exists(self, url: str) -> bool:
@@ -173,6 +182,18 @@ class S3Store:
                 return False
             raise
         return True
+
+    def stat(self, url: str) -> Entry | None:
+        from botocore.exceptions import ClientError
+
+        bucket, key = _bucket_key(url)
+        try:
+            head = self._client.head_object(Bucket=bucket, Key=key)
+        except ClientError as err:
+            if str(err.response.get("Error", {}).get("Code", "")) in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+        return Entry(posixpath.basename(key), int(head["ContentLength"]), str(head.get("ETag", "")))
 
     def read_text(self, url: str) -> str | None:
         from botocore.exceptions import ClientError
@@ -239,10 +260,20 @@ class FsspecStore:
         if not self.fs.exists(url):
             return []
         found = self.fs.find(url, detail=True)
-        return [Entry(posixpath.relpath(str(strip_protocol(name)), base), int(info["size"])) for name, info in found.items()]
+        return [Entry(posixpath.relpath(str(strip_protocol(name)), base), int(info["size"]),
+                      str(info.get("ETag") or info.get("mtime") or info.get("created") or ""))
+                for name, info in found.items()]
 
     def exists(self, url: str) -> bool:
         return bool(self.fs.exists(url))
+
+    def stat(self, url: str) -> Entry | None:
+        if not self.fs.isfile(url):
+            return None
+        info = self.fs.info(url)
+        version = next((str(info[k]) for k in ("ETag", "etag", "md5Hash", "crc32c", "mtime", "LastModified", "created")
+                        if info.get(k) is not None), "")
+        return Entry(posixpath.basename(url.rstrip("/")), int(info.get("size") or 0), version)
 
     def read_text(self, url: str) -> str | None:
         if not self.fs.exists(url):

@@ -90,7 +90,7 @@ class CheckpointArgs(ArgGroup):
 
     checkpoint_staging_dir: str | None = None
     """Local directory for the checkpoints of a `save`/`load` in object storage (s3://...): written here, then
-    uploaded; downloaded here before loading. Default ~/.cache/deepy/staging/<scheme>/<bucket>/<prefix>;
+    uploaded; downloaded here before loading. Default $XDG_CACHE_HOME (or ~/.cache)/deepy/staging/<scheme>/<bucket>/<prefix>;
     one per node (not a shared file system)."""
 
     save_interval: str | int | None = None

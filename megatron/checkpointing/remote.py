@@ -28,19 +28,20 @@ from pathlib import Path
 from typing import Any
 
 from megatron import object_store
+from megatron.object_store import cache_home
 from megatron.checkpointing import commit
 
 log = logging.getLogger("deepy.checkpoint")
 
 SMALL_FILES = (commit.COMMIT_MARKER, "deepy_meta.json")
 """What a committed checkpoint's listing and the checks before launch read (the rest is fetched to load it)."""
-DEFAULT_STAGING = Path("~/.cache/deepy/staging")
+
 
 
 def staging_dir(url: str, root: str | None) -> Path:
     """The local directory that stands for ``url``: ``<root>/<scheme>/<bucket>/<prefix>`` (one per URL, so two runs
     in different buckets never share files), with a hash when the URL holds characters a path should not."""
-    base = Path(os.path.expanduser(root)) if root else DEFAULT_STAGING.expanduser()
+    base = Path(os.path.expanduser(root)) if root else cache_home() / "deepy" / "staging"
     scheme, _, rest = url.partition("://")
     parts = [p for p in rest.split("/") if p]
     if any(p in (".", "..") for p in parts):

@@ -16,6 +16,7 @@ valid = (train_iters // eval_interval + 1) x eval_iters x G, test = eval_iters x
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from megatron.data.index_cache import default_cache_dir
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.pairwise_dataset import PairwiseDataset
 from megatron.data.reference_logprobs import open_reference_logprobs
+from megatron.data.remote_data import localized
 from megatron.data.reward_dataset import RewardDataset
 from megatron.data.sft_dataset import SFTDataset
 from megatron.data.token_range import TokenRangeChecked
@@ -299,6 +301,7 @@ def build_datasets(config: DataRun, tokenizer: Any, padded_vocab_size: int) -> D
         make = lambda n, s: DummyDataset(n, seq, vocab, seed + s, kind, pattern) if n > 0 else None  # noqa: E731
         return DataSplits(make(max(train_n, 1), 0), make(valid_n, 1), make(test_n, 2))
 
+    config = dataclasses.replace(config, keys=localized(config.keys))  # data in object storage: its local copies
     builder = _Builder(config, tokenizer, padded_vocab_size)
     per_split: dict[str, list[Component] | None] = {}
     if config.keys.train_urls or config.keys.validation_urls:

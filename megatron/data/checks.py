@@ -7,7 +7,8 @@ check (``megatron/config_rules.py``); the checks that open the files are in
 from __future__ import annotations
 
 from megatron.config_rules import RuleContext, describe, rule
-from megatron.data.config import SPLITS
+from megatron.data.config import PATH_KEYS, SPLITS
+from megatron.errors import DeepyError
 
 
 @rule
@@ -113,3 +114,27 @@ def split_is_three_shares(ctx: RuleContext) -> list[str]:
 
     problem = split_shares(str(ctx.get("split")))
     return [f"{ctx.show('split')} {problem}"] if isinstance(problem, str) else []
+
+
+@rule
+def data_in_object_storage_exists(ctx: RuleContext) -> list[str]:
+    """A data path in a bucket (``megatron/data/remote_data.py``): its scheme known, its bucket reachable with the
+    standard credentials, and the objects there (a dataset prefix's ``.bin``/``.idx``, a shard, a directory); the
+    ranks download it into the cache. One listing or ``HEAD`` per path; nothing is downloaded here."""
+    from megatron import object_store
+    from megatron.data.remote_data import describe_objects
+
+    problems: list[str] = []
+    for key in ("data_path", *PATH_KEYS, "train_urls", "validation_urls"):
+        value = ctx.get(key)
+        for path in value if isinstance(value, list) else [value] if value else []:
+            if not object_store.is_remote(str(path)):
+                continue
+            try:
+                object_store.check_url(key, str(path), describe(ctx.source(key)), write=False)
+                describe_objects(str(path))
+            except DeepyError as err:
+                problems.append(f"{ctx.show(key)}: {err.message}" if not isinstance(err, object_store.StoreError)
+                                else err.message)
+                break
+    return problems

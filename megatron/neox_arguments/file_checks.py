@@ -22,14 +22,17 @@ from megatron.object_store import is_remote
 
 
 def _prefixes(ctx: RuleContext) -> Iterator[tuple[str, str]]:
-    """(key, prefix) for every tokenized dataset the config names."""
+    """(key, prefix) for every tokenized dataset on a file system the config names (those in object storage are
+    ``megatron/data/checks.py``'s ``data_in_object_storage_exists``)."""
     data_path = ctx.get("data_path")
     if data_path:
         for prefix in data_path if isinstance(data_path, list) else [data_path]:
-            yield "data_path", str(prefix)
+            if not is_remote(str(prefix)):
+                yield "data_path", str(prefix)
     for key in PATH_KEYS:
         for prefix in ctx.get(key) or []:
-            yield key, str(prefix)
+            if not is_remote(str(prefix)):
+                yield key, str(prefix)
 
 
 def _missing_or_bad(prefix: str, shard_file_type: str = "arrow") -> str | None:
@@ -165,8 +168,8 @@ def splits_hold_a_sample(ctx: RuleContext) -> list[str]:
         return []
     problems: list[str] = []
     for prefix in data_path if isinstance(data_path, list) else [data_path]:
-        if _missing_or_bad(str(prefix)) is not None:
-            continue  # data_files_are_datasets says what is wrong with it
+        if is_remote(str(prefix)) or _missing_or_bad(str(prefix)) is not None:
+            continue  # data_files_are_datasets says what is wrong with it (the ranks check a bucket's)
         sizes = MMapIndexedDataset(str(prefix)).sizes
         try:
             ranges = split_ranges(str(ctx.get("split")), len(sizes))

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,7 +65,7 @@ shard and is not re-split: that run leaves it off)."""
 
 def deepy(tmp: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline",
-           "PYTHONPATH": str(REPO)}
+           "PYTHONPATH": str(REPO), "XDG_CACHE_HOME": str(tmp / "xdg")}  # a bucket `save`'s staging: here
     # a launch key goes with any dialect: a flag beside Levanter's/fms-fsdp's, key=value beside GPT-NeoX's
     port = f"master_port={free_port()}" if argv[0].endswith(".yml") else f"--master_port={free_port()}"
     proc = subprocess.run([sys.executable, str(REPO / "deepy.py"), str(REPO / "train.py"), *argv, port], cwd=tmp, env=env, capture_output=True, text=True,
@@ -243,12 +244,14 @@ DEFAULT_DATASETS = ("lang=en/dataset=commoncrawl,lang=en/dataset=webhose,lang=en
 """train_config.datasets' default: train.sh names none, so these directories are read under data_path."""
 
 
-def test_fms_train_sh_flags_run(tmp_path: Path) -> None:
-    """scripts/train.sh's flags with local paths for its /lustre ones, on the 13 default datasets: 12 directories of
-    arrow token shards and one pre-tokenized dataset (``.bin``/``.idx``, what the README's prepare_data.py writes),
-    their ids up to 8191 (the pydocs tokenizer's 8192 tokens); 2 ranks with hsdp; llama_tiny (8192 embedding rows)
-    for 2 steps of 32 tokens. fms-fsdp reads token ids without a tokenizer, so the dry run bounds them by the
-    variant's rows (it refused them against the 512 tokens of a stand-in tokenizer: issue 42 item 11)."""
+def test_fms_train_sh_flags_run(tmp_path: Path, s3_server: Any) -> None:
+    """scripts/train.sh's flags with a bucket for its /lustre paths (data and checkpoints in object storage), on the
+    13 default datasets: 12 directories of arrow token shards and one pre-tokenized dataset (``.bin``/``.idx``, what
+    the README's prepare_data.py writes), their ids up to 8191 (the pydocs tokenizer's 8192 tokens); 2 ranks with
+    hsdp; llama_tiny (8192 embedding rows) for 2 steps of 32 tokens. fms-fsdp reads token ids without a tokenizer,
+    so the dry run bounds them by the variant's rows (it refused them against the 512 tokens of a stand-in
+    tokenizer: issue 42 item 11). The data is downloaded once into the cache; tests/unit/test_remote_data.py shows
+    it gives the local files' samples."""
     from tests.unit.test_fms_dialect import write_arrow_shard, write_token_dataset
 
     data = tmp_path / "tokens"
@@ -257,12 +260,17 @@ def test_fms_train_sh_flags_run(tmp_path: Path) -> None:
                           [[(613 * j + 7 * i + d) % 8191 + 1 for j in range(40)] for d in range(4)])
     write_token_dataset(data / DEFAULT_DATASETS[-1], [[(331 * j + d) % 8191 + 1 for j in range(39)] + [8191, 0]
                                                       for d in range(4)])
-    flags = (TRAIN_SH_FLAGS.replace("/lustre/pretrain/ckpt", str(tmp_path / "ckpt"))
-             .replace("/lustre/bluepile-processing/rel0_7/tokens/llama2/high_quality_rerun_fuzzy_deduped", str(data))
+    bucket = s3_server.bucket("deepy-fms")
+    for path in sorted(p for p in data.rglob("*") if p.is_file()):
+        s3_server.client().upload_file(str(path), bucket, f"tokens/{path.relative_to(data)}")
+    flags = (TRAIN_SH_FLAGS.replace("/lustre/pretrain/ckpt", "s3://deepy-fms/ckpt")
+             .replace("/lustre/bluepile-processing/rel0_7/tokens/llama2/high_quality_rerun_fuzzy_deduped",
+                      "s3://deepy-fms/tokens")
              .split())
     deepy(tmp_path, *flags, "--model_variant=llama_tiny", "--num_steps=2", "--seq_length=32", "--report_interval=1",
           "--checkpoint_interval=2", "--mixed_precision=False", f"--tracker_dir={tmp_path}/logs", "--num_gpus=2")
     steps = losses(tmp_path / "logs")
     assert sorted(steps) == [1, 2] and all(8.0 < loss < 10.0 for loss in steps.values())  # ln(8192) = 9.01
-    assert any((tmp_path / "ckpt" / "checkpoints").iterdir())  # Checkpointer's <ckpt_save_path>/checkpoints
+    stored = s3_server.objects(bucket, "ckpt/checkpoints/")  # Checkpointer's <ckpt_save_path>/checkpoints
+    assert stored["latest"] == b"global_step2\n" and "global_step2/COMMITTED" in stored
     assert len(list((tmp_path / "cache" / "shards").glob("shards_*_text_document.idx"))) == 12

@@ -172,6 +172,25 @@ def test_remote_urls_are_refused_by_key_and_line(tmp_path: Path) -> None:
     assert f"data.cache_dir at {tmp_path}/run.yaml:3" in err.value.message and "downloads nothing" in err.value.message
 
 
+def test_object_store_paths_of_levanter_and_fms_fsdp_pass_through(tmp_path: Path, s3_server: Any) -> None:
+    """Levanter's checkpointer.base_path and fms-fsdp's ckpt_save_path/data_path on a bucket become Deepy's save,
+    load and data paths there (checked, and the buckets probed, before launch: tests/unit/test_object_store.py);
+    an unknown scheme is still refused by key and line."""
+    s3_server.bucket("deepy-dialects")
+    args = levanter_args(tmp_path, 'trainer:\n  id: run9\n  checkpointer:\n    base_path: "s3://deepy-dialects/lev"\n'
+                         'hf_save_path: "s3://deepy-dialects/hf"\n').args
+    assert args.save == args.load == "s3://deepy-dialects/lev/run9"
+    assert args.hf_save_path == "s3://deepy-dialects/hf/run9"
+    with pytest.raises(ConfigError, match=rf"trainer.checkpointer.base_path at {tmp_path}/run.yaml:4: .*s3x://"):
+        levanter_args(tmp_path, 'trainer:\n  checkpointer:\n    save_interval: 10min\n    base_path: "s3x://b/c"\n')
+    resolved = fms_args("--model_variant=llama_tiny", "--use_dummy_dataset=True", "--vocab_size=256",
+                        "--ckpt_save_path=s3://deepy-dialects/fms", "--ckpt_load_path=s3://deepy-dialects/fms")
+    assert resolved.args.save == resolved.args.load == "s3://deepy-dialects/fms/checkpoints"
+    resolved = fms_args("--model_variant=llama_tiny", "--use_dummy_dataset=False", "--data_path=s3://deepy-dialects/d",
+                        "--datasets=a,b", "--weights=1,1", "--ckpt_save_path=s3://deepy-dialects/fms2")
+    assert resolved.args.train_data_paths == ["s3://deepy-dialects/d/a", "s3://deepy-dialects/d/b"]
+
+
 @pytest.mark.parametrize("key", sorted(levanter.REFUSED))
 def test_levanter_keys_without_meaning_are_refused_by_name(tmp_path: Path, key: str) -> None:
     section = key.split(".")[0] if "." in key else "trainer"

@@ -90,7 +90,7 @@ def test_checkpoint_staging_dir_holds_a_bucket_save(tmp_path: Path) -> None:
     assert staged.save_dir == tmp_path / "s3" / "deepy-b" / "runs" / "a" == staged.load_dir
     assert staged.mirror is not None and staged.mirror.is_save and staged.load_mirror is staged.mirror
     default = manager(save="s3://deepy-b/runs/a")
-    assert default.save_dir == Path("~/.cache/deepy/staging/s3/deepy-b/runs/a").expanduser()
+    assert default.save_dir == object_store.cache_home() / "deepy/staging/s3/deepy-b/runs/a"
     local = manager(save=str(tmp_path / "x"), async_save=True)
     assert local.mirror is None and local.save_dir == tmp_path / "x" and local.async_save
 

@@ -22,6 +22,30 @@ LAUNCH_KEYS = frozenset({"num_gpus", "num_nodes", "hostfile", "launcher", "maste
 or a run on fewer GPUs than the node has, says how many ranks)."""
 
 REMOTE_PREFIXES = ("gs://", "s3://", "hf://", "http://", "https://", "az://", "abfs://")
+DOWNLOADS = ("hf://", "http://", "https://")
+"""Remote URLs that would download a dataset or a model: refused (give local paths)."""
+
+OBJECT_STORE_LEAVES: dict[str, bool] = {
+    # Levanter: checkpoints, HF and PEFT saves, raw-text shards
+    "trainer.checkpointer.base_path": True, "trainer.load_checkpoint_path": False, "trainer.initialize_from": False,
+    "hf_save_path": True, "merged_hf_save_path": True, "peft_save_path": True,
+    "data.train_urls": False, "data.validation_urls": False,
+    # fms-fsdp: checkpoints and token shards
+    "ckpt_save_path": True, "ckpt_load_path": False, "data_path": False,
+}
+"""Dialect keys whose paths may be in object storage (``megatron/object_store.py``), and whether the run writes
+there; their buckets are probed before launch by the keys they become (``save``, ``load``, ``data_path``, ...)."""
+
+
+def _unusable_store(dialect: str, path: str, leaf: Leaf, urls: list[str]) -> str | None:
+    from megatron import object_store
+
+    for url in urls:
+        try:
+            object_store.check_url(path, url, write=OBJECT_STORE_LEAVES[path], probe=False)
+        except object_store.StoreError as err:
+            return f"{dialect} key {path} at {leaf.where}: {err.message.partition(': ')[2]}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -166,7 +190,9 @@ def _plain(value: Any) -> Any:
 def remote_urls(value: Any) -> list[str]:
     """Every string inside ``value`` that names a remote store (nothing is downloaded here)."""
     if isinstance(value, str):
-        return [value] if value.startswith(REMOTE_PREFIXES) else []
+        from megatron.object_store import scheme_of
+
+        return [value] if value.startswith(REMOTE_PREFIXES) or scheme_of(value) is not None else []
     if isinstance(value, dict):
         return [url for item in value.values() for url in remote_urls(item)]
     if isinstance(value, list):
@@ -189,7 +215,12 @@ def translate_leaves(
     problems: list[str] = []
     for path, leaf in leaves.items():
         urls = remote_urls(leaf.value)
-        if urls:
+        if urls and path in OBJECT_STORE_LEAVES and not any(u.startswith(DOWNLOADS) for u in urls):
+            problem = _unusable_store(dialect, path, leaf, urls)
+            if problem is not None:
+                problems.append(problem)
+                continue
+        elif urls:
             problems.append(
                 f"{dialect} key {path} at {leaf.where}: {urls[0]} is a remote URL; Deepy reads local paths "
                 f"only and downloads nothing - copy the files to this machine and give their path"

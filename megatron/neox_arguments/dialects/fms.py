@@ -253,9 +253,23 @@ def _load_checkpoints(value: Any, ctx: Context) -> dict[str, Any]:
     directory that holds nothing on this machine is that last case: no ``load``, the run starts fresh."""
     load = os.path.join(str(value), "checkpoints")
     save = os.path.join(str(ctx.value("ckpt_save_path", FMS_DEFAULTS["ckpt_save_path"])), "checkpoints")
-    if os.path.normpath(load) != os.path.normpath(save) and not (os.path.isdir(load) and os.listdir(load)):
+    if os.path.normpath(load) != os.path.normpath(save) and not _holds_something(load):
         return noted(f"{load} holds no checkpoint here: fms-fsdp starts from scratch, and so does this run")
     return {"load": load}
+
+
+def _holds_something(load: str) -> bool:
+    """A directory with files, or a bucket's prefix with committed checkpoints."""
+    from megatron.object_store import is_remote
+
+    if is_remote(load):
+        from megatron.checkpointing.remote import remote_resume_point
+
+        try:
+            return remote_resume_point(load) is not None
+        except Exception:  # noqa: BLE001 - the store's own errors; the check before launch names them
+            return False
+    return os.path.isdir(load) and bool(os.listdir(load))
 
 
 def _resuming_dataset(value: Any, ctx: Context) -> dict[str, Any]:

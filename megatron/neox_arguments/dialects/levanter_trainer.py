@@ -102,7 +102,15 @@ def checkpoint_dir(ctx: Context) -> str:
 
 def _has_checkpoint(path: str) -> bool:
     from megatron.checkpointing.discovery import inspect_load_dir
+    from megatron.object_store import is_remote
 
+    if is_remote(path):  # a bucket: its committed checkpoints (an unreachable one is refused by the `load` check)
+        from megatron.checkpointing.remote import remote_resume_point
+
+        try:
+            return remote_resume_point(path) is not None
+        except Exception:  # noqa: BLE001 - the store's own errors; the check before launch names them
+            return False
     return inspect_load_dir(Path(path)).kind in ("deepy", "deepy_tag")
 
 

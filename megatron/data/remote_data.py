@@ -1,0 +1,104 @@
+"""Data in object storage (``s3://``, ``gs://``, ... : ``megatron/object_store.py``), read as local files.
+
+A data path in a bucket (GPT-NeoX's ``data_path``/``*_data_paths`` prefix of ``.bin``/``.idx`` files, Levanter's
+``train_urls``/``validation_urls`` shards, fms-fsdp's ``data_path`` directory of token shards) is downloaded once
+into the data cache (``cache_dir``), under a name made of the URL and the objects' versions (S3's ETags, sizes): the same objects
+are never downloaded twice, changed ones are downloaded again beside the old copy. One process per cache downloads
+(``index_cache.build_once``'s lock), into a temporary directory renamed into place, so a reader never sees half a
+download. Everything after that reads the local copy: the same samples, the same losses as the local files (tested
+in tests/unit/test_remote_data.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from megatron import object_store
+from megatron.data.config import PATH_KEYS, DataArgs
+from megatron.data.index_cache import build_once
+from megatron.errors import DataError
+
+
+DEFAULT_CACHE_DIR = "cache"
+"""Without ``cache_dir``: ``cache/object_store/...`` below the working directory, beside the other data caches
+(``cache/urls``, ``cache/shards``)."""
+
+
+def _objects(url: str) -> tuple[str, list[object_store.Entry]]:
+    """What ``url`` names: ``"dir"`` (objects below it), ``"prefix"`` (``<url>.bin`` and ``<url>.idx``) or
+    ``"file"``, with its objects (paths relative to the URL's parent)."""
+    store = object_store.store_for(url)
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    below = store.list(url)
+    if below:
+        return "dir", [object_store.Entry(f"{name}/{e.key}", e.size, e.version) for e in below]
+    pair = [store.stat(url + ext) for ext in (".bin", ".idx")]
+    if all(pair):
+        return "prefix", [object_store.Entry(name + ext, e.size, e.version)
+                          for ext, e in zip((".bin", ".idx"), pair) if e is not None]
+    single = store.stat(url)
+    if single is not None:
+        return "file", [object_store.Entry(name, single.size, single.version)]
+    raise DataError(f"{url}: no such object in the store (nor {name}.bin/{name}.idx, nor objects below it)")
+
+
+def describe_objects(url: str) -> str:
+    """What ``url`` names in its store, in words; :class:`DataError` when nothing is there."""
+    from megatron.data.url_sources import expand_braces
+
+    found = []
+    for each in expand_braces(url):
+        kind, entries = _objects(each)
+        found.append(f"{kind} of {len(entries)} object(s), {sum(e.size for e in entries)} bytes")
+    return "; ".join(found)
+
+
+def local_copy(url: str, cache_dir: str | None) -> str:
+    """The local path that stands for ``url`` (a file, a dataset prefix or a directory), downloaded if needed."""
+    if not object_store.is_remote(url):
+        return url
+    kind, entries = _objects(url)
+    version = hashlib.sha256(repr((url, sorted((e.key, e.size, e.version) for e in entries))).encode()).hexdigest()[:16]
+    scheme, _, rest = url.partition("://")
+    root = Path(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR))
+    parent = rest.rstrip("/").rsplit("/", 1)[0] if "/" in rest.rstrip("/") else rest
+    target = root / "object_store" / scheme / parent / version
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+
+    def download() -> None:
+        tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        store = object_store.store_for(url)
+        base = url.rstrip("/").rsplit("/", 1)[0]
+        for entry in entries:
+            store.get_file(object_store.join(base, entry.key), tmp / entry.key)
+        os.replace(tmp, target)
+
+    build_once(target, download)
+    return str(target / name)
+
+
+def local_copies(urls: list[str], cache_dir: str | None) -> list[str]:
+    return [local_copy(url, cache_dir) for url in urls]
+
+
+def localized(keys: DataArgs) -> DataArgs:
+    """``keys`` with every data path in object storage replaced by its local copy (downloaded here if needed)."""
+    from megatron.data.url_sources import expand_braces
+
+    cache = keys.cache_dir
+    update: dict[str, object] = {}
+    data_path = keys.data_path
+    if isinstance(data_path, str) and object_store.is_remote(data_path):
+        update["data_path"] = local_copy(data_path, cache)
+    elif isinstance(data_path, list) and any(object_store.is_remote(p) for p in data_path):
+        update["data_path"] = local_copies(list(data_path), cache)
+    for key in (*PATH_KEYS, "train_urls", "validation_urls"):
+        paths = getattr(keys, key)
+        if paths and any(object_store.is_remote(str(p)) for p in paths):
+            expanded = [q for p in paths for q in (expand_braces(str(p)) if object_store.is_remote(str(p)) else [p])]
+            update[key] = local_copies(expanded, cache)
+    return keys.model_copy(update=update) if update else keys
