@@ -80,7 +80,7 @@ def losses(log_dir: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def switched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def switched(tmp_path_factory: pytest.TempPathFactory, s3_server: Any) -> Path:
     tmp = tmp_path_factory.mktemp("levanter")
     write_local_data(tmp)
     (tmp / "gpt2_tiny.yaml").write_text(TINY_LEVANTER.format(root=tmp))
@@ -89,9 +89,12 @@ def switched(tmp_path_factory: pytest.TempPathFactory) -> Path:
               "--trainer.train_batch_size", "8", *AVERAGED)
     deepy(tmp, *common, "--trainer.num_train_steps", "3", "--trainer.id", "run1", "--trainer.log_dir", "logs",
           "--num_gpus", "2")
-    shutil.copytree(tmp / "out", tmp / "out_tp2")  # the same step-3 checkpoint, resumed a second way
+    # the same step-3 checkpoint, resumed a second way: from a bucket (Levanter's base_path on gs://, here s3://)
+    bucket = s3_server.bucket("deepy-levanter")
+    for path in sorted(p for p in (tmp / "out").rglob("*") if p.is_file()):
+        s3_server.client().upload_file(str(path), bucket, f"out_tp2/{path.relative_to(tmp / 'out')}")
     shutil.copytree(tmp / "out", tmp / "out_neox")  # ... and a third, by a GPT-NeoX config
-    tp2 = deepy(tmp, *common[:2], "--trainer.checkpointer.base_path", "out_tp2", *common[4:6],
+    tp2 = deepy(tmp, *common[:2], "--trainer.checkpointer.base_path", "s3://deepy-levanter/out_tp2", *common[4:6],
                 "--trainer.num_train_steps", "6", "--trainer.wandb.resume", "true", "--trainer.id", "run1",
                 "--trainer.log_dir", "logs_tp2", "--trainer.model_axis_size", "2", "--num_gpus", "2")
     resumed = deepy(tmp, *common, "--trainer.num_train_steps", "6", "--trainer.load_checkpoint_path", "out/run1",
@@ -157,8 +160,11 @@ def test_the_weight_average_and_the_skip_window_resume_exactly(switched: Path) -
     assert [row["train/skipped_bad_steps"] for row in rows if "train/lm_loss" in row] == [0] * 6  # logged each step
 
 
-def test_resumed_with_tensor_parallelism_the_curve_is_the_same(switched: Path) -> None:
-    """The step-3 checkpoint of 2 data-parallel ranks resumed on model_axis_size 2 (tp2)."""
+def test_resumed_with_tensor_parallelism_from_a_bucket_the_curve_is_the_same(switched: Path, s3_server: Any) -> None:
+    """The step-3 checkpoint of 2 data-parallel ranks, in a bucket named by Levanter's checkpointer.base_path,
+    resumed on model_axis_size 2 (tp2); its checkpoints go back into the bucket."""
+    stored = s3_server.objects("deepy-levanter", "out_tp2/run1/")  # <base_path>/<run id>
+    assert stored["latest"] == b"global_step6\n" and "global_step6/COMMITTED" in stored
     resumed, reference = losses(switched / "logs_tp2"), losses(switched / "ref")
     assert sorted(resumed) == [4, 5, 6]
     for step in resumed:
