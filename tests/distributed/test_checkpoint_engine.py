@@ -486,6 +486,7 @@ def test_kill_during_background_writes_leaves_a_loadable_checkpoint(tmp_path: Pa
               "--load", str(save), "--dropout", "0"]
     draw = random.Random(os.environ.get("PYTEST_XDIST_WORKER", "") + str(time.time()))
     committed_before: int | None = None
+    interrupted = 0
     for trial in range(3):
         ranks = launch(2, *common)
         if committed_before is not None:
@@ -505,8 +506,11 @@ def test_kill_during_background_writes_leaves_a_loadable_checkpoint(tmp_path: Pa
         tag, _ = commit.newest_committed(save)
         assert tag is not None, sorted(p.name for p in save.iterdir())
         assert checkpoint_tensors(save / tag)  # every file of it reads back
+        listing = commit.list_checkpoints(save)
+        interrupted += bool(listing.incomplete) or tag != commit.tag_for(max(listing.steps + [0]))
         committed_before = commit.step_of(tag)
     assert committed_before is not None
+    assert interrupted >= 1, "no kill landed inside a background save (each left its save committed)"
     end = ["--steps", str(committed_before + 2), *common[2:]]
     codes, logs = run(2, *end, "--out", str(tmp_path / "end.json"))
     assert codes == [0, 0], logs
