@@ -122,19 +122,56 @@ def data_in_object_storage_exists(ctx: RuleContext) -> list[str]:
     standard credentials, and the objects there (a dataset prefix's ``.bin``/``.idx``, a shard, a directory); the
     ranks download it into the cache. One listing or ``HEAD`` per path; nothing is downloaded here."""
     from megatron import object_store
-    from megatron.data.remote_data import describe_objects
+    from megatron.data.remote_data import URL_KEYS, describe_objects
 
     problems: list[str] = []
-    for key in ("data_path", *PATH_KEYS, "train_urls", "validation_urls"):
+    for key in _remote_data_keys(ctx):
         value = ctx.get(key)
-        for path in value if isinstance(value, list) else [value] if value else []:
+        for path in value if isinstance(value, list) else [value]:
             if not object_store.is_remote(str(path)):
                 continue
+            if object_store.scheme_of(str(path)) in object_store.READ_ONLY_SCHEMES:  # not a bucket: a download
+                problems.append(f"{ctx.show(key)}: {path} would be downloaded; Deepy reads data from local paths and "
+                                "object storage (s3://, gs://, ...) only - copy the files here and give their path")
+                break
             try:
                 object_store.check_url(key, str(path), describe(ctx.source(key)), write=False)
-                describe_objects(str(path))
+                describe_objects(str(path), patterns=key in URL_KEYS)
             except DeepyError as err:
                 problems.append(f"{ctx.show(key)}: {err.message}" if not isinstance(err, object_store.StoreError)
                                 else err.message)
                 break
+    return problems
+
+
+def _remote_data_keys(ctx: RuleContext) -> list[str]:
+    """The data keys with a path in object storage."""
+    from megatron.object_store import is_remote
+
+    found = []
+    for key in ("data_path", *PATH_KEYS, "train_urls", "validation_urls"):
+        value = ctx.get(key)
+        if any(is_remote(str(path)) for path in (value if isinstance(value, list) else [value] if value else [])):
+            found.append(key)
+    return found
+
+
+@rule
+def reference_logps_beside_local_data(ctx: RuleContext) -> list[str]:
+    """DPO's reference log-probs are files beside each dataset (``<prefix>_<model>.bin/.idx``, written there by
+    ``generate.py`` precompute); a dataset in object storage is read from a downloaded copy, and nothing writes
+    them into the bucket or reads them from it."""
+    from megatron.objective_needs import reads_reference_files
+
+    remote = _remote_data_keys(ctx)
+    if not remote:
+        return []
+    problems = []
+    if ctx.get("text_gen_type") == "precompute":
+        problems.append(f"{ctx.show('text_gen_type')} writes reference log-probs beside each dataset, and "
+                        f"{ctx.show(remote[0])} is in object storage: copy the data to a local path to score it")
+    elif ctx.get("reference_logps") and reads_reference_files(str(ctx.get("train_impl"))):
+        problems.append(f"{ctx.show('reference_logps')} reads reference log-probs beside each dataset, and "
+                        f"{ctx.show(remote[0])} is in object storage, where none are read: give the data (with its "
+                        f"<prefix>_{ctx.get('reference_logps')}.bin/.idx) as a local path")
     return problems

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron import object_store
@@ -34,6 +35,9 @@ def _objects(url: str) -> tuple[str, list[object_store.Entry]]:
     name = url.rstrip("/").rsplit("/", 1)[-1]
     below = store.list(url)
     if below:
+        odd = next((e.key for e in below if any(p in (".", "..") for p in e.key.split("/"))), None)
+        if odd is not None:  # a legal S3 key that would be written outside the copy's directory
+            raise DataError(f"{url}: the object {odd!r} below it has a '.' or '..' segment; rename it in the store")
         return "dir", [object_store.Entry(f"{name}/{e.key}", e.size, e.version) for e in below]
     pair = [store.stat(url + ext) for ext in (".bin", ".idx")]
     if all(pair):
@@ -45,40 +49,75 @@ def _objects(url: str) -> tuple[str, list[object_store.Entry]]:
     raise DataError(f"{url}: no such object in the store (nor {name}.bin/{name}.idx, nor objects below it)")
 
 
-def describe_objects(url: str) -> str:
-    """What ``url`` names in its store, in words; :class:`DataError` when nothing is there."""
+URL_KEYS = ("train_urls", "validation_urls")
+"""Levanter's raw-text sources: brace patterns (``shard-{001..128}.jsonl``), expanded as ``url_sources`` expands
+local ones. The dataset prefixes of ``data_path``/``*_data_paths`` are taken as written (GPT-NeoX expands nothing,
+and one path is one weight)."""
+
+
+def describe_objects(url: str, *, patterns: bool = False) -> str:
+    """What ``url`` (a brace pattern when ``patterns``) names in its store, in words; :class:`DataError` when nothing
+    is there."""
     from megatron.data.url_sources import expand_braces
 
     found = []
-    for each in expand_braces(url):
+    for each in expand_braces(url) if patterns else [url]:
         kind, entries = _objects(each)
         found.append(f"{kind} of {len(entries)} object(s), {sum(e.size for e in entries)} bytes")
     return "; ".join(found)
+
+
+def cache_location(url: str, cache_dir: str | None) -> Path:
+    """``<cache_dir>/object_store/<scheme>/<bucket>/<the URL's parent>``: where the versions of ``url``'s copy live.
+    A URL whose key holds ``.``/``..`` segments (legal in S3, a way out of the cache as a path) is hashed instead."""
+    scheme, _, rest = url.partition("://")
+    parts = [p for p in rest.rstrip("/").split("/")[:-1] if p] or [rest.strip("/")]
+    if any(p in (".", "..") for p in parts):
+        parts = [hashlib.sha256(rest.encode()).hexdigest()[:16]]
+    return Path(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR)).joinpath("object_store", scheme, *parts)
+
+
+@dataclass(frozen=True)
+class PlannedCopy:
+    """Where the local copy of one URL goes, and what it is made of."""
+
+    target: Path
+    """``<cache_location>/<version>``: a hash of the URL and its objects' keys, sizes and versions (ETags)."""
+    name: str
+    """The URL's last segment: ``target / name`` is the local path (a file, a dataset prefix, a directory)."""
+    entries: list[object_store.Entry]
+    """Its objects, keys relative to the URL's parent."""
+
+
+def planned_copy(url: str, cache_dir: str | None) -> PlannedCopy:
+    """The copy of ``url`` in the cache (one listing, or a ``HEAD`` per object; nothing is downloaded)."""
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    if name in (".", ".."):
+        raise DataError(f"{url}: a data path in object storage ends in a name, not {name!r}")
+    _, entries = _objects(url)
+    version = hashlib.sha256(repr((url, sorted((e.key, e.size, e.version) for e in entries))).encode()).hexdigest()[:16]
+    return PlannedCopy(cache_location(url, cache_dir) / version, name, entries)
 
 
 def local_copy(url: str, cache_dir: str | None) -> str:
     """The local path that stands for ``url`` (a file, a dataset prefix or a directory), downloaded if needed."""
     if not object_store.is_remote(url):
         return url
-    kind, entries = _objects(url)
-    version = hashlib.sha256(repr((url, sorted((e.key, e.size, e.version) for e in entries))).encode()).hexdigest()[:16]
-    scheme, _, rest = url.partition("://")
-    root = Path(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR))
-    parent = rest.rstrip("/").rsplit("/", 1)[0] if "/" in rest.rstrip("/") else rest
-    target = root / "object_store" / scheme / parent / version
-    name = url.rstrip("/").rsplit("/", 1)[-1]
+    plan = planned_copy(url, cache_dir)
+    target = plan.target
 
     def download() -> None:
+        for stale in target.parent.glob(f".{target.name}.partial-*"):  # a download that died; the lock is ours
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
         store = object_store.store_for(url)
         base = url.rstrip("/").rsplit("/", 1)[0]
-        for entry in entries:
+        for entry in plan.entries:
             store.get_file(object_store.join(base, entry.key), tmp / entry.key)
         os.replace(tmp, target)
 
     build_once(target, download)
-    return str(target / name)
+    return str(target / plan.name)
 
 
 def local_copies(urls: list[str], cache_dir: str | None) -> list[str]:
@@ -96,9 +135,10 @@ def localized(keys: DataArgs) -> DataArgs:
         update["data_path"] = local_copy(data_path, cache)
     elif isinstance(data_path, list) and any(object_store.is_remote(p) for p in data_path):
         update["data_path"] = local_copies(list(data_path), cache)
-    for key in (*PATH_KEYS, "train_urls", "validation_urls"):
+    for key in (*PATH_KEYS, *URL_KEYS):
         paths = getattr(keys, key)
         if paths and any(object_store.is_remote(str(p)) for p in paths):
-            expanded = [q for p in paths for q in (expand_braces(str(p)) if object_store.is_remote(str(p)) else [p])]
-            update[key] = local_copies(expanded, cache)
+            if key in URL_KEYS:  # each remote pattern's shards, downloaded one by one (a local pattern stays whole)
+                paths = [q for p in paths for q in (expand_braces(str(p)) if object_store.is_remote(str(p)) else [p])]
+            update[key] = local_copies([str(p) for p in paths], cache)
     return keys.model_copy(update=update) if update else keys

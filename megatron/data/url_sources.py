@@ -1,7 +1,8 @@
 """Levanter-style raw-text sources: ``train_urls``/``validation_urls`` tokenized into a local cache.
 
 A source is a list of jsonl shards (plain, ``.gz`` or ``.zst``) given as local paths with shell brace
-patterns: ``shard-{001..128}.jsonl.gz`` or ``{train,extra}.jsonl``. On first use the shards are
+patterns: ``shard-{001..128}.jsonl.gz`` or ``{train,extra}.jsonl`` (shards in object storage, ``s3://...``, are
+downloaded first and arrive here as local copies: ``remote_data.py``). On first use the shards are
 tokenized (``text`` field, EOD after each document) into one MMIDIDX dataset under ``cache_dir``;
 later runs and other ranks read that dataset. The cache name hashes the shards' *content* and the
 tokenizer, so editing a shard or switching tokenizer re-tokenizes, and racing ranks tokenize once.
@@ -93,13 +94,14 @@ def expand_braces(pattern: str) -> list[str]:
 
 
 def expand_urls(urls: list[str]) -> list[str]:
-    """Expand every pattern; only local files are supported (a remote URL is a clear error)."""
+    """Expand every pattern into local files (``remote_data.localized`` has replaced the shards in object storage by
+    their downloaded copies; any other URL is a clear error)."""
     paths: list[str] = []
     for url in urls:
         for p in expand_braces(url):
             if "://" in p and not p.startswith("file://"):
-                raise DataError(f"{p}: only local paths are supported for train_urls/validation_urls; "
-                                "download the shards first")
+                raise DataError(f"{p}: train_urls/validation_urls are local files or objects in a bucket (s3://, "
+                                "gs://, ...: downloaded before this point); Deepy downloads nothing else")
             p = p.removeprefix("file://")
             if not os.path.isfile(p):
                 raise DataError(f"{p}: shard not found (from pattern {url!r}); run `python prepare_data.py` "

@@ -64,7 +64,7 @@ def test_bad_shards(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="bad.jsonl:2"):
         materialize_urls([str(tmp_path / "bad.jsonl")], str(tmp_path / "c"), CharLevelTokenizer())
     assert not list((tmp_path / "c").glob("*.idx"))
-    with pytest.raises(DataError, match="only local"):
+    with pytest.raises(DataError, match="local files or objects in a bucket"):
         expand_urls(["https://example.com/a.jsonl"])
 
 
