@@ -166,10 +166,20 @@ def test_bf16_params_keep_no_fp32_copy(tmp_path: Path) -> None:
 
 
 def test_remote_urls_are_refused_by_key_and_line(tmp_path: Path) -> None:
+    """A download (http(s)://, hf://) is refused for every key; a bucket only where Deepy reads or writes one (here
+    gcsfs is not installed, so gs:// train_urls are refused too, naming what is missing)."""
     with pytest.raises(ConfigError) as err:
-        levanter_args(tmp_path, 'data:\n  train_urls: ["gs://b/x.jsonl.gz"]\n  cache_dir: "gs://b/c"\n')
-    assert f"data.train_urls at {tmp_path}/run.yaml:2" in err.value.message
-    assert f"data.cache_dir at {tmp_path}/run.yaml:3" in err.value.message and "downloads nothing" in err.value.message
+        levanter_args(tmp_path, 'data:\n  train_urls: ["gs://b/x.jsonl.gz"]\n  cache_dir: "gs://b/c"\n'
+                      '  validation_urls: ["https://example.com/v.jsonl"]\n')
+    message = err.value.message
+    assert f"data.train_urls at {tmp_path}/run.yaml:2: gs://b/x.jsonl.gz: gs:// paths need a package" in message
+    assert (f"data.cache_dir at {tmp_path}/run.yaml:3: gs://b/c is in object storage; Deepy reads data.cache_dir on "
+            "this machine - give a local path") in message
+    assert f"data.validation_urls at {tmp_path}/run.yaml:4: https://example.com/v.jsonl is a remote URL" in message
+    assert "downloads nothing" in message
+    with pytest.raises(ConfigError, match=rf"trainer.checkpointer.base_path at {tmp_path}/run.yaml:3: "
+                                          r"https://example.com/c is a remote URL.*downloads nothing"):
+        levanter_args(tmp_path, 'trainer:\n  checkpointer:\n    base_path: "https://example.com/c"\n')
 
 
 def test_object_store_paths_of_levanter_and_fms_fsdp_pass_through(tmp_path: Path, s3_server: Any) -> None:
@@ -189,6 +199,27 @@ def test_object_store_paths_of_levanter_and_fms_fsdp_pass_through(tmp_path: Path
     resolved = fms_args("--model_variant=llama_tiny", "--use_dummy_dataset=False", "--data_path=s3://deepy-dialects/d",
                         "--datasets=a,b", "--weights=1,1", "--ckpt_save_path=s3://deepy-dialects/fms2")
     assert resolved.args.train_data_paths == ["s3://deepy-dialects/d/a", "s3://deepy-dialects/d/b"]
+
+
+def test_data_in_a_bucket_passes_through_levanter_and_fms_fsdp(tmp_path: Path) -> None:
+    """Levanter's train_urls/validation_urls and fms-fsdp's data_path may name a bucket (the ranks download them:
+    tests/unit/test_remote_data.py); nothing is probed at translation, so no server is needed. An unknown scheme
+    is refused by the flag, and a local-only key keeps refusing a bucket, naming the keys that take one."""
+    args = levanter_args(tmp_path, 'data:\n  train_urls: ["s3://deepy-d/t-{{1,2}}.jsonl"]\n'
+                         '  validation_urls: ["s3://deepy-d/v.jsonl"]\n  cache_dir: "{root}/cache"\n').args
+    assert args.train_urls == ["s3://deepy-d/t-{1,2}.jsonl"] and args.validation_urls == ["s3://deepy-d/v.jsonl"]
+    assert args.cache_dir == f"{tmp_path}/cache"
+    with pytest.raises(ConfigError, match=r"data.cache_dir at .*run.yaml:2: s3://deepy-d/c is in object storage; "
+                                          r"Deepy reads data.cache_dir on this machine - give a local path \(of the "
+                                          r"levanter keys, trainer.checkpointer.base_path, .*data.train_urls"):
+        levanter_args(tmp_path, 'data:\n  cache_dir: "s3://deepy-d/c"\n')
+    resolved = fms_args("--model_variant=llama_tiny", "--use_dummy_dataset=False", "--data_path=s3://deepy-d/tokens",
+                        "--datasets=web", "--weights=1")
+    assert resolved.args.train_data_paths == ["s3://deepy-d/tokens/web"]
+    with pytest.raises(ConfigError, match=r"fms-fsdp key data_path at --data_path.*: s3x://deepy-d/tokens: Deepy "
+                                          r"cannot read or write s3x://"):
+        fms_args("--model_variant=llama_tiny", "--use_dummy_dataset=False", "--data_path=s3x://deepy-d/tokens",
+                 "--datasets=web", "--weights=1")
 
 
 @pytest.mark.parametrize("key", sorted(levanter.REFUSED))

@@ -44,7 +44,8 @@ def _unusable_store(dialect: str, path: str, leaf: Leaf, urls: list[str]) -> str
         try:
             object_store.check_url(path, url, write=OBJECT_STORE_LEAVES[path], probe=False)
         except object_store.StoreError as err:
-            return f"{dialect} key {path} at {leaf.where}: {err.message.partition(': ')[2]}"
+            reason = err.message.partition(": ")[2]  # without check_url's own naming of the key
+            return f"{dialect} key {path} at {leaf.where}: {reason if reason.startswith(url) else f'{url}: {reason}'}"
     return None
 
 
@@ -215,14 +216,22 @@ def translate_leaves(
     problems: list[str] = []
     for path, leaf in leaves.items():
         urls = remote_urls(leaf.value)
-        if urls and path in OBJECT_STORE_LEAVES and not any(u.startswith(DOWNLOADS) for u in urls):
+        downloads = [url for url in urls if url.startswith(DOWNLOADS)]
+        if urls and path in OBJECT_STORE_LEAVES and not downloads:
             problem = _unusable_store(dialect, path, leaf, urls)
             if problem is not None:
                 problems.append(problem)
                 continue
+        elif urls and not downloads:  # a bucket where this key means a directory of this machine
+            stored = ", ".join(key for key in OBJECT_STORE_LEAVES if key in rules)
+            problems.append(
+                f"{dialect} key {path} at {leaf.where}: {urls[0]} is in object storage; Deepy reads {path} on this "
+                f"machine - give a local path (of the {dialect} keys, {stored} may name a bucket)"
+            )
+            continue
         elif urls:
             problems.append(
-                f"{dialect} key {path} at {leaf.where}: {urls[0]} is a remote URL; Deepy reads local paths "
+                f"{dialect} key {path} at {leaf.where}: {downloads[0]} is a remote URL; Deepy reads local paths "
                 f"only and downloads nothing - copy the files to this machine and give their path"
             )
             continue
