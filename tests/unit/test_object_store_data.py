@@ -155,3 +155,8 @@ def test_what_a_bucket_cannot_give_is_refused_before_launch(s3_server: Any, loca
     message = refusal("train.py", "train_data_paths=[https://example.com/d/corpus]")
     assert ("train_data_paths=['https://example.com/d/corpus'] (command line): https://example.com/d/corpus would be "
             "downloaded; Deepy reads data from local paths and object storage") in message
+    message = refusal("train.py", "train_impl=dpo", "reference_logps=ref",
+                      "pos_train_data_paths=[s3://deepy-checks/d/corpus]",
+                      "neg_train_data_paths=[s3://deepy-checks/d/corpus]")
+    assert ("reference_logps='ref' (command line) reads reference log-probs beside each dataset, and "
+            "pos_train_data_paths=") in message and "<prefix>_ref.bin/.idx) as a local path" in message
