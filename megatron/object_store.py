@@ -19,6 +19,7 @@ No torch here: ``deepy.py`` probes stores before launching.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import posixpath
 from collections.abc import Iterable
@@ -58,6 +59,17 @@ def is_remote(path: str | os.PathLike[str] | None) -> bool:
 def cache_home() -> Path:
     """``$XDG_CACHE_HOME`` (the XDG base directory, which a user or a test points elsewhere), else ``~/.cache``."""
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser()
+
+
+def local_dir_for(url: str, root: Path) -> Path:
+    """``<root>/<scheme>/<bucket>/<key parts>``: the local directory that stands for ``url`` (a bucket ``save``'s
+    staging, a data copy's place), one per URL. A key with ``.``/``..`` segments (legal in S3, a way out of
+    ``root`` as a path) is replaced by its hash."""
+    scheme, _, rest = url.partition("://")
+    parts = [p for p in rest.split("/") if p]
+    if any(p in (".", "..") for p in parts):
+        parts = [hashlib.sha256(rest.encode()).hexdigest()[:16]]
+    return root.joinpath(scheme, *parts)
 
 
 def local_path(path: str) -> str:
@@ -178,7 +190,7 @@ class S3Store:
         try:
             self._client.head_object(Bucket=bucket, Key=key)
         except ClientError as err:
-            if str(err.response.get("Error", {}).get("Code", "")) in ("404", "NoSuchKey", "NotFound"):
+            if _missing(err):
                 return False
             raise
         return True
@@ -190,7 +202,7 @@ class S3Store:
         try:
             head = self._client.head_object(Bucket=bucket, Key=key)
         except ClientError as err:
-            if str(err.response.get("Error", {}).get("Code", "")) in ("404", "NoSuchKey", "NotFound"):
+            if _missing(err):
                 return None
             raise
         return Entry(posixpath.basename(key), int(head["ContentLength"]), str(head.get("ETag", "")))
@@ -202,7 +214,7 @@ class S3Store:
         try:
             body = self._client.get_object(Bucket=bucket, Key=key)["Body"].read()
         except ClientError as err:
-            if str(err.response.get("Error", {}).get("Code", "")) in ("404", "NoSuchKey", "NotFound"):
+            if _missing(err):
                 return None
             raise
         return str(body.decode("utf-8"))
@@ -219,6 +231,11 @@ class S3Store:
         keys = [{"Key": prefix + entry.key} for entry in self.list(url)]
         for start in range(0, len(keys), 1000):  # DeleteObjects takes 1000 keys per request
             self._client.delete_objects(Bucket=bucket, Delete={"Objects": keys[start:start + 1000]})
+
+
+def _missing(err: Any) -> bool:
+    """A botocore ``ClientError`` that says the object is not there."""
+    return str(err.response.get("Error", {}).get("Code", "")) in ("404", "NoSuchKey", "NotFound")
 
 
 def _endpoint_note() -> str:

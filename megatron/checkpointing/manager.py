@@ -539,11 +539,8 @@ class CheckpointManager:
         if mirror is None:
             return []
         tag, save, rank = commit.tag_for(pending.request.step), pending.save, _rank()
-        steps: list[Callable[[], None]] = []
-        if mirror.uploads_on(rank, _local_rank()):
-            steps.append(lambda: mirror.upload(save, tag))
-        else:
-            steps.append(lambda: None)
+        uploads = mirror.uploads_on(rank, _local_rank())
+        steps = [lambda: mirror.upload(save, tag) if uploads else None]  # every rank joins each step's agreement
         if mirror.is_save:
             steps.append(lambda: mirror.seal(save, tag) if rank == 0 else None)
         return steps

@@ -18,7 +18,6 @@ Two ways, one mechanism (a local directory of committed checkpoints and a remote
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -40,13 +39,8 @@ SMALL_FILES = (commit.COMMIT_MARKER, "deepy_meta.json")
 
 def staging_dir(url: str, root: str | None) -> Path:
     """The local directory that stands for ``url``: ``<root>/<scheme>/<bucket>/<prefix>`` (one per URL, so two runs
-    in different buckets never share files), with a hash when the URL holds characters a path should not."""
-    base = Path(os.path.expanduser(root)) if root else cache_home() / "deepy" / "staging"
-    scheme, _, rest = url.partition("://")
-    parts = [p for p in rest.split("/") if p]
-    if any(p in (".", "..") for p in parts):
-        parts = [hashlib.sha256(rest.encode()).hexdigest()[:16]]
-    return base.joinpath(scheme, *parts)
+    in different buckets never share files; ``object_store.local_dir_for``)."""
+    return object_store.local_dir_for(url, Path(os.path.expanduser(root)) if root else cache_home() / "deepy" / "staging")
 
 
 @dataclass(frozen=True)

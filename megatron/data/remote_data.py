@@ -2,8 +2,8 @@
 
 A data path in a bucket (GPT-NeoX's ``data_path``/``*_data_paths`` prefix of ``.bin``/``.idx`` files, Levanter's
 ``train_urls``/``validation_urls`` shards, fms-fsdp's ``data_path`` directory of token shards) is downloaded once
-into the data cache (``cache_dir``), under a name made of the URL and the objects' versions (S3's ETags, sizes): the same objects
-are never downloaded twice, changed ones are downloaded again beside the old copy. One process per cache downloads
+into the data cache (``cache_dir``), under a name made of the URL and the objects' versions (S3's ETags, sizes): the
+same objects are never downloaded twice, changed ones are downloaded again beside the old copy. One process per cache downloads
 (``index_cache.build_once``'s lock), into a temporary directory renamed into place, so a reader never sees half a
 download. Everything after that reads the local copy: the same samples, the same losses as the local files (tested
 in tests/unit/test_remote_data.py).
@@ -68,13 +68,12 @@ def describe_objects(url: str, *, patterns: bool = False) -> str:
 
 
 def cache_location(url: str, cache_dir: str | None) -> Path:
-    """``<cache_dir>/object_store/<scheme>/<bucket>/<the URL's parent>``: where the versions of ``url``'s copy live.
-    A URL whose key holds ``.``/``..`` segments (legal in S3, a way out of the cache as a path) is hashed instead."""
+    """``<cache_dir>/object_store/<scheme>/<bucket>/<the URL's parent>``: where the versions of ``url``'s copy live
+    (``object_store.local_dir_for``: a key with ``.``/``..`` segments is hashed, never a way out of the cache)."""
     scheme, _, rest = url.partition("://")
-    parts = [p for p in rest.rstrip("/").split("/")[:-1] if p] or [rest.strip("/")]
-    if any(p in (".", "..") for p in parts):
-        parts = [hashlib.sha256(rest.encode()).hexdigest()[:16]]
-    return Path(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR)).joinpath("object_store", scheme, *parts)
+    parent = rest.rstrip("/").rsplit("/", 1)[0] if "/" in rest.strip("/") else rest
+    return object_store.local_dir_for(f"{scheme}://{parent}",
+                                      Path(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR)) / "object_store")
 
 
 @dataclass(frozen=True)
