@@ -120,9 +120,10 @@ def parse_command(argv: Sequence[str]) -> DeepyCommand:
                         ns.verbose or ns.debug, tuple(dialect_flags))
 
 
-def resolve(command: DeepyCommand, device: Device | None = None) -> ResolvedConfig:
+def resolve(command: DeepyCommand, device: Device | None = None, world: int | None = None) -> ResolvedConfig:
     """Every check of a real launch: load and type-check, then the rules that need the world size (and this
-    machine's ``device``, detected when None)."""
+    machine's ``device``, detected when None). ``world``: the world size when the caller knows it (a worker
+    torchrun started, a rehearsal), instead of the one the launcher keys would start here."""
     from megatron.neox_arguments.loading import load_config
 
     resolved = load_config(command.config_files, command.overrides, command.conf_dir, command.dialect_flags)
@@ -133,7 +134,8 @@ def resolve(command: DeepyCommand, device: Device | None = None) -> ResolvedConf
 
     fill_in_for_inference(resolved, command.user_script)
     resolved.entry_point = command.user_script  # what the run loads is checked as this script loads it
-    world = detect_world_size(resolved.args, warnings=resolved.warnings)
+    if world is None:
+        world = detect_world_size(resolved.args, warnings=resolved.warnings)
     final = finalize(resolved, world, device=device)
     check_entry_point(final.args, command.user_script)
     return final
