@@ -319,7 +319,8 @@ def pytorchjob_launches(job: dict[str, Any], monkeypatch: pytest.MonkeyPatch) ->
     and the label training.kubeflow.org/job-name on every pod."""
     name, specs = job["metadata"]["name"], job["spec"]["pytorchReplicaSpecs"]
     master = next(c for c in specs["Master"]["template"]["spec"]["containers"] if c["name"] == "pytorch")
-    port = next(p["containerPort"] for p in master.get("ports", []) if p.get("name") == "pytorchjob-port")
+    # pytorch_defaults.go adds the port named pytorchjob-port, 23456, where the container has none
+    port = next((p["containerPort"] for p in master.get("ports", []) if p.get("name") == "pytorchjob-port"), 23456)
     nnodes = sum(spec["replicas"] for spec in specs.values())
     nproc = job["spec"].get("nprocPerNode", "auto")
     launches = []
@@ -329,7 +330,7 @@ def pytorchjob_launches(job: dict[str, Any], monkeypatch: pytest.MonkeyPatch) ->
             container = next(c for c in spec["template"]["spec"]["containers"] if c["name"] == "pytorch")
             injected = {"PYTHONUNBUFFERED": "1", "MASTER_PORT": str(port), "PET_MASTER_PORT": str(port),
                         "MASTER_ADDR": f"{name}-master-0", "PET_MASTER_ADDR": f"{name}-master-0",
-                        "WORLD_SIZE": str(nnodes * int(nproc)), "RANK": str(rank), "PET_NODE_RANK": str(rank),
+                        "WORLD_SIZE": str(nnodes * (int(nproc) if nproc.isdigit() else 1)), "RANK": str(rank), "PET_NODE_RANK": str(rank),
                         "PET_NPROC_PER_NODE": nproc, "PET_NNODES": str(nnodes)}
             meta = {"labels": {"training.kubeflow.org/job-name": name,
                                "training.kubeflow.org/replica-type": rtype.lower(),
