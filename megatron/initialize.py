@@ -85,6 +85,7 @@ def init_distributed(parallel: ParallelRun, timeout_seconds: int = INIT_TIMEOUT_
     backend = backend_for(parallel.distributed_backend)
     if backend == "gloo":
         skip_shared_memory_comm_op()
+    join_torchrun_attempt(backend, env, timeout_seconds)
     # Through DeepSpeed so its comm layer (used by the engine and ZeRO) wraps the same group;
     # auto_mpi_discovery stays off because the environment mapping above already did that job.
     deepspeed.init_distributed(
@@ -95,6 +96,25 @@ def init_distributed(parallel: ParallelRun, timeout_seconds: int = INIT_TIMEOUT_
         world_size=int(env["WORLD_SIZE"]),
     )
     use_current_collective_names()  # DeepSpeed's flat gathers without torch's deprecation warning on every rank
+
+
+def join_torchrun_attempt(backend: str, env: dict[str, str], timeout_seconds: int) -> None:
+    """Under torchrun, join the process group through a store of this attempt's own keys.
+
+    torchrun's workers share its agent's TCPStore (``TORCHELASTIC_USE_AGENT_STORE``), and torch 2.13's
+    ``_create_c10d_store`` adds no per-attempt prefix, trusting that every restart gets a new store. With the c10d
+    rendezvous it does not: a restarted attempt gets the same MASTER_PORT, and gloo then reads the peer addresses
+    the killed attempt published there and fails to connect ("Gloo connectFullMesh failed ... Connection
+    refused"), or new_group waits forever. So: the same store, keys under ``deepy/attempt_<restart>``
+    (tests/e2e/test_torchrun.py restarts after a kill -9). DeepSpeed's init_distributed then wraps this group."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    timeout = timedelta(seconds=timeout_seconds)
+    store = torch.distributed.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]),
+                                       is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore(f"deepy/attempt_{attempt}", store),
+                                         rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), timeout=timeout)
 
 
 def initialize(parallel: ParallelRun, seed: int, announce: bool = False,

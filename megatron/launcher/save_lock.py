@@ -41,6 +41,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -218,9 +219,12 @@ class SaveLock:
             pass
 
 
-def acquire(save_dir: str | os.PathLike[str], holder: Holder) -> tuple[SaveLock, str | None]:
+def acquire(save_dir: str | os.PathLike[str], holder: Holder,
+            takes_over: Callable[[Holder], bool] | None = None) -> tuple[SaveLock, str | None]:
     """Take ``save_dir``'s lock for ``holder`` (creating the directory), its heartbeat started; with a note
-    when a stale lock was taken over. Raises :class:`SaveDirInUse` naming the run that holds it."""
+    when a stale lock was taken over. Raises :class:`SaveDirInUse` naming the run that holds it. ``takes_over``:
+    a holder that looks alive but is known gone (an earlier attempt of the same torchrun job, whose rank 0 ran
+    on another node) is taken over as a stale one is."""
     directory = Path(save_dir)
     directory.mkdir(parents=True, exist_ok=True)
     lock = SaveLock(directory / LOCK_NAME, holder)
@@ -237,7 +241,8 @@ def acquire(save_dir: str | os.PathLike[str], holder: Holder) -> tuple[SaveLock,
                 continue
             found = Holder.parse(text)
             why = judge(found, lock.path)
-            if why is not None:
+            earlier_attempt = why is not None and found is not None and takes_over is not None and takes_over(found)
+            if why is not None and not earlier_attempt:
                 raise SaveDirInUse(found, lock.path, why)
             # stale: move it aside (one launch can), and make sure it is the lock judged stale
             aside = directory / f"{LOCK_NAME}.stale-{holder.token}"
@@ -251,7 +256,7 @@ def acquire(save_dir: str | os.PathLike[str], holder: Holder) -> tuple[SaveLock,
                 continue
             aside.unlink(missing_ok=True)
             gone = found.describe() if found is not None else str(lock.path)
-            why = _gone_because(found, lock.path)
+            why = "an earlier attempt of this job" if earlier_attempt else _gone_because(found, lock.path)
             note = f"took over the lock of {save_dir} from a run that is gone ({why}): {gone}"
         raise SaveDirInUse(None, lock.path, "its lock kept changing while this launch tried to take it")
     finally:
