@@ -9,8 +9,11 @@ used here still exists with the shape relied on, so a torch upgrade that moves o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import sys
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -126,3 +129,49 @@ def collective_timeouts() -> list[timedelta]:
         for device in group._device_types:
             found.append(group._get_backend(device).options._timeout)
     return found
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """This process as rank ``rank`` of ``world_size`` with no peer: torch.distributed on torch's ``fake`` backend
+    (``FakeProcessGroup``), where every collective and send returns at once and moves nothing, and groups of any
+    ranks can be made. The rehearsal (megatron/app/rehearsal.py) builds each rank's part of the model this way.
+    The backend registers itself, and its store lives, only in ``torch.testing._internal.distributed.fake_pg``:
+    torch has no public name for either. The process group is destroyed on the way out."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group already exists in this process: a fake one cannot replace it")
+    hook = sys.excepthook  # init_process_group prefixes tracebacks with "[rank<r>]: " and never takes it back
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook
+
+
+@contextlib.contextmanager
+def meta_tensors_stay_on_meta() -> Iterator[None]:
+    """Inside, copying a tensor of the ``meta`` device to another device (``aten._to_copy``, what
+    ``tensor.to(device)`` and ``module.to(device)`` run) gives a meta tensor again instead of failing ("Cannot copy
+    out of meta tensor"). DeepSpeed's ``PipelineModule`` moves the stage it built to the accelerator in its
+    constructor (``self.to(get_accelerator().device_name(local_rank))``, deepspeed/runtime/pipe/module.py:215 in
+    0.19.8), so a stage built on the meta device can only stay there this way; every other op runs as it is.
+    torch's hook for this is a ``TorchDispatchMode`` (``torch.utils._python_dispatch``), which has no public
+    spelling."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    to_copy = torch.ops.aten._to_copy.default
+
+    class _MetaStaysMeta(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                               kwargs: dict[str, Any] | None = None) -> Any:
+            kwargs = dict(kwargs or {})
+            if func is to_copy and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+                kwargs["device"] = torch.device("meta")
+            return func(*args, **kwargs)
+
+    with _MetaStaysMeta():
+        yield

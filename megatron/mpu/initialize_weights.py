@@ -146,10 +146,17 @@ def initialize_param_(
 
     The full weight is drawn on the CPU in fp32 whatever `param`'s device and dtype (the same numbers
     wherever the model is built), and only this rank's shard is copied into `param`: the host holds
-    one full weight at a time, never the model."""
-    full = torch.empty(tuple(full_shape), dtype=torch.float32, device="cpu")
-    init_fn(full, param_generator(seed, name))
+    one full weight at a time, never the model.
+
+    A parameter on the ``meta`` device holds no values (the rehearsal builds every rank's part of a large
+    model that way, megatron/app/rehearsal.py): its shard is cut from a meta tensor of the full shape, so
+    the shapes are checked as ever, and nothing is drawn."""
+    drawn = not param.is_meta
+    full = torch.empty(tuple(full_shape), dtype=torch.float32, device="cpu" if drawn else "meta")
+    if drawn:
+        init_fn(full, param_generator(seed, name))
     local = full if partition_dim is None else shard_tensor(full, partition_dim, rank, world, sections)
     if tuple(local.shape) != tuple(param.shape):
         raise ValueError(f"{name}: shard shape {tuple(local.shape)} != parameter shape {tuple(param.shape)}")
-    param.copy_(local.to(dtype=param.dtype, device=param.device))
+    if drawn:
+        param.copy_(local.to(dtype=param.dtype, device=param.device))

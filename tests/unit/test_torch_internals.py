@@ -80,3 +80,42 @@ def test_compile_counts_count_graphs_and_breaks() -> None:
     torch.compile(f, backend="eager")(torch.ones(2))
     assert compile_counts() == (2, 1)
     reset_compile_counts()
+
+
+def test_fake_process_group_makes_this_process_any_rank_and_cleans_up() -> None:
+    """torch's ``fake`` backend (registered by ``torch.testing._internal.distributed.fake_pg``): rank 517 of 1,024,
+    groups of any ranks, collectives that return at once (also on meta tensors); afterwards no process group and
+    the traceback hook as it was (``init_process_group`` prefixes tracebacks with the rank)."""
+    import sys
+
+    import torch.distributed as dist
+
+    hook = sys.excepthook
+    with torch_internals.fake_process_group(517, 1024):
+        assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (517, 1024, "fake")
+        group = dist.new_group(ranks=[516, 517])
+        assert dist.get_world_size(group) == 2 and dist.get_rank(group) == 1
+        ones = torch.ones(3)
+        dist.all_reduce(ones)
+        assert torch.equal(ones, torch.ones(3))  # nothing moved
+        dist.all_reduce(torch.empty(4, device="meta"), group=group)
+    assert not dist.is_initialized() and sys.excepthook is hook
+    with pytest.raises(RuntimeError, match="already exists"):
+        with torch_internals.fake_process_group(0, 2):
+            with torch_internals.fake_process_group(1, 2):
+                pass
+    assert not dist.is_initialized()
+
+
+def test_meta_tensors_stay_on_meta_through_module_to() -> None:
+    """DeepSpeed's PipelineModule calls ``self.to(<accelerator device>)`` on the stage it built; a meta stage fails
+    there without the mode, stays on meta with it, and real tensors still move."""
+    with torch.device("meta"):
+        module = torch.nn.Linear(3, 2)
+    with pytest.raises(NotImplementedError):
+        module.to("cpu")
+    with torch_internals.meta_tensors_stay_on_meta():
+        module.to("cpu")
+        moved = torch.ones(2, dtype=torch.float64).to(torch.float32)
+    assert {p.device.type for p in module.parameters()} == {"meta"}
+    assert moved.dtype == torch.float32 and moved.device.type == "cpu"
