@@ -61,6 +61,7 @@ from megatron.model.norms import norm_entry
 from megatron.model.transformer_options import POSITIONAL
 from megatron.model.lora_config import LoRAArgs
 from megatron.training.config import compute_dtype
+from megatron.training.zero_shards import deepspeed_optimizer
 
 if TYPE_CHECKING:
     from megatron.training.run_views import RunViews
@@ -311,9 +312,9 @@ def gradient_bytes(layout: MemoryLayout, trainable: int) -> float:
     """Gradients on one device at their peak, by the optimizer DeepSpeed 0.19.8 builds (module doc)."""
     w, dp, stage = _BYTES[layout.precision], layout.dp, layout.zero_stage
     accum = layout.grad_accum_bytes or w
-    bf16_optimizer = layout.precision == "bf16" and (
-        (stage == 0 and layout.pipeline_engine) or (stage == 1 and accum == 4 and not layout.offload_optimizer))
-    if bf16_optimizer:
+    wrapper = deepspeed_optimizer(layout.precision, stage, layout.pipeline_engine, layout.grad_accum_bytes,
+                                  layout.offload_optimizer)
+    if wrapper == "bf16":
         # its whole fp32 gradient buffer, and the bf16 gradients of the backward, which it adds into
         # the buffer only after the backward (bf16.immediate_grad_update is off by default)
         return (4.0 + w) * trainable
