@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from megatron.training.memory import MemoryFit
     from megatron.neox_arguments.dialects import Flag
 
-USAGE = ("deepy.py [--dry-run] [--verbose] [--debug] [-d CONF_DIR] USER_SCRIPT CONFIG [CONFIG ...] [key=value ...]\n"
+USAGE = ("deepy.py [--dry-run] [--rehearse N] [--verbose] [--debug] [-d CONF_DIR] USER_SCRIPT CONFIG [CONFIG ...] "
+         "[key=value ...]\n"
          "       deepy.py [--dry-run] USER_SCRIPT --config_path LEVANTER.yaml [--section.key value ...]\n"
          "       deepy.py [--dry-run] USER_SCRIPT [FMS.yaml] --key=value ... (fms-fsdp's flags)")
 
@@ -51,6 +52,8 @@ class DeepyCommand:
     """Show the libraries' own lines (DeepSpeed's INFO lines, the launch command, every rank's place)."""
     dialect_flags: tuple[Flag, ...] = ()
     """Levanter's ``--config_path F``/``--a.b value`` or fms-fsdp's ``--key=value`` flags."""
+    rehearse: int | None = None
+    """``--rehearse N``: check and show a launch of N ranks on this machine, train nothing (megatron/app/rehearsal.py)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,6 +70,9 @@ examples (from the repository root, after the README's quick start):
                                                   check everything, print the resolved config, launch nothing
   python deepy.py train.py -d configs tiny local_setup train_iters=50      key=value overrides come last
   python deepy.py generate.py configs/tiny.yml configs/local_setup.yml text_gen_type=unconditional
+  python deepy.py --rehearse 1024 train.py configs/20B.yml configs/local_setup.yml model_parallel_size=8 pipe_parallel_size=8
+                                                  every check at 1,024 ranks, then each rank's parameters, ZeRO
+                                                  shards, traffic and memory, on this machine (docs/rehearsal.md)
 
 Every config mistake stops deepy.py before anything starts: one message naming the key and its
 file:line, exit code 2. Keys: configs/neox_arguments.md."""
@@ -82,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--dry-run", action="store_true", help="run every check, print the resolved config, launch nothing")
+    parser.add_argument("--rehearse", type=int, metavar="N", default=None,
+                        help="run every check as a launch of N ranks would, then show each rank's parameters, ZeRO "
+                             "shards, communication and memory; launch nothing, use no GPU (docs/rehearsal.md)")
     parser.add_argument("--verbose", action="store_true",
                         help="show the libraries' own output too: DeepSpeed's INFO lines and step line, the launch "
                              "command, each rank's place in the layout (deepspeed_log_level=info)")
@@ -116,8 +125,10 @@ def parse_command(argv: Sequence[str]) -> DeepyCommand:
         raise UsageError(f"user script not found: {ns.user_script}")
     if not configs and not dialect_flags:
         raise UsageError(f"no config file given after {ns.user_script}\nusage: {USAGE}")
+    if ns.rehearse is not None and ns.rehearse < 1:
+        raise UsageError(f"--rehearse takes the number of ranks to rehearse (1 or more), got {ns.rehearse}")
     return DeepyCommand(ns.user_script, configs, overrides, ns.conf_dir, ns.dry_run, ns.debug,
-                        ns.verbose or ns.debug, tuple(dialect_flags))
+                        ns.verbose or ns.debug, tuple(dialect_flags), ns.rehearse)
 
 
 def resolve(command: DeepyCommand, device: Device | None = None, world: int | None = None) -> ResolvedConfig:
@@ -491,10 +502,16 @@ def save_lock_note(resolved: ResolvedConfig, user_script: str) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     command = parse_command(sys.argv[1:] if argv is None else argv)
-    resolved = resolve(command)
+    resolved = resolve(command, world=command.rehearse)
     if command.verbose and "deepspeed_log_level" not in resolved.provenance:
         resolved.args.deepspeed_log_level = "info"  # --verbose/--debug show DeepSpeed's own INFO lines too
         resolved.provenance["deepspeed_log_level"] = "cli"
+    if command.rehearse is not None:  # nothing is launched, with or without --dry-run
+        from megatron.app.rehearsal import rehearse
+
+        given = " ".join([*command.config_files, *command.overrides, *(f.text for f in command.dialect_flags)])
+        return rehearse(resolved, command.user_script, given, command.rehearse, check_memory,
+                        notes(resolved, command.user_script))
     finished = already_finished(resolved, command.user_script)
     if finished is not None and not command.dry_run:
         # nothing is launched, so no rank re-runs the final evaluations or logs their rows again

@@ -29,7 +29,7 @@ from megatron.neox_arguments.yaml_source import LocatedDict, load_yaml_file, par
 
 GPT_NEOX = "gpt-neox"
 DEEPY_FLAGS = frozenset({"--dry-run", "--debug", "--verbose", "--help"})
-DEEPY_VALUE_FLAGS = frozenset({"-d", "--conf_dir", "--conf-dir"})
+DEEPY_VALUE_FLAGS = frozenset({"-d", "--conf_dir", "--conf-dir", "--rehearse"})
 
 
 def _neox_fields() -> set[str]:
@@ -74,7 +74,7 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[Flag]]:
     while i < len(tokens):
         token = tokens[i]
         name = token.partition("=")[0]
-        if name in DEEPY_FLAGS or token in DEEPY_VALUE_FLAGS or not token.startswith("--") or token == "--":
+        if name in DEEPY_FLAGS or name in DEEPY_VALUE_FLAGS or not token.startswith("--") or token == "--":
             rest.append(token)
             if token in DEEPY_VALUE_FLAGS and i + 1 < len(tokens):
                 rest.append(tokens[i + 1])
