@@ -19,7 +19,7 @@ from pydantic import Field
 from megatron.config_rules import DERIVED
 from megatron.config_schema import ArgGroup, not_supported
 
-LauncherName = Literal["pdsh", "openmpi", "mvapich", "mpich", "slurm"]
+LauncherName = Literal["pdsh", "openmpi", "mvapich", "mpich", "slurm", "torchrun"]
 
 
 class DeepSpeedRunnerArgs(ArgGroup):
@@ -48,7 +48,9 @@ class DeepSpeedRunnerArgs(ArgGroup):
     """Address of the master node; unset means the first host."""
 
     launcher: LauncherName = "pdsh"
-    """How ranks start: `pdsh` (DeepSpeed's runner, local or over ssh), `openmpi`/`mpich`/`mvapich` (mpirun), `slurm` (srun)."""
+    """How ranks start: `pdsh` (DeepSpeed's runner, local or over ssh), `openmpi`/`mpich`/`mvapich` (mpirun), `slurm` (srun),
+    `torchrun` (torch's elastic agent on each node, started locally, by srun in a Slurm allocation or by pdsh over a
+    hostfile; `max_restarts` becomes its `--max-restarts`)."""
 
     force_multi: bool = False
     """With launcher pdsh: go through pdsh even for one node."""

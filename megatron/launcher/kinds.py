@@ -3,6 +3,7 @@
 - ``pdsh`` (default): DeepSpeed's runner; local ranks on one host, pdsh + ssh across hosts.
 - ``openmpi`` / ``mpich`` / ``mvapich``: ``mpirun`` starts every rank (:mod:`megatron.launcher.mpi`).
 - ``slurm``: ``srun`` starts every rank inside the allocation (:mod:`megatron.launcher.slurm`).
+- ``torchrun``: torch's elastic agent on every node starts the ranks (:mod:`megatron.launcher.torchrun`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from megatron.launcher.deepspeed_runner import plan_deepspeed_runner
 from megatron.launcher.mpi import plan_mpi
 from megatron.launcher.plan import LaunchPlan, PlanInputs
 from megatron.launcher.slurm import plan_slurm
+from megatron.launcher.torchrun import plan_torchrun
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,6 +37,8 @@ LAUNCHERS: dict[str, LauncherKind] = {
         LauncherKind(name="mpich", doc="mpirun (MPICH Hydra) starts every rank", build=partial(plan_mpi, kind="mpich")),
         LauncherKind(name="mvapich", doc="mpirun (MVAPICH2) starts every rank", build=partial(plan_mpi, kind="mvapich")),
         LauncherKind(name="slurm", doc="srun starts every rank inside the allocation", build=plan_slurm),
+        LauncherKind(name="torchrun", doc="torchrun's elastic agent on every node (srun in a Slurm allocation, pdsh "
+                                          "over a hostfile) starts the ranks and restarts them", build=plan_torchrun),
     )
 }  # fmt: skip
 

@@ -48,6 +48,13 @@ class LaunchPlan:
     master_port: int | None = None
     in_place: bool = False
     """deepy runs the worker itself (it was started as one task of srun/mpirun)."""
+    restarts_itself: bool = False
+    """The launched command restarts failed ranks itself (torchrun's agents, ``max_restarts`` passed on to them):
+    deepy.py does not launch again."""
+    worker_prefix: str | None = None
+    """What comes before ``--deepy_config PATH`` on a rank's command line, where the pdsh stop route must tell the
+    ranks from the launchers by it (torchrun's agents end the same: ``... SCRIPT --deepy_config PATH``); None: a
+    rank's ``--local_rank=N`` (DeepSpeed's per-node launcher)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -35,8 +35,10 @@ def names_config(cmdline: list[str], config_path: str) -> bool:
 
 def is_rank_cmdline(cmdline: list[str], config_path: str) -> bool:
     """A worker of this run: ``... SCRIPT [--local_rank=N] --deepy_config PATH``, not a launcher
-    (DeepSpeed's runner or per-node launcher, or deepy's ``local_ranks``) whose arguments end the same."""
-    if any(arg.startswith("deepspeed.launcher") or arg == "megatron.launcher.local_ranks" for arg in cmdline):
+    (DeepSpeed's runner or per-node launcher, deepy's ``local_ranks``, torchrun's agent) whose arguments end the
+    same."""
+    launchers = ("megatron.launcher.local_ranks", "torch.distributed.run", "megatron.launcher.torchrun")
+    if any(arg.startswith("deepspeed.launcher") or arg in launchers for arg in cmdline):
         return False
     return names_config(cmdline, config_path)
 

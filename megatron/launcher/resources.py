@@ -126,8 +126,11 @@ def scheduler_world(config: DeepSpeedRunnerArgs, environ: Mapping[str, str]) -> 
 
 def uses_local_pool(config: DeepSpeedRunnerArgs, environ: Mapping[str, str]) -> bool:
     """True when the ranks run on this machine only, sized by num_gpus or the device count."""
+    from megatron.launcher.slurm import in_allocation
+
     return (
         config.launcher != "slurm"
+        and not (config.launcher == "torchrun" and in_allocation(environ))
         and scheduler_world(config, environ) is None
         and not config.hostfile
         and not os.path.isfile(DEFAULT_HOSTFILE)
@@ -149,6 +152,11 @@ def resource_pool(
     world = scheduler_world(config, environ)
     if world is not None:
         return {"(started by the scheduler)": list(range(world))}
+    if config.launcher == "torchrun":
+        from megatron.launcher.slurm import allocation_pool, in_allocation
+
+        if in_allocation(environ):  # srun starts an agent on each node of the allocation
+            return allocation_pool(environ)
     if config.launcher == "slurm":
         from megatron.launcher.slurm import allocation_pool, in_allocation
 

@@ -111,6 +111,11 @@ def run_with_restarts(plan: LaunchPlan, replan: Callable[[], LaunchPlan], enviro
             code = supervisor.run()
             if code == 0 or supervisor.stop_signal is not None or policy.max_restarts == 0:
                 return code
+            if plan.restarts_itself:  # torchrun's agents had max_restarts themselves (launcher: torchrun)
+                print(f"deepy: the run failed after torchrun's restarts (--max-restarts={policy.max_restarts}); the "
+                      f"last committed checkpoint is {policy.last_checkpoint() or 'none (nothing was saved)'}",
+                      flush=True)  # fmt: skip
+                return code
             rank, reason = first_failure(policy.run_dir)
             step = heartbeats.steps_done(policy.run_dir)
             checkpoint = policy.last_checkpoint()

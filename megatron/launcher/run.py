@@ -72,7 +72,9 @@ def pdsh_stop_command(plan: LaunchPlan, signum: int) -> list[str]:
     launcher's has no ``--local_rank=``. ``[-]`` keeps the pattern from matching the remote shell
     that runs pkill, whose own command line contains the pattern.
     """
-    pattern = f"[-]-local_rank=[0-9]+ --deepy_config {_regex_escape(plan.config_path)}( |$)"
+    before = "[-]-local_rank=[0-9]+" if plan.worker_prefix is None else "[" + _regex_escape(plan.worker_prefix)[0] + "]" \
+        + _regex_escape(plan.worker_prefix)[1:]
+    pattern = f"{before} --deepy_config {_regex_escape(plan.config_path)}( |$)"
     remote = f"pkill -{signal.Signals(signum).name.removeprefix('SIG')} -f -- {shlex.quote(pattern)}"
     return ["pdsh", "-S", "-R", "ssh", "-w", ",".join(plan.hosts), remote]
 

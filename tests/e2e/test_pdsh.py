@@ -115,3 +115,23 @@ def test_a_failing_rank_sets_deepys_exit_code_through_pdsh(ssh_args: str, tmp_pa
     assert done.stdout.count("deepy: starting 2 ranks via pdsh") == 2 and "deepy: restart 1 of 1: " in done.stdout
     assert "deepy: giving up after 1 restart (max_restarts=1)" in done.stdout
     assert survivors(tmp_path, wait_s=10) == []
+
+
+def test_launcher_torchrun_starts_an_agent_on_every_host_through_pdsh(ssh_args: str, tmp_path: Path) -> None:
+    """issue 45: ``launcher: torchrun`` over a hostfile of two hosts (both this machine, through its sshd): pdsh
+    starts a torchrun agent on each, the agents meet at the first host and start one rank each; SIGTERM to deepy
+    reaches the ranks (not the agents) through pdsh, and everything ends cleanly."""
+    worker = write_script(tmp_path, "stop_worker.py", STOP_WORKER)
+    (tmp_path / "hostfile").write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    env = {"PDSH_SSH_ARGS_APPEND": ssh_args}
+    run = start_deepy(tmp_path, worker, str(write_model(tmp_path)), "launcher=torchrun", "hostfile=hostfile",
+                      "master_addr=127.0.0.1", "no_ssh_check=true", "log_dir=logs", env=env)
+    places = ready_files(tmp_path, 2, run)
+    assert "via pdsh + torchrun" in run.output and "--nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d" in run.output
+    assert sorted((p["RANK"], p["LOCAL_RANK"], p["WORLD_SIZE"]) for p in places) == [("0", "0", "2"), ("1", "0", "2")]
+    assert len({p["MASTER_PORT"] for p in places}) == 1
+    os.kill(run.proc.pid, signal.SIGTERM)
+    assert run.wait(timeout=120) == 0, run.output[-4000:]
+    assert stopped_signals(tmp_path) == ["SIGUSR1", "SIGUSR1"]
+    assert "deepy: stopped on SIGTERM: every rank stopped cleanly" in run.output
+    assert survivors(tmp_path, wait_s=10) == []

@@ -115,6 +115,28 @@ def test_scancel_stops_a_two_node_job_which_resumes_on_the_same_curve(
     assert_curves_match(curve, reference_curve, 1e-6)
 
 
+def test_launcher_torchrun_runs_an_agent_per_node_which_restarts_a_killed_rank(
+    slurm: SlurmCluster, tmp_path: Path, reference_curve: dict[int, float]
+) -> None:
+    """issue 45: ``launcher: torchrun`` in the batch step: srun starts one torchrun agent per node (c10d rendezvous
+    at the first node), ``max_restarts: 1`` is the agents' ``--max-restarts``; a ``kill -9`` of rank 1 at step 13
+    is restarted by them (not by deepy) and the job finishes on the uninterrupted curve."""
+    write_model(tmp_path)
+    faults = {"DEEPY_FAULTS": "kill:1:13", "DEEPY_FAULT_MARKERS": str(tmp_path)}
+    job = submit(slurm, tmp_path, "model.yml", "launcher=torchrun", "max_restarts=1", "log_dir=logs", "save=ckpt",
+                 "load=ckpt", "checkpoint_factor=10", script=str(REPO / "tests" / "e2e" / "fault_train.py"), env=faults)
+    info = slurm.wait_job(job)
+    out = job_output(tmp_path, job)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), out[-6000:]
+    assert "via srun + torchrun" in out and "--nodes=2 --ntasks=2 --ntasks-per-node=1" in out
+    assert f"--nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:" in out
+    assert f"--rdzv-id=slurm-{job} --max-restarts=1" in out
+    assert (tmp_path / "fault0-kill-1-13").is_file() and "deepy: restart" not in out
+    assert "resumed from ckpt/global_step10 (iteration 10" in out
+    assert_curves_match(losses(tmp_path / "logs"), reference_curve, 1e-6)
+    assert survivors(tmp_path, wait_s=10) == []
+
+
 def test_a_signal_to_deepy_in_the_batch_step_reaches_every_rank(slurm: SlurmCluster, tmp_path: Path) -> None:
     worker = write_script(tmp_path, "stop_worker.py", STOP_WORKER)
     env = {"WANDB_API_KEY": SECRET, "PYTHONPATH": f"{REPO}:/opt/user-lib"}

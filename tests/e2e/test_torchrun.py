@@ -135,3 +135,20 @@ def test_config_files_without_a_launcher_say_how_to_start(tmp_path: Path) -> Non
     assert "runs as a worker of torchrun or DeepSpeed's launcher" in done.stderr
     assert "python deepy.py" in done.stderr and "Traceback" not in done.stderr
     assert done.stderr.count("deepy: usage error") == 1 or done.stderr.count("deepy:") == 1
+
+
+def test_launcher_torchrun_restarts_a_killed_rank_through_torchrun(tmp_path: Path,
+                                                                   reference_curve: dict[int, float]) -> None:
+    """``launcher: torchrun`` with ``max_restarts: 1``: deepy.py starts torchrun's agent, which restarts the ranks
+    after a ``kill -9`` (``--max-restarts=1``); deepy.py does not launch again."""
+    write_model(tmp_path)
+    done = subprocess.run([sys.executable, str(REPO / "deepy.py"), FAULTS, "model.yml", "launcher=torchrun", "num_gpus=2",
+                           "max_restarts=1", *SAVE], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=deepy_env({"DEEPY_FAULTS": "kill:0:13", "DEEPY_FAULT_MARKERS": str(tmp_path)}))
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    assert "via local torchrun" in out and "-m torch.distributed.run --nnodes=1 --nproc-per-node=2" in out
+    assert "--max-restarts=1" in out and "deepy: restart" not in out  # torchrun restarted, not deepy
+    assert (tmp_path / "fault0-kill-0-13").is_file() and "exitcode: -9" in out
+    assert "resumed from ckpt/global_step10 (iteration 10" in out
+    assert_curves_match(losses(tmp_path / "logs"), reference_curve, 1e-6)
