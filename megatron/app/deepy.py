@@ -70,9 +70,10 @@ examples (from the repository root, after the README's quick start):
                                                   check everything, print the resolved config, launch nothing
   python deepy.py train.py -d configs tiny local_setup train_iters=50      key=value overrides come last
   python deepy.py generate.py configs/tiny.yml configs/local_setup.yml text_gen_type=unconditional
-  python deepy.py --rehearse 1024 train.py configs/20B.yml configs/local_setup.yml model_parallel_size=8 pipe_parallel_size=8
-                                                  every check at 1,024 ranks, then each rank's parameters, ZeRO
-                                                  shards, traffic and memory, on this machine (docs/rehearsal.md)
+  python deepy.py --rehearse 1024 train.py configs/llama2/70B.yml configs/local_setup.yml pipe_parallel_size=8 \\
+         save=checkpoints_70b load=checkpoints_70b
+                                                  every check as at 1,024 ranks, then each rank's parameters, ZeRO
+                                                  shards, traffic and memory; nothing trains (docs/rehearsal.md)
 
 Every config mistake stops deepy.py before anything starts: one message naming the key and its
 file:line, exit code 2. Keys: configs/neox_arguments.md."""

@@ -268,7 +268,8 @@ def render(r: Rehearsal, user_script: str, given: str, notes: Sequence[str], sec
         f"Step: global batch {batch.global_size:,} = micro batch {batch.micro} x {batch.gas} micro-batch(es) x "
         f"dp {batch.dp}, seq_length {layout.seq_length:,}",
         "",
-        "Pipeline stages (as PipelineModule partitions the layers; params: this build's, per tp rank and summed):"
+        "Pipeline stages (as PipelineModule partitions the layers; parameters per tp rank, and summed over the tp "
+        "ranks, the norms and biases each of them holds counted on each):"
         if parallel.uses_pipeline_module else "The model (no pipeline: one GPTModel per rank):",
         *stage_lines(r),
         "",
