@@ -311,7 +311,8 @@ def write_and_lock(resolved: ResolvedConfig, script: str, launch: ExternalLaunch
     if launch.local_rank == 0:  # once per node: the nodes need not share a file system
         resolved.write(config_path)
         rank_errors.clear(run_dir)  # the last attempt's records (torchrun restarts into the same directory)
-    lock, refusal = None, [None]
+    lock: SaveLock | None = None
+    refusal: list[str | None] = [None]
     if launch.rank == 0:
         try:
             lock = take_lock(resolved, script, launch)

@@ -40,6 +40,10 @@ NOT_HERE = {
     ("python", "-m", "pip"): "installs: .ci/run runs the README's install command on a fresh machine",
     ("python", "-m", "pytest"): "the suite itself (.ci/run)",
     ("nvidia-smi",): "names the GPU of the GPU runbook (docs/benchmarks.md)",
+    ("docker",): "builds the image (docs/kubernetes_skypilot.md): tests/unit/test_cluster_manifests.py checks the "
+                 "Dockerfile",
+    ("kubectl",): "needs a Kubernetes cluster: tests/unit/test_cluster_manifests.py validates the manifests",
+    ("sky",): "needs a cloud: tests/unit/test_cluster_manifests.py validates the SkyPilot task",
 }
 """Commands (by their first words) checked elsewhere or only meaningful on other hardware."""
 

@@ -224,6 +224,8 @@ def check(command: Command, quick: Command) -> str | None:
                   if not any(a.startswith(f"{k}=") for a in given)]  # the command's own num_gpus= wins
         # what the batch script runs inside the allocation (outside one: its size from sbatch's options)
         return _dry_run(["train.py", *argv[at + 1:], "launcher=slurm", "deepspeed_slurm=true", *counts], train=True)
+    if argv[0] in ("torchrun", "deepspeed"):
+        return _external(argv)
     if argv[:2] == ["python", "deepy.py"]:
         if len(argv) == 2:
             return None  # `python deepy.py` in a sentence: the program's name
@@ -256,6 +258,36 @@ def _dry_run(args: list[str], train: bool, quick: bool = False) -> str | None:
     load = re.search(r'^load\s+"?([^"\s]+)"?\s', said, re.M)  # the resolved table's row (JSON-quoted value)
     if train and not quick and load and load.group(1) == "checkpoints":
         return "it loads the quick start's checkpoints/: give it its own save/load (initialize_from to start from it)"
+    return None
+
+
+def _external(argv: list[str]) -> str | None:
+    """``torchrun [its flags] train.py CONFIG...`` or ``deepspeed [its flags] train.py CONFIG...`` (docs/torchrun.md):
+    the launcher's own parser takes the command, and every worker's checks pass at the world size it starts (the
+    agreement between the ranks and training itself: tests/e2e/test_torchrun.py)."""
+    from megatron.app.deepy import parse_command, resolve
+    from megatron.app.external_launch import strip_launcher_flags
+    from megatron.errors import DeepyError
+
+    if argv[0] == "torchrun":
+        from torch.distributed.run import get_args_parser
+
+        parsed = get_args_parser().parse_args(argv[1:])
+        nodes = int(str(parsed.nnodes).split(":")[-1])
+        world = nodes * int(parsed.nproc_per_node)
+        script, args = parsed.training_script, parsed.training_script_args
+    else:
+        from deepspeed.launcher.runner import fetch_hostfile, parse_args
+
+        parsed = parse_args(argv[1:])
+        world = sum(fetch_hostfile(parsed.hostfile).values())
+        script, args = parsed.user_script, parsed.user_args
+    if not Path(script).is_file():
+        return f"{script} does not exist"
+    try:
+        resolve(parse_command([script, *strip_launcher_flags(args)]), world=world)
+    except DeepyError as err:
+        return f"a worker would refuse: {err.kind}: {err.message}"
     return None
 
 

@@ -8,6 +8,8 @@ are two "nodes" (``--nnodes 2 --nproc-per-node 1``, c10d rendezvous on localhost
 * Nodes given different configs, and running different code, are refused on both nodes before training, naming
   the key (with each side's file:line or ``cli``) and the source file.
 * DeepSpeed's runner with ``--no_ssh --node_rank K`` on each "node" trains on the same curve.
+* ``launcher: torchrun``: deepy.py starts the agent, which restarts a killed rank.
+* SIGTERM to every agent (a pod deletion) makes the workers save and stop.
 """
 
 from __future__ import annotations
@@ -18,7 +20,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch_helpers import REPO, TRAIN, TRAIN_ITERS, assert_curves_match, deepy_env, losses, write_model
+from launch_helpers import (
+    REPO,
+    TRAIN,
+    TRAIN_ITERS,
+    assert_curves_match,
+    deepy_env,
+    latest_step,
+    losses,
+    write_model,
+)
 from ports import free_port
 
 pytestmark = pytest.mark.slow
@@ -152,3 +163,29 @@ def test_launcher_torchrun_restarts_a_killed_rank_through_torchrun(tmp_path: Pat
     assert (tmp_path / "fault0-kill-0-13").is_file() and "exitcode: -9" in out
     assert "resumed from ckpt/global_step10 (iteration 10" in out
     assert_curves_match(losses(tmp_path / "logs"), reference_curve, 1e-6)
+
+
+def test_sigterm_to_every_agent_saves_a_checkpoint_as_a_pod_deletion_would(tmp_path: Path) -> None:
+    """Kubernetes deletes a pod with SIGTERM to its process: torchrun passes it on to its workers (torch 2.13
+    ``_shutdown(e.sigval)``, 30 s before SIGKILL), which finish the step, save and exit 0."""
+    import os
+    import signal
+    import time
+
+    write_model(tmp_path)
+    port = free_port()
+    argv = torchrun(port, FAULTS, "model.yml", *SAVE)
+    # slow steps (0.3 s per micro-batch on rank 0) so that the signal lands mid-run
+    env = deepy_env({"DEEPY_FAULTS": "slow:0:0.3", "DEEPY_FAULT_MARKERS": str(tmp_path)})
+    procs = [subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    metrics = tmp_path / "logs" / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not (metrics.is_file() and '"iteration": 3' in metrics.read_text()):
+        time.sleep(0.2)
+    for proc in procs:
+        os.kill(proc.pid, signal.SIGTERM)
+    out = "".join(proc.communicate(timeout=120)[0] for proc in procs)
+    assert "preempted (SIGTERM); checkpoint saved" in out, out[-4000:]
+    step = latest_step(tmp_path / "ckpt")
+    assert 3 <= step < TRAIN_ITERS and max(losses(tmp_path / "logs")) == step
