@@ -368,6 +368,9 @@ def resilience_lines(resolved: ResolvedConfig) -> list[str]:
     restarts = (f"restarts: up to {args.max_restarts} relaunch(es) from the last checkpoint when a rank dies or "
                 f"hangs (max_restarts)" if args.max_restarts else "restarts: none, a failed rank ends the run "
                 "(max_restarts: 0)")
+    if args.launcher == "torchrun" and args.max_restarts:
+        restarts = (f"restarts: torchrun's agents restart the ranks up to {args.max_restarts} time(s) from the last "
+                    f"checkpoint when one dies or hangs (max_restarts, their --max-restarts)")
     hang = ", ".join(f"{key}={getattr(args, key)}" for key in ("hang_timeout", "startup_hang_timeout"))
     lines = ["Resilience:", f"  {restarts}",
              f"  hang watch: {hang} (null: off)",

@@ -110,3 +110,18 @@ def test_the_code_fingerprint_names_every_source_file_and_library(tmp_path: Path
     found = code_fingerprint("train.py")
     assert "megatron/app/external_launch.py" in found and "train.py" in found and "torch" in found
     assert len({v for k, v in found.items() if k.endswith(".py")}) > 100  # one digest per file, not one in all
+
+
+def test_the_dry_run_says_torchrun_restarts_and_shows_its_command(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron.app.deepy import main
+
+    (tmp_path / "model.yml").write_text(
+        "num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\nseq_length: 32\nmax_position_embeddings: 32\n"
+        "train_batch_size: 8\ntrain_iters: 10\nlr: 0.001\nuse_dummy_dataset: true\ntokenizer_type: CharLevelTokenizer\n")
+    monkeypatch.chdir(tmp_path)
+    train = str(Path(__file__).resolve().parents[2] / "train.py")
+    assert main(["--dry-run", train, "model.yml", "launcher=torchrun", "num_gpus=2", "max_restarts=2"]) == 0
+    out = capsys.readouterr().out
+    assert "restarts: torchrun's agents restart the ranks up to 2 time(s)" in out
+    assert "Launch: 2 rank(s) via local torchrun:" in out and "--max-restarts=2" in out
