@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from megatron.training.memory import MemoryFit
     from megatron.neox_arguments.dialects import Flag
 
-USAGE = ("deepy.py [--dry-run] [--rehearse N] [--verbose] [--debug] [-d CONF_DIR] USER_SCRIPT CONFIG [CONFIG ...] "
+USAGE = ("deepy.py [--dry-run] [--verbose] [--debug] [--rehearse N] [-d CONF_DIR] USER_SCRIPT CONFIG [CONFIG ...] "
          "[key=value ...]\n"
          "       deepy.py [--dry-run] USER_SCRIPT --config_path LEVANTER.yaml [--section.key value ...]\n"
          "       deepy.py [--dry-run] USER_SCRIPT [FMS.yaml] --key=value ... (fms-fsdp's flags)")

@@ -11,7 +11,8 @@ size, ``a`` bytes per activation (the compute dtype), ``m`` micro-batches per st
   ``gpt_j_residual``) and twice in the backward (the gradients of the column-parallel inputs); a recomputed
   block (activation checkpointing) runs its forward again; the vocab-parallel embedding all-reduces its output
   and the vocab-parallel logits the gradient of their input. Under sequence parallelism each all-reduce is an
-  all-gather plus a reduce-scatter: the same bytes. ``partition_activations`` all-gathers each checkpointed
+  all-gather plus a reduce-scatter: the same bytes; the embedding, which splits its all-reduced output over the
+  sequence, also all-gathers that output's gradient. ``partition_activations`` all-gathers each checkpointed
   chunk's saved input once more before it is recomputed. The cross-entropy's ``[b, s]`` statistics (1/h of one
   all-reduce) are left out. tests/unit/test_rehearsal.py counts a block's collectives on the fake backend.
 * **pp** (DeepSpeed's PipelineEngine, 0.19.8): per micro-batch a stage sends its output to the next stage and the
@@ -93,6 +94,10 @@ def tensor_parallel(shape: StepShape, blocks: int, recomputed: int, chunks: int,
                                      f"block, embedding {int(embedding)}, logits {int(lm_head)})",
                     formula=f"m x {count} x 2(t-1)/t x s*b*h*a",
                     sent=round(m * count * 2 * _ring(t) * act))]
+    if shape.sequence_parallel and embedding:
+        # the embedding splits its all-reduced output over the sequence: its gradient is all-gathered back
+        rows.append(Traffic(group="tp", what="sequence parallelism: the embedding's output gradient all-gathered",
+                            formula="m x (t-1)/t x s*b*h*a", sent=round(m * _ring(t) * act)))
     if shape.partition_activations and chunks:
         rows.append(Traffic(group="tp", what=f"partition_activations: {chunks} checkpointed input(s) all-gathered",
                             formula=f"m x {chunks} x (t-1)/t x s*b*h*a", sent=round(m * chunks * _ring(t) * act)))

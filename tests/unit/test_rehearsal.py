@@ -24,7 +24,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -356,60 +355,101 @@ def test_zero_layouts_are_the_ones_deepspeed_builds() -> None:
 
 
 # --- the tensor-parallel collectives, counted while the layers run ------------------------------------------------
-@pytest.fixture
-def fake_tp2() -> Iterator[None]:
-    from megatron import mpu
-    from megatron.torch_internals import fake_process_group
+COLLECTIVES = r"""
+import json, sys, warnings
+import torch
+from torch.distributed.tensor.debug import CommDebugMode
 
-    with fake_process_group(1, 4):
-        mpu.initialize_model_parallel(2, 0)
-        try:
-            yield
-        finally:
-            mpu.destroy_model_parallel()
+sys.path.insert(0, "tests")
+from gpt_configs import gpt_config
+from megatron import mpu
+from megatron.model.embedding import GPTEmbedding
+from megatron.model.transformer_layer import TransformerLayer
+from megatron.mpu.layers import parallel_lm_logits
+from megatron.torch_internals import fake_process_group
+
+warnings.filterwarnings("ignore", "Full backward hook is firing")  # meta tokens need no gradient
 
 
-def _collectives(run: object) -> dict[str, int]:
-    from torch.distributed.tensor.debug import CommDebugMode
+def counted(run):
+    with CommDebugMode() as counts:
+        run()
+    return {str(op).split(".")[-1]: n for op, n in counts.get_comm_counts().items()}
 
-    with CommDebugMode() as counted:
-        run()  # type: ignore[operator]
-    return {str(op).split(".")[-1]: n for op, n in counted.get_comm_counts().items()}
+
+found = {}
+with fake_process_group(1, 4):
+    mpu.initialize_model_parallel(2, 0)  # rank 1 of a tp-2 group
+    for gpt_j in (False, True):
+        for sp in (False, True):
+            config = gpt_config(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16,
+                                max_position_embeddings=16, padded_vocab_size=128, gpt_j_residual=gpt_j,
+                                sequence_parallel=sp)
+            with torch.device("meta"):
+                layer = TransformerLayer(config, 0)
+                x = torch.randn(8 if sp else 16, 2, 64, requires_grad=True)
+            out = []
+            found[f"block {gpt_j} {sp}"] = [counted(lambda: out.append(layer(x))),
+                                            counted(lambda: out[0].sum().backward())]
+    for sp in (False, True):
+        config = gpt_config(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16,
+                            max_position_embeddings=16, padded_vocab_size=128, sequence_parallel=sp)
+        with torch.device("meta"):
+            embedding = GPTEmbedding(config)
+            tokens = torch.zeros(2, 16, dtype=torch.long)
+            hidden = torch.randn(8 if sp else 16, 2, 64, requires_grad=True)
+        out = []
+        found[f"embedding {sp}"] = [counted(lambda: out.append(embedding(tokens))),
+                                    counted(lambda: out[0].sum().backward())]
+        weight = embedding.word_embeddings.weight
+        logits = []
+        found[f"logits {sp}"] = [counted(lambda: logits.append(parallel_lm_logits(hidden, weight, sp))),
+                                 counted(lambda: logits[0].sum().backward())]
+    mpu.destroy_model_parallel()
+print(json.dumps(found))
+"""
+
+
+@pytest.fixture(scope="module")
+def collectives() -> dict[str, list[dict[str, int]]]:
+    """(forward, backward) collectives of each layer at tp 2, run on the meta device on the fake backend, counted by
+    torch's CommDebugMode; in a process of its own (a pytest worker may hold the single-rank gloo world other tests
+    share: tests/single_rank.py)."""
+    done = subprocess.run([sys.executable, "-c", COLLECTIVES], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("gpt_j_residual", [False, True])
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_a_block_all_reduces_twice_forward_and_twice_backward(fake_tp2: None, gpt_j_residual: bool,
-                                                              sequence_parallel: bool) -> None:
-    from megatron.model.transformer_layer import TransformerLayer
-
-    config = gpt_config(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16, max_position_embeddings=16,
-                        padded_vocab_size=128, gpt_j_residual=gpt_j_residual, sequence_parallel=sequence_parallel)
-    with torch.device("meta"):
-        layer = TransformerLayer(config, 0)
-        x = torch.randn(8 if sequence_parallel else 16, 2, 64, requires_grad=True)
-    out: list[torch.Tensor] = []
-    forward = _collectives(lambda: out.append(layer(x)))
-    backward = _collectives(lambda: out[0].sum().backward())
+def test_a_block_all_reduces_twice_forward_and_twice_backward(collectives: dict[str, list[dict[str, int]]],
+                                                              gpt_j_residual: bool, sequence_parallel: bool) -> None:
+    forward, backward = collectives[f"block {gpt_j_residual} {sequence_parallel}"]
     # an all-reduce, or under sequence parallelism an all-gather plus a reduce-scatter (the same bytes)
     expected = {"_allgather_base_": 2, "_reduce_scatter_base_": 2} if sequence_parallel else {"allreduce_": 2}
     assert forward == expected and backward == expected
 
 
-@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # meta tokens need no gradient
-def test_the_embedding_all_reduces_forward_and_the_logits_backward(fake_tp2: None) -> None:
-    from megatron.model.embedding import GPTEmbedding
-    from megatron.mpu.layers import parallel_lm_logits
+def test_the_embedding_all_reduces_forward_and_the_logits_backward(collectives: dict[str, list[dict[str, int]]]) -> None:
+    assert collectives["embedding False"] == [{"allreduce_": 1}, {}]
+    assert collectives["logits False"] == [{}, {"allreduce_": 1}]
+    # sequence parallelism: the embedding's output is split after its all-reduce, so its gradient is gathered back;
+    # the logits gather the sequence and reduce-scatter its gradient (an all-reduce's bytes)
+    assert collectives["embedding True"] == [{"allreduce_": 1}, {"_allgather_base_": 1}]
+    assert collectives["logits True"] == [{"_allgather_base_": 1}, {"_reduce_scatter_base_": 1}]
 
-    config = gpt_config(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16, max_position_embeddings=16,
-                        padded_vocab_size=128)
-    with torch.device("meta"):
-        embedding = GPTEmbedding(config)
-        tokens = torch.zeros(2, 16, dtype=torch.long)
-        hidden = torch.randn(16, 2, 64, requires_grad=True)
-    out: list[torch.Tensor] = []
-    assert _collectives(lambda: out.append(embedding(tokens))) == {"allreduce_": 1}
-    assert _collectives(lambda: out[0].sum().backward()) == {}
-    logits: list[torch.Tensor] = []
-    assert _collectives(lambda: logits.append(parallel_lm_logits(hidden, embedding.word_embeddings.weight))) == {}
-    assert _collectives(lambda: logits[0].sum().backward()) == {"allreduce_": 1}
+
+def test_the_tp_rows_follow_the_counted_collectives_under_sequence_parallelism() -> None:
+    """The first stage of a tp-2 pipeline with sequence parallelism, 3 blocks, none recomputed: the counts above
+    (4 all-reduces' bytes per block, the embedding's all-reduce and its gradient's all-gather), and the received
+    gradient regathered from the tp ranks' halves of the sequence shard the stage hands on."""
+    from megatron.training.comm_volume import StepShape, tensor_parallel
+
+    shape = StepShape(tp=2, stages=2, dp=1, micro_batch=2, seq_length=16, hidden=64, micro_batches=3,
+                      activation_bytes=2, sequence_parallel=True, partition_activations=False, comm_bytes=4)
+    act = 16 * 2 * 64 * 2
+    rows = {row.formula: row.sent for row in tensor_parallel(shape, blocks=3, recomputed=0, chunks=0, embedding=True,
+                                                              lm_head=False, first=True, last=False)}
+    assert rows == {"m x 13 x 2(t-1)/t x s*b*h*a": 3 * 13 * act, "m x (t-1)/t x s*b*h*a": 3 * act // 2,
+                    "m x 1 x (t-1)/t x O": 3 * (act // 2) // 2}

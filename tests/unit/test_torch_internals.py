@@ -82,29 +82,48 @@ def test_compile_counts_count_graphs_and_breaks() -> None:
     reset_compile_counts()
 
 
+FAKE_WORLD = """
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron import torch_internals
+
+hook = sys.excepthook
+with torch_internals.fake_process_group(517, 1024):
+    assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (517, 1024, "fake")
+    group = dist.new_group(ranks=[516, 517])
+    assert dist.get_world_size(group) == 2 and dist.get_rank(group) == 1
+    ones = torch.ones(3)
+    dist.all_reduce(ones)
+    assert torch.equal(ones, torch.ones(3))  # nothing moved
+    dist.all_reduce(torch.empty(4, device="meta"), group=group)
+assert not dist.is_initialized() and sys.excepthook is hook
+with pytest.raises(RuntimeError, match="already exists"):
+    with torch_internals.fake_process_group(0, 2):
+        with torch_internals.fake_process_group(1, 2):
+            pass
+assert not dist.is_initialized()
+print("ok")
+"""
+
+
 def test_fake_process_group_makes_this_process_any_rank_and_cleans_up() -> None:
     """torch's ``fake`` backend (registered by ``torch.testing._internal.distributed.fake_pg``): rank 517 of 1,024,
     groups of any ranks, collectives that return at once (also on meta tensors); afterwards no process group and
-    the traceback hook as it was (``init_process_group`` prefixes tracebacks with the rank)."""
+    the traceback hook as it was (``init_process_group`` prefixes tracebacks with the rank). In a process of its
+    own: a pytest worker may hold the single-rank gloo world other tests share (tests/single_rank.py)."""
+    import os
+    import subprocess
     import sys
+    from pathlib import Path
 
-    import torch.distributed as dist
-
-    hook = sys.excepthook
-    with torch_internals.fake_process_group(517, 1024):
-        assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (517, 1024, "fake")
-        group = dist.new_group(ranks=[516, 517])
-        assert dist.get_world_size(group) == 2 and dist.get_rank(group) == 1
-        ones = torch.ones(3)
-        dist.all_reduce(ones)
-        assert torch.equal(ones, torch.ones(3))  # nothing moved
-        dist.all_reduce(torch.empty(4, device="meta"), group=group)
-    assert not dist.is_initialized() and sys.excepthook is hook
-    with pytest.raises(RuntimeError, match="already exists"):
-        with torch_internals.fake_process_group(0, 2):
-            with torch_internals.fake_process_group(1, 2):
-                pass
-    assert not dist.is_initialized()
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", FAKE_WORLD], cwd=repo, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(repo)})
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 def test_meta_tensors_stay_on_meta_through_module_to() -> None:
