@@ -233,6 +233,31 @@ def checkpoint_writes_to(engine: Any, write: Callable[[Any, str], None]) -> Iter
         ckpt_engine.save = original
 
 
+@contextlib.contextmanager
+def activation_checkpointing_kept() -> Iterator[None]:
+    """Undo, on leaving, what ``deepspeed.checkpointing.configure`` and the model-parallel seeding set in
+    DeepSpeed 0.19.8's activation-checkpointing module (module globals: ``mpu``, ``mp_rank``, ``mp_group``,
+    ``PARTITION_ACTIVATIONS``, ``num_layers``, ...; the RNG tracker's states): a rehearsal configures it as rank r
+    of a fake world, and a process that goes on (a test worker, a tool) would otherwise recompute blocks with
+    that rank's seeds and options."""
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    names = [name for name, value in vars(checkpointing).items()
+             if not name.startswith("__") and not callable(value) and not isinstance(value, type(checkpointing))]
+    saved = {name: getattr(checkpointing, name) for name in names}
+    lists = {name: list(value) for name, value in saved.items() if isinstance(value, list)}
+    tracker = checkpointing.get_cuda_rng_tracker()
+    states = tracker.get_states()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(checkpointing, name, value)
+            if name in lists:
+                value[:] = lists[name]
+        tracker.set_states(states)
+
+
 def model_parallel_rng_tracker_name() -> str:
     """The name under which DeepSpeed's activation checkpointing replays the tensor-parallel RNG
     stream: our dropout must draw from the same tracker entry for recompute to be exact."""

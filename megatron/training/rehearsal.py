@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron import mpu
-from megatron.deepspeed_internals import skip_shared_memory_comm_op
+from megatron.deepspeed_internals import activation_checkpointing_kept, skip_shared_memory_comm_op
 from megatron.logging.console import deepspeed_prints_quiet
 from megatron.model.block import Block
 from megatron.model.config import GPTConfig
@@ -86,7 +86,7 @@ def fake_rank(rank: int, world: int, run: RunViews) -> Iterator[None]:
     saved = os.environ.get("LOCAL_RANK")
     os.environ["LOCAL_RANK"] = "0"  # PipelineModule reads it to place the stage (which stays on meta)
     try:
-        with fake_process_group(rank, world):
+        with activation_checkpointing_kept(), fake_process_group(rank, world):
             # DeepSpeed's comm layer (PipelineModule's groups) over the same process group
             deepspeed.init_distributed(dist_backend="fake", auto_mpi_discovery=False, rank=rank, world_size=world)
             mpu.initialize_model_parallel(parallel.model_parallel_size, parallel.pipe_parallel_size,

@@ -534,3 +534,37 @@ def test_checkpoint_writes_go_where_a_background_save_sends_them(engine, tmp_pat
     assert isinstance(zipfile, bool) and seen
     assert not any((tmp_path / "tag").glob("*.pt")), "the engine wrote a file itself"
     assert engine.checkpoint_engine.save == original
+
+
+def test_activation_checkpointing_state_is_restored_after_a_rehearsal_configures_it() -> None:
+    """The rehearsal configures DeepSpeed's activation checkpointing as rank r of a fake world; the process keeps
+    its own configuration afterwards (the documented-commands test rehearses in a pytest worker, whose later
+    tests recompute blocks: they drew other dropout masks before this was undone)."""
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    from megatron.deepspeed_internals import activation_checkpointing_kept
+
+    before = (checkpointing.mpu, checkpointing.PARTITION_ACTIVATIONS, checkpointing.num_layers,
+              checkpointing.deepspeed_checkpointing_enabled)
+    tracker_before = checkpointing.get_cuda_rng_tracker().get_states()
+
+    class FakeMpu:
+        def get_model_parallel_rank(self) -> int:
+            return 3
+
+        def get_model_parallel_world_size(self) -> int:
+            return 8
+
+        def get_model_parallel_group(self) -> None:
+            return None
+
+    with activation_checkpointing_kept():
+        # what configure(mpu, partition_activations=True, num_checkpoints=7) sets (it needs a process group)
+        checkpointing.mpu, checkpointing.PARTITION_ACTIVATIONS, checkpointing.num_layers = FakeMpu(), True, 7
+        checkpointing.deepspeed_checkpointing_enabled = True
+        checkpointing.get_cuda_rng_tracker().add("rehearsal-seed", 99)
+        assert checkpointing.PARTITION_ACTIVATIONS and checkpointing.num_layers == 7
+    after = (checkpointing.mpu, checkpointing.PARTITION_ACTIVATIONS, checkpointing.num_layers,
+             checkpointing.deepspeed_checkpointing_enabled)
+    assert after == before
+    assert set(checkpointing.get_cuda_rng_tracker().get_states()) == set(tracker_before)
