@@ -13,7 +13,7 @@ import json
 import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -30,7 +30,7 @@ ENTRY_POINTS_OF_TEXTGEN = ("generate.py", "eval.py")
 if TYPE_CHECKING:
     from megatron.config_rules import Device
     from megatron.launcher import LaunchPlan
-    from megatron.launcher.save_lock import SaveLock
+    from megatron.launcher.save_lock import Holder, SaveLock
     from megatron.training.memory import MemoryFit
     from megatron.neox_arguments.dialects import Flag
 
@@ -467,8 +467,7 @@ def take_save_lock(resolved: ResolvedConfig, command: DeepyCommand, plan: Launch
     """The lock of ``save`` for a launch that trains into it (megatron/launcher/save_lock.py); None for one
     that does not write there (generate.py, eval.py), has no ``save``, or is an in-place task other than
     rank 0's. Another run holding it is a config error naming it."""
-    from megatron.config_rules import RuleContext
-    from megatron.launcher.save_lock import SaveDirInUse, acquire, this_process
+    from megatron.launcher.save_lock import this_process
     from megatron.logging.rank_errors import current_rank
 
     save = local_save(resolved)
@@ -478,8 +477,18 @@ def take_save_lock(resolved: ResolvedConfig, command: DeepyCommand, plan: Launch
         return None
     holder = this_process(shlex.join([os.path.basename(sys.executable), "deepy.py", *sys.argv[1:]]),
                           resolved.run_name or "", resolved.directory or "")
+    return lock_save(resolved, save, holder)
+
+
+def lock_save(resolved: ResolvedConfig, save: str, holder: Holder,
+              takes_over: Callable[[Holder], bool] | None = None) -> SaveLock:
+    """Take ``save``'s lock for ``holder`` (``save_lock.acquire``, ``takes_over`` as there); another run holding it
+    is a config error naming ``save`` where the config set it; a stale lock taken over is said."""
+    from megatron.config_rules import RuleContext
+    from megatron.launcher.save_lock import SaveDirInUse, acquire
+
     try:
-        lock, note = acquire(save, holder)
+        lock, note = acquire(save, holder, takes_over=takes_over)
     except SaveDirInUse as busy:
         shown = RuleContext(args=resolved.args, provenance=resolved.provenance).show("save")
         raise ConfigError(f"{shown}: {busy.describe()}: wait for it to end or stop it, or save this run "

@@ -333,9 +333,8 @@ def take_lock(resolved: ResolvedConfig, script: str, launch: ExternalLaunch) -> 
     """``save``'s lock (megatron/launcher/save_lock.py) for this job. A restart of the same torchrun job (same
     rendezvous id) takes over its own earlier attempt's lock even where that one's holder ran on another node
     (the rank 0 of an attempt may land on any node)."""
-    from megatron.app.deepy import local_save
-    from megatron.config_rules import RuleContext
-    from megatron.launcher.save_lock import Holder, SaveDirInUse, acquire, this_process
+    from megatron.app.deepy import local_save, lock_save
+    from megatron.launcher.save_lock import Holder, this_process
 
     save = local_save(resolved)
     if not save:
@@ -348,12 +347,4 @@ def take_lock(resolved: ResolvedConfig, script: str, launch: ExternalLaunch) -> 
         return launch.rendezvous_id is not None and launch.restart > 0 and found.command.startswith(
             shlex.join([job + ":"]))
 
-    try:
-        lock, note = acquire(save, holder, takes_over=same_job)
-    except SaveDirInUse as busy:
-        shown = RuleContext(args=resolved.args, provenance=resolved.provenance).show("save")
-        raise ConfigError(f"{shown}: {busy.describe()}: wait for it to end or stop it, or save this run "
-                          f"elsewhere") from None
-    if note is not None:
-        print(f"deepy: note: {note}", flush=True)
-    return lock
+    return lock_save(resolved, save, holder, takes_over=same_job)

@@ -61,7 +61,7 @@ from megatron.model.norms import norm_entry
 from megatron.model.transformer_options import POSITIONAL
 from megatron.model.lora_config import LoRAArgs
 from megatron.training.config import compute_dtype
-from megatron.training.zero_shards import deepspeed_optimizer
+from megatron.training.zero_shards import WEIGHT_BYTES, deepspeed_optimizer
 
 if TYPE_CHECKING:
     from megatron.training.run_views import RunViews
@@ -71,7 +71,6 @@ GiB = 1024**3
 # fp32 state tensors per parameter, by optimizer type (lower-cased)
 _STATE_TENSORS: dict[str, int] = {"adam": 2, "adamw": 2, "cpu_adam": 2, "cpuadam": 2, "cpu_torch_adam": 2,
                                   "lamb": 2, "lion": 1, "sgd": 1}
-_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -152,7 +151,7 @@ class MemoryLayout:
             dropout=bool(model.hidden_dropout or model.attention_dropout),
             lora=run.lora,
             pipeline_engine=run.parallel.pipe_parallel_size >= 1,
-            grad_accum_bytes=_BYTES.get(str(accum)) if accum else None,
+            grad_accum_bytes=WEIGHT_BYTES.get(str(accum)) if accum else None,
             # DeepSpeed honours these two under ZeRO 1-3 only (runtime/config.py:706-714 in 0.19.8)
             master_bytes=2 if stage > 0 and bf16.get("bf16_master_weights_and_grads") else 4,
             state_bytes=2 if stage > 0 and bf16.get("bf16_optimizer_states") else 4,
@@ -273,7 +272,7 @@ def sdpa_kernel(c: GPTConfig, precision: str, seq_length: int) -> SdpaKernel:
 def activation_bytes(layout: MemoryLayout) -> float:
     c, s, b, t = layout.model, layout.seq_length, layout.micro_batch, layout.tp
     h, ffn = c.arch.hidden, c.ffn_hidden_size
-    a = _BYTES[layout.precision]
+    a = WEIGHT_BYTES[layout.precision]
     # RMSNorm normalises an fp32 copy of its input, which autograd keeps (torch's rms_norm saves it)
     fp32_norm_input = 4 if norm_entry(c.norm_settings).keeps_fp32_input and a < 4 else 0
     kv = c.kv_heads * c.head_dim
@@ -310,7 +309,7 @@ def activation_bytes(layout: MemoryLayout) -> float:
 
 def gradient_bytes(layout: MemoryLayout, trainable: int) -> float:
     """Gradients on one device at their peak, by the optimizer DeepSpeed 0.19.8 builds (module doc)."""
-    w, dp, stage = _BYTES[layout.precision], layout.dp, layout.zero_stage
+    w, dp, stage = WEIGHT_BYTES[layout.precision], layout.dp, layout.zero_stage
     accum = layout.grad_accum_bytes or w
     wrapper = deepspeed_optimizer(layout.precision, stage, layout.pipeline_engine, layout.grad_accum_bytes,
                                   layout.offload_optimizer)
@@ -329,7 +328,7 @@ _NAME = {4: "fp32", 2: "bf16"}
 def estimate(layout: MemoryLayout) -> MemoryEstimate:
     p = stage_parameters(layout) + adapter_parameters(layout)
     t = trainable_parameters(layout)  # p without adapters; else the frozen rest keeps its weights only
-    w = _BYTES[layout.precision]
+    w = WEIGHT_BYTES[layout.precision]
     dp, k, stage = layout.dp, layout.optimizer_states, layout.zero_stage
     grads = gradient_bytes(layout, t)
     if stage == 0:
@@ -496,7 +495,7 @@ class MemoryFit:
         if not self.cpu_ranks:
             return est.offloaded
         buckets = 2 if self.layout.overlap_comm else 1
-        filled = _BYTES[self.layout.precision] * trainable_parameters(self.layout) * buckets
+        filled = WEIGHT_BYTES[self.layout.precision] * trainable_parameters(self.layout) * buckets
         return est.model_states + est.offloaded + min(est.zero_buckets, filled) + est.activations
 
     def largest_part(self) -> str:

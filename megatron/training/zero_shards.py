@@ -123,14 +123,15 @@ class Precision:
 
     @property
     def weight_bytes(self) -> int:
-        return _WEIGHT_BYTES[self.precision]
+        return WEIGHT_BYTES[self.precision]
 
     @property
     def accum_bytes(self) -> int:
         return self.grad_accum_bytes or self.weight_bytes
 
 
-_WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes per element of each ``precision`` (the memory estimate reads it too)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
