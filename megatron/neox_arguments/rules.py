@@ -25,14 +25,19 @@ def world_splits_into_model_parallel(ctx: RuleContext) -> list[str]:
         return [
             f"world size {ctx.world_size} is not divisible by model_parallel_size x pipeline stages x "
             f"context_parallel_size = {ctx.tp} x {ctx.pp} x {ctx.cp} ({ctx.show('model_parallel_size')}, "
-            f"{ctx.show('pipe_parallel_size')}, {ctx.show('context_parallel_size')}): set num_gpus (ranks per "
-            f"node) so the world size is a multiple of {ctx.tp * ctx.pp * ctx.cp}"
+            f"{ctx.show('pipe_parallel_size')}, {ctx.show('context_parallel_size')}): {_resize(ctx.tp * ctx.pp * ctx.cp)}"
         ]
     return [
         f"world size {ctx.world_size} is not divisible by model_parallel_size x pipeline stages = "
         f"{ctx.tp} x {ctx.pp} ({ctx.show('model_parallel_size')}, {ctx.show('pipe_parallel_size')}): "
-        f"set num_gpus (ranks per node) so the world size is a multiple of {ctx.tp * ctx.pp}"
+        f"{_resize(ctx.tp * ctx.pp)}"
     ]
+
+
+def _resize(multiple: int) -> str:
+    """What sets the world size, by launch."""
+    return (f"start a multiple of {multiple} ranks (deepy.py: num_gpus per node x nodes; torchrun: --nnodes x "
+            f"--nproc-per-node; a rehearsal: --rehearse N)")
 
 
 @rule
