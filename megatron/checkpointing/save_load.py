@@ -17,10 +17,7 @@ caught, all ranks agree on the outcome with an all-reduce, and only then everybo
 ``CheckpointError``. So a full disk stops the run loudly instead of hanging it, and the previous
 checkpoint - the one ``latest`` points to - is never touched.
 
-Random-number-generator state:
-Random-number-generator state of one rank, as plain tensors and numbers.
-
-Everything is converted to tensors, ints and lists so the file loads with
+Random-number-generator state: each rank's, as plain tensors and numbers. Everything is converted to tensors, ints and lists so the file loads with
 ``torch.load(weights_only=True)``: no pickled numpy or Python objects, hence no code execution
 from a checkpoint someone handed you.
 """

@@ -314,11 +314,6 @@ def replicated_layer_parameters(config: Any, layer_type: str, norm: NormParams) 
     return family_entry(layer_type).replicated(config, layer_type, norm)
 
 
-def non_matmul_parameters(config: Any, layer_type: str) -> int:
-    """Parameters that do not multiply each token once, left out of the 6 x N of the FLOPs count."""
-    return family_entry(layer_type).non_matmul(config, layer_type)
-
-
 def token_mixing_flops(config: Any, layer_type: str, seq_length: int) -> float:
     """Forward FLOPs per token of what mixes positions (attention's products, the scan, the recurrence, the
     spatial projection)."""

@@ -12,7 +12,7 @@ from megatron.errors import required
 from megatron.model import family_config as families
 from megatron.model.config import GPTConfig
 from megatron.model.norms import norm_entry
-from megatron.model.transformer_options import POSITIONAL, expert_parameters, layer_norms
+from megatron.model.transformer_options import POSITIONAL
 
 
 def norm_parameters(config: GPTConfig, dim: int) -> int:
@@ -27,26 +27,11 @@ def _norm(config: GPTConfig) -> families.NormParams:
     return lambda dim: entry.parameters(dim, settings)
 
 
-def mlp_parameters(config: GPTConfig, expert: bool = False) -> int:
-    """Parameters of one dense MLP (``expert``: of one expert of an MoE layer, whose width follows
-    GPT-NeoX's expert rule; Deepy's experts gate and carry biases like the dense MLP)."""
-    from megatron.model.transformer_options import MLP_TYPES
-
-    if expert:
-        return expert_parameters(config)
-    return MLP_TYPES[config.mlp_type].parameters(config, config.mlp_widths.gated)
-
-
 def layer_parameters(config: GPTConfig, layer_number: int = 0, active: bool = False) -> int:
     """Parameters of one layer: its family's entry. An MoE layer holds ``moe_num_experts`` experts and a
     router; with ``active`` only the ``moe_top_k`` experts a token passes through count."""
     kind = config.attention_types[layer_number]
     return families.layer_parameters(config, kind, _norm(config), layer_number, active)
-
-
-def layer_norm_parameters(config: GPTConfig) -> int:
-    """Parameters of one transformer layer's norms (one shared norm with a tied parallel residual)."""
-    return layer_norms(config, _norm(config))
 
 
 def final_norm_parameters(config: GPTConfig) -> int:

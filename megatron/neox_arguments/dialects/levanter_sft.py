@@ -165,11 +165,6 @@ def convert_argv(ctx: Context, urls: list[str], tokenizer: str, prefix: str) -> 
             "--max-length", str(_value(ctx, "max_seq_len")))
 
 
-def convert_command(ctx: Context, urls: list[str], tokenizer: str, prefix: str) -> str:
-    """:func:`convert_argv` as one command line."""
-    return "python " + " ".join(convert_argv(ctx, urls, tokenizer, prefix))
-
-
 def _chat_train_urls(value: Any, ctx: Context) -> dict[str, Any]:
     if _value(ctx, "dataset_type") != "chat_jsonl":
         return noted("read only with dataset_type chat_jsonl")
