@@ -205,12 +205,13 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
     bad_steps = None if rule is None else BadStepGate(eng.engine, rule)
     if bad_steps is not None:
         eng.before_update = bad_steps.set_loss
+    zero_stage = int(eng.engine.zero_optimization_stage())  # the engine's (the config's), read once
     # also without `load`: a fresh start refuses a `save` directory that already holds a run
     state = ckpt.load(eng, TrainState())
     # Levanter's sft.py: at step 0 only, after the starting weights are loaded (a resume keeps the run's rows)
     redrawn = reinit_tokens(eng.engine.module, run.reinit, tokenizer, iteration=state.iteration,
                             tied=not model_config.no_weight_tying, seed=training.seed, optimizer=eng.engine.optimizer,
-                            partitioned=int(eng.engine.zero_optimization_stage()) == 3)
+                            partitioned=zero_stage == 3)
     if redrawn and speaks():
         log.info("reinit_tokens: re-drew the rows of %s in %s", ", ".join(run.reinit.reinit_tokens or []),
                  " and ".join(redrawn))
@@ -242,7 +243,7 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
             world_size=dist.get_world_size() if dist.is_initialized() else 1,
             dp=batch.dp, tp=run.parallel.model_parallel_size, pp=run.parallel.pipe_stages,
             cp=run.parallel.context_parallel_size,
-            zero_stage=int((run.deepspeed_config.get("zero_optimization") or {}).get("stage", 0) or 0),
+            zero_stage=zero_stage,
             precision=compute_dtype(training.precision), micro_batch=batch.micro, accumulation=batch.gas,
             global_batch=batch.global_size, seq_length=seq,
             rows_per_sample=objective.rows_per_sample,
@@ -284,7 +285,7 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
         valid=maybe_evaluator(eng, splits.valid, training.loop.eval_iters, eval_batch, dp_rank, device, "valid"),
         test=maybe_evaluator(eng, splits.test, training.loop.eval_iters, eval_batch, dp_rank, device, "test"),
         tasks=None if task_evaluation is None else task_evaluation(
-            eng, tokenizer, zero_stage=int((run.deepspeed_config.get("zero_optimization") or {}).get("stage", 0)),
+            eng, tokenizer, zero_stage=zero_stage,
             sequence_parallel=run.model.sequence_parallel and run.parallel.model_parallel_size > 1).run,
         tasks_interval=None if task_evaluation is None else task_evaluation.interval,
         end_reason=end_reason, averaging=averaging, bad_steps=bad_steps, schedule=schedule,
@@ -294,7 +295,7 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
     # DeepSpeed's communication timings (comms_logger): shown after the last step, and with verbose at log steps
     comms = CommsReport(run.deepspeed_config.get("comms_logger"), log_config.log_interval)
     hooks = Hooks(after_step=[ckpt.after_step, comms.after_step], at_exit=[ckpt.at_exit, comms.at_exit])
-    zero3 = int(eng.engine.zero_optimization_stage()) == 3  # every rank gathers the partitions, rank 0 keeps them
+    zero3 = zero_stage == 3  # every rank gathers the partitions, rank 0 keeps them
     average = None if averaging is None else lambda: averaging.whole(keep=rank == 0)  # gathered under ZeRO-3
     rename = model_parameter_name if eng.is_pipe else None  # a one-stage pipeline (pp 1): GPTModel's names back
     ema_beta = run.averaging.ema_beta
