@@ -11,6 +11,7 @@ import os
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
@@ -35,43 +36,19 @@ def default_schema() -> type[NeoXArgs]:
     return schema_class()
 
 
-def load_plugins_named_in(paths: Sequence[str], overrides: Sequence[str], conf_dir: str | None) -> list[str] | None:
-    """Import the plug-ins a config names (``plugins:`` in a file or an override) before its keys are
-    checked: their keys and registry names are part of the schema the rest is validated against.
-    Returns them as every rank finds them (``.py`` files as absolute paths), None when none are named."""
-    from megatron.plugins import load_user_plugins
+@dataclass(frozen=True)
+class ConfigFile:
+    """One config file, read once: its path and its parsed mapping (None when empty or only comments)."""
 
-    found: list[str] | None = None
-    for name in paths:
-        path = resolve_config_path(name, conf_dir)
-        data = load_yaml_file(path, {})
-        if isinstance(data, LocatedDict) and "plugins" in data:
-            specs = plain(data["plugins"])
-            if not isinstance(specs, list) or not all(isinstance(spec, str) for spec in specs):
-                raise ConfigError(f"plugins at {data.where('plugins')} must be a list of module names or .py files")
-            found = load_user_plugins(specs, where=data.where("plugins"),
-                                      base_dir=os.path.dirname(os.path.abspath(path)))
-    for override in parse_overrides(overrides):
-        if override.path == ("plugins",) and isinstance(override.value, list):
-            found = load_user_plugins(override.value, where="command line")
-    return found
+    path: str
+    data: LocatedDict | None
 
 
-def read_config_files(
-    paths: Sequence[str], field_names: Iterable[str], conf_dir: str | None = None
-) -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
-    """Read and merge files in order -> ``(values, provenance, file texts)``.
-
-    Every problem found (unknown keys, keys set twice) is collected and raised as one error, so a
-    user fixes a config in one round instead of one key per launch.
-    """
-    names = list(field_names)
-    known = set(names)
-    values: dict[str, Any] = {}
-    provenance: dict[str, str] = {}
-    spelled: dict[str, str] = {}  # argument -> key as written where it was first set
+def read_config_files(paths: Sequence[str], conf_dir: str | None = None) -> tuple[list[ConfigFile], dict[str, str]]:
+    """Read and parse each file once, in order -> ``(files, texts)`` (``texts``: every file's text by path, with
+    the files they include)."""
     texts: dict[str, str] = {}
-    problems: list[str] = []
+    files: list[ConfigFile] = []
     read: set[str] = set()
     for name in paths:
         path = resolve_config_path(name, conf_dir)
@@ -79,32 +56,76 @@ def read_config_files(
             raise ConfigError(f"config file {path} is given twice; list it once")
         read.add(os.path.realpath(path))
         data = load_yaml_file(path, texts)
-        if data is None:  # an empty file, or only comments
-            continue
-        if not isinstance(data, LocatedDict):
+        if data is not None and not isinstance(data, LocatedDict):
             raise ConfigError(
                 f"{path}: a config file must be a mapping of 'key: value' lines, found a {type(data).__name__}"
             )
-        for raw_key, value in data.items():
-            where = data.where(raw_key)
-            if not isinstance(raw_key, str):
-                problems.append(f"key {raw_key!r} at {where} is not a name; argument names are text")
-                continue
-            key = normalize_key(raw_key)
-            if key in provenance:
-                first = f"'{spelled[key]}' at {provenance[key]}"
-                again = f"'{raw_key}' at {where}"
-                problems.append(f"key '{key}' is set twice: {first} and {again}; keep one of them")
-                continue
-            if key not in known:
-                problems.append(unknown_key_message(raw_key, where, names))
-                continue
-            values[key] = aliased_value(raw_key, plain(value))
-            provenance[key] = where
-            spelled[key] = raw_key
-    if problems:
-        raise ConfigError(_join(problems))
-    return values, provenance, texts
+        files.append(ConfigFile(path, data))
+    return files, texts
+
+
+def load_plugins_named_in(files: Sequence[ConfigFile], overrides: Sequence[str]) -> list[str] | None:
+    """Import the plug-ins a config names (``plugins:`` in a file or an override) before its keys are
+    checked: their keys and registry names are part of the schema the rest is validated against.
+    Returns them as every rank finds them (``.py`` files as absolute paths), None when none are named."""
+    from megatron.plugins import load_user_plugins
+
+    found: list[str] | None = None
+    for item in files:
+        data = item.data
+        if data is not None and "plugins" in data:
+            specs = plain(data["plugins"])
+            if not isinstance(specs, list) or not all(isinstance(spec, str) for spec in specs):
+                raise ConfigError(f"plugins at {data.where('plugins')} must be a list of module names or .py files")
+            found = load_user_plugins(specs, where=data.where("plugins"),
+                                      base_dir=os.path.dirname(os.path.abspath(item.path)))
+    for override in parse_overrides(overrides):
+        if override.path == ("plugins",) and isinstance(override.value, list):
+            found = load_user_plugins(override.value, where="command line")
+    return found
+
+
+class _Keys:
+    """Keys taken in order, with the checks every source of keys gets (a name, known, set once): each problem is
+    collected, so a user fixes a config in one round instead of one key per launch."""
+
+    def __init__(self, field_names: Iterable[str]) -> None:
+        self.names = list(field_names)
+        self.known = set(self.names)
+        self.values: dict[str, Any] = {}
+        self.provenance: dict[str, str] = {}
+        self.spelled: dict[str, str] = {}  # argument -> key as written where it was first set
+        self.problems: list[str] = []
+
+    def take(self, raw_key: Any, value: Any, where: str) -> None:
+        if not isinstance(raw_key, str):
+            self.problems.append(f"key {raw_key!r} at {where} is not a name; argument names are text")
+            return
+        key = normalize_key(raw_key)
+        if key in self.provenance:
+            first = f"'{self.spelled[key]}' at {self.provenance[key]}"
+            self.problems.append(f"key '{key}' is set twice: {first} and '{raw_key}' at {where}; keep one of them")
+            return
+        if key not in self.known:
+            self.problems.append(unknown_key_message(raw_key, where, self.names))
+            return
+        self.values[key] = aliased_value(raw_key, plain(value))
+        self.provenance[key] = where
+        self.spelled[key] = raw_key
+
+    def checked(self) -> tuple[dict[str, Any], dict[str, str]]:
+        if self.problems:
+            raise ConfigError(_join(self.problems))
+        return self.values, self.provenance
+
+
+def merge_config_files(files: Sequence[ConfigFile], field_names: Iterable[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Merge the files' keys in order -> ``(values, provenance)``; every problem is raised as one error."""
+    keys = _Keys(field_names)
+    for item in files:
+        for raw_key, value in (item.data or {}).items():
+            keys.take(raw_key, value, item.data.where(raw_key) if item.data is not None else item.path)
+    return keys.checked()
 
 
 def _join(problems: list[str]) -> str:
@@ -281,10 +302,11 @@ def load_config(
                               dialect=translation.record())
     if not paths:
         raise ConfigError("no config file given; pass at least one .yml file (e.g. configs/125M.yml)")
-    plugin_specs = load_plugins_named_in(paths, overrides, conf_dir)
+    files, texts = read_config_files(paths, conf_dir)
+    plugin_specs = load_plugins_named_in(files, overrides)
     schema = default_schema()
     names = list(schema.model_fields)
-    values, provenance, texts = read_config_files(paths, names, conf_dir)
+    values, provenance = merge_config_files(files, names)
     apply_overrides(values, provenance, parse_overrides(overrides), names, lambda key: field_default(schema, key))
     replaced = command_line_wins(values, provenance)
     args = build_args(values, provenance, schema)
@@ -304,19 +326,9 @@ def config_from_mapping(values: Mapping[str, Any], source: str = "<mapping>") ->
 
         load_user_plugins(values["plugins"], where=source)
     schema = default_schema()
-    names = list(schema.model_fields)
-    known = set(names)
-    normalized: dict[str, Any] = {}
-    problems: list[str] = []
+    keys = _Keys(schema.model_fields)
     for raw_key, value in values.items():
-        key = normalize_key(raw_key)
-        if key not in known:
-            problems.append(unknown_key_message(raw_key, source, names))
-        elif key in normalized:
-            problems.append(f"key '{key}' is given twice in {source}")
-        else:
-            normalized[key] = aliased_value(raw_key, value)
-    if problems:
-        raise ConfigError(_join(problems))
+        keys.take(raw_key, value, source)
+    normalized, _ = keys.checked()
     provenance = {key: source for key in normalized}
     return ResolvedConfig(args=build_args(normalized, provenance, schema), provenance=provenance)
