@@ -286,6 +286,21 @@ FEATURE_VARIANTS: tuple[dict[str, Any], ...] = (
 )
 
 
+ARGUMENT_LAYER = ("megatron/neox_arguments/", "megatron/config_rules.py", "megatron/config_schema.py")
+"""Code that checks, derives and documents keys rather than honouring them: a read there does not count."""
+
+
+def source_reads(names: set[str]) -> set[str]:
+    """Keys of ``names`` a component's code reads as an attribute (``config.log_interval``, ``self.lora_r`` in the
+    group's own methods), anywhere in ``megatron/`` outside the argument layer: derived from the source, so a key
+    added to a group and read by its component needs no table here (issue 46)."""
+    repo = Path(__file__).resolve().parents[2]
+    source = "\n".join(path.read_text(encoding="utf-8") for path in sorted((repo / "megatron").rglob("*.py"))
+                       if not path.relative_to(repo).as_posix().startswith(ARGUMENT_LAYER))
+    attributes = set(re.findall(r"\.([A-Za-z_][A-Za-z0-9_]*)\b", source))
+    return names & attributes
+
+
 def keys_read(args: NeoXArgs, world_size: int = 1) -> set[str]:
     """Keys the component builders (train.py's and the other entry points') and the derivations
     read from ``args`` (a finalized config) and from its FEATURE_VARIANTS."""
@@ -305,4 +320,4 @@ def keys_read(args: NeoXArgs, world_size: int = 1) -> set[str]:
                 except DeepyError:
                     pass  # the variant does not suit this entry point; its reads so far still count
         read |= variant_recorder.read
-    return read | plugin_keys_read()
+    return read | plugin_keys_read() | source_reads(set(type(args).model_fields))
