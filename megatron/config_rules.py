@@ -3,7 +3,7 @@ checks.
 
 A check is a small function ``(ctx) -> list[str]`` registered with :func:`rule` in the module of the
 component whose keys it protects (``megatron/model/checks.py``, ``megatron/data/checks.py``,
-``megatron/training/optimizer_checks.py``, ...; rules between several components stay in
+``megatron/engine/optimizer_checks.py``, ...; rules between several components stay in
 ``megatron/neox_arguments/rules.py``; every module that registers checks is listed in
 ``megatron/neox_arguments/check_modules.py``). It returns one message per problem, naming the user's
 keys, their values and where they were set (``ctx.show(key)`` gives ``key=value (file:line)``) and

@@ -305,7 +305,7 @@ def wrap_gradient_allreduce(engine: Any, wrap: Callable[[Callable[..., None]], C
 
     ``engine.allreduce_gradients`` is the one method both ``DeepSpeedEngine.backward`` and the
     ``PipelineEngine``'s reduce step call; DeepSpeed offers no hook around it, and its own expert
-    support would need its MoE layer class (see ``training/moe.py``).
+    support would need its MoE layer class (see ``engine/moe.py``).
     """
     engine.allreduce_gradients = wrap(engine.allreduce_gradients)
 
@@ -442,7 +442,7 @@ def checkpoint_being_loaded(engine: Any) -> Callable[[], Any]:
     return lambda: (loading[-1] or None) if loading else None
 
 
-# --- hybrid sharding (megatron/training/hybrid_shard.py) ---------------------------------------------
+# --- hybrid sharding (megatron/engine/hybrid_shard.py) ---------------------------------------------
 def reduce_zero3_gradients_before_step(optimizer: Any, reduce: Callable[[Any], None]) -> None:
     """Call ``reduce(buffer)`` on ZeRO-3's partitioned gradients right before each optimizer step.
 

@@ -2,7 +2,7 @@
 
 The data, model, evaluation and checkpoint code read these needs instead of ``train_impl ==`` switches.
 They live here, below every component, because the data config (``megatron/data/config.py``) reads them
-while the objectives themselves (``megatron/training/objectives/``, declared in its ``registry.py``) sit
+while the objectives themselves (``megatron/objectives/``, declared in its ``registry.py``) sit
 above the data: the registry's entries carry the needs, and :mod:`megatron.plugins` imports the
 registry on first use.
 

@@ -14,7 +14,7 @@ know about it, so that adding one is one file (plus its test):
 
 The accepted values of the selecting keys (``lr_decay_style``, ``train_impl``, ``tokenizer_type``,
 ``tracker[].type``) are the registry's names (``optimizer.type``'s are the optimizer builders',
-``megatron/training/optimizer_block.py``). Deepy's own plug-ins register when their family's module
+``megatron/engine/optimizer_block.py``). Deepy's own plug-ins register when their family's module
 is imported (:data:`BUILTIN_MODULES`); a user's are named by the ``plugins`` config key (module names or
 ``.py`` paths) and imported before the config is validated, on the launcher and on every rank.
 
@@ -43,9 +43,9 @@ Family = Literal["lr_decay_style", "tracker", "train_impl", "tokenizer_type"]
 
 BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
     # GPT-NeoX's schedules, then Levanter's and fms-fsdp's (their dialects' curves)
-    "lr_decay_style": ("megatron.training.lr_schedules", "megatron.training.lr_dialects"),
+    "lr_decay_style": ("megatron.engine.lr_schedules", "megatron.engine.lr_dialects"),
     "tracker": ("megatron.logging.trackers",),
-    "train_impl": ("megatron.training.objectives.registry",),
+    "train_impl": ("megatron.objectives.registry",),
     "tokenizer_type": ("megatron.tokenizer.registry",),
 }
 """Family -> the modules whose import registers Deepy's own plug-ins of that family."""

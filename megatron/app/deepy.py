@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from megatron.config_rules import Device
     from megatron.launcher import LaunchPlan
     from megatron.launcher.save_lock import Holder, SaveLock
-    from megatron.training.memory import MemoryFit
+    from megatron.engine.memory import MemoryFit
     from megatron.neox_arguments.dialects import Flag
 
 USAGE = ("deepy.py [--dry-run] [--verbose] [--debug] [--rehearse N] [-d CONF_DIR] USER_SCRIPT CONFIG [CONFIG ...] "
@@ -172,7 +172,7 @@ def fill_in_for_inference(resolved: ResolvedConfig, user_script: str) -> None:
     placeholder data, each recorded as derived and said, instead of refusals for keys inference does
     not read."""
     from megatron.config_rules import DERIVED
-    from megatron.training.optimizer_config import peak_lr_setting
+    from megatron.engine.optimizer_config import peak_lr_setting
 
     if os.path.basename(user_script) not in ENTRY_POINTS_OF_TEXTGEN:
         return
@@ -414,16 +414,16 @@ def plan_run(resolved: ResolvedConfig, user_script: str, config_path: str) -> La
 
 
 def memory_report(resolved: ResolvedConfig) -> str:
-    """Per-device memory estimate of the resolved layout (see megatron/training/memory.py)."""
+    """Per-device memory estimate of the resolved layout (see megatron/engine/memory.py)."""
     return memory_fit(resolved).report()
 
 
 def memory_fit(resolved: ResolvedConfig) -> MemoryFit:
-    """The memory estimate of the resolved run against what its ranks will have (megatron/training/memory.py)."""
+    """The memory estimate of the resolved run against what its ranks will have (megatron/engine/memory.py)."""
     from megatron.config_rules import RuleContext
     from megatron.launcher.checks import runs_on_this_machine
     from megatron.neox_arguments.run_config import RunConfig
-    from megatron.training.memory import memory_fit as fit_of
+    from megatron.engine.memory import memory_fit as fit_of
 
     return fit_of(RunConfig.from_resolved(resolved),
                   launches_locally=runs_on_this_machine(RuleContext(args=resolved.args)))

@@ -294,7 +294,7 @@ def start(script: str, argv: Sequence[str], report: ErrorReport) -> ExternalStar
 def external_memory_fit(resolved: ResolvedConfig, launch: ExternalLaunch) -> Any:
     """The memory estimate, checked against this machine when every rank runs on it (one node)."""
     from megatron.neox_arguments.run_config import RunConfig
-    from megatron.training.memory import memory_fit
+    from megatron.engine.memory import memory_fit
 
     return memory_fit(RunConfig.from_resolved(resolved), launches_locally=launch.nodes == 1)
 

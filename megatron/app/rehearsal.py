@@ -6,14 +6,14 @@ it refuses is the usual one-line config error (exit code 2). Then this module sh
 hold and send:
 
 * the pipeline stages as DeepSpeed's ``PipelineModule`` partitions them, and each distinct (stage, tp rank)
-  partition of the model as the ranks build it (megatron/training/rehearsal.py: the training code's own
+  partition of the model as the ranks build it (megatron/engine/rehearsal.py: the engine's own
   ``build_model`` on the meta device, this process being rank ``r`` of ``N`` on torch's fake process group);
 * every rank's parameters and the bytes of weights, gradients, master weights and optimizer states it holds once
-  DeepSpeed 0.19.8 has wrapped the optimizer (megatron/training/zero_shards.py), ranks with the same figures in
+  DeepSpeed 0.19.8 has wrapped the optimizer (megatron/engine/zero_shards.py), ranks with the same figures in
   one row;
 * the bytes each rank sends per step in its tp, pp and dp groups, with the formula of each
-  (megatron/training/comm_volume.py);
-* the memory estimate per device of the dry run (megatron/training/memory.py), and its refusal when
+  (megatron/engine/comm_volume.py);
+* the memory estimate per device of the dry run (megatron/engine/memory.py), and its refusal when
   ``device_memory_gb`` says the estimate does not fit.
 
 The launch itself (hosts, ports, tools, the save lock) is the cluster's, not checked here. docs/rehearsal.md.
@@ -26,10 +26,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatron.training.comm_volume import StepShape, Traffic, data_parallel, pipeline, tensor_parallel, tied
-from megatron.training.memory import GiB, MemoryFit, memory_fit
-from megatron.training.rehearsal import Partition, build_partitions, rank_of
-from megatron.training.zero_shards import WRAPPER_NAMES, Elements, Holding, Precision, elements, holding
+from megatron.engine.comm_volume import StepShape, Traffic, data_parallel, pipeline, tensor_parallel, tied
+from megatron.engine.memory import GiB, MemoryFit, memory_fit
+from megatron.engine.rehearsal import Partition, build_partitions, rank_of
+from megatron.engine.zero_shards import WRAPPER_NAMES, Elements, Holding, Precision, elements, holding
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.resolved import ResolvedConfig

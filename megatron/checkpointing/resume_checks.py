@@ -13,7 +13,7 @@ universal conversion:
 * other LoRA adapters (``lora_r``, ``lora_alpha``, ``lora_target_modules``), none where the checkpoint has
   some, or some where a resumed checkpoint has none;
 * another LR schedule on resume (unless ``override_lr_scheduler`` or ``use_checkpoint_lr_scheduler``): the
-  schedule's own comparison (``training/lr_config.py``), handed to :func:`fit_problems`;
+  schedule's own comparison (``engine/lr_config.py``), handed to :func:`fit_problems`;
 * a layout change Deepy cannot make, and a new objective head (a reward model from a language model)
   started from a checkpoint at another layout.
 
@@ -320,7 +320,7 @@ FitCheck = Callable[[RuleContext, Start], list[str]]
 def fit_problems(ctx: RuleContext, start: Start, *, schedule: FitCheck) -> list[str]:
     """Everything in the checkpoint's recorded arguments this config contradicts (for generate.py and eval.py,
     which read the weights whole and take the adapters from the checkpoint: the architecture only).
-    ``schedule`` compares the LR schedules; it belongs to the schedule (``training/lr_config.py``:
+    ``schedule`` compares the LR schedules; it belongs to the schedule (``engine/lr_config.py``:
     ``schedule_problems``, above this package), so the argument layer hands it in."""
     if not ctx.trains:
         return shape_problems(ctx, start)

@@ -24,7 +24,7 @@ from megatron.generation.replica import ModelReplica
 from megatron.logging.log import get_logger
 from megatron.model.config import GPTConfig
 from megatron.tokenizer import Tokenizer
-from megatron.training.run_views import RunViews
+from megatron.engine.run_views import RunViews
 
 
 class InferenceRun(RunViews, Protocol):
@@ -55,11 +55,11 @@ def build_inference_model(run: InferenceRun, ckpt: Path, script: str, lora_chang
     from megatron.logging.log import setup_logging
     from megatron.mpu import topology
     from megatron.tokenizer import build_tokenizer
-    from megatron.training.engine import build_model
-    from megatron.training.objectives import LMObjective, ObjectiveArgs
-    from megatron.training.pretrain import limit_cpu_threads, speaks
+    from megatron.engine.build import build_model
+    from megatron.objectives import LMObjective, ObjectiveArgs
+    from megatron.engine.process import limit_cpu_threads, speaks
 
-    initialize(run.parallel, run.training.seed)
+    initialize(run.parallel, run.engine.seed)
     limit_cpu_threads()
     setup_logging(speaks())
     tokenizer = build_tokenizer(run.tokenizer)
@@ -76,7 +76,7 @@ def build_inference_model(run: InferenceRun, ckpt: Path, script: str, lora_chang
         module, step = _engine_module(run, model_config, ckpt, padded_vocab, script, reason)
     else:
         module, is_pipe = build_model(model_config, run.parallel, run.activation_config,
-                                      run.training.loop.compile_layers, LMObjective(ObjectiveArgs()),
+                                      run.engine.keys.compile_layers, LMObjective(ObjectiveArgs()),
                                       run.lora if run.lora.lora_enabled else None)
         weights, step = read_weights(ckpt, model_config)
         load_full_weights(module, model_config, weights, tp=topology.get_tensor_model_parallel_world_size(),
@@ -92,10 +92,10 @@ def _engine_module(run: InferenceRun, model_config: GPTConfig, ckpt: Path, padde
     """The model inside a training engine, loaded by the checkpoint loader: for the checkpoints whose `reason`
     the weights-only reader does not cover (see `generation.loading.engine_needed`)."""
     from megatron.generation.loading import load_committed_weights
-    from megatron.training.engine import build_engine
+    from megatron.engine.build import build_engine
 
     get_logger().info("%s: loading %s through the training engine (%s)", script, ckpt, reason)
-    eng = build_engine(run, model_config, train_iters=run.training.loop.train_iters or 1)
+    eng = build_engine(run, model_config, train_iters=run.engine.train_iters or 1)
     step = load_committed_weights(eng.engine, ckpt, {**run.args_record, "padded_vocab_size": padded_vocab}, script)
     return eng.engine.module, step
 

@@ -1,7 +1,7 @@
 """The weights generate.py and eval.py run: the newest committed checkpoint in `load`.
 
 Inference needs the model, not the training engine: the model is built as training builds it (plain
-`GPTModel` or this rank's `PipelineModule` stage, `megatron.training.engine.build_model`) but without an
+`GPTModel` or this rank's `PipelineModule` stage, `megatron.engine.build.build_model`) but without an
 optimizer, an LR schedule or `deepspeed.initialize`. Its weights come from the offline reader the HF export
 uses (`megatron.interop.deepy_checkpoint.read_full_checkpoint`: any tp, plain or pipeline, ZeRO 0-3), fitted
 to this run's padded vocabulary and cut to this rank's tensor-parallel shard (:func:`load_full_weights`).

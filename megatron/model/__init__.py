@@ -12,7 +12,7 @@ Conventions:
   rank r holds chunk r of each part (`tp_partition_patterns`, `mpu.initialize_weights.shard_tensor`).
 * `lm_loss(logits, labels, loss_mask)` is the mean over counted tokens (labels < 0 are skipped). The
   training losses (per `train_impl`, normalised over the global batch) live in
-  `megatron/training/objectives`.
+  `megatron/objectives`.
 
 The names below are imported on first use, not with the package: the argument layer reads the
 adapter keys in ``megatron.model.lora_config`` and the architecture keys in ``megatron.model.config``

@@ -3,7 +3,7 @@
 Each architectural option states its own parameters and FLOPs per token (``norms.NORMS``,
 ``transformer_options`` for positional embeddings, attention types and MLP types, ``family_config.FAMILIES``
 for the layer families); this module adds them up for a whole model. Pure arithmetic on the config
-(no model is built, no torch), so it is cheap for any size; ``training/memory.py`` counts with it.
+(no model is built, no torch), so it is cheap for any size; ``engine/memory.py`` counts with it.
 """
 
 from __future__ import annotations

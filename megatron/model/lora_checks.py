@@ -56,7 +56,7 @@ def lora_head_needs_an_untied_head(ctx: RuleContext) -> list[str]:
 @rule
 def levanter_init_needs_its_own_reference(ctx: RuleContext) -> list[str]:
     """DPO's and KTO's reference is the starting model, taken as the base with its adapters switched off when the
-    run starts without trained adapters (megatron/training/objectives/reference.py): right only when fresh
+    run starts without trained adapters (megatron/objectives/reference.py): right only when fresh
     adapters add nothing, as PEFT's (B zero) do and Levanter's (B drawn) do not."""
     if int(ctx.get("lora_r") or 0) == 0 or ctx.get("lora_init") != "levanter":
         return []

@@ -3,7 +3,7 @@
 Each kind (norm, activation, positional embedding, attention type, MLP type, layer family) keeps its
 registry beside the modules it builds (``norms.py``, ``activations.py``, ``transformer_options.py``,
 ``family_config.py``). An entry builds its module and states what it adds to the parameter count and
-to the FLOPs per token; ``flops.py`` (parameter count, MFU) and ``training/memory.py`` read the entries,
+to the FLOPs per token; ``flops.py`` (parameter count, MFU) and ``engine/memory.py`` read the entries,
 so the counts cannot disagree with each other or with the module (``tests/unit/test_option_registries.py``
 builds every entry and compares).
 

@@ -8,7 +8,7 @@ canonical init names, hence the same initial weights) for `deepspeed.pipe.Pipeli
 Between stages the activation is the hidden state `[s, b, h]`, or the tuple
 `(hidden, position_ids[, document_ids])` when the batch's inputs were `(tokens, position_ids[,
 document_ids])` (packed samples whose documents do not see each other, `megatron/model/documents.py`). The last stage returns logits `[b, s, v/tp]` (with a value head: `[b, s, 1]`) for
-the objective's `loss_fn(output, labels)` (`megatron/training/objectives`).
+the objective's `loss_fn(output, labels)` (`megatron/objectives`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ type (an ``attention_config`` type that is not another layer family) and MLP typ
 
 Each entry builds (or names) its module and states what it adds to the parameter count and to the
 training FLOPs per token; the transformer family's entry (registered in ``family_config.py``) adds them
-up, and ``flops.py`` and ``training/memory.py`` read that. The counting is GPT-NeoX's module shapes
+up, and ``flops.py`` and ``engine/memory.py`` read that. The counting is GPT-NeoX's module shapes
 (``megatron/model/transformer.py`` at ea7aefd8: fused QKV of ``(heads + 2 kv_heads) x head_dim`` rows,
 ``ParallelMLP``'s widths from ``mlp_width.py``). No torch import (the launcher counts with these); the
 modules are imported by name when built.

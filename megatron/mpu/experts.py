@@ -13,7 +13,7 @@ brought them back), so the full gradient is the sum over the expert-data-paralle
 the data-parallel size, which is exactly the average a dense parameter gets over all data-parallel
 ranks. :func:`reduce_expert_gradients` does that; DeepSpeed must not also average these gradients
 over the whole data-parallel group (it would mix different experts): see
-``megatron.training.moe.install_expert_parallel``.
+``megatron.engine.moe.install_expert_parallel``.
 
 With ``ep == 1`` nothing here creates groups and every helper is a no-op.
 """

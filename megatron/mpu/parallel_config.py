@@ -112,7 +112,7 @@ class ParallelismArgs(ArgGroup):
 
 
 PARTITION_NAMES = ("type:transformer|mlp", "type:transformer", "type:transformerlayerpipe", "parameters", "uniform")
-"""GPT-NeoX's ``pipe_partition_method`` names (``training/engine.py`` maps the ``type:`` ones onto the blocks of
+"""GPT-NeoX's ``pipe_partition_method`` names (``engine/build.py`` maps the ``type:`` ones onto the blocks of
 every layer family); any other ``type:<regex>`` goes to DeepSpeed's PipelineModule as it is."""
 
 

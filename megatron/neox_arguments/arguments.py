@@ -28,7 +28,7 @@ from megatron.logging.config import LoggingArgs
 from megatron.model.config import GPTConfig
 from megatron.model.lora_config import LoRAArgs
 from megatron.model.moe_config import MoEArgs
-from megatron.training.activation_config import ActivationCheckpointArgs
+from megatron.engine.activation_config import ActivationCheckpointArgs
 from megatron.training.averaging_config import ModelAveragingArgs
 from megatron.training.bad_steps import BadStepArgs
 from megatron.training.hang_config import HangArgs
@@ -37,11 +37,12 @@ from megatron.training.reinit_config import ReinitTokensArgs
 from megatron.training.peft_config import PeftSaveArgs
 from megatron.training.hf_save_config import HFSaveArgs
 from megatron.training.config import TrainingLoopArgs
-from megatron.training.lr_config import LRSchedulerArgs
-from megatron.training.lr_dialects import LevanterScheduleArgs
-from megatron.training.objectives.registry import DPOKeys, KTOKeys
-from megatron.training.objectives.config import ObjectiveArgs
-from megatron.training.optimizer_config import OptimizerArgs
+from megatron.engine.config import EngineArgs
+from megatron.engine.lr_config import LRSchedulerArgs
+from megatron.engine.lr_dialects import LevanterScheduleArgs
+from megatron.objectives.registry import DPOKeys, KTOKeys
+from megatron.objectives.config import ObjectiveArgs
+from megatron.engine.optimizer_config import OptimizerArgs
 from megatron.neox_arguments.groups.other import OtherArgs
 from megatron.mpu.parallel_config import ParallelismArgs
 from megatron.config_support import UNSUPPORTED_ATTENTION_TYPES
@@ -63,6 +64,7 @@ GROUPS: dict[str, type[ArgGroup]] = {
     "training": TrainingArgs,
     "data": DataArgs,
     "training_loop": TrainingLoopArgs,
+    "engine": EngineArgs,
     "model_averaging": ModelAveragingArgs,
     "bad_steps": BadStepArgs,
     "hang": HangArgs,
@@ -111,6 +113,7 @@ class _Arguments(
     TrainingArgs,
     DataArgs,
     TrainingLoopArgs,
+    EngineArgs,
     ModelAveragingArgs,
     BadStepArgs,
     HangArgs,

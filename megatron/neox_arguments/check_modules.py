@@ -26,9 +26,11 @@ from megatron.model import config as model_config
 from megatron.model import family_checks, lora_checks, moe_checks
 from megatron.mpu import parallel_config
 from megatron.neox_arguments import deepspeed_blocks, file_checks, optional_packages, rules
-from megatron.training import averaging_config, bad_steps, compile_checks, length_checks, lr_config, lr_dialects
-from megatron.training import hang_config, hf_save_config, optimizer_checks, peft_config, reinit_config
-from megatron.training.objectives import checks as objective_checks
+from megatron.engine import compile_checks, lr_config, lr_dialects
+from megatron.training import averaging_config, bad_steps, length_checks
+from megatron.engine import optimizer_checks
+from megatron.training import hang_config, hf_save_config, peft_config, reinit_config
+from megatron.objectives import checks as objective_checks
 
 CHECK_MODULES: tuple[ModuleType, ...] = (
     plugins,  # each plug-in's own keys

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from megatron.config_rules import RuleContext, describe, rule
-from megatron.training.activation_config import ACTIVATION_BLOCK_KEYS
+from megatron.engine.activation_config import ACTIVATION_BLOCK_KEYS
 
 CHECKPOINT_OPTION_KEYS = ("partition_activations", "contiguous_checkpointing", "checkpoint_in_cpu",
                           "synchronize_each_layer", "profile_backward")

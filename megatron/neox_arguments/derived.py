@@ -398,7 +398,7 @@ def derive_zero(ctx: RuleContext) -> Derivation:
 def derive_apex_max_grad_norm(ctx: RuleContext) -> Derivation:
     """``optimizer.params.max_grad_norm`` (apex FusedAdam's in-optimizer clipping, in GPT-NeoX's
     configuration guide) is the gradient clipping DeepSpeed does: it becomes ``gradient_clipping``."""
-    from megatron.training.optimizer_block import AdamParams
+    from megatron.engine.optimizer_block import AdamParams
 
     block = ctx.get("optimizer")
     norm = block.params.max_grad_norm if block is not None and isinstance(block.params, AdamParams) else None

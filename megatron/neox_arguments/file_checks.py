@@ -357,7 +357,7 @@ def checkpoint_fits_the_config(ctx: RuleContext) -> list[str]:
     config, from the arguments the checkpoint recorded: ``megatron/checkpointing/resume_checks.py``. Only for a
     launch (``deepy.py`` names the script); a checkpoint not visible from here is checked by the ranks."""
     from megatron.checkpointing import resume_checks
-    from megatron.training.lr_config import schedule_problems
+    from megatron.engine.lr_config import schedule_problems
 
     if ctx.entry_point is None:
         return []

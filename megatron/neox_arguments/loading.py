@@ -226,7 +226,7 @@ def _nested_suggestion(value: Any, path: list[Any]) -> str:
     """``; did you mean lr?`` for a misspelt key inside the optimizer block."""
     import difflib
 
-    from megatron.training.optimizer_block import OPTIMIZER_KINDS, PARAMS_OF_KIND
+    from megatron.engine.optimizer_block import OPTIMIZER_KINDS, PARAMS_OF_KIND
 
     allowed: list[str] = []
     if len(path) == 2 and path[0] == "params" and isinstance(value, dict):
@@ -246,7 +246,7 @@ def _nested_suggestion(value: Any, path: list[Any]) -> str:
 def _is_type_tag(part: Any) -> bool:
     """pydantic puts the tried union member (``'int'``, ``"literal['all']"``, an optimizer kind)
     into ``loc``; hide it."""
-    from megatron.training.optimizer_block import OPTIMIZER_KINDS
+    from megatron.engine.optimizer_block import OPTIMIZER_KINDS
 
     return isinstance(part, str) and (
         "[" in part or part in {"int", "float", "str", "bool", "dict", "list"} or part in set(OPTIMIZER_KINDS.values())

@@ -24,7 +24,7 @@ _OPTIMIZER_PACKAGE = {"lion": "Lion", "sm3": "SM3", "madgrad_wd": "madgrad_wd"}
 
 def needed_packages(ctx: RuleContext) -> list[tuple[str, str, str]]:
     """(module, pip package, the setting that needs it) for this config's optional features."""
-    from megatron.training.optimizer_block import OPTIMIZER_KINDS
+    from megatron.engine.optimizer_block import OPTIMIZER_KINDS
 
     needs: list[tuple[str, str, str]] = []
     block = ctx.get("optimizer")

@@ -1,7 +1,7 @@
 """Consistency rules between keys that no single component owns, checked before anything is launched.
 
 Each component checks its own keys beside them (``megatron/model/checks.py``,
-``megatron/training/optimizer_checks.py``, ``megatron/data/checks.py``, ...; the list of every module
+``megatron/engine/optimizer_checks.py``, ``megatron/data/checks.py``, ...; the list of every module
 that registers checks is :data:`megatron.neox_arguments.check_modules.CHECK_MODULES`). What stays here
 relates several components at once: the world size against tensor x pipeline x context parallelism,
 what context parallelism can split, precision against DeepSpeed's fp16/bf16/data_types blocks and the

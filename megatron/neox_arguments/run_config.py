@@ -6,8 +6,9 @@ object typed as such, so what a component can do is exactly what its config type
 (``tests/unit/test_config_honesty.py``) checks that every supported key is read by a component (or a
 group's own methods), the DeepSpeed split or the launcher. Every component's keys are declared beside it,
 so a view is the argument object itself, typed as the component's group; a component that also reads keys
-other components own gets a frozen object declared beside it (``DataRun``, ``TrainingRun``, ``ParallelRun``)
-holding its group and those values, resolved here once (``data_run``, ``training_run``, ``parallel_run``).
+other components own gets a frozen object declared beside it (``DataRun``, ``TrainingRun``, ``EngineRun``,
+``ParallelRun``) holding its group and those values, resolved here once (``data_run``, ``training_run``,
+``engine_run``, ``parallel_run``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from megatron.model.lora_config import LoRAArgs
 from megatron.mpu.parallel_config import ParallelRun
 from megatron.tokenizer.config import TokenizerArgs
 from megatron.errors import ConfigError
-from megatron.training.activation_config import ActivationCheckpointArgs
+from megatron.engine.activation_config import ActivationCheckpointArgs
+from megatron.engine.config import EngineRun
 from megatron.training.averaging_config import ModelAveragingArgs
 from megatron.training.hang_config import HangArgs
 from megatron.training.stragglers import StragglerArgs
@@ -35,9 +37,9 @@ from megatron.training.bad_steps import BadStepArgs
 from megatron.training.peft_config import PeftSaveArgs
 from megatron.training.hf_save_config import HFSaveArgs
 from megatron.training.config import TrainingRun
-from megatron.training.lr_config import LRSchedulerArgs
-from megatron.training.objectives.config import ObjectiveArgs
-from megatron.training.optimizer_config import OptimizerArgs
+from megatron.engine.lr_config import LRSchedulerArgs
+from megatron.objectives.config import ObjectiveArgs
+from megatron.engine.optimizer_config import OptimizerArgs
 
 from megatron.neox_arguments.arguments import NeoXArgs, evaluation_run
 
@@ -69,6 +71,9 @@ class RunConfig:
     training: TrainingRun = field(init=False, repr=False)
     """What the loop reads: its own keys and the shared ``seq_length``/``precision``/``seed``/batch sizes
     (:func:`training_run`)."""
+    engine: EngineRun = field(init=False, repr=False)
+    """What the engine builder and the memory estimate read besides the groups: the engine's keys and the
+    shared ``seq_length``/``precision``/``seed``/batch sizes/``train_iters`` (:func:`engine_run`)."""
 
     def __post_init__(self) -> None:
         args = self.args
@@ -78,6 +83,7 @@ class RunConfig:
         object.__setattr__(self, "parallel", parallel_run(args))
         object.__setattr__(self, "data", data_run(args))
         object.__setattr__(self, "training", training_run(args))
+        object.__setattr__(self, "engine", engine_run(args))
 
     @property
     def model(self) -> GPTConfig:
@@ -214,6 +220,12 @@ def training_run(args: NeoXArgs) -> TrainingRun:
     """The loop's frozen view: its keys (``args`` typed as ``TrainingLoopArgs``) and the shared values."""
     return TrainingRun(loop=args, seq_length=_resolved(args.seq_length, "seq_length"), precision=args.precision,
                        seed=args.seed, batch=_rank_batch(args))
+
+
+def engine_run(args: NeoXArgs) -> EngineRun:
+    """The engine's frozen view: its keys (``args`` typed as ``EngineArgs``) and the shared values."""
+    return EngineRun(keys=args, seq_length=_resolved(args.seq_length, "seq_length"), precision=args.precision,
+                     seed=args.seed, batch=_rank_batch(args), train_iters=args.train_iters)
 
 
 def parallel_run(args: NeoXArgs) -> ParallelRun:

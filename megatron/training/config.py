@@ -1,9 +1,9 @@
-"""The training loop's keys: how long to train, how often to evaluate and stop, the overflow guard,
-read-ahead, and how the model is built for training (compiled blocks, ZeRO-3 construction). GPT-NeoX
-files its keys among these under ``NeoXArgsTraining``.
+"""The training loop's keys: how long to train, how often to evaluate and stop, the overflow guard and
+read-ahead. GPT-NeoX files its keys among these under ``NeoXArgsTraining``; how the model is built for
+training (compiled blocks, ZeRO-3 construction) is the engine's (``megatron/engine/config.py``).
 
-Declared here, beside the loop that reads them (``megatron/training/pretrain.py``, ``loop.py``,
-``engine.py``); the one argument object (``NeoXArgs``) is composed of this class. The loop also reads
+Declared here, beside the loop that reads them (``megatron/training/pretrain.py``, ``loop.py``); the one
+argument object (``NeoXArgs``) is composed of this class. The loop also reads
 keys that several components share and that are declared with their owners (``seq_length`` and
 ``precision`` with the model, ``seed`` with the process keys, the batch sizes with DeepSpeed's):
 :class:`TrainingRun` holds the loop's keys (the arguments typed as :class:`TrainingLoopArgs`) with those
@@ -19,16 +19,6 @@ from pydantic import Field
 from megatron.config_schema import ArgGroup
 from megatron.data.batch import RankBatch
 from megatron.errors import ConfigError
-
-# precision key -> the name the device peak table and the memory estimate use
-_COMPUTE_DTYPE = {"bfloat16": "bf16", "fp16": "fp16", "fp32": "fp32", None: "fp32"}
-
-
-def compute_dtype(precision: str | None) -> str:
-    """``fp32 | bf16 | fp16``: the compute dtype the ``precision`` key (``bfloat16``, ``fp16``,
-    ``fp32`` or unset) trains in."""
-    return _COMPUTE_DTYPE[precision]
-
 
 def last_iteration(train_iters: int, samples_cap: int | None, global_batch: int) -> int:
     """Where the run stops: ``train_iters``, or earlier where ``max_train_epochs`` of data end (the last
@@ -82,13 +72,6 @@ class TrainingLoopArgs(ArgGroup):
     """Abort an fp16 run after this many optimizer steps in a row skipped for overflow, instead of
     silently training nothing."""
 
-    compile_layers: bool = False
-    """Wrap each transformer block in torch.compile."""
-
-    zero_init: bool = False
-    """Build the model under deepspeed.zero.Init (ZeRO-3 only; fms-fsdp's low_cpu_fsdp): each layer's
-    weights are partitioned as soon as they are made, so no rank ever holds the whole model."""
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainingRun:
@@ -96,7 +79,7 @@ class TrainingRun:
     the values of keys other components declare, resolved once above (``RunConfig.training``)."""
 
     loop: TrainingLoopArgs
-    """The loop's keys: length, evaluation and exit intervals, the overflow guard, read-ahead, build options."""
+    """The loop's keys: length, evaluation and exit intervals, the overflow guard, read-ahead."""
     seq_length: int
     """Tokens per sample (the model's key)."""
     precision: str | None

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from megatron.data.batch import BatchLayout
-from megatron.training.engine import Engine
-from megatron.training.objectives.run import ObjectiveRunner
+from megatron.engine.build import Engine
+from megatron.training.objective_runner import ObjectiveRunner
 
 StreamAt = Callable[[int], Iterator[dict[str, torch.Tensor]]]
 """This rank's micro-batches of a split, starting at a given global batch."""

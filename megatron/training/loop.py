@@ -29,7 +29,7 @@ from megatron.logging.monitor import Monitor
 from megatron.logging.peak_memory import memory_metrics
 from megatron.logging.throughput import as_metrics, measure
 from megatron.training.config import TrainingLoopArgs
-from megatron.training.engine import Engine
+from megatron.engine.build import Engine
 from megatron.training import hang_watch
 from megatron.training.evaluate import Evaluator, evaluation_number
 from megatron.training.model_averaging import ModelAverage

@@ -42,32 +42,28 @@ from megatron.training.averaging_config import ModelAveragingArgs
 from megatron.training.stragglers import StragglerArgs, StragglerWatch
 from megatron.training.bad_steps import BadStepArgs
 from megatron.training.comms_report import CommsReport
-from megatron.training.config import TrainingLoopArgs, compute_dtype, last_iteration
-from megatron.training.engine import build_engine, layers_to_checkpoint, partition_method
+from megatron.engine.config import compute_dtype
+from megatron.training.config import TrainingLoopArgs, TrainingRun, last_iteration
+from megatron.engine.build import build_engine, layers_to_checkpoint, partition_method
+from megatron.engine.process import limit_cpu_threads, speaks
 from megatron.training.evaluate import maybe_evaluator
 from megatron.training.hf_save_config import HFSaveArgs
 from megatron.training.hf_saves import HFSaves, HFWriterFactory, gathered_parameters, live_weights, save_dtype
 from megatron.training.loop import Hooks, LoopContext, TrainState, train
 from megatron.training.model_averaging import ModelAverage
-from megatron.training.objectives import build_objective, build_reference
+from megatron.objectives import build_objective, build_reference
 from megatron.training.reinit_config import ReinitTokensArgs
 from megatron.training.reinit_tokens import reinit_tokens
 from megatron.training.peft_config import PeftSaveArgs
 from megatron.training.peft_saves import PeftSaves
 from megatron.training.step_saves import StepSaves
-from megatron.training.run_views import RunViews
+from megatron.engine.run_views import RunViews
 from megatron.training.skip_gate import BadStepGate
 
 
 
 def _device() -> torch.device:
     return torch.device(get_accelerator().current_device_name())
-
-
-def speaks() -> bool:
-    """Global rank 0 logs: the loss, grad norm and eval loss are broadcast to every rank
-    (PipelineEngine broadcasts over the pipeline, we all-reduce over data parallelism)."""
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def resolve_train_iters(training: TrainingLoopArgs, train_dataset: object, batch: BatchLayout) -> int:
@@ -77,19 +73,6 @@ def resolve_train_iters(training: TrainingLoopArgs, train_dataset: object, batch
     if training.train_epochs and train_dataset is not None:
         return len(train_dataset) // batch.global_size  # type: ignore[arg-type]  # every train split is Sized
     raise ConfigError("set train_iters (or train_epochs) so the run knows when to stop")
-
-
-def limit_cpu_threads() -> None:
-    """On CPU, give each local rank its share of the cores: torch's default (every core per rank)
-    oversubscribes a multi-rank run and made tiny runs ~20x slower here."""
-    if torch.cuda.is_available() or os.environ.get("OMP_NUM_THREADS"):
-        return
-    local_ranks = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // local_ranks))
 
 
 class TaskRunner(Protocol):
@@ -113,6 +96,8 @@ class PretrainRun(RunViews, Protocol):
 
     @property
     def data(self) -> DataRun: ...
+    @property
+    def training(self) -> TrainingRun: ...
     @property
     def averaging(self) -> ModelAveragingArgs: ...
 

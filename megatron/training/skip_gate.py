@@ -16,7 +16,7 @@ import torch
 
 from megatron.deepspeed_internals import before_optimizer_step, gate_optimizer_update, pending_grad_norm
 from megatron.training.bad_steps import BadStepRule, Verdict
-from megatron.training.engine import clip_grad_norm
+from megatron.engine.build import clip_grad_norm
 
 
 class BadStepGate:

@@ -1,7 +1,7 @@
 """One optimizer step: ``gradient_accumulation_steps`` micro-batches through the engine.
 
 The objective (``eng.objective``, chosen by ``train_impl``) prepares the step's micro-batches, counts
-their loss units over the whole global batch and forms the loss (``megatron/training/objectives``):
+their loss units over the whole global batch and forms the loss (``megatron/objectives``):
 the reported loss and the gradients are those of the sum of per-unit losses over the global batch
 divided by its number of units (counted tokens for language modelling and SFT, samples or pairs for
 DPO, KTO and reward models), the same number on every layout - plain, tensor-, pipeline- or
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron.deepspeed_internals import loss_scale
-from megatron.training.engine import Engine
-from megatron.training.objectives.run import ObjectiveRunner
+from megatron.engine.build import Engine
+from megatron.training.objective_runner import ObjectiveRunner
 
 __all__ = ["StepResult", "read_grad_norm", "train_step"]
 

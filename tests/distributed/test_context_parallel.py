@@ -40,7 +40,7 @@ def _text() -> torch.Tensor:
 
 
 def _micro_batch(documents: bool) -> Any:
-    from megatron.training.objectives import ObjectiveArgs, build_objective
+    from megatron.objectives import ObjectiveArgs, build_objective
 
     config = ObjectiveArgs(reset_attention_mask=documents, reset_position_ids=documents)
     return build_objective(config, eod_token=EOD).prepare({"text": _text()})
@@ -48,7 +48,7 @@ def _micro_batch(documents: bool) -> Any:
 
 def _reference(cfg, documents: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     from megatron.model import GPTModel
-    from megatron.training.objectives import lm_loss_sum
+    from megatron.objectives import lm_loss_sum
 
     model = GPTModel(cfg)
     batch = _micro_batch(documents)
@@ -61,7 +61,7 @@ def check_matches(cfg, documents: bool, ref: tuple[torch.Tensor, dict[str, torch
     from megatron import mpu
     from megatron.model import GPTModel, tp_partition_of
     from megatron.mpu.initialize_weights import unshard_tensors
-    from megatron.training.objectives import lm_loss_sum
+    from megatron.objectives import lm_loss_sum
 
     model = GPTModel(cfg)
     piece = _micro_batch(documents).context_piece(mpu.get_context_parallel_rank(),

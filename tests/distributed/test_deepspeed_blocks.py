@@ -64,7 +64,7 @@ def _engine_state(overrides: dict[str, Any], out_dir: str) -> dict[str, Any]:
     from megatron.neox_arguments.resolved import ResolvedConfig
     from megatron.config_rules import Device
     from megatron.neox_arguments.run_config import RunConfig
-    from megatron.training.engine import build_engine
+    from megatron.engine.build import build_engine
 
     import logging
 
@@ -141,7 +141,7 @@ def _bf16_everywhere_state() -> dict[str, Any]:
     from megatron.neox_arguments.arguments import NeoXArgs
     from megatron.neox_arguments.resolved import ResolvedConfig
     from megatron.neox_arguments.run_config import RunConfig
-    from megatron.training.engine import build_engine
+    from megatron.engine.build import build_engine
     from megatron.training.step import train_step
 
     resolved = finalize(ResolvedConfig(args=NeoXArgs(**BF16_EVERYWHERE)), 1, device=Device(cuda=False, fp16_supported=False))

@@ -44,7 +44,7 @@ def _text(seq: int) -> torch.Tensor:
 def _cases(cfg) -> list[tuple[Any, torch.Tensor, tuple[int, int, int]]]:
     """(packed micro-batch, this document's labels in it, (row, start, end)) per document."""
     from megatron.model.documents import document_spans
-    from megatron.training.objectives import ObjectiveArgs, build_objective
+    from megatron.objectives import ObjectiveArgs, build_objective
 
     obj = build_objective(ObjectiveArgs(reset_attention_mask=True, reset_position_ids=True), eod_token=EOD)
     batch = obj.prepare({"text": _text(cfg.seq_length)})
@@ -75,7 +75,7 @@ def _grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
 def check_tp2(cfg) -> None:
     from megatron.model import GPTModel
     from megatron.mpu.layers import partial_over_tensor_parallel, sum_partial_grads_over_tensor_parallel
-    from megatron.training.objectives import lm_loss_sum
+    from megatron.objectives import lm_loss_sum
 
     model = GPTModel(cfg)
     params = list(model.parameters())
@@ -98,7 +98,7 @@ def check_pp2(cfg) -> None:
 
     from megatron import mpu
     from megatron.model import pipeline_layer_specs
-    from megatron.training.objectives import lm_loss_sum
+    from megatron.objectives import lm_loss_sum
 
     stage = mpu.get_pipe_parallel_rank()
     pipe = PipelineModule(layers=pipeline_layer_specs(cfg), topology=mpu.get_topology(),

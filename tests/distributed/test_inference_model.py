@@ -78,8 +78,8 @@ def _refuse(what: str) -> Any:
 def _rank(rank: int, out_dir: str) -> None:
     import deepspeed
 
-    import megatron.training.engine as engine
-    import megatron.training.optimizers as optimizers
+    import megatron.engine.build as engine
+    import megatron.engine.optimizers as optimizers
     from megatron.generation.config import SamplingParams
     from megatron.generation.decode import generate
     from megatron.app.workers import inference_model

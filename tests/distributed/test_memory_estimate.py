@@ -58,7 +58,7 @@ def rank_main(rank: int, out_dir: str) -> None:
     import torch
 
     from megatron.initialize import initialize
-    from megatron.training.memory import MemoryLayout, estimate
+    from megatron.engine.memory import MemoryLayout, estimate
     from megatron.model import lm_loss
     from megatron.neox_arguments import finalize
     from megatron.neox_arguments.arguments import NeoXArgs
@@ -66,7 +66,7 @@ def rank_main(rank: int, out_dir: str) -> None:
     from megatron.config_rules import Device
     from megatron.neox_arguments.run_config import RunConfig
     from megatron.tokenizer import build_tokenizer
-    from megatron.training.engine import build_engine
+    from megatron.engine.build import build_engine
 
     torch.set_num_threads(1)
     results: dict[str, str] = {}

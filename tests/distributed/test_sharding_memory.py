@@ -1,7 +1,7 @@
 """What each rank holds under each ``sharding_strategy``, read from DeepSpeed's own state on 4 gloo
 ranks (one spawn, in-process), against the parameter count of the model itself (counted before
 DeepSpeed touches it). The DeepSpeed config is the one Deepy derives from the key, and hsdp goes
-through Deepy's engine pieces (``deepspeed_mpu``, ``training/hybrid_shard.py``) as train.py does.
+through Deepy's engine pieces (``deepspeed_mpu``, ``engine/hybrid_shard.py``) as train.py does.
 
 - fsdp (ZeRO-3 over 4): the parameter shard (``ds_tensor``), the fp32 master partition, Adam's two
   moments and the gradient partition are each 1/4 of the model;
@@ -43,8 +43,8 @@ def rank_main(rank: int, out: str) -> None:
     import torch.distributed as dist
 
     from megatron.mpu import hybrid_shard
-    from megatron.training import hybrid_shard as hybrid_engine
-    from megatron.training.engine import deepspeed_mpu
+    from megatron.engine import hybrid_shard as hybrid_engine
+    from megatron.engine.build import deepspeed_mpu
 
     join_data_parallel_ranks(rank, WORLD, "SHARDING_TEST_PORT")
     held: dict[str, dict[str, float]] = {}

@@ -259,7 +259,7 @@ def check_engine_step_equals_tp1(cfg, ref: dict[str, Any], path: dict[str, Any])
     from megatron.model import GPTModel
     from megatron.mpu.layers import partial_over_tensor_parallel
     from megatron.neox_arguments.deepspeed_split import gpu_defaults
-    from megatron.training.engine import install_partial_grad_sum
+    from megatron.engine.build import install_partial_grad_sum
 
     model = GPTModel(cfg)
     _perturb(model, cfg, ref["shapes"])

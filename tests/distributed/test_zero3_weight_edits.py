@@ -35,7 +35,7 @@ def _model() -> torch.nn.Module:
 def _engine(stage: int, model: torch.nn.Module):  # type: ignore[no-untyped-def]
     import deepspeed
 
-    from megatron.training.engine import deepspeed_mpu
+    from megatron.engine.build import deepspeed_mpu
 
     config = {"train_batch_size": WORLD, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "Adam", "params": {"lr": 0.0, "weight_decay": 0.0, "torch_adam": True}},

@@ -36,7 +36,7 @@ def rank_main(rank: int, out: str) -> None:
     from megatron.model.config import GPTConfig
     from megatron.model.gpt import GPTModel
     from megatron.mpu import topology
-    from megatron.training.engine import construction
+    from megatron.engine.build import construction
 
     skip_shared_memory_comm_op()
     defer_muon_kernel_compiles()  # as train.py: ZeRO's Muon check without TorchInductor

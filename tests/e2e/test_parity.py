@@ -72,7 +72,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "pp2": {"num_gpus": 2, "pipe_parallel_size": 2},
     "tp2_pp2": {"num_gpus": 4, "model_parallel_size": 2, "pipe_parallel_size": 2},
     # with sequence parallelism: the norms' partial gradients are summed over tp once per step, after
-    # ZeRO-1's data-parallel reduction, in its flat partitions (megatron/training/engine.py)
+    # ZeRO-1's data-parallel reduction, in its flat partitions (megatron/engine/build.py)
     "tp2_dp2_zero1_sp": {"num_gpus": 4, "model_parallel_size": 2, "zero_optimization": {"stage": 1},
                          "sequence_parallel": True},
     "pp2_dp2": {"num_gpus": 4, "pipe_parallel_size": 2},
@@ -131,7 +131,7 @@ def assert_ranks_report_their_coordinates(name: str, output: str, config: dict[s
 
 UNWANTED_WARNINGS = (
     # PipelineModule's constructor broadcast its tied embedding with grad on (tp2_pp2, pp2: once per rank);
-    # megatron/training/engine.py build_model builds it under no_grad
+    # megatron/engine/build.py build_model builds it under no_grad
     "c10d::broadcast_: an autograd kernel was not registered",
     # DeepSpeed's comm backend gathered through torch's deprecated all_gather_into_tensor (a pipeline's
     # activations split over tp ranks, ZeRO's partitions; once per rank): use_current_collective_names

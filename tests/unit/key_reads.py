@@ -24,8 +24,8 @@ from megatron.neox_arguments.resolved import run_directory
 from megatron.config_rules import RuleContext
 from megatron.neox_arguments.run_config import RunConfig
 from megatron.tokenizer import build_tokenizer
-from megatron.training.engine import layers_to_checkpoint
-from megatron.training.objectives.registry import reference_kind
+from megatron.engine.build import layers_to_checkpoint
+from megatron.objectives.registry import reference_kind
 
 
 class ReadRecorder:
@@ -125,7 +125,7 @@ def _activation_checkpointing(args: Any) -> object:
 
 
 def _training_loop(args: Any) -> object:
-    """What the loop reads of its keys (``pretrain.pretrain``, ``loop.train``, ``engine.build_engine``),
+    """What the loop reads of its keys (``pretrain.pretrain``, ``loop.train``),
     each where that code reads it: the loop is handed the frozen ``RunConfig.training`` (``training_run``),
     whose loop keys are the arguments themselves."""
     from megatron.neox_arguments.run_config import training_run
@@ -136,8 +136,19 @@ def _training_loop(args: Any) -> object:
             loop.eval_interval, loop.exit_interval, loop.max_consecutive_overflows,  # loop.train
             loop.eval_iters, loop.num_workers, training.seed, training.precision, training.seq_length,  # pretrain
             loop.max_train_epochs, loop.eval_micro_batch_size_per_gpu,  # pretrain: end reason, eval batches
-            training.batch.on(dp=1),  # pretrain's batch layout
-            loop.compile_layers, loop.zero_init)  # engine.build_engine
+            training.batch.on(dp=1))  # pretrain's batch layout
+
+
+def _engine(args: Any) -> object:
+    """What the engine builder and the memory estimate read of the engine's keys and the shared values
+    (``build.build_engine``, ``build.build_model``, ``memory.MemoryLayout.from_run``; generation's
+    ``build_inference_model``): they are handed the frozen ``RunConfig.engine`` (``engine_run``), whose engine
+    keys are the arguments themselves."""
+    from megatron.neox_arguments.run_config import engine_run
+
+    engine = engine_run(args)
+    return (engine.keys.compile_layers, engine.keys.zero_init, engine.seq_length, engine.precision, engine.seed,
+            engine.batch.on(dp=1), engine.train_iters)
 
 
 def _step_policies(args: Any) -> object:
@@ -245,8 +256,8 @@ def _generation(args: Any) -> object:
 def component_builders() -> list[ComponentBuilder]:
     """Everything that turns keys into what a component does, for train.py."""
     return [_run_config, _parallel, _hang_watch, _tokenizer, _model, _checkpoints, _logging, _lora, _lr_schedule,
-            _optimizer, _activation_checkpointing, _training_loop, _step_policies, _data, _objective, _evaluation,
-            _generation, _user_plugins,
+            _optimizer, _activation_checkpointing, _training_loop, _engine, _step_policies, _data, _objective,
+            _evaluation, _generation, _user_plugins,
             deepspeed_config, _launch, run_directory]
 
 

@@ -88,7 +88,7 @@ def _engine(zero_stage: int):  # type: ignore[no-untyped-def]
     config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
               "steps_per_print": 10**9, "zero_optimization": {"stage": zero_stage}}
     eng, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
-    if zero_stage == 0:  # what the trainer installs (engine.py install_fp32_clipping): records the norm
+    if zero_stage == 0:  # what the trainer installs (engine/build.py install_fp32_clipping): records the norm
         params = list(eng.module.parameters())
         replace_fp32_clipping(eng, lambda: float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
     return eng

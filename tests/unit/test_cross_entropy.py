@@ -65,7 +65,7 @@ def test_z_loss_equals_the_direct_formula(dtype: torch.dtype) -> None:
     the value and the gradient of the fused pass (log Z from the cross-entropy's own blocks) agree.
     The reference runs in fp64 (torch's fp32 logsumexp is itself 8e-5 off in the gradient at these
     large logits; the fused pass, 8e-7)."""
-    from megatron.training.objectives import lm_loss_sum
+    from megatron.objectives import lm_loss_sum
 
     logits, target, _ = _case(dtype)
     z = 1e-2
@@ -90,7 +90,7 @@ def test_z_loss_equals_the_direct_formula(dtype: torch.dtype) -> None:
 def test_z_loss_keeps_no_fp32_copy_of_the_logits() -> None:
     """What autograd keeps for the backward of the loss with a z-loss, on bf16 logits: the logits
     themselves and per-token numbers, no fp32 tensor of the logits' size (4 x 8192 x 50k: 6.6 GB each)."""
-    from megatron.training.objectives import lm_loss_sum
+    from megatron.objectives import lm_loss_sum
 
     logits, target, _ = _case(torch.bfloat16)
     x = logits.clone().requires_grad_()

@@ -147,7 +147,7 @@ def test_pipeline_eval_adds_outputs_into_the_training_loss_total() -> None:
 
 
 def test_gradient_allreduce_wrapper_is_what_backward_calls(engine) -> None:  # type: ignore[no-untyped-def]
-    """training/moe.py reduces expert gradients inside the wrapper: the plain engine's backward and
+    """engine/moe.py reduces expert gradients inside the wrapper: the plain engine's backward and
     the pipeline engine's reduce step must both go through ``engine.allreduce_gradients``."""
     import inspect
 
@@ -178,7 +178,7 @@ def test_gradient_allreduce_wrapper_is_what_backward_calls(engine) -> None:  # t
 
 
 def test_the_model_step_runs_at_the_boundary_before_the_update(engine) -> None:  # type: ignore[no-untyped-def]
-    """training/engine.py sums partial tensor-parallel gradients in ``before_optimizer_step``: the plain
+    """engine/build.py sums partial tensor-parallel gradients in ``before_optimizer_step``: the plain
     and the pipeline engine both take their optimizer step through ``_take_model_step``, after the
     data-parallel reduction and before clipping and the update, and (no ZeRO) the reduced gradient is
     ``param.grad``; ZeRO-1/2's and the bf16 optimizer's are where ``safe_get_full_grad`` reads them."""

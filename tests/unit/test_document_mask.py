@@ -15,7 +15,7 @@ from megatron.model import GPTConfig, GPTModel
 from megatron.model.documents import document_ids_from_eod, document_spans, positions_in_documents
 from megatron.neox_arguments import config_from_mapping
 from megatron.config_rules import Device
-from megatron.training.objectives import ObjectiveArgs, build_objective, lm_loss_sum
+from megatron.objectives import ObjectiveArgs, build_objective, lm_loss_sum
 
 EOD = 0
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=24, padded_vocab_size=64, seed=11)

@@ -103,7 +103,7 @@ def test_counter_dummy_data_targets_are_the_inputs() -> None:
     import torch
 
     from megatron.data.dummy_dataset import DummyDataset
-    from megatron.training.objectives.base import shifted
+    from megatron.objectives.base import shifted
 
     data = DummyDataset(4, 5, 7, pattern="counter")
     rows = [data[i] for i in range(3)]

@@ -202,7 +202,7 @@ def test_the_inverse_layer_scale_compiles_one_graph_for_every_layer() -> None:
     graph per layer (and layers past the recompile limit run uncompiled)."""
     from megatron.model import GPTConfig, GPTModel
     from megatron.torch_internals import compile_counts, reset_compile_counts
-    from megatron.training.engine import transformer_layers
+    from megatron.engine.build import transformer_layers
 
     reset_compile_counts()
     model = GPTModel(GPTConfig(**{**ATTN, "scale_attn_by_inverse_layer_idx": True}))
@@ -245,9 +245,9 @@ def test_the_model_is_built_in_its_dtype_on_the_training_device() -> None:
     from megatron.model import GPTConfig, GPTModel
     from megatron.neox_arguments import NeoXArgs
     from megatron.neox_arguments.run_config import parallel_run
-    from megatron.training.activation_config import ActivationCheckpointArgs
-    from megatron.training.engine import build_model, training_device
-    from megatron.training.objectives import LMObjective, ObjectiveArgs
+    from megatron.engine.activation_config import ActivationCheckpointArgs
+    from megatron.engine.build import build_model, training_device
+    from megatron.objectives import LMObjective, ObjectiveArgs
 
     keys = {**ATTN, "pos_emb": "rotary", "num_kv_heads": 2, "use_qk_layernorm": True}
     config = GPTConfig(**keys, precision="bfloat16")
@@ -313,7 +313,7 @@ def test_micro_batches_reach_a_gpu_through_pinned_memory(monkeypatch: pytest.Mon
     """The sample was pinned, but the objective's slicing and masking made new (pageable) tensors, and
     their copy made the host wait for the GPU every micro-batch. Every tensor of the micro-batch the
     engine reads is pinned and copied with non_blocking."""
-    from megatron.training.objectives import ObjectiveArgs, build_objective
+    from megatron.objectives import ObjectiveArgs, build_objective
 
     copies: list[tuple[bool, str, bool]] = []
     real_to = torch.Tensor.to
@@ -483,7 +483,7 @@ def test_compile_layers_without_a_compiler_is_refused_before_launch(monkeypatch:
     from megatron.neox_arguments.arguments import NeoXArgs
     from megatron.neox_arguments.derived import finalize
     from megatron.neox_arguments.resolved import ResolvedConfig
-    from megatron.training import compile_checks
+    from megatron.engine import compile_checks
 
     monkeypatch.setattr(compile_checks.shutil, "which", lambda name: None)
     keys = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, train_micro_batch_size_per_gpu=2,

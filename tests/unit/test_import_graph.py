@@ -192,8 +192,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("app", "__init__"),  # deepy.py's command and the ranks' programs; megatron/__init__.py installs the console filters
     ("neox_arguments",),  # the argument layer: composes every component's keys, checks them before launch
     ("evaluation",),  # eval.py, and lm-eval inside training: runs the model through generation's replica
-    ("generation",),  # generate.py: builds the model as training does, loads checkpoints through interop
-    ("training", "interop"),  # train.py's loop; offline conversion (neither imports the other)
+    ("training", "generation"),  # train.py's loop; generate.py (neither imports the other: both build through the engine)
+    ("engine", "interop"),  # the model, DeepSpeed engine, optimizer, LR schedule, memory estimate; offline conversion
+    ("objectives",),  # train_impl's losses and references: the engine builds a pipeline's loss from one
     ("checkpointing",),  # save/load, retention/commit, layout change, GPT-NeoX's format
     ("data", "model", "tokenizer", "initialize"),
     ("launcher",),

@@ -53,8 +53,8 @@ def test_output_layer_init_method_sets_the_output_projections_std(method: str, s
 def test_dpo_reference_free_compares_against_a_zero_reference() -> None:
     """Reference-free DPO: no reference is built, the loss is -log sigmoid(beta (log pi_c - log pi_r))."""
     from megatron.neox_arguments.arguments import NeoXArgs
-    from megatron.training.objectives import build_objective
-    from megatron.training.objectives.reference import NoReference, build_reference
+    from megatron.objectives import build_objective
+    from megatron.objectives.reference import NoReference, build_reference
 
     config = NeoXArgs(train_impl="dpo", dpo_reference_free=True, dpo_beta=0.5)
     objective = build_objective(config, eod_token=None)
@@ -72,7 +72,7 @@ def test_dpo_reference_free_compares_against_a_zero_reference() -> None:
 @pytest.mark.parametrize("fp32", [True, False])
 def test_kto_fp32_sums_the_log_probs_in_fp32(fp32: bool) -> None:
     from megatron.neox_arguments.arguments import NeoXArgs
-    from megatron.training.objectives import build_objective
+    from megatron.objectives import build_objective
 
     objective = build_objective(NeoXArgs(train_impl="kto", kto_fp32=fp32), eod_token=None)
     output = torch.randn(2, 6, 8).to(torch.bfloat16)

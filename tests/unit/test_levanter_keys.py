@@ -318,7 +318,7 @@ def test_weight_decay_skips_embeddings_under_levanters_mask() -> None:
     """build_weight_decay_mask's default: no decay for Embedding modules, norms and biases; an untied
     lm_head is decayed."""
     from megatron.model.gpt import GPTModel
-    from megatron.training.optimizers import param_groups
+    from megatron.engine.optimizers import param_groups
     from tests.gpt_configs import gpt_config
 
     model = GPTModel(gpt_config(hidden_size=16, num_attention_heads=2, num_layers=1, seq_length=8,
@@ -334,7 +334,7 @@ def test_weight_decay_skips_embeddings_under_levanters_mask() -> None:
 def test_weight_decay_embeddings_key_reaches_the_optimizer() -> None:
     from megatron.model.gpt import GPTModel
     from megatron.neox_arguments.loading import config_from_mapping
-    from megatron.training.optimizers import build_optimizer
+    from megatron.engine.optimizers import build_optimizer
     from tests.gpt_configs import gpt_config
 
     model = GPTModel(gpt_config(hidden_size=16, num_attention_heads=2, num_layers=1, seq_length=8,

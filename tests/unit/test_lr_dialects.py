@@ -15,7 +15,7 @@ import pytest
 
 from megatron.errors import ConfigError
 from megatron.neox_arguments.loading import config_from_mapping
-from megatron.training.lr_schedules import lr_at
+from megatron.engine.lr_schedules import lr_at
 
 
 def curve(style: str, steps: int, lr: float = 1.0, first: int | None = None, **keys: Any) -> list[float]:

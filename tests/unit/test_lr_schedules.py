@@ -11,14 +11,14 @@ import torch
 
 from megatron.errors import ConfigError
 from megatron import plugins
-from megatron.training.lr_schedules import (
+from megatron.engine.lr_schedules import (
     LRScheduler,
     ScheduleSpec,
     cycle_starts_for,
     lr_at,
 )
 from megatron.neox_arguments import config_from_mapping
-from megatron.training.lr_config import LRSchedulerArgs
+from megatron.engine.lr_config import LRSchedulerArgs
 
 
 def approx(x: float) -> object:
@@ -151,8 +151,8 @@ def test_bad_specs_are_config_errors() -> None:
 def test_min_lr_above_lr_is_one_check() -> None:
     """``min_lr <= lr`` is decided by one function: the rule before launch and a spec built in Python
     both say what it says (issue 20: no invariant checked twice)."""
-    from megatron.training.optimizer_checks import learning_rates_ordered
-    from megatron.training.lr_schedules import min_lr_problem
+    from megatron.engine.optimizer_checks import learning_rates_ordered
+    from megatron.engine.lr_schedules import min_lr_problem
 
     assert min_lr_problem(1.0, 1.0) is None and min_lr_problem(1.0, 0.0) is None
     with pytest.raises(ConfigError) as err:
@@ -225,7 +225,7 @@ def test_scheduler_sets_param_groups_and_resumes() -> None:
 
 
 def test_warmup_of_one_is_the_whole_span_as_in_gpt_neox() -> None:
-    from megatron.training.lr_schedules import steps_of
+    from megatron.engine.lr_schedules import steps_of
 
     assert steps_of(1, 200) == 200  # a fraction, like the config rules read it
     assert steps_of(1.0, 200) == 200
@@ -245,7 +245,7 @@ def test_fractional_warmup_follows_gpt_neox_float_warmup() -> None:
 
 def test_gpt_neox_curve_surprises_are_said_before_launch() -> None:
     from megatron.config_rules import RuleContext
-    from megatron.training.lr_config import neox_curve_surprises
+    from megatron.engine.lr_config import neox_curve_surprises
 
     ctx = RuleContext(args=config_from_mapping(dict(lr_decay_style="cosine", warmup=0.1, train_iters=5,
                                                     lr_decay_iters=3)).args)

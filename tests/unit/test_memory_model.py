@@ -15,7 +15,7 @@ from megatron.neox_arguments.resolved import ResolvedConfig
 from megatron.config_rules import Device
 from megatron.neox_arguments.run_config import RunConfig
 from megatron.devices import gpu_driver_present
-from megatron.training.memory import (GiB, MemoryLayout, activation_bytes, estimate, host_memory, render,
+from megatron.engine.memory import (GiB, MemoryLayout, activation_bytes, estimate, host_memory, render,
                                      stage_parameters)
 
 BASE: dict[str, Any] = {
@@ -152,7 +152,7 @@ def test_adapter_count_is_the_real_models_trainable_parameters(tp: int, lora: di
     each factor on a layer's split side halves."""
     from megatron.model import GPTModel
     from megatron.model.lora import apply_lora
-    from megatron.training.memory import adapter_parameters
+    from megatron.engine.memory import adapter_parameters
 
     one = layout(world=1, **lora)
     model = GPTModel(one.model)
@@ -168,7 +168,7 @@ def test_adapter_count_is_the_real_models_trainable_parameters(tp: int, lora: di
 
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_lora_optimizer_memory_is_for_the_adapters_only(stage: int) -> None:
-    from megatron.training.memory import adapter_parameters
+    from megatron.engine.memory import adapter_parameters
 
     full = estimate(layout(zero_optimization={"stage": stage}, precision="bfloat16"))
     lay = layout(zero_optimization={"stage": stage}, precision="bfloat16", **LORA)
@@ -224,7 +224,7 @@ def test_z_loss_adds_no_logits_sized_memory() -> None:
     ({"hidden_size": 520, "rotary_pct": 0.25}, "math"),  # head dim 65 (16 of its dims rotate: an even count)
 ])
 def test_sdpa_kernel_by_variant(overrides: dict[str, Any], kernel: str) -> None:
-    from megatron.training.memory import sdpa_kernel
+    from megatron.engine.memory import sdpa_kernel
 
     lay = layout(**{"precision": "bfloat16", **overrides})
     assert sdpa_kernel(lay.model, lay.precision, lay.seq_length) == kernel

@@ -426,7 +426,7 @@ def test_gpt_neox_layout_names_of_each_family() -> None:
 
 
 def test_mamba_a_log_and_d_are_not_decayed() -> None:
-    from megatron.training.optimizers import param_groups
+    from megatron.engine.optimizers import param_groups
 
     model = GPTModel(GPTConfig(**MAMBA))
     groups = {g["name"]: {id(p) for p in g["params"]} for g in param_groups(model, 0.1)}
@@ -449,7 +449,7 @@ def test_fms_fsdp_mamba_variant_is_refused_as_the_other_architecture_it_is() -> 
 def test_memory_estimate_splits_what_tensor_parallelism_splits() -> None:
     """Per device at tp=2: RWKV layers are whole on every rank (GPT-NeoX has no tensor-parallel RWKV), a Mamba
     layer keeps its norm whole and halves the rest; only the vocabulary halves besides."""
-    from megatron.training.memory import MemoryLayout, stage_parameters
+    from megatron.engine.memory import MemoryLayout, stage_parameters
 
     def per_device(config: GPTConfig, tp: int) -> int:
         return stage_parameters(MemoryLayout(

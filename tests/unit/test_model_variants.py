@@ -383,8 +383,8 @@ def test_activation_checkpointing_replays_dropout() -> None:
     cfg = GPTConfig(**BASE, hidden_dropout=0.2, attention_dropout=0.2, pos_emb="rotary")
     tokens = torch.randint(0, cfg.padded_vocab_size, (2, cfg.seq_length))
     labels = torch.randint(0, cfg.padded_vocab_size, (2, cfg.seq_length))
-    from megatron.training.activation_config import ActivationCheckpointArgs
-    from megatron.training.engine import wrap_layers
+    from megatron.engine.activation_config import ActivationCheckpointArgs
+    from megatron.engine.build import wrap_layers
 
     runs = []
     for on in (False, True):
@@ -411,8 +411,8 @@ def test_checkpoint_num_layers_chunks_blocks_without_a_pipeline(monkeypatch: pyt
     model without checkpointing."""
     import deepspeed
 
-    from megatron.training.activation_config import ActivationCheckpointArgs
-    from megatron.training.engine import wrap_layers
+    from megatron.engine.activation_config import ActivationCheckpointArgs
+    from megatron.engine.build import wrap_layers
 
     calls: list[int] = []
     real = deepspeed.checkpointing.checkpoint

@@ -30,7 +30,7 @@ from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.neox_arguments.resolved import ResolvedConfig
 from megatron.neox_arguments.run_config import RunConfig
 from megatron.tokenizer import padded_vocab_size
-from megatron.training.memory import MemoryLayout, dry_run_report, stage_parameters
+from megatron.engine.memory import MemoryLayout, dry_run_report, stage_parameters
 
 REPO = Path(__file__).resolve().parents[2]
 GPU = Device(cuda=True, fp16_supported=True)

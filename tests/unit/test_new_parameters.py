@@ -11,7 +11,7 @@ import torch
 from megatron.checkpointing.new_parameters import tolerating_new_parameters
 from megatron.errors import CheckpointError
 from megatron.model import GPTConfig, GPTModel
-from megatron.training.objectives.rm import RewardModelObjective
+from megatron.objectives.rm import RewardModelObjective
 
 CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, padded_vocab_size=64, seed=3,
               no_weight_tying=True)

@@ -11,7 +11,7 @@ import pytest
 from megatron.checkpointing import commit
 from megatron.checkpointing.config import CheckpointArgs
 from megatron.errors import ConfigError
-from megatron.training.objectives.frozen import StartingPoint, starting_point
+from megatron.objectives.frozen import StartingPoint, starting_point
 
 from test_config_rules import make_dataset, ok, problems
 

@@ -16,11 +16,11 @@ import torch.nn.functional as F
 
 from megatron.errors import ConfigError, DataError
 from megatron.neox_arguments.arguments import NeoXArgs
-from megatron.training.objectives import build_objective, dpo_losses, kto_losses, lm_loss_sum, rm_losses
-from megatron.training.objectives.base import MetricSums, means_from_vector, micro_batch_denominator
-from megatron.training.objectives.kto import mismatched_rows
-from megatron.training.objectives.logprobs import sequence_logps, vocab_parallel_logsumexp
-from megatron.training.objectives.rm import score_positions
+from megatron.objectives import build_objective, dpo_losses, kto_losses, lm_loss_sum, rm_losses
+from megatron.objectives.base import MetricSums, means_from_vector, micro_batch_denominator
+from megatron.objectives.kto import mismatched_rows
+from megatron.objectives.logprobs import sequence_logps, vocab_parallel_logsumexp
+from megatron.objectives.rm import score_positions
 
 V = 13  # vocabulary of the stub models
 

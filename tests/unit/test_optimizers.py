@@ -9,8 +9,8 @@ import torch
 
 from megatron.errors import ConfigError
 from megatron.neox_arguments import config_from_mapping
-from megatron.training.optimizer_config import OptimizerArgs
-from megatron.training.optimizers import OPTIMIZERS, build_optimizer, param_groups
+from megatron.engine.optimizer_config import OptimizerArgs
+from megatron.engine.optimizers import OPTIMIZERS, build_optimizer, param_groups
 
 
 class Tiny(torch.nn.Module):
@@ -65,7 +65,7 @@ def test_the_peak_rate_is_decided_in_one_place(flat: float | None, block: float 
     (the flat lr when given, else optimizer.params.lr), so none of them can disagree."""
     from megatron.app.deepy import fill_in_for_inference
     from megatron.neox_arguments.loading import config_from_mapping
-    from megatron.training.optimizer_config import peak_lr_setting
+    from megatron.engine.optimizer_config import peak_lr_setting
 
     values: dict[str, Any] = {} if flat is None else {"lr": flat}
     if block is not None:
@@ -100,8 +100,8 @@ def test_only_the_decision_reads_the_block_lr() -> None:
                     if isinstance(node, ast.Attribute) and node.attr == "lr" and isinstance(node.value, ast.Attribute) \
                             and node.value.attr == "params":
                         readers.add(f"{path.relative_to(root.parent)}:{fn.name}")
-    assert readers == {"megatron/training/optimizer_config.py:peak_lr_setting",
-                       "megatron/training/optimizer_checks.py:learning_rates_ordered"}
+    assert readers == {"megatron/engine/optimizer_config.py:peak_lr_setting",
+                       "megatron/engine/optimizer_checks.py:learning_rates_ordered"}
 
 
 def test_weight_decay_in_params_is_honoured() -> None:
@@ -194,7 +194,7 @@ def test_zero_init_placeholders_are_grouped_by_their_real_shape() -> None:
     ``ds_shape``: a matrix is still decayed (it was not, so zero_init runs skipped weight decay)."""
     import torch
 
-    from megatron.training.optimizers import is_no_decay
+    from megatron.engine.optimizers import is_no_decay
 
     placeholder = torch.nn.Parameter(torch.empty(0))
     placeholder.ds_shape = torch.Size([8, 4])  # what zero.Init sets

@@ -28,7 +28,7 @@ from megatron.model.flops import flops_per_token, num_parameters
 from megatron.model.gpt import GPTModel
 from megatron.model.norms import NORMS
 from megatron.model.transformer_options import ATTENTION_TYPES, MLP_TYPES, POSITIONAL
-from megatron.training.memory import MemoryLayout, stage_parameters
+from megatron.engine.memory import MemoryLayout, stage_parameters
 
 REPO = Path(__file__).resolve().parents[2]
 TOY_NORM = REPO / "tests" / "fixtures" / "toy_norm.py"

@@ -32,7 +32,7 @@ TOY_SCHEDULE = '''
 from pydantic import Field
 
 from megatron.config_schema import ArgGroup
-from megatron.training.lr_schedules import register_decay
+from megatron.engine.lr_schedules import register_decay
 
 
 class StepDecayKeys(ArgGroup):
@@ -93,7 +93,7 @@ from pydantic import Field
 
 from megatron import plugins
 from megatron.config_schema import ArgGroup
-from megatron.training.objectives.lm import LMObjective
+from megatron.objectives.lm import LMObjective
 
 
 class SmoothingKeys(ArgGroup):
@@ -280,7 +280,7 @@ def loaded(toys: Path) -> Iterator[Path]:
 
 
 def test_toy_schedule_halves_every_k_steps(loaded: Path) -> None:
-    from megatron.training.lr_schedules import ScheduleSpec, lr_at
+    from megatron.engine.lr_schedules import ScheduleSpec, lr_at
 
     spec = ScheduleSpec(style="step_halving", max_lr=1.0, total_steps=100, warmup_steps=0,
                         options=(("step_decay_every", 10),))
@@ -303,7 +303,7 @@ def test_toy_tracker_receives_every_row(loaded: Path, tmp_path: Path) -> None:
 
 def test_toy_objective_is_torchs_label_smoothed_cross_entropy(loaded: Path) -> None:
     from megatron.neox_arguments.arguments import schema_class
-    from megatron.training.objectives import build_objective
+    from megatron.objectives import build_objective
 
     objective = build_objective(schema_class()(train_impl="smoothed_lm", label_smoothing=0.2))
     torch.manual_seed(0)
@@ -374,8 +374,8 @@ def test_gpt_neox_values_stay_registered(family: str) -> None:
 
 
 def test_optimizer_types_are_the_builders_registry() -> None:
-    from megatron.training.optimizer_block import OPTIMIZER_KINDS
-    from megatron.training.optimizers import DEEPSPEED_BUILT, OPTIMIZERS
+    from megatron.engine.optimizer_block import OPTIMIZER_KINDS
+    from megatron.engine.optimizers import DEEPSPEED_BUILT, OPTIMIZERS
 
     # every accepted optimizer.type is built by us or, for 1-bit Adam, by DeepSpeed from its block
     assert set(OPTIMIZER_KINDS.values()) == set(OPTIMIZERS) | DEEPSPEED_BUILT

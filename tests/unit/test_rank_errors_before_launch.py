@@ -41,9 +41,9 @@ from megatron.errors import DeepyError
 REPO = Path(__file__).resolve().parents[2]
 
 RANK_SIDE = (
-    "megatron/model", "megatron/mpu", "megatron/training", "megatron/data", "megatron/tokenizer",
-    "megatron/initialize.py", "megatron/generation", "megatron/evaluation", "megatron/checkpointing",
-    "megatron/logging", "megatron/app/workers.py", "megatron/launcher/environment.py",
+    "megatron/model", "megatron/mpu", "megatron/training", "megatron/engine", "megatron/objectives", "megatron/data",
+    "megatron/tokenizer", "megatron/initialize.py", "megatron/generation", "megatron/evaluation",
+    "megatron/checkpointing", "megatron/logging", "megatron/app/workers.py", "megatron/launcher/environment.py",
     "megatron/neox_arguments/run_config.py", "megatron/neox_arguments/resolved.py", "megatron/plugins.py",
     "megatron/objective_needs.py", "megatron/interop/hf_save_writer.py",
 )
@@ -115,8 +115,8 @@ ENTRY = "megatron.neox_arguments.honesty.check_entry_point"
 TASKS = "megatron.evaluation.checks.eval_tasks_can_run"
 START = "megatron.neox_arguments.file_checks.checkpoint_fits_the_config"
 ROPE = "megatron.model.checks.rope_scaling_is_honoured"
-SCHEDULE = "megatron.training.lr_config.schedule_builds"
-LEVANTER_RULE = "megatron.training.lr_dialects.levanter_schedule_is_one_levanter_builds"
+SCHEDULE = "megatron.engine.lr_config.schedule_builds"
+LEVANTER_RULE = "megatron.engine.lr_dialects.levanter_schedule_is_one_levanter_builds"
 BATCH = "megatron.neox_arguments.derived.derive_batch"
 DATA_CHECKS = "megatron.data.checks"
 INTERNAL_TP = ("sizes are checked to split over tensor parallelism before any layer is built "
@@ -294,61 +294,61 @@ SITES: dict[str, tuple[Entry, ...]] = {
         NotFromConfig("initialize() joins torch.distributed before it builds the groups"),),
     "megatron/mpu/topology.py::get_topology": (NotFromConfig("the groups are built before anything reads them"),),
     # --- engine, optimizer, schedule, objectives -------------------------------------------------------------
-    "megatron/training/compile_checks.py::require_toolchain": (
-        Elsewhere("megatron.training.compile_checks", "toolchain_problems",
+    "megatron/engine/compile_checks.py::require_toolchain": (
+        Elsewhere("megatron.engine.compile_checks", "toolchain_problems",
                   "torch.compile needs a C++ compiler (and Triton on a GPU) where the ranks run"),
     ),
     "megatron/training/config.py::last_iteration": (
         RanksOnly("max_train_epochs caps the steps at the samples of that many epochs, which the ranks count when "
                   "they build the sample index of the data"),
     ),
-    "megatron/training/engine.py::partition_method": (
+    "megatron/engine/build.py::partition_method": (
         Before(Case("megatron.mpu.parallel_config.pipe_partition_method_known", "pipe_partition_method=bogus",
                     "pipe_partition_method='bogus' .* is not known"),
                Case("megatron.mpu.parallel_config.pipe_partition_method_known", "pipe_partition_method=type:(",
                     "does not compile")),
     ),
-    "megatron/training/lr_config.py::LRSchedulerArgs.spec": (
+    "megatron/engine/lr_config.py::LRSchedulerArgs.spec": (
         RanksOnly("only a train_iters below 1 reaches it: the steps of train_epochs, which the ranks count from the "
                   "data (an epoch shorter than one global batch)"),
     ),
-    "megatron/training/lr_dialects.py::frac_or_steps": (
+    "megatron/engine/lr_dialects.py::frac_or_steps": (
         Before(Case(LEVANTER_RULE, f"{LEVANTER} levanter_warmup=2.5", "neither a fraction")),),
-    "megatron/training/lr_dialects.py::cycle_ends": (
+    "megatron/engine/lr_dialects.py::cycle_ends": (
         Before(Case(LEVANTER_RULE, f"{LEVANTER} levanter_cycles=2 levanter_cycle_length=5", "either cycle_length")),
         Before(Case(LEVANTER_RULE, f"{LEVANTER} levanter_cycle_length=[6,6]", "add up to 12 > 10")),
         Before(Case(LEVANTER_RULE, f"{LEVANTER} levanter_cycle_length=0.01", "less than one step")),
     ),
-    "megatron/training/lr_dialects.py::_decay_piece": (
+    "megatron/engine/lr_dialects.py::_decay_piece": (
         Before(Case(LEVANTER_RULE, f"{LEVANTER} levanter_warmup=1.0", "needs decay steps > 0")),),
-    "megatron/training/lr_schedules.py::ScheduleSpec.__post_init__": (
+    "megatron/engine/lr_schedules.py::ScheduleSpec.__post_init__": (
         Before(Case("schema", "lr_decay_style=bogus", "registered lr_decay_style")),
         RanksOnly("only a schedule of no steps reaches it: the steps of train_epochs, which the ranks count from the "
                   "data (an epoch shorter than one global batch)"),
-        Before(Case("megatron.training.optimizer_checks.learning_rates_ordered", "min_lr=0.1", "is below min_lr=0.1")),
+        Before(Case("megatron.engine.optimizer_checks.learning_rates_ordered", "min_lr=0.1", "is below min_lr=0.1")),
         Before(Case("schema", "decay_fraction=2", "decay_fraction")),
         NotFromConfig("the timescale is the warmup's steps, at least 1"),
     ),
-    "megatron/training/lr_schedules.py::cycle_starts_for": (
+    "megatron/engine/lr_schedules.py::cycle_starts_for": (
         Before(Case(SCHEDULE, "cycles=2 cycle_length=3", "set only one of cycles and cycle_length")),
         Before(Case("schema", "cycle_length=0", "cycle_length")),
         NotFromConfig("cycle_length is one int (the schema), never a list of lengths"),
         Before(Case(SCHEDULE, "cycles=0", "cycles=0 must be >= 1")),
         Before(Case(SCHEDULE, "cycles=[0,5]", r"every boundary must lie within \(0, 10\)")),
     ),
-    "megatron/training/lr_schedules.py::LRScheduler.load_state_dict": (
+    "megatron/engine/lr_schedules.py::LRScheduler.load_state_dict": (
         Before(Case(START, "load={other_lr}", "was trained with another LR schedule")),),
-    "megatron/training/objectives/starting_point.py::_committed": (
+    "megatron/objectives/starting_point.py::_committed": (
         Before(Case(START, "train_impl=dpo initialize_from={empty}", "initialize_from=.*")),),
-    "megatron/training/objectives/starting_point.py::starting_point": (
-        Before(Case("megatron.training.objectives.checks.resumed_reference_keeps_its_objective",
+    "megatron/objectives/starting_point.py::starting_point": (
+        Before(Case("megatron.objectives.checks.resumed_reference_keeps_its_objective",
                     "train_impl=dpo load={lm_run}", "holds a train_impl='normal' checkpoint")),
     ),
-    "megatron/training/optimizer_config.py::OptimizerArgs.peak_lr": (
-        Before(Case("megatron.training.optimizer_checks", "lr=null", "no learning rate")),),
-    "megatron/training/optimizers.py::build_cpu_adam": (
+    "megatron/engine/optimizer_config.py::OptimizerArgs.peak_lr": (
+        Before(Case("megatron.engine.optimizer_checks", "lr=null", "no learning rate")),),
+    "megatron/engine/optimizers.py::build_cpu_adam": (
         RanksOnly("DeepSpeed builds its cpu_adam C++ op (just in time) on the machine of each rank"),),
-    "megatron/training/optimizers.py::build_optimizer": (
+    "megatron/engine/optimizers.py::build_optimizer": (
         Before(Case("schema", 'optimizer={"type":"Lamb","params":{"lr":0.001}}', "optimizer.type must be one of")),
         Before(Case("megatron.model.lora_checks.lora_targets_are_in_the_model",
                     'lora_r=4 lora_target_modules=[query_key_value] attention_config=[[["mamba"],"all"]] '
@@ -391,8 +391,8 @@ SITES: dict[str, tuple[Entry, ...]] = {
                     "train_label_data_paths=[{data},{data}]", "train_label_data_paths has 2 entries")),
     ),
     "megatron/data/build.py::_check_matches_train_impl": (
-        Before(Case("megatron.training.objectives.checks", f"{DATA} train_impl=dpo", "trains on preference pairs")),
-        Before(Case("megatron.training.objectives.checks", f"{DATA} train_impl=kto", "needs per-document rewards")),
+        Before(Case("megatron.objectives.checks", f"{DATA} train_impl=dpo", "trains on preference pairs")),
+        Before(Case("megatron.objectives.checks", f"{DATA} train_impl=kto", "needs per-document rewards")),
     ),
     "megatron/data/build.py::build_datasets": (
         Before(Case("megatron.neox_arguments.file_checks.dummy_tokens_fit_the_embedding", "dummy_data_vocab_size=1000",

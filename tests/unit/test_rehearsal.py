@@ -331,7 +331,7 @@ print(json.dumps(found))
 
 
 def test_zero_layouts_are_the_ones_deepspeed_builds() -> None:
-    from megatron.training.zero_shards import Precision, elements
+    from megatron.engine.zero_shards import Precision, elements
 
     done = subprocess.run([sys.executable, "-c", DEEPSPEED_BUILDS], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -444,7 +444,7 @@ def test_the_tp_rows_follow_the_counted_collectives_under_sequence_parallelism()
     """The first stage of a tp-2 pipeline with sequence parallelism, 3 blocks, none recomputed: the counts above
     (4 all-reduces' bytes per block, the embedding's all-reduce and its gradient's all-gather), and the received
     gradient regathered from the tp ranks' halves of the sequence shard the stage hands on."""
-    from megatron.training.comm_volume import StepShape, tensor_parallel
+    from megatron.engine.comm_volume import StepShape, tensor_parallel
 
     shape = StepShape(tp=2, stages=2, dp=1, micro_batch=2, seq_length=16, hidden=64, micro_batches=3,
                       activation_bytes=2, sequence_parallel=True, partition_activations=False, comm_bytes=4)

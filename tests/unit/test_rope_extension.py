@@ -18,7 +18,7 @@ import torch
 from pydoc_data.topics import topics
 
 from megatron.model import GPTConfig, GPTModel
-from megatron.training.objectives import lm_loss_sum
+from megatron.objectives import lm_loss_sum
 
 SEED = 2
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=256, pos_emb="rotary", seed=SEED)

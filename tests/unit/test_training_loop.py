@@ -10,12 +10,12 @@ import torch
 from megatron.errors import ConfigError
 from megatron.model.pipeline import BLOCK_PARTITION
 from megatron.neox_arguments import NeoXArgs, config_from_mapping
-from megatron.training.activation_config import ActivationCheckpointArgs
+from megatron.engine.activation_config import ActivationCheckpointArgs
 from megatron.data.batch import RankBatch
 from megatron.neox_arguments.run_config import RunConfig
-from megatron.training.engine import clip_grad_norm, layers_to_checkpoint, partition_method
+from megatron.engine.build import clip_grad_norm, layers_to_checkpoint, partition_method
 from megatron.training.loop import TrainingAborted, TrainState, _check_overflow
-from megatron.training.objectives.base import IGNORE_INDEX, shifted
+from megatron.objectives.base import IGNORE_INDEX, shifted
 from megatron.training.step import StepResult
 
 

@@ -118,7 +118,7 @@ def deepy_contender(arch: Arch, zero: int, compile_layers: bool) -> tuple[Conten
     from megatron.data.sampler import MicroBatchIterator, prefetched
     from megatron.initialize import initialize
     from megatron.tokenizer import build_tokenizer
-    from megatron.training.engine import build_engine
+    from megatron.engine.build import build_engine
     from megatron.training.step import train_step
 
     run = run_config(deepy_config(arch, zero, compile_layers))
@@ -142,8 +142,8 @@ def deepy_contender(arch: Arch, zero: int, compile_layers: bool) -> tuple[Conten
 def raw_contender(arch: Arch, built: Any, compile_model: bool) -> Contender:
     """Deepy's model, optimizer and LR schedule in a plain loop (no DeepSpeed engine)."""
     from megatron.model import GPTModel, lm_loss
-    from megatron.training.lr_schedules import LRScheduler
-    from megatron.training.optimizers import build_optimizer
+    from megatron.engine.lr_schedules import LRScheduler
+    from megatron.engine.optimizers import build_optimizer
 
     run, model_config = built
     dev = harness.device()

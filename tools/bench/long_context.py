@@ -47,7 +47,7 @@ def _rank(rank: int, world: int, out_dir: str, seq: int, docs: bool, steps: int,
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(minutes=30))
     from megatron import mpu
     from megatron.model import GPTConfig, GPTModel
-    from megatron.training.objectives import ObjectiveArgs, build_objective, lm_loss_sum
+    from megatron.objectives import ObjectiveArgs, build_objective, lm_loss_sum
 
     mpu.initialize_model_parallel(1, 1, world)
     config = GPTConfig(**model, seq_length=seq, padded_vocab_size=256, pos_emb="rotary", seed=1)

@@ -44,7 +44,7 @@ def environment(smoke: bool, work: Path) -> Result:
 
     from megatron.launcher.environment import visible_devices
     from megatron.logging.throughput import peak_tflops
-    from megatron.training.compile_checks import toolchain_problems
+    from megatron.engine.compile_checks import toolchain_problems
 
     out: Result = {"python": sys.version.split()[0], "torch": torch.__version__, "deepspeed": deepspeed.__version__,
                    "cuda_visible_devices": visible_devices(os.environ) or None,
@@ -102,7 +102,7 @@ def _kernel_of(run: Callable[[], Any]) -> str:
 def attention(smoke: bool, work: Path) -> Result:
     from megatron.model import GPTConfig
     from megatron.model.attention import SelfAttention
-    from megatron.training.memory import sdpa_kernel
+    from megatron.engine.memory import sdpa_kernel
 
     gpu = _gpu()
     dev = torch.device("cuda" if gpu else "cpu")
@@ -150,13 +150,13 @@ def _device_and_dtype() -> tuple[torch.device, torch.dtype]:
 
 def _compiled_model(keys: dict[str, Any], layers: int, hidden: int, heads: int, seq: int) -> Any:
     from megatron.model import GPTConfig, GPTModel
-    from megatron.training.engine import transformer_layers
+    from megatron.engine.build import transformer_layers
 
     config = GPTConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=seq,
                        max_position_embeddings=seq, padded_vocab_size=50304, pos_emb="rotary", **keys)
     dev, dtype = _device_and_dtype()
     model = GPTModel(config).to(device=dev, dtype=dtype)
-    for layer in transformer_layers(model):  # what compile_layers does (training/engine.py wrap_layers)
+    for layer in transformer_layers(model):  # what compile_layers does (engine/build.py wrap_layers)
         layer.forward = torch.compile(layer.forward)
     return model
 
@@ -243,7 +243,7 @@ def sync_audit(smoke: bool, work: Path) -> Result:
 
 
 def memory_350m(smoke: bool, work: Path) -> Result:
-    from megatron.training.memory import GiB, MemoryLayout, estimate
+    from megatron.engine.memory import GiB, MemoryLayout, estimate
 
     arch, contender, (run, model_config) = _deepy_step(*((2, 64, 4, 64, 2) if smoke else (24, 1024, 16, 2048, 4)))
     est = estimate(MemoryLayout.from_run(run, 1, model_config.padded_vocab_size))

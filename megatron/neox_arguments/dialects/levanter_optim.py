@@ -2,7 +2,7 @@
 
 Defaults and meanings are read from ``src/levanter/optim/config.py`` of stanford-crfm/levanter at
 9263f81e. The schedule keys become the ``levanter`` learning-rate style, which computes Levanter's curve
-per step (``megatron/training/lr_dialects.py``); the optimizer becomes Deepy's Adam (decoupled weight
+per step (``megatron/engine/lr_dialects.py``); the optimizer becomes Deepy's Adam (decoupled weight
 decay, as ``optax.add_decayed_weights`` before the step) or Lion, and Levanter's default weight-decay
 mask (no decay on embeddings, norms and biases) becomes ``weight_decay_embeddings: false``.
 """

@@ -3,7 +3,7 @@
 ``NeoXArgsOptimizer``, except ``weight_decay`` (``NeoXArgsTraining``) and the block
 (``NeoXArgsDeepspeedConfig``).
 
-Declared here, beside the optimizers that read them (``megatron/training/optimizers.py``); the one
+Declared here, beside the optimizers that read them (``megatron/engine/optimizers.py``); the one
 argument object (``NeoXArgs``) is composed of this class and the trainer hands the optimizer builders
 that object, typed as this class. Which builder, the peak rate, the weight decay and the type's own
 parameters are worked out from the block and the flat keys by the properties below, in one place.
@@ -18,7 +18,7 @@ from pydantic import Field
 
 from megatron.config_schema import ArgGroup, not_supported
 from megatron.errors import ConfigError
-from megatron.training.optimizer_block import OPTIMIZER_KINDS, PARAMS_OF_KIND, OptimizerBlock
+from megatron.engine.optimizer_block import OPTIMIZER_KINDS, PARAMS_OF_KIND, OptimizerBlock
 
 OptimizerType = Literal[
     "adam",
@@ -89,7 +89,7 @@ class OptimizerArgs(ArgGroup):
 
     @property
     def optimizer_kind(self) -> str:
-        """Registry key in ``megatron.training.optimizers.OPTIMIZERS`` (``adam``, ``sgd``, ...): the
+        """Registry key in ``megatron.engine.optimizers.OPTIMIZERS`` (``adam``, ``sgd``, ...): the
         block's type when there is a block, else ``optimizer_type``."""
         return self.optimizer.kind if self.optimizer is not None else OPTIMIZER_KINDS[self.optimizer_type]
 

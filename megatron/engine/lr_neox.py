@@ -19,7 +19,7 @@ of optimizer steps taken ``n`` (0 for the first update), ``T`` = ``lr_decay_iter
   the floor, the cosine rises again.
 
 Deepy's own extras (cycles, ``decay_fraction``, ``rewarmup``) are not GPT-NeoX's; a schedule that uses
-them goes through the general phases of ``megatron/training/lr_schedules.py``.
+them goes through the general phases of ``megatron/engine/lr_schedules.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Running one global batch of an objective through the engine, for training or evaluation.
+"""Running one global batch of an objective (``megatron/objectives/``) through the engine, for training or
+evaluation: the trainer's step (``step.py``) and its evaluation (``evaluate.py``).
 
 The step knows all of its micro-batches before the first forward: it prepares them, counts their
-loss units and all-reduces the count over data-parallel ranks (the normaliser, see ``base.py``), asks
+loss units and all-reduces the count over data-parallel ranks (the normaliser, see ``megatron/objectives/base.py``), asks
 the reference for its log-probs, and only then runs the policy - micro-batch by micro-batch through
 the plain engine, or as one ``train_batch``/``eval_batch`` schedule through the pipeline, whose last
 stage computes the loss with ``Objective.loss`` as the ``PipelineModule``'s ``loss_fn``.
@@ -21,8 +22,8 @@ import torch.distributed as dist
 
 from megatron import mpu
 from megatron.data.transfer import to_device
-from megatron.training.objectives.base import MicroBatch, Objective, means_from_vector, micro_batch_denominator
-from megatron.training.objectives.reference import Reference
+from megatron.objectives.base import MicroBatch, Objective, means_from_vector, micro_batch_denominator
+from megatron.objectives.reference import Reference
 from megatron.training.stragglers import timed
 
 
@@ -46,8 +47,7 @@ def last_stage_rank() -> int:
 
 
 class EngineHandle(Protocol):
-    """What a runner reads of :class:`megatron.training.engine.Engine` (named by its shape: that module
-    imports this package)."""
+    """What a runner reads of :class:`megatron.engine.build.Engine` (named by its shape: only these)."""
 
     engine: Any  # DeepSpeed's DeepSpeedEngine or PipelineEngine: DeepSpeed ships no type information
     is_pipe: bool
@@ -55,7 +55,7 @@ class EngineHandle(Protocol):
 
 
 class ObjectiveRunner:
-    """Runs global batches of one objective through one engine (``megatron.training.engine.Engine``)."""
+    """Runs global batches of one objective through one engine (``megatron.engine.build.Engine``)."""
 
     def __init__(self, objective: Objective, reference: Reference) -> None:
         self.objective = objective

@@ -26,9 +26,9 @@ from typing import cast
 import torch
 
 from megatron.errors import DataError
-from megatron.training.objectives.base import IGNORE_INDEX, MicroBatch, Objective, Stats, count, shifted
-from megatron.training.objectives.logprobs import sequence_logps
-from megatron.training.objectives.registry import KTOKeys
+from megatron.objectives.base import IGNORE_INDEX, MicroBatch, Objective, Stats, count, shifted
+from megatron.objectives.logprobs import sequence_logps
+from megatron.objectives.registry import KTOKeys
 
 
 def kto_losses(policy: torch.Tensor, policy_kl: torch.Tensor, ref: torch.Tensor, ref_kl: torch.Tensor,

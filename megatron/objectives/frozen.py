@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from megatron.errors import CheckpointError
-from megatron.training.objectives.base import MicroBatch, Objective
-from megatron.training.objectives.starting_point import StartingPoint, starting_point
+from megatron.objectives.base import MicroBatch, Objective
+from megatron.objectives.starting_point import StartingPoint, starting_point
 
 log = logging.getLogger("deepy")
 

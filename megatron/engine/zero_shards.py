@@ -3,7 +3,7 @@ gradients, fp32 master weights and optimizer states, in elements and bytes, padd
 
 The rehearsal (``deepy.py --rehearse N``, megatron/app/rehearsal.py) hands in the parameters of a partition it
 built (the trainable ones in the optimizer's groups, as ``optimizers.param_groups`` makes them, and the frozen
-rest); the memory estimate (megatron/training/memory.py) asks the same question about the optimizer DeepSpeed
+rest); the memory estimate (megatron/engine/memory.py) asks the same question about the optimizer DeepSpeed
 builds. Read from DeepSpeed 0.19.8 (``.venv/lib/python3.11/site-packages/deepspeed``):
 
 * which optimizer: ``DeepSpeedEngine._do_optimizer_sanity_check`` (runtime/engine.py:2294-2325), see

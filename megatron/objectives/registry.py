@@ -18,7 +18,7 @@ from pydantic import Field
 from megatron import plugins
 from megatron.config_schema import ArgGroup
 from megatron.objective_needs import needs_of
-from megatron.training.objectives.config import ObjectiveArgs, ReferenceKind
+from megatron.objectives.config import ObjectiveArgs, ReferenceKind
 
 
 class DPOKeys(ArgGroup):
@@ -76,11 +76,11 @@ def _rm_check(args: ObjectiveArgs, show: Callable[[str], str]) -> list[str]:
     return []
 
 
-plugins.declare("train_impl", "normal", "megatron.training.objectives.lm:LMObjective", documents=True)
-plugins.declare("train_impl", "dpo", "megatron.training.objectives.dpo:DPOObjective",
+plugins.declare("train_impl", "normal", "megatron.objectives.lm:LMObjective", documents=True)
+plugins.declare("train_impl", "dpo", "megatron.objectives.dpo:DPOObjective",
                 keys=DPOKeys, check=_dpo_check, dataset="pairwise", reference=True)
 # KTO estimates its KL reference point from mismatched pairs inside a micro-batch: at least 2 samples
-plugins.declare("train_impl", "kto", "megatron.training.objectives.kto:KTOObjective",
+plugins.declare("train_impl", "kto", "megatron.objectives.kto:KTOObjective",
                 keys=KTOKeys, dataset="reward", reference=True, min_micro_batch=2)
-plugins.declare("train_impl", "rm", "megatron.training.objectives.rm:RewardModelObjective",
+plugins.declare("train_impl", "rm", "megatron.objectives.rm:RewardModelObjective",
                 check=_rm_check, dataset="pairwise", value_head=True)

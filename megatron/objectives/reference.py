@@ -30,10 +30,10 @@ import torch
 from megatron.checkpointing.config import CheckpointArgs
 from megatron.deepspeed_internals import separate_pipeline_loss_total
 from megatron.model.lora import adapters_disabled, is_adapter_name
-from megatron.training.objectives.base import MicroBatch, Objective
-from megatron.training.objectives.config import ObjectiveArgs
-from megatron.training.objectives.frozen import FrozenCopy, StartingPoint, starting_point
-from megatron.training.objectives.registry import reference_kind
+from megatron.objectives.base import MicroBatch, Objective
+from megatron.objectives.config import ObjectiveArgs
+from megatron.objectives.frozen import FrozenCopy, StartingPoint, starting_point
+from megatron.objectives.registry import reference_kind
 
 log = logging.getLogger("deepy")
 

@@ -22,9 +22,9 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from megatron.training.objectives.base import IGNORE_INDEX, MicroBatch, Objective, Stats, count, shifted
-from megatron.training.objectives.logprobs import sequence_logps
-from megatron.training.objectives.registry import DPOKeys
+from megatron.objectives.base import IGNORE_INDEX, MicroBatch, Objective, Stats, count, shifted
+from megatron.objectives.logprobs import sequence_logps
+from megatron.objectives.registry import DPOKeys
 
 
 def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,

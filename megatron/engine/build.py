@@ -54,16 +54,16 @@ from megatron.model.pipeline import BLOCK_PARTITION, CHECKPOINTABLE_LAYERS
 from megatron.mpu import experts as expert_parallel
 from megatron.mpu import hybrid_shard
 from megatron.mpu.layers import partial_over_tensor_parallel, sum_partial_grads_over_tensor_parallel
-from megatron.training import hybrid_shard as hybrid_shard_engine
-from megatron.training.activation_config import ActivationCheckpointArgs
-from megatron.training.compile_checks import require_toolchain
-from megatron.training.lr_schedules import LRScheduler, SchedulePolicy
-from megatron.training.moe import MoETraining, build_moe_training, install_expert_parallel, keep_expert_shards
-from megatron.training.objectives import LMObjective, Objective, ObjectiveArgs, Reference
-from megatron.training.optimizers import DEEPSPEED_BUILT, build_optimizer, deepspeed_optimizer_block, param_groups
+from megatron.engine import hybrid_shard as hybrid_shard_engine
+from megatron.engine.activation_config import ActivationCheckpointArgs
+from megatron.engine.compile_checks import require_toolchain
+from megatron.engine.lr_schedules import LRScheduler, SchedulePolicy
+from megatron.engine.moe import MoETraining, build_moe_training, install_expert_parallel, keep_expert_shards
+from megatron.objectives import LMObjective, Objective, ObjectiveArgs, Reference
+from megatron.engine.optimizers import DEEPSPEED_BUILT, build_optimizer, deepspeed_optimizer_block, param_groups
 
 if TYPE_CHECKING:
-    from megatron.training.run_views import RunViews
+    from megatron.engine.run_views import RunViews
 
 # GPT-NeoX partition names -> DeepSpeed's PipelineModule partition_method (blocks of every family)
 PARTITION_METHODS: dict[str, str] = {name: BLOCK_PARTITION if name.startswith("type:") else name
@@ -369,8 +369,8 @@ def build_engine(run: RunViews, config: GPTConfig, train_iters: int, objective: 
         # each seeing the micro-batch once: its batch is cp times the number of samples
         ds_config["train_batch_size"] = int(ds_config["train_batch_size"]) * run.parallel.context_parallel_size
     ds_config = hybrid_shard_engine.deepspeed_config(ds_config)  # unchanged without hybrid sharding
-    model, is_pipe = build_model(config, run.parallel, run.activation_config, run.training.loop.compile_layers,
-                                 objective, run.lora, zero_init=ds_config if run.training.loop.zero_init else None,
+    model, is_pipe = build_model(config, run.parallel, run.activation_config, run.engine.keys.compile_layers,
+                                 objective, run.lora, zero_init=ds_config if run.engine.keys.zero_init else None,
                                  device=training_device())
     spec = run.lr_config.spec(train_iters, run.optimizer_config.peak_lr)
     policy = run.lr_config.resume_policy

@@ -1,6 +1,6 @@
 """Levanter's and fms-fsdp's learning-rate curves, as ``lr_decay_style`` plug-ins that own the whole curve.
 
-GPT-NeoX's styles (``megatron/training/lr_schedules.py``) share one phase structure (warmup, stable,
+GPT-NeoX's styles (``megatron/engine/lr_schedules.py``) share one phase structure (warmup, stable,
 decay floored at ``min_lr``). The two dialects' schedules are built differently, so each is one
 registry entry computing its project's curve itself, per step, from its own keys:
 
@@ -37,7 +37,7 @@ from megatron import plugins
 from megatron.config_rules import RuleContext, rule
 from megatron.config_schema import ArgGroup
 from megatron.errors import ConfigError
-from megatron.training.lr_schedules import ScheduleSpec
+from megatron.engine.lr_schedules import ScheduleSpec
 
 LevanterSchedule = Literal["constant", "cosine", "linear", "inv_sqrt", "inv"]
 

@@ -9,7 +9,7 @@ Decay shapes come from a registry keyed by the ``lr_decay_style`` config string:
 
 * GPT-NeoX styles ``constant``, ``linear``, ``cosine``, ``exponential``: with one cycle and no
   ``decay_fraction`` (everything a GPT-NeoX config can say), :func:`lr_at` is GPT-NeoX's own curve,
-  ``megatron/training/lr_neox.py`` (warmup ``lr * max(1, step) / W``; linear and exponential floored
+  ``megatron/engine/lr_neox.py`` (warmup ``lr * max(1, step) / W``; linear and exponential floored
   at ``min_lr``, cosine interpolated to it). With Deepy's extras the same shapes run in the phases
   below.
 * Levanter styles ``inv_sqrt`` and ``inv`` (``max_lr / sqrt(1 + t/T)`` and ``max_lr / (1 + t/T)``
@@ -34,7 +34,7 @@ from typing import Any, Literal
 from megatron import plugins
 from megatron.config_schema import ArgGroup
 from megatron.errors import ConfigError
-from megatron.training.lr_neox import EXPONENTIAL_RATE, NEOX_STYLES, annealing_lr
+from megatron.engine.lr_neox import EXPONENTIAL_RATE, NEOX_STYLES, annealing_lr
 
 # A decay shape maps progress through the decay phase (0 at its start, 1 at its end) and the
 # number of steps already spent decaying to a multiplier of max_lr before the min_lr floor.
@@ -101,7 +101,7 @@ WSD_DEFAULT_DECAY_FRACTION = 0.2
 def min_lr_problem(lr: float, min_lr: float, shown_lr: str | None = None,
                    shown_min_lr: str | None = None) -> str | None:
     """The one check of ``min_lr <= lr`` (the schedule decays from the peak down to the floor): run
-    before launch on the user's keys (``learning_rates_ordered`` in ``training/optimizer_checks.py``, with
+    before launch on the user's keys (``learning_rates_ordered`` in ``engine/optimizer_checks.py``, with
     the keys shown as ``key=value (file:line)``) and by a :class:`ScheduleSpec` built directly in Python."""
     if lr >= min_lr:
         return None

@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron.training.zero_shards import Elements, Precision
+from megatron.engine.zero_shards import Elements, Precision
 
 Group = Literal["tp", "pp", "dp", "tied"]
 

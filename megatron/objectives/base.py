@@ -27,7 +27,7 @@ import torch
 
 from megatron.data.transfer import to_device
 from megatron.errors import DataError
-from megatron.training.objectives.config import ObjectiveArgs
+from megatron.objectives.config import ObjectiveArgs
 
 IGNORE_INDEX = -100
 

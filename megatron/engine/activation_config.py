@@ -3,7 +3,7 @@ and DeepSpeed's options for it (GPT-NeoX's flat keys and DeepSpeed's ``activatio
 block, two spellings of the same options). GPT-NeoX files the flat keys under ``NeoXArgsTraining`` and
 the block under ``NeoXArgsDeepspeedConfig``.
 
-Declared here, beside the code that reads them (``megatron/training/engine.py`` wraps the blocks and
+Declared here, beside the code that reads them (``megatron/engine/build.py`` wraps the blocks and
 configures ``deepspeed.checkpointing``; the memory estimate counts the recomputed blocks); the one
 argument object (``NeoXArgs``) is composed of this class and the trainer hands those functions that
 object, typed as this class.

@@ -1,4 +1,4 @@
-"""Optimizers built from the optimizer keys (:class:`~megatron.training.optimizer_config.OptimizerArgs`).
+"""Optimizers built from the optimizer keys (:class:`~megatron.engine.optimizer_config.OptimizerArgs`).
 
 Builders live in a registry keyed by the optimizer kind (``OPTIMIZER_KINDS`` in the schema maps the
 user's type, case-insensitively, to a kind). Parameters are split into two groups: weight decay
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from megatron.errors import ConfigError
-from megatron.training.optimizer_config import OptimizerArgs
+from megatron.engine.optimizer_config import OptimizerArgs
 
 ParamGroups = list[dict[str, Any]]
 OptimizerBuilder = Callable[[ParamGroups, OptimizerArgs], torch.optim.Optimizer]

@@ -92,15 +92,15 @@ def resumed_reference_keeps_its_objective(ctx: RuleContext) -> list[str]:
     load = ctx.get("load")
     if not ctx.trains or not load or ctx.get("initialize_from") or ctx.get("finetune"):
         return []
-    from megatron.training.objectives.registry import reference_kind
-    from megatron.training.objectives.config import ObjectiveArgs
+    from megatron.objectives.registry import reference_kind
+    from megatron.objectives.config import ObjectiveArgs
 
     if reference_kind(ctx.group(ObjectiveArgs)) != "frozen_copy":
         return []
     from pathlib import Path
 
     from megatron.checkpointing.discovery import resume_point
-    from megatron.training.objectives.starting_point import other_objective_problem
+    from megatron.objectives.starting_point import other_objective_problem
 
     found = resume_point(Path(str(load)), None)  # the newest committed checkpoint, as starting_point reads it
     if found is None:

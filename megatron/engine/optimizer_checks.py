@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from megatron.config_rules import RuleContext, describe, rule, zero_stage
 from megatron.launcher.checks import runs_on_this_machine
-from megatron.training.lr_schedules import min_lr_problem
-from megatron.training.optimizer_block import OPTIMIZER_KINDS
-from megatron.training.optimizer_config import peak_lr_setting
+from megatron.engine.lr_schedules import min_lr_problem
+from megatron.engine.optimizer_block import OPTIMIZER_KINDS
+from megatron.engine.optimizer_config import peak_lr_setting
 
 
 @rule

@@ -5,7 +5,7 @@ log-probs), plus GPT-NeoX's REINFORCE keys. GPT-NeoX files them under ``NeoXArgs
 
 Declared here, beside the objectives that read them; the one argument object (``NeoXArgs``) is
 composed of this class and of each objective plug-in's own keys (``DPOKeys``, ...,
-``registry.py``), and the trainer hands :func:`megatron.training.objectives.build_objective` that
+``registry.py``), and the trainer hands :func:`megatron.objectives.build_objective` that
 object itself. This module imports no objective implementation (nor torch or DeepSpeed), so the
 launcher validates a config without them.
 """
@@ -31,7 +31,7 @@ class ObjectiveArgs(ArgGroup):
     Megatron-LM's document-mask keys and Deepy's ``reference_logps``."""
 
     train_impl: str = partly_supported("normal", unsupported=NOT_BUILT)
-    """Training objective, a registered objective plug-in (``megatron/training/objectives/registry.py``):
+    """Training objective, a registered objective plug-in (``megatron/objectives/registry.py``):
     language modelling or label-masked SFT (normal), DPO on preference pairs, a pairwise reward model
     with a scalar head (rm), KTO on rewarded completions; GPT-NeoX's REINFORCE is not built yet. Each
     objective declares its own keys (dpo_*, kto_*, reset_*)."""

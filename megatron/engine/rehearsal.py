@@ -1,4 +1,4 @@
-"""Every rank's part of the model at a world size this machine does not have, built by the training code itself.
+"""Every rank's part of the model at a world size this machine does not have, built by the engine code the ranks run.
 
 ``deepy.py --rehearse N`` (megatron/app/rehearsal.py) asks what a launch of ``N`` ranks would hold, without
 those ranks. For each distinct (pipeline stage, tensor-parallel rank) this module makes this one process rank
@@ -33,10 +33,10 @@ from megatron.mpu.experts import destroy_expert_parallel, initialize_expert_para
 from megatron.mpu.hybrid_shard import destroy_hybrid_shard, initialize_hybrid_shard
 from megatron.mpu.topology import build_topology
 from megatron.torch_internals import fake_process_group, meta_tensors_stay_on_meta
-from megatron.training.engine import build_model, layers_to_checkpoint
-from megatron.training.objectives import build_objective
-from megatron.training.optimizers import param_groups
-from megatron.training.run_views import RunViews
+from megatron.engine.build import build_model, layers_to_checkpoint
+from megatron.objectives import build_objective
+from megatron.engine.optimizers import param_groups
+from megatron.engine.run_views import RunViews
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,10 +1,12 @@
-"""What a training run hands the engine builder and the memory estimate: a typed view of the resolved
-arguments for each component.
+"""What a run hands the engine builder, the memory estimate, the rehearsal and generation: a typed view of
+the resolved arguments for each component.
 
 ``megatron.neox_arguments.run_config.RunConfig`` provides these views (each is the arguments object
-itself, typed as what that component reads). The training code names them through this protocol, not
-through ``RunConfig``, so it does not depend on the argument layer above it
-(``tests/unit/test_import_graph.py::test_components_do_not_import_the_argument_layer``).
+itself, typed as what that component reads, or a frozen object of a group and the shared values it
+reads: ``engine``, ``parallel``). The engine, the trainer and generation name them through this protocol,
+not through ``RunConfig``, so they do not depend on the argument layer above them
+(``tests/unit/test_import_graph.py::test_components_do_not_import_the_argument_layer``); it names the
+engine's values (``EngineRun``), not the trainer's, so generation builds a model without the trainer.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from megatron.model.config import GPTConfig
 from megatron.model.lora_config import LoRAArgs
 from megatron.mpu.parallel_config import ParallelRun
 from megatron.tokenizer.config import TokenizerArgs
-from megatron.training.activation_config import ActivationCheckpointArgs
-from megatron.training.config import TrainingRun
-from megatron.training.lr_config import LRSchedulerArgs
-from megatron.training.objectives.config import ObjectiveArgs
-from megatron.training.optimizer_config import OptimizerArgs
+from megatron.engine.activation_config import ActivationCheckpointArgs
+from megatron.engine.config import EngineRun
+from megatron.engine.lr_config import LRSchedulerArgs
+from megatron.objectives.config import ObjectiveArgs
+from megatron.engine.optimizer_config import OptimizerArgs
 
 
 class RunViews(Protocol):
@@ -33,7 +35,7 @@ class RunViews(Protocol):
     @property
     def tokenizer(self) -> TokenizerArgs: ...
     @property
-    def training(self) -> TrainingRun: ...
+    def engine(self) -> EngineRun: ...
     @property
     def optimizer_config(self) -> OptimizerArgs: ...
     @property

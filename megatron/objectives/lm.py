@@ -26,7 +26,7 @@ import torch
 from megatron.errors import DataError
 from megatron.model.documents import document_ids_from_eod, positions_in_documents
 from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy_and_log_z
-from megatron.training.objectives.base import MicroBatch, Objective, Stats, count, shifted
+from megatron.objectives.base import MicroBatch, Objective, Stats, count, shifted
 
 
 def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.errors import DataError
-from megatron.training.objectives.base import IGNORE_INDEX, MicroBatch, Objective, Stats, count
-from megatron.training.objectives.dpo import pair_rows
+from megatron.objectives.base import IGNORE_INDEX, MicroBatch, Objective, Stats, count
+from megatron.objectives.dpo import pair_rows
 
 
 def rm_losses(chosen: torch.Tensor, rejected: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:

@@ -4,7 +4,7 @@ warmup-stable-decay.
 Declared here, beside the schedule that reads them; the one argument object (``NeoXArgs``) is
 composed of this class, and the trainer hands the schedule that object (typed as this class).
 :meth:`LRSchedulerArgs.spec` turns the keys into the :class:`ScheduleSpec` the schedule evaluates
-(``megatron/training/lr_schedules.py``), once the steps and the peak rate are known. The checks of
+(``megatron/engine/lr_schedules.py``), once the steps and the peak rate are known. The checks of
 these keys before launch are here too, the comparison of a resumed checkpoint's schedule with the
 config's among them (:func:`schedule_problems`).
 """
@@ -19,8 +19,8 @@ from megatron import plugins
 from megatron.config_rules import RuleContext, rule
 from megatron.config_schema import ArgGroup
 from megatron.errors import ConfigError
-from megatron.training.lr_neox import NEOX_STYLES, decay_steps
-from megatron.training.lr_schedules import (
+from megatron.engine.lr_neox import NEOX_STYLES, decay_steps
+from megatron.engine.lr_schedules import (
     SchedulePolicy,
     ScheduleSpec,
     cycle_starts_for,
@@ -37,7 +37,7 @@ class LRSchedulerArgs(ArgGroup):
     """GPT-NeoX's ``NeoXArgsLRScheduler`` group."""
 
     lr_decay_style: str = "linear"
-    """Shape of the decay after warmup, a registered schedule plug-in (``megatron/training/lr_schedules.py``):
+    """Shape of the decay after warmup, a registered schedule plug-in (``megatron/engine/lr_schedules.py``):
     NeoX's constant/linear/cosine/exponential, or Levanter's inv_sqrt, inv and wsd
     (warmup-stable-decay)."""
 
@@ -171,10 +171,10 @@ SCHEDULE_KEYS = ("lr_decay_style", "lr_decay_iters", "lr_decay_fraction", "min_l
 
 @rule
 def schedule_builds(ctx: RuleContext) -> list[str]:
-    """The schedule the ranks build (:meth:`LRSchedulerArgs.spec`, in ``training/engine.py``), built here from the
+    """The schedule the ranks build (:meth:`LRSchedulerArgs.spec`, in ``engine/build.py``), built here from the
     same keys: cycles that fit the steps, a known style. With ``train_epochs`` the steps are counted from the data
     on the ranks, which build it then."""
-    from megatron.training.optimizer_config import peak_lr_setting
+    from megatron.engine.optimizer_config import peak_lr_setting
 
     train_iters = ctx.get("train_iters")
     peak, _ = peak_lr_setting(ctx.get("lr"), ctx.get("optimizer"))
@@ -183,7 +183,7 @@ def schedule_builds(ctx: RuleContext) -> list[str]:
     schedule = cast(LRSchedulerArgs, ctx.args)
     floor = peak * schedule.min_lr_ratio if schedule.min_lr_ratio is not None else schedule.min_lr
     if min_lr_problem(peak, floor) is not None:
-        return []  # learning_rates_ordered names it (training/optimizer_checks.py)
+        return []  # learning_rates_ordered names it (engine/optimizer_checks.py)
     try:
         schedule.spec(int(train_iters), peak)
     except ConfigError as err:

@@ -60,11 +60,11 @@ from megatron.model.flops import embedding_parameters, final_norm_parameters, la
 from megatron.model.norms import norm_entry
 from megatron.model.transformer_options import POSITIONAL
 from megatron.model.lora_config import LoRAArgs
-from megatron.training.config import compute_dtype
-from megatron.training.zero_shards import WEIGHT_BYTES, deepspeed_optimizer
+from megatron.engine.config import compute_dtype
+from megatron.engine.zero_shards import WEIGHT_BYTES, deepspeed_optimizer
 
 if TYPE_CHECKING:
-    from megatron.training.run_views import RunViews
+    from megatron.engine.run_views import RunViews
 
 GiB = 1024**3
 
@@ -130,21 +130,21 @@ class MemoryLayout:
         else:
             recomputed = layers_per_stage if ckpt.checkpoint_activations else 0
         chunk = 1 if ckpt.selective_checkpointing else min(ckpt.checkpoint_num_layers, max(layers_per_stage, 1))
-        training = run.training
+        shared = run.engine
         accum = (run.deepspeed_config.get("data_types") or {}).get("grad_accum_dtype")
         bf16: Mapping[str, Any] = run.deepspeed_config.get("bf16") or {}
         return cls(
             model=model, tp=tp, pp=pp, dp=max(world_size // (tp * pp), 1),
-            precision=compute_dtype(training.precision), zero_stage=stage,
+            precision=compute_dtype(shared.precision), zero_stage=stage,
             offload_optimizer=stage > 0 and str(offload.get("device", "none")).lower() in ("cpu", "nvme"),
             # DeepSpeed's defaults: contiguous gradients on; overlap_comm only for ZeRO-3
             contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
             overlap_comm=bool(zero.get("overlap_comm", stage == 3)),
             reduce_bucket_size=int(float(zero.get("reduce_bucket_size", 5e8))),
             optimizer_states=states,
-            micro_batch=training.batch.micro,
-            seq_length=training.seq_length,
-            grad_accum=training.batch.gas,
+            micro_batch=shared.batch.micro,
+            seq_length=shared.seq_length,
+            grad_accum=shared.batch.gas,
             recomputed_layers=recomputed,
             checkpoint_chunk=chunk,
             sequence_parallel=run.parallel.sequence_parallel,
