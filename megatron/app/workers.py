@@ -2,7 +2,7 @@
 the checkpoint, and hand generation and evaluation their typed parts.
 
 The argument layer (``megatron.neox_arguments``) composes every component's keys; the components receive
-typed objects (``RunConfig``'s views, ``EvalRun``) and never read the config file themselves
+their own groups (``RunConfig``'s parts, ``EvalRun``) and never read the config file themselves
 (``tests/unit/test_import_graph.py``). ``train.py`` does the same for training. Everything is imported inside
 the functions: ``--help`` needs none of it, and ``deepy.py``'s command (``app/deepy.py``) never imports this.
 """
@@ -39,8 +39,7 @@ def inference_model(args: NeoXArgs, script: str) -> InferenceModel:
     # the adapters as trained: the checkpoint's LoRA settings, whatever the config says (as the HF export does)
     lora = saved_lora(ckpt)
     inference_args = args.model_copy(update={**INFERENCE_OVERRIDES, **lora.settings()})  # the user's args stay untouched
-    run = RunConfig(args=inference_args, deepspeed_config=deepspeed_config(inference_args),
-                    args_record=inference_args.model_dump(mode="json"))
+    run = RunConfig.from_args(inference_args, deepspeed_config(inference_args))
     return build_inference_model(run, ckpt, script, lora_changed=lora_differences(args, lora))
 
 
@@ -48,12 +47,17 @@ def generate_main(argv: list[str]) -> int:
     """generate.py: ``text_gen_type``'s mode on the checkpoint in ``load``."""
     from megatron.generation.config import checked
     from megatron.generation.entry import run_generation
+    from megatron.data.config import DataArgs
+    from megatron.generation.config import TextgenArgs
+    from megatron.model.config import GPTConfig
     from megatron.neox_arguments import load_resolved
+    from megatron.neox_arguments.component_groups import group
 
     options = parse_worker_argv(argv, "Deepy text generation (started by deepy.py on each rank)")
     args = load_resolved(options.deepy_config).args
-    checked(args, args, args)  # a wrong textgen key fails before the model is built
-    run_generation(args, args, args, args.train_micro_batch_size_per_gpu, inference_model(args, "generate.py"))
+    textgen, data, model = group(args, TextgenArgs), group(args, DataArgs), group(args, GPTConfig)
+    checked(textgen, data, model)  # a wrong textgen key fails before the model is built
+    run_generation(textgen, data, model, args.train_micro_batch_size_per_gpu, inference_model(args, "generate.py"))
     return 0
 
 
@@ -62,7 +66,7 @@ def eval_main(argv: list[str]) -> int:
     from megatron.evaluation.config import checked
     from megatron.evaluation.entry import evaluate_checkpoint
     from megatron.neox_arguments import load_resolved
-    from megatron.neox_arguments.arguments import evaluation_run
+    from megatron.neox_arguments.component_groups import evaluation_run
 
     options = parse_worker_argv(argv, "Deepy evaluation with lm-evaluation-harness (started by deepy.py on each rank)")
     args = load_resolved(options.deepy_config).args

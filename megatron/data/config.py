@@ -5,7 +5,7 @@ Declared here, beside the datasets that read them (:func:`megatron.data.build.bu
 argument object (``NeoXArgs``) is composed of :class:`DataArgs`. The data also reads keys declared by
 their owners (``seq_length`` with the model, ``seed`` with the process keys, ``train_iters``/``eval_*``
 with the loop, ``train_batch_size`` with DeepSpeed's, ``train_impl``/``reference_logps`` with the
-objective): :class:`DataRun` holds the data keys (the arguments typed as :class:`DataArgs`) with those
+objective): :class:`DataRun` holds the data keys (its own instance of :class:`DataArgs`) with those
 values, resolved once (``RunConfig.data``), and the trainer hands ``build_datasets`` that frozen object.
 """
 

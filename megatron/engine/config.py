@@ -40,7 +40,7 @@ class EngineArgs(ArgGroup):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineRun:
     """What the engine builder and the memory estimate read besides the component groups: the engine's keys
-    (``keys``, the arguments typed as :class:`EngineArgs`) and the values of keys other components declare,
+    (``keys``, its own instance of :class:`EngineArgs`) and the values of keys other components declare,
     resolved once above (``RunConfig.engine``)."""
 
     keys: EngineArgs

@@ -40,10 +40,10 @@ class EvalArgs(ArgGroup):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EvalRun:
-    """What evaluation reads, from the groups that declare it: every field but ``batch_size`` is the arguments
-    object itself typed as that group (nothing is copied). ``batch_size``, the requests run together, is derived
+    """What evaluation reads, from the groups that declare it: every field but ``batch_size`` is that group's own
+    instance (its keys only). ``batch_size``, the requests run together, is derived
     once from ``train_micro_batch_size_per_gpu``, a key of ``neox_arguments``' DeepSpeed group (above this
-    package): ``megatron.neox_arguments.arguments.evaluation_run`` builds this from the arguments."""
+    package): ``megatron.neox_arguments.component_groups.evaluation_run`` builds this from the arguments."""
 
     evaluation: EvalArgs
     """The tasks, their limit and interval, the results prefix."""

@@ -128,7 +128,7 @@ class TextgenArgs(ArgGroup):
 def checked(args: TextgenArgs, data: DataArgs, model: GPTConfig) -> None:
     """A ``ConfigError`` naming the key unless generate.py can run (before launch, and on the ranks before the
     model is built): its own keys (``args``), the token datasets precompute scores (``data``) and the context
-    (``model.seq_length``), each read from the group that declares it (the arguments object is all three)."""
+    (``model.seq_length``), each read from the group that declares it."""
     kind = args.text_gen_type
     if kind is None:
         raise ConfigError(

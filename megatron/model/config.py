@@ -8,7 +8,7 @@ Mamba, RWKV and gMLP layers' keys are GPT-NeoX's model keys too; the sizes they 
 ``family_config.py``.
 
 :class:`GPTConfig` declares these keys once, with GPT-NeoX's names and defaults; ``NeoXArgs`` is composed
-of it, so the trainer builds the model from the arguments themselves, and interop and tests construct it
+of it, the trainer builds the model from its own instance of this group, and interop and tests construct it
 with the same names. What every module derives from the keys (head dim, kv heads, MLP width, rotary
 dims, attention types, the weight dtype) is a property here, computed the same way everywhere.
 """

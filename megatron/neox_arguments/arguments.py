@@ -22,7 +22,7 @@ from megatron.errors import ConfigError
 from megatron.neox_arguments.groups.deepspeed_config import DeepSpeedConfigArgs
 from megatron.checkpointing.config import CheckpointArgs
 from megatron.data.config import DataArgs
-from megatron.evaluation.config import EvalArgs, EvalRun
+from megatron.evaluation.config import EvalArgs
 from megatron.launcher.config import DeepSpeedRunnerArgs
 from megatron.logging.config import LoggingArgs
 from megatron.model.config import GPTConfig
@@ -46,7 +46,7 @@ from megatron.engine.optimizer_config import OptimizerArgs
 from megatron.neox_arguments.groups.other import OtherArgs
 from megatron.mpu.parallel_config import ParallelismArgs
 from megatron.config_support import UNSUPPORTED_ATTENTION_TYPES
-from megatron.generation.config import TextgenArgs, batch_size
+from megatron.generation.config import TextgenArgs
 from megatron.tokenizer.config import TokenizerArgs
 from megatron.neox_arguments.groups.training import TrainingArgs
 from megatron.config_schema import ArgGroup, own_fields
@@ -299,10 +299,3 @@ def _attention_types(value: Any) -> set[str]:
         if isinstance(entry, (list, tuple)) and entry and isinstance(entry[0], (list, tuple)):
             types.update(t for t in entry[0] if isinstance(t, str))
     return types
-
-
-def evaluation_run(args: NeoXArgs) -> EvalRun:
-    """What evaluation reads (eval.py, lm-eval in training): the arguments typed as each group it reads keys
-    of, and the requests run together, derived once from the micro-batch."""
-    return EvalRun(evaluation=args, model=args, textgen=args, logging=args,
-                   batch_size=batch_size(args.train_micro_batch_size_per_gpu))

@@ -87,7 +87,7 @@ def entry_point_builders() -> dict[str, ComponentBuilder]:
     before launch: see ``check_entry_point``)."""
     from megatron.evaluation.config import checked
     from megatron.generation.config import checked as generation_checked
-    from megatron.neox_arguments.arguments import evaluation_run
+    from megatron.neox_arguments.component_groups import evaluation_run
 
     return {"generate.py": lambda args: generation_checked(args, args, args),
             "eval.py": lambda args: checked(evaluation_run(args))}

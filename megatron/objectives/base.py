@@ -207,8 +207,8 @@ class Objective(ABC):
     """Model rows one sample becomes (2: both sides of a pair, or a completion and its mismatch)."""
 
     def __init__(self, config: ObjectiveArgs, eod_token: int | None = None) -> None:
-        # the arguments object itself: the shared objective keys and the plug-in's own (NeoXArgs is
-        # composed of both), read where they are used
+        # the objective's group: the shared objective keys and the plug-ins' own (its instance is composed of
+        # both, ``component_groups.group``), read where they are used
         self.config = config
         self.eod_token = eod_token if config.eod_mask_loss else None
         self.document_end_token = eod_token  # where documents of a packed sample end (reset_* keys)

@@ -6,7 +6,7 @@ Declared here, beside the loop that reads them (``megatron/training/pretrain.py`
 argument object (``NeoXArgs``) is composed of this class. The loop also reads
 keys that several components share and that are declared with their owners (``seq_length`` and
 ``precision`` with the model, ``seed`` with the process keys, the batch sizes with DeepSpeed's):
-:class:`TrainingRun` holds the loop's keys (the arguments typed as :class:`TrainingLoopArgs`) with those
+:class:`TrainingRun` holds the loop's keys (its own instance of :class:`TrainingLoopArgs`) with those
 values, resolved once (``RunConfig.training``).
 """
 
@@ -75,7 +75,7 @@ class TrainingLoopArgs(ArgGroup):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainingRun:
-    """What the loop reads: its own keys (``loop``, the arguments typed as :class:`TrainingLoopArgs`) and
+    """What the loop reads: its own keys (``loop``, its own instance of :class:`TrainingLoopArgs`) and
     the values of keys other components declare, resolved once above (``RunConfig.training``)."""
 
     loop: TrainingLoopArgs

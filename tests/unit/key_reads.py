@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,13 @@ from megatron.neox_arguments.honesty import ComponentBuilder, entry_point_builde
 from megatron.neox_arguments.resolved import run_directory
 from megatron.config_rules import RuleContext
 from megatron.neox_arguments.run_config import RunConfig
+from megatron.neox_arguments.component_groups import group
 from megatron.tokenizer import build_tokenizer
 from megatron.engine.build import layers_to_checkpoint
 from megatron.objectives.registry import reference_kind
+
+
+_GROUP_COPY = group.__code__
 
 
 class ReadRecorder:
@@ -36,7 +41,9 @@ class ReadRecorder:
         object.__setattr__(self, "read", set())
 
     def __getattr__(self, name: str) -> Any:
-        if name in type(self._args).model_fields:
+        # a copy into a component's own group instance (``component_groups.group``) is not a read: what the
+        # component then reads of its instance is found in its source (``source_reads``)
+        if name in type(self._args).model_fields and sys._getframe(1).f_code is not _GROUP_COPY:
             self.read.add(name)
             return getattr(self._args, name)
         # a group handed to its component whole (the LR schedule's keys) reads its keys in its own
@@ -168,7 +175,7 @@ def _hang_watch(args: Any) -> object:
 
 def _run_config(args: Any) -> object:
     """What building the run's views refuses unless resolved (``RunConfig.__post_init__``)."""
-    return RunConfig(args=args)
+    return RunConfig.from_args(args)
 
 
 def _parallel(args: Any) -> object:
@@ -233,7 +240,7 @@ def _evaluation(args: Any) -> object:
     """What lm-eval inside training and eval.py ask of the evaluation keys (``TaskEvaluation``,
     ``harness.evaluate``/``results_base``, the generator's batch and length), when tasks are set."""
     from megatron.evaluation.harness import results_base
-    from megatron.neox_arguments.arguments import evaluation_run
+    from megatron.neox_arguments.component_groups import evaluation_run
 
     if not args.eval_tasks:
         return None

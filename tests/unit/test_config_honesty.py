@@ -198,8 +198,8 @@ def component_config_classes() -> list[type]:
             continue
         found.append(cls)
         is_group = issubclass(cls, ArgGroup)
-        # RunConfig's views of the arguments are properties; the other dataclasses hold their settings as fields
-        hints = _derived_hints(cls) if is_group or cls is RunConfig else list(typing.get_type_hints(cls).values())
+        # a group's settings are what its methods derive; a dataclass (RunConfig's parts too) holds them as fields
+        hints = _derived_hints(cls) if is_group else list(typing.get_type_hints(cls).values())
         for hint in hints:
             stack = [hint]
             while stack:

@@ -11,7 +11,7 @@ from megatron.evaluation.config import checked
 from megatron.evaluation.harness import _specs, _task_manager, metric_rows, results_base
 from megatron.evaluation.lm_eval_adapter import _cut
 from megatron.neox_arguments import NeoXArgs
-from megatron.neox_arguments.arguments import evaluation_run
+from megatron.neox_arguments.component_groups import evaluation_run
 
 
 def test_config_needs_tasks_and_reads_its_keys() -> None:

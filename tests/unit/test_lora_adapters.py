@@ -69,7 +69,7 @@ def test_lora_keys_are_read_into_the_run_config() -> None:
     from megatron.neox_arguments.run_config import RunConfig
 
     args = ok(lora_r=8, lora_alpha=16, lora_dropout=0.1, lora_target_modules=["dense", "dense_4h_to_h"]).args
-    lora = RunConfig(args=args).lora
+    lora = RunConfig.from_args(args).lora
     assert (lora.lora_r, lora.lora_alpha, lora.lora_dropout, lora.lora_target_modules) == (8, 16.0, 0.1, ["dense", "dense_4h_to_h"])
     assert lora.lora_scale == 2.0 and lora.lora_enabled
 
