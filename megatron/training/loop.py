@@ -1,10 +1,13 @@
-"""The training loop: steps, evaluation, logging, stopping, and the hooks checkpointing uses.
+"""The training loop: steps, evaluation, logging, stopping, and the hooks the features plug in through.
 
 State that must survive a restart is in :class:`TrainState`; the data position is a pure function
 of ``consumed_samples`` and each evaluation's position a pure function of the iteration, so resuming
-needs nothing else. Checkpointing plugs in through :class:`Hooks`: ``after_step(engine, state)`` runs
-after every optimizer step (save by iteration or wall clock, preemption) and may ask the loop to stop;
-``at_exit`` runs once, after the last step (it saves that step when no ``after_step`` did).
+needs nothing else. Every feature (checkpoints, the EMA, the bad-step rule, extra saves, lm-eval tasks,
+...: ``megatron/training/features/``) plugs in through its :class:`LoopHooks`, and the loop calls each
+event of every feature in the features' order (:class:`Hooks`), never a feature by name: ``resume``
+before the first step, ``after_update`` after each optimizer step, ``log_metrics`` at log steps,
+``after_step`` (save by iteration or wall clock, preemption; may ask the loop to stop), the features'
+evaluations, and ``at_exit`` once after the last step (it saves that step when no ``after_step`` did).
 
 Saving comes before evaluating: at a step that is saved, the hooks run before that step's evaluations
 (validation, test, ``eval_tasks``), and at the step that ends the run ``at_exit`` does too, so an
@@ -16,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -32,9 +36,6 @@ from megatron.training.config import TrainingLoopArgs
 from megatron.engine.build import Engine
 from megatron.training import hang_watch
 from megatron.training.evaluate import Evaluator, evaluation_number
-from megatron.training.model_averaging import ModelAverage
-from megatron.training.skip_gate import BadStepGate
-from megatron.training.stragglers import StragglerWatch
 from megatron.training.step import StepResult, read_grad_norm, train_step
 
 
@@ -76,10 +77,99 @@ class TrainState:
 StepHook = Callable[[Engine, TrainState], Any]
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
+class Evaluation:
+    """An evaluation a feature runs after a step: after the step's validation, before its test evaluation, on the
+    evaluated weights (:attr:`Hooks.eval_weights`), logged as a row of its own."""
+
+    due: Callable[[int, bool], bool]
+    """``(iteration, last)`` -> whether it runs after this step (``last``: the run's last step)."""
+    run: Callable[[], dict[str, float]]
+    """The row's metrics under their full names (``lm_eval/<task>/<metric>``), the same on every rank."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalWeights:
+    """Weights a feature keeps beside the trained ones (the EMA): every evaluation also reports them
+    (``eval/<tag>/lm_loss``), and the features' evaluations and saves read them instead (Levanter's ``eval_model``)."""
+
+    tag: str
+    swapped_in: Callable[[], AbstractContextManager[None]]
+    """A block inside which the module holds these weights (every rank enters it)."""
+    whole: Callable[[bool], dict[str, torch.Tensor]]
+    """The weights as whole tensors under the module's names (every rank calls it; the argument: this rank keeps
+    them, the others get an empty dict)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopHooks:
+    """One feature's events in the loop, each optional and called on every rank with the engine and the loop's
+    state; a feature's builder (``features/``) returns them."""
+
+    name: str
+    """The feature (its key, as the user writes it)."""
+    resume: StepHook | None = None
+    """Once, before the first step (a fresh start too), after the checkpoint load: take up the loaded state."""
+    before_update: Callable[[torch.Tensor], None] | None = None
+    """Told each step's loss (a 0-dim tensor, the same on every rank) inside the step, before the optimizer applies
+    the update (``Engine.before_update``)."""
+    after_update: StepHook | None = None
+    """After each optimizer step, applied or skipped; every feature's runs before any ``after_step``, so the step's
+    checkpoint holds what it updates."""
+    log_metrics: Callable[[Engine, TrainState], dict[str, float]] | None = None
+    """At log steps (a collective may run here: every rank calls it): metrics added to the row."""
+    after_step: StepHook | None = None
+    """After the step's log row and before its evaluations (saves); returns True to stop the loop."""
+    at_exit: StepHook | None = None
+    """Once, after the last step (also when the loop ran none), before that step's evaluations."""
+    evaluation: Evaluation | None = None
+    eval_weights: EvalWeights | None = None
+
+
 class Hooks:
-    after_step: list[StepHook] = field(default_factory=list)
-    at_exit: list[StepHook] = field(default_factory=list)
+    """The features' hooks in their order (``features.FEATURES``); each event calls every feature's, in order."""
+
+    def __init__(self, features: Sequence[LoopHooks] = ()) -> None:
+        self.features = tuple(features)
+        weights = [hooks.eval_weights for hooks in self.features if hooks.eval_weights is not None]
+        if len(weights) > 1:
+            raise ValueError(f"two features keep evaluation weights ({', '.join(w.tag for w in weights)}): one can")
+        self.eval_weights = weights[0] if weights else None
+        self.evaluations = [hooks.evaluation for hooks in self.features if hooks.evaluation is not None]
+        self._told_loss = [hooks.before_update for hooks in self.features if hooks.before_update is not None]
+
+    @property
+    def want_loss(self) -> bool:
+        """A feature is told each step's loss before the update (:meth:`before_update`)."""
+        return bool(self._told_loss)
+
+    def before_update(self, loss: torch.Tensor) -> None:
+        for told in self._told_loss:
+            told(loss)
+
+    def _each(self, event: str, eng: Engine, state: TrainState) -> list[Any]:
+        calls = [getattr(hooks, event) for hooks in self.features]
+        return [call(eng, state) for call in calls if call is not None]
+
+    def resume(self, eng: Engine, state: TrainState) -> None:
+        self._each("resume", eng, state)
+
+    def after_update(self, eng: Engine, state: TrainState) -> None:
+        self._each("after_update", eng, state)
+
+    def log_metrics(self, eng: Engine, state: TrainState) -> dict[str, float]:
+        return {name: value for metrics in self._each("log_metrics", eng, state) for name, value in metrics.items()}
+
+    def after_step(self, eng: Engine, state: TrainState) -> bool:
+        """True when a feature asks the loop to stop (every feature's hook runs all the same)."""
+        return any(bool(stop) for stop in self._each("after_step", eng, state))
+
+    def at_exit(self, eng: Engine, state: TrainState) -> None:
+        self._each("at_exit", eng, state)
+
+    def evaluated(self) -> AbstractContextManager[None]:
+        """A block on the evaluated weights (the EMA's), else on the trained ones."""
+        return self.eval_weights.swapped_in() if self.eval_weights is not None else contextlib.nullcontext()
 
 
 @dataclass
@@ -129,20 +219,8 @@ class LoopContext:
     test: Evaluator | None = None
     hardware_flops_per_token: float | None = None
     """flops_per_token plus recomputed forwards (activation checkpointing), for HFU."""
-    tasks: Callable[[], dict[str, float]] | None = None
-    """lm-eval tasks (``eval_tasks``) at every evaluation: returns ``lm_eval/<task>/<metric>`` values
-    (``megatron/evaluation/in_training.py``)."""
-    tasks_interval: int | None = None
-    """Steps between runs of ``tasks`` (``eval_tasks_interval``); None: every ``eval_interval``."""
     end_reason: str = "train_iters reached"
     """Why the run ends at ``train_iters`` (the last step: train_iters, or where max_train_epochs end)."""
-    averaging: ModelAverage | None = None
-    """The EMA of the weights (``ema_beta``): updated after every step, evaluated beside the weights
-    (``eval/ema/...``), the weights ``tasks`` run on."""
-    bad_steps: BadStepGate | None = None
-    """The bad-step rule (``skip_bad_steps_window``), deciding inside each optimizer step."""
-    stragglers: StragglerWatch | None = None
-    """The straggler watch (``straggler_factor``): each rank's own work per step, judged at log steps."""
     schedule: BatchSchedule | None = None
     """Each step's global batch (``train_batch_size_schedule``); None: ``global_batch_size`` every step."""
 
@@ -192,8 +270,6 @@ def log_row(ctx: LoopContext, state: TrainState, window: _Window, result: StepRe
     if ctx.eng.moe is not None:
         row.update(ctx.eng.moe.metrics())  # router statistics (a collective: every rank logs)
     row["train/skipped_steps"] = state.skipped_steps
-    if ctx.bad_steps is not None:
-        row["train/skipped_bad_steps"] = ctx.bad_steps.rule.skipped
     row["train/consumed_tokens"] = state.consumed_tokens
     if ctx.schedule is not None:  # the batch DeepSpeed ran the last step with (its accumulation = the micro-batch count)
         row["train/global_batch"] = int(ctx.eng.engine.train_batch_size())
@@ -207,14 +283,16 @@ def log_row(ctx: LoopContext, state: TrainState, window: _Window, result: StepRe
     return row
 
 
-def evaluate_now(ctx: LoopContext, state: TrainState, evaluator: Evaluator, prefix: str) -> None:
+def evaluate_now(ctx: LoopContext, state: TrainState, evaluator: Evaluator, prefix: str,
+                 weights: EvalWeights | None = None) -> None:
+    """``evaluator`` on the trained weights, and on ``weights`` too when a feature keeps them (``<prefix>/<tag>/...``)."""
     start = time.perf_counter()
     # validation: the k-th evaluation reads the k-th block of batches; test runs once, from the start
     number = evaluation_number(state.iteration, ctx.training.eval_interval) if prefix == "eval" else 0
     metrics = evaluator.evaluate(number)  # lm_loss (the objective's loss) and the objective's metrics
-    if ctx.averaging is not None:  # Levanter evaluates both: eval/loss and eval/ema/loss
-        with ctx.averaging.swapped_in():
-            metrics.update({f"ema/{name}": value for name, value in evaluator.evaluate(number).items()})
+    if weights is not None:  # Levanter evaluates both: eval/loss and eval/ema/loss
+        with weights.swapped_in():
+            metrics.update({f"{weights.tag}/{name}": value for name, value in evaluator.evaluate(number).items()})
     row = {"iteration": state.iteration, "consumed_samples": state.consumed_samples,
            **{f"{prefix}/{name}": value for name, value in metrics.items()},
            f"timers/{prefix}_ms": 1000.0 * (time.perf_counter() - start)}
@@ -222,31 +300,30 @@ def evaluate_now(ctx: LoopContext, state: TrainState, evaluator: Evaluator, pref
     ctx.monitor.discard_window()  # evaluation forwards are not the next window's training time
 
 
-def evaluate_tasks_now(ctx: LoopContext, state: TrainState) -> None:
-    assert ctx.tasks is not None
-    with ctx.averaging.swapped_in() if ctx.averaging is not None else contextlib.nullcontext():
-        results = ctx.tasks()  # Levanter runs lm-eval on the average (TrainerState.eval_model)
+def run_evaluation(ctx: LoopContext, state: TrainState, evaluation: Evaluation, hooks: Hooks) -> None:
+    """A feature's evaluation, on the evaluated weights (Levanter runs lm-eval on ``TrainerState.eval_model``)."""
+    with hooks.evaluated():
+        results = evaluation.run()
     row = {"iteration": state.iteration, "consumed_samples": state.consumed_samples, **results}
     ctx.monitor.log(row, state.iteration)
     ctx.monitor.discard_window()
 
 
-def _evaluate_step(ctx: LoopContext, state: TrainState, eval_interval: int | None) -> bool:
-    """The evaluations due after this step: every ``eval_interval`` steps, and the last validation, the
-    test split and the tasks after the last step. True when any ran."""
+def _evaluate_step(ctx: LoopContext, state: TrainState, hooks: Hooks, eval_interval: int | None) -> bool:
+    """The evaluations due after this step: every ``eval_interval`` steps, the features' when they are due, and
+    the last validation and the test split after the last step. True when any ran."""
     periodic = bool(eval_interval) and state.iteration % int(eval_interval or 1) == 0
-    tasks_every = ctx.tasks_interval or eval_interval
-    tasks_due = bool(tasks_every) and state.iteration % int(tasks_every or 1) == 0
     last = state.iteration == ctx.train_iters
     ran = False
     if ctx.valid is not None and (periodic or last):
-        evaluate_now(ctx, state, ctx.valid, "eval")
+        evaluate_now(ctx, state, ctx.valid, "eval", hooks.eval_weights)
         ran = True
-    if ctx.tasks is not None and (tasks_due or last):
-        evaluate_tasks_now(ctx, state)
-        ran = True
+    for evaluation in hooks.evaluations:
+        if evaluation.due(state.iteration, last):
+            run_evaluation(ctx, state, evaluation, hooks)
+            ran = True
     if ctx.test is not None and last:
-        evaluate_now(ctx, state, ctx.test, "test")
+        evaluate_now(ctx, state, ctx.test, "test", hooks.eval_weights)
         ran = True
     return ran
 
@@ -265,6 +342,9 @@ def beating(batches: Iterator[dict[str, torch.Tensor]]) -> Iterator[dict[str, to
 
 def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
     """Run from ``state`` until ``train_iters``, ``exit_interval`` or a hook says stop."""
+    hooks.resume(ctx.eng, state)  # e.g. the EMA read back, a save a killed run left missing written now
+    if hooks.want_loss:
+        ctx.eng.before_update = hooks.before_update  # the objective runner calls it inside each step
     watch = hang_watch.current()
     micro_batches = beating(ctx.micro_batches) if watch is not None else ctx.micro_batches
     first = True
@@ -285,17 +365,12 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
         result = train_step(ctx.eng, micro_batches, ctx.device)
         state.iteration += 1
         hang_watch.beat("save", state.iteration)  # the step's hooks: checkpoint and HF saves
-        if ctx.stragglers is not None:
-            ctx.stragglers.end_step()
         if first and watch is not None:
             watch.first_step_done()  # torchtitan's train_timeout_seconds from here on
         first = False
         state.consumed_samples += samples
         state.consumed_tokens += tokens
-        if ctx.averaging is not None:
-            ctx.averaging.update()  # after every step, skipped or not (Levanter's take_step)
-        if ctx.bad_steps is not None:
-            state.bad_steps = ctx.bad_steps.rule.to_dict()
+        hooks.after_update(ctx.eng, state)  # after every step, skipped or not (Levanter's take_step)
         log_step = ctx.monitor.is_log_step(state.iteration)
         ctx.monitor.after_step(state.iteration)
         window.add(result, lr, samples, tokens)
@@ -303,15 +378,12 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
 
         if log_step:
             row = log_row(ctx, state, window, result)
-            if ctx.stragglers is not None:
-                row.update(ctx.stragglers.check(state.iteration))  # a collective: every rank at log steps
+            row.update(hooks.log_metrics(ctx.eng, state))  # may be a collective: every rank at log steps
             ctx.monitor.log(row, state.iteration)
             window = _Window()
 
         # the step's checkpoint first: an evaluation that fails must not cost it
-        stop = False
-        for hook in hooks.after_step:
-            stop = bool(hook(ctx.eng, state)) or stop
+        stop = hooks.after_step(ctx.eng, state)
         if stop:
             state.stop_reason = state.stop_reason or "stopped by a hook"
         elif exit_interval and state.iteration % exit_interval == 0:
@@ -320,16 +392,14 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
             state.stop_reason = ctx.end_reason
         if state.stop_reason is not None:
             exited = True
-            for hook in hooks.at_exit:  # saves the last step unless after_step just did
-                hook(ctx.eng, state)
+            hooks.at_exit(ctx.eng, state)  # saves the last step unless after_step just did
         hang_watch.beat("evaluation")
-        if not stop and _evaluate_step(ctx, state, eval_interval):
+        if not stop and _evaluate_step(ctx, state, hooks, eval_interval):
             window = _Window()  # evaluation time is not training throughput
         if state.stop_reason is not None:
             break
 
     if not exited:  # the loop ran no step (a run resumed at its end)
         state.stop_reason = state.stop_reason or "train_iters reached"
-        for hook in hooks.at_exit:
-            hook(ctx.eng, state)
+        hooks.at_exit(ctx.eng, state)
     return state  # the run's summary says where and why it stopped (pretrain)

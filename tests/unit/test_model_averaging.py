@@ -79,7 +79,8 @@ def test_evaluations_report_both_and_tasks_run_on_the_average(engine) -> None:  
     """Levanter's eval.py logs eval/loss and eval/ema/loss; its eval harness reads ``eval_model`` (the average)."""
     from types import SimpleNamespace
 
-    from megatron.training.loop import TrainState, evaluate_now, evaluate_tasks_now
+    from megatron.training.loop import Evaluation, EvalWeights, Hooks, LoopHooks, TrainState, evaluate_now
+    from megatron.training.loop import run_evaluation
 
     average = ModelAverage(engine.module, 0.5)
     average.average["weight"].fill_(0.25)
@@ -91,12 +92,15 @@ def test_evaluations_report_both_and_tasks_run_on_the_average(engine) -> None:  
         seen.append(engine.module.weight.detach().clone())
         return {"lm_eval/task/acc": 1.0}
 
+    ema = EvalWeights(tag="ema", swapped_in=average.swapped_in, whole=average.whole)
+    tasks_evaluation = Evaluation(due=lambda iteration, last: True, run=tasks)
+    hooks = Hooks([LoopHooks(name="ema", eval_weights=ema), LoopHooks(name="eval_tasks", evaluation=tasks_evaluation)])
     monitor = SimpleNamespace(log=lambda row, step: rows.append(row), discard_window=lambda: None)
-    ctx = SimpleNamespace(tasks=tasks, averaging=average, monitor=monitor, training=SimpleNamespace(eval_interval=10))
-    evaluate_tasks_now(ctx, TrainState(iteration=3))  # type: ignore[arg-type]
+    ctx = SimpleNamespace(monitor=monitor, training=SimpleNamespace(eval_interval=10))
+    run_evaluation(ctx, TrainState(iteration=3), tasks_evaluation, hooks)  # type: ignore[arg-type]
     assert torch.all(seen[0] == 0.25) and torch.equal(engine.module.weight, weights)
     evaluator = SimpleNamespace(evaluate=lambda number: {"lm_loss": float(engine.module.weight.detach().sum())})
-    evaluate_now(ctx, TrainState(iteration=3), evaluator, "eval")  # type: ignore[arg-type]
+    evaluate_now(ctx, TrainState(iteration=3), evaluator, "eval", hooks.eval_weights)  # type: ignore[arg-type]
     assert rows[-1]["eval/ema/lm_loss"] == pytest.approx(0.25 * weights.numel())
     assert rows[-1]["eval/lm_loss"] == pytest.approx(float(weights.sum()))
 

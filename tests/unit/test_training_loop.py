@@ -3,6 +3,8 @@ selection for checkpointing, pipeline partition names."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,7 @@ from megatron.engine.activation_config import ActivationCheckpointArgs
 from megatron.data.batch import RankBatch
 from megatron.neox_arguments.run_config import RunConfig
 from megatron.engine.build import clip_grad_norm, layers_to_checkpoint, partition_method
-from megatron.training.loop import TrainingAborted, TrainState, _check_overflow
+from megatron.training.loop import LoopHooks, TrainingAborted, TrainState, _check_overflow
 from megatron.objectives.base import IGNORE_INDEX, shifted
 from megatron.training.step import StepResult
 
@@ -161,17 +163,34 @@ class _Recorder:
         self.events.append(f"at_exit @{state.iteration} ({state.stop_reason})")
 
 
-def _run_loop(monkeypatch: pytest.MonkeyPatch, rec: _Recorder, train_iters: int, **training: object) -> TrainState:
+def _run_loop(monkeypatch: pytest.MonkeyPatch, rec: _Recorder, train_iters: int, *extra: LoopHooks,
+              **training: object) -> TrainState:
+    """The loop with a save every 2 steps and the lm-eval tasks' hooks (``features/tasks.py``), then ``extra``."""
     from megatron.training import loop
+    from megatron.training.features.tasks import build_tasks
 
     state = TrainState()
     monkeypatch.setattr(loop, "train_step", lambda eng, micro, device: _result(True))
-    args = NeoXArgs(**{"eval_interval": 2, "exit_interval": None, **training})
+    args = NeoXArgs(**{"eval_interval": 2, "exit_interval": None, "seq_length": 8, "train_batch_size": 1,
+                       "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, **training})
+    run = RunConfig.from_args(args)
+
+    class Tasks:  # train.py's TasksInTraining, its runner writing down when it ran
+        interval = args.eval_tasks_interval
+
+        def __call__(self, eng: object, tokenizer: object, zero_stage: int, sequence_parallel: bool) -> Tasks:
+            return self
+
+        def run(self) -> dict[str, float]:
+            return rec.tasks(state)
+
+    tasks = build_tasks(run, SimpleNamespace(task_evaluation=Tasks(), eng=rec, tokenizer=None, zero_stage=0))  # type: ignore[arg-type]
+    assert tasks is not None
     ctx = loop.LoopContext(eng=rec, training=args, micro_batches=iter(()), device=torch.device("cpu"),  # type: ignore[arg-type]
                            train_iters=train_iters, global_batch_size=1, tokens_per_step=1, flops_per_token=1.0,
-                           world_size=1, peak_tflops=None, monitor=rec,  # type: ignore[arg-type]
-                           tasks=lambda: rec.tasks(state), tasks_interval=args.eval_tasks_interval)
-    return loop.train(ctx, state, loop.Hooks(after_step=[rec.save_every_2], at_exit=[rec.at_exit]))
+                           world_size=1, peak_tflops=None, monitor=rec)  # type: ignore[arg-type]
+    saves = LoopHooks(name="saves", after_step=rec.save_every_2, at_exit=rec.at_exit)
+    return loop.train(ctx, state, loop.Hooks([saves, tasks, *extra]))
 
 
 def test_a_step_is_saved_before_its_evaluation_runs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -216,3 +235,41 @@ def test_comms_logger_summary_at_the_end_and_with_verbose_at_log_steps() -> None
     assert shown(None) == [] and shown({"enabled": False, "verbose": True}) == []
     assert shown({"enabled": True}) == [5]
     assert shown({"enabled": True, "verbose": True}) == [2, 4, 5]
+
+
+def test_the_features_events_come_in_their_order_and_evaluations_read_the_evaluated_weights(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every feature's ``resume`` before the first step, its ``after_update`` before any ``after_step`` (the step's
+    checkpoint holds the EMA of that step), ``log_metrics`` into the log row, then the saves, ``at_exit``, and the
+    evaluations, the features' inside the evaluated weights (the EMA's: Levanter's ``eval_model``)."""
+    import contextlib
+    from collections.abc import Iterator
+
+    from megatron.training.loop import EvalWeights
+
+    rec = _Recorder()
+    rec.is_log_step = lambda it: it == 2  # type: ignore[method-assign]
+    rec.window_metrics = lambda steps: {}  # type: ignore[attr-defined]
+    told: list[float] = []
+    rec.before_update = None  # type: ignore[attr-defined]
+
+    @contextlib.contextmanager
+    def swapped_in() -> Iterator[None]:
+        rec.events.append("ema in")
+        yield
+        rec.events.append("ema out")
+
+    ema = LoopHooks(name="ema", resume=lambda eng, state: rec.events.append(f"ema resume @{state.iteration}"),
+                    before_update=lambda loss: told.append(float(loss)),
+                    after_update=lambda eng, state: rec.events.append(f"ema update @{state.iteration}"),
+                    log_metrics=lambda eng, state: {"ema/seen": float(state.iteration)},
+                    eval_weights=EvalWeights(tag="ema", swapped_in=swapped_in, whole=lambda keep: {}))
+    state = _run_loop(monkeypatch, rec, 2, ema, eval_interval=10)
+    logged = [e for e in rec.events if e.startswith("logged") and "ema/seen" in e]
+    assert len(logged) == 1 and logged[0].endswith("@2")
+    assert [e for e in rec.events if not e.startswith("logged")] == [
+        "ema resume @0", "ema update @1", "ema update @2", "saved @2", "at_exit @2 (train_iters reached)",
+        "ema in", "tasks @2", "ema out"]
+    assert state.iteration == 2
+    rec.before_update(torch.tensor(3.0))  # type: ignore[attr-defined]  # the loop handed the engine the features'
+    assert told == [3.0]
