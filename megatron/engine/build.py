@@ -63,7 +63,7 @@ from megatron.objectives import LMObjective, Objective, ObjectiveArgs, Reference
 from megatron.engine.optimizers import DEEPSPEED_BUILT, build_optimizer, deepspeed_optimizer_block, param_groups
 
 if TYPE_CHECKING:
-    from megatron.engine.run_views import RunViews
+    from megatron.engine.engine_config import EngineConfig
 
 # GPT-NeoX partition names -> DeepSpeed's PipelineModule partition_method (blocks of every family)
 PARTITION_METHODS: dict[str, str] = {name: BLOCK_PARTITION if name.startswith("type:") else name
@@ -355,7 +355,7 @@ def build_model(config: GPTConfig, parallel: ParallelRun, ckpt: ActivationCheckp
     return model, True
 
 
-def build_engine(run: RunViews, config: GPTConfig, train_iters: int, objective: Objective | None = None) -> Engine:
+def build_engine(run: EngineConfig, config: GPTConfig, train_iters: int, objective: Objective | None = None) -> Engine:
     """Model, optimizer, schedule and ``deepspeed.initialize`` for ``config`` (vocabulary already sized).
 
     ``objective`` (default: language modelling) decides the pipeline's loss and, for reward models,

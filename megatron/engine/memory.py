@@ -64,7 +64,7 @@ from megatron.engine.config import compute_dtype
 from megatron.engine.zero_shards import WEIGHT_BYTES, deepspeed_optimizer
 
 if TYPE_CHECKING:
-    from megatron.engine.run_views import RunViews
+    from megatron.engine.engine_config import EngineConfig
 
 GiB = 1024**3
 
@@ -112,7 +112,7 @@ class MemoryLayout:
     """Bytes per element of the optimizer's states: 2 with ``bf16_optimizer_states`` (they follow the master)."""
 
     @classmethod
-    def from_run(cls, run: RunViews, world_size: int, padded_vocab_size: int) -> MemoryLayout:
+    def from_run(cls, run: EngineConfig, world_size: int, padded_vocab_size: int) -> MemoryLayout:
         model = run.model.with_vocab(padded_vocab_size)
         tp = run.parallel.model_parallel_size
         pp = run.parallel.pipe_stages
@@ -394,7 +394,7 @@ ASSUMED_VOCAB = 50257
 """GPT-2's vocabulary, assumed (and padded for the run) when the tokenizer cannot be loaded."""
 
 
-def _padded_vocab(run: RunViews) -> tuple[int, str]:
+def _padded_vocab(run: EngineConfig) -> tuple[int, str]:
     """(padded vocabulary size, a note when it had to be assumed): the tokenizer's, padded as GPT-NeoX
     pads it for this run's tp (``make_vocab_size_divisible_by x tp``)."""
     if run.model.padded_vocab_size:
@@ -553,7 +553,7 @@ class MemoryFit:
         return model_size(self.layout) + "\n" + text + (f"\n  note: {self.vocab_note}" if self.vocab_note else "")
 
 
-def memory_fit(run: RunViews, launches_locally: bool) -> MemoryFit:
+def memory_fit(run: EngineConfig, launches_locally: bool) -> MemoryFit:
     """The estimate of the resolved run against what it will have: ``device_memory_gb`` (any launch), this
     machine's GPU, or, without one, this machine's memory shared by its CPU ranks (local launches only:
     the nodes of other launches are not known here)."""
@@ -570,7 +570,7 @@ def memory_fit(run: RunViews, launches_locally: bool) -> MemoryFit:
                      cpu_ranks=cpu, host=host_memory() if launches_locally else None)
 
 
-def dry_run_report(run: RunViews, launches_locally: bool) -> str:
+def dry_run_report(run: EngineConfig, launches_locally: bool) -> str:
     """The memory section of ``deepy.py --dry-run`` for the resolved run."""
     return memory_fit(run, launches_locally).report()
 

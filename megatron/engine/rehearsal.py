@@ -36,7 +36,7 @@ from megatron.torch_internals import fake_process_group, meta_tensors_stay_on_me
 from megatron.engine.build import build_model, layers_to_checkpoint
 from megatron.objectives import build_objective
 from megatron.engine.optimizers import param_groups
-from megatron.engine.run_views import RunViews
+from megatron.engine.engine_config import EngineConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +77,7 @@ class Partition:
 
 
 @contextlib.contextmanager
-def fake_rank(rank: int, world: int, run: RunViews) -> Iterator[None]:
+def fake_rank(rank: int, world: int, run: EngineConfig) -> Iterator[None]:
     """This process as rank ``rank`` of ``world``, with the process groups a rank of ``run`` builds."""
     import deepspeed
 
@@ -106,7 +106,7 @@ def fake_rank(rank: int, world: int, run: RunViews) -> Iterator[None]:
             os.environ["LOCAL_RANK"] = saved
 
 
-def rank_of(run: RunViews, world: int, stage: int, tp_rank: int, dp_rank: int = 0) -> int:
+def rank_of(run: EngineConfig, world: int, stage: int, tp_rank: int, dp_rank: int = 0) -> int:
     """The global rank at (stage, tp rank, data-parallel rank) of our topology (megatron/mpu/topology.py)."""
     parallel = run.parallel
     topo = build_topology(parallel.model_parallel_size, parallel.pipe_parallel_size, world,
@@ -114,14 +114,14 @@ def rank_of(run: RunViews, world: int, stage: int, tp_rank: int, dp_rank: int = 
     return int(topo.get_rank(pipe=stage, data=dp_rank, model=tp_rank))
 
 
-def build_partitions(run: RunViews, config: GPTConfig, world: int) -> list[Partition]:
+def build_partitions(run: EngineConfig, config: GPTConfig, world: int) -> list[Partition]:
     """Every distinct (stage, tp rank) partition of the model of ``run`` (its vocabulary sized: ``config``) at
     ``world`` ranks, in (stage, tp rank) order."""
     return [build_partition(run, config, world, stage, tp_rank)
             for stage in range(run.parallel.pipe_stages) for tp_rank in range(run.parallel.model_parallel_size)]
 
 
-def build_partition(run: RunViews, config: GPTConfig, world: int, stage: int, tp_rank: int) -> Partition:
+def build_partition(run: EngineConfig, config: GPTConfig, world: int, stage: int, tp_rank: int) -> Partition:
     rank = rank_of(run, world, stage, tp_rank)
     objective = build_objective(run.objective)
     if config.value_head != objective.value_head:  # as build_engine sizes the model for its objective
@@ -164,7 +164,7 @@ def _stage_modules(model: torch.nn.Module) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _recomputed(model: torch.nn.Module, run: RunViews, is_pipe: bool, blocks: tuple[int, ...]) -> tuple[int, int]:
+def _recomputed(model: torch.nn.Module, run: EngineConfig, is_pipe: bool, blocks: tuple[int, ...]) -> tuple[int, int]:
     """(blocks recomputed in the backward, checkpointed chunks) of a built stage."""
     ckpt = run.activation_config
     if not ckpt.recomputes_activations or not blocks:

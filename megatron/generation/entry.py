@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,16 +24,7 @@ from megatron.generation.replica import ModelReplica
 from megatron.logging.log import get_logger
 from megatron.model.config import GPTConfig
 from megatron.tokenizer import Tokenizer
-from megatron.engine.run_views import RunViews
-
-
-class InferenceRun(RunViews, Protocol):
-    """The run views the inference model is built from (``RunConfig`` provides them)."""
-
-    @property
-    def args_record(self) -> dict[str, Any]:
-        """Every resolved key as JSON: what the engine's checkpoint loader compares the checkpoint with."""
-        ...
+from megatron.engine.engine_config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -46,7 +37,7 @@ class InferenceModel:
     """The training run that wrote that checkpoint (its ``TrainState.run_name``; None before runs had names)."""
 
 
-def build_inference_model(run: InferenceRun, ckpt: Path, script: str, lora_changed: list[str]) -> InferenceModel:
+def build_inference_model(run: EngineConfig, ckpt: Path, script: str, lora_changed: list[str]) -> InferenceModel:
     """Join the job, build the tokenizer and the model as training does (no optimizer, no DeepSpeed engine),
     load the weights of ``ckpt`` (a committed checkpoint's tag directory). ``run`` carries the checkpoint's
     LoRA settings; ``lora_changed`` names where they differ from the config's (logged)."""
@@ -87,7 +78,7 @@ def build_inference_model(run: InferenceRun, ckpt: Path, script: str, lora_chang
     return InferenceModel(replica=replica, tokenizer=tokenizer, step=step, run_name=run_name_of(ckpt))
 
 
-def _engine_module(run: InferenceRun, model_config: GPTConfig, ckpt: Path, padded_vocab: int, script: str,
+def _engine_module(run: EngineConfig, model_config: GPTConfig, ckpt: Path, padded_vocab: int, script: str,
                    reason: str) -> tuple[nn.Module, int]:
     """The model inside a training engine, loaded by the checkpoint loader: for the checkpoints whose `reason`
     the weights-only reader does not cover (see `generation.loading.engine_needed`)."""

@@ -38,6 +38,7 @@ from megatron.training.bad_steps import BadStepArgs
 from megatron.training.peft_config import PeftSaveArgs
 from megatron.training.hf_save_config import HFSaveArgs
 from megatron.training.config import TrainingLoopArgs, TrainingRun
+from megatron.training.train_config import TrainConfig
 from megatron.engine.lr_config import LRSchedulerArgs
 from megatron.objectives.config import ObjectiveArgs
 from megatron.engine.optimizer_config import OptimizerArgs
@@ -50,58 +51,12 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class RunConfig:
-    """The resolved arguments of one run as its components' groups: each field is the instance a component
+class RunConfig(TrainConfig):
+    """The root of the run's tree of groups: the trainer's node (:class:`TrainConfig`, which holds the engine's,
+    :class:`EngineConfig`) and what only the programs on top read. Each field is the instance a component
     receives (its group's keys only), or a frozen object of a group and the shared values it reads. Built by
     :meth:`from_args`, which refuses arguments deepy.py has not resolved."""
 
-    parallel: ParallelRun
-    """What splits the run over ranks: the parallel sizes and the rendezvous (:func:`parallel_run`)."""
-    model: GPTConfig
-    """The architecture's keys; sized for the tokenizer with ``for_tokenizer`` (a new object)."""
-    tokenizer: TokenizerArgs
-    """The tokenizer's keys."""
-    engine: EngineRun
-    """What the engine builder and the memory estimate read besides the groups: the engine's keys and the
-    shared ``seq_length``/``precision``/``seed``/batch sizes/``train_iters`` (:func:`engine_run`)."""
-    optimizer_config: OptimizerArgs
-    """The optimizer's keys."""
-    lr_config: LRSchedulerArgs
-    """The LR schedule's keys (with the keys of the schedules that declare their own)."""
-    activation_config: ActivationCheckpointArgs
-    """Activation checkpointing's keys."""
-    logging: LoggingArgs
-    """The logging keys."""
-    lora: LoRAArgs
-    """The adapter keys (``lora_r == 0``: none, every parameter trains)."""
-    objective: ObjectiveArgs
-    """The objective's keys: ``train_impl``, the shared keys and the plug-ins' own (DPO/KTO settings)."""
-    deepspeed_config: dict[str, Any] = field(default_factory=dict)
-    """The DeepSpeed config dict deepy.py split off (batch sizes, precision, ZeRO, ...)."""
-    args_record: dict[str, Any] = field(default_factory=dict)
-    """Every resolved key as JSON (stored in checkpoints to describe the run; never read for settings)."""
-    data: DataRun
-    """What the datasets read: the data keys and the shared ``seq_length``/``seed``/schedule/batch/objective
-    values (:func:`data_run`)."""
-    training: TrainingRun
-    """What the loop reads: its own keys and the shared ``seq_length``/``precision``/``seed``/batch sizes
-    (:func:`training_run`)."""
-    averaging: ModelAveragingArgs
-    """The weight average's keys (``ema_beta``)."""
-    stragglers: StragglerArgs
-    """The straggler watch's keys."""
-    bad_steps: BadStepArgs
-    """The bad-step rule's keys (``skip_bad_steps_window``, ``_sigma``)."""
-    reinit: ReinitTokensArgs
-    """The token re-initialisation's keys (``reinit_tokens``)."""
-    peft_saves: PeftSaveArgs
-    """The PEFT adapter saves' keys (``lora_peft_save_path``, ...)."""
-    hf_saves: HFSaveArgs
-    """The HF saves' keys (``hf_save_path``, ...)."""
-    checkpoint: CheckpointArgs
-    """The checkpoint keys."""
-    run_name: str | None = None
-    """The name deepy.py gave the run (its directory under ``log_dir``); None: the ranks name it."""
     hang: HangArgs
     """Hang detection's and the collective timeouts' keys (``train.py``'s watch, the process group)."""
     tasks: EvalRun | None = None

@@ -48,11 +48,11 @@ from megatron.training.features import build_hooks
 from megatron.training.features.base import Setup
 from megatron.training.hf_saves import HFWriterFactory
 from megatron.training.loop import LoopContext, TrainState, train
-from megatron.training.pretrain_run import PretrainRun, TaskEvaluationBuilder
+from megatron.training.train_config import TrainConfig, TaskEvaluationBuilder
 from megatron.training.run_report import say_header, say_summary
 
 
-def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: BeforeCommit | None = None,
+def pretrain(run: TrainConfig, checkpoint: CheckpointArgs, before_commit: BeforeCommit | None = None,
              task_evaluation: TaskEvaluationBuilder | None = None,
              hf_writer: HFWriterFactory | None = None) -> TrainState:
     """Train as ``run`` says, saving and loading as ``checkpoint`` (``RunConfig.checkpoint``) says.
@@ -91,7 +91,7 @@ def pretrain(run: PretrainRun, checkpoint: CheckpointArgs, before_commit: Before
         monitor.close(state.iteration, failed=sys.exc_info()[0] is not None)
 
 
-def set_up_rank(run: PretrainRun) -> logging.Logger:
+def set_up_rank(run: TrainConfig) -> logging.Logger:
     """This rank's share of the CPU cores, its logging (rank 0 speaks) and its random streams; the run's logger."""
     limit_cpu_threads()
     verbose = is_verbose(run.logging.deepspeed_log_level)
@@ -115,7 +115,7 @@ def resolve_train_iters(training: TrainingLoopArgs, train_dataset: object, batch
     raise ConfigError("set train_iters (or train_epochs) so the run knows when to stop")
 
 
-def build_training_engine(run: PretrainRun, model_config: GPTConfig, train_iters: int, tokenizer: Tokenizer,
+def build_training_engine(run: TrainConfig, model_config: GPTConfig, train_iters: int, tokenizer: Tokenizer,
                           record: dict[str, object], checkpoint: CheckpointArgs) -> Engine:
     """The engine with the ``train_impl``'s batches and loss; a frozen reference copy takes the starting weights
     before the run's own checkpoint load (which may move the policy to a later step). ``eng.config``: the model,
@@ -138,7 +138,7 @@ def validation_loss(eng: Engine, splits: DataSplits, batch: BatchLayout) -> Call
     return loss
 
 
-def open_checkpoints(run: PretrainRun, checkpoint: CheckpointArgs, eng: Engine, record: dict[str, object],
+def open_checkpoints(run: TrainConfig, checkpoint: CheckpointArgs, eng: Engine, record: dict[str, object],
                      stop_at: int, before_commit: BeforeCommit | None, validate: Callable[[], float]) -> CheckpointHooks:
     """The run's checkpoints: what loads the starting one and saves the steps (``checkpoint``'s keys); ``validate``
     runs after each save with ``checkpoint_validation_with_forward_pass``."""
@@ -150,7 +150,7 @@ def open_checkpoints(run: PretrainRun, checkpoint: CheckpointArgs, eng: Engine, 
     return ckpt
 
 
-def start_monitor(run: PretrainRun, eng: Engine, state: TrainState, stop_at: int, log: logging.Logger) -> Monitor:
+def start_monitor(run: TrainConfig, eng: Engine, state: TrainState, stop_at: int, log: logging.Logger) -> Monitor:
     """What the loop logs through; the run's name and W&B run (a resumed run's, else new ones) go into ``state``,
     saved with every checkpoint."""
     monitor = build_monitor(run.logging, wall_clock_breakdown=bool(run.deepspeed_config.get("wall_clock_breakdown")),
@@ -163,7 +163,7 @@ def start_monitor(run: PretrainRun, eng: Engine, state: TrainState, stop_at: int
     return monitor
 
 
-def train_batches(run: PretrainRun, eng: Engine, splits: DataSplits, batch: BatchLayout, state: TrainState,
+def train_batches(run: TrainConfig, eng: Engine, splits: DataSplits, batch: BatchLayout, state: TrainState,
                   monitor: Monitor, schedule: BatchSchedule | None) -> Iterator[dict[str, torch.Tensor]]:
     """This rank's micro-batches from ``state.consumed_samples`` on, read ahead by a background thread."""
     if state.consumed_samples:
@@ -183,7 +183,7 @@ def train_batches(run: PretrainRun, eng: Engine, splits: DataSplits, batch: Batc
     return TimedIterator(prefetched(source, run.training.loop.num_workers), monitor.timers)
 
 
-def loop_context(run: PretrainRun, eng: Engine, monitor: Monitor, splits: DataSplits, batch: BatchLayout,
+def loop_context(run: TrainConfig, eng: Engine, monitor: Monitor, splits: DataSplits, batch: BatchLayout,
                  state: TrainState, train_iters: int, stop_at: int) -> LoopContext:
     """What the loop reads: the engine, the train batches, the evaluators, the step's size and FLOPs."""
     training, model_config, device, dp_rank = run.training, eng.config, _device(), mpu.get_data_shard_rank()

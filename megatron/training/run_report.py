@@ -17,10 +17,10 @@ from megatron.logging.monitor import Monitor
 from megatron.logging.run_summary import RunFacts, RunOutcome, header_lines, split_size, summary_lines
 from megatron.model import num_parameters
 from megatron.training.loop import LoopContext, TrainState
-from megatron.training.pretrain_run import PretrainRun
+from megatron.training.train_config import TrainConfig
 
 
-def say_header(monitor: Monitor, run: PretrainRun, eng: Engine, batch: BatchLayout, splits: DataSplits,
+def say_header(monitor: Monitor, run: TrainConfig, eng: Engine, batch: BatchLayout, splits: DataSplits,
                state: TrainState, train_iters: int, zero_stage: int, metrics_dir: str | None, save: str | None) -> None:
     """The run's opening lines: its name, the model, the layout, the batch, how far it goes and where it writes."""
     training, model_config, objective = run.training, eng.config, eng.objective

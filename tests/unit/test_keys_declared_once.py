@@ -26,6 +26,16 @@ NESTED_VALUES: dict[str, str] = {
 }
 """Argument groups used as the type of a key's nested value, not declaring top-level keys."""
 
+_NODE = ("a node of the run's tree of the components' groups (issue 46): each field is a group's own instance "
+         "(``component_groups.group``), so ``checkpoint`` there is the checkpoint keys' group, not DeepSpeed's "
+         "``checkpoint`` block")
+TREE: dict[str, str] = {
+    "RunConfig": _NODE + "; ``from_args`` builds the groups, it declares no key",
+    "TrainConfig": _NODE,
+    "EngineConfig": _NODE,
+}
+"""Config classes whose fields are groups, not keys."""
+
 ARG_GROUP_BASES = {"ArgGroup"}
 """A pydantic model is a config class when it is an argument group (top-level keys); the models of a
 key's nested value (a tracker entry, the optimizer block's params) declare members of that value, not keys."""
@@ -78,7 +88,7 @@ def declarations(root: Path, exempt: set[str]) -> dict[str, list[str]]:
 
 
 def test_each_supported_key_is_declared_in_exactly_one_config_class() -> None:
-    where = declarations(ROOT, set())
+    where = declarations(ROOT, set(TREE))
     missing = sorted(k for k in NeoXArgs.field_names() if k not in where)
     twice = {k: v for k, v in where.items() if len(v) > 1}
     assert not missing, f"keys of NeoXArgs declared in no config class under megatron/: {missing}"
@@ -86,7 +96,7 @@ def test_each_supported_key_is_declared_in_exactly_one_config_class() -> None:
 
 
 def test_no_config_class_copies_from_the_arguments() -> None:
-    copying = sorted(n for n, (_, node) in _config_classes(ROOT).items() if _copies(node))
+    copying = sorted(n for n, (_, node) in _config_classes(ROOT).items() if _copies(node) and n not in TREE)
     assert copying == [], f"new from_args copies of the arguments: {copying}; declare the keys once instead"
 
 

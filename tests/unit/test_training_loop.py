@@ -15,6 +15,7 @@ from megatron.neox_arguments import NeoXArgs, config_from_mapping
 from megatron.engine.activation_config import ActivationCheckpointArgs
 from megatron.data.batch import RankBatch
 from megatron.neox_arguments.run_config import RunConfig
+from megatron.training.config import TrainingLoopArgs
 from megatron.engine.build import clip_grad_norm, layers_to_checkpoint, partition_method
 from megatron.training.loop import LoopHooks, TrainingAborted, TrainState, _check_overflow
 from megatron.objectives.base import IGNORE_INDEX, shifted
@@ -97,16 +98,18 @@ def test_activation_block_is_another_spelling_of_the_flat_keys() -> None:
 
 
 def test_the_loop_gets_its_keys_and_the_shared_values_resolved() -> None:
-    """``RunConfig.training``: the loop's own keys are the arguments themselves (not a copy), and the keys
-    other components declare arrive as resolved values; an unresolved batch is refused by name."""
+    """``RunConfig.training``: the loop's own keys are its own instance of its group (no key of another group
+    on it), and the keys other components declare arrive as resolved values; an unresolved batch is refused by
+    name."""
     args = NeoXArgs(seq_length=32, seed=7, precision="bfloat16", train_micro_batch_size_per_gpu=3,
                     gradient_accumulation_steps=2, train_batch_size=6, eval_interval=5)
-    training = RunConfig(args=args).training
-    assert training.loop is args and training.loop.eval_interval == 5
+    training = RunConfig.from_args(args).training
+    assert type(training.loop) is TrainingLoopArgs and training.loop.eval_interval == 5
+    assert not hasattr(training.loop, "seq_length") and not hasattr(training.loop, "hidden_size")
     assert (training.seq_length, training.seed, training.precision) == (32, 7, "bfloat16")
     assert training.batch == RankBatch(micro=3, gas=2) and training.batch.on(dp=4).global_size == 24
     with pytest.raises(ConfigError, match="batch sizes"):
-        RunConfig(args=args.model_copy(update={"train_micro_batch_size_per_gpu": None})).training
+        RunConfig.from_args(args.model_copy(update={"train_micro_batch_size_per_gpu": None})).training
 
 
 def test_partition_method_names() -> None:

@@ -22,9 +22,9 @@ from megatron.training.features.reinit import build_reinit_tokens
 from megatron.training.features.stragglers import build_stragglers
 from megatron.training.features.tasks import build_tasks
 from megatron.training.loop import Hooks, LoopHooks
-from megatron.training.pretrain_run import PretrainRun
+from megatron.training.train_config import TrainConfig
 
-FeatureBuilder = Callable[[PretrainRun, Setup], LoopHooks | None]
+FeatureBuilder = Callable[[TrainConfig, Setup], LoopHooks | None]
 
 FEATURES: tuple[FeatureBuilder, ...] = (
     build_checkpoints,  # first: a step is committed before its other saves are written (a killed one is redone)
@@ -41,7 +41,7 @@ FEATURES: tuple[FeatureBuilder, ...] = (
 ``after_step``), ``log_metrics``, ``after_step``, the evaluations, ``at_exit``."""
 
 
-def build_hooks(run: PretrainRun, setup: Setup, features: Sequence[FeatureBuilder] = FEATURES) -> Hooks:
+def build_hooks(run: TrainConfig, setup: Setup, features: Sequence[FeatureBuilder] = FEATURES) -> Hooks:
     """The hooks of the features ``run`` turns on, in order; a feature that keeps weights for evaluation (the EMA)
     hands them to the builders after it (``Setup.eval_weights``)."""
     built: list[LoopHooks] = []

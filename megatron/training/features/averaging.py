@@ -10,10 +10,10 @@ from megatron.engine.build import Engine
 from megatron.training.features.base import Setup
 from megatron.training.loop import EvalWeights, LoopHooks, TrainState
 from megatron.training.model_averaging import ModelAverage
-from megatron.training.pretrain_run import PretrainRun
+from megatron.training.train_config import TrainConfig
 
 
-def build_averaging(run: PretrainRun, setup: Setup) -> LoopHooks | None:
+def build_averaging(run: TrainConfig, setup: Setup) -> LoopHooks | None:
     """None without ``ema_beta``."""
     beta = run.averaging.ema_beta
     if beta is None:

@@ -7,11 +7,11 @@ from __future__ import annotations
 from megatron.engine.build import Engine
 from megatron.training.features.base import Setup
 from megatron.training.loop import LoopHooks, TrainState
-from megatron.training.pretrain_run import PretrainRun
+from megatron.training.train_config import TrainConfig
 from megatron.training.skip_gate import BadStepGate
 
 
-def build_bad_steps(run: PretrainRun, setup: Setup) -> LoopHooks | None:
+def build_bad_steps(run: TrainConfig, setup: Setup) -> LoopHooks | None:
     """None without ``skip_bad_steps_window``."""
     rule = run.bad_steps.bad_step_rule()
     if rule is None:

@@ -21,7 +21,7 @@ from megatron.model.pipeline import model_parameter_name
 from megatron.tokenizer.base import Tokenizer
 from megatron.training.hf_saves import HFWriterFactory, Weights, gathered_parameters, live_weights
 from megatron.training.loop import EvalWeights, LoopHooks
-from megatron.training.pretrain_run import TaskEvaluationBuilder
+from megatron.training.train_config import TaskEvaluationBuilder
 from megatron.training.step_saves import StepSaves
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from megatron.training.features.base import Setup
 from megatron.training.loop import LoopHooks
-from megatron.training.pretrain_run import PretrainRun
+from megatron.training.train_config import TrainConfig
 
 
-def build_checkpoints(run: PretrainRun, setup: Setup) -> LoopHooks:
+def build_checkpoints(run: TrainConfig, setup: Setup) -> LoopHooks:
     """Always on: without ``save`` the hooks only wait for nothing and save nothing."""
     return LoopHooks(name="checkpoints", after_step=setup.checkpoints.after_step, at_exit=setup.checkpoints.at_exit)

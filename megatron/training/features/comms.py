@@ -6,10 +6,10 @@ from __future__ import annotations
 from megatron.training.comms_report import CommsReport
 from megatron.training.features.base import Setup
 from megatron.training.loop import LoopHooks
-from megatron.training.pretrain_run import PretrainRun
+from megatron.training.train_config import TrainConfig
 
 
-def build_comms_report(run: PretrainRun, setup: Setup) -> LoopHooks | None:
+def build_comms_report(run: TrainConfig, setup: Setup) -> LoopHooks | None:
     """None unless the DeepSpeed config's ``comms_logger`` is enabled."""
     report = CommsReport(run.deepspeed_config.get("comms_logger"), run.logging.log_interval)
     if not report.enabled:

@@ -8,10 +8,10 @@ from megatron.errors import ConfigError
 from megatron.training.features.base import Setup, step_saves_hooks
 from megatron.training.hf_saves import HFSaves, save_dtype
 from megatron.training.loop import LoopHooks
-from megatron.training.pretrain_run import PretrainRun
+from megatron.training.train_config import TrainConfig
 
 
-def build_hf_saves(run: PretrainRun, setup: Setup) -> LoopHooks | None:
+def build_hf_saves(run: TrainConfig, setup: Setup) -> LoopHooks | None:
     """None without ``hf_save_path``. The writer is built now: it refuses a model or tokenizer it cannot write
     before the first step."""
     keys = run.hf_saves

@@ -7,10 +7,10 @@ from megatron import mpu
 from megatron.training.features.base import Setup, step_saves_hooks
 from megatron.training.loop import LoopHooks
 from megatron.training.peft_saves import PeftSaves
-from megatron.training.pretrain_run import PretrainRun
+from megatron.training.train_config import TrainConfig
 
 
-def build_peft_saves(run: PretrainRun, setup: Setup) -> LoopHooks | None:
+def build_peft_saves(run: TrainConfig, setup: Setup) -> LoopHooks | None:
     """None without ``lora_peft_save_path``."""
     keys = run.peft_saves
     if keys.lora_peft_save_path is None:

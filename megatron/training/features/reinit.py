@@ -9,11 +9,11 @@ from megatron.engine.process import speaks
 from megatron.logging.log import get_logger
 from megatron.training.features.base import Setup
 from megatron.training.loop import LoopHooks, TrainState
-from megatron.training.pretrain_run import PretrainRun
+from megatron.training.train_config import TrainConfig
 from megatron.training.reinit_tokens import reinit_tokens
 
 
-def build_reinit_tokens(run: PretrainRun, setup: Setup) -> LoopHooks | None:
+def build_reinit_tokens(run: TrainConfig, setup: Setup) -> LoopHooks | None:
     """None without ``reinit_tokens``."""
     keys = run.reinit
     if not keys.reinit_tokens:

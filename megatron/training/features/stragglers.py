@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from megatron.training.features.base import Setup
 from megatron.training.loop import LoopHooks
-from megatron.training.pretrain_run import PretrainRun
+from megatron.training.train_config import TrainConfig
 from megatron.training.stragglers import StragglerWatch
 
 
-def build_stragglers(run: PretrainRun, setup: Setup) -> LoopHooks | None:
+def build_stragglers(run: TrainConfig, setup: Setup) -> LoopHooks | None:
     """None with ``straggler_factor: null``."""
     keys = run.stragglers
     if keys.straggler_factor is None:

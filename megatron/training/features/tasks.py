@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from megatron.training.features.base import Setup
 from megatron.training.loop import Evaluation, LoopHooks
-from megatron.training.pretrain_run import PretrainRun
+from megatron.training.train_config import TrainConfig
 
 
-def build_tasks(run: PretrainRun, setup: Setup) -> LoopHooks | None:
+def build_tasks(run: TrainConfig, setup: Setup) -> LoopHooks | None:
     """None when ``pretrain`` was given no task evaluation (the config names no ``eval_tasks``)."""
     tasks = setup.task_evaluation
     if tasks is None:
