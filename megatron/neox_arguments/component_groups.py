@@ -3,7 +3,7 @@ of every key (``NeoXArgs``), so the component holds its keys and nothing else (i
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -40,7 +40,9 @@ def group(args: NeoXArgs, cls: type[G]) -> G:
     group's own defaults fill nothing: every key is in ``args``), and the keys the user set stay marked as set."""
     composed = _with_plugin_keys(cls)
     names = set(composed.model_fields)
-    values = {name: getattr(args, name) for name in names}
+    values: dict[str, Any] = {}
+    for name in names:  # a loop, not a comprehension: the honesty test's recorder knows this frame as a copy
+        values[name] = getattr(args, name)
     return composed.model_construct(_fields_set=names & args.model_fields_set, **values)
 
 

@@ -1,7 +1,9 @@
-"""Which keys the component builders read: the recorder ``test_config_honesty.py`` runs every
-supported key through (being read is necessary, not sufficient: the test also wants a test that
-observes each key's effect). Test machinery, so it lives with the tests, above every layer it
-builds: the derivations, ``RunConfig``, the DeepSpeed split, the launcher and the other entry points.
+"""Which keys the components read, for ``test_config_honesty.py`` (being read is necessary, not sufficient: the
+test also wants a test that observes each key's effect). Derived, never listed by hand (issue 46): a key is read
+when a component's source reads it as an attribute (``source_reads``), or when the builders here, run on a
+recorder of attribute reads, read it by a route the source does not spell (a key read by name, the DeepSpeed
+split, a layer reading its config as it runs). Test machinery, so it lives with the tests, above every layer it
+builds.
 """
 
 from __future__ import annotations
@@ -26,8 +28,6 @@ from megatron.config_rules import RuleContext
 from megatron.neox_arguments.run_config import RunConfig
 from megatron.neox_arguments.component_groups import group
 from megatron.tokenizer import build_tokenizer
-from megatron.engine.build import layers_to_checkpoint
-from megatron.objectives.registry import reference_kind
 
 
 _GROUP_COPY = group.__code__
@@ -96,81 +96,22 @@ def _checkpoints(args: Any) -> object:
     return manager, args.checkpoint_validation_with_forward_pass
 
 
-def _logging(args: Any) -> object:
-    """What the trainer and the monitor ask of the logging keys (``pretrain``, ``build_monitor``,
-    ``Monitor.is_log_step``; the memory estimate before launch reads device_memory_gb and
-    allow_memory_overcommit)."""
-    return (args.tracker_settings(), args.stats_settings, args.profile_settings(), args.log_interval,
-            args.log_dir, args.deepspeed_log_level, args.peak_theoretical_tflops, args.device_memory_gb,
-            args.allow_memory_overcommit)
 
 
-def _lora(args: Any) -> object:
-    """What the model builder and each adapter ask of the adapter keys (``build_model``, ``LoRAAdapter``)."""
-    if not args.lora_enabled:
-        return None
-    return (args.lora_r, args.lora_scale, args.lora_dropout, args.lora_target_modules, args.lora_split_fused,
-            args.lora_init)
 
 
-def _lr_schedule(args: Any) -> object:
-    """What the trainer asks of the LR keys (``engine.build_engine``): the schedule and the resume policy."""
-    return args.spec(int(args.train_iters or 100), 1e-3), args.resume_policy
 
 
-def _optimizer(args: Any) -> object:
-    """What the trainer asks of the optimizer keys (``engine.build_engine``, ``optimizers.build_optimizer``)."""
-    return (args.optimizer_kind, args.optimizer_type_shown, args.peak_lr, args.applied_weight_decay, args.optimizer_params,
-            args.weight_decay_embeddings)  # param_groups
 
 
-def _activation_checkpointing(args: Any) -> object:
-    """What ``engine.build_model``/``wrap_layers``/``configure_activation_checkpointing`` ask of the
-    activation checkpointing keys."""
-    return (args.recomputes_activations, layers_to_checkpoint(args, 4), args.checkpoint_num_layers,
-            args.deepspeed_checkpointing_options(4))
 
 
-def _training_loop(args: Any) -> object:
-    """What the loop reads of its keys (``pretrain.pretrain``, ``loop.train``),
-    each where that code reads it: the loop is handed the frozen ``RunConfig.training`` (``training_run``),
-    whose loop keys are the arguments themselves."""
-    from megatron.neox_arguments.run_config import training_run
-
-    training = training_run(args)
-    loop = training.loop
-    return (loop.train_iters, loop.train_epochs,  # pretrain.resolve_train_iters
-            loop.eval_interval, loop.exit_interval, loop.max_consecutive_overflows,  # loop.train
-            loop.eval_iters, loop.num_workers, training.seed, training.precision, training.seq_length,  # pretrain
-            loop.max_train_epochs, loop.eval_micro_batch_size_per_gpu,  # pretrain: end reason, eval batches
-            training.batch.on(dp=1))  # pretrain's batch layout
 
 
-def _engine(args: Any) -> object:
-    """What the engine builder and the memory estimate read of the engine's keys and the shared values
-    (``build.build_engine``, ``build.build_model``, ``memory.MemoryLayout.from_run``; generation's
-    ``build_inference_model``): they are handed the frozen ``RunConfig.engine`` (``engine_run``), whose engine
-    keys are the arguments themselves."""
-    from megatron.neox_arguments.run_config import engine_run
-
-    engine = engine_run(args)
-    return (engine.keys.compile_layers, engine.keys.zero_init, engine.seq_length, engine.precision, engine.seed,
-            engine.batch.on(dp=1), engine.train_iters)
 
 
-def _step_policies(args: Any) -> object:
-    """What ``pretrain`` asks of the weight average's, the bad-step rule's, the token re-drawing's, the PEFT
-    saves' keys (``PeftSaves``) and the HF saves' (``HFSaves``, ``hf_saves.save_dtype``)."""
-    return (args.ema_beta, args.bad_step_rule(), args.reinit_tokens, args.redrawn(tied=False),
-            args.lora_peft_save_path, args.lora_peft_save_interval, args.lora_peft_names,
-            args.hf_save_path, args.hf_save_interval, args.hf_save_dtype)
 
 
-def _hang_watch(args: Any) -> object:
-    """What each rank's hang watch and start-up read (train.py's ``watch_for_hangs``, ``initialize``): the rank is
-    handed the arguments typed as ``HangArgs`` (``RunConfig.hang``)."""
-    return (args.hang_limits(), args.init_timeout_seconds, args.train_timeout_seconds,
-            args.straggler_factor, args.straggler_window)  # the loop's straggler watch (pretrain)
 
 
 def _run_config(args: Any) -> object:
@@ -178,57 +119,21 @@ def _run_config(args: Any) -> object:
     return RunConfig.from_args(args)
 
 
-def _parallel(args: Any) -> object:
-    """What each rank's start-up and the model builder ask of the keys that split the run over ranks
-    (``initialize.initialize``/``init_distributed``, ``engine.build_model``, the memory estimate): the
-    rank is handed the frozen ``RunConfig.parallel`` (``parallel_run``), which reads them all."""
-    from megatron.neox_arguments.run_config import parallel_run
-
-    return parallel_run(args)
 
 
-def _launch(args: Any) -> object:
-    """What deepy.py's launcher asks of its keys (``plan_launch`` and the launcher kinds, handed the
-    arguments typed as ``DeepSpeedRunnerArgs`` and ``LoggingArgs``), and whether the user chose ``master_port``."""
-    from megatron.launcher.config import master_port_chosen
-
-    return (args.launcher, args.hostfile, args.include, args.exclude, args.num_nodes, args.num_gpus,  # resources
-            args.master_addr, master_port_chosen(args), args.force_multi, args.no_ssh_check,  # rendezvous, runner
-            args.comment, args.account, args.deepspeed_slurm, args.deepspeed_mpi,  # srun, in place
-            args.deepspeed_log_level,  # runner flags
-            args.slurm_requeue, args.max_requeues_without_progress,  # after the launch (deepy.py's requeue_if_stopped)
-            args.max_restarts,  # after a failed launch (megatron/launcher/restarts.py)
-            args.initialize_from_hf)  # converted before launch (deepy.py's hf_start)
 
 
-def _objective(args: Any) -> object:
-    """What the objective reads of its keys (``build_objective``, ``Objective.__init__``, ``LMObjective``,
-    ``RewardModelObjective``, ``build_reference``), each where that code reads it: the objective is
-    handed the arguments themselves (``RunConfig.objective``)."""
-    return (args.train_impl, args.eod_mask_loss, args.z_loss, args.reset_attention_mask, args.reset_position_ids,
-            reference_kind(args))
+
+
 
 
 def _data(args: Any) -> object:
-    """What ``build_datasets`` asks of the data keys (``pretrain``, ``data/build.py``): the sample
-    counts, each split's files and weights, the source and how documents become samples. The datasets
-    get the frozen ``RunConfig.data`` (``data_run``), whose data keys are the arguments themselves."""
-    from megatron.data.build import samples_needed
+    """What ``build_datasets`` asks of each split's files and weights, read by name (``path_list(key)``,
+    ``split_weights(split)``), so no attribute in the source names them; the other data keys are read as
+    attributes (``source_reads``)."""
     from megatron.data.config import PATH_KEYS, SPLITS
-    from megatron.neox_arguments.run_config import data_run
 
-    data = data_run(args)
-    keys = data.keys
-    return (samples_needed(data.train_batch_size, data.train_iters, data.eval_iters, data.eval_interval,
-                           data.eval_batch_size),
-            [keys.path_list(key) for key in PATH_KEYS], [keys.split_weights(s) for s in SPLITS],
-            keys.use_dummy_dataset, keys.train_urls, keys.validation_urls, keys.cache_dir, keys.data_path, keys.split,
-            keys.weight_by_num_documents, keys.weighted_sampler_alpha, keys.pack_impl, keys.allow_chopped,
-            data.wants_pairs, data.reference_model, keys.mmap_warmup, data.seq_length, data.seed, data.train_epochs,
-            data.max_train_epochs,  # build_datasets' epoch cap
-            keys.dummy_data, keys.dummy_data_vocab_size,  # build_datasets' dummy data
-            keys.shard_file_type, keys.shard_column, keys.shard_tokenizer, keys.shard_eos_token,  # token-shard
-            keys.shard_bos_token, keys.shard_strip_tokens)  # directories (_read_shard_directory)
+    return [args.path_list(key) for key in PATH_KEYS], [args.split_weights(s) for s in SPLITS]
 
 
 def _user_plugins(args: Any) -> object:
@@ -236,36 +141,15 @@ def _user_plugins(args: Any) -> object:
     return plugins.load_user_plugins(args.plugins)
 
 
-def _evaluation(args: Any) -> object:
-    """What lm-eval inside training and eval.py ask of the evaluation keys (``TaskEvaluation``,
-    ``harness.evaluate``/``results_base``, the generator's batch and length), when tasks are set."""
-    from megatron.evaluation.harness import results_base
-    from megatron.neox_arguments.component_groups import evaluation_run
-
-    if not args.eval_tasks:
-        return None
-    run = evaluation_run(args)
-    return (results_base(run), run.batch_size, run.textgen.maximum_tokens, run.model.seed, run.model.seq_length,
-            run.evaluation.eval_tasks_limit, run.evaluation.eval_tasks_interval)
 
 
-def _generation(args: Any) -> object:
-    """What generate.py asks of its keys beyond the checks (``generation.entry.run_generation``, the modes, precompute),
-    when text_gen_type is set: the generator, each mode's files and counts, precompute's datasets."""
-    from megatron.generation.config import batch_size, token_dataset_prefixes
-
-    if not args.text_gen_type:
-        return None
-    return (args.sampling(), batch_size(args.train_micro_batch_size_per_gpu), args.seed, args.seq_length, args.num_samples, args.sample_output_file,
-            args.sample_input_file, args.prompt_end, args.precompute_model_name, token_dataset_prefixes(args))
 
 
 def component_builders() -> list[ComponentBuilder]:
-    """Everything that turns keys into what a component does, for train.py."""
-    return [_run_config, _parallel, _hang_watch, _tokenizer, _model, _checkpoints, _logging, _lora, _lr_schedule,
-            _optimizer, _activation_checkpointing, _training_loop, _engine, _step_policies, _data, _objective,
-            _evaluation, _generation, _user_plugins,
-            deepspeed_config, _launch, run_directory]
+    """What turns keys into what a component does by a route the source does not spell as attribute reads (the
+    tokenizer and model built and run, the checkpoint manager, the data paths by name, the DeepSpeed split, the
+    run directory, the user's plug-ins), for train.py; every other read is found in the source."""
+    return [_run_config, _tokenizer, _model, _checkpoints, _data, _user_plugins, deepspeed_config, run_directory]
 
 
 def plugin_keys_read() -> set[str]:
