@@ -1,10 +1,10 @@
 """What a training objective (``train_impl``) needs from the rest of the run, read from its plug-in entry.
 
 The data, model, evaluation and checkpoint code read these needs instead of ``train_impl ==`` switches.
-They live here, below every component, because the data config (``megatron/data/config.py``) reads them
-while the objectives themselves (``megatron/objectives/``, declared in its ``registry.py``) sit
-above the data: the registry's entries carry the needs, and :mod:`megatron.plugins` imports the
-registry on first use.
+Deepy's own objectives are declared here, by name and needs, below every component, because the data config
+(``megatron/data/config.py``) and the checkpoints read them while the objectives themselves
+(``megatron/objectives/``) sit above the data: ``objectives/registry.py`` attaches their keys, checks and
+implementations to these names. A user's objective registers its needs with its class (``plugins.register``).
 
 * ``dataset`` — ``lm`` (token documents, optional label masks), ``pairwise`` (chosen/rejected pairs)
   or ``reward`` (documents with a per-document reward);
@@ -35,9 +35,24 @@ class ObjectiveNeeds:
     min_micro_batch: int = 1
 
 
+plugins.declare("train_impl", "normal", module=__name__, documents=True)
+plugins.declare("train_impl", "dpo", module=__name__, dataset="pairwise", reference=True)
+# KTO estimates its KL reference point from mismatched pairs inside a micro-batch: at least 2 samples
+plugins.declare("train_impl", "kto", module=__name__, dataset="reward", reference=True, min_micro_batch=2)
+plugins.declare("train_impl", "rm", module=__name__, dataset="pairwise", value_head=True)
+plugins.builtins_declared("train_impl")
+
+
 def needs_of(train_impl: str) -> ObjectiveNeeds:
     """What ``train_impl`` requires from the rest of the run."""
     return ObjectiveNeeds(**plugins.get("train_impl", train_impl).needs)
+
+
+def known_needs(train_impl: str) -> ObjectiveNeeds | None:
+    """What ``train_impl`` requires, or None for a name no plug-in has (a checkpoint's objective whose
+    plug-in this run did not load)."""
+    entry = plugins.find("train_impl", train_impl)
+    return None if entry is None else ObjectiveNeeds(**entry.needs)
 
 
 def reads_reference_files(train_impl: str) -> bool:

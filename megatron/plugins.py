@@ -14,9 +14,24 @@ know about it, so that adding one is one file (plus its test):
 
 The accepted values of the selecting keys (``lr_decay_style``, ``train_impl``, ``tokenizer_type``,
 ``tracker[].type``) are the registry's names (``optimizer.type``'s are the optimizer builders',
-``megatron/engine/optimizer_block.py``). Deepy's own plug-ins register when their family's module
-is imported (:data:`BUILTIN_MODULES`); a user's are named by the ``plugins`` config key (module names or
-``.py`` paths) and imported before the config is validated, on the launcher and on every rank.
+``megatron/engine/optimizer_block.py``). A user's plug-ins are named by the ``plugins`` config key (module
+names or ``.py`` paths) and imported before the config is validated, on the launcher and on every rank;
+each calls :func:`register` with its implementation.
+
+Deepy's own entries are split by layer, because their readers sit at several heights: a table of names and
+needs is declared (:func:`declare`) by a module at or below the lowest layer that reads it, and the layer
+that owns the implementation attaches it (:func:`attach`: the implementation, the keys and the check) when
+its module is imported. This module knows no module of theirs; each family's table says when it is complete
+(:func:`builtins_declared`), and reading a family before that is an error, not an empty list:
+
+* ``train_impl``: names and needs in ``megatron/objective_needs.py`` (the data and checkpoint layers read
+  them); keys, checks and the objectives in ``megatron/objectives/registry.py``;
+* ``tokenizer_type``: names and needs in ``megatron/tokenizer/registry.py``; the classes, imported by name on
+  first use (their libraries are optional), in ``megatron/tokenizer/build.py``;
+* ``tracker``: names and ``tracker:`` blocks in ``megatron/logging/config.py``; the trackers in
+  ``megatron/logging/trackers.py``;
+* ``lr_decay_style``: registered whole by ``megatron/engine/lr_schedules.py`` and ``lr_dialects.py`` (only
+  the engine and the argument layer read it).
 
 This module sits below everything else but the check registry (``megatron/config_rules.py``): it
 imports no component and no argument code.
@@ -24,6 +39,7 @@ imports no component and no argument code.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import os
@@ -40,15 +56,7 @@ from megatron.config_schema import ArgGroup
 from megatron.errors import ConfigError
 
 Family = Literal["lr_decay_style", "tracker", "train_impl", "tokenizer_type"]
-
-BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
-    # GPT-NeoX's schedules, then Levanter's and fms-fsdp's (their dialects' curves)
-    "lr_decay_style": ("megatron.engine.lr_schedules", "megatron.engine.lr_dialects"),
-    "tracker": ("megatron.logging.trackers",),
-    "train_impl": ("megatron.objectives.registry",),
-    "tokenizer_type": ("megatron.tokenizer.registry",),
-}
-"""Family -> the modules whose import registers Deepy's own plug-ins of that family."""
+FAMILIES: tuple[Family, ...] = ("lr_decay_style", "tracker", "train_impl", "tokenizer_type")
 
 Check = Callable[[Any, Callable[[str], str]], list[str]]
 
@@ -57,29 +65,46 @@ Check = Callable[[Any, Callable[[str], str]], list[str]]
 class Plugin:
     family: str
     name: str
-    target: Any
+    target: Any = None
     """What the family's component builds from: a decay shape, a tracker factory, an objective or a
-    tokenizer class; or ``"module:attribute"`` naming it, imported on first use (Deepy's objectives and
-    tokenizers are declared that way so that ``deepy.py`` validates a config without DeepSpeed or the
-    tokenizer libraries)."""
+    tokenizer class; or ``"module:attribute"`` naming it, imported on first use (Deepy's tokenizers, whose
+    libraries are optional); None until the layer that implements a declared entry attaches it."""
     keys: type[ArgGroup] | None = None
     block: type[BaseModel] | None = None
     check: Check | None = None
     needs: Mapping[str, Any] = field(default_factory=dict)
     module: str = ""
+    """The module that registered or declared the entry."""
 
     def resolve(self) -> Any:
         """The target itself (importing it when it was declared by name)."""
+        if self.target is None:
+            raise LookupError(f"{self.family} {self.name!r} is declared by {self.module} but nothing attached its "
+                              "implementation: import the module of the layer that implements it")
         if not isinstance(self.target, str):
             return self.target
         module, _, attribute = self.target.partition(":")
         return getattr(importlib.import_module(module), attribute)
 
 
-_REGISTRY: dict[str, dict[str, Plugin]] = {family: {} for family in BUILTIN_MODULES}
-_LOADED_BUILTINS: set[str] = set()
+_REGISTRY: dict[str, dict[str, Plugin]] = {family: {} for family in FAMILIES}
+_DECLARED: set[str] = set()
+"""Families whose table of Deepy's own entries is complete (:func:`builtins_declared`)."""
 
 T = TypeVar("T")
+
+
+def _add(plugin: Plugin) -> Plugin:
+    """Store ``plugin``; a name registered by another module is an error (which one would win is not
+    obvious), the same module registering again (a re-import: tests, reloads) replaces its own entry."""
+    if plugin.family not in _REGISTRY:
+        raise ValueError(f"unknown plug-in family {plugin.family!r}; one of {', '.join(_REGISTRY)}")
+    existing = _REGISTRY[plugin.family].get(plugin.name)
+    if existing is not None and existing.module != plugin.module:
+        raise ConfigError(f"{plugin.family} plug-in {plugin.name!r} is registered twice: by {existing.module} and "
+                          f"by {plugin.module}")
+    _REGISTRY[plugin.family][plugin.name] = plugin
+    return plugin
 
 
 def register(
@@ -91,20 +116,12 @@ def register(
     check: Check | None = None,
     **needs: Any,
 ) -> Callable[[T], T]:
-    """Decorator: register the decorated object as plug-in ``name`` of ``family``.
-
-    Registering a name twice from different modules is an error (which one would win is not
-    obvious); re-importing the same module (tests, reloads) replaces its own entry.
-    """
-    if family not in _REGISTRY:
-        raise ValueError(f"unknown plug-in family {family!r}; one of {', '.join(_REGISTRY)}")
+    """Decorator: register the decorated object as plug-in ``name`` of ``family``, whole (its
+    implementation with its keys, checks and needs): how a user's plug-in registers."""
 
     def add(target: T) -> T:
         module = getattr(target, "__module__", "") or ""
-        existing = _REGISTRY[family].get(name)
-        if existing is not None and existing.module != module:
-            raise ConfigError(f"{family} plug-in {name!r} is registered twice: by {existing.module} and by {module}")
-        _REGISTRY[family][name] = Plugin(family, name, target, keys, block, check, dict(needs), module)
+        _add(Plugin(family, name, target, keys, block, check, dict(needs), module))
         return target
 
     return add
@@ -113,22 +130,53 @@ def register(
 def declare(
     family: Family,
     name: str,
-    target: str,
     *,
-    keys: type[ArgGroup] | None = None,
+    module: str,
     block: type[BaseModel] | None = None,
-    check: Check | None = None,
     **needs: Any,
 ) -> Plugin:
-    """Register a plug-in whose implementation is imported on first use (``target`` =
-    ``"module:attribute"``); the declaring module must stay light."""
-    caller = target.partition(":")[0]
-    plugin = Plugin(family, name, target, keys, block, check, dict(needs), caller)
-    existing = _REGISTRY[family].get(name)
-    if existing is not None and existing.module != caller:
-        raise ConfigError(f"{family} plug-in {name!r} is registered twice: by {existing.module} and by {caller}")
-    _REGISTRY[family][name] = plugin
-    return plugin
+    """Declare Deepy's own entry ``name`` of ``family`` with what the layers below its implementation read
+    (its needs; a tracker's block), from ``module``, a module at or below them; the layer that implements it
+    calls :func:`attach`."""
+    existing = _REGISTRY.get(family, {}).get(name)
+    kept = {} if existing is None or existing.module != module else {
+        "target": existing.target, "keys": existing.keys, "check": existing.check}  # a re-import keeps what was attached
+    return _add(Plugin(family, name, block=block, needs=dict(needs), module=module, **kept))
+
+
+def attach(family: Family, name: str, *, target: Any = None, keys: type[ArgGroup] | None = None,
+           check: Check | None = None) -> None:
+    """Attach to the declared entry ``name`` what its implementing layer holds: the implementation
+    (``target``, an object or ``"module:attribute"``), its keys and its check."""
+    entry = _REGISTRY[family].get(name)
+    if entry is None:
+        raise ValueError(f"{family} {name!r} is attached but never declared (declare its name and needs first)")
+    given = {"target": target, "keys": keys, "check": check}
+    _REGISTRY[family][name] = dataclasses.replace(entry, **{k: v for k, v in given.items() if v is not None})
+
+
+def builtins_declared(family: Family) -> None:
+    """Called by the module that declares the last of Deepy's own entries of ``family``: from now on the
+    family can be read."""
+    _DECLARED.add(family)
+
+
+def _entries(family: Family) -> dict[str, Plugin]:
+    if family not in _DECLARED:
+        raise LookupError(f"the {family} plug-ins are read before Deepy's own are declared: import the module "
+                          f"that declares them first (see megatron/plugins.py)")
+    return _REGISTRY[family]
+
+
+def require_tables(families: Iterable[Family] = FAMILIES) -> None:
+    """Every family's table of Deepy's own entries is loaded (the caller imported the modules that declare
+    them), else a ``LookupError`` naming the first that is not."""
+    for family in families:
+        _entries(family)
+
+
+load_builtins = require_tables
+"""The argument layer's name for :func:`require_tables` (``neox_arguments/arguments.py``)."""
 
 
 def validate_name(family: Family, value: Any, not_built: Iterable[str] = ()) -> Any:
@@ -140,42 +188,29 @@ def validate_name(family: Family, value: Any, not_built: Iterable[str] = ()) -> 
     raise ValueError(f"{value!r} is not one of the registered {family} values: {', '.join(known)}")
 
 
-def load_builtins(families: Iterable[str] | None = None) -> None:
-    """Import the modules that register Deepy's own plug-ins (once)."""
-    for family in families if families is not None else BUILTIN_MODULES:
-        if family not in _LOADED_BUILTINS:
-            for module in BUILTIN_MODULES[family]:
-                importlib.import_module(module)
-            _LOADED_BUILTINS.add(family)
-
-
 def names(family: Family) -> tuple[str, ...]:
     """The accepted values of the family's selecting key, in registration order."""
-    load_builtins([family])
-    return tuple(_REGISTRY[family])
+    return tuple(_entries(family))
 
 
 def get(family: Family, name: str) -> Plugin:
-    load_builtins([family])
+    entries = _entries(family)
     try:
-        return _REGISTRY[family][name]
+        return entries[name]
     except KeyError:
-        raise ConfigError(f"{family}: {name!r} is not registered; known: {', '.join(_REGISTRY[family])}") from None
+        raise ConfigError(f"{family}: {name!r} is not registered; known: {', '.join(entries)}") from None
 
 
 def find(family: Family, name: str) -> Plugin | None:
-    load_builtins([family])
-    return _REGISTRY[family].get(name)
+    return _entries(family).get(name)
 
 
 def of_family(family: Family) -> list[Plugin]:
-    load_builtins([family])
-    return list(_REGISTRY[family].values())
+    return list(_entries(family).values())
 
 
 def all_plugins() -> list[Plugin]:
-    load_builtins()
-    return [plugin for family in _REGISTRY.values() for plugin in family.values()]
+    return [plugin for family in FAMILIES for plugin in of_family(family)]
 
 
 def key_groups() -> list[tuple[str, type[ArgGroup]]]:
@@ -217,7 +252,6 @@ def load_user_plugins(specs: Iterable[str], where: str = "plugins", base_dir: st
     """Import each plug-in named by the ``plugins`` key: a module name (importable from the Python
     path) or a ``.py`` file, relative to ``base_dir`` (the directory of the config file naming it).
     Returns the specs as the ranks must see them (files made absolute)."""
-    load_builtins()
     resolved: list[str] = []
     for spec in specs:
         if not isinstance(spec, str) or not spec:

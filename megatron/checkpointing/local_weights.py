@@ -15,12 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatron import plugins
 from megatron.errors import CheckpointError
 from megatron.model.config import GPTConfig
 from megatron.model.partitioning import tp_partition_of
 from megatron.model.pipeline import model_parameter_name
 from megatron.mpu.initialize_weights import shard_tensor, unshard_tensors
+from megatron.objective_needs import known_needs
 
 
 def stored_model_config(args: dict[str, Any]) -> GPTConfig:
@@ -32,8 +32,8 @@ def stored_model_config(args: dict[str, Any]) -> GPTConfig:
     values = {key: args[key] for key in GPTConfig.model_fields if key != "precision" and args.get(key) is not None}
     if values.get("padded_vocab_size") is None:
         raise CheckpointError("the checkpoint's arguments have no padded_vocab_size")
-    objective = plugins.find("train_impl", str(args.get("train_impl") or "normal"))
-    value_head = objective is not None and bool(objective.needs.get("value_head"))
+    needs = known_needs(str(args.get("train_impl") or "normal"))
+    value_head = needs is not None and needs.value_head
     return GPTConfig(**values).replace(value_head=value_head)  # precision unset: fp32
 
 

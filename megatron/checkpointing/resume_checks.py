@@ -37,11 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron import plugins
 from megatron.checkpointing import commit, discovery
 from megatron.checkpointing.layout import Layout, check_convertible, needs_universal
 from megatron.config_rules import RuleContext, describe, render, rule, zero_stage
 from megatron.errors import CheckpointError
+from megatron.objective_needs import known_needs
 from megatron.time_phrases import TimePhraseError, parse_duration
 
 # Arguments that fix the shape of the weights: a checkpoint with other values cannot be loaded.
@@ -305,8 +305,8 @@ def layout_problems(ctx: RuleContext, start: Start) -> list[str]:
         return [f"{keys}: {start.ckpt} was saved without ZeRO by a {recorded.get('precision')} run, whose optimizer "
                 f"state cannot change layout ({saved} -> {planned}); resume it at the saved layout"]
     impl, saved_impl = ctx.get("train_impl"), recorded.get("train_impl")
-    entry = plugins.find("train_impl", str(impl))
-    if start.weights_only and entry is not None and entry.needs.get("value_head") and saved_impl != impl:
+    needs = known_needs(str(impl))
+    if start.weights_only and needs is not None and needs.value_head and saved_impl != impl:
         return [f"{ctx.show('train_impl')}: {start.ckpt} was saved by a {saved_impl!r} run at {saved}; starting a "
                 f"{impl!r} model (a new scalar head) from it needs the same layout ({planned} here): set {keys} "
                 "to the checkpoint's, or save the checkpoint at this layout first"]

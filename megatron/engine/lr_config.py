@@ -19,6 +19,7 @@ from megatron import plugins
 from megatron.config_rules import RuleContext, rule
 from megatron.config_schema import ArgGroup
 from megatron.errors import ConfigError
+from megatron.engine import lr_dialects as _dialects  # noqa: F401  # registers Levanter's and fms-fsdp's styles
 from megatron.engine.lr_neox import NEOX_STYLES, decay_steps
 from megatron.engine.lr_schedules import (
     SchedulePolicy,

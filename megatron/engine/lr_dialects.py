@@ -258,6 +258,7 @@ def levanter_schedule_is_one_levanter_builds(ctx: RuleContext) -> list[str]:
 plugins.register("lr_decay_style", "levanter", keys=LevanterScheduleArgs, whole_curve=True)(_levanter_shape)
 plugins.register("lr_decay_style", "fms", whole_curve=True)(_fms_shape)
 plugins.register("lr_decay_style", "fms_annealing", whole_curve=True)(_fms_annealing_shape)
+plugins.builtins_declared("lr_decay_style")  # the last of Deepy's schedules (GPT-NeoX's: lr_schedules.py)
 
 
 @rule

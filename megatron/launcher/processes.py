@@ -37,8 +37,9 @@ def is_rank_cmdline(cmdline: list[str], config_path: str) -> bool:
     """A worker of this run: ``... SCRIPT [--local_rank=N] --deepy_config PATH``, not a launcher
     (DeepSpeed's runner or per-node launcher, deepy's ``local_ranks``, torchrun's agent) whose arguments end the
     same."""
-    launchers = ("megatron.launcher.local_ranks", "torch.distributed.run", "megatron.launcher.torchrun")
-    if any(arg.startswith("deepspeed.launcher") or arg in launchers for arg in cmdline):
+    # every module of megatron/launcher/ started with -m is a launcher (local_ranks, torchrun's agent)
+    if any(arg.startswith(("deepspeed.launcher", "megatron.launcher.")) or arg == "torch.distributed.run"
+           for arg in cmdline):
         return False
     return names_config(cmdline, config_path)
 

@@ -3,7 +3,8 @@ are computed. Comet and gradient-noise-scale estimation are not built yet.
 
 Trackers come in two spellings: GPT-NeoX's flat keys (``use_wandb``, ``wandb_project``,
 ``tensorboard_dir``) and Levanter's ``tracker:`` block (``{type: wandb, project: ...}`` or a list of
-them), each entry validated by the model its tracker plug-in declares (``megatron/plugins.py``).
+them), each entry validated by the model its tracker plug-in declares (``megatron/plugins.py``): Deepy's
+own are declared here, by name and ``tracker:`` block, and ``trackers.py`` attaches the trackers.
 
 Declared here, beside the logging component that reads them; the one argument object (``NeoXArgs``)
 is composed of :class:`LoggingArgs`, and the trainer hands the monitor that object (typed as this
@@ -17,7 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from megatron import plugins
 from megatron.config_schema import ArgGroup, not_supported
@@ -112,6 +113,52 @@ class ProfileSettings:
         return self.torch_profiler or self.memory_snapshot
 
 
+# ---- the ``tracker:`` entries of Deepy's own trackers (a plug-in tracker declares its own) ----------
+class TrackerBlock(BaseModel):
+    """Base of a ``tracker:`` entry: its ``type`` and the tracker's own fields, nothing else."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class WandbTrackerArgs(TrackerBlock):
+    """``tracker: {type: wandb, ...}`` (Levanter's spelling of the W&B keys)."""
+
+    type: Literal["wandb"] = "wandb"
+    project: str | None = None
+    """W&B project; unset means wandb_project."""
+    entity: str | None = None
+    """W&B entity (team or user); unset means wandb_team."""
+    name: str | None = None
+    """Display name of the run; unset means wandb_run_name."""
+    group: str | None = None
+    """W&B group; unset means wandb_group."""
+    tags: list[str] = Field(default_factory=list)
+    """Tags attached to the run."""
+    notes: str | None = None
+    """Free-text notes attached to the run."""
+    mode: Literal["online", "offline", "disabled"] | None = None
+    """W&B mode; unset means WANDB_MODE from the environment, else online."""
+    host: str | None = None
+    """W&B server URL; unset means wandb_host."""
+    id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$")
+    """W&B run id of a new run (Levanter's trainer.id); a resumed run keeps its checkpoint's id. Letters,
+    digits, _, - and . (not first: the id also names a checkpoint directory; wandb reserves :;,#?/')."""
+
+
+class TensorboardTrackerArgs(TrackerBlock):
+    """``tracker: {type: tensorboard, logdir: ...}``."""
+
+    type: Literal["tensorboard"] = "tensorboard"
+    logdir: str | None = None
+    """Directory of the event files; unset means tensorboard_dir, else <log_dir>/tensorboard."""
+
+
+# Deepy's trackers by name and block; megatron/logging/trackers.py attaches the trackers themselves
+plugins.declare("tracker", "wandb", module=__name__, block=WandbTrackerArgs)
+plugins.declare("tracker", "tensorboard", module=__name__, block=TensorboardTrackerArgs)
+plugins.builtins_declared("tracker")
+
+
 def tracker_block(entry: Any) -> BaseModel:
     """One ``tracker:`` entry validated by the model its ``type``'s plug-in declares."""
     if isinstance(entry, BaseModel):
@@ -137,7 +184,7 @@ class LoggingArgs(ArgGroup):
     """Levanter-style trackers: {type: wandb, project: ...}, {type: tensorboard, logdir: ...} or a
     list of them, on top of metrics.jsonl; same effect as the GPT-NeoX keys (give one spelling).
     ``type`` is a registered tracker plug-in; each validates its own entry
-    (``megatron/logging/trackers.py``)."""
+    (``megatron/logging/config.py``)."""
 
     @field_validator("tracker", mode="before")
     @classmethod

@@ -30,52 +30,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from megatron import plugins
-from megatron.logging.config import JsonlSettings, TensorboardSettings, TrackerSettings, WandbSettings
+from megatron.logging.config import (
+    JsonlSettings,
+    TensorboardSettings,
+    TensorboardTrackerArgs,
+    TrackerBlock,
+    TrackerSettings,
+    WandbSettings,
+    WandbTrackerArgs,
+)
 from megatron.logging.metrics import MetricsWriter
-
-# ---- the ``tracker:`` entries of Deepy's own trackers (a plug-in tracker declares its own) ----------
-class TrackerBlock(BaseModel):
-    """Base of a ``tracker:`` entry: its ``type`` and the tracker's own fields, nothing else."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-
-class WandbTrackerArgs(TrackerBlock):
-    """``tracker: {type: wandb, ...}`` (Levanter's spelling of the W&B keys)."""
-
-    type: Literal["wandb"] = "wandb"
-    project: str | None = None
-    """W&B project; unset means wandb_project."""
-    entity: str | None = None
-    """W&B entity (team or user); unset means wandb_team."""
-    name: str | None = None
-    """Display name of the run; unset means wandb_run_name."""
-    group: str | None = None
-    """W&B group; unset means wandb_group."""
-    tags: list[str] = Field(default_factory=list)
-    """Tags attached to the run."""
-    notes: str | None = None
-    """Free-text notes attached to the run."""
-    mode: Literal["online", "offline", "disabled"] | None = None
-    """W&B mode; unset means WANDB_MODE from the environment, else online."""
-    host: str | None = None
-    """W&B server URL; unset means wandb_host."""
-    id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$")
-    """W&B run id of a new run (Levanter's trainer.id); a resumed run keeps its checkpoint's id. Letters,
-    digits, _, - and . (not first: the id also names a checkpoint directory; wandb reserves :;,#?/')."""
-
-
-class TensorboardTrackerArgs(TrackerBlock):
-    """``tracker: {type: tensorboard, logdir: ...}``."""
-
-    type: Literal["tensorboard"] = "tensorboard"
-    logdir: str | None = None
-    """Directory of the event files; unset means tensorboard_dir, else <log_dir>/tensorboard."""
-
-
 
 class Tracker(Protocol):
     def log(self, row: Mapping[str, Any], step: int) -> None: ...
@@ -266,12 +231,14 @@ def head_commit(root: str) -> str | None:
 
 TrackerFactory = Callable[[Any, TrackerContext, str | None], Tracker]
 
-plugins.declare("tracker", "wandb", f"{__name__}:WandbTracker", block=WandbTrackerArgs)
-plugins.declare("tracker", "tensorboard", f"{__name__}:_tensorboard", block=TensorboardTrackerArgs)
 
 
 def _tensorboard(settings: TensorboardSettings, ctx: TrackerContext, log_dir: str | None) -> Tracker:
     return TensorboardTracker(settings, ctx)
+
+
+plugins.attach("tracker", "wandb", target=WandbTracker)
+plugins.attach("tracker", "tensorboard", target=_tensorboard)
 
 
 def _factory(settings: TrackerSettings) -> TrackerFactory:

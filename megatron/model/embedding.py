@@ -9,12 +9,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.model.config import GPTConfig
-from megatron.model.positional import default_position_ids
+from megatron.model.positional import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding, default_position_ids
 from megatron.model.transformer_options import POSITIONAL
 from megatron.mpu.layers import VocabParallelEmbedding
 from megatron.mpu.mappings import scatter_to_sequence_parallel_region
 from megatron.mpu.random import tensor_parallel_rng
 from megatron.mpu.topology import get_tensor_model_parallel_world_size
+
+POSITIONAL.attach("learned", embedding=LearnedPositionalEmbedding)
+POSITIONAL.attach("sinusoidal", embedding=SinusoidalPositionalEmbedding)
 
 
 class GPTEmbedding(nn.Module):
@@ -33,7 +36,8 @@ class GPTEmbedding(nn.Module):
             seed=config.seed,
             params_dtype=config.params_dtype,
         )
-        self.position_embeddings = POSITIONAL[config.pos_emb].build_embedding(config, f"{name}.position_embeddings")
+        table = POSITIONAL[config.pos_emb].embedding
+        self.position_embeddings = None if table is None else table(config, f"{name}.position_embeddings")
         self.dropout = config.hidden_dropout
         self.sequence_parallel = config.sequence_parallel and get_tensor_model_parallel_world_size() > 1
 

@@ -162,12 +162,6 @@ class FamilyEntry:
     """One layer family: the block it builds (plain, and as a pipeline layer) and its counts for one layer of
     ``layer_type``."""
 
-    block: str
-    """``module:class`` of the block (``cls(config, layer_number)``)."""
-    pipe_block: str
-    """``module:class`` of the same block as a pipeline layer: one input, the hidden state or the tuple passed
-    between stages (``model/pipeline.py``); DeepSpeed's activation checkpointing and stage balancing find the
-    blocks by this class's name."""
     parameters: Callable[[Any, str, NormParams, int, bool], int]
     """(config, layer type, norm, layer number, active) -> parameters; ``active``: only what one token uses."""
     replicated: Callable[[Any, str, NormParams], int]
@@ -177,32 +171,31 @@ class FamilyEntry:
     non_matmul: Callable[[Any, str], int] = lambda config, layer_type: 0
     """Parameters that do not multiply each token once, left out of the 6 x N (gMLP's spatial projection)."""
 
+    block: Any = None
+    """The block's class (``cls(config, layer_number)``); attached by ``blocks.py``, which imports the torch
+    modules (this table imports none)."""
+    pipe_block: Any = None
+    """The same block as a pipeline layer: one input, the hidden state or the tuple passed between stages;
+    attached by ``model/pipeline.py``. DeepSpeed's activation checkpointing and stage balancing find the blocks by
+    this class's name."""
+
     def build(self, config: Any, layer_number: int) -> Any:
         return self.block_class()(config, layer_number)
 
     def block_class(self) -> Any:
-        return _import(self.block)
+        assert self.block is not None, "the block classes are attached by megatron/model/blocks.py"
+        return self.block
 
     def pipe_class(self) -> Any:
         """The pipeline layer's class (a ``LayerSpec`` builds it on its stage)."""
-        return _import(self.pipe_block)
-
-    @property
-    def pipe_block_name(self) -> str:
-        return self.pipe_block.rpartition(":")[2]
+        assert self.pipe_block is not None, "the pipeline layers are attached by megatron/model/pipeline.py"
+        return self.pipe_block
 
     def flops_per_token(self, config: Any, layer_type: str, norm: NormParams, seq_length: int,
                         layer_number: int = 0) -> float:
         """Training FLOPs per token of one layer: 6 per weight a token passes through, 3 x the mixing."""
         matmul = self.parameters(config, layer_type, norm, layer_number, True) - self.non_matmul(config, layer_type)
         return 6.0 * matmul + 3.0 * self.mixing_flops(config, layer_type, seq_length)
-
-
-def _import(target: str) -> Any:
-    import importlib
-
-    module, _, attribute = target.partition(":")
-    return getattr(importlib.import_module(module), attribute)
 
 
 def _layernorm(dim: int) -> int:
@@ -280,16 +273,11 @@ def _families() -> OptionRegistry[FamilyEntry]:
 
     registry: OptionRegistry[FamilyEntry] = OptionRegistry("layer family")
     for name, entry in {
-        "transformer": FamilyEntry(block="megatron.model.transformer_layer:TransformerLayer",
-                                   pipe_block="megatron.model.pipeline:TransformerLayerPipe",
-                                   parameters=t.transformer_parameters, replicated=t.transformer_replicated,
+        "transformer": FamilyEntry(parameters=t.transformer_parameters, replicated=t.transformer_replicated,
                                    mixing_flops=t.transformer_mixing_flops),
-        "mamba": FamilyEntry(block="megatron.model.mamba:MambaLayer", pipe_block="megatron.model.pipeline:MambaLayerPipe",
-                             parameters=_mamba_parameters, replicated=_mamba_replicated, mixing_flops=_mamba_mixing),
-        "rwkv": FamilyEntry(block="megatron.model.rwkv:RWKVLayer", pipe_block="megatron.model.pipeline:RWKVLayerPipe",
-                            parameters=_rwkv_parameters, replicated=_rwkv_replicated, mixing_flops=_rwkv_mixing),
-        "gmlp": FamilyEntry(block="megatron.model.gmlp:GMLPBlock", pipe_block="megatron.model.pipeline:GMLPBlockPipe",
-                            parameters=_gmlp_parameters, replicated=_gmlp_replicated, mixing_flops=_gmlp_mixing,
+        "mamba": FamilyEntry(parameters=_mamba_parameters, replicated=_mamba_replicated, mixing_flops=_mamba_mixing),
+        "rwkv": FamilyEntry(parameters=_rwkv_parameters, replicated=_rwkv_replicated, mixing_flops=_rwkv_mixing),
+        "gmlp": FamilyEntry(parameters=_gmlp_parameters, replicated=_gmlp_replicated, mixing_flops=_gmlp_mixing,
                             non_matmul=_gmlp_non_matmul),
     }.items():
         registry.register(name, entry, __name__)

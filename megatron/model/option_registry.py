@@ -8,7 +8,9 @@ so the counts cannot disagree with each other or with the module (``tests/unit/t
 builds every entry and compares).
 
 Registries and their entries import no torch: the launcher checks configs and ``--dry-run`` counts
-parameters without it. An entry's builder imports its torch module when it is called.
+parameters without it. An entry that builds a torch module of Deepy's own gets its class from the module that
+builds it (``attach``: ``blocks.py``, ``pipeline.py``, ``embedding.py``), never by naming it: a registry knows
+names and counts, the builder knows the classes.
 
 A user adds an option with one plug-in file (named by the ``plugins`` key, ``megatron/plugins.py``)
 that calls the kind's ``register``; docs/architecture.md, "Adding an architectural option".
@@ -16,8 +18,9 @@ that calls the kind's ``register``; docs/architecture.md, "Adding an architectur
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 E = TypeVar("E")
 
@@ -38,6 +41,11 @@ class OptionRegistry(Generic[E]):
             raise ValueError(f"{self.key} {name!r} is registered twice: by {self._owners[name]} and by {owner}")
         self._entries[name], self._owners[name] = entry, owner
         return entry
+
+    def attach(self, name: str, **implementation: Any) -> None:
+        """Fill in entry ``name``'s fields that hold torch classes (left None by the registry, which imports
+        no torch), from the module that builds them."""
+        self._entries[name] = dataclasses.replace(self[name], **implementation)  # type: ignore[type-var]
 
     def names(self) -> tuple[str, ...]:
         return tuple(self._entries)

@@ -102,7 +102,12 @@ class GMLPBlockPipe(GMLPBlock):
         return _block_pipe_forward(self, inputs)
 
 
-CHECKPOINTABLE_LAYERS = [entry.pipe_block_name for _, entry in FAMILIES.items()]
+FAMILIES.attach("transformer", pipe_block=TransformerLayerPipe)
+FAMILIES.attach("mamba", pipe_block=MambaLayerPipe)
+FAMILIES.attach("rwkv", pipe_block=RWKVLayerPipe)
+FAMILIES.attach("gmlp", pipe_block=GMLPBlockPipe)
+
+CHECKPOINTABLE_LAYERS = [entry.pipe_class().__name__ for _, entry in FAMILIES.items()]
 """Every family's pipeline layer (its registry entry's ``pipe_block``), and only blocks: a chunk that starts at
 the embedding has integer inputs only, so DeepSpeed's (reentrant) checkpoint would return an output that does
 not require grad."""

@@ -5,30 +5,21 @@ Each entry builds (or names) its module and states what it adds to the parameter
 training FLOPs per token; the transformer family's entry (registered in ``family_config.py``) adds them
 up, and ``flops.py`` and ``engine/memory.py`` read that. The counting is GPT-NeoX's module shapes
 (``megatron/model/transformer.py`` at ea7aefd8: fused QKV of ``(heads + 2 kv_heads) x head_dim`` rows,
-``ParallelMLP``'s widths from ``mlp_width.py``). No torch import (the launcher counts with these); the
-modules are imported by name when built.
+``ParallelMLP``'s widths from ``mlp_width.py``). No torch import (the launcher counts with these): the
+positional tables' classes are attached by ``embedding.py``, which builds them.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from megatron.model.mlp_width import MLPWidths, legacy_llama_width, neox_mlp_widths
 from megatron.model.option_registry import OptionRegistry
 
-if TYPE_CHECKING:
-    from torch import nn
-
 NormParams = Callable[[int], int]
 """Parameters of one of the config's norms over ``dim`` features."""
-
-
-def _import(target: str) -> Any:
-    module, _, attribute = target.partition(":")
-    return getattr(importlib.import_module(module), attribute)
 
 
 # --- positional embeddings ------------------------------------------------------------------------
@@ -36,17 +27,15 @@ def _import(target: str) -> Any:
 class PositionalEntry:
     """One ``pos_emb`` value."""
 
-    embedding: str | None = None
-    """``module:class`` of the table added to the token embedding (built ``cls(config, name)``), or None."""
+    embedding: Any = None
+    """The class of the table added to the token embedding (built ``cls(config, name)``), or None; Deepy's own
+    are attached by ``embedding.py`` (torch modules, which this table does not import)."""
     table_rows: Callable[[Any], int] = lambda c: 0
     """Rows of that table (``hidden_size`` wide; a lookup: no FLOPs)."""
     layer_parameters: Callable[[Any], int] = lambda c: 0
     """Parameters each attention layer adds (a learned bias per distance bucket and head)."""
     additive_bias: bool = False
     """Adds a float bias to the attention scores (SDPA then takes a mask: the memory estimate's kernel)."""
-
-    def build_embedding(self, config: Any, name: str) -> nn.Module | None:
-        return None if self.embedding is None else _import(self.embedding)(config, name)
 
     def embedding_parameters(self, config: Any) -> int:
         return self.table_rows(config) * int(config.hidden_size)
@@ -59,10 +48,9 @@ class PositionalEntry:
 POSITIONAL: OptionRegistry[PositionalEntry] = OptionRegistry("pos_emb")
 for _name, _pos in {
     # GPT-NeoX's table has max_position_embeddings rows (opt_pos_emb_offset shifts inside it)
-    "learned": PositionalEntry(embedding="megatron.model.positional:LearnedPositionalEmbedding",
-                               table_rows=lambda c: int(c.max_positions)),
+    "learned": PositionalEntry(table_rows=lambda c: int(c.max_positions)),
     "rotary": PositionalEntry(),
-    "sinusoidal": PositionalEntry(embedding="megatron.model.positional:SinusoidalPositionalEmbedding"),
+    "sinusoidal": PositionalEntry(),
     "rpe": PositionalEntry(layer_parameters=lambda c: int(c.rpe_num_buckets) * int(c.num_attention_heads),
                            additive_bias=True),
     "alibi": PositionalEntry(additive_bias=True),
@@ -122,10 +110,6 @@ class MLPEntry:
 
     def flops_per_token(self, config: Any, gated: bool) -> float:
         return 6.0 * self.parameters(config, gated)
-
-    @staticmethod
-    def build(config: Any, name: str) -> nn.Module:
-        return _import("megatron.model.mlp:MLP")(config, name)
 
 
 def _regular(c: Any, gated: bool) -> MLPWidths:

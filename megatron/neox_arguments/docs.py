@@ -90,9 +90,9 @@ def _group_intro(group_name: str, group: type) -> str:
 
 def _type_cell(name: str, annotation: Any) -> str:
     """The type; a key that selects a plug-in lists the registered names."""
-    if name in plugins.BUILTIN_MODULES:
-        # arg-type: ``name`` is a str key of BUILTIN_MODULES, whose keys are exactly the plug-in families
-        return " | ".join(f'"{n}"' for n in plugins.names(name))  # type: ignore[arg-type]
+    family = next((f for f in plugins.FAMILIES if f == name), None)
+    if family is not None:
+        return " | ".join(f'"{n}"' for n in plugins.names(family))
     return type_name(annotation)
 
 

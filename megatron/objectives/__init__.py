@@ -3,8 +3,9 @@ SFT), ``dpo``, ``kto`` and ``rm`` (pairwise reward model), plus where DPO's and 
 log-probs come from (``reference``, ``frozen``). How a global batch of any of them runs through a plain
 or pipelined engine is the trainer's (``megatron/training/objective_runner.py``).
 
-Objectives are plug-ins (``registry.py`` declares Deepy's; a user's registers with
-:func:`megatron.plugins.register`): ``build_objective`` builds the one ``train_impl`` names. The loss
+Objectives are plug-ins (``megatron/objective_needs.py`` declares Deepy's names and needs, ``registry.py``
+attaches their keys, checks and classes; a user's registers with :func:`megatron.plugins.register`):
+``build_objective`` builds the one ``train_impl`` names. The loss
 math lives in pure functions (``lm_loss_sum``, ``dpo_losses``, ``kto_losses``, ``rm_losses``).
 
 A package of its own, one layer below the engine (``megatron/engine/``) rather than inside it: the
@@ -31,31 +32,18 @@ if TYPE_CHECKING:
     from megatron.objectives.kto import KTOObjective, kto_losses  # noqa: F401
     from megatron.objectives.lm import LMObjective, lm_loss_sum  # noqa: F401
     from megatron.objectives.reference import Reference, build_reference  # noqa: F401
+    from megatron.objectives.registry import build_objective  # noqa: F401
     from megatron.objectives.rm import RewardModelObjective, rm_losses  # noqa: F401
 
 _EXPORTS = {
     "MicroBatch": "base", "Objective": "base", "ObjectiveArgs": "config",
     "DPOObjective": "dpo", "dpo_losses": "dpo", "KTOObjective": "kto", "kto_losses": "kto",
     "LMObjective": "lm", "lm_loss_sum": "lm", "Reference": "reference", "build_reference": "reference",
-    "RewardModelObjective": "rm", "rm_losses": "rm",
+    "RewardModelObjective": "rm", "rm_losses": "rm", "build_objective": "registry",
 }
-
-
-def build_objective(config: ObjectiveArgs, eod_token: int | None = None) -> Objective:
-    """The objective ``config.train_impl`` names, reading its keys from ``config`` (the arguments object,
-    composed of :class:`ObjectiveArgs` and the plug-in's own keys); ``eod_token`` is used when
-    ``eod_mask_loss`` is on."""
-    from megatron import plugins
-
-    plugin = plugins.get("train_impl", config.train_impl)
-    if plugin.keys is not None and not isinstance(config, plugin.keys):
-        raise TypeError(f"train_impl {config.train_impl!r} reads its own keys ({plugin.keys.__name__}) from the "
-                        f"arguments object: pass NeoXArgs (or the schema_class() with a user's plug-ins), not "
-                        f"{type(config).__name__}")
-    return plugin.resolve()(config, eod_token)
 
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
-__all__ = [*_EXPORTS, "build_objective"]
+__all__ = [*_EXPORTS]

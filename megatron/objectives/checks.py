@@ -92,8 +92,7 @@ def resumed_reference_keeps_its_objective(ctx: RuleContext) -> list[str]:
     load = ctx.get("load")
     if not ctx.trains or not load or ctx.get("initialize_from") or ctx.get("finetune"):
         return []
-    from megatron.objectives.registry import reference_kind
-    from megatron.objectives.config import ObjectiveArgs
+    from megatron.objectives.config import ObjectiveArgs, reference_kind
 
     if reference_kind(ctx.group(ObjectiveArgs)) != "frozen_copy":
         return []

@@ -4,9 +4,9 @@ log-probs), plus GPT-NeoX's REINFORCE keys. GPT-NeoX files them under ``NeoXArgs
 ``eod_mask_loss``, ``NeoXArgsOther``.
 
 Declared here, beside the objectives that read them; the one argument object (``NeoXArgs``) is
-composed of this class and of each objective plug-in's own keys (``DPOKeys``, ...,
-``registry.py``), and the trainer hands :func:`megatron.objectives.build_objective` that
-object itself. This module imports no objective implementation (nor torch or DeepSpeed), so the
+composed of this class and of each objective plug-in's own keys (``DPOKeys``, ``KTOKeys``, here;
+``registry.py`` attaches them to their objectives), and the trainer hands
+:func:`megatron.objectives.build_objective` its own instance of this group joined with those keys. This module imports no objective implementation (nor torch or DeepSpeed), so the
 launcher validates a config without them.
 """
 
@@ -18,6 +18,7 @@ from pydantic import Field, field_validator
 
 from megatron import plugins
 from megatron.config_schema import ArgGroup, not_supported, partly_supported
+from megatron.objective_needs import needs_of
 
 ReferenceKind = Literal["none", "frozen_copy", "precomputed", "free"]
 
@@ -72,3 +73,44 @@ class ObjectiveArgs(ArgGroup):
 
     reinforce_leave_one_out: bool = not_supported(False)
     """Use the leave-one-out baseline in REINFORCE."""
+
+
+class DPOKeys(ArgGroup):
+    """Keys of direct preference optimisation (``train_impl: dpo``)."""
+
+    dpo_fp32: bool = True
+    """Sum DPO log-probabilities in fp32; false sums them in the model's precision."""
+
+    dpo_reference_free: bool = False
+    """Run DPO without a reference model (the reference log-probs are taken as zero)."""
+
+    dpo_beta: float = Field(0.1, gt=0)
+    """DPO temperature: how strongly the policy may move away from the reference."""
+
+
+class KTOKeys(ArgGroup):
+    """Keys of Kahneman-Tversky optimisation (``train_impl: kto``)."""
+
+    kto_fp32: bool = True
+    """Sum KTO log-probabilities in fp32; false sums them in the model's precision."""
+
+    kto_desirable_weight: float = Field(1.0, ge=0)
+    """KTO loss weight of desirable examples (reward > 0)."""
+
+    kto_undesirable_weight: float = Field(1.0, ge=0)
+    """KTO loss weight of undesirable examples (reward <= 0)."""
+
+    kto_beta: float = Field(0.1, gt=0)
+    """KTO temperature, as dpo_beta is for DPO."""
+
+
+def reference_kind(config: ObjectiveArgs) -> ReferenceKind:
+    """Where the objective's reference log-probs come from: ``none`` for an objective without a reference,
+    ``free`` for reference-free DPO, ``precomputed`` files (``reference_logps``) or a ``frozen_copy`` of the
+    starting weights. ``config`` is the arguments object, composed of :class:`DPOKeys` too (a bare
+    ``ObjectiveArgs`` holds no DPO key, so it is never reference-free)."""
+    if not needs_of(config.train_impl).reference:
+        return "none"
+    if config.train_impl == "dpo" and isinstance(config, DPOKeys) and config.dpo_reference_free:
+        return "free"
+    return "precomputed" if config.reference_logps else "frozen_copy"

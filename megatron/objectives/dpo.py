@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from megatron.objectives.base import IGNORE_INDEX, MicroBatch, Objective, Stats, count, shifted
 from megatron.objectives.logprobs import sequence_logps
-from megatron.objectives.registry import DPOKeys
+from megatron.objectives.config import DPOKeys
 
 
 def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,

@@ -28,7 +28,7 @@ import torch
 from megatron.errors import DataError
 from megatron.objectives.base import IGNORE_INDEX, MicroBatch, Objective, Stats, count, shifted
 from megatron.objectives.logprobs import sequence_logps
-from megatron.objectives.registry import KTOKeys
+from megatron.objectives.config import KTOKeys
 
 
 def kto_losses(policy: torch.Tensor, policy_kl: torch.Tensor, ref: torch.Tensor, ref_kl: torch.Tensor,

@@ -31,9 +31,8 @@ from megatron.checkpointing.config import CheckpointArgs
 from megatron.deepspeed_internals import separate_pipeline_loss_total
 from megatron.model.lora import adapters_disabled, is_adapter_name
 from megatron.objectives.base import MicroBatch, Objective
-from megatron.objectives.config import ObjectiveArgs
 from megatron.objectives.frozen import FrozenCopy, StartingPoint, starting_point
-from megatron.objectives.registry import reference_kind
+from megatron.objectives.config import ObjectiveArgs, reference_kind
 
 log = logging.getLogger("deepy")
 

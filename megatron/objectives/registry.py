@@ -1,65 +1,24 @@
-"""Deepy's objectives as plug-ins: each ``train_impl`` with its own keys, checks and needs.
+"""Deepy's objectives as plug-ins: what the objectives layer attaches to each ``train_impl`` name.
 
-Declared here, in a module that imports neither torch nor DeepSpeed, so ``deepy.py`` validates a
-config without them; the implementations (``lm.py``, ``dpo.py``, ...) are imported when a rank builds
-the objective. A plug-in objective of a user's (``plugins:``) registers the same way in one file, with
-:func:`megatron.plugins.register` on its class.
-
-The ``needs`` of an objective (its dataset kind, a value head, a reference, packed documents) are read
-through :mod:`megatron.objective_needs`, below every component, so the data config reads them without
-importing the training package.
+The names and needs (dataset kind, a value head, a reference, packed documents) are declared below every
+component, in :mod:`megatron.objective_needs`, so the data config and the checkpoints read them without this
+package; here each gets its keys (``config.py``), its checks and its implementation. The implementations
+(``lm.py``, ``dpo.py``, ...) are named, not imported, so that the launcher composes the keys and runs the
+checks without torch or DeepSpeed; :func:`build_objective` imports the one a rank builds. A plug-in
+objective of a user's (``plugins:``) registers whole in one file, with :func:`megatron.plugins.register` on
+its class.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pydantic import Field
+from typing import TYPE_CHECKING
 
 from megatron import plugins
-from megatron.config_schema import ArgGroup
-from megatron.objective_needs import needs_of
-from megatron.objectives.config import ObjectiveArgs, ReferenceKind
+from megatron.objectives.config import DPOKeys, KTOKeys, ObjectiveArgs, reference_kind
 
-
-class DPOKeys(ArgGroup):
-    """Keys of direct preference optimisation (``train_impl: dpo``)."""
-
-    dpo_fp32: bool = True
-    """Sum DPO log-probabilities in fp32; false sums them in the model's precision."""
-
-    dpo_reference_free: bool = False
-    """Run DPO without a reference model (the reference log-probs are taken as zero)."""
-
-    dpo_beta: float = Field(0.1, gt=0)
-    """DPO temperature: how strongly the policy may move away from the reference."""
-
-
-class KTOKeys(ArgGroup):
-    """Keys of Kahneman-Tversky optimisation (``train_impl: kto``)."""
-
-    kto_fp32: bool = True
-    """Sum KTO log-probabilities in fp32; false sums them in the model's precision."""
-
-    kto_desirable_weight: float = Field(1.0, ge=0)
-    """KTO loss weight of desirable examples (reward > 0)."""
-
-    kto_undesirable_weight: float = Field(1.0, ge=0)
-    """KTO loss weight of undesirable examples (reward <= 0)."""
-
-    kto_beta: float = Field(0.1, gt=0)
-    """KTO temperature, as dpo_beta is for DPO."""
-
-
-def reference_kind(config: ObjectiveArgs) -> ReferenceKind:
-    """Where the objective's reference log-probs come from: ``none`` for an objective without a reference,
-    ``free`` for reference-free DPO, ``precomputed`` files (``reference_logps``) or a ``frozen_copy`` of the
-    starting weights. ``config`` is the arguments object, composed of :class:`DPOKeys` too (a bare
-    ``ObjectiveArgs`` holds no DPO key, so it is never reference-free)."""
-    if not needs_of(config.train_impl).reference:
-        return "none"
-    if config.train_impl == "dpo" and isinstance(config, DPOKeys) and config.dpo_reference_free:
-        return "free"
-    return "precomputed" if config.reference_logps else "frozen_copy"
+if TYPE_CHECKING:
+    from megatron.objectives.base import Objective
 
 
 def _dpo_check(args: ObjectiveArgs, show: Callable[[str], str]) -> list[str]:
@@ -76,11 +35,20 @@ def _rm_check(args: ObjectiveArgs, show: Callable[[str], str]) -> list[str]:
     return []
 
 
-plugins.declare("train_impl", "normal", "megatron.objectives.lm:LMObjective", documents=True)
-plugins.declare("train_impl", "dpo", "megatron.objectives.dpo:DPOObjective",
-                keys=DPOKeys, check=_dpo_check, dataset="pairwise", reference=True)
-# KTO estimates its KL reference point from mismatched pairs inside a micro-batch: at least 2 samples
-plugins.declare("train_impl", "kto", "megatron.objectives.kto:KTOObjective",
-                keys=KTOKeys, dataset="reward", reference=True, min_micro_batch=2)
-plugins.declare("train_impl", "rm", "megatron.objectives.rm:RewardModelObjective",
-                check=_rm_check, dataset="pairwise", value_head=True)
+plugins.attach("train_impl", "normal", target="megatron.objectives.lm:LMObjective")
+plugins.attach("train_impl", "dpo", target="megatron.objectives.dpo:DPOObjective", keys=DPOKeys, check=_dpo_check)
+plugins.attach("train_impl", "kto", target="megatron.objectives.kto:KTOObjective", keys=KTOKeys)
+plugins.attach("train_impl", "rm", target="megatron.objectives.rm:RewardModelObjective", check=_rm_check)
+
+
+def build_objective(config: ObjectiveArgs, eod_token: int | None = None) -> Objective:
+    """The objective ``config.train_impl`` names, reading its keys from ``config`` (the arguments object,
+    composed of :class:`ObjectiveArgs` and the plug-in's own keys); ``eod_token`` is used when
+    ``eod_mask_loss`` is on."""
+    plugin = plugins.get("train_impl", config.train_impl)
+    if plugin.keys is not None and not isinstance(config, plugin.keys):
+        raise TypeError(f"train_impl {config.train_impl!r} reads its own keys ({plugin.keys.__name__}) from the "
+                        f"arguments object: pass NeoXArgs (or the schema_class() with a user's plug-ins), not "
+                        f"{type(config).__name__}")
+    objective: Objective = plugin.resolve()(config, eod_token)
+    return objective

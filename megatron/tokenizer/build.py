@@ -1,4 +1,9 @@
-"""``build_tokenizer(config)``: the ``tokenizer_type`` plug-in the config names, built from its keys."""
+"""``build_tokenizer(config)``: the ``tokenizer_type`` plug-in the config names, built from its keys.
+
+Deepy's tokenizers get their classes here, by name (``"module:class"``, imported when one is built): each
+imports its library (``tokenizers``, ``sentencepiece``, ``tiktoken``) at its top, and only the one a config
+names must be installed.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,16 @@ from megatron.tokenizer.base import Tokenizer
 from megatron.tokenizer.config import TokenizerArgs
 
 log = logging.getLogger(__name__)
+
+for _name, _target in {
+    "GPT2BPETokenizer": "megatron.tokenizer.hf:GPT2BPETokenizer",
+    "HFTokenizer": "megatron.tokenizer.hf:HFTokenizer",
+    "HFGPT2Tokenizer": "megatron.tokenizer.hf:HFGPT2Tokenizer",
+    "SPMTokenizer": "megatron.tokenizer.spm:SPMTokenizer",
+    "CharLevelTokenizer": "megatron.tokenizer.char_level:CharLevelTokenizer",
+    "TiktokenTokenizer": "megatron.tokenizer.tiktoken_tokenizer:TiktokenTokenizer",
+}.items():
+    plugins.attach("tokenizer_type", _name, target=_target)
 
 
 def build_tokenizer(config: TokenizerArgs) -> Tokenizer:
@@ -30,3 +45,10 @@ def build_tokenizer(config: TokenizerArgs) -> Tokenizer:
     tokenizer = plugin.resolve().from_config(config)
     log.info("tokenizer %s (%s backend): vocab %d", config.tokenizer_type, tokenizer.backend, tokenizer.vocab_size)
     return tokenizer
+
+
+def tokenizer_class(tokenizer_type: str) -> type[Tokenizer] | None:
+    """The class of the ``tokenizer_type`` plug-in (Deepy's imported now, with its library), or None for a name
+    no plug-in has."""
+    plugin = plugins.find("tokenizer_type", tokenizer_type)
+    return None if plugin is None else plugin.resolve()

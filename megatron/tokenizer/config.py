@@ -14,6 +14,7 @@ from pydantic import Field, field_validator
 
 from megatron import plugins
 from megatron.config_schema import ArgGroup
+from megatron.tokenizer import registry as _registry  # noqa: F401  # declares the accepted tokenizer_type values
 
 
 def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,

@@ -1,10 +1,10 @@
 """Deepy's tokenizers as plug-ins: each ``tokenizer_type`` a registry entry with what it needs.
 
-Declared here, in a module that imports no tokenizer library, so ``deepy.py`` validates a config
-(and the docs list the accepted values) without them; the class is imported when the tokenizer is
-built. A user's tokenizer (``plugins:``) registers the same way in one file, with
-:func:`megatron.plugins.register` on its :class:`~megatron.tokenizer.base.Tokenizer` subclass, and
-may declare its own keys (``keys=``) and checks (``check=``) like any plug-in.
+Declared here by name and needs, in a module that imports no tokenizer (nor its library), so ``deepy.py``
+validates a config (and the docs list the accepted values) without them; ``build.py`` attaches the classes,
+imported by name when a tokenizer is built. A user's tokenizer (``plugins:``) registers whole in one file,
+with :func:`megatron.plugins.register` on its :class:`~megatron.tokenizer.base.Tokenizer` subclass, and may
+declare its own keys (``keys=``) and checks (``check=``) like any plug-in.
 
 ``needs`` of a tokenizer:
 
@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from megatron import plugins
 
-plugins.declare("tokenizer_type", "GPT2BPETokenizer", "megatron.tokenizer.hf:GPT2BPETokenizer",
-                requires=("vocab_file", "merge_file"))
-plugins.declare("tokenizer_type", "HFTokenizer", "megatron.tokenizer.hf:HFTokenizer", requires=("vocab_file",))
+plugins.declare("tokenizer_type", "GPT2BPETokenizer", module=__name__, requires=("vocab_file", "merge_file"))
+plugins.declare("tokenizer_type", "HFTokenizer", module=__name__, requires=("vocab_file",))
 # vocab_file too, but HFGPT2Tokenizer explains what it reads (a local tokenizer.json or vocab.json;
 # GPT-NeoX would download GPT-2's) when it is missing
-plugins.declare("tokenizer_type", "HFGPT2Tokenizer", "megatron.tokenizer.hf:HFGPT2Tokenizer")
-plugins.declare("tokenizer_type", "SPMTokenizer", "megatron.tokenizer.spm:SPMTokenizer", requires=("vocab_file",),
+plugins.declare("tokenizer_type", "HFGPT2Tokenizer", module=__name__)
+plugins.declare("tokenizer_type", "SPMTokenizer", module=__name__, requires=("vocab_file",),
                 package=("sentencepiece", "sentencepiece"))
-plugins.declare("tokenizer_type", "CharLevelTokenizer", "megatron.tokenizer.char_level:CharLevelTokenizer")
-plugins.declare("tokenizer_type", "TiktokenTokenizer", "megatron.tokenizer.tiktoken_tokenizer:TiktokenTokenizer",
-                requires=("vocab_file",), package=("tiktoken", "tiktoken"))
+plugins.declare("tokenizer_type", "CharLevelTokenizer", module=__name__)
+plugins.declare("tokenizer_type", "TiktokenTokenizer", module=__name__, requires=("vocab_file",),
+                package=("tiktoken", "tiktoken"))
+plugins.builtins_declared("tokenizer_type")

@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING, cast
 
 from pydantic import Field
 
-from megatron import plugins
 from megatron.config_rules import RuleContext, rule
 from megatron.config_schema import ArgGroup
 from megatron.errors import ConfigError
+from megatron.tokenizer.build import build_tokenizer, tokenizer_class
+from megatron.tokenizer.config import TokenizerArgs
 
 if TYPE_CHECKING:
     from megatron.tokenizer.base import Tokenizer
@@ -48,12 +49,11 @@ class ReinitTokensArgs(ArgGroup):
 def looks_tokens_up(tokenizer_type: str) -> bool | None:
     """Whether the ``tokenizer_type`` plug-in has a token table to look ``reinit_tokens`` up in (a Hugging Face
     tokenizer); None for a name no plug-in has (the tokenizer's own rule names it)."""
-    plugin = plugins.find("tokenizer_type", tokenizer_type)
-    if plugin is None:
+    kind = tokenizer_class(tokenizer_type)
+    if kind is None:
         return None
-    from megatron.tokenizer.hf import HFBackedTokenizer
+    from megatron.tokenizer.hf import HFBackedTokenizer  # lazy: the tokenizers library, not read by every config
 
-    kind = plugin.resolve()
     return isinstance(kind, type) and issubclass(kind, HFBackedTokenizer)
 
 
@@ -61,7 +61,7 @@ def token_ids(tokenizer: Tokenizer, tokens: Sequence[str]) -> list[int]:
     """The ids of ``tokens`` as the tokenizer spells them; a token it does not have is a ConfigError (sft.py:320-329
     raises 'One or more tokens are not in the tokenizer vocabulary'). Before launch (``reinit_tokens_runs``) and on
     the ranks (``reinit_tokens.py``) alike."""
-    from megatron.tokenizer.hf import HFBackedTokenizer
+    from megatron.tokenizer.hf import HFBackedTokenizer  # lazy: the tokenizers library, not read by every config
 
     if not isinstance(tokenizer, HFBackedTokenizer):
         raise ConfigError(f"reinit_tokens looks tokens up in a Hugging Face tokenizer (HFTokenizer, HFGPT2Tokenizer, "
@@ -84,9 +84,6 @@ def _tokens_in_the_tokenizer(ctx: RuleContext, tokens: list[str]) -> list[str]:
         return [f"{ctx.show('reinit_tokens')} looks the tokens up in a Hugging Face tokenizer's token table "
                 f"(HFTokenizer, HFGPT2Tokenizer, GPT2BPETokenizer), but {ctx.show('tokenizer_type')} has none: use "
                 f"one of those tokenizers, or remove reinit_tokens"]
-    from megatron.tokenizer import build_tokenizer
-    from megatron.tokenizer.config import TokenizerArgs
-
     try:
         tokenizer = build_tokenizer(cast(TokenizerArgs, ctx.args))
     except Exception:  # noqa: BLE001 - tokenizer_loads reports a tokenizer that cannot be built (or seen) here

@@ -10,7 +10,11 @@ of a package module, wherever it is written:
   ``logging/preflight.py`` and ``neox_arguments/rules.py`` was one of these);
 * ``importlib.import_module("megatron....")`` with a literal name, and the names a package exports
   lazily (PEP 562) through an ``_EXPORTS`` dict: ``from megatron.launcher import plan_launch`` is an
-  edge to ``megatron.launcher.command``, the module that defines it.
+  edge to ``megatron.launcher.command``, the module that defines it;
+* a module named by a string: a string literal that is exactly the dotted name of a module of the package,
+  optionally with ``:attribute`` (``"megatron.tokenizer.hf:HFTokenizer"``, a registry's ``"module:attr"``
+  target, a table of modules to import, ``python -m megatron.launcher.local_ranks``'s name), is an edge
+  from the file that holds it: whatever imports it by that name, the file names the module it needs.
 
 ``from pkg import name`` is an edge to ``pkg.name`` when that is a module and to ``pkg`` otherwise. A
 package's ``__init__`` that Python runs on the way to a submodule is not an edge of its own (as in
@@ -64,11 +68,12 @@ def _module_getattr(tree: ast.Module) -> ast.stmt | None:
     return None
 
 
-def _import_sites(tree: ast.Module, text: str) -> Iterator[ast.AST]:
+def _import_sites(tree: ast.Module, text: str, package: str) -> Iterator[ast.AST]:
     """The nodes of ``tree`` that can import, breadth first as ``ast.walk``: every statement at any depth (an
-    import is a statement, in any statement's body), and every node of a file that names ``import_module``
-    (its call can sit in any expression). Walking only the statements keeps this test's graph quick."""
-    if "import_module" in text:
+    import is a statement, in any statement's body), and every node of a file that names ``import_module`` or
+    holds a string starting with the package's name (a call or a string can sit in any expression). Walking
+    only the statements of the other files keeps this test's graph quick."""
+    if "import_module" in text or f'"{package}.' in text or f"'{package}." in text:
         yield from ast.walk(tree)
         return
     todo: deque[ast.AST] = deque([tree])
@@ -105,7 +110,7 @@ def import_graph(root: Path, package: str) -> nx.DiGraph:
     graph.add_nodes_from(modules)
     for importer, tree in trees.items():
         is_package = modules[importer].name == "__init__.py"
-        for node in _import_sites(tree, texts[importer]):
+        for node in _import_sites(tree, texts[importer], package):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -123,6 +128,11 @@ def import_graph(root: Path, package: str) -> nx.DiGraph:
                   and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) == "import_module"
                   and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
                 targets = [node.args[0].value]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                named = node.value.partition(":")[0]  # "pkg.module" or "pkg.module:attribute"
+                if (named.startswith(f"{package}.") and named in modules
+                        and (named == node.value or node.value.partition(":")[2].isidentifier())):
+                    targets = [named]
             for target in targets:
                 imported = owner(target) if target.split(".")[0] == package else None
                 if imported is not None and imported != importer:
@@ -306,8 +316,10 @@ def test_layered_package_has_no_cycles(tmp_path: Path) -> None:
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..toy.high import T\n",  # relative, typing only
         "import importlib\nimportlib.import_module('toy.high')\n",  # by name
         "from toy.lazy import thing\n",  # through a PEP 562 export
+        "BUILTIN = {'family': ('toy.high',)}\n",  # a table of modules some other code imports by name
+        "TARGET = 'toy.high:thing'\n",  # a registry's "module:attribute" target, imported on first use
     ],
-    ids=["module_level", "in_function", "type_checking", "import_module", "lazy_export"],
+    ids=["module_level", "in_function", "type_checking", "import_module", "lazy_export", "module_name", "target"],
 )
 def test_every_kind_of_import_closes_a_cycle(tmp_path: Path, back_edge: str) -> None:
     files = dict(LAYERED)
@@ -341,6 +353,22 @@ def test_an_import_up_the_layers_is_named(tmp_path: Path) -> None:
     graph = import_graph(tmp_path, "toy")
     assert layering_violations(graph, (("high",), ("low",))) == ["toy/low/c.py:1: toy.low.c (low) imports toy.high.a (high)"]
     assert len(layering_violations(graph, (("high", "low"),))) == 2  # one layer's packages do not import each other
+
+
+def test_a_string_naming_a_module_up_the_layers_is_named(tmp_path: Path) -> None:
+    """A low module that names a higher one in a string (a table of modules imported by name, a ``module:attribute``
+    target) depends on it as surely as one that imports it; strings that are not exactly a module's name are not
+    imports."""
+    _write(tmp_path, {"toy/__init__.py": "", "toy/low/__init__.py": "", "toy/high/__init__.py": "", "toy/high/impl.py": "",
+                      "toy/low/table.py": ("import logging\n"
+                                           "BUILTIN = {'family': ('toy.high.impl',)}\n"
+                                           "TARGET = 'toy.high.impl:Thing'\n"
+                                           "log = logging.getLogger('toy')\n"  # the package's bare name: a logger
+                                           "NOT_MODULES = ('toy.high.absent', 'see toy.high.impl', 'toy.high.impl:x y')\n")})
+    graph = import_graph(tmp_path, "toy")
+    assert set(graph.edges) == {("toy.low.table", "toy.high.impl")}
+    assert layering_violations(graph, (("high",), ("low",))) == [
+        "toy/low/table.py:2: toy.low.table (low) imports toy.high.impl (high)"]
 
 
 def test_a_component_importing_the_argument_layer_is_named(tmp_path: Path) -> None:

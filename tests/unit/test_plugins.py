@@ -335,7 +335,7 @@ def test_toy_tokenizer_numbers_letters_by_their_place_in_the_alphabet(loaded: Pa
 # ---- the registries are the accepted values --------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", sorted(plugins.BUILTIN_MODULES))
+@pytest.mark.parametrize("family", sorted(plugins.FAMILIES))
 def test_accepted_values_of_a_plugin_key_are_its_registry(family: str) -> None:
     from megatron.neox_arguments.loading import config_from_mapping
 
@@ -384,4 +384,46 @@ def test_optimizer_types_are_the_builders_registry() -> None:
 
 def test_one_name_registered_by_two_modules_is_refused() -> None:
     with pytest.raises(ConfigError, match="registered twice"):
-        plugins.declare("lr_decay_style", "cosine", "elsewhere:shape")
+        plugins.declare("lr_decay_style", "cosine", module="elsewhere")
+
+
+# ---- Deepy's own entries: names and needs low, implementations attached by their layer ---------------
+
+
+def test_the_objectives_names_and_needs_are_read_without_the_objectives_package() -> None:
+    """The data and checkpoint layers read an objective's needs from megatron/objective_needs.py, below them;
+    the objectives layer (megatron/objectives/) is not imported for it."""
+    code = ("import sys\nfrom megatron.objective_needs import needs_of\n"
+            "print(needs_of('rm').value_head, needs_of('dpo').dataset, "
+            "sorted(m for m in sys.modules if m.startswith('megatron.objectives')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "pairwise", "[]"]
+
+
+def test_the_objectives_layer_attaches_keys_checks_and_classes() -> None:
+    from megatron.objectives.config import DPOKeys
+    from megatron.objectives.dpo import DPOObjective
+
+    dpo = plugins.get("train_impl", "dpo")
+    assert dpo.module == "megatron.objective_needs" and dpo.needs["dataset"] == "pairwise"
+    assert dpo.keys is DPOKeys and dpo.check is not None and dpo.resolve() is DPOObjective
+
+
+def test_a_family_read_before_its_table_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading a family whose table of Deepy's own entries was not imported is a programming error, not an
+    empty list of accepted values."""
+    monkeypatch.setattr(plugins, "_DECLARED", set())
+    with pytest.raises(LookupError, match="train_impl plug-ins are read before"):
+        plugins.names("train_impl")
+
+
+def test_an_implementation_attached_to_an_undeclared_name_is_refused() -> None:
+    with pytest.raises(ValueError, match="never declared"):
+        plugins.attach("train_impl", "no_such_objective", target=object)
+
+
+def test_a_declared_entry_without_its_implementation_says_so() -> None:
+    with pytest.raises(LookupError, match="nothing attached its implementation"):
+        plugins.Plugin("train_impl", "bare", module="somewhere").resolve()
