@@ -28,7 +28,7 @@ def test_make_vocab_size_divisible_by_pads_the_embedding_rows() -> None:
 def test_per_device_parallelism_is_the_micro_batch() -> None:
     values = {k: v for k, v in BASE.items() if k != "train_micro_batch_size_per_gpu"}
     run = RunConfig.from_mapping({**values, "per_device_parallelism": 3})
-    assert (run.training.batch.micro, run.args.train_batch_size) == (3, 3)
+    assert (run.training.batch.micro, run.data.train_batch_size) == (3, 3)
 
 
 def test_rotary_save_freqs_buffer_puts_the_frequencies_in_the_state_dict() -> None:
