@@ -359,7 +359,7 @@ SITES: dict[str, tuple[Entry, ...]] = {
     ),
     "megatron/training/pretrain.py::resolve_train_iters": (
         Before(Case("megatron.training.length_checks", "train_iters=null", "neither train_iters nor train_epochs")),),
-    "megatron/training/pretrain.py::pretrain": (NotFromConfig("train.py hands pretrain the HF writer"),),
+    "megatron/training/features/hf.py::build_hf_saves": (NotFromConfig("train.py hands pretrain the HF writer"),),
     "megatron/training/reinit_config.py::token_ids": (
         Before(Case("megatron.training.reinit_config.reinit_tokens_runs", "reinit_tokens=[w1]",
                     "tokenizer_type='CharLevelTokenizer' .* has none")),
@@ -418,7 +418,7 @@ SITES: dict[str, tuple[Entry, ...]] = {
     ),
     "megatron/launcher/environment.py::distributed_env": (
         RanksOnly("the rendezvous address a scheduler (Slurm, MPI) gives each rank it starts"),),
-    "megatron/neox_arguments/run_config.py::RunConfig.__post_init__": (NotFromConfig(RESOLVED),),
+    "megatron/neox_arguments/run_config.py::RunConfig.from_args": (NotFromConfig(RESOLVED),),
     "megatron/neox_arguments/run_config.py::_resolved": (NotFromConfig(RESOLVED),),
     "megatron/neox_arguments/resolved.py::load_resolved": tuple(NotFromConfig(RESOLVED) for _ in range(5)),
     # --- generate.py and eval.py ---------------------------------------------------------------------------------
