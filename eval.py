@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import sys
 
+from megatron.app.workers import eval_main
 from megatron.errors import run_guarded
 
 
 def main() -> int:
-    from megatron.app.workers import eval_main
-
     return eval_main(sys.argv[1:])
 
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import sys
 
+from megatron.app.workers import generate_main
 from megatron.errors import run_guarded
 
 
 def main() -> int:
-    from megatron.app.workers import generate_main
-
     return generate_main(sys.argv[1:])
 
 

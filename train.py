@@ -14,7 +14,11 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from megatron.checkpointing.stop_request import catch_until_training
 from megatron.errors import run_guarded
+from megatron.logging.console import is_verbose, quiet_other_ranks
+from megatron.logging.rank_errors import current_rank, for_worker
+from megatron.training import hang_watch
 
 if TYPE_CHECKING:
     from megatron.app.external_launch import ErrorReport
@@ -55,6 +59,7 @@ def main(before_commit: Callable[[int], None] | None = None, hf_writer: HFWriter
     if names_resolved_config(argv):
         config_path = parse_worker_argv(argv).deepy_config  # first: --help needs none of the imports below
     else:
+        # lazy: the schema (~0.5 s), torch and DeepSpeed load after --help and a stop request are handled
         from megatron.app.external_launch import ErrorReport as Report
         from megatron.app.external_launch import start
 
@@ -72,8 +77,8 @@ _lock: SaveLock | None = None
 
 
 def train(config_path: str, before_commit: Callable[[int], None] | None, hf_writer: HFWriterFactory | None) -> int:
+    # lazy: the schema (~0.5 s), torch and DeepSpeed load after --help and a stop request are handled
     from megatron.initialize import initialize
-    from megatron.logging.console import is_verbose
     from megatron.neox_arguments import load_resolved
     from megatron.neox_arguments.run_config import RunConfig
 
@@ -83,11 +88,13 @@ def train(config_path: str, before_commit: Callable[[int], None] | None, hf_writ
     initialize(run.parallel, run.training.seed, announce=is_verbose(run.logging.deepspeed_log_level),
                timeout_seconds=run.hang.init_timeout_seconds)
 
+    # lazy: the schema (~0.5 s), torch and DeepSpeed load after --help and a stop request are handled
     from megatron.evaluation.in_training import TasksInTraining
     from megatron.training.pretrain import pretrain
 
     tasks = None if run.tasks is None else TasksInTraining(run.tasks)  # eval_tasks: lm-eval at evaluations
     if run.hf_saves.hf_save_path is not None and hf_writer is None:  # HF directories while training: the exporter's
+        # lazy: the schema (~0.5 s), torch and DeepSpeed load after --help and a stop request are handled
         from megatron.interop.hf_save_writer import HFModelWriter
 
         hf_writer = HFModelWriter
@@ -97,9 +104,6 @@ def train(config_path: str, before_commit: Callable[[int], None] | None, hf_writ
 
 def watch_for_hangs(run: RunConfig, config_path: str) -> None:
     """This rank's heartbeat and hang watch (megatron/training/hang_watch.py), from before the rendezvous on."""
-    from megatron.logging.rank_errors import current_rank
-    from megatron.training import hang_watch
-
     rank = current_rank()
     if rank is None:
         return
@@ -109,19 +113,14 @@ def watch_for_hangs(run: RunConfig, config_path: str) -> None:
 
 
 def run_worker(before_commit: Callable[[int], None] | None = None, hf_writer: HFWriterFactory | None = None) -> None:
-    from megatron.checkpointing.stop_request import catch_until_training
-    from megatron.logging.rank_errors import current_rank
-
     catch_until_training(current_rank())  # first: a stop request while starting ends the rank cleanly
-
-    from megatron.logging.console import quiet_other_ranks
-    from megatron.logging.rank_errors import for_worker
 
     quiet_other_ranks(current_rank())  # one rank draws progress bars (lm-eval's among them)
 
     report = for_worker(sys.argv, current_rank)
     external = None
     if not names_resolved_config(sys.argv[1:]):  # config files: started by torchrun or DeepSpeed's runner
+        # lazy: the schema (~0.5 s), torch and DeepSpeed load after --help and a stop request are handled
         from megatron.app.external_launch import ErrorReport as Report
 
         external = Report(int(os.environ.get("LOCAL_RANK", "0") or 0), current_rank() or 0)
@@ -129,6 +128,7 @@ def run_worker(before_commit: Callable[[int], None] | None = None, hf_writer: HF
         # an error every rank hits is printed once (megatron/logging/rank_errors.py)
         run_guarded(lambda: main(before_commit, hf_writer, external), report=report or external)
     except SystemExit as done:
+        # lazy: the schema (~0.5 s), torch and DeepSpeed load after --help and a stop request are handled
         from megatron.initialize import exit_process
 
         if _lock is not None:

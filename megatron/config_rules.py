@@ -24,6 +24,9 @@ from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel
 
+from megatron import devices
+
+
 CLI = "cli"
 """Provenance of a key set on the command line."""
 DERIVED = "derived"
@@ -52,9 +55,7 @@ class Device:
 
     @classmethod
     def detect(cls) -> Device:
-        from megatron.devices import gpu_count
-
-        return cls(cuda=gpu_count() > 0)
+        return cls(cuda=devices.gpu_count() > 0)
 
     def __repr__(self) -> str:
         return f"Device(cuda={self.cuda}, fp16_supported={self._fp16_supported})"
@@ -65,6 +66,7 @@ def _fp16_supported_here(cuda: bool) -> bool:
     # ("Type fp16 is not supported on your device"), so ask the same question it will ask.
     if cuda:
         return True
+    # lazy: torch; the launcher (deepy.py) reads this module without it
     from megatron import torch_internals
 
     try:

@@ -9,8 +9,11 @@ DeepSpeed's private names and off writes into its engine (torch's are in ``torch
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import functools
+import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,6 +29,7 @@ def skip_shared_memory_comm_op() -> None:
     DeepSpeed's op-compatibility cache (``deepspeed.ops.__compatible_ops__``) makes DeepSpeed skip
     it; every collective we use goes through torch.distributed on gloo unchanged.
     """
+    # lazy: DeepSpeed and torch load where used; the launcher imports this module without them
     import deepspeed.ops
 
     compatible = deepspeed.ops.__compatible_ops__  # probed once, cached by DeepSpeed as a dict
@@ -44,6 +48,7 @@ def use_current_collective_names() -> None:
     ``reduce_scatter_single`` with the same arguments; the backend gets those. Idempotent; nothing before
     DeepSpeed's comm is set up.
     """
+    # lazy: DeepSpeed and torch load where used; the launcher imports this module without them
     import torch.distributed as dist
     from deepspeed.comm import comm
 
@@ -72,11 +77,9 @@ def defer_muon_kernel_compiles() -> None:
     swapping it for a deferring decorator during this one import keeps the kernels exactly as
     they were (compiled with the same ``torch.compile`` when first called) and the start-up short.
     """
-    import functools
-    import sys
-
     if MUON_MODULE in sys.modules:
         return
+    # lazy: DeepSpeed and torch load where used; the launcher imports this module without them
     from deepspeed.runtime import compiler
 
     real = compiler.compile
@@ -220,6 +223,7 @@ def checkpoint_writes_to(engine: Any, write: Callable[[Any, str], None]) -> Iter
     checkpoint engine (a background save serializes them into memory: ``checkpointing/background_writes.py``).
     Yields the engine's zipfile serialization setting (``TorchCheckpointEngine``'s, which ``write`` must follow to
     write the same bytes); raises :class:`OtherCheckpointEngine` for another one (Nebula, DeepSpeed's decoupled ones)."""
+    # lazy: DeepSpeed and torch load where used; the launcher imports this module without them
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
     ckpt_engine = engine.checkpoint_engine
@@ -240,6 +244,7 @@ def activation_checkpointing_kept() -> Iterator[None]:
     ``PARTITION_ACTIVATIONS``, ``num_layers``, ...; the RNG tracker's states): a rehearsal configures it as rank r
     of a fake world, and a process that goes on (a test worker, a tool) would otherwise recompute blocks with
     that rank's seeds and options."""
+    # lazy: DeepSpeed and torch load where used; the launcher imports this module without them
     from deepspeed.runtime.activation_checkpointing import checkpointing
 
     names = [name for name, value in vars(checkpointing).items()
@@ -261,6 +266,7 @@ def activation_checkpointing_kept() -> Iterator[None]:
 def model_parallel_rng_tracker_name() -> str:
     """The name under which DeepSpeed's activation checkpointing replays the tensor-parallel RNG
     stream: our dropout must draw from the same tracker entry for recompute to be exact."""
+    # lazy: DeepSpeed and torch load where used; the launcher imports this module without them
     from deepspeed.runtime.activation_checkpointing import checkpointing
 
     return str(checkpointing._MODEL_PARALLEL_RNG_TRACKER_NAME)
@@ -275,6 +281,7 @@ def merge_universal_tp_slices(info: dict[str, Any], zero_dir: Any, slices_dir: A
     writes the same fragments from a ZeRO-0 checkpoint (which has no partitions) and hands them to
     the same step, so the files (and the metadata DeepSpeed's loader cuts them by) are DeepSpeed's own.
     """
+    # lazy: DeepSpeed and torch load where used; the launcher imports this module without them
     from deepspeed.checkpoint import ds_to_universal
 
     ds_to_universal.merge_tp_slices(info, str(zero_dir), str(slices_dir), tp, (name, shapes))
@@ -288,6 +295,7 @@ def untie_optimizer_steps(engine: Any) -> None:
     no decay) the shared counter advances twice per iteration and the bias correction drifts
     (the resumed loss curve leaves the uninterrupted one from the second step on).
     """
+    # lazy: DeepSpeed and torch load where used; the launcher imports this module without them
     import torch
 
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
@@ -323,6 +331,7 @@ def collect_engine_timers(engine: Any, log: Callable[..., None]) -> Any:
     emptying the base engine's backward timer lists (``engine.engine_timers``) leaves the pipeline's
     own start/stop as the only one.
     """
+    # lazy: DeepSpeed and torch load where used; the launcher imports this module without them
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
     group = engine.timers
@@ -384,6 +393,7 @@ def pipeline_grid(module: Any) -> Any:
 def synchronize_tied_weights(module: Any) -> None:
     """Copy each tied weight from its owning stage to the others (``_synchronize_tied_weights``), as
     ``PipelineModule.load_state_dir`` does after reading the layers; a replacement loader must too."""
+    # lazy: DeepSpeed and torch load where used; the launcher imports this module without them
     import torch
 
     with torch.no_grad():  # a broadcast into a weight with grad on marks it for autograd (see engine.build_model)
@@ -426,8 +436,6 @@ def checkpoint_being_loaded(engine: Any) -> Callable[[], Any]:
     (``load_dir/tag``), None outside a load: ``on_load`` of :func:`convert_module_state_dicts` is
     handed the checkpoint dict only, and a Deepy checkpoint's format is recorded beside it
     (``deepy_meta.json``). DeepSpeed keeps the path only for pipeline engines (``_curr_ckpt_path``)."""
-    import os
-
     loading: list[str] = []
     load = engine.load_checkpoint
 
@@ -486,8 +494,7 @@ def quiet_step_line(quiet: bool = True) -> None:
     keeps ``steps_per_print`` as configured: a ``print`` in the pipeline engine's module namespace
     (which shadows the builtin there) drops that one line, and with ``quiet`` False (deepy.py
     ``--verbose``) lets it through again."""
-    import builtins
-
+    # lazy: DeepSpeed and torch load where used; the launcher imports this module without them
     import deepspeed.runtime.pipe.engine as pipe_engine
 
     def filtered_print(*args: Any, **kwargs: Any) -> None:
@@ -597,6 +604,7 @@ def fp32_master_slices(optimizer: Any, params: list[Any]) -> list[tuple[Any, int
       parameter on every rank, in ``fp32_groups_flat[group]`` at the parameter's offset in its group
       (``_unflatten_dense_tensors`` order), or ``fp32_groups[group][index]``.
     """
+    # lazy: DeepSpeed and torch load where used; the launcher imports this module without them
     import torch
     import torch.distributed as dist
 

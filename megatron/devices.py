@@ -27,6 +27,7 @@ def gpu_count() -> int:
     """CUDA/ROCm devices torch sees on this machine; 0 without a GPU driver (torch not imported)."""
     if not gpu_driver_present():
         return 0
+    # lazy: torch only where a GPU driver is; the launcher counts GPUs without it
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -14,8 +14,10 @@ import random
 import sys
 from datetime import timedelta
 
+import deepspeed
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from megatron.deepspeed_internals import (
     defer_muon_kernel_compiles,
@@ -23,6 +25,7 @@ from megatron.deepspeed_internals import (
     use_current_collective_names,
 )
 from megatron.errors import ConfigError
+from megatron.launcher.watchdog import start_launcher_watchdog
 from megatron.torch_internals import set_collective_timeouts
 from megatron.launcher.environment import distributed_env, hidden_gpus_problem
 from megatron.mpu.parallel_config import ParallelRun
@@ -60,8 +63,6 @@ def set_seeds(seed: int) -> None:
 def init_distributed(parallel: ParallelRun, timeout_seconds: int = INIT_TIMEOUT_SECONDS) -> None:
     """Join the process group described by the environment (idempotent); its collectives time out after
     ``timeout_seconds`` (``init_timeout_seconds``) until the first step sets ``train_timeout_seconds``."""
-    import deepspeed
-
     env = distributed_env(
         os.environ,
         master_addr=parallel.master_addr,
@@ -121,8 +122,6 @@ def initialize(parallel: ParallelRun, seed: int, announce: bool = False,
                timeout_seconds: int = INIT_TIMEOUT_SECONDS) -> Coordinates:
     """Distributed start-up for one rank; returns (and with ``announce`` prints) where this rank sits
     in the grid. ``timeout_seconds``: every process group's collective timeout (``init_timeout_seconds``)."""
-    from megatron.launcher.watchdog import start_launcher_watchdog
-
     start_launcher_watchdog()  # a local launch's rank ends with the deepy.py that started it
     init_distributed(parallel, timeout_seconds)
     world = torch.distributed.get_world_size()
@@ -166,8 +165,6 @@ def exit_process(code: int | str | None) -> None:
         print(code, file=sys.stderr)
         status = 1
     try:
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized():
             if status == 0:
                 dist.barrier()  # nobody leaves while another rank still talks to it

@@ -126,6 +126,7 @@ class S3Store:
 
     def __init__(self) -> None:
         try:
+            # lazy: boto3 is needed only for s3:// paths
             import boto3
             from botocore.config import Config
         except ImportError as err:  # pragma: no cover - boto3 is a requirement
@@ -136,6 +137,7 @@ class S3Store:
 
     def probe(self, url: str, write: bool) -> None:
         """The bucket exists and these credentials may use it; one request (``HeadBucket``)."""
+        # lazy: boto3 is needed only for s3:// paths
         from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
         bucket, _ = _bucket_key(url)
@@ -159,6 +161,7 @@ class S3Store:
             raise StoreError(f"{url}: the object store cannot be reached ({err}){_endpoint_note()}") from err
 
     def put_file(self, local: Path, url: str, chunk_size: int) -> None:
+        # lazy: boto3 is needed only for s3:// paths
         from boto3.s3.transfer import TransferConfig
 
         bucket, key = _bucket_key(url)
@@ -184,6 +187,7 @@ class S3Store:
         return entries
 
     def exists(self, url: str) -> bool:
+        # lazy: boto3 is needed only for s3:// paths
         from botocore.exceptions import ClientError
 
         bucket, key = _bucket_key(url)
@@ -196,6 +200,7 @@ class S3Store:
         return True
 
     def stat(self, url: str) -> Entry | None:
+        # lazy: boto3 is needed only for s3:// paths
         from botocore.exceptions import ClientError
 
         bucket, key = _bucket_key(url)
@@ -208,6 +213,7 @@ class S3Store:
         return Entry(posixpath.basename(key), int(head["ContentLength"]), str(head.get("ETag", "")))
 
     def read_text(self, url: str) -> str | None:
+        # lazy: boto3 is needed only for s3:// paths
         from botocore.exceptions import ClientError
 
         bucket, key = _bucket_key(url)
@@ -247,6 +253,7 @@ class FsspecStore:
     """Any other scheme, through the fsspec implementation registered for it."""
 
     def __init__(self, scheme: str) -> None:
+        # lazy: fsspec, only for its URL schemes
         import fsspec
 
         try:
@@ -271,6 +278,7 @@ class FsspecStore:
         self.fs.get_file(url, str(local))
 
     def list(self, url: str) -> list[Entry]:
+        # lazy: fsspec, only for its URL schemes
         from fsspec.core import strip_protocol
 
         base = str(strip_protocol(url)).rstrip("/")
@@ -323,6 +331,7 @@ def store_for(url: str) -> Store:
 
 
 def _check_known(scheme: str, url: str) -> None:
+    # lazy: fsspec, only for its URL schemes
     import fsspec
 
     known = set(fsspec.available_protocols())

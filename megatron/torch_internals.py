@@ -16,21 +16,22 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed import distributed_c10d as c10d
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def flatten_dense_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Concatenate ``tensors`` into one flat buffer, so a bucket of gradients is reduced in one
     collective. torch's own helper (``torch._utils``; DDP and DeepSpeed use it too) already handles
     mixed shapes and the one-tensor case without copying."""
-    from torch._utils import _flatten_dense_tensors
-
     return _flatten_dense_tensors(tensors)
 
 
 def unflatten_dense_tensors(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Views of ``flat`` shaped like ``tensors``: the inverse of :func:`flatten_dense_tensors`."""
-    from torch._utils import _unflatten_dense_tensors
-
     return tuple(_unflatten_dense_tensors(flat, tensors))
 
 
@@ -78,6 +79,7 @@ def dump_cuda_memory_snapshot(path: str) -> None:
 def reset_compile_counts() -> None:
     """Forget every compiled graph and zero torch.compile's tallies (``torch._dynamo.reset`` and its
     ``utils.counters``): torch has no public way to count the graphs a compilation made."""
+    # lazy: TorchDynamo takes seconds to import: only with compile_layers
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -88,6 +90,7 @@ def reset_compile_counts() -> None:
 def compile_counts() -> tuple[int, int]:
     """(graphs compiled, graph breaks) since :func:`reset_compile_counts`: one graph for all transformer
     blocks is what ``compile_layers`` wants; one per block means a recompile for each."""
+    # lazy: TorchDynamo takes seconds to import: only with compile_layers
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
@@ -99,9 +102,6 @@ def set_collective_timeouts(timeout: timedelta, barrier_first: bool = False) -> 
     what torchtitan's ``set_pg_timeouts`` uses after the first step: torchtitan/distributed/utils.py:563@b5bcd76), and
     the groups a rank belongs to are listed only in ``_world.pg_map``. ``barrier_first``: torchtitan's barrier, so no
     rank issues collectives under the shorter timeout while a slower one is still within the old one."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
     if not dist.is_initialized():
         return 0
     if barrier_first:
@@ -119,9 +119,6 @@ def set_collective_timeouts(timeout: timedelta, barrier_first: bool = False) -> 
 def collective_timeouts() -> list[timedelta]:
     """The timeout of every process group of this rank (its backend's ``options._timeout``: torch has no public
     getter), to check what :func:`set_collective_timeouts` did."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
     if not dist.is_initialized():
         return []
     found = []
@@ -138,9 +135,6 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
     ranks can be made. The rehearsal (megatron/app/rehearsal.py) builds each rank's part of the model this way.
     The backend registers itself, and its store lives, only in ``torch.testing._internal.distributed.fake_pg``:
     torch has no public name for either. The process group is destroyed on the way out."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise RuntimeError("a process group already exists in this process: a fake one cannot replace it")
     hook = sys.excepthook  # init_process_group prefixes tracebacks with "[rank<r>]: " and never takes it back
@@ -161,8 +155,6 @@ def meta_tensors_stay_on_meta() -> Iterator[None]:
     0.19.8), so a stage built on the meta device can only stay there this way; every other op runs as it is.
     torch's hook for this is a ``TorchDispatchMode`` (``torch.utils._python_dispatch``), which has no public
     spelling."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     to_copy = torch.ops.aten._to_copy.default
 
     class _MetaStaysMeta(TorchDispatchMode):

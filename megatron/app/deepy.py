@@ -15,14 +15,39 @@ import shlex
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from megatron.errors import ConfigError, UsageError
-from megatron.object_store import is_remote
+from megatron import object_store
+from megatron.app.prepare import run_steps
+from megatron.checkpointing.discovery import resume_point
+from megatron.checkpointing.remote import remote_resume_point, staging_dir
+from megatron.config_rules import DERIVED, RuleContext, describe
+from megatron.engine.memory import memory_fit as fit_of
+from megatron.engine.optimizer_config import peak_lr_setting
+from megatron.errors import ConfigError, UsageError, required
+from megatron.interop.hf_start import CONVERTED_MARKER, HfImport, start_from_hf
+from megatron.launcher import check_tools, plan_launch, requeue, restarts
+from megatron.launcher.checks import runs_on_this_machine
+from megatron.launcher.environment import started_by_scheduler
+from megatron.launcher.requeue import requeue_after_stop
+from megatron.launcher.save_lock import SaveDirInUse, acquire, current_holder, this_process
+from megatron.logging import rank_errors
 from megatron.logging.console import is_verbose
+from megatron.logging.rank_errors import current_rank
+from megatron.logging.trackers import new_run_name
+from megatron.neox_arguments import detect_world_size, finalize
+from megatron.neox_arguments.arguments import NeoXArgs
+from megatron.neox_arguments.derived import local_device_count
+from megatron.neox_arguments.dialects import split_argv
+from megatron.neox_arguments.honesty import NO_EFFECT_KEYS, check_entry_point
+from megatron.neox_arguments.loading import load_config
 from megatron.neox_arguments.overrides import looks_like_override
 from megatron.neox_arguments.provenance import format_resolved_table
 from megatron.neox_arguments.resolved import RESOLVED_FILE_NAME, ResolvedConfig, run_directory
+from megatron.neox_arguments.run_config import RunConfig
+from megatron.object_store import is_remote
+from megatron.training.step_saves import save_due, step_dir
 
 ENTRY_POINTS_OF_TEXTGEN = ("generate.py", "eval.py")
 """The entry points that read the text-generation/evaluation keys."""
@@ -104,8 +129,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def parse_command(argv: Sequence[str]) -> DeepyCommand:
     """Split argv into the user script, config files (in order), trailing overrides and dialect flags."""
-    from megatron.neox_arguments.dialects import split_argv
-
     rest, dialect_flags = split_argv(argv)
     ns = _parser().parse_intermixed_args(rest)
     configs: list[str] = []
@@ -136,14 +159,8 @@ def resolve(command: DeepyCommand, device: Device | None = None, world: int | No
     """Every check of a real launch: load and type-check, then the rules that need the world size (and this
     machine's ``device``, detected when None). ``world``: the world size when the caller knows it (a worker
     torchrun started, a rehearsal), instead of the one the launcher keys would start here."""
-    from megatron.neox_arguments.loading import load_config
-
     resolved = load_config(command.config_files, command.overrides, command.conf_dir, command.dialect_flags)
     prepare_data(resolved)
-    # imported only now: the rules may need torch to look at the devices, structure errors do not
-    from megatron.neox_arguments import detect_world_size, finalize
-    from megatron.neox_arguments.honesty import check_entry_point
-
     fill_in_for_inference(resolved, command.user_script)
     resolved.entry_point = command.user_script  # what the run loads is checked as this script loads it
     if world is None:
@@ -156,9 +173,6 @@ def resolve(command: DeepyCommand, device: Device | None = None, world: int | No
 def prepare_data(resolved: ResolvedConfig) -> None:
     """A dialect config's data conversion (a Levanter sft.py config's chats), run once before the data are
     checked (``megatron/app/prepare.py``); not where every rank runs deepy.py itself (they would race)."""
-    from megatron.app.prepare import run_steps
-    from megatron.launcher.environment import started_by_scheduler
-
     args = resolved.args
     in_place = started_by_scheduler(os.environ, slurm=args.deepspeed_slurm, mpi=args.deepspeed_mpi) is not None
     for line in run_steps(resolved.dialect, in_place=in_place):
@@ -171,9 +185,6 @@ def fill_in_for_inference(resolved: ResolvedConfig, user_script: str) -> None:
     batches, a zero learning rate, one iteration and (except for precompute, which scores the data)
     placeholder data, each recorded as derived and said, instead of refusals for keys inference does
     not read."""
-    from megatron.config_rules import DERIVED
-    from megatron.engine.optimizer_config import peak_lr_setting
-
     if os.path.basename(user_script) not in ENTRY_POINTS_OF_TEXTGEN:
         return
     args = resolved.args
@@ -202,8 +213,6 @@ def assign_run_dir(resolved: ResolvedConfig, user_script: str) -> str:
     a fresh one. Stored in the resolved config with the name, which the ranks then use."""
     if not resolved.directory:
         if not resolved.args.run_dir:
-            from megatron.logging.trackers import new_run_name
-
             resolved.run_name = resumed_run_name(resolved, user_script) or new_run_name()
         resolved.directory = str(run_directory(resolved.args, run_name=resolved.run_name))
     return resolved.directory
@@ -227,12 +236,6 @@ def resumed_run_name(resolved: ResolvedConfig, user_script: str) -> str | None:
 def hf_start(resolved: ResolvedConfig, in_place: bool) -> str | None:
     """``initialize_from_hf``: convert the model into ``<save>/hf_import`` once, before any rank starts
     (``megatron/interop/hf_start.py``), and start from there."""
-    from pathlib import Path
-
-    from megatron.checkpointing.discovery import resume_point
-    from megatron.errors import required
-    from megatron.interop.hf_start import CONVERTED_MARKER, HfImport, start_from_hf
-
     args = resolved.args
     if not args.initialize_from_hf:
         return None
@@ -295,8 +298,6 @@ def already_finished(resolved: ResolvedConfig, user_script: str) -> str | None:
 def unwritten_last_saves(resolved: ResolvedConfig, done: int) -> list[str]:
     """The saves due after the last step (``hf_save_path``, ``lora_peft_save_path``: Levanter's forced hook) of a
     run finished at ``done`` steps that are not on disk, as ``key: directory``."""
-    from megatron.training.step_saves import save_due, step_dir
-
     args = resolved.args
     saves = [("hf_save_path", args.hf_save_path, args.hf_save_interval),
              ("lora_peft_save_path", args.lora_peft_save_path, args.lora_peft_save_interval)]
@@ -306,9 +307,6 @@ def unwritten_last_saves(resolved: ResolvedConfig, done: int) -> list[str]:
 
 def written(base: str, done: int) -> bool:
     """The step save of ``done`` steps is in ``base`` (a directory, or a bucket's prefix)."""
-    from megatron import object_store
-    from megatron.training.step_saves import step_dir
-
     name = step_dir(base, done)
     if not is_remote(base):
         return name.is_dir()
@@ -318,9 +316,6 @@ def written(base: str, done: int) -> bool:
 def notes(resolved: ResolvedConfig, user_script: str) -> list[str]:
     """What deepy.py says before launching: warnings, checks skipped and why, and keys the config
     sets that change nothing here."""
-    from megatron.neox_arguments.arguments import NeoXArgs
-    from megatron.neox_arguments.honesty import NO_EFFECT_KEYS
-
     lines = [f"warning: {w}" for w in resolved.warnings]
     lines += [f"not checked here: {s}" for s in resolved.skipped]
     for key, reason in NO_EFFECT_KEYS.items():
@@ -379,9 +374,7 @@ def resilience_lines(resolved: ResolvedConfig) -> list[str]:
              f"  stragglers: straggler_factor={args.straggler_factor} over straggler_window={args.straggler_window} "
              f"steps (null: off)"]
     if args.launcher == "slurm":
-        from megatron.launcher.requeue import describe
-
-        lines.append(f"  {describe(args.slurm_requeue, args.max_requeues_without_progress)}")
+        lines.append(f"  {requeue.describe(args.slurm_requeue, args.max_requeues_without_progress)}")
     return lines
 
 
@@ -404,9 +397,6 @@ def dialect_table(resolved: ResolvedConfig) -> list[str]:
 
 def plan_run(resolved: ResolvedConfig, user_script: str, config_path: str) -> LaunchPlan:
     """Every launch check (ports, tools, hosts) before anything is written or started."""
-    from megatron.launcher import check_tools, plan_launch
-    from megatron.neox_arguments.derived import local_device_count
-
     plan = plan_launch(resolved.args, user_script, config_path, os.environ, local_devices=local_device_count,
                        provenance=resolved.provenance, logging=resolved.args)
     check_tools(plan, resolved.args)
@@ -420,11 +410,6 @@ def memory_report(resolved: ResolvedConfig) -> str:
 
 def memory_fit(resolved: ResolvedConfig) -> MemoryFit:
     """The memory estimate of the resolved run against what its ranks will have (megatron/engine/memory.py)."""
-    from megatron.config_rules import RuleContext
-    from megatron.launcher.checks import runs_on_this_machine
-    from megatron.neox_arguments.run_config import RunConfig
-    from megatron.engine.memory import memory_fit as fit_of
-
     return fit_of(RunConfig.from_resolved(resolved),
                   launches_locally=runs_on_this_machine(RuleContext(args=resolved.args)))
 
@@ -433,8 +418,6 @@ def check_memory(resolved: ResolvedConfig, fit: MemoryFit, user_script: str) -> 
     """Refuse a training run whose memory estimate exceeds what the ranks of a node have, naming the key
     behind the largest part of it (``allow_memory_overcommit: true`` makes it a warning). Inference
     (generate.py, eval.py) builds no optimizer states nor activations for a backward: not checked."""
-    from megatron.config_rules import RuleContext, describe
-
     if os.path.basename(user_script) in ENTRY_POINTS_OF_TEXTGEN:
         return
     ctx = RuleContext(args=resolved.args, provenance=resolved.provenance)
@@ -467,9 +450,6 @@ def take_save_lock(resolved: ResolvedConfig, command: DeepyCommand, plan: Launch
     """The lock of ``save`` for a launch that trains into it (megatron/launcher/save_lock.py); None for one
     that does not write there (generate.py, eval.py), has no ``save``, or is an in-place task other than
     rank 0's. Another run holding it is a config error naming it."""
-    from megatron.launcher.save_lock import this_process
-    from megatron.logging.rank_errors import current_rank
-
     save = local_save(resolved)
     if not save or os.path.basename(command.user_script) in ENTRY_POINTS_OF_TEXTGEN:
         return None
@@ -484,9 +464,6 @@ def lock_save(resolved: ResolvedConfig, save: str, holder: Holder,
               takes_over: Callable[[Holder], bool] | None = None) -> SaveLock:
     """Take ``save``'s lock for ``holder`` (``save_lock.acquire``, ``takes_over`` as there); another run holding it
     is a config error naming ``save`` where the config set it; a stale lock taken over is said."""
-    from megatron.config_rules import RuleContext
-    from megatron.launcher.save_lock import SaveDirInUse, acquire
-
     try:
         lock, note = acquire(save, holder, takes_over=takes_over)
     except SaveDirInUse as busy:
@@ -500,8 +477,6 @@ def lock_save(resolved: ResolvedConfig, save: str, holder: Holder,
 
 def save_lock_note(resolved: ResolvedConfig, user_script: str) -> str | None:
     """What a dry run says when another run holds ``save`` (a launch would be refused; the dry run is not)."""
-    from megatron.launcher.save_lock import current_holder
-
     save = local_save(resolved)
     if not save or os.path.basename(user_script) in ENTRY_POINTS_OF_TEXTGEN or not os.path.isdir(save):
         return None
@@ -520,6 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         resolved.args.deepspeed_log_level = "info"  # --verbose/--debug show DeepSpeed's own INFO lines too
         resolved.provenance["deepspeed_log_level"] = "cli"
     if command.rehearse is not None:  # nothing is launched, with or without --dry-run
+        # lazy: the rehearsal imports torch and DeepSpeed; every other command runs without them
         from megatron.app.rehearsal import rehearse
 
         given = " ".join([*command.config_files, *command.overrides, *(f.text for f in command.dialect_flags)])
@@ -545,11 +521,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         resolved.skipped.append(f"the srun command: {err.message}")
         plan = None
     if plan is not None:
-        from megatron.config_rules import RuleContext
-        from megatron.launcher.restarts import check_restartable
-
-        check_restartable(plan, resolved.args.max_restarts,
-                          RuleContext(args=resolved.args, provenance=resolved.provenance).show("max_restarts"))
+        restarts.check_restartable(plan, resolved.args.max_restarts,
+                                   RuleContext(args=resolved.args, provenance=resolved.provenance).show("max_restarts"))
     if command.dry_run:
         held = save_lock_note(resolved, command.user_script)
         if held is not None:
@@ -575,29 +548,22 @@ def launch(resolved: ResolvedConfig, command: DeepyCommand, plan: LaunchPlan, co
         print(f"deepy: {started}", flush=True)
     config_file = resolved.write(config_path)
     print(f"deepy: resolved config written to {config_file}", flush=True)
-    from megatron.logging import rank_errors
 
     if not plan.in_place:  # in place, every rank's deepy.py would clear the others'
         # a resumed run's directory may hold the errors of its last launch
         rank_errors.clear(os.path.dirname(config_path))
 
-    from megatron.launcher.restarts import RestartPolicy, run_with_restarts
 
-    policy = RestartPolicy(resolved.args.max_restarts, os.path.dirname(config_path),
+    policy = restarts.RestartPolicy(resolved.args.max_restarts, os.path.dirname(config_path),
                            lambda: last_checkpoint(resolved))  # fmt: skip
-    return run_with_restarts(plan, lambda: plan_run(resolved, command.user_script, config_path), os.environ, policy,
-                             verbose=is_verbose(resolved.args.deepspeed_log_level), memory=fit.note(),
-                             trains=os.path.basename(command.user_script) not in ENTRY_POINTS_OF_TEXTGEN)
+    return restarts.run_with_restarts(plan, lambda: plan_run(resolved, command.user_script, config_path), os.environ,
+                                      policy, verbose=is_verbose(resolved.args.deepspeed_log_level), memory=fit.note(),
+                                      trains=os.path.basename(command.user_script) not in ENTRY_POINTS_OF_TEXTGEN)
 
 
 def starting_point(load: str, iteration: int | None) -> tuple[Any, dict[str, Any]] | None:
     """The checkpoint a resume from ``load`` loads and its ``deepy_meta.json`` (``discovery.resume_point``; for a
     bucket, read there: ``remote.remote_resume_point``)."""
-    from pathlib import Path
-
-    from megatron.checkpointing.discovery import resume_point
-    from megatron.checkpointing.remote import remote_resume_point
-
     if is_remote(load):
         return remote_resume_point(load, iteration)
     return resume_point(Path(load), iteration)
@@ -606,18 +572,12 @@ def starting_point(load: str, iteration: int | None) -> tuple[Any, dict[str, Any
 def local_save(resolved: ResolvedConfig) -> str | None:
     """``save`` on this machine: the directory itself, or for a bucket its staging directory (the ranks write there
     before uploading; the save lock and Slurm's requeue ledger live there)."""
-    from megatron.checkpointing.remote import staging_dir
-
     save = resolved.args.save
     return str(staging_dir(save, resolved.args.checkpoint_staging_dir)) if save and is_remote(save) else save
 
 
 def local_load(resolved: ResolvedConfig) -> str | None:
     """``load`` on this machine, resolved (a bucket's: its staging directory)."""
-    from pathlib import Path
-
-    from megatron.checkpointing.remote import staging_dir
-
     load = resolved.args.load
     if not load:
         return None
@@ -640,10 +600,6 @@ def requeue_if_stopped(resolved: ResolvedConfig, command: DeepyCommand, plan: La
     """deepy's exit code, once a Slurm batch job whose ranks all stopped cleanly (they saved on a stop request) short
     of its last step has requeued itself when Slurm's time limit or a preemption stopped it
     (``slurm_requeue``, megatron/launcher/requeue.py). Anything else keeps ``code``."""
-    from pathlib import Path
-
-    from megatron.checkpointing.discovery import resume_point
-
     args = resolved.args
     if code != 0 or plan.mode != "srun" or plan.in_place or not args.slurm_requeue or not args.save:
         return code
@@ -660,7 +616,6 @@ def requeue_if_stopped(resolved: ResolvedConfig, command: DeepyCommand, plan: La
     step = found[1].get("iteration") if found is not None else 0
     name = resumed_run_name(resolved, command.user_script) or resolved.run_name
     metrics = Path(args.log_dir, name, "metrics.jsonl") if args.log_dir and name else None
-    from megatron.launcher.requeue import requeue_after_stop
 
     return requeue_after_stop(environ=os.environ, save=save, step=step if isinstance(step, int) else 0,
                               max_without_progress=args.max_requeues_without_progress, metrics=metrics,

@@ -35,10 +35,31 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megatron.app.deepy import (
+    already_finished,
+    check_memory,
+    hf_start,
+    local_save,
+    lock_save,
+    notes,
+    parse_command,
+    resolve,
+    resumed_run_name,
+)
+from megatron.config_rules import DERIVED
+from megatron.engine.memory import memory_fit
 from megatron.errors import ConfigError, UsageError
+from megatron.launcher.config import DeepSpeedRunnerArgs
+from megatron.launcher.save_lock import Holder, this_process
+from megatron.logging import rank_errors
+from megatron.logging.rank_errors import RankErrorReport
+from megatron.logging.trackers import new_run_name
+from megatron.neox_arguments.resolved import RESOLVED_FILE_NAME, run_directory
+from megatron.neox_arguments.run_config import RunConfig
 
 if TYPE_CHECKING:
     from megatron.launcher.save_lock import SaveLock
@@ -106,7 +127,6 @@ class ErrorReport:
     def __call__(self, message: str, details: str) -> bool:
         if self.run_dir is None:
             return self.local_rank == 0
-        from megatron.logging.rank_errors import RankErrorReport
 
         return RankErrorReport(self.run_dir, self.rank)(message, details)
 
@@ -131,8 +151,6 @@ def strip_launcher_flags(argv: Sequence[str]) -> list[str]:
 def code_fingerprint(script: str) -> dict[str, str]:
     """sha256 of every Python file this worker runs from the repository (``megatron/`` and the entry script), and
     the versions of the libraries that compute the numbers; one entry each, so a difference names the file."""
-    from importlib.metadata import PackageNotFoundError, version
-
     files = {str(p.relative_to(REPO)): p for root in CODE_ROOTS for p in sorted((REPO / root).rglob("*.py"))}
     entry = Path(script).resolve()
     files[entry.name if not entry.is_relative_to(REPO) else str(entry.relative_to(REPO))] = entry
@@ -184,6 +202,7 @@ def agree(resolved: ResolvedConfig, script: str, launch: ExternalLaunch, propose
     process group, the first exchange of the job); returns rank 0's run name. A difference raises one
     :class:`ConfigError`, the same on every rank, naming what differs between rank 0 and the first rank that
     differs from it (their full records are then broadcast to find it)."""
+    # lazy: torch and DeepSpeed load after the config is checked, as under deepy.py
     import torch.distributed as dist
 
     group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
@@ -230,9 +249,6 @@ def difference_message(first: RankRecord, odd: RankRecord, ours: list[Any], thei
 
 def launcher_keys_set(resolved: ResolvedConfig) -> list[str]:
     """deepy.py's launcher keys the config sets (not read under another launcher), as ``key (file:line)``."""
-    from megatron.config_rules import DERIVED
-    from megatron.launcher.config import DeepSpeedRunnerArgs
-
     return [f"{key} ({source})" for key, source in resolved.provenance.items()
             if key in DeepSpeedRunnerArgs.model_fields and source != DERIVED]
 
@@ -240,16 +256,6 @@ def launcher_keys_set(resolved: ResolvedConfig) -> list[str]:
 def start(script: str, argv: Sequence[str], report: ErrorReport) -> ExternalStart | None:
     """Everything before training for a worker started with config files; None when the run has nothing left to
     do (already finished: every rank exits 0)."""
-    from megatron.app.deepy import (
-        already_finished,
-        check_memory,
-        hf_start,
-        notes,
-        parse_command,
-        resolve,
-        resumed_run_name,
-    )
-
     launch = ExternalLaunch.from_environ(os.environ)
     if launch is None:
         raise UsageError(f"{os.path.basename(script)} CONFIG... runs as a worker of torchrun or DeepSpeed's launcher "
@@ -276,10 +282,8 @@ def start(script: str, argv: Sequence[str], report: ErrorReport) -> ExternalStar
             print(f"deepy: {started}", flush=True)
     check_memory(resolved, external_memory_fit(resolved, launch), script)
 
+    # lazy: torch and DeepSpeed load after the config is checked, as under deepy.py
     from megatron.initialize import init_distributed
-    from megatron.neox_arguments.run_config import RunConfig
-    from megatron.logging.trackers import new_run_name
-    from megatron.neox_arguments.resolved import run_directory
 
     run = RunConfig.from_resolved(resolved)
     init_distributed(run.parallel, run.hang.init_timeout_seconds)
@@ -293,19 +297,15 @@ def start(script: str, argv: Sequence[str], report: ErrorReport) -> ExternalStar
 
 def external_memory_fit(resolved: ResolvedConfig, launch: ExternalLaunch) -> Any:
     """The memory estimate, checked against this machine when every rank runs on it (one node)."""
-    from megatron.neox_arguments.run_config import RunConfig
-    from megatron.engine.memory import memory_fit
-
     return memory_fit(RunConfig.from_resolved(resolved), launches_locally=launch.nodes == 1)
 
 
 def write_and_lock(resolved: ResolvedConfig, script: str, launch: ExternalLaunch, run_dir: str,
                    said: list[str]) -> ExternalStart:
     """The run directory made ready on every node, then ``save``'s lock on rank 0."""
+    # lazy: torch and DeepSpeed load after the config is checked, as under deepy.py
     import torch.distributed as dist
 
-    from megatron.logging import rank_errors
-    from megatron.neox_arguments.resolved import RESOLVED_FILE_NAME
 
     config_path = os.path.join(run_dir, RESOLVED_FILE_NAME)
     if launch.local_rank == 0:  # once per node: the nodes need not share a file system
@@ -333,9 +333,6 @@ def take_lock(resolved: ResolvedConfig, script: str, launch: ExternalLaunch) -> 
     """``save``'s lock (megatron/launcher/save_lock.py) for this job. A restart of the same torchrun job (same
     rendezvous id) takes over its own earlier attempt's lock even where that one's holder ran on another node
     (the rank 0 of an attempt may land on any node)."""
-    from megatron.app.deepy import local_save, lock_save
-    from megatron.launcher.save_lock import Holder, this_process
-
     save = local_save(resolved)
     if not save:
         return None

@@ -26,14 +26,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import deepspeed
+
 from megatron.engine.comm_volume import StepShape, Traffic, data_parallel, pipeline, tensor_parallel, tied
 from megatron.engine.memory import GiB, MemoryFit, memory_fit
 from megatron.engine.rehearsal import Partition, build_partitions, rank_of
 from megatron.engine.zero_shards import WRAPPER_NAMES, Elements, Holding, Precision, elements, holding
+from megatron.neox_arguments.run_config import RunConfig
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.resolved import ResolvedConfig
-    from megatron.neox_arguments.run_config import RunConfig
 
 DEEPSPEED_READ = "0.19.8"
 """The DeepSpeed whose partitioning zero_shards.py and comm_volume.py restate."""
@@ -114,8 +116,6 @@ def shape_of(run: RunConfig, fit: MemoryFit, world: int) -> StepShape:
 
 def rehearsal_of(resolved: ResolvedConfig, world: int) -> Rehearsal:
     """Build and count every distinct partition of the resolved run at ``world`` ranks."""
-    from megatron.neox_arguments.run_config import RunConfig
-
     run = RunConfig.from_resolved(resolved)
     fit = memory_fit(run, launches_locally=False)  # the ranks run elsewhere: no host memory of this machine
     zero = dict(run.deepspeed_config.get("zero_optimization") or {})
@@ -244,8 +244,6 @@ def traffic_lines(r: Rehearsal) -> list[str]:
 
 
 def render(r: Rehearsal, user_script: str, given: str, notes: Sequence[str], seconds: float) -> str:
-    import deepspeed
-
     run, layout, shape = r.run, r.fit.layout, r.shape
     parallel = run.parallel
     cp = parallel.context_parallel_size

@@ -12,6 +12,16 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from megatron.data.config import DataArgs
+from megatron.evaluation.config import checked as evaluation_checked
+from megatron.evaluation.entry import evaluate_checkpoint
+from megatron.generation.config import TextgenArgs
+from megatron.generation.config import checked as textgen_checked
+from megatron.model.config import GPTConfig
+from megatron.neox_arguments import deepspeed_config, load_resolved
+from megatron.neox_arguments.component_groups import evaluation_run, group
+from megatron.neox_arguments.run_config import RunConfig
+
 if TYPE_CHECKING:
     from megatron.generation.entry import InferenceModel
     from megatron.neox_arguments import NeoXArgs
@@ -30,10 +40,9 @@ def parse_worker_argv(argv: list[str], description: str) -> argparse.Namespace:
 def inference_model(args: NeoXArgs, script: str) -> InferenceModel:
     """The model ``script`` runs: the weights of ``load``'s newest committed checkpoint (or ``iteration``'s)
     with the LoRA adapters as they were trained, built without the training engine."""
+    # lazy: torch and DeepSpeed load after the config is checked (a wrong key fails fast)
     from megatron.generation.entry import build_inference_model
     from megatron.generation.loading import INFERENCE_OVERRIDES, committed_checkpoint, lora_differences, saved_lora
-    from megatron.neox_arguments import deepspeed_config
-    from megatron.neox_arguments.run_config import RunConfig
 
     ckpt = committed_checkpoint(args.load, args.iteration, script)
     # the adapters as trained: the checkpoint's LoRA settings, whatever the config says (as the HF export does)
@@ -45,31 +54,21 @@ def inference_model(args: NeoXArgs, script: str) -> InferenceModel:
 
 def generate_main(argv: list[str]) -> int:
     """generate.py: ``text_gen_type``'s mode on the checkpoint in ``load``."""
-    from megatron.generation.config import checked
+    # lazy: torch and DeepSpeed load after the config is checked (a wrong key fails fast)
     from megatron.generation.entry import run_generation
-    from megatron.data.config import DataArgs
-    from megatron.generation.config import TextgenArgs
-    from megatron.model.config import GPTConfig
-    from megatron.neox_arguments import load_resolved
-    from megatron.neox_arguments.component_groups import group
 
     options = parse_worker_argv(argv, "Deepy text generation (started by deepy.py on each rank)")
     args = load_resolved(options.deepy_config).args
     textgen, data, model = group(args, TextgenArgs), group(args, DataArgs), group(args, GPTConfig)
-    checked(textgen, data, model)  # a wrong textgen key fails before the model is built
+    textgen_checked(textgen, data, model)  # a wrong textgen key fails before the model is built
     run_generation(textgen, data, model, args.train_micro_batch_size_per_gpu, inference_model(args, "generate.py"))
     return 0
 
 
 def eval_main(argv: list[str]) -> int:
     """eval.py: the lm-eval tasks (``eval_tasks``) on the checkpoint in ``load``."""
-    from megatron.evaluation.config import checked
-    from megatron.evaluation.entry import evaluate_checkpoint
-    from megatron.neox_arguments import load_resolved
-    from megatron.neox_arguments.component_groups import evaluation_run
-
     options = parse_worker_argv(argv, "Deepy evaluation with lm-evaluation-harness (started by deepy.py on each rank)")
     args = load_resolved(options.deepy_config).args
-    config = checked(evaluation_run(args))  # a wrong key fails before the model is built
+    config = evaluation_checked(evaluation_run(args))  # a wrong key fails before the model is built
     evaluate_checkpoint(config, inference_model(args, "eval.py"), checkpoint=args.load)
     return 0

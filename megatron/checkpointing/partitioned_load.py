@@ -26,6 +26,7 @@ def editing_whole(params: Sequence[torch.Tensor]) -> AbstractContextManager[Any]
     """A block inside which ZeRO-3's partitioned ``params`` are whole on every rank (every rank enters it) and what
     rank 0 writes to them is kept: on exit rank 0's values are partitioned again. The ranks that write the same
     values (a load of the same tensors, a draw from the same seed) leave every partition as at stage 0-2."""
+    # lazy: DeepSpeed, only for ZeRO-3 engines (the GPT-NeoX reader imports this module without it)
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
@@ -74,6 +75,7 @@ def load_whole_files(engine: Any, weights: dict[str, torch.Tensor], new_paramete
     file under ``GPTModel`` names (``neox.canonical_rank_weights``, either naming, read by the caller), loaded
     gathered, then DeepSpeed's fp32 partitions refreshed from the module. ``new_parameters``: name prefixes that
     may start from their initialisation (``new_parameters.tolerating_new_parameters``). Returns notes for the log."""
+    # lazy: DeepSpeed, only for ZeRO-3 engines (the GPT-NeoX reader imports this module without it)
     from megatron.checkpointing.new_parameters import tolerating_new_parameters
 
     with tolerating_new_parameters(engine, new_parameters) as report:

@@ -35,6 +35,7 @@ an engine. Everything is read with the weights-only loader (see ``safe_load.py``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -42,7 +43,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import deepspeed
 import torch
+import torch.distributed as dist
+from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAMETER_WITH_SUB_PARAMS, PARAM_GROUPS
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from megatron.checkpointing.local_weights import computed_buffer, merge_tp_shards, stored_model_config
 from megatron.checkpointing.neox import NeoxNames, canonical_rank_weights, pipeline_rank_weights, plain_rank_weights
@@ -50,6 +55,8 @@ from megatron.checkpointing.safe_load import load_checkpoint_file, weights_only_
 from megatron.deepspeed_internals import merge_universal_tp_slices, restore_engine_counters
 from megatron.errors import CheckpointError
 from megatron.model.pipeline import is_pipeline_parameter_name, model_parameter_name, pipeline_parameter_name
+from megatron.mpu import topology
+from megatron.mpu.initialize_weights import shard_tensor, tensor_parallel_partition
 
 ZERO_DIR = "zero"
 OPTIMIZER_STATE_FILE = "optimizer_state.pt"
@@ -101,8 +108,6 @@ def zero0_to_universal(ckpt_dir: Path, target: Path, tp: int, stages: int, pipel
     ``info`` is the checkpoint's ``universal_checkpoint_info`` (how the model splits over tp);
     ``layer_names`` reads its model files (GPT-NeoX's layout, or Deepy's earlier one).
     """
-    from deepspeed.checkpoint.constants import PARAM_GROUPS
-
     info = _with_tuple_shapes(info)
     slices = target / "tmp"
     shapes: dict[str, list[torch.Size]] = defaultdict(list)
@@ -154,8 +159,6 @@ def zero0_to_universal(ckpt_dir: Path, target: Path, tp: int, stages: int, pipel
 def _with_tuple_shapes(info: dict[str, Any]) -> dict[str, Any]:
     """``info`` as DeepSpeed writes it: ``deepy_meta.json`` turned the sub-parameter shapes into
     lists, which DeepSpeed's loader later hands to ``Tensor.view`` (it takes tuples only)."""
-    from deepspeed.checkpoint.constants import PARAMETER_WITH_SUB_PARAMS
-
     def as_tuple(value: Any) -> Any:
         return tuple(as_tuple(v) for v in value) if isinstance(value, list) else value
 
@@ -271,9 +274,6 @@ def _optimizer_state_for_every_stage(state: dict[str, Any], step: Any) -> dict[s
     """The optimizer's global state in the shape both loaders read: ZeRO-1/2 and the bf16 optimizer
     take ``param_groups`` (one per group) and the loss-scaler entries from the top level, ZeRO-3
     takes the step and ``param_groups`` from ``optimizer_state_dict``."""
-    import deepspeed
-    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_GROUPS
-
     out = dict(state)
     inner = dict(out.get(OPTIMIZER_STATE_DICT) or {})
     groups = out.get(PARAM_GROUPS) or inner.get(PARAM_GROUPS)
@@ -368,9 +368,6 @@ def load_into_torch_optimizer(engine: Any, universal: Path, *, load_optimizer: b
 def _local_part(zero: Path, name: str, key: str, param: torch.Tensor) -> torch.Tensor:
     """This tensor-parallel rank's part of ``zero/<name>/<key>.pt`` in ``param``'s shape and dtype, cut with the
     partition the parameter records (set by the tensor-parallel layers)."""
-    from megatron.mpu import topology
-    from megatron.mpu.initialize_weights import shard_tensor, tensor_parallel_partition
-
     tp_rank, tp = topology.get_tensor_model_parallel_rank(), topology.get_tensor_model_parallel_world_size()
     path = zero / name / f"{key}.pt"
     if not path.is_file() and key == "fp32" and not getattr(param, "requires_grad", True):
@@ -406,8 +403,6 @@ def write_frozen_parameters(ckpt_dir: Path, target: Path, meta: dict[str, Any]) 
     held = {model_parameter_name(p.name) if is_pipeline_parameter_name(p.name) else p.name
             for p in zero.iterdir() if p.is_dir()}
     if int(layout["zero_stage"]) == 3:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
         with weights_only_loading(ckpt_dir):
             full = dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir.parent), tag=ckpt_dir.name))
         frozen = {name: t for name, t in full.items() if name not in held and not computed_buffer(name)}
@@ -442,12 +437,8 @@ def load_frozen_parameters(engine: Any, universal: Path) -> int:
 def _whole(engine: Any, params: list[torch.Tensor]) -> Any:
     """A context in which ZeRO-3's partitioned ``params`` are whole and what is written to them is kept
     (DeepSpeed's ``GatheredParameters``; every rank writes the same values). Nothing to do below stage 3."""
-    import contextlib
-
     if int(engine.zero_optimization_stage()) != 3:
         return contextlib.nullcontext()
-    import deepspeed
-    import torch.distributed as dist
 
     group = getattr(params[0], "ds_process_group", None)
     source = dist.get_global_rank(group, 0) if group is not None else 0

@@ -37,9 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron import object_store
 from megatron.checkpointing import commit, discovery
 from megatron.checkpointing.layout import Layout, check_convertible, needs_universal
 from megatron.config_rules import RuleContext, describe, render, rule, zero_stage
+from megatron.data.config import PATH_KEYS
 from megatron.errors import CheckpointError
 from megatron.objective_needs import known_needs
 from megatron.time_phrases import TimePhraseError, parse_duration
@@ -404,8 +406,6 @@ def object_store_paths_usable(ctx: RuleContext) -> list[str]:
     """A ``scheme://`` path is a bucket, never a local directory: refused unless Deepy can write (or read) it, and
     its bucket is probed with the standard credentials (``megatron/object_store.py``); ``initialize_from`` in a
     bucket is not read (copy it here first)."""
-    from megatron import object_store
-
     problems = []
     for key, write in OBJECT_STORE_KEYS.items():
         value = ctx.get(key)
@@ -437,9 +437,6 @@ ELSEWHERE = ("save", "load", "s3_path", "initialize_from", "hf_save_path", "lora
 def _local_only_urls(ctx: RuleContext) -> list[str]:
     """A ``scheme://`` value in a path key Deepy reads or writes only locally (``hf_save_path``, ``log_dir``, a
     tokenizer's ``vocab_file``, ...): without this it would be written as a local directory named ``s3:``."""
-    from megatron import object_store
-    from megatron.data.config import PATH_KEYS
-
     problems = []
     for key in sorted(type(ctx.args).model_fields):
         if not key.endswith(LOCAL_SUFFIXES) or key in ELSEWHERE or key in PATH_KEYS:

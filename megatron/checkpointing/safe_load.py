@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,7 @@ from megatron.errors import CheckpointError
 
 def _deepspeed_safe_globals() -> list[Any]:
     """The classes DeepSpeed's own checkpoint files reference (checked on 0.19.8, ZeRO 0-2, UCP)."""
+    # lazy: DeepSpeed's classes, only to read its own files; offline readers run without it
     from deepspeed.checkpoint.universal_checkpoint import SubparamShape
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -99,8 +101,6 @@ def _check_files(source: str | os.PathLike[str]) -> None:
 
 
 def _is_file_problem(err: BaseException) -> bool:
-    import pickle
-
     text = str(err)
     return isinstance(err, (pickle.UnpicklingError, EOFError)) or any(
         marker in text for marker in ("Weights only load failed", "Unsupported global", "PytorchStreamReader",

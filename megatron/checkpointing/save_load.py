@@ -39,7 +39,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from megatron import mpu
 from megatron.checkpointing import commit, reshard
 from megatron.checkpointing.background_writes import BackgroundWrites
 from megatron.checkpointing.commit import CheckpointKind
@@ -60,6 +62,8 @@ from megatron.checkpointing.universal import (
 )
 from megatron.deepspeed_internals import recorded_checkpoint_writes, universal_loading, untie_optimizer_steps
 from megatron.errors import CheckpointError
+from megatron.mpu import hybrid_shard, topology
+from megatron.mpu.random import get_rng_tracker
 from megatron.mpu.topology import rank0_decides
 
 log = logging.getLogger("deepy.checkpoint")  # a child of the run logger: rank 0 speaks
@@ -138,10 +142,6 @@ class SaveRequest:
 
 
 def current_layout(engine: Any) -> Layout:
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-
-    from megatron.mpu import hybrid_shard, topology
-
     return Layout(
         tp=topology.get_tensor_model_parallel_world_size(),
         pp=topology.get_pipe_parallel_world_size(),
@@ -550,8 +550,6 @@ def _load_weights_only(
     result = LoadResult(loaded=True, path=ckpt_dir)
     if layout.zero_stage == 3:
         try:
-            from megatron import mpu  # as the other loaders here: the package imports DeepSpeed
-
             tp = mpu.get_tensor_model_parallel_world_size()
             weights = canonical_rank_weights(ckpt_dir, NeoxNames.from_stored(meta.get("args", {})), tp,
                                              mpu.get_tensor_model_parallel_rank(), pipeline=False)
@@ -621,9 +619,6 @@ RngState = dict[str, Any]
 
 def _tp_rng_tracker() -> Any:
     """The tensor-parallel RNG tracker (dropout inside tensor-parallel regions draws from it)."""
-    # imported here: megatron.mpu.random imports DeepSpeed, which readers of this module need not load
-    from megatron.mpu.random import get_rng_tracker
-
     return get_rng_tracker()
 
 

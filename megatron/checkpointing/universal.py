@@ -53,10 +53,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from deepspeed.checkpoint import constants as ds
+
 from megatron.checkpointing import commit, reshard
 from megatron.checkpointing.layout import Layout, check_convertible, needs_universal  # noqa: F401  (their home)
 from megatron.checkpointing.neox import NeoxNames
 from megatron.errors import CheckpointError
+from megatron.model.partitioning import tp_partition_patterns
 
 if TYPE_CHECKING:
     from megatron.model.config import GPTConfig
@@ -227,10 +230,6 @@ def universal_checkpoint_info(config: GPTConfig, tp: int) -> dict[str, Any]:
     DeepSpeed matches these with ``re.match`` (anchored at the start) while our patterns are
     searched anywhere in the name, hence the ``.*(?:...)`` wrapping.
     """
-    from deepspeed.checkpoint import constants as ds
-
-    from megatron.model.partitioning import tp_partition_patterns
-
     def anywhere(pattern: str) -> str:
         return f".*(?:{pattern})"
 

@@ -37,6 +37,8 @@ from megatron.data.remote_data import localized
 from megatron.data.reward_dataset import RewardDataset
 from megatron.data.sft_dataset import SFTDataset
 from megatron.data.token_range import TokenRangeChecked
+from megatron.data.token_shards import materialize_shards
+from megatron.data.url_sources import materialize_urls
 from megatron.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -256,8 +258,6 @@ def _read_shard_directory(c: Component, builder: _Builder, config: DataRun, voca
     path = c.roles.get("text")
     if path is None or not os.path.isdir(path):
         return c
-    from megatron.data.token_shards import materialize_shards  # pyarrow, only for shard directories
-
     prefix = materialize_shards(path, builder.cache_dir, file_type=config.keys.shard_file_type, column=config.keys.shard_column,
                                 tokenizer_dir=config.keys.shard_tokenizer, eos=config.keys.shard_eos_token,
                                 bos=config.keys.shard_bos_token, strip=config.keys.shard_strip_tokens, vocab_size=vocab)
@@ -305,8 +305,6 @@ def build_datasets(config: DataRun, tokenizer: Any, padded_vocab_size: int) -> D
     builder = _Builder(config, tokenizer, padded_vocab_size)
     per_split: dict[str, list[Component] | None] = {}
     if config.keys.train_urls or config.keys.validation_urls:
-        from megatron.data.url_sources import materialize_urls  # tokenizes on first use only
-
         for split, urls in (("train", config.keys.train_urls), ("valid", config.keys.validation_urls)):
             per_split[split] = [Component({"text": materialize_urls(urls, builder.cache_dir, tokenizer)})] if urls else None
         per_split["test"] = None

@@ -6,9 +6,12 @@ check (``megatron/config_rules.py``); the checks that open the files are in
 
 from __future__ import annotations
 
+from megatron import object_store
 from megatron.config_rules import RuleContext, describe, rule
 from megatron.data.config import PATH_KEYS, SPLITS
 from megatron.errors import DeepyError
+from megatron.object_store import is_remote
+from megatron.objective_needs import reads_reference_files
 
 
 @rule
@@ -110,6 +113,7 @@ def split_is_three_shares(ctx: RuleContext) -> list[str]:
     ``data_path``."""
     if ctx.get("use_dummy_dataset") or not ctx.get("data_path"):
         return []
+    # lazy: numpy, once data files are checked (deepy.py --help and config errors come first)
     from megatron.data.build import split_shares
 
     problem = split_shares(str(ctx.get("split")))
@@ -121,7 +125,7 @@ def data_in_object_storage_exists(ctx: RuleContext) -> list[str]:
     """A data path in a bucket (``megatron/data/remote_data.py``): its scheme known, its bucket reachable with the
     standard credentials, and the objects there (a dataset prefix's ``.bin``/``.idx``, a shard, a directory); the
     ranks download it into the cache. One listing or ``HEAD`` per path; nothing is downloaded here."""
-    from megatron import object_store
+    # lazy: numpy, once data files are checked (deepy.py --help and config errors come first)
     from megatron.data.remote_data import URL_KEYS, describe_objects
 
     problems: list[str] = []
@@ -146,8 +150,6 @@ def data_in_object_storage_exists(ctx: RuleContext) -> list[str]:
 
 def _remote_data_keys(ctx: RuleContext) -> list[str]:
     """The data keys with a path in object storage."""
-    from megatron.object_store import is_remote
-
     found = []
     for key in ("data_path", *PATH_KEYS, "train_urls", "validation_urls"):
         value = ctx.get(key)
@@ -161,8 +163,6 @@ def reference_logps_beside_local_data(ctx: RuleContext) -> list[str]:
     """DPO's reference log-probs are files beside each dataset (``<prefix>_<model>.bin/.idx``, written there by
     ``generate.py`` precompute); a dataset in object storage is read from a downloaded copy, and nothing writes
     them into the bucket or reads them from it."""
-    from megatron.objective_needs import reads_reference_files
-
     remote = _remote_data_keys(ctx)
     if not remote:
         return []

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron.atomic_files import atomic_path
 from megatron.data.indexed_dataset import MMapIndexedDataset, dataset_exists, index_file_path, reference_logprobs_prefix
 from megatron.errors import DataError
 
@@ -38,8 +39,6 @@ def record_path(reference_prefix: str) -> Path:
 
 
 def write_record(reference_prefix: str, seq_length: int) -> None:
-    from megatron.atomic_files import atomic_path
-
     with atomic_path(record_path(reference_prefix)) as tmp:
         tmp.write_text(json.dumps({"seq_length": int(seq_length)}) + "\n", encoding="utf-8")
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from megatron import object_store
 from megatron.data.config import PATH_KEYS, DataArgs
 from megatron.data.index_cache import build_once
+from megatron.data.url_sources import expand_braces
 from megatron.errors import DataError
 
 
@@ -58,8 +59,6 @@ and one path is one weight)."""
 def describe_objects(url: str, *, patterns: bool = False) -> str:
     """What ``url`` (a brace pattern when ``patterns``) names in its store, in words; :class:`DataError` when nothing
     is there."""
-    from megatron.data.url_sources import expand_braces
-
     found = []
     for each in expand_braces(url) if patterns else [url]:
         kind, entries = _objects(each)
@@ -125,8 +124,6 @@ def local_copies(urls: list[str], cache_dir: str | None) -> list[str]:
 
 def localized(keys: DataArgs) -> DataArgs:
     """``keys`` with every data path in object storage replaced by its local copy (downloaded here if needed)."""
-    from megatron.data.url_sources import expand_braces
-
     cache = keys.cache_dir
     update: dict[str, object] = {}
     data_path = keys.data_path

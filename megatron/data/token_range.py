@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron.data.indexed_dataset import MMapIndexedDataset, data_file_path
 from megatron.errors import DataError
 
 SCAN_BUDGET_BYTES = 2 << 30
@@ -35,8 +36,6 @@ class LargestToken:
 
 def largest_token(prefix: str) -> LargestToken | None:
     """The largest id in dataset ``prefix`` (None when it is empty) and the first sequence holding it."""
-    from megatron.data.indexed_dataset import MMapIndexedDataset, data_file_path
-
     dataset = MMapIndexedDataset(prefix)
     tokens = np.memmap(data_file_path(prefix), dtype=dataset.dtype, mode="r")
     if tokens.size == 0:
@@ -48,8 +47,6 @@ def largest_token(prefix: str) -> LargestToken | None:
 
 def cannot_exceed(prefix: str, bound: int) -> bool:
     """Whether the dataset's integer type cannot hold an id ``>= bound`` (nothing to read)."""
-    from megatron.data.indexed_dataset import MMapIndexedDataset
-
     dtype = np.dtype(MMapIndexedDataset(prefix).dtype)
     return np.issubdtype(dtype, np.integer) and int(np.iinfo(dtype).max) < bound
 

@@ -54,6 +54,7 @@ def shard_files(directory: str, file_type: str) -> list[str]:
 
 
 def _arrow_documents(path: str) -> Iterator[list[int]]:
+    # lazy: pyarrow, only for fms-fsdp's token shards
     import pyarrow as pa
 
     reader = pa.ipc.open_file(pa.memory_map(path))
@@ -65,6 +66,7 @@ def _arrow_documents(path: str) -> Iterator[list[int]]:
 
 
 def _parquet_documents(path: str, column: str, tokenizer: Any) -> Iterator[list[int]]:
+    # lazy: pyarrow, only for fms-fsdp's token shards
     import pyarrow.parquet as pq
 
     table = pq.read_table(path, columns=[column])
@@ -98,6 +100,7 @@ def framed(doc: Sequence[int], eos: int, bos: int | None, drop: set[int]) -> lis
 def _load_tokenizer(directory: str | None) -> Any:
     if directory is None:
         return None
+    # lazy: transformers (seconds to import), only for a shard directory's tokenizer
     from transformers import AutoTokenizer
 
     if not os.path.isdir(directory):

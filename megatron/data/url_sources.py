@@ -116,6 +116,7 @@ def open_text(path: str) -> io.TextIOBase:
     if path.endswith(".gz"):
         return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
     if path.endswith(".zst"):
+        # lazy: zstandard, only for .zst files
         import zstandard
 
         return io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")), encoding="utf-8")

@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Any
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.utils import is_model_parallel_parameter
+from deepspeed.utils import logger as ds_logger
 from torch import nn
 
 from megatron import mpu
@@ -273,8 +275,6 @@ def _deepspeed_info_logs(on: bool) -> Iterator[None]:
     """``dump_state``: DeepSpeed prints its engine state (rank 0, during ``initialize``) at info level,
     which ``deepspeed_log_level`` (warning by default) would hide; the user asked for it, so DeepSpeed's
     logger speaks at info for that call."""
-    from deepspeed.utils import logger as ds_logger
-
     previous = ds_logger.level
     if on and ds_logger.getEffectiveLevel() > logging.INFO:
         ds_logger.setLevel(logging.INFO)
@@ -299,9 +299,7 @@ def construction(ds_config: dict[str, Any] | None,
 def training_device() -> torch.device:
     """The device this rank trains on (``cuda:<LOCAL_RANK>`` on a GPU node, where ``initialize`` set
     it; else the CPU), the one DeepSpeed's engine moves the model to."""
-    from deepspeed.accelerator import get_accelerator
-
-    return torch.device(get_accelerator().current_device_name())
+    return torch.device(deepspeed.accelerator.get_accelerator().current_device_name())  # patchable
 
 
 def deepspeed_mpu() -> Any:
@@ -329,7 +327,6 @@ def build_model(config: GPTConfig, parallel: ParallelRun, ckpt: ActivationCheckp
             apply_lora(model, lora, config.seed)
         wrap_layers(model, ckpt, compile_layers, pipe_interval_used=False)
         return model, False
-    from deepspeed.pipe import PipelineModule
 
     # whole-chunk checkpointing by PipelineModule unless only every k-th block is recomputed
     interval = ckpt.checkpoint_num_layers if ckpt.checkpoint_activations and not ckpt.selective_checkpointing else 0

@@ -18,6 +18,7 @@ from pydantic import Field, field_validator
 from megatron import plugins
 from megatron.config_rules import RuleContext, rule
 from megatron.config_schema import ArgGroup
+from megatron.engine.optimizer_config import peak_lr_setting
 from megatron.errors import ConfigError
 from megatron.engine import lr_dialects as _dialects  # noqa: F401  # registers Levanter's and fms-fsdp's styles
 from megatron.engine.lr_neox import NEOX_STYLES, decay_steps
@@ -175,8 +176,6 @@ def schedule_builds(ctx: RuleContext) -> list[str]:
     """The schedule the ranks build (:meth:`LRSchedulerArgs.spec`, in ``engine/build.py``), built here from the
     same keys: cycles that fit the steps, a known style. With ``train_epochs`` the steps are counted from the data
     on the ranks, which build it then."""
-    from megatron.engine.optimizer_config import peak_lr_setting
-
     train_iters = ctx.get("train_iters")
     peak, _ = peak_lr_setting(ctx.get("lr"), ctx.get("optimizer"))
     if not train_iters or peak is None:

@@ -54,12 +54,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from megatron import devices
 from megatron.model.config import GPTConfig
 from megatron.model.family_config import replicated_layer_parameters
 from megatron.model.flops import embedding_parameters, final_norm_parameters, layer_parameters, norm_parameters, num_parameters
 from megatron.model.norms import norm_entry
 from megatron.model.transformer_options import POSITIONAL
 from megatron.model.lora_config import LoRAArgs
+from megatron.tokenizer import build_tokenizer
 from megatron.engine.config import compute_dtype
 from megatron.engine.zero_shards import WEIGHT_BYTES, deepspeed_optimizer
 
@@ -401,8 +403,6 @@ def _padded_vocab(run: EngineConfig) -> tuple[int, str]:
         return run.model.padded_vocab_size, ""
     tp = run.parallel.model_parallel_size
     try:
-        from megatron.tokenizer import build_tokenizer
-
         return run.tokenizer.padded(build_tokenizer(run.tokenizer).vocab_size, tp), ""
     except Exception as err:  # an estimate must not fail the dry run; the launch reports a bad tokenizer
         return (run.tokenizer.padded(ASSUMED_VOCAB, tp),
@@ -411,10 +411,9 @@ def _padded_vocab(run: EngineConfig) -> tuple[int, str]:
 
 def local_device_memory_gib() -> float | None:
     """Memory of the first local GPU, when there is one (torch is not imported where no GPU driver is)."""
-    from megatron.devices import gpu_count
-
-    if not gpu_count():
+    if not devices.gpu_count():
         return None
+    # lazy: torch only where a GPU driver is; the dry run's estimate runs without it
     import torch
 
     return torch.cuda.get_device_properties(0).total_memory / GiB

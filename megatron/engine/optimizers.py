@@ -96,6 +96,7 @@ def build_cpu_adam(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optim
     p = cfg.optimizer_params
     kwargs = dict(lr=cfg.peak_lr, betas=tuple(p["betas"]), eps=p["eps"], adamw_mode=True, amsgrad=p["amsgrad"])
     try:
+        # lazy: DeepSpeed's CPU Adam builds a C++ op on first import: only for cpu_adam
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, **kwargs)
@@ -118,6 +119,7 @@ def build_sgd(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer:
 
 @register_optimizer("lion")
 def build_lion(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer:
+    # lazy: pytorch-optimizer is optional (lion, madgrad_wd, sm3) and imports transformers
     from pytorch_optimizer import Lion
 
     return Lion(groups, lr=cfg.peak_lr, betas=tuple(cfg.optimizer_params["betas"]), weight_decouple=True)
@@ -125,6 +127,7 @@ def build_lion(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer
 
 @register_optimizer("madgrad_wd")
 def build_madgrad_wd(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer:
+    # lazy: pytorch-optimizer is optional (lion, madgrad_wd, sm3) and imports transformers
     from pytorch_optimizer import MADGRAD
 
     # GPT-NeoX's madgrad_wd: MADGRAD with AdamW-style (decoupled) weight decay
@@ -134,6 +137,7 @@ def build_madgrad_wd(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Opt
 
 @register_optimizer("sm3")
 def build_sm3(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer:
+    # lazy: pytorch-optimizer is optional (lion, madgrad_wd, sm3) and imports transformers
     from pytorch_optimizer import SM3
 
     p = cfg.optimizer_params

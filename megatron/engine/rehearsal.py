@@ -21,6 +21,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import deepspeed
 import torch
 
 from megatron import mpu
@@ -79,8 +80,6 @@ class Partition:
 @contextlib.contextmanager
 def fake_rank(rank: int, world: int, run: EngineConfig) -> Iterator[None]:
     """This process as rank ``rank`` of ``world``, with the process groups a rank of ``run`` builds."""
-    import deepspeed
-
     parallel = run.parallel
     skip_shared_memory_comm_op()  # no compile of DeepSpeed's CPU all-reduce op for a rank that sends nothing
     saved = os.environ.get("LOCAL_RANK")

@@ -85,6 +85,7 @@ def deepspeed_optimizer(precision: str, zero_stage: int, pipeline: bool, grad_ac
 def flat_partition(params: Sequence[torch.Tensor], dp: int) -> tuple[int, int]:
     """(padded elements of the flat buffer, elements each rank owns) of one parameter group under ZeRO-1/2 or the
     bf16 optimizer: DeepSpeed's own padding (``align_dense_tensors``) of ``params`` (meta tensors will do)."""
+    # lazy: DeepSpeed; the dry run's estimate counts without it
     from deepspeed.runtime.utils import align_dense_tensors
 
     if not params:

@@ -31,7 +31,18 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from megatron.config_rules import RuleContext, rule
-from megatron.evaluation.task_data import file_bytes, harness_task_files, yaml_files
+from megatron.evaluation.task_data import (
+    EXAMPLE_TASK,
+    datasets_cache,
+    file_bytes,
+    harness_task_files,
+    hub_unreachable,
+    offline_switch,
+    task_sources,
+    unreadable,
+    yaml_files,
+)
+from megatron.objective_needs import needs_of
 
 _YAML = (".yaml", ".yml")
 
@@ -65,7 +76,6 @@ def eval_tasks_can_run(ctx: RuleContext) -> list[str]:
     tasks = ctx.get("eval_tasks")
     if not tasks:
         return []
-    from megatron.objective_needs import needs_of
 
     shown = ctx.show("eval_tasks")
     problems: list[str] = []
@@ -113,15 +123,6 @@ def _reads(tasks: list[str], dataset: str, most: int = 2) -> str:
 def data_problems(shown: str, tasks: list[str], warnings: list[str]) -> list[str]:
     """The tasks whose documents cannot be read here (one message per kind); a download the run will make is
     added to ``warnings``."""
-    from megatron.evaluation.task_data import (
-        EXAMPLE_TASK,
-        datasets_cache,
-        hub_unreachable,
-        offline_switch,
-        task_sources,
-        unreadable,
-    )
-
     sources = task_sources(tasks)
     if not sources:
         return []

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 def evaluate_checkpoint(config: EvalRun, model: InferenceModel, checkpoint: str | None) -> None:
     """The tasks of ``config`` on ``model``, loaded from ``checkpoint`` (``load``, named in the results)."""
+    # lazy: lm-eval, torch and DeepSpeed load after the config is checked
     from megatron.evaluation.harness import evaluate, write_results
     from megatron.evaluation.lm_eval_adapter import DeepyLM
     from megatron.generation.modes import TextGenerator, is_rank0

@@ -25,6 +25,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lm_eval.utils import handle_non_serializable
+
 from megatron.atomic_files import atomic_path
 from megatron.errors import ConfigError
 from megatron.evaluation.config import EvalRun
@@ -37,6 +39,7 @@ STDERR_BOOTSTRAP_ITERS = 1000
 
 
 def _task_manager(tasks: tuple[str, ...]) -> Any:
+    # lazy: lm-eval is optional (eval_tasks) and slow to import
     from lm_eval.tasks import TaskManager
 
     local = [Path(t) for t in tasks if Path(t).exists()]
@@ -72,6 +75,7 @@ def load_tasks(tasks: list[str] | tuple[str, ...]) -> None:
     """Resolve every task and read its documents, as the first evaluation will; a task that cannot be
     loaded (an unknown name, a dataset that needs a download while offline, a broken task file) is a
     ConfigError naming it. Training calls this on every rank before its first step."""
+    # lazy: lm-eval is optional (eval_tasks) and slow to import
     from lm_eval.tasks import get_task_dict
 
     manager = _task_manager(tuple(tasks))
@@ -90,6 +94,7 @@ def load_tasks(tasks: list[str] | tuple[str, ...]) -> None:
 
 def evaluate(lm: DeepyLM, config: EvalRun) -> dict[str, Any]:
     """Run every task on every rank (the adapter splits the model work); the harness' results."""
+    # lazy: lm-eval is optional (eval_tasks) and slow to import
     from lm_eval import simple_evaluate
 
     if lm.replica.dp_rank or lm.replica.tp_rank or lm.replica.pp_rank:
@@ -145,8 +150,6 @@ def write_results(results: dict[str, Any], config: EvalRun, *, checkpoint: str |
                   run_name: str | None = None) -> Path:
     """The files described in the module docstring; call on rank 0. ``run_name``: the training run that
     wrote the checkpoint (its ``TrainState.run_name``)."""
-    from lm_eval.utils import handle_non_serializable
-
     base = results_base(config)
     samples = results.pop("samples", {}) or {}
     results["deepy"] = {"checkpoint": checkpoint, "iteration": step,

@@ -28,6 +28,9 @@ from typing import Any
 from megatron.checkpointing.save_load import capture_rng_state, restore_rng_state
 from megatron.errors import ConfigError
 from megatron.evaluation.config import EvalRun
+from megatron.generation.config import SamplingParams
+from megatron.generation.modes import TextGenerator
+from megatron.generation.replica import ModelReplica
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class TaskEvaluation:
                 "eval_tasks with sequence_parallel: true is not supported inside training (the evaluation "
                 "forwards use a key/value cache, which cannot split the sequence); remove eval_tasks and run "
                 "eval.py on a checkpoint instead (it builds the model without sequence parallelism)")
+        # lazy: lm-eval is optional, read only with eval_tasks
         from megatron.evaluation.harness import load_tasks
 
         self.eng = eng
@@ -71,11 +75,9 @@ class TaskEvaluation:
 
     def run(self) -> dict[str, float]:
         """``lm_eval/<task>/<metric>`` -> value (the same on every rank) and ``timers/lm_eval_ms``."""
+        # lazy: lm-eval is optional, read only with eval_tasks
         from megatron.evaluation.harness import evaluate, metric_rows
         from megatron.evaluation.lm_eval_adapter import DeepyLM
-        from megatron.generation.config import SamplingParams
-        from megatron.generation.modes import TextGenerator
-        from megatron.generation.replica import ModelReplica
 
         start = time.perf_counter()
         module = self.eng.engine.module

@@ -14,16 +14,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import deepspeed.accelerator
 import torch
 from torch import nn
 
 from megatron.data.config import DataArgs
+from megatron.engine.build import build_engine, build_model
+from megatron.engine.process import limit_cpu_threads, speaks
 from megatron.errors import ConfigError
 from megatron.generation.config import TextgenArgs, batch_size, token_dataset_prefixes
+from megatron.generation.loading import (
+    engine_needed,
+    load_committed_weights,
+    load_full_weights,
+    read_weights,
+    run_name_of,
+)
+from megatron.generation.modes import TextGenerator, run_input_file, run_interactive, run_unconditional
+from megatron.generation.precompute import precompute_all
 from megatron.generation.replica import ModelReplica
-from megatron.logging.log import get_logger
+from megatron.initialize import initialize
+from megatron.logging.log import get_logger, setup_logging
 from megatron.model.config import GPTConfig
-from megatron.tokenizer import Tokenizer
+from megatron.mpu import topology
+from megatron.objectives import LMObjective, ObjectiveArgs
+from megatron.tokenizer import Tokenizer, build_tokenizer
 from megatron.engine.engine_config import EngineConfig
 
 
@@ -41,15 +56,6 @@ def build_inference_model(run: EngineConfig, ckpt: Path, script: str, lora_chang
     """Join the job, build the tokenizer and the model as training does (no optimizer, no DeepSpeed engine),
     load the weights of ``ckpt`` (a committed checkpoint's tag directory). ``run`` carries the checkpoint's
     LoRA settings; ``lora_changed`` names where they differ from the config's (logged)."""
-    from megatron.generation.loading import engine_needed, load_full_weights, read_weights, run_name_of
-    from megatron.initialize import initialize
-    from megatron.logging.log import setup_logging
-    from megatron.mpu import topology
-    from megatron.tokenizer import build_tokenizer
-    from megatron.engine.build import build_model
-    from megatron.objectives import LMObjective, ObjectiveArgs
-    from megatron.engine.process import limit_cpu_threads, speaks
-
     initialize(run.parallel, run.engine.seed)
     limit_cpu_threads()
     setup_logging(speaks())
@@ -82,9 +88,6 @@ def _engine_module(run: EngineConfig, model_config: GPTConfig, ckpt: Path, padde
                    reason: str) -> tuple[nn.Module, int]:
     """The model inside a training engine, loaded by the checkpoint loader: for the checkpoints whose `reason`
     the weights-only reader does not cover (see `generation.loading.engine_needed`)."""
-    from megatron.generation.loading import load_committed_weights
-    from megatron.engine.build import build_engine
-
     get_logger().info("%s: loading %s through the training engine (%s)", script, ckpt, reason)
     eng = build_engine(run, model_config, train_iters=run.engine.train_iters or 1)
     step = load_committed_weights(eng.engine, ckpt, {**run.args_record, "padded_vocab_size": padded_vocab}, script)
@@ -92,9 +95,7 @@ def _engine_module(run: EngineConfig, model_config: GPTConfig, ckpt: Path, padde
 
 
 def _device() -> torch.device:
-    from deepspeed.accelerator import get_accelerator
-
-    return torch.device(get_accelerator().current_device_name())
+    return torch.device(deepspeed.accelerator.get_accelerator().current_device_name())  # patchable
 
 
 def read_stdin_prompt() -> str | None:
@@ -117,9 +118,6 @@ def run_generation(textgen: TextgenArgs, data: DataArgs, model_config: GPTConfig
                    model: InferenceModel) -> None:
     """``text_gen_type``'s mode on ``model``: its keys (``textgen``), the datasets precompute reads (``data``), the
     sequence length and seed (``model_config``), and the micro-batch size, which sets the prompts per batch."""
-    from megatron.generation.modes import TextGenerator, run_input_file, run_interactive, run_unconditional
-    from megatron.generation.precompute import precompute_all
-
     per_batch = batch_size(micro_batch)
     gen = TextGenerator(replica=model.replica, tokenizer=model.tokenizer, sampling=textgen.sampling(),
                         seq_length=int(model_config.seq_length or 0), batch_size=per_batch, seed=model_config.seed)

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import torch
 
 from megatron.atomic_files import follow_umask
+from megatron.checkpointing.save_load import SHAPE_KEYS
 from megatron.errors import ConversionError, DeepyError, required
 from megatron.interop.deepy_checkpoint import (
     read_checkpoint_config,
@@ -45,7 +46,7 @@ from megatron.interop.hf_tokenizer import (
 from megatron.interop.hf_weights import from_hf_state_dict, to_hf_state_dict
 from megatron.checkpointing import commit
 from megatron.checkpointing.discovery import find_gpt_neox_tag
-from megatron.checkpointing.neox import GqaOrder, read_neox_checkpoint
+from megatron.checkpointing.neox import GqaOrder, read_neox_checkpoint, read_neox_config
 from megatron.interop.yaml_config import CONFIG_NAME, architecture_keys, vocab_divisor, write_config
 from megatron.model.config import GPTConfig
 
@@ -141,9 +142,6 @@ def check_neox_flags(checkpoint: Path, iteration: int | None, config_file: Path 
     """GPT-NeoX's converter flags on a Deepy checkpoint, checked before anything is written: the
     checkpoint records its own architecture, so ``--config_file`` must agree with it on every key that
     shapes the weights and ``--architecture`` must name the class the checkpoint exports to."""
-    from megatron.checkpointing.save_load import SHAPE_KEYS
-    from megatron.checkpointing.neox import read_neox_config
-
     ckpt = resolve_checkpoint(checkpoint, iteration)
     config, args = read_checkpoint_config(ckpt)
     problems = []

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import deepspeed
 import torch
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from megatron.checkpointing import commit
 from megatron.checkpointing.local_weights import merge_tp_shards
@@ -105,7 +107,6 @@ def _zero3_weights(ckpt: Path, layout: Layout) -> Weights:
     if layout.tp != 1:
         raise ConversionError(f"{ckpt}: reading a ZeRO-3 checkpoint saved with tensor parallelism (tp={layout.tp}) "
                               "is not supported; resume it at ZeRO stage 1 or 2 and save again")
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with weights_only_loading(ckpt):
         state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
@@ -151,8 +152,6 @@ def _engine_state(module: Weights | None, step: int, consumed_samples: int, mp_w
                   args: dict[str, Any]) -> dict[str, Any]:
     """What DeepSpeed's module-only load reads from ``mp_rank_XX_model_states.pt`` (0.19.8), with the
     client state GPT-NeoX reads (``iteration``, ``args``) and Deepy's format (which says the QKV order)."""
-    import deepspeed
-
     return {
         "module": module, "buffer_names": [], "optimizer": None, "param_shapes": None,
         "frozen_param_shapes": None, "shared_params": None, "frozen_param_fragments": None,

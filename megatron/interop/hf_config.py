@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from megatron.errors import ConversionError
+from megatron.interop.hf_mamba import gpt_config_from_mamba, mamba_hf_config, mamba_problems
 from megatron.model.activations import get_activation
 from megatron.model.config import Activation, GPTConfig
 from megatron.interop.hf_keys import neox_model_keys
@@ -69,8 +70,6 @@ def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list
     """The HF class for this architecture, and every feature that class cannot reproduce."""
     families = config.layer_families
     if families == {"mamba"}:  # every layer Mamba: MambaForCausalLM (megatron/interop/hf_mamba.py)
-        from megatron.interop.hf_mamba import mamba_problems
-
         return "MambaForCausalLM", mamba_problems(config)
     if families != {"transformer"}:
         kinds = ", ".join(sorted(families - {"transformer"}))
@@ -161,8 +160,6 @@ def hf_config_from_gpt(config: GPTConfig, tokens: SpecialTokens, dtype: torch.dt
     """The ``transformers`` config of the class ``choose_architecture`` picks, every field from ours."""
     arch = choose_architecture(config)
     if arch == "MambaForCausalLM":
-        from megatron.interop.hf_mamba import mamba_hf_config
-
         return mamba_hf_config(config, tokens.bos, tokens.eos, tokens.pad, dtype)
     common: dict[str, Any] = dict(
         architectures=[arch],
@@ -182,6 +179,7 @@ def hf_config_from_gpt(config: GPTConfig, tokens: SpecialTokens, dtype: torch.dt
         dtype=dtype,
     )
     if arch == "GPTNeoXForCausalLM":
+        # lazy: transformers (seconds to import), only for Hugging Face conversions
         from transformers import GPTNeoXConfig
 
         return GPTNeoXConfig(
@@ -203,6 +201,7 @@ def hf_config_from_gpt(config: GPTConfig, tokens: SpecialTokens, dtype: torch.dt
         rope_parameters=_rope(config, partial=False),
     )
     if arch == "LlamaForCausalLM":
+        # lazy: transformers (seconds to import), only for Hugging Face conversions
         from transformers import LlamaConfig
 
         return LlamaConfig(
@@ -212,6 +211,7 @@ def hf_config_from_gpt(config: GPTConfig, tokens: SpecialTokens, dtype: torch.dt
             attention_bias=config.use_bias_in_attn_linear,
             mlp_bias=config.use_bias_in_mlp,
         )
+    # lazy: transformers (seconds to import), only for Hugging Face conversions
     from transformers import MistralConfig
 
     window = _sliding_window(config)
@@ -225,8 +225,6 @@ def gpt_config_from_hf(hf: "PretrainedConfig", seq_length: int | None = None) ->
     """Our architecture for an HF GPTNeoX / Llama / Mistral / Mamba config (refuses what Deepy cannot run):
     the keys of ``hf_keys.neox_model_keys`` (the mapping the argument layer reads config.json with)."""
     if hf.model_type == "mamba":
-        from megatron.interop.hf_mamba import gpt_config_from_mamba
-
         return gpt_config_from_mamba(hf, seq_length)
     keys = neox_model_keys(hf.to_dict(), seq_length)
     if keys["rope_scaling"] is not None:

@@ -50,6 +50,7 @@ def mamba_problems(config: GPTConfig) -> list[str]:
 
 def mamba_hf_config(config: GPTConfig, bos: int | None, eos: int | None, pad: int | None,
                     dtype: torch.dtype) -> "PretrainedConfig":
+    # lazy: transformers (seconds to import), only for Hugging Face conversions
     from transformers import MambaConfig
 
     shape = mamba_shape(config)

@@ -35,6 +35,7 @@ def _quiet_transformers() -> None:
     # offline and without progress bars: conversions never download, and tools print their own progress
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # lazy: transformers (seconds to import), only for Hugging Face conversions
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -44,6 +45,7 @@ def _quiet_transformers() -> None:
 def save_hf_model(hf_config: "PretrainedConfig", state: Weights, out_dir: Path, dtype: torch.dtype) -> None:
     """``save_pretrained`` (safetensors) of a model holding exactly ``state``, cast to ``dtype``."""
     _quiet_transformers()
+    # lazy: transformers (seconds to import), only for Hugging Face conversions
     from transformers import AutoModelForCausalLM
 
     # built on the meta device: no random init of weights that are replaced right away
@@ -95,6 +97,7 @@ _ARCHITECTURES: dict[str, HFArchitecture] = {
 def load_hf_model(model_dir: Path, dtype: torch.dtype | None = None) -> "PreTrainedModel":
     """A local ``transformers`` causal LM (never downloads), in ``dtype`` or as stored."""
     _quiet_transformers()
+    # lazy: transformers (seconds to import), only for Hugging Face conversions
     from transformers import AutoModelForCausalLM
 
     try:
@@ -133,6 +136,7 @@ def parity_seq_length(config: GPTConfig) -> int:
 
 def build_gpt_model(config: GPTConfig, weights: Weights) -> torch.nn.Module:
     """Our model in one process (tp = 1) in fp32 eval mode, holding ``weights``."""
+    # lazy: the model imports DeepSpeed; the conversions run without it
     from megatron.model.gpt import GPTModel
 
     fp32 = config.replace(

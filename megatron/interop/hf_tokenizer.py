@@ -14,15 +14,21 @@ That check is what makes "the exported model speaks the same token ids" a fact r
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tokenizers import Tokenizer as HFTokenizerObject, decoders, models, pre_tokenizers
+
+from megatron import plugins
 from megatron.errors import ConversionError, DeepyError
 from megatron.interop.hf_config import SpecialTokens
 from megatron.tokenizer.base import Tokenizer
+from megatron.tokenizer.build import build_tokenizer
+from megatron.tokenizer.byte_level import byte_to_char
 from megatron.tokenizer.config import TokenizerArgs
 
 if TYPE_CHECKING:
@@ -51,9 +57,6 @@ class TokenizerFiles:
 
 def build_tokenizer_from_files(files: TokenizerFiles) -> Tokenizer:
     """Our tokenizer for these keys, through the same registry training uses."""
-    from megatron import plugins
-    from megatron.tokenizer.build import build_tokenizer
-
     if plugins.find("tokenizer_type", files.tokenizer_type) is None:
         raise ConversionError(f"tokenizer_type {files.tokenizer_type!r} is unknown; choose one of "
                               f"{', '.join(plugins.names('tokenizer_type'))}")
@@ -75,11 +78,6 @@ def build_tokenizer_from_files(files: TokenizerFiles) -> Tokenizer:
 
 def _char_level() -> Any:
     """Bytes as tokens: id = byte value, as ``CharLevelTokenizer`` (a BPE with no merges over the byte alphabet)."""
-    from tokenizers import Tokenizer as HFTokenizerObject
-    from tokenizers import decoders, models, pre_tokenizers
-
-    from megatron.tokenizer.byte_level import byte_to_char
-
     vocab = {char: byte for byte, char in byte_to_char().items()}
     hf = HFTokenizerObject(models.BPE(vocab=vocab, merges=[]))
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -88,8 +86,10 @@ def _char_level() -> Any:
 
 
 def _tiktoken(files: TokenizerFiles) -> Any:
+    # lazy: transformers (seconds to import), only for Hugging Face conversions
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
+    # lazy: tiktoken is optional (TiktokenTokenizer only)
     from megatron.tokenizer.fast_bpe import GPT2_SPLIT_PATTERN
     from megatron.tokenizer.tiktoken_tokenizer import EOD
 
@@ -103,10 +103,12 @@ def _tiktoken(files: TokenizerFiles) -> Any:
 
 
 def _candidate(files: TokenizerFiles, ours: Tokenizer) -> "PreTrainedTokenizerBase":
+    # lazy: transformers (seconds to import), only for Hugging Face conversions
     from transformers import PreTrainedTokenizerFast
 
     kind = files.tokenizer_type
     if kind == "SPMTokenizer":
+        # lazy: transformers (seconds to import), only for Hugging Face conversions
         from transformers import LlamaTokenizer
 
         assert files.vocab_file is not None
@@ -169,10 +171,6 @@ def special_tokens_of(files: TokenizerFiles) -> SpecialTokens:
 # --- import --------------------------------------------------------------------------------------
 def _is_byte_tokenizer(path: Path) -> bool:
     """Whether a tokenizer.json is the byte tokenizer ``CharLevelTokenizer`` exports (id = byte value)."""
-    import json
-
-    from megatron.tokenizer.byte_level import byte_to_char
-
     try:
         model = json.loads(path.read_text(encoding="utf-8")).get("model", {})
     except (OSError, ValueError):

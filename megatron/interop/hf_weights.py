@@ -20,6 +20,7 @@ import torch
 
 from megatron.errors import ConversionError
 from megatron.interop.hf_config import HFArchitecture
+from megatron.interop.hf_mamba import mamba_from_hf, mamba_to_hf
 from megatron.model.config import GPTConfig
 
 Weights = dict[str, torch.Tensor]
@@ -54,8 +55,6 @@ def _take(weights: Weights, name: str) -> torch.Tensor:
 def to_hf_state_dict(config: GPTConfig, arch: HFArchitecture, weights: Weights) -> Weights:
     """HF state dict (``transformers`` names) for our full weights."""
     if arch == "MambaForCausalLM":
-        from megatron.interop.hf_mamba import mamba_to_hf
-
         return mamba_to_hf(config, weights)
     if arch == "GPTNeoXForCausalLM":
         return _to_gpt_neox(config, weights)
@@ -65,8 +64,6 @@ def to_hf_state_dict(config: GPTConfig, arch: HFArchitecture, weights: Weights) 
 def from_hf_state_dict(config: GPTConfig, arch: HFArchitecture, hf: Weights) -> Weights:
     """Our full weights (canonical names) from an HF state dict."""
     if arch == "MambaForCausalLM":
-        from megatron.interop.hf_mamba import mamba_from_hf
-
         return mamba_from_hf(config, hf)
     if arch == "GPTNeoXForCausalLM":
         return _from_gpt_neox(config, hf)

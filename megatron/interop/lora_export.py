@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from safetensors.torch import save_file
 
 from megatron.errors import ConversionError
 from megatron.interop.hf_config import choose_architecture, hf_config_from_gpt
@@ -34,6 +35,7 @@ from megatron.interop.hf_model import (
 from megatron.interop.hf_tokenizer import TokenizerFiles, export_tokenizer, special_tokens_of
 from megatron.interop.hf_weights import qkv_ours_to_neox, to_hf_state_dict
 from megatron.model.config import GPTConfig
+from megatron.model.gpt import GPTModel
 from megatron.model.lora import ADAPTER, apply_lora, is_adapter_name, merge_adapters
 from megatron.model.lora_config import LoRAArgs
 from megatron.model.partitioning import TPPartition, tp_partition_of
@@ -68,8 +70,6 @@ class AdapterExportReport:
 
 def adapted_model(config: GPTConfig, lora: LoRAArgs, weights: Weights) -> torch.nn.Module:
     """Our model with its adapters, in one process (tp 1), fp32 eval mode, holding ``weights``."""
-    from megatron.model.gpt import GPTModel
-
     fp32 = config.replace(precision="fp32", hidden_dropout=0.0, attention_dropout=0.0,
                           sequence_parallel=False)
     model = GPTModel(fp32)
@@ -102,8 +102,6 @@ def fused_sections(config: GPTConfig) -> Callable[[str], Sequence[int] | None]:
 
 def write_peft_adapter(config: GPTConfig, lora: LoRAArgs, weights: Weights, adapter_dir: Path, base_dir: Path,
                        dtype: torch.dtype) -> None:
-    from safetensors.torch import save_file
-
     adapter_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.to(dtype) for k, v in peft_state_dict(config, weights).items()},
               str(adapter_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -119,6 +117,7 @@ def write_peft_adapter(config: GPTConfig, lora: LoRAArgs, weights: Weights, adap
 
 def load_peft_model(base_dir: Path, adapter_dir: Path) -> torch.nn.Module:
     """PEFT's own loader: the exported base in fp32 with the adapter directory applied."""
+    # lazy: peft is optional, only to load an export back
     from peft import PeftModel
 
     return PeftModel.from_pretrained(load_hf_model(base_dir, torch.float32), str(adapter_dir)).eval()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from megatron import devices
 from megatron.launcher.config import DeepSpeedRunnerArgs
 from megatron.logging.config import LoggingArgs
 from megatron.launcher.plan import CONFIG_FLAG, LaunchPlan, PlanInputs
@@ -65,9 +66,7 @@ def _local_accelerator(environ: Mapping[str, str]) -> dict[str, str]:
     """On a machine without a GPU, tell DeepSpeed so (``DS_ACCELERATOR=cpu``, unless the user chose):
     its auto-detection would print "unable to detect" a warning in every process of a local launch.
     Only for local launches: the ranks run on this machine, so what it has is what they have."""
-    from megatron.devices import gpu_count
-
-    if "DS_ACCELERATOR" in environ or gpu_count():
+    if "DS_ACCELERATOR" in environ or devices.gpu_count():
         return {}
     return {"DS_ACCELERATOR": "cpu"}
 

@@ -44,7 +44,9 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import NoReturn, Protocol
 
+from megatron.devices import gpu_driver_present
 from megatron.logging.heartbeats import HANG_EXIT_CODE  # standard library only
+from megatron.logging.rank_errors import record_exit
 
 FORK_RANKS_ENV = "DEEPY_FORK_RANKS"
 PRELOAD = ("torch", "torch._dynamo", "deepspeed")
@@ -143,8 +145,6 @@ class ForkedRank:
 
 def fork_ranks_here(environ: Mapping[str, str]) -> bool:
     """Fork the workers (after :func:`preload`) rather than start fresh interpreters: no GPU driver."""
-    from megatron.devices import gpu_driver_present
-
     return environ.get(FORK_RANKS_ENV, "1") != "0" and not gpu_driver_present()
 
 
@@ -156,6 +156,7 @@ def preload() -> bool:
     Then the workers start fresh, as on a GPU machine."""
     for name in PRELOAD:
         importlib.import_module(name)
+    # lazy: DeepSpeed is imported on purpose here, by preload(), before the ranks fork
     from deepspeed.accelerator import get_accelerator
 
     return bool(get_accelerator().device_name() == "cpu")
@@ -238,8 +239,6 @@ def supervise(processes: Sequence[Worker], run_dir: str | None = None) -> int:
     errors (:func:`megatron.logging.rank_errors.record_exit`) with the last moment each was seen
     running, so that deepy names the rank that failed first as the cause, not a peer whose collective
     it broke."""
-    from megatron.logging.rank_errors import record_exit
-
     rank_of = {proc.pid: rank for rank, proc in enumerate(processes)}
     alive_at = dict.fromkeys(rank_of, time.time())
     running = list(processes)

@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 from megatron.errors import ConfigError
 from megatron.launcher.config import DeepSpeedRunnerArgs
-from megatron.launcher.environment import visible_devices
+from megatron.launcher.environment import started_by_scheduler, visible_devices
+from megatron.launcher.slurm import allocation_pool, in_allocation
 
 # where DeepSpeed's runner looks for a hostfile when none is configured
 DEFAULT_HOSTFILE = "/job/hostfile"
@@ -118,16 +119,12 @@ def _read_hostfile(path: str) -> dict[str, int]:
 
 def scheduler_world(config: DeepSpeedRunnerArgs, environ: Mapping[str, str]) -> int | None:
     """The world size when deepy itself runs as one task of srun/mpirun (then it runs in place)."""
-    from megatron.launcher.environment import started_by_scheduler
-
     source = started_by_scheduler(environ, slurm=config.deepspeed_slurm, mpi=config.deepspeed_mpi)
     return None if source is None else int(environ[source.world_size])
 
 
 def uses_local_pool(config: DeepSpeedRunnerArgs, environ: Mapping[str, str]) -> bool:
     """True when the ranks run on this machine only, sized by num_gpus or the device count."""
-    from megatron.launcher.slurm import in_allocation
-
     return (
         config.launcher != "slurm"
         and not (config.launcher == "torchrun" and in_allocation(environ))
@@ -153,13 +150,9 @@ def resource_pool(
     if world is not None:
         return {"(started by the scheduler)": list(range(world))}
     if config.launcher == "torchrun":
-        from megatron.launcher.slurm import allocation_pool, in_allocation
-
         if in_allocation(environ):  # srun starts an agent on each node of the allocation
             return allocation_pool(environ)
     if config.launcher == "slurm":
-        from megatron.launcher.slurm import allocation_pool, in_allocation
-
         if config.hostfile and os.path.isfile(config.hostfile):
             raise ConfigError(
                 f"hostfile={config.hostfile!r} with launcher='slurm': the Slurm allocation names the nodes; "

@@ -85,6 +85,7 @@ class _StopNotes:
         self.signals.append(signum)
 
     def __enter__(self) -> _StopNotes:
+        # lazy: launcher.run imports psutil, only when a launch runs
         from megatron.launcher.run import STOP_SIGNALS
 
         self.previous = {sig: signal.signal(sig, self._note) for sig in STOP_SIGNALS}
@@ -99,6 +100,7 @@ def run_with_restarts(plan: LaunchPlan, replan: Callable[[], LaunchPlan], enviro
                       policy: RestartPolicy, *, verbose: bool = False, memory: str | None = None,
                       trains: bool = True) -> int:  # fmt: skip
     """Run ``plan``; while it fails and restarts are left, run ``replan()``'s plan. Returns deepy's exit code."""
+    # lazy: launcher.run imports psutil, only when a launch runs
     from megatron.launcher.run import LaunchSupervisor, launch_line, worker_environment
 
     done: list[dict[str, Any]] = []

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 from collections.abc import Sequence
 
 from megatron.errors import ConfigError
 from megatron.launcher.plan import CONFIG_FLAG, LaunchPlan, PlanInputs
 from megatron.launcher.rendezvous import check_first_host_reachable, rendezvous
+from megatron.launcher.slurm import check_whole_hosts, in_allocation, node_address
 from megatron.launcher.watchdog import launcher_environment
 
 AGENT_MODULE = "torch.distributed.run"
@@ -44,8 +46,6 @@ def _per_node(inputs: PlanInputs) -> int:
 
 
 def plan_torchrun(inputs: PlanInputs) -> LaunchPlan:
-    from megatron.launcher.slurm import check_whole_hosts, in_allocation, node_address
-
     config = inputs.config
     hosts = list(inputs.active)
     per_node = _per_node(inputs)
@@ -84,6 +84,7 @@ def plan_torchrun(inputs: PlanInputs) -> LaunchPlan:
                         worker)
     # as DeepSpeed's pdsh runner does: the same directory and this repository importable on every host (the user's
     # other variables stay where pdsh's ssh puts them: the remote login's)
+    # lazy: launcher.run imports psutil, only when a launch runs
     from megatron.launcher.run import REPO_ROOT
 
     remote = (f"cd {shlex.quote(os.getcwd())} && export PYTHONPATH={shlex.quote(REPO_ROOT)}${{PYTHONPATH:+:$PYTHONPATH}}"
@@ -100,16 +101,10 @@ def main(argv: Sequence[str]) -> None:
     MASTER_ADDR, by default its host name, which need not resolve on the network; ``NodeAddr`` does (slurmctld
     connects to it), as the ``launcher: slurm`` rendezvous uses. One srun command serves every node, so each
     agent looks its own up."""
-    import sys
-
-    from megatron.launcher.slurm import node_address
-
     node = os.environ.get("SLURMD_NODENAME")
     extra = [f"--local-addr={node_address(node)}"] if node else []
     os.execv(sys.executable, [sys.executable, "-u", "-m", AGENT_MODULE, *extra, *argv])
 
 
 if __name__ == "__main__":
-    import sys
-
     main(sys.argv[1:])

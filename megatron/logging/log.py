@@ -79,6 +79,7 @@ def format_row(row: dict[str, Any], train_iters: int | None = None) -> str:
 
 def set_deepspeed_log_level(level: str) -> None:
     """Level of DeepSpeed's logger in this process (the runner and launcher get ``--log_level``)."""
+    # lazy: DeepSpeed's logger, only in processes that run DeepSpeed
     from deepspeed.utils.logging import set_log_level_from_string
 
     set_log_level_from_string(level)

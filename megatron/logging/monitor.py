@@ -14,6 +14,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import torch.distributed as dist
+
 from megatron.logging.heartbeats import restarts_so_far
 from megatron.logging.config import LoggingArgs, TrackerSettings, WandbSettings
 from megatron.logging.profiling import StepProfiler
@@ -104,7 +106,6 @@ def agree_on_wandb_run_id(resumed: str | None, trackers: tuple[TrackerSettings, 
     (``tracker: {id: ...}``), else rank 0's new one."""
     if not any(isinstance(t, WandbSettings) for t in trackers):
         return resumed
-    import torch.distributed as dist
 
     chosen = next((t.run_id for t in trackers if isinstance(t, WandbSettings) and t.run_id), None)
     proposal = [resumed or chosen or (new_wandb_run_id() if not dist.is_initialized() or dist.get_rank() == 0 else None)]
@@ -117,7 +118,6 @@ def agree_on_run_name(resumed: str | None) -> str:
     """The run's name: the checkpoint's when resuming, else rank 0's new one, on every rank."""
     if resumed:
         return resumed
-    import torch.distributed as dist
 
     proposal = [new_run_name() if not dist.is_initialized() or dist.get_rank() == 0 else None]
     if dist.is_initialized() and dist.get_world_size() > 1:

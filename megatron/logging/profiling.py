@@ -15,8 +15,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch.profiler as tp
+
 from megatron.errors import ConfigError
 from megatron.logging.config import ProfileSettings
+from megatron.torch_internals import dump_cuda_memory_snapshot, start_cuda_memory_history
 
 
 class StepProfiler:
@@ -42,14 +45,10 @@ class StepProfiler:
         if self.settings.torch_profiler and iteration == self.settings.start - warmup:
             self._start_torch_profiler(warmup)
         if self.settings.memory_snapshot and iteration == self.settings.start:
-            from megatron.torch_internals import start_cuda_memory_history
-
             start_cuda_memory_history(max_entries=200_000)
             self._recording_memory = True
 
     def _start_torch_profiler(self, warmup: int) -> None:
-        import torch.profiler as tp
-
         activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if self.cuda else [])
         os.makedirs(self.settings.trace_dir, exist_ok=True)
         steps = self.settings.stop - self.settings.start + 1
@@ -77,8 +76,6 @@ class StepProfiler:
             self._profiler = None
             self.written.append(self.settings.trace_dir)
         if self._recording_memory:
-            from megatron.torch_internals import dump_cuda_memory_snapshot
-
             os.makedirs(self.settings.memory_dir, exist_ok=True)
             path = os.path.join(self.settings.memory_dir, f"memory_snapshot_rank{self.rank}_step{iteration}.pickle")
             dump_cuda_memory_snapshot(path)

@@ -73,6 +73,7 @@ class TrainingProgress:
         self._waiting = threading.Event()
         self._heartbeat: threading.Thread | None = None
         if enabled and (is_terminal() if terminal is None else terminal):
+            # lazy: tqdm, only when a bar is drawn on a terminal
             from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -230,10 +231,12 @@ def progress(total: int | None, desc: str, unit: str = "it", *, enabled: bool = 
     ``set_postfix_str(text)`` and work as context managers."""
     stream = sys.stderr if stream is None else stream
     if not enabled:
+        # lazy: tqdm, only when a bar is drawn on a terminal
         from tqdm import tqdm
 
         return tqdm(total=total, disable=True)
     if is_terminal(stream) if terminal is None else terminal:
+        # lazy: tqdm, only when a bar is drawn on a terminal
         from tqdm import tqdm
 
         return tqdm(total=total, desc=desc, unit=unit, file=stream, dynamic_ncols=True, smoothing=0.1)

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.utils import is_model_parallel_parameter
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 
 from megatron import mpu
 from megatron.deepspeed_internals import has_partitioned_optimizer_state, relink_optimizer_state_views
@@ -70,8 +72,6 @@ class StatsCollector:
         return float(scale) if scale else 1.0
 
     def _grad_stats(self) -> dict[str, tuple[float, float, float]]:
-        from deepspeed.utils import safe_get_full_grad
-
         scale = self._grad_scale()
         out: dict[str, tuple[float, float, float]] = {}
         for name, p in self.named:
@@ -83,14 +83,10 @@ class StatsCollector:
         return out
 
     def _full_param(self, p: torch.nn.Parameter) -> torch.Tensor:
-        from deepspeed.utils import safe_get_full_fp32_param
-
         full = safe_get_full_fp32_param(p)
         return (p if full is None else full).detach().float()
 
     def _optimizer_states(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
-        from deepspeed.utils import safe_get_full_optimizer_state
-
         keys = self._state_keys()
         if has_partitioned_optimizer_state(p):
             self._link_optimizer_states()
@@ -123,8 +119,6 @@ class StatsCollector:
         tp_rank = mpu.get_tensor_model_parallel_rank()
         names = sorted(local)
         if names and mpu.get_tensor_model_parallel_world_size() > 1:
-            from deepspeed.runtime.utils import is_model_parallel_parameter
-
             params = dict(self.named)
             # shards are disjoint: add them up; replicated parameters: count tp rank 0's copy only
             rows = [local[n] if is_model_parallel_parameter(params[n]) or tp_rank == 0 else [0.0] * len(local[n])

@@ -70,6 +70,7 @@ def _has_word(name: str, key: str) -> bool:
 
 
 def current_device_name() -> str | None:
+    # lazy: torch, only to name the device; tools read the arithmetic without it
     import torch
 
     if torch.cuda.is_available():

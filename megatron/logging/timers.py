@@ -17,6 +17,8 @@ import time
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
+from megatron.deepspeed_internals import collect_engine_timers
+
 T = TypeVar("T")
 
 # DeepSpeed timer name -> our metric name (``timers/<name>_ms``). The micro-step twins of the global
@@ -50,7 +52,6 @@ class Timers:
         """Read ``engine.timers`` (DeepSpeed's timer group) at log steps instead of letting it print."""
         if not self.breakdown:
             return
-        from megatron.deepspeed_internals import collect_engine_timers
 
         # the spans keep accumulating until we read them (and a pipeline's backward timers start once)
         self._engine_timers = collect_engine_timers(engine, _quiet_log)

@@ -21,25 +21,20 @@ Every tracker's step axis is the iteration, which a resumed run continues from i
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import secrets
 import string
+import subprocess
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from megatron import plugins
-from megatron.logging.config import (
-    JsonlSettings,
-    TensorboardSettings,
-    TensorboardTrackerArgs,
-    TrackerBlock,
-    TrackerSettings,
-    WandbSettings,
-    WandbTrackerArgs,
-)
+from megatron.logging.config import JsonlSettings, TensorboardSettings, TrackerSettings, WandbSettings
+from megatron.logging.config import TrackerBlock as TrackerBlock  # re-exported: plug-ins subclass it
 from megatron.logging.metrics import MetricsWriter
 
 class Tracker(Protocol):
@@ -98,6 +93,7 @@ class JsonlTracker:
 
 class TensorboardTracker:
     def __init__(self, settings: TensorboardSettings, ctx: TrackerContext) -> None:
+        # lazy: TensorBoard is optional and slow to import
         from torch.utils.tensorboard import SummaryWriter
 
         # purge_step drops events a resumed run is about to write again (resume from an older
@@ -105,8 +101,6 @@ class TensorboardTracker:
         purge = ctx.start_step + 1 if ctx.start_step > 0 else None
         self.writer = SummaryWriter(log_dir=settings.logdir, purge_step=purge)
         if ctx.run_config and ctx.start_step == 0:
-            import json
-
             self.writer.add_text("config", "```\n" + json.dumps(dict(ctx.run_config), indent=1, default=str) + "\n```", 0)
 
     def log(self, row: Mapping[str, Any], step: int) -> None:
@@ -120,6 +114,7 @@ class TensorboardTracker:
 
 class WandbTracker:
     def __init__(self, settings: WandbSettings, ctx: TrackerContext, log_dir: str | None) -> None:
+        # lazy: wandb is optional and slow to import
         import wandb
 
         self.speaks = ctx.speaks
@@ -191,8 +186,6 @@ def source_files(root: str) -> Callable[[str, str], bool]:
     Dockerfile*; wandb/util.py ``_is_py_requirements_or_dockerfile``) that git does not ignore (tracked or
     new), so a checkout's .venv (thousands of *.py) stays out; outside a git work tree, every such file
     but those of a Python environment (a directory holding pyvenv.cfg or conda-meta)."""
-    import subprocess
-
     def wandbs_rule(path: str) -> bool:
         name = os.path.basename(path)
         return name.endswith(".py") or name.startswith("Dockerfile") or name == "requirements.txt"
@@ -217,8 +210,6 @@ def source_files(root: str) -> Callable[[str, str], bool]:
 def head_commit(root: str) -> str | None:
     """HEAD of the git repository whose root is ``root`` (as GitPython's ``Repo(root)`` reads it: a
     directory inside a repository is not its root), or None."""
-    import subprocess
-
     if not os.path.exists(os.path.join(root, ".git")):
         return None
     try:

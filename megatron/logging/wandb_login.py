@@ -39,6 +39,7 @@ class WandbLogin:
 def login_state(host: str, mode: WandbMode | None) -> WandbLogin:
     """What ``wandb.init(mode=mode, settings=Settings(base_url=host))`` would find on this machine."""
     try:
+        # lazy: wandb is optional and slow to import
         from wandb import env
         from wandb.sdk.lib import wbauth
         from wandb.sdk.wandb_settings import Settings

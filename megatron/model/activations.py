@@ -9,6 +9,7 @@ import: an entry's function is looked up when the MLP is built.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,8 +46,7 @@ class ActivationEntry:
     """GELU's ``approximate`` argument (``tanh``)."""
 
     def build(self) -> Activation:
-        import functools
-
+        # lazy: torch; the launcher (deepy.py) reads this module without it
         import torch
         import torch.nn.functional as F
 

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from megatron.config_rules import RuleContext, render, rule
 from megatron.model.family_config import configured_families, expand_layer_types
+from megatron.model.mlp_width import GATED_ACTIVATIONS, neox_mlp_widths, width_problem
 
 
 class ModelKeys(Protocol):
@@ -132,6 +133,7 @@ def rope_scaling_is_honoured(ctx: ModelKeys) -> list[str]:
     if ctx.get("pos_emb") != "rotary":
         return [f"{ctx.show('rope_scaling')} scales rotary positions, but {ctx.show('pos_emb')}: set pos_emb: "
                 "rotary or remove rope_scaling"]
+    # lazy: rope_scaling imports torch; the launcher runs these checks without it
     from megatron.model.rope_scaling import RopeScalingError, parse_rope_scaling
 
     try:
@@ -161,8 +163,6 @@ def vocab_padding_splits_over_tp(ctx: RuleContext) -> list[str]:
 def mlp_widths_fit(ctx: ModelKeys) -> list[str]:
     """The MLP widths GPT-NeoX's rule gives fit each other (``megatron/model/mlp_width.py``), and only one
     of intermediate_size / expansion_factor sizes it (GPT-NeoX asserts that, transformer.py:106)."""
-    from megatron.model.mlp_width import GATED_ACTIVATIONS, neox_mlp_widths, width_problem
-
     hidden, size, factor = ctx.get("hidden_size"), ctx.get("intermediate_size"), ctx.get("expansion_factor")
     if hidden is None:
         return []

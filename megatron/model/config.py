@@ -26,9 +26,12 @@ from megatron.config_schema import not_supported
 from megatron.config_schema import partly_supported
 from megatron.config_support import KNOWN_ATTENTION_TYPES
 from megatron.errors import ConfigError
-from megatron.model.activations import is_gated
+from megatron.model.activations import ACTIVATIONS, is_gated
+from megatron.model import checks, family_checks, moe_checks
+from megatron.model.checks import ConfigView
+from megatron.model.family_checks import tensor_parallel_splits
 from megatron.model.mlp_width import MLPWidths, expert_width
-from megatron.model.norms import NORM_KEYS, NORMS, NormSettings
+from megatron.model.norms import NORMS, NORM_KEYS, NormSettings
 from megatron.model.family_config import FAMILY_OF_TYPE, FamilyName, expand_layer_types, family_of
 from megatron.model.moe_config import MoEArgs
 from megatron.model.transformer_options import ATTENTION_TYPES, MLP_TYPES, POSITIONAL
@@ -147,8 +150,6 @@ class GPTConfig(MoEArgs):
     @field_validator("norm")
     @classmethod
     def _registered_norm(cls, value: str) -> str:
-        from megatron.model.norms import NORMS  # no torch: the registry builds its modules lazily
-
         return NORMS.validate(value)
 
     layernorm_fusion: bool = False
@@ -441,6 +442,7 @@ class GPTConfig(MoEArgs):
     @property
     def params_dtype(self) -> torch.dtype:
         """The dtype the weights are created in: ``precision`` (fp32 when unset)."""
+        # lazy: torch; the launcher (deepy.py) reads this module without it
         import torch
 
         return getattr(torch, _DTYPE_NAMES[self.precision or "fp32"])
@@ -497,6 +499,7 @@ class GPTConfig(MoEArgs):
     @property
     def rope_scaling_spec(self) -> RopeScaling | None:
         """``rope_scaling`` (HF's dict) parsed (``megatron/model/rope_scaling.py``)."""
+        # lazy: torch; the launcher (deepy.py) reads this module without it
         from megatron.model.rope_scaling import parse_rope_scaling
 
         return parse_rope_scaling(self.rope_scaling, self.max_positions) if self.rope_scaling else None
@@ -505,9 +508,6 @@ class GPTConfig(MoEArgs):
         """Raise :class:`ModelConfigError` for an architecture the model cannot build; the model and
         the pipeline builder call it first."""
         # the same checks deepy.py runs before launch (megatron/model/checks.py), one invariant written once
-        from megatron.model import checks, moe_checks
-        from megatron.model.checks import ConfigView
-
         view = ConfigView(self)
         problems: list[str] = []
         for shape_check in (checks.model_shape_given, checks.heads_divide_hidden, checks.kv_heads_fit,
@@ -523,16 +523,11 @@ class GPTConfig(MoEArgs):
         if bad:
             raise ModelConfigError(f"attention types {sorted(set(bad))} are not supported (only "
                                    f"{', '.join([*ATTENTION_TYPES, *sorted(FAMILY_OF_TYPE)])})")
-        from megatron.model import family_checks  # the Mamba/RWKV/gMLP layers' own shape rules
-
-        problems = family_checks.shape_problems(view)
+        problems = family_checks.shape_problems(view)  # the Mamba/RWKV/gMLP layers' own shape rules
         if problems:
             raise ModelConfigError("; ".join(problems))
 
     def _check_choices(self) -> None:
-        from megatron.model.activations import ACTIVATIONS
-        from megatron.model.norms import NORMS
-
         choices: dict[str, tuple[str, list[str]]] = {
             "pos_emb": (self.pos_emb, list(POSITIONAL)),
             "norm": (self.norm, sorted(NORMS)),
@@ -617,7 +612,6 @@ class GPTConfig(MoEArgs):
                 "the MLP width (GPT-NeoX's rule: intermediate_size, expansion_factor, mlp_multiple_of)": (
                     self.ffn_hidden_size, MLP_WIDTH_KEYS),
             })
-        from megatron.model.family_checks import tensor_parallel_splits
 
         splits.update(tensor_parallel_splits(self))
         if self.moe_num_experts > 1:
@@ -646,12 +640,14 @@ class GPTConfig(MoEArgs):
 
     def init_fn(self) -> InitFn:
         """Init for input-side weights (embeddings, QKV, first MLP projection, untied output)."""
+        # lazy: torch; the launcher (deepy.py) reads this module without it
         from megatron.mpu.initialize_weights import init_method_from_name
 
         return init_method_from_name(self.init_method, self.init_method_std, self.arch.layers, self.arch.hidden)
 
     def output_init_fn(self) -> InitFn:
         """Init for the layers that write into the residual stream (attention dense, MLP out)."""
+        # lazy: torch; the launcher (deepy.py) reads this module without it
         from megatron.mpu.initialize_weights import init_method_from_name
 
         return init_method_from_name(

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron.config_rules import RuleContext, rule
+from megatron.launcher.checks import runs_on_this_machine
 from megatron.model.checks import ModelKeys
 from megatron.model.family_config import (
     FAMILY_OF_TYPE,
@@ -113,8 +114,6 @@ def gmlp_norm_splits_over_tensor_parallel(ctx: RuleContext) -> list[str]:
 def kernel_problems(ctx: RuleContext, find_spec: Finder | None = None) -> list[str]:
     """A fused kernel needs its package and an NVIDIA GPU where the ranks run; refused here when they
     run on this machine without them, a warning when they run elsewhere."""
-    from megatron.launcher.checks import runs_on_this_machine
-
     find = find_spec or importlib.util.find_spec
     families = layer_families(ctx)
     problems: list[str] = []

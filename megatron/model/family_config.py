@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from megatron.model.transformer_options import transformer_mixing_flops, transformer_parameters, transformer_replicated
 from megatron.model.option_registry import OptionRegistry
 
 FamilyName = Literal["transformer", "mamba", "rwkv", "gmlp"]
@@ -269,12 +270,10 @@ def _gmlp_mixing(config: Any, layer_type: str, seq_length: int) -> float:
 
 
 def _families() -> OptionRegistry[FamilyEntry]:
-    from megatron.model import transformer_options as t
-
     registry: OptionRegistry[FamilyEntry] = OptionRegistry("layer family")
     for name, entry in {
-        "transformer": FamilyEntry(parameters=t.transformer_parameters, replicated=t.transformer_replicated,
-                                   mixing_flops=t.transformer_mixing_flops),
+        "transformer": FamilyEntry(parameters=transformer_parameters, replicated=transformer_replicated,
+                                   mixing_flops=transformer_mixing_flops),
         "mamba": FamilyEntry(parameters=_mamba_parameters, replicated=_mamba_replicated, mixing_flops=_mamba_mixing),
         "rwkv": FamilyEntry(parameters=_rwkv_parameters, replicated=_rwkv_replicated, mixing_flops=_rwkv_mixing),
         "gmlp": FamilyEntry(parameters=_gmlp_parameters, replicated=_gmlp_replicated, mixing_flops=_gmlp_mixing,

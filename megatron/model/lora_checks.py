@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from megatron.config_rules import RuleContext, rule
 from megatron.model.family_config import configured_families
+from megatron.objective_needs import needs_of
 
 
 _LORA_KEYS = ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_split_fused", "lora_init")
@@ -75,7 +76,6 @@ def lora_targets_are_in_the_model(ctx: RuleContext) -> list[str]:
     pipeline stage holds."""
     if int(ctx.get("lora_r") or 0) == 0:
         return []
-    from megatron.objective_needs import needs_of
 
     targets = ctx.get("lora_target_modules") or []
     families = configured_families(ctx.get("attention_config"))

@@ -148,6 +148,7 @@ class MambaMixer(nn.Module):
         s = x.shape[-1]
         weight, bias = self.conv1d.weight.to(x.dtype), self.conv1d.bias
         if past is None and self.fused_conv:
+            # lazy: causal-conv1d's kernel is optional
             from causal_conv1d import causal_conv1d_fn
 
             y = causal_conv1d_fn(x, weight.squeeze(1), None if bias is None else bias.to(x.dtype), activation="silu")
@@ -160,6 +161,7 @@ class MambaMixer(nn.Module):
     def _scan(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
               z: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused_scan and state is None:
+            # lazy: mamba-ssm's kernels are optional
             from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
 
             y, last = selective_scan_fn(x, dt, A, B.contiguous(), C.contiguous(), self.D.float(), z=z,
@@ -170,6 +172,7 @@ class MambaMixer(nn.Module):
 
     def _fused_inner(self, xz: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
         """mamba_ssm's whole-mixer function (one tensor-parallel rank, no projection biases: the checks say so)."""
+        # lazy: mamba-ssm's kernels are optional
         from mamba_ssm.ops.selective_scan_interface import mamba_inner_fn
 
         bias = self.conv1d.bias

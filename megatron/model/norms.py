@@ -45,6 +45,7 @@ class NormSettings:
     @property
     def params_dtype(self) -> torch.dtype:
         """The dtype the weights are created in."""
+        # lazy: torch; the launcher (deepy.py) reads this module without it
         import torch
 
         dtype: torch.dtype = getattr(torch, self.dtype_name)
@@ -86,24 +87,28 @@ def register_norm(name: str, entry: NormEntry) -> NormEntry:
 
 
 def _layernorm(dim: int, c: NormSettings) -> nn.Module:
+    # lazy: torch; the launcher (deepy.py) reads this module without it
     from torch import nn
 
     return nn.LayerNorm(dim, c.layernorm_epsilon, bias=c.use_bias_in_norms, dtype=c.params_dtype)
 
 
 def _rmsnorm(dim: int, c: NormSettings) -> nn.Module:
+    # lazy: torch; the launcher (deepy.py) reads this module without it
     from megatron.model.norm_layers import RMSNorm
 
     return RMSNorm(dim, c.rms_norm_epsilon, dtype=c.params_dtype)
 
 
 def _scalenorm(dim: int, c: NormSettings) -> nn.Module:
+    # lazy: torch; the launcher (deepy.py) reads this module without it
     from megatron.model.norm_layers import ScaleNorm
 
     return ScaleNorm(dim, c.scalenorm_epsilon, c.params_dtype)
 
 
 def _non_parametric_layernorm(dim: int, c: NormSettings) -> nn.Module:
+    # lazy: torch; the launcher (deepy.py) reads this module without it
     from torch import nn
 
     return nn.LayerNorm(dim, c.layernorm_epsilon, elementwise_affine=False)

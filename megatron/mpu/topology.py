@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import deepspeed.accelerator
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 
@@ -196,9 +197,7 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """Where a tensor must live to take part in a collective over ``group``: NCCL moves GPU memory
     only (a CPU tensor is refused), gloo moves host memory."""
     if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
-        from deepspeed.accelerator import get_accelerator
-
-        return torch.device(get_accelerator().current_device_name())
+        return torch.device(deepspeed.accelerator.get_accelerator().current_device_name())  # patchable
     return torch.device("cpu")
 
 

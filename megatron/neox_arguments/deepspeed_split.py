@@ -9,11 +9,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Mapping
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
+from megatron import devices
 from megatron.errors import ConfigError
 from megatron.config_rules import DERIVED, block_enabled
 
@@ -200,11 +206,10 @@ def _deepspeed_config_class() -> Any:
     import (and restoring the environment after) keeps deepy.py's output to our lines. The ranks
     are other processes and detect their own devices.
     """
-    from megatron.devices import gpu_count
-
     previous = os.environ.get("DS_ACCELERATOR")
-    os.environ["DS_ACCELERATOR"] = previous or ("cuda" if gpu_count() else "cpu")
+    os.environ["DS_ACCELERATOR"] = previous or ("cuda" if devices.gpu_count() else "cpu")
     try:
+        # lazy: DeepSpeed, only when its parser has not accepted this config before
         from deepspeed.accelerator import get_accelerator
         from deepspeed.runtime.config import DeepSpeedConfig
 
@@ -224,19 +229,13 @@ def accepted_config_marker(config: Mapping[str, Any]) -> Path | None:
     Refusals are never remembered: they are asked again and reported every time.
     ``DEEPY_NO_CACHE=1`` turns this off.
     """
-    import hashlib
-    import json
-    from importlib import metadata
-
-    from megatron.devices import gpu_driver_present
-
     if os.environ.get("DEEPY_NO_CACHE", "") not in ("", "0"):
         return None
     try:
         version = metadata.version("deepspeed")
     except metadata.PackageNotFoundError:
         return None
-    key = json.dumps([version, os.environ.get("DS_ACCELERATOR", ""), gpu_driver_present(), config],
+    key = json.dumps([version, os.environ.get("DS_ACCELERATOR", ""), devices.gpu_driver_present(), config],
                      sort_keys=True, default=str)
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deepy" / "deepspeed-accepted"
     return root / hashlib.sha256(key.encode()).hexdigest()
@@ -264,8 +263,6 @@ def deepspeed_problems(config: Mapping[str, Any], provenance: Mapping[str, str] 
 
 
 def _parser_problems(checked: Mapping[str, Any], provenance: Mapping[str, str] | None) -> list[str]:
-    from pydantic import ValidationError
-
     DeepSpeedConfig = _deepspeed_config_class()
     try:
         DeepSpeedConfig(dict(checked))

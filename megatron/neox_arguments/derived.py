@@ -12,15 +12,28 @@ order and each sees the values derived before it.
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from megatron import devices
 from megatron.checkpointing.resume_checks import batch_across_layouts
 from megatron.data.batch import BatchError, BatchLayout, solve_batch
 from megatron.data.batch_schedule import schedule_problems
+from megatron.engine.optimizer_block import AdamParams
 from megatron.errors import ConfigError
+from megatron.launcher.checks import runs_on_this_machine
 from megatron.launcher.config import DeepSpeedRunnerArgs
+from megatron.launcher.resources import (
+    active_resources as launcher_resources,
+    uses_local_pool as launcher_uses_local_pool,
+)
+from megatron.logging.config import LoggingArgs, WandbSettings, WandbTrackerArgs
+from megatron.logging.wandb_login import login_state
+from megatron.model.mlp_width import legacy_llama_width
+from megatron.neox_arguments.deepspeed_split import deepspeed_config, deepspeed_problems, extra_args_problems
+from megatron.neox_arguments.hybrid_shard_rules import hybrid_shard_problems, shard_size
 from megatron.objective_needs import needs_of
 from megatron.neox_arguments.honesty import FILLED_IN_KEYS
 from megatron.config_rules import DERIVED
@@ -38,9 +51,7 @@ if TYPE_CHECKING:
 # --- world size ---------------------------------------------------------------------------------
 def local_device_count() -> int:
     """Ranks a plain single-node launch gets: the CUDA device count, or one CPU rank."""
-    from megatron.devices import gpu_count
-
-    return gpu_count() or 1
+    return devices.gpu_count() or 1
 
 
 def detect_world_size(args: NeoXArgs, device_count: int | None = None, warnings: list[str] | None = None) -> int:
@@ -58,16 +69,12 @@ def detect_world_size(args: NeoXArgs, device_count: int | None = None, warnings:
 def active_resources(args: NeoXArgs, device_count: int | None = None,
                      warnings: list[str] | None = None) -> dict[str, list[int]]:
     """host -> slot ids the ranks will use (see :mod:`megatron.launcher.resources`)."""
-    from megatron.launcher.resources import active_resources as launcher_resources
-
     devices = local_device_count if device_count is None else (lambda: device_count)
     return launcher_resources(args, os.environ, devices, warnings)
 
 
 def uses_local_pool(args: DeepSpeedRunnerArgs) -> bool:
     """True when the ranks run on this machine only, sized by num_gpus or the device count."""
-    from megatron.launcher.resources import uses_local_pool as launcher_uses_local_pool
-
     return launcher_uses_local_pool(args, os.environ)
 
 
@@ -190,8 +197,6 @@ def derive_llama_mlp_type(ctx: RuleContext) -> Derivation:
     """``mlp_type: llama`` (GPT-NeoX's Llama/Mistral configs before ``swiglu`` existed) in the keys
     Deepy's model reads: the gated activation, no MLP biases, and LLaMA's MLP width (each half
     ``intermediate_size`` wide as given, ``megatron/model/mlp_width.py``)."""
-    from megatron.model.mlp_width import legacy_llama_width
-
     if ctx.get("mlp_type") != "llama":
         return Derivation()
     activation, hidden = ctx.get("activation"), ctx.get("hidden_size")
@@ -336,8 +341,6 @@ def derive_sharding(ctx: RuleContext) -> Derivation:
         problems.append(f"{ctx.show('sharding_strategy')} contradicts {ctx.show('zero_stage')}; keep one of them")
     values: dict[str, Any] = {}
     if strategy == "hsdp":
-        from megatron.neox_arguments.hybrid_shard_rules import hybrid_shard_problems, shard_size
-
         one_node = uses_local_pool(cast(DeepSpeedRunnerArgs, ctx.args))  # without num_gpus: this machine is one node
         problems += hybrid_shard_problems(ctx, merged, one_node)
         values["sharding_group_size"] = shard_size(ctx, one_node)
@@ -398,8 +401,6 @@ def derive_zero(ctx: RuleContext) -> Derivation:
 def derive_apex_max_grad_norm(ctx: RuleContext) -> Derivation:
     """``optimizer.params.max_grad_norm`` (apex FusedAdam's in-optimizer clipping, in GPT-NeoX's
     configuration guide) is the gradient clipping DeepSpeed does: it becomes ``gradient_clipping``."""
-    from megatron.engine.optimizer_block import AdamParams
-
     block = ctx.get("optimizer")
     norm = block.params.max_grad_norm if block is not None and isinstance(block.params, AdamParams) else None
     if norm is None:
@@ -482,7 +483,6 @@ def derive_git_hash(ctx: RuleContext) -> Derivation:
     """The commit of the code that runs, recorded with the run (GPT-NeoX computes it too)."""
     if ctx.get("git_hash"):
         return Derivation()
-    import subprocess
 
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
@@ -517,11 +517,6 @@ def derive_wandb_offline_without_a_key(ctx: RuleContext) -> Derivation:
     every row is kept for ``wandb sync``, and GPT-NeoX's own ``local_setup.yml`` (``use_wandb: true``) runs, as
     GPT-NeoX runs it without a key (it skips W&B: ``megatron/utils.py:144-183`` at ea7aefd8). ``mode: online``
     said explicitly is refused (docs/dialects.md says why)."""
-    from megatron.launcher.checks import runs_on_this_machine
-    from megatron.logging.config import LoggingArgs, WandbSettings
-    from megatron.logging.trackers import WandbTrackerArgs
-    from megatron.logging.wandb_login import login_state
-
     if not ctx.trains:
         return Derivation()
     try:
@@ -531,6 +526,7 @@ def derive_wandb_offline_without_a_key(ctx: RuleContext) -> Derivation:
     if wandb is None:
         return Derivation()
     try:
+        # lazy: wandb is optional, imported only to check a W&B tracker
         import wandb as _  # noqa: F401 - the tracker check refuses a W&B that does not import
     except ImportError:
         return Derivation()
@@ -585,8 +581,6 @@ def finalize(resolved: ResolvedConfig, world_size: int, device: Device | None = 
     ``resolved.provenance``; ``resolved.deepspeed_config`` is filled. Raises one ConfigError that
     lists every problem.
     """
-    from megatron.neox_arguments.deepspeed_split import deepspeed_config, deepspeed_problems, extra_args_problems
-
     args, provenance = resolved.args, resolved.provenance
     ctx = RuleContext(args=args, provenance=provenance, world_size=world_size, device=device or Device.detect(),
                       warnings=resolved.warnings, skipped=resolved.skipped, entry_point=resolved.entry_point)

@@ -13,12 +13,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
+from megatron.checkpointing import resume_checks
+from megatron.checkpointing.discovery import resume_point
 from megatron.config_rules import RuleContext, describe, rule
-from megatron.data.config import PATH_KEYS
-from megatron.errors import DeepyError
+from megatron.data.batch_schedule import schedule_pairs
+from megatron.data.config import PATH_KEYS, SPLITS
+from megatron.engine.lr_config import schedule_problems
+from megatron.errors import ConversionError, DeepyError
 from megatron.launcher.checks import runs_on_this_machine
+from megatron.model.config import GPTConfig
 from megatron.neox_arguments.arguments import NeoXArgs
+from megatron.neox_arguments.honesty import FILLED_IN_KEYS, USER_SETTABLE_FILLED_IN
 from megatron.object_store import is_remote
+from megatron.tokenizer import build_tokenizer
+from megatron.tokenizer.config import TokenizerArgs
+from megatron.training.hf_save_config import HFSaveArgs
 
 
 def _prefixes(ctx: RuleContext) -> Iterator[tuple[str, str]]:
@@ -36,9 +45,11 @@ def _prefixes(ctx: RuleContext) -> Iterator[tuple[str, str]]:
 
 
 def _missing_or_bad(prefix: str, shard_file_type: str = "arrow") -> str | None:
+    # lazy: numpy, once data files are checked (deepy.py --help and config errors come first)
     from megatron.data.indexed_dataset import MMapIndexedDataset
 
     if os.path.isdir(prefix):  # fms-fsdp's token shards, read into a dataset at start-up
+        # lazy: numpy, once data files are checked (deepy.py --help and config errors come first)
         from megatron.data.token_shards import shard_files
 
         return None if shard_files(prefix, shard_file_type) else f"no {shard_file_type} shard files below the directory"
@@ -103,10 +114,9 @@ def token_ids_fit_the_vocabulary(ctx: RuleContext) -> list[str]:
     ``SCAN_BUDGET_BYTES`` of token data are read; the ranks check every sample anyway."""
     if ctx.get("use_dummy_dataset"):
         return []
+    # lazy: numpy, once data files are checked (deepy.py --help and config errors come first)
     from megatron.data.indexed_dataset import data_file_path
     from megatron.data.token_range import SCAN_BUDGET_BYTES, cannot_exceed, largest_token
-    from megatron.tokenizer import build_tokenizer
-    from megatron.tokenizer.config import TokenizerArgs
 
     # a directory holds fms-fsdp's token shards, read into a dataset on the ranks (which check each sample)
     datasets = [(key, prefix) for key, prefix in _prefixes(ctx)
@@ -150,9 +160,8 @@ def splits_hold_a_sample(ctx: RuleContext) -> list[str]:
     ``eval_iters``) holds at least one packed sample of ``seq_length + 1`` tokens; otherwise every rank stops
     at start-up ("the dataset yields no samples"). A split with no document at all is skipped with a warning
     by the ranks, so it is not refused here."""
-    from megatron.data.batch_schedule import schedule_pairs
+    # lazy: numpy, once data files are checked (deepy.py --help and config errors come first)
     from megatron.data.build import samples_needed, split_ranges
-    from megatron.data.config import SPLITS
     from megatron.data.indexed_dataset import MMapIndexedDataset
 
     data_path, seq = ctx.get("data_path"), ctx.get("seq_length")
@@ -188,9 +197,6 @@ def splits_hold_a_sample(ctx: RuleContext) -> list[str]:
 @rule
 def tokenizer_loads(ctx: RuleContext) -> list[str]:
     """The tokenizer files exist and are what ``tokenizer_type`` reads (built here, as the ranks will)."""
-    from megatron.tokenizer import build_tokenizer
-    from megatron.tokenizer.config import TokenizerArgs
-
     kind = ctx.get("tokenizer_type")
     files = [ctx.get(k) for k in ("vocab_file", "merge_file") if ctx.get(k)]
     absent = [f for f in files if not os.path.isfile(str(f))]
@@ -221,9 +227,6 @@ def dummy_tokens_fit_the_embedding(ctx: RuleContext) -> list[str]:
         return []
     rows = ctx.get("padded_vocab_size")
     if rows is None:
-        from megatron.tokenizer import build_tokenizer
-        from megatron.tokenizer.config import TokenizerArgs
-
         try:
             tokenizer = cast(TokenizerArgs, ctx.args)
             rows = tokenizer.padded(build_tokenizer(tokenizer).vocab_size, ctx.tp)
@@ -243,12 +246,8 @@ def hf_saves_can_be_written(ctx: RuleContext) -> list[str]:
     launch. Layouts the saves cannot run in are ``hf_save_layouts``' (``training/hf_save_config.py``)."""
     if ctx.get("hf_save_path") is None or ctx.tp > 1 or str(ctx.get("train_impl")) == "rm":
         return []
-    from megatron.errors import ConversionError
+    # lazy: torch and DeepSpeed, only for HF saves (the dry run runs without them)
     from megatron.interop.hf_save_writer import HFModelWriter
-    from megatron.model.config import GPTConfig
-    from megatron.tokenizer import build_tokenizer
-    from megatron.tokenizer.config import TokenizerArgs
-    from megatron.training.hf_save_config import HFSaveArgs
     from megatron.training.hf_saves import save_dtype
 
     args = cast(NeoXArgs, ctx.args)
@@ -270,8 +269,6 @@ def hf_saves_can_be_written(ctx: RuleContext) -> list[str]:
 def filled_in_keys_left_alone(ctx: RuleContext) -> list[str]:
     """Keys Deepy fills in itself (rank, do_train, ...) are not settings; the layout ones are compared
     with what Deepy computes in ``derive_layout``."""
-    from megatron.neox_arguments.honesty import FILLED_IN_KEYS, USER_SETTABLE_FILLED_IN
-
     compared = {"world_size", "global_num_gpus", "is_pipe_parallel"}
     return [
         f"{ctx.show(key)}: {key} is filled in by Deepy ({FILLED_IN_KEYS[key]}); remove it from the config"
@@ -289,6 +286,7 @@ def dpo_reference_logps_exist(ctx: RuleContext) -> list[str]:
     name = ctx.get("reference_logps")
     if not name or ctx.get("train_impl") != "dpo" or ctx.get("text_gen_type") == "precompute":
         return []
+    # lazy: numpy, once data files are checked (deepy.py --help and config errors come first)
     from megatron.data.indexed_dataset import reference_logprobs_prefix
 
     problems: list[str] = []
@@ -304,6 +302,7 @@ def dpo_reference_logps_exist(ctx: RuleContext) -> list[str]:
                                   f"precompute_model_name={name} load=<reference checkpoint>`")
             continue
         if _missing_or_bad(prefix) is None and ctx.get("seq_length"):
+            # lazy: numpy, once data files are checked (deepy.py --help and config errors come first)
             from megatron.data.indexed_dataset import MMapIndexedDataset
             from megatron.data.reference_logprobs import context_problem
 
@@ -329,9 +328,6 @@ def full_weights_start_has_no_adapters(ctx: RuleContext) -> list[str]:
         key, iteration = "load", ctx.get("iteration")
     else:
         return []
-    from pathlib import Path
-
-    from megatron.checkpointing.discovery import resume_point
 
     found = resume_point(Path(str(ctx.get(key))), iteration)
     if found is None:
@@ -356,9 +352,6 @@ def checkpoint_fits_the_config(ctx: RuleContext) -> list[str]:
     """What the run starts from (``load``, ``initialize_from``, a restart's own checkpoint in ``save``) against the
     config, from the arguments the checkpoint recorded: ``megatron/checkpointing/resume_checks.py``. Only for a
     launch (``deepy.py`` names the script); a checkpoint not visible from here is checked by the ranks."""
-    from megatron.checkpointing import resume_checks
-    from megatron.engine.lr_config import schedule_problems
-
     if ctx.entry_point is None:
         return []
     paths = [(key, str(ctx.get(key))) for key in ("load", "initialize_from", "save") if ctx.get(key)]

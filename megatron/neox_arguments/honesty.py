@@ -12,11 +12,17 @@ nothing. Keys of features not built are ``not_supported`` in the schema and refu
 
 from __future__ import annotations
 
+import os
+import typing
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from megatron.neox_arguments.arguments import NeoXArgs
+from megatron.errors import ConfigError
+from megatron.evaluation.config import checked
+from megatron.generation.config import checked as generation_checked
+from megatron.neox_arguments.arguments import NeoXArgs
+from megatron.neox_arguments.component_groups import evaluation_run
+from megatron.objective_needs import needs_of
 
 _KERNEL_HINT = "selects a fused kernel in GPT-NeoX; Deepy's SDPA/torch.compile path computes the same maths"
 
@@ -67,10 +73,6 @@ USER_SETTABLE_FILLED_IN = frozenset({"git_hash"})
 def only_default_accepted(name: str) -> bool:
     """A key whose every other value is refused ("not supported yet"): its default is what Deepy
     does, so it needs no reader (``moe_token_dropping: false``)."""
-    import typing
-
-    from megatron.neox_arguments.arguments import NeoXArgs
-
     refused = set(NeoXArgs.unsupported_values(name))
     if not refused:
         return False
@@ -85,10 +87,6 @@ ComponentBuilder = Callable[[Any], object]
 def entry_point_builders() -> dict[str, ComponentBuilder]:
     """The typed configs of the other entry points, by script name (each also checks its keys
     before launch: see ``check_entry_point``)."""
-    from megatron.evaluation.config import checked
-    from megatron.generation.config import checked as generation_checked
-    from megatron.neox_arguments.component_groups import evaluation_run
-
     return {"generate.py": lambda args: generation_checked(args, args, args),
             "eval.py": lambda args: checked(evaluation_run(args))}
 
@@ -96,20 +94,13 @@ def entry_point_builders() -> dict[str, ComponentBuilder]:
 def check_entry_point(args: NeoXArgs, user_script: str) -> None:
     """Build the typed config of ``user_script`` (generate.py, eval.py) so its mistakes are found
     before launch, like train.py's."""
-    import os
-
     build = entry_point_builders().get(os.path.basename(user_script))
     if build is not None:
         if args.context_parallel_size > 1:  # decoding with a KV cache runs whole sequences on every rank
-            from megatron.errors import ConfigError
-
             raise ConfigError(f"context_parallel_size={args.context_parallel_size} splits training sequences; "
                               f"{os.path.basename(user_script)} runs whole sequences: set context_parallel_size=1")
-        from megatron.objective_needs import needs_of
 
         if needs_of(args.train_impl).value_head:  # the ranks' build_inference_model refuses it after loading
-            from megatron.errors import ConfigError
-
             raise ConfigError(f"{os.path.basename(user_script)} needs a language model, and train_impl="
                               f"{args.train_impl!r} builds a reward model, whose value head scores sequences instead "
                               f"of predicting tokens: set train_impl: normal (or the objective the model was trained "

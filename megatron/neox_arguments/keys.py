@@ -5,10 +5,10 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
+from megatron.data.config import PATH_KEYS
+
 
 def _singular_aliases() -> dict[str, str]:
-    from megatron.data.config import PATH_KEYS
-
     return {key.removesuffix("s"): key for key in PATH_KEYS}
 
 

@@ -7,6 +7,7 @@ has the right type. Rules between arguments and derived values come after, in ``
 
 from __future__ import annotations
 
+import difflib
 import os
 import types
 import typing
@@ -16,13 +17,18 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
+from megatron.engine.optimizer_block import OPTIMIZER_KINDS, PARAMS_OF_KIND
 from megatron.errors import ConfigError
+from megatron.neox_arguments import arguments
+from megatron.neox_arguments.arguments import schema_class
+from megatron.neox_arguments.dialects import translate
 from megatron.neox_arguments.keys import aliased_value, normalize_key, unknown_key_message
 from megatron.neox_arguments.overrides import apply_overrides, command_line_wins, parse_overrides
 from megatron.config_rules import DEFAULT
 from megatron.neox_arguments.provenance import describe_source, field_default
 from megatron.neox_arguments.resolved import ResolvedConfig
 from megatron.neox_arguments.yaml_source import LocatedDict, load_yaml_file, plain, resolve_config_path
+from megatron.plugins import load_user_plugins
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.arguments import NeoXArgs
@@ -31,8 +37,6 @@ if TYPE_CHECKING:
 
 def default_schema() -> type[NeoXArgs]:
     """The argument class, with the keys of every plug-in imported so far."""
-    from megatron.neox_arguments.arguments import schema_class
-
     return schema_class()
 
 
@@ -68,8 +72,6 @@ def load_plugins_named_in(files: Sequence[ConfigFile], overrides: Sequence[str])
     """Import the plug-ins a config names (``plugins:`` in a file or an override) before its keys are
     checked: their keys and registry names are part of the schema the rest is validated against.
     Returns them as every rank finds them (``.py`` files as absolute paths), None when none are named."""
-    from megatron.plugins import load_user_plugins
-
     found: list[str] | None = None
     for item in files:
         data = item.data
@@ -224,10 +226,6 @@ _PARAMS_BY_MEANING = {"learning_rate": "lr", "beta1": "betas", "beta2": "betas",
 
 def _nested_suggestion(value: Any, path: list[Any]) -> str:
     """``; did you mean lr?`` for a misspelt key inside the optimizer block."""
-    import difflib
-
-    from megatron.engine.optimizer_block import OPTIMIZER_KINDS, PARAMS_OF_KIND
-
     allowed: list[str] = []
     if len(path) == 2 and path[0] == "params" and isinstance(value, dict):
         member = PARAMS_OF_KIND.get(OPTIMIZER_KINDS.get(str(value.get("type", "")).lower(), ""))
@@ -246,8 +244,6 @@ def _nested_suggestion(value: Any, path: list[Any]) -> str:
 def _is_type_tag(part: Any) -> bool:
     """pydantic puts the tried union member (``'int'``, ``"literal['all']"``, an optimizer kind)
     into ``loc``; hide it."""
-    from megatron.engine.optimizer_block import OPTIMIZER_KINDS
-
     return isinstance(part, str) and (
         "[" in part or part in {"int", "float", "str", "bool", "dict", "list"} or part in set(OPTIMIZER_KINDS.values())
     )
@@ -268,8 +264,6 @@ def _require_supported(args: BaseModel, values: dict[str, Any], provenance: dict
     Which values are unsupported is the schema's knowledge (``arguments.require_supported``); only the
     keys the user set are checked, and the message gains where each was set.
     """
-    from megatron.neox_arguments import arguments
-
     user_set = {key: getattr(args, key) for key in values}
     offending = arguments.check_supported(user_set)
     if not offending:
@@ -292,8 +286,6 @@ def load_config(
     A Levanter or fms-fsdp config (files or ``dialect_flags``) is translated to GPT-NeoX keys first
     (``megatron/neox_arguments/dialects``); from there on every dialect takes the same path.
     """
-    from megatron.neox_arguments.dialects import translate
-
     translation = translate(paths, overrides, dialect_flags, conf_dir)
     if translation is not None:
         args = build_args(translation.values, translation.provenance, default_schema())
@@ -322,8 +314,6 @@ def config_from_mapping(values: Mapping[str, Any], source: str = "<mapping>") ->
     """A config given as a Python mapping (tools, tests, notebooks): the same structure checks as a
     file — unknown keys with suggestions, key spellings, types — with ``source`` as its provenance."""
     if isinstance(values.get("plugins"), list):  # other values: the type check below reports them
-        from megatron.plugins import load_user_plugins
-
         load_user_plugins(values["plugins"], where=source)
     schema = default_schema()
     keys = _Keys(schema.model_fields)

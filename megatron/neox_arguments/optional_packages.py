@@ -15,6 +15,7 @@ from typing import Any
 
 from megatron import plugins
 from megatron.config_rules import RuleContext, rule
+from megatron.engine.optimizer_block import OPTIMIZER_KINDS
 from megatron.launcher.checks import runs_on_this_machine
 
 Finder = Callable[[str], Any]
@@ -24,8 +25,6 @@ _OPTIMIZER_PACKAGE = {"lion": "Lion", "sm3": "SM3", "madgrad_wd": "madgrad_wd"}
 
 def needed_packages(ctx: RuleContext) -> list[tuple[str, str, str]]:
     """(module, pip package, the setting that needs it) for this config's optional features."""
-    from megatron.engine.optimizer_block import OPTIMIZER_KINDS
-
     needs: list[tuple[str, str, str]] = []
     block = ctx.get("optimizer")
     kind = block.kind if block is not None else OPTIMIZER_KINDS.get(str(ctx.get("optimizer_type")).lower())

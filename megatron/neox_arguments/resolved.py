@@ -14,8 +14,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
 from megatron.atomic_files import atomic_write_text
 from megatron.errors import ConfigError
+from megatron.neox_arguments.arguments import schema_class
+from megatron.plugins import load_user_plugins
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.arguments import NeoXArgs
@@ -82,11 +86,6 @@ class ResolvedConfig:
 
 def load_resolved(path: str | os.PathLike[str]) -> ResolvedConfig:
     """Read a file written by :meth:`ResolvedConfig.write` (what each rank does at start-up)."""
-    from pydantic import ValidationError
-
-    from megatron.neox_arguments.arguments import schema_class
-    from megatron.plugins import load_user_plugins
-
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from megatron.config_rules import RuleContext, block_enabled, describe, rule, zero_source, zero_stage
 from megatron.launcher.checks import runs_on_this_machine
 from megatron.logging.config import LoggingArgs
+from megatron.objective_needs import needs_of
 
 
 @rule
@@ -45,8 +46,6 @@ def context_parallel_fits(ctx: RuleContext) -> list[str]:
     """What context parallelism (all-to-all over heads, megatron/mpu/context_parallel.py) can split: it
     relates the model's shape, tensor parallelism, the objective and the position encoding, so it stays
     here with the other rules between components."""
-    from megatron.objective_needs import needs_of
-
     cp = ctx.cp
     if cp == 1:
         return []

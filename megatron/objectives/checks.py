@@ -5,10 +5,15 @@ objective reads (registered with the other config checks,
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from megatron import plugins
+from megatron.checkpointing.discovery import resume_point
 from megatron.config_rules import RuleContext, rule
 from megatron.data.config import SPLITS
 from megatron.objective_needs import needs_of, reads_reference_files
+from megatron.objectives.config import ObjectiveArgs, reference_kind
+from megatron.objectives.starting_point import other_objective_problem
 
 _PAIRWISE_DATA_KEYS = tuple(f"{side}_{split}_data_paths" for side in ("pos", "neg") for split in SPLITS)
 _REWARD_DATA_KEYS = tuple(f"{split}_reward_data_paths" for split in SPLITS)
@@ -92,14 +97,9 @@ def resumed_reference_keeps_its_objective(ctx: RuleContext) -> list[str]:
     load = ctx.get("load")
     if not ctx.trains or not load or ctx.get("initialize_from") or ctx.get("finetune"):
         return []
-    from megatron.objectives.config import ObjectiveArgs, reference_kind
 
     if reference_kind(ctx.group(ObjectiveArgs)) != "frozen_copy":
         return []
-    from pathlib import Path
-
-    from megatron.checkpointing.discovery import resume_point
-    from megatron.objectives.starting_point import other_objective_problem
 
     found = resume_point(Path(str(load)), None)  # the newest committed checkpoint, as starting_point reads it
     if found is None:

@@ -30,10 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import deepspeed
 import torch
+from deepspeed.pipe import PipelineModule
 from torch import nn
 
+from megatron import mpu
+from megatron.checkpointing.save_load import LoadOptions, load_checkpoint
 from megatron.errors import CheckpointError
+from megatron.logging.console import deepspeed_prints_quiet
+from megatron.model import GPTModel, pipeline_layer_specs
 from megatron.objectives.base import MicroBatch, Objective
 from megatron.objectives.starting_point import StartingPoint, starting_point
 
@@ -56,13 +62,6 @@ class FrozenCopy:
         self.objective = objective
         self.is_pipe = is_pipe
         if is_pipe:
-            import deepspeed
-            from deepspeed.pipe import PipelineModule
-
-            from megatron import mpu
-            from megatron.logging.console import deepspeed_prints_quiet
-            from megatron.model import pipeline_layer_specs
-
             with deepspeed_prints_quiet():  # PipelineModule's SEED_LAYERS=... and layer partition dump
                 module = PipelineModule(layers=pipeline_layer_specs(model_config), loss_fn=objective.reference_fn,
                                         topology=mpu.get_topology(), partition_method=partition_method or "uniform")
@@ -71,8 +70,6 @@ class FrozenCopy:
                                                    dist_init_required=False)
             self.module: nn.Module = self.engine.module
         else:
-            from megatron.model import GPTModel
-
             like = next(policy.module.parameters())  # the policy's device and precision
             self.module = GPTModel(model_config).to(device=like.device, dtype=like.dtype).requires_grad_(False)
             self.engine = None
@@ -82,8 +79,6 @@ class FrozenCopy:
     def capture(self, policy: Any, source: StartingPoint, args_dict: dict[str, Any]) -> None:
         """Copy the starting weights: load ``source`` (weights only) into the fresh ``policy`` first."""
         if source.checkpoint is not None:
-            from megatron.checkpointing.save_load import LoadOptions, load_checkpoint
-
             load_checkpoint(policy, source.checkpoint, args_dict, LoadOptions(weights_only=True))
         state = _full_state_dict(policy)
         missing, unexpected = self.module.load_state_dict(state, strict=False)
@@ -110,8 +105,6 @@ def _full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
     """The policy module's weights; under ZeRO-3 gathered from their partitions first."""
     module = engine.module
     if int(engine.zero_optimization_stage()) == 3:
-        import deepspeed
-
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
             return {k: v.detach().clone() for k, v in module.state_dict().items()}
     return {k: v.detach().clone() for k, v in module.state_dict().items()}

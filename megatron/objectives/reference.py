@@ -25,9 +25,11 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+import deepspeed
 import torch
 
 from megatron.checkpointing.config import CheckpointArgs
+from megatron.checkpointing.save_load import LoadOptions, load_checkpoint, read_meta
 from megatron.deepspeed_internals import separate_pipeline_loss_total
 from megatron.model.lora import adapters_disabled, is_adapter_name
 from megatron.objectives.base import MicroBatch, Objective
@@ -93,8 +95,6 @@ class BaseModelReference(Reference):
         whose output is 0, so switching them off gives the starting model)."""
 
     def capture(self, policy: Any, args_dict: dict[str, Any], checkpoint: CheckpointArgs) -> None:
-        from megatron.checkpointing.save_load import LoadOptions, load_checkpoint, read_meta
-
         source = starting_point(checkpoint, self.objective.config.train_impl)
         if source.checkpoint is None or not int((read_meta(source.checkpoint).get("args") or {}).get("lora_r") or 0):
             log.info("reference model: the frozen base (adapters off) of %s", source)
@@ -164,7 +164,6 @@ def _gathered(policy: Any, params: dict[str, torch.nn.Parameter], modify: bool) 
     ``modify``, partitioned again from rank 0's values on exit); otherwise they are whole already."""
     if int(policy.zero_optimization_stage()) != 3 or not params:
         return contextlib.nullcontext()
-    import deepspeed
 
     return deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0 if modify else None)
 

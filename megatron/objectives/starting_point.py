@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron.checkpointing import commit
 from megatron.checkpointing.config import CheckpointArgs
 from megatron.errors import ConfigError
 
@@ -22,6 +23,7 @@ class StartingPoint:
 
 
 def _committed(directory: str, iteration: int | None, key: str) -> Path:
+    # lazy: save_load imports DeepSpeed; the launcher's checks read checkpoints without it
     from megatron.checkpointing.save_load import resolve_tag
 
     tag, _ = resolve_tag(Path(directory), iteration)
@@ -33,7 +35,7 @@ def _committed(directory: str, iteration: int | None, key: str) -> Path:
 def starting_point(config: CheckpointArgs, train_impl: str, _depth: int = 0) -> StartingPoint:
     """Where the policy's starting weights, hence the frozen reference, come from (see module doc): the
     checkpoint keys of this run (``config``), of an objective ``train_impl``."""
-    from megatron.checkpointing import commit
+    # lazy: save_load imports DeepSpeed; the launcher's checks read checkpoints without it
     from megatron.checkpointing.save_load import read_meta
 
     if config.initialize_from:

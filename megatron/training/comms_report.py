@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import deepspeed.comm
+
 
 def _deepspeed_summary() -> None:
-    import deepspeed.comm
-
     deepspeed.comm.log_summary()
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from megatron.data.batch import BatchLayout
+from megatron.data.sampler import MicroBatchIterator
 from megatron.engine.build import Engine
 from megatron.training.objective_runner import ObjectiveRunner
 
@@ -89,8 +90,6 @@ class _Counted:
 def maybe_evaluator(eng: Engine, dataset: Any, eval_iters: int, batch: BatchLayout, dp_rank: int,
                     device: torch.device, split: str) -> Evaluator | None:
     """An evaluator over ``dataset`` or None when there is nothing to evaluate."""
-    from megatron.data.sampler import MicroBatchIterator
-
     if dataset is None or eval_iters <= 0 or len(dataset) == 0:
         return None
     source = eng.reference.wrap_dataset(dataset, split)

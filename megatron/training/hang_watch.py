@@ -159,6 +159,7 @@ class HangWatch:
         if self.timeouts_set or self.train_timeout_s is None:
             return
         self.timeouts_set = True
+        # lazy: torch; train.py starts the watch before importing it
         from megatron.torch_internals import set_collective_timeouts
 
         set_collective_timeouts(timedelta(seconds=self.train_timeout_s), barrier_first=True)

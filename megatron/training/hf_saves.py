@@ -104,6 +104,7 @@ class HFSaves(StepSaves):
 def gathered_parameters(params: list[torch.nn.Parameter]) -> Callable[[], AbstractContextManager[Any]]:
     """A block inside which ZeRO-3's partitioned ``params`` are whole on every rank (every rank enters it; nothing
     is written back)."""
+    # lazy: DeepSpeed; deepy.py reads save_dtype from here without it
     import deepspeed
 
     return lambda: deepspeed.zero.GatheredParameters(params, modifier_rank=None)

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from megatron.checkpointing.safe_load import load_trusted_tensors
 from megatron.deepspeed_internals import fp32_master_slices
@@ -61,8 +62,6 @@ def _live(param: torch.nn.Parameter) -> torch.Tensor:
 
 def _regather_held(params: list[torch.nn.Parameter]) -> None:
     """ZeRO-3 parameters held whole between steps (persistent ones) rebuilt from their partitions (every rank)."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
     held = [p for p in params if hasattr(p, "ds_tensor") and p.ds_status == ZeroParamStatus.AVAILABLE]  # type: ignore[attr-defined]
     if held:
         held[0].partition(param_list=held)  # type: ignore[attr-defined]

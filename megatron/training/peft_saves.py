@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from megatron.checkpointing.commit import tag_for
 from megatron.model.config import GPTConfig
@@ -117,8 +118,6 @@ def adapter_config(lora: LoRAArgs, names: PeftNames, base_model: str | None) -> 
 
 def write_adapter(directory: Path, tensors: Weights, config: dict[str, Any]) -> None:
     """The two files, in a directory that appears whole (a step written again, by a resumed run, replaces it)."""
-    from safetensors.torch import save_file
-
     def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")

@@ -111,6 +111,7 @@ class StragglerWatch:
     def check(self, step: int) -> dict[str, float]:
         """Every rank calls this at a log step (a collective); the row's ``straggler/*`` metrics, once a window is
         full."""
+        # lazy: torch; the launcher (deepy.py) reads this module without it
         import torch.distributed as dist
 
         if len(self.times) < self.window or not dist.is_initialized() or dist.get_world_size() < 2:

@@ -28,7 +28,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+
+try:
+    from numpy._core.multiarray import _reconstruct
+except ImportError:  # numpy < 2
+    from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]  # the same function, older path
 
 from megatron.checkpointing.discovery import META_FILE
 from megatron.checkpointing.neox.layout import (
@@ -43,6 +49,7 @@ from megatron.checkpointing.neox.layout import (
     plain_from_neox,
     plain_to_neox,
 )
+from megatron.checkpointing.safe_load import load_checkpoint_file
 from megatron.deepspeed_internals import (
     checkpoint_being_loaded,
     convert_module_state_dicts,
@@ -105,6 +112,7 @@ def gqa_order_for(names: NeoxNames, fmt: int | None, chosen: GqaOrder | None, wh
 # --- the engine ------------------------------------------------------------------------------
 def install(engine: Any, config: Any, tp: int) -> None:
     """Make ``engine``'s checkpoints use GPT-NeoX's layout for ``config`` (a ``GPTConfig``)."""
+    # lazy: DeepSpeed; reading and converting GPT-NeoX checkpoints offline runs without it
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
     names = NeoxNames.from_config(config)
@@ -132,6 +140,7 @@ def install(engine: Any, config: Any, tp: int) -> None:
 
 def _save_pipeline_layers(module: Any, names: NeoxNames, tp: int, save_dir: str, checkpoint_engine: Any,
                           exclude_frozen_params: bool = False) -> None:
+    # lazy: DeepSpeed; reading and converting GPT-NeoX checkpoints offline runs without it
     from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 
     start = pipeline_local_start(module)
@@ -178,19 +187,11 @@ def _load_pipeline_layers(module: Any, names: NeoxNames, tp: int, load_dir: str,
 # --- offline readers ---------------------------------------------------------------------------------
 def _numpy_rng_globals() -> list[Any]:
     """What numpy's RNG state unpickles to: GPT-NeoX saves ``np_rng_state`` in its model files."""
-    import numpy as np
-
-    try:
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:  # numpy < 2
-        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]  # the same function, older path
     return [np.ndarray, np.dtype, type(np.dtype(np.uint32)), _reconstruct]
 
 
 def load_model_file(path: Path) -> Any:
     """One model file of a Deepy or GPT-NeoX checkpoint, read with ``weights_only`` (no code runs)."""
-    from megatron.checkpointing.safe_load import load_checkpoint_file
-
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} is missing")
     with torch.serialization.safe_globals(_numpy_rng_globals()):
@@ -244,6 +245,7 @@ def plain_rank_weights(state: dict[str, Any], names: NeoxNames, tp: int, source:
 
 def canonical_rank_weights(ckpt_dir: Path, names: NeoxNames, tp: int, tp_rank: int, pipeline: bool) -> Tensors:
     """One tp rank's tensors under ``GPTModel`` names, from a checkpoint of either layout."""
+    # lazy: DeepSpeed; reading and converting GPT-NeoX checkpoints offline runs without it
     from megatron.model.pipeline import model_parameter_name
 
     if not pipeline:

@@ -277,6 +277,7 @@ def layer_from_neox(names: NeoxNames, spec: int, state: Tensors, tp: int) -> Ten
 # --- the plain model's state dict ------------------------------------------------------------------
 def plain_to_neox(names: NeoxNames, state: Tensors, tp: int) -> Tensors:
     """``GPTModel.state_dict()`` of one tp rank -> GPT-NeoX's ``sequential.<index>.<name>`` dict."""
+    # lazy: model.pipeline imports DeepSpeed; reading and converting GPT-NeoX checkpoints offline runs without it
     from megatron.model.pipeline import pipeline_location
 
     layers: dict[int, Tensors] = {}
@@ -300,6 +301,7 @@ def is_neox_plain(state: dict[str, Any]) -> bool:
 
 def plain_from_neox(names: NeoxNames, state: Tensors, tp: int) -> Tensors:
     """The inverse of :func:`plain_to_neox` (GPT-NeoX's parameter-less layers hold nothing)."""
+    # lazy: model.pipeline imports DeepSpeed; reading and converting GPT-NeoX checkpoints offline runs without it
     from megatron.model.pipeline import model_parameter_name
 
     layers: dict[int, Tensors] = {}

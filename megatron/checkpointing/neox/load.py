@@ -21,20 +21,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from megatron.checkpointing.local_weights import local_weights, merge_tp_shards, stored_model_config
-from megatron.checkpointing.neox.files import gqa_order_for, neox_checkpoint_shards
+from megatron.checkpointing.neox.files import gqa_order_for, load_model_file as _load, neox_checkpoint_shards
 from megatron.checkpointing.neox.layout import GqaOrder, NeoxNames
 from megatron.checkpointing.partitioned_load import load_into_partitioned
 from megatron.errors import CheckpointError
+from megatron.mpu import topology
 
 _MP_FILE = "mp_rank_00_model_states.pt"
 
 
 def neox_position(tag: Path, args: dict[str, Any]) -> tuple[int, int]:
     """(iteration, consumed samples) recorded by GPT-NeoX in ``mp_rank_00_model_states.pt``."""
-    from megatron.checkpointing.neox.files import load_model_file as _load
-
     state = _load(tag / _MP_FILE) if (tag / _MP_FILE).is_file() else {}
     iteration = int(state.get("iteration") or state.get("global_steps") or 0)
     consumed = state.get("global_samples")
@@ -51,8 +51,6 @@ the padded vocabulary is checked as the embedding's rows)."""
 def recorded_mismatches(tag: Path, args: dict[str, Any]) -> list[str]:
     """Where the ``args`` GPT-NeoX recorded in ``tag`` disagree with this run (same-shape tensors can
     hide some: a different head count splits the same QKV weight into other heads)."""
-    from megatron.checkpointing.neox.files import load_model_file as _load
-
     state = _load(tag / _MP_FILE) if (tag / _MP_FILE).is_file() else {}
     recorded = state.get("args") if isinstance(state, dict) else None
     if not isinstance(recorded, dict):
@@ -64,10 +62,6 @@ def recorded_mismatches(tag: Path, args: dict[str, Any]) -> list[str]:
 def load_neox_weights(engine: Any, tag: Path, args: dict[str, Any], qkv_order: GqaOrder | None = None) -> list[str]:
     """Copy the weights of GPT-NeoX checkpoint ``tag`` into ``engine``'s module (this rank's part).
     Returns notes for the log."""
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-
-    from megatron.mpu import topology
-
     mismatched = recorded_mismatches(tag, args)
     if mismatched:
         raise CheckpointError(f"the GPT-NeoX checkpoint {tag} was saved for another model (its recorded args):\n  "

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron.errors import ConfigError, UsageError
+from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.neox_arguments.dialects import fms, levanter
 from megatron.neox_arguments.dialects.common import LAUNCH_KEYS, Leaf, Refused, Translation, flatten, translate_leaves
 from megatron.neox_arguments.overrides import parse_overrides
@@ -33,8 +34,6 @@ DEEPY_VALUE_FLAGS = frozenset({"-d", "--conf_dir", "--conf-dir", "--rehearse"})
 
 
 def _neox_fields() -> set[str]:
-    from megatron.neox_arguments.arguments import NeoXArgs
-
     return set(NeoXArgs.model_fields)
 
 

@@ -14,8 +14,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron import object_store
 from megatron.errors import ConfigError
 from megatron.neox_arguments.yaml_source import LocatedDict
+from megatron.object_store import scheme_of
 
 LAUNCH_KEYS = frozenset({"num_gpus", "num_nodes", "hostfile", "launcher", "master_port"})
 """GPT-NeoX keys that only say where the ranks run; they may accompany any dialect (how a CPU run,
@@ -38,8 +40,6 @@ there; their buckets are probed before launch by the keys they become (``save``,
 
 
 def _unusable_store(dialect: str, path: str, leaf: Leaf, urls: list[str]) -> str | None:
-    from megatron import object_store
-
     for url in urls:
         try:
             object_store.check_url(path, url, write=OBJECT_STORE_LEAVES[path], probe=False)
@@ -191,8 +191,6 @@ def _plain(value: Any) -> Any:
 def remote_urls(value: Any) -> list[str]:
     """Every string inside ``value`` that names a remote store (nothing is downloaded here)."""
     if isinstance(value, str):
-        from megatron.object_store import scheme_of
-
         return [value] if value.startswith(REMOTE_PREFIXES) or scheme_of(value) is not None else []
     if isinstance(value, dict):
         return [url for item in value.values() for url in remote_urls(item)]

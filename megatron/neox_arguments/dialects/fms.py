@@ -14,7 +14,9 @@ import os
 from fractions import Fraction
 from typing import Any
 
+from megatron.checkpointing.remote import remote_resume_point
 from megatron.neox_arguments.dialects.common import Context, Leaf, Refused, Rule, Translation, noted, to
+from megatron.object_store import is_remote
 
 NAME = "fms-fsdp"
 
@@ -260,11 +262,7 @@ def _load_checkpoints(value: Any, ctx: Context) -> dict[str, Any]:
 
 def _holds_something(load: str) -> bool:
     """A directory with files, or a bucket's prefix with committed checkpoints."""
-    from megatron.object_store import is_remote
-
     if is_remote(load):
-        from megatron.checkpointing.remote import remote_resume_point
-
         try:
             return remote_resume_point(load) is not None
         except Exception:  # noqa: BLE001 - the store's own errors; the check before launch names them

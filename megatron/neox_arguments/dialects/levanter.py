@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from megatron.errors import ConfigError
 from megatron.neox_arguments.dialects import levanter_hf_save, levanter_optim, levanter_sft, levanter_trainer
 from megatron.neox_arguments.dialects.common import Context, Leaf, Refused, Rule, Translation, noted, to
 from megatron.neox_arguments.dialects.levanter_model import MODEL_PRESETS, MODEL_RULES, model_type
@@ -257,8 +258,6 @@ def implied(translation: Translation, leaves: dict[str, Leaf], source: str) -> N
 
 
 def refused_at(leaf: Leaf, message: str) -> Exception:
-    from megatron.errors import ConfigError
-
     return ConfigError(f"levanter key {leaf.path} at {leaf.where}: {message}")
 
 

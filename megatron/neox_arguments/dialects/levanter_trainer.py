@@ -13,10 +13,15 @@ import functools
 import math
 import os
 import secrets
+import subprocess
 from pathlib import Path
 from typing import Any
 
+from megatron import devices
+from megatron.checkpointing.discovery import inspect_load_dir
+from megatron.checkpointing.remote import remote_resume_point
 from megatron.neox_arguments.dialects.common import Context, Refused, Rule, noted, to
+from megatron.object_store import is_remote
 
 CHECKPOINTER_DEFAULTS: dict[str, Any] = {"base_path": "checkpoints/", "save_interval": "15min",
                                          "keep": [{"every": 10000}], "append_run_id_to_base_path": True}
@@ -101,12 +106,7 @@ def checkpoint_dir(ctx: Context) -> str:
 
 
 def _has_checkpoint(path: str) -> bool:
-    from megatron.checkpointing.discovery import inspect_load_dir
-    from megatron.object_store import is_remote
-
     if is_remote(path):  # a bucket: its committed checkpoints (an unreachable one is refused by the `load` check)
-        from megatron.checkpointing.remote import remote_resume_point
-
         try:
             return remote_resume_point(path) is not None
         except Exception:  # noqa: BLE001 - the store's own errors; the check before launch names them
@@ -219,8 +219,6 @@ def experiment_git_root(script_dir: Path = TRAIN_SCRIPT_DIR) -> str | None:
     """Levanter's ``infer_experiment_git_root`` (tracker/helpers.py:51-73@9263f81e) for Deepy's training
     script: the root of the git work tree holding the script's directory, unless that directory is in a
     Python environment; None when there is none."""
-    import subprocess
-
     if any(part in str(script_dir) for part in ENVIRONMENT_DIRS):
         return None
     try:
@@ -414,9 +412,7 @@ def _ray(value: Any, ctx: Context) -> dict[str, Any]:
 
 def _require_accelerator(value: Any, ctx: Context) -> dict[str, Any]:
     if value:
-        from megatron.devices import gpu_count
-
-        if gpu_count() == 0:
+        if devices.gpu_count() == 0:
             raise Refused("no GPU here, and Levanter stops without an accelerator when this is true: set it false "
                           "to train on CPU")
     return noted("Deepy trains on the GPUs it finds, else on CPU")
