@@ -175,10 +175,6 @@ def require_tables(families: Iterable[Family] = FAMILIES) -> None:
         _entries(family)
 
 
-load_builtins = require_tables
-"""The argument layer's name for :func:`require_tables` (``neox_arguments/arguments.py``)."""
-
-
 def validate_name(family: Family, value: Any, not_built: Iterable[str] = ()) -> Any:
     """For a pydantic validator of a selecting key: ``value`` must name a registered plug-in (or one
     of GPT-NeoX's values Deepy has not built, which the "not supported yet" check then refuses)."""

@@ -205,7 +205,7 @@ def _compose(base: type[NeoXArgs], extra: list[tuple[str, type[ArgGroup]]]) -> t
     return type("NeoXArgs", (base, *(group for _, group in extra)), namespace)
 
 
-plugins.load_builtins()
+plugins.require_tables()
 _BUILTIN_PLUGIN_GROUPS = plugins.key_groups()
 
 

@@ -45,6 +45,9 @@ from megatron.engine.optimizer_config import OptimizerArgs
 
 from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.neox_arguments.component_groups import evaluation_run, group
+from megatron.neox_arguments.deepspeed_split import deepspeed_config as split_deepspeed
+from megatron.neox_arguments.derived import finalize
+from megatron.neox_arguments.loading import config_from_mapping
 
 if TYPE_CHECKING:
     from megatron.neox_arguments.resolved import ResolvedConfig
@@ -67,8 +70,6 @@ class RunConfig(TrainConfig):
                   args_record: dict[str, Any] | None = None, run_name: str | None = None) -> RunConfig:
         """Each component's part of the resolved ``args``; ``deepspeed_config`` defaults to the split of ``args``,
         ``args_record`` to every key of ``args`` as JSON."""
-        from megatron.neox_arguments.deepspeed_split import deepspeed_config as split_deepspeed
-
         if args.seq_length is None or args.train_batch_size is None or args.train_micro_batch_size_per_gpu is None:
             raise ConfigError("seq_length and the batch sizes must be resolved (launch through deepy.py)")
         return cls(
@@ -92,9 +93,6 @@ class RunConfig(TrainConfig):
     @classmethod
     def from_mapping(cls, values: dict[str, Any], world_size: int = 1) -> RunConfig:
         """Through the real loader and rules, from a Python mapping (tools and tests)."""
-        from megatron.neox_arguments.derived import finalize
-        from megatron.neox_arguments.loading import config_from_mapping
-
         return cls.from_resolved(finalize(config_from_mapping(values), world_size))
 
 
