@@ -29,15 +29,18 @@ from megatron.errors import ConfigError, UsageError, required
 from megatron.interop.hf_start import CONVERTED_MARKER, HfImport, start_from_hf
 from megatron.launcher import check_tools, plan_launch, requeue, restarts
 from megatron.launcher.checks import runs_on_this_machine
+from megatron.launcher.config import DeepSpeedRunnerArgs
 from megatron.launcher.environment import started_by_scheduler
 from megatron.launcher.requeue import requeue_after_stop
 from megatron.launcher.save_lock import SaveDirInUse, acquire, current_holder, this_process
 from megatron.logging import rank_errors
+from megatron.logging.config import LoggingArgs
 from megatron.logging.console import is_verbose
 from megatron.logging.rank_errors import current_rank
 from megatron.logging.trackers import new_run_name
 from megatron.neox_arguments import detect_world_size, finalize
 from megatron.neox_arguments.arguments import NeoXArgs
+from megatron.neox_arguments.component_groups import group
 from megatron.neox_arguments.derived import local_device_count
 from megatron.neox_arguments.dialects import split_argv
 from megatron.neox_arguments.honesty import NO_EFFECT_KEYS, check_entry_point
@@ -397,9 +400,10 @@ def dialect_table(resolved: ResolvedConfig) -> list[str]:
 
 def plan_run(resolved: ResolvedConfig, user_script: str, config_path: str) -> LaunchPlan:
     """Every launch check (ports, tools, hosts) before anything is written or started."""
-    plan = plan_launch(resolved.args, user_script, config_path, os.environ, local_devices=local_device_count,
-                       provenance=resolved.provenance, logging=resolved.args)
-    check_tools(plan, resolved.args)
+    runner = group(resolved.args, DeepSpeedRunnerArgs)  # the launcher's own keys, and the log level it passes on
+    plan = plan_launch(runner, user_script, config_path, os.environ, local_devices=local_device_count,
+                       provenance=resolved.provenance, logging=group(resolved.args, LoggingArgs))
+    check_tools(plan, runner)
     return plan
 
 
