@@ -19,9 +19,12 @@ from typing import Any
 
 from megatron.errors import ConfigError
 from megatron.evaluation.config import checked
+from megatron.data.config import DataArgs
+from megatron.generation.config import TextgenArgs
 from megatron.generation.config import checked as generation_checked
+from megatron.model.config import GPTConfig
 from megatron.neox_arguments.arguments import NeoXArgs
-from megatron.neox_arguments.component_groups import evaluation_run
+from megatron.neox_arguments.component_groups import evaluation_run, group
 from megatron.objective_needs import needs_of
 
 _KERNEL_HINT = "selects a fused kernel in GPT-NeoX; Deepy's SDPA/torch.compile path computes the same maths"
@@ -87,7 +90,8 @@ ComponentBuilder = Callable[[Any], object]
 def entry_point_builders() -> dict[str, ComponentBuilder]:
     """The typed configs of the other entry points, by script name (each also checks its keys
     before launch: see ``check_entry_point``)."""
-    return {"generate.py": lambda args: generation_checked(args, args, args),
+    return {"generate.py": lambda args: generation_checked(group(args, TextgenArgs), group(args, DataArgs),
+                                                           group(args, GPTConfig)),
             "eval.py": lambda args: checked(evaluation_run(args))}
 
 
