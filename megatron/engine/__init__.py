@@ -4,7 +4,7 @@
 compiled and checkpointed blocks) and wraps it with the optimizer and the LR schedule in a DeepSpeed
 engine (``build_engine``), with Deepy's installs on that engine (fp32 clipping, the tensor-parallel
 partial-gradient sum, the GPT-NeoX checkpoint layout). Its pieces, one concept a module: the engine's own
-keys and what it reads of the run (``config.py``, ``run_views.py``), activation checkpointing's keys
+keys and what it reads of the run (``config.py``, ``engine_config.py``), activation checkpointing's keys
 (``activation_config.py``), the optimizers and their keys (``optimizers.py``, ``optimizer_config.py``,
 ``optimizer_block.py``, ``optimizer_checks.py``), the LR schedules and their keys (``lr_schedules.py``,
 ``lr_neox.py``, ``lr_dialects.py``, ``lr_config.py``), MoE's and hybrid sharding's engine sides
