@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 SUPPORTED_KEY = "deepy_supported"
 UNSUPPORTED_VALUES_KEY = "deepy_unsupported_values"
+OBSOLETE_KEY = "deepy_obsolete"
 
 
 class ArgGroup(BaseModel):
@@ -48,6 +49,25 @@ def own_fields(group: type[BaseModel]) -> list[str]:
 def not_supported(default: Any) -> Any:
     """A field accepted only at ``default``: any other value is a "not supported yet" error."""
     return Field(default, json_schema_extra={SUPPORTED_KEY: False})
+
+
+def obsolete(default: Any, reason: str, values: tuple[Any, ...] = ()) -> Any:
+    """A GPT-NeoX key (or, with ``values``, some of its values) for something gone from the anchors or never
+    used by their training: accepted at ``default``, anything else (those ``values``) refused with ``reason``,
+    which says why and what to use instead. Not "not supported yet": nothing is planned to build it."""
+    extra: dict[str, Any] = {OBSOLETE_KEY: reason}
+    if values:
+        extra[UNSUPPORTED_VALUES_KEY] = list(values)
+    else:
+        extra[SUPPORTED_KEY] = False
+    return Field(default, json_schema_extra=extra)
+
+
+def obsolete_reason(group: type[BaseModel], name: str) -> str | None:
+    """Why ``group.name`` (or its refused values) is obsolete; None for a key that is not."""
+    extra = group.model_fields[name].json_schema_extra
+    reason = extra.get(OBSOLETE_KEY) if isinstance(extra, dict) else None
+    return reason if isinstance(reason, str) else None
 
 
 def is_supported(group: type[BaseModel], name: str) -> bool:

@@ -50,7 +50,7 @@ from megatron.generation.config import TextgenArgs
 from megatron.tokenizer.config import TokenizerArgs
 from megatron.neox_arguments.groups.training import TrainingArgs
 from megatron.config_schema import ArgGroup, own_fields
-from megatron.config_schema import is_supported as _field_is_supported, unsupported_values
+from megatron.config_schema import is_supported as _field_is_supported, obsolete_reason, unsupported_values
 from megatron.plugins import PluginArgs
 
 # Short group names in documentation order: the module names under groups/, or, for a group declared
@@ -180,6 +180,11 @@ class _Arguments(
         return _field_is_supported(cls, cls._known(name))
 
     @classmethod
+    def obsolete_reason(cls, name: str) -> str | None:
+        """Why the key (or its refused values) is obsolete, and what to use instead; None when it is not."""
+        return obsolete_reason(cls, cls._known(name))
+
+    @classmethod
     def unsupported_values(cls, name: str) -> tuple[Any, ...]:
         """Valid values of a supported key that Deepy still refuses (``norm: te_rmsnorm``)."""
         return unsupported_values(cls, cls._known(name))
@@ -273,10 +278,13 @@ def require_supported(args: Mapping[str, Any] | BaseModel) -> None:
     offending = check_supported(items)
     if not offending:
         return
-    lines = []
+    lines, gone = [], []
     for key in offending:
         value = items.get(key, items.get(key.replace("_", "-")))
-        if key == "attention_config":
+        reason = NeoXArgs.obsolete_reason(key)
+        if reason is not None:
+            gone.append(f"  {key}: {value!r} is obsolete: {reason}")
+        elif key == "attention_config":
             bad = sorted(_attention_types(value) & UNSUPPORTED_ATTENTION_TYPES)
             names = ", ".join(bad)
             lines.append(f"  {key}: attention type(s) {names} not supported yet; use global/local")
@@ -287,7 +295,9 @@ def require_supported(args: Mapping[str, Any] | BaseModel) -> None:
             )
         else:
             lines.append(f"  {key}: {value!r} is not supported yet; choose another value")
-    raise ConfigError("config asks for features Deepy does not support yet:\n" + "\n".join(lines))
+    parts = ["config asks for features Deepy does not support yet:\n" + "\n".join(lines)] if lines else []
+    parts += ["config sets obsolete keys:\n" + "\n".join(gone)] if gone else []
+    raise ConfigError("\n".join(parts))
 
 
 def _attention_types(value: Any) -> set[str]:

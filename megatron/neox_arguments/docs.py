@@ -62,7 +62,12 @@ def type_name(annotation: Any) -> str:
 
 
 def support_note(name: str) -> str:
-    """Empty when the key is fully supported; otherwise what is not."""
+    """Empty when the key is fully supported; otherwise what is not (and, for an obsolete key, why)."""
+    reason = NeoXArgs.obsolete_reason(name)
+    if reason is not None:
+        refused = NeoXArgs.unsupported_values(name)
+        values = " " + ", ".join(f"`{v}`" for v in refused) if refused else ""
+        return f"obsolete{values}: {reason}"
     if not NeoXArgs.is_supported(name):
         return NOT_SUPPORTED
     if name == "attention_config":

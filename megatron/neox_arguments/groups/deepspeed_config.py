@@ -10,13 +10,15 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from megatron.config_schema import ArgGroup, not_supported
+from megatron.config_schema import ArgGroup, not_supported, obsolete
 
 
 class DeepSpeedConfigArgs(ArgGroup):
     """GPT-NeoX's ``NeoXArgsDeepspeedConfig`` group."""
 
-    deepspeed: bool = not_supported(True)
+    deepspeed: bool = obsolete(True, (
+        "GPT-NeoX trains only through a DeepSpeed engine (megatron/training.py), as Deepy does; false turns "
+        "nothing off: remove the key"))
     """Train through a DeepSpeed engine; Deepy has no other engine, so it cannot be turned off."""
 
     train_batch_size: int | None = Field(None, ge=1)
@@ -28,8 +30,11 @@ class DeepSpeedConfigArgs(ArgGroup):
     gradient_accumulation_steps: int = Field(1, ge=1)
     """Micro-batches accumulated before each optimizer step."""
 
-    scheduler: dict[str, Any] | None = not_supported(None)
-    """DeepSpeed's own LR scheduler block (WarmupLR, ...). Not supported: Deepy's schedule comes from
+    scheduler: dict[str, Any] | None = obsolete(None, (
+        "DeepSpeed's own LR scheduler block, which GPT-NeoX fills in itself only for OneBitAdam "
+        "(megatron/neox_arguments/arguments.py) and otherwise schedules from lr_decay_style; so does Deepy: "
+        "use lr_decay_style, warmup, min_lr and lr_decay_iters"))
+    """DeepSpeed's own LR scheduler block (WarmupLR, ...). Obsolete: Deepy's schedule comes from
     lr_decay_style, warmup, min_lr and lr_decay_iters, and a second scheduler would fight it."""
 
     fp32_allreduce: bool = False
@@ -41,7 +46,8 @@ class DeepSpeedConfigArgs(ArgGroup):
     gradient_predivide_factor: float = Field(1.0, gt=0)
     """Divide gradients by this before the all-reduce and the rest after, avoiding fp16 overflow."""
 
-    sparse_gradients: bool = not_supported(False)
+    sparse_gradients: bool = obsolete(False, (
+        "DeepSpeed 0.19.8 removed sparse embedding gradients and refuses the key: remove it"))
     """Let DeepSpeed all-reduce sparse embedding gradients as sparse tensors (DeepSpeed 0.19.8 removed
     the feature and refuses the key)."""
 
@@ -52,7 +58,9 @@ class DeepSpeedConfigArgs(ArgGroup):
     bf16: dict[str, Any] | None = None
     """DeepSpeed bf16 block: {enabled: true}."""
 
-    amp: dict[str, Any] | None = not_supported(None)
+    amp: dict[str, Any] | None = obsolete(None, (
+        "NVIDIA Apex's automatic mixed precision: DeepSpeed 0.19.8 removed the block and refuses it; use "
+        "precision: bfloat16 or fp16 (the bf16/fp16 blocks)"))
     """DeepSpeed block for NVIDIA apex automatic mixed precision."""
 
     gradient_clipping: float = Field(1.0, ge=0)

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from megatron.config_schema import ArgGroup, not_supported
+from megatron.config_schema import ArgGroup, obsolete
 
 
 class OtherArgs(ArgGroup):
@@ -26,25 +26,39 @@ class OtherArgs(ArgGroup):
     rank: int | None = Field(None, ge=0)
     """Global rank; set by the launcher."""
 
-    lazy_mpu_init: bool = not_supported(False)
+    lazy_mpu_init: bool = obsolete(False, (
+        "it lets an outside framework finish GPT-NeoX's model-parallel set-up (its megatron/initialize.py "
+        "returns finish_mpu_init instead of calling it); Deepy's ranks set up their own groups, also under "
+        "torchrun (docs/torchrun.md): remove the key"))
     """Let an external framework set up model-parallel groups instead of initialize()."""
 
-    short_seq_prob: float = not_supported(0.1)
+    short_seq_prob: float = obsolete(0.1, (
+        "a BERT-era option GPT-NeoX declares but none of its code reads: remove the key"))
     """Probability of drawing a shortened sample (a BERT-era option GPT training never uses)."""
 
-    adlr_autoresume: bool = not_supported(False)
+    adlr_autoresume: bool = obsolete(False, (
+        "GPT-NeoX imports NVIDIA's internal userlib.auto_resume for it, which exists only on NVIDIA's ADLR "
+        "clusters; Deepy restarts and requeues runs itself: use max_restarts and slurm_requeue"))
     """Cooperate with NVIDIA's internal ADLR autoresume scheduler."""
 
-    adlr_autoresume_interval: int = not_supported(1000)
+    adlr_autoresume_interval: int = obsolete(1000, (
+        "the interval of adlr_autoresume (NVIDIA's internal cluster library); use max_restarts and "
+        "slurm_requeue"))
     """Steps between ADLR autoresume checks."""
 
-    onnx_safe: bool = not_supported(False)
+    onnx_safe: bool = obsolete(False, (
+        "GPT-NeoX swaps GELU for its erf form for an ONNX export (megatron/model/activations.py); Deepy "
+        "exports to Hugging Face, not ONNX, and its GELU is the erf form already: remove the key"))
     """Avoid operators that ONNX export cannot handle."""
 
-    deepscale: bool = not_supported(False)
+    deepscale: bool = obsolete(False, (
+        "DeepSpeed's name from before 2020, which GPT-NeoX declares deprecated and never reads; deepy.py "
+        "builds the DeepSpeed config from the other keys: remove the key"))
     """Old alias for `deepspeed`, kept by DeepSpeed for compatibility."""
 
-    deepscale_config: str | None = not_supported(None)
+    deepscale_config: str | None = obsolete(None, (
+        "the deprecated name of a DeepSpeed JSON file, which GPT-NeoX never reads; deepy.py builds the "
+        "DeepSpeed config from the other keys (deepspeed_extra_args adds to it): remove the key"))
     """Old alias for a DeepSpeed JSON config path."""
 
     user_script: str | None = None

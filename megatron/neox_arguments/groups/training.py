@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from megatron.config_schema import ArgGroup, not_supported, partly_supported
+from megatron.config_schema import ArgGroup, not_supported, obsolete
 
 
 class TrainingArgs(ArgGroup):
@@ -22,9 +22,10 @@ class TrainingArgs(ArgGroup):
     use_shared_fs: bool = True
     """All nodes see the same filesystem, so only one rank needs to build the sample index."""
 
-    data_impl: Literal["infer", "mmap", "cached"] = (
-        partly_supported("infer", unsupported=("cached",))
-    )
+    data_impl: Literal["infer", "mmap", "cached"] = obsolete(
+        "infer", "it reads GPT-NeoX's legacy IndexedDataset files (not memory-mapped) into memory; GPT-NeoX's "
+        "tools/datasets/preprocess_data.py writes the memory-mapped format by default and Deepy's always, which "
+        "infer and mmap read: preprocess the data again (--dataset-impl mmap) and use mmap", values=("cached",))
     """On-disk dataset format; `infer` reads it from the files."""
 
     batch_size: int | None = Field(None, ge=1)
