@@ -480,6 +480,34 @@ def skip_checkpoint_writes(engine: Any) -> None:
     engine.save_zero_checkpoint = False
 
 
+@contextlib.contextmanager
+def without_optimizer_state(engine: Any) -> Iterator[None]:
+    """``engine.save_checkpoint`` inside writes the module's weights and no optimizer or LR-scheduler state
+    (``no_save_optim``): the ZeRO files (``*_optim_states.pt``: the partitioned fp32 masters and moments) are skipped
+    with DeepSpeed's per-rank ``save_zero_checkpoint`` flag, and the ``optimizer`` and ``lr_scheduler`` entries that
+    the engine's ``_common_checkpoint_state`` puts into the model-states file are emptied."""
+    zero_flag = engine.save_zero_checkpoint
+    own = "_common_checkpoint_state" in vars(engine)
+    common = engine._common_checkpoint_state
+
+    def weights_only_state(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        state: dict[str, Any] = common(*args, **kwargs)
+        state["optimizer"] = None
+        state["lr_scheduler"] = None
+        return state
+
+    engine.save_zero_checkpoint = False
+    engine._common_checkpoint_state = weights_only_state
+    try:
+        yield
+    finally:
+        engine.save_zero_checkpoint = zero_flag
+        if own:
+            engine._common_checkpoint_state = common
+        else:
+            del engine._common_checkpoint_state
+
+
 STEP_LINE_START = "steps: "
 """How the pipeline engine's own progress line starts (``steps: 10 loss: 6.0265 iter time (s): ...``)."""
 

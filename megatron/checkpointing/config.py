@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from megatron.config_schema import ArgGroup, not_supported
+from megatron.config_schema import ArgGroup
 from megatron.object_store import S3_MIN_PART
 
 
@@ -54,8 +54,11 @@ class CheckpointArgs(ArgGroup):
     no_save_rng: bool = False
     """Leave random-number-generator state out of checkpoints."""
 
-    no_save_optim: bool = not_supported(False)
-    """Leave optimizer state out of checkpoints (smaller, but cannot resume exactly)."""
+    no_save_optim: bool = False
+    """Leave the optimizer and LR-scheduler state out of checkpoints (the ZeRO optimizer files, the optimizer and
+    lr_scheduler entries of the model-states file, experts' moments): smaller, the module's weights only. Such a
+    checkpoint starts runs from its weights (finetune, initialize_from) or resumes with no_load_optim; an exact
+    resume, or a load at another layout, is refused. Not with ZeRO stage 3, which keeps the weights in those files."""
 
     no_load_optim: bool = False
     """Do not restore optimizer state when loading."""

@@ -196,3 +196,26 @@ def explain(found: Found, tp: int, pp: int, key: str = "load", shown: str | None
         f"{where} holds no Deepy checkpoint (found: {shown}); a Deepy save directory contains global_stepN/ "
         f"checkpoints with a {commit.COMMIT_MARKER} marker. Fix the path, or {_fresh_start_hint()}"
     )
+
+
+OPTIMIZER_SAVED_KEY = "optimizer_saved"
+"""``deepy_meta.json``: false when the checkpoint was written with ``no_save_optim`` (no optimizer or LR-scheduler
+state); missing (older checkpoints) means true."""
+
+
+def unsaved_optimizer_problem(meta: dict[str, Any], layout_changes: bool, weights_only: bool,
+                              load_optim: bool) -> str | None:
+    """Why a checkpoint written with ``no_save_optim`` cannot be loaded this way; None when it can (or it holds the
+    optimizer state): its weights start a run (``finetune``/``initialize_from``) or a resume with a fresh optimizer
+    (``no_load_optim``) at its layout, but an exact resume needs the optimizer and LR-scheduler state it lacks, and a
+    layout change reads the ZeRO files (the fp32 masters) it lacks."""
+    if meta.get(OPTIMIZER_SAVED_KEY, True):
+        return None
+    if layout_changes:
+        return ("it was saved with no_save_optim: true, without the optimizer files a change of parallel layout "
+                "is read from; load it at its own layout")
+    if not weights_only and load_optim:
+        return ("it was saved with no_save_optim: true (no optimizer or LR-scheduler state), so it cannot be resumed "
+                "exactly: start from its weights with finetune: true (or initialize_from), or resume it with "
+                "no_load_optim: true (a fresh optimizer at its step)")
+    return None

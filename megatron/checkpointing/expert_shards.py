@@ -47,12 +47,13 @@ def check_expert_layout(saved_args: dict[str, Any], args: dict[str, Any], ckpt_d
         )
 
 
-def save_expert_shards(engine: Any, ckpt_dir: Path) -> None:
-    """Write this rank's experts if it is the first replica of its expert-parallel rank."""
+def save_expert_shards(engine: Any, ckpt_dir: Path, save_optim: bool = True) -> None:
+    """Write this rank's experts if it is the first replica of its expert-parallel rank (their optimizer moments too
+    unless ``save_optim`` is False: ``no_save_optim``)."""
     params = _expert_params(engine)
     if not params or topology.get_data_parallel_rank() >= expert_parallel.get_expert_parallel_world_size():
         return
-    state = getattr(engine.optimizer, "state", {})
+    state = getattr(engine.optimizer, "state", {}) if save_optim else {}
     shard = {
         "params": {name: p.detach().cpu().clone() for name, p in params.items()},
         "optimizer": {

@@ -154,6 +154,7 @@ class CheckpointManager:
         no_load_optim: bool = False,
         no_load_rng: bool = False,
         save_rng: bool = True,
+        save_optim: bool = True,
         preemption: PreemptionWatcher | None = None,
         before_commit: BeforeCommit | None = None,
         load_requested: bool = False,
@@ -187,6 +188,8 @@ class CheckpointManager:
         self.no_load_optim = no_load_optim
         self.no_load_rng = no_load_rng
         self.save_rng = save_rng
+        self.save_optim = save_optim
+        """False (``no_save_optim``): checkpoints hold the module's weights, no optimizer or LR-scheduler state."""
         self.preemption = preemption if preemption is not None else PreemptionWatcher().install()
         self.before_commit = before_commit
         self.last_saved_step: int | None = None
@@ -249,6 +252,7 @@ class CheckpointManager:
             no_load_optim=config.no_load_optim,
             no_load_rng=config.no_load_rng,
             save_rng=not config.no_save_rng,
+            save_optim=not config.no_save_optim,
             before_commit=before_commit,
             load_requested=bool(config.load),
             new_parameters=new_parameters,
@@ -487,6 +491,7 @@ class CheckpointManager:
             config_files=self.config_files,
             extra=dict(extra or {}),
             save_rng=self.save_rng,
+            save_optim=self.save_optim,
             universal_info=self.universal_info,
             before_commit=self.before_commit,
             rank_files=tuple(self.rank_files),

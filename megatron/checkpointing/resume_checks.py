@@ -40,7 +40,7 @@ from typing import Any
 from megatron import object_store
 from megatron.checkpointing import commit, discovery
 from megatron.checkpointing.layout import Layout, check_convertible, needs_universal
-from megatron.config_rules import RuleContext, describe, render, rule, zero_stage
+from megatron.config_rules import RuleContext, describe, render, rule, zero_source, zero_stage
 from megatron.data.config import PATH_KEYS
 from megatron.errors import CheckpointError
 from megatron.objective_needs import known_needs
@@ -327,7 +327,28 @@ def fit_problems(ctx: RuleContext, start: Start, *, schedule: FitCheck) -> list[
     if not ctx.trains:
         return shape_problems(ctx, start)
     return [*shape_problems(ctx, start), *lora_problems(ctx, start), *schedule(ctx, start),
-            *layout_problems(ctx, start)]
+            *layout_problems(ctx, start), *optimizer_state_problems(ctx, start)]
+
+
+def optimizer_state_problems(ctx: RuleContext, start: Start) -> list[str]:
+    """A checkpoint saved with ``no_save_optim`` resumed exactly, or at another layout (the ranks refuse the same
+    in ``save_load._load_checkpoint``)."""
+    saved, planned = start.layout, planned_layout(ctx)
+    changes = saved is not None and planned is not None and needs_universal(saved, planned)
+    problem = discovery.unsaved_optimizer_problem(start.meta, changes, start.weights_only,
+                                                  load_optim=not ctx.get("no_load_optim"))
+    return [] if problem is None else [f"{start.key} ({describe(ctx.source(start.key))}): {start.ckpt}: {problem}"]
+
+
+@rule
+def no_save_optim_keeps_the_weights(ctx: RuleContext) -> list[str]:
+    """Under ZeRO-3 the module's weights live in the ZeRO files ``no_save_optim`` leaves out (the model-states file
+    holds empty placeholders), so its checkpoints would hold no weights at all."""
+    if ctx.get("no_save_optim") and zero_stage(ctx) == 3:
+        return [f"{ctx.show('no_save_optim')} with ZeRO stage 3 ({zero_source(ctx)}): ZeRO-3 keeps the weights "
+                f"themselves in the optimizer files no_save_optim leaves out; use ZeRO stage 1 or 2, or save the "
+                f"optimizer state"]
+    return []
 
 
 # --- the global batch across a layout change --------------------------------------------------------------

@@ -43,6 +43,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from megatron import mpu
 from megatron.checkpointing import commit, reshard
+from megatron.checkpointing.discovery import OPTIMIZER_SAVED_KEY, unsaved_optimizer_problem
 from megatron.checkpointing.background_writes import BackgroundWrites
 from megatron.checkpointing.commit import CheckpointKind
 from megatron.checkpointing.expert_shards import check_expert_layout, load_expert_shards, save_expert_shards
@@ -60,7 +61,12 @@ from megatron.checkpointing.universal import (
     needs_universal,
     prepare_universal,
 )
-from megatron.deepspeed_internals import recorded_checkpoint_writes, universal_loading, untie_optimizer_steps
+from megatron.deepspeed_internals import (
+    recorded_checkpoint_writes,
+    universal_loading,
+    untie_optimizer_steps,
+    without_optimizer_state,
+)
 from megatron.errors import CheckpointError
 from megatron.mpu import hybrid_shard, topology
 from megatron.mpu.random import get_rng_tracker
@@ -135,6 +141,8 @@ class SaveRequest:
     rank_files: tuple[Callable[[Path], None], ...] = ()
     """Other components' files (the weight average): each is called on every rank with the checkpoint
     directory after the engine's files are written and before the commit, and writes what its rank owns."""
+    save_optim: bool = True
+    """Write the optimizer and LR-scheduler state (False: ``no_save_optim``, the module's weights only)."""
     keep_existing: bool = False
     """A committed checkpoint of this step already on disk is this very state (the one the run resumed
     from, saved again when preempted at once): keep it. Otherwise one on disk is another trajectory's
@@ -238,6 +246,8 @@ def write_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Sav
         if writes is not None:
             stack.enter_context(writes.capturing(engine))
         write_errors = stack.enter_context(recorded_checkpoint_writes(engine))
+        if not request.save_optim:
+            stack.enter_context(without_optimizer_state(engine))
         engine.save_checkpoint(str(save), written_tag, client_state=client_state, save_latest=False)
     error = write_errors[0] if write_errors else None
     # the ranks agree before the files of their own: the expert shards and the components' files (the weight
@@ -245,7 +255,7 @@ def write_checkpoint(engine: Any, save_dir: str | os.PathLike[str], request: Sav
     _raise_if_failed(ckpt_dir, error)
     try:
         _write_rank_files(ckpt_dir, request, rank)
-        save_expert_shards(engine, ckpt_dir)  # experts split over data-parallel ranks, if any
+        save_expert_shards(engine, ckpt_dir, request.save_optim)  # experts split over data-parallel ranks, if any
         for write in request.rank_files:
             write(ckpt_dir)
     except Exception as err:  # noqa: BLE001
@@ -314,6 +324,7 @@ def _write_rank_files(ckpt_dir: Path, request: SaveRequest, rank: int) -> None:
         "world_size": _world(),
         "extra": request.extra,
         "universal_info": request.universal_info,
+        OPTIMIZER_SAVED_KEY: request.save_optim,
         "args": request.args,
     }
     (ckpt_dir / META_FILE).write_text(json.dumps(meta, indent=1, default=str), encoding="utf-8")
@@ -420,6 +431,9 @@ def _load_checkpoint(engine: Any, ckpt_dir: Path, args: dict[str, Any], options:
     result = LoadResult(loaded=True, path=ckpt_dir)
     source = ckpt_dir
     universal = needs_universal(saved, layout)
+    problem = unsaved_optimizer_problem(meta, universal, options.weights_only, options.load_optim)
+    if problem is not None:  # before launch: resume_checks.optimizer_state_problems
+        raise CheckpointError(f"cannot load {ckpt_dir}: {problem}")
     if universal and options.weights_only and options.new_parameters \
             and meta.get("args", {}).get("train_impl") != args.get("train_impl"):
         raise CheckpointError(

@@ -17,9 +17,20 @@ from typing import Literal
 from pydantic import Field
 
 from megatron.config_rules import DERIVED
-from megatron.config_schema import ArgGroup, not_supported
+from megatron.config_schema import ArgGroup, obsolete
 
 LauncherName = Literal["pdsh", "openmpi", "mvapich", "mpich", "slurm", "torchrun"]
+
+AUTOTUNING_REFUSED = (
+    "DeepSpeed 0.19.8's autotuner (deepspeed/autotuning/autotuner.py, scheduler.py run_experiment) re-runs the "
+    "training script once per experiment, replacing the value after --deepspeed_config with a base64 config whose "
+    "ZeRO stage, micro batch and accumulation it picks itself, and reads back the metric file the engine writes "
+    "before calling exit() at end_profile_step; Deepy's train.py reads the one config deepy.py resolved and checked "
+    "before launch (batch arithmetic, ZeRO and precision rules) and takes no --deepspeed_config, so the "
+    "experiments would run unchecked configs or none: remove the key, check a layout's memory with "
+    "deepy.py --rehearse N and set train_micro_batch_size_per_gpu and zero_optimization yourself")
+"""Why ``autotuning`` and ``autotuning_run`` are refused (GPT-NeoX ea7aefd8 passes ``--autotuning tune|run`` to
+DeepSpeed's runner, megatron/neox_arguments/arguments.py ``get_deepspeed_main_args``)."""
 
 
 class DeepSpeedRunnerArgs(ArgGroup):
@@ -55,8 +66,9 @@ class DeepSpeedRunnerArgs(ArgGroup):
     force_multi: bool = False
     """With launcher pdsh: go through pdsh even for one node."""
 
-    autotuning_run: Literal["tune", "run"] | None = not_supported(None)
-    """Run DeepSpeed's autotuner (`tune` or `run`) instead of training."""
+    autotuning_run: Literal["tune", "run"] | None = obsolete(None, AUTOTUNING_REFUSED)
+    """Run DeepSpeed's autotuner (`tune` or `run`) instead of training. Refused: DeepSpeed's autotuner re-runs the
+    training script with configs that skip deepy.py's checks."""
 
     no_ssh_check: bool = False
     """Skip the runner's passwordless-ssh check."""

@@ -31,6 +31,7 @@ from megatron.model.moe_config import MoEArgs
 from megatron.engine.activation_config import ActivationCheckpointArgs
 from megatron.training.averaging_config import ModelAveragingArgs
 from megatron.training.bad_steps import BadStepArgs
+from megatron.training.curriculum import CurriculumArgs
 from megatron.training.hang_config import HangArgs
 from megatron.training.stragglers import StragglerArgs
 from megatron.training.reinit_config import ReinitTokensArgs
@@ -67,6 +68,7 @@ GROUPS: dict[str, type[ArgGroup]] = {
     "engine": EngineArgs,
     "model_averaging": ModelAveragingArgs,
     "bad_steps": BadStepArgs,
+    "curriculum": CurriculumArgs,
     "hang": HangArgs,
     "stragglers": StragglerArgs,
     "reinit_tokens": ReinitTokensArgs,
@@ -116,6 +118,7 @@ class _Arguments(
     EngineArgs,
     ModelAveragingArgs,
     BadStepArgs,
+    CurriculumArgs,
     HangArgs,
     StragglerArgs,
     ReinitTokensArgs,

@@ -28,6 +28,7 @@ from megatron.mpu import parallel_config
 from megatron.neox_arguments import deepspeed_blocks, file_checks, optional_packages, rules
 from megatron.engine import compile_checks, lr_config, lr_dialects
 from megatron.training import averaging_config, bad_steps, length_checks
+from megatron.training import curriculum
 from megatron.engine import optimizer_checks
 from megatron.training import hang_config, hf_save_config, peft_config, reinit_config
 from megatron.objectives import checks as objective_checks
@@ -44,6 +45,7 @@ CHECK_MODULES: tuple[ModuleType, ...] = (
     optimizer_checks,
     averaging_config,  # ema_beta (ZeRO-3)
     bad_steps,  # skip_bad_steps_window
+    curriculum,  # curriculum_learning, data_efficiency
     hang_config,  # hang_timeout, startup_hang_timeout
     reinit_config,  # reinit_tokens
     peft_config,  # lora_peft_save_path (tp, pp, ZeRO-3, targets)

@@ -42,8 +42,6 @@ DS_CONFIG_KEYS: tuple[str, ...] = (
     "dump_state",
     "flops_profiler",
     "communication_data_type",
-    "autotuning",
-    "data_efficiency",
     "tensorboard",
     "wandb",
     "csv_monitor",
@@ -89,6 +87,9 @@ OWNED_KEYS = frozenset(
 REFUSED_EXTRA_KEYS = {
     "optimizer": "Deepy builds the optimizer from optimizer_type/optimizer/lr",
     "scheduler": "Deepy drives the LR schedule from lr_decay_style/warmup/min_lr",
+    "autotuning": "DeepSpeed's autotuner cannot run on Deepy's launch (see the autotuning key)",
+    "data_efficiency": ("DeepSpeed acts on it only through its own data loader, which Deepy does not use; set "
+                        "data_efficiency as a top-level key (its seqlen curriculum is Deepy's)"),
 }
 
 

@@ -35,6 +35,7 @@ from megatron.training.hang_config import HangArgs
 from megatron.training.stragglers import StragglerArgs
 from megatron.training.reinit_config import ReinitTokensArgs
 from megatron.training.bad_steps import BadStepArgs
+from megatron.training.curriculum import CurriculumArgs
 from megatron.training.peft_config import PeftSaveArgs
 from megatron.training.hf_save_config import HFSaveArgs
 from megatron.training.config import TrainingLoopArgs, TrainingRun
@@ -81,6 +82,7 @@ class RunConfig(TrainConfig):
             args_record=args.model_dump(mode="json") if args_record is None else args_record,
             data=data_run(args), training=training_run(args), averaging=group(args, ModelAveragingArgs),
             stragglers=group(args, StragglerArgs), bad_steps=group(args, BadStepArgs),
+            curriculum=group(args, CurriculumArgs),
             reinit=group(args, ReinitTokensArgs), peft_saves=group(args, PeftSaveArgs),
             hf_saves=group(args, HFSaveArgs), checkpoint=group(args, CheckpointArgs), run_name=run_name,
             hang=group(args, HangArgs), tasks=evaluation_run(args) if args.eval_tasks else None)

@@ -79,6 +79,20 @@ class MicroBatch:
                        position_ids=positions[:, lo:hi].contiguous(),
                        units=float((labels >= 0).sum()))
 
+    def truncated(self, length: int) -> MicroBatch:
+        """The first ``length`` tokens of every row (the sequence curriculum, ``training/curriculum.py``): tokens,
+        labels, positions and documents cut as GPT-NeoX's ``get_batch_pipe`` cuts them, loss units recounted."""
+        if length >= self.inputs.shape[1]:
+            return self
+        labels = self.labels[:, :length].contiguous()
+
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[:, :length].contiguous()
+
+        return replace(self, inputs=self.inputs[:, :length].contiguous(), labels=labels,
+                       position_ids=cut(self.position_ids), document_ids=cut(self.document_ids),
+                       units=float((labels >= 0).sum()))
+
     def model_kwargs(self) -> dict[str, torch.Tensor]:
         """Keyword inputs of ``GPTModel.forward`` besides the tokens (none for plain samples)."""
         kwargs = {"position_ids": self.position_ids, "document_ids": self.document_ids}

@@ -33,6 +33,7 @@ from megatron.logging.monitor import Monitor
 from megatron.logging.peak_memory import memory_metrics
 from megatron.logging.throughput import as_metrics, measure
 from megatron.training.config import TrainingLoopArgs
+from megatron.training.curriculum import SeqlenCurriculum
 from megatron.engine.build import Engine
 from megatron.training import hang_watch
 from megatron.training.evaluate import Evaluator, evaluation_number
@@ -223,6 +224,8 @@ class LoopContext:
     """Why the run ends at ``train_iters`` (the last step: train_iters, or where max_train_epochs end)."""
     schedule: BatchSchedule | None = None
     """Each step's global batch (``train_batch_size_schedule``); None: ``global_batch_size`` every step."""
+    curriculum: SeqlenCurriculum | None = None
+    """Each step's tokens per sample (``curriculum_learning``); None: the whole ``seq_length`` every step."""
 
     def step_batch(self, iteration: int) -> tuple[int, int]:
         """Samples and tokens of 0-based step ``iteration``."""
@@ -271,6 +274,8 @@ def log_row(ctx: LoopContext, state: TrainState, window: _Window, result: StepRe
         row.update(ctx.eng.moe.metrics())  # router statistics (a collective: every rank logs)
     row["train/skipped_steps"] = state.skipped_steps
     row["train/consumed_tokens"] = state.consumed_tokens
+    if ctx.curriculum is not None:  # GPT-NeoX's curriculum_seqlen (megatron/logging.py)
+        row["train/curriculum_seqlen"] = ctx.curriculum.current
     if ctx.schedule is not None:  # the batch DeepSpeed ran the last step with (its accumulation = the micro-batch count)
         row["train/global_batch"] = int(ctx.eng.engine.train_batch_size())
     steps = max(window.steps, 1)  # the window's steps' own batches (a batch schedule changes them)
@@ -354,6 +359,7 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
     ctx.eng.engine.train()
     window = _Window()
     exited = False
+    last_length: int | None = None
     while state.iteration < ctx.train_iters:
         lr = ctx.eng.lr_scheduler.get_last_lr()[0]
         ctx.monitor.before_step(state.iteration + 1)
@@ -361,8 +367,15 @@ def train(ctx: LoopContext, state: TrainState, hooks: Hooks) -> TrainState:
         if ctx.schedule is not None and samples != ctx.eng.engine.train_batch_size():
             # the micro batch stays, DeepSpeed's accumulation steps (the objective's micro-batch count) follow
             ctx.eng.engine.set_train_batch_size(samples)
+        seq_limit = None
+        if ctx.curriculum is not None:
+            seq_limit = ctx.curriculum.length_at(state.iteration + 1)  # GPT-NeoX: update_difficulty(iteration + 1)
+            if ctx.eng.is_pipe and seq_limit != last_length:
+                ctx.eng.engine.reset_activation_shape()  # the stages' buffers were sized for the last length
+            last_length = seq_limit
+            tokens = tokens // ctx.curriculum.seq_length * seq_limit
         hang_watch.beat("data", state.iteration)
-        result = train_step(ctx.eng, micro_batches, ctx.device)
+        result = train_step(ctx.eng, micro_batches, ctx.device, seq_limit)
         state.iteration += 1
         hang_watch.beat("save", state.iteration)  # the step's hooks: checkpoint and HF saves
         if first and watch is not None:

@@ -61,11 +61,14 @@ class ObjectiveRunner:
         self.objective = objective
         self.reference = reference
 
-    def prepare(self, samples: list[dict[str, torch.Tensor]], split: str,
-                device: torch.device) -> tuple[list[MicroBatch], torch.Tensor]:
+    def prepare(self, samples: list[dict[str, torch.Tensor]], split: str, device: torch.device,
+                seq_limit: int | None = None) -> tuple[list[MicroBatch], torch.Tensor]:
         """The step's micro-batches with their reference log-probs, and the loss denominator (a
-        device tensor: never read back, so the host runs ahead of the GPU)."""
+        device tensor: never read back, so the host runs ahead of the GPU); ``seq_limit``: the first that
+        many tokens of every sample (the sequence curriculum)."""
         batches = [self.objective.prepare(s) for s in samples]
+        if seq_limit is not None:
+            batches = [b.truncated(seq_limit) for b in batches]
         pieces = mpu.get_context_parallel_world_size()
         if pieces > 1:  # each context-parallel rank runs (and counts the loss of) its piece of the sequence
             batches = [b.context_piece(mpu.get_context_parallel_rank(), pieces) for b in batches]
@@ -74,15 +77,16 @@ class ObjectiveRunner:
         return self.reference.fill(batches, split, device), denominator
 
     def run(self, eng: EngineHandle, micro_batches: Iterator[dict[str, torch.Tensor]], split: str, device: torch.device,
-            train: bool, micro_count: int | None = None) -> torch.Tensor:
-        """One global batch of ``micro_count`` micro-batches (None: the engine's accumulation steps);
-        returns its loss (the same on every rank) as a 0-dim device tensor, unread. Metrics accumulate."""
+            train: bool, micro_count: int | None = None, seq_limit: int | None = None) -> torch.Tensor:
+        """One global batch of ``micro_count`` micro-batches (None: the engine's accumulation steps), each sample
+        cut to ``seq_limit`` tokens when given; returns its loss (the same on every rank) as a 0-dim device tensor,
+        unread. Metrics accumulate."""
         engine = eng.engine
         count = int(engine.gradient_accumulation_steps()) if micro_count is None else micro_count
         if eng.is_pipe and count != int(engine.gradient_accumulation_steps()):
             raise ValueError("a pipeline engine runs its configured number of micro-batches per batch")
         samples = timed(lambda: [next(micro_batches) for _ in range(count)])  # this rank's own work (stragglers)
-        batches, denominator = self.prepare(samples, split, device)
+        batches, denominator = self.prepare(samples, split, device, seq_limit)
         if eng.is_pipe:
             items = [(b.to(device).pipe_inputs(), tuple(t.to(device) for t in b.targets(denominator))) for b in batches]
             if train:

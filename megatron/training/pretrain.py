@@ -44,6 +44,7 @@ from megatron.tokenizer import build_tokenizer
 from megatron.tokenizer.base import Tokenizer
 from megatron.training.config import TrainingLoopArgs, last_iteration
 from megatron.training.evaluate import maybe_evaluator
+from megatron.training.curriculum import build_curriculum
 from megatron.training.features import build_hooks
 from megatron.training.features.base import Setup
 from megatron.training.hf_saves import HFWriterFactory
@@ -207,4 +208,5 @@ def loop_context(run: TrainConfig, eng: Engine, monitor: Monitor, splits: DataSp
         valid=maybe_evaluator(eng, splits.valid, training.loop.eval_iters, eval_batch, dp_rank, device, "valid"),
         test=maybe_evaluator(eng, splits.test, training.loop.eval_iters, eval_batch, dp_rank, device, "test"),
         end_reason=end_reason, schedule=schedule,
+        curriculum=build_curriculum(run.curriculum, seq, completed_steps=state.iteration),
     )

@@ -44,12 +44,14 @@ def read_grad_norm(norm: float | torch.Tensor | None) -> float | None:
     return value if value >= 0 else None
 
 
-def train_step(eng: Engine, micro_batches: Iterator[dict[str, torch.Tensor]], device: torch.device) -> StepResult:
-    """One global batch: forward/backward on every micro-batch, then the optimizer step."""
+def train_step(eng: Engine, micro_batches: Iterator[dict[str, torch.Tensor]], device: torch.device,
+               seq_limit: int | None = None) -> StepResult:
+    """One global batch: forward/backward on every micro-batch (its samples cut to ``seq_limit`` tokens when
+    given: the sequence curriculum), then the optimizer step."""
     if eng.moe is not None:
         eng.moe.before_step(eng.engine, loss_scale(eng.engine))  # the aux losses' gradient scale
     runner = ObjectiveRunner(eng.objective, eng.reference)
-    loss = runner.run(eng, micro_batches, "train", device, train=True)
+    loss = runner.run(eng, micro_batches, "train", device, train=True, seq_limit=seq_limit)
     metrics = runner.collect_metrics(eng, device)
     engine = eng.engine
     return StepResult(loss=loss, applied=bool(engine.was_step_applied()), grad_norm=engine.get_global_grad_norm(),

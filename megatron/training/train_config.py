@@ -13,6 +13,7 @@ from megatron.engine.engine_config import EngineConfig
 from megatron.training.averaging_config import ModelAveragingArgs
 from megatron.training.bad_steps import BadStepArgs
 from megatron.training.config import TrainingRun
+from megatron.training.curriculum import CurriculumArgs
 from megatron.training.hf_save_config import HFSaveArgs
 from megatron.training.peft_config import PeftSaveArgs
 from megatron.training.reinit_config import ReinitTokensArgs
@@ -51,6 +52,8 @@ class TrainConfig(EngineConfig):
     """The straggler watch's keys."""
     bad_steps: BadStepArgs
     """The bad-step rule's keys (``skip_bad_steps_window``, ``_sigma``)."""
+    curriculum: CurriculumArgs
+    """The sequence curriculum's keys (``curriculum_learning``, ``data_efficiency``), read by the loop."""
     reinit: ReinitTokensArgs
     """The token re-initialisation's keys (``reinit_tokens``)."""
     peft_saves: PeftSaveArgs

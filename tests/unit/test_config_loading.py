@@ -218,15 +218,6 @@ def test_unsupported_key_set_away_from_default(cwd: Path) -> None:
     assert load_config(["ok.yml"]).args.sparsity_config is None
 
 
-@pytest.mark.parametrize("line", ["no_save_optim: true"])
-def test_checkpoint_keys_not_built_are_refused(cwd: Path, line: str) -> None:
-    """GPT-NeoX's optimizer-less saves (declared with the checkpoint keys) are refused,
-    naming the key and its file:line, never accepted and ignored."""
-    write(cwd, "c.yml", f"num_layers: 2\n{line}\n")
-    message = error_of(["c.yml"])
-    assert "not supported yet" in message and line.split(":")[0] in message and "c.yml:2" in message
-
-
 def test_yaml_text_parser_direct() -> None:
     assert parse_yaml_text("a: 1e3\nb: -2.5E-2\nc: '1e3'\nd: 10", "x") == {"a": 1000.0, "b": -0.025, "c": "1e3", "d": 10}
     assert parse_yaml_text("run: 2024-01-01\nat: 2024-01-01 10:00:00", "x") == {"run": "2024-01-01", "at": "2024-01-01 10:00:00"}

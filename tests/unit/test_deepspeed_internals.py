@@ -406,6 +406,26 @@ def test_checkpoint_write_flags_decide_deepspeeds_files(zero3_engine, tmp_path) 
     assert list((tmp_path / "skipped").rglob("*.pt")) == []
 
 
+def test_without_optimizer_state_leaves_the_optimizer_files_and_entries_out(engine, zero3_engine,  # type: ignore[no-untyped-def]
+                                                                              tmp_path) -> None:
+    """no_save_optim: the model-states file's optimizer/lr_scheduler entries (``_common_checkpoint_state``) are None
+    and the ZeRO optimizer files (``save_zero_checkpoint``) are not written; both are put back afterwards."""
+    from megatron.deepspeed_internals import without_optimizer_state
+
+    engine.save_checkpoint(str(tmp_path / "full"), "tag")
+    with without_optimizer_state(engine):
+        engine.save_checkpoint(str(tmp_path / "weights"), "tag")
+    full = torch.load(tmp_path / "full" / "tag" / "mp_rank_00_model_states.pt", weights_only=False)
+    weights = torch.load(tmp_path / "weights" / "tag" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert full["optimizer"] is not None and weights["optimizer"] is None and weights["lr_scheduler"] is None
+    assert all(torch.equal(weights["module"][k], v) for k, v in full["module"].items())
+    assert "_common_checkpoint_state" not in vars(engine)  # the class's method again
+    flag = zero3_engine.save_zero_checkpoint
+    with without_optimizer_state(zero3_engine):
+        zero3_engine.save_checkpoint(str(tmp_path / "zero3"), "tag")
+    assert not list((tmp_path / "zero3" / "tag").glob("*optim_states.pt")) and zero3_engine.save_zero_checkpoint == flag
+
+
 def test_pipeline_step_line_is_a_print_in_its_module_and_is_filtered(capsys: pytest.CaptureFixture[str]) -> None:
     """quiet_step_line: the pipeline engine prints its step line with the module-global ``print``
     (which a module attribute shadows), starting with ``steps: ``; only that line is dropped."""

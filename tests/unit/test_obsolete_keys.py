@@ -25,6 +25,11 @@ OBSOLETE = {
     "adlr_autoresume": "true", "adlr_autoresume_interval": "50", "onnx_safe": "true", "deepscale": "true",
     "deepscale_config": "ds.json", "amp": "{enabled: true}", "sparse_gradients": "true", "short_seq_prob": "0.2",
     "lazy_mpu_init": "true", "deepspeed": "false", "scheduler": "{type: WarmupLR}", "data_impl": "cached",
+    # DeepSpeed 0.19.8 removed these blocks (runtime/config.py _REMOVED_TOP_LEVEL_CONFIG_KEYS); its autotuner
+    # re-runs train.py with unchecked configs; curriculum_seqlen is the curriculum's state, not a setting
+    "elasticity": "{enabled: true}", "compression_training": "{weight_quantization: {}}",
+    "sparse_attention": "{mode: fixed}", "autotuning": "{enabled: true}", "autotuning_run": "tune",
+    "curriculum_seqlen": "64",
 }
 """Issue 47's list of obsolete keys, each with a value GPT-NeoX accepts that Deepy refuses."""
 

@@ -68,6 +68,7 @@ DECLARED_WITH_COMPONENT: dict[str, str] = {
     **dict.fromkeys(("train_impl", "z_loss", "eod_mask_loss", "fp32_reinforce", "kl_impl", "kl_div_beta",
                      "reinforce_leave_one_out"), "objective"),
     **dict.fromkeys(("deepspeed_mpi", "deepspeed_slurm"), "deepspeed_runner"),
+    **dict.fromkeys(("curriculum_learning", "curriculum_seqlen", "data_efficiency"), "curriculum"),  # the loop reads them
     **dict.fromkeys((
         "data_path", "train_data_paths", "train_label_data_paths", "train_reward_data_paths", "test_data_paths",
         "test_label_data_paths", "test_reward_data_paths", "valid_data_paths", "valid_label_data_paths",
@@ -639,11 +640,13 @@ MUST_BE_SUPPORTED = [
     "dpo_beta", "dpo_fp32", "dpo_reference_free", "kto_beta", "kto_fp32", "kto_desirable_weight",
     "kto_undesirable_weight", "z_loss", "eod_mask_loss", "reference_logps", "pos_train_data_paths",
     "neg_valid_label_data_paths", "train_label_data_paths", "train_reward_data_paths", "dataset_impl", "pack_impl",
+    # the sequence curriculum and optimizer-less saves (tests/unit/test_deepspeed_blocks.py)
+    "curriculum_learning", "data_efficiency", "no_save_optim",
 ]  # fmt: skip
 MUST_BE_UNSUPPORTED = [
     "mamba_selective_fp32_params", "te_mha",
-    "te_fp8_format", "serve_model_weights", "sparsity_config", "curriculum_learning",
-    "sparse_attention", "use_comet", "use_mup", "scheduler", "no_save_optim",
+    "te_fp8_format", "serve_model_weights", "sparsity_config",
+    "sparse_attention", "use_comet", "use_mup", "scheduler",
     "sparse_gradients", "fp16_lm_cross_entropy", "deepspeed_activation_checkpointing",
     "log_gradient_noise_scale", "gradient_noise_scale_n_batches", "gradient_noise_scale_cpu_offload",
 ]  # fmt: skip

@@ -173,7 +173,7 @@ def _run_loop(monkeypatch: pytest.MonkeyPatch, rec: _Recorder, train_iters: int,
     from megatron.training.features.tasks import build_tasks
 
     state = TrainState()
-    monkeypatch.setattr(loop, "train_step", lambda eng, micro, device: _result(True))
+    monkeypatch.setattr(loop, "train_step", lambda eng, micro, device, seq_limit=None: _result(True))
     args = NeoXArgs(**{"eval_interval": 2, "exit_interval": None, "seq_length": 8, "train_batch_size": 1,
                        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, **training})
     run = RunConfig.from_args(args)

@@ -10,7 +10,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from megatron.config_schema import ArgGroup, not_supported, obsolete
+from megatron.config_schema import ArgGroup, obsolete
+from megatron.launcher.config import AUTOTUNING_REFUSED
 
 
 class DeepSpeedConfigArgs(ArgGroup):
@@ -69,12 +70,6 @@ class DeepSpeedConfigArgs(ArgGroup):
     zero_optimization: dict[str, Any] | None = None
     """DeepSpeed ZeRO block: {stage, reduce_bucket_size, overlap_comm, offload_optimizer, ...}."""
 
-    curriculum_learning: dict[str, Any] | None = not_supported(None)
-    """DeepSpeed's legacy sequence-length curriculum block."""
-
-    curriculum_seqlen: int = not_supported(0)
-    """Current curriculum sequence length; runtime state of curriculum learning."""
-
     steps_per_print: int = Field(10, ge=1)
     """DeepSpeed prints its own progress line every this many steps, shown when deepspeed_log_level is info
     or debug (deepy.py --verbose); Deepy's own line comes every log_interval."""
@@ -92,14 +87,15 @@ class DeepSpeedConfigArgs(ArgGroup):
     """Dtype for gradient communication (`fp16`, `bf16` or `fp32`). GPT-NeoX types this as bool, but
     DeepSpeed expects a dtype name."""
 
-    autotuning: dict[str, Any] | None = not_supported(None)
-    """DeepSpeed autotuner block."""
+    autotuning: dict[str, Any] | None = obsolete(None, AUTOTUNING_REFUSED)
+    """DeepSpeed autotuner block (tuning space, metric, profile steps). Refused: DeepSpeed 0.19.8's autotuner
+    re-runs the training script with configs of its own that skip deepy.py's checks (see autotuning_run)."""
 
-    sparse_attention: dict[str, Any] | None = not_supported(None)
-    """DeepSpeed sparse attention block."""
-
-    data_efficiency: dict[str, Any] | None = not_supported(None)
-    """DeepSpeed data-efficiency block (curriculum sampling, token dropping)."""
+    sparse_attention: dict[str, Any] | None = obsolete(None, (
+        "DeepSpeed 0.19.8 removed Sparse Attention and refuses the block (runtime/config.py "
+        "_REMOVED_TOP_LEVEL_CONFIG_KEYS: 'DeepSpeed Sparse Attention has been removed'): remove it; for sparse "
+        "or local attention patterns use attention_config (e.g. local or flash attention types)"))
+    """DeepSpeed sparse attention block. DeepSpeed 0.19.8 removed Sparse Attention and refuses the block."""
 
     tensorboard: dict[str, Any] | None = None
     """DeepSpeed's own TensorBoard monitor block."""
@@ -110,15 +106,24 @@ class DeepSpeedConfigArgs(ArgGroup):
     csv_monitor: dict[str, Any] | None = None
     """DeepSpeed's CSV monitor block."""
 
-    elasticity: dict[str, Any] | None = not_supported(None)
-    """DeepSpeed elastic-training block (batch size adapts to the node count)."""
+    elasticity: dict[str, Any] | None = obsolete(None, (
+        "DeepSpeed 0.19.8 removed elastic training and refuses the block (runtime/config.py "
+        "_REMOVED_TOP_LEVEL_CONFIG_KEYS: 'Elastic training has been removed'): set train_batch_size, "
+        "train_micro_batch_size_per_gpu and gradient_accumulation_steps directly"))
+    """DeepSpeed elastic-training block (batch size adapts to the node count). DeepSpeed 0.19.8 removed elastic
+    training and refuses the block."""
 
     comms_logger: dict[str, Any] | None = None
     """DeepSpeed communication logger block ({enabled, prof_all, prof_ops, verbose, debug}): DeepSpeed times its
     collectives and Deepy prints its summary after the last step (with verbose, at every log_interval too)."""
 
-    compression_training: dict[str, Any] | None = not_supported(None)
-    """DeepSpeed compression (quantisation/pruning during training) block."""
+    compression_training: dict[str, Any] | None = obsolete(None, (
+        "DeepSpeed 0.19.8 removed its compression library and refuses the block (runtime/config.py "
+        "_REMOVED_TOP_LEVEL_CONFIG_KEYS: 'The DeepSpeed compression library has been removed ... the model would "
+        "train unquantized'): remove it; train in bf16/fp16 and quantise after training (e.g. export to Hugging "
+        "Face and use a post-training quantiser)"))
+    """DeepSpeed compression (quantisation/pruning during training) block. DeepSpeed 0.19.8 removed its
+    compression library and refuses the block."""
 
     checkpoint: dict[str, Any] | None = None
     """DeepSpeed checkpoint block, e.g. {use_node_local_storage: true}."""
