@@ -1,5 +1,5 @@
-"""Where metrics go (metrics.jsonl, TensorBoard, W&B), how often, and which optional diagnostics
-are computed. Comet and gradient-noise-scale estimation are not built yet.
+"""Where metrics go (metrics.jsonl, TensorBoard, W&B, Comet), how often, and which optional diagnostics
+are computed (statistics, the gradient noise scale, the profiler).
 
 Trackers come in two spellings: GPT-NeoX's flat keys (``use_wandb``, ``wandb_project``,
 ``tensorboard_dir``) and Levanter's ``tracker:`` block (``{type: wandb, project: ...}`` or a list of
@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from megatron import plugins
-from megatron.config_schema import ArgGroup, not_supported
+from megatron.config_schema import ArgGroup, obsolete
 from megatron.errors import ConfigError
 
 WandbMode = Literal["online", "offline", "disabled"]
@@ -76,7 +76,21 @@ class PluginTrackerSettings:
     source: str = "tracker"
 
 
-TrackerSettings = WandbSettings | TensorboardSettings | JsonlSettings | PluginTrackerSettings
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CometSettings:
+    """One Comet experiment per launch, on the speaking rank (GPT-NeoX ea7aefd8,
+    ``NeoXArgs.initialize_comet``: rank 0, a new experiment each launch)."""
+
+    workspace: str | None
+    project: str | None
+    name: str | None
+    tags: tuple[str, ...]
+    others: dict[str, Any]
+    source: str = "use_comet"
+    type: Literal["comet"] = "comet"
+
+
+TrackerSettings = WandbSettings | TensorboardSettings | JsonlSettings | CometSettings | PluginTrackerSettings
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -245,26 +259,34 @@ class LoggingArgs(ArgGroup):
     tensorboard_dir: str | None = None
     """Write TensorBoard event files here; unset disables TensorBoard."""
 
-    use_comet: bool | None = not_supported(None)
-    """Log metrics to Comet ML."""
+    use_comet: bool | None = None
+    """Log metrics to Comet (comet_ml) from rank 0, under the same names as the other trackers, each at
+    its iteration (step); the experiment's parameters are the resolved config. A new experiment each
+    launch. comet_ml reads the API key (COMET_API_KEY or ~/.comet.config), never the config; with
+    COMET_START_ONLINE=false it writes an offline archive (a zip in COMET_OFFLINE_DIRECTORY, else
+    ./.cometml-runs) for ``comet upload``. Unset means off."""
 
-    comet_workspace: str | None = not_supported(None)
-    """Comet workspace name."""
+    comet_workspace: str | None = None
+    """Comet workspace of the experiment; unset means the user's default workspace."""
 
-    comet_project: str | None = not_supported(None)
-    """Comet project name."""
+    comet_project: str | None = None
+    """Comet project of the experiment; unset means Comet's Uncategorized Experiments."""
 
-    comet_experiment_name: str | None = not_supported(None)
-    """Comet experiment name."""
+    comet_experiment_name: str | None = None
+    """Display name of the Comet experiment; unset means a random name."""
 
-    comet_tags: list[str] | None = not_supported(None)
+    comet_tags: list[str] | None = None
     """Tags attached to the Comet experiment."""
 
-    comet_others: dict[str, Any] | None = not_supported(None)
-    """Extra keyword arguments passed to the Comet experiment."""
+    comet_others: dict[str, Any] | None = None
+    """Metadata logged with the Comet experiment (comet_ml's ``log_others``: its Other tab), as in
+    GPT-NeoX; not comet_ml settings."""
 
-    comet_experiment: Any = not_supported(None)
-    """The live Comet experiment object; set at runtime only."""
+    comet_experiment: Any = obsolete(
+        None, "it is GPT-NeoX's slot for the experiment object its initialize_comet creates at start "
+        "(megatron/neox_arguments/arguments.py:188 at GPT-NeoX ea7aefd8), never a config value: Deepy creates the "
+        "experiment itself; remove comet_experiment and use use_comet (with comet_workspace and comet_project)")
+    """GPT-NeoX's runtime slot for the live Comet experiment; not a setting."""
 
     peak_theoretical_tflops: float | None = Field(None, gt=0)
     """Peak dense TFLOP/s of one accelerator, used to report MFU; unset means looked up from the
@@ -289,14 +311,21 @@ class LoggingArgs(ArgGroup):
     """Log norms of the optimizer's moment estimates per parameter (optimizer_state/<name>/exp_avg,
     .../exp_avg_sq) and overall."""
 
-    log_gradient_noise_scale: bool = not_supported(False)
-    """Estimate and log the gradient noise scale (critical batch size)."""
+    log_gradient_noise_scale: bool = False
+    """Estimate the gradient noise scale B_simple = tr(Sigma)/|G|^2 (McCandlish et al. 2018, the critical
+    batch size) as GPT-NeoX's GradientNoiseScale does, and log it as train/noise_scale at log steps: every
+    step's gradient (as the optimizer receives it: averaged over data parallelism, before clipping, loss
+    scale removed) is added to a buffer; every gradient_noise_scale_n_batches steps the last step's gradient
+    (small batch: train_batch_size) and the buffer's mean (large batch: n_batches x train_batch_size) give
+    |G|^2 and tr(Sigma), each smoothed by a bias-corrected EMA (beta 0.99)."""
 
-    gradient_noise_scale_n_batches: int = not_supported(5)
-    """Number of batches the gradient-noise-scale estimate accumulates."""
+    gradient_noise_scale_n_batches: int = Field(5, ge=2)
+    """Steps whose gradients make the large batch of the gradient noise scale (at least 2: the large
+    batch must differ from the small one)."""
 
-    gradient_noise_scale_cpu_offload: bool = not_supported(False)
-    """Keep gradient-noise-scale buffers on the CPU."""
+    gradient_noise_scale_cpu_offload: bool = False
+    """Keep the gradient noise scale's buffer (a copy of the whole gradient) in host memory instead of
+    the accelerator's."""
 
     memory_profiling: bool = False
     """Record CUDA allocator history from profile_step_start and dump a memory snapshot (a pickle
@@ -366,6 +395,10 @@ class LoggingArgs(ArgGroup):
             ))  # fmt: skip
         if self.tensorboard_dir and not any(t.type == "tensorboard" for t in out):
             out.append(TensorboardSettings(logdir=self.tensorboard_dir, source="tensorboard_dir"))
+        if self.use_comet:
+            out.append(CometSettings(workspace=self.comet_workspace, project=self.comet_project,
+                                     name=self.comet_experiment_name, tags=tuple(self.comet_tags or ()),
+                                     others=dict(self.comet_others or {})))
         return tuple(out)
 
     @property

@@ -2,7 +2,7 @@
 
 The loop calls, per step, :meth:`Monitor.before_step` and :meth:`Monitor.after_step`; at log steps
 it builds its row (loss, lr, throughput), adds :meth:`Monitor.window_metrics` (``timers/*`` and the
-``log_*`` statistics) and hands it to :meth:`Monitor.log`, which fans it out to the trackers and
+``log_*`` statistics, the gradient noise scale) and hands it to :meth:`Monitor.log`, which fans it out to the trackers and
 the console. Everything else (which tracker, which statistic, when the profiler runs) is decided
 here from the logging keys (:class:`~megatron.logging.config.LoggingArgs`), so the loop stays a few lines.
 """
@@ -17,6 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron.logging.heartbeats import restarts_so_far
+from megatron.logging.noise_scale import NoiseScaleLogger
 from megatron.logging.config import LoggingArgs, TrackerSettings, WandbSettings
 from megatron.logging.profiling import StepProfiler
 from megatron.logging.progress import TrainingProgress
@@ -28,7 +29,7 @@ from megatron.logging.trackers import TrackerContext, Trackers, build_trackers, 
 class Monitor:
     def __init__(self, *, config: LoggingArgs, trackers: Trackers, timers: Timers, progress: TrainingProgress,
                  train_iters: int, stats: StatsCollector | None = None, profiler: StepProfiler | None = None,
-                 run_name: str | None = None) -> None:
+                 run_name: str | None = None, noise_scale: NoiseScaleLogger | None = None) -> None:
         self.config = config
         self.run_name = run_name
         """The run's name, the same on every rank (saved with checkpoints as ``TrainState.run_name``)."""
@@ -38,6 +39,8 @@ class Monitor:
         self.train_iters = train_iters
         self.stats = stats
         self.profiler = profiler
+        self.noise_scale = noise_scale
+        """The gradient noise scale (``log_gradient_noise_scale``), fed every step."""
         self.started: float | None = None
         """When this launch's first step began (``time.monotonic``), for the summary's wall time."""
         self.last: dict[str, Any] = {}
@@ -57,6 +60,8 @@ class Monitor:
             self.progress.begin()
         if self.stats is not None:
             self.stats.arm(self.is_log_step(iteration))
+        if self.noise_scale is not None:
+            self.noise_scale.arm()
         if self.profiler is not None:
             self.profiler.before_step(iteration)
 
@@ -71,6 +76,8 @@ class Monitor:
         row = self.timers.window_metrics(iterations)
         if self.stats is not None:
             row.update(self.stats.collect())
+        if self.noise_scale is not None and self.noise_scale.noise_scale is not None:
+            row["train/noise_scale"] = self.noise_scale.noise_scale  # GPT-NeoX's name (logging.py:353)
         return row
 
     def discard_window(self) -> None:
@@ -150,4 +157,7 @@ def build_monitor(config: LoggingArgs, *, engine: Any, rank: int, speaks: bool, 
         stats=StatsCollector(stats, engine) if stats.any else None,
         profiler=StepProfiler(profile, rank, cuda) if profile.any else None,
         run_name=name,
+        noise_scale=NoiseScaleLogger(engine, config.gradient_noise_scale_n_batches,
+                                     config.gradient_noise_scale_cpu_offload)
+        if config.log_gradient_noise_scale else None,
     )

@@ -1,6 +1,6 @@
 """Logging, tracker and profiling checks that run before launch (registered as one config rule).
 
-A tracker asked for must be importable here — W&B or TensorBoard missing is a clear error before
+A tracker asked for must be importable here — W&B, TensorBoard or comet_ml missing is a clear error before
 any rank starts, not a crash on rank 0 after the model is built, and never a silent no-op; so is a
 ``wandb_code_dir`` that is not a directory, or that no W&B run would save. The
 import is real (not just "is it installed"): a broken install (e.g. a protobuf mismatch under
@@ -19,12 +19,13 @@ from types import ModuleType
 
 from megatron.config_rules import RuleContext, rule
 from megatron.errors import ConfigError
-from megatron.logging.config import LoggingArgs, TensorboardSettings, WandbSettings
+from megatron.logging.config import CometSettings, LoggingArgs, TensorboardSettings, WandbSettings
 
 # tracker type -> (module the tracker imports, pip package)
 _MODULES: dict[str, tuple[str, str]] = {
     "wandb": ("wandb", "wandb"),
     "tensorboard": ("torch.utils.tensorboard", "tensorboard"),
+    "comet": ("comet_ml", "comet_ml"),
 }
 
 
@@ -35,7 +36,7 @@ def logging_problems(config: LoggingArgs, show: Callable[[str], str],
     component and the launcher (``neox_arguments/rules.py``: ``memory_snapshot_needs_a_gpu``)."""
     problems: list[str] = []
     for tracker in config.tracker_settings():
-        if not isinstance(tracker, (WandbSettings, TensorboardSettings)):
+        if not isinstance(tracker, (WandbSettings, TensorboardSettings, CometSettings)):
             continue
         module, package = _MODULES[tracker.type]
         try:

@@ -1,4 +1,4 @@
-"""Where logged rows go: metrics.jsonl, TensorBoard, Weights & Biases — several at once.
+"""Where logged rows go: metrics.jsonl, TensorBoard, Weights & Biases, Comet — several at once.
 
 Each tracker type is a small class behind one interface (``log(row, step)``, ``finish()``), built
 from a registry keyed by the config's type string (``jsonl``, ``tensorboard``, ``wandb``). The
@@ -13,6 +13,14 @@ training loop only ever calls :meth:`Trackers.log`.
   packages installed (the run file requirements.txt) with every run.
 - TensorBoard: ``torch.utils.tensorboard.SummaryWriter``; a resumed run purges events at or after
   its first step, so a resume from an older checkpoint does not leave two curves.
+- Comet (``use_comet``): ``comet_ml.start`` on the speaking rank, as GPT-NeoX ea7aefd8 does
+  (``NeoXArgs.initialize_comet``, megatron/neox_arguments/arguments.py:182-221): output capture off, the
+  resolved config logged as the experiment's parameters (nested ones flattened), then its name, tags and
+  others; each row's numbers go through the call GPT-NeoX's ``tb_wandb_log`` makes
+  (``__internal_api__log_metric__(name, value, framework="gpt-neox", step=iteration)``, logging.py:586), so a
+  Comet dashboard shows Deepy's and GPT-NeoX's runs alike. comet_ml finds the API key, workspace defaults
+  and online/offline mode itself (COMET_API_KEY, COMET_START_ONLINE=false, COMET_OFFLINE_DIRECTORY,
+  ~/.comet.config); a resumed run starts a new experiment, as GPT-NeoX's does.
 - metrics.jsonl: the run's own file ``<log_dir>/<run name>/metrics.jsonl`` (see ``metrics.py``); a
   resumed run drops the rows logged after its checkpoint before continuing it.
 
@@ -33,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from megatron import plugins
-from megatron.logging.config import JsonlSettings, TensorboardSettings, TrackerSettings, WandbSettings
+from megatron.logging.config import CometSettings, JsonlSettings, TensorboardSettings, TrackerSettings, WandbSettings
 from megatron.logging.config import TrackerBlock as TrackerBlock  # re-exported: plug-ins subclass it
 from megatron.logging.metrics import MetricsWriter
 
@@ -159,6 +167,34 @@ class WandbTracker:
         self.run.finish(exit_code=1 if failed else 0)
 
 
+class CometTracker:
+    def __init__(self, settings: CometSettings, ctx: TrackerContext) -> None:
+        # lazy: comet_ml is optional and slow to import
+        import comet_ml
+
+        # auto_output_logging off: GPT-NeoX's reason, Comet's capture of stdout would interfere with the tee
+        # of the console (arguments.py:187); comet_ml.start reads the key and the mode from the environment
+        # arg-type: comet_ml documents False (no capture) among its values but annotates the parameter str
+        off = comet_ml.ExperimentConfig(auto_output_logging=False)  # type: ignore[arg-type]
+        self.experiment = comet_ml.start(workspace=settings.workspace, project=settings.project, experiment_config=off)
+        if ctx.run_config:
+            self.experiment.__internal_api__log_parameters__(dict(ctx.run_config), framework="gpt-neox",
+                                                             source="manual", flatten_nested=True)
+        if settings.name:
+            self.experiment.set_name(settings.name)
+        if settings.tags:
+            self.experiment.add_tags(list(settings.tags))
+        if settings.others:
+            self.experiment.log_others(settings.others)
+
+    def log(self, row: Mapping[str, Any], step: int) -> None:
+        for key, value in scalars(row).items():
+            self.experiment.__internal_api__log_metric__(key, value, framework="gpt-neox", step=step)
+
+    def finish(self, failed: bool = False) -> None:
+        self.experiment.end()  # offline: writes the archive
+
+
 def code_settings(code_dir: str | None, environ: Mapping[str, str]) -> tuple[dict[str, Any], str | None]:
     """The ``wandb.Settings`` of a run that saves ``code_dir``'s source, and the commit recorded with it
     (Levanter's ``WandbConfig._git_settings``/``_get_git_sha``, tracker/wandb.py:245-294@9263f81e: git_root
@@ -237,6 +273,8 @@ def _factory(settings: TrackerSettings) -> TrackerFactory:
     ``tracker:`` entry); every other type is a plug-in."""
     if settings.type == "jsonl":
         return lambda s, ctx, log_dir: JsonlTracker(s, ctx)
+    if settings.type == "comet":  # GPT-NeoX's flat keys only, no ``tracker:`` block
+        return lambda s, ctx, log_dir: CometTracker(s, ctx)
     return plugins.get("tracker", settings.type).resolve()
 
 

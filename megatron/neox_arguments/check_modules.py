@@ -27,7 +27,7 @@ from megatron.model import family_checks, lora_checks, moe_checks
 from megatron.mpu import parallel_config
 from megatron.neox_arguments import deepspeed_blocks, file_checks, optional_packages, rules
 from megatron.engine import compile_checks, lr_config, lr_dialects
-from megatron.training import averaging_config, bad_steps, length_checks
+from megatron.training import averaging_config, bad_steps, eval_checks, length_checks
 from megatron.training import curriculum
 from megatron.engine import optimizer_checks
 from megatron.training import hang_config, hf_save_config, peft_config, reinit_config
@@ -51,6 +51,7 @@ CHECK_MODULES: tuple[ModuleType, ...] = (
     peft_config,  # lora_peft_save_path (tp, pp, ZeRO-3, targets)
     hf_save_config,  # hf_save_path (tp, pp, ZeRO-3, experts, reward models)
     length_checks,
+    eval_checks,  # char_level_ppl
     compile_checks,
     checkpoint_checks,
     neox_checks,  # neox_qkv_order

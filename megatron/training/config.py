@@ -59,6 +59,12 @@ class TrainingLoopArgs(ArgGroup):
     eval_interval: int = Field(1000, ge=1)
     """Evaluate on the validation split every this many steps."""
 
+    char_level_ppl: bool = False
+    """Also report the character-level perplexity of each evaluation, eval/lm_loss_char_lvl_ppl (and
+    test/...): exp(lm_loss x tokens / characters), the tokens and the characters the tokenizer's detokenize
+    gives of the evaluated rows' text (seq_length + 1 tokens a row, as GPT-NeoX counts), so it compares
+    across tokenizers; costs a detokenize of every evaluated row."""
+
     num_workers: int = Field(2, ge=0)
     """Training micro-batches read ahead of the step by a background thread per rank; 0 reads each
     when the step asks for it."""

@@ -14,14 +14,25 @@ same way). Where it starts is a pure function of k, which is itself a function o
 (:func:`evaluation_number`), rather than a position carried from one evaluation to the next: a
 resumed run therefore evaluates exactly the batches the uninterrupted run would have, and nothing
 about evaluation has to be stored in a checkpoint (nor kept right across a change of batch layout).
+
+With ``char_level_ppl`` an evaluation also reports ``lm_loss_char_lvl_ppl`` = exp(lm_loss x tokens / characters),
+GPT-NeoX ea7aefd8's character-level perplexity (megatron/training.py:1590-1644, its ``CharCounter`` in
+megatron/utils.py:472-500): every row of the ``text`` of every micro-batch the evaluation reads counts its tokens
+(``len(row)``: seq_length + 1, the padding included, as GPT-NeoX counts) and the characters of the tokenizer's
+``detokenize(row)``. GPT-NeoX counts the rows rank 0 reads; Deepy adds the counts of every data-parallel rank
+(the same ratio on one rank), so the figure is the whole evaluation's.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from megatron import mpu
 
 from megatron.data.batch import BatchLayout
 from megatron.data.sampler import MicroBatchIterator
@@ -46,10 +57,13 @@ class Evaluator:
     batches per evaluation."""
 
     def __init__(self, eng: Engine, stream_at: StreamAt, eval_iters: int, device: torch.device,
-                 split: str = "valid", micro_count: int | None = None, dp: int = 1) -> None:
+                 split: str = "valid", micro_count: int | None = None, dp: int = 1,
+                 detokenize: Callable[[list[int]], str] | None = None) -> None:
         """``micro_count``: micro-batches per evaluation batch (None: the engine's accumulation steps);
-        ``dp``: the data-parallel ranks, each reading as many samples as this one."""
+        ``dp``: the data-parallel ranks, each reading as many samples as this one; ``detokenize``: the
+        tokenizer's, to count characters (``char_level_ppl``; None counts none)."""
         self.eng = eng
+        self.detokenize = detokenize
         self.micro_count = micro_count
         self.dp = dp
         self.eval_iters = eval_iters
@@ -60,7 +74,7 @@ class Evaluator:
     def evaluate(self, evaluation: int = 0) -> dict[str, float]:
         """``{"lm_loss": mean loss, **objective metrics}`` over global batches
         ``[evaluation * eval_iters, (evaluation + 1) * eval_iters)`` of the split, the same on every rank."""
-        micro = _Counted(self._stream_at(evaluation * self.eval_iters))
+        micro = _Counted(self._stream_at(evaluation * self.eval_iters), self.detokenize)
         runner = ObjectiveRunner(self.eng.objective, self.eng.reference)
         self.eng.objective.metrics.reset()
         total = 0.0
@@ -68,15 +82,34 @@ class Evaluator:
             total += float(runner.run(self.eng, micro, self.split, self.device, train=False,
                                       micro_count=self.micro_count))
         # examples: the samples this evaluation read, over all data-parallel ranks
-        return {"lm_loss": total / max(self.eval_iters, 1), "examples": float(micro.rows * self.dp),
-                **runner.collect_metrics(self.eng, self.device)}
+        out = {"lm_loss": total / max(self.eval_iters, 1), "examples": float(micro.rows * self.dp),
+               **runner.collect_metrics(self.eng, self.device)}
+        if self.detokenize is not None:
+            tokens, chars = data_parallel_sum(micro.tokens, micro.chars)
+            # GPT-NeoX's eval_results["lm_loss_char_lvl_ppl"] = exp(lm_loss * tokens_per_char)
+            out["lm_loss_char_lvl_ppl"] = math.exp(out["lm_loss"] * tokens / chars) if chars else math.inf
+        return out
+
+
+def data_parallel_sum(*counts: int) -> tuple[float, ...]:
+    """``counts`` added up over the data-parallel ranks (themselves without a process group)."""
+    group = mpu.get_data_parallel_group()
+    table = torch.tensor(counts, dtype=torch.float64)
+    if dist.is_initialized() and mpu.get_data_parallel_world_size() > 1:
+        table = table.to(mpu.collective_device(group))
+        dist.all_reduce(table, group=group)
+    return tuple(float(x) for x in table.cpu())
 
 
 class _Counted:
-    """A micro-batch stream that counts the samples (rows) it hands out."""
+    """A micro-batch stream that counts the samples (rows) it hands out and, given ``detokenize``, the tokens
+    and characters of their ``text`` (GPT-NeoX's ``CharCounter``)."""
 
-    def __init__(self, inner: Iterator[dict[str, torch.Tensor]]) -> None:
+    def __init__(self, inner: Iterator[dict[str, torch.Tensor]],
+                 detokenize: Callable[[list[int]], str] | None = None) -> None:
         self.inner, self.rows = inner, 0
+        self.detokenize = detokenize
+        self.tokens = self.chars = 0
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self
@@ -84,12 +117,18 @@ class _Counted:
     def __next__(self) -> dict[str, torch.Tensor]:
         batch = next(self.inner)
         self.rows += int(next(iter(batch.values())).shape[0])
+        if self.detokenize is not None:
+            for row in batch["text"]:
+                self.tokens += len(row)
+                self.chars += len(self.detokenize(row.tolist()))
         return batch
 
 
 def maybe_evaluator(eng: Engine, dataset: Any, eval_iters: int, batch: BatchLayout, dp_rank: int,
-                    device: torch.device, split: str) -> Evaluator | None:
-    """An evaluator over ``dataset`` or None when there is nothing to evaluate."""
+                    device: torch.device, split: str,
+                    detokenize: Callable[[list[int]], str] | None = None) -> Evaluator | None:
+    """An evaluator over ``dataset`` or None when there is nothing to evaluate; ``detokenize``: count characters
+    too (``char_level_ppl``)."""
     if dataset is None or eval_iters <= 0 or len(dataset) == 0:
         return None
     source = eng.reference.wrap_dataset(dataset, split)
@@ -98,4 +137,5 @@ def maybe_evaluator(eng: Engine, dataset: Any, eval_iters: int, batch: BatchLayo
         # O(1): the sample order is a pure function of the position (see data/sampler.py)
         return MicroBatchIterator(source, global_batch * batch.global_size, batch, dp_rank)
 
-    return Evaluator(eng, stream_at, eval_iters, device, split, micro_count=batch.gas, dp=batch.dp)
+    return Evaluator(eng, stream_at, eval_iters, device, split, micro_count=batch.gas, dp=batch.dp,
+                     detokenize=detokenize)

@@ -84,7 +84,7 @@ def pretrain(run: TrainConfig, checkpoint: CheckpointArgs, before_commit: Before
             eng=eng, tokenizer=tokenizer, checkpoint_keys=checkpoint, checkpoints=ckpt, zero_stage=zero_stage,
             train_iters=stop_at, say=monitor.message, metrics_dir=metrics_dir, task_evaluation=task_evaluation,
             hf_writer=hf_writer))
-        ctx = loop_context(run, eng, monitor, splits, batch, state, train_iters, stop_at)
+        ctx = loop_context(run, eng, monitor, splits, batch, state, train_iters, stop_at, tokenizer)
         state = train(ctx, state, hooks)
         say_summary(monitor, ctx, state, first, state.consumed_tokens - first_tokens, checkpoint.save, metrics_dir)
         return state
@@ -185,12 +185,14 @@ def train_batches(run: TrainConfig, eng: Engine, splits: DataSplits, batch: Batc
 
 
 def loop_context(run: TrainConfig, eng: Engine, monitor: Monitor, splits: DataSplits, batch: BatchLayout,
-                 state: TrainState, train_iters: int, stop_at: int) -> LoopContext:
-    """What the loop reads: the engine, the train batches, the evaluators, the step's size and FLOPs."""
+                 state: TrainState, train_iters: int, stop_at: int, tokenizer: Tokenizer) -> LoopContext:
+    """What the loop reads: the engine, the train batches, the evaluators (counting characters with the
+    tokenizer for ``char_level_ppl``), the step's size and FLOPs."""
     training, model_config, device, dp_rank = run.training, eng.config, _device(), mpu.get_data_shard_rank()
     seq, g, rows = training.seq_length, batch.global_size, eng.objective.rows_per_sample
     schedule = training.batch.schedule(batch.dp) if training.batch.steps else None
     micro = train_batches(run, eng, splits, batch, state, monitor, schedule)
+    detokenize = tokenizer.detokenize if training.loop.char_level_ppl else None
     # evaluation batches: eval_micro_batch_size_per_gpu per rank with no accumulation, else training's
     eval_batch = batch if training.loop.eval_micro_batch_size_per_gpu is None else BatchLayout(
         micro=training.loop.eval_micro_batch_size_per_gpu, gas=1, dp=batch.dp)
@@ -205,8 +207,10 @@ def loop_context(run: TrainConfig, eng: Engine, monitor: Monitor, splits: DataSp
         peak_tflops=peak_tflops(current_device_name(), compute_dtype(training.precision),
                                 run.logging.peak_theoretical_tflops),
         monitor=monitor, hardware_flops_per_token=hardware_flops_per_token(model_config, recomputed, seq),
-        valid=maybe_evaluator(eng, splits.valid, training.loop.eval_iters, eval_batch, dp_rank, device, "valid"),
-        test=maybe_evaluator(eng, splits.test, training.loop.eval_iters, eval_batch, dp_rank, device, "test"),
+        valid=maybe_evaluator(eng, splits.valid, training.loop.eval_iters, eval_batch, dp_rank, device, "valid",
+                              detokenize),
+        test=maybe_evaluator(eng, splits.test, training.loop.eval_iters, eval_batch, dp_rank, device, "test",
+                             detokenize),
         end_reason=end_reason, schedule=schedule,
         curriculum=build_curriculum(run.curriculum, seq, completed_steps=state.iteration),
     )

@@ -30,6 +30,8 @@ OBSOLETE = {
     "elasticity": "{enabled: true}", "compression_training": "{weight_quantization: {}}",
     "sparse_attention": "{mode: fixed}", "autotuning": "{enabled: true}", "autotuning_run": "tune",
     "curriculum_seqlen": "64",
+    # GPT-NeoX's slot for the live Comet experiment its initialize_comet creates, not a setting
+    "comet_experiment": "x",
 }
 """Issue 47's list of obsolete keys, each with a value GPT-NeoX accepts that Deepy refuses."""
 

@@ -51,8 +51,8 @@ GROUP_MODULE = {
 # GPT-NeoX keys Deepy declares beside the component that reads them rather than in the group mirroring
 # GPT-NeoX's (issue 20): key -> the group that declares it. Names and defaults are still GPT-NeoX's.
 DECLARED_WITH_COMPONENT: dict[str, str] = {
-    **dict.fromkeys(("train_iters", "train_epochs", "eval_iters", "eval_interval", "num_workers", "exit_interval"),
-                    "training_loop"),
+    **dict.fromkeys(("train_iters", "train_epochs", "eval_iters", "eval_interval", "num_workers", "exit_interval",
+                     "char_level_ppl"), "training_loop"),
     **dict.fromkeys(("checkpoint_activations", "checkpoint_num_layers", "deepspeed_activation_checkpointing",
                      "contiguous_checkpointing", "checkpoint_in_cpu", "synchronize_each_layer", "profile_backward",
                      "partition_activations", "activation_checkpointing"), "activation_checkpointing"),
@@ -636,6 +636,10 @@ MUST_BE_SUPPORTED = [
     "wandb_host", "wandb_init_all_ranks", "tracker", "log_param_norm", "log_grad_norm", "log_grad_pct_zeros",
     "log_optimizer_states", "profile", "profile_step_start", "profile_step_stop", "memory_profiling",
     "memory_profiling_path", "wall_clock_breakdown", "deepspeed_log_level", "device_memory_gb",
+    # Comet, the gradient noise scale, character-level perplexity (test_comet_tracker.py,
+    # test_gradient_noise_scale.py, test_char_level_ppl.py)
+    "use_comet", "comet_workspace", "comet_project", "comet_experiment_name", "comet_tags", "comet_others",
+    "log_gradient_noise_scale", "gradient_noise_scale_n_batches", "gradient_noise_scale_cpu_offload", "char_level_ppl",
     # post-training (tests/unit/test_objectives.py, tests/e2e/test_post_training.py show each changes the run)
     "dpo_beta", "dpo_fp32", "dpo_reference_free", "kto_beta", "kto_fp32", "kto_desirable_weight",
     "kto_undesirable_weight", "z_loss", "eod_mask_loss", "reference_logps", "pos_train_data_paths",
@@ -646,9 +650,8 @@ MUST_BE_SUPPORTED = [
 MUST_BE_UNSUPPORTED = [
     "mamba_selective_fp32_params", "te_mha",
     "te_fp8_format", "serve_model_weights", "sparsity_config",
-    "sparse_attention", "use_comet", "use_mup", "scheduler",
+    "sparse_attention", "use_mup", "scheduler",
     "sparse_gradients", "fp16_lm_cross_entropy", "deepspeed_activation_checkpointing",
-    "log_gradient_noise_scale", "gradient_noise_scale_n_batches", "gradient_noise_scale_cpu_offload",
 ]  # fmt: skip
 
 

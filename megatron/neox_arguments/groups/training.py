@@ -50,9 +50,6 @@ class TrainingArgs(ArgGroup):
     min_scale: float = Field(1.0, gt=0)
     """fp16: lowest loss scale allowed."""
 
-    char_level_ppl: bool = not_supported(False)
-    """Also report perplexity per character, which compares across tokenizers."""
-
     use_mup: bool = not_supported(False)
     """Parametrise the model with muP so hyperparameters transfer across widths."""
 
