@@ -360,6 +360,8 @@ def build_engine(run: EngineConfig, config: GPTConfig, train_iters: int, objecti
     objective = objective if objective is not None else LMObjective(ObjectiveArgs())
     if config.value_head != objective.value_head:
         config = config.replace(value_head=objective.value_head)
+    # GPT-NeoX hands the model's loss function cross_entropy(_fp16=fp16_lm_cross_entropy) (gpt2_model.py:133)
+    objective.fp16_cross_entropy = config.fp16_lm_cross_entropy
     ds_config = dict(run.deepspeed_config)
     if run.parallel.context_parallel_size > 1 and "train_batch_size" in ds_config:
         # DeepSpeed counts the context-parallel ranks as data-parallel ones (megatron/mpu/topology.py),

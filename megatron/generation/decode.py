@@ -71,6 +71,8 @@ def _keep_rows(cache: KVCache, rows: torch.Tensor) -> None:
     for layer, (k, v) in list(cache.layers.items()):
         index = rows.to(k.device)
         cache.layers[layer] = (k.index_select(0, index), v.index_select(0, index))
+    for shared in cache.positions.values():  # the caches of blocks that run at several positions
+        _keep_rows(shared, rows)
 
 
 class _Batch:

@@ -198,11 +198,14 @@ class GPTConfig(MoEArgs):
     sparsity_config: dict[str, Any] | None = not_supported(None)
     """Settings for DeepSpeed's block-sparse attention kernels."""
 
-    num_unique_layers: int | None = not_supported(None)
-    """Number of distinct layers when parameters are shared across blocks."""
+    num_unique_layers: int | None = Field(None, ge=1)
+    """Build the num_layers blocks from this many parameter sets (it must divide num_layers): blocks that share a
+    set are one module, run at each of its positions, their gradients summed. Unset: every block its own.
+    GPT-NeoX declares and checks the key but builds nothing from it (docs/model_options.md)."""
 
-    param_sharing_style: Literal["grouped", "spread"] = not_supported("grouped")
-    """Order in which shared layers repeat (`grouped` or `spread`)."""
+    param_sharing_style: Literal["grouped", "spread", "spaced"] = "grouped"
+    """Order of the shared parameter sets over the blocks, e.g. 4 blocks from 2 sets: grouped [1, 2, 1, 2],
+    spread (GPT-NeoX's help text says spaced, also accepted) [1, 1, 2, 2]."""
 
     activation: Activation = "gelu"
     """Non-linearity of the MLP; the *glu variants gate one projection with another."""
@@ -237,9 +240,10 @@ class GPTConfig(MoEArgs):
     fused_kernels_build_path: str | None = None
     """Where compiled fused kernels are cached; unused when the kernels come from torch itself."""
 
-    fp16_lm_cross_entropy: bool = not_supported(False)
-    """Compute the language-model loss in half precision instead of fp32 (saves memory, costs
-    accuracy)."""
+    fp16_lm_cross_entropy: bool = False
+    """Language modelling: compute each token's cross-entropy from the fp16 logits in fp16, as GPT-NeoX's
+    vocab-parallel cross-entropy does without its fp32 upcast (saves memory, costs accuracy); needs precision
+    fp16. False computes it in fp32."""
 
     init_method_std: float = Field(0.02, gt=0)
     """Standard deviation of the normal initialisers."""

@@ -10,6 +10,7 @@ from torch import nn
 from megatron.model.config import GPTConfig, ModelConfigError
 from megatron.model.embedding import GPTEmbedding
 from megatron.model.kv_cache import KVCache
+from megatron.model.layer_sharing import sharing_owners
 from megatron.model.norms import build_norm
 from megatron.model.blocks import build_block
 from megatron.mpu.initialize_weights import initialize_param_, set_tensor_model_parallel_attributes
@@ -80,7 +81,14 @@ class GPTModel(nn.Module):
         config.check_tensor_parallel(get_tensor_model_parallel_world_size())
         self.sequence_parallel = config.sequence_parallel and get_tensor_model_parallel_world_size() > 1
         self.embedding = GPTEmbedding(config)
-        self.layers = nn.ModuleList(build_block(config, i) for i in range(config.arch.layers))
+        # num_unique_layers: a block that several positions share is one module, listed at each of them
+        owners = sharing_owners(config.arch.layers, config.num_unique_layers, config.param_sharing_style)
+        built: dict[int, nn.Module] = {}
+        for owner in owners:
+            if owner not in built:
+                built[owner] = build_block(config, owner)
+        self.layers = nn.ModuleList(built[owner] for owner in owners)
+        self.shared_layers = len(built) < len(owners)
         self.final_norm = build_final_norm(config)
         untied = config.no_weight_tying and not config.value_head
         self.output_layer = build_output_layer(config) if untied else None
@@ -112,9 +120,10 @@ class GPTModel(nn.Module):
                 position_ids = torch.arange(kv_cache.seen, kv_cache.seen + tokens.shape[1], device=tokens.device)
                 position_ids = position_ids.unsqueeze(0)  # [1, s]
         x = self.embedding(tokens, position_ids)  # [s, b, h]
-        for layer in self.layers:
+        for position, layer in enumerate(self.layers):
             if kv_cache is not None:
-                x = layer(x, position_ids, attention_mask, kv_cache)  # [s, b, h]
+                cache = kv_cache.at(position) if self.shared_layers else kv_cache
+                x = layer(x, position_ids, attention_mask, cache)  # [s, b, h]
             elif document_ids is not None:
                 x = layer(x, position_ids, attention_mask, None, document_ids)  # [s, b, h]
             else:

@@ -16,6 +16,13 @@ class KVCache:
     layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     seen: int = 0
     """Tokens in the cache (positions of the next tokens start here)."""
+    positions: dict[int, KVCache] = field(default_factory=dict)
+    """The caches of blocks that run at several positions (``num_unique_layers``, ``model/layer_sharing.py``):
+    one per position, since such a block keys its entries by its own (the owner's) layer number."""
+
+    def at(self, position: int) -> KVCache:
+        """The cache of the shared block running at ``position`` (its entries and nothing else's)."""
+        return self.positions.setdefault(position, KVCache())
 
     def past_length(self, layer: int) -> int:
         entry = self.layers.get(layer)

@@ -24,6 +24,7 @@ from megatron.model.embedding import GPTEmbedding
 from megatron.model.family_config import FAMILIES
 from megatron.model.gmlp import GMLPBlock
 from megatron.model.gpt import ValueHead, build_final_norm, build_output_layer
+from megatron.model.layer_sharing import sharing_owners
 from megatron.model.mamba import MambaLayer
 from megatron.model.rwkv import RWKVLayer
 from megatron.model.transformer_layer import TransformerLayer
@@ -44,6 +45,7 @@ __all__ = [
 
 TIED_EMBEDDING_KEY = "embed"
 TIED_WEIGHT_ATTR = "word_embeddings.weight"
+SHARED_BLOCK_PREFIX = "shared_block_"
 
 Activation = torch.Tensor | tuple[torch.Tensor, ...]
 
@@ -149,6 +151,22 @@ class ValueHeadPipe(nn.Module):
         return self.value_head(x_sbh)
 
 
+class SharedBlockSpec(TiedLayerSpec):
+    """A block that several positions share (``num_unique_layers``): one module per stage for all its positions
+    there, every one of its parameters tied across the stages that hold it (DeepSpeed broadcasts them from the
+    first such stage at construction and all-reduces their gradients every step: the sum over positions)."""
+
+    def build(self, log: bool = False) -> nn.Module:
+        module = super().build(log)
+        self.tied_weight_attr = [name for name, _ in module.named_parameters()]  # read by PipelineModule after build
+        return module
+
+
+def shared_block_key(owner: int) -> str:
+    """``tied_modules`` key of the block first used at position ``owner``."""
+    return f"{SHARED_BLOCK_PREFIX}{owner}"
+
+
 def tied_embedding_logits(embedding: EmbeddingPipe, x_sbh: torch.Tensor) -> torch.Tensor:
     """The tied head on the last stage: logits from the (synchronised) token embedding."""
     return parallel_lm_logits(x_sbh, embedding.word_embeddings.weight, embedding.sequence_parallel)
@@ -171,6 +189,9 @@ def model_parameter_name(pipeline_name: str) -> str:
     tied_prefix = f"tied_modules.{TIED_EMBEDDING_KEY}."
     if pipeline_name.startswith(tied_prefix):
         return "embedding." + pipeline_name[len(tied_prefix) :]
+    if pipeline_name.startswith(f"tied_modules.{SHARED_BLOCK_PREFIX}"):  # a shared block: its owner's names
+        key, rest = pipeline_name.removeprefix("tied_modules.").split(".", 1)
+        return f"layers.{int(key.removeprefix(SHARED_BLOCK_PREFIX))}.{rest}"
     index, rest = pipeline_name.split(".", 1)
     if rest.startswith(_BLOCK_PREFIXES):
         return f"layers.{int(index) - 1}.{rest}"
@@ -228,5 +249,9 @@ def pipeline_layer_specs(config: GPTConfig) -> list[LayerSpec]:
         )
     else:
         first, last = LayerSpec(EmbeddingPipe, config), LayerSpec(OutputLayerPipe, config)
-    layers = [LayerSpec(FAMILIES[block_family(config, i)].pipe_class(), config, i) for i in range(config.arch.layers)]
+    owners = sharing_owners(config.arch.layers, config.num_unique_layers, config.param_sharing_style)
+    shared = {owner for i, owner in enumerate(owners) if owner != i}
+    layers = [SharedBlockSpec(shared_block_key(owner), FAMILIES[block_family(config, owner)].pipe_class(), config, owner)
+              if owner in shared else LayerSpec(FAMILIES[block_family(config, i)].pipe_class(), config, i)
+              for i, owner in enumerate(owners)]
     return [first, *layers, LayerSpec(FinalNormPipe, config), last]

@@ -219,6 +219,9 @@ class Objective(ABC):
     (``initialize_from``/``finetune``) they keep their initialisation and everything else loads."""
     rows_per_sample: ClassVar[int] = 1
     """Model rows one sample becomes (2: both sides of a pair, or a completion and its mismatch)."""
+    fp16_cross_entropy: bool = False
+    """Language modelling: each token's cross-entropy in the logits' dtype (fp16) instead of fp32; the engine sets
+    it from the model's ``fp16_lm_cross_entropy`` (GPT-NeoX passes it to the model's loss function)."""
 
     def __init__(self, config: ObjectiveArgs, eod_token: int | None = None) -> None:
         # the objective's group: the shared objective keys and the plug-ins' own (its instance is composed of

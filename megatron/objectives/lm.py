@@ -26,14 +26,22 @@ import torch
 from megatron.errors import DataError
 from megatron.model.documents import document_ids_from_eod, positions_in_documents
 from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy_and_log_z
+from megatron.mpu.half_cross_entropy import vocab_parallel_cross_entropy_in_logits_dtype
 from megatron.objectives.base import MicroBatch, Objective, Stats, count, shifted
 
 
-def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, z_loss: float = 0.0,
+                in_logits_dtype: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of token cross-entropies + z-loss terms, sum of the z-loss terms) over counted tokens.
 
     ``logits`` ``[n, s, v/tp]``, ``labels`` ``[n, s]`` with -100 where nothing is counted.
+    ``in_logits_dtype`` (``fp16_lm_cross_entropy``): each token's cross-entropy in the logits' dtype
+    (fp16), as GPT-NeoX's ``cross_entropy(_fp16=True)``; the sum over tokens is then taken in fp32.
     """
+    if in_logits_dtype:
+        half = vocab_parallel_cross_entropy_in_logits_dtype(logits, labels)  # [n, s], logits' dtype
+        total = (half.float() * (labels >= 0).float()).sum()
+        return total, torch.zeros((), dtype=total.dtype, device=total.device)
     # log Z comes from the cross-entropy's own chunked pass: no fp32 copy of the logits for the z-loss
     losses, log_z = vocab_parallel_cross_entropy_and_log_z(logits, labels)  # [n, s] fp32 each
     counted = (labels >= 0).float()
@@ -65,7 +73,7 @@ class LMObjective(Objective):
 
     def loss_sum(self, output: torch.Tensor, labels: torch.Tensor, extras: tuple[torch.Tensor, ...],
                  reference: torch.Tensor) -> tuple[torch.Tensor, Stats]:
-        total, z_term = lm_loss_sum(output, labels, self.config.z_loss)
+        total, z_term = lm_loss_sum(output, labels, self.config.z_loss, self.fp16_cross_entropy)
         stats: Stats = {}
         if self.config.z_loss > 0:
             stats["z_loss"] = (z_term.detach(), count((labels >= 0).sum()))

@@ -1,4 +1,5 @@
-"""Mamba, RWKV-6 and gMLP models at tp=2 and as pp=2 pipeline stages equal one rank, on 2 real gloo ranks.
+"""Mamba, RWKV-6 and gMLP models, and blocks sharing parameters (``num_unique_layers``), at tp=2 and as pp=2
+pipeline stages equal one rank, on 2 real gloo ranks.
 
 For each family (tiny shapes, fp32) every rank first builds the one-rank model (no model-parallel
 groups) and trains it three steps with AdamW from layout-independent perturbed weights, recording the
@@ -37,8 +38,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # a hybrid stack: the families sit beside attention layers
     "hybrid": dict(num_layers=4, hidden_size=64, attention_config=[[["mamba", "global", "rwkv", "gmlp"], 1]],
                    pos_emb="rotary"),
+    # num_unique_layers: 4 blocks from 2 parameter sets; grouped [1, 2, 1, 2] ties each set across the two pipeline
+    # stages (DeepSpeed's tied-weight all-reduce sums its gradients), spread [1, 1, 2, 2] keeps each on one stage
+    "shared_grouped": dict(num_layers=4, num_unique_layers=2, pos_emb="rotary"),
+    "shared_spread": dict(num_layers=4, num_unique_layers=2, param_sharing_style="spread", pos_emb="rotary",
+                          no_weight_tying=True),
 }
-PIPELINE = ["mamba", "rwkv", "gmlp_amlp", "hybrid"]
+PIPELINE = ["mamba", "rwkv", "gmlp_amlp", "hybrid", "shared_grouped", "shared_spread"]
 
 
 def _batch(cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -199,8 +205,10 @@ def check_pp2(cfg, ref: dict[str, Any]) -> None:
             loss = _loss(pipe(hidden), labels, loss_mask)
             loss.backward()
             dist.send(hidden.grad.contiguous(), dst=0)
+        if cfg.num_unique_layers is not None:  # DeepSpeed's own all-reduce of the tied weights the specs name
+            pipe.allreduce_tied_weight_gradients()
         for name, p in names.items():  # what DeepSpeed's tied-weight all-reduce does
-            if name.startswith("tied_modules.") and p.requires_grad:
+            if name.startswith("tied_modules.") and p.requires_grad and cfg.num_unique_layers is None:
                 grad = p.grad if p.grad is not None else torch.zeros_like(p)
                 dist.all_reduce(grad)
                 p.grad = grad

@@ -651,7 +651,7 @@ MUST_BE_UNSUPPORTED = [
     "mamba_selective_fp32_params", "te_mha",
     "te_fp8_format", "serve_model_weights", "sparsity_config",
     "sparse_attention", "use_mup", "scheduler",
-    "sparse_gradients", "fp16_lm_cross_entropy", "deepspeed_activation_checkpointing",
+    "sparse_gradients", "deepspeed_activation_checkpointing",
 ]  # fmt: skip
 
 

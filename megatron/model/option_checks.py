@@ -1,0 +1,81 @@
+"""Before-launch checks of shared blocks (``num_unique_layers``), the fp16 cross-entropy
+(``fp16_lm_cross_entropy``) and soft prompts (``soft_prompt_tuning``). Registered with every other check
+(``megatron/neox_arguments/check_modules.py``); docs/model_options.md has the facts and their sources.
+"""
+
+from __future__ import annotations
+
+from megatron.config_rules import RuleContext, block_enabled, rule
+from megatron.model.family_config import expand_layer_types
+from megatron.model.layer_sharing import sharing_owners
+
+
+@rule
+def unique_layers_divide_layers(ctx: RuleContext) -> list[str]:
+    """GPT-NeoX's own two checks (``arguments.py:1293-1312``, ea7aefd8)."""
+    unique, layers = ctx.get("num_unique_layers"), ctx.get("num_layers")
+    if unique is None or layers is None:
+        return []
+    if unique > layers:
+        return [f"{ctx.show('num_unique_layers')} must be smaller than or equal to {ctx.show('num_layers')}"]
+    if layers % unique:
+        return [f"{ctx.show('num_layers')} must be divisible by {ctx.show('num_unique_layers')}: each parameter "
+                f"set runs at num_layers / num_unique_layers positions"]
+    return []
+
+
+@rule
+def shared_blocks_are_alike(ctx: RuleContext) -> list[str]:
+    """Positions that share a block run one module: same layer type, same MoE-ness."""
+    unique, layers = ctx.get("num_unique_layers"), ctx.get("num_layers")
+    if unique is None or layers is None or unique > layers or layers % unique:
+        return []
+    owners = sharing_owners(layers, unique, ctx.get("param_sharing_style"))
+    try:
+        types = expand_layer_types(ctx.get("attention_config") or [[["global"], layers]], layers)
+    except ValueError:
+        return []  # the attention_config check says why
+    experts, interval = int(ctx.get("moe_num_experts") or 1), max(1, int(ctx.get("moe_expert_interval") or 1))
+    problems = []
+    for i, owner in enumerate(owners):
+        if types[i] != types[owner]:
+            problems.append(f"layer {i} is {types[i]!r} but shares the parameters of layer {owner} ({types[owner]!r})")
+        elif experts > 1 and (i % interval == 0) != (owner % interval == 0):
+            problems.append(f"layer {i} and layer {owner} share parameters but only one of them is an MoE layer "
+                            f"({ctx.show('moe_expert_interval')})")
+    if not problems:
+        return []
+    return [f"{ctx.show('num_unique_layers')} with {ctx.show('param_sharing_style')}: {'; '.join(problems[:3])}: "
+            f"a shared block is one module, so its positions must be the same kind of layer; change "
+            f"attention_config or the sharing"]
+
+
+@rule
+def shared_blocks_checkpoint_one_at_a_time(ctx: RuleContext) -> list[str]:
+    """Without a pipeline, a chunk of k blocks is recomputed from its first module (``engine/build.py``
+    ``wrap_layers``); a module that runs at several positions cannot start one chunk and end another."""
+    if ctx.get("num_unique_layers") is None or int(ctx.get("pipe_parallel_size") or 0) >= 1:
+        return []
+    if not ctx.get("checkpoint_activations") or ctx.get("selective_checkpointing") \
+            or int(ctx.get("checkpoint_num_layers") or 1) == 1:
+        return []
+    return [f"{ctx.show('checkpoint_num_layers')} with {ctx.show('num_unique_layers')} and "
+            f"{ctx.show('pipe_parallel_size')}: shared blocks are recomputed one at a time without a pipeline; set "
+            f"checkpoint_num_layers: 1, or pipe_parallel_size: 1 (DeepSpeed's PipelineModule recomputes chunks of "
+            f"positions)"]
+
+
+@rule
+def fp16_cross_entropy_needs_fp16(ctx: RuleContext) -> list[str]:
+    """GPT-NeoX refuses it unless precision is fp16 (``arguments.py:1314-1320``, ea7aefd8)."""
+    if not ctx.get("fp16_lm_cross_entropy"):
+        return []
+    problems = []
+    if not (ctx.get("precision") == "fp16" or block_enabled(ctx.get("fp16"))):
+        problems.append(f"{ctx.show('fp16_lm_cross_entropy')} computes the loss from fp16 logits, but "
+                        f"precision is {ctx.get('precision') or 'fp32'}: GPT-NeoX allows it in fp16 mode only; set "
+                        f"precision: fp16 (or an fp16 block with enabled: true), or remove fp16_lm_cross_entropy")
+    if float(ctx.get("z_loss") or 0.0) > 0:
+        problems.append(f"{ctx.show('fp16_lm_cross_entropy')} with {ctx.show('z_loss')}: the z-loss (a Deepy "
+                        f"extra) comes from the fp32 cross-entropy's pass; use one of them")
+    return problems

@@ -1,0 +1,200 @@
+"""GPT-NeoX model keys Deepy builds (docs/model_options.md): blocks sharing parameters (``num_unique_layers``,
+``param_sharing_style``), the fp16 cross-entropy (``fp16_lm_cross_entropy``). Their tp=2 / pp=2 parity with one
+rank is in ``tests/distributed/test_model_families_parallel.py`` (``shared_grouped``, ``shared_spread``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gpt_configs import gpt_config
+from megatron.config_rules import Device
+from megatron.errors import ConfigError
+from megatron.model import GPTModel, lm_loss
+from megatron.neox_arguments import config_from_mapping
+from megatron.neox_arguments.derived import finalize
+
+BASE = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=8, padded_vocab_size=64, seed=3,
+            pos_emb="rotary")
+LAUNCH = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=8, train_iters=4, lr=1e-3,
+              train_micro_batch_size_per_gpu=2, use_dummy_dataset=True, tokenizer_type="CharLevelTokenizer",
+              pipe_parallel_size=0)
+DEVICE = Device(cuda=False, fp16_supported=False)
+
+
+def _refused(**keys: Any) -> str:
+    with pytest.raises(ConfigError) as info:
+        finalize(config_from_mapping({**LAUNCH, **keys}), 1, device=DEVICE)
+    return info.value.message
+
+
+def _batch(vocab: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, vocab, (2, 8), generator=gen), torch.randint(0, vocab, (2, 8), generator=gen)
+
+
+# --- num_unique_layers / param_sharing_style ----------------------------------------------------------------------
+@pytest.mark.parametrize(("style", "sets"), [("grouped", [0, 1, 0, 1]), ("spread", [0, 0, 1, 1]),
+                                             ("spaced", [0, 0, 1, 1])])
+def test_blocks_share_parameter_sets_in_the_help_texts_order(style: str, sets: list[int]) -> None:
+    """GPT-NeoX's help text: num_layers=4, num_unique_layers=2 -> grouped [1, 2, 1, 2], spaced [1, 1, 2, 2]; the
+    model has the parameters of a 2-block model, no more."""
+    model = GPTModel(gpt_config(**BASE, num_unique_layers=2, param_sharing_style=style))
+    modules = [id(layer) for layer in model.layers]
+    assert [sorted(set(modules), key=modules.index).index(m) for m in modules] == sets
+    two_blocks = GPTModel(gpt_config(**{**BASE, "num_layers": 2}))
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in two_blocks.parameters())
+    assert sum(p.numel() for p in GPTModel(gpt_config(**BASE)).parameters()) > sum(
+        p.numel() for p in model.parameters())
+
+
+def test_a_shared_blocks_gradient_is_the_sum_over_its_positions() -> None:
+    """Reference: the unshared 4-block model with the same weights at the shared positions; a shared parameter's
+    gradient is the sum of those positions' gradients, and the loss is the same."""
+    shared = GPTModel(gpt_config(**BASE, num_unique_layers=2))  # grouped: blocks 0, 2 and 1, 3
+    plain = GPTModel(gpt_config(**BASE))
+    with torch.no_grad():
+        for i in range(4):
+            for (_, mine), (_, theirs) in zip(shared.layers[i].named_parameters(), plain.layers[i].named_parameters()):
+                theirs.copy_(mine)
+        for (name, mine), (_, theirs) in zip(shared.named_parameters(), plain.named_parameters()):
+            if not name.startswith("layers."):
+                theirs.copy_(mine)
+    tokens, labels = _batch()
+    loss_shared, loss_plain = lm_loss(shared(tokens), labels), lm_loss(plain(tokens), labels)
+    torch.testing.assert_close(loss_shared, loss_plain)
+    loss_shared.backward()
+    loss_plain.backward()
+    for owner, other in ((0, 2), (1, 3)):
+        for (name, p), (_, a), (_, b) in zip(shared.layers[owner].named_parameters(),
+                                             plain.layers[owner].named_parameters(),
+                                             plain.layers[other].named_parameters()):
+            torch.testing.assert_close(p.grad, a.grad + b.grad, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture()
+def one_rank() -> Any:
+    from single_rank import init_single_rank_gloo
+
+    from megatron import mpu
+
+    init_single_rank_gloo()
+    mpu.initialize_model_parallel(1, 0)
+    yield
+    mpu.destroy_model_parallel()
+
+
+def _engine(**keys: Any) -> Any:
+    from megatron.engine.build import build_engine
+    from megatron.neox_arguments.run_config import RunConfig
+
+    resolved = finalize(config_from_mapping({**LAUNCH, "seed": 7, **keys}), 1, device=DEVICE)
+    run = RunConfig.from_resolved(resolved)
+    return build_engine(run, run.model.with_vocab(64), 4)
+
+
+def test_shared_blocks_train_as_one_and_their_checkpoint_loads(one_rank: Any, tmp_path: Path) -> None:
+    """Three steps of the real engine: the shared positions hold the same (changed) weights; the checkpoint (GPT-NeoX
+    layout) has every position's layer, equal for shared positions, and loads into a fresh engine."""
+    from megatron.checkpointing.config import CheckpointArgs
+    from megatron.checkpointing.manager import CheckpointManager
+    from megatron.checkpointing.preemption import PreemptionWatcher
+
+    eng = _engine(num_unique_layers=2, param_sharing_style="spread")  # blocks 0, 1 and 2, 3
+    start = {k: v.clone() for k, v in eng.engine.module.state_dict().items()}
+    tokens, labels = _batch()
+    for _ in range(3):
+        loss = lm_loss(eng.engine(tokens), labels)
+        eng.engine.backward(loss)
+        eng.engine.step()
+    state = eng.engine.module.state_dict()
+    qkv = "attention.query_key_value.weight"
+    assert not torch.equal(state[f"layers.0.{qkv}"], start[f"layers.0.{qkv}"])  # it trained
+    assert torch.equal(state[f"layers.0.{qkv}"], state[f"layers.1.{qkv}"])
+    assert not torch.equal(state[f"layers.1.{qkv}"], state[f"layers.2.{qkv}"])
+    assert torch.equal(state[f"layers.2.{qkv}"], state[f"layers.3.{qkv}"])
+
+    manager = CheckpointManager.from_config(CheckpointArgs(save=str(tmp_path), checkpoint_factor=1), args_record={},
+                                            train_iters=10, preemption=PreemptionWatcher())
+    manager.save(eng.engine, step=3, consumed_samples=6)
+    saved = torch.load(tmp_path / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    blocks = [f"sequential.{i}.{qkv}" for i in range(2, 6)]  # GPT-NeoX numbers the blocks from 2
+    assert all(name in saved for name in blocks)
+    assert torch.equal(saved[blocks[0]], saved[blocks[1]]) and torch.equal(saved[blocks[2]], saved[blocks[3]])
+
+    fresh = _engine(num_unique_layers=2, param_sharing_style="spread", seed=8)
+    assert not torch.equal(fresh.engine.module.state_dict()[f"layers.0.{qkv}"], state[f"layers.0.{qkv}"])
+    CheckpointManager.from_config(CheckpointArgs(load=str(tmp_path)), args_record={}, train_iters=10,
+                                  preemption=PreemptionWatcher()).load(fresh.engine)
+    loaded = fresh.engine.module.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    assert fresh.engine.module.layers[0] is fresh.engine.module.layers[1]  # still one module after loading
+
+
+def test_what_sharing_cannot_do_is_refused_by_name() -> None:
+    assert "num_unique_layers=3" in _refused(num_unique_layers=3)  # GPT-NeoX: num_layers divisible by it
+    assert "num_unique_layers=8" in _refused(num_unique_layers=8)  # and not more than num_layers
+    message = _refused(num_unique_layers=2, attention_config=[[["global", "local"], 2]], sliding_window_width=4,
+                       param_sharing_style="spread")
+    assert "layer 1 is 'local' but shares the parameters of layer 0 ('global')" in message
+    message = _refused(num_unique_layers=2, checkpoint_activations=True, checkpoint_num_layers=2)
+    assert "checkpoint_num_layers=2" in message
+    finalize(config_from_mapping({**LAUNCH, "num_unique_layers": 2, "attention_config": [[["global", "local"], 2]],
+                                  "sliding_window_width": 4}), 1, device=DEVICE)  # grouped: alike positions
+
+
+# --- fp16_lm_cross_entropy ----------------------------------------------------------------------------------------
+def _neox_fp16_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """GPT-NeoX's ``_VocabParallelCrossEntropy.forward`` (``megatron/mpu/cross_entropy.py``, ea7aefd8) on one rank,
+    step by step on fp16 logits as its ``cross_entropy(_fp16=True)`` hands them over."""
+    logits = logits.clone()
+    logits_max = torch.max(logits, dim=-1)[0]
+    logits.sub_(logits_max.unsqueeze(dim=-1))
+    logits_2d = logits.view(-1, logits.size()[-1])
+    predicted = logits_2d[torch.arange(logits_2d.size()[0]), target.view(-1)].clone().view_as(target)
+    exp_logits = logits
+    torch.exp(logits, out=exp_logits)
+    return torch.log(exp_logits.sum(dim=-1)) - predicted
+
+
+def test_fp16_cross_entropy_is_gpt_neoxs_in_fp16(one_rank: Any) -> None:
+    from megatron.objectives.lm import lm_loss_sum
+
+    gen = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(2, 8, 64, generator=gen)).half().requires_grad_()
+    labels = torch.randint(0, 64, (2, 8), generator=gen)
+    labels[1, -2:] = -100
+    counted = labels >= 0
+    total, _ = lm_loss_sum(logits, labels, in_logits_dtype=True)
+    neox = _neox_fp16_cross_entropy(logits.detach(), labels.clamp(min=0))
+    assert neox.dtype == torch.float16
+    torch.testing.assert_close(total, neox.float()[counted].sum(), rtol=0, atol=0)
+    fp32, _ = lm_loss_sum(logits, labels)  # the default: fp32 from the same logits
+    exact = torch.nn.functional.cross_entropy(logits.detach().float().view(-1, 64), labels.view(-1), reduction="sum")
+    assert abs(float(fp32.detach()) - float(exact)) < 1e-4 < abs(float(total.detach()) - float(exact))  # fp16's rounding shows
+    total.backward()
+    softmax = torch.softmax(logits.detach().float(), dim=-1)
+    expected = (softmax - torch.nn.functional.one_hot(labels.clamp(min=0), 64)) * counted[..., None]
+    torch.testing.assert_close(logits.grad.float(), expected, atol=2e-3, rtol=0)
+
+
+def test_the_engine_hands_the_key_to_the_objective(one_rank: Any) -> None:
+    # the run's precision check is before launch (below); the engine itself builds in fp32 on this CPU
+    from megatron.engine.build import build_engine
+    from megatron.neox_arguments.run_config import RunConfig
+
+    resolved = finalize(config_from_mapping({**LAUNCH, "num_layers": 1}), 1, device=DEVICE)
+    run = RunConfig.from_resolved(resolved)
+    for flag in (True, False):
+        eng = build_engine(run, run.model.with_vocab(64).replace(fp16_lm_cross_entropy=flag), 4)
+        assert eng.objective.fp16_cross_entropy is flag
+
+
+def test_fp16_cross_entropy_outside_fp16_is_refused_before_launch() -> None:
+    message = _refused(fp16_lm_cross_entropy=True, precision="bfloat16", bf16={"enabled": True})
+    assert "fp16_lm_cross_entropy=True" in message and "fp16 mode only" in message
+    assert "fp16_lm_cross_entropy=True" in _refused(fp16_lm_cross_entropy=True)  # fp32
+    assert "z_loss" in _refused(fp16_lm_cross_entropy=True, fp16={"enabled": True}, z_loss=0.1)
