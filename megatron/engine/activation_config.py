@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import Field
 
-from megatron.config_schema import ArgGroup, not_supported
+from megatron.config_schema import ArgGroup
 
 # DeepSpeed's ``activation_checkpointing`` block -> the GPT-NeoX flat key with the same meaning. DeepSpeed
 # reads the block only when ``deepspeed.checkpointing.configure`` is handed the config, which the trainer
@@ -41,9 +41,12 @@ class ActivationCheckpointArgs(ArgGroup):
     checkpoint_num_layers: int = Field(1, ge=1)
     """Number of consecutive blocks recomputed together when checkpointing activations."""
 
-    deepspeed_activation_checkpointing: bool = not_supported(True)
-    """Use DeepSpeed's activation checkpointing (which can partition and offload) rather than
-    torch's."""
+    deepspeed_activation_checkpointing: bool = True
+    """With checkpoint_activations (or selective_checkpointing): recompute the blocks under DeepSpeed's activation
+    checkpointing (deepspeed.checkpointing.checkpoint, configured with partition_activations, contiguous_checkpointing,
+    checkpoint_in_cpu, synchronize_each_layer, profile_backward; its buffers reset after each evaluation forward, as
+    GPT-NeoX does) when true, under torch's torch.utils.checkpoint (none of those options) when false. The
+    gradients are the same."""
 
     contiguous_checkpointing: bool = False
     """Copy checkpointed activations into one contiguous buffer to reduce fragmentation."""

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import deepspeed
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.utils import logger as ds_logger
@@ -91,6 +92,9 @@ class Engine:
     adapters: list[LoRAAdapter] = field(default_factory=list)
     """This rank's LoRA adapters (empty without ``lora_r``): the only trainable weights besides a
     reward model's head."""
+    after_forward_only: Callable[[], None] | None = None
+    """Called after each forward that has no backward (evaluation): DeepSpeed's checkpointing frees its buffers in
+    the backward, so GPT-NeoX resets them there (``forward_only_cleanup``); None: nothing to free."""
     before_update: Callable[[torch.Tensor], None] | None = None
     """Told each training step's loss (a 0-dim device tensor, the same on every rank) before the update is
     applied: the bad-step rule's input (``skip_gate.py``); None: nothing needs it."""
@@ -118,6 +122,15 @@ def configure_activation_checkpointing(cfg: ActivationCheckpointArgs, num_layers
     deepspeed.checkpointing.configure(mpu, **cfg.deepspeed_checkpointing_options(num_layers))
 
 
+def forward_only_cleanup(cfg: ActivationCheckpointArgs) -> Callable[[], None] | None:
+    """What runs after a forward without a backward: with DeepSpeed's checkpointing, ``deepspeed.checkpointing.reset``
+    (its contiguous buffers, which the backward would free: GPT-NeoX ea7aefd8 megatron/training.py ``evaluate``,
+    read with ``deepspeed_activation_checkpointing``); torch's checkpoint keeps no such state."""
+    if cfg.deepspeed_activation_checkpointing and cfg.recomputes_activations:
+        return deepspeed.checkpointing.reset
+    return None
+
+
 def transformer_layers(model: nn.Module) -> list[Block]:
     """The blocks (transformer, Mamba, RWKV, gMLP) of a GPTModel or of this rank's pipeline stage, in order."""
     return [m for m in model.modules() if isinstance(m, Block)]
@@ -137,9 +150,37 @@ def layers_to_checkpoint(cfg: ActivationCheckpointArgs, num_local_layers: int, f
     return []
 
 
-def _checkpointed(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``forward`` under DeepSpeed's checkpoint, which is handed the tensor arguments only:
-    with ``partition_activations`` it pairs every argument with a size tensor and mis-counts
+@contextlib.contextmanager
+def _tracked_streams_restored(saved: dict[str, Any]) -> Iterator[None]:
+    """While torch's checkpoint recomputes: the model-parallel RNG streams (``mpu/random.py``) as they were when the
+    forward first ran, so the recomputed dropout masks are the same (torch restores only the default generators)."""
+    tracker = mpu.get_rng_tracker()
+    now = tracker.get_states()
+    tracker.set_states(saved)
+    try:
+        yield
+    finally:
+        tracker.set_states(now)
+
+
+def torch_checkpoint(function: Callable[..., Any], *inputs: Any) -> Any:
+    """``function(*inputs)`` under torch's own checkpoint (``deepspeed_activation_checkpointing: false``): non-reentrant,
+    the default generators and the tracked model-parallel streams restored for the recompute."""
+    saved = mpu.get_rng_tracker().get_states()  # the tracker replaces a stream's state as it draws: a snapshot
+    return torch.utils.checkpoint.checkpoint(
+        function, *inputs, use_reentrant=False, preserve_rng_state=True,
+        context_fn=lambda: (contextlib.nullcontext(), _tracked_streams_restored(saved)))
+
+
+def checkpoint_function(cfg: ActivationCheckpointArgs) -> Callable[..., Any]:
+    """The activation checkpoint the blocks recompute under: DeepSpeed's (``deepspeed_activation_checkpointing``,
+    GPT-NeoX's default, which can partition over tp and offload to the CPU) or torch's."""
+    return deepspeed.checkpointing.checkpoint if cfg.deepspeed_activation_checkpointing else torch_checkpoint
+
+
+def _checkpointed(forward: Callable[..., torch.Tensor], checkpoint: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    """``forward`` under ``checkpoint``, which is handed the tensor arguments only: with DeepSpeed's
+    ``partition_activations`` it pairs every argument with a size tensor and mis-counts
     ``None`` (an absent position_ids/attention_mask), so those stay in the closure."""
 
     def run(*inputs: Any) -> torch.Tensor:
@@ -151,7 +192,7 @@ def _checkpointed(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.T
                 full[i] = tensor
             return forward(*full)
 
-        return deepspeed.checkpointing.checkpoint(with_tensors, *(inputs[i] for i in where))
+        return checkpoint(with_tensors, *(inputs[i] for i in where))
 
     return run
 
@@ -193,7 +234,7 @@ def wrap_layers(model: nn.Module, cfg: ActivationCheckpointArgs, compile_layers:
     starts = chosen if size == 1 else chosen[::size]
     for start in starts:
         members = layers[start:start + size]
-        layers[start].forward = _checkpointed(_chunk_of([m.forward for m in members]))
+        layers[start].forward = _checkpointed(_chunk_of([m.forward for m in members]), checkpoint_function(cfg))
         for member in members[1:]:
             member.forward = _passthrough
     if chosen:
@@ -342,7 +383,7 @@ def build_model(config: GPTConfig, parallel: ParallelRun, ckpt: ActivationCheckp
             topology=mpu.get_topology(),
             partition_method=partition_method(parallel.pipe_partition_method),
             activation_checkpoint_interval=interval,
-            activation_checkpoint_func=deepspeed.checkpointing.checkpoint,
+            activation_checkpoint_func=checkpoint_function(ckpt),
             checkpointable_layers=CHECKPOINTABLE_LAYERS,
         )
     if lora is not None and lora.lora_enabled:
@@ -408,4 +449,4 @@ def build_engine(run: EngineConfig, config: GPTConfig, train_iters: int, objecti
     return Engine(engine=engine, optimizer=ds_optimizer, lr_scheduler=ds_scheduler,
                   config=config, is_pipe=is_pipe, ds_config=ds_config,
                   moe=build_moe_training(model, config.arch.layers, config.moe_num_experts), objective=objective,
-                  adapters=adapters_of(model))
+                  adapters=adapters_of(model), after_forward_only=forward_only_cleanup(run.activation_config))

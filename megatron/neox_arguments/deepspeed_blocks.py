@@ -95,3 +95,22 @@ def fp32_allreduce_is_communication_data_type(ctx: RuleContext) -> list[str]:
         return []
     return [f"{ctx.show('fp32_allreduce')} and {ctx.show('communication_data_type')} disagree: fp32_allreduce "
             f"means communication_data_type fp32; keep one"]
+
+
+@rule
+def torch_checkpoint_has_no_deepspeed_options(ctx: RuleContext) -> list[str]:
+    """``deepspeed_activation_checkpointing: false`` recomputes under torch's checkpoint, which has none of DeepSpeed's
+    options (partitioning over tp, CPU offload, contiguous buffers, per-layer synchronisation, profiling)."""
+    if not _checkpointing_on(ctx) or ctx.get("deepspeed_activation_checkpointing"):
+        return []
+    options = [ctx.show(key) for key in CHECKPOINT_OPTION_KEYS if ctx.get(key)]
+    block = ctx.get("activation_checkpointing")
+    if isinstance(block, Mapping):
+        where = describe(ctx.source("activation_checkpointing"))
+        options += [f"activation_checkpointing.{key}={value} ({where})" for key, value in block.items()
+                    if value and key != "number_checkpoints"]
+    if not options:
+        return []
+    return [f"{ctx.show('deepspeed_activation_checkpointing')} recomputes with torch's checkpoint, which has none of "
+            f"DeepSpeed's checkpointing options: {', '.join(options)}. Set deepspeed_activation_checkpointing: true, "
+            f"or remove them"]

@@ -24,7 +24,7 @@ refused by name before launch.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from megatron.config_rules import RuleContext, describe, rule
 from megatron.config_schema import ArgGroup, obsolete
@@ -67,7 +67,8 @@ class CurriculumArgs(ArgGroup):
         return None if metric is None else dict(metric)
 
 
-def _enabled(block: Any) -> bool:
+def _enabled(block: Any) -> TypeGuard[Mapping[str, Any]]:
+    """A DeepSpeed block that is on (``{enabled: true, ...}``)."""
     return isinstance(block, Mapping) and bool(block.get("enabled", False))
 
 
@@ -75,7 +76,6 @@ def _curriculum_block(data_efficiency: Mapping[str, Any] | None) -> Mapping[str,
     """``data_sampling.curriculum_learning`` when data efficiency, sampling and the curriculum are all on."""
     if not _enabled(data_efficiency):
         return None
-    assert data_efficiency is not None
     sampling = data_efficiency.get("data_sampling")
     if not _enabled(sampling):
         return None
@@ -199,7 +199,6 @@ def curriculum_is_runnable(ctx: RuleContext) -> list[str]:
     legacy = keys.curriculum_learning
     problems = []
     if _enabled(legacy):
-        assert legacy is not None
         where = f"curriculum_learning ({describe(ctx.source('curriculum_learning'))})"
         kind = legacy.get("curriculum_type", "seqlen")
         if kind != "seqlen":

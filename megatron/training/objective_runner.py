@@ -52,6 +52,7 @@ class EngineHandle(Protocol):
     engine: Any  # DeepSpeed's DeepSpeedEngine or PipelineEngine: DeepSpeed ships no type information
     is_pipe: bool
     before_update: Callable[[torch.Tensor], None] | None
+    after_forward_only: Callable[[], None] | None
 
 
 class ObjectiveRunner:
@@ -92,7 +93,10 @@ class ObjectiveRunner:
             if train:
                 # the loss averaged over micro-batches and data-parallel ranks, broadcast to every stage
                 return engine.train_batch(iter(items)).detach().float()
-            return engine.eval_batch(iter(items)).detach().float()
+            loss = engine.eval_batch(iter(items)).detach().float()
+            if eng.after_forward_only is not None:
+                eng.after_forward_only()
+            return loss
         losses = []
         if train:
             for i, b in enumerate(batches):
@@ -118,6 +122,8 @@ class ObjectiveRunner:
                     b = b.to(device)
                     output = engine(b.inputs, **b.model_kwargs())
                     losses.append(self.objective.loss(output, b.targets(denominator)).detach())
+                    if eng.after_forward_only is not None:
+                        eng.after_forward_only()  # no backward frees what the checkpointing kept
             if was_training:
                 engine.train()
         return mean_over_data_parallel(torch.stack(losses).mean())

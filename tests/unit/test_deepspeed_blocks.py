@@ -293,3 +293,79 @@ def test_resuming_a_no_save_optim_checkpoint_exactly_is_refused_before_launch(tm
     assert "change of parallel layout" in refused(resolved(load=str(tag.parent), no_load_optim=True,
                                                            model_parallel_size=2, zero_stage=1), world=2)
     assert "no_save_optim=True (cfg.yml:" in refused(resolved(no_save_optim=True, zero_stage=3))
+
+
+# --- deepspeed_activation_checkpointing: DeepSpeed's or torch's checkpoint -----------------------------------------
+def test_the_chosen_checkpoint_recomputes_and_the_gradients_are_those_without_checkpointing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """checkpoint_activations with deepspeed_activation_checkpointing true runs the blocks under
+    deepspeed.checkpointing.checkpoint (GPT-NeoX's), false under torch.utils.checkpoint.checkpoint; with dropout on,
+    both give the gradients of the model run without checkpointing (the recompute draws the same masks)."""
+    import deepspeed
+    import torch.utils.checkpoint
+
+    from single_rank import init_single_rank_gloo
+
+    from megatron import mpu
+    from megatron.engine.activation_config import ActivationCheckpointArgs
+    from megatron.engine.build import configure_activation_checkpointing, forward_only_cleanup, wrap_layers
+    from megatron.model import GPTConfig, GPTModel
+    from megatron.mpu.random import model_parallel_manual_seed
+
+    calls = {"deepspeed": 0, "torch": 0}
+    ds_checkpoint, torch_checkpoint = deepspeed.checkpointing.checkpoint, torch.utils.checkpoint.checkpoint
+
+    def counted(name: str, function: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return function(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(deepspeed.checkpointing, "checkpoint", counted("deepspeed", ds_checkpoint))
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", counted("torch", torch_checkpoint))
+    init_single_rank_gloo()
+    mpu.initialize_model_parallel(1, 0)
+    try:
+        config = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, padded_vocab_size=32,
+                           seed=4, no_weight_tying=True, precision="fp32", hidden_dropout=0.3, attention_dropout=0.3)
+        tokens = torch.arange(16).reshape(2, 8) % 30
+
+        def gradients(keys: dict[str, Any] | None) -> dict[str, torch.Tensor]:
+            model_parallel_manual_seed(4)
+            model = GPTModel(config)
+            if keys is not None:
+                cfg = ActivationCheckpointArgs(checkpoint_activations=True, **keys)
+                configure_activation_checkpointing(cfg, config.arch.layers)
+                wrap_layers(model, cfg, compile_layers=False, pipe_interval_used=False)
+            model_parallel_manual_seed(11)  # the same dropout draws in every run
+            model(tokens).float().pow(2).mean().backward()
+            return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+        plain = gradients(None)
+        assert calls == {"deepspeed": 0, "torch": 0}
+        with_deepspeed = gradients({"deepspeed_activation_checkpointing": True})
+        assert calls == {"deepspeed": 2, "torch": 0}  # one per block
+        with_torch = gradients({"deepspeed_activation_checkpointing": False})
+        assert calls == {"deepspeed": 2, "torch": 2}
+    finally:
+        mpu.destroy_model_parallel()
+    assert plain.keys() == with_torch.keys() == with_deepspeed.keys()
+    for name, grad in plain.items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(with_deepspeed[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(with_torch[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    # after an evaluation forward GPT-NeoX resets DeepSpeed's checkpointing buffers (training.py evaluate); torch's
+    # checkpoint keeps none
+    on = ActivationCheckpointArgs(checkpoint_activations=True)
+    assert forward_only_cleanup(on) is deepspeed.checkpointing.reset
+    assert forward_only_cleanup(on.model_copy(update={"deepspeed_activation_checkpointing": False})) is None
+
+
+def test_deepspeeds_checkpointing_options_need_deepspeeds_checkpoint() -> None:
+    keys = {"checkpoint_activations": True, "deepspeed_activation_checkpointing": False}
+    finalize(config_from_mapping({**BASE, **keys}), 1, device=DEVICE)
+    message = _refused(**keys, partition_activations=True)
+    assert "deepspeed_activation_checkpointing=False (<mapping>) recomputes with torch's checkpoint" in message
+    assert "partition_activations=True" in message
+    assert "activation_checkpointing.cpu_checkpointing=True" in _refused(
+        **keys, activation_checkpointing={"cpu_checkpointing": True})

@@ -645,13 +645,13 @@ MUST_BE_SUPPORTED = [
     "kto_undesirable_weight", "z_loss", "eod_mask_loss", "reference_logps", "pos_train_data_paths",
     "neg_valid_label_data_paths", "train_label_data_paths", "train_reward_data_paths", "dataset_impl", "pack_impl",
     # the sequence curriculum and optimizer-less saves (tests/unit/test_deepspeed_blocks.py)
-    "curriculum_learning", "data_efficiency", "no_save_optim",
+    "curriculum_learning", "data_efficiency", "no_save_optim", "deepspeed_activation_checkpointing",
 ]  # fmt: skip
 MUST_BE_UNSUPPORTED = [
     "mamba_selective_fp32_params", "te_mha",
     "te_fp8_format", "serve_model_weights", "sparsity_config",
     "sparse_attention", "use_mup", "scheduler",
-    "sparse_gradients", "deepspeed_activation_checkpointing",
+    "sparse_gradients",
 ]  # fmt: skip
 
 
