@@ -1,7 +1,7 @@
 """Rules for DeepSpeed blocks and activation-checkpointing keys that only take effect on some layouts.
 
 A block DeepSpeed accepts but never acts on where the run happens would be a key accepted and
-ignored, so each is refused there, naming why (``tests/unit/test_deepspeed_blocks.py`` builds both
+ignored, so each is refused there, naming why (``tests/distributed/test_deepspeed_blocks.py`` builds both
 engines, plain and ``PipelineModule``, and reads DeepSpeed's state to keep this list true):
 
 * ``flops_profiler`` on a pipeline: ``PipelineEngine`` starts and stops the profile in its forward, but

@@ -644,7 +644,7 @@ MUST_BE_SUPPORTED = [
     "dpo_beta", "dpo_fp32", "dpo_reference_free", "kto_beta", "kto_fp32", "kto_desirable_weight",
     "kto_undesirable_weight", "z_loss", "eod_mask_loss", "reference_logps", "pos_train_data_paths",
     "neg_valid_label_data_paths", "train_label_data_paths", "train_reward_data_paths", "dataset_impl", "pack_impl",
-    # the sequence curriculum and optimizer-less saves (tests/unit/test_deepspeed_blocks.py)
+    # the sequence curriculum and optimizer-less saves (tests/unit/test_neox_deepspeed_keys.py)
     "curriculum_learning", "data_efficiency", "no_save_optim", "deepspeed_activation_checkpointing",
 ]  # fmt: skip
 MUST_BE_UNSUPPORTED = [
