@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +52,8 @@ from megatron.logging.log import get_logger
 from megatron.model import GPTConfig, GPTModel, pipeline_layer_specs
 from megatron.model.lora import LoRAAdapter, adapters_of, apply_lora
 from megatron.model.lora_config import LoRAArgs
+from megatron.model.soft_prompt import prepare_soft_prompt
+from megatron.model.soft_prompt_settings import SoftPromptSettings
 from megatron.model.block import Block
 from megatron.model.pipeline import BLOCK_PARTITION, CHECKPOINTABLE_LAYERS
 from megatron.mpu import experts as expert_parallel
@@ -352,18 +354,22 @@ def deepspeed_mpu() -> Any:
 def build_model(config: GPTConfig, parallel: ParallelRun, ckpt: ActivationCheckpointArgs,
                 compile_layers: bool, objective: Objective,
                 lora: LoRAArgs | None = None, zero_init: dict[str, Any] | None = None,
-                device: torch.device | None = None) -> tuple[nn.Module, bool]:
+                device: torch.device | None = None, prompt_init_ids: Sequence[int] = ()) -> tuple[nn.Module, bool]:
     """(module, is_pipe); a pipeline's last stage computes ``objective.loss``. With ``lora`` enabled
     the weights are frozen and adapters attached before any wrapping (compile, checkpointing).
     ``zero_init``: the DeepSpeed config to partition the model with while it is built (ZeRO-3, no pipeline).
     ``device``: where the weights are created (the rank's GPU: the model never exists whole in host
     memory, 14 GB per rank for 7B in bf16), in the run's dtype; each weight's values are drawn on the
-    CPU as before (``mpu/initialize_weights.py``), so they are the same bits wherever it is built."""
+    CPU as before (``mpu/initialize_weights.py``), so they are the same bits wherever it is built.
+    ``prompt_init_ids``: the tokens of ``soft_prompt_tuning``'s init string, whose embeddings the prompt starts from."""
+    soft_prompt = SoftPromptSettings.of(config.soft_prompt_tuning) is not None
     if ckpt.recomputes_activations:
         configure_activation_checkpointing(ckpt, config.arch.layers)
     if not parallel.uses_pipeline_module:
         with construction(zero_init, device):
             model = GPTModel(config)
+        if soft_prompt:  # only the prompt trains
+            prepare_soft_prompt(model, list(prompt_init_ids))
         if lora is not None and lora.lora_enabled:
             apply_lora(model, lora, config.seed)
         wrap_layers(model, ckpt, compile_layers, pipe_interval_used=False)
@@ -386,6 +392,8 @@ def build_model(config: GPTConfig, parallel: ParallelRun, ckpt: ActivationCheckp
             activation_checkpoint_func=checkpoint_function(ckpt),
             checkpointable_layers=CHECKPOINTABLE_LAYERS,
         )
+    if soft_prompt:  # only the prompt trains
+        prepare_soft_prompt(model, list(prompt_init_ids))
     if lora is not None and lora.lora_enabled:
         apply_lora(model, lora, config.seed)
         skip_frozen_tied_gradients(model)
@@ -393,11 +401,12 @@ def build_model(config: GPTConfig, parallel: ParallelRun, ckpt: ActivationCheckp
     return model, True
 
 
-def build_engine(run: EngineConfig, config: GPTConfig, train_iters: int, objective: Objective | None = None) -> Engine:
+def build_engine(run: EngineConfig, config: GPTConfig, train_iters: int, objective: Objective | None = None,
+                 prompt_init_ids: Sequence[int] = ()) -> Engine:
     """Model, optimizer, schedule and ``deepspeed.initialize`` for ``config`` (vocabulary already sized).
 
     ``objective`` (default: language modelling) decides the pipeline's loss and, for reward models,
-    the scalar head."""
+    the scalar head. ``prompt_init_ids``: the tokens of the soft prompt's init string (``build_model``)."""
     objective = objective if objective is not None else LMObjective(ObjectiveArgs())
     if config.value_head != objective.value_head:
         config = config.replace(value_head=objective.value_head)
@@ -411,7 +420,7 @@ def build_engine(run: EngineConfig, config: GPTConfig, train_iters: int, objecti
     ds_config = hybrid_shard_engine.deepspeed_config(ds_config)  # unchanged without hybrid sharding
     model, is_pipe = build_model(config, run.parallel, run.activation_config, run.engine.keys.compile_layers,
                                  objective, run.lora, zero_init=ds_config if run.engine.keys.zero_init else None,
-                                 device=training_device())
+                                 device=training_device(), prompt_init_ids=prompt_init_ids)
     spec = run.lr_config.spec(train_iters, run.optimizer_config.peak_lr)
     policy = run.lr_config.resume_policy
     if run.optimizer_config.optimizer_kind in DEEPSPEED_BUILT:

@@ -299,8 +299,10 @@ class GPTConfig(MoEArgs):
     use_bias_in_mlp: bool = True
     """Give the MLP projections a bias."""
 
-    soft_prompt_tuning: dict[str, Any] | None = not_supported(None)
-    """Settings for training a learned prompt prefix while the model stays frozen."""
+    soft_prompt_tuning: dict[str, Any] | None = None
+    """Train only a learned prompt of n_tokens vectors placed before every sample's embedded tokens; every other weight
+    is frozen. Entries as GPT-NeoX's code reads them: enabled (default false), n_tokens (10), init_string (start from
+    its tokens' embeddings) or init_range (else uniform in +-init_range, 0.5) (docs/model_options.md)."""
 
     mamba_selective_scan_fusion: bool = False
     """Mamba layers: run the selective scan with the `mamba_ssm` package's CUDA kernel instead of the

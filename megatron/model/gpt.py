@@ -12,6 +12,8 @@ from megatron.model.embedding import GPTEmbedding
 from megatron.model.kv_cache import KVCache
 from megatron.model.layer_sharing import sharing_owners
 from megatron.model.norms import build_norm
+from megatron.model.soft_prompt import SoftPrompt
+from megatron.model.soft_prompt_settings import SoftPromptSettings
 from megatron.model.blocks import build_block
 from megatron.mpu.initialize_weights import initialize_param_, set_tensor_model_parallel_attributes
 from megatron.mpu.layers import ColumnParallelLinear, mark_partial_over_tensor_parallel, parallel_lm_logits
@@ -89,6 +91,9 @@ class GPTModel(nn.Module):
                 built[owner] = build_block(config, owner)
         self.layers = nn.ModuleList(built[owner] for owner in owners)
         self.shared_layers = len(built) < len(owners)
+        prompt = SoftPromptSettings.of(config.soft_prompt_tuning)
+        self.soft_prompt = None if prompt is None else SoftPrompt(prompt, config.arch.hidden, config.seed,
+                                                                 config.params_dtype)
         self.final_norm = build_final_norm(config)
         untied = config.no_weight_tying and not config.value_head
         self.output_layer = build_output_layer(config) if untied else None
@@ -120,6 +125,11 @@ class GPTModel(nn.Module):
                 position_ids = torch.arange(kv_cache.seen, kv_cache.seen + tokens.shape[1], device=tokens.device)
                 position_ids = position_ids.unsqueeze(0)  # [1, s]
         x = self.embedding(tokens, position_ids)  # [s, b, h]
+        if self.soft_prompt is not None:
+            if kv_cache is not None or attention_mask is not None or document_ids is not None or self.sequence_parallel:
+                raise ModelConfigError("a soft prompt (soft_prompt_tuning) runs whole-sequence training and "
+                                       "evaluation forwards only")
+            x, position_ids = self.soft_prompt.prepend(x, position_ids)  # [n + s, b, h]
         for position, layer in enumerate(self.layers):
             if kv_cache is not None:
                 cache = kv_cache.at(position) if self.shared_layers else kv_cache
@@ -130,6 +140,8 @@ class GPTModel(nn.Module):
                 x = layer(x, position_ids, attention_mask)  # [s, b, h]
         if kv_cache is not None:
             kv_cache.seen += tokens.shape[1]
+        if self.soft_prompt is not None:
+            x = self.soft_prompt.drop(x)  # [s, b, h]
         x = self.final_norm(x)
         if self.value_head is not None:
             return self.value_head(x)  # [b, s, 1]

@@ -5,9 +5,10 @@
 
 from __future__ import annotations
 
-from megatron.config_rules import RuleContext, block_enabled, rule
+from megatron.config_rules import RuleContext, block_enabled, rule, zero_stage
 from megatron.model.family_config import expand_layer_types
 from megatron.model.layer_sharing import sharing_owners
+from megatron.model.soft_prompt_settings import SOFT_PROMPT_KEYS
 
 
 @rule
@@ -79,3 +80,50 @@ def fp16_cross_entropy_needs_fp16(ctx: RuleContext) -> list[str]:
         problems.append(f"{ctx.show('fp16_lm_cross_entropy')} with {ctx.show('z_loss')}: the z-loss (a Deepy "
                         f"extra) comes from the fp32 cross-entropy's pass; use one of them")
     return problems
+
+
+@rule
+def soft_prompt_entries(ctx: RuleContext) -> list[str]:
+    """The entries GPT-NeoX's code reads (``training.py:907-915``), nothing else: its docstring's ``num_tokens`` is
+    read by no code (``n_tokens`` is)."""
+    value = ctx.get("soft_prompt_tuning")
+    if value is None:
+        return []
+    unknown = sorted(set(value) - set(SOFT_PROMPT_KEYS))
+    problems = []
+    if unknown:
+        hint = " (GPT-NeoX's code reads n_tokens; its help text's num_tokens is read by nothing)" \
+            if "num_tokens" in unknown else ""
+        problems.append(f"{ctx.show('soft_prompt_tuning')} has entries {unknown} that nothing reads{hint}; the "
+                        f"entries are {', '.join(SOFT_PROMPT_KEYS)}")
+    n_tokens, init_range = value.get("n_tokens", 10), value.get("init_range", 0.5)
+    if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens < 1:
+        problems.append(f"{ctx.show('soft_prompt_tuning')}: n_tokens must be a whole number of prompt vectors >= 1")
+    if not isinstance(init_range, (int, float)) or isinstance(init_range, bool) or init_range < 0:
+        problems.append(f"{ctx.show('soft_prompt_tuning')}: init_range must be a number >= 0")
+    if not isinstance(value.get("init_string", ""), str) or not isinstance(value.get("enabled", False), bool):
+        problems.append(f"{ctx.show('soft_prompt_tuning')}: init_string is a string and enabled a boolean")
+    return problems
+
+
+@rule
+def soft_prompt_runs_where_built(ctx: RuleContext) -> list[str]:
+    """The prompt is prepended to whole sequences on the embedding's stage and dropped before the final norm."""
+    value = ctx.get("soft_prompt_tuning")
+    if not value or not value.get("enabled", False):
+        return []
+    limits = [
+        (int(ctx.get("pipe_parallel_size") or 0) > 1, "pipe_parallel_size",
+         "the prompt lives on the first stage and its outputs are dropped on the last; use pipe_parallel_size 0 or 1"),
+        (bool(ctx.get("sequence_parallel")), "sequence_parallel", "the prompt is prepended to the whole sequence"),
+        (int(ctx.get("context_parallel_size") or 1) > 1, "context_parallel_size",
+         "the prompt is prepended to the whole sequence"),
+        (bool(ctx.get("reset_attention_mask")), "reset_attention_mask",
+         "which documents of a packed sample would see the prompt is not defined"),
+        (zero_stage(ctx) == 3, "zero_stage", "the prompt starts from the embedding table before ZeRO-3 partitions it"),
+        (bool(ctx.get("eval_tasks")), "eval_tasks",
+         "lm-eval runs the model with attention masks and a cache, which the prompt does not take yet"),
+        (ctx.entry_point is not None and not ctx.trains, "soft_prompt_tuning",
+         "generation and lm-eval run the model with a cache, which the prompt does not take yet"),
+    ]
+    return [f"{ctx.show('soft_prompt_tuning')} with {ctx.show(key)}: {why}" for refused, key, why in limits if refused]

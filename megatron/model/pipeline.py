@@ -19,12 +19,14 @@ from torch import nn
 
 from megatron.model.block import Block
 from megatron.model.blocks import block_family
-from megatron.model.config import GPTConfig
+from megatron.model.config import GPTConfig, ModelConfigError
 from megatron.model.embedding import GPTEmbedding
 from megatron.model.family_config import FAMILIES
 from megatron.model.gmlp import GMLPBlock
 from megatron.model.gpt import ValueHead, build_final_norm, build_output_layer
 from megatron.model.layer_sharing import sharing_owners
+from megatron.model.soft_prompt import SoftPrompt
+from megatron.model.soft_prompt_settings import PROMPT_NAME, SoftPromptSettings
 from megatron.model.mamba import MambaLayer
 from megatron.model.rwkv import RWKVLayer
 from megatron.model.transformer_layer import TransformerLayer
@@ -61,12 +63,26 @@ def _join(x: torch.Tensor, extra: tuple[torch.Tensor, ...]) -> Activation:
 
 
 class EmbeddingPipe(GPTEmbedding):
-    """tokens `[b, s]` or `(tokens, position_ids[, document_ids])` -> hidden (+ the extras)."""
+    """tokens `[b, s]` or `(tokens, position_ids[, document_ids])` -> hidden (+ the extras); with a soft prompt
+    (``soft_prompt_tuning``, one stage) the prompt then the hidden states, and the blocks' positions."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__(config)
+        prompt = SoftPromptSettings.of(config.soft_prompt_tuning)
+        self.soft_prompt = None if prompt is None else SoftPrompt(prompt, config.arch.hidden, config.seed,
+                                                                 config.params_dtype)
 
     def forward(self, inputs: Activation) -> Activation:  # type: ignore[override]  # a pipeline stage's one input
         tokens, extra = _split(inputs)
         position_ids = extra[0] if extra else None
-        return _join(super().forward(tokens, position_ids), extra)
+        x = super().forward(tokens, position_ids)  # [s, b, h]
+        if self.soft_prompt is None:
+            return _join(x, extra)
+        if len(extra) > 1:
+            raise ModelConfigError("a soft prompt (soft_prompt_tuning) does not run with document masks")
+        x, position_ids = self.soft_prompt.prepend(x, position_ids)  # [n + s, b, h]
+        return _join(x, () if position_ids is None else (position_ids,))
+
 
 
 def _block_pipe_forward(block: Block, inputs: Activation) -> Activation:
@@ -123,10 +139,12 @@ class FinalNormPipe(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.final_norm = build_final_norm(config)
+        prompt = SoftPromptSettings.of(config.soft_prompt_tuning)
+        self.prompt_tokens = 0 if prompt is None else prompt.n_tokens  # the soft prompt's outputs are dropped here
 
     def forward(self, inputs: Activation) -> torch.Tensor:
         x, _ = _split(inputs)
-        return self.final_norm(x)
+        return self.final_norm(x[self.prompt_tokens :])
 
 
 class OutputLayerPipe(nn.Module):
@@ -187,6 +205,8 @@ def model_parameter_name(pipeline_name: str) -> str:
     `tied_modules.embed.` -> `embedding.`; the final norm and heads keep their own names.
     """
     tied_prefix = f"tied_modules.{TIED_EMBEDDING_KEY}."
+    if pipeline_name.startswith(f"{tied_prefix}{PROMPT_NAME}."):  # the soft prompt lives in the embedding stage
+        return pipeline_name[len(tied_prefix) :]
     if pipeline_name.startswith(tied_prefix):
         return "embedding." + pipeline_name[len(tied_prefix) :]
     if pipeline_name.startswith(f"tied_modules.{SHARED_BLOCK_PREFIX}"):  # a shared block: its owner's names

@@ -38,6 +38,7 @@ from megatron.logging.throughput import current_device_name, peak_tflops
 from megatron.logging.timers import TimedIterator
 from megatron.model import GPTConfig, flops_per_token
 from megatron.model.flops import hardware_flops_per_token
+from megatron.model.soft_prompt_settings import PROMPT_NAME, SoftPromptSettings
 from megatron.mpu.random import model_parallel_manual_seed
 from megatron.objectives import build_objective, build_reference
 from megatron.tokenizer import build_tokenizer
@@ -122,7 +123,9 @@ def build_training_engine(run: TrainConfig, model_config: GPTConfig, train_iters
     before the run's own checkpoint load (which may move the policy to a later step). ``eng.config``: the model,
     a reward model's scalar head in place of the LM head."""
     objective = build_objective(run.objective, eod_token=tokenizer.eod)
-    eng = build_engine(run, model_config, train_iters, objective)
+    prompt = SoftPromptSettings.of(model_config.soft_prompt_tuning)
+    prompt_ids = tokenizer.tokenize(prompt.init_string) if prompt is not None and prompt.init_string else []
+    eng = build_engine(run, model_config, train_iters, objective, prompt_init_ids=prompt_ids)
     eng.reference = build_reference(objective, eng.engine, eng.is_pipe, eng.config, eng.ds_config,
                                     partition_method(run.parallel.pipe_partition_method) if eng.is_pipe else None,
                                     adapters=run.lora.lora_enabled)
@@ -143,8 +146,11 @@ def open_checkpoints(run: TrainConfig, checkpoint: CheckpointArgs, eng: Engine, 
                      stop_at: int, before_commit: BeforeCommit | None, validate: Callable[[], float]) -> CheckpointHooks:
     """The run's checkpoints: what loads the starting one and saves the steps (``checkpoint``'s keys); ``validate``
     runs after each save with ``checkpoint_validation_with_forward_pass``."""
+    # a soft prompt is new to the language-model checkpoint it starts from (initialize_from / finetune)
+    prompted = SoftPromptSettings.of(eng.config.soft_prompt_tuning) is not None
+    new = eng.objective.new_parameters + ((f"{PROMPT_NAME}.",) if prompted else ())
     manager = CheckpointManager.from_config(checkpoint, args_record=record, train_iters=stop_at,
-                                            before_commit=before_commit, new_parameters=eng.objective.new_parameters)
+                                            before_commit=before_commit, new_parameters=new)
     ckpt = CheckpointHooks(manager, validate=validate if checkpoint.checkpoint_validation_with_forward_pass else None,
                            reseed=lambda iteration: model_parallel_manual_seed(run.training.seed + iteration))
     ckpt.attach_model(eng, run.parallel.model_parallel_size)

@@ -198,3 +198,107 @@ def test_fp16_cross_entropy_outside_fp16_is_refused_before_launch() -> None:
     assert "fp16_lm_cross_entropy=True" in message and "fp16 mode only" in message
     assert "fp16_lm_cross_entropy=True" in _refused(fp16_lm_cross_entropy=True)  # fp32
     assert "z_loss" in _refused(fp16_lm_cross_entropy=True, fp16={"enabled": True}, z_loss=0.1)
+
+
+# --- soft_prompt_tuning -------------------------------------------------------------------------------------------
+PROMPT = {"enabled": True, "n_tokens": 3, "init_range": 0.5}
+
+
+def _direct_prompted_logits(model: GPTModel, prompt: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The reference: the blocks of ``model`` run on [prompt embeddings; token embeddings] (positions 0..n+s-1),
+    the prompt's outputs left out, then the final norm and the tied head, written out here."""
+    x = model.embedding(tokens)  # [s, b, h]
+    x = torch.cat([prompt.unsqueeze(1).expand(-1, tokens.shape[0], -1), x], dim=0)  # [n + s, b, h]
+    for layer in model.layers:
+        x = layer(x)
+    x = model.final_norm(x[prompt.shape[0]:])
+    return (x @ model.embedding.word_embeddings.weight.t()).transpose(0, 1)  # [b, s, v]
+
+
+def test_the_prompted_model_is_the_model_run_on_prompt_then_tokens() -> None:
+    prompted = GPTModel(gpt_config(**BASE, soft_prompt_tuning=PROMPT))
+    assert prompted.soft_prompt is not None
+    assert tuple(prompted.soft_prompt.weight.shape) == (3, 32) and float(prompted.soft_prompt.weight.detach().abs().max()) <= 0.5
+    tokens, labels = _batch()
+    logits = prompted(tokens)
+    assert tuple(logits.shape) == (2, 8, 64)  # one prediction per token, none for the prompt
+    torch.testing.assert_close(logits, _direct_prompted_logits(prompted, prompted.soft_prompt.weight, tokens))
+    plain = GPTModel(gpt_config(**BASE))  # the same weights: the prompt changes what the model predicts
+    assert not torch.allclose(lm_loss(plain(tokens), labels), lm_loss(logits, labels))
+    assert GPTModel(gpt_config(**BASE, soft_prompt_tuning={**PROMPT, "enabled": False})).soft_prompt is None
+
+
+def _one_step_changes(eng: Any, pipe: bool) -> tuple[float, dict[str, bool]]:
+    from megatron.objectives.base import MicroBatch
+
+    tokens, labels = _batch()
+    before = {n: p.detach().clone() for n, p in eng.engine.module.named_parameters()}
+    if pipe:
+        batch = MicroBatch(tokens, labels, units=float(labels.numel()))
+        loss = eng.engine.train_batch(iter([(batch.pipe_inputs(), batch.targets(float(labels.numel())))]))
+    else:
+        loss = lm_loss(eng.engine(tokens), labels)
+        eng.engine.backward(loss)
+        eng.engine.step()
+    after = dict(eng.engine.module.named_parameters())
+    return float(loss), {n: not torch.equal(before[n], after[n].detach()) for n in before}
+
+
+@pytest.mark.parametrize("pipe", [0, 1])
+def test_only_the_prompt_trains_and_the_loss_is_the_direct_one(pipe: int, tmp_path: Path) -> None:
+    """A real engine (a plain module, and DeepSpeed's PipelineModule of one stage): after a step only the prompt's
+    weights changed; the step's loss is the reference model's on [prompt; tokens]; init_string starts the prompt
+    from its tokens' embeddings (cut to n_tokens)."""
+    from single_rank import init_single_rank_gloo
+
+    from megatron import mpu
+
+    init_single_rank_gloo()
+    mpu.initialize_model_parallel(1, pipe)
+    try:
+        prompt_ids = [5, 9, 11, 2]
+        eng = _engine(soft_prompt_tuning={**PROMPT, "init_string": "abcd"}, pipe_parallel_size=pipe, lr=0.1)
+        module = eng.engine.module
+        if pipe:
+            embedding = module.tied_modules.embed
+            prompt = embedding.soft_prompt.weight
+        else:
+            embedding, prompt = module.embedding, module.soft_prompt.weight
+        assert [n for n, p in module.named_parameters() if p.requires_grad] == [
+            "tied_modules.embed.soft_prompt.weight" if pipe else "soft_prompt.weight"]
+        reference = GPTModel(eng.config.replace(soft_prompt_tuning=None))
+        reference.load_state_dict({k: v for k, v in _plain_state(module, pipe).items()})
+        tokens, labels = _batch()
+        expected = lm_loss(_direct_prompted_logits(reference, prompt.detach(), tokens), labels)
+        loss, changed = _one_step_changes(eng, bool(pipe))
+        assert abs(loss - float(expected)) < 1e-5, (loss, float(expected))
+        assert [n for n, moved in changed.items() if moved] == [
+            "tied_modules.embed.soft_prompt.weight" if pipe else "soft_prompt.weight"]
+        # init_string: a fresh engine's prompt is the embeddings of the string's first n_tokens tokens
+        fresh = GPTModel(eng.config)
+        from megatron.model.soft_prompt import prepare_soft_prompt
+
+        prepare_soft_prompt(fresh, prompt_ids)
+        assert fresh.soft_prompt is not None
+        torch.testing.assert_close(fresh.soft_prompt.weight, fresh.embedding.word_embeddings.weight[prompt_ids[:3]])
+        del embedding
+    finally:
+        mpu.destroy_model_parallel()
+
+
+def _plain_state(module: Any, pipe: int) -> dict[str, torch.Tensor]:
+    from megatron.model.pipeline import model_parameter_name
+
+    state = module.state_dict()
+    if not pipe:
+        return {k: v for k, v in state.items() if not k.startswith("soft_prompt.")}
+    out = {model_parameter_name(k): v for k, v in state.items() if "soft_prompt" not in k}
+    return out
+
+
+def test_what_the_soft_prompt_cannot_do_is_refused_by_name() -> None:
+    assert "num_tokens" in _refused(soft_prompt_tuning={"enabled": True, "num_tokens": 4})
+    assert "n_tokens must be" in _refused(soft_prompt_tuning={"enabled": True, "n_tokens": 0})
+    assert "pipe_parallel_size=2" in _refused(soft_prompt_tuning=PROMPT, pipe_parallel_size=2, num_gpus=2)
+    assert "reset_attention_mask=True" in _refused(soft_prompt_tuning=PROMPT, reset_attention_mask=True)
+    finalize(config_from_mapping({**LAUNCH, "soft_prompt_tuning": PROMPT}), 1, device=DEVICE)

@@ -115,6 +115,7 @@ ENTRY = "megatron.neox_arguments.honesty.check_entry_point"
 TASKS = "megatron.evaluation.checks.eval_tasks_can_run"
 START = "megatron.neox_arguments.file_checks.checkpoint_fits_the_config"
 ROPE = "megatron.model.checks.rope_scaling_is_honoured"
+SOFT_PROMPT = "megatron.model.option_checks.soft_prompt_runs_where_built"
 SCHEDULE = "megatron.engine.lr_config.schedule_builds"
 LEVANTER_RULE = "megatron.engine.lr_dialects.levanter_schedule_is_one_levanter_builds"
 BATCH = "megatron.neox_arguments.derived.derive_batch"
@@ -217,6 +218,14 @@ SITES: dict[str, tuple[Entry, ...]] = {
     "megatron/model/gpt.py::GPTModel.forward": (  # generate.py and eval.py build their model without it
         Before(Case(TASKS, f"{TP2} sequence_parallel=true eval_tasks=[{{task_yaml}}]",
                     "eval_tasks=.* with sequence_parallel=True")),
+        Before(Case(SOFT_PROMPT, f"{TP2} sequence_parallel=true soft_prompt_tuning={{\"enabled\":true}}",
+                    "soft_prompt_tuning=.* with sequence_parallel=True"),
+               Case(SOFT_PROMPT, 'soft_prompt_tuning={"enabled":true} reset_attention_mask=true',
+                    "soft_prompt_tuning=.* with reset_attention_mask=True")),
+    ),
+    "megatron/model/pipeline.py::EmbeddingPipe.forward": (
+        Before(Case(SOFT_PROMPT, 'pipe_parallel_size=1 soft_prompt_tuning={"enabled":true} reset_attention_mask=true',
+                    "soft_prompt_tuning=.* with reset_attention_mask=True")),
     ),
     "megatron/model/lora.py::check_targets": (
         Before(Case("schema", "lora_r=4 lora_target_modules=[]", "lora_target_modules.*at least 1 item"),
