@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from megatron.config_schema import ArgGroup, partly_supported
+from megatron.config_schema import ArgGroup, obsolete
 
 
 class MoEArgs(ArgGroup):
@@ -68,9 +68,14 @@ class MoEArgs(ArgGroup):
     """Earlier GPT-NeoX: which library's MoE layer to use. Both route without dropping tokens when
     moe_token_dropping is false, which is what Deepy's layer computes."""
 
-    moe_token_dropping: bool = partly_supported(False, unsupported=(True,))
-    """Earlier GPT-NeoX: drop tokens beyond an expert's capacity. Deepy's MoE is dropless, so only
-    false is accepted."""
+    moe_token_dropping: bool = obsolete(
+        False,
+        "GPT-NeoX removed token dropping with its capacity keys (moe_train_capacity_factor, moe_eval_capacity_factor, "
+        "moe_min_capacity) in commit d11df961 (#1210, May 2025): its MoE at ea7aefd8, like Deepy's, is dropless; "
+        "use moe_token_dropping: false (every token reaches its experts)",
+        values=(True,))
+    """Earlier GPT-NeoX: drop the tokens beyond an expert's capacity (DeepSpeed MoE's drop_tokens, or megablocks'
+    capacity-bound MoE). Gone from GPT-NeoX since May 2025; only false (dropless) is accepted."""
 
     enable_expert_tensor_parallelism: bool = False
     """Earlier GPT-NeoX: split each expert's weights over the tensor-parallel ranks. Deepy places

@@ -32,6 +32,8 @@ OBSOLETE = {
     "curriculum_seqlen": "64",
     # GPT-NeoX's slot for the live Comet experiment its initialize_comet creates, not a setting
     "comet_experiment": "x",
+    # token dropping beyond expert capacity: GPT-NeoX removed it (d11df961, #1210); its MoE is dropless
+    "moe_token_dropping": "true",
 }
 """Issue 47's list of obsolete keys, each with a value GPT-NeoX accepts that Deepy refuses."""
 
