@@ -6,8 +6,9 @@ Deepy's own objectives are declared here, by name and needs, below every compone
 (``megatron/objectives/``) sit above the data: ``objectives/registry.py`` attaches their keys, checks and
 implementations to these names. A user's objective registers its needs with its class (``plugins.register``).
 
-* ``dataset`` — ``lm`` (token documents, optional label masks), ``pairwise`` (chosen/rejected pairs)
-  or ``reward`` (documents with a per-document reward);
+* ``dataset`` — ``lm`` (token documents, optional label masks), ``pairwise`` (chosen/rejected pairs),
+  ``reward`` (documents with a per-document reward) or ``online`` (rollouts fetched from rollout servers,
+  ``dataset_impl: online``);
 * ``value_head`` — the model ends in a scalar head instead of the LM head;
 * ``reference`` — the loss reads a reference model's log-probs;
 * ``documents`` — packed samples hold several documents, so the document-mask keys
@@ -23,7 +24,7 @@ from typing import Literal
 
 from megatron import plugins
 
-DatasetKind = Literal["lm", "pairwise", "reward"]
+DatasetKind = Literal["lm", "pairwise", "reward", "online"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ plugins.declare("train_impl", "dpo", module=__name__, dataset="pairwise", refere
 # KTO estimates its KL reference point from mismatched pairs inside a micro-batch: at least 2 samples
 plugins.declare("train_impl", "kto", module=__name__, dataset="reward", reference=True, min_micro_batch=2)
 plugins.declare("train_impl", "rm", module=__name__, dataset="pairwise", value_head=True)
+# GPT-NeoX's online REINFORCE: rewarded rollouts from rollout servers; a reference model when kl_div_beta > 0
+plugins.declare("train_impl", "reinforce", module=__name__, dataset="online", reference=True)
 plugins.builtins_declared("train_impl")
 
 

@@ -167,3 +167,27 @@ def meta_tensors_stay_on_meta() -> Iterator[None]:
 
     with _MetaStaysMeta():
         yield
+
+
+def share_cuda_storage(storage: Any) -> tuple[Any, ...]:
+    """``storage._share_cuda_()``: the CUDA IPC handle of a GPU storage as the eight values
+    ``torch.multiprocessing.reductions.rebuild_cuda_tensor`` takes in another process (device, handle, size and
+    offset in bytes, ref-counter handle and offset, event handle, event_sync_required). GPT-NeoX's weight server sends
+    exactly these (megatron/model/weight_server.py @ea7aefd8); torch's public route (``torch.multiprocessing``
+    queues) pickles them through its own reducer, not as a message a non-torch-multiprocessing peer reads."""
+    return tuple(storage._share_cuda_())
+
+
+def share_cpu_storage(storage: torch.UntypedStorage) -> tuple[bytes, bytes, int]:
+    """``storage._share_filename_cpu_()``: moves a CPU storage into shared memory in place (every tensor viewing it
+    keeps working, now on the shared pages) and returns (manager socket, shared-memory name, size in bytes), which
+    :func:`open_shared_cpu_storage` opens in another process - torch's ``file_system`` sharing strategy, the CPU
+    counterpart of :func:`share_cuda_storage` (``torch.multiprocessing`` wraps the same call in its reducer)."""
+    manager, handle, size = storage._share_filename_cpu_()
+    return manager, handle, int(size)
+
+
+def open_shared_cpu_storage(manager: bytes, handle: bytes, size: int) -> torch.UntypedStorage:
+    """The storage :func:`share_cpu_storage` shared, mapped in this process
+    (``torch.UntypedStorage._new_shared_filename_cpu``)."""
+    return torch.UntypedStorage._new_shared_filename_cpu(manager, handle, size)

@@ -3,6 +3,7 @@
 
 Sources, in order of precedence:
 
+0. ``dataset_impl: online``: rollouts from rollout servers (``online_dataset.py``), no files.
 1. ``use_dummy_dataset``: random tokens, no files.
 2. ``train_urls``/``validation_urls``: raw jsonl shards tokenized once into the cache (Levanter style).
 3. ``{train,valid,test}_data_paths`` (+ ``_label``/``_reward``, or ``pos_``/``neg_`` for pairwise), each
@@ -31,6 +32,7 @@ from megatron.data.dummy_dataset import DummyDataset, DummyKind
 from megatron.data.gpt_dataset import GPTDataset
 from megatron.data.index_cache import default_cache_dir
 from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.data.online_dataset import OnlineDataset
 from megatron.data.pairwise_dataset import PairwiseDataset
 from megatron.data.reference_logprobs import open_reference_logprobs
 from megatron.data.remote_data import localized
@@ -292,6 +294,12 @@ def build_datasets(config: DataRun, tokenizer: Any, padded_vocab_size: int) -> D
     """
     train_n, valid_n, test_n = samples_needed(config.train_batch_size, config.train_iters, config.eval_iters,
                                               config.eval_interval, config.eval_batch_size, config.batch_steps)
+    if config.keys.dataset_impl == "online":
+        keys = config.keys
+        online = lambda n, split: OnlineDataset(  # noqa: E731
+            n, config.seq_length, split, keys.online_dataserver_ips, keys.online_dataserver_ports,
+            keys.reinforce_leave_one_out) if n > 0 else None
+        return DataSplits(online(max(train_n, 1), "train"), online(valid_n, "valid"), online(test_n, "test"))
     if config.keys.use_dummy_dataset:
         seq = config.seq_length
         seed, kind, pattern = config.seed, _dummy_kind(config), config.keys.dummy_data

@@ -1,5 +1,6 @@
 """The data keys: which files (or URLs, or dummy tokens) each split reads, how they are blended and
-split, and how documents become samples. GPT-NeoX files them under ``NeoXArgsTraining``.
+split, and how documents become samples. GPT-NeoX files them under ``NeoXArgsTraining``, the online rollout
+servers' (``online_dataserver_ips``/``_ports``) under ``NeoXArgsModel``.
 
 Declared here, beside the datasets that read them (:func:`megatron.data.build.build_datasets`); the one
 argument object (``NeoXArgs``) is composed of :class:`DataArgs`. The data also reads keys declared by
@@ -16,7 +17,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from megatron.config_schema import ArgGroup, partly_supported
+from megatron.config_schema import ArgGroup
 from megatron.objective_needs import needs_of, reads_reference_files
 
 SPLITS = ("train", "valid", "test")
@@ -126,10 +127,24 @@ class DataArgs(ArgGroup):
     """How documents fill samples: packed back to back, packed until one would overflow, or one
     document per sample."""
 
-    dataset_impl: Literal["gpt2", "pairwise", "online"] = (
-        partly_supported("gpt2", unsupported=("online",))
-    )
-    """Kind of dataset: plain text (gpt2), chosen/rejected pairs, or online rollouts."""
+    dataset_impl: Literal["gpt2", "pairwise", "online"] = "gpt2"
+    """Kind of dataset: plain text (gpt2), chosen/rejected pairs, or online: rollouts fetched from the
+    rollout servers at online_dataserver_ips/ports whenever the rank's buffer runs empty, for train_impl:
+    reinforce (megatron/data/online_dataset.py, GPT-NeoX's protocol)."""
+
+    # ---- online rollouts (dataset_impl: online), read by megatron/data/online_dataset.py ----
+
+    online_dataserver_ips: str | list[str] = "localhost"
+    """Host of the rollout server, or one host per data-parallel rank (rank r reads entry r)."""
+
+    online_dataserver_ports: int | list[int] = 10000
+    """Port of the rollout server (the same one for every data-parallel rank), or one port per
+    data-parallel rank (rank r reads entry r)."""
+
+    reinforce_leave_one_out: bool = False
+    """REINFORCE's baseline, subtracted from each rollout's reward as it arrives: the mean reward of the
+    other completions of the same prompt (leave-one-out, RLOO); false: the running mean of the last 100
+    prompts' mean rewards, before this one (GPT-NeoX)."""
 
     allow_chopped: bool = True
     """Keep pairwise samples whose text had to be cut to fit seq_length."""

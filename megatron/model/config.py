@@ -331,18 +331,6 @@ class GPTConfig(MoEArgs):
     """How the output layer is split across tensor-parallel ranks; only column (vocabulary)
     splitting exists."""
 
-    serve_model_weights: bool = not_supported(False)
-    """Serve the live weights over the network to an external generation server (online RL)."""
-
-    weight_server_port: int | list[int] = not_supported(6000)
-    """Port, or one port per rank, on which weights are served."""
-
-    online_dataserver_ips: str | list[str] = not_supported("localhost")
-    """Hosts providing rollouts when dataset_impl is online."""
-
-    online_dataserver_ports: int | list[int] = not_supported(10000)
-    """Ports of the online rollout servers."""
-
     te_columnparallel: bool = not_supported(False)
     """Use Transformer Engine's column-parallel linear layer."""
 

@@ -33,6 +33,7 @@ from megatron.training.averaging_config import ModelAveragingArgs
 from megatron.training.bad_steps import BadStepArgs
 from megatron.training.curriculum import CurriculumArgs
 from megatron.training.hang_config import HangArgs
+from megatron.training.weight_server_config import WeightServerArgs
 from megatron.training.stragglers import StragglerArgs
 from megatron.training.reinit_config import ReinitTokensArgs
 from megatron.training.peft_config import PeftSaveArgs
@@ -70,6 +71,7 @@ GROUPS: dict[str, type[ArgGroup]] = {
     "bad_steps": BadStepArgs,
     "curriculum": CurriculumArgs,
     "hang": HangArgs,
+    "weight_server": WeightServerArgs,
     "stragglers": StragglerArgs,
     "reinit_tokens": ReinitTokensArgs,
     "peft_saves": PeftSaveArgs,
@@ -120,6 +122,7 @@ class _Arguments(
     BadStepArgs,
     CurriculumArgs,
     HangArgs,
+    WeightServerArgs,
     StragglerArgs,
     ReinitTokensArgs,
     PeftSaveArgs,

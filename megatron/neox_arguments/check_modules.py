@@ -32,12 +32,14 @@ from megatron.training import curriculum
 from megatron.engine import optimizer_checks
 from megatron.training import hang_config, hf_save_config, peft_config, reinit_config
 from megatron.objectives import checks as objective_checks
+from megatron.objectives import reinforce_checks
 
 CHECK_MODULES: tuple[ModuleType, ...] = (
     plugins,  # each plug-in's own keys
     lr_config,
     lr_dialects,  # Levanter's and fms-fsdp's curves read only their own keys
     objective_checks,
+    reinforce_checks,  # train_impl: reinforce, dataset_impl: online, serve_model_weights
     model_checks,
     model_config,  # attention_config covers the layers
     rules,  # the rules between components

@@ -33,6 +33,7 @@ from megatron.engine.config import EngineArgs, EngineRun
 from megatron.training.averaging_config import ModelAveragingArgs
 from megatron.training.hang_config import HangArgs
 from megatron.training.stragglers import StragglerArgs
+from megatron.training.weight_server_config import WeightServerArgs
 from megatron.training.reinit_config import ReinitTokensArgs
 from megatron.training.bad_steps import BadStepArgs
 from megatron.training.curriculum import CurriculumArgs
@@ -82,6 +83,7 @@ class RunConfig(TrainConfig):
             args_record=args.model_dump(mode="json") if args_record is None else args_record,
             data=data_run(args), training=training_run(args), averaging=group(args, ModelAveragingArgs),
             stragglers=group(args, StragglerArgs), bad_steps=group(args, BadStepArgs),
+            weight_server=group(args, WeightServerArgs),
             curriculum=group(args, CurriculumArgs),
             reinit=group(args, ReinitTokensArgs), peft_saves=group(args, PeftSaveArgs),
             hf_saves=group(args, HFSaveArgs), checkpoint=group(args, CheckpointArgs), run_name=run_name,

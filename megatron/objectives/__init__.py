@@ -1,5 +1,5 @@
 """Training objectives, one module per ``train_impl``: ``lm`` (language modelling and label-masked
-SFT), ``dpo``, ``kto`` and ``rm`` (pairwise reward model), plus where DPO's and KTO's reference
+SFT), ``dpo``, ``kto``, ``rm`` (pairwise reward model) and ``reinforce`` (GPT-NeoX's online REINFORCE), plus where DPO's and KTO's reference
 log-probs come from (``reference``, ``frozen``). How a global batch of any of them runs through a plain
 or pipelined engine is the trainer's (``megatron/training/objective_runner.py``).
 

@@ -17,25 +17,26 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from megatron import plugins
-from megatron.config_schema import ArgGroup, not_supported, partly_supported
+from megatron.config_schema import ArgGroup
 from megatron.objective_needs import needs_of
 
 ReferenceKind = Literal["none", "frozen_copy", "precomputed", "free"]
 
-NOT_BUILT: tuple[str, ...] = ("reinforce",)
+NOT_BUILT: tuple[str, ...] = ()
 """GPT-NeoX's ``train_impl`` values Deepy has not built: accepted by the schema, refused as "not
-supported yet" before launch."""
+supported yet" before launch (none left: GPT-NeoX's five are built)."""
 
 
 class ObjectiveArgs(ArgGroup):
     """The objective keys of GPT-NeoX's ``NeoXArgsTraining`` and ``NeoXArgsOther`` groups, with
     Megatron-LM's document-mask keys and Deepy's ``reference_logps``."""
 
-    train_impl: str = partly_supported("normal", unsupported=NOT_BUILT)
+    train_impl: str = "normal"
     """Training objective, a registered objective plug-in (``megatron/objectives/registry.py``):
     language modelling or label-masked SFT (normal), DPO on preference pairs, a pairwise reward model
-    with a scalar head (rm), KTO on rewarded completions; GPT-NeoX's REINFORCE is not built yet. Each
-    objective declares its own keys (dpo_*, kto_*, reset_*)."""
+    with a scalar head (rm), KTO on rewarded completions, GPT-NeoX's online REINFORCE on rollouts from
+    rollout servers (reinforce, with dataset_impl: online). Each objective declares its own keys
+    (dpo_*, kto_*, reset_*, kl_*)."""
 
     @field_validator("train_impl")
     @classmethod
@@ -62,17 +63,17 @@ class ObjectiveArgs(ArgGroup):
     text_gen_type=precompute` next to each chosen/rejected dataset (`<prefix>_<name>.bin/.idx`);
     unset uses a frozen copy of the starting weights."""
 
-    fp32_reinforce: bool = not_supported(True)
-    """Compute REINFORCE log-probabilities in fp32."""
+    fp32_reinforce: bool = True
+    """REINFORCE: cast the policy's and the reference's logits to fp32 before the log-softmax (GPT-NeoX's
+    get_logp); false takes the log-softmax in the model's precision."""
 
-    kl_impl: Literal["abs", "mse", "kl", "full"] = not_supported("mse")
-    """Estimator of the KL penalty in REINFORCE."""
+    kl_impl: Literal["abs", "mse", "kl", "full"] = "mse"
+    """REINFORCE's per-token KL penalty against the reference model, from d = log pi(y_t) - log ref(y_t):
+    abs |d|, mse d^2/2, kl d, or full: sum over the vocabulary of pi (log pi - log ref) at each position."""
 
-    kl_div_beta: float = not_supported(0.1)
-    """Weight of the KL penalty in REINFORCE."""
-
-    reinforce_leave_one_out: bool = not_supported(False)
-    """Use the leave-one-out baseline in REINFORCE."""
+    kl_div_beta: float = 0.1
+    """REINFORCE: weight of the KL penalty; a frozen copy of the starting weights is the reference model
+    when it is above 0 (GPT-NeoX), none (and no penalty) otherwise."""
 
 
 class DPOKeys(ArgGroup):
@@ -113,4 +114,6 @@ def reference_kind(config: ObjectiveArgs) -> ReferenceKind:
         return "none"
     if config.train_impl == "dpo" and isinstance(config, DPOKeys) and config.dpo_reference_free:
         return "free"
+    if config.train_impl == "reinforce" and not config.kl_div_beta > 0:
+        return "none"  # GPT-NeoX builds REINFORCE's reference model only with kl_div_beta > 0
     return "precomputed" if config.reference_logps else "frozen_copy"

@@ -39,6 +39,7 @@ plugins.attach("train_impl", "normal", target="megatron.objectives.lm:LMObjectiv
 plugins.attach("train_impl", "dpo", target="megatron.objectives.dpo:DPOObjective", keys=DPOKeys, check=_dpo_check)
 plugins.attach("train_impl", "kto", target="megatron.objectives.kto:KTOObjective", keys=KTOKeys)
 plugins.attach("train_impl", "rm", target="megatron.objectives.rm:RewardModelObjective", check=_rm_check)
+plugins.attach("train_impl", "reinforce", target="megatron.objectives.reinforce:ReinforceObjective")
 
 
 def build_objective(config: ObjectiveArgs, eod_token: int | None = None) -> Objective:

@@ -18,6 +18,7 @@ from megatron.training.hf_save_config import HFSaveArgs
 from megatron.training.peft_config import PeftSaveArgs
 from megatron.training.reinit_config import ReinitTokensArgs
 from megatron.training.stragglers import StragglerArgs
+from megatron.training.weight_server_config import WeightServerArgs
 
 
 class TaskRunner(Protocol):
@@ -50,6 +51,8 @@ class TrainConfig(EngineConfig):
     """The weight average's keys (``ema_beta``)."""
     stragglers: StragglerArgs
     """The straggler watch's keys."""
+    weight_server: WeightServerArgs
+    """The weight server's keys (``serve_model_weights``, ``weight_server_port``)."""
     bad_steps: BadStepArgs
     """The bad-step rule's keys (``skip_bad_steps_window``, ``_sigma``)."""
     curriculum: CurriculumArgs

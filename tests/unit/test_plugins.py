@@ -358,10 +358,10 @@ def test_accepted_values_of_a_plugin_key_are_its_registry(family: str) -> None:
 NEOX_VALUES: dict[str, tuple[str, ...]] = {
     "tokenizer_type": ("GPT2BPETokenizer", "HFTokenizer", "HFGPT2Tokenizer", "SPMTokenizer", "CharLevelTokenizer",
                        "TiktokenTokenizer"),
-    "train_impl": ("normal", "dpo", "rm", "kto"),
+    "train_impl": ("normal", "dpo", "rm", "kto", "reinforce"),
 }
-"""GPT-NeoX's values of its keys that are plug-in registries now (its Literals, gpt-neox-arguments.tsv;
-``reinforce`` is accepted and refused as not supported yet): each stays accepted, spelt the same."""
+"""GPT-NeoX's values of its keys that are plug-in registries now (its Literals, gpt-neox-arguments.tsv): each stays
+accepted, spelt the same."""
 
 
 @pytest.mark.parametrize("family", sorted(NEOX_VALUES))

@@ -65,8 +65,8 @@ DECLARED_WITH_COMPONENT: dict[str, str] = {
         "keep_last_n_checkpoints", "iteration", "s3_path", "s3_chunk_size", "no_save_optim",
     ), "checkpoint"),
     **dict.fromkeys(("eval_tasks", "eval_results_prefix"), "evaluation"),
-    **dict.fromkeys(("train_impl", "z_loss", "eod_mask_loss", "fp32_reinforce", "kl_impl", "kl_div_beta",
-                     "reinforce_leave_one_out"), "objective"),
+    **dict.fromkeys(("train_impl", "z_loss", "eod_mask_loss", "fp32_reinforce", "kl_impl", "kl_div_beta"), "objective"),
+    **dict.fromkeys(("serve_model_weights", "weight_server_port"), "weight_server"),
     **dict.fromkeys(("deepspeed_mpi", "deepspeed_slurm"), "deepspeed_runner"),
     **dict.fromkeys(("curriculum_learning", "curriculum_seqlen", "data_efficiency"), "curriculum"),  # the loop reads them
     **dict.fromkeys((
@@ -77,7 +77,7 @@ DECLARED_WITH_COMPONENT: dict[str, str] = {
         "neg_valid_label_data_paths", "pos_test_data_paths", "neg_test_data_paths", "pos_test_label_data_paths",
         "neg_test_label_data_paths", "train_data_weights", "valid_data_weights", "test_data_weights",
         "weight_by_num_documents", "weighted_sampler_alpha", "pack_impl", "dataset_impl", "allow_chopped",
-        "mmap_warmup", "split",
+        "mmap_warmup", "split", "online_dataserver_ips", "online_dataserver_ports", "reinforce_leave_one_out",
     ), "data"),
     **dict.fromkeys(("attention_dropout", "hidden_dropout", "padded_vocab_size", "seed", "sequence_parallel"), "model"),  # what every layer is built from
 }
@@ -649,7 +649,7 @@ MUST_BE_SUPPORTED = [
 ]  # fmt: skip
 MUST_BE_UNSUPPORTED = [
     "mamba_selective_fp32_params", "te_mha",
-    "te_fp8_format", "serve_model_weights", "sparsity_config",
+    "te_fp8_format", "sparsity_config",
     "sparse_attention", "use_mup", "scheduler",
     "sparse_gradients",
 ]  # fmt: skip
@@ -679,12 +679,12 @@ def test_check_supported_reports_only_offending_keys() -> None:
     }
     assert check_supported(config) == ["te_mha", "norm", "attention_config"]
     assert check_supported({"attention_config": [[["global", "local"], 4]], "norm": "rmsnorm"}) == []
-    assert check_supported({"train_impl": "reinforce", "data_impl": "cached"}) == ["train_impl", "data_impl"]
+    assert check_supported({"train_impl": "reinforce", "data_impl": "cached"}) == ["data_impl"]  # reinforce is built
 
 
 def test_check_supported_on_validated_args() -> None:
     assert check_supported(NeoXArgs(hidden_size=64)) == []
-    assert check_supported(NeoXArgs(use_mup=True, dataset_impl="online")) == ["dataset_impl", "use_mup"]
+    assert check_supported(NeoXArgs(use_mup=True, dataset_impl="online")) == ["use_mup"]  # online is built
 
 
 def test_require_supported_names_every_key_and_the_fix() -> None:

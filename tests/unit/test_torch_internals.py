@@ -138,3 +138,18 @@ def test_meta_tensors_stay_on_meta_through_module_to() -> None:
         moved = torch.ones(2, dtype=torch.float64).to(torch.float32)
     assert {p.device.type for p in module.parameters()} == {"meta"}
     assert moved.dtype == torch.float32 and moved.device.type == "cpu"
+
+
+def test_a_shared_cpu_storage_opens_on_the_same_memory() -> None:
+    """The weight server's CPU handle (``serve_model_weights``): a parameter's storage moved into shared memory keeps
+    its values, and the storage opened from the handle sees later in-place writes."""
+    weight = torch.nn.Linear(3, 2).weight
+    before = weight.detach().clone()
+    manager, handle, size = torch_internals.share_cpu_storage(weight.untyped_storage())
+    assert torch.equal(weight.detach(), before) and size == weight.numel() * weight.element_size()
+    opened = torch.empty(0).set_(torch_internals.open_shared_cpu_storage(manager, handle, size), 0, weight.shape,
+                                 weight.stride())
+    with torch.no_grad():
+        weight.mul_(3)
+    assert torch.equal(opened, weight.detach())
+    assert callable(getattr(torch.UntypedStorage, "_share_cuda_"))  # the GPU route, which needs a GPU to call

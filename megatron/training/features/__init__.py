@@ -21,6 +21,7 @@ from megatron.training.features.peft import build_peft_saves
 from megatron.training.features.reinit import build_reinit_tokens
 from megatron.training.features.stragglers import build_stragglers
 from megatron.training.features.tasks import build_tasks
+from megatron.training.features.weight_server import build_weight_server
 from megatron.training.loop import Hooks, LoopHooks
 from megatron.training.train_config import TrainConfig
 
@@ -36,6 +37,7 @@ FEATURES: tuple[FeatureBuilder, ...] = (
     build_tasks,
     build_peft_saves,
     build_hf_saves,
+    build_weight_server,  # last: after every feature's resume, the live weights are handed out once
 )
 """Every feature, in the order of its events: ``resume`` before the first step, ``after_update`` (all before any
 ``after_step``), ``log_metrics``, ``after_step``, the evaluations, ``at_exit``."""
