@@ -317,9 +317,11 @@ class GPTConfig(MoEArgs):
     (needs `mamba_ssm` and `causal_conv1d` on an NVIDIA GPU; one tensor-parallel rank, no biases in the
     projections)."""
 
-    mamba_selective_fp32_params: bool = not_supported(True)
-    """Mamba layers: A_log and D enter the scan in fp32 (Deepy upcasts them in the forward; DeepSpeed keeps
-    the fp32 master copy)."""
+    mamba_selective_fp32_params: bool = True
+    """Mamba layers: keep A_log and D in fp32 when the rest of the model is fp16/bf16; false stores them in the
+    model's dtype like every other weight (the scan computes in fp32 either way). Training in fp16/bf16 keeps them
+    fp32 only with GPT-NeoX's DeeperSpeed: DeepSpeed 0.19.8 casts every parameter, so set true there is refused and
+    the default is warned about (docs/model_options.md)."""
 
     mamba_use_bias_in_conv: bool = True
     """Mamba layers: give the causal convolution a bias."""

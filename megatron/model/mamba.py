@@ -110,9 +110,12 @@ class MambaMixer(nn.Module):
                         init_fn=uniform(r**-0.5), dim=0)
         fill_parameter_(self.dt_proj.bias, (d,), name=f"{name}.dt_proj.bias", seed=config.seed,
                         init_fn=_dt_bias_init, dim=0)
-        # A_log and D are created in fp32 as GPT-NeoX does; the scan reads them in fp32 whatever they are stored in
-        self.A_log = layer_parameter((d, n), name=f"{name}.A_log", seed=config.seed, init_fn=_a_log_init, dim=0)
-        self.D = layer_parameter((d,), name=f"{name}.D", seed=config.seed, init_fn=_ones, dim=0)
+        # mamba_selective_fp32_params: A_log and D kept in fp32 (GPT-NeoX marks them _deepspeed_no_cast), else in the
+        # model's dtype like every other weight; the scan reads them in fp32 whatever they are stored in
+        kept = torch.float32 if config.mamba_selective_fp32_params else config.params_dtype
+        self.A_log = layer_parameter((d, n), name=f"{name}.A_log", seed=config.seed, init_fn=_a_log_init, dim=0,
+                                     dtype=kept)
+        self.D = layer_parameter((d,), name=f"{name}.D", seed=config.seed, init_fn=_ones, dim=0, dtype=kept)
         for param in (self.A_log, self.D):
             param.no_weight_decay = True  # type: ignore[attr-defined]  # GPT-NeoX's _no_weight_decay, read by the optimizer
         self.out_proj = RowParallelLinear(d, h, name=f"{name}.out_proj", init_fn=config.output_init_fn(), bias=bias,

@@ -1,12 +1,13 @@
 """Before-launch checks of shared blocks (``num_unique_layers``), the fp16 cross-entropy
-(``fp16_lm_cross_entropy``) and soft prompts (``soft_prompt_tuning``). Registered with every other check
+(``fp16_lm_cross_entropy``), soft prompts (``soft_prompt_tuning``) and fp32 Mamba parameters
+(``mamba_selective_fp32_params``). Registered with every other check
 (``megatron/neox_arguments/check_modules.py``); docs/model_options.md has the facts and their sources.
 """
 
 from __future__ import annotations
 
 from megatron.config_rules import RuleContext, block_enabled, rule, zero_stage
-from megatron.model.family_config import expand_layer_types
+from megatron.model.family_config import configured_families, expand_layer_types
 from megatron.model.layer_sharing import sharing_owners
 from megatron.model.soft_prompt_settings import SOFT_PROMPT_KEYS
 
@@ -127,3 +128,32 @@ def soft_prompt_runs_where_built(ctx: RuleContext) -> list[str]:
          "generation and lm-eval run the model with a cache, which the prompt does not take yet"),
     ]
     return [f"{ctx.show('soft_prompt_tuning')} with {ctx.show(key)}: {why}" for refused, key, why in limits if refused]
+
+
+@rule
+def mamba_fp32_params_need_a_non_casting_engine(ctx: RuleContext) -> list[str]:
+    """GPT-NeoX keeps A_log and D in fp32 under fp16/bf16 with DeeperSpeed's ``_deepspeed_no_cast`` (its
+    ``mamba.py:171-189``, ea7aefd8). DeepSpeed 0.19.8 has no such mark: its engine casts every parameter to the
+    training dtype (``runtime/engine.py`` ``_cast_module_mixed_precision``; ``keep_in_fp32_modules`` keeps buffers
+    only), and its fp16/bf16 optimizers flatten each group into one dtype. Inference (generate.py, eval.py) builds
+    no engine: there the parameters stay fp32."""
+    if ctx.entry_point is not None and not ctx.trains:
+        return []
+    if not ctx.get("mamba_selective_fp32_params") or "mamba" not in configured_families(ctx.get("attention_config")):
+        return []
+    half = ctx.get("precision") in ("fp16", "bfloat16") or block_enabled(ctx.get("fp16")) \
+        or block_enabled(ctx.get("bf16"))
+    if not half:
+        return []
+    if not ctx.given("mamba_selective_fp32_params"):  # GPT-NeoX's default, which its own Mamba files rely on: said
+        ctx.warnings.append(
+            f"{ctx.show('mamba_selective_fp32_params')}: the Mamba layers' A_log and D are trained in "
+            f"{ctx.get('precision') or 'the training dtype'} like every other weight (the scan computes in fp32), not "
+            f"kept in fp32 as GPT-NeoX's DeeperSpeed keeps them: DeepSpeed 0.19.8 casts every parameter. Set "
+            f"mamba_selective_fp32_params: false to say so")
+        return []
+    return [f"{ctx.show('mamba_selective_fp32_params')} keeps the Mamba layers' A_log and D in fp32 while training in "
+            f"{ctx.get('precision') or 'half precision'}: that needs EleutherAI's DeeperSpeed (_deepspeed_no_cast); "
+            f"DeepSpeed 0.19.8 casts every parameter to the training dtype. Set mamba_selective_fp32_params: false "
+            f"(A_log and D in {ctx.get('precision') or 'the training dtype'} like the rest; the scan still computes "
+            f"in fp32), or train in fp32"]

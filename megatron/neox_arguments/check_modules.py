@@ -63,7 +63,7 @@ CHECK_MODULES: tuple[ModuleType, ...] = (
     launcher_checks,
     preflight,  # trackers and profiling
     moe_checks,
-    option_checks,  # num_unique_layers, fp16_lm_cross_entropy, soft_prompt_tuning
+    option_checks,  # num_unique_layers, fp16_lm_cross_entropy, soft_prompt_tuning, mamba_selective_fp32_params
     family_checks,
     lora_checks,
     file_checks,

@@ -302,3 +302,41 @@ def test_what_the_soft_prompt_cannot_do_is_refused_by_name() -> None:
     assert "pipe_parallel_size=2" in _refused(soft_prompt_tuning=PROMPT, pipe_parallel_size=2, num_gpus=2)
     assert "reset_attention_mask=True" in _refused(soft_prompt_tuning=PROMPT, reset_attention_mask=True)
     finalize(config_from_mapping({**LAUNCH, "soft_prompt_tuning": PROMPT}), 1, device=DEVICE)
+
+
+# --- mamba_selective_fp32_params ----------------------------------------------------------------------------------
+MAMBA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, padded_vocab_size=64, seed=3,
+             attention_config=[[["mamba"], 2]], pos_emb="none", precision="bfloat16")
+
+
+@pytest.mark.parametrize("fp32", [True, False])
+def test_mamba_a_log_and_d_are_fp32_only_when_asked(fp32: bool) -> None:
+    model = GPTModel(gpt_config(**MAMBA, mamba_selective_fp32_params=fp32))
+    kept = {n: p.dtype for n, p in model.named_parameters() if n.endswith(("mixer.A_log", "mixer.D"))}
+    assert len(kept) == 4 and set(kept.values()) == {torch.float32 if fp32 else torch.bfloat16}
+    others = {p.dtype for n, p in model.named_parameters() if n not in kept}
+    assert others == {torch.bfloat16}
+    out = model(torch.randint(0, 64, (1, 8)))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+
+def test_deepspeed_casts_every_parameter_so_training_in_half_precision_refuses_fp32_ones(one_rank: Any) -> None:
+    """The reason for the refusal, read from DeepSpeed 0.19.8 itself: its bf16 engine turns the fp32 A_log into bf16."""
+    import deepspeed
+
+    model = GPTModel(gpt_config(**MAMBA))
+    assert model.layers[0].mixer.A_log.dtype == torch.float32
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1),
+                                      config={"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1,
+                                              "bf16": {"enabled": True}, "steps_per_print": 10**9})
+    assert engine.module.layers[0].mixer.A_log.dtype == torch.bfloat16
+    mamba = {**LAUNCH, "attention_config": [[["mamba"], 4]], "pos_emb": "none", "precision": "bfloat16",
+             "bf16": {"enabled": True}}
+    with pytest.raises(ConfigError, match="mamba_selective_fp32_params=True .* DeepSpeed 0.19.8 casts every"):
+        finalize(config_from_mapping({**mamba, "mamba_selective_fp32_params": True}), 1, device=DEVICE)
+    warned = finalize(config_from_mapping(mamba), 1, device=DEVICE)  # GPT-NeoX's default: said, not refused
+    assert any("mamba_selective_fp32_params=True (default)" in w for w in warned.warnings)
+    quiet = finalize(config_from_mapping({**mamba, "mamba_selective_fp32_params": False}), 1, device=DEVICE)
+    assert not any("mamba_selective_fp32_params" in w for w in quiet.warnings)
+    finalize(config_from_mapping({**mamba, "precision": "fp32", "bf16": {"enabled": False},
+                                  "mamba_selective_fp32_params": True}), 1, device=DEVICE)

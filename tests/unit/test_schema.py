@@ -648,7 +648,7 @@ MUST_BE_SUPPORTED = [
     "curriculum_learning", "data_efficiency", "no_save_optim", "deepspeed_activation_checkpointing",
 ]  # fmt: skip
 MUST_BE_UNSUPPORTED = [
-    "mamba_selective_fp32_params", "te_mha",
+    "te_mha",
     "te_fp8_format", "sparsity_config",
     "sparse_attention", "use_mup", "scheduler",
     "sparse_gradients",
@@ -662,9 +662,9 @@ def test_support_marks_follow_the_scope() -> None:
         assert not NeoXArgs.is_supported(name), name
     assert all(NeoXArgs.is_supported(n) for n in NeoXArgs.field_names() if n.startswith("moe_"))
     assert all(not NeoXArgs.is_supported(n) for n in NeoXArgs.field_names() if n.startswith("te_"))
-    # Mamba layers are built (tests/unit/test_model_families.py); only the storage of A_log/D in fp32 is not
+    # Mamba layers are built (tests/unit/test_model_families.py), A_log/D in fp32 or not (test_model_options.py)
     mamba = {n for n in NeoXArgs.field_names() if n.startswith("mamba_")}
-    assert {n for n in mamba if not NeoXArgs.is_supported(n)} == {"mamba_selective_fp32_params"}
+    assert {n for n in mamba if not NeoXArgs.is_supported(n)} == set()
 
 
 def test_check_supported_reports_only_offending_keys() -> None:
