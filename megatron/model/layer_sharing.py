@@ -3,9 +3,9 @@
 ``num_layers`` blocks run, built from ``num_unique_layers`` parameter sets. GPT-NeoX declares the keys
 (``megatron/neox_arguments/neox_args.py:280-288``, commit ea7aefd8) and checks that ``num_unique_layers``
 divides ``num_layers`` (``arguments.py:1293-1312``) but builds nothing from them: its model always has
-``num_layers`` independent blocks. Deepy builds what the help text describes, Megatron-LM's parameter
-sharing (the code GPT-NeoX's keys came from, ``ParallelTransformer._get_layer_index`` of Megatron-LM v1.1):
-for num_layers=4, num_unique_layers=2 the parameter sets run as
+``num_layers`` independent blocks. Deepy builds what the help text describes (early Megatron-LM's parameter
+sharing, where the names ``grouped``/``spaced`` come from): for num_layers=4, num_unique_layers=2 the parameter
+sets run as
 
 * ``grouped``: ``[1, 2, 1, 2]`` (block ``i`` uses set ``i % num_unique_layers``);
 * ``spread`` (GPT-NeoX's help text and Megatron-LM call it ``spaced``; both spellings are accepted):

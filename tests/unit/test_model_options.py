@@ -340,3 +340,68 @@ def test_deepspeed_casts_every_parameter_so_training_in_half_precision_refuses_f
     assert not any("mamba_selective_fp32_params" in w for w in quiet.warnings)
     finalize(config_from_mapping({**mamba, "precision": "fp32", "bf16": {"enabled": False},
                                   "mamba_selective_fp32_params": True}), 1, device=DEVICE)
+
+
+def test_a_language_model_checkpoint_starts_a_prompted_model(one_rank: Any, tmp_path: Path) -> None:
+    """finetune from a checkpoint without a prompt: every weight loads, the prompt keeps its initialisation (the
+    prefix pretrain hands the checkpoint loader as new)."""
+    from megatron.checkpointing.config import CheckpointArgs
+    from megatron.checkpointing.manager import CheckpointManager
+    from megatron.checkpointing.preemption import PreemptionWatcher
+    from megatron.model.soft_prompt_settings import PROMPT_NAME
+
+    plain = _engine()
+    CheckpointManager.from_config(CheckpointArgs(save=str(tmp_path), checkpoint_factor=1), args_record={},
+                                  train_iters=10, preemption=PreemptionWatcher()).save(plain.engine, step=1,
+                                                                                       consumed_samples=2)
+    prompted = _engine(soft_prompt_tuning=PROMPT, seed=9)
+    start = prompted.engine.module.soft_prompt.weight.detach().clone()
+    result = CheckpointManager.from_config(CheckpointArgs(load=str(tmp_path), finetune=True), args_record={},
+                                           train_iters=10, preemption=PreemptionWatcher(),
+                                           new_parameters=(f"{PROMPT_NAME}.",)).load(prompted.engine)
+    assert result.loaded and "new parameters start from their initialisation: soft_prompt.weight" in result.notes
+    loaded = prompted.engine.module.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in plain.engine.module.state_dict().items())
+    assert torch.equal(loaded["soft_prompt.weight"], start)
+
+
+def test_shared_blocks_in_a_pipeline_module_train_save_and_load(tmp_path: Path) -> None:
+    """DeepSpeed's PipelineModule (one stage): a shared set is one tied module at all its positions; after a step
+    its weights moved; the per-layer checkpoint files of its positions hold equal weights and load back."""
+    from single_rank import init_single_rank_gloo
+
+    from megatron import mpu
+    from megatron.checkpointing.config import CheckpointArgs
+    from megatron.checkpointing.manager import CheckpointManager
+    from megatron.checkpointing.preemption import PreemptionWatcher
+    from megatron.objectives.base import MicroBatch
+
+    init_single_rank_gloo()
+    mpu.initialize_model_parallel(1, 1)
+    try:
+        eng = _engine(num_unique_layers=2, pipe_parallel_size=1)  # grouped: positions 0, 2 and 1, 3
+        names = sorted(n for n, _ in eng.engine.module.named_parameters())
+        assert any(n.startswith("tied_modules.shared_block_0.") for n in names)
+        assert not any(n.split(".")[0].isdigit() and "attention" in n for n in names)  # no unshared block left
+        start = {n: p.detach().clone() for n, p in eng.engine.module.named_parameters()}
+        tokens, labels = _batch()
+        batch = MicroBatch(tokens, labels, units=float(labels.numel()))
+        eng.engine.train_batch(iter([(batch.pipe_inputs(), batch.targets(float(labels.numel())))]))
+        trained = {n: p.detach().clone() for n, p in eng.engine.module.named_parameters()}
+        assert not torch.equal(trained["tied_modules.shared_block_0.attention.dense.weight"],
+                               start["tied_modules.shared_block_0.attention.dense.weight"])
+        CheckpointManager.from_config(CheckpointArgs(save=str(tmp_path), checkpoint_factor=1), args_record={},
+                                      train_iters=10, preemption=PreemptionWatcher()).save(eng.engine, step=1,
+                                                                                           consumed_samples=2)
+        files = sorted(p.name for p in (tmp_path / "global_step1").glob("layer_*-model_states.pt"))
+        blocks = [torch.load(tmp_path / "global_step1" / f"layer_{i:02d}-model_00-model_states.pt") for i in
+                  range(2, 6)]  # GPT-NeoX numbers the blocks 2..L+1
+        assert len(files) >= 6, files
+        for a, b in ((0, 2), (1, 3)):
+            assert torch.equal(blocks[a]["attention.dense.weight"], blocks[b]["attention.dense.weight"])
+        fresh = _engine(num_unique_layers=2, pipe_parallel_size=1, seed=8)
+        CheckpointManager.from_config(CheckpointArgs(load=str(tmp_path)), args_record={}, train_iters=10,
+                                      preemption=PreemptionWatcher()).load(fresh.engine)
+        assert all(torch.equal(p.detach(), trained[n]) for n, p in fresh.engine.module.named_parameters())
+    finally:
+        mpu.destroy_model_parallel()
