@@ -55,7 +55,9 @@ from megatron.model.lora_config import LoRAArgs
 from megatron.model.soft_prompt import prepare_soft_prompt
 from megatron.model.soft_prompt_settings import SoftPromptSettings
 from megatron.model.block import Block
-from megatron.model.pipeline import BLOCK_PARTITION, CHECKPOINTABLE_LAYERS
+from megatron.model.mup import apply_base_shapes, mup_param_groups
+from megatron.model.pipeline import BLOCK_PARTITION, CHECKPOINTABLE_LAYERS, model_parameter_name
+from megatron.model.transformer_engine import apply_transformer_engine
 from megatron.mpu import experts as expert_parallel
 from megatron.mpu import hybrid_shard
 from megatron.mpu.layers import partial_over_tensor_parallel, sum_partial_grads_over_tensor_parallel
@@ -369,6 +371,8 @@ def build_model(config: GPTConfig, parallel: ParallelRun, ckpt: ActivationCheckp
         with construction(zero_init, device):
             model = GPTModel(config)
         if soft_prompt:  # only the prompt trains
+        if config.use_mup:
+            apply_base_shapes(model, config)
             prepare_soft_prompt(model, list(prompt_init_ids))
         if lora is not None and lora.lora_enabled:
             apply_lora(model, lora, config.seed)
@@ -394,6 +398,8 @@ def build_model(config: GPTConfig, parallel: ParallelRun, ckpt: ActivationCheckp
         )
     if soft_prompt:  # only the prompt trains
         prepare_soft_prompt(model, list(prompt_init_ids))
+    if config.use_mup:
+        apply_base_shapes(model, config, model_parameter_name)
     if lora is not None and lora.lora_enabled:
         apply_lora(model, lora, config.seed)
         skip_frozen_tied_gradients(model)
@@ -430,7 +436,12 @@ def build_engine(run: EngineConfig, config: GPTConfig, train_iters: int, objecti
         scheduler: Any = lambda opt: LRScheduler(optimizer=opt, spec=spec, policy=policy)  # noqa: E731
         params: Any = param_groups(model, run.optimizer_config.applied_weight_decay, run.optimizer_config.weight_decay_embeddings)
     else:
-        optimizer = build_optimizer(model, run.optimizer_config, offload=optimizer_offloaded(ds_config))
+        regroup = None
+        if config.use_mup:  # mup's MuAdam/MuSGD learning rates per width (megatron/model/mup.py)
+            kind, peak = run.optimizer_config.optimizer_kind, run.optimizer_config.peak_lr
+            regroup = lambda groups: mup_param_groups(groups, kind, peak)  # noqa: E731
+        optimizer = build_optimizer(model, run.optimizer_config, offload=optimizer_offloaded(ds_config),
+                                    regroup=regroup)
         scheduler = LRScheduler(optimizer=optimizer, spec=spec, policy=policy)
         params = None
     with keep_expert_shards(model), _deepspeed_info_logs(bool(ds_config.get("dump_state"))):

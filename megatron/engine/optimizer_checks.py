@@ -80,3 +80,18 @@ def onebit_adam_needs_its_backend(ctx: RuleContext) -> list[str]:
         problems.append("optimizer.type=OneBitAdam does not work with ZeRO (DeepSpeed's 1-bit Adam "
                         "communicates the full gradients itself); use zero stage 0")
     return problems
+
+
+@rule
+def mup_optimizer_is_adam_or_sgd(ctx: RuleContext) -> list[str]:
+    """use_mup (megatron/model/mup_config.py): GPT-NeoX ea7aefd8's get_optimizer asserts ``not use_mup or
+    optimizer_type in (adam, sgd)``, the optimizers mup has learning rates for (MuAdam, MuSGD)."""
+    if not ctx.get("use_mup"):
+        return []
+    optimizer = ctx.get("optimizer")
+    kind = optimizer.kind if optimizer is not None else OPTIMIZER_KINDS.get(str(ctx.get("optimizer_type")).lower())
+    if kind in ("adam", "sgd"):
+        return []
+    shown = f"optimizer.type={optimizer.type!r}" if optimizer is not None else ctx.show("optimizer_type")
+    return [f"{ctx.show('use_mup')} with {shown}: muP's learning rates exist for Adam and SGD only (mup's "
+            "MuAdam/MuSGD; GPT-NeoX ea7aefd8 asserts the same); use Adam, AdamW or SGD"]

@@ -181,9 +181,11 @@ def deepspeed_optimizer_block(cfg: OptimizerArgs) -> dict[str, Any]:
 
 
 # --- from the config ---------------------------------------------------------------------------
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerArgs, offload: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerArgs, offload: bool = False,
+                    regroup: Callable[[ParamGroups], ParamGroups] | None = None) -> torch.optim.Optimizer:
     """``offload``: ZeRO keeps the optimizer state on the CPU (``offload_optimizer``), where
-    DeepSpeed requires its own CPU Adam; Adam/AdamW are switched to it (same update rule)."""
+    DeepSpeed requires its own CPU Adam; Adam/AdamW are switched to it (same update rule). ``regroup``: splits
+    the (decay, no decay) groups further (muP's per-width learning rates, ``megatron/model/mup.py``)."""
     kind = "cpu_adam" if offload and cfg.optimizer_kind == "adam" else cfg.optimizer_kind
     builder = OPTIMIZERS.get(kind)
     if builder is None:
@@ -192,4 +194,4 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerArgs, offload: bool = 
     groups = param_groups(model, cfg.applied_weight_decay, cfg.weight_decay_embeddings)
     if not groups:
         raise ConfigError("the model has no trainable parameters")
-    return builder(groups, cfg)
+    return builder(regroup(groups) if regroup is not None else groups, cfg)

@@ -106,6 +106,8 @@ class SelfAttention(nn.Module):
         else:
             self.inverse_layer = None
         self.dropout = config.attention_dropout
+        # muP: scores q.k / d (GPT-NeoX's norm_factor = head_dim) over mup_attn_temp; None: SDPA's 1 / sqrt(d)
+        self.softmax_scale = 1.0 / (self.head_dim * config.mup_attn_temp) if config.use_mup else None
         # Batch-first inside the block (the hidden states stay [s, b, h] outside): the projection then
         # writes q, k, v in the order SDPA reads fastest (the seq-first views took 5-30% longer for
         # the attention block on CPU). Sequence parallelism gathers and scatters along the sequence
@@ -185,6 +187,7 @@ class SelfAttention(nn.Module):
                 attn_mask=mask,
                 dropout_p=dropout_p,
                 is_causal=mask is None,
+                scale=self.softmax_scale,
                 enable_gqa=grouped,  # query head i reads kv head i // (n / n_kv)
             )  # [b, n, s, d]
 

@@ -35,6 +35,7 @@ from megatron.model.norms import NORMS, NORM_KEYS, NormSettings
 from megatron.model.family_config import FAMILY_OF_TYPE, FamilyName, expand_layer_types, family_of
 from megatron.model.moe_config import MoEArgs
 from megatron.model.transformer_options import ATTENTION_TYPES, MLP_TYPES, POSITIONAL
+from megatron.model.mup_config import MupArgs
 
 if TYPE_CHECKING:
     import torch
@@ -100,9 +101,10 @@ class Architecture:
     """``num_attention_heads``."""
 
 
-class GPTConfig(MoEArgs):
+class GPTConfig(MoEArgs, MupArgs):
     """GPT-NeoX's ``NeoXArgsModel`` group, with the dropout, padded vocabulary, seed and sequence
-    parallelism that the layers are built from, and the MoE layer's keys (inherited from :class:`MoEArgs`)."""
+    parallelism that the layers are built from, and the MoE layer's keys (inherited from :class:`MoEArgs`) and
+    muP's (:class:`MupArgs`)."""
 
     precision: Literal["fp16", "fp32", "bfloat16"] | None = None
     """Training dtype: fp16 (with loss scaling), bfloat16, or fp32; derived from the fp16/bf16

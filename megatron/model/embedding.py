@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.model.config import GPTConfig
+from megatron.model.mup import output_mult, straight_through_mult
 from megatron.model.positional import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding, default_position_ids
 from megatron.model.transformer_options import POSITIONAL
 from megatron.mpu.layers import VocabParallelEmbedding
@@ -40,17 +41,24 @@ class GPTEmbedding(nn.Module):
         self.position_embeddings = None if table is None else table(config, f"{name}.position_embeddings")
         self.dropout = config.hidden_dropout
         self.sequence_parallel = config.sequence_parallel and get_tensor_model_parallel_world_size() > 1
+        # muP (megatron/model/mup.py): GPT-NeoX multiplies the positions with or without use_mup
+        self.rp_mult = config.mup_rp_embedding_mult
+        self.embedding_mult = config.mup_embedding_mult if config.use_mup else 1.0
+        self.mup_output_mult = output_mult(config)  # the tied head's input multiplier, set by apply_base_shapes
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         # looked up in [s, b] order: the hidden states come out sequence-first without a transpose copy
         x_sbh = self.word_embeddings(tokens.t())  # [s, b, h]
         if self.position_embeddings is not None:
             positions = default_position_ids(tokens) if position_ids is None else position_ids
-            x_sbh = x_sbh + self.position_embeddings(positions).transpose(0, 1).to(x_sbh.dtype)  # + [s, b|1, h]
+            positions_sbh = self.position_embeddings(positions).transpose(0, 1)  # [s, b|1, h]
+            if self.rp_mult != 1.0:
+                positions_sbh = positions_sbh * self.rp_mult
+            x_sbh = x_sbh + positions_sbh.to(x_sbh.dtype)
         if self.sequence_parallel:
             # positions were added on the full sequence, so their gradient is whole on every rank
             x_sbh = scatter_to_sequence_parallel_region(x_sbh)  # [s/tp, b, h]
-        if not self.training or self.dropout == 0.0:
-            return x_sbh
-        with tensor_parallel_rng() if self.sequence_parallel else contextlib.nullcontext():
-            return F.dropout(x_sbh, self.dropout, training=True)
+        if self.training and self.dropout > 0.0:
+            with tensor_parallel_rng() if self.sequence_parallel else contextlib.nullcontext():
+                x_sbh = F.dropout(x_sbh, self.dropout, training=True)
+        return straight_through_mult(x_sbh, self.embedding_mult)  # muP's embedding multiplier, after dropout

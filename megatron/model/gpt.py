@@ -11,6 +11,7 @@ from megatron.model.config import GPTConfig, ModelConfigError
 from megatron.model.embedding import GPTEmbedding
 from megatron.model.kv_cache import KVCache
 from megatron.model.layer_sharing import sharing_owners
+from megatron.model.mup import mup_scaled_input, output_mult
 from megatron.model.norms import build_norm
 from megatron.model.soft_prompt import SoftPrompt
 from megatron.model.soft_prompt_settings import SoftPromptSettings
@@ -25,13 +26,17 @@ class OutputLayer(ColumnParallelLinear):
     """The untied output projection: hidden `[s, b, h]` (or its sequence shard) -> logits `[b, s, v/tp]`
     (vocab-parallel rows, no bias). A module of its own so that a LoRA adapter hooks it like any projection."""
 
+    mup_output_mult = 1.0
+    """muP: the input's multiplier (1 / (width multiplier x mup_output_temp)), set by ``mup.apply_base_shapes``."""
+
     def forward(self, x_sbh: torch.Tensor) -> torch.Tensor:
+        x_sbh = mup_scaled_input(x_sbh, self.mup_output_mult)
         return parallel_lm_logits(x_sbh, self.weight, self.sequence_parallel)  # [b, s, v/tp]
 
 
 def build_output_layer(config: GPTConfig) -> OutputLayer:
     """The untied output projection (vocab-parallel rows, no bias)."""
-    return OutputLayer(
+    layer = OutputLayer(
         config.arch.hidden,
         config.vocab,
         name="output_layer",
@@ -41,6 +46,8 @@ def build_output_layer(config: GPTConfig) -> OutputLayer:
         sequence_parallel=config.sequence_parallel,
         params_dtype=config.params_dtype,
     )
+    layer.mup_output_mult = output_mult(config)
+    return layer
 
 
 def build_final_norm(config: GPTConfig) -> nn.Module:
@@ -147,4 +154,5 @@ class GPTModel(nn.Module):
             return self.value_head(x)  # [b, s, 1]
         if self.output_layer is not None:
             return self.output_layer(x)  # [b, s, v/tp]
+        x = mup_scaled_input(x, self.embedding.mup_output_mult)  # muP's output multiplier (tied head)
         return parallel_lm_logits(x, self.output_weight(), self.sequence_parallel)  # [b, s, v/tp]

@@ -28,6 +28,7 @@ from megatron.model.layer_sharing import sharing_owners
 from megatron.model.soft_prompt import SoftPrompt
 from megatron.model.soft_prompt_settings import PROMPT_NAME, SoftPromptSettings
 from megatron.model.mamba import MambaLayer
+from megatron.model.mup import mup_scaled_input
 from megatron.model.rwkv import RWKVLayer
 from megatron.model.transformer_layer import TransformerLayer
 from megatron.mpu.layers import parallel_lm_logits
@@ -186,6 +187,7 @@ def shared_block_key(owner: int) -> str:
 
 
 def tied_embedding_logits(embedding: EmbeddingPipe, x_sbh: torch.Tensor) -> torch.Tensor:
+    x_sbh = mup_scaled_input(x_sbh, embedding.mup_output_mult)  # muP's output multiplier
     """The tied head on the last stage: logits from the (synchronised) token embedding."""
     return parallel_lm_logits(x_sbh, embedding.word_embeddings.weight, embedding.sequence_parallel)
 

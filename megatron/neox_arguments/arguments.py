@@ -28,6 +28,7 @@ from megatron.logging.config import LoggingArgs
 from megatron.model.config import GPTConfig
 from megatron.model.lora_config import LoRAArgs
 from megatron.model.moe_config import MoEArgs
+from megatron.model.mup_config import MupArgs
 from megatron.engine.activation_config import ActivationCheckpointArgs
 from megatron.training.averaging_config import ModelAveragingArgs
 from megatron.training.bad_steps import BadStepArgs
@@ -85,6 +86,7 @@ GROUPS: dict[str, type[ArgGroup]] = {
     "evaluation": EvalArgs,
     "moe": MoEArgs,
     "lora": LoRAArgs,
+    "mup": MupArgs,
     "other": OtherArgs,
     "deepspeed_config": DeepSpeedConfigArgs,
     "deepspeed_runner": DeepSpeedRunnerArgs,
@@ -136,6 +138,7 @@ class _Arguments(
     EvalArgs,
     MoEArgs,
     LoRAArgs,
+    MupArgs,
     OtherArgs,
     DeepSpeedConfigArgs,
     DeepSpeedRunnerArgs,

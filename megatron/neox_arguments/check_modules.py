@@ -23,7 +23,7 @@ from megatron.launcher import checks as launcher_checks
 from megatron.logging import preflight
 from megatron.model import checks as model_checks
 from megatron.model import config as model_config
-from megatron.model import family_checks, lora_checks, moe_checks, option_checks
+from megatron.model import family_checks, lora_checks, moe_checks, mup_checks, option_checks
 from megatron.mpu import parallel_config
 from megatron.neox_arguments import deepspeed_blocks, file_checks, optional_packages, rules
 from megatron.engine import compile_checks, lr_config, lr_dialects
@@ -66,6 +66,7 @@ CHECK_MODULES: tuple[ModuleType, ...] = (
     option_checks,  # num_unique_layers, fp16_lm_cross_entropy, soft_prompt_tuning, mamba_selective_fp32_params
     family_checks,
     lora_checks,
+    mup_checks,  # use_mup, base_shapes_file, coord_check
     file_checks,
     deepspeed_blocks,
     optional_packages,

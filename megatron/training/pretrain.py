@@ -49,6 +49,7 @@ from megatron.training.curriculum import build_curriculum
 from megatron.training.features import build_hooks
 from megatron.training.features.base import Setup
 from megatron.training.hf_saves import HFWriterFactory
+from megatron.training import mup_actions
 from megatron.training.loop import LoopContext, TrainState, train
 from megatron.training.train_config import TrainConfig, TaskEvaluationBuilder
 from megatron.training.run_report import say_header, say_summary
@@ -68,6 +69,9 @@ def pretrain(run: TrainConfig, checkpoint: CheckpointArgs, before_commit: Before
     splits = build_datasets(run.data, tokenizer, model_config.vocab)
     # the batch sizes deepy.py solved, on this run's data-parallel ranks (context-parallel ranks read alike)
     batch = run.training.batch.on(dp=mpu.get_data_shard_count())
+    if mup_actions.wanted(model_config):  # save_base_shapes / coord_check: write, then stop as GPT-NeoX does
+        log.info(mup_actions.mup_action(run, model_config, splits.train, batch.micro, tokenizer.eod, _device()))
+        return TrainState()
     train_iters = resolve_train_iters(run.training.loop, splits.train, batch)
     stop_at = last_iteration(train_iters, splits.train_samples_cap, batch.global_size)
     record = {**run.args_record, "padded_vocab_size": model_config.vocab, "train_iters": train_iters}

@@ -161,6 +161,27 @@ def check_vocab_parallel_cross_entropy() -> None:
     _close(shard.grad.double(), ref_in.grad.chunk(WORLD, dim=-1)[rank], "log Z grad")
 
 
+def check_fp16_cross_entropy_in_logits_dtype() -> None:
+    """fp16_lm_cross_entropy at tp=2: GPT-NeoX's fp16 vocab-parallel cross-entropy (ea7aefd8 mpu/cross_entropy.py)
+    written out on the full logits, each shard's exp-sum in fp16 and the two added in fp16 as its all-reduce does."""
+    from megatron.mpu import get_tensor_model_parallel_rank
+    from megatron.mpu.half_cross_entropy import vocab_parallel_cross_entropy_in_logits_dtype
+
+    rank = get_tensor_model_parallel_rank()
+    full = (_same_inputs(3, 5, 10, seed=8) * 4).half()
+    target = torch.tensor([[0, 9, 4, 5, 3], [1, 8, 7, 2, 6], [3, 6, 5, 4, 0]])
+    shifted = full - full.max(dim=-1)[0].unsqueeze(-1)
+    parts = [torch.exp(piece).sum(dim=-1) for piece in shifted.chunk(WORLD, dim=-1)]
+    expected = torch.log(parts[0] + parts[1]) - shifted.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    shard = full.chunk(WORLD, dim=-1)[rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy_in_logits_dtype(shard, target)
+    assert loss.dtype == torch.float16
+    _close(loss.float(), expected.float(), "fp16 loss", atol=2e-3)
+    loss.float().sum().backward()
+    softmax = torch.softmax(full.float(), dim=-1) - F.one_hot(target, 10)
+    _close(shard.grad.float(), softmax.chunk(WORLD, dim=-1)[rank], "fp16 logits grad", atol=2e-3)
+
+
 def check_mappings() -> None:
     from megatron import mpu
 
@@ -325,6 +346,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "row_parallel_linear": check_row_parallel_linear,
     "vocab_parallel_embedding": check_vocab_parallel_embedding,
     "vocab_parallel_cross_entropy": check_vocab_parallel_cross_entropy,
+    "fp16_cross_entropy_in_logits_dtype": check_fp16_cross_entropy_in_logits_dtype,
     "mappings": check_mappings,
     "sequence_parallel_mlp_pair": check_sequence_parallel_mlp_pair,
     "deepspeed_sees_tp_params": check_deepspeed_sees_tp_params,

@@ -41,7 +41,7 @@ def test_reference_lists_every_key_once_under_its_group() -> None:
     assert "`'type:transformer\\|mlp'`" in row  # pipes inside cells are escaped
 
 
-def test_support_notes() -> None:
+def test_support_notes(key_not_supported_yet: str) -> None:
     assert support_note("hidden_size") == ""
     assert support_note("moe_num_experts") == ""
     assert support_note("use_mup") == "not supported yet"

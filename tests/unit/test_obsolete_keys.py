@@ -61,8 +61,8 @@ def test_an_obsolete_key_is_refused_with_its_reason_and_place(key: str, tmp_path
     assert load_config(["default.yml"]).args.num_layers == 2
 
 
-def test_obsolete_and_missing_features_are_told_apart_in_one_message(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_obsolete_and_missing_features_are_told_apart_in_one_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    key_not_supported_yet: str) -> None:
     monkeypatch.chdir(tmp_path)
     Path("both.yml").write_text("use_mup: true\namp: {enabled: true}\n")
     with pytest.raises(ConfigError) as info:

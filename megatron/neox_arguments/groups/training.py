@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from megatron.config_schema import ArgGroup, not_supported, obsolete
+from megatron.config_schema import ArgGroup, obsolete
 
 
 class TrainingArgs(ArgGroup):
@@ -49,36 +49,6 @@ class TrainingArgs(ArgGroup):
 
     min_scale: float = Field(1.0, gt=0)
     """fp16: lowest loss scale allowed."""
-
-    use_mup: bool = not_supported(False)
-    """Parametrise the model with muP so hyperparameters transfer across widths."""
-
-    coord_check: bool = not_supported(False)
-    """Run muP's coordinate check instead of training."""
-
-    save_base_shapes: bool = not_supported(False)
-    """Write muP base shapes to base_shapes_file and exit."""
-
-    base_shapes_file: str | None = not_supported(None)
-    """muP base shapes file."""
-
-    mup_init_scale: float = not_supported(1.0)
-    """muP: multiplier on initial weights."""
-
-    mup_attn_temp: float = not_supported(1.0)
-    """muP: attention temperature."""
-
-    mup_output_temp: float = not_supported(1.0)
-    """muP: output logit temperature."""
-
-    mup_embedding_mult: float = not_supported(1.0)
-    """muP: multiplier on embedding outputs."""
-
-    mup_rp_embedding_mult: float = not_supported(1.0)
-    """muP: multiplier on relative position embeddings."""
-
-    mup_width_scale: int = not_supported(2)
-    """muP: width ratio of the target model to the base model."""
 
     # ---- Deepy extras (not in GPT-NeoX) ----
 
