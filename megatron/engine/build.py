@@ -370,9 +370,9 @@ def build_model(config: GPTConfig, parallel: ParallelRun, ckpt: ActivationCheckp
     if not parallel.uses_pipeline_module:
         with construction(zero_init, device):
             model = GPTModel(config)
-        if soft_prompt:  # only the prompt trains
         if config.use_mup:
             apply_base_shapes(model, config)
+        if soft_prompt:  # only the prompt trains
             prepare_soft_prompt(model, list(prompt_init_ids))
         if lora is not None and lora.lora_enabled:
             apply_lora(model, lora, config.seed)
@@ -396,10 +396,10 @@ def build_model(config: GPTConfig, parallel: ParallelRun, ckpt: ActivationCheckp
             activation_checkpoint_func=checkpoint_function(ckpt),
             checkpointable_layers=CHECKPOINTABLE_LAYERS,
         )
-    if soft_prompt:  # only the prompt trains
-        prepare_soft_prompt(model, list(prompt_init_ids))
     if config.use_mup:
         apply_base_shapes(model, config, model_parameter_name)
+    if soft_prompt:  # only the prompt trains
+        prepare_soft_prompt(model, list(prompt_init_ids))
     if lora is not None and lora.lora_enabled:
         apply_lora(model, lora, config.seed)
         skip_frozen_tied_gradients(model)
