@@ -57,7 +57,6 @@ from megatron.model.soft_prompt_settings import SoftPromptSettings
 from megatron.model.block import Block
 from megatron.model.mup import apply_base_shapes, mup_param_groups
 from megatron.model.pipeline import BLOCK_PARTITION, CHECKPOINTABLE_LAYERS, model_parameter_name
-from megatron.model.transformer_engine import apply_transformer_engine
 from megatron.mpu import experts as expert_parallel
 from megatron.mpu import hybrid_shard
 from megatron.mpu.layers import partial_over_tensor_parallel, sum_partial_grads_over_tensor_parallel

@@ -235,6 +235,8 @@ SITES: dict[str, tuple[Entry, ...]] = {
         NotFromConfig("the sections are the adapted layer's own (its fused q/k/v or gate/up sizes)"),),
     "megatron/model/moe.py::MoELayer.__init__": (
         Before(Case("megatron.model.moe_checks.moe_experts_split_evenly", f"{TP2} moe_num_experts=3",
+                    "moe_num_experts=3 .* is not divisible by model_parallel_size=2")),
+    ),
     "megatron/model/mup.py::_infshapes": (
         Before(Case("megatron.model.mup_checks.mup_needs_base_shapes", "use_mup=true base_shapes_file=/nonexistent.bsh",
                     "base_shapes_file=.*no such file")),
@@ -248,8 +250,6 @@ SITES: dict[str, tuple[Entry, ...]] = {
     "megatron/model/mup.py::mup_scaled_input": (
         NotFromConfig("build_model applies the base shapes to every model it builds with use_mup, and the rules refuse "
                       "use_mup where Deepy builds one elsewhere (dpo/kto references, reward heads)"),),
-                    "moe_num_experts=3 .* is not divisible by model_parallel_size=2")),
-    ),
     "megatron/model/norms.py::build_norm": (
         Before(Case(f"{SHAPE}.model_shape_given", "hidden_size=null", "hidden_size.* not set")),),
     "megatron/model/option_registry.py::OptionRegistry.register": (
