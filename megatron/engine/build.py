@@ -57,6 +57,7 @@ from megatron.model.soft_prompt_settings import SoftPromptSettings
 from megatron.model.block import Block
 from megatron.model.mup import apply_base_shapes, mup_param_groups
 from megatron.model.pipeline import BLOCK_PARTITION, CHECKPOINTABLE_LAYERS, model_parameter_name
+from megatron.model.transformer_engine import apply_transformer_engine
 from megatron.mpu import experts as expert_parallel
 from megatron.mpu import hybrid_shard
 from megatron.mpu.layers import partial_over_tensor_parallel, sum_partial_grads_over_tensor_parallel
@@ -66,6 +67,7 @@ from megatron.engine.compile_checks import require_toolchain
 from megatron.engine.lr_schedules import LRScheduler, SchedulePolicy
 from megatron.engine.moe import MoETraining, build_moe_training, install_expert_parallel, keep_expert_shards
 from megatron.objectives import LMObjective, Objective, ObjectiveArgs, Reference
+from megatron.engine.bnb import stable_position_embeddings
 from megatron.engine.optimizers import DEEPSPEED_BUILT, build_optimizer, deepspeed_optimizer_block, param_groups
 
 if TYPE_CHECKING:
@@ -373,6 +375,7 @@ def build_model(config: GPTConfig, parallel: ParallelRun, ckpt: ActivationCheckp
             apply_base_shapes(model, config)
         if soft_prompt:  # only the prompt trains
             prepare_soft_prompt(model, list(prompt_init_ids))
+        apply_transformer_engine(model, config)  # the te_* keys: nothing without them
         if lora is not None and lora.lora_enabled:
             apply_lora(model, lora, config.seed)
         wrap_layers(model, ckpt, compile_layers, pipe_interval_used=False)
@@ -399,6 +402,7 @@ def build_model(config: GPTConfig, parallel: ParallelRun, ckpt: ActivationCheckp
         apply_base_shapes(model, config, model_parameter_name)
     if soft_prompt:  # only the prompt trains
         prepare_soft_prompt(model, list(prompt_init_ids))
+    apply_transformer_engine(model, config)
     if lora is not None and lora.lora_enabled:
         apply_lora(model, lora, config.seed)
         skip_frozen_tied_gradients(model)
@@ -426,6 +430,8 @@ def build_engine(run: EngineConfig, config: GPTConfig, train_iters: int, objecti
     model, is_pipe = build_model(config, run.parallel, run.activation_config, run.engine.keys.compile_layers,
                                  objective, run.lora, zero_init=ds_config if run.engine.keys.zero_init else None,
                                  device=training_device(), prompt_init_ids=prompt_init_ids)
+    if run.optimizer_config.use_bnb_optimizer:  # GPT-NeoX: bitsandbytes' embedding for the position table
+        stable_position_embeddings(model)
     spec = run.lr_config.spec(train_iters, run.optimizer_config.peak_lr)
     policy = run.lr_config.resume_policy
     if run.optimizer_config.optimizer_kind in DEEPSPEED_BUILT:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from megatron.config_schema import ArgGroup, not_supported
+from megatron.config_schema import BITSANDBYTES, ArgGroup, needs_gpu_library, not_supported
 from megatron.errors import ConfigError
 from megatron.engine.optimizer_block import OPTIMIZER_KINDS, PARAMS_OF_KIND, OptimizerBlock
 
@@ -52,8 +52,10 @@ class OptimizerArgs(ArgGroup):
     """Optimizer family, picked from Deepy's optimizer registry (also settable through the
     DeepSpeed-style optimizer block)."""
 
-    use_bnb_optimizer: bool = not_supported(False)
-    """Use bitsandbytes' 8-bit Adam to shrink optimizer state."""
+    use_bnb_optimizer: bool = needs_gpu_library(False, BITSANDBYTES)
+    """Adam (optimizer.type Adam/AdamW) becomes bitsandbytes' Adam8bit (8-bit optimizer state), and learned
+    position embeddings become bitsandbytes' StableEmbedding (a LayerNorm after the lookup, 32-bit optimizer
+    state), as GPT-NeoX does."""
 
     zero_stage: int | list[int] | Literal["all"] | None = None
     """ZeRO stage (0-3) to use, a list of stages to try, or `all`; normally set inside

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from megatron.errors import ConfigError
+from megatron.engine.bnb import build_adam8bit
 from megatron.engine.optimizer_config import OptimizerArgs
 
 ParamGroups = list[dict[str, Any]]
@@ -81,6 +82,8 @@ def _fused_supported(groups: ParamGroups) -> bool:
 
 @register_optimizer("adam")
 def build_adamw(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer:
+    if cfg.use_bnb_optimizer:
+        return build_adam8bit(groups, cfg)
     p = cfg.optimizer_params
     kwargs = dict(lr=cfg.peak_lr, betas=tuple(p["betas"]), eps=p["eps"], amsgrad=p["amsgrad"])
     if _fused_supported(groups):

@@ -290,3 +290,26 @@ def sequence_parallel_splits_the_sequence(ctx: RuleContext) -> list[str]:
         return []
     return [f"{ctx.show('sequence_parallel')} splits each sequence of {ctx.show('seq_length')} over "
             f"{ctx.show('model_parallel_size')}: use a seq_length that is a multiple of {ctx.tp}"]
+
+
+TE_MLP_ACTIVATIONS = ("gelu", "geglu", "relu", "reglu", "squared_relu", "swiglu", "qgelu", "srelu")
+"""Activations Transformer Engine's LayerNormMLP computes (GPT-NeoX ea7aefd8's TELayerNormMLP list)."""
+TE_NORMS = ("layernorm", "te_layernorm", "rmsnorm", "te_rmsnorm")
+"""The ``norm`` values Transformer Engine's fused modules compute (its LayerNorm and RMSNorm)."""
+
+
+@rule
+def transformer_engine_fuses_this_mlp(ctx: ModelKeys) -> list[str]:
+    """``te_layernorm_mlp`` fuses a LayerNorm or RMSNorm with one of Transformer Engine's activations; GPT-NeoX's
+    TELayerNormMLP raises otherwise (ea7aefd8 megatron/model/transformer_engine.py). Checked where the library runs:
+    elsewhere the key is refused first (it needs Transformer Engine on an NVIDIA GPU)."""
+    if not ctx.get("te_layernorm_mlp"):
+        return []
+    problems = []
+    if ctx.get("norm") not in TE_NORMS:  # what te_normalization refuses on the ranks
+        problems.append(f"{ctx.show('te_layernorm_mlp')} fuses a LayerNorm or RMSNorm: {ctx.show('norm')} is neither; "
+                        f"set norm: {', '.join(TE_NORMS)}")
+    if ctx.get("activation") not in TE_MLP_ACTIVATIONS:
+        problems.append(f"{ctx.show('te_layernorm_mlp')} computes the activations {', '.join(TE_MLP_ACTIVATIONS)}: "
+                        f"{ctx.show('activation')} is not one of them")
+    return problems

@@ -23,8 +23,9 @@ from pydantic import Field, PrivateAttr, field_validator
 
 from megatron.config_rules import RuleContext, describe, rule
 from megatron.config_schema import not_supported
+from megatron.config_schema import TRANSFORMER_ENGINE, needs_gpu_library, obsolete
 from megatron.config_schema import partly_supported
-from megatron.config_support import KNOWN_ATTENTION_TYPES
+from megatron.config_support import KNOWN_ATTENTION_TYPES, SPARSE_ATTENTION_GONE
 from megatron.errors import ConfigError
 from megatron.model.activations import ACTIVATIONS, is_gated
 from megatron.model import checks, family_checks, moe_checks
@@ -145,9 +146,11 @@ class GPTConfig(MoEArgs, MupArgs):
     max_position_embeddings: int | None = Field(None, ge=1)
     """Longest sequence the positional embedding supports; defaults to seq_length."""
 
-    norm: str = partly_supported("layernorm", unsupported=("te_rmsnorm", "te_layernorm"))
+    norm: str = needs_gpu_library("layernorm", TRANSFORMER_ENGINE, values=("te_rmsnorm", "te_layernorm"))
     """Normalisation layer used in every block and before the output layer: layernorm, rmsnorm,
-    scalenorm, non_parametric_layernorm, or a plug-in's (``megatron/model/norms.py``)."""
+    scalenorm, non_parametric_layernorm, te_rmsnorm/te_layernorm (Transformer Engine's RMSNorm/LayerNorm
+    kernels with rms_norm_epsilon/layernorm_epsilon, NVIDIA GPU only), or a plug-in's
+    (``megatron/model/norms.py``)."""
 
     @field_validator("norm")
     @classmethod
@@ -197,8 +200,9 @@ class GPTConfig(MoEArgs, MupArgs):
     times (or "all" to fill num_layers), e.g. [[["global"], 12]]; the layers must add up to
     num_layers. Unset means global attention everywhere."""
 
-    sparsity_config: dict[str, Any] | None = not_supported(None)
-    """Settings for DeepSpeed's block-sparse attention kernels."""
+    sparsity_config: dict[str, Any] | None = obsolete(None, SPARSE_ATTENTION_GONE)
+    """Settings of DeepSpeed's block-sparse attention kernels (attention types sparse_fixed, sparse_variable,
+    bigbird, bslongformer), which DeepSpeed 0.19.8 no longer has."""
 
     num_unique_layers: int | None = Field(None, ge=1)
     """Build the num_layers blocks from this many parameter sets (it must divide num_layers): blocks that share a
@@ -335,35 +339,41 @@ class GPTConfig(MoEArgs, MupArgs):
     """How the output layer is split across tensor-parallel ranks; only column (vocabulary)
     splitting exists."""
 
-    te_columnparallel: bool = not_supported(False)
-    """Use Transformer Engine's column-parallel linear layer."""
+    te_columnparallel: bool = needs_gpu_library(False, TRANSFORMER_ENGINE)
+    """Build each block's column-parallel linear layers (QKV, MLP input) as Transformer Engine's Linear with
+    parallel_mode "column" (GPT-NeoX ea7aefd8 get_parallel_linear; Deepy's untied output layer stays its own)."""
 
-    te_rowparallel: bool = not_supported(False)
-    """Use Transformer Engine's row-parallel linear layer."""
+    te_rowparallel: bool = needs_gpu_library(False, TRANSFORMER_ENGINE)
+    """Build every row-parallel linear layer (attention output, MLP output) as Transformer Engine's Linear with
+    parallel_mode "row"."""
 
-    te_layernorm_mlp: bool = not_supported(False)
-    """Use Transformer Engine's fused LayerNorm+MLP module."""
+    te_layernorm_mlp: bool = needs_gpu_library(False, TRANSFORMER_ENGINE)
+    """Replace each dense block's post-attention norm and MLP by Transformer Engine's fused LayerNormMLP
+    (LayerNorm or RMSNorm as `norm` says, GPT-NeoX's activations gelu/geglu/relu/reglu/squared_relu/swiglu/
+    qgelu/srelu); MoE blocks keep their experts."""
 
-    te_mha: bool = not_supported(False)
-    """Use Transformer Engine's multi-head attention module."""
+    te_mha: bool = needs_gpu_library(False, TRANSFORMER_ENGINE)
+    """Build each block's self-attention as Transformer Engine's MultiheadAttention (fused QKV, causal
+    flash/fused attention, rotary and sliding window as configured)."""
 
-    te_fp8_format: Literal["e4m3", "hybrid"] = not_supported("hybrid")
-    """FP8 format for Transformer Engine layers (e4m3 everywhere, or hybrid e4m3/e5m2)."""
+    te_fp8_format: Literal["e4m3", "hybrid"] = needs_gpu_library("hybrid", TRANSFORMER_ENGINE)
+    """FP8 format of the te_fp8_mha recipe: e4m3 everywhere, or hybrid (e4m3 forward, e5m2 gradients)."""
 
-    te_fp8_wgrad: bool = not_supported(True)
-    """Compute weight gradients in FP8 with Transformer Engine."""
+    te_fp8_wgrad: bool = needs_gpu_library(True, TRANSFORMER_ENGINE)
+    """te_fp8_mha recipe: compute weight gradients in FP8 too; false keeps them in higher precision."""
 
-    te_fp8_amax_history_len: int = not_supported(1)
-    """Length of the amax history Transformer Engine uses for FP8 scaling."""
+    te_fp8_amax_history_len: int = needs_gpu_library(1, TRANSFORMER_ENGINE)
+    """te_fp8_mha recipe: how many steps of amax (absolute maxima) the FP8 scales are computed from."""
 
-    te_fp8_amax_compute_algo: Literal["most_recent", "max"] = not_supported("most_recent")
-    """How Transformer Engine turns the amax history into a scale (`most_recent` or `max`)."""
+    te_fp8_amax_compute_algo: Literal["most_recent", "max"] = needs_gpu_library("most_recent", TRANSFORMER_ENGINE)
+    """te_fp8_mha recipe: scale from the most recent amax or the largest in the history."""
 
-    te_fp8_margin: int = not_supported(0)
-    """Extra power-of-two margin on Transformer Engine FP8 scales."""
+    te_fp8_margin: int = needs_gpu_library(0, TRANSFORMER_ENGINE)
+    """te_fp8_mha recipe: FP8 scales are divided by 2**margin, headroom against overflow."""
 
-    te_fp8_mha: bool = not_supported(False)
-    """Run Transformer Engine attention in FP8."""
+    te_fp8_mha: bool = needs_gpu_library(False, TRANSFORMER_ENGINE)
+    """Run every transformer block under Transformer Engine's fp8_autocast with a DelayedScaling recipe built
+    from the te_fp8_* keys (fp8_mha: FP8 attention too); implies te_mha, as in GPT-NeoX."""
 
     dim_att: int | None = Field(None, ge=1)
     """RWKV: width of the time-mixing (attention) layer; unset means hidden_size."""

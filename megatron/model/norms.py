@@ -70,6 +70,9 @@ class NormEntry:
     """The keys of :data:`NORM_KEYS` its module depends on; the others change nothing for this norm (an
     RMSNorm has no bias and no LayerNorm epsilon, whatever ``use_bias_in_norms`` says). A plug-in that
     leaves it out reads them all. ``tests/unit/test_option_registries.py`` changes each key and compares."""
+    gpu_library: str | None = None
+    """Import name of the library running only on an NVIDIA GPU that builds the module (``transformer_engine``);
+    None for a torch module, built anywhere."""
 
     def flops_per_token(self, dim: int, settings: NormSettings) -> float:
         """Training FLOPs per token counted for MFU: 6 per weight (the elementwise work is not counted)."""
@@ -125,9 +128,30 @@ register_norm("rmsnorm", _RMSNORM)
 register_norm("non_parametric_layernorm", NormEntry(build=_non_parametric_layernorm, parameters=lambda dim, c: 0,
                                                    reads=("layernorm_epsilon",)))
 register_norm("scalenorm", NormEntry(build=_scalenorm, parameters=lambda dim, c: 1, reads=("scalenorm_epsilon",)))
-# Transformer Engine's fused kernels compute the same functions (refused before launch: not built yet)
-register_norm("te_rmsnorm", _RMSNORM)
-register_norm("te_layernorm", _LAYERNORM)
+
+
+def _te_rmsnorm(dim: int, c: NormSettings) -> nn.Module:
+    # lazy: CUDA-only library (requirements/requirements-kernels.txt); refused before launch where missing
+    import transformer_engine.pytorch as te
+
+    module: nn.Module = te.RMSNorm(dim, eps=c.rms_norm_epsilon, params_dtype=c.params_dtype, device="cuda")
+    return module
+
+
+def _te_layernorm(dim: int, c: NormSettings) -> nn.Module:
+    # lazy: CUDA-only library (requirements/requirements-kernels.txt); refused before launch where missing
+    import transformer_engine.pytorch as te
+
+    module: nn.Module = te.LayerNorm(dim, eps=c.layernorm_epsilon, params_dtype=c.params_dtype, device="cuda")
+    return module
+
+
+# Transformer Engine's kernels (GPT-NeoX ea7aefd8 norms.py:47-56, transformer_engine.py TERMSNorm/TELayerNorm: the
+# epsilon keys, no bias option): its LayerNorm always has a bias, initialised to zeros
+register_norm("te_rmsnorm", NormEntry(build=_te_rmsnorm, parameters=lambda dim, c: dim, reads=("rms_norm_epsilon",),
+                                      gpu_library="transformer_engine"))
+register_norm("te_layernorm", NormEntry(build=_te_layernorm, parameters=lambda dim, c: 2 * dim,
+                                        reads=("layernorm_epsilon",), gpu_library="transformer_engine"))
 
 
 def norm_entry(config: NormSettings) -> NormEntry:

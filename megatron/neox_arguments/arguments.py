@@ -12,7 +12,7 @@ reading files (the loader). Per-field types, enums and ranges live on the fields
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from pydantic import BaseModel
@@ -48,12 +48,13 @@ from megatron.objectives.config import ObjectiveArgs
 from megatron.engine.optimizer_config import OptimizerArgs
 from megatron.neox_arguments.groups.other import OtherArgs
 from megatron.mpu.parallel_config import ParallelismArgs
-from megatron.config_support import UNSUPPORTED_ATTENTION_TYPES
+from megatron.config_support import OBSOLETE_ATTENTION_TYPES, UNSUPPORTED_ATTENTION_TYPES
 from megatron.generation.config import TextgenArgs
 from megatron.tokenizer.config import TokenizerArgs
 from megatron.neox_arguments.groups.training import TrainingArgs
 from megatron.config_schema import ArgGroup, own_fields
-from megatron.config_schema import is_supported as _field_is_supported, obsolete_reason, unsupported_values
+from megatron.config_schema import GpuLibrary, gpu_library, gpu_library_missing, obsolete_reason, unsupported_values
+from megatron.config_schema import is_supported as _field_is_supported
 from megatron.plugins import PluginArgs
 
 # Short group names in documentation order: the module names under groups/, or, for a group declared
@@ -194,6 +195,22 @@ class _Arguments(
         return obsolete_reason(cls, cls._known(name))
 
     @classmethod
+    def gpu_library(cls, name: str) -> tuple[GpuLibrary, tuple[Any, ...]] | None:
+        """The library running only on an NVIDIA GPU that the key (or, when listed, some of its values) needs
+        (``needs_gpu_library`` in the schema); None for a key that needs none."""
+        return gpu_library(cls, cls._known(name))
+
+    @classmethod
+    def needs_gpu_library(cls, name: str, value: Any) -> GpuLibrary | None:
+        """The GPU-only library ``name: value`` needs to be built; None when it needs none (the default)."""
+        found = cls.gpu_library(name)
+        if found is None:
+            return None
+        library, values = found
+        needs = value in values if values else value != cls.default_of(name)
+        return library if needs else None
+
+    @classmethod
     def unsupported_values(cls, name: str) -> tuple[Any, ...]:
         """Valid values of a supported key that Deepy still refuses (``norm: te_rmsnorm``)."""
         return unsupported_values(cls, cls._known(name))
@@ -256,14 +273,19 @@ def schema_class() -> type[NeoXArgs]:
     return _COMPOSED[key]
 
 
-def check_supported(args: Mapping[str, Any] | BaseModel) -> list[str]:
+LibraryCheck = Callable[[GpuLibrary], str | None]
+"""Why a GPU-only library cannot run here, or None (:func:`megatron.config_schema.gpu_library_missing`)."""
+
+
+def check_supported(args: Mapping[str, Any] | BaseModel, missing: LibraryCheck = gpu_library_missing) -> list[str]:
     """Keys of ``args`` that ask for a feature Deepy does not support yet.
 
     ``args`` is a plain mapping of config keys (``-`` and ``_`` are equivalent, unknown keys are
     ignored here because the structure check reports them) or a validated :class:`NeoXArgs`. A key
     offends when its field is marked ``not_supported`` and its value differs from the default, when
     its value is one of the field's unsupported values, or (``attention_config``) when it names an
-    attention type Deepy does not build.
+    attention type Deepy does not build; or when its value needs a library that runs only on an NVIDIA GPU
+    and ``missing`` says this machine cannot run it.
     """
     items = args.model_dump().items() if isinstance(args, BaseModel) else args.items()
     offending: list[str] = []
@@ -271,7 +293,11 @@ def check_supported(args: Mapping[str, Any] | BaseModel) -> list[str]:
         key = raw_key.replace("-", "_")
         if not NeoXArgs.has_field(key):
             continue
-        if not NeoXArgs.is_supported(key):
+        library = NeoXArgs.needs_gpu_library(key, value)
+        if library is not None:
+            if missing(library) is not None:
+                offending.append(key)
+        elif not NeoXArgs.is_supported(key):
             if value != NeoXArgs.default_of(key):
                 offending.append(key)
         elif value in NeoXArgs.unsupported_values(key):
@@ -281,22 +307,25 @@ def check_supported(args: Mapping[str, Any] | BaseModel) -> list[str]:
     return offending
 
 
-def require_supported(args: Mapping[str, Any] | BaseModel) -> None:
+def require_supported(args: Mapping[str, Any] | BaseModel, missing: LibraryCheck = gpu_library_missing) -> None:
     """Raise one :class:`ConfigError` naming every key from :func:`check_supported`."""
     items = dict(args.model_dump() if isinstance(args, BaseModel) else args)
-    offending = check_supported(items)
+    offending = check_supported(items, missing)
     if not offending:
         return
-    lines, gone = [], []
+    lines, gone, gpu = [], [], []
     for key in offending:
         value = items.get(key, items.get(key.replace("_", "-")))
         reason = NeoXArgs.obsolete_reason(key)
-        if reason is not None:
+        library = NeoXArgs.needs_gpu_library(key, value)
+        if library is not None:
+            gpu.append(f"  {key}: {value!r} needs {library.name} (pip package {library.package}, "
+                       f"requirements/requirements-kernels.txt) on an NVIDIA GPU; {missing(library)}")
+        elif reason is not None:
             gone.append(f"  {key}: {value!r} is obsolete: {reason}")
         elif key == "attention_config":
-            bad = sorted(_attention_types(value) & UNSUPPORTED_ATTENTION_TYPES)
-            names = ", ".join(bad)
-            lines.append(f"  {key}: attention type(s) {names} not supported yet; use global/local")
+            for name in sorted(_attention_types(value) & UNSUPPORTED_ATTENTION_TYPES):
+                gone.append(f"  {key}: attention type {name} is obsolete: {OBSOLETE_ATTENTION_TYPES[name]}")
         elif not NeoXArgs.is_supported(key):
             lines.append(
                 f"  {key}: {value!r} is not supported yet; remove the key "
@@ -306,6 +335,7 @@ def require_supported(args: Mapping[str, Any] | BaseModel) -> None:
             lines.append(f"  {key}: {value!r} is not supported yet; choose another value")
     parts = ["config asks for features Deepy does not support yet:\n" + "\n".join(lines)] if lines else []
     parts += ["config sets obsolete keys:\n" + "\n".join(gone)] if gone else []
+    parts += ["config asks for libraries that run only on an NVIDIA GPU:\n" + "\n".join(gpu)] if gpu else []
     raise ConfigError("\n".join(parts))
 
 

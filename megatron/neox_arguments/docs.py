@@ -17,7 +17,7 @@ from typing import Any, Literal, Union
 
 from megatron import plugins
 from megatron.neox_arguments.arguments import NeoXArgs
-from megatron.config_support import UNSUPPORTED_ATTENTION_TYPES
+from megatron.config_support import OBSOLETE_ATTENTION_TYPES, UNSUPPORTED_ATTENTION_TYPES
 from megatron.config_schema import own_fields
 
 NOT_SUPPORTED = "not supported yet"
@@ -68,11 +68,18 @@ def support_note(name: str) -> str:
         refused = NeoXArgs.unsupported_values(name)
         values = " " + ", ".join(f"`{v}`" for v in refused) if refused else ""
         return f"obsolete{values}: {reason}"
+    needs = NeoXArgs.gpu_library(name)
+    if needs is not None:
+        library, needing = needs
+        which = "values " + ", ".join(f"`{v}`" for v in needing) + "; " if needing else ""
+        return f"needs {library.name} on an NVIDIA GPU ({which}pip package `{library.package}`)"
     if not NeoXArgs.is_supported(name):
         return NOT_SUPPORTED
     if name == "attention_config":
-        refused_types = ", ".join(f"`{t}`" for t in sorted(UNSUPPORTED_ATTENTION_TYPES))
-        return f"{NOT_SUPPORTED}: types {refused_types}"
+        reasons: dict[str, list[str]] = {}
+        for kind in sorted(UNSUPPORTED_ATTENTION_TYPES):
+            reasons.setdefault(OBSOLETE_ATTENTION_TYPES[kind], []).append(f"`{kind}`")
+        return "; ".join(f"obsolete types {', '.join(kinds)}: {reason}" for reason, kinds in reasons.items())
     refused = NeoXArgs.unsupported_values(name)
     if refused:
         return f"{NOT_SUPPORTED}: " + ", ".join(f"`{v}`" for v in refused)

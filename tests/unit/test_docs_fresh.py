@@ -33,10 +33,8 @@ def test_reference_lists_every_key_once_under_its_group() -> None:
     assert list(NeoXArgs.groups())[: len(GROUPS)] == list(GROUPS)  # the fixed groups first, then plug-ins'
     # a row carries the type, default, doc and support flag
     row = next(line for line in text.splitlines() if line.startswith("| `te_mha` |"))
-    assert row == (
-        "| `te_mha` | bool | `False` | Use Transformer Engine's multi-head attention module. "
-        "| not supported yet |"
-    )
+    assert row.startswith("| `te_mha` | bool | `False` | Build each block's self-attention as Transformer Engine's ")
+    assert row.endswith(" | needs Transformer Engine on an NVIDIA GPU (pip package `transformer-engine`) |")
     row = next(line for line in text.splitlines() if line.startswith("| `pipe_partition_method` |"))
     assert "`'type:transformer\\|mlp'`" in row  # pipes inside cells are escaped
 
@@ -45,8 +43,9 @@ def test_support_notes(key_not_supported_yet: str) -> None:
     assert support_note("hidden_size") == ""
     assert support_note("moe_num_experts") == ""
     assert support_note("use_mup") == "not supported yet"
-    assert support_note("norm") == "not supported yet: `te_rmsnorm`, `te_layernorm`"
-    assert "`bigbird`" in support_note("attention_config")
+    assert support_note("norm") == ("needs Transformer Engine on an NVIDIA GPU (values `te_rmsnorm`, `te_layernorm`; "
+                                    "pip package `transformer-engine`)")
+    assert "obsolete types `bigbird`" in support_note("attention_config")
 
 
 def test_type_names_are_readable() -> None:

@@ -14,7 +14,7 @@ def test_every_check_of_the_plan_is_implemented_and_the_caps_fit_ten_minutes() -
     assert total_cap() <= TEN_MINUTES
     # the parts: environment, kernels, compile, tiny run with resume, overhead, memory, MFU, sync audit
     assert {"environment", "attention", "compile", "tiny_resume", "trainer_125m", "memory_350m",
-            "sync_audit"} == {c.name for c in PLAN}
+            "sync_audit", "gpu_libraries"} == {c.name for c in PLAN}
 
 
 def test_dry_run_prints_the_plan_and_the_total(capsys: pytest.CaptureFixture[str]) -> None:

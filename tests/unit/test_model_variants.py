@@ -206,7 +206,6 @@ VARIANTS: dict[str, dict] = {
     "no_positions": dict(pos_emb="none"),
     "layernorm_no_bias": dict(norm="layernorm", use_bias_in_norms=False),
     "rmsnorm": dict(norm="rmsnorm"),
-    "te_rmsnorm": dict(norm="te_rmsnorm"),
     "scalenorm": dict(norm="scalenorm"),
     "non_parametric_layernorm": dict(norm="non_parametric_layernorm"),
     **{f"act_{a}": dict(activation=a) for a in ["gelu", "relu", "silu", "swish", "softsign", "mish"]},

@@ -28,6 +28,7 @@ import yaml
 
 from megatron.app.deepy import parse_command, render_dry_run, resolve
 from megatron.config_rules import Device
+from megatron.config_schema import BITSANDBYTES, TRANSFORMER_ENGINE, gpu_library_missing
 from megatron.errors import ConfigError, DeepyError
 from megatron.neox_arguments.keys import normalize_key
 from megatron.neox_arguments.resolved import ResolvedConfig
@@ -118,10 +119,14 @@ CASES: list[Case] = [
            problems=("attention_config describes 64 layers but num_layers=48",)) for size in ("370M", "790M")),
     # the RWKV files' bf16 block carries DeeperSpeed's loss-scale fields: no effect there, left out here (said)
     *(case(f"rwkv/{size}.yml", LOCAL) for size in ("170M", "430M", "1.5B")),
-    case("1-3B-transformer-engine.yml", LOCAL, unsupported=("te_layernorm_mlp", "te_mha")),
-    case("bnb_125M.yml", LOCAL, unsupported=("use_bnb_optimizer",)),
+    # CUDA-only libraries: refused where the library or the GPU is missing (tests/unit/test_gpu_libraries.py)
+    case("1-3B-transformer-engine.yml", LOCAL,
+         problems=("te_layernorm_mlp: True needs Transformer Engine", "te_mha: True needs Transformer Engine")
+         if gpu_library_missing(TRANSFORMER_ENGINE) else ()),
+    case("bnb_125M.yml", LOCAL, problems=("use_bnb_optimizer: True needs bitsandbytes",)
+         if gpu_library_missing(BITSANDBYTES) else ()),
     case("gmlp_small.yml", LOCAL),  # (its eps 1.0e_8 is a string in YAML)
-    case("125M.yml", "sparse.yml", LOCAL, unsupported=("sparsity_config",)),
+    case("125M.yml", "sparse.yml", LOCAL, problems=("sparsity_config: ", "is obsolete: DeepSpeed's block-sparse")),
     # Deepy refuses a key set in two files however it is spelled; GPT-NeoX only when spelled alike,
     # so Pythia + its docker paths file (tokenizer_type / tokenizer-type) loads there
     case("pythia/160M.yml", "docker/pythia-paths.yml", duplicate=("tokenizer_type",)),

@@ -30,6 +30,8 @@ OBSOLETE = {
     "elasticity": "{enabled: true}", "compression_training": "{weight_quantization: {}}",
     "sparse_attention": "{mode: fixed}", "autotuning": "{enabled: true}", "autotuning_run": "tune",
     "curriculum_seqlen": "64",
+    # the settings of DeepSpeed's block-sparse attention, gone from DeepSpeed 0.19.8 (megatron/config_support.py)
+    "sparsity_config": "{block: 16}",
     # GPT-NeoX's slot for the live Comet experiment its initialize_comet creates, not a setting
     "comet_experiment": "x",
     # token dropping beyond expert capacity: GPT-NeoX removed it (d11df961, #1210); its MoE is dropless

@@ -32,12 +32,14 @@ from megatron.engine.memory import MemoryLayout, stage_parameters
 
 REPO = Path(__file__).resolve().parents[2]
 TOY_NORM = REPO / "tests" / "fixtures" / "toy_norm.py"
+TORCH_NORMS = [n for n in NORMS if NORMS[n].gpu_library is None]
+"""Norms built anywhere; Transformer Engine's need an NVIDIA GPU (tests/gpu/test_transformer_engine.py)."""
 BASE: dict[str, Any] = dict(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=8, padded_vocab_size=64,
                             max_position_embeddings=8, intermediate_size=96, gmlp_attn_dim=8)
 # one option changed at a time from BASE; the variants make each entry's module matter (a per-head norm,
 # GQA's key/value heads, a learned bias per bucket)
 OPTIONS: dict[str, dict[str, Any]] = {
-    **{f"norm={n}": dict(norm=n, use_qk_layernorm=True) for n in NORMS},
+    **{f"norm={n}": dict(norm=n, use_qk_layernorm=True) for n in TORCH_NORMS},
     "norm=layernorm without bias": dict(norm="layernorm", use_bias_in_norms=False),
     **{f"activation={a}": dict(activation=a) for a in ACTIVATIONS},
     **{f"pos_emb={p}": dict(pos_emb=p, num_kv_heads=1) for p in POSITIONAL},
@@ -73,7 +75,7 @@ def test_every_option_counts_what_it_builds(option: str) -> None:
     assert flops_per_token(config) == 6 * (matmul + config.padded_vocab_size * h) + 3 * mixing, option
 
 
-@pytest.mark.parametrize("name", list(NORMS))
+@pytest.mark.parametrize("name", TORCH_NORMS)
 def test_each_norm_entry_builds_the_parameters_it_states(name: str) -> None:
     config = GPTConfig(**{**BASE, "norm": name})
     entry, settings = NORMS[name], config.norm_settings
@@ -88,7 +90,7 @@ NORM_KEY_CHANGES: dict[str, Any] = {"use_bias_in_norms": False, "layernorm_epsil
 input's scale, no bias)."""
 
 
-@pytest.mark.parametrize("name", list(NORMS))
+@pytest.mark.parametrize("name", TORCH_NORMS)
 def test_each_norm_entry_reads_exactly_the_keys_it_states(name: str) -> None:
     """``NormEntry.reads`` (what ``GPTConfig.keys_without_effect`` leaves out of the converter's check): changing
     a key it reads changes the module's parameters or output; changing any other key changes neither (an

@@ -126,7 +126,15 @@ INTERNAL_TP = ("sizes are checked to split over tensor parallelism before any la
 RESOLVED = ("the resolved config deepy.py writes after every check always holds it; only a file edited by hand or "
             "left by another Deepy version reaches it")
 
+_TE_HERE = ("Transformer Engine runs only on an NVIDIA GPU: elsewhere te_layernorm_mlp is refused before this rule by "
+            "the support check (needs Transformer Engine on an NVIDIA GPU); where it runs, the rule refuses it")
 SITES: dict[str, tuple[Entry, ...]] = {
+    "megatron/model/transformer_engine.py::te_normalization": (
+        Elsewhere("megatron.model.checks", "TE_NORMS", _TE_HERE),
+    ),
+    "megatron/model/transformer_engine.py::_te_layernorm_mlp": (
+        Elsewhere("megatron.model.checks", "TE_MLP_ACTIVATIONS", _TE_HERE),
+    ),
     # --- model construction --------------------------------------------------------------------------------
     "megatron/model/attention.py::SelfAttention.__init__": (
         Before(Case("megatron.neox_arguments.rules.context_parallel_fits",

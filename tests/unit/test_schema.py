@@ -650,8 +650,7 @@ MUST_BE_SUPPORTED = [
     "curriculum_learning", "data_efficiency", "no_save_optim", "deepspeed_activation_checkpointing",
 ]  # fmt: skip
 MUST_BE_UNSUPPORTED = [
-    "te_mha",
-    "te_fp8_format", "sparsity_config",
+    "sparsity_config",
     "sparse_attention", "scheduler",
     "sparse_gradients",
 ]  # fmt: skip
@@ -663,7 +662,8 @@ def test_support_marks_follow_the_scope() -> None:
     for name in MUST_BE_UNSUPPORTED:
         assert not NeoXArgs.is_supported(name), name
     assert all(NeoXArgs.is_supported(n) for n in NeoXArgs.field_names() if n.startswith("moe_"))
-    assert all(not NeoXArgs.is_supported(n) for n in NeoXArgs.field_names() if n.startswith("te_"))
+    # Transformer Engine's keys are built where it and a GPU are (tests/unit/test_gpu_libraries.py)
+    assert all(NeoXArgs.gpu_library(n) for n in NeoXArgs.field_names() if n.startswith("te_"))
     # Mamba layers are built (tests/unit/test_model_families.py), A_log/D in fp32 or not (test_model_options.py)
     mamba = {n for n in NeoXArgs.field_names() if n.startswith("mamba_")}
     assert {n for n in mamba if not NeoXArgs.is_supported(n)} == set()
@@ -674,12 +674,14 @@ def test_check_supported_reports_only_offending_keys() -> None:
         "hidden_size": 64,
         "moe_num_experts": 8,  # MoE is built
         "te-mha": True,  # hyphenated spelling still counts
-        "norm": "te_rmsnorm",  # supported field, unsupported value
+        "norm": "te_rmsnorm",  # supported field, a value that needs Transformer Engine on a GPU
         "train_impl": "normal",  # supported value
         "attention_config": [[["global", "bigbird"], 2]],
         "unknown_key": 3,  # not this check's business
     }
-    assert check_supported(config) == ["te_mha", "norm", "attention_config"]
+    no_gpu = lambda library: "this machine has no GPU"  # noqa: E731
+    assert check_supported(config, no_gpu) == ["te_mha", "norm", "attention_config"]
+    assert check_supported(config, lambda library: None) == ["attention_config"]  # where the library runs
     assert check_supported({"attention_config": [[["global", "local"], 4]], "norm": "rmsnorm"}) == []
     assert check_supported({"train_impl": "reinforce", "data_impl": "cached"}) == ["data_impl"]  # reinforce is built
 
@@ -692,11 +694,12 @@ def test_check_supported_on_validated_args(key_not_supported_yet: str) -> None:
 def test_require_supported_names_every_key_and_the_fix(key_not_supported_yet: str) -> None:
     require_supported({"hidden_size": 8})
     with pytest.raises(ConfigError) as info:
-        require_supported({"use_mup": True, "norm": "te_layernorm"})
+        require_supported({"use_mup": True, "norm": "te_layernorm"}, lambda library: "this machine has no GPU")
     message = str(info.value)
     assert "use_mup: True is not supported yet" in message
     assert "only its default False is accepted" in message
-    assert "norm: 'te_layernorm' is not supported yet" in message
+    assert "norm: 'te_layernorm' needs Transformer Engine (pip package transformer-engine" in message
+    assert "on an NVIDIA GPU; this machine has no GPU" in message
 
 
 # ---------------------------------------------------------------- shipped configs

@@ -313,9 +313,22 @@ def tiny_resume(smoke: bool, work: Path) -> Result:
             "straight": [a.get(i) for i in steps], "resumed": [b[i] for i in steps]}
 
 
+def gpu_libraries(smoke: bool, work: Path) -> Result:
+    """pytest on the GPU-only library tests: passed, skipped (with why) and failed, by test."""
+    report = work / "junit.xml"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n0", "-p", "no:cacheprovider", "-rs",
+                           f"--junitxml={report}", "tests/unit/test_gpu_libraries_device.py"],
+                          cwd=REPO, capture_output=True, text=True)
+    out: Result = {"exit_code": done.returncode, "tail": done.stdout[-1500:]}
+    if done.returncode not in (0, 5):
+        out["error"] = f"pytest exited {done.returncode}: " + done.stdout.strip().splitlines()[-1][:200]
+    return out
+
+
 CHECKS: dict[str, Callable[[bool, Path], Result]] = {
     "environment": environment, "attention": attention, "compile": compile_check, "sync_audit": sync_audit,
     "memory_350m": memory_350m, "trainer_125m": trainer_125m, "tiny_resume": tiny_resume,
+    "gpu_libraries": gpu_libraries,
 }
 
 

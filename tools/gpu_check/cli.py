@@ -86,6 +86,8 @@ def summary(name: str, r: dict[str, Any]) -> str:
                 f"deepy/raw loop {r['deepy_over_raw']}")
     if name == "tiny_resume":
         return f"resumed steps {r['resumed_steps']} bit-equal: {r['bit_equal']}"
+    if name == "gpu_libraries":
+        return (r["tail"].strip().splitlines() or [""])[-1][:160]
     return ""
 
 

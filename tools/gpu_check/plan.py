@@ -44,6 +44,9 @@ PLAN: tuple[Check, ...] = (
     Check(name="tiny_resume", cap_s=150, smoke=False,
           measures="deepy.py end to end in bf16 with dropout: 8 steps saving at 4, then 4 -> 8 resumed; "
                    "the resumed losses equal the straight run's bit for bit"),
+    Check(name="gpu_libraries", cap_s=15, smoke=False,
+          measures="tests/unit/test_gpu_libraries_device.py: Transformer Engine's modules (te_* keys, te norms) "
+                   "and bitsandbytes' (use_bnb_optimizer) against Deepy's layers; skipped where not installed"),
 )
 
 
