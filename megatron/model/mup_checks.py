@@ -12,6 +12,9 @@ from megatron.config_rules import RuleContext, rule, zero_stage
 NORMAL_INITS = ("normal", "scaled_normal", "single_residual_scaled_normal", "wang_init", "small_init")
 """The init methods Deepy's muP rescales (``megatron/model/mup.py`` ``NORMAL_INITS``, which imports torch)."""
 
+WIDTH_SCALED_INITS = ("small_init", "wang_init")
+"""Normal inits whose std GPT-NeoX computes from hidden_size (sqrt(2 / 5h), 2 / (L sqrt(h)))."""
+
 _MUP_ONLY = ("coord_check", "save_base_shapes", "mup_init_scale", "mup_attn_temp", "mup_output_temp",
              "mup_embedding_mult", "mup_width_scale")
 """Keys that change nothing without use_mup (mup_rp_embedding_mult does: GPT-NeoX multiplies the positions always)."""
@@ -50,6 +53,10 @@ def mup_init_is_a_normal_init(ctx: RuleContext) -> list[str]:
         return []
     for key in ("init_method", "output_layer_init_method"):
         value = ctx.get(key)
+        if value in WIDTH_SCALED_INITS:
+            ctx.warnings.append(f"{ctx.show('use_mup')} with {ctx.show(key)}: its std shrinks with hidden_size "
+                                "(GPT-NeoX's formula), on top of muP's own scaling, so activations shrink with width "
+                                "(the coordinate check shows it); normal or scaled_normal keep them flat")
         if value in NORMAL_INITS:
             continue
         if "orthogonal" in value:
@@ -96,3 +103,14 @@ def coord_check_runs_unsharded(ctx: RuleContext) -> list[str]:
         return []
     return [f"{ctx.show('coord_check')} with {ctx.show('model_parallel_size')}: Deepy's coordinate check trains "
             "whole (unsharded) models of each width with mup's get_coord_data; run it with model_parallel_size 1"]
+
+
+@rule
+def mup_attention_scale_is_one_over_head_dim(ctx: RuleContext) -> list[str]:
+    """GPT-NeoX ea7aefd8 transformer.py: use_mup sets norm_factor = head_dim, replacing sqrt(d) x layer, but its
+    softmax still multiplies the scores by the layer coefficient, so layer l's scores become l q.k / d."""
+    if not (ctx.get("use_mup") and ctx.get("apply_query_key_layer_scaling")):
+        return []
+    return [f"{ctx.show('use_mup')} with {ctx.show('apply_query_key_layer_scaling')}: GPT-NeoX ea7aefd8 then scales "
+            "layer l's attention scores by l / head_dim (muP's norm factor replaces the coefficient the softmax still "
+            "applies), which Deepy does not build; set apply_query_key_layer_scaling: false"]

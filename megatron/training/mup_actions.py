@@ -124,7 +124,7 @@ def coord_check_batches(train_split: Any, micro_batch: int, steps: int, prepare:
         samples = [train_split[step * micro_batch + i] for i in range(micro_batch)]
         sample = {key: torch.as_tensor(np.stack([s[key] for s in samples])) for key in samples[0]}
         batch = prepare(sample)
-        batches.append((batch.tokens, batch.labels.reshape(-1)))
+        batches.append((batch.inputs, batch.labels.reshape(-1)))
     return batches
 
 

@@ -203,13 +203,19 @@ def test_refused_before_launch(shapes: str) -> None:
     assert "cannot either" in _refused(use_mup=True, base_shapes_file=shapes, init_method="orthogonal")
     assert "stage 3" in _refused(use_mup=True, base_shapes_file=shapes, zero_optimization={"stage": 3})
     assert "LoRA" in _refused(use_mup=True, base_shapes_file=shapes, lora_r=2)
+    assert "l / head_dim" in _refused(use_mup=True, base_shapes_file=shapes, apply_query_key_layer_scaling=True)
+    assert "reward head" in _refused(use_mup=True, base_shapes_file=shapes, train_impl="dpo")
+    resolved = finalize(config_from_mapping({**LAUNCH, "use_mup": True, "base_shapes_file": shapes,
+                                             "init_method": "small_init"}), 1, device=DEVICE)
+    assert any("init_method='small_init'" in w and "shrinks with hidden_size" in w for w in resolved.warnings)
 
 
 def test_coord_check_is_flat_under_mup_and_grows_without(shapes: str, tmp_path: Path) -> None:
     """Our coordinate check (mup's get_coord_data, widths 64..512, two blocks, three Adam steps): after two updates
     the slope of log l1 against log width is about 0 under muP for the logits and each block, and clearly positive
     under the standard parametrisation (GPT-NeoX's fixed-std init and one lr for every width)."""
-    from megatron.training.mup_actions import coord_check, run_mup_action
+    from megatron.objectives import ObjectiveArgs, build_objective
+    from megatron.training.mup_actions import coord_check, coord_check_batches, run_mup_action
 
     path = str(tmp_path / "cc.bsh")
     config = GPTConfig(**{**BASE, "hidden_size": 64, "seq_length": 16, "max_position_embeddings": 16},
@@ -217,10 +223,10 @@ def test_coord_check_is_flat_under_mup_and_grows_without(shapes: str, tmp_path: 
     assert "wrote the muP base shapes" in run_mup_action(config, str(tmp_path), list, "adam", 1e-2,
                                                          torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(3):
-        x = torch.randint(0, 64, (4, 17), generator=gen)
-        batches.append((x[:, :-1], x[:, 1:].reshape(-1)))
+    samples = [{"text": torch.randint(0, 64, (17,), generator=gen).numpy()} for _ in range(12)]
+    batches = coord_check_batches(samples, 4, 3, build_objective(ObjectiveArgs()).prepare)
+    assert [tuple(x.shape) + tuple(y.shape) for x, y in batches] == [(4, 16, 64)] * 3
+    torch.testing.assert_close(batches[1][0][0], torch.as_tensor(samples[4]["text"][:-1]).long())
     frames = coord_check(config.replace(save_base_shapes=False, coord_check=True), batches, "adam", 1e-2,
                          str(tmp_path), widths=[64, 128, 256, 512])
     assert (tmp_path / "coord_check_up.png").stat().st_size > 10_000
