@@ -187,8 +187,8 @@ def shared_block_key(owner: int) -> str:
 
 
 def tied_embedding_logits(embedding: EmbeddingPipe, x_sbh: torch.Tensor) -> torch.Tensor:
-    x_sbh = mup_scaled_input(x_sbh, embedding.mup_output_mult)  # muP's output multiplier
     """The tied head on the last stage: logits from the (synchronised) token embedding."""
+    x_sbh = mup_scaled_input(x_sbh, embedding.mup_output_mult)  # muP's output multiplier
     return parallel_lm_logits(x_sbh, embedding.word_embeddings.weight, embedding.sequence_parallel)
 
 
