@@ -35,8 +35,8 @@ from megatron.model.mlp_width import MLPWidths, expert_width
 from megatron.model.norms import NORMS, NORM_KEYS, NormSettings
 from megatron.model.family_config import FAMILY_OF_TYPE, FamilyName, expand_layer_types, family_of
 from megatron.model.moe_config import MoEArgs
-from megatron.model.transformer_options import ATTENTION_TYPES, MLP_TYPES, POSITIONAL
 from megatron.model.mup_config import MupArgs
+from megatron.model.transformer_options import ATTENTION_TYPES, MLP_TYPES, POSITIONAL
 
 if TYPE_CHECKING:
     import torch
