@@ -30,11 +30,15 @@ _HEADER = """\
 Every key a Deepy config file may contain, grouped by the component that declares it (mostly as in
 GPT-NeoX; a group that differs says where GPT-NeoX files its keys), then the keys Deepy's plug-ins
 declare (a user's plug-ins add theirs). Keys may be written with `-`
-or `_`. A key marked *{flag}* is accepted only at its default value (or, where values
-are listed, with any value but those); setting it otherwise is an error, never silently ignored.
+or `_`. The support column says where a key (or, where values are listed, those values) is refused
+before launch, never silently ignored: *obsolete* keys say why and what to use instead; *needs <library>
+on an NVIDIA GPU* keys are built where that library and a GPU are present and refused elsewhere.{unsupported}
 
 {count} keys in {groups} groups.
 """
+
+_UNSUPPORTED = """ A key
+marked *{flag}* is accepted only at its default value (or with any value but those listed)."""
 
 
 def type_name(annotation: Any) -> str:
@@ -86,6 +90,11 @@ def support_note(name: str) -> str:
     return ""
 
 
+def _any_not_supported() -> bool:
+    """Whether some key (a plug-in's, say) is still marked "not supported yet"."""
+    return any(support_note(name).startswith(NOT_SUPPORTED) for name in NeoXArgs.field_names())
+
+
 def _cell(text: str) -> str:
     """Make text safe inside a markdown table cell."""
     return text.replace("|", "\\|").replace("\n", " ")
@@ -111,7 +120,8 @@ def _type_cell(name: str, annotation: Any) -> str:
 def render_markdown() -> str:
     """The whole reference page as one string (deterministic, ends with a newline)."""
     parts = [
-        _HEADER.format(flag=NOT_SUPPORTED, count=len(NeoXArgs.field_names()), groups=len(NeoXArgs.groups()))
+        _HEADER.format(unsupported=_UNSUPPORTED.format(flag=NOT_SUPPORTED) if _any_not_supported() else "",
+                       count=len(NeoXArgs.field_names()), groups=len(NeoXArgs.groups()))
     ]
     for group_name, group in NeoXArgs.groups().items():
         parts.append(f"\n## {group_name} (`{group.__name__}`)\n\n{_group_intro(group_name, group)}\n")
