@@ -1,4 +1,6 @@
-"""muP on Deepy's model, with Microsoft's ``mup`` package (1.0.0) as GPT-NeoX ea7aefd8 uses it.
+"""muP on Deepy's model, as GPT-NeoX ea7aefd8 builds it with Microsoft's ``mup`` package (1.0.0); that package's
+arithmetic (base shapes, width multipliers, MuAdam/MuSGD learning rates, its init) is ported in
+``megatron/model/mup_shapes.py``, since mup 1.0.0 requires torchvision, which breaks transformers on a CPU torch.
 
 * Base shapes (:func:`apply_base_shapes`; ``megatron/training/mup_actions.py`` writes them): mup's ``make_base_shapes`` of the model and
   of a "delta" model whose ``hidden_size`` is ``mup_width_scale`` times larger tells which dimensions are widths;
@@ -23,12 +25,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import mup
 import torch
 from torch import nn
 
 from megatron.errors import ConfigError
 from megatron.model.config import GPTConfig
+from megatron.model.mup_shapes import (InfShape, init_factor, load_base_shapes, mu_adam_groups, mu_sgd_groups,
+                                       zip_infshape)
 from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron.mpu.topology import get_tensor_model_parallel_world_size
 
@@ -56,26 +59,18 @@ def model_shapes(model: nn.Module, name_of: NameOf = lambda name: name) -> dict[
     return {name_of(name): full_shape(param) for name, param in model.named_parameters()}
 
 
-def _infshapes(model: nn.Module, path: str, name_of: NameOf) -> dict[str, Any]:
-    """mup's ``InfShape`` of each of ``model``'s parameters (by its own name) from the base shapes file."""
+def _infshapes(model: nn.Module, path: str, name_of: NameOf) -> dict[str, InfShape]:
+    """mup's ``InfShape`` of each of ``model``'s parameters (by its own name) from the base shapes file (mup's
+    ``set_base_shapes(model, file)``: a dimension is a width where the file gives it a base size)."""
     if not Path(path).is_file():
         raise ConfigError(f"base_shapes_file={path!r}: no such file; write it first with save_base_shapes: true")
     shapes = model_shapes(model, name_of)
-    wanted = set(shapes)
-    base = {name: shape for name, shape in mup.load_base_shapes(path).items() if name in wanted}
-    missing = sorted(wanted - set(base))
+    base = load_base_shapes(path)
+    missing = sorted(set(shapes) - set(base))
     if missing:
         raise ConfigError(f"base_shapes_file={path!r} has no shapes for {missing[:3]} (of {len(missing)}): it was "
                           "written for another model; write it again with save_base_shapes: true")
-    by_model_name = mup.zip_infshapes(base, shapes)
-    return {name: by_model_name[name_of(name)] for name, _ in model.named_parameters()}
-
-
-def init_factor(infshape: Any) -> float:
-    """What ``mup.init.normal_(std)`` draws, over ``normal(std)``: ``1 / sqrt(width_mult)`` for a weight with two
-    width dimensions, 1 otherwise (mup 1.0.0 ``constant_std_init_``)."""
-    assert infshape.ninf() <= 2, "the model's weights are matrices"
-    return infshape.width_mult() ** -0.5 if infshape.ninf() == 2 else 1.0
+    return {name: zip_infshape(base[name_of(name)], shapes[name_of(name)]) for name, _ in model.named_parameters()}
 
 
 @torch.no_grad()
@@ -90,18 +85,20 @@ def apply_base_shapes(model: nn.Module, config: GPTConfig, name_of: NameOf = lam
     assert config.base_shapes_file is not None
     infshapes = _infshapes(model, config.base_shapes_file, name_of)
     for name, param in model.named_parameters():
-        param.infshape = infshapes[name]  # type: ignore[attr-defined]  # mup's attribute, read by MuAdam/MuSGD
+        param.infshape = infshapes[name]  # type: ignore[attr-defined]  # mup's attribute, read by mup_param_groups
     for module in model.modules():
         if isinstance(module, REDRAWN_LAYERS) and not module.weight.is_meta:
             module.weight.mul_(init_factor(infshapes_of(module.weight)) * config.mup_init_scale)
         if hasattr(module, "mup_output_mult"):  # the untied output layer, or the embedding that is the tied one
             head = module if isinstance(module, ColumnParallelLinear) else getattr(module, "word_embeddings")
-            module.mup_output_mult = 1.0 / (infshapes_of(head.weight).width_mult() * config.mup_output_temp)
+            setattr(module, "mup_output_mult", 1.0 / (infshapes_of(head.weight).width_mult() * config.mup_output_temp))
 
 
-def infshapes_of(param: torch.Tensor) -> Any:
-    """The ``infshape`` (mup's InfShape) that :func:`apply_base_shapes` gave ``param``."""
-    return getattr(param, "infshape")
+def infshapes_of(param: torch.Tensor) -> InfShape:
+    """The ``infshape`` that :func:`apply_base_shapes` gave ``param``."""
+    infshape = getattr(param, "infshape")
+    assert isinstance(infshape, InfShape)
+    return infshape
 
 
 def output_mult(config: GPTConfig) -> float:
@@ -130,17 +127,12 @@ def straight_through_mult(x: torch.Tensor, mult: float) -> torch.Tensor:
 
 
 # --- optimizer ---------------------------------------------------------------------------------------------------
-def _collect(groups: list[dict[str, Any]], **_: Any) -> list[dict[str, Any]]:
-    """Stands in for the optimizer class mup's MuAdam/MuSGD build, to keep the groups they made."""
-    return groups
-
-
 def mup_param_groups(groups: Iterable[dict[str, Any]], kind: str, peak_lr: float) -> list[dict[str, Any]]:
     """mup's MuAdam (``kind`` adam: width-``m`` matrices get ``lr / m`` and ``weight_decay * m``) or MuSGD (sgd)
-    split of ``groups`` (Deepy's decay / no-decay groups); each new group's learning rate is kept as
-    ``lr_scale`` = its lr over ``peak_lr``, which Deepy's schedule multiplies in at every step."""
-    split = mup.MuSGD if kind == "sgd" else mup.MuAdam
-    made = split([dict(g) for g in groups], impl=_collect, lr=peak_lr)
+    split of ``groups`` (Deepy's decay / no-decay groups; ``megatron/model/mup_shapes.py``); each new group's learning
+    rate is kept as ``lr_scale`` = its lr over ``peak_lr``, which Deepy's schedule multiplies in at every step."""
+    split = mu_sgd_groups if kind == "sgd" else mu_adam_groups
+    made = split([dict(g) for g in groups], lr=peak_lr)
     # the groups keep their muP lr too: it is what the optimizer holds until the schedule's first update
     return [{**group, "lr_scale": group.get("lr_scale", 1.0) * (group["lr"] / peak_lr if peak_lr else 1.0)}
             for group in made if group["params"]]  # ZeRO rejects empty groups

@@ -1,6 +1,7 @@
-"""muP (use_mup and its keys, megatron/model/mup.py): the model's init and multipliers against GPT-NeoX ea7aefd8's
-formulas re-derived here, the optimizer's learning rates against mup's own MuAdam, the base shapes file read back
-by mup itself, and the coordinate check: flat activations across widths under muP, growing ones without."""
+"""muP (use_mup and its keys, megatron/model/mup.py and mup_shapes.py): the model's init and multipliers against
+GPT-NeoX ea7aefd8's formulas re-derived here, the optimizer's learning rates against mup 1.0.0's MuAdam/MuSGD rules
+written out here, the base shapes file against mup's YAML format written by hand, and the coordinate check: flat
+activations across widths under muP, growing ones without. (Deepy does not install mup: it requires torchvision.)"""
 
 from __future__ import annotations
 
@@ -8,16 +9,17 @@ import math
 from pathlib import Path
 from typing import Any
 
-import mup
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 from megatron.config_rules import Device
 from megatron.errors import ConfigError
 from megatron.model import GPTConfig, GPTModel
-from megatron.model.mup import apply_base_shapes
+from megatron.model.mup import apply_base_shapes, mup_param_groups
+from megatron.model.mup_shapes import zip_infshape
 from megatron.training.mup_actions import write_base_shapes
 from megatron.neox_arguments import config_from_mapping
 from megatron.neox_arguments.derived import finalize
@@ -49,19 +51,50 @@ def _pair(path: str, **mup_keys: Any) -> tuple[GPTModel, GPTModel, GPTConfig]:
     return mu, sp, config
 
 
-def test_save_base_shapes_writes_a_file_mup_reads(shapes: str) -> None:
-    """mup's own load_base_shapes/set_base_shapes read it: hidden dimensions are widths based at 32 (mup_width_scale
-    told them apart), the vocabulary and positions are not."""
-    base = mup.load_base_shapes(shapes)
-    assert base["embedding.word_embeddings.weight"].base_shape() == [None, 32]
-    assert base["embedding.position_embeddings.weight"].base_shape() == [None, 32]
-    assert base["layers.0.attention.query_key_value.weight"].base_shape() == [96, 32]
-    assert base["layers.0.mlp.dense_h_to_4h.weight"].base_shape() == [128, 32]
-    model = GPTModel(GPTConfig(**{**BASE, "hidden_size": WIDE}))
-    mup.set_base_shapes(model, shapes, rescale_params=False)
+MUP_HEADER = """\
+# This is a base shape file encoded in yaml
+# - `null` indicates a dimension is "finite", i.e. a non-"width" dimension
+# - a number indicates the base dimension of an "infinite" dimension, i.e. some notion of "width"
+"""
+"""mup 1.0.0 shape.py's __BSH_COMMENT__, copied by hand."""
+
+
+def expected_base_shapes(untied: bool = False) -> dict[str, list[int | None]]:
+    """BASE's base shapes worked out by hand: against a 64-wide delta model every dimension of size hidden (32),
+    3 x hidden (96) or 4 x hidden (128) is a width at its base size; the vocabulary (64) and positions (8) are not."""
+    h = 32
+    shapes: dict[str, list[int | None]] = {"embedding.word_embeddings.weight": [None, h],
+                                           "embedding.position_embeddings.weight": [None, h],
+                                           "final_norm.weight": [h], "final_norm.bias": [h]}
+    for i in range(2):
+        layer = f"layers.{i}"
+        shapes.update({
+            f"{layer}.input_layernorm.weight": [h], f"{layer}.input_layernorm.bias": [h],
+            f"{layer}.attention.query_key_value.weight": [3 * h, h], f"{layer}.attention.query_key_value.bias": [3 * h],
+            f"{layer}.attention.dense.weight": [h, h], f"{layer}.attention.dense.bias": [h],
+            f"{layer}.post_attention_layernorm.weight": [h], f"{layer}.post_attention_layernorm.bias": [h],
+            f"{layer}.mlp.dense_h_to_4h.weight": [4 * h, h], f"{layer}.mlp.dense_h_to_4h.bias": [4 * h],
+            f"{layer}.mlp.dense_4h_to_h.weight": [h, 4 * h], f"{layer}.mlp.dense_4h_to_h.bias": [h]})
+    if untied:
+        shapes["output_layer.weight"] = [None, h]
+    return shapes
+
+
+def test_save_base_shapes_writes_mups_file(shapes: str) -> None:
+    """The file is byte for byte what mup 1.0.0's save_base_shapes writes for these base shapes (its header, then
+    yaml.dump(..., indent=4)); hidden dimensions are widths based at 32 (mup_width_scale told them apart), the
+    vocabulary and positions are not. Read back on a 4x wider model: two-width matrices have multiplier 4."""
+    expected = expected_base_shapes()
+    text = Path(shapes).read_text()
+    assert text == MUP_HEADER + yaml.dump(expected, None, indent=4)
+    assert yaml.safe_load(text) == expected
+    config = GPTConfig(**{**BASE, "hidden_size": WIDE}, use_mup=True, base_shapes_file=shapes)
+    model = GPTModel(config)
+    apply_base_shapes(model, config)
     assert model.layers[1].mlp.dense_4h_to_h.weight.infshape.width_mult() == 4.0
     assert model.layers[1].mlp.dense_4h_to_h.weight.infshape.ninf() == 2
     assert model.embedding.word_embeddings.weight.infshape.ninf() == 1
+    assert model.final_norm.weight.infshape.ninf() == 1
 
 
 def test_init_is_gpt_neoxs_mup_init(shapes: str) -> None:
@@ -78,12 +111,9 @@ def test_init_is_gpt_neoxs_mup_init(shapes: str) -> None:
             torch.testing.assert_close(p, q * 0.5, msg=name)  # vocab x width: one width dim
         else:  # norms, biases, learned positions (GPT-NeoX's nn.Embedding is not re-drawn)
             torch.testing.assert_close(p, q, msg=name)
-    # and the std is what mup's own init draws for that shape (statistically)
+    # and the std is mup's init.normal_(std=0.02) for a two-width weight (std / sqrt(width_mult)), times the scale
     w = mu.layers[0].mlp.dense_h_to_4h.weight
-    ref = torch.empty(w.shape)
-    ref.infshape = w.infshape  # type: ignore[attr-defined]
-    mup.init.normal_(ref, std=0.02)
-    assert float(w.detach().std()) == pytest.approx(float(ref.std()) * 0.5, rel=0.05)
+    assert float(w.detach().std()) == pytest.approx(0.02 / math.sqrt(wm) * 0.5, rel=0.05)
 
 
 def test_attention_scores_are_divided_by_head_dim_and_temperature(shapes: str) -> None:
@@ -109,6 +139,7 @@ def test_logits_are_divided_by_width_mult_and_output_temp(shapes: str, untied: b
     if untied:  # another model: its own base shapes
         path = str(Path(shapes).with_name("untied.bsh"))
         write_base_shapes(GPTConfig(**BASE, no_weight_tying=True, use_mup=True, base_shapes_file=path), path)
+        assert yaml.safe_load(Path(path).read_text()) == expected_base_shapes(untied=True)
     mu, _, _ = _pair(path, mup_output_temp=3.0, no_weight_tying=untied)
     seen: dict[str, torch.Tensor] = {}
     mu.final_norm.register_forward_hook(lambda m, i, o: seen.update(h=o))
@@ -163,8 +194,9 @@ def one_rank() -> Any:
 
 def test_engine_learning_rates_are_mups_muadam(one_rank: Any, shapes: str) -> None:
     """build_engine (real DeepSpeed engine, Deepy's schedule) with use_mup: every parameter's learning rate and weight
-    decay are what mup's own MuAdam gives it, at every step of the schedule (GPT-NeoX's AnnealingLR would reset
-    them: docs/mup.md)."""
+    decay are mup 1.0.0's MuAdam's, written out here from the hand-written base shapes (a parameter with two width
+    dimensions: lr / fan-in multiplier, weight_decay x it; any other: unchanged), at every step of the schedule
+    (GPT-NeoX's AnnealingLR would reset them: docs/mup.md)."""
     from megatron.engine.build import build_engine
     from megatron.neox_arguments.run_config import RunConfig
 
@@ -172,20 +204,52 @@ def test_engine_learning_rates_are_mups_muadam(one_rank: Any, shapes: str) -> No
                 warmup=0.0, lr_decay_style="constant", lr=1e-3)
     run = RunConfig.from_resolved(finalize(config_from_mapping({**LAUNCH, **keys}), 1, device=DEVICE))
     eng = build_engine(run, run.model.with_vocab(64), 4)
-    module = eng.engine.module
-    reference = mup.MuAdam([{"params": [p for n, p in module.named_parameters() if "norm" not in n
-                                        and not n.endswith("bias")], "weight_decay": 0.1},
-                            {"params": [p for n, p in module.named_parameters() if "norm" in n or n.endswith("bias")],
-                             "weight_decay": 0.0}], lr=1e-3)
-    want = {id(p): (g["lr"], g["weight_decay"]) for g in reference.param_groups for p in g["params"]}
+    base = expected_base_shapes()
+    want = {}
+    for name, p in eng.engine.module.named_parameters():
+        decay = 0.0 if "norm" in name or name.endswith("bias") else 0.1
+        widths = [(b, d) for b, d in zip(base[name], p.shape) if b is not None]
+        mult = widths[-1][1] / widths[-1][0] if len(widths) == 2 else 1.0
+        want[id(p)] = (1e-3 / mult, decay * mult)
+    assert sorted({lr for lr, _ in want.values()}) == [1e-3 / 4, 1e-3]
     for _ in range(2):
         got = {id(p): (g["lr"], g["weight_decay"]) for g in eng.optimizer.param_groups for p in g["params"]}
         assert got.keys() == want.keys()
         for key, (lr, wd) in want.items():
             assert got[key] == (pytest.approx(lr), pytest.approx(wd))
         eng.lr_scheduler.step()
-    matrices = [g for g in eng.optimizer.param_groups if g["lr"] == pytest.approx(1e-3 / 4)]
-    assert matrices and all(p.infshape.ninf() == 2 for g in matrices for p in g["params"])
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_param_groups_follow_mups_muadam_and_musgd(kind: str) -> None:
+    """mup 1.0.0 optim.py's rules, written out per parameter: MuAdam divides a matrix-like parameter's lr by its
+    fan-in multiplier (and multiplies its weight decay by it); MuSGD multiplies a vector-like parameter's lr by its
+    multiplier (weight decay divided) and divides a matrix-like one's by fan-in over fan-out multiplier (weight
+    decay multiplied); finite parameters keep the group's values."""
+    def param(base: list[int | None], shape: list[int]) -> torch.nn.Parameter:
+        p = torch.nn.Parameter(torch.zeros(shape))
+        p.infshape = zip_infshape(base, shape)  # type: ignore[attr-defined]
+        return p
+
+    matrix = param([32, 32], [128, 256])  # fan-out x4, fan-in x8
+    square = param([32, 32], [96, 96])  # x3 both
+    column = param([16, None], [64, 10])  # one width, x4
+    row = param([None, 16], [10, 48])  # one width, x3
+    finite = param([None], [10])
+    lr, wd = 0.1, 0.5
+    groups = mup_param_groups([{"params": [matrix, square, column], "weight_decay": wd},
+                               {"params": [row, finite], "weight_decay": 0.0}], kind, lr)
+    got = {id(p): (g["lr"], g["weight_decay"], g["lr_scale"]) for g in groups for p in g["params"]}
+    if kind == "adam":
+        want = {matrix: (lr / 8, wd * 8), square: (lr / 3, wd * 3), column: (lr, wd), row: (lr, 0.0),
+                finite: (lr, 0.0)}
+    else:
+        want = {matrix: (lr / 2, wd * 2), square: (lr, wd), column: (lr * 4, wd / 4), row: (lr * 3, 0.0),
+                finite: (lr, 0.0)}
+    assert got.keys() == {id(p) for p in want}
+    for p, (p_lr, p_wd) in want.items():
+        assert got[id(p)] == (pytest.approx(p_lr), pytest.approx(p_wd), pytest.approx(p_lr / lr))
+    assert all(g["params"] for g in groups)
 
 
 def _refused(**keys: Any) -> str:
@@ -211,7 +275,8 @@ def test_refused_before_launch(shapes: str) -> None:
 
 
 def test_coord_check_is_flat_under_mup_and_grows_without(shapes: str, tmp_path: Path) -> None:
-    """Our coordinate check (mup's get_coord_data, widths 64..512, two blocks, three Adam steps): after two updates
+    """Our coordinate check (mup's get_coord_data ported, widths 64..512, two blocks, three Adam steps): each record is
+    the l1 of a module's output (checked directly at init); after two updates
     the slope of log l1 against log width is about 0 under muP for the logits and each block, and clearly positive
     under the standard parametrisation (GPT-NeoX's fixed-std init and one lr for every width)."""
     from megatron.objectives import ObjectiveArgs, build_objective
@@ -227,15 +292,28 @@ def test_coord_check_is_flat_under_mup_and_grows_without(shapes: str, tmp_path: 
     batches = coord_check_batches(samples, 4, 3, build_objective(ObjectiveArgs()).prepare)
     assert [tuple(x.shape) + tuple(y.shape) for x, y in batches] == [(4, 16, 64)] * 3
     torch.testing.assert_close(batches[1][0][0], torch.as_tensor(samples[4]["text"][:-1]).long())
-    frames = coord_check(config.replace(save_base_shapes=False, coord_check=True), batches, "adam", 1e-2,
-                         str(tmp_path), widths=[64, 128, 256, 512])
+    config = config.replace(save_base_shapes=False, coord_check=True)
+    records = coord_check(config, batches, "adam", 1e-2, str(tmp_path), widths=[64, 128, 256, 512])
     assert (tmp_path / "coord_check_up.png").stat().st_size > 10_000
     assert (tmp_path / "coord_check_sp.png").stat().st_size > 10_000
 
+    def l1(tag: str, module: str, t: int) -> dict[int, float]:
+        return {r.width: r.l1 for r in records[tag] if r.module == module and r.t == t}
+
+    # what mup's _record_coords records before the first update: x.abs().mean() of the module's output, here
+    # computed directly on the 128-wide muP model (built again: its weights come from the config's seed)
+    wide = config.replace(hidden_size=128)
+    model = GPTModel(wide)
+    apply_base_shapes(model, wide)
+    with torch.no_grad():
+        assert l1("up", "", 1)[128] == pytest.approx(float(model(batches[0][0]).abs().mean()), rel=1e-5)
+        assert l1("up", "embedding", 1)[128] == pytest.approx(float(model.embedding(batches[0][0]).abs().mean()),
+                                                              rel=1e-5)
+
     def slope(tag: str, module: str) -> float:
-        df = frames[tag]
-        at = df[(df.module == module) & (df.t == 3)].sort_values("width")
-        return float(np.polyfit(np.log2(at.width), np.log2(at.l1), 1)[0])
+        at = sorted(l1(tag, module, 3).items())
+        assert [w for w, _ in at] == [64, 128, 256, 512]
+        return float(np.polyfit(np.log2([w for w, _ in at]), np.log2([v for _, v in at]), 1)[0])
 
     for module in ("", "layers.0", "layers.1.attention", "layers.1.mlp"):
         assert abs(slope("up", module)) < 0.2, module
