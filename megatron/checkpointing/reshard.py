@@ -54,7 +54,13 @@ from megatron.checkpointing.neox import NeoxNames, canonical_rank_weights, pipel
 from megatron.checkpointing.safe_load import load_checkpoint_file, weights_only_loading
 from megatron.deepspeed_internals import merge_universal_tp_slices, restore_engine_counters
 from megatron.errors import CheckpointError
-from megatron.model.pipeline import is_pipeline_parameter_name, model_parameter_name, pipeline_parameter_name
+from megatron.model.pipeline import (
+    is_pipeline_parameter_name,
+    model_parameter_name,
+    pipeline_file_name,
+    pipeline_parameter_name,
+)
+from megatron.model.soft_prompt_settings import SoftPromptSettings
 from megatron.mpu import topology
 from megatron.mpu.initialize_weights import shard_tensor, tensor_parallel_partition
 
@@ -175,23 +181,25 @@ def _rank_weights(ckpt_dir: Path, tp: int, tp_rank: int, pipeline: bool, layer_n
     full = {}
     for spec, layer in pipeline_rank_weights(ckpt_dir, layer_names, tp, tp_rank).items():
         full.update({f"{spec}.{local}": t for local, t in layer.items()})
-    # the tied embedding is named tied_modules.embed.<name> by the module, 0.<name> in its file
-    return {name: full[f"0.{name.split('.', 2)[2]}" if name.startswith("tied_modules.") else name]
-            for name in wanted}
+    # the tied embedding is named tied_modules.embed.<name> by the module, 0.<name> in its file (a shared block:
+    # tied_modules.shared_block_<owner>.<name>, <owner + 1>.<name>)
+    return {name: full[pipeline_file_name(name)] for name in wanted}
 
 
 # --- making a universal checkpoint loadable by any target -------------------------------------------------------
 def complete_for_any_target(universal: Path, *, num_layers: int, tied: bool, vocab_rows: int | None,
-                            vocab_patterns: list[str], info: dict[str, Any] | None = None) -> None:
+                            vocab_patterns: list[str], info: dict[str, Any] | None = None,
+                            shared: frozenset[int] = frozenset()) -> None:
     """Make ``universal`` loadable by a plain or pipeline engine at any ZeRO stage (idempotent).
 
     ``vocab_rows``: the loading run's padded vocabulary (a smaller tp pads less, a larger one more;
     the rows added or dropped are padding beyond the tokenizer's vocabulary). ``info``: the checkpoint's
-    ``universal_checkpoint_info`` (how each parameter splits over tp).
+    ``universal_checkpoint_info`` (how each parameter splits over tp). ``shared``: the owners of blocks that
+    several positions share (``num_unique_layers``), named as tied modules by a pipeline.
     """
     zero = universal / ZERO_DIR
     _shape_zero3_tensors(universal, info or {})
-    _link_both_names(zero, num_layers, tied)
+    _link_both_names(zero, num_layers, tied, shared)
     if vocab_rows:
         fit_vocabulary_rows(zero, vocab_patterns, vocab_rows)
     state_file = zero / OPTIMIZER_STATE_FILE
@@ -250,12 +258,12 @@ def _shape_zero3_tensors(universal: Path, info: dict[str, Any]) -> None:
     shutil.rmtree(slices, ignore_errors=True)
 
 
-def _link_both_names(zero: Path, num_layers: int, tied: bool) -> None:
+def _link_both_names(zero: Path, num_layers: int, tied: bool, shared: frozenset[int]) -> None:
     """Each parameter's folder under its GPTModel name and its PipelineModule name (relative links)."""
     for folder in sorted(p for p in zero.iterdir() if p.is_dir() and not p.is_symlink()):
         canonical = model_parameter_name(folder.name) if is_pipeline_parameter_name(folder.name) else folder.name
         try:
-            pipe = pipeline_parameter_name(canonical, num_layers, tied)
+            pipe = pipeline_parameter_name(canonical, num_layers, tied, shared)
         except ValueError:
             continue  # not a GPT parameter (nothing to rename)
         for alias in {canonical, pipe} - {folder.name}:
@@ -395,8 +403,8 @@ def write_frozen_parameters(ckpt_dir: Path, target: Path, meta: dict[str, Any]) 
     Stored in fp32 like every universal tensor (lossless for a bf16/fp16 base; loading casts back).
     """
     args = meta.get("args") or {}
-    if int(args.get("lora_r") or 0) == 0:
-        return []
+    if int(args.get("lora_r") or 0) == 0 and SoftPromptSettings.of(args.get("soft_prompt_tuning")) is None:
+        return []  # a soft prompt's run freezes every weight but the prompt, too
     layout = meta["layout"]
     tp, pipeline = int(layout["tp"]), bool(layout.get("pipeline", False))
     zero = target / ZERO_DIR

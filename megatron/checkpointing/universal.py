@@ -59,6 +59,7 @@ from megatron.checkpointing import commit, reshard
 from megatron.checkpointing.layout import Layout, check_convertible, needs_universal  # noqa: F401  (their home)
 from megatron.checkpointing.neox import NeoxNames
 from megatron.errors import CheckpointError
+from megatron.model.layer_sharing import shared_owners
 from megatron.model.partitioning import tp_partition_patterns
 
 if TYPE_CHECKING:
@@ -123,8 +124,11 @@ def prepare_universal(ckpt_dir: Path, meta: dict[str, Any], vocab_rows: int | No
             commit.write_commit_marker(target, marker or commit.CommitInfo(step=-1, kind="step", time=time.time()))
     args = meta.get("args") or {}
     tied = not args.get("no_weight_tying", False) and args.get("train_impl") != "rm"
+    shared = shared_owners(int(args["num_layers"]), args.get("num_unique_layers"),
+                           str(args.get("param_sharing_style") or "grouped"))
     reshard.complete_for_any_target(target, num_layers=int(args["num_layers"]), tied=tied, vocab_rows=vocab_rows,
-                                    vocab_patterns=list(info.get("vocabulary_parameter_patterns", [])), info=info)
+                                    vocab_patterns=list(info.get("vocabulary_parameter_patterns", [])), info=info,
+                                    shared=shared)
     return target
 
 

@@ -28,6 +28,7 @@ from megatron.model.activations import get_activation
 from megatron.model.config import Activation, GPTConfig
 from megatron.interop.hf_keys import neox_model_keys
 from megatron.model.rope_scaling import RopeScalingError, parse_rope_scaling
+from megatron.model.soft_prompt_settings import SoftPromptSettings
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -76,6 +77,12 @@ def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list
         return None, [f"attention_config: {kinds} layers (transformers has MambaForCausalLM for all-Mamba models "
                       f"only; no RWKV-6, gMLP or mixed stacks)"]
     problems: list[str] = []
+    if SoftPromptSettings.of(config.soft_prompt_tuning) is not None:
+        problems.append("soft_prompt_tuning: enabled (the trained prompt is prepended after the embedding; a "
+                        "transformers causal LM has no place for it: export the base model's checkpoint instead)")
+    if config.use_mup:
+        problems.append("use_mup: true (muP's attention scale 1/head_dim, embedding and output multipliers have no "
+                        "equivalent in transformers' GPTNeoX, Llama and Mistral)")
     if config.value_head:
         problems.append("value_head (train_impl: rm): a reward model's value head has no causal-LM equivalent")
     if config.pos_emb != "rotary":

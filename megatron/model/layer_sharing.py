@@ -39,3 +39,9 @@ def sharing_owner(layer_number: int, num_layers: int, num_unique_layers: int | N
 def sharing_owners(num_layers: int, num_unique_layers: int | None, style: str) -> list[int]:
     """``sharing_owner`` of every block, in order."""
     return [sharing_owner(i, num_layers, num_unique_layers, style) for i in range(num_layers)]
+
+
+def shared_owners(num_layers: int, num_unique_layers: int | None, style: str) -> frozenset[int]:
+    """The owners of the parameter sets that two or more positions share (each a tied module in a pipeline)."""
+    owners = sharing_owners(num_layers, num_unique_layers, style)
+    return frozenset(owner for i, owner in enumerate(owners) if owner != i)

@@ -24,7 +24,7 @@ from megatron.model.embedding import GPTEmbedding
 from megatron.model.family_config import FAMILIES
 from megatron.model.gmlp import GMLPBlock
 from megatron.model.gpt import ValueHead, build_final_norm, build_output_layer
-from megatron.model.layer_sharing import sharing_owners
+from megatron.model.layer_sharing import shared_owners, sharing_owners
 from megatron.model.soft_prompt import SoftPrompt
 from megatron.model.soft_prompt_settings import PROMPT_NAME, SoftPromptSettings
 from megatron.model.mamba import MambaLayer
@@ -227,6 +227,8 @@ def pipeline_location(name: str, num_layers: int) -> tuple[int, str]:
     `pipeline_layer_specs` builds: the inverse of `model_parameter_name` up to the tied prefix."""
     if name.startswith("embedding."):
         return 0, name.removeprefix("embedding.")
+    if name.startswith(f"{PROMPT_NAME}."):  # the soft prompt lives in the embedding stage
+        return 0, name
     if name.startswith("layers."):
         _, index, rest = name.split(".", 2)
         return int(index) + 1, rest
@@ -237,13 +239,27 @@ def pipeline_location(name: str, num_layers: int) -> tuple[int, str]:
     raise ValueError(f"parameter {name!r} has no place in the pipeline layers")
 
 
-def pipeline_parameter_name(name: str, num_layers: int, tied: bool) -> str:
+def pipeline_parameter_name(name: str, num_layers: int, tied: bool, shared: frozenset[int] = frozenset()) -> str:
     """`PipelineModule`'s name for a `GPTModel` parameter (the inverse of `model_parameter_name`);
-    `tied`: the embedding is shared with the output layer, so it lives under `tied_modules`."""
+    `tied`: the embedding is shared with the output layer, so it lives under `tied_modules`; `shared`: the
+    owners of shared blocks (`layer_sharing.shared_owners`), each a tied module too (`SharedBlockSpec`)."""
     index, local = pipeline_location(name, num_layers)
     if tied and index == 0:
         return f"tied_modules.{TIED_EMBEDDING_KEY}.{local}"
+    if name.startswith("layers.") and index - 1 in shared:
+        return f"tied_modules.{shared_block_key(index - 1)}.{local}"
     return f"{index}.{local}"
+
+
+def pipeline_file_name(pipeline_name: str) -> str:
+    """The name (`<spec index>.<name>`) a `PipelineModule` parameter has in the per-layer checkpoint files: a tied
+    module is in the file of every layer holding it, the embedding in spec 0's, a shared block in its owner's."""
+    if not pipeline_name.startswith("tied_modules."):
+        return pipeline_name
+    key, rest = pipeline_name.removeprefix("tied_modules.").split(".", 1)
+    if key.startswith(SHARED_BLOCK_PREFIX):
+        return f"{int(key.removeprefix(SHARED_BLOCK_PREFIX)) + 1}.{rest}"
+    return f"0.{rest}"
 
 
 def is_pipeline_parameter_name(name: str) -> bool:
@@ -272,7 +288,7 @@ def pipeline_layer_specs(config: GPTConfig) -> list[LayerSpec]:
     else:
         first, last = LayerSpec(EmbeddingPipe, config), LayerSpec(OutputLayerPipe, config)
     owners = sharing_owners(config.arch.layers, config.num_unique_layers, config.param_sharing_style)
-    shared = {owner for i, owner in enumerate(owners) if owner != i}
+    shared = shared_owners(config.arch.layers, config.num_unique_layers, config.param_sharing_style)
     layers = [SharedBlockSpec(shared_block_key(owner), FAMILIES[block_family(config, owner)].pipe_class(), config, owner)
               if owner in shared else LayerSpec(FAMILIES[block_family(config, i)].pipe_class(), config, i)
               for i, owner in enumerate(owners)]
