@@ -34,7 +34,7 @@ def slowed(batches, seconds):  # type: ignore[no-untyped-def]
         yield batch
 
 
-def faulty_train_step(eng, micro_batches, device):  # type: ignore[no-untyped-def]
+def faulty_train_step(eng, micro_batches, device, *rest):  # type: ignore[no-untyped-def]
     watch = hang_watch.current()
     step = (watch.heartbeat.step if watch is not None else 0) + 1
     rank = os.environ.get("RANK")
@@ -50,7 +50,7 @@ def faulty_train_step(eng, micro_batches, device):  # type: ignore[no-untyped-de
             marker.write_text(str(os.getpid()))
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL if action.rstrip("!") == "kill" else signal.SIGSTOP)
-    return real_train_step(eng, micro_batches, device)
+    return real_train_step(eng, micro_batches, device, *rest)
 
 
 loop.train_step = faulty_train_step

@@ -78,8 +78,8 @@ ERROR_CASES = {
     "missing_key": ({"m.yml": "lr: 0.1\ntrain_micro_batch_size_per_gpu: 1\nuse_dummy_dataset: true\n"},
                     ["train.py", "m.yml"], ["num_layers", "not set"]),
     "bad_combination": ({}, ["train.py", "model.yml", "num_attention_heads=5"], ["num_attention_heads", "5", "hidden_size"]),
-    "unsupported": ({"x.yml": "sparsity_config: {block: 16}\n"}, ["train.py", "model.yml", "x.yml"],
-                    ["not supported yet", "sparsity_config", "x.yml:1"]),
+    "obsolete": ({"x.yml": "sparsity_config: {block: 16}\n"}, ["train.py", "model.yml", "x.yml"],
+                 ["is obsolete", "sparsity_config", "DeepSpeed 0.19.8", "x.yml:1"]),
 }
 
 
