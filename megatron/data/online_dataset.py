@@ -16,6 +16,11 @@ the completion's tokens only), both padded to ``seq_length + 1`` with token 0 / 
 ``raw_reward`` as ``[1]`` float32. A rollout longer than ``seq_length + 1`` tokens is refused by name (GPT-NeoX
 passes it on unpadded, and the batch then fails to stack or runs past ``seq_length``).
 
+**Parallel ranks.** The ranks that read one data shard (its tensor- and context-parallel ranks) see the same rollouts:
+the shard's first rank fetches them and broadcasts the list to the others over a gloo group each split's dataset
+makes for itself (GPT-NeoX reads data on tensor-parallel rank 0 and broadcasts the batch, training.py get_batch ->
+mpu.broadcast_data @ea7aefd8), so a server gets one request per data shard, not one per rank.
+
 The index a sample is asked for is not read: the samples come in the order the server sends them, and a resumed run
 asks the server for new ones (its position is the server's business, as in GPT-NeoX).
 """
@@ -28,6 +33,7 @@ import socket
 from typing import Any
 
 import numpy as np
+import torch.distributed as dist
 
 from megatron import mpu
 from megatron.errors import DataError
@@ -72,6 +78,8 @@ class OnlineDataset:
         self.ips, self.ports, self.leave_one_out = ips, ports, leave_one_out
         self.reward_buffer: list[float] = []
         self.samples: list[tuple[list[int], list[int], float, float]] = []
+        # built on every rank, in the same order (build_datasets): the group of the ranks reading this data shard
+        self.group, self.fetcher = mpu.new_data_shard_group() if mpu.model_parallel_is_initialized() else (None, 0)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -80,9 +88,30 @@ class OnlineDataset:
         rank = mpu.get_data_shard_rank()
         return str(for_rank(self.ips, rank)), int(for_rank(self.ports, rank))
 
+    def receive(self, host: str, port: int) -> list[dict[str, Any]]:
+        """The next rollouts: fetched here, or on the shard's first rank and broadcast (module docstring). Every
+        rank of the shard refills at the same sample, so they all enter the broadcast, in the same order."""
+        if self.group is None:
+            return fetch_rollouts(host, port, self.split)
+        box: list[Any] = [None]
+        failure: Exception | None = None
+        if dist.get_rank() == self.fetcher:
+            try:
+                box[0] = fetch_rollouts(host, port, self.split)
+            except Exception as err:  # the others are waiting in the broadcast: they are told, then it is raised
+                failure, box[0] = err, f"{type(err).__name__}: {err}"
+        dist.broadcast_object_list(box, src=self.fetcher, group=self.group)
+        if failure is not None:
+            raise failure
+        if isinstance(box[0], str):
+            raise DataError(f"rank {self.fetcher}, which fetches this data shard's {self.split} rollouts from "
+                            f"{host}:{port}, failed: {box[0]}")
+        rollouts: list[dict[str, Any]] = box[0]
+        return rollouts
+
     def refill(self) -> None:
         host, port = self.server()
-        rollouts = fetch_rollouts(host, port, self.split)
+        rollouts = self.receive(host, port)
         log.debug("online data: %d rollouts from %s:%d for %s", len(rollouts), host, port, self.split)
         for rollout in rollouts:
             raw = [float(r) for r in rollout["rewards"]]

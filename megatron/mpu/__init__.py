@@ -55,6 +55,7 @@ _EXPORTS = {
     "get_context_parallel_rank": "topology",
     "get_data_shard_rank": "topology",
     "get_data_shard_count": "topology",
+    "new_data_shard_group": "topology",
     "collective_device": "topology",
     "rank0_decides": "topology",
     # the names DeepSpeed looks for on the module passed as deepspeed.initialize(mpu=...)

@@ -193,6 +193,28 @@ def get_data_shard_count() -> int:
     return get_data_parallel_world_size() // _STATE.cp if _STATE.topology is not None else 1
 
 
+def new_data_shard_group(backend: str = "gloo") -> tuple[dist.ProcessGroup | None, int]:
+    """A new ``backend`` group of the ranks of this pipeline stage that read this rank's data shard (its
+    tensor- and context-parallel neighbours), with the group's first global rank; ``(None, this rank)``
+    when each shard has one rank per stage. One group per shard and stage is made, so every rank must
+    call this, in the same order. A group of its own keeps its collectives apart from training's (it
+    may be used from the data-prefetching thread)."""
+    topo = get_topology()
+    rank = dist.get_rank()
+    members: dict[tuple[int, int], list[int]] = {}
+    for r in range(dist.get_world_size()):
+        coord = topo.get_coord(r)
+        members.setdefault((coord.pipe, coord.data // _STATE.cp), []).append(r)
+    if all(len(ranks) == 1 for ranks in members.values()):
+        return None, rank
+    mine: tuple[dist.ProcessGroup | None, int] = (None, rank)
+    for _, ranks in sorted(members.items()):
+        group = dist.new_group(ranks=ranks, backend=backend)
+        if rank in ranks:
+            mine = (group, ranks[0])
+    return mine
+
+
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """Where a tensor must live to take part in a collective over ``group``: NCCL moves GPU memory
     only (a CPU tensor is refused), gloo moves host memory."""

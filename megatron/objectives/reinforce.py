@@ -27,12 +27,17 @@ import torch
 import torch.nn.functional as F
 
 from megatron.errors import DataError
+from megatron.mpu.mappings import gather_from_tensor_model_parallel_region
 from megatron.objectives.base import IGNORE_INDEX, MicroBatch, Objective, Stats, count, shifted
 
 
 def log_softmax(logits: torch.Tensor, fp32: bool) -> torch.Tensor:
-    """``[n, s, v]`` next-token log-probabilities, in fp32 or in the logits' precision (GPT-NeoX's ``get_logp``)."""
-    return (logits.float() if fp32 else logits).log_softmax(dim=-1)
+    """``[n, s, v]`` next-token log-probabilities of this rank's ``[n, s, v/tp]`` vocab-parallel logits, in fp32 or
+    in the logits' precision (GPT-NeoX's ``get_logp``). The logits are gathered over the tensor-parallel ranks first,
+    as GPT-NeoX does for ``kl_impl: full`` (training.py:811,822 @ea7aefd8; its other kl_impls take the log-softmax of
+    the local vocabulary slice, which at tp > 1 is not a distribution); the backward keeps this rank's slice."""
+    full = gather_from_tensor_model_parallel_region(logits)  # [n, s, v]; itself at tp 1
+    return (full.float() if fp32 else full).log_softmax(dim=-1)
 
 
 def gathered(logp: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -54,12 +54,12 @@ def reinforce_layout(ctx: RuleContext) -> list[str]:
                         "get_batch_pipe reads no reward); set pipe_parallel_size: 0")
     if ctx.get("dataset_impl") != "online":
         return problems
-    if ctx.tp > 1 or ctx.cp > 1:
-        problems.append(f"{ctx.show('dataset_impl')} with {ctx.show('model_parallel_size')} and "
-                        f"{ctx.show('context_parallel_size')}: not supported yet (each Deepy rank reads its own "
-                        "samples, so the ranks sharing a model replica would fetch different rollouts; GPT-NeoX "
-                        "fetches on tensor-parallel rank 0 and broadcasts): use model_parallel_size: 1 and "
-                        "context_parallel_size: 1")
+    if ctx.cp > 1:
+        problems.append(f"{ctx.show('dataset_impl')} with {ctx.show('context_parallel_size')}: REINFORCE's loss "
+                        "divides each row's sum by the micro-batch's counted tokens, which a context-parallel rank "
+                        "sees only its piece of, and GPT-NeoX ea7aefd8 has no context parallelism to follow; use "
+                        "context_parallel_size: 1 (model_parallel_size > 1 works: the ranks of a data shard share "
+                        "its rollouts)")
     if ctx.get("train_epochs") and not ctx.get("train_iters"):
         problems.append(f"{ctx.show('train_epochs')} with {ctx.show('dataset_impl')}: rollouts have no epochs; "
                         "set train_iters")

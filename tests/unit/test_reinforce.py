@@ -232,9 +232,12 @@ def test_refusals_name_the_keys() -> None:
     assert _problems(reinforce_reads_online_rollouts, kl_impl="abs")[0].startswith("kl_impl='abs'")
     (message,) = _problems(reinforce_layout, train_impl="reinforce", dataset_impl="online", pipe_parallel_size=1)
     assert "pipe_parallel_size=1" in message
-    (message,) = _problems(reinforce_layout, train_impl="reinforce", dataset_impl="online", model_parallel_size=2,
+    # the tensor-parallel ranks of a data shard share its rollouts (tests/e2e/test_reinforce_online.py)
+    assert _problems(reinforce_layout, train_impl="reinforce", dataset_impl="online", model_parallel_size=2,
+                     world_size=2) == []
+    (message,) = _problems(reinforce_layout, train_impl="reinforce", dataset_impl="online", context_parallel_size=2,
                            world_size=2)
-    assert "model_parallel_size=2" in message
+    assert "context_parallel_size=2" in message
     (message,) = _problems(reinforce_layout, train_impl="reinforce", dataset_impl="online",
                            online_dataserver_ports=[10000], world_size=2)
     assert "online_dataserver_ports=[10000]" in message
