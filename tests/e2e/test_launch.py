@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEEPY = str(REPO / "deepy.py")
 TOPOLOGY_WORKER = """\
 import sys
+import torch.distributed
 from megatron.errors import run_guarded
 from megatron.initialize import initialize
 from megatron.neox_arguments import load_resolved
@@ -32,6 +33,9 @@ def main():
     options = train.parse_worker_argv(sys.argv[1:])
     run = RunConfig.from_resolved(load_resolved(options.deepy_config))
     initialize(run.parallel, run.training.seed, announce=True)
+    # wait for every rank to finish its groups: a rank that exits at once can close its gloo sockets while a
+    # peer is still connecting to it ("Connection closed by peer"), as a real worker's next collective prevents
+    torch.distributed.barrier()
     return 0
 
 run_guarded(main)
