@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -73,3 +74,14 @@ def key_not_supported_yet(monkeypatch: pytest.MonkeyPatch) -> str:
     key = "use_mup"
     monkeypatch.setattr(NeoXArgs.model_fields[key], "json_schema_extra", {SUPPORTED_KEY: False})
     return key
+
+
+@pytest.fixture(autouse=True)
+def _forget_deepspeeds_model_parallel_view() -> Iterator[None]:
+    """DeepSpeed keeps the ``mpu`` of the last ``deepspeed.initialize(mpu=...)`` in a module global
+    (``deepspeed.utils.groups.mpu``) and asks it for groups in every later engine of the process; once a test
+    has torn down Deepy's groups, the next in-process engine of the same pytest worker got a group of None."""
+    yield
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        groups.mpu = None

@@ -33,7 +33,6 @@ import socket
 from typing import Any
 
 import numpy as np
-import torch.distributed as dist
 
 from megatron import mpu
 from megatron.errors import DataError
@@ -93,6 +92,8 @@ class OnlineDataset:
         rank of the shard refills at the same sample, so they all enter the broadcast, in the same order."""
         if self.group is None:
             return fetch_rollouts(host, port, self.split)
+        import torch.distributed as dist  # lazy: deepy.py's checks import this module and must not load torch
+
         box: list[Any] = [None]
         failure: Exception | None = None
         if dist.get_rank() == self.fetcher:
