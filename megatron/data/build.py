@@ -7,8 +7,10 @@ Sources, in order of precedence:
 1. ``use_dummy_dataset``: random tokens, no files.
 2. ``train_urls``/``validation_urls``: raw jsonl shards tokenized once into the cache (Levanter style).
 3. ``{train,valid,test}_data_paths`` (+ ``_label``/``_reward``, or ``pos_``/``neg_`` for pairwise), each
-   list blended by ``*_data_weights`` or by document counts (``weight_by_num_documents``); a path that
-   is a directory holds fms-fsdp's token shards (``megatron/data/token_shards.py``).
+   list blended by ``*_data_weights`` or by document counts (``weight_by_num_documents``), the train list
+   by ``train_data_weights_schedule`` when it is set (``megatron/data/mixture.py``); a path that
+   is a directory holds fms-fsdp's token shards (``megatron/data/token_shards.py``), one that names jsonl
+   shards (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``) is tokenized into the cache as train_urls are.
 4. ``data_path`` (one prefix or a list), split by documents according to ``split``.
 
 Sample counts come from the schedule: train = train_iters x G (or train_epochs whole epochs),
@@ -31,6 +33,8 @@ from megatron.data.blendable_dataset import BlendedDataset, cached_blend_index, 
 from megatron.data.dummy_dataset import DummyDataset, DummyKind
 from megatron.data.gpt_dataset import GPTDataset
 from megatron.data.index_cache import default_cache_dir
+from megatron.data.mixture import MixtureDataset, MixtureIndex
+from megatron.data.mixture_schedule import names_jsonl_shards, stages_at_offsets
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.online_dataset import OnlineDataset
 from megatron.data.pairwise_dataset import PairwiseDataset
@@ -187,6 +191,8 @@ class _Builder:
     def blend(self, name: str, comps: list[Component], weights: list[float] | None, num_samples: int) -> Any:
         if num_samples <= 0 or not comps:
             return None
+        if name == "train" and self.config.keys.train_data_weights_schedule:
+            return self.mixture(comps, num_samples)
         if len(comps) == 1:
             return self.component(name, comps[0], num_samples)
         if self.config.keys.weight_by_num_documents:
@@ -202,6 +208,20 @@ class _Builder:
         counts = samples_per_dataset(index[0], len(comps))
         parts = [self.component(f"{name}{i}", c, int(n)) for i, (c, n) in enumerate(zip(comps, counts))]
         return BlendedDataset(parts, w, num_samples, index=index)
+
+    def mixture(self, comps: list[Component], num_samples: int) -> MixtureDataset:
+        """``train_data_weights_schedule``: Levanter's block-deterministic mixture (``mixture.py``); each source is
+        sized for the samples the first ``num_samples`` global samples take from it (it wraps past them)."""
+        keys = self.config.keys
+        stages = stages_at_offsets(keys.train_data_weights_schedule or [], BatchSchedule.of(self.config.batch_steps)
+                                   if self.config.batch_steps else BatchSchedule.fixed(self.config.train_batch_size))
+        index = MixtureIndex(stages, keys.mixture_block_size, self.seed)
+        if len(comps) != index.num_sources:
+            raise DataError(f"train_data_weights_schedule has {index.num_sources} weights per step for "
+                              f"{len(comps)} train_data_paths")
+        needed = index.samples_needed(num_samples)
+        parts = [self.component(f"train{i}", c, int(n)) for i, (c, n) in enumerate(zip(comps, needed))]
+        return MixtureDataset(parts, index, num_samples)
 
 
 def _components_for_split(config: DataRun, split: str) -> list[Component] | None:
@@ -264,6 +284,15 @@ def _read_shard_directory(c: Component, builder: _Builder, config: DataRun, voca
                                 tokenizer_dir=config.keys.shard_tokenizer, eos=config.keys.shard_eos_token,
                                 bos=config.keys.shard_bos_token, strip=config.keys.shard_strip_tokens, vocab_size=vocab)
     return Component({**c.roles, "text": prefix}, c.doc_range)
+
+
+def _read_jsonl_entry(c: Component, builder: _Builder, tokenizer: Any) -> Component:
+    """A ``text`` path naming jsonl shards (``mixture.names_jsonl_shards``): tokenized once into the cache as
+    ``train_urls`` are."""
+    path = c.roles.get("text")
+    if path is None or not names_jsonl_shards(path):
+        return c
+    return Component({**c.roles, "text": materialize_urls([path], builder.cache_dir, tokenizer)}, c.doc_range)
 
 
 def _dummy_kind(config: DataRun) -> DummyKind:
@@ -331,7 +360,8 @@ def build_datasets(config: DataRun, tokenizer: Any, padded_vocab_size: int) -> D
         raise ConfigError("no training data: set data_path, train_data_paths, train_urls or use_dummy_dataset "
                           "(run `python prepare_data.py` to build the built-in corpus)")
 
-    per_split = {s: [_read_shard_directory(c, builder, config, padded_vocab_size) for c in comps] if comps else comps
+    per_split = {s: [_read_shard_directory(_read_jsonl_entry(c, builder, tokenizer), builder, config, padded_vocab_size)
+                     for c in comps] if comps else comps
                  for s, comps in per_split.items()}
     _check_matches_train_impl(config, per_split)
     train = per_split.get("train")

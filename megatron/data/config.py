@@ -111,6 +111,20 @@ class DataArgs(ArgGroup):
     train_data_weights: list[float] | None = None
     """Sampling weight of each training dataset; unset means equal weights."""
 
+    train_data_weights_schedule: list[tuple[int, list[float]]] | None = None
+    """Deepy addition (Levanter's ``train_weights`` list form): training weights that change with the step,
+    ``[[0, [w1, w2, ...]], [step, [...]], ...]``, one weight per train_data_paths entry, the first entry at step
+    0, steps increasing. From the data offset of each step on (its consumed samples), the train split is
+    Levanter's block-deterministic mixture (megatron/data/mixture.py): every block of mixture_block_size global
+    samples holds int(w x block) samples of each source (normalised weights, the remainder to the largest),
+    in an order shuffled per block; each step's offset must be a multiple of the block. Not with
+    train_data_weights or weight_by_num_documents."""
+
+    mixture_block_size: int = Field(2048, ge=1, lt=65536)
+    """Global samples per block of train_data_weights_schedule's mixture (Levanter's mixture_block_size): the
+    sources' counts are exact in every block, and every step where the weights change must start at a multiple
+    of it. Below 2^16 (Levanter packs a source and its index into 32 bits)."""
+
     valid_data_weights: list[float] | None = None
     """Sampling weight of each validation dataset."""
 

@@ -17,6 +17,7 @@ from megatron.config_rules import RULES, Rule
 from megatron.checkpointing import resume_checks as checkpoint_checks
 from megatron.checkpointing.neox import checks as neox_checks
 from megatron.data import checks as data_checks
+from megatron.data import mixture_checks
 from megatron.evaluation import checks as evaluation_checks
 from megatron.interop import hf_start
 from megatron.launcher import checks as launcher_checks
@@ -59,6 +60,7 @@ CHECK_MODULES: tuple[ModuleType, ...] = (
     neox_checks,  # neox_qkv_order
     hf_start,  # initialize_from_hf
     data_checks,
+    mixture_checks,  # train_data_weights_schedule, mixture_block_size, jsonl entries of *_data_paths
     evaluation_checks,  # eval_tasks
     launcher_checks,
     preflight,  # trackers and profiling

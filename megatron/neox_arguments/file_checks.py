@@ -18,6 +18,7 @@ from megatron.checkpointing.discovery import resume_point
 from megatron.config_rules import RuleContext, describe, rule
 from megatron.data.batch_schedule import schedule_pairs
 from megatron.data.config import PATH_KEYS, SPLITS
+from megatron.data.mixture_schedule import names_jsonl_shards
 from megatron.engine.lr_config import schedule_problems
 from megatron.errors import ConversionError, DeepyError
 from megatron.launcher.checks import runs_on_this_machine
@@ -53,6 +54,12 @@ def _missing_or_bad(prefix: str, shard_file_type: str = "arrow") -> str | None:
         from megatron.data.token_shards import shard_files
 
         return None if shard_files(prefix, shard_file_type) else f"no {shard_file_type} shard files below the directory"
+    if names_jsonl_shards(prefix):  # raw jsonl shards, tokenized into cache_dir at start-up
+        # lazy: numpy, once data files are checked (deepy.py --help and config errors come first)
+        from megatron.data.url_sources import expand_braces
+
+        absent = [p for p in expand_braces(prefix) if not os.path.isfile(p)]
+        return f"shard {absent[0]} not found" if absent else None
     missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
     if missing:
         return f"{' and '.join(missing)} not found"
@@ -120,7 +127,8 @@ def token_ids_fit_the_vocabulary(ctx: RuleContext) -> list[str]:
 
     # a directory holds fms-fsdp's token shards, read into a dataset on the ranks (which check each sample)
     datasets = [(key, prefix) for key, prefix in _prefixes(ctx)
-                if "reward" not in key and not os.path.isdir(prefix) and _missing_or_bad(prefix) is None]
+                if "reward" not in key and not os.path.isdir(prefix) and not names_jsonl_shards(prefix)
+                and _missing_or_bad(prefix) is None]
     if not datasets:
         return []
     rows = ctx.get("padded_vocab_size") if ctx.given("padded_vocab_size") else None
