@@ -296,6 +296,10 @@ DIALECT_SAMPLES: dict[str, dict[str, object]] = {
         "optimizer.adamc_weight_decay": False,
         "data.enforce_eos": True, "data.format": {"type": "text"}, "data.text_key": "text", "data.tags": ["a"],
         "data.cache_options": {}, "data.ignore_token_id": -100,
+        "data.configs": {"a": {"train_urls": ["a.jsonl"], "validation_urls": ["b.jsonl"]}},
+        "data.train_weights": [[0, {"a": 1.0}]], "data.mixture_block_size": 2048, "data.stop_strategy": "restart",
+        "data.max_train_batches": None, "data.num_validation_sequences": None, "data.target_budget": None,
+        "data.experiment_budget": None,
         "z_loss_weight": 0.1, "eval_harness": {"task_spec": ["piqa"]}, "eval_harness_steps": 1000,
         "initialize_from_hf": False, "use_hf_model_config": False, "hf_save_path": None, "hf_upload": None,
         "hf_save_steps": 10000, "hf_save_dtype": None, "data_seed": None, "initialize_from_checkpoint_path": None,
@@ -332,6 +336,8 @@ DIALECT_CONTEXT: dict[str, dict[str, object]] = {
        for f in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")},
     **{f"model.rope.{f}": {"model.rope.type": "yarn"} for f in ("beta_fast", "beta_slow", "mscale")},
     "eval_harness": {"eval_harness_steps": 1000},
+    "data.configs": {"data.train_weights": {"a": 1.0}},  # a mixture: its sources and their weights
+    "data.train_weights": {"data.configs": {"a": {"train_urls": ["a.jsonl"]}}},
     "chat_train_urls": {"supervised_data": {"cache_dir": "c"}},
     "max_seq_len": {"initialize_from_hf": "m", "dataset_type": "chat_jsonl"},
     "tokenizer": {"dataset_type": "chat_jsonl"},  # alone it could be the exporter's key too

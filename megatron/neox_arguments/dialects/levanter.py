@@ -15,7 +15,8 @@ import os
 from typing import Any
 
 from megatron.errors import ConfigError
-from megatron.neox_arguments.dialects import levanter_hf_save, levanter_optim, levanter_sft, levanter_trainer
+from megatron.neox_arguments.dialects import (levanter_hf_save, levanter_mixture, levanter_optim, levanter_sft,
+                                              levanter_trainer)
 from megatron.neox_arguments.dialects.common import Context, Leaf, Refused, Rule, Translation, noted, to
 from megatron.neox_arguments.dialects.levanter_model import MODEL_PRESETS, MODEL_RULES, model_type
 from megatron.neox_arguments.dialects.levanter_optim import OPTIMIZER_DEFAULTS, OPTIMIZER_RULES
@@ -66,15 +67,10 @@ DATA_RULES: dict[str, Rule] = {
 }
 
 _DOWNLOAD = "a Hugging Face dataset, which would be downloaded; give local train_urls/validation_urls"
-_MIXTURE = "data mixtures of named sources are not mapped; blend prepared datasets with train_data_paths/train_data_weights"
 DATA_REFUSED: dict[str, str] = {
     "data.id": _DOWNLOAD,
     "data.name": _DOWNLOAD,
     "data.stream": _DOWNLOAD,
-    "data.configs": _MIXTURE,
-    "data.train_weights": _MIXTURE,
-    "data.mixture_block_size": _MIXTURE,
-    "data.stop_strategy": _MIXTURE,
     "data.shuffle": "Deepy's sample index always shuffles, from the seed",
     "data.permutation_type": "Deepy's sample index always shuffles, from the seed",
     "data.vocab_size": "the passthrough tokenizer (token ids as data) is not read in the Levanter dialect",
@@ -187,7 +183,8 @@ TOP_RULES: dict[str, Rule] = {
 
 # ----------------------------------------------------------------------------------- everything
 
-RULES: dict[str, Rule] = {**MODEL_RULES, **TRAINER_RULES, **OPTIMIZER_RULES, **DATA_RULES, **TOP_RULES,
+RULES: dict[str, Rule] = {**MODEL_RULES, **TRAINER_RULES, **OPTIMIZER_RULES, **DATA_RULES,
+                          **levanter_mixture.MIXTURE_RULES, **TOP_RULES,
                           **levanter_sft.SFT_RULES, **levanter_sft.LORA_RULES,
                           **levanter_hf_save.LORA_RULES}
 # (over levanter_sft.LORA_RULES' refusal of merged_hf_save_path: the merged HF saves are built, levanter_hf_save.py)
@@ -196,7 +193,8 @@ TOP_KEYS = (frozenset(TOP_RULES) | frozenset(OTHER_ENTRY_POINTS) | levanter_sft.
             | frozenset(levanter_sft.SFT_REFUSED))
 """Keys at the top of a Levanter config besides its sections."""
 KEEP_WHOLE = (levanter_trainer.KEEP_WHOLE | levanter_optim.KEEP_WHOLE
-              | frozenset({"eval_harness", "data.format", "data.cache_options"}) | levanter_sft.KEEP_WHOLE)
+              | frozenset({"eval_harness", "data.format", "data.cache_options"}) | levanter_sft.KEEP_WHOLE
+              | levanter_mixture.KEEP_WHOLE)
 """Mappings read as a whole by their rule."""
 
 LEVANTER_DEFAULTS: dict[str, Any] = {
