@@ -42,6 +42,7 @@ from megatron.data.reference_logprobs import open_reference_logprobs
 from megatron.data.remote_data import localized
 from megatron.data.reward_dataset import RewardDataset
 from megatron.data.sft_dataset import SFTDataset
+from megatron.data.streaming import StreamingDataset
 from megatron.data.token_range import TokenRangeChecked
 from megatron.data.token_shards import materialize_shards
 from megatron.data.url_sources import materialize_urls
@@ -185,8 +186,9 @@ class _Builder:
                                  prefix=c.main, **common)
         if "label" in files:
             return SFTDataset(name, files["text"], files["label"], rng, num_samples, pack_impl=self.pack_impl,
-                              prefix=c.main, **common)
-        return GPTDataset(name, files["text"], rng, num_samples, pack_impl=self.pack_impl, prefix=c.main, **common)
+                              prefix=c.main, shuffle=self.config.keys.data_shuffle, **common)
+        return GPTDataset(name, files["text"], rng, num_samples, pack_impl=self.pack_impl, prefix=c.main,
+                          shuffle=self.config.keys.data_shuffle, **common)
 
     def blend(self, name: str, comps: list[Component], weights: list[float] | None, num_samples: int) -> Any:
         if num_samples <= 0 or not comps:
@@ -315,6 +317,24 @@ def _check_matches_train_impl(config: DataRun, per_split: dict[str, list[Compone
                                   "(written by tools/datasets/preprocess_data_with_mask.py --mode reward)")
 
 
+def stream_count(config: DataRun) -> int:
+    """``stream_shards``, or the global batch when unset (each stream then read by one data-parallel rank)."""
+    return config.keys.stream_shards or config.train_batch_size
+
+
+def _streamed(config: DataRun, builder: _Builder, tokenizer: Any, train_n: int, valid_n: int) -> DataSplits:
+    """``streaming``: train_urls read and tokenized while training (``streaming.py``); validation_urls tokenized
+    once into the cache, as without streaming (evaluations read them at positions of their own)."""
+    streams = stream_count(config)
+    train = StreamingDataset(config.keys.train_urls or [], tokenizer, config.seq_length, streams, max(train_n, 1),
+                             checkpoint_every=config.train_batch_size // streams)
+    valid = None
+    if config.keys.validation_urls:
+        prefix = materialize_urls(config.keys.validation_urls, builder.cache_dir, tokenizer)
+        valid = builder.blend("valid", [Component({"text": prefix})], None, valid_n)
+    return DataSplits(TokenRangeChecked(train, builder.rows, {"text": ",".join(train.paths)}), valid, None)
+
+
 def build_datasets(config: DataRun, tokenizer: Any, padded_vocab_size: int) -> DataSplits:
     """Train/valid/test datasets; each is indexable by global sample and returns numpy dicts.
 
@@ -340,6 +360,8 @@ def build_datasets(config: DataRun, tokenizer: Any, padded_vocab_size: int) -> D
 
     config = dataclasses.replace(config, keys=localized(config.keys))  # data in object storage: its local copies
     builder = _Builder(config, tokenizer, padded_vocab_size)
+    if config.keys.streaming:
+        return _streamed(config, builder, tokenizer, train_n, valid_n)
     per_split: dict[str, list[Component] | None] = {}
     if config.keys.train_urls or config.keys.validation_urls:
         for split, urls in (("train", config.keys.train_urls), ("valid", config.keys.validation_urls)):

@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import Field
 
 from megatron.config_schema import ArgGroup
+from megatron.data.stream_config import StreamArgs
 from megatron.objective_needs import needs_of, reads_reference_files
 
 SPLITS = ("train", "valid", "test")
@@ -31,9 +32,9 @@ PATH_KEYS: tuple[str, ...] = tuple(
 WEIGHT_KEYS: tuple[str, ...] = tuple(f"{split}_data_weights" for split in SPLITS)
 
 
-class DataArgs(ArgGroup):
+class DataArgs(StreamArgs):
     """The data keys of GPT-NeoX's ``NeoXArgsTraining`` group, with Deepy's dummy data and
-    Levanter-style raw-text URLs."""
+    Levanter-style raw-text URLs (streamed with :class:`~megatron.data.stream_config.StreamArgs`' keys)."""
 
     train_batch_size_schedule: list[dict[str, int]] | None = None
     """A global batch that changes with the step: ``[{start_step: 0, global_batch: 64}, {start_step: 100,
@@ -136,6 +137,11 @@ class DataArgs(ArgGroup):
 
     weighted_sampler_alpha: float = Field(1.0, ge=0)
     """Exponent on each dataset's document share for weight_by_num_documents (GPT-NeoX's formula)."""
+
+    data_shuffle: bool = True
+    """Deepy addition: shuffle the documents and the samples of each epoch from the seed (GPT-NeoX's order);
+    false: documents and samples in file order, epoch after epoch (the samples streaming gives with
+    stream_shards 1 in the first epoch). Read by the text datasets (gpt2 and SFT)."""
 
     pack_impl: Literal["packed", "pack_until_overflow", "unpacked"] = "packed"
     """How documents fill samples: packed back to back, packed until one would overflow, or one

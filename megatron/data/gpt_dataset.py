@@ -70,7 +70,9 @@ class GPTDataset:
         prefix: str | None = None,
         cache_dir: str | None = None,
         pad_id: int = 0,
+        shuffle: bool = True,
     ) -> None:
+        """``shuffle``: ``data_shuffle`` (false: documents and samples in file order)."""
         if pack_impl not in PACK_IMPLS:
             raise DataError(f"unknown pack_impl {pack_impl!r}; expected one of {', '.join(PACK_IMPLS)}")
         lo, hi = doc_range
@@ -90,7 +92,8 @@ class GPTDataset:
 
         def build() -> dict[str, np.ndarray]:
             try:
-                return build_sample_index(self.sizes, seq_length, seed, self.num_samples, pack_impl, allow_chopped)
+                return build_sample_index(self.sizes, seq_length, seed, self.num_samples, pack_impl, allow_chopped,
+                                          shuffle)
             except DataError as err:  # say which split of which corpus, not only what is wrong
                 raise DataError(f"{name} split of {prefix or 'the corpus'} (documents [{lo}, {hi})): {err}") from None
 
@@ -99,6 +102,8 @@ class GPTDataset:
         else:
             params = {"docs": [lo, hi], "seq_length": seq_length, "seed": seed, "num_samples": self.num_samples,
                       "pack_impl": pack_impl, "allow_chopped": allow_chopped}
+            if not shuffle:  # keyed only when off: the shuffled indexes already cached keep their names
+                params["shuffle"] = False
             path = split_cache_path(prefix, cache_dir, name, params)
             arrays = load_or_build(path, build)
             logger.info("%s: sample index %s (%d samples)", name, path, len(arrays["shuffle_idx"]))

@@ -48,6 +48,12 @@ def _rng(seed: int, epoch: int, salt: int) -> np.random.Generator:
     return np.random.default_rng([int(seed), int(epoch), salt])
 
 
+def _order(n: int, seed: int, epoch: int, salt: int, shuffle: bool) -> np.ndarray:
+    """A seeded permutation of ``range(n)`` for ``(epoch, salt)``; without ``shuffle`` (``data_shuffle: false``)
+    the identity: documents and samples in file order."""
+    return _rng(seed, epoch, salt).permutation(n) if shuffle else np.arange(n, dtype=np.int64)
+
+
 def packed_samples_per_epoch(total_tokens: int, seq_length: int) -> int:
     """Samples of ``seq_length + 1`` tokens (sharing boundaries) that fit in one epoch's stream."""
     return max(0, (int(total_tokens) - 1) // int(seq_length))
@@ -69,8 +75,10 @@ def _check(sizes: np.ndarray, seq_length: int) -> np.ndarray:
     return sizes
 
 
-def build_packed_index(sizes: np.ndarray, seq_length: int, seed: int, num_samples: int) -> dict[str, np.ndarray]:
-    """``packed`` index covering at least ``num_samples`` samples (vectorised per epoch)."""
+def build_packed_index(sizes: np.ndarray, seq_length: int, seed: int, num_samples: int,
+                       shuffle: bool = True) -> dict[str, np.ndarray]:
+    """``packed`` index covering at least ``num_samples`` samples (vectorised per epoch); ``shuffle`` false:
+    no permutation of the documents or the samples."""
     sizes = _check(sizes, seq_length)
     n = sizes.size
     spe = packed_samples_per_epoch(int(sizes.sum()), seq_length)
@@ -82,7 +90,7 @@ def build_packed_index(sizes: np.ndarray, seq_length: int, seed: int, num_sample
     cum = np.empty(n + 1, dtype=np.int64)
     cum[0] = 0
     for epoch in range(num_epochs):
-        order = _rng(seed, epoch, _DOC_SALT).permutation(n)
+        order = _order(n, seed, epoch, _DOC_SALT, shuffle)
         np.cumsum(sizes[order], out=cum[1:])
         # 'right' skips empty documents: the owner of position s is the last doc starting at <= s.
         pos = np.searchsorted(cum, starts, side="right") - 1
@@ -90,7 +98,7 @@ def build_packed_index(sizes: np.ndarray, seq_length: int, seed: int, num_sample
         doc_idx[epoch * n : (epoch + 1) * n] = order
         sample_idx[rows, 0] = pos + epoch * n
         sample_idx[rows, 1] = starts - cum[pos]
-        shuffle_idx[rows] = _rng(seed, epoch, _SAMPLE_SALT).permutation(spe) + epoch * spe
+        shuffle_idx[rows] = _order(spe, seed, epoch, _SAMPLE_SALT, shuffle) + epoch * spe
     return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx}
 
 
@@ -128,6 +136,7 @@ def build_document_index(
     num_samples: int,
     pack_impl: PackImpl,
     allow_chopped: bool = True,
+    shuffle: bool = True,
 ) -> dict[str, np.ndarray]:
     """``pack_until_overflow`` or ``unpacked`` index: each sample is a range of whole documents."""
     sizes = _check(sizes, seq_length)
@@ -137,7 +146,7 @@ def build_document_index(
     total = 0
     epoch = 0
     while total < num_samples or epoch == 0:
-        order = _rng(seed, epoch, _DOC_SALT).permutation(n)
+        order = _order(n, seed, epoch, _DOC_SALT, shuffle)
         ordered = sizes[order]
         if pack_impl == "unpacked":
             # One document per sample; a long one is truncated to L + 1, or dropped without allow_chopped.
@@ -155,7 +164,7 @@ def build_document_index(
             )
         doc_idx_parts.append(order)
         sample_parts.append(ranges + epoch * n)
-        shuffle_parts.append(_rng(seed, epoch, _SAMPLE_SALT).permutation(len(ranges)) + total)
+        shuffle_parts.append(_order(len(ranges), seed, epoch, _SAMPLE_SALT, shuffle) + total)
         total += len(ranges)
         epoch += 1
     return {
@@ -172,11 +181,12 @@ def build_sample_index(
     num_samples: int,
     pack_impl: PackImpl = "packed",
     allow_chopped: bool = True,
+    shuffle: bool = True,
 ) -> dict[str, np.ndarray]:
-    """Dispatch on ``pack_impl``; see the module docstring for the layouts."""
+    """Dispatch on ``pack_impl``; see the module docstring for the layouts (``shuffle``: ``data_shuffle``)."""
     if pack_impl == "packed":
-        return build_packed_index(sizes, seq_length, seed, num_samples)
-    return build_document_index(sizes, seq_length, seed, num_samples, pack_impl, allow_chopped)
+        return build_packed_index(sizes, seq_length, seed, num_samples, shuffle)
+    return build_document_index(sizes, seq_length, seed, num_samples, pack_impl, allow_chopped, shuffle)
 
 
 Span = tuple[int, int, int]  # (document id, token offset, length)

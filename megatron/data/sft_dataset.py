@@ -29,6 +29,7 @@ class SFTDataset(GPTDataset):
         prefix: str | None = None,
         cache_dir: str | None = None,
         pad_id: int = 0,
+        shuffle: bool = True,
     ) -> None:
         super().__init__(name, text, doc_range, num_samples, seq_length, seed, pack_impl, allow_chopped,
-                         aligned={"label": label}, prefix=prefix, cache_dir=cache_dir, pad_id=pad_id)
+                         aligned={"label": label}, prefix=prefix, cache_dir=cache_dir, pad_id=pad_id, shuffle=shuffle)

@@ -22,6 +22,7 @@ from megatron.errors import ConfigError
 from megatron.neox_arguments.groups.deepspeed_config import DeepSpeedConfigArgs
 from megatron.checkpointing.config import CheckpointArgs
 from megatron.data.config import DataArgs
+from megatron.data.stream_config import StreamArgs
 from megatron.evaluation.config import EvalArgs
 from megatron.launcher.config import DeepSpeedRunnerArgs
 from megatron.logging.config import LoggingArgs
@@ -67,6 +68,7 @@ GROUPS: dict[str, type[ArgGroup]] = {
     "lr": LRSchedulerArgs,
     "training": TrainingArgs,
     "data": DataArgs,
+    "streaming": StreamArgs,
     "training_loop": TrainingLoopArgs,
     "engine": EngineArgs,
     "model_averaging": ModelAveragingArgs,
@@ -119,6 +121,7 @@ class _Arguments(
     LRSchedulerArgs,
     TrainingArgs,
     DataArgs,
+    StreamArgs,
     TrainingLoopArgs,
     EngineArgs,
     ModelAveragingArgs,

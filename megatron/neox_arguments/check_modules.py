@@ -18,6 +18,7 @@ from megatron.checkpointing import resume_checks as checkpoint_checks
 from megatron.checkpointing.neox import checks as neox_checks
 from megatron.data import checks as data_checks
 from megatron.data import mixture_checks
+from megatron.data import stream_checks
 from megatron.evaluation import checks as evaluation_checks
 from megatron.interop import hf_start
 from megatron.launcher import checks as launcher_checks
@@ -61,6 +62,7 @@ CHECK_MODULES: tuple[ModuleType, ...] = (
     hf_start,  # initialize_from_hf
     data_checks,
     mixture_checks,  # train_data_weights_schedule, mixture_block_size, jsonl entries of *_data_paths
+    stream_checks,  # streaming, stream_shards
     evaluation_checks,  # eval_tasks
     launcher_checks,
     preflight,  # trackers and profiling

@@ -64,6 +64,8 @@ class TrainState:
     which a resumed run continues."""
     bad_steps: dict[str, Any] | None = None
     """The bad-step rule's window (``skip_bad_steps_window``): the last steps' losses and gradient norms."""
+    stream: dict[str, Any] | None = None
+    """``streaming``: each logical stream's position at ``consumed_samples`` (``StreamingDataset.state_at``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

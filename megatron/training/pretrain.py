@@ -48,6 +48,7 @@ from megatron.training.evaluate import maybe_evaluator
 from megatron.training.curriculum import build_curriculum
 from megatron.training.features import build_hooks
 from megatron.training.features.base import Setup
+from megatron.training.features.stream_state import restore_stream
 from megatron.training.hf_saves import HFWriterFactory
 from megatron.training import mup_actions
 from megatron.training.loop import LoopContext, TrainState, train
@@ -80,6 +81,7 @@ def pretrain(run: TrainConfig, checkpoint: CheckpointArgs, before_commit: Before
     zero_stage = int(eng.engine.zero_optimization_stage())  # the engine's (the config's), read once
     # also without `load`: a fresh start refuses a `save` directory that already holds a run
     state = ckpt.load(eng, TrainState())
+    restore_stream(splits.train, state, batch, mpu.get_data_shard_rank())  # streaming: before the first sample
     monitor = start_monitor(run, eng, state, stop_at, log)
     metrics_dir = os.path.join(run.logging.log_dir, monitor.run_name or "") if run.logging.log_dir else None
     first, first_tokens = state.iteration, state.consumed_tokens
@@ -88,7 +90,7 @@ def pretrain(run: TrainConfig, checkpoint: CheckpointArgs, before_commit: Before
         hooks = build_hooks(run, Setup(
             eng=eng, tokenizer=tokenizer, checkpoint_keys=checkpoint, checkpoints=ckpt, zero_stage=zero_stage,
             train_iters=stop_at, say=monitor.message, metrics_dir=metrics_dir, task_evaluation=task_evaluation,
-            hf_writer=hf_writer))
+            hf_writer=hf_writer, train_data=splits.train))
         ctx = loop_context(run, eng, monitor, splits, batch, state, train_iters, stop_at, tokenizer)
         state = train(ctx, state, hooks)
         say_summary(monitor, ctx, state, first, state.consumed_tokens - first_tokens, checkpoint.save, metrics_dir)

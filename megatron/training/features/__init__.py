@@ -20,6 +20,7 @@ from megatron.training.features.hf import build_hf_saves
 from megatron.training.features.peft import build_peft_saves
 from megatron.training.features.reinit import build_reinit_tokens
 from megatron.training.features.stragglers import build_stragglers
+from megatron.training.features.stream_state import build_stream_state
 from megatron.training.features.tasks import build_tasks
 from megatron.training.features.weight_server import build_weight_server
 from megatron.training.loop import Hooks, LoopHooks
@@ -29,6 +30,7 @@ FeatureBuilder = Callable[[TrainConfig, Setup], LoopHooks | None]
 
 FEATURES: tuple[FeatureBuilder, ...] = (
     build_checkpoints,  # first: a step is committed before its other saves are written (a killed one is redone)
+    build_stream_state,  # its after_update gives the step's checkpoint the streams' positions
     build_reinit_tokens,  # before the EMA: the average starts at the re-drawn rows
     build_averaging,  # before the tasks and saves that read its weights; updated before the step's checkpoint
     build_bad_steps,

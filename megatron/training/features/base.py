@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,8 @@ class Setup:
     """What runs the lm-eval tasks (``eval_tasks``), handed to ``pretrain`` by ``train.py``."""
     hf_writer: HFWriterFactory | None = None
     """The HF saves' writer (``hf_save_path``), handed to ``pretrain`` by ``train.py``."""
+    train_data: Any = None
+    """The train split the loop reads (a ``StreamingDataset`` keeps its position in the checkpoint)."""
     eval_weights: EvalWeights | None = None
     """The weights an earlier feature keeps beside the trained ones (the EMA), which later features' saves write
     in their place (Levanter's ``eval_model``); set by ``build_hooks``."""
