@@ -52,6 +52,10 @@ def weights_schedule_is_a_mixture(ctx: RuleContext) -> list[str]:
     for key, why in (("train_data_weights", "constant weights"), ("weight_by_num_documents", "weights by size")):
         if ctx.get(key):
             problems.append(f"{shown} and {ctx.show(key)} both weight train_data_paths ({why}): keep one")
+    for key in ("train_epochs", "max_train_epochs"):
+        if ctx.get(key):
+            problems.append(f"{shown} with {ctx.show(key)}: a mixture has no epochs (its sources restart on their own; "
+                            "Levanter refuses epochs for mixtures, data/text.py:1228-1229@9263f81e); give train_iters")
     if problems or ctx.get("train_batch_size") is None:
         return problems
     steps = schedule_pairs(ctx.get("train_batch_size_schedule"))

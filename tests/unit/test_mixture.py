@@ -217,6 +217,7 @@ def test_a_good_schedule_and_a_jsonl_entry_pass_the_checks(tmp_path: Path) -> No
     (dict(train_data_weights_schedule=[[0, [0, 0]]]), "train_data_weights_schedule", "positive sum"),
     (dict(train_data_weights_schedule=[[0, [1, 1]]], train_data_weights=[1, 1]), "train_data_weights",
      "both weight train_data_paths"),
+    (dict(train_data_weights_schedule=[[0, [1, 1]]], max_train_epochs=2), "max_train_epochs", "a mixture has no epochs"),
     (dict(mixture_block_size=2**16), "mixture_block_size", "65536"),
     (dict(train_data_paths=["/nowhere/s{1..2}.jsonl"], cache_dir="c"), "train_data_paths", "s1.jsonl not found"),
     (dict(train_data_paths=["x.jsonl.gz"]), "train_data_paths", "needs cache_dir"),
