@@ -284,7 +284,7 @@ DIALECT_SAMPLES: dict[str, dict[str, object]] = {
         "trainer.axis_resources": {"embed": "data"}, "trainer.parameter_axis_resources": {"embed": "data"},
         "trainer.allow_partial_checkpoint": False, "trainer.checkpointer.delete_old_temp_checkpoints": True,
         "trainer.profiler_perfetto_link": False, "trainer.log_jaxprs": True, "trainer.log_xla_hlo": True,
-        "trainer.jax_config": {}, "trainer.jax_compilation_cache_dir": None, "trainer.ray": {},
+        "trainer.jax_config": {}, "trainer.jax_compilation_cache_dir": None, "trainer.ray": {"address": "auto"},
         "trainer.require_accelerator": False, "trainer.shutdown_at_exit": False,
         "trainer.wandb.save_code": False, "trainer.tracker.save_code": False, "trainer.wandb.save_xla_dumps": False,
         "trainer.tracker.save_xla_dumps": False, "trainer.tracker.comment": "", "trainer.tracker.purge_step": None,

@@ -196,3 +196,16 @@ def test_a_flag_adds_a_source_and_replaces_the_weights(tmp_path: Path) -> None:
                 "--data.train_weights={web: 1, books: 1}").args
     assert args.train_data_paths[1:] == [f"{tmp_path}/books.jsonl.zst"]
     assert [list(stage) for stage in args.train_data_weights_schedule] == [[0, [1.0, 1.0]]]
+
+
+@pytest.mark.parametrize("ray,address", [
+    ("{address: 'head:6379'}", "head:6379"),  # RayConfig joins the cluster at address (distributed.py:382-384)
+    ("{address: 'head:6379', auto_start_cluster: false}", None),  # ... only when auto_start_cluster
+    ("{start_workers: true}", None),  # no address: nothing to join; the ranks are Deepy's launcher's
+])
+def test_trainer_ray_address_tokenizes_the_cache_on_that_cluster(tmp_path: Path, ray: str, address: str | None) -> None:
+    text = mixture(tmp_path, replace={"  per_device_parallelism: 8": f"  per_device_parallelism: 8\n  ray: {ray}"})
+    assert load(tmp_path, text).args.tokenize_ray_address == address
+    with pytest.raises(ConfigError, match="not fields of Levanter's RayConfig"):
+        load(tmp_path, mixture(tmp_path, replace={"  per_device_parallelism: 8": "  per_device_parallelism: 8\n"
+                                                                                 "  ray: {head: x}"}))

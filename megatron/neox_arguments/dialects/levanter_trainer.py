@@ -404,10 +404,21 @@ def _no_effect(reason: str) -> Rule:
 
 
 def _ray(value: Any, ctx: Context) -> dict[str, Any]:
+    """``RayConfig`` (distributed.py:376-384@9263f81e): with ``auto_start_cluster`` (default true) Levanter joins the
+    Ray cluster at ``address`` (or starts one), on which it builds its token cache (store/cache.py). Here Ray only
+    tokenizes: ``address`` -> ``tokenize_ray_address``; the ranks are Deepy's launcher's (``start_workers`` sets
+    nothing)."""
     spec = dict(value or {})
-    if spec.get("address") is None and not spec.get("start_workers") and not spec.get("auto_start_cluster"):
-        return noted("no Ray cluster: Deepy launches its ranks itself (num_gpus, num_nodes, hostfile)")
-    raise Refused("Ray cluster settings; Deepy launches its ranks itself (num_gpus, num_nodes, hostfile, launcher)")
+    unknown = sorted(set(spec) - {"address", "start_workers", "auto_start_cluster"})
+    if unknown:
+        raise Refused(f"{unknown} are not fields of Levanter's RayConfig (address, start_workers, auto_start_cluster)")
+    address = spec.get("address")
+    if address is None:
+        return noted("no Ray address: the cache of train_urls is tokenized by the rank that builds it (the same "
+                     "bytes); Deepy launches its ranks itself (num_gpus, num_nodes, hostfile)")
+    if not spec.get("auto_start_cluster", True):
+        return noted("Levanter joins no cluster when auto_start_cluster is false (distributed.py:382-384)")
+    return {"tokenize_ray_address": str(address)}
 
 
 def _require_accelerator(value: Any, ctx: Context) -> dict[str, Any]:
