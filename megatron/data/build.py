@@ -364,8 +364,10 @@ def build_datasets(config: DataRun, tokenizer: Any, padded_vocab_size: int) -> D
         return _streamed(config, builder, tokenizer, train_n, valid_n)
     per_split: dict[str, list[Component] | None] = {}
     if config.keys.train_urls or config.keys.validation_urls:
+        ray_address = config.keys.tokenize_ray_address
         for split, urls in (("train", config.keys.train_urls), ("valid", config.keys.validation_urls)):
-            per_split[split] = [Component({"text": materialize_urls(urls, builder.cache_dir, tokenizer)})] if urls else None
+            per_split[split] = [Component({"text": materialize_urls(urls, builder.cache_dir, tokenizer,
+                                                                  ray_address=ray_address)})] if urls else None
         per_split["test"] = None
     elif any(_components_for_split(config, s) for s in SPLITS):
         per_split = {s: _components_for_split(config, s) for s in SPLITS}

@@ -6,6 +6,13 @@ downloaded first and arrive here as local copies: ``remote_data.py``). On first 
 tokenized (``text`` field, EOD after each document) into one MMIDIDX dataset under ``cache_dir``;
 later runs and other ranks read that dataset. The cache name hashes the shards' *content* and the
 tokenizer, so editing a shard or switching tokenizer re-tokenizes, and racing ranks tokenize once.
+With ``tokenize_ray_address`` the building rank hands chunks of lines to actors on a Ray cluster
+(:mod:`megatron.data.ray_tokenize`) and writes their tokens in input order: the same bytes.
+
+Training starts when the whole cache is written, not on the part already built as Levanter does
+(``src/levanter/store/cache.py``@9263f81e serves a growing cache): the offline sample index shuffles over
+every document of the split and sizes epochs by its token count, so no sample order can be fixed before the
+last shard is tokenized. The start-at-once path is ``streaming`` (docs/streaming.md).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron.data import ray_tokenize
 from megatron.data.index_cache import build_once, file_content_key
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
 from megatron.errors import DataError
@@ -31,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?$")
 DEFAULT_CACHE_DIR = "cache/urls"
+RAY_CHUNK_CHARS = 1 << 20
+"""Characters of jsonl lines per chunk handed to a Ray actor."""
+RAY_KEY = "tokenize_ray_address"
 
 
 def _top_level_group(pattern: str) -> tuple[int, int] | None:
@@ -126,16 +137,20 @@ def open_text(path: str) -> io.TextIOBase:
 def iter_texts(path: str, text_key: str = "text") -> Iterator[str]:
     with open_text(path) as f:
         for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                text = record[text_key]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise DataError(f"{path}:{lineno}: expected a JSON object with a {text_key!r} string") from None
-            if not isinstance(text, str):
-                raise DataError(f"{path}:{lineno}: {text_key!r} must be a string")
-            yield text
+            if line.strip():
+                yield text_of(line, path, lineno, text_key)
+
+
+def text_of(line: str, path: str, lineno: int, text_key: str) -> str:
+    """The ``text_key`` string of one jsonl line, or a DataError at ``path:lineno``."""
+    try:
+        record = json.loads(line)
+        text = record[text_key]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise DataError(f"{path}:{lineno}: expected a JSON object with a {text_key!r} string") from None
+    if not isinstance(text, str):
+        raise DataError(f"{path}:{lineno}: {text_key!r} must be a string")
+    return text
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -146,8 +161,9 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def materialize_urls(urls: list[str], cache_dir: str | None, tokenizer: Any, text_key: str = "text",
-                     batch_size: int = 1024) -> str:
-    """Tokenize the shards once into ``cache_dir``; return the dataset prefix to read."""
+                     batch_size: int = 1024, ray_address: str | None = None) -> str:
+    """Tokenize the shards once into ``cache_dir``; return the dataset prefix to read. ``ray_address``
+    (``tokenize_ray_address``): tokenize on that Ray cluster (or a private local one for ``local``)."""
     paths = expand_urls(list(urls))
     h = hashlib.sha256()
     for p in paths:
@@ -159,16 +175,13 @@ def materialize_urls(urls: list[str], cache_dir: str | None, tokenizer: Any, tex
 
     def build() -> None:
         logger.info("tokenizing %d shards into %s", len(paths), prefix)
-        builder = MMapIndexedDatasetBuilder(prefix + ".bin", best_fitting_dtype(tokenizer.vocab_size))
+        dtype = best_fitting_dtype(tokenizer.vocab_size)
+        builder = MMapIndexedDatasetBuilder(prefix + ".bin", dtype)
         try:
-            for p in paths:
-                batch: list[str] = []
-                for text in iter_texts(p, text_key):
-                    batch.append(text)
-                    if len(batch) == batch_size:
-                        _add(builder, tokenizer, batch)
-                        batch = []
-                _add(builder, tokenizer, batch)
+            if ray_address is None:
+                _build_here(builder, paths, tokenizer, text_key, batch_size)
+            else:
+                _build_on_ray(builder, paths, tokenizer, text_key, dtype, ray_address)
             # The .idx is published last (atomically), so its existence marks a complete dataset.
             builder.finalize(prefix + ".idx")
         except BaseException:
@@ -177,6 +190,60 @@ def materialize_urls(urls: list[str], cache_dir: str | None, tokenizer: Any, tex
 
     build_once(prefix + ".idx", build)
     return prefix
+
+
+def _build_here(builder: MMapIndexedDatasetBuilder, paths: list[str], tokenizer: Any, text_key: str,
+                batch_size: int) -> None:
+    for p in paths:
+        batch: list[str] = []
+        for text in iter_texts(p, text_key):
+            batch.append(text)
+            if len(batch) == batch_size:
+                _add(builder, tokenizer, batch)
+                batch = []
+        _add(builder, tokenizer, batch)
+
+
+def _build_on_ray(builder: MMapIndexedDatasetBuilder, paths: list[str], tokenizer: Any, text_key: str, dtype: Any,
+                  address: str) -> None:
+    with ray_tokenize.ray_cluster(address, RAY_KEY) as cpus:
+        logger.info("tokenizing on Ray (%s): %d actors", address, cpus)
+        for tokens, sizes in ray_tokenize.ordered_map(_ray_setup, (tokenizer, text_key, dtype), _ray_tokenize,
+                                                      _line_chunks(paths), cpus, RAY_KEY):
+            builder.add_documents(tokens, sizes)
+
+
+def _line_chunks(paths: list[str]) -> Iterator[tuple[str, int, list[str]]]:
+    """(path, number of the first line, lines) of about RAY_CHUNK_CHARS characters each, read as iter_texts
+    reads them (text mode: the same line breaks)."""
+    for path in paths:
+        with open_text(path) as f:
+            lines: list[str] = []
+            first, size = 1, 0
+            for lineno, line in enumerate(f, 1):
+                lines.append(line)
+                size += len(line)
+                if size >= RAY_CHUNK_CHARS:
+                    yield path, first, lines
+                    lines, first, size = [], lineno + 1, 0
+            if lines:
+                yield path, first, lines
+
+
+def _ray_setup(tokenizer: Any, text_key: str, dtype: Any) -> tuple[Any, str, Any]:
+    tokenizer.num_threads = 1  # each actor holds one CPU
+    return tokenizer, text_key, dtype
+
+
+def _ray_tokenize(state: tuple[Any, str, Any], chunk: tuple[str, int, list[str]]) -> tuple[np.ndarray, np.ndarray]:
+    """One chunk's documents, each followed by EOD, concatenated, and their sizes (as _add writes them)."""
+    tokenizer, text_key, dtype = state
+    path, first, lines = chunk
+    texts = [text_of(line, path, lineno, text_key) for lineno, line in enumerate(lines, first) if line.strip()]
+    docs = [np.asarray(list(ids) + [tokenizer.eod], dtype=np.int64) for ids in tokenizer.tokenize_batch(texts)]
+    sizes = np.fromiter((d.size for d in docs), dtype=np.int32, count=len(docs))
+    flat = np.concatenate(docs) if docs else np.zeros(0, dtype=np.int64)
+    return np.ascontiguousarray(flat, dtype=dtype), sizes
 
 
 def _add(builder: MMapIndexedDatasetBuilder, tokenizer: Any, texts: list[str]) -> None:

@@ -40,6 +40,8 @@ def needed_packages(ctx: RuleContext) -> list[tuple[str, str, str]]:
     for key in ("train_urls", "validation_urls"):
         if any(str(url).endswith(".zst") for url in ctx.get(key) or []):
             needs.append(("zstandard", "zstandard", f"{key} (.zst files)"))
+    if ctx.get("tokenize_ray_address") is not None:
+        needs.append(("ray", "ray", ctx.show("tokenize_ray_address")))
     return needs
 
 

@@ -7,6 +7,11 @@ array; the main process only reads and writes. So memory stays bounded (a few ch
 both cores do useful work. The alternative, parsing in the main process and tokenizing with
 tiktoken's threads, was measured slower on 2 cores (see tools/bench/preprocess.py).
 
+``--ray ADDRESS`` (a cluster started with ``ray start --head``) or ``--ray``/``--ray local`` (a private Ray
+instance on this machine) hands the chunks to ``--workers`` Ray actors instead of local processes
+(:mod:`megatron.data.ray_tokenize`); results are written in input order, so the ``.bin``/``.idx`` bytes are
+those of the single-machine run.
+
 Bad input stops the run with the file and line: malformed JSON, invalid UTF-8, a missing key, a value
 that is not a string, an input without documents. ``--skip-bad`` turns all but the last into counted
 skips (an input where no line is usable is still an error). Empty or whitespace-only documents are always skipped and counted.
@@ -31,6 +36,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from megatron.data import ray_tokenize
 from megatron.data.indexed_dataset import (
     MMapIndexedDatasetBuilder,
     best_fitting_dtype,
@@ -188,8 +194,20 @@ def parse_line(line: bytes, keys: list[str], where: str) -> list[str]:
 
 
 def encode_chunk(chunk: Chunk) -> Encoded:
-    tok: Tokenizer = _worker["tokenizer"]
-    opt: EncodeOptions = _worker["options"]
+    return encode_with(_worker["tokenizer"], _worker["options"], chunk)
+
+
+def ray_setup(tokenizer: Tokenizer, options: EncodeOptions) -> tuple[Tokenizer, EncodeOptions]:
+    """A Ray actor's state: the tokenizer (one thread: each actor holds one CPU) and the options."""
+    tokenizer.num_threads = 1
+    return tokenizer, options
+
+
+def ray_encode(state: tuple[Tokenizer, EncodeOptions], chunk: Chunk) -> Encoded:
+    return encode_with(state[0], state[1], chunk)
+
+
+def encode_with(tok: Tokenizer, opt: EncodeOptions, chunk: Chunk) -> Encoded:
     texts: dict[str, list[str]] = {k: [] for k in opt.keys}
     out = Encoded(tokens={}, sizes={}, nbytes=chunk.nbytes, empty={k: 0 for k in opt.keys})
     fix_text = None
@@ -238,8 +256,12 @@ def pack(ids: list[list[int]], eod: int | None, dtype: Any) -> tuple[np.ndarray,
 
 # --- driving ------------------------------------------------------------------------------------
 def run_encoding(chunks: Iterator[Chunk], tokenizer: Tokenizer, options: EncodeOptions, workers: int,
-                 parallelism: str) -> Iterator[Encoded]:
-    """Encoded chunks in input order; at most a few chunks are in flight at once."""
+                 parallelism: str, on_ray: bool = False) -> Iterator[Encoded]:
+    """Encoded chunks in input order; at most a few chunks are in flight at once. ``on_ray``: on ``workers``
+    actors of the Ray cluster this process is connected to."""
+    if on_ray:
+        yield from ray_tokenize.ordered_map(ray_setup, (tokenizer, options), ray_encode, chunks, workers, "--ray")
+        return
     if workers <= 1 or parallelism == "threads":
         init_worker(tokenizer, options, threads=max(1, workers))
         for chunk in chunks:
@@ -306,6 +328,15 @@ def verify_on_sample(tokenizer: Tokenizer, chunk: Chunk, keys: list[str], limit:
 
 
 def preprocess(args: argparse.Namespace) -> dict[str, Any]:
+    if args.ray is None:
+        return _preprocess(args, args.workers or 1)
+    ray_tokenize.require_ray("--ray")  # before any work: a clear refusal when Ray is not installed
+    with ray_tokenize.ray_cluster(args.ray, "--ray", local_cpus=args.workers) as cpus:
+        stats = _preprocess(args, args.workers or cpus)
+    return stats
+
+
+def _preprocess(args: argparse.Namespace, workers: int) -> dict[str, Any]:
     files = expand_inputs(args.input)
     tokenizer = build_tokenizer(TokenizerArgs(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                                               merge_file=args.merge_file))
@@ -324,7 +355,7 @@ def preprocess(args: argparse.Namespace) -> dict[str, Any]:
         if first is not None:
             chunks = itertools.chain([first], chunks)
             verify_on_sample(tokenizer, first, args.jsonl_keys)
-        for enc in run_encoding(chunks, tokenizer, options, args.workers, args.parallelism):
+        for enc in run_encoding(chunks, tokenizer, options, workers, args.parallelism, on_ray=args.ray is not None):
             for k in args.jsonl_keys:
                 builders[k].add_documents(enc.tokens[k], enc.sizes[k])
                 empty[k] += enc.empty[k]
@@ -347,14 +378,16 @@ def preprocess(args: argparse.Namespace) -> dict[str, Any]:
         raise
     return {"files": files, "prefixes": prefixes, "docs": docs_out, "empty": empty, "bad": bad,
             "bad_examples": examples, "tokens": progress.tokens, "bytes": progress.bytes,
-            "seconds": seconds, "backend": tokenizer.backend, "dtype": np.dtype(dtype).name}
+            "seconds": seconds, "backend": tokenizer.backend, "dtype": np.dtype(dtype).name,
+            "ray_workers": workers if args.ray is not None else 0}
 
 
 def report(stats: dict[str, Any]) -> None:
     dt = max(stats["seconds"], 1e-9)
     print(f"tokenized {sum(stats['docs'].values()):,} documents, {stats['tokens']:,} tokens, "
           f"{stats['bytes'] / 1e6:.1f} MB in {dt:.2f} s: {stats['tokens'] / dt / 1e6:.2f}M tokens/s, "
-          f"{stats['bytes'] / dt / 1e6:.1f} MB/s ({stats['backend']} backend, {stats['dtype']} tokens)")
+          f"{stats['bytes'] / dt / 1e6:.1f} MB/s ({stats['backend']} backend, {stats['dtype']} tokens"
+          + (f", {stats['ray_workers']} Ray workers)" if stats.get("ray_workers") else ")"))
     for key, n in stats["empty"].items():
         if n:
             print(f"skipped {n:,} empty or whitespace-only documents under key {key!r}")
@@ -386,14 +419,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.{bin,idx}")
     g.add_argument("--dataset-impl", default="mmap", choices=["mmap"], help="only the mmap format exists")
     g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=1, help="worker processes (or tokenizer threads)")
+    g.add_argument("--workers", type=int, default=None,
+                   help="worker processes (or tokenizer threads), default 1; with --ray: Ray actors, default one "
+                        "per CPU of the cluster")
     g.add_argument("--parallelism", default="processes", choices=["processes", "threads"],
                    help="processes: workers parse and tokenize; threads: main parses, tiktoken threads tokenize")
+    g.add_argument("--ray", nargs="?", const=ray_tokenize.LOCAL, default=None, metavar="ADDRESS",
+                   help="tokenize on a Ray cluster: the address `ray start --head` printed (host:port, ray://..., "
+                        "auto), or `local` (also the value of a bare --ray) for a private Ray instance on this "
+                        "machine; the output bytes are those of the run without --ray")
     g.add_argument("--log-interval", type=int, default=10_000, help="documents between throughput updates")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
     args = p.parse_args(argv)
-    if args.workers < 1:
+    if args.workers is not None and args.workers < 1:
         p.error("--workers must be at least 1")
     return args
 
