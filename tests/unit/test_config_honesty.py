@@ -296,6 +296,7 @@ DIALECT_SAMPLES: dict[str, dict[str, object]] = {
         "optimizer.adamc_weight_decay": False,
         "data.enforce_eos": True, "data.format": {"type": "text"}, "data.text_key": "text", "data.tags": ["a"],
         "data.cache_options": {}, "data.ignore_token_id": -100,
+        "data.shuffle": False, "data.permutation_type": None,
         "data.configs": {"a": {"train_urls": ["a.jsonl"], "validation_urls": ["b.jsonl"]}},
         "data.train_weights": [[0, {"a": 1.0}]], "data.mixture_block_size": 2048, "data.stop_strategy": "restart",
         "data.max_train_batches": None, "data.num_validation_sequences": None, "data.target_budget": None,

@@ -97,7 +97,8 @@ def test_named_sources_become_paths_and_a_weight_schedule(tmp_path: Path) -> Non
     args = load(tmp_path, mixture(tmp_path)).args
     # weighted sources in data.configs' order (web before code, whatever the weights' order); several urls: one
     # brace pattern ending in the shards' suffix; paloma has no weight: evaluated only
-    assert args.train_data_paths == [f"{{{tmp_path}/web.{{1..2}},{tmp_path}/web_extra}}.jsonl", f"{tmp_path}/code.jsonl"]
+    web = f"{{{tmp_path}/web.{{1..2}},{tmp_path}/web_extra}}.jsonl"
+    assert args.train_data_paths == [web, f"{tmp_path}/code.jsonl"]
     assert args.valid_data_paths == [f"{tmp_path}/web_val.jsonl", f"{tmp_path}/paloma_val.jsonl"]
     assert [list(stage) for stage in args.train_data_weights_schedule] == [[0, [0.75, 0.25]], [6, [0.25, 0.75]]]
     assert args.mixture_block_size == 16 and args.train_data_weights is None
@@ -106,8 +107,8 @@ def test_named_sources_become_paths_and_a_weight_schedule(tmp_path: Path) -> Non
 def test_a_constant_dict_is_one_stage_and_keeps_levanters_block_rounding(tmp_path: Path) -> None:
     """A dict is Levanter's MixtureDataset too (weight_stages = [(0, weights)], mixture.py:61-62), so its block
     rounding holds: GPT-NeoX's blend (train_data_weights) would not round a small weight to 0 per block."""
-    text = mixture(tmp_path, replace={"    - [0, {\"code\": 0.25, \"web\": 0.75}]\n    - [6, {\"web\": 0.25, \"code\": 0.75}]":
-                                "    {\"web\": 3, \"code\": 1, \"paloma\": 0}"})
+    stages = '    - [0, {"code": 0.25, "web": 0.75}]\n    - [6, {"web": 0.25, "code": 0.75}]'
+    text = mixture(tmp_path, replace={stages: '    {"web": 3, "code": 1, "paloma": 0}'})
     args = load(tmp_path, text).args
     assert [list(stage) for stage in args.train_data_weights_schedule] == [[0, [3.0, 1.0]]]
     assert len(args.train_data_paths) == 2
@@ -186,7 +187,8 @@ def test_weights_without_sources_and_sources_without_weights_are_refused(tmp_pat
                            if "train_weights" not in line and not line.startswith("    - ["))
     with pytest.raises(ConfigError, match="Datasets cannot be empty"):
         load(tmp_path, no_weights + "\n")
-    weights_only = 'data:\n  tokenizer: "{0}/tokenizer.json"\n  train_urls: ["{0}/a.jsonl"]\n  train_weights: {{a: 1}}\n'
+    weights_only = ('data:\n  tokenizer: "{0}/tokenizer.json"\n  train_urls: ["{0}/a.jsonl"]\n'
+                    "  train_weights: {{a: 1}}\n")
     with pytest.raises(ConfigError, match="data.configs, which is not set"):
         load(tmp_path, weights_only.format(tmp_path))
 
@@ -209,3 +211,15 @@ def test_trainer_ray_address_tokenizes_the_cache_on_that_cluster(tmp_path: Path,
     with pytest.raises(ConfigError, match="not fields of Levanter's RayConfig"):
         load(tmp_path, mixture(tmp_path, replace={"  per_device_parallelism: 8": "  per_device_parallelism: 8\n"
                                                                                  "  ray: {head: x}"}))
+
+
+def test_shuffle_false_reads_in_file_order_and_eras_are_refused(tmp_path: Path) -> None:
+    """LMTaskConfig.shuffle (text.py:537@9263f81e): false = the data in order (data_shuffle false), true = shuffled
+    (Deepy's own permutation), an integer = eras of N sequences (not built)."""
+    base = mixture(tmp_path)
+    assert load(tmp_path, base.replace("  stop_strategy: restart", "  shuffle: false")).args.data_shuffle is False
+    assert load(tmp_path, base.replace("  stop_strategy: restart", "  shuffle: true")).args.data_shuffle is True
+    with pytest.raises(ConfigError, match="eras of N sequences is not built"):
+        load(tmp_path, base.replace("  stop_strategy: restart", "  shuffle: 10000"))
+    with pytest.raises(ConfigError, match="not with Levanter's linear or Feistel"):
+        load(tmp_path, base.replace("  stop_strategy: restart", "  shuffle: true\n  permutation_type: feistel"))

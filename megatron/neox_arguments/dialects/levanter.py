@@ -52,6 +52,17 @@ def _text_format(value: Any, ctx: Context) -> dict[str, Any]:
     return noted("jsonl shards' 'text' field, what Deepy reads")
 
 
+def _shuffle(value: Any) -> dict[str, Any]:
+    """``LMTaskConfig.shuffle`` (text.py:537-539@9263f81e; for a mixture each source, text.py:1234-1253): false reads
+    the data in file order, true shuffles it whole, an integer in eras of that many sequences."""
+    if value is False:
+        return {"data_shuffle": False}
+    if value is True:
+        return noted("shuffled from the seed: Deepy's sample index (documents, then samples), not Levanter's "
+                     "permutation of sequences")
+    raise Refused("shuffling in eras of N sequences is not built; give true or false")
+
+
 DATA_RULES: dict[str, Rule] = {
     "data.train_urls": to("train_urls"),
     "data.validation_urls": to("validation_urls"),
@@ -62,6 +73,10 @@ DATA_RULES: dict[str, Rule] = {
     "data.text_key": lambda v, ctx: _text_format({"text_key": v}, ctx),
     "data.tags": lambda v, ctx: noted("labels for per-source evaluation metrics of mixtures; one source here"),
     "data.cache_options": lambda v, ctx: noted("how Levanter's tokenizing workers batch: speed, not the tokens"),
+    "data.shuffle": lambda v, ctx: _shuffle(v),
+    "data.permutation_type": lambda v, ctx: noted("unset: Deepy's own shuffle (data.shuffle)") if v is None
+    else _refuse("Deepy shuffles with GPT-NeoX's sample index (documents, then samples, from the seed), not "
+                 "with Levanter's linear or Feistel permutation"),
     "data.ignore_token_id": lambda v, ctx: noted("no token id is negative, so -100 never masks a real token")
     if v in (None, -100) else _refuse("masking a real token id from the loss is not built here"),
 }
@@ -71,8 +86,6 @@ DATA_REFUSED: dict[str, str] = {
     "data.id": _DOWNLOAD,
     "data.name": _DOWNLOAD,
     "data.stream": _DOWNLOAD,
-    "data.shuffle": "Deepy's sample index always shuffles, from the seed",
-    "data.permutation_type": "Deepy's sample index always shuffles, from the seed",
     "data.vocab_size": "the passthrough tokenizer (token ids as data) is not read in the Levanter dialect",
 }
 

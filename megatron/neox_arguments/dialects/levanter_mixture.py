@@ -80,7 +80,8 @@ def stages(ctx: Context) -> list[tuple[int, dict[str, float]]]:
         bad = {name: w for name, w in weights.items() if isinstance(w, bool) or not isinstance(w, (int, float))
                or w < 0}
         if bad:
-            raise Refused(f"step {step}: weights {bad} are not numbers >= 0 (Levanter's ValueError, mixture.py:175-176)")
+            raise Refused(f"step {step}: weights {bad} are not numbers >= 0 "
+                          "(Levanter's ValueError, mixture.py:175-176)")
         if sum(weights.values()) <= 0:
             raise Refused(f"step {step}: the weights sum to 0 (Levanter's ValueError, mixture.py:169-171)")
     return [(step, {str(name): float(w) for name, w in weights.items()}) for step, weights in out]
@@ -101,8 +102,8 @@ def shards_pattern(name: str, field: str, urls: Any) -> str:
     suffix = next((s for s in sorted(JSONL_SUFFIXES, key=len, reverse=True) if all(u.endswith(s) for u in listed)),
                   None)
     if suffix is None:
-        raise Refused(f"source {name!r}: {field} {listed} are not all jsonl shards of one kind ({', '.join(JSONL_SUFFIXES)}); "
-                      "Deepy tokenizes the 'text' field of jsonl shards")
+        raise Refused(f"source {name!r}: {field} {listed} are not all jsonl shards of one kind "
+                      f"({', '.join(JSONL_SUFFIXES)}); Deepy tokenizes the 'text' field of jsonl shards")
     if len(listed) == 1:
         return listed[0]
     stems = [url[: -len(suffix)] for url in listed]
@@ -201,7 +202,8 @@ MIXTURE_RULES: dict[str, Rule] = {
         "(text.py:1255-1270); a per-source cut is not built"),
 }
 
-KEEP_WHOLE = frozenset({"data.configs", "data.train_weights", "data.max_train_batches", "data.num_validation_sequences"})
+KEEP_WHOLE = frozenset({"data.configs", "data.train_weights", "data.max_train_batches",
+                        "data.num_validation_sequences"})
 """Mappings read whole by their rule."""
 
 __all__ = ["KEEP_WHOLE", "MIXTURE_RULES", "shards_pattern", "sources", "stages", "weighted"]
