@@ -30,10 +30,10 @@ FeatureBuilder = Callable[[TrainConfig, Setup], LoopHooks | None]
 
 FEATURES: tuple[FeatureBuilder, ...] = (
     build_checkpoints,  # first: a step is committed before its other saves are written (a killed one is redone)
-    build_stream_state,  # its after_update gives the step's checkpoint the streams' positions
     build_reinit_tokens,  # before the EMA: the average starts at the re-drawn rows
     build_averaging,  # before the tasks and saves that read its weights; updated before the step's checkpoint
     build_bad_steps,
+    build_stream_state,  # after_update (before every after_step): the step's checkpoint gets the streams' positions
     build_stragglers,
     build_comms_report,
     build_tasks,
