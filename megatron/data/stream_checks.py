@@ -47,3 +47,15 @@ def streaming_reads_train_urls(ctx: RuleContext) -> list[str]:
                         "global sample i is sample i // S of stream i mod S, and every checkpoint must fall on the "
                         "same sample of every stream; use a divisor of the global batch")
     return problems
+
+
+@rule
+def data_shuffle_reads_text_datasets(ctx: RuleContext) -> list[str]:
+    """``data_shuffle: false`` orders the text datasets (gpt2, SFT); preference pairs and reward samples keep their
+    seeded order, so it is refused there rather than ignored."""
+    if ctx.get("data_shuffle") or ctx.get("use_dummy_dataset"):
+        return []
+    if ctx.get("dataset_impl") != "gpt2" or needs_of(ctx.get("train_impl")).dataset != "lm":
+        return [f"{ctx.show('data_shuffle')} keeps text datasets in file order; the pairs or rewards that "
+                f"{ctx.show('train_impl')} / {ctx.show('dataset_impl')} read are always shuffled from the seed"]
+    return []

@@ -232,6 +232,8 @@ def test_a_streamed_run_passes_the_checks_without_a_cache(tmp_path: Path) -> Non
     (dict(train_batch_size_schedule=[{"start_step": 0, "global_batch": 8}]), "train_batch_size_schedule",
      "one global batch size"),
     (dict(train_urls=None, data_path="x"), "streaming", "reads train_urls, which is not set"),
+    (dict(streaming=False, data_shuffle=False, train_impl="dpo", cache_dir="c"), "data_shuffle",
+     "always shuffled from the seed"),
 ])
 def test_bad_streaming_configs_are_refused_before_launch_by_name(tmp_path: Path, values: dict[str, Any], key: str,
                                                                 words: str) -> None:
