@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron.data.url_sources import expand_braces, iter_texts
+from megatron.data.url_sources import expand_braces, iter_texts, open_text
 from megatron.errors import DataError
 
 STATE_FORMAT = 1
@@ -122,6 +122,22 @@ def iter_documents(path: str) -> Iterator[Document]:
         yield from iter_texts(path)
 
 
+def count_documents(path: str) -> int:
+    """Documents of one source without decoding them: parquet's row count from its footer, arrow's from its record
+    batches, jsonl's non-blank lines (a resume skips whole files by it)."""
+    # lazy: pyarrow, only for arrow/parquet sources
+    import pyarrow.parquet as pq
+
+    if _is_hf_dir(path):
+        return sum(count_documents(file) for file in _hf_files(path))
+    if path.endswith(".parquet"):
+        return int(pq.ParquetFile(path).metadata.num_rows)
+    if path.endswith(".arrow"):
+        return sum(batch.num_rows for batch in _arrow_batches(path))
+    with open_text(path) as f:
+        return sum(1 for line in f if line.strip())
+
+
 def tokenize(tokenizer: Any, documents: list[Document]) -> list[np.ndarray]:
     """Token ids of each document: a text as ``materialize_urls`` writes it (``tokenize_batch`` + EOD), ids as
     they are."""
@@ -164,6 +180,12 @@ class _Reader:
         while True:
             seen = 0
             for path in self.paths:
+                if skip:  # a resume: whole files before the start are counted, not read
+                    count = count_documents(path)
+                    if skip >= count:
+                        skip -= count
+                        seen += count
+                        continue
                 for doc in iter_documents(path):
                     seen += 1
                     if skip:

@@ -136,6 +136,14 @@ def test_many_streams_follow_the_definition_across_epochs(tmp_path: Path) -> Non
     for i in range(count):
         assert np.array_equal(stream[i]["text"], _definition(docs, i % streams, streams, seq, i // streams)), i
     assert stream.documents == 30
+    # resumed in the third epoch: whole files before the start are skipped by their counts, D wraps modulo N
+    consumed = (count - 40) // streams * streams
+    state = stream.state_at(consumed)
+    assert min(d for d, _ in state["streams"]) > 2 * 30 + 10  # past two epochs and the first file (10 documents)
+    resumed = StreamingDataset(urls, TOK, seq, streams, 10)
+    resumed.load_state(json.loads(json.dumps(state)))
+    for i in range(consumed, consumed + 40):
+        assert np.array_equal(resumed[i]["text"], _definition(docs, i % streams, streams, seq, i // streams)), i
 
 
 def _read(datasets: list[Any], consumed: int, dp: int, steps: int, g: int = 8, ahead: int = 0) -> list[list[bytes]]:
