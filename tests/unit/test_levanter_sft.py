@@ -236,6 +236,13 @@ def test_sft_reinit_tokens_map_onto_deepys_keys(tmp_path: Path, extra: str, expe
     assert (args.reinit_tokens, args.reinit_lm_head, args.reinit_embeddings) == expected
 
 
+def test_sft_examples_are_shuffled_as_levanters_permutation_dataset(tmp_path: Path) -> None:
+    # sft.py:179@9263f81e wraps the examples in PermutationDataset, whatever LMTaskConfig.shuffle's default (False,
+    # which train_lm.py's data keeps: test_levanter_dialect.py)
+    args = _load(_write(tmp_path, _sft_yaml(tmp_path, _tokenizer_dir(tmp_path)))).args
+    assert args.data_shuffle is True
+
+
 def test_sft_trains_at_max_seq_len_from_hf(tmp_path: Path) -> None:
     # sft.py:72,123@9263f81e: with initialize_from_hf the model's length is max_seq_len (default 2048), not model.seq_len
     text = _sft_yaml(tmp_path, _tokenizer_dir(tmp_path)).replace("max_seq_len: 64\n", "")

@@ -253,6 +253,10 @@ def implied(translation: Translation, leaves: dict[str, Leaf], source: str) -> N
     # CausalLmDataset: a token after the end-of-text token starts a new segment of the attention mask
     translation.put(Leaf("documents attend only to themselves", None, "Levanter"), {"reset_attention_mask": True},
                     implied=True)
+    if "data.shuffle" not in leaves and not levanter_sft.is_sft(ctx):
+        # LMTaskConfig.shuffle defaults to False (text.py:537@9263f81e): train_lm.py and lora_lm.py read their data
+        # in order (sft.py permutes its examples: PermutationDataset, sft.py:179)
+        translation.put(Leaf("data.shuffle=False", False, "Levanter's default"), _shuffle(False), implied=True)
     for path, value in LEVANTER_DEFAULTS.items():
         if path not in leaves:
             rule = RULES[path]
