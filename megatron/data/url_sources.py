@@ -10,9 +10,9 @@ With ``tokenize_ray_address`` the building rank hands chunks of lines to actors 
 (:mod:`megatron.data.ray_tokenize`) and writes their tokens in input order: the same bytes.
 
 Training starts when the whole cache is written, not on the part already built as Levanter does
-(``src/levanter/store/cache.py``@9263f81e serves a growing cache): the offline sample index shuffles over
-every document of the split and sizes epochs by its token count, so no sample order can be fixed before the
-last shard is tokenized. The start-at-once path is ``streaming`` (docs/streaming.md).
+(``src/levanter/store/cache.py:242-275``@9263f81e: a read waits until the growing cache holds its rows): the
+offline sample index shuffles over every document of the split and sizes epochs by its token count, so no sample
+order can be fixed before the last shard is tokenized. The start-at-once path is ``streaming`` (docs/streaming.md).
 """
 
 from __future__ import annotations

@@ -432,6 +432,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
     args = p.parse_args(argv)
+    if args.ray is not None and args.parallelism == "threads":
+        p.error("--parallelism threads tokenizes in this process; with --ray the Ray workers tokenize: drop one")
     if args.workers is not None and args.workers < 1:
         p.error("--workers must be at least 1")
     return args
