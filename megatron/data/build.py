@@ -294,7 +294,9 @@ def _read_jsonl_entry(c: Component, builder: _Builder, tokenizer: Any) -> Compon
     path = c.roles.get("text")
     if path is None or not names_jsonl_shards(path):
         return c
-    return Component({**c.roles, "text": materialize_urls([path], builder.cache_dir, tokenizer)}, c.doc_range)
+    prefix = materialize_urls([path], builder.cache_dir, tokenizer,
+                              ray_address=builder.config.keys.tokenize_ray_address)
+    return Component({**c.roles, "text": prefix}, c.doc_range)
 
 
 def _dummy_kind(config: DataRun) -> DummyKind:
@@ -330,7 +332,8 @@ def _streamed(config: DataRun, builder: _Builder, tokenizer: Any, train_n: int, 
                              checkpoint_every=config.train_batch_size // streams)
     valid = None
     if config.keys.validation_urls:
-        prefix = materialize_urls(config.keys.validation_urls, builder.cache_dir, tokenizer)
+        prefix = materialize_urls(config.keys.validation_urls, builder.cache_dir, tokenizer,
+                                  ray_address=config.keys.tokenize_ray_address)
         valid = builder.blend("valid", [Component({"text": prefix})], None, valid_n)
     return DataSplits(TokenRangeChecked(train, builder.rows, {"text": ",".join(train.paths)}), valid, None)
 

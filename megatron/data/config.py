@@ -200,10 +200,11 @@ class DataArgs(StreamArgs):
 
     tokenize_ray_address: str | None = None
     """Deepy addition (Levanter builds its cache with Ray, trainer.ray): tokenize train_urls/validation_urls
-    into cache_dir on a Ray cluster instead of in the building process: its address (host:port printed by
-    `ray start --head`, ray://host:10001, auto) or `local` for a private Ray instance on this machine. One
-    actor per CPU of the cluster; the cached dataset is byte-identical to the one built without Ray.
-    None: tokenized by the rank that builds the cache. Needs the ray package."""
+    (and *_data_paths entries naming jsonl shards) into cache_dir on a Ray cluster instead of in the building
+    process: its address (host:port printed by `ray start --head`, ray://host:10001, auto) or `local` for a
+    private Ray instance on this machine. One actor per CPU of the cluster; the cached dataset is
+    byte-identical to the one built without Ray. Streamed train_urls (streaming) are not cached: the ranks
+    tokenize them. None: tokenized by the rank that builds the cache. Needs the ray package."""
 
     # ---- token-shard directories (fms-fsdp's data), Deepy additions ----
 
