@@ -24,7 +24,7 @@ from megatron.config_rules import Device
 from megatron.data.batch import BatchLayout
 from megatron.data.batch_schedule import BatchSchedule
 from megatron.data.build import DataSplits, build_datasets
-from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
+from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.mixture import MixtureDataset, MixtureIndex
 from megatron.data.mixture_schedule import stages_at_offsets
 from megatron.data.sampler import MicroBatchIterator
@@ -35,6 +35,7 @@ from megatron.neox_arguments.derived import finalize
 from megatron.neox_arguments.resolved import ResolvedConfig
 from megatron.neox_arguments.run_config import data_run
 from megatron.tokenizer.char_level import CharLevelTokenizer
+from test_blending import _corpus  # a dataset whose every token is its marker
 
 
 def levanter_counts(weights: list[float], block: int) -> list[int]:
@@ -123,14 +124,6 @@ def test_stage_starts_are_the_steps_data_offsets_under_a_batch_schedule() -> Non
 
 
 # ---- through build_datasets: real files, a jsonl entry, the sampler -----------------------------------------------
-def _corpus(path: Path, marker: int, docs: int) -> str:
-    prefix = str(path / f"c{marker}_text_document")
-    b = MMapIndexedDatasetBuilder(prefix + ".bin", np.uint16)
-    for i in range(docs):
-        b.add_item(np.full(5 + i % 4, marker))
-        b.end_document()
-    b.finalize(prefix + ".idx")
-    return prefix
 
 
 def _jsonl(path: Path, docs: int) -> str:
