@@ -93,6 +93,13 @@ def test_parquet_arrow_and_a_save_to_disk_directory_are_read(tmp_path: Path) -> 
     assert [list(d) for d in stream_documents([str(tmp_path / "p.parquet")], TOK)] == [list(w) for w in want]
     assert [list(d) for d in stream_documents([str(tmp_path / "ids.arrow")], TOK)] == ids  # ids read as they are
     assert [list(d) for d in stream_documents([str(tmp_path / "hf")], TOK)] == [list(w) for w in want[:9]]
+    # the arrow file datasets writes into its cache (load_dataset of local files; no download), read in place
+    (tmp_path / "local.jsonl").write_bytes(_lines(texts[9:]))
+    cached = datasets.load_dataset("json", data_files=str(tmp_path / "local.jsonl"), split="train",
+                                   cache_dir=str(tmp_path / "hf_cache"))
+    files = [f["filename"] for f in cached.cache_files]
+    assert files and all(f.startswith(str(tmp_path / "hf_cache")) for f in files)
+    assert [list(d) for d in stream_documents(files, TOK)] == [list(w) for w in want[9:]]
 
 
 def _offline(tmp: Path, urls: list[str], seq: int, samples: int, shuffle: bool) -> GPTDataset:
