@@ -138,10 +138,12 @@ class DataArgs(StreamArgs):
     weighted_sampler_alpha: float = Field(1.0, ge=0)
     """Exponent on each dataset's document share for weight_by_num_documents (GPT-NeoX's formula)."""
 
-    data_shuffle: bool = True
+    data_shuffle: bool | int = True
     """Deepy addition: shuffle the documents and the samples of each epoch from the seed (GPT-NeoX's order);
     false: documents and samples in file order, epoch after epoch (the samples streaming gives with
-    stream_shards 1 in the first epoch). Read by the text datasets (gpt2 and SFT)."""
+    stream_shards 1 in the first epoch); an integer L >= 2: documents in file order, samples permuted within
+    consecutive eras of L samples (Levanter's shuffle: L, EraShufflingDataset). Read by the text datasets
+    (gpt2 and SFT)."""
 
     pack_impl: Literal["packed", "pack_until_overflow", "unpacked"] = "packed"
     """How documents fill samples: packed back to back, packed until one would overflow, or one

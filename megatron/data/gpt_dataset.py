@@ -18,7 +18,8 @@ from typing import Protocol
 import numpy as np
 
 from megatron.data.index_cache import cache_key, dataset_content_key, default_cache_dir, load_or_build
-from megatron.data.sample_index import PACK_IMPLS, PackImpl, Span, build_sample_index, document_spans, packed_spans
+from megatron.data.sample_index import (PACK_IMPLS, PackImpl, Shuffle, Span, build_sample_index, document_spans,
+                                       packed_spans)
 from megatron.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -70,9 +71,9 @@ class GPTDataset:
         prefix: str | None = None,
         cache_dir: str | None = None,
         pad_id: int = 0,
-        shuffle: bool = True,
+        shuffle: Shuffle = True,
     ) -> None:
-        """``shuffle``: ``data_shuffle`` (false: documents and samples in file order)."""
+        """``shuffle``: ``data_shuffle`` (false: documents and samples in file order; an int: eras of samples)."""
         if pack_impl not in PACK_IMPLS:
             raise DataError(f"unknown pack_impl {pack_impl!r}; expected one of {', '.join(PACK_IMPLS)}")
         lo, hi = doc_range
@@ -102,8 +103,8 @@ class GPTDataset:
         else:
             params = {"docs": [lo, hi], "seq_length": seq_length, "seed": seed, "num_samples": self.num_samples,
                       "pack_impl": pack_impl, "allow_chopped": allow_chopped}
-            if not shuffle:  # keyed only when off: the shuffled indexes already cached keep their names
-                params["shuffle"] = False
+            if shuffle is not True:  # keyed only when not the default: the shuffled indexes cached keep their names
+                params["shuffle"] = shuffle
             path = split_cache_path(prefix, cache_dir, name, params)
             arrays = load_or_build(path, build)
             logger.info("%s: sample index %s (%d samples)", name, path, len(arrays["shuffle_idx"]))

@@ -48,10 +48,33 @@ def _rng(seed: int, epoch: int, salt: int) -> np.random.Generator:
     return np.random.default_rng([int(seed), int(epoch), salt])
 
 
-def _order(n: int, seed: int, epoch: int, salt: int, shuffle: bool) -> np.ndarray:
+Shuffle = bool | int
+"""``data_shuffle``: true (a seeded permutation per epoch), false (file order) or an era length ``L`` (samples permuted
+within consecutive eras of ``L``, documents in file order: Levanter's ``shuffle: L``)."""
+_ERA_SALT = 2
+
+
+def _order(n: int, seed: int, epoch: int, salt: int, shuffle: Shuffle) -> np.ndarray:
     """A seeded permutation of ``range(n)`` for ``(epoch, salt)``; without ``shuffle`` (``data_shuffle: false``)
-    the identity: documents and samples in file order."""
-    return _rng(seed, epoch, salt).permutation(n) if shuffle else np.arange(n, dtype=np.int64)
+    the identity: documents and samples in file order; with an era length, the identity for the documents and
+    :func:`era_order` for the samples."""
+    if shuffle is True:
+        return _rng(seed, epoch, salt).permutation(n)
+    if shuffle is False or salt == _DOC_SALT:
+        return np.arange(n, dtype=np.int64)
+    return era_order(n, int(shuffle), seed)
+
+
+def era_order(n: int, era: int, seed: int) -> np.ndarray:
+    """Levanter's ``EraShufflingDataset`` (``data/permutation.py:61-110``@9263f81e): position ``i`` reads
+    ``pi(i) in [(i // L) * L, (i // L + 1) * L)``, a seeded permutation of each era (the last one shorter), the same
+    in every epoch (Levanter's ``EpochDataset`` wraps the shuffled dataset). numpy's generator, not jax's
+    ``fold_in``/Feistel permutation: the eras are Levanter's, the order inside one is not."""
+    out = np.arange(n, dtype=np.int64)
+    for start in range(0, n, era):
+        stop = min(start + era, n)
+        out[start:stop] = start + _rng(seed, start // era, _ERA_SALT).permutation(stop - start)
+    return out
 
 
 def packed_samples_per_epoch(total_tokens: int, seq_length: int) -> int:
@@ -76,7 +99,7 @@ def _check(sizes: np.ndarray, seq_length: int) -> np.ndarray:
 
 
 def build_packed_index(sizes: np.ndarray, seq_length: int, seed: int, num_samples: int,
-                       shuffle: bool = True) -> dict[str, np.ndarray]:
+                       shuffle: Shuffle = True) -> dict[str, np.ndarray]:
     """``packed`` index covering at least ``num_samples`` samples (vectorised per epoch); ``shuffle`` false:
     no permutation of the documents or the samples."""
     sizes = _check(sizes, seq_length)
@@ -136,7 +159,7 @@ def build_document_index(
     num_samples: int,
     pack_impl: PackImpl,
     allow_chopped: bool = True,
-    shuffle: bool = True,
+    shuffle: Shuffle = True,
 ) -> dict[str, np.ndarray]:
     """``pack_until_overflow`` or ``unpacked`` index: each sample is a range of whole documents."""
     sizes = _check(sizes, seq_length)
@@ -181,7 +204,7 @@ def build_sample_index(
     num_samples: int,
     pack_impl: PackImpl = "packed",
     allow_chopped: bool = True,
-    shuffle: bool = True,
+    shuffle: Shuffle = True,
 ) -> dict[str, np.ndarray]:
     """Dispatch on ``pack_impl``; see the module docstring for the layouts (``shuffle``: ``data_shuffle``)."""
     if pack_impl == "packed":

@@ -9,7 +9,7 @@ target *at* position ``t`` (not shifted); the loss shifts text and label togethe
 from __future__ import annotations
 
 from megatron.data.gpt_dataset import GPTDataset, TokenSource
-from megatron.data.sample_index import PackImpl
+from megatron.data.sample_index import PackImpl, Shuffle
 
 
 class SFTDataset(GPTDataset):
@@ -29,7 +29,7 @@ class SFTDataset(GPTDataset):
         prefix: str | None = None,
         cache_dir: str | None = None,
         pad_id: int = 0,
-        shuffle: bool = True,
+        shuffle: Shuffle = True,
     ) -> None:
         super().__init__(name, text, doc_range, num_samples, seq_length, seed, pack_impl, allow_chopped,
                          aligned={"label": label}, prefix=prefix, cache_dir=cache_dir, pad_id=pad_id, shuffle=shuffle)

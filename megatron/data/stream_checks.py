@@ -51,11 +51,21 @@ def streaming_reads_train_urls(ctx: RuleContext) -> list[str]:
 
 @rule
 def data_shuffle_reads_text_datasets(ctx: RuleContext) -> list[str]:
-    """``data_shuffle: false`` orders the text datasets (gpt2, SFT); preference pairs and reward samples keep their
-    seeded order, so it is refused there rather than ignored."""
-    if ctx.get("data_shuffle") or ctx.get("use_dummy_dataset"):
+    """``data_shuffle: false`` (or an era length) orders the text datasets (gpt2, SFT); preference pairs and reward
+    samples keep their seeded order, so it is refused there rather than ignored; eras need 2 or more samples and
+    an offline split (a stream's order is its logical streams')."""
+    shuffle = ctx.get("data_shuffle")
+    if shuffle is True or ctx.get("use_dummy_dataset"):
         return []
+    if shuffle is not False and int(shuffle) < 2:
+        return [f"{ctx.show('data_shuffle')} is an era length (samples permuted within eras of that many): give 2 or "
+                "more, or true/false"]
+    order = "in file order" if shuffle is False else f"in eras of {shuffle} samples"
     if ctx.get("dataset_impl") != "gpt2" or needs_of(ctx.get("train_impl")).dataset != "lm":
-        return [f"{ctx.show('data_shuffle')} keeps text datasets in file order; the pairs or rewards that "
+        return [f"{ctx.show('data_shuffle')} keeps text datasets {order}; the pairs or rewards that "
                 f"{ctx.show('train_impl')} / {ctx.show('dataset_impl')} read are always shuffled from the seed"]
+    if shuffle is not False and ctx.get("streaming"):
+        return [f"{ctx.show('data_shuffle')} with {ctx.show('streaming')}: a stream is read in its logical streams' "
+                "order, and eras would send every rank into every stream; set data_shuffle: false (or true) to "
+                "say the streamed order, or prepare the data offline"]
     return []

@@ -215,14 +215,14 @@ def test_trainer_ray_address_tokenizes_the_cache_on_that_cluster(tmp_path: Path,
 
 def test_shuffle_false_reads_in_file_order_and_eras_are_refused(tmp_path: Path) -> None:
     """LMTaskConfig.shuffle (text.py:537@9263f81e): false = the data in order (data_shuffle false), true = shuffled
-    (Deepy's own permutation), an integer = eras of N sequences (not built)."""
+    (Deepy's own permutation), an integer = eras of that many sequences (data_shuffle: N, permutation.py:61-110)."""
     base = mixture(tmp_path)
     assert load(tmp_path, base.replace("  stop_strategy: restart", "  shuffle: false")).args.data_shuffle is False
     assert load(tmp_path, base.replace("  stop_strategy: restart", "  shuffle: true")).args.data_shuffle is True
     # left out: LMTaskConfig's default, False (text.py:537) - Levanter's train_lm.py reads in order, and so does Deepy
     assert "shuffle:" not in base
     assert load(tmp_path, base).args.data_shuffle is False
-    with pytest.raises(ConfigError, match="eras of N sequences is not built"):
-        load(tmp_path, base.replace("  stop_strategy: restart", "  shuffle: 10000"))
+    assert load(tmp_path, base.replace("  stop_strategy: restart", "  shuffle: 10000")).args.data_shuffle == 10000
+    assert load(tmp_path, base.replace("  stop_strategy: restart", "  shuffle: 1")).args.data_shuffle is False
     with pytest.raises(ConfigError, match="not with Levanter's linear or Feistel"):
         load(tmp_path, base.replace("  stop_strategy: restart", "  shuffle: true\n  permutation_type: feistel"))

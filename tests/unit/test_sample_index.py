@@ -171,3 +171,27 @@ def test_real_files_and_cache_keyed_by_content(tmp_path) -> None:
     GPTDataset("train", MMapIndexedDataset(prefix), (0, 30), 20, 9, 1, prefix=prefix, cache_dir=str(cache))
     assert len(list(cache.glob("*.deepyidx"))) == 4
     assert not list(cache.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("pack_impl", ["packed", "unpacked"])
+def test_eras_permute_samples_only_within_each_era(pack_impl: str) -> None:
+    """data_shuffle: L (Levanter's EraShufflingDataset, data/permutation.py:61-110@9263f81e): position i of an epoch
+    reads a sample of its own era [(i // L) * L, (i // L + 1) * L) (the last era shorter), each era is a permutation of
+    its samples, documents stay in file order, and every epoch repeats the order (Levanter's EpochDataset wraps the
+    shuffled dataset). The reference is the file order itself (data_shuffle: false)."""
+    rng = np.random.default_rng(5)
+    sizes = rng.integers(1, 30, 400)
+    era = 7
+    plain = build_sample_index(sizes, 16, 1234, 1, pack_impl, shuffle=False)
+    spe = len(plain["shuffle_idx"])
+    eras = build_sample_index(sizes, 16, 1234, 3 * spe, pack_impl, shuffle=era)
+    assert np.array_equal(eras["doc_idx"][: len(sizes)], np.arange(len(sizes)))  # documents in file order
+    assert np.array_equal(eras["sample_idx"][:spe], plain["sample_idx"])  # the same samples, cut alike
+    order = eras["shuffle_idx"][:spe]
+    for start in range(0, spe, era):
+        block = order[start : start + era]
+        assert sorted(block.tolist()) == list(range(start, min(start + era, spe)))  # a permutation of its own era
+    assert not np.array_equal(order, np.arange(spe))  # and not the file order
+    assert np.array_equal(eras["shuffle_idx"][spe : 2 * spe] - spe, order)  # each epoch alike
+    with_seed = build_sample_index(sizes, 16, 99, spe, pack_impl, shuffle=era)["shuffle_idx"][:spe]
+    assert not np.array_equal(with_seed, order)  # the permutations follow the seed

@@ -249,6 +249,10 @@ def test_a_streamed_run_passes_the_checks_without_a_cache(tmp_path: Path) -> Non
     (dict(train_urls=None, data_path="x"), "streaming", "reads train_urls, which is not set"),
     (dict(streaming=False, data_shuffle=False, train_impl="dpo", cache_dir="c"), "data_shuffle",
      "always shuffled from the seed"),
+    (dict(streaming=False, data_shuffle=100, train_impl="kto", cache_dir="c"), "data_shuffle",
+     "in eras of 100 samples"),
+    (dict(streaming=False, data_shuffle=1, cache_dir="c"), "data_shuffle", "give 2 or more"),
+    (dict(data_shuffle=100), "data_shuffle", "eras would send every rank into every stream"),
 ])
 def test_bad_streaming_configs_are_refused_before_launch_by_name(tmp_path: Path, values: dict[str, Any], key: str,
                                                                 words: str) -> None:

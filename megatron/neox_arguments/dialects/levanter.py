@@ -60,7 +60,11 @@ def _shuffle(value: Any) -> dict[str, Any]:
     if value is True:
         return noted("shuffled from the seed: Deepy's sample index (documents, then samples), not Levanter's "
                      "permutation of sequences")
-    raise Refused("shuffling in eras of N sequences is not built; give true or false")
+    if isinstance(value, int) and not isinstance(value, bool):
+        # text.py:1017-1018: an int > 0 is era_shuffle(value) (EraShufflingDataset, permutation.py:61-110); 0 and 1
+        # leave the order as it is (no era shuffle; a permutation of one)
+        return {"data_shuffle": value} if value >= 2 else {"data_shuffle": False}
+    raise Refused("give true, false or an era length (an integer)")
 
 
 DATA_RULES: dict[str, Rule] = {
