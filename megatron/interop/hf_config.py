@@ -7,6 +7,8 @@ Which HF class can run a model is decided here, and only from our config:
 * ``norm: rmsnorm`` + a gated activation + full rotary            -> ``LlamaForCausalLM``
   (grouped-query attention, optional attention / MLP biases);
 * the same with a sliding window on every layer                   -> ``MistralForCausalLM``;
+* the same with biases on the query/key/value projection only     -> ``Qwen2ForCausalLM``
+  (``use_bias_in_qkv``; no window, no MLP biases);
 * every layer ``mamba``                                           -> ``MambaForCausalLM`` (``hf_mamba.py``).
 
 Everything else is refused with the feature named (ALiBi, learned or relative positions,
@@ -33,7 +35,8 @@ from megatron.model.soft_prompt_settings import SoftPromptSettings
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-HFArchitecture = Literal["GPTNeoXForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MambaForCausalLM"]
+HFArchitecture = Literal["GPTNeoXForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                         "MambaForCausalLM"]
 
 # our activation -> the name in transformers' ACT2FN computing exactly the same function
 PLAIN_ACTIVATIONS: dict[str, str] = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu", "swish": "silu", "mish": "mish"}
@@ -121,7 +124,8 @@ def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list
         if window is not None:
             problems.append(f"sliding_window_width: {window} (GPTNeoXForCausalLM has no sliding-window attention)")
     elif norm == "rmsnorm":
-        arch = "MistralForCausalLM" if window is not None else "LlamaForCausalLM"
+        qwen2 = config.use_bias_in_qkv and not config.use_bias_in_attn_linear
+        arch = "MistralForCausalLM" if window is not None else "Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"
         if config.activation not in GATED_ACTIVATIONS:
             kind = "a plain activation" if not gated else "this gated activation"
             problems.append(
@@ -137,6 +141,12 @@ def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list
                 "use_bias_in_attn_linear / use_bias_in_mlp: true with sliding_window_width (MistralForCausalLM has "
                 "no biases; set both to false)"
             )
+        if window is not None and qwen2:
+            problems.append("use_bias_in_qkv: true with sliding_window_width (MistralForCausalLM has no biases; "
+                            "Qwen2's window covers the layers from max_window_layers on, which Deepy does not build)")
+        if arch == "Qwen2ForCausalLM" and config.use_bias_in_mlp:
+            problems.append("use_bias_in_mlp: true with use_bias_in_qkv (Qwen2ForCausalLM's MLP has no biases; a "
+                            "model with biases everywhere exports as Llama with use_bias_in_attn_linear)")
     else:
         problems.append(
             f"norm: {config.norm} (only layernorm -> GPTNeoXForCausalLM and rmsnorm -> LlamaForCausalLM/"
@@ -207,6 +217,13 @@ def hf_config_from_gpt(config: GPTConfig, tokens: SpecialTokens, dtype: torch.dt
         rms_norm_eps=config.rms_norm_epsilon,
         rope_parameters=_rope(config, partial=False),
     )
+    if arch == "Qwen2ForCausalLM":
+        # lazy: transformers (seconds to import), only for Hugging Face conversions
+        from transformers import Qwen2Config
+
+        # Qwen2Config has no head_dim field (modeling_qwen2.py:175 uses hidden_size // heads, what Deepy builds)
+        gated.pop("head_dim")
+        return Qwen2Config(**common, **gated, use_sliding_window=False)
     if arch == "LlamaForCausalLM":
         # lazy: transformers (seconds to import), only for Hugging Face conversions
         from transformers import LlamaConfig

@@ -1,4 +1,4 @@
-"""An HF ``config.json`` (GPTNeoX, Llama, Mistral) as GPT-NeoX model keys, without torch or transformers.
+"""An HF ``config.json`` (GPTNeoX, Llama, Mistral, Qwen2) as GPT-NeoX model keys, without torch or transformers.
 
 One mapping serves two readers: the HF import (``hf_config.gpt_config_from_hf`` builds its ``GPTConfig``
 from these keys, passing ``PretrainedConfig.to_dict()``) and the argument layer before launch (the Levanter
@@ -28,7 +28,7 @@ PLAIN_FROM_HF: dict[str, str] = {"gelu": "gelu", "relu": "relu", "silu": "silu",
 """HF's ``hidden_act`` of GPTNeoX's plain MLP -> Deepy's activation."""
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings",
              "vocab_size")
-_FAMILIES = ("gpt_neox", "llama", "mistral")
+_FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2")
 
 
 def read_config_json(directory: str | Path) -> dict[str, Any]:
@@ -58,11 +58,12 @@ def rope_fields(cfg: Mapping[str, Any]) -> tuple[float, float, dict[str, Any] | 
 
 
 def neox_model_keys(cfg: Mapping[str, Any], seq_length: int | None = None) -> dict[str, Any]:
-    """GPT-NeoX model keys for an HF GPTNeoX / Llama / Mistral config (refuses what Deepy cannot run).
+    """GPT-NeoX model keys for an HF GPTNeoX / Llama / Mistral / Qwen2 config (refuses what Deepy cannot run).
     ``rope_scaling`` stays HF's dict (``model/rope_scaling.py`` parses it)."""
     kind = cfg.get("model_type")
     if kind not in _FAMILIES:
-        raise ConversionError(f"model_type {kind!r} is not supported (GPTNeoX, Llama, Mistral and Mamba models are)")
+        raise ConversionError(f"model_type {kind!r} is not supported (GPTNeoX, Llama, Mistral, Qwen2 and Mamba models "
+                              "are)")
     missing = [name for name in _REQUIRED if cfg.get(name) is None]
     if missing:
         raise ConversionError(f"the {kind} config has no {', '.join(missing)}")
@@ -116,6 +117,11 @@ def neox_model_keys(cfg: Mapping[str, Any], seq_length: int | None = None) -> di
     if factor != 1.0:
         raise ConversionError(f"partial_rotary_factor: {factor} ({kind} rotates the whole head in Deepy)")
     window = cfg.get("sliding_window") if kind == "mistral" else None
+    if kind == "qwen2" and cfg.get("use_sliding_window"):
+        # Qwen2Config.__post_init__ (transformers 5.23.0 configuration_qwen2.py:83-94) windows only the layers from
+        # max_window_layers on: Mistral's one window for every layer is what Deepy exports
+        raise ConversionError("use_sliding_window: true (Qwen2's windowed layers from max_window_layers on are not "
+                              "built; Qwen2 models ship with it off)")
     if cfg.get("layer_types") and len(set(cfg["layer_types"])) > 1:
         raise ConversionError(f"layer_types: {sorted(set(cfg['layer_types']))} (mixed layer types are not built)")
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -129,8 +135,10 @@ def neox_model_keys(cfg: Mapping[str, Any], seq_length: int | None = None) -> di
         rotary_pct=1.0,
         norm="rmsnorm",
         rms_norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
-        use_bias_in_attn_linear=bool(cfg.get("attention_bias", False)),
-        use_bias_in_mlp=bool(cfg.get("mlp_bias", False)),
+        # Qwen2 (transformers 5.23.0 modeling_qwen2.py:181-184, 40-42): biases on q/k/v, none on o_proj or the MLP
+        use_bias_in_attn_linear=kind != "qwen2" and bool(cfg.get("attention_bias", False)),
+        use_bias_in_qkv=kind == "qwen2",
+        use_bias_in_mlp=kind != "qwen2" and bool(cfg.get("mlp_bias", False)),
         activation=act,
         sliding_window_width=None if window is None else int(window) - 1,
     )
@@ -138,8 +146,8 @@ def neox_model_keys(cfg: Mapping[str, Any], seq_length: int | None = None) -> di
 
 MATH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "intermediate_size", "pos_emb",
              "rotary_emb_base", "rope_scaling", "rotary_pct", "norm", "layernorm_epsilon", "rms_norm_epsilon",
-             "activation", "no_weight_tying", "use_bias_in_attn_linear", "use_bias_in_mlp", "gpt_j_residual",
-             "sliding_window_width")
+             "activation", "no_weight_tying", "use_bias_in_attn_linear", "use_bias_in_qkv", "use_bias_in_mlp",
+             "gpt_j_residual", "sliding_window_width")
 """The keys of :func:`neox_model_keys` that change the model's maths: a config that starts from the HF model
 must agree with it on each (``initialize_from_hf``'s check before launch)."""
 

@@ -90,6 +90,7 @@ _ARCHITECTURES: dict[str, HFArchitecture] = {
     "gpt_neox": "GPTNeoXForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
     "mamba": "MambaForCausalLM",
 }
 
@@ -115,7 +116,8 @@ def read_hf_checkpoint(model_dir: Path) -> HFCheckpoint:
     model = load_hf_model(model_dir)
     kind = model.config.model_type
     if kind not in _ARCHITECTURES:
-        raise ConversionError(f"{model_dir}: model_type {kind!r} is not supported (gpt_neox, llama, mistral, mamba are)")
+        raise ConversionError(f"{model_dir}: model_type {kind!r} is not supported (gpt_neox, llama, mistral, qwen2, "
+                              f"mamba are)")
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     dtype = next(model.parameters()).dtype
     return HFCheckpoint(config=model.config, architecture=_ARCHITECTURES[kind], state=state, dtype=dtype)

@@ -129,7 +129,7 @@ def _from_gpt_neox(config: GPTConfig, hf: Weights) -> Weights:
     return out
 
 
-# --- LlamaForCausalLM / MistralForCausalLM ----------------------------------------------------------
+# --- LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM (its q/k/v biases alone: use_bias_in_qkv) ----------------------------------------------------------
 def _to_llama(config: GPTConfig, w: Weights) -> Weights:
     out: Weights = {"model.embed_tokens.weight": _take(w, "embedding.word_embeddings.weight")}
     sizes = _qkv_sizes(config)
@@ -142,10 +142,11 @@ def _to_llama(config: GPTConfig, w: Weights) -> Weights:
         out.update({f"{hf}.self_attn.q_proj.weight": q, f"{hf}.self_attn.k_proj.weight": k,
                     f"{hf}.self_attn.v_proj.weight": v})  # fmt: skip
         out[f"{hf}.self_attn.o_proj.weight"] = _take(w, f"{ours}.attention.dense.weight")
-        if config.use_bias_in_attn_linear:
+        if config.qkv_bias:
             qb, kb, vb = _take(w, f"{ours}.attention.query_key_value.bias").split(sizes, dim=0)
             out.update({f"{hf}.self_attn.q_proj.bias": qb, f"{hf}.self_attn.k_proj.bias": kb,
                         f"{hf}.self_attn.v_proj.bias": vb})  # fmt: skip
+        if config.use_bias_in_attn_linear:
             out[f"{hf}.self_attn.o_proj.bias"] = _take(w, f"{ours}.attention.dense.bias")
         gate, up = _take(w, f"{ours}.mlp.dense_h_to_4h.weight").split([ffn, ffn], dim=0)
         out[f"{hf}.mlp.gate_proj.weight"], out[f"{hf}.mlp.up_proj.weight"] = gate, up
@@ -168,9 +169,10 @@ def _from_llama(config: GPTConfig, hf: Weights) -> Weights:
         proj = [_take(hf, f"{src}.self_attn.{p}_proj.weight") for p in "qkv"]
         out[f"{ours}.attention.query_key_value.weight"] = torch.cat(proj, dim=0)
         out[f"{ours}.attention.dense.weight"] = _take(hf, f"{src}.self_attn.o_proj.weight")
-        if config.use_bias_in_attn_linear:
+        if config.qkv_bias:
             biases = [_take(hf, f"{src}.self_attn.{p}_proj.bias") for p in "qkv"]
             out[f"{ours}.attention.query_key_value.bias"] = torch.cat(biases, dim=0)
+        if config.use_bias_in_attn_linear:
             out[f"{ours}.attention.dense.bias"] = _take(hf, f"{src}.self_attn.o_proj.bias")
         gate_up = [_take(hf, f"{src}.mlp.{p}_proj.weight") for p in ("gate", "up")]
         out[f"{ours}.mlp.dense_h_to_4h.weight"] = torch.cat(gate_up, dim=0)

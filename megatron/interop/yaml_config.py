@@ -65,6 +65,7 @@ def architecture_keys(config: GPTConfig) -> dict[str, Any]:
         # GPT-NeoX's key for this width (3x each half when gated, mlp_width.intermediate_size_for)
         intermediate_size=intermediate_size_for(config.ffn_hidden_size, config.mlp_widths.gated),
         use_bias_in_attn_linear=config.use_bias_in_attn_linear,
+        use_bias_in_qkv=config.use_bias_in_qkv,
         use_bias_in_mlp=config.use_bias_in_mlp,
         gpt_j_residual=config.gpt_j_residual,
         gpt_j_tied=config.gpt_j_tied,

@@ -46,7 +46,7 @@ class SelfAttention(nn.Module):
             name=f"{name}.query_key_value",
             init_fn=config.init_fn(),
             seed=config.seed,
-            bias=config.use_bias_in_attn_linear,
+            bias=config.qkv_bias,
             sections=sections,
             sequence_parallel=config.sequence_parallel,
             params_dtype=config.params_dtype,

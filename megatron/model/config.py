@@ -302,6 +302,12 @@ class GPTConfig(MoEArgs, MupArgs):
     use_bias_in_attn_linear: bool = True
     """Give the attention projections a bias."""
 
+    use_bias_in_qkv: bool = False
+    """Give the fused query/key/value projection a bias even with use_bias_in_attn_linear false, the attention
+    output projection none (Qwen2: transformers 5.23.0 models/qwen2/modeling_qwen2.py:181-184, bias=True on
+    q_proj/k_proj/v_proj, False on o_proj). Not a GPT-NeoX key (ea7aefd8 has one bias switch for both
+    projections); with use_bias_in_attn_linear true it changes nothing."""
+
     use_bias_in_mlp: bool = True
     """Give the MLP projections a bias."""
 
@@ -556,6 +562,11 @@ class GPTConfig(MoEArgs, MupArgs):
     def kv_heads(self) -> int:
         """Key/value heads: ``num_kv_heads``, or one per query head when unset."""
         return self.num_kv_heads if self.num_kv_heads is not None else self.arch.heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        """The fused QKV projection has a bias: ``use_bias_in_attn_linear`` or ``use_bias_in_qkv`` (Qwen2)."""
+        return self.use_bias_in_attn_linear or self.use_bias_in_qkv
 
     @property
     def mlp_widths(self) -> MLPWidths:

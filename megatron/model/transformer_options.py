@@ -69,11 +69,13 @@ class AttentionEntry:
 
     @staticmethod
     def parameters(config: Any, norm: NormParams) -> int:
-        """Fused QKV (grouped-query: ``kv_heads`` key/value heads), output projection, their biases,
+        """Fused QKV (grouped-query: ``kv_heads`` key/value heads), output projection, their biases (the QKV's
+        alone with ``use_bias_in_qkv``, Qwen2),
         the per-head q/k norms and the positional embedding's part."""
         h, d, n = int(config.hidden_size), int(config.head_dim), int(config.num_attention_heads)
         qkv_out = (n + 2 * int(config.kv_heads)) * d
-        total = h * qkv_out + n * d * h + (qkv_out + h if config.use_bias_in_attn_linear else 0)
+        total = h * qkv_out + n * d * h + (qkv_out if config.qkv_bias else 0)
+        total += h if config.use_bias_in_attn_linear else 0
         if config.use_qk_layernorm:
             total += 2 * norm(d)
         return total + POSITIONAL[config.pos_emb].layer_parameters(config)
