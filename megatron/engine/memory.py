@@ -72,7 +72,8 @@ GiB = 1024**3
 
 # fp32 state tensors per parameter, by optimizer type (lower-cased)
 _STATE_TENSORS: dict[str, int] = {"adam": 2, "adamw": 2, "cpu_adam": 2, "cpuadam": 2, "cpu_torch_adam": 2,
-                                  "lamb": 2, "lion": 1, "sgd": 1}
+                                  "lamb": 2, "lion": 1, "sgd": 1, "adopt": 2,
+                                  "rmsprop_momentum": 2, "rmspropmomentum": 2}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -29,8 +29,12 @@ OPTIMIZER_KINDS: dict[str, str] = {
     "madgrad_wd": "madgrad_wd",
     "lion": "lion",
     "sgd": "sgd",
+    "adopt": "adopt",
+    "rmspropmomentum": "rmsprop_momentum",
+    "rmsprop_momentum": "rmsprop_momentum",
 }
-SHOWN_TYPES = ("Adam", "AdamW", "CPU_Adam", "CPU_torch_adam", "OneBitAdam", "SM3", "madgrad_wd", "Lion", "SGD")
+SHOWN_TYPES = ("Adam", "AdamW", "CPU_Adam", "CPU_torch_adam", "OneBitAdam", "SM3", "madgrad_wd", "Lion", "SGD",
+               "ADOPT", "RMSPropMomentum")
 
 
 class _Params(ArgGroup):
@@ -77,6 +81,26 @@ class SGDParams(_Params):
     nesterov: bool = False
 
 
+class AdoptParams(_Params):
+    """Levanter's ``AdoptConfig`` (``src/levanter/optim/adopt.py:18-31`` of stanford-crfm/levanter@9263f81e):
+    its defaults, not the paper's or pytorch-optimizer's (those differ, see ``megatron/engine/levanter_optim.py``)."""
+
+    betas: Betas = (0.9, 0.95)
+    """Levanter's ``beta1``/``beta2``: decay of the momentum of normalised gradients and of the squared gradients."""
+    eps: float = Field(1e-6, ge=0)
+    """Levanter's ``epsilon``: added to the square root of the bias-corrected second moment."""
+
+
+class RMSPropMomentumParams(_Params):
+    """Levanter's ``RMSPropMomentumConfig`` (``src/levanter/optim/rmsprop.py:19-27``@9263f81e): RMSProp with
+    bias-corrected, damped momentum; not ``torch.optim.RMSprop`` (see ``megatron/engine/levanter_optim.py``)."""
+
+    betas: Betas = (0.9, 0.99)
+    """Levanter's ``beta1`` (momentum) and ``beta2`` (mean square)."""
+    eps: float = Field(1e-30, ge=0)
+    """Levanter's ``eps``: added to the square root of the bias-corrected mean square."""
+
+
 class _Block(ArgGroup):
     type: str
     """Optimizer type, case-insensitive."""
@@ -121,9 +145,18 @@ class SGDBlock(_Block):
     params: SGDParams = SGDParams()
 
 
+class AdoptBlock(_Block):
+    params: AdoptParams = AdoptParams()
+
+
+class RMSPropMomentumBlock(_Block):
+    params: RMSPropMomentumParams = RMSPropMomentumParams()
+
+
 PARAMS_OF_KIND: dict[str, type[_Params]] = {
     "adam": AdamParams, "cpu_adam": AdamParams, "onebitadam": OneBitAdamParams, "sm3": SM3Params,
-    "madgrad_wd": MadgradParams, "lion": LionParams, "sgd": SGDParams,
+    "madgrad_wd": MadgradParams, "lion": LionParams, "sgd": SGDParams, "adopt": AdoptParams,
+    "rmsprop_momentum": RMSPropMomentumParams,
 }
 
 
@@ -146,7 +179,9 @@ OptimizerBlock = Annotated[
     | Annotated[SM3Block, Tag("sm3")]
     | Annotated[MadgradBlock, Tag("madgrad_wd")]
     | Annotated[LionBlock, Tag("lion")]
-    | Annotated[SGDBlock, Tag("sgd")],
+    | Annotated[SGDBlock, Tag("sgd")]
+    | Annotated[AdoptBlock, Tag("adopt")]
+    | Annotated[RMSPropMomentumBlock, Tag("rmsprop_momentum")],
     Discriminator(
         _kind_of,
         custom_error_type="optimizer_type",

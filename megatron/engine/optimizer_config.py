@@ -29,6 +29,8 @@ OptimizerType = Literal[
     "madgrad_wd",
     "sgd",
     "lion",
+    "adopt",
+    "rmsprop_momentum",
 ]
 
 
@@ -87,7 +89,8 @@ class OptimizerArgs(ArgGroup):
 
     optimizer: OptimizerBlock | None = None
     """Optimizer block: {type: Adam, params: {lr, betas, eps, ...}}; type is one of Adam, AdamW,
-    CPU_Adam, CPU_torch_adam, OneBitAdam, SM3, madgrad_wd, Lion, SGD and params are checked per type."""
+    CPU_Adam, CPU_torch_adam, OneBitAdam, SM3, madgrad_wd, Lion, SGD, ADOPT,
+    RMSPropMomentum and params are checked per type."""
 
     @property
     def optimizer_kind(self) -> str:

@@ -11,6 +11,9 @@ whose decay is torch's L2 term as in GPT-NeoX.
 * ``CPU_Adam``: DeepSpeed's ``DeepSpeedCPUAdam`` (also what ZeRO-Offload requires for Adam).
 * ``SM3``, ``madgrad_wd`` (MADGRAD with decoupled decay) and ``Lion``: the well-kept
   ``pytorch-optimizer`` package.
+* ``ADOPT`` and ``RMSPropMomentum``: Levanter's updates (``megatron/engine/levanter_optim.py``; neither
+  pytorch-optimizer's ADOPT nor ``torch.optim.RMSprop`` computes them), decoupled decay as Levanter's
+  ``add_decayed_weights``.
 * ``OneBitAdam``: built by DeepSpeed itself (it needs the engine's communication backend), so it
   only runs on GPUs with NCCL/MPI; the config rules refuse it elsewhere before launch.
 """
@@ -24,6 +27,7 @@ import torch
 
 from megatron.errors import ConfigError
 from megatron.engine.bnb import build_adam8bit
+from megatron.engine.levanter_optim import LevanterAdopt, LevanterRMSPropMomentum
 from megatron.engine.optimizer_config import OptimizerArgs
 
 ParamGroups = list[dict[str, Any]]
@@ -145,6 +149,18 @@ def build_sm3(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer:
 
     p = cfg.optimizer_params
     return _DecoupledDecay.wrap(SM3)(groups, lr=cfg.peak_lr, momentum=p["momentum"], beta=p["beta"], eps=p["eps"])
+
+
+@register_optimizer("adopt")
+def build_adopt(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer:
+    p = cfg.optimizer_params
+    return LevanterAdopt(groups, lr=cfg.peak_lr, betas=tuple(p["betas"]), eps=p["eps"])
+
+
+@register_optimizer("rmsprop_momentum")
+def build_rmsprop_momentum(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer:
+    p = cfg.optimizer_params
+    return LevanterRMSPropMomentum(groups, lr=cfg.peak_lr, betas=tuple(p["betas"]), eps=p["eps"])
 
 
 class _DecoupledDecay:

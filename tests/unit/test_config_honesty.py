@@ -293,7 +293,7 @@ DIALECT_SAMPLES: dict[str, dict[str, object]] = {
         "optimizer.cooldown": 0.1, "optimizer.cycle_length": 10, "optimizer.haps": [5],
         "optimizer.weight_decay_modules": None, "optimizer.default_weight_decay_mask": None, "optimizer.nesterov": False,
         "optimizer.update_rms_clipping": None, "optimizer.clip_update_norm": None, "optimizer.skip_bad_steps": False,
-        "optimizer.adamc_weight_decay": False,
+        "optimizer.adamc_weight_decay": False, "optimizer.eps": 1e-20, "optimizer.schedule_list": None,
         "data.enforce_eos": True, "data.format": {"type": "text"}, "data.text_key": "text", "data.tags": ["a"],
         "data.cache_options": {}, "data.ignore_token_id": -100,
         "data.shuffle": False, "data.permutation_type": None,
@@ -342,6 +342,8 @@ DIALECT_CONTEXT: dict[str, dict[str, object]] = {
     "chat_train_urls": {"supervised_data": {"cache_dir": "c"}},
     "max_seq_len": {"initialize_from_hf": "m", "dataset_type": "chat_jsonl"},
     "tokenizer": {"dataset_type": "chat_jsonl"},  # alone it could be the exporter's key too
+    "optimizer.eps": {"optimizer.type": "rmsprop"},  # RMSPropMomentumConfig's spelling of epsilon
+    "optimizer.schedule_list": {"optimizer.type": "adopt"},
     **{f"model.{f}": {"model.type": "mixtral"}
        for f in ("n_routed_experts", "num_experts_per_tok", "n_shared_experts", "lbl_coef", "rzl_coef")},
 }

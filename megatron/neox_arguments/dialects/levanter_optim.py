@@ -1,10 +1,12 @@
-"""Levanter's ``optimizer:`` section: ``OptimizerConfig`` with its schedule keys, and ``AdamConfig``/``LionConfig``.
+"""Levanter's ``optimizer:`` section: ``OptimizerConfig`` with its schedule keys, and ``AdamConfig``, ``LionConfig``,
+``AdoptConfig`` and ``RMSPropMomentumConfig``.
 
-Defaults and meanings are read from ``src/levanter/optim/config.py`` of stanford-crfm/levanter at
-9263f81e. The schedule keys become the ``levanter`` learning-rate style, which computes Levanter's curve
-per step (``megatron/engine/lr_dialects.py``); the optimizer becomes Deepy's Adam (decoupled weight
-decay, as ``optax.add_decayed_weights`` before the step) or Lion, and Levanter's default weight-decay
-mask (no decay on embeddings, norms and biases) becomes ``weight_decay_embeddings: false``.
+Defaults and meanings are read from ``src/levanter/optim/config.py``, ``adopt.py`` and ``rmsprop.py`` of
+stanford-crfm/levanter at 9263f81e. The schedule keys become the ``levanter`` learning-rate style, which computes
+Levanter's curve per step (``megatron/engine/lr_dialects.py``); the optimizer becomes Deepy's Adam (decoupled
+weight decay, as ``optax.add_decayed_weights`` before the step), Lion, ADOPT or RMSPropMomentum (Levanter's own
+updates, ``megatron/engine/levanter_optim.py``), and Levanter's default weight-decay mask (no decay on
+embeddings, norms and biases) becomes ``weight_decay_embeddings: false``.
 """
 
 from __future__ import annotations
@@ -14,14 +16,24 @@ from typing import Any
 from megatron.neox_arguments.dialects.common import Context, Refused, Rule, noted, to
 
 OPTIMIZER_DEFAULTS: dict[str, Any] = {
-    "type": "adam", "learning_rate": 6e-4, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "epsilon": 1e-8,
-    "max_grad_norm": 1.0, "min_lr_ratio": 0.1, "warmup": 0.01, "lr_schedule": "cosine",
+    "type": "adam", "learning_rate": 6e-4, "weight_decay": 0.1, "max_grad_norm": 1.0, "min_lr_ratio": 0.1,
+    "warmup": 0.01, "lr_schedule": "cosine",
 }
-"""``OptimizerConfig``/``AdamConfig`` defaults (``beta2`` 0.95, ``min_lr_ratio`` 0.1, ``weight_decay`` 0.1)."""
+"""``OptimizerConfig``'s defaults and those every built type shares (``weight_decay`` 0.1, ``max_grad_norm`` 1.0:
+``AdamConfig``, ``LionConfig``, ``AdoptConfig``, ``RMSPropMomentumConfig``); the betas and epsilon are each type's
+(``KIND_DEFAULTS``)."""
+
+KIND_DEFAULTS: dict[str, dict[str, float]] = {
+    "adam": {"beta1": 0.9, "beta2": 0.95, "epsilon": 1e-8},  # AdamConfig, config.py:404-410
+    "lion": {"beta1": 0.9, "beta2": 0.95},  # LionConfig, config.py:499-509 (its epsilon is unused)
+    "adopt": {"beta1": 0.9, "beta2": 0.95, "epsilon": 1e-6},  # AdoptConfig, adopt.py:18-31
+    "rmsprop": {"beta1": 0.9, "beta2": 0.99, "eps": 1e-30},  # RMSPropMomentumConfig, rmsprop.py:20-27
+}
+"""Each built type's own fields and defaults (RMSProp spells its epsilon ``eps``)."""
 
 NOT_BUILT = {"sophia-h": "Sophia-H", "sophia-g": "Sophia-G", "muon": "Muon", "kron": "Kron (PSGD)",
-             "scion": "Scion", "adopt": "ADOPT", "mars": "MARS", "cautious": "Cautious Adam", "mini": "Adam-mini",
-             "rmsprop": "RMSProp", "soap": "SOAP", "skipstep": "skip-step"}
+             "scion": "Scion", "mars": "MARS", "cautious": "Cautious Adam", "mini": "Adam-mini",
+             "soap": "SOAP", "skipstep": "skip-step"}
 """Levanter optimizers Deepy does not build."""
 
 _SCHEDULES = ("constant", "cosine", "linear", "inv_sqrt", "inv")
@@ -30,19 +42,33 @@ _SCHEDULES = ("constant", "cosine", "linear", "inv_sqrt", "inv")
 def _kind(ctx: Context) -> str:
     kind = str(ctx.value("optimizer.type", OPTIMIZER_DEFAULTS["type"])).lower()
     if kind in NOT_BUILT:
-        raise Refused(f"optimizer {kind!r} ({NOT_BUILT[kind]}) is not built here; Levanter's adam and lion are")
-    if kind not in ("adam", "lion"):
-        raise Refused(f"unknown Levanter optimizer {kind!r}; Deepy maps adam and lion")
+        raise Refused(f"optimizer {kind!r} ({NOT_BUILT[kind]}) is not built here; Levanter's "
+                      f"{', '.join(KIND_DEFAULTS)} are")
+    if kind not in KIND_DEFAULTS:
+        raise Refused(f"unknown Levanter optimizer {kind!r}; Deepy maps {', '.join(KIND_DEFAULTS)}")
     return kind
+
+
+_DEEPY_TYPE = {"adam": "Adam", "lion": "Lion", "adopt": "ADOPT", "rmsprop": "RMSPropMomentum"}
 
 
 def _optimizer(value: Any, ctx: Context) -> dict[str, Any]:
     kind = _kind(ctx)
-    betas = [ctx.value("optimizer.beta1", OPTIMIZER_DEFAULTS["beta1"]), ctx.value("optimizer.beta2", OPTIMIZER_DEFAULTS["beta2"])]
-    if kind == "lion":  # optax.scale_by_lion(b1, b2): no epsilon
-        return {"optimizer": {"type": "Lion", "params": {"betas": betas}}}
-    return {"optimizer": {"type": "Adam", "params": {"betas": betas,
-                                                     "eps": ctx.value("optimizer.epsilon", OPTIMIZER_DEFAULTS["epsilon"])}}}
+    fields = KIND_DEFAULTS[kind]
+    for name in ("epsilon", "eps"):
+        if name not in fields and ctx.value(f"optimizer.{name}") is not None and kind != "lion":
+            raise Refused(f"Levanter's {kind} optimizer has no {name}; it has {', '.join(fields)}")
+    got = {name: ctx.value(f"optimizer.{name}", default) for name, default in fields.items()}
+    params: dict[str, Any] = {"betas": [got["beta1"], got["beta2"]]}
+    if kind != "lion":  # optax.scale_by_lion(b1, b2): no epsilon
+        params["eps"] = got.get("epsilon", got.get("eps"))
+    return {"optimizer": {"type": _DEEPY_TYPE[kind], "params": params}}
+
+
+def _schedule_list(value: Any, ctx: Context) -> dict[str, Any]:
+    if _kind(ctx) != "adopt":
+        raise Refused("only Levanter's adopt (and soap) optimizer has schedule_list")
+    return noted("AdoptConfig declares it but its build() never reads it (adopt.py:31@9263f81e)")
 
 
 def _max_grad_norm(value: Any, ctx: Context) -> dict[str, Any]:
@@ -124,12 +150,10 @@ def _skip_bad_steps(value: Any, ctx: Context) -> dict[str, Any]:
     return {"skip_bad_steps_window": int(window), "skip_bad_steps_sigma": float(sigma)}
 
 
-def _adam_only(name: str) -> Rule:
-    def rule(value: Any, ctx: Context) -> dict[str, Any]:
-        if _kind(ctx) != "adam" and name == "epsilon":
-            raise Refused("Lion has no epsilon")
-        return _optimizer(value, ctx)
-    return rule
+def _epsilon(value: Any, ctx: Context) -> dict[str, Any]:
+    if _kind(ctx) == "lion":
+        raise Refused("Lion has no epsilon")
+    return _optimizer(value, ctx)
 
 
 OPTIMIZER_RULES: dict[str, Rule] = {
@@ -138,7 +162,9 @@ OPTIMIZER_RULES: dict[str, Rule] = {
     "optimizer.weight_decay": to("weight_decay"),
     "optimizer.beta1": _optimizer,
     "optimizer.beta2": _optimizer,
-    "optimizer.epsilon": _adam_only("epsilon"),
+    "optimizer.epsilon": _epsilon,
+    "optimizer.eps": _epsilon,
+    "optimizer.schedule_list": _schedule_list,
     "optimizer.max_grad_norm": _max_grad_norm,
     "optimizer.min_lr_ratio": _schedule_key("levanter_min_lr_ratio"),
     "optimizer.warmup": _schedule_key("levanter_warmup"),
