@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from megatron.errors import ConversionError
-from megatron.interop.convert import export_to_hf, import_to_deepy
+from megatron.interop.convert import check_neox_flags, export_to_hf, import_to_deepy
 from megatron.interop.deepy_checkpoint import read_full_checkpoint, write_weights_only_checkpoint
 from megatron.interop.hf_config import choose_architecture, gpt_config_from_hf
 from megatron.interop.hf_model import fixed_batch
@@ -107,6 +107,8 @@ def test_qwen2_round_trip_at_tp2_pp2_then_a_trained_step_exports(tmp_path: Path)
     imported = import_to_deepy(source, tmp_path / "deepy", tp=2, pp=2)
     assert imported.max_logit_diff is not None and imported.max_logit_diff <= 1e-4
     assert "use_bias_in_qkv: true" in imported.config_file.read_text()
+    with pytest.raises(ConversionError, match="holds a Qwen2ForCausalLM model .GPT-NeoX's converter has no flag"):
+        check_neox_flags(tmp_path / "deepy", None, None, "llama")
     exported = export_to_hf(tmp_path / "deepy", tmp_path / "back")
     assert exported.architecture == "Qwen2ForCausalLM"
     assert exported.max_logit_diff is not None and exported.max_logit_diff <= 1e-4
