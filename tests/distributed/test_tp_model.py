@@ -43,8 +43,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "rpe_local_gqa": dict(
         pos_emb="rpe", attention_config=[[["local", "global"], 1]], sliding_window_width=2, num_kv_heads=2
     ),
+    # Qwen2's block: biases on the fused QKV's column-split sections only, none on the row-parallel output
+    "qkv_bias_only_sequence_parallel": dict(use_bias_in_attn_linear=False, use_bias_in_qkv=True, use_bias_in_mlp=False,
+                                            num_kv_heads=2, pos_emb="rotary", norm="rmsnorm", activation="swiglu",
+                                            intermediate_size=384, sequence_parallel=True),
 }
-PIPELINE_CONFIGS = ["mha_learned", "alibi_untied_qknorm_parallel", "value_head_sequence_parallel", "rpe_local_gqa"]
+PIPELINE_CONFIGS = ["mha_learned", "alibi_untied_qknorm_parallel", "value_head_sequence_parallel", "rpe_local_gqa",
+                    "qkv_bias_only_sequence_parallel"]
 # DeepSpeed optimizer paths (where the reduced gradient lives at the step): param.grad, ZeRO-2's flat
 # partition fragments, the bf16 optimizer's fp32 buffer
 ENGINE_PATHS: dict[str, dict[str, Any]] = {

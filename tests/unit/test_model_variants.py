@@ -119,7 +119,7 @@ def ref_attention(
     n, nkv, d = cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim
     w = sd[f"{prefix}.query_key_value.weight"]
     qkv = x @ w.T
-    if cfg.use_bias_in_attn_linear:
+    if cfg.use_bias_in_attn_linear or cfg.use_bias_in_qkv:  # Qwen2: the QKV's bias alone
         qkv = qkv + sd[f"{prefix}.query_key_value.bias"]
     q = qkv[..., : n * d].reshape(b, s, n, d).transpose(1, 2)
     k = qkv[..., n * d : (n + nkv) * d].reshape(b, s, nkv, d).transpose(1, 2)
@@ -226,6 +226,7 @@ VARIANTS: dict[str, dict] = {
     "untied": dict(no_weight_tying=True),
     "value_head": dict(value_head=True, pos_emb="rotary"),
     "no_linear_biases": dict(use_bias_in_attn_linear=False, use_bias_in_mlp=False),
+    "qkv_bias_only": dict(use_bias_in_attn_linear=False, use_bias_in_qkv=True, use_bias_in_mlp=False, num_kv_heads=2),
     # GPT-NeoX's rule: int(40 * 2/3) = 26 rows rounded to 32, halves of 13 rounded to 16
     "mlp_width": dict(intermediate_size=40, mlp_multiple_of=8, activation="swiglu"),
     "expansion_factor": dict(expansion_factor=2.5),
@@ -335,7 +336,7 @@ def test_init_is_a_function_of_seed_and_name() -> None:
 @pytest.mark.parametrize(
     "name",
     ["learned", "learned_opt_offset", "gqa", "untied", "value_head", "qk_rmsnorm", "parallel_residual_tied_norm",
-     "mlp_width", "rpe"],
+     "mlp_width", "rpe", "qkv_bias_only"],
 )
 def test_num_parameters_and_flops(name: str) -> None:
     cfg, model = build(VARIANTS[name])
@@ -435,7 +436,8 @@ def test_checkpoint_num_layers_chunks_blocks_without_a_pipeline(monkeypatch: pyt
 
 
 @pytest.mark.parametrize("name", ["learned", "gqa", "untied", "qk_rmsnorm", "act_swiglu", "no_linear_biases",
-                                  "parallel_residual_tied_norm", "non_parametric_layernorm", "value_head", "rpe"])
+                                  "parallel_residual_tied_norm", "non_parametric_layernorm", "value_head", "rpe",
+                                  "qkv_bias_only"])
 def test_universal_checkpoint_info_merges_tp_shards(name: str, tmp_path) -> None:
     """DeepSpeed's own tp-merge (ds_to_universal.merge_tp_slices), fed our shards and our
     `universal_checkpoint_info`, rebuilds every full tensor (the converter runs with --no_strict:
@@ -491,7 +493,8 @@ def test_config_errors_are_config_errors() -> None:
         cfg.check_tensor_parallel(4)
 
 
-@pytest.mark.parametrize("name", ["learned", "gqa", "untied", "act_swiglu", "rpe", "qk_layernorm", "value_head"])
+@pytest.mark.parametrize("name", ["learned", "gqa", "untied", "act_swiglu", "rpe", "qk_layernorm", "value_head",
+                                  "qkv_bias_only"])
 def test_partition_patterns_agree_with_parameter_marks(name: str) -> None:
     """The name patterns (checkpoint resharding) and the attributes DeepSpeed reads agree."""
     from deepspeed.runtime.utils import is_model_parallel_parameter

@@ -41,6 +41,7 @@ BASE: dict[str, Any] = dict(num_layers=2, hidden_size=32, num_attention_heads=2,
 OPTIONS: dict[str, dict[str, Any]] = {
     **{f"norm={n}": dict(norm=n, use_qk_layernorm=True) for n in TORCH_NORMS},
     "norm=layernorm without bias": dict(norm="layernorm", use_bias_in_norms=False),
+    "use_bias_in_qkv (Qwen2)": dict(use_bias_in_attn_linear=False, use_bias_in_qkv=True, num_kv_heads=1),
     **{f"activation={a}": dict(activation=a) for a in ACTIVATIONS},
     **{f"pos_emb={p}": dict(pos_emb=p, num_kv_heads=1) for p in POSITIONAL},
     **{f"attention={t}": dict(attention_config=[[[t], "all"]], sliding_window_width=3) for t in ATTENTION_TYPES},
