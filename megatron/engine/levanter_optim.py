@@ -2,8 +2,9 @@
 
 Read from stanford-crfm/levanter at 9263f81e. Both are element-wise, so under ZeRO (each rank steps its
 shard of the flat fp32 master) and tensor parallelism (each rank steps its slice) they need nothing
-gathered (tests/distributed/test_levanter_optimizers_zero.py: ZeRO-1 and ZeRO-3 at dp2 equal ZeRO-0). Levanter chains ``clip_by_global_norm(max_grad_norm)`` (DeepSpeed's ``gradient_clipping`` here),
-the transformation below, ``add_decayed_weights(weight_decay, mask)`` and ``scale(-lr)``: so
+gathered (tests/distributed/test_levanter_optimizers_zero.py: ZeRO-1 and ZeRO-3 at dp2 equal ZeRO-0).
+Levanter chains ``clip_by_global_norm(max_grad_norm)`` (DeepSpeed's ``gradient_clipping`` here), the
+transformation below, ``add_decayed_weights(weight_decay, mask)`` and ``scale(-lr)``: so
 ``p <- p - lr * (u + wd * p)``, which is ``p <- p * (1 - lr * wd) - lr * u`` (the decay is the group's
 ``weight_decay``; the mask is Deepy's decay/no-decay groups).
 

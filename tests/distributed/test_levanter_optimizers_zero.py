@@ -18,8 +18,8 @@ import torch
 from tests.distributed.rank_harness import finish_rank, join_data_parallel_ranks, record_checks, run_ranks
 
 WORLD, STEPS = 2, 3
-MODEL: dict[str, Any] = dict(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8, padded_vocab_size=64, seed=3,
-             no_weight_tying=True)
+MODEL: dict[str, Any] = dict(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8,
+                             padded_vocab_size=64, seed=3, no_weight_tying=True)
 KINDS = ("ADOPT", "RMSPropMomentum")
 
 
