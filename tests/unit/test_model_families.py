@@ -206,15 +206,16 @@ def test_mamba_imports_back_tensor_equal(mamba_export: tuple[GPTModel, Any]) -> 
     assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
 
 
-def test_mamba_greedy_generation_equals_transformers(mamba_export: tuple[GPTModel, Any]) -> None:
+def assert_greedy_generation_equals_transformers(ours: Any, theirs: Any, vocab: int, hidden: int) -> None:
+    """Deepy's batched greedy decode of three prompts of different lengths (left padding must not leak into the
+    attention or the state) equals transformers' ``generate``, prompt by prompt, up to the first end-of-text."""
     from megatron.generation.config import TextgenArgs
     from megatron.generation.decode import generate
     from megatron.generation.replica import ModelReplica
     from megatron.generation.sampling import sample_generator
 
-    ours, theirs = mamba_export
-    prompts = [[5, 9, 3, 17, 22, 8], [11, 40], [7, 7, 30, 2]]  # batched: left padding must not leak into the state
-    replica = ModelReplica(ours, vocab_size=64, hidden_size=32)
+    prompts = [[5, 9, 3, 17, 22, 8], [11, 40], [7, 7, 30, 2]]
+    replica = ModelReplica(ours, vocab_size=vocab, hidden_size=hidden)
     got = generate(replica, prompts, TextgenArgs(maximum_tokens=10).sampling(), eod=0, max_length=32,  # type: ignore[arg-type]
                    generators=[sample_generator(1, i) for i in range(3)])
     for prompt, row in zip(prompts, got):
@@ -222,6 +223,11 @@ def test_mamba_greedy_generation_equals_transformers(mamba_export: tuple[GPTMode
                              pad_token_id=0)[0, len(prompt):].tolist()
         cut = hf.index(0) if 0 in hf else len(hf)
         assert row.tokens == hf[:cut], (prompt, row.tokens, hf)
+
+
+def test_mamba_greedy_generation_equals_transformers(mamba_export: tuple[GPTModel, Any]) -> None:
+    ours, theirs = mamba_export
+    assert_greedy_generation_equals_transformers(ours, theirs, vocab=64, hidden=32)
 
 
 def test_export_refuses_what_transformers_cannot_run() -> None:

@@ -26,6 +26,7 @@ from megatron.interop.hf_model import fixed_batch
 from megatron.interop.hf_tokenizer import TokenizerFiles, export_tokenizer
 from megatron.interop.hf_weights import from_hf_state_dict
 from megatron.model import GPTConfig, GPTModel, num_parameters
+from test_model_families import assert_greedy_generation_equals_transformers
 
 SHAPE: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -85,21 +86,8 @@ def test_qwen2_imports_with_its_biases_and_logits(imported: tuple[Any, GPTConfig
 
 
 def test_qwen2_greedy_generation_equals_transformers(imported: tuple[Any, GPTConfig, GPTModel]) -> None:
-    from megatron.generation.config import TextgenArgs
-    from megatron.generation.decode import generate
-    from megatron.generation.replica import ModelReplica
-    from megatron.generation.sampling import sample_generator
-
     theirs, config, ours = imported
-    prompts = [[5, 9, 3, 17, 22, 8], [11, 40], [7, 7, 30, 2]]  # batched: left padding must not leak
-    replica = ModelReplica(ours, vocab_size=config.vocab, hidden_size=config.arch.hidden)
-    got = generate(replica, prompts, TextgenArgs(maximum_tokens=10).sampling(), eod=0, max_length=32,
-                   generators=[sample_generator(1, i) for i in range(3)])
-    for prompt, row in zip(prompts, got):
-        hf = theirs.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=0,
-                             pad_token_id=0)[0, len(prompt):].tolist()
-        cut = hf.index(0) if 0 in hf else len(hf)
-        assert row.tokens == hf[:cut], (prompt, row.tokens, hf)
+    assert_greedy_generation_equals_transformers(ours, theirs, vocab=config.vocab, hidden=config.arch.hidden)
 
 
 def test_qwen2_round_trip_at_tp2_pp2_then_a_trained_step_exports(tmp_path: Path) -> None:
