@@ -72,11 +72,17 @@ env = distributed_env(os.environ, prefer_slurm="SLURM_STEP_ID" in os.environ)
 run_dir = Path(sys.argv[sys.argv.index("--deepy_config") + 1]).parent
 got = []
 STUBBORN = False
+
+
+def take(num, frame):
+    got.append(signal.Signals(num).name)
+    # later requests are ignored: Python puts SIG_DFL back while it exits, so a second SIGUSR1 then (two host
+    # names of this one machine in a hostfile: pdsh's pkill runs on it twice) would kill the exiting worker
+    signal.signal(num, signal.SIG_IGN)
+
+
 for sig in (signal.SIGTERM, signal.SIGUSR1):
-    if STUBBORN:
-        signal.signal(sig, signal.SIG_IGN)
-    else:
-        signal.signal(sig, lambda num, frame: got.append(signal.Signals(num).name))
+    signal.signal(sig, signal.SIG_IGN if STUBBORN else take)
 place = {**env, "pid": os.getpid(), "host": socket.gethostname(), "node": os.environ.get("SLURM_NODEID"),
          "secret_seen": os.environ.get("WANDB_API_KEY"), "pythonpath": os.environ.get("PYTHONPATH", "")}
 (run_dir / f"ready.{env['RANK']}").write_text(json.dumps(place))
