@@ -3,8 +3,9 @@
 * ``merge``: one ``transformers`` model whose projections hold ``W + (alpha/r) B A``.
 * ``peft``: the frozen base as a ``transformers`` model in OUTPUT, and the adapters as a PEFT LoRA
   directory in ``OUTPUT/<ADAPTER_DIR>`` (``adapter_config.json`` + ``adapter_model.safetensors``,
-  PEFT's names for a GPTNeoX model) whose ``base_model_name_or_path`` is OUTPUT. PEFT's own loader
-  is the check: ``PeftModel.from_pretrained(base, adapter)`` must give our logits.
+  under the exported model's module paths, whichever architecture it exports as: :func:`peft_adapters`) whose
+  ``base_model_name_or_path`` is OUTPUT. PEFT's own loader is the check: ``PeftModel.from_pretrained(base,
+  adapter)`` must give our logits.
 
 Either way the reference is our model *with its adapters* (``apply_lora`` on a one-process
 ``GPTModel`` holding the checkpoint's base and adapter weights), on the fixed batch of the plain
@@ -33,7 +34,7 @@ from megatron.interop.hf_model import (
     save_hf_model,
 )
 from megatron.interop.hf_tokenizer import TokenizerFiles, export_tokenizer, special_tokens_of
-from megatron.interop.hf_weights import qkv_ours_to_neox, to_hf_state_dict
+from megatron.interop.hf_weights import to_hf_state_dict
 from megatron.model.config import GPTConfig
 from megatron.model.gpt import GPTModel
 from megatron.model.lora import ADAPTER, apply_lora, is_adapter_name, merge_adapters
@@ -78,37 +79,118 @@ def adapted_model(config: GPTConfig, lora: LoRAArgs, weights: Weights) -> torch.
     return model.eval()
 
 
-def peft_state_dict(config: GPTConfig, weights: Weights) -> Weights:
-    """PEFT's names and layout for our adapters on a GPTNeoX model: the fused QKV's rows are interleaved
-    per head in transformers, so ``B`` of ``query_key_value`` gets the same row order as its weight; the
-    untied head is ``lm_head``."""
-    out: Weights = {}
-    heads, d = config.arch.heads, config.head_dim
-    for key, tensor in weights.items():
-        if not is_adapter_name(key):
-            continue
-        layer, factor = key.rsplit(f".{ADAPTER}.", 1)  # layers.0.attention.query_key_value, lora_B
-        if layer.endswith("query_key_value") and factor == "lora_B":
-            tensor = qkv_ours_to_neox(tensor, heads, d)
-        module = "lm_head" if layer == "output_layer" else f"gpt_neox.{layer}"
-        out[f"base_model.model.{module}.{factor}.weight"] = tensor.contiguous()
-    return out
-
-
 def fused_sections(config: GPTConfig) -> Callable[[str], Sequence[int] | None]:
     """The full row sections of a weight (``[q, k, v]``, ``[gate, up]``), which a split adapter follows."""
     return lambda weight: (tp_partition_of(config, weight) or _WHOLE).sections
 
 
+_WEIGHT_CODE = 2**40
+"""Coded weights (:func:`_row_col_maps`): weight number x 2**40 + row x in + col, exact in float64 below 2**53."""
+
+
+@dataclass(frozen=True)
+class PeftAdapter:
+    """One PEFT LoRA module of the export: its transformers module path, ``A`` ``[rank, in]`` and ``B``
+    ``[out, rank]``; ``rank`` is ``r`` or, where one transformers module holds sections that Deepy adapted each on
+    its own (``lora_split_fused``), ``r`` per section it holds (PEFT's ``rank_pattern``)."""
+
+    module: str
+    a: torch.Tensor
+    b: torch.Tensor
+    source: str
+    """Our adapted layer (``layers.0.attention.query_key_value``)."""
+
+
+def _row_col_maps(config: GPTConfig, arch: str, weights: Weights,
+                  adapted: list[str]) -> dict[str, tuple[int, torch.Tensor, torch.Tensor]]:
+    """Where each adapted weight's rows and columns land in the transformers state dict: {hf key: (our weight
+    number, our rows, our columns)}, found by converting coded stand-ins of the adapted weights with the export's
+    own conversion (``to_hf_state_dict``), so every architecture's layout (GPTNeoX's per-head QKV, a Llama's
+    separate q/k/v and gate/up, fused ones) is followed without a second description of it. A transformers tensor
+    that is not a row-and-column selection of one of our weights is refused by name."""
+    coded = {k: v for k, v in weights.items() if not is_adapter_name(k)}
+    for number, name in enumerate(adapted):
+        out, fan_in = coded[name].shape
+        rows = torch.arange(out, dtype=torch.float64)[:, None] * fan_in
+        coded[name] = number * _WEIGHT_CODE + rows + torch.arange(fan_in, dtype=torch.float64)[None, :]
+    maps: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}
+    for key, tensor in to_hf_state_dict(config, arch, coded).items():  # type: ignore[arg-type]
+        if tensor.dtype != torch.float64:
+            continue
+        code = tensor.to(torch.int64)
+        number = int(code.flatten()[0]) // _WEIGHT_CODE
+        if code.dim() != 2 or not number < len(adapted):
+            raise ConversionError(f"--adapters peft: {key} holds {adapted[0]} in a shape PEFT's LoRA cannot adapt")
+        local, fan_in = code - number * _WEIGHT_CODE, coded[adapted[number]].shape[1]
+        rows, cols = local[:, 0] // fan_in, local[0, :] % fan_in
+        if not torch.equal(local, rows[:, None] * fan_in + cols[None, :]):
+            raise ConversionError(f"--adapters peft: {key} is not a selection of rows and columns of "
+                                  f"{adapted[number]}; use --adapters merge")
+        maps[key] = (number, rows, cols)
+    missing = sorted(set(adapted) - {adapted[n] for n, _, _ in maps.values()})
+    if missing:
+        raise ConversionError(f"--adapters peft: {missing} have no place in the {arch} export; use --adapters merge")
+    return maps
+
+
+def peft_adapters(config: GPTConfig, arch: str, weights: Weights) -> list[PeftAdapter]:
+    """Our adapters as PEFT LoRA modules of the exported transformers model, exactly: a transformers weight
+    ``W_hf = W[rows][:, cols]`` gets ``B[rows]`` and ``A[:, cols]`` (``(B A)[rows][:, cols]``), so an adapter on a
+    fused projection that transformers keeps apart (q/k/v, gate/up) becomes one PEFT adapter per module, ``A``
+    repeated. With ``lora_split_fused`` each section has its own ``A_s`` and ``B``'s rows of that section: a module
+    holding sections ``T`` gets ``A = [A_s for s in T]`` and a block ``B`` of rank ``len(T) r``."""
+    adapted = sorted(k[: -len(f".{ADAPTER}.lora_A")] + ".weight" for k in weights if k.endswith(f".{ADAPTER}.lora_A"))
+    sections = fused_sections(config)
+    found: list[PeftAdapter] = []
+    for key, (number, rows, cols) in sorted(_row_col_maps(config, arch, weights, adapted).items()):
+        layer = adapted[number].removesuffix(".weight")
+        a, b = weights[f"{layer}.{ADAPTER}.lora_A"].float(), weights[f"{layer}.{ADAPTER}.lora_B"].float()
+        r = b.shape[1]
+        if a.shape[0] == r:
+            found.append(PeftAdapter(key.removesuffix(".weight"), a[:, cols], b[rows], layer))
+            continue
+        bounds = torch.tensor(list(sections(adapted[number]) or ())).cumsum(0)
+        section = torch.bucketize(rows, bounds, right=True)  # the section of each of our rows
+        held = sorted(set(section.tolist()))
+        block = torch.zeros(len(rows), len(held) * r)
+        for t, s in enumerate(held):
+            block[section == s, t * r:(t + 1) * r] = b[rows[section == s]]
+        a_held = torch.cat([a[s * r:(s + 1) * r][:, cols] for s in held])
+        found.append(PeftAdapter(key.removesuffix(".weight"), a_held, block, layer))
+    return found
+
+
+def _leaf_names(lora: LoRAArgs, adapters: list[PeftAdapter]) -> list[str]:
+    """PEFT's ``target_modules``: the transformers modules' last names, in ``lora_target_modules``' order (every
+    layer is adapted, so a last name matches exactly the adapted modules)."""
+    names: list[str] = []
+    for target in lora.lora_target_modules:
+        for adapter in adapters:
+            leaf = adapter.module.rsplit(".", 1)[-1]
+            if adapter.source.rsplit(".", 1)[-1] == target and leaf not in names:
+                names.append(leaf)
+    return names
+
+
 def write_peft_adapter(config: GPTConfig, lora: LoRAArgs, weights: Weights, adapter_dir: Path, base_dir: Path,
-                       dtype: torch.dtype) -> None:
+                       dtype: torch.dtype, arch: str) -> None:
+    """``adapter_model.safetensors`` and ``adapter_config.json`` under the transformers model's module paths;
+    a module whose rank is not ``r`` (sections adapted apart) gets it in ``rank_pattern`` and ``alpha`` times its
+    sections in ``alpha_pattern``, so its scale stays ``alpha / r``."""
+    adapters = peft_adapters(config, arch, weights)
     adapter_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(dtype) for k, v in peft_state_dict(config, weights).items()},
-              str(adapter_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    tensors = {}
+    for adapter in adapters:
+        tensors[f"base_model.model.{adapter.module}.lora_A.weight"] = adapter.a.to(dtype).contiguous()
+        tensors[f"base_model.model.{adapter.module}.lora_B.weight"] = adapter.b.to(dtype).contiguous()
+    save_file(tensors, str(adapter_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    ranks = {a.module: a.b.shape[1] for a in adapters if a.b.shape[1] != lora.lora_r}
     adapter_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_dir.resolve()),
         "r": lora.lora_r, "lora_alpha": lora.lora_alpha, "lora_dropout": 0.0,
-        "target_modules": ["lm_head" if t == "output_layer" else t for t in lora.lora_target_modules],
+        "target_modules": _leaf_names(lora, adapters),
+        "rank_pattern": {rf"^{m}$": rank for m, rank in ranks.items()},
+        "alpha_pattern": {rf"^{m}$": lora.lora_alpha * rank / lora.lora_r for m, rank in ranks.items()},
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
     }
@@ -137,12 +219,6 @@ def export_adapters(ckpt: Path, config: GPTConfig, args: dict[str, Any], weights
     """Write the merged model or base + PEFT adapter for a checkpoint's full ``weights`` (adapters included)."""
     lora = lora_config_of(args)
     arch = choose_architecture(config)
-    if mode == "peft" and arch != "GPTNeoXForCausalLM":
-        raise ConversionError(f"--adapters peft writes PEFT's GPTNeoX names; this model exports as {arch}: use "
-                              "--adapters merge")
-    if mode == "peft" and lora.lora_split_fused and "query_key_value" in lora.lora_target_modules:
-        raise ConversionError("--adapters peft: lora_split_fused gave q, k and v an adapter each, and GPTNeoX's "
-                              "query_key_value is one module with one adapter in PEFT; use --adapters merge")
     dtype = _DTYPES[_FROM_ARGS.get(str(args.get("precision") or "fp32"), "fp32") if precision == "auto" else precision]
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConversionError(f"output directory {out_dir} is not empty; choose a new one")
@@ -160,7 +236,7 @@ def export_adapters(ckpt: Path, config: GPTConfig, args: dict[str, Any], weights
         assert adapter_dir is not None
         progress(f"writing the base {arch} to {out_dir} and the PEFT adapter to {adapter_dir}")
         save_hf_model(hf_config, to_hf_state_dict(config, arch, base), out_dir, dtype)
-        write_peft_adapter(config, lora, weights, adapter_dir, out_dir, dtype)
+        write_peft_adapter(config, lora, weights, adapter_dir, out_dir, dtype, arch)
     delta = None
     if verify:
         progress("verifying: our model with its adapters against the export on a fixed batch in fp32")

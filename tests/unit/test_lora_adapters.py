@@ -271,14 +271,3 @@ def test_split_adapters_drop_their_inputs_each_on_their_own() -> None:
     q, k, v = term.split([32, 16, 16], dim=1)
     assert not torch.equal(q[:, 0], k[:, 0]) and not torch.equal(k[:, 0], v[:, 0])  # masks differ per section
 
-
-def test_peft_export_of_split_qkv_adapters_is_refused_by_name(tmp_path) -> None:
-    """GPTNeoX keeps q/k/v in one query_key_value module: PEFT gives it one adapter, so split ones cannot be
-    written there (the merged export can hold them)."""
-    from megatron.errors import ConversionError
-    from megatron.interop.lora_export import export_adapters
-
-    args = {"lora_r": 4, "lora_split_fused": True, "lora_target_modules": ["query_key_value"]}
-    with pytest.raises(ConversionError, match="lora_split_fused.*--adapters merge"):
-        export_adapters(tmp_path / "ckpt", CONFIG.replace(norm="layernorm", pos_emb="rotary"), args, {},
-                        tmp_path / "out", mode="peft", tokenizer_files=None)  # type: ignore[arg-type]

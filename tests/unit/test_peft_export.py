@@ -1,0 +1,90 @@
+"""``convert_neox_to_hf.py --adapters peft`` for every architecture the export writes (issue 49): the adapters
+become PEFT LoRA modules of the exported transformers model (``megatron/interop/lora_export.py``,
+``peft_adapters``), whatever its layout - GPTNeoX's fused per-head QKV, a Llama's or Qwen2's separate q/k/v and
+gate/up - with or without ``lora_split_fused``.
+
+The reference is PEFT's own loader (peft 0.21.2): ``PeftModel.from_pretrained`` on the exported base must give the
+logits of our model with its adapters (the export's built-in check, max |dlogit| <= 1e-4 in fp32), and PEFT's
+``merge_and_unload`` must give the weights of our ``--adapters merge`` export. The adapters are drawn non-zero
+and move the logits, so a misplaced row would show.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron.interop.hf_tokenizer import TokenizerFiles
+from megatron.interop.lora_export import export_adapters
+from megatron.model import GPTConfig, GPTModel
+from megatron.model.lora import apply_lora
+from megatron.model.lora_config import LoRAArgs
+
+EVERY = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "output_layer"]
+SHAPE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, padded_vocab_size=64,
+             no_weight_tying=True, pos_emb="rotary")
+LLAMA = dict(SHAPE, num_kv_heads=2, norm="rmsnorm", activation="swiglu", intermediate_size=48,
+             use_bias_in_attn_linear=False, use_bias_in_mlp=False)
+CASES = {
+    "gpt_neox": (GPTConfig(**SHAPE, norm="layernorm"), False, "GPTNeoXForCausalLM"),  # type: ignore[arg-type]
+    "gpt_neox_split": (GPTConfig(**SHAPE, norm="layernorm"), True, "GPTNeoXForCausalLM"),  # type: ignore[arg-type]
+    "llama": (GPTConfig(**LLAMA), False, "LlamaForCausalLM"),  # type: ignore[arg-type]
+    "llama_split": (GPTConfig(**LLAMA), True, "LlamaForCausalLM"),  # type: ignore[arg-type]
+    "qwen2": (GPTConfig(**LLAMA, use_bias_in_qkv=True), False, "Qwen2ForCausalLM"),  # type: ignore[arg-type]
+}
+
+
+def checkpoint_weights(config: GPTConfig, lora: LoRAArgs) -> dict[str, torch.Tensor]:
+    model = GPTModel(config)
+    apply_lora(model, lora, seed=3)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "adapter" in name or "norm" in name or name.endswith("bias"):
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_peft_export_loads_in_peft_with_our_logits_and_merges_to_our_merge(case: str, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    config, split, arch = CASES[case]
+    args = {"lora_r": 4, "lora_alpha": 6.0, "lora_target_modules": EVERY, "lora_split_fused": split,
+            "precision": "fp32"}
+    lora = LoRAArgs(**{k: v for k, v in args.items() if k != "precision"})  # type: ignore[arg-type]
+    weights = checkpoint_weights(config, lora)
+    files = TokenizerFiles("CharLevelTokenizer")
+    peft = export_adapters(tmp_path / "ckpt", config, args, weights, tmp_path / "peft", mode="peft",
+                           tokenizer_files=files)
+    assert peft.architecture == arch and peft.max_logit_diff is not None and peft.max_logit_diff <= 1e-4
+    merged = export_adapters(tmp_path / "ckpt", config, args, weights, tmp_path / "merged", mode="merge",
+                             tokenizer_files=files, verify=False)
+    assert merged.architecture == arch
+
+    adapter_config = json.loads((tmp_path / "peft" / "lora_adapter" / "adapter_config.json").read_text())
+    modules = {m.rsplit(".", 1)[-1] for m in adapter_config["target_modules"]}
+    want = {"GPTNeoXForCausalLM": {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "lm_head"}}.get(
+        arch, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"})
+    assert modules == want
+    # split sections in one transformers module (GPTNeoX's query_key_value) carry a rank per section held
+    ranks = set(adapter_config["rank_pattern"].values())
+    assert ranks == ({12} if case == "gpt_neox_split" else set())
+
+    def load(directory: Path) -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True)
+
+    unmerged = PeftModel.from_pretrained(load(tmp_path / "peft"), str(tmp_path / "peft" / "lora_adapter"))
+    theirs = unmerged.merge_and_unload().state_dict()
+    ours, base = load(tmp_path / "merged").state_dict(), load(tmp_path / "peft").state_dict()
+    assert set(ours) == set(theirs)
+    moved = 0
+    for key, tensor in ours.items():
+        torch.testing.assert_close(theirs[key], tensor, atol=1e-6, rtol=1e-5)
+        moved += int(not torch.equal(base[key], tensor))
+    assert moved == (len(want) - 1) * config.num_layers + 1  # every adapted projection moved, in every layer
