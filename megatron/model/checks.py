@@ -219,6 +219,31 @@ def parallel_residual_keeps_attention(ctx: ModelKeys) -> list[str]:
 
 
 @rule
+def norm_placement_and_qk_norm_scope_fit(ctx: ModelKeys) -> list[str]:
+    """norm_placement post/sandwich is built for the sequential block only (GPT-NeoX's parallel residual and
+    Transformer Engine's fused LayerNormMLP take the pre-norm's input norm); qk_norm_scope projection normalises
+    with RMSNorm (OLMo 2's Olmo2RMSNorm, transformers 5.23.0 modeling_olmo2.py:50-64), reducing its sum of
+    squares over the tensor-parallel ranks, and only with use_qk_layernorm."""
+    problems = []
+    placement = ctx.get("norm_placement")
+    if placement != "pre":
+        if ctx.get("gpt_j_residual"):
+            problems.append(f"{ctx.show('norm_placement')} with {ctx.show('gpt_j_residual')}: the parallel residual "
+                            f"is built with norms before its sublayers only; set norm_placement: pre")
+        if ctx.get("te_layernorm_mlp"):
+            problems.append(f"{ctx.show('norm_placement')} with {ctx.show('te_layernorm_mlp')}: Transformer Engine's "
+                            f"LayerNormMLP fuses the norm before the MLP; set te_layernorm_mlp: false")
+    if ctx.get("qk_norm_scope") == "projection":
+        if not ctx.get("use_qk_layernorm"):
+            problems.append(f"{ctx.show('qk_norm_scope')} without use_qk_layernorm: there are no query/key norms to "
+                            f"scope; set use_qk_layernorm: true (or leave qk_norm_scope at head)")
+        elif ctx.get("norm") != "rmsnorm":
+            problems.append(f"{ctx.show('qk_norm_scope')} with {ctx.show('norm')}: the whole-projection query/key "
+                            f"norm is built as RMSNorm (OLMo 2's); set norm: rmsnorm or qk_norm_scope: head")
+    return problems
+
+
+@rule
 def positions_fit_the_learned_table(ctx: ModelKeys) -> list[str]:
     """GPT-NeoX's learned table has max_position_embeddings rows and positions are shifted by
     opt_pos_emb_offset before the lookup (word_embeddings.py:88-91, 143-149 at ea7aefd8)."""
