@@ -73,6 +73,8 @@ def architecture_keys(config: GPTConfig) -> dict[str, Any]:
     )
     if config.sliding_window_width is not None:
         keys["sliding_window_width"] = config.sliding_window_width
+    if config.kv_channels is not None:
+        keys["kv_channels"] = config.kv_channels
     keys.update(
         init_method_std=config.init_method_std,
         hidden_dropout=config.hidden_dropout,

@@ -56,8 +56,8 @@ def model_shape_given(ctx: ModelKeys) -> list[str]:
 @rule
 def heads_divide_hidden(ctx: ModelKeys) -> list[str]:
     hidden, heads = ctx.get("hidden_size"), ctx.get("num_attention_heads")
-    if hidden is None or heads is None or hidden % heads == 0:
-        return []
+    if hidden is None or heads is None or hidden % heads == 0 or ctx.get("kv_channels") is not None:
+        return []  # with kv_channels each head's width is given, hidden_size need not divide
     if "mamba" in configured_families(ctx.get("attention_config")):
         return []  # GPT-NeoX skips this check for Mamba models (arguments.py:1245, ea7aefd8)
     return [
@@ -188,9 +188,13 @@ def rotary_dims_even(ctx: ModelKeys) -> list[str]:
     """Rotary rotates pairs of dimensions: GPT-NeoX's RotaryEmbedding builds cos/sin for an even count
     only (``torch.cat((freqs, freqs))`` is one wider than an odd count), so an odd one is refused."""
     hidden, heads, pct = ctx.get("hidden_size"), ctx.get("num_attention_heads"), ctx.get("rotary_pct")
-    if ctx.get("pos_emb") != "rotary" or hidden is None or not heads or hidden % heads:
+    head = ctx.get("kv_channels")
+    if head is None:
+        if ctx.get("pos_emb") != "rotary" or hidden is None or not heads or hidden % heads:
+            return []
+        head = hidden // heads
+    elif ctx.get("pos_emb") != "rotary":
         return []
-    head = hidden // heads
     dims = head if pct == 1 else int(head * pct)
     if dims % 2 == 0:
         return []

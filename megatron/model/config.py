@@ -136,6 +136,13 @@ class GPTConfig(MoEArgs, MupArgs):
     """Number of key/value heads for grouped-query attention; unset means one per query head (plain
     multi-head attention)."""
 
+    kv_channels: int | None = Field(None, ge=1)
+    """Channels of each attention head (Megatron-LM's ``--kv-channels``, Hugging Face's ``head_dim``): the
+    query/key/value projection is (num_attention_heads + 2 num_kv_heads) x kv_channels wide, the output
+    projection reads num_attention_heads x kv_channels, rotary turns int(kv_channels x rotary_pct) of each head.
+    Unset: hidden_size / num_attention_heads (GPT-NeoX ea7aefd8 has no such key and always uses that).
+    Qwen3, Gemma and Phi-3 models give their own."""
+
     seq_length: int | None = Field(None, ge=1)
     """Number of tokens in one training sample."""
 
@@ -572,7 +579,8 @@ class GPTConfig(MoEArgs, MupArgs):
     # --- derived sizes -------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
-        return self.arch.hidden // self.arch.heads
+        """Channels per attention head: ``kv_channels``, else hidden_size / num_attention_heads."""
+        return self.kv_channels if self.kv_channels is not None else self.arch.hidden // self.arch.heads
 
     @property
     def kv_heads(self) -> int:
