@@ -9,7 +9,9 @@ Which HF class can run a model is decided here, and only from our config:
 * the same with a sliding window on every layer                   -> ``MistralForCausalLM``;
 * the same with biases on the query/key/value projection only     -> ``Qwen2ForCausalLM``
   (``use_bias_in_qkv``; no window, no MLP biases);
-* every layer ``mamba``                                           -> ``MambaForCausalLM`` (``hf_mamba.py``).
+* every layer ``mamba``                                           -> ``MambaForCausalLM`` (``hf_mamba.py``);
+* ``norm: rmsnorm`` + a gated activation + MoE layers (``moe_num_experts > 1``) -> ``MixtralForCausalLM``, or
+  ``Qwen3MoeForCausalLM`` with ``use_qk_layernorm`` (``hf_moe.py``).
 
 Everything else is refused with the feature named (ALiBi, learned or relative positions,
 scalenorm, query/key norms, ...): a conversion that silently changes the maths is the failure this
@@ -26,6 +28,7 @@ import torch
 
 from megatron.errors import ConversionError
 from megatron.interop.hf_mamba import gpt_config_from_mamba, mamba_hf_config, mamba_problems
+from megatron.interop.hf_moe import moe_architecture, moe_hf_config, moe_problems
 from megatron.model.activations import get_activation
 from megatron.model.config import Activation, GPTConfig
 from megatron.interop.hf_keys import neox_model_keys
@@ -36,7 +39,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 HFArchitecture = Literal["GPTNeoXForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                         "MambaForCausalLM"]
+                         "MambaForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"]
 
 # our activation -> the name in transformers' ACT2FN computing exactly the same function
 PLAIN_ACTIVATIONS: dict[str, str] = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu", "swish": "silu", "mish": "mish"}
@@ -92,7 +95,8 @@ def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list
         problems.append(
             f"pos_emb: {config.pos_emb} (GPTNeoX, Llama and Mistral in transformers use rotary positions only)"
         )
-    if config.use_qk_layernorm:
+    moe = config.moe_num_experts > 1
+    if config.use_qk_layernorm and not moe:
         problems.append("use_qk_layernorm: true (GPTNeoX, Llama and Mistral have no query/key norm)")
     if config.scale_attn_by_inverse_layer_idx:
         problems.append("scale_attn_by_inverse_layer_idx: true (GPTNeoX, Llama and Mistral have no per-layer "
@@ -121,14 +125,17 @@ def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list
             )
         if config.kv_heads != config.num_attention_heads:
             problems.append(f"num_kv_heads: {config.kv_heads} (GPTNeoXForCausalLM has no grouped-query attention)")
-        if config.head_dim * config.arch.heads != config.arch.hidden:
-            problems.append(f"kv_channels: {config.kv_channels} (GPTNeoXForCausalLM's heads are hidden_size / "
-                            f"num_attention_heads wide)")
         if window is not None:
             problems.append(f"sliding_window_width: {window} (GPTNeoXForCausalLM has no sliding-window attention)")
+        if moe:
+            problems.append(f"moe_num_experts: {config.moe_num_experts} (GPTNeoXForCausalLM has no mixture of experts; "
+                            f"MixtralForCausalLM and Qwen3MoeForCausalLM need norm: rmsnorm and a gated activation)")
     elif norm == "rmsnorm":
         qwen2 = config.use_bias_in_qkv and not config.use_bias_in_attn_linear
         arch = "MistralForCausalLM" if window is not None else "Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"
+        if moe:  # hf_moe.py: its own bias, window and router rules
+            arch = moe_architecture(config)
+            problems += moe_problems(config)
         if config.activation not in GATED_ACTIVATIONS:
             kind = "a plain activation" if not gated else "this gated activation"
             problems.append(
@@ -144,13 +151,9 @@ def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list
                 "use_bias_in_attn_linear / use_bias_in_mlp: true with sliding_window_width (MistralForCausalLM has "
                 "no biases; set both to false)"
             )
-        if window is not None and qwen2:
+        if window is not None and qwen2 and not moe:
             problems.append("use_bias_in_qkv: true with sliding_window_width (MistralForCausalLM has no biases; "
                             "Qwen2's window covers the layers from max_window_layers on, which Deepy does not build)")
-        if arch == "Qwen2ForCausalLM" and config.head_dim * config.arch.heads != config.arch.hidden:
-            # Qwen2Config has no head_dim (transformers 5.23.0 modeling_qwen2.py:175: hidden_size // heads)
-            problems.append(f"kv_channels: {config.kv_channels} with use_bias_in_qkv (Qwen2ForCausalLM's heads are "
-                            f"hidden_size / num_attention_heads wide)")
         if arch == "Qwen2ForCausalLM" and config.use_bias_in_mlp:
             problems.append("use_bias_in_mlp: true with use_bias_in_qkv (Qwen2ForCausalLM's MLP has no biases; a "
                             "model with biases everywhere exports as Llama with use_bias_in_attn_linear)")
@@ -224,6 +227,8 @@ def hf_config_from_gpt(config: GPTConfig, tokens: SpecialTokens, dtype: torch.dt
         rms_norm_eps=config.rms_norm_epsilon,
         rope_parameters=_rope(config, partial=False),
     )
+    if arch in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        return moe_hf_config(config, common, gated, _sliding_window(config))
     if arch == "Qwen2ForCausalLM":
         # lazy: transformers (seconds to import), only for Hugging Face conversions
         from transformers import Qwen2Config

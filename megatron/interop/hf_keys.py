@@ -28,7 +28,7 @@ PLAIN_FROM_HF: dict[str, str] = {"gelu": "gelu", "relu": "relu", "silu": "silu",
 """HF's ``hidden_act`` of GPTNeoX's plain MLP -> Deepy's activation."""
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings",
              "vocab_size")
-_FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2")
+_FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2", "mixtral", "qwen3_moe")
 
 
 def read_config_json(directory: str | Path) -> dict[str, Any]:
@@ -111,10 +111,12 @@ def neox_model_keys(cfg: Mapping[str, Any], seq_length: int | None = None) -> di
     if act is None:
         raise ConversionError(f"hidden_act: {cfg.get('hidden_act')!r} (Deepy's gated activations compute one of "
                               f"{sorted(GATED_FROM_HF)})")
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    head_dim = cfg.get("head_dim") or hidden // heads
+    if head_dim * heads != hidden:
+        raise ConversionError(f"head_dim: {head_dim} (Deepy needs head_dim = hidden_size / num_attention_heads)")
     if factor != 1.0:
         raise ConversionError(f"partial_rotary_factor: {factor} ({kind} rotates the whole head in Deepy)")
-    window = cfg.get("sliding_window") if kind == "mistral" else None
+    window = cfg.get("sliding_window") if kind in ("mistral", "mixtral") else None
     if kind == "qwen2" and cfg.get("use_sliding_window"):
         # Qwen2Config.__post_init__ (transformers 5.23.0 configuration_qwen2.py:83-94) windows only the layers from
         # max_window_layers on: Mistral's one window for every layer is what Deepy exports
@@ -125,13 +127,11 @@ def neox_model_keys(cfg: Mapping[str, Any], seq_length: int | None = None) -> di
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     # HF's intermediate_size is each half's width; GPT-NeoX's key is 3x that (mlp_width.py)
     common["intermediate_size"] = intermediate_size_for(int(cfg["intermediate_size"]), gated=True)
-    return dict(
+    keys = dict(
         common,
         # unset when every query head has its own key/value head: what the stored arguments keep
         # (yaml_config.architecture_keys), so a converted checkpoint reads back as the model converted
         num_kv_heads=None if kv_heads == heads else kv_heads,
-        # HF's head_dim (Llama, Mistral, Qwen3 give one; the others use hidden_size // heads): unset when it is that
-        kv_channels=None if head_dim * heads == hidden else head_dim,
         rotary_pct=1.0,
         norm="rmsnorm",
         rms_norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -142,15 +142,54 @@ def neox_model_keys(cfg: Mapping[str, Any], seq_length: int | None = None) -> di
         activation=act,
         sliding_window_width=None if window is None else int(window) - 1,
     )
+    if kind in MOE_FAMILIES:
+        keys.update(moe_model_keys(cfg))
+    return keys
 
 
-MATH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "kv_channels", "intermediate_size",
-             "pos_emb",
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+"""HF model types whose MLPs are mixtures of experts (``hf_moe.py`` converts their weights)."""
+
+
+def moe_model_keys(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The MoE keys of a Mixtral / Qwen3-MoE config (transformers 5.23.0): every layer sparse, softmax top-k
+    routing, the k weights renormalised (Mixtral always, ``modeling_mixtral.py:103-110``; Qwen3-MoE with
+    ``norm_topk_prob``, ``modeling_qwen3_moe.py:257-266``), each expert as wide as ``intermediate_size``
+    (Mixtral) / ``moe_intermediate_size`` (Qwen3-MoE), GPT-NeoX's expert width rule (``mlp_width.expert_width``).
+    Qwen3-MoE's attention is Qwen3's: per-head query/key RMSNorm, ``attention_bias`` on all four projections."""
+    kind = cfg.get("model_type")
+    if kind == "mixtral":
+        return dict(moe_num_experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 8),
+                    moe_top_k=int(cfg.get("num_experts_per_tok", 2)), moe_router_type="topk",
+                    moe_router_renormalize=True, moe_expert_interval=1,
+                    intermediate_size=int(cfg["intermediate_size"]))
+    step, dense = int(cfg.get("decoder_sparse_step", 1)), list(cfg.get("mlp_only_layers") or [])
+    if step != 1 or dense:
+        # Qwen3MoeDecoderLayer (modeling_qwen3_moe.py:308-313): sparse where (i + 1) % step == 0 and i not in
+        # mlp_only_layers; Deepy's moe_expert_interval n puts MoE layers at 0, n, 2n, ... (GPT-NeoX's rule)
+        raise ConversionError(f"decoder_sparse_step: {step}, mlp_only_layers: {dense} (dense layers between the "
+                              f"sparse ones are not placed as Deepy's moe_expert_interval places them; Qwen3-MoE "
+                              f"ships with every layer sparse)")
+    if cfg.get("use_sliding_window"):
+        raise ConversionError("use_sliding_window: true (Qwen3-MoE ships with it off; its window is not built)")
+    if cfg.get("moe_intermediate_size") is None:
+        raise ConversionError("the qwen3_moe config has no moe_intermediate_size")
+    bias = bool(cfg.get("attention_bias", False))
+    return dict(moe_num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 128),
+                moe_top_k=int(cfg.get("num_experts_per_tok", 8)), moe_router_type="topk",
+                moe_router_renormalize=bool(cfg.get("norm_topk_prob", False)), moe_expert_interval=1,
+                intermediate_size=int(cfg["moe_intermediate_size"]), use_qk_layernorm=True,
+                use_bias_in_attn_linear=bias, use_bias_in_qkv=False)
+
+
+MATH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "intermediate_size", "pos_emb",
              "rotary_emb_base", "rope_scaling", "rotary_pct", "norm", "layernorm_epsilon", "rms_norm_epsilon",
              "activation", "no_weight_tying", "use_bias_in_attn_linear", "use_bias_in_qkv", "use_bias_in_mlp",
-             "gpt_j_residual", "sliding_window_width")
+             "gpt_j_residual", "sliding_window_width", "moe_num_experts", "moe_top_k", "moe_router_type",
+             "moe_router_renormalize", "moe_expert_interval", "use_qk_layernorm")
 """The keys of :func:`neox_model_keys` that change the model's maths: a config that starts from the HF model
 must agree with it on each (``initialize_from_hf``'s check before launch)."""
 
 
-__all__ = ["GATED_FROM_HF", "MATH_KEYS", "PLAIN_FROM_HF", "neox_model_keys", "read_config_json", "rope_fields"]
+__all__ = ["GATED_FROM_HF", "MATH_KEYS", "MOE_FAMILIES", "PLAIN_FROM_HF", "moe_model_keys", "neox_model_keys",
+           "read_config_json", "rope_fields"]

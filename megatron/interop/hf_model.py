@@ -92,6 +92,8 @@ _ARCHITECTURES: dict[str, HFArchitecture] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mamba": "MambaForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -117,7 +119,7 @@ def read_hf_checkpoint(model_dir: Path) -> HFCheckpoint:
     kind = model.config.model_type
     if kind not in _ARCHITECTURES:
         raise ConversionError(f"{model_dir}: model_type {kind!r} is not supported (gpt_neox, llama, mistral, qwen2, "
-                              f"mamba are)")
+                              f"mamba, mixtral, qwen3_moe are)")
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     dtype = next(model.parameters()).dtype
     return HFCheckpoint(config=model.config, architecture=_ARCHITECTURES[kind], state=state, dtype=dtype)

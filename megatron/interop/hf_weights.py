@@ -21,6 +21,7 @@ import torch
 from megatron.errors import ConversionError
 from megatron.interop.hf_config import HFArchitecture
 from megatron.interop.hf_mamba import mamba_from_hf, mamba_to_hf
+from megatron.interop.hf_moe import experts_from_hf, experts_to_hf
 from megatron.model.config import GPTConfig
 
 Weights = dict[str, torch.Tensor]
@@ -148,6 +149,12 @@ def _to_llama(config: GPTConfig, w: Weights) -> Weights:
                         f"{hf}.self_attn.v_proj.bias": vb})  # fmt: skip
         if config.use_bias_in_attn_linear:
             out[f"{hf}.self_attn.o_proj.bias"] = _take(w, f"{ours}.attention.dense.bias")
+        if config.use_qk_layernorm:  # Qwen3, Qwen3-MoE: per-head query/key norms (before rotary, as ours)
+            for qk in ("q_norm", "k_norm"):
+                out[f"{hf}.self_attn.{qk}.weight"] = _take(w, f"{ours}.attention.{qk}.weight")
+        if config.is_moe_layer(i):  # Mixtral / Qwen3-MoE: router and stacked experts (hf_moe.py)
+            out.update(experts_to_hf(w, ours, hf))
+            continue
         gate, up = _take(w, f"{ours}.mlp.dense_h_to_4h.weight").split([ffn, ffn], dim=0)
         out[f"{hf}.mlp.gate_proj.weight"], out[f"{hf}.mlp.up_proj.weight"] = gate, up
         out[f"{hf}.mlp.down_proj.weight"] = _take(w, f"{ours}.mlp.dense_4h_to_h.weight")
@@ -174,6 +181,12 @@ def _from_llama(config: GPTConfig, hf: Weights) -> Weights:
             out[f"{ours}.attention.query_key_value.bias"] = torch.cat(biases, dim=0)
         if config.use_bias_in_attn_linear:
             out[f"{ours}.attention.dense.bias"] = _take(hf, f"{src}.self_attn.o_proj.bias")
+        if config.use_qk_layernorm:  # Qwen3, Qwen3-MoE: per-head query/key norms (before rotary, as ours)
+            for qk in ("q_norm", "k_norm"):
+                out[f"{ours}.attention.{qk}.weight"] = _take(hf, f"{src}.self_attn.{qk}.weight")
+        if config.is_moe_layer(i):  # Mixtral / Qwen3-MoE: router and stacked experts (hf_moe.py)
+            out.update(experts_from_hf(hf, src, ours))
+            continue
         gate_up = [_take(hf, f"{src}.mlp.{p}_proj.weight") for p in ("gate", "up")]
         out[f"{ours}.mlp.dense_h_to_4h.weight"] = torch.cat(gate_up, dim=0)
         out[f"{ours}.mlp.dense_4h_to_h.weight"] = _take(hf, f"{src}.mlp.down_proj.weight")

@@ -73,8 +73,15 @@ def architecture_keys(config: GPTConfig) -> dict[str, Any]:
     )
     if config.sliding_window_width is not None:
         keys["sliding_window_width"] = config.sliding_window_width
-    if config.kv_channels is not None:
-        keys["kv_channels"] = config.kv_channels
+    if config.moe_num_experts > 1:
+        # the key as given: an expert's width is intermediate_size itself (mlp_width.expert_width), the dense MLP's
+        # (other blocks, moe_expert_interval > 1) follows GPT-NeoX's rule from the same key
+        keys.update(intermediate_size=config.intermediate_size, moe_num_experts=config.moe_num_experts,
+                    moe_top_k=config.moe_top_k, moe_router_type=config.moe_router_type,
+                    moe_router_renormalize=config.moe_router_renormalize,
+                    moe_expert_interval=config.moe_expert_interval)
+    if config.use_qk_layernorm:
+        keys["use_qk_layernorm"] = True
     keys.update(
         init_method_std=config.init_method_std,
         hidden_dropout=config.hidden_dropout,

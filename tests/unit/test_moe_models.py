@@ -1,0 +1,196 @@
+"""Mixtral (``MixtralForCausalLM``) and Qwen3-MoE (``Qwen3MoeForCausalLM``), transformers 5.23.0, in and out of
+Deepy's dropless MoE layer (``megatron/interop/hf_moe.py``): softmax top-k routing with the k weights renormalised
+(Mixtral always, Qwen3-MoE with ``norm_topk_prob``), stacked SwiGLU experts, Qwen3's per-head query/key RMSNorm.
+
+References are transformers' own models, built here from a ``MixtralConfig`` / ``Qwen3MoeConfig`` (random weights,
+norm gains moved off their ones so a dropped or misplaced one shows; nothing downloaded): their logits, parameter
+counts and greedy ``generate``. The logit comparisons run both models in the test, not through the converter's
+built-in check. The presets' parameter counts are re-derived from transformers' model built on the meta device
+with the published sizes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from safetensors.torch import load_file
+
+from megatron.errors import ConversionError
+from megatron.interop.convert import export_to_hf, import_to_deepy
+from megatron.interop.deepy_checkpoint import read_full_checkpoint, write_weights_only_checkpoint
+from megatron.interop.hf_config import choose_architecture, gpt_config_from_hf
+from megatron.interop.hf_model import fixed_batch
+from megatron.interop.hf_tokenizer import TokenizerFiles, export_tokenizer
+from megatron.interop.hf_weights import from_hf_state_dict
+from megatron.model import GPTConfig, GPTModel, num_parameters
+from test_model_families import assert_greedy_generation_equals_transformers
+
+REPO = Path(__file__).resolve().parents[2]
+SHAPE: dict[str, Any] = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, bos_token_id=0,
+                             eos_token_id=0)  # fmt: skip
+FAMILIES: dict[str, tuple[str, dict[str, Any], str]] = {
+    # family: (config class, class-specific fields, the HF class)
+    "mixtral": ("MixtralConfig", dict(intermediate_size=32, num_local_experts=4, rms_norm_eps=1e-5),
+                "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32, num_experts=4, head_dim=16,
+                                         norm_topk_prob=True, rms_norm_eps=1e-6), "Qwen3MoeForCausalLM"),
+}  # fmt: skip
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    # one fixture each: untied plain, and tied with the family's other setting (Mixtral's window, Qwen3-MoE's
+    # un-normalised top-k, its default)
+    "mixtral-untied": ("mixtral", dict(tie_word_embeddings=False)),
+    "mixtral-tied-window": ("mixtral", dict(tie_word_embeddings=True, sliding_window=8)),
+    "qwen3_moe-untied": ("qwen3_moe", dict(tie_word_embeddings=False)),
+    "qwen3_moe-tied-unnormalised": ("qwen3_moe", dict(tie_word_embeddings=True, norm_topk_prob=False)),
+}
+
+
+def hf_config(family: str, **changes: Any) -> Any:
+    import transformers
+
+    name, fields, _ = FAMILIES[family]
+    return getattr(transformers, name)(**{**SHAPE, **fields, **changes})
+
+
+def moe_model(family: str, **changes: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(hf_config(family, **changes))
+    with torch.no_grad():  # norms start as ones: make them count
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.2 * torch.randn_like(param))
+    return model.eval()
+
+
+def save(model: Any, out: Path) -> Path:
+    model.save_pretrained(out)
+    export_tokenizer(TokenizerFiles("CharLevelTokenizer"), out, 64)
+    return out
+
+
+def hf_logits(model_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).eval()
+    with torch.no_grad():
+        return model(input_ids=tokens).logits
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def imported(request: pytest.FixtureRequest) -> tuple[str, Any, GPTConfig, GPTModel]:
+    family, changes = VARIANTS[request.param]
+    theirs = moe_model(family, **changes)
+    config = gpt_config_from_hf(theirs.config, seq_length=32)
+    ours = GPTModel(config).eval()
+    ours.load_state_dict(from_hf_state_dict(config, choose_architecture(config), theirs.state_dict()))
+    return family, theirs, config, ours
+
+
+def test_moe_model_imports_with_its_router_and_logits(imported: tuple[str, Any, GPTConfig, GPTModel]) -> None:
+    family, theirs, config, ours = imported
+    assert choose_architecture(config) == FAMILIES[family][2]
+    assert (config.moe_num_experts, config.moe_top_k, config.moe_router_type) == (4, 2, "topk")
+    assert config.moe_router_renormalize == (family == "mixtral" or theirs.config.norm_topk_prob)
+    assert config.num_moe_layers == 2 and config.expert_ffn_hidden_size == 32
+    assert config.use_qk_layernorm == (family == "qwen3_moe")
+    window = theirs.config.sliding_window if family == "mixtral" else None
+    assert config.sliding_window_width == (None if window is None else window - 1)
+    # parameter count: the registry's (every expert and the router), the module's, transformers'
+    hf_count = sum(p.numel() for p in theirs.parameters())
+    assert num_parameters(config) == sum(p.numel() for p in ours.parameters()) == hf_count
+    tokens = fixed_batch(config.vocab, 24)
+    with torch.no_grad():
+        delta = (ours(tokens) - theirs(input_ids=tokens).logits).abs().max().item()
+    assert delta <= 1e-4
+
+
+# one generation per family (3-5 s each): the windowed Mixtral and the renormalised Qwen3-MoE
+@pytest.mark.parametrize("imported", ["mixtral-tied-window", "qwen3_moe-untied"], indirect=True)
+def test_moe_model_greedy_generation_equals_transformers(imported: tuple[str, Any, GPTConfig, GPTModel]) -> None:
+    _, theirs, config, ours = imported
+    assert_greedy_generation_equals_transformers(ours, theirs, vocab=config.vocab, hidden=config.arch.hidden)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_moe_round_trip_at_tp2_pp2_then_a_trained_step_exports(family: str, tmp_path: Path) -> None:
+    source = save(moe_model(family, tie_word_embeddings=False), tmp_path / family)
+    imported = import_to_deepy(source, tmp_path / "deepy", tp=2, pp=2)
+    assert imported.max_logit_diff is not None and imported.max_logit_diff <= 1e-4
+    written = yaml.safe_load(imported.config_file.read_text())
+    assert (written["moe_num_experts"], written["moe_top_k"], written["intermediate_size"]) == (4, 2, 32)
+    exported = export_to_hf(tmp_path / "deepy", tmp_path / "back")
+    assert exported.architecture == FAMILIES[family][2]
+    assert exported.max_logit_diff is not None and exported.max_logit_diff <= 1e-4
+    original, back = load_file(source / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert set(original) == set(back) and all(torch.equal(original[k], back[k]) for k in original)
+    config_a = json.loads((source / "config.json").read_text())
+    config_b = json.loads((tmp_path / "back" / "config.json").read_text())
+    # Qwen3-MoE's intermediate_size is the dense MLP's width, which no layer builds when every layer is sparse:
+    # not carried, the export writes an expert's
+    dense = "moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size"
+    assert config_b["intermediate_size"] == config_a[dense] == 32
+    for key in ("model_type", "vocab_size", "hidden_size", "num_attention_heads",
+                "num_key_value_heads", "num_hidden_layers", "rope_parameters", "tie_word_embeddings",
+                "max_position_embeddings", "hidden_act", "rms_norm_eps", "sliding_window", "num_local_experts",
+                "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                "decoder_sparse_step", "mlp_only_layers", "attention_bias", "use_sliding_window"):
+        assert config_a.get(key) == config_b.get(key), key
+    # MixtralConfig leaves head_dim None (hidden_size // heads, modeling_mixtral.py:278); the export names it
+    assert (config_a.get("head_dim") or 16) == config_b["head_dim"] == 16
+
+    # one training step on the imported weights (the router and every expert that saw a token move), exported again
+    full = read_full_checkpoint(tmp_path / "deepy")
+    model = GPTModel(full.config)
+    model.load_state_dict(full.weights)
+    tokens = fixed_batch(full.config.vocab, 17)
+    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for key in ("layers.1.mlp.router.weight", "layers.1.mlp.experts.w1", "layers.1.mlp.experts.w2"):
+        assert not torch.equal(trained[key], full.weights[key]), key
+    write_weights_only_checkpoint(tmp_path / "trained", config=full.config, weights=trained, tp=1, pp=1, step=1,
+                                  args=full.args)  # fmt: skip
+    export_to_hf(tmp_path / "trained", tmp_path / "trained_hf")
+    model.eval()
+    with torch.no_grad():
+        ours = model(tokens)
+    assert (ours - hf_logits(tmp_path / "trained_hf", tokens)).abs().max().item() <= 1e-4
+
+
+def test_moe_what_the_classes_cannot_carry_is_refused_by_name() -> None:
+    with pytest.raises(ConversionError, match="decoder_sparse_step: 2"):
+        gpt_config_from_hf(hf_config("qwen3_moe", decoder_sparse_step=2))
+    with pytest.raises(ConversionError, match=r"mlp_only_layers: \[1\]"):
+        gpt_config_from_hf(hf_config("qwen3_moe", mlp_only_layers=[1]))
+    with pytest.raises(ConversionError, match="use_sliding_window"):
+        gpt_config_from_hf(hf_config("qwen3_moe", use_sliding_window=True, sliding_window=8))
+    base: dict[str, Any] = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                                padded_vocab_size=128, pos_emb="rotary", norm="rmsnorm", activation="swiglu",
+                                use_bias_in_attn_linear=False, use_bias_in_mlp=False, intermediate_size=32,
+                                moe_num_experts=4, moe_top_k=2, moe_router_type="topk", moe_router_renormalize=True)
+    assert choose_architecture(GPTConfig(**base)) == "MixtralForCausalLM"
+    assert choose_architecture(GPTConfig(**dict(base, use_qk_layernorm=True))) == "Qwen3MoeForCausalLM"
+    assert choose_architecture(GPTConfig(**dict(base, use_qk_layernorm=True,
+                                                moe_router_renormalize=False))) == "Qwen3MoeForCausalLM"
+    refused: dict[str, dict[str, Any]] = {
+        "moe_router_renormalize: false": dict(moe_router_renormalize=False),
+        "moe_router_type: sinkhorn": dict(moe_router_type="sinkhorn", moe_router_renormalize=False),
+        "moe_expert_interval: 2": dict(moe_expert_interval=2),
+        "use_bias_in_mlp: true": dict(use_bias_in_mlp=True),
+        "use_bias_in_attn_linear: true": dict(use_bias_in_attn_linear=True),
+        "moe_num_experts: 4 .GPTNeoXForCausalLM": dict(norm="layernorm", activation="gelu"),
+    }
+    for match, change in refused.items():
+        with pytest.raises(ConversionError, match=match):
+            choose_architecture(GPTConfig(**dict(base, **change)))
