@@ -59,6 +59,7 @@ from megatron.model.config import GPTConfig
 from megatron.model.family_config import replicated_layer_parameters
 from megatron.model.flops import embedding_parameters, final_norm_parameters, layer_parameters, norm_parameters, num_parameters
 from megatron.model.norms import norm_entry
+from megatron.model.transformer_options import NORM_PLACEMENTS
 from megatron.model.transformer_options import POSITIONAL
 from megatron.model.lora_config import LoRAArgs
 from megatron.tokenizer import build_tokenizer
@@ -283,11 +284,12 @@ def activation_bytes(layout: MemoryLayout) -> float:
     # tensors a layer keeps for its backward (elements per token): norm inputs and outputs are whole
     # hidden states (split by tp only under sequence parallelism); q/k/v, attention output and the
     # MLP's inner activations are split by tp
-    replicated = 4 * h  # attention-norm input/output, mlp-norm input/output
+    norms = NORM_PLACEMENTS[c.norm_placement].norms_per_layer  # 2 (pre, post), 4 (sandwich)
+    replicated = 2 * norms * h  # each norm's input/output
     split = (c.arch.heads * c.head_dim + 2 * kv) + c.arch.heads * c.head_dim + first + ffn
     per_token = (replicated / t if layout.sequence_parallel else replicated) + split / t
     layer = s * b * per_token * a
-    layer += 2 * s * b * h * fp32_norm_input / (t if layout.sequence_parallel else 1)
+    layer += norms * s * b * h * fp32_norm_input / (t if layout.sequence_parallel else 1)
     if layout.dropout:
         layer += 2 * s * b * h  # one-byte masks of the two residual dropouts
     if sdpa_kernel(c, layout.precision, s) == "math":

@@ -125,6 +125,9 @@ def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list
             )
         if config.kv_heads != config.num_attention_heads:
             problems.append(f"num_kv_heads: {config.kv_heads} (GPTNeoXForCausalLM has no grouped-query attention)")
+        if config.head_dim * config.arch.heads != config.arch.hidden:
+            problems.append(f"kv_channels: {config.kv_channels} (GPTNeoXForCausalLM's heads are hidden_size / "
+                            f"num_attention_heads wide)")
         if window is not None:
             problems.append(f"sliding_window_width: {window} (GPTNeoXForCausalLM has no sliding-window attention)")
         if moe:
@@ -154,6 +157,10 @@ def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list
         if window is not None and qwen2 and not moe:
             problems.append("use_bias_in_qkv: true with sliding_window_width (MistralForCausalLM has no biases; "
                             "Qwen2's window covers the layers from max_window_layers on, which Deepy does not build)")
+        if arch == "Qwen2ForCausalLM" and config.head_dim * config.arch.heads != config.arch.hidden:
+            # Qwen2Config has no head_dim (transformers 5.23.0 modeling_qwen2.py:175: hidden_size // heads)
+            problems.append(f"kv_channels: {config.kv_channels} with use_bias_in_qkv (Qwen2ForCausalLM's heads are "
+                            f"hidden_size / num_attention_heads wide)")
         if arch == "Qwen2ForCausalLM" and config.use_bias_in_mlp:
             problems.append("use_bias_in_mlp: true with use_bias_in_qkv (Qwen2ForCausalLM's MLP has no biases; a "
                             "model with biases everywhere exports as Llama with use_bias_in_attn_linear)")

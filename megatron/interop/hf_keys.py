@@ -111,9 +111,7 @@ def neox_model_keys(cfg: Mapping[str, Any], seq_length: int | None = None) -> di
     if act is None:
         raise ConversionError(f"hidden_act: {cfg.get('hidden_act')!r} (Deepy's gated activations compute one of "
                               f"{sorted(GATED_FROM_HF)})")
-    head_dim = cfg.get("head_dim") or hidden // heads
-    if head_dim * heads != hidden:
-        raise ConversionError(f"head_dim: {head_dim} (Deepy needs head_dim = hidden_size / num_attention_heads)")
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
     if factor != 1.0:
         raise ConversionError(f"partial_rotary_factor: {factor} ({kind} rotates the whole head in Deepy)")
     window = cfg.get("sliding_window") if kind in ("mistral", "mixtral") else None
@@ -132,6 +130,8 @@ def neox_model_keys(cfg: Mapping[str, Any], seq_length: int | None = None) -> di
         # unset when every query head has its own key/value head: what the stored arguments keep
         # (yaml_config.architecture_keys), so a converted checkpoint reads back as the model converted
         num_kv_heads=None if kv_heads == heads else kv_heads,
+        # HF's head_dim (Llama, Mistral, Qwen3 give one; the others use hidden_size // heads): unset when it is that
+        kv_channels=None if head_dim * heads == hidden else head_dim,
         rotary_pct=1.0,
         norm="rmsnorm",
         rms_norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -182,7 +182,8 @@ def moe_model_keys(cfg: Mapping[str, Any]) -> dict[str, Any]:
                 use_bias_in_attn_linear=bias, use_bias_in_qkv=False)
 
 
-MATH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "intermediate_size", "pos_emb",
+MATH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "kv_channels", "intermediate_size",
+             "pos_emb",
              "rotary_emb_base", "rope_scaling", "rotary_pct", "norm", "layernorm_epsilon", "rms_norm_epsilon",
              "activation", "no_weight_tying", "use_bias_in_attn_linear", "use_bias_in_qkv", "use_bias_in_mlp",
              "gpt_j_residual", "sliding_window_width", "moe_num_experts", "moe_top_k", "moe_router_type",

@@ -82,6 +82,10 @@ def architecture_keys(config: GPTConfig) -> dict[str, Any]:
                     moe_expert_interval=config.moe_expert_interval)
     if config.use_qk_layernorm:
         keys["use_qk_layernorm"] = True
+        if config.qk_norm_scope != "head":  # OLMo 2 (hf_olmo2.py)
+            keys["qk_norm_scope"] = config.qk_norm_scope
+    if config.kv_channels is not None:
+        keys["kv_channels"] = config.kv_channels
     keys.update(
         init_method_std=config.init_method_std,
         hidden_dropout=config.hidden_dropout,

@@ -17,6 +17,7 @@ from torch import nn
 from megatron.model.config import GPTConfig, ModelConfigError
 from megatron.model.documents import attend_per_document
 from megatron.model.kv_cache import KVCache
+from megatron.model.norm_layers import TensorParallelRMSNorm
 from megatron.model.norms import build_norm
 from megatron.model.positional import RelativePositionBias, RotaryEmbedding, alibi_bias, alibi_slopes
 from megatron.mpu.context_parallel import heads_to_sequence, sequence_to_heads
@@ -61,7 +62,13 @@ class SelfAttention(nn.Module):
             sequence_parallel=config.sequence_parallel,
             params_dtype=config.params_dtype,
         )
-        if config.use_qk_layernorm:
+        # qk_norm_scope projection (OLMo 2): one RMSNorm over each whole projection, its gains split with the heads
+        self.qk_norm_over_projection = config.use_qk_layernorm and config.qk_norm_scope == "projection"
+        if self.qk_norm_over_projection:
+            eps, dtype = config.rms_norm_epsilon, config.params_dtype
+            self.q_norm = TensorParallelRMSNorm(config.arch.heads * self.head_dim, eps, dtype)
+            self.k_norm = TensorParallelRMSNorm(config.kv_heads * self.head_dim, eps, dtype)
+        elif config.use_qk_layernorm:
             # one norm over the head dim, shared by all heads; heads are split, so grads are partial
             self.q_norm: nn.Module | None = build_norm(config.norm_settings, self.head_dim)
             self.k_norm: nn.Module | None = build_norm(config.norm_settings, self.head_dim)
@@ -129,8 +136,10 @@ class SelfAttention(nn.Module):
         b, s = qkv.shape[:2] if self.batch_first else (qkv.shape[1], qkv.shape[0])
         d = self.head_dim
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        if self.qk_norm_over_projection and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over this rank's heads, the squares summed over all ranks'
         q, k, v = self._heads(q, self.heads), self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
-        if self.q_norm is not None and self.k_norm is not None:
+        if not self.qk_norm_over_projection and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             cos, signed_sin = self.rotary.tables(position_ids, s, q.device)  # once for q and k

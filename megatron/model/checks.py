@@ -56,8 +56,8 @@ def model_shape_given(ctx: ModelKeys) -> list[str]:
 @rule
 def heads_divide_hidden(ctx: ModelKeys) -> list[str]:
     hidden, heads = ctx.get("hidden_size"), ctx.get("num_attention_heads")
-    if hidden is None or heads is None or hidden % heads == 0:
-        return []
+    if hidden is None or heads is None or hidden % heads == 0 or ctx.get("kv_channels") is not None:
+        return []  # with kv_channels each head's width is given, hidden_size need not divide
     if "mamba" in configured_families(ctx.get("attention_config")):
         return []  # GPT-NeoX skips this check for Mamba models (arguments.py:1245, ea7aefd8)
     return [
@@ -188,9 +188,13 @@ def rotary_dims_even(ctx: ModelKeys) -> list[str]:
     """Rotary rotates pairs of dimensions: GPT-NeoX's RotaryEmbedding builds cos/sin for an even count
     only (``torch.cat((freqs, freqs))`` is one wider than an odd count), so an odd one is refused."""
     hidden, heads, pct = ctx.get("hidden_size"), ctx.get("num_attention_heads"), ctx.get("rotary_pct")
-    if ctx.get("pos_emb") != "rotary" or hidden is None or not heads or hidden % heads:
+    head = ctx.get("kv_channels")
+    if head is None:
+        if ctx.get("pos_emb") != "rotary" or hidden is None or not heads or hidden % heads:
+            return []
+        head = hidden // heads
+    elif ctx.get("pos_emb") != "rotary":
         return []
-    head = hidden // heads
     dims = head if pct == 1 else int(head * pct)
     if dims % 2 == 0:
         return []
@@ -216,6 +220,31 @@ def parallel_residual_keeps_attention(ctx: ModelKeys) -> list[str]:
     return [f"{ctx.show('gpt_j_residual')} with {' and '.join(why)}: GPT-NeoX's parallel residual then drops the "
             f"attention output (it is added together with the MLP's bias only); set use_bias_in_mlp: true "
             f"without MoE, or gpt_j_residual: false"]
+
+
+@rule
+def norm_placement_and_qk_norm_scope_fit(ctx: ModelKeys) -> list[str]:
+    """norm_placement post/sandwich is built for the sequential block only (GPT-NeoX's parallel residual and
+    Transformer Engine's fused LayerNormMLP take the pre-norm's input norm); qk_norm_scope projection normalises
+    with RMSNorm (OLMo 2's Olmo2RMSNorm, transformers 5.23.0 modeling_olmo2.py:50-64), reducing its sum of
+    squares over the tensor-parallel ranks, and only with use_qk_layernorm."""
+    problems = []
+    placement = ctx.get("norm_placement")
+    if placement != "pre":
+        if ctx.get("gpt_j_residual"):
+            problems.append(f"{ctx.show('norm_placement')} with {ctx.show('gpt_j_residual')}: the parallel residual "
+                            f"is built with norms before its sublayers only; set norm_placement: pre")
+        if ctx.get("te_layernorm_mlp"):
+            problems.append(f"{ctx.show('norm_placement')} with {ctx.show('te_layernorm_mlp')}: Transformer Engine's "
+                            f"LayerNormMLP fuses the norm before the MLP; set te_layernorm_mlp: false")
+    if ctx.get("qk_norm_scope") == "projection":
+        if not ctx.get("use_qk_layernorm"):
+            problems.append(f"{ctx.show('qk_norm_scope')} without use_qk_layernorm: there are no query/key norms to "
+                            f"scope; set use_qk_layernorm: true (or leave qk_norm_scope at head)")
+        elif ctx.get("norm") != "rmsnorm":
+            problems.append(f"{ctx.show('qk_norm_scope')} with {ctx.show('norm')}: the whole-projection query/key "
+                            f"norm is built as RMSNorm (OLMo 2's); set norm: rmsnorm or qk_norm_scope: head")
+    return problems
 
 
 @rule

@@ -136,6 +136,13 @@ class GPTConfig(MoEArgs, MupArgs):
     """Number of key/value heads for grouped-query attention; unset means one per query head (plain
     multi-head attention)."""
 
+    kv_channels: int | None = Field(None, ge=1)
+    """Channels of each attention head (Megatron-LM's ``--kv-channels``, Hugging Face's ``head_dim``): the
+    query/key/value projection is (num_attention_heads + 2 num_kv_heads) x kv_channels wide, the output
+    projection reads num_attention_heads x kv_channels, rotary turns int(kv_channels x rotary_pct) of each head.
+    Unset: hidden_size / num_attention_heads (GPT-NeoX ea7aefd8 has no such key and always uses that).
+    Qwen3, Gemma and Phi-3 models give their own."""
+
     seq_length: int | None = Field(None, ge=1)
     """Number of tokens in one training sample."""
 
@@ -166,6 +173,14 @@ class GPTConfig(MoEArgs, MupArgs):
     use_qk_layernorm: bool = False
     """Normalise queries and keys per head before the attention product, which steadies training at
     high learning rates."""
+
+    qk_norm_scope: Literal["head", "projection"] = "head"
+    """What use_qk_layernorm's query and key norms cover. head: each head's head_dim features, one norm for the
+    queries and one for the keys, shared by all heads (Qwen3, Gemma 3; Deepy's use_qk_layernorm). projection:
+    the whole query projection (heads x head_dim) and the whole key projection (kv heads x head_dim), one gain
+    per feature, before the heads are split (OLMo 2: transformers 5.23.0 models/olmo2/modeling_olmo2.py:213-228);
+    needs norm rmsnorm. Under tensor parallelism each rank holds its heads' gains and the sum of squares is
+    reduced over the tensor-parallel group. Not a GPT-NeoX key."""
 
     scale_attn_by_inverse_layer_idx: bool = False
     """Also divide the attention scores of block i (0-based) by i + 1, as GPT-2 and Levanter can."""
@@ -295,6 +310,13 @@ class GPTConfig(MoEArgs, MupArgs):
 
     gpt_j_tied: bool = False
     """With gpt_j_residual, feed attention and MLP from one shared LayerNorm instead of two."""
+
+    norm_placement: Literal["pre", "post", "sandwich"] = "pre"
+    """Where a block's norms sit. pre: before attention and before the MLP, x + attn(norm(x)) (GPT-NeoX's only
+    placement, ea7aefd8 megatron/model/transformer.py:1118-1230). post: after them, x + norm(attn(x)), no norm
+    before (OLMo 2: transformers 5.23.0 models/olmo2/modeling_olmo2.py:297-314). sandwich: both, x +
+    norm(attn(norm(x))) (Gemma 2/3: models/gemma2/modeling_gemma2.py:305-325). The final norm before the output layer
+    stays in every placement. Not a GPT-NeoX key; not with gpt_j_residual."""
 
     use_bias_in_norms: bool = True
     """Give the norm layers an additive bias (LLaMA-style models have none)."""
@@ -528,7 +550,8 @@ class GPTConfig(MoEArgs, MupArgs):
                             checks.rope_scaling_is_honoured, moe_checks.moe_top_k_fits, checks.mlp_widths_fit,
                             checks.rotary_dims_even, checks.parallel_residual_keeps_attention,
                             checks.positions_fit_the_learned_table, checks.fused_gelu_has_a_bias,
-                            checks.rpe_distance_exceeds_half_the_buckets, checks.local_attention_has_a_window):
+                            checks.rpe_distance_exceeds_half_the_buckets, checks.local_attention_has_a_window,
+                            checks.norm_placement_and_qk_norm_scope_fit):
             problems += shape_check(view)
         if problems:
             raise ModelConfigError("; ".join(problems))
@@ -556,7 +579,8 @@ class GPTConfig(MoEArgs, MupArgs):
     # --- derived sizes -------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
-        return self.arch.hidden // self.arch.heads
+        """Channels per attention head: ``kv_channels``, else hidden_size / num_attention_heads."""
+        return self.kv_channels if self.kv_channels is not None else self.arch.hidden // self.arch.heads
 
     @property
     def kv_heads(self) -> int:

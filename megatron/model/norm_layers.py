@@ -6,6 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.mpu.initialize_weights import set_tensor_model_parallel_attributes
+from megatron.mpu.mappings import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
+from megatron.mpu.topology import get_tensor_model_parallel_world_size
+
 
 class RMSNorm(nn.RMSNorm):
     """GPT-NeoX's RMSNorm (``megatron/model/norms.py`` ``RMSNorm.forward`` at ea7aefd8):
@@ -29,3 +33,33 @@ class ScaleNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         norm = x.float().norm(dim=-1, keepdim=True).clamp(min=self.eps)
         return (x.float() / norm).to(x.dtype) * self.g
+
+
+class TensorParallelRMSNorm(nn.Module):
+    """RMSNorm over ``dim`` features that tensor parallelism splits into equal contiguous shards, one per rank
+    (a projection's heads): each rank holds its shard's gains and sums its features' squares, the sum is
+    reduced over the tensor-parallel group, so every rank normalises by the root mean square of all ``dim``
+    features, as one RMSNorm over the gathered features would (OLMo 2's q_norm/k_norm over heads x head_dim:
+    transformers 5.23.0 models/olmo2/modeling_olmo2.py:50-64, 213-228; in fp32, epsilon inside the root)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        world = get_tensor_model_parallel_world_size()
+        if dim % world:
+            raise ValueError(f"{dim} features do not split over {world} tensor-parallel ranks")
+        self.dim, self.eps, self.world = dim, eps, world
+        self.weight = nn.Parameter(torch.ones(dim // world, dtype=dtype))  # ones: the same at every layout
+        set_tensor_model_parallel_attributes(self.weight, True, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim / tp] -> the same
+        xf = x.float()
+        squares = xf.pow(2).sum(-1, keepdim=True)  # [..., 1]
+        if self.world > 1:
+            # forward: the sum over ranks; backward: every rank's features depend on it, so its gradient is
+            # the sum of the ranks' gradients too (copy_to's backward all-reduce)
+            squares = reduce_from_tensor_model_parallel_region(copy_to_tensor_model_parallel_region(squares))
+        normed = xf * torch.rsqrt(squares / self.dim + self.eps)
+        return (normed * self.weight).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim} over {self.world} rank(s), eps={self.eps}"

@@ -51,6 +51,9 @@ def tp_partition_patterns(config: GPTConfig) -> dict[str, TPPartition]:
         r"^(.*\.)?mlp\.dense_4h_to_h\.adapter\.lora_A$": TPPartition(1),
         r"^(.*\.)?output_layer\.adapter\.lora_B$": TPPartition(0, vocabulary=True),
     }
+    if config.use_qk_layernorm and config.qk_norm_scope == "projection":
+        # OLMo 2's whole-projection q/k norms: gains split with the heads (megatron/model/norm_layers.py)
+        patterns[r"^(.*\.)?attention\.(q_norm|k_norm)\.weight$"] = TPPartition(0)
     families = config.layer_families
     if "mamba" in families:
         # GPT-NeoX's Mamba split (megatron/model/mamba/mamba.py): inner channels over ranks, in_proj as [x; z]

@@ -193,6 +193,7 @@ def tied_embedding_logits(embedding: EmbeddingPipe, x_sbh: torch.Tensor) -> torc
 
 
 _BLOCK_PREFIXES = ("input_layernorm.", "attention.", "post_attention_layernorm.", "mlp.",  # transformer
+                   "attention_output_norm.", "mlp_output_norm.",  # transformer, norm_placement post/sandwich
                    "norm.", "mixer.",  # Mamba
                    "ln1.", "ln2.", "att.", "ffn.",  # RWKV
                    "input_linear.", "sgu.", "output_linear.")  # gMLP

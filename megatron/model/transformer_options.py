@@ -76,7 +76,9 @@ class AttentionEntry:
         qkv_out = (n + 2 * int(config.kv_heads)) * d
         total = h * qkv_out + n * d * h + (qkv_out if config.qkv_bias else 0)
         total += h if config.use_bias_in_attn_linear else 0
-        if config.use_qk_layernorm:
+        if config.use_qk_layernorm and config.qk_norm_scope == "projection":  # OLMo 2: over all heads' features
+            total += norm(n * d) + norm(int(config.kv_heads) * d)
+        elif config.use_qk_layernorm:
             total += 2 * norm(d)
         return total + POSITIONAL[config.pos_emb].layer_parameters(config)
 
@@ -129,6 +131,29 @@ MLP_TYPES.register("regular", MLPEntry(widths=_regular), __name__)
 MLP_TYPES.register("llama", MLPEntry(widths=_llama), __name__)  # GPT-NeoX's LLaMAParallelMLP (mlp_width.py)
 
 
+# --- norm placements -------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NormPlacementEntry:
+    """One ``norm_placement`` value: which of a block's sublayers (attention, MLP) get a norm on their input and
+    which on their output (before the residual add); ``transformer_layer.py`` builds exactly these."""
+
+    before: bool
+    """A norm on each sublayer's input: ``input_layernorm``, ``post_attention_layernorm`` (GPT-NeoX's names)."""
+    after: bool
+    """A norm on each sublayer's output: ``attention_output_norm``, ``mlp_output_norm``."""
+
+    @property
+    def norms_per_layer(self) -> int:
+        """Norms over the hidden size in one block (a tied parallel residual shares its two input norms)."""
+        return 2 * (int(self.before) + int(self.after))
+
+
+NORM_PLACEMENTS: OptionRegistry[NormPlacementEntry] = OptionRegistry("norm_placement")
+NORM_PLACEMENTS.register("pre", NormPlacementEntry(before=True, after=False), __name__)  # GPT-NeoX, Llama
+NORM_PLACEMENTS.register("post", NormPlacementEntry(before=False, after=True), __name__)  # OLMo 2
+NORM_PLACEMENTS.register("sandwich", NormPlacementEntry(before=True, after=True), __name__)  # Gemma 2/3
+
+
 # --- the transformer block, as a layer family's counts (registered in family_config.py) -----------
 def expert_parameters(config: Any) -> int:
     """One expert of an MoE layer: its width follows GPT-NeoX's expert rule; Deepy's experts gate and
@@ -139,9 +164,11 @@ def expert_parameters(config: Any) -> int:
 
 
 def layer_norms(config: Any, norm: NormParams) -> int:
-    """One layer's norms (one shared norm with a tied parallel residual)."""
-    norms = 1 if (config.gpt_j_residual and config.gpt_j_tied) else 2
-    return norms * norm(int(config.hidden_size))
+    """One layer's norms over the hidden size, as ``norm_placement`` places them (one shared norm with a tied
+    parallel residual)."""
+    if config.gpt_j_residual and config.gpt_j_tied:
+        return norm(int(config.hidden_size))
+    return NORM_PLACEMENTS[config.norm_placement].norms_per_layer * norm(int(config.hidden_size))
 
 
 def transformer_parameters(config: Any, layer_type: str, norm: NormParams, layer_number: int, active: bool) -> int:

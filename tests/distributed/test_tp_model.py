@@ -47,9 +47,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "qkv_bias_only_sequence_parallel": dict(use_bias_in_attn_linear=False, use_bias_in_qkv=True, use_bias_in_mlp=False,
                                             num_kv_heads=2, pos_emb="rotary", norm="rmsnorm", activation="swiglu",
                                             intermediate_size=384, sequence_parallel=True),
+    # heads of kv_channels=12 channels, not hidden / heads = 8 (Qwen3's block: per-head q/k RMSNorm, GQA)
+    "head_dim_qknorm_sequence_parallel": dict(kv_channels=12, num_kv_heads=2, use_qk_layernorm=True, pos_emb="rotary",
+                                              norm="rmsnorm", activation="swiglu", intermediate_size=384,
+                                              use_bias_in_attn_linear=False, sequence_parallel=True),
 }
 PIPELINE_CONFIGS = ["mha_learned", "alibi_untied_qknorm_parallel", "value_head_sequence_parallel", "rpe_local_gqa",
-                    "qkv_bias_only_sequence_parallel"]
+                    "qkv_bias_only_sequence_parallel", "head_dim_qknorm_sequence_parallel"]
 # DeepSpeed optimizer paths (where the reduced gradient lives at the step): param.grad, ZeRO-2's flat
 # partition fragments, the bf16 optimizer's fp32 buffer
 ENGINE_PATHS: dict[str, dict[str, Any]] = {

@@ -227,6 +227,9 @@ VARIANTS: dict[str, dict] = {
     "value_head": dict(value_head=True, pos_emb="rotary"),
     "no_linear_biases": dict(use_bias_in_attn_linear=False, use_bias_in_mlp=False),
     "qkv_bias_only": dict(use_bias_in_attn_linear=False, use_bias_in_qkv=True, use_bias_in_mlp=False, num_kv_heads=2),
+    # heads of 12 channels, not hidden / heads = 8 (Qwen3, Gemma): q/k/v 4x12, 2x12, 2x12 wide, rotary over 6
+    "head_dim": dict(kv_channels=12, num_kv_heads=2, pos_emb="rotary", rotary_pct=0.5, use_qk_layernorm=True,
+                     norm="rmsnorm"),
     # GPT-NeoX's rule: int(40 * 2/3) = 26 rows rounded to 32, halves of 13 rounded to 16
     "mlp_width": dict(intermediate_size=40, mlp_multiple_of=8, activation="swiglu"),
     "expansion_factor": dict(expansion_factor=2.5),
@@ -336,7 +339,7 @@ def test_init_is_a_function_of_seed_and_name() -> None:
 @pytest.mark.parametrize(
     "name",
     ["learned", "learned_opt_offset", "gqa", "untied", "value_head", "qk_rmsnorm", "parallel_residual_tied_norm",
-     "mlp_width", "rpe", "qkv_bias_only"],
+     "mlp_width", "rpe", "qkv_bias_only", "head_dim"],
 )
 def test_num_parameters_and_flops(name: str) -> None:
     cfg, model = build(VARIANTS[name])
@@ -347,7 +350,8 @@ def test_num_parameters_and_flops(name: str) -> None:
     head = h if cfg.value_head else v * h
     untied_head = head if (cfg.no_weight_tying or cfg.value_head) else 0
     matmul = num_parameters(cfg) - embeddings - untied_head + head
-    assert flops_per_token(cfg, s) == 6 * matmul + 12 * L * h * s
+    width = cfg.num_attention_heads * (cfg.kv_channels or h // cfg.num_attention_heads)  # the heads' q.k and p.v
+    assert flops_per_token(cfg, s) == 6 * matmul + 12 * L * width * s
 
 
 def test_config_from_neox_args() -> None:
@@ -437,7 +441,7 @@ def test_checkpoint_num_layers_chunks_blocks_without_a_pipeline(monkeypatch: pyt
 
 @pytest.mark.parametrize("name", ["learned", "gqa", "untied", "qk_rmsnorm", "act_swiglu", "no_linear_biases",
                                   "parallel_residual_tied_norm", "non_parametric_layernorm", "value_head", "rpe",
-                                  "qkv_bias_only"])
+                                  "qkv_bias_only", "head_dim"])
 def test_universal_checkpoint_info_merges_tp_shards(name: str, tmp_path) -> None:
     """DeepSpeed's own tp-merge (ds_to_universal.merge_tp_slices), fed our shards and our
     `universal_checkpoint_info`, rebuilds every full tensor (the converter runs with --no_strict:
@@ -494,7 +498,7 @@ def test_config_errors_are_config_errors() -> None:
 
 
 @pytest.mark.parametrize("name", ["learned", "gqa", "untied", "act_swiglu", "rpe", "qk_layernorm", "value_head",
-                                  "qkv_bias_only"])
+                                  "qkv_bias_only", "head_dim"])
 def test_partition_patterns_agree_with_parameter_marks(name: str) -> None:
     """The name patterns (checkpoint resharding) and the attributes DeepSpeed reads agree."""
     from deepspeed.runtime.utils import is_model_parallel_parameter

@@ -42,6 +42,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     **{f"norm={n}": dict(norm=n, use_qk_layernorm=True) for n in TORCH_NORMS},
     "norm=layernorm without bias": dict(norm="layernorm", use_bias_in_norms=False),
     "use_bias_in_qkv (Qwen2)": dict(use_bias_in_attn_linear=False, use_bias_in_qkv=True, num_kv_heads=1),
+    "kv_channels (Qwen3, Gemma)": dict(kv_channels=24, num_kv_heads=1, use_qk_layernorm=True),
     **{f"activation={a}": dict(activation=a) for a in ACTIVATIONS},
     **{f"pos_emb={p}": dict(pos_emb=p, num_kv_heads=1) for p in POSITIONAL},
     **{f"attention={t}": dict(attention_config=[[[t], "all"]], sliding_window_width=3) for t in ATTENTION_TYPES},
@@ -72,7 +73,8 @@ def test_every_option_counts_what_it_builds(option: str) -> None:
     h, s = config.hidden_size, config.seq_length
     mixing = sum(token_mixing_flops(config, kind, s) for kind in config.attention_types)
     if all(family_of(kind) == "transformer" for kind in config.attention_types):
-        assert mixing == config.num_layers * 4 * s * h  # q.k and p.v over the full sequence, heads x head_dim = h
+        width = config.num_attention_heads * (config.kv_channels or h // config.num_attention_heads)
+        assert mixing == config.num_layers * 4 * s * width  # q.k and p.v over the full sequence, heads x head_dim
     assert flops_per_token(config) == 6 * (matmul + config.padded_vocab_size * h) + 3 * mixing, option
 
 

@@ -303,8 +303,9 @@ MODEL_RULES: dict[str, Rule] = {
                                              "when it exports; Deepy's export writes its own"),
     "model.tokenizer": _no_effect("the tokenizer Levanter saves beside an HF export; training reads "
                                   "data.tokenizer"),
+    # Levanter's LlamaConfig.actual_head_size (llama.py:237-240 at 9263f81e): head_dim, else hidden_dim // num_heads
     "model.head_dim": lambda v, ctx: {} if v is None or int(v) * int(ctx.value("model.num_heads", 32)) ==
-    int(ctx.value("model.hidden_dim", 4096)) else _refuse("a head_dim other than hidden_dim / num_heads is not built here"),
+    int(ctx.value("model.hidden_dim", 4096)) else {"kv_channels": int(v)},
     "model.n_routed_experts": _mixtral_only(to("moe_num_experts")),
     "model.num_experts_per_tok": _mixtral_only(_top_k),
     "model.n_shared_experts": _mixtral_only(_shared_experts),
