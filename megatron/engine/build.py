@@ -20,6 +20,7 @@ the single-rank run and no ``train/grad_norm`` could be logged.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -69,6 +70,7 @@ from megatron.engine.moe import MoETraining, build_moe_training, install_expert_
 from megatron.objectives import LMObjective, Objective, ObjectiveArgs, Reference
 from megatron.engine.bnb import stable_position_embeddings
 from megatron.engine.optimizers import DEEPSPEED_BUILT, build_optimizer, deepspeed_optimizer_block, param_groups
+from megatron.engine.levanter_sophia import HessianProbe
 
 if TYPE_CHECKING:
     from megatron.engine.engine_config import EngineConfig
@@ -103,6 +105,8 @@ class Engine:
     before_update: Callable[[torch.Tensor], None] | None = None
     """Told each training step's loss (a 0-dim device tensor, the same on every rank) before the update is
     applied: the bad-step rule's input (``skip_gate.py``); None: nothing needs it."""
+    hessian_probe: HessianProbe | None = None
+    """Sophia-H's Hutchinson estimate of the Hessian diagonal, measured by the step when due; None: another optimizer."""
 
     @property
     def is_last_stage(self) -> bool:
@@ -183,12 +187,29 @@ def checkpoint_function(cfg: ActivationCheckpointArgs) -> Callable[..., Any]:
     return deepspeed.checkpointing.checkpoint if cfg.deepspeed_activation_checkpointing else torch_checkpoint
 
 
+_RECOMPUTE = contextvars.ContextVar("recompute", default=True)
+"""False inside :func:`recompute_suspended`."""
+
+
+@contextlib.contextmanager
+def recompute_suspended() -> Iterator[None]:
+    """Checkpointed blocks run plainly (their activations kept): Sophia-H's Hessian-vector product differentiates
+    the loss twice, which DeepSpeed's (reentrant) checkpoint cannot (``megatron/engine/levanter_sophia.py``)."""
+    token = _RECOMPUTE.set(False)
+    try:
+        yield
+    finally:
+        _RECOMPUTE.reset(token)
+
+
 def _checkpointed(forward: Callable[..., torch.Tensor], checkpoint: Callable[..., Any]) -> Callable[..., torch.Tensor]:
     """``forward`` under ``checkpoint``, which is handed the tensor arguments only: with DeepSpeed's
     ``partition_activations`` it pairs every argument with a size tensor and mis-counts
     ``None`` (an absent position_ids/attention_mask), so those stay in the closure."""
 
     def run(*inputs: Any) -> torch.Tensor:
+        if not _RECOMPUTE.get():
+            return forward(*inputs)
         where = [i for i, value in enumerate(inputs) if torch.is_tensor(value)]
 
         def with_tensors(*tensors: torch.Tensor) -> torch.Tensor:
@@ -471,7 +492,12 @@ def build_engine(run: EngineConfig, config: GPTConfig, train_iters: int, objecti
         install_fp32_clipping(engine)
         if not is_pipe and mpu.get_data_parallel_world_size() == 1:
             skip_gradient_allreduce(engine)
+    probe = None
+    if run.optimizer_config.optimizer_kind == "sophia_h":  # before launch: optimizer_checks.sophia_h_layout
+        probe = HessianProbe(engine.module, ds_optimizer, int(run.optimizer_config.optimizer_params["rng_seed"]),
+                             suspend_recompute=recompute_suspended)
     return Engine(engine=engine, optimizer=ds_optimizer, lr_scheduler=ds_scheduler,
                   config=config, is_pipe=is_pipe, ds_config=ds_config,
                   moe=build_moe_training(model, config.arch.layers, config.moe_num_experts), objective=objective,
-                  adapters=adapters_of(model), after_forward_only=forward_only_cleanup(run.activation_config))
+                  adapters=adapters_of(model), after_forward_only=forward_only_cleanup(run.activation_config),
+                  hessian_probe=probe)

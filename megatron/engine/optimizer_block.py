@@ -32,9 +32,12 @@ OPTIMIZER_KINDS: dict[str, str] = {
     "adopt": "adopt",
     "rmspropmomentum": "rmsprop_momentum",
     "rmsprop_momentum": "rmsprop_momentum",
+    "sophiah": "sophia_h",
+    "sophia_h": "sophia_h",
+    "sophia-h": "sophia_h",
 }
 SHOWN_TYPES = ("Adam", "AdamW", "CPU_Adam", "CPU_torch_adam", "OneBitAdam", "SM3", "madgrad_wd", "Lion", "SGD",
-               "ADOPT", "RMSPropMomentum")
+               "ADOPT", "RMSPropMomentum", "SophiaH")
 
 
 class _Params(ArgGroup):
@@ -101,6 +104,25 @@ class RMSPropMomentumParams(_Params):
     """Levanter's ``eps``: added to the square root of the bias-corrected mean square."""
 
 
+class SophiaHParams(_Params):
+    """Levanter's ``SophiaHConfig`` (``src/levanter/optim/sophia.py:127-206`` and ``config.py:397-399`` of
+    stanford-crfm/levanter@9263f81e; its ``weight_decay`` default is 0.1): the update and its Hessian estimate are in
+    ``megatron/engine/levanter_sophia.py``."""
+
+    betas: Betas = (0.96, 0.99)
+    """Levanter's ``beta1`` (momentum of the gradients) and ``beta2`` (EMA of the Hessian-diagonal estimates)."""
+    eps: float = Field(1e-12, gt=0)
+    """Levanter's ``epsilon``: the floor of ``gamma * h`` the momentum is divided by."""
+    gamma: float = Field(0.01, gt=0)
+    """Levanter's ``gamma`` (``GAMMA_SOPHIA_H``): scales the Hessian estimate in the denominator."""
+    clip_threshold: float | None = Field(1.0, gt=0)
+    """Levanter's ``clip_threshold``: each element of the update is clipped to +-this (None: not clipped)."""
+    update_interval: int = Field(10, ge=1)
+    """Levanter's ``update_interval``: the Hessian diagonal is estimated after every this many steps."""
+    rng_seed: int = Field(0, ge=0)
+    """Levanter's ``rng_seed``: seeds the Gaussian probe vectors of the Hutchinson estimate."""
+
+
 class _Block(ArgGroup):
     type: str
     """Optimizer type, case-insensitive."""
@@ -153,10 +175,14 @@ class RMSPropMomentumBlock(_Block):
     params: RMSPropMomentumParams = RMSPropMomentumParams()
 
 
+class SophiaHBlock(_Block):
+    params: SophiaHParams = SophiaHParams()
+
+
 PARAMS_OF_KIND: dict[str, type[_Params]] = {
     "adam": AdamParams, "cpu_adam": AdamParams, "onebitadam": OneBitAdamParams, "sm3": SM3Params,
     "madgrad_wd": MadgradParams, "lion": LionParams, "sgd": SGDParams, "adopt": AdoptParams,
-    "rmsprop_momentum": RMSPropMomentumParams,
+    "rmsprop_momentum": RMSPropMomentumParams, "sophia_h": SophiaHParams,
 }
 
 
@@ -181,7 +207,8 @@ OptimizerBlock = Annotated[
     | Annotated[LionBlock, Tag("lion")]
     | Annotated[SGDBlock, Tag("sgd")]
     | Annotated[AdoptBlock, Tag("adopt")]
-    | Annotated[RMSPropMomentumBlock, Tag("rmsprop_momentum")],
+    | Annotated[RMSPropMomentumBlock, Tag("rmsprop_momentum")]
+    | Annotated[SophiaHBlock, Tag("sophia_h")],
     Discriminator(
         _kind_of,
         custom_error_type="optimizer_type",

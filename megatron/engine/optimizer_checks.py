@@ -95,3 +95,31 @@ def mup_optimizer_is_adam_or_sgd(ctx: RuleContext) -> list[str]:
     shown = f"optimizer.type={optimizer.type!r}" if optimizer is not None else ctx.show("optimizer_type")
     return [f"{ctx.show('use_mup')} with {shown}: muP's learning rates exist for Adam and SGD only (mup's "
             "MuAdam/MuSGD; GPT-NeoX ea7aefd8 asserts the same); use Adam, AdamW or SGD"]
+
+
+@rule
+def sophia_h_layout(ctx: RuleContext) -> list[str]:
+    """Sophia-H's Hessian-vector product (``megatron/engine/levanter_sophia.py``) differentiates the loss twice
+    through the plain module, and its estimate reaches the optimizer through DeepSpeed's ZeRO-1/2 fragment mapping:
+    what cannot run it is refused here, before launch."""
+    optimizer = ctx.get("optimizer")
+    kind = optimizer.kind if optimizer is not None else OPTIMIZER_KINDS.get(str(ctx.get("optimizer_type")).lower())
+    if kind != "sophia_h":
+        return []
+    shown = f"optimizer.type={optimizer.type!r}" if optimizer is not None else ctx.show("optimizer_type")
+    problems = []
+    if int(ctx.get("pipe_parallel_size")) >= 1:
+        problems.append(f"{shown} with {ctx.show('pipe_parallel_size')}: Sophia-H's Hessian-vector product needs the "
+                        "whole model's loss on this rank, which a pipeline stage does not have; use "
+                        "pipe_parallel_size: 0")
+    if int(ctx.get("model_parallel_size")) > 1 or int(ctx.get("context_parallel_size")) > 1:
+        problems.append(f"{shown} with {ctx.show('model_parallel_size')}, {ctx.show('context_parallel_size')}: "
+                        "the tensor- and context-parallel collectives' backward is not itself differentiable, so "
+                        "the Hessian-vector product would be wrong; use 1 for both")
+    if zero_stage(ctx) >= 3:
+        problems.append(f"{shown} with ZeRO stage 3: the partitioned weights are released after the forward, so "
+                        "the loss cannot be differentiated twice; use ZeRO stage 0, 1 or 2")
+    if int(ctx.get("moe_num_experts")) > 1:
+        problems.append(f"{shown} with {ctx.show('moe_num_experts')}: the experts' load-balancing loss is not "
+                        "part of the Hessian-vector product's loss; use a dense model")
+    return problems

@@ -31,6 +31,7 @@ OptimizerType = Literal[
     "lion",
     "adopt",
     "rmsprop_momentum",
+    "sophia_h",
 ]
 
 
@@ -90,7 +91,7 @@ class OptimizerArgs(ArgGroup):
     optimizer: OptimizerBlock | None = None
     """Optimizer block: {type: Adam, params: {lr, betas, eps, ...}}; type is one of Adam, AdamW,
     CPU_Adam, CPU_torch_adam, OneBitAdam, SM3, madgrad_wd, Lion, SGD, ADOPT,
-    RMSPropMomentum and params are checked per type."""
+    RMSPropMomentum, SophiaH and params are checked per type."""
 
     @property
     def optimizer_kind(self) -> str:

@@ -14,6 +14,8 @@ whose decay is torch's L2 term as in GPT-NeoX.
 * ``ADOPT`` and ``RMSPropMomentum``: Levanter's updates (``megatron/engine/levanter_optim.py``; neither
   pytorch-optimizer's ADOPT nor ``torch.optim.RMSprop`` computes them), decoupled decay as Levanter's
   ``add_decayed_weights``.
+* ``SophiaH``: Levanter's Sophia-H (``megatron/engine/levanter_sophia.py``), its Hessian-diagonal estimate
+  measured by the trainer's step every ``update_interval`` steps.
 * ``OneBitAdam``: built by DeepSpeed itself (it needs the engine's communication backend), so it
   only runs on GPUs with NCCL/MPI; the config rules refuse it elsewhere before launch.
 """
@@ -28,6 +30,7 @@ import torch
 from megatron.errors import ConfigError
 from megatron.engine.bnb import build_adam8bit
 from megatron.engine.levanter_optim import LevanterAdopt, LevanterRMSPropMomentum
+from megatron.engine.levanter_sophia import LevanterSophiaH
 from megatron.engine.optimizer_config import OptimizerArgs
 
 ParamGroups = list[dict[str, Any]]
@@ -161,6 +164,14 @@ def build_adopt(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimize
 def build_rmsprop_momentum(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer:
     p = cfg.optimizer_params
     return LevanterRMSPropMomentum(groups, lr=cfg.peak_lr, betas=tuple(p["betas"]), eps=p["eps"])
+
+
+@register_optimizer("sophia_h")
+def build_sophia_h(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer:
+    # its Hessian estimate comes from the trainer's step (HessianProbe, megatron/engine/levanter_sophia.py)
+    p = cfg.optimizer_params
+    return LevanterSophiaH(groups, lr=cfg.peak_lr, betas=tuple(p["betas"]), eps=p["eps"], gamma=p["gamma"],
+                           clip_threshold=p["clip_threshold"], update_interval=p["update_interval"])
 
 
 class _DecoupledDecay:

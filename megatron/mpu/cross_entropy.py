@@ -19,6 +19,10 @@ cross-entropy's in the same block-wise backward, so a z-loss costs no fp32 copy 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -139,5 +143,30 @@ def vocab_parallel_cross_entropy_and_log_z(logits: torch.Tensor, target: torch.T
     targets included); it is differentiable, its gradient being the softmax. Arguments as
     :func:`vocab_parallel_cross_entropy`.
     """
+    if _TWICE.get() and get_tensor_model_parallel_world_size() == 1:
+        return _plain_cross_entropy_and_log_z(logits, target)
     rows = block_rows or default_block_rows(logits.shape[-1], logits.device)
     return _VocabParallelCrossEntropy.apply(logits, target, rows)
+
+
+_TWICE = contextvars.ContextVar("twice_differentiable", default=False)
+
+
+@contextlib.contextmanager
+def twice_differentiable() -> Iterator[None]:
+    """The cross-entropy in plain torch ops, which autograd can differentiate again (the block-wise backward
+    above cannot): for Sophia-H's Hessian-vector product (``megatron/engine/levanter_sophia.py``); one rank's
+    whole vocabulary only (its checks refuse tensor parallelism)."""
+    token = _TWICE.set(True)
+    try:
+        yield
+    finally:
+        _TWICE.reset(token)
+
+
+def _plain_cross_entropy_and_log_z(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same two outputs as :func:`vocab_parallel_cross_entropy_and_log_z` on a whole vocabulary, in fp32."""
+    full = logits.float()
+    log_z = torch.logsumexp(full, dim=-1)  # [...]
+    picked = full.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [...]
+    return torch.where(target >= 0, log_z - picked, torch.zeros_like(log_z)), log_z

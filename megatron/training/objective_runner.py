@@ -22,8 +22,10 @@ import torch.distributed as dist
 
 from megatron import mpu
 from megatron.data.transfer import to_device
+from megatron.mpu.cross_entropy import twice_differentiable
 from megatron.objectives.base import MicroBatch, Objective, means_from_vector, micro_batch_denominator
 from megatron.objectives.reference import Reference
+from megatron.engine.levanter_sophia import HessianProbe
 from megatron.training.stragglers import timed
 
 
@@ -53,6 +55,7 @@ class EngineHandle(Protocol):
     is_pipe: bool
     before_update: Callable[[torch.Tensor], None] | None
     after_forward_only: Callable[[], None] | None
+    hessian_probe: HessianProbe | None
 
 
 class ObjectiveRunner:
@@ -99,6 +102,7 @@ class ObjectiveRunner:
             return loss
         losses = []
         if train:
+            probe = eng.hessian_probe if eng.hessian_probe is not None and eng.hessian_probe.due() else None
             for i, b in enumerate(batches):
                 # the step's last micro-batch is the boundary, whatever micro-batches came before (with a
                 # batch schedule DeepSpeed's count of micro steps no longer lines up with the accumulation)
@@ -108,12 +112,18 @@ class ObjectiveRunner:
                 loss = self.objective.loss(output, b.targets(denominator))
                 engine.backward(loss)
                 losses.append(loss.detach())
+                if i == len(batches) - 1 and probe is not None:  # Sophia-H: at the weights this update starts from
+                    probe.measure(lambda: self._probe_losses(engine.module, batches, denominator, device))
                 if i == len(batches) - 1 and eng.before_update is not None:
                     step_loss = mean_over_data_parallel(torch.stack(losses).mean())
                     eng.before_update(step_loss)  # the bad-step rule reads it inside the update
                     engine.step()
+                    if probe is not None:
+                        probe.deliver()
                     return step_loss
                 engine.step()  # applies the update only at the accumulation boundary
+            if probe is not None:
+                probe.deliver()
         else:
             was_training = engine.module.training
             engine.eval()
@@ -127,6 +137,18 @@ class ObjectiveRunner:
             if was_training:
                 engine.train()
         return mean_over_data_parallel(torch.stack(losses).mean())
+
+    def _probe_losses(self, module: torch.nn.Module, batches: list[MicroBatch], denominator: torch.Tensor,
+                      device: torch.device) -> Iterator[torch.Tensor]:
+        """The step's micro-batch losses again, through the module itself (no engine bookkeeping) and without
+        adding to the objective's metrics."""
+        for b in batches:
+            b = b.to(device)
+            labels, *extras, reference, units = b.targets(denominator)
+            with twice_differentiable():
+                total, _ = self.objective.loss_sum(module(b.inputs, **b.model_kwargs()), labels, tuple(extras),
+                                                   reference)
+            yield total / units.to(total.dtype).squeeze()
 
     def collect_metrics(self, eng: EngineHandle, device: torch.device) -> dict[str, float]:
         """Means of the metrics accumulated since the last call, identical on every rank; resets them."""

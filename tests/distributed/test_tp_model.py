@@ -51,9 +51,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "head_dim_qknorm_sequence_parallel": dict(kv_channels=12, num_kv_heads=2, use_qk_layernorm=True, pos_emb="rotary",
                                               norm="rmsnorm", activation="swiglu", intermediate_size=384,
                                               use_bias_in_attn_linear=False, sequence_parallel=True),
+    # OLMo 2's block: norms after the sublayers only; RMSNorm over each whole q/k projection, its gains split with
+    # the heads and its sum of squares reduced over the tp ranks
+    "post_norm_qk_projection_sequence_parallel": dict(norm_placement="post", use_qk_layernorm=True,
+                                                      qk_norm_scope="projection", num_kv_heads=2, pos_emb="rotary",
+                                                      norm="rmsnorm", sequence_parallel=True),
+    "sandwich_norm": dict(norm_placement="sandwich", norm="rmsnorm", num_kv_heads=2),  # Gemma 2/3's block
 }
 PIPELINE_CONFIGS = ["mha_learned", "alibi_untied_qknorm_parallel", "value_head_sequence_parallel", "rpe_local_gqa",
-                    "qkv_bias_only_sequence_parallel", "head_dim_qknorm_sequence_parallel"]
+                    "qkv_bias_only_sequence_parallel", "head_dim_qknorm_sequence_parallel",
+                    "post_norm_qk_projection_sequence_parallel"]
 # DeepSpeed optimizer paths (where the reduced gradient lives at the step): param.grad, ZeRO-2's flat
 # partition fragments, the bf16 optimizer's fp32 buffer
 ENGINE_PATHS: dict[str, dict[str, Any]] = {

@@ -294,6 +294,8 @@ DIALECT_SAMPLES: dict[str, dict[str, object]] = {
         "optimizer.weight_decay_modules": None, "optimizer.default_weight_decay_mask": None, "optimizer.nesterov": False,
         "optimizer.update_rms_clipping": None, "optimizer.clip_update_norm": None, "optimizer.skip_bad_steps": False,
         "optimizer.adamc_weight_decay": False, "optimizer.eps": 1e-20, "optimizer.schedule_list": None,
+        "optimizer.gamma": 0.01, "optimizer.clip_threshold": 1.0, "optimizer.update_interval": 10,
+        "optimizer.rng_seed": 0,
         "data.enforce_eos": True, "data.format": {"type": "text"}, "data.text_key": "text", "data.tags": ["a"],
         "data.cache_options": {}, "data.ignore_token_id": -100,
         "data.shuffle": False, "data.permutation_type": None,
@@ -344,6 +346,8 @@ DIALECT_CONTEXT: dict[str, dict[str, object]] = {
     "tokenizer": {"dataset_type": "chat_jsonl"},  # alone it could be the exporter's key too
     "optimizer.eps": {"optimizer.type": "rmsprop"},  # RMSPropMomentumConfig's spelling of epsilon
     "optimizer.schedule_list": {"optimizer.type": "adopt"},
+    **{f"optimizer.{f}": {"optimizer.type": "sophia-h"} for f in ("gamma", "clip_threshold", "update_interval",
+                                                                    "rng_seed")},
     **{f"model.{f}": {"model.type": "mixtral"}
        for f in ("n_routed_experts", "num_experts_per_tok", "n_shared_experts", "lbl_coef", "rzl_coef")},
 }

@@ -121,10 +121,13 @@ def ref_attention(
     qkv = x @ w.T
     if cfg.use_bias_in_attn_linear or cfg.use_bias_in_qkv:  # Qwen2: the QKV's bias alone
         qkv = qkv + sd[f"{prefix}.query_key_value.bias"]
-    q = qkv[..., : n * d].reshape(b, s, n, d).transpose(1, 2)
-    k = qkv[..., n * d : (n + nkv) * d].reshape(b, s, nkv, d).transpose(1, 2)
+    q, k = qkv[..., : n * d], qkv[..., n * d : (n + nkv) * d]
+    if cfg.use_qk_layernorm and cfg.qk_norm_scope == "projection":  # OLMo 2: over all heads' features at once
+        q, k = ref_norm(cfg, sd, f"{prefix}.q_norm", q), ref_norm(cfg, sd, f"{prefix}.k_norm", k)
+    q = q.reshape(b, s, n, d).transpose(1, 2)
+    k = k.reshape(b, s, nkv, d).transpose(1, 2)
     v = qkv[..., (n + nkv) * d :].reshape(b, s, nkv, d).transpose(1, 2)
-    if cfg.use_qk_layernorm:
+    if cfg.use_qk_layernorm and cfg.qk_norm_scope == "head":
         q = ref_norm(cfg, sd, f"{prefix}.q_norm", q)
         k = ref_norm(cfg, sd, f"{prefix}.k_norm", k)
     if cfg.pos_emb == "rotary":
@@ -179,14 +182,18 @@ def ref_logits(cfg: GPTConfig, sd: dict, tokens, position_ids=None, attention_ma
         x = x + torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
     for layer in range(cfg.num_layers):
         p = f"layers.{layer}"
-        ln1 = ref_norm(cfg, sd, f"{p}.input_layernorm", x)
+        ln1 = x if cfg.norm_placement == "post" else ref_norm(cfg, sd, f"{p}.input_layernorm", x)
         attn = ref_attention(cfg, sd, f"{p}.attention", ln1, positions, attention_mask, ref_window(cfg, layer))
         if cfg.gpt_j_residual:
             ln2 = ln1 if cfg.gpt_j_tied else ref_norm(cfg, sd, f"{p}.post_attention_layernorm", x)
             x = x + attn + ref_mlp(cfg, sd, f"{p}.mlp", ln2)
-        else:
+        elif cfg.norm_placement == "pre":
             x = x + attn
             x = x + ref_mlp(cfg, sd, f"{p}.mlp", ref_norm(cfg, sd, f"{p}.post_attention_layernorm", x))
+        else:  # OLMo 2's post-norm: x + norm(attn(x)); Gemma 2's sandwich: x + norm(attn(norm(x)))
+            x = x + ref_norm(cfg, sd, f"{p}.attention_output_norm", attn)
+            mlp_in = x if cfg.norm_placement == "post" else ref_norm(cfg, sd, f"{p}.post_attention_layernorm", x)
+            x = x + ref_norm(cfg, sd, f"{p}.mlp_output_norm", ref_mlp(cfg, sd, f"{p}.mlp", mlp_in))
     x = ref_norm(cfg, sd, "final_norm", x)
     if cfg.value_head:
         return x @ sd["value_head.weight"].T  # [b, s, 1]
@@ -230,6 +237,11 @@ VARIANTS: dict[str, dict] = {
     # heads of 12 channels, not hidden / heads = 8 (Qwen3, Gemma): q/k/v 4x12, 2x12, 2x12 wide, rotary over 6
     "head_dim": dict(kv_channels=12, num_kv_heads=2, pos_emb="rotary", rotary_pct=0.5, use_qk_layernorm=True,
                      norm="rmsnorm"),
+    # OLMo 2's block: norms after attention and MLP only, RMSNorm over each whole q/k projection (GQA: k is narrower)
+    "post_norm_qk_projection": dict(norm_placement="post", norm="rmsnorm", use_qk_layernorm=True,
+                                    qk_norm_scope="projection", num_kv_heads=2, pos_emb="rotary"),
+    # Gemma 2/3's block: norms before and after each sublayer
+    "sandwich_norm": dict(norm_placement="sandwich", norm="rmsnorm"),
     # GPT-NeoX's rule: int(40 * 2/3) = 26 rows rounded to 32, halves of 13 rounded to 16
     "mlp_width": dict(intermediate_size=40, mlp_multiple_of=8, activation="swiglu"),
     "expansion_factor": dict(expansion_factor=2.5),
@@ -339,7 +351,7 @@ def test_init_is_a_function_of_seed_and_name() -> None:
 @pytest.mark.parametrize(
     "name",
     ["learned", "learned_opt_offset", "gqa", "untied", "value_head", "qk_rmsnorm", "parallel_residual_tied_norm",
-     "mlp_width", "rpe", "qkv_bias_only", "head_dim"],
+     "mlp_width", "rpe", "qkv_bias_only", "head_dim", "post_norm_qk_projection", "sandwich_norm"],
 )
 def test_num_parameters_and_flops(name: str) -> None:
     cfg, model = build(VARIANTS[name])
@@ -441,7 +453,7 @@ def test_checkpoint_num_layers_chunks_blocks_without_a_pipeline(monkeypatch: pyt
 
 @pytest.mark.parametrize("name", ["learned", "gqa", "untied", "qk_rmsnorm", "act_swiglu", "no_linear_biases",
                                   "parallel_residual_tied_norm", "non_parametric_layernorm", "value_head", "rpe",
-                                  "qkv_bias_only", "head_dim"])
+                                  "qkv_bias_only", "head_dim", "post_norm_qk_projection", "sandwich_norm"])
 def test_universal_checkpoint_info_merges_tp_shards(name: str, tmp_path) -> None:
     """DeepSpeed's own tp-merge (ds_to_universal.merge_tp_slices), fed our shards and our
     `universal_checkpoint_info`, rebuilds every full tensor (the converter runs with --no_strict:
@@ -469,7 +481,8 @@ def test_universal_checkpoint_info_merges_tp_shards(name: str, tmp_path) -> None
 
 
 @pytest.mark.parametrize("name", ["learned", "rotary_pct_half", "alibi_6_heads", "sliding_window", "gqa", "sinusoidal",
-                                  "parallel_residual", "value_head", "rpe", "local_then_global"])
+                                  "parallel_residual", "value_head", "rpe", "local_then_global",
+                                  "post_norm_qk_projection"])
 def test_incremental_decoding_with_kv_cache(name: str) -> None:
     """Prefill then one token at a time through a KVCache gives the full forward's outputs."""
     from megatron.model import KVCache
@@ -498,7 +511,7 @@ def test_config_errors_are_config_errors() -> None:
 
 
 @pytest.mark.parametrize("name", ["learned", "gqa", "untied", "act_swiglu", "rpe", "qk_layernorm", "value_head",
-                                  "qkv_bias_only", "head_dim"])
+                                  "qkv_bias_only", "head_dim", "post_norm_qk_projection", "sandwich_norm"])
 def test_partition_patterns_agree_with_parameter_marks(name: str) -> None:
     """The name patterns (checkpoint resharding) and the attributes DeepSpeed reads agree."""
     from deepspeed.runtime.utils import is_model_parallel_parameter

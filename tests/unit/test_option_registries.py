@@ -27,7 +27,7 @@ from megatron.model.family_config import FAMILIES, FAMILY_OF_TYPE, FamilyName, f
 from megatron.model.flops import flops_per_token, num_parameters
 from megatron.model.gpt import GPTModel
 from megatron.model.norms import NORMS
-from megatron.model.transformer_options import ATTENTION_TYPES, MLP_TYPES, POSITIONAL
+from megatron.model.transformer_options import ATTENTION_TYPES, MLP_TYPES, NORM_PLACEMENTS, POSITIONAL
 from megatron.engine.memory import MemoryLayout, stage_parameters
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,6 +41,9 @@ BASE: dict[str, Any] = dict(num_layers=2, hidden_size=32, num_attention_heads=2,
 OPTIONS: dict[str, dict[str, Any]] = {
     **{f"norm={n}": dict(norm=n, use_qk_layernorm=True) for n in TORCH_NORMS},
     "norm=layernorm without bias": dict(norm="layernorm", use_bias_in_norms=False),
+    **{f"norm_placement={n}": dict(norm_placement=n) for n in ("post", "sandwich")},
+    "qk_norm_scope=projection (OLMo 2)": dict(norm="rmsnorm", use_qk_layernorm=True, qk_norm_scope="projection",
+                                              num_kv_heads=1),
     "use_bias_in_qkv (Qwen2)": dict(use_bias_in_attn_linear=False, use_bias_in_qkv=True, num_kv_heads=1),
     "kv_channels (Qwen3, Gemma)": dict(kv_channels=24, num_kv_heads=1, use_qk_layernorm=True),
     **{f"activation={a}": dict(activation=a) for a in ACTIVATIONS},
@@ -126,6 +129,7 @@ def test_the_config_values_are_the_registries_names() -> None:
     assert set(typing.get_args(PositionEmbedding)) == set(POSITIONAL)
     assert set(typing.get_args(Activation)) == set(ACTIVATIONS)
     assert set(typing.get_args(GPTConfig.model_fields["mlp_type"].annotation)) == set(MLP_TYPES)
+    assert set(typing.get_args(GPTConfig.model_fields["norm_placement"].annotation)) == set(NORM_PLACEMENTS)
     assert set(typing.get_args(FamilyName)) == set(FAMILIES)
     from megatron.config_support import KNOWN_ATTENTION_TYPES, UNSUPPORTED_ATTENTION_TYPES
 

@@ -28,10 +28,13 @@ KIND_DEFAULTS: dict[str, dict[str, float]] = {
     "lion": {"beta1": 0.9, "beta2": 0.95},  # LionConfig, config.py:499-509 (its epsilon is unused)
     "adopt": {"beta1": 0.9, "beta2": 0.95, "epsilon": 1e-6},  # AdoptConfig, adopt.py:18-31
     "rmsprop": {"beta1": 0.9, "beta2": 0.99, "eps": 1e-30},  # RMSPropMomentumConfig, rmsprop.py:20-27
+    # SophiaHConfig, sophia.py:127-137,200-203 and HessianOptConfig.update_interval, config.py:397-399
+    "sophia-h": {"beta1": 0.96, "beta2": 0.99, "epsilon": 1e-12, "gamma": 0.01, "clip_threshold": 1.0,
+                 "update_interval": 10, "rng_seed": 0},
 }
 """Each built type's own fields and defaults (RMSProp spells its epsilon ``eps``)."""
 
-NOT_BUILT = {"sophia-h": "Sophia-H", "sophia-g": "Sophia-G", "muon": "Muon", "kron": "Kron (PSGD)",
+NOT_BUILT = {"sophia-g": "Sophia-G", "muon": "Muon", "kron": "Kron (PSGD)",
              "scion": "Scion", "mars": "MARS", "cautious": "Cautious Adam", "mini": "Adam-mini",
              "soap": "SOAP", "skipstep": "skip-step"}
 """Levanter optimizers Deepy does not build."""
@@ -49,7 +52,9 @@ def _kind(ctx: Context) -> str:
     return kind
 
 
-_DEEPY_TYPE = {"adam": "Adam", "lion": "Lion", "adopt": "ADOPT", "rmsprop": "RMSPropMomentum"}
+_DEEPY_TYPE = {"adam": "Adam", "lion": "Lion", "adopt": "ADOPT", "rmsprop": "RMSPropMomentum", "sophia-h": "SophiaH"}
+_EXTRA_PARAMS = {"sophia-h": ("gamma", "clip_threshold", "update_interval", "rng_seed")}
+"""Fields handed to Deepy's optimizer block under their Levanter names, besides the betas and epsilon."""
 
 
 def _optimizer(value: Any, ctx: Context) -> dict[str, Any]:
@@ -62,6 +67,8 @@ def _optimizer(value: Any, ctx: Context) -> dict[str, Any]:
     params: dict[str, Any] = {"betas": [got["beta1"], got["beta2"]]}
     if kind != "lion":  # optax.scale_by_lion(b1, b2): no epsilon
         params["eps"] = got.get("epsilon", got.get("eps"))
+    for name in _EXTRA_PARAMS.get(kind, ()):
+        params[name] = got[name]
     return {"optimizer": {"type": _DEEPY_TYPE[kind], "params": params}}
 
 
@@ -72,6 +79,12 @@ def _schedule_list(value: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _max_grad_norm(value: Any, ctx: Context) -> dict[str, Any]:
+    if _kind(ctx) == "sophia-h":  # BaseSophiaConfig has no max_grad_norm and its chain clips nothing (sophia.py:150-178)
+        leaf = ctx.leaves.get("optimizer.max_grad_norm")
+        if leaf is not None and leaf.where != "Levanter's default":
+            raise Refused("Levanter's sophia-h optimizer has no max_grad_norm (its update is clipped element-wise "
+                          "by clip_threshold)")
+        return {"gradient_clipping": 0.0}
     return {"gradient_clipping": float(value) if value else 0.0}  # None/0: optax clips nothing
 
 
@@ -156,6 +169,12 @@ def _epsilon(value: Any, ctx: Context) -> dict[str, Any]:
     return _optimizer(value, ctx)
 
 
+def _sophia_field(value: Any, ctx: Context) -> dict[str, Any]:
+    if _kind(ctx) != "sophia-h":
+        raise Refused("only Levanter's sophia-h optimizer has gamma, clip_threshold, update_interval and rng_seed")
+    return _optimizer(value, ctx)
+
+
 OPTIMIZER_RULES: dict[str, Rule] = {
     "optimizer.type": _optimizer,
     "optimizer.learning_rate": to("lr"),
@@ -164,6 +183,10 @@ OPTIMIZER_RULES: dict[str, Rule] = {
     "optimizer.beta2": _optimizer,
     "optimizer.epsilon": _epsilon,
     "optimizer.eps": _epsilon,
+    "optimizer.gamma": _sophia_field,
+    "optimizer.clip_threshold": _sophia_field,
+    "optimizer.update_interval": _sophia_field,
+    "optimizer.rng_seed": _sophia_field,
     "optimizer.schedule_list": _schedule_list,
     "optimizer.max_grad_norm": _max_grad_norm,
     "optimizer.min_lr_ratio": _schedule_key("levanter_min_lr_ratio"),

@@ -271,6 +271,16 @@ def fully_sharded(ctx: Context) -> dict[str, Any]:
         return {"zero_stage": 2, **noted("with model_axis_size > 1 Deepy shards the gradients and optimizer states "
                                          "over the data axis (ZeRO-2); its tensor parallelism does not combine "
                                          "with ZeRO-3, so the parameters stay whole on each data rank")}
+    if str(ctx.value("optimizer.type", "adam")).lower() == "sophia-h":
+        return {"zero_stage": 2, **noted("Sophia-H differentiates the loss twice (its Hessian-vector product), which "
+                                         "ZeRO-3's released weights cannot: Deepy shards the gradients and optimizer "
+                                         "states over the data axis (ZeRO-2: the same numbers, the weights whole on "
+                                         "each data rank)")}
+    if str(ctx.value("optimizer.type", "adam")).lower() in ("muon", "scion", "mars", "cautious"):
+        return {"sharding_strategy": "ddp", **noted(
+            "Levanter's Muon, Scion, MARS and Cautious act on whole tensors (matrices, global norms, a mask's mean "
+            "over every layer), which a ZeRO shard is not: Deepy keeps the parameters and optimizer states whole on "
+            "each data rank (the same numbers; megatron/engine/levanter_whole_tensor_optim.py)")}
     return {"sharding_strategy": "fsdp"}
 
 
