@@ -261,8 +261,8 @@ def sdpa_kernel(c: GPTConfig, precision: str, seq_length: int) -> SdpaKernel:
     the head dim aligned (8 elements in 16 bits, 4 in fp32). The math kernel is what is left, and it
     keeps the ``[b, n, s, s]`` probabilities for its backward."""
     half = precision != "fp32"
-    if c.head_dim % (8 if half else 4):
-        return "math"
+    if c.head_dim % (8 if half else 4) or c.attn_logit_softcapping is not None:
+        return "math"  # soft-capped scores are computed outside SDPA, keeping the probabilities like its math kernel
     windows = [c.attention_window(i) for i in range(c.arch.layers)]
     cuts = any(w is not None and w < seq_length - 1 for w in windows)
     masked = cuts or POSITIONAL[c.pos_emb].additive_bias

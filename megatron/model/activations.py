@@ -81,6 +81,9 @@ for _name, _entry in {
     "softsign": ActivationEntry(function="softsign"),
     "mish": ActivationEntry(function="mish"),
     "geglu": ActivationEntry(function="gelu", gated=True),
+    # Gemma's gelu_pytorch_tanh gated MLP (transformers 5.23.0 models/gemma2/modeling_gemma2.py:77-80; Levanter's
+    # gelu_new, gemma.py:78@9263f81e): act(gate) * up with the tanh approximation of GELU
+    "geglu_tanh": ActivationEntry(function="gelu", gated=True, approximate="tanh"),
     "reglu": ActivationEntry(function="relu", gated=True),
     "swiglu": ActivationEntry(function="silu", gated=True),
     "bilinear": ActivationEntry(function="identity", gated=True),

@@ -20,6 +20,7 @@ from megatron.model.kv_cache import KVCache
 from megatron.model.norm_layers import TensorParallelRMSNorm
 from megatron.model.norms import build_norm
 from megatron.model.positional import RelativePositionBias, RotaryEmbedding, alibi_bias, alibi_slopes
+from megatron.model.softcap import soft_cap
 from megatron.mpu.context_parallel import heads_to_sequence, sequence_to_heads
 from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, mark_partial_over_tensor_parallel
 from megatron.mpu.random import tensor_parallel_rng
@@ -76,8 +77,8 @@ class SelfAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary = (
-            RotaryEmbedding(config.rotary_dim, config.rotary_emb_base, config.rotary_save_freqs_buffer,
-                            config.rope_scaling_spec, config.max_positions)
+            RotaryEmbedding(config.rotary_dim, config.rotary_base(layer_number), config.rotary_save_freqs_buffer,
+                            config.rotary_scaling(layer_number), config.max_positions)
             if config.pos_emb == "rotary"
             else None
         )
@@ -115,6 +116,9 @@ class SelfAttention(nn.Module):
         self.dropout = config.attention_dropout
         # muP: scores q.k / d (GPT-NeoX's norm_factor = head_dim) over mup_attn_temp; None: SDPA's 1 / sqrt(d)
         self.softmax_scale = 1.0 / (self.head_dim * config.mup_attn_temp) if config.use_mup else None
+        if config.query_pre_attn_scalar is not None:  # Gemma 2/3 (muP's scale is refused with it before launch)
+            self.softmax_scale = config.query_pre_attn_scalar**-0.5
+        self.logit_softcap = config.attn_logit_softcapping  # Gemma 2: c * tanh(scores / c)
         # Batch-first inside the block (the hidden states stay [s, b, h] outside): the projection then
         # writes q, k, v in the order SDPA reads fastest (the seq-first views took 5-30% longer for
         # the attention block on CPU). Sequence parallelism gathers and scatters along the sequence
@@ -177,6 +181,8 @@ class SelfAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float
     ) -> torch.Tensor:
         """SDPA of `q` `[b, n, s, d]` over `k`, `v` `[b, n_kv, past + s, d]` with `mask` from `_mask`."""
+        if self.logit_softcap is not None:
+            return self._attend_capped(q, k, v, mask, dropout_p)
         grouped = self.kv_heads != self.heads
         if grouped and mask is not None:
             # SDPA's grouped-query path (enable_gqa) exists in the flash and math kernels only, and flash
@@ -199,6 +205,28 @@ class SelfAttention(nn.Module):
                 scale=self.softmax_scale,
                 enable_gqa=grouped,  # query head i reads kv head i // (n / n_kv)
             )  # [b, n, s, d]
+
+    def _attend_capped(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float
+    ) -> torch.Tensor:
+        """``_attend`` with soft-capped scores, which SDPA cannot take: scores scaled, capped, masked, softmax
+        in fp32 and back to q's dtype (transformers 5.23.0 models/gemma2/modeling_gemma2.py:193-205)."""
+        s, keys = q.shape[2], k.shape[2]
+        k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)  # [b, n, past + s, d]
+        v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        scale = self.softmax_scale if self.softmax_scale is not None else self.head_dim**-0.5
+        scores = soft_cap(torch.matmul(q, k.transpose(-1, -2)) * scale, self.logit_softcap)  # [b, n, s, past + s]
+        if mask is None:  # plain causal, nothing cached
+            mask = torch.ones(s, keys, dtype=torch.bool, device=q.device).tril(keys - s)
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)  # as HF: a row all masked stays finite
+        else:
+            scores = scores + mask
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if dropout_p > 0:
+            with tensor_parallel_rng():
+                probs = F.dropout(probs, dropout_p, training=True)
+        return torch.matmul(probs, v)  # [b, n, s, d]
 
     def _heads(self, t: torch.Tensor, n: int) -> torch.Tensor:
         """`[b, s, n*d]` (or `[s, b, n*d]`) -> `[b, n, s, d]`, a view."""

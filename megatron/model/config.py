@@ -51,6 +51,7 @@ Activation = Literal[
     "gelu",
     "gelu_tanh",
     "geglu",
+    "geglu_tanh",
     "relu",
     "softsign",
     "swish",
@@ -155,7 +156,7 @@ class GPTConfig(MoEArgs, MupArgs):
 
     norm: str = needs_gpu_library("layernorm", TRANSFORMER_ENGINE, values=("te_rmsnorm", "te_layernorm"))
     """Normalisation layer used in every block and before the output layer: layernorm, rmsnorm,
-    scalenorm, non_parametric_layernorm, te_rmsnorm/te_layernorm (Transformer Engine's RMSNorm/LayerNorm
+    gemma_rmsnorm (Gemma's x / rms(x) * (1 + w), w from zeros), scalenorm, non_parametric_layernorm, te_rmsnorm/te_layernorm (Transformer Engine's RMSNorm/LayerNorm
     kernels with rms_norm_epsilon/layernorm_epsilon, NVIDIA GPU only), or a plug-in's
     (``megatron/model/norms.py``)."""
 
@@ -293,6 +294,33 @@ class GPTConfig(MoEArgs, MupArgs):
 
     rotary_save_freqs_buffer: bool = False
     """Store the rotary frequency table in the checkpoint instead of recomputing it on load."""
+
+    rope_local_base_freq: int | None = Field(None, ge=1)
+    """Rotary base of the sliding-window (local) layers of attention_config; the other layers keep
+    rotary_emb_base, and rope_scaling applies to them only (Gemma 3: transformers 5.23.0
+    models/gemma3/configuration_gemma3.py:143-156, the sliding layers' rope_parameters, and modeling_gemma3.py:549-556;
+    Levanter's Gemma3Config.rope_local_base_freq, gemma.py:801-807@9263f81e). None: every layer uses
+    rotary_emb_base. Not a GPT-NeoX key (HF's name)."""
+
+    query_pre_attn_scalar: float | None = Field(None, gt=0)
+    """Scale the attention scores by query_pre_attn_scalar**-0.5 instead of head_dim**-0.5 (Gemma 2/3:
+    transformers 5.23.0 models/gemma2/modeling_gemma2.py:221, scaling = config.query_pre_attn_scalar**-0.5).
+    None: 1/sqrt(head_dim). Not with use_mup (its own 1/head_dim scale). Not a GPT-NeoX key (HF's name)."""
+
+    attn_logit_softcapping: float | None = Field(None, gt=0)
+    """Cap the attention scores softly, c * tanh(scores / c), after their scaling and before the causal mask
+    and softmax (Gemma 2: transformers 5.23.0 models/gemma2/modeling_gemma2.py:193-203). The scores are then
+    computed outside torch's fused attention kernels (the [b, heads, s, s] probabilities are kept for the
+    backward, as the memory estimate counts). None: no cap. Not a GPT-NeoX key (HF's name)."""
+
+    final_logit_softcapping: float | None = Field(None, gt=0)
+    """Cap the output logits softly, c * tanh(logits / c), before the loss and sampling (Gemma 2:
+    transformers 5.23.0 models/gemma2/modeling_gemma2.py:517-521). None: no cap. Not a GPT-NeoX key (HF's name)."""
+
+    scale_embeddings_by_sqrt_hidden: bool = False
+    """Multiply the token embeddings by sqrt(hidden_size), the factor rounded to the embeddings' dtype first
+    (Gemma: transformers 5.23.0 models/gemma2/modeling_gemma2.py:330-341, 378-381, embed_scale.to(weight.dtype);
+    Levanter gemma.py:425-426@9263f81e). The tied output layer reads the unscaled table. Not a GPT-NeoX key."""
 
     init_method: InitMethod = "normal"
     """Initialiser of most weight matrices."""
@@ -673,6 +701,21 @@ class GPTConfig(MoEArgs, MupArgs):
                 f"tensor parallelism splits these across {tp} ranks, but they are not divisible by {tp}: "
                 + ", ".join(bad)
             )
+
+    def local_rotary(self, layer_number: int) -> bool:
+        """Whether this layer takes ``rope_local_base_freq`` (set, and the layer's attention type is local)."""
+        return self.rope_local_base_freq is not None and self.attention_types[layer_number] in _LOCAL_ATTENTION
+
+    def rotary_base(self, layer_number: int) -> int:
+        """Rotary base of this layer: ``rope_local_base_freq`` on a local layer when set (Gemma 3), else
+        ``rotary_emb_base``."""
+        local = self.rope_local_base_freq if self.local_rotary(layer_number) else None
+        return self.rotary_emb_base if local is None else local
+
+    def rotary_scaling(self, layer_number: int) -> RopeScaling | None:
+        """``rope_scaling`` of this layer: none on the layers ``rope_local_base_freq`` gives their own base
+        (Gemma 3 scales its global layers only: transformers 5.23.0 configuration_gemma3.py:143-144)."""
+        return None if self.local_rotary(layer_number) else self.rope_scaling_spec
 
     def attention_window(self, layer_number: int) -> int | None:
         """Sliding-window width of this layer's attention, or None for full causal attention."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -45,10 +46,15 @@ class GPTEmbedding(nn.Module):
         self.rp_mult = config.mup_rp_embedding_mult
         self.embedding_mult = config.mup_embedding_mult if config.use_mup else 1.0
         self.mup_output_mult = output_mult(config)  # the tied head's input multiplier, set by apply_base_shapes
+        # Gemma: the token embeddings times sqrt(hidden), the factor in their dtype (scale_embeddings_by_sqrt_hidden)
+        self.embedding_scale = math.sqrt(config.arch.hidden) if config.scale_embeddings_by_sqrt_hidden else None
+        self.final_logit_softcapping = config.final_logit_softcapping  # read by the tied head (pipeline.py)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         # looked up in [s, b] order: the hidden states come out sequence-first without a transpose copy
         x_sbh = self.word_embeddings(tokens.t())  # [s, b, h]
+        if self.embedding_scale is not None:  # rounded to the table's dtype first, as HF's embed_scale.to(dtype)
+            x_sbh = x_sbh * torch.tensor(self.embedding_scale, dtype=x_sbh.dtype, device=x_sbh.device)
         if self.position_embeddings is not None:
             positions = default_position_ids(tokens) if position_ids is None else position_ids
             positions_sbh = self.position_embeddings(positions).transpose(0, 1)  # [s, b|1, h]

@@ -14,6 +14,7 @@ from megatron.model.layer_sharing import sharing_owners
 from megatron.model.mup import mup_scaled_input, output_mult
 from megatron.model.norms import build_norm
 from megatron.model.soft_prompt import SoftPrompt
+from megatron.model.softcap import soft_cap
 from megatron.model.soft_prompt_settings import SoftPromptSettings
 from megatron.model.blocks import build_block
 from megatron.mpu.initialize_weights import initialize_param_, set_tensor_model_parallel_attributes
@@ -152,7 +153,8 @@ class GPTModel(nn.Module):
         x = self.final_norm(x)
         if self.value_head is not None:
             return self.value_head(x)  # [b, s, 1]
+        cap = self.config.final_logit_softcapping  # Gemma 2: c * tanh(logits / c), elementwise on the vocab shard
         if self.output_layer is not None:
-            return self.output_layer(x)  # [b, s, v/tp]
+            return soft_cap(self.output_layer(x), cap)  # [b, s, v/tp]
         x = mup_scaled_input(x, self.embedding.mup_output_mult)  # muP's output multiplier (tied head)
-        return parallel_lm_logits(x, self.output_weight(), self.sequence_parallel)  # [b, s, v/tp]
+        return soft_cap(parallel_lm_logits(x, self.output_weight(), self.sequence_parallel), cap)  # [b, s, v/tp]

@@ -21,6 +21,21 @@ class RMSNorm(nn.RMSNorm):
         return (normed * self.weight).to(x.dtype)
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32, cast back after the scale, ``w``
+    starting at zeros (transformers 5.23.0 models/gemma2/modeling_gemma2.py:48-62, 365-367; Levanter's
+    GemmaRMSNorm, gemma.py:259-291@9263f81e)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)  # fp32
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
 class ScaleNorm(nn.Module):
     """x / max(||x||, eps) * g, with one learned scalar g."""
 

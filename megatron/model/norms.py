@@ -103,6 +103,13 @@ def _rmsnorm(dim: int, c: NormSettings) -> nn.Module:
     return RMSNorm(dim, c.rms_norm_epsilon, dtype=c.params_dtype)
 
 
+def _gemma_rmsnorm(dim: int, c: NormSettings) -> nn.Module:
+    # lazy: torch; the launcher (deepy.py) reads this module without it
+    from megatron.model.norm_layers import GemmaRMSNorm
+
+    return GemmaRMSNorm(dim, c.rms_norm_epsilon, c.params_dtype)
+
+
 def _scalenorm(dim: int, c: NormSettings) -> nn.Module:
     # lazy: torch; the launcher (deepy.py) reads this module without it
     from megatron.model.norm_layers import ScaleNorm
@@ -125,6 +132,9 @@ _RMSNORM = NormEntry(build=_rmsnorm, parameters=lambda dim, c: dim, keeps_fp32_i
                      reads=("rms_norm_epsilon",))
 register_norm("layernorm", _LAYERNORM)
 register_norm("rmsnorm", _RMSNORM)
+# Gemma's (1 + w) gain, w from zeros (norm_layers.GemmaRMSNorm): the same parameter count as rmsnorm
+register_norm("gemma_rmsnorm", NormEntry(build=_gemma_rmsnorm, parameters=lambda dim, c: dim, keeps_fp32_input=True,
+                                         reads=("rms_norm_epsilon",)))
 register_norm("non_parametric_layernorm", NormEntry(build=_non_parametric_layernorm, parameters=lambda dim, c: 0,
                                                    reads=("layernorm_epsilon",)))
 register_norm("scalenorm", NormEntry(build=_scalenorm, parameters=lambda dim, c: 1, reads=("scalenorm_epsilon",)))

@@ -31,6 +31,7 @@ from megatron.model.mamba import MambaLayer
 from megatron.model.mup import mup_scaled_input
 from megatron.model.rwkv import RWKVLayer
 from megatron.model.transformer_layer import TransformerLayer
+from megatron.model.softcap import soft_cap
 from megatron.mpu.layers import parallel_lm_logits
 from megatron.mpu.topology import get_tensor_model_parallel_world_size
 
@@ -154,9 +155,10 @@ class OutputLayerPipe(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.output_layer = build_output_layer(config)
+        self.final_logit_softcapping = config.final_logit_softcapping
 
     def forward(self, x_sbh: torch.Tensor) -> torch.Tensor:
-        return self.output_layer(x_sbh)  # [b, s, v/tp]
+        return soft_cap(self.output_layer(x_sbh), self.final_logit_softcapping)  # [b, s, v/tp]
 
 
 class ValueHeadPipe(nn.Module):
@@ -189,7 +191,8 @@ def shared_block_key(owner: int) -> str:
 def tied_embedding_logits(embedding: EmbeddingPipe, x_sbh: torch.Tensor) -> torch.Tensor:
     """The tied head on the last stage: logits from the (synchronised) token embedding."""
     x_sbh = mup_scaled_input(x_sbh, embedding.mup_output_mult)  # muP's output multiplier
-    return parallel_lm_logits(x_sbh, embedding.word_embeddings.weight, embedding.sequence_parallel)
+    logits = parallel_lm_logits(x_sbh, embedding.word_embeddings.weight, embedding.sequence_parallel)
+    return soft_cap(logits, embedding.final_logit_softcapping)  # [b, s, v/tp]
 
 
 _BLOCK_PREFIXES = ("input_layernorm.", "attention.", "post_attention_layernorm.", "mlp.",  # transformer

@@ -26,6 +26,7 @@ from megatron.logging import preflight
 from megatron.model import checks as model_checks
 from megatron.model import config as model_config
 from megatron.model import family_checks, lora_checks, moe_checks, mup_checks, option_checks
+from megatron.model import gemma_checks
 from megatron.mpu import parallel_config
 from megatron.neox_arguments import deepspeed_blocks, file_checks, optional_packages, rules
 from megatron.engine import compile_checks, lr_config, lr_dialects
@@ -44,6 +45,7 @@ CHECK_MODULES: tuple[ModuleType, ...] = (
     reinforce_checks,  # train_impl: reinforce, dataset_impl: online, serve_model_weights
     model_checks,
     model_config,  # attention_config covers the layers
+    gemma_checks,  # query_pre_attn_scalar, attn_logit_softcapping, rope_local_base_freq
     rules,  # the rules between components
     parallel_config,  # pipe_partition_method
     optimizer_checks,

@@ -41,6 +41,8 @@ def ref_norm(cfg: GPTConfig, sd: dict, prefix: str, x: torch.Tensor) -> torch.Te
         return y
     if norm == "rmsnorm":
         return x / torch.sqrt((x**2).mean(-1, keepdim=True) + cfg.rms_norm_epsilon) * sd[f"{prefix}.weight"]
+    if norm == "gemma_rmsnorm":  # Gemma: the gain is 1 + w
+        return x / torch.sqrt((x**2).mean(-1, keepdim=True) + cfg.rms_norm_epsilon) * (1 + sd[f"{prefix}.weight"])
     if norm == "scalenorm":
         length = torch.sqrt((x**2).sum(-1, keepdim=True))
         return x / torch.clamp(length, min=cfg.scalenorm_epsilon) * sd[f"{prefix}.g"]
@@ -61,6 +63,7 @@ def ref_activation(name: str, x: torch.Tensor) -> torch.Tensor:
         return plain[name](x)
     gates = {
         "geglu": gelu,
+        "geglu_tanh": lambda t: 0.5 * t * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (t + 0.044715 * t**3))),
         "reglu": plain["relu"],
         "swiglu": plain["silu"],
         "bilinear": lambda t: t,
@@ -130,13 +133,16 @@ def ref_attention(
     if cfg.use_qk_layernorm and cfg.qk_norm_scope == "head":
         q = ref_norm(cfg, sd, f"{prefix}.q_norm", q)
         k = ref_norm(cfg, sd, f"{prefix}.k_norm", k)
-    if cfg.pos_emb == "rotary":
-        q = ref_rotary(q, positions, cfg.rotary_dim, cfg.rotary_emb_base)
-        k = ref_rotary(k, positions, cfg.rotary_dim, cfg.rotary_emb_base)
+    if cfg.pos_emb == "rotary":  # Gemma 3: the local layers' own base
+        base = cfg.rope_local_base_freq if cfg.rope_local_base_freq and window is not None else cfg.rotary_emb_base
+        q = ref_rotary(q, positions, cfg.rotary_dim, base)
+        k = ref_rotary(k, positions, cfg.rotary_dim, base)
     group = n // nkv
     k = torch.stack([k[:, h // group] for h in range(n)], dim=1)
     v = torch.stack([v[:, h // group] for h in range(n)], dim=1)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(d)  # [b, n, s, s]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(cfg.query_pre_attn_scalar or d)  # [b, n, s, s]
+    if cfg.attn_logit_softcapping:  # Gemma 2: c * tanh(scores / c)
+        scores = cfg.attn_logit_softcapping * torch.tanh(scores / cfg.attn_logit_softcapping)
     i = torch.arange(s).view(s, 1)
     j = torch.arange(s).view(1, s)
     if cfg.pos_emb == "alibi":
@@ -173,6 +179,8 @@ def ref_logits(cfg: GPTConfig, sd: dict, tokens, position_ids=None, attention_ma
     b, s = tokens.shape
     positions = torch.arange(s).view(1, s) if position_ids is None else position_ids
     x = sd["embedding.word_embeddings.weight"][tokens]
+    if cfg.scale_embeddings_by_sqrt_hidden:  # Gemma
+        x = x * math.sqrt(cfg.hidden_size)
     if cfg.pos_emb == "learned":
         x = x + sd["embedding.position_embeddings.weight"][positions + cfg.opt_pos_emb_offset]
     if cfg.pos_emb == "sinusoidal":
@@ -198,7 +206,8 @@ def ref_logits(cfg: GPTConfig, sd: dict, tokens, position_ids=None, attention_ma
     if cfg.value_head:
         return x @ sd["value_head.weight"].T  # [b, s, 1]
     head = sd["output_layer.weight"] if cfg.no_weight_tying else sd["embedding.word_embeddings.weight"]
-    return x @ head.T
+    cap = cfg.final_logit_softcapping  # Gemma 2: c * tanh(logits / c)
+    return x @ head.T if cap is None else cap * torch.tanh(x @ head.T / cap)
 
 
 # --- the variants ----------------------------------------------------------------------------
@@ -242,6 +251,16 @@ VARIANTS: dict[str, dict] = {
                                     qk_norm_scope="projection", num_kv_heads=2, pos_emb="rotary"),
     # Gemma 2/3's block: norms before and after each sublayer
     "sandwich_norm": dict(norm_placement="sandwich", norm="rmsnorm"),
+    # Gemma 2's pieces: (1 + w) norm, tanh GeGLU, scaled embeddings, query scalar, capped scores and logits, local
+    # and global layers; Gemma 3's: query/key norms, no score cap, its own rotary base on the local layers
+    "gemma2": dict(norm="gemma_rmsnorm", norm_placement="sandwich", activation="geglu_tanh", intermediate_size=96,
+                   kv_channels=12, num_kv_heads=2, pos_emb="rotary", query_pre_attn_scalar=10.0,
+                   attn_logit_softcapping=0.5, final_logit_softcapping=1.5, scale_embeddings_by_sqrt_hidden=True,
+                   attention_config=[[["local", "global"], 1]], sliding_window_width=3),
+    "gemma3": dict(norm="gemma_rmsnorm", norm_placement="sandwich", activation="geglu_tanh", intermediate_size=96,
+                   kv_channels=12, num_kv_heads=2, pos_emb="rotary", query_pre_attn_scalar=10.0,
+                   final_logit_softcapping=1.5, scale_embeddings_by_sqrt_hidden=True, use_qk_layernorm=True,
+                   attention_config=[[["local", "global"], 1]], sliding_window_width=3, rope_local_base_freq=100),
     # GPT-NeoX's rule: int(40 * 2/3) = 26 rows rounded to 32, halves of 13 rounded to 16
     "mlp_width": dict(intermediate_size=40, mlp_multiple_of=8, activation="swiglu"),
     "expansion_factor": dict(expansion_factor=2.5),
@@ -351,7 +370,7 @@ def test_init_is_a_function_of_seed_and_name() -> None:
 @pytest.mark.parametrize(
     "name",
     ["learned", "learned_opt_offset", "gqa", "untied", "value_head", "qk_rmsnorm", "parallel_residual_tied_norm",
-     "mlp_width", "rpe", "qkv_bias_only", "head_dim", "post_norm_qk_projection", "sandwich_norm"],
+     "mlp_width", "rpe", "qkv_bias_only", "head_dim", "post_norm_qk_projection", "sandwich_norm", "gemma3"],
 )
 def test_num_parameters_and_flops(name: str) -> None:
     cfg, model = build(VARIANTS[name])
@@ -453,7 +472,8 @@ def test_checkpoint_num_layers_chunks_blocks_without_a_pipeline(monkeypatch: pyt
 
 @pytest.mark.parametrize("name", ["learned", "gqa", "untied", "qk_rmsnorm", "act_swiglu", "no_linear_biases",
                                   "parallel_residual_tied_norm", "non_parametric_layernorm", "value_head", "rpe",
-                                  "qkv_bias_only", "head_dim", "post_norm_qk_projection", "sandwich_norm"])
+                                  "qkv_bias_only", "head_dim", "post_norm_qk_projection", "sandwich_norm",
+                                  "gemma3"])
 def test_universal_checkpoint_info_merges_tp_shards(name: str, tmp_path) -> None:
     """DeepSpeed's own tp-merge (ds_to_universal.merge_tp_slices), fed our shards and our
     `universal_checkpoint_info`, rebuilds every full tensor (the converter runs with --no_strict:
@@ -482,7 +502,7 @@ def test_universal_checkpoint_info_merges_tp_shards(name: str, tmp_path) -> None
 
 @pytest.mark.parametrize("name", ["learned", "rotary_pct_half", "alibi_6_heads", "sliding_window", "gqa", "sinusoidal",
                                   "parallel_residual", "value_head", "rpe", "local_then_global",
-                                  "post_norm_qk_projection"])
+                                  "post_norm_qk_projection", "gemma2", "gemma3"])
 def test_incremental_decoding_with_kv_cache(name: str) -> None:
     """Prefill then one token at a time through a KVCache gives the full forward's outputs."""
     from megatron.model import KVCache
@@ -511,7 +531,8 @@ def test_config_errors_are_config_errors() -> None:
 
 
 @pytest.mark.parametrize("name", ["learned", "gqa", "untied", "act_swiglu", "rpe", "qk_layernorm", "value_head",
-                                  "qkv_bias_only", "head_dim", "post_norm_qk_projection", "sandwich_norm"])
+                                  "qkv_bias_only", "head_dim", "post_norm_qk_projection", "sandwich_norm",
+                                  "gemma3"])
 def test_partition_patterns_agree_with_parameter_marks(name: str) -> None:
     """The name patterns (checkpoint resharding) and the attributes DeepSpeed reads agree."""
     from deepspeed.runtime.utils import is_model_parallel_parameter

@@ -46,6 +46,11 @@ OPTIONS: dict[str, dict[str, Any]] = {
                                               num_kv_heads=1),
     "use_bias_in_qkv (Qwen2)": dict(use_bias_in_attn_linear=False, use_bias_in_qkv=True, num_kv_heads=1),
     "kv_channels (Qwen3, Gemma)": dict(kv_channels=24, num_kv_heads=1, use_qk_layernorm=True),
+    # Gemma 2/3's keys without parameters of their own: the counts must not move
+    "Gemma's caps, query scalar, scaled embeddings, local rotary base": dict(
+        query_pre_attn_scalar=5.0, attn_logit_softcapping=2.0, final_logit_softcapping=3.0, pos_emb="rotary",
+        scale_embeddings_by_sqrt_hidden=True, attention_config=[[["local", "global"], 1]], sliding_window_width=3,
+        rope_local_base_freq=100),
     **{f"activation={a}": dict(activation=a) for a in ACTIVATIONS},
     **{f"pos_emb={p}": dict(pos_emb=p, num_kv_heads=1) for p in POSITIONAL},
     **{f"attention={t}": dict(attention_config=[[[t], "all"]], sliding_window_width=3) for t in ATTENTION_TYPES},
