@@ -351,11 +351,28 @@ def check_url(key: str, url: str, where: str = "", *, write: bool, probe: bool =
         raise StoreError(f"{key}{at}: {url} cannot be written ({scheme}:// is read-only); use s3://, gs:// or a "
                          "local directory")
     try:
-        store = store_for(url)
         if probe:
-            store.probe(url, write)
+            store_for(url).probe(url, write)
+        else:
+            _check_installed(scheme, url)
     except StoreError as err:
         raise StoreError(f"{key}{at}: {err}") from None
+
+
+def _check_installed(scheme: str, url: str) -> None:
+    """``scheme``'s implementation can be imported, without making a client: gcsfs's ``GCSFileSystem()`` looks for
+    credentials (google-auth's default chain, then the GCE metadata server: 17 s on a machine outside Google Cloud),
+    which a config that is only being read must not wait for."""
+    if scheme in ("s3", "s3a") or scheme in _STORES:
+        return  # boto3 is a requirement
+    _check_known(scheme, url)
+    # lazy: fsspec, only for its URL schemes
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ImportError as err:
+        raise StoreError(f"{scheme}:// paths need a package that is not installed here ({err})") from err
 
 
 def upload_tree(local_dir: Path, url: str, chunk_size: int, *, last: Iterable[str] = (),

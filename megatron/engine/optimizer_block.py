@@ -32,12 +32,16 @@ OPTIMIZER_KINDS: dict[str, str] = {
     "adopt": "adopt",
     "rmspropmomentum": "rmsprop_momentum",
     "rmsprop_momentum": "rmsprop_momentum",
+    "muon": "muon",
+    "scion": "scion",
+    "mars": "mars",
+    "cautious": "cautious",
     "sophiah": "sophia_h",
     "sophia_h": "sophia_h",
     "sophia-h": "sophia_h",
 }
 SHOWN_TYPES = ("Adam", "AdamW", "CPU_Adam", "CPU_torch_adam", "OneBitAdam", "SM3", "madgrad_wd", "Lion", "SGD",
-               "ADOPT", "RMSPropMomentum", "SophiaH")
+               "ADOPT", "RMSPropMomentum", "Muon", "Scion", "MARS", "Cautious", "SophiaH")
 
 
 class _Params(ArgGroup):
@@ -123,6 +127,76 @@ class SophiaHParams(_Params):
     """Levanter's ``rng_seed``: seeds the Gaussian probe vectors of the Hutchinson estimate."""
 
 
+class MuonParams(_Params):
+    """Levanter's ``MuonConfig`` (``src/levanter/optim/muon.py:24-47`` of stanford-crfm/levanter@9263f81e): ``lr``
+    is Levanter's ``learning_rate``, the Muon half's (its ``lr: 0.02`` field is never read by ``build``). The update:
+    ``megatron/engine/levanter_whole_tensor_optim.py``."""
+
+    adam_lr: float = Field(6e-4, ge=0)
+    """Peak rate of the AdamW half (embeddings, output layer, biases, norms), on the same schedule as ``lr``."""
+    momentum: float = Field(0.95, ge=0, lt=1)
+    """Muon's momentum (undamped: ``buf = momentum * buf + g``)."""
+    nesterov: bool = True
+    """Nesterov momentum: orthogonalise ``momentum * buf + g`` rather than ``buf``."""
+    backend_steps: int = Field(5, ge=1)
+    """Newton-Schulz iterations."""
+    muon_epsilon: float = Field(1e-8, ge=0)
+    """Added to the Frobenius norm the Newton-Schulz iteration first divides by."""
+    use_kimi_scaling: bool = False
+    """Scale a matrix's update by ``0.2 * sqrt(max(out, in))`` (Moonshot's) instead of ``sqrt(max(1, out / in))``."""
+    betas: Betas = (0.9, 0.95)
+    """Levanter's ``beta1``/``beta2`` of the AdamW half."""
+    eps: float = Field(1e-8, ge=0)
+    """Levanter's ``epsilon`` of the AdamW half."""
+    inner_max_grad_norm: float | None = Field(1.0, ge=0)
+    """Levanter's ``max_grad_norm``, applied where Levanter applies it: inside the optimizer, to the AdamW half's
+    gradients by their own global norm (Muon's are not clipped); None or 0: no clip. ``gradient_clipping`` must
+    then be 0 (checked before launch)."""
+
+
+class ScionParams(_Params):
+    """Levanter's ``ScionConfig`` (``src/levanter/optim/scion.py:22-38``@9263f81e): ``lr`` is Levanter's
+    ``learning_rate``, the Scion half's (its ``lr: 0.02`` field is never read by ``build``)."""
+
+    scion_to_signum_lr: float = Field(0.25, ge=0)
+    """The signum half's rate (embeddings, output layer, biases, norms) as a fraction of ``lr``."""
+    momentum: float = Field(0.95, ge=0, lt=1)
+    """Scion's momentum (damped: ``buf = momentum * buf + (1 - momentum) * g``)."""
+    backend_steps: int = Field(10, ge=1)
+    """Newton-Schulz iterations."""
+    beta1: float = Field(0.9, ge=0, lt=1)
+    """The signum half's momentum."""
+    scion_epsilon: float = Field(1e-8, ge=0)
+    """Added to the Frobenius norm the Newton-Schulz iteration first divides by."""
+    inner_max_grad_norm: float | None = Field(1.0, ge=0)
+    """Levanter's ``max_grad_norm`` inside the optimizer: the signum half's gradients clipped by their own global
+    norm (Scion's are not); None or 0: no clip. ``gradient_clipping`` must then be 0 (checked before launch)."""
+
+
+class MarsParams(_Params):
+    """Levanter's ``MarsConfig`` (``src/levanter/optim/mars.py:16-30``@9263f81e)."""
+
+    betas: Betas = (0.95, 0.99)
+    """Levanter's ``beta1``/``beta2``."""
+    gamma: float = Field(0.025, ge=0)
+    """Weight of the gradient correction ``gamma * b1 / (1 - b1) * (g - g_prev)``."""
+    eps: float = Field(1e-8, ge=0)
+    """Levanter's ``epsilon``."""
+    inner_max_grad_norm: float | None = Field(1.0, ge=0)
+    """Levanter's ``max_grad_norm`` inside ``scale_by_mars``: the corrected gradients ``c`` scaled by
+    ``min(1, max_grad_norm / (||c|| + 1e-6))``; None or 0: no clip. ``gradient_clipping`` must then be 0."""
+
+
+class CautiousParams(_Params):
+    """Levanter's ``CautiousConfig`` (``src/levanter/optim/cautious.py:16-30``@9263f81e); its ``gamma`` is never
+    read by ``build``, and its ``max_grad_norm`` is ``gradient_clipping`` (a global clip before the optimizer)."""
+
+    betas: Betas = (0.95, 0.95)
+    """Levanter's ``beta1``/``beta2``."""
+    eps: float = Field(1e-8, ge=0)
+    """Levanter's ``epsilon``: in Adam's denominator and added to the mask's mean."""
+
+
 class _Block(ArgGroup):
     type: str
     """Optimizer type, case-insensitive."""
@@ -175,6 +249,22 @@ class RMSPropMomentumBlock(_Block):
     params: RMSPropMomentumParams = RMSPropMomentumParams()
 
 
+class MuonBlock(_Block):
+    params: MuonParams = MuonParams()
+
+
+class ScionBlock(_Block):
+    params: ScionParams = ScionParams()
+
+
+class MarsBlock(_Block):
+    params: MarsParams = MarsParams()
+
+
+class CautiousBlock(_Block):
+    params: CautiousParams = CautiousParams()
+
+
 class SophiaHBlock(_Block):
     params: SophiaHParams = SophiaHParams()
 
@@ -182,7 +272,8 @@ class SophiaHBlock(_Block):
 PARAMS_OF_KIND: dict[str, type[_Params]] = {
     "adam": AdamParams, "cpu_adam": AdamParams, "onebitadam": OneBitAdamParams, "sm3": SM3Params,
     "madgrad_wd": MadgradParams, "lion": LionParams, "sgd": SGDParams, "adopt": AdoptParams,
-    "rmsprop_momentum": RMSPropMomentumParams, "sophia_h": SophiaHParams,
+    "rmsprop_momentum": RMSPropMomentumParams, "muon": MuonParams, "scion": ScionParams,
+    "mars": MarsParams, "cautious": CautiousParams, "sophia_h": SophiaHParams,
 }
 
 
@@ -208,6 +299,10 @@ OptimizerBlock = Annotated[
     | Annotated[SGDBlock, Tag("sgd")]
     | Annotated[AdoptBlock, Tag("adopt")]
     | Annotated[RMSPropMomentumBlock, Tag("rmsprop_momentum")]
+    | Annotated[MuonBlock, Tag("muon")]
+    | Annotated[ScionBlock, Tag("scion")]
+    | Annotated[MarsBlock, Tag("mars")]
+    | Annotated[CautiousBlock, Tag("cautious")]
     | Annotated[SophiaHBlock, Tag("sophia_h")],
     Discriminator(
         _kind_of,

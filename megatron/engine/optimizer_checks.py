@@ -123,3 +123,47 @@ def sophia_h_layout(ctx: RuleContext) -> list[str]:
         problems.append(f"{shown} with {ctx.show('moe_num_experts')}: the experts' load-balancing loss is not "
                         "part of the Hessian-vector product's loss; use a dense model")
     return problems
+
+
+WHOLE_TENSOR_KINDS = {"muon": "Muon", "scion": "Scion", "mars": "MARS", "cautious": "Cautious"}
+"""Levanter's optimizers that act on whole tensors (``megatron/engine/levanter_whole_tensor_optim.py``)."""
+INNER_CLIP_KINDS = frozenset({"muon", "scion", "mars"})
+"""Those that clip by a global norm inside the optimizer (``optimizer.params.inner_max_grad_norm``)."""
+
+
+@rule
+def whole_tensor_optimizer_layout(ctx: RuleContext) -> list[str]:
+    """Muon and Scion orthogonalise whole matrices, MARS, Muon and Scion clip by a global norm inside the optimizer,
+    Cautious averages its mask over a weight in every layer: each needs every whole tensor on the rank that steps
+    it. ZeRO hands the optimizer a shard of a flat buffer, tensor parallelism a slice of a matrix, pipeline stages
+    and expert-parallel ranks part of the layers or experts; refused here, before launch."""
+    optimizer = ctx.get("optimizer")
+    kind = optimizer.kind if optimizer is not None else OPTIMIZER_KINDS.get(str(ctx.get("optimizer_type")).lower())
+    if kind not in WHOLE_TENSOR_KINDS:
+        return []
+    shown = f"optimizer.type={optimizer.type!r}" if optimizer is not None else ctx.show("optimizer_type")
+    what = {"muon": "orthogonalises whole weight matrices and clips its AdamW half by their global norm",
+            "scion": "orthogonalises whole weight matrices and clips its signum half by their global norm",
+            "mars": "clips its corrected gradients by their global norm inside the optimizer",
+            "cautious": "averages its mask over each weight in every layer"}[kind]
+    problems = []
+    if zero_stage(ctx) >= 1:
+        problems.append(f"{shown} with ZeRO stage {zero_stage(ctx)}: Levanter's {WHOLE_TENSOR_KINDS[kind]} {what}, "
+                        "and ZeRO hands the optimizer a shard of a flat buffer; use ZeRO stage 0 (data parallelism "
+                        "steps the whole model on every rank)")
+    if int(ctx.get("model_parallel_size")) > 1:
+        problems.append(f"{shown} with {ctx.show('model_parallel_size')}: Levanter's {WHOLE_TENSOR_KINDS[kind]} "
+                        f"{what}, and a tensor-parallel rank holds a slice of each matrix; use 1")
+    if int(ctx.get("pipe_parallel_size")) > 1:
+        problems.append(f"{shown} with {ctx.show('pipe_parallel_size')}: Levanter's {WHOLE_TENSOR_KINDS[kind]} "
+                        f"{what}, and a pipeline stage holds part of the layers; use 0 or 1")
+    if int(ctx.get("moe_expert_parallel_size")) > 1:
+        problems.append(f"{shown} with {ctx.show('moe_expert_parallel_size')}: Levanter's "
+                        f"{WHOLE_TENSOR_KINDS[kind]} {what}, and an expert-parallel rank holds part of the "
+                        "experts; use 1")
+    clip = float(ctx.get("gradient_clipping") or 0.0)
+    if kind in INNER_CLIP_KINDS and clip > 0:
+        problems.append(f"{shown} clips inside the optimizer as Levanter does (optimizer.params.inner_max_grad_norm, "
+                        f"default 1.0) but {ctx.show('gradient_clipping')} would also clip every gradient before it; "
+                        "set gradient_clipping: 0")
+    return problems

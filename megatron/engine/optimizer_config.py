@@ -31,6 +31,10 @@ OptimizerType = Literal[
     "lion",
     "adopt",
     "rmsprop_momentum",
+    "muon",
+    "scion",
+    "mars",
+    "cautious",
     "sophia_h",
 ]
 
@@ -91,7 +95,7 @@ class OptimizerArgs(ArgGroup):
     optimizer: OptimizerBlock | None = None
     """Optimizer block: {type: Adam, params: {lr, betas, eps, ...}}; type is one of Adam, AdamW,
     CPU_Adam, CPU_torch_adam, OneBitAdam, SM3, madgrad_wd, Lion, SGD, ADOPT,
-    RMSPropMomentum, SophiaH and params are checked per type."""
+    RMSPropMomentum, Muon, Scion, MARS, Cautious, SophiaH and params are checked per type."""
 
     @property
     def optimizer_kind(self) -> str:

@@ -16,13 +16,17 @@ whose decay is torch's L2 term as in GPT-NeoX.
   ``add_decayed_weights``.
 * ``SophiaH``: Levanter's Sophia-H (``megatron/engine/levanter_sophia.py``), its Hessian-diagonal estimate
   measured by the trainer's step every ``update_interval`` steps.
+* ``Muon``, ``Scion``, ``MARS`` and ``Cautious``: Levanter's updates
+  (``megatron/engine/levanter_whole_tensor_optim.py``; not ``torch.optim.Muon``, whose Newton-Schulz runs in
+  bfloat16). They act on whole tensors (matrices, global norms, a mask's mean over a weight in every layer), so
+  their builders are handed the parameters' names, and ZeRO and tensor parallelism are refused before launch.
 * ``OneBitAdam``: built by DeepSpeed itself (it needs the engine's communication backend), so it
   only runs on GPUs with NCCL/MPI; the config rules refuse it elsewhere before launch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -30,6 +34,8 @@ import torch
 from megatron.errors import ConfigError
 from megatron.engine.bnb import build_adam8bit
 from megatron.engine.levanter_optim import LevanterAdopt, LevanterRMSPropMomentum
+from megatron.engine.levanter_whole_tensor_optim import (LevanterCautious, LevanterMars, LevanterMuon, LevanterScion,
+                                                         is_linear_matrix, split_groups)
 from megatron.engine.levanter_sophia import LevanterSophiaH
 from megatron.engine.optimizer_config import OptimizerArgs
 
@@ -39,6 +45,21 @@ OptimizerBuilder = Callable[[ParamGroups, OptimizerArgs], torch.optim.Optimizer]
 OPTIMIZERS: dict[str, OptimizerBuilder] = {}
 DEEPSPEED_BUILT = frozenset({"onebitadam"})
 """Kinds DeepSpeed constructs from its config's ``optimizer`` block."""
+
+
+Names = Mapping[torch.Tensor, str]
+NamedOptimizerBuilder = Callable[[ParamGroups, OptimizerArgs, Names], torch.optim.Optimizer]
+NAMED_OPTIMIZERS: dict[str, NamedOptimizerBuilder] = {}
+"""Kinds whose update depends on what each parameter is (a linear layer's matrix, the same weight in every layer):
+their builders are also handed each parameter's name in the model."""
+
+
+def register_named_optimizer(kind: str) -> Callable[[NamedOptimizerBuilder], NamedOptimizerBuilder]:
+    def add(fn: NamedOptimizerBuilder) -> NamedOptimizerBuilder:
+        NAMED_OPTIMIZERS[kind] = fn
+        return fn
+
+    return add
 
 
 def register_optimizer(kind: str) -> Callable[[OptimizerBuilder], OptimizerBuilder]:
@@ -174,6 +195,42 @@ def build_sophia_h(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optim
                            clip_threshold=p["clip_threshold"], update_interval=p["update_interval"])
 
 
+def _linear_role(first: str, rest: str) -> Callable[[str, torch.Tensor], str]:
+    return lambda name, param: first if is_linear_matrix(name, param) else rest
+
+
+@register_named_optimizer("muon")
+def build_muon(groups: ParamGroups, cfg: OptimizerArgs, names: Names) -> torch.optim.Optimizer:
+    p, lr = cfg.optimizer_params, cfg.peak_lr
+    split = split_groups(groups, names, lr, _linear_role("muon", "adamw"), {"adamw": p["adam_lr"] / lr if lr else 0.0})
+    return LevanterMuon(split, lr=lr, momentum=p["momentum"], nesterov=p["nesterov"],
+                        backend_steps=p["backend_steps"], betas=tuple(p["betas"]), eps=p["eps"],
+                        muon_epsilon=p["muon_epsilon"], max_grad_norm=p["inner_max_grad_norm"],
+                        use_kimi_scaling=p["use_kimi_scaling"])
+
+
+@register_named_optimizer("scion")
+def build_scion(groups: ParamGroups, cfg: OptimizerArgs, names: Names) -> torch.optim.Optimizer:
+    p, lr = cfg.optimizer_params, cfg.peak_lr
+    split = split_groups(groups, names, lr, _linear_role("scion", "signum"), {"signum": p["scion_to_signum_lr"]})
+    return LevanterScion(split, lr=lr, momentum=p["momentum"], backend_steps=p["backend_steps"], beta1=p["beta1"],
+                         scion_epsilon=p["scion_epsilon"], max_grad_norm=p["inner_max_grad_norm"])
+
+
+@register_optimizer("mars")
+def build_mars(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer:
+    p = cfg.optimizer_params
+    return LevanterMars(groups, lr=cfg.peak_lr, betas=tuple(p["betas"]), gamma=p["gamma"], eps=p["eps"],
+                        max_grad_norm=p["inner_max_grad_norm"])
+
+
+@register_named_optimizer("cautious")
+def build_cautious(groups: ParamGroups, cfg: OptimizerArgs, names: Names) -> torch.optim.Optimizer:
+    p = cfg.optimizer_params
+    return LevanterCautious(split_groups(groups, names, cfg.peak_lr), lr=cfg.peak_lr, betas=tuple(p["betas"]),
+                            eps=p["eps"])
+
+
 class _DecoupledDecay:
     """Adds AdamW-style decay (``p -= lr * wd * p`` before the update) to an optimizer without weight
     decay of its own (SM3), so ``weight_decay`` is honoured rather than ignored."""
@@ -218,10 +275,15 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerArgs, offload: bool = 
     the (decay, no decay) groups further (muP's per-width learning rates, ``megatron/model/mup.py``)."""
     kind = "cpu_adam" if offload and cfg.optimizer_kind == "adam" else cfg.optimizer_kind
     builder = OPTIMIZERS.get(kind)
-    if builder is None:
+    named = NAMED_OPTIMIZERS.get(kind)
+    if builder is None and named is None:
         raise ConfigError(f"optimizer.type={cfg.optimizer_type_shown!r} is not built by Deepy's trainer "
-                          f"(kinds: {sorted(OPTIMIZERS)})")
+                          f"(kinds: {sorted({*OPTIMIZERS, *NAMED_OPTIMIZERS})})")
     groups = param_groups(model, cfg.applied_weight_decay, cfg.weight_decay_embeddings)
     if not groups:
         raise ConfigError("the model has no trainable parameters")
-    return builder(regroup(groups) if regroup is not None else groups, cfg)
+    groups = regroup(groups) if regroup is not None else groups
+    if named is not None:
+        return named(groups, cfg, {param: name for name, param in model.named_parameters()})
+    assert builder is not None
+    return builder(groups, cfg)

@@ -296,6 +296,9 @@ DIALECT_SAMPLES: dict[str, dict[str, object]] = {
         "optimizer.adamc_weight_decay": False, "optimizer.eps": 1e-20, "optimizer.schedule_list": None,
         "optimizer.gamma": 0.01, "optimizer.clip_threshold": 1.0, "optimizer.update_interval": 10,
         "optimizer.rng_seed": 0,
+        "optimizer.adam_lr": 1e-3, "optimizer.momentum": 0.9, "optimizer.backend_steps": 3,
+        "optimizer.muon_epsilon": 1e-7, "optimizer.use_kimi_scaling": True, "optimizer.lr": 0.02,
+        "optimizer.scion_to_signum_lr": 0.5, "optimizer.scion_epsilon": 1e-7,
         "data.enforce_eos": True, "data.format": {"type": "text"}, "data.text_key": "text", "data.tags": ["a"],
         "data.cache_options": {}, "data.ignore_token_id": -100,
         "data.shuffle": False, "data.permutation_type": None,
@@ -348,6 +351,9 @@ DIALECT_CONTEXT: dict[str, dict[str, object]] = {
     "optimizer.schedule_list": {"optimizer.type": "adopt"},
     **{f"optimizer.{f}": {"optimizer.type": "sophia-h"} for f in ("gamma", "clip_threshold", "update_interval",
                                                                     "rng_seed")},
+    **{f"optimizer.{f}": {"optimizer.type": "muon"}
+       for f in ("adam_lr", "momentum", "backend_steps", "muon_epsilon", "use_kimi_scaling", "lr")},
+    **{f"optimizer.{f}": {"optimizer.type": "scion"} for f in ("scion_to_signum_lr", "scion_epsilon")},
     **{f"model.{f}": {"model.type": "mixtral"}
        for f in ("n_routed_experts", "num_experts_per_tok", "n_shared_experts", "lbl_coef", "rzl_coef")},
 }

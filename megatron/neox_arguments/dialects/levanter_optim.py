@@ -28,14 +28,20 @@ KIND_DEFAULTS: dict[str, dict[str, float]] = {
     "lion": {"beta1": 0.9, "beta2": 0.95},  # LionConfig, config.py:499-509 (its epsilon is unused)
     "adopt": {"beta1": 0.9, "beta2": 0.95, "epsilon": 1e-6},  # AdoptConfig, adopt.py:18-31
     "rmsprop": {"beta1": 0.9, "beta2": 0.99, "eps": 1e-30},  # RMSPropMomentumConfig, rmsprop.py:20-27
+    # MuonConfig, muon.py:33-46 (its lr: 0.02 is never read; max_grad_norm: INNER_CLIP)
+    "muon": {"beta1": 0.9, "beta2": 0.95, "epsilon": 1e-8, "adam_lr": 6e-4, "momentum": 0.95, "nesterov": True,
+             "backend_steps": 5, "muon_epsilon": 1e-8, "use_kimi_scaling": False},
+    # ScionConfig, scion.py:31-38 (its lr: 0.02 is never read)
+    "scion": {"scion_to_signum_lr": 0.25, "momentum": 0.95, "backend_steps": 10, "beta1": 0.9, "scion_epsilon": 1e-8},
+    "mars": {"beta1": 0.95, "beta2": 0.99, "gamma": 0.025, "epsilon": 1e-8},  # MarsConfig, mars.py:25-30
+    "cautious": {"beta1": 0.95, "beta2": 0.95, "epsilon": 1e-8, "gamma": 0.025},  # CautiousConfig, cautious.py:25-30
     # SophiaHConfig, sophia.py:127-137,200-203 and HessianOptConfig.update_interval, config.py:397-399
     "sophia-h": {"beta1": 0.96, "beta2": 0.99, "epsilon": 1e-12, "gamma": 0.01, "clip_threshold": 1.0,
                  "update_interval": 10, "rng_seed": 0},
 }
 """Each built type's own fields and defaults (RMSProp spells its epsilon ``eps``)."""
 
-NOT_BUILT = {"sophia-g": "Sophia-G", "muon": "Muon", "kron": "Kron (PSGD)",
-             "scion": "Scion", "mars": "MARS", "cautious": "Cautious Adam", "mini": "Adam-mini",
+NOT_BUILT = {"sophia-g": "Sophia-G", "kron": "Kron (PSGD)", "mini": "Adam-mini",
              "soap": "SOAP", "skipstep": "skip-step"}
 """Levanter optimizers Deepy does not build."""
 
@@ -52,7 +58,18 @@ def _kind(ctx: Context) -> str:
     return kind
 
 
-_DEEPY_TYPE = {"adam": "Adam", "lion": "Lion", "adopt": "ADOPT", "rmsprop": "RMSPropMomentum", "sophia-h": "SophiaH"}
+_DEEPY_TYPE = {"adam": "Adam", "lion": "Lion", "adopt": "ADOPT", "rmsprop": "RMSPropMomentum", "sophia-h": "SophiaH",
+               "muon": "Muon", "scion": "Scion", "mars": "MARS", "cautious": "Cautious"}
+_WHOLE_TENSOR_PARAMS = {"muon": ("adam_lr", "momentum", "nesterov", "backend_steps", "muon_epsilon", "use_kimi_scaling"),
+                        "scion": ("scion_to_signum_lr", "momentum", "backend_steps", "beta1", "scion_epsilon"),
+                        "mars": ("gamma",)}
+"""Muon's, Scion's and MARS's fields handed to Deepy's block under their Levanter names, besides betas and epsilon
+(``megatron/engine/optimizer_block.py``); Cautious's ``gamma`` is never read by its ``build`` (cautious.py:39-66)."""
+INNER_CLIP = frozenset({"muon", "scion", "mars"})
+"""Types whose ``max_grad_norm`` Levanter applies inside the optimizer (muon.py:69-73, scion.py:58-61: the AdamW or
+signum half only; mars.py:106-109: the corrected gradient), Deepy's ``inner_max_grad_norm``: ``gradient_clipping`` 0."""
+ZERO_DECAY = frozenset({"muon", "scion"})
+"""Types whose ``weight_decay`` defaults to 0.0 (muon.py:38, scion.py:35), not ``OptimizerConfig``'s 0.1."""
 _EXTRA_PARAMS = {"sophia-h": ("gamma", "clip_threshold", "update_interval", "rng_seed")}
 """Fields handed to Deepy's optimizer block under their Levanter names, besides the betas and epsilon."""
 
@@ -64,9 +81,13 @@ def _optimizer(value: Any, ctx: Context) -> dict[str, Any]:
         if name not in fields and ctx.value(f"optimizer.{name}") is not None and kind != "lion":
             raise Refused(f"Levanter's {kind} optimizer has no {name}; it has {', '.join(fields)}")
     got = {name: ctx.value(f"optimizer.{name}", default) for name, default in fields.items()}
-    params: dict[str, Any] = {"betas": [got["beta1"], got["beta2"]]}
-    if kind != "lion":  # optax.scale_by_lion(b1, b2): no epsilon
+    params: dict[str, Any] = {"betas": [got["beta1"], got["beta2"]]} if "beta2" in got else {}
+    if kind not in ("lion", "scion"):  # optax.scale_by_lion(b1, b2): no epsilon; Scion: scion_epsilon
         params["eps"] = got.get("epsilon", got.get("eps"))
+    for name in _WHOLE_TENSOR_PARAMS.get(kind, ()):
+        params[name] = got[name]
+    if kind in INNER_CLIP:
+        params["inner_max_grad_norm"] = ctx.value("optimizer.max_grad_norm", OPTIMIZER_DEFAULTS["max_grad_norm"])
     for name in _EXTRA_PARAMS.get(kind, ()):
         params[name] = got[name]
     return {"optimizer": {"type": _DEEPY_TYPE[kind], "params": params}}
@@ -84,6 +105,8 @@ def _max_grad_norm(value: Any, ctx: Context) -> dict[str, Any]:
         if leaf is not None and leaf.where != "Levanter's default":
             raise Refused("Levanter's sophia-h optimizer has no max_grad_norm (its update is clipped element-wise "
                           "by clip_threshold)")
+        return {"gradient_clipping": 0.0}
+    if _kind(ctx) in INNER_CLIP:  # the optimizer clips (inner_max_grad_norm, set by _optimizer)
         return {"gradient_clipping": 0.0}
     return {"gradient_clipping": float(value) if value else 0.0}  # None/0: optax clips nothing
 
@@ -175,15 +198,50 @@ def _sophia_field(value: Any, ctx: Context) -> dict[str, Any]:
     return _optimizer(value, ctx)
 
 
+def _whole_tensor_field(name: str) -> Rule:
+    def rule(value: Any, ctx: Context) -> dict[str, Any]:
+        kind = _kind(ctx)
+        if name not in KIND_DEFAULTS[kind]:
+            raise Refused(f"Levanter's {kind} optimizer has no {name}")
+        if kind == "cautious":  # gamma
+            return noted("CautiousConfig declares gamma but its build() never reads it (cautious.py:27,39-66@9263f81e)")
+        return _optimizer(value, ctx)
+    return rule
+
+
+def _gamma(value: Any, ctx: Context) -> dict[str, Any]:
+    return _whole_tensor_field("gamma")(value, ctx) if _kind(ctx) in ("mars", "cautious") else _sophia_field(value, ctx)
+
+
+def _unread_lr(value: Any, ctx: Context) -> dict[str, Any]:
+    if _kind(ctx) not in ZERO_DECAY:
+        raise Refused("only Levanter's muon and scion optimizers have lr (the rate is learning_rate)")
+    return noted(f"{_kind(ctx)}'s lr field is never read by its build(), which schedules learning_rate "
+                 "(muon.py:52, scion.py:44@9263f81e)")
+
+
+def _weight_decay(value: Any, ctx: Context) -> dict[str, Any]:
+    leaf = ctx.leaves.get("optimizer.weight_decay")
+    if _kind(ctx) in ZERO_DECAY and (leaf is None or leaf.where == "Levanter's default"):
+        return {"weight_decay": 0.0}
+    return {"weight_decay": value}
+
+
+def _nesterov(value: Any, ctx: Context) -> dict[str, Any]:
+    if _kind(ctx) == "muon":
+        return _optimizer(value, ctx)
+    return _equal_or_refuse(False, "Nesterov momentum in Adam is not built here")(value, ctx)
+
+
 OPTIMIZER_RULES: dict[str, Rule] = {
     "optimizer.type": _optimizer,
     "optimizer.learning_rate": to("lr"),
-    "optimizer.weight_decay": to("weight_decay"),
+    "optimizer.weight_decay": _weight_decay,
     "optimizer.beta1": _optimizer,
     "optimizer.beta2": _optimizer,
     "optimizer.epsilon": _epsilon,
     "optimizer.eps": _epsilon,
-    "optimizer.gamma": _sophia_field,
+    "optimizer.gamma": _gamma,
     "optimizer.clip_threshold": _sophia_field,
     "optimizer.update_interval": _sophia_field,
     "optimizer.rng_seed": _sophia_field,
@@ -200,7 +258,11 @@ OPTIMIZER_RULES: dict[str, Rule] = {
     "optimizer.lr_schedule": _schedule,
     "optimizer.weight_decay_modules": _weight_decay_mask,
     "optimizer.default_weight_decay_mask": _weight_decay_mask,
-    "optimizer.nesterov": _equal_or_refuse(False, "Nesterov momentum in Adam is not built here"),
+    "optimizer.nesterov": _nesterov,
+    "optimizer.lr": _unread_lr,
+    **{f"optimizer.{name}": _whole_tensor_field(name) for name in (
+        "adam_lr", "momentum", "backend_steps", "muon_epsilon", "use_kimi_scaling", "scion_to_signum_lr",
+        "scion_epsilon")},
     "optimizer.update_rms_clipping": _equal_or_refuse(None, "update RMS clipping is not built here"),
     "optimizer.clip_update_norm": _equal_or_refuse(None, "update-norm clipping is not built here"),
     "optimizer.skip_bad_steps": _skip_bad_steps,

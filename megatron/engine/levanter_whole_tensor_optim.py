@@ -1,0 +1,320 @@
+"""Levanter's Muon, Scion, MARS and Cautious as torch optimizers, their updates exactly as Levanter writes them.
+
+Read from stanford-crfm/levanter at 9263f81e (``src/levanter/optim/{muon,scion,mars,cautious}.py``). Unlike ADOPT
+(``megatron/engine/levanter_optim.py``) none of them is element-wise: Muon and Scion orthogonalise whole weight
+matrices, MARS and the AdamW/signum halves of Muon and Scion clip by a global norm inside the optimizer, and
+Cautious rescales by the fraction of a whole tensor its mask keeps. They therefore run where the optimizer holds
+whole tensors: data parallelism without ZeRO (every rank steps the whole model on the all-reduced gradient);
+ZeRO (each rank steps a shard of a flat buffer), tensor parallelism (a rank holds a slice of a matrix) and, for
+the in-optimizer global norms, pipeline stages are refused before launch by name
+(``megatron/engine/optimizer_checks.py``).
+
+Every optimizer here ends as Levanter's chains do, ``add_decayed_weights(weight_decay, mask)`` then
+``scale(-lr)``: ``p <- p - lr * (u + wd * p)`` (the decay is the group's ``weight_decay``; the mask is Deepy's
+decay/no-decay groups, Levanter's default mask).
+
+**Muon** (``muon.py:24-202``). Weight matrices of linear layers take Muon, everything else (embeddings, the output
+layer, biases, norms: ``create_mask``, muon.py:91-111) takes AdamW at ``adam_lr``::
+
+    muon:  buf = momentum * buf + g;  v = momentum * buf + g (nesterov) or buf
+           u = NS5(v) * sqrt(max(1, out / in))       (use_kimi_scaling: * 0.2 * sqrt(max(out, in)))
+    adamw: g = clip_by_global_norm(g, max_grad_norm)   (over the AdamW parameters only; Muon's are not clipped)
+           u = optax.scale_by_adam(beta1, beta2, epsilon)
+
+``NS5`` (``zeropower_via_newtonschulz5``, muon.py:171-202): ``X /= ||X||_F + muon_epsilon``, transposed when it
+has more rows than columns, ``backend_steps`` times ``A = X X^T; X = a X + (b A + c A A) X`` with
+``(a, b, c) = (3.4445, -4.7750, 2.0315)``, in the parameter's dtype (fp32 here). Levanter's Muon asserts its
+linear layers are stored out-first unless ``use_kimi_scaling`` (muon.py:104-106), which its GPT-2 (``out_first=False``,
+gpt2.py:142-176) is not; torch stores every weight out-first, so the ``out / in`` scale is the one that assertion
+asks for. Deepy's fused ``query_key_value`` holds Levanter GPT-2's fused ``c_attn`` rows in another order, and the
+orthogonalisation commutes with a row permutation, so it is the same update; Levanter's Llama keeps q, k, v (and
+gate/up) as separate matrices, which Deepy orthogonalises as the one fused matrix it stores.
+
+``torch.optim.Muon`` (torch 2.13, ``torch/optim/_muon.py``) is not used: its Newton-Schulz runs in bfloat16
+(``grad.bfloat16()``), its momentum is damped (``buf.lerp_(grad, 1 - momentum)``), it divides by
+``max(||X||, eps)`` rather than ``||X|| + eps``, and it has no AdamW half; in fp32 it differs from Levanter's by
+far more than 1e-6.
+
+**Scion** (``scion.py:22-178``): linear-layer matrices take Scion at ``lr``, the rest signum at
+``lr * scion_to_signum_lr``::
+
+    scion:  buf = momentum * buf + (1 - momentum) * g;  u = NS(buf, backend_steps, scion_epsilon) * sqrt(max(1, out/in))
+    signum: g = clip_by_global_norm(g, max_grad_norm) (signum parameters only)
+            buf = beta1 * buf + (1 - beta1) * g;  u = sign(buf)
+
+**MARS** (``scale_by_mars``, ``mars.py:65-127``), ``og`` the previous step's gradient (zeros at first)::
+
+    c  = g + gamma * b1 / (1 - b1) * (g - og)
+    c *= min(1, max_grad_norm / (||c||_global + 1e-6))           (when max_grad_norm)
+    mu = b1 mu + (1 - b1) c;  nu = b2 nu + (1 - b2) c**2;  t += 1
+    u  = (mu / (1 - b1**t)) / (sqrt(nu / (1 - b2**t)) + eps)
+
+**Cautious** (``scale_by_cautious``, ``cautious.py:77-130``), after Levanter's ``clip_by_global_norm``
+(DeepSpeed's ``gradient_clipping`` here, as for Adam)::
+
+    u    = Adam's bias-corrected update (b1, b2, eps)
+    mask = (g * u > 0)
+    u    = u * mask / (mean(mask) + eps)
+
+``mean(mask)`` is over a whole leaf of Levanter's parameter tree, and Levanter stacks the blocks of a model into one
+leaf per weight (``Stacked``, gpt2.py:253-259; Llama's ``scan_layers: true``): the mean runs over that weight in
+every layer (and every expert). Deepy holds one tensor per layer, so a parameter's *stack* (its name with the
+layer and expert indices taken out, ``stack_name``) groups the tensors whose masks are averaged together.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+"""Levanter's quintic Newton-Schulz coefficients (muon.py:176, scion.py:164)."""
+
+_INDEX = re.compile(r"(^|\.)\d+(?=\.)")
+
+
+def stack_name(name: str) -> str:
+    """The parameter's leaf in Levanter's stacked tree: its name with every layer/expert index taken out
+    (``layers.3.attention.dense.weight`` and a pipeline's ``5.attention.dense.weight`` -> ``*.attention...``)."""
+    return _INDEX.sub(r"\1*", name)
+
+
+def is_linear_matrix(name: str, param: torch.Tensor) -> bool:
+    """Levanter's Muon/Scion mask (muon.py:98-109): the weight of a linear layer, not an embedding (``Embedding``)
+    nor the output layer (``lm_head``); Deepy's value head is a head too."""
+    shape = getattr(param, "ds_shape", param.shape)  # a ZeRO-3 placeholder's real shape
+    lowered = name.lower()
+    heads = ("embeddings", "output_layer", "value_head", "lm_head")
+    return len(shape) == 2 and lowered.endswith("weight") and "norm" not in lowered and not any(
+        head in lowered for head in heads)
+
+
+def newton_schulz5(x: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
+    """Levanter's ``zeropower_via_newtonschulz5`` (muon.py:171-202; scion.py:159-178 is the same), in x's dtype."""
+    a, b, c = NS_COEFFICIENTS
+    x = x / (torch.linalg.norm(x) + eps)
+    transpose = x.shape[0] > x.shape[1]
+    if transpose:
+        x = x.T
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if transpose else x
+
+
+def global_norm(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``optax.global_norm``: the norm of all the tensors as one vector."""
+    squares = [t.float().pow(2).sum() for t in tensors]
+    return torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+
+
+def clip_by_global_norm(grads: list[torch.Tensor], max_norm: float | None) -> list[torch.Tensor]:
+    """``optax.clip_by_global_norm``: unchanged below ``max_norm``, else ``g / norm * max_norm`` (no epsilon)."""
+    if not max_norm:
+        return grads
+    norm = global_norm(grads)
+    if bool(norm < max_norm):
+        return grads
+    return [g / norm.to(g.dtype) * max_norm for g in grads]
+
+
+def _decay_and_step(param: torch.Tensor, update: torch.Tensor, lr: float, decay: float) -> None:
+    """``add_decayed_weights`` then ``scale(-lr)``: ``p <- p - lr * (u + wd * p)``."""
+    param.sub_(lr * (update + decay * param))
+
+
+def _adam_direction(grad: torch.Tensor, state: dict[str, Any], b1: float, b2: float, eps: float) -> torch.Tensor:
+    """``optax.scale_by_adam`` (eps_root 0): bias-corrected moments, ``mu_hat / (sqrt(nu_hat) + eps)``."""
+    if "mu" not in state:
+        state["step"], state["mu"], state["nu"] = 0, torch.zeros_like(grad), torch.zeros_like(grad)
+    state["step"] += 1
+    t = state["step"]
+    state["mu"].mul_(b1).add_(grad, alpha=1.0 - b1)
+    state["nu"].mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
+    return (state["mu"] / (1.0 - b1**t)) / ((state["nu"] / (1.0 - b2**t)).sqrt() + eps)
+
+
+class _RoleOptimizer(torch.optim.Optimizer):
+    """Groups carry a ``role`` (which half of Levanter's ``multi_transform`` steps them) and ``stacks`` (each
+    parameter's :func:`stack_name`); ``lr_scale`` (read by the schedule) sets a half's own rate."""
+
+    def _grads_of(self, role: str) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
+        return [(p, p.grad, g) for g in self.param_groups if g.get("role") == role for p in g["params"]
+                if p.grad is not None]
+
+
+def split_groups(groups: list[dict[str, Any]], names: Mapping[torch.Tensor, str], lr: float,
+                 role: Callable[[str, torch.Tensor], str] = lambda name, param: "all",
+                 scales: Mapping[str, float] | None = None) -> list[dict[str, Any]]:
+    """Each (decay, no decay) group split by role, named ``<group>.<role>``, with the role's ``lr_scale``
+    multiplied into the group's own (muP's regrouping sets one), its rate until the schedule sets it (``lr``, the
+    peak, times the scale) and the parameters' stacks."""
+    scales = scales or {}
+    out = []
+    for group in groups:
+        by_role: dict[str, list[torch.Tensor]] = {}
+        for param in group["params"]:
+            by_role.setdefault(role(names[param], param), []).append(param)
+        for kind, params in by_role.items():
+            scale = group.get("lr_scale", 1.0) * scales.get(kind, 1.0)
+            out.append({**group, "params": params, "name": f"{group.get('name', 'group')}.{kind}", "role": kind,
+                        "lr_scale": scale, "lr": lr * scale, "stacks": [stack_name(names[p]) for p in params]})
+    return out
+
+
+class LevanterMuon(_RoleOptimizer):
+    """Levanter's Muon (module docstring); groups of role ``muon`` or ``adamw``."""
+
+    def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.95,
+                 nesterov: bool = True, backend_steps: int = 5, betas: tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-8, muon_epsilon: float = 1e-8, max_grad_norm: float | None = 1.0,
+                 use_kimi_scaling: bool = False, weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov, "backend_steps": backend_steps,
+                                  "betas": tuple(betas), "eps": eps, "muon_epsilon": muon_epsilon,
+                                  "use_kimi_scaling": use_kimi_scaling, "weight_decay": weight_decay,
+                                  "role": "muon"})
+        self.max_grad_norm = max_grad_norm
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        adam = self._grads_of("adamw")
+        clipped = clip_by_global_norm([g for _, g, _ in adam], self.max_grad_norm)
+        for (param, _, group), grad in zip(adam, clipped):
+            b1, b2 = group["betas"]
+            _decay_and_step(param, _adam_direction(grad, self.state[param], b1, b2, group["eps"]), group["lr"],
+                            group["weight_decay"])
+        for param, grad, group in self._grads_of("muon"):
+            state = self.state[param]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(param)
+            mom = group["momentum"]
+            buf = state["momentum_buffer"].mul_(mom).add_(grad)
+            direction = mom * buf + grad if group["nesterov"] else buf
+            update = newton_schulz5(direction, group["backend_steps"], group["muon_epsilon"])
+            rows, cols = param.shape
+            scale = 0.2 * math.sqrt(max(rows, cols)) if group["use_kimi_scaling"] else math.sqrt(max(1.0, rows / cols))
+            _decay_and_step(param, update * scale, group["lr"], group["weight_decay"])
+        return loss
+
+
+class LevanterScion(_RoleOptimizer):
+    """Levanter's Scion (module docstring); groups of role ``scion`` or ``signum``."""
+
+    def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.95, backend_steps: int = 10,
+                 beta1: float = 0.9, scion_epsilon: float = 1e-8, max_grad_norm: float | None = 1.0,
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum, "backend_steps": backend_steps, "beta1": beta1,
+                                  "scion_epsilon": scion_epsilon, "weight_decay": weight_decay, "role": "scion"})
+        self.max_grad_norm = max_grad_norm
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        signum = self._grads_of("signum")
+        clipped = clip_by_global_norm([g for _, g, _ in signum], self.max_grad_norm)
+        for (param, _, group), grad in zip(signum, clipped):
+            state = self.state[param]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(param)
+            b1 = group["beta1"]
+            buf = state["momentum_buffer"].mul_(b1).add_(grad, alpha=1.0 - b1)
+            _decay_and_step(param, torch.sign(buf), group["lr"], group["weight_decay"])
+        for param, grad, group in self._grads_of("scion"):
+            state = self.state[param]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(param)
+            mom = group["momentum"]
+            buf = state["momentum_buffer"].mul_(mom).add_(grad, alpha=1.0 - mom)
+            update = newton_schulz5(buf, group["backend_steps"], group["scion_epsilon"])
+            rows, cols = param.shape
+            _decay_and_step(param, update * math.sqrt(max(1.0, rows / cols)), group["lr"], group["weight_decay"])
+        return loss
+
+
+class LevanterMars(torch.optim.Optimizer):
+    """Levanter's ``scale_by_mars`` (module docstring); the global norm is over every parameter stepped."""
+
+    def __init__(self, params: Iterable[Any], lr: float, betas: tuple[float, float] = (0.95, 0.99),
+                 gamma: float = 0.025, eps: float = 1e-8, max_grad_norm: float | None = 1.0,
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "gamma": gamma, "eps": eps,
+                                  "weight_decay": weight_decay})
+        self.max_grad_norm = max_grad_norm
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        todo = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        corrected = []
+        for param, group in todo:
+            state = self.state[param]
+            if not state:
+                state["step"] = 0
+                for key in ("mu", "nu", "mog"):
+                    state[key] = torch.zeros_like(param)
+            b1 = group["betas"][0]
+            grad = param.grad
+            corrected.append(grad + (group["gamma"] * b1 / (1.0 - b1)) * (grad - state["mog"]))
+            state["mog"] = grad.detach().clone()
+        if self.max_grad_norm:
+            norm = global_norm(corrected)
+            scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            corrected = [c * scale.to(c.dtype) for c in corrected]
+        for (param, group), c in zip(todo, corrected):
+            state = self.state[param]
+            b1, b2 = group["betas"]
+            state["step"] += 1
+            t = state["step"]
+            state["mu"].mul_(b1).add_(c, alpha=1.0 - b1)
+            state["nu"].mul_(b2).addcmul_(c, c, value=1.0 - b2)
+            update = (state["mu"] / (1.0 - b1**t)) / ((state["nu"] / (1.0 - b2**t)).sqrt() + group["eps"])
+            _decay_and_step(param, update, group["lr"], group["weight_decay"])
+        return loss
+
+
+class LevanterCautious(torch.optim.Optimizer):
+    """Levanter's ``scale_by_cautious`` (module docstring); the mask's mean is over each parameter's stack."""
+
+    def __init__(self, params: Iterable[Any], lr: float, betas: tuple[float, float] = (0.95, 0.95),
+                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        todo = []
+        kept: dict[str, list[float]] = {}  # stack -> [mask entries true, entries]
+        for group in self.param_groups:
+            stacks = group.get("stacks") or [str(id(p)) for p in group["params"]]
+            for param, stack in zip(group["params"], stacks):
+                if param.grad is None:
+                    continue
+                b1, b2 = group["betas"]
+                update = _adam_direction(param.grad, self.state[param], b1, b2, group["eps"])
+                mask = (param.grad * update) > 0
+                count = kept.setdefault(stack, [0.0, 0.0])
+                count[0] += float(mask.sum())
+                count[1] += mask.numel()
+                todo.append((param, group, stack, update, mask))
+        for param, group, stack, update, mask in todo:
+            true, total = kept[stack]
+            cautious = update * mask / (true / total + group["eps"])
+            _decay_and_step(param, cautious, group["lr"], group["weight_decay"])
+        return loss
