@@ -440,17 +440,20 @@ def test_run_ids_with_dots_name_the_wandb_run(tmp_path: Path) -> None:
             load(tmp_path, MODEL + f"trainer:\n  id: '{bad}'\n")
 
 
-def test_initialize_from_hf_takes_a_local_model_directory(tmp_path: Path) -> None:
+def test_initialize_from_hf_takes_a_local_model_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """train_lm.py:46,79-92@9263f81e: a path or true (the model's reference_checkpoint); not beside
-    trainer.initialize_from (line 81); hub names would be downloaded."""
+    trainer.initialize_from (line 81); hub names not in the hub cache are refused (test_levanter_hub_and_buckets.py
+    reads cached ones)."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty_hub"))
     hf = tmp_path / "hf_llama"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
     assert load(tmp_path, MODEL + f"initialize_from_hf: {hf}\n").args.initialize_from_hf == str(hf)
     by_reference = MODEL + f"  reference_checkpoint: {hf}\ninitialize_from_hf: true\n"
     assert load(tmp_path, by_reference).args.initialize_from_hf == str(hf)
-    for text, reason in ((MODEL + "initialize_from_hf: meta-llama/Llama-2-7b-hf\n", "would be downloaded"),
-                         (MODEL + "initialize_from_hf: true\n", "would be downloaded"),
+    for text, reason in ((MODEL + "initialize_from_hf: meta-llama/Llama-2-7b-hf\n", "downloads nothing"),
+                         # Levanter's Gpt2Config converter's reference_checkpoint (gpt2.py:80)
+                         (MODEL + "initialize_from_hf: true\n", "Levanter's gpt2 default is gpt2"),
                          # use_hf_model_config reads config.json (here empty): train_lm.py:93-96
                          (MODEL + f"initialize_from_hf: {hf}\nuse_hf_model_config: true\n", "model_type None"),
                          (MODEL + f"initialize_from_hf: {hf}\ntrainer:\n  initialize_from: {tmp_path}\n",

@@ -250,16 +250,17 @@ def test_sft_trains_at_max_seq_len_from_hf(tmp_path: Path) -> None:
     assert (args.seq_length, args.max_position_embeddings) == (2048, 2048)
 
 
-def test_sft_requires_a_start_and_local_sources(tmp_path: Path) -> None:
+def test_sft_requires_a_start_and_local_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty_hub"))  # hub names are looked up there
     tok_dir = _tokenizer_dir(tmp_path)
     text = _sft_yaml(tmp_path, tok_dir).replace("initialize_from_hf: true\n", "")
     with pytest.raises(ConfigError, match="Must specify either"):
         _load(_write(tmp_path, text))
     remote = _sft_yaml(tmp_path, tok_dir).replace('model_name_or_path: "', 'model_name_or_path: "gs://b/')
-    with pytest.raises(ConfigError, match="local transformers model directory"):
+    with pytest.raises(ConfigError, match="is a URL; Deepy reads the directory save_pretrained wrote .*downloads nothing"):
         _load(_write(tmp_path, remote))
     hub = _sft_yaml(tmp_path, tok_dir, "").replace(f'tokenizer: "{tok_dir}"', 'tokenizer: "meta-llama/Llama-3.1-8B"')
-    with pytest.raises(ConfigError, match="hub name"):
+    with pytest.raises(ConfigError, match="hub name whose tokenizer.json is not in this machine's hub cache"):
         _load(_write(tmp_path, hub))
 
 

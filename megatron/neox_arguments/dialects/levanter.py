@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from megatron.errors import ConfigError
-from megatron.neox_arguments.dialects import (levanter_hf_save, levanter_mixture, levanter_optim, levanter_sft,
+from megatron.neox_arguments.dialects import (hf_hub, levanter_hf_save, levanter_mixture, levanter_optim, levanter_sft,
                                               levanter_trainer)
 from megatron.neox_arguments.dialects.common import Context, Leaf, Refused, Rule, Translation, noted, to
 from megatron.neox_arguments.dialects.levanter_model import MODEL_PRESETS, MODEL_RULES, model_type
@@ -31,11 +31,11 @@ SECTIONS = ("data", "model", "trainer", "optimizer")
 
 
 def _tokenizer(value: Any, ctx: Context) -> dict[str, Any]:
+    """A tokenizer.json, its directory, or a hub name cached on this machine (``hf_hub.py``)."""
     path = str(value)
-    if os.path.isdir(path):
-        path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
-        raise Refused("a Hugging Face hub name would be downloaded; give a local tokenizer.json (or its directory)")
+        path = os.path.join(hf_hub.local_dir(path, "tokenizer.json", "tokenizer.json or its directory"),
+                            "tokenizer.json")
     return {"tokenizer_type": "HFTokenizer", "vocab_file": path}
 
 
@@ -148,19 +148,20 @@ def _initialize_from_hf(value: Any, ctx: Context) -> dict[str, Any]:
         return {}
     sft = levanter_sft.is_sft(ctx)
     if value is True:
-        source = levanter_sft.hf_source(ctx) if sft else ctx.value("model.reference_checkpoint")
+        source = levanter_sft.hf_source(ctx) if sft else levanter_sft.reference_checkpoint(ctx)
     else:
         source = value
     if ctx.value("trainer.initialize_from"):
         raise Refused("Levanter refuses initialize_from_hf beside trainer.initialize_from; keep one")
     if source is None:
-        raise Refused("true reads model.reference_checkpoint, which is not set (Levanter's default for each model "
-                      "type is a hub name, which would be downloaded); give a local model directory")
-    if not os.path.isfile(os.path.join(str(source), "config.json")):
-        raise Refused(f"{source!r} is not a local transformers model directory (a hub name would be downloaded; "
-                      f"give the directory save_pretrained wrote"
-                      f"{'' if value is not True else ' as ' + ('model_name_or_path' if sft else 'model.reference_checkpoint')})")
-    return {"initialize_from_hf": str(source)}
+        raise Refused(f"true reads model.reference_checkpoint, which is not set and has no default here for model "
+                      f"type {levanter_sft.raw_model_type(ctx)!r}; give a local model directory or a cached hub name")
+    what = "directory save_pretrained wrote"
+    if value is True:
+        what += " as " + ("model_name_or_path" if sft else "model.reference_checkpoint")
+        if not sft and ctx.value("model.reference_checkpoint") is None:
+            what += f" (unset: Levanter's {levanter_sft.raw_model_type(ctx)} default is {source})"
+    return {"initialize_from_hf": hf_hub.local_dir(str(source), "config.json", what)}
 
 
 def _data_seed(value: Any, ctx: Context) -> dict[str, Any]:

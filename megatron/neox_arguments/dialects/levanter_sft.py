@@ -21,6 +21,7 @@ import json
 import os
 from typing import Any
 
+from megatron.neox_arguments.dialects import hf_hub
 from megatron.neox_arguments.dialects.common import Context, Leaf, PrepareStep, Refused, Rule, Translation, noted
 from megatron.neox_arguments.dialects.levanter_hf_model import HfShape, hf_shape
 from megatron.neox_arguments.dialects.levanter_trainer import run_id
@@ -77,12 +78,15 @@ def hf_model_source(ctx: Context) -> tuple[str, str] | None:
     elif is_sft(ctx):
         source, why = (hf_source(ctx) if value is True else value), "sft.py:114-123"
     elif ctx.value("use_hf_model_config"):
-        source, why = (ctx.value("model.reference_checkpoint") if value is True else value), "train_lm.py:93-96"
+        source, why = (reference_checkpoint(ctx) if value is True else value), "train_lm.py:93-96"
     else:
         return None
-    if not isinstance(source, str) or not os.path.isfile(os.path.join(source, "config.json")):
+    if not isinstance(source, str):
         return None
-    return source, why
+    try:  # a hub name cached here reads as its snapshot directory
+        return hf_hub.local_dir(source, "config.json", "model directory"), why
+    except Refused:
+        return None
 
 
 def hf_model(ctx: Context) -> HfShape | None:
@@ -120,13 +124,17 @@ def _supervised_data(value: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _tokenizer_file(ctx: Context, check: bool = True) -> str:
+    """sft.py's tokenizer: a tokenizer.json, its directory, or a hub name cached on this machine (``hf_hub.py``)."""
     path = str(ctx.value("tokenizer", SFT_DEFAULT_MODEL))
-    if os.path.isdir(path):
-        path = os.path.join(path, "tokenizer.json")
-    if check and not os.path.isfile(path):
-        raise Refused(f"the tokenizer {ctx.value('tokenizer', SFT_DEFAULT_MODEL)!r} (sft.py's top-level tokenizer "
-                      f"key) is not a local tokenizer.json or its directory; a hub name would be downloaded")
-    return path
+    if os.path.isfile(path):
+        return path
+    try:
+        return os.path.join(hf_hub.local_dir(path, "tokenizer.json", "tokenizer.json or its directory"),
+                            "tokenizer.json")
+    except Refused as err:
+        if not check:
+            return os.path.join(path, "tokenizer.json")
+        raise Refused(f"the tokenizer (sft.py's top-level tokenizer key): {err}") from None
 
 
 def _tokenizer(value: Any, ctx: Context) -> dict[str, Any]:
@@ -238,6 +246,27 @@ def _model_name_or_path(value: Any, ctx: Context) -> dict[str, Any]:
 def hf_source(ctx: Context) -> Any:
     """What ``initialize_from_hf: true`` reads: sft.py's model_name_or_path (sft.py:114)."""
     return ctx.value("model_name_or_path", SFT_DEFAULT_MODEL)
+
+
+REFERENCE_CHECKPOINTS: dict[str, str] = {
+    "llama": "NousResearch/Llama-2-7b-hf",  # models/llama.py:80@9263f81e
+    "mistral": "mistralai/Mistral-7B-v0.1",  # models/mistral.py:84
+    "mixtral": "mistralai/Mixtral-8x7B-v0.1",  # models/mixtral.py:96
+    "gpt2": "gpt2",  # models/gpt2.py:80
+}
+"""The hub repo each model type's ``hf_checkpoint_converter`` reads where ``model.reference_checkpoint`` is not given
+(Levanter's defaults): what train_lm's ``initialize_from_hf: true`` starts from (train_lm.py:84-90)."""
+
+
+def raw_model_type(ctx: Context) -> str:
+    """``model.type`` as written (LlamaConfig where absent: train_lm.py's default model), built here or not."""
+    return str(ctx.value("model.type", "llama")).lower()
+
+
+def reference_checkpoint(ctx: Context) -> str | None:
+    """``model.reference_checkpoint``, else Levanter's default for the model type (None where none is known here)."""
+    given = ctx.value("model.reference_checkpoint")
+    return str(given) if given is not None else REFERENCE_CHECKPOINTS.get(raw_model_type(ctx))
 
 
 _MIXTURE = ("not a field of Levanter's SFTConfig (sft.py:57-96@9263f81e), so Levanter's own sft.py refuses this "
