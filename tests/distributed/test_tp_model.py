@@ -57,10 +57,20 @@ CONFIGS: dict[str, dict[str, Any]] = {
                                                       qk_norm_scope="projection", num_kv_heads=2, pos_emb="rotary",
                                                       norm="rmsnorm", sequence_parallel=True),
     "sandwich_norm": dict(norm_placement="sandwich", norm="rmsnorm", num_kv_heads=2),  # Gemma 2/3's block
+    # Gemma 2/3's pieces at once: (1 + w) norms around each sublayer, tanh GeGLU, scaled embeddings, 12-wide heads,
+    # per-head q/k norms, query scalar, capped scores (on each rank's heads) and capped logits (on each rank's
+    # vocabulary shard, the tied head on the last stage), local/global layers with their own rotary bases
+    "gemma_sequence_parallel": dict(norm="gemma_rmsnorm", norm_placement="sandwich", activation="geglu_tanh",
+                                    intermediate_size=384, kv_channels=12, num_kv_heads=2, use_qk_layernorm=True,
+                                    pos_emb="rotary", query_pre_attn_scalar=10.0, attn_logit_softcapping=0.5,
+                                    final_logit_softcapping=1.5, scale_embeddings_by_sqrt_hidden=True,
+                                    attention_config=[[["local", "global"], 1]], sliding_window_width=3,
+                                    rope_local_base_freq=100, use_bias_in_attn_linear=False, use_bias_in_mlp=False,
+                                    sequence_parallel=True),
 }
 PIPELINE_CONFIGS = ["mha_learned", "alibi_untied_qknorm_parallel", "value_head_sequence_parallel", "rpe_local_gqa",
                     "qkv_bias_only_sequence_parallel", "head_dim_qknorm_sequence_parallel",
-                    "post_norm_qk_projection_sequence_parallel"]
+                    "post_norm_qk_projection_sequence_parallel", "gemma_sequence_parallel"]
 # DeepSpeed optimizer paths (where the reduced gradient lives at the step): param.grad, ZeRO-2's flat
 # partition fragments, the bf16 optimizer's fp32 buffer
 ENGINE_PATHS: dict[str, dict[str, Any]] = {
