@@ -66,6 +66,9 @@ def moe_problems(config: GPTConfig) -> list[str]:
         problems.append(f"use_bias_in_qkv: true ({arch} has no biases on query/key/value alone)")
     if arch == "MixtralForCausalLM" and config.use_bias_in_attn_linear:
         problems.append("use_bias_in_attn_linear: true (MixtralForCausalLM's attention has no biases)")
+    if arch == "Qwen3MoeForCausalLM" and config.qk_norm_scope != "head":
+        problems.append(f"qk_norm_scope: {config.qk_norm_scope} (Qwen3MoeForCausalLM's q_norm/k_norm act on each head, "
+                        f"shared by heads)")
     if arch == "Qwen3MoeForCausalLM" and config.sliding_window_width is not None:
         problems.append("sliding_window_width with use_qk_layernorm (Qwen3MoeForCausalLM exports without a window: "
                         "Qwen3-MoE ships with use_sliding_window false)")

@@ -680,9 +680,10 @@ class GPTConfig(MoEArgs, MupArgs):
             splits.update({
                 "num_attention_heads": (self.arch.heads, ("num_attention_heads",)),
                 "num_kv_heads": (self.kv_heads, ("num_kv_heads", "num_attention_heads")),
-                "the MLP width (GPT-NeoX's rule: intermediate_size, expansion_factor, mlp_multiple_of)": (
-                    self.ffn_hidden_size, MLP_WIDTH_KEYS),
             })
+            if self.num_moe_layers < self.arch.layers:  # a dense MLP is built somewhere (Mixtral's: nowhere)
+                splits["the MLP width (GPT-NeoX's rule: intermediate_size, expansion_factor, mlp_multiple_of)"] = (
+                    self.ffn_hidden_size, MLP_WIDTH_KEYS)
 
         splits.update(tensor_parallel_splits(self))
         if self.moe_num_experts > 1:

@@ -40,7 +40,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str]] = {
     # family: (config class, class-specific fields, the HF class)
     "mixtral": ("MixtralConfig", dict(intermediate_size=32, num_local_experts=4, rms_norm_eps=1e-5),
                 "MixtralForCausalLM"),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32, num_experts=4, head_dim=16,
+    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32, num_experts=4, head_dim=32,
                                          norm_topk_prob=True, rms_norm_eps=1e-6), "Qwen3MoeForCausalLM"),
 }  # fmt: skip
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -103,6 +103,8 @@ def test_moe_model_imports_with_its_router_and_logits(imported: tuple[str, Any, 
     assert config.moe_router_renormalize == (family == "mixtral" or theirs.config.norm_topk_prob)
     assert config.num_moe_layers == 2 and config.expert_ffn_hidden_size == 32
     assert config.use_qk_layernorm == (family == "qwen3_moe")
+    # Qwen3-MoE's heads are head_dim 32 wide, twice hidden_size / heads (kv_channels)
+    assert config.kv_channels == (32 if family == "qwen3_moe" else None)
     window = theirs.config.sliding_window if family == "mixtral" else None
     assert config.sliding_window_width == (None if window is None else window - 1)
     # parameter count: the registry's (every expert and the router), the module's, transformers'
@@ -146,7 +148,7 @@ def test_moe_round_trip_at_tp2_pp2_then_a_trained_step_exports(family: str, tmp_
                 "decoder_sparse_step", "mlp_only_layers", "attention_bias", "use_sliding_window"):
         assert config_a.get(key) == config_b.get(key), key
     # MixtralConfig leaves head_dim None (hidden_size // heads, modeling_mixtral.py:278); the export names it
-    assert (config_a.get("head_dim") or 16) == config_b["head_dim"] == 16
+    assert (config_a.get("head_dim") or 16) == config_b["head_dim"] == (16 if family == "mixtral" else 32)
 
     # one training step on the imported weights (the router and every expert that saw a token move), exported again
     full = read_full_checkpoint(tmp_path / "deepy")
@@ -190,7 +192,45 @@ def test_moe_what_the_classes_cannot_carry_is_refused_by_name() -> None:
         "use_bias_in_mlp: true": dict(use_bias_in_mlp=True),
         "use_bias_in_attn_linear: true": dict(use_bias_in_attn_linear=True),
         "moe_num_experts: 4 .GPTNeoXForCausalLM": dict(norm="layernorm", activation="gelu"),
+        "qk_norm_scope: projection": dict(use_qk_layernorm=True, qk_norm_scope="projection"),
     }
     for match, change in refused.items():
         with pytest.raises(ConversionError, match=match):
             choose_architecture(GPTConfig(**dict(base, **change)))
+
+
+# published sizes (each model's config.json on the Hub); the count is transformers' own, of the model built from
+# those sizes on the meta device
+PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
+    "mixtral/mixtral-8x7B.yml": ("mixtral", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                                                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                                 num_local_experts=8, num_experts_per_tok=2)),
+    "mixtral/mixtral-8x22B.yml": ("mixtral", dict(vocab_size=32000, hidden_size=6144, intermediate_size=16384,
+                                                  num_hidden_layers=56, num_attention_heads=48, num_key_value_heads=8,
+                                                  num_local_experts=8, num_experts_per_tok=2)),
+    "qwen3_moe/qwen3-30B-A3B.yml": ("qwen3_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                                      moe_intermediate_size=768, num_hidden_layers=48,
+                                                      num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                                      num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)),
+    "qwen3_moe/qwen3-235B-A22B.yml": ("qwen3_moe", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                                                        moe_intermediate_size=1536, num_hidden_layers=94,
+                                                        num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+                                                        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED))
+def test_moe_presets_have_the_published_parameter_count(preset: str) -> None:
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    family, sizes = PUBLISHED[preset]
+    with torch.device("meta"):
+        theirs = AutoModelForCausalLM.from_config(getattr(transformers, FAMILIES[family][0])(**sizes))
+    keys = yaml.safe_load((REPO / "configs" / preset).read_text())
+    ours = GPTConfig(**{k: v for k, v in keys.items() if k in GPTConfig.model_fields})
+    assert num_parameters(ours) == sum(p.numel() for p in theirs.parameters())
+    assert choose_architecture(ours) == type(theirs).__name__
+    # the active parameters (the top-k experts a token visits, and every router): "A3B", "A22B"
+    active = num_parameters(ours, active=True) if "qwen3" in preset else None
+    assert active is None or round(active / 1e9) == int(preset.split("-A")[1].removesuffix("B.yml"))
