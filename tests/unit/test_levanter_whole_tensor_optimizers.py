@@ -97,12 +97,15 @@ def apply(p: Arrays, updates: Arrays, lr: float) -> None:
         p[n] = p[n] + (-lr) * (u + (WD * p[n] if decayed(n, p[n].shape) else 0.0))
 
 
-def muon_reference(p: Arrays, steps: list[Arrays], lr: float, adam_lr: float, momentum: float = 0.95,
-                   nesterov: bool = True, backend_steps: int = 5, kimi: bool = False, max_norm: float = 1.0) -> Arrays:
+def muon_reference(p: Arrays, steps: list[Arrays], lr: float | list[float], adam_lr: float | list[float],
+                   momentum: float = 0.95, nesterov: bool = True, backend_steps: int = 5, kimi: bool = False,
+                   max_norm: float = 1.0) -> Arrays:
+    """``lr``/``adam_lr``: the peaks, or the schedule's value at each step (``inject_hyperparams``)."""
     adam, buf = Adam(0.9, 0.95, 1e-8), {n: np.zeros_like(v) for n, v in p.items()}
-    for grads in steps:
+    for i, grads in enumerate(steps):
+        rate = lr[i] if isinstance(lr, list) else lr
         rest = {n: g for n, g in grads.items() if not linear_weight(n, g.shape)}
-        apply(p, adam(clip_by_global_norm(rest, max_norm)), adam_lr)
+        apply(p, adam(clip_by_global_norm(rest, max_norm)), adam_lr[i] if isinstance(adam_lr, list) else adam_lr)
         updates = {}
         for n, g in grads.items():
             if n in rest:
@@ -112,7 +115,7 @@ def muon_reference(p: Arrays, steps: list[Arrays], lr: float, adam_lr: float, mo
             o = newton_schulz(v, backend_steps, 1e-8)
             rows, cols = o.shape
             updates[n] = o * (0.2 * np.sqrt(max(rows, cols)) if kimi else np.sqrt(max(1, rows / cols)))
-        apply(p, updates, lr)
+        apply(p, updates, rate)
     return p
 
 
@@ -336,3 +339,48 @@ def test_whole_tensor_layouts_are_refused_before_launch(kind: str) -> None:
     if kind != "Cautious":
         assert "set gradient_clipping: 0" in refused(optimizer=block, gradient_clipping=1.0)
     finalize(config_from_mapping({**LAUNCH, "optimizer": block}), 1, device=Device(cuda=False, fp16_supported=False))
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> Any:
+    from single_rank import init_single_rank_gloo
+
+    from megatron import mpu
+
+    init_single_rank_gloo()
+    mpu.initialize_model_parallel(1, 0)
+    yield
+    mpu.destroy_model_parallel()
+
+
+def test_muon_through_the_engine_and_schedule_equals_levanters(one_rank: Any) -> None:
+    """build_engine (a real DeepSpeed engine, Deepy's cosine schedule with warmup): three steps of Muon equal the
+    reference at the rates the schedule gives, the AdamW half at adam_lr / lr of the Muon half's at every step, as
+    Levanter's two schedules (lr_scheduler(override_lr=adam_lr), muon.py:52-53) are."""
+    from megatron.engine.build import build_engine
+    from megatron.model import lm_loss
+    from megatron.neox_arguments.run_config import RunConfig
+
+    keys = {**LAUNCH, "optimizer": {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 0.005}}, "lr": None,
+            "warmup": 0.5, "lr_decay_style": "cosine", "weight_decay": WD, "weight_decay_embeddings": False,
+            "precision": "fp32", "hidden_dropout": 0.0, "attention_dropout": 0.0}
+    run = RunConfig.from_resolved(finalize(config_from_mapping(keys), 1, device=Device(cuda=False,
+                                                                                           fp16_supported=False)))
+    eng = build_engine(run, run.model.with_vocab(64), 4)
+    module = eng.engine.module
+    start = {n: p.detach().double().numpy().copy() for n, p in module.named_parameters()}
+    gen = torch.Generator().manual_seed(1)
+    grads, muon_lr, adam_lr = [], [], []
+    for _ in range(3):
+        tokens, labels = torch.randint(0, 64, (2, 8), generator=gen), torch.randint(0, 64, (2, 8), generator=gen)
+        eng.engine.backward(lm_loss(eng.engine(tokens), labels))
+        grads.append({n: p.grad.detach().double().numpy().copy() for n, p in module.named_parameters()})
+        rates = {g["role"]: g["lr"] for g in eng.optimizer.param_groups}
+        muon_lr.append(rates["muon"])
+        adam_lr.append(rates["adamw"])
+        eng.engine.step()
+    assert len(set(muon_lr)) > 1  # the schedule moved the rate
+    assert adam_lr == [pytest.approx(r * 0.005 / 0.02) for r in muon_lr]
+    expected = muon_reference(dict(start), grads, muon_lr, adam_lr)
+    for name, p in module.named_parameters():
+        np.testing.assert_allclose(p.detach().double().numpy(), expected[name], rtol=0, atol=1e-6, err_msg=name)
