@@ -10,6 +10,8 @@ Which HF class can run a model is decided here, and only from our config:
 * the same with biases on the query/key/value projection only     -> ``Qwen2ForCausalLM``
   (``use_bias_in_qkv``; no window, no MLP biases);
 * every layer ``mamba``                                           -> ``MambaForCausalLM`` (``hf_mamba.py``);
+* ``norm: rmsnorm``, ``norm_placement: post`` and query/key norms over the whole projections -> ``Olmo2ForCausalLM``
+  (``hf_olmo2.py``);
 * ``norm: rmsnorm`` + a gated activation + MoE layers (``moe_num_experts > 1``) -> ``MixtralForCausalLM``, or
   ``Qwen3MoeForCausalLM`` with ``use_qk_layernorm`` (``hf_moe.py``).
 
@@ -29,6 +31,7 @@ import torch
 from megatron.errors import ConversionError
 from megatron.interop.hf_mamba import gpt_config_from_mamba, mamba_hf_config, mamba_problems
 from megatron.interop.hf_moe import moe_architecture, moe_hf_config, moe_problems
+from megatron.interop.hf_olmo2 import is_olmo2, olmo2_hf_config, olmo2_problems
 from megatron.model.activations import get_activation
 from megatron.model.config import Activation, GPTConfig
 from megatron.interop.hf_keys import neox_model_keys
@@ -39,7 +42,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 HFArchitecture = Literal["GPTNeoXForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                         "MambaForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"]
+                         "MambaForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM"]
 
 # our activation -> the name in transformers' ACT2FN computing exactly the same function
 PLAIN_ACTIVATIONS: dict[str, str] = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu", "swish": "silu", "mish": "mish"}
@@ -96,8 +99,16 @@ def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list
             f"pos_emb: {config.pos_emb} (GPTNeoX, Llama and Mistral in transformers use rotary positions only)"
         )
     moe = config.moe_num_experts > 1
-    if config.use_qk_layernorm and not moe:
+    olmo2 = config.norm == "rmsnorm" and is_olmo2(config)  # OLMo 2: hf_olmo2.py
+    if config.use_qk_layernorm and not moe and not olmo2:
         problems.append("use_qk_layernorm: true (GPTNeoX, Llama and Mistral have no query/key norm)")
+    if config.norm_placement != "pre" and not olmo2:
+        problems.append(f"norm_placement: {config.norm_placement} (GPTNeoX, Llama and Mistral normalise before "
+                        f"attention and the MLP only; OLMo 2's post-norm needs norm: rmsnorm and use_qk_layernorm with "
+                        f"qk_norm_scope: projection)")
+    if config.use_qk_layernorm and config.qk_norm_scope == "projection" and not olmo2:
+        problems.append("qk_norm_scope: projection (only Olmo2ForCausalLM normalises the whole query/key projections; "
+                        "it also needs norm: rmsnorm and norm_placement: post)")
     if config.scale_attn_by_inverse_layer_idx:
         problems.append("scale_attn_by_inverse_layer_idx: true (GPTNeoX, Llama and Mistral have no per-layer "
                         "attention scale)")
@@ -136,6 +147,11 @@ def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list
     elif norm == "rmsnorm":
         qwen2 = config.use_bias_in_qkv and not config.use_bias_in_attn_linear
         arch = "MistralForCausalLM" if window is not None else "Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"
+        if olmo2:
+            arch = "Olmo2ForCausalLM"
+            problems += olmo2_problems(config)
+            if window is not None:
+                problems.append(f"sliding_window_width: {window} (Olmo2ForCausalLM has no sliding-window attention)")
         if moe:  # hf_moe.py: its own bias, window and router rules
             arch = moe_architecture(config)
             problems += moe_problems(config)
@@ -236,6 +252,8 @@ def hf_config_from_gpt(config: GPTConfig, tokens: SpecialTokens, dtype: torch.dt
     )
     if arch in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
         return moe_hf_config(config, common, gated, _sliding_window(config))
+    if arch == "Olmo2ForCausalLM":
+        return olmo2_hf_config(common, gated, config)
     if arch == "Qwen2ForCausalLM":
         # lazy: transformers (seconds to import), only for Hugging Face conversions
         from transformers import Qwen2Config

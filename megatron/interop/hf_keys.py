@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron.errors import ConversionError
+from megatron.interop.hf_olmo2 import OLMO2_FAMILY, olmo2_model_keys
 from megatron.model.mlp_width import intermediate_size_for
 
 GATED_FROM_HF: dict[str, str] = {"silu": "swiglu", "gelu": "geglu", "relu": "reglu", "sigmoid": "glu",
@@ -28,7 +29,7 @@ PLAIN_FROM_HF: dict[str, str] = {"gelu": "gelu", "relu": "relu", "silu": "silu",
 """HF's ``hidden_act`` of GPTNeoX's plain MLP -> Deepy's activation."""
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings",
              "vocab_size")
-_FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2", "mixtral", "qwen3_moe")
+_FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2", "mixtral", "qwen3_moe", OLMO2_FAMILY)
 
 
 def read_config_json(directory: str | Path) -> dict[str, Any]:
@@ -144,6 +145,8 @@ def neox_model_keys(cfg: Mapping[str, Any], seq_length: int | None = None) -> di
     )
     if kind in MOE_FAMILIES:
         keys.update(moe_model_keys(cfg))
+    if kind == OLMO2_FAMILY:  # post-norms and whole-projection q/k norms (hf_olmo2.py)
+        keys.update(olmo2_model_keys(cfg))
     return keys
 
 
@@ -187,7 +190,7 @@ MATH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
              "rotary_emb_base", "rope_scaling", "rotary_pct", "norm", "layernorm_epsilon", "rms_norm_epsilon",
              "activation", "no_weight_tying", "use_bias_in_attn_linear", "use_bias_in_qkv", "use_bias_in_mlp",
              "gpt_j_residual", "sliding_window_width", "moe_num_experts", "moe_top_k", "moe_router_type",
-             "moe_router_renormalize", "moe_expert_interval", "use_qk_layernorm")
+             "moe_router_renormalize", "moe_expert_interval", "use_qk_layernorm", "qk_norm_scope", "norm_placement")
 """The keys of :func:`neox_model_keys` that change the model's maths: a config that starts from the HF model
 must agree with it on each (``initialize_from_hf``'s check before launch)."""
 

@@ -91,6 +91,7 @@ _ARCHITECTURES: dict[str, HFArchitecture] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
     "mamba": "MambaForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",

@@ -22,6 +22,7 @@ from megatron.errors import ConversionError
 from megatron.interop.hf_config import HFArchitecture
 from megatron.interop.hf_mamba import mamba_from_hf, mamba_to_hf
 from megatron.interop.hf_moe import experts_from_hf, experts_to_hf
+from megatron.interop.hf_olmo2 import OLMO2_ARCHITECTURE, olmo2_norms_from_hf, olmo2_norms_to_hf
 from megatron.model.config import GPTConfig
 
 Weights = dict[str, torch.Tensor]
@@ -59,6 +60,8 @@ def to_hf_state_dict(config: GPTConfig, arch: HFArchitecture, weights: Weights) 
         return mamba_to_hf(config, weights)
     if arch == "GPTNeoXForCausalLM":
         return _to_gpt_neox(config, weights)
+    if arch == OLMO2_ARCHITECTURE:  # Llama's names, the norms after attention and MLP (hf_olmo2.py)
+        return olmo2_norms_to_hf(config, weights, _to_llama(config, weights))
     return _to_llama(config, weights)
 
 
@@ -68,6 +71,8 @@ def from_hf_state_dict(config: GPTConfig, arch: HFArchitecture, hf: Weights) -> 
         return mamba_from_hf(config, hf)
     if arch == "GPTNeoXForCausalLM":
         return _from_gpt_neox(config, hf)
+    if arch == OLMO2_ARCHITECTURE:  # Llama's names, the norms after attention and MLP (hf_olmo2.py)
+        return {**_from_llama(config, hf), **olmo2_norms_from_hf(config, hf)}
     return _from_llama(config, hf)
 
 
@@ -137,8 +142,9 @@ def _to_llama(config: GPTConfig, w: Weights) -> Weights:
     ffn = config.ffn_hidden_size
     for i in range(config.arch.layers):
         ours, hf = f"layers.{i}", f"model.layers.{i}"
-        out[f"{hf}.input_layernorm.weight"] = _take(w, f"{ours}.input_layernorm.weight")
-        out[f"{hf}.post_attention_layernorm.weight"] = _take(w, f"{ours}.post_attention_layernorm.weight")
+        if config.norm_placement != "post":  # OLMo 2 has no norms before its sublayers
+            out[f"{hf}.input_layernorm.weight"] = _take(w, f"{ours}.input_layernorm.weight")
+            out[f"{hf}.post_attention_layernorm.weight"] = _take(w, f"{ours}.post_attention_layernorm.weight")
         q, k, v = _take(w, f"{ours}.attention.query_key_value.weight").split(sizes, dim=0)
         out.update({f"{hf}.self_attn.q_proj.weight": q, f"{hf}.self_attn.k_proj.weight": k,
                     f"{hf}.self_attn.v_proj.weight": v})  # fmt: skip
@@ -171,8 +177,9 @@ def _from_llama(config: GPTConfig, hf: Weights) -> Weights:
     out: Weights = {"embedding.word_embeddings.weight": _take(hf, "model.embed_tokens.weight")}
     for i in range(config.arch.layers):
         ours, src = f"layers.{i}", f"model.layers.{i}"
-        out[f"{ours}.input_layernorm.weight"] = _take(hf, f"{src}.input_layernorm.weight")
-        out[f"{ours}.post_attention_layernorm.weight"] = _take(hf, f"{src}.post_attention_layernorm.weight")
+        if config.norm_placement != "post":  # OLMo 2 has no norms before its sublayers
+            out[f"{ours}.input_layernorm.weight"] = _take(hf, f"{src}.input_layernorm.weight")
+            out[f"{ours}.post_attention_layernorm.weight"] = _take(hf, f"{src}.post_attention_layernorm.weight")
         proj = [_take(hf, f"{src}.self_attn.{p}_proj.weight") for p in "qkv"]
         out[f"{ours}.attention.query_key_value.weight"] = torch.cat(proj, dim=0)
         out[f"{ours}.attention.dense.weight"] = _take(hf, f"{src}.self_attn.o_proj.weight")

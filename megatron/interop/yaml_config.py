@@ -84,6 +84,10 @@ def architecture_keys(config: GPTConfig) -> dict[str, Any]:
         keys["use_qk_layernorm"] = True
         if config.qk_norm_scope != "head":  # OLMo 2 (hf_olmo2.py)
             keys["qk_norm_scope"] = config.qk_norm_scope
+    if config.norm_placement != "pre":  # OLMo 2 (hf_olmo2.py), Gemma
+        keys["norm_placement"] = config.norm_placement
+        if config.qk_norm_scope != "head":  # OLMo 2 (hf_olmo2.py)
+            keys["qk_norm_scope"] = config.qk_norm_scope
     if config.kv_channels is not None:
         keys["kv_channels"] = config.kv_channels
     keys.update(

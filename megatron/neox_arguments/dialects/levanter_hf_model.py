@@ -29,7 +29,7 @@ from megatron.errors import ConversionError
 from megatron.interop.hf_keys import neox_model_keys, read_config_json, rope_fields
 from megatron.neox_arguments.dialects.common import Refused
 
-LEVANTER_TYPES = {"llama": "llama", "mistral": "mistral"}
+LEVANTER_TYPES = {"llama": "llama", "mistral": "mistral", "olmo2": "olmo2"}
 """HF ``model_type`` -> the Levanter model type whose HF config class it is (``HFCheckpointConverter.from_hf``,
 hf_checkpoints.py:327-349), among those Deepy builds."""
 _ROPE_SCALINGS = ("linear", "llama3")
@@ -60,9 +60,12 @@ class HfShape:
 
 def _refuse_unread(cfg: dict[str, Any], kind: str) -> None:
     """Fields Levanter does not read but whose value would make its model differ from the checkpoint's."""
+    # Olmo2Config.from_hf_config reads attention_bias and attention_dropout (olmo.py:108-126)
+    read = ("attention_bias", "attention_dropout") if kind == "olmo2" else ()
     problems = [f"{name}: {cfg[name]!r} (Levanter builds no biases: use_bias defaults to False and from_hf_config "
-                f"does not read it, llama.py:105-120)" for name in ("attention_bias", "mlp_bias") if cfg.get(name)]
-    if cfg.get("attention_dropout"):
+                f"does not read it, llama.py:105-120)" for name in ("attention_bias", "mlp_bias")
+                if cfg.get(name) and name not in read]
+    if cfg.get("attention_dropout") and "attention_dropout" not in read:
         problems.append(f"attention_dropout: {cfg['attention_dropout']!r} (Levanter's {kind} has no dropout)")
     _, _, scaling = rope_fields(cfg)
     if scaling is not None:
@@ -91,7 +94,8 @@ def _shape(directory: str, stamp: tuple[int, int]) -> HfShape:
         keys = neox_model_keys(cfg)
     except ConversionError as err:
         raise Refused(f"{directory}/config.json: {err}") from None
-    return HfShape(directory, kind, {k: v for k, v in keys.items() if k not in _NOT_PASSED})
+    passed = {"attention_dropout"} if kind == "olmo2" else set()
+    return HfShape(directory, kind, {k: v for k, v in keys.items() if k not in _NOT_PASSED or k in passed})
 
 
 def hf_shape(directory: str) -> HfShape:

@@ -45,12 +45,18 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                     num_layers=32, seq_length=8192, max_position_embeddings=8192, rms_norm_epsilon=1e-6,
                     moe_num_experts=8, moe_top_k=2, moe_router_type="topk", moe_router_renormalize=True,
                     moe_expert_interval=1, moe_aux_loss_coeff=0.01 / 2, moe_z_loss_coeff=0.001),
+    # Olmo2Config (olmo.py:35-95@9263f81e): OLMo-2 7B shapes, silu MLP without biases (use_bias, :75, 396-399), RMSNorm
+    # eps 1e-6 after attention and after the MLP only (Olmo2DecoderLayer, :406-423), q_norm/k_norm over the whole
+    # query/key projections (:312-314, 329-333), untied, no attention bias (:63), rope theta 1e4
+    # (DefaultRotaryEmbeddingsConfig, rotary.py:76-78), gradient_checkpointing on (:72)
+    "olmo2": dict(_RMS, hidden_size=4096, intermediate_size=3 * 11008, num_attention_heads=32, num_kv_heads=32,
+                  num_layers=32, seq_length=4096, max_position_embeddings=4096, rms_norm_epsilon=1e-6,
+                  norm_placement="post", use_qk_layernorm=True, qk_norm_scope="projection"),
 }
 
 NOT_BUILT = {
     "gpt2_hyena": "Hyena operators", "backpack": "Backpack sense vectors", "whisper": "an encoder-decoder speech model",
     "gemma": "Gemma (its (1 + w) RMSNorm, scaled embeddings and GeGLU)", "gemma2": "Gemma 2", "gemma3": "Gemma 3",
-    "olmo": "OLMo", "olmo2": "OLMo 2 (its QK norms and post-norms)",
     "qwen": "Qwen (attention biases on q/k/v only)", "qwen3": "Qwen 3 (QK norms)", "llama4": "Llama 4",
     "apertus": "Apertus", "mpt": "MPT", "gpt_oss": "gpt-oss",
 }
@@ -130,7 +136,26 @@ def _layer_norm_epsilon(value: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _use_bias(value: Any, ctx: Context) -> dict[str, Any]:
+    if shape_kind(ctx) == "olmo2":  # Olmo2Config.use_bias: the MLP's and the RMSNorms' (olmo.py:245-251, 396-399)
+        if value:
+            raise Refused("OLMo 2's use_bias also gives its RMSNorms a bias (olmo.py:245-251), which Deepy's rmsnorm "
+                          "has not; its attention's bias is attention_bias")
+        return {"use_bias_in_mlp": False}
     return {"use_bias_in_attn_linear": bool(value), "use_bias_in_mlp": bool(value)}
+
+
+def _attention_bias(value: Any, ctx: Context) -> dict[str, Any]:
+    if shape_kind(ctx) != "olmo2":
+        raise Refused("an Olmo2Config field (q/k/v/o biases, olmo.py:298-310); give model.type: olmo2")
+    return {"use_bias_in_attn_linear": bool(value)}
+
+
+def _layer_norm_weight(value: Any, ctx: Context) -> dict[str, Any]:
+    if value:
+        return {}
+    if shape_kind(ctx) == "olmo2":  # its q/k norms are RMSNorms with a gain, one per feature of the projection
+        raise Refused("OLMo 2 without norm weights (RMSNorm without a gain) is not built here")
+    return {"norm": "non_parametric_layernorm"}
 
 
 def _tie(value: Any, ctx: Context) -> dict[str, Any]:
@@ -284,7 +309,8 @@ MODEL_RULES: dict[str, Rule] = {
     "model.layer_norm_epsilon": _layer_norm_epsilon,
     "model.activation_function": _activation,
     "model.use_bias": _mixtral_bias,
-    "model.use_layer_norm_weight": lambda v, ctx: {} if v else {"norm": "non_parametric_layernorm"},
+    "model.use_layer_norm_weight": _layer_norm_weight,
+    "model.attention_bias": _attention_bias,
     "model.tie_word_embeddings": _tie,
     "model.rope": _rope,
     **{f"model.rope.{field}": _rope_field for field in ("type", "theta", "factor", "low_freq_factor",

@@ -1,0 +1,251 @@
+"""OLMo 2 (``Olmo2ForCausalLM``, transformers 5.23.0) in and out of Deepy: Llama's block with its norms after
+attention and the MLP instead of before (``norm_placement: post``; ``models/olmo2/modeling_olmo2.py:297-314``) and
+RMSNorm over the whole query and key projections (``qk_norm_scope: projection``; ``:213-228``).
+
+References are transformers' own model, built here from an ``Olmo2Config`` (random weights, norm gains and biases
+moved off their ones/zeros so a dropped or misplaced one shows; nothing downloaded): its logits, its parameter count
+and its greedy ``generate``. The logit comparisons run both models in the test, not through the converter's
+built-in check.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from megatron.errors import ConfigError, ConversionError
+from megatron.interop.convert import export_to_hf, import_to_deepy
+from megatron.interop.deepy_checkpoint import read_full_checkpoint, write_weights_only_checkpoint
+from megatron.interop.hf_config import choose_architecture, gpt_config_from_hf
+from megatron.interop.hf_model import fixed_batch
+from megatron.interop.hf_tokenizer import TokenizerFiles, export_tokenizer
+from megatron.interop.hf_weights import from_hf_state_dict
+from megatron.model import GPTConfig, GPTModel, num_parameters
+from test_model_families import assert_greedy_generation_equals_transformers
+
+# grouped-query (k_norm narrower than q_norm), OLMo 2's rms_norm_eps and rope theta (configuration_olmo2.py:88)
+SHAPE: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                             pad_token_id=1, bos_token_id=None, eos_token_id=0)  # fmt: skip
+
+
+def olmo2_model(tied: bool, **changes: Any) -> Any:
+    from transformers import AutoModelForCausalLM, Olmo2Config
+
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(Olmo2Config(**SHAPE, tie_word_embeddings=tied, **changes))
+    with torch.no_grad():  # norms start as ones, biases as zeros: make them count
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(0.2 * torch.randn_like(param))
+    return model.eval()
+
+
+def save(model: Any, out: Path) -> Path:
+    model.save_pretrained(out)
+    export_tokenizer(TokenizerFiles("CharLevelTokenizer"), out, 64)
+    return out
+
+
+def hf_logits(model_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).eval()
+    with torch.no_grad():
+        return model(input_ids=tokens).logits
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def imported(request: pytest.FixtureRequest) -> tuple[Any, GPTConfig, GPTModel]:
+    theirs = olmo2_model(tied=request.param)
+    config = gpt_config_from_hf(theirs.config, seq_length=32)
+    ours = GPTModel(config).eval()
+    ours.load_state_dict(from_hf_state_dict(config, choose_architecture(config), theirs.state_dict()))
+    return theirs, config, ours
+
+
+def test_olmo2_imports_with_its_post_norms_and_logits(imported: tuple[Any, GPTConfig, GPTModel]) -> None:
+    theirs, config, ours = imported
+    assert choose_architecture(config) == "Olmo2ForCausalLM"
+    assert (config.norm_placement, config.use_qk_layernorm, config.qk_norm_scope) == ("post", True, "projection")
+    names = dict(ours.named_parameters())
+    assert "layers.0.input_layernorm.weight" not in names and "layers.0.attention_output_norm.weight" in names
+    assert names["layers.0.attention.k_norm.weight"].shape == (2 * 16,)  # kv heads x head_dim
+    # parameter count: the registry's (post: two norms a block; the q/k norms over the projections), the module's,
+    # transformers'
+    hf_count = sum(p.numel() for p in theirs.parameters())
+    assert num_parameters(config) == sum(p.numel() for p in ours.parameters()) == hf_count
+    tokens = fixed_batch(config.vocab, 24)
+    with torch.no_grad():
+        delta = (ours(tokens) - theirs(input_ids=tokens).logits).abs().max().item()
+    assert delta <= 1e-4
+
+
+def test_olmo2_greedy_generation_equals_transformers(imported: tuple[Any, GPTConfig, GPTModel]) -> None:
+    theirs, config, ours = imported
+    assert_greedy_generation_equals_transformers(ours, theirs, vocab=config.vocab, hidden=config.arch.hidden)
+
+
+def test_olmo2_round_trip_at_tp2_pp2_then_a_trained_step_exports(tmp_path: Path) -> None:
+    source = save(olmo2_model(tied=False, attention_bias=True), tmp_path / "olmo2")
+    imported = import_to_deepy(source, tmp_path / "deepy", tp=2, pp=2)
+    assert imported.max_logit_diff is not None and imported.max_logit_diff <= 1e-4
+    written = imported.config_file.read_text()
+    assert "norm_placement: post" in written and "qk_norm_scope: projection" in written, written
+    exported = export_to_hf(tmp_path / "deepy", tmp_path / "back")
+    assert exported.architecture == "Olmo2ForCausalLM"
+    assert exported.max_logit_diff is not None and exported.max_logit_diff <= 1e-4
+    original, back = load_file(source / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert set(original) == set(back) and all(torch.equal(original[k], back[k]) for k in original)
+    config_a = json.loads((source / "config.json").read_text())
+    config_b = json.loads((tmp_path / "back" / "config.json").read_text())
+    for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "num_hidden_layers", "rope_parameters", "tie_word_embeddings",
+                "max_position_embeddings", "hidden_act", "rms_norm_eps", "attention_bias"):
+        assert config_a.get(key) == config_b.get(key), key
+
+    # one training step on the imported weights (every weight moves, the sharded q/k norm gains included), exported
+    full = read_full_checkpoint(tmp_path / "deepy")
+    model = GPTModel(full.config)
+    model.load_state_dict(full.weights)
+    tokens = fixed_batch(full.config.vocab, 17)
+    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for key in ("layers.1.attention.q_norm.weight", "layers.1.mlp_output_norm.weight"):
+        assert not torch.equal(trained[key], full.weights[key]), key
+    write_weights_only_checkpoint(tmp_path / "trained", config=full.config, weights=trained, tp=1, pp=1, step=1,
+                                  args=full.args)  # fmt: skip
+    export_to_hf(tmp_path / "trained", tmp_path / "trained_hf")
+    model.eval()
+    with torch.no_grad():
+        ours = model(tokens)
+    assert (ours - hf_logits(tmp_path / "trained_hf", tokens)).abs().max().item() <= 1e-4
+
+
+def test_olmo2_what_it_cannot_carry_is_refused_by_name() -> None:
+    base: dict[str, Any] = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                                padded_vocab_size=128, pos_emb="rotary", norm="rmsnorm", activation="swiglu",
+                                use_bias_in_attn_linear=False, use_bias_in_mlp=False, norm_placement="post",
+                                use_qk_layernorm=True, qk_norm_scope="projection")
+    assert choose_architecture(GPTConfig(**base)) == "Olmo2ForCausalLM"
+    with pytest.raises(ConversionError, match="use_bias_in_mlp: true .Olmo2ForCausalLM"):
+        choose_architecture(GPTConfig(**dict(base, use_bias_in_mlp=True)))
+    with pytest.raises(ConversionError, match="sliding_window_width: 8 .Olmo2ForCausalLM"):
+        choose_architecture(GPTConfig(**dict(base, sliding_window_width=8)))
+    # the pieces alone have no HF class: Llama would silently drop them
+    with pytest.raises(ConversionError, match="norm_placement: post .GPTNeoX, Llama and Mistral"):
+        choose_architecture(GPTConfig(**dict(base, use_qk_layernorm=False, qk_norm_scope="head")))
+    with pytest.raises(ConversionError, match="qk_norm_scope: projection .only Olmo2ForCausalLM"):
+        choose_architecture(GPTConfig(**dict(base, norm_placement="pre")))
+    with pytest.raises(ConversionError, match="norm_placement: sandwich"):
+        choose_architecture(GPTConfig(**dict(base, norm_placement="sandwich", use_qk_layernorm=False,
+                                             qk_norm_scope="head")))
+
+
+def test_initialize_from_hf_of_an_olmo2_directory_checks_its_norms(tmp_path: Path) -> None:
+    """The check before launch reads an OLMo 2 config.json (plain JSON) and names norm_placement and
+    qk_norm_scope when a config would build Llama's pre-norm block or per-head q/k norms instead."""
+    from transformers import Olmo2Config
+
+    from megatron.config_rules import RuleContext
+    from megatron.interop.hf_keys import neox_model_keys, read_config_json
+    from megatron.interop.hf_start import initialize_from_hf_agrees_with_its_config
+    from megatron.neox_arguments import NeoXArgs
+
+    Olmo2Config(**SHAPE).save_pretrained(tmp_path / "hf")
+    model = neox_model_keys(read_config_json(tmp_path / "hf"))
+    assert (model["norm_placement"], model["qk_norm_scope"], model["use_qk_layernorm"]) == ("post", "projection", True)
+    args = NeoXArgs(**{k: v for k, v in model.items() if k in NeoXArgs.model_fields},
+                    initialize_from_hf=str(tmp_path / "hf"))
+    assert initialize_from_hf_agrees_with_its_config(RuleContext(args)) == []
+    for key, value in (("norm_placement", "pre"), ("qk_norm_scope", "head")):
+        problems = initialize_from_hf_agrees_with_its_config(RuleContext(args.model_copy(update={key: value})))
+        assert len(problems) == 1 and key in problems[0], problems
+
+
+# published sizes (each model's config.json on the Hub); the count is transformers' own, of the model built from
+# those sizes on the meta device
+PUBLISHED: dict[str, dict[str, Any]] = {
+    "olmo2/olmo2-1B.yml": dict(vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                               num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False),
+    "olmo2/olmo2-7B.yml": dict(vocab_size=100352, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED))
+def test_olmo2_presets_have_the_published_parameter_count(preset: str) -> None:
+    import yaml
+    from transformers import AutoModelForCausalLM, Olmo2Config
+
+    with torch.device("meta"):
+        theirs = AutoModelForCausalLM.from_config(Olmo2Config(**PUBLISHED[preset]))
+    keys = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / preset).read_text())
+    ours = GPTConfig(**{k: v for k, v in keys.items() if k in GPTConfig.model_fields})
+    assert num_parameters(ours) == sum(p.numel() for p in theirs.parameters())
+    assert choose_architecture(ours) == "Olmo2ForCausalLM"
+
+
+LEVANTER_OLMO2 = """\
+data:
+  train_urls: ["{root}/train.jsonl"]
+  cache_dir: "{root}/cache"
+  tokenizer: "{root}/tokenizer.json"
+model:  # olmo2_sft.yaml's model section (Levanter 9263f81e config/olmo2_sft.yaml), smaller
+  type: olmo2
+  seq_len: 64
+  hidden_dim: 64
+  intermediate_dim: 96
+  num_layers: 2
+  num_heads: 4
+  num_kv_heads: 4
+  use_bias: false
+  use_layer_norm_weight: true
+  layer_norm_epsilon: 1e-6
+  activation_function: "silu"
+  attention_bias: {attention_bias}
+  upcast_attn: True
+  rope:
+    type: "default"
+    theta: 500000
+trainer:
+  train_batch_size: 4
+  num_train_steps: 10
+optimizer:
+  learning_rate: 1e-5
+"""
+
+
+def test_levanter_olmo2_model_is_olmo2s_block(tmp_path: Path) -> None:
+    """Levanter's ``model.type: olmo2`` (Olmo2Config, src/levanter/models/olmo.py at 9263f81e) builds OLMo 2's
+    block: post-norms, whole-projection q/k norms, attention_bias on the attention alone; its parameter count is
+    Levanter's own formula (Olmo2Config.total_trainable_params, olmo.py:171-215, exact for equal q and kv heads)."""
+    from test_dialects import levanter_args
+
+    from megatron.model.config import GPTConfig as Config
+
+    args = levanter_args(tmp_path, LEVANTER_OLMO2.replace("{attention_bias}", "true")).args
+    assert (args.norm_placement, args.use_qk_layernorm, args.qk_norm_scope, args.norm) == (
+        "post", True, "projection", "rmsnorm")
+    assert (args.use_bias_in_attn_linear, args.use_bias_in_mlp, args.rotary_emb_base) == (True, False, 500000)
+    vocab, hidden, inter, layers = 128, 64, 96, 2  # the vocabulary is the tokenizer's, known at launch
+    config = Config(**{**{k: getattr(args, k) for k in Config.model_fields if hasattr(args, k)}, "padded_vocab_size": vocab})
+    attn = 4 * hidden * hidden + (3 * hidden + hidden)  # q, k, v, o and their biases (attention_bias)
+    levanter = 2 * vocab * hidden + layers * (attn + 3 * hidden * inter + 2 * hidden + 2 * hidden) + hidden
+    assert num_parameters(config) == levanter
+    assert choose_architecture(config) == "Olmo2ForCausalLM"
+    with pytest.raises(ConfigError, match="use_bias also gives its RMSNorms a bias"):
+        levanter_args(tmp_path, LEVANTER_OLMO2.replace("{attention_bias}", "false").replace("use_bias: false",
+                                                                                              "use_bias: true"))
+    llama = LEVANTER_OLMO2.replace("type: olmo2", "type: llama").replace("{attention_bias}", "false")
+    with pytest.raises(ConfigError, match="an Olmo2Config field"):
+        levanter_args(tmp_path, llama)
