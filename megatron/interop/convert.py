@@ -172,10 +172,13 @@ def export_to_hf(
     merge_file: str | None = None,
     tokenizer: bool = True,
     progress: Progress = _quiet,
+    hf_class: str | None = None,
 ) -> ExportReport:
+    """``hf_class``: ``Phi3ForCausalLM`` writes a model whose maths is Llama's (or Mistral's) as Phi-3's fused
+    projections; otherwise the class follows from the checkpoint's config (``hf_config.choose_architecture``)."""
     ckpt = resolve_checkpoint(checkpoint, iteration)
     config, args = read_checkpoint_config(ckpt)
-    arch = choose_architecture(config)  # refuse before reading any tensor
+    arch = choose_architecture(config, hf_class)  # refuse before reading any tensor
     name = args.get("precision") or "fp32"
     dtype = DTYPES[_FROM_ARGS.get(str(name), "fp32") if precision == "auto" else precision]
     files = TokenizerFiles(
@@ -200,7 +203,7 @@ def export_to_hf(
         progress(f"reading {ckpt}")
         full = read_full_checkpoint(ckpt)
         progress(f"writing {arch} ({str(dtype).removeprefix('torch.')}) to {out_dir}")
-        hf_config = hf_config_from_gpt(config, tokens, dtype)
+        hf_config = hf_config_from_gpt(config, tokens, dtype, hf_class)
         save_hf_model(hf_config, to_hf_state_dict(config, arch, full.weights), work, dtype)
         delta = None
         if verify:
@@ -250,7 +253,7 @@ def _read_hf(source: Path, out_dir: Path, seq_length: int | None, progress: Prog
     progress(f"reading the Hugging Face model {source}")
     hf = read_hf_checkpoint(source)
     config = gpt_config_from_hf(hf.config, seq_length)
-    if choose_architecture(config) != hf.architecture:
+    if choose_architecture(config, hf.architecture) != hf.architecture:  # Phi-3: exported back with hf_class
         raise ConversionError(f"{source}: this {hf.architecture} maps to a Deepy model that would export as "
                               f"{choose_architecture(config)}; refusing an asymmetric conversion")
     weights = from_hf_state_dict(config, hf.architecture, hf.state)

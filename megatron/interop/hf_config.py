@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 HFArchitecture = Literal["GPTNeoXForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                         "Qwen3ForCausalLM", "Phi3ForCausalLM",
                          "MambaForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM"]
 
 # our activation -> the name in transformers' ACT2FN computing exactly the same function
@@ -76,8 +77,10 @@ def _sliding_window(config: GPTConfig) -> int | None:
     return next(w for w in windows if w is not None)
 
 
-def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list[str]]:
-    """The HF class for this architecture, and every feature that class cannot reproduce."""
+def unsupported_features(config: GPTConfig, hf_class: str | None = None) -> tuple[HFArchitecture | None, list[str]]:
+    """The HF class for this architecture, and every feature that class cannot reproduce. ``hf_class``
+    ``Phi3ForCausalLM`` asks for Phi-3's fused projections where Llama's (or Mistral's, windowed) maths is
+    exactly Phi-3's; any other class is chosen from the config alone."""
     families = config.layer_families
     if families == {"mamba"}:  # every layer Mamba: MambaForCausalLM (megatron/interop/hf_mamba.py)
         return "MambaForCausalLM", mamba_problems(config)
@@ -100,7 +103,7 @@ def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list
         )
     moe = config.moe_num_experts > 1
     olmo2 = config.norm == "rmsnorm" and is_olmo2(config)  # OLMo 2: hf_olmo2.py
-    if config.use_qk_layernorm and not moe and not olmo2:
+    if config.use_qk_layernorm and not moe and not olmo2 and config.norm.removeprefix("te_") != "rmsnorm":
         problems.append("use_qk_layernorm: true (GPTNeoX, Llama and Mistral have no query/key norm)")
     if config.norm_placement != "pre" and not olmo2:
         problems.append(f"norm_placement: {config.norm_placement} (GPTNeoX, Llama and Mistral normalise before "
@@ -146,7 +149,20 @@ def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list
                             f"MixtralForCausalLM and Qwen3MoeForCausalLM need norm: rmsnorm and a gated activation)")
     elif norm == "rmsnorm":
         qwen2 = config.use_bias_in_qkv and not config.use_bias_in_attn_linear
-        arch = "MistralForCausalLM" if window is not None else "Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"
+        # Qwen3: Llama's block with a per-head query/key RMSNorm (transformers 5.23.0 modeling_qwen3.py:229-230)
+        qwen3 = config.use_qk_layernorm and config.qk_norm_scope == "head"
+        arch = ("MistralForCausalLM" if window is not None else "Qwen2ForCausalLM" if qwen2
+                else "Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM")
+        # Phi-3 (modeling_phi3.py): Llama's maths, fused qkv_proj / gate_up_proj, no biases, a window on every
+        # layer or none, a rotated fraction of each head (partial_rotary_factor)
+        phi3 = hf_class == "Phi3ForCausalLM" and arch in ("LlamaForCausalLM", "MistralForCausalLM") and not moe
+        if phi3:
+            arch = "Phi3ForCausalLM"
+            if config.use_bias_in_attn_linear or config.use_bias_in_mlp:
+                problems.append("use_bias_in_attn_linear / use_bias_in_mlp: true (Phi3ForCausalLM has no biases)")
+            if config.head_dim * config.arch.heads != config.arch.hidden:
+                problems.append(f"kv_channels: {config.kv_channels} (Phi3Config has no head_dim: its heads are "
+                                f"hidden_size / num_attention_heads wide, modeling_phi3.py:196)")
         if olmo2:
             arch = "Olmo2ForCausalLM"
             problems += olmo2_problems(config)
@@ -155,6 +171,12 @@ def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list
         if moe:  # hf_moe.py: its own bias, window and router rules
             arch = moe_architecture(config)
             problems += moe_problems(config)
+        if config.use_qk_layernorm and config.qk_norm_scope == "head" and not moe and arch != "Qwen3ForCausalLM":
+            problems.append(f"use_qk_layernorm: true ({arch} has no query/key norm; Qwen3ForCausalLM has one per head "
+                            f"with no window and no Q/K/V-only biases)")
+        if arch == "Qwen3ForCausalLM" and config.use_bias_in_mlp:
+            problems.append("use_bias_in_mlp: true (Qwen3ForCausalLM's MLP has no biases; attention_bias covers the "
+                            "four attention projections: use_bias_in_attn_linear)")
         if config.activation not in GATED_ACTIVATIONS:
             kind = "a plain activation" if not gated else "this gated activation"
             problems.append(
@@ -163,8 +185,9 @@ def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list
             )
         if config.gpt_j_residual:
             problems.append(f"gpt_j_residual: true ({arch} layers are sequential)")
-        if config.rotary_dim != config.head_dim:
-            problems.append(f"rotary_pct: {config.rotary_pct} ({arch} rotates every dimension of a head)")
+        if config.rotary_dim != config.head_dim and not phi3:
+            problems.append(f"rotary_pct: {config.rotary_pct} ({arch} rotates every dimension of a head; "
+                            f"Phi3ForCausalLM rotates a fraction: export with hf_class Phi3ForCausalLM)")
         if arch == "MistralForCausalLM" and (config.use_bias_in_attn_linear or config.use_bias_in_mlp):
             problems.append(
                 "use_bias_in_attn_linear / use_bias_in_mlp: true with sliding_window_width (MistralForCausalLM has "
@@ -188,8 +211,12 @@ def unsupported_features(config: GPTConfig) -> tuple[HFArchitecture | None, list
     return arch, problems
 
 
-def choose_architecture(config: GPTConfig) -> HFArchitecture:
-    arch, problems = unsupported_features(config)
+def choose_architecture(config: GPTConfig, hf_class: str | None = None) -> HFArchitecture:
+    """The HF class this model exports as (``hf_class`` Phi3ForCausalLM: Phi-3's, where it can carry it)."""
+    arch, problems = unsupported_features(config, hf_class)
+    if hf_class == "Phi3ForCausalLM" and arch != hf_class and not problems:
+        problems = [f"the model exports as {arch}: Phi3ForCausalLM has no biases, no query/key norm, no mixture "
+                    f"of experts and one window (or none) on every layer"]
     if problems or arch is None:
         raise ConversionError(
             "this model has no faithful Hugging Face transformers equivalent:\n  - " + "\n  - ".join(problems)
@@ -206,9 +233,10 @@ def _rope(config: GPTConfig, partial: bool) -> dict[str, Any]:
     return rope
 
 
-def hf_config_from_gpt(config: GPTConfig, tokens: SpecialTokens, dtype: torch.dtype) -> "PretrainedConfig":
+def hf_config_from_gpt(config: GPTConfig, tokens: SpecialTokens, dtype: torch.dtype,
+                       hf_class: str | None = None) -> "PretrainedConfig":
     """The ``transformers`` config of the class ``choose_architecture`` picks, every field from ours."""
-    arch = choose_architecture(config)
+    arch = choose_architecture(config, hf_class)
     if arch == "MambaForCausalLM":
         return mamba_hf_config(config, tokens.bos, tokens.eos, tokens.pad, dtype)
     common: dict[str, Any] = dict(
@@ -261,6 +289,24 @@ def hf_config_from_gpt(config: GPTConfig, tokens: SpecialTokens, dtype: torch.dt
         # Qwen2Config has no head_dim field (modeling_qwen2.py:175 uses hidden_size // heads, what Deepy builds)
         gated.pop("head_dim")
         return Qwen2Config(**common, **gated, use_sliding_window=False)
+    if arch == "Qwen3ForCausalLM":
+        # lazy: transformers (seconds to import), only for Hugging Face conversions
+        from transformers import Qwen3Config
+
+        # attention_bias: all four projections (modeling_qwen3.py:217-228); no window (use_sliding_window false)
+        return Qwen3Config(**common, **gated, attention_bias=config.use_bias_in_attn_linear, use_sliding_window=False)
+    if arch == "Phi3ForCausalLM":
+        # lazy: transformers (seconds to import), only for Hugging Face conversions
+        from transformers import Phi3Config
+
+        # no head_dim field (modeling_phi3.py:196); partial rotary through rope_parameters (modeling_phi3.py:95-97);
+        # ours: a token sees itself and `window` earlier tokens, HF's sliding_window counts them all (as Mistral's)
+        gated.pop("head_dim")
+        gated["rope_parameters"] = _rope(config, partial=True)
+        window = _sliding_window(config)
+        return Phi3Config(**common, **gated, sliding_window=None if window is None else window + 1,
+                          original_max_position_embeddings=config.max_positions, resid_pdrop=config.hidden_dropout,
+                          embd_pdrop=config.hidden_dropout)
     if arch == "LlamaForCausalLM":
         # lazy: transformers (seconds to import), only for Hugging Face conversions
         from transformers import LlamaConfig

@@ -29,7 +29,7 @@ PLAIN_FROM_HF: dict[str, str] = {"gelu": "gelu", "relu": "relu", "silu": "silu",
 """HF's ``hidden_act`` of GPTNeoX's plain MLP -> Deepy's activation."""
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings",
              "vocab_size")
-_FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2", "mixtral", "qwen3_moe", OLMO2_FAMILY)
+_FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2", "mixtral", "qwen3_moe", OLMO2_FAMILY, "qwen3", "phi3")
 
 
 def read_config_json(directory: str | Path) -> dict[str, Any]:
@@ -113,10 +113,13 @@ def neox_model_keys(cfg: Mapping[str, Any], seq_length: int | None = None) -> di
         raise ConversionError(f"hidden_act: {cfg.get('hidden_act')!r} (Deepy's gated activations compute one of "
                               f"{sorted(GATED_FROM_HF)})")
     head_dim = int(cfg.get("head_dim") or hidden // heads)
-    if factor != 1.0:
+    if factor != 1.0 and kind != "phi3":
         raise ConversionError(f"partial_rotary_factor: {factor} ({kind} rotates the whole head in Deepy)")
-    window = cfg.get("sliding_window") if kind in ("mistral", "mixtral") else None
-    if kind == "qwen2" and cfg.get("use_sliding_window"):
+    if int(head_dim * factor) % 2:
+        raise ConversionError(f"partial_rotary_factor: {factor} rotates an odd number of dimensions")
+    # Phi-3 windows every layer as Mistral does (modeling_phi3.py:246, 384)
+    window = cfg.get("sliding_window") if kind in ("mistral", "mixtral", "phi3") else None
+    if kind in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
         # Qwen2Config.__post_init__ (transformers 5.23.0 configuration_qwen2.py:83-94) windows only the layers from
         # max_window_layers on: Mistral's one window for every layer is what Deepy exports
         raise ConversionError("use_sliding_window: true (Qwen2's windowed layers from max_window_layers on are not "
@@ -133,7 +136,7 @@ def neox_model_keys(cfg: Mapping[str, Any], seq_length: int | None = None) -> di
         num_kv_heads=None if kv_heads == heads else kv_heads,
         # HF's head_dim (Llama, Mistral, Qwen3 give one; the others use hidden_size // heads): unset when it is that
         kv_channels=None if head_dim * heads == hidden else head_dim,
-        rotary_pct=1.0,
+        rotary_pct=factor,  # 1 but for Phi-3's partial_rotary_factor (modeling_phi3.py:95-97, 180-186)
         norm="rmsnorm",
         rms_norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
         # Qwen2 (transformers 5.23.0 modeling_qwen2.py:181-184, 40-42): biases on q/k/v, none on o_proj or the MLP
@@ -147,7 +150,27 @@ def neox_model_keys(cfg: Mapping[str, Any], seq_length: int | None = None) -> di
         keys.update(moe_model_keys(cfg))
     if kind == OLMO2_FAMILY:  # post-norms and whole-projection q/k norms (hf_olmo2.py)
         keys.update(olmo2_model_keys(cfg))
+    if kind == "qwen3":  # Llama's block with a per-head query/key RMSNorm (transformers 5.23.0 modeling_qwen3.py:229)
+        keys["use_qk_layernorm"] = True
+    if kind == "phi3":
+        keys.update(_phi3_keys(cfg))
     return keys
+
+
+def _phi3_keys(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Phi-3 (transformers 5.23.0 ``models/phi3/``): Llama's maths with fused projections (the converter splits
+    them), no biases, dropout after the embedding (``embd_pdrop``) and before each residual add (``resid_pdrop``,
+    modeling_phi3.py:285-315), which Deepy's one hidden_dropout is; su/longrope scaling is refused."""
+    _, _, scaling = rope_fields(cfg)
+    if scaling is not None:
+        raise ConversionError(f"rope_parameters: rope_type {scaling.get('rope_type') or scaling.get('type')!r} "
+                              f"(Phi-3's longrope/su scaling with its short and long factors is not built; the 4k "
+                              f"models use the default rotary)")
+    resid, embd = float(cfg.get("resid_pdrop") or 0.0), float(cfg.get("embd_pdrop") or 0.0)
+    if resid != embd:
+        raise ConversionError(f"resid_pdrop: {resid}, embd_pdrop: {embd} (Deepy's hidden_dropout is one probability "
+                              f"for both)")
+    return dict(hidden_dropout=resid, use_bias_in_attn_linear=False, use_bias_in_mlp=False)
 
 
 MOE_FAMILIES = ("mixtral", "qwen3_moe")

@@ -91,6 +91,8 @@ _ARCHITECTURES: dict[str, HFArchitecture] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "mamba": "MambaForCausalLM",
     "mixtral": "MixtralForCausalLM",

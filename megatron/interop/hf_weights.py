@@ -56,6 +56,8 @@ def _take(weights: Weights, name: str) -> torch.Tensor:
 
 def to_hf_state_dict(config: GPTConfig, arch: HFArchitecture, weights: Weights) -> Weights:
     """HF state dict (``transformers`` names) for our full weights."""
+    if arch == "Phi3ForCausalLM":  # Llama's tensors, q/k/v and gate/up fused back
+        return _phi3_fused(config, _to_llama(config, weights))
     if arch == "MambaForCausalLM":
         return mamba_to_hf(config, weights)
     if arch == "GPTNeoXForCausalLM":
@@ -67,6 +69,8 @@ def to_hf_state_dict(config: GPTConfig, arch: HFArchitecture, weights: Weights) 
 
 def from_hf_state_dict(config: GPTConfig, arch: HFArchitecture, hf: Weights) -> Weights:
     """Our full weights (canonical names) from an HF state dict."""
+    if arch == "Phi3ForCausalLM":  # Llama's tensors once q/k/v and gate/up are split
+        return _from_llama(config, _phi3_split(config, hf))
     if arch == "MambaForCausalLM":
         return mamba_from_hf(config, hf)
     if arch == "GPTNeoXForCausalLM":
@@ -205,3 +209,30 @@ def _from_llama(config: GPTConfig, hf: Weights) -> Weights:
     if config.no_weight_tying:
         out["output_layer.weight"] = _take(hf, "lm_head.weight")
     return out
+
+
+# --- Phi3ForCausalLM: Llama's tensors with qkv_proj and gate_up_proj fused -------------------------------------
+# transformers 5.23.0 modeling_phi3.py:218-222 slices qkv_proj's output into [q | k | v] (all query heads, then
+# the key heads, then the value heads: our fused QKV's rows as they are), :59-61 chunks gate_up_proj's into
+# [gate | up] (our dense_h_to_4h's rows).
+def _phi3_fused(config: GPTConfig, llama: Weights) -> Weights:
+    out = dict(llama)
+    for i in range(config.arch.layers):
+        hf = f"model.layers.{i}"
+        out[f"{hf}.self_attn.qkv_proj.weight"] = torch.cat([out.pop(f"{hf}.self_attn.{p}_proj.weight") for p in "qkv"])
+        out[f"{hf}.mlp.gate_up_proj.weight"] = torch.cat([out.pop(f"{hf}.mlp.{p}_proj.weight") for p in ("gate", "up")])
+    return out
+
+
+def _phi3_split(config: GPTConfig, hf: Weights) -> Weights:
+    out = dict(hf)
+    ffn = config.ffn_hidden_size
+    for i in range(config.arch.layers):
+        src = f"model.layers.{i}"
+        q, k, v = _take(out, f"{src}.self_attn.qkv_proj.weight").split(_qkv_sizes(config), dim=0)
+        out.update({f"{src}.self_attn.q_proj.weight": q, f"{src}.self_attn.k_proj.weight": k,
+                    f"{src}.self_attn.v_proj.weight": v})  # fmt: skip
+        gate, up = _take(out, f"{src}.mlp.gate_up_proj.weight").split([ffn, ffn], dim=0)
+        out[f"{src}.mlp.gate_proj.weight"], out[f"{src}.mlp.up_proj.weight"] = gate, up
+    return out
+

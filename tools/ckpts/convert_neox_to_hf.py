@@ -43,6 +43,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="the run's GPT-NeoX/Deepy config file (checked against the checkpoint's architecture)")
     parser.add_argument("--architecture", choices=["neox", "llama", "mistral"], default=None,
                         help="GPT-NeoX's model family flag (checked against the checkpoint's architecture)")
+    parser.add_argument("--hf_class", choices=["Phi3ForCausalLM"], default=None,
+                        help="write a model whose maths is Llama's (or Mistral's) as Phi-3's fused projections "
+                             "(a Phi-3 import exports as Llama without it)")
     parser.add_argument("--iteration", type=int, default=None, help="which committed checkpoint of a save directory")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                         help="dtype of the written weights (auto: the run's precision)")
@@ -118,6 +121,7 @@ def main() -> int:
         merge_file=opts.merge_file,
         tokenizer=not opts.no_tokenizer,
         progress=lambda line: print(line, flush=True),
+        hf_class=opts.hf_class,
     )
     print(f"wrote {report.architecture} ({str(report.dtype).removeprefix('torch.')}) from {report.checkpoint} "
           f"to {report.out_dir}")  # fmt: skip
