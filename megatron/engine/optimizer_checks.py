@@ -5,7 +5,7 @@ Registered with every other check (``megatron/config_rules.py``).
 
 from __future__ import annotations
 
-from megatron.config_rules import RuleContext, describe, rule, zero_stage
+from megatron.config_rules import RuleContext, block_enabled, describe, rule, zero_stage
 from megatron.launcher.checks import runs_on_this_machine
 from megatron.engine.lr_schedules import min_lr_problem
 from megatron.engine.optimizer_block import OPTIMIZER_KINDS
@@ -157,6 +157,11 @@ def whole_tensor_optimizer_layout(ctx: RuleContext) -> list[str]:
     if int(ctx.get("pipe_parallel_size")) > 1:
         problems.append(f"{shown} with {ctx.show('pipe_parallel_size')}: Levanter's {WHOLE_TENSOR_KINDS[kind]} "
                         f"{what}, and a pipeline stage holds part of the layers; use 0 or 1")
+    if int(ctx.get("pipe_parallel_size")) == 1 and ctx.get("precision") == "bfloat16":
+        problems.append(f"{shown} with {ctx.show('pipe_parallel_size')} and {ctx.show('precision')}: Levanter's "
+                        f"{WHOLE_TENSOR_KINDS[kind]} {what}, and DeepSpeed 0.19.8 wraps a pipeline module's bf16 "
+                        "optimizer in its BF16_Optimizer, which hands it flat buffers; use pipe_parallel_size: 0 "
+                        "(its mixed-precision wrapper keeps each weight whole) or fp32")
     if int(ctx.get("moe_expert_parallel_size")) > 1:
         problems.append(f"{shown} with {ctx.show('moe_expert_parallel_size')}: Levanter's "
                         f"{WHOLE_TENSOR_KINDS[kind]} {what}, and an expert-parallel rank holds part of the "
@@ -166,4 +171,37 @@ def whole_tensor_optimizer_layout(ctx: RuleContext) -> list[str]:
         problems.append(f"{shown} clips inside the optimizer as Levanter does (optimizer.params.inner_max_grad_norm, "
                         f"default 1.0) but {ctx.show('gradient_clipping')} would also clip every gradient before it; "
                         "set gradient_clipping: 0")
+    return problems
+
+
+PRECONDITIONED_KINDS = {"soap": "SOAP"}
+"""Levanter's optimizers that precondition each parameter as a whole (``megatron/engine/levanter_soap.py``)."""
+
+
+@rule
+def preconditioner_layout(ctx: RuleContext) -> list[str]:
+    """SOAP keeps preconditioners over the dimensions of each whole parameter, so the optimizer must be handed whole
+    tensors: not ZeRO's shards of a flat buffer, a tensor-parallel slice, a part of the experts, nor the flat fp32
+    buffer DeepSpeed's bf16 optimizer keeps for a pipeline (``deepspeed/runtime/engine.py``
+    ``_do_optimizer_sanity_check`` in 0.19.8; without a pipeline bf16 and fp16 keep one fp32 copy per parameter).
+    Refused here, before launch; pipeline stages and data-parallel ranks without ZeRO step whole parameters."""
+    optimizer = ctx.get("optimizer")
+    kind = optimizer.kind if optimizer is not None else OPTIMIZER_KINDS.get(str(ctx.get("optimizer_type")).lower())
+    if kind not in PRECONDITIONED_KINDS:
+        return []
+    shown = f"optimizer.type={optimizer.type!r}" if optimizer is not None else ctx.show("optimizer_type")
+    what = f"Levanter's {PRECONDITIONED_KINDS[kind]} preconditions each whole parameter"
+    problems = []
+    if zero_stage(ctx) >= 1:
+        problems.append(f"{shown} with ZeRO stage {zero_stage(ctx)}: {what}, and ZeRO hands the optimizer a shard of "
+                        "a flat buffer; use ZeRO stage 0 (data parallelism steps the whole model on every rank)")
+    if int(ctx.get("model_parallel_size")) > 1:
+        problems.append(f"{shown} with {ctx.show('model_parallel_size')}: {what}, and a tensor-parallel rank holds a "
+                        "slice of each matrix; use 1")
+    if int(ctx.get("moe_expert_parallel_size")) > 1:
+        problems.append(f"{shown} with {ctx.show('moe_expert_parallel_size')}: {what}, and an expert-parallel rank "
+                        "holds part of the experts; use 1")
+    if int(ctx.get("pipe_parallel_size")) >= 1 and block_enabled(ctx.get("bf16")):
+        problems.append(f"{shown} with bf16 and {ctx.show('pipe_parallel_size')}: {what}, and DeepSpeed's bf16 "
+                        "optimizer of a pipeline steps one flat fp32 buffer; use pipe_parallel_size: 0 or fp32")
     return problems

@@ -336,6 +336,7 @@ def test_whole_tensor_layouts_are_refused_before_launch(kind: str) -> None:
     assert "ZeRO stage 1" in refused(optimizer=block, zero_optimization={"stage": 1})
     assert "shard of a flat buffer" in refused(optimizer=block, zero_optimization={"stage": 3})
     assert "slice of each matrix" in refused(optimizer=block, model_parallel_size=2)
+    assert "BF16_Optimizer" in refused(optimizer=block, pipe_parallel_size=1, precision="bfloat16")
     if kind != "Cautious":
         assert "set gradient_clipping: 0" in refused(optimizer=block, gradient_clipping=1.0)
     finalize(config_from_mapping({**LAUNCH, "optimizer": block}), 1, device=Device(cuda=False, fp16_supported=False))
@@ -384,3 +385,25 @@ def test_muon_through_the_engine_and_schedule_equals_levanters(one_rank: Any) ->
     expected = muon_reference(dict(start), grads, muon_lr, adam_lr)
     for name, p in module.named_parameters():
         np.testing.assert_allclose(p.detach().double().numpy(), expected[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_bf16_without_a_pipeline_module_steps_whole_weights(one_rank: Any) -> None:
+    """precision bfloat16 at pipe_parallel_size 0 (what Levanter's mp: p=f32,c=bfloat16 maps to): DeepSpeed's
+    mixed-precision wrapper hands Muon each fp32 master weight whole, so it trains; with a pipeline module it would
+    hand it flat buffers (refused above)."""
+    from megatron.engine.build import build_engine
+    from megatron.model import lm_loss
+    from megatron.neox_arguments.run_config import RunConfig
+
+    keys = {**LAUNCH, "optimizer": {"type": "Muon", "params": {"lr": 0.02}}, "lr": None, "precision": "bfloat16"}
+    run = RunConfig.from_resolved(finalize(config_from_mapping(keys), 1, device=Device(cuda=False,
+                                                                                           fp16_supported=False)))
+    eng = build_engine(run, run.model.with_vocab(64), 4)
+    shapes = {g["role"]: {len(p.shape) for p in g["params"]} for g in eng.engine.optimizer.param_groups}
+    assert shapes["muon"] == {2}
+    before = {n: p.detach().float().clone() for n, p in eng.engine.module.named_parameters()}
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    eng.engine.backward(lm_loss(eng.engine(tokens), tokens))
+    eng.engine.step()
+    moved = [n for n, p in eng.engine.module.named_parameters() if not torch.equal(p.detach().float(), before[n])]
+    assert "layers.0.attention.query_key_value.weight" in moved
