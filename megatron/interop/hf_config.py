@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from megatron.errors import ConversionError
+from megatron.interop.hf_gemma import gemma_architecture, gemma_hf_config, gemma_problems
 from megatron.interop.hf_mamba import gpt_config_from_mamba, mamba_hf_config, mamba_problems
 from megatron.interop.hf_moe import moe_architecture, moe_hf_config, moe_problems
 from megatron.interop.hf_olmo2 import is_olmo2, olmo2_hf_config, olmo2_problems
@@ -43,7 +44,8 @@ if TYPE_CHECKING:
 
 HFArchitecture = Literal["GPTNeoXForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                          "Qwen3ForCausalLM", "Phi3ForCausalLM",
-                         "MambaForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM"]
+                         "MambaForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "GemmaForCausalLM",
+                         "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM"]
 
 # our activation -> the name in transformers' ACT2FN computing exactly the same function
 PLAIN_ACTIVATIONS: dict[str, str] = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu", "swish": "silu", "mish": "mish"}
@@ -102,13 +104,14 @@ def unsupported_features(config: GPTConfig, hf_class: str | None = None) -> tupl
             f"pos_emb: {config.pos_emb} (GPTNeoX, Llama and Mistral in transformers use rotary positions only)"
         )
     moe = config.moe_num_experts > 1
+    gemma = config.norm == "gemma_rmsnorm"  # Gemma 2/3: hf_gemma.py
     olmo2 = config.norm == "rmsnorm" and is_olmo2(config)  # OLMo 2: hf_olmo2.py
-    if config.use_qk_layernorm and not moe and not olmo2 and config.norm.removeprefix("te_") != "rmsnorm":
+    if config.use_qk_layernorm and not moe and not gemma and not olmo2 and config.norm.removeprefix("te_") != "rmsnorm":
         problems.append("use_qk_layernorm: true (GPTNeoX, Llama and Mistral have no query/key norm)")
-    if config.norm_placement != "pre" and not olmo2:
+    if config.norm_placement != "pre" and not gemma and not olmo2:
         problems.append(f"norm_placement: {config.norm_placement} (GPTNeoX, Llama and Mistral normalise before "
                         f"attention and the MLP only; OLMo 2's post-norm needs norm: rmsnorm and use_qk_layernorm with "
-                        f"qk_norm_scope: projection)")
+                        f"qk_norm_scope: projection, Gemma's sandwich norm: gemma_rmsnorm)")
     if config.use_qk_layernorm and config.qk_norm_scope == "projection" and not olmo2:
         problems.append("qk_norm_scope: projection (only Olmo2ForCausalLM normalises the whole query/key projections; "
                         "it also needs norm: rmsnorm and norm_placement: post)")
@@ -118,7 +121,7 @@ def unsupported_features(config: GPTConfig, hf_class: str | None = None) -> tupl
     if config.opt_pos_emb_offset and config.pos_emb == "learned":
         problems.append(f"opt_pos_emb_offset: {config.opt_pos_emb_offset}")
     layer_kinds = {_LOCAL if config.attention_window(i) is not None else "global" for i in range(config.arch.layers)}
-    if len(layer_kinds) > 1:
+    if len(layer_kinds) > 1 and not gemma:
         problems.append(
             "attention_config mixes sliding-window (local) and global layers (Mistral applies one window to all)"
         )
@@ -203,6 +206,13 @@ def unsupported_features(config: GPTConfig, hf_class: str | None = None) -> tupl
         if arch == "Qwen2ForCausalLM" and config.use_bias_in_mlp:
             problems.append("use_bias_in_mlp: true with use_bias_in_qkv (Qwen2ForCausalLM's MLP has no biases; a "
                             "model with biases everywhere exports as Llama with use_bias_in_attn_linear)")
+    elif gemma:
+        arch = gemma_architecture(config)
+        problems += gemma_problems(config, gated)
+        if moe:
+            problems.append(f"moe_num_experts: {config.moe_num_experts} ({arch} has no mixture of experts)")
+        if len({w for w in (config.attention_window(i) for i in range(config.arch.layers)) if w is not None}) > 1:
+            problems.append(f"sliding_window_width: several widths ({arch} has one sliding_window)")
     else:
         problems.append(
             f"norm: {config.norm} (only layernorm -> GPTNeoXForCausalLM and rmsnorm -> LlamaForCausalLM/"
@@ -271,6 +281,8 @@ def hf_config_from_gpt(config: GPTConfig, tokens: SpecialTokens, dtype: torch.dt
             attention_bias=config.use_bias_in_attn_linear,
             is_decoder=False,
         )
+    if arch in ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        return gemma_hf_config(config, common, _rope(config, partial=False))
     gated: dict[str, Any] = dict(
         num_key_value_heads=config.kv_heads,
         head_dim=config.head_dim,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron.errors import ConversionError
+from megatron.interop.hf_gemma import GEMMA_FAMILIES, gemma_model_keys
 from megatron.interop.hf_olmo2 import OLMO2_FAMILY, olmo2_model_keys
 from megatron.model.mlp_width import intermediate_size_for
 
@@ -62,6 +63,8 @@ def neox_model_keys(cfg: Mapping[str, Any], seq_length: int | None = None) -> di
     """GPT-NeoX model keys for an HF GPTNeoX / Llama / Mistral / Qwen2 config (refuses what Deepy cannot run).
     ``rope_scaling`` stays HF's dict (``model/rope_scaling.py`` parses it)."""
     kind = cfg.get("model_type")
+    if kind in GEMMA_FAMILIES:  # Gemma 2 / Gemma 3 text: hf_gemma.py
+        return gemma_model_keys(cfg, seq_length)
     if kind not in _FAMILIES:
         raise ConversionError(f"model_type {kind!r} is not supported (GPTNeoX, Llama, Mistral, Qwen2 and Mamba models "
                               "are)")
@@ -213,7 +216,10 @@ MATH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
              "rotary_emb_base", "rope_scaling", "rotary_pct", "norm", "layernorm_epsilon", "rms_norm_epsilon",
              "activation", "no_weight_tying", "use_bias_in_attn_linear", "use_bias_in_qkv", "use_bias_in_mlp",
              "gpt_j_residual", "sliding_window_width", "moe_num_experts", "moe_top_k", "moe_router_type",
-             "moe_router_renormalize", "moe_expert_interval", "use_qk_layernorm", "qk_norm_scope", "norm_placement")
+             "moe_router_renormalize", "moe_expert_interval", "use_qk_layernorm", "qk_norm_scope",
+             # Gemma 2/3 (hf_gemma.py)
+             "norm_placement", "scale_embeddings_by_sqrt_hidden", "query_pre_attn_scalar", "attn_logit_softcapping",
+             "final_logit_softcapping", "rope_local_base_freq", "attention_config")
 """The keys of :func:`neox_model_keys` that change the model's maths: a config that starts from the HF model
 must agree with it on each (``initialize_from_hf``'s check before launch)."""
 

@@ -20,9 +20,10 @@ import torch
 
 from megatron.errors import ConversionError
 from megatron.interop.hf_config import HFArchitecture
+from megatron.interop.hf_gemma import GEMMA_ARCHITECTURES, gemma_norms_from_hf, gemma_norms_to_hf
 from megatron.interop.hf_mamba import mamba_from_hf, mamba_to_hf
-from megatron.interop.hf_moe import experts_from_hf, experts_to_hf
 from megatron.interop.hf_olmo2 import OLMO2_ARCHITECTURE, olmo2_norms_from_hf, olmo2_norms_to_hf
+from megatron.interop.hf_moe import experts_from_hf, experts_to_hf
 from megatron.model.config import GPTConfig
 
 Weights = dict[str, torch.Tensor]
@@ -62,6 +63,8 @@ def to_hf_state_dict(config: GPTConfig, arch: HFArchitecture, weights: Weights) 
         return mamba_to_hf(config, weights)
     if arch == "GPTNeoXForCausalLM":
         return _to_gpt_neox(config, weights)
+    if arch in GEMMA_ARCHITECTURES:  # Llama's names plus the sandwich and query/key norms (hf_gemma.py)
+        return gemma_norms_to_hf(config, weights, _to_llama(config, weights))
     if arch == OLMO2_ARCHITECTURE:  # Llama's names, the norms after attention and MLP (hf_olmo2.py)
         return olmo2_norms_to_hf(config, weights, _to_llama(config, weights))
     return _to_llama(config, weights)
@@ -75,6 +78,9 @@ def from_hf_state_dict(config: GPTConfig, arch: HFArchitecture, hf: Weights) -> 
         return mamba_from_hf(config, hf)
     if arch == "GPTNeoXForCausalLM":
         return _from_gpt_neox(config, hf)
+    if arch in GEMMA_ARCHITECTURES:  # Llama's names plus the sandwich and query/key norms (hf_gemma.py)
+        llama, norms = gemma_norms_from_hf(config, hf)
+        return {**_from_llama(config, llama), **norms}
     if arch == OLMO2_ARCHITECTURE:  # Llama's names, the norms after attention and MLP (hf_olmo2.py)
         return {**_from_llama(config, hf), **olmo2_norms_from_hf(config, hf)}
     return _from_llama(config, hf)
@@ -235,4 +241,3 @@ def _phi3_split(config: GPTConfig, hf: Weights) -> Weights:
         gate, up = _take(out, f"{src}.mlp.gate_up_proj.weight").split([ffn, ffn], dim=0)
         out[f"{src}.mlp.gate_proj.weight"], out[f"{src}.mlp.up_proj.weight"] = gate, up
     return out
-

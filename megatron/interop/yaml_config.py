@@ -56,7 +56,7 @@ def architecture_keys(config: GPTConfig) -> dict[str, Any]:
     if config.opt_pos_emb_offset:
         keys["opt_pos_emb_offset"] = config.opt_pos_emb_offset
     keys["norm"] = config.norm
-    if config.norm.removeprefix("te_") == "rmsnorm":
+    if config.norm.removeprefix("te_") in ("rmsnorm", "gemma_rmsnorm"):
         keys["rms_norm_epsilon"] = config.rms_norm_epsilon
     else:
         keys.update(layernorm_epsilon=config.layernorm_epsilon, use_bias_in_norms=config.use_bias_in_norms)
@@ -90,6 +90,14 @@ def architecture_keys(config: GPTConfig) -> dict[str, Any]:
             keys["qk_norm_scope"] = config.qk_norm_scope
     if config.kv_channels is not None:
         keys["kv_channels"] = config.kv_channels
+    # Gemma (hf_gemma.py): written only when set, so other models' files stay as they were
+    if config.attention_config is not None:
+        keys["attention_config"] = config.attention_config
+    for key in ("rope_local_base_freq", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, key) is not None:
+            keys[key] = getattr(config, key)
+    if config.scale_embeddings_by_sqrt_hidden:
+        keys["scale_embeddings_by_sqrt_hidden"] = True
     keys.update(
         init_method_std=config.init_method_std,
         hidden_dropout=config.hidden_dropout,

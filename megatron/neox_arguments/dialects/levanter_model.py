@@ -52,11 +52,21 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "olmo2": dict(_RMS, hidden_size=4096, intermediate_size=3 * 11008, num_attention_heads=32, num_kv_heads=32,
                   num_layers=32, seq_length=4096, max_position_embeddings=4096, rms_norm_epsilon=1e-6,
                   norm_placement="post", use_qk_layernorm=True, qk_norm_scope="projection"),
+    # GemmaConfig (gemma.py:61-122@9263f81e, Gemma 1, defaults for Gemma-2B): pre-norm blocks (GemmaDecoderLayer,
+    # :294-335) with Gemma's (1 + w) RMSNorm in fp32 (GemmaRMSNorm, :259-291; eps 1e-5, :80), a gelu_new gated MLP
+    # (LlamaMlp, :78, 309-315) without biases (:93), embeddings times sqrt(hidden_dim) in their dtype (:425-426),
+    # 8 heads of 256 with one kv head (:88-90), tied embeddings (:81), scores by 1/sqrt(head_dim) (its
+    # attention_config, :231-244, passes no query_pre_attn_scalar), rope theta 1e4, gradient_checkpointing on (:105)
+    "gemma": dict(_RMS, norm="gemma_rmsnorm", activation="geglu_tanh", no_weight_tying=False,
+                  scale_embeddings_by_sqrt_hidden=True, hidden_size=2048, intermediate_size=3 * 16384,
+                  num_attention_heads=8, num_kv_heads=1, kv_channels=256, num_layers=18, seq_length=8192,
+                  max_position_embeddings=8192, rms_norm_epsilon=1e-5),
 }
 
 NOT_BUILT = {
     "gpt2_hyena": "Hyena operators", "backpack": "Backpack sense vectors", "whisper": "an encoder-decoder speech model",
-    "gemma": "Gemma (its (1 + w) RMSNorm, scaled embeddings and GeGLU)", "gemma2": "Gemma 2", "gemma3": "Gemma 3",
+    "gemma2": "Levanter's Gemma 2 (Deepy builds Gemma 2 from Hugging Face: docs/gemma.md)",
+    "gemma3": "Levanter's Gemma 3 (Deepy builds Gemma 3 from Hugging Face: docs/gemma.md)",
     "qwen": "Qwen (attention biases on q/k/v only)", "qwen3": "Qwen 3 (QK norms)", "llama4": "Llama 4",
     "apertus": "Apertus", "mpt": "MPT", "gpt_oss": "gpt-oss",
 }
@@ -64,7 +74,8 @@ NOT_BUILT = {
 
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
                 "silu": "silu", "swish": "silu"}
-_GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "relu": "reglu"}
+_GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "relu": "reglu", "gelu_new": "geglu_tanh",
+          "gelu_pytorch_tanh": "geglu_tanh"}
 
 
 def model_type(ctx: Context) -> str:
@@ -339,6 +350,9 @@ MODEL_RULES: dict[str, Rule] = {
     "model.rzl_coef": _mixtral_only(lambda v, ctx: {"moe_z_loss_coeff": 0.0 if v is None else float(v)}),
     "model.hybrid_norm": _equal_or_refuse(False, "hybrid_norm (extra norms after attention and MLP) is not built here"),
     "model.input_embedding_norm": _equal_or_refuse(False, "input_embedding_norm is not built here"),
+    # GemmaConfig.query_pre_attn_scalar (gemma.py:103): Gemma 1's attention_config (:231-244) does not pass it
+    "model.query_pre_attn_scalar": lambda v, ctx: noted("Levanter's Gemma (1) attention scales by 1/sqrt(head_dim) "
+                                                        "whatever it says (gemma.py:231-244@9263f81e)"),
 }
 
 

@@ -1,0 +1,359 @@
+"""Gemma 2 (``Gemma2ForCausalLM``) and Gemma 3 text (``Gemma3ForCausalLM``), transformers 5.23.0, in and out of
+Deepy (``megatron/interop/hf_gemma.py``), and the model keys they need.
+
+References are transformers' own models, built here from a ``Gemma2Config`` / ``Gemma3TextConfig`` (random
+weights, norm gains moved off their zeros so a dropped or misplaced norm shows; nothing downloaded): their logits,
+parameter counts and greedy ``generate``. The shapes make every Gemma piece count: four layers with a sliding
+window (6) shorter than the sequences, Gemma 2's alternating and Gemma 3's 3:1 local/global pattern, a head dim
+(24) that is not hidden / heads (16), grouped-query attention, a query_pre_attn_scalar (20) that is not the head
+dim, Gemma 2's soft caps, Gemma 3's query/key norms and local rotary base. Published sizes: the presets under
+configs/gemma2 and configs/gemma3 against transformers' parameter count of the published configs (meta device).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from safetensors.torch import load_file
+
+from megatron.errors import ConversionError
+from megatron.interop.convert import export_to_hf, import_to_deepy
+from megatron.interop.deepy_checkpoint import read_full_checkpoint, write_weights_only_checkpoint
+from megatron.interop.hf_config import choose_architecture, gpt_config_from_hf
+from megatron.interop.hf_model import fixed_batch
+from megatron.interop.hf_tokenizer import TokenizerFiles, export_tokenizer
+from megatron.interop.hf_weights import from_hf_state_dict
+from megatron.model import GPTConfig, GPTModel, num_parameters
+from test_model_families import assert_greedy_generation_equals_transformers
+
+REPO = Path(__file__).resolve().parents[2]
+SHAPE: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=64,
+                             rms_norm_eps=1e-6, sliding_window=6, query_pre_attn_scalar=20, bos_token_id=0,
+                             eos_token_id=0, pad_token_id=0)  # fmt: skip
+FAMILIES: dict[str, dict[str, Any]] = {
+    "gemma2": dict(attn_logit_softcapping=0.25, final_logit_softcapping=1.0,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "gemma3": dict(layer_types=["sliding_attention"] * 3 + ["full_attention"], final_logit_softcapping=0.8,
+                   rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+}  # fmt: skip
+
+
+def hf_config(family: str, **changes: Any) -> Any:
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    cls = Gemma2Config if family == "gemma2" else Gemma3TextConfig
+    return cls(**{**SHAPE, **FAMILIES[family], **changes})
+
+
+def gemma_model(family: str, **changes: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(hf_config(family, **changes))
+    with torch.no_grad():  # Gemma's norm gains start at zeros (a gain of 1): make them count
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    return model.eval()
+
+
+def save(model: Any, out: Path) -> Path:
+    model.save_pretrained(out)
+    export_tokenizer(TokenizerFiles("CharLevelTokenizer"), out, 64)
+    return out
+
+
+def hf_logits(model_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).eval()
+    with torch.no_grad():
+        return model(input_ids=tokens).logits
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def imported(request: pytest.FixtureRequest) -> tuple[Any, GPTConfig, GPTModel]:
+    theirs = gemma_model(request.param)
+    config = gpt_config_from_hf(theirs.config, seq_length=32)
+    ours = GPTModel(config).eval()
+    ours.load_state_dict(from_hf_state_dict(config, choose_architecture(config), theirs.state_dict()))
+    return theirs, config, ours
+
+
+def test_gemma_imports_with_its_logits_and_parameter_count(imported: tuple[Any, GPTConfig, GPTModel]) -> None:
+    theirs, config, ours = imported
+    gemma3 = theirs.config.model_type == "gemma3_text"
+    assert choose_architecture(config) == ("Gemma3ForCausalLM" if gemma3 else "Gemma2ForCausalLM")
+    assert (config.norm, config.norm_placement, config.activation) == ("gemma_rmsnorm", "sandwich", "geglu_tanh")
+    assert config.kv_channels == 24 and config.query_pre_attn_scalar == 20 and config.scale_embeddings_by_sqrt_hidden
+    assert config.sliding_window_width == 5  # HF's window of 6: keys at distance < 6
+    if gemma3:
+        assert config.attention_config == [[["local", "local", "local", "global"], 1]]
+        assert config.use_qk_layernorm and config.rope_local_base_freq == 10000 and config.rotary_emb_base == 1000000
+        assert config.attn_logit_softcapping is None and config.final_logit_softcapping == 0.8
+    else:
+        assert config.attention_config == [[["local", "global"], 2]]
+        assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (0.25, 1.0)
+    # the registry's count (sandwich: four norms a layer; Gemma 3: the two head-dim norms), the module's, theirs
+    hf_count = sum(p.numel() for p in theirs.parameters())
+    assert num_parameters(config) == sum(p.numel() for p in ours.parameters()) == hf_count
+    tokens = fixed_batch(config.vocab, 24)
+    with torch.no_grad():
+        delta = (ours(tokens) - theirs(input_ids=tokens).logits).abs().max().item()
+    assert delta <= 1e-4
+
+
+# each Gemma key, undone in our config alone, moves the logits away from transformers'
+UNDONE: dict[str, dict[str, Any]] = {
+    "attn_logit_softcapping": dict(attn_logit_softcapping=None),
+    "final_logit_softcapping": dict(final_logit_softcapping=None),
+    "query_pre_attn_scalar": dict(query_pre_attn_scalar=None),
+    "scale_embeddings_by_sqrt_hidden": dict(scale_embeddings_by_sqrt_hidden=False),
+    "rope_local_base_freq": dict(rope_local_base_freq=None),
+    "sliding_window_width": dict(attention_config=None, sliding_window_width=None),
+}
+
+
+@pytest.mark.parametrize("key", list(UNDONE))
+def test_each_gemma_key_is_needed_for_equal_logits(key: str, imported: tuple[Any, GPTConfig, GPTModel]) -> None:
+    theirs, config, ours = imported
+    if getattr(config, key, True) is None or (key == "attn_logit_softcapping" and config.use_qk_layernorm):
+        pytest.skip(f"{key} is not set in this family")
+    other = GPTModel(config.replace(**UNDONE[key])).eval()
+    other.load_state_dict(ours.state_dict())
+    tokens = fixed_batch(config.vocab, 24)
+    with torch.no_grad():
+        delta = (other(tokens) - theirs(input_ids=tokens).logits).abs().max().item()
+    assert delta > 1e-3, key
+
+
+def test_geglu_tanh_is_gemmas_gated_mlp_activation() -> None:
+    """activation geglu_tanh: transformers' gelu_pytorch_tanh of the gate half times the up half (Gemma's MLP)."""
+    from transformers.activations import ACT2FN
+
+    from megatron.model.activations import get_activation
+
+    x = 3 * torch.randn(5, 16, dtype=torch.float64)
+    gate, up = x.chunk(2, dim=-1)
+    assert torch.allclose(get_activation("geglu_tanh")(x), ACT2FN["gelu_pytorch_tanh"](gate) * up, atol=1e-12)
+    assert not torch.allclose(get_activation("geglu")(x), ACT2FN["gelu_pytorch_tanh"](gate) * up, atol=1e-6)
+
+
+def test_gemma_norm_is_one_plus_its_weight() -> None:
+    """gemma_rmsnorm (zeros at init) computes rmsnorm with the gain 1 + w, the fp32 product cast back once."""
+    from megatron.model.norm_layers import GemmaRMSNorm, RMSNorm
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    gemma, plain = GemmaRMSNorm(8, 1e-6), RMSNorm(8, 1e-6)
+    assert torch.equal(gemma.weight, torch.zeros(8))
+    with torch.no_grad():
+        gemma.weight.normal_()
+        plain.weight.copy_(1.0 + gemma.weight)
+    assert torch.equal(gemma(x), plain(x))
+
+
+def test_gemma_greedy_generation_equals_transformers(imported: tuple[Any, GPTConfig, GPTModel]) -> None:
+    theirs, config, ours = imported
+    assert_greedy_generation_equals_transformers(ours, theirs, vocab=config.vocab, hidden=config.arch.hidden)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gemma_round_trip_at_tp2_pp2_then_a_trained_step_exports(family: str, tmp_path: Path) -> None:
+    source = save(gemma_model(family), tmp_path / family)
+    imported = import_to_deepy(source, tmp_path / "deepy", tp=2, pp=2)
+    assert imported.max_logit_diff is not None and imported.max_logit_diff <= 1e-4
+    written = yaml.safe_load(imported.config_file.read_text())
+    assert written["norm"] == "gemma_rmsnorm" and written["norm_placement"] == "sandwich"
+    exported = export_to_hf(tmp_path / "deepy", tmp_path / "back")
+    assert exported.architecture == ("Gemma2ForCausalLM" if family == "gemma2" else "Gemma3ForCausalLM")
+    assert exported.max_logit_diff is not None and exported.max_logit_diff <= 1e-4
+    original, back = load_file(source / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert set(original) == set(back) and all(torch.equal(original[k], back[k]) for k in original)
+    config_a = json.loads((source / "config.json").read_text())
+    config_b = json.loads((tmp_path / "back" / "config.json").read_text())
+    for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "head_dim",
+                "num_key_value_heads", "num_hidden_layers", "rope_parameters", "tie_word_embeddings",
+                "max_position_embeddings", "hidden_activation", "rms_norm_eps", "sliding_window", "layer_types",
+                "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+        assert config_a.get(key) == config_b.get(key), key
+
+    # one training step on the imported weights (the sandwich norms move too), exported again
+    full = read_full_checkpoint(tmp_path / "deepy")
+    model = GPTModel(full.config)
+    model.load_state_dict(full.weights)
+    tokens = fixed_batch(full.config.vocab, 17)
+    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    key = "layers.1.mlp_output_norm.weight"
+    assert not torch.equal(trained[key], full.weights[key])
+    write_weights_only_checkpoint(tmp_path / "trained", config=full.config, weights=trained, tp=1, pp=1, step=1,
+                                  args=full.args)  # fmt: skip
+    export_to_hf(tmp_path / "trained", tmp_path / "trained_hf")
+    model.eval()
+    with torch.no_grad():
+        ours = model(tokens)
+    assert (ours - hf_logits(tmp_path / "trained_hf", tokens)).abs().max().item() <= 1e-4
+
+
+def test_gemma_what_it_cannot_carry_is_refused_by_name() -> None:
+    with pytest.raises(ConversionError, match="use_bidirectional_attention"):
+        gpt_config_from_hf(hf_config("gemma3", use_bidirectional_attention=True))
+    with pytest.raises(ConversionError, match="rope_type 'linear'"):
+        gpt_config_from_hf(hf_config("gemma2", rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                                "factor": 2.0}))
+    config = gpt_config_from_hf(hf_config("gemma2"), seq_length=32)
+    with pytest.raises(ConversionError, match="norm_placement: post"):
+        choose_architecture(config.replace(norm_placement="post"))
+    # pre-norm is Gemma (1), which has no caps: named, not exported as Gemma 2 without them
+    with pytest.raises(ConversionError, match="attn_logit_softcapping: 0.25 .GemmaForCausalLM has none"):
+        choose_architecture(config.replace(norm_placement="pre"))
+    with pytest.raises(ConversionError, match="scale_embeddings_by_sqrt_hidden: false"):
+        choose_architecture(config.replace(scale_embeddings_by_sqrt_hidden=False))
+    with pytest.raises(ConversionError, match="rope_local_base_freq without use_qk_layernorm"):
+        choose_architecture(config.replace(rope_local_base_freq=100))
+    with pytest.raises(ConversionError, match="attn_logit_softcapping with use_qk_layernorm"):
+        choose_architecture(config.replace(use_qk_layernorm=True))
+
+
+def test_capped_scores_are_estimated_as_kept_probabilities() -> None:
+    """attn_logit_softcapping computes the scores outside SDPA's fused kernels: the memory estimate counts the
+    [b, n, s, s] probabilities its backward keeps, as for SDPA's math kernel."""
+    from megatron.engine.memory import sdpa_kernel
+
+    config = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, padded_vocab_size=64)
+    assert sdpa_kernel(config, "bfloat16", 32) == "flash"
+    assert sdpa_kernel(config.replace(attn_logit_softcapping=50.0), "bfloat16", 32) == "math"
+
+
+def test_gemma_keys_are_checked_before_launch() -> None:
+    from megatron.config_rules import RuleContext
+    from megatron.model.gemma_checks import local_rope_base_has_local_layers, query_scale_has_one_source
+    from megatron.neox_arguments import NeoXArgs
+
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=16, pos_emb="rotary")
+    muP = NeoXArgs(**base, query_pre_attn_scalar=16.0, use_mup=True)
+    assert "query_pre_attn_scalar" in query_scale_has_one_source(RuleContext(muP))[0]
+    no_local = NeoXArgs(**base, rope_local_base_freq=100)
+    assert "has no local layer" in local_rope_base_has_local_layers(RuleContext(no_local))[0]
+    local = no_local.model_copy(update={"attention_config": [[["local", "global"], 1]], "sliding_window_width": 4})
+    assert local_rope_base_has_local_layers(RuleContext(local)) == []
+
+
+def test_initialize_from_hf_of_a_gemma_directory_checks_its_keys(tmp_path: Path) -> None:
+    """The check before launch reads a Gemma 2 config.json (plain JSON) and names a Gemma key the config lacks."""
+    from megatron.config_rules import RuleContext
+    from megatron.interop.hf_keys import neox_model_keys, read_config_json
+    from megatron.interop.hf_start import initialize_from_hf_agrees_with_its_config
+    from megatron.neox_arguments import NeoXArgs
+
+    hf_config("gemma2").save_pretrained(tmp_path / "hf")
+    model = neox_model_keys(read_config_json(tmp_path / "hf"))
+    args = NeoXArgs(**{k: v for k, v in model.items() if k in NeoXArgs.model_fields},
+                    initialize_from_hf=str(tmp_path / "hf"))
+    assert initialize_from_hf_agrees_with_its_config(RuleContext(args)) == []
+    uncapped = args.model_copy(update={"final_logit_softcapping": None})
+    problems = initialize_from_hf_agrees_with_its_config(RuleContext(uncapped))
+    assert len(problems) == 1 and "final_logit_softcapping" in problems[0], problems
+
+
+# published sizes (the models' config.json on the Hub, as transformers 5.23.0 reads them); the parameter count is
+# transformers' own, of the model built from the config on the meta device
+PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
+    "gemma2/gemma2-2B.yml": ("gemma2", dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+                                            num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                                            head_dim=256)),
+    "gemma2/gemma2-9B.yml": ("gemma2", dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+                                            num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
+                                            head_dim=256)),
+    "gemma3/gemma3-270M.yml": ("gemma3", dict(vocab_size=262144, hidden_size=640, intermediate_size=2048,
+                                              num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+                                              head_dim=256)),
+    "gemma3/gemma3-1B.yml": ("gemma3", dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                                            num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+                                            head_dim=256)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED))
+def test_presets_have_the_published_parameter_count(preset: str) -> None:
+    from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig
+
+    family, sizes = PUBLISHED[preset]
+    cls = Gemma2Config if family == "gemma2" else Gemma3TextConfig
+    with torch.device("meta"):
+        theirs = AutoModelForCausalLM.from_config(cls(**sizes))
+    expected = sum(p.numel() for p in theirs.parameters())
+    keys = yaml.safe_load((REPO / "configs" / preset).read_text())
+    fields = {k.replace("-", "_"): v for k, v in keys.items() if k.replace("-", "_") in GPTConfig.model_fields}
+    ours = GPTConfig(**fields, padded_vocab_size=sizes["vocab_size"])
+    assert num_parameters(ours) == expected
+
+
+# --- Gemma (1): GemmaForCausalLM, and Levanter's model.type gemma, which is that architecture ---------------------
+GEMMA1: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=24, max_position_embeddings=64,
+                              rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
+LEVANTER_GEMMA = """\
+model:
+  type: gemma
+  hidden_dim: 64
+  intermediate_dim: 96
+  num_heads: 4
+  num_kv_heads: 1
+  head_dim: 24
+  num_layers: 2
+  seq_len: 32
+  layer_norm_epsilon: 1.0e-6
+trainer:
+  mp: p=f32,c=bfloat16
+"""
+
+
+def test_gemma1_both_ways_and_levanters_gemma_is_that_model(tmp_path: Path) -> None:
+    """GemmaForCausalLM (transformers 5.23.0 models/gemma/): Gemma 2's pieces less the sandwich, caps, window and
+    query scalar. Levanter's GemmaConfig (gemma.py:61-122@9263f81e) builds the same model: its keys, with the sizes
+    given, equal the import's on every key that changes the maths."""
+    from transformers import AutoModelForCausalLM, GemmaConfig
+
+    from megatron.interop.hf_keys import MATH_KEYS
+    from megatron.neox_arguments.dialects.levanter_model import NOT_BUILT
+    from test_levanter_keys import load
+
+    torch.manual_seed(3)
+    theirs = AutoModelForCausalLM.from_config(GemmaConfig(**GEMMA1))
+    with torch.no_grad():
+        for name, param in theirs.named_parameters():
+            if "norm" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    source = save(theirs.eval(), tmp_path / "gemma")
+    imported = import_to_deepy(source, tmp_path / "deepy")
+    assert imported.max_logit_diff is not None and imported.max_logit_diff <= 1e-4
+    exported = export_to_hf(tmp_path / "deepy", tmp_path / "back")
+    assert exported.architecture == "GemmaForCausalLM" and exported.max_logit_diff is not None
+    original, back = load_file(source / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert set(original) == set(back) and all(torch.equal(original[k], back[k]) for k in original)
+
+    config = gpt_config_from_hf(theirs.config, seq_length=32)
+    assert (config.norm, config.norm_placement, config.activation) == ("gemma_rmsnorm", "pre", "geglu_tanh")
+    assert "gemma" not in NOT_BUILT
+    levanter = load(tmp_path, LEVANTER_GEMMA).args
+    differ = {k: (getattr(levanter, k), getattr(config, k)) for k in MATH_KEYS if k not in ("attention_config",)
+              and getattr(levanter, k) != getattr(config, k)}
+    assert differ == {}, differ
+    # Levanter's defaults (GemmaConfig: Gemma-2B's shapes, eps 1e-5, tied, gelu_new, one kv head of 256)
+    default = load(tmp_path, "model:\n  type: gemma\n").args
+    assert (default.hidden_size, default.num_layers, default.num_attention_heads, default.num_kv_heads) == \
+        (2048, 18, 8, 1)
+    assert (default.intermediate_size, default.rms_norm_epsilon, default.no_weight_tying) == (3 * 16384, 1e-5, False)
+    assert default.scale_embeddings_by_sqrt_hidden and default.activation == "geglu_tanh"
