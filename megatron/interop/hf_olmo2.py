@@ -17,6 +17,7 @@ No torch import: the argument layer reads config.json through :func:`olmo2_model
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from megatron.errors import ConversionError
@@ -35,7 +36,7 @@ OLMO2_ARCHITECTURE = "Olmo2ForCausalLM"
 _NORMS = {"post_attention_layernorm": "attention_output_norm", "post_feedforward_layernorm": "mlp_output_norm"}
 
 
-def olmo2_model_keys(cfg: dict[str, Any]) -> dict[str, Any]:
+def olmo2_model_keys(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """What an OLMo 2 config changes of the Llama keys ``hf_keys.neox_model_keys`` reads from it."""
     if cfg.get("mlp_bias"):
         raise ConversionError("mlp_bias: true (Olmo2MLP's projections have no bias: modeling_olmo2.py:261-270)")

@@ -67,12 +67,12 @@ class SelfAttention(nn.Module):
         self.qk_norm_over_projection = config.use_qk_layernorm and config.qk_norm_scope == "projection"
         if self.qk_norm_over_projection:
             eps, dtype = config.rms_norm_epsilon, config.params_dtype
-            self.q_norm = TensorParallelRMSNorm(config.arch.heads * self.head_dim, eps, dtype)
-            self.k_norm = TensorParallelRMSNorm(config.kv_heads * self.head_dim, eps, dtype)
+            self.q_norm: nn.Module | None = TensorParallelRMSNorm(config.arch.heads * self.head_dim, eps, dtype)
+            self.k_norm: nn.Module | None = TensorParallelRMSNorm(config.kv_heads * self.head_dim, eps, dtype)
         elif config.use_qk_layernorm:
             # one norm over the head dim, shared by all heads; heads are split, so grads are partial
-            self.q_norm: nn.Module | None = build_norm(config.norm_settings, self.head_dim)
-            self.k_norm: nn.Module | None = build_norm(config.norm_settings, self.head_dim)
+            self.q_norm = build_norm(config.norm_settings, self.head_dim)
+            self.k_norm = build_norm(config.norm_settings, self.head_dim)
             mark_partial_over_tensor_parallel([*self.q_norm.parameters(), *self.k_norm.parameters()])
         else:
             self.q_norm = self.k_norm = None
