@@ -86,8 +86,6 @@ def architecture_keys(config: GPTConfig) -> dict[str, Any]:
             keys["qk_norm_scope"] = config.qk_norm_scope
     if config.norm_placement != "pre":  # OLMo 2 (hf_olmo2.py), Gemma
         keys["norm_placement"] = config.norm_placement
-        if config.qk_norm_scope != "head":  # OLMo 2 (hf_olmo2.py)
-            keys["qk_norm_scope"] = config.qk_norm_scope
     if config.kv_channels is not None:
         keys["kv_channels"] = config.kv_channels
     # Gemma (hf_gemma.py): written only when set, so other models' files stay as they were
