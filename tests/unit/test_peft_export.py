@@ -35,6 +35,9 @@ CASES = {
     "llama": (GPTConfig(**LLAMA), False, "LlamaForCausalLM"),  # type: ignore[arg-type]
     "llama_split": (GPTConfig(**LLAMA), True, "LlamaForCausalLM"),  # type: ignore[arg-type]
     "qwen2": (GPTConfig(**LLAMA, use_bias_in_qkv=True), False, "Qwen2ForCausalLM"),  # type: ignore[arg-type]
+    # OLMo 2: norms after the sublayers only, q/k RMSNorm over the whole projections
+    "olmo2": (GPTConfig(**LLAMA, norm_placement="post", use_qk_layernorm=True,  # type: ignore[arg-type]
+                        qk_norm_scope="projection"), False, "Olmo2ForCausalLM"),
 }
 
 
