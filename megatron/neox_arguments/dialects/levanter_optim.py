@@ -1,5 +1,7 @@
 """Levanter's ``optimizer:`` section: ``OptimizerConfig`` with its schedule keys, and ``AdamConfig``, ``LionConfig``,
-``AdoptConfig`` and ``RMSPropMomentumConfig``.
+``AdoptConfig`` and ``RMSPropMomentumConfig``, ``SophiaHConfig``, and ``MuonConfig``, ``ScionConfig``, ``MarsConfig``
+and ``CautiousConfig`` (``muon.py``, ``scion.py``, ``mars.py``, ``cautious.py``: Deepy's Muon, Scion, MARS and
+Cautious, ``megatron/engine/levanter_whole_tensor_optim.py``, which clip inside the optimizer where Levanter does).
 
 Defaults and meanings are read from ``src/levanter/optim/config.py``, ``adopt.py`` and ``rmsprop.py`` of
 stanford-crfm/levanter at 9263f81e. The schedule keys become the ``levanter`` learning-rate style, which computes
@@ -41,7 +43,8 @@ KIND_DEFAULTS: dict[str, dict[str, float]] = {
 }
 """Each built type's own fields and defaults (RMSProp spells its epsilon ``eps``)."""
 
-NOT_BUILT = {"sophia-g": "Sophia-G", "kron": "Kron (PSGD)", "mini": "Adam-mini",
+NOT_BUILT = {"sophia-g": "Sophia-G", "kron": "Kron (PSGD)",
+             "mini": "Adam-mini, whose second-moment blocks follow Levanter's own array layouts, adam_mini.py:65-105",
              "soap": "SOAP", "skipstep": "skip-step"}
 """Levanter optimizers Deepy does not build."""
 
@@ -214,7 +217,7 @@ def _gamma(value: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _unread_lr(value: Any, ctx: Context) -> dict[str, Any]:
-    if _kind(ctx) not in ZERO_DECAY:
+    if _kind(ctx) not in ("muon", "scion"):
         raise Refused("only Levanter's muon and scion optimizers have lr (the rate is learning_rate)")
     return noted(f"{_kind(ctx)}'s lr field is never read by its build(), which schedules learning_rate "
                  "(muon.py:52, scion.py:44@9263f81e)")
