@@ -253,9 +253,12 @@ REFERENCE_CHECKPOINTS: dict[str, str] = {
     "mistral": "mistralai/Mistral-7B-v0.1",  # models/mistral.py:84
     "mixtral": "mistralai/Mixtral-8x7B-v0.1",  # models/mixtral.py:96
     "gpt2": "gpt2",  # models/gpt2.py:80
+    "gemma": "google/gemma-2b",  # models/gemma.py:124
+    "olmo2": "allenai/OLMo-2-1124-7B",  # models/olmo.py:79
 }
 """The hub repo each model type's ``hf_checkpoint_converter`` reads where ``model.reference_checkpoint`` is not given
-(Levanter's defaults): what train_lm's ``initialize_from_hf: true`` starts from (train_lm.py:84-90)."""
+(Levanter's defaults): what train_lm's ``initialize_from_hf: true`` starts from (train_lm.py:84-90). Qwen's and Qwen3's
+configs inherit LlamaConfig's (qwen.py:37,301), a Llama checkpoint: not taken here (give model.reference_checkpoint)."""
 
 
 def raw_model_type(ctx: Context) -> str:
