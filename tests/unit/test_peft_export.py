@@ -29,6 +29,8 @@ SHAPE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
              no_weight_tying=True, pos_emb="rotary")
 LLAMA = dict(SHAPE, num_kv_heads=2, norm="rmsnorm", activation="swiglu", intermediate_size=48,
              use_bias_in_attn_linear=False, use_bias_in_mlp=False)
+MOE = dict(LLAMA, intermediate_size=16, moe_num_experts=4, moe_top_k=2, moe_router_type="topk",
+           moe_router_renormalize=True)
 CASES = {
     "gpt_neox": (GPTConfig(**SHAPE, norm="layernorm"), False, "GPTNeoXForCausalLM"),  # type: ignore[arg-type]
     "gpt_neox_split": (GPTConfig(**SHAPE, norm="layernorm"), True, "GPTNeoXForCausalLM"),  # type: ignore[arg-type]
@@ -38,6 +40,10 @@ CASES = {
     # OLMo 2: norms after the sublayers only, q/k RMSNorm over the whole projections
     "olmo2": (GPTConfig(**LLAMA, norm_placement="post", use_qk_layernorm=True,  # type: ignore[arg-type]
                         qk_norm_scope="projection"), False, "Olmo2ForCausalLM"),
+    # every MLP 4 experts (which take no adapters), top-2 renormalised; Qwen3-MoE with per-head q/k norms
+    "mixtral": (GPTConfig(**MOE), False, "MixtralForCausalLM"),  # type: ignore[arg-type]
+    "qwen3_moe": (GPTConfig(**MOE, use_qk_layernorm=True, kv_channels=16), False,  # type: ignore[arg-type]
+                  "Qwen3MoeForCausalLM"),
 }
 
 
@@ -74,6 +80,8 @@ def test_peft_export_loads_in_peft_with_our_logits_and_merges_to_our_merge(case:
     modules = {m.rsplit(".", 1)[-1] for m in adapter_config["target_modules"]}
     want = {"GPTNeoXForCausalLM": {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "lm_head"}}.get(
         arch, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"})
+    if config.moe_num_experts > 1:  # Mixtral / Qwen3-MoE: LoRA adapts no expert (Deepy's MoE layer has no Linear)
+        want -= {"gate_proj", "up_proj", "down_proj"}
     assert modules == want
     # split sections in one transformers module (GPTNeoX's query_key_value) carry a rank per section held
     ranks = set(adapter_config["rank_pattern"].values())
