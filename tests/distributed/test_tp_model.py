@@ -74,13 +74,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
                                                     num_kv_heads=2, use_qk_layernorm=True, pos_emb="rotary",
                                                     norm="rmsnorm", activation="swiglu", use_bias_in_attn_linear=False,
                                                     use_bias_in_mlp=False, sequence_parallel=True),
-    # Mixtral / Qwen3-MoE: every MLP 4 SwiGLU experts (2 whole experts per tp rank), top-2 softmax routing
-    # renormalised, 12-wide heads with per-head q/k RMSNorm
-    "moe_topk_renormalised_sequence_parallel": dict(moe_num_experts=4, moe_top_k=2, moe_router_type="topk",
-                                                    moe_router_renormalize=True, intermediate_size=16, kv_channels=12,
-                                                    num_kv_heads=2, use_qk_layernorm=True, pos_emb="rotary",
-                                                    norm="rmsnorm", activation="swiglu", use_bias_in_attn_linear=False,
-                                                    use_bias_in_mlp=False, sequence_parallel=True),
 }
 PIPELINE_CONFIGS = ["mha_learned", "alibi_untied_qknorm_parallel", "value_head_sequence_parallel", "rpe_local_gqa",
                     "qkv_bias_only_sequence_parallel", "head_dim_qknorm_sequence_parallel",
