@@ -39,9 +39,11 @@ OPTIMIZER_KINDS: dict[str, str] = {
     "sophiah": "sophia_h",
     "sophia_h": "sophia_h",
     "sophia-h": "sophia_h",
+    "soap": "soap",
 }
 SHOWN_TYPES = ("Adam", "AdamW", "CPU_Adam", "CPU_torch_adam", "OneBitAdam", "SM3", "madgrad_wd", "Lion", "SGD",
-               "ADOPT", "RMSPropMomentum", "Muon", "Scion", "MARS", "Cautious", "SophiaH")
+               "ADOPT", "RMSPropMomentum", "Muon", "Scion", "MARS", "Cautious", "SophiaH",
+               "SOAP")
 
 
 class _Params(ArgGroup):
@@ -197,6 +199,36 @@ class CautiousParams(_Params):
     """Levanter's ``epsilon``: in Adam's denominator and added to the mask's mean."""
 
 
+class SoapParams(_Params):
+    """Levanter's ``SoapConfig`` (``src/levanter/optim/soap.py:29-49`` of stanford-crfm/levanter@9263f81e; its
+    ``weight_decay`` default is 0.0 and ``max_grad_norm`` 1.0 is ``gradient_clipping``): the update is in
+    ``megatron/engine/levanter_soap.py``. Levanter's ``mu_dtype``/``precond_dtype`` (None: the parameter's) are not
+    taken: the state is in the parameter's dtype."""
+
+    betas: Betas = (0.95, 0.95)
+    """Levanter's ``beta1`` (Adam's momentum, in the parameter's basis) and ``beta2`` (its second moment, in the
+    preconditioners' eigenbasis)."""
+    shampoo_beta: float = Field(0.95, lt=1)
+    """Decay of the preconditioners' EMA of gradient outer products (negative: ``beta2``)."""
+    eps: float = Field(1e-8, gt=0)
+    """Levanter's ``epsilon``: added to the square root of the second moment, and to the diagonal of the first
+    eigendecomposition."""
+    precondition_frequency: int = Field(10, ge=1)
+    """The eigenbases are refreshed (one QR power iteration) every this many steps."""
+    max_precond_dim: int = Field(10000, ge=1)
+    """A dimension this long or longer gets no preconditioner (the vocabulary)."""
+    merge_small_dims: bool = True
+    """Merge a parameter's small dimensions towards ``target_merged_dim_size`` first (Levanter's heuristic)."""
+    target_merged_dim_size: int = Field(2048, ge=1)
+    """The merged size the merge aims at."""
+    one_diag: bool = False
+    """Precondition only the first eligible dimension of each block."""
+    partition_grads_into_blocks: bool = True
+    """Cut each (merged) parameter into ``block_size`` blocks, each preconditioned on its own."""
+    block_size: int = Field(256, ge=1)
+    """The blocks' side; every block is zero-padded to a multiple of it."""
+
+
 class _Block(ArgGroup):
     type: str
     """Optimizer type, case-insensitive."""
@@ -269,11 +301,15 @@ class SophiaHBlock(_Block):
     params: SophiaHParams = SophiaHParams()
 
 
+class SoapBlock(_Block):
+    params: SoapParams = SoapParams()
+
+
 PARAMS_OF_KIND: dict[str, type[_Params]] = {
     "adam": AdamParams, "cpu_adam": AdamParams, "onebitadam": OneBitAdamParams, "sm3": SM3Params,
     "madgrad_wd": MadgradParams, "lion": LionParams, "sgd": SGDParams, "adopt": AdoptParams,
     "rmsprop_momentum": RMSPropMomentumParams, "muon": MuonParams, "scion": ScionParams,
-    "mars": MarsParams, "cautious": CautiousParams, "sophia_h": SophiaHParams,
+    "mars": MarsParams, "cautious": CautiousParams, "sophia_h": SophiaHParams, "soap": SoapParams,
 }
 
 
@@ -303,7 +339,8 @@ OptimizerBlock = Annotated[
     | Annotated[ScionBlock, Tag("scion")]
     | Annotated[MarsBlock, Tag("mars")]
     | Annotated[CautiousBlock, Tag("cautious")]
-    | Annotated[SophiaHBlock, Tag("sophia_h")],
+    | Annotated[SophiaHBlock, Tag("sophia_h")]
+    | Annotated[SoapBlock, Tag("soap")],
     Discriminator(
         _kind_of,
         custom_error_type="optimizer_type",

@@ -36,6 +36,7 @@ OptimizerType = Literal[
     "mars",
     "cautious",
     "sophia_h",
+    "soap",
 ]
 
 
@@ -95,7 +96,7 @@ class OptimizerArgs(ArgGroup):
     optimizer: OptimizerBlock | None = None
     """Optimizer block: {type: Adam, params: {lr, betas, eps, ...}}; type is one of Adam, AdamW,
     CPU_Adam, CPU_torch_adam, OneBitAdam, SM3, madgrad_wd, Lion, SGD, ADOPT,
-    RMSPropMomentum, Muon, Scion, MARS, Cautious, SophiaH and params are checked per type."""
+    RMSPropMomentum, Muon, Scion, MARS, Cautious, SophiaH, SOAP and params are checked per type."""
 
     @property
     def optimizer_kind(self) -> str:

@@ -20,6 +20,8 @@ whose decay is torch's L2 term as in GPT-NeoX.
   (``megatron/engine/levanter_whole_tensor_optim.py``; not ``torch.optim.Muon``, whose Newton-Schulz runs in
   bfloat16). They act on whole tensors (matrices, global norms, a mask's mean over a weight in every layer), so
   their builders are handed the parameters' names, and ZeRO and tensor parallelism are refused before launch.
+* ``SOAP``: Levanter's SOAP (``megatron/engine/levanter_soap.py``): Adam in the eigenbasis of Shampoo's
+  preconditioners, on whole (merged, blocked) parameters.
 * ``OneBitAdam``: built by DeepSpeed itself (it needs the engine's communication backend), so it
   only runs on GPUs with NCCL/MPI; the config rules refuse it elsewhere before launch.
 """
@@ -36,6 +38,7 @@ from megatron.engine.bnb import build_adam8bit
 from megatron.engine.levanter_optim import LevanterAdopt, LevanterRMSPropMomentum
 from megatron.engine.levanter_whole_tensor_optim import (LevanterCautious, LevanterMars, LevanterMuon, LevanterScion,
                                                          is_linear_matrix, split_groups)
+from megatron.engine.levanter_soap import LevanterSoap
 from megatron.engine.levanter_sophia import LevanterSophiaH
 from megatron.engine.optimizer_config import OptimizerArgs
 
@@ -217,10 +220,10 @@ def build_scion(groups: ParamGroups, cfg: OptimizerArgs, names: Names) -> torch.
                          scion_epsilon=p["scion_epsilon"], max_grad_norm=p["inner_max_grad_norm"])
 
 
-@register_optimizer("mars")
-def build_mars(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer:
+@register_named_optimizer("mars")
+def build_mars(groups: ParamGroups, cfg: OptimizerArgs, names: Names) -> torch.optim.Optimizer:
     p = cfg.optimizer_params
-    return LevanterMars(groups, lr=cfg.peak_lr, betas=tuple(p["betas"]), gamma=p["gamma"], eps=p["eps"],
+    return LevanterMars(split_groups(groups, names, cfg.peak_lr), lr=cfg.peak_lr, betas=tuple(p["betas"]), gamma=p["gamma"], eps=p["eps"],
                         max_grad_norm=p["inner_max_grad_norm"])
 
 
@@ -229,6 +232,16 @@ def build_cautious(groups: ParamGroups, cfg: OptimizerArgs, names: Names) -> tor
     p = cfg.optimizer_params
     return LevanterCautious(split_groups(groups, names, cfg.peak_lr), lr=cfg.peak_lr, betas=tuple(p["betas"]),
                             eps=p["eps"])
+
+
+@register_optimizer("soap")
+def build_soap(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer:
+    p = cfg.optimizer_params
+    return LevanterSoap(groups, lr=cfg.peak_lr, betas=tuple(p["betas"]), shampoo_beta=p["shampoo_beta"], eps=p["eps"],
+                        precondition_frequency=p["precondition_frequency"], max_precond_dim=p["max_precond_dim"],
+                        merge_small_dims=p["merge_small_dims"], target_merged_dim_size=p["target_merged_dim_size"],
+                        one_diag=p["one_diag"], partition_grads_into_blocks=p["partition_grads_into_blocks"],
+                        block_size=p["block_size"])
 
 
 class _DecoupledDecay:

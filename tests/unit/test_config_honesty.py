@@ -295,7 +295,10 @@ DIALECT_SAMPLES: dict[str, dict[str, object]] = {
         "optimizer.update_rms_clipping": None, "optimizer.clip_update_norm": None, "optimizer.skip_bad_steps": False,
         "optimizer.adamc_weight_decay": False, "optimizer.eps": 1e-20, "optimizer.schedule_list": None,
         "optimizer.gamma": 0.01, "optimizer.clip_threshold": 1.0, "optimizer.update_interval": 10,
-        "optimizer.rng_seed": 0,
+        "optimizer.rng_seed": 0, "optimizer.shampoo_beta": 0.95, "optimizer.precondition_frequency": 10,
+        "optimizer.max_precond_dim": 10000, "optimizer.merge_small_dims": True, "optimizer.target_merged_dim_size": 2048,
+        "optimizer.one_diag": False, "optimizer.partition_grads_into_blocks": True, "optimizer.block_size": 256,
+        "optimizer.mu_dtype": None, "optimizer.precond_dtype": None,
         "optimizer.adam_lr": 1e-3, "optimizer.momentum": 0.9, "optimizer.backend_steps": 3,
         "optimizer.muon_epsilon": 1e-7, "optimizer.use_kimi_scaling": True, "optimizer.lr": 0.02,
         "optimizer.scion_to_signum_lr": 0.5, "optimizer.scion_epsilon": 1e-7,
@@ -351,6 +354,9 @@ DIALECT_CONTEXT: dict[str, dict[str, object]] = {
     "optimizer.schedule_list": {"optimizer.type": "adopt"},
     **{f"optimizer.{f}": {"optimizer.type": "sophia-h"} for f in ("gamma", "clip_threshold", "update_interval",
                                                                     "rng_seed")},
+    **{f"optimizer.{f}": {"optimizer.type": "soap"}
+       for f in ("shampoo_beta", "precondition_frequency", "max_precond_dim", "merge_small_dims",
+                 "target_merged_dim_size", "one_diag", "partition_grads_into_blocks", "block_size")},
     **{f"optimizer.{f}": {"optimizer.type": "muon"}
        for f in ("adam_lr", "momentum", "backend_steps", "muon_epsilon", "use_kimi_scaling", "lr")},
     **{f"optimizer.{f}": {"optimizer.type": "scion"} for f in ("scion_to_signum_lr", "scion_epsilon")},

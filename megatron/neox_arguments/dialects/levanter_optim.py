@@ -40,12 +40,17 @@ KIND_DEFAULTS: dict[str, dict[str, float]] = {
     # SophiaHConfig, sophia.py:127-137,200-203 and HessianOptConfig.update_interval, config.py:397-399
     "sophia-h": {"beta1": 0.96, "beta2": 0.99, "epsilon": 1e-12, "gamma": 0.01, "clip_threshold": 1.0,
                  "update_interval": 10, "rng_seed": 0},
+    # SoapConfig, soap.py:29-49 (weight_decay 0.0: ZERO_DECAY; max_grad_norm 1.0 as Adam's)
+    "soap": {"beta1": 0.95, "beta2": 0.95, "shampoo_beta": 0.95, "epsilon": 1e-8, "precondition_frequency": 10,
+             "max_precond_dim": 10000, "merge_small_dims": True, "target_merged_dim_size": 2048, "one_diag": False,
+             "partition_grads_into_blocks": True, "block_size": 256},
 }
 """Each built type's own fields and defaults (RMSProp spells its epsilon ``eps``)."""
 
-NOT_BUILT = {"sophia-g": "Sophia-G", "kron": "Kron (PSGD)",
+NOT_BUILT = {"sophia-g": "Sophia-G (Levanter's own raises NotImplementedError, sophia.py:406)",
+             "kron": "Kron (PSGD): not ported, docs/levanter_optimizers.md",
              "mini": "Adam-mini, whose second-moment blocks follow Levanter's own array layouts, adam_mini.py:65-105",
-             "soap": "SOAP", "skipstep": "skip-step"}
+             "skipstep": "skip-step"}
 """Levanter optimizers Deepy does not build."""
 
 _SCHEDULES = ("constant", "cosine", "linear", "inv_sqrt", "inv")
@@ -62,7 +67,7 @@ def _kind(ctx: Context) -> str:
 
 
 _DEEPY_TYPE = {"adam": "Adam", "lion": "Lion", "adopt": "ADOPT", "rmsprop": "RMSPropMomentum", "sophia-h": "SophiaH",
-               "muon": "Muon", "scion": "Scion", "mars": "MARS", "cautious": "Cautious"}
+               "muon": "Muon", "scion": "Scion", "mars": "MARS", "cautious": "Cautious", "soap": "SOAP"}
 _WHOLE_TENSOR_PARAMS = {"muon": ("adam_lr", "momentum", "nesterov", "backend_steps", "muon_epsilon", "use_kimi_scaling"),
                         "scion": ("scion_to_signum_lr", "momentum", "backend_steps", "beta1", "scion_epsilon"),
                         "mars": ("gamma",)}
@@ -71,9 +76,11 @@ _WHOLE_TENSOR_PARAMS = {"muon": ("adam_lr", "momentum", "nesterov", "backend_ste
 INNER_CLIP = frozenset({"muon", "scion", "mars"})
 """Types whose ``max_grad_norm`` Levanter applies inside the optimizer (muon.py:69-73, scion.py:58-61: the AdamW or
 signum half only; mars.py:106-109: the corrected gradient), Deepy's ``inner_max_grad_norm``: ``gradient_clipping`` 0."""
-ZERO_DECAY = frozenset({"muon", "scion"})
+ZERO_DECAY = frozenset({"muon", "scion", "soap"})
 """Types whose ``weight_decay`` defaults to 0.0 (muon.py:38, scion.py:35), not ``OptimizerConfig``'s 0.1."""
-_EXTRA_PARAMS = {"sophia-h": ("gamma", "clip_threshold", "update_interval", "rng_seed")}
+_EXTRA_PARAMS = {"sophia-h": ("gamma", "clip_threshold", "update_interval", "rng_seed"),
+                 "soap": ("shampoo_beta", "precondition_frequency", "max_precond_dim", "merge_small_dims",
+                          "target_merged_dim_size", "one_diag", "partition_grads_into_blocks", "block_size")}
 """Fields handed to Deepy's optimizer block under their Levanter names, besides the betas and epsilon."""
 
 
@@ -97,9 +104,10 @@ def _optimizer(value: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _schedule_list(value: Any, ctx: Context) -> dict[str, Any]:
-    if _kind(ctx) != "adopt":
-        raise Refused("only Levanter's adopt (and soap) optimizer has schedule_list")
-    return noted("AdoptConfig declares it but its build() never reads it (adopt.py:31@9263f81e)")
+    if _kind(ctx) not in ("adopt", "soap"):
+        raise Refused("only Levanter's adopt and soap optimizers have schedule_list")
+    return noted("AdoptConfig and SoapConfig declare it but their build() never reads it "
+                 "(adopt.py:31, soap.py:40@9263f81e)")
 
 
 def _max_grad_norm(value: Any, ctx: Context) -> dict[str, Any]:
@@ -195,6 +203,12 @@ def _epsilon(value: Any, ctx: Context) -> dict[str, Any]:
     return _optimizer(value, ctx)
 
 
+def _soap_field(value: Any, ctx: Context) -> dict[str, Any]:
+    if _kind(ctx) != "soap":
+        raise Refused(f"only Levanter's soap optimizer has {', '.join(_EXTRA_PARAMS['soap'])}")
+    return _optimizer(value, ctx)
+
+
 def _sophia_field(value: Any, ctx: Context) -> dict[str, Any]:
     if _kind(ctx) != "sophia-h":
         raise Refused("only Levanter's sophia-h optimizer has gamma, clip_threshold, update_interval and rng_seed")
@@ -248,6 +262,10 @@ OPTIMIZER_RULES: dict[str, Rule] = {
     "optimizer.clip_threshold": _sophia_field,
     "optimizer.update_interval": _sophia_field,
     "optimizer.rng_seed": _sophia_field,
+    **{f"optimizer.{name}": _soap_field for name in _EXTRA_PARAMS["soap"]},
+    "optimizer.mu_dtype": _equal_or_refuse(None, "SOAP's state is kept in the parameter's dtype (mu_dtype: null)"),
+    "optimizer.precond_dtype": _equal_or_refuse(None, "SOAP's preconditioners are kept in the parameter's dtype "
+                                                      "(precond_dtype: null)"),
     "optimizer.schedule_list": _schedule_list,
     "optimizer.max_grad_norm": _max_grad_norm,
     "optimizer.min_lr_ratio": _schedule_key("levanter_min_lr_ratio"),
