@@ -156,9 +156,10 @@ class GPTConfig(MoEArgs, MupArgs):
 
     norm: str = needs_gpu_library("layernorm", TRANSFORMER_ENGINE, values=("te_rmsnorm", "te_layernorm"))
     """Normalisation layer used in every block and before the output layer: layernorm, rmsnorm,
-    gemma_rmsnorm (Gemma's x / rms(x) * (1 + w), w from zeros), scalenorm, non_parametric_layernorm, te_rmsnorm/te_layernorm (Transformer Engine's RMSNorm/LayerNorm
-    kernels with rms_norm_epsilon/layernorm_epsilon, NVIDIA GPU only), or a plug-in's
-    (``megatron/model/norms.py``)."""
+    gemma_rmsnorm (Gemma's x / rms(x) * (1 + w), w from zeros), scalenorm, non_parametric_layernorm,
+    non_parametric_rmsnorm (x / rms(x), no gain: Levanter's use_layer_norm_weight false; not a GPT-NeoX norm),
+    te_rmsnorm/te_layernorm (Transformer Engine's RMSNorm/LayerNorm kernels with rms_norm_epsilon/layernorm_epsilon,
+    NVIDIA GPU only), or a plug-in's (``megatron/model/norms.py``)."""
 
     @field_validator("norm")
     @classmethod

@@ -36,6 +36,18 @@ class GemmaRMSNorm(nn.Module):
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
+class NonParametricRMSNorm(nn.Module):
+    """RMSNorm without a gain: ``x * rsqrt(mean(x^2) + eps)`` in fp32, cast back (Levanter's RmsNorm with
+    ``use_weight: false``, the norm of its Llama-family configs with ``use_layer_norm_weight: false``)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.normalized_shape, self.eps = (dim,), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), self.normalized_shape, None, self.eps).to(x.dtype)
+
+
 class ScaleNorm(nn.Module):
     """x / max(||x||, eps) * g, with one learned scalar g."""
 

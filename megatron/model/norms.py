@@ -110,6 +110,13 @@ def _gemma_rmsnorm(dim: int, c: NormSettings) -> nn.Module:
     return GemmaRMSNorm(dim, c.rms_norm_epsilon, c.params_dtype)
 
 
+def _non_parametric_rmsnorm(dim: int, c: NormSettings) -> nn.Module:
+    # lazy: torch; the launcher (deepy.py) reads this module without it
+    from megatron.model.norm_layers import NonParametricRMSNorm
+
+    return NonParametricRMSNorm(dim, c.rms_norm_epsilon)
+
+
 def _scalenorm(dim: int, c: NormSettings) -> nn.Module:
     # lazy: torch; the launcher (deepy.py) reads this module without it
     from megatron.model.norm_layers import ScaleNorm
@@ -137,6 +144,9 @@ register_norm("gemma_rmsnorm", NormEntry(build=_gemma_rmsnorm, parameters=lambda
                                          reads=("rms_norm_epsilon",)))
 register_norm("non_parametric_layernorm", NormEntry(build=_non_parametric_layernorm, parameters=lambda dim, c: 0,
                                                    reads=("layernorm_epsilon",)))
+# Levanter's RmsNorm with use_weight false (its Llama-family use_layer_norm_weight: false); not a GPT-NeoX norm
+register_norm("non_parametric_rmsnorm", NormEntry(build=_non_parametric_rmsnorm, parameters=lambda dim, c: 0,
+                                                 keeps_fp32_input=True, reads=("rms_norm_epsilon",)))
 register_norm("scalenorm", NormEntry(build=_scalenorm, parameters=lambda dim, c: 1, reads=("scalenorm_epsilon",)))
 
 

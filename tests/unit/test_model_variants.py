@@ -41,6 +41,8 @@ def ref_norm(cfg: GPTConfig, sd: dict, prefix: str, x: torch.Tensor) -> torch.Te
         return y
     if norm == "rmsnorm":
         return x / torch.sqrt((x**2).mean(-1, keepdim=True) + cfg.rms_norm_epsilon) * sd[f"{prefix}.weight"]
+    if norm == "non_parametric_rmsnorm":  # Levanter's RmsNorm without a gain: no mean subtracted, no weight
+        return x / torch.sqrt((x**2).mean(-1, keepdim=True) + cfg.rms_norm_epsilon)
     if norm == "gemma_rmsnorm":  # Gemma: the gain is 1 + w
         return x / torch.sqrt((x**2).mean(-1, keepdim=True) + cfg.rms_norm_epsilon) * (1 + sd[f"{prefix}.weight"])
     if norm == "scalenorm":
@@ -224,6 +226,7 @@ VARIANTS: dict[str, dict] = {
     "rmsnorm": dict(norm="rmsnorm"),
     "scalenorm": dict(norm="scalenorm"),
     "non_parametric_layernorm": dict(norm="non_parametric_layernorm"),
+    "non_parametric_rmsnorm": dict(norm="non_parametric_rmsnorm", rms_norm_epsilon=0.1),
     **{f"act_{a}": dict(activation=a) for a in ["gelu", "relu", "silu", "swish", "softsign", "mish"]},
     # GPT-NeoX's gated width rule: int(96 * 2/3) = 64 rows, halves of 32 (its default 4h = 128 gives 85 and 42,
     # which it cannot run)

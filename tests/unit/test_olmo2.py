@@ -249,3 +249,22 @@ def test_levanter_olmo2_model_is_olmo2s_block(tmp_path: Path) -> None:
     llama = LEVANTER_OLMO2.replace("type: olmo2", "type: llama").replace("{attention_bias}", "false")
     with pytest.raises(ConfigError, match="an Olmo2Config field"):
         levanter_args(tmp_path, llama)
+
+
+def test_levanter_llama_without_norm_weights_is_rmsnorm_without_a_gain(tmp_path: Path) -> None:
+    """config/olmo/olmo_7b_repro.yaml (Levanter 9263f81e) trains a llama with use_layer_norm_weight: false: Levanter's
+    RmsNorm without its weight (LlamaConfig.norm_config, llama.py:177-182), x / rms(x), not a LayerNorm (which
+    subtracts the mean first)."""
+    from test_dialects import levanter_args
+
+    text = LEVANTER_OLMO2.replace("type: olmo2", "type: llama").replace("  attention_bias: {attention_bias}\n", "")
+    args = levanter_args(tmp_path, text.replace("use_layer_norm_weight: true", "use_layer_norm_weight: false")).args
+    assert args.norm == "non_parametric_rmsnorm"
+    from megatron.model.norm_layers import NonParametricRMSNorm
+
+    x = torch.randn(3, 8) + 2.0  # a mean far from zero: a LayerNorm would differ
+    want = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(NonParametricRMSNorm(8, 1e-6)(x), want)
+    with pytest.raises(ConfigError, match="(?i)olmo ?2 without norm weights"):
+        levanter_args(tmp_path, LEVANTER_OLMO2.replace("{attention_bias}", "false").replace(
+            "use_layer_norm_weight: true", "use_layer_norm_weight: false"))

@@ -166,7 +166,11 @@ def _layer_norm_weight(value: Any, ctx: Context) -> dict[str, Any]:
         return {}
     if shape_kind(ctx) == "olmo2":  # its q/k norms are RMSNorms with a gain, one per feature of the projection
         raise Refused("OLMo 2 without norm weights (RMSNorm without a gain) is not built here")
-    return {"norm": "non_parametric_layernorm"}
+    if shape_kind(ctx) in ("gpt2", "gemma"):  # Gpt2Config and GemmaConfig have no such field (gpt2.py, gemma.py:61)
+        raise Refused(f"use_layer_norm_weight is a LlamaConfig field; Levanter's {shape_kind(ctx)} has none")
+    # the Llama family's norms are RmsNorms (LlamaConfig.norm_config: RmsNormConfig(use_weight=use_layer_norm_weight),
+    # llama.py:177-182@9263f81e; Mistral, Mixtral and Qwen inherit it), here without a gain: no mean is subtracted
+    return {"norm": "non_parametric_rmsnorm"}
 
 
 def _tie(value: Any, ctx: Context) -> dict[str, Any]:
