@@ -278,6 +278,7 @@ DIALECT_SAMPLES: dict[str, dict[str, object]] = {
         "model.attn_backend": "jax_flash", "model.use_flash_attention": True, "model.flash_attention_block_size": 512,
         "model.cross_entropy_block_size": 1024, "model.scan_layers": True, "model.reference_checkpoint": "x",
         "model.tokenizer": "x", "model.head_dim": None, "model.hybrid_norm": False, "model.input_embedding_norm": False,
+        "model.use_sliding_window": False, "model.max_window_layers": 0,
         "model.query_pre_attn_scalar": 256.0,
         "model.use_sliding_window": False, "model.max_window_layers": 0,
         "trainer.allow_nondivisible_batch_size": False, "trainer.quantization": None, "trainer.model_averaging": None,

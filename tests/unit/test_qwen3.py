@@ -213,3 +213,60 @@ def test_qwen_presets_have_the_published_parameter_count(preset: str) -> None:
     ours = preset_config(preset)
     assert num_parameters(ours) == sum(p.numel() for p in theirs.parameters())
     assert choose_architecture(ours) == type(theirs).__name__
+
+
+LEVANTER_QWEN = """\
+data:
+  train_urls: ["{root}/train.jsonl"]
+  cache_dir: "{root}/cache"
+  tokenizer: "{root}/tokenizer.json"
+model:
+  type: %s
+  seq_len: 64
+  hidden_dim: 64
+  intermediate_dim: 96
+  num_layers: 2
+  num_heads: 4
+  num_kv_heads: 2
+%s
+trainer:
+  train_batch_size: 4
+  num_train_steps: 10
+optimizer:
+  learning_rate: 1e-5
+"""
+
+
+@pytest.mark.parametrize("kind", ["qwen", "qwen3"])
+def test_levanter_qwen_model_types_build_qwen2_and_qwen3(kind: str, tmp_path: Path) -> None:
+    """Levanter's ``model.type: qwen`` (QwenConfig, src/levanter/models/qwen.py:35-139 at 9263f81e: q/k/v biases,
+    none on o_proj) and ``qwen3`` (Qwen3Config, :299-376: per-head q/k RMSNorm, head_dim) build the model
+    transformers' Qwen2/Qwen3 class computes, with Levanter's LlamaConfig defaults where the file says nothing."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+    from test_dialects import levanter_args
+
+    from megatron.errors import ConfigError
+
+    extra = "  head_dim: 24\n  use_bias: false" if kind == "qwen3" else "  use_bias: false"
+    args = levanter_args(tmp_path, LEVANTER_QWEN % (kind, extra)).args
+    config = GPTConfig(**{k: getattr(args, k) for k in GPTConfig.model_fields if hasattr(args, k)}).with_vocab(128)
+    sizes: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    hf_config = Qwen3Config(**sizes, head_dim=24) if kind == "qwen3" else Qwen2Config(**sizes)
+    with torch.device("meta"):
+        theirs = AutoModelForCausalLM.from_config(hf_config)
+    assert choose_architecture(config) == type(theirs).__name__
+    assert num_parameters(config) == sum(p.numel() for p in theirs.parameters())
+    # LlamaConfig's defaults (llama.py:59-77): RMSNorm eps 1e-5, rope theta 1e4, untied, silu gated MLP
+    assert (config.rms_norm_epsilon, config.rotary_emb_base, config.no_weight_tying, config.activation) == (
+        1e-5, 10000, True, "swiglu")
+    defaults = levanter_args(tmp_path, LEVANTER_QWEN.replace("  seq_len: 64\n  hidden_dim: 64\n  intermediate_dim: 96\n"
+                                                             "  num_layers: 2\n  num_heads: 4\n  num_kv_heads: 2\n",
+                                                             "") % (kind, "")).args
+    assert (defaults.hidden_size, defaults.intermediate_size, defaults.num_layers, defaults.seq_length) == (
+        4096, 3 * 11008, 32, 2048)
+    with pytest.raises(ConfigError, match="use_bias also gives its RMSNorms a bias"):
+        levanter_args(tmp_path, LEVANTER_QWEN % (kind, "  use_bias: true"))
+    if kind == "qwen":  # Levanter's Qwen raises NotImplementedError for a window (qwen.py:172-176)
+        with pytest.raises(ConfigError, match="use_sliding_window"):
+            levanter_args(tmp_path, LEVANTER_QWEN % (kind, "  use_sliding_window: true\n  sliding_window: 16"))

@@ -36,6 +36,18 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # into exported HF configs: Levanter's attention is full causal)
     "mistral": dict(_RMS, hidden_size=4096, intermediate_size=3 * 14336, num_attention_heads=32, num_kv_heads=8,
                     num_layers=32, seq_length=8192, max_position_embeddings=8192, rms_norm_epsilon=1e-6),
+    # QwenConfig (qwen.py:35-48, 125-139@9263f81e; Qwen 2): LlamaConfig's defaults (Llama-2 7B shapes, eps 1e-5,
+    # untied, rope theta 1e4) with biases on q/k/v always and none on o_proj (attention_config, :131-133), the
+    # MLP's bias from use_bias (:159, default False)
+    "qwen": dict(_RMS, hidden_size=4096, intermediate_size=3 * 11008, num_attention_heads=32, num_kv_heads=32,
+                 num_layers=32, seq_length=2048, max_position_embeddings=2048, rms_norm_epsilon=1e-5,
+                 use_bias_in_qkv=True),
+    # Qwen3Config (qwen.py:299-376): LlamaConfig's defaults with an RMSNorm (eps layer_norm_epsilon) over each head's
+    # queries and keys (qk_norm = norm_config, :374-376, built over HeadSize and applied before rope:
+    # layers/attention.py:1492-1494, 1622-1633); all four attention projections' biases from use_bias (default False)
+    "qwen3": dict(_RMS, hidden_size=4096, intermediate_size=3 * 11008, num_attention_heads=32, num_kv_heads=32,
+                  num_layers=32, seq_length=2048, max_position_embeddings=2048, rms_norm_epsilon=1e-5,
+                  use_qk_layernorm=True),
     # MixtralConfig (mixtral.py:65-90@9263f81e): Mistral's shapes with every MLP a mixture of 8 SwiGLU experts
     # of 14336 (GPT-NeoX's expert rule: intermediate_size is each half's width, model/mlp_width.py), top-2
     # routing renormalised over the two (_route, mixtral.py:344-345), rope theta 1e4 (not HF's 1e6); its
@@ -67,7 +79,7 @@ NOT_BUILT = {
     "gpt2_hyena": "Hyena operators", "backpack": "Backpack sense vectors", "whisper": "an encoder-decoder speech model",
     "gemma2": "Levanter's Gemma 2 (Deepy builds Gemma 2 from Hugging Face: docs/gemma.md)",
     "gemma3": "Levanter's Gemma 3 (Deepy builds Gemma 3 from Hugging Face: docs/gemma.md)",
-    "qwen": "Qwen (attention biases on q/k/v only)", "qwen3": "Qwen 3 (QK norms)", "llama4": "Llama 4",
+    "llama4": "Llama 4",
     "apertus": "Apertus", "mpt": "MPT", "gpt_oss": "gpt-oss",
 }
 """Levanter's model types Deepy does not build, with what they need."""
@@ -147,6 +159,12 @@ def _layer_norm_epsilon(value: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _use_bias(value: Any, ctx: Context) -> dict[str, Any]:
+    if shape_kind(ctx) in ("qwen", "qwen3"):  # LlamaConfig.norm_config: RmsNormConfig(use_bias=use_bias), llama.py:177-182
+        if value:
+            raise Refused(f"{shape_kind(ctx)}'s use_bias also gives its RMSNorms a bias (llama.py:177-182), which "
+                          f"Deepy's rmsnorm has not")
+        return {"use_bias_in_mlp": False} if shape_kind(ctx) == "qwen" else {"use_bias_in_attn_linear": False,
+                                                                             "use_bias_in_mlp": False}
     if shape_kind(ctx) == "olmo2":  # Olmo2Config.use_bias: the MLP's and the RMSNorms' (olmo.py:245-251, 396-399)
         if value:
             raise Refused("OLMo 2's use_bias also gives its RMSNorms a bias (olmo.py:245-251), which Deepy's rmsnorm "
@@ -166,6 +184,8 @@ def _layer_norm_weight(value: Any, ctx: Context) -> dict[str, Any]:
         return {}
     if shape_kind(ctx) == "olmo2":  # its q/k norms are RMSNorms with a gain, one per feature of the projection
         raise Refused("OLMo 2 without norm weights (RMSNorm without a gain) is not built here")
+    if shape_kind(ctx) == "qwen3":  # its q/k norms are norm_config's RMSNorms (qwen.py:374-376)
+        raise Refused("Qwen 3 without norm weights (q/k RMSNorms without a gain) is not built here")
     if shape_kind(ctx) in ("gpt2", "gemma"):  # Gpt2Config and GemmaConfig have no such field (gpt2.py, gemma.py:61)
         raise Refused(f"use_layer_norm_weight is a LlamaConfig field; Levanter's {shape_kind(ctx)} has none")
     # the Llama family's norms are RmsNorms (LlamaConfig.norm_config: RmsNormConfig(use_weight=use_layer_norm_weight),
@@ -352,6 +372,13 @@ MODEL_RULES: dict[str, Rule] = {
     "model.n_shared_experts": _mixtral_only(_shared_experts),
     "model.lbl_coef": _mixtral_only(lambda v, ctx: _balance_coefficient(ctx)),
     "model.rzl_coef": _mixtral_only(lambda v, ctx: {"moe_z_loss_coeff": 0.0 if v is None else float(v)}),
+    # Qwen's window raises NotImplementedError once seq_len exceeds it (qwen.py:172-176); Qwen3's is a TODO, not
+    # applied (qwen.py:304-306): its attention is full causal
+    "model.use_sliding_window": lambda v, ctx: (
+        noted("Levanter's Qwen3 does not apply its window (qwen.py:304, a TODO): full causal attention")
+        if shape_kind(ctx) == "qwen3" else _equal_or_refuse(False, "use_sliding_window (Levanter's Qwen raises "
+                                                             "NotImplementedError for it, qwen.py:172-176)")(v, ctx)),
+    "model.max_window_layers": _no_effect("Qwen's first windowed layer; no window is applied (use_sliding_window)"),
     "model.hybrid_norm": _equal_or_refuse(False, "hybrid_norm (extra norms after attention and MLP) is not built here"),
     "model.input_embedding_norm": _equal_or_refuse(False, "input_embedding_norm is not built here"),
     # GemmaConfig.query_pre_attn_scalar (gemma.py:103): Gemma 1's attention_config (:231-244) does not pass it
