@@ -317,8 +317,7 @@ def hf_config_from_gpt(config: GPTConfig, tokens: SpecialTokens, dtype: torch.dt
         gated["rope_parameters"] = _rope(config, partial=True)
         window = _sliding_window(config)
         return Phi3Config(**common, **gated, sliding_window=None if window is None else window + 1,
-                          original_max_position_embeddings=config.max_positions, resid_pdrop=config.hidden_dropout,
-                          embd_pdrop=config.hidden_dropout)
+                          original_max_position_embeddings=config.max_positions, resid_pdrop=config.hidden_dropout)
     if arch == "LlamaForCausalLM":
         # lazy: transformers (seconds to import), only for Hugging Face conversions
         from transformers import LlamaConfig

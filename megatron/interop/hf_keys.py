@@ -162,18 +162,19 @@ def neox_model_keys(cfg: Mapping[str, Any], seq_length: int | None = None) -> di
 
 def _phi3_keys(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Phi-3 (transformers 5.23.0 ``models/phi3/``): Llama's maths with fused projections (the converter splits
-    them), no biases, dropout after the embedding (``embd_pdrop``) and before each residual add (``resid_pdrop``,
-    modeling_phi3.py:285-315), which Deepy's one hidden_dropout is; su/longrope scaling is refused."""
+    them), no biases, dropout before each residual add (``resid_pdrop``, modeling_phi3.py:285-315) but none after
+    the embedding (``embd_pdrop`` is read nowhere in modeling_phi3.py), so a nonzero resid_pdrop, which Deepy's
+    hidden_dropout would also apply to the embedding, is refused; su/longrope scaling is refused."""
     _, _, scaling = rope_fields(cfg)
     if scaling is not None:
         raise ConversionError(f"rope_parameters: rope_type {scaling.get('rope_type') or scaling.get('type')!r} "
                               f"(Phi-3's longrope/su scaling with its short and long factors is not built; the 4k "
                               f"models use the default rotary)")
-    resid, embd = float(cfg.get("resid_pdrop") or 0.0), float(cfg.get("embd_pdrop") or 0.0)
-    if resid != embd:
-        raise ConversionError(f"resid_pdrop: {resid}, embd_pdrop: {embd} (Deepy's hidden_dropout is one probability "
-                              f"for both)")
-    return dict(hidden_dropout=resid, use_bias_in_attn_linear=False, use_bias_in_mlp=False)
+    resid = float(cfg.get("resid_pdrop") or 0.0)
+    if resid:
+        raise ConversionError(f"resid_pdrop: {resid} (Deepy's hidden_dropout drops the embedding output too, which "
+                              f"Phi3Model does not; the published Phi-3 models train with 0)")
+    return dict(use_bias_in_attn_linear=False, use_bias_in_mlp=False)
 
 
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
