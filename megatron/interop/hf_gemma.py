@@ -81,9 +81,15 @@ def gemma_model_keys(cfg: Mapping[str, Any], seq_length: int | None = None) -> d
         raise ConversionError("use_bidirectional_attention: true (Deepy builds causal language models)")
     hidden, heads, layers = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
     head_dim = int(cfg.get("head_dim") or hidden // heads)
-    hf_act = str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh")
+    # Gemma (1)'s MLP runs hidden_act (modeling_gemma.py:92), whose legacy "gelu" (google/gemma-2b's config.json)
+    # GemmaConfig.__post_init__ turns into gelu_pytorch_tanh (configuration_gemma.py:89-96); Gemma 2/3's MLP runs
+    # hidden_activation (modeling_gemma2.py:77)
+    field = "hidden_act" if kind == "gemma" else "hidden_activation"
+    hf_act = str(cfg.get(field) or "gelu_pytorch_tanh")
+    if kind == "gemma" and hf_act == "gelu":
+        hf_act = "gelu_pytorch_tanh"
     if hf_act not in GEMMA_ACTIVATIONS:
-        raise ConversionError(f"hidden_activation: {hf_act!r} (Deepy's gated activations compute one of "
+        raise ConversionError(f"{field}: {hf_act!r} (Deepy's gated activations compute one of "
                               f"{sorted(GEMMA_ACTIVATIONS)})")
     every = (["sliding_attention", "full_attention"] * layers)[:layers]  # Gemma2Config.__post_init__'s default
     layer_types = [] if kind == "gemma" else list(cfg.get("layer_types") or every)  # Gemma (1): no window

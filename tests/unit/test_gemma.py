@@ -357,3 +357,17 @@ def test_gemma1_both_ways_and_levanters_gemma_is_that_model(tmp_path: Path) -> N
         (2048, 18, 8, 1)
     assert (default.intermediate_size, default.rms_norm_epsilon, default.no_weight_tying) == (3 * 16384, 1e-5, False)
     assert default.scale_embeddings_by_sqrt_hidden and default.activation == "geglu_tanh"
+    # google/gemma-2b's config.json says hidden_act "gelu": transformers 5.23.0 runs the tanh form
+    # (GemmaConfig.__post_init__, configuration_gemma.py:89-96), and so does Levanter (gemma.py:133-150)
+    from megatron.interop.hf_keys import neox_model_keys, read_config_json
+    from megatron.neox_arguments.dialects.levanter_hf_model import hf_shape
+
+    (tmp_path / "legacy").mkdir()
+    legacy = {**json.loads((source / "config.json").read_text()), "hidden_act": "gelu"}
+    (tmp_path / "legacy" / "config.json").write_text(json.dumps(legacy))
+    assert neox_model_keys(read_config_json(tmp_path / "legacy"))["activation"] == "geglu_tanh"
+    assert hf_shape(str(tmp_path / "legacy")).keys["activation"] == "geglu_tanh"
+    (tmp_path / "silu").mkdir()
+    (tmp_path / "silu" / "config.json").write_text(json.dumps({**legacy, "hidden_act": "silu"}))
+    assert neox_model_keys(read_config_json(tmp_path / "silu"))["activation"] == "swiglu"
+    assert hf_shape(str(tmp_path / "silu")).keys["activation"] == "geglu_tanh"  # Levanter: gelu_new whatever it says

@@ -29,7 +29,7 @@ from megatron.errors import ConversionError
 from megatron.interop.hf_keys import neox_model_keys, read_config_json, rope_fields
 from megatron.neox_arguments.dialects.common import Refused
 
-LEVANTER_TYPES = {"llama": "llama", "mistral": "mistral", "olmo2": "olmo2"}
+LEVANTER_TYPES = {"llama": "llama", "mistral": "mistral", "olmo2": "olmo2", "gemma": "gemma"}
 """HF ``model_type`` -> the Levanter model type whose HF config class it is (``HFCheckpointConverter.from_hf``,
 hf_checkpoints.py:327-349), among those Deepy builds."""
 _ROPE_SCALINGS = ("linear", "llama3")
@@ -95,6 +95,8 @@ def _shape(directory: str, stamp: tuple[int, int]) -> HfShape:
     except ConversionError as err:
         raise Refused(f"{directory}/config.json: {err}") from None
     passed = {"attention_dropout"} if kind == "olmo2" else set()
+    if kind == "gemma":  # GemmaConfig.from_hf_config always takes gelu_new, whatever the config says (gemma.py:133-150)
+        keys["activation"] = "geglu_tanh"
     return HfShape(directory, kind, {k: v for k, v in keys.items() if k not in _NOT_PASSED or k in passed})
 
 
