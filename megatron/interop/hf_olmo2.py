@@ -23,10 +23,12 @@ from typing import TYPE_CHECKING, Any
 from megatron.errors import ConversionError
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PretrainedConfig
 
-    from megatron.interop.hf_weights import Weights
     from megatron.model.config import GPTConfig
+
+    Weights = dict[str, torch.Tensor]  # hf_weights.Weights (which imports hf_config, which imports this module)
 
 OLMO2_FAMILY = "olmo2"
 """HF ``model_type`` of :data:`OLMO2_ARCHITECTURE`."""

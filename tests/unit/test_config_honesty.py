@@ -280,6 +280,7 @@ DIALECT_SAMPLES: dict[str, dict[str, object]] = {
         "model.tokenizer": "x", "model.head_dim": None, "model.hybrid_norm": False, "model.input_embedding_norm": False,
         "model.use_sliding_window": False, "model.max_window_layers": 0,
         "model.query_pre_attn_scalar": 256.0,
+        "model.attention_bias": True,
         "model.use_sliding_window": False, "model.max_window_layers": 0,
         "trainer.allow_nondivisible_batch_size": False, "trainer.quantization": None, "trainer.model_averaging": None,
         "trainer.replica_ici_axis_size": 1, "trainer.replica_dcn_axis_size": 1, "trainer.batch_axis": "batch",
@@ -365,6 +366,7 @@ DIALECT_CONTEXT: dict[str, dict[str, object]] = {
     **{f"optimizer.{f}": {"optimizer.type": "scion"} for f in ("scion_to_signum_lr", "scion_epsilon")},
     **{f"model.{f}": {"model.type": "mixtral"}
        for f in ("n_routed_experts", "num_experts_per_tok", "n_shared_experts", "lbl_coef", "rzl_coef")},
+    "model.attention_bias": {"model.type": "olmo2"},  # Olmo2Config's field
 }
 """Levanter keys whose meaning depends on another key of their config (its sample's neighbours)."""
 
