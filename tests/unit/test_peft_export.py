@@ -31,6 +31,9 @@ LLAMA = dict(SHAPE, num_kv_heads=2, norm="rmsnorm", activation="swiglu", interme
              use_bias_in_attn_linear=False, use_bias_in_mlp=False)
 MOE = dict(LLAMA, intermediate_size=16, moe_num_experts=4, moe_top_k=2, moe_router_type="topk",
            moe_router_renormalize=True)
+GEMMA = dict(LLAMA, norm="gemma_rmsnorm", norm_placement="sandwich", activation="geglu_tanh", kv_channels=16,
+             scale_embeddings_by_sqrt_hidden=True, query_pre_attn_scalar=16.0, attn_logit_softcapping=5.0,
+             final_logit_softcapping=3.0, attention_config=[[["local", "global"], 1]], sliding_window_width=3)
 CASES = {
     "gpt_neox": (GPTConfig(**SHAPE, norm="layernorm"), False, "GPTNeoXForCausalLM"),  # type: ignore[arg-type]
     "gpt_neox_split": (GPTConfig(**SHAPE, norm="layernorm"), True, "GPTNeoXForCausalLM"),  # type: ignore[arg-type]
@@ -40,6 +43,11 @@ CASES = {
     # OLMo 2: norms after the sublayers only, q/k RMSNorm over the whole projections
     "olmo2": (GPTConfig(**LLAMA, norm_placement="post", use_qk_layernorm=True,  # type: ignore[arg-type]
                         qk_norm_scope="projection"), False, "Olmo2ForCausalLM"),
+    # Gemma 2: (1 + w) norms around each sublayer, tanh GeGLU, scaled embeddings, capped scores and logits, a
+    # local and a global layer; Gemma 3: per-head q/k norms and its own rotary base on the local layer
+    "gemma2": (GPTConfig(**GEMMA), False, "Gemma2ForCausalLM"),  # type: ignore[arg-type]
+    "gemma3": (GPTConfig(**{**GEMMA, "attn_logit_softcapping": None}, use_qk_layernorm=True,  # type: ignore[arg-type]
+                         rope_local_base_freq=100), False, "Gemma3ForCausalLM"),
     # every MLP 4 experts (which take no adapters), top-2 renormalised; Qwen3-MoE with per-head q/k norms
     "mixtral": (GPTConfig(**MOE), False, "MixtralForCausalLM"),  # type: ignore[arg-type]
     "qwen3_moe": (GPTConfig(**MOE, use_qk_layernorm=True, kv_channels=16), False,  # type: ignore[arg-type]
