@@ -109,6 +109,17 @@ def base_sophia(optimizer: Any) -> LevanterSophiaH | None:
     return None
 
 
+def fp32_masters(optimizer: Any) -> dict[torch.Tensor, torch.Tensor]:
+    """Model parameter -> the fp32 master DeepSpeed's ``FP16_UnfusedOptimizer`` steps for it (fp16, and bf16 without a
+    pipeline, at ZeRO 0: one fp32 copy per parameter, ``fp16_groups``/``fp32_groups`` in step, DeepSpeed 0.19.8
+    ``runtime/fp16/unfused_optimizer.py``); empty for any other wrapper (the flat ones are refused or mapped by
+    ``_hp_mapping``)."""
+    lows, highs = getattr(optimizer, "fp16_groups", None), getattr(optimizer, "fp32_groups", None)
+    if lows is None or highs is None or hasattr(optimizer, "fp32_groups_flat"):
+        return {}
+    return {low: high for low_group, high_group in zip(lows, highs) for low, high in zip(low_group, high_group)}
+
+
 def gaussian_probe(params: list[torch.nn.Parameter], seed: int, index: int) -> list[torch.Tensor]:
     """The ``index``-th draw of ``z``: one standard normal tensor per parameter, the same on every rank."""
     generator = torch.Generator().manual_seed((seed << 32) + index)
@@ -130,6 +141,12 @@ class HessianProbe:
             raise TypeError("the Hessian probe needs Levanter's Sophia-H optimizer")
         self.sophia = sophia
         self.wrapper = optimizer
+        self.masters = fp32_masters(optimizer)
+        if self.masters:
+            # DeepSpeed's unfused mixed-precision wrapper takes one step with zero gradients when it is built
+            # (unfused_optimizer.py:108,412-433 in 0.19.8) to create the state: that is not a training step, and
+            # Sophia's count (the bias correction, when the Hessian is due) must not include it
+            self.sophia.state.clear()
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.seed = seed
         self.suspend_recompute = suspend_recompute
@@ -176,8 +193,8 @@ class HessianProbe:
         for (name, param), estimate in zip(self.named, self._pending):
             if has_partitioned_optimizer_state(param):  # ZeRO-1/2, bf16: this rank's fragment of the flat shard
                 safe_set_full_optimizer_state(param, estimate, SOPHIA_ESTIMATE)
-            elif param in self.sophia.state and SOPHIA_ESTIMATE in self.sophia.state[param]:
-                self.sophia.state[param][SOPHIA_ESTIMATE].copy_(estimate)
+            elif SOPHIA_ESTIMATE in self.sophia.state.get(self.masters.get(param, param), {}):
+                self.sophia.state[self.masters.get(param, param)][SOPHIA_ESTIMATE].copy_(estimate)
             else:
                 raise RuntimeError(f"Sophia-H: no optimizer state for {name}: the optimizer does not step the "
                                    "model's parameters, nor DeepSpeed's ZeRO/bf16 shards of them")

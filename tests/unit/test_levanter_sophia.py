@@ -198,3 +198,52 @@ def test_what_sophia_h_does_not_have_is_refused(tmp_path: Path, text: str, words
 LEVANTER_CONFIGS = Path("/tmp/h3_lev/config")
 SOPHIA_FILES = ["gpt2_1536_sophiah.yaml", "gpt2_large_sophia_h.yaml", "gpt2_small_fast_sophia_h.yaml",
                 "gpt2_small_fast_sophiah.yaml", "gpt2_small_sophiah.yaml"]
+
+
+LAUNCH = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, train_iters=4, lr=1e-3,
+              train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=2, use_dummy_dataset=True,
+              tokenizer_type="CharLevelTokenizer", pipe_parallel_size=0, hidden_dropout=0.0, attention_dropout=0.0,
+              checkpoint_activations=True)
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> Any:
+    from single_rank import init_single_rank_gloo
+
+    from megatron import mpu
+
+    init_single_rank_gloo()
+    mpu.initialize_model_parallel(1, 0)
+    yield
+    mpu.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bfloat16"])
+def test_the_trainers_step_feeds_the_estimate_to_the_engines_optimizer(one_rank: Any, precision: str) -> None:
+    """build_engine installs the probe for SophiaH and the trainer's own step (``train_step``: 2 micro-batches, DeepSpeed's
+    activation checkpointing) measures and delivers it: in fp32 to the model's parameters' state, in bfloat16 (what
+    Levanter's mp: p=f32,c=bfloat16 maps to) to the fp32 masters DeepSpeed's unfused mixed-precision wrapper steps."""
+    from megatron.config_rules import Device
+    from megatron.engine.build import build_engine
+    from megatron.engine.levanter_sophia import base_sophia
+    from megatron.neox_arguments.derived import finalize
+    from megatron.neox_arguments.run_config import RunConfig
+    from megatron.training.step import train_step
+
+    params = {"lr": 0.01, "gamma": 0.5, "update_interval": 2}
+    keys = {**LAUNCH, "optimizer": {"type": "SophiaH", "params": params}, "lr": None, "precision": precision}
+    run = RunConfig.from_resolved(finalize(config_from_mapping(keys), 1, device=Device(cuda=False, fp16_supported=False)))
+    eng = build_engine(run, run.model.with_vocab(64), 4)
+    assert eng.hessian_probe is not None
+    sophia = base_sophia(eng.optimizer)
+    assert sophia is not None
+    gen = torch.Generator().manual_seed(1)
+    batches = iter([{"text": torch.randint(0, 64, (1, 9), generator=gen)} for _ in range(6)])
+    norms = []
+    for _ in range(3):
+        train_step(eng, batches, torch.device("cpu"))
+        norms.append(sum(float(s["h"].abs().sum()) for s in sophia.state.values()))
+    # the estimate measured in step 2 is folded into h at the start of step 3
+    assert norms[0] == norms[1] == 0.0 and norms[2] > 0
+    estimates = [s["hessian_estimate"] for s in sophia.state.values()]
+    assert all(e.dtype == torch.float32 for e in estimates) and sum(float(e.abs().sum()) for e in estimates) > 0
