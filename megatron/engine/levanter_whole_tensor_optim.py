@@ -3,10 +3,10 @@
 Read from stanford-crfm/levanter at 9263f81e (``src/levanter/optim/{muon,scion,mars,cautious}.py``). Unlike ADOPT
 (``megatron/engine/levanter_optim.py``) none of them is element-wise: Muon and Scion orthogonalise whole weight
 matrices, MARS and the AdamW/signum halves of Muon and Scion clip by a global norm inside the optimizer, and
-Cautious rescales by the fraction of a whole tensor its mask keeps. They therefore run where the optimizer holds
-whole tensors: data parallelism without ZeRO (every rank steps the whole model on the all-reduced gradient);
-ZeRO (each rank steps a shard of a flat buffer), tensor parallelism (a rank holds a slice of a matrix) and, for
-the in-optimizer global norms, pipeline stages are refused before launch by name
+Cautious rescales by the fraction of a whole tensor its mask keeps. They run with data parallelism without ZeRO
+(every rank steps the whole model on the all-reduced gradient) and under tensor parallelism, where a rank's slices
+are completed here (:func:`whole`, :func:`global_norm`, Cautious's counts summed over the tp ranks); ZeRO (each
+rank steps a shard of a flat buffer) and pipeline stages (part of the layers) are refused before launch by name
 (``megatron/engine/optimizer_checks.py``).
 
 Every optimizer here ends as Levanter's chains do, ``add_decayed_weights(weight_decay, mask)`` then
@@ -70,6 +70,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from megatron import mpu
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """Levanter's quintic Newton-Schulz coefficients (muon.py:176, scion.py:164)."""
@@ -106,17 +109,66 @@ def newton_schulz5(x: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
     return x.T if transpose else x
 
 
-def global_norm(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """``optax.global_norm``: the norm of all the tensors as one vector."""
-    squares = [t.float().pow(2).sum() for t in tensors]
-    return torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+# --- tensor parallelism: a rank holds a slice of a split tensor (``tp_dims``: its split dimension, -1 if whole) ---
+def _tp() -> tuple[Any, int, int]:
+    """The tensor-parallel group, its size and this rank's place in it (size 1 without model-parallel groups)."""
+    if not mpu.model_parallel_is_initialized() or mpu.get_tensor_model_parallel_world_size() == 1:
+        return None, 1, 0
+    return (mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_world_size(),
+            mpu.get_tensor_model_parallel_rank())
 
 
-def clip_by_global_norm(grads: list[torch.Tensor], max_norm: float | None) -> list[torch.Tensor]:
+def tp_dim(param: torch.Tensor) -> int:
+    """The dimension a tensor-parallel parameter is split along (``set_tensor_model_parallel_attributes``), -1 for a
+    replicated one."""
+    return int(getattr(param, "partition_dim", -1)) if getattr(param, "tensor_model_parallel", False) else -1
+
+
+def whole(shard: torch.Tensor, dim: int) -> torch.Tensor:
+    """The tensor from every tp rank's slice, in rank order along ``dim``. For a fused tensor (``[q; k; v]``, each
+    section split) that is the whole tensor with its rows or columns permuted, which is all Newton-Schulz needs:
+    ``NS(P X Q) = P NS(X) Q`` and the Frobenius norm is unchanged."""
+    group, world, _ = _tp()
+    if dim < 0 or world == 1:
+        return shard
+    parts = [torch.empty_like(shard) for _ in range(world)]
+    dist.all_gather(parts, shard.contiguous(), group=group)
+    return torch.cat(parts, dim)
+
+
+def own(full: torch.Tensor, dim: int) -> torch.Tensor:
+    """This tp rank's slice of a tensor :func:`whole` assembled."""
+    _, world, rank = _tp()
+    return full if dim < 0 or world == 1 else full.chunk(world, dim)[rank]
+
+
+def _tp_sum(split: torch.Tensor) -> torch.Tensor:
+    """Sums over the tp ranks of what their split tensors contribute (the replicated ones count once, not here)."""
+    group, world, _ = _tp()
+    if world > 1:
+        dist.all_reduce(split, group=group)
+    return split
+
+
+def global_norm(tensors: Iterable[torch.Tensor], dims: Iterable[int] | None = None) -> torch.Tensor:
+    """``optax.global_norm``: the norm of all the tensors as one vector, split tensors summed over the tp ranks."""
+    tensors = list(tensors)
+    dims = list(dims) if dims is not None else [-1] * len(tensors)
+    replicated, split = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    for t, dim in zip(tensors, dims):
+        if dim < 0:
+            replicated += t.double().pow(2).sum()
+        else:
+            split += t.double().pow(2).sum()
+    return (replicated + _tp_sum(split)).sqrt().float()
+
+
+def clip_by_global_norm(grads: list[torch.Tensor], max_norm: float | None,
+                        dims: list[int] | None = None) -> list[torch.Tensor]:
     """``optax.clip_by_global_norm``: unchanged below ``max_norm``, else ``g / norm * max_norm`` (no epsilon)."""
     if not max_norm:
         return grads
-    norm = global_norm(grads)
+    norm = global_norm(grads, dims)
     if bool(norm < max_norm):
         return grads
     return [g / norm.to(g.dtype) * max_norm for g in grads]
@@ -138,12 +190,19 @@ def _adam_direction(grad: torch.Tensor, state: dict[str, Any], b1: float, b2: fl
     return (state["mu"] / (1.0 - b1**t)) / ((state["nu"] / (1.0 - b2**t)).sqrt() + eps)
 
 
-class _RoleOptimizer(torch.optim.Optimizer):
-    """Groups carry a ``role`` (which half of Levanter's ``multi_transform`` steps them) and ``stacks`` (each
-    parameter's :func:`stack_name`); ``lr_scale`` (read by the schedule) sets a half's own rate."""
+def _with_dims(group: dict[str, Any]) -> list[tuple[torch.Tensor, int]]:
+    """The group's parameters and their tp split dimensions (``tp_dims``, recorded from the model's parameters when
+    the groups were made: DeepSpeed's mixed-precision wrapper hands the optimizer fp32 copies without the marks)."""
+    dims = group.get("tp_dims") or [tp_dim(p) for p in group["params"]]
+    return list(zip(group["params"], dims))
 
-    def _grads_of(self, role: str) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
-        return [(p, p.grad, g) for g in self.param_groups if g.get("role") == role for p in g["params"]
+
+class _RoleOptimizer(torch.optim.Optimizer):
+    """Groups carry a ``role`` (which half of Levanter's ``multi_transform`` steps them), ``stacks`` (each
+    parameter's :func:`stack_name`) and ``tp_dims``; ``lr_scale`` (read by the schedule) sets a half's own rate."""
+
+    def _grads_of(self, role: str) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], int]]:
+        return [(p, p.grad, g, dim) for g in self.param_groups if g.get("role") == role for p, dim in _with_dims(g)
                 if p.grad is not None]
 
 
@@ -162,7 +221,8 @@ def split_groups(groups: list[dict[str, Any]], names: Mapping[torch.Tensor, str]
         for kind, params in by_role.items():
             scale = group.get("lr_scale", 1.0) * scales.get(kind, 1.0)
             out.append({**group, "params": params, "name": f"{group.get('name', 'group')}.{kind}", "role": kind,
-                        "lr_scale": scale, "lr": lr * scale, "stacks": [stack_name(names[p]) for p in params]})
+                        "lr_scale": scale, "lr": lr * scale, "stacks": [stack_name(names[p]) for p in params],
+                        "tp_dims": [tp_dim(p) for p in params]})
     return out
 
 
@@ -186,22 +246,22 @@ class LevanterMuon(_RoleOptimizer):
             with torch.enable_grad():
                 loss = closure()
         adam = self._grads_of("adamw")
-        clipped = clip_by_global_norm([g for _, g, _ in adam], self.max_grad_norm)
-        for (param, _, group), grad in zip(adam, clipped):
+        clipped = clip_by_global_norm([g for _, g, _, _ in adam], self.max_grad_norm, [d for *_, d in adam])
+        for (param, _, group, _), grad in zip(adam, clipped):
             b1, b2 = group["betas"]
             _decay_and_step(param, _adam_direction(grad, self.state[param], b1, b2, group["eps"]), group["lr"],
                             group["weight_decay"])
-        for param, grad, group in self._grads_of("muon"):
+        for param, grad, group, dim in self._grads_of("muon"):
             state = self.state[param]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(param)
             mom = group["momentum"]
             buf = state["momentum_buffer"].mul_(mom).add_(grad)
-            direction = mom * buf + grad if group["nesterov"] else buf
+            direction = whole(mom * buf + grad if group["nesterov"] else buf, dim)
             update = newton_schulz5(direction, group["backend_steps"], group["muon_epsilon"])
-            rows, cols = param.shape
+            rows, cols = direction.shape
             scale = 0.2 * math.sqrt(max(rows, cols)) if group["use_kimi_scaling"] else math.sqrt(max(1.0, rows / cols))
-            _decay_and_step(param, update * scale, group["lr"], group["weight_decay"])
+            _decay_and_step(param, own(update, dim) * scale, group["lr"], group["weight_decay"])
         return loss
 
 
@@ -222,23 +282,24 @@ class LevanterScion(_RoleOptimizer):
             with torch.enable_grad():
                 loss = closure()
         signum = self._grads_of("signum")
-        clipped = clip_by_global_norm([g for _, g, _ in signum], self.max_grad_norm)
-        for (param, _, group), grad in zip(signum, clipped):
+        clipped = clip_by_global_norm([g for _, g, _, _ in signum], self.max_grad_norm, [d for *_, d in signum])
+        for (param, _, group, _), grad in zip(signum, clipped):
             state = self.state[param]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(param)
             b1 = group["beta1"]
             buf = state["momentum_buffer"].mul_(b1).add_(grad, alpha=1.0 - b1)
             _decay_and_step(param, torch.sign(buf), group["lr"], group["weight_decay"])
-        for param, grad, group in self._grads_of("scion"):
+        for param, grad, group, dim in self._grads_of("scion"):
             state = self.state[param]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(param)
             mom = group["momentum"]
-            buf = state["momentum_buffer"].mul_(mom).add_(grad, alpha=1.0 - mom)
+            buf = whole(state["momentum_buffer"].mul_(mom).add_(grad, alpha=1.0 - mom), dim)
             update = newton_schulz5(buf, group["backend_steps"], group["scion_epsilon"])
-            rows, cols = param.shape
-            _decay_and_step(param, update * math.sqrt(max(1.0, rows / cols)), group["lr"], group["weight_decay"])
+            rows, cols = buf.shape
+            _decay_and_step(param, own(update, dim) * math.sqrt(max(1.0, rows / cols)), group["lr"],
+                            group["weight_decay"])
         return loss
 
 
@@ -258,9 +319,9 @@ class LevanterMars(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        todo = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        todo = [(p, g, dim) for g in self.param_groups for p, dim in _with_dims(g) if p.grad is not None]
         corrected = []
-        for param, group in todo:
+        for param, group, _ in todo:
             state = self.state[param]
             if not state:
                 state["step"] = 0
@@ -271,10 +332,10 @@ class LevanterMars(torch.optim.Optimizer):
             corrected.append(grad + (group["gamma"] * b1 / (1.0 - b1)) * (grad - state["mog"]))
             state["mog"] = grad.detach().clone()
         if self.max_grad_norm:
-            norm = global_norm(corrected)
+            norm = global_norm(corrected, [dim for *_, dim in todo])
             scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
             corrected = [c * scale.to(c.dtype) for c in corrected]
-        for (param, group), c in zip(todo, corrected):
+        for (param, group, _), c in zip(todo, corrected):
             state = self.state[param]
             b1, b2 = group["betas"]
             state["step"] += 1
@@ -300,21 +361,29 @@ class LevanterCautious(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         todo = []
-        kept: dict[str, list[float]] = {}  # stack -> [mask entries true, entries]
+        # stack -> [mask entries true, entries] of the replicated tensors and of this rank's slices of split ones
+        counts: dict[str, list[float]] = {}
+        split: dict[str, list[float]] = {}
         for group in self.param_groups:
             stacks = group.get("stacks") or [str(id(p)) for p in group["params"]]
-            for param, stack in zip(group["params"], stacks):
+            for (param, dim), stack in zip(_with_dims(group), stacks):
                 if param.grad is None:
                     continue
                 b1, b2 = group["betas"]
                 update = _adam_direction(param.grad, self.state[param], b1, b2, group["eps"])
                 mask = (param.grad * update) > 0
-                count = kept.setdefault(stack, [0.0, 0.0])
+                count = (split if dim >= 0 else counts).setdefault(stack, [0.0, 0.0])
+                counts.setdefault(stack, [0.0, 0.0])
                 count[0] += float(mask.sum())
                 count[1] += mask.numel()
                 todo.append((param, group, stack, update, mask))
+        names = sorted(split)  # the same on every tp rank
+        summed = _tp_sum(torch.tensor([split[n] for n in names], dtype=torch.float64)) if names else torch.zeros(0, 2)
+        for name, (true, total) in zip(names, summed.tolist()):
+            counts[name][0] += true
+            counts[name][1] += total
         for param, group, stack, update, mask in todo:
-            true, total = kept[stack]
+            true, total = counts[stack]
             cautious = update * mask / (true / total + group["eps"])
             _decay_and_step(param, cautious, group["lr"], group["weight_decay"])
         return loss

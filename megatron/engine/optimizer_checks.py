@@ -135,8 +135,9 @@ INNER_CLIP_KINDS = frozenset({"muon", "scion", "mars"})
 def whole_tensor_optimizer_layout(ctx: RuleContext) -> list[str]:
     """Muon and Scion orthogonalise whole matrices, MARS, Muon and Scion clip by a global norm inside the optimizer,
     Cautious averages its mask over a weight in every layer: each needs every whole tensor on the rank that steps
-    it. ZeRO hands the optimizer a shard of a flat buffer, tensor parallelism a slice of a matrix, pipeline stages
-    and expert-parallel ranks part of the layers or experts; refused here, before launch."""
+    it. Tensor parallelism is handled in the optimizer (split matrices gathered over the tp ranks, norms and counts
+    summed); ZeRO hands the optimizer a shard of a flat buffer, pipeline stages and expert-parallel ranks part of the
+    layers or experts; those are refused here, before launch."""
     optimizer = ctx.get("optimizer")
     kind = optimizer.kind if optimizer is not None else OPTIMIZER_KINDS.get(str(ctx.get("optimizer_type")).lower())
     if kind not in WHOLE_TENSOR_KINDS:
@@ -151,9 +152,6 @@ def whole_tensor_optimizer_layout(ctx: RuleContext) -> list[str]:
         problems.append(f"{shown} with ZeRO stage {zero_stage(ctx)}: Levanter's {WHOLE_TENSOR_KINDS[kind]} {what}, "
                         "and ZeRO hands the optimizer a shard of a flat buffer; use ZeRO stage 0 (data parallelism "
                         "steps the whole model on every rank)")
-    if int(ctx.get("model_parallel_size")) > 1:
-        problems.append(f"{shown} with {ctx.show('model_parallel_size')}: Levanter's {WHOLE_TENSOR_KINDS[kind]} "
-                        f"{what}, and a tensor-parallel rank holds a slice of each matrix; use 1")
     if int(ctx.get("pipe_parallel_size")) > 1:
         problems.append(f"{shown} with {ctx.show('pipe_parallel_size')}: Levanter's {WHOLE_TENSOR_KINDS[kind]} "
                         f"{what}, and a pipeline stage holds part of the layers; use 0 or 1")

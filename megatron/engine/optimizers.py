@@ -19,7 +19,7 @@ whose decay is torch's L2 term as in GPT-NeoX.
 * ``Muon``, ``Scion``, ``MARS`` and ``Cautious``: Levanter's updates
   (``megatron/engine/levanter_whole_tensor_optim.py``; not ``torch.optim.Muon``, whose Newton-Schulz runs in
   bfloat16). They act on whole tensors (matrices, global norms, a mask's mean over a weight in every layer), so
-  their builders are handed the parameters' names, and ZeRO and tensor parallelism are refused before launch.
+  their builders are handed the parameters' names (and tp splits), and ZeRO is refused before launch.
 * ``SOAP``: Levanter's SOAP (``megatron/engine/levanter_soap.py``): Adam in the eigenbasis of Shampoo's
   preconditioners, on whole (merged, blocked) parameters.
 * ``OneBitAdam``: built by DeepSpeed itself (it needs the engine's communication backend), so it

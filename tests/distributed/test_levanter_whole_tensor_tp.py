@@ -1,0 +1,91 @@
+"""Levanter's Muon, Scion, MARS and Cautious at tensor parallelism 2 equal them at tp 1 (2 gloo ranks, one spawn).
+
+Each rank trains the same tiny GPT (GQA, SwiGLU, rotary, untied head: fused column-split QKV and gate/up, row-split
+outputs, a vocabulary-split embedding and head) for 3 steps on the same batches with the optimizer Deepy builds,
+first at tp 1 (every rank the whole model), then at tp 2 (each rank its slices: Muon and Scion gather each split
+matrix, the global norms and Cautious's mask counts are summed over the tp ranks). The tp-2 weights, put back
+together, must equal the tp-1 ones within 1e-6 (fp32). The formulas themselves are
+tests/unit/test_levanter_whole_tensor_optimizers.py's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed.rank_harness import finish_rank, join_data_parallel_ranks, record_checks, run_ranks
+
+WORLD, STEPS = 2, 3
+MODEL: dict[str, Any] = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2, seq_length=8,
+                             padded_vocab_size=64, seed=3, pos_emb="rotary", activation="swiglu", norm="rmsnorm",
+                             intermediate_size=384, no_weight_tying=True, use_bias_in_attn_linear=False)
+# no attention biases: the key bias's gradient is rounding noise (softmax ignores a shift of every score), which
+# Adam's and signum's normalisations would blow up differently at tp 1 and tp 2; eps 1e-3 for the same reason.
+# Scion's signum half is still sign(momentum), which rounding flips where the momentum is ~0: its rate is 0 here
+# (the element-wise half needs nothing from the other tp ranks; its clip's tp-summed norm is Muon's, checked), and
+# 5 Newton-Schulz steps, not 10: each step multiplies the directions of a (low-rank) momentum's ~0 singular values by
+# up to 3.4445, so 10 steps turn rounding differences between the layouts into ~1e-5
+KINDS: dict[str, dict[str, Any]] = {"Muon": {"lr": 0.02, "adam_lr": 0.01, "eps": 1e-3}, "Scion": {"lr": 0.02, "scion_to_signum_lr": 0.0, "backend_steps": 5},
+                                    "MARS": {"lr": 0.01, "eps": 1e-3}, "Cautious": {"lr": 0.01, "eps": 1e-3}}
+
+
+def _train(kind: str) -> dict[str, torch.Tensor]:
+    from megatron import mpu
+    from megatron.engine.optimizers import build_optimizer
+    from megatron.model import GPTConfig, GPTModel, lm_loss
+    from megatron.neox_arguments.loading import config_from_mapping
+
+    from tests.distributed.test_tp_model import _unshard
+
+    cfg = GPTConfig(**MODEL)
+    model = GPTModel(cfg)  # the same full weights at any tp (seeded by name)
+    args = config_from_mapping({"optimizer": {"type": kind, "params": KINDS[kind]}, "weight_decay": 0.1}).args
+    optimizer = build_optimizer(model, args)
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(STEPS):
+        tokens, labels = torch.randint(0, 64, (2, 8), generator=gen), torch.randint(0, 64, (2, 8), generator=gen)
+        lm_loss(model(tokens), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    if mpu.get_tensor_model_parallel_world_size() == 1:
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {name: _unshard(cfg, name, p.detach()) for name, p in model.named_parameters()}
+
+
+def rank_main(rank: int, out: str) -> None:
+    from megatron import mpu
+    from megatron.engine.levanter_whole_tensor_optim import is_linear_matrix
+    from megatron.model import GPTConfig, GPTModel
+
+    join_data_parallel_ranks(rank, WORLD, "LEVANTER_TP_TEST_PORT")  # tp 1, dp 2
+    want = {kind: _train(kind) for kind in KINDS}
+    start = {n: p.detach().clone() for n, p in GPTModel(GPTConfig(**MODEL)).named_parameters()}
+    mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(WORLD, 1)
+
+    def check(kind: str) -> None:
+        got = _train(kind)
+        for name, value in want[kind].items():
+            if kind != "Scion" or is_linear_matrix(name, value):
+                assert not torch.allclose(value, start[name], atol=1e-4), f"{kind} {name} did not move"
+            diff = float((got[name] - value).abs().max())
+            assert diff <= 1e-6, f"{kind} tp2 {name}: max |delta| {diff:.3g} from tp1"
+
+    finish_rank(out, rank, record_checks({kind: (lambda k=kind: check(k)) for kind in KINDS}))
+
+
+@pytest.fixture(scope="module")
+def per_rank(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+    from tests.e2e.test_parity import free_port
+
+    os.environ["LEVANTER_TP_TEST_PORT"] = str(free_port())
+    return run_ranks(rank_main, WORLD, tmp_path_factory.mktemp("levanter_tp"))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_tp2_equals_tp1(per_rank: list[dict[str, str]], kind: str) -> None:
+    for rank, results in enumerate(per_rank):
+        assert results[kind] == "ok", f"rank {rank}: {results[kind]}"
