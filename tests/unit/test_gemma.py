@@ -147,6 +147,26 @@ def test_geglu_tanh_is_gemmas_gated_mlp_activation() -> None:
     assert not torch.allclose(get_activation("geglu")(x), ACT2FN["gelu_pytorch_tanh"](gate) * up, atol=1e-6)
 
 
+def test_embedding_scale_is_rounded_to_the_tables_dtype() -> None:
+    """scale_embeddings_by_sqrt_hidden in bf16: sqrt(3072) = 55.43 rounds to 55.5 before the product, as HF's
+    Gemma2TextScaledWordEmbedding does (embed_scale.to(weight.dtype), modeling_gemma2.py:340-341)."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2TextScaledWordEmbedding
+
+    from megatron.model.embedding import GPTEmbedding
+
+    config = GPTConfig(num_layers=1, hidden_size=3072, num_attention_heads=12, seq_length=8, padded_vocab_size=16,
+                       pos_emb="rotary", precision="bfloat16", scale_embeddings_by_sqrt_hidden=True)
+    ours = GPTEmbedding(config).eval()
+    theirs = Gemma2TextScaledWordEmbedding(16, 3072, 0, embed_scale=3072**0.5).to(torch.bfloat16)
+    with torch.no_grad():
+        theirs.weight.copy_(ours.word_embeddings.weight)
+    tokens = torch.tensor([[1, 2, 3, 15]])
+    with torch.no_grad():
+        got, want = ours(tokens).transpose(0, 1), theirs(tokens)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert not torch.equal(ours.word_embeddings.weight[tokens] * 3072**0.5, want)  # the unrounded factor differs
+
+
 def test_gemma_norm_is_one_plus_its_weight() -> None:
     """gemma_rmsnorm (zeros at init) computes rmsnorm with the gain 1 + w, the fp32 product cast back once."""
     from megatron.model.norm_layers import GemmaRMSNorm, RMSNorm
