@@ -199,6 +199,27 @@ def test_moe_what_the_classes_cannot_carry_is_refused_by_name() -> None:
             choose_architecture(GPTConfig(**dict(base, **change)))
 
 
+def test_initialize_from_hf_of_a_mixtral_directory_checks_its_router() -> None:
+    """The check before launch reads a Mixtral config.json (plain JSON) and names the MoE key a config would build
+    differently (the weights would load into another router)."""
+    import tempfile
+
+    from megatron.config_rules import RuleContext
+    from megatron.interop.hf_keys import neox_model_keys, read_config_json
+    from megatron.interop.hf_start import initialize_from_hf_agrees_with_its_config
+    from megatron.neox_arguments import NeoXArgs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_config("mixtral").save_pretrained(tmp)
+        model = neox_model_keys(read_config_json(tmp))
+        assert (model["moe_num_experts"], model["moe_top_k"], model["moe_router_renormalize"]) == (4, 2, True)
+        args = NeoXArgs(**{k: v for k, v in model.items() if k in NeoXArgs.model_fields}, initialize_from_hf=tmp)
+        assert initialize_from_hf_agrees_with_its_config(RuleContext(args)) == []
+        for key, value in (("moe_top_k", 1), ("moe_router_renormalize", False)):
+            problems = initialize_from_hf_agrees_with_its_config(RuleContext(args.model_copy(update={key: value})))
+            assert len(problems) == 1 and key in problems[0], problems
+
+
 # published sizes (each model's config.json on the Hub); the count is transformers' own, of the model built from
 # those sizes on the meta device
 PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
