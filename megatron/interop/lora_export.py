@@ -215,10 +215,12 @@ def _check(delta: float, what: str) -> float:
 def export_adapters(ckpt: Path, config: GPTConfig, args: dict[str, Any], weights: Weights, out_dir: Path, *,
                     mode: AdapterExport, precision: str = "auto", verify: bool = True,
                     tokenizer_files: TokenizerFiles, tokenizer: bool = True,
-                    progress: Callable[[str], None] = lambda _: None) -> AdapterExportReport:
-    """Write the merged model or base + PEFT adapter for a checkpoint's full ``weights`` (adapters included)."""
+                    progress: Callable[[str], None] = lambda _: None,
+                    hf_class: str | None = None) -> AdapterExportReport:
+    """Write the merged model or base + PEFT adapter for a checkpoint's full ``weights`` (adapters included);
+    ``hf_class`` as :func:`megatron.interop.convert.export_to_hf`'s (Phi-3's fused projections)."""
     lora = lora_config_of(args)
-    arch = choose_architecture(config)
+    arch = choose_architecture(config, hf_class)
     dtype = _DTYPES[_FROM_ARGS.get(str(args.get("precision") or "fp32"), "fp32") if precision == "auto" else precision]
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConversionError(f"output directory {out_dir} is not empty; choose a new one")
@@ -226,7 +228,7 @@ def export_adapters(ckpt: Path, config: GPTConfig, args: dict[str, Any], weights
     tokens = (export_tokenizer(tokenizer_files, out_dir, config.max_positions) if tokenizer
               else special_tokens_of(tokenizer_files))
     base = {k: v for k, v in weights.items() if not is_adapter_name(k)}
-    hf_config = hf_config_from_gpt(config, tokens, dtype)
+    hf_config = hf_config_from_gpt(config, tokens, dtype, hf_class)
     adapter_dir = out_dir / ADAPTER_DIR if mode == "peft" else None
     if mode == "merge":
         progress(f"writing {arch} with the adapters merged (alpha/r = {lora.lora_scale:g}) to {out_dir}")

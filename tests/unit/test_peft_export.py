@@ -40,6 +40,11 @@ CASES = {
     "llama": (GPTConfig(**LLAMA), False, "LlamaForCausalLM"),  # type: ignore[arg-type]
     "llama_split": (GPTConfig(**LLAMA), True, "LlamaForCausalLM"),  # type: ignore[arg-type]
     "qwen2": (GPTConfig(**LLAMA, use_bias_in_qkv=True), False, "Qwen2ForCausalLM"),  # type: ignore[arg-type]
+    # Qwen3: per-head q/k RMSNorms (no adapters), heads wider than hidden / heads
+    "qwen3": (GPTConfig(**LLAMA, use_qk_layernorm=True, kv_channels=16), False,  # type: ignore[arg-type]
+              "Qwen3ForCausalLM"),
+    # Phi-3 (asked for: Llama's maths): q/k/v and gate/up fused in qkv_proj and gate_up_proj, a rank per section
+    "phi3": (GPTConfig(**LLAMA, rotary_pct=0.5), False, "Phi3ForCausalLM"),  # type: ignore[arg-type]
     # OLMo 2: norms after the sublayers only, q/k RMSNorm over the whole projections
     "olmo2": (GPTConfig(**LLAMA, norm_placement="post", use_qk_layernorm=True,  # type: ignore[arg-type]
                         qk_norm_scope="projection"), False, "Olmo2ForCausalLM"),
@@ -77,16 +82,18 @@ def test_peft_export_loads_in_peft_with_our_logits_and_merges_to_our_merge(case:
     lora = LoRAArgs(**{k: v for k, v in args.items() if k != "precision"})  # type: ignore[arg-type]
     weights = checkpoint_weights(config, lora)
     files = TokenizerFiles("CharLevelTokenizer")
+    hf_class = "Phi3ForCausalLM" if arch == "Phi3ForCausalLM" else None
     peft = export_adapters(tmp_path / "ckpt", config, args, weights, tmp_path / "peft", mode="peft",
-                           tokenizer_files=files)
+                           tokenizer_files=files, hf_class=hf_class)
     assert peft.architecture == arch and peft.max_logit_diff is not None and peft.max_logit_diff <= 1e-4
     merged = export_adapters(tmp_path / "ckpt", config, args, weights, tmp_path / "merged", mode="merge",
-                             tokenizer_files=files, verify=False)
+                             tokenizer_files=files, verify=False, hf_class=hf_class)
     assert merged.architecture == arch
 
     adapter_config = json.loads((tmp_path / "peft" / "lora_adapter" / "adapter_config.json").read_text())
     modules = {m.rsplit(".", 1)[-1] for m in adapter_config["target_modules"]}
-    want = {"GPTNeoXForCausalLM": {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "lm_head"}}.get(
+    want = {"GPTNeoXForCausalLM": {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "lm_head"},
+            "Phi3ForCausalLM": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}}.get(
         arch, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"})
     if config.moe_num_experts > 1:  # Mixtral / Qwen3-MoE: LoRA adapts no expert (Deepy's MoE layer has no Linear)
         want -= {"gate_proj", "up_proj", "down_proj"}

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from megatron.errors import ConversionError
 from megatron.interop.convert import export_to_hf, import_to_deepy
 from megatron.interop.deepy_checkpoint import read_full_checkpoint, write_weights_only_checkpoint
-from megatron.interop.hf_config import choose_architecture, gpt_config_from_hf
+from megatron.interop.hf_config import HFArchitecture, choose_architecture, gpt_config_from_hf
 from megatron.interop.hf_model import fixed_batch
 from megatron.interop.hf_tokenizer import TokenizerFiles, export_tokenizer
 from megatron.interop.hf_weights import from_hf_state_dict
@@ -30,7 +30,7 @@ from megatron.model import GPTConfig, GPTModel, num_parameters
 from test_model_families import assert_greedy_generation_equals_transformers
 from test_qwen3 import preset_config
 
-PHI3 = "Phi3ForCausalLM"
+PHI3: HFArchitecture = "Phi3ForCausalLM"
 # a window of 9 (HF: keys at distance < 9) over 24-token batches, half of each 16-wide head rotated
 SHAPE: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,

@@ -45,7 +45,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="GPT-NeoX's model family flag (checked against the checkpoint's architecture)")
     parser.add_argument("--hf_class", choices=["Phi3ForCausalLM"], default=None,
                         help="write a model whose maths is Llama's (or Mistral's) as Phi-3's fused projections "
-                             "(a Phi-3 import exports as Llama without it)")
+                             "(without it a Phi-3 import exports as Llama or Mistral, or is refused, naming this "
+                             "flag, when it rotates a fraction of each head)")
     parser.add_argument("--iteration", type=int, default=None, help="which committed checkpoint of a save directory")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                         help="dtype of the written weights (auto: the run's precision)")
@@ -86,7 +87,7 @@ def export_lora_checkpoint(opts: argparse.Namespace) -> int | None:
     report = export_adapters(ckpt, config, args, read_full_checkpoint(ckpt).weights, opts.output,
                              mode=opts.adapters or "merge", precision=opts.precision, verify=opts.verify,
                              tokenizer_files=files, tokenizer=not opts.no_tokenizer,
-                             progress=lambda line: print(line, flush=True))
+                             progress=lambda line: print(line, flush=True), hf_class=opts.hf_class)
     where = f"{report.out_dir} + PEFT adapter {report.adapter_dir}" if report.adapter_dir else str(report.out_dir)
     print(f"wrote {report.architecture} ({str(report.dtype).removeprefix('torch.')}) from {report.checkpoint} to {where}")
     if report.max_logit_diff is not None:
