@@ -43,7 +43,7 @@ CASES = {
     # Qwen3: per-head q/k RMSNorms (no adapters), heads wider than hidden / heads
     "qwen3": (GPTConfig(**LLAMA, use_qk_layernorm=True, kv_channels=16), False,  # type: ignore[arg-type]
               "Qwen3ForCausalLM"),
-    # Phi-3 (asked for: Llama's maths): q/k/v and gate/up fused in qkv_proj and gate_up_proj, a rank per section
+    # Phi-3 (asked for; partial rotary has no Llama form): q/k/v in qkv_proj, gate/up in gate_up_proj, fused as ours
     "phi3": (GPTConfig(**LLAMA, rotary_pct=0.5), False, "Phi3ForCausalLM"),  # type: ignore[arg-type]
     # OLMo 2: norms after the sublayers only, q/k RMSNorm over the whole projections
     "olmo2": (GPTConfig(**LLAMA, norm_placement="post", use_qk_layernorm=True,  # type: ignore[arg-type]
