@@ -6,8 +6,8 @@ and trains 4 steps of 2 micro-batches each through the trainer's own step (``Obj
 reference), then at stages 1 and 2 (each rank steps its shard of the flat fp32 master; the estimate reaches the shard
 through DeepSpeed's fragment mapping), those two with DeepSpeed's (reentrant) activation checkpointing on, which the
 probe's double differentiation must run without. The weights must agree within 1e-6 (fp32), the Hessian EMA must
-be non-zero (the estimate arrived), and the run must differ from one whose estimates never arrive. The formulas
-themselves are tests/unit/test_levanter_sophia.py's.
+be non-zero (the estimate arrived). The formulas themselves, and that the estimates change the update, are
+tests/unit/test_levanter_sophia.py's.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _samples(rank: int) -> list[dict[str, torch.Tensor]]:
     return [{"text": (base * (i + 1) + 5 * rank) % 64} for i in range(STEPS * MICRO)]
 
 
-def _train(stage: int, recompute: bool, deliver: bool = True) -> tuple[dict[str, torch.Tensor], float]:
+def _train(stage: int, recompute: bool) -> tuple[dict[str, torch.Tensor], float]:
     import deepspeed
 
     from megatron.engine.build import deepspeed_mpu, recompute_suspended
@@ -62,8 +62,6 @@ def _train(stage: int, recompute: bool, deliver: bool = True) -> tuple[dict[str,
     engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, cfg), config=config,
                                                  mpu=deepspeed_mpu())
     probe = HessianProbe(engine.module, optimizer, 5, suspend_recompute=recompute_suspended)
-    if not deliver:
-        probe.deliver = lambda: None  # type: ignore[method-assign]  # the estimates never reach the optimizer
     handle = SimpleNamespace(engine=engine, is_pipe=False, before_update=None, after_forward_only=None,
                              hessian_probe=probe)
     runner = ObjectiveRunner(LMObjective(ObjectiveArgs()), Reference())
@@ -84,8 +82,6 @@ def check() -> None:
     initial = dict(_model(False).named_parameters())
     for name, value in want.items():
         assert not torch.allclose(value, initial[name].detach(), atol=1e-4), f"{name} did not move"
-    without, _ = _train(0, recompute=False, deliver=False)
-    assert max(float((without[n] - want[n]).abs().max()) for n in want) > 1e-4, "the estimates changed nothing"
     for stage in (1, 2):
         got, h_norm = _train(stage, recompute=True)
         assert h_norm > 0, f"no Hessian estimate reached ZeRO-{stage}'s shard"
