@@ -278,8 +278,9 @@ DIALECT_SAMPLES: dict[str, dict[str, object]] = {
         "model.attn_backend": "jax_flash", "model.use_flash_attention": True, "model.flash_attention_block_size": 512,
         "model.cross_entropy_block_size": 1024, "model.scan_layers": True, "model.reference_checkpoint": "x",
         "model.tokenizer": "x", "model.head_dim": None, "model.hybrid_norm": False, "model.input_embedding_norm": False,
-        "model.use_sliding_window": False, "model.max_window_layers": 0,
-        "model.query_pre_attn_scalar": 256.0,
+        "model.query_pre_attn_scalar": 256.0, "model.attn_logit_softcapping": 50.0,
+        "model.final_logit_softcapping": 30.0, "model.use_qk_norm": True, "model.sliding_window_pattern": 6,
+        "model.rope_local_base_freq": 10000.0,
         "model.attention_bias": True,
         "model.use_sliding_window": False, "model.max_window_layers": 0,
         "trainer.allow_nondivisible_batch_size": False, "trainer.quantization": None, "trainer.model_averaging": None,
@@ -364,6 +365,10 @@ DIALECT_CONTEXT: dict[str, dict[str, object]] = {
     **{f"optimizer.{f}": {"optimizer.type": "muon"}
        for f in ("adam_lr", "momentum", "backend_steps", "muon_epsilon", "use_kimi_scaling", "lr")},
     **{f"optimizer.{f}": {"optimizer.type": "scion"} for f in ("scion_to_signum_lr", "scion_epsilon")},
+    "model.query_pre_attn_scalar": {"model.type": "gemma"},
+    **{f"model.{f}": {"model.type": "gemma2"} for f in ("attn_logit_softcapping", "final_logit_softcapping",
+                                                        "use_qk_norm")},
+    **{f"model.{f}": {"model.type": "gemma3"} for f in ("sliding_window_pattern", "rope_local_base_freq")},
     **{f"model.{f}": {"model.type": "mixtral"}
        for f in ("n_routed_experts", "num_experts_per_tok", "n_shared_experts", "lbl_coef", "rzl_coef")},
     "model.attention_bias": {"model.type": "olmo2"},  # Olmo2Config's field

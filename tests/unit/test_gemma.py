@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import yaml
 from safetensors.torch import load_file
 
-from megatron.errors import ConversionError
+from megatron.errors import ConfigError, ConversionError
 from megatron.interop.convert import export_to_hf, import_to_deepy
 from megatron.interop.deepy_checkpoint import read_full_checkpoint, write_weights_only_checkpoint
 from megatron.interop.hf_config import choose_architecture, gpt_config_from_hf
@@ -391,3 +391,33 @@ def test_gemma1_both_ways_and_levanters_gemma_is_that_model(tmp_path: Path) -> N
     (tmp_path / "silu" / "config.json").write_text(json.dumps({**legacy, "hidden_act": "silu"}))
     assert neox_model_keys(read_config_json(tmp_path / "silu"))["activation"] == "swiglu"
     assert hf_shape(str(tmp_path / "silu")).keys["activation"] == "geglu_tanh"  # Levanter: gelu_new whatever it says
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_levanters_gemma2_and_gemma3_are_these_models(family: str, tmp_path: Path) -> None:
+    """Levanter's Gemma2Config/Gemma3Config (gemma.py:453-1000@9263f81e) run the sandwich block with the caps their
+    attention_config passes and nothing else of HF's: no window, one rotary base, no final-logit cap, scores by
+    1/sqrt(head_dim). Their keys equal the import of the transformers model that computes that (all layers full,
+    final_logit_softcapping None, query_pre_attn_scalar = head_dim, one rope theta) on every maths key."""
+    from megatron.interop.hf_keys import MATH_KEYS
+    from test_levanter_keys import load
+
+    text = LEVANTER_GEMMA.replace("type: gemma", f"type: {family}").replace(
+        "  seq_len: 32\n", "  seq_len: 32\n  final_logit_softcapping: 30.0\n  query_pre_attn_scalar: 20.0\n"
+        "  sliding_window: 6\n")
+    if family == "gemma2":
+        text = text.replace("  seq_len: 32\n", "  seq_len: 32\n  attn_logit_softcapping: 0.25\n")
+    else:
+        text = text.replace("  seq_len: 32\n", "  seq_len: 32\n  rope_local_base_freq: 100\n  use_qk_norm: false\n")
+    levanter = load(tmp_path, text).args
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    full = dict(GEMMA1, layer_types=["full_attention"] * 2, final_logit_softcapping=None, query_pre_attn_scalar=24,
+                attn_logit_softcapping=0.25 if family == "gemma2" else None,
+                rope_parameters=rope if family == "gemma2" else {"full_attention": rope, "sliding_attention": rope})
+    config = gpt_config_from_hf(hf_config(family, **full), seq_length=32)
+    differ = {k: (getattr(levanter, k), getattr(config, k)) for k in MATH_KEYS
+              if getattr(levanter, k) != getattr(config, k)}
+    assert differ == {}, differ
+    assert levanter.use_qk_layernorm is (family == "gemma3")  # Gemma 3's q/k norms whatever use_qk_norm says
+    with pytest.raises(ConfigError, match="use_qk_norm"):  # a Gemma2Config field: Gemma (1)'s config has none
+        load(tmp_path, LEVANTER_GEMMA.replace("  seq_len: 32\n", "  seq_len: 32\n  use_qk_norm: true\n"))

@@ -73,12 +73,25 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                   scale_embeddings_by_sqrt_hidden=True, hidden_size=2048, intermediate_size=3 * 16384,
                   num_attention_heads=8, num_kv_heads=1, kv_channels=256, num_layers=18, seq_length=8192,
                   max_position_embeddings=8192, rms_norm_epsilon=1e-5),
+    # Gemma2Config / Gemma3Config (gemma.py:453-480, 780-800@9263f81e): GemmaConfig's defaults (Gemma-2B's shapes,
+    # not Gemma-2-2B's) in Gemma2Transformer's sandwich (Gemma2DecoderLayer, :599-660). What their model computes
+    # (read from the code, not the docstrings): scores capped by attn_logit_softcapping (Gemma 2 only: 50, passed
+    # as logits_soft_cap, :582-592; layers/attention.py:352-367 caps after the 1/sqrt(head_dim) scale, before the
+    # mask), no query_pre_attn_scalar (AttentionConfig gets none), no final-logit cap (the LM heads never read
+    # final_logit_softcapping, :706-760, 928-990), no sliding window and one rotary base (the windows, the pattern
+    # and rope_local_base_freq reach only exported HF configs); Gemma 3: per-head q/k norms always (:907-918)
+    "gemma2": dict(_RMS, norm="gemma_rmsnorm", norm_placement="sandwich", activation="geglu_tanh",
+                   no_weight_tying=False, scale_embeddings_by_sqrt_hidden=True, hidden_size=2048,
+                   intermediate_size=3 * 16384, num_attention_heads=8, num_kv_heads=1, kv_channels=256, num_layers=18,
+                   seq_length=8192, max_position_embeddings=8192, rms_norm_epsilon=1e-5, attn_logit_softcapping=50.0),
+    "gemma3": dict(_RMS, norm="gemma_rmsnorm", norm_placement="sandwich", activation="geglu_tanh",
+                   no_weight_tying=False, scale_embeddings_by_sqrt_hidden=True, hidden_size=2048,
+                   intermediate_size=3 * 16384, num_attention_heads=8, num_kv_heads=1, kv_channels=256, num_layers=18,
+                   seq_length=8192, max_position_embeddings=8192, rms_norm_epsilon=1e-5, use_qk_layernorm=True),
 }
 
 NOT_BUILT = {
     "gpt2_hyena": "Hyena operators", "backpack": "Backpack sense vectors", "whisper": "an encoder-decoder speech model",
-    "gemma2": "Levanter's Gemma 2 (Deepy builds Gemma 2 from Hugging Face: docs/gemma.md)",
-    "gemma3": "Levanter's Gemma 3 (Deepy builds Gemma 3 from Hugging Face: docs/gemma.md)",
     "llama4": "Llama 4",
     "apertus": "Apertus", "mpt": "MPT", "gpt_oss": "gpt-oss",
 }
@@ -186,7 +199,7 @@ def _layer_norm_weight(value: Any, ctx: Context) -> dict[str, Any]:
         raise Refused("OLMo 2 without norm weights (RMSNorm without a gain) is not built here")
     if shape_kind(ctx) == "qwen3":  # its q/k norms are norm_config's RMSNorms (qwen.py:374-376)
         raise Refused("Qwen 3 without norm weights (q/k RMSNorms without a gain) is not built here")
-    if shape_kind(ctx) in ("gpt2", "gemma"):  # Gpt2Config and GemmaConfig have no such field (gpt2.py, gemma.py:61)
+    if shape_kind(ctx) in ("gpt2", "gemma", "gemma2", "gemma3"):  # Gpt2Config and Gemma*Config have no such field
         raise Refused(f"use_layer_norm_weight is a LlamaConfig field; Levanter's {shape_kind(ctx)} has none")
     # the Llama family's norms are RmsNorms (LlamaConfig.norm_config: RmsNormConfig(use_weight=use_layer_norm_weight),
     # llama.py:177-182@9263f81e; Mistral, Mixtral and Qwen inherit it), here without a gain: no mean is subtracted
@@ -326,6 +339,30 @@ def _mixtral_bias(value: Any, ctx: Context) -> dict[str, Any]:
     return _use_bias(value, ctx)
 
 
+def _gemma_only(rule: Rule, kinds: tuple[str, ...] = ("gemma", "gemma2", "gemma3")) -> Rule:
+    """A field of Levanter's Gemma configs (GemmaConfig: gemma; Gemma2Config: gemma2 and gemma3; Gemma3Config)."""
+    def checked(value: Any, ctx: Context) -> dict[str, Any]:
+        if shape_kind(ctx) not in kinds:
+            raise Refused(f"a field of Levanter's {'/'.join(kinds)} config; give model.type: {' or '.join(kinds)}")
+        return rule(value, ctx)
+    return checked
+
+
+_GEMMA23 = ("gemma2", "gemma3")
+
+
+def _attn_softcap(value: Any, ctx: Context) -> dict[str, Any]:
+    if shape_kind(ctx) != "gemma2":  # Gemma3Config.attention_config passes no logits_soft_cap
+        return noted("Levanter's Gemma 3 attention is not capped (gemma.py:907-918@9263f81e)")
+    return {"attn_logit_softcapping": None if value is None else float(value)}
+
+
+def _use_qk_norm(value: Any, ctx: Context) -> dict[str, Any]:
+    if shape_kind(ctx) == "gemma3":  # Gemma3Config.attention_config passes qk_norm whatever use_qk_norm says
+        return noted("Levanter's Gemma 3 normalises queries and keys always (gemma.py:907-918@9263f81e)")
+    return {"use_qk_layernorm": bool(value)}
+
+
 MODEL_RULES: dict[str, Rule] = {
     "model.type": _model_type_rule,
     "model.hidden_dim": _hidden_dim,
@@ -381,9 +418,21 @@ MODEL_RULES: dict[str, Rule] = {
     "model.max_window_layers": _no_effect("Qwen's first windowed layer; no window is applied (use_sliding_window)"),
     "model.hybrid_norm": _equal_or_refuse(False, "hybrid_norm (extra norms after attention and MLP) is not built here"),
     "model.input_embedding_norm": _equal_or_refuse(False, "input_embedding_norm is not built here"),
-    # GemmaConfig.query_pre_attn_scalar (gemma.py:103): Gemma 1's attention_config (:231-244) does not pass it
-    "model.query_pre_attn_scalar": lambda v, ctx: noted("Levanter's Gemma (1) attention scales by 1/sqrt(head_dim) "
-                                                        "whatever it says (gemma.py:231-244@9263f81e)"),
+    # GemmaConfig.query_pre_attn_scalar (gemma.py:103): no Gemma attention_config passes it (:231-244, 582-592, 907-918)
+    "model.query_pre_attn_scalar": _gemma_only(lambda v, ctx: noted(
+        "Levanter's Gemma attention scales by 1/sqrt(head_dim) whatever it says (gemma.py:231-244, 582-592, "
+        "907-918@9263f81e)")),
+    "model.attn_logit_softcapping": _gemma_only(_attn_softcap, _GEMMA23),
+    "model.final_logit_softcapping": _gemma_only(lambda v, ctx: noted(
+        "Levanter's Gemma 2/3 LM heads never apply it (gemma.py:706-760, 928-990@9263f81e); only exports carry it"),
+        _GEMMA23),
+    "model.use_qk_norm": _gemma_only(_use_qk_norm, _GEMMA23),
+    "model.sliding_window_pattern": _gemma_only(lambda v, ctx: noted(
+        "Levanter's Gemma 3 applies no window (gemma.py:789: alternating local/global attention is ignored)"),
+        ("gemma3",)),
+    "model.rope_local_base_freq": _gemma_only(lambda v, ctx: noted(
+        "Levanter's Gemma 3 runs one rope on every layer (Gemma2Transformer, gemma.py:660-700); only exports carry it"),
+        ("gemma3",)),
 }
 
 
