@@ -26,7 +26,8 @@ EOD = 0
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, padded_vocab_size=64, seed=9)
 CONFIGS: dict[str, dict[str, Any]] = {
     "learned_window": dict(sliding_window_width=5),
-    "rotary_gqa": dict(pos_emb="rotary", num_kv_heads=2, activation="swiglu", intermediate_size=384),
+    # heads of kv_channels=12, not hidden / heads = 8 (Qwen3, Gemma): the all-to-all moves 12-wide heads
+    "rotary_gqa": dict(pos_emb="rotary", num_kv_heads=2, activation="swiglu", intermediate_size=384, kv_channels=12),
     "alibi": dict(pos_emb="alibi"),  # per-head slopes follow the heads through the all-to-all
 }
 TP2_CONFIGS = {"learned_window": dict(sliding_window_width=5), "rotary": dict(pos_emb="rotary")}
