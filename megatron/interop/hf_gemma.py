@@ -262,7 +262,8 @@ def gemma_norms_to_hf(config: GPTConfig, ours: Mapping[str, Any], llama: dict[st
 def gemma_norms_from_hf(config: GPTConfig, hf: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the HF state dict as Llama's names for ``hf_weights._from_llama``, our weights of the norms it does not
     read)."""
-    llama, extra = dict(hf), {}
+    llama: dict[str, Any] = dict(hf)
+    extra: dict[str, Any] = {}
     if config.norm_placement == "pre":  # Gemma (1): Llama's names
         return llama, extra
     for i in range(config.arch.layers):
