@@ -12,7 +12,8 @@ lists each fact with its line. Llama's block (q/k/v/o projections, gate/up/down 
   ``post_attention_layernorm``, ``mlp_output_norm``);
 * ``act(gate) * up`` with ``gelu_pytorch_tanh``                            -> ``activation: geglu_tanh``;
 * embeddings times sqrt(hidden) in their dtype                            -> ``scale_embeddings_by_sqrt_hidden``;
-* ``head_dim``, ``query_pre_attn_scalar``                                  -> ``kv_channels``, ``query_pre_attn_scalar``;
+* ``head_dim``                                                            -> ``kv_channels``;
+* ``query_pre_attn_scalar``                                               -> the key of the same name;
 * ``layer_types`` (sliding / full) and ``sliding_window``                 -> ``attention_config`` local / global
   layers and ``sliding_window_width`` (= sliding_window - 1: HF lets a query see keys at distance < window);
 * Gemma 2: ``attn_logit_softcapping``, ``final_logit_softcapping``        -> the keys of the same names;
@@ -238,7 +239,8 @@ def gemma_hf_config(config: GPTConfig, common: dict[str, Any], rope: dict[str, A
 
 
 # --- weights: Llama's names plus the sandwich norms and Gemma 3's query/key norms -------------------------
-_NORMS = (("post_attention_layernorm", "attention_output_norm"), ("pre_feedforward_layernorm", "post_attention_layernorm"),
+_NORMS = (("post_attention_layernorm", "attention_output_norm"),
+          ("pre_feedforward_layernorm", "post_attention_layernorm"),
           ("post_feedforward_layernorm", "mlp_output_norm"))
 """HF's norm -> ours (``input_layernorm`` is the same on both sides)."""
 
