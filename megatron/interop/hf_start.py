@@ -22,6 +22,8 @@ from typing import Any
 from megatron.config_rules import RuleContext, render, rule
 from megatron.errors import ConfigError, ConversionError
 from megatron.interop.hf_keys import MATH_KEYS, neox_model_keys, read_config_json
+from megatron.model.family_config import expand_layer_types
+from megatron.model.transformer_options import ATTENTION_TYPES
 
 IMPORT_DIR = "hf_import"
 """Folder under ``save`` that receives the converted model."""
@@ -58,6 +60,14 @@ def _comparable(key: str, value: Any, keys: dict[str, Any]) -> Any:
     spellings)."""
     if key == "num_kv_heads" and value is None:
         return keys["num_attention_heads"]
+    if key == "attention_config":  # Gemma's local/global layers, however the list spells them (flash is global)
+        layers = int(keys["num_layers"])
+        try:
+            types = expand_layer_types(value or [[["global"], layers]], layers)
+        except (ValueError, TypeError):
+            return value  # the attention_config check says why
+        return ["local" if t in ATTENTION_TYPES and ATTENTION_TYPES[t].windowed else
+                "global" if t in ATTENTION_TYPES else t for t in types]
     if key == "rope_scaling" and isinstance(value, dict):
         out = {k: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for k, v in value.items()
                if k not in ("rope_theta", "partial_rotary_factor", "type")}

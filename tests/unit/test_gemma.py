@@ -285,6 +285,12 @@ def test_initialize_from_hf_of_a_gemma_directory_checks_its_keys(tmp_path: Path)
     uncapped = args.model_copy(update={"final_logit_softcapping": None})
     problems = initialize_from_hf_agrees_with_its_config(RuleContext(uncapped))
     assert len(problems) == 1 and "final_logit_softcapping" in problems[0], problems
+    # the layers' pattern however it is spelled (flash is global attention), but not another pattern
+    runs = args.model_copy(update={"attention_config": [[["local"], 1], [["flash"], 1], [["local", "global"], 1]]})
+    assert initialize_from_hf_agrees_with_its_config(RuleContext(runs)) == []
+    every_global = args.model_copy(update={"attention_config": [[["global"], 4]]})
+    problems = initialize_from_hf_agrees_with_its_config(RuleContext(every_global))
+    assert len(problems) == 1 and "attention_config" in problems[0], problems
 
 
 # published sizes (the models' config.json on the Hub, as transformers 5.23.0 reads them); the parameter count is
