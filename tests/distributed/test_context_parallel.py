@@ -29,6 +29,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # heads of kv_channels=12, not hidden / heads = 8 (Qwen3, Gemma): the all-to-all moves 12-wide heads
     "rotary_gqa": dict(pos_emb="rotary", num_kv_heads=2, activation="swiglu", intermediate_size=384, kv_channels=12),
     "alibi": dict(pos_emb="alibi"),  # per-head slopes follow the heads through the all-to-all
+    # Gemma 2/3: capped scores outside SDPA on the whole sequence of each rank's heads, local/global layers with their
+    # own rotary bases, q/k norms, capped logits, scaled embeddings, (1 + w) sandwich norms
+    "gemma": dict(pos_emb="rotary", num_kv_heads=2, kv_channels=12, norm="gemma_rmsnorm", norm_placement="sandwich",
+                  activation="geglu_tanh", intermediate_size=384, use_qk_layernorm=True, query_pre_attn_scalar=10.0,
+                  attn_logit_softcapping=0.5, final_logit_softcapping=1.5, scale_embeddings_by_sqrt_hidden=True,
+                  attention_config=[[["local", "global"], 1]], sliding_window_width=5, rope_local_base_freq=100),
 }
 TP2_CONFIGS = {"learned_window": dict(sliding_window_width=5), "rotary": dict(pos_emb="rotary")}
 
