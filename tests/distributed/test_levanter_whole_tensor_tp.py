@@ -1,4 +1,5 @@
-"""Levanter's Muon, Scion, MARS and Cautious at tensor parallelism 2 equal them at tp 1 (2 gloo ranks, one spawn).
+"""Levanter's Muon, Scion, MARS, Cautious, ADOPT and RMSProp with momentum at tensor parallelism 2 equal them at
+tp 1 (2 gloo ranks, one spawn).
 
 Each rank trains the same tiny GPT (GQA, SwiGLU, rotary, untied head: fused column-split QKV and gate/up, row-split
 outputs, a vocabulary-split embedding and head) for 3 steps on the same batches with the optimizer Deepy builds,
@@ -29,7 +30,11 @@ MODEL: dict[str, Any] = dict(num_layers=2, hidden_size=32, num_attention_heads=4
 # 5 Newton-Schulz steps, not 10: each step multiplies the directions of a (low-rank) momentum's ~0 singular values by
 # up to 3.4445, so 10 steps turn rounding differences between the layouts into ~1e-5
 KINDS: dict[str, dict[str, Any]] = {"Muon": {"lr": 0.02, "adam_lr": 0.01, "eps": 1e-3}, "Scion": {"lr": 0.02, "scion_to_signum_lr": 0.0, "backend_steps": 5},
-                                    "MARS": {"lr": 0.01, "eps": 1e-3}, "Cautious": {"lr": 0.01, "eps": 1e-3}}
+                                    "MARS": {"lr": 0.01, "eps": 1e-3}, "Cautious": {"lr": 0.01, "eps": 1e-3},
+                                    # element-wise (megatron/engine/levanter_optim.py): each rank steps its slices.
+                                    # ADOPT divides by the previous step's sqrt(nu): where that gradient was ~0 the
+                                    # layouts' rounding of this one is multiplied by 1/eps (6.6e-6 at eps 1e-3)
+                                    "ADOPT": {"lr": 0.01, "eps": 1e-2}, "RMSPropMomentum": {"lr": 0.01, "eps": 1e-3}}
 
 
 def _train(kind: str) -> dict[str, torch.Tensor]:
