@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
@@ -375,6 +376,47 @@ def relink_optimizer_state_views(optimizer: Any) -> bool:
     optimizer._hp_optimizer_states_linked = False
     optimizer._lazy_init_hp_params_optimizer_state()
     return True
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroMaster:
+    """One flat fp32 partition a ZeRO optimizer hands its optimizer to step, and where the model's parameters lie.
+
+    Stages 1/2 (``stage_1_and_2.py``, DeepSpeed 0.19.8): the group's parameters lie one after another, each
+    aligned, in a flat buffer split into equal consecutive partitions; ``offsets`` are their starts in the
+    whole buffer (``round_robin_bit16_offsets``) and ``flat`` is this rank's partition
+    (``single_partition_of_fp32_groups``). Stage 3 (``stage3.py``): each parameter is split into equal
+    consecutive pieces of ``pieces`` elements (``partition_numel()``, the last rank's padded), and ``flat``
+    (``fp32_partitioned_groups_flat``) is this rank's pieces one after another, starting at ``offsets``."""
+
+    flat: Any
+    params: list[Any]
+    shapes: list[tuple[int, ...]]
+    numels: list[int]
+    offsets: list[int]
+    pieces: list[int]
+    stage3: bool
+    group: Any
+
+
+def zero_masters(optimizer: Any) -> list[ZeroMaster]:
+    """The flat partitions of DeepSpeed's ZeRO optimizer ``optimizer`` (empty for any other)."""
+    if hasattr(optimizer, "fp32_partitioned_groups_flat"):  # stage 3
+        masters = []
+        for flat, params in zip(optimizer.fp32_partitioned_groups_flat, optimizer.fp16_groups):
+            pieces = [int(p.partition_numel()) for p in params]
+            offsets = [sum(pieces[:i]) for i in range(len(pieces))]
+            masters.append(ZeroMaster(flat, list(params), [tuple(p.ds_shape) for p in params],
+                                      [int(p.ds_numel) for p in params], offsets, pieces, True,
+                                      optimizer.dp_process_group))
+        return masters
+    if hasattr(optimizer, "single_partition_of_fp32_groups"):  # stages 1 and 2
+        return [ZeroMaster(flat, list(params), [tuple(p.shape) for p in params], [int(p.numel()) for p in params],
+                           [int(o) for o in offsets], [], False, group)
+                for flat, params, offsets, group in zip(
+                    optimizer.single_partition_of_fp32_groups, optimizer.round_robin_bit16_groups,
+                    optimizer.round_robin_bit16_offsets, optimizer.real_dp_process_group)]
+    return []
 
 
 # --- a PipelineModule's layers -----------------------------------------------------------------------

@@ -71,6 +71,7 @@ from megatron.objectives import LMObjective, Objective, ObjectiveArgs, Reference
 from megatron.engine.bnb import stable_position_embeddings
 from megatron.engine.optimizers import DEEPSPEED_BUILT, build_optimizer, deepspeed_optimizer_block, param_groups
 from megatron.engine.levanter_sophia import HessianProbe
+from megatron.engine.whole_parameters import attach_whole_parameters
 
 if TYPE_CHECKING:
     from megatron.engine.engine_config import EngineConfig
@@ -482,6 +483,7 @@ def build_engine(run: EngineConfig, config: GPTConfig, train_iters: int, objecti
         )
     if is_pipe:  # DeepSpeed's step line every steps_per_print steps, with --verbose only (Deepy logs its own)
         quiet_step_line(quiet=not is_verbose(run.logging.deepspeed_log_level))
+    attach_whole_parameters(ds_optimizer)  # no-op unless ZeRO steps an optimizer of whole parameters (SOAP)
     install_expert_parallel(engine)  # no-op unless experts are split over data-parallel ranks
     install_partial_grad_sum(engine)  # no-op unless replicated weights see part of the data per tp rank
     hybrid_shard_engine.install(engine)  # no-op unless ZeRO-3 partitions are replicated (hsdp)

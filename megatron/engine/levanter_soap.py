@@ -21,10 +21,13 @@ then Levanter's chain (soap.py:51-84): ``clip_by_global_norm(max_grad_norm)`` (D
 this, ``add_decayed_weights`` and ``scale(-lr)``: ``p <- p - lr * (u + wd * p)``. The padded entries of ``v`` are
 cut off after every step, as Levanter's unpadding does.
 
-Whole tensors: the preconditioners act on whole blocks of each parameter, so the optimizer must see every parameter
-whole (not a ZeRO shard of a flat buffer, nor a tensor-parallel slice); the checks before launch refuse ZeRO stages
-above 0 and tensor parallelism (``optimizer_checks.whole_tensor_optimizer_layout``). Pipeline stages and
-data-parallel ranks without ZeRO step whole parameters.
+Whole tensors: the preconditioners act on whole blocks of each parameter, so every step runs on whole parameters
+(``megatron/engine/whole_parameters.py``): under tensor parallelism each split parameter's gradient is all-gathered
+over the tp ranks in the model's own order and the rank keeps its slice of the update; under ZeRO 1-3
+(:meth:`LevanterSoap.attach_zero`, called when the engine is built) the flat gradient partition is all-gathered over
+the data-parallel ranks and cut into the whole parameters, and the rank keeps its partition of the flat update. The
+state is then whole on every rank that steps a part of the parameter. Weight decay is element-wise and needs nothing
+gathered.
 
 One deliberate difference: Levanter's ``update_step`` recomputes which dimensions get no preconditioner from the
 merged shape (``>= max_precond_dim``) while its ``init_fn``/``init_step`` use the merge's own answer (all of the merged
@@ -39,6 +42,9 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+
+from megatron.deepspeed_internals import ZeroMaster
+from megatron.engine.whole_parameters import TPSplit, ZeroWhole, tp_own, tp_split, tp_whole, zero_wholes
 
 
 def preconditioner_types(shape: tuple[int, ...], max_precond_dim: int, one_diag: bool) -> list[bool]:
@@ -189,11 +195,18 @@ class LevanterSoap(torch.optim.Optimizer):
             "merge_small_dims": merge_small_dims, "target_merged_dim_size": target_merged_dim_size,
             "one_diag": one_diag, "partition_grads_into_blocks": partition_grads_into_blocks,
             "block_size": block_size, "weight_decay": weight_decay})
+        for group in self.param_groups:  # the model's tp splits, before DeepSpeed swaps in copies without them
+            group["tp_splits"] = [tp_split(p) for p in group["params"]]
+        self.zero: dict[int, ZeroWhole] = {}
 
-    def layout(self, param: torch.Tensor, group: dict[str, Any]) -> Layout:
-        return Layout(tuple(param.shape), group["max_precond_dim"], group["merge_small_dims"],
-                      group["target_merged_dim_size"], group["one_diag"], group["partition_grads_into_blocks"],
-                      group["block_size"])
+    def layout(self, shape: tuple[int, ...], group: dict[str, Any]) -> Layout:
+        return Layout(shape, group["max_precond_dim"], group["merge_small_dims"], group["target_merged_dim_size"],
+                      group["one_diag"], group["partition_grads_into_blocks"], group["block_size"])
+
+    def attach_zero(self, masters: list[ZeroMaster]) -> None:
+        """Step ZeRO's flat partitions (``deepspeed_internals.zero_masters`` of the engine's optimizer) through the
+        whole parameters in them (``whole_parameters.ZeroWhole``)."""
+        self.zero = zero_wholes(masters)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -202,31 +215,40 @@ class LevanterSoap(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for param in group["params"]:
+            splits: list[TPSplit] = group.get("tp_splits") or [None] * len(group["params"])
+            for param, split in zip(group["params"], splits):
                 if param.grad is None:
                     continue
-                update = self._direction(param, group)
+                state = self.state[param]
+                flat = self.zero.get(id(param))
+                if flat is None:  # a whole parameter, or a tensor-parallel slice of one
+                    update = tp_own(self._direction(tp_whole(param.grad, split), state, group), split)
+                else:  # a ZeRO partition: each parameter in it whole (and its tp slice whole), state per parameter
+                    states = state.setdefault("params", [{} for _ in flat.splits])
+                    update = flat.shard([tp_own(self._direction(tp_whole(g, s), st, group), s)
+                                         for g, s, st in zip(flat.whole(param.grad), flat.splits, states)], param)
                 if group["weight_decay"]:
                     update = update + group["weight_decay"] * param
-                param.add_(update, alpha=-group["lr"])
+                param.add_(update.reshape(param.shape), alpha=-group["lr"])
         return loss
 
-    def _direction(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    def _direction(self, whole_grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor:
+        """SOAP's update of one whole parameter from its gradient; ``state`` is that parameter's."""
         b1, b2 = group["betas"]
         beta, eps = group["shampoo_beta"], group["eps"]
-        layout = self.layout(param, group)
-        state = self.state[param]
+        layout = self.layout(tuple(whole_grad.shape), group)
         if not state:
             state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(param)
-            state["exp_avg_sq"] = torch.zeros_like(param)
-            state["GG"] = [[torch.zeros(s, s, dtype=param.dtype, device=param.device) if on else None
-                            for s, on in zip(layout.block, layout.preconditioned)] for _ in layout.blocks(param)]
+            state["exp_avg"] = torch.zeros_like(whole_grad)
+            state["exp_avg_sq"] = torch.zeros_like(whole_grad)
+            state["GG"] = [[torch.zeros(s, s, dtype=whole_grad.dtype, device=whole_grad.device) if on else None
+                            for s, on in zip(layout.block, layout.preconditioned)]
+                           for _ in layout.blocks(whole_grad.reshape(layout.shape))]
             state["Q"] = [[None if m is None else torch.zeros_like(m) for m in gg] for gg in state["GG"]]
         t = int(state["step"]) + 1
         state["step"] = t
-        assert param.grad is not None  # step() skips the parameters without one
-        grad = param.grad.reshape(layout.shape)
+        shape = whole_grad.shape
+        grad = whole_grad.reshape(layout.shape)
         g_blocks = layout.blocks(grad)
         if t == 1:  # init_step (soap.py:264-351): the preconditioners and their eigenbases; no update
             for gg_list, q_list, g in zip(state["GG"], state["Q"], g_blocks):
@@ -235,9 +257,9 @@ class LevanterSoap(torch.optim.Optimizer):
                         gg.lerp_(_outer(g, i), 1.0 - beta)
                         eye = torch.eye(gg.shape[0], dtype=gg.dtype, device=gg.device)
                         q_list[i] = torch.flip(torch.linalg.eigh(gg + eps * eye)[1], dims=[1])
-            return torch.zeros_like(param)
+            return torch.zeros_like(whole_grad)
         exp_avg = state["exp_avg"]
-        exp_avg.mul_(b1).add_(grad.reshape(param.shape), alpha=1.0 - b1)
+        exp_avg.mul_(b1).add_(grad.reshape(shape), alpha=1.0 - b1)
         m_blocks = layout.blocks(exp_avg.reshape(layout.shape))
         v_blocks = layout.blocks(state["exp_avg_sq"].reshape(layout.shape))
         corr = math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
@@ -259,5 +281,5 @@ class LevanterSoap(torch.optim.Optimizer):
                     v = torch.index_select(v, i, order)
                     q_list[i] = torch.linalg.qr(mat @ q[:, order])[0]
             new_v.append(v)
-        state["exp_avg_sq"] = layout.merge(new_v).reshape(param.shape)
-        return layout.merge(updates).reshape(param.shape)
+        state["exp_avg_sq"] = layout.merge(new_v).reshape(shape)
+        return layout.merge(updates).reshape(shape)
