@@ -419,6 +419,46 @@ def zero_masters(optimizer: Any) -> list[ZeroMaster]:
     return []
 
 
+def zero_pending_gradients(optimizer: Any) -> list[tuple[Any, Any]]:
+    """This rank's part of each parameter's reduced gradient, unscaled, between the backward and the step of
+    DeepSpeed's ZeRO optimizer ``optimizer`` (empty for any other): ``(model parameter, fp32 tensor)`` pairs.
+
+    What DeepSpeed 0.19.8's own global norm reads there: stages 1/2 ``zip(params_in_partition[i],
+    averaged_gradients[i])`` without the ``_zero_padding`` entries (``scaled_global_norm``, ``get_grad_norm_direct``,
+    stage_1_and_2.py:2943-2960, 2677), stage 3 ``zip(fp16_groups[i], averaged_gradients[i])`` (``_get_norm_groups``,
+    stage3.py:2573-2584; each its partition, padding included), both still times the loss scale. The step itself
+    then hands its optimizer one group (stage 3: one sub-group) at a time, so a norm over several groups has to be
+    taken here, before it (:func:`before_zero_step`)."""
+    if hasattr(optimizer, "fp32_partitioned_groups_flat"):
+        groups = optimizer.fp16_groups
+    elif hasattr(optimizer, "single_partition_of_fp32_groups"):
+        groups = optimizer.params_in_partition
+    else:
+        return []
+    scale = float(getattr(optimizer, "loss_scale", 1.0) or 1.0)
+    pairs: list[tuple[Any, Any]] = []
+    for index, params in enumerate(groups):
+        grads = optimizer.averaged_gradients.get(index)
+        if grads is None:
+            continue
+        real = [g for g in grads if not getattr(g, "_zero_padding", False)]
+        pairs.extend((param, grad.float() / scale) for param, grad in zip(params, real))
+    return pairs
+
+
+def before_zero_step(optimizer: Any, run: Callable[[], None]) -> None:
+    """Call ``run`` at each step of DeepSpeed's ZeRO optimizer ``optimizer``, before it: the gradients are reduced
+    (:func:`zero_pending_gradients`) and nothing is stepped yet. Replaces the instance's ``step`` (the engine calls
+    ``self.optimizer.step()``), as :func:`reduce_zero3_gradients_before_step` does."""
+    original = optimizer.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        run()
+        return original(*args, **kwargs)
+
+    optimizer.step = step
+
+
 # --- a PipelineModule's layers -----------------------------------------------------------------------
 def pipeline_local_start(module: Any) -> int:
     """Index (in the ``PipelineModule``'s list of layer specs) of this stage's first layer; 0 for a

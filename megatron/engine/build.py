@@ -71,6 +71,7 @@ from megatron.objectives import LMObjective, Objective, ObjectiveArgs, Reference
 from megatron.engine.bnb import stable_position_embeddings
 from megatron.engine.optimizers import DEEPSPEED_BUILT, build_optimizer, deepspeed_optimizer_block, param_groups
 from megatron.engine.levanter_sophia import HessianProbe
+from megatron.engine.zero_attach import install_zero_pre_step
 from megatron.engine.whole_parameters import attach_whole_parameters
 
 if TYPE_CHECKING:
@@ -487,6 +488,7 @@ def build_engine(run: EngineConfig, config: GPTConfig, train_iters: int, objecti
     install_expert_parallel(engine)  # no-op unless experts are split over data-parallel ranks
     install_partial_grad_sum(engine)  # no-op unless replicated weights see part of the data per tp rank
     hybrid_shard_engine.install(engine)  # no-op unless ZeRO-3 partitions are replicated (hsdp)
+    install_zero_pre_step(engine)  # no-op unless a ZeRO-stepped optimizer needs all groups at once (Muon, Scion)
     # checkpoints are written (and read) in GPT-NeoX's layout: its tools and users read them
     install_neox_layout(engine, config, mpu.get_tensor_model_parallel_world_size())
     fp32 = not (engine.fp16_enabled() or engine.bfloat16_enabled())

@@ -5,8 +5,10 @@ Read from stanford-crfm/levanter at 9263f81e (``src/levanter/optim/{muon,scion,m
 matrices, MARS and the AdamW/signum halves of Muon and Scion clip by a global norm inside the optimizer, and
 Cautious rescales by the fraction of a whole tensor its mask keeps. They run with data parallelism without ZeRO
 (every rank steps the whole model on the all-reduced gradient) and under tensor parallelism, where a rank's slices
-are completed here (:func:`whole`, :func:`global_norm`, Cautious's counts summed over the tp ranks); ZeRO (each
-rank steps a shard of a flat buffer) and pipeline stages (part of the layers) are refused before launch by name
+are completed here (:func:`whole`, :func:`global_norm`, Cautious's counts summed over the tp ranks). Under ZeRO
+1-3 (each rank steps its partition of a flat buffer per group, one group per call) Muon and Scion gather each matrix
+from the data-parallel ranks' partitions and take their clip's norm before DeepSpeed's step
+(:class:`_RoleOptimizer`); pipeline stages (part of the layers) are refused before launch by name
 (``megatron/engine/optimizer_checks.py``).
 
 Every optimizer here ends as Levanter's chains do, ``add_decayed_weights(weight_decay, mask)`` then
@@ -73,6 +75,8 @@ import torch
 import torch.distributed as dist
 
 from megatron import mpu
+from megatron.deepspeed_internals import ZeroMaster
+from megatron.engine.whole_parameters import ZeroWhole, zero_wholes
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """Levanter's quintic Newton-Schulz coefficients (muon.py:176, scion.py:164)."""
@@ -164,11 +168,12 @@ def global_norm(tensors: Iterable[torch.Tensor], dims: Iterable[int] | None = No
 
 
 def clip_by_global_norm(grads: list[torch.Tensor], max_norm: float | None,
-                        dims: list[int] | None = None) -> list[torch.Tensor]:
-    """``optax.clip_by_global_norm``: unchanged below ``max_norm``, else ``g / norm * max_norm`` (no epsilon)."""
+                        dims: list[int] | None = None, norm: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """``optax.clip_by_global_norm``: unchanged below ``max_norm``, else ``g / norm * max_norm`` (no epsilon).
+    ``norm``: the global norm when it was taken before (under ZeRO, over groups this call does not see)."""
     if not max_norm:
         return grads
-    norm = global_norm(grads, dims)
+    norm = global_norm(grads, dims) if norm is None else norm
     if bool(norm < max_norm):
         return grads
     return [g / norm.to(g.dtype) * max_norm for g in grads]
@@ -199,11 +204,69 @@ def _with_dims(group: dict[str, Any]) -> list[tuple[torch.Tensor, int]]:
 
 class _RoleOptimizer(torch.optim.Optimizer):
     """Groups carry a ``role`` (which half of Levanter's ``multi_transform`` steps them), ``stacks`` (each
-    parameter's :func:`stack_name`) and ``tp_dims``; ``lr_scale`` (read by the schedule) sets a half's own rate."""
+    parameter's :func:`stack_name`) and ``tp_dims``; ``lr_scale`` (read by the schedule) sets a half's own rate.
+
+    Under ZeRO (stages 1-3) DeepSpeed hands the optimizer one flat fp32 partition per group and steps the groups one
+    at a time: :meth:`attach_zero` (called by ``whole_parameters.attach_whole_parameters``) says where the model's
+    parameters lie in each partition, so the matrices are gathered whole over the data-parallel ranks
+    (:class:`ZeroWhole`) and every rank keeps its partition of the update; :meth:`before_zero_step` takes the
+    clipped half's global norm over every group before DeepSpeed steps them (``megatron/engine/zero_attach.py``)."""
+
+    CLIPPED = ""
+    """The role whose gradients are clipped by their own global norm (the AdamW/signum half)."""
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+        super().__init__(params, defaults)
+        # the model's parameters' roles, before DeepSpeed swaps in its flat partitions (ZeRO's parameters are these)
+        self.roles = {id(p): g.get("role") for g in self.param_groups for p in g["params"]}
+        self.zero: dict[int, ZeroWhole] = {}
+        self.zero_norm: torch.Tensor | None = None
+
+    def attach_zero(self, masters: list[ZeroMaster]) -> None:
+        """Step ZeRO's flat partitions (``deepspeed_internals.zero_masters``) through the whole matrices in them."""
+        self.zero = zero_wholes(masters)
+
+    def before_zero_step(self, pending: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The clipped half's global norm from this rank's part of every reduced gradient (summed over the
+        data-parallel ranks, then the tp-split parameters' over the tp ranks), for this step's groups."""
+        parts = [(g, tp_dim(p)) for p, g in pending if self.roles.get(id(p)) == self.CLIPPED]
+        replicated = torch.zeros((), dtype=torch.float64)
+        split = torch.zeros((), dtype=torch.float64)
+        for grad, dim in parts:
+            if dim < 0:
+                replicated += grad.double().pow(2).sum()
+            else:
+                split += grad.double().pow(2).sum()
+        sums = torch.stack([replicated, split])
+        group = next(iter(self.zero.values())).master.group if self.zero else None
+        dist.all_reduce(sums, group=group)
+        self.zero_norm = (sums[0] + _tp_sum(sums[1])).sqrt().float()
+
+    def _clip(self, todo: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], int]],
+              max_norm: float | None) -> list[torch.Tensor]:
+        grads = [g for _, g, _, _ in todo]
+        if not any(id(p) in self.zero for p, *_ in todo):
+            return clip_by_global_norm(grads, max_norm, [d for *_, d in todo])
+        if max_norm and self.zero_norm is None:
+            raise RuntimeError("a ZeRO partition's clip needs the global norm taken before the step: build the engine "
+                               "with megatron.engine.zero_attach.install_zero_pre_step")
+        return clip_by_global_norm(grads, max_norm, norm=self.zero_norm)
 
     def _grads_of(self, role: str) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], int]]:
-        return [(p, p.grad, g, dim) for g in self.param_groups if g.get("role") == role for p, dim in _with_dims(g)
+        return [(p, p.grad, g, -1 if id(p) in self.zero else dim)
+                for g in self.param_groups if g.get("role") == role for p, dim in _with_dims(g)
                 if p.grad is not None]
+
+    def _orthogonalised(self, param: torch.Tensor, direction: torch.Tensor, dim: int,
+                        update: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``update`` of each whole matrix (gathered over the tp ranks, and over the data-parallel ranks when
+        ``param`` is a ZeRO partition), as this rank's part of ``param``."""
+        zero = self.zero.get(id(param))
+        if zero is None:
+            return own(update(whole(direction, dim)), dim)
+        dims = [split[0] if split is not None else -1 for split in zero.splits]
+        return zero.shard([own(update(whole(m, d)), d) for m, d in zip(zero.whole(direction), dims)],
+                          param).view_as(param)
 
 
 def split_groups(groups: list[dict[str, Any]], names: Mapping[torch.Tensor, str], lr: float,
@@ -229,6 +292,8 @@ def split_groups(groups: list[dict[str, Any]], names: Mapping[torch.Tensor, str]
 class LevanterMuon(_RoleOptimizer):
     """Levanter's Muon (module docstring); groups of role ``muon`` or ``adamw``."""
 
+    CLIPPED = "adamw"
+
     def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.95,
                  nesterov: bool = True, backend_steps: int = 5, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, muon_epsilon: float = 1e-8, max_grad_norm: float | None = 1.0,
@@ -246,7 +311,7 @@ class LevanterMuon(_RoleOptimizer):
             with torch.enable_grad():
                 loss = closure()
         adam = self._grads_of("adamw")
-        clipped = clip_by_global_norm([g for _, g, _, _ in adam], self.max_grad_norm, [d for *_, d in adam])
+        clipped = self._clip(adam, self.max_grad_norm)
         for (param, _, group, _), grad in zip(adam, clipped):
             b1, b2 = group["betas"]
             _decay_and_step(param, _adam_direction(grad, self.state[param], b1, b2, group["eps"]), group["lr"],
@@ -257,16 +322,22 @@ class LevanterMuon(_RoleOptimizer):
                 state["momentum_buffer"] = torch.zeros_like(param)
             mom = group["momentum"]
             buf = state["momentum_buffer"].mul_(mom).add_(grad)
-            direction = whole(mom * buf + grad if group["nesterov"] else buf, dim)
-            update = newton_schulz5(direction, group["backend_steps"], group["muon_epsilon"])
-            rows, cols = direction.shape
-            scale = 0.2 * math.sqrt(max(rows, cols)) if group["use_kimi_scaling"] else math.sqrt(max(1.0, rows / cols))
-            _decay_and_step(param, own(update, dim) * scale, group["lr"], group["weight_decay"])
+
+            def scaled(direction: torch.Tensor, group: dict[str, Any] = group) -> torch.Tensor:
+                rows, cols = direction.shape
+                scale = (0.2 * math.sqrt(max(rows, cols)) if group["use_kimi_scaling"]
+                         else math.sqrt(max(1.0, rows / cols)))
+                return newton_schulz5(direction, group["backend_steps"], group["muon_epsilon"]) * scale
+
+            update = self._orthogonalised(param, mom * buf + grad if group["nesterov"] else buf, dim, scaled)
+            _decay_and_step(param, update, group["lr"], group["weight_decay"])
         return loss
 
 
 class LevanterScion(_RoleOptimizer):
     """Levanter's Scion (module docstring); groups of role ``scion`` or ``signum``."""
+
+    CLIPPED = "signum"
 
     def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.95, backend_steps: int = 10,
                  beta1: float = 0.9, scion_epsilon: float = 1e-8, max_grad_norm: float | None = 1.0,
@@ -282,7 +353,7 @@ class LevanterScion(_RoleOptimizer):
             with torch.enable_grad():
                 loss = closure()
         signum = self._grads_of("signum")
-        clipped = clip_by_global_norm([g for _, g, _, _ in signum], self.max_grad_norm, [d for *_, d in signum])
+        clipped = self._clip(signum, self.max_grad_norm)
         for (param, _, group, _), grad in zip(signum, clipped):
             state = self.state[param]
             if "momentum_buffer" not in state:
@@ -295,11 +366,14 @@ class LevanterScion(_RoleOptimizer):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(param)
             mom = group["momentum"]
-            buf = whole(state["momentum_buffer"].mul_(mom).add_(grad, alpha=1.0 - mom), dim)
-            update = newton_schulz5(buf, group["backend_steps"], group["scion_epsilon"])
-            rows, cols = buf.shape
-            _decay_and_step(param, own(update, dim) * math.sqrt(max(1.0, rows / cols)), group["lr"],
-                            group["weight_decay"])
+            buf = state["momentum_buffer"].mul_(mom).add_(grad, alpha=1.0 - mom)
+
+            def scaled(direction: torch.Tensor, group: dict[str, Any] = group) -> torch.Tensor:
+                rows, cols = direction.shape
+                return (newton_schulz5(direction, group["backend_steps"], group["scion_epsilon"])
+                        * math.sqrt(max(1.0, rows / cols)))
+
+            _decay_and_step(param, self._orthogonalised(param, buf, dim, scaled), group["lr"], group["weight_decay"])
         return loss
 
 

@@ -394,6 +394,23 @@ def test_zero3_gradient_partitions_are_what_its_step_reads(zero3_engine) -> None
     assert _zero3_weights(zero3_engine) != before
 
 
+def test_zero_pending_gradients_are_what_its_norm_reads(zero3_engine) -> None:  # type: ignore[no-untyped-def]
+    """before_zero_step runs before ZeRO's step with every parameter's reduced gradient part: their norm is the
+    global norm DeepSpeed then takes (before its clipping), so none is missing, doubled or scaled."""
+    from megatron.deepspeed_internals import before_zero_step, zero_pending_gradients
+
+    seen: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    before_zero_step(zero3_engine.optimizer, lambda: seen.append(zero_pending_gradients(zero3_engine.optimizer)))
+    zero3_engine.backward(zero3_engine(torch.randn(2, 4)).pow(2).mean())
+    zero3_engine.step()
+    zero3_engine.optimizer.step = type(zero3_engine.optimizer).step.__get__(zero3_engine.optimizer)
+    (pairs,) = seen
+    assert [id(p) for p, _ in pairs] == [id(p) for p in zero3_engine.module.parameters()]
+    norm = sum(float(g.double().pow(2).sum()) for _, g in pairs) ** 0.5
+    assert norm > 0 and abs(norm - float(zero3_engine.get_global_grad_norm())) <= 1e-5 * norm
+    assert zero_pending_gradients(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)) == []
+
+
 def test_checkpoint_write_flags_decide_deepspeeds_files(zero3_engine, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from megatron.deepspeed_internals import skip_checkpoint_writes
 

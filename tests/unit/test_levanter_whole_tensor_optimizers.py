@@ -291,7 +291,8 @@ def test_levanter_yaml_builds_the_optimizer_with_levanters_defaults(
     assert optimizer.defaults["lr"] == 6e-4
     assert {g["weight_decay"] for g in optimizer.param_groups} == {decay, 0.0}
     assert args.gradient_clipping == clip
-    assert args.sharding_strategy == "ddp"  # whole tensors on each data rank, not Levanter's fsdp -> ZeRO-3
+    # Muon and Scion gather their matrices from ZeRO's partitions: Levanter's fsdp is ZeRO-3; the others stay whole
+    assert args.sharding_strategy == ("fsdp" if cls in (LevanterMuon, LevanterScion) else "ddp")
     if cls is LevanterMuon:  # the AdamW half at adam_lr, on lr's schedule; Levanter's max_grad_norm inside
         adam = [g["lr_scale"] for g in optimizer.param_groups if g["role"] == "adamw"]
         assert adam == [pytest.approx((1e-3 if "adam_lr" in text else 6e-4) / 6e-4)] * 2
@@ -333,8 +334,16 @@ def refused(**keys: Any) -> str:
 @pytest.mark.parametrize("kind", ["Muon", "Scion", "MARS", "Cautious"])
 def test_whole_tensor_layouts_are_refused_before_launch(kind: str) -> None:
     block = {"type": kind}
-    assert "ZeRO stage 1" in refused(optimizer=block, zero_optimization={"stage": 1})
-    assert "shard of a flat buffer" in refused(optimizer=block, zero_optimization={"stage": 3})
+    if kind in ("Muon", "Scion"):  # run under ZeRO 1-3 (tests/distributed/test_levanter_optimizers_zero.py)
+        for stage in (1, 2, 3):
+            finalize(config_from_mapping({**LAUNCH, "optimizer": block, "zero_optimization": {"stage": stage}}), 1,
+                     device=Device(cuda=False, fp16_supported=False))
+        offload = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+        assert "remove offload_optimizer" in refused(optimizer=block, zero_optimization=offload)
+        assert "BF16_Optimizer" in refused(optimizer=block, zero_optimization={"stage": 1}, precision="bfloat16")
+    else:
+        assert "ZeRO stage 1" in refused(optimizer=block, zero_optimization={"stage": 1})
+        assert "shard of a flat buffer" in refused(optimizer=block, zero_optimization={"stage": 3})
     assert "BF16_Optimizer" in refused(optimizer=block, pipe_parallel_size=1, precision="bfloat16")
     if kind != "Cautious":
         assert "set gradient_clipping: 0" in refused(optimizer=block, gradient_clipping=1.0)
