@@ -194,11 +194,12 @@ PRECONDITIONED_KINDS = {"soap": "SOAP"}
 
 @rule
 def preconditioner_layout(ctx: RuleContext) -> list[str]:
-    """SOAP keeps preconditioners over the dimensions of each whole parameter, so the optimizer must be handed whole
-    tensors: not ZeRO's shards of a flat buffer, a tensor-parallel slice, a part of the experts, nor the flat fp32
-    buffer DeepSpeed's bf16 optimizer keeps for a pipeline (``deepspeed/runtime/engine.py``
-    ``_do_optimizer_sanity_check`` in 0.19.8; without a pipeline bf16 and fp16 keep one fp32 copy per parameter).
-    Refused here, before launch; pipeline stages and data-parallel ranks without ZeRO step whole parameters."""
+    """SOAP keeps preconditioners over the dimensions of each whole parameter: under tensor parallelism and ZeRO 1-3
+    it gathers them (``megatron/engine/whole_parameters.py``: a split gradient over the tp ranks, a flat ZeRO
+    partition over the data-parallel ranks, as DeepSpeed 0.19.8's ``stage_1_and_2.py``/``stage3.py`` lay them).
+    What it cannot gather is refused here, before launch: part of the experts, the flat fp32 buffer DeepSpeed's
+    bf16 optimizer keeps for a pipeline or under ZeRO-1 (``BF16_Optimizer``, which says nothing of where each
+    parameter lies), and partitions offloaded to the CPU or NVMe."""
     optimizer = ctx.get("optimizer")
     kind = optimizer.kind if optimizer is not None else OPTIMIZER_KINDS.get(str(ctx.get("optimizer_type")).lower())
     if kind not in PRECONDITIONED_KINDS:
@@ -206,16 +207,22 @@ def preconditioner_layout(ctx: RuleContext) -> list[str]:
     shown = f"optimizer.type={optimizer.type!r}" if optimizer is not None else ctx.show("optimizer_type")
     what = f"Levanter's {PRECONDITIONED_KINDS[kind]} preconditions each whole parameter"
     problems = []
-    if zero_stage(ctx) >= 1:
-        problems.append(f"{shown} with ZeRO stage {zero_stage(ctx)}: {what}, and ZeRO hands the optimizer a shard of "
-                        "a flat buffer; use ZeRO stage 0 (data parallelism steps the whole model on every rank)")
-    if int(ctx.get("model_parallel_size")) > 1:
-        problems.append(f"{shown} with {ctx.show('model_parallel_size')}: {what}, and a tensor-parallel rank holds a "
-                        "slice of each matrix; use 1")
     if int(ctx.get("moe_expert_parallel_size")) > 1:
         problems.append(f"{shown} with {ctx.show('moe_expert_parallel_size')}: {what}, and an expert-parallel rank "
                         "holds part of the experts; use 1")
     if int(ctx.get("pipe_parallel_size")) >= 1 and block_enabled(ctx.get("bf16")):
         problems.append(f"{shown} with bf16 and {ctx.show('pipe_parallel_size')}: {what}, and DeepSpeed's bf16 "
                         "optimizer of a pipeline steps one flat fp32 buffer; use pipe_parallel_size: 0 or fp32")
+    if zero_stage(ctx) == 1 and ctx.get("precision") == "bfloat16":
+        problems.append(f"{shown} with ZeRO stage 1 and {ctx.show('precision')}: {what}, and DeepSpeed 0.19.8 may "
+                        "step it in its BF16_Optimizer (stage 1 with fp32 gradient accumulation), whose flat buffers "
+                        "do not say where each parameter lies; use ZeRO stage 2 or 3 (or fp32)")
+    zero = ctx.get("zero_optimization")
+    offload = (zero.get("offload_optimizer") or {}) if isinstance(zero, Mapping) else {}
+    if zero_stage(ctx) >= 1 and isinstance(offload, Mapping) and \
+            str(offload.get("device", "none")).lower() in ("cpu", "nvme"):
+        problems.append(f"{shown} with zero_optimization.offload_optimizer (device {offload.get('device')!r}): "
+                        f"{what}, gathered from ZeRO's partitions in the device memory DeepSpeed 0.19.8 steps "
+                        "without offloading (the gather is not built for offloaded partitions); remove "
+                        "offload_optimizer")
     return problems

@@ -36,7 +36,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
                   attn_logit_softcapping=0.5, final_logit_softcapping=1.5, scale_embeddings_by_sqrt_hidden=True,
                   attention_config=[[["local", "global"], 1]], sliding_window_width=5, rope_local_base_freq=100),
 }
-TP2_CONFIGS = {"learned_window": dict(sliding_window_width=5), "rotary": dict(pos_emb="rotary")}
+TP2_CONFIGS = {"learned_window": dict(sliding_window_width=5), "rotary": dict(pos_emb="rotary"),
+               # OLMo 2: post-norms; q/k RMSNorm over each whole projection, its squares summed over the tp ranks
+               "olmo2": dict(pos_emb="rotary", norm="rmsnorm", norm_placement="post", use_qk_layernorm=True,
+                             qk_norm_scope="projection")}
 
 
 def _text() -> torch.Tensor:

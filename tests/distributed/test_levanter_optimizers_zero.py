@@ -97,9 +97,89 @@ def check(kind: str) -> None:
             assert diff <= 1e-6, f"{kind} ZeRO-{stage} {name}: max |delta| {diff:.3g} from ZeRO-0"
 
 
+# --- SOAP (megatron/engine/levanter_soap.py): whole parameters gathered from the ZeRO partitions -----------------
+# SOAP's eigenbases are unique only up to rotations inside repeated eigenvalues (a vector's preconditioner has rank
+# <= steps), so gradients that differ by rounding between layouts (the model's backward on a flat buffer's views)
+# can move its update far; here the gradients are the same bits at every stage: the loss is linear in the weights,
+# with coefficients drawn per rank and step, so the check is the gather and scatter of the whole parameters.
+SOAP: dict[str, Any] = {"lr": 0.01, "precondition_frequency": 2, "block_size": 16}
+
+
+class _Linear(torch.nn.Module):
+    """Weights of several shapes (a matrix split into blocks, a vector, sizes no partition divides) and a loss
+    linear in them, ``sum(w * c)``: its gradient is exactly the coefficients ``c``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(5)
+        self.w = torch.nn.Parameter(torch.randn(24, 20, generator=gen))
+        self.v = torch.nn.Parameter(torch.randn(7, generator=gen))
+        self.m = torch.nn.Parameter(torch.randn(33, 5, generator=gen))
+
+    def forward(self, coeffs: list[torch.Tensor]) -> torch.Tensor:
+        return sum((p * c).sum() for p, c in zip((self.w, self.v, self.m), coeffs))  # type: ignore[return-value]
+
+
+def _soap_engine(stage: int) -> Any:
+    import deepspeed
+
+    from megatron.engine.build import deepspeed_mpu
+    from megatron.engine.optimizers import build_optimizer
+    from megatron.engine.whole_parameters import attach_whole_parameters
+    from megatron.neox_arguments.loading import config_from_mapping
+
+    model = _Linear()
+    cfg = config_from_mapping({"optimizer": {"type": "SOAP", "params": SOAP}, "weight_decay": 0.1}).args
+    config = {"train_batch_size": WORLD, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "gradient_clipping": 0.0}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, cfg), config=config,
+                                      mpu=deepspeed_mpu())
+    attach_whole_parameters(engine.optimizer)  # as build_engine does
+    return engine
+
+
+def _soap_steps(engine: Any, steps: range) -> dict[str, torch.Tensor]:
+    import deepspeed
+    import torch.distributed as dist
+
+    for step in steps:
+        gen = torch.Generator().manual_seed(100 * step + dist.get_rank())
+        engine.backward(engine([torch.randn(p.ds_shape if hasattr(p, "ds_shape") else p.shape, generator=gen)
+                                for p in engine.module.parameters()]))
+        engine.step()
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None,
+                                           enabled=hasattr(params["w"], "ds_id")):
+        return {k: v.detach().clone() for k, v in params.items()}
+
+
+def check_soap(out: str) -> None:
+    """ZeRO-1, 2 and 3 equal ZeRO-0 after 3 steps (the preconditioners refreshed at step 2); resuming ZeRO-1 and
+    ZeRO-3 from a checkpoint after step 2 gives the same third step."""
+    want = _soap_steps(_soap_engine(0), range(STEPS))
+    start = dict(_Linear().named_parameters())
+    for name, value in want.items():
+        assert not torch.allclose(value, start[name].detach(), atol=1e-3), f"SOAP {name} did not move"
+    for stage in (1, 2, 3):
+        engine = _soap_engine(stage)
+        results = {"": _soap_steps(engine, range(STEPS))}
+        if stage in (1, 3):
+            engine = _soap_engine(stage)
+            _soap_steps(engine, range(STEPS - 1))
+            engine.save_checkpoint(out, tag=f"soap{stage}")
+            engine = _soap_engine(stage)
+            engine.load_checkpoint(out, tag=f"soap{stage}")
+            results[" resumed after step 2"] = _soap_steps(engine, range(STEPS - 1, STEPS))
+        for how, got in results.items():
+            for name, value in want.items():
+                diff = float((got[name] - value).abs().max())
+                assert diff <= 1e-6, f"SOAP ZeRO-{stage}{how} {name}: max |delta| {diff:.3g} from ZeRO-0"
+
+
 def rank_main(rank: int, out: str) -> None:
     join_data_parallel_ranks(rank, WORLD, "LEVANTER_OPTIM_TEST_PORT")
     checks = {kind: (lambda k=kind: check(k)) for kind in KINDS}
+    checks["SOAP"] = lambda: check_soap(out)
     finish_rank(out, rank, record_checks(checks))
 
 
@@ -115,3 +195,8 @@ def per_rank(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
 def test_zero1_and_zero3_equal_unsharded_dp2(per_rank: list[dict[str, str]], name: str) -> None:
     for rank, results in enumerate(per_rank):
         assert results[name] == "ok", f"rank {rank}: {results[name]}"
+
+
+def test_soap_zero_equals_unsharded_dp2(per_rank: list[dict[str, str]]) -> None:
+    for rank, results in enumerate(per_rank):
+        assert results["SOAP"] == "ok", f"rank {rank}: {results['SOAP']}"

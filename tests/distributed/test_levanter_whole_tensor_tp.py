@@ -60,6 +60,48 @@ def _train(kind: str) -> dict[str, torch.Tensor]:
     return {name: _unshard(cfg, name, p.detach()) for name, p in model.named_parameters()}
 
 
+SOAP_TP: dict[str, Any] = {"lr": 0.01, "precondition_frequency": 2}
+
+
+def _soap_grads() -> list[dict[str, torch.Tensor]]:
+    """Whole gradients for SOAP's 3 steps, drawn per step (the tp-1 model's shapes)."""
+    from megatron.model import GPTConfig, GPTModel
+
+    gen = torch.Generator().manual_seed(13)
+    shapes = {n: p.shape for n, p in GPTModel(GPTConfig(**MODEL)).named_parameters()}
+    return [{n: torch.randn(shape, generator=gen) for n, shape in shapes.items()} for _ in range(STEPS)]
+
+
+def _soap(grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """SOAP's steps (megatron/engine/levanter_soap.py) on the same gradient bits at any tp, each rank handed its
+    slices: SOAP's eigenbases are unique only up to rotations inside repeated eigenvalues, so the rounding by which a
+    tp-2 backward differs could move its update far (in Levanter too, between layouts); what is checked is the
+    gather of each split gradient in the model's order -- SOAP cuts rows into blocks, so a fused [q; k; v] or
+    [gate; up] gathered in rank order would give other numbers -- and the slice each rank keeps."""
+    from megatron import mpu
+    from megatron.engine.optimizers import build_optimizer
+    from megatron.model import GPTConfig, GPTModel, tp_partition_of
+    from megatron.mpu.initialize_weights import shard_tensor
+    from megatron.neox_arguments.loading import config_from_mapping
+
+    from tests.distributed.test_tp_model import _unshard
+
+    cfg = GPTConfig(**MODEL)
+    model = GPTModel(cfg)
+    args = config_from_mapping({"optimizer": {"type": "SOAP", "params": SOAP_TP}, "weight_decay": 0.1}).args
+    optimizer = build_optimizer(model, args)
+    world, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    for step in grads:
+        for name, param in model.named_parameters():
+            part = tp_partition_of(cfg, name)
+            full = step[name]
+            param.grad = full.clone() if part is None else shard_tensor(full, part.dim, rank, world, part.sections)
+        optimizer.step()
+    if world == 1:
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {name: _unshard(cfg, name, p.detach()) for name, p in model.named_parameters()}
+
+
 def rank_main(rank: int, out: str) -> None:
     from megatron import mpu
     from megatron.engine.levanter_whole_tensor_optim import is_linear_matrix
@@ -67,6 +109,8 @@ def rank_main(rank: int, out: str) -> None:
 
     join_data_parallel_ranks(rank, WORLD, "LEVANTER_TP_TEST_PORT")  # tp 1, dp 2
     want = {kind: _train(kind) for kind in KINDS}
+    soap_grads = _soap_grads()
+    soap_want = _soap(soap_grads)
     start = {n: p.detach().clone() for n, p in GPTModel(GPTConfig(**MODEL)).named_parameters()}
     mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(WORLD, 1)
@@ -79,7 +123,15 @@ def rank_main(rank: int, out: str) -> None:
             diff = float((got[name] - value).abs().max())
             assert diff <= 1e-6, f"{kind} tp2 {name}: max |delta| {diff:.3g} from tp1"
 
-    finish_rank(out, rank, record_checks({kind: (lambda k=kind: check(k)) for kind in KINDS}))
+    def check_soap() -> None:
+        got = _soap(soap_grads)
+        for name, value in soap_want.items():
+            assert not torch.allclose(value, start[name], atol=1e-3), f"SOAP {name} did not move"
+            diff = float((got[name] - value).abs().max())
+            assert diff <= 1e-6, f"SOAP tp2 {name}: max |delta| {diff:.3g} from tp1"
+
+    soap = record_checks({"SOAP": check_soap})
+    finish_rank(out, rank, {**soap, **record_checks({kind: (lambda k=kind: check(k)) for kind in KINDS})})
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +146,8 @@ def per_rank(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
 def test_tp2_equals_tp1(per_rank: list[dict[str, str]], kind: str) -> None:
     for rank, results in enumerate(per_rank):
         assert results[kind] == "ok", f"rank {rank}: {results[kind]}"
+
+
+def test_soap_tp2_equals_tp1(per_rank: list[dict[str, str]]) -> None:
+    for rank, results in enumerate(per_rank):
+        assert results["SOAP"] == "ok", f"rank {rank}: {results['SOAP']}"

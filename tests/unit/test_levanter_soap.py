@@ -207,3 +207,26 @@ def test_levanter_yaml_builds_soap_with_levanters_defaults(tmp_path: Path, text:
 def test_what_soap_does_not_have_is_refused(tmp_path: Path, text: str, words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         load(tmp_path, text)
+
+
+LAUNCH = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, train_iters=4, lr=1e-3,
+              train_micro_batch_size_per_gpu=2, use_dummy_dataset=True, tokenizer_type="CharLevelTokenizer",
+              pipe_parallel_size=0, optimizer={"type": "SOAP"})
+
+
+def test_soap_layouts_before_launch() -> None:
+    """ZeRO 1-3 and tensor parallelism run (tests/distributed/test_levanter_optimizers_zero.py and
+    test_levanter_whole_tensor_tp.py show them equal to one rank); what the gather cannot reach is refused by name."""
+    from megatron.config_rules import Device
+    from megatron.neox_arguments.derived import finalize
+
+    cpu = Device(cuda=False, fp16_supported=False)
+    for keys in ({"zero_optimization": {"stage": 1}}, {"zero_optimization": {"stage": 2}, "model_parallel_size": 2},
+                 {"zero_optimization": {"stage": 3}}, {"model_parallel_size": 2}):
+        finalize(config_from_mapping({**LAUNCH, **keys}), 2, device=cpu)
+    for keys, words in (({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+                         "remove offload_optimizer"),
+                        ({"zero_optimization": {"stage": 1}, "precision": "bfloat16"}, "BF16_Optimizer"),
+                        ({"pipe_parallel_size": 1, "precision": "bfloat16"}, "flat fp32 buffer")):
+        with pytest.raises(ConfigError, match=words):
+            finalize(config_from_mapping({**LAUNCH, **keys}), 2, device=cpu)
