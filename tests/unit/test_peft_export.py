@@ -37,8 +37,8 @@ GEMMA = dict(LLAMA, norm="gemma_rmsnorm", norm_placement="sandwich", activation=
 CASES = {
     "gpt_neox": (GPTConfig(**SHAPE, norm="layernorm"), False, "GPTNeoXForCausalLM"),  # type: ignore[arg-type]
     "gpt_neox_split": (GPTConfig(**SHAPE, norm="layernorm"), True, "GPTNeoXForCausalLM"),  # type: ignore[arg-type]
-    "llama": (GPTConfig(**LLAMA), False, "LlamaForCausalLM"),  # type: ignore[arg-type]
     "llama_split": (GPTConfig(**LLAMA), True, "LlamaForCausalLM"),  # type: ignore[arg-type]
+    # a Llama's layout with biases on q/k/v (the plain Llama's separate q/k/v and gate/up, one adapter each)
     "qwen2": (GPTConfig(**LLAMA, use_bias_in_qkv=True), False, "Qwen2ForCausalLM"),  # type: ignore[arg-type]
     # Qwen3: per-head q/k RMSNorms (no adapters), heads wider than hidden / heads
     "qwen3": (GPTConfig(**LLAMA, use_qk_layernorm=True, kv_channels=16), False,  # type: ignore[arg-type]
