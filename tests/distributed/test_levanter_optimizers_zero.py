@@ -7,8 +7,9 @@ steps its shard of the flat fp32 master). The weights must agree within 1e-6 (fp
 element-wise, so sharding them needs nothing gathered: this checks it. Muon and Scion orthogonalise each whole
 matrix (gathered from the data-parallel ranks' partitions) and clip their AdamW/signum half by its global norm over
 every group (taken before DeepSpeed steps the groups one at a time); ``inner_max_grad_norm`` is small so that clip
-acts at every step. The formulas themselves are tests/unit/test_levanter_optimizers.py's and
-tests/unit/test_levanter_whole_tensor_optimizers.py's.
+acts at every step; Muon at stages 1 and 3 is also resumed from a DeepSpeed checkpoint written after step 2 (its
+momentum and Adam moments are per partition), and must give the same weights. The formulas themselves are
+tests/unit/test_levanter_optimizers.py's and tests/unit/test_levanter_whole_tensor_optimizers.py's.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ KINDS: dict[str, dict[str, Any]] = {
     "Scion": {"lr": 0.02, "backend_steps": 5, "inner_max_grad_norm": 0.05}}
 STAGES = {"Muon": (1, 2, 3)}
 """ZeRO stages compared with stage 0 (default 1 and 3)."""
+RESUMED = {"Muon": (1, 3)}
+"""ZeRO stages also resumed from a DeepSpeed checkpoint after step STEPS - 1 (the optimizer's state per partition)."""
 
 
 def _model() -> torch.nn.Module:
@@ -57,9 +60,8 @@ def _loss(model: Any, tokens: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
-def _train(kind: str, stage: int) -> dict[str, torch.Tensor]:
+def _engine(kind: str, stage: int) -> Any:
     import deepspeed
-    import torch.distributed as dist
 
     from megatron.engine.build import deepspeed_mpu
     from megatron.engine.whole_parameters import attach_whole_parameters
@@ -74,7 +76,22 @@ def _train(kind: str, stage: int) -> dict[str, torch.Tensor]:
                                       mpu=deepspeed_mpu())
     attach_whole_parameters(engine.optimizer)  # as build_engine does
     install_zero_pre_step(engine)
-    for _ in range(STEPS):
+    return engine
+
+
+def _train(kind: str, stage: int, resume: str | None = None) -> dict[str, torch.Tensor]:
+    """The weights after STEPS steps; with ``resume`` (a directory) the last step is taken by a new engine that
+    loads the checkpoint the first one wrote after STEPS - 1."""
+    import deepspeed
+    import torch.distributed as dist
+
+    engine = _engine(kind, stage)
+    for step in range(STEPS):
+        if resume is not None and step == STEPS - 1:
+            engine.save_checkpoint(resume, tag=f"{kind}{stage}")
+            engine.destroy()
+            engine = _engine(kind, stage)
+            engine.load_checkpoint(resume, tag=f"{kind}{stage}")
         engine.backward(_loss(engine, _tokens(dist.get_rank())))
         engine.step()
     params = dict(engine.module.named_parameters())
@@ -84,17 +101,19 @@ def _train(kind: str, stage: int) -> dict[str, torch.Tensor]:
     return got
 
 
-def check(kind: str) -> None:
+def check(kind: str, out: str) -> None:
     want = _train(kind, 0)
     initial = dict(_model().named_parameters())
     for name, value in want.items():
         assert not torch.allclose(value, initial[name].detach(), atol=1e-4), f"{name} did not move"
-    for stage in STAGES.get(kind, (1, 3)):
-        got = _train(kind, stage)
+    runs = [(stage, None) for stage in STAGES.get(kind, (1, 3))] + [(stage, out) for stage in RESUMED.get(kind, ())]
+    for stage, resume in runs:
+        got = _train(kind, stage, resume)
         assert sorted(got) == sorted(want)
+        how = " resumed after step 2" if resume else ""
         for name, value in want.items():
             diff = float((got[name] - value).abs().max())
-            assert diff <= 1e-6, f"{kind} ZeRO-{stage} {name}: max |delta| {diff:.3g} from ZeRO-0"
+            assert diff <= 1e-6, f"{kind} ZeRO-{stage}{how} {name}: max |delta| {diff:.3g} from ZeRO-0"
 
 
 # --- SOAP (megatron/engine/levanter_soap.py): whole parameters gathered from the ZeRO partitions -----------------
@@ -178,7 +197,7 @@ def check_soap(out: str) -> None:
 
 def rank_main(rank: int, out: str) -> None:
     join_data_parallel_ranks(rank, WORLD, "LEVANTER_OPTIM_TEST_PORT")
-    checks = {kind: (lambda k=kind: check(k)) for kind in KINDS}
+    checks = {kind: (lambda k=kind: check(k, out)) for kind in KINDS}
     checks["SOAP"] = lambda: check_soap(out)
     finish_rank(out, rank, record_checks(checks))
 
