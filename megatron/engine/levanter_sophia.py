@@ -40,6 +40,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron import mpu
 from megatron.deepspeed_internals import has_partitioned_optimizer_state, relink_optimizer_state_views
+from megatron.engine.whole_parameters import tp_own, tp_split
 
 SOPHIA_ESTIMATE = "hessian_estimate"
 """The optimizer-state key the probe writes the latest ``z * (H z)`` into."""
@@ -121,9 +122,18 @@ def fp32_masters(optimizer: Any) -> dict[torch.Tensor, torch.Tensor]:
 
 
 def gaussian_probe(params: list[torch.nn.Parameter], seed: int, index: int) -> list[torch.Tensor]:
-    """The ``index``-th draw of ``z``: one standard normal tensor per parameter, the same on every rank."""
+    """The ``index``-th draw of ``z``: one standard normal tensor per whole parameter, the same on every rank; a
+    tensor-parallel rank keeps its slice of a split one (so ``z`` does not depend on the tp size)."""
     generator = torch.Generator().manual_seed((seed << 32) + index)
-    return [torch.randn(tuple(p.shape), generator=generator, dtype=torch.float32).to(p.device, p.dtype) for p in params]
+    draws = []
+    for p in params:
+        split = tp_split(p)
+        shape = list(p.shape)
+        if split is not None:
+            shape[split[0]] *= mpu.get_tensor_model_parallel_world_size()
+        whole = torch.randn(tuple(shape), generator=generator, dtype=torch.float32)
+        draws.append(tp_own(whole, split).to(p.device, p.dtype))
+    return draws
 
 
 class HessianProbe:
@@ -162,13 +172,21 @@ class HessianProbe:
         params = [p for _, p in self.named]
         index = (self.sophia.steps_taken + 1) // self.sophia.update_interval - 1
         z = gaussian_probe(params, self.seed, index)
+        splits = [tp_split(p) for p in params]
         total = [torch.zeros_like(p, dtype=torch.float32) for p in params]
         context = self.suspend_recompute() if self.suspend_recompute is not None else contextlib.nullcontext()
         # torch's math attention: its flash and memory-efficient kernels have no second derivative
         with torch.enable_grad(), context, sdpa_kernel([SDPBackend.MATH]):
             for loss in losses():
                 grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
-                dot = sum(((g * v).sum() for g, v in zip(grads, z) if g is not None), torch.zeros((), device=loss.device))
+                # g.z over the whole model: a split parameter's slices summed over the tp ranks (a differentiable
+                # all-reduce, mpu.mappings), the replicated ones' (the same on every tp rank) counted once
+                terms = [((g * v).sum(), split is not None) for g, v, split in zip(grads, z, splits) if g is not None]
+                zero = torch.zeros((), device=loss.device)
+                dot = sum((t for t, is_split in terms if not is_split), zero)
+                if any(is_split for _, is_split in terms):
+                    dot = dot + mpu.reduce_from_tensor_model_parallel_region(
+                        sum((t for t, is_split in terms if is_split), zero))
                 if not dot.requires_grad:
                     continue
                 hz = torch.autograd.grad(dot, params, allow_unused=True)

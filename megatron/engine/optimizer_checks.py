@@ -102,7 +102,8 @@ def mup_optimizer_is_adam_or_sgd(ctx: RuleContext) -> list[str]:
 @rule
 def sophia_h_layout(ctx: RuleContext) -> list[str]:
     """Sophia-H's Hessian-vector product (``megatron/engine/levanter_sophia.py``) differentiates the loss twice
-    through the plain module, and its estimate reaches the optimizer through DeepSpeed's ZeRO-1/2 fragment mapping:
+    through the plain module (under tensor parallelism through ``mpu.mappings``' collectives, whose backward is
+    differentiable again), and its estimate reaches the optimizer through DeepSpeed's ZeRO-1/2 fragment mapping:
     what cannot run it is refused here, before launch."""
     optimizer = ctx.get("optimizer")
     kind = optimizer.kind if optimizer is not None else OPTIMIZER_KINDS.get(str(ctx.get("optimizer_type")).lower())
@@ -114,10 +115,15 @@ def sophia_h_layout(ctx: RuleContext) -> list[str]:
         problems.append(f"{shown} with {ctx.show('pipe_parallel_size')}: Sophia-H's Hessian-vector product needs the "
                         "whole model's loss on this rank, which a pipeline stage does not have; use "
                         "pipe_parallel_size: 0")
-    if int(ctx.get("model_parallel_size")) > 1 or int(ctx.get("context_parallel_size")) > 1:
-        problems.append(f"{shown} with {ctx.show('model_parallel_size')}, {ctx.show('context_parallel_size')}: "
-                        "the tensor- and context-parallel collectives' backward is not itself differentiable, so "
-                        "the Hessian-vector product would be wrong; use 1 for both")
+    if int(ctx.get("context_parallel_size")) > 1:
+        problems.append(f"{shown} with {ctx.show('context_parallel_size')}: the context-parallel attention's "
+                        "exchanges (ring/all-to-all) have hand-written backwards that are not differentiable again, "
+                        "so the Hessian-vector product would be wrong; use 1")
+    if int(ctx.get("model_parallel_size")) > 1 and ctx.get("sequence_parallel"):
+        problems.append(f"{shown} with {ctx.show('model_parallel_size')} and {ctx.show('sequence_parallel')}: "
+                        "under sequence parallelism a replicated weight's gradient is partial on each tp rank "
+                        "(summed after the backward), which the Hessian-vector product's g.z does not sum; "
+                        "set sequence_parallel: false (tensor parallelism alone runs it)")
     if zero_stage(ctx) >= 3:
         problems.append(f"{shown} with ZeRO stage 3: the partitioned weights are released after the forward, so "
                         "the loss cannot be differentiated twice; use ZeRO stage 0, 1 or 2")

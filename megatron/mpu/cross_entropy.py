@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron.mpu.mappings import gather_from_tensor_model_parallel_region
 from megatron.mpu.topology import (
     get_tensor_model_parallel_group,
     get_tensor_model_parallel_rank,
@@ -143,7 +144,9 @@ def vocab_parallel_cross_entropy_and_log_z(logits: torch.Tensor, target: torch.T
     targets included); it is differentiable, its gradient being the softmax. Arguments as
     :func:`vocab_parallel_cross_entropy`.
     """
-    if _TWICE.get() and get_tensor_model_parallel_world_size() == 1:
+    if _TWICE.get():  # the whole vocabulary's logits on every tp rank, gathered differentiably (mpu.mappings)
+        if get_tensor_model_parallel_world_size() > 1:
+            logits = gather_from_tensor_model_parallel_region(logits)
         return _plain_cross_entropy_and_log_z(logits, target)
     rows = block_rows or default_block_rows(logits.shape[-1], logits.device)
     return _VocabParallelCrossEntropy.apply(logits, target, rows)
@@ -155,8 +158,8 @@ _TWICE = contextvars.ContextVar("twice_differentiable", default=False)
 @contextlib.contextmanager
 def twice_differentiable() -> Iterator[None]:
     """The cross-entropy in plain torch ops, which autograd can differentiate again (the block-wise backward
-    above cannot): for Sophia-H's Hessian-vector product (``megatron/engine/levanter_sophia.py``); one rank's
-    whole vocabulary only (its checks refuse tensor parallelism)."""
+    above cannot): for Sophia-H's Hessian-vector product (``megatron/engine/levanter_sophia.py``). Under tensor
+    parallelism each rank first gathers the whole vocabulary's logits (more memory, for that pass only)."""
     token = _TWICE.set(True)
     try:
         yield

@@ -7,6 +7,12 @@ layers are built from these, so gradients come out right without hooks in the mo
 Last-dim mappings move between a replicated activation and a hidden-dim shard; first-dim
 mappings implement sequence parallelism on `[s, b, h]` activations (the sequence is dim 0).
 With one tensor-parallel rank every mapping is the identity.
+
+Twice differentiable: under ``create_graph`` (grad mode on in the backward) each backward is its adjoint mapping's
+autograd function, so the gradient is itself differentiable (Sophia-H's Hessian-vector product,
+``megatron/engine/levanter_sophia.py``): copy's backward is reduce's forward and the reverse, split's is gather's and
+the reverse, reduce-scatter's is the gather whose cotangents are partial (summed again by a reduce-scatter). Without
+it (every training step) the backward runs the plain collectives, as before.
 """
 
 from __future__ import annotations
@@ -91,6 +97,8 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():  # create_graph: the backward itself differentiable (module docstring)
+            return _ReduceFromTP.apply(grad)
         # the incoming gradient may be a caller's tensor: reduce a copy, never it in place
         return _all_reduce(grad.clone())
 
@@ -102,7 +110,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad
+        return _CopyToTP.apply(grad) if torch.is_grad_enabled() else grad
 
 
 class _ScatterToTP(torch.autograd.Function):
@@ -112,7 +120,7 @@ class _ScatterToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return _gather_last(grad)
+        return _GatherFromTP.apply(grad) if torch.is_grad_enabled() else _gather_last(grad)
 
 
 class _GatherFromTP(torch.autograd.Function):
@@ -122,7 +130,7 @@ class _GatherFromTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return _split_last(grad)
+        return _ScatterToTP.apply(grad) if torch.is_grad_enabled() else _split_last(grad)
 
 
 class _ScatterToSP(torch.autograd.Function):
@@ -132,7 +140,7 @@ class _ScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return _gather_first(grad)
+        return _GatherFromSP.apply(grad, False) if torch.is_grad_enabled() else _gather_first(grad)
 
 
 class _GatherFromSP(torch.autograd.Function):
@@ -144,6 +152,8 @@ class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         # a tensor-parallel consumer leaves each rank a partial gradient: sum, then keep our part
+        if torch.is_grad_enabled():
+            return (_ReduceScatterToSP.apply(grad) if ctx.grad_is_partial else _ScatterToSP.apply(grad)), None
         if ctx.grad_is_partial:
             return _reduce_scatter_first(grad), None
         return _split_first(grad), None
@@ -156,7 +166,7 @@ class _ReduceScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return _gather_first(grad)
+        return _GatherFromSP.apply(grad, True) if torch.is_grad_enabled() else _gather_first(grad)
 
 
 # --- public API -------------------------------------------------------------------------------

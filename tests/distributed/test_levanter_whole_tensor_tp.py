@@ -102,6 +102,35 @@ def _soap(grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {name: _unshard(cfg, name, p.detach()) for name, p in model.named_parameters()}
 
 
+def _sophia_estimate() -> dict[str, torch.Tensor]:
+    """Sophia-H's Hutchinson estimate ``z * (H z)`` (megatron/engine/levanter_sophia.py's probe) of the tiny GPT's
+    loss on one batch, whole (its z is drawn whole and sliced per tp rank); at tp 2 the double backward runs through
+    the tp collectives' own backward (mpu.mappings) and the gathered vocabulary's cross-entropy."""
+    from megatron import mpu
+    from megatron.engine.levanter_sophia import HessianProbe
+    from megatron.engine.optimizers import build_optimizer
+    from megatron.model import GPTConfig, GPTModel, lm_loss
+    from megatron.mpu.cross_entropy import twice_differentiable
+    from megatron.neox_arguments.loading import config_from_mapping
+
+    from tests.distributed.test_tp_model import _unshard
+
+    cfg = GPTConfig(**MODEL)
+    model = GPTModel(cfg)
+    args = config_from_mapping({"optimizer": {"type": "SophiaH", "params": {"lr": 0.01}}}).args
+    probe = HessianProbe(model, build_optimizer(model, args), seed=7)
+    gen = torch.Generator().manual_seed(17)
+    tokens, labels = torch.randint(0, 64, (2, 8), generator=gen), torch.randint(0, 64, (2, 8), generator=gen)
+    share = 1.0 / mpu.get_data_parallel_world_size()  # each data rank's share (both ranks hold this batch here)
+    with twice_differentiable():
+        probe.measure(lambda: iter([lm_loss(model(tokens), labels) * share]))
+    assert probe._pending is not None
+    estimate = {name: e.detach() for (name, _), e in zip(probe.named, probe._pending)}
+    if mpu.get_tensor_model_parallel_world_size() == 1:
+        return estimate
+    return {name: _unshard(cfg, name, e) for name, e in estimate.items()}
+
+
 def rank_main(rank: int, out: str) -> None:
     from megatron import mpu
     from megatron.engine.levanter_whole_tensor_optim import is_linear_matrix
@@ -111,6 +140,7 @@ def rank_main(rank: int, out: str) -> None:
     want = {kind: _train(kind) for kind in KINDS}
     soap_grads = _soap_grads()
     soap_want = _soap(soap_grads)
+    sophia_want = _sophia_estimate()
     start = {n: p.detach().clone() for n, p in GPTModel(GPTConfig(**MODEL)).named_parameters()}
     mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(WORLD, 1)
@@ -130,7 +160,15 @@ def rank_main(rank: int, out: str) -> None:
             diff = float((got[name] - value).abs().max())
             assert diff <= 1e-6, f"SOAP tp2 {name}: max |delta| {diff:.3g} from tp1"
 
-    soap = record_checks({"SOAP": check_soap})
+    def check_sophia() -> None:
+        got = _sophia_estimate()
+        scale = max(float(v.abs().max()) for v in sophia_want.values())
+        assert scale > 1e-3, "the estimate is ~0"
+        for name, value in sophia_want.items():
+            diff = float((got[name] - value).abs().max())
+            assert diff <= 1e-6 * max(1.0, scale), f"Sophia-H tp2 estimate {name}: max |delta| {diff:.3g} from tp1"
+
+    soap = record_checks({"SOAP": check_soap, "SophiaH": check_sophia})
     finish_rank(out, rank, {**soap, **record_checks({kind: (lambda k=kind: check(k)) for kind in KINDS})})
 
 
@@ -151,3 +189,8 @@ def test_tp2_equals_tp1(per_rank: list[dict[str, str]], kind: str) -> None:
 def test_soap_tp2_equals_tp1(per_rank: list[dict[str, str]]) -> None:
     for rank, results in enumerate(per_rank):
         assert results["SOAP"] == "ok", f"rank {rank}: {results['SOAP']}"
+
+
+def test_sophia_h_estimate_tp2_equals_tp1(per_rank: list[dict[str, str]]) -> None:
+    for rank, results in enumerate(per_rank):
+        assert results["SophiaH"] == "ok", f"rank {rank}: {results['SophiaH']}"

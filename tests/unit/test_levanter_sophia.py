@@ -247,3 +247,23 @@ def test_the_trainers_step_feeds_the_estimate_to_the_engines_optimizer(one_rank:
     assert norms[0] == norms[1] == 0.0 and norms[2] > 0
     estimates = [s["hessian_estimate"] for s in sophia.state.values()]
     assert all(e.dtype == torch.float32 for e in estimates) and sum(float(e.abs().sum()) for e in estimates) > 0
+
+
+def test_sophia_h_layouts_before_launch() -> None:
+    """Tensor parallelism runs (tests/distributed/test_levanter_whole_tensor_tp.py: the estimate at tp 2 equals
+    tp 1); sequence and context parallelism, ZeRO-3 and pipelines are refused by name."""
+    from megatron.config_rules import Device
+    from megatron.neox_arguments.derived import finalize
+
+    launch = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, train_iters=4, lr=1e-3,
+                  train_micro_batch_size_per_gpu=2, use_dummy_dataset=True, tokenizer_type="CharLevelTokenizer",
+                  pipe_parallel_size=0, optimizer={"type": "SophiaH"}, gradient_clipping=0.0)
+    cpu = Device(cuda=False, fp16_supported=False)
+    finalize(config_from_mapping({**launch, "model_parallel_size": 2, "zero_optimization": {"stage": 1}}), 2,
+             device=cpu)
+    for keys, words in (({"model_parallel_size": 2, "sequence_parallel": True}, "sequence_parallel: false"),
+                        ({"context_parallel_size": 2}, "context-parallel attention"),
+                        ({"zero_optimization": {"stage": 3}}, "ZeRO stage 3"),
+                        ({"pipe_parallel_size": 1}, "pipe_parallel_size: 0")):
+        with pytest.raises(ConfigError, match=words):
+            finalize(config_from_mapping({**launch, **keys}), 2, device=cpu)
