@@ -8,7 +8,8 @@ Cautious rescales by the fraction of a whole tensor its mask keeps. They run wit
 are completed here (:func:`whole`, :func:`global_norm`, Cautious's counts summed over the tp ranks). Under ZeRO
 1-3 (each rank steps its partition of a flat buffer per group, one group per call) Muon and Scion gather each matrix
 from the data-parallel ranks' partitions and take their clip's norm before DeepSpeed's step
-(:class:`_RoleOptimizer`); pipeline stages (part of the layers) are refused before launch by name
+(:class:`_RoleOptimizer`), MARS and Cautious step the partition as it is and add their sums (MARS's norm,
+Cautious's mask counts) over the data-parallel ranks (:func:`zero_pieces`); pipeline stages (part of the layers) are refused before launch by name
 (``megatron/engine/optimizer_checks.py``).
 
 Every optimizer here ends as Levanter's chains do, ``add_decayed_weights(weight_decay, mask)`` then
@@ -68,13 +69,14 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron import mpu
+from megatron.deepspeed_internals import fp32_master_slices
 from megatron.deepspeed_internals import ZeroMaster
 from megatron.engine.whole_parameters import ZeroWhole, zero_wholes
 
@@ -377,8 +379,88 @@ class LevanterScion(_RoleOptimizer):
         return loss
 
 
-class LevanterMars(torch.optim.Optimizer):
-    """Levanter's ``scale_by_mars`` (module docstring); the global norm is over every parameter stepped."""
+# --- ZeRO (stages 1-3): the optimizer steps this rank's partition of a flat fp32 buffer per group -------------------
+Piece = tuple[torch.Tensor, tuple[int, int] | None, int]
+"""What one step sees of one parameter: the tensor the optimizer steps (the parameter, DeepSpeed's fp32 copy of it, or
+the flat partition holding a part of it), where the parameter's elements lie in it (offset, count; None: all of it),
+and the parameter's index in its group (its ``stacks``, ``tp_dims`` and ``decays`` entries)."""
+
+
+def _segment(tensor: torch.Tensor, where: tuple[int, int] | None) -> torch.Tensor:
+    return tensor if where is None else tensor.view(-1).narrow(0, where[0], where[1])
+
+
+def zero_pieces(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[Any, list[Piece]] | None:
+    """Where the model's ``params`` (the group's, as built) lie in ``flat``, the tensor a ZeRO optimizer steps for
+    them: the data-parallel group whose ranks' partitions make up the buffer, and one piece per parameter with
+    elements in this rank's partition; None when ``flat`` is not a ZeRO partition (no ZeRO: the group holds whole
+    tensors). DeepSpeed 0.19.8's layout as ``deepspeed_internals.fp32_master_slices`` reads it: ZeRO-1/2 a
+    fragment of the parameter (its ``_hp_mapping``), ZeRO-3 ``ceil(n / dp)`` elements of every parameter, the last
+    rank's padded (only the parameter's own elements are counted)."""
+    slices = fp32_master_slices(None, list(params))
+    if not slices or slices[0] is None or slices[0][2] is None:
+        return None
+    base, first = flat.untyped_storage().data_ptr(), flat.storage_offset()
+    pieces: list[Piece] = []
+    for index, (param, where) in enumerate(zip(params, slices)):
+        assert where is not None
+        view, start, _ = where
+        if view.numel() == 0:
+            continue  # ZeRO-1/2: wholly in other ranks' partitions
+        if view.untyped_storage().data_ptr() != base:
+            raise RuntimeError("Levanter's MARS and Cautious need each parameter group in one ZeRO-3 sub-group (their "
+                               "global norm and mask counts span the group); raise zero_optimization.sub_group_size "
+                               "above this rank's partition of the model")
+        count = max(0, min(view.numel(), int(getattr(param, "ds_numel", param.numel())) - start))
+        pieces.append((flat, (view.storage_offset() - first, count), index))
+    return slices[0][2], pieces
+
+
+class _PieceOptimizer(torch.optim.Optimizer):
+    """An optimizer whose groups' tensors may be ZeRO partitions: it keeps the model's parameters of each group
+    (``model_params`` names the group's list) to find them in the partitions (:func:`zero_pieces`)."""
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+        super().__init__(params, defaults)
+        self.model_params = [list(group["params"]) for group in self.param_groups]
+        for index, group in enumerate(self.param_groups):
+            group["model_params"] = index
+
+    def _pieces(self) -> tuple[list[tuple[dict[str, Any], torch.Tensor]], list[tuple[dict[str, Any], Piece]], Any]:
+        """The (group, tensor) pairs this step updates, every parameter's piece of them, and the data-parallel group
+        when they are ZeRO partitions (the sums then add every rank's pieces), else None."""
+        tensors: list[tuple[dict[str, Any], torch.Tensor]] = []
+        pieces: list[tuple[dict[str, Any], Piece]] = []
+        dp = None
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            layout = None
+            if len(params) == 1 and "model_params" in group:
+                layout = zero_pieces(params[0], self.model_params[group["model_params"]])
+            if layout is None:
+                pieces += [(group, (p, None, i)) for i, p in enumerate(group["params"]) if p.grad is not None]
+            else:
+                dp = layout[0]
+                pieces += [(group, piece) for piece in layout[1]]
+            tensors += [(group, p) for p in params]
+        return tensors, pieces, dp
+
+
+def _sums(rows: torch.Tensor, split: list[bool], dp: Any) -> torch.Tensor:
+    """Per-row sums over the ranks: every column over the data-parallel ranks (ZeRO partitions), then the rows of
+    tensor-parallel-split parameters over the tp ranks (the replicated ones count once)."""
+    if dp is not None:
+        dist.all_reduce(rows, group=dp)
+    mask = torch.tensor(split, dtype=torch.bool)
+    if bool(mask.any()):
+        rows[mask] = _tp_sum(rows[mask].contiguous())
+    return rows
+
+
+class LevanterMars(_PieceOptimizer):
+    """Levanter's ``scale_by_mars`` (module docstring); the global norm is over every parameter stepped. A group's
+    ``decays`` (``merge_groups``) give each parameter its own weight decay, so that one group holds them all: ZeRO
+    steps its groups one at a time, and the norm needs every gradient of the step."""
 
     def __init__(self, params: Iterable[Any], lr: float, betas: tuple[float, float] = (0.95, 0.99),
                  gamma: float = 0.025, eps: float = 1e-8, max_grad_norm: float | None = 1.0,
@@ -393,9 +475,12 @@ class LevanterMars(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        todo = [(p, g, dim) for g in self.param_groups for p, dim in _with_dims(g) if p.grad is not None]
-        corrected = []
-        for param, group, _ in todo:
+        tensors, pieces, dp = self._pieces()
+        if dp is not None and len(self.model_params) > 1:
+            raise RuntimeError("Levanter's MARS under ZeRO needs one parameter group (its norm spans every gradient, "
+                               "and ZeRO steps the groups one at a time); muP's per-width rates make several")
+        corrected = {}
+        for group, param in tensors:
             state = self.state[param]
             if not state:
                 state["step"] = 0
@@ -403,26 +488,55 @@ class LevanterMars(torch.optim.Optimizer):
                     state[key] = torch.zeros_like(param)
             b1 = group["betas"][0]
             grad = param.grad
-            corrected.append(grad + (group["gamma"] * b1 / (1.0 - b1)) * (grad - state["mog"]))
+            assert grad is not None
+            corrected[id(param)] = grad + (group["gamma"] * b1 / (1.0 - b1)) * (grad - state["mog"])
             state["mog"] = grad.detach().clone()
         if self.max_grad_norm:
-            norm = global_norm(corrected, [dim for *_, dim in todo])
-            scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-            corrected = [c * scale.to(c.dtype) for c in corrected]
-        for (param, group, _), c in zip(todo, corrected):
-            state = self.state[param]
+            sums = torch.zeros(2, dtype=torch.float64)  # replicated, tp-split
+            for group, (tensor, where, index) in pieces:
+                dims = group.get("tp_dims") or [tp_dim(p) for p in self.model_params[group.get("model_params", 0)]]
+                sums[int(dims[index] >= 0)] += _segment(corrected[id(tensor)], where).double().pow(2).sum()
+            sums = _sums(sums.view(2, 1), [False, True], dp)
+            scale = torch.clamp(self.max_grad_norm / (sums.sum().sqrt().float() + 1e-6), max=1.0)
+            corrected = {key: c * scale.to(c.dtype) for key, c in corrected.items()}
+        updates = {}
+        for group, param in tensors:
+            state, c = self.state[param], corrected[id(param)]
             b1, b2 = group["betas"]
             state["step"] += 1
             t = state["step"]
             state["mu"].mul_(b1).add_(c, alpha=1.0 - b1)
             state["nu"].mul_(b2).addcmul_(c, c, value=1.0 - b2)
-            update = (state["mu"] / (1.0 - b1**t)) / ((state["nu"] / (1.0 - b2**t)).sqrt() + group["eps"])
-            _decay_and_step(param, update, group["lr"], group["weight_decay"])
+            updates[id(param)] = (state["mu"] / (1.0 - b1**t)) / ((state["nu"] / (1.0 - b2**t)).sqrt() + group["eps"])
+        for group, (tensor, where, index) in pieces:
+            decay = group["decays"][index] if "decays" in group else group["weight_decay"]
+            _decay_and_step(_segment(tensor, where), _segment(updates[id(tensor)], where), group["lr"], decay)
         return loss
 
 
-class LevanterCautious(torch.optim.Optimizer):
-    """Levanter's ``scale_by_cautious`` (module docstring); the mask's mean is over each parameter's stack."""
+def merge_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``split_groups``' groups with the same rate in one (``decays``: each parameter's own weight decay), as
+    Levanter's one chain steps every leaf; groups of different rates (muP's) stay apart."""
+    merged: dict[float, dict[str, Any]] = {}
+    for group in groups:
+        decays = [group["weight_decay"]] * len(group["params"])
+        into = merged.get(group.get("lr_scale", 1.0))
+        if into is None:
+            merged[group.get("lr_scale", 1.0)] = {**group, "params": list(group["params"]), "decays": decays,
+                                                  "stacks": list(group.get("stacks", [])),
+                                                  "tp_dims": list(group.get("tp_dims", []))}
+            continue
+        into["params"] += group["params"]
+        into["decays"] += decays
+        into["stacks"] += group.get("stacks", [])
+        into["tp_dims"] += group.get("tp_dims", [])
+        into["name"] = "all"
+    return list(merged.values())
+
+
+class LevanterCautious(_PieceOptimizer):
+    """Levanter's ``scale_by_cautious`` (module docstring); the mask's mean is over each parameter's stack (a stack
+    is within one group: the same weight in every layer decays alike)."""
 
     def __init__(self, params: Iterable[Any], lr: float, betas: tuple[float, float] = (0.95, 0.95),
                  eps: float = 1e-8, weight_decay: float = 0.0) -> None:
@@ -434,30 +548,32 @@ class LevanterCautious(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        todo = []
-        # stack -> [mask entries true, entries] of the replicated tensors and of this rank's slices of split ones
-        counts: dict[str, list[float]] = {}
-        split: dict[str, list[float]] = {}
-        for group in self.param_groups:
-            stacks = group.get("stacks") or [str(id(p)) for p in group["params"]]
-            for (param, dim), stack in zip(_with_dims(group), stacks):
-                if param.grad is None:
-                    continue
-                b1, b2 = group["betas"]
-                update = _adam_direction(param.grad, self.state[param], b1, b2, group["eps"])
-                mask = (param.grad * update) > 0
-                count = (split if dim >= 0 else counts).setdefault(stack, [0.0, 0.0])
-                counts.setdefault(stack, [0.0, 0.0])
-                count[0] += float(mask.sum())
-                count[1] += mask.numel()
-                todo.append((param, group, stack, update, mask))
-        names = sorted(split)  # the same on every tp rank
-        summed = _tp_sum(torch.tensor([split[n] for n in names], dtype=torch.float64)) if names else torch.zeros(0, 2)
-        for name, (true, total) in zip(names, summed.tolist()):
-            counts[name][0] += true
-            counts[name][1] += total
-        for param, group, stack, update, mask in todo:
-            true, total = counts[stack]
-            cautious = update * mask / (true / total + group["eps"])
-            _decay_and_step(param, cautious, group["lr"], group["weight_decay"])
+        tensors, pieces, dp = self._pieces()
+        updates, masks = {}, {}
+        for group, param in tensors:
+            b1, b2 = group["betas"]
+            grad = param.grad
+            assert grad is not None
+            updates[id(param)] = _adam_direction(grad, self.state[param], b1, b2, group["eps"])
+            masks[id(param)] = (grad * updates[id(param)]) > 0
+        # stack -> (mask entries true, entries) of this rank's pieces; the same stacks, in order, on every rank
+        is_split = {stack: dim >= 0 for group, _ in tensors
+                    for stack, dim in zip(self._stacks(group), group.get("tp_dims") or [-1] * len(self._stacks(group)))}
+        names = sorted(is_split)
+        rows = torch.zeros(len(names), 2, dtype=torch.float64)
+        place = {name: i for i, name in enumerate(names)}
+        for group, (tensor, where, index) in pieces:
+            stack = self._stacks(group)[index]
+            mask = _segment(masks[id(tensor)], where)
+            rows[place[stack]] += torch.tensor([float(mask.sum()), float(mask.numel())], dtype=torch.float64)
+        if names:
+            rows = _sums(rows, [is_split[n] for n in names], dp)
+        for group, (tensor, where, index) in pieces:
+            true, total = rows[place[self._stacks(group)[index]]].tolist()
+            cautious = _segment(updates[id(tensor)], where) * _segment(masks[id(tensor)], where)
+            _decay_and_step(_segment(tensor, where), cautious / (true / total + group["eps"]), group["lr"],
+                            group["weight_decay"])
         return loss
+
+    def _stacks(self, group: dict[str, Any]) -> list[str]:
+        return group.get("stacks") or [str(id(p)) for p in self.model_params[group.get("model_params", 0)]]

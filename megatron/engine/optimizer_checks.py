@@ -137,6 +137,9 @@ WHOLE_TENSOR_KINDS = {"muon": "Muon", "scion": "Scion", "mars": "MARS", "cautiou
 """Levanter's optimizers that act on whole tensors (``megatron/engine/levanter_whole_tensor_optim.py``)."""
 ZERO_GATHERED_KINDS = frozenset({"muon", "scion"})
 """Those that run under ZeRO 1-3: each matrix gathered whole from the partitions (``whole_parameters.ZeroWhole``)."""
+ZERO_PARTITION_KINDS = frozenset({"mars", "cautious"})
+"""Those that run under ZeRO 1-3 on the partition itself, their sums (MARS's norm, Cautious's mask counts per stack)
+added over the data-parallel ranks (``levanter_whole_tensor_optim.zero_pieces``)."""
 INNER_CLIP_KINDS = frozenset({"muon", "scion", "mars"})
 """Those that clip by a global norm inside the optimizer (``optimizer.params.inner_max_grad_norm``)."""
 
@@ -158,10 +161,26 @@ def whole_tensor_optimizer_layout(ctx: RuleContext) -> list[str]:
             "mars": "clips its corrected gradients by their global norm inside the optimizer",
             "cautious": "averages its mask over each weight in every layer"}[kind]
     problems = []
-    if zero_stage(ctx) >= 1 and kind not in ZERO_GATHERED_KINDS:
+    if zero_stage(ctx) >= 1 and kind not in ZERO_GATHERED_KINDS | ZERO_PARTITION_KINDS:
         problems.append(f"{shown} with ZeRO stage {zero_stage(ctx)}: Levanter's {WHOLE_TENSOR_KINDS[kind]} {what}, "
                         "and ZeRO hands the optimizer a shard of a flat buffer; use ZeRO stage 0 (data parallelism "
                         "steps the whole model on every rank)")
+    if zero_stage(ctx) >= 1 and kind == "mars" and ctx.get("use_mup"):
+        problems.append(f"{shown} with ZeRO stage {zero_stage(ctx)} and {ctx.show('use_mup')}: Levanter's MARS "
+                        f"{what}, so under ZeRO (which steps one parameter group at a time) it keeps every parameter "
+                        "in one group, and muP's per-width learning rates need several; use ZeRO stage 0")
+    if zero_stage(ctx) >= 1 and kind in ZERO_PARTITION_KINDS:
+        zero = ctx.get("zero_optimization")
+        offload = (zero.get("offload_optimizer") or {}) if isinstance(zero, Mapping) else {}
+        if isinstance(offload, Mapping) and str(offload.get("device", "none")).lower() in ("cpu", "nvme"):
+            problems.append(f"{shown} with zero_optimization.offload_optimizer (device {offload.get('device')!r}): "
+                            f"Levanter's {WHOLE_TENSOR_KINDS[kind]} {what}; Deepy adds those sums over ZeRO's "
+                            "partitions in the device memory DeepSpeed 0.19.8 steps without offloading (tested so); "
+                            "remove offload_optimizer")
+        if zero_stage(ctx) == 1 and ctx.get("precision") == "bfloat16":
+            problems.append(f"{shown} with ZeRO stage 1 and {ctx.show('precision')}: DeepSpeed 0.19.8 may step it in "
+                            "its BF16_Optimizer (stage 1 with fp32 gradient accumulation), not tested with Levanter's "
+                            f"{WHOLE_TENSOR_KINDS[kind]}; use ZeRO stage 2 or 3 (or fp32)")
     if zero_stage(ctx) >= 1 and kind in ZERO_GATHERED_KINDS:
         zero = ctx.get("zero_optimization")
         offload = (zero.get("offload_optimizer") or {}) if isinstance(zero, Mapping) else {}

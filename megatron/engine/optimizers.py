@@ -37,7 +37,7 @@ from megatron.errors import ConfigError
 from megatron.engine.bnb import build_adam8bit
 from megatron.engine.levanter_optim import LevanterAdopt, LevanterRMSPropMomentum
 from megatron.engine.levanter_whole_tensor_optim import (LevanterCautious, LevanterMars, LevanterMuon, LevanterScion,
-                                                         is_linear_matrix, split_groups)
+                                                         is_linear_matrix, merge_groups, split_groups)
 from megatron.engine.levanter_soap import LevanterSoap
 from megatron.engine.levanter_sophia import LevanterSophiaH
 from megatron.engine.optimizer_config import OptimizerArgs
@@ -223,8 +223,9 @@ def build_scion(groups: ParamGroups, cfg: OptimizerArgs, names: Names) -> torch.
 @register_named_optimizer("mars")
 def build_mars(groups: ParamGroups, cfg: OptimizerArgs, names: Names) -> torch.optim.Optimizer:
     p = cfg.optimizer_params
-    return LevanterMars(split_groups(groups, names, cfg.peak_lr), lr=cfg.peak_lr, betas=tuple(p["betas"]), gamma=p["gamma"], eps=p["eps"],
-                        max_grad_norm=p["inner_max_grad_norm"])
+    # one group (each parameter's own decay): ZeRO steps a group at a time, and MARS's norm spans every gradient
+    return LevanterMars(merge_groups(split_groups(groups, names, cfg.peak_lr)), lr=cfg.peak_lr,
+                        betas=tuple(p["betas"]), gamma=p["gamma"], eps=p["eps"], max_grad_norm=p["inner_max_grad_norm"])
 
 
 @register_named_optimizer("cautious")

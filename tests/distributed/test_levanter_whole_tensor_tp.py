@@ -1,5 +1,5 @@
 """Levanter's Muon, Scion, MARS, Cautious, ADOPT and RMSProp with momentum at tensor parallelism 2 equal them at
-tp 1 (2 gloo ranks, one spawn).
+tp 1 (2 gloo ranks, one spawn); before that, at dp 2, MARS and Cautious under ZeRO 1-3 equal ZeRO-0.
 
 Each rank trains the same tiny GPT (GQA, SwiGLU, rotary, untied head: fused column-split QKV and gate/up, row-split
 outputs, a vocabulary-split embedding and head) for 3 steps on the same batches with the optimizer Deepy builds,
@@ -58,6 +58,64 @@ def _train(kind: str) -> dict[str, torch.Tensor]:
     if mpu.get_tensor_model_parallel_world_size() == 1:
         return {name: p.detach().clone() for name, p in model.named_parameters()}
     return {name: _unshard(cfg, name, p.detach()) for name, p in model.named_parameters()}
+
+
+# MARS and Cautious under ZeRO at dp 2 (the same spawn, before it turns to tp 2): each rank steps its partition of
+# the flat fp32 master; MARS's norm (one group: ZeRO steps groups one at a time) and Cautious's per-stack mask
+# counts are summed over the data-parallel ranks. inner_max_grad_norm 0.05 so MARS's clip acts at every step.
+ZERO_KINDS: dict[str, dict[str, Any]] = {"MARS": {"lr": 0.01, "eps": 1e-3, "inner_max_grad_norm": 0.05},
+                                         "Cautious": {"lr": 0.01, "eps": 1e-3}}
+
+
+def _zero_train(kind: str, stage: int, sub_group_size: int = 10**9) -> dict[str, torch.Tensor]:
+    import deepspeed
+    import torch.distributed as dist
+
+    from megatron.engine.build import deepspeed_mpu
+    from megatron.engine.optimizers import build_optimizer
+    from megatron.model import GPTConfig, GPTModel, lm_loss
+    from megatron.neox_arguments.loading import config_from_mapping
+
+    model = GPTModel(GPTConfig(**MODEL))
+    args = config_from_mapping({"optimizer": {"type": kind, "params": ZERO_KINDS[kind]}, "weight_decay": 0.1,
+                                "gradient_clipping": 0.0}).args
+    config = {"train_batch_size": 2 * WORLD, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": stage, "sub_group_size": sub_group_size},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, args), config=config,
+                                      mpu=deepspeed_mpu())
+    gen = torch.Generator().manual_seed(11 + dist.get_rank())  # each rank its own batches
+    try:
+        for _ in range(STEPS):
+            tokens, labels = torch.randint(0, 64, (2, 8), generator=gen), torch.randint(0, 64, (2, 8), generator=gen)
+            engine.backward(lm_loss(engine(tokens), labels))
+            engine.step()
+    except RuntimeError:
+        engine.destroy()
+        raise
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None, enabled=stage == 3):
+        got = {k: v.detach().clone() for k, v in params.items()}
+    engine.destroy()
+    return got
+
+
+def zero_check(kind: str) -> None:
+    from megatron.model import GPTConfig, GPTModel
+
+    want = _zero_train(kind, 0)  # every rank steps the whole model on the averaged gradient
+    start = dict(GPTModel(GPTConfig(**MODEL)).named_parameters())
+    for name, value in want.items():
+        assert not torch.allclose(value, start[name].detach(), atol=1e-4), f"{kind} {name} did not move"
+    for stage in (1, 2, 3):
+        got = _zero_train(kind, stage)
+        assert sorted(got) == sorted(want)
+        for name, value in want.items():
+            diff = float((got[name] - value).abs().max())
+            assert diff <= 1e-6, f"{kind} ZeRO-{stage} {name}: max |delta| {diff:.3g} from ZeRO-0"
+    # a group in several ZeRO-3 sub-groups is stepped in several calls, which neither sum can span: stopped
+    with pytest.raises(RuntimeError, match="sub_group_size"):
+        _zero_train(kind, 3, sub_group_size=256)
 
 
 SOAP_TP: dict[str, Any] = {"lr": 0.01, "precondition_frequency": 2}
@@ -137,6 +195,7 @@ def rank_main(rank: int, out: str) -> None:
     from megatron.model import GPTConfig, GPTModel
 
     join_data_parallel_ranks(rank, WORLD, "LEVANTER_TP_TEST_PORT")  # tp 1, dp 2
+    zero = record_checks({f"{kind} ZeRO": (lambda k=kind: zero_check(k)) for kind in ZERO_KINDS})
     want = {kind: _train(kind) for kind in KINDS}
     soap_grads = _soap_grads()
     soap_want = _soap(soap_grads)
@@ -169,7 +228,7 @@ def rank_main(rank: int, out: str) -> None:
             assert diff <= 1e-6 * max(1.0, scale), f"Sophia-H tp2 estimate {name}: max |delta| {diff:.3g} from tp1"
 
     soap = record_checks({"SOAP": check_soap, "SophiaH": check_sophia})
-    finish_rank(out, rank, {**soap, **record_checks({kind: (lambda k=kind: check(k)) for kind in KINDS})})
+    finish_rank(out, rank, {**zero, **soap, **record_checks({kind: (lambda k=kind: check(k)) for kind in KINDS})})
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +253,9 @@ def test_soap_tp2_equals_tp1(per_rank: list[dict[str, str]]) -> None:
 def test_sophia_h_estimate_tp2_equals_tp1(per_rank: list[dict[str, str]]) -> None:
     for rank, results in enumerate(per_rank):
         assert results["SophiaH"] == "ok", f"rank {rank}: {results['SophiaH']}"
+
+
+@pytest.mark.parametrize("kind", list(ZERO_KINDS))
+def test_zero1_2_3_equal_unsharded_dp2(per_rank: list[dict[str, str]], kind: str) -> None:
+    for rank, results in enumerate(per_rank):
+        assert results[f"{kind} ZeRO"] == "ok", f"rank {rank}: {results[f'{kind} ZeRO']}"

@@ -289,10 +289,12 @@ def test_levanter_yaml_builds_the_optimizer_with_levanters_defaults(
     assert type(optimizer) is cls
     assert {k: optimizer.defaults[k] for k in defaults} == defaults
     assert optimizer.defaults["lr"] == 6e-4
-    assert {g["weight_decay"] for g in optimizer.param_groups} == {decay, 0.0}
+    # MARS keeps one group, each parameter's decay in its ``decays`` (ZeRO steps a group at a time)
+    assert {d for g in optimizer.param_groups for d in g.get("decays", [g["weight_decay"]])} == {decay, 0.0}
     assert args.gradient_clipping == clip
-    # Muon and Scion gather their matrices from ZeRO's partitions: Levanter's fsdp is ZeRO-3; the others stay whole
-    assert args.sharding_strategy == ("fsdp" if cls in (LevanterMuon, LevanterScion) else "ddp")
+    # Muon and Scion gather their matrices from ZeRO's partitions, MARS and Cautious add their sums over them:
+    # Levanter's fsdp is ZeRO-3
+    assert args.sharding_strategy == "fsdp"
     if cls is LevanterMuon:  # the AdamW half at adam_lr, on lr's schedule; Levanter's max_grad_norm inside
         adam = [g["lr_scale"] for g in optimizer.param_groups if g["role"] == "adamw"]
         assert adam == [pytest.approx((1e-3 if "adam_lr" in text else 6e-4) / 6e-4)] * 2
@@ -334,16 +336,16 @@ def refused(**keys: Any) -> str:
 @pytest.mark.parametrize("kind", ["Muon", "Scion", "MARS", "Cautious"])
 def test_whole_tensor_layouts_are_refused_before_launch(kind: str) -> None:
     block = {"type": kind}
-    if kind in ("Muon", "Scion"):  # run under ZeRO 1-3 (tests/distributed/test_levanter_optimizers_zero.py)
-        for stage in (1, 2, 3):
-            finalize(config_from_mapping({**LAUNCH, "optimizer": block, "zero_optimization": {"stage": stage}}), 1,
-                     device=Device(cuda=False, fp16_supported=False))
-        offload = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
-        assert "remove offload_optimizer" in refused(optimizer=block, zero_optimization=offload)
-        assert "BF16_Optimizer" in refused(optimizer=block, zero_optimization={"stage": 1}, precision="bfloat16")
-    else:
-        assert "ZeRO stage 1" in refused(optimizer=block, zero_optimization={"stage": 1})
-        assert "shard of a flat buffer" in refused(optimizer=block, zero_optimization={"stage": 3})
+    # all four run under ZeRO 1-3 (Muon, Scion: tests/distributed/test_levanter_optimizers_zero.py; MARS, Cautious:
+    # tests/distributed/test_levanter_whole_tensor_tp.py)
+    for stage in (1, 2, 3):
+        finalize(config_from_mapping({**LAUNCH, "optimizer": block, "zero_optimization": {"stage": stage}}), 1,
+                 device=Device(cuda=False, fp16_supported=False))
+    offload = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    assert "remove offload_optimizer" in refused(optimizer=block, zero_optimization=offload)
+    assert "BF16_Optimizer" in refused(optimizer=block, zero_optimization={"stage": 1}, precision="bfloat16")
+    if kind == "MARS":  # its one group cannot hold muP's per-width rates, and ZeRO steps a group at a time
+        assert "muP's per-width" in refused(optimizer=block, zero_optimization={"stage": 2}, use_mup=True)
     assert "BF16_Optimizer" in refused(optimizer=block, pipe_parallel_size=1, precision="bfloat16")
     if kind != "Cautious":
         assert "set gradient_clipping: 0" in refused(optimizer=block, gradient_clipping=1.0)

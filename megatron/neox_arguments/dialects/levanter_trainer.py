@@ -267,11 +267,6 @@ def fully_sharded(ctx: Context) -> dict[str, Any]:
     """Parameters, gradients and optimizer states sharded over the data-parallel ranks: ZeRO-3; beside
     tensor parallelism (which Deepy does not combine with ZeRO-3) the gradients and optimizer states
     only, ZeRO-2, and the dry run says so."""
-    if str(ctx.value("optimizer.type", "adam")).lower() in ("mars", "cautious"):
-        return {"sharding_strategy": "ddp", **noted(
-            "Levanter's MARS and Cautious act on whole tensors (global norms, a mask's mean over every layer), "
-            "which a ZeRO shard is not: Deepy keeps the parameters and optimizer states whole on each data rank "
-            "(the same numbers; megatron/engine/levanter_whole_tensor_optim.py)")}
     if int(ctx.value("trainer.model_axis_size", 1)) > 1:
         return {"zero_stage": 2, **noted("with model_axis_size > 1 Deepy shards the gradients and optimizer states "
                                          "over the data axis (ZeRO-2); its tensor parallelism does not combine "
