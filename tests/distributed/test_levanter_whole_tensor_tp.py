@@ -67,7 +67,8 @@ ZERO_KINDS: dict[str, dict[str, Any]] = {"MARS": {"lr": 0.01, "eps": 1e-3, "inne
                                          "Cautious": {"lr": 0.01, "eps": 1e-3}}
 
 
-def _zero_train(kind: str, stage: int, sub_group_size: int = 10**9) -> dict[str, torch.Tensor]:
+def _zero_train(kind: str, stage: int, sub_group_size: int = 10**9, steps: range = range(STEPS),
+                save: str | None = None, load: str | None = None) -> dict[str, torch.Tensor]:
     import deepspeed
     import torch.distributed as dist
 
@@ -85,14 +86,20 @@ def _zero_train(kind: str, stage: int, sub_group_size: int = 10**9) -> dict[str,
     engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, args), config=config,
                                       mpu=deepspeed_mpu())
     gen = torch.Generator().manual_seed(11 + dist.get_rank())  # each rank its own batches
+    batches = [(torch.randint(0, 64, (2, 8), generator=gen), torch.randint(0, 64, (2, 8), generator=gen))
+               for _ in range(STEPS)]
+    if load is not None:
+        engine.load_checkpoint(load)
     try:
-        for _ in range(STEPS):
-            tokens, labels = torch.randint(0, 64, (2, 8), generator=gen), torch.randint(0, 64, (2, 8), generator=gen)
+        for step in steps:
+            tokens, labels = batches[step]
             engine.backward(lm_loss(engine(tokens), labels))
             engine.step()
     except RuntimeError:
         engine.destroy()
         raise
+    if save is not None:
+        engine.save_checkpoint(save)
     params = dict(engine.module.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None, enabled=stage == 3):
         got = {k: v.detach().clone() for k, v in params.items()}
@@ -113,6 +120,12 @@ def zero_check(kind: str) -> None:
         for name, value in want.items():
             diff = float((got[name] - value).abs().max())
             assert diff <= 1e-6, f"{kind} ZeRO-{stage} {name}: max |delta| {diff:.3g} from ZeRO-0"
+        if stage != 2:  # resume: 2 steps, DeepSpeed's checkpoint, a new engine takes the third -- the same bits
+            where = os.path.join(os.environ["LEVANTER_TP_CKPT"], f"{kind}-{stage}")
+            _zero_train(kind, stage, steps=range(2), save=where)
+            resumed = _zero_train(kind, stage, steps=range(2, STEPS), load=where)
+            for name, value in got.items():
+                assert torch.equal(resumed[name], value), f"{kind} ZeRO-{stage} {name}: resumed differs"
     # a group in several ZeRO-3 sub-groups is stepped in several calls, which neither sum can span: stopped
     with pytest.raises(RuntimeError, match="sub_group_size"):
         _zero_train(kind, 3, sub_group_size=256)
@@ -236,6 +249,7 @@ def per_rank(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
     from tests.e2e.test_parity import free_port
 
     os.environ["LEVANTER_TP_TEST_PORT"] = str(free_port())
+    os.environ["LEVANTER_TP_CKPT"] = str(tmp_path_factory.mktemp("levanter_tp_ckpt"))
     return run_ranks(rank_main, WORLD, tmp_path_factory.mktemp("levanter_tp"))
 
 
