@@ -78,7 +78,7 @@ import torch.distributed as dist
 from megatron import mpu
 from megatron.deepspeed_internals import fp32_master_slices
 from megatron.deepspeed_internals import ZeroMaster
-from megatron.engine.whole_parameters import ZeroWhole, zero_wholes
+from megatron.engine.whole_parameters import ZeroWhole, tp_own, tp_whole, zero_wholes
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """Levanter's quintic Newton-Schulz coefficients (muon.py:176, scion.py:164)."""
@@ -221,6 +221,8 @@ class _RoleOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         # the model's parameters' roles, before DeepSpeed swaps in its flat partitions (ZeRO's parameters are these)
         self.roles = {id(p): g.get("role") for g in self.param_groups for p in g["params"]}
+        self.sections = {id(p): getattr(p, "partition_sections", None) for g in self.param_groups
+                         for p in g["params"]}
         self.zero: dict[int, ZeroWhole] = {}
         self.zero_norm: torch.Tensor | None = None
 
@@ -260,15 +262,43 @@ class _RoleOptimizer(torch.optim.Optimizer):
                 if p.grad is not None]
 
     def _orthogonalised(self, param: torch.Tensor, direction: torch.Tensor, dim: int,
-                        update: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                        update: Callable[[torch.Tensor], torch.Tensor], group: dict[str, Any]) -> torch.Tensor:
         """``update`` of each whole matrix (gathered over the tp ranks, and over the data-parallel ranks when
-        ``param`` is a ZeRO partition), as this rank's part of ``param``."""
+        ``param`` is a ZeRO partition), as this rank's part of ``param``. With the group's
+        ``orthogonalise_sections`` a fused matrix (``[q; k; v]``, ``[gate; up]``: the model's ``partition_sections``)
+        is put together in the model's row order and each section updated apart, as Levanter's Llama-family models
+        hold them (separate ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ``up_proj``)."""
+        apart = bool(group.get("orthogonalise_sections"))
         zero = self.zero.get(id(param))
         if zero is None:
-            return own(update(whole(direction, dim)), dim)
-        dims = [split[0] if split is not None else -1 for split in zero.splits]
-        return zero.shard([own(update(whole(m, d)), d) for m, d in zip(zero.whole(direction), dims)],
+            sections = self.sections.get(id(param)) or _group_sections(group, param)
+            return _matrix_update(direction, dim, sections if apart else None, update)
+        return zero.shard([_matrix_update(m, split[0] if split is not None else -1,
+                                          getattr(p, "partition_sections", None) if apart else None, update)
+                           for m, split, p in zip(zero.whole(direction), zero.splits, zero.master.params)],
                           param).view_as(param)
+
+
+def _group_sections(group: dict[str, Any], param: torch.Tensor) -> list[int] | None:
+    """The fused sections ``split_groups`` recorded for ``param`` (a copy DeepSpeed's fp16 wrapper made of it has
+    the same place in the group, not the marks)."""
+    for p, sections in zip(group["params"], group.get("sections") or []):
+        if p is param:
+            return sections
+    return None
+
+
+def _matrix_update(local: torch.Tensor, dim: int, sections: list[int] | None,
+                   update: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``update`` of the whole matrix this tp rank holds ``local`` of (split along ``dim``, -1: whole), as this
+    rank's part; with ``sections`` (full sizes along dim 0) each section's update apart. Without sections the tp
+    ranks' parts are joined in rank order (a row permutation of a fused matrix, which Newton-Schulz commutes with);
+    with them in the model's own order (``whole_parameters.tp_whole``), so the sections are whole rows."""
+    if not sections or len(sections) == 1:
+        return own(update(whole(local, dim)), dim)
+    split = (dim, list(sections)) if dim >= 0 and _tp()[1] > 1 else None
+    full = tp_whole(local, split)
+    return tp_own(torch.cat([update(part) for part in full.split(list(sections), dim=0)]), split)
 
 
 def split_groups(groups: list[dict[str, Any]], names: Mapping[torch.Tensor, str], lr: float,
@@ -287,7 +317,8 @@ def split_groups(groups: list[dict[str, Any]], names: Mapping[torch.Tensor, str]
             scale = group.get("lr_scale", 1.0) * scales.get(kind, 1.0)
             out.append({**group, "params": params, "name": f"{group.get('name', 'group')}.{kind}", "role": kind,
                         "lr_scale": scale, "lr": lr * scale, "stacks": [stack_name(names[p]) for p in params],
-                        "tp_dims": [tp_dim(p) for p in params]})
+                        "tp_dims": [tp_dim(p) for p in params],
+                        "sections": [getattr(p, "partition_sections", None) for p in params]})
     return out
 
 
@@ -299,11 +330,12 @@ class LevanterMuon(_RoleOptimizer):
     def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.95,
                  nesterov: bool = True, backend_steps: int = 5, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, muon_epsilon: float = 1e-8, max_grad_norm: float | None = 1.0,
-                 use_kimi_scaling: bool = False, weight_decay: float = 0.0) -> None:
+                 use_kimi_scaling: bool = False, weight_decay: float = 0.0,
+                 orthogonalise_sections: bool = False) -> None:
         super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov, "backend_steps": backend_steps,
                                   "betas": tuple(betas), "eps": eps, "muon_epsilon": muon_epsilon,
                                   "use_kimi_scaling": use_kimi_scaling, "weight_decay": weight_decay,
-                                  "role": "muon"})
+                                  "role": "muon", "orthogonalise_sections": orthogonalise_sections})
         self.max_grad_norm = max_grad_norm
 
     @torch.no_grad()
@@ -331,7 +363,7 @@ class LevanterMuon(_RoleOptimizer):
                          else math.sqrt(max(1.0, rows / cols)))
                 return newton_schulz5(direction, group["backend_steps"], group["muon_epsilon"]) * scale
 
-            update = self._orthogonalised(param, mom * buf + grad if group["nesterov"] else buf, dim, scaled)
+            update = self._orthogonalised(param, mom * buf + grad if group["nesterov"] else buf, dim, scaled, group)
             _decay_and_step(param, update, group["lr"], group["weight_decay"])
         return loss
 
@@ -343,9 +375,10 @@ class LevanterScion(_RoleOptimizer):
 
     def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.95, backend_steps: int = 10,
                  beta1: float = 0.9, scion_epsilon: float = 1e-8, max_grad_norm: float | None = 1.0,
-                 weight_decay: float = 0.0) -> None:
+                 weight_decay: float = 0.0, orthogonalise_sections: bool = False) -> None:
         super().__init__(params, {"lr": lr, "momentum": momentum, "backend_steps": backend_steps, "beta1": beta1,
-                                  "scion_epsilon": scion_epsilon, "weight_decay": weight_decay, "role": "scion"})
+                                  "scion_epsilon": scion_epsilon, "weight_decay": weight_decay, "role": "scion",
+                                  "orthogonalise_sections": orthogonalise_sections})
         self.max_grad_norm = max_grad_norm
 
     @torch.no_grad()
@@ -375,7 +408,8 @@ class LevanterScion(_RoleOptimizer):
                 return (newton_schulz5(direction, group["backend_steps"], group["scion_epsilon"])
                         * math.sqrt(max(1.0, rows / cols)))
 
-            _decay_and_step(param, self._orthogonalised(param, buf, dim, scaled), group["lr"], group["weight_decay"])
+            _decay_and_step(param, self._orthogonalised(param, buf, dim, scaled, group), group["lr"],
+                            group["weight_decay"])
         return loss
 
 

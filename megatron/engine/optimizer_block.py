@@ -154,6 +154,12 @@ class MuonParams(_Params):
     """Levanter's ``max_grad_norm``, applied where Levanter applies it: inside the optimizer, to the AdamW half's
     gradients by their own global norm (Muon's are not clipped); None or 0: no clip. ``gradient_clipping`` must
     then be 0 (checked before launch)."""
+    orthogonalise_sections: bool = False
+    """Orthogonalise each section of a fused matrix apart: the query, key and value rows of ``query_key_value`` and
+    the gate and up rows of a gated ``dense_h_to_4h``, as Levanter's Llama-family models hold them (separate
+    ``q_proj``/``k_proj``/``v_proj``/``gate_proj``/``up_proj``, each its own Newton-Schulz and
+    ``sqrt(max(1, out/in))``). False: the fused matrix whole, as Levanter's GPT-2 holds ``c_attn``. The Levanter dialect sets it from
+    ``model.type`` (true for every type but gpt2)."""
 
 
 class ScionParams(_Params):
@@ -173,6 +179,12 @@ class ScionParams(_Params):
     inner_max_grad_norm: float | None = Field(1.0, ge=0)
     """Levanter's ``max_grad_norm`` inside the optimizer: the signum half's gradients clipped by their own global
     norm (Scion's are not); None or 0: no clip. ``gradient_clipping`` must then be 0 (checked before launch)."""
+    orthogonalise_sections: bool = False
+    """Orthogonalise each section of a fused matrix apart: the query, key and value rows of ``query_key_value`` and
+    the gate and up rows of a gated ``dense_h_to_4h``, as Levanter's Llama-family models hold them (separate
+    ``q_proj``/``k_proj``/``v_proj``/``gate_proj``/``up_proj``, each its own Newton-Schulz and
+    ``sqrt(max(1, out/in))``). False: the fused matrix whole, as Levanter's GPT-2 holds ``c_attn``. The Levanter dialect sets it from
+    ``model.type`` (true for every type but gpt2)."""
 
 
 class MarsParams(_Params):

@@ -209,7 +209,7 @@ def build_muon(groups: ParamGroups, cfg: OptimizerArgs, names: Names) -> torch.o
     return LevanterMuon(split, lr=lr, momentum=p["momentum"], nesterov=p["nesterov"],
                         backend_steps=p["backend_steps"], betas=tuple(p["betas"]), eps=p["eps"],
                         muon_epsilon=p["muon_epsilon"], max_grad_norm=p["inner_max_grad_norm"],
-                        use_kimi_scaling=p["use_kimi_scaling"])
+                        use_kimi_scaling=p["use_kimi_scaling"], orthogonalise_sections=p["orthogonalise_sections"])
 
 
 @register_named_optimizer("scion")
@@ -217,7 +217,8 @@ def build_scion(groups: ParamGroups, cfg: OptimizerArgs, names: Names) -> torch.
     p, lr = cfg.optimizer_params, cfg.peak_lr
     split = split_groups(groups, names, lr, _linear_role("scion", "signum"), {"signum": p["scion_to_signum_lr"]})
     return LevanterScion(split, lr=lr, momentum=p["momentum"], backend_steps=p["backend_steps"], beta1=p["beta1"],
-                         scion_epsilon=p["scion_epsilon"], max_grad_norm=p["inner_max_grad_norm"])
+                         scion_epsilon=p["scion_epsilon"], max_grad_norm=p["inner_max_grad_norm"],
+                         orthogonalise_sections=p["orthogonalise_sections"])
 
 
 @register_named_optimizer("mars")

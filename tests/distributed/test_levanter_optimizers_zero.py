@@ -28,7 +28,7 @@ MODEL: dict[str, Any] = dict(num_layers=1, hidden_size=16, num_attention_heads=2
 # eps 1e-3: a gradient that differs by rounding between layouts cannot be blown up by 1/(sqrt(v) + eps)
 KINDS: dict[str, dict[str, Any]] = {
     "ADOPT": {"lr": 0.01, "eps": 1e-3}, "RMSPropMomentum": {"lr": 0.01, "eps": 1e-3},
-    "Muon": {"lr": 0.02, "adam_lr": 0.01, "eps": 1e-3, "inner_max_grad_norm": 0.05},
+    "Muon": {"lr": 0.02, "adam_lr": 0.01, "eps": 1e-3, "inner_max_grad_norm": 0.05, "orthogonalise_sections": True},
     "Scion": {"lr": 0.02, "backend_steps": 5, "inner_max_grad_norm": 0.05}}
 STAGES = {"Muon": (1, 2, 3)}
 """ZeRO stages compared with stage 0 (default 1 and 3)."""

@@ -29,7 +29,9 @@ MODEL: dict[str, Any] = dict(num_layers=2, hidden_size=32, num_attention_heads=4
 # (the element-wise half needs nothing from the other tp ranks; its clip's tp-summed norm is Muon's, checked), and
 # 5 Newton-Schulz steps, not 10: each step multiplies the directions of a (low-rank) momentum's ~0 singular values by
 # up to 3.4445, so 10 steps turn rounding differences between the layouts into ~1e-5
-KINDS: dict[str, dict[str, Any]] = {"Muon": {"lr": 0.02, "adam_lr": 0.01, "eps": 1e-3}, "Scion": {"lr": 0.02, "scion_to_signum_lr": 0.0, "backend_steps": 5},
+# Muon with orthogonalise_sections (q/k/v and gate/up apart: the tp slices joined in the model's order), Scion without
+KINDS: dict[str, dict[str, Any]] = {"Muon": {"lr": 0.02, "adam_lr": 0.01, "eps": 1e-3,
+                                             "orthogonalise_sections": True}, "Scion": {"lr": 0.02, "scion_to_signum_lr": 0.0, "backend_steps": 5},
                                     "MARS": {"lr": 0.01, "eps": 1e-3}, "Cautious": {"lr": 0.01, "eps": 1e-3},
                                     # element-wise (megatron/engine/levanter_optim.py): each rank steps its slices.
                                     # ADOPT divides by the previous step's sqrt(nu): where that gradient was ~0 the

@@ -417,3 +417,57 @@ def test_bf16_without_a_pipeline_module_steps_whole_weights(one_rank: Any) -> No
     eng.engine.step()
     moved = [n for n, p in eng.engine.module.named_parameters() if not torch.equal(p.detach().float(), before[n])]
     assert "layers.0.attention.query_key_value.weight" in moved
+
+
+@pytest.mark.parametrize("kind", ["Muon", "Scion"])
+def test_sections_are_orthogonalised_apart_as_levanters_llama(kind: str) -> None:
+    """orthogonalise_sections: the fused [q; k; v] and [gate; up] rows take Newton-Schulz (and the out/in scale)
+    section by section, as Levanter's Llama keeps q_proj, k_proj, v_proj, gate_proj, up_proj (attention.py:1473-1485,
+    llama.py:264@9263f81e); other matrices whole. One step from zero momentum, against the float64 formula."""
+    cfg = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=4, num_kv_heads=2, seq_length=4,
+                    padded_vocab_size=16, seed=3, pos_emb="rotary", activation="swiglu", norm="rmsnorm",
+                    intermediate_size=24, no_weight_tying=True, use_bias_in_attn_linear=False)
+    steps, lr = 5, 0.02
+    params = {"lr": lr, "backend_steps": steps, "orthogonalise_sections": True}
+    if kind == "Scion":
+        params["scion_to_signum_lr"] = 0.0
+    net = GPTModel(cfg)
+    start = {n: p.detach().double().numpy().copy() for n, p in net.named_parameters()}
+    args = config_from_mapping({"optimizer": {"type": kind, "params": params}, "weight_decay": 0.0}).args
+    optimizer = build_optimizer(net, args)
+    gen = torch.Generator().manual_seed(1)
+    for p in net.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+    grads = {n: p.grad.double().numpy().copy() for n, p in net.named_parameters()}
+    optimizer.step()
+    ffn = dict(net.named_parameters())["layers.0.mlp.dense_h_to_4h.weight"].shape[0] // 2  # SwiGLU: [gate; up]
+    sections = {"query_key_value": [4 * 4, 2 * 4, 2 * 4], "dense_h_to_4h": [ffn, ffn]}  # q: 4 heads, k/v: 2, of 4
+    checked = 0
+    for name, p in net.named_parameters():
+        if not linear_weight(name, tuple(p.shape)):
+            continue
+        direction = (1 + 0.95) * grads[name] if kind == "Muon" else (1 - 0.95) * grads[name]  # nesterov / damped
+        rows = next((s for key, s in sections.items() if key in name), [p.shape[0]])
+        parts = np.split(direction, np.cumsum(rows)[:-1], axis=0)
+        update = np.concatenate([newton_schulz(part, steps, 1e-8) * np.sqrt(max(1.0, part.shape[0] / part.shape[1]))
+                                 for part in parts])
+        np.testing.assert_allclose(p.detach().double().numpy(), start[name] - lr * update, rtol=0, atol=1e-6)
+        if len(rows) > 1:  # the fused matrix whole would move it otherwise
+            scale = np.sqrt(max(1.0, direction.shape[0] / direction.shape[1]))
+            whole_update = newton_schulz(direction, steps, 1e-8) * scale
+            assert np.abs(whole_update - update).max() > 1e-3
+            checked += 1
+    assert checked == 2
+
+
+def test_levanter_llama_orthogonalises_sections_and_gpt2_does_not(tmp_path: Path) -> None:
+    """The dialect sets orthogonalise_sections from model.type: Levanter's GPT-2 fuses c_attn (gpt2.py:172), every
+    other type keeps q/k/v and gate/up apart."""
+    for model_type, apart in (("gpt2", False), ("llama", True)):
+        (tmp_path / "tokenizer.json").write_text("{}")
+        config = tmp_path / "run.yaml"
+        kv = "  num_kv_heads: 2\n" if model_type == "llama" else ""
+        config.write_text(MODEL.replace("type: gpt2", f"type: {model_type}") + kv + "optimizer:\n  type: muon\n")
+        _, parsed = split_argv(["--config_path", str(config)])
+        args = load_config([], (), None, parsed).args
+        assert args.optimizer.params.orthogonalise_sections is apart, model_type

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron.neox_arguments.dialects.common import Context, Refused, Rule, noted, to
+from megatron.neox_arguments.dialects.levanter_model import DEFAULT_TYPE
 
 OPTIMIZER_DEFAULTS: dict[str, Any] = {
     "type": "adam", "learning_rate": 6e-4, "weight_decay": 0.1, "max_grad_norm": 1.0, "min_lr_ratio": 0.1,
@@ -100,6 +101,8 @@ def _optimizer(value: Any, ctx: Context) -> dict[str, Any]:
         params["inner_max_grad_norm"] = ctx.value("optimizer.max_grad_norm", OPTIMIZER_DEFAULTS["max_grad_norm"])
     for name in _EXTRA_PARAMS.get(kind, ()):
         params[name] = got[name]
+    if kind in ("muon", "scion"):  # Levanter's Llama family keeps q/k/v and gate/up apart, its GPT-2 c_attn fused
+        params["orthogonalise_sections"] = str(ctx.value("model.type", DEFAULT_TYPE)).lower() != "gpt2"
     return {"optimizer": {"type": _DEEPY_TYPE[kind], "params": params}}
 
 
