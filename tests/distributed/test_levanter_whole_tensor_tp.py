@@ -133,7 +133,7 @@ def zero_check(kind: str) -> None:
         _zero_train(kind, 3, sub_group_size=256)
 
 
-SOAP_TP: dict[str, Any] = {"lr": 0.01, "precondition_frequency": 2}
+SOAP_TP: dict[str, Any] = {"lr": 0.01, "precondition_frequency": 2, "block_size": 40}  # blocks straddle the sections
 
 
 def _soap_grads() -> list[dict[str, torch.Tensor]]:
