@@ -487,8 +487,10 @@ def build_engine(run: EngineConfig, config: GPTConfig, train_iters: int, objecti
     attach_whole_parameters(ds_optimizer)  # no-op unless ZeRO steps an optimizer of whole parameters (SOAP)
     install_expert_parallel(engine)  # no-op unless experts are split over data-parallel ranks
     install_partial_grad_sum(engine)  # no-op unless replicated weights see part of the data per tp rank
+    # no-op unless a ZeRO-stepped optimizer needs all groups at once (Muon, Scion); installed before hybrid
+    # sharding's replica average, which wraps the same step from outside and so runs first
+    install_zero_pre_step(engine)
     hybrid_shard_engine.install(engine)  # no-op unless ZeRO-3 partitions are replicated (hsdp)
-    install_zero_pre_step(engine)  # no-op unless a ZeRO-stepped optimizer needs all groups at once (Muon, Scion)
     # checkpoints are written (and read) in GPT-NeoX's layout: its tools and users read them
     install_neox_layout(engine, config, mpu.get_tensor_model_parallel_world_size())
     fp32 = not (engine.fp16_enabled() or engine.bfloat16_enabled())
