@@ -459,6 +459,32 @@ def before_zero_step(optimizer: Any, run: Callable[[], None]) -> None:
     optimizer.step = step
 
 
+@contextlib.contextmanager
+def zero3_params_held(params: list[Any]) -> Iterator[None]:
+    """ZeRO-3's partitioned ``params`` gathered whole and kept so through forwards and backwards inside (nothing
+    for other parameters). DeepSpeed 0.19.8's coordinator releases a module's parameters after its forward and
+    backward (``partitioned_param_coordinator.release_sub_module``) unless ``is_external_param``, which is set here
+    for the duration (and restored), inside ``deepspeed.zero.GatheredParameters``."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
+        yield
+        return
+    # lazy: DeepSpeed loads where used; the launcher imports this module without it
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        external = [(p.is_external_param, set(p.ds_active_sub_modules)) for p in partitioned]
+        for p in partitioned:
+            p.is_external_param = True
+        try:
+            yield
+        finally:
+            for p, (was, active) in zip(partitioned, external):
+                p.is_external_param = was
+                p.ds_active_sub_modules.clear()
+                p.ds_active_sub_modules.update(active)
+
+
 # --- a PipelineModule's layers -----------------------------------------------------------------------
 def pipeline_local_start(module: Any) -> int:
     """Index (in the ``PipelineModule``'s list of layer specs) of this stage's first layer; 0 for a

@@ -39,7 +39,8 @@ import torch.distributed as dist
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron import mpu
-from megatron.deepspeed_internals import has_partitioned_optimizer_state, relink_optimizer_state_views
+from megatron.deepspeed_internals import (has_partitioned_optimizer_state, relink_optimizer_state_views,
+                                         zero3_params_held)
 from megatron.engine.whole_parameters import tp_own, tp_split
 
 SOPHIA_ESTIMATE = "hessian_estimate"
@@ -170,6 +171,10 @@ class HessianProbe:
         """``losses``: the step's micro-batch losses, each its share of the global-batch loss, recomputed at the
         current weights (their sum over micro-batches and data-parallel ranks is the step's loss)."""
         params = [p for _, p in self.named]
+        with zero3_params_held(params):  # ZeRO-3: every weight whole until both differentiations are done
+            self._measure(params, losses)
+
+    def _measure(self, params: list[torch.nn.Parameter], losses: Callable[[], Iterator[torch.Tensor]]) -> None:
         index = (self.sophia.steps_taken + 1) // self.sophia.update_interval - 1
         z = gaussian_probe(params, self.seed, index)
         splits = [tp_split(p) for p in params]

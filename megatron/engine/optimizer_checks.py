@@ -103,8 +103,8 @@ def mup_optimizer_is_adam_or_sgd(ctx: RuleContext) -> list[str]:
 def sophia_h_layout(ctx: RuleContext) -> list[str]:
     """Sophia-H's Hessian-vector product (``megatron/engine/levanter_sophia.py``) differentiates the loss twice
     through the plain module (under tensor parallelism through ``mpu.mappings``' collectives, whose backward is
-    differentiable again), and its estimate reaches the optimizer through DeepSpeed's ZeRO-1/2 fragment mapping:
-    what cannot run it is refused here, before launch."""
+    differentiable again; under ZeRO-3 with every weight held whole for the probe), and its estimate reaches the
+    optimizer through DeepSpeed's fragment mapping (ZeRO 1-3): what cannot run it is refused here, before launch."""
     optimizer = ctx.get("optimizer")
     kind = optimizer.kind if optimizer is not None else OPTIMIZER_KINDS.get(str(ctx.get("optimizer_type")).lower())
     if kind != "sophia_h":
@@ -124,9 +124,6 @@ def sophia_h_layout(ctx: RuleContext) -> list[str]:
                         "under sequence parallelism a replicated weight's gradient is partial on each tp rank "
                         "(summed after the backward), which the Hessian-vector product's g.z does not sum; "
                         "set sequence_parallel: false (tensor parallelism alone runs it)")
-    if zero_stage(ctx) >= 3:
-        problems.append(f"{shown} with ZeRO stage 3: the partitioned weights are released after the forward, so "
-                        "the loss cannot be differentiated twice; use ZeRO stage 0, 1 or 2")
     if int(ctx.get("moe_num_experts")) > 1:
         problems.append(f"{shown} with {ctx.show('moe_num_experts')}: the experts' load-balancing loss is not "
                         "part of the Hessian-vector product's loss; use a dense model")

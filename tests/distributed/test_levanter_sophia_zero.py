@@ -71,7 +71,9 @@ def _train(stage: int, recompute: bool) -> tuple[dict[str, torch.Tensor], float]
     sophia = base_sophia(optimizer)
     assert sophia is not None
     h_norm = sum(float(s["h"].abs().sum()) for s in sophia.state.values())
-    got = {k: v.detach().clone() for k, v in engine.module.named_parameters()}
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None, enabled=stage == 3):
+        got = {k: v.detach().clone() for k, v in params.items()}
     engine.destroy()
     return got, h_norm
 
@@ -82,7 +84,7 @@ def check() -> None:
     initial = dict(_model(False).named_parameters())
     for name, value in want.items():
         assert not torch.allclose(value, initial[name].detach(), atol=1e-4), f"{name} did not move"
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         got, h_norm = _train(stage, recompute=True)
         assert h_norm > 0, f"no Hessian estimate reached ZeRO-{stage}'s shard"
         assert sorted(got) == sorted(want)

@@ -271,11 +271,6 @@ def fully_sharded(ctx: Context) -> dict[str, Any]:
         return {"zero_stage": 2, **noted("with model_axis_size > 1 Deepy shards the gradients and optimizer states "
                                          "over the data axis (ZeRO-2); its tensor parallelism does not combine "
                                          "with ZeRO-3, so the parameters stay whole on each data rank")}
-    if str(ctx.value("optimizer.type", "adam")).lower() == "sophia-h":
-        return {"zero_stage": 2, **noted("Sophia-H differentiates the loss twice (its Hessian-vector product), which "
-                                         "ZeRO-3's released weights cannot: Deepy shards the gradients and optimizer "
-                                         "states over the data axis (ZeRO-2: the same numbers, the weights whole on "
-                                         "each data rank)")}
     return {"sharding_strategy": "fsdp"}
 
 
