@@ -1,11 +1,11 @@
-"""Levanter's Sophia-H through the trainer's step on 2 gloo ranks (one spawn): ZeRO-1 and ZeRO-2 equal ZeRO-0.
+"""Levanter's Sophia-H through the trainer's step on 2 gloo ranks (one spawn): ZeRO-1, 2 and 3 equal ZeRO-0.
 
 Each rank builds the same tiny GPT and Deepy's Sophia-H (``build_optimizer``), hands both to a real DeepSpeed engine
 and trains 4 steps of 2 micro-batches each through the trainer's own step (``ObjectiveRunner.run`` with the engine's
 ``HessianProbe``), the Hessian estimated every 2nd step: at ZeRO stage 0 (every rank steps the whole model: the
-reference), then at stages 1 and 2 (each rank steps its shard of the flat fp32 master; the estimate reaches the shard
-through DeepSpeed's fragment mapping), those two with DeepSpeed's (reentrant) activation checkpointing on, which the
-probe's double differentiation must run without. The weights must agree within 1e-6 (fp32), the Hessian EMA must
+reference), then at stages 1, 2 and 3 (each rank steps its shard of the flat fp32 master; the estimate reaches the
+shard through DeepSpeed's fragment mapping; at stage 3 the probe holds the weights whole while it runs), those with
+DeepSpeed's (reentrant) activation checkpointing on, which the probe's double differentiation must run without. The weights must agree within 1e-6 (fp32), the Hessian EMA must
 be non-zero (the estimate arrived). The formulas themselves, and that the estimates change the update, are
 tests/unit/test_levanter_sophia.py's.
 """
@@ -106,6 +106,6 @@ def per_rank(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
     return run_ranks(rank_main, WORLD, tmp_path_factory.mktemp("levanter_sophia"))
 
 
-def test_sophia_h_zero1_and_zero2_equal_unsharded_dp2(per_rank: list[dict[str, str]]) -> None:
+def test_sophia_h_zero1_2_3_equal_unsharded_dp2(per_rank: list[dict[str, str]]) -> None:
     for rank, results in enumerate(per_rank):
         assert results["sophia_h"] == "ok", f"rank {rank}: {results['sophia_h']}"

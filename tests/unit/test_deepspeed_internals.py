@@ -605,3 +605,29 @@ def test_activation_checkpointing_state_is_restored_after_a_rehearsal_configures
              checkpointing.deepspeed_checkpointing_enabled)
     assert after == before
     assert set(checkpointing.get_cuda_rng_tracker().get_states()) == set(tracker_before)
+
+
+def test_zero_masters_locate_each_weight_and_zero3_params_held_keeps_them_whole(zero3_engine) -> None:  # type: ignore[no-untyped-def]
+    """zero_masters (SOAP's and Muon's gather, whole_parameters.ZeroWhole) finds every ZeRO-3 weight at its offset in
+    the flat fp32 partition; zero3_params_held (Sophia-H's probe) keeps the weights whole through a forward and a
+    twice-differentiated backward, and DeepSpeed releases them again after."""
+    import deepspeed
+
+    from megatron.deepspeed_internals import zero3_params_held, zero_masters
+
+    params = list(zero3_engine.module.parameters())
+    masters = zero_masters(zero3_engine.optimizer)
+    assert sorted(id(p) for m in masters for p in m.params) == sorted(id(p) for p in params)
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        whole = {id(p): p.detach().clone() for p in params}
+    for m in masters:  # one rank: each piece is the whole weight
+        assert m.stage3 and m.pieces == m.numels
+        for p, offset, n, shape in zip(m.params, m.offsets, m.numels, m.shapes):
+            assert torch.equal(m.flat[offset:offset + n].view(shape), whole[id(p)])
+    assert zero_masters(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)) == []
+    with zero3_params_held(params):
+        loss = zero3_engine.module(torch.randn(2, 4)).pow(2).sum()
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        hz = torch.autograd.grad(sum(g.sum() for g in grads), params)
+        assert all(p.numel() == p.ds_numel for p in params) and all(h.shape == p.shape for h, p in zip(hz, params))
+    assert all(p.numel() == 0 for p in params)  # partitioned again
