@@ -18,21 +18,19 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 import yaml
 from safetensors.torch import load_file
 
+from hf_class_checks import (CONFIG_KEYS, Imported, assert_a_trained_step_exports, assert_counts_and_logits_equal,
+                             assert_each_change_is_named, assert_generation_equals_transformers,
+                             assert_preset_counts_as_published, assert_round_trip_at_tp2_pp2, hf_start_args,
+                             imported_model, max_logit_diff, perturbed_model, save_with_tokenizer, start_problems)
 from megatron.errors import ConfigError, ConversionError
 from megatron.interop.convert import export_to_hf, import_to_deepy
-from megatron.interop.deepy_checkpoint import read_full_checkpoint, write_weights_only_checkpoint
 from megatron.interop.hf_config import choose_architecture, gpt_config_from_hf
 from megatron.interop.hf_model import fixed_batch
-from megatron.interop.hf_tokenizer import TokenizerFiles, export_tokenizer
-from megatron.interop.hf_weights import from_hf_state_dict
-from megatron.model import GPTConfig, GPTModel, num_parameters
-from test_model_families import assert_greedy_generation_equals_transformers
+from megatron.model import GPTConfig
 
-REPO = Path(__file__).resolve().parents[2]
 SHAPE: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=64,
                              rms_norm_eps=1e-6, sliding_window=6, query_pre_attn_scalar=20, bos_token_id=0,
@@ -54,41 +52,17 @@ def hf_config(family: str, **changes: Any) -> Any:
 
 
 def gemma_model(family: str, **changes: Any) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(hf_config(family, **changes))
-    with torch.no_grad():  # Gemma's norm gains start at zeros (a gain of 1): make them count
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(0.3 * torch.randn_like(param))
-    return model.eval()
-
-
-def save(model: Any, out: Path) -> Path:
-    model.save_pretrained(out)
-    export_tokenizer(TokenizerFiles("CharLevelTokenizer"), out, 64)
-    return out
-
-
-def hf_logits(model_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).eval()
-    with torch.no_grad():
-        return model(input_ids=tokens).logits
+    # Gemma's norm gains start at zeros (a gain of 1); no biases
+    return perturbed_model(hf_config(family, **changes), seed=7, scale=0.3)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def imported(request: pytest.FixtureRequest) -> tuple[Any, GPTConfig, GPTModel]:
+def imported(request: pytest.FixtureRequest) -> Imported:
     theirs = gemma_model(request.param)
-    config = gpt_config_from_hf(theirs.config, seq_length=32)
-    ours = GPTModel(config).eval()
-    ours.load_state_dict(from_hf_state_dict(config, choose_architecture(config), theirs.state_dict()))
-    return theirs, config, ours
+    return (theirs, *imported_model(theirs))
 
 
-def test_gemma_imports_with_its_logits_and_parameter_count(imported: tuple[Any, GPTConfig, GPTModel]) -> None:
+def test_gemma_imports_with_its_logits_and_parameter_count(imported: Imported) -> None:
     theirs, config, ours = imported
     gemma3 = theirs.config.model_type == "gemma3_text"
     assert choose_architecture(config) == ("Gemma3ForCausalLM" if gemma3 else "Gemma2ForCausalLM")
@@ -103,12 +77,7 @@ def test_gemma_imports_with_its_logits_and_parameter_count(imported: tuple[Any, 
         assert config.attention_config == [[["local", "global"], 2]]
         assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (0.25, 1.0)
     # the registry's count (sandwich: four norms a layer; Gemma 3: the two head-dim norms), the module's, theirs
-    hf_count = sum(p.numel() for p in theirs.parameters())
-    assert num_parameters(config) == sum(p.numel() for p in ours.parameters()) == hf_count
-    tokens = fixed_batch(config.vocab, 24)
-    with torch.no_grad():
-        delta = (ours(tokens) - theirs(input_ids=tokens).logits).abs().max().item()
-    assert delta <= 1e-4
+    assert_counts_and_logits_equal(theirs, config, ours)
 
 
 # each Gemma key, undone in our config alone, moves the logits away from transformers'
@@ -122,19 +91,17 @@ UNDONE: dict[str, dict[str, Any]] = {
 }
 
 
-def test_each_gemma_key_is_needed_for_equal_logits(imported: tuple[Any, GPTConfig, GPTModel]) -> None:
+def test_each_gemma_key_is_needed_for_equal_logits(imported: Imported) -> None:
     """Each key the family sets (Gemma 3 has no attention cap: its q/k norms stand there), undone alone."""
     theirs, config, ours = imported
     keys = [key for key in UNDONE if getattr(config, key, True) is not None
             and not (key == "attn_logit_softcapping" and config.use_qk_layernorm)]
     assert len(keys) >= 5, keys
     tokens = fixed_batch(config.vocab, 24)
+    with torch.no_grad():
+        want = theirs(input_ids=tokens).logits
     for key in keys:
-        other = GPTModel(config.replace(**UNDONE[key])).eval()
-        other.load_state_dict(ours.state_dict())
-        with torch.no_grad():
-            delta = (other(tokens) - theirs(input_ids=tokens).logits).abs().max().item()
-        assert delta > 1e-3, key
+        assert max_logit_diff(config.replace(**UNDONE[key]), ours.state_dict(), tokens, want) > 1e-3, key
 
 
 def test_geglu_tanh_is_gemmas_gated_mlp_activation() -> None:
@@ -183,49 +150,22 @@ def test_gemma_norm_is_one_plus_its_weight() -> None:
     assert torch.equal(gemma(x), plain(x))
 
 
-def test_gemma_greedy_generation_equals_transformers(imported: tuple[Any, GPTConfig, GPTModel]) -> None:
-    theirs, config, ours = imported
-    assert_greedy_generation_equals_transformers(ours, theirs, vocab=config.vocab, hidden=config.arch.hidden)
+def test_gemma_greedy_generation_equals_transformers(imported: Imported) -> None:
+    assert_generation_equals_transformers(imported)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_gemma_round_trip_at_tp2_pp2_then_a_trained_step_exports(family: str, tmp_path: Path) -> None:
-    source = save(gemma_model(family), tmp_path / family)
-    imported = import_to_deepy(source, tmp_path / "deepy", tp=2, pp=2)
-    assert imported.max_logit_diff is not None and imported.max_logit_diff <= 1e-4
-    written = yaml.safe_load(imported.config_file.read_text())
+    source = save_with_tokenizer(gemma_model(family), tmp_path / family)
+    trip = assert_round_trip_at_tp2_pp2(source, tmp_path,
+                                        "Gemma2ForCausalLM" if family == "gemma2" else "Gemma3ForCausalLM",
+                                        (*CONFIG_KEYS, "intermediate_size", "head_dim", "hidden_activation",
+                                         "sliding_window", "layer_types", "query_pre_attn_scalar",
+                                         "attn_logit_softcapping", "final_logit_softcapping"))  # fmt: skip
+    written = yaml.safe_load(trip.written)
     assert written["norm"] == "gemma_rmsnorm" and written["norm_placement"] == "sandwich"
-    exported = export_to_hf(tmp_path / "deepy", tmp_path / "back")
-    assert exported.architecture == ("Gemma2ForCausalLM" if family == "gemma2" else "Gemma3ForCausalLM")
-    assert exported.max_logit_diff is not None and exported.max_logit_diff <= 1e-4
-    original, back = load_file(source / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
-    assert set(original) == set(back) and all(torch.equal(original[k], back[k]) for k in original)
-    config_a = json.loads((source / "config.json").read_text())
-    config_b = json.loads((tmp_path / "back" / "config.json").read_text())
-    for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "head_dim",
-                "num_key_value_heads", "num_hidden_layers", "rope_parameters", "tie_word_embeddings",
-                "max_position_embeddings", "hidden_activation", "rms_norm_eps", "sliding_window", "layer_types",
-                "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
-        assert config_a.get(key) == config_b.get(key), key
-
     # one training step on the imported weights (the sandwich norms move too), exported again
-    full = read_full_checkpoint(tmp_path / "deepy")
-    model = GPTModel(full.config)
-    model.load_state_dict(full.weights)
-    tokens = fixed_batch(full.config.vocab, 17)
-    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-    loss.backward()
-    torch.optim.SGD(model.parameters(), lr=0.5).step()
-    trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    key = "layers.1.mlp_output_norm.weight"
-    assert not torch.equal(trained[key], full.weights[key])
-    write_weights_only_checkpoint(tmp_path / "trained", config=full.config, weights=trained, tp=1, pp=1, step=1,
-                                  args=full.args)  # fmt: skip
-    export_to_hf(tmp_path / "trained", tmp_path / "trained_hf")
-    model.eval()
-    with torch.no_grad():
-        ours = model(tokens)
-    assert (ours - hf_logits(tmp_path / "trained_hf", tokens)).abs().max().item() <= 1e-4
+    assert_a_trained_step_exports(trip.deepy, tmp_path, moved=["layers.1.mlp_output_norm.weight"])
 
 
 def test_gemma_what_it_cannot_carry_is_refused_by_name() -> None:
@@ -274,25 +214,11 @@ def test_gemma_keys_are_checked_before_launch() -> None:
 
 def test_initialize_from_hf_of_a_gemma_directory_checks_its_keys(tmp_path: Path) -> None:
     """The check before launch reads a Gemma 2 config.json (plain JSON) and names a Gemma key the config lacks."""
-    from megatron.config_rules import RuleContext
-    from megatron.interop.hf_keys import neox_model_keys, read_config_json
-    from megatron.interop.hf_start import initialize_from_hf_agrees_with_its_config
-    from megatron.neox_arguments import NeoXArgs
-
-    hf_config("gemma2").save_pretrained(tmp_path / "hf")
-    model = neox_model_keys(read_config_json(tmp_path / "hf"))
-    args = NeoXArgs(**{k: v for k, v in model.items() if k in NeoXArgs.model_fields},
-                    initialize_from_hf=str(tmp_path / "hf"))
-    assert initialize_from_hf_agrees_with_its_config(RuleContext(args)) == []
-    uncapped = args.model_copy(update={"final_logit_softcapping": None})
-    problems = initialize_from_hf_agrees_with_its_config(RuleContext(uncapped))
-    assert len(problems) == 1 and "final_logit_softcapping" in problems[0], problems
+    _, args = hf_start_args(hf_config("gemma2"), tmp_path / "hf")
+    assert_each_change_is_named(args, [("final_logit_softcapping", None)])
     # the layers' pattern however it is spelled (flash is global attention), but not another pattern
-    runs = args.model_copy(update={"attention_config": [[["local"], 1], [["flash"], 1], [["local", "global"], 1]]})
-    assert initialize_from_hf_agrees_with_its_config(RuleContext(runs)) == []
-    every_global = args.model_copy(update={"attention_config": [[["global"], 4]]})
-    problems = initialize_from_hf_agrees_with_its_config(RuleContext(every_global))
-    assert len(problems) == 1 and "attention_config" in problems[0], problems
+    assert start_problems(args, attention_config=[[["local"], 1], [["flash"], 1], [["local", "global"], 1]]) == []
+    assert_each_change_is_named(args, [("attention_config", [[["global"], 4]])])
 
 
 # published sizes (the models' config.json on the Hub, as transformers 5.23.0 reads them); the parameter count is
@@ -315,17 +241,11 @@ PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
 
 @pytest.mark.parametrize("preset", list(PUBLISHED))
 def test_presets_have_the_published_parameter_count(preset: str) -> None:
-    from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig
+    from transformers import Gemma2Config, Gemma3TextConfig
 
     family, sizes = PUBLISHED[preset]
     cls = Gemma2Config if family == "gemma2" else Gemma3TextConfig
-    with torch.device("meta"):
-        theirs = AutoModelForCausalLM.from_config(cls(**sizes))
-    expected = sum(p.numel() for p in theirs.parameters())
-    keys = yaml.safe_load((REPO / "configs" / preset).read_text())
-    fields = {k.replace("-", "_"): v for k, v in keys.items() if k.replace("-", "_") in GPTConfig.model_fields}
-    ours = GPTConfig(**fields, padded_vocab_size=sizes["vocab_size"])
-    assert num_parameters(ours) == expected
+    assert_preset_counts_as_published(preset, cls(**sizes), padded_vocab_size=sizes["vocab_size"])
 
 
 # --- Gemma (1): GemmaForCausalLM, and Levanter's model.type gemma, which is that architecture ---------------------
@@ -352,19 +272,14 @@ def test_gemma1_both_ways_and_levanters_gemma_is_that_model(tmp_path: Path) -> N
     """GemmaForCausalLM (transformers 5.23.0 models/gemma/): Gemma 2's pieces less the sandwich, caps, window and
     query scalar. Levanter's GemmaConfig (gemma.py:61-122@9263f81e) builds the same model: its keys, with the sizes
     given, equal the import's on every key that changes the maths."""
-    from transformers import AutoModelForCausalLM, GemmaConfig
+    from transformers import GemmaConfig
 
     from megatron.interop.hf_keys import MATH_KEYS
     from megatron.neox_arguments.dialects.levanter_model import NOT_BUILT
     from test_levanter_keys import load
 
-    torch.manual_seed(3)
-    theirs = AutoModelForCausalLM.from_config(GemmaConfig(**GEMMA1))
-    with torch.no_grad():
-        for name, param in theirs.named_parameters():
-            if "norm" in name:
-                param.add_(0.3 * torch.randn_like(param))
-    source = save(theirs.eval(), tmp_path / "gemma")
+    theirs = perturbed_model(GemmaConfig(**GEMMA1), seed=3, scale=0.3)
+    source = save_with_tokenizer(theirs, tmp_path / "gemma")
     imported = import_to_deepy(source, tmp_path / "deepy")
     assert imported.max_logit_diff is not None and imported.max_logit_diff <= 1e-4
     exported = export_to_hf(tmp_path / "deepy", tmp_path / "back")

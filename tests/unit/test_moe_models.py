@@ -11,27 +11,20 @@ with the published sizes.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-import torch.nn.functional as F
 import yaml
-from safetensors.torch import load_file
 
+from hf_class_checks import (CONFIG_KEYS, assert_a_trained_step_exports, assert_counts_and_logits_equal,
+                             assert_each_change_is_named, assert_generation_equals_transformers,
+                             assert_preset_counts_as_published, assert_round_trip_at_tp2_pp2, hf_start_args,
+                             imported_model, perturbed_model, save_with_tokenizer)
 from megatron.errors import ConversionError
-from megatron.interop.convert import export_to_hf, import_to_deepy
-from megatron.interop.deepy_checkpoint import read_full_checkpoint, write_weights_only_checkpoint
 from megatron.interop.hf_config import choose_architecture, gpt_config_from_hf
-from megatron.interop.hf_model import fixed_batch
-from megatron.interop.hf_tokenizer import TokenizerFiles, export_tokenizer
-from megatron.interop.hf_weights import from_hf_state_dict
 from megatron.model import GPTConfig, GPTModel, num_parameters
-from test_model_families import assert_greedy_generation_equals_transformers
 
-REPO = Path(__file__).resolve().parents[2]
 SHAPE: dict[str, Any] = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2,
                              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, bos_token_id=0,
@@ -61,39 +54,14 @@ def hf_config(family: str, **changes: Any) -> Any:
 
 
 def moe_model(family: str, **changes: Any) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(hf_config(family, **changes))
-    with torch.no_grad():  # norms start as ones: make them count
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(0.2 * torch.randn_like(param))
-    return model.eval()
-
-
-def save(model: Any, out: Path) -> Path:
-    model.save_pretrained(out)
-    export_tokenizer(TokenizerFiles("CharLevelTokenizer"), out, 64)
-    return out
-
-
-def hf_logits(model_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).eval()
-    with torch.no_grad():
-        return model(input_ids=tokens).logits
+    return perturbed_model(hf_config(family, **changes), seed=7)  # norms start as ones; no biases
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def imported(request: pytest.FixtureRequest) -> tuple[str, Any, GPTConfig, GPTModel]:
     family, changes = VARIANTS[request.param]
     theirs = moe_model(family, **changes)
-    config = gpt_config_from_hf(theirs.config, seq_length=32)
-    ours = GPTModel(config).eval()
-    ours.load_state_dict(from_hf_state_dict(config, choose_architecture(config), theirs.state_dict()))
-    return family, theirs, config, ours
+    return (family, theirs, *imported_model(theirs))
 
 
 def test_moe_model_imports_with_its_router_and_logits(imported: tuple[str, Any, GPTConfig, GPTModel]) -> None:
@@ -108,66 +76,35 @@ def test_moe_model_imports_with_its_router_and_logits(imported: tuple[str, Any, 
     window = theirs.config.sliding_window if family == "mixtral" else None
     assert config.sliding_window_width == (None if window is None else window - 1)
     # parameter count: the registry's (every expert and the router), the module's, transformers'
-    hf_count = sum(p.numel() for p in theirs.parameters())
-    assert num_parameters(config) == sum(p.numel() for p in ours.parameters()) == hf_count
-    tokens = fixed_batch(config.vocab, 24)
-    with torch.no_grad():
-        delta = (ours(tokens) - theirs(input_ids=tokens).logits).abs().max().item()
-    assert delta <= 1e-4
+    assert_counts_and_logits_equal(theirs, config, ours)
 
 
 # one generation per family (3-5 s each): the windowed Mixtral and the renormalised Qwen3-MoE
 @pytest.mark.parametrize("imported", ["mixtral-tied-window", "qwen3_moe-untied"], indirect=True)
 def test_moe_model_greedy_generation_equals_transformers(imported: tuple[str, Any, GPTConfig, GPTModel]) -> None:
-    _, theirs, config, ours = imported
-    assert_greedy_generation_equals_transformers(ours, theirs, vocab=config.vocab, hidden=config.arch.hidden)
+    assert_generation_equals_transformers(imported[1:])
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_moe_round_trip_at_tp2_pp2_then_a_trained_step_exports(family: str, tmp_path: Path) -> None:
-    source = save(moe_model(family, tie_word_embeddings=False), tmp_path / family)
-    imported = import_to_deepy(source, tmp_path / "deepy", tp=2, pp=2)
-    assert imported.max_logit_diff is not None and imported.max_logit_diff <= 1e-4
-    written = yaml.safe_load(imported.config_file.read_text())
+    source = save_with_tokenizer(moe_model(family, tie_word_embeddings=False), tmp_path / family)
+    trip = assert_round_trip_at_tp2_pp2(source, tmp_path, FAMILIES[family][2],
+                                        (*CONFIG_KEYS, "hidden_act", "sliding_window", "num_local_experts",
+                                         "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                         "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "attention_bias",
+                                         "use_sliding_window"))  # fmt: skip
+    written = yaml.safe_load(trip.written)
     assert (written["moe_num_experts"], written["moe_top_k"], written["intermediate_size"]) == (4, 2, 32)
-    exported = export_to_hf(tmp_path / "deepy", tmp_path / "back")
-    assert exported.architecture == FAMILIES[family][2]
-    assert exported.max_logit_diff is not None and exported.max_logit_diff <= 1e-4
-    original, back = load_file(source / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
-    assert set(original) == set(back) and all(torch.equal(original[k], back[k]) for k in original)
-    config_a = json.loads((source / "config.json").read_text())
-    config_b = json.loads((tmp_path / "back" / "config.json").read_text())
     # Qwen3-MoE's intermediate_size is the dense MLP's width, which no layer builds when every layer is sparse:
     # not carried, the export writes an expert's
     dense = "moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size"
-    assert config_b["intermediate_size"] == config_a[dense] == 32
-    for key in ("model_type", "vocab_size", "hidden_size", "num_attention_heads",
-                "num_key_value_heads", "num_hidden_layers", "rope_parameters", "tie_word_embeddings",
-                "max_position_embeddings", "hidden_act", "rms_norm_eps", "sliding_window", "num_local_experts",
-                "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                "decoder_sparse_step", "mlp_only_layers", "attention_bias", "use_sliding_window"):
-        assert config_a.get(key) == config_b.get(key), key
+    assert trip.config_b["intermediate_size"] == trip.config_a[dense] == 32
     # MixtralConfig leaves head_dim None (hidden_size // heads, modeling_mixtral.py:278); the export names it
-    assert (config_a.get("head_dim") or 16) == config_b["head_dim"] == (16 if family == "mixtral" else 32)
+    assert (trip.config_a.get("head_dim") or 16) == trip.config_b["head_dim"] == (16 if family == "mixtral" else 32)
 
     # one training step on the imported weights (the router and every expert that saw a token move), exported again
-    full = read_full_checkpoint(tmp_path / "deepy")
-    model = GPTModel(full.config)
-    model.load_state_dict(full.weights)
-    tokens = fixed_batch(full.config.vocab, 17)
-    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-    loss.backward()
-    torch.optim.SGD(model.parameters(), lr=0.5).step()
-    trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for key in ("layers.1.mlp.router.weight", "layers.1.mlp.experts.w1", "layers.1.mlp.experts.w2"):
-        assert not torch.equal(trained[key], full.weights[key]), key
-    write_weights_only_checkpoint(tmp_path / "trained", config=full.config, weights=trained, tp=1, pp=1, step=1,
-                                  args=full.args)  # fmt: skip
-    export_to_hf(tmp_path / "trained", tmp_path / "trained_hf")
-    model.eval()
-    with torch.no_grad():
-        ours = model(tokens)
-    assert (ours - hf_logits(tmp_path / "trained_hf", tokens)).abs().max().item() <= 1e-4
+    assert_a_trained_step_exports(trip.deepy, tmp_path, moved=["layers.1.mlp.router.weight", "layers.1.mlp.experts.w1",
+                                                               "layers.1.mlp.experts.w2"])
 
 
 def test_moe_what_the_classes_cannot_carry_is_refused_by_name() -> None:
@@ -199,25 +136,12 @@ def test_moe_what_the_classes_cannot_carry_is_refused_by_name() -> None:
             choose_architecture(GPTConfig(**dict(base, **change)))
 
 
-def test_initialize_from_hf_of_a_mixtral_directory_checks_its_router() -> None:
+def test_initialize_from_hf_of_a_mixtral_directory_checks_its_router(tmp_path: Path) -> None:
     """The check before launch reads a Mixtral config.json (plain JSON) and names the MoE key a config would build
     differently (the weights would load into another router)."""
-    import tempfile
-
-    from megatron.config_rules import RuleContext
-    from megatron.interop.hf_keys import neox_model_keys, read_config_json
-    from megatron.interop.hf_start import initialize_from_hf_agrees_with_its_config
-    from megatron.neox_arguments import NeoXArgs
-
-    with tempfile.TemporaryDirectory() as tmp:
-        hf_config("mixtral").save_pretrained(tmp)
-        model = neox_model_keys(read_config_json(tmp))
-        assert (model["moe_num_experts"], model["moe_top_k"], model["moe_router_renormalize"]) == (4, 2, True)
-        args = NeoXArgs(**{k: v for k, v in model.items() if k in NeoXArgs.model_fields}, initialize_from_hf=tmp)
-        assert initialize_from_hf_agrees_with_its_config(RuleContext(args)) == []
-        for key, value in (("moe_top_k", 1), ("moe_router_renormalize", False)):
-            problems = initialize_from_hf_agrees_with_its_config(RuleContext(args.model_copy(update={key: value})))
-            assert len(problems) == 1 and key in problems[0], problems
+    model, args = hf_start_args(hf_config("mixtral"), tmp_path / "hf")
+    assert (model["moe_num_experts"], model["moe_top_k"], model["moe_router_renormalize"]) == (4, 2, True)
+    assert_each_change_is_named(args, [("moe_top_k", 1), ("moe_router_renormalize", False)])
 
 
 # published sizes (each model's config.json on the Hub); the count is transformers' own, of the model built from
@@ -243,15 +167,11 @@ PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
 @pytest.mark.parametrize("preset", list(PUBLISHED))
 def test_moe_presets_have_the_published_parameter_count(preset: str) -> None:
     import transformers
-    from transformers import AutoModelForCausalLM
 
     family, sizes = PUBLISHED[preset]
-    with torch.device("meta"):
-        theirs = AutoModelForCausalLM.from_config(getattr(transformers, FAMILIES[family][0])(**sizes))
-    keys = yaml.safe_load((REPO / "configs" / preset).read_text())
-    ours = GPTConfig(**{k: v for k, v in keys.items() if k in GPTConfig.model_fields})
-    assert num_parameters(ours) == sum(p.numel() for p in theirs.parameters())
-    assert choose_architecture(ours) == type(theirs).__name__
+    published = getattr(transformers, FAMILIES[family][0])(**sizes)
+    ours, theirs = assert_preset_counts_as_published(preset, published)
+    assert choose_architecture(ours) == theirs
     # the active parameters (the top-k experts a token visits, and every router): "A3B", "A22B"
     active = num_parameters(ours, active=True) if "qwen3" in preset else None
     assert active is None or round(active / 1e9) == int(preset.split("-A")[1].removesuffix("B.yml"))

@@ -10,24 +10,19 @@ built-in check.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file
 
+from hf_class_checks import (CONFIG_KEYS, Imported, assert_a_trained_step_exports, assert_counts_and_logits_equal,
+                             assert_each_change_is_named, assert_generation_equals_transformers,
+                             assert_preset_counts_as_published, assert_round_trip_at_tp2_pp2, hf_start_args,
+                             imported_model, perturbed_model, save_with_tokenizer)
 from megatron.errors import ConfigError, ConversionError
-from megatron.interop.convert import export_to_hf, import_to_deepy
-from megatron.interop.deepy_checkpoint import read_full_checkpoint, write_weights_only_checkpoint
-from megatron.interop.hf_config import choose_architecture, gpt_config_from_hf
-from megatron.interop.hf_model import fixed_batch
-from megatron.interop.hf_tokenizer import TokenizerFiles, export_tokenizer
-from megatron.interop.hf_weights import from_hf_state_dict
-from megatron.model import GPTConfig, GPTModel, num_parameters
-from test_model_families import assert_greedy_generation_equals_transformers
+from megatron.interop.hf_config import choose_architecture
+from megatron.model import GPTConfig, num_parameters
 
 # grouped-query (k_norm narrower than q_norm), OLMo 2's rms_norm_eps and rope theta (configuration_olmo2.py:88)
 SHAPE: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -37,41 +32,18 @@ SHAPE: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=9
 
 
 def olmo2_model(tied: bool, **changes: Any) -> Any:
-    from transformers import AutoModelForCausalLM, Olmo2Config
+    from transformers import Olmo2Config
 
-    torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(Olmo2Config(**SHAPE, tie_word_embeddings=tied, **changes))
-    with torch.no_grad():  # norms start as ones, biases as zeros: make them count
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                param.add_(0.2 * torch.randn_like(param))
-    return model.eval()
-
-
-def save(model: Any, out: Path) -> Path:
-    model.save_pretrained(out)
-    export_tokenizer(TokenizerFiles("CharLevelTokenizer"), out, 64)
-    return out
-
-
-def hf_logits(model_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).eval()
-    with torch.no_grad():
-        return model(input_ids=tokens).logits
+    return perturbed_model(Olmo2Config(**SHAPE, tie_word_embeddings=tied, **changes), seed=7)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
-def imported(request: pytest.FixtureRequest) -> tuple[Any, GPTConfig, GPTModel]:
+def imported(request: pytest.FixtureRequest) -> Imported:
     theirs = olmo2_model(tied=request.param)
-    config = gpt_config_from_hf(theirs.config, seq_length=32)
-    ours = GPTModel(config).eval()
-    ours.load_state_dict(from_hf_state_dict(config, choose_architecture(config), theirs.state_dict()))
-    return theirs, config, ours
+    return (theirs, *imported_model(theirs))
 
 
-def test_olmo2_imports_with_its_post_norms_and_logits(imported: tuple[Any, GPTConfig, GPTModel]) -> None:
+def test_olmo2_imports_with_its_post_norms_and_logits(imported: Imported) -> None:
     theirs, config, ours = imported
     assert choose_architecture(config) == "Olmo2ForCausalLM"
     assert (config.norm_placement, config.use_qk_layernorm, config.qk_norm_scope) == ("post", True, "projection")
@@ -80,55 +52,21 @@ def test_olmo2_imports_with_its_post_norms_and_logits(imported: tuple[Any, GPTCo
     assert names["layers.0.attention.k_norm.weight"].shape == (2 * 16,)  # kv heads x head_dim
     # parameter count: the registry's (post: two norms a block; the q/k norms over the projections), the module's,
     # transformers'
-    hf_count = sum(p.numel() for p in theirs.parameters())
-    assert num_parameters(config) == sum(p.numel() for p in ours.parameters()) == hf_count
-    tokens = fixed_batch(config.vocab, 24)
-    with torch.no_grad():
-        delta = (ours(tokens) - theirs(input_ids=tokens).logits).abs().max().item()
-    assert delta <= 1e-4
+    assert_counts_and_logits_equal(theirs, config, ours)
 
 
-def test_olmo2_greedy_generation_equals_transformers(imported: tuple[Any, GPTConfig, GPTModel]) -> None:
-    theirs, config, ours = imported
-    assert_greedy_generation_equals_transformers(ours, theirs, vocab=config.vocab, hidden=config.arch.hidden)
+def test_olmo2_greedy_generation_equals_transformers(imported: Imported) -> None:
+    assert_generation_equals_transformers(imported)
 
 
 def test_olmo2_round_trip_at_tp2_pp2_then_a_trained_step_exports(tmp_path: Path) -> None:
-    source = save(olmo2_model(tied=False, attention_bias=True), tmp_path / "olmo2")
-    imported = import_to_deepy(source, tmp_path / "deepy", tp=2, pp=2)
-    assert imported.max_logit_diff is not None and imported.max_logit_diff <= 1e-4
-    written = imported.config_file.read_text()
-    assert "norm_placement: post" in written and "qk_norm_scope: projection" in written, written
-    exported = export_to_hf(tmp_path / "deepy", tmp_path / "back")
-    assert exported.architecture == "Olmo2ForCausalLM"
-    assert exported.max_logit_diff is not None and exported.max_logit_diff <= 1e-4
-    original, back = load_file(source / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
-    assert set(original) == set(back) and all(torch.equal(original[k], back[k]) for k in original)
-    config_a = json.loads((source / "config.json").read_text())
-    config_b = json.loads((tmp_path / "back" / "config.json").read_text())
-    for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
-                "num_key_value_heads", "num_hidden_layers", "rope_parameters", "tie_word_embeddings",
-                "max_position_embeddings", "hidden_act", "rms_norm_eps", "attention_bias"):
-        assert config_a.get(key) == config_b.get(key), key
-
+    source = save_with_tokenizer(olmo2_model(tied=False, attention_bias=True), tmp_path / "olmo2")
+    trip = assert_round_trip_at_tp2_pp2(source, tmp_path, "Olmo2ForCausalLM",
+                                        (*CONFIG_KEYS, "intermediate_size", "hidden_act", "attention_bias"))
+    assert "norm_placement: post" in trip.written and "qk_norm_scope: projection" in trip.written, trip.written
     # one training step on the imported weights (every weight moves, the sharded q/k norm gains included), exported
-    full = read_full_checkpoint(tmp_path / "deepy")
-    model = GPTModel(full.config)
-    model.load_state_dict(full.weights)
-    tokens = fixed_batch(full.config.vocab, 17)
-    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-    loss.backward()
-    torch.optim.SGD(model.parameters(), lr=0.5).step()
-    trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for key in ("layers.1.attention.q_norm.weight", "layers.1.mlp_output_norm.weight"):
-        assert not torch.equal(trained[key], full.weights[key]), key
-    write_weights_only_checkpoint(tmp_path / "trained", config=full.config, weights=trained, tp=1, pp=1, step=1,
-                                  args=full.args)  # fmt: skip
-    export_to_hf(tmp_path / "trained", tmp_path / "trained_hf")
-    model.eval()
-    with torch.no_grad():
-        ours = model(tokens)
-    assert (ours - hf_logits(tmp_path / "trained_hf", tokens)).abs().max().item() <= 1e-4
+    assert_a_trained_step_exports(trip.deepy, tmp_path,
+                                  moved=["layers.1.attention.q_norm.weight", "layers.1.mlp_output_norm.weight"])
 
 
 def test_olmo2_what_it_cannot_carry_is_refused_by_name() -> None:
@@ -156,20 +94,9 @@ def test_initialize_from_hf_of_an_olmo2_directory_checks_its_norms(tmp_path: Pat
     qk_norm_scope when a config would build Llama's pre-norm block or per-head q/k norms instead."""
     from transformers import Olmo2Config
 
-    from megatron.config_rules import RuleContext
-    from megatron.interop.hf_keys import neox_model_keys, read_config_json
-    from megatron.interop.hf_start import initialize_from_hf_agrees_with_its_config
-    from megatron.neox_arguments import NeoXArgs
-
-    Olmo2Config(**SHAPE).save_pretrained(tmp_path / "hf")
-    model = neox_model_keys(read_config_json(tmp_path / "hf"))
+    model, args = hf_start_args(Olmo2Config(**SHAPE), tmp_path / "hf")
     assert (model["norm_placement"], model["qk_norm_scope"], model["use_qk_layernorm"]) == ("post", "projection", True)
-    args = NeoXArgs(**{k: v for k, v in model.items() if k in NeoXArgs.model_fields},
-                    initialize_from_hf=str(tmp_path / "hf"))
-    assert initialize_from_hf_agrees_with_its_config(RuleContext(args)) == []
-    for key, value in (("norm_placement", "pre"), ("qk_norm_scope", "head")):
-        problems = initialize_from_hf_agrees_with_its_config(RuleContext(args.model_copy(update={key: value})))
-        assert len(problems) == 1 and key in problems[0], problems
+    assert_each_change_is_named(args, [("norm_placement", "pre"), ("qk_norm_scope", "head")])
 
 
 # published sizes (each model's config.json on the Hub); the count is transformers' own, of the model built from
@@ -184,14 +111,9 @@ PUBLISHED: dict[str, dict[str, Any]] = {
 
 @pytest.mark.parametrize("preset", list(PUBLISHED))
 def test_olmo2_presets_have_the_published_parameter_count(preset: str) -> None:
-    import yaml
-    from transformers import AutoModelForCausalLM, Olmo2Config
+    from transformers import Olmo2Config
 
-    with torch.device("meta"):
-        theirs = AutoModelForCausalLM.from_config(Olmo2Config(**PUBLISHED[preset]))
-    keys = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / preset).read_text())
-    ours = GPTConfig(**{k: v for k, v in keys.items() if k in GPTConfig.model_fields})
-    assert num_parameters(ours) == sum(p.numel() for p in theirs.parameters())
+    ours, _ = assert_preset_counts_as_published(preset, Olmo2Config(**PUBLISHED[preset]))
     assert choose_architecture(ours) == "Olmo2ForCausalLM"
 
 
@@ -238,7 +160,8 @@ def test_levanter_olmo2_model_is_olmo2s_block(tmp_path: Path) -> None:
         "post", True, "projection", "rmsnorm")
     assert (args.use_bias_in_attn_linear, args.use_bias_in_mlp, args.rotary_emb_base) == (True, False, 500000)
     vocab, hidden, inter, layers = 128, 64, 96, 2  # the vocabulary is the tokenizer's, known at launch
-    config = Config(**{**{k: getattr(args, k) for k in Config.model_fields if hasattr(args, k)}, "padded_vocab_size": vocab})
+    fields = {k: getattr(args, k) for k in Config.model_fields if hasattr(args, k)}
+    config = Config(**{**fields, "padded_vocab_size": vocab})
     attn = 4 * hidden * hidden + (3 * hidden + hidden)  # q, k, v, o and their biases (attention_bias)
     levanter = 2 * vocab * hidden + layers * (attn + 3 * hidden * inter + 2 * hidden + 2 * hidden) + hidden
     assert num_parameters(config) == levanter

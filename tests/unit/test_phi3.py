@@ -10,25 +10,19 @@ transformers' model of the published sizes on the meta device.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file
 
+from hf_class_checks import (CONFIG_KEYS, Imported, assert_a_trained_step_exports, assert_counts_and_logits_equal,
+                             assert_generation_equals_transformers, assert_preset_counts_as_published,
+                             assert_round_trip_at_tp2_pp2, imported_model, max_logit_diff, perturbed_model,
+                             save_with_tokenizer)
 from megatron.errors import ConversionError
-from megatron.interop.convert import export_to_hf, import_to_deepy
-from megatron.interop.deepy_checkpoint import read_full_checkpoint, write_weights_only_checkpoint
+from megatron.interop.convert import export_to_hf
 from megatron.interop.hf_config import HFArchitecture, choose_architecture, gpt_config_from_hf
-from megatron.interop.hf_model import fixed_batch
-from megatron.interop.hf_tokenizer import TokenizerFiles, export_tokenizer
-from megatron.interop.hf_weights import from_hf_state_dict
-from megatron.model import GPTConfig, GPTModel, num_parameters
-from test_model_families import assert_greedy_generation_equals_transformers
-from test_qwen3 import preset_config
+from megatron.model import GPTConfig
 
 PHI3: HFArchitecture = "Phi3ForCausalLM"
 # a window of 9 (HF: keys at distance < 9) over 24-token batches, half of each 16-wide head rotated
@@ -40,27 +34,18 @@ SHAPE: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=9
 
 
 def phi3_model(**changes: Any) -> Any:
-    from transformers import AutoModelForCausalLM, Phi3Config
+    from transformers import Phi3Config
 
-    torch.manual_seed(11)
-    model = AutoModelForCausalLM.from_config(Phi3Config(**{**SHAPE, **changes}))
-    with torch.no_grad():  # norms start as ones: make them count
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(0.2 * torch.randn_like(param))
-    return model.eval()
+    return perturbed_model(Phi3Config(**{**SHAPE, **changes}), seed=11)  # norms start as ones; no biases
 
 
 @pytest.fixture(scope="module")
-def imported() -> tuple[Any, GPTConfig, GPTModel]:
+def imported() -> Imported:
     theirs = phi3_model()
-    config = gpt_config_from_hf(theirs.config, seq_length=32)
-    ours = GPTModel(config).eval()
-    ours.load_state_dict(from_hf_state_dict(config, PHI3, theirs.state_dict()))
-    return theirs, config, ours
+    return (theirs, *imported_model(theirs, PHI3))
 
 
-def test_phi3_imports_with_its_window_partial_rotary_and_logits(imported: tuple[Any, GPTConfig, GPTModel]) -> None:
+def test_phi3_imports_with_its_window_partial_rotary_and_logits(imported: Imported) -> None:
     theirs, config, ours = imported
     # Llama's maths with a window, but only Phi-3 rotates a fraction of each head: exported as Phi-3 when asked
     assert choose_architecture(config, PHI3) == PHI3
@@ -68,66 +53,28 @@ def test_phi3_imports_with_its_window_partial_rotary_and_logits(imported: tuple[
         choose_architecture(config)
     assert (config.sliding_window_width, config.rotary_pct, config.rotary_dim) == (8, 0.5, 8)
     assert not config.use_bias_in_attn_linear and not config.use_bias_in_mlp
-    hf_count = sum(p.numel() for p in theirs.parameters())
-    assert num_parameters(config) == sum(p.numel() for p in ours.parameters()) == hf_count
-    tokens = fixed_batch(config.vocab, 24)
-    with torch.no_grad():
-        want = theirs(input_ids=tokens).logits
-        assert (ours(tokens) - want).abs().max().item() <= 1e-4
-        # the window and the rotated fraction are read: one key further back, or every dimension rotated, differs
-        for change in (dict(sliding_window_width=9), dict(rotary_pct=1.0)):
-            other = GPTModel(config.model_copy(update=change)).eval()
-            other.load_state_dict(ours.state_dict())
-            assert (other(tokens) - want).abs().max().item() > 1e-3, change
+    tokens, want = assert_counts_and_logits_equal(theirs, config, ours)
+    # the window and the rotated fraction are read: one key further back, or every dimension rotated, differs
+    for change in (dict(sliding_window_width=9), dict(rotary_pct=1.0)):
+        assert max_logit_diff(config.model_copy(update=change), ours.state_dict(), tokens, want) > 1e-3, change
 
 
-def test_phi3_greedy_generation_equals_transformers(imported: tuple[Any, GPTConfig, GPTModel]) -> None:
-    theirs, config, ours = imported
-    assert_greedy_generation_equals_transformers(ours, theirs, vocab=config.vocab, hidden=config.arch.hidden)
+def test_phi3_greedy_generation_equals_transformers(imported: Imported) -> None:
+    assert_generation_equals_transformers(imported)
 
 
 def test_phi3_round_trip_at_tp2_pp2_then_a_trained_step_exports(tmp_path: Path) -> None:
-    source = tmp_path / "phi3"
-    phi3_model().save_pretrained(source)
-    export_tokenizer(TokenizerFiles("CharLevelTokenizer"), source, 64)
-    imported = import_to_deepy(source, tmp_path / "deepy", tp=2, pp=2)
-    assert imported.max_logit_diff is not None and imported.max_logit_diff <= 1e-4
+    source = save_with_tokenizer(phi3_model(), tmp_path / "phi3")
+    trip = assert_round_trip_at_tp2_pp2(source, tmp_path, PHI3,
+                                        (*CONFIG_KEYS, "intermediate_size", "hidden_act", "sliding_window",
+                                         "resid_pdrop", "embd_pdrop"), hf_class=PHI3)  # fmt: skip
+    assert "model.layers.0.self_attn.qkv_proj.weight" in trip.back
+    assert "model.layers.0.mlp.gate_up_proj.weight" in trip.back
     with pytest.raises(ConversionError, match="export with hf_class Phi3ForCausalLM"):
-        export_to_hf(tmp_path / "deepy", tmp_path / "as_mistral")
-    exported = export_to_hf(tmp_path / "deepy", tmp_path / "back", hf_class=PHI3)
-    assert exported.architecture == PHI3
-    assert exported.max_logit_diff is not None and exported.max_logit_diff <= 1e-4
-    original, back = load_file(source / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
-    assert "model.layers.0.self_attn.qkv_proj.weight" in back and "model.layers.0.mlp.gate_up_proj.weight" in back
-    assert set(original) == set(back) and all(torch.equal(original[k], back[k]) for k in original)
-    config_a = json.loads((source / "config.json").read_text())
-    config_b = json.loads((tmp_path / "back" / "config.json").read_text())
-    for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
-                "num_key_value_heads", "num_hidden_layers", "rope_parameters", "tie_word_embeddings",
-                "max_position_embeddings", "hidden_act", "rms_norm_eps", "sliding_window", "resid_pdrop",
-                "embd_pdrop"):
-        assert config_a.get(key) == config_b.get(key), key
-
+        export_to_hf(trip.deepy, tmp_path / "as_mistral")
     # one training step on the imported weights, exported again as Phi-3
-    full = read_full_checkpoint(tmp_path / "deepy")
-    model = GPTModel(full.config)
-    model.load_state_dict(full.weights)
-    tokens = fixed_batch(full.config.vocab, 17)
-    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-    loss.backward()
-    torch.optim.SGD(model.parameters(), lr=0.5).step()
-    trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    write_weights_only_checkpoint(tmp_path / "trained", config=full.config, weights=trained, tp=1, pp=1, step=1,
-                                  args=full.args)  # fmt: skip
-    export_to_hf(tmp_path / "trained", tmp_path / "trained_hf", hf_class=PHI3)
-    from transformers import AutoModelForCausalLM
-
-    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "trained_hf", dtype=torch.float32,
-                                                  local_files_only=True).eval()
+    theirs = assert_a_trained_step_exports(trip.deepy, tmp_path, hf_class=PHI3)
     assert type(theirs).__name__ == PHI3
-    model.eval()
-    with torch.no_grad():
-        assert (model(tokens) - theirs(input_ids=tokens).logits).abs().max().item() <= 1e-4
 
 
 def test_phi3_what_it_cannot_carry_is_refused_by_name() -> None:
@@ -166,10 +113,7 @@ PUBLISHED: dict[str, dict[str, Any]] = {
 
 @pytest.mark.parametrize("preset", list(PUBLISHED))
 def test_phi3_presets_have_the_published_parameter_count(preset: str) -> None:
-    from transformers import AutoModelForCausalLM, Phi3Config
+    from transformers import Phi3Config
 
-    with torch.device("meta"):
-        theirs = AutoModelForCausalLM.from_config(Phi3Config(**PUBLISHED[preset]))
-    ours = preset_config(preset)
-    assert num_parameters(ours) == sum(p.numel() for p in theirs.parameters())
+    ours, _ = assert_preset_counts_as_published(preset, Phi3Config(**PUBLISHED[preset]))
     assert choose_architecture(ours, PHI3) == PHI3

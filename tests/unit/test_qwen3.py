@@ -9,27 +9,20 @@ greedy ``generate``; for the presets, transformers' model of the published sizes
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-import yaml
-from safetensors.torch import load_file
 
+from hf_class_checks import (CONFIG_KEYS, Imported, assert_a_trained_step_exports, assert_counts_and_logits_equal,
+                             assert_each_change_is_named, assert_generation_equals_transformers,
+                             assert_preset_counts_as_published, assert_round_trip_at_tp2_pp2, hf_start_args,
+                             imported_model, max_logit_diff, perturbed_model, save_with_tokenizer)
 from megatron.errors import ConversionError
-from megatron.interop.convert import export_to_hf, import_to_deepy
-from megatron.interop.deepy_checkpoint import read_full_checkpoint, write_weights_only_checkpoint
 from megatron.interop.hf_config import choose_architecture, gpt_config_from_hf
-from megatron.interop.hf_model import fixed_batch
-from megatron.interop.hf_tokenizer import TokenizerFiles, export_tokenizer
-from megatron.interop.hf_weights import from_hf_state_dict
-from megatron.model import GPTConfig, GPTModel, num_parameters
-from test_model_families import assert_greedy_generation_equals_transformers
+from megatron.model import GPTConfig, num_parameters
 
-REPO = Path(__file__).resolve().parents[2]
 # head_dim 24: not hidden / heads = 16, so a model built from hidden / heads cannot load the weights
 SHAPE: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=64,
@@ -38,33 +31,18 @@ SHAPE: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=9
 
 
 def qwen3_model(**changes: Any) -> Any:
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import Qwen3Config
 
-    torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(Qwen3Config(**{**SHAPE, **changes}))
-    with torch.no_grad():  # norms start as ones, biases as zeros: make them count
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                param.add_(0.2 * torch.randn_like(param))
-    return model.eval()
-
-
-def save(model: Any, out: Path) -> Path:
-    model.save_pretrained(out)
-    export_tokenizer(TokenizerFiles("CharLevelTokenizer"), out, 64)
-    return out
+    return perturbed_model(Qwen3Config(**{**SHAPE, **changes}), seed=7)
 
 
 @pytest.fixture(scope="module")
-def imported() -> tuple[Any, GPTConfig, GPTModel]:
+def imported() -> Imported:
     theirs = qwen3_model(tie_word_embeddings=False)
-    config = gpt_config_from_hf(theirs.config, seq_length=32)
-    ours = GPTModel(config).eval()
-    ours.load_state_dict(from_hf_state_dict(config, choose_architecture(config), theirs.state_dict()))
-    return theirs, config, ours
+    return (theirs, *imported_model(theirs))
 
 
-def test_qwen3_imports_with_its_head_width_query_key_norms_and_logits(imported: tuple[Any, GPTConfig, GPTModel]) -> None:
+def test_qwen3_imports_with_its_head_width_query_key_norms_and_logits(imported: Imported) -> None:
     theirs, config, ours = imported
     assert choose_architecture(config) == "Qwen3ForCausalLM"
     assert config.kv_channels == 24 and config.use_qk_layernorm and config.qk_norm_scope == "head"
@@ -74,66 +52,25 @@ def test_qwen3_imports_with_its_head_width_query_key_norms_and_logits(imported: 
     assert names["layers.0.attention.dense.weight"].shape == (64, 4 * 24)
     assert names["layers.0.attention.q_norm.weight"].shape == (24,)
     # parameter count: the registry's (kv_channels-wide heads, the per-head norms), the module's, transformers'
-    hf_count = sum(p.numel() for p in theirs.parameters())
-    assert num_parameters(config) == sum(p.numel() for p in ours.parameters()) == hf_count
-    tokens = fixed_batch(config.vocab, 24)
-    with torch.no_grad():
-        want = theirs(input_ids=tokens).logits
-        delta = (ours(tokens) - want).abs().max().item()
-        # the query/key norms matter: the same weights without them are another model
-        plain = GPTModel(config.model_copy(update={"use_qk_layernorm": False})).eval()
-        plain.load_state_dict({k: v for k, v in ours.state_dict().items()
-                               if not k.endswith(("q_norm.weight", "k_norm.weight"))})
-        assert (plain(tokens) - want).abs().max().item() > 1e-3
-    assert delta <= 1e-4
+    tokens, want = assert_counts_and_logits_equal(theirs, config, ours)
+    # the query/key norms matter: the same weights without them are another model
+    plain = {k: v for k, v in ours.state_dict().items() if not k.endswith(("q_norm.weight", "k_norm.weight"))}
+    assert max_logit_diff(config.model_copy(update={"use_qk_layernorm": False}), plain, tokens, want) > 1e-3
 
 
-def test_qwen3_greedy_generation_equals_transformers(imported: tuple[Any, GPTConfig, GPTModel]) -> None:
-    theirs, config, ours = imported
-    assert_greedy_generation_equals_transformers(ours, theirs, vocab=config.vocab, hidden=config.arch.hidden)
+def test_qwen3_greedy_generation_equals_transformers(imported: Imported) -> None:
+    assert_generation_equals_transformers(imported)
 
 
 def test_qwen3_round_trip_at_tp2_pp2_then_a_trained_step_exports(tmp_path: Path) -> None:
     # attention_bias: Qwen3's switch for all four attention projections (use_bias_in_attn_linear)
-    source = save(qwen3_model(tie_word_embeddings=True, attention_bias=True), tmp_path / "qwen3")
-    imported = import_to_deepy(source, tmp_path / "deepy", tp=2, pp=2)
-    assert imported.max_logit_diff is not None and imported.max_logit_diff <= 1e-4
-    written = imported.config_file.read_text()
-    assert "kv_channels: 24" in written and "use_qk_layernorm: true" in written
-    exported = export_to_hf(tmp_path / "deepy", tmp_path / "back")
-    assert exported.architecture == "Qwen3ForCausalLM"
-    assert exported.max_logit_diff is not None and exported.max_logit_diff <= 1e-4
-    original, back = load_file(source / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
-    assert set(original) == set(back) and all(torch.equal(original[k], back[k]) for k in original)
-    config_a = json.loads((source / "config.json").read_text())
-    config_b = json.loads((tmp_path / "back" / "config.json").read_text())
-    for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "head_dim",
-                "num_key_value_heads", "num_hidden_layers", "rope_parameters", "tie_word_embeddings",
-                "attention_bias", "max_position_embeddings", "hidden_act", "rms_norm_eps", "use_sliding_window",
-                "layer_types"):
-        assert config_a.get(key) == config_b.get(key), key
-
+    source = save_with_tokenizer(qwen3_model(tie_word_embeddings=True, attention_bias=True), tmp_path / "qwen3")
+    trip = assert_round_trip_at_tp2_pp2(source, tmp_path, "Qwen3ForCausalLM",
+                                        (*CONFIG_KEYS, "intermediate_size", "head_dim", "attention_bias", "hidden_act",
+                                         "use_sliding_window", "layer_types"))  # fmt: skip
+    assert "kv_channels: 24" in trip.written and "use_qk_layernorm: true" in trip.written
     # one training step on the imported weights (the query/key norms move too), exported again
-    full = read_full_checkpoint(tmp_path / "deepy")
-    model = GPTModel(full.config)
-    model.load_state_dict(full.weights)
-    tokens = fixed_batch(full.config.vocab, 17)
-    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-    loss.backward()
-    torch.optim.SGD(model.parameters(), lr=0.5).step()
-    trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    key = "layers.1.attention.k_norm.weight"
-    assert not torch.equal(trained[key], full.weights[key])
-    write_weights_only_checkpoint(tmp_path / "trained", config=full.config, weights=trained, tp=1, pp=1, step=1,
-                                  args=full.args)  # fmt: skip
-    export_to_hf(tmp_path / "trained", tmp_path / "trained_hf")
-    from transformers import AutoModelForCausalLM
-
-    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "trained_hf", dtype=torch.float32,
-                                                  local_files_only=True).eval()
-    model.eval()
-    with torch.no_grad():
-        assert (model(tokens) - theirs(input_ids=tokens).logits).abs().max().item() <= 1e-4
+    assert_a_trained_step_exports(trip.deepy, tmp_path, moved=["layers.1.attention.k_norm.weight"])
 
 
 def test_qwen3_what_it_cannot_carry_is_refused_by_name() -> None:
@@ -164,20 +101,9 @@ def test_initialize_from_hf_of_a_qwen3_directory_checks_its_head_width(tmp_path:
     when a config would build another model."""
     from transformers import Qwen3Config
 
-    from megatron.config_rules import RuleContext
-    from megatron.interop.hf_keys import neox_model_keys, read_config_json
-    from megatron.interop.hf_start import initialize_from_hf_agrees_with_its_config
-    from megatron.neox_arguments import NeoXArgs
-
-    Qwen3Config(**SHAPE).save_pretrained(tmp_path / "hf")
-    model = neox_model_keys(read_config_json(tmp_path / "hf"))
+    model, args = hf_start_args(Qwen3Config(**SHAPE), tmp_path / "hf")
     assert (model["kv_channels"], model["use_qk_layernorm"], model["use_bias_in_attn_linear"]) == (24, True, False)
-    args = NeoXArgs(**{k: v for k, v in model.items() if k in NeoXArgs.model_fields},
-                    initialize_from_hf=str(tmp_path / "hf"))
-    assert initialize_from_hf_agrees_with_its_config(RuleContext(args)) == []
-    for key, value in (("kv_channels", None), ("use_qk_layernorm", False)):
-        problems = initialize_from_hf_agrees_with_its_config(RuleContext(args.model_copy(update={key: value})))
-        assert len(problems) == 1 and key in problems[0], problems
+    assert_each_change_is_named(args, [("kv_channels", None), ("use_qk_layernorm", False)])
 
 
 # published sizes (each model's config.json on the Hub); the count is transformers' own, of the model built from
@@ -198,21 +124,14 @@ PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
-def preset_config(preset: str) -> GPTConfig:
-    keys = yaml.safe_load((REPO / "configs" / preset).read_text())
-    return GPTConfig(**{k.replace("-", "_"): v for k, v in keys.items() if k.replace("-", "_") in GPTConfig.model_fields})
-
-
 @pytest.mark.parametrize("preset", list(PUBLISHED))
 def test_qwen_presets_have_the_published_parameter_count(preset: str) -> None:
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+    from transformers import Qwen2Config, Qwen3Config
 
     family, sizes = PUBLISHED[preset]
-    with torch.device("meta"):
-        theirs = AutoModelForCausalLM.from_config((Qwen2Config if family == "qwen2" else Qwen3Config)(**sizes))
-    ours = preset_config(preset)
-    assert num_parameters(ours) == sum(p.numel() for p in theirs.parameters())
-    assert choose_architecture(ours) == type(theirs).__name__
+    hf_config = (Qwen2Config if family == "qwen2" else Qwen3Config)(**sizes)
+    ours, theirs = assert_preset_counts_as_published(preset, hf_config)
+    assert choose_architecture(ours) == theirs
 
 
 LEVANTER_QWEN = """\
