@@ -42,6 +42,7 @@ from megatron import mpu
 from megatron.deepspeed_internals import (has_partitioned_optimizer_state, relink_optimizer_state_views,
                                          zero3_params_held)
 from megatron.engine.whole_parameters import tp_own, tp_split
+from megatron.mpu.layers import partial_over_tensor_parallel, sum_partial_grads_over_tensor_parallel
 
 SOPHIA_ESTIMATE = "hessian_estimate"
 """The optimizer-state key the probe writes the latest ``z * (H z)`` into."""
@@ -159,6 +160,7 @@ class HessianProbe:
             # Sophia's count (the bias correction, when the Hessian is due) must not include it
             self.sophia.state.clear()
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.model = model
         self.seed = seed
         self.suspend_recompute = suspend_recompute
         self._pending: list[torch.Tensor] | None = None
@@ -178,15 +180,19 @@ class HessianProbe:
         index = (self.sophia.steps_taken + 1) // self.sophia.update_interval - 1
         z = gaussian_probe(params, self.seed, index)
         splits = [tp_split(p) for p in params]
+        partial = {id(p) for p in partial_over_tensor_parallel(self.model)}
         total = [torch.zeros_like(p, dtype=torch.float32) for p in params]
         context = self.suspend_recompute() if self.suspend_recompute is not None else contextlib.nullcontext()
         # torch's math attention: its flash and memory-efficient kernels have no second derivative
         with torch.enable_grad(), context, sdpa_kernel([SDPBackend.MATH]):
             for loss in losses():
                 grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
-                # g.z over the whole model: a split parameter's slices summed over the tp ranks (a differentiable
-                # all-reduce, mpu.mappings), the replicated ones' (the same on every tp rank) counted once
-                terms = [((g * v).sum(), split is not None) for g, v, split in zip(grads, z, splits) if g is not None]
+                # g.z over the whole model: a split parameter's slices, and a replicated parameter's partial
+                # gradients (mpu.layers.partial_over_tensor_parallel: norms under sequence parallelism, per-head q/k
+                # norms), summed over the tp ranks (a differentiable all-reduce, mpu.mappings); the other replicated
+                # ones' (the same on every tp rank) counted once
+                terms = [((g * v).sum(), split is not None or id(p) in partial)
+                         for g, v, split, p in zip(grads, z, splits, params) if g is not None]
                 zero = torch.zeros((), device=loss.device)
                 dot = sum((t for t, is_split in terms if not is_split), zero)
                 if any(is_split for _, is_split in terms):
@@ -198,6 +204,8 @@ class HessianProbe:
                 for acc, product in zip(total, hz):
                     if product is not None:
                         acc.add_(product.float())
+        # a partial parameter's H z is partial too: summed over the tp ranks, as its gradient is at the step
+        sum_partial_grads_over_tensor_parallel([acc for acc, p in zip(total, params) if id(p) in partial])
         if mpu.get_data_parallel_world_size() > 1:
             for acc in total:
                 dist.all_reduce(acc, group=mpu.get_data_parallel_group())

@@ -119,11 +119,6 @@ def sophia_h_layout(ctx: RuleContext) -> list[str]:
         problems.append(f"{shown} with {ctx.show('context_parallel_size')}: the context-parallel attention's "
                         "exchanges (ring/all-to-all) have hand-written backwards that are not differentiable again, "
                         "so the Hessian-vector product would be wrong; use 1")
-    if int(ctx.get("model_parallel_size")) > 1 and ctx.get("sequence_parallel"):
-        problems.append(f"{shown} with {ctx.show('model_parallel_size')} and {ctx.show('sequence_parallel')}: "
-                        "under sequence parallelism a replicated weight's gradient is partial on each tp rank "
-                        "(summed after the backward), which the Hessian-vector product's g.z does not sum; "
-                        "set sequence_parallel: false (tensor parallelism alone runs it)")
     if int(ctx.get("moe_num_experts")) > 1:
         problems.append(f"{shown} with {ctx.show('moe_num_experts')}: the experts' load-balancing loss is not "
                         "part of the Hessian-vector product's loss; use a dense model")

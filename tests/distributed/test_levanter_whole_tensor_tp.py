@@ -175,7 +175,14 @@ def _soap(grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {name: _unshard(cfg, name, p.detach()) for name, p in model.named_parameters()}
 
 
-def _sophia_estimate() -> dict[str, torch.Tensor]:
+SOPHIA_VARIANTS: dict[str, dict[str, Any]] = {"SophiaH": {},
+                                               # replicated weights with partial gradients per tp rank: the norms
+                                               # under sequence parallelism, the per-head q/k norms
+                                               "SophiaH sp qk-norm": {"sequence_parallel": True,
+                                                                      "use_qk_layernorm": True}}
+
+
+def _sophia_estimate(extra: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Sophia-H's Hutchinson estimate ``z * (H z)`` (megatron/engine/levanter_sophia.py's probe) of the tiny GPT's
     loss on one batch, whole (its z is drawn whole and sliced per tp rank); at tp 2 the double backward runs through
     the tp collectives' own backward (mpu.mappings) and the gathered vocabulary's cross-entropy."""
@@ -188,7 +195,7 @@ def _sophia_estimate() -> dict[str, torch.Tensor]:
 
     from tests.distributed.test_tp_model import _unshard
 
-    cfg = GPTConfig(**MODEL)
+    cfg = GPTConfig(**{**MODEL, **extra})
     model = GPTModel(cfg)
     args = config_from_mapping({"optimizer": {"type": "SophiaH", "params": {"lr": 0.01}}}).args
     probe = HessianProbe(model, build_optimizer(model, args), seed=7)
@@ -214,7 +221,7 @@ def rank_main(rank: int, out: str) -> None:
     want = {kind: _train(kind) for kind in KINDS}
     soap_grads = _soap_grads()
     soap_want = _soap(soap_grads)
-    sophia_want = _sophia_estimate()
+    sophia_want = {kind: _sophia_estimate(extra) for kind, extra in SOPHIA_VARIANTS.items()}
     start = {n: p.detach().clone() for n, p in GPTModel(GPTConfig(**MODEL)).named_parameters()}
     mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(WORLD, 1)
@@ -234,15 +241,15 @@ def rank_main(rank: int, out: str) -> None:
             diff = float((got[name] - value).abs().max())
             assert diff <= 1e-6, f"SOAP tp2 {name}: max |delta| {diff:.3g} from tp1"
 
-    def check_sophia() -> None:
-        got = _sophia_estimate()
-        scale = max(float(v.abs().max()) for v in sophia_want.values())
+    def check_sophia(kind: str) -> None:
+        got = _sophia_estimate(SOPHIA_VARIANTS[kind])
+        scale = max(float(v.abs().max()) for v in sophia_want[kind].values())
         assert scale > 1e-3, "the estimate is ~0"
-        for name, value in sophia_want.items():
+        for name, value in sophia_want[kind].items():
             diff = float((got[name] - value).abs().max())
-            assert diff <= 1e-6 * max(1.0, scale), f"Sophia-H tp2 estimate {name}: max |delta| {diff:.3g} from tp1"
+            assert diff <= 1e-6 * max(1.0, scale), f"{kind} tp2 estimate {name}: max |delta| {diff:.3g} from tp1"
 
-    soap = record_checks({"SOAP": check_soap, "SophiaH": check_sophia})
+    soap = record_checks({"SOAP": check_soap, **{k: (lambda k=k: check_sophia(k)) for k in SOPHIA_VARIANTS}})
     finish_rank(out, rank, {**zero, **soap, **record_checks({kind: (lambda k=kind: check(k)) for kind in KINDS})})
 
 
@@ -266,9 +273,10 @@ def test_soap_tp2_equals_tp1(per_rank: list[dict[str, str]]) -> None:
         assert results["SOAP"] == "ok", f"rank {rank}: {results['SOAP']}"
 
 
-def test_sophia_h_estimate_tp2_equals_tp1(per_rank: list[dict[str, str]]) -> None:
+@pytest.mark.parametrize("kind", list(SOPHIA_VARIANTS))
+def test_sophia_h_estimate_tp2_equals_tp1(per_rank: list[dict[str, str]], kind: str) -> None:
     for rank, results in enumerate(per_rank):
-        assert results["SophiaH"] == "ok", f"rank {rank}: {results['SophiaH']}"
+        assert results[kind] == "ok", f"rank {rank}: {results[kind]}"
 
 
 @pytest.mark.parametrize("kind", list(ZERO_KINDS))

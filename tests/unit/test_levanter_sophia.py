@@ -250,9 +250,9 @@ def test_the_trainers_step_feeds_the_estimate_to_the_engines_optimizer(one_rank:
 
 
 def test_sophia_h_layouts_before_launch() -> None:
-    """Tensor parallelism and ZeRO-3 run (tests/distributed/test_levanter_whole_tensor_tp.py: the estimate at tp 2
-    equals tp 1; test_levanter_sophia_zero.py: ZeRO-3 equals ZeRO-0); sequence and context parallelism and pipelines
-    are refused by name."""
+    """Tensor (and sequence) parallelism and ZeRO-3 run (tests/distributed/test_levanter_whole_tensor_tp.py: the
+    estimate at tp 2 equals tp 1; test_levanter_sophia_zero.py: ZeRO-3 equals ZeRO-0); context parallelism and
+    pipelines are refused by name."""
     from megatron.config_rules import Device
     from megatron.neox_arguments.derived import finalize
 
@@ -263,8 +263,8 @@ def test_sophia_h_layouts_before_launch() -> None:
     finalize(config_from_mapping({**launch, "model_parallel_size": 2, "zero_optimization": {"stage": 1}}), 2,
              device=cpu)
     finalize(config_from_mapping({**launch, "zero_optimization": {"stage": 3}}), 2, device=cpu)
-    for keys, words in (({"model_parallel_size": 2, "sequence_parallel": True}, "sequence_parallel: false"),
-                        ({"context_parallel_size": 2}, "context-parallel attention"),
+    finalize(config_from_mapping({**launch, "model_parallel_size": 2, "sequence_parallel": True}), 2, device=cpu)
+    for keys, words in (({"context_parallel_size": 2}, "context-parallel attention"),
                         ({"pipe_parallel_size": 1}, "pipe_parallel_size: 0")):
         with pytest.raises(ConfigError, match=words):
             finalize(config_from_mapping({**launch, **keys}), 2, device=cpu)
