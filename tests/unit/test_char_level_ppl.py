@@ -33,17 +33,6 @@ MODEL: dict[str, Any] = dict(num_layers=1, hidden_size=16, num_attention_heads=2
 ROWS, MICRO, EVAL_ITERS = 2, 2, 3
 
 
-@pytest.fixture(scope="module")
-def one_rank() -> Any:
-    from single_rank import init_single_rank_gloo
-
-    from megatron import mpu
-
-    init_single_rank_gloo()
-    mpu.initialize_model_parallel(1, 0)
-    yield
-    mpu.destroy_model_parallel()
-
 
 def _engine() -> Engine:
     import deepspeed

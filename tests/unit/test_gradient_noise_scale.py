@@ -95,17 +95,6 @@ def test_cpu_offload_keeps_the_buffer_on_the_host() -> None:
 
 
 # ---- read from a real engine, through the keys --------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def one_rank() -> Any:
-    from single_rank import init_single_rank_gloo
-
-    from megatron import mpu
-
-    init_single_rank_gloo()
-    mpu.initialize_model_parallel(1, 0)
-    yield
-    mpu.destroy_model_parallel()
-
 
 class Regression(torch.nn.Module):
     """Linear least squares: sample j's loss 0.5 (w.x_j - y_j)^2 has the gradient (w.x_j - y_j) x_j."""

@@ -38,17 +38,6 @@ BLOCKS = {"qwen": (False, False), "qwen3": (False, True), "olmo2": (True, True),
           "gemma2": (True, False), "gemma3": (True, True)}
 
 
-@pytest.fixture(scope="module")
-def one_rank() -> Any:
-    from single_rank import init_single_rank_gloo
-
-    from megatron import mpu
-
-    init_single_rank_gloo()
-    mpu.initialize_model_parallel(1, 0)
-    yield
-    mpu.destroy_model_parallel()
-
 
 @pytest.mark.parametrize("kind", list(BLOCKS))
 def test_a_levanter_model_type_loads_and_trains(kind: str, one_rank: Any, tmp_path: Path) -> None:

@@ -232,17 +232,6 @@ def test_soap_layouts_before_launch() -> None:
             finalize(config_from_mapping({**LAUNCH, **keys}), 2, device=cpu)
 
 
-@pytest.fixture(scope="module")
-def one_rank() -> Any:
-    from single_rank import init_single_rank_gloo
-
-    from megatron import mpu
-
-    init_single_rank_gloo()
-    mpu.initialize_model_parallel(1, 0)
-    yield
-    mpu.destroy_model_parallel()
-
 
 def test_build_engine_attaches_zero_partitions(one_rank: Any) -> None:
     """build_engine hands SOAP the ZeRO-3 layout (what Levanter's FSDP maps to): the trainer's step runs SOAP on the

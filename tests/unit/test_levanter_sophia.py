@@ -206,17 +206,6 @@ LAUNCH = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8,
               checkpoint_activations=True)
 
 
-@pytest.fixture(scope="module")
-def one_rank() -> Any:
-    from single_rank import init_single_rank_gloo
-
-    from megatron import mpu
-
-    init_single_rank_gloo()
-    mpu.initialize_model_parallel(1, 0)
-    yield
-    mpu.destroy_model_parallel()
-
 
 @pytest.mark.parametrize("precision", ["fp32", "bfloat16"])
 def test_the_trainers_step_feeds_the_estimate_to_the_engines_optimizer(one_rank: Any, precision: str) -> None:

@@ -352,17 +352,6 @@ def test_whole_tensor_layouts_are_refused_before_launch(kind: str) -> None:
     finalize(config_from_mapping({**LAUNCH, "optimizer": block}), 1, device=Device(cuda=False, fp16_supported=False))
 
 
-@pytest.fixture(scope="module")
-def one_rank() -> Any:
-    from single_rank import init_single_rank_gloo
-
-    from megatron import mpu
-
-    init_single_rank_gloo()
-    mpu.initialize_model_parallel(1, 0)
-    yield
-    mpu.destroy_model_parallel()
-
 
 @pytest.mark.parametrize("stage", [0, 2])
 def test_muon_through_the_engine_and_schedule_equals_levanters(one_rank: Any, stage: int) -> None:
