@@ -42,6 +42,15 @@ from typing import Any
 import torch
 
 
+def closure_loss(closure: Callable[[], float] | None) -> float | None:
+    """``torch.optim``'s closure convention, which every ``step`` here keeps: the loss the closure computes with
+    gradients on, None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class LevanterOptimizer(torch.optim.Optimizer):
     """State per parameter: ``step`` (Levanter's ``count``) and two buffers in the parameter's dtype."""
 
@@ -55,10 +64,7 @@ class LevanterOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             b1, b2 = group["betas"]
             lr, decay = group["lr"], group["weight_decay"]

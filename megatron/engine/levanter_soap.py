@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from megatron.deepspeed_internals import ZeroMaster
+from megatron.engine.levanter_optim import closure_loss
 from megatron.engine.whole_parameters import TPSplit, ZeroWhole, tp_own, tp_split, tp_whole, zero_wholes
 
 
@@ -210,10 +211,7 @@ class LevanterSoap(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             splits: list[TPSplit] = group.get("tp_splits") or [None] * len(group["params"])
             for param, split in zip(group["params"], splits):

@@ -41,6 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron import mpu
 from megatron.deepspeed_internals import (has_partitioned_optimizer_state, relink_optimizer_state_views,
                                          zero3_params_held)
+from megatron.engine.levanter_optim import closure_loss
 from megatron.engine.whole_parameters import tp_own, tp_split
 from megatron.mpu.layers import partial_over_tensor_parallel, sum_partial_grads_over_tensor_parallel
 
@@ -71,10 +72,7 @@ class LevanterSophiaH(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             b1, b2 = group["betas"]
             lr, decay, clip = group["lr"], group["weight_decay"], group["clip_threshold"]

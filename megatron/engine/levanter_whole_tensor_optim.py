@@ -78,6 +78,7 @@ import torch.distributed as dist
 from megatron import mpu
 from megatron.deepspeed_internals import fp32_master_slices
 from megatron.deepspeed_internals import ZeroMaster
+from megatron.engine.levanter_optim import closure_loss
 from megatron.engine.whole_parameters import ZeroWhole, tp_own, tp_whole, zero_wholes
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -340,10 +341,7 @@ class LevanterMuon(_RoleOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         adam = self._grads_of("adamw")
         clipped = self._clip(adam, self.max_grad_norm)
         for (param, _, group, _), grad in zip(adam, clipped):
@@ -383,10 +381,7 @@ class LevanterScion(_RoleOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         signum = self._grads_of("signum")
         clipped = self._clip(signum, self.max_grad_norm)
         for (param, _, group, _), grad in zip(signum, clipped):
@@ -505,10 +500,7 @@ class LevanterMars(_PieceOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         tensors, pieces, dp = self._pieces()
         if dp is not None and len(self.model_params) > 1:
             raise RuntimeError("Levanter's MARS under ZeRO needs one parameter group (its norm spans every gradient, "
@@ -578,10 +570,7 @@ class LevanterCautious(_PieceOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         tensors, pieces, dp = self._pieces()
         updates, masks = {}, {}
         for group, param in tensors:
