@@ -125,14 +125,15 @@ def sophia_h_layout(ctx: RuleContext) -> list[str]:
     return problems
 
 
-WHOLE_TENSOR_KINDS = {"muon": "Muon", "scion": "Scion", "mars": "MARS", "cautious": "Cautious"}
+WHOLE_TENSOR_KINDS = {"muon": "Muon", "scion": "Scion", "mars": "MARS", "cautious": "Cautious",
+                      "adam_mini": "Adam-mini"}
 """Levanter's optimizers that act on whole tensors (``megatron/engine/levanter_whole_tensor_optim.py``)."""
 ZERO_GATHERED_KINDS = frozenset({"muon", "scion"})
 """Those that run under ZeRO 1-3: each matrix gathered whole from the partitions (``whole_parameters.ZeroWhole``)."""
 ZERO_PARTITION_KINDS = frozenset({"mars", "cautious"})
 """Those that run under ZeRO 1-3 on the partition itself, their sums (MARS's norm, Cautious's mask counts per stack)
 added over the data-parallel ranks (``levanter_whole_tensor_optim.zero_pieces``)."""
-INNER_CLIP_KINDS = frozenset({"muon", "scion", "mars"})
+INNER_CLIP_KINDS = frozenset({"muon", "scion", "mars", "adam_mini"})
 """Those that clip by a global norm inside the optimizer (``optimizer.params.inner_max_grad_norm``)."""
 
 
@@ -151,8 +152,14 @@ def whole_tensor_optimizer_layout(ctx: RuleContext) -> list[str]:
     what = {"muon": "orthogonalises whole weight matrices and clips its AdamW half by their global norm",
             "scion": "orthogonalises whole weight matrices and clips its signum half by their global norm",
             "mars": "clips its corrected gradients by their global norm inside the optimizer",
-            "cautious": "averages its mask over each weight in every layer"}[kind]
+            "cautious": "averages its mask over each weight in every layer",
+            "adam_mini": "averages the squared gradient over blocks of whole rows (a vocabulary row, a kv head's "
+                         "query or key rows, an output row) and clips its AdamW half by their global norm"}[kind]
     problems = []
+    if kind == "adam_mini" and int(ctx.get("model_parallel_size") or 1) > 1:
+        problems.append(f"{shown} with {ctx.show('model_parallel_size')}: Levanter's Adam-mini {what}, and a "
+                        "tensor-parallel rank holds part of a row-parallel layer's rows (megatron/engine/"
+                        "levanter_adam_mini.py does not sum them over the tp ranks); use 1")
     if zero_stage(ctx) >= 1 and kind not in ZERO_GATHERED_KINDS | ZERO_PARTITION_KINDS:
         problems.append(f"{shown} with ZeRO stage {zero_stage(ctx)}: Levanter's {WHOLE_TENSOR_KINDS[kind]} {what}, "
                         "and ZeRO hands the optimizer a shard of a flat buffer; use ZeRO stage 0 (data parallelism "
@@ -202,6 +209,40 @@ def whole_tensor_optimizer_layout(ctx: RuleContext) -> list[str]:
         problems.append(f"{shown} clips inside the optimizer as Levanter does (optimizer.params.inner_max_grad_norm, "
                         f"default 1.0) but {ctx.show('gradient_clipping')} would also clip every gradient before it; "
                         "set gradient_clipping: 0")
+    return problems
+
+
+KRON = {"kron": "Kron"}
+"""Levanter's PSGD Kron (``megatron/engine/levanter_kron.py``): its factors act on each whole parameter."""
+
+
+@rule
+def kron_layout(ctx: RuleContext) -> list[str]:
+    """Kron's factors act on each whole parameter, and ``megatron/engine/levanter_kron.py`` steps the parameters it
+    is handed as they are: a tensor-parallel slice, a ZeRO partition, DeepSpeed's flat bf16 buffer or part of the
+    experts would each get factors of their own. Refused here, before launch; and ``gradient_clipping`` with
+    ``normalize_grads``, which Levanter's chain does not clip (kron.py:120-121@9263f81e)."""
+    optimizer = ctx.get("optimizer")
+    kind = optimizer.kind if optimizer is not None else OPTIMIZER_KINDS.get(str(ctx.get("optimizer_type")).lower())
+    if kind not in KRON:
+        return []
+    shown = f"optimizer.type={optimizer.type!r}" if optimizer is not None else ctx.show("optimizer_type")
+    what = "Levanter's Kron preconditions each whole parameter, and Deepy's Kron does not gather them"
+    problems = []
+    if int(ctx.get("model_parallel_size") or 1) > 1:
+        problems.append(f"{shown} with {ctx.show('model_parallel_size')}: {what}; use 1")
+    if zero_stage(ctx) >= 1:
+        problems.append(f"{shown} with ZeRO stage {zero_stage(ctx)}: {what}; use ZeRO stage 0")
+    if int(ctx.get("moe_expert_parallel_size")) > 1:
+        problems.append(f"{shown} with {ctx.show('moe_expert_parallel_size')}: {what}; use 1")
+    if int(ctx.get("pipe_parallel_size")) >= 1 and block_enabled(ctx.get("bf16")):
+        problems.append(f"{shown} with bf16 and {ctx.show('pipe_parallel_size')}: {what}, and DeepSpeed's bf16 "
+                        "optimizer of a pipeline steps one flat fp32 buffer; use pipe_parallel_size: 0 or fp32")
+    params = optimizer.params if optimizer is not None else None
+    if getattr(params, "normalize_grads", False) and float(ctx.get("gradient_clipping") or 0.0) > 0:
+        problems.append(f"{shown} with optimizer.params.normalize_grads and {ctx.show('gradient_clipping')}: "
+                        "Levanter's Kron does not clip by the global norm when it normalises; set "
+                        "gradient_clipping: 0")
     return problems
 
 

@@ -36,7 +36,9 @@ OptimizerType = Literal[
     "mars",
     "cautious",
     "sophia_h",
+    "kron",
     "soap",
+    "adam_mini",
 ]
 
 
@@ -96,7 +98,7 @@ class OptimizerArgs(ArgGroup):
     optimizer: OptimizerBlock | None = None
     """Optimizer block: {type: Adam, params: {lr, betas, eps, ...}}; type is one of Adam, AdamW,
     CPU_Adam, CPU_torch_adam, OneBitAdam, SM3, madgrad_wd, Lion, SGD, ADOPT,
-    RMSPropMomentum, Muon, Scion, MARS, Cautious, SophiaH, SOAP and params are checked per type."""
+    RMSPropMomentum, Muon, Scion, MARS, Cautious, SophiaH, SOAP, AdamMini and params are checked per type."""
 
     @property
     def optimizer_kind(self) -> str:

@@ -22,6 +22,11 @@ whose decay is torch's L2 term as in GPT-NeoX.
   their builders are handed the parameters' names (and tp splits), and ZeRO is refused before launch.
 * ``SOAP``: Levanter's SOAP (``megatron/engine/levanter_soap.py``): Adam in the eigenbasis of Shampoo's
   preconditioners, on whole (merged, blocked) parameters.
+* ``AdamMini``: Levanter's Adam-mini (``megatron/engine/levanter_adam_mini.py``): one second moment per block
+  (a vocabulary row, a kv head's query or key rows, an output row), AdamW clipped apart for the rest; its builder
+  is handed the names and the attentions' head layouts.
+* ``Kron``: Levanter's PSGD Kron (``megatron/engine/levanter_kron.py``): Kronecker-factored preconditioners
+  on whole (merged, blocked) parameters, fitted from Gaussian probes.
 * ``OneBitAdam``: built by DeepSpeed itself (it needs the engine's communication backend), so it
   only runs on GPUs with NCCL/MPI; the config rules refuse it elsewhere before launch.
 """
@@ -35,6 +40,8 @@ import torch
 
 from megatron.errors import ConfigError
 from megatron.engine.bnb import build_adam8bit
+from megatron.engine.levanter_adam_mini import HeadLayout, LevanterAdamMini, mini_groups, qkv_head_layouts
+from megatron.engine.levanter_kron import LevanterKron
 from megatron.engine.levanter_optim import LevanterAdopt, LevanterRMSPropMomentum
 from megatron.engine.levanter_whole_tensor_optim import (LevanterCautious, LevanterMars, LevanterMuon, LevanterScion,
                                                          is_linear_matrix, merge_groups, split_groups)
@@ -246,6 +253,30 @@ def build_soap(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer
                         block_size=p["block_size"])
 
 
+def build_adam_mini(groups: ParamGroups, cfg: OptimizerArgs, names: Names,
+                    layouts: Mapping[torch.Tensor, HeadLayout] | None = None) -> torch.optim.Optimizer:
+    p = cfg.optimizer_params
+    return LevanterAdamMini(mini_groups(groups, names, layouts or {}), lr=cfg.peak_lr, betas=tuple(p["betas"]),
+                            eps=p["eps"], max_grad_norm=p["inner_max_grad_norm"])
+
+
+NAMED_OPTIMIZERS["adam_mini"] = build_adam_mini
+
+
+@register_optimizer("kron")
+def build_kron(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer:
+    p = cfg.optimizer_params
+    return LevanterKron(groups, lr=cfg.peak_lr, beta1=p["beta1"], normalize_grads=p["normalize_grads"],
+                        preconditioner_update_probability=p["preconditioner_update_probability"],
+                        update_prob_flat_start=p["update_prob_flat_start"],
+                        max_size_triangular=p["max_size_triangular"], min_ndim_triangular=p["min_ndim_triangular"],
+                        memory_save_mode=p["memory_save_mode"], preconditioner_lr=p["preconditioner_lr"],
+                        preconditioner_init_scale=p["preconditioner_init_scale"],
+                        merge_small_dims=p["merge_small_dims"], target_merged_dim_size=p["target_merged_dim_size"],
+                        partition_grads_into_blocks=p["partition_grads_into_blocks"], block_size=p["block_size"],
+                        seed=p["seed"])
+
+
 class _DecoupledDecay:
     """Adds AdamW-style decay (``p -= lr * wd * p`` before the update) to an optimizer without weight
     decay of its own (SM3), so ``weight_decay`` is honoured rather than ignored."""
@@ -298,7 +329,10 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerArgs, offload: bool = 
     if not groups:
         raise ConfigError("the model has no trainable parameters")
     groups = regroup(groups) if regroup is not None else groups
+    names: Names = {param: name for name, param in model.named_parameters()}
+    if kind == "adam_mini":  # its blocks follow the attention heads
+        return build_adam_mini(groups, cfg, names, qkv_head_layouts(model))
     if named is not None:
-        return named(groups, cfg, {param: name for name, param in model.named_parameters()})
+        return named(groups, cfg, names)
     assert builder is not None
     return builder(groups, cfg)

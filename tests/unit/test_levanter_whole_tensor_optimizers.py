@@ -314,7 +314,7 @@ def test_levanters_gpt2_small_fast_muon_yaml_loads(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("text", "words"), [
     ("type: mars\n  adam_lr: 0.1\n", "mars optimizer has no adam_lr"),
-    ("type: adam\n  lr: 0.1\n", "only Levanter's muon and scion optimizers have lr"),
+    ("type: adam\n  lr: 0.1\n", "only Levanter's muon, scion and mini optimizers have lr"),
     ("type: scion\n  epsilon: 1.0e-3\n", "scion optimizer has no epsilon"),
 ])
 def test_fields_the_type_does_not_have_are_refused(tmp_path: Path, text: str, words: str) -> None:

@@ -1,7 +1,8 @@
 """Levanter's ``optimizer:`` section: ``OptimizerConfig`` with its schedule keys, and ``AdamConfig``, ``LionConfig``,
-``AdoptConfig`` and ``RMSPropMomentumConfig``, ``SophiaHConfig``, and ``MuonConfig``, ``ScionConfig``, ``MarsConfig``
-and ``CautiousConfig`` (``muon.py``, ``scion.py``, ``mars.py``, ``cautious.py``: Deepy's Muon, Scion, MARS and
-Cautious, ``megatron/engine/levanter_whole_tensor_optim.py``, which clip inside the optimizer where Levanter does).
+``AdoptConfig`` and ``RMSPropMomentumConfig``, ``SophiaHConfig``, ``MiniConfig`` (Deepy's AdamMini,
+``megatron/engine/levanter_adam_mini.py``), and ``MuonConfig``, ``ScionConfig``, ``MarsConfig`` and
+``CautiousConfig`` (``muon.py``, ``scion.py``, ``mars.py``, ``cautious.py``: Deepy's Muon, Scion, MARS and Cautious,
+``megatron/engine/levanter_whole_tensor_optim.py``, which clip inside the optimizer where Levanter does).
 
 Defaults and meanings are read from ``src/levanter/optim/config.py``, ``adopt.py`` and ``rmsprop.py`` of
 stanford-crfm/levanter at 9263f81e. The schedule keys become the ``levanter`` learning-rate style, which computes
@@ -45,12 +46,14 @@ KIND_DEFAULTS: dict[str, dict[str, float]] = {
     "soap": {"beta1": 0.95, "beta2": 0.95, "shampoo_beta": 0.95, "epsilon": 1e-8, "precondition_frequency": 10,
              "max_precond_dim": 10000, "merge_small_dims": True, "target_merged_dim_size": 2048, "one_diag": False,
              "partition_grads_into_blocks": True, "block_size": 256},
+    # MiniConfig, adam_mini.py:30-36 (its lr: 0.02 and nesterov are never read; weight_decay 0.0: ZERO_DECAY;
+    # max_grad_norm: INNER_CLIP)
+    "mini": {"beta1": 0.9, "beta2": 0.95, "epsilon": 1e-8},
 }
 """Each built type's own fields and defaults (RMSProp spells its epsilon ``eps``)."""
 
 NOT_BUILT = {"sophia-g": "Sophia-G (Levanter's own raises NotImplementedError, sophia.py:406)",
              "kron": "Kron (PSGD): not ported, docs/levanter_optimizers.md",
-             "mini": "Adam-mini, whose second-moment blocks follow Levanter's own array layouts, adam_mini.py:65-105",
              "skipstep": "skip-step"}
 """Levanter optimizers Deepy does not build."""
 
@@ -68,17 +71,19 @@ def _kind(ctx: Context) -> str:
 
 
 _DEEPY_TYPE = {"adam": "Adam", "lion": "Lion", "adopt": "ADOPT", "rmsprop": "RMSPropMomentum", "sophia-h": "SophiaH",
-               "muon": "Muon", "scion": "Scion", "mars": "MARS", "cautious": "Cautious", "soap": "SOAP"}
+               "muon": "Muon", "scion": "Scion", "mars": "MARS", "cautious": "Cautious", "soap": "SOAP",
+               "mini": "AdamMini"}
 _WHOLE_TENSOR_PARAMS = {"muon": ("adam_lr", "momentum", "nesterov", "backend_steps", "muon_epsilon", "use_kimi_scaling"),
                         "scion": ("scion_to_signum_lr", "momentum", "backend_steps", "beta1", "scion_epsilon"),
                         "mars": ("gamma",)}
 """Muon's, Scion's and MARS's fields handed to Deepy's block under their Levanter names, besides betas and epsilon
 (``megatron/engine/optimizer_block.py``); Cautious's ``gamma`` is never read by its ``build`` (cautious.py:39-66)."""
-INNER_CLIP = frozenset({"muon", "scion", "mars"})
+INNER_CLIP = frozenset({"muon", "scion", "mars", "mini"})
 """Types whose ``max_grad_norm`` Levanter applies inside the optimizer (muon.py:69-73, scion.py:58-61: the AdamW or
 signum half only; mars.py:106-109: the corrected gradient), Deepy's ``inner_max_grad_norm``: ``gradient_clipping`` 0."""
-ZERO_DECAY = frozenset({"muon", "scion", "soap"})
-"""Types whose ``weight_decay`` defaults to 0.0 (muon.py:38, scion.py:35), not ``OptimizerConfig``'s 0.1."""
+ZERO_DECAY = frozenset({"muon", "scion", "soap", "mini"})
+"""Types whose ``weight_decay`` defaults to 0.0 (muon.py:38, scion.py:35, adam_mini.py:31), not ``OptimizerConfig``'s
+0.1."""
 _EXTRA_PARAMS = {"sophia-h": ("gamma", "clip_threshold", "update_interval", "rng_seed"),
                  "soap": ("shampoo_beta", "precondition_frequency", "max_precond_dim", "merge_small_dims",
                           "target_merged_dim_size", "one_diag", "partition_grads_into_blocks", "block_size")}
@@ -101,6 +106,10 @@ def _optimizer(value: Any, ctx: Context) -> dict[str, Any]:
         params["inner_max_grad_norm"] = ctx.value("optimizer.max_grad_norm", OPTIMIZER_DEFAULTS["max_grad_norm"])
     for name in _EXTRA_PARAMS.get(kind, ()):
         params[name] = got[name]
+    if kind == "mini" and str(ctx.value("model.type", DEFAULT_TYPE)).lower() == "gpt2":
+        raise Refused("Levanter's mini on its gpt2 model averages the fused c_attn over the head axis of its "
+                      "(layers, embed, qkv, heads, head_size) array (adam_mini.py:65-105@9263f81e), which Deepy's "
+                      "Adam-mini does not build; its blocks follow the Llama family's q_proj/k_proj/v_proj/o_proj")
     if kind in ("muon", "scion"):  # Levanter's Llama family keeps q/k/v and gate/up apart, its GPT-2 c_attn fused
         params["orthogonalise_sections"] = str(ctx.value("model.type", DEFAULT_TYPE)).lower() != "gpt2"
     return {"optimizer": {"type": _DEEPY_TYPE[kind], "params": params}}
@@ -234,10 +243,10 @@ def _gamma(value: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _unread_lr(value: Any, ctx: Context) -> dict[str, Any]:
-    if _kind(ctx) not in ("muon", "scion"):
-        raise Refused("only Levanter's muon and scion optimizers have lr (the rate is learning_rate)")
+    if _kind(ctx) not in ("muon", "scion", "mini"):
+        raise Refused("only Levanter's muon, scion and mini optimizers have lr (the rate is learning_rate)")
     return noted(f"{_kind(ctx)}'s lr field is never read by its build(), which schedules learning_rate "
-                 "(muon.py:52, scion.py:44@9263f81e)")
+                 "(muon.py:52, scion.py:44, adam_mini.py:30,38-79@9263f81e)")
 
 
 def _weight_decay(value: Any, ctx: Context) -> dict[str, Any]:
@@ -250,6 +259,8 @@ def _weight_decay(value: Any, ctx: Context) -> dict[str, Any]:
 def _nesterov(value: Any, ctx: Context) -> dict[str, Any]:
     if _kind(ctx) == "muon":
         return _optimizer(value, ctx)
+    if _kind(ctx) == "mini":
+        return noted("MiniConfig declares nesterov but its build() never reads it (adam_mini.py:36,38-79@9263f81e)")
     return _equal_or_refuse(False, "Nesterov momentum in Adam is not built here")(value, ctx)
 
 
