@@ -36,7 +36,6 @@ OptimizerType = Literal[
     "mars",
     "cautious",
     "sophia_h",
-    "kron",
     "soap",
     "adam_mini",
 ]
