@@ -39,13 +39,14 @@ OPTIMIZER_KINDS: dict[str, str] = {
     "sophiah": "sophia_h",
     "sophia_h": "sophia_h",
     "sophia-h": "sophia_h",
+    "kron": "kron",
     "soap": "soap",
     "adammini": "adam_mini",
     "adam_mini": "adam_mini",
     "adam-mini": "adam_mini",
 }
 SHOWN_TYPES = ("Adam", "AdamW", "CPU_Adam", "CPU_torch_adam", "OneBitAdam", "SM3", "madgrad_wd", "Lion", "SGD",
-               "ADOPT", "RMSPropMomentum", "Muon", "Scion", "MARS", "Cautious", "SophiaH",
+               "ADOPT", "RMSPropMomentum", "Muon", "Scion", "MARS", "Cautious", "SophiaH", "Kron",
                "SOAP", "AdamMini")
 
 
@@ -214,6 +215,45 @@ class CautiousParams(_Params):
     """Levanter's ``epsilon``: in Adam's denominator and added to the mask's mean."""
 
 
+class KronParams(_Params):
+    """Levanter's ``KronConfig`` (``src/levanter/optim/kron.py:90-112`` of stanford-crfm/levanter@9263f81e; its
+    ``weight_decay`` default 0.1 is ``weight_decay`` and its ``max_grad_norm`` 1.0 is ``gradient_clipping``, a global
+    clip before the optimizer that Levanter skips with ``normalize_grads``): the update is in
+    ``megatron/engine/levanter_kron.py``. Not taken: ``mu_dtype`` (the parameter's), ``precond_dtype`` (float32),
+    the matmul precisions, ``lax_map_*`` and the sharding fields."""
+
+    beta1: float = Field(0.9, ge=0, lt=1)
+    """Momentum of the gradient (bias-corrected); 0: none."""
+    normalize_grads: bool = False
+    """Divide each gradient by its norm first."""
+    preconditioner_update_probability: float = Field(0.05, gt=0, le=1)
+    """The final probability of a preconditioner update: 1.0 for ``update_prob_flat_start`` steps, then
+    ``exp(-0.001 (step - update_prob_flat_start))`` down to this; an update runs when a counter reaches 1/p."""
+    update_prob_flat_start: int = 500
+    """Steps with a preconditioner update every step."""
+    max_size_triangular: int = Field(25000, ge=1)
+    """A dimension longer than this gets a diagonal factor."""
+    min_ndim_triangular: int = Field(2, ge=0)
+    """A parameter with fewer dimensions gets diagonal factors only."""
+    memory_save_mode: Literal["one_diag", "all_diag"] | None = None
+    """one_diag: each parameter's largest dimension diagonal; all_diag: every dimension."""
+    preconditioner_lr: float = Field(0.1, gt=0)
+    """The factors' step size (normalised by the update's norm lower bound)."""
+    preconditioner_init_scale: float = Field(1.0, gt=0)
+    """The factors start as scale**(1/ndim) times the identity (or ones)."""
+    merge_small_dims: bool = True
+    """Merge a parameter's small dimensions towards ``target_merged_dim_size`` first (Levanter's heuristic)."""
+    target_merged_dim_size: int = Field(8192, ge=1)
+    """The merged size the merge aims at."""
+    partition_grads_into_blocks: bool = True
+    """Cut each (merged) parameter into ``block_size`` blocks along its triangular dimensions."""
+    block_size: int = Field(256, ge=1)
+    """The blocks' side; every block is zero-padded to a multiple of it."""
+    probe_seed: int = Field(0, ge=0)
+    """Seed of the preconditioner updates' Gaussian probes (torch's generator, with the step and the parameter's
+    place; Levanter's are JAX's, from ``PRNGKey(0)``)."""
+
+
 class SoapParams(_Params):
     """Levanter's ``SoapConfig`` (``src/levanter/optim/soap.py:29-49`` of stanford-crfm/levanter@9263f81e; its
     ``weight_decay`` default is 0.0 and ``max_grad_norm`` 1.0 is ``gradient_clipping``): the update is in
@@ -331,6 +371,10 @@ class SophiaHBlock(_Block):
     params: SophiaHParams = SophiaHParams()
 
 
+class KronBlock(_Block):
+    params: KronParams = KronParams()
+
+
 class SoapBlock(_Block):
     params: SoapParams = SoapParams()
 
@@ -343,6 +387,7 @@ PARAMS_OF_KIND: dict[str, type[_Params]] = {
     "adam": AdamParams, "cpu_adam": AdamParams, "onebitadam": OneBitAdamParams, "sm3": SM3Params,
     "madgrad_wd": MadgradParams, "lion": LionParams, "sgd": SGDParams, "adopt": AdoptParams,
     "rmsprop_momentum": RMSPropMomentumParams, "muon": MuonParams, "scion": ScionParams,
+    "kron": KronParams,
     "mars": MarsParams, "cautious": CautiousParams, "sophia_h": SophiaHParams, "soap": SoapParams,
     "adam_mini": AdamMiniParams,
 }
@@ -375,6 +420,7 @@ OptimizerBlock = Annotated[
     | Annotated[MarsBlock, Tag("mars")]
     | Annotated[CautiousBlock, Tag("cautious")]
     | Annotated[SophiaHBlock, Tag("sophia_h")]
+    | Annotated[KronBlock, Tag("kron")]
     | Annotated[SoapBlock, Tag("soap")]
     | Annotated[AdamMiniBlock, Tag("adam_mini")],
     Discriminator(

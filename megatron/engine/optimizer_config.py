@@ -36,6 +36,7 @@ OptimizerType = Literal[
     "mars",
     "cautious",
     "sophia_h",
+    "kron",
     "soap",
     "adam_mini",
 ]

@@ -25,6 +25,8 @@ whose decay is torch's L2 term as in GPT-NeoX.
 * ``AdamMini``: Levanter's Adam-mini (``megatron/engine/levanter_adam_mini.py``): one second moment per block
   (a vocabulary row, a kv head's query or key rows, an output row), AdamW clipped apart for the rest; its builder
   is handed the names and the attentions' head layouts.
+* ``Kron``: Levanter's PSGD Kron (``megatron/engine/levanter_kron.py``): Kronecker-factored preconditioners
+  on whole (merged, blocked) parameters, fitted from Gaussian probes.
 * ``OneBitAdam``: built by DeepSpeed itself (it needs the engine's communication backend), so it
   only runs on GPUs with NCCL/MPI; the config rules refuse it elsewhere before launch.
 """
@@ -39,6 +41,7 @@ import torch
 from megatron.errors import ConfigError
 from megatron.engine.bnb import build_adam8bit
 from megatron.engine.levanter_adam_mini import HeadLayout, LevanterAdamMini, mini_groups, qkv_head_layouts
+from megatron.engine.levanter_kron import LevanterKron
 from megatron.engine.levanter_optim import LevanterAdopt, LevanterRMSPropMomentum
 from megatron.engine.levanter_whole_tensor_optim import (LevanterCautious, LevanterMars, LevanterMuon, LevanterScion,
                                                          is_linear_matrix, merge_groups, split_groups)
@@ -258,6 +261,20 @@ def build_adam_mini(groups: ParamGroups, cfg: OptimizerArgs, names: Names,
 
 
 NAMED_OPTIMIZERS["adam_mini"] = build_adam_mini
+
+
+@register_optimizer("kron")
+def build_kron(groups: ParamGroups, cfg: OptimizerArgs) -> torch.optim.Optimizer:
+    p = cfg.optimizer_params
+    return LevanterKron(groups, lr=cfg.peak_lr, beta1=p["beta1"], normalize_grads=p["normalize_grads"],
+                        preconditioner_update_probability=p["preconditioner_update_probability"],
+                        update_prob_flat_start=p["update_prob_flat_start"],
+                        max_size_triangular=p["max_size_triangular"], min_ndim_triangular=p["min_ndim_triangular"],
+                        memory_save_mode=p["memory_save_mode"], preconditioner_lr=p["preconditioner_lr"],
+                        preconditioner_init_scale=p["preconditioner_init_scale"],
+                        merge_small_dims=p["merge_small_dims"], target_merged_dim_size=p["target_merged_dim_size"],
+                        partition_grads_into_blocks=p["partition_grads_into_blocks"], block_size=p["block_size"],
+                        seed=p["probe_seed"])
 
 
 class _DecoupledDecay:

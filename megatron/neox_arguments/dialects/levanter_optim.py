@@ -53,7 +53,8 @@ KIND_DEFAULTS: dict[str, dict[str, float]] = {
 """Each built type's own fields and defaults (RMSProp spells its epsilon ``eps``)."""
 
 NOT_BUILT = {"sophia-g": "Sophia-G (Levanter's own raises NotImplementedError, sophia.py:406)",
-             "kron": "Kron (PSGD): not ported, docs/levanter_optimizers.md",
+             "kron": "Kron (PSGD): Deepy's optimizer.type Kron is built, not the mapping of Levanter's fields; "
+                     "docs/levanter_optimizers.md",
              "skipstep": "skip-step"}
 """Levanter optimizers Deepy does not build."""
 
