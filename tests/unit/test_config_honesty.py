@@ -304,6 +304,10 @@ DIALECT_SAMPLES: dict[str, dict[str, object]] = {
         "optimizer.max_precond_dim": 10000, "optimizer.merge_small_dims": True, "optimizer.target_merged_dim_size": 2048,
         "optimizer.one_diag": False, "optimizer.partition_grads_into_blocks": True, "optimizer.block_size": 256,
         "optimizer.mu_dtype": None, "optimizer.precond_dtype": None,
+        "optimizer.normalize_grads": False, "optimizer.preconditioner_update_probability": 0.05,
+        "optimizer.update_prob_flat_start": 500, "optimizer.max_size_triangular": 25000,
+        "optimizer.min_ndim_triangular": 2, "optimizer.memory_save_mode": None, "optimizer.preconditioner_lr": 0.1,
+        "optimizer.preconditioner_init_scale": 1.0,
         "optimizer.adam_lr": 1e-3, "optimizer.momentum": 0.9, "optimizer.backend_steps": 3,
         "optimizer.muon_epsilon": 1e-7, "optimizer.use_kimi_scaling": True, "optimizer.lr": 0.02,
         "optimizer.scion_to_signum_lr": 0.5, "optimizer.scion_epsilon": 1e-7,
@@ -362,6 +366,10 @@ DIALECT_CONTEXT: dict[str, dict[str, object]] = {
     **{f"optimizer.{f}": {"optimizer.type": "soap"}
        for f in ("shampoo_beta", "precondition_frequency", "max_precond_dim", "merge_small_dims",
                  "target_merged_dim_size", "one_diag", "partition_grads_into_blocks", "block_size")},
+    **{f"optimizer.{f}": {"optimizer.type": "kron"}
+       for f in ("normalize_grads", "preconditioner_update_probability", "update_prob_flat_start",
+                 "max_size_triangular", "min_ndim_triangular", "memory_save_mode", "preconditioner_lr",
+                 "preconditioner_init_scale")},
     **{f"optimizer.{f}": {"optimizer.type": "muon"}
        for f in ("adam_lr", "momentum", "backend_steps", "muon_epsilon", "use_kimi_scaling", "lr")},
     **{f"optimizer.{f}": {"optimizer.type": "scion"} for f in ("scion_to_signum_lr", "scion_epsilon")},

@@ -290,3 +290,57 @@ def test_kron_layouts_refused_before_launch() -> None:
                          "set gradient_clipping: 0")):
         with pytest.raises(ConfigError, match=words):
             _finalize({"optimizer": {"type": "Kron"}, **keys})
+
+
+def _levanter(tmp_path: Any, text: str) -> Any:
+    from megatron.neox_arguments.dialects import split_argv
+    from megatron.neox_arguments.loading import load_config
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    config = tmp_path / "run.yaml"
+    config.write_text("model:\n  type: gpt2\n  hidden_dim: 32\n  num_heads: 4\n  num_layers: 2\n" + text)
+    _, parsed = split_argv(["--config_path", str(config)])
+    return load_config([], (), None, parsed).args
+
+
+# KronConfig (kron.py:90-112@9263f81e): beta1 0.9, weight_decay 0.1, max_grad_norm 1.0, normalize_grads false,
+# preconditioner_update_probability 0.05, update_prob_flat_start 500, max_size_triangular 25000,
+# min_ndim_triangular 2, memory_save_mode None, preconditioner_lr 0.1, preconditioner_init_scale 1.0,
+# merge_small_dims true, target_merged_dim_size 8192, partition_grads_into_blocks true, block_size 256
+@pytest.mark.parametrize(("text", "want"), [
+    ("optimizer:\n  type: kron\n",
+     dict(beta1=0.9, normalize_grads=False, min_prob=0.05, flat_start=500, precond_lr=0.1, init_scale=1.0,
+          layout=(25000, 2, None, True, 8192, True, 256), wd=0.1, clip=1.0)),
+    ("optimizer:\n  type: kron\n  beta1: 0.95\n  normalize_grads: true\n  preconditioner_update_probability: 0.1\n"
+     "  update_prob_flat_start: 100\n  max_size_triangular: 4096\n  min_ndim_triangular: 1\n"
+     "  memory_save_mode: one_diag\n  preconditioner_lr: 0.2\n  preconditioner_init_scale: 2.0\n"
+     "  merge_small_dims: false\n  target_merged_dim_size: 1024\n  partition_grads_into_blocks: false\n"
+     "  block_size: 128\n  weight_decay: 0.0\n",
+     dict(beta1=0.95, normalize_grads=True, min_prob=0.1, flat_start=100, precond_lr=0.2, init_scale=2.0,
+          layout=(4096, 1, "one_diag", False, 1024, False, 128), wd=0.0, clip=0.0)),
+])
+def test_levanter_yaml_builds_kron_with_levanters_defaults(tmp_path: Any, text: str, want: dict[str, Any]) -> None:
+    """Levanter's ``optimizer: {type: kron}`` (and each of its fields) reaches Deepy's Kron; Levanter's FSDP stays
+    data-parallel (Kron does not gather ZeRO's shards), and normalize_grads drops the global clip (kron.py:121)."""
+    args = _levanter(tmp_path, text)
+    opt = build_optimizer(torch.nn.Linear(8, 8), args)
+    assert isinstance(opt, LevanterKron)
+    assert (opt.beta1, opt.normalize_grads, opt.min_prob, opt.flat_start, opt.precond_lr, opt.init_scale) == (
+        want["beta1"], want["normalize_grads"], want["min_prob"], want["flat_start"], want["precond_lr"],
+        want["init_scale"])
+    assert opt.layout_args == want["layout"]
+    assert max(g["weight_decay"] for g in opt.param_groups) == want["wd"]
+    assert args.gradient_clipping == want["clip"]
+    assert args.sharding_strategy == "ddp"
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("optimizer:\n  type: adam\n  preconditioner_lr: 0.2\n", "only Levanter's kron optimizer has preconditioner_lr"),
+    ("optimizer:\n  type: kron\n  shampoo_beta: 0.9\n", "only Levanter's soap optimizer has"),
+    ("optimizer:\n  type: adam\n  block_size: 64\n", "only Levanter's soap and kron optimizers have block_size"),
+])
+def test_what_kron_does_not_have_is_refused(tmp_path: Any, text: str, words: str) -> None:
+    from megatron.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=words):
+        _levanter(tmp_path, text)

@@ -27,7 +27,7 @@ OPTIMIZER_DEFAULTS: dict[str, Any] = {
 ``AdamConfig``, ``LionConfig``, ``AdoptConfig``, ``RMSPropMomentumConfig``); the betas and epsilon are each type's
 (``KIND_DEFAULTS``)."""
 
-KIND_DEFAULTS: dict[str, dict[str, float]] = {
+KIND_DEFAULTS: dict[str, dict[str, Any]] = {
     "adam": {"beta1": 0.9, "beta2": 0.95, "epsilon": 1e-8},  # AdamConfig, config.py:404-410
     "lion": {"beta1": 0.9, "beta2": 0.95},  # LionConfig, config.py:499-509 (its epsilon is unused)
     "adopt": {"beta1": 0.9, "beta2": 0.95, "epsilon": 1e-6},  # AdoptConfig, adopt.py:18-31
@@ -49,12 +49,16 @@ KIND_DEFAULTS: dict[str, dict[str, float]] = {
     # MiniConfig, adam_mini.py:30-36 (its lr: 0.02 and nesterov are never read; weight_decay 0.0: ZERO_DECAY;
     # max_grad_norm: INNER_CLIP)
     "mini": {"beta1": 0.9, "beta2": 0.95, "epsilon": 1e-8},
+    # KronConfig, kron.py:90-112 (weight_decay 0.1, max_grad_norm 1.0: not clipped with normalize_grads)
+    "kron": {"beta1": 0.9, "normalize_grads": False, "preconditioner_update_probability": 0.05,
+             "update_prob_flat_start": 500, "max_size_triangular": 25000, "min_ndim_triangular": 2,
+             "memory_save_mode": None, "preconditioner_lr": 0.1, "preconditioner_init_scale": 1.0,
+             "merge_small_dims": True, "target_merged_dim_size": 8192, "partition_grads_into_blocks": True,
+             "block_size": 256},
 }
 """Each built type's own fields and defaults (RMSProp spells its epsilon ``eps``)."""
 
 NOT_BUILT = {"sophia-g": "Sophia-G (Levanter's own raises NotImplementedError, sophia.py:406)",
-             "kron": "Kron (PSGD): Deepy's optimizer.type Kron is built, not the mapping of Levanter's fields; "
-                     "docs/levanter_optimizers.md",
              "skipstep": "skip-step"}
 """Levanter optimizers Deepy does not build."""
 
@@ -73,7 +77,7 @@ def _kind(ctx: Context) -> str:
 
 _DEEPY_TYPE = {"adam": "Adam", "lion": "Lion", "adopt": "ADOPT", "rmsprop": "RMSPropMomentum", "sophia-h": "SophiaH",
                "muon": "Muon", "scion": "Scion", "mars": "MARS", "cautious": "Cautious", "soap": "SOAP",
-               "mini": "AdamMini"}
+               "mini": "AdamMini", "kron": "Kron"}
 _WHOLE_TENSOR_PARAMS = {"muon": ("adam_lr", "momentum", "nesterov", "backend_steps", "muon_epsilon", "use_kimi_scaling"),
                         "scion": ("scion_to_signum_lr", "momentum", "backend_steps", "beta1", "scion_epsilon"),
                         "mars": ("gamma",)}
@@ -99,7 +103,7 @@ def _optimizer(value: Any, ctx: Context) -> dict[str, Any]:
             raise Refused(f"Levanter's {kind} optimizer has no {name}; it has {', '.join(fields)}")
     got = {name: ctx.value(f"optimizer.{name}", default) for name, default in fields.items()}
     params: dict[str, Any] = {"betas": [got["beta1"], got["beta2"]]} if "beta2" in got else {}
-    if kind not in ("lion", "scion"):  # optax.scale_by_lion(b1, b2): no epsilon; Scion: scion_epsilon
+    if kind not in ("lion", "scion", "kron"):  # optax.scale_by_lion(b1, b2): no epsilon; Scion: scion_epsilon
         params["eps"] = got.get("epsilon", got.get("eps"))
     for name in _WHOLE_TENSOR_PARAMS.get(kind, ()):
         params[name] = got[name]
@@ -107,6 +111,8 @@ def _optimizer(value: Any, ctx: Context) -> dict[str, Any]:
         params["inner_max_grad_norm"] = ctx.value("optimizer.max_grad_norm", OPTIMIZER_DEFAULTS["max_grad_norm"])
     for name in _EXTRA_PARAMS.get(kind, ()):
         params[name] = got[name]
+    if kind == "kron":  # every KronConfig field under its own name (megatron/engine/optimizer_block.KronParams)
+        params.update(got)
     if kind == "mini" and str(ctx.value("model.type", DEFAULT_TYPE)).lower() == "gpt2":
         raise Refused("Levanter's mini on its gpt2 model averages the fused c_attn over the head axis of its "
                       "(layers, embed, qkv, heads, head_size) array (adam_mini.py:65-105@9263f81e), which Deepy's "
@@ -129,6 +135,8 @@ def _max_grad_norm(value: Any, ctx: Context) -> dict[str, Any]:
         if leaf is not None and leaf.where != "Levanter's default":
             raise Refused("Levanter's sophia-h optimizer has no max_grad_norm (its update is clipped element-wise "
                           "by clip_threshold)")
+        return {"gradient_clipping": 0.0}
+    if _kind(ctx) == "kron" and ctx.value("optimizer.normalize_grads", False):  # kron.py:121: no clip
         return {"gradient_clipping": 0.0}
     if _kind(ctx) in INNER_CLIP:  # the optimizer clips (inner_max_grad_norm, set by _optimizer)
         return {"gradient_clipping": 0.0}
@@ -222,6 +230,18 @@ def _soap_field(value: Any, ctx: Context) -> dict[str, Any]:
     return _optimizer(value, ctx)
 
 
+def _kron_field(name: str) -> Rule:
+    """A KronConfig field (kron.py:90-112@9263f81e); the four it shares with SoapConfig are either's."""
+    def rule(value: Any, ctx: Context) -> dict[str, Any]:
+        kind = _kind(ctx)
+        if kind not in ("kron", "soap") or name not in KIND_DEFAULTS[kind]:
+            owners = [k for k in ("soap", "kron") if name in KIND_DEFAULTS[k]]
+            raise Refused(f"only Levanter's {' and '.join(owners)} optimizer{'s' * (len(owners) > 1)} "
+                          f"{'have' if len(owners) > 1 else 'has'} {name}")
+        return _optimizer(value, ctx)
+    return rule
+
+
 def _sophia_field(value: Any, ctx: Context) -> dict[str, Any]:
     if _kind(ctx) != "sophia-h":
         raise Refused("only Levanter's sophia-h optimizer has gamma, clip_threshold, update_interval and rng_seed")
@@ -278,6 +298,7 @@ OPTIMIZER_RULES: dict[str, Rule] = {
     "optimizer.update_interval": _sophia_field,
     "optimizer.rng_seed": _sophia_field,
     **{f"optimizer.{name}": _soap_field for name in _EXTRA_PARAMS["soap"]},
+    **{f"optimizer.{name}": _kron_field(name) for name in KIND_DEFAULTS["kron"] if name != "beta1"},
     "optimizer.mu_dtype": _equal_or_refuse(None, "SOAP's state is kept in the parameter's dtype (mu_dtype: null)"),
     "optimizer.precond_dtype": _equal_or_refuse(None, "SOAP's preconditioners are kept in the parameter's dtype "
                                                       "(precond_dtype: null)"),
