@@ -42,7 +42,17 @@ Differences, deliberate:
   are not taken: the momentum is kept in the parameter's dtype (Levanter's default) and matmuls run at torch's own
   precision. The factors are float32 (Levanter's ``precond_dtype`` default; the constructor's ``precond_dtype``, which
   the formula test sets to float64).
-- Whole parameters only: tensor parallelism and ZeRO are refused before launch (``optimizer_checks``).
+
+Whole parameters (``megatron/engine/whole_parameters.py``, as SOAP): under tensor parallelism each split gradient is
+all-gathered in the model's section order, every tp rank computes the same factors and update of the whole
+parameter (the probe is drawn whole, from the same generator, on every rank) and keeps its slice; under ZeRO 1-3
+(:meth:`LevanterKron.attach_zero`) each flat gradient partition is all-gathered over the data-parallel ranks and cut
+into its whole parameters, and the rank keeps its partition of the flat update. A parameter's probe index is its
+place in the model's parameter groups, fixed when the optimizer is built, so every layout draws the same probes.
+DeepSpeed steps its groups one at a time (``stage_1_and_2.py`` ``_optimizer_step``), so the step and the two
+counters are kept in every group and each group advances its own once per step (they agree: the schedule is
+deterministic). A ZeRO-3 group split over several sub-groups (``sub_group_size`` smaller than a group) would
+advance them twice: not supported.
 """
 
 from __future__ import annotations
@@ -55,7 +65,9 @@ import numpy as np
 import torch
 
 from megatron.engine.levanter_optim import closure_loss
+from megatron.deepspeed_internals import ZeroMaster
 from megatron.engine.levanter_soap import Layout, merge_small_dims
+from megatron.engine.whole_parameters import TPSplit, ZeroWhole, tp_own, tp_split, tp_whole, zero_wholes
 
 MEMORY_SAVE_MODES = (None, "one_diag", "all_diag")
 DAMP_EPS = math.sqrt(float(torch.finfo(torch.float32).eps))
@@ -198,8 +210,8 @@ def balance(qs: list[torch.Tensor]) -> list[torch.Tensor]:
 class LevanterKron(torch.optim.Optimizer):
     """Levanter's ``KronConfig`` update (module docstring). State per parameter: ``mu`` (with ``beta1`` > 0) and
     ``Q`` (per block, one factor per dimension); the step and the two counters Levanter keeps once for all
-    parameters are kept in the first parameter group (``kron_step``, ``kron_update_counter``,
-    ``kron_balance_counter``), so the state dict carries them."""
+    parameters are kept in every parameter group (``kron_step``, ``kron_update_counter``,
+    ``kron_balance_counter``; they agree), so the state dict carries them."""
 
     def __init__(self, params: Iterable[Any], lr: float, beta1: float = 0.9, normalize_grads: bool = False,
                  preconditioner_update_probability: float = 0.05, update_prob_flat_start: int = 500,
@@ -221,9 +233,21 @@ class LevanterKron(torch.optim.Optimizer):
         self.init_scale = preconditioner_init_scale
         self.seed = seed
         self.precond_dtype = precond_dtype
-        first = self.param_groups[0]
-        for key in ("kron_step", "kron_update_counter", "kron_balance_counter"):
-            first.setdefault(key, 0)
+        self.index: dict[int, int] = {}  # id of a model parameter -> its place over the groups (its probes)
+        for group in self.param_groups:
+            for key in ("kron_step", "kron_update_counter", "kron_balance_counter"):
+                group.setdefault(key, 0)
+            group["tp_splits"] = [tp_split(p) for p in group["params"]]  # before DeepSpeed swaps in copies
+            for param in group["params"]:
+                self.index.setdefault(id(param), len(self.index))
+        self.zero: dict[int, ZeroWhole] = {}
+        self.zero_index: dict[int, list[int]] = {}
+
+    def attach_zero(self, masters: list[ZeroMaster]) -> None:
+        """Step ZeRO's flat partitions through the whole parameters in them (``whole_parameters.ZeroWhole``), each
+        with the probes of its model parameter."""
+        self.zero = zero_wholes(masters)
+        self.zero_index = {id(m.flat): [self.index[id(p)] for p in m.params] for m in masters}
 
     def layout(self, shape: tuple[int, ...]) -> KronLayout:
         return KronLayout(shape, *self.layout_args)
@@ -231,29 +255,45 @@ class LevanterKron(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure_loss(closure)
-        first = self.param_groups[0]
-        t = int(first["kron_step"]) + 1
-        first["kron_step"] = t
-        counter = int(first["kron_update_counter"]) + 1
-        do_update = bool(counter >= 1.0 / update_probability(t, self.min_prob, self.flat_start))
-        do_balance = False
-        if do_update:
-            counter = 0
-            balances = int(first["kron_balance_counter"]) + 1
-            do_balance = balances >= 100
-            first["kron_balance_counter"] = 0 if do_balance else balances
-        first["kron_update_counter"] = counter
-        index = -1
         for group in self.param_groups:
-            for param in group["params"]:
-                index += 1
+            if not group["params"]:  # ZeRO-3 empties the groups it is not stepping
+                continue
+            t, do_update, do_balance = self._advance(group)
+            splits: list[TPSplit] = group.get("tp_splits") or [None] * len(group["params"])
+            for param, split in zip(group["params"], splits):
                 if param.grad is None:
                     continue
-                update = self._direction(param.grad, self.state[param], t, index, do_update, do_balance)
+                state = self.state[param]
+                flat = self.zero.get(id(param))
+                if flat is None:  # a whole parameter, or a tensor-parallel slice of one
+                    whole = tp_whole(param.grad, split)
+                    update = tp_own(self._direction(whole, state, t, self.index[id(param)], do_update, do_balance),
+                                    split)
+                else:  # a ZeRO partition: each parameter in it whole (and its tp slice whole), state per parameter
+                    states = state.setdefault("params", [{} for _ in flat.splits])
+                    update = flat.shard([tp_own(self._direction(tp_whole(g, s), st, t, i, do_update, do_balance), s)
+                                         for g, s, st, i in zip(flat.whole(param.grad), flat.splits, states,
+                                                                self.zero_index[id(param)])], param)
                 if group["weight_decay"]:
                     update = update + group["weight_decay"] * param
                 param.add_(update.reshape(param.shape), alpha=-group["lr"])
         return loss
+
+    def _advance(self, group: dict[str, Any]) -> tuple[int, bool, bool]:
+        """This step's number and whether the factors are updated (and balanced) this step (kron.py:825-836); the
+        group's counters advanced."""
+        t = int(group["kron_step"]) + 1
+        group["kron_step"] = t
+        counter = int(group["kron_update_counter"]) + 1
+        do_update = bool(counter >= 1.0 / update_probability(t, self.min_prob, self.flat_start))
+        do_balance = False
+        if do_update:
+            counter = 0
+            balances = int(group["kron_balance_counter"]) + 1
+            do_balance = balances >= 100
+            group["kron_balance_counter"] = 0 if do_balance else balances
+        group["kron_update_counter"] = counter
+        return t, do_update, do_balance
 
     def _direction(self, grad: torch.Tensor, state: dict[str, Any], t: int, index: int, do_update: bool,
                    do_balance: bool) -> torch.Tensor:

@@ -213,31 +213,20 @@ def whole_tensor_optimizer_layout(ctx: RuleContext) -> list[str]:
 
 
 KRON = {"kron": "Kron"}
-"""Levanter's PSGD Kron (``megatron/engine/levanter_kron.py``): its factors act on each whole parameter."""
+"""Levanter's PSGD Kron (``megatron/engine/levanter_kron.py``): its factors act on each whole parameter, gathered
+under tp and ZeRO as SOAP's (its layouts are checked by :func:`preconditioner_layout`)."""
 
 
 @rule
 def kron_layout(ctx: RuleContext) -> list[str]:
-    """Kron's factors act on each whole parameter, and ``megatron/engine/levanter_kron.py`` steps the parameters it
-    is handed as they are: a tensor-parallel slice, a ZeRO partition, DeepSpeed's flat bf16 buffer or part of the
-    experts would each get factors of their own. Refused here, before launch; and ``gradient_clipping`` with
-    ``normalize_grads``, which Levanter's chain does not clip (kron.py:121@9263f81e)."""
+    """``gradient_clipping`` with ``normalize_grads``, which Levanter's chain does not clip (kron.py:121@9263f81e),
+    is refused before launch. The layouts Kron cannot gather are :func:`preconditioner_layout`'s."""
     optimizer = ctx.get("optimizer")
     kind = optimizer.kind if optimizer is not None else OPTIMIZER_KINDS.get(str(ctx.get("optimizer_type")).lower())
     if kind not in KRON:
         return []
     shown = f"optimizer.type={optimizer.type!r}" if optimizer is not None else ctx.show("optimizer_type")
-    what = "Levanter's Kron preconditions each whole parameter, and Deepy's Kron does not gather them"
     problems = []
-    if int(ctx.get("model_parallel_size") or 1) > 1:
-        problems.append(f"{shown} with {ctx.show('model_parallel_size')}: {what}; use 1")
-    if zero_stage(ctx) >= 1:
-        problems.append(f"{shown} with ZeRO stage {zero_stage(ctx)}: {what}; use ZeRO stage 0")
-    if int(ctx.get("moe_expert_parallel_size")) > 1:
-        problems.append(f"{shown} with {ctx.show('moe_expert_parallel_size')}: {what}; use 1")
-    if int(ctx.get("pipe_parallel_size")) >= 1 and block_enabled(ctx.get("bf16")):
-        problems.append(f"{shown} with bf16 and {ctx.show('pipe_parallel_size')}: {what}, and DeepSpeed's bf16 "
-                        "optimizer of a pipeline steps one flat fp32 buffer; use pipe_parallel_size: 0 or fp32")
     params = optimizer.params if optimizer is not None else None
     if getattr(params, "normalize_grads", False) and float(ctx.get("gradient_clipping") or 0.0) > 0:
         problems.append(f"{shown} with optimizer.params.normalize_grads and {ctx.show('gradient_clipping')}: "
@@ -246,8 +235,9 @@ def kron_layout(ctx: RuleContext) -> list[str]:
     return problems
 
 
-PRECONDITIONED_KINDS = {"soap": "SOAP"}
-"""Levanter's optimizers that precondition each parameter as a whole (``megatron/engine/levanter_soap.py``)."""
+PRECONDITIONED_KINDS = {"soap": "SOAP", "kron": "Kron"}
+"""Levanter's optimizers that precondition each parameter as a whole (``megatron/engine/levanter_soap.py``,
+``megatron/engine/levanter_kron.py``)."""
 
 
 @rule

@@ -122,6 +122,9 @@ def check(kind: str, out: str) -> None:
 # can move its update far; here the gradients are the same bits at every stage: the loss is linear in the weights,
 # with coefficients drawn per rank and step, so the check is the gather and scatter of the whole parameters.
 SOAP: dict[str, Any] = {"lr": 0.01, "precondition_frequency": 2, "block_size": 16}
+# Kron (megatron/engine/levanter_kron.py) the same way: factors updated at every step, w cut into 16-blocks
+PRECONDITIONED: dict[str, dict[str, Any]] = {"SOAP": SOAP, "Kron": {"lr": 0.01, "block_size": 16,
+                                                                   "preconditioner_update_probability": 1.0}}
 
 
 class _Linear(torch.nn.Module):
@@ -139,7 +142,7 @@ class _Linear(torch.nn.Module):
         return sum((p * c).sum() for p, c in zip((self.w, self.v, self.m), coeffs))  # type: ignore[return-value]
 
 
-def _soap_engine(stage: int) -> Any:
+def _soap_engine(stage: int, kind: str = "SOAP") -> Any:
     import deepspeed
 
     from megatron.engine.build import deepspeed_mpu
@@ -148,7 +151,7 @@ def _soap_engine(stage: int) -> Any:
     from megatron.neox_arguments.loading import config_from_mapping
 
     model = _Linear()
-    cfg = config_from_mapping({"optimizer": {"type": "SOAP", "params": SOAP}, "weight_decay": 0.1}).args
+    cfg = config_from_mapping({"optimizer": {"type": kind, "params": PRECONDITIONED[kind]}, "weight_decay": 0.1}).args
     config = {"train_batch_size": WORLD, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "gradient_clipping": 0.0}
     engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, cfg), config=config,
@@ -172,33 +175,34 @@ def _soap_steps(engine: Any, steps: range) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in params.items()}
 
 
-def check_soap(out: str) -> None:
-    """ZeRO-1, 2 and 3 equal ZeRO-0 after 3 steps (the preconditioners refreshed at step 2); resuming ZeRO-1 and
-    ZeRO-3 from a checkpoint after step 2 gives the same third step."""
-    want = _soap_steps(_soap_engine(0), range(STEPS))
+def check_soap(out: str, kind: str = "SOAP") -> None:
+    """ZeRO-1, 2 and 3 equal ZeRO-0 after 3 steps (SOAP's preconditioners refreshed at step 2, Kron's factors at
+    every step); resuming ZeRO-1 and ZeRO-3 from a checkpoint after step 2 gives the same third step."""
+    want = _soap_steps(_soap_engine(0, kind), range(STEPS))
     start = dict(_Linear().named_parameters())
     for name, value in want.items():
-        assert not torch.allclose(value, start[name].detach(), atol=1e-3), f"SOAP {name} did not move"
+        assert not torch.allclose(value, start[name].detach(), atol=1e-3), f"{kind} {name} did not move"
     for stage in (1, 2, 3):
-        engine = _soap_engine(stage)
+        engine = _soap_engine(stage, kind)
         results = {"": _soap_steps(engine, range(STEPS))}
         if stage in (1, 3):
-            engine = _soap_engine(stage)
+            engine = _soap_engine(stage, kind)
             _soap_steps(engine, range(STEPS - 1))
-            engine.save_checkpoint(out, tag=f"soap{stage}")
-            engine = _soap_engine(stage)
-            engine.load_checkpoint(out, tag=f"soap{stage}")
+            engine.save_checkpoint(out, tag=f"{kind.lower()}{stage}")
+            engine = _soap_engine(stage, kind)
+            engine.load_checkpoint(out, tag=f"{kind.lower()}{stage}")
             results[" resumed after step 2"] = _soap_steps(engine, range(STEPS - 1, STEPS))
         for how, got in results.items():
             for name, value in want.items():
                 diff = float((got[name] - value).abs().max())
-                assert diff <= 1e-6, f"SOAP ZeRO-{stage}{how} {name}: max |delta| {diff:.3g} from ZeRO-0"
+                assert diff <= 1e-6, f"{kind} ZeRO-{stage}{how} {name}: max |delta| {diff:.3g} from ZeRO-0"
 
 
 def rank_main(rank: int, out: str) -> None:
     join_data_parallel_ranks(rank, WORLD, "LEVANTER_OPTIM_TEST_PORT")
     checks = {kind: (lambda k=kind: check(k, out)) for kind in KINDS}
     checks["SOAP"] = lambda: check_soap(out)
+    checks["Kron"] = lambda: check_soap(out, "Kron")
     finish_rank(out, rank, record_checks(checks))
 
 
@@ -219,3 +223,8 @@ def test_zero1_and_zero3_equal_unsharded_dp2(per_rank: list[dict[str, str]], nam
 def test_soap_zero_equals_unsharded_dp2(per_rank: list[dict[str, str]]) -> None:
     for rank, results in enumerate(per_rank):
         assert results["SOAP"] == "ok", f"rank {rank}: {results['SOAP']}"
+
+
+def test_kron_zero_equals_unsharded_dp2(per_rank: list[dict[str, str]]) -> None:
+    for rank, results in enumerate(per_rank):
+        assert results["Kron"] == "ok", f"rank {rank}: {results['Kron']}"

@@ -134,6 +134,10 @@ def zero_check(kind: str) -> None:
 
 
 SOAP_TP: dict[str, Any] = {"lr": 0.01, "precondition_frequency": 2, "block_size": 40}  # blocks straddle the sections
+# Kron (megatron/engine/levanter_kron.py): its factors updated at every step (probability 1), blocks of 40 rows
+# straddling the sections, its probes drawn whole on every tp rank
+PRECONDITIONED: dict[str, dict[str, Any]] = {"SOAP": SOAP_TP, "Kron": {"lr": 0.01, "block_size": 40,
+                                                                      "preconditioner_update_probability": 1.0}}
 
 
 def _soap_grads() -> list[dict[str, torch.Tensor]]:
@@ -145,9 +149,10 @@ def _soap_grads() -> list[dict[str, torch.Tensor]]:
     return [{n: torch.randn(shape, generator=gen) for n, shape in shapes.items()} for _ in range(STEPS)]
 
 
-def _soap(grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """SOAP's steps (megatron/engine/levanter_soap.py) on the same gradient bits at any tp, each rank handed its
-    slices: SOAP's eigenbases are unique only up to rotations inside repeated eigenvalues, so the rounding by which a
+def _soap(grads: list[dict[str, torch.Tensor]], kind: str = "SOAP") -> dict[str, torch.Tensor]:
+    """SOAP's (or Kron's, megatron/engine/levanter_kron.py) steps (megatron/engine/levanter_soap.py) on the same
+    gradient bits at any tp, each rank handed its slices (Kron too: what is checked is its gather, as for SOAP):
+    SOAP's eigenbases are unique only up to rotations inside repeated eigenvalues, so the rounding by which a
     tp-2 backward differs could move its update far (in Levanter too, between layouts); what is checked is the
     gather of each split gradient in the model's order -- SOAP cuts rows into blocks, so a fused [q; k; v] or
     [gate; up] gathered in rank order would give other numbers -- and the slice each rank keeps."""
@@ -161,7 +166,7 @@ def _soap(grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
     cfg = GPTConfig(**MODEL)
     model = GPTModel(cfg)
-    args = config_from_mapping({"optimizer": {"type": "SOAP", "params": SOAP_TP}, "weight_decay": 0.1}).args
+    args = config_from_mapping({"optimizer": {"type": kind, "params": PRECONDITIONED[kind]}, "weight_decay": 0.1}).args
     optimizer = build_optimizer(model, args)
     world, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
     for step in grads:
@@ -221,6 +226,7 @@ def rank_main(rank: int, out: str) -> None:
     want = {kind: _train(kind) for kind in KINDS}
     soap_grads = _soap_grads()
     soap_want = _soap(soap_grads)
+    kron_want = _soap(soap_grads, "Kron")
     sophia_want = {kind: _sophia_estimate(extra) for kind, extra in SOPHIA_VARIANTS.items()}
     start = {n: p.detach().clone() for n, p in GPTModel(GPTConfig(**MODEL)).named_parameters()}
     mpu.destroy_model_parallel()
@@ -241,6 +247,13 @@ def rank_main(rank: int, out: str) -> None:
             diff = float((got[name] - value).abs().max())
             assert diff <= 1e-6, f"SOAP tp2 {name}: max |delta| {diff:.3g} from tp1"
 
+    def check_kron() -> None:
+        got = _soap(soap_grads, "Kron")
+        for name, value in kron_want.items():
+            assert not torch.allclose(value, start[name], atol=1e-3), f"Kron {name} did not move"
+            diff = float((got[name] - value).abs().max())
+            assert diff <= 1e-6, f"Kron tp2 {name}: max |delta| {diff:.3g} from tp1"
+
     def check_sophia(kind: str) -> None:
         got = _sophia_estimate(SOPHIA_VARIANTS[kind])
         scale = max(float(v.abs().max()) for v in sophia_want[kind].values())
@@ -249,7 +262,8 @@ def rank_main(rank: int, out: str) -> None:
             diff = float((got[name] - value).abs().max())
             assert diff <= 1e-6 * max(1.0, scale), f"{kind} tp2 estimate {name}: max |delta| {diff:.3g} from tp1"
 
-    soap = record_checks({"SOAP": check_soap, **{k: (lambda k=k: check_sophia(k)) for k in SOPHIA_VARIANTS}})
+    soap = record_checks({"SOAP": check_soap, "Kron": check_kron,
+                          **{k: (lambda k=k: check_sophia(k)) for k in SOPHIA_VARIANTS}})
     finish_rank(out, rank, {**zero, **soap, **record_checks({kind: (lambda k=kind: check(k)) for kind in KINDS})})
 
 
@@ -271,6 +285,11 @@ def test_tp2_equals_tp1(per_rank: list[dict[str, str]], kind: str) -> None:
 def test_soap_tp2_equals_tp1(per_rank: list[dict[str, str]]) -> None:
     for rank, results in enumerate(per_rank):
         assert results["SOAP"] == "ok", f"rank {rank}: {results['SOAP']}"
+
+
+def test_kron_tp2_equals_tp1(per_rank: list[dict[str, str]]) -> None:
+    for rank, results in enumerate(per_rank):
+        assert results["Kron"] == "ok", f"rank {rank}: {results['Kron']}"
 
 
 @pytest.mark.parametrize("kind", list(SOPHIA_VARIANTS))

@@ -244,12 +244,12 @@ LAUNCH = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8,
               pipe_parallel_size=0, weight_decay=0.1)
 
 
-def _finalize(keys: dict[str, Any]) -> Any:
+def _finalize(keys: dict[str, Any], world: int = 1) -> Any:
     from megatron.config_rules import Device
     from megatron.neox_arguments.derived import finalize
     from megatron.neox_arguments.loading import config_from_mapping
 
-    return finalize(config_from_mapping({**LAUNCH, **keys}), 1, device=Device(cuda=False, fp16_supported=False))
+    return finalize(config_from_mapping({**LAUNCH, **keys}), world, device=Device(cuda=False, fp16_supported=False))
 
 
 def test_the_kron_block_builds_levanters_defaults_and_its_own_values() -> None:
@@ -282,8 +282,12 @@ def test_kron_layouts_refused_before_launch() -> None:
     from megatron.errors import ConfigError
 
     _finalize({"optimizer": {"type": "Kron"}})
-    for keys, words in (({"zero_optimization": {"stage": 1}}, "use ZeRO stage 0"),
-                        ({"model_parallel_size": 2}, "model_parallel_size"),
+    for keys in ({"zero_optimization": {"stage": 1}}, {"zero_optimization": {"stage": 3}}, {"model_parallel_size": 2},
+                 {"model_parallel_size": 2, "zero_optimization": {"stage": 2}}):  # gathered (tests/distributed)
+        _finalize({"optimizer": {"type": "Kron"}, **keys}, world=2)
+    for keys, words in (({"zero_optimization": {"stage": 1}, "precision": "bfloat16"}, "use ZeRO stage 2 or 3"),
+                        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+                         "remove offload_optimizer"),
                         ({"pipe_parallel_size": 1, "precision": "bfloat16"}, "flat fp32 buffer"),
                         ({"gradient_clipping": 1.0, "optimizer": {"type": "Kron",
                                                                   "params": {"normalize_grads": True}}},
@@ -321,7 +325,7 @@ def _levanter(tmp_path: Any, text: str) -> Any:
 ])
 def test_levanter_yaml_builds_kron_with_levanters_defaults(tmp_path: Any, text: str, want: dict[str, Any]) -> None:
     """Levanter's ``optimizer: {type: kron}`` (and each of its fields) reaches Deepy's Kron; Levanter's FSDP stays
-    data-parallel (Kron does not gather ZeRO's shards), and normalize_grads drops the global clip (kron.py:121)."""
+    ZeRO-3 (Kron gathers ZeRO's shards, as SOAP), and normalize_grads drops the global clip (kron.py:121)."""
     args = _levanter(tmp_path, text)
     opt = build_optimizer(torch.nn.Linear(8, 8), args)
     assert isinstance(opt, LevanterKron)
@@ -331,7 +335,7 @@ def test_levanter_yaml_builds_kron_with_levanters_defaults(tmp_path: Any, text: 
     assert opt.layout_args == want["layout"]
     assert max(g["weight_decay"] for g in opt.param_groups) == want["wd"]
     assert args.gradient_clipping == want["clip"]
-    assert args.sharding_strategy == "ddp"
+    assert args.sharding_strategy == "fsdp"
 
 
 @pytest.mark.parametrize(("text", "words"), [
