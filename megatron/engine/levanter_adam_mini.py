@@ -28,9 +28,16 @@ group ``i // (heads / kv)`` (megatron/model/attention.py), so each of those bloc
 a parameter's blocks are row counts along its first dimension, each block spanning every other dimension.
 
 Levanter's ``lr: 0.02`` and ``nesterov`` fields are never read by ``build`` (it schedules ``learning_rate``).
-Tensor parallelism (a rank holds part of a row-parallel layer's rows' columns), ZeRO (a shard of a flat buffer) and
-pipelines (part of the ``adamw`` clip's parameters) are refused before launch (``optimizer_checks``); Levanter's GPT-2
-(fused ``c_attn``, in-first) is refused by the Levanter dialect.
+Tensor parallelism: a column-parallel layer's slice (``query_key_value``, ``dense_h_to_4h``, the vocabulary-parallel
+embedding and output layer) holds whole rows, and whole kv groups of the fused ``[q; k; v]`` (its sections are cut
+per rank, ``mpu.initialize_weights.shard_tensor``; the head layout is this rank's); a row-parallel layer's
+(``attention.dense``, ``dense_4h_to_h``: split along dim 1) row sums of squares are added over the tp ranks; the
+``adamw`` clip's norm adds the split parameters' squares over the tp ranks (``global_norm``). ZeRO 1-3: each flat
+partition's gradient is gathered whole over the data-parallel ranks (``whole_parameters.ZeroWhole``) for the block
+means; the moments stay element-wise on the partition (a block's second moment repeated over its elements, the same
+numbers); the ``adamw`` clip's norm is taken over every group before DeepSpeed steps them (``before_zero_step``).
+Pipelines (part of the ``adamw`` clip's parameters) are refused before launch (``optimizer_checks``); Levanter's
+GPT-2 (fused ``c_attn``, in-first) is refused by the Levanter dialect.
 """
 
 from __future__ import annotations
@@ -39,9 +46,11 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron.engine.levanter_optim import closure_loss
-from megatron.engine.levanter_whole_tensor_optim import _adam_direction, _decay_and_step, clip_by_global_norm
+from megatron.engine.levanter_whole_tensor_optim import (_adam_direction, _decay_and_step, _RoleOptimizer, _tp,
+                                                          clip_by_global_norm, tp_dim)
 
 HeadLayout = tuple[int, int, int]
 """(query heads, kv heads, head size) of an attention's fused ``query_key_value``."""
@@ -81,23 +90,42 @@ def mini_blocks(name: str, param: torch.Tensor, layout: HeadLayout | None) -> li
     return None
 
 
-class LevanterAdamMini(torch.optim.Optimizer):
+def block_means(grad: torch.Tensor, blocks: list[int], dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each block's mean of ``grad**2`` and each row's block index; ``dim`` 1 (a row-parallel slice): the rows' sums
+    and widths added over the tp ranks."""
+    sizes = torch.tensor(blocks, device=grad.device)
+    rows = grad.reshape(len(grad) if grad.dim() else 1, -1)
+    ids = torch.repeat_interleave(torch.arange(len(blocks), device=grad.device), sizes)
+    row_sums, width = (rows * rows).sum(1), rows.shape[1]
+    group, world, _ = _tp()
+    if dim == 1 and world > 1:
+        row_sums = row_sums.contiguous()
+        dist.all_reduce(row_sums, group=group)
+        width *= world
+    sums = torch.zeros(len(blocks), dtype=grad.dtype, device=grad.device).index_add_(0, ids, row_sums)
+    return sums / (sizes * width).to(grad.dtype), ids
+
+
+class LevanterAdamMini(_RoleOptimizer):
     """Levanter's Adam-mini (module docstring). Each group carries ``blocks``: per parameter, its blocks (row counts)
-    or None (``adamw``). State: ``step``, ``mu``, ``nu`` (one value per block for the mini parameters)."""
+    or None (``adamw``), and ``tp_dims``. State: ``step``, ``mu``, ``nu`` (one value per block for the mini
+    parameters; under ZeRO element-wise on the flat partition)."""
+
+    CLIPPED = "adamw"
 
     def __init__(self, params: Iterable[Any], lr: float, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  max_grad_norm: float | None = 1.0) -> None:
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": 0.0})
         self.max_grad_norm = max_grad_norm
+        self.blocks_of = {id(p): b for g in self.param_groups for p, b in zip(g["params"], g["blocks"])}
+        self.dims_of = {id(p): d for g in self.param_groups
+                        for p, d in zip(g["params"], g.get("tp_dims") or [tp_dim(q) for q in g["params"]])}
+        self.roles = {i: ("adamw" if b is None else "mini") for i, b in self.blocks_of.items()}
 
     @staticmethod
     def _mini_direction(grad: torch.Tensor, blocks: list[int], state: dict[str, Any], b1: float, b2: float,
-                        eps: float) -> torch.Tensor:
-        sizes = torch.tensor(blocks, device=grad.device)
-        rows = grad.reshape(len(grad) if grad.dim() else 1, -1)
-        ids = torch.repeat_interleave(torch.arange(len(blocks), device=grad.device), sizes)
-        sums = torch.zeros(len(blocks), dtype=grad.dtype, device=grad.device).index_add_(0, ids, (rows * rows).sum(1))
-        means = sums / (sizes * rows.shape[1]).to(grad.dtype)
+                        eps: float, dim: int = -1) -> torch.Tensor:
+        means, ids = block_means(grad, blocks, dim)
         if "mu" not in state:
             state["step"], state["mu"] = 0, torch.zeros_like(grad)
             state["nu"] = torch.zeros(len(blocks), dtype=grad.dtype, device=grad.device)
@@ -111,26 +139,61 @@ class LevanterAdamMini(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure_loss(closure)
-        adamw = [param for group in self.param_groups for param, blocks in zip(group["params"], group["blocks"])
-                 if blocks is None and param.grad is not None]
-        clipped = clip_by_global_norm([param.grad for param in adamw], self.max_grad_norm)
-        grads = {id(param): grad for param, grad in zip(adamw, clipped)}
+        adamw = [(param, dim) for group in self.param_groups
+                 for param, blocks, dim in zip(group["params"], group["blocks"],
+                                               group.get("tp_dims") or [tp_dim(p) for p in group["params"]])
+                 if blocks is None and param.grad is not None and id(param) not in self.zero]
+        clipped = clip_by_global_norm([param.grad for param, _ in adamw], self.max_grad_norm, [d for _, d in adamw])
+        grads = {id(param): grad for (param, _), grad in zip(adamw, clipped)}
         for group in self.param_groups:
             b1, b2 = group["betas"]
-            for param, blocks in zip(group["params"], group["blocks"]):
+            dims = group.get("tp_dims") or [tp_dim(p) for p in group["params"]]
+            for param, blocks, dim in zip(group["params"], group["blocks"], dims):
                 if param.grad is None:
                     continue
                 state = self.state[param]
-                if blocks is None:
+                if id(param) in self.zero:
+                    update = self._zero_direction(param, state, b1, b2, group["eps"])
+                elif blocks is None:
                     update = _adam_direction(grads[id(param)], state, b1, b2, group["eps"])
                 else:
-                    update = self._mini_direction(param.grad, blocks, state, b1, b2, group["eps"])
+                    update = self._mini_direction(param.grad, blocks, state, b1, b2, group["eps"], dim)
                 _decay_and_step(param, update, group["lr"], group["weight_decay"])
         return loss
+
+    def _zero_direction(self, flat: torch.Tensor, state: dict[str, Any], b1: float, b2: float,
+                        eps: float) -> torch.Tensor:
+        """A ZeRO flat partition's update: the block means from the whole gradients (gathered over the
+        data-parallel ranks), the ``adamw`` parameters' gradients clipped by the norm ``before_zero_step`` took."""
+        zero, flat_grad = self.zero[id(flat)], flat.grad
+        assert flat_grad is not None
+        if self.max_grad_norm and self.zero_norm is None:
+            raise RuntimeError("Adam-mini's clip under ZeRO needs the global norm taken before the step: build the "
+                               "engine with megatron.engine.zero_attach.install_zero_pre_step")
+        grads, seconds = [], []
+        for whole, param in zip(zero.whole(flat_grad), zero.master.params):
+            blocks = self.blocks_of.get(id(param))
+            if blocks is None:
+                (grad,) = clip_by_global_norm([whole], self.max_grad_norm, norm=self.zero_norm)
+                grads.append(grad)
+                seconds.append(grad * grad)
+            else:
+                means, ids = block_means(whole, blocks, self.dims_of.get(id(param), -1))
+                grads.append(whole)
+                seconds.append(means[ids].reshape(-1, *([1] * (whole.dim() - 1))).expand_as(whole))
+        grad, second = zero.shard(grads, flat).view_as(flat), zero.shard(seconds, flat).view_as(flat)
+        if "mu" not in state:
+            state["step"], state["mu"], state["nu"] = 0, torch.zeros_like(flat), torch.zeros_like(flat)
+        state["step"] += 1
+        t = state["step"]
+        state["mu"].mul_(b1).add_(grad, alpha=1.0 - b1)
+        state["nu"].mul_(b2).add_(second, alpha=1.0 - b2)
+        return (state["mu"] / (1.0 - b1**t)) / ((state["nu"] / (1.0 - b2**t)).sqrt() + eps)
 
 
 def mini_groups(groups: list[dict[str, Any]], names: Mapping[torch.Tensor, str],
                 layouts: Mapping[torch.Tensor, HeadLayout]) -> list[dict[str, Any]]:
-    """The (decay, no decay) groups with each parameter's ``blocks``."""
-    return [{**group, "blocks": [mini_blocks(names[p], p, layouts.get(p)) for p in group["params"]]}
-            for group in groups]
+    """The (decay, no decay) groups with each parameter's ``blocks`` and ``tp_dims`` (recorded from the model's
+    parameters: DeepSpeed's fp32 copies lose the marks)."""
+    return [{**group, "blocks": [mini_blocks(names[p], p, layouts.get(p)) for p in group["params"]],
+             "tp_dims": [tp_dim(p) for p in group["params"]]} for group in groups]

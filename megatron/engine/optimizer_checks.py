@@ -128,8 +128,9 @@ def sophia_h_layout(ctx: RuleContext) -> list[str]:
 WHOLE_TENSOR_KINDS = {"muon": "Muon", "scion": "Scion", "mars": "MARS", "cautious": "Cautious",
                       "adam_mini": "Adam-mini"}
 """Levanter's optimizers that act on whole tensors (``megatron/engine/levanter_whole_tensor_optim.py``)."""
-ZERO_GATHERED_KINDS = frozenset({"muon", "scion"})
-"""Those that run under ZeRO 1-3: each matrix gathered whole from the partitions (``whole_parameters.ZeroWhole``)."""
+ZERO_GATHERED_KINDS = frozenset({"muon", "scion", "adam_mini"})
+"""Those that run under ZeRO 1-3: each matrix gathered whole from the partitions (``whole_parameters.ZeroWhole``;
+Adam-mini for its block means)."""
 ZERO_PARTITION_KINDS = frozenset({"mars", "cautious"})
 """Those that run under ZeRO 1-3 on the partition itself, their sums (MARS's norm, Cautious's mask counts per stack)
 added over the data-parallel ranks (``levanter_whole_tensor_optim.zero_pieces``)."""
@@ -156,10 +157,6 @@ def whole_tensor_optimizer_layout(ctx: RuleContext) -> list[str]:
             "adam_mini": "averages the squared gradient over blocks of whole rows (a vocabulary row, a kv head's "
                          "query or key rows, an output row) and clips its AdamW half by their global norm"}[kind]
     problems = []
-    if kind == "adam_mini" and int(ctx.get("model_parallel_size") or 1) > 1:
-        problems.append(f"{shown} with {ctx.show('model_parallel_size')}: Levanter's Adam-mini {what}, and a "
-                        "tensor-parallel rank holds part of a row-parallel layer's rows (megatron/engine/"
-                        "levanter_adam_mini.py does not sum them over the tp ranks); use 1")
     if zero_stage(ctx) >= 1 and kind not in ZERO_GATHERED_KINDS | ZERO_PARTITION_KINDS:
         problems.append(f"{shown} with ZeRO stage {zero_stage(ctx)}: Levanter's {WHOLE_TENSOR_KINDS[kind]} {what}, "
                         "and ZeRO hands the optimizer a shard of a flat buffer; use ZeRO stage 0 (data parallelism "

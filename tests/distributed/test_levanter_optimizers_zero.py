@@ -1,4 +1,5 @@
-"""Levanter's ADOPT, RMSProp-with-momentum, Muon and Scion under ZeRO on 2 gloo ranks (one spawn) equal them unsharded.
+"""Levanter's ADOPT, RMSProp-with-momentum, Muon, Scion and Adam-mini under ZeRO on 2 gloo ranks (one spawn) equal
+them unsharded.
 
 Each rank builds the same tiny GPT and the optimizer Deepy builds (``build_optimizer``), hands both to a real
 DeepSpeed engine (with the hooks ``build_engine`` installs for them) and trains 3 steps, rank r on batch r: at ZeRO
@@ -8,8 +9,9 @@ element-wise, so sharding them needs nothing gathered: this checks it. Muon and 
 matrix (gathered from the data-parallel ranks' partitions) and clip their AdamW/signum half by its global norm over
 every group (taken before DeepSpeed steps the groups one at a time); ``inner_max_grad_norm`` is small so that clip
 acts at every step; Muon at stages 1 and 3 is also resumed from a DeepSpeed checkpoint written after step 2 (its
-momentum and Adam moments are per partition), and must give the same weights. The formulas themselves are
-tests/unit/test_levanter_optimizers.py's and tests/unit/test_levanter_whole_tensor_optimizers.py's.
+momentum and Adam moments are per partition), and must give the same weights. Adam-mini (stages 1-3, resumed at 1
+and 3) gathers each whole gradient for its block means and clips its AdamW half by the norm over every group. The
+formulas themselves are tests/unit/test_levanter_optimizers.py's and tests/unit/test_levanter_whole_tensor_optimizers.py's.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ MODEL: dict[str, Any] = dict(num_layers=1, hidden_size=16, num_attention_heads=2
 KINDS: dict[str, dict[str, Any]] = {
     "ADOPT": {"lr": 0.01, "eps": 1e-3}, "RMSPropMomentum": {"lr": 0.01, "eps": 1e-3},
     "Muon": {"lr": 0.02, "adam_lr": 0.01, "eps": 1e-3, "inner_max_grad_norm": 0.05, "orthogonalise_sections": True},
-    "Scion": {"lr": 0.02, "backend_steps": 5, "inner_max_grad_norm": 0.05}}
-STAGES = {"Muon": (1, 2, 3)}
+    "Scion": {"lr": 0.02, "backend_steps": 5, "inner_max_grad_norm": 0.05},
+    "AdamMini": {"lr": 0.01, "eps": 1e-3, "inner_max_grad_norm": 0.05}}
+STAGES = {"Muon": (1, 2, 3), "AdamMini": (1, 2, 3)}
 """ZeRO stages compared with stage 0 (default 1 and 3)."""
-RESUMED = {"Muon": (1, 3)}
+RESUMED = {"Muon": (1, 3), "AdamMini": (1, 3)}
 """ZeRO stages also resumed from a DeepSpeed checkpoint after step STEPS - 1 (the optimizer's state per partition)."""
 
 
@@ -70,7 +73,7 @@ def _engine(kind: str, stage: int) -> Any:
     model = _model()
     config = {"train_batch_size": WORLD, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
-    if kind in ("Muon", "Scion"):  # they clip inside the optimizer; Deepy refuses DeepSpeed's clipping beside it
+    if kind in ("Muon", "Scion", "AdamMini"):  # they clip inside the optimizer; Deepy refuses DeepSpeed's clipping
         config["gradient_clipping"] = 0.0
     engine, *_ = deepspeed.initialize(model=model, optimizer=_optimizer(kind, model), config=config,
                                       mpu=deepspeed_mpu())

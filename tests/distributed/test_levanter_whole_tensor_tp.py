@@ -1,12 +1,12 @@
-"""Levanter's Muon, Scion, MARS, Cautious, ADOPT and RMSProp with momentum at tensor parallelism 2 equal them at
-tp 1 (2 gloo ranks, one spawn); before that, at dp 2, MARS and Cautious under ZeRO 1-3 equal ZeRO-0.
+"""Levanter's Muon, Scion, MARS, Cautious, ADOPT, RMSProp with momentum and Adam-mini at tensor parallelism 2 equal
+them at tp 1 (2 gloo ranks, one spawn); before that, at dp 2, MARS and Cautious under ZeRO 1-3 equal ZeRO-0.
 
 Each rank trains the same tiny GPT (GQA, SwiGLU, rotary, untied head: fused column-split QKV and gate/up, row-split
 outputs, a vocabulary-split embedding and head) for 3 steps on the same batches with the optimizer Deepy builds,
 first at tp 1 (every rank the whole model), then at tp 2 (each rank its slices: Muon and Scion gather each split
-matrix, the global norms and Cautious's mask counts are summed over the tp ranks). The tp-2 weights, put back
-together, must equal the tp-1 ones within 1e-6 (fp32). The formulas themselves are
-tests/unit/test_levanter_whole_tensor_optimizers.py's.
+matrix, the global norms, Cautious's mask counts and Adam-mini's row-parallel rows' squares are summed over the tp
+ranks). The tp-2 weights, put back together, must equal the tp-1 ones within 1e-6 (fp32). The formulas themselves
+are tests/unit/test_levanter_whole_tensor_optimizers.py's.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ KINDS: dict[str, dict[str, Any]] = {"Muon": {"lr": 0.02, "adam_lr": 0.01, "eps":
                                     # element-wise (megatron/engine/levanter_optim.py): each rank steps its slices.
                                     # ADOPT divides by the previous step's sqrt(nu): where that gradient was ~0 the
                                     # layouts' rounding of this one is multiplied by 1/eps (6.6e-6 at eps 1e-3)
-                                    "ADOPT": {"lr": 0.01, "eps": 1e-2}, "RMSPropMomentum": {"lr": 0.01, "eps": 1e-3}}
+                                    "ADOPT": {"lr": 0.01, "eps": 1e-2}, "RMSPropMomentum": {"lr": 0.01, "eps": 1e-3},
+                                    # Adam-mini: row-parallel rows' sums and the AdamW clip's norm over the tp ranks
+                                    "AdamMini": {"lr": 0.01, "eps": 1e-3, "inner_max_grad_norm": 0.05}}
 
 
 def _train(kind: str) -> dict[str, torch.Tensor]:

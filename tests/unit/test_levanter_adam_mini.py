@@ -183,7 +183,7 @@ def test_levanter_mini_yaml_builds_adam_mini_with_levanters_defaults(tmp_path: P
     assert type(optimizer) is LevanterAdamMini
     assert optimizer.defaults["betas"] == (0.9, 0.95) and optimizer.defaults["eps"] == 1e-8
     assert optimizer.defaults["lr"] == 6e-4 and args.weight_decay == 0.0 and args.gradient_clipping == 0.0
-    assert optimizer.max_grad_norm == 1.0 and args.sharding_strategy == "ddp"
+    assert optimizer.max_grad_norm == 1.0 and args.sharding_strategy == "fsdp"  # ZeRO-3, gathered
     args = load(tmp_path, "optimizer:\n  type: mini\n  beta2: 0.99\n  max_grad_norm: 0.5\n  weight_decay: 0.05\n")
     assert args.optimizer.params.betas == (0.9, 0.99) and args.optimizer.params.inner_max_grad_norm == 0.5
     assert args.weight_decay == 0.05
@@ -203,8 +203,10 @@ def refused(**keys: Any) -> str:
 
 
 def test_layouts_that_cut_rows_are_refused_before_launch() -> None:
-    assert "use ZeRO stage 0" in refused(zero_optimization={"stage": 1})
-    assert "tensor-parallel rank" in refused(model_parallel_size=2)
+    # ZeRO 1-3 and tp run (tests/distributed/test_levanter_optimizers_zero.py, test_levanter_whole_tensor_tp.py)
+    assert "remove offload_optimizer" in refused(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}})
     assert "a pipeline stage holds part of the layers" in refused(pipe_parallel_size=2)
     assert "set gradient_clipping: 0" in refused(gradient_clipping=1.0)
     finalize(config_from_mapping(LAUNCH), 2, device=Device(cuda=False, fp16_supported=False))
+    finalize(config_from_mapping({**LAUNCH, "zero_optimization": {"stage": 3}}), 2,
+             device=Device(cuda=False, fp16_supported=False))

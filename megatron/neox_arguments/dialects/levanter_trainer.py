@@ -271,9 +271,6 @@ def fully_sharded(ctx: Context) -> dict[str, Any]:
         return {"zero_stage": 2, **noted("with model_axis_size > 1 Deepy shards the gradients and optimizer states "
                                          "over the data axis (ZeRO-2); its tensor parallelism does not combine "
                                          "with ZeRO-3, so the parameters stay whole on each data rank")}
-    if str(ctx.value("optimizer.type", "adam")).lower() == "mini":
-        return {"sharding_strategy": "ddp", **noted("Deepy's Adam-mini averages over whole rows, which ZeRO's flat "
-                                                    "shards cut: the parameters stay whole on each data rank")}
     return {"sharding_strategy": "fsdp"}
 
 
