@@ -172,6 +172,16 @@ def _leaf_names(lora: LoRAArgs, adapters: list[PeftAdapter]) -> list[str]:
     return names
 
 
+def peft_state_dict(config: GPTConfig, weights: Weights, hf_class: str | None = None) -> Weights:
+    """``adapter_model.safetensors``' tensors for our adapters, under the module paths of the class the model
+    exports as (:func:`peft_adapters`)."""
+    tensors: Weights = {}
+    for adapter in peft_adapters(config, choose_architecture(config, hf_class), weights):
+        tensors[f"base_model.model.{adapter.module}.lora_A.weight"] = adapter.a.contiguous()
+        tensors[f"base_model.model.{adapter.module}.lora_B.weight"] = adapter.b.contiguous()
+    return tensors
+
+
 def write_peft_adapter(config: GPTConfig, lora: LoRAArgs, weights: Weights, adapter_dir: Path, base_dir: Path,
                        dtype: torch.dtype, arch: str) -> None:
     """``adapter_model.safetensors`` and ``adapter_config.json`` under the transformers model's module paths;

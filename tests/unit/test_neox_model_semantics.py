@@ -210,7 +210,8 @@ def test_gated_activations_are_gpt_neoxs() -> None:
     from megatron.model.activations import ACTIVATIONS
 
     assert {name for name, act in ACTIVATIONS.items() if act.gated} == GATED_ACTIVATIONS
-    assert GATED_ACTIVATIONS == {"geglu", "reglu", "bilinear", "swiglu", "glu"}
+    # GPT-NeoX's five, and Gemma's tanh GeGLU (a Deepy extra: gelu_pytorch_tanh gated, modeling_gemma2.py)
+    assert GATED_ACTIVATIONS == {"geglu", "reglu", "bilinear", "swiglu", "glu", "geglu_tanh"}
 
 
 def test_bias_gelu_fusion_computes_gpt_neoxs_tanh_gelu() -> None:

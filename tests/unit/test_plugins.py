@@ -375,11 +375,12 @@ def test_gpt_neox_values_stay_registered(family: str) -> None:
 
 def test_optimizer_types_are_the_builders_registry() -> None:
     from megatron.engine.optimizer_block import OPTIMIZER_KINDS
-    from megatron.engine.optimizers import DEEPSPEED_BUILT, OPTIMIZERS
+    from megatron.engine.optimizers import DEEPSPEED_BUILT, NAMED_OPTIMIZERS, OPTIMIZERS
 
-    # every accepted optimizer.type is built by us or, for 1-bit Adam, by DeepSpeed from its block
-    assert set(OPTIMIZER_KINDS.values()) == set(OPTIMIZERS) | DEEPSPEED_BUILT
-    assert not set(OPTIMIZERS) & DEEPSPEED_BUILT
+    # every accepted optimizer.type is built by us (given each parameter's name where its update needs it) or, for
+    # 1-bit Adam, by DeepSpeed from its block
+    assert set(OPTIMIZER_KINDS.values()) == set(OPTIMIZERS) | set(NAMED_OPTIMIZERS) | DEEPSPEED_BUILT
+    assert not set(OPTIMIZERS) & DEEPSPEED_BUILT and not set(OPTIMIZERS) & set(NAMED_OPTIMIZERS)
 
 
 def test_one_name_registered_by_two_modules_is_refused() -> None:
